@@ -1,0 +1,37 @@
+# Two entry points: `make demo` (install, then run the main job on the CPU) and
+# `make test` (install with test extras, then run the whole suite).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP_FLAGS := --disable-pip-version-check --no-input -q
+# Tests keep JAX on the CPU and quiet; XLA uses the cores it is given.
+TEST_ENV := JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=3
+
+.PHONY: demo test install install-test bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_FLAGS) --upgrade "pip>=24"
+
+$(VENV)/.installed: setup.py | $(VENV)/bin/python
+	$(PY) -m pip install $(PIP_FLAGS) -e .
+	touch $@
+
+$(VENV)/.installed-test: setup.py | $(VENV)/bin/python
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[test]"
+	touch $(VENV)/.installed $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+demo: install
+	$(TEST_ENV) $(PY) -m experiments.demo --workdir runs/demo
+
+test: install-test
+	$(TEST_ENV) $(PY) -m pytest -q tests
+
+bench: install-test
+	$(TEST_ENV) $(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info
