@@ -1,0 +1,343 @@
+"""Advantage estimators: group statistics (GRPO family) and GAE (PPO family).
+
+Critic-free methods give every token of response ``y_i`` one outcome advantage computed
+from the rewards of its group (``outcome_advantages``). Critic-based methods use
+generalised advantage estimation (Schulman et al., 1506.02438) over the response tokens
+(``gae``), with the decoupled lambdas of VC-PPO (2503.01491) and the length-adaptive lambda
+of VAPO (2504.05118).
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+
+from policyopt.losses import masked_mean, masked_var
+
+Array = jax.Array
+
+__all__ = [
+    "outcome_advantages",
+    "zero_variance_groups",
+    "gae",
+    "decoupled_gae",
+    "length_adaptive_lambda",
+    "length_adaptive_gae",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+]
+
+CENTERS = ("group", "none")
+SCALES = ("group", "batch", "none")
+GAE_IMPLS = ("scan", "associative")
+
+
+def _group_rewards(rewards: Array, group_size: int) -> Array:
+    rewards = jnp.asarray(rewards)
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be [N], got shape {rewards.shape}")
+    if group_size < 1 or rewards.shape[0] % group_size:
+        raise ValueError(
+            f"group_size={group_size} must divide the number of rewards ({rewards.shape[0]}); "
+            "rewards are laid out group after group"
+        )
+    return rewards.astype(jnp.result_type(rewards, jnp.float32)).reshape(-1, group_size)
+
+
+def _unbiased_std(x: Array, axis) -> Array:
+    """Sample standard deviation (ddof 1); 0 when there is a single element."""
+    count = x.shape[axis] if axis is not None else x.size
+    mean = jnp.mean(x, axis=axis, keepdims=True)
+    return jnp.sqrt(jnp.sum(jnp.square(x - mean), axis=axis, keepdims=True) / max(count - 1, 1))
+
+
+def outcome_advantages(
+    rewards: Array,
+    group_size: int,
+    *,
+    center: str = "group",
+    scale: str = "group",
+    eps: float = 1e-6,
+) -> Array:
+    """Per-sequence advantages from scalar rewards laid out group after group.
+
+    - ``center="group"``: ``A_i = R_i - mean_{j in g(i)} R_j``; ``"none"``: ``A_i = R_i``.
+    - ``scale="group"`` (GRPO, 2402.03300 Sec. 4.1.2): ``A_i / (std_g(R) + eps)``.
+    - ``scale="batch"`` (Magistral, 2506.10910 Sec. 2.1): ``(A - mean(A)) / (std(A) + eps)``
+      over all ``N`` sequences passed in (pass one minibatch at a time for the paper's
+      minibatch normalisation).
+    - ``scale="none"`` (Dr. GRPO, 2503.20783): no division.
+
+    Standard deviations are the unbiased (ddof 1) sample std, with ``eps`` added to it
+    (the papers do not state the convention; this is common practice). A group whose
+    rewards are all equal has ``R - mean = 0`` exactly, so with ``center="group"`` it gets
+    zeros under every scale, never NaN.
+
+    Args:
+      rewards: ``[N]`` scalar rewards, ``N = num_groups * group_size``, group by group.
+      group_size: responses per prompt (G).
+      center: ``"group"`` or ``"none"``.
+      scale: ``"group"``, ``"batch"`` or ``"none"``.
+      eps: added to the std.
+
+    Returns:
+      ``[N]`` float32 advantages (broadcast them over each sequence's tokens).
+    """
+    if center not in CENTERS:
+        raise ValueError(f"center={center!r} is not one of {CENTERS}")
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r} is not one of {SCALES}")
+    grouped = _group_rewards(rewards, group_size)
+    if center == "group":
+        # Subtracting the mean of an all-equal group gives exact zeros in floating point.
+        advantages = grouped - jnp.mean(grouped, axis=1, keepdims=True)
+    else:
+        advantages = grouped
+    if scale == "group":
+        if group_size < 2:
+            raise ValueError("scale='group' needs group_size >= 2 (the std of one reward is undefined)")
+        advantages = advantages / (_unbiased_std(grouped, axis=1) + eps)
+    advantages = advantages.reshape(-1)
+    if scale == "batch":
+        advantages = (advantages - jnp.mean(advantages)) / (_unbiased_std(advantages, axis=None) + eps)
+    return advantages
+
+
+def zero_variance_groups(rewards: Array, group_size: int) -> Array:
+    """Which groups have all-equal rewards (for DAPO's dynamic sampling, Magistral's filter).
+
+    Args:
+      rewards: ``[N]`` rewards laid out group after group.
+      group_size: G.
+
+    Returns:
+      ``[N // G]`` bool, True where every reward of the group is exactly equal (their
+      advantages are zero and they carry no gradient).
+    """
+    grouped = _group_rewards(rewards, group_size)
+    return jnp.max(grouped, axis=1) == jnp.min(grouped, axis=1)
+
+
+def masked_whiten(x: Array, mask: Array, *, shift_mean: bool = True, eps: float = 1e-8) -> Array:
+    """``(x - mean) / sqrt(var + eps)`` over valid positions (PPO advantage whitening).
+
+    Mean and (population, ddof 0) variance over all valid entries; with
+    ``shift_mean=False`` the mean is added back (scale only). Padding positions are 0.
+    """
+    mask_f = (jnp.asarray(mask) > 0).astype(jnp.result_type(x, jnp.float32))
+    mean = masked_mean(x, mask_f)
+    whitened = (x - mean) * jax.lax.rsqrt(masked_var(x, mask_f) + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return jnp.where(mask_f > 0, whitened, 0)
+
+
+# ----------------------------------------------------------------------------------------
+# GAE.
+# ----------------------------------------------------------------------------------------
+
+
+def length_adaptive_lambda(lengths: Array, alpha: float = 0.05, *, min_lam: float = 0.0) -> Array:
+    """VAPO's length-adaptive GAE lambda (2504.05118 eq. 8): ``1 - 1 / (alpha * l)``.
+
+    The paper gives no rule for ``alpha * l <= 1`` (where the formula is <= 0, and
+    undefined at l = 0): the result is clamped below at ``min_lam`` (default 0, i.e.
+    one-step TD advantages ``r_t + gamma V_{t+1} - V_t`` for very short responses). With
+    alpha = 0.05 this affects responses of 20 tokens or fewer.
+
+    Args:
+      lengths: ``[B]`` response lengths (number of valid tokens).
+      alpha: the paper's alpha (0.05).
+      min_lam: lower clamp.
+
+    Returns:
+      ``[B]`` float32 lambdas in ``[min_lam, 1)``.
+    """
+    scaled = alpha * jnp.asarray(lengths, jnp.float32)
+    lam = 1.0 - 1.0 / jnp.where(scaled > 0, scaled, 1.0)
+    return jnp.where(scaled > 0, jnp.maximum(lam, min_lam), min_lam)
+
+
+def _per_sequence(lam, batch: int, dtype) -> Array:
+    lam = jnp.asarray(lam, dtype)
+    if lam.ndim == 0:
+        return jnp.full((batch,), lam, dtype)
+    if lam.shape != (batch,):
+        raise ValueError(f"lam must be a float or a [B]={batch} array, got shape {lam.shape}")
+    return lam
+
+
+def _gae_scan(rewards, values, mask, gamma, lam_actor, lam_critic, unroll):
+    """Reverse ``lax.scan`` over time; carry = (next valid value, actor GAE, critic GAE)."""
+    batch = rewards.shape[0]
+
+    def step(carry, inputs):
+        next_value, adv_actor, adv_critic = carry
+        reward, value, valid = inputs
+        delta = reward + gamma * next_value - value
+        new_actor = delta + gamma * lam_actor * adv_actor
+        new_critic = delta + gamma * lam_critic * adv_critic
+        carry = (
+            jnp.where(valid, value, next_value),
+            jnp.where(valid, new_actor, adv_actor),
+            jnp.where(valid, new_critic, adv_critic),
+        )
+        return carry, (jnp.where(valid, new_actor, 0), jnp.where(valid, new_critic, 0))
+
+    zeros = jnp.zeros((batch,), rewards.dtype)
+    _, (adv_actor, adv_critic) = jax.lax.scan(
+        step, (zeros, zeros, zeros), (rewards.T, values.T, mask.T), reverse=True, unroll=unroll
+    )
+    return adv_actor.T, adv_critic.T
+
+
+def _affine_compose(later, earlier):
+    """Compose reverse affine recurrences ``x_t = a_t x_{t+1} + b_t`` (associative)."""
+    a_later, b_later = later
+    a_earlier, b_earlier = earlier
+    return a_earlier * a_later, a_earlier * b_later + b_earlier
+
+
+def _reverse_affine_scan(coeffs, offsets):
+    """Solves ``x_t = coeffs_t * x_{t+1} + offsets_t`` backwards along axis 1, ``x_T = 0``."""
+    _, solution = jax.lax.associative_scan(_affine_compose, (coeffs, offsets), reverse=True, axis=1)
+    return solution
+
+
+def _gae_associative(rewards, values, mask, gamma, lam_actor, lam_critic):
+    """GAE as two parallel affine scans (``jax.lax.associative_scan``), O(log T) depth.
+
+    Next valid value: ``N_t = m_t V_t + (1 - m_t) N_{t+1}``, ``N_T = 0``; then
+    ``delta_t = r_t + gamma N_{t+1} - V_t`` and
+    ``A_t = m_t delta_t + (m_t gamma lam + 1 - m_t) A_{t+1}`` (carried over padding).
+    """
+    valid = mask > 0
+    carried = jnp.where(valid, 0.0, 1.0).astype(rewards.dtype)
+    next_valid_value = _reverse_affine_scan(carried, jnp.where(valid, values, 0))
+    next_value = jnp.concatenate(
+        [next_valid_value[:, 1:], jnp.zeros_like(next_valid_value[:, :1])], axis=1
+    )
+    delta = jnp.where(valid, rewards + gamma * next_value - values, 0)
+    coeff_actor = jnp.where(valid, gamma * lam_actor[:, None], 1.0)
+    adv_actor = _reverse_affine_scan(coeff_actor, delta)
+    if lam_critic is lam_actor:
+        adv_critic = adv_actor
+    else:
+        coeff_critic = jnp.where(valid, gamma * lam_critic[:, None], 1.0)
+        adv_critic = _reverse_affine_scan(coeff_critic, delta)
+    return jnp.where(valid, adv_actor, 0), jnp.where(valid, adv_critic, 0)
+
+
+def decoupled_gae(
+    rewards: Array,
+    values: Array,
+    mask: Array,
+    *,
+    gamma: float = 1.0,
+    lam_actor=0.95,
+    lam_critic=1.0,
+    impl: str = "scan",
+    unroll: int = 8,
+) -> tuple[Array, Array]:
+    """GAE with separate lambdas for the policy and the critic, in one pass (VC-PPO).
+
+    ``delta_t = r_t + gamma V_{t'} - V_t`` with ``t'`` the next *valid* position after t
+    (``V = 0`` past the last one: the episode ends with the response), and
+    ``A_t = sum_l (gamma lam)^l delta_{t+l}`` over valid positions only: the recurrence
+    ``A_t = delta_t + gamma lam A_{t'}`` skips positions where ``mask`` is 0 (after EOS,
+    padding, tool output), whose inputs are never read. Policy advantages use
+    ``lam_actor``; value targets are ``A^{lam_critic}_t + V_t`` (VC-PPO 2503.01491 Sec. 4:
+    lam_critic = 1.0, lam_actor in [0.95, 1)). No whitening (see ``masked_whiten``).
+
+    Args:
+      rewards: ``[B, T]`` per-token rewards (outcome reward on the last valid token, KL
+        shaping, ...).
+      values: ``[B, T]`` critic values ``V(s_t)``.
+      mask: ``[B, T]`` 1 on valid tokens.
+      gamma: discount (1.0 for LLMs).
+      lam_actor, lam_critic: a float or a per-sequence ``[B]`` array each.
+      impl: ``"scan"`` (reverse ``lax.scan`` over time) or ``"associative"``
+        (``lax.associative_scan``); equal up to float rounding.
+      unroll: scan unroll factor (``impl="scan"``).
+
+    Returns:
+      ``(advantages, returns)``, ``[B, T]`` each, 0 at padding positions.
+    """
+    rewards = jnp.asarray(rewards)
+    dtype = jnp.result_type(rewards, jnp.float32)
+    if jnp.shape(values) != rewards.shape or jnp.shape(mask) != rewards.shape:
+        raise ValueError(
+            f"rewards {rewards.shape}, values {jnp.shape(values)} and mask {jnp.shape(mask)} "
+            "must all be [B, T]"
+        )
+    rewards = rewards.astype(dtype)
+    values = jnp.asarray(values, dtype)
+    valid = jnp.asarray(mask) > 0
+    batch = rewards.shape[0]
+    same_lam = lam_actor is lam_critic
+    lam_actor = _per_sequence(lam_actor, batch, dtype)
+    lam_critic = lam_actor if same_lam else _per_sequence(lam_critic, batch, dtype)
+    if impl == "scan":
+        adv_actor, adv_critic = _gae_scan(rewards, values, valid, gamma, lam_actor, lam_critic, unroll)
+    elif impl == "associative":
+        adv_actor, adv_critic = _gae_associative(rewards, values, valid, gamma, lam_actor, lam_critic)
+    else:
+        raise ValueError(f"impl={impl!r} is not one of {GAE_IMPLS}")
+    returns = jnp.where(valid, adv_critic + values, 0)
+    return adv_actor, returns
+
+
+def gae(
+    rewards: Array,
+    values: Array,
+    mask: Array,
+    *,
+    gamma: float = 1.0,
+    lam=0.95,
+    impl: str = "scan",
+    unroll: int = 8,
+) -> tuple[Array, Array]:
+    """Generalised advantage estimation (1506.02438 eq. 16) over valid tokens.
+
+    ``A_t = sum_l (gamma lam)^l delta_{t+l}``, ``delta_t = r_t + gamma V_{t'} - V_t``, returns
+    ``A_t + V_t``; masked positions are skipped (see ``decoupled_gae``, which this calls with
+    ``lam_actor = lam_critic = lam``). Classic PPO for LLMs: gamma 1.0, lam 0.95.
+
+    Args:
+      rewards, values, mask: ``[B, T]``.
+      gamma: discount.
+      lam: a float or a per-sequence ``[B]`` array.
+      impl, unroll: see ``decoupled_gae``.
+
+    Returns:
+      ``(advantages, returns)``, ``[B, T]`` each, 0 at padding positions.
+    """
+    return decoupled_gae(
+        rewards, values, mask, gamma=gamma, lam_actor=lam, lam_critic=lam, impl=impl, unroll=unroll
+    )
+
+
+def length_adaptive_gae(
+    rewards: Array,
+    values: Array,
+    mask: Array,
+    *,
+    gamma: float = 1.0,
+    alpha: float = 0.05,
+    lam_critic=1.0,
+    min_lam: float = 0.0,
+    impl: str = "scan",
+    unroll: int = 8,
+) -> tuple[Array, Array]:
+    """VAPO's GAE: policy lambda ``1 - 1/(alpha |y_i|)`` per sequence, critic lambda 1.0.
+
+    See ``length_adaptive_lambda`` (clamping when ``alpha |y_i| <= 1``) and ``decoupled_gae``.
+    """
+    lengths = jnp.sum(jnp.asarray(mask) > 0, axis=-1)
+    lam_actor = length_adaptive_lambda(lengths, alpha, min_lam=min_lam)
+    return decoupled_gae(
+        rewards, values, mask, gamma=gamma, lam_actor=lam_actor, lam_critic=lam_critic,
+        impl=impl, unroll=unroll,
+    )

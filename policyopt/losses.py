@@ -1,0 +1,596 @@
+"""Policy objectives, aggregation, KL, value and NLL losses as pure functions of arrays.
+
+Every policy objective of the library is written in the unified form of the SAPO paper
+(Gao et al., 2511.20347, Sec. 3):
+
+    J = E[ agg_{i,t}( f_{i,t}(r_{i,t}) * A_{i,t} ) ],      loss = -J,
+
+with one *gate* per method (the function ``f`` and its gradient weight) and one
+*aggregation* step ``agg`` that turns per-token terms into a scalar. Its gradient is
+
+    grad J = E[ agg_{i,t}( w_{i,t} * r_{i,t} * A_{i,t} * grad log pi(y_{i,t}) ) ],
+
+where ``w = f'(r)`` is the gate's gradient weight: 1 inside the PPO trust region and 0
+outside it, the sequence-level 0/1 for GSPO, and the smooth ``sech^2`` for SAPO.
+
+Methods (``policy_loss(method=...)``; a new method is one function registered with
+``register_objective``):
+
+- ``"ppo"``: token ratio, asymmetric clip ``min(r A, clip(r, 1-eps_low, 1+eps_high) A)``
+  (PPO, 1707.06347; GRPO, 2402.03300 eq. 3; DAPO clip-higher, 2503.14476 eq. 10; Magistral,
+  VAPO), with an optional dual clip (Ye et al., 1912.09729) bounding the loss for A < 0.
+- ``"gspo"``: sequence ratio ``s_i = exp(mean_t log r_{i,t})`` and a sequence-level clip
+  (GSPO, 2507.18071 eq. 5-7).
+- ``"gspo_token"``: ``s_{i,t} = sg[s_i] * pi / sg[pi]`` with token advantages (GSPO eq. 12).
+- ``"sapo"``: soft gate ``f(r) = sigmoid(tau (r - 1)) * 4 / tau`` with ``tau = tau_pos`` if
+  A > 0 else ``tau_neg``, no clip (SAPO, 2511.20347).
+
+All arrays are ``[B, T]`` (B sequences, T response positions) with ``mask`` 1 on valid
+response tokens; values at positions where ``mask`` is 0 never influence any output.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+AGGREGATIONS = (
+    "token_mean",
+    "group_token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+)
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+# ----------------------------------------------------------------------------------------
+# Masked reductions and aggregation.
+# ----------------------------------------------------------------------------------------
+
+
+def _as_mask(mask: Array, dtype=jnp.float32) -> Array:
+    """A 0/1 float mask from a bool, int or float mask (anything > 0 is valid)."""
+    return (jnp.asarray(mask) > 0).astype(dtype)
+
+
+def _safe_div(numerator: Array, denominator: Array) -> Array:
+    """numerator / denominator, and 0 where the denominator is 0 (empty sets)."""
+    nonzero = denominator > 0
+    return jnp.where(nonzero, numerator / jnp.where(nonzero, denominator, 1), 0)
+
+
+def aggregate(
+    per_token: Array,
+    mask: Array,
+    aggregation: str = "token_mean",
+    *,
+    group_size: int | None = None,
+    max_len: int | float | None = None,
+) -> Array:
+    """Reduces per-token terms ``[B, T]`` to one scalar (the aggregation rule).
+
+    With ``m`` the mask and ``|y_i| = sum_t m_{i,t}``, and ``I`` the set of sequences with
+    at least one valid token (fully masked sequences count in no mean):
+
+    - ``"token_mean"``: ``sum_{i,t} m x / sum_{i,t} m``, the denominator being all valid
+      tokens of the *minibatch passed in* (as verl/TRL/OpenRLHF do; DAPO 2503.14476 eq. 12,
+      VAPO, Magistral).
+    - ``"group_token_mean"``: the DAPO paper's form, token mean within each group of
+      ``group_size`` consecutive sequences (one prompt), then mean over groups that have at
+      least one valid token: ``mean_g sum_{i in g,t} m x / sum_{i in g,t} m``.
+    - ``"seq_mean_token_mean"``: ``mean_{i in I} (1/|y_i|) sum_t m x`` (GRPO 2402.03300 eq. 3,
+      GSPO, SAPO as published).
+    - ``"seq_mean_token_sum"``: ``mean_{i in I} sum_t m x``.
+    - ``"seq_mean_token_sum_norm"``: ``mean_{i in I} sum_t m x / max_len`` with a constant
+      ``max_len`` (Dr. GRPO 2503.20783, Sec. 3.1: the generation budget), default ``T``.
+
+    Args:
+      per_token: ``[B, T]`` per-token terms.
+      mask: ``[B, T]`` 1 on valid tokens.
+      aggregation: one of ``AGGREGATIONS``.
+      group_size: sequences per group, used by ``"group_token_mean"`` only (must divide B).
+      max_len: the constant of ``"seq_mean_token_sum_norm"``; default ``T``.
+
+    Returns:
+      A scalar; 0 when no token is valid.
+    """
+    mask = _as_mask(mask, per_token.dtype)
+    masked = jnp.where(mask > 0, per_token, 0)
+    if aggregation == "token_mean":
+        return _safe_div(jnp.sum(masked), jnp.sum(mask))
+    if aggregation == "group_token_mean":
+        num_seqs = per_token.shape[0]
+        if group_size is None or group_size < 1 or num_seqs % group_size:
+            raise ValueError(
+                f"aggregation='group_token_mean' needs group_size dividing the batch "
+                f"({num_seqs} sequences), got group_size={group_size!r}"
+            )
+        group_sums = jnp.sum(masked.reshape(-1, group_size * per_token.shape[1]), axis=1)
+        group_tokens = jnp.sum(mask.reshape(-1, group_size * per_token.shape[1]), axis=1)
+        return _safe_div(
+            jnp.sum(_safe_div(group_sums, group_tokens)), jnp.sum(group_tokens > 0)
+        )
+    lengths = jnp.sum(mask, axis=-1)
+    seq_sums = jnp.sum(masked, axis=-1)
+    num_nonempty = jnp.sum(lengths > 0)
+    if aggregation == "seq_mean_token_mean":
+        per_seq = _safe_div(seq_sums, lengths)
+    elif aggregation == "seq_mean_token_sum":
+        per_seq = seq_sums
+    elif aggregation == "seq_mean_token_sum_norm":
+        norm = per_token.shape[-1] if max_len is None else max_len
+        if not norm or norm <= 0:
+            raise ValueError(f"max_len must be a positive constant, got {max_len!r}")
+        per_seq = seq_sums / norm
+    else:
+        raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}")
+    return _safe_div(jnp.sum(per_seq), num_nonempty)
+
+
+def masked_mean(x: Array, mask: Array, axis=None) -> Array:
+    """Mean of ``x`` over positions where ``mask`` is 1; 0 where there are none."""
+    mask = _as_mask(mask, x.dtype)
+    return _safe_div(jnp.sum(jnp.where(mask > 0, x, 0), axis=axis), jnp.sum(mask, axis=axis))
+
+
+# ----------------------------------------------------------------------------------------
+# The gates: one function per method, registered by name.
+# ----------------------------------------------------------------------------------------
+
+
+class GateInputs(NamedTuple):
+    """What a method's gate sees. Padding positions hold 0 in every ``[B, T]`` array.
+
+    log_ratio: ``[B, T]`` ``log pi_theta - log pi_old`` (differentiable w.r.t. log_probs).
+    advantages: ``[B, T]`` per-token advantages ``A_{i,t}``.
+    mask: ``[B, T]`` float 0/1.
+    seq_log_ratio: ``[B]`` ``(1/|y_i|) sum_t log r_{i,t}`` (0 for empty sequences).
+    seq_advantages: ``[B]`` mean advantage over each sequence's valid tokens.
+    """
+
+    log_ratio: Array
+    advantages: Array
+    mask: Array
+    seq_log_ratio: Array
+    seq_advantages: Array
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    tau_pos: float
+    tau_neg: float
+
+
+class Surrogate(NamedTuple):
+    """A method's per-token output.
+
+    objective: ``[B, T]`` ``f_{i,t} * A_{i,t}``, the term to maximise before aggregation.
+    gate: ``[B, T]`` gradient weight ``w`` (1/0 for clipped methods, ``sech^2`` for SAPO).
+    clipped_low / clipped_high: ``[B, T]`` bool, tokens whose gradient the clip removed on
+      the low side (A < 0, ratio < 1 - clip_low) / high side (A > 0, ratio > 1 + clip_high).
+    dual_clipped: ``[B, T]`` bool, tokens bounded by the dual clip (A < 0, ratio > c).
+    """
+
+    objective: Array
+    gate: Array
+    clipped_low: Array
+    clipped_high: Array
+    dual_clipped: Array
+
+
+ObjectiveFn = Callable[[GateInputs], Surrogate]
+OBJECTIVES: dict[str, ObjectiveFn] = {}
+
+
+def register_objective(name: str) -> Callable[[ObjectiveFn], ObjectiveFn]:
+    """Decorator registering ``fn(GateInputs) -> Surrogate`` as ``policy_loss(method=name)``."""
+
+    def decorator(fn: ObjectiveFn) -> ObjectiveFn:
+        if name in OBJECTIVES:
+            raise ValueError(f"objective {name!r} is already registered")
+        OBJECTIVES[name] = fn
+        return fn
+
+    return decorator
+
+
+def _clipped_surrogate(
+    ratio: Array, advantages: Array, clip_low: float, clip_high: float
+) -> Surrogate:
+    """``min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` with an explicit gate.
+
+    The min picks the clipped (constant) term exactly when the ratio has left the trust
+    region on the side that matters: A > 0 and r > 1 + clip_high, or A < 0 and
+    r < 1 - clip_low. There the gradient is 0; elsewhere it is ``r A grad log pi``. Writing
+    the gate explicitly gives the same values as the min and a well-defined gradient at the
+    boundary (inside: gradient 1).
+    """
+    clipped_high = (advantages > 0) & (ratio > 1 + clip_high)
+    clipped_low = (advantages < 0) & (ratio < 1 - clip_low)
+    clipped = clipped_high | clipped_low
+    bound = jax.lax.stop_gradient(jnp.clip(ratio, 1 - clip_low, 1 + clip_high))
+    objective = jnp.where(clipped, bound, ratio) * advantages
+    gate = jnp.where(clipped, 0.0, 1.0).astype(ratio.dtype)
+    return Surrogate(objective, gate, clipped_low, clipped_high, jnp.zeros_like(clipped))
+
+
+@register_objective("ppo")
+def ppo_objective(inputs: GateInputs) -> Surrogate:
+    """Token-level clipped surrogate (PPO; GRPO eq. 3; DAPO eq. 10 with clip-higher).
+
+    ``f(r) A = min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, ``r = exp(log_ratio)``.
+    Dual clip (1912.09729 eq. 6), when ``dual_clip = c > 1``: for A < 0 the objective is
+    ``max(f(r) A, c A)``, i.e. constant (zero gradient) once ``r > c``.
+    """
+    ratio = jnp.exp(inputs.log_ratio)
+    out = _clipped_surrogate(ratio, inputs.advantages, inputs.clip_low, inputs.clip_high)
+    if inputs.dual_clip is None:
+        return out
+    dual = (inputs.advantages < 0) & (ratio > inputs.dual_clip)
+    objective = jnp.where(dual, inputs.dual_clip * inputs.advantages, out.objective)
+    gate = jnp.where(dual, 0.0, out.gate).astype(ratio.dtype)
+    return out._replace(objective=objective, gate=gate, dual_clipped=dual)
+
+
+@register_objective("gspo")
+def gspo_objective(inputs: GateInputs) -> Surrogate:
+    """Sequence-level clipped surrogate of GSPO (2507.18071 eq. 5-7).
+
+    ``s_i = exp((1/|y_i|) sum_t log r_{i,t})`` over valid tokens, objective per sequence
+    ``min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)`` with ``A_i`` the mean of the
+    sequence's token advantages (the outcome advantage when they are constant). The
+    sequence term is written on each of its valid tokens, so ``seq_mean_token_mean``
+    aggregation gives the paper's ``(1/G) sum_i`` exactly, and its gradient is
+    ``s_i A_i (1/|y_i|) sum_t grad log pi(y_{i,t})`` (eq. 10). Paper clip: 3e-4 / 4e-4.
+    """
+    seq_ratio = jnp.exp(inputs.seq_log_ratio)
+    out = _clipped_surrogate(seq_ratio, inputs.seq_advantages, inputs.clip_low, inputs.clip_high)
+    valid = inputs.mask > 0
+    return Surrogate(
+        objective=out.objective[:, None] * inputs.mask,
+        gate=out.gate[:, None] * inputs.mask,
+        clipped_low=out.clipped_low[:, None] & valid,
+        clipped_high=out.clipped_high[:, None] & valid,
+        dual_clipped=jnp.zeros_like(valid),
+    )
+
+
+@register_objective("gspo_token")
+def gspo_token_objective(inputs: GateInputs) -> Surrogate:
+    """GSPO-token (2507.18071 eq. 12-13): ``s_{i,t} = sg[s_i] * pi(y_{i,t}) / sg[pi(y_{i,t})]``.
+
+    Its value is ``s_i`` on every token and its gradient ``s_i A_{i,t} grad log pi(y_{i,t})``;
+    clipped per token like PPO. With ``A_{i,t} = A_i`` it equals ``"gspo"`` in value and
+    gradient.
+    """
+    log_ratio = inputs.log_ratio
+    token_seq_log_ratio = (
+        jax.lax.stop_gradient(inputs.seq_log_ratio)[:, None]
+        + log_ratio
+        - jax.lax.stop_gradient(log_ratio)
+    )
+    ratio = jnp.exp(token_seq_log_ratio)
+    return _clipped_surrogate(ratio, inputs.advantages, inputs.clip_low, inputs.clip_high)
+
+
+@register_objective("sapo")
+def sapo_objective(inputs: GateInputs) -> Surrogate:
+    """Soft adaptive policy optimisation (SAPO, 2511.20347): a smooth gate, no clip.
+
+    ``f(r) = sigmoid(tau (r - 1)) * 4 / tau`` with ``tau = tau_pos`` if A > 0 else
+    ``tau_neg``. Gradient weight ``w = f'(r) = 4 p (1 - p) = sech^2(tau (r - 1) / 2)``,
+    ``p = sigmoid(tau (r - 1))``: 1 at r = 1, in (0, 1], so ``d loss / d log pi = -w r A``
+    before aggregation. Note ``f(1) = 2 / tau``: loss values depend on tau even at r = 1.
+    """
+    ratio = jnp.exp(inputs.log_ratio)
+    tau = jnp.where(inputs.advantages > 0, inputs.tau_pos, inputs.tau_neg).astype(ratio.dtype)
+    prob = jax.nn.sigmoid(tau * (ratio - 1))
+    objective = prob * (4.0 / tau) * inputs.advantages
+    gate = jax.lax.stop_gradient(4.0 * prob * (1.0 - prob))
+    none = jnp.zeros(ratio.shape, bool)
+    return Surrogate(objective, gate, none, none, none)
+
+
+# ----------------------------------------------------------------------------------------
+# The policy loss.
+# ----------------------------------------------------------------------------------------
+
+
+def kl_penalty(
+    log_probs: Array, ref_log_probs: Array, mask: Array, *, estimator: str = "k3"
+) -> Array:
+    """Per-token KL(pi_theta || pi_ref) estimate from samples of pi_theta, 0 on padding.
+
+    With ``delta = log pi_ref - log pi_theta`` (Schulman, "Approximating KL divergence"):
+    ``k1 = -delta``; ``k2 = delta^2 / 2``; ``k3 = exp(delta) - delta - 1 >= 0`` (the
+    unbiased, low-variance estimator of GRPO eq. 4, used with beta = 0.04).
+
+    Args:
+      log_probs, ref_log_probs, mask: ``[B, T]``.
+      estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+      ``[B, T]`` per-token penalty (aggregate it like the policy terms).
+    """
+    valid = _as_mask(mask, log_probs.dtype) > 0
+    delta = jnp.where(valid, ref_log_probs - log_probs, 0)
+    if estimator == "k1":
+        per_token = -delta
+    elif estimator == "k2":
+        per_token = 0.5 * jnp.square(delta)
+    elif estimator == "k3":
+        per_token = jnp.expm1(delta) - delta
+    else:
+        raise ValueError(f"estimator={estimator!r} is not one of {KL_ESTIMATORS}")
+    return jnp.where(valid, per_token, 0)
+
+
+def truncated_importance_weights(
+    old_log_probs: Array, behaviour_log_probs: Array, mask: Array, cap: float = 2.0
+) -> Array:
+    """Truncated importance weights ``min(exp(old - behaviour), cap)``, stop-gradient.
+
+    Corrects the mismatch between the sampler's (behaviour) and the trainer's (old)
+    log-probs of the same tokens; ``cap = 2.0`` is the common default. 0 on padding.
+
+    Returns:
+      ``[B, T]`` weights to pass as ``policy_loss(importance_weights=...)``.
+    """
+    valid = _as_mask(mask, old_log_probs.dtype) > 0
+    log_weight = jnp.where(valid, old_log_probs - behaviour_log_probs, 0)
+    weights = jnp.minimum(jnp.exp(log_weight), cap)
+    return jax.lax.stop_gradient(jnp.where(valid, weights, 0))
+
+
+def policy_loss(
+    log_probs: Array,
+    old_log_probs: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    method: str = "ppo",
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    aggregation: str = "token_mean",
+    group_size: int | None = None,
+    max_len: int | float | None = None,
+    importance_weights: Array | None = None,
+    ref_log_probs: Array | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+) -> tuple[Array, dict[str, Array]]:
+    """The policy loss ``-J`` of the unified objective, and its metrics.
+
+    Per token: ``term = sg[iw] * f_{i,t}(r) * A_{i,t} - kl_coef * KL_{i,t}``, where ``f A``
+    comes from the method's gate (see the module docstring), ``iw`` the optional importance
+    weights (1 if None) and ``KL`` the ``kl_estimator`` penalty to ``ref_log_probs`` (only if
+    given; GRPO eq. 3, beta = 0.04). Then ``loss = -aggregate(term, mask, aggregation)``.
+
+    Args:
+      log_probs: ``[B, T]`` log pi_theta of the sampled tokens (differentiate through this).
+      old_log_probs: ``[B, T]`` log pi_old of the same tokens (treated as a constant).
+      advantages: ``[B, T]`` advantages (outcome advantages broadcast over tokens, or GAE).
+      mask: ``[B, T]`` 1 on valid response tokens; padding values never matter.
+      method: a key of ``OBJECTIVES``: ``"ppo"``, ``"gspo"``, ``"gspo_token"``, ``"sapo"``.
+      clip_low, clip_high: trust region ``[1 - clip_low, 1 + clip_high]`` of the clipped
+        methods (DAPO: 0.2 / 0.28; GSPO paper: 3e-4 / 4e-4). Unused by ``"sapo"``.
+      dual_clip: ``c > 1`` to bound the loss of A < 0 tokens (``"ppo"`` only), or None.
+      tau_pos, tau_neg: SAPO temperatures for A > 0 / A <= 0 (defaults 1.0 / 1.05).
+      aggregation: see ``aggregate``.
+      group_size: for ``aggregation="group_token_mean"``; ignored otherwise.
+      max_len: the constant of ``"seq_mean_token_sum_norm"`` (default T).
+      importance_weights: optional ``[B, T]`` per-token weights, stop-gradient (see
+        ``truncated_importance_weights``).
+      ref_log_probs: optional ``[B, T]`` reference log-probs for a KL penalty in the loss.
+      kl_coef: coefficient ``beta`` of that penalty.
+      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+      ``(loss, metrics)``: a scalar to minimise, and a flat dict of scalars computed over
+      valid tokens only: ``loss``; ``clip_frac_low`` / ``clip_frac_high`` / ``clip_frac``
+      (fraction of tokens whose gradient the clip removed, low side A < 0, high side A > 0,
+      total) and ``dual_clip_frac``; ``ratio_mean`` / ``ratio_min`` / ``ratio_max`` of the
+      token ratio ``r`` and ``seq_ratio_mean`` of ``s_i`` (the same for every method);
+      ``approx_kl``, the k3 estimate of KL(pi_old || pi_theta), token mean of
+      ``r - 1 - log r``; ``gate_mean``, mean gradient weight ``w`` (SAPO's mean gate; 1 -
+      clip fraction for PPO); ``log_ratio_seq_var``, variance (ddof 0) of ``log r`` within
+      each sequence, mean over non-empty sequences (SAPO reports < 0.02); ``zero_grad_frac``,
+      fraction of tokens with no gradient (gate 0, advantage 0 or importance weight 0);
+      ``num_tokens``; and ``kl_ref`` / ``importance_weight_mean`` when those are used.
+    """
+    if method not in OBJECTIVES:
+        raise ValueError(f"method={method!r} is not one of {sorted(OBJECTIVES)}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}")
+    if dual_clip is not None and (method != "ppo" or dual_clip <= 1.0):
+        raise ValueError(
+            f"dual_clip={dual_clip!r} needs method='ppo' (got {method!r}) and a value > 1"
+        )
+    shape = jnp.shape(log_probs)
+    for name, array in (("old_log_probs", old_log_probs), ("advantages", advantages), ("mask", mask)):
+        if jnp.shape(array) != shape:
+            raise ValueError(f"{name} has shape {jnp.shape(array)}, expected {shape} like log_probs")
+
+    dtype = jnp.result_type(log_probs, jnp.float32)
+    mask_f = _as_mask(mask, dtype)
+    valid = mask_f > 0
+    log_probs = jnp.asarray(log_probs, dtype)
+    old_log_probs = jax.lax.stop_gradient(jnp.asarray(old_log_probs, dtype))
+    advantages = jax.lax.stop_gradient(jnp.where(valid, jnp.asarray(advantages, dtype), 0))
+    log_ratio = jnp.where(valid, log_probs - old_log_probs, 0)
+    lengths = jnp.sum(mask_f, axis=-1)
+    seq_log_ratio = _safe_div(jnp.sum(log_ratio, axis=-1), lengths)
+    seq_advantages = _safe_div(jnp.sum(advantages, axis=-1), lengths)
+
+    inputs = GateInputs(
+        log_ratio, advantages, mask_f, seq_log_ratio, seq_advantages,
+        clip_low, clip_high, dual_clip, tau_pos, tau_neg,
+    )
+    surrogate = OBJECTIVES[method](inputs)
+    per_token = surrogate.objective
+    metrics = {}
+    if importance_weights is not None:
+        weights = jax.lax.stop_gradient(jnp.where(valid, jnp.asarray(importance_weights, dtype), 0))
+        per_token = per_token * weights
+        metrics["importance_weight_mean"] = masked_mean(weights, mask_f)
+    else:
+        weights = None
+    if ref_log_probs is not None:
+        kl = kl_penalty(log_probs, jax.lax.stop_gradient(ref_log_probs), mask_f, estimator=kl_estimator)
+        per_token = per_token - kl_coef * kl
+        metrics["kl_ref"] = masked_mean(kl, mask_f)
+    loss = -aggregate(per_token, mask_f, aggregation, group_size=group_size, max_len=max_len)
+
+    metrics.update(_policy_metrics(jax.lax.stop_gradient(log_ratio), seq_log_ratio,
+                                   advantages, mask_f, lengths, surrogate, weights))
+    metrics["loss"] = jax.lax.stop_gradient(loss)
+    return loss, metrics
+
+
+def _policy_metrics(log_ratio, seq_log_ratio, advantages, mask_f, lengths, surrogate, weights):
+    """Diagnostics of ``policy_loss``, all over valid tokens (see its docstring)."""
+    valid = mask_f > 0
+    num_tokens = jnp.sum(mask_f)
+    num_seqs = jnp.sum(lengths > 0)
+
+    def token_frac(flags):
+        return _safe_div(jnp.sum(jnp.where(valid, flags, False).astype(mask_f.dtype)), num_tokens)
+
+    ratio = jnp.exp(log_ratio)
+    gate = jax.lax.stop_gradient(surrogate.gate)
+    no_grad = (gate == 0) | (advantages == 0)
+    if weights is not None:
+        no_grad = no_grad | (weights == 0)
+    clip_low = token_frac(surrogate.clipped_low)
+    clip_high = token_frac(surrogate.clipped_high)
+    # Intra-sequence variance of the token log-ratio (ddof 0), then mean over sequences.
+    centred = jnp.where(valid, log_ratio - seq_log_ratio[:, None], 0)
+    seq_var = _safe_div(jnp.sum(jnp.square(centred), axis=-1), lengths)
+    has_tokens = num_tokens > 0
+    return {
+        "clip_frac_low": clip_low,
+        "clip_frac_high": clip_high,
+        "clip_frac": clip_low + clip_high,
+        "dual_clip_frac": token_frac(surrogate.dual_clipped),
+        "ratio_mean": masked_mean(ratio, mask_f),
+        "ratio_min": jnp.where(has_tokens, jnp.min(jnp.where(valid, ratio, jnp.inf)), 1.0),
+        "ratio_max": jnp.where(has_tokens, jnp.max(jnp.where(valid, ratio, -jnp.inf)), 1.0),
+        "seq_ratio_mean": _safe_div(jnp.sum(jnp.where(lengths > 0, jnp.exp(seq_log_ratio), 0)), num_seqs),
+        "approx_kl": masked_mean(jnp.expm1(log_ratio) - log_ratio, mask_f),
+        "gate_mean": masked_mean(gate, mask_f),
+        "log_ratio_seq_var": _safe_div(jnp.sum(seq_var), num_seqs),
+        "zero_grad_frac": token_frac(no_grad),
+        "num_tokens": num_tokens,
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# Entropy, value and NLL losses.
+# ----------------------------------------------------------------------------------------
+
+
+def entropy_from_logits(logits: Array) -> Array:
+    """Entropy ``-sum_v p_v log p_v`` of ``softmax(logits)`` over the last axis, in float32.
+
+    Computed as ``logsumexp(l) - sum_v p_v l_v`` (stable for any logits). For large vocabularies
+    prefer the chunked ``policyopt.logprobs.token_log_probs(..., return_entropy=True)``.
+
+    Args:
+      logits: ``[..., V]``.
+
+    Returns:
+      ``[...]`` entropies in nats.
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    log_norm = jax.nn.logsumexp(logits, axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1)
+    return log_norm - jnp.sum(probs * logits, axis=-1)
+
+
+def value_loss(
+    values: Array,
+    old_values: Array,
+    returns: Array,
+    mask: Array,
+    *,
+    clip: float | None = 0.2,
+    aggregation: str = "token_mean",
+) -> tuple[Array, dict[str, Array]]:
+    """PPO's clipped value loss (Schulman et al. 2017; as in OpenAI baselines / verl).
+
+    ``0.5 * max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2)`` per token,
+    aggregated with ``aggregation`` (token mean by default). ``clip=None`` gives the
+    plain ``0.5 (V - R)^2``.
+
+    Args:
+      values: ``[B, T]`` current critic values (differentiate through this).
+      old_values: ``[B, T]`` values when the rollout was scored.
+      returns: ``[B, T]`` value targets (e.g. from ``advantages.gae``).
+      mask: ``[B, T]``.
+      clip: value clip range, or None.
+      aggregation: see ``aggregate``.
+
+    Returns:
+      ``(loss, metrics)`` with ``value_loss``, ``value_clip_frac`` (tokens where the clipped
+      term is the larger) and ``explained_variance`` ``1 - Var[R - V] / Var[R]``.
+    """
+    mask_f = _as_mask(mask)
+    valid = mask_f > 0
+    values = jnp.where(valid, values, 0)
+    old_values = jax.lax.stop_gradient(jnp.where(valid, old_values, 0))
+    returns = jax.lax.stop_gradient(jnp.where(valid, returns, 0))
+    unclipped = jnp.square(values - returns)
+    if clip is None:
+        per_token = 0.5 * unclipped
+        clip_frac = jnp.zeros((), mask_f.dtype)
+    else:
+        clipped_values = old_values + jnp.clip(values - old_values, -clip, clip)
+        clipped = jnp.square(clipped_values - returns)
+        per_token = 0.5 * jnp.maximum(unclipped, clipped)
+        clip_frac = masked_mean((clipped > unclipped).astype(mask_f.dtype), mask_f)
+    loss = aggregate(per_token, mask_f, aggregation)
+    residual_var = masked_var(returns - values, mask_f)
+    returns_var = masked_var(returns, mask_f)
+    metrics = {
+        "value_loss": jax.lax.stop_gradient(loss),
+        "value_clip_frac": clip_frac,
+        "explained_variance": jax.lax.stop_gradient(1.0 - _safe_div(residual_var, returns_var)),
+    }
+    return loss, metrics
+
+
+def masked_var(x: Array, mask: Array, axis=None) -> Array:
+    """Population variance (ddof 0) of ``x`` over valid positions; 0 where there are none."""
+    mean = masked_mean(x, mask, axis=axis)
+    if axis is not None:
+        mean = jnp.expand_dims(mean, axis)
+    return masked_mean(jnp.square(x - mean), mask, axis=axis)
+
+
+def nll_loss(log_probs: Array, mask: Array, seq_weights: Array) -> Array:
+    """Negative log-likelihood over a chosen subset of sequences (VAPO's positive samples).
+
+    ``L_NLL = -(1 / sum_{i in S} |y_i|) sum_{i in S} sum_t log pi(y_{i,t})`` with ``S`` the
+    sequences whose ``seq_weights`` is non-zero (VAPO 2504.05118 Sec. 4.3, the correct
+    samples; added to the loss with mu = 0.1). Non-binary weights weight each sequence's
+    tokens: ``-sum w_i m log pi / sum w_i m``. 0 when no token is selected.
+
+    Args:
+      log_probs: ``[B, T]``.
+      mask: ``[B, T]``.
+      seq_weights: ``[B]`` bool or float, e.g. ``correct``.
+
+    Returns:
+      A scalar.
+    """
+    mask_f = _as_mask(mask, jnp.result_type(log_probs, jnp.float32))
+    weights = mask_f * jnp.asarray(seq_weights, mask_f.dtype)[:, None]
+    selected = jnp.where(weights != 0, log_probs, 0) * weights
+    return -_safe_div(jnp.sum(selected), jnp.sum(weights))
