@@ -1,0 +1,53 @@
+"""Verifiable rewards: math and code correctness, format, length and language shaping.
+
+Public API::
+
+    math_correctness(completion, reference, *, timeout_s=2.0) -> float       # 1.0 / 0.0
+    code_correctness(completion, tests, *, timeout_s=4.0, memory_mb=300, partial=False) -> float
+    format_ok(completion, task) -> bool                                      # Magistral format gate
+    overlong_penalty(length, max_len, cache_len, *, scale=1.0) -> float      # DAPO / Magistral
+    languages_consistent(problem, reasoning, answer) -> bool                 # Magistral language bonus
+    RewardSpec(...)                                                          # the reward recipe
+    score_batch(completions, references, lengths, spec, *, prompts=None,
+                num_workers=0, deadline_s=None) -> (rewards [N], correct [N], metrics)
+
+Each function of model output returns a value and never raises on what the model wrote.
+"""
+
+from policyopt.rewards.batch import BatchScores, RewardSpec, SampleScore, score_batch, score_sample, shutdown_pools
+from policyopt.rewards.code import CodeResult, SandboxResult, code_correctness, run_code_tests, run_sandboxed
+from policyopt.rewards.format import first_code_block, format_ok, split_think
+from policyopt.rewards.language import identify_language, languages_consistent, strip_latex_and_code
+from policyopt.rewards.length import overlong_penalties, overlong_penalty, truncated
+from policyopt.rewards.math import MathVerdict, answer_region, extract_boxed, math_correctness, verify_math
+from policyopt.rewards.timelimit import VerifierTimeout, time_limit
+
+__all__ = [
+    "BatchScores",
+    "CodeResult",
+    "MathVerdict",
+    "RewardSpec",
+    "SampleScore",
+    "SandboxResult",
+    "VerifierTimeout",
+    "answer_region",
+    "code_correctness",
+    "extract_boxed",
+    "first_code_block",
+    "format_ok",
+    "identify_language",
+    "languages_consistent",
+    "math_correctness",
+    "overlong_penalties",
+    "overlong_penalty",
+    "run_code_tests",
+    "run_sandboxed",
+    "score_batch",
+    "score_sample",
+    "shutdown_pools",
+    "split_think",
+    "strip_latex_and_code",
+    "time_limit",
+    "truncated",
+    "verify_math",
+]

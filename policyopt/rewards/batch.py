@@ -1,0 +1,419 @@
+"""Reward composition (:class:`RewardSpec`) and parallel batch scoring (:func:`score_batch`).
+
+Reward of one sample (Magistral, arXiv 2506.10910, section 2.2.1; DAPO, arXiv 2503.14476):
+
+    format gate on:   r = 0                                   if the format check fails
+                      r = format_value + correct_value * c    otherwise
+                          + overlong penalty + language_bonus * [languages agree]
+    format gate off:  r = incorrect_value + (plain_correct_value - incorrect_value) * c
+                          + overlong penalty + language_bonus * [languages agree]
+
+with c in [0, 1] the correctness (math: 0/1; code: 0/1, or the pass rate when
+``code_partial``). Magistral: format_value 0.1, correct_value 0.9, overlong "magistral",
+language_bonus 0.1. DAPO: format gate off, correct 1 / incorrect -1, overlong "dapo",
+overlong filtering on.
+
+Parallelism: samples are scored in chunks by a persistent pool of worker processes started
+with the ``spawn`` method (never ``fork``: the trainer process runs JAX's threads). A batch
+deadline is enforced twice: workers stop starting new samples once it has passed (and cap
+each verifier's time limit to what is left), and the parent stops waiting at the deadline
+plus a short grace; samples not back by then score 0, are counted in
+``metrics["deadline_missed"]``, and the pool, whose workers may be stuck, is killed and
+replaced on the next call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import dataclasses
+import multiprocessing
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from policyopt.rewards import format as format_lib
+from policyopt.rewards import language as language_lib
+from policyopt.rewards import length as length_lib
+from policyopt.rewards import math as math_lib
+
+# The parent waits this long past the deadline for chunks that workers are finishing.
+_DEADLINE_GRACE_S = 0.5
+# Chunks per worker: small enough to balance load, large enough to amortise IPC.
+_CHUNKS_PER_WORKER = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+    """How a completion's reward is composed (see the module docstring for the formula).
+
+    Attributes:
+      task: "math" (last ``\\boxed{}`` vs the reference) or "code" (first fenced block run
+        against the reference tests).
+      format_reward: apply Magistral's format gate (fail: reward 0, grading stops).
+      format_value: reward of a well-formatted response (Magistral: 0.1).
+      correct_value: added for a correct, well-formatted response (Magistral: 0.9).
+      plain_correct_value: reward of a correct response when the format gate is off.
+      incorrect_value: reward of an incorrect response when the format gate is off
+        (DAPO's rule-based reward uses -1).
+      overlong: "none", "dapo" (penalty down to -1) or "magistral" (down to -0.1).
+      max_len: L_max, in tokens (needed by overlong shaping and overlong filtering).
+      cache_len: L_cache, the length of the penalty ramp, in tokens.
+      overlong_scale: override of the penalty scale (None: 1.0 for dapo, 0.1 for magistral).
+      overlong_filter: mask samples truncated at max_len out of the loss (DAPO).
+      language_bonus: added when problem, reasoning and answer languages agree
+        (Magistral: 0.1; 0 disables language identification).
+      language_min_letters: segments with fewer letters are "undetermined".
+      math_timeout_s: per-sample limit of the math verifier.
+      code_timeout_s: per-test wall-clock limit of the code sandbox (Magistral: 4 s).
+      code_memory_mb: per-test address-space limit (Magistral: 300 MB).
+      code_partial: reward the pass rate instead of all-or-nothing (Magistral: off).
+    """
+
+    task: str = "math"
+    format_reward: bool = True
+    format_value: float = 0.1
+    correct_value: float = 0.9
+    plain_correct_value: float = 1.0
+    incorrect_value: float = 0.0
+    overlong: str = "none"
+    max_len: int | None = None
+    cache_len: int | None = None
+    overlong_scale: float | None = None
+    overlong_filter: bool = False
+    language_bonus: float = 0.0
+    language_min_letters: int = language_lib.DEFAULT_MIN_LETTERS
+    math_timeout_s: float = math_lib.DEFAULT_TIMEOUT_S
+    code_timeout_s: float = 4.0
+    code_memory_mb: int = 300
+    code_partial: bool = False
+
+    def __post_init__(self):
+        if self.task not in format_lib.TASKS:
+            raise ValueError(f"RewardSpec.task must be one of {format_lib.TASKS}, got {self.task!r}")
+        if self.overlong not in length_lib.OVERLONG_MODES:
+            raise ValueError(
+                f"RewardSpec.overlong must be one of {length_lib.OVERLONG_MODES}, got {self.overlong!r}"
+            )
+        if self.overlong != "none":
+            if self.max_len is None or self.cache_len is None:
+                raise ValueError(
+                    f"RewardSpec.overlong={self.overlong!r} needs max_len and cache_len, got "
+                    f"max_len={self.max_len}, cache_len={self.cache_len}"
+                )
+            if not 0 < self.cache_len <= self.max_len:
+                raise ValueError(
+                    f"RewardSpec.cache_len must be in (0, max_len={self.max_len}], got {self.cache_len}"
+                )
+        if self.overlong_filter and self.max_len is None:
+            raise ValueError("RewardSpec.overlong_filter=True needs max_len (the generation limit)")
+        if self.math_timeout_s <= 0 or self.code_timeout_s <= 0:
+            raise ValueError(
+                f"RewardSpec timeouts must be > 0, got math_timeout_s={self.math_timeout_s}, "
+                f"code_timeout_s={self.code_timeout_s}"
+            )
+
+    @property
+    def penalty_scale(self) -> float:
+        """Scale of the overlong penalty (0 when shaping is off)."""
+        if self.overlong_scale is not None and self.overlong != "none":
+            return self.overlong_scale
+        return length_lib.DEFAULT_SCALE[self.overlong]
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleScore:
+    """What a worker computes for one completion (length terms are added by the parent).
+
+    Attributes:
+      format_ok: passed the format check (always computed, gate or not).
+      correctness: c in [0, 1].
+      status: verifier outcome ("correct", "incorrect", "no_answer", "rejected",
+        "timeout", "format", "deadline", "error").
+      language_ok: the language-consistency condition holds (False when not computed).
+    """
+
+    format_ok: bool
+    correctness: float
+    status: str
+    language_ok: bool = False
+
+
+_MISSED = SampleScore(False, 0.0, "deadline")
+
+
+def _split_for_language(completion: str) -> tuple[str, str]:
+    parts = format_lib.split_think(completion)
+    if parts is not None:
+        return parts
+    cut = completion.rfind(math_lib.THINK_CLOSE)
+    if cut < 0:
+        return completion, ""
+    return completion[:cut], completion[cut + len(math_lib.THINK_CLOSE) :]
+
+
+def score_sample(
+    completion: str, reference: Any, prompt: str | None, spec: RewardSpec, *, time_left_s: float | None = None
+) -> SampleScore:
+    """Format, correctness and language of one completion; never raises on model output.
+
+    Args:
+      completion: the generated text.
+      reference: math: the reference answer (str); code: tests (assert string or list of
+        {"input", "output"} dicts).
+      prompt: the problem text (for the language check), or None.
+      spec: the reward recipe.
+      time_left_s: cap on the verifier time limit (what is left of the batch deadline).
+    """
+    completion = str(completion)
+    is_formatted = format_lib.format_ok(completion, spec.task)
+    if spec.format_reward and not is_formatted:
+        return SampleScore(False, 0.0, "format")
+    if spec.task == "math":
+        timeout_s = spec.math_timeout_s if time_left_s is None else min(spec.math_timeout_s, time_left_s)
+        verdict = math_lib.verify_math(completion, reference, timeout_s=max(timeout_s, 1e-3))
+        correctness, status = verdict.score, verdict.status
+    else:
+        from policyopt.rewards import code as code_lib  # deferred: only code tasks need it
+
+        result = code_lib.run_code_tests(
+            completion,
+            reference,
+            timeout_s=spec.code_timeout_s,
+            memory_mb=spec.code_memory_mb,
+            stop_at_first_failure=not spec.code_partial,
+        )
+        correctness = result.pass_rate if spec.code_partial else float(result.all_passed)
+        status = result.status
+    language_ok = False
+    if spec.language_bonus:
+        reasoning, answer = _split_for_language(completion)
+        language_ok = language_lib.languages_consistent(
+            prompt, reasoning, answer, min_letters=spec.language_min_letters
+        )
+    return SampleScore(is_formatted, float(correctness), status, language_ok)
+
+
+def _score_chunk(items: list[tuple[str, Any, str | None]], spec: RewardSpec, deadline: float | None) -> list[SampleScore]:
+    """Scores items in order; once ``deadline`` (time.time()) has passed, the rest are missed."""
+    scores = []
+    for completion, reference, prompt in items:
+        time_left = None if deadline is None else deadline - time.time()
+        if time_left is not None and time_left <= 0:
+            scores.append(_MISSED)
+            continue
+        try:
+            scores.append(score_sample(completion, reference, prompt, spec, time_left_s=time_left))
+        except Exception:  # noqa: BLE001 - a reference/test malformed beyond repair scores 0
+            scores.append(SampleScore(False, 0.0, "error"))
+    return scores
+
+
+def _warm_worker() -> None:
+    math_lib._math_verify()  # import SymPy and math-verify once per worker
+
+
+_POOLS: dict[int, concurrent.futures.ProcessPoolExecutor] = {}
+
+
+def _get_pool(num_workers: int) -> concurrent.futures.ProcessPoolExecutor:
+    pool = _POOLS.get(num_workers)
+    if pool is None:
+        pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=num_workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_warm_worker,
+        )
+        _POOLS[num_workers] = pool
+    return pool
+
+
+def _kill_pool(num_workers: int) -> None:
+    """Kills the workers of a pool (some may be stuck in C code) and forgets the pool."""
+    pool = _POOLS.pop(num_workers, None)
+    if pool is None:
+        return
+    # ProcessPoolExecutor has no public kill before Python 3.14 (kill_workers); its
+    # `_processes` dict is the documented-by-source way to reach the worker processes.
+    if hasattr(pool, "kill_workers"):
+        pool.kill_workers()
+    else:
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def shutdown_pools() -> None:
+    """Stops every worker pool started by :func:`score_batch` (also run at exit)."""
+    for num_workers in list(_POOLS):
+        pool = _POOLS.pop(num_workers)
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+atexit.register(shutdown_pools)
+
+
+def _score_parallel(items, spec, deadline, num_workers) -> tuple[list[SampleScore], int]:
+    """Returns the scores and the number of samples lost to crashed workers."""
+    pool = _get_pool(num_workers)
+    chunk_size = max(1, -(-len(items) // (num_workers * _CHUNKS_PER_WORKER)))
+    chunks = [items[start : start + chunk_size] for start in range(0, len(items), chunk_size)]
+    futures = [pool.submit(_score_chunk, chunk, spec, deadline) for chunk in chunks]
+    wait_s = None if deadline is None else max(deadline - time.time(), 0.0) + _DEADLINE_GRACE_S
+    done, not_done = concurrent.futures.wait(futures, timeout=wait_s)
+    scores: list[SampleScore] = []
+    errors, broken = 0, bool(not_done)
+    for future, chunk in zip(futures, chunks):
+        if future in done:
+            try:
+                scores.extend(future.result())
+                continue
+            except Exception:  # noqa: BLE001 - BrokenProcessPool (a worker died, e.g. OOM)
+                errors += len(chunk)
+                broken = True
+                scores.extend([SampleScore(False, 0.0, "error")] * len(chunk))
+                continue
+        scores.extend([_MISSED] * len(chunk))
+    if broken:
+        _kill_pool(num_workers)
+    return scores, errors
+
+
+class BatchScores(tuple):
+    """``(rewards, correct, metrics)``, with per-sample details as attributes.
+
+    Unpacks as the 3-tuple of the interface (``rewards, correct, metrics = score_batch(...)``);
+    like ``os.stat_result`` it carries more fields by name:
+
+    Attributes:
+      rewards: float32 [N] total rewards.
+      correct: bool [N] fully correct (accuracy metrics; VAPO's NLL on correct samples).
+      metrics: flat dict of float scalars.
+      correctness: float32 [N] correctness c in [0, 1] (pass rate for partial code credit).
+      format_ok: bool [N] passed the format check.
+      truncated: bool [N] hit the generation limit.
+      sample_mask: float32 [N] 0 for samples to drop from the loss (overlong filtering).
+      length_penalty: float32 [N] overlong penalty added to the reward (0 where gated).
+      language_ok: bool [N] language consistency held.
+      status: list[str] [N] verifier outcome per sample.
+    """
+
+    def __new__(cls, rewards, correct, metrics, **details):
+        self = super().__new__(cls, (rewards, correct, metrics))
+        self.__dict__.update(details)
+        return self
+
+    rewards = property(lambda self: self[0])
+    correct = property(lambda self: self[1])
+    metrics = property(lambda self: self[2])
+
+
+def score_batch(
+    completions: Sequence[str],
+    references: Sequence[Any],
+    lengths: Sequence[int],
+    spec: RewardSpec,
+    *,
+    prompts: Sequence[str] | None = None,
+    num_workers: int = 0,
+    deadline_s: float | None = None,
+    truncated: Sequence[bool] | None = None,
+) -> BatchScores:
+    """Scores a batch of completions per ``spec``; never raises on model output.
+
+    Args:
+      completions: N generated texts.
+      references: N references (math answers, or code tests).
+      lengths: N generated-token counts |y| (for overlong shaping and filtering).
+      spec: the reward recipe.
+      prompts: N problem texts (for the language bonus), or None.
+      num_workers: worker processes; 0 scores serially in this process (with the same
+        per-sample time limits and deadline).
+      deadline_s: wall-clock budget for the whole batch, from this call; samples not
+        scored by then get reward 0 and are counted in ``metrics["deadline_missed"]``.
+      truncated: N flags "stopped at the generation limit without EOS"; default
+        ``lengths >= spec.max_len`` (all False when max_len is None).
+
+    Returns:
+      :class:`BatchScores`: ``(rewards float32 [N], correct bool [N], metrics)`` plus
+      per-sample details. Metrics: reward_mean, accuracy, format_failure_rate,
+      verifier_timeouts, deadline_missed, worker_errors, length_penalty_mean,
+      truncated_fraction, language_consistent_rate, num_samples.
+    """
+    n = len(completions)
+    for name, values in (("references", references), ("lengths", lengths), ("prompts", prompts), ("truncated", truncated)):
+        if values is not None and len(values) != n:
+            raise ValueError(f"score_batch: {name} has {len(values)} entries, completions has {n}")
+    start = time.time()
+    deadline = None if deadline_s is None else start + deadline_s
+    items = [(completions[i], references[i], None if prompts is None else prompts[i]) for i in range(n)]
+    errors = 0
+    if n == 0:
+        scores = []
+    elif num_workers and num_workers > 0:
+        scores, errors = _score_parallel(items, spec, deadline, num_workers)
+    else:
+        scores = _score_chunk(items, spec, deadline)
+
+    lengths = np.asarray(lengths, dtype=np.int64).reshape(n)
+    correctness = np.array([s.correctness for s in scores], dtype=np.float32).reshape(n)
+    format_ok = np.array([s.format_ok for s in scores], dtype=bool).reshape(n)
+    language_ok = np.array([s.language_ok for s in scores], dtype=bool).reshape(n)
+    status = [s.status for s in scores]
+    missed = np.array([s == "deadline" for s in status], dtype=bool).reshape(n)
+
+    if spec.overlong != "none":
+        penalty = length_lib.overlong_penalties(lengths, spec.max_len, spec.cache_len, scale=spec.penalty_scale)
+    else:
+        penalty = np.zeros(n, np.float32)
+    if spec.format_reward:
+        graded = format_ok & ~missed
+        base = np.where(graded, spec.format_value + spec.correct_value * correctness, 0.0)
+    else:
+        graded = ~missed
+        base = np.where(
+            graded, spec.incorrect_value + (spec.plain_correct_value - spec.incorrect_value) * correctness, 0.0
+        )
+    penalty = np.where(graded, penalty, 0.0).astype(np.float32)
+    bonus = np.where(graded & language_ok, spec.language_bonus, 0.0)
+    rewards = (base + penalty + bonus).astype(np.float32)
+    correct = graded & (correctness >= 1.0)
+
+    if truncated is not None:
+        is_truncated = np.asarray(truncated, dtype=bool).reshape(n)
+    elif spec.max_len is not None:
+        is_truncated = length_lib.truncated(lengths, spec.max_len)
+    else:
+        is_truncated = np.zeros(n, bool)
+    sample_mask = np.where(spec.overlong_filter & is_truncated, 0.0, 1.0).astype(np.float32)
+
+    def mean(x) -> float:
+        return float(np.mean(x)) if n else 0.0
+
+    metrics = {
+        "reward_mean": mean(rewards),
+        "accuracy": mean(correct),
+        "format_failure_rate": mean(~format_ok & ~missed),
+        "verifier_timeouts": float(sum(s == "timeout" for s in status)),
+        "deadline_missed": float(missed.sum()),
+        "worker_errors": float(errors),
+        "length_penalty_mean": mean(penalty),
+        "truncated_fraction": mean(is_truncated),
+        "language_consistent_rate": mean(language_ok) if spec.language_bonus else 0.0,
+        "num_samples": float(n),
+        "scoring_seconds": time.time() - start,
+    }
+    return BatchScores(
+        rewards,
+        correct,
+        metrics,
+        correctness=correctness,
+        format_ok=format_ok,
+        truncated=is_truncated,
+        sample_mask=sample_mask,
+        length_penalty=penalty,
+        language_ok=language_ok,
+        status=status,
+    )

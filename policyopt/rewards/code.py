@@ -1,0 +1,366 @@
+"""Code correctness: the completion's first fenced code block run against tests in a sandbox.
+
+Tests (``tests`` argument) follow two conventions:
+
+* a string of Python statements, typically ``assert``s, run after the program in the same
+  namespace (HumanEval / MBPP). All-or-nothing: one process runs program + tests. With
+  partial credit, the top-level ``assert`` statements are split (``ast.parse`` of the
+  trusted test string; nothing is evaluated in this process) and each runs in its own
+  process after the program and the non-assert statements (imports, helpers);
+* a list of ``{"input": str, "output": str}`` cases (competitive programming): the program
+  reads ``input`` on stdin; a case passes when it exits with status 0 and its stdout
+  equals ``output`` after stripping trailing blanks of every line and blank lines at both
+  ends.
+
+Only Python is run: the first fenced block with a language tag (Magistral's format) must
+be tagged ``python``, ``py`` or ``python3``; any other language scores 0. Magistral: 20
+tests, 4 s and 300 MB per test, binary reward (partial credit hurt).
+
+The sandbox (:func:`run_sandboxed`), per test process:
+
+* a fresh temporary directory as working directory (deleted afterwards), holding the
+  program; stdin from a file; stdout and stderr to files outside that directory;
+* a cleared environment (only ``PATH``), and an isolated interpreter ``python -I -S``
+  (no ``PYTHON*`` variables, no user or site packages: the standard library only);
+* resource limits set by a trusted prologue in the child before any untrusted code runs
+  (``-c`` bootstrap; this avoids ``preexec_fn``, which is unsafe in a multithreaded parent
+  such as a JAX process): ``RLIMIT_CPU`` (the time limit, rounded up), ``RLIMIT_AS``
+  (``memory_mb``), ``RLIMIT_NPROC`` (``max_processes``), ``RLIMIT_FSIZE``
+  (``max_output_bytes``: caps files and stdout), ``RLIMIT_NOFILE`` 64, ``RLIMIT_CORE`` 0,
+  soft = hard so the program cannot raise them;
+* when the scorer runs as root: the child drops to a fresh unprivileged uid/gid (a random
+  one of ``_SANDBOX_UIDS``) that owns only the working directory. That makes
+  ``RLIMIT_NPROC`` effective (the kernel does not apply it to root) and private to this
+  run, keeps the program out of files it does not own (outside the working directory it
+  can write only to world-writable places such as ``/tmp``, and at most
+  ``max_output_bytes`` per file), and lets the reaper kill every process of that uid,
+  including ones that escaped the process group with ``setsid``;
+* network: when ``unshare --net`` works (root, or unprivileged user namespaces) the
+  child runs in a fresh network namespace with no interface but a down loopback; where it
+  does not, the program keeps the host network (this is the case for a non-root scorer
+  on hosts without user namespaces: use a container or nsjail/gVisor there);
+* a wall-clock limit (``timeout_s`` plus ``_STARTUP_GRACE_S`` for interpreter start); on
+  expiry the whole process group is killed with ``SIGKILL``, then the uid is reaped.
+
+Without root (no uid switch) the process limit counts all of the user's processes
+(the limit is set to the current count plus ``max_processes``), and files the user can
+write are writable by the program: the sandbox is then a resource guard, not a security
+boundary.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from policyopt.rewards.format import first_code_block
+from policyopt.rewards.math import answer_region
+
+PYTHON_TAGS = ("python", "py", "python3")
+DEFAULT_MAX_PROCESSES = 16
+DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
+# Interpreter start-up allowance added to the wall-clock limit, seconds.
+_STARTUP_GRACE_S = 0.5
+# Unprivileged uids used when the scorer runs as root (unlikely to belong to anyone).
+_SANDBOX_UIDS = range(2_000_000, 2_100_000)
+
+# Trusted prologue run by the child interpreter before the untrusted program.
+_BOOTSTRAP = """
+import os, resource, sys
+cpu_s, memory, nproc, fsize, uid = (int(a) for a in sys.argv[1:6])
+for limit, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, 64),
+                     (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NPROC, nproc),
+                     (resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_AS, memory)):
+    resource.setrlimit(limit, (value, value))
+if uid >= 0:
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+with open("main.py", encoding="utf-8") as f:
+    source = f.read()
+sys.argv = ["main.py"]
+del os, resource, cpu_s, memory, nproc, fsize, uid, limit, value, f
+exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+    """One sandboxed run.
+
+    Attributes:
+      returncode: exit status (negative: killed by that signal; None: wall timeout).
+      stdout: captured standard output (at most ``max_output_bytes``), decoded.
+      stderr: captured standard error (same cap), decoded.
+      timed_out: the wall-clock limit expired.
+    """
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeResult:
+    """Outcome of :func:`run_code_tests`.
+
+    Attributes:
+      passed: number of test cases passed.
+      total: number of test cases (1 for an all-or-nothing assert string).
+      status: "correct", "incorrect", "timeout" (a test hit the wall-clock limit),
+        "no_code" (no Python block), "no_tests".
+    """
+
+    passed: int
+    total: int
+    status: str
+
+    @property
+    def pass_rate(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+    @property
+    def all_passed(self) -> bool:
+        return self.total > 0 and self.passed == self.total
+
+
+@functools.cache
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+@functools.cache
+def _unshare_prefix() -> tuple[str, ...]:
+    """``("unshare", "--net", "--")`` when creating a network namespace works here."""
+    unshare = shutil.which("unshare") or ("/usr/bin/unshare" if os.path.exists("/usr/bin/unshare") else None)
+    if unshare is None:
+        return ()
+    for flags in (("--net",), ("--net", "--map-root-user")):
+        try:
+            probe = subprocess.run([unshare, *flags, "--", "true"], capture_output=True, timeout=10, env={})
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if probe.returncode == 0:
+            return (unshare, *flags, "--")
+    return ()
+
+
+@functools.cache
+def _sandbox_python() -> str:
+    """An interpreter whose standard library the unprivileged sandbox uid can read.
+
+    The scorer's own interpreter may live in a private directory (e.g. under /root);
+    candidates are probed by importing a few stdlib modules as a sandbox uid.
+    """
+    candidates = [os.path.realpath(sys.executable)]
+    for name in ("python3", f"python{sys.version_info.major}.{sys.version_info.minor}"):
+        for folder in ("/usr/bin", "/usr/local/bin"):
+            path = os.path.join(folder, name)
+            if os.path.exists(path):
+                candidates.append(os.path.realpath(path))
+    if not _is_root():
+        return candidates[0]
+    probe = "import collections, functools, heapq, itertools, json, math, re, string, sys\nprint('ok')\n"
+    for candidate in dict.fromkeys(candidates):
+        result = run_sandboxed(probe, timeout_s=10.0, python=candidate)
+        if result.returncode == 0 and result.stdout.strip() == "ok":
+            return candidate
+    return candidates[0]
+
+
+def _count_processes(uid: int) -> int:
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                count += entry.stat().st_uid == uid
+            except OSError:
+                pass
+    return count
+
+
+def _reap_uid(uid: int) -> None:
+    """SIGKILLs every process owned by ``uid`` until none is left (fork races included)."""
+    for _ in range(100):
+        found = False
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                if entry.stat().st_uid == uid:
+                    os.kill(int(entry.name), signal.SIGKILL)
+                    found = True
+            except (OSError, ValueError):
+                pass
+        if not found:
+            return
+        time.sleep(0.001)
+
+
+def run_sandboxed(
+    program: str,
+    *,
+    stdin: str = "",
+    timeout_s: float = 4.0,
+    memory_mb: int = 300,
+    max_processes: int = DEFAULT_MAX_PROCESSES,
+    max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+    python: str | None = None,
+) -> SandboxResult:
+    """Runs untrusted Python source in the sandbox described in the module docstring."""
+    root = tempfile.mkdtemp(prefix="policyopt-sandbox-")
+    uid = random.choice(_SANDBOX_UIDS) if _is_root() else -1
+    try:
+        os.chmod(root, 0o711)
+        workdir = os.path.join(root, "work")
+        os.mkdir(workdir, 0o700)
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+            f.write(program)
+        if uid >= 0:
+            os.chown(workdir, uid, uid)
+            os.chown(os.path.join(workdir, "main.py"), uid, uid)
+            nproc = max_processes
+        else:
+            nproc = _count_processes(os.getuid()) + max_processes
+        stdin_path = os.path.join(root, "stdin")
+        with open(stdin_path, "w", encoding="utf-8") as f:
+            f.write(stdin)
+        interpreter = python or _sandbox_python()
+        command = [
+            *_unshare_prefix(), interpreter, "-I", "-S", "-c", _BOOTSTRAP,
+            str(max(1, int(-(-timeout_s // 1)))), str(memory_mb << 20), str(nproc),
+            str(max_output_bytes), str(uid),
+        ]  # fmt: skip
+        with (
+            open(stdin_path, "rb") as stdin_file,
+            open(os.path.join(root, "stdout"), "w+b") as stdout_file,
+            open(os.path.join(root, "stderr"), "w+b") as stderr_file,
+        ):
+            process = subprocess.Popen(
+                command,
+                cwd=workdir,
+                env={"PATH": "/usr/bin:/bin"},
+                stdin=stdin_file,
+                stdout=stdout_file,
+                stderr=stderr_file,
+                start_new_session=True,
+                close_fds=True,
+            )
+            timed_out = False
+            try:
+                returncode = process.wait(timeout=timeout_s + _STARTUP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                timed_out, returncode = True, None
+            _kill_group(process.pid)
+            if uid >= 0:
+                _reap_uid(uid)
+            process.wait()
+            stdout_file.seek(0)
+            stdout = stdout_file.read(max_output_bytes).decode("utf-8", errors="replace")
+            stderr_file.seek(0)
+            stderr = stderr_file.read(max_output_bytes).decode("utf-8", errors="replace")
+        return SandboxResult(returncode, stdout, stderr, timed_out)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _normalise_output(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.strip().splitlines())
+
+
+def _split_asserts(tests: str) -> tuple[str, list[str]]:
+    """(setup statements, one source string per top-level assert) of a test string."""
+    tree = ast.parse(tests)
+    setup, asserts = [], []
+    for node in tree.body:
+        (asserts if isinstance(node, ast.Assert) else setup).append(ast.get_source_segment(tests, node) or "")
+    return "\n".join(setup), asserts
+
+
+def run_code_tests(
+    completion: str,
+    tests: str | Sequence[dict[str, Any]],
+    *,
+    timeout_s: float = 4.0,
+    memory_mb: int = 300,
+    stop_at_first_failure: bool = True,
+    max_processes: int = DEFAULT_MAX_PROCESSES,
+) -> CodeResult:
+    """Runs the first code block of ``completion`` against ``tests``; never raises on model output.
+
+    Args:
+      completion: model output; the block is searched after ``</think>`` when present.
+      tests: assert string, or list of {"input", "output"} cases.
+      timeout_s: wall-clock (and CPU) limit per test process.
+      memory_mb: address-space limit per test process.
+      stop_at_first_failure: stop once a case fails (binary reward needs no more).
+      max_processes: RLIMIT_NPROC of the sandbox uid.
+    """
+    block = first_code_block(answer_region(str(completion)))
+    if block is None or block[0] not in PYTHON_TAGS:
+        return CodeResult(0, max(len(tests), 1) if not isinstance(tests, str) else 1, "no_code")
+    program = block[1]
+    limits = dict(timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes)
+    if isinstance(tests, str):
+        if stop_at_first_failure:
+            cases = [(program + "\n\n" + tests + "\n", "", None)]
+        else:
+            setup, asserts = _split_asserts(tests)
+            cases = [(program + "\n\n" + setup + "\n" + test + "\n", "", None) for test in asserts]
+    else:
+        cases = [(program, str(case["input"]), str(case["output"])) for case in tests]
+    if not cases:
+        return CodeResult(0, 0, "no_tests")
+    passed, any_timeout = 0, False
+    for source, stdin, expected in cases:
+        result = run_sandboxed(source, stdin=stdin, **limits)
+        any_timeout |= result.timed_out
+        ok = result.returncode == 0 and (
+            expected is None or _normalise_output(result.stdout) == _normalise_output(expected)
+        )
+        passed += ok
+        if not ok and stop_at_first_failure:
+            break
+    status = "correct" if passed == len(cases) else ("timeout" if any_timeout else "incorrect")
+    return CodeResult(passed, len(cases), status)
+
+
+def code_correctness(
+    completion: str,
+    tests: str | Sequence[dict[str, Any]],
+    *,
+    timeout_s: float = 4.0,
+    memory_mb: int = 300,
+    partial: bool = False,
+) -> float:
+    """1.0 if the completion's first code block passes every test (pass rate if ``partial``).
+
+    See the module docstring for the test conventions and the sandbox. Never raises on
+    model output.
+    """
+    try:
+        result = run_code_tests(
+            completion, tests, timeout_s=timeout_s, memory_mb=memory_mb, stop_at_first_failure=not partial
+        )
+    except (OSError, SyntaxError, ValueError, KeyError, TypeError):
+        return 0.0
+    return result.pass_rate if partial else float(result.all_passed)

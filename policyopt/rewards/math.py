@@ -1,0 +1,264 @@
+"""Math answer correctness: last ``\\boxed{...}`` compared with the reference by math-verify.
+
+Pipeline of :func:`math_correctness` (each step can only lower the cost of the next):
+
+1. *Answer region*: the text after ``</think>`` when the completion has one (the
+   reasoning is never graded), otherwise the whole completion.
+2. *Extraction*: the content of the last ``\\boxed{...}`` whose braces close, found by a
+   single linear scan (nested braces allowed; an unclosed box is no answer). The last
+   box is the one that *starts* last, as in the MATH / math-verify convention.
+3. *Exact fast path*: identical strings (after removing blanks and ``$``) are correct;
+   two plain decimal numbers (``-12``, ``0.50``) are compared exactly with
+   :class:`decimal.Decimal`, with no parser at all. Most answers of arithmetic tasks stop
+   here (microseconds).
+4. *Screen* of untrusted text before any parser sees it: answers longer than
+   ``MAX_ANSWER_CHARS``, nested deeper than ``MAX_NESTING``, or containing a power tower
+   (``10^{10^{10}}``, ``10**10**10``), a power with a huge literal exponent or a factorial
+   of a huge argument score 0 at once. These are exactly the inputs whose evaluation can
+   sit inside a single C call (big-integer arithmetic) that no time limit interrupts.
+5. *Symbolic comparison*: ``math_verify.parse`` of ``\\boxed{answer}`` and of the
+   reference, then ``math_verify.verify(gold, prediction)`` (numeric with 6-digit float
+   rounding, symbolic simplification, sets, intervals, equations, percentages), all
+   under one :func:`~policyopt.rewards.timelimit.time_limit`. math-verify's own
+   ``signal.alarm`` timeouts are switched off (they only work in the main thread, in
+   whole seconds). Nothing is ever ``eval``-ed: math-verify parses LaTeX with its own
+   grammar and builds SymPy objects; ``__import__('os')...`` is just an unparsable string.
+
+math-verify leniencies worth knowing (they are the community's conventions, kept):
+``50\\%`` equals both ``50`` and ``0.5``; ``x=3`` equals ``3``; ``\\text{(A)}`` equals
+``A``; decimals equal fractions when they agree to 6 places (``0.3333333`` = 1/3, but
+``0.333`` != 1/3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import decimal
+import functools
+import logging
+import re
+from typing import Any
+
+from policyopt.rewards.timelimit import VerifierTimeout, time_limit
+
+# Answers longer than this (characters inside the box) are rejected unread.
+MAX_ANSWER_CHARS = 1_000
+# Deepest allowed nesting of (), [], {} inside an answer.
+MAX_NESTING = 24
+# Literal exponents (and factorial arguments) with more digits than this are rejected.
+MAX_EXPONENT_DIGITS = 5
+MAX_FACTORIAL_DIGITS = 3
+# Default per-call limit for parsing + verification, seconds.
+DEFAULT_TIMEOUT_S = 2.0
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+_BOX_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\{|\}")
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)")
+_BLANKS = re.compile(r"\s+|\$|\\[,;:! ]|\\quad")
+
+
+@dataclasses.dataclass(frozen=True)
+class MathVerdict:
+    """Outcome of one math check.
+
+    Attributes:
+      score: 1.0 if the answer is equivalent to the reference, else 0.0.
+      status: "correct", "incorrect", "no_answer" (no closed box), "rejected" (failed the
+        screen of step 4) or "timeout" (the time limit expired: scored 0).
+      answer: the extracted answer text (None when there is no closed box).
+    """
+
+    score: float
+    status: str
+    answer: str | None = None
+
+
+def answer_region(completion: str) -> str:
+    """Text after the last ``</think>``, or the whole completion when there is none."""
+    cut = completion.rfind(THINK_CLOSE)
+    return completion if cut < 0 else completion[cut + len(THINK_CLOSE) :]
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) whose braces close.
+
+    One linear pass over brace tokens with a stack, so a megabyte of unclosed
+    ``\\boxed{`` costs linear time. "Last" means the box that starts last.
+
+    Returns:
+      The content between the box's braces, or None when no box closes.
+    """
+    stack: list[int] = []  # for each open brace: start of box content, or -1 for a plain brace
+    last_start, last_content = -1, None
+    for token in _BOX_TOKENS.finditer(text):
+        if token.group() == "}":
+            if not stack:
+                continue  # unmatched closing brace: ignore
+            start = stack.pop()
+            if start >= 0 and start > last_start:
+                last_start, last_content = start, text[start : token.start()]
+        elif token.group() == "{":
+            stack.append(-1)
+        else:
+            stack.append(token.end())
+    return last_content
+
+
+def _normalise(answer: str) -> str:
+    return _BLANKS.sub("", answer)
+
+
+def _plain_number(text: str) -> decimal.Decimal | None:
+    if len(text) > 100 or not _PLAIN_NUMBER.fullmatch(text):
+        return None
+    return decimal.Decimal(text)
+
+
+def _nesting_depth(text: str) -> int:
+    depth = deepest = 0
+    for char in text:
+        if char in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in ")]}":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+_POWER = re.compile(r"\^|\*\*")
+_FACTORIAL = re.compile(r"!")
+_DIGITS = re.compile(r"\d+")
+_OPENERS = {"{": "}", "(": ")", "[": "]"}
+
+
+def _operand_after(text: str, pos: int) -> tuple[str, int]:
+    """The exponent that follows a power operator ending at ``pos`` and where it ends."""
+    while pos < len(text) and text[pos] in " \t\n":
+        pos += 1
+    if pos < len(text) and text[pos] in _OPENERS:
+        closer, depth = _OPENERS[text[pos]], 0
+        for end in range(pos, len(text)):
+            if text[end] == text[pos]:
+                depth += 1
+            elif text[end] == closer:
+                depth -= 1
+                if depth == 0:
+                    return text[pos : end + 1], end + 1
+        return text[pos:], len(text)
+    match = re.compile(r"[+-]?[\w.\\]*").match(text, pos)
+    return match.group(), match.end()
+
+
+def _is_explosive(answer: str) -> bool:
+    """True for power towers, huge literal exponents and factorials of huge arguments."""
+    for power in _POWER.finditer(answer):
+        exponent, end = _operand_after(answer, power.end())
+        if _POWER.search(exponent) or _FACTORIAL.search(exponent):
+            return True  # a^(b^c) or a^(b!)
+        if _POWER.match(answer[end:].lstrip()):
+            return True  # a**b**c, which binds as a**(b**c)
+        if any(len(d) > MAX_EXPONENT_DIGITS for d in _DIGITS.findall(exponent)):
+            return True
+    for bang in _FACTORIAL.finditer(answer):
+        before = answer[: bang.start()].rstrip()
+        if before.endswith((")", "}", "]")):
+            opener = {")": "(", "}": "{", "]": "["}[before[-1]]
+            group = before[before.rfind(opener) :]
+            if _POWER.search(group) or any(
+                len(d) > MAX_FACTORIAL_DIGITS for d in _DIGITS.findall(group)
+            ):
+                return True
+        else:
+            digits = re.search(r"\d+$", before)
+            if digits and len(digits.group()) > MAX_FACTORIAL_DIGITS:
+                return True
+    return False
+
+
+def screen_answer(answer: str) -> bool:
+    """True when ``answer`` is safe to hand to the parser (see module docstring, step 4)."""
+    return (
+        len(answer) <= MAX_ANSWER_CHARS
+        and _nesting_depth(answer) <= MAX_NESTING
+        and not _is_explosive(answer)
+    )
+
+
+class _DropDisabledTimeoutWarning(logging.Filter):
+    """math-verify warns once that its timeouts are off; ours replace them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+@functools.cache
+def _math_verify() -> Any:
+    import math_verify  # deferred: importing SymPy takes about half a second
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_DropDisabledTimeoutWarning())
+    return math_verify
+
+
+def _reference_answer(reference: str) -> str:
+    boxed = extract_boxed(reference) if "\\boxed" in reference or "\\fbox" in reference else None
+    text = boxed if boxed is not None else reference
+    return text.strip().strip("$").strip()
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(reference_answer: str) -> list:
+    # Cached: the G samples of a group share their reference. Exceptions (timeouts) are
+    # not cached by lru_cache.
+    return _math_verify().parse("\\boxed{" + reference_answer + "}", parsing_timeout=None)
+
+
+def verify_math(completion: str, reference: str, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> MathVerdict:
+    """Grades one math completion; never raises on model output.
+
+    Args:
+      completion: model output (text after the prompt).
+      reference: reference answer, plain (``"3/4"``, ``"\\frac{3}{4}"``) or boxed.
+      timeout_s: wall-clock limit for parsing and verification; None: no limit.
+
+    Returns:
+      A :class:`MathVerdict` (score 1.0 / 0.0 and the reason).
+    """
+    try:
+        answer = extract_boxed(answer_region(str(completion)))
+        if answer is None:
+            return MathVerdict(0.0, "no_answer")
+        gold = _reference_answer(str(reference))
+        answer_key, gold_key = _normalise(answer), _normalise(gold)
+        if not answer_key:
+            return MathVerdict(0.0, "incorrect", answer)
+        if answer_key == gold_key:
+            return MathVerdict(1.0, "correct", answer)
+        answer_number, gold_number = _plain_number(answer_key), _plain_number(gold_key)
+        if answer_number is not None and gold_number is not None:
+            ok = answer_number == gold_number
+            return MathVerdict(float(ok), "correct" if ok else "incorrect", answer)
+        if not screen_answer(answer) or not screen_answer(gold):
+            return MathVerdict(0.0, "rejected", answer)
+        math_verify = _math_verify()
+        with time_limit(timeout_s):
+            gold_parsed = _parse_gold(gold)
+            parsed = math_verify.parse("\\boxed{" + answer + "}", parsing_timeout=None)
+            ok = bool(math_verify.verify(gold_parsed, parsed, timeout_seconds=None))
+        return MathVerdict(float(ok), "correct" if ok else "incorrect", answer)
+    except VerifierTimeout:
+        return MathVerdict(0.0, "timeout")
+    except Exception:  # noqa: BLE001 - a verifier bug must not crash training; scored 0
+        logging.getLogger(__name__).debug("math verifier error", exc_info=True)
+        return MathVerdict(0.0, "incorrect")
+
+
+def math_correctness(completion: str, reference: str, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> float:
+    """1.0 if the last ``\\boxed{}`` answer of ``completion`` equals ``reference``, else 0.0.
+
+    See the module docstring for the pipeline (fast exact path, screen, math-verify under
+    a time limit). Never raises on model output.
+    """
+    return verify_math(completion, reference, timeout_s=timeout_s).score

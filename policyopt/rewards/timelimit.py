@@ -1,0 +1,126 @@
+"""Wall-clock time limits for in-process verifiers (math-verify, SymPy).
+
+math-verify's own timeout (``math_verify.utils.timeout``) uses ``signal.alarm``: whole
+seconds only, and it raises ``ValueError`` when called from any thread but the main one.
+It also re-arms the same process-wide alarm timer that an outer limit would use. The
+rewards module therefore switches math-verify's timeouts off and wraps every call in
+:func:`time_limit`, which works in any thread:
+
+* main thread: ``signal.setitimer(ITIMER_REAL)`` with a ``SIGALRM`` handler (sub-second
+  resolution; also interrupts blocking system calls);
+* other threads: a watchdog thread that injects the exception into the verifying thread
+  with ``PyThreadState_SetAsyncExc``.
+
+Both deliver :class:`VerifierTimeout` at the next Python bytecode boundary. A computation
+stuck inside one C call (e.g. a Python ``int`` power with a ten-billion-digit result) is
+not interruptible by either mechanism; :mod:`policyopt.rewards.math` screens such inputs
+out before they reach SymPy, and :func:`policyopt.rewards.score_batch` adds a per-batch
+deadline enforced by killing worker processes.
+
+:class:`VerifierTimeout` derives from ``BaseException`` so that the many ``except
+Exception`` clauses inside math-verify and SymPy cannot swallow it; if some code does
+swallow it anyway (a bare ``except:``), the limit fires again every
+``_REFIRE_S`` seconds until the guarded block exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import signal
+import threading
+from collections.abc import Iterator
+
+# After the first expiry, fire again this often until the guarded block exits.
+_REFIRE_S = 0.05
+
+
+class VerifierTimeout(BaseException):
+    """A verifier ran past its time limit (BaseException: ``except Exception`` misses it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raises :class:`VerifierTimeout` inside the block once ``seconds`` have elapsed.
+
+    Args:
+      seconds: wall-clock limit; ``None`` or ``<= 0`` means no limit.
+
+    Works in the main thread (``SIGALRM`` timer) and in any other thread (watchdog thread
+    with an asynchronous exception). Not re-entrant in the main thread: an inner limit
+    replaces the outer one until it exits.
+    """
+    if seconds is None or seconds <= 0:
+        yield
+        return
+    if threading.current_thread() is threading.main_thread():
+        with _signal_limit(float(seconds)):
+            yield
+    else:
+        with _watchdog_limit(float(seconds)):
+            yield
+
+
+@contextlib.contextmanager
+def _signal_limit(seconds: float) -> Iterator[None]:
+    active = [True]
+
+    def handler(signum, frame):
+        if not active[0]:
+            return  # the block has finished: a late signal is ignored
+        signal.setitimer(signal.ITIMER_REAL, _REFIRE_S)
+        raise VerifierTimeout(f"verifier exceeded {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        # The handler may fire while we clean up; retry until `active` is False, after
+        # which it never raises again.
+        while True:
+            try:
+                active[0] = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+                break
+            except VerifierTimeout:
+                continue
+
+
+def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None
+    )
+
+
+@contextlib.contextmanager
+def _watchdog_limit(seconds: float) -> Iterator[None]:
+    thread_id = threading.get_ident()
+    lock = threading.Lock()
+    stop = threading.Event()
+    active = [True]
+
+    def watchdog():
+        wait_s = seconds
+        while not stop.wait(wait_s):
+            with lock:
+                if not active[0]:
+                    return
+                _set_async_exc(thread_id, VerifierTimeout)
+            wait_s = _REFIRE_S
+
+    watcher = threading.Thread(target=watchdog, name="verifier-time-limit", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        while True:
+            try:
+                with lock:
+                    active[0] = False
+                    _set_async_exc(thread_id, None)  # clear an exception not yet raised
+                stop.set()
+                break
+            except VerifierTimeout:
+                continue
