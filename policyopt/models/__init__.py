@@ -1,0 +1,28 @@
+"""Dense and Mixture-of-Experts transformers (Qwen3 / Qwen3-MoE architecture) with
+routing capture and replay, a KV cache, and HuggingFace checkpoint import / export.
+
+    from policyopt.models import ModelConfig, Transformer, from_pretrained, save_pretrained
+    model = Transformer(ModelConfig(...), rngs=nnx.Rngs(0))
+    out = model(tokens)                        # out.logits, out.hidden, out.routing, out.aux
+    model(tokens, routing=out.routing)         # routing replay (R2 / R3)
+"""
+
+from policyopt.models.attention import KVCache
+from policyopt.models.config import ModelConfig
+from policyopt.models.presets import PRESETS, preset
+from policyopt.models.sharding import LOGICAL_AXIS_RULES, logical_to_mesh_axes, param_partition_specs
+from policyopt.models.transformer import ModelOutput, Transformer
+
+__all__ = [
+    "KVCache", "ModelConfig", "ModelOutput", "Transformer", "preset", "PRESETS",
+    "LOGICAL_AXIS_RULES", "logical_to_mesh_axes",
+    "param_partition_specs",
+]
+
+
+def __getattr__(name):
+  # hf.py imports safetensors; load it on first use only.
+  if name in ("from_pretrained", "save_pretrained", "config_from_hf", "config_to_hf"):
+    from policyopt.models import hf
+    return getattr(hf, name)
+  raise AttributeError(f"module 'policyopt.models' has no attribute {name!r}")

@@ -1,0 +1,176 @@
+"""Mixture-of-Experts block: router, top-k routing (captured or replayed), dropless
+ragged dispatch and capacity-factor one-hot dispatch, auxiliary outputs.
+
+Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per token:
+
+  1. Router logits   z = x W_r                        [N, E]   (float32)
+  2. Probabilities   p = softmax(z)                   [N, E]
+  3. Selection       e = top_k(p, k)                  [N, k]   int32, best first
+     -- or, under replay (R2 / R3, see PAPERS.md), e = the given routing: only the
+     *selection* is replayed.
+  4. Gate weights    g_j = p[e_j]  and, if norm_topk_prob, g_j /= sum_j g_j
+     (= softmax of z over the k selected experts). Always recomputed from the *current*
+     logits, so under replay the router still receives gradient through g.
+  5. Experts         y = sum_j g_j * SwiGLU_{e_j}(x)   via one of two dispatches:
+
+     ragged (dropless, default; MegaBlocks / MaxText "sparse matmul"):
+       a. flatten the N*k token copies, argsort them by expert id (stable)
+       b. group sizes = bincount(expert ids, E)
+       c. gather x in that order and run the three expert matmuls as
+          jax.lax.ragged_dot (one grouped GEMM per projection)
+       d. scatter the outputs back to copy order, weight by g and sum over the k copies.
+
+     capacity (GShard / Switch Transformer): every expert has a buffer of
+       C = ceil(capacity_factor * N * k / E) copies; copies claim buffer positions in
+       priority order (all first choices, then all second choices, ...; token order
+       within a choice), copies beyond C are dropped (their contribution is zero and
+       they are counted). Dispatch and combine are one-hot einsums [N, E, C].
+
+  6. Auxiliary outputs over the valid (non-padding) tokens:
+       tokens_per_expert c_e = number of copies routed to e            [E]
+       load-balancing loss = E * sum_e f_e P_e, f_e = c_e / (N_valid k),
+         P_e = mean_n p_ne   (Switch Transformer eq. 4; 1 at perfect balance)
+       router z-loss = mean_n logsumexp(z_n)^2                  (ST-MoE eq. 5)
+       dropped_tokens = copies dropped by the capacity path (0 for ragged).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from policyopt.models.config import ModelConfig
+from policyopt.models.layers import param
+
+
+def route(router_logits: jax.Array, k: int, norm_topk_prob: bool,
+          routing: jax.Array | None = None):
+  """Steps 2-4: select k experts per token (or take the replayed ones) and gate them.
+
+  Args:
+    router_logits: float32 [N, E].
+    k: experts per token.
+    norm_topk_prob: renormalise the gathered probabilities over the k experts.
+    routing: int32 [N, k] experts to replay, or None to choose top-k.
+  Returns:
+    expert_ids int32 [N, k], gates float32 [N, k], probs float32 [N, E].
+  """
+  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+  if routing is None:
+    _, expert_ids = jax.lax.top_k(probs, k)
+  else:
+    # Out-of-range ids cannot raise inside jit; clip them so they stay harmless.
+    expert_ids = jnp.clip(routing, 0, probs.shape[-1] - 1)
+  expert_ids = expert_ids.astype(jnp.int32)
+  gates = jnp.take_along_axis(probs, expert_ids, axis=-1)
+  if norm_topk_prob:
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+  return expert_ids, gates, probs
+
+
+def ragged_experts(x, expert_ids, gates, w_gate, w_up, w_down):
+  """Step 5, dropless: sort copies by expert, grouped matmuls, unsort, weighted sum.
+
+  Args:
+    x: [N, D]; expert_ids: int32 [N, k]; gates: [N, k];
+    w_gate, w_up: [E, D, F]; w_down: [E, F, D] (all in the compute dtype).
+  Returns:
+    [N, D].
+  """
+  n, k = expert_ids.shape
+  num_experts = w_gate.shape[0]
+  flat_ids = expert_ids.reshape(-1)                                  # [N*k]
+  order = jnp.argsort(flat_ids, stable=True)                          # copies by expert
+  group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+  x_sorted = jnp.take(x, order // k, axis=0)                          # [N*k, D]
+  gate = jax.lax.ragged_dot(x_sorted, w_gate, group_sizes)
+  up = jax.lax.ragged_dot(x_sorted, w_up, group_sizes)
+  y_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
+  y_copies = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
+  y_copies = y_copies.reshape(n, k, -1)
+  return jnp.einsum("nkd,nk->nd", y_copies, gates.astype(y_copies.dtype))
+
+
+def capacity_experts(x, expert_ids, gates, valid, w_gate, w_up, w_down, capacity: int):
+  """Step 5, capacity factor: one-hot dispatch into [E, C] buffers, overflow dropped.
+
+  Args:
+    x: [N, D]; expert_ids: int32 [N, k]; gates: [N, k]; valid: bool [N] (padding tokens
+      take no buffer space); w_*: as in ragged_experts; capacity: C.
+  Returns:
+    (y [N, D], dropped: float32 scalar number of valid copies that found no slot).
+  """
+  n, k = expert_ids.shape
+  num_experts = w_gate.shape[0]
+  onehot = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.int32) * valid[:, None, None]
+  # Priority: choice j of every token before choice j+1 of any token.
+  by_choice = onehot.transpose(1, 0, 2).reshape(k * n, num_experts)
+  position = jnp.sum((jnp.cumsum(by_choice, axis=0) - 1) * by_choice, axis=-1)
+  position = position.reshape(k, n).T                                # [N,k]
+  kept = (position < capacity) & valid[:, None]
+  dropped = jnp.sum(valid[:, None] & ~kept).astype(jnp.float32)
+  slot = jax.nn.one_hot(jnp.where(kept, position, capacity), capacity, dtype=x.dtype)
+  expert_onehot = onehot.astype(x.dtype) * kept[..., None].astype(x.dtype)   # [N,k,E]
+  dispatch = jnp.einsum("nke,nkc->nec", expert_onehot, slot)
+  combine = jnp.einsum("nke,nkc->nec", expert_onehot * gates[..., None].astype(x.dtype), slot)
+  expert_in = jnp.einsum("nec,nd->ecd", dispatch, x)
+  h = (jax.nn.silu(jnp.einsum("ecd,edf->ecf", expert_in, w_gate))
+       * jnp.einsum("ecd,edf->ecf", expert_in, w_up))
+  expert_out = jnp.einsum("ecf,efd->ecd", h, w_down)
+  return jnp.einsum("nec,ecd->nd", combine, expert_out), dropped
+
+
+def router_aux(router_logits, probs, expert_ids, valid, num_experts: int):
+  """Step 6: load-balancing loss, router z-loss and tokens per expert over valid tokens."""
+  k = expert_ids.shape[-1]
+  valid_f = valid.astype(jnp.float32)
+  n_valid = jnp.maximum(jnp.sum(valid_f), 1.0)
+  counts = jnp.sum(jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32)
+                   * valid_f[:, None, None], axis=(0, 1))              # [E]
+  fraction = counts / (n_valid * k)
+  mean_prob = jnp.sum(probs * valid_f[:, None], axis=0) / n_valid
+  load_balancing = num_experts * jnp.sum(fraction * mean_prob)
+  z = jax.nn.logsumexp(router_logits.astype(jnp.float32), axis=-1)
+  z_loss = jnp.sum(valid_f * z * z) / n_valid
+  return {"load_balancing_loss": load_balancing, "router_z_loss": z_loss,
+          "tokens_per_expert": counts}
+
+
+class MoE(nnx.Module):
+  """Qwen3-MoE sparse block: linear router + E SwiGLU experts (see module docstring)."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    d, f, e = config.hidden_size, config.expert_intermediate_size, config.num_experts
+    std, pdt = config.initializer_range, config.weight_dtype
+    self.config = config
+    self.router = param(rngs, (d, e), ("embed", None), std=std, dtype=pdt)
+    self.gate_proj = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std=std, dtype=pdt)
+    self.up_proj = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std=std, dtype=pdt)
+    self.down_proj = param(rngs, (e, f, d), ("expert", "mlp", "embed"), std=std, dtype=pdt)
+
+  def __call__(self, x: jax.Array, token_mask: jax.Array, routing: jax.Array | None = None):
+    """Args:
+      x: [B, T, D]; token_mask: bool [B, T]; routing: int32 [B, T, k] to replay or None.
+    Returns:
+      (y [B, T, D], routing int32 [B, T, k], aux dict of float32: load_balancing_loss,
+       router_z_loss, dropped_tokens scalars and tokens_per_expert [E]).
+    """
+    cfg = self.config
+    b, t, d = x.shape
+    k, dt = cfg.num_experts_per_tok, cfg.compute_dtype
+    flat = x.reshape(b * t, d)
+    valid = token_mask.reshape(b * t)
+    logits = flat.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+    replay = None if routing is None else routing.reshape(b * t, k)
+    expert_ids, gates, probs = route(logits, k, cfg.norm_topk_prob, replay)
+    weights = [w[...].astype(dt) for w in (self.gate_proj, self.up_proj, self.down_proj)]
+    if cfg.moe_dispatch == "ragged":
+      y = ragged_experts(flat.astype(dt), expert_ids, gates, *weights)
+      dropped = jnp.zeros((), jnp.float32)
+    else:
+      y, dropped = capacity_experts(flat.astype(dt), expert_ids, gates, valid, *weights,
+                                    capacity=cfg.expert_capacity(b * t))
+    aux = router_aux(logits, probs, expert_ids, valid, cfg.num_experts)
+    aux["dropped_tokens"] = dropped
+    return y.reshape(b, t, d), expert_ids.reshape(b, t, k), aux

@@ -1,0 +1,42 @@
+"""Named model sizes. ``preset(name, vocab_size=None, **overrides) -> ModelConfig``.
+
+  tiny_dense, tiny_moe  trains on a laptop CPU in minutes (tests, smoke runs)
+  moe_7m                4 layers, D=256, 8 experts top-2, V=512 (sampler benchmark)
+  moe_0p5b              ~0.5B total parameters, 32 experts top-4 (accelerator benchmark)
+  qwen3_30b_a3b         the shape of Qwen3-30B-A3B (48 layers, 128 experts top-8)
+"""
+
+from __future__ import annotations
+
+from policyopt.models.config import ModelConfig
+
+PRESETS: dict[str, dict] = {
+    "tiny_dense": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, intermediate_size=128, rope_theta=1e4),
+    "tiny_moe": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=16, intermediate_size=128, num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=64, rope_theta=1e4),
+    "moe_7m": dict(vocab_size=512, hidden_size=256, num_layers=4, num_heads=4,
+                   num_kv_heads=2, head_dim=64, intermediate_size=512, num_experts=8,
+                   num_experts_per_tok=2, moe_intermediate_size=256, rope_theta=1e4),
+    "moe_0p5b": dict(vocab_size=32768, hidden_size=1024, num_layers=12, num_heads=16,
+                     num_kv_heads=4, head_dim=64, intermediate_size=2816, num_experts=32,
+                     num_experts_per_tok=4, moe_intermediate_size=352),
+    # Qwen3-30B-A3B config.json (Qwen team, 2025).
+    "qwen3_30b_a3b": dict(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+                          num_kv_heads=4, head_dim=128, intermediate_size=6144,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6,
+                          max_position_embeddings=40960),
+}
+
+
+def preset(name: str, vocab_size: int | None = None, **overrides) -> ModelConfig:
+  """The ModelConfig of preset ``name``, with ``vocab_size`` and any field overridden."""
+  if name not in PRESETS:
+    raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
+  fields = dict(PRESETS[name])
+  if vocab_size is not None:
+    fields["vocab_size"] = vocab_size
+  fields.update(overrides)
+  return ModelConfig(**fields)

@@ -1,0 +1,201 @@
+"""Transformer: hand-worked layers, KV-cache decoding equals the full forward, padding,
+routing capture / replay plumbing, mixed precision, config errors, presets, jit."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from policyopt.models import KVCache, ModelConfig, ModelOutput, Transformer, preset
+from policyopt.models.layers import RMSNorm, apply_rope, rope_cos_sin
+from policyopt.models.sharding import logical_to_mesh_axes, param_partition_specs
+
+TINY = dict(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+            head_dim=8, intermediate_size=48, rope_theta=1e4)
+
+
+def _model(**overrides):
+  cfg = ModelConfig(**{**TINY, **overrides})
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  # Larger weights than the 0.02 default make attention and routing non-trivial.
+  state = nnx.state(model, nnx.Param)
+  state = jax.tree.map(lambda x: x * 10.0 if x.ndim > 1 else x, state)
+  nnx.update(model, state)
+  return model
+
+
+def test_rmsnorm_hand_worked():
+  norm = RMSNorm(2, eps=0.0, param_dtype=jnp.float32)
+  # x = (3, 4): rms = sqrt((9 + 16) / 2) = 5 / sqrt 2.
+  np.testing.assert_allclose(norm(jnp.array([3.0, 4.0])),
+                             [3 * np.sqrt(2) / 5, 4 * np.sqrt(2) / 5], rtol=1e-6)
+
+
+def test_rope_hand_worked():
+  # Dh = 2: one frequency (theta^0 = 1); position p rotates (a, b) by angle p.
+  x = jnp.array([1.0, 2.0]).reshape(1, 1, 1, 2)
+  cos, sin = rope_cos_sin(jnp.array([[3]]), 2, 1e4)
+  got = apply_rope(x, cos, sin).reshape(2)
+  want = [np.cos(3) * 1 - np.sin(3) * 2, np.sin(3) * 1 + np.cos(3) * 2]
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  cos0, sin0 = rope_cos_sin(jnp.zeros((1, 1), jnp.int32), 8, 1e4)
+  x8 = jnp.arange(8.0).reshape(1, 1, 1, 8)
+  np.testing.assert_allclose(apply_rope(x8, cos0, sin0), x8)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_output_shapes(moe):
+  model = _model(num_experts=4 if moe else 0, moe_intermediate_size=16)
+  tokens = jnp.ones((3, 5), jnp.int32)
+  out = model(tokens)
+  assert isinstance(out, ModelOutput)
+  assert out.logits.shape == (3, 5, 40) and out.logits.dtype == jnp.float32
+  assert out.hidden.shape == (3, 5, 32)
+  np.testing.assert_allclose(out.logits, out.hidden @ model.output_embedding(), rtol=1e-5, atol=1e-5)
+  assert model(tokens, return_logits=False).logits is None
+  if moe:
+    assert out.routing.shape == (2, 3, 5, 2) and out.routing.dtype == jnp.int32
+    assert out.aux["tokens_per_expert"].shape == (2, 4)
+    np.testing.assert_allclose(out.aux["tokens_per_expert"].sum(-1), [30, 30])
+  else:
+    assert out.routing is None and out.aux == {}
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_kv_cache_prefill_then_decode_equals_full_forward(moe):
+  model = _model(num_experts=4 if moe else 0, moe_intermediate_size=16)
+  tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 40)
+  full = model(tokens)
+  cache = model.init_cache(2, 12)
+  prefill = model(tokens[:, :5], cache=cache)
+  np.testing.assert_allclose(prefill.logits, full.logits[:, :5], rtol=1e-5, atol=1e-5)
+  cache = prefill.cache
+  assert int(cache.index) == 5
+  for step in range(5, 9):
+    positions = jnp.full((2, 1), step, jnp.int32)
+    out = model(tokens[:, step:step + 1], positions=positions, cache=cache)
+    np.testing.assert_allclose(out.logits[:, 0], full.logits[:, step], rtol=1e-5, atol=1e-5)
+    if moe:
+      np.testing.assert_array_equal(out.routing[:, :, 0], full.routing[:, :, step])
+    cache = out.cache
+  assert int(cache.index) == 9
+  np.testing.assert_array_equal(cache.key_mask, np.arange(12)[None, :].repeat(2, 0) < 9)
+
+
+def test_right_padded_prompts_decode_like_unpadded():
+  """Row 0 has a 3-token prompt padded to 5, row 1 a full 5-token prompt; decoding with
+  per-row positions gives, on every row, the logits of that row run alone unpadded."""
+  model = _model(num_experts=4, moe_intermediate_size=16)
+  rng = np.random.default_rng(0)
+  prompts = jnp.asarray(rng.integers(1, 40, size=(2, 5)), jnp.int32)
+  lengths = np.array([3, 5])
+  new_tokens = jnp.asarray(rng.integers(1, 40, size=(2, 3)), jnp.int32)
+  mask = jnp.asarray(np.arange(5)[None, :] < lengths[:, None], jnp.int32)
+  cache = model.init_cache(2, 8)
+  out = model(prompts, attention_mask=mask, cache=cache)
+  cache = out.cache
+  batched = []
+  for step in range(3):
+    positions = jnp.asarray(lengths[:, None] + step, jnp.int32)
+    out = model(new_tokens[:, step:step + 1], positions=positions, cache=cache)
+    batched.append(out.logits[:, 0])
+    cache = out.cache
+  for row in range(2):
+    seq = jnp.concatenate([prompts[row, :lengths[row]], new_tokens[row]])[None]
+    alone = model(seq)
+    for step in range(3):
+      np.testing.assert_allclose(batched[step][row], alone.logits[0, lengths[row] + step],
+                                 rtol=1e-5, atol=1e-5)
+  # Full-forward with a padding mask: the real tokens' logits do not see the padding.
+  out = model(prompts, attention_mask=mask)
+  alone = model(prompts[:1, :3])
+  np.testing.assert_allclose(out.logits[0, :3], alone.logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_padding_tokens_excluded_from_router_statistics():
+  model = _model(num_experts=4, moe_intermediate_size=16)
+  tokens = jnp.ones((2, 4), jnp.int32)
+  mask = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0]])
+  out = model(tokens, attention_mask=mask)
+  np.testing.assert_allclose(out.aux["tokens_per_expert"].sum(-1), [10, 10])
+
+
+def test_moe_layer_subset_and_routing_shape_errors():
+  model = _model(num_layers=3, num_experts=4, moe_intermediate_size=16, moe_layers=(1,))
+  tokens = jnp.ones((1, 4), jnp.int32)
+  out = model(tokens)
+  assert out.routing.shape == (1, 1, 4, 2)
+  np.testing.assert_allclose(model(tokens, routing=out.routing).logits, out.logits)
+  with pytest.raises(ValueError, match="L_moe"):
+    model(tokens, routing=jnp.zeros((3, 1, 4, 2), jnp.int32))
+  with pytest.raises(ValueError, match="dense"):
+    _model()(tokens, routing=out.routing)
+
+
+def test_tied_embeddings():
+  model = _model(tie_word_embeddings=True)
+  assert not hasattr(model, "lm_head")
+  np.testing.assert_array_equal(model.output_embedding(), model.embed[...].T)
+
+
+def test_bfloat16_compute():
+  model = _model(num_experts=4, moe_intermediate_size=16)
+  tokens = jax.random.randint(jax.random.key(2), (2, 6), 0, 40)
+  ref = model(tokens).logits
+  model_bf16 = Transformer(model.config.replace(dtype="bfloat16"), rngs=nnx.Rngs(0))
+  nnx.update(model_bf16, nnx.state(model, nnx.Param))
+  out = model_bf16(tokens)
+  assert out.logits.dtype == jnp.float32 and out.hidden.dtype == jnp.bfloat16
+  assert model_bf16.init_cache(1, 4).k.dtype == jnp.bfloat16
+  rel = float(jnp.linalg.norm(out.logits - ref) / jnp.linalg.norm(ref))
+  assert rel < 0.05
+
+
+def test_split_merge_jit_compiles_once():
+  model = _model(num_experts=4, moe_intermediate_size=16)
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def forward(state, tokens, cache):
+    out = nnx.merge(graphdef, state)(tokens, cache=cache, positions=jnp.zeros_like(tokens) + cache.index)
+    return out.logits, out.cache, out.routing
+
+  cache = model.init_cache(2, 4)
+  for step in range(3):
+    logits, cache, routing = forward(state, jnp.full((2, 1), step, jnp.int32), cache)
+  assert int(cache.index) == 3 and isinstance(cache, KVCache)
+
+
+def test_config_errors_name_the_field():
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    ModelConfig(**{**TINY, "num_kv_heads": 3})
+  with pytest.raises(ValueError, match="moe_dispatch"):
+    ModelConfig(**TINY, num_experts=4, moe_dispatch="dense")
+  with pytest.raises(ValueError, match="num_experts_per_tok"):
+    ModelConfig(**TINY, num_experts=4, num_experts_per_tok=5)
+  with pytest.raises(ValueError, match="moe_layers"):
+    ModelConfig(**TINY, num_experts=4, moe_layers=(2,))
+  with pytest.raises(ValueError, match="unknown model preset"):
+    preset("tiny")
+
+
+@pytest.mark.parametrize("name,expected_millions", [
+    ("moe_7m", 7.35), ("moe_0p5b", 514.2), ("qwen3_30b_a3b", 30532.1)])
+def test_preset_parameter_counts(name, expected_millions):
+  abstract = nnx.eval_shape(lambda: Transformer(preset(name), rngs=nnx.Rngs(0)))
+  count = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+  assert abs(count / 1e6 - expected_millions) < 0.1
+  assert preset("tiny_moe", vocab_size=77, num_layers=3).vocab_size == 77
+
+
+def test_logical_axes_and_rules():
+  model = _model(num_experts=4, moe_intermediate_size=16)
+  specs = param_partition_specs(nnx.state(model, nnx.Param))
+  moe = specs["layers"][0]["mlp"]
+  assert moe["gate_proj"] == jax.sharding.PartitionSpec("expert", "fsdp", "tensor")
+  assert specs["embed"] == jax.sharding.PartitionSpec("tensor", "fsdp")
+  assert logical_to_mesh_axes(("embed", "mlp"), mesh_axis_names=("fsdp",)) == \
+      jax.sharding.PartitionSpec("fsdp", None)
