@@ -6,6 +6,7 @@ Both expose the same small interface, which is all the trainer and the sampler u
 tokenizer.encode(text) -> list[int]            # no BOS/EOS added
 tokenizer.decode(ids, skip_special=True) -> str
 tokenizer.encode_prompt(prompt) -> list[int]   # what the policy is conditioned on
+tokenizer.wrap_prompt(ids) -> list[int]         # the same, from encoded prompt text
 tokenizer.encode_response(response) -> list[int]   # the SFT target, ending with EOS
 tokenizer.vocab_size, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
 tokenizer.save(path); load_tokenizer(path)
@@ -124,7 +125,11 @@ class CharTokenizer:
 
   def encode_prompt(self, prompt: str) -> list[int]:
     """`[BOS] + encode(prompt)`: the ids the policy is conditioned on."""
-    return [self.bos_id] + self.encode(prompt)
+    return self.wrap_prompt(self.encode(prompt))
+
+  def wrap_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+    """The template around already encoded prompt text: `[BOS] + prompt_ids`."""
+    return [self.bos_id] + list(prompt_ids)
 
   def encode_response(self, response: str) -> list[int]:
     """`encode(response) + [EOS]`: the SFT target (the policy must learn to stop)."""
@@ -280,13 +285,18 @@ class HFTokenizer:
 
   def encode_prompt(self, prompt: str) -> list[int]:
     """The prompt with the chat template applied (see the class docstring)."""
+    return self.wrap_prompt(self.encode(prompt))
+
+  def wrap_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+    """The chat template around already encoded prompt text (the text is tokenized on
+    its own, so truncating `prompt_ids` never cuts into the template)."""
     if self.chat_template == "chatml":
       start, end = self.token_to_id("<|im_start|>"), self.token_to_id("<|im_end|>")
       newline = self.encode("\n")
-      return ([start] + self.encode("user\n") + self.encode(prompt) + [end] + newline +
+      return ([start] + self.encode("user\n") + list(prompt_ids) + [end] + newline +
               [start] + self.encode("assistant\n"))
     prefix = [self._bos_id] if self._bos_id is not None else []
-    return prefix + self.encode(prompt)
+    return prefix + list(prompt_ids)
 
   def encode_response(self, response: str) -> list[int]:
     """`encode(response) + [EOS]`."""
