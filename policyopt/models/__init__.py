@@ -15,7 +15,7 @@ from policyopt.models.transformer import ModelOutput, Transformer
 
 __all__ = [
     "KVCache", "ModelConfig", "ModelOutput", "Transformer", "preset", "PRESETS",
-    "LOGICAL_AXIS_RULES", "logical_to_mesh_axes",
+    "from_pretrained", "save_pretrained", "LOGICAL_AXIS_RULES", "logical_to_mesh_axes",
     "param_partition_specs",
 ]
 
