@@ -191,22 +191,36 @@ def _count_processes(uid: int) -> int:
     return count
 
 
-def _reap_uid(uid: int) -> None:
-    """SIGKILLs every process owned by ``uid`` until none is left (fork races included)."""
-    for _ in range(100):
-        found = False
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
+def _live_processes(uid: int) -> list[int]:
+    """Pids owned by ``uid`` that are not zombies (a zombie waits only for its reaper)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != uid:
                 continue
-            try:
-                if entry.stat().st_uid == uid:
-                    os.kill(int(entry.name), signal.SIGKILL)
-                    found = True
-            except (OSError, ValueError):
-                pass
-        if not found:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in (b"Z", b"X"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def _reap_uid(uid: int) -> None:
+    """SIGKILLs every live process owned by ``uid`` until none is left (fork races included)."""
+    for _ in range(200):
+        pids = _live_processes(uid)
+        if not pids:
             return
-        time.sleep(0.001)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.002)
 
 
 def run_sandboxed(

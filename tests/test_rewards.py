@@ -1,0 +1,451 @@
+"""Rewards: math verifier table, time limits, format, length, language and batch scoring.
+
+The code sandbox has its own file, tests/test_rewards_code.py.
+"""
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from policyopt.rewards import (
+    RewardSpec,
+    VerifierTimeout,
+    extract_boxed,
+    format_ok,
+    identify_language,
+    languages_consistent,
+    math_correctness,
+    overlong_penalties,
+    overlong_penalty,
+    score_batch,
+    strip_latex_and_code,
+    time_limit,
+    verify_math,
+)
+
+
+def boxed(answer: str) -> str:
+    return f"<think>Let me work it out step by step.</think> The answer is \\boxed{{{answer}}}."
+
+
+MEGABYTE = 1 << 20
+
+# (completion, reference, expected score)
+MATH_CASES = [
+    # Equivalent forms.
+    (boxed(r"\frac{1}{2}"), "0.5", 1.0),
+    (boxed("0.5"), r"\frac12", 1.0),
+    (boxed(r"2\sqrt{2}"), r"\sqrt{8}", 1.0),
+    (boxed("1/2"), r"\frac{1}{2}", 1.0),
+    (boxed(r"\dfrac{3}{4}"), "0.75", 1.0),
+    (boxed(r"\frac{6}{8}"), r"\frac{3}{4}", 1.0),
+    (boxed(r"50\%"), "50", 1.0),
+    (boxed(r"50\%"), "0.5", 1.0),  # math-verify accepts both readings of a percentage
+    (boxed(r"\{1,2\}"), r"\{2,1\}", 1.0),
+    (boxed(r"\{3, 1, 2\}"), r"\{1,2,3\}", 1.0),
+    (boxed("(0,1]"), "(0, 1]", 1.0),
+    (boxed(r"[1,2)\cup(3,4]"), r"[1,2) \cup (3,4]", 1.0),
+    (boxed("1,000"), "1000", 1.0),
+    (boxed("x=3"), "3", 1.0),
+    (boxed("5.0"), "5", 1.0),
+    (boxed("0.50"), ".5", 1.0),
+    (boxed("+7"), "7", 1.0),
+    (boxed("-0"), "0", 1.0),
+    (boxed(" 42 "), "42", 1.0),
+    (boxed("12"), "12", 1.0),
+    (boxed(r"-\frac{1}{2}"), r"\frac{-1}{2}", 1.0),
+    (boxed("2^{10}"), "1024", 1.0),
+    (boxed("10^{3}"), "1000", 1.0),
+    (boxed(r"3\times 4"), "12", 1.0),
+    (boxed("x^2+2x+1"), "(x+1)^2", 1.0),
+    (boxed("2x+3"), "3+2x", 1.0),
+    (boxed(r"\infty"), r"\infty", 1.0),
+    (boxed("0.3333333"), r"\frac13", 1.0),  # agrees with 1/3 to 6 places
+    (boxed(r"\pi/2"), r"\frac{\pi}{2}", 1.0),
+    (boxed(r"\frac{\sqrt{2}}{2}"), r"\frac{1}{\sqrt{2}}", 1.0),
+    (boxed(r"5 \text{ cm}"), "5", 1.0),
+    (boxed(r"\text{(A)}"), "A", 1.0),
+    (boxed(r"\left(1, 2\right)"), "(1,2)", 1.0),
+    (boxed("7"), r"\boxed{7}", 1.0),  # boxed reference
+    (boxed("7"), 7, 1.0),  # non-string reference
+    (boxed(r"\boxed{5}"), "5", 1.0),  # nested box: the inner one starts last
+    (r"<think>\boxed{3}</think> First \boxed{3}, final \boxed{4}.", "4", 1.0),
+    (r"<think>I guess \boxed{1}.</think> So \boxed{2}.", "2", 1.0),
+    # Wrong answers that look right.
+    (boxed("0.333"), r"\frac13", 0.0),
+    (boxed("(0,1)"), "[0,1]", 0.0),
+    (boxed("[0,1]"), "(0,1]", 0.0),
+    (boxed("12"), "13", 0.0),
+    (boxed(r"\frac{1}{2}"), r"\frac{1}{3}", 0.0),
+    (boxed(r"2\sqrt{3}"), r"\sqrt{8}", 0.0),
+    (boxed("-5"), "5", 0.0),
+    (boxed("1000"), "100", 0.0),
+    (boxed("0.51"), "0.5", 0.0),
+    (boxed("12.0001"), "12", 0.0),
+    (boxed(r"51\%"), "0.5", 0.0),
+    (boxed("x^2+2x"), "(x+1)^2", 0.0),
+    (boxed(r"\{1,2\}"), r"\{1,2,3\}", 0.0),
+    (boxed("3.14"), r"\pi", 0.0),
+    (r"<think>x</think> First \boxed{3}, final \boxed{4}.", "3", 0.0),  # last box counts
+    (r"<think>I guess \boxed{1}.</think> So \boxed{2}.", "1", 0.0),  # reasoning is not graded
+    # Missing or malformed answers.
+    ("<think>5</think> The answer is 5.", "5", 0.0),
+    (r"<think>x</think> \boxed{5", "5", 0.0),
+    (boxed(""), "5", 0.0),
+    (r"<think>x</think> \boxed{\frac{1}{2}", "0.5", 0.0),
+    (boxed(r"\frac{1}{}"), "0.5", 0.0),
+    (boxed(")("), "1", 0.0),
+    (boxed(r"\sqrt"), "1", 0.0),
+    (boxed(r"\input{/etc/passwd}"), "1", 0.0),
+    ("", "1", 0.0),
+    (None, "1", 0.0),
+    # Hostile strings.
+    (boxed("__import__('os').system('echo hacked')"), "0", 0.0),
+    (boxed("exec('import os')"), "0", 0.0),
+    (boxed("10**10**10"), "1", 0.0),
+    (boxed("10^{10^{10}}"), "1", 0.0),
+    (boxed("9^{9^{9}}"), "1", 0.0),
+    (boxed(r"\frac{1}{10^{10^{10}}}"), "0", 0.0),
+    (boxed("(10^{10})!"), "1", 0.0),
+    (boxed("99999999!"), "1", 0.0),
+    (boxed("2^{1000000}"), "1", 0.0),
+    (boxed("{" * 5000 + "1" + "}" * 5000), "1", 0.0),
+    (boxed("(" * 500 + "1" + ")" * 500), "1", 0.0),
+    (boxed("1" * MEGABYTE), "1", 0.0),
+    (boxed(r"\frac{1}{2}+" * (MEGABYTE // 12)), "1", 0.0),
+    ("<think>x</think>" + r"\boxed{" * (MEGABYTE // 7), "1", 0.0),
+    ("<think>" + "Add the tens. " * 80_000 + "</think> \\boxed{12}", "12", 1.0),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_verifier():
+    """Imports SymPy and math-verify (about a second) before anything is timed."""
+    math_correctness(boxed("x^2+2x+1"), "(x+1)^2")
+
+
+def test_math_table_has_enough_cases():
+    assert len(MATH_CASES) >= 60
+
+
+@pytest.mark.parametrize("completion, reference, expected", MATH_CASES, ids=range(len(MATH_CASES)))
+def test_math_correctness_table(completion, reference, expected):
+    start = time.perf_counter()
+    assert math_correctness(completion, reference) == expected
+    # Bounded by the 2 s verifier limit (plus slack for a loaded machine).
+    assert time.perf_counter() - start < 3.0
+
+
+def test_hostile_answer_is_never_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    attack = f"__import__('os').system('touch {marker}')"
+    assert math_correctness(boxed(attack), "0") == 0.0
+    assert math_correctness(boxed(f"eval(\"{attack}\")"), "0") == 0.0
+    assert not marker.exists()
+
+
+def test_hostile_answers_are_rejected_before_parsing():
+    for answer in ["10**10**10", "10^{10^{10}}", "(10^{10})!", "{" * 5000 + "1" + "}" * 5000, "1" * MEGABYTE]:
+        start = time.perf_counter()
+        assert verify_math(boxed(answer), "1").status == "rejected"
+        assert time.perf_counter() - start < 0.5
+
+
+def test_extract_boxed():
+    assert extract_boxed(r"a \boxed{1} b \boxed{\frac{1}{2}} c") == r"\frac{1}{2}"
+    assert extract_boxed(r"\boxed{a{b}c}") == "a{b}c"
+    assert extract_boxed(r"\boxed{x} \boxed{unclosed") == "x"
+    assert extract_boxed(r"\fbox{3}") == "3"
+    assert extract_boxed("} no box {") is None
+    assert extract_boxed(r"\boxed {5}") == "5"
+
+
+def test_time_limit_interrupts_main_thread_and_restores_handler():
+    previous = signal.getsignal(signal.SIGALRM)
+    start = time.perf_counter()
+    with pytest.raises(VerifierTimeout):
+        with time_limit(0.1):
+            while True:
+                pass
+    assert time.perf_counter() - start < 1.0
+    assert signal.getsignal(signal.SIGALRM) is previous
+    time.sleep(0.15)  # no stray alarm fires after the block
+
+
+def test_time_limit_interrupts_worker_thread():
+    def spin():
+        start = time.perf_counter()
+        try:
+            with time_limit(0.1):
+                while True:
+                    pass
+        except VerifierTimeout:
+            return time.perf_counter() - start
+        return None
+
+    with ThreadPoolExecutor(1) as pool:
+        elapsed = pool.submit(spin).result(timeout=10)
+    assert elapsed is not None and elapsed < 1.0
+
+
+def test_time_limit_does_not_fire_after_the_block():
+    def quick():
+        with time_limit(0.05):
+            pass
+        time.sleep(0.2)  # a late exception would surface here
+        return "ok"
+
+    assert quick() == "ok"
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(quick).result(timeout=10) == "ok"
+
+
+def test_math_verifier_works_in_threads_and_times_out():
+    # math-verify's own signal.alarm timeouts raise in non-main threads; ours do not.
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda ref: math_correctness(boxed(r"\frac{\sqrt{2}}{2}"), ref), [r"\frac{1}{\sqrt{2}}", "0.7"]))
+    assert results == [1.0, 0.0]
+    verdict = verify_math(boxed(r"\frac{\sqrt{3}}{2}"), r"\sin(\pi/3)", timeout_s=1e-4)
+    assert verdict.status == "timeout" and verdict.score == 0.0
+    assert verify_math(boxed(r"\frac{\sqrt{3}}{2}"), r"\sin(\pi/3)").score == 1.0
+
+
+# ----------------------------------------------------------------------------- format
+
+FORMAT_CASES = [
+    (r"<think>reason</think> \boxed{1}", "math", True),
+    (r"  <think>reason</think> \boxed{1}", "math", True),
+    (r"<think></think>\boxed{}", "math", True),
+    (r"Answer: <think>reason</think> \boxed{1}", "math", False),
+    (r"<think>a</think><think>b</think> \boxed{1}", "math", False),
+    (r"<think>a</think> </think> \boxed{1}", "math", False),
+    (r"<think>reason \boxed{1}", "math", False),
+    (r"<think>reason \boxed{1}</think> so 1", "math", False),
+    (r"<think>reason</think> \boxed{1", "math", False),
+    ("<think>plan</think>\n```python\nprint(1)\n```", "code", True),
+    ("<think>plan</think>\n```\nprint(1)\n```", "code", False),
+    ("<think>```python\nprint(1)\n```</think> done", "code", False),
+    ("<think>plan</think> print(1)", "code", False),
+]
+
+
+@pytest.mark.parametrize("completion, task, expected", FORMAT_CASES)
+def test_format_ok(completion, task, expected):
+    assert format_ok(completion, task) is expected
+
+
+def test_format_rejects_unknown_task():
+    with pytest.raises(ValueError, match="task"):
+        format_ok("<think></think>", "chess")
+
+
+# ----------------------------------------------------------------------------- length
+
+
+def dapo_reference(length, max_len, cache_len):
+    """PAPERS.md 'Reward shaping', written out case by case."""
+    if length <= max_len - cache_len:
+        return 0.0
+    if length <= max_len:
+        return ((max_len - cache_len) - length) / cache_len
+    return -1.0
+
+
+def test_overlong_penalty_hand_worked():
+    # L_max = 20, L_cache = 5: the ramp starts after 15 tokens.
+    assert overlong_penalty(0, 20, 5) == 0.0
+    assert overlong_penalty(15, 20, 5) == 0.0
+    assert overlong_penalty(16, 20, 5) == pytest.approx(-0.2)
+    assert overlong_penalty(18, 20, 5) == pytest.approx(-0.6)
+    assert overlong_penalty(20, 20, 5) == pytest.approx(-1.0)
+    assert overlong_penalty(21, 20, 5) == -1.0
+    # Magistral: -0.1 * (|y| - l_max + l_cache) / l_cache, floor -0.1.
+    assert overlong_penalty(15, 20, 5, scale=0.1) == 0.0
+    assert overlong_penalty(16, 20, 5, scale=0.1) == pytest.approx(-0.02)
+    assert overlong_penalty(20, 20, 5, scale=0.1) == pytest.approx(-0.1)
+    assert overlong_penalty(99, 20, 5, scale=0.1) == pytest.approx(-0.1)
+    # DAPO's own setting: L_max 20480, L_cache 4096.
+    assert overlong_penalty(16384, 20480, 4096) == 0.0
+    assert overlong_penalty(18432, 20480, 4096) == pytest.approx(-0.5)
+    assert overlong_penalty(20480, 20480, 4096) == pytest.approx(-1.0)
+
+
+def test_overlong_penalties_match_case_by_case_reference():
+    lengths = np.arange(0, 40)
+    for scale in (1.0, 0.1):
+        expected = [scale * dapo_reference(int(n), 30, 8) for n in lengths]
+        np.testing.assert_allclose(overlong_penalties(lengths, 30, 8, scale=scale), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_overlong_penalty_rejects_bad_cache():
+    with pytest.raises(ValueError, match="cache_len"):
+        overlong_penalty(5, 10, 0)
+    with pytest.raises(ValueError, match="cache_len"):
+        overlong_penalty(5, 10, 11)
+
+
+# ----------------------------------------------------------------------------- language
+
+ENGLISH_PROBLEM = "A farmer has twelve apples and buys seven more. How many apples does the farmer have now?"
+ENGLISH_REASONING = "The farmer starts with twelve apples. Buying seven more gives $12 + 7 = 19$ apples in total."
+FRENCH_REASONING = "Le fermier commence avec douze pommes. En achetant sept de plus, il obtient $12 + 7 = 19$ pommes."
+ENGLISH_ANSWER = r"So the farmer now has nineteen apples in total: \boxed{19}."
+GERMAN_ANSWER = r"Also hat der Bauer jetzt insgesamt neunzehn Äpfel: \boxed{19}."
+
+
+def test_strip_latex_and_code():
+    text = "Compute $\\frac{1}{2}$ and \\(x^2\\) \\[y\\] $$z$$ ```python\nprint('hello world')\n``` then `len(x)` done \\textbf{now}"
+    assert strip_latex_and_code(text) == "Compute and then done now"
+    env = "Solve \\begin{align} x &= 1 \\end{align} please </think>"
+    assert strip_latex_and_code(env) == "Solve please"
+
+
+def test_identify_language():
+    assert identify_language(ENGLISH_REASONING) == "en"
+    assert identify_language(FRENCH_REASONING) == "fr"
+    assert identify_language(GERMAN_ANSWER) == "de"
+    assert identify_language(r"\boxed{19}") == "und"
+    assert identify_language("") == "und"
+    # Code is stripped: French prose around English-named code is still French.
+    code = "```python\ndef compute_total_number_of_apples_for_the_farmer(x):\n    return x\n```"
+    assert identify_language(FRENCH_REASONING + "\n" + code) == "fr"
+
+
+def test_languages_consistent_cases():
+    assert languages_consistent(ENGLISH_PROBLEM, ENGLISH_REASONING, ENGLISH_ANSWER)
+    assert not languages_consistent(ENGLISH_PROBLEM, FRENCH_REASONING, ENGLISH_ANSWER)
+    assert not languages_consistent(ENGLISH_PROBLEM, ENGLISH_REASONING, GERMAN_ANSWER)
+    # A bare boxed answer and a missing problem are undetermined: skipped.
+    assert languages_consistent(None, ENGLISH_REASONING, r"\boxed{19}")
+    # Reasoning that is all maths is undetermined: no bonus.
+    assert not languages_consistent(ENGLISH_PROBLEM, "$12 + 7 = 19$", ENGLISH_ANSWER)
+
+
+# ----------------------------------------------------------------------------- batch
+
+
+def test_reward_spec_validation_names_the_field():
+    with pytest.raises(ValueError, match="task"):
+        RewardSpec(task="chess")
+    with pytest.raises(ValueError, match="overlong"):
+        RewardSpec(overlong="linear")
+    with pytest.raises(ValueError, match="max_len"):
+        RewardSpec(overlong="dapo")
+    with pytest.raises(ValueError, match="cache_len"):
+        RewardSpec(overlong="dapo", max_len=10, cache_len=20)
+    with pytest.raises(ValueError, match="overlong_filter"):
+        RewardSpec(overlong_filter=True)
+
+
+def test_score_batch_magistral_hand_worked():
+    spec = RewardSpec(overlong="magistral", max_len=100, cache_len=20, language_bonus=0.1)
+    think = "<think>" + ENGLISH_REASONING + "</think> "
+    completions = [
+        # English reasoning, bare boxed answer (undetermined, skipped): language bonus 0.1.
+        think + r"\boxed{19}",  # correct, short: 0.1 + 0.9 + 0.1 = 1.1
+        think + r"\boxed{18}",  # wrong, short: 0.1 + 0.1 = 0.2
+        think + r"\boxed{19}",  # correct, 90 tokens: 1.1 - 0.1 * 10/20 = 1.05
+        "19",  # format failure: 0, no penalty even at 120 tokens
+        think + ENGLISH_ANSWER,  # correct, English answer: 1.1
+        "<think>" + FRENCH_REASONING + "</think> " + ENGLISH_ANSWER,  # correct, languages differ: 1.0
+        think + r"\boxed{18}",  # wrong, 120 tokens: 0.1 - 0.1 + 0.1 = 0.1
+    ]
+    lengths = [10, 10, 90, 120, 10, 10, 120]
+    rewards, correct, metrics = result = score_batch(
+        completions, ["19"] * 7, lengths, spec, prompts=[ENGLISH_PROBLEM] * 7
+    )
+    np.testing.assert_allclose(rewards, [1.1, 0.2, 1.05, 0.0, 1.1, 1.0, 0.1], atol=1e-6)
+    assert rewards.dtype == np.float32 and correct.dtype == np.bool_
+    assert correct.tolist() == [True, False, True, False, True, True, False]
+    assert metrics["accuracy"] == pytest.approx(4 / 7)
+    assert metrics["format_failure_rate"] == pytest.approx(1 / 7)
+    assert metrics["reward_mean"] == pytest.approx(np.mean([1.1, 0.2, 1.05, 0.0, 1.1, 1.0, 0.1]), abs=1e-6)
+    np.testing.assert_allclose(result.length_penalty, [0, 0, -0.05, 0, 0, 0, -0.1], atol=1e-7)
+    assert metrics["length_penalty_mean"] == pytest.approx(-0.15 / 7, abs=1e-7)
+    assert result.truncated.tolist() == [False, False, False, True, False, False, True]
+    assert result.sample_mask.tolist() == [1.0] * 7  # filtering is off
+    assert result.language_ok.tolist() == [True, True, True, False, True, False, True]
+    assert metrics["deadline_missed"] == 0 and metrics["verifier_timeouts"] == 0
+
+
+def test_score_batch_dapo_rewards_and_overlong_filter():
+    spec = RewardSpec(
+        format_reward=False, incorrect_value=-1.0, overlong="dapo", max_len=50, cache_len=10, overlong_filter=True
+    )
+    completions = [r"\boxed{3}", r"\boxed{4}", r"\boxed{3}", "no answer", r"\boxed{3}"]
+    lengths = [5, 5, 45, 50, 60]
+    rewards, correct, metrics = result = score_batch(completions, ["3"] * 5, lengths, spec)
+    # correct/incorrect = +1/-1, then the ramp from 40 to 50 tokens.
+    np.testing.assert_allclose(rewards, [1.0, -1.0, 0.5, -2.0, 0.0], atol=1e-6)
+    assert correct.tolist() == [True, False, True, False, True]
+    assert result.sample_mask.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert metrics["truncated_fraction"] == pytest.approx(0.4)
+    # The trainer's own truncation flags win over the length rule.
+    explicit = score_batch(completions, ["3"] * 5, lengths, spec, truncated=[False] * 4 + [True])
+    assert explicit.sample_mask.tolist() == [1.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def test_score_batch_checks_lengths_match():
+    with pytest.raises(ValueError, match="references"):
+        score_batch(["a", "b"], ["1"], [1, 2], RewardSpec())
+
+
+def _mixed_batch(n):
+    answers = [("12", "12"), (r"\frac{1}{2}", "0.5"), ("7", "8"), (r"2\sqrt{2}", r"\sqrt{8}"), ("10**10**10", "1")]
+    completions, references = [], []
+    for i in range(n):
+        answer, reference = answers[i % len(answers)]
+        completions.append(boxed(answer) if i % 7 else "no format " + boxed(answer))
+        references.append(reference)
+    return completions, references
+
+
+def test_score_batch_serial_equals_parallel():
+    completions, references = _mixed_batch(24)
+    lengths = list(range(24))
+    spec = RewardSpec(overlong="dapo", max_len=20, cache_len=8)
+    serial = score_batch(completions, references, lengths, spec)
+    parallel = score_batch(completions, references, lengths, spec, num_workers=2)
+    np.testing.assert_array_equal(serial.rewards, parallel.rewards)
+    np.testing.assert_array_equal(serial.correct, parallel.correct)
+    assert serial.status == parallel.status
+    for key in ("reward_mean", "accuracy", "format_failure_rate", "length_penalty_mean"):
+        assert serial.metrics[key] == pytest.approx(parallel.metrics[key])
+    assert parallel.metrics["deadline_missed"] == 0
+
+
+def test_score_batch_deadline_counts_missed_samples():
+    completions, references = _mixed_batch(10)
+    spec = RewardSpec()
+    rewards, correct, metrics = score_batch(completions, references, [1] * 10, spec, deadline_s=0.0)
+    assert metrics["deadline_missed"] == 10
+    assert not rewards.any() and not correct.any()
+
+
+def test_score_batch_deadline_stops_serial_scoring_midway():
+    loop = "<think>plan</think>\n```python\nwhile True:\n    pass\n```"
+    spec = RewardSpec(task="code", code_timeout_s=1.0)
+    start = time.perf_counter()
+    result = score_batch([loop] * 3, ["assert True"] * 3, [1] * 3, spec, deadline_s=0.5)
+    assert time.perf_counter() - start < 4.0
+    # The first program runs into its 1 s limit; by then the deadline has passed.
+    assert result.status == ["timeout", "deadline", "deadline"]
+    assert result.metrics["deadline_missed"] == 2 and result.metrics["verifier_timeouts"] == 1
+
+
+def test_score_batch_parallel_deadline_then_recovers():
+    loop = "<think>plan</think>\n```python\nwhile True:\n    pass\n```"
+    spec = RewardSpec(task="code", code_timeout_s=1.0)
+    start = time.perf_counter()
+    result = score_batch([loop] * 4, ["assert True"] * 4, [1] * 4, spec, num_workers=2, deadline_s=0.3)
+    assert time.perf_counter() - start < 3.0
+    assert result.metrics["deadline_missed"] == 4 and not result.rewards.any()
+    # The stuck pool was killed; the next call gets a fresh one and scores normally.
+    completions, references = _mixed_batch(6)
+    again = score_batch(completions, references, [1] * 6, RewardSpec(), num_workers=2)
+    serial = score_batch(completions, references, [1] * 6, RewardSpec())
+    np.testing.assert_array_equal(again.rewards, serial.rewards)

@@ -1,0 +1,200 @@
+"""Code correctness and the sandbox: well-behaved programs pass, hostile ones are contained.
+
+Every hostile program runs with a 1 s limit; after each one the scorer must still grade a
+correct program. The fork bomb runs under RLIMIT_NPROC (16 processes of a throw-away uid
+when the tests run as root), its children call setsid() to leave the process group, and
+the test checks that none of them survives.
+"""
+
+import os
+import time
+
+import pytest
+
+from policyopt.rewards import code_correctness, run_sandboxed
+from policyopt.rewards import code as code_lib
+
+IS_ROOT = os.geteuid() == 0
+FAST = dict(timeout_s=1.0)
+
+
+def solution(code: str, language: str = "python") -> str:
+    return f"<think>Plan the function.</think>\nHere it is:\n```{language}\n{code}\n```\n"
+
+
+ADD_ONE = solution("def add_one(x):\n    return x + 1")
+GOOD_TESTS = "assert add_one(1) == 2\nassert add_one(-1) == 0"
+SUM_STDIN = solution("import sys\nprint(sum(map(int, sys.stdin.read().split())))")
+
+
+def assert_scorer_still_works():
+    assert code_correctness(ADD_ONE, GOOD_TESTS, **FAST) == 1.0
+
+
+def test_assert_tests_pass_and_fail():
+    assert code_correctness(ADD_ONE, GOOD_TESTS) == 1.0
+    assert code_correctness(ADD_ONE, "assert add_one(1) == 3") == 0.0
+    assert code_correctness(solution("def add_one(x):\n    return x +"), GOOD_TESTS) == 0.0  # syntax error
+
+
+def test_partial_credit_counts_each_assert():
+    tests = "import math\nassert add_one(1) == 2\nassert add_one(2) == 4\nassert add_one(math.floor(2.5)) == 3\nassert add_one(0) == 0"
+    assert code_correctness(ADD_ONE, tests, partial=True) == pytest.approx(0.5)
+    assert code_correctness(ADD_ONE, tests) == 0.0  # binary by default (Magistral)
+
+
+def test_stdin_stdout_cases():
+    cases = [{"input": "1 2\n", "output": "3"}, {"input": "5 5", "output": "10\n\n"}, {"input": "0", "output": "0  "}]
+    assert code_correctness(SUM_STDIN, cases) == 1.0
+    wrong = cases + [{"input": "2 2", "output": "5"}]
+    assert code_correctness(SUM_STDIN, wrong) == 0.0
+    assert code_correctness(SUM_STDIN, wrong, partial=True) == pytest.approx(0.75)
+
+
+def test_first_tagged_block_must_be_python():
+    assert code_correctness(solution("int main() { return 0; }", "cpp"), GOOD_TESTS) == 0.0
+    untagged = "<think>x</think>\n```\ndef add_one(x):\n    return x + 1\n```"
+    assert code_correctness(untagged, GOOD_TESTS) == 0.0
+    assert code_correctness("no code at all", GOOD_TESTS) == 0.0
+    # A block inside the reasoning is not the answer.
+    in_reasoning = "<think>```python\ndef add_one(x):\n    return x + 1\n```</think> done"
+    assert code_correctness(in_reasoning, GOOD_TESTS) == 0.0
+
+
+def test_infinite_loop_is_killed():
+    start = time.perf_counter()
+    assert code_correctness(solution("while True:\n    pass"), GOOD_TESTS, **FAST) == 0.0
+    assert time.perf_counter() - start < 3.0
+    sleeper = run_sandboxed("import time\ntime.sleep(60)", **FAST)  # wall clock, not CPU
+    assert sleeper.timed_out
+    assert_scorer_still_works()
+
+
+def test_memory_hog_is_contained():
+    start = time.perf_counter()
+    hog = solution("blob = bytearray(2 << 30)\ndef add_one(x):\n    return x + 1")
+    assert code_correctness(hog, GOOD_TESTS, memory_mb=300, **FAST) == 0.0
+    grower = solution("chunks = []\nwhile True:\n    chunks.append(' ' * 10**7)")
+    assert code_correctness(grower, GOOD_TESTS, memory_mb=300, **FAST) == 0.0
+    result = run_sandboxed("x = bytearray(2 << 30)", memory_mb=300, **FAST)
+    assert "MemoryError" in result.stderr
+    assert time.perf_counter() - start < 6.0
+    assert_scorer_still_works()
+
+
+def _live_sandbox_processes() -> list[int]:
+    """Live (non-zombie) processes of any sandbox uid, after a short grace for exits."""
+    uids = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                uid = entry.stat().st_uid
+            except OSError:
+                continue
+            if uid in code_lib._SANDBOX_UIDS:
+                uids.add(uid)
+    deadline = time.monotonic() + 2.0
+    while True:
+        pids = [pid for uid in uids for pid in code_lib._live_processes(uid)]
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.05)
+
+
+def test_fork_bomb_is_bounded_and_reaped():
+    bomb = (
+        "import os, time\n"
+        "for _ in range(10000):\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            os.setsid()  # leave the process group\n"
+        "    except OSError:\n"
+        "        break\n"
+        "time.sleep(30)\n"
+    )
+    start = time.perf_counter()
+    result = run_sandboxed(bomb, max_processes=8, **FAST)
+    assert result.timed_out
+    assert time.perf_counter() - start < 5.0
+    if IS_ROOT:
+        assert _live_sandbox_processes() == []
+    assert_scorer_still_works()
+
+
+def test_process_count_limit_applies():
+    program = (
+        "import os\n"
+        "children = 0\n"
+        "for _ in range(50):\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError:\n"
+        "        break\n"
+        "    if pid == 0:\n"
+        "        import time; time.sleep(5); os._exit(0)\n"
+        "    children += 1\n"
+        "print(children)\n"
+    )
+    result = run_sandboxed(program, max_processes=6, timeout_s=2.0)
+    if IS_ROOT:  # the uid is private to the run: exactly max_processes - 1 children fit
+        assert result.stdout.strip() == "5"
+    else:
+        assert int(result.stdout.strip()) < 50
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="file isolation relies on switching to an unprivileged uid")
+def test_cannot_write_outside_its_directory(tmp_path):
+    target = tmp_path / "escaped.txt"
+    program = (
+        "import os\n"
+        f"try:\n    open({str(target)!r}, 'w').write('x')\nexcept OSError:\n    print('blocked')\n"
+        "open('inside.txt', 'w').write('fine')\n"
+        "print(open('inside.txt').read())\n"
+    )
+    result = run_sandboxed(program, **FAST)
+    assert result.stdout.split() == ["blocked", "fine"]
+    assert not target.exists()
+    assert_scorer_still_works()
+
+
+def test_cannot_read_parent_environment(monkeypatch):
+    monkeypatch.setenv("POLICYOPT_TEST_SECRET", "s3cret-value")
+    result = run_sandboxed("import os\nprint(sorted(os.environ.items()))", **FAST)
+    assert result.returncode == 0 and "s3cret" not in result.stdout
+    peek = solution("import os\nSECRET = os.environ.get('POLICYOPT_TEST_SECRET')")
+    assert code_correctness(peek, "assert SECRET == 's3cret-value'", **FAST) == 0.0
+
+
+def test_huge_output_is_capped():
+    start = time.perf_counter()
+    result = run_sandboxed("while True:\n    print('x' * 100000)", max_output_bytes=1 << 16, **FAST)
+    assert len(result.stdout) <= 1 << 16 and result.returncode != 0
+    assert time.perf_counter() - start < 3.0
+    flood = solution("import sys\nwhile True:\n    sys.stdout.write('y' * 10**6)")
+    assert code_correctness(flood, [{"input": "", "output": "y"}], **FAST) == 0.0
+    assert_scorer_still_works()
+
+
+def test_limits_cannot_be_raised():
+    program = (
+        "import resource\n"
+        "try:\n"
+        "    resource.setrlimit(resource.RLIMIT_CPU, (1000, 1000))\n"
+        "    print('raised')\n"
+        "except (ValueError, OSError):\n"
+        "    print('blocked')\n"
+    )
+    assert run_sandboxed(program, **FAST).stdout.strip() == "blocked"
+
+
+@pytest.mark.skipif(not code_lib._unshare_prefix(), reason="no network namespace available on this host")
+def test_network_is_unreachable():
+    program = (
+        "import socket\n"
+        "s = socket.socket()\n"
+        "s.settimeout(0.5)\n"
+        "print(s.connect_ex(('10.255.255.1', 80)) != 0)\n"
+        "print(len(socket.if_nameindex()))\n"
+    )
+    result = run_sandboxed(program, **FAST)
+    assert result.stdout.split() == ["True", "1"]  # only the loopback interface exists
