@@ -1,0 +1,343 @@
+"""Shared defaults of every RL recipe (big_vision style: `get_config(arg)` -> ConfigDict).
+
+A recipe (`configs/grpo.py`, `configs/sapo.py`, ...) starts from `base_config()`, sets
+the fields its paper fixes (values cited from `PAPERS.md`), and calls `finalize(config,
+arg)`, which applies the variant string and locks the config, so that a mistyped field,
+from a recipe, a variant or the command line, is an error naming it.
+
+Variant strings are comma-separated `key=value` pairs after the file name:
+
+    --config configs/sapo.py:model=tiny_dense,algo.routing_replay=R2
+
+`model=NAME` picks a model preset (`policyopt.models.presets`); `scale=paper` switches to
+the paper's batch geometry and a real-size model (for accelerators); any other key is a
+dotted field path. The command line then overrides single fields:
+`--config.algo.tau_neg=1.1`.
+
+Defaults are sized for the CPU: a tiny MoE, the synthetic addition task, 8 prompts x 8
+samples, responses of at most 24 tokens.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import ml_collections
+from ml_collections import config_dict
+
+placeholder = config_dict.placeholder
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """The shared defaults, every field commented. Recipes override what their paper fixes."""
+    c = ml_collections.ConfigDict()
+    # Seed of parameter initialisation (when not starting from a checkpoint), of the
+    # sampler's rng stream and of minibatch shuffling.
+    c.seed = 0
+
+    # ---- Policy model ----------------------------------------------------------------
+    c.model = ml_collections.ConfigDict()
+    # Preset name of `policyopt.models.presets.preset`: "tiny_moe", "tiny_dense" (CPU),
+    # "moe_7m", "moe_0p5b", "qwen3_30b_a3b" (accelerators).
+    c.model.preset = "tiny_moe"
+    # Folder of a HuggingFace Qwen3 / Qwen3-MoE checkpoint to start from instead of a
+    # preset (then the tokenizer is read from the same folder). None: preset.
+    c.model.pretrained = placeholder(str)
+    # Overrides of single preset fields; None keeps the preset's value.
+    c.model.num_layers = placeholder(int)
+    c.model.hidden_size = placeholder(int)
+    c.model.num_experts = placeholder(int)
+    c.model.num_experts_per_tok = placeholder(int)
+    # Computation dtype ("float32", "bfloat16"); parameters stay in param_dtype.
+    c.model.dtype = placeholder(str)
+    c.model.param_dtype = placeholder(str)
+    # "ragged" (dropless) or "capacity" MoE dispatch.
+    c.model.moe_dispatch = placeholder(str)
+
+    # Orbax checkpoint directory of the base policy (e.g. the SFT run's `checkpoints/`);
+    # None: random initialisation from `seed`.
+    c.init_checkpoint = placeholder(str)
+
+    # ---- Task -----------------------------------------------------------------------
+    c.task = ml_collections.ConfigDict()
+    # "arithmetic" (the synthetic task of `policyopt.data.synthetic`).
+    c.task.name = "arithmetic"
+    # Difficulty knobs of `ArithmeticConfig`.
+    c.task.num_operands = 2
+    c.task.min_digits = 3
+    c.task.max_digits = 3
+    c.task.operators = "+"
+    # Share of SFT solutions that follow the wrong procedure (forgotten carry); the RL
+    # prompts and the held-out split only use the prompt and the reference answer.
+    c.task.wrong_procedure_fraction = 0.0
+    # Number of training prompts generated (the RL loop cycles through them, reshuffled
+    # each epoch) and of held-out prompts used for evaluation.
+    c.task.num_train = 20_000
+    c.task.num_test = 512
+    # Seed of the task generator (independent of `seed`).
+    c.task.seed = 0
+
+    # ---- Batch geometry ---------------------------------------------------------------
+    c.batch = ml_collections.ConfigDict()
+    # Prompts per RL batch (after dynamic sampling, if on).
+    c.batch.n_prompts = 8
+    # G: samples per prompt (a group).
+    c.batch.group_size = 8
+    # Minibatches per batch: n_prompts * group_size / n_minibatches sequences per
+    # update (Magistral's n_batch / n_minibatch). Groups are never split.
+    c.batch.n_minibatches = 1
+    # Passes over the batch (PPO epochs).
+    c.batch.epochs = 1
+    # Prompt lengths are padded up to the smallest bucket that holds them, response
+    # lengths (longest valid response of the batch) likewise, so each jitted step compiles
+    # at most len(prompt_buckets) * len(response_buckets) times. The largest response
+    # bucket must be >= sampling.max_new_tokens.
+    c.batch.prompt_buckets = (16, 32, 64, 128, 256, 512, 1024, 2048)
+    c.batch.response_buckets = (8, 16, 24, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
+                                16384, 20480)
+
+    # ---- Sampling -----------------------------------------------------------------------
+    c.sampling = ml_collections.ConfigDict()
+    # N: most tokens generated per response.
+    c.sampling.max_new_tokens = 24
+    # Rollout temperature (DAPO, GSPO, Magistral use 1.0). The trainer's log-probs use the
+    # same temperature so that ratios compare like with like.
+    c.sampling.temperature = 1.0
+    # Truncation (0 / 1.0 = off). With truncation, old log-probs come from the trainer's
+    # untruncated forward and the ratio is biased (see `policyopt.sampling`).
+    c.sampling.top_k = 0
+    c.sampling.top_p = 1.0
+
+    # ---- Algorithm ------------------------------------------------------------------------
+    c.algo = ml_collections.ConfigDict()
+    # Policy objective of `policyopt.losses.policy_loss`: "ppo", "gspo", "gspo_token", "sapo".
+    c.algo.method = "ppo"
+    # Clip range of "ppo" / "gspo": ratio clipped to [1 - clip_low, 1 + clip_high].
+    c.algo.clip_low = 0.2
+    c.algo.clip_high = 0.2
+    # Dual clip ratio c for A < 0 (None = off; 3.0 in common use).
+    c.algo.dual_clip = placeholder(float)
+    # SAPO temperatures of the soft gate for A > 0 and A <= 0.
+    c.algo.tau_pos = 1.0
+    c.algo.tau_neg = 1.05
+    # Aggregation: "token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+    # "seq_mean_token_sum_norm".
+    c.algo.aggregation = "seq_mean_token_mean"
+    # Constant divisor of "seq_mean_token_sum_norm" (Dr. GRPO); None = max_new_tokens.
+    c.algo.max_len = placeholder(int)
+    # Advantage centring: "group" (subtract the group mean) or "none".
+    c.algo.adv_center = "group"
+    # Advantage scaling: "group" (GRPO: group std), "batch" (std over the batch),
+    # "minibatch" (Magistral: (A - mean_mb) / std_mb over each minibatch), "none" (Dr. GRPO).
+    c.algo.adv_scale = "group"
+    # Epsilon added to the std.
+    c.algo.adv_eps = 1e-6
+    # KL to the frozen initial policy, in the loss (GRPO: beta = 0.04, k3). 0 = off, and
+    # then no reference forward pass is run.
+    c.algo.kl_beta = 0.0
+    c.algo.kl_estimator = "k3"
+    # Routing replay for MoE policies: "none", "R2" (replay the old-log-prob forward's
+    # routing in every update forward), "R3" (replay the sampler's routing in the
+    # old-log-prob forward and in every update forward).
+    c.algo.routing_replay = "none"
+    # Truncated importance sampling cap C: per-token weight min(exp(old - behaviour), C)
+    # between trainer and sampler log-probs (None = off; 2.0 is a common choice).
+    c.algo.tis_cap = placeholder(float)
+    # Where pi_old comes from: "trainer" (a forward pass of the policy before the updates,
+    # as verl and OpenRLHF do) or "sampler" (the rollout's untruncated log-probs; saves a
+    # forward pass, valid when sampler and trainer agree numerically).
+    c.algo.old_log_probs = "trainer"
+    # Coefficient of the MoE load-balancing auxiliary loss in the update (0 = off).
+    c.algo.load_balancing_coef = 0.0
+    # Entropy bonus coefficient (0 = off; none of the recipes use one).
+    c.algo.entropy_coef = 0.0
+
+    # ---- Dynamic sampling (DAPO) ---------------------------------------------------------
+    c.dynamic_sampling = ml_collections.ConfigDict()
+    # Drop groups whose rewards all agree and sample more prompts until the batch is full.
+    c.dynamic_sampling.enabled = False
+    # Most sampling rounds (of n_prompts prompts each) per batch; if the batch is still
+    # not full, the remaining slots keep zero-variance groups (zero advantage) and the
+    # shortfall is reported in the metrics.
+    c.dynamic_sampling.max_rounds = 4
+
+    # ---- Reward (`policyopt.rewards.RewardSpec`) ------------------------------------------
+    c.reward = ml_collections.ConfigDict()
+    # Magistral's format reward: format failure 0, format ok `format_value`, correct +
+    # `correct_value`. Off: 1.0 for a correct answer, else 0.
+    c.reward.format = False
+    c.reward.format_value = 0.1
+    c.reward.correct_value = 0.9
+    # Without the format gate: reward of an incorrect response (DAPO uses -1; correct is 1).
+    c.reward.incorrect_value = 0.0
+    # Length shaping: "none", "dapo" (overlong penalty), "magistral" (-0.1 scale).
+    c.reward.overlong = "none"
+    # L_max and L_cache of the length shaping (None: max_new_tokens and a quarter of it).
+    c.reward.max_len = placeholder(int)
+    c.reward.cache_len = placeholder(int)
+    # DAPO's overlong filtering: responses cut at max_new_tokens are masked out of the loss.
+    c.reward.overlong_filter = False
+    # Magistral's language-consistency bonus (+0.1).
+    c.reward.language_bonus = False
+    # Worker processes for scoring (0 = in-process; the synthetic task is fast).
+    c.reward.num_workers = 0
+
+    # ---- Optimiser (optax AdamW, warm-up then constant, global-norm clipping) --------------
+    c.optim = ml_collections.ConfigDict()
+    c.optim.lr = 1e-6
+    # Linear warm-up from 0 over this many updates, then constant.
+    c.optim.warmup_steps = 0
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.999
+    c.optim.eps = 1e-8
+    c.optim.weight_decay = 0.01
+    # Global gradient-norm clipping threshold (verl's default 1.0).
+    c.optim.max_grad_norm = 1.0
+
+    # ---- Loop -------------------------------------------------------------------------------
+    c.train = ml_collections.ConfigDict()
+    # RL iterations (batches).
+    c.train.num_iterations = 100
+    # Evaluate every K iterations (0 = only at the start and the end).
+    c.train.eval_every = 25
+    # Save a checkpoint every K iterations (and at the end).
+    c.train.checkpoint_every = 25
+    # Checkpoints kept.
+    c.train.keep_checkpoints = 2
+    # Console progress line every K iterations.
+    c.train.log_every = 1
+    # Write TensorBoard event files next to metrics.jsonl.
+    c.train.tensorboard = True
+    # Measure routing volatility (an extra router-only forward pass per iteration).
+    c.train.routing_metrics = True
+
+    # ---- Evaluation on the held-out split --------------------------------------------------
+    c.eval = ml_collections.ConfigDict()
+    # Held-out prompts evaluated (at most task.num_test).
+    c.eval.num_prompts = 512
+    # Prompts per sampler call.
+    c.eval.batch_size = 256
+    # mean@k: k samples per prompt at `temperature` (0 = skip, only greedy pass@1).
+    c.eval.k = 0
+    c.eval.temperature = 1.0
+
+    # ---- SFT cold start (experiments/sft.py) -------------------------------------------------
+    c.sft = ml_collections.ConfigDict()
+    # Updates of next-token training on worked solutions.
+    c.sft.steps = 300
+    # Sequences per update.
+    c.sft.batch_size = 64
+    c.sft.lr = 3e-3
+    c.sft.warmup_steps = 20
+    c.sft.weight_decay = 0.0
+    c.sft.max_grad_norm = 1.0
+    return c
+
+
+def _parse_value(text: str):
+    """`"3"` -> 3, `"1e-3"` -> 0.001, `"True"` -> True, anything else stays a string."""
+    if text in ("true", "false"):
+        text = text.capitalize()
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def set_field(config: ml_collections.ConfigDict, path: str, value) -> None:
+    """Sets a dotted field, raising a KeyError that names it when it does not exist."""
+    *parents, name = path.split(".")
+    node = config
+    for i, part in enumerate(parents):
+        if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
+            raise KeyError(f"unknown config field {'.'.join(parents[:i + 1])!r} (in {path!r})")
+        node = node[part]
+    if name not in node:
+        raise KeyError(f"unknown config field {path!r}")
+    node[name] = value
+
+
+def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
+                  paper: dict | None = None) -> ml_collections.ConfigDict:
+    """Applies a variant string `key=value,key=value` (see the module docstring).
+
+    Args:
+      config: the config to change in place.
+      arg: the variant string.
+      paper: dotted-field -> value overrides that `scale=paper` applies.
+    """
+    if not arg:
+        return config
+    for item in arg.split(","):
+        if not item.strip():
+            continue
+        if "=" not in item:
+            raise ValueError(f"config variant {item!r} is not key=value (in {arg!r})")
+        key, text = (s.strip() for s in item.split("=", 1))
+        if key == "model":
+            config.model.preset = text
+        elif key == "scale":
+            if text != "paper":
+                raise ValueError(f"scale={text!r}: only scale=paper is defined")
+            if not paper:
+                raise ValueError("this recipe defines no paper-scale variant")
+            for path, value in paper.items():
+                set_field(config, path, value)
+        else:
+            set_field(config, key, _parse_value(text))
+    return config
+
+
+def finalize(config: ml_collections.ConfigDict, arg: str | None,
+             paper: dict | None = None) -> ml_collections.ConfigDict:
+    """Applies the variant string, checks the config and locks it.
+
+    Args:
+      config: the recipe's config.
+      arg: the variant string after `:` in `--config`.
+      paper: dotted-field -> value overrides of the `scale=paper` variant.
+    """
+    config = apply_variant(config, arg, paper)
+    check(config)
+    config.lock()
+    return config
+
+
+_CHOICES = {
+    "algo.method": ("ppo", "gspo", "gspo_token", "sapo"),
+    "algo.aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                         "seq_mean_token_sum_norm"),
+    "algo.adv_center": ("group", "none"),
+    "algo.adv_scale": ("group", "batch", "minibatch", "none"),
+    "algo.kl_estimator": ("k1", "k2", "k3"),
+    "algo.routing_replay": ("none", "R2", "R3"),
+    "algo.old_log_probs": ("trainer", "sampler"),
+    "reward.overlong": ("none", "dapo", "magistral"),
+}
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+    """Raises a ValueError naming the first field with an impossible value."""
+    for path, choices in _CHOICES.items():
+        node = config
+        for part in path.split("."):
+            node = node[part]
+        if node not in choices:
+            raise ValueError(f"config.{path} must be one of {choices}, got {node!r}")
+    b = config.batch
+    if b.n_prompts < 1 or b.group_size < 1 or b.epochs < 1 or b.n_minibatches < 1:
+        raise ValueError("config.batch.n_prompts, group_size, epochs and n_minibatches must be >= 1")
+    if b.n_prompts % b.n_minibatches:
+        raise ValueError(f"config.batch.n_minibatches ({b.n_minibatches}) must divide "
+                         f"n_prompts ({b.n_prompts}): minibatches hold whole groups")
+    if max(b.response_buckets) < config.sampling.max_new_tokens:
+        raise ValueError(f"config.batch.response_buckets (max {max(b.response_buckets)}) must hold "
+                         f"sampling.max_new_tokens ({config.sampling.max_new_tokens})")
+    if config.algo.routing_replay == "R3" and config.algo.old_log_probs == "sampler":
+        raise ValueError("config.algo.routing_replay='R3' replays the sampler's routing in the "
+                         "old-log-prob forward; it needs algo.old_log_probs='trainer'")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    """The base defaults alone (PPO-clip with GRPO advantages, no KL)."""
+    return finalize(base_config(), arg)

@@ -1,0 +1,137 @@
+"""Run metrics: one JSON line per step, TensorBoard event files, a console progress line.
+
+A metrics record is a flat dict of scalars (``STYLE.md`` convention 2). ``MetricsWriter``
+sends each record to every sink at once; ``read_jsonl`` reads a run back for plots and
+tests. Nothing here touches JAX arrays beyond converting them to Python floats once per
+logged step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Iterable, Mapping, TextIO
+
+import numpy as np
+
+#: Keys shown on the console progress line, in this order, when present.
+CONSOLE_KEYS = (
+    ("reward/mean", "reward"),
+    ("reward/accuracy", "acc"),
+    ("eval/pass@1", "pass@1"),
+    ("response/length_mean", "len"),
+    ("loss/clip_fraction", "clip"),
+    ("loss/gate_weight_mean", "gate"),
+    ("routing/volatility", "vol"),
+    ("update/skipped", "skip"),
+    ("time/iteration_s", "s/it"),
+)
+
+
+def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Converts a dict of scalar arrays / numbers to Python floats (one host transfer).
+
+    Raises:
+      ValueError: naming the key of a value that is not a scalar.
+    """
+    out = {}
+    for key, value in metrics.items():
+        array = np.asarray(value)
+        if array.size != 1:
+            raise ValueError(f"metric {key!r} is not a scalar (shape {array.shape})")
+        out[key] = float(array.reshape(()))
+    return out
+
+
+class MetricsWriter:
+    """Writes metric records to ``<workdir>/metrics.jsonl`` and TensorBoard event files.
+
+    Args:
+      workdir: run directory (created if missing).
+      filename: name of the JSONL file inside ``workdir``.
+      tensorboard: also write TensorBoard events under ``<workdir>/tensorboard``.
+    """
+
+    def __init__(self, workdir: str, *, filename: str = "metrics.jsonl", tensorboard: bool = True):
+        os.makedirs(workdir, exist_ok=True)
+        self.path = os.path.join(workdir, filename)
+        self._file: TextIO = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # imported lazily: slow import
+
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """Logs one record at ``step``; returns it as Python floats."""
+        scalars = to_scalars(metrics)
+        record = {"step": int(step), **{k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()}}
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, global_step=int(step))
+        return scalars
+
+    def flush(self) -> None:
+        self._file.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_jsonl(path: str) -> list[dict[str, float]]:
+    """Reads a metrics JSONL file back (non-finite values written as strings become floats)."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_number}: not a JSON line ({e})") from e
+            records.append({k: float(v) for k, v in record.items()})
+    return records
+
+
+def console_line(step: int, total: int, metrics: Mapping[str, float],
+                 keys: Iterable[tuple[str, str]] = CONSOLE_KEYS) -> str:
+    """Formats one progress line: ``[ 12/100] reward 0.41 acc 0.40 ... s/it 1.9``."""
+    width = len(str(total))
+    parts = [f"[{step:>{width}}/{total}]"]
+    for key, label in keys:
+        if key in metrics:
+            parts.append(f"{label} {metrics[key]:.3g}")
+    return " ".join(parts)
+
+
+class Progress:
+    """Prints a progress line per logged step, with the elapsed time and an ETA."""
+
+    def __init__(self, total: int, *, stream: TextIO | None = None, start_step: int = 0):
+        self.total = total
+        self.stream = stream or sys.stdout
+        self._start_time = time.perf_counter()
+        self._start_step = start_step
+
+    def update(self, step: int, metrics: Mapping[str, float]) -> str:
+        elapsed = time.perf_counter() - self._start_time
+        done = max(step - self._start_step, 1)
+        eta = elapsed / done * max(self.total - step, 0)
+        line = f"{console_line(step, self.total, metrics)} | {elapsed:.0f}s eta {eta:.0f}s"
+        print(line, file=self.stream, flush=True)
+        return line

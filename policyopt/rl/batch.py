@@ -1,0 +1,285 @@
+"""RL batches in the training layout, shape buckets, dynamic sampling and minibatches.
+
+**Layout.** Every sequence of a batch is one row of ``[R, P + N]`` int32 tokens: the
+prompt *left*-padded to ``P`` (right-aligned), then the response right-padded to ``N``,
+the layout of ``policyopt.sampling.Rollout.sequences()`` and of ``Rollout.routing``.
+Response token ``n`` of every row is predicted by the hidden state at index ``P - 1 + n``.
+RoPE positions are ``0 .. len - 1`` on the prompt and ``len + n`` on the response, so a
+row computes exactly what the KV-cache sampler computed (padding keys are masked out).
+
+**Buckets.** ``P`` and ``N`` are rounded up to the next size of a short list
+(``config.batch.prompt_buckets`` / ``response_buckets``), so a jitted step sees at most
+``len(prompt_buckets) * len(response_buckets)`` shapes in a run. ``N`` is the bucket of
+the longest valid response of the batch: the sampler's ``max_new_tokens`` columns are
+trimmed when every response ended early.
+
+**Dynamic sampling** (DAPO, 2503.14476 §3.2; Magistral's filter): groups whose rewards
+are all equal have zero advantage and carry no gradient; they are dropped and further
+prompts are sampled, round after round, until the batch holds ``n_prompts`` groups or a
+cap on rounds is reached (the remaining slots then keep zero-variance groups, counted).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Batch(NamedTuple):
+    """One RL batch (or minibatch) in the training layout. R rows, S = P + N columns.
+
+    Optional fields are None when unused (a None leaf is part of the jit cache key, so a
+    run with a fixed config compiles once per shape bucket).
+    """
+
+    tokens: jax.Array  # int32 [R, S]: left-padded prompt, then response
+    positions: jax.Array  # int32 [R, S]: RoPE positions (0 on padding)
+    attention_mask: jax.Array  # int32 [R, S]: 1 on real prompt and valid response tokens
+    mask: jax.Array  # float32 [R, N]: 1 on valid response tokens (up to and incl. EOS)
+    advantages: jax.Array  # float32 [R]: one advantage per sequence
+    old_log_probs: jax.Array  # float32 [R, N]: log pi_old of the response tokens
+    importance_weights: jax.Array | None = None  # float32 [R, N]: truncated IS weights
+    ref_log_probs: jax.Array | None = None  # float32 [R, N]: reference policy (KL)
+    routing: jax.Array | None = None  # int32 [L_moe, R, S, k]: routing to replay
+
+    @property
+    def num_response(self) -> int:
+        return self.mask.shape[1]
+
+    @property
+    def num_prompt(self) -> int:
+        return self.tokens.shape[1] - self.mask.shape[1]
+
+
+def bucket(length: int, buckets: Sequence[int], *, name: str = "length") -> int:
+    """The smallest bucket >= ``length``.
+
+    Raises:
+      ValueError: naming ``name`` when no bucket is large enough.
+    """
+    for size in sorted(buckets):
+        if size >= length:
+            return int(size)
+    raise ValueError(f"{name} {length} exceeds the largest bucket {max(buckets)} "
+                     f"(extend config.batch.*_buckets)")
+
+
+def encode_prompts(prompts: Sequence[str], tokenizer, buckets: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenises prompts (``tokenizer.encode_prompt``) and right-pads them to a bucket.
+
+    Returns:
+      ``(tokens int32 [B, P], lengths int32 [B])``, the sampler's input format.
+    """
+    encoded = [tokenizer.encode_prompt(p) for p in prompts]
+    lengths = np.array([len(e) for e in encoded], np.int32)
+    width = bucket(int(lengths.max()), buckets, name="prompt length")
+    tokens = np.full((len(encoded), width), tokenizer.pad_id, np.int32)
+    for i, e in enumerate(encoded):
+        tokens[i, :len(e)] = e
+    return tokens, lengths
+
+
+def layout(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int,
+           prompt_width: int, response_width: int) -> dict[str, np.ndarray]:
+    """Builds the training layout from token lists (SFT batches, tests).
+
+    Returns:
+      dict of numpy arrays ``tokens``, ``positions``, ``attention_mask`` ``[R, P + N]`` and
+      ``mask`` ``[R, N]`` (see the module docstring).
+    """
+    rows = len(prompt_ids)
+    width = prompt_width + response_width
+    tokens = np.full((rows, width), pad_id, np.int32)
+    positions = np.zeros((rows, width), np.int32)
+    attention_mask = np.zeros((rows, width), np.int32)
+    mask = np.zeros((rows, response_width), np.float32)
+    for r, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
+        p, n = len(prompt), len(response)
+        if p > prompt_width or n > response_width or p == 0:
+            raise ValueError(f"row {r}: prompt length {p} / response length {n} do not fit "
+                             f"[{prompt_width}, {response_width}] (prompts need >= 1 token)")
+        tokens[r, prompt_width - p:prompt_width] = prompt
+        tokens[r, prompt_width:prompt_width + n] = response
+        positions[r, prompt_width - p:prompt_width] = np.arange(p)
+        positions[r, prompt_width:] = p + np.arange(response_width)
+        attention_mask[r, prompt_width - p:prompt_width + n] = 1
+        mask[r, :n] = 1
+    return dict(tokens=tokens, positions=positions, attention_mask=attention_mask, mask=mask)
+
+
+def pad_prompt_axis(array: np.ndarray, new_prompt_width: int, prompt_width: int, axis: int,
+                    value) -> np.ndarray:
+    """Left-pads the prompt part of a ``[..., P + N, ...]`` array to ``new_prompt_width``."""
+    extra = new_prompt_width - prompt_width
+    if extra == 0:
+        return array
+    pad = [(0, 0)] * array.ndim
+    pad[axis] = (extra, 0)
+    return np.pad(array, pad, constant_values=value)
+
+
+class Round(NamedTuple):
+    """One sampling round on the host (numpy): G rows per prompt, groups contiguous."""
+
+    tokens: np.ndarray  # int32 [R, P + N]
+    positions: np.ndarray  # int32 [R, P + N]
+    attention_mask: np.ndarray  # int32 [R, P + N]
+    mask: np.ndarray  # float32 [R, N]
+    behaviour_log_probs: np.ndarray  # float32 [R, N] sampler's log-probs (raw, untruncated)
+    routing: np.ndarray | None  # int32 [L, R, P + N, k] sampler routing
+    rewards: np.ndarray  # float32 [R]
+    correct: np.ndarray  # bool [R]
+    prompt_width: int  # P
+
+    @property
+    def num_groups(self) -> int:
+        return self.tokens.shape[0]  # divided by G by the caller
+
+
+def round_from_rollout(rollout, rewards, correct, response_width: int) -> Round:
+    """Moves a ``Rollout`` to the host in the training layout, trimmed to ``response_width``."""
+    tokens, positions, attention_mask = jax.device_get(rollout.sequences())
+    prompt_width = rollout.prompt_tokens.shape[1]
+    width = prompt_width + response_width
+    routing = None if rollout.routing is None else np.asarray(rollout.routing)[:, :, :width]
+    return Round(
+        tokens=np.asarray(tokens)[:, :width], positions=np.asarray(positions)[:, :width],
+        attention_mask=np.asarray(attention_mask)[:, :width],
+        mask=np.asarray(rollout.mask)[:, :response_width],
+        behaviour_log_probs=np.asarray(rollout.raw_log_probs)[:, :response_width],
+        routing=routing, rewards=np.asarray(rewards, np.float32),
+        correct=np.asarray(correct, bool), prompt_width=prompt_width)
+
+
+def merge_rounds(selected: Sequence[tuple[Round, np.ndarray]], group_size: int, pad_id: int) -> Round:
+    """Concatenates chosen groups of several rounds into one ``Round``.
+
+    Args:
+      selected: ``(round, group_indices)`` pairs; groups are taken in this order.
+      group_size: G.
+      pad_id: token used for the extra left padding when prompt widths differ.
+
+    Returns:
+      One Round whose prompt width is the largest of the rounds and whose response width
+      is the largest response width (rounds are right-padded with masked slots).
+    """
+    prompt_width = max(r.prompt_width for r, _ in selected)
+    response_width = max(r.mask.shape[1] for r, _ in selected)
+    parts = []
+    for r, groups in selected:
+        rows = (np.asarray(groups)[:, None] * group_size + np.arange(group_size)[None]).reshape(-1)
+        extra_n = response_width - r.mask.shape[1]
+
+        def seq(a, value, axis=1):
+            a = pad_prompt_axis(a, prompt_width, r.prompt_width, axis, value)
+            pad = [(0, 0)] * a.ndim
+            pad[axis] = (0, extra_n)
+            return np.pad(a, pad, constant_values=value)
+
+        routing = None
+        if r.routing is not None:
+            routing = r.routing[:, rows]
+            k = routing.shape[-1]
+            # Padding slots get k distinct experts (never attended, kept valid for replay).
+            filler = np.broadcast_to(np.arange(k, dtype=np.int32), routing.shape[:2] + (1, k))
+            left = np.repeat(filler, prompt_width - r.prompt_width, axis=2)
+            right = np.repeat(filler, extra_n, axis=2)
+            routing = np.concatenate([left, routing, right], axis=2)
+        parts.append(Round(
+            tokens=seq(r.tokens[rows], pad_id), positions=seq(r.positions[rows], 0),
+            attention_mask=seq(r.attention_mask[rows], 0),
+            mask=np.pad(r.mask[rows], ((0, 0), (0, extra_n))),
+            behaviour_log_probs=np.pad(r.behaviour_log_probs[rows], ((0, 0), (0, extra_n))),
+            routing=routing, rewards=r.rewards[rows], correct=r.correct[rows],
+            prompt_width=prompt_width))
+    cat = lambda name, axis=0: np.concatenate([getattr(p, name) for p in parts], axis=axis)
+    return Round(
+        tokens=cat("tokens"), positions=cat("positions"), attention_mask=cat("attention_mask"),
+        mask=cat("mask"), behaviour_log_probs=cat("behaviour_log_probs"),
+        routing=None if parts[0].routing is None else cat("routing", axis=1),
+        rewards=cat("rewards"), correct=cat("correct"), prompt_width=prompt_width)
+
+
+class DynamicSampler:
+    """Accumulates groups over sampling rounds until a batch of ``n_prompts`` is full.
+
+    DAPO's dynamic sampling: a group whose G rewards are all equal (accuracy 0 or 1) is
+    dropped; rounds continue until ``n_prompts`` groups are kept or ``max_rounds`` rounds
+    were drawn. A batch that is still short is completed with dropped groups (zero
+    advantage: they add no gradient but keep the batch shape fixed) and the shortfall is
+    reported. With ``enabled=False`` one round is taken as it is.
+    """
+
+    def __init__(self, n_prompts: int, group_size: int, *, enabled: bool, max_rounds: int):
+        self.n_prompts, self.group_size = n_prompts, group_size
+        self.enabled, self.max_rounds = enabled, max_rounds
+        self.reset()
+
+    def reset(self) -> None:
+        self.kept: list[tuple[Round, np.ndarray]] = []
+        self.dropped: list[tuple[Round, np.ndarray]] = []
+        self.num_kept = 0
+        self.rounds = 0
+
+    def add(self, r: Round) -> bool:
+        """Adds one round; returns True when the batch is complete (full or cap reached)."""
+        self.rounds += 1
+        grouped = r.rewards.reshape(-1, self.group_size)
+        zero_variance = grouped.max(axis=1) == grouped.min(axis=1)
+        if not self.enabled:
+            zero_variance = np.zeros_like(zero_variance)
+        keep = np.flatnonzero(~zero_variance)[: self.n_prompts - self.num_kept]
+        if keep.size:
+            self.kept.append((r, keep))
+            self.num_kept += keep.size
+        drop = np.flatnonzero(zero_variance)
+        if drop.size:
+            self.dropped.append((r, drop))
+        return self.num_kept >= self.n_prompts or self.rounds >= self.max_rounds
+
+    def batch(self, pad_id: int) -> tuple[Round, dict[str, float]]:
+        """The assembled batch and its dynamic-sampling metrics; then resets."""
+        selected = list(self.kept)
+        shortfall = self.n_prompts - self.num_kept
+        need = shortfall
+        for r, groups in reversed(self.dropped):
+            if need <= 0:
+                break
+            take = groups[:need]
+            selected.append((r, take))
+            need -= take.size
+        if need > 0:
+            raise RuntimeError(f"dynamic sampling could not fill the batch ({need} groups missing)")
+        total_groups = self.rounds * self.n_prompts
+        metrics = {
+            "dynamic_sampling/rounds": float(self.rounds),
+            "dynamic_sampling/prompts_drawn": float(total_groups),
+            "dynamic_sampling/kept_fraction": self.num_kept / total_groups,
+            "dynamic_sampling/shortfall": float(shortfall),
+        }
+        merged = merge_rounds(selected, self.group_size, pad_id)
+        self.reset()
+        return merged, metrics
+
+
+def minibatch_indices(num_groups: int, group_size: int, n_minibatches: int, rng: jax.Array | None) -> list[np.ndarray]:
+    """Row indices of each minibatch: whole groups, shuffled by ``rng`` (None: in order)."""
+    order = np.arange(num_groups) if rng is None else np.asarray(jax.random.permutation(rng, num_groups))
+    per = num_groups // n_minibatches
+    chunks = [order[i * per:(i + 1) * per] for i in range(n_minibatches)]
+    return [(np.sort(c)[:, None] * group_size + np.arange(group_size)[None]).reshape(-1) for c in chunks]
+
+
+def take_rows(batch: Batch, rows: np.ndarray) -> Batch:
+    """Selects rows of every field (routing along its row axis 1)."""
+    rows = jnp.asarray(rows)
+    pick = lambda a: None if a is None else jnp.take(a, rows, axis=0)
+    return Batch(
+        tokens=pick(batch.tokens), positions=pick(batch.positions),
+        attention_mask=pick(batch.attention_mask), mask=pick(batch.mask),
+        advantages=pick(batch.advantages), old_log_probs=pick(batch.old_log_probs),
+        importance_weights=pick(batch.importance_weights), ref_log_probs=pick(batch.ref_log_probs),
+        routing=None if batch.routing is None else jnp.take(batch.routing, rows, axis=1))

@@ -1,0 +1,256 @@
+"""The jitted steps of RL and SFT: forward log-probs, routing, and ``update(state, batch)``.
+
+Everything here is a pure function of pytrees. The model enters as an NNX ``GraphDef``
+(static) and its parameters as an ``nnx.State`` of ``nnx.Param`` leaves
+(``graphdef, params = nnx.split(model, nnx.Param)``); the optimiser is optax.
+
+One update (``Learner.update``, jitted once per shape bucket, the state donated):
+
+    (loss, metrics), grads = value_and_grad(loss_fn)(params, batch)
+    finite = isfinite(loss) and isfinite(global_norm(grads))
+    params, opt_state = AdamW(clip_by_global_norm(grads))      if finite
+                        unchanged                               otherwise (counted)
+
+``loss_fn`` runs the policy forward on the batch (replaying ``batch.routing`` when it is
+given: R2 / R3), takes the log-probs of the response tokens from the final hidden
+states (``policyopt.logprobs.token_log_probs``, chunked over the vocabulary, at the
+sampling temperature) and returns ``policyopt.losses.policy_loss`` with the recipe's
+method, clip / temperatures, aggregation, optional KL (GRPO, k3) and optional truncated
+importance weights, plus optional load-balancing and entropy terms.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from policyopt.logprobs import token_log_probs
+from policyopt.losses import aggregate, policy_loss
+from policyopt.rl.batch import Batch
+
+
+@struct.dataclass
+class TrainState:
+    """Parameters, optimiser state and update counters (a pytree; donated to ``update``)."""
+
+    step: jax.Array  # int32 []: updates applied (the optimiser's schedule count)
+    skipped: jax.Array  # int32 []: updates skipped because loss or gradient was not finite
+    params: Any  # nnx.State of nnx.Param
+    opt_state: Any
+
+    @classmethod
+    def create(cls, params, optimizer: optax.GradientTransformation) -> "TrainState":
+        return cls(step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32),
+                   params=params, opt_state=optimizer.init(params))
+
+
+def warmup_constant_schedule(lr: float, warmup_steps: int) -> optax.Schedule:
+    """``lr * min(1, (count + 1) / warmup_steps)``: linear warm-up, then constant.
+
+    The first update already gets ``lr / warmup_steps`` (a schedule starting at 0 would
+    waste it). ``warmup_steps <= 0``: constant ``lr``.
+    """
+    if warmup_steps <= 0:
+        return optax.constant_schedule(lr)
+    return lambda count: lr * jnp.minimum(1.0, (count + 1.0) / warmup_steps)
+
+
+def make_optimizer(*, lr: float, warmup_steps: int = 0, b1: float = 0.9, b2: float = 0.999,
+                   eps: float = 1e-8, weight_decay: float = 0.0,
+                   max_grad_norm: float | None = 1.0) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with warm-up then constant learning rate, after global-norm clipping.
+
+    Returns:
+      ``(optimizer, schedule)``; ``schedule(state.step)`` is the learning rate of the next
+      update.
+    """
+    schedule = warmup_constant_schedule(lr, warmup_steps)
+    parts = []
+    if max_grad_norm is not None and max_grad_norm > 0:
+        parts.append(optax.clip_by_global_norm(max_grad_norm))
+    parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    return optax.chain(*parts), schedule
+
+
+def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
+    """``(graphdef, params)``; raises if the model holds state other than ``nnx.Param``."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise ValueError("the policy holds non-parameter state (e.g. batch statistics or rngs); "
+                         "the RL steps only carry nnx.Param")
+    return graphdef, params
+
+
+class Forward(NamedTuple):
+    log_probs: jax.Array  # float32 [R, N]
+    entropy: jax.Array  # float32 [R, N]
+    routing: jax.Array | None  # int32 [L, R, S, k]
+    aux: dict
+
+
+def forward_log_probs(graphdef, params, tokens, positions, attention_mask, num_response: int, *,
+                      temperature: float = 1.0, routing=None) -> Forward:
+    """Log-probs and entropies of the response tokens of a training-layout batch.
+
+    Response token ``n`` is predicted by the hidden state at index ``P - 1 + n``
+    (``P = S - num_response``), the layout of ``policyopt.rl.batch``.
+
+    Args:
+      graphdef, params: the policy.
+      tokens, positions, attention_mask: ``[R, S]``.
+      num_response: N.
+      temperature: the logits are divided by it (the sampling temperature).
+      routing: int32 ``[L_moe, R, S, k]`` to replay, or None.
+
+    Returns:
+      ``Forward``: log_probs and entropy ``[R, N]``, the routing used, the model's aux.
+    """
+    model = nnx.merge(graphdef, params)
+    out = model(tokens, positions=positions, attention_mask=attention_mask, routing=routing,
+                return_logits=False)
+    start = tokens.shape[1] - num_response - 1
+    hidden = jax.lax.slice_in_dim(out.hidden, start, start + num_response, axis=1)
+    targets = tokens[:, start + 1:]
+    log_probs, entropy = token_log_probs(hidden, model.output_embedding(), targets,
+                                         temperature=temperature, return_entropy=True)
+    return Forward(log_probs, entropy, out.routing, out.aux)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Static settings of the RL loss (``config.algo`` plus the sampling temperature)."""
+
+    method: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    aggregation: str = "token_mean"
+    group_size: int | None = None
+    max_len: int | None = None
+    kl_beta: float = 0.0
+    kl_estimator: str = "k3"
+    temperature: float = 1.0
+    load_balancing_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+    @classmethod
+    def from_config(cls, config) -> "LossConfig":
+        algo = config.algo
+        return cls(
+            method=algo.method, clip_low=float(algo.clip_low), clip_high=float(algo.clip_high),
+            dual_clip=algo.dual_clip, tau_pos=float(algo.tau_pos), tau_neg=float(algo.tau_neg),
+            aggregation=algo.aggregation, group_size=int(config.batch.group_size),
+            max_len=int(algo.max_len or config.sampling.max_new_tokens),
+            kl_beta=float(algo.kl_beta), kl_estimator=algo.kl_estimator,
+            temperature=float(config.sampling.temperature),
+            load_balancing_coef=float(algo.load_balancing_coef),
+            entropy_coef=float(algo.entropy_coef))
+
+
+def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.Array, dict]:
+    """The RL loss of one minibatch and its metrics (see the module docstring)."""
+    fwd = forward_log_probs(graphdef, params, batch.tokens, batch.positions, batch.attention_mask,
+                            batch.num_response, temperature=settings.temperature, routing=batch.routing)
+    advantages = jnp.broadcast_to(batch.advantages[:, None], fwd.log_probs.shape)
+    loss, policy_metrics = policy_loss(
+        fwd.log_probs, batch.old_log_probs, advantages, batch.mask, method=settings.method,
+        clip_low=settings.clip_low, clip_high=settings.clip_high, dual_clip=settings.dual_clip,
+        tau_pos=settings.tau_pos, tau_neg=settings.tau_neg, aggregation=settings.aggregation,
+        group_size=settings.group_size, max_len=settings.max_len,
+        importance_weights=batch.importance_weights,
+        ref_log_probs=batch.ref_log_probs if settings.kl_beta > 0 else None,
+        kl_coef=settings.kl_beta, kl_estimator=settings.kl_estimator)
+    metrics = {f"loss/{k}": v for k, v in policy_metrics.items()}
+    entropy = aggregate(fwd.entropy, batch.mask, "token_mean")
+    metrics["policy/entropy"] = jax.lax.stop_gradient(entropy)
+    if settings.entropy_coef:
+        loss = loss - settings.entropy_coef * entropy
+    if fwd.aux and "load_balancing_loss" in fwd.aux:
+        metrics["moe/load_balancing_loss"] = jax.lax.stop_gradient(fwd.aux["load_balancing_loss"])
+        if settings.load_balancing_coef:
+            loss = loss + settings.load_balancing_coef * fwd.aux["load_balancing_loss"]
+    metrics["loss/total"] = jax.lax.stop_gradient(loss)
+    return loss, metrics
+
+
+def guarded_update(loss_fn: Callable, optimizer: optax.GradientTransformation,
+                   schedule: optax.Schedule, state: TrainState, batch) -> tuple[TrainState, dict]:
+    """One optimiser step that is skipped when the loss or the gradient is not finite.
+
+    A skipped step leaves ``params`` and ``opt_state`` bit-identical and increments
+    ``state.skipped`` (``state.step`` counts applied updates only, so the learning-rate
+    schedule does not advance either).
+
+    Returns:
+      ``(state, metrics)`` with ``update/grad_norm`` (before clipping), ``update/lr``
+      (of this step) and ``update/skipped`` (0 or 1) added to ``loss_fn``'s metrics.
+    """
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = TrainState(
+        step=state.step + finite.astype(jnp.int32),
+        skipped=state.skipped + (~finite).astype(jnp.int32),
+        params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state))
+    metrics = dict(metrics)
+    metrics["update/grad_norm"] = grad_norm
+    metrics["update/lr"] = jnp.asarray(schedule(state.step), jnp.float32)
+    metrics["update/skipped"] = (~finite).astype(jnp.float32)
+    return new_state, metrics
+
+
+class Learner:
+    """The jitted functions of one policy, compiled once per shape bucket.
+
+    Attributes:
+      update: ``(state, batch) -> (state, metrics)``, the state donated.
+      log_probs: ``(params, tokens, positions, attention_mask, mask, routing) ->
+        (log_probs, entropy, routing)`` of a training-layout batch (old / reference
+        log-probs; returns the routing used, i.e. recorded or replayed).
+      routing: ``(params, tokens, positions, attention_mask) -> routing`` without replay
+        and without the vocabulary projection (routing metrics).
+      trace_counts: how many times each function was traced (a compile-count probe).
+    """
+
+    def __init__(self, graphdef, settings: LossConfig, optimizer: optax.GradientTransformation,
+                 schedule: optax.Schedule):
+        self.graphdef, self.settings = graphdef, settings
+        self.optimizer, self.schedule = optimizer, schedule
+        self.trace_counts: collections.Counter = collections.Counter()
+        self.update = jax.jit(self._update, donate_argnums=0)
+        self.log_probs = jax.jit(self._log_probs)
+        self.routing = jax.jit(self._routing)
+
+    def init_state(self, params) -> TrainState:
+        return TrainState.create(params, self.optimizer)
+
+    def loss(self, params, batch: Batch):
+        return rl_loss(self.graphdef, params, batch, self.settings)
+
+    def _update(self, state: TrainState, batch: Batch):
+        self.trace_counts["update"] += 1
+        return guarded_update(self.loss, self.optimizer, self.schedule, state, batch)
+
+    def _log_probs(self, params, tokens, positions, attention_mask, mask, routing=None):
+        self.trace_counts["log_probs"] += 1
+        fwd = forward_log_probs(self.graphdef, params, tokens, positions, attention_mask,
+                                mask.shape[1], temperature=self.settings.temperature, routing=routing)
+        valid = mask > 0
+        return jnp.where(valid, fwd.log_probs, 0.0), jnp.where(valid, fwd.entropy, 0.0), fwd.routing
+
+    def _routing(self, params, tokens, positions, attention_mask):
+        self.trace_counts["routing"] += 1
+        model = nnx.merge(self.graphdef, params)
+        return model(tokens, positions=positions, attention_mask=attention_mask,
+                     return_logits=False).routing

@@ -1,0 +1,55 @@
+"""Routing metrics for MoE policies: routing volatility and sampler-vs-trainer disagreement.
+
+**Routing volatility** (the quantity the GSPO paper, 2507.18071 §5.3, reports as "about
+10% of the experts activated for the same rollout differ after one gradient update" on
+Qwen3-30B-A3B): for the same batch, compare the experts that the *old* policy chose with
+those the *updated* policy chooses, both without replay. Per token and MoE layer the k
+chosen experts are compared **as sets** (the order of the top-k slots carries no
+meaning), so a token contributes ``k - |S_old ∩ S_new|`` differing choices out of ``k``:
+
+    volatility_l = sum_tokens (k - |S_old ∩ S_new|) / (k * number of tokens),
+
+over the valid tokens (real prompt tokens and valid response tokens: the tokens whose
+expert choice influences a log-prob of the batch), per layer and averaged over layers
+(overall). The trainer measures it once per iteration, after all the updates of the
+batch (after ``epochs * n_minibatches`` updates; after one update with the defaults).
+
+**Sampler-vs-trainer disagreement** is the same quantity between the routing the
+sampler recorded (KV-cache decode) and the routing of the trainer's full forward pass
+with the same parameters: it is non-zero only through numerical differences (a near-tie
+between two router logits resolved differently), which is what rollout routing replay
+(R3, 2510.11370) removes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def routing_differences(routing_a: jax.Array, routing_b: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Fraction of differing expert choices, per MoE layer and overall.
+
+    Args:
+      routing_a, routing_b: int32 ``[L, R, S, k]`` expert indices (k distinct per token).
+      token_mask: ``[R, S]``, 1 on the tokens to count.
+
+    Returns:
+      ``(overall scalar, per_layer [L])``, each in [0, 1]; 0 when no token is counted.
+    """
+    top_k = routing_a.shape[-1]
+    shared = jnp.any(routing_a[..., :, None] == routing_b[..., None, :], axis=-1).sum(-1)  # [L,R,S]
+    differing = (top_k - shared).astype(jnp.float32)
+    weight = token_mask.astype(jnp.float32)[None]
+    count = jnp.sum(weight[0])
+    per_layer = jnp.sum(differing * weight, axis=(1, 2)) / jnp.maximum(top_k * count, 1.0)
+    return jnp.mean(per_layer), per_layer
+
+
+def routing_metrics(prefix: str, routing_a, routing_b, token_mask) -> dict[str, jax.Array]:
+    """``{prefix: overall, prefix/layer_i: per-layer}`` from ``routing_differences``."""
+    overall, per_layer = routing_differences(routing_a, routing_b, token_mask)
+    metrics = {prefix: overall}
+    for layer in range(per_layer.shape[0]):
+        metrics[f"{prefix}/layer_{layer}"] = per_layer[layer]
+    return metrics

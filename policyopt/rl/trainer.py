@@ -1,0 +1,344 @@
+"""The RL loop, in one place: sample -> score -> dynamic sampling -> old log-probs ->
+advantages -> epochs x minibatches of ``update`` -> metrics, evaluation, checkpoint.
+
+    summary = run_rl(config, workdir)        # resumes from workdir/checkpoints if present
+
+Each arrow is a pure jitted function (``policyopt.sampling.generate_fn``,
+``Learner.log_probs``, ``Learner.update``) or host-side bookkeeping on numpy arrays
+(scoring, dynamic sampling, advantages). Shapes are bucketed (``policyopt.rl.batch``)
+so each jitted function compiles a bounded number of times.
+
+Determinism and resume: the rng of iteration ``i`` is ``fold_in(run_key, i)``; the
+checkpoint holds the parameters, the optimiser state, the update counters, the run key,
+the iteration and the data iterator's state, so rerunning the same command continues
+exactly where the last checkpoint left off (N + resume + N iterations give the
+parameters of 2N uninterrupted iterations bit for bit; ``tests/test_rl_trainer.py``).
+
+Routing replay (MoE): ``"R2"`` replays, in every update forward, the routing recorded by
+the old-log-prob forward; ``"R3"`` replays the sampler's routing in the old-log-prob
+forward and in every update forward (``PAPERS.md``). Only the expert selection is
+replayed; the model recomputes the gate weights from the current router.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from policyopt.advantages import outcome_advantages
+from policyopt.checkpoint import Checkpointer
+from policyopt.data.pipeline import make_pipeline
+from policyopt.losses import truncated_importance_weights
+from policyopt.metrics import MetricsWriter, Progress
+from policyopt.rewards.batch import score_batch
+from policyopt.rl import build
+from policyopt.rl.batch import Batch, DynamicSampler, bucket, minibatch_indices, round_from_rollout, take_rows
+from policyopt.rl.evaluate import decode, evaluate
+from policyopt.rl.learner import Learner, LossConfig, TrainState, make_optimizer
+from policyopt.rl.routing import routing_metrics
+from policyopt.sampling import SamplingConfig, generate_fn, sampling_method
+
+
+@dataclasses.dataclass
+class RLRun:
+    """The state of an RL run between iterations (built by ``build_run``)."""
+
+    config: Any
+    workdir: str
+    tokenizer: Any
+    graphdef: Any
+    learner: Learner
+    state: TrainState
+    ref_params: Any  # frozen initial parameters (KL), or None
+    rng: jax.Array  # run key; iteration i uses fold_in(rng, i)
+    data: Any  # grain iterator over prompt batches (get_state / set_state)
+    eval_records: list
+    sampling_config: SamplingConfig
+    reward_spec: Any
+    checkpointer: Checkpointer
+    iteration: int = 0  # iterations completed
+    timings: dict = dataclasses.field(default_factory=dict)
+
+
+def make_prompt_iterator(config, records: list, *, seed: int):
+    """The grain iterator of RL prompt batches (n_prompts prompts, bucketed, shuffled)."""
+    pipeline = make_pipeline(records, batch_size=config.batch.n_prompts, seed=seed,
+                             tokenizer=build.make_tokenizer(config),
+                             length_buckets=tuple(config.batch.prompt_buckets))
+    return iter(pipeline)
+
+
+def build_run(config, workdir: str) -> RLRun:
+    """Builds model, learner, data and the initial state; restores the latest checkpoint
+    of ``workdir/checkpoints`` when there is one."""
+    os.makedirs(workdir, exist_ok=True)
+    tokenizer = build.make_tokenizer(config)
+    model = build.make_model(config, tokenizer.vocab_size)
+    graphdef, params = build.init_params(config, model)
+    optimizer, schedule = make_optimizer(
+        lr=config.optim.lr, warmup_steps=config.optim.warmup_steps, b1=config.optim.b1,
+        b2=config.optim.b2, eps=config.optim.eps, weight_decay=config.optim.weight_decay,
+        max_grad_norm=config.optim.max_grad_norm)
+    learner = Learner(graphdef, LossConfig.from_config(config), optimizer, schedule)
+    ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
+    state = learner.init_state(params)
+    rng = jax.random.PRNGKey(config.seed)
+    data = make_prompt_iterator(config, build.task_records(config, "train"), seed=config.seed)
+    eval_records = build.task_records(config, "test")[: config.eval.num_prompts]
+    s = config.sampling
+    sampling_config = SamplingConfig(
+        max_new_tokens=s.max_new_tokens, method=sampling_method(s.temperature, s.top_k, s.top_p),
+        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, num_samples=config.batch.group_size)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
+                                max_to_keep=config.train.keep_checkpoints)
+    run = RLRun(config=config, workdir=workdir, tokenizer=tokenizer, graphdef=graphdef,
+                learner=learner, state=state, ref_params=ref_params, rng=rng, data=data,
+                eval_records=eval_records, sampling_config=sampling_config,
+                reward_spec=build.reward_spec(config), checkpointer=checkpointer)
+    if checkpointer.latest_step() is not None:
+        restore(run)
+    return run
+
+
+def save(run: RLRun) -> None:
+    """Checkpoints the run at its current iteration."""
+    run.checkpointer.save(run.iteration, {"train": run.state, "rng": run.rng},
+                          {"iteration": run.iteration, "data": run.data.get_state()})
+
+
+def restore(run: RLRun, step: int | None = None) -> None:
+    """Restores parameters, optimiser, counters, run key, iteration and data position."""
+    restored, meta = run.checkpointer.restore({"train": run.state, "rng": run.rng}, step)
+    run.state, run.rng = restored["train"], restored["rng"]
+    run.iteration = int(meta["iteration"])
+    run.data.set_state(meta["data"])
+
+
+def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
+    """Sampling rounds until the batch is full; returns the merged Round and metrics."""
+    cfg = run.config
+    group = cfg.batch.group_size
+    sampler = DynamicSampler(cfg.batch.n_prompts, group, enabled=cfg.dynamic_sampling.enabled,
+                             max_rounds=cfg.dynamic_sampling.max_rounds if cfg.dynamic_sampling.enabled else 1)
+    gen_time = score_time = 0.0
+    all_rewards, all_correct, all_lengths = [], [], []
+    done, round_index = False, 0
+    while not done:
+        prompts = next(run.data)
+        t0 = time.perf_counter()
+        rollout = generate_fn(run.graphdef, run.state.params, prompts["prompt_tokens"],
+                              prompts["prompt_lengths"], jax.random.fold_in(key, round_index),
+                              config=run.sampling_config)
+        tokens, lengths = jax.device_get((rollout.tokens, rollout.lengths))
+        t1 = time.perf_counter()
+        texts = decode(tokens, lengths, run.tokenizer)
+        references = [a for a in prompts["answer"] for _ in range(group)]
+        texts_prompts = [p for p in prompts["prompt"] for _ in range(group)]
+        scores = score_batch(texts, references, lengths, run.reward_spec, prompts=texts_prompts,
+                             num_workers=cfg.reward.num_workers,
+                             truncated=(lengths >= cfg.sampling.max_new_tokens) & (tokens[:, -1] != run.tokenizer.eos_id))
+        t2 = time.perf_counter()
+        gen_time, score_time = gen_time + t1 - t0, score_time + t2 - t1
+        width = min(bucket(int(lengths.max()), cfg.batch.response_buckets, name="response length"),
+                    cfg.sampling.max_new_tokens)
+        rnd = round_from_rollout(rollout, scores.rewards, scores.correct, width)
+        if cfg.reward.overlong_filter:
+            rnd = rnd._replace(mask=rnd.mask * np.asarray(scores.sample_mask)[:, None])
+        all_rewards.append(scores.rewards)
+        all_correct.append(scores.correct)
+        all_lengths.append(lengths)
+        done = sampler.add(rnd)
+        round_index += 1
+    merged, metrics = sampler.batch(run.tokenizer.pad_id)
+    lengths = np.concatenate(all_lengths)
+    metrics.update({
+        "reward/mean": float(np.mean(np.concatenate(all_rewards))),
+        "reward/accuracy": float(np.mean(np.concatenate(all_correct))),
+        "batch/reward_mean": float(np.mean(merged.rewards)),
+        "batch/accuracy": float(np.mean(merged.correct)),
+        "response/length_mean": float(np.mean(lengths)),
+        "response/length_max": float(np.max(lengths)),
+        "response/truncated_fraction": float(np.mean(lengths >= cfg.sampling.max_new_tokens)),
+        "time/generate_s": gen_time, "time/score_s": score_time,
+    })
+    return merged, metrics
+
+
+def _chunked_log_probs(learner: Learner, params, tokens, positions, attention_mask, mask,
+                       routing, num_chunks: int):
+    """``learner.log_probs`` over ``num_chunks`` equal row chunks (one compiled shape, the
+    minibatch's), concatenated: ``(log_probs [R, N], routing [L, R, S, k] or None)``."""
+    per = tokens.shape[0] // num_chunks
+    log_probs, routings = [], []
+    for c in range(num_chunks):
+        rows = slice(c * per, (c + 1) * per)
+        replay = None if routing is None else routing[:, rows]
+        lp, _, used = learner.log_probs(params, tokens[rows], positions[rows], attention_mask[rows],
+                                        mask[rows], replay)
+        log_probs.append(lp)
+        routings.append(used)
+    routing_out = None if routings[0] is None else jnp.concatenate(routings, axis=1)
+    return jnp.concatenate(log_probs, axis=0), routing_out
+
+
+def rl_iteration(run: RLRun) -> dict[str, float]:
+    """Runs one RL iteration on ``run`` (state updated in place) and returns its metrics."""
+    cfg, learner = run.config, run.learner
+    algo, group = cfg.algo, cfg.batch.group_size
+    start = time.perf_counter()
+    key_sample, key_shuffle = jax.random.split(jax.random.fold_in(run.rng, run.iteration))
+    merged, metrics = _sample_batch(run, key_sample)
+
+    # Old (and reference) log-probs from the trainer's forward pass.
+    t0 = time.perf_counter()
+    tokens, positions = jnp.asarray(merged.tokens), jnp.asarray(merged.positions)
+    attention_mask, mask = jnp.asarray(merged.attention_mask), jnp.asarray(merged.mask)
+    sampler_routing = None if merged.routing is None else jnp.asarray(merged.routing)
+    behaviour = jnp.asarray(merged.behaviour_log_probs)
+    n_chunks = cfg.batch.n_minibatches
+    is_moe = sampler_routing is not None
+    replay_old = sampler_routing if (is_moe and algo.routing_replay == "R3") else None
+    if algo.old_log_probs == "trainer":
+        old_log_probs, old_routing = _chunked_log_probs(
+            learner, run.state.params, tokens, positions, attention_mask, mask, replay_old, n_chunks)
+    else:
+        old_log_probs, old_routing = behaviour, None
+    ref_log_probs = None
+    if run.ref_params is not None:
+        ref_log_probs, _ = _chunked_log_probs(
+            learner, run.ref_params, tokens, positions, attention_mask, mask, None, n_chunks)
+    # The old policy's own (not replayed) routing, for the routing metrics.
+    natural_old = old_routing if (is_moe and replay_old is None) else None
+    if is_moe and cfg.train.routing_metrics and natural_old is None:
+        natural_old = learner.routing(run.state.params, tokens, positions, attention_mask)
+    metrics["time/old_log_probs_s"] = _block(old_log_probs, t0)
+    metrics["logprob/sampler_trainer_abs_diff"] = float(
+        jnp.sum(jnp.abs(old_log_probs - behaviour) * mask) / jnp.maximum(jnp.sum(mask), 1))
+
+    # Advantages, importance weights, the replayed routing.
+    rewards = jnp.asarray(merged.rewards)
+    scale = "none" if algo.adv_scale == "minibatch" else algo.adv_scale
+    advantages = outcome_advantages(rewards, group, center=algo.adv_center, scale=scale, eps=algo.adv_eps)
+    weights = None
+    if algo.tis_cap is not None:
+        weights = truncated_importance_weights(old_log_probs, behaviour, mask, cap=algo.tis_cap)
+    replay = {"none": None, "R2": old_routing, "R3": sampler_routing}[algo.routing_replay] if is_moe else None
+    batch = Batch(tokens=tokens, positions=positions, attention_mask=attention_mask, mask=mask,
+                  advantages=advantages, old_log_probs=old_log_probs, importance_weights=weights,
+                  ref_log_probs=ref_log_probs, routing=replay)
+
+    # Epochs x minibatches of updates.
+    t0 = time.perf_counter()
+    num_groups = tokens.shape[0] // group
+    sums: dict[str, jax.Array] = {}
+    num_updates = 0
+    for epoch in range(cfg.batch.epochs):
+        shuffle = jax.random.fold_in(key_shuffle, epoch) if cfg.batch.n_minibatches > 1 else None
+        for rows in minibatch_indices(num_groups, group, cfg.batch.n_minibatches, shuffle):
+            minibatch = take_rows(batch, rows)
+            if algo.adv_scale == "minibatch":
+                minibatch = minibatch._replace(advantages=outcome_advantages(
+                    minibatch.advantages, group, center="none", scale="batch", eps=algo.adv_eps))
+            run.state, update_metrics = learner.update(run.state, minibatch)
+            for k, v in update_metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+            num_updates += 1
+    update_metrics = {k: v / num_updates for k, v in sums.items()}
+    update_metrics["update/skipped"] = sums["update/skipped"]
+    metrics.update(jax.device_get(update_metrics))
+    metrics["time/update_s"] = _block(run.state.params, t0)
+
+    # Routing metrics (MoE).
+    if is_moe and cfg.train.routing_metrics:
+        new_routing = learner.routing(run.state.params, tokens, positions, attention_mask)
+        metrics.update(jax.device_get(routing_metrics("routing/volatility", natural_old, new_routing, attention_mask)))
+        metrics.update(jax.device_get(routing_metrics(
+            "routing/sampler_trainer_disagreement", natural_old, sampler_routing, attention_mask)))
+    metrics["update/step"] = float(run.state.step)
+    metrics["update/skipped_total"] = float(run.state.skipped)
+    run.iteration += 1
+    metrics["time/iteration_s"] = time.perf_counter() - start
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def _block(tree, t0: float) -> float:
+    jax.block_until_ready(tree)
+    return time.perf_counter() - t0
+
+
+def evaluate_run(run: RLRun) -> dict[str, float]:
+    """Held-out evaluation of the current policy (``policyopt.rl.evaluate``)."""
+    cfg = run.config
+    return evaluate(run.graphdef, run.state.params, run.eval_records, run.tokenizer,
+                    max_new_tokens=cfg.sampling.max_new_tokens, batch_size=cfg.eval.batch_size,
+                    prompt_buckets=tuple(cfg.batch.prompt_buckets), k=cfg.eval.k,
+                    temperature=cfg.eval.temperature,
+                    rng=jax.random.fold_in(run.rng, 10**9 + run.iteration))
+
+
+def run_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bool = False) -> dict:
+    """Trains with RL for ``config.train.num_iterations`` iterations (resuming if possible).
+
+    Writes to ``workdir``: ``config.json`` (resolved config), ``metrics.jsonl`` and
+    ``tensorboard/`` (one record per iteration), ``eval.jsonl`` (evaluations),
+    ``checkpoints/`` (orbax).
+
+    Args:
+      config: a locked recipe config (``configs/*.py``).
+      workdir: the run directory.
+      num_iterations: stop after this many iterations in total (default from config).
+      quiet: no console progress line.
+
+    Returns:
+      ``{"iteration", "metrics" (last iteration), "eval" (last evaluation),
+      "eval_history" (list), "run" (the RLRun)}``.
+    """
+    total = config.train.num_iterations if num_iterations is None else num_iterations
+    run = build_run(config, workdir)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
+    eval_writer = MetricsWriter(workdir, filename="eval.jsonl", tensorboard=False)
+    progress = None if quiet else Progress(total, start_step=run.iteration)
+    history, metrics, last_eval = [], {}, {}
+    every = config.train.eval_every
+
+    def do_eval():
+        result = evaluate_run(run)
+        eval_writer.write(run.iteration, result)
+        writer.write(run.iteration, result)
+        history.append({"iteration": run.iteration, **result})
+        if progress:
+            print(f"eval @ {run.iteration}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)
+        return result
+
+    if run.iteration == 0 and (every or 0) >= 0 and config.eval.num_prompts > 0:
+        last_eval = do_eval()
+    try:
+        while run.iteration < total:
+            metrics = rl_iteration(run)
+            writer.write(run.iteration, metrics)
+            if progress and run.iteration % config.train.log_every == 0:
+                progress.update(run.iteration, {**metrics, **last_eval})
+            final = run.iteration == total
+            if config.eval.num_prompts > 0 and ((every and run.iteration % every == 0) or final):
+                last_eval = do_eval()
+            if final or run.iteration % config.train.checkpoint_every == 0:
+                save(run)
+    finally:
+        writer.close()
+        eval_writer.close()
+    return {"iteration": run.iteration, "metrics": metrics, "eval": last_eval,
+            "eval_history": history, "run": run}
+
+
+def save_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
