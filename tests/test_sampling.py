@@ -1,0 +1,382 @@
+"""Tests of policyopt.sampling against full forward passes, HuggingFace and hand-worked cases.
+
+The references never go through the KV cache: they run each whole sequence (prompt
+immediately followed by its continuation, right-padded) through the model in one forward
+pass, step by step for greedy decoding, or call transformers' own `generate`.
+
+Compiling a sampler takes seconds, so the tests share a few (batch, prompt length,
+config) buckets through module-scoped fixtures.
+"""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from policyopt import sampling
+from policyopt.models import ModelConfig, Transformer
+
+VOCAB = 64
+MAX_NEW = 8
+# Larger weights than the default initialiser: peaked logits keep greedy decoding away
+# from near-ties, so float32 summation order cannot flip an argmax.
+_BASE = dict(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+             head_dim=8, intermediate_size=48, rope_theta=1e4, initializer_range=0.3)
+MOE = ModelConfig(**_BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+DENSE = ModelConfig(**_BASE)
+
+# Right-padded prompts of three lengths. The padding value 0 is a real token id: padding
+# must be ignored because of the mask, not because of its value.
+PROMPTS = np.array([[5, 17, 3, 9, 22, 41, 0],
+                    [7, 2, 0, 0, 0, 0, 0],
+                    [11, 30, 8, 60, 0, 0, 0]], np.int32)
+LENGTHS = np.array([6, 2, 4], np.int32)
+
+
+def _forward_impl(graphdef, state, tokens, attention_mask, positions, routing):
+    model = nnx.merge(graphdef, state)
+    out = model(tokens, positions=positions, attention_mask=attention_mask, routing=routing)
+    return out.logits.astype(jnp.float32), out.routing
+
+
+_forward = jax.jit(_forward_impl, static_argnums=0)
+
+
+def forward(model, tokens, attention_mask, positions=None, routing=None):
+    """Full forward pass (no cache): float32 logits [B, T, V] and routing."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    graphdef, state = nnx.split(model)
+    return _forward(graphdef, state, tokens, jnp.asarray(attention_mask, jnp.int32),
+                    jnp.asarray(positions, jnp.int32), routing)
+
+
+def contiguous(responses, response_lengths, group=1):
+    """Rows prompt[:len] + response[:response_len], right-padded to P + N, and their mask."""
+    prompts, lengths = np.repeat(PROMPTS, group, axis=0), np.repeat(LENGTHS, group)
+    responses, response_lengths = np.asarray(responses), np.asarray(response_lengths)
+    rows, width = prompts.shape[0], prompts.shape[1] + responses.shape[1]
+    tokens, mask = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32)
+    for r in range(rows):
+        row = list(prompts[r, :lengths[r]]) + list(responses[r, :response_lengths[r]])
+        tokens[r, :len(row)], mask[r, :len(row)] = row, 1
+    return tokens, mask, lengths
+
+
+def reference_log_probs(model, rollout, temperature=1.0, group=1):
+    """log softmax(logits / T) [R, N] of the generated tokens, from one full forward pass."""
+    tokens, mask, lengths = contiguous(rollout.tokens, rollout.lengths, group)
+    logits, _ = forward(model, tokens, mask)
+    log_probs = np.asarray(jax.nn.log_softmax(logits / temperature, axis=-1))
+    ref = np.zeros(rollout.tokens.shape, np.float32)
+    for r in range(tokens.shape[0]):
+        for t in range(int(rollout.lengths[r])):
+            ref[r, t] = log_probs[r, lengths[r] - 1 + t, tokens[r, lengths[r] + t]]
+    return ref
+
+
+def greedy_reference(model, steps):
+    """Step-by-step argmax of the full forward pass over the growing sequences."""
+    rows = PROMPTS.shape[0]
+    out = np.zeros((rows, steps), np.int32)
+    tokens, mask, lengths = contiguous(out, np.zeros(rows, np.int32))
+    for t in range(steps):
+        logits = np.asarray(forward(model, tokens, mask)[0])
+        for r in range(rows):
+            out[r, t] = np.argmax(logits[r, lengths[r] - 1 + t])
+            tokens[r, lengths[r] + t], mask[r, lengths[r] + t] = out[r, t], 1
+    return out
+
+
+def run(model, prompts=PROMPTS, lengths=LENGTHS, seed=0, **kwargs):
+    kwargs.setdefault("max_new_tokens", MAX_NEW)
+    return sampling.generate(model, prompts, lengths, rng=jax.random.key(seed), **kwargs)
+
+
+def response_log_probs(logits, rollout, prompt_len):
+    """Log-probs of the response tokens from logits over `Rollout.sequences()`."""
+    log_probs = jax.nn.log_softmax(logits[:, prompt_len - 1:-1], axis=-1)
+    log_probs = jnp.take_along_axis(log_probs, rollout.tokens[..., None], axis=-1)[..., 0]
+    return np.asarray(log_probs * rollout.mask)
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    return Transformer(MOE, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def moe_greedy(moe_model):
+    return run(moe_model, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def moe_sampled(moe_model):
+    return run(moe_model, temperature=1.0, seed=3)
+
+
+# ------------------------------------------------------------------ sampling methods
+
+
+def test_top_k_top_p_temperature_hand_worked():
+    # Probabilities 0.5, 0.3, 0.15, 0.05 in each of 4000 rows.
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = jnp.asarray(np.broadcast_to(np.log(probs), (4000, 4)), jnp.float32)
+    rng = jax.random.key(0)
+
+    def draw(method):
+        tokens, log_probs = jax.jit(method.sample)(logits, rng)
+        return np.asarray(tokens), np.asarray(log_probs)
+
+    # top-p 0.7: mass before each candidate is 0, .5, .8, .95 -> keep {0, 1}: .625, .375.
+    tokens, log_probs = draw(sampling.TopP(p=0.7))
+    assert set(np.unique(tokens)) == {0, 1}
+    np.testing.assert_allclose(log_probs, np.log(np.where(tokens == 0, 0.625, 0.375)), rtol=1e-5)
+    assert abs((tokens == 0).mean() - 0.625) < 4 * np.sqrt(0.625 * 0.375 / 4000)
+    # top-k 3 at temperature 2: softmax(log p / 2) over the first three = sqrt(p) renormalised.
+    tokens, log_probs = draw(sampling.TopK(k=3, temperature=2.0))
+    kept = np.sqrt(probs[:3]) / np.sqrt(probs[:3]).sum()
+    assert set(np.unique(tokens)) == {0, 1, 2}
+    np.testing.assert_allclose(log_probs, np.log(kept[tokens]), rtol=1e-5)
+    # top-k 2 renormalises to .625 / .375, then top-p 0.6 keeps token 0 only.
+    tokens, log_probs = draw(sampling.TopP(p=0.6, top_k=2))
+    assert np.all(tokens == 0) and np.allclose(log_probs, 0.0)
+    # Temperature 0.5: p^2 renormalised, every token reachable.
+    tokens, log_probs = draw(sampling.Temperature(0.5))
+    expected = np.log(probs ** 2 / (probs ** 2).sum())
+    assert set(np.unique(tokens)) == {0, 1, 2, 3}
+    np.testing.assert_allclose(log_probs, expected[tokens], rtol=1e-5)
+
+
+def test_sampling_method_choice_and_errors():
+    assert sampling.sampling_method(0.0, top_k=5, top_p=0.5) == sampling.Greedy()
+    assert sampling.sampling_method(0.7) == sampling.Temperature(0.7)
+    assert sampling.sampling_method(1.0, top_k=4) == sampling.TopK(4, 1.0)
+    assert sampling.sampling_method(1.0, top_k=4, top_p=0.9) == sampling.TopP(0.9, 1.0, 4)
+    with pytest.raises(ValueError, match="top_p"):
+        sampling.sampling_method(1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        sampling.TopK(k=2, temperature=0.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        sampling.SamplingConfig(max_new_tokens=0)
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        sampling.generate(None, PROMPTS, np.array([0, 1, 2]), max_new_tokens=2,
+                          rng=jax.random.key(0))
+
+
+# ------------------------------------------------------------------ against full forwards
+
+
+def test_greedy_equals_stepwise_argmax(moe_model, moe_greedy):
+    np.testing.assert_array_equal(np.asarray(moe_greedy.tokens), greedy_reference(moe_model, MAX_NEW))
+    np.testing.assert_array_equal(np.asarray(moe_greedy.mask), 1.0)
+    np.testing.assert_array_equal(np.asarray(moe_greedy.log_probs), 0.0)  # a point mass
+    # Greedy raw log-probs: the model's own distribution (temperature 1).
+    np.testing.assert_allclose(np.asarray(moe_greedy.raw_log_probs),
+                               reference_log_probs(moe_model, moe_greedy), atol=2e-4)
+
+
+@pytest.mark.parametrize("name", ["moe", "dense"])
+def test_log_probs_equal_full_forward(name, moe_model, moe_sampled):
+    if name == "moe":
+        model, rollout = moe_model, moe_sampled
+    else:
+        model = Transformer(DENSE, rngs=nnx.Rngs(1))
+        rollout = run(model, temperature=1.0, seed=3)
+    assert (rollout.routing is None) == (name == "dense")
+    ref = reference_log_probs(model, rollout)
+    np.testing.assert_allclose(np.asarray(rollout.log_probs), ref, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(rollout.raw_log_probs), ref, atol=2e-4)
+    assert np.all(np.asarray(rollout.lengths) == MAX_NEW)
+    # The training layout of Rollout.sequences() (prompts right-aligned) gives the same.
+    tokens, positions, attention_mask = rollout.sequences()
+    logits, _ = forward(model, tokens, attention_mask, positions)
+    np.testing.assert_allclose(response_log_probs(logits, rollout, PROMPTS.shape[1]), ref,
+                               atol=2e-4)
+
+
+def test_top_k_then_top_p_log_probs(moe_model):
+    # Behaviour log-probs under truncation are renormalised over the kept set: checked
+    # against log-softmax(logits / T) of the full forward restricted to that set.
+    method = sampling.TopP(p=0.8, temperature=1.3, top_k=5)
+    rollout = run(moe_model, method=method, seed=5)
+    tokens, mask, lengths = contiguous(rollout.tokens, rollout.lengths)
+    logits = np.asarray(forward(moe_model, tokens, mask)[0], np.float64) / method.temperature
+    for r in range(tokens.shape[0]):
+        for t in range(MAX_NEW):
+            scaled = logits[r, lengths[r] - 1 + t]
+            probs = np.exp(scaled - scaled.max())
+            probs /= probs.sum()
+            top = np.argsort(-probs, kind="stable")[:method.top_k]
+            top_probs = probs[top] / probs[top].sum()
+            kept = top[np.cumsum(top_probs) - top_probs < method.p]
+            token = tokens[r, lengths[r] + t]
+            assert token in kept
+            np.testing.assert_allclose(rollout.log_probs[r, t],
+                                       np.log(probs[token] / probs[kept].sum()), atol=2e-4)
+            np.testing.assert_allclose(rollout.raw_log_probs[r, t], np.log(probs[token]),
+                                       atol=2e-4)
+
+
+def test_routing_replay_reproduces_log_probs(moe_model, moe_sampled):
+    rollout, prompt_len = moe_sampled, PROMPTS.shape[1]
+    tokens, positions, attention_mask = rollout.sequences()
+    assert rollout.routing.shape == (MOE.num_layers, 3, prompt_len + MAX_NEW, 2)
+
+    def replay(routing):
+        logits, free_routing = forward(moe_model, tokens, attention_mask, positions, routing)
+        return response_log_probs(logits, rollout, prompt_len), np.asarray(free_routing)
+
+    replayed, _ = replay(rollout.routing)
+    np.testing.assert_allclose(replayed, np.asarray(rollout.log_probs), atol=2e-4)
+    # The recorded routing is the one a full forward chooses, at every real token.
+    _, free_routing = replay(None)
+    valid = np.asarray(attention_mask, bool)
+    np.testing.assert_array_equal(free_routing[:, valid], np.asarray(rollout.routing)[:, valid])
+    # Replay is really applied: other experts give other log-probs.
+    changed, _ = replay((rollout.routing + 1) % MOE.num_experts)
+    assert np.max(np.abs(changed - replayed)) > 1e-2
+
+
+def test_greedy_equals_transformers_generate(tmp_path, moe_greedy):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from policyopt.models import from_pretrained
+
+    hf_config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}, initializer_range=0.3,
+        tie_word_embeddings=False, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    hf_model = transformers.Qwen3MoeForCausalLM(hf_config).eval()
+    hf_model.save_pretrained(tmp_path)
+    model = from_pretrained(str(tmp_path))
+    assert model.config == MOE  # same sampler bucket as moe_greedy: no new compile
+
+    rollout = run(model, temperature=0.0)
+    assert np.any(np.asarray(rollout.tokens) != np.asarray(moe_greedy.tokens))  # new weights
+    for r in range(PROMPTS.shape[0]):
+        prompt = torch.tensor(PROMPTS[r:r + 1, :LENGTHS[r]], dtype=torch.long)
+        with torch.no_grad():
+            out = hf_model.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False,
+                                    output_logits=True, return_dict_in_generate=True,
+                                    pad_token_id=0)
+        continuation = out.sequences[0, LENGTHS[r]:]
+        np.testing.assert_array_equal(np.asarray(rollout.tokens[r]), continuation.numpy())
+        hf_log_probs = torch.log_softmax(torch.stack(out.logits)[:, 0].double(), dim=-1)
+        hf_log_probs = hf_log_probs.gather(-1, continuation[:, None])[:, 0].numpy()
+        np.testing.assert_allclose(np.asarray(rollout.raw_log_probs[r]), hf_log_probs, atol=2e-4)
+
+
+# ------------------------------------------------------------------ behaviour
+
+
+def test_padded_equals_unpadded(moe_model, moe_sampled):
+    # Three prompts of length 4, unpadded ([3, 4]) and padded to 7 columns with a token
+    # that is not padding by value (the padded run shares moe_sampled's bucket).
+    prompts = np.array([[3, 14, 15, 9], [2, 6, 53, 5], [1, 41, 42, 13]], np.int32)
+    lengths = np.full(3, 4, np.int32)
+    padded = np.concatenate([prompts, np.full((3, 3), 7, np.int32)], axis=1)
+    a = run(moe_model, prompts, lengths, temperature=1.0, seed=11)
+    b = run(moe_model, padded, lengths, temperature=1.0, seed=11)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_allclose(np.asarray(a.log_probs), np.asarray(b.log_probs), atol=1e-5)
+    # Routing of the real tokens agrees; the padded run's 3 extra columns are at the left.
+    np.testing.assert_array_equal(np.asarray(a.routing), np.asarray(b.routing)[:, :, 3:])
+    np.testing.assert_array_equal(np.asarray(b.prompt_tokens)[:, 3:], prompts)
+
+
+def test_eos_and_stop_sequence_end_and_mask(moe_model, moe_greedy):
+    # Greedy decoding is deterministic, so where each row must end follows from the
+    # continuation without EOS: at the first EOS or the first complete stop sequence.
+    free = np.asarray(moe_greedy.tokens)
+    eos = int(free[0, 2])
+    stop = (int(free[1, 3]), int(free[1, 4]))
+    lengths = []
+    for row in free:
+        ends = [t + 1 for t in range(MAX_NEW) if row[t] == eos]
+        ends += [t + 1 for t in range(1, MAX_NEW) if (row[t - 1], row[t]) == stop]
+        lengths.append(min(ends, default=MAX_NEW))
+    lengths = np.array(lengths)
+    assert lengths[0] <= 3 and lengths[1] <= 5
+    valid = np.arange(MAX_NEW)[None] < lengths[:, None]
+
+    rollout = run(moe_model, temperature=0.0, eos_id=eos, stop_sequences=(stop,))
+    np.testing.assert_array_equal(np.asarray(rollout.lengths), lengths)
+    np.testing.assert_array_equal(np.asarray(rollout.mask), valid)
+    np.testing.assert_array_equal(np.asarray(rollout.tokens), np.where(valid, free, eos))
+    np.testing.assert_array_equal(np.asarray(rollout.raw_log_probs)[~valid], 0.0)
+    assert int(rollout.num_steps) == lengths.max()  # the loop stopped when all rows ended
+
+
+def test_fixed_rng_reproducible_and_top_k_1_is_greedy(moe_model, moe_sampled, moe_greedy):
+    again = run(moe_model, temperature=1.0, seed=3)
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(moe_sampled.tokens))
+    np.testing.assert_array_equal(np.asarray(again.log_probs), np.asarray(moe_sampled.log_probs))
+    other = run(moe_model, temperature=1.0, seed=4)
+    assert np.any(np.asarray(other.tokens) != np.asarray(moe_sampled.tokens))
+    top1 = run(moe_model, temperature=1.0, top_k=1, seed=9)
+    np.testing.assert_array_equal(np.asarray(top1.tokens), np.asarray(moe_greedy.tokens))
+    np.testing.assert_array_equal(np.asarray(top1.log_probs), 0.0)
+    np.testing.assert_allclose(np.asarray(top1.raw_log_probs),
+                               np.asarray(moe_greedy.raw_log_probs), atol=1e-6)
+
+
+def test_group_samples_with_eos_and_min_new_tokens(moe_model, moe_greedy):
+    # G = 3 samples per prompt from one prefill; EOS = the most likely first token of
+    # prompt 0, banned for the first 2 steps (min_new_tokens).
+    group, min_new = 3, 2
+    eos = int(moe_greedy.tokens[0, 0])
+    rollout = run(moe_model, temperature=1.0, num_samples=group, eos_id=eos,
+                  min_new_tokens=min_new, seed=21)
+    rows = 3 * group
+    assert rollout.tokens.shape == (rows, MAX_NEW)
+    np.testing.assert_array_equal(np.asarray(rollout.prompt_lengths), np.repeat(LENGTHS, group))
+    tokens, lengths = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
+    # Samples of one prompt differ.
+    assert all(len({tuple(row) for row in tokens[b * group:(b + 1) * group]}) > 1
+               for b in range(3))
+    assert np.all(tokens[:, :min_new] != eos)
+    assert np.all(lengths >= min_new)
+    for r in range(rows):  # rows end at their first EOS, pad after it
+        hits = np.flatnonzero(tokens[r, :lengths[r]] == eos)
+        assert (hits.size == 0 and lengths[r] == MAX_NEW) or list(hits) == [lengths[r] - 1]
+        assert np.all(tokens[r, lengths[r]:] == eos)
+    # Each row is a continuation of its own prompt (rows b*G .. b*G+G-1 <- prompt b):
+    # raw log-probs are the full forward's; behaviour log-probs are renormalised without
+    # EOS while it is banned: log p - log(1 - p(eos)).
+    raw = reference_log_probs(moe_model, rollout, group=group)
+    np.testing.assert_allclose(np.asarray(rollout.raw_log_probs), raw, atol=2e-4)
+    seq, mask, prompt_lengths = contiguous(tokens, lengths, group)
+    logits, _ = forward(moe_model, seq, mask)
+    log_probs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    behaviour = raw.copy()
+    for r in range(rows):
+        for t in range(min_new):
+            behaviour[r, t] -= np.log1p(-np.exp(log_probs[r, prompt_lengths[r] - 1 + t, eos]))
+    np.testing.assert_allclose(np.asarray(rollout.log_probs), behaviour, atol=2e-4)
+
+
+def test_compiles_once_per_bucket(moe_model, moe_sampled):
+    # New prompt values, a new rng and new parameters of the same structure: no retrace.
+    graphdef, state = nnx.split(moe_model)
+    config = sampling.SamplingConfig(max_new_tokens=MAX_NEW, method=sampling.Temperature(1.0))
+    before = sampling.generate_fn._cache_size()
+    new_state = jax.tree.map(lambda x: x * 1.01, state)
+    for seed in (3, 4, 5):
+        prompts = jnp.asarray((PROMPTS + seed - 3) % VOCAB)
+        out = sampling.generate_fn(graphdef, state if seed == 3 else new_state, prompts,
+                                   jnp.asarray(LENGTHS), jax.random.key(seed), config=config)
+        if seed == 3:
+            np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(moe_sampled.tokens))
+    assert sampling.generate_fn._cache_size() == before
+    # generate_fn traces inside a caller's own jit (e.g. a trainer step).
+    step = jax.jit(lambda s, rng: sampling.generate_fn(graphdef, s, jnp.asarray(PROMPTS),
+                                                       jnp.asarray(LENGTHS), rng,
+                                                       config=config).log_probs.sum())
+    assert step.lower(state, jax.random.key(3)).out_info.shape == ()
