@@ -1,0 +1,74 @@
+"""Sharding over a JAX mesh: the same numbers on 1 device and on 8 simulated CPU devices.
+
+The multi-device part runs in a subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` so the flag does not leak into the
+other tests (JAX reads it once, at start-up).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+from policyopt import sharding
+
+_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from policyopt import sharding
+    from policyopt.models import Transformer, preset
+
+    assert jax.device_count() == 8, jax.devices()
+    config = preset("tiny_moe", vocab_size=64, num_experts=4, num_heads=4, num_kv_heads=2)
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens = jax.random.randint(jax.random.key(1), (8, 12), 0, 64)
+
+    def loss_fn(params, tokens):
+      out = nnx.merge(graphdef, params)(tokens)
+      log_probs = jax.nn.log_softmax(out.logits[:, :-1])
+      target = jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)
+      return -target.mean(), out.routing
+
+    step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    (ref_loss, ref_routing), ref_grads = step(params, tokens)
+
+    for shape in ({"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 2, "expert": 4},
+                  {"tensor": 2, "expert": 2, "data": 2}):
+      mesh = sharding.make_mesh(shape)
+      sharded = sharding.shard_params(params, mesh)
+      specs = [leaf.sharding.spec for leaf in jax.tree.leaves(sharded)]
+      assert any(any(a is not None for a in s) for s in specs) or shape == {"data": 8}, specs
+      batch = jax.device_put(tokens, sharding.batch_sharding(mesh))
+      with jax.set_mesh(mesh):
+        (loss, routing), grads = step(sharded, batch)
+      np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+      np.testing.assert_array_equal(routing, ref_routing)
+      for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+      print("ok", shape)
+    """)
+
+
+def test_sharded_forward_and_gradients_match_one_device():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert proc.stdout.count("ok") == 4, proc.stdout
+
+
+def test_make_mesh_sizes_and_errors():
+  devices = jax.devices()[:1]
+  mesh = sharding.make_mesh({"data": -1}, devices=devices)
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+  with pytest.raises(ValueError, match="unknown axes"):
+    sharding.make_mesh({"model": 1}, devices=devices)
+  with pytest.raises(ValueError, match="needs 4 devices"):
+    sharding.make_mesh({"data": 2, "tensor": 2}, devices=devices)
+  with pytest.raises(ValueError, match="at most one axis"):
+    sharding.make_mesh({"data": -1, "tensor": -1}, devices=devices)
