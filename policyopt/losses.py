@@ -104,12 +104,7 @@ def aggregate(
     if aggregation == "token_mean":
         return _safe_div(jnp.sum(masked), jnp.sum(mask))
     if aggregation == "group_token_mean":
-        num_seqs = per_token.shape[0]
-        if group_size is None or group_size < 1 or num_seqs % group_size:
-            raise ValueError(
-                f"aggregation='group_token_mean' needs group_size dividing the batch "
-                f"({num_seqs} sequences), got group_size={group_size!r}"
-            )
+        _check_group_size(per_token.shape[0], group_size)
         group_sums = jnp.sum(masked.reshape(-1, group_size * per_token.shape[1]), axis=1)
         group_tokens = jnp.sum(mask.reshape(-1, group_size * per_token.shape[1]), axis=1)
         return _safe_div(
@@ -130,6 +125,14 @@ def aggregate(
     else:
         raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}")
     return _safe_div(jnp.sum(per_seq), num_nonempty)
+
+
+def _check_group_size(num_seqs: int, group_size: int | None) -> None:
+    if group_size is None or group_size < 1 or num_seqs % group_size:
+        raise ValueError(
+            f"aggregation='group_token_mean' needs group_size dividing the batch "
+            f"({num_seqs} sequences), got group_size={group_size!r}"
+        )
 
 
 def masked_mean(x: Array, mask: Array, axis=None) -> Array:
@@ -414,6 +417,8 @@ def policy_loss(
             f"dual_clip={dual_clip!r} needs method='ppo' (got {method!r}) and a value > 1"
         )
     shape = jnp.shape(log_probs)
+    if aggregation == "group_token_mean":
+        _check_group_size(shape[0], group_size)
     for name, array in (("old_log_probs", old_log_probs), ("advantages", advantages), ("mask", mask)):
         if jnp.shape(array) != shape:
             raise ValueError(f"{name} has shape {jnp.shape(array)}, expected {shape} like log_probs")
