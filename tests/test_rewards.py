@@ -103,7 +103,9 @@ MATH_CASES = [
     (boxed(r"\input{/etc/passwd}"), "1", 0.0),
     ("", "1", 0.0),
     (None, "1", 0.0),
-    # Hostile strings.
+]
+# Hostile strings: screened out (or trivially rejected) in well under a second.
+HOSTILE_CASES = [
     (boxed("__import__('os').system('echo hacked')"), "0", 0.0),
     (boxed("exec('import os')"), "0", 0.0),
     (boxed("10**10**10"), "1", 0.0),
@@ -124,20 +126,27 @@ MATH_CASES = [
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_verifier():
-    """Imports SymPy and math-verify (about a second) before anything is timed."""
-    math_correctness(boxed("x^2+2x+1"), "(x+1)^2")
+    """Imports and warms SymPy and math-verify (a second or two) before anything is timed."""
+    math_correctness(boxed("x^2+2x+1"), "(x+1)^2", timeout_s=None)
 
 
 def test_math_table_has_enough_cases():
-    assert len(MATH_CASES) >= 60
+    assert len(MATH_CASES) + len(HOSTILE_CASES) >= 60
 
 
 @pytest.mark.parametrize("completion, reference, expected", MATH_CASES, ids=range(len(MATH_CASES)))
 def test_math_correctness_table(completion, reference, expected):
+    # A generous limit: on a loaded machine SymPy can be slow, and a timeout scores 0.
+    start = time.perf_counter()
+    assert math_correctness(completion, reference, timeout_s=20.0) == expected
+    assert time.perf_counter() - start < 20.5
+
+
+@pytest.mark.parametrize("completion, reference, expected", HOSTILE_CASES, ids=range(len(HOSTILE_CASES)))
+def test_math_correctness_hostile(completion, reference, expected):
     start = time.perf_counter()
     assert math_correctness(completion, reference) == expected
-    # Bounded by the 2 s verifier limit (plus slack for a loaded machine).
-    assert time.perf_counter() - start < 3.0
+    assert time.perf_counter() - start < 1.0
 
 
 def test_hostile_answer_is_never_executed(tmp_path):

@@ -7,6 +7,8 @@ the test checks that none of them survives.
 """
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -82,7 +84,7 @@ def test_memory_hog_is_contained():
     assert_scorer_still_works()
 
 
-def _live_sandbox_processes() -> list[int]:
+def _live_sandbox_processes(grace_s: float = 2.0) -> list[int]:
     """Live (non-zombie) processes of any sandbox uid, after a short grace for exits."""
     uids = set()
     for entry in os.scandir("/proc"):
@@ -93,7 +95,7 @@ def _live_sandbox_processes() -> list[int]:
                 continue
             if uid in code_lib._SANDBOX_UIDS:
                 uids.add(uid)
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + grace_s
     while True:
         pids = [pid for uid in uids for pid in code_lib._live_processes(uid)]
         if not pids or time.monotonic() > deadline:
@@ -198,3 +200,19 @@ def test_network_is_unreachable():
     )
     result = run_sandboxed(program, **FAST)
     assert result.stdout.split() == ["True", "1"]  # only the loopback interface exists
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="sandbox processes are recognised by their uid")
+def test_sandboxed_program_dies_with_its_scorer():
+    # A scoring worker killed at a batch deadline must not leave its test running.
+    script = "from policyopt.rewards import run_sandboxed\nrun_sandboxed('import time\\ntime.sleep(60)', timeout_s=60)"
+    scorer = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 30
+        while not _live_sandbox_processes(grace_s=0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _live_sandbox_processes(grace_s=0), "the sandboxed program never started"
+    finally:
+        scorer.kill()
+        scorer.wait()
+    assert _live_sandbox_processes() == []

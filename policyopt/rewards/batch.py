@@ -14,7 +14,11 @@ language_bonus 0.1. DAPO: format gate off, correct 1 / incorrect -1, overlong "d
 overlong filtering on.
 
 Parallelism: samples are scored in chunks by a persistent pool of worker processes started
-with the ``spawn`` method (never ``fork``: the trainer process runs JAX's threads). A batch
+with the ``forkserver`` method (never plain ``fork``: the trainer process runs JAX's
+threads): workers are forked from a fresh single-threaded server that has preloaded
+:mod:`policyopt.rewards.worker` (SymPy and math-verify, imported and warmed once). The
+preload list is the process-wide fork server's; if something else started that server
+first, workers import what they need themselves (slower start, same results). A batch
 deadline is enforced twice: workers stop starting new samples once it has passed (and cap
 each verifier's time limit to what is left), and the parent stops waiting at the deadline
 plus a short grace; samples not back by then score 0, are counted in
@@ -212,7 +216,7 @@ def _score_chunk(items: list[tuple[str, Any, str | None]], spec: RewardSpec, dea
 
 
 def _warm_worker() -> None:
-    math_lib._math_verify()  # import SymPy and math-verify once per worker
+    math_lib._math_verify()  # no-op when the fork server preloaded it
 
 
 _POOLS: dict[int, concurrent.futures.ProcessPoolExecutor] = {}
@@ -221,10 +225,10 @@ _POOLS: dict[int, concurrent.futures.ProcessPoolExecutor] = {}
 def _get_pool(num_workers: int) -> concurrent.futures.ProcessPoolExecutor:
     pool = _POOLS.get(num_workers)
     if pool is None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["policyopt.rewards.worker"])
         pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=num_workers,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_warm_worker,
+            max_workers=num_workers, mp_context=context, initializer=_warm_worker
         )
         _POOLS[num_workers] = pool
     return pool

@@ -40,7 +40,10 @@ The sandbox (:func:`run_sandboxed`), per test process:
   does not, the program keeps the host network (this is the case for a non-root scorer
   on hosts without user namespaces: use a container or nsjail/gVisor there);
 * a wall-clock limit (``timeout_s`` plus ``_STARTUP_GRACE_S`` for interpreter start); on
-  expiry the whole process group is killed with ``SIGKILL``, then the uid is reaped.
+  expiry the whole process group is killed with ``SIGKILL``, then the uid is reaped;
+* the child asks the kernel to ``SIGKILL`` it when the scorer dies (``PR_SET_PDEATHSIG``),
+  so a scoring worker killed at a batch deadline does not leave its test running. (Its
+  own forked children are bounded by the process and CPU limits, not by this signal.)
 
 Without root (no uid switch) the process limit counts all of the user's processes
 (the limit is set to the current count plus ``max_processes``), and files the user can
@@ -78,7 +81,7 @@ _SANDBOX_UIDS = range(2_000_000, 2_100_000)
 # Trusted prologue run by the child interpreter before the untrusted program.
 _BOOTSTRAP = """
 import os, resource, sys
-cpu_s, memory, nproc, fsize, uid = (int(a) for a in sys.argv[1:6])
+cpu_s, memory, nproc, fsize, uid, parent = (int(a) for a in sys.argv[1:7])
 for limit, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, 64),
                      (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NPROC, nproc),
                      (resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_AS, memory)):
@@ -87,10 +90,18 @@ if uid >= 0:
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
+try:  # die with the scorer (PR_SET_PDEATHSIG = 1; cleared by setuid, so set after it)
+    import ctypes
+    ctypes.CDLL(None).prctl(1, 9)
+    del ctypes
+except Exception:
+    pass
+if os.getppid() != parent:
+    os._exit(137)
 with open("main.py", encoding="utf-8") as f:
     source = f.read()
 sys.argv = ["main.py"]
-del os, resource, cpu_s, memory, nproc, fsize, uid, limit, value, f
+del os, resource, cpu_s, memory, nproc, fsize, uid, parent, limit, value, f
 exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 """
 
@@ -255,7 +266,7 @@ def run_sandboxed(
         command = [
             *_unshare_prefix(), interpreter, "-I", "-S", "-c", _BOOTSTRAP,
             str(max(1, int(-(-timeout_s // 1)))), str(memory_mb << 20), str(nproc),
-            str(max_output_bytes), str(uid),
+            str(max_output_bytes), str(uid), str(os.getpid()),
         ]  # fmt: skip
         with (
             open(stdin_path, "rb") as stdin_file,

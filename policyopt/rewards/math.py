@@ -7,10 +7,13 @@ Pipeline of :func:`math_correctness` (each step can only lower the cost of the n
 2. *Extraction*: the content of the last ``\\boxed{...}`` whose braces close, found by a
    single linear scan (nested braces allowed; an unclosed box is no answer). The last
    box is the one that *starts* last, as in the MATH / math-verify convention.
-3. *Exact fast path*: identical strings (after removing blanks and ``$``) are correct;
-   two plain decimal numbers (``-12``, ``0.50``) are compared exactly with
-   :class:`decimal.Decimal`, with no parser at all. Most answers of arithmetic tasks stop
-   here (microseconds).
+3. *Exact fast path*: identical strings (after removing blanks and ``$``) are correct.
+   Two plain rational literals (``-12``, ``0.50``, ``3/4``, ``\\frac{3}{4}``) are compared
+   exactly with :class:`fractions.Fraction`, with no parser at all, reproducing
+   math-verify's rule: integers and fractions must be equal; when a decimal is involved
+   math-verify compares values rounded to 6 places, so an exact match is correct, a
+   difference above 2e-6 is not, and the narrow band in between goes on to math-verify.
+   Most answers of arithmetic tasks stop here (microseconds).
 4. *Screen* of untrusted text before any parser sees it: answers longer than
    ``MAX_ANSWER_CHARS``, nested deeper than ``MAX_NESTING``, or containing a power tower
    (``10^{10^{10}}``, ``10**10**10``), a power with a huge literal exponent or a factorial
@@ -33,7 +36,7 @@ math-verify leniencies worth knowing (they are the community's conventions, kept
 from __future__ import annotations
 
 import dataclasses
-import decimal
+import fractions
 import functools
 import logging
 import re
@@ -48,14 +51,20 @@ MAX_NESTING = 24
 # Literal exponents (and factorial arguments) with more digits than this are rejected.
 MAX_EXPONENT_DIGITS = 5
 MAX_FACTORIAL_DIGITS = 3
-# Default per-call limit for parsing + verification, seconds.
-DEFAULT_TIMEOUT_S = 2.0
+# Default per-call limit for parsing + verification, seconds (math-verify's own default).
+DEFAULT_TIMEOUT_S = 5.0
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
 _BOX_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\{|\}")
-_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)")
+_DECIMAL = r"(?:\d+\.?\d*|\.\d+)"
+_PLAIN_NUMBER = re.compile(rf"[+-]?{_DECIMAL}")
+_PLAIN_RATIO = re.compile(r"([+-]?)(\d+)/(\d+)")
+_LATEX_FRAC = re.compile(r"([+-]?)\\[dt]?frac(?:\{([+-]?\d+)\}\{([+-]?\d+)\}|(\d)(\d))")
+# Decimals further apart than this round to different 6-place values (math-verify's
+# float_rounding=6); closer ones are left to math-verify.
+_DECIMAL_SEPARATION = fractions.Fraction(2, 10**6)
 _BLANKS = re.compile(r"\s+|\$|\\[,;:! ]|\\quad")
 
 
@@ -110,10 +119,36 @@ def _normalise(answer: str) -> str:
     return _BLANKS.sub("", answer)
 
 
-def _plain_number(text: str) -> decimal.Decimal | None:
-    if len(text) > 100 or not _PLAIN_NUMBER.fullmatch(text):
+def _rational_literal(text: str) -> tuple[fractions.Fraction, bool] | None:
+    """(exact value, has a decimal point) of a plain number or fraction literal, else None."""
+    if len(text) > 40:
         return None
-    return decimal.Decimal(text)
+    if _PLAIN_NUMBER.fullmatch(text):
+        return fractions.Fraction(text), "." in text
+    match = _PLAIN_RATIO.fullmatch(text) or _LATEX_FRAC.fullmatch(text)
+    if match is None:
+        return None
+    sign, *parts = match.groups()
+    numerator, denominator = [int(p) for p in parts if p is not None]
+    if denominator == 0:
+        return None
+    value = fractions.Fraction(numerator, denominator)
+    return (-value if sign == "-" else value), False
+
+
+def _fast_compare(answer_key: str, gold_key: str) -> bool | None:
+    """True / False when both are rational literals and the outcome is certain, else None."""
+    answer, gold = _rational_literal(answer_key), _rational_literal(gold_key)
+    if answer is None or gold is None:
+        return None
+    (answer_value, answer_decimal), (gold_value, gold_decimal) = answer, gold
+    if answer_value == gold_value:
+        return True
+    if not (answer_decimal or gold_decimal):
+        return False
+    if abs(answer_value - gold_value) > _DECIMAL_SEPARATION and max(abs(answer_value), abs(gold_value)) < 10**8:
+        return False
+    return None
 
 
 def _nesting_depth(text: str) -> int:
@@ -195,10 +230,22 @@ class _DropDisabledTimeoutWarning(logging.Filter):
 
 @functools.cache
 def _math_verify() -> Any:
+    """math-verify, imported and warmed up once per process, outside any time limit.
+
+    SymPy imports much of itself lazily on first use (simplification, polynomials, sets);
+    one unlimited comparison of each kind pays that cost here rather than inside the first
+    graded sample's time limit.
+    """
     import math_verify  # deferred: importing SymPy takes about half a second
 
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).addFilter(_DropDisabledTimeoutWarning())
+    for gold, answer in [("(x+1)^2", "x^2+2x+1"), (r"\frac{1}{3}", "0.3333333"), ("[1, 2)", r"\{1\}"), (r"\sqrt{8}", r"2\sqrt{2}")]:
+        math_verify.verify(
+            math_verify.parse("\\boxed{" + gold + "}", parsing_timeout=None),
+            math_verify.parse("\\boxed{" + answer + "}", parsing_timeout=None),
+            timeout_seconds=None,
+        )
     return math_verify
 
 
@@ -213,6 +260,15 @@ def _parse_gold(reference_answer: str) -> list:
     # Cached: the G samples of a group share their reference. Exceptions (timeouts) are
     # not cached by lru_cache.
     return _math_verify().parse("\\boxed{" + reference_answer + "}", parsing_timeout=None)
+
+
+@functools.lru_cache(maxsize=16384)
+def _symbolic_equal(gold: str, answer: str) -> bool:
+    # Cached: samples of a group often repeat an answer. Call under a time limit; a
+    # timeout propagates and is not cached.
+    math_verify = _math_verify()
+    parsed = math_verify.parse("\\boxed{" + answer + "}", parsing_timeout=None)
+    return bool(math_verify.verify(_parse_gold(gold), parsed, timeout_seconds=None))
 
 
 def verify_math(completion: str, reference: str, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> MathVerdict:
@@ -236,17 +292,14 @@ def verify_math(completion: str, reference: str, *, timeout_s: float | None = DE
             return MathVerdict(0.0, "incorrect", answer)
         if answer_key == gold_key:
             return MathVerdict(1.0, "correct", answer)
-        answer_number, gold_number = _plain_number(answer_key), _plain_number(gold_key)
-        if answer_number is not None and gold_number is not None:
-            ok = answer_number == gold_number
-            return MathVerdict(float(ok), "correct" if ok else "incorrect", answer)
+        fast = _fast_compare(answer_key, gold_key)
+        if fast is not None:
+            return MathVerdict(float(fast), "correct" if fast else "incorrect", answer)
         if not screen_answer(answer) or not screen_answer(gold):
             return MathVerdict(0.0, "rejected", answer)
-        math_verify = _math_verify()
+        _math_verify()  # import outside the limit: an interrupted import leaves a broken module
         with time_limit(timeout_s):
-            gold_parsed = _parse_gold(gold)
-            parsed = math_verify.parse("\\boxed{" + answer + "}", parsing_timeout=None)
-            ok = bool(math_verify.verify(gold_parsed, parsed, timeout_seconds=None))
+            ok = _symbolic_equal(gold, answer)
         return MathVerdict(float(ok), "correct" if ok else "incorrect", answer)
     except VerifierTimeout:
         return MathVerdict(0.0, "timeout")
