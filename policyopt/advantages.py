@@ -66,8 +66,10 @@ def outcome_advantages(
     - ``center="group"``: ``A_i = R_i - mean_{j in g(i)} R_j``; ``"none"``: ``A_i = R_i``.
     - ``scale="group"`` (GRPO, 2402.03300 Sec. 4.1.2): ``A_i / (std_g(R) + eps)``.
     - ``scale="batch"`` (Magistral, 2506.10910 Sec. 2.1): ``(A - mean(A)) / (std(A) + eps)``
-      over all ``N`` sequences passed in (pass one minibatch at a time for the paper's
-      minibatch normalisation).
+      over the ``N`` sequences passed in (pass one minibatch at a time for the paper's
+      minibatch normalisation). Magistral drops zero-variance groups before forming the
+      batch; with ``center="group"`` such groups are excluded from the batch mean and std
+      and keep advantages of exactly 0, which is equivalent.
     - ``scale="none"`` (Dr. GRPO, 2503.20783): no division.
 
     Standard deviations are the unbiased (ddof 1) sample std, with ``eps`` added to it
@@ -99,10 +101,19 @@ def outcome_advantages(
         if group_size < 2:
             raise ValueError("scale='group' needs group_size >= 2 (the std of one reward is undefined)")
         advantages = advantages / (_unbiased_std(grouped, axis=1) + eps)
-    advantages = advantages.reshape(-1)
     if scale == "batch":
-        advantages = (advantages - jnp.mean(advantages)) / (_unbiased_std(advantages, axis=None) + eps)
-    return advantages
+        # Magistral drops zero-variance groups before the batch is formed: with group
+        # centering their advantages are exactly 0, so they are left out of the batch
+        # statistics here and keep their zeros (the same result as dropping them).
+        keep = jnp.ones_like(advantages, bool)
+        if center == "group":
+            keep = jnp.broadcast_to(jnp.max(grouped, 1, keepdims=True) > jnp.min(grouped, 1, keepdims=True),
+                                    grouped.shape)
+        count = jnp.sum(keep)
+        mean = jnp.sum(jnp.where(keep, advantages, 0)) / jnp.maximum(count, 1)
+        var = jnp.sum(jnp.where(keep, jnp.square(advantages - mean), 0)) / jnp.maximum(count - 1, 1)
+        advantages = jnp.where(keep, (advantages - mean) / (jnp.sqrt(var) + eps), 0)
+    return advantages.reshape(-1)
 
 
 def zero_variance_groups(rewards: Array, group_size: int) -> Array:

@@ -1,0 +1,295 @@
+"""policyopt.advantages against plain NumPy loops and hand-worked cases."""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from policyopt import advantages as adv
+
+SHAPE = (12, 9)
+
+
+# ----------------------------------------------------------------------------------------
+# Outcome advantages.
+# ----------------------------------------------------------------------------------------
+
+
+def ref_outcome_advantages(rewards, group_size, center, scale, eps=1e-6):
+    """GRPO / Dr. GRPO / Magistral advantages with explicit loops (ddof-1 std + eps)."""
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    def std(xs):
+        m = mean(xs)
+        return math.sqrt(sum((x - m) ** 2 for x in xs) / max(len(xs) - 1, 1))
+
+    out = []
+    for start in range(0, len(rewards), group_size):
+        group = [float(r) for r in rewards[start:start + group_size]]
+        for r in group:
+            a = r - mean(group) if center == "group" else r
+            if scale == "group":
+                a = a / (std(group) + eps)
+            out.append(a)
+    if scale == "batch":  # over the groups whose rewards are not all equal (Magistral)
+        keep = []
+        for k in range(len(rewards)):
+            start = k // group_size * group_size
+            group = [float(r) for r in rewards[start:start + group_size]]
+            keep.append(center == "none" or max(group) > min(group))
+        kept = [a for a, k in zip(out, keep) if k]
+        m, s = mean(kept), std(kept)
+        out = [(a - m) / (s + eps) if k else 0.0 for a, k in zip(out, keep)]
+    return np.array(out)
+
+
+OUTCOME_OPTIONS = [(c, s) for c in ("group", "none") for s in ("group", "batch", "none")]
+every_outcome = jax.jit(
+    lambda rewards: {(c, s): adv.outcome_advantages(rewards, 4, center=c, scale=s)
+                     for c, s in OUTCOME_OPTIONS})
+
+
+def test_outcome_advantages_match_loops():
+    rng = np.random.default_rng(0)
+    rewards = rng.normal(size=16).astype(np.float32)
+    rewards[4:8] = 1.0  # an all-correct group
+    rewards[8:12] = rng.integers(0, 2, size=4)  # binary rewards
+    results = every_outcome(rewards)
+    for (center, scale), got in results.items():
+        expected = ref_outcome_advantages(rewards, 4, center, scale)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=f"{center} {scale}")
+        if center == "group":
+            assert np.all(np.asarray(got)[4:8] == 0), f"{center} {scale}"  # exact zeros
+    # Another shape: 3 groups of 2.
+    rewards = rng.normal(size=6).astype(np.float32)
+    for center, scale in OUTCOME_OPTIONS:
+        got = adv.outcome_advantages(rewards, 2, center=center, scale=scale)
+        np.testing.assert_allclose(got, ref_outcome_advantages(rewards, 2, center, scale),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_outcome_advantages_hand_worked():
+    rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0], np.float32)
+    results = every_outcome(rewards)
+    # Group [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(1/3) -> +-0.5 * sqrt(3) = +-0.8660.
+    np.testing.assert_allclose(results["group", "group"][:4], [0.8660254, -0.8660254, -0.8660254, 0.8660254], rtol=1e-5)
+    # Group [0, 0, 0, 1]: mean 0.25, std 0.5 -> -0.5 and 1.5.
+    np.testing.assert_allclose(results["group", "group"][8:12], [-0.5, -0.5, -0.5, 1.5], rtol=1e-5)
+    # Dr. GRPO: no scaling.
+    np.testing.assert_allclose(results["group", "none"][:4], [0.5, -0.5, -0.5, 0.5])
+    # All-equal groups: zeros under every scale, never NaN.
+    for (center, scale), got in results.items():
+        assert np.all(np.isfinite(got))
+        if center == "group":
+            assert np.all(np.asarray(got)[4:8] == 0) and np.all(np.asarray(got)[12:] == 0)
+    np.testing.assert_array_equal(adv.zero_variance_groups(rewards, 4), [False, True, False, True])
+    all_equal = every_outcome(np.full(16, 0.3, np.float32))
+    for (center, scale), got in all_equal.items():
+        assert np.all(np.isfinite(got))
+        if center == "group":
+            assert np.all(np.asarray(got) == 0)
+
+
+def test_outcome_advantages_errors():
+    with pytest.raises(ValueError, match="group_size"):
+        adv.outcome_advantages(np.zeros(6), 4)
+    with pytest.raises(ValueError, match="group_size"):
+        adv.outcome_advantages(np.zeros(6), 1, scale="group")
+    with pytest.raises(ValueError, match="scale"):
+        adv.outcome_advantages(np.zeros(6), 2, scale="minibatch")
+    with pytest.raises(ValueError, match="center"):
+        adv.outcome_advantages(np.zeros(6), 2, center="batch")
+
+
+# ----------------------------------------------------------------------------------------
+# GAE.
+# ----------------------------------------------------------------------------------------
+
+
+def make_mask(rng, shape):
+    """Masked at the end, unmasked and arbitrary rows; a length-1 and an empty sequence."""
+    batch, length = shape
+    mask = np.ones(shape, np.float32)
+    for i in range(batch):
+        if i % 3 == 0:
+            mask[i, rng.integers(1, length + 1):] = 0
+        elif i % 3 == 2:
+            mask[i] = rng.random(length) < 0.6
+    mask[0] = 0
+    mask[0, rng.integers(length)] = 1
+    mask[1] = 0
+    return mask
+
+
+def ref_gae(rewards, values, mask, gamma, lam):
+    """A_t = sum_l (gamma lam)^l delta_{t+l} over the valid positions, from the definition."""
+    batch, length = rewards.shape
+    advantages = np.zeros((batch, length))
+    lam = np.broadcast_to(np.asarray(lam, np.float64), (batch,))
+    for i in range(batch):
+        valid = [t for t in range(length) if mask[i, t] > 0]
+        deltas = []
+        for k, t in enumerate(valid):
+            next_value = float(values[i, valid[k + 1]]) if k + 1 < len(valid) else 0.0
+            deltas.append(float(rewards[i, t]) + gamma * next_value - float(values[i, t]))
+        for k, t in enumerate(valid):
+            advantages[i, t] = sum((gamma * lam[i]) ** l * deltas[k + l] for l in range(len(valid) - k))
+    returns = np.where(mask > 0, advantages + values, 0.0)
+    return advantages, returns
+
+
+def gae_variants(rewards, values, mask, lam_rows):
+    """Every GAE entry point and implementation, in one jitted program."""
+    out = {}
+    for impl in adv.GAE_IMPLS:
+        out["plain", impl] = adv.gae(rewards, values, mask, gamma=0.9, lam=0.8, impl=impl)
+        out["rows", impl] = adv.gae(rewards, values, mask, gamma=1.0, lam=lam_rows, impl=impl)
+        out["decoupled", impl] = adv.decoupled_gae(rewards, values, mask, gamma=0.95,
+                                                   lam_actor=0.9, lam_critic=1.0, impl=impl)
+        out["adaptive", impl] = adv.length_adaptive_gae(rewards, values, mask, gamma=1.0, alpha=0.5,
+                                                        impl=impl)
+    return out
+
+
+gae_variants_jit = jax.jit(gae_variants)
+
+
+def make_gae_inputs(seed, shape=SHAPE):
+    rng = np.random.default_rng(seed)
+    rewards = rng.normal(size=shape).astype(np.float32)
+    values = rng.normal(size=shape).astype(np.float32)
+    mask = make_mask(rng, shape)
+    lam_rows = rng.random(shape[0]).astype(np.float32)
+    lam_rows[2] = 0.0
+    lam_rows[3] = 1.0
+    return rewards, values, mask, lam_rows
+
+
+@pytest.mark.parametrize("shape", (SHAPE, (5, 1)))
+def test_gae_matches_loops(shape):
+    rewards, values, mask, lam_rows = make_gae_inputs(0, shape)
+    results = gae_variants_jit(rewards, values, mask, lam_rows)
+    lengths = mask.sum(1)
+    adaptive_lam = np.array([max(1 - 1 / (0.5 * n), 0.0) if n > 0 else 0.0 for n in lengths])
+    for impl in adv.GAE_IMPLS:
+        expected = {
+            "plain": ref_gae(rewards, values, mask, 0.9, 0.8),
+            "rows": ref_gae(rewards, values, mask, 1.0, lam_rows),
+            "decoupled": (ref_gae(rewards, values, mask, 0.95, 0.9)[0],
+                          ref_gae(rewards, values, mask, 0.95, 1.0)[1]),
+            "adaptive": (ref_gae(rewards, values, mask, 1.0, adaptive_lam)[0],
+                         ref_gae(rewards, values, mask, 1.0, 1.0)[1]),
+        }
+        for name, (ref_advantages, ref_returns) in expected.items():
+            got_advantages, got_returns = results[name, impl]
+            np.testing.assert_allclose(got_advantages, ref_advantages, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{name} {impl}")
+            np.testing.assert_allclose(got_returns, ref_returns, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{name} {impl}")
+
+
+def test_gae_hand_worked():
+    # rewards [0, 0, 1], values [0.5, 0.6, 0.7], gamma 1, lam 0.5 (row 2 of "plain" uses
+    # gamma 0.9, so compute with "rows", gamma 1, lam per row = 0.5):
+    #   delta = [0.1, 0.1, 0.3]; A_2 = 0.3, A_1 = 0.1 + 0.5 * 0.3 = 0.25,
+    #   A_0 = 0.1 + 0.5 * 0.25 = 0.225; returns = A + V = [0.725, 0.85, 1.0].
+    # With a hole at t = 1 (mask [1, 0, 1]): delta_0 = 0 + 0.7 - 0.5 = 0.2, A_0 = 0.35.
+    rewards = np.zeros(SHAPE, np.float32)
+    values = np.zeros(SHAPE, np.float32)
+    mask = np.zeros(SHAPE, np.float32)
+    for row, row_mask in ((0, [1, 1, 1]), (1, [1, 0, 1])):
+        rewards[row, :3] = [0, 0, 1]
+        values[row, :3] = [0.5, 0.6, 0.7]
+        mask[row, :3] = row_mask
+    values[1, 1] = 123.0  # the hole's value is never read
+    results = gae_variants_jit(rewards, values, mask, np.full(SHAPE[0], 0.5, np.float32))
+    for impl in adv.GAE_IMPLS:
+        advantages, returns = results["rows", impl]
+        np.testing.assert_allclose(advantages[0, :3], [0.225, 0.25, 0.3], rtol=1e-6)
+        np.testing.assert_allclose(returns[0, :3], [0.725, 0.85, 1.0], rtol=1e-6)
+        np.testing.assert_allclose(advantages[1, :3], [0.35, 0.0, 0.3], rtol=1e-6)
+        np.testing.assert_allclose(returns[1, :3], [0.85, 0.0, 1.0], rtol=1e-6)
+        assert np.all(np.asarray(advantages)[2:] == 0)  # fully masked rows
+
+
+def test_gae_padding_values_change_nothing():
+    rewards, values, mask, lam_rows = make_gae_inputs(1)
+    results = gae_variants_jit(rewards, values, mask, lam_rows)
+    pad = mask == 0
+    garbage = gae_variants_jit(np.where(pad, np.nan, rewards), np.where(pad, np.inf, values),
+                               mask, lam_rows)
+    for key, (advantages, returns) in results.items():
+        np.testing.assert_array_equal(garbage[key][0], advantages, err_msg=str(key))
+        np.testing.assert_array_equal(garbage[key][1], returns, err_msg=str(key))
+        assert np.all(np.asarray(advantages)[pad] == 0) and np.all(np.asarray(returns)[pad] == 0)
+
+
+def test_length_adaptive_lambda():
+    lengths = np.array([100, 40, 21, 20, 10, 1, 0])
+    # alpha = 0.05: 1 - 1 / (0.05 l); l = 20 gives exactly 0, l < 20 would be negative.
+    expected = [0.8, 0.5, 1 - 1 / 1.05, 0.0, 0.0, 0.0, 0.0]
+    np.testing.assert_allclose(adv.length_adaptive_lambda(lengths, 0.05), expected, rtol=1e-6, atol=1e-7)
+    clamped = adv.length_adaptive_lambda(lengths, 0.05, min_lam=0.5)
+    np.testing.assert_allclose(clamped, [0.8, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], rtol=1e-6)
+
+
+def test_gae_traces_once_per_shape():
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(rewards, values, mask):
+        return adv.gae(rewards, values, mask, gamma=1.0, lam=0.95)
+
+    rewards, values, mask, _ = make_gae_inputs(2)
+    for _ in range(3):
+        jax.block_until_ready(step(rewards, values, mask))
+    jax.block_until_ready(step(values, rewards, mask))
+
+
+def test_gae_errors():
+    with pytest.raises(ValueError, match="lam"):
+        adv.gae(np.zeros((2, 3)), np.zeros((2, 3)), np.ones((2, 3)), lam=np.ones(3))
+    with pytest.raises(ValueError, match="impl"):
+        adv.gae(np.zeros((2, 3)), np.zeros((2, 3)), np.ones((2, 3)), impl="fft")
+    with pytest.raises(ValueError, match="values"):
+        adv.gae(np.zeros((2, 3)), np.zeros((2, 4)), np.ones((2, 3)))
+
+
+# ----------------------------------------------------------------------------------------
+# Masked statistics.
+# ----------------------------------------------------------------------------------------
+
+
+def test_masked_whiten_and_moments():
+    rng = np.random.default_rng(3)
+    x = (rng.normal(size=SHAPE) * 3 + 1).astype(np.float32)
+    mask = make_mask(rng, SHAPE)
+
+    @jax.jit
+    def stats(x, mask):
+        return (adv.masked_mean(x, mask), adv.masked_var(x, mask), adv.masked_whiten(x, mask),
+                adv.masked_whiten(x, mask, shift_mean=False), adv.masked_mean(x, mask, axis=1))
+
+    mean, var, whitened, scaled, row_means = stats(x, mask)
+    values = [float(x[i, t]) for i, t in zip(*np.nonzero(mask))]
+    ref_mean = sum(values) / len(values)
+    ref_var = sum((v - ref_mean) ** 2 for v in values) / len(values)
+    np.testing.assert_allclose(mean, ref_mean, rtol=1e-5)
+    np.testing.assert_allclose(var, ref_var, rtol=1e-5)
+    for i, t in np.ndindex(*SHAPE):
+        expected = (float(x[i, t]) - ref_mean) / math.sqrt(ref_var + 1e-8) if mask[i, t] else 0.0
+        np.testing.assert_allclose(whitened[i, t], expected, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(scaled[i, t], expected + ref_mean if mask[i, t] else 0.0,
+                                   rtol=1e-4, atol=1e-5)
+    for i in range(SHAPE[0]):
+        row = [float(x[i, t]) for t in range(SHAPE[1]) if mask[i, t]]
+        np.testing.assert_allclose(row_means[i], sum(row) / len(row) if row else 0.0, rtol=1e-5)
+    # Padding values never matter; an empty mask gives zeros, not NaN.
+    garbage = stats(np.where(mask > 0, x, np.nan), mask)
+    for got, ref in zip(garbage, (mean, var, whitened, scaled, row_means)):
+        np.testing.assert_array_equal(got, ref)
+    for got in stats(x, np.zeros(SHAPE, np.float32)):
+        assert np.all(np.asarray(got) == 0)
