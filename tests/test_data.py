@@ -244,3 +244,13 @@ def test_config_errors_name_the_field():
     ArithmeticConfig(wrong_procedure_fraction=1.5)
   with pytest.raises(ValueError, match="min_digits"):
     ArithmeticConfig(min_digits=3, max_digits=2)
+
+
+def test_solutions_pass_the_reward_format_and_verifier():
+  """The worked solutions are graded as the RL reward will grade the policy's responses."""
+  from policyopt.rewards import format_ok, math_correctness
+  config = ArithmeticConfig(wrong_procedure_fraction=0.5)
+  for record in generate_arithmetic(config, split="train", seed=2, num_examples=40):
+    assert format_ok(record["solution"], "math")
+    boxed = record["solution"].split("\\boxed{")[1][:-1]
+    assert math_correctness(record["solution"], record["answer"]) == float(boxed == record["answer"])
