@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from policyopt.models.config import ModelConfig
@@ -11,13 +12,26 @@ from policyopt.models.config import ModelConfig
 
 def param(rngs: nnx.Rngs | None, shape, logical_axes, *, std: float | None, dtype):
   """An ``nnx.Param`` of ``shape``, normal(0, std) (or ones when std is None), tagged with
-  its logical axis names (see ``policyopt.models.sharding``)."""
+  its logical axis names (see ``policyopt.models.sharding``).
+
+  Outside a trace the values are drawn on the host with NumPy, seeded by
+  ``rngs.params()``: building a model then compiles nothing (an eager
+  ``jax.random.normal`` compiles a kernel per distinct shape, seconds each on a CPU).
+  Under ``jit`` / ``eval_shape`` they come from ``jax.random.normal``.
+  """
   if len(shape) != len(logical_axes):
     raise ValueError(f"param shape {shape} and logical axes {logical_axes} differ in rank")
+  dtype = jnp.dtype(dtype)
   if std is None:
-    value = jnp.ones(shape, dtype)
+    value = jnp.asarray(np.ones(shape, dtype))
   else:
-    value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    key = rngs.params()
+    if isinstance(key, jax.core.Tracer):
+      value = (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    else:
+      seed = np.asarray(jax.random.key_data(key)).astype(np.uint32).ravel().tolist()
+      draw = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+      value = jnp.asarray((std * draw).astype(dtype))
   return nnx.Param(value, logical_axes=tuple(logical_axes))
 
 
