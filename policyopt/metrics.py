@@ -23,8 +23,8 @@ CONSOLE_KEYS = (
     ("reward/accuracy", "acc"),
     ("eval/pass@1", "pass@1"),
     ("response/length_mean", "len"),
-    ("loss/clip_fraction", "clip"),
-    ("loss/gate_weight_mean", "gate"),
+    ("loss/clip_frac", "clip"),
+    ("loss/gate_mean", "gate"),
     ("routing/volatility", "vol"),
     ("update/skipped", "skip"),
     ("time/iteration_s", "s/it"),
@@ -122,8 +122,10 @@ def console_line(step: int, total: int, metrics: Mapping[str, float],
 class Progress:
     """Prints a progress line per logged step, with the elapsed time and an ETA."""
 
-    def __init__(self, total: int, *, stream: TextIO | None = None, start_step: int = 0):
+    def __init__(self, total: int, *, stream: TextIO | None = None, start_step: int = 0,
+                 keys: Iterable[tuple[str, str]] = CONSOLE_KEYS):
         self.total = total
+        self.keys = tuple(keys)
         self.stream = stream or sys.stdout
         self._start_time = time.perf_counter()
         self._start_step = start_step
@@ -132,6 +134,6 @@ class Progress:
         elapsed = time.perf_counter() - self._start_time
         done = max(step - self._start_step, 1)
         eta = elapsed / done * max(self.total - step, 0)
-        line = f"{console_line(step, self.total, metrics)} | {elapsed:.0f}s eta {eta:.0f}s"
+        line = f"{console_line(step, self.total, metrics, self.keys)} | {elapsed:.0f}s eta {eta:.0f}s"
         print(line, file=self.stream, flush=True)
         return line

@@ -1,0 +1,29 @@
+"""RL training from a recipe config.
+
+    python -m experiments.train --config configs/sapo.py --workdir runs/sapo
+    python -m experiments.train --config configs/grpo.py:model=tiny_dense \
+        --config.algo.routing_replay=R2 --config.train.num_iterations=50 --workdir runs/grpo_r2
+
+The work directory receives the resolved config (config.json), metrics.jsonl,
+TensorBoard events, eval.jsonl and orbax checkpoints; rerunning the same command
+resumes from the latest checkpoint.
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from policyopt.rl.trainer import run_rl
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe file, e.g. configs/sapo.py[:variant].")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed if it holds checkpoints).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+    del argv
+    summary = run_rl(_CONFIG.value, _WORKDIR.value)
+    print("final eval:", summary["eval"])
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,71 @@
+"""PNG curves of one or more runs side by side (reads each run's metrics.jsonl and eval.jsonl)."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from policyopt.metrics import read_jsonl
+
+#: (title, metrics key, file) of each panel.
+PANELS = (
+    ("reward (mean)", "reward/mean", "metrics.jsonl"),
+    ("accuracy (train samples)", "reward/accuracy", "metrics.jsonl"),
+    ("held-out pass@1 (greedy)", "eval/pass@1", "eval.jsonl"),
+    ("clip fraction", "loss/clip_frac", "metrics.jsonl"),
+    ("mean gate weight", "loss/gate_mean", "metrics.jsonl"),
+    ("routing volatility", "routing/volatility", "metrics.jsonl"),
+    ("response length", "response/length_mean", "metrics.jsonl"),
+    ("entropy", "policy/entropy", "metrics.jsonl"),
+)
+
+
+def load_curve(run_dir: str, key: str, filename: str) -> tuple[list[float], list[float]]:
+    """``(steps, values)`` of ``key`` in ``run_dir/filename`` (empty when absent)."""
+    path = os.path.join(run_dir, filename)
+    if not os.path.exists(path):
+        return [], []
+    records = [r for r in read_jsonl(path) if key in r]
+    return [r["step"] for r in records], [r[key] for r in records]
+
+
+def plot_runs(run_dirs: Sequence[str], out_path: str, *, labels: Sequence[str] | None = None,
+              panels=PANELS) -> str:
+    """Draws one panel per metric, one line per run, and writes a PNG.
+
+    Args:
+      run_dirs: work directories of ``experiments/train.py`` runs.
+      out_path: the PNG file to write.
+      labels: legend names (default: the directories' base names).
+      panels: ``(title, key, file)`` triples.
+
+    Returns:
+      ``out_path``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(labels) if labels else [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    if len(labels) != len(run_dirs):
+        raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs")
+    cols = 4
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    for ax, (title, key, filename) in zip(axes.flat, panels):
+        for run_dir, label in zip(run_dirs, labels):
+            steps, values = load_curve(run_dir, key, filename)
+            if steps:
+                ax.plot(steps, values, label=label, marker="." if len(steps) < 30 else None)
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path

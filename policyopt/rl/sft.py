@@ -1,0 +1,182 @@
+"""Supervised fine-tuning on worked solutions: the cold start that gives RL its base policy.
+
+Next-token training on (prompt, solution) pairs, loss on the response tokens only:
+
+    L = - sum_{i,t} m_{i,t} log pi(y_{i,t} | x_i, y_{i,<t}) / sum_{i,t} m_{i,t},
+
+with ``m`` the response mask (solution tokens and EOS; prompt and padding excluded).
+It shares the RL code: the training layout and forward (``policyopt.rl.batch`` /
+``learner.forward_log_probs``), the guarded optimiser step, the grain pipeline (whose
+iterator state is checkpointed) and the orbax checkpoint format, so
+``config.init_checkpoint = <sft workdir>/checkpoints`` starts RL from the result.
+
+    summary = run_sft(config, workdir)                       # config.sft.* settings
+    summary = run_sft(config, workdir2, steps=100, init_checkpoint=workdir + "/checkpoints")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from policyopt.checkpoint import Checkpointer
+from policyopt.data.pipeline import make_pipeline
+from policyopt.losses import aggregate
+from policyopt.metrics import MetricsWriter, Progress
+from policyopt.rl import build
+from policyopt.rl.evaluate import evaluate
+from policyopt.rl.learner import TrainState, forward_log_probs, guarded_update, make_optimizer
+
+
+def sft_layout(prompt_tokens: np.ndarray, prompt_lengths: np.ndarray, response_tokens: np.ndarray,
+               response_lengths: np.ndarray, pad_id: int) -> dict[str, np.ndarray]:
+    """Right-padded prompts and responses (the pipeline's batches) -> training layout.
+
+    Returns:
+      ``tokens``, ``positions``, ``attention_mask`` ``[B, P + R]`` (prompt right-aligned)
+      and ``mask`` ``[B, R]`` (1 on the response tokens).
+    """
+    batch, width = prompt_tokens.shape
+    index = np.arange(width)[None, :]
+    shift = width - prompt_lengths[:, None]
+    aligned = np.take_along_axis(prompt_tokens, (index - shift) % width, axis=1)
+    prompt_real = index >= shift
+    aligned = np.where(prompt_real, aligned, pad_id)
+    response_width = response_tokens.shape[1]
+    mask = (np.arange(response_width)[None, :] < response_lengths[:, None])
+    tokens = np.concatenate([aligned, np.where(mask, response_tokens, pad_id)], axis=1)
+    positions = np.concatenate([np.where(prompt_real, index - shift, 0),
+                                prompt_lengths[:, None] + np.arange(response_width)[None, :]], axis=1)
+    attention_mask = np.concatenate([prompt_real, mask], axis=1)
+    return dict(tokens=tokens.astype(np.int32), positions=positions.astype(np.int32),
+                attention_mask=attention_mask.astype(np.int32), mask=mask.astype(np.float32))
+
+
+def sft_loss(graphdef, params, batch: dict) -> tuple[jax.Array, dict]:
+    """Mean negative log-likelihood of the response tokens (token mean over the batch)."""
+    fwd = forward_log_probs(graphdef, params, batch["tokens"], batch["positions"],
+                            batch["attention_mask"], batch["mask"].shape[1])
+    nll = aggregate(-fwd.log_probs, batch["mask"], "token_mean")
+    return nll, {"sft/nll": jax.lax.stop_gradient(nll),
+                 "sft/tokens": jnp.sum(batch["mask"])}
+
+
+@dataclasses.dataclass
+class SFTRun:
+    config: Any
+    tokenizer: Any
+    graphdef: Any
+    state: TrainState
+    data: Any
+    update: Any
+    checkpointer: Checkpointer
+    step: int = 0
+
+
+def make_sft_iterator(config, tokenizer, *, seed: int):
+    records = build.task_records(config, "train")
+    buckets = tuple(sorted(set(config.batch.prompt_buckets) | set(config.batch.response_buckets)))
+    return iter(make_pipeline(records, batch_size=config.sft.batch_size, seed=seed,
+                              tokenizer=tokenizer, include_solution=True, length_buckets=buckets))
+
+
+def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SFTRun:
+    """Model, optimiser, data; restores ``workdir/checkpoints`` if it holds a checkpoint,
+    else starts from ``init_checkpoint`` (full training state: params and optimiser)."""
+    tokenizer = build.make_tokenizer(config)
+    model = build.make_model(config, tokenizer.vocab_size)
+    graphdef, params = build.init_params(config, model)
+    s = config.sft
+    optimizer, schedule = make_optimizer(lr=s.lr, warmup_steps=s.warmup_steps,
+                                         weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm)
+    loss_fn = lambda p, b: sft_loss(graphdef, p, b)
+    update = jax.jit(lambda st, b: guarded_update(loss_fn, optimizer, schedule, st, b), donate_argnums=0)
+    state = TrainState.create(params, optimizer)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints)
+    run = SFTRun(config=config, tokenizer=tokenizer, graphdef=graphdef, state=state,
+                 data=make_sft_iterator(config, tokenizer, seed=config.seed), update=update,
+                 checkpointer=checkpointer)
+    if checkpointer.latest_step() is not None:
+        restored, meta = checkpointer.restore({"train": run.state})
+        run.state, run.step = restored["train"], int(meta["iteration"])
+        run.data.set_state(meta["data"])
+    elif init_checkpoint:
+        source = Checkpointer(init_checkpoint)
+        restored, meta = source.restore({"train": run.state})
+        run.state = restored["train"]
+        run.data.set_state(meta["data"])
+    return run
+
+
+def sft_step(run: SFTRun) -> dict[str, float]:
+    """One SFT update on the next batch."""
+    raw = next(run.data)
+    arrays = sft_layout(raw["prompt_tokens"], raw["prompt_lengths"], raw["response_tokens"],
+                        raw["response_lengths"], run.tokenizer.pad_id)
+    run.state, metrics = run.update(run.state, {k: jnp.asarray(v) for k, v in arrays.items()})
+    run.step += 1
+    return metrics
+
+
+def save_sft(run: SFTRun) -> None:
+    run.checkpointer.save(run.step, {"train": run.state},
+                          {"iteration": run.step, "data": run.data.get_state()})
+
+
+def evaluate_policy(config, graphdef, params, tokenizer) -> dict[str, float]:
+    """Greedy pass@1 (and mean@k if ``config.eval.k``) on the held-out split."""
+    records = build.task_records(config, "test")[: config.eval.num_prompts]
+    return evaluate(graphdef, params, records, tokenizer, max_new_tokens=config.sampling.max_new_tokens,
+                    batch_size=config.eval.batch_size, prompt_buckets=tuple(config.batch.prompt_buckets),
+                    k=config.eval.k, temperature=config.eval.temperature,
+                    rng=jax.random.PRNGKey(config.seed + 1))
+
+
+def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: str | None = None,
+            evaluate_every: int = 0, quiet: bool = False) -> dict:
+    """Trains with SFT until ``steps`` updates in total (default ``config.sft.steps``).
+
+    Resumes from ``workdir/checkpoints`` when possible; otherwise starts from
+    ``init_checkpoint`` (another SFT run's checkpoint directory: parameters, optimiser
+    state, step and data position all continue, which makes "more SFT" the control of an
+    RL run) or from ``config.init_checkpoint`` / a fresh initialisation. Writes
+    ``metrics.jsonl`` and a final checkpoint under ``workdir``.
+
+    Returns:
+      ``{"step", "metrics", "eval" (final greedy pass@1 etc., if config.eval.num_prompts),
+      "graphdef", "params", "checkpoint_dir"}``.
+    """
+    os.makedirs(workdir, exist_ok=True)
+    total = config.sft.steps if steps is None else steps
+    run = build_sft(config, workdir, init_checkpoint=init_checkpoint)
+    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
+    progress = None if quiet else Progress(total, start_step=run.step, keys=(("sft/nll", "nll"),))
+    metrics = {}
+    try:
+        start = time.perf_counter()
+        while run.step < total:
+            metrics = sft_step(run)
+            if run.step % config.train.log_every == 0 or run.step == total:
+                metrics = writer.write(run.step, {**metrics, "time/elapsed_s": time.perf_counter() - start})
+                if progress and (run.step % max(1, total // 20) == 0 or run.step == total):
+                    progress.update(run.step, metrics)
+            if evaluate_every and run.step % evaluate_every == 0 and run.step < total:
+                result = evaluate_policy(config, run.graphdef, run.state.params, run.tokenizer)
+                writer.write(run.step, result)
+        save_sft(run)
+        result = {}
+        if config.eval.num_prompts > 0:
+            result = evaluate_policy(config, run.graphdef, run.state.params, run.tokenizer)
+            writer.write(run.step, result)
+            if progress:
+                print(f"sft eval @ {run.step}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)
+    finally:
+        writer.close()
+    return {"step": run.step, "metrics": metrics, "eval": result, "graphdef": run.graphdef,
+            "params": run.state.params, "checkpoint_dir": run.checkpointer.directory}
