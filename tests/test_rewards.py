@@ -185,6 +185,23 @@ def test_time_limit_interrupts_main_thread_and_restores_handler():
     time.sleep(0.15)  # no stray alarm fires after the block
 
 
+def test_time_limits_nest():
+    start = time.perf_counter()
+    with pytest.raises(VerifierTimeout):
+        with time_limit(0.3):
+            with time_limit(0.05):
+                pass  # the inner block ends in time; the outer limit must still fire
+            while True:
+                pass
+    assert 0.25 < time.perf_counter() - start < 1.0
+    with pytest.raises(VerifierTimeout):
+        with time_limit(0.05):
+            with time_limit(10.0):  # the shorter, outer limit wins
+                while True:
+                    pass
+    assert time.perf_counter() - start < 2.0
+
+
 def test_time_limit_interrupts_worker_thread():
     def spin():
         start = time.perf_counter()

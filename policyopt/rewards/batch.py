@@ -169,7 +169,9 @@ def score_sample(
         {"input", "output"} dicts).
       prompt: the problem text (for the language check), or None.
       spec: the reward recipe.
-      time_left_s: cap on the verifier time limit (what is left of the batch deadline).
+      time_left_s: cap on the math verifier's time limit (what is left of the batch
+        deadline). Code tests keep their own per-test limit; the parent's deadline bounds
+        them.
     """
     completion = str(completion)
     is_formatted = format_lib.format_ok(completion, spec.task)

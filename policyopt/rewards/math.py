@@ -26,6 +26,8 @@ Pipeline of :func:`math_correctness` (each step can only lower the cost of the n
    ``signal.alarm`` timeouts are switched off (they only work in the main thread, in
    whole seconds). Nothing is ever ``eval``-ed: math-verify parses LaTeX with its own
    grammar and builds SymPy objects; ``__import__('os')...`` is just an unparsable string.
+   Parsed references and finished verdicts are cached per process (the G samples of a
+   group share a reference and often repeat an answer); timeouts are never cached.
 
 math-verify leniencies worth knowing (they are the community's conventions, kept):
 ``50\\%`` equals both ``50`` and ``0.5``; ``x=3`` equals ``3``; ``\\text{(A)}`` equals

@@ -29,6 +29,7 @@ import contextlib
 import ctypes
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 # After the first expiry, fire again this often until the guarded block exits.
@@ -47,8 +48,8 @@ def time_limit(seconds: float | None) -> Iterator[None]:
       seconds: wall-clock limit; ``None`` or ``<= 0`` means no limit.
 
     Works in the main thread (``SIGALRM`` timer) and in any other thread (watchdog thread
-    with an asynchronous exception). Not re-entrant in the main thread: an inner limit
-    replaces the outer one until it exits.
+    with an asynchronous exception). Limits nest: an inner block runs under the shorter of
+    the two limits, and the outer limit is re-armed with its remaining time on exit.
     """
     if seconds is None or seconds <= 0:
         yield
@@ -71,8 +72,10 @@ def _signal_limit(seconds: float) -> Iterator[None]:
         signal.setitimer(signal.ITIMER_REAL, _REFIRE_S)
         raise VerifierTimeout(f"verifier exceeded {seconds:g} s")
 
+    start = time.monotonic()
     previous = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    outer_left, _ = signal.getitimer(signal.ITIMER_REAL)
+    signal.setitimer(signal.ITIMER_REAL, min(seconds, outer_left) if outer_left > 0 else seconds)
     try:
         yield
     finally:
@@ -83,6 +86,8 @@ def _signal_limit(seconds: float) -> Iterator[None]:
                 active[0] = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
+                if outer_left > 0:  # re-arm an enclosing limit (or someone else's alarm)
+                    signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - start), 1e-3))
                 break
             except VerifierTimeout:
                 continue
