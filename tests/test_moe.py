@@ -1,4 +1,4 @@
-"""MoE block: ragged (dropless) and capacity dispatch against a plain loop over tokens
+"""MoE block: ragged and blocked (dropless) and capacity dispatch against a plain loop over tokens
 and experts; gradients; routing replay; capacity drops and priority; router statistics
 worked out by hand."""
 
@@ -94,12 +94,13 @@ def test_route_hand_worked():
   np.testing.assert_allclose(gates, [[1 / 7, 1 / 7]], rtol=1e-6)
 
 
-@pytest.mark.parametrize("dispatch", ["ragged", "capacity"])
+@pytest.mark.parametrize("dispatch", ["ragged", "blocked", "capacity"])
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_fast_paths_match_loop_reference(dispatch, norm_topk_prob):
   # capacity_factor = E / K: every expert can hold every token, nothing is dropped.
+  # Block size 3: groups of every size modulo the block occur, some experts get none.
   moe = MoE(_config(moe_dispatch=dispatch, norm_topk_prob=norm_topk_prob,
-                    capacity_factor=E / K), rngs=nnx.Rngs(0))
+                    capacity_factor=E / K, moe_block_size=3), rngs=nnx.Rngs(0))
   x = _inputs()
   y, routing, aux = _run(moe, x)
   want, chosen = numpy_loop_moe(x, _params(moe), K, norm_topk_prob)
@@ -109,12 +110,13 @@ def test_fast_paths_match_loop_reference(dispatch, norm_topk_prob):
   np.testing.assert_array_equal(aux["tokens_per_expert"], np.bincount(chosen.ravel(), minlength=E))
 
 
-@pytest.mark.parametrize("dispatch", ["ragged", "capacity"])
+@pytest.mark.parametrize("dispatch", ["ragged", "blocked", "capacity"])
 def test_gradients_match_loop_reference_under_replay(dispatch):
   """Replay a routing that differs from the natural one (the k *least* likely experts):
   output and every gradient equal the loop reference with those experts; the router
   gets a non-zero gradient through the recomputed gates."""
-  moe = MoE(_config(moe_dispatch=dispatch, capacity_factor=E / K), rngs=nnx.Rngs(1))
+  moe = MoE(_config(moe_dispatch=dispatch, capacity_factor=E / K, moe_block_size=4),
+            rngs=nnx.Rngs(1))
   x = _inputs(seed=1)
   natural, natural_routing, _ = _run(moe, x)
   probs = jax.nn.softmax(x.reshape(-1, D) @ moe.router[...], -1)

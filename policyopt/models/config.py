@@ -14,7 +14,7 @@ import math
 import jax.numpy as jnp
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_DISPATCH = ("ragged", "capacity")
+_DISPATCH = ("ragged", "blocked", "capacity")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +43,12 @@ class ModelConfig:
     dtype: computation dtype of matmuls ("float32", "bfloat16", "float16"); norms,
       softmaxes, router and log-softmax always run in float32.
     param_dtype: storage dtype of the parameters.
-    moe_dispatch: "ragged" (dropless: sort by expert + jax.lax.ragged_dot) or
-      "capacity" (one-hot dispatch into fixed per-expert buffers; overflow dropped).
+    moe_dispatch: "ragged" (dropless: sort by expert + jax.lax.ragged_dot; the choice
+      on accelerators), "blocked" (dropless: sort by expert, pad groups to blocks of
+      moe_block_size rows, batched matmul; the fast choice on CPU, where XLA lowers
+      ragged_dot densely per expert) or "capacity" (one-hot dispatch into fixed
+      per-expert buffers; overflow dropped).
+    moe_block_size: rows per block of the "blocked" dispatch.
     capacity_factor: per-expert buffer = ceil(capacity_factor * tokens * k / E) token
       copies, for moe_dispatch == "capacity" (GShard / Switch Transformer).
     max_position_embeddings: recorded for checkpoint export only (RoPE needs no table).
@@ -69,6 +73,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   moe_dispatch: str = "ragged"
+  moe_block_size: int = 64
   capacity_factor: float = 1.25
   max_position_embeddings: int = 32768
   initializer_range: float = 0.02
@@ -105,6 +110,8 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
     if self.moe_dispatch not in _DISPATCH:
       raise ValueError(f"ModelConfig.moe_dispatch must be one of {_DISPATCH}, got {self.moe_dispatch!r}")
+    if self.moe_block_size <= 0:
+      raise ValueError(f"ModelConfig.moe_block_size must be > 0, got {self.moe_block_size}")
     if not self.capacity_factor > 0:
       raise ValueError(f"ModelConfig.capacity_factor must be > 0, got {self.capacity_factor}")
 

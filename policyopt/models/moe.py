@@ -20,6 +20,13 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
           jax.lax.ragged_dot (one grouped GEMM per projection)
        d. scatter the outputs back to copy order, weight by g and sum over the k copies.
 
+     blocked (dropless, plain XLA; MegaBlocks' padded block-sparse form): as ragged,
+       but each expert's group is padded to a multiple of ``moe_block_size`` rows, so
+       every block of rows belongs to one expert; the blocks are multiplied by their
+       expert's gathered weights in one batched matmul. Work is
+       O((N k + E * block) D F) on any backend. (XLA:CPU lowers ragged_dot to one dense
+       matmul per expert, O(E N k D F); accelerators have grouped-GEMM kernels.)
+
      capacity (GShard / Switch Transformer): every expert has a buffer of
        C = ceil(capacity_factor * N * k / E) copies; copies claim buffer positions in
        priority order (all first choices, then all second choices, ...; token order
@@ -90,6 +97,46 @@ def ragged_experts(x, expert_ids, gates, w_gate, w_up, w_down):
   y_copies = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
   y_copies = y_copies.reshape(n, k, -1)
   return jnp.einsum("nkd,nk->nd", y_copies, gates.astype(y_copies.dtype))
+
+
+def blocked_experts(x, expert_ids, gates, w_gate, w_up, w_down, block_size: int):
+  """Step 5, dropless with block padding: every block of ``block_size`` sorted copies
+  belongs to one expert, and blocks are multiplied by their expert's weights.
+
+  With M = N*k copies and g_e copies for expert e, expert e occupies
+  ceil(g_e / block) blocks starting at row P_e = block * sum_{e'<e} ceil(g_e' / block);
+  sum_e ceil(g_e / block) <= ceil(M / block) + E bounds the static number of blocks.
+
+  Args:
+    x: [N, D]; expert_ids: int32 [N, k]; gates: [N, k]; w_*: as in ragged_experts;
+    block_size: rows per block.
+  Returns:
+    [N, D].
+  """
+  n, k = expert_ids.shape
+  num_experts, d = w_gate.shape[0], x.shape[-1]
+  copies = n * k
+  num_blocks = -(-copies // block_size) + num_experts
+  flat_ids = expert_ids.reshape(-1)
+  order = jnp.argsort(flat_ids, stable=True)
+  sorted_ids = flat_ids[order]
+  group_sizes = jnp.bincount(flat_ids, length=num_experts)
+  padded_sizes = -(-group_sizes // block_size) * block_size
+  padded_ends = jnp.cumsum(padded_sizes)
+  group_starts = jnp.cumsum(group_sizes) - group_sizes
+  dest = (padded_ends - padded_sizes)[sorted_ids] + jnp.arange(copies) - group_starts[sorted_ids]
+  rows = jnp.zeros((num_blocks * block_size, d), x.dtype)
+  rows = rows.at[dest].set(jnp.take(x, order // k, axis=0), unique_indices=True)
+  rows = rows.reshape(num_blocks, block_size, d)
+  block_starts = jnp.arange(num_blocks) * block_size
+  block_expert = jnp.minimum(jnp.searchsorted(padded_ends, block_starts, side="right"),
+                             num_experts - 1)                       # unused blocks: zeros
+  gate = jnp.einsum("brd,bdf->brf", rows, jnp.take(w_gate, block_expert, axis=0))
+  up = jnp.einsum("brd,bdf->brf", rows, jnp.take(w_up, block_expert, axis=0))
+  out = jnp.einsum("brf,bfd->brd", jax.nn.silu(gate) * up, jnp.take(w_down, block_expert, axis=0))
+  y_sorted = jnp.take(out.reshape(-1, d), dest, axis=0)
+  y_copies = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
+  return jnp.einsum("nkd,nk->nd", y_copies.reshape(n, k, d), gates.astype(x.dtype))
 
 
 def capacity_experts(x, expert_ids, gates, valid, w_gate, w_up, w_down, capacity: int):
@@ -165,9 +212,12 @@ class MoE(nnx.Module):
     replay = None if routing is None else routing.reshape(b * t, k)
     expert_ids, gates, probs = route(logits, k, cfg.norm_topk_prob, replay)
     weights = [w[...].astype(dt) for w in (self.gate_proj, self.up_proj, self.down_proj)]
+    dropped = jnp.zeros((), jnp.float32)
     if cfg.moe_dispatch == "ragged":
       y = ragged_experts(flat.astype(dt), expert_ids, gates, *weights)
-      dropped = jnp.zeros((), jnp.float32)
+    elif cfg.moe_dispatch == "blocked":
+      y = blocked_experts(flat.astype(dt), expert_ids, gates, *weights,
+                          block_size=cfg.moe_block_size)
     else:
       y, dropped = capacity_experts(flat.astype(dt), expert_ids, gates, valid, *weights,
                                     capacity=cfg.expert_capacity(b * t))

@@ -97,8 +97,8 @@ class Transformer(nnx.Module):
 
     Args:
       tokens: int32 [B, T].
-      positions: int32 [B, T] RoPE positions; default 0..T-1 (plus nothing: with a cache
-        pass them explicitly, e.g. prompt_length + step).
+      positions: int32 [B, T] RoPE positions; default 0..T-1, or cache.index + 0..T-1
+        with a cache. Right-padded rows need explicit ones (prompt_length + step).
       attention_mask: [B, T], 1 = real token; keys with 0 are never attended. Default ones.
       cache: KVCache to read and extend at slots [index, index+T), or None.
       routing: int32 [L_moe, B, T, k] experts to replay in every MoE layer, or None.
@@ -109,7 +109,8 @@ class Transformer(nnx.Module):
     cfg = self.config
     b, t = tokens.shape
     if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+      start = 0 if cache is None else cache.index
+      positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
     if attention_mask is None:
       token_mask = jnp.ones((b, t), bool)
     else:
