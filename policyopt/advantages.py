@@ -31,7 +31,7 @@ __all__ = [
 
 CENTERS = ("group", "none")
 SCALES = ("group", "batch", "none")
-GAE_IMPLS = ("scan", "associative")
+GAE_IMPLS = ("scan", "chunked", "associative")
 
 
 def _group_rewards(rewards: Array, group_size: int) -> Array:
@@ -217,6 +217,70 @@ def _reverse_affine_scan(coeffs, offsets):
     return solution
 
 
+def _chunked_reverse_recurrence(coeffs, offsets, chunk):
+    """Solves ``x_t = coeffs_t * x_{t+1} + offsets_t`` backwards along axis 1, ``x_T = 0``.
+
+    Two-level scan with ``T / chunk + chunk`` sequential steps instead of ``T``: (1) one
+    reverse scan over the positions of a chunk, run for all chunks at once, solves each
+    chunk with a zero carry-in (``local``) and accumulates the coefficient products to the
+    chunk end (``prod``); (2) a reverse scan over chunks propagates the carry-in
+    ``s_{j+1}`` (the solution at the start of the next chunk); (3)
+    ``x = local + prod * carry_in``. Exact rearrangement of the same products and sums.
+    """
+    batch, length = coeffs.shape
+    pad = (-length) % chunk
+    if pad:  # padded tail: x = 0 * x + 0 = 0, as beyond the end
+        coeffs = jnp.pad(coeffs, ((0, 0), (0, pad)))
+        offsets = jnp.pad(offsets, ((0, 0), (0, pad)))
+    num_chunks = (length + pad) // chunk
+
+    def chunk_major(x):  # [B, T] -> [chunk, B, num_chunks]
+        return jnp.transpose(x.reshape(batch, num_chunks, chunk), (2, 0, 1))
+
+    def within(carry, inputs):
+        local, prod = carry
+        coeff, offset = inputs
+        local = coeff * local + offset
+        prod = coeff * prod
+        return (local, prod), (local, prod)
+
+    zeros = jnp.zeros((batch, num_chunks), coeffs.dtype)
+    _, (local, prod) = jax.lax.scan(
+        within, (zeros, jnp.ones_like(zeros)), (chunk_major(coeffs), chunk_major(offsets)), reverse=True
+    )
+
+    def across(next_start, inputs):
+        local_start, prod_start = inputs
+        return local_start + prod_start * next_start, next_start
+
+    _, carry_in = jax.lax.scan(
+        across, jnp.zeros((batch,), coeffs.dtype), (local[0].T, prod[0].T), reverse=True
+    )
+    solution = local + prod * carry_in.T[None]
+    return jnp.transpose(solution, (1, 2, 0)).reshape(batch, length + pad)[:, :length]
+
+
+def _gae_chunked(rewards, values, mask, gamma, lam_actor, lam_critic, chunk):
+    """GAE as two chunked affine recurrences (see ``_chunked_reverse_recurrence``)."""
+    valid = mask > 0
+    carried = jnp.where(valid, 0.0, 1.0).astype(rewards.dtype)
+    next_valid_value = _chunked_reverse_recurrence(carried, jnp.where(valid, values, 0), chunk)
+    next_value = jnp.concatenate(
+        [next_valid_value[:, 1:], jnp.zeros_like(next_valid_value[:, :1])], axis=1
+    )
+    delta = jnp.where(valid, rewards + gamma * next_value - values, 0)
+    coeff_actor = jnp.where(valid, gamma * lam_actor[:, None], 1.0)
+    if lam_critic is lam_actor:
+        adv_actor = adv_critic = _chunked_reverse_recurrence(coeff_actor, delta, chunk)
+    else:  # both recurrences in one solve, stacked along the batch
+        coeff_critic = jnp.where(valid, gamma * lam_critic[:, None], 1.0)
+        both = _chunked_reverse_recurrence(
+            jnp.concatenate([coeff_actor, coeff_critic]), jnp.concatenate([delta, delta]), chunk
+        )
+        adv_actor, adv_critic = both[: rewards.shape[0]], both[rewards.shape[0]:]
+    return jnp.where(valid, adv_actor, 0), jnp.where(valid, adv_critic, 0)
+
+
 def _gae_associative(rewards, values, mask, gamma, lam_actor, lam_critic):
     """GAE as two parallel affine scans (``jax.lax.associative_scan``), O(log T) depth.
 
@@ -251,6 +315,7 @@ def decoupled_gae(
     lam_critic=1.0,
     impl: str = "scan",
     unroll: int = 8,
+    chunk: int = 64,
 ) -> tuple[Array, Array]:
     """GAE with separate lambdas for the policy and the critic, in one pass (VC-PPO).
 
@@ -292,6 +357,8 @@ def decoupled_gae(
     lam_critic = lam_actor if same_lam else _per_sequence(lam_critic, batch, dtype)
     if impl == "scan":
         adv_actor, adv_critic = _gae_scan(rewards, values, valid, gamma, lam_actor, lam_critic, unroll)
+    elif impl == "chunked":
+        adv_actor, adv_critic = _gae_chunked(rewards, values, valid, gamma, lam_actor, lam_critic, chunk)
     elif impl == "associative":
         adv_actor, adv_critic = _gae_associative(rewards, values, valid, gamma, lam_actor, lam_critic)
     else:
@@ -309,6 +376,7 @@ def gae(
     lam=0.95,
     impl: str = "scan",
     unroll: int = 8,
+    chunk: int = 64,
 ) -> tuple[Array, Array]:
     """Generalised advantage estimation (1506.02438 eq. 16) over valid tokens.
 
@@ -326,7 +394,8 @@ def gae(
       ``(advantages, returns)``, ``[B, T]`` each, 0 at padding positions.
     """
     return decoupled_gae(
-        rewards, values, mask, gamma=gamma, lam_actor=lam, lam_critic=lam, impl=impl, unroll=unroll
+        rewards, values, mask, gamma=gamma, lam_actor=lam, lam_critic=lam, impl=impl, unroll=unroll,
+        chunk=chunk,
     )
 
 
@@ -341,6 +410,7 @@ def length_adaptive_gae(
     min_lam: float = 0.0,
     impl: str = "scan",
     unroll: int = 8,
+    chunk: int = 64,
 ) -> tuple[Array, Array]:
     """VAPO's GAE: policy lambda ``1 - 1/(alpha |y_i|)`` per sequence, critic lambda 1.0.
 
@@ -350,5 +420,5 @@ def length_adaptive_gae(
     lam_actor = length_adaptive_lambda(lengths, alpha, min_lam=min_lam)
     return decoupled_gae(
         rewards, values, mask, gamma=gamma, lam_actor=lam_actor, lam_critic=lam_critic,
-        impl=impl, unroll=unroll,
+        impl=impl, unroll=unroll, chunk=chunk,
     )

@@ -485,8 +485,9 @@ def _policy_metrics(log_ratio, seq_log_ratio, advantages, mask_f, lengths, surro
         "clip_frac": clip_low + clip_high,
         "dual_clip_frac": token_frac(surrogate.dual_clipped),
         "ratio_mean": masked_mean(ratio, mask_f),
-        "ratio_min": jnp.where(has_tokens, jnp.min(jnp.where(valid, ratio, jnp.inf)), 1.0),
-        "ratio_max": jnp.where(has_tokens, jnp.max(jnp.where(valid, ratio, -jnp.inf)), 1.0),
+        # exp is monotonic: min/max of the log-ratio, one exp each.
+        "ratio_min": jnp.exp(jnp.where(has_tokens, jnp.min(jnp.where(valid, log_ratio, jnp.inf)), 0.0)),
+        "ratio_max": jnp.exp(jnp.where(has_tokens, jnp.max(jnp.where(valid, log_ratio, -jnp.inf)), 0.0)),
         "seq_ratio_mean": _safe_div(jnp.sum(jnp.where(lengths > 0, jnp.exp(seq_log_ratio), 0)), num_seqs),
         "approx_kl": masked_mean(jnp.expm1(log_ratio) - log_ratio, mask_f),
         "gate_mean": masked_mean(gate, mask_f),

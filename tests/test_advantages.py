@@ -1,5 +1,6 @@
 """policyopt.advantages against plain NumPy loops and hand-worked cases."""
 
+import functools
 import math
 
 import chex
@@ -48,9 +49,10 @@ def ref_outcome_advantages(rewards, group_size, center, scale, eps=1e-6):
 
 
 OUTCOME_OPTIONS = [(c, s) for c in ("group", "none") for s in ("group", "batch", "none")]
-every_outcome = jax.jit(
-    lambda rewards: {(c, s): adv.outcome_advantages(rewards, 4, center=c, scale=s)
-                     for c, s in OUTCOME_OPTIONS})
+@functools.partial(jax.jit, static_argnums=1)
+def every_outcome(rewards, group_size=4):
+    return {(c, s): adv.outcome_advantages(rewards, group_size, center=c, scale=s)
+            for c, s in OUTCOME_OPTIONS}
 
 
 def test_outcome_advantages_match_loops():
@@ -66,8 +68,7 @@ def test_outcome_advantages_match_loops():
             assert np.all(np.asarray(got)[4:8] == 0), f"{center} {scale}"  # exact zeros
     # Another shape: 3 groups of 2.
     rewards = rng.normal(size=6).astype(np.float32)
-    for center, scale in OUTCOME_OPTIONS:
-        got = adv.outcome_advantages(rewards, 2, center=center, scale=scale)
+    for (center, scale), got in every_outcome(rewards, 2).items():
         np.testing.assert_allclose(got, ref_outcome_advantages(rewards, 2, center, scale),
                                    rtol=1e-5, atol=1e-6)
 
@@ -146,12 +147,12 @@ def gae_variants(rewards, values, mask, lam_rows):
     """Every GAE entry point and implementation, in one jitted program."""
     out = {}
     for impl in adv.GAE_IMPLS:
-        out["plain", impl] = adv.gae(rewards, values, mask, gamma=0.9, lam=0.8, impl=impl)
         out["rows", impl] = adv.gae(rewards, values, mask, gamma=1.0, lam=lam_rows, impl=impl)
         out["decoupled", impl] = adv.decoupled_gae(rewards, values, mask, gamma=0.95,
                                                    lam_actor=0.9, lam_critic=1.0, impl=impl)
-        out["adaptive", impl] = adv.length_adaptive_gae(rewards, values, mask, gamma=1.0, alpha=0.5,
-                                                        impl=impl)
+    # The other entry points with the default implementation (they share its code path).
+    out["plain", "default"] = adv.gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    out["adaptive", "default"] = adv.length_adaptive_gae(rewards, values, mask, gamma=1.0, alpha=0.5)
     return out
 
 
@@ -175,21 +176,22 @@ def test_gae_matches_loops(shape):
     results = gae_variants_jit(rewards, values, mask, lam_rows)
     lengths = mask.sum(1)
     adaptive_lam = np.array([max(1 - 1 / (0.5 * n), 0.0) if n > 0 else 0.0 for n in lengths])
-    for impl in adv.GAE_IMPLS:
-        expected = {
-            "plain": ref_gae(rewards, values, mask, 0.9, 0.8),
-            "rows": ref_gae(rewards, values, mask, 1.0, lam_rows),
-            "decoupled": (ref_gae(rewards, values, mask, 0.95, 0.9)[0],
-                          ref_gae(rewards, values, mask, 0.95, 1.0)[1]),
-            "adaptive": (ref_gae(rewards, values, mask, 1.0, adaptive_lam)[0],
-                         ref_gae(rewards, values, mask, 1.0, 1.0)[1]),
-        }
-        for name, (ref_advantages, ref_returns) in expected.items():
-            got_advantages, got_returns = results[name, impl]
-            np.testing.assert_allclose(got_advantages, ref_advantages, rtol=1e-5, atol=1e-5,
-                                       err_msg=f"{name} {impl}")
-            np.testing.assert_allclose(got_returns, ref_returns, rtol=1e-5, atol=1e-5,
-                                       err_msg=f"{name} {impl}")
+    expected = {
+        "plain": ref_gae(rewards, values, mask, 0.9, 0.8),
+        "rows": ref_gae(rewards, values, mask, 1.0, lam_rows),
+        "decoupled": (ref_gae(rewards, values, mask, 0.95, 0.9)[0],
+                      ref_gae(rewards, values, mask, 0.95, 1.0)[1]),
+        "adaptive": (ref_gae(rewards, values, mask, 1.0, adaptive_lam)[0],
+                     ref_gae(rewards, values, mask, 1.0, 1.0)[1]),
+    }
+    assert set(results) == {(name, impl) for name in ("rows", "decoupled") for impl in adv.GAE_IMPLS} | {
+        ("plain", "default"), ("adaptive", "default")}
+    for (name, impl), (got_advantages, got_returns) in results.items():
+        ref_advantages, ref_returns = expected[name]
+        np.testing.assert_allclose(got_advantages, ref_advantages, rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{name} {impl}")
+        np.testing.assert_allclose(got_returns, ref_returns, rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{name} {impl}")
 
 
 def test_gae_hand_worked():
