@@ -151,6 +151,16 @@ def test_top_k_top_p_temperature_hand_worked():
     np.testing.assert_allclose(log_probs, expected[tokens], rtol=1e-5)
 
 
+def test_top_k_1_is_greedy():
+    logits = jax.random.normal(jax.random.key(0), (64, 512)) * 3.0
+    tokens, log_probs = jax.jit(sampling.TopK(k=1, temperature=0.7).sample)(logits, jax.random.key(1))
+    greedy_tokens, greedy_log_probs = sampling.Greedy().sample(logits, None)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(jnp.argmax(logits, -1)))
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(greedy_tokens))
+    np.testing.assert_array_equal(np.asarray(log_probs), 0.0)
+    np.testing.assert_array_equal(np.asarray(greedy_log_probs), 0.0)
+
+
 def test_sampling_method_choice_and_errors():
     assert sampling.sampling_method(0.0, top_k=5, top_p=0.5) == sampling.Greedy()
     assert sampling.sampling_method(0.7) == sampling.Temperature(0.7)
@@ -179,13 +189,17 @@ def test_greedy_equals_stepwise_argmax(moe_model, moe_greedy):
                                reference_log_probs(moe_model, moe_greedy), atol=2e-4)
 
 
+@pytest.fixture(scope="module")
+def dense_model():
+    return Transformer(DENSE, rngs=nnx.Rngs(1))
+
+
 @pytest.mark.parametrize("name", ["moe", "dense"])
-def test_log_probs_equal_full_forward(name, moe_model, moe_sampled):
+def test_log_probs_equal_full_forward(name, moe_model, dense_model, moe_sampled):
     if name == "moe":
         model, rollout = moe_model, moe_sampled
     else:
-        model = Transformer(DENSE, rngs=nnx.Rngs(1))
-        rollout = run(model, temperature=1.0, seed=3)
+        model, rollout = dense_model, run(dense_model, temperature=1.0, seed=3)
     assert (rollout.routing is None) == (name == "dense")
     ref = reference_log_probs(model, rollout)
     np.testing.assert_allclose(np.asarray(rollout.log_probs), ref, atol=2e-4)
@@ -196,29 +210,6 @@ def test_log_probs_equal_full_forward(name, moe_model, moe_sampled):
     logits, _ = forward(model, tokens, attention_mask, positions)
     np.testing.assert_allclose(response_log_probs(logits, rollout, PROMPTS.shape[1]), ref,
                                atol=2e-4)
-
-
-def test_top_k_then_top_p_log_probs(moe_model):
-    # Behaviour log-probs under truncation are renormalised over the kept set: checked
-    # against log-softmax(logits / T) of the full forward restricted to that set.
-    method = sampling.TopP(p=0.8, temperature=1.3, top_k=5)
-    rollout = run(moe_model, method=method, seed=5)
-    tokens, mask, lengths = contiguous(rollout.tokens, rollout.lengths)
-    logits = np.asarray(forward(moe_model, tokens, mask)[0], np.float64) / method.temperature
-    for r in range(tokens.shape[0]):
-        for t in range(MAX_NEW):
-            scaled = logits[r, lengths[r] - 1 + t]
-            probs = np.exp(scaled - scaled.max())
-            probs /= probs.sum()
-            top = np.argsort(-probs, kind="stable")[:method.top_k]
-            top_probs = probs[top] / probs[top].sum()
-            kept = top[np.cumsum(top_probs) - top_probs < method.p]
-            token = tokens[r, lengths[r] + t]
-            assert token in kept
-            np.testing.assert_allclose(rollout.log_probs[r, t],
-                                       np.log(probs[token] / probs[kept].sum()), atol=2e-4)
-            np.testing.assert_allclose(rollout.raw_log_probs[r, t], np.log(probs[token]),
-                                       atol=2e-4)
 
 
 def test_routing_replay_reproduces_log_probs(moe_model, moe_sampled):
@@ -276,19 +267,20 @@ def test_greedy_equals_transformers_generate(tmp_path, moe_greedy):
 # ------------------------------------------------------------------ behaviour
 
 
-def test_padded_equals_unpadded(moe_model, moe_sampled):
+def test_padded_equals_unpadded(dense_model):
     # Three prompts of length 4, unpadded ([3, 4]) and padded to 7 columns with a token
-    # that is not padding by value (the padded run shares moe_sampled's bucket).
+    # that is not padding by value (the padded run shares the dense [3, 7] bucket).
+    # Right-padded prompts of different lengths are also checked against unpadded full
+    # forwards in the tests above.
     prompts = np.array([[3, 14, 15, 9], [2, 6, 53, 5], [1, 41, 42, 13]], np.int32)
     lengths = np.full(3, 4, np.int32)
     padded = np.concatenate([prompts, np.full((3, 3), 7, np.int32)], axis=1)
-    a = run(moe_model, prompts, lengths, temperature=1.0, seed=11)
-    b = run(moe_model, padded, lengths, temperature=1.0, seed=11)
+    a = run(dense_model, prompts, lengths, temperature=1.0, seed=11)
+    b = run(dense_model, padded, lengths, temperature=1.0, seed=11)
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     np.testing.assert_allclose(np.asarray(a.log_probs), np.asarray(b.log_probs), atol=1e-5)
-    # Routing of the real tokens agrees; the padded run's 3 extra columns are at the left.
-    np.testing.assert_array_equal(np.asarray(a.routing), np.asarray(b.routing)[:, :, 3:])
     np.testing.assert_array_equal(np.asarray(b.prompt_tokens)[:, 3:], prompts)
+    np.testing.assert_array_equal(np.asarray(b.prompt_tokens)[:, :3], 0)  # pad_id
 
 
 def test_eos_and_stop_sequence_end_and_mask(moe_model, moe_greedy):
@@ -314,52 +306,67 @@ def test_eos_and_stop_sequence_end_and_mask(moe_model, moe_greedy):
     assert int(rollout.num_steps) == lengths.max()  # the loop stopped when all rows ended
 
 
-def test_fixed_rng_reproducible_and_top_k_1_is_greedy(moe_model, moe_sampled, moe_greedy):
+def test_fixed_rng_reproducible(moe_model, moe_sampled):
     again = run(moe_model, temperature=1.0, seed=3)
     np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(moe_sampled.tokens))
     np.testing.assert_array_equal(np.asarray(again.log_probs), np.asarray(moe_sampled.log_probs))
     other = run(moe_model, temperature=1.0, seed=4)
     assert np.any(np.asarray(other.tokens) != np.asarray(moe_sampled.tokens))
-    top1 = run(moe_model, temperature=1.0, top_k=1, seed=9)
-    np.testing.assert_array_equal(np.asarray(top1.tokens), np.asarray(moe_greedy.tokens))
-    np.testing.assert_array_equal(np.asarray(top1.log_probs), 0.0)
-    np.testing.assert_allclose(np.asarray(top1.raw_log_probs),
-                               np.asarray(moe_greedy.raw_log_probs), atol=1e-6)
 
 
-def test_group_samples_with_eos_and_min_new_tokens(moe_model, moe_greedy):
-    # G = 3 samples per prompt from one prefill; EOS = the most likely first token of
-    # prompt 0, banned for the first 2 steps (min_new_tokens).
+def behaviour_reference(logits, method, banned=None):
+    """float64 NumPy log-probs [V] of the distribution `method` samples from (-inf when
+    excluded): temperature, the EOS ban, then top-k, then top-p."""
+    scaled = np.asarray(logits, np.float64) / method.temperature
+    if banned is not None:
+        scaled[banned] = -np.inf
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    order = order[:method.top_k] if method.top_k else order
+    top = probs[order] / probs[order].sum()
+    kept = order[np.cumsum(top) - top < method.p]
+    out = np.full(probs.shape, -np.inf)
+    out[kept] = np.log(probs[kept] / probs[kept].sum())
+    return out
+
+
+def test_group_samples_top_k_top_p_eos_min_new_tokens(moe_model, moe_greedy):
+    # G = 3 samples per prompt from one prefill, top-k then top-p at temperature 1.5;
+    # EOS = the most likely first token of prompt 0, banned for the first 2 steps.
     group, min_new = 3, 2
+    method = sampling.TopP(p=0.9, temperature=1.5, top_k=8)
     eos = int(moe_greedy.tokens[0, 0])
-    rollout = run(moe_model, temperature=1.0, num_samples=group, eos_id=eos,
+    rollout = run(moe_model, method=method, num_samples=group, eos_id=eos,
                   min_new_tokens=min_new, seed=21)
     rows = 3 * group
     assert rollout.tokens.shape == (rows, MAX_NEW)
     np.testing.assert_array_equal(np.asarray(rollout.prompt_lengths), np.repeat(LENGTHS, group))
     tokens, lengths = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
-    # Samples of one prompt differ.
     assert all(len({tuple(row) for row in tokens[b * group:(b + 1) * group]}) > 1
-               for b in range(3))
-    assert np.all(tokens[:, :min_new] != eos)
-    assert np.all(lengths >= min_new)
-    for r in range(rows):  # rows end at their first EOS, pad after it
+               for b in range(3))  # samples of one prompt differ
+    assert np.all(tokens[:, :min_new] != eos) and np.all(lengths >= min_new)
+    assert np.any(lengths < MAX_NEW)  # some row did end at EOS
+    for r in range(rows):  # rows end at their first EOS, and are padded after it
         hits = np.flatnonzero(tokens[r, :lengths[r]] == eos)
         assert (hits.size == 0 and lengths[r] == MAX_NEW) or list(hits) == [lengths[r] - 1]
         assert np.all(tokens[r, lengths[r]:] == eos)
-    # Each row is a continuation of its own prompt (rows b*G .. b*G+G-1 <- prompt b):
-    # raw log-probs are the full forward's; behaviour log-probs are renormalised without
-    # EOS while it is banned: log p - log(1 - p(eos)).
-    raw = reference_log_probs(moe_model, rollout, group=group)
-    np.testing.assert_allclose(np.asarray(rollout.raw_log_probs), raw, atol=2e-4)
+    # Every row continues its own prompt (rows b*G .. b*G+G-1 <- prompt b): behaviour
+    # log-probs are those of the truncated distribution, raw ones of softmax(logits / T).
     seq, mask, prompt_lengths = contiguous(tokens, lengths, group)
-    logits, _ = forward(moe_model, seq, mask)
-    log_probs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
-    behaviour = raw.copy()
+    logits = np.asarray(forward(moe_model, seq, mask)[0])
+    behaviour, raw = np.zeros((rows, MAX_NEW)), np.zeros((rows, MAX_NEW))
     for r in range(rows):
-        for t in range(min_new):
-            behaviour[r, t] -= np.log1p(-np.exp(log_probs[r, prompt_lengths[r] - 1 + t, eos]))
+        for t in range(lengths[r]):
+            row_logits = logits[r, prompt_lengths[r] - 1 + t]
+            token = tokens[r, t]
+            banned = eos if t < min_new else None
+            behaviour[r, t] = behaviour_reference(row_logits, method, banned)[token]
+            scaled = row_logits.astype(np.float64) / method.temperature
+            raw[r, t] = scaled[token] - scaled.max() - np.log(np.exp(scaled - scaled.max()).sum())
     np.testing.assert_allclose(np.asarray(rollout.log_probs), behaviour, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(rollout.raw_log_probs), raw, atol=2e-4)
+    assert np.any(np.abs(behaviour - raw) > 1e-2)  # truncation mattered
 
 
 def test_compiles_once_per_bucket(moe_model, moe_sampled):
