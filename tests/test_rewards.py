@@ -235,6 +235,10 @@ def test_math_verifier_works_in_threads_and_times_out():
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda ref: math_correctness(boxed(r"\frac{\sqrt{2}}{2}"), ref), [r"\frac{1}{\sqrt{2}}", "0.7"]))
     assert results == [1.0, 0.0]
+    # A slow but screened-in answer (a huge binomial) is interrupted by the time limit.
+    start = time.perf_counter()
+    verdict = verify_math(boxed(r"\binom{1000000}{500000}"), "1", timeout_s=0.5)
+    assert verdict.status == "timeout" and time.perf_counter() - start < 2.0
     verdict = verify_math(boxed(r"\frac{\sqrt{3}}{2}"), r"\sin(\pi/3)", timeout_s=1e-4)
     assert verdict.status == "timeout" and verdict.score == 0.0
     assert verify_math(boxed(r"\frac{\sqrt{3}}{2}"), r"\sin(\pi/3)").score == 1.0

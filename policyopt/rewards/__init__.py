@@ -2,19 +2,28 @@
 
 Public API::
 
-    math_correctness(completion, reference, *, timeout_s=2.0) -> float       # 1.0 / 0.0
+    math_correctness(completion, reference, *, timeout_s=5.0) -> float       # 1.0 / 0.0
     code_correctness(completion, tests, *, timeout_s=4.0, memory_mb=300, partial=False) -> float
     format_ok(completion, task) -> bool                                      # Magistral format gate
     overlong_penalty(length, max_len, cache_len, *, scale=1.0) -> float      # DAPO / Magistral
     languages_consistent(problem, reasoning, answer) -> bool                 # Magistral language bonus
     RewardSpec(...)                                                          # the reward recipe
     score_batch(completions, references, lengths, spec, *, prompts=None,
-                num_workers=0, deadline_s=None) -> (rewards [N], correct [N], metrics)
+                num_workers=0, deadline_s=None, truncated=None) -> BatchScores
+        # unpacks as (rewards float32 [N], correct bool [N], metrics); also .sample_mask,
+        # .truncated, .format_ok, .correctness, .length_penalty, .language_ok, .status
 
 Each function of model output returns a value and never raises on what the model wrote.
 """
 
-from policyopt.rewards.batch import BatchScores, RewardSpec, SampleScore, score_batch, score_sample, shutdown_pools
+from policyopt.rewards.batch import (
+    BatchScores,
+    RewardSpec,
+    SampleScore,
+    score_batch,
+    score_sample,
+    shutdown_pools,
+)
 from policyopt.rewards.code import CodeResult, SandboxResult, code_correctness, run_code_tests, run_sandboxed
 from policyopt.rewards.format import first_code_block, format_ok, split_think
 from policyopt.rewards.language import identify_language, languages_consistent, strip_latex_and_code

@@ -202,7 +202,9 @@ def score_sample(
     return SampleScore(is_formatted, float(correctness), status, language_ok)
 
 
-def _score_chunk(items: list[tuple[str, Any, str | None]], spec: RewardSpec, deadline: float | None) -> list[SampleScore]:
+def _score_chunk(
+    items: list[tuple[str, Any, str | None]], spec: RewardSpec, deadline: float | None
+) -> list[SampleScore]:
     """Scores items in order; once ``deadline`` (time.time()) has passed, the rest are missed."""
     scores = []
     for completion, reference, prompt in items:
@@ -349,7 +351,8 @@ def score_batch(
       truncated_fraction, language_consistent_rate, num_samples.
     """
     n = len(completions)
-    for name, values in (("references", references), ("lengths", lengths), ("prompts", prompts), ("truncated", truncated)):
+    named = (("references", references), ("lengths", lengths), ("prompts", prompts), ("truncated", truncated))
+    for name, values in named:
         if values is not None and len(values) != n:
             raise ValueError(f"score_batch: {name} has {len(values)} entries, completions has {n}")
     start = time.time()
@@ -371,7 +374,9 @@ def score_batch(
     missed = np.array([s == "deadline" for s in status], dtype=bool).reshape(n)
 
     if spec.overlong != "none":
-        penalty = length_lib.overlong_penalties(lengths, spec.max_len, spec.cache_len, scale=spec.penalty_scale)
+        penalty = length_lib.overlong_penalties(
+            lengths, spec.max_len, spec.cache_len, scale=spec.penalty_scale
+        )
     else:
         penalty = np.zeros(n, np.float32)
     if spec.format_reward:
@@ -379,9 +384,8 @@ def score_batch(
         base = np.where(graded, spec.format_value + spec.correct_value * correctness, 0.0)
     else:
         graded = ~missed
-        base = np.where(
-            graded, spec.incorrect_value + (spec.plain_correct_value - spec.incorrect_value) * correctness, 0.0
-        )
+        plain = spec.incorrect_value + (spec.plain_correct_value - spec.incorrect_value) * correctness
+        base = np.where(graded, plain, 0.0)
     penalty = np.where(graded, penalty, 0.0).astype(np.float32)
     bonus = np.where(graded & language_ok, spec.language_bonus, 0.0)
     rewards = (base + penalty + bonus).astype(np.float32)

@@ -148,7 +148,8 @@ def _fast_compare(answer_key: str, gold_key: str) -> bool | None:
         return True
     if not (answer_decimal or gold_decimal):
         return False
-    if abs(answer_value - gold_value) > _DECIMAL_SEPARATION and max(abs(answer_value), abs(gold_value)) < 10**8:
+    far_apart = abs(answer_value - gold_value) > _DECIMAL_SEPARATION
+    if far_apart and max(abs(answer_value), abs(gold_value)) < 10**8:  # within Float precision
         return False
     return None
 
@@ -242,7 +243,8 @@ def _math_verify() -> Any:
 
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).addFilter(_DropDisabledTimeoutWarning())
-    for gold, answer in [("(x+1)^2", "x^2+2x+1"), (r"\frac{1}{3}", "0.3333333"), ("[1, 2)", r"\{1\}"), (r"\sqrt{8}", r"2\sqrt{2}")]:
+    warm_up = [("(x+1)^2", "x^2+2x+1"), (r"\frac{1}{3}", "0.3333333"), ("[1, 2)", r"\{1\}"), (r"\sqrt{8}", r"2\sqrt{2}")]
+    for gold, answer in warm_up:
         math_verify.verify(
             math_verify.parse("\\boxed{" + gold + "}", parsing_timeout=None),
             math_verify.parse("\\boxed{" + answer + "}", parsing_timeout=None),
@@ -273,7 +275,9 @@ def _symbolic_equal(gold: str, answer: str) -> bool:
     return bool(math_verify.verify(_parse_gold(gold), parsed, timeout_seconds=None))
 
 
-def verify_math(completion: str, reference: str, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> MathVerdict:
+def verify_math(
+    completion: str, reference: str, *, timeout_s: float | None = DEFAULT_TIMEOUT_S
+) -> MathVerdict:
     """Grades one math completion; never raises on model output.
 
     Args:
@@ -310,7 +314,9 @@ def verify_math(completion: str, reference: str, *, timeout_s: float | None = DE
         return MathVerdict(0.0, "incorrect")
 
 
-def math_correctness(completion: str, reference: str, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> float:
+def math_correctness(
+    completion: str, reference: str, *, timeout_s: float | None = DEFAULT_TIMEOUT_S
+) -> float:
     """1.0 if the last ``\\boxed{}`` answer of ``completion`` equals ``reference``, else 0.0.
 
     See the module docstring for the pipeline (fast exact path, screen, math-verify under
