@@ -70,7 +70,8 @@ def paired_ms(fn, args, floor_fn, floor_args, repeats):
             start = time.perf_counter()
             jax.block_until_ready(f(*a))
             out.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times), 1e3 * statistics.median(floor_times)
+    return (1e3 * statistics.median(times), 1e3 * statistics.median(floor_times),
+            1e3 * min(times), 1e3 * min(floor_times))
 
 
 def make_inputs(batch, length, seed=0):
@@ -175,15 +176,17 @@ def main(argv=None):
     rows = []
 
     def record(group, name, fn, args, floor_fn, limit, numpy_ms=None, note=""):
-        ms, floor_ms = paired_ms(fn, args, floor_fn, args, repeats)
+        ms, floor_ms, ms_min, floor_min = paired_ms(fn, args, floor_fn, args, repeats)
         row = dict(group=group, name=name, ms=round(ms, 3), floor_ms=round(floor_ms, 3),
-                   x_floor=round(ms / floor_ms, 2), limit=limit,
+                   x_floor=round(ms / floor_ms, 2), ms_min=round(ms_min, 3),
+                   floor_min_ms=round(floor_min, 3), x_floor_min=round(ms_min / floor_min, 2),
+                   limit=limit, within_limit=ms / floor_ms <= limit,
                    numpy_ms=None if numpy_ms is None else round(numpy_ms, 2),
                    speedup_vs_numpy=None if numpy_ms is None else round(numpy_ms / ms, 1),
                    note=note)
         rows.append(row)
-        print(f"{group:5s} {name:42s} {ms:8.2f} ms  floor {floor_ms:6.2f} ms  x{ms / floor_ms:5.2f}"
-              f" (limit {limit:.0f}x)" + ("" if numpy_ms is None else f"  numpy {numpy_ms:8.1f} ms"
+        print(f"{group:5s} {name:40s} {ms:8.2f} ms  floor {floor_ms:6.2f} ms  x{ms / floor_ms:5.2f}"
+              f" (min/min x{ms_min / floor_min:5.2f}; limit {limit:.0f}x)" + ("" if numpy_ms is None else f"  numpy {numpy_ms:8.1f} ms"
                                           f"  ({numpy_ms / ms:5.1f}x faster)"), flush=True)
 
     # Floors: one fused elementwise pass, same inputs and output sizes.
@@ -221,12 +224,13 @@ def main(argv=None):
     lengths = host["mask"].sum(1)
     lam_adaptive = np.maximum(1 - 1 / (0.05 * lengths), 0).astype(np.float32)
     variants = [("plain", dict(impl="associative"))]
-    variants += [("plain", dict(impl="scan", unroll=u)) for u in (1, 4, 8, 16, 32)]
+    variants += [("plain", dict(impl="chunked", chunk=c)) for c in (32, 64, 128)]
+    variants += [("plain", dict(impl="scan", unroll=u)) for u in (1, 4, 8, 16)]
     for name, options in variants:
         fn = jax.jit(lambda r, v, m, options=options: adv.gae(r, v, m, gamma=1.0, lam=0.95, **options))
         label = f"gae {name} " + ",".join(f"{k}={v}" for k, v in options.items())
         record("gae", label, fn, gae_args, gae_floor_fn, GAE_LIMIT, gae_numpy)
-    for impl in ("scan", "associative"):
+    for impl in adv.GAE_IMPLS:
         fn = jax.jit(lambda r, v, m, impl=impl: adv.decoupled_gae(
             r, v, m, gamma=1.0, lam_actor=0.95, lam_critic=1.0, impl=impl))
         numpy_ms = time_numpy(
@@ -240,6 +244,9 @@ def main(argv=None):
             host, min(args.numpy_rows, batch), batch, repeats)
         record("gae", f"length_adaptive_gae impl={impl}", fn, gae_args, gae_floor_fn, GAE_LIMIT, numpy_ms)
 
+    plain = [row for row in rows if row["name"].startswith("gae plain")]
+    fastest = min(plain, key=lambda row: row["ms"])
+    print(f"fastest plain GAE: {fastest['name']} ({fastest['ms']:.2f} ms, x{fastest['x_floor']:.2f})")
     loss_floor_end, gae_floor_end = floors()
     print(f"floors at the end: loss {loss_floor_end:.2f} ms, gae {gae_floor_end:.2f} ms "
           "(each ratio above uses the floor timed alternately with its row)")
@@ -250,6 +257,8 @@ def main(argv=None):
         jax=jax.__version__, backend=jax.default_backend(), cpu_count=os.cpu_count(),
         python=platform.python_version(),
         floors_ms=dict(loss=loss_floor, gae=gae_floor, loss_end=loss_floor_end, gae_end=gae_floor_end),
+        fastest_plain_gae=fastest["name"],
+        load_average=os.getloadavg(),
         rows=rows,
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

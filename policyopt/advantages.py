@@ -272,12 +272,10 @@ def _gae_chunked(rewards, values, mask, gamma, lam_actor, lam_critic, chunk):
     coeff_actor = jnp.where(valid, gamma * lam_actor[:, None], 1.0)
     if lam_critic is lam_actor:
         adv_actor = adv_critic = _chunked_reverse_recurrence(coeff_actor, delta, chunk)
-    else:  # both recurrences in one solve, stacked along the batch
+    else:
         coeff_critic = jnp.where(valid, gamma * lam_critic[:, None], 1.0)
-        both = _chunked_reverse_recurrence(
-            jnp.concatenate([coeff_actor, coeff_critic]), jnp.concatenate([delta, delta]), chunk
-        )
-        adv_actor, adv_critic = both[: rewards.shape[0]], both[rewards.shape[0]:]
+        adv_actor = _chunked_reverse_recurrence(coeff_actor, delta, chunk)
+        adv_critic = _chunked_reverse_recurrence(coeff_critic, delta, chunk)
     return jnp.where(valid, adv_actor, 0), jnp.where(valid, adv_critic, 0)
 
 

@@ -407,6 +407,9 @@ def policy_loss(
       each sequence, mean over non-empty sequences (SAPO reports < 0.02); ``zero_grad_frac``,
       fraction of tokens with no gradient (gate 0, advantage 0 or importance weight 0);
       ``num_tokens``; and ``kl_ref`` / ``importance_weight_mean`` when those are used.
+      Under ``jit`` the metrics cost nothing when they are discarded (dead code); on
+      XLA:CPU computing all of them costs several times the loss itself (see
+      ``benchmarks/bench_core.py``). Log-ratios are not clamped (verl clamps at +-20).
     """
     if method not in OBJECTIVES:
         raise ValueError(f"method={method!r} is not one of {sorted(OBJECTIVES)}")
