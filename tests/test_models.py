@@ -98,8 +98,11 @@ def test_kv_cache_prefill_then_decode_equals_full_forward(models, kind):
   cache = prefill.cache
   assert int(cache.index) == 5
   for step in range(5, 9):
-    positions = jnp.full((2, 1), step, jnp.int32)
-    out = call(model, tokens[:, step:step + 1], positions=positions, cache=cache)
+    if kind == "moe":
+      positions = jnp.full((2, 1), step, jnp.int32)
+      out = call(model, tokens[:, step:step + 1], positions=positions, cache=cache)
+    else:  # default positions continue from the cache index
+      out = call(model, tokens[:, step:step + 1], cache=cache)
     np.testing.assert_allclose(out.logits[:, 0], full.logits[:, step], rtol=1e-5, atol=1e-5)
     if kind == "moe":
       np.testing.assert_array_equal(out.routing[:, :, 0], full.routing[:, :, step])

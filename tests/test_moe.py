@@ -207,3 +207,30 @@ def test_router_statistics_hand_worked():
   aux = router_aux(logits, probs, ids, jnp.array([True, True, False, True, False]), E)
   np.testing.assert_allclose(aux["load_balancing_loss"], 2.0, rtol=1e-6)
   assert float(aux["tokens_per_expert"][0]) == 3
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_blocked_dispatch_any_token_count(tokens):
+  """Decode-sized (1 token: block shrinks to 1 row) to many blocks per expert."""
+  from policyopt.models.moe import blocked_experts
+  rng = np.random.default_rng(tokens)
+  x = jnp.asarray(rng.normal(size=(tokens, D)), jnp.float32)
+  ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]), jnp.int32)
+  gates = jnp.asarray(rng.uniform(size=(tokens, K)), jnp.float32)
+  weights = [jnp.asarray(rng.normal(size=shape), jnp.float32)
+             for shape in ((E, D, F), (E, D, F), (E, F, D))]
+  got = jax.jit(blocked_experts, static_argnames="block_size")(x, ids, gates, *weights, block_size=8)
+  want = numpy_loop_fixed_gates(x, ids, gates, *weights)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def numpy_loop_fixed_gates(x, ids, gates, gate_proj, up_proj, down_proj):
+  out = np.zeros(x.shape, np.float64)
+  x64 = np.asarray(x, np.float64)
+  for n in range(x.shape[0]):
+    for j in range(ids.shape[1]):
+      e = int(ids[n, j])
+      hidden = x64[n] @ np.asarray(gate_proj[e], np.float64)
+      hidden = hidden / (1 + np.exp(-hidden)) * (x64[n] @ np.asarray(up_proj[e], np.float64))
+      out[n] += float(gates[n, j]) * (hidden @ np.asarray(down_proj[e], np.float64))
+  return out

@@ -109,13 +109,17 @@ def blocked_experts(x, expert_ids, gates, w_gate, w_up, w_down, block_size: int)
 
   Args:
     x: [N, D]; expert_ids: int32 [N, k]; gates: [N, k]; w_*: as in ragged_experts;
-    block_size: rows per block.
+    block_size: rows per block (at most; smaller when the mean group is smaller).
   Returns:
     [N, D].
   """
   n, k = expert_ids.shape
   num_experts, d = w_gate.shape[0], x.shape[-1]
   copies = n * k
+  # Few tokens (decoding): shrink the block to the power of two >= the mean group size,
+  # so padding stays O(copies) instead of O(E * block_size).
+  mean_group = max(1, -(-copies // num_experts))
+  block_size = min(block_size, 1 << (mean_group - 1).bit_length())
   num_blocks = -(-copies // block_size) + num_experts
   flat_ids = expert_ids.reshape(-1)
   order = jnp.argsort(flat_ids, stable=True)
