@@ -7,8 +7,11 @@ the test checks that none of them survives.
 """
 
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -84,23 +87,12 @@ def test_memory_hog_is_contained():
     assert_scorer_still_works()
 
 
-def _live_sandbox_processes(grace_s: float = 2.0) -> list[int]:
-    """Live (non-zombie) processes of any sandbox uid, after a short grace for exits."""
-    uids = set()
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                uid = entry.stat().st_uid
-            except OSError:
-                continue
-            if uid in code_lib._SANDBOX_UIDS:
-                uids.add(uid)
+def _live_processes_after_grace(uid: int, grace_s: float = 2.0) -> list[int]:
+    """Live (non-zombie) processes of ``uid``, after up to ``grace_s`` for exits to land."""
     deadline = time.monotonic() + grace_s
-    while True:
-        pids = [pid for uid in uids for pid in code_lib._live_processes(uid)]
-        if not pids or time.monotonic() > deadline:
-            return pids
+    while (pids := code_lib._live_processes(uid)) and time.monotonic() < deadline:
         time.sleep(0.05)
+    return pids
 
 
 def test_fork_bomb_is_bounded_and_reaped():
@@ -119,7 +111,8 @@ def test_fork_bomb_is_bounded_and_reaped():
     assert result.timed_out
     assert time.perf_counter() - start < 5.0
     if IS_ROOT:
-        assert _live_sandbox_processes() == []
+        assert result.uid in code_lib._SANDBOX_UIDS
+        assert _live_processes_after_grace(result.uid) == []
     assert_scorer_still_works()
 
 
@@ -204,15 +197,39 @@ def test_network_is_unreachable():
 
 @pytest.mark.skipif(not IS_ROOT, reason="sandbox processes are recognised by their uid")
 def test_sandboxed_program_dies_with_its_scorer():
-    # A scoring worker killed at a batch deadline must not leave its test running.
-    script = "from policyopt.rewards import run_sandboxed\nrun_sandboxed('import time\\ntime.sleep(60)', timeout_s=60)"
+    # A scoring worker killed at a batch deadline must not leave its test running. The
+    # program reports its uid through a world-writable folder (pytest's tmp_path is not
+    # reachable by the sandbox uid).
+    folder = tempfile.mkdtemp()
+    os.chmod(folder, 0o777)
+    uid_file = pathlib.Path(folder) / "uid"
+    program = f"import os, time\nopen({str(uid_file)!r}, 'w').write(str(os.getuid()))\ntime.sleep(60)"
+    script = f"from policyopt.rewards import run_sandboxed\nrun_sandboxed({program!r}, timeout_s=60)"
     scorer = subprocess.Popen([sys.executable, "-c", script])
     try:
         deadline = time.monotonic() + 30
-        while not _live_sandbox_processes(grace_s=0) and time.monotonic() < deadline:
+        while not (uid_file.exists() and uid_file.read_text().strip()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _live_sandbox_processes(grace_s=0), "the sandboxed program never started"
+        uid = int(uid_file.read_text())
+        assert code_lib._live_processes(uid), "the sandboxed program is not running"
     finally:
         scorer.kill()
         scorer.wait()
-    assert _live_sandbox_processes() == []
+        shutil.rmtree(folder, ignore_errors=True)
+    assert _live_processes_after_grace(uid) == []
+
+
+def test_score_batch_code_task_composes_format_and_pass_rate():
+    import numpy as np
+
+    from policyopt.rewards import RewardSpec, score_batch
+
+    tests = "assert add_one(1) == 2\nassert add_one(2) == 4"  # the second assert fails
+    completions = [ADD_ONE, solution("def add_one(x):\n    return x + 2"), "def add_one(x): return x + 1"]
+    binary = score_batch(completions, [GOOD_TESTS, tests, GOOD_TESTS], [5] * 3, RewardSpec(task="code"))
+    # Format ok + all tests pass: 0.1 + 0.9; format ok, a test fails: 0.1; no format: 0.
+    np.testing.assert_allclose(binary.rewards, [1.0, 0.1, 0.0], atol=1e-6)
+    assert binary.correct.tolist() == [True, False, False]
+    partial = score_batch([ADD_ONE], [tests], [5], RewardSpec(task="code", code_partial=True))
+    np.testing.assert_allclose(partial.rewards, [0.1 + 0.9 * 0.5], atol=1e-6)
+    assert not partial.correct[0]

@@ -23,6 +23,7 @@ from policyopt.rewards.batch import (
     score_batch,
     score_sample,
     shutdown_pools,
+    start_workers,
 )
 from policyopt.rewards.code import CodeResult, SandboxResult, code_correctness, run_code_tests, run_sandboxed
 from policyopt.rewards.format import first_code_block, format_ok, split_think
@@ -55,6 +56,7 @@ __all__ = [
     "score_sample",
     "shutdown_pools",
     "split_think",
+    "start_workers",
     "strip_latex_and_code",
     "time_limit",
     "truncated",

@@ -32,6 +32,7 @@ import atexit
 import concurrent.futures
 import dataclasses
 import multiprocessing
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -238,6 +239,23 @@ def _get_pool(num_workers: int) -> concurrent.futures.ProcessPoolExecutor:
     return pool
 
 
+def _ping(delay_s: float) -> int:
+    time.sleep(delay_s)
+    return os.getpid()
+
+
+def start_workers(num_workers: int) -> None:
+    """Starts the scoring pool of ``num_workers`` processes now and waits until all are up.
+
+    The first parallel :func:`score_batch` call otherwise pays this (the fork server
+    imports and warms SymPy: seconds) before its deadline clock can mean anything; call
+    this once at set-up. Idempotent.
+    """
+    pool = _get_pool(num_workers)
+    # Overlapping sleeps make the executor start every worker (it spawns on demand).
+    list(pool.map(_ping, [0.05] * num_workers))
+
+
 def _kill_pool(num_workers: int) -> None:
     """Kills the workers of a pool (some may be stuck in C code) and forgets the pool."""
     pool = _POOLS.pop(num_workers, None)
@@ -338,7 +356,8 @@ def score_batch(
       spec: the reward recipe.
       prompts: N problem texts (for the language bonus), or None.
       num_workers: worker processes; 0 scores serially in this process (with the same
-        per-sample time limits and deadline).
+        per-sample time limits and deadline). The pool persists across calls; the first
+        call starts it (seconds) unless :func:`start_workers` already did.
       deadline_s: wall-clock budget for the whole batch, from this call; samples not
         scored by then get reward 0 and are counted in ``metrics["deadline_missed"]``.
       truncated: N flags "stopped at the generation limit without EOS"; default

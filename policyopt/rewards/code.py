@@ -115,12 +115,14 @@ class SandboxResult:
       stdout: captured standard output (at most ``max_output_bytes``), decoded.
       stderr: captured standard error (same cap), decoded.
       timed_out: the wall-clock limit expired.
+      uid: the unprivileged uid the program ran as (-1: the scorer's own, not root).
     """
 
     returncode: int | None
     stdout: str
     stderr: str
     timed_out: bool
+    uid: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +174,10 @@ def _unshare_prefix() -> tuple[str, ...]:
 def _sandbox_python() -> str:
     """An interpreter whose standard library the unprivileged sandbox uid can read.
 
-    The scorer's own interpreter may live in a private directory (e.g. under /root);
-    candidates are probed by importing a few stdlib modules as a sandbox uid.
+    The scorer's own interpreter may live in a private directory (e.g. a pyenv build in
+    root's home directory); candidates are probed by importing a few stdlib modules as a
+    sandbox uid, and the first that works is used. Programs therefore run on the standard
+    library of that interpreter, which may be another Python 3 version than the scorer's.
     """
     candidates = [os.path.realpath(sys.executable)]
     for name in ("python3", f"python{sys.version_info.major}.{sys.version_info.minor}"):
@@ -296,7 +300,7 @@ def run_sandboxed(
             stdout = stdout_file.read(max_output_bytes).decode("utf-8", errors="replace")
             stderr_file.seek(0)
             stderr = stderr_file.read(max_output_bytes).decode("utf-8", errors="replace")
-        return SandboxResult(returncode, stdout, stderr, timed_out)
+        return SandboxResult(returncode, stdout, stderr, timed_out, uid)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
