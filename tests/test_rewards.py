@@ -484,3 +484,21 @@ def test_score_batch_parallel_deadline_then_recovers():
     again = score_batch(completions, references, [1] * 6, RewardSpec(), num_workers=2)
     serial = score_batch(completions, references, [1] * 6, RewardSpec())
     np.testing.assert_array_equal(again.rewards, serial.rewards)
+
+
+def test_score_batch_survives_a_worker_killed_between_calls():
+    from policyopt.rewards import batch as batch_lib
+
+    completions, references = _mixed_batch(6)
+    start_workers(2)
+    for process in list(batch_lib._POOLS[2]._processes.values()):
+        process.kill()  # e.g. the OOM killer
+        process.join()
+    first = score_batch(completions, references, [1] * 6, RewardSpec(), num_workers=2)
+    second = score_batch(completions, references, [1] * 6, RewardSpec(), num_workers=2)
+    serial = score_batch(completions, references, [1] * 6, RewardSpec())
+    # The broken pool is replaced; at worst the first call reports its samples as errors.
+    assert first.metrics["worker_errors"] in (0, 6)
+    np.testing.assert_array_equal(second.rewards, serial.rewards)
+    if first.metrics["worker_errors"] == 0:
+        np.testing.assert_array_equal(first.rewards, serial.rewards)

@@ -261,8 +261,8 @@ def _kill_pool(num_workers: int) -> None:
     pool = _POOLS.pop(num_workers, None)
     if pool is None:
         return
-    # ProcessPoolExecutor has no public kill before Python 3.14 (kill_workers); its
-    # `_processes` dict is the documented-by-source way to reach the worker processes.
+    # ProcessPoolExecutor has no public kill before Python 3.14 (kill_workers); until
+    # then the worker processes are reached through its private `_processes` dict.
     if hasattr(pool, "kill_workers"):
         pool.kill_workers()
     else:
@@ -283,10 +283,15 @@ atexit.register(shutdown_pools)
 
 def _score_parallel(items, spec, deadline, num_workers) -> tuple[list[SampleScore], int]:
     """Returns the scores and the number of samples lost to crashed workers."""
-    pool = _get_pool(num_workers)
     chunk_size = max(1, -(-len(items) // (num_workers * _CHUNKS_PER_WORKER)))
     chunks = [items[start : start + chunk_size] for start in range(0, len(items), chunk_size)]
-    futures = [pool.submit(_score_chunk, chunk, spec, deadline) for chunk in chunks]
+    try:
+        pool = _get_pool(num_workers)
+        futures = [pool.submit(_score_chunk, chunk, spec, deadline) for chunk in chunks]
+    except concurrent.futures.BrokenExecutor:  # a worker died between calls: start afresh
+        _kill_pool(num_workers)
+        pool = _get_pool(num_workers)
+        futures = [pool.submit(_score_chunk, chunk, spec, deadline) for chunk in chunks]
     wait_s = None if deadline is None else max(deadline - time.time(), 0.0) + _DEADLINE_GRACE_S
     done, not_done = concurrent.futures.wait(futures, timeout=wait_s)
     scores: list[SampleScore] = []
