@@ -158,6 +158,9 @@ def test_cannot_read_parent_environment(monkeypatch):
     assert result.returncode == 0 and "s3cret" not in result.stdout
     peek = solution("import os\nSECRET = os.environ.get('POLICYOPT_TEST_SECRET')")
     assert code_correctness(peek, "assert SECRET == 's3cret-value'", **FAST) == 0.0
+    if IS_ROOT:  # nor the scorer's environment block through /proc
+        snoop = "import os\ntry:\n    open(f'/proc/{os.getppid()}/environ').read()\nexcept OSError:\n    print('blocked')"
+        assert run_sandboxed(snoop, **FAST).stdout.strip() == "blocked"
 
 
 def test_huge_output_is_capped():
