@@ -95,6 +95,7 @@ def _live_processes_after_grace(uid: int, grace_s: float = 2.0) -> list[int]:
     return pids
 
 
+@pytest.mark.skipif(not IS_ROOT, reason="children that call setsid() are reaped only under a private uid")
 def test_fork_bomb_is_bounded_and_reaped():
     bomb = (
         "import os, time\n"
@@ -110,9 +111,8 @@ def test_fork_bomb_is_bounded_and_reaped():
     result = run_sandboxed(bomb, max_processes=8, **FAST)
     assert result.timed_out
     assert time.perf_counter() - start < 5.0
-    if IS_ROOT:
-        assert result.uid in code_lib._SANDBOX_UIDS
-        assert _live_processes_after_grace(result.uid) == []
+    assert result.uid in code_lib._SANDBOX_UIDS
+    assert _live_processes_after_grace(result.uid) == []
     assert_scorer_still_works()
 
 
