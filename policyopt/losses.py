@@ -31,6 +31,7 @@ response tokens; values at positions where ``mask`` is 0 never influence any out
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -203,7 +204,7 @@ def register_objective(name: str) -> Callable[[ObjectiveFn], ObjectiveFn]:
 
 
 def _clipped_surrogate(
-    ratio: Array, advantages: Array, clip_low: float, clip_high: float
+    ratio: Array, log_ratio: Array, advantages: Array, clip_low: float, clip_high: float
 ) -> Surrogate:
     """``min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` with an explicit gate.
 
@@ -211,10 +212,12 @@ def _clipped_surrogate(
     region on the side that matters: A > 0 and r > 1 + clip_high, or A < 0 and
     r < 1 - clip_low. There the gradient is 0; elsewhere it is ``r A grad log pi``. Writing
     the gate explicitly gives the same values as the min and a well-defined gradient at the
-    boundary (inside: gradient 1).
+    boundary (inside: gradient 1). The trust-region tests compare ``log_ratio`` with
+    ``log(1 + clip_high)`` and ``log(1 - clip_low)`` (the same test, as exp is monotonic),
+    so that no consumer of the flags has to recompute ``exp``.
     """
-    clipped_high = (advantages > 0) & (ratio > 1 + clip_high)
-    clipped_low = (advantages < 0) & (ratio < 1 - clip_low)
+    clipped_high = (advantages > 0) & (log_ratio > math.log1p(clip_high))
+    clipped_low = (advantages < 0) & (log_ratio < math.log1p(-clip_low))
     clipped = clipped_high | clipped_low
     bound = jax.lax.stop_gradient(jnp.clip(ratio, 1 - clip_low, 1 + clip_high))
     objective = jnp.where(clipped, bound, ratio) * advantages
@@ -231,10 +234,10 @@ def ppo_objective(inputs: GateInputs) -> Surrogate:
     ``max(f(r) A, c A)``, i.e. constant (zero gradient) once ``r > c``.
     """
     ratio = jnp.exp(inputs.log_ratio)
-    out = _clipped_surrogate(ratio, inputs.advantages, inputs.clip_low, inputs.clip_high)
+    out = _clipped_surrogate(ratio, inputs.log_ratio, inputs.advantages, inputs.clip_low, inputs.clip_high)
     if inputs.dual_clip is None:
         return out
-    dual = (inputs.advantages < 0) & (ratio > inputs.dual_clip)
+    dual = (inputs.advantages < 0) & (inputs.log_ratio > math.log(inputs.dual_clip))
     objective = jnp.where(dual, inputs.dual_clip * inputs.advantages, out.objective)
     gate = jnp.where(dual, 0.0, out.gate).astype(ratio.dtype)
     return out._replace(objective=objective, gate=gate, dual_clipped=dual)
@@ -252,7 +255,9 @@ def gspo_objective(inputs: GateInputs) -> Surrogate:
     ``s_i A_i (1/|y_i|) sum_t grad log pi(y_{i,t})`` (eq. 10). Paper clip: 3e-4 / 4e-4.
     """
     seq_ratio = jnp.exp(inputs.seq_log_ratio)
-    out = _clipped_surrogate(seq_ratio, inputs.seq_advantages, inputs.clip_low, inputs.clip_high)
+    out = _clipped_surrogate(
+        seq_ratio, inputs.seq_log_ratio, inputs.seq_advantages, inputs.clip_low, inputs.clip_high
+    )
     valid = inputs.mask > 0
     return Surrogate(
         objective=out.objective[:, None] * inputs.mask,
@@ -278,7 +283,13 @@ def gspo_token_objective(inputs: GateInputs) -> Surrogate:
         - jax.lax.stop_gradient(log_ratio)
     )
     ratio = jnp.exp(token_seq_log_ratio)
-    return _clipped_surrogate(ratio, inputs.advantages, inputs.clip_low, inputs.clip_high)
+    # The value of the ratio is s_i: the clip tests use the (constant) sequence log-ratio.
+    value_log_ratio = jnp.broadcast_to(
+        jax.lax.stop_gradient(inputs.seq_log_ratio)[:, None], ratio.shape
+    )
+    return _clipped_surrogate(
+        ratio, value_log_ratio, inputs.advantages, inputs.clip_low, inputs.clip_high
+    )
 
 
 @register_objective("sapo")
