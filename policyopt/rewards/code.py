@@ -46,9 +46,11 @@ The sandbox (:func:`run_sandboxed`), per test process:
   own forked children are bounded by the process and CPU limits, not by this signal.)
 
 Without root (no uid switch) the process limit counts all of the user's processes
-(the limit is set to the current count plus ``max_processes``), and files the user can
-write are writable by the program: the sandbox is then a resource guard, not a security
-boundary.
+(the limit is set to the current count plus ``max_processes``), files the user can write
+are writable by the program, and children that call ``setsid()`` escape the group kill
+(they still die at their CPU limit unless they sleep): the sandbox is then a resource
+guard, not a security boundary. Temporary directories of a worker killed at a batch
+deadline are not removed.
 """
 
 from __future__ import annotations
