@@ -440,12 +440,17 @@ def _mixed_batch(n):
 
 def test_score_batch_serial_equals_parallel():
     completions, references = _mixed_batch(24)
+    completions[1] = "<think>" + ENGLISH_REASONING + "</think> " + ENGLISH_ANSWER
+    completions[2] = "<think>" + FRENCH_REASONING + "</think> " + ENGLISH_ANSWER
     lengths = list(range(24))
-    spec = RewardSpec(overlong="dapo", max_len=20, cache_len=8)
-    serial = score_batch(completions, references, lengths, spec)
-    parallel = score_batch(completions, references, lengths, spec, num_workers=2)
+    prompts = [ENGLISH_PROBLEM] * 24
+    spec = RewardSpec(overlong="dapo", max_len=20, cache_len=8, language_bonus=0.1)
+    serial = score_batch(completions, references, lengths, spec, prompts=prompts)
+    parallel = score_batch(completions, references, lengths, spec, prompts=prompts, num_workers=2)
+    assert serial.language_ok[1] and not serial.language_ok[2]
     np.testing.assert_array_equal(serial.rewards, parallel.rewards)
     np.testing.assert_array_equal(serial.correct, parallel.correct)
+    np.testing.assert_array_equal(serial.language_ok, parallel.language_ok)
     assert serial.status == parallel.status
     for key in ("reward_mean", "accuracy", "format_failure_rate", "length_penalty_mean"):
         assert serial.metrics[key] == pytest.approx(parallel.metrics[key])
