@@ -210,6 +210,41 @@ def guarded_update(loss_fn: Callable, optimizer: optax.GradientTransformation,
     return new_state, metrics
 
 
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """Hyper-parameters of ``make_optimizer`` (hashable: part of a Learner's cache key)."""
+
+    lr: float
+    warmup_steps: int = 0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+
+    @classmethod
+    def from_config(cls, optim) -> "OptimConfig":
+        return cls(lr=float(optim.lr), warmup_steps=int(optim.warmup_steps), b1=float(optim.b1),
+                   b2=float(optim.b2), eps=float(optim.eps), weight_decay=float(optim.weight_decay),
+                   max_grad_norm=optim.max_grad_norm)
+
+    def build(self) -> tuple[optax.GradientTransformation, optax.Schedule]:
+        return make_optimizer(**dataclasses.asdict(self))
+
+
+_LEARNERS: dict = {}
+
+
+def get_learner(graphdef, settings: "LossConfig", optim: OptimConfig) -> "Learner":
+    """The Learner for (model structure, loss settings, optimiser), created once per
+    process, so that runs with the same recipe and model (resumes, sweeps, tests) share
+    compiled functions instead of compiling them again."""
+    key = (graphdef, settings, optim)
+    if key not in _LEARNERS:
+        _LEARNERS[key] = Learner(graphdef, settings, *optim.build())
+    return _LEARNERS[key]
+
+
 class Learner:
     """The jitted functions of one policy, compiled once per shape bucket.
 

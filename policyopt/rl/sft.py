@@ -31,7 +31,7 @@ from policyopt.losses import aggregate
 from policyopt.metrics import MetricsWriter, Progress
 from policyopt.rl import build
 from policyopt.rl.evaluate import evaluate
-from policyopt.rl.learner import TrainState, forward_log_probs, guarded_update, make_optimizer
+from policyopt.rl.learner import OptimConfig, TrainState, forward_log_probs, guarded_update
 
 
 def sft_layout(prompt_tokens: np.ndarray, prompt_lengths: np.ndarray, response_tokens: np.ndarray,
@@ -67,6 +67,23 @@ def sft_loss(graphdef, params, batch: dict) -> tuple[jax.Array, dict]:
                  "sft/tokens": jnp.sum(batch["mask"])}
 
 
+_SFT_UPDATES: dict = {}
+
+
+def sft_update_fn(graphdef, optim: OptimConfig):
+    """``(update, optimizer)``: the jitted SFT step ``update(state, batch) -> (state,
+    metrics)`` (state donated, non-finite guard), cached per (model structure, optimiser)
+    so that a continued-SFT control run reuses the compiled step."""
+    key = (graphdef, optim)
+    if key not in _SFT_UPDATES:
+        optimizer, schedule = optim.build()
+        loss_fn = lambda p, b: sft_loss(graphdef, p, b)
+        update = jax.jit(lambda st, b: guarded_update(loss_fn, optimizer, schedule, st, b),
+                         donate_argnums=0)
+        _SFT_UPDATES[key] = (update, optimizer)
+    return _SFT_UPDATES[key]
+
+
 @dataclasses.dataclass
 class SFTRun:
     config: Any
@@ -93,10 +110,9 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
     model = build.make_model(config, tokenizer.vocab_size)
     graphdef, params = build.init_params(config, model)
     s = config.sft
-    optimizer, schedule = make_optimizer(lr=s.lr, warmup_steps=s.warmup_steps,
-                                         weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm)
-    loss_fn = lambda p, b: sft_loss(graphdef, p, b)
-    update = jax.jit(lambda st, b: guarded_update(loss_fn, optimizer, schedule, st, b), donate_argnums=0)
+    optim = OptimConfig(lr=float(s.lr), warmup_steps=int(s.warmup_steps),
+                        weight_decay=float(s.weight_decay), max_grad_norm=s.max_grad_norm)
+    update, optimizer = sft_update_fn(graphdef, optim)
     state = TrainState.create(params, optimizer)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints)
     run = SFTRun(config=config, tokenizer=tokenizer, graphdef=graphdef, state=state,

@@ -41,7 +41,7 @@ from policyopt.rewards.batch import score_batch
 from policyopt.rl import build
 from policyopt.rl.batch import Batch, DynamicSampler, bucket, minibatch_indices, round_from_rollout, take_rows
 from policyopt.rl.evaluate import decode, evaluate
-from policyopt.rl.learner import Learner, LossConfig, TrainState, make_optimizer
+from policyopt.rl.learner import Learner, LossConfig, OptimConfig, TrainState, get_learner
 from policyopt.rl.routing import routing_metrics
 from policyopt.sampling import SamplingConfig, generate_fn, sampling_method
 
@@ -82,11 +82,7 @@ def build_run(config, workdir: str) -> RLRun:
     tokenizer = build.make_tokenizer(config)
     model = build.make_model(config, tokenizer.vocab_size)
     graphdef, params = build.init_params(config, model)
-    optimizer, schedule = make_optimizer(
-        lr=config.optim.lr, warmup_steps=config.optim.warmup_steps, b1=config.optim.b1,
-        b2=config.optim.b2, eps=config.optim.eps, weight_decay=config.optim.weight_decay,
-        max_grad_norm=config.optim.max_grad_norm)
-    learner = Learner(graphdef, LossConfig.from_config(config), optimizer, schedule)
+    learner = get_learner(graphdef, LossConfig.from_config(config), OptimConfig.from_config(config.optim))
     ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
     state = learner.init_state(params)
     rng = jax.random.PRNGKey(config.seed)

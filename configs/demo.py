@@ -1,0 +1,48 @@
+"""The main job's recipe (`make demo`): SFT cold start of the tiny MoE on synthetic
+addition where 60% of the worked solutions forget to carry, then SAPO.
+
+The SFT policy learns both procedures; its greedy answer follows the majority (wrong)
+one, while correct answers stay within what it samples, so only a verifiable reward can
+fix it: RL lifts greedy pass@1 while the same budget of further SFT does not.
+
+    python -m experiments.sft   --config configs/demo.py --workdir runs/demo/sft
+    python -m experiments.train --config configs/demo.py \
+        --config.init_checkpoint=runs/demo/sft/checkpoints --workdir runs/demo/rl
+"""
+
+from configs import base
+
+
+def get_config(arg=None):
+    c = base.base_config()
+    c.model.preset = "tiny_moe"
+    # Addition of two 3-digit numbers; 60% of SFT solutions add without carrying.
+    c.task.wrong_procedure_fraction = 0.6
+    c.task.num_train = 20_000
+    c.task.num_test = 512
+    # SFT cold start.
+    c.sft.steps = 600
+    c.sft.batch_size = 64
+    c.sft.lr = 3e-3
+    c.sft.warmup_steps = 20
+    # SAPO (PAPERS.md): soft gate, tau_pos 1.0 / tau_neg 1.05, sequence-mean token-mean.
+    c.algo.method = "sapo"
+    c.algo.tau_pos = 1.0
+    c.algo.tau_neg = 1.05
+    c.algo.aggregation = "seq_mean_token_mean"
+    # Rollouts: responses are at most 17 tokens (trace, answer, EOS).
+    c.sampling.max_new_tokens = 20
+    c.batch.response_buckets = (20,)
+    c.batch.prompt_buckets = (16,)
+    c.batch.n_prompts = 16
+    c.batch.group_size = 8
+    c.optim.lr = 1e-3
+    c.optim.weight_decay = 0.0
+    c.train.num_iterations = 40
+    c.train.eval_every = 0
+    c.train.checkpoint_every = 1000
+    c.train.routing_metrics = False
+    c.train.tensorboard = False
+    c.eval.num_prompts = 512
+    c.eval.batch_size = 512
+    return base.finalize(c, arg)

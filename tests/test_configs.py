@@ -1,0 +1,82 @@
+"""Recipe configs: paper values, variants, command-line overrides, errors naming the field."""
+
+import importlib
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from configs import base
+
+RECIPES = ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral", "demo")
+
+
+def load(name, arg=None):
+    return importlib.import_module(f"configs.{name}").get_config(arg)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_builds_locked_and_valid(name):
+    config = load(name)
+    base.check(config)
+    with pytest.raises(AttributeError, match="tau_ng"):
+        config.algo.tau_ng = 1.0  # locked: a typo cannot add a field
+
+
+def test_paper_values():
+    grpo, dapo, dr, gspo, gspo_t, sapo, mag = (load(n) for n in RECIPES[:7])
+    assert (grpo.algo.method, grpo.algo.kl_beta, grpo.algo.kl_estimator) == ("ppo", 0.04, "k3")
+    assert grpo.algo.aggregation == "seq_mean_token_mean"
+    assert (dapo.algo.clip_low, dapo.algo.clip_high, dapo.algo.aggregation) == (0.2, 0.28, "token_mean")
+    assert dapo.dynamic_sampling.enabled and dapo.reward.overlong == "dapo" and dapo.algo.kl_beta == 0
+    assert (dr.algo.adv_scale, dr.algo.aggregation) == ("none", "seq_mean_token_sum_norm")
+    assert (gspo.algo.method, gspo.algo.clip_low, gspo.algo.clip_high) == ("gspo", 3e-4, 4e-4)
+    assert gspo_t.algo.method == "gspo_token" and gspo_t.algo.clip_high == 4e-4
+    assert (sapo.algo.method, sapo.algo.tau_pos, sapo.algo.tau_neg) == ("sapo", 1.0, 1.05)
+    assert (mag.algo.clip_high, mag.algo.adv_scale, mag.algo.aggregation) == (0.28, "minibatch", "token_mean")
+    assert mag.reward.format and mag.reward.overlong == "magistral" and mag.dynamic_sampling.enabled
+
+
+def test_variant_string_and_paper_scale():
+    config = load("sapo", "model=tiny_dense,algo.tau_neg=1.2,batch.group_size=4,algo.routing_replay=R2")
+    assert config.model.preset == "tiny_dense"
+    assert config.algo.tau_neg == 1.2 and config.batch.group_size == 4
+    assert config.algo.routing_replay == "R2"
+    paper = load("dapo", "scale=paper")
+    assert paper.model.preset == "qwen3_30b_a3b"
+    assert (paper.batch.n_prompts, paper.batch.group_size, paper.batch.n_minibatches) == (512, 16, 16)
+    assert paper.optim.lr == 1e-6 and paper.reward.cache_len == 4096
+
+
+def test_unknown_or_bad_fields_are_named():
+    with pytest.raises(KeyError, match="algo.tau_ng"):
+        load("sapo", "algo.tau_ng=1.1")
+    with pytest.raises(KeyError, match="algoo"):
+        load("sapo", "algoo.tau_neg=1.1")
+    with pytest.raises(ValueError, match="algo.method"):
+        load("sapo", "algo.method=sappo")
+    with pytest.raises(ValueError, match="routing_replay"):
+        load("grpo", "algo.routing_replay=R4")
+    with pytest.raises(ValueError, match="n_minibatches"):
+        load("grpo", "batch.n_minibatches=3")
+    with pytest.raises(ValueError, match="scale"):
+        load("grpo", "scale=huge")
+    with pytest.raises(TypeError):
+        load("sapo").algo.tau_neg = "high"
+
+
+def test_command_line_overrides_through_config_flags():
+    argv = ["prog", "--config=configs/sapo.py:model=tiny_dense", "--config.algo.tau_neg=1.1",
+            "--config.batch.n_prompts=4"]
+    values = flags.FlagValues()
+    holder = config_flags.DEFINE_config_file("config", None, "recipe", flag_values=values, sys_argv=argv)
+    values(argv)
+    config = holder.value
+    assert config.model.preset == "tiny_dense" and config.algo.tau_neg == 1.1
+    assert config.batch.n_prompts == 4
+    argv = ["prog", "--config=configs/sapo.py", "--config.algo.tau_ng=1.1"]
+    values = flags.FlagValues()
+    holder = config_flags.DEFINE_config_file("config", None, "recipe", flag_values=values, sys_argv=argv)
+    with pytest.raises(Exception, match="tau_ng"):
+        values(argv)
+        holder.value

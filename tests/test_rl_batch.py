@@ -1,0 +1,128 @@
+"""Host-side pieces of the RL loop: buckets, layout, dynamic sampling, minibatches,
+routing metrics (against plain Python loops and hand-worked cases)."""
+
+import numpy as np
+import pytest
+
+from policyopt.rl import batch as B
+from policyopt.rl.routing import routing_differences, routing_metrics
+from policyopt.rl.sft import sft_layout
+
+
+def test_bucket():
+    assert B.bucket(1, (8, 16)) == 8 and B.bucket(8, (16, 8)) == 8 and B.bucket(9, (8, 16)) == 16
+    with pytest.raises(ValueError, match="prompt length 17 exceeds the largest bucket 16"):
+        B.bucket(17, (8, 16), name="prompt length")
+
+
+def test_layout_matches_hand_worked_rows():
+    out = B.layout([[5, 6], [7]], [[1, 2, 3], [4]], pad_id=0, prompt_width=3, response_width=3)
+    np.testing.assert_array_equal(out["tokens"], [[0, 5, 6, 1, 2, 3], [0, 0, 7, 4, 0, 0]])
+    np.testing.assert_array_equal(out["positions"], [[0, 0, 1, 2, 3, 4], [0, 0, 0, 1, 2, 3]])
+    np.testing.assert_array_equal(out["attention_mask"], [[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(out["mask"], [[1, 1, 1], [1, 0, 0]])
+    # The SFT layout from right-padded pipeline batches gives the same thing.
+    sft = sft_layout(np.array([[5, 6, 0], [7, 0, 0]]), np.array([2, 1]),
+                     np.array([[1, 2, 3], [4, 0, 0]]), np.array([3, 1]), pad_id=0)
+    for key in out:
+        np.testing.assert_array_equal(sft[key], out[key])
+
+
+def _round(rewards, prompt_width=2, response_width=2, num_layers=1, k=2, seed=0):
+    rows = len(rewards)
+    rng = np.random.default_rng(seed)
+    width = prompt_width + response_width
+    return B.Round(
+        tokens=rng.integers(3, 9, (rows, width)).astype(np.int32),
+        positions=np.tile(np.arange(width, dtype=np.int32), (rows, 1)),
+        attention_mask=np.ones((rows, width), np.int32),
+        mask=np.ones((rows, response_width), np.float32),
+        behaviour_log_probs=-rng.random((rows, response_width)).astype(np.float32),
+        routing=rng.integers(0, 4, (num_layers, rows, width, k)).astype(np.int32),
+        rewards=np.asarray(rewards, np.float32), correct=np.asarray(rewards) > 0,
+        prompt_width=prompt_width)
+
+
+def test_dynamic_sampling_fills_the_batch_with_non_constant_groups():
+    sampler = B.DynamicSampler(n_prompts=3, group_size=2, enabled=True, max_rounds=5)
+    r1 = _round([1, 1, 0, 1, 0, 0], seed=1)  # groups: constant, mixed, constant
+    r2 = _round([0, 1, 1, 1, 0, 0], prompt_width=3, seed=2)  # mixed, constant, constant
+    r3 = _round([1, 0, 0, 1, 1, 0], seed=3)
+    assert not sampler.add(r1)
+    assert not sampler.add(r2)
+    assert sampler.add(r3)  # 1 + 1 + (1 of 2 mixed groups)
+    merged, metrics = sampler.batch(pad_id=0)
+    assert metrics == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/prompts_drawn": 9.0,
+                       "dynamic_sampling/kept_fraction": 3 / 9, "dynamic_sampling/shortfall": 0.0}
+    np.testing.assert_array_equal(merged.rewards, [0, 1, 0, 1, 1, 0])
+    grouped = merged.rewards.reshape(3, 2)
+    assert np.all(grouped.max(1) != grouped.min(1))
+    # Prompt widths 2 and 3 are merged by left padding (hand-checked rows).
+    assert merged.prompt_width == 3 and merged.tokens.shape == (6, 5)
+    np.testing.assert_array_equal(merged.tokens[0], np.concatenate([[0], r1.tokens[2]]))
+    np.testing.assert_array_equal(merged.attention_mask[0], [0, 1, 1, 1, 1])
+    np.testing.assert_array_equal(merged.tokens[2], r2.tokens[0])
+    np.testing.assert_array_equal(merged.routing[:, 0, 1:], r1.routing[:, 2])
+    np.testing.assert_array_equal(merged.routing[:, 4, 1:], r3.routing[:, 0])
+
+
+def test_dynamic_sampling_cap_fills_with_zero_variance_groups_and_reports_shortfall():
+    sampler = B.DynamicSampler(n_prompts=2, group_size=2, enabled=True, max_rounds=2)
+    assert not sampler.add(_round([1, 1, 0, 0]))
+    assert sampler.add(_round([1, 0, 1, 1]))
+    merged, metrics = sampler.batch(pad_id=0)
+    assert metrics["dynamic_sampling/shortfall"] == 1.0
+    assert merged.tokens.shape[0] == 4
+    disabled = B.DynamicSampler(n_prompts=2, group_size=2, enabled=False, max_rounds=1)
+    assert disabled.add(_round([1, 1, 0, 0]))
+    merged, metrics = disabled.batch(pad_id=0)
+    np.testing.assert_array_equal(merged.rewards, [1, 1, 0, 0])
+    assert metrics["dynamic_sampling/kept_fraction"] == 1.0
+
+
+def test_minibatches_hold_whole_groups_and_cover_the_batch():
+    import jax
+
+    parts = B.minibatch_indices(6, 3, 2, jax.random.PRNGKey(0))
+    rows = np.sort(np.concatenate(parts))
+    np.testing.assert_array_equal(rows, np.arange(18))
+    for part in parts:
+        assert len(part) == 9
+        assert np.all(part.reshape(-1, 3) // 3 == (part.reshape(-1, 3) // 3)[:, :1])
+    np.testing.assert_array_equal(B.minibatch_indices(2, 2, 1, None)[0], [0, 1, 2, 3])
+
+
+def _volatility_loop(a, b, mask):
+    num_layers, rows, length, k = a.shape
+    per_layer = []
+    for layer in range(num_layers):
+        differ = count = 0
+        for r in range(rows):
+            for s in range(length):
+                if mask[r, s]:
+                    differ += k - len(set(a[layer, r, s]) & set(b[layer, r, s]))
+                    count += k
+        per_layer.append(differ / count)
+    return np.mean(per_layer), per_layer
+
+
+def test_routing_volatility_against_a_loop_and_by_hand():
+    # Hand-worked: token 0 same set in another order (0 differ), token 1 one expert
+    # changed (1 of 2), token 2 masked out.
+    a = np.array([[[[0, 1], [2, 3], [0, 1]]]])
+    b = np.array([[[[1, 0], [2, 0], [3, 2]]]])
+    mask = np.array([[1, 1, 0]])
+    overall, per_layer = routing_differences(a, b, mask)
+    assert float(overall) == pytest.approx(0.25) and per_layer.shape == (1,)
+    rng = np.random.default_rng(0)
+    a = np.stack([np.stack([rng.permutation(8)[:3] for _ in range(5 * 7)]) for _ in range(4)]).reshape(4, 5, 7, 3)
+    b = a.copy()
+    for index in zip(*np.nonzero(rng.random(a.shape[:-1]) < 0.3)):
+        b[index] = rng.permutation(8)[:3]  # a fresh choice, sometimes overlapping
+    mask = rng.random((5, 7)) < 0.7
+    overall, per_layer = routing_differences(a, b, mask)
+    want_overall, want_layers = _volatility_loop(a, b, mask)
+    np.testing.assert_allclose(per_layer, want_layers, rtol=1e-6)
+    assert float(overall) == pytest.approx(want_overall)
+    metrics = routing_metrics("routing/volatility", a, b, mask)
+    assert set(metrics) == {"routing/volatility"} | {f"routing/volatility/layer_{i}" for i in range(4)}

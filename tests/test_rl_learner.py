@@ -1,0 +1,175 @@
+"""The jitted RL steps: forward layout, the update against a reference built from full
+logits and plain optax, routing replay reaching the update forward, the non-finite guard."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from policyopt.losses import policy_loss
+from policyopt.models import Transformer, preset
+from policyopt.rl.batch import Batch, layout
+from policyopt.rl.learner import (LossConfig, OptimConfig, TrainState, get_learner, split_params,
+                                  warmup_constant_schedule)
+
+VOCAB = 16
+SETTINGS = LossConfig(method="sapo", aggregation="seq_mean_token_mean", temperature=0.7, group_size=2)
+OPTIM = OptimConfig(lr=1e-2, warmup_steps=3, weight_decay=0.01, max_grad_norm=1.0)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    # One MoE layer keeps compilation short; the layout and replay logic do not depend on depth.
+    model = Transformer(preset("tiny_moe", vocab_size=VOCAB, num_layers=1), rngs=nnx.Rngs(0))
+    graphdef, params = split_params(model)
+    return model, graphdef, params
+
+
+def _batch(seed=0, rows=4, prompt_width=4, response_width=5):
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(3, VOCAB, rng.integers(1, prompt_width + 1))) for _ in range(rows)]
+    responses = [list(rng.integers(3, VOCAB, rng.integers(1, response_width + 1))) for _ in range(rows)]
+    arrays = layout(prompts, responses, 0, prompt_width, response_width)
+    return Batch(tokens=jnp.asarray(arrays["tokens"]), positions=jnp.asarray(arrays["positions"]),
+                 attention_mask=jnp.asarray(arrays["attention_mask"]), mask=jnp.asarray(arrays["mask"]),
+                 advantages=jnp.asarray(rng.normal(size=rows), jnp.float32),
+                 old_log_probs=jnp.asarray(-rng.random((rows, response_width)) * arrays["mask"], jnp.float32)
+                 ), prompts, responses
+
+
+def _gather_rows(log_softmax, prompts, responses, prompt_width, response_width):
+    """Response log-probs picked out of full ``[R, S, V]`` log-softmaxes, row by row:
+    response token n of row r sits at column P + n and is predicted at column P - 1 + n."""
+    rows = []
+    for r, response in enumerate(responses):
+        picked = [log_softmax[r, prompt_width - 1 + n, token] for n, token in enumerate(response)]
+        rows.append(jnp.stack(picked + [jnp.float32(0)] * (response_width - len(response))))
+    return jnp.stack(rows)
+
+
+def _reference_log_probs(model, batch, prompts, responses, temperature, routing=None):
+    """Full float32 logits of the whole padded batch, log-softmax, gathered by a loop."""
+    forward = jax.jit(lambda b, r: model(b.tokens, positions=b.positions,
+                                         attention_mask=b.attention_mask, routing=r).logits)
+    logits = forward(batch, routing) / temperature
+    return _gather_rows(jax.nn.log_softmax(logits, -1), prompts, responses,
+                        batch.num_prompt, batch.num_response)
+
+
+def test_forward_layout_matches_unpadded_full_logits(policy):
+    model, graphdef, params = policy
+    learner = get_learner(graphdef, SETTINGS, OPTIM)
+    batch, prompts, responses = _batch()
+    log_probs, entropy, routing = learner.log_probs(params, batch.tokens, batch.positions,
+                                                    batch.attention_mask, batch.mask)
+    want = _reference_log_probs(model, batch, prompts, responses, SETTINGS.temperature)
+    np.testing.assert_allclose(np.asarray(log_probs), np.asarray(want), atol=2e-5)
+    # The padded layout computes what the unpadded sequence computes (first row).
+    logits = jax.jit(lambda t: model(t).logits)(jnp.asarray([prompts[0] + responses[0]]))[0]
+    logits = logits / SETTINGS.temperature
+    unpadded = jax.nn.log_softmax(logits, -1)
+    for n, token in enumerate(responses[0]):
+        assert float(log_probs[0, n]) == pytest.approx(float(unpadded[len(prompts[0]) - 1 + n, token]), abs=2e-5)
+    assert routing.shape == (1, 4, 9, 2) and entropy.shape == (4, 5)
+
+
+def _reference_step(model, graphdef, params, batch, prompts, responses, routing=None):
+    """Loss and one AdamW step computed without the Learner (full logits, plain optax)."""
+    def loss_fn(p):
+        log_probs = _reference_log_probs(nnx.merge(graphdef, p), batch, prompts, responses,
+                                         SETTINGS.temperature, routing)
+        adv = jnp.broadcast_to(batch.advantages[:, None], log_probs.shape)
+        return policy_loss(log_probs, batch.old_log_probs, adv, batch.mask, method="sapo",
+                           aggregation="seq_mean_token_mean")[0]
+
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(lambda c: 1e-2 * jnp.minimum(1.0, (c + 1.0) / 3), weight_decay=0.01))
+    updates, _ = tx.update(grads, tx.init(params), params)
+    return loss, optax.apply_updates(params, updates), optax.global_norm(grads)
+
+
+# Adam's first step is lr * g / (|g| + eps) per element: ill-conditioned where |g| is near
+# eps, so parameters are compared to a small fraction (1.5%) of the step size lr / 3.
+PARAM_ATOL = 5e-5
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def test_update_matches_reference_step(policy):
+    model, graphdef, params = policy
+    learner = get_learner(graphdef, SETTINGS, OPTIM)
+    batch, prompts, responses = _batch(seed=1)
+    want_loss, want_params, want_norm = _reference_step(model, graphdef, params, batch, prompts, responses)
+    state, metrics = learner.update(learner.init_state(_copy(params)), batch)
+    assert float(metrics["loss/loss"]) == pytest.approx(float(want_loss), rel=1e-5)
+    assert float(metrics["update/grad_norm"]) == pytest.approx(float(want_norm), rel=1e-4)
+    assert float(metrics["update/lr"]) == pytest.approx(1e-2 / 3)
+    assert int(state.step) == 1 and int(state.skipped) == 0
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(want_params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=PARAM_ATOL)
+
+
+def test_replayed_routing_reaches_the_update_forward(policy):
+    """R2 / R3 put a routing in the batch; the update must use exactly those experts."""
+    model, graphdef, params = policy
+    learner = get_learner(graphdef, SETTINGS, OPTIM)
+    batch, prompts, responses = _batch(seed=2)
+    natural = learner.routing(params, batch.tokens, batch.positions, batch.attention_mask)
+    # A forced routing: every token uses the two experts it would *not* pick.
+    natural_np = np.asarray(natural)
+    forced = np.zeros_like(natural_np)
+    for index in np.ndindex(natural_np.shape[:-1]):
+        forced[index] = sorted(set(range(4)) - set(natural_np[index].tolist()))
+    forced = jnp.asarray(forced, jnp.int32)
+    assert not np.any(np.asarray(forced)[..., None] == np.asarray(natural)[..., None, :])
+    replayed = batch._replace(routing=forced)
+    _, used_routing = learner.log_probs(params, batch.tokens, batch.positions, batch.attention_mask,
+                                        batch.mask, forced)[1:]
+    np.testing.assert_array_equal(np.asarray(used_routing), np.asarray(forced))
+    want_loss, want_params, _ = _reference_step(model, graphdef, params, replayed, prompts, responses, forced)
+    free_loss, _, _ = _reference_step(model, graphdef, params, batch, prompts, responses)
+    assert abs(float(want_loss) - float(free_loss)) > 1e-4  # the forced experts matter
+    state, metrics = learner.update(learner.init_state(_copy(params)), replayed)
+    assert float(metrics["loss/loss"]) == pytest.approx(float(want_loss), rel=1e-5)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(want_params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=PARAM_ATOL)
+
+
+@pytest.mark.parametrize("field", ["advantages", "old_log_probs"])
+def test_non_finite_step_is_skipped_and_leaves_state_untouched(policy, field):
+    _, graphdef, params = policy
+    learner = get_learner(graphdef, SETTINGS, OPTIM)
+    batch, _, _ = _batch(seed=3)
+    state, _ = learner.update(learner.init_state(_copy(params)), batch)  # a real first step
+    before = _copy(state)
+    poisoned = getattr(batch, field).at[0].set(jnp.nan if field == "advantages" else -jnp.inf)
+    state, metrics = learner.update(state, batch._replace(**{field: poisoned}))
+    assert float(metrics["update/skipped"]) == 1.0
+    assert int(state.step) == 1 and int(state.skipped) == 1
+    for got, want in zip(jax.tree.leaves((state.params, state.opt_state)),
+                         jax.tree.leaves((before.params, before.opt_state))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    state, metrics = learner.update(state, batch)  # training continues
+    assert float(metrics["update/skipped"]) == 0.0 and int(state.step) == 2
+
+
+def test_warmup_schedule_and_trace_counts(policy):
+    schedule = warmup_constant_schedule(1.0, 4)
+    np.testing.assert_allclose([float(schedule(c)) for c in range(6)], [0.25, 0.5, 0.75, 1, 1, 1])
+    assert float(warmup_constant_schedule(0.5, 0)(10)) == 0.5
+    _, graphdef, params = policy
+    learner = get_learner(graphdef, SETTINGS, OPTIM)
+    assert learner is get_learner(graphdef, SETTINGS, OPTIM)  # shared across runs
+    state = learner.init_state(_copy(params))
+    for seed in range(3):
+        state, _ = learner.update(state, _batch(seed=seed)[0])
+    traces = learner.trace_counts["update"]
+    for seed in range(3, 6):
+        state, _ = learner.update(state, _batch(seed=seed)[0])
+    assert learner.trace_counts["update"] == traces
+    assert isinstance(state, TrainState)
