@@ -220,6 +220,9 @@ def test_sandboxed_program_dies_with_its_scorer():
         scorer.wait()
         shutil.rmtree(folder, ignore_errors=True)
     assert _live_processes_after_grace(uid) == []
+    # The dead scorer's working directory is swept away.
+    assert code_lib.remove_stale_sandboxes([scorer.pid]) == 1
+    assert code_lib.remove_stale_sandboxes([scorer.pid]) == 0
 
 
 def test_score_batch_code_task_composes_format_and_pass_rate():

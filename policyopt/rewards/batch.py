@@ -263,12 +263,19 @@ def _kill_pool(num_workers: int) -> None:
         return
     # ProcessPoolExecutor has no public kill before Python 3.14 (kill_workers); until
     # then the worker processes are reached through its private `_processes` dict.
+    processes = list(getattr(pool, "_processes", {}).values())
     if hasattr(pool, "kill_workers"):
         pool.kill_workers()
     else:
-        for process in list(getattr(pool, "_processes", {}).values()):
+        for process in processes:
             process.kill()
     pool.shutdown(wait=False, cancel_futures=True)
+    if processes:  # working directories of code tests the killed workers were running
+        from policyopt.rewards import code as code_lib
+
+        for process in processes:
+            process.join(timeout=5)
+        code_lib.remove_stale_sandboxes([process.pid for process in processes])
 
 
 def shutdown_pools() -> None:

@@ -49,8 +49,12 @@ Without root (no uid switch) the process limit counts all of the user's processe
 (the limit is set to the current count plus ``max_processes``), files the user can write
 are writable by the program, and children that call ``setsid()`` escape the group kill
 (they still die at their CPU limit unless they sleep): the sandbox is then a resource
-guard, not a security boundary. Temporary directories of a worker killed at a batch
-deadline are not removed.
+guard, not a security boundary.
+
+Working directories are named ``policyopt-sandbox-<scorer pid>-*``; those of a scorer
+that died mid-test (a worker killed at a batch deadline) are removed by
+:func:`remove_stale_sandboxes`, which the pool calls after killing workers and every
+scorer process calls once before its first sandbox.
 """
 
 from __future__ import annotations
@@ -240,6 +244,51 @@ def _reap_uid(uid: int) -> None:
         time.sleep(0.002)
 
 
+_SANDBOX_PREFIX = "policyopt-sandbox-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_sandboxes(pids: Sequence[int] | None = None) -> int:
+    """Deletes working directories left by dead scorers; returns how many were removed.
+
+    Args:
+      pids: scorer processes known to be dead (e.g. just-killed workers); None: every
+        scorer pid that no longer exists.
+    """
+    removed = 0
+    root = tempfile.gettempdir()
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.name.startswith(_SANDBOX_PREFIX):
+            continue
+        owner = entry.name[len(_SANDBOX_PREFIX) :].split("-", 1)[0]
+        if not owner.isdigit():
+            continue
+        pid = int(owner)
+        stale = pid in pids if pids is not None else (pid != os.getpid() and not _pid_alive(pid))
+        if stale:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed += 1
+    return removed
+
+
+@functools.cache
+def _sweep_once() -> None:
+    remove_stale_sandboxes()
+
+
 def run_sandboxed(
     program: str,
     *,
@@ -251,7 +300,8 @@ def run_sandboxed(
     python: str | None = None,
 ) -> SandboxResult:
     """Runs untrusted Python source in the sandbox described in the module docstring."""
-    root = tempfile.mkdtemp(prefix="policyopt-sandbox-")
+    _sweep_once()
+    root = tempfile.mkdtemp(prefix=f"{_SANDBOX_PREFIX}{os.getpid()}-")
     uid = random.choice(_SANDBOX_UIDS) if _is_root() else -1
     try:
         os.chmod(root, 0o711)
