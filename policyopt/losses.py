@@ -530,7 +530,7 @@ def _policy_metrics(log_ratio, seq_log_ratio, advantages, mask_f, lengths, surro
 def entropy_from_logits(logits: Array) -> Array:
     """Entropy ``-sum_v p_v log p_v`` of ``softmax(logits)`` over the last axis, in float32.
 
-    Computed as ``logsumexp(l) - sum_v p_v l_v`` (stable for any logits). For large vocabularies
+    Computed as ``logsumexp(l) - sum_v p_v l_v`` (stable for any logits, -inf included). For large vocabularies
     prefer the chunked ``policyopt.logprobs.token_log_probs(..., return_entropy=True)``.
 
     Args:
@@ -542,7 +542,8 @@ def entropy_from_logits(logits: Array) -> Array:
     logits = jnp.asarray(logits, jnp.float32)
     log_norm = jax.nn.logsumexp(logits, axis=-1)
     probs = jax.nn.softmax(logits, axis=-1)
-    return log_norm - jnp.sum(probs * logits, axis=-1)
+    # Entries at -inf (masked vocabulary) have p = 0 and contribute 0, not 0 * inf.
+    return log_norm - jnp.sum(jnp.where(probs > 0, probs * logits, 0), axis=-1)
 
 
 def value_loss(

@@ -510,9 +510,12 @@ def test_entropy_from_logits():
         np.testing.assert_allclose(got[index], -sum(q * math.log(q) for q in p), rtol=1e-5)
     extremes = np.zeros((3, 4, 11), np.float32)
     extremes[0, 0, :3] = [0.0, -1e30, 1e4]
+    extremes[0, 1, :10] = -np.inf  # a masked vocabulary: one token left
+    extremes[0, 2, :9] = -np.inf  # two tokens left, equally likely
     got = np.asarray(entropy(extremes))
     np.testing.assert_allclose(got[1:], math.log(11), rtol=1e-6)  # uniform: log V
-    assert np.all(np.isfinite(got)) and got[0, 0] < 1e-6
+    assert np.all(np.isfinite(got)) and got[0, 0] < 1e-6 and got[0, 1] == 0
+    np.testing.assert_allclose(got[0, 2], math.log(2), rtol=1e-6)
 
 
 def test_value_loss():
