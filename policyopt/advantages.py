@@ -64,8 +64,8 @@ def outcome_advantages(
     """Per-sequence advantages from scalar rewards laid out group after group.
 
     - ``center="group"``: ``A_i = R_i - mean_{j in g(i)} R_j``; ``"none"``: ``A_i = R_i``.
-    - ``scale="group"`` (GRPO, 2402.03300 Sec. 4.1.2): ``A_i / (std_g(R) + eps)``.
-    - ``scale="batch"`` (Magistral, 2506.10910 Sec. 2.1): ``(A - mean(A)) / (std(A) + eps)``
+    - ``scale="group"`` (GRPO, 2402.03300): ``A_i / (std_g(R) + eps)``.
+    - ``scale="batch"`` (Magistral, 2506.10910): ``(A - mean(A)) / (std(A) + eps)``
       over the ``N`` sequences passed in (pass one minibatch at a time for the paper's
       minibatch normalisation). Magistral drops zero-variance groups before forming the
       batch; with ``center="group"`` such groups are excluded from the batch mean and std
@@ -151,7 +151,7 @@ def masked_whiten(x: Array, mask: Array, *, shift_mean: bool = True, eps: float 
 
 
 def length_adaptive_lambda(lengths: Array, alpha: float = 0.05, *, min_lam: float = 0.0) -> Array:
-    """VAPO's length-adaptive GAE lambda (2504.05118 eq. 8): ``1 - 1 / (alpha * l)``.
+    """VAPO's length-adaptive GAE lambda (2504.05118): ``1 - 1 / (alpha * l)``.
 
     The paper gives no rule for ``alpha * l <= 1`` (where the formula is <= 0, and
     undefined at l = 0): the result is clamped below at ``min_lam`` (default 0, i.e.
@@ -322,7 +322,7 @@ def decoupled_gae(
     ``A_t = sum_l (gamma lam)^l delta_{t+l}`` over valid positions only: the recurrence
     ``A_t = delta_t + gamma lam A_{t'}`` skips positions where ``mask`` is 0 (after EOS,
     padding, tool output), whose inputs are never read. Policy advantages use
-    ``lam_actor``; value targets are ``A^{lam_critic}_t + V_t`` (VC-PPO 2503.01491 Sec. 4:
+    ``lam_actor``; value targets are ``A^{lam_critic}_t + V_t`` (VC-PPO 2503.01491:
     lam_critic = 1.0, lam_actor in [0.95, 1)). No whitening (see ``masked_whiten``).
 
     Args:

@@ -1,7 +1,7 @@
 """Policy objectives, aggregation, KL, value and NLL losses as pure functions of arrays.
 
 Every policy objective of the library is written in the unified form of the SAPO paper
-(Gao et al., 2511.20347, Sec. 3):
+(2511.20347):
 
     J = E[ agg_{i,t}( f_{i,t}(r_{i,t}) * A_{i,t} ) ],      loss = -J,
 
@@ -17,11 +17,11 @@ Methods (``policy_loss(method=...)``; a new method is one function registered wi
 ``register_objective``):
 
 - ``"ppo"``: token ratio, asymmetric clip ``min(r A, clip(r, 1-eps_low, 1+eps_high) A)``
-  (PPO, 1707.06347; GRPO, 2402.03300 eq. 3; DAPO clip-higher, 2503.14476 eq. 10; Magistral,
+  (PPO, 1707.06347; GRPO, 2402.03300 eq. 3; DAPO clip-higher, 2503.14476; Magistral,
   VAPO), with an optional dual clip (Ye et al., 1912.09729) bounding the loss for A < 0.
 - ``"gspo"``: sequence ratio ``s_i = exp(mean_t log r_{i,t})`` and a sequence-level clip
-  (GSPO, 2507.18071 eq. 5-7).
-- ``"gspo_token"``: ``s_{i,t} = sg[s_i] * pi / sg[pi]`` with token advantages (GSPO eq. 12).
+  (GSPO, 2507.18071).
+- ``"gspo_token"``: ``s_{i,t} = sg[s_i] * pi / sg[pi]`` with token advantages (GSPO-token).
 - ``"sapo"``: soft gate ``f(r) = sigmoid(tau (r - 1)) * 4 / tau`` with ``tau = tau_pos`` if
   A > 0 else ``tau_neg``, no clip (SAPO, 2511.20347).
 
@@ -79,7 +79,7 @@ def aggregate(
     at least one valid token (fully masked sequences count in no mean):
 
     - ``"token_mean"``: ``sum_{i,t} m x / sum_{i,t} m``, the denominator being all valid
-      tokens of the *minibatch passed in* (as verl/TRL/OpenRLHF do; DAPO 2503.14476 eq. 12,
+      tokens of the *minibatch passed in* (as verl/TRL/OpenRLHF do; DAPO 2503.14476,
       VAPO, Magistral).
     - ``"group_token_mean"``: the DAPO paper's form, token mean within each group of
       ``group_size`` consecutive sequences (one prompt), then mean over groups that have at
@@ -88,7 +88,7 @@ def aggregate(
       GSPO, SAPO as published).
     - ``"seq_mean_token_sum"``: ``mean_{i in I} sum_t m x``.
     - ``"seq_mean_token_sum_norm"``: ``mean_{i in I} sum_t m x / max_len`` with a constant
-      ``max_len`` (Dr. GRPO 2503.20783, Sec. 3.1: the generation budget), default ``T``.
+      ``max_len`` (Dr. GRPO 2503.20783: the generation budget), default ``T``.
 
     Args:
       per_token: ``[B, T]`` per-token terms.
@@ -227,10 +227,10 @@ def _clipped_surrogate(
 
 @register_objective("ppo")
 def ppo_objective(inputs: GateInputs) -> Surrogate:
-    """Token-level clipped surrogate (PPO; GRPO eq. 3; DAPO eq. 10 with clip-higher).
+    """Token-level clipped surrogate (PPO; GRPO eq. 3; DAPO with clip-higher).
 
     ``f(r) A = min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, ``r = exp(log_ratio)``.
-    Dual clip (1912.09729 eq. 6), when ``dual_clip = c > 1``: for A < 0 the objective is
+    Dual clip (Ye et al., 1912.09729), when ``dual_clip = c > 1``: for A < 0 the objective is
     ``max(f(r) A, c A)``, i.e. constant (zero gradient) once ``r > c``.
     """
     ratio = jnp.exp(inputs.log_ratio)
@@ -245,14 +245,14 @@ def ppo_objective(inputs: GateInputs) -> Surrogate:
 
 @register_objective("gspo")
 def gspo_objective(inputs: GateInputs) -> Surrogate:
-    """Sequence-level clipped surrogate of GSPO (2507.18071 eq. 5-7).
+    """Sequence-level clipped surrogate of GSPO (2507.18071).
 
     ``s_i = exp((1/|y_i|) sum_t log r_{i,t})`` over valid tokens, objective per sequence
     ``min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)`` with ``A_i`` the mean of the
     sequence's token advantages (the outcome advantage when they are constant). The
     sequence term is written on each of its valid tokens, so ``seq_mean_token_mean``
     aggregation gives the paper's ``(1/G) sum_i`` exactly, and its gradient is
-    ``s_i A_i (1/|y_i|) sum_t grad log pi(y_{i,t})`` (eq. 10). Paper clip: 3e-4 / 4e-4.
+    ``s_i A_i (1/|y_i|) sum_t grad log pi(y_{i,t})``. Paper clip: 3e-4 / 4e-4.
     """
     seq_ratio = jnp.exp(inputs.seq_log_ratio)
     out = _clipped_surrogate(
@@ -270,7 +270,7 @@ def gspo_objective(inputs: GateInputs) -> Surrogate:
 
 @register_objective("gspo_token")
 def gspo_token_objective(inputs: GateInputs) -> Surrogate:
-    """GSPO-token (2507.18071 eq. 12-13): ``s_{i,t} = sg[s_i] * pi(y_{i,t}) / sg[pi(y_{i,t})]``.
+    """GSPO-token (2507.18071): ``s_{i,t} = sg[s_i] * pi(y_{i,t}) / sg[pi(y_{i,t})]``.
 
     Its value is ``s_i`` on every token and its gradient ``s_i A_{i,t} grad log pi(y_{i,t})``;
     clipped per token like PPO. With ``A_{i,t} = A_i`` it equals ``"gspo"`` in value and
@@ -610,7 +610,7 @@ def nll_loss(log_probs: Array, mask: Array, seq_weights: Array) -> Array:
     """Negative log-likelihood over a chosen subset of sequences (VAPO's positive samples).
 
     ``L_NLL = -(1 / sum_{i in S} |y_i|) sum_{i in S} sum_t log pi(y_{i,t})`` with ``S`` the
-    sequences whose ``seq_weights`` is non-zero (VAPO 2504.05118 Sec. 4.3, the correct
+    sequences whose ``seq_weights`` is non-zero (VAPO 2504.05118, the correct
     samples; added to the loss with mu = 0.1). Non-binary weights weight each sequence's
     tokens: ``-sum w_i m log pi / sum w_i m``. 0 when no token is selected.
 
