@@ -245,6 +245,32 @@ def get_learner(graphdef, settings: "LossConfig", optim: OptimConfig) -> "Learne
     return _LEARNERS[key]
 
 
+class _Forwards:
+    """Jitted forward passes shared by every Learner of one (model structure, temperature)."""
+
+    def __init__(self, graphdef, temperature: float):
+        self.graphdef, self.temperature = graphdef, temperature
+        self.trace_counts: collections.Counter = collections.Counter()
+        self.log_probs = jax.jit(self._log_probs)
+        self.routing = jax.jit(self._routing)
+
+    def _log_probs(self, params, tokens, positions, attention_mask, mask, routing=None):
+        self.trace_counts["log_probs"] += 1
+        fwd = forward_log_probs(self.graphdef, params, tokens, positions, attention_mask,
+                                mask.shape[1], temperature=self.temperature, routing=routing)
+        valid = mask > 0
+        return jnp.where(valid, fwd.log_probs, 0.0), jnp.where(valid, fwd.entropy, 0.0), fwd.routing
+
+    def _routing(self, params, tokens, positions, attention_mask):
+        self.trace_counts["routing"] += 1
+        model = nnx.merge(self.graphdef, params)
+        return model(tokens, positions=positions, attention_mask=attention_mask,
+                     return_logits=False).routing
+
+
+_FORWARDS: dict = {}
+
+
 class Learner:
     """The jitted functions of one policy, compiled once per shape bucket.
 
@@ -255,17 +281,26 @@ class Learner:
         log-probs; returns the routing used, i.e. recorded or replayed).
       routing: ``(params, tokens, positions, attention_mask) -> routing`` without replay
         and without the vocabulary projection (routing metrics).
-      trace_counts: how many times each function was traced (a compile-count probe).
+      trace_counts: how many times each function was traced (a compile-count probe;
+        the forward passes are shared by learners of the same model and temperature).
     """
 
     def __init__(self, graphdef, settings: LossConfig, optimizer: optax.GradientTransformation,
                  schedule: optax.Schedule):
         self.graphdef, self.settings = graphdef, settings
         self.optimizer, self.schedule = optimizer, schedule
-        self.trace_counts: collections.Counter = collections.Counter()
+        self._update_traces = 0
         self.update = jax.jit(self._update, donate_argnums=0)
-        self.log_probs = jax.jit(self._log_probs)
-        self.routing = jax.jit(self._routing)
+        key = (graphdef, settings.temperature)
+        if key not in _FORWARDS:
+            _FORWARDS[key] = _Forwards(graphdef, settings.temperature)
+        self._forwards = _FORWARDS[key]
+        self.log_probs = self._forwards.log_probs
+        self.routing = self._forwards.routing
+
+    @property
+    def trace_counts(self) -> collections.Counter:
+        return collections.Counter(update=self._update_traces) + self._forwards.trace_counts
 
     def init_state(self, params) -> TrainState:
         return TrainState.create(params, self.optimizer)
@@ -274,18 +309,5 @@ class Learner:
         return rl_loss(self.graphdef, params, batch, self.settings)
 
     def _update(self, state: TrainState, batch: Batch):
-        self.trace_counts["update"] += 1
+        self._update_traces += 1
         return guarded_update(self.loss, self.optimizer, self.schedule, state, batch)
-
-    def _log_probs(self, params, tokens, positions, attention_mask, mask, routing=None):
-        self.trace_counts["log_probs"] += 1
-        fwd = forward_log_probs(self.graphdef, params, tokens, positions, attention_mask,
-                                mask.shape[1], temperature=self.settings.temperature, routing=routing)
-        valid = mask > 0
-        return jnp.where(valid, fwd.log_probs, 0.0), jnp.where(valid, fwd.entropy, 0.0), fwd.routing
-
-    def _routing(self, params, tokens, positions, attention_mask):
-        self.trace_counts["routing"] += 1
-        model = nnx.merge(self.graphdef, params)
-        return model(tokens, positions=positions, attention_mask=attention_mask,
-                     return_logits=False).routing

@@ -23,7 +23,6 @@ replayed; the model recomputes the gate weights from the current router.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Any
@@ -64,7 +63,9 @@ class RLRun:
     reward_spec: Any
     checkpointer: Checkpointer
     iteration: int = 0  # iterations completed
-    timings: dict = dataclasses.field(default_factory=dict)
+    # The last iteration's sampled batch (host Round) and update Batch, for inspection.
+    last_round: Any = None
+    last_batch: Any = None
 
 
 def make_prompt_iterator(config, records: list, *, seed: int):
@@ -230,6 +231,8 @@ def rl_iteration(run: RLRun) -> dict[str, float]:
                   advantages=advantages, old_log_probs=old_log_probs, importance_weights=weights,
                   ref_log_probs=ref_log_probs, routing=replay)
 
+    run.last_round, run.last_batch = merged, batch
+
     # Epochs x minibatches of updates.
     t0 = time.perf_counter()
     num_groups = tokens.shape[0] // group
@@ -257,6 +260,8 @@ def rl_iteration(run: RLRun) -> dict[str, float]:
         metrics.update(jax.device_get(routing_metrics("routing/volatility", natural_old, new_routing, attention_mask)))
         metrics.update(jax.device_get(routing_metrics(
             "routing/sampler_trainer_disagreement", natural_old, sampler_routing, attention_mask)))
+    metrics["batch/prompt_width"] = float(merged.prompt_width)
+    metrics["batch/response_width"] = float(merged.mask.shape[1])
     metrics["update/step"] = float(run.state.step)
     metrics["update/skipped_total"] = float(run.state.skipped)
     run.iteration += 1
@@ -315,7 +320,7 @@ def run_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bo
             print(f"eval @ {run.iteration}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)
         return result
 
-    if run.iteration == 0 and (every or 0) >= 0 and config.eval.num_prompts > 0:
+    if run.iteration == 0 and config.eval.num_prompts > 0:
         last_eval = do_eval()
     try:
         while run.iteration < total:
@@ -334,7 +339,3 @@ def run_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bo
     return {"iteration": run.iteration, "metrics": metrics, "eval": last_eval,
             "eval_history": history, "run": run}
 
-
-def save_json(path: str, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
