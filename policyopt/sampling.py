@@ -21,15 +21,18 @@ How a call runs (everything below is one `jax.jit`, traced once per bucket of
      right-padded prompt therefore continues exactly as the same prompt unpadded. The loop
      stops when every row has ended (EOS or a stop sequence) or after `max_new_tokens`.
 
-Behaviour log-probs and truncation: `Rollout.log_probs` are log-probs under the
-distribution the token was actually drawn from (after temperature, top-k / top-p
-renormalisation and the EOS ban of `min_new_tokens`). `Rollout.raw_log_probs` are
-log-probs under the temperature-scaled but untruncated distribution, which is what a
-trainer recomputes as pi_old. The two differ whenever truncation removed mass: using the
-truncated ones as the denominator of an importance ratio r = pi_theta / pi_old biases it
-(tokens that survive truncation look likelier than the policy makes them), so correct
-with `raw_log_probs`, or with truncated importance sampling, when training off top-k/p
-samples.
+Behaviour log-probs and truncation: `Rollout.log_probs` are log q(y), q the distribution
+the token was actually drawn from (temperature, then top-k / top-p renormalised over the
+kept set, and the EOS ban of `min_new_tokens`). `Rollout.raw_log_probs` are log pi_T(y),
+pi_T = softmax(logits / T) untruncated, which is what a trainer's forward pass recomputes.
+Whenever truncation removed mass, q != pi_T: q(y) = pi_T(y) / Z on the kept set (Z < 1)
+and 0 outside it. Truncated samples are therefore off-policy for pi_T, and an importance
+ratio pi_theta / pi_old that uses pi_old = pi_T ignores the factor Z on every kept token
+and the never-sampled tail (a biased estimate), while using log q as pi_old puts two
+different distributions into one ratio. Corrections such as truncated importance sampling,
+w = min(pi_old(y) / q(y), C) (see PAPERS.md), need both, hence both are returned. Greedy
+decoding samples from a point mass: its `log_probs` are 0 and its `raw_log_probs` are
+the model's own (temperature 1).
 
 Training layout: `Rollout.sequences()` gives `[B*G, P + N]` tokens, positions and
 attention mask with each prompt right-aligned (left-padded) and the response starting at
@@ -292,7 +295,7 @@ class Rollout:
           attention_mask: int32 [R, P + N]; 1 on real prompt tokens and valid response
             tokens. Response token n is predicted by the hidden state at index P - 1 + n.
         """
-        num_rows, prompt_len = self.prompt_tokens.shape
+        prompt_len = self.prompt_tokens.shape[1]
         index = jnp.arange(prompt_len)[None, :]
         start = prompt_len - self.prompt_lengths[:, None]
         prompt_real = index >= start
@@ -301,7 +304,6 @@ class Rollout:
         tokens = jnp.concatenate([self.prompt_tokens, self.tokens], axis=1)
         positions = jnp.concatenate([prompt_positions, response_positions], axis=1)
         attention_mask = jnp.concatenate([prompt_real, self.mask > 0], axis=1)
-        del num_rows
         return tokens, positions.astype(jnp.int32), attention_mask.astype(jnp.int32)
 
 
