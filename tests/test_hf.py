@@ -78,8 +78,8 @@ def test_import_matches_transformers(kind, tmp_path):
     return
   assert model.config.moe_layer_indices == (0, 2)
   assert model.config.rope_theta == 5000.0
-  # Same experts on every token of every MoE layer (as sets: order among ties aside).
-  np.testing.assert_array_equal(np.sort(np.asarray(out.routing), -1), np.sort(hf_routing, -1))
+  # Same experts, in the same best-first order, on every token of every MoE layer.
+  np.testing.assert_array_equal(np.asarray(out.routing), hf_routing)
   replayed = model(jnp.asarray(tokens), routing=out.routing)
   np.testing.assert_array_equal(replayed.logits, out.logits)
 
@@ -116,6 +116,10 @@ def test_sharded_checkpoint_with_index(tmp_path):
   assert len(files) > 2 and all((tmp_path / "out" / name).exists() for name in files)
   np.testing.assert_array_equal(from_pretrained(str(tmp_path / "out"))(jnp.asarray(tokens)).logits,
                                 model(jnp.asarray(tokens)).logits)
+  # Config overrides at load time: bfloat16 storage, another dispatch.
+  low = from_pretrained(str(tmp_path / "out"), param_dtype="bfloat16", moe_dispatch="blocked")
+  assert low.layers[0].mlp.gate_proj[...].dtype == jnp.bfloat16
+  assert low.config.moe_dispatch == "blocked"
 
 
 def _base_config(**fields):

@@ -9,6 +9,7 @@ routing capture and replay, a KV cache, and HuggingFace checkpoint import / expo
 
 from policyopt.models.attention import KVCache
 from policyopt.models.config import ModelConfig
+from policyopt.models.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
 from policyopt.models.presets import PRESETS, preset
 from policyopt.models.sharding import LOGICAL_AXIS_RULES, logical_to_mesh_axes, param_partition_specs
 from policyopt.models.transformer import ModelOutput, Transformer
@@ -16,13 +17,6 @@ from policyopt.models.transformer import ModelOutput, Transformer
 __all__ = [
     "KVCache", "ModelConfig", "ModelOutput", "Transformer", "preset", "PRESETS",
     "from_pretrained", "save_pretrained", "LOGICAL_AXIS_RULES", "logical_to_mesh_axes",
-    "param_partition_specs",
+    "param_partition_specs", "config_from_hf", "config_to_hf",
 ]
 
-
-def __getattr__(name):
-  # hf.py imports safetensors; load it on first use only.
-  if name in ("from_pretrained", "save_pretrained", "config_from_hf", "config_to_hf"):
-    from policyopt.models import hf
-    return getattr(hf, name)
-  raise AttributeError(f"module 'policyopt.models' has no attribute {name!r}")
