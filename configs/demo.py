@@ -21,9 +21,11 @@ def get_config(arg=None):
     c.task.num_train = 20_000
     c.task.num_test = 512
     # SFT cold start.
-    c.sft.steps = 600
+    # 800 steps at lr 1e-2 give greedy pass@1 ~0.49 (first run: 0.49 -> 0.81 after 40 SAPO
+    # iterations; lr 3e-3 for 600 steps left the policy at 0.10, too weak to sample from).
+    c.sft.steps = 800
     c.sft.batch_size = 64
-    c.sft.lr = 3e-3
+    c.sft.lr = 1e-2
     c.sft.warmup_steps = 20
     # SAPO (PAPERS.md): soft gate, tau_pos 1.0 / tau_neg 1.05, sequence-mean token-mean.
     c.algo.method = "sapo"

@@ -67,7 +67,7 @@ def test_every_recipe_runs_a_few_iterations(recipe, model, tmp_path):
 def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
     # DAPO: dynamic sampling draws a variable number of prompt batches per iteration,
     # so the data iterator's state must be restored exactly too.
-    config = tiny("dapo")
+    config = tiny("dapo", extra="eval.num_prompts=0,train.checkpoint_every=100")
     first = trainer.run_rl(config, str(tmp_path / "a"), num_iterations=2, quiet=True)
     resumed = trainer.run_rl(config, str(tmp_path / "a"), num_iterations=4, quiet=True)
     assert resumed["iteration"] == 4

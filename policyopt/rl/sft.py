@@ -125,7 +125,7 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
     elif init_checkpoint:
         source = Checkpointer(init_checkpoint)
         restored, meta = source.restore({"train": run.state})
-        run.state = restored["train"]
+        run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
     return run
 
