@@ -5,6 +5,7 @@ import math
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -294,3 +295,82 @@ def test_masked_whiten_and_moments():
         np.testing.assert_array_equal(got, ref)
     for got in stats(x, np.zeros(SHAPE, np.float32)):
         assert np.all(np.asarray(got) == 0)
+
+
+# ----------------------------------------------------------------------------------------
+# The blocked GAE (matrix products over chunks) on masks without holes.
+# ----------------------------------------------------------------------------------------
+
+
+def contiguous_mask(rng, shape):
+    """Rows whose valid positions form one run: right padding, left padding, full, empty."""
+    batch, length = shape
+    lengths = rng.integers(1, length + 1, size=batch)
+    starts = np.where(np.arange(batch) % 4 == 1, rng.integers(0, 3, size=batch), 0)
+    positions = np.arange(length)[None]
+    mask = ((positions >= starts[:, None]) & (positions < starts[:, None] + lengths[:, None]))
+    mask = mask.astype(np.float32)
+    mask[0], mask[1], mask[2] = 0, 1, 0
+    mask[2, 0] = 1  # length 1
+    return mask
+
+
+@functools.partial(jax.jit, static_argnames="chunk")
+def blocked_variants(rewards, values, mask, lam_rows, chunk):
+    # The blocked kernel itself (decoupled_gae(impl="blocked") dispatches to it when the
+    # mask has no hole: see test_blocked_gae_long_sequence_matches_scan). lam_rows holds 0
+    # and 1 (make_gae_inputs): both ends of the discount range.
+    run = functools.partial(adv._gae_blocked, rewards, values, mask > 0, chunk=chunk)
+    scalar = jnp.float32(0.8)
+    return {
+        "scalar": run(gamma=0.9, lam_actor=scalar, lam_critic=scalar),
+        "decoupled": run(gamma=0.95, lam_actor=lam_rows, lam_critic=jnp.float32(1.0)),
+    }
+
+
+@pytest.mark.parametrize("shape,chunk", [((9, 70), 8), ((5, 1), 32)])
+def test_blocked_gae_matches_loops_on_masks_without_holes(shape, chunk):
+    # T / chunk > chunk: several levels of the recursion, each with a padded last chunk.
+    rewards, values, _, lam_rows = make_gae_inputs(4, shape)
+    mask = contiguous_mask(np.random.default_rng(5), shape)
+    assert bool(adv._contiguous_rows(mask > 0))
+    results = blocked_variants(rewards, values, mask, lam_rows, chunk)
+    expected = {
+        "scalar": ref_gae(rewards, values, mask, 0.9, 0.8),
+        "decoupled": (ref_gae(rewards, values, mask, 0.95, lam_rows)[0],
+                      ref_gae(rewards, values, mask, 0.95, 1.0)[1]),
+    }
+    for name, (advantages, returns) in results.items():
+        np.testing.assert_allclose(advantages, expected[name][0], rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(returns, expected[name][1], rtol=1e-5, atol=1e-5, err_msg=name)
+    # Padding values are never read (NaN and inf there change nothing).
+    pad = mask == 0
+    garbage = blocked_variants(np.where(pad, np.nan, rewards), np.where(pad, np.inf, values), mask,
+                               lam_rows, chunk)
+    for name, outputs in results.items():
+        for got, clean in zip(garbage[name], outputs):
+            np.testing.assert_array_equal(got, clean, err_msg=name)
+
+
+def test_contiguous_rows_detects_holes():
+    mask = np.zeros((3, 6), bool)
+    mask[0, 2:5] = True
+    mask[2, :] = True
+    assert bool(adv._contiguous_rows(mask))
+    mask[1, [0, 2]] = True  # a hole at position 1
+    assert not bool(adv._contiguous_rows(mask))
+
+
+def test_blocked_gae_long_sequence_matches_scan():
+    # T = 600 with lambda = 1 (the critic's) sums up to 600 terms: the blocked sums and
+    # the sequential scan agree to float32 rounding.
+    rng = np.random.default_rng(6)
+    shape = (4, 600)
+    rewards = rng.normal(size=shape).astype(np.float32)
+    values = rng.normal(size=shape).astype(np.float32)
+    mask = contiguous_mask(rng, shape)
+    both = jax.jit(lambda *args: [adv.decoupled_gae(*args, gamma=1.0, lam_actor=0.95, lam_critic=1.0,
+                                                    impl=impl) for impl in ("blocked", "scan")])
+    (blocked_adv, blocked_ret), (scan_adv, scan_ret) = both(rewards, values, mask)
+    np.testing.assert_allclose(blocked_adv, scan_adv, rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(blocked_ret, scan_ret, rtol=1e-5, atol=1e-4)
