@@ -344,9 +344,12 @@ def _repeat_cache(cache, times: int):
 
 
 def _next_logits(model, hidden: jax.Array) -> jax.Array:
-    """float32 [R, V] logits from final hidden states [R, D]."""
+    """float32 [R, V] logits from final hidden states [R, D], computed as the model's own
+    projection and `policyopt.logprobs.token_log_probs` do (weights in the hidden dtype,
+    float32 accumulation), so behaviour and training log-probs agree."""
+    embedding = model.output_embedding().astype(hidden.dtype)
     return jnp.einsum(
-        "rd,dv->rv", hidden, model.output_embedding(), preferred_element_type=jnp.float32
+        "rd,dv->rv", hidden, embedding, preferred_element_type=jnp.float32
     ).astype(jnp.float32)
 
 
