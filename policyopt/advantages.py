@@ -328,8 +328,8 @@ def decoupled_gae(
     lam_actor=0.95,
     lam_critic=1.0,
     impl: str = "blocked",
-    unroll: int = 8,
-    chunk: int = 32,
+    unroll: int = 1,
+    chunk: int = 16,
 ) -> tuple[Array, Array]:
     """GAE with separate lambdas for the policy and the critic, in one pass (VC-PPO).
 
@@ -404,8 +404,8 @@ def gae(
     gamma: float = 1.0,
     lam=0.95,
     impl: str = "blocked",
-    unroll: int = 8,
-    chunk: int = 32,
+    unroll: int = 1,
+    chunk: int = 16,
 ) -> tuple[Array, Array]:
     """Generalised advantage estimation (1506.02438 eq. 16) over valid tokens.
 
@@ -438,8 +438,8 @@ def length_adaptive_gae(
     lam_critic=1.0,
     min_lam: float = 0.0,
     impl: str = "blocked",
-    unroll: int = 8,
-    chunk: int = 32,
+    unroll: int = 1,
+    chunk: int = 16,
 ) -> tuple[Array, Array]:
     """VAPO's GAE: policy lambda ``1 - 1/(alpha |y_i|)`` per sequence, critic lambda 1.0.
 

@@ -47,6 +47,7 @@ AGGREGATIONS = (
     "seq_mean_token_sum_norm",
 )
 KL_ESTIMATORS = ("k1", "k2", "k3")
+METRICS = ("all", "none")
 
 
 # ----------------------------------------------------------------------------------------
@@ -379,6 +380,7 @@ def policy_loss(
     ref_log_probs: Array | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    metrics: str = "all",
 ) -> tuple[Array, dict[str, Array]]:
     """The policy loss ``-J`` of the unified objective, and its metrics.
 
@@ -405,6 +407,9 @@ def policy_loss(
       ref_log_probs: optional ``[B, T]`` reference log-probs for a KL penalty in the loss.
       kl_coef: coefficient ``beta`` of that penalty.
       kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+      metrics: ``"all"`` (default) computes every metric below; ``"none"`` returns only
+        ``loss`` (for steps that do not log: on XLA:CPU each metric is one more pass over
+        ``[B, T]`` arrays, see ``benchmarks/bench_core.py``). Loss and gradient are the same.
 
     Returns:
       ``(loss, metrics)``: a scalar to minimise, and a flat dict of scalars computed over
@@ -424,6 +429,8 @@ def policy_loss(
     """
     if method not in OBJECTIVES:
         raise ValueError(f"method={method!r} is not one of {sorted(OBJECTIVES)}")
+    if metrics not in METRICS:
+        raise ValueError(f"metrics={metrics!r} is not one of {METRICS}")
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}")
     if dual_clip is not None and (method != "ppo" or dual_clip <= 1.0):
@@ -454,23 +461,25 @@ def policy_loss(
     )
     surrogate = OBJECTIVES[method](inputs)
     per_token = surrogate.objective
-    metrics = {}
+    diagnostics = {}
     if importance_weights is not None:
         weights = jax.lax.stop_gradient(jnp.where(valid, jnp.asarray(importance_weights, dtype), 0))
         per_token = per_token * weights
-        metrics["importance_weight_mean"] = masked_mean(weights, mask_f)
+        diagnostics["importance_weight_mean"] = masked_mean(weights, mask_f)
     else:
         weights = None
     if ref_log_probs is not None:
         kl = kl_penalty(log_probs, jax.lax.stop_gradient(ref_log_probs), mask_f, estimator=kl_estimator)
         per_token = per_token - kl_coef * kl
-        metrics["kl_ref"] = masked_mean(kl, mask_f)
+        diagnostics["kl_ref"] = masked_mean(kl, mask_f)
     loss = -aggregate(per_token, mask_f, aggregation, group_size=group_size, max_len=max_len)
 
-    metrics.update(_policy_metrics(jax.lax.stop_gradient(log_ratio), seq_log_ratio,
-                                   advantages, mask_f, lengths, surrogate, weights))
-    metrics["loss"] = jax.lax.stop_gradient(loss)
-    return loss, metrics
+    if metrics == "none":
+        return loss, {"loss": jax.lax.stop_gradient(loss)}
+    diagnostics.update(_policy_metrics(jax.lax.stop_gradient(log_ratio), seq_log_ratio,
+                                       advantages, mask_f, lengths, surrogate, weights))
+    diagnostics["loss"] = jax.lax.stop_gradient(loss)
+    return loss, diagnostics
 
 
 def _policy_metrics(log_ratio, seq_log_ratio, advantages, mask_f, lengths, surrogate, weights):

@@ -318,7 +318,7 @@ def contiguous_mask(rng, shape):
 @functools.partial(jax.jit, static_argnames="chunk")
 def blocked_variants(rewards, values, mask, lam_rows, chunk):
     # The blocked kernel itself (decoupled_gae(impl="blocked") dispatches to it when the
-    # mask has no hole: see test_blocked_gae_long_sequence_matches_scan). lam_rows holds 0
+    # mask has no hole: see test_blocked_gae_long_sequence_matches_recurrence). lam_rows holds 0
     # and 1 (make_gae_inputs): both ends of the discount range.
     run = functools.partial(adv._gae_blocked, rewards, values, mask > 0, chunk=chunk)
     scalar = jnp.float32(0.8)
@@ -361,16 +361,25 @@ def test_contiguous_rows_detects_holes():
     assert not bool(adv._contiguous_rows(mask))
 
 
-def test_blocked_gae_long_sequence_matches_scan():
-    # T = 600 with lambda = 1 (the critic's) sums up to 600 terms: the blocked sums and
-    # the sequential scan agree to float32 rounding.
+def test_blocked_gae_long_sequence_matches_recurrence():
+    # T = 600 with lambda = 1 (the critic's) sums up to 600 terms: the default (blocked)
+    # GAE and the float64 recurrence A_t = delta_t + gamma lam A_{t+1} agree to float32
+    # rounding.
     rng = np.random.default_rng(6)
     shape = (4, 600)
     rewards = rng.normal(size=shape).astype(np.float32)
     values = rng.normal(size=shape).astype(np.float32)
     mask = contiguous_mask(rng, shape)
-    both = jax.jit(lambda *args: [adv.decoupled_gae(*args, gamma=1.0, lam_actor=0.95, lam_critic=1.0,
-                                                    impl=impl) for impl in ("blocked", "scan")])
-    (blocked_adv, blocked_ret), (scan_adv, scan_ret) = both(rewards, values, mask)
-    np.testing.assert_allclose(blocked_adv, scan_adv, rtol=1e-5, atol=2e-5)
-    np.testing.assert_allclose(blocked_ret, scan_ret, rtol=1e-5, atol=1e-4)
+    advantages, returns = jax.jit(functools.partial(
+        adv.decoupled_gae, gamma=1.0, lam_actor=0.95, lam_critic=1.0))(rewards, values, mask)
+    valid = mask > 0
+    next_values = np.where(valid[:, 1:], values[:, 1:], 0.0)
+    delta = np.where(valid, rewards + np.pad(next_values, ((0, 0), (0, 1))) - values, 0.0)
+    expected = {0.95: np.zeros(shape), 1.0: np.zeros(shape)}
+    for lam, out in expected.items():
+        carry = np.zeros(shape[0])
+        for t in reversed(range(shape[1])):
+            carry = delta[:, t] + lam * carry
+            out[:, t] = carry
+    np.testing.assert_allclose(advantages, np.where(valid, expected[0.95], 0), rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(returns, np.where(valid, expected[1.0] + values, 0), rtol=1e-5, atol=1e-4)

@@ -454,6 +454,22 @@ def test_policy_loss_traces_once_per_shape():
         jax.block_until_ready(step(ones * 0.1, ones * 0.2, ones, ones))
 
 
+def test_metrics_none_keeps_loss_and_gradient():
+    inputs = make_inputs(12)
+
+    @jax.jit
+    def both(log_probs, old_log_probs, advantages, mask):
+        return [jax.value_and_grad(lambda x, metrics=metrics: losses.policy_loss(
+            x, old_log_probs, advantages, mask, method="ppo", dual_clip=3.0, metrics=metrics),
+            has_aux=True)(log_probs) for metrics in losses.METRICS]
+
+    ((loss, metrics), grad), ((loss_none, metrics_none), grad_none) = both(*inputs)
+    assert set(metrics_none) == {"loss"} and len(metrics) > 10
+    np.testing.assert_array_equal(loss_none, loss)
+    np.testing.assert_array_equal(metrics_none["loss"], metrics["loss"])
+    np.testing.assert_array_equal(grad_none, grad)
+
+
 def test_bad_options_name_the_field():
     ones = jnp.ones((2, 3))
     with pytest.raises(ValueError, match="method"):
@@ -466,6 +482,8 @@ def test_bad_options_name_the_field():
         losses.policy_loss(ones, ones, jnp.ones((2,)), ones)
     with pytest.raises(ValueError, match="dual_clip"):
         losses.policy_loss(ones, ones, ones, ones, method="sapo", dual_clip=3.0)
+    with pytest.raises(ValueError, match="metrics"):
+        losses.policy_loss(ones, ones, ones, ones, metrics="some")
 
 
 # ----------------------------------------------------------------------------------------
