@@ -2,6 +2,10 @@
 
   tiny_dense, tiny_moe  trains on a laptop CPU in minutes (tests, smoke runs)
   moe_7m                4 layers, D=256, 8 experts top-2, V=512 (sampler benchmark)
+
+The CPU presets (tiny_moe, moe_7m) use the "blocked" dropless dispatch: XLA:CPU lowers
+``jax.lax.ragged_dot`` to one dense matmul per expert, 3-10x slower there
+(benchmarks/RESULTS.md, bench_moe). The accelerator presets keep "ragged".
   moe_0p5b              ~0.5B total parameters, 32 experts top-4 (accelerator benchmark)
   qwen3_30b_a3b         the shape of Qwen3-30B-A3B (48 layers, 128 experts top-8)
 """
@@ -15,10 +19,12 @@ PRESETS: dict[str, dict] = {
                        num_kv_heads=2, head_dim=16, intermediate_size=128, rope_theta=1e4),
     "tiny_moe": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, intermediate_size=128, num_experts=4,
-                     num_experts_per_tok=2, moe_intermediate_size=64, rope_theta=1e4),
+                     num_experts_per_tok=2, moe_intermediate_size=64, rope_theta=1e4,
+                     moe_dispatch="blocked", moe_block_size=16),
     "moe_7m": dict(vocab_size=512, hidden_size=256, num_layers=4, num_heads=4,
                    num_kv_heads=2, head_dim=64, intermediate_size=512, num_experts=8,
-                   num_experts_per_tok=2, moe_intermediate_size=256, rope_theta=1e4),
+                   num_experts_per_tok=2, moe_intermediate_size=256, rope_theta=1e4,
+                   moe_dispatch="blocked", moe_block_size=16),
     "moe_0p5b": dict(vocab_size=32768, hidden_size=1024, num_layers=12, num_heads=16,
                      num_kv_heads=4, head_dim=64, intermediate_size=2816, num_experts=32,
                      num_experts_per_tok=4, moe_intermediate_size=352),
