@@ -358,7 +358,8 @@ def decoupled_gae(
         time with ``lax.cond``), ``"scan"`` (the reference: a reverse ``lax.scan`` over
         time) or ``"associative"`` (``lax.associative_scan``); equal up to float rounding.
       unroll: scan unroll factor (``impl="scan"``, and ``"blocked"`` when it falls back).
-      chunk: block length of ``impl="blocked"`` (``T / chunk`` sequential steps).
+      chunk: block length of ``impl="blocked"`` (``chunk x chunk`` discount matrices,
+        applied recursively over ``log_chunk(T)`` levels; needs ``gamma * lam >= 0``).
 
     Returns:
       ``(advantages, returns)``, ``[B, T]`` each, 0 at padding positions.
@@ -378,6 +379,7 @@ def decoupled_gae(
     if impl == "blocked":  # scalar lambdas stay scalar: one matrix shared by all rows
         lam_actor = _scalar_or_per_sequence(lam_actor, batch, dtype)
         lam_critic = lam_actor if same_lam else _scalar_or_per_sequence(lam_critic, batch, dtype)
+
         def scan():
             adv_actor, adv_critic = _gae_scan(
                 rewards, values, valid, gamma, _per_sequence(lam_actor, batch, dtype),
