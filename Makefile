@@ -30,8 +30,13 @@ demo: install
 test: install-test
 	$(TEST_ENV) $(PY) -m pytest -q tests
 
+# Every CPU benchmark in turn (tens of minutes); each prints a table and writes JSON.
 bench: install-test
-	$(TEST_ENV) $(PY) -m benchmarks.run_all
+	$(TEST_ENV) $(PY) -m benchmarks.bench_core
+	$(TEST_ENV) $(PY) benchmarks/bench_moe.py
+	$(TEST_ENV) $(PY) -m benchmarks.bench_sampling
+	$(TEST_ENV) $(PY) -m benchmarks.bench_rewards
+	$(TEST_ENV) $(PY) -m benchmarks.bench_rl
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
