@@ -333,6 +333,8 @@ def run_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bo
                 last_eval = do_eval()
             if final or run.iteration % config.train.checkpoint_every == 0:
                 save(run)
+        if not last_eval and config.eval.num_prompts > 0:  # resumed a finished run
+            last_eval = do_eval()
     finally:
         writer.close()
         eval_writer.close()
