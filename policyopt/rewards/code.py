@@ -90,8 +90,10 @@ import os, resource, sys
 cpu_s, memory, nproc, fsize, uid, parent = (int(a) for a in sys.argv[1:7])
 for limit, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, 64),
                      (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NPROC, nproc),
-                     (resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_AS, memory)):
+                     (resource.RLIMIT_AS, memory)):
     resource.setrlimit(limit, (value, value))
+# SIGXCPU at the time limit; SIGKILL one second later if the program ignores it.
+resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
 if uid >= 0:
     os.setgroups([])
     os.setgid(uid)
@@ -344,6 +346,11 @@ def run_sandboxed(
                 returncode = process.wait(timeout=timeout_s + _STARTUP_GRACE_S)
             except subprocess.TimeoutExpired:
                 timed_out, returncode = True, None
+            # On an idle machine a busy loop reaches its CPU-time limit (= the time limit)
+            # before the wall-clock one: killed by SIGXCPU (or SIGKILL at the hard limit),
+            # which is a timeout too.
+            if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+                timed_out = True
             _kill_group(process.pid)
             if uid >= 0:
                 _reap_uid(uid)
