@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from configs import demo
 from policyopt.rl.sft import run_sft
@@ -35,6 +35,7 @@ _RERUN = flags.DEFINE_bool("rerun_rl", True,
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint operation at INFO
   workdir = _WORKDIR.value
   if _FRESH.value:
     shutil.rmtree(workdir, ignore_errors=True)
