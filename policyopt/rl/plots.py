@@ -29,6 +29,16 @@ def load_curve(run_dir: str, key: str, filename: str) -> tuple[list[float], list
     return [r["step"] for r in records], [r[key] for r in records]
 
 
+def _default_labels(run_dirs: Sequence[str]) -> list[str]:
+    """The shortest trailing path parts that tell the runs apart (``a/rl``, ``b/rl``)."""
+    parts = [os.path.normpath(d).split(os.sep) for d in run_dirs]
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-depth:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [os.path.normpath(d) for d in run_dirs]
+
+
 def plot_runs(run_dirs: Sequence[str], out_path: str, *, labels: Sequence[str] | None = None,
               panels=PANELS) -> str:
     """Draws one panel per metric, one line per run, and writes a PNG.
@@ -36,7 +46,8 @@ def plot_runs(run_dirs: Sequence[str], out_path: str, *, labels: Sequence[str] |
     Args:
       run_dirs: work directories of ``experiments/train.py`` runs.
       out_path: the PNG file to write.
-      labels: legend names (default: the directories' base names).
+      labels: legend names (default: the shortest trailing parts of the directory paths
+        that differ between runs).
       panels: ``(title, key, file)`` triples.
 
     Returns:
@@ -47,7 +58,7 @@ def plot_runs(run_dirs: Sequence[str], out_path: str, *, labels: Sequence[str] |
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = list(labels) if labels else [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    labels = list(labels) if labels else _default_labels(run_dirs)
     if len(labels) != len(run_dirs):
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs")
     cols = 4
