@@ -35,7 +35,8 @@ _RERUN = flags.DEFINE_bool("rerun_rl", True,
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint operation at INFO
+  if not flags.FLAGS["verbosity"].present:  # orbax logs every checkpoint step at INFO
+    logging.set_verbosity(logging.WARNING)
   workdir = _WORKDIR.value
   if _FRESH.value:
     shutil.rmtree(workdir, ignore_errors=True)

@@ -9,7 +9,7 @@ TensorBoard events, eval.jsonl and orbax checkpoints; rerunning the same command
 resumes from the latest checkpoint.
 """
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from policyopt.rl.trainer import run_rl
@@ -21,6 +21,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     del argv
+    if not flags.FLAGS["verbosity"].present:  # orbax logs every checkpoint step at INFO
+        logging.set_verbosity(logging.WARNING)
     summary = run_rl(_CONFIG.value, _WORKDIR.value)
     print("final eval:", summary["eval"])
 
