@@ -333,9 +333,10 @@ def check(config: ml_collections.ConfigDict) -> None:
     if max(b.response_buckets) < config.sampling.max_new_tokens:
         raise ValueError(f"config.batch.response_buckets (max {max(b.response_buckets)}) must hold "
                          f"sampling.max_new_tokens ({config.sampling.max_new_tokens})")
-    if config.algo.routing_replay == "R3" and config.algo.old_log_probs == "sampler":
-        raise ValueError("config.algo.routing_replay='R3' replays the sampler's routing in the "
-                         "old-log-prob forward; it needs algo.old_log_probs='trainer'")
+    if config.algo.routing_replay in ("R2", "R3") and config.algo.old_log_probs == "sampler":
+        raise ValueError(f"config.algo.routing_replay={config.algo.routing_replay!r} needs the "
+                         "trainer's old-log-prob forward (R2 records its routing, R3 replays the "
+                         "sampler's routing in it); set algo.old_log_probs='trainer'")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

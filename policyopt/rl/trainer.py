@@ -185,6 +185,27 @@ def _chunked_log_probs(learner: Learner, params, tokens, positions, attention_ma
     return jnp.concatenate(log_probs, axis=0), routing_out
 
 
+def minibatch_advantages(rewards, group_size: int, *, center: str = "group", eps: float = 1e-6):
+    """Magistral's advantages (2506.10910, PAPERS.md): ``A = R - mean(R_group)``, then
+    ``(A - mean_mb(A)) / std_mb(A)`` over the sequences of one minibatch.
+
+    Magistral drops groups whose rewards are all equal before forming the batch, so their
+    rows (advantage 0 either way) count in neither ``mean_mb`` nor ``std_mb``: computed
+    from the minibatch's rewards with ``outcome_advantages(scale="batch")``, which leaves
+    zero-variance groups out of the batch statistics. Minibatches hold whole groups.
+
+    Args:
+      rewards: ``[R]`` rewards of the minibatch's rows, group after group.
+      group_size: G.
+      center: ``"group"`` (Magistral) or ``"none"``.
+      eps: added to the minibatch std.
+
+    Returns:
+      ``[R]`` advantages.
+    """
+    return outcome_advantages(rewards, group_size, center=center, scale="batch", eps=eps)
+
+
 def rl_iteration(run: RLRun) -> dict[str, float]:
     """Runs one RL iteration on ``run`` (state updated in place) and returns its metrics."""
     cfg, learner = run.config, run.learner
@@ -243,8 +264,8 @@ def rl_iteration(run: RLRun) -> dict[str, float]:
         for rows in minibatch_indices(num_groups, group, cfg.batch.n_minibatches, shuffle):
             minibatch = take_rows(batch, rows)
             if algo.adv_scale == "minibatch":
-                minibatch = minibatch._replace(advantages=outcome_advantages(
-                    minibatch.advantages, group, center="none", scale="batch", eps=algo.adv_eps))
+                minibatch = minibatch._replace(advantages=minibatch_advantages(
+                    rewards[rows], group, center=algo.adv_center, eps=algo.adv_eps))
             run.state, update_metrics = learner.update(run.state, minibatch)
             for k, v in update_metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
