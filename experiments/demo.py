@@ -19,9 +19,10 @@ import os
 import shutil
 import time
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from configs import demo
+from policyopt.metrics import quiet_library_logging
 from policyopt.rl.sft import run_sft
 from policyopt.rl.trainer import run_rl
 
@@ -35,8 +36,7 @@ _RERUN = flags.DEFINE_bool("rerun_rl", True,
 
 def main(argv):
   del argv
-  if not flags.FLAGS["verbosity"].present:  # orbax logs every checkpoint step at INFO
-    logging.set_verbosity(logging.WARNING)
+  quiet_library_logging()
   workdir = _WORKDIR.value
   if _FRESH.value:
     shutil.rmtree(workdir, ignore_errors=True)

@@ -7,9 +7,10 @@ RL then starts from it with `--config.init_checkpoint=runs/sft/checkpoints`.
 Rerunning resumes; `--steps` extends a finished run (continued SFT, the control of RL).
 """
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+from policyopt.metrics import quiet_library_logging
 from policyopt.rl.sft import run_sft
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe file (its sft.*, task.*, model.* fields are used).")
@@ -21,8 +22,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     del argv
-    if not flags.FLAGS["verbosity"].present:  # orbax logs every checkpoint step at INFO
-        logging.set_verbosity(logging.WARNING)
+    quiet_library_logging()
     summary = run_sft(_CONFIG.value, _WORKDIR.value, steps=_STEPS.value, init_checkpoint=_INIT.value)
     print("final eval:", summary["eval"])
 

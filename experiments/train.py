@@ -9,9 +9,10 @@ TensorBoard events, eval.jsonl and orbax checkpoints; rerunning the same command
 resumes from the latest checkpoint.
 """
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+from policyopt.metrics import quiet_library_logging
 from policyopt.rl.trainer import run_rl
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe file, e.g. configs/sapo.py[:variant].")
@@ -21,8 +22,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     del argv
-    if not flags.FLAGS["verbosity"].present:  # orbax logs every checkpoint step at INFO
-        logging.set_verbosity(logging.WARNING)
+    quiet_library_logging()
     summary = run_rl(_CONFIG.value, _WORKDIR.value)
     print("final eval:", summary["eval"])
 

@@ -137,3 +137,13 @@ class Progress:
         line = f"{console_line(step, self.total, metrics, self.keys)} | {elapsed:.0f}s eta {eta:.0f}s"
         print(line, file=self.stream, flush=True)
         return line
+
+
+def quiet_library_logging() -> None:
+    """absl logging at WARNING unless ``--verbosity`` was given on the command line:
+    orbax logs every checkpoint step at INFO, which buries the progress lines.
+    Call from an ``app.run`` main."""
+    from absl import flags, logging
+
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
