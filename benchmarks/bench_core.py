@@ -20,6 +20,10 @@ with several chunk lengths, ``associative``, ``scan`` with two unroll factors), 
 on a mask with holes (where it falls back to ``scan``). Floors to meet (issue 2): GAE within 2x of
 the elementwise pass, each loss within 3x. Times are medians of ``--repeats`` runs.
 
+The process first calls ``policyopt.runtime.keep_freed_host_memory()`` (as the experiments
+do), so that XLA:CPU's per-call buffers are reused instead of faulted in again on every
+call; ``--system_malloc`` measures with glibc's defaults.
+
 Run: ``python -m benchmarks.bench_core [--repeats 10] [--batch 256] [--length 4096]``.
 Writes ``benchmarks/results/bench_core.json``.
 """
@@ -40,6 +44,7 @@ import numpy as np
 
 from policyopt import advantages as adv
 from policyopt import losses
+from policyopt import runtime
 
 RESULTS = Path(__file__).parent / "results" / "bench_core.json"
 METHODS = ("ppo", "gspo", "gspo_token", "sapo")
@@ -173,7 +178,12 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--numpy_rows", type=int, default=256)
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--system_malloc", action="store_true",
+                        help="leave glibc's malloc settings alone (default: keep freed blocks, "
+                             "policyopt.runtime.keep_freed_host_memory)")
     args = parser.parse_args(argv)
+    kept = False if args.system_malloc else runtime.keep_freed_host_memory()
+    print(f"keep_freed_host_memory: {kept}")
     batch, length, repeats = args.batch, args.length, args.repeats
     host = make_inputs(batch, length)
     dev = {k: jnp.asarray(v) for k, v in host.items()}
@@ -271,6 +281,7 @@ def main(argv=None):
         python=platform.python_version(),
         floors_ms=dict(loss=loss_floor, gae=gae_floor, loss_end=loss_floor_end, gae_end=gae_floor_end),
         fastest_plain_gae=fastest["name"],
+        keep_freed_host_memory=kept,
         load_average=os.getloadavg(),
         rows=rows,
     )

@@ -92,7 +92,8 @@ def aggregate(
       ``max_len`` (Dr. GRPO 2503.20783: the generation budget), default ``T``.
 
     Args:
-      per_token: ``[B, T]`` per-token terms.
+      per_token: ``[B, T]`` per-token terms, or ``[B, 1]``: one term per sequence that
+        stands on each of its valid tokens (summed as ``x_i |y_i|`` without a ``[B, T]`` pass).
       mask: ``[B, T]`` 1 on valid tokens.
       aggregation: one of ``AGGREGATIONS``.
       group_size: sequences per group, used by ``"group_token_mean"`` only (must divide B).
@@ -102,31 +103,41 @@ def aggregate(
       A scalar; 0 when no token is valid.
     """
     mask = _as_mask(mask, per_token.dtype)
-    masked = jnp.where(mask > 0, per_token, 0)
+    lengths = jnp.sum(mask, axis=-1)
+    seq_sums = _row_sums(per_token, mask, lengths)
     if aggregation == "token_mean":
-        return _safe_div(jnp.sum(masked), jnp.sum(mask))
+        return _safe_div(jnp.sum(seq_sums), jnp.sum(lengths))
     if aggregation == "group_token_mean":
         _check_group_size(per_token.shape[0], group_size)
-        group_sums = jnp.sum(masked.reshape(-1, group_size * per_token.shape[1]), axis=1)
-        group_tokens = jnp.sum(mask.reshape(-1, group_size * per_token.shape[1]), axis=1)
+        group_sums = jnp.sum(seq_sums.reshape(-1, group_size), axis=1)
+        group_tokens = jnp.sum(lengths.reshape(-1, group_size), axis=1)
         return _safe_div(
             jnp.sum(_safe_div(group_sums, group_tokens)), jnp.sum(group_tokens > 0)
         )
-    lengths = jnp.sum(mask, axis=-1)
-    seq_sums = jnp.sum(masked, axis=-1)
     num_nonempty = jnp.sum(lengths > 0)
     if aggregation == "seq_mean_token_mean":
         per_seq = _safe_div(seq_sums, lengths)
     elif aggregation == "seq_mean_token_sum":
         per_seq = seq_sums
     elif aggregation == "seq_mean_token_sum_norm":
-        norm = per_token.shape[-1] if max_len is None else max_len
+        norm = mask.shape[-1] if max_len is None else max_len
         if not norm or norm <= 0:
             raise ValueError(f"max_len must be a positive constant, got {max_len!r}")
         per_seq = seq_sums / norm
     else:
         raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}")
     return _safe_div(jnp.sum(per_seq), num_nonempty)
+
+
+def _row_sums(per_token: Array, mask: Array, lengths: Array) -> Array:
+    """``sum_t m x`` per row ``[B]``, for token terms ``[B, T]`` or sequence terms ``[B, 1]``.
+
+    A ``[B, 1]`` term is one value per sequence standing on each of its valid tokens (GSPO's
+    sequence objective), so its row sum is ``x_i |y_i|``: no ``[B, T]`` pass at all.
+    """
+    if per_token.shape[-1] == 1 and mask.shape[-1] != 1:
+        return jnp.where(lengths > 0, per_token[:, 0] * lengths, 0)
+    return jnp.sum(jnp.where(mask > 0, per_token, 0), axis=-1)
 
 
 def _check_group_size(num_seqs: int, group_size: int | None) -> None:
@@ -179,6 +190,10 @@ class Surrogate(NamedTuple):
       the low side (A < 0, ratio < 1 - clip_low) / high side (A > 0, ratio > 1 + clip_high);
       None for a method without a clip.
     dual_clipped: ``[B, T]`` bool, tokens bounded by the dual clip (A < 0, ratio > c), or None.
+
+    A sequence-level method (GSPO) may return every field as ``[B, 1]``: one value per
+    sequence, standing on each of its valid tokens. Aggregation and metrics then work on
+    ``[B]`` values and token counts instead of ``[B, T]`` arrays.
     """
 
     objective: Array
@@ -251,7 +266,7 @@ def gspo_objective(inputs: GateInputs) -> Surrogate:
     ``s_i = exp((1/|y_i|) sum_t log r_{i,t})`` over valid tokens, objective per sequence
     ``min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)`` with ``A_i`` the mean of the
     sequence's token advantages (the outcome advantage when they are constant). The
-    sequence term is written on each of its valid tokens, so ``seq_mean_token_mean``
+    sequence term stands on each of its valid tokens (``[B, 1]`` fields), so ``seq_mean_token_mean``
     aggregation gives the paper's ``(1/G) sum_i`` exactly, and its gradient is
     ``s_i A_i (1/|y_i|) sum_t grad log pi(y_{i,t})``. Paper clip: 3e-4 / 4e-4.
     """
@@ -259,14 +274,8 @@ def gspo_objective(inputs: GateInputs) -> Surrogate:
     out = _clipped_surrogate(
         seq_ratio, inputs.seq_log_ratio, inputs.seq_advantages, inputs.clip_low, inputs.clip_high
     )
-    valid = inputs.mask > 0
-    return Surrogate(
-        objective=out.objective[:, None] * inputs.mask,
-        gate=out.gate[:, None] * inputs.mask,
-        clipped_low=out.clipped_low[:, None] & valid,
-        clipped_high=out.clipped_high[:, None] & valid,
-        dual_clipped=None,
-    )
+    # One value per sequence ([B, 1]), standing on each of its valid tokens.
+    return Surrogate(*(None if x is None else x[:, None] for x in out))
 
 
 @register_objective("gspo_token")
@@ -445,41 +454,59 @@ def policy_loss(
             raise ValueError(f"{name} has shape {jnp.shape(array)}, expected {shape} like log_probs")
 
     dtype = jnp.result_type(log_probs, jnp.float32)
-    mask_f = _as_mask(mask, dtype)
-    valid = mask_f > 0
-    log_probs = jnp.asarray(log_probs, dtype)
-    old_log_probs = jax.lax.stop_gradient(jnp.asarray(old_log_probs, dtype))
-    advantages = jax.lax.stop_gradient(jnp.where(valid, jnp.asarray(advantages, dtype), 0))
-    log_ratio = jnp.where(valid, log_probs - old_log_probs, 0)
-    lengths = jnp.sum(mask_f, axis=-1)
-    seq_log_ratio = _safe_div(jnp.sum(log_ratio, axis=-1), lengths)
-    seq_advantages = _safe_div(jnp.sum(advantages, axis=-1), lengths)
 
-    inputs = GateInputs(
-        log_ratio, advantages, mask_f, seq_log_ratio, seq_advantages,
-        clip_low, clip_high, dual_clip, tau_pos, tau_neg,
-    )
-    surrogate = OBJECTIVES[method](inputs)
-    per_token = surrogate.objective
-    diagnostics = {}
-    if importance_weights is not None:
-        weights = jax.lax.stop_gradient(jnp.where(valid, jnp.asarray(importance_weights, dtype), 0))
-        per_token = per_token * weights
-        diagnostics["importance_weight_mean"] = masked_mean(weights, mask_f)
-    else:
-        weights = None
-    if ref_log_probs is not None:
-        kl = kl_penalty(log_probs, jax.lax.stop_gradient(ref_log_probs), mask_f, estimator=kl_estimator)
-        per_token = per_token - kl_coef * kl
-        diagnostics["kl_ref"] = masked_mean(kl, mask_f)
-    loss = -aggregate(per_token, mask_f, aggregation, group_size=group_size, max_len=max_len)
+    def compute(log_probs, old_log_probs, advantages, mask, importance_weights, ref_log_probs):
+        mask_f = _as_mask(mask, dtype)
+        valid = mask_f > 0
+        log_probs = jnp.asarray(log_probs, dtype)
+        old_log_probs = jax.lax.stop_gradient(jnp.asarray(old_log_probs, dtype))
+        advantages = jax.lax.stop_gradient(jnp.where(valid, jnp.asarray(advantages, dtype), 0))
+        log_ratio = jnp.where(valid, log_probs - old_log_probs, 0)
+        lengths = jnp.sum(mask_f, axis=-1)
+        seq_log_ratio = _safe_div(jnp.sum(log_ratio, axis=-1), lengths)
+        seq_advantages = _safe_div(jnp.sum(advantages, axis=-1), lengths)
 
-    if metrics == "none":
-        return loss, {"loss": jax.lax.stop_gradient(loss)}
-    diagnostics.update(_policy_metrics(jax.lax.stop_gradient(log_ratio), seq_log_ratio,
-                                       advantages, mask_f, lengths, surrogate, weights))
-    diagnostics["loss"] = jax.lax.stop_gradient(loss)
-    return loss, diagnostics
+        inputs = GateInputs(
+            log_ratio, advantages, mask_f, seq_log_ratio, seq_advantages,
+            clip_low, clip_high, dual_clip, tau_pos, tau_neg,
+        )
+        surrogate = OBJECTIVES[method](inputs)
+        per_token = surrogate.objective
+        diagnostics = {}
+        if importance_weights is not None:
+            weights = jax.lax.stop_gradient(jnp.where(valid, jnp.asarray(importance_weights, dtype), 0))
+            per_token = per_token * weights
+            diagnostics["importance_weight_mean"] = masked_mean(weights, mask_f)
+        else:
+            weights = None
+        if ref_log_probs is not None:
+            kl = kl_penalty(log_probs, jax.lax.stop_gradient(ref_log_probs), mask_f, estimator=kl_estimator)
+            per_token = per_token - kl_coef * kl
+            diagnostics["kl_ref"] = masked_mean(kl, mask_f)
+        loss = -aggregate(per_token, mask_f, aggregation, group_size=group_size, max_len=max_len)
+
+        if metrics == "none":
+            return loss, {"loss": jax.lax.stop_gradient(loss)}
+        diagnostics.update(_policy_metrics(jax.lax.stop_gradient(log_ratio), seq_log_ratio,
+                                           advantages, mask_f, lengths, surrogate, weights))
+        diagnostics["loss"] = jax.lax.stop_gradient(loss)
+        return loss, diagnostics
+
+    # Rematerialise the [B, T] intermediates in the backward pass instead of storing them:
+    # only reduction outputs ([B] or scalars) are saved. The backward pass then recomputes
+    # the few elementwise terms it needs inside its single gradient pass, which on
+    # XLA:CPU costs less than writing and re-reading stored [B, T] residuals
+    # (benchmarks/bench_core.py); loss, gradient and metrics are unchanged.
+    return jax.checkpoint(compute, policy=_save_only_reductions)(
+        log_probs, old_log_probs, advantages, mask, importance_weights, ref_log_probs)
+
+
+_REDUCTIONS = (jax.lax.reduce_sum_p, jax.lax.reduce_max_p, jax.lax.reduce_min_p)
+
+
+def _save_only_reductions(primitive, *_, **__) -> bool:
+    """``jax.checkpoint`` policy: keep outputs of reductions, recompute everything else."""
+    return primitive in _REDUCTIONS
 
 
 def _policy_metrics(log_ratio, seq_log_ratio, advantages, mask_f, lengths, surrogate, weights):
@@ -490,12 +517,13 @@ def _policy_metrics(log_ratio, seq_log_ratio, advantages, mask_f, lengths, surro
     """
     valid = mask_f > 0
     num_tokens = jnp.sum(lengths)
-    num_seqs = jnp.sum((lengths > 0).astype(mask_f.dtype))
+    nonempty = lengths > 0
+    num_seqs = jnp.sum(nonempty.astype(mask_f.dtype))
     has_tokens = num_tokens > 0
     zero = jnp.zeros((), mask_f.dtype)
 
     def token_sum(x):
-        return jnp.sum(jnp.sum(jnp.where(valid, x, 0), axis=-1))
+        return jnp.sum(_row_sums(x, mask_f, lengths))
 
     def token_frac(flags):
         if flags is None:
@@ -508,12 +536,16 @@ def _policy_metrics(log_ratio, seq_log_ratio, advantages, mask_f, lengths, surro
         no_grad = no_grad | (weights == 0)
     clip_low = token_frac(surrogate.clipped_low)
     clip_high = token_frac(surrogate.clipped_high)
+    # One array serves min, max and the intra-sequence variance: padding holds the row's
+    # mean log-ratio (the global mean for empty rows), which lies between the row's min
+    # and max and adds 0 to its centred squares.
+    global_mean = _safe_div(jnp.sum(seq_log_ratio * lengths), num_tokens)
+    fill = jnp.where(nonempty, seq_log_ratio, global_mean)[:, None]
+    filled = jnp.where(valid, log_ratio, fill)
+    min_log_ratio = jnp.min(jnp.min(filled, axis=-1))
+    max_log_ratio = jnp.max(jnp.max(filled, axis=-1))
     # Intra-sequence variance of the token log-ratio (ddof 0), then mean over sequences.
-    centred = log_ratio - seq_log_ratio[:, None]
-    seq_var = _safe_div(jnp.sum(jnp.where(valid, jnp.square(centred), 0), axis=-1), lengths)
-    # exp is monotonic: min/max of the log-ratio, then one exp each.
-    min_log_ratio = jnp.min(jnp.min(jnp.where(valid, log_ratio, jnp.inf), axis=-1))
-    max_log_ratio = jnp.max(jnp.max(jnp.where(valid, log_ratio, -jnp.inf), axis=-1))
+    seq_var = _safe_div(jnp.sum(jnp.square(filled - fill), axis=-1), lengths)
     return {
         "clip_frac_low": clip_low,
         "clip_frac_high": clip_high,
@@ -522,7 +554,7 @@ def _policy_metrics(log_ratio, seq_log_ratio, advantages, mask_f, lengths, surro
         "ratio_mean": _safe_div(token_sum(jnp.exp(log_ratio)), num_tokens),
         "ratio_min": jnp.exp(jnp.where(has_tokens, min_log_ratio, 0.0)),
         "ratio_max": jnp.exp(jnp.where(has_tokens, max_log_ratio, 0.0)),
-        "seq_ratio_mean": _safe_div(jnp.sum(jnp.where(lengths > 0, jnp.exp(seq_log_ratio), 0)), num_seqs),
+        "seq_ratio_mean": _safe_div(jnp.sum(jnp.where(nonempty, jnp.exp(seq_log_ratio), 0)), num_seqs),
         "approx_kl": _safe_div(token_sum(jnp.expm1(log_ratio) - log_ratio), num_tokens),
         "gate_mean": _safe_div(token_sum(gate), num_tokens),
         "log_ratio_seq_var": _safe_div(jnp.sum(seq_var), num_seqs),

@@ -333,6 +333,20 @@ def test_hand_worked_aggregation():
         assert value == 0, aggregation  # nothing valid: 0, not NaN
 
 
+def test_sequence_level_terms_aggregate_like_their_broadcast():
+    # A [B, 1] term (GSPO's sequence objective) counts once per valid token of its row.
+    rng = np.random.default_rng(3)
+    per_seq = rng.normal(size=(6, 1)).astype(np.float32)
+    mask = (rng.random((6, 7)) < 0.6).astype(np.float32)
+    mask[2] = 0  # an empty row counts in no mean
+    for aggregation in AGGREGATIONS:
+        kwargs = dict(group_size=3, max_len=9)
+        row_level = losses.aggregate(jnp.asarray(per_seq), mask, aggregation, **kwargs)
+        token_level = losses.aggregate(jnp.asarray(np.broadcast_to(per_seq, mask.shape)), mask,
+                                       aggregation, **kwargs)
+        np.testing.assert_allclose(row_level, token_level, rtol=1e-5, atol=1e-6, err_msg=aggregation)
+
+
 # ----------------------------------------------------------------------------------------
 # The identities of PAPERS.md.
 # ----------------------------------------------------------------------------------------
