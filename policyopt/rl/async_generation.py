@@ -1,0 +1,586 @@
+"""Continuous-batching generation whose weights change between decode segments, and the
+thread that runs it next to a trainer (asynchronous RL, Magistral arXiv 2506.10910;
+PAPERS.md "Asynchronous generation").
+
+    slots = SlotGenerator(graphdef, SlotConfig(sampling, num_groups, prompt_width, 8))
+    with AsyncGenerator(slots, prompts, params, version=0, rng=key) as generator:
+        group = generator.take()                 # a finished GroupCompletion (G samples)
+        ...
+        generator.publish(new_params, version=1)  # picked up at the next segment
+
+**Slots.** The generator holds ``R = num_groups * G`` rows. A *slot group* holds the G
+samples of one prompt: all G are prefilled from one prompt pass, decoded side by side
+and handed out together, so group statistics (GRPO / Magistral advantages) always see
+complete groups; groups are never split or regrouped downstream. When every row of a
+group has ended (EOS, a stop token or sequence, or ``max_new_tokens``), the group is
+taken out and the slot is refilled with the next prompt (continuous batching).
+
+**Segments and weight pushes.** Decoding runs in segments of at most K steps
+(``segment_steps``), each one jitted call over all R rows. Between segments the host
+takes out finished groups, refills free slots, and picks up the latest published
+parameters. The KV cache is *not* recomputed after a push: keys and values written under
+older parameters stay, and later tokens attend to them (Magistral's in-flight update).
+
+**Policy versions.** Token n of a row is drawn from logits computed by the forward pass
+of token n - 1 (the prefill for n = 0). ``versions[r, n]`` is the parameter version of
+that forward pass, so the behaviour log-prob of token n is
+``log softmax(f_{versions[r, n]}(token n-1; KV cache) / T)[token n]`` where the KV cache
+holds token j's keys / values from version ``versions[r, j + 1]`` (the prompt's from
+``start_version``). ``tests/test_async_rl.py`` recomputes exactly this, token by token.
+Behaviour log-probs are therefore recorded per token under whichever parameters produced
+them; a trainer that recomputes pi_old with its own parameters and applies truncated
+importance sampling (``algo.tis_cap``, ``algo.old_log_probs = "trainer"``) corrects for
+the mixture unchanged.
+
+**KV cache layout.** One ``KVCache`` ``[L, R, S, Hkv, Dh]`` shared by every row, with one
+write index (the model's cache writes all rows at one slot). With ``W = P + N``
+(prompt width + max_new_tokens) and ``S = W + K``: each segment first rolls the cache so
+that the last W slots come first and the write index is W (a live row never spans more
+than ``P + N - 1`` slots), then runs up to K steps. A refilled group's prompt is
+prefilled alone (one row, then repeated G times as ``policyopt.sampling`` does) and its
+keys / values are copied to slots ``[index - P, index)`` of its rows, whose other slots
+are masked out. Attention masks by key slot and RoPE uses each row's own positions
+(``prompt_length + step``), so every row computes what the synchronous sampler computes
+for it (greedy outputs match ``generate_fn``; ``tests/test_async_rl.py``).
+
+**Staleness.** ``AsyncGenerator`` keeps at most ``n_async`` completions started and not
+yet taken by the trainer (in generation or waiting; the generator never blocks on a full
+queue, it starts no new group instead and keeps decoding the ones in flight). With a
+trainer that takes ``n_batch`` completions per parameter version, in finish order, every
+token of a completion trained at version b was generated at version >= b - bound,
+``bound = staleness_bound(...) = 1 + floor((n_async - G) * ceil(N / K) / n_batch)``:
+the batches between a group's start and its own batch hold completions that were in
+flight at its start (at most n_async - G) or that started and finished while it ran
+(at most ceil(N / K) - 1 per other slot), plus the batch being trained at its start.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+from typing import Any, Callable, Iterator, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx, struct
+
+from policyopt.sampling import Rollout, SamplingConfig, _next_logits, _take
+
+__all__ = ["SlotConfig", "SlotGenerator", "GroupCompletion", "AsyncGenerator",
+           "GeneratorExhausted", "staleness_bound"]
+
+
+def staleness_bound(n_async: int, n_batch: int, group_size: int, max_new_tokens: int,
+                    segment_steps: int) -> int:
+    """Largest possible ``b - v`` for a token generated at version v and trained at b
+    (see the module docstring for the argument)."""
+    segments = math.ceil(max_new_tokens / segment_steps)
+    return 1 + (n_async - group_size) * segments // n_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotConfig:
+    """Static settings of a SlotGenerator (hashable: a jit cache key)."""
+
+    # max_new_tokens N, sampling method, end tokens, G = num_samples, pad and cache dtype.
+    sampling: SamplingConfig
+    # Slot groups (prompts generated at once); R = num_groups * G rows.
+    num_groups: int
+    # P: prompts are right-padded (or cut, if only padding is cut) to this width.
+    prompt_width: int
+    # K: most decode steps per segment (between weight pick-ups).
+    segment_steps: int
+
+    def __post_init__(self):
+        for name in ("num_groups", "prompt_width", "segment_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SlotConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def group_size(self) -> int:
+        return self.sampling.num_samples
+
+    @property
+    def rows(self) -> int:
+        return self.num_groups * self.sampling.num_samples
+
+    @property
+    def window(self) -> int:
+        """W = P + N slots: what a live row can occupy."""
+        return self.prompt_width + self.sampling.max_new_tokens
+
+    @property
+    def cache_length(self) -> int:
+        return self.window + self.segment_steps
+
+
+@struct.dataclass
+class _SlotState:
+    """Everything the decode segments carry, R rows (one KV cache for all)."""
+
+    cache: Any  # KVCache [L, R, S, Hkv, Dh]
+    active: jax.Array  # bool [R]: holds a completion that has not been taken out
+    done: jax.Array  # bool [R]: the row has ended
+    step: jax.Array  # int32 [R]: tokens sampled so far
+    logits: jax.Array  # float32 [R, V]: next-token logits
+    logits_version: jax.Array  # int32 [R]: parameter version that computed `logits`
+    prompt_tokens: jax.Array  # int32 [R, P], right-padded
+    prompt_lengths: jax.Array  # int32 [R]
+    tokens: jax.Array  # int32 [R, N]
+    mask: jax.Array  # float32 [R, N]
+    log_probs: jax.Array  # float32 [R, N]: distribution sampled from
+    raw_log_probs: jax.Array  # float32 [R, N]: temperature-scaled, untruncated
+    versions: jax.Array  # int32 [R, N]: version of each token's logits (-1: none)
+    start_version: jax.Array  # int32 [R]: version of the prompt's prefill
+    prompt_routing: jax.Array | None  # int32 [L_moe, R, P, k], prompt right-padded
+    routing: jax.Array | None  # int32 [L_moe, R, N, k]
+    recent: jax.Array | None  # int32 [R, M]: last M tokens, for stop sequences
+
+
+def _stop_window(sampling: SamplingConfig) -> int:
+    return max((len(s) for s in sampling.stop_sequences), default=0)
+
+
+def _init_state(model, config: SlotConfig) -> _SlotState:
+    mc, s = model.config, config.sampling
+    rows, num_new, prompt_width = config.rows, s.max_new_tokens, config.prompt_width
+    cache = model.init_cache(rows, config.cache_length, dtype=s.cache_dtype)
+    cache = cache.replace(index=jnp.asarray(config.window, jnp.int32))
+    prompt_routing = routing = None
+    if mc.is_moe:
+        k = mc.num_experts_per_tok
+        filler = jnp.arange(k, dtype=jnp.int32)
+        prompt_routing = jnp.broadcast_to(filler, (mc.num_moe_layers, rows, prompt_width, k))
+        routing = jnp.broadcast_to(filler, (mc.num_moe_layers, rows, num_new, k))
+    window = _stop_window(s)
+    zeros = lambda shape, dtype: jnp.zeros(shape, dtype)
+    return _SlotState(
+        cache=cache, active=zeros((rows,), bool), done=zeros((rows,), bool),
+        step=zeros((rows,), jnp.int32), logits=zeros((rows, mc.vocab_size), jnp.float32),
+        logits_version=zeros((rows,), jnp.int32),
+        prompt_tokens=jnp.full((rows, prompt_width), s.fill_id, jnp.int32),
+        prompt_lengths=jnp.ones((rows,), jnp.int32),
+        tokens=jnp.full((rows, num_new), s.fill_id, jnp.int32),
+        mask=zeros((rows, num_new), jnp.float32), log_probs=zeros((rows, num_new), jnp.float32),
+        raw_log_probs=zeros((rows, num_new), jnp.float32),
+        versions=jnp.full((rows, num_new), -1, jnp.int32), start_version=zeros((rows,), jnp.int32),
+        prompt_routing=prompt_routing, routing=routing,
+        recent=jnp.full((rows, window), -1, jnp.int32) if window else None)
+
+
+def _refill(graphdef, params, state: _SlotState, group, prompt, prompt_length, version, *,
+            config: SlotConfig) -> _SlotState:
+    """Prefills one prompt (under parameters `version`) into the G rows of slot `group`."""
+    model = nnx.merge(graphdef, params)
+    s = config.sampling
+    group_size, prompt_width = s.num_samples, config.prompt_width
+    index = jnp.arange(prompt_width, dtype=jnp.int32)
+    prompt_mask = index < prompt_length
+    out = model(prompt[None].astype(jnp.int32), positions=index[None], attention_mask=prompt_mask[None],
+                cache=model.init_cache(1, prompt_width, dtype=s.cache_dtype), return_logits=False)
+    last = jax.lax.dynamic_index_in_dim(out.hidden[0], prompt_length - 1, axis=0)  # [1, D]
+    logits = _next_logits(model, last)  # [1, V]
+
+    row0 = group * group_size
+    repeat = lambda x, axis: jnp.repeat(x, group_size, axis=axis)
+
+    def put(buffer, block, axis=0):
+        block = jnp.broadcast_to(block, buffer.shape[:axis] + (group_size,) + buffer.shape[axis + 1:])
+        return jax.lax.dynamic_update_slice_in_dim(buffer, block.astype(buffer.dtype), row0, axis)
+
+    # The prompt's keys / values go to slots [index - P, index) of the group's rows; every
+    # other slot of those rows (the previous completion) is masked out.
+    cache = state.cache
+    first_slot = cache.index - prompt_width
+    start = (0, row0, first_slot, 0, 0)
+    row_mask = jnp.zeros((group_size, config.cache_length), bool)
+    row_mask = jax.lax.dynamic_update_slice(row_mask, repeat(prompt_mask[None], 0), (0, first_slot))
+    cache = cache.replace(
+        k=jax.lax.dynamic_update_slice(cache.k, repeat(out.cache.k, 1).astype(cache.k.dtype), start),
+        v=jax.lax.dynamic_update_slice(cache.v, repeat(out.cache.v, 1).astype(cache.v.dtype), start),
+        key_mask=jax.lax.dynamic_update_slice(cache.key_mask, row_mask, (row0, 0)))
+    new = state.replace(
+        cache=cache, active=put(state.active, True), done=put(state.done, False),
+        step=put(state.step, 0), logits=put(state.logits, logits),
+        logits_version=put(state.logits_version, version),
+        prompt_tokens=put(state.prompt_tokens, prompt[None]),
+        prompt_lengths=put(state.prompt_lengths, prompt_length),
+        tokens=put(state.tokens, s.fill_id), mask=put(state.mask, 0.0),
+        log_probs=put(state.log_probs, 0.0), raw_log_probs=put(state.raw_log_probs, 0.0),
+        versions=put(state.versions, -1), start_version=put(state.start_version, version))
+    if state.routing is not None:
+        k = state.routing.shape[-1]
+        new = new.replace(
+            prompt_routing=put(state.prompt_routing, out.routing.astype(jnp.int32), axis=1),
+            routing=put(state.routing, jnp.arange(k, dtype=jnp.int32), axis=1))
+    if state.recent is not None:
+        new = new.replace(recent=put(state.recent, -1))
+    return new
+
+
+def _compact(cache, window: int):
+    """Rolls the cache so that slots [index - W, index) become [0, W); index := W."""
+    shift = cache.index - window
+    keep = jnp.arange(cache.max_length) < window
+    return cache.replace(k=jnp.roll(cache.k, -shift, axis=2), v=jnp.roll(cache.v, -shift, axis=2),
+                         key_mask=jnp.roll(cache.key_mask, -shift, axis=1) & keep[None],
+                         index=jnp.asarray(window, jnp.int32))
+
+
+def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotConfig) -> _SlotState:
+    """Up to K decode steps of every live row under parameters `version` (see
+    ``policyopt.sampling._generate``'s loop body, here with a step per row)."""
+    model = nnx.merge(graphdef, params)
+    s = config.sampling
+    num_new, fill = s.max_new_tokens, s.fill_id
+    end_ids = jnp.asarray(s.end_ids, jnp.int32) if s.end_ids else None
+    stop_window = _stop_window(s)
+    column = jnp.arange(num_new, dtype=jnp.int32)[None, :]
+    state = state.replace(cache=_compact(state.cache, config.window))
+
+    def cond(carry):
+        i, st = carry
+        return (i < config.segment_steps) & jnp.any(st.active & ~st.done)
+
+    def body(carry):
+        i, st = carry
+        live = st.active & ~st.done
+        logits = sample_logits = st.logits
+        if s.min_new_tokens > 0 and end_ids is not None:
+            banned = logits.at[:, end_ids].set(-jnp.inf)
+            sample_logits = jnp.where((st.step < s.min_new_tokens)[:, None], banned, logits)
+        tokens, log_probs = s.method.sample(sample_logits, jax.random.fold_in(rng, i))
+        raw_log_probs = _take(jax.nn.log_softmax(s.method.scale(logits), axis=-1), tokens)
+        tokens = jnp.where(live, tokens, fill)
+        ended = jnp.zeros_like(live)
+        if end_ids is not None:
+            ended = jnp.any(tokens[:, None] == end_ids[None, :], axis=-1)
+        recent = st.recent
+        if recent is not None:
+            shifted = jnp.concatenate([recent[:, 1:], tokens[:, None]], axis=1)
+            recent = jnp.where(live[:, None], shifted, recent)
+            for stop in s.stop_sequences:
+                stop_arr = jnp.asarray(stop, jnp.int32)
+                ended |= jnp.all(recent[:, stop_window - len(stop):] == stop_arr, axis=-1)
+        here = (column == st.step[:, None]) & live[:, None]  # [R, N]: this step's column
+        out = model(tokens[:, None], positions=(st.prompt_lengths + st.step)[:, None],
+                    attention_mask=live[:, None], cache=st.cache, return_logits=False)
+        routing = st.routing
+        if routing is not None:
+            routing = jnp.where(here[None, :, :, None], out.routing.astype(jnp.int32), routing)
+        step = st.step + live.astype(jnp.int32)
+        new_logits = _next_logits(model, out.hidden[:, 0])
+        return i + 1, st.replace(
+            cache=out.cache, done=st.done | (live & (ended | (step >= num_new))), step=step,
+            logits=jnp.where(live[:, None], new_logits, logits),
+            logits_version=jnp.where(live, version, st.logits_version),
+            tokens=jnp.where(here, tokens[:, None], st.tokens),
+            mask=jnp.where(here, 1.0, st.mask),
+            log_probs=jnp.where(here, log_probs[:, None], st.log_probs),
+            raw_log_probs=jnp.where(here, raw_log_probs[:, None], st.raw_log_probs),
+            versions=jnp.where(here, st.logits_version[:, None], st.versions),
+            routing=routing, recent=recent)
+
+    _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    return state
+
+
+_refill_fn = jax.jit(_refill, static_argnums=(0,), static_argnames=("config",), donate_argnums=(2,))
+_segment_fn = jax.jit(_segment, static_argnums=(0,), static_argnames=("config",), donate_argnums=(2,))
+
+
+class GroupCompletion(NamedTuple):
+    """The G finished samples of one prompt, on the host (numpy), in `Rollout`'s layout.
+
+    Shapes: G rows, P prompt width, N max_new_tokens.
+    """
+
+    tokens: np.ndarray  # int32 [G, N]
+    mask: np.ndarray  # float32 [G, N]
+    log_probs: np.ndarray  # float32 [G, N]: distribution sampled from
+    raw_log_probs: np.ndarray  # float32 [G, N]: behaviour log-probs (untruncated)
+    lengths: np.ndarray  # int32 [G]
+    prompt_tokens: np.ndarray  # int32 [G, P], right-aligned (left-padded)
+    prompt_lengths: np.ndarray  # int32 [G]
+    routing: np.ndarray | None  # int32 [L_moe, G, P + N, k], `Rollout.sequences()` layout
+    versions: np.ndarray  # int32 [G, N]: parameter version of each token (-1 past the end)
+    start_version: int  # version of the prompt's prefill (and of token 0's logits)
+    finish_version: int  # version of the segment in which the group finished
+    meta: dict  # what came with the prompt (text, reference answer, ...)
+    rewards: np.ndarray | None = None  # float32 [G], once scored
+    correct: np.ndarray | None = None  # bool [G]
+    sample_mask: np.ndarray | None = None  # float32 [G]: 0 drops a sample from the loss
+
+    def rollout(self) -> Rollout:
+        """As a `policyopt.sampling.Rollout` (for `policyopt.rl.batch.round_from_rollout`)."""
+        return Rollout(tokens=self.tokens, mask=self.mask, log_probs=self.log_probs,
+                       raw_log_probs=self.raw_log_probs, lengths=self.lengths,
+                       prompt_tokens=self.prompt_tokens, prompt_lengths=self.prompt_lengths,
+                       routing=self.routing, num_steps=np.int32(self.lengths.max()))
+
+
+def _fit_prompt(tokens, length: int, width: int, pad_id: int) -> np.ndarray:
+    """A right-padded prompt cut or padded to `width` (only padding may be cut)."""
+    tokens = np.asarray(tokens, np.int32)
+    if not 1 <= length <= width:
+        raise ValueError(f"prompt length {length} does not fit the generator's prompt width "
+                         f"{width} (set config.async_mode.prompt_width to at least {length})")
+    out = np.full((width,), pad_id, np.int32)
+    out[:length] = tokens[:length]
+    return out
+
+
+class SlotGenerator:
+    """Slot groups decoded in segments (single-threaded; `AsyncGenerator` runs it in a
+    thread). See the module docstring.
+
+    Args:
+      graphdef: the policy's NNX graph definition (params are passed per call).
+      config: the slot geometry and sampling settings.
+      params: any parameters of the right structure (used for shapes only).
+    """
+
+    def __init__(self, graphdef, config: SlotConfig, params):
+        self.graphdef, self.config = graphdef, config
+        self.state = _init_state(nnx.merge(graphdef, params), config)
+        self._meta: dict[int, dict] = {}
+        self._active = np.zeros((config.num_groups,), bool)
+
+    def free_groups(self) -> list[int]:
+        return [int(g) for g in np.flatnonzero(~self._active)]
+
+    @property
+    def num_active(self) -> int:
+        return int(self._active.sum())
+
+    def refill(self, group: int, prompt: dict, params, version: int) -> None:
+        """Starts the G samples of `prompt` in slot `group` (which must be free).
+
+        `prompt` holds ``prompt_tokens`` (int [P'], right-padded), ``prompt_length`` and any
+        metadata (kept in ``GroupCompletion.meta``).
+        """
+        if self._active[group]:
+            raise ValueError(f"slot group {group} is still generating")
+        cfg = self.config
+        length = int(prompt["prompt_length"])
+        tokens = _fit_prompt(prompt["prompt_tokens"], length, cfg.prompt_width, cfg.sampling.fill_id)
+        self.state = _refill_fn(self.graphdef, params, self.state, jnp.int32(group), tokens,
+                                jnp.int32(length), jnp.int32(version), config=cfg)
+        self._meta[group] = {k: v for k, v in prompt.items() if k not in ("prompt_tokens", "prompt_length")}
+        self._active[group] = True
+
+    def segment(self, params, version: int, rng: jax.Array) -> list[GroupCompletion]:
+        """Runs up to K decode steps under `params` and returns the groups that finished
+        (their slots are free afterwards)."""
+        cfg = self.config
+        self.state = _segment_fn(self.graphdef, params, self.state, jnp.int32(version), rng, config=cfg)
+        done = np.asarray(jax.device_get(self.state.done)).reshape(cfg.num_groups, cfg.group_size)
+        finished = np.flatnonzero(self._active & done.all(axis=1))
+        if finished.size == 0:
+            return []
+        self._active[finished] = False
+        self.state = self.state.replace(active=jnp.asarray(np.repeat(self._active, cfg.group_size)))
+        return [self._completion(int(g), version) for g in finished]
+
+    def _completion(self, group: int, version: int) -> GroupCompletion:
+        cfg, st = self.config, self.state
+        rows = slice(group * cfg.group_size, (group + 1) * cfg.group_size)
+        fields = jax.device_get(dict(
+            tokens=st.tokens[rows], mask=st.mask[rows], log_probs=st.log_probs[rows],
+            raw_log_probs=st.raw_log_probs[rows], versions=st.versions[rows],
+            prompt_tokens=st.prompt_tokens[rows], prompt_lengths=st.prompt_lengths[rows],
+            start_version=st.start_version[rows],
+            prompt_routing=None if st.routing is None else st.prompt_routing[:, rows],
+            routing=None if st.routing is None else st.routing[:, rows]))
+        lengths = fields["prompt_lengths"].astype(np.int32)
+        shift = cfg.prompt_width - int(lengths[0])  # one prompt per group
+        prompt = np.where(np.arange(cfg.prompt_width)[None] < lengths[:, None],
+                          fields["prompt_tokens"], cfg.sampling.fill_id)
+        routing = None
+        if fields["routing"] is not None:
+            prompt_routing = np.roll(fields["prompt_routing"], shift, axis=2)
+            routing = np.concatenate([prompt_routing, fields["routing"]], axis=2).astype(np.int32)
+        mask = np.asarray(fields["mask"], np.float32)
+        return GroupCompletion(
+            tokens=np.asarray(fields["tokens"], np.int32), mask=mask,
+            log_probs=np.asarray(fields["log_probs"], np.float32),
+            raw_log_probs=np.asarray(fields["raw_log_probs"], np.float32),
+            lengths=mask.sum(axis=1).astype(np.int32),
+            prompt_tokens=np.roll(prompt, shift, axis=1).astype(np.int32), prompt_lengths=lengths,
+            routing=routing, versions=np.asarray(fields["versions"], np.int32),
+            start_version=int(fields["start_version"][0]), finish_version=int(version),
+            meta=self._meta.pop(group))
+
+
+class GeneratorExhausted(Exception):
+    """The prompt source ended and every started group has been taken."""
+
+
+class AsyncGenerator:
+    """Runs a `SlotGenerator` in a background thread, next to a trainer.
+
+    The thread loops: pick up the latest published parameters; refill free slot groups
+    while fewer than `n_async` completions are started and not yet taken; run one
+    segment; score the groups that finished (`score_fn`, at once) and queue them. It
+    never waits for the trainer while a group is in flight; with nothing in flight and
+    no budget left it waits for `take`. Errors in the thread are re-raised by `take` (and
+    by `close` when no `take` saw them); `close` (also on leaving a ``with`` block, on
+    error too) stops the thread between segments and joins it.
+
+    Args:
+      slots: the slot generator (its R rows are the generation slots).
+      prompts: iterator of prompt dicts (see `SlotGenerator.refill`).
+      params, version: the initial parameters and their version.
+      rng: base key; segment i samples with ``fold_in(rng, i)``.
+      n_async: most completions started and not yet taken (default R); a multiple of G.
+      score_fn: ``GroupCompletion -> GroupCompletion`` with rewards, run in the thread.
+      join_timeout_s: how long `close` waits for the thread.
+    """
+
+    def __init__(self, slots: SlotGenerator, prompts: Iterator[dict], params, version: int, *,
+                 rng: jax.Array, n_async: int | None = None,
+                 score_fn: Callable[[GroupCompletion], GroupCompletion] | None = None,
+                 join_timeout_s: float = 60.0):
+        group = slots.config.group_size
+        self.n_async = slots.config.rows if n_async is None else int(n_async)
+        if self.n_async < group or self.n_async % group:
+            raise ValueError(f"n_async ({self.n_async}) must be a positive multiple of the group "
+                             f"size ({group}): groups are started whole")
+        self.slots, self.prompts, self.rng = slots, prompts, rng
+        self.score_fn, self.join_timeout_s = score_fn, join_timeout_s
+        self._cond = threading.Condition()
+        self._params, self._version = params, int(version)
+        self._queue: collections.deque[GroupCompletion] = collections.deque()
+        self._outstanding = 0  # completions started and not yet taken
+        self._stop = self._exhausted = False
+        self._error: BaseException | None = None
+        self._error_seen = False
+        self.stats = collections.Counter()  # segments, groups_started, idle_waits
+        self._thread = threading.Thread(target=self._run, name="policyopt-async-generator", daemon=True)
+
+    # -- trainer side --------------------------------------------------------------------
+
+    def start(self) -> "AsyncGenerator":
+        self._thread.start()
+        return self
+
+    def publish(self, params, version: int) -> None:
+        """Makes `params` the generator's parameters from its next segment on. The caller
+        must not donate or delete these buffers afterwards (pass a copy)."""
+        with self._cond:
+            self._params, self._version = params, int(version)
+            self._cond.notify_all()
+
+    def take(self) -> GroupCompletion:
+        """The next finished group, in finish order (blocks until there is one)."""
+        with self._cond:
+            while True:
+                self._raise_error()
+                if self._queue:
+                    completion = self._queue.popleft()
+                    self._outstanding -= self.slots.config.group_size
+                    self._cond.notify_all()
+                    return completion
+                if self._exhausted:
+                    raise GeneratorExhausted("the prompt source is exhausted")
+                if not self._thread.is_alive():
+                    raise RuntimeError("the async generator thread is not running (call start())")
+                self._cond.wait(0.5)
+
+    @property
+    def version(self) -> int:
+        with self._cond:
+            return self._version
+
+    @property
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def close(self) -> None:
+        """Stops the thread after its current segment and joins it."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive() or self._thread.ident is not None:
+            self._thread.join(self.join_timeout_s)
+            if self._thread.is_alive():
+                raise RuntimeError(f"the async generator thread did not stop within "
+                                   f"{self.join_timeout_s} s")
+        with self._cond:
+            self._raise_error()
+
+    def __enter__(self) -> "AsyncGenerator":
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:  # the caller's exception wins; the thread still stops
+            with self._cond:
+                if self._error is not None and not self._error_seen:
+                    logging.error("the async generator thread had failed too: %r", self._error)
+                self._error_seen = True
+        self.close()
+
+    def _raise_error(self) -> None:
+        if self._error is not None and not self._error_seen:
+            self._error_seen = True
+            raise RuntimeError(f"the async generator thread failed: {self._error!r}") from self._error
+
+    # -- generator thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:  # re-raised in the trainer by take() / close()
+            with self._cond:
+                self._error = error
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
+        group = self.slots.config.group_size
+        segment, source_done = 0, False
+        while True:
+            with self._cond:
+                if self._stop:
+                    return
+                params, version = self._params, self._version
+                free = self.slots.free_groups()
+                starts = 0 if source_done else min(len(free), (self.n_async - self._outstanding) // group)
+                self._outstanding += starts * group  # reserved before the prompts are read
+            started = 0
+            for slot in free[:starts]:
+                try:
+                    prompt = next(self.prompts)
+                except StopIteration:
+                    source_done = True
+                    break
+                self.slots.refill(slot, prompt, params, version)
+                started += 1
+            if started < starts:
+                with self._cond:
+                    self._outstanding -= (starts - started) * group
+            self.stats["groups_started"] += started
+            if self.slots.num_active == 0:
+                with self._cond:
+                    if source_done:
+                        self._exhausted = True
+                        self._cond.notify_all()
+                        return
+                    # Nothing in flight and no budget: wait for the trainer to take some.
+                    self.stats["idle_waits"] += 1
+                    self._cond.wait_for(lambda: self._stop or
+                                        self._outstanding + group <= self.n_async, timeout=1.0)
+                continue
+            finished = self.slots.segment(params, version, jax.random.fold_in(self.rng, segment))
+            segment += 1
+            self.stats["segments"] += 1
+            for completion in finished:
+                if self.score_fn is not None:
+                    completion = self.score_fn(completion)
+                with self._cond:
+                    self._queue.append(completion)
+                    self._cond.notify_all()
