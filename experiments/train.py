@@ -6,13 +6,15 @@
 
 The work directory receives the resolved config (config.json), metrics.jsonl,
 TensorBoard events, eval.jsonl and orbax checkpoints; rerunning the same command
-resumes from the latest checkpoint.
+resumes from the latest checkpoint. A config with `async_mode.enabled`
+(configs/magistral_async.py) trains with asynchronous generation (`run_async_rl`).
 """
 
 from absl import app, flags
 from ml_collections import config_flags
 
 from policyopt.metrics import quiet_library_logging
+from policyopt.rl.async_rl import async_enabled, run_async_rl
 from policyopt.rl.trainer import run_rl
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe file, e.g. configs/sapo.py[:variant].")
@@ -23,7 +25,9 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     del argv
     quiet_library_logging()
-    summary = run_rl(_CONFIG.value, _WORKDIR.value)
+    config = _CONFIG.value
+    train = run_async_rl if async_enabled(config) else run_rl  # config.async_mode.enabled
+    summary = train(config, _WORKDIR.value)
     print("final eval:", summary["eval"])
 
 

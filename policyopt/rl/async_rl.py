@@ -1,0 +1,453 @@
+"""Asynchronous RL (Magistral, arXiv 2506.10910; PAPERS.md "Asynchronous generation"):
+generation and training overlap.
+
+    summary = run_async_rl(config, workdir)   # config.async_mode.enabled; configs/magistral_async.py
+
+A generator thread (``policyopt.rl.async_generation.AsyncGenerator``) decodes prompts
+continuously in slot groups, scores every group as soon as it finishes and queues it; it
+never waits for the trainer while a group is in flight. The trainer (this thread) takes
+finished groups in finish order until the batch holds ``n_prompts`` groups
+(``n_batch = n_prompts * G`` completions; with dynamic sampling, zero-variance groups are
+dropped and counted as DAPO / Magistral do), then runs exactly the synchronous trainer's
+step on it (old log-probs from the trainer's forward, advantages, epochs x minibatches
+of updates; ``n_minibatches`` divides ``n_prompts``, so minibatches hold whole groups),
+and publishes the new parameters, which the generator picks up at its next segment,
+mid-generation, without recomputing the KV cache.
+
+Groups: the G samples of a prompt are generated in one slot group and handed over
+together, so group-based advantages always see complete groups.
+
+Staleness: the parameters trained on batch b have version b (one version per batch).
+Every token records the version of the parameters that produced its logits; the metrics
+report, per batch, ``b - version`` over the tokens (``async/staleness_{min,mean,max}``),
+the versions at which the completions started and finished, and how many completions
+saw a weight push mid-generation. ``n_async`` (completions started and not yet taken)
+bounds it: ``async_generation.staleness_bound``.
+
+Off-policy correction: behaviour log-probs are recorded token by token under whichever
+parameters produced them, so truncated importance sampling (``algo.tis_cap``, with
+``algo.old_log_probs = "trainer"``) applies unchanged: w = min(pi_old / mu, C) with mu
+the per-token behaviour mixture. ``old_log_probs = "sampler"`` makes mu itself pi_old.
+
+Checkpoints hold parameters, optimiser state, counters and iteration (as ``run_rl``) and
+the position of the prompt stream as far as the generator has read it. Completions in
+flight or queued are not saved: a resumed run restarts generation from scratch at the
+restored parameters (the prompts in flight at the save are skipped). Runs are not
+bit-reproducible: which completions form a batch depends on thread timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from policyopt.advantages import outcome_advantages
+from policyopt.losses import truncated_importance_weights
+from policyopt.metrics import MetricsWriter, Progress
+from policyopt.rewards.batch import score_batch
+from policyopt.rl.async_generation import (AsyncGenerator, GroupCompletion, SlotConfig,
+                                           SlotGenerator, staleness_bound)
+from policyopt.rl.batch import Batch, bucket, merge_rounds, minibatch_indices, round_from_rollout, take_rows
+from policyopt.rl.evaluate import decode
+from policyopt.rl.routing import routing_metrics
+from policyopt.rl.trainer import (RLRun, _block, _chunked_log_probs, build_run, evaluate_run,
+                                  minibatch_advantages)
+
+__all__ = ["AsyncConfig", "async_enabled", "check_supported", "PromptStream", "GroupBatcher", "make_scorer",
+           "make_generator", "async_iteration", "run_async_rl"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncConfig:
+    """``config.async_mode`` (fields absent from a recipe take these defaults)."""
+
+    enabled: bool = False
+    # Most completions started and not yet taken by the trainer; also the number of
+    # generation rows. None: 2 * n_batch (Magistral: best with n_async / n_batch <= 2).
+    n_async: int | None = None
+    # K: decode steps between two pick-ups of new weights (the push granularity).
+    segment_steps: int = 8
+    # Prompt width of the generator's slots; None: that of the first prompt batch.
+    prompt_width: int | None = None
+    # Seconds to wait for the generator thread to stop.
+    join_timeout_s: float = 60.0
+
+    @classmethod
+    def from_config(cls, config) -> "AsyncConfig":
+        node = config.get("async_mode", None)
+        if node is None:
+            return cls()
+        values = {}
+        for field in dataclasses.fields(cls):
+            value = node.get(field.name, None)
+            values[field.name] = field.default if value is None else value
+        return cls(**values)
+
+    def resolved_n_async(self, config) -> int:
+        """n_async, checked against the batch geometry (errors name the field)."""
+        group, n_batch = config.batch.group_size, config.batch.n_prompts * config.batch.group_size
+        n_async = 2 * n_batch if self.n_async is None else int(self.n_async)
+        if n_async < group or n_async % group:
+            raise ValueError(f"config.async_mode.n_async ({n_async}) must be a positive multiple of "
+                             f"batch.group_size ({group}): the G samples of a prompt start together")
+        if self.segment_steps < 1:
+            raise ValueError(f"config.async_mode.segment_steps must be >= 1, got {self.segment_steps}")
+        return n_async
+
+
+def check_supported(config) -> None:
+    """Raises a ValueError naming a field that asks for something run_async_rl does not do:
+    critic methods (``algo.advantage = "gae"``) and VAPO's NLL term are trained by the
+    synchronous ``trainer.run_rl`` only."""
+    algo = config.algo
+    if algo.get("advantage", "outcome") != "outcome":
+        raise ValueError(f"config.algo.advantage={algo.advantage!r}: asynchronous RL trains "
+                         "outcome-advantage recipes only (critic methods: use trainer.run_rl)")
+    if algo.get("nll_coef", 0.0):
+        raise ValueError("config.algo.nll_coef > 0: the NLL term is not wired into asynchronous "
+                         "RL; use trainer.run_rl")
+
+
+def async_enabled(config) -> bool:
+    """Whether ``config.async_mode.enabled`` asks for ``run_async_rl``."""
+    return AsyncConfig.from_config(config).enabled
+
+
+class PromptStream:
+    """Single prompts out of the RL pipeline's batches, thread-safe.
+
+    ``get_state()`` is the pipeline's state at the last batch the generator read (prompts
+    of that batch not yet started are skipped on resume).
+    """
+
+    def __init__(self, batches):
+        self._batches, self._lock, self._buffer = batches, threading.Lock(), []
+
+    def _fill(self) -> None:
+        batch = next(self._batches)
+        for i, length in enumerate(np.asarray(batch["prompt_lengths"])):
+            self._buffer.append(dict(prompt_tokens=np.asarray(batch["prompt_tokens"][i]),
+                                     prompt_length=int(length), prompt=batch["prompt"][i],
+                                     answer=batch["answer"][i]))
+
+    def peek_width(self) -> int:
+        """Padded width of the next prompt batch."""
+        with self._lock:
+            if not self._buffer:
+                self._fill()
+            return int(self._buffer[0]["prompt_tokens"].shape[0])
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        with self._lock:
+            if not self._buffer:
+                self._fill()
+            return self._buffer.pop(0)
+
+    def get_state(self):
+        with self._lock:
+            return self._batches.get_state()
+
+
+def make_scorer(run: RLRun):
+    """``GroupCompletion -> GroupCompletion`` with rewards, as the synchronous trainer
+    scores (``policyopt.rewards.batch.score_batch``; truncated = no EOS at the limit)."""
+    cfg, tokenizer = run.config, run.tokenizer
+    num_new = cfg.sampling.max_new_tokens
+
+    def score(completion: GroupCompletion) -> GroupCompletion:
+        group = completion.tokens.shape[0]
+        texts = decode(completion.tokens, completion.lengths, tokenizer)
+        truncated = (completion.lengths >= num_new) & (completion.tokens[:, -1] != tokenizer.eos_id)
+        scores = score_batch(texts, [completion.meta["answer"]] * group, completion.lengths,
+                             run.reward_spec, prompts=[completion.meta["prompt"]] * group,
+                             num_workers=cfg.reward.num_workers, truncated=truncated)
+        return completion._replace(rewards=np.asarray(scores.rewards, np.float32),
+                                   correct=np.asarray(scores.correct, bool),
+                                   sample_mask=np.asarray(scores.sample_mask, np.float32))
+
+    return score
+
+
+def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
+    """The generator of ``run`` (not started), at the run's current parameters and
+    iteration (= version)."""
+    cfg = run.config
+    acfg = AsyncConfig.from_config(cfg)
+    n_async = acfg.resolved_n_async(cfg)
+    width = acfg.prompt_width or stream.peek_width()
+    slot_config = SlotConfig(sampling=run.sampling_config, num_groups=n_async // cfg.batch.group_size,
+                             prompt_width=int(width),
+                             segment_steps=min(acfg.segment_steps, cfg.sampling.max_new_tokens))
+    params = jax.tree.map(jnp.copy, run.state.params)  # the update donates run.state
+    slots = SlotGenerator(run.graphdef, slot_config, params)
+    rng = jax.random.fold_in(jax.random.fold_in(run.rng, 0x5EED), run.iteration)
+    return AsyncGenerator(slots, stream, params, run.iteration, rng=rng, n_async=n_async,
+                          score_fn=make_scorer(run), join_timeout_s=acfg.join_timeout_s)
+
+
+class GroupBatcher:
+    """Finished groups -> batches of ``n_prompts`` groups, in arrival order.
+
+    Dynamic sampling as ``policyopt.rl.batch.DynamicSampler`` (DAPO; Magistral drops
+    zero-variance groups): when enabled, groups with all-equal rewards are dropped until
+    ``n_prompts`` are kept or ``max_groups`` groups were seen; a short batch is completed
+    with the most recently dropped groups (zero advantage) and the shortfall reported.
+    """
+
+    def __init__(self, n_prompts: int, group_size: int, *, enabled: bool, max_groups: int):
+        self.n_prompts, self.group_size = n_prompts, group_size
+        self.enabled, self.max_groups = enabled, max(max_groups, n_prompts)
+        self.kept: list[GroupCompletion] = []
+        self.dropped: list[GroupCompletion] = []
+        self.seen = 0
+
+    def add(self, group: GroupCompletion) -> bool:
+        """Adds one scored group; True when the batch is complete."""
+        self.seen += 1
+        if self.enabled and np.ptp(group.rewards) == 0:
+            self.dropped.append(group)
+        else:
+            self.kept.append(group)
+        return len(self.kept) >= self.n_prompts or self.seen >= self.max_groups
+
+    def batch(self) -> tuple[list[GroupCompletion], dict[str, float]]:
+        """The groups of the batch (kept, then fillers) and the metrics; then resets."""
+        shortfall = self.n_prompts - len(self.kept)
+        groups = self.kept + self.dropped[::-1][:max(shortfall, 0)]
+        metrics = {"dynamic_sampling/groups_seen": float(self.seen),
+                   "dynamic_sampling/kept_fraction": len(self.kept) / self.seen,
+                   "dynamic_sampling/shortfall": float(max(shortfall, 0))}
+        self.kept, self.dropped, self.seen = [], [], 0
+        return groups, metrics
+
+
+def assemble(groups: list[GroupCompletion], run: RLRun):
+    """The training-layout Round of ``groups`` and their versions ``[R, N_b]`` (-1 past
+    each end), start and finish versions ``[R]``."""
+    cfg, group = run.config, run.config.batch.group_size
+    num_new = cfg.sampling.max_new_tokens
+    rounds = []
+    for g in groups:
+        width = min(bucket(int(g.lengths.max()), cfg.batch.response_buckets, name="response length"),
+                    num_new)
+        rnd = round_from_rollout(g.rollout(), g.rewards, g.correct, width)
+        if cfg.reward.overlong_filter:
+            rnd = rnd._replace(mask=rnd.mask * g.sample_mask[:, None])
+        rounds.append((rnd, np.zeros((1,), np.int64)))
+    merged = merge_rounds(rounds, group, run.tokenizer.pad_id)
+    width = merged.mask.shape[1]
+    versions = np.concatenate([g.versions[:, :width] for g in groups])
+    start = np.concatenate([np.full(group, g.start_version) for g in groups])
+    finish = np.concatenate([np.full(group, g.finish_version) for g in groups])
+    return merged, versions, start, finish
+
+
+def staleness_metrics(version: int, versions: np.ndarray, start: np.ndarray,
+                      finish: np.ndarray) -> dict[str, float]:
+    """Per-batch staleness ``version - token version`` and start / finish versions."""
+    valid = versions >= 0
+    token_staleness = version - versions[valid]
+    spans = [len(np.unique(row[row >= 0])) for row in versions]
+    return {
+        "async/staleness_min": float(token_staleness.min()),
+        "async/staleness_mean": float(token_staleness.mean()),
+        "async/staleness_max": float(token_staleness.max()),
+        "async/start_version_min": float(start.min()), "async/start_version_max": float(start.max()),
+        "async/finish_version_min": float(finish.min()), "async/finish_version_max": float(finish.max()),
+        "async/start_staleness_max": float(version - start.min()),
+        "async/pushed_mid_generation_fraction": float(np.mean(np.asarray(spans) > 1)),
+    }
+
+
+def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle) -> dict:
+    """The synchronous trainer's step on an assembled batch (``trainer.rl_iteration``
+    after sampling): old / reference log-probs, advantages, TIS weights, routing replay,
+    epochs x minibatches of updates, routing metrics. Updates ``run.state``."""
+    cfg, learner = run.config, run.learner
+    algo, group = cfg.algo, cfg.batch.group_size
+    t0 = time.perf_counter()
+    tokens, positions = jnp.asarray(merged.tokens), jnp.asarray(merged.positions)
+    attention_mask, mask = jnp.asarray(merged.attention_mask), jnp.asarray(merged.mask)
+    sampler_routing = None if merged.routing is None else jnp.asarray(merged.routing)
+    behaviour = jnp.asarray(merged.behaviour_log_probs)
+    n_chunks = cfg.batch.n_minibatches
+    is_moe = sampler_routing is not None
+    replay_old = sampler_routing if (is_moe and algo.routing_replay == "R3") else None
+    if algo.old_log_probs == "trainer":
+        old_log_probs, old_routing = _chunked_log_probs(
+            learner, run.state.params, tokens, positions, attention_mask, mask, replay_old, n_chunks)
+    else:
+        old_log_probs, old_routing = behaviour, None
+    ref_log_probs = None
+    if run.ref_params is not None:
+        ref_log_probs, _ = _chunked_log_probs(
+            learner, run.ref_params, tokens, positions, attention_mask, mask, None, n_chunks)
+    natural_old = old_routing if (is_moe and replay_old is None) else None
+    if is_moe and cfg.train.routing_metrics and natural_old is None:
+        natural_old = learner.routing(run.state.params, tokens, positions, attention_mask)
+    metrics["time/old_log_probs_s"] = _block(old_log_probs, t0)
+    metrics["logprob/sampler_trainer_abs_diff"] = float(
+        jnp.sum(jnp.abs(old_log_probs - behaviour) * mask) / jnp.maximum(jnp.sum(mask), 1))
+
+    rewards = jnp.asarray(merged.rewards)
+    scale = "none" if algo.adv_scale == "minibatch" else algo.adv_scale
+    advantages = outcome_advantages(rewards, group, center=algo.adv_center, scale=scale, eps=algo.adv_eps)
+    weights = None
+    if algo.tis_cap is not None:
+        weights = truncated_importance_weights(old_log_probs, behaviour, mask, cap=algo.tis_cap)
+    replay = {"none": None, "R2": old_routing, "R3": sampler_routing}[algo.routing_replay] if is_moe else None
+    batch = Batch(tokens=tokens, positions=positions, attention_mask=attention_mask, mask=mask,
+                  advantages=advantages, old_log_probs=old_log_probs, importance_weights=weights,
+                  ref_log_probs=ref_log_probs, routing=replay)
+    run.last_round, run.last_batch = merged, batch
+
+    t0 = time.perf_counter()
+    num_groups = tokens.shape[0] // group
+    sums: dict = {}
+    num_updates = 0
+    for epoch in range(cfg.batch.epochs):
+        shuffle = jax.random.fold_in(key_shuffle, epoch) if cfg.batch.n_minibatches > 1 else None
+        for rows in minibatch_indices(num_groups, group, cfg.batch.n_minibatches, shuffle):
+            minibatch = take_rows(batch, rows)
+            if algo.adv_scale == "minibatch":
+                minibatch = minibatch._replace(advantages=minibatch_advantages(
+                    rewards[rows], group, center=algo.adv_center, eps=algo.adv_eps))
+            run.state, update_metrics = learner.update(run.state, minibatch)
+            for k, v in update_metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+            num_updates += 1
+    update_metrics = {k: v / num_updates for k, v in sums.items()}
+    update_metrics["update/skipped"] = sums["update/skipped"]
+    metrics.update(jax.device_get(update_metrics))
+    metrics["time/update_s"] = _block(run.state.params, t0)
+    if is_moe and cfg.train.routing_metrics:
+        new_routing = learner.routing(run.state.params, tokens, positions, attention_mask)
+        metrics.update(jax.device_get(routing_metrics("routing/volatility", natural_old, new_routing, attention_mask)))
+        metrics.update(jax.device_get(routing_metrics(
+            "routing/sampler_trainer_disagreement", natural_old, sampler_routing, attention_mask)))
+    metrics["batch/prompt_width"] = float(merged.prompt_width)
+    metrics["batch/response_width"] = float(merged.mask.shape[1])
+    metrics["update/step"] = float(run.state.step)
+    metrics["update/skipped_total"] = float(run.state.skipped)
+    return metrics
+
+
+def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher) -> tuple[dict, dict]:
+    """Takes one batch of finished groups, trains on it (version ``run.iteration``),
+    publishes the new parameters as version ``run.iteration + 1``.
+
+    Returns:
+      ``(metrics, info)``; info holds the batch's ``groups`` and per-row ``versions``
+      ``[R, N_b]``, ``start_version`` and ``finish_version`` ``[R]``.
+    """
+    cfg, version = run.config, run.iteration
+    start = time.perf_counter()
+    while not batcher.add(generator.take()):
+        pass
+    groups, metrics = batcher.batch()
+    waited = time.perf_counter() - start
+    merged, versions, start_version, finish_version = assemble(groups, run)
+    rewards = np.concatenate([g.rewards for g in groups])
+    correct = np.concatenate([g.correct for g in groups])
+    lengths = np.concatenate([g.lengths for g in groups])
+    metrics.update({
+        "reward/mean": float(np.mean(rewards)), "reward/accuracy": float(np.mean(correct)),
+        "batch/reward_mean": float(np.mean(merged.rewards)),
+        "batch/accuracy": float(np.mean(merged.correct)),
+        "response/length_mean": float(np.mean(lengths)), "response/length_max": float(np.max(lengths)),
+        "response/truncated_fraction": float(np.mean(lengths >= cfg.sampling.max_new_tokens)),
+        "time/wait_for_generator_s": waited,
+        "async/queued": float(generator.queued),
+        "async/segments": float(generator.stats["segments"]),
+        "async/groups_started": float(generator.stats["groups_started"]),
+    })
+    metrics.update(staleness_metrics(version, versions, start_version, finish_version))
+    _, key_shuffle = jax.random.split(jax.random.fold_in(run.rng, run.iteration))
+    metrics = train_on_batch(run, merged, metrics, key_shuffle)
+    run.iteration += 1
+    generator.publish(jax.tree.map(jnp.copy, run.state.params), run.iteration)
+    metrics["time/iteration_s"] = time.perf_counter() - start
+    info = dict(groups=groups, versions=versions, start_version=start_version,
+                finish_version=finish_version)
+    return {k: float(v) for k, v in metrics.items()}, info
+
+
+def save(run: RLRun, stream: PromptStream) -> None:
+    """Checkpoints the run (``trainer.save`` with the prompt stream's position)."""
+    run.checkpointer.save(run.iteration, {"train": run.state, "rng": run.rng},
+                          {"iteration": run.iteration, "data": stream.get_state()})
+
+
+def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bool = False) -> dict:
+    """Trains with asynchronous RL for ``config.train.num_iterations`` batches (resuming
+    from ``workdir/checkpoints`` when possible); the outputs of ``trainer.run_rl``.
+
+    Returns:
+      ``{"iteration", "metrics" (last), "eval", "eval_history", "run", "async" (the last
+      batch's versions, see ``async_iteration``), "staleness_bound"}``.
+    """
+    check_supported(config)
+    total = config.train.num_iterations if num_iterations is None else num_iterations
+    run = build_run(config, workdir)
+    if run.iteration:
+        logging.info("async RL resumes at iteration %d; generation restarts from scratch "
+                     "(in-flight completions are not checkpointed)", run.iteration)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    stream = PromptStream(run.data)
+    generator = make_generator(run, stream)
+    slot_config = generator.slots.config
+    group = config.batch.group_size
+    bound = staleness_bound(generator.n_async, config.batch.n_prompts * group, group,
+                            config.sampling.max_new_tokens, slot_config.segment_steps)
+    ds = config.dynamic_sampling
+    batcher = GroupBatcher(config.batch.n_prompts, group, enabled=ds.enabled,
+                           max_groups=ds.max_rounds * config.batch.n_prompts if ds.enabled else 0)
+    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
+    eval_writer = MetricsWriter(workdir, filename="eval.jsonl", tensorboard=False)
+    progress = None if quiet else Progress(total, start_step=run.iteration)
+    history, metrics, last_eval, info = [], {}, {}, {}
+    every = config.train.eval_every
+
+    def do_eval():
+        result = evaluate_run(run)
+        eval_writer.write(run.iteration, result)
+        writer.write(run.iteration, result)
+        history.append({"iteration": run.iteration, **result})
+        if progress:
+            print(f"eval @ {run.iteration}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)
+        return result
+
+    try:
+        if run.iteration == 0 and config.eval.num_prompts > 0:
+            last_eval = do_eval()
+        with generator if run.iteration < total else contextlib.nullcontext():
+            while run.iteration < total:
+                metrics, info = async_iteration(run, generator, batcher)
+                metrics["async/staleness_bound"] = float(bound)
+                writer.write(run.iteration, metrics)
+                if progress and run.iteration % config.train.log_every == 0:
+                    progress.update(run.iteration, {**metrics, **last_eval})
+                final = run.iteration == total
+                if config.eval.num_prompts > 0 and ((every and run.iteration % every == 0) or final):
+                    last_eval = do_eval()
+                if final or run.iteration % config.train.checkpoint_every == 0:
+                    save(run, stream)
+        if not last_eval and config.eval.num_prompts > 0:  # resumed a finished run
+            last_eval = do_eval()
+    finally:
+        writer.close()
+        eval_writer.close()
+    return {"iteration": run.iteration, "metrics": metrics, "eval": last_eval,
+            "eval_history": history, "run": run, "async": info, "staleness_bound": bound}
