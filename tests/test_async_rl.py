@@ -1,0 +1,332 @@
+"""Asynchronous generation and RL (policyopt.rl.async_generation, policyopt.rl.async_rl):
+behaviour log-probs across weight pushes against a token-by-token recomputation, greedy
+equality with the synchronous sampler, bounded staleness, whole groups, errors raised in
+the caller with no thread left behind, and a short run_async_rl with resume."""
+
+import dataclasses
+import functools
+import itertools
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import magistral, magistral_async
+from policyopt.metrics import read_jsonl
+from policyopt.rl import build
+from policyopt.rl.async_generation import (AsyncGenerator, GeneratorExhausted, SlotConfig,
+                                           SlotGenerator, staleness_bound)
+from policyopt.rl.async_rl import async_enabled, check_supported, run_async_rl
+from policyopt.rl.learner import split_params
+from policyopt.sampling import Greedy, SamplingConfig, generate_fn, sampling_method
+
+PROMPT_WIDTH, NUM_NEW, GROUP, N_ASYNC, SEGMENT = 16, 6, 2, 8, 2
+THREAD_NAME = "policyopt-async-generator"
+
+
+def tiny(extra=""):
+    """magistral_async shrunk to seconds: 1-layer MoE, 2 prompts x 2 samples, 6 tokens,
+    8 completions in flight, weights picked up every 2 decode steps."""
+    variant = (f"model=tiny_moe,model.num_layers=1,batch.n_prompts=2,batch.group_size={GROUP},"
+               f"sampling.max_new_tokens={NUM_NEW},task.num_train=64,task.num_test=8,"
+               "eval.num_prompts=0,train.num_iterations=3,train.eval_every=0,"
+               "train.checkpoint_every=1,train.tensorboard=False,train.routing_metrics=False,"
+               "dynamic_sampling.max_rounds=2,"
+               f"optim.lr=0.01,async_mode.n_async={N_ASYNC},async_mode.segment_steps={SEGMENT}")
+    config = magistral_async.get_config(variant + ("," + extra if extra else ""))
+    config.unlock()
+    config.batch.prompt_buckets = (PROMPT_WIDTH,)
+    config.batch.response_buckets = (NUM_NEW,)
+    config.lock()
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def policy():
+    """(graphdef, params, tokenizer) of the tiny config, as run_async_rl builds them."""
+    config = tiny()
+    tokenizer = build.make_tokenizer(config)
+    graphdef, params = split_params(build.make_model(config, tokenizer.vocab_size))
+    return graphdef, params, tokenizer
+
+
+def slot_config(method=None, num_groups=N_ASYNC // GROUP, segment=SEGMENT):
+    """The SlotConfig run_async_rl uses for tiny() (same jit cache entry), or a variant."""
+    _, _, tokenizer = policy()
+    sampling = SamplingConfig(max_new_tokens=NUM_NEW, method=method or sampling_method(1.0, 0, 1.0),
+                              eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                              num_samples=GROUP)
+    return SlotConfig(sampling=sampling, num_groups=num_groups, prompt_width=PROMPT_WIDTH,
+                      segment_steps=segment)
+
+
+def perturbed(params, seed, scale=0.05):
+    """Other parameters of the same structure (numpy noise: no compilation per shape)."""
+    rs = np.random.RandomState(seed)
+    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + scale * rs.standard_normal(x.shape)
+                                              .astype(x.dtype)), params)
+
+
+def random_prompts(count, seed=0, min_length=3):
+    _, _, tokenizer = policy()
+    rs = np.random.RandomState(seed)
+    prompts = []
+    for i in range(count):
+        length = int(rs.randint(min_length, PROMPT_WIDTH + 1))
+        tokens = np.full((PROMPT_WIDTH,), tokenizer.pad_id, np.int32)
+        tokens[:length] = rs.randint(5, tokenizer.vocab_size, size=length)
+        prompts.append(dict(prompt_tokens=tokens, prompt_length=length, index=i))
+    return prompts
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _feed(graphdef, params, token, position, cache):
+    """One token through the model with a KV cache: its own logits (the model's
+    projection, not the sampler's) as log-probs [V], the cache, the routing [L, k]."""
+    out = nnx.merge(graphdef, params)(jnp.reshape(token, (1, 1)), positions=jnp.reshape(position, (1, 1)),
+                                      cache=cache)
+    return jax.nn.log_softmax(out.logits[0, 0]), out.cache, out.routing[:, 0, 0]
+
+
+def recompute(graphdef, params_by_version, prompt, tokens, versions):
+    """Token by token (prompt included, no padding), each forward under the parameters
+    of the version recorded for it: the prompt and token 0's logits under versions[0],
+    token n's logits from feeding token n-1 under versions[n].
+
+    Returns (log_probs [n], routing [L, len(prompt) + n - 1, k] of every token fed)."""
+    cache = nnx.merge(graphdef, params_by_version[versions[0]]).init_cache(1, PROMPT_WIDTH + NUM_NEW)
+    fed = [(token, versions[0]) for token in prompt] + list(zip(tokens[:-1], versions[1:]))
+    log_probs, routing = [], []
+    for position, (token, version) in enumerate(fed):
+        out, cache, used = _feed(graphdef, params_by_version[version], token, position, cache)
+        routing.append(np.asarray(used))
+        if position >= len(prompt) - 1:
+            log_probs.append(float(out[tokens[position - len(prompt) + 1]]))
+    return np.asarray(log_probs), np.stack(routing, axis=1)
+
+
+def test_behaviour_log_probs_follow_the_version_of_every_token():
+    graphdef, params0, _ = policy()
+    # Versions 0..5 (labels increase as a trainer's do); three distinct parameter sets.
+    distinct = [params0, perturbed(params0, 1), perturbed(params0, 2)]
+    params = {version: distinct[version % 3] for version in range(6)}
+    slots = SlotGenerator(graphdef, slot_config(), params0)
+    prompts = iter(random_prompts(12))
+    for group in slots.free_groups():
+        slots.refill(group, next(prompts), params[0], 0)
+    finished = []
+    # One push before every segment; the KV cache is kept.
+    for segment, version in enumerate(range(6)):
+        finished += slots.segment(params[version], version, jax.random.PRNGKey(segment))
+        for group in slots.free_groups():  # refilled under the newest weights
+            slots.refill(group, next(prompts), params[version], version)
+    initial = [c for c in finished if c.meta["index"] < N_ASYNC // GROUP]
+    later = [c for c in finished if c.meta["index"] >= N_ASYNC // GROUP]
+    assert len(initial) == N_ASYNC // GROUP and later
+    spanning = 0
+    for completion in initial + later[:1]:
+        for row in range(GROUP):
+            length = int(completion.lengths[row])
+            versions = completion.versions[row, :length]
+            assert versions[0] == completion.start_version
+            assert np.all(np.diff(versions) >= 0) and np.all(completion.versions[row, length:] == -1)
+            if length == NUM_NEW:
+                # Token n's logits come from feeding token n-1 (the prompt for n = 0), in
+                # segments of 2 steps. The first groups were prefilled under the version of
+                # the first segment, later ones under that of the segment before theirs.
+                first = completion.start_version
+                steps = [0, 0, 0, 1, 1, 2] if first == 0 else [0, 1, 1, 2, 2, 3]
+                np.testing.assert_array_equal(versions, first + np.asarray(steps))
+            length_p = int(completion.prompt_lengths[row])
+            prompt = completion.prompt_tokens[row, PROMPT_WIDTH - length_p:]  # right-aligned
+            tokens = completion.tokens[row, :length]
+            want, routing = recompute(graphdef, params, prompt, tokens, versions)
+            np.testing.assert_allclose(completion.raw_log_probs[row, :length], want, atol=2e-5)
+            # Temperature 1, no truncation: the sampled distribution is the raw one.
+            np.testing.assert_allclose(completion.log_probs[row, :length], want, atol=2e-5)
+            # Routing of the prompt and of every fed token (the last token's forward ran
+            # under a version the token versions do not record).
+            start = PROMPT_WIDTH - length_p
+            np.testing.assert_array_equal(
+                completion.routing[:, row, start:PROMPT_WIDTH + length - 1], routing)
+            if len(set(versions.tolist())) > 1 and spanning < 2:
+                spanning += 1
+                # The push changed the log-probs: all-version-0 recomputation differs.
+                stale, _ = recompute(graphdef, params, prompt, tokens, [0] * length)
+                assert np.max(np.abs(stale - want)) > 1e-4
+    assert spanning == 2
+
+
+def test_greedy_without_updates_equals_the_synchronous_sampler():
+    graphdef, params, tokenizer = policy()
+    prompts = random_prompts(5, seed=3, min_length=1)
+    tokens = np.stack([p["prompt_tokens"] for p in prompts])
+    lengths = np.asarray([p["prompt_length"] for p in prompts], np.int32)
+    # The end token: the greedy first token of prompt 2, so that lengths differ and slots
+    # are refilled while other groups are mid-way.
+    cache = nnx.merge(graphdef, params).init_cache(1, PROMPT_WIDTH)
+    for position, token in enumerate(tokens[2, :lengths[2]]):
+        log_probs, cache, _ = _feed(graphdef, params, token, position, cache)
+    greedy = slot_config(Greedy(), num_groups=2, segment=3)
+    greedy = SlotConfig(dataclasses.replace(greedy.sampling, eos_id=int(jnp.argmax(log_probs))),
+                        2, PROMPT_WIDTH, 3)
+    reference = generate_fn(graphdef, params, tokens, lengths, jax.random.PRNGKey(0),
+                            config=greedy.sampling)
+    assert len(set(np.asarray(reference.lengths).tolist())) > 1
+    slots = SlotGenerator(graphdef, greedy, params)
+    queue, done = list(prompts), {}
+    for segment in itertools.count():
+        for group in slots.free_groups():
+            if queue:
+                slots.refill(group, queue.pop(0), params, 0)
+        for completion in slots.segment(params, 0, jax.random.PRNGKey(segment)):
+            done[completion.meta["index"]] = completion
+        if not queue and slots.num_active == 0:
+            break
+    _, _, attention_mask = reference.sequences()
+    for index, completion in done.items():
+        rows = slice(index * GROUP, (index + 1) * GROUP)
+        np.testing.assert_array_equal(completion.tokens, np.asarray(reference.tokens[rows]))
+        np.testing.assert_array_equal(completion.mask, np.asarray(reference.mask[rows]))
+        np.testing.assert_array_equal(completion.prompt_tokens, np.asarray(reference.prompt_tokens[rows]))
+        np.testing.assert_allclose(completion.raw_log_probs, np.asarray(reference.raw_log_probs[rows]),
+                                   atol=2e-5)
+        valid = np.asarray(attention_mask[rows]) > 0  # routing after the end is never used
+        same = np.all(completion.routing == np.asarray(reference.routing[:, rows]), axis=-1)
+        assert np.all(same[:, valid])
+        assert np.all(completion.versions[completion.mask > 0] == 0)
+    assert sorted(done) == list(range(len(prompts)))
+
+
+def generator_threads():
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME and t.is_alive()]
+
+
+def test_threaded_generation_keeps_groups_whole_and_staleness_bounded():
+    """A trainer that publishes a new version after every batch of n_batch completions,
+    as fast as it can: tokens are never staler than the bound, groups stay whole, every
+    prompt comes back exactly once, then the generator reports exhaustion."""
+    graphdef, params0, tokenizer = policy()
+    versions = [params0, perturbed(params0, 1)]
+    prompts = random_prompts(24, seed=5)
+    n_batch = 4
+    bound = staleness_bound(N_ASYNC, n_batch, GROUP, NUM_NEW, SEGMENT)
+    slots = SlotGenerator(graphdef, slot_config(), params0)
+    seen, worst, version = [], 0, 0
+    with AsyncGenerator(slots, iter(prompts), params0, 0, rng=jax.random.PRNGKey(0),
+                        n_async=N_ASYNC) as generator:
+        while True:
+            batch = []
+            try:
+                while len(batch) < n_batch // GROUP:
+                    batch.append(generator.take())
+            except GeneratorExhausted:
+                break
+            for completion in batch:
+                assert completion.tokens.shape == (GROUP, NUM_NEW)
+                prompt = prompts[completion.meta["index"]]
+                expect = np.roll(np.where(np.arange(PROMPT_WIDTH) < prompt["prompt_length"],
+                                          prompt["prompt_tokens"], tokenizer.pad_id),
+                                 PROMPT_WIDTH - prompt["prompt_length"])
+                assert np.all(completion.prompt_tokens == expect[None])  # all G rows: this prompt
+                valid = completion.versions[completion.mask > 0]
+                assert valid.min() >= completion.start_version and valid.max() <= version
+                assert completion.start_version <= completion.finish_version <= version
+                worst = max(worst, version - completion.start_version)
+                seen.append(completion.meta["index"])
+            version += 1
+            generator.publish(versions[version % 2], version)
+        thread = generator._thread
+    assert not thread.is_alive() and not generator_threads()
+    assert sorted(seen) == list(range(len(prompts)))
+    assert 0 < worst <= bound
+
+
+class _Boom(Exception):
+    pass
+
+
+def test_errors_in_the_generator_surface_in_the_caller_and_no_thread_survives():
+    graphdef, params, _ = policy()
+    # A prompt longer than the slots' prompt width: the generator thread raises.
+    prompts = random_prompts(3, seed=7)
+    prompts.append(dict(prompt_tokens=np.ones(PROMPT_WIDTH + 4, np.int32),
+                        prompt_length=PROMPT_WIDTH + 4, index=3))
+    generator = AsyncGenerator(SlotGenerator(graphdef, slot_config(), params), iter(prompts), params,
+                               0, rng=jax.random.PRNGKey(0), n_async=N_ASYNC)
+    with pytest.raises(RuntimeError, match="generator thread failed") as info:
+        with generator:
+            for _ in range(10):
+                generator.take()
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "async_mode.prompt_width" in str(info.value.__cause__)
+    assert not generator._thread.is_alive()
+
+    # A prompt source that fails, and an error in the trainer while generating.
+    def failing():
+        yield from random_prompts(2, seed=8)
+        raise _Boom("malformed row 2")
+
+    generator = AsyncGenerator(SlotGenerator(graphdef, slot_config(), params), failing(), params,
+                               0, rng=jax.random.PRNGKey(0))
+    with pytest.raises(RuntimeError) as info:
+        with generator:
+            while True:
+                generator.take()
+    assert isinstance(info.value.__cause__, _Boom)
+    generator = AsyncGenerator(SlotGenerator(graphdef, slot_config(), params),
+                               iter(random_prompts(50, seed=9)), params, 0, rng=jax.random.PRNGKey(0))
+    with pytest.raises(KeyError):
+        with generator:
+            generator.take()
+            raise KeyError("trainer failed")
+    assert not generator._thread.is_alive() and not generator_threads()
+
+
+def test_run_async_rl_trains_checkpoints_and_resumes(tmp_path):
+    config = tiny()
+    assert async_enabled(config) and not async_enabled(magistral.get_config())
+    summary = run_async_rl(config, str(tmp_path), quiet=True)
+    run, metrics = summary["run"], summary["metrics"]
+    assert summary["iteration"] == 3 and int(run.state.step) + int(run.state.skipped) == 3
+    for key in ("reward/mean", "loss/loss", "update/grad_norm", "policy/entropy",
+                "async/staleness_min", "async/staleness_mean", "async/staleness_max",
+                "async/start_version_min", "async/finish_version_max", "time/wait_for_generator_s"):
+        assert key in metrics and np.isfinite(metrics[key]), key
+    assert summary["staleness_bound"] == staleness_bound(N_ASYNC, 4, GROUP, NUM_NEW, SEGMENT)
+    rows = read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert 0 <= r["async/staleness_min"] <= r["async/staleness_max"] <= summary["staleness_bound"]
+    # The last batch: whole groups (one prompt per G rows), versions consistent.
+    merged, info = run.last_round, summary["async"]
+    prompt_part = merged.tokens[:, :merged.prompt_width].reshape(-1, GROUP, merged.prompt_width)
+    assert np.all(prompt_part == prompt_part[:, :1])
+    assert info["versions"].shape == merged.mask.shape and np.all(info["start_version"] <= 2)
+    assert run.checkpointer.latest_step() == 3
+    resumed = run_async_rl(config, str(tmp_path), num_iterations=4, quiet=True)
+    assert resumed["iteration"] == 4 and np.isfinite(resumed["metrics"]["loss/loss"])
+    assert resumed["metrics"]["async/start_version_min"] >= 3  # generation restarted at v3
+    assert not generator_threads()
+
+
+def test_config_fields_and_errors():
+    config = magistral_async.get_config("model=tiny_dense,async_mode.n_async=32,async_mode.segment_steps=4")
+    assert config.model.preset == "tiny_dense" and config.async_mode.enabled
+    assert (config.async_mode.n_async, config.async_mode.segment_steps) == (32, 4)
+    assert config.algo.adv_scale == magistral.get_config().algo.adv_scale == "minibatch"
+    with pytest.raises(ValueError, match="async_mode.n_async"):
+        magistral_async.get_config("async_mode.n_async=12")  # group_size 8
+    with pytest.raises(KeyError, match="async_mode.n_asink"):
+        magistral_async.get_config("async_mode.n_asink=16")
+    with pytest.raises(AttributeError):
+        config.async_mode.typo = 1
+    if "advantage" in config.algo:  # critic methods stay with the synchronous trainer
+        config.unlock()
+        config.algo.advantage = "gae"
+        with pytest.raises(ValueError, match="algo.advantage"):
+            check_supported(config)
