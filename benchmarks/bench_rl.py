@@ -20,16 +20,22 @@ from absl import app, flags
 
 from configs import demo
 from policyopt.rl import trainer
+from policyopt.runtime import keep_freed_host_memory
 
 _ITERATIONS = flags.DEFINE_integer("iterations", 5, "Measured iterations (after 2 warm-up ones).")
 _ARG = flags.DEFINE_string("config_arg", "", "Variant string for configs/demo.py.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/bench_rl.json", "JSON output.")
+_SYSTEM_MALLOC = flags.DEFINE_bool("system_malloc", False,
+                                   "Leave glibc's malloc settings alone (the experiments call "
+                                   "policyopt.runtime.keep_freed_host_memory).")
 
 PARTS = ("time/generate_s", "time/score_s", "time/old_log_probs_s", "time/update_s", "time/iteration_s")
 
 
 def main(argv):
     del argv
+    if not _SYSTEM_MALLOC.value:
+        keep_freed_host_memory()
     config = demo.get_config(_ARG.value)
     workdir = tempfile.mkdtemp()
     try:
@@ -52,6 +58,7 @@ def main(argv):
         "ratio_update_to_old_log_probs": median["time/update_s"] / median["time/old_log_probs_s"],
         "ratio_generate_to_old_log_probs": median["time/generate_s"] / median["time/old_log_probs_s"],
         "iterations": _ITERATIONS.value,
+        "keep_freed_host_memory": not _SYSTEM_MALLOC.value,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     print(f"RL iteration on the CPU ({rows} sequences, {config.sampling.max_new_tokens} new tokens), "

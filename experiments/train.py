@@ -14,6 +14,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from policyopt.metrics import quiet_library_logging
+from policyopt.runtime import keep_freed_host_memory
 from policyopt.rl.async_rl import async_enabled, run_async_rl
 from policyopt.rl.trainer import run_rl
 
@@ -25,6 +26,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     del argv
     quiet_library_logging()
+    keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
     config = _CONFIG.value
     train = run_async_rl if async_enabled(config) else run_rl  # config.async_mode.enabled
     summary = train(config, _WORKDIR.value)
