@@ -19,10 +19,13 @@ def async_fields() -> ml_collections.ConfigDict:
     # Run `run_async_rl` instead of the synchronous `run_rl` (experiments/train.py).
     a.enabled = True
     # n_async: most completions started and not yet taken by the trainer (in generation
-    # or waiting); also the generator's number of rows. A multiple of batch.group_size.
+    # or waiting); it bounds staleness. A multiple of batch.group_size.
     # None: 2 * n_batch, n_batch = n_prompts * group_size (Magistral: best with
     # n_async / n_batch <= 2, and n_batch = n_minibatch, i.e. one update per batch).
     a.n_async = base.placeholder(int)
+    # Generation rows (slots; the KV cache is [rows, P + N + segment_steps]); None: n_async.
+    # A multiple of batch.group_size; set it below n_async when memory is short.
+    a.num_slots = base.placeholder(int)
     # Decode steps between two pick-ups of new weights by the generator (the push
     # granularity; a completion spans up to ceil(max_new_tokens / segment_steps) pushes).
     a.segment_steps = 8
@@ -40,6 +43,9 @@ def check_async(config: ml_collections.ConfigDict) -> None:
     if a.n_async is not None and (a.n_async < group or a.n_async % group):
         raise ValueError(f"config.async_mode.n_async ({a.n_async}) must be a positive multiple of "
                          f"batch.group_size ({group})")
+    if a.num_slots is not None and (a.num_slots < group or a.num_slots % group):
+        raise ValueError(f"config.async_mode.num_slots ({a.num_slots}) must be a positive multiple "
+                         f"of batch.group_size ({group})")
     if a.segment_steps < 1:
         raise ValueError(f"config.async_mode.segment_steps must be >= 1, got {a.segment_steps}")
     if a.prompt_width is not None and a.prompt_width < 1:

@@ -297,7 +297,7 @@ def test_run_async_rl_trains_checkpoints_and_resumes(tmp_path):
                 "async/staleness_min", "async/staleness_mean", "async/staleness_max",
                 "async/start_version_min", "async/finish_version_max", "time/wait_for_generator_s"):
         assert key in metrics and np.isfinite(metrics[key]), key
-    assert summary["staleness_bound"] == staleness_bound(N_ASYNC, 4, GROUP, NUM_NEW, SEGMENT)
+    assert summary["staleness_bound"] == staleness_bound(N_ASYNC, 4, GROUP, NUM_NEW, SEGMENT) == 5
     rows = read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -318,9 +318,16 @@ def test_config_fields_and_errors():
     config = magistral_async.get_config("model=tiny_dense,async_mode.n_async=32,async_mode.segment_steps=4")
     assert config.model.preset == "tiny_dense" and config.async_mode.enabled
     assert (config.async_mode.n_async, config.async_mode.segment_steps) == (32, 4)
+    # Worked by hand: n_async 32 leaves 24 others in flight at a group's start; over its 4
+    # segments (16 tokens, 4 per segment) each other row finishes at most 3 more; batches
+    # of 64: 1 + (24 + 24 * 3) // 64 = 2 (with 16 rows: 8 other rows).
+    assert staleness_bound(32, 64, 8, 16, 4) == 2
+    assert staleness_bound(32, 64, 8, 16, 4, rows=16) == 1 + (24 + 8 * 3) // 64 == 1
     assert config.algo.adv_scale == magistral.get_config().algo.adv_scale == "minibatch"
     with pytest.raises(ValueError, match="async_mode.n_async"):
         magistral_async.get_config("async_mode.n_async=12")  # group_size 8
+    with pytest.raises(ValueError, match="async_mode.num_slots"):
+        magistral_async.get_config("async_mode.num_slots=4")
     with pytest.raises(KeyError, match="async_mode.n_asink"):
         magistral_async.get_config("async_mode.n_asink=16")
     with pytest.raises(AttributeError):

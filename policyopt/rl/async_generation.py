@@ -48,10 +48,11 @@ yet taken by the trainer (in generation or waiting; the generator never blocks o
 queue, it starts no new group instead and keeps decoding the ones in flight). With a
 trainer that takes ``n_batch`` completions per parameter version, in finish order, every
 token of a completion trained at version b was generated at version >= b - bound,
-``bound = staleness_bound(...) = 1 + floor((n_async - G) * ceil(N / K) / n_batch)``:
-the batches between a group's start and its own batch hold completions that were in
-flight at its start (at most n_async - G) or that started and finished while it ran
-(at most ceil(N / K) - 1 per other slot), plus the batch being trained at its start.
+``bound = staleness_bound(...) = 1 + floor(((n_async - G) + (R' - G) * (ceil(N / K) - 1))
+/ n_batch)`` with ``R' = min(R, n_async)`` rows in use: the batches after the one being
+trained when a group starts, up to its own, hold only completions that were in flight at
+its start (at most n_async - G others) or that started later and finished no later than
+it, within its at most ceil(N / K) segments (at most ceil(N / K) - 1 per other row).
 """
 
 from __future__ import annotations
@@ -75,11 +76,12 @@ __all__ = ["SlotConfig", "SlotGenerator", "GroupCompletion", "AsyncGenerator",
 
 
 def staleness_bound(n_async: int, n_batch: int, group_size: int, max_new_tokens: int,
-                    segment_steps: int) -> int:
-    """Largest possible ``b - v`` for a token generated at version v and trained at b
-    (see the module docstring for the argument)."""
+                    segment_steps: int, rows: int | None = None) -> int:
+    """Largest possible ``b - v`` for a token generated at version v and trained at b,
+    with ``rows`` generation rows (default n_async; see the module docstring)."""
+    rows = n_async if rows is None else min(rows, n_async)
     segments = math.ceil(max_new_tokens / segment_steps)
-    return 1 + (n_async - group_size) * segments // n_batch
+    return 1 + ((n_async - group_size) + (rows - group_size) * (segments - 1)) // n_batch
 
 
 @dataclasses.dataclass(frozen=True)

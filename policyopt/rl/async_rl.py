@@ -70,9 +70,12 @@ class AsyncConfig:
     """``config.async_mode`` (fields absent from a recipe take these defaults)."""
 
     enabled: bool = False
-    # Most completions started and not yet taken by the trainer; also the number of
-    # generation rows. None: 2 * n_batch (Magistral: best with n_async / n_batch <= 2).
+    # Most completions started and not yet taken by the trainer (in generation or
+    # waiting). None: 2 * n_batch (Magistral: best with n_async / n_batch <= 2).
     n_async: int | None = None
+    # Generation rows (the slot batch); None: n_async. Fewer rows than n_async bound
+    # memory (the KV cache is [rows, P + N + K]) at the price of throughput.
+    num_slots: int | None = None
     # K: decode steps between two pick-ups of new weights (the push granularity).
     segment_steps: int = 8
     # Prompt width of the generator's slots; None: that of the first prompt batch.
@@ -100,6 +103,9 @@ class AsyncConfig:
                              f"batch.group_size ({group}): the G samples of a prompt start together")
         if self.segment_steps < 1:
             raise ValueError(f"config.async_mode.segment_steps must be >= 1, got {self.segment_steps}")
+        if self.num_slots is not None and (self.num_slots < group or self.num_slots % group):
+            raise ValueError(f"config.async_mode.num_slots ({self.num_slots}) must be a positive "
+                             f"multiple of batch.group_size ({group})")
         return n_async
 
 
@@ -186,7 +192,8 @@ def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
     acfg = AsyncConfig.from_config(cfg)
     n_async = acfg.resolved_n_async(cfg)
     width = acfg.prompt_width or stream.peek_width()
-    slot_config = SlotConfig(sampling=run.sampling_config, num_groups=n_async // cfg.batch.group_size,
+    rows = min(acfg.num_slots or n_async, n_async)  # rows beyond n_async would stay idle
+    slot_config = SlotConfig(sampling=run.sampling_config, num_groups=rows // cfg.batch.group_size,
                              prompt_width=int(width),
                              segment_steps=min(acfg.segment_steps, cfg.sampling.max_new_tokens))
     params = jax.tree.map(jnp.copy, run.state.params)  # the update donates run.state
@@ -410,7 +417,8 @@ def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, qui
     slot_config = generator.slots.config
     group = config.batch.group_size
     bound = staleness_bound(generator.n_async, config.batch.n_prompts * group, group,
-                            config.sampling.max_new_tokens, slot_config.segment_steps)
+                            config.sampling.max_new_tokens, slot_config.segment_steps,
+                            rows=slot_config.rows)
     ds = config.dynamic_sampling
     batcher = GroupBatcher(config.batch.n_prompts, group, enabled=ds.enabled,
                            max_groups=ds.max_rounds * config.batch.n_prompts if ds.enabled else 0)
