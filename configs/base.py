@@ -125,6 +125,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.algo.aggregation = "seq_mean_token_mean"
     # Constant divisor of "seq_mean_token_sum_norm" (Dr. GRPO); None = max_new_tokens.
     c.algo.max_len = placeholder(int)
+    # Advantage estimator: "outcome" (critic-free: one advantage per sequence from the
+    # rewards of its group, adv_center / adv_scale below) or "gae" (PPO, VC-PPO, VAPO: a
+    # critic, `config.critic`, and per-token GAE advantages, the gae_* fields below).
+    c.algo.advantage = "outcome"
     # Advantage centring: "group" (subtract the group mean) or "none".
     c.algo.adv_center = "group"
     # Advantage scaling: "group" (GRPO: group std), "batch" (std over the batch),
@@ -132,6 +136,24 @@ def base_config() -> ml_collections.ConfigDict:
     c.algo.adv_scale = "group"
     # Epsilon added to the std.
     c.algo.adv_eps = 1e-6
+    # GAE (algo.advantage = "gae"; PAPERS.md "Critic-based"). The outcome reward sits on
+    # the last valid response token, 0 elsewhere. Discount gamma (1.0 for LLMs).
+    c.algo.gae_gamma = 1.0
+    # lambda of the policy advantages (classic PPO 0.95; VC-PPO lambda_actor 0.95).
+    c.algo.gae_lambda = 0.95
+    # lambda of the value targets A^lambda + V (PPO: the same as gae_lambda; VC-PPO and
+    # VAPO: 1.0, Monte-Carlo returns).
+    c.algo.gae_lambda_critic = 0.95
+    # VAPO's length-adaptive policy lambda 1 - 1/(gae_alpha * |y|) per sequence instead of
+    # gae_lambda (clamped at 0 when gae_alpha * |y| <= 1: `advantages.length_adaptive_lambda`).
+    c.algo.gae_length_adaptive = False
+    c.algo.gae_alpha = 0.05
+    # Whiten the GAE advantages over the valid tokens of the batch ((A - mean) / std), as
+    # verl and OpenRLHF do for PPO (the papers do not say). Outcome advantages: unused.
+    c.algo.adv_whiten = True
+    # VAPO's NLL on correct samples: loss += nll_coef * L_NLL over the tokens of the
+    # minibatch's correct responses (mu = 0.1; 0 = off). Any advantage estimator.
+    c.algo.nll_coef = 0.0
     # KL to the frozen initial policy, in the loss (GRPO: beta = 0.04, k3). 0 = off, and
     # then no reference forward pass is run.
     c.algo.kl_beta = 0.0
@@ -151,6 +173,21 @@ def base_config() -> ml_collections.ConfigDict:
     c.algo.load_balancing_coef = 0.0
     # Entropy bonus coefficient (0 = off; none of the recipes use one).
     c.algo.entropy_coef = 0.0
+
+    # ---- Critic (algo.advantage = "gae") ---------------------------------------------------
+    c.critic = ml_collections.ConfigDict()
+    # The value model is the policy's backbone with a scalar head (zero-initialised),
+    # started from the policy's initial parameters (`policyopt.rl.critic`). Its AdamW
+    # uses these, with betas, eps and gradient clipping shared with `optim`.
+    c.critic.lr = 1e-5
+    c.critic.warmup_steps = 0
+    c.critic.weight_decay = 0.0
+    # PPO value clip: 0.5 max((V - R)^2, (clip(V, V_old +- value_clip) - R)^2); None = off.
+    c.critic.value_clip = 0.2
+    # Value pretraining / warm-up: the first N iterations update only the critic (the
+    # policy is frozen and samples as the initial policy; VC-PPO value pretraining, VAPO:
+    # 50 steps). 0 = off.
+    c.critic.pretrain_iterations = 0
 
     # ---- Dynamic sampling (DAPO) ---------------------------------------------------------
     c.dynamic_sampling = ml_collections.ConfigDict()
@@ -307,6 +344,7 @@ _CHOICES = {
     "algo.method": ("ppo", "gspo", "gspo_token", "sapo"),
     "algo.aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
                          "seq_mean_token_sum_norm"),
+    "algo.advantage": ("outcome", "gae"),
     "algo.adv_center": ("group", "none"),
     "algo.adv_scale": ("group", "batch", "minibatch", "none"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
@@ -333,6 +371,23 @@ def check(config: ml_collections.ConfigDict) -> None:
     if max(b.response_buckets) < config.sampling.max_new_tokens:
         raise ValueError(f"config.batch.response_buckets (max {max(b.response_buckets)}) must hold "
                          f"sampling.max_new_tokens ({config.sampling.max_new_tokens})")
+    algo = config.algo
+    for name in ("gae_gamma", "gae_lambda", "gae_lambda_critic"):
+        if not 0.0 <= algo[name] <= 1.0:
+            raise ValueError(f"config.algo.{name} must be in [0, 1], got {algo[name]}")
+    if algo.gae_alpha <= 0:
+        raise ValueError(f"config.algo.gae_alpha must be > 0, got {algo.gae_alpha}")
+    if algo.nll_coef < 0:
+        raise ValueError(f"config.algo.nll_coef must be >= 0, got {algo.nll_coef}")
+    if config.critic.pretrain_iterations < 0:
+        raise ValueError("config.critic.pretrain_iterations must be >= 0, got "
+                         f"{config.critic.pretrain_iterations}")
+    if algo.advantage == "outcome" and config.critic.pretrain_iterations > 0:
+        raise ValueError("config.critic.pretrain_iterations > 0 needs a critic: set "
+                         "algo.advantage='gae'")
+    if algo.advantage == "gae" and algo.adv_scale == "minibatch":
+        raise ValueError("config.algo.adv_scale='minibatch' (Magistral) is an outcome-advantage "
+                         "option; with algo.advantage='gae' use algo.adv_whiten")
     if config.algo.routing_replay in ("R2", "R3") and config.algo.old_log_probs == "sampler":
         raise ValueError(f"config.algo.routing_replay={config.algo.routing_replay!r} needs the "
                          "trainer's old-log-prob forward (R2 records its routing, R3 replays the "

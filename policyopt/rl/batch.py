@@ -39,11 +39,14 @@ class Batch(NamedTuple):
     positions: jax.Array  # int32 [R, S]: RoPE positions (0 on padding)
     attention_mask: jax.Array  # int32 [R, S]: 1 on real prompt and valid response tokens
     mask: jax.Array  # float32 [R, N]: 1 on valid response tokens (up to and incl. EOS)
-    advantages: jax.Array  # float32 [R]: one advantage per sequence
+    advantages: jax.Array  # float32 [R]: one per sequence, or [R, N]: per token (GAE)
     old_log_probs: jax.Array  # float32 [R, N]: log pi_old of the response tokens
     importance_weights: jax.Array | None = None  # float32 [R, N]: truncated IS weights
     ref_log_probs: jax.Array | None = None  # float32 [R, N]: reference policy (KL)
     routing: jax.Array | None = None  # int32 [L_moe, R, S, k]: routing to replay
+    old_values: jax.Array | None = None  # float32 [R, N]: critic values of the rollout
+    returns: jax.Array | None = None  # float32 [R, N]: value targets (critic methods)
+    nll_weights: jax.Array | None = None  # float32 [R]: weight of each row in the NLL term
 
     @property
     def num_response(self) -> int:
@@ -282,4 +285,6 @@ def take_rows(batch: Batch, rows: np.ndarray) -> Batch:
         attention_mask=pick(batch.attention_mask), mask=pick(batch.mask),
         advantages=pick(batch.advantages), old_log_probs=pick(batch.old_log_probs),
         importance_weights=pick(batch.importance_weights), ref_log_probs=pick(batch.ref_log_probs),
-        routing=None if batch.routing is None else jnp.take(batch.routing, rows, axis=1))
+        routing=None if batch.routing is None else jnp.take(batch.routing, rows, axis=1),
+        old_values=pick(batch.old_values), returns=pick(batch.returns),
+        nll_weights=pick(batch.nll_weights))

@@ -16,7 +16,9 @@ given: R2 / R3), takes the log-probs of the response tokens from the final hidde
 states (``policyopt.logprobs.token_log_probs``, chunked over the vocabulary, at the
 sampling temperature) and returns ``policyopt.losses.policy_loss`` with the recipe's
 method, clip / temperatures, aggregation, optional KL (GRPO, k3) and optional truncated
-importance weights, plus optional load-balancing and entropy terms.
+importance weights, plus optional load-balancing and entropy terms and VAPO's NLL on
+correct samples (``mu * losses.nll_loss``). ``batch.advantages`` is one advantage per
+sequence (outcome advantages) or one per token (GAE, ``policyopt.rl.critic``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import optax
 from flax import nnx, struct
 
 from policyopt.logprobs import token_log_probs
-from policyopt.losses import aggregate, policy_loss
+from policyopt.losses import aggregate, nll_loss, policy_loss
 from policyopt.rl.batch import Batch
 
 
@@ -140,6 +142,7 @@ class LossConfig:
     temperature: float = 1.0
     load_balancing_coef: float = 0.0
     entropy_coef: float = 0.0
+    nll_coef: float = 0.0
 
     @classmethod
     def from_config(cls, config) -> "LossConfig":
@@ -152,14 +155,16 @@ class LossConfig:
             kl_beta=float(algo.kl_beta), kl_estimator=algo.kl_estimator,
             temperature=float(config.sampling.temperature),
             load_balancing_coef=float(algo.load_balancing_coef),
-            entropy_coef=float(algo.entropy_coef))
+            entropy_coef=float(algo.entropy_coef), nll_coef=float(algo.nll_coef))
 
 
 def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.Array, dict]:
     """The RL loss of one minibatch and its metrics (see the module docstring)."""
     fwd = forward_log_probs(graphdef, params, batch.tokens, batch.positions, batch.attention_mask,
                             batch.num_response, temperature=settings.temperature, routing=batch.routing)
-    advantages = jnp.broadcast_to(batch.advantages[:, None], fwd.log_probs.shape)
+    advantages = batch.advantages
+    if advantages.ndim == 1:  # one advantage per sequence, shared by its tokens
+        advantages = jnp.broadcast_to(advantages[:, None], fwd.log_probs.shape)
     loss, policy_metrics = policy_loss(
         fwd.log_probs, batch.old_log_probs, advantages, batch.mask, method=settings.method,
         clip_low=settings.clip_low, clip_high=settings.clip_high, dual_clip=settings.dual_clip,
@@ -177,6 +182,15 @@ def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.A
         metrics["moe/load_balancing_loss"] = jax.lax.stop_gradient(fwd.aux["load_balancing_loss"])
         if settings.load_balancing_coef:
             loss = loss + settings.load_balancing_coef * fwd.aux["load_balancing_loss"]
+    if settings.nll_coef:
+        # VAPO (2504.05118): + mu * L_NLL over the correct samples of the minibatch
+        # (batch.nll_weights), at the training temperature like the policy term.
+        if batch.nll_weights is None:
+            raise ValueError("LossConfig.nll_coef > 0 (config.algo.nll_coef) needs batch.nll_weights "
+                             "(1 on the rows the NLL term covers, e.g. the correct samples)")
+        nll = nll_loss(fwd.log_probs, batch.mask, batch.nll_weights)
+        metrics["loss/nll"] = jax.lax.stop_gradient(nll)
+        loss = loss + settings.nll_coef * nll
     metrics["loss/total"] = jax.lax.stop_gradient(loss)
     return loss, metrics
 

@@ -14,6 +14,13 @@ the iteration and the data iterator's state, so rerunning the same command conti
 exactly where the last checkpoint left off (N + resume + N iterations give the
 parameters of 2N uninterrupted iterations bit for bit; ``tests/test_rl_trainer.py``).
 
+Critic methods (``config.algo.advantage = "gae"``: PPO, VC-PPO, VAPO): a value model
+(``policyopt.rl.critic``) scores the rollout, GAE gives per-token advantages and value
+targets, and the critic is updated on the same minibatches as the policy, with its own
+optimiser; during the first ``config.critic.pretrain_iterations`` iterations only the
+critic is updated (value pretraining / warm-up) and the policy stays bit-identical. The
+critic's parameters and optimiser state are part of the checkpoint.
+
 Routing replay (MoE): ``"R2"`` replays, in every update forward, the routing recorded by
 the old-log-prob forward; ``"R3"`` replays the sampler's routing in the old-log-prob
 forward and in every update forward (``PAPERS.md``). Only the expert selection is
@@ -39,6 +46,7 @@ from policyopt.metrics import MetricsWriter, Progress
 from policyopt.rewards.batch import score_batch
 from policyopt.rl import build
 from policyopt.rl.batch import Batch, DynamicSampler, bucket, minibatch_indices, round_from_rollout, take_rows
+from policyopt.rl.critic import Critic, CriticConfig, GAEConfig, critic_optim, gae_targets, get_critic
 from policyopt.rl.evaluate import decode, evaluate
 from policyopt.rl.learner import Learner, LossConfig, OptimConfig, TrainState, get_learner
 from policyopt.rl.routing import routing_metrics
@@ -66,6 +74,10 @@ class RLRun:
     # The last iteration's sampled batch (host Round) and update Batch, for inspection.
     last_round: Any = None
     last_batch: Any = None
+    # Critic methods (algo.advantage = "gae"): the value model's jitted steps and its
+    # TrainState (parameters, optimiser state, counters); None otherwise.
+    critic: Critic | None = None
+    critic_state: TrainState | None = None
 
 
 def make_prompt_iterator(config, records: list, *, seed: int):
@@ -99,21 +111,34 @@ def build_run(config, workdir: str) -> RLRun:
                 learner=learner, state=state, ref_params=ref_params, rng=rng, data=data,
                 eval_records=eval_records, sampling_config=sampling_config,
                 reward_spec=build.reward_spec(config), checkpointer=checkpointer)
+    if config.algo.advantage == "gae":
+        run.critic = get_critic(graphdef, CriticConfig.from_config(config), critic_optim(config))
+        run.critic_state = run.critic.init_state(params, model.config.hidden_size)
     if checkpointer.latest_step() is not None:
         restore(run)
     return run
 
 
+def _checkpoint_state(run: RLRun) -> dict:
+    state = {"train": run.state, "rng": run.rng}
+    if run.critic_state is not None:
+        state["critic"] = run.critic_state
+    return state
+
+
 def save(run: RLRun) -> None:
     """Checkpoints the run at its current iteration."""
-    run.checkpointer.save(run.iteration, {"train": run.state, "rng": run.rng},
+    run.checkpointer.save(run.iteration, _checkpoint_state(run),
                           {"iteration": run.iteration, "data": run.data.get_state()})
 
 
 def restore(run: RLRun, step: int | None = None) -> None:
-    """Restores parameters, optimiser, counters, run key, iteration and data position."""
-    restored, meta = run.checkpointer.restore({"train": run.state, "rng": run.rng}, step)
+    """Restores parameters, optimiser, counters, run key, iteration and data position (and
+    the critic's parameters, optimiser and counters)."""
+    restored, meta = run.checkpointer.restore(_checkpoint_state(run), step)
     run.state, run.rng = restored["train"], restored["rng"]
+    if run.critic_state is not None:
+        run.critic_state = restored["critic"]
     run.iteration = int(meta["iteration"])
     run.data.set_state(meta["data"])
 
@@ -185,6 +210,20 @@ def _chunked_log_probs(learner: Learner, params, tokens, positions, attention_ma
     return jnp.concatenate(log_probs, axis=0), routing_out
 
 
+def _chunked_values(critic: Critic, params, tokens, positions, attention_mask, mask,
+                    num_chunks: int) -> jax.Array:
+    """``critic.values`` over ``num_chunks`` equal row chunks (the minibatch's shape)."""
+    per = tokens.shape[0] // num_chunks
+    chunks = [critic.values(params, tokens[c * per:(c + 1) * per], positions[c * per:(c + 1) * per],
+                            attention_mask[c * per:(c + 1) * per], mask[c * per:(c + 1) * per])
+              for c in range(num_chunks)]
+    return jnp.concatenate(chunks, axis=0)
+
+
+# Jitted once per response bucket (GAEConfig is static and hashable).
+_gae_targets = jax.jit(gae_targets, static_argnames="settings")
+
+
 def minibatch_advantages(rewards, group_size: int, *, center: str = "group", eps: float = 1e-6):
     """Magistral's advantages (2506.10910, PAPERS.md): ``A = R - mean(R_group)``, then
     ``(A - mean_mb(A)) / std_mb(A)`` over the sequences of one minibatch.
@@ -240,40 +279,66 @@ def rl_iteration(run: RLRun) -> dict[str, float]:
     metrics["logprob/sampler_trainer_abs_diff"] = float(
         jnp.sum(jnp.abs(old_log_probs - behaviour) * mask) / jnp.maximum(jnp.sum(mask), 1))
 
-    # Advantages, importance weights, the replayed routing.
+    # Advantages (and, for critic methods, the rollout's values and the value targets),
+    # importance weights, the replayed routing.
     rewards = jnp.asarray(merged.rewards)
-    scale = "none" if algo.adv_scale == "minibatch" else algo.adv_scale
-    advantages = outcome_advantages(rewards, group, center=algo.adv_center, scale=scale, eps=algo.adv_eps)
+    old_values = returns = None
+    if run.critic is not None:
+        t0 = time.perf_counter()
+        old_values = _chunked_values(run.critic, run.critic_state.params, tokens, positions,
+                                     attention_mask, mask, n_chunks)
+        advantages, returns, gae_metrics = _gae_targets(rewards, old_values, mask,
+                                                        settings=GAEConfig.from_config(algo))
+        metrics.update(jax.device_get(gae_metrics))
+        metrics["time/values_s"] = _block(advantages, t0)
+    else:
+        scale = "none" if algo.adv_scale == "minibatch" else algo.adv_scale
+        advantages = outcome_advantages(rewards, group, center=algo.adv_center, scale=scale, eps=algo.adv_eps)
+    # VAPO's NLL term covers the correct samples.
+    nll_weights = jnp.asarray(merged.correct, jnp.float32) if algo.nll_coef > 0 else None
     weights = None
     if algo.tis_cap is not None:
         weights = truncated_importance_weights(old_log_probs, behaviour, mask, cap=algo.tis_cap)
     replay = {"none": None, "R2": old_routing, "R3": sampler_routing}[algo.routing_replay] if is_moe else None
     batch = Batch(tokens=tokens, positions=positions, attention_mask=attention_mask, mask=mask,
                   advantages=advantages, old_log_probs=old_log_probs, importance_weights=weights,
-                  ref_log_probs=ref_log_probs, routing=replay)
+                  ref_log_probs=ref_log_probs, routing=replay, old_values=old_values,
+                  returns=returns, nll_weights=nll_weights)
 
     run.last_round, run.last_batch = merged, batch
 
-    # Epochs x minibatches of updates.
+    # Epochs x minibatches of updates: the policy (unless the critic is pretraining) and
+    # the critic, on the same minibatches.
     t0 = time.perf_counter()
     num_groups = tokens.shape[0] // group
+    pretraining = run.critic is not None and run.iteration < cfg.critic.pretrain_iterations
     sums: dict[str, jax.Array] = {}
     num_updates = 0
     for epoch in range(cfg.batch.epochs):
         shuffle = jax.random.fold_in(key_shuffle, epoch) if cfg.batch.n_minibatches > 1 else None
         for rows in minibatch_indices(num_groups, group, cfg.batch.n_minibatches, shuffle):
             minibatch = take_rows(batch, rows)
-            if algo.adv_scale == "minibatch":
+            if algo.adv_scale == "minibatch" and run.critic is None:
                 minibatch = minibatch._replace(advantages=minibatch_advantages(
                     rewards[rows], group, center=algo.adv_center, eps=algo.adv_eps))
-            run.state, update_metrics = learner.update(run.state, minibatch)
+            update_metrics = {}
+            if not pretraining:
+                run.state, update_metrics = learner.update(run.state, minibatch)
+            if run.critic is not None:
+                run.critic_state, critic_metrics = run.critic.update(run.critic_state, minibatch)
+                update_metrics = {**update_metrics, **critic_metrics}
             for k, v in update_metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
             num_updates += 1
     update_metrics = {k: v / num_updates for k, v in sums.items()}
-    update_metrics["update/skipped"] = sums["update/skipped"]
+    for key in ("update/skipped", "critic/skipped"):  # counts, not means
+        if key in sums:
+            update_metrics[key] = sums[key]
     metrics.update(jax.device_get(update_metrics))
-    metrics["time/update_s"] = _block(run.state.params, t0)
+    if run.critic is not None:
+        metrics["critic/pretraining"] = float(pretraining)
+        metrics["critic/step"] = float(run.critic_state.step)
+    metrics["time/update_s"] = _block((run.state.params, run.critic_state), t0)
 
     # Routing metrics (MoE).
     if is_moe and cfg.train.routing_metrics:

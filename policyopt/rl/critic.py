@@ -1,0 +1,256 @@
+"""The critic of PPO, VC-PPO and VAPO: a value model, its jitted steps, and GAE targets.
+
+**Model.** The value model is the policy's transformer backbone (``policyopt.models``,
+the same ``GraphDef``) with a scalar head on the final hidden states in place of the
+vocabulary projection::
+
+    V(s) = h(s) . w + b,        h: final hidden state [D] (after the final norm)
+
+Its parameters are a plain pytree ``{"backbone": nnx.State, "head": {"kernel": [D],
+"bias": []}}`` with their own optimiser state (``learner.TrainState``). The backbone
+starts as a copy of the policy's initial parameters (the usual choice: VC-PPO 2503.01491
+and VAPO 2504.05118 initialise the value model from the SFT policy) and the head at
+**zeros**, so every initial value is exactly 0 (no random offset the pretraining must
+first unlearn); the head's gradient ``(V - R) h`` is non-zero from the first update and
+the backbone's follows once ``w != 0``. The (unused) output embedding stays in the
+backbone so that its structure is the policy's; it receives no gradient.
+
+**Alignment.** ``V(s_t)`` for response token ``t`` is the value of the state *before*
+token ``t`` (prompt and response tokens ``< t``): it is read from the hidden state at
+column ``P - 1 + t``, the column whose logits predict token ``t``, exactly as
+``learner.forward_log_probs`` aligns log-probs. So ``values[:, t]`` and
+``log_probs[:, t]`` describe the same state, and the value of the state after the last
+response token (terminal) is never computed (GAE takes it as 0). On an MoE backbone the
+critic routes with its own router (routing replay applies to the policy only).
+
+**Targets** (``gae_targets``): the outcome reward sits on the last valid response token
+(``token_rewards``), then GAE (``policyopt.advantages``) gives the policy advantages
+with ``lambda_actor`` and the value targets ``A^{lambda_critic} + V`` with
+``lambda_critic``: PPO one lambda (0.95), VC-PPO decoupled (0.95 / 1.0), VAPO
+length-adaptive for the policy (``1 - 1/(alpha |y|)``, alpha 0.05) and 1.0 for the critic.
+
+**Update** (``Critic.update``, jitted once per shape bucket, the state donated): PPO's
+clipped value loss ``losses.value_loss`` (token mean), through the same non-finite guard
+as the policy (``learner.guarded_update``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from policyopt.advantages import decoupled_gae, length_adaptive_gae, masked_whiten
+from policyopt.losses import masked_mean, masked_var, value_loss
+from policyopt.rl.batch import Batch
+from policyopt.rl.learner import OptimConfig, TrainState, guarded_update
+
+
+def init_critic_params(policy_params, hidden_size: int) -> dict:
+    """Critic parameters: a copy of the policy's parameters and a zero value head.
+
+    Args:
+      policy_params: the policy's initial ``nnx.State`` (copied: the policy's buffers are
+        donated to its update, the critic must not share them).
+      hidden_size: D.
+
+    Returns:
+      ``{"backbone": nnx.State, "head": {"kernel": float32 [D], "bias": float32 []}}``.
+    """
+    backbone = jax.tree.map(jnp.copy, policy_params)
+    head = {"kernel": jnp.zeros((hidden_size,), jnp.float32), "bias": jnp.zeros((), jnp.float32)}
+    return {"backbone": backbone, "head": head}
+
+
+def forward_values(graphdef, params: dict, tokens, positions, attention_mask, num_response: int) -> jax.Array:
+    """Values ``V(s_t)`` of the states before each response token of a training-layout batch.
+
+    ``V(s_t) = h[P - 1 + t] . w + b`` with ``h`` the backbone's final hidden states and
+    ``P = S - num_response``: the column that predicts response token ``t`` (the alignment
+    of ``learner.forward_log_probs``), in float32.
+
+    Args:
+      graphdef: the backbone's structure (the policy's ``GraphDef``).
+      params: critic parameters (``init_critic_params``).
+      tokens, positions, attention_mask: ``[R, S]``.
+      num_response: N.
+
+    Returns:
+      float32 ``[R, N]`` values (not masked).
+    """
+    model = nnx.merge(graphdef, params["backbone"])
+    out = model(tokens, positions=positions, attention_mask=attention_mask, return_logits=False)
+    start = tokens.shape[1] - num_response - 1
+    hidden = jax.lax.slice_in_dim(out.hidden, start, start + num_response, axis=1)
+    head = params["head"]
+    return jnp.einsum("rnd,d->rn", hidden.astype(jnp.float32), head["kernel"]) + head["bias"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticConfig:
+    """Static settings of the value loss (``config.critic``)."""
+
+    value_clip: float | None = 0.2
+    aggregation: str = "token_mean"
+
+    @classmethod
+    def from_config(cls, config) -> "CriticConfig":
+        clip = config.critic.value_clip
+        return cls(value_clip=None if clip is None else float(clip))
+
+
+def critic_optim(config) -> OptimConfig:
+    """The critic's optimiser: ``config.critic.lr`` / ``warmup_steps`` / ``weight_decay``,
+    Adam's betas, eps and gradient clipping shared with ``config.optim``."""
+    optim = OptimConfig.from_config(config.optim)
+    return dataclasses.replace(optim, lr=float(config.critic.lr),
+                               warmup_steps=int(config.critic.warmup_steps),
+                               weight_decay=float(config.critic.weight_decay))
+
+
+def critic_loss(graphdef, params, batch: Batch, settings: CriticConfig) -> tuple[jax.Array, dict]:
+    """The value loss of one minibatch (``batch.old_values`` and ``batch.returns`` set)."""
+    values = forward_values(graphdef, params, batch.tokens, batch.positions, batch.attention_mask,
+                            batch.num_response)
+    loss, metrics = value_loss(values, batch.old_values, batch.returns, batch.mask,
+                               clip=settings.value_clip, aggregation=settings.aggregation)
+    metrics = {f"critic/{k}": v for k, v in metrics.items()}
+    metrics["critic/values_mean"] = jax.lax.stop_gradient(masked_mean(values, batch.mask))
+    return loss, metrics
+
+
+_CRITICS: dict = {}
+
+
+def get_critic(graphdef, settings: CriticConfig, optim: OptimConfig) -> "Critic":
+    """The Critic for (backbone structure, loss settings, optimiser), created once per
+    process (as ``learner.get_learner``), so that runs share compiled functions."""
+    key = (graphdef, settings, optim)
+    if key not in _CRITICS:
+        _CRITICS[key] = Critic(graphdef, settings, optim)
+    return _CRITICS[key]
+
+
+class Critic:
+    """The jitted functions of one value model, compiled once per shape bucket.
+
+    Attributes:
+      values: ``(params, tokens, positions, attention_mask, mask) -> values [R, N]``
+        (0 where ``mask`` is 0).
+      update: ``(state, batch) -> (state, metrics)``, the state donated; metrics are
+        ``critic/value_loss``, ``critic/explained_variance``, ``critic/value_clip_frac``,
+        ``critic/values_mean``, ``critic/grad_norm``, ``critic/lr``, ``critic/skipped``.
+      trace_counts: how many times each function was traced.
+    """
+
+    def __init__(self, graphdef, settings: CriticConfig, optim: OptimConfig):
+        self.graphdef, self.settings = graphdef, settings
+        self.optimizer, self.schedule = optim.build()
+        self.trace_counts: collections.Counter = collections.Counter()
+        self.values = jax.jit(self._values)
+        self.update = jax.jit(self._update, donate_argnums=0)
+
+    def init_state(self, policy_params, hidden_size: int) -> TrainState:
+        return TrainState.create(init_critic_params(policy_params, hidden_size), self.optimizer)
+
+    def loss(self, params, batch: Batch):
+        return critic_loss(self.graphdef, params, batch, self.settings)
+
+    def _values(self, params, tokens, positions, attention_mask, mask):
+        self.trace_counts["values"] += 1
+        values = forward_values(self.graphdef, params, tokens, positions, attention_mask, mask.shape[1])
+        return jnp.where(mask > 0, values, 0.0)
+
+    def _update(self, state: TrainState, batch: Batch):
+        self.trace_counts["update"] += 1
+        state, metrics = guarded_update(self.loss, self.optimizer, self.schedule, state, batch)
+        renamed = {"update/grad_norm": "critic/grad_norm", "update/lr": "critic/lr",
+                   "update/skipped": "critic/skipped"}
+        return state, {renamed.get(k, k): v for k, v in metrics.items()}
+
+
+def token_rewards(rewards: jax.Array, mask: jax.Array) -> jax.Array:
+    """Per-token rewards: each sequence's outcome reward on its last valid token, 0 elsewhere.
+
+    Args:
+      rewards: ``[R]`` outcome rewards.
+      mask: ``[R, N]`` 1 on valid response tokens.
+
+    Returns:
+      float32 ``[R, N]``; a row without valid tokens is all 0.
+    """
+    valid = jnp.asarray(mask) > 0
+    width = valid.shape[1]
+    last = width - 1 - jnp.argmax(valid[:, ::-1], axis=1)  # index of the last valid token
+    at_last = (jnp.arange(width)[None, :] == last[:, None]) & valid
+    return jnp.where(at_last, jnp.asarray(rewards, jnp.float32)[:, None], 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class GAEConfig:
+    """GAE settings of a critic recipe (``config.algo.gae_*``, ``adv_whiten``)."""
+
+    gamma: float = 1.0
+    lam_actor: float = 0.95
+    lam_critic: float = 0.95
+    length_adaptive: bool = False
+    alpha: float = 0.05
+    whiten: bool = True
+
+    @classmethod
+    def from_config(cls, algo) -> "GAEConfig":
+        return cls(gamma=float(algo.gae_gamma), lam_actor=float(algo.gae_lambda),
+                   lam_critic=float(algo.gae_lambda_critic),
+                   length_adaptive=bool(algo.gae_length_adaptive), alpha=float(algo.gae_alpha),
+                   whiten=bool(algo.adv_whiten))
+
+
+def gae_targets(rewards, values, mask, settings: GAEConfig) -> tuple[jax.Array, jax.Array, dict]:
+    """Policy advantages and value targets of a batch from outcome rewards and values.
+
+    ``r_t`` = the outcome reward on the last valid token (``token_rewards``);
+    ``delta_t = r_t + gamma V_{t+1} - V_t`` (``V`` after the last token = 0);
+    advantages ``A_t = sum_l (gamma lambda_actor)^l delta_{t+l}`` and value targets
+    ``A^{lambda_critic}_t + V_t`` (``advantages.decoupled_gae``; PPO: one lambda, VC-PPO
+    2503.01491: lambda_actor 0.95 / lambda_critic 1.0). With ``length_adaptive`` (VAPO
+    2504.05118) ``lambda_actor = 1 - 1 / (alpha |y_i|)`` per sequence, clamped at 0 when
+    ``alpha |y_i| <= 1`` (``advantages.length_adaptive_lambda``). With ``whiten`` the
+    advantages are whitened over the valid tokens of the batch (``masked_whiten``; the
+    value targets never are).
+
+    Args:
+      rewards: ``[R]`` outcome rewards.
+      values: ``[R, N]`` the critic's values of the rollout (``Critic.values``).
+      mask: ``[R, N]``.
+      settings: ``GAEConfig``.
+
+    Returns:
+      ``(advantages [R, N], returns [R, N], metrics)``, 0 at padding; metrics (scalars)
+      ``advantages/mean``, ``advantages/std`` (before whitening), ``critic/returns_mean``,
+      ``critic/rollout_values_mean`` and ``critic/rollout_explained_variance``
+      ``1 - Var[R - V] / Var[R]`` of the values the rollout was scored with.
+    """
+    per_token = token_rewards(rewards, mask)
+    if settings.length_adaptive:
+        advantages, returns = length_adaptive_gae(per_token, values, mask, gamma=settings.gamma,
+                                                  alpha=settings.alpha, lam_critic=settings.lam_critic)
+    else:
+        advantages, returns = decoupled_gae(per_token, values, mask, gamma=settings.gamma,
+                                            lam_actor=settings.lam_actor, lam_critic=settings.lam_critic)
+    mask_f = (jnp.asarray(mask) > 0).astype(jnp.float32)
+    returns_var = masked_var(returns, mask_f)
+    explained = 1.0 - masked_var(returns - values, mask_f) / jnp.where(returns_var > 0, returns_var, 1.0)
+    metrics = {
+        "advantages/mean": masked_mean(advantages, mask_f),
+        "advantages/std": jnp.sqrt(masked_var(advantages, mask_f)),
+        "critic/returns_mean": masked_mean(returns, mask_f),
+        "critic/rollout_values_mean": masked_mean(values, mask_f),
+        "critic/rollout_explained_variance": jnp.where(returns_var > 0, explained, 0.0),
+    }
+    if settings.whiten:
+        advantages = masked_whiten(advantages, mask_f)
+    return advantages, returns, metrics
+
