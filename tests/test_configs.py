@@ -8,7 +8,8 @@ from ml_collections import config_flags
 
 from configs import base
 
-RECIPES = ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral", "demo")
+RECIPES = ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral", "demo", "ppo",
+           "vc_ppo", "vapo")
 
 
 def load(name, arg=None):
@@ -35,6 +36,28 @@ def test_paper_values():
     assert (sapo.algo.method, sapo.algo.tau_pos, sapo.algo.tau_neg) == ("sapo", 1.0, 1.05)
     assert (mag.algo.clip_high, mag.algo.adv_scale, mag.algo.aggregation) == (0.28, "minibatch", "token_mean")
     assert mag.reward.format and mag.reward.overlong == "magistral" and mag.dynamic_sampling.enabled
+
+
+def test_critic_paper_values():
+    ppo, vc, vapo = (load(n) for n in ("ppo", "vc_ppo", "vapo"))
+    for c in (ppo, vc, vapo):
+        assert (c.algo.advantage, c.algo.gae_gamma, c.algo.method, c.algo.aggregation) == ("gae", 1.0, "ppo", "token_mean")
+        assert c.algo.kl_beta == 0 and not c.dynamic_sampling.enabled
+    assert (ppo.algo.gae_lambda, ppo.algo.gae_lambda_critic, ppo.algo.nll_coef) == (0.95, 0.95, 0.0)
+    assert (vc.algo.gae_lambda, vc.algo.gae_lambda_critic, vc.algo.gae_length_adaptive) == (0.95, 1.0, False)
+    assert vc.critic.pretrain_iterations > 0
+    assert (vapo.algo.gae_length_adaptive, vapo.algo.gae_alpha, vapo.algo.gae_lambda_critic) == (True, 0.05, 1.0)
+    assert (vapo.algo.clip_low, vapo.algo.clip_high, vapo.algo.nll_coef) == (0.2, 0.28, 0.1)
+    assert load("grpo").algo.advantage == "outcome"
+    paper = load("vapo", "scale=paper")
+    assert (paper.optim.lr, paper.critic.lr, paper.critic.pretrain_iterations) == (1e-6, 2e-6, 50)
+    assert (paper.batch.n_prompts, paper.batch.group_size, paper.batch.n_minibatches) == (512, 16, 16)
+    with pytest.raises(ValueError, match="pretrain_iterations"):
+        load("grpo", "critic.pretrain_iterations=3")
+    with pytest.raises(ValueError, match="gae_lambda_critic"):
+        load("vc_ppo", "algo.gae_lambda_critic=1.5")
+    with pytest.raises(ValueError, match="algo.advantage"):
+        load("ppo", "algo.advantage=td")
 
 
 def test_variant_string_and_paper_scale():

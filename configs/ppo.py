@@ -1,0 +1,45 @@
+"""PPO for LLMs (Schulman et al. 2017; GAE 1506.02438): a critic (the policy's backbone
+with a value head), per-token GAE advantages, token clip 0.2, clipped value loss.
+
+    --config configs/ppo.py                        # tiny MoE on the CPU
+    --config configs/ppo.py:model=tiny_dense,critic.pretrain_iterations=5
+    --config configs/ppo.py:scale=paper            # a real-size model, lr 1e-6
+"""
+
+from configs import base
+
+
+def get_config(arg=None):
+    c = base.base_config()
+    c.algo.method = "ppo"
+    # Clipped surrogate, eps = 0.2 on both sides (PAPERS.md "PPO / GRPO clipped surrogate").
+    c.algo.clip_low = 0.2
+    c.algo.clip_high = 0.2
+    # Per-token loss averaged over the minibatch's tokens (verl / OpenRLHF PPO default).
+    c.algo.aggregation = "token_mean"
+    # GAE with one lambda for advantages and value targets: gamma 1.0, lambda 0.95
+    # (PAPERS.md "Critic-based": classic PPO for LLMs). The outcome reward sits on the
+    # last response token.
+    c.algo.advantage = "gae"
+    c.algo.gae_gamma = 1.0
+    c.algo.gae_lambda = 0.95
+    c.algo.gae_lambda_critic = 0.95
+    # Advantages whitened over the batch's tokens (verl, OpenRLHF; not a paper value).
+    c.algo.adv_whiten = True
+    # No KL term and no dynamic sampling: the advantage needs no groups (any group_size
+    # works; the default 8 samples per prompt only fills the CPU batch).
+    c.algo.kl_beta = 0.0
+    c.dynamic_sampling.enabled = False
+    # Value clip 0.2 (OpenAI baselines, verl's cliprange_value); no value pretraining.
+    c.critic.value_clip = 0.2
+    c.critic.pretrain_iterations = 0
+    # The tiny CPU models need larger learning rates than 1e-6; the critic gets twice the
+    # actor's, the ratio VAPO uses (PAPERS.md).
+    c.optim.lr = 1e-4
+    c.critic.lr = 2e-4
+    paper = {
+        "model.preset": "qwen3_30b_a3b",
+        "optim.lr": 1e-6,   # the actor lr of the critic-based papers (VAPO: 1e-6)
+        "critic.lr": 2e-6,  # VAPO's critic lr; classic PPO papers do not fix one for LLMs
+    }
+    return base.finalize(c, arg, paper)

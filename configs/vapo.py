@@ -1,0 +1,51 @@
+"""VAPO (arXiv 2504.05118): value-based PPO with value warm-up, decoupled and
+length-adaptive GAE, clip-higher, token-level loss and an NLL term on correct samples.
+
+    --config configs/vapo.py                       # tiny MoE on the CPU
+    --config configs/vapo.py:model=tiny_dense,critic.pretrain_iterations=0
+    --config configs/vapo.py:scale=paper           # 512 prompts x 16, minibatch 512
+"""
+
+from configs import base
+
+
+def get_config(arg=None):
+    c = base.base_config()
+    c.algo.method = "ppo"
+    # Clip-higher: eps_low 0.2, eps_high 0.28 (PAPERS.md, VAPO).
+    c.algo.clip_low = 0.2
+    c.algo.clip_high = 0.28
+    # Token-level loss (PAPERS.md, VAPO; the library divides by the minibatch's tokens).
+    c.algo.aggregation = "token_mean"
+    # Length-adaptive GAE for the policy: lambda = 1 - 1/(alpha |y|), alpha = 0.05,
+    # clamped at 0 when alpha |y| <= 1 (responses of <= 20 tokens; the paper gives no
+    # rule); lambda_critic = 1.0; gamma = 1.0 (PAPERS.md, VAPO).
+    c.algo.advantage = "gae"
+    c.algo.gae_length_adaptive = True
+    c.algo.gae_alpha = 0.05
+    c.algo.gae_lambda_critic = 1.0
+    c.algo.gae_gamma = 1.0
+    # Advantages whitened over the batch's tokens (verl's PPO default; not a paper value).
+    c.algo.adv_whiten = True
+    # NLL on correct samples, mu = 0.1 (PAPERS.md, VAPO).
+    c.algo.nll_coef = 0.1
+    c.algo.kl_beta = 0.0
+    c.dynamic_sampling.enabled = False
+    # Value warm-up: 50 steps in the paper (scale=paper); 5 iterations on the CPU.
+    c.critic.pretrain_iterations = 5
+    c.critic.value_clip = 0.2
+    # Group sampling: 16 responses per prompt in the paper; 8 on the CPU.
+    c.batch.group_size = 8
+    # Actor lr 1e-6 / critic lr 2e-6 in the paper; the tiny CPU model keeps the ratio.
+    c.optim.lr = 1e-4
+    c.critic.lr = 2e-4
+    paper = {
+        "model.preset": "qwen3_30b_a3b",
+        "optim.lr": 1e-6,                 # actor lr
+        "critic.lr": 2e-6,                # critic lr
+        "critic.pretrain_iterations": 50, # value warm-up 50 steps
+        "batch.n_prompts": 512,           # 512 prompts x 16 samples
+        "batch.group_size": 16,
+        "batch.n_minibatches": 16,        # minibatch 512 sequences: 8192 / 512
+    }
+    return base.finalize(c, arg, paper)
