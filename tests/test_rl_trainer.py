@@ -14,7 +14,8 @@ import pytest
 from policyopt.metrics import read_jsonl
 from policyopt.rl import trainer
 
-RECIPES = ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral")
+RECIPES = ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral", "ppo", "vc_ppo", "vapo")
+CRITIC_RECIPES = ("ppo", "vc_ppo", "vapo")
 
 
 def tiny(recipe, model="tiny_moe", extra=""):
@@ -39,11 +40,13 @@ def _params(run):
 @pytest.mark.parametrize("recipe,model", [(r, "tiny_moe") for r in RECIPES]
                          + [("grpo", "tiny_dense")])
 def test_every_recipe_runs_a_few_iterations(recipe, model, tmp_path):
-    config = tiny(recipe, model)
+    # Critic recipes: iteration 1 value pretraining (VC-PPO, VAPO) or not (PPO), then PPO.
+    pretrain = 1 if recipe in ("vc_ppo", "vapo") else 0
+    config = tiny(recipe, model, extra=f"critic.pretrain_iterations={pretrain}" if recipe in CRITIC_RECIPES else "")
     summary = trainer.run_rl(config, str(tmp_path), quiet=True)
     run = summary["run"]
     metrics = summary["metrics"]
-    assert summary["iteration"] == 2 and int(run.state.step) + int(run.state.skipped) == 2
+    assert summary["iteration"] == 2 and int(run.state.step) + int(run.state.skipped) == 2 - pretrain
     for key in ("reward/mean", "reward/accuracy", "response/length_mean", "loss/loss",
                 "loss/clip_frac", "loss/gate_mean", "policy/entropy", "update/grad_norm",
                 "update/lr", "update/skipped", "time/generate_s", "time/update_s"):
@@ -55,8 +58,16 @@ def test_every_recipe_runs_a_few_iterations(recipe, model, tmp_path):
         assert "routing/sampler_trainer_disagreement/layer_0" in metrics
     if config.algo.kl_beta > 0:
         assert "loss/kl_ref" in metrics
+    if recipe in CRITIC_RECIPES:
+        assert int(run.critic_state.step) + int(run.critic_state.skipped) == 2
+        for key in ("critic/value_loss", "critic/explained_variance", "critic/value_clip_frac",
+                    "critic/values_mean", "critic/grad_norm", "advantages/mean", "advantages/std"):
+            assert key in metrics and np.isfinite(metrics[key]), key
+        assert ("loss/nll" in metrics) == (config.algo.nll_coef > 0)
+    else:
+        assert run.critic is None and not any(k.startswith("critic/") for k in metrics)
     rows = read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
-    assert [r["step"] for r in rows if "loss/loss" in r] == [1, 2]
+    assert [r["step"] for r in rows if "loss/loss" in r] == [1, 2][pretrain:]
     evals = read_jsonl(os.path.join(tmp_path, "eval.jsonl"))
     assert [e["step"] for e in evals] == [0, 2] and 0 <= evals[-1]["eval/pass@1"] <= 1
     with open(os.path.join(tmp_path, "config.json")) as f:
