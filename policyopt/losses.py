@@ -287,12 +287,11 @@ def gspo_token_objective(inputs: GateInputs) -> Surrogate:
     gradient.
     """
     log_ratio = inputs.log_ratio
-    token_seq_log_ratio = (
-        jax.lax.stop_gradient(inputs.seq_log_ratio)[:, None]
-        + log_ratio
-        - jax.lax.stop_gradient(log_ratio)
-    )
-    ratio = jnp.exp(token_seq_log_ratio)
+    seq_ratio = jnp.exp(jax.lax.stop_gradient(inputs.seq_log_ratio))[:, None]
+    # sg[s_i] * pi / sg[pi] = sg[s_i] * exp(log r - sg[log r]), written without a per-token
+    # exp: s_i + s_i (log r - sg[log r]) has the value s_i exactly (x - x = 0 for finite x)
+    # and the same gradient s_i d log r.
+    ratio = seq_ratio + seq_ratio * (log_ratio - jax.lax.stop_gradient(log_ratio))
     # The value of the ratio is s_i: the clip tests use the (constant) sequence log-ratio.
     value_log_ratio = jnp.broadcast_to(
         jax.lax.stop_gradient(inputs.seq_log_ratio)[:, None], ratio.shape
