@@ -375,7 +375,12 @@ def decoupled_gae(
     values = jnp.asarray(values, dtype)
     valid = jnp.asarray(mask) > 0
     batch = rewards.shape[0]
-    same_lam = lam_actor is lam_critic
+    # The same lambda (the same array, or equal Python numbers) runs one recurrence.
+    same_lam = lam_actor is lam_critic or (
+        isinstance(lam_actor, (int, float)) and isinstance(lam_critic, (int, float))
+        and float(lam_actor) == float(lam_critic))
+    if same_lam:
+        lam_critic = lam_actor
     if impl == "blocked":  # scalar lambdas stay scalar: one matrix shared by all rows
         lam_actor = _scalar_or_per_sequence(lam_actor, batch, dtype)
         lam_critic = lam_actor if same_lam else _scalar_or_per_sequence(lam_critic, batch, dtype)

@@ -611,7 +611,8 @@ def value_loss(
 
     Returns:
       ``(loss, metrics)`` with ``value_loss``, ``value_clip_frac`` (tokens where the clipped
-      term is the larger) and ``explained_variance`` ``1 - Var[R - V] / Var[R]``.
+      term is the larger) and ``explained_variance`` ``1 - Var[R - V] / Var[R]`` (with
+      constant returns: 1 if the values equal them, else 0).
     """
     mask_f = _as_mask(mask)
     valid = mask_f > 0
@@ -633,9 +634,16 @@ def value_loss(
     metrics = {
         "value_loss": jax.lax.stop_gradient(loss),
         "value_clip_frac": clip_frac,
-        "explained_variance": jax.lax.stop_gradient(1.0 - _safe_div(residual_var, returns_var)),
+        "explained_variance": jax.lax.stop_gradient(_explained_variance(residual_var, returns_var)),
     }
     return loss, metrics
+
+
+def _explained_variance(residual_var: Array, returns_var: Array) -> Array:
+    """``1 - Var[R - V] / Var[R]``; with constant returns (Var[R] = 0) it is 1 if the values
+    match them exactly and 0 otherwise (never NaN, never a spurious 1)."""
+    exact = jnp.where(residual_var > 0, 0.0, 1.0).astype(returns_var.dtype)
+    return jnp.where(returns_var > 0, 1.0 - _safe_div(residual_var, returns_var), exact)
 
 
 def masked_var(x: Array, mask: Array, axis=None) -> Array:

@@ -383,3 +383,18 @@ def test_blocked_gae_long_sequence_matches_recurrence():
             out[:, t] = carry
     np.testing.assert_allclose(advantages, np.where(valid, expected[0.95], 0), rtol=1e-5, atol=2e-5)
     np.testing.assert_allclose(returns, np.where(valid, expected[1.0] + values, 0), rtol=1e-5, atol=1e-4)
+
+
+def test_equal_python_lambdas_run_one_recurrence():
+    # decoupled_gae(lam, lam) with equal numbers (not the same object) computes the
+    # recurrence once, like gae(lam): as many matrix products in its program.
+    x = np.zeros((4, 64), np.float32)
+
+    def products(fn):
+        return str(jax.make_jaxpr(fn)(x, x, x)).count("dot_general")
+
+    once = products(lambda r, v, m: adv.gae(r, v, m, gamma=1.0, lam=0.9))
+    assert products(lambda r, v, m: adv.decoupled_gae(
+        r, v, m, gamma=1.0, lam_actor=0.9, lam_critic=float("0.9"))) == once
+    assert products(lambda r, v, m: adv.decoupled_gae(
+        r, v, m, gamma=1.0, lam_actor=0.9, lam_critic=1.0)) > once

@@ -572,6 +572,12 @@ def test_value_loss():
     residual = (returns - values)[mask > 0]
     np.testing.assert_allclose(metrics["explained_variance"],
                                1 - residual.var() / returns[mask > 0].var(), rtol=1e-4)
+    # Constant returns: 1 only when the values equal them, else 0 (not NaN, not 1).
+    constant = np.full((2, 3), 0.5, np.float32)
+    full = np.ones((2, 3), np.float32)
+    ev = jax.jit(lambda v: losses.value_loss(v, v, constant, full)[1]["explained_variance"])
+    assert float(ev(constant)) == 1.0
+    assert float(ev(constant + np.arange(6, dtype=np.float32).reshape(2, 3))) == 0.0
     # Hand-worked: V = 1.5, V_old = 1, R = 2: clipped V = 1.2, 0.5 * max(0.25, 0.64) = 0.32.
     both = jax.jit(lambda *args: (losses.value_loss(*args, clip=0.2)[0],
                                   losses.value_loss(*args, clip=None)[0]))
