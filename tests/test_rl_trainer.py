@@ -93,6 +93,19 @@ def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_resume_in_the_same_process_compiles_nothing_new(tmp_path):
+    # Restored arrays are committed to their device; the initial state is committed too
+    # (build.commit), so the jitted steps compiled before the save serve after restore.
+    config = tiny("grpo", extra="eval.num_prompts=0,train.checkpoint_every=100")
+    first = trainer.run_rl(config, str(tmp_path), num_iterations=1, quiet=True)
+    learner = first["run"].learner
+    compiled = (learner.update._cache_size(), learner.log_probs._cache_size())
+    resumed = trainer.run_rl(config, str(tmp_path), num_iterations=2, quiet=True)
+    assert resumed["run"].learner is learner and resumed["iteration"] == 2
+    assert resumed["run"].last_batch.tokens.shape == first["run"].last_batch.tokens.shape
+    assert (learner.update._cache_size(), learner.log_probs._cache_size()) == compiled
+
+
 @pytest.mark.parametrize("mode", ["R2", "R3"])
 def test_routing_replay_feeds_the_update(mode, tmp_path):
     config = tiny("grpo", extra=f"algo.routing_replay={mode},train.num_iterations=1,eval.num_prompts=0")

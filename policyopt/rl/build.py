@@ -88,4 +88,14 @@ def init_params(config, model: nnx.Module):
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"config.init_checkpoint={directory!r} is not a directory")
         params = Checkpointer(directory).restore_subtree(("train", "params"), params)
-    return graphdef, jax.device_put(params)
+    return graphdef, commit(params)
+
+
+def commit(tree):
+    """``tree`` placed on (committed to) the default device.
+
+    Arrays restored by orbax are committed to their device, freshly created ones are not,
+    and ``jax.jit`` compiles separately for the two; committing the initial state too
+    keeps every jitted step at one compilation across save and restore.
+    """
+    return jax.device_put(tree, jax.devices()[0])

@@ -113,7 +113,7 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
     optim = OptimConfig(lr=float(s.lr), warmup_steps=int(s.warmup_steps),
                         weight_decay=float(s.weight_decay), max_grad_norm=s.max_grad_norm)
     update, optimizer = sft_update_fn(graphdef, optim)
-    state = TrainState.create(params, optimizer)
+    state = build.commit(TrainState.create(params, optimizer))
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints)
     run = SFTRun(config=config, tokenizer=tokenizer, graphdef=graphdef, state=state,
                  data=make_sft_iterator(config, tokenizer, seed=config.seed), update=update,

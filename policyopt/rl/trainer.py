@@ -97,8 +97,8 @@ def build_run(config, workdir: str) -> RLRun:
     graphdef, params = build.init_params(config, model)
     learner = get_learner(graphdef, LossConfig.from_config(config), OptimConfig.from_config(config.optim))
     ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
-    state = learner.init_state(params)
-    rng = jax.random.PRNGKey(config.seed)
+    state = build.commit(learner.init_state(params))
+    rng = build.commit(jax.random.PRNGKey(config.seed))
     data = make_prompt_iterator(config, build.task_records(config, "train"), seed=config.seed)
     eval_records = build.task_records(config, "test")[: config.eval.num_prompts]
     s = config.sampling
@@ -113,7 +113,7 @@ def build_run(config, workdir: str) -> RLRun:
                 reward_spec=build.reward_spec(config), checkpointer=checkpointer)
     if config.algo.advantage == "gae":
         run.critic = get_critic(graphdef, CriticConfig.from_config(config), critic_optim(config))
-        run.critic_state = run.critic.init_state(params, model.config.hidden_size)
+        run.critic_state = build.commit(run.critic.init_state(params, model.config.hidden_size))
     if checkpointer.latest_step() is not None:
         restore(run)
     return run
