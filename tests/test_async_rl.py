@@ -19,7 +19,7 @@ from configs import magistral, magistral_async
 from policyopt.metrics import read_jsonl
 from policyopt.rl import build
 from policyopt.rl.async_generation import (AsyncGenerator, GeneratorExhausted, SlotConfig,
-                                           SlotGenerator, staleness_bound)
+                                           SlotGenerator, _refill_fn, _segment_fn, staleness_bound)
 from policyopt.rl.async_rl import async_enabled, check_supported, run_async_rl
 from policyopt.rl.learner import split_params
 from policyopt.sampling import Greedy, SamplingConfig, generate_fn, sampling_method
@@ -200,6 +200,27 @@ def test_greedy_without_updates_equals_the_synchronous_sampler():
         assert np.all(same[:, valid])
         assert np.all(completion.versions[completion.mask > 0] == 0)
     assert sorted(done) == list(range(len(prompts)))
+
+
+def test_refill_and_segment_compile_once():
+    """The slot state stays committed to the device (the initial one and the host-made
+    `active` flags too): jit keys its cache on committedness, so a mix would compile the
+    prefill and the decode segment again mid-run."""
+    graphdef, params, _ = policy()
+    params = jax.device_put(params, jax.devices()[0])  # as run_async_rl's (committed) copies
+    config = slot_config(num_groups=3, segment=3)  # a geometry no other test uses
+    before = (_refill_fn._cache_size(), _segment_fn._cache_size())
+    slots = SlotGenerator(graphdef, config, params)
+    prompts = iter(random_prompts(6, seed=11))
+    finished = 0
+    for segment in range(6):  # refills after finished groups, then segments without refills
+        for group in slots.free_groups():
+            prompt = next(prompts, None)
+            if prompt is not None:
+                slots.refill(group, prompt, params, segment)
+        finished += len(slots.segment(params, segment, jax.random.PRNGKey(segment)))
+    assert finished == 6 and slots.num_active == 0
+    assert (_refill_fn._cache_size() - before[0], _segment_fn._cache_size() - before[1]) == (1, 1)
 
 
 def generator_threads():

@@ -348,7 +348,10 @@ class SlotGenerator:
 
     def __init__(self, graphdef, config: SlotConfig, params):
         self.graphdef, self.config = graphdef, config
-        self.state = _init_state(nnx.merge(graphdef, params), config)
+        # Committed to the device like every later state (the outputs of the jitted
+        # refill / segment): jit keys its cache on committedness, and an uncommitted first
+        # state would compile the refill (a prefill) more than once.
+        self.state = jax.device_put(_init_state(nnx.merge(graphdef, params), config), jax.devices()[0])
         self._meta: dict[int, dict] = {}
         self._active = np.zeros((config.num_groups,), bool)
 
@@ -385,7 +388,8 @@ class SlotGenerator:
         if finished.size == 0:
             return []
         self._active[finished] = False
-        self.state = self.state.replace(active=jnp.asarray(np.repeat(self._active, cfg.group_size)))
+        active = np.repeat(self._active, cfg.group_size)  # placed (committed) as the state is
+        self.state = self.state.replace(active=jax.device_put(active, self.state.active.sharding))
         return [self._completion(int(g), version) for g in finished]
 
     def _completion(self, group: int, version: int) -> GroupCompletion:
