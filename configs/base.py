@@ -184,9 +184,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.critic.weight_decay = 0.0
     # PPO value clip: 0.5 max((V - R)^2, (clip(V, V_old +- value_clip) - R)^2); None = off.
     c.critic.value_clip = 0.2
-    # Value pretraining / warm-up: the first N iterations update only the critic (the
-    # policy is frozen and samples as the initial policy; VC-PPO value pretraining, VAPO:
-    # 50 steps). 0 = off.
+    # Value pretraining / warm-up: the first N iterations update only the critic, on
+    # Monte-Carlo returns (lambda_critic = 1 whatever algo.gae_lambda_critic) (the policy is
+    # frozen and samples as the initial policy; VC-PPO value pretraining, VAPO: 50 steps).
+    # 0 = off.
     c.critic.pretrain_iterations = 0
 
     # ---- Dynamic sampling (DAPO) ---------------------------------------------------------

@@ -246,3 +246,22 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path):
     trainer.rl_iteration(resumed)
     for got, want in zip(_leaves((resumed.state, resumed.critic_state)), _leaves((run.state, run.critic_state))):
         np.testing.assert_array_equal(got, want)
+
+
+def test_value_pretraining_targets_are_monte_carlo_returns(tmp_path):
+    """VC-PPO's value pretraining fits Monte-Carlo returns (lambda = 1) even in a recipe
+    whose PPO updates use lambda_critic < 1 (PPO's 0.95); afterwards, lambda_critic again."""
+    config = tiny("vapo", model="tiny_dense", extra=(
+        "model.num_layers=1,eval.num_prompts=0,reward.incorrect_value=-1.0,reward.overlong=dapo,"
+        "critic.pretrain_iterations=1,algo.gae_length_adaptive=False,algo.gae_lambda=0.95,"
+        "algo.gae_lambda_critic=0.95,algo.adv_whiten=False,train.checkpoint_every=100"))
+    assert trainer.gae_settings(config, pretraining=True).lam_critic == 1.0
+    assert trainer.gae_settings(config, pretraining=False) == GAEConfig.from_config(config.algo)
+    assert GAEConfig.from_config(config.algo).lam_critic == 0.95
+    run = trainer.build_run(config, str(tmp_path))
+    run.critic_state = run.critic_state.replace(params=_random_head(run.critic_state.params))
+    critic_before = _copy(run.critic_state.params)
+    assert trainer.rl_iteration(run)["critic/pretraining"] == 1.0
+    rewards = _check_gae(run, critic_before, 0.95, 1.0)
+    mc = np.where(np.asarray(run.last_batch.mask) > 0, rewards.sum(axis=1, keepdims=True), 0)
+    np.testing.assert_allclose(np.asarray(run.last_batch.returns), mc, atol=1e-5)

@@ -18,8 +18,9 @@ Critic methods (``config.algo.advantage = "gae"``: PPO, VC-PPO, VAPO): a value m
 (``policyopt.rl.critic``) scores the rollout, GAE gives per-token advantages and value
 targets, and the critic is updated on the same minibatches as the policy, with its own
 optimiser; during the first ``config.critic.pretrain_iterations`` iterations only the
-critic is updated (value pretraining / warm-up) and the policy stays bit-identical. The
-critic's parameters and optimiser state are part of the checkpoint.
+critic is updated (value pretraining / warm-up), on Monte-Carlo targets (lambda_critic =
+1, VC-PPO; ``gae_settings``), and the policy stays bit-identical. The critic's parameters
+and optimiser state are part of the checkpoint.
 
 Routing replay (MoE): ``"R2"`` replays, in every update forward, the routing recorded by
 the old-log-prob forward; ``"R3"`` replays the sampler's routing in the old-log-prob
@@ -224,6 +225,14 @@ def _chunked_values(critic: Critic, params, tokens, positions, attention_mask, m
 _gae_targets = jax.jit(gae_targets, static_argnames="settings")
 
 
+def gae_settings(config, *, pretraining: bool) -> GAEConfig:
+    """The GAE settings of an iteration: ``config.algo``'s, except that value pretraining
+    trains the critic on Monte-Carlo returns, ``lambda_critic = 1`` (VC-PPO 2503.01491,
+    PAPERS.md), whatever ``algo.gae_lambda_critic`` the later PPO updates use."""
+    settings = GAEConfig.from_config(config.algo)
+    return dataclasses.replace(settings, lam_critic=1.0) if pretraining else settings
+
+
 def minibatch_advantages(rewards, group_size: int, *, center: str = "group", eps: float = 1e-6):
     """Magistral's advantages (2506.10910, PAPERS.md): ``A = R - mean(R_group)``, then
     ``(A - mean_mb(A)) / std_mb(A)`` over the sequences of one minibatch.
@@ -283,12 +292,13 @@ def rl_iteration(run: RLRun) -> dict[str, float]:
     # importance weights, the replayed routing.
     rewards = jnp.asarray(merged.rewards)
     old_values = returns = None
+    pretraining = run.critic is not None and run.iteration < cfg.critic.pretrain_iterations
     if run.critic is not None:
         t0 = time.perf_counter()
         old_values = _chunked_values(run.critic, run.critic_state.params, tokens, positions,
                                      attention_mask, mask, n_chunks)
-        advantages, returns, gae_metrics = _gae_targets(rewards, old_values, mask,
-                                                        settings=GAEConfig.from_config(algo))
+        advantages, returns, gae_metrics = _gae_targets(
+            rewards, old_values, mask, settings=gae_settings(cfg, pretraining=pretraining))
         metrics.update(jax.device_get(gae_metrics))
         metrics["time/values_s"] = _block(advantages, t0)
     else:
@@ -311,7 +321,6 @@ def rl_iteration(run: RLRun) -> dict[str, float]:
     # the critic, on the same minibatches.
     t0 = time.perf_counter()
     num_groups = tokens.shape[0] // group
-    pretraining = run.critic is not None and run.iteration < cfg.critic.pretrain_iterations
     sums: dict[str, jax.Array] = {}
     num_updates = 0
     for epoch in range(cfg.batch.epochs):
