@@ -29,8 +29,8 @@ def async_fields() -> ml_collections.ConfigDict:
     # Decode steps between two pick-ups of new weights by the generator (the push
     # granularity; a completion spans up to ceil(max_new_tokens / segment_steps) pushes).
     a.segment_steps = 8
-    # Prompt width of the generator's slots; None: the padded width of the first prompt
-    # batch. A longer prompt is an error naming this field.
+    # Prompt width of the generator's slots; None: the prompt bucket of the longest
+    # training prompt (every prompt fits). A longer prompt is an error naming this field.
     a.prompt_width = base.placeholder(int)
     # Seconds to wait for the generator thread to stop at the end or on an error.
     a.join_timeout_s = 60.0

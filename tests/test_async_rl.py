@@ -20,7 +20,9 @@ from policyopt.metrics import read_jsonl
 from policyopt.rl import build
 from policyopt.rl.async_generation import (AsyncGenerator, GeneratorExhausted, SlotConfig,
                                            SlotGenerator, _refill_fn, _segment_fn, staleness_bound)
-from policyopt.rl.async_rl import async_enabled, check_supported, run_async_rl
+from policyopt.rl.async_rl import (PromptStream, async_enabled, check_supported, make_generator,
+                                   run_async_rl)
+from policyopt.rl.trainer import build_run
 from policyopt.rl.learner import split_params
 from policyopt.sampling import Greedy, SamplingConfig, generate_fn, sampling_method
 
@@ -333,6 +335,28 @@ def test_run_async_rl_trains_checkpoints_and_resumes(tmp_path):
     assert resumed["iteration"] == 4 and np.isfinite(resumed["metrics"]["loss/loss"])
     assert resumed["metrics"]["async/start_version_min"] >= 3  # generation restarted at v3
     assert not generator_threads()
+
+
+def test_default_prompt_width_fits_every_prompt_of_the_stream(tmp_path):
+    """Prompts of 5 to 10 tokens in buckets (8, 16): with seed 1 the first batch is in
+    bucket 8 and the third in 16. The slots are as wide as the widest bucket, not as the
+    first batch, so every prompt of the stream can be refilled."""
+    config = tiny("task.min_digits=1,task.max_digits=4,seed=1")
+    config.unlock()
+    config.batch.prompt_buckets = (8, PROMPT_WIDTH)
+    config.lock()
+    run = build_run(config, str(tmp_path))
+    stream = PromptStream(run.data)
+    generator = make_generator(run, stream)
+    slots = generator.slots
+    assert slots.config.prompt_width == PROMPT_WIDTH
+    widths = []
+    for segment, prompt in enumerate(itertools.islice(stream, 16)):  # 8 batches of 2
+        widths.append(prompt["prompt_tokens"].shape[0])  # the width of its batch
+        while not slots.free_groups():
+            slots.segment(run.state.params, 0, jax.random.PRNGKey(segment))
+        slots.refill(slots.free_groups()[0], prompt, run.state.params, 0)  # fits
+    assert widths[0] == 8 and max(widths) == PROMPT_WIDTH  # the case the default must cover
 
 
 def test_config_fields_and_errors():

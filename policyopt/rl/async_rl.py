@@ -50,9 +50,11 @@ import numpy as np
 from absl import logging
 
 from policyopt.advantages import outcome_advantages
+from policyopt.data.pipeline import make_pipeline
 from policyopt.losses import truncated_importance_weights
 from policyopt.metrics import MetricsWriter, Progress
 from policyopt.rewards.batch import score_batch
+from policyopt.rl import build
 from policyopt.rl.async_generation import (AsyncGenerator, GroupCompletion, SlotConfig,
                                            SlotGenerator, staleness_bound)
 from policyopt.rl.batch import Batch, bucket, merge_rounds, minibatch_indices, round_from_rollout, take_rows
@@ -78,7 +80,8 @@ class AsyncConfig:
     num_slots: int | None = None
     # K: decode steps between two pick-ups of new weights (the push granularity).
     segment_steps: int = 8
-    # Prompt width of the generator's slots; None: that of the first prompt batch.
+    # Prompt width of the generator's slots; None: the prompt bucket of the longest
+    # training prompt (``widest_prompt``), so that every prompt of the stream fits.
     prompt_width: int | None = None
     # Seconds to wait for the generator thread to stop.
     join_timeout_s: float = 60.0
@@ -144,13 +147,6 @@ class PromptStream:
                                      prompt_length=int(length), prompt=batch["prompt"][i],
                                      answer=batch["answer"][i]))
 
-    def peek_width(self) -> int:
-        """Padded width of the next prompt batch."""
-        with self._lock:
-            if not self._buffer:
-                self._fill()
-            return int(self._buffer[0]["prompt_tokens"].shape[0])
-
     def __iter__(self):
         return self
 
@@ -185,13 +181,26 @@ def make_scorer(run: RLRun):
     return score
 
 
+def widest_prompt(config) -> int:
+    """The padded width of the longest training prompt: the largest prompt bucket that a
+    batch of the prompt stream can have (the slots' prompt width is fixed for the run, so
+    the width of the first batch would not do: a later batch in a larger bucket would not
+    fit). One tokenising pass over the training prompts, in the training pipeline's
+    settings."""
+    records = build.task_records(config, "train")
+    pipeline = make_pipeline(records, batch_size=min(len(records), 1024), seed=0, shuffle=False,
+                             num_epochs=1, drop_remainder=False, tokenizer=build.make_tokenizer(config),
+                             length_buckets=tuple(config.batch.prompt_buckets))
+    return max(int(np.shape(batch["prompt_tokens"])[1]) for batch in pipeline)
+
+
 def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
     """The generator of ``run`` (not started), at the run's current parameters and
     iteration (= version)."""
     cfg = run.config
     acfg = AsyncConfig.from_config(cfg)
     n_async = acfg.resolved_n_async(cfg)
-    width = acfg.prompt_width or stream.peek_width()
+    width = acfg.prompt_width or widest_prompt(cfg)
     rows = min(acfg.num_slots or n_async, n_async)  # rows beyond n_async would stay idle
     slot_config = SlotConfig(sampling=run.sampling_config, num_groups=rows // cfg.batch.group_size,
                              prompt_width=int(width),
