@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from policyopt.metrics import read_jsonl
+from policyopt.rl import learner as learner_lib
 from policyopt.rl import trainer
 
 RECIPES = ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral", "ppo", "vc_ppo", "vapo")
@@ -129,7 +130,12 @@ def test_routing_replay_feeds_the_update(mode, tmp_path):
     assert float(metrics["loss/ratio_max"]) == pytest.approx(1.0, abs=1e-5)
 
 
-def test_compile_count_stops_growing_after_warm_up(tmp_path):
+def test_compile_count_stops_growing_after_warm_up(tmp_path, monkeypatch):
+    # Fresh learners and forward passes: the process-wide ones are shared with every test
+    # of the same model and temperature that ran before in this process (their traces of
+    # other shapes, e.g. test_async_rl's, counted here and made this order-dependent).
+    monkeypatch.setattr(learner_lib, "_LEARNERS", {})
+    monkeypatch.setattr(learner_lib, "_FORWARDS", {})
     config = tiny("sapo", extra="eval.num_prompts=0,train.num_iterations=6")
     config.unlock()
     config.batch.response_buckets = (4, 6)
