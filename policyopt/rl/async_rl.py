@@ -49,19 +49,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from policyopt.advantages import outcome_advantages
 from policyopt.data.pipeline import make_pipeline
-from policyopt.losses import truncated_importance_weights
 from policyopt.metrics import MetricsWriter, Progress
 from policyopt.rewards.batch import score_batch
 from policyopt.rl import build
 from policyopt.rl.async_generation import (AsyncGenerator, GroupCompletion, SlotConfig,
                                            SlotGenerator, staleness_bound)
-from policyopt.rl.batch import Batch, bucket, merge_rounds, minibatch_indices, round_from_rollout, take_rows
+from policyopt.rl.batch import bucket, merge_rounds, round_from_rollout
 from policyopt.rl.evaluate import decode
-from policyopt.rl.routing import routing_metrics
-from policyopt.rl.trainer import (RLRun, _block, _chunked_log_probs, build_run, evaluate_run,
-                                  minibatch_advantages)
+from policyopt.rl.trainer import RLRun, _checkpoint_state, build_run, evaluate_run, train_on_batch
 
 __all__ = ["AsyncConfig", "async_enabled", "check_supported", "PromptStream", "GroupBatcher", "make_scorer",
            "make_generator", "async_iteration", "run_async_rl"]
@@ -286,79 +282,6 @@ def staleness_metrics(version: int, versions: np.ndarray, start: np.ndarray,
     }
 
 
-def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle) -> dict:
-    """The synchronous trainer's step on an assembled batch (``trainer.rl_iteration``
-    after sampling): old / reference log-probs, advantages, TIS weights, routing replay,
-    epochs x minibatches of updates, routing metrics. Updates ``run.state``."""
-    cfg, learner = run.config, run.learner
-    algo, group = cfg.algo, cfg.batch.group_size
-    t0 = time.perf_counter()
-    tokens, positions = jnp.asarray(merged.tokens), jnp.asarray(merged.positions)
-    attention_mask, mask = jnp.asarray(merged.attention_mask), jnp.asarray(merged.mask)
-    sampler_routing = None if merged.routing is None else jnp.asarray(merged.routing)
-    behaviour = jnp.asarray(merged.behaviour_log_probs)
-    n_chunks = cfg.batch.n_minibatches
-    is_moe = sampler_routing is not None
-    replay_old = sampler_routing if (is_moe and algo.routing_replay == "R3") else None
-    if algo.old_log_probs == "trainer":
-        old_log_probs, old_routing = _chunked_log_probs(
-            learner, run.state.params, tokens, positions, attention_mask, mask, replay_old, n_chunks)
-    else:
-        old_log_probs, old_routing = behaviour, None
-    ref_log_probs = None
-    if run.ref_params is not None:
-        ref_log_probs, _ = _chunked_log_probs(
-            learner, run.ref_params, tokens, positions, attention_mask, mask, None, n_chunks)
-    natural_old = old_routing if (is_moe and replay_old is None) else None
-    if is_moe and cfg.train.routing_metrics and natural_old is None:
-        natural_old = learner.routing(run.state.params, tokens, positions, attention_mask)
-    metrics["time/old_log_probs_s"] = _block(old_log_probs, t0)
-    metrics["logprob/sampler_trainer_abs_diff"] = float(
-        jnp.sum(jnp.abs(old_log_probs - behaviour) * mask) / jnp.maximum(jnp.sum(mask), 1))
-
-    rewards = jnp.asarray(merged.rewards)
-    scale = "none" if algo.adv_scale == "minibatch" else algo.adv_scale
-    advantages = outcome_advantages(rewards, group, center=algo.adv_center, scale=scale, eps=algo.adv_eps)
-    weights = None
-    if algo.tis_cap is not None:
-        weights = truncated_importance_weights(old_log_probs, behaviour, mask, cap=algo.tis_cap)
-    replay = {"none": None, "R2": old_routing, "R3": sampler_routing}[algo.routing_replay] if is_moe else None
-    batch = Batch(tokens=tokens, positions=positions, attention_mask=attention_mask, mask=mask,
-                  advantages=advantages, old_log_probs=old_log_probs, importance_weights=weights,
-                  ref_log_probs=ref_log_probs, routing=replay)
-    run.last_round, run.last_batch = merged, batch
-
-    t0 = time.perf_counter()
-    num_groups = tokens.shape[0] // group
-    sums: dict = {}
-    num_updates = 0
-    for epoch in range(cfg.batch.epochs):
-        shuffle = jax.random.fold_in(key_shuffle, epoch) if cfg.batch.n_minibatches > 1 else None
-        for rows in minibatch_indices(num_groups, group, cfg.batch.n_minibatches, shuffle):
-            minibatch = take_rows(batch, rows)
-            if algo.adv_scale == "minibatch":
-                minibatch = minibatch._replace(advantages=minibatch_advantages(
-                    rewards[rows], group, center=algo.adv_center, eps=algo.adv_eps))
-            run.state, update_metrics = learner.update(run.state, minibatch)
-            for k, v in update_metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
-            num_updates += 1
-    update_metrics = {k: v / num_updates for k, v in sums.items()}
-    update_metrics["update/skipped"] = sums["update/skipped"]
-    metrics.update(jax.device_get(update_metrics))
-    metrics["time/update_s"] = _block(run.state.params, t0)
-    if is_moe and cfg.train.routing_metrics:
-        new_routing = learner.routing(run.state.params, tokens, positions, attention_mask)
-        metrics.update(jax.device_get(routing_metrics("routing/volatility", natural_old, new_routing, attention_mask)))
-        metrics.update(jax.device_get(routing_metrics(
-            "routing/sampler_trainer_disagreement", natural_old, sampler_routing, attention_mask)))
-    metrics["batch/prompt_width"] = float(merged.prompt_width)
-    metrics["batch/response_width"] = float(merged.mask.shape[1])
-    metrics["update/step"] = float(run.state.step)
-    metrics["update/skipped_total"] = float(run.state.skipped)
-    return metrics
-
-
 def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher) -> tuple[dict, dict]:
     """Takes one batch of finished groups, trains on it (version ``run.iteration``),
     publishes the new parameters as version ``run.iteration + 1``.
@@ -401,7 +324,7 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
 
 def save(run: RLRun, stream: PromptStream) -> None:
     """Checkpoints the run (``trainer.save`` with the prompt stream's position)."""
-    run.checkpointer.save(run.iteration, {"train": run.state, "rng": run.rng},
+    run.checkpointer.save(run.iteration, _checkpoint_state(run),
                           {"iteration": run.iteration, "data": stream.get_state()})
 
 

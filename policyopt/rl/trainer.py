@@ -256,11 +256,23 @@ def minibatch_advantages(rewards, group_size: int, *, center: str = "group", eps
 
 def rl_iteration(run: RLRun) -> dict[str, float]:
     """Runs one RL iteration on ``run`` (state updated in place) and returns its metrics."""
-    cfg, learner = run.config, run.learner
-    algo, group = cfg.algo, cfg.batch.group_size
     start = time.perf_counter()
     key_sample, key_shuffle = jax.random.split(jax.random.fold_in(run.rng, run.iteration))
     merged, metrics = _sample_batch(run, key_sample)
+    metrics = train_on_batch(run, merged, metrics, key_shuffle)
+    run.iteration += 1
+    metrics["time/iteration_s"] = time.perf_counter() - start
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -> dict:
+    """The training half of an iteration on a sampled batch (host ``Round``): old /
+    reference log-probs, advantages (critic: values and GAE targets), TIS weights, routing
+    replay, epochs x minibatches of updates, routing metrics. Updates ``run.state`` (and
+    ``run.critic_state``), not ``run.iteration``; shared by ``rl_iteration`` and
+    ``async_rl.async_iteration``. Returns ``metrics`` with this step's added."""
+    cfg, learner = run.config, run.learner
+    algo, group = cfg.algo, cfg.batch.group_size
 
     # Old (and reference) log-probs from the trainer's forward pass.
     t0 = time.perf_counter()
@@ -359,9 +371,7 @@ def rl_iteration(run: RLRun) -> dict[str, float]:
     metrics["batch/response_width"] = float(merged.mask.shape[1])
     metrics["update/step"] = float(run.state.step)
     metrics["update/skipped_total"] = float(run.state.skipped)
-    run.iteration += 1
-    metrics["time/iteration_s"] = time.perf_counter() - start
-    return {k: float(v) for k, v in metrics.items()}
+    return metrics
 
 
 def _block(tree, t0: float) -> float:
