@@ -18,6 +18,7 @@ at run time and sent to the scan.
 
 from __future__ import annotations
 
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -375,9 +376,9 @@ def decoupled_gae(
     values = jnp.asarray(values, dtype)
     valid = jnp.asarray(mask) > 0
     batch = rewards.shape[0]
-    # The same lambda (the same array, or equal Python numbers) runs one recurrence.
+    # The same lambda (the same array, or equal Python / NumPy numbers) runs one recurrence.
     same_lam = lam_actor is lam_critic or (
-        isinstance(lam_actor, (int, float)) and isinstance(lam_critic, (int, float))
+        isinstance(lam_actor, numbers.Real) and isinstance(lam_critic, numbers.Real)
         and float(lam_actor) == float(lam_critic))
     if same_lam:
         lam_critic = lam_actor

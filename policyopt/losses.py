@@ -634,12 +634,12 @@ def value_loss(
     metrics = {
         "value_loss": jax.lax.stop_gradient(loss),
         "value_clip_frac": clip_frac,
-        "explained_variance": jax.lax.stop_gradient(_explained_variance(residual_var, returns_var)),
+        "explained_variance": jax.lax.stop_gradient(explained_variance(residual_var, returns_var)),
     }
     return loss, metrics
 
 
-def _explained_variance(residual_var: Array, returns_var: Array) -> Array:
+def explained_variance(residual_var: Array, returns_var: Array) -> Array:
     """``1 - Var[R - V] / Var[R]``; with constant returns (Var[R] = 0) it is 1 if the values
     match them exactly and 0 otherwise (never NaN, never a spurious 1)."""
     exact = jnp.where(residual_var > 0, 0.0, 1.0).astype(returns_var.dtype)

@@ -397,4 +397,6 @@ def test_equal_python_lambdas_run_one_recurrence():
     assert products(lambda r, v, m: adv.decoupled_gae(
         r, v, m, gamma=1.0, lam_actor=0.9, lam_critic=float("0.9"))) == once
     assert products(lambda r, v, m: adv.decoupled_gae(
+        r, v, m, gamma=1.0, lam_actor=np.float32(0.9), lam_critic=np.float32(0.9))) == once
+    assert products(lambda r, v, m: adv.decoupled_gae(
         r, v, m, gamma=1.0, lam_actor=0.9, lam_critic=1.0)) > once

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from policyopt.advantages import decoupled_gae, length_adaptive_gae, masked_whiten
-from policyopt.losses import masked_mean, masked_var, value_loss
+from policyopt.losses import explained_variance, masked_mean, masked_var, value_loss
 from policyopt.rl.batch import Batch
 from policyopt.rl.learner import OptimConfig, TrainState, guarded_update
 
@@ -231,7 +231,8 @@ def gae_targets(rewards, values, mask, settings: GAEConfig) -> tuple[jax.Array, 
       ``(advantages [R, N], returns [R, N], metrics)``, 0 at padding; metrics (scalars)
       ``advantages/mean``, ``advantages/std`` (before whitening), ``critic/returns_mean``,
       ``critic/rollout_values_mean`` and ``critic/rollout_explained_variance``
-      ``1 - Var[R - V] / Var[R]`` of the values the rollout was scored with.
+      ``1 - Var[R - V] / Var[R]`` of the values the rollout was scored with (the
+      convention of ``losses.explained_variance`` for constant returns).
     """
     per_token = token_rewards(rewards, mask)
     if settings.length_adaptive:
@@ -241,14 +242,13 @@ def gae_targets(rewards, values, mask, settings: GAEConfig) -> tuple[jax.Array, 
         advantages, returns = decoupled_gae(per_token, values, mask, gamma=settings.gamma,
                                             lam_actor=settings.lam_actor, lam_critic=settings.lam_critic)
     mask_f = (jnp.asarray(mask) > 0).astype(jnp.float32)
-    returns_var = masked_var(returns, mask_f)
-    explained = 1.0 - masked_var(returns - values, mask_f) / jnp.where(returns_var > 0, returns_var, 1.0)
     metrics = {
         "advantages/mean": masked_mean(advantages, mask_f),
         "advantages/std": jnp.sqrt(masked_var(advantages, mask_f)),
         "critic/returns_mean": masked_mean(returns, mask_f),
         "critic/rollout_values_mean": masked_mean(values, mask_f),
-        "critic/rollout_explained_variance": jnp.where(returns_var > 0, explained, 0.0),
+        "critic/rollout_explained_variance": explained_variance(
+            masked_var(returns - values, mask_f), masked_var(returns, mask_f)),
     }
     if settings.whiten:
         advantages = masked_whiten(advantages, mask_f)
