@@ -173,7 +173,7 @@ def _check_gae(run, critic_before, lam_actor, lam_critic):
     return rewards
 
 
-def test_pretraining_decoupled_gae_nll_and_resume(tmp_path):
+def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
     """One run of the VAPO recipe with VC-PPO's decoupled GAE (lambda_actor 0.95, lambda_critic
     1.0) and no whitening, so that the trainer's advantages are the raw GAE. Iteration 1 is
     value pretraining; a checkpoint after it, resumed, gives iteration 2 bit for bit."""
@@ -193,8 +193,14 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path):
     policy_before = _copy(run.state.params)
     critic_before = _copy(run.critic_state.params)
 
-    # Iteration 1: value pretraining. The policy is bit-identical; the critic moved.
+    # Iteration 1: value pretraining. The policy is bit-identical; the critic moved; no
+    # policy forward pass (old log-probs) was run for it.
+    policy_forwards = []
+    real_log_probs = trainer._chunked_log_probs
+    monkeypatch.setattr(trainer, "_chunked_log_probs",
+                        lambda *args: policy_forwards.append(1) or real_log_probs(*args))
     metrics = trainer.rl_iteration(run)
+    assert not policy_forwards and "time/old_log_probs_s" not in metrics
     assert metrics["critic/pretraining"] == 1.0 and "loss/loss" not in metrics
     assert int(run.state.step) == 0 and int(run.critic_state.step) == 1
     for got, want in zip(_leaves(run.state.params), _leaves(policy_before)):
@@ -214,6 +220,7 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path):
     # Iteration 2: policy and critic both update.
     critic_before = _copy(run.critic_state.params)
     metrics = trainer.rl_iteration(run)
+    assert policy_forwards and "time/old_log_probs_s" in metrics
     assert metrics["critic/pretraining"] == 0.0 and int(run.state.step) == 1
     assert int(run.critic_state.step) == 2
     assert not all(np.array_equal(a, b) for a, b in zip(_leaves(run.state.params), _leaves(policy_before)))

@@ -19,7 +19,8 @@ Critic methods (``config.algo.advantage = "gae"``: PPO, VC-PPO, VAPO): a value m
 targets, and the critic is updated on the same minibatches as the policy, with its own
 optimiser; during the first ``config.critic.pretrain_iterations`` iterations only the
 critic is updated (value pretraining / warm-up), on Monte-Carlo targets (lambda_critic =
-1, VC-PPO; ``gae_settings``), and the policy stays bit-identical. The critic's parameters
+1, VC-PPO; ``gae_settings``), and the policy stays bit-identical (its old-log-prob,
+reference and routing forward passes are skipped then). The critic's parameters
 and optimiser state are part of the checkpoint.
 
 Routing replay (MoE): ``"R2"`` replays, in every update forward, the routing recorded by
@@ -273,6 +274,10 @@ def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) ->
     ``async_rl.async_iteration``. Returns ``metrics`` with this step's added."""
     cfg, learner = run.config, run.learner
     algo, group = cfg.algo, cfg.batch.group_size
+    # Value pretraining / warm-up updates the critic only: the policy's forward passes
+    # (old and reference log-probs, routing) would be computed for nothing, and are not.
+    pretraining = run.critic is not None and run.iteration < cfg.critic.pretrain_iterations
+    policy_step = not pretraining
 
     # Old (and reference) log-probs from the trainer's forward pass.
     t0 = time.perf_counter()
@@ -283,28 +288,29 @@ def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) ->
     n_chunks = cfg.batch.n_minibatches
     is_moe = sampler_routing is not None
     replay_old = sampler_routing if (is_moe and algo.routing_replay == "R3") else None
-    if algo.old_log_probs == "trainer":
+    if algo.old_log_probs == "trainer" and policy_step:
         old_log_probs, old_routing = _chunked_log_probs(
             learner, run.state.params, tokens, positions, attention_mask, mask, replay_old, n_chunks)
     else:
         old_log_probs, old_routing = behaviour, None
     ref_log_probs = None
-    if run.ref_params is not None:
+    if run.ref_params is not None and policy_step:
         ref_log_probs, _ = _chunked_log_probs(
             learner, run.ref_params, tokens, positions, attention_mask, mask, None, n_chunks)
     # The old policy's own (not replayed) routing, for the routing metrics.
+    routing_metrics_on = is_moe and cfg.train.routing_metrics and policy_step
     natural_old = old_routing if (is_moe and replay_old is None) else None
-    if is_moe and cfg.train.routing_metrics and natural_old is None:
+    if routing_metrics_on and natural_old is None:
         natural_old = learner.routing(run.state.params, tokens, positions, attention_mask)
-    metrics["time/old_log_probs_s"] = _block(old_log_probs, t0)
-    metrics["logprob/sampler_trainer_abs_diff"] = float(
-        jnp.sum(jnp.abs(old_log_probs - behaviour) * mask) / jnp.maximum(jnp.sum(mask), 1))
+    if policy_step:
+        metrics["time/old_log_probs_s"] = _block(old_log_probs, t0)
+        metrics["logprob/sampler_trainer_abs_diff"] = float(
+            jnp.sum(jnp.abs(old_log_probs - behaviour) * mask) / jnp.maximum(jnp.sum(mask), 1))
 
     # Advantages (and, for critic methods, the rollout's values and the value targets),
     # importance weights, the replayed routing.
     rewards = jnp.asarray(merged.rewards)
     old_values = returns = None
-    pretraining = run.critic is not None and run.iteration < cfg.critic.pretrain_iterations
     if run.critic is not None:
         t0 = time.perf_counter()
         old_values = _chunked_values(run.critic, run.critic_state.params, tokens, positions,
@@ -319,7 +325,7 @@ def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) ->
     # VAPO's NLL term covers the correct samples.
     nll_weights = jnp.asarray(merged.correct, jnp.float32) if algo.nll_coef > 0 else None
     weights = None
-    if algo.tis_cap is not None:
+    if algo.tis_cap is not None and policy_step:
         weights = truncated_importance_weights(old_log_probs, behaviour, mask, cap=algo.tis_cap)
     replay = {"none": None, "R2": old_routing, "R3": sampler_routing}[algo.routing_replay] if is_moe else None
     batch = Batch(tokens=tokens, positions=positions, attention_mask=attention_mask, mask=mask,
@@ -362,7 +368,7 @@ def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) ->
     metrics["time/update_s"] = _block((run.state.params, run.critic_state), t0)
 
     # Routing metrics (MoE).
-    if is_moe and cfg.train.routing_metrics:
+    if routing_metrics_on:
         new_routing = learner.routing(run.state.params, tokens, positions, attention_mask)
         metrics.update(jax.device_get(routing_metrics("routing/volatility", natural_old, new_routing, attention_mask)))
         metrics.update(jax.device_get(routing_metrics(
