@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import threading
 import time
 
@@ -50,14 +49,13 @@ import numpy as np
 from absl import logging
 
 from policyopt.data.pipeline import make_pipeline
-from policyopt.metrics import MetricsWriter, Progress
 from policyopt.rewards.batch import score_batch
 from policyopt.rl import build
 from policyopt.rl.async_generation import (AsyncGenerator, GroupCompletion, SlotConfig,
                                            SlotGenerator, staleness_bound)
 from policyopt.rl.batch import bucket, merge_rounds, round_from_rollout
 from policyopt.rl.evaluate import decode
-from policyopt.rl.trainer import RLRun, _checkpoint_state, build_run, evaluate_run, train_on_batch
+from policyopt.rl.trainer import RLRun, RunLoop, _checkpoint_state, build_run, train_on_batch
 
 __all__ = ["AsyncConfig", "async_enabled", "check_supported", "PromptStream", "GroupBatcher", "make_scorer",
            "make_generator", "async_iteration", "run_async_rl"]
@@ -342,8 +340,6 @@ def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, qui
     if run.iteration:
         logging.info("async RL resumes at iteration %d; generation restarts from scratch "
                      "(in-flight completions are not checkpointed)", run.iteration)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
     stream = PromptStream(run.data)
     generator = make_generator(run, stream)
     slot_config = generator.slots.config
@@ -354,40 +350,16 @@ def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, qui
     ds = config.dynamic_sampling
     batcher = GroupBatcher(config.batch.n_prompts, group, enabled=ds.enabled,
                            max_groups=ds.max_rounds * config.batch.n_prompts if ds.enabled else 0)
-    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
-    eval_writer = MetricsWriter(workdir, filename="eval.jsonl", tensorboard=False)
-    progress = None if quiet else Progress(total, start_step=run.iteration)
-    history, metrics, last_eval, info = [], {}, {}, {}
-    every = config.train.eval_every
-
-    def do_eval():
-        result = evaluate_run(run)
-        eval_writer.write(run.iteration, result)
-        writer.write(run.iteration, result)
-        history.append({"iteration": run.iteration, **result})
-        if progress:
-            print(f"eval @ {run.iteration}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)
-        return result
-
+    loop = RunLoop(run, total, quiet=quiet)
+    info = {}
     try:
-        if run.iteration == 0 and config.eval.num_prompts > 0:
-            last_eval = do_eval()
+        loop.begin()
         with generator if run.iteration < total else contextlib.nullcontext():
             while run.iteration < total:
                 metrics, info = async_iteration(run, generator, batcher)
                 metrics["async/staleness_bound"] = float(bound)
-                writer.write(run.iteration, metrics)
-                if progress and run.iteration % config.train.log_every == 0:
-                    progress.update(run.iteration, {**metrics, **last_eval})
-                final = run.iteration == total
-                if config.eval.num_prompts > 0 and ((every and run.iteration % every == 0) or final):
-                    last_eval = do_eval()
-                if final or run.iteration % config.train.checkpoint_every == 0:
-                    save(run, stream)
-        if not last_eval and config.eval.num_prompts > 0:  # resumed a finished run
-            last_eval = do_eval()
+                loop.after_iteration(metrics, save=lambda: save(run, stream))
+        loop.end()
     finally:
-        writer.close()
-        eval_writer.close()
-    return {"iteration": run.iteration, "metrics": metrics, "eval": last_eval,
-            "eval_history": history, "run": run, "async": info, "staleness_bound": bound}
+        loop.close()
+    return loop.summary(**{"async": info, "staleness_bound": bound})

@@ -414,41 +414,79 @@ def run_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bo
     """
     total = config.train.num_iterations if num_iterations is None else num_iterations
     run = build_run(config, workdir)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
-    eval_writer = MetricsWriter(workdir, filename="eval.jsonl", tensorboard=False)
-    progress = None if quiet else Progress(total, start_step=run.iteration)
-    history, metrics, last_eval = [], {}, {}
-    every = config.train.eval_every
+    loop = RunLoop(run, total, quiet=quiet)
+    try:
+        loop.begin()
+        while run.iteration < total:
+            loop.after_iteration(rl_iteration(run), save=lambda: save(run))
+        loop.end()
+    finally:
+        loop.close()
+    return loop.summary()
 
-    def do_eval():
+
+class RunLoop:
+    """The bookkeeping around the iterations of a run, shared by ``run_rl`` and
+    ``async_rl.run_async_rl``: ``config.json``, metrics (JSONL, TensorBoard, console),
+    evaluation and checkpoint cadence, and the summary the two return.
+
+    Use: ``begin()`` (evaluates at iteration 0), ``after_iteration(metrics, save)`` after
+    each iteration (``run.iteration`` already advanced), ``end()`` (evaluates a resumed,
+    finished run once), ``close()`` in a ``finally``, then ``summary()``.
+    """
+
+    def __init__(self, run: RLRun, total: int, *, quiet: bool = False):
+        config, workdir = run.config, run.workdir
+        self.run, self.total, self.config = run, total, config
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+        self.writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
+        self.eval_writer = MetricsWriter(workdir, filename="eval.jsonl", tensorboard=False)
+        self.progress = None if quiet else Progress(total, start_step=run.iteration)
+        self.history: list[dict] = []
+        self.metrics: dict = {}
+        self.last_eval: dict = {}
+        self.evaluating = config.eval.num_prompts > 0
+
+    def evaluate(self) -> dict:
+        run = self.run
         result = evaluate_run(run)
-        eval_writer.write(run.iteration, result)
-        writer.write(run.iteration, result)
-        history.append({"iteration": run.iteration, **result})
-        if progress:
-            print(f"eval @ {run.iteration}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)
+        self.eval_writer.write(run.iteration, result)
+        self.writer.write(run.iteration, result)
+        self.history.append({"iteration": run.iteration, **result})
+        if self.progress:
+            print(f"eval @ {run.iteration}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()),
+                  flush=True)
+        self.last_eval = result
         return result
 
-    if run.iteration == 0 and config.eval.num_prompts > 0:
-        last_eval = do_eval()
-    try:
-        while run.iteration < total:
-            metrics = rl_iteration(run)
-            writer.write(run.iteration, metrics)
-            if progress and run.iteration % config.train.log_every == 0:
-                progress.update(run.iteration, {**metrics, **last_eval})
-            final = run.iteration == total
-            if config.eval.num_prompts > 0 and ((every and run.iteration % every == 0) or final):
-                last_eval = do_eval()
-            if final or run.iteration % config.train.checkpoint_every == 0:
-                save(run)
-        if not last_eval and config.eval.num_prompts > 0:  # resumed a finished run
-            last_eval = do_eval()
-    finally:
-        writer.close()
-        eval_writer.close()
-    return {"iteration": run.iteration, "metrics": metrics, "eval": last_eval,
-            "eval_history": history, "run": run}
+    def begin(self) -> None:
+        if self.run.iteration == 0 and self.evaluating:
+            self.evaluate()
+
+    def after_iteration(self, metrics: dict, save) -> None:
+        """Writes ``metrics``, then evaluates and checkpoints (``save()``) when due."""
+        run, train = self.run, self.config.train
+        self.metrics = metrics
+        self.writer.write(run.iteration, metrics)
+        if self.progress and run.iteration % train.log_every == 0:
+            self.progress.update(run.iteration, {**metrics, **self.last_eval})
+        final = run.iteration == self.total
+        every = train.eval_every
+        if self.evaluating and ((every and run.iteration % every == 0) or final):
+            self.evaluate()
+        if final or run.iteration % train.checkpoint_every == 0:
+            save()
+
+    def end(self) -> None:
+        if not self.last_eval and self.evaluating:  # resumed a finished run
+            self.evaluate()
+
+    def close(self) -> None:
+        self.writer.close()
+        self.eval_writer.close()
+
+    def summary(self, **extra) -> dict:
+        return {"iteration": self.run.iteration, "metrics": self.metrics, "eval": self.last_eval,
+                "eval_history": self.history, "run": self.run, **extra}
 
