@@ -141,9 +141,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.algo.gae_gamma = 1.0
     # lambda of the policy advantages (classic PPO 0.95; VC-PPO lambda_actor 0.95).
     c.algo.gae_lambda = 0.95
-    # lambda of the value targets A^lambda + V (PPO: the same as gae_lambda; VC-PPO and
-    # VAPO: 1.0, Monte-Carlo returns).
-    c.algo.gae_lambda_critic = 0.95
+    # lambda of the value targets A^lambda + V. None: gae_lambda (classic PPO, one lambda
+    # for both, so overriding gae_lambda moves both); VC-PPO and VAPO: 1.0, Monte-Carlo
+    # returns.
+    c.algo.gae_lambda_critic = placeholder(float)
     # VAPO's length-adaptive policy lambda 1 - 1/(gae_alpha * |y|) per sequence instead of
     # gae_lambda (clamped at 0 when gae_alpha * |y| <= 1: `advantages.length_adaptive_lambda`).
     c.algo.gae_length_adaptive = False
@@ -248,6 +249,29 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.tensorboard = True
     # Measure routing volatility (an extra router-only forward pass per iteration).
     c.train.routing_metrics = True
+
+    # ---- Asynchronous generation (`policyopt.rl.async_rl`; PAPERS.md) ----------------------
+    # Magistral's mode, for any recipe: generators never wait for the trainer, finished
+    # groups are scored at once, new weights reach the generators mid-generation.
+    c.async_mode = ml_collections.ConfigDict()
+    # Run `run_async_rl` instead of the synchronous `run_rl` (experiments/train.py).
+    c.async_mode.enabled = False
+    # n_async: most completions started and not yet taken by the trainer (in generation
+    # or waiting); it bounds staleness. A multiple of batch.group_size.
+    # None: 2 * n_batch, n_batch = n_prompts * group_size (Magistral: best with
+    # n_async / n_batch <= 2, and n_batch = n_minibatch, i.e. one update per batch).
+    c.async_mode.n_async = placeholder(int)
+    # Generation rows (slots; the KV cache is [rows, P + N + segment_steps]); None: n_async.
+    # A multiple of batch.group_size; set it below n_async when memory is short.
+    c.async_mode.num_slots = placeholder(int)
+    # Decode steps between two pick-ups of new weights by the generator (the push
+    # granularity; a completion spans up to ceil(max_new_tokens / segment_steps) pushes).
+    c.async_mode.segment_steps = 8
+    # Prompt width of the generator's slots; None: the prompt bucket of the longest
+    # training prompt (every prompt fits). A longer prompt is an error naming this field.
+    c.async_mode.prompt_width = placeholder(int)
+    # Seconds to wait for the generator thread to stop at the end or on an error.
+    c.async_mode.join_timeout_s = 60.0
 
     # ---- Evaluation on the held-out split --------------------------------------------------
     c.eval = ml_collections.ConfigDict()
@@ -374,7 +398,7 @@ def check(config: ml_collections.ConfigDict) -> None:
                          f"sampling.max_new_tokens ({config.sampling.max_new_tokens})")
     algo = config.algo
     for name in ("gae_gamma", "gae_lambda", "gae_lambda_critic"):
-        if not 0.0 <= algo[name] <= 1.0:
+        if algo[name] is not None and not 0.0 <= algo[name] <= 1.0:
             raise ValueError(f"config.algo.{name} must be in [0, 1], got {algo[name]}")
     if algo.gae_alpha <= 0:
         raise ValueError(f"config.algo.gae_alpha must be > 0, got {algo.gae_alpha}")
@@ -389,6 +413,17 @@ def check(config: ml_collections.ConfigDict) -> None:
     if algo.advantage == "gae" and algo.adv_scale == "minibatch":
         raise ValueError("config.algo.adv_scale='minibatch' (Magistral) is an outcome-advantage "
                          "option; with algo.advantage='gae' use algo.adv_whiten")
+    a, group = config.async_mode, b.group_size
+    if a.n_async is not None and (a.n_async < group or a.n_async % group):
+        raise ValueError(f"config.async_mode.n_async ({a.n_async}) must be a positive multiple of "
+                         f"batch.group_size ({group})")
+    if a.num_slots is not None and (a.num_slots < group or a.num_slots % group):
+        raise ValueError(f"config.async_mode.num_slots ({a.num_slots}) must be a positive multiple "
+                         f"of batch.group_size ({group})")
+    if a.segment_steps < 1:
+        raise ValueError(f"config.async_mode.segment_steps must be >= 1, got {a.segment_steps}")
+    if a.prompt_width is not None and a.prompt_width < 1:
+        raise ValueError(f"config.async_mode.prompt_width must be >= 1, got {a.prompt_width}")
     if config.algo.routing_replay in ("R2", "R3") and config.algo.old_log_probs == "sampler":
         raise ValueError(f"config.algo.routing_replay={config.algo.routing_replay!r} needs the "
                          "trainer's old-log-prob forward (R2 records its routing, R3 replays the "

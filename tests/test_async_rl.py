@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import magistral, magistral_async
+from configs import magistral, magistral_async, vapo
 from policyopt.metrics import read_jsonl
 from policyopt.rl import build
 from policyopt.rl.async_generation import (AsyncGenerator, GeneratorExhausted, SlotConfig,
                                            SlotGenerator, _refill_fn, _segment_fn, staleness_bound)
-from policyopt.rl.async_rl import (PromptStream, async_enabled, check_supported, make_generator,
-                                   run_async_rl)
+from policyopt.rl.async_rl import PromptStream, async_enabled, make_generator, run_async_rl
 from policyopt.rl.trainer import build_run
 from policyopt.rl.learner import split_params
 from policyopt.sampling import Greedy, SamplingConfig, generate_fn, sampling_method
@@ -30,16 +29,19 @@ PROMPT_WIDTH, NUM_NEW, GROUP, N_ASYNC, SEGMENT = 16, 6, 2, 8, 2
 THREAD_NAME = "policyopt-async-generator"
 
 
-def tiny(extra=""):
-    """magistral_async shrunk to seconds: 1-layer MoE, 2 prompts x 2 samples, 6 tokens,
-    8 completions in flight, weights picked up every 2 decode steps."""
+def tiny(extra="", recipe=magistral_async):
+    """magistral_async (or another recipe, asynchronous) shrunk to seconds: 1-layer MoE,
+    2 prompts x 2 samples, 6 tokens, 8 completions in flight, weights picked up every 2
+    decode steps."""
     variant = (f"model=tiny_moe,model.num_layers=1,batch.n_prompts=2,batch.group_size={GROUP},"
                f"sampling.max_new_tokens={NUM_NEW},task.num_train=64,task.num_test=8,"
                "eval.num_prompts=0,train.num_iterations=3,train.eval_every=0,"
                "train.checkpoint_every=1,train.tensorboard=False,train.routing_metrics=False,"
                "dynamic_sampling.max_rounds=2,"
                f"optim.lr=0.01,async_mode.n_async={N_ASYNC},async_mode.segment_steps={SEGMENT}")
-    config = magistral_async.get_config(variant + ("," + extra if extra else ""))
+    if recipe is not magistral_async:
+        variant = "async_mode.enabled=True," + variant
+    config = recipe.get_config(variant + ("," + extra if extra else ""))
     config.unlock()
     config.batch.prompt_buckets = (PROMPT_WIDTH,)
     config.batch.response_buckets = (NUM_NEW,)
@@ -337,6 +339,44 @@ def test_run_async_rl_trains_checkpoints_and_resumes(tmp_path):
     assert not generator_threads()
 
 
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_run_async_rl_trains_a_critic_recipe_with_value_pretraining_nll_and_resume(tmp_path):
+    """VAPO, asynchronous: iteration 1 is value pretraining (critic updated, policy
+    bit-identical, nothing new to publish), iteration 2 (after a resume, which restores the
+    critic) updates both, with GAE advantages and the NLL term on the correct samples."""
+    # -1 for wrong answers and DAPO's overlong penalty make the rewards differ between rows.
+    config = tiny("critic.pretrain_iterations=1,reward.incorrect_value=-1.0,reward.overlong=dapo,"
+                  "optim.lr=0.01,critic.lr=0.01", recipe=vapo)
+    assert config.algo.advantage == "gae" and config.algo.nll_coef > 0 and async_enabled(config)
+    initial = _leaves(build_run(config, str(tmp_path / "initial")).state.params)
+
+    summary = run_async_rl(config, str(tmp_path), num_iterations=1, quiet=True)
+    run, metrics = summary["run"], summary["metrics"]
+    assert metrics["critic/pretraining"] == 1.0 and "loss/loss" not in metrics
+    assert int(run.state.step) == 0 and int(run.critic_state.step) == 1
+    for got, want in zip(_leaves(run.state.params), initial):
+        np.testing.assert_array_equal(got, want)
+    assert np.isfinite(metrics["critic/value_loss"]) and metrics["critic/value_loss"] > 0
+    batch, merged = run.last_batch, run.last_round
+    assert batch.returns is not None and batch.old_values is not None
+    assert batch.advantages.shape == batch.mask.shape  # per-token GAE advantages
+    np.testing.assert_array_equal(np.asarray(batch.nll_weights), merged.correct.astype(np.float32))
+    assert run.checkpointer.latest_step() == 1
+
+    resumed = run_async_rl(config, str(tmp_path), num_iterations=2, quiet=True)
+    run, metrics = resumed["run"], resumed["metrics"]
+    assert resumed["iteration"] == 2 and metrics["critic/pretraining"] == 0.0
+    assert int(run.state.step) + int(run.state.skipped) == 1 and int(run.critic_state.step) == 2
+    for key in ("loss/loss", "loss/nll", "critic/value_loss", "critic/explained_variance",
+                "advantages/mean", "async/staleness_max", "update/grad_norm"):
+        assert key in metrics and np.isfinite(metrics[key]), key
+    assert not all(np.array_equal(a, b) for a, b in zip(_leaves(run.state.params), initial))
+    assert not generator_threads()
+
+
 def test_default_prompt_width_fits_every_prompt_of_the_stream(tmp_path):
     """Prompts of 5 to 10 tokens in buckets (8, 16): with seed 1 the first batch is in
     bucket 8 and the third in 16. The slots are as wide as the widest bucket, not as the
@@ -377,8 +417,7 @@ def test_config_fields_and_errors():
         magistral_async.get_config("async_mode.n_asink=16")
     with pytest.raises(AttributeError):
         config.async_mode.typo = 1
-    if "advantage" in config.algo:  # critic methods stay with the synchronous trainer
-        config.unlock()
-        config.algo.advantage = "gae"
-        with pytest.raises(ValueError, match="algo.advantage"):
-            check_supported(config)
+    assert not async_enabled(vapo.get_config())
+    assert async_enabled(vapo.get_config("async_mode.enabled=True"))
+    with pytest.raises(ValueError, match="async_mode.segment_steps"):
+        vapo.get_config("async_mode.enabled=True,async_mode.segment_steps=0")

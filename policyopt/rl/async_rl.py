@@ -1,7 +1,7 @@
 """Asynchronous RL (Magistral, arXiv 2506.10910; PAPERS.md "Asynchronous generation"):
 generation and training overlap.
 
-    summary = run_async_rl(config, workdir)   # config.async_mode.enabled; configs/magistral_async.py
+    summary = run_async_rl(config, workdir)   # config.async_mode.enabled (configs/magistral_async.py)
 
 A generator thread (``policyopt.rl.async_generation.AsyncGenerator``) decodes prompts
 continuously in slot groups, scores every group as soon as it finishes and queues it; it
@@ -9,10 +9,16 @@ never waits for the trainer while a group is in flight. The trainer (this thread
 finished groups in finish order until the batch holds ``n_prompts`` groups
 (``n_batch = n_prompts * G`` completions; with dynamic sampling, zero-variance groups are
 dropped and counted as DAPO / Magistral do), then runs exactly the synchronous trainer's
-step on it (old log-probs from the trainer's forward, advantages, epochs x minibatches
-of updates; ``n_minibatches`` divides ``n_prompts``, so minibatches hold whole groups),
-and publishes the new parameters, which the generator picks up at its next segment,
-mid-generation, without recomputing the KV cache.
+step on it (``trainer.train_on_batch``: old log-probs from the trainer's forward,
+advantages, epochs x minibatches of updates; ``n_minibatches`` divides ``n_prompts``, so
+minibatches hold whole groups), and publishes the new parameters, which the generator
+picks up at its next segment, mid-generation, without recomputing the KV cache.
+
+Recipes: any recipe runs this way with ``async_mode.enabled=True`` (``configs/base.py``),
+critic methods included (PPO, VC-PPO, VAPO): the trainer's critic scores each batch for
+GAE and is updated on the same minibatches, and VAPO's NLL covers the batch's correct
+samples. During value pretraining the policy is not updated, so the weights published
+then are the same as before and only the version number advances.
 
 Groups: the G samples of a prompt are generated in one slot group and handed over
 together, so group-based advantages always see complete groups.
@@ -57,7 +63,7 @@ from policyopt.rl.batch import bucket, merge_rounds, round_from_rollout
 from policyopt.rl.evaluate import decode
 from policyopt.rl.trainer import RLRun, RunLoop, _checkpoint_state, build_run, train_on_batch
 
-__all__ = ["AsyncConfig", "async_enabled", "check_supported", "PromptStream", "GroupBatcher", "make_scorer",
+__all__ = ["AsyncConfig", "async_enabled", "PromptStream", "GroupBatcher", "make_scorer",
            "make_generator", "async_iteration", "run_async_rl"]
 
 
@@ -104,19 +110,6 @@ class AsyncConfig:
             raise ValueError(f"config.async_mode.num_slots ({self.num_slots}) must be a positive "
                              f"multiple of batch.group_size ({group})")
         return n_async
-
-
-def check_supported(config) -> None:
-    """Raises a ValueError naming a field that asks for something run_async_rl does not do:
-    critic methods (``algo.advantage = "gae"``) and VAPO's NLL term are trained by the
-    synchronous ``trainer.run_rl`` only."""
-    algo = config.algo
-    if algo.get("advantage", "outcome") != "outcome":
-        raise ValueError(f"config.algo.advantage={algo.advantage!r}: asynchronous RL trains "
-                         "outcome-advantage recipes only (critic methods: use trainer.run_rl)")
-    if algo.get("nll_coef", 0.0):
-        raise ValueError("config.algo.nll_coef > 0: the NLL term is not wired into asynchronous "
-                         "RL; use trainer.run_rl")
 
 
 def async_enabled(config) -> bool:
@@ -334,7 +327,6 @@ def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, qui
       ``{"iteration", "metrics" (last), "eval", "eval_history", "run", "async" (the last
       batch's versions, see ``async_iteration``), "staleness_bound"}``.
     """
-    check_supported(config)
     total = config.train.num_iterations if num_iterations is None else num_iterations
     run = build_run(config, workdir)
     if run.iteration:
