@@ -18,12 +18,11 @@ def get_config(arg=None):
     # Per-token loss averaged over the minibatch's tokens (verl / OpenRLHF PPO default).
     c.algo.aggregation = "token_mean"
     # GAE with one lambda for advantages and value targets: gamma 1.0, lambda 0.95
-    # (PAPERS.md "Critic-based": classic PPO for LLMs). The outcome reward sits on the
-    # last response token.
+    # (PAPERS.md "Critic-based": classic PPO for LLMs); gae_lambda_critic stays None, i.e.
+    # follows gae_lambda. The outcome reward sits on the last response token.
     c.algo.advantage = "gae"
     c.algo.gae_gamma = 1.0
     c.algo.gae_lambda = 0.95
-    c.algo.gae_lambda_critic = 0.95
     # Advantages whitened over the batch's tokens (verl, OpenRLHF; not a paper value).
     c.algo.adv_whiten = True
     # No KL term and no dynamic sampling: the advantage needs no groups (any group_size

@@ -7,6 +7,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from configs import base
+from policyopt.rl.critic import GAEConfig
 
 RECIPES = ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral", "demo", "ppo",
            "vc_ppo", "vapo")
@@ -43,7 +44,14 @@ def test_critic_paper_values():
     for c in (ppo, vc, vapo):
         assert (c.algo.advantage, c.algo.gae_gamma, c.algo.method, c.algo.aggregation) == ("gae", 1.0, "ppo", "token_mean")
         assert c.algo.kl_beta == 0 and not c.dynamic_sampling.enabled
-    assert (ppo.algo.gae_lambda, ppo.algo.gae_lambda_critic, ppo.algo.nll_coef) == (0.95, 0.95, 0.0)
+    assert (ppo.algo.gae_lambda, ppo.algo.gae_lambda_critic, ppo.algo.nll_coef) == (0.95, None, 0.0)
+    # PPO's one lambda: the critic's follows gae_lambda, also when only gae_lambda is overridden.
+    assert GAEConfig.from_config(ppo.algo).lam_critic == 0.95
+    settings = GAEConfig.from_config(load("ppo", "algo.gae_lambda=0.9").algo)
+    assert (settings.lam_actor, settings.lam_critic) == (0.9, 0.9)
+    settings = GAEConfig.from_config(load("ppo", "algo.gae_lambda=0.9,algo.gae_lambda_critic=1.0").algo)
+    assert (settings.lam_actor, settings.lam_critic) == (0.9, 1.0)
+    assert GAEConfig.from_config(vc.algo).lam_critic == 1.0
     assert (vc.algo.gae_lambda, vc.algo.gae_lambda_critic, vc.algo.gae_length_adaptive) == (0.95, 1.0, False)
     assert vc.critic.pretrain_iterations > 0
     assert (vapo.algo.gae_length_adaptive, vapo.algo.gae_alpha, vapo.algo.gae_lambda_critic) == (True, 0.05, 1.0)
@@ -97,6 +105,12 @@ def test_command_line_overrides_through_config_flags():
     config = holder.value
     assert config.model.preset == "tiny_dense" and config.algo.tau_neg == 1.1
     assert config.batch.n_prompts == 4
+    # A field whose default is None (a typed placeholder) takes a value too.
+    argv = ["prog", "--config=configs/ppo.py", "--config.algo.gae_lambda_critic=1.0"]
+    values = flags.FlagValues()
+    holder = config_flags.DEFINE_config_file("config", None, "recipe", flag_values=values, sys_argv=argv)
+    values(argv)
+    assert holder.value.algo.gae_lambda_critic == 1.0
     argv = ["prog", "--config=configs/sapo.py", "--config.algo.tau_ng=1.1"]
     values = flags.FlagValues()
     holder = config_flags.DEFINE_config_file("config", None, "recipe", flag_values=values, sys_argv=argv)

@@ -202,8 +202,9 @@ class GAEConfig:
 
     @classmethod
     def from_config(cls, algo) -> "GAEConfig":
+        lam_critic = algo.gae_lambda if algo.gae_lambda_critic is None else algo.gae_lambda_critic
         return cls(gamma=float(algo.gae_gamma), lam_actor=float(algo.gae_lambda),
-                   lam_critic=float(algo.gae_lambda_critic),
+                   lam_critic=float(lam_critic),
                    length_adaptive=bool(algo.gae_length_adaptive), alpha=float(algo.gae_alpha),
                    whiten=bool(algo.adv_whiten))
 
