@@ -43,147 +43,148 @@ PEAKS = {"h200": (989e12, 4.8e12), "h100": (989e12, 3.35e12), "a100": (312e12, 2
 
 
 def count_params(config) -> dict[str, float]:
-  """Total and per-token active parameter counts of a ModelConfig (no embedding lookup)."""
-  d, h, kv, dh = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-  attn = d * h * dh + 2 * d * kv * dh + h * dh * d + 2 * dh  # q, k, v, o, q/k norms
-  dense_mlp = 3 * d * config.intermediate_size
-  expert = 3 * d * config.expert_intermediate_size
-  total = active = 0.0
-  for layer in range(config.num_layers):
-    total += attn + 2 * d
-    active += attn + 2 * d
-    if layer in config.moe_layer_indices:
-      total += config.num_experts * expert + d * config.num_experts
-      active += config.num_experts_per_tok * expert + d * config.num_experts
-    else:
-      total += dense_mlp
-      active += dense_mlp
-  unembed = d * config.vocab_size
-  total += unembed + d + (0 if config.tie_word_embeddings else d * config.vocab_size)
-  active += unembed + d
-  return {"total": total, "active": active, "experts_per_layer_bytes_bf16": config.num_experts * expert * 2}
+    """Total and per-token active parameter counts of a ModelConfig (no embedding lookup)."""
+    d, h, kv, dh = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    attn = d * h * dh + 2 * d * kv * dh + h * dh * d + 2 * dh  # q, k, v, o, q/k norms
+    dense_mlp = 3 * d * config.intermediate_size
+    expert = 3 * d * config.expert_intermediate_size
+    total = active = 0.0
+    for layer in range(config.num_layers):
+        total += attn + 2 * d
+        active += attn + 2 * d
+        if layer in config.moe_layer_indices:
+            total += config.num_experts * expert + d * config.num_experts
+            active += config.num_experts_per_tok * expert + d * config.num_experts
+        else:
+            total += dense_mlp
+            active += dense_mlp
+    unembed = d * config.vocab_size
+    total += unembed + d + (0 if config.tie_word_embeddings else d * config.vocab_size)
+    active += unembed + d
+    return {"total": total, "active": active, "experts_per_layer_bytes_bf16": config.num_experts * expert * 2}
 
 
 def timed(fn, repeats: int) -> list[float]:
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return times
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def bench_update(config, rows: int, prompt_len: int, response_len: int, repeats: int, peak_flops: float):
-  model = Transformer(config, rngs=nnx.Rngs(0))
-  graphdef, params = split_params(model)
-  optimizer, schedule = make_optimizer(lr=1e-6, warmup_steps=0)
-  learner = Learner(graphdef, LossConfig(method="sapo", group_size=16, max_len=response_len),
-                    optimizer, schedule)
-  state = learner.init_state(params)
-  seq = prompt_len + response_len
-  rng = np.random.default_rng(0)
-  batch = Batch(
-      tokens=jnp.asarray(rng.integers(0, config.vocab_size, (rows, seq)), jnp.int32),
-      positions=jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (rows, seq)),
-      attention_mask=jnp.ones((rows, seq), jnp.int32),
-      mask=jnp.ones((rows, response_len), jnp.float32),
-      advantages=jnp.asarray(rng.standard_normal(rows), jnp.float32),
-      old_log_probs=jnp.full((rows, response_len), -np.log(config.vocab_size), jnp.float32))
-  start = time.perf_counter()
-  state, metrics = learner.update(state, batch)
-  jax.block_until_ready(metrics)
-  compile_s = time.perf_counter() - start
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    graphdef, params = split_params(model)
+    optimizer, schedule = make_optimizer(lr=1e-6, warmup_steps=0)
+    learner = Learner(graphdef, LossConfig(method="sapo", group_size=16, max_len=response_len),
+                      optimizer, schedule)
+    state = learner.init_state(params)
+    seq = prompt_len + response_len
+    rng = np.random.default_rng(0)
+    batch = Batch(
+        tokens=jnp.asarray(rng.integers(0, config.vocab_size, (rows, seq)), jnp.int32),
+        positions=jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (rows, seq)),
+        attention_mask=jnp.ones((rows, seq), jnp.int32),
+        mask=jnp.ones((rows, response_len), jnp.float32),
+        advantages=jnp.asarray(rng.standard_normal(rows), jnp.float32),
+        old_log_probs=jnp.full((rows, response_len), -np.log(config.vocab_size), jnp.float32))
+    start = time.perf_counter()
+    state, metrics = learner.update(state, batch)
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - start
 
-  holder = {"state": state}
+    holder = {"state": state}
 
-  def step():
-    holder["state"], m = learner.update(holder["state"], batch)
-    return m
+    def step():
+        holder["state"], m = learner.update(holder["state"], batch)
+        return m
 
-  times = timed(step, repeats)
-  median = statistics.median(times)
-  counts = count_params(config)
-  tokens = rows * seq
-  attn_flops = 6 * config.num_layers * config.num_heads * config.head_dim * seq  # per token
-  flops = tokens * (6 * counts["active"] + attn_flops)
-  return {
-      "rows": rows, "seq": seq, "tokens_per_step": tokens, "compile_s": compile_s,
-      "step_s_median": median, "step_s_all": times, "tokens_per_s": tokens / median,
-      "tflops_per_s": flops / median / 1e12, "mfu": flops / median / peak_flops,
-      "params_total": counts["total"], "params_active": counts["active"],
-  }
+    times = timed(step, repeats)
+    median = statistics.median(times)
+    counts = count_params(config)
+    tokens = rows * seq
+    attn_flops = 6 * config.num_layers * config.num_heads * config.head_dim * seq  # per token
+    flops = tokens * (6 * counts["active"] + attn_flops)
+    return {
+        "rows": rows, "seq": seq, "tokens_per_step": tokens, "compile_s": compile_s,
+        "step_s_median": median, "step_s_all": times, "tokens_per_s": tokens / median,
+        "tflops_per_s": flops / median / 1e12, "mfu": flops / median / peak_flops,
+        "params_total": counts["total"], "params_active": counts["active"],
+    }
 
 
 def bench_sampler(config, batch: int, prompt_len: int, new_tokens: int, repeats: int, peak_bw: float):
-  model = Transformer(config, rngs=nnx.Rngs(1))
-  # Serve in bfloat16 (what a generator holds): cast the parameters once.
-  graphdef, state = nnx.split(model)
-  state = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
-  prompts = jnp.asarray(np.random.default_rng(0).integers(1, config.vocab_size, (batch, prompt_len)), jnp.int32)
-  lengths = jnp.full((batch,), prompt_len, jnp.int32)
-  samp = sampling.SamplingConfig(max_new_tokens=new_tokens, method=sampling.Temperature(1.0))
-  run = jax.jit(lambda s, p, l, k: sampling.generate_fn(graphdef, s, p, l, k, config=samp))
-  start = time.perf_counter()
-  jax.block_until_ready(run(state, prompts, lengths, jax.random.key(0)))
-  compile_s = time.perf_counter() - start
-  keys = iter(jax.random.split(jax.random.key(1), repeats))
-  times = timed(lambda: run(state, prompts, lengths, next(keys)), repeats)
-  # Prefill alone, to separate it from decode.
-  samp1 = sampling.SamplingConfig(max_new_tokens=1, method=sampling.Temperature(1.0))
-  run1 = jax.jit(lambda s, p, l, k: sampling.generate_fn(graphdef, s, p, l, k, config=samp1))
-  jax.block_until_ready(run1(state, prompts, lengths, jax.random.key(0)))
-  prefill = statistics.median(timed(lambda: run1(state, prompts, lengths, jax.random.key(2)), repeats))
-  median = statistics.median(times)
-  decode_s = max(median - prefill, 1e-9)
-  counts = count_params(config)
-  weight_bytes = 2 * (counts["total"] - config.hidden_size * config.vocab_size
-                      * (0 if config.tie_word_embeddings else 1))  # bf16, no embedding gather
-  kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # k+v bf16
-  mean_context = prompt_len + new_tokens / 2
-  bytes_per_step = weight_bytes + batch * mean_context * kv_per_token
-  step_s = decode_s / new_tokens
-  return {
-      "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "compile_s": compile_s,
-      "total_s_median": median, "prefill_s_median": prefill, "decode_step_s": step_s,
-      "decode_tokens_per_s": batch * new_tokens / decode_s,
-      "tokens_per_s_incl_prefill": batch * new_tokens / median,
-      "hbm_bytes_per_step": bytes_per_step, "hbm_gb_per_s": bytes_per_step / step_s / 1e9,
-      "hbm_utilisation": bytes_per_step / step_s / peak_bw,
-  }
+    model = Transformer(config, rngs=nnx.Rngs(1))
+    # Serve in bfloat16 (what a generator holds): cast the parameters once.
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+    prompts = jnp.asarray(np.random.default_rng(0).integers(1, config.vocab_size, (batch, prompt_len)), jnp.int32)
+    lengths = jnp.full((batch,), prompt_len, jnp.int32)
+    samp = sampling.SamplingConfig(max_new_tokens=new_tokens, method=sampling.Temperature(1.0))
+    run = jax.jit(lambda s, p, l, k: sampling.generate_fn(graphdef, s, p, l, k, config=samp))
+    start = time.perf_counter()
+    jax.block_until_ready(run(state, prompts, lengths, jax.random.key(0)))
+    compile_s = time.perf_counter() - start
+    keys = iter(jax.random.split(jax.random.key(1), repeats))
+    times = timed(lambda: run(state, prompts, lengths, next(keys)), repeats)
+    # Prefill alone, to separate it from decode.
+    samp1 = sampling.SamplingConfig(max_new_tokens=1, method=sampling.Temperature(1.0))
+    run1 = jax.jit(lambda s, p, l, k: sampling.generate_fn(graphdef, s, p, l, k, config=samp1))
+    jax.block_until_ready(run1(state, prompts, lengths, jax.random.key(0)))
+    prefill = statistics.median(timed(lambda: run1(state, prompts, lengths, jax.random.key(2)), repeats))
+    median = statistics.median(times)
+    decode_s = max(median - prefill, 1e-9)
+    counts = count_params(config)
+    weight_bytes = 2 * (counts["total"] - config.hidden_size * config.vocab_size
+                        * (0 if config.tie_word_embeddings else 1))  # bf16, no embedding gather
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # k+v bf16
+    mean_context = prompt_len + new_tokens / 2
+    bytes_per_step = weight_bytes + batch * mean_context * kv_per_token
+    step_s = decode_s / new_tokens
+    return {
+        "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "compile_s": compile_s,
+        "total_s_median": median, "prefill_s_median": prefill, "decode_step_s": step_s,
+        "decode_tokens_per_s": batch * new_tokens / decode_s,
+        "tokens_per_s_incl_prefill": batch * new_tokens / median,
+        "hbm_bytes_per_step": bytes_per_step, "hbm_gb_per_s": bytes_per_step / step_s / 1e9,
+        "hbm_utilisation": bytes_per_step / step_s / peak_bw,
+    }
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="gpu_bench.json")
-  parser.add_argument("--device-name", default="h200", choices=sorted(PEAKS))
-  parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check it runs on the CPU")
-  args = parser.parse_args()
-  peak_flops, peak_bw = PEAKS[args.device_name]
-  if args.smoke:
-    config = preset("tiny_moe", vocab_size=256, dtype="bfloat16")
-    upd = dict(rows=4, prompt_len=8, response_len=8, repeats=2)
-    smp = dict(batch=4, prompt_len=8, new_tokens=8, repeats=2)
-  else:
-    config = preset("moe_0p5b", dtype="bfloat16")
-    upd = dict(rows=32, prompt_len=256, response_len=768, repeats=5)
-    smp = dict(batch=256, prompt_len=128, new_tokens=256, repeats=3)
-  report = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "backend": jax.default_backend(),
-            "device": str(jax.devices()[0].device_kind), "python": platform.python_version(),
-            "preset": "tiny_moe" if args.smoke else "moe_0p5b", "peaks": {"flops": peak_flops, "hbm": peak_bw}}
-  report["update"] = bench_update(config, **upd, peak_flops=peak_flops)
-  print(json.dumps({"update": {k: v for k, v in report["update"].items() if k != "step_s_all"}}, indent=1), flush=True)
-  report["sampler"] = bench_sampler(config, **smp, peak_bw=peak_bw)
-  with open(args.out, "w") as f:
-    json.dump(report, f, indent=1)
-  u, s = report["update"], report["sampler"]
-  print(f"\n| measure | value |\n|---|---|")
-  print(f"| params total / active | {u['params_total']/1e6:.1f}M / {u['params_active']/1e6:.1f}M |")
-  print(f"| update tokens/s | {u['tokens_per_s']:.0f} ({u['rows']}x{u['seq']}, median of {len(u['step_s_all'])}) |")
-  print(f"| update MFU | {100*u['mfu']:.1f}% ({u['tflops_per_s']:.1f} TFLOP/s) |")
-  print(f"| sampler decode tokens/s | {s['decode_tokens_per_s']:.0f} (batch {s['batch']}) |")
-  print(f"| decode HBM bandwidth | {s['hbm_gb_per_s']:.0f} GB/s ({100*s['hbm_utilisation']:.1f}% of peak) |")
-  print(f"| compile update / sampler | {u['compile_s']:.1f}s / {s['compile_s']:.1f}s |")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="gpu_bench.json")
+    parser.add_argument("--device-name", default="h200", choices=sorted(PEAKS))
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check it runs on the CPU")
+    args = parser.parse_args()
+    peak_flops, peak_bw = PEAKS[args.device_name]
+    if args.smoke:
+        config = preset("tiny_moe", vocab_size=256, dtype="bfloat16")
+        upd = dict(rows=4, prompt_len=8, response_len=8, repeats=2)
+        smp = dict(batch=4, prompt_len=8, new_tokens=8, repeats=2)
+    else:
+        config = preset("moe_0p5b", dtype="bfloat16")
+        upd = dict(rows=32, prompt_len=256, response_len=768, repeats=5)
+        smp = dict(batch=256, prompt_len=128, new_tokens=256, repeats=3)
+    report = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "backend": jax.default_backend(),
+              "device": str(jax.devices()[0].device_kind), "python": platform.python_version(),
+              "preset": "tiny_moe" if args.smoke else "moe_0p5b", "peaks": {"flops": peak_flops, "hbm": peak_bw}}
+    report["update"] = bench_update(config, **upd, peak_flops=peak_flops)
+    print(json.dumps({"update": {k: v for k, v in report["update"].items() if k != "step_s_all"}}, indent=1),
+          flush=True)
+    report["sampler"] = bench_sampler(config, **smp, peak_bw=peak_bw)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    u, s = report["update"], report["sampler"]
+    print(f"\n| measure | value |\n|---|---|")
+    print(f"| params total / active | {u['params_total']/1e6:.1f}M / {u['params_active']/1e6:.1f}M |")
+    print(f"| update tokens/s | {u['tokens_per_s']:.0f} ({u['rows']}x{u['seq']}, median of {len(u['step_s_all'])}) |")
+    print(f"| update MFU | {100*u['mfu']:.1f}% ({u['tflops_per_s']:.1f} TFLOP/s) |")
+    print(f"| sampler decode tokens/s | {s['decode_tokens_per_s']:.0f} (batch {s['batch']}) |")
+    print(f"| decode HBM bandwidth | {s['hbm_gb_per_s']:.0f} GB/s ({100*s['hbm_utilisation']:.1f}% of peak) |")
+    print(f"| compile update / sampler | {u['compile_s']:.1f}s / {s['compile_s']:.1f}s |")
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -36,49 +36,49 @@ _RERUN = flags.DEFINE_bool("rerun_rl", True,
 
 
 def main(argv):
-  del argv
-  quiet_library_logging()
-  keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
-  workdir = _WORKDIR.value
-  if _FRESH.value:
-    shutil.rmtree(workdir, ignore_errors=True)
-  if _RERUN.value:
-    for name in ("rl", "control"):
-      shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
-  variant = f"seed={_SEED.value}"
-  config = demo.get_config(variant)
-  times = {}
+    del argv
+    quiet_library_logging()
+    keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
+    workdir = _WORKDIR.value
+    if _FRESH.value:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if _RERUN.value:
+        for name in ("rl", "control"):
+            shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
+    variant = f"seed={_SEED.value}"
+    config = demo.get_config(variant)
+    times = {}
 
-  start = time.perf_counter()
-  print("== 1/3 SFT cold start (60% of the solutions forget to carry)", flush=True)
-  sft = run_sft(config, os.path.join(workdir, "sft"))
-  before = sft["eval"]["eval/pass@1"]
-  times["sft_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    print("== 1/3 SFT cold start (60% of the solutions forget to carry)", flush=True)
+    sft = run_sft(config, os.path.join(workdir, "sft"))
+    before = sft["eval"]["eval/pass@1"]
+    times["sft_s"] = time.perf_counter() - start
 
-  start = time.perf_counter()
-  print("== 2/3 RL with SAPO from the SFT policy", flush=True)
-  rl_config = demo.get_config(f"{variant},init_checkpoint={sft['checkpoint_dir']}")
-  rl = run_rl(rl_config, os.path.join(workdir, "rl"))
-  after_rl = rl["eval"]["eval/pass@1"]
-  updates = int(rl["run"].state.step)
-  times["rl_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    print("== 2/3 RL with SAPO from the SFT policy", flush=True)
+    rl_config = demo.get_config(f"{variant},init_checkpoint={sft['checkpoint_dir']}")
+    rl = run_rl(rl_config, os.path.join(workdir, "rl"))
+    after_rl = rl["eval"]["eval/pass@1"]
+    updates = int(rl["run"].state.step)
+    times["rl_s"] = time.perf_counter() - start
 
-  start = time.perf_counter()
-  print(f"== 3/3 control: {updates} more SFT updates instead of RL", flush=True)
-  control = run_sft(config, os.path.join(workdir, "control"), steps=config.sft.steps + updates,
-                    init_checkpoint=sft["checkpoint_dir"])
-  after_sft = control["eval"]["eval/pass@1"]
-  times["control_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    print(f"== 3/3 control: {updates} more SFT updates instead of RL", flush=True)
+    control = run_sft(config, os.path.join(workdir, "control"), steps=config.sft.steps + updates,
+                      init_checkpoint=sft["checkpoint_dir"])
+    after_sft = control["eval"]["eval/pass@1"]
+    times["control_s"] = time.perf_counter() - start
 
-  result = {"seed": _SEED.value, "X": before, "Y": after_rl, "Z": after_sft,
-            "updates": updates, "num_prompts": config.eval.num_prompts, **times}
-  with open(os.path.join(workdir, "demo.json"), "w") as f:
-    json.dump(result, f, indent=1)
-  print(f"\nheld-out prompts: {config.eval.num_prompts}, greedy; "
-        f"time: SFT {times['sft_s']:.0f}s, RL {times['rl_s']:.0f}s, control {times['control_s']:.0f}s")
-  print(f"control pass@1 (continued SFT, same budget): {before:.3f} -> {after_sft:.3f}")
-  print(f"eval pass@1: {before:.3f} -> {after_rl:.3f}")
+    result = {"seed": _SEED.value, "X": before, "Y": after_rl, "Z": after_sft,
+              "updates": updates, "num_prompts": config.eval.num_prompts, **times}
+    with open(os.path.join(workdir, "demo.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nheld-out prompts: {config.eval.num_prompts}, greedy; "
+          f"time: SFT {times['sft_s']:.0f}s, RL {times['rl_s']:.0f}s, control {times['control_s']:.0f}s")
+    print(f"control pass@1 (continued SFT, same budget): {before:.3f} -> {after_sft:.3f}")
+    print(f"eval pass@1: {before:.3f} -> {after_rl:.3f}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+    app.run(main)

@@ -26,60 +26,60 @@ _LOGITS_ELEMENT_BUDGET = 2**25
 
 
 def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
-  """Tokens per chunk: a power of two with chunk * V <= 2**25, at most num_tokens."""
-  limit = max(1, _LOGITS_ELEMENT_BUDGET // vocab_size)
-  chunk = 2 ** int(math.floor(math.log2(limit)))
-  return max(1, min(chunk, num_tokens))
+    """Tokens per chunk: a power of two with chunk * V <= 2**25, at most num_tokens."""
+    limit = max(1, _LOGITS_ELEMENT_BUDGET // vocab_size)
+    chunk = 2 ** int(math.floor(math.log2(limit)))
+    return max(1, min(chunk, num_tokens))
 
 
 def _chunk_stats(embedding, hidden, targets, temperature):
-  """log-probs and entropies [C] of one chunk of hidden [C, D]."""
-  logits = jnp.einsum("nd,dv->nv", hidden, embedding, preferred_element_type=jnp.float32)
-  logits = logits / temperature
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  log_probs = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
-  probs = jnp.exp(logits - lse[:, None])
-  entropy = lse - jnp.sum(probs * logits, axis=-1)
-  return log_probs, entropy
+    """log-probs and entropies [C] of one chunk of hidden [C, D]."""
+    logits = jnp.einsum("nd,dv->nv", hidden, embedding, preferred_element_type=jnp.float32)
+    logits = logits / temperature
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    log_probs = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
+    probs = jnp.exp(logits - lse[:, None])
+    entropy = lse - jnp.sum(probs * logits, axis=-1)
+    return log_probs, entropy
 
 
 def token_log_probs(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, *,
                     temperature: float = 1.0, chunk_size: int | None = None,
                     return_entropy: bool = False):
-  """log pi(targets) under softmax(hidden @ embedding / temperature), in chunks.
+    """log pi(targets) under softmax(hidden @ embedding / temperature), in chunks.
 
-  Args:
-    hidden: [B, T, D] final hidden states (ModelOutput.hidden), any float dtype.
-    embedding: [D, V] output embedding (Transformer.output_embedding()).
-    targets: int32 [B, T] token ids whose log-probs are wanted (usually the next tokens).
-    temperature: divides the logits (sampling temperature), > 0.
-    chunk_size: tokens per chunk; None picks one with chunk * V <= 2**25 elements.
-    return_entropy: also return the entropy of each token's distribution.
-  Returns:
-    log_probs float32 [B, T], and entropy float32 [B, T] when return_entropy.
-  """
-  b, t, d = hidden.shape
-  if embedding.ndim != 2 or embedding.shape[0] != d:
-    raise ValueError(f"embedding must be [D={d}, V], got shape {embedding.shape}")
-  if targets.shape != (b, t):
-    raise ValueError(f"targets must be [B, T] = {(b, t)}, got shape {targets.shape}")
-  if not temperature > 0:
-    raise ValueError(f"temperature must be > 0, got {temperature}")
-  n, vocab = b * t, embedding.shape[1]
-  chunk = chunk_size or default_chunk_size(n, vocab)
-  num_chunks = -(-n // chunk)
-  pad = num_chunks * chunk - n
-  flat_hidden = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0)))
-  flat_targets = jnp.pad(targets.reshape(n).astype(jnp.int32), (0, pad))
-  embedding = embedding.astype(hidden.dtype)
-  stats = jax.checkpoint(_chunk_stats, static_argnums=(3,))
+    Args:
+      hidden: [B, T, D] final hidden states (ModelOutput.hidden), any float dtype.
+      embedding: [D, V] output embedding (Transformer.output_embedding()).
+      targets: int32 [B, T] token ids whose log-probs are wanted (usually the next tokens).
+      temperature: divides the logits (sampling temperature), > 0.
+      chunk_size: tokens per chunk; None picks one with chunk * V <= 2**25 elements.
+      return_entropy: also return the entropy of each token's distribution.
+    Returns:
+      log_probs float32 [B, T], and entropy float32 [B, T] when return_entropy.
+    """
+    b, t, d = hidden.shape
+    if embedding.ndim != 2 or embedding.shape[0] != d:
+        raise ValueError(f"embedding must be [D={d}, V], got shape {embedding.shape}")
+    if targets.shape != (b, t):
+        raise ValueError(f"targets must be [B, T] = {(b, t)}, got shape {targets.shape}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    n, vocab = b * t, embedding.shape[1]
+    chunk = chunk_size or default_chunk_size(n, vocab)
+    num_chunks = -(-n // chunk)
+    pad = num_chunks * chunk - n
+    flat_hidden = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0)))
+    flat_targets = jnp.pad(targets.reshape(n).astype(jnp.int32), (0, pad))
+    embedding = embedding.astype(hidden.dtype)
+    stats = jax.checkpoint(_chunk_stats, static_argnums=(3,))
 
-  def body(carry, xs):
-    return carry, stats(embedding, xs[0], xs[1], temperature)
+    def body(carry, xs):
+        return carry, stats(embedding, xs[0], xs[1], temperature)
 
-  _, (log_probs, entropy) = jax.lax.scan(
-      body, None, (flat_hidden.reshape(num_chunks, chunk, d), flat_targets.reshape(num_chunks, chunk)))
-  log_probs = log_probs.reshape(-1)[:n].reshape(b, t)
-  if return_entropy:
-    return log_probs, entropy.reshape(-1)[:n].reshape(b, t)
-  return log_probs
+    _, (log_probs, entropy) = jax.lax.scan(
+        body, None, (flat_hidden.reshape(num_chunks, chunk, d), flat_targets.reshape(num_chunks, chunk)))
+    log_probs = log_probs.reshape(-1)[:n].reshape(b, t)
+    if return_entropy:
+        return log_probs, entropy.reshape(-1)[:n].reshape(b, t)
+    return log_probs

@@ -9,8 +9,8 @@ from policyopt.data.jsonl import (JsonlConfig, MalformedRowError, extract_refere
 
 
 def _write(path, lines):
-  path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-  return path
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -23,47 +23,47 @@ def _write(path, lines):
     ("\\boxed{unclosed {", None),
 ])
 def test_last_boxed(text, expected):
-  assert last_boxed(text) == expected
+    assert last_boxed(text) == expected
 
 
 def test_gsm8k_and_math_files(tmp_path):
-  gsm8k = _write(tmp_path / "gsm8k.jsonl", [
-      json.dumps({"question": "Tom has 3 apples and buys 4. How many?",
-                  "answer": "He has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"}),
-      json.dumps({"question": "What is 5 - 8?", "answer": "5 - 8 = -3\n####  -3 "}),
-  ])
-  records, report = read_math_jsonl(gsm8k)
-  assert [r["answer"] for r in records] == ["7", "-3"]
-  assert records[0]["prompt"] == "Tom has 3 apples and buys 4. How many?"
-  assert records[0]["solution"].endswith("#### 7")
-  assert (report.lines, report.loaded, report.skipped) == (2, 2, [])
+    gsm8k = _write(tmp_path / "gsm8k.jsonl", [
+        json.dumps({"question": "Tom has 3 apples and buys 4. How many?",
+                    "answer": "He has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"}),
+        json.dumps({"question": "What is 5 - 8?", "answer": "5 - 8 = -3\n####  -3 "}),
+    ])
+    records, report = read_math_jsonl(gsm8k)
+    assert [r["answer"] for r in records] == ["7", "-3"]
+    assert records[0]["prompt"] == "Tom has 3 apples and buys 4. How many?"
+    assert records[0]["solution"].endswith("#### 7")
+    assert (report.lines, report.loaded, report.skipped) == (2, 2, [])
 
-  math = _write(tmp_path / "math.jsonl", [
-      json.dumps({"problem": "Compute $1/2$.", "solution": "It is $\\boxed{\\frac{1}{2}}$."}),
-      # MATH-500 style: a short "answer" field next to the solution; "answer" comes first.
-      json.dumps({"problem": "p", "solution": "\\boxed{0.5}", "answer": "\\frac12"}),
-  ])
-  config = JsonlConfig(prompt_template="{question}\nPut the answer in \\boxed{{}}.")
-  records, _ = read_math_jsonl(math, config)
-  assert [r["answer"] for r in records] == ["\\frac{1}{2}", "\\frac12"]
-  assert records[0]["prompt"] == "Compute $1/2$.\nPut the answer in \\boxed{}."
-  assert records[1]["solution"] == "\\boxed{0.5}"
+    math = _write(tmp_path / "math.jsonl", [
+        json.dumps({"problem": "Compute $1/2$.", "solution": "It is $\\boxed{\\frac{1}{2}}$."}),
+        # MATH-500 style: a short "answer" field next to the solution; "answer" comes first.
+        json.dumps({"problem": "p", "solution": "\\boxed{0.5}", "answer": "\\frac12"}),
+    ])
+    config = JsonlConfig(prompt_template="{question}\nPut the answer in \\boxed{{}}.")
+    records, _ = read_math_jsonl(math, config)
+    assert [r["answer"] for r in records] == ["\\frac{1}{2}", "\\frac12"]
+    assert records[0]["prompt"] == "Compute $1/2$.\nPut the answer in \\boxed{}."
+    assert records[1]["solution"] == "\\boxed{0.5}"
 
 
 def test_custom_fields_and_numbers(tmp_path):
-  path = _write(tmp_path / "custom.jsonl", [json.dumps({"q": "six times seven", "a": 42,
-                                                        "work": "6*7"})])
-  records, _ = read_math_jsonl(path, JsonlConfig(question_fields=("q",), answer_fields=("a",),
-                                                 solution_field="work"))
-  assert records == [{"prompt": "six times seven", "answer": "42", "solution": "6*7"}]
+    path = _write(tmp_path / "custom.jsonl", [json.dumps({"q": "six times seven", "a": 42,
+                                                          "work": "6*7"})])
+    records, _ = read_math_jsonl(path, JsonlConfig(question_fields=("q",), answer_fields=("a",),
+                                                   solution_field="work"))
+    assert records == [{"prompt": "six times seven", "answer": "42", "solution": "6*7"}]
 
 
 def test_extract_rules():
-  assert extract_reference("x \\boxed{2} #### 3", JsonlConfig()) == "2"
-  assert extract_reference("x #### 3", JsonlConfig(extract="boxed")) is None
-  assert extract_reference("x \\boxed{2} #### 3", JsonlConfig(extract="marker")) == "3"
-  assert extract_reference("  12 ", JsonlConfig(extract="none")) == "12"
-  assert extract_reference("The answer: 5", JsonlConfig(answer_marker="The answer:")) == "5"
+    assert extract_reference("x \\boxed{2} #### 3", JsonlConfig()) == "2"
+    assert extract_reference("x #### 3", JsonlConfig(extract="boxed")) is None
+    assert extract_reference("x \\boxed{2} #### 3", JsonlConfig(extract="marker")) == "3"
+    assert extract_reference("  12 ", JsonlConfig(extract="none")) == "12"
+    assert extract_reference("The answer: 5", JsonlConfig(answer_marker="The answer:")) == "5"
 
 
 @pytest.mark.parametrize("bad_line, config, reason", [
@@ -79,23 +79,23 @@ def test_extract_rules():
     ('{"question": "q", "answer": "7"}', JsonlConfig(extract="marker"), "no '####'"),
 ])
 def test_malformed_row_names_file_and_line(tmp_path, bad_line, config, reason):
-  good = json.dumps({"question": "ok", "answer": "\\boxed{1} #### 1"})
-  path = _write(tmp_path / "data.jsonl", [good, "", good, bad_line, good])
-  with pytest.raises(MalformedRowError, match=f"data.jsonl:4: {reason}"):
-    read_math_jsonl(path, config)
-  records, report = read_math_jsonl(path, JsonlConfig(**{**config.__dict__,
-                                                         "skip_malformed": True}))
-  assert len(records) == report.loaded == 3
-  assert report.blank_lines == 1 and len(report.skipped) == 1
-  assert report.skipped[0].startswith(f"{path}:4: ")
-  assert report.lines == report.blank_lines + report.loaded + len(report.skipped) == 5
-  assert "1 malformed rows skipped" in report.summary()
+    good = json.dumps({"question": "ok", "answer": "\\boxed{1} #### 1"})
+    path = _write(tmp_path / "data.jsonl", [good, "", good, bad_line, good])
+    with pytest.raises(MalformedRowError, match=f"data.jsonl:4: {reason}"):
+        read_math_jsonl(path, config)
+    records, report = read_math_jsonl(path, JsonlConfig(**{**config.__dict__,
+                                                           "skip_malformed": True}))
+    assert len(records) == report.loaded == 3
+    assert report.blank_lines == 1 and len(report.skipped) == 1
+    assert report.skipped[0].startswith(f"{path}:4: ")
+    assert report.lines == report.blank_lines + report.loaded + len(report.skipped) == 5
+    assert "1 malformed rows skipped" in report.summary()
 
 
 def test_config_errors():
-  with pytest.raises(ValueError, match="extract"):
-    JsonlConfig(extract="last")
-  with pytest.raises(ValueError, match="tuples of names"):
-    JsonlConfig(question_fields="question")
-  with pytest.raises(ValueError, match="prompt_template"):
-    JsonlConfig(prompt_template="no placeholder")
+    with pytest.raises(ValueError, match="extract"):
+        JsonlConfig(extract="last")
+    with pytest.raises(ValueError, match="tuples of names"):
+        JsonlConfig(question_fields="question")
+    with pytest.raises(ValueError, match="prompt_template"):
+        JsonlConfig(prompt_template="no placeholder")

@@ -19,214 +19,214 @@ TINY = dict(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_hea
 
 
 def _model(**overrides):
-  cfg = ModelConfig(**{**TINY, **overrides})
-  model = Transformer(cfg, rngs=nnx.Rngs(0))
-  # Larger weights than the 0.02 default make attention and routing non-trivial.
-  state = nnx.state(model, nnx.Param)
-  state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x) * (10.0 if x.ndim > 1 else 1.0)), state)
-  nnx.update(model, state)
-  return model
+    cfg = ModelConfig(**{**TINY, **overrides})
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    # Larger weights than the 0.02 default make attention and routing non-trivial.
+    state = nnx.state(model, nnx.Param)
+    state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x) * (10.0 if x.ndim > 1 else 1.0)), state)
+    nnx.update(model, state)
+    return model
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "return_logits"))
 def _forward(state, tokens, *, graphdef, return_logits=True, **kwargs):
-  return nnx.merge(graphdef, state)(tokens, return_logits=return_logits, **kwargs)
+    return nnx.merge(graphdef, state)(tokens, return_logits=return_logits, **kwargs)
 
 
 def call(model, tokens, **kwargs):
-  """model(tokens, **kwargs), jitted (eager op-by-op dispatch is slow on the CPU)."""
-  graphdef, state = nnx.split(model)
-  return _forward(state, tokens, graphdef=graphdef, **kwargs)
+    """model(tokens, **kwargs), jitted (eager op-by-op dispatch is slow on the CPU)."""
+    graphdef, state = nnx.split(model)
+    return _forward(state, tokens, graphdef=graphdef, **kwargs)
 
 
 def test_rmsnorm_hand_worked():
-  norm = RMSNorm(2, eps=0.0, param_dtype=jnp.float32)
-  # x = (3, 4): rms = sqrt((9 + 16) / 2) = 5 / sqrt 2.
-  np.testing.assert_allclose(norm(jnp.array([3.0, 4.0])),
-                             [3 * np.sqrt(2) / 5, 4 * np.sqrt(2) / 5], rtol=1e-6)
+    norm = RMSNorm(2, eps=0.0, param_dtype=jnp.float32)
+    # x = (3, 4): rms = sqrt((9 + 16) / 2) = 5 / sqrt 2.
+    np.testing.assert_allclose(norm(jnp.array([3.0, 4.0])),
+                               [3 * np.sqrt(2) / 5, 4 * np.sqrt(2) / 5], rtol=1e-6)
 
 
 def test_rope_hand_worked():
-  # Dh = 2: one frequency (theta^0 = 1); position p rotates (a, b) by angle p.
-  x = jnp.array([1.0, 2.0]).reshape(1, 1, 1, 2)
-  cos, sin = rope_cos_sin(jnp.array([[3]]), 2, 1e4)
-  got = apply_rope(x, cos, sin).reshape(2)
-  want = [np.cos(3) * 1 - np.sin(3) * 2, np.sin(3) * 1 + np.cos(3) * 2]
-  np.testing.assert_allclose(got, want, rtol=1e-6)
-  cos0, sin0 = rope_cos_sin(jnp.zeros((1, 1), jnp.int32), 8, 1e4)
-  x8 = jnp.arange(8.0).reshape(1, 1, 1, 8)
-  np.testing.assert_allclose(apply_rope(x8, cos0, sin0), x8)
+    # Dh = 2: one frequency (theta^0 = 1); position p rotates (a, b) by angle p.
+    x = jnp.array([1.0, 2.0]).reshape(1, 1, 1, 2)
+    cos, sin = rope_cos_sin(jnp.array([[3]]), 2, 1e4)
+    got = apply_rope(x, cos, sin).reshape(2)
+    want = [np.cos(3) * 1 - np.sin(3) * 2, np.sin(3) * 1 + np.cos(3) * 2]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    cos0, sin0 = rope_cos_sin(jnp.zeros((1, 1), jnp.int32), 8, 1e4)
+    x8 = jnp.arange(8.0).reshape(1, 1, 1, 8)
+    np.testing.assert_allclose(apply_rope(x8, cos0, sin0), x8)
 
 
 @pytest.fixture(scope="module")
 def models():
-  return {"dense": _model(), "moe": _model(num_experts=4, moe_intermediate_size=16)}
+    return {"dense": _model(), "moe": _model(num_experts=4, moe_intermediate_size=16)}
 
 
 def _tokens(shape, seed=0):
-  return jnp.asarray(np.random.default_rng(seed).integers(1, 40, size=shape), jnp.int32)
+    return jnp.asarray(np.random.default_rng(seed).integers(1, 40, size=shape), jnp.int32)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_output_shapes(models, kind):
-  model = models[kind]
-  tokens = _tokens((2, 9))
-  out = call(model, tokens)
-  assert isinstance(out, ModelOutput)
-  assert out.logits.shape == (2, 9, 40) and out.logits.dtype == jnp.float32
-  assert out.hidden.shape == (2, 9, 32)
-  np.testing.assert_allclose(out.logits, out.hidden @ model.output_embedding(), rtol=1e-5, atol=1e-5)
-  if kind == "moe":
-    assert out.routing.shape == (2, 2, 9, 2) and out.routing.dtype == jnp.int32
-    assert out.aux["tokens_per_expert"].shape == (2, 4)
-    np.testing.assert_allclose(out.aux["tokens_per_expert"].sum(-1), [36, 36])
-    assert float(out.aux["dropped_tokens"]) == 0
-    # Replaying the model's own routing changes nothing.
-    np.testing.assert_array_equal(call(model, tokens, routing=out.routing).logits, out.logits)
-  else:
-    assert out.routing is None and out.aux == {}
+    model = models[kind]
+    tokens = _tokens((2, 9))
+    out = call(model, tokens)
+    assert isinstance(out, ModelOutput)
+    assert out.logits.shape == (2, 9, 40) and out.logits.dtype == jnp.float32
+    assert out.hidden.shape == (2, 9, 32)
+    np.testing.assert_allclose(out.logits, out.hidden @ model.output_embedding(), rtol=1e-5, atol=1e-5)
+    if kind == "moe":
+        assert out.routing.shape == (2, 2, 9, 2) and out.routing.dtype == jnp.int32
+        assert out.aux["tokens_per_expert"].shape == (2, 4)
+        np.testing.assert_allclose(out.aux["tokens_per_expert"].sum(-1), [36, 36])
+        assert float(out.aux["dropped_tokens"]) == 0
+        # Replaying the model's own routing changes nothing.
+        np.testing.assert_array_equal(call(model, tokens, routing=out.routing).logits, out.logits)
+    else:
+        assert out.routing is None and out.aux == {}
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_kv_cache_prefill_then_decode_equals_full_forward(models, kind):
-  model = models[kind]
-  tokens = _tokens((2, 9), seed=1)
-  full = call(model, tokens)
-  cache = model.init_cache(2, 12)
-  prefill = call(model, tokens[:, :5], cache=cache)
-  np.testing.assert_allclose(prefill.logits, full.logits[:, :5], rtol=1e-5, atol=1e-5)
-  cache = prefill.cache
-  assert int(cache.index) == 5
-  for step in range(5, 9):
-    if kind == "moe":
-      positions = jnp.full((2, 1), step, jnp.int32)
-      out = call(model, tokens[:, step:step + 1], positions=positions, cache=cache)
-    else:  # default positions continue from the cache index
-      out = call(model, tokens[:, step:step + 1], cache=cache)
-    np.testing.assert_allclose(out.logits[:, 0], full.logits[:, step], rtol=1e-5, atol=1e-5)
-    if kind == "moe":
-      np.testing.assert_array_equal(out.routing[:, :, 0], full.routing[:, :, step])
-    cache = out.cache
-  assert int(cache.index) == 9
-  np.testing.assert_array_equal(cache.key_mask, np.arange(12)[None, :].repeat(2, 0) < 9)
+    model = models[kind]
+    tokens = _tokens((2, 9), seed=1)
+    full = call(model, tokens)
+    cache = model.init_cache(2, 12)
+    prefill = call(model, tokens[:, :5], cache=cache)
+    np.testing.assert_allclose(prefill.logits, full.logits[:, :5], rtol=1e-5, atol=1e-5)
+    cache = prefill.cache
+    assert int(cache.index) == 5
+    for step in range(5, 9):
+        if kind == "moe":
+            positions = jnp.full((2, 1), step, jnp.int32)
+            out = call(model, tokens[:, step:step + 1], positions=positions, cache=cache)
+        else:  # default positions continue from the cache index
+            out = call(model, tokens[:, step:step + 1], cache=cache)
+        np.testing.assert_allclose(out.logits[:, 0], full.logits[:, step], rtol=1e-5, atol=1e-5)
+        if kind == "moe":
+            np.testing.assert_array_equal(out.routing[:, :, 0], full.routing[:, :, step])
+        cache = out.cache
+    assert int(cache.index) == 9
+    np.testing.assert_array_equal(cache.key_mask, np.arange(12)[None, :].repeat(2, 0) < 9)
 
 
 def test_right_padded_prompts_decode_like_unpadded(models):
-  """Row 0 has a 3-token prompt padded to 5, row 1 a full 5-token prompt; decoding with
-  per-row positions gives, on every row, the logits of that row's unpadded sequence."""
-  model = models["moe"]
-  prompts = _tokens((2, 5), seed=2)
-  lengths = np.array([3, 5])
-  new_tokens = _tokens((2, 4), seed=3)
-  mask = jnp.asarray(np.arange(5)[None, :] < lengths[:, None], jnp.int32)
-  out = call(model, prompts, attention_mask=mask, cache=model.init_cache(2, 12))
-  cache = out.cache
-  batched = []
-  for step in range(4):
-    positions = jnp.asarray(lengths[:, None] + step, jnp.int32)
-    out = call(model, new_tokens[:, step:step + 1], positions=positions, cache=cache)
-    batched.append(out.logits[:, 0])
+    """Row 0 has a 3-token prompt padded to 5, row 1 a full 5-token prompt; decoding with
+    per-row positions gives, on every row, the logits of that row's unpadded sequence."""
+    model = models["moe"]
+    prompts = _tokens((2, 5), seed=2)
+    lengths = np.array([3, 5])
+    new_tokens = _tokens((2, 4), seed=3)
+    mask = jnp.asarray(np.arange(5)[None, :] < lengths[:, None], jnp.int32)
+    out = call(model, prompts, attention_mask=mask, cache=model.init_cache(2, 12))
     cache = out.cache
-  # Unpadded sequences, filled at the end to a common length 9 (causality hides the fill).
-  unpadded = np.ones((2, 9), np.int32)
-  for row in range(2):
-    seq = np.concatenate([np.asarray(prompts[row, :lengths[row]]), np.asarray(new_tokens[row])])
-    unpadded[row, :len(seq)] = seq
-  alone = call(model, jnp.asarray(unpadded))
-  for row in range(2):
+    batched = []
     for step in range(4):
-      np.testing.assert_allclose(batched[step][row], alone.logits[row, lengths[row] + step],
-                                 rtol=1e-5, atol=1e-5)
+        positions = jnp.asarray(lengths[:, None] + step, jnp.int32)
+        out = call(model, new_tokens[:, step:step + 1], positions=positions, cache=cache)
+        batched.append(out.logits[:, 0])
+        cache = out.cache
+    # Unpadded sequences, filled at the end to a common length 9 (causality hides the fill).
+    unpadded = np.ones((2, 9), np.int32)
+    for row in range(2):
+        seq = np.concatenate([np.asarray(prompts[row, :lengths[row]]), np.asarray(new_tokens[row])])
+        unpadded[row, :len(seq)] = seq
+    alone = call(model, jnp.asarray(unpadded))
+    for row in range(2):
+        for step in range(4):
+            np.testing.assert_allclose(batched[step][row], alone.logits[row, lengths[row] + step],
+                                       rtol=1e-5, atol=1e-5)
 
 
 def test_padding_tokens_excluded_from_router_statistics(models):
-  mask = jnp.asarray(np.arange(9)[None, :] < np.array([[7], [4]]), jnp.int32)
-  out = call(models["moe"], _tokens((2, 9)), attention_mask=mask)
-  np.testing.assert_allclose(out.aux["tokens_per_expert"].sum(-1), [22, 22])
+    mask = jnp.asarray(np.arange(9)[None, :] < np.array([[7], [4]]), jnp.int32)
+    out = call(models["moe"], _tokens((2, 9)), attention_mask=mask)
+    np.testing.assert_allclose(out.aux["tokens_per_expert"].sum(-1), [22, 22])
 
 
 def test_moe_layer_subset_and_routing_shape_errors():
-  model = _model(num_layers=3, num_experts=4, moe_intermediate_size=16, moe_layers=(1,))
-  tokens = jnp.ones((1, 4), jnp.int32)
-  out = call(model, tokens)
-  assert out.routing.shape == (1, 1, 4, 2)
-  np.testing.assert_allclose(call(model, tokens, routing=out.routing).logits, out.logits)
-  with pytest.raises(ValueError, match="L_moe"):
-    call(model, tokens, routing=jnp.zeros((3, 1, 4, 2), jnp.int32))
-  with pytest.raises(ValueError, match="dense"):
-    call(_model(), tokens, routing=out.routing)
+    model = _model(num_layers=3, num_experts=4, moe_intermediate_size=16, moe_layers=(1,))
+    tokens = jnp.ones((1, 4), jnp.int32)
+    out = call(model, tokens)
+    assert out.routing.shape == (1, 1, 4, 2)
+    np.testing.assert_allclose(call(model, tokens, routing=out.routing).logits, out.logits)
+    with pytest.raises(ValueError, match="L_moe"):
+        call(model, tokens, routing=jnp.zeros((3, 1, 4, 2), jnp.int32))
+    with pytest.raises(ValueError, match="dense"):
+        call(_model(), tokens, routing=out.routing)
 
 
 def test_tied_embeddings():
-  model = _model(tie_word_embeddings=True, num_layers=1)
-  assert not hasattr(model, "lm_head")
-  np.testing.assert_array_equal(model.output_embedding(), model.embed[...].T)
+    model = _model(tie_word_embeddings=True, num_layers=1)
+    assert not hasattr(model, "lm_head")
+    np.testing.assert_array_equal(model.output_embedding(), model.embed[...].T)
 
 
 def test_bfloat16_compute(models):
-  model = models["moe"]
-  tokens = _tokens((2, 9))
-  ref = call(model, tokens).logits
-  model_bf16 = Transformer(model.config.replace(dtype="bfloat16"), rngs=nnx.Rngs(0))
-  nnx.update(model_bf16, nnx.state(model, nnx.Param))
-  out = call(model_bf16, tokens)
-  assert out.logits.dtype == jnp.float32 and out.hidden.dtype == jnp.bfloat16
-  assert model_bf16.init_cache(1, 4).k.dtype == jnp.bfloat16
-  rel = float(jnp.linalg.norm(out.logits - ref) / jnp.linalg.norm(ref))
-  assert rel < 0.05
+    model = models["moe"]
+    tokens = _tokens((2, 9))
+    ref = call(model, tokens).logits
+    model_bf16 = Transformer(model.config.replace(dtype="bfloat16"), rngs=nnx.Rngs(0))
+    nnx.update(model_bf16, nnx.state(model, nnx.Param))
+    out = call(model_bf16, tokens)
+    assert out.logits.dtype == jnp.float32 and out.hidden.dtype == jnp.bfloat16
+    assert model_bf16.init_cache(1, 4).k.dtype == jnp.bfloat16
+    rel = float(jnp.linalg.norm(out.logits - ref) / jnp.linalg.norm(ref))
+    assert rel < 0.05
 
 
 def test_split_merge_jit_compiles_once(models):
-  model = models["moe"]
-  graphdef, state = nnx.split(model)
+    model = models["moe"]
+    graphdef, state = nnx.split(model)
 
-  @jax.jit
-  @chex.assert_max_traces(n=1)
-  def forward(state, tokens, cache):
-    out = nnx.merge(graphdef, state)(tokens, cache=cache, positions=jnp.zeros_like(tokens) + cache.index)
-    return out.logits, out.cache, out.routing
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def forward(state, tokens, cache):
+        out = nnx.merge(graphdef, state)(tokens, cache=cache, positions=jnp.zeros_like(tokens) + cache.index)
+        return out.logits, out.cache, out.routing
 
-  cache = model.init_cache(2, 4)
-  for step in range(3):
-    logits, cache, routing = forward(state, jnp.full((2, 1), step, jnp.int32), cache)
-  assert int(cache.index) == 3 and isinstance(cache, KVCache)
+    cache = model.init_cache(2, 4)
+    for step in range(3):
+        logits, cache, routing = forward(state, jnp.full((2, 1), step, jnp.int32), cache)
+    assert int(cache.index) == 3 and isinstance(cache, KVCache)
 
 
 def test_config_errors_name_the_field():
-  with pytest.raises(ValueError, match="num_kv_heads"):
-    ModelConfig(**{**TINY, "num_kv_heads": 3})
-  with pytest.raises(ValueError, match="moe_dispatch"):
-    ModelConfig(**TINY, num_experts=4, moe_dispatch="dense")
-  with pytest.raises(ValueError, match="num_experts_per_tok"):
-    ModelConfig(**TINY, num_experts=4, num_experts_per_tok=5)
-  with pytest.raises(ValueError, match="moe_layers"):
-    ModelConfig(**TINY, num_experts=4, moe_layers=(2,))
-  with pytest.raises(ValueError, match="unknown model preset"):
-    preset("tiny")
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ModelConfig(**{**TINY, "num_kv_heads": 3})
+    with pytest.raises(ValueError, match="moe_dispatch"):
+        ModelConfig(**TINY, num_experts=4, moe_dispatch="dense")
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig(**TINY, num_experts=4, num_experts_per_tok=5)
+    with pytest.raises(ValueError, match="moe_layers"):
+        ModelConfig(**TINY, num_experts=4, moe_layers=(2,))
+    with pytest.raises(ValueError, match="unknown model preset"):
+        preset("tiny")
 
 
 def _param_count(config):
-  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-  return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
 @pytest.mark.parametrize("name,expected_millions", [
     ("moe_7m", 7.351), ("moe_0p5b", 514.223), ("qwen3_30b_a3b", 30532.123)])
 def test_preset_parameter_counts(name, expected_millions):
-  # Embeddings + L identical layers: count 1 and 2 layers, extrapolate (cheap to trace).
-  config = preset(name)
-  one = _param_count(config.replace(num_layers=1))
-  two = _param_count(config.replace(num_layers=2))
-  total = one + (config.num_layers - 1) * (two - one)
-  assert abs(total / 1e6 - expected_millions) < 0.01
-  assert preset("tiny_moe", vocab_size=77, num_layers=3).vocab_size == 77
+    # Embeddings + L identical layers: count 1 and 2 layers, extrapolate (cheap to trace).
+    config = preset(name)
+    one = _param_count(config.replace(num_layers=1))
+    two = _param_count(config.replace(num_layers=2))
+    total = one + (config.num_layers - 1) * (two - one)
+    assert abs(total / 1e6 - expected_millions) < 0.01
+    assert preset("tiny_moe", vocab_size=77, num_layers=3).vocab_size == 77
 
 
 def test_logical_axes_and_rules(models):
-  model = models["moe"]
-  specs = param_partition_specs(nnx.state(model, nnx.Param))
-  moe = specs["layers"][0]["mlp"]
-  assert moe["gate_proj"] == jax.sharding.PartitionSpec("expert", "fsdp", "tensor")
-  assert specs["embed"] == jax.sharding.PartitionSpec("tensor", "fsdp")
-  assert logical_to_mesh_axes(("embed", "mlp"), mesh_axis_names=("fsdp",)) == \
-      jax.sharding.PartitionSpec("fsdp", None)
+    model = models["moe"]
+    specs = param_partition_specs(nnx.state(model, nnx.Param))
+    moe = specs["layers"][0]["mlp"]
+    assert moe["gate_proj"] == jax.sharding.PartitionSpec("expert", "fsdp", "tensor")
+    assert specs["embed"] == jax.sharding.PartitionSpec("tensor", "fsdp")
+    assert logical_to_mesh_axes(("embed", "mlp"), mesh_axis_names=("fsdp",)) == \
+        jax.sharding.PartitionSpec("fsdp", None)

@@ -17,220 +17,220 @@ E, K, D, F = 4, 2, 8, 6
 
 
 def _config(**overrides):
-  fields = dict(vocab_size=16, hidden_size=D, num_layers=1, num_heads=2, num_kv_heads=1,
-                head_dim=4, intermediate_size=8, num_experts=E, num_experts_per_tok=K,
-                moe_intermediate_size=F, initializer_range=0.5)
-  return ModelConfig(**{**fields, **overrides})
+    fields = dict(vocab_size=16, hidden_size=D, num_layers=1, num_heads=2, num_kv_heads=1,
+                  head_dim=4, intermediate_size=8, num_experts=E, num_experts_per_tok=K,
+                  moe_intermediate_size=F, initializer_range=0.5)
+    return ModelConfig(**{**fields, **overrides})
 
 
 def _params(moe):
-  return {name: np.asarray(getattr(moe, name)[...], np.float64)
-          for name in ("router", "gate_proj", "up_proj", "down_proj")}
+    return {name: np.asarray(getattr(moe, name)[...], np.float64)
+            for name in ("router", "gate_proj", "up_proj", "down_proj")}
 
 
 def numpy_loop_moe(x, params, k, norm_topk_prob, routing=None):
-  """The MoE written as loops over tokens and chosen experts, in float64."""
-  x = np.asarray(x, np.float64).reshape(-1, D)
-  out = np.zeros_like(x)
-  chosen = np.zeros((x.shape[0], k), np.int64)
-  for n in range(x.shape[0]):
-    logits = x[n] @ params["router"]
-    probs = np.exp(logits - logits.max())
-    probs /= probs.sum()
-    experts = np.argsort(-probs, kind="stable")[:k] if routing is None else routing[n]
-    gates = probs[experts]
-    if norm_topk_prob:
-      gates = gates / gates.sum()
-    for gate, e in zip(gates, experts):
-      hidden = x[n] @ params["gate_proj"][e]
-      hidden = hidden / (1 + np.exp(-hidden)) * (x[n] @ params["up_proj"][e])
-      out[n] += gate * (hidden @ params["down_proj"][e])
-    chosen[n] = experts
-  return out, chosen
+    """The MoE written as loops over tokens and chosen experts, in float64."""
+    x = np.asarray(x, np.float64).reshape(-1, D)
+    out = np.zeros_like(x)
+    chosen = np.zeros((x.shape[0], k), np.int64)
+    for n in range(x.shape[0]):
+        logits = x[n] @ params["router"]
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        experts = np.argsort(-probs, kind="stable")[:k] if routing is None else routing[n]
+        gates = probs[experts]
+        if norm_topk_prob:
+            gates = gates / gates.sum()
+        for gate, e in zip(gates, experts):
+            hidden = x[n] @ params["gate_proj"][e]
+            hidden = hidden / (1 + np.exp(-hidden)) * (x[n] @ params["up_proj"][e])
+            out[n] += gate * (hidden @ params["down_proj"][e])
+        chosen[n] = experts
+    return out, chosen
 
 
 def jax_loop_moe(x, router, gate_proj, up_proj, down_proj, routing, k, norm_topk_prob):
-  """Differentiable reference: every expert on every token, one expert at a time."""
-  probs = jax.nn.softmax(x @ router, axis=-1)
-  gates = jnp.take_along_axis(probs, routing, axis=-1)
-  if norm_topk_prob:
-    gates = gates / gates.sum(-1, keepdims=True)
-  out = jnp.zeros_like(x)
-  for e in range(router.shape[1]):
-    weight = jnp.sum(gates * (routing == e), axis=-1)
-    hidden = jax.nn.silu(x @ gate_proj[e]) * (x @ up_proj[e])
-    out = out + weight[:, None] * (hidden @ down_proj[e])
-  return out
+    """Differentiable reference: every expert on every token, one expert at a time."""
+    probs = jax.nn.softmax(x @ router, axis=-1)
+    gates = jnp.take_along_axis(probs, routing, axis=-1)
+    if norm_topk_prob:
+        gates = gates / gates.sum(-1, keepdims=True)
+    out = jnp.zeros_like(x)
+    for e in range(router.shape[1]):
+        weight = jnp.sum(gates * (routing == e), axis=-1)
+        hidden = jax.nn.silu(x @ gate_proj[e]) * (x @ up_proj[e])
+        out = out + weight[:, None] * (hidden @ down_proj[e])
+    return out
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
 def _apply(state, x, mask, routing, graphdef):
-  return nnx.merge(graphdef, state)(x, mask, routing)
+    return nnx.merge(graphdef, state)(x, mask, routing)
 
 
 def _run(moe, x, routing=None, mask=None):
-  graphdef, state = nnx.split(moe)
-  mask = jnp.ones(x.shape[:2], bool) if mask is None else mask
-  return _apply(state, x, mask, routing, graphdef)
+    graphdef, state = nnx.split(moe)
+    mask = jnp.ones(x.shape[:2], bool) if mask is None else mask
+    return _apply(state, x, mask, routing, graphdef)
 
 
 def _inputs(seed=0, shape=(2, 6)):
-  return jnp.asarray(np.random.default_rng(seed).normal(size=(*shape, D)), jnp.float32)
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(*shape, D)), jnp.float32)
 
 
 def test_route_hand_worked():
-  # probs = (1, 2, 3, 1) / 7: top-2 = experts 2, 1.
-  logits = jnp.log(jnp.array([[1.0, 2.0, 3.0, 1.0]]))
-  ids, gates, probs = route(logits, 2, norm_topk_prob=True)
-  np.testing.assert_array_equal(ids, [[2, 1]])
-  np.testing.assert_allclose(gates, [[3 / 5, 2 / 5]], rtol=1e-6)
-  _, gates, _ = route(logits, 2, norm_topk_prob=False)
-  np.testing.assert_allclose(gates, [[3 / 7, 2 / 7]], rtol=1e-6)
-  # Replay experts 0 and 3: gates from the same current probabilities.
-  ids, gates, _ = route(logits, 2, norm_topk_prob=True, routing=jnp.array([[0, 3]]))
-  np.testing.assert_array_equal(ids, [[0, 3]])
-  np.testing.assert_allclose(gates, [[1 / 2, 1 / 2]], rtol=1e-6)
-  _, gates, _ = route(logits, 2, norm_topk_prob=False, routing=jnp.array([[0, 3]]))
-  np.testing.assert_allclose(gates, [[1 / 7, 1 / 7]], rtol=1e-6)
+    # probs = (1, 2, 3, 1) / 7: top-2 = experts 2, 1.
+    logits = jnp.log(jnp.array([[1.0, 2.0, 3.0, 1.0]]))
+    ids, gates, probs = route(logits, 2, norm_topk_prob=True)
+    np.testing.assert_array_equal(ids, [[2, 1]])
+    np.testing.assert_allclose(gates, [[3 / 5, 2 / 5]], rtol=1e-6)
+    _, gates, _ = route(logits, 2, norm_topk_prob=False)
+    np.testing.assert_allclose(gates, [[3 / 7, 2 / 7]], rtol=1e-6)
+    # Replay experts 0 and 3: gates from the same current probabilities.
+    ids, gates, _ = route(logits, 2, norm_topk_prob=True, routing=jnp.array([[0, 3]]))
+    np.testing.assert_array_equal(ids, [[0, 3]])
+    np.testing.assert_allclose(gates, [[1 / 2, 1 / 2]], rtol=1e-6)
+    _, gates, _ = route(logits, 2, norm_topk_prob=False, routing=jnp.array([[0, 3]]))
+    np.testing.assert_allclose(gates, [[1 / 7, 1 / 7]], rtol=1e-6)
 
 
 @pytest.mark.parametrize("dispatch,norm_topk_prob", [
     ("ragged", True), ("ragged", False), ("blocked", True), ("capacity", False)])
 def test_fast_paths_match_loop_reference(dispatch, norm_topk_prob):
-  # capacity_factor = E / K: every expert can hold every token, nothing is dropped.
-  # Block size 3: groups of every size modulo the block occur, some experts get none.
-  moe = MoE(_config(moe_dispatch=dispatch, norm_topk_prob=norm_topk_prob,
-                    capacity_factor=E / K, moe_block_size=3), rngs=nnx.Rngs(0))
-  x = _inputs()
-  y, routing, aux = _run(moe, x)
-  want, chosen = numpy_loop_moe(x, _params(moe), K, norm_topk_prob)
-  np.testing.assert_array_equal(routing.reshape(-1, K), chosen)
-  np.testing.assert_allclose(y.reshape(-1, D), want, rtol=1e-5, atol=1e-6)
-  assert float(aux["dropped_tokens"]) == 0
-  np.testing.assert_array_equal(aux["tokens_per_expert"], np.bincount(chosen.ravel(), minlength=E))
+    # capacity_factor = E / K: every expert can hold every token, nothing is dropped.
+    # Block size 3: groups of every size modulo the block occur, some experts get none.
+    moe = MoE(_config(moe_dispatch=dispatch, norm_topk_prob=norm_topk_prob,
+                      capacity_factor=E / K, moe_block_size=3), rngs=nnx.Rngs(0))
+    x = _inputs()
+    y, routing, aux = _run(moe, x)
+    want, chosen = numpy_loop_moe(x, _params(moe), K, norm_topk_prob)
+    np.testing.assert_array_equal(routing.reshape(-1, K), chosen)
+    np.testing.assert_allclose(y.reshape(-1, D), want, rtol=1e-5, atol=1e-6)
+    assert float(aux["dropped_tokens"]) == 0
+    np.testing.assert_array_equal(aux["tokens_per_expert"], np.bincount(chosen.ravel(), minlength=E))
 
 
 @pytest.mark.parametrize("dispatch", ["ragged", "blocked", "capacity"])
 def test_gradients_match_loop_reference_under_replay(dispatch):
-  """Replay a routing that differs from the natural one (the k *least* likely experts):
-  output and every gradient equal the loop reference with those experts; the router
-  gets a non-zero gradient through the recomputed gates."""
-  moe = MoE(_config(moe_dispatch=dispatch, capacity_factor=E / K, moe_block_size=4),
-            rngs=nnx.Rngs(1))
-  x = _inputs(seed=1)
-  natural, natural_routing, _ = _run(moe, x)
-  probs = jax.nn.softmax(x.reshape(-1, D) @ moe.router[...], -1)
-  forced = jnp.argsort(probs, axis=-1)[:, :K].astype(jnp.int32)       # least likely
-  assert not np.array_equal(np.sort(forced, -1), np.sort(natural_routing.reshape(-1, K), -1))
-  forced = forced.reshape(2, 6, K)
-  cotangent = jnp.asarray(np.random.default_rng(2).normal(size=(2, 6, D)), jnp.float32)
-  graphdef, state = nnx.split(moe)
+    """Replay a routing that differs from the natural one (the k *least* likely experts):
+    output and every gradient equal the loop reference with those experts; the router
+    gets a non-zero gradient through the recomputed gates."""
+    moe = MoE(_config(moe_dispatch=dispatch, capacity_factor=E / K, moe_block_size=4),
+              rngs=nnx.Rngs(1))
+    x = _inputs(seed=1)
+    natural, natural_routing, _ = _run(moe, x)
+    probs = jax.nn.softmax(x.reshape(-1, D) @ moe.router[...], -1)
+    forced = jnp.argsort(probs, axis=-1)[:, :K].astype(jnp.int32)       # least likely
+    assert not np.array_equal(np.sort(forced, -1), np.sort(natural_routing.reshape(-1, K), -1))
+    forced = forced.reshape(2, 6, K)
+    cotangent = jnp.asarray(np.random.default_rng(2).normal(size=(2, 6, D)), jnp.float32)
+    graphdef, state = nnx.split(moe)
 
-  def fast(state, x):
-    y, routing, _ = nnx.merge(graphdef, state)(x, jnp.ones((2, 6), bool), forced)
-    return jnp.sum(y * cotangent), (y, routing)
+    def fast(state, x):
+        y, routing, _ = nnx.merge(graphdef, state)(x, jnp.ones((2, 6), bool), forced)
+        return jnp.sum(y * cotangent), (y, routing)
 
-  (_, (y, routing)), (grad_state, grad_x) = jax.jit(
-      jax.value_and_grad(fast, argnums=(0, 1), has_aux=True))(state, x)
-  np.testing.assert_array_equal(routing, forced)
-  want, _ = numpy_loop_moe(x, _params(moe), K, True, routing=np.asarray(forced).reshape(-1, K))
-  np.testing.assert_allclose(y.reshape(-1, D), want, rtol=1e-5, atol=1e-6)
-  assert not np.allclose(y, natural)
+    (_, (y, routing)), (grad_state, grad_x) = jax.jit(
+        jax.value_and_grad(fast, argnums=(0, 1), has_aux=True))(state, x)
+    np.testing.assert_array_equal(routing, forced)
+    want, _ = numpy_loop_moe(x, _params(moe), K, True, routing=np.asarray(forced).reshape(-1, K))
+    np.testing.assert_allclose(y.reshape(-1, D), want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(y, natural)
 
-  names = ("router", "gate_proj", "up_proj", "down_proj")
+    names = ("router", "gate_proj", "up_proj", "down_proj")
 
-  def reference(weights, x):
-    y = jax_loop_moe(x.reshape(-1, D), *weights, forced.reshape(-1, K), K, True)
-    return jnp.sum(y.reshape(2, 6, D) * cotangent)
+    def reference(weights, x):
+        y = jax_loop_moe(x.reshape(-1, D), *weights, forced.reshape(-1, K), K, True)
+        return jnp.sum(y.reshape(2, 6, D) * cotangent)
 
-  ref_weights, ref_x = jax.grad(reference, argnums=(0, 1))(
-      tuple(getattr(moe, n)[...] for n in names), x)
-  np.testing.assert_allclose(grad_x, ref_x, rtol=1e-4, atol=1e-6)
-  for name, ref in zip(names, ref_weights):
-    np.testing.assert_allclose(grad_state[name][...], ref, rtol=1e-4, atol=1e-6)
-  assert float(jnp.abs(grad_state["router"][...]).max()) > 1e-3
+    ref_weights, ref_x = jax.grad(reference, argnums=(0, 1))(
+        tuple(getattr(moe, n)[...] for n in names), x)
+    np.testing.assert_allclose(grad_x, ref_x, rtol=1e-4, atol=1e-6)
+    for name, ref in zip(names, ref_weights):
+        np.testing.assert_allclose(grad_state[name][...], ref, rtol=1e-4, atol=1e-6)
+    assert float(jnp.abs(grad_state["router"][...]).max()) > 1e-3
 
 
 def test_capacity_drops_overflow_in_priority_order():
-  """C = 1. Token 0 picks (e0, e1), token 1 picks (e1, e0): both first choices get the
-  single slot of their expert, both second choices are dropped."""
-  x = jnp.asarray(np.random.default_rng(3).normal(size=(2, D)), jnp.float32)
-  weights = [jnp.asarray(np.random.default_rng(s).normal(size=shape), jnp.float32)
-             for s, shape in ((4, (E, D, F)), (5, (E, D, F)), (6, (E, F, D)))]
-  ids = jnp.array([[0, 1], [1, 0]], jnp.int32)
-  gates = jnp.array([[0.7, 0.3], [0.6, 0.4]], jnp.float32)
-  y, dropped = capacity_experts(x, ids, gates, jnp.ones(2, bool), *weights, capacity=1)
-  params = dict(zip(("gate_proj", "up_proj", "down_proj"), [np.asarray(w) for w in weights]))
+    """C = 1. Token 0 picks (e0, e1), token 1 picks (e1, e0): both first choices get the
+    single slot of their expert, both second choices are dropped."""
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, D)), jnp.float32)
+    weights = [jnp.asarray(np.random.default_rng(s).normal(size=shape), jnp.float32)
+               for s, shape in ((4, (E, D, F)), (5, (E, D, F)), (6, (E, F, D)))]
+    ids = jnp.array([[0, 1], [1, 0]], jnp.int32)
+    gates = jnp.array([[0.7, 0.3], [0.6, 0.4]], jnp.float32)
+    y, dropped = capacity_experts(x, ids, gates, jnp.ones(2, bool), *weights, capacity=1)
+    params = dict(zip(("gate_proj", "up_proj", "down_proj"), [np.asarray(w) for w in weights]))
 
-  def expert(n, e):
-    h = np.asarray(x[n]) @ params["gate_proj"][e]
-    return (h / (1 + np.exp(-h)) * (np.asarray(x[n]) @ params["up_proj"][e])) @ params["down_proj"][e]
+    def expert(n, e):
+        h = np.asarray(x[n]) @ params["gate_proj"][e]
+        return (h / (1 + np.exp(-h)) * (np.asarray(x[n]) @ params["up_proj"][e])) @ params["down_proj"][e]
 
-  np.testing.assert_allclose(y, [0.7 * expert(0, 0), 0.6 * expert(1, 1)], rtol=1e-5, atol=1e-6)
-  assert float(dropped) == 2
-  # Padding takes no slot: token 0 is padding, so token 1 gets expert 0's only slot.
-  ids = jnp.array([[0, 1], [0, 1]], jnp.int32)
-  y, dropped = capacity_experts(x, ids, gates, jnp.array([False, True]), *weights, capacity=1)
-  np.testing.assert_allclose(y[1], 0.6 * expert(1, 0) + 0.4 * expert(1, 1), rtol=1e-5, atol=1e-6)
-  assert float(dropped) == 0
+    np.testing.assert_allclose(y, [0.7 * expert(0, 0), 0.6 * expert(1, 1)], rtol=1e-5, atol=1e-6)
+    assert float(dropped) == 2
+    # Padding takes no slot: token 0 is padding, so token 1 gets expert 0's only slot.
+    ids = jnp.array([[0, 1], [0, 1]], jnp.int32)
+    y, dropped = capacity_experts(x, ids, gates, jnp.array([False, True]), *weights, capacity=1)
+    np.testing.assert_allclose(y[1], 0.6 * expert(1, 0) + 0.4 * expert(1, 1), rtol=1e-5, atol=1e-6)
+    assert float(dropped) == 0
 
 
 def test_capacity_factor_one_drops_when_all_tokens_pick_the_same_experts():
-  # Router that sends every token to experts 0 then 1: C = ceil(1.0 * 12 * 2 / 4) = 6,
-  # so of 12 copies per expert 6 are kept and 12 dropped in all.
-  moe = MoE(_config(moe_dispatch="capacity", capacity_factor=1.0), rngs=nnx.Rngs(0))
-  moe.router[...] = jnp.zeros((D, E)).at[:, 0].set(10.0).at[:, 1].set(5.0)
-  x = jnp.abs(_inputs()) + 0.1
-  y, routing, aux = _run(moe, x)
-  assert np.all(np.asarray(routing) == [0, 1])
-  assert float(aux["dropped_tokens"]) == 12
-  want, _ = numpy_loop_moe(x, _params(moe), K, True)
-  np.testing.assert_allclose(y.reshape(-1, D)[:6], want[:6], rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(y.reshape(-1, D)[6:], 0.0)
+    # Router that sends every token to experts 0 then 1: C = ceil(1.0 * 12 * 2 / 4) = 6,
+    # so of 12 copies per expert 6 are kept and 12 dropped in all.
+    moe = MoE(_config(moe_dispatch="capacity", capacity_factor=1.0), rngs=nnx.Rngs(0))
+    moe.router[...] = jnp.zeros((D, E)).at[:, 0].set(10.0).at[:, 1].set(5.0)
+    x = jnp.abs(_inputs()) + 0.1
+    y, routing, aux = _run(moe, x)
+    assert np.all(np.asarray(routing) == [0, 1])
+    assert float(aux["dropped_tokens"]) == 12
+    want, _ = numpy_loop_moe(x, _params(moe), K, True)
+    np.testing.assert_allclose(y.reshape(-1, D)[:6], want[:6], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y.reshape(-1, D)[6:], 0.0)
 
 
 def test_router_statistics_hand_worked():
-  # Uniform router (zero logits): top-2 ties resolve to experts 0 and 1 on every token.
-  n = 5
-  logits = jnp.zeros((n, E))
-  ids, _, probs = route(logits, K, True)
-  np.testing.assert_array_equal(ids, np.tile([0, 1], (n, 1)))
-  aux = router_aux(logits, probs, ids, jnp.ones(n, bool), E)
-  np.testing.assert_allclose(aux["tokens_per_expert"], [n, n, 0, 0])
-  # E * sum_e f_e P_e = 4 * (0.5 * 0.25 + 0.5 * 0.25) = 1; z = logsumexp(0)^2 = log(4)^2.
-  np.testing.assert_allclose(aux["load_balancing_loss"], 1.0, rtol=1e-6)
-  np.testing.assert_allclose(aux["router_z_loss"], np.log(4.0) ** 2, rtol=1e-6)
-  # Everything on one expert with probability ~1: f = (1/2, 1/2, 0, 0), P = (1, 0, 0, 0)
-  # gives 4 * 1/2 = 2; padding rows do not count.
-  logits = jnp.tile(jnp.array([[50.0, 0.0, 0.0, 0.0]]), (n, 1))
-  ids, _, probs = route(logits, K, True)
-  aux = router_aux(logits, probs, ids, jnp.array([True, True, False, True, False]), E)
-  np.testing.assert_allclose(aux["load_balancing_loss"], 2.0, rtol=1e-6)
-  assert float(aux["tokens_per_expert"][0]) == 3
+    # Uniform router (zero logits): top-2 ties resolve to experts 0 and 1 on every token.
+    n = 5
+    logits = jnp.zeros((n, E))
+    ids, _, probs = route(logits, K, True)
+    np.testing.assert_array_equal(ids, np.tile([0, 1], (n, 1)))
+    aux = router_aux(logits, probs, ids, jnp.ones(n, bool), E)
+    np.testing.assert_allclose(aux["tokens_per_expert"], [n, n, 0, 0])
+    # E * sum_e f_e P_e = 4 * (0.5 * 0.25 + 0.5 * 0.25) = 1; z = logsumexp(0)^2 = log(4)^2.
+    np.testing.assert_allclose(aux["load_balancing_loss"], 1.0, rtol=1e-6)
+    np.testing.assert_allclose(aux["router_z_loss"], np.log(4.0) ** 2, rtol=1e-6)
+    # Everything on one expert with probability ~1: f = (1/2, 1/2, 0, 0), P = (1, 0, 0, 0)
+    # gives 4 * 1/2 = 2; padding rows do not count.
+    logits = jnp.tile(jnp.array([[50.0, 0.0, 0.0, 0.0]]), (n, 1))
+    ids, _, probs = route(logits, K, True)
+    aux = router_aux(logits, probs, ids, jnp.array([True, True, False, True, False]), E)
+    np.testing.assert_allclose(aux["load_balancing_loss"], 2.0, rtol=1e-6)
+    assert float(aux["tokens_per_expert"][0]) == 3
 
 
 @pytest.mark.parametrize("tokens", [1, 40])
 def test_blocked_dispatch_any_token_count(tokens):
-  """Decode-sized (1 token: block shrinks to 1 row) to many blocks per expert."""
-  from policyopt.models.moe import blocked_experts
-  rng = np.random.default_rng(tokens)
-  x = jnp.asarray(rng.normal(size=(tokens, D)), jnp.float32)
-  ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]), jnp.int32)
-  gates = jnp.asarray(rng.uniform(size=(tokens, K)), jnp.float32)
-  weights = [jnp.asarray(rng.normal(size=shape), jnp.float32)
-             for shape in ((E, D, F), (E, D, F), (E, F, D))]
-  got = jax.jit(blocked_experts, static_argnames="block_size")(x, ids, gates, *weights, block_size=8)
-  want = numpy_loop_fixed_gates(x, ids, gates, *weights)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    """Decode-sized (1 token: block shrinks to 1 row) to many blocks per expert."""
+    from policyopt.models.moe import blocked_experts
+    rng = np.random.default_rng(tokens)
+    x = jnp.asarray(rng.normal(size=(tokens, D)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]), jnp.int32)
+    gates = jnp.asarray(rng.uniform(size=(tokens, K)), jnp.float32)
+    weights = [jnp.asarray(rng.normal(size=shape), jnp.float32)
+               for shape in ((E, D, F), (E, D, F), (E, F, D))]
+    got = jax.jit(blocked_experts, static_argnames="block_size")(x, ids, gates, *weights, block_size=8)
+    want = numpy_loop_fixed_gates(x, ids, gates, *weights)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def numpy_loop_fixed_gates(x, ids, gates, gate_proj, up_proj, down_proj):
-  out = np.zeros(x.shape, np.float64)
-  x64 = np.asarray(x, np.float64)
-  for n in range(x.shape[0]):
-    for j in range(ids.shape[1]):
-      e = int(ids[n, j])
-      hidden = x64[n] @ np.asarray(gate_proj[e], np.float64)
-      hidden = hidden / (1 + np.exp(-hidden)) * (x64[n] @ np.asarray(up_proj[e], np.float64))
-      out[n] += float(gates[n, j]) * (hidden @ np.asarray(down_proj[e], np.float64))
-  return out
+    out = np.zeros(x.shape, np.float64)
+    x64 = np.asarray(x, np.float64)
+    for n in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[n, j])
+            hidden = x64[n] @ np.asarray(gate_proj[e], np.float64)
+            hidden = hidden / (1 + np.exp(-hidden)) * (x64[n] @ np.asarray(up_proj[e], np.float64))
+            out[n] += float(gates[n, j]) * (hidden @ np.asarray(down_proj[e], np.float64))
+    return out

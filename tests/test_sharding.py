@@ -54,21 +54,21 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_forward_and_gradients_match_one_device():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
-                        text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  assert proc.stdout.count("ok") == 4, proc.stdout
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok") == 4, proc.stdout
 
 
 def test_make_mesh_sizes_and_errors():
-  devices = jax.devices()[:1]
-  mesh = sharding.make_mesh({"data": -1}, devices=devices)
-  assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
-  with pytest.raises(ValueError, match="unknown axes"):
-    sharding.make_mesh({"model": 1}, devices=devices)
-  with pytest.raises(ValueError, match="needs 4 devices"):
-    sharding.make_mesh({"data": 2, "tensor": 2}, devices=devices)
-  with pytest.raises(ValueError, match="at most one axis"):
-    sharding.make_mesh({"data": -1, "tensor": -1}, devices=devices)
+    devices = jax.devices()[:1]
+    mesh = sharding.make_mesh({"data": -1}, devices=devices)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+    with pytest.raises(ValueError, match="unknown axes"):
+        sharding.make_mesh({"model": 1}, devices=devices)
+    with pytest.raises(ValueError, match="needs 4 devices"):
+        sharding.make_mesh({"data": 2, "tensor": 2}, devices=devices)
+    with pytest.raises(ValueError, match="at most one axis"):
+        sharding.make_mesh({"data": -1, "tensor": -1}, devices=devices)

@@ -35,188 +35,188 @@ _BOXED_PREFIXES = ("\\boxed{", "\\fbox{")
 
 
 class MalformedRowError(ValueError):
-  """A data row that cannot be read; the message starts with `file:line:`."""
+    """A data row that cannot be read; the message starts with `file:line:`."""
 
 
 def last_boxed(text: str) -> str | None:
-  """Content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces balanced.
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces balanced.
 
-  Returns None when there is none, or when the last one is never closed.
-  `last_boxed("a \\boxed{1} b \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"`.
-  """
-  start = -1   # index just after the opening brace of the last box
-  for prefix in _BOXED_PREFIXES:
-    position = text.rfind(prefix)
-    if position >= 0:
-      start = max(start, position + len(prefix))
-  if start < 0:
+    Returns None when there is none, or when the last one is never closed.
+    `last_boxed("a \\boxed{1} b \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"`.
+    """
+    start = -1   # index just after the opening brace of the last box
+    for prefix in _BOXED_PREFIXES:
+        position = text.rfind(prefix)
+        if position >= 0:
+            start = max(start, position + len(prefix))
+    if start < 0:
+        return None
+    depth = 1
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i]
     return None
-  depth = 1
-  for i in range(start, len(text)):
-    if text[i] == "{":
-      depth += 1
-    elif text[i] == "}":
-      depth -= 1
-      if depth == 0:
-        return text[start:i]
-  return None
 
 
 @dataclasses.dataclass(frozen=True)
 class JsonlConfig:
-  """How to read a math JSONL file.
+    """How to read a math JSONL file.
 
-  Attributes:
-    question_fields: candidate names of the problem field, the first present is used
-      (GSM8K: "question"; MATH: "problem").
-    answer_fields: candidate names of the field the reference is extracted from, the first
-      present is used (GSM8K: "answer"; MATH: "solution"; MATH-500 has both "answer" and
-      "solution": "answer" comes first).
-    solution_field: field kept as the record's worked `solution` (None: the first field
-      among "solution", "answer" that exists, else empty).
-    extract: "auto" (last `\\boxed{}` if any, else the text after the last
-      `answer_marker` if any, else the whole text), "boxed" (a box is required), "marker"
-      (the marker is required) or "none" (the whole text).
-    answer_marker: GSM8K's final-answer marker.
-    prompt_template: format string for the prompt, with `{question}`, e.g.
-      `"{question}\\nPut the final answer in \\\\boxed{{}}."`.
-    skip_malformed: skip, count and report malformed rows instead of raising.
-  """
+    Attributes:
+      question_fields: candidate names of the problem field, the first present is used
+        (GSM8K: "question"; MATH: "problem").
+      answer_fields: candidate names of the field the reference is extracted from, the first
+        present is used (GSM8K: "answer"; MATH: "solution"; MATH-500 has both "answer" and
+        "solution": "answer" comes first).
+      solution_field: field kept as the record's worked `solution` (None: the first field
+        among "solution", "answer" that exists, else empty).
+      extract: "auto" (last `\\boxed{}` if any, else the text after the last
+        `answer_marker` if any, else the whole text), "boxed" (a box is required), "marker"
+        (the marker is required) or "none" (the whole text).
+      answer_marker: GSM8K's final-answer marker.
+      prompt_template: format string for the prompt, with `{question}`, e.g.
+        `"{question}\\nPut the final answer in \\\\boxed{{}}."`.
+      skip_malformed: skip, count and report malformed rows instead of raising.
+    """
 
-  question_fields: tuple[str, ...] = ("question", "problem", "prompt")
-  answer_fields: tuple[str, ...] = ("answer", "solution")
-  solution_field: str | None = None
-  extract: str = "auto"
-  answer_marker: str = "####"
-  prompt_template: str = "{question}"
-  skip_malformed: bool = False
+    question_fields: tuple[str, ...] = ("question", "problem", "prompt")
+    answer_fields: tuple[str, ...] = ("answer", "solution")
+    solution_field: str | None = None
+    extract: str = "auto"
+    answer_marker: str = "####"
+    prompt_template: str = "{question}"
+    skip_malformed: bool = False
 
-  def __post_init__(self):
-    if self.extract not in ("auto", "boxed", "marker", "none"):
-      raise ValueError(f"JsonlConfig.extract must be 'auto', 'boxed', 'marker' or 'none', "
-                       f"got {self.extract!r}")
-    if isinstance(self.question_fields, str) or isinstance(self.answer_fields, str):
-      raise ValueError("JsonlConfig.question_fields / answer_fields are tuples of names, "
-                       "e.g. ('question',)")
-    if "{question}" not in self.prompt_template:
-      raise ValueError(f"JsonlConfig.prompt_template must contain '{{question}}', got "
-                       f"{self.prompt_template!r}")
+    def __post_init__(self):
+        if self.extract not in ("auto", "boxed", "marker", "none"):
+            raise ValueError(f"JsonlConfig.extract must be 'auto', 'boxed', 'marker' or 'none', "
+                             f"got {self.extract!r}")
+        if isinstance(self.question_fields, str) or isinstance(self.answer_fields, str):
+            raise ValueError("JsonlConfig.question_fields / answer_fields are tuples of names, "
+                             "e.g. ('question',)")
+        if "{question}" not in self.prompt_template:
+            raise ValueError(f"JsonlConfig.prompt_template must contain '{{question}}', got "
+                             f"{self.prompt_template!r}")
 
 
 @dataclasses.dataclass
 class JsonlReport:
-  """What reading a file did: every line is accounted for.
+    """What reading a file did: every line is accounted for.
 
-  lines == blank_lines + loaded + len(skipped).
-  """
+    lines == blank_lines + loaded + len(skipped).
+    """
 
-  path: str
-  lines: int = 0
-  blank_lines: int = 0
-  loaded: int = 0
-  skipped: list[str] = dataclasses.field(default_factory=list)   # "file:line: reason"
+    path: str
+    lines: int = 0
+    blank_lines: int = 0
+    loaded: int = 0
+    skipped: list[str] = dataclasses.field(default_factory=list)   # "file:line: reason"
 
-  def summary(self) -> str:
-    text = (f"{self.path}: {self.loaded} rows loaded, {len(self.skipped)} malformed rows "
-            f"skipped, {self.blank_lines} blank lines")
-    if self.skipped:
-      text += "; first skipped: " + "; ".join(self.skipped[:3])
-    return text
+    def summary(self) -> str:
+        text = (f"{self.path}: {self.loaded} rows loaded, {len(self.skipped)} malformed rows "
+                f"skipped, {self.blank_lines} blank lines")
+        if self.skipped:
+            text += "; first skipped: " + "; ".join(self.skipped[:3])
+        return text
 
 
 def extract_reference(text: str, config: JsonlConfig) -> str | None:
-  """The reference answer in an answer/solution text (None if the rule finds nothing)."""
-  if config.extract in ("auto", "boxed"):
-    boxed = last_boxed(text)
-    if boxed is not None:
-      return boxed.strip()
-    if config.extract == "boxed":
-      return None
-  if config.extract in ("auto", "marker"):
-    if config.answer_marker in text:
-      return text.rsplit(config.answer_marker, 1)[1].strip()
-    if config.extract == "marker":
-      return None
-  return text.strip()
+    """The reference answer in an answer/solution text (None if the rule finds nothing)."""
+    if config.extract in ("auto", "boxed"):
+        boxed = last_boxed(text)
+        if boxed is not None:
+            return boxed.strip()
+        if config.extract == "boxed":
+            return None
+    if config.extract in ("auto", "marker"):
+        if config.answer_marker in text:
+            return text.rsplit(config.answer_marker, 1)[1].strip()
+        if config.extract == "marker":
+            return None
+    return text.strip()
 
 
 def _text_field(row: dict, names: tuple[str, ...], what: str) -> tuple[str, str]:
-  """(field name, its text) of the first of `names` present; raises `ValueError`."""
-  for name in names:
-    if name in row and row[name] is not None:
-      value = row[name]
-      if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ValueError(f"{what} field {name!r} must be text or a number, got "
-                         f"{type(value).__name__}")
-      return name, str(value)
-  raise ValueError(f"missing {what} field: none of {list(names)} present "
-                   f"(fields: {sorted(row)[:10]})")
+    """(field name, its text) of the first of `names` present; raises `ValueError`."""
+    for name in names:
+        if name in row and row[name] is not None:
+            value = row[name]
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise ValueError(f"{what} field {name!r} must be text or a number, got "
+                                 f"{type(value).__name__}")
+            return name, str(value)
+    raise ValueError(f"missing {what} field: none of {list(names)} present "
+                     f"(fields: {sorted(row)[:10]})")
 
 
 def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
-  """One JSONL line to a record; raises `ValueError` saying what is wrong."""
-  try:
-    row: Any = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from None
-  if not isinstance(row, dict):
-    raise ValueError(f"expected a JSON object, got {type(row).__name__}")
-  _, question = _text_field(row, config.question_fields, "question")
-  if not question.strip():
-    raise ValueError("empty question")
-  answer_name, answer_text = _text_field(row, config.answer_fields, "answer")
-  reference = extract_reference(answer_text, config)
-  if reference is None:
-    rule = "\\boxed{}" if config.extract == "boxed" else repr(config.answer_marker)
-    raise ValueError(f"no {rule} in field {answer_name!r}")
-  if not reference:
-    raise ValueError(f"empty answer extracted from field {answer_name!r}")
-  solution_names = ((config.solution_field,) if config.solution_field is not None
-                    else ("solution", "answer"))
-  solution = ""
-  for name in solution_names:
-    if isinstance(row.get(name), str):
-      solution = row[name]
-      break
-  else:
-    if config.solution_field is not None:
-      raise ValueError(f"missing solution field {config.solution_field!r}")
-  return {"prompt": config.prompt_template.format(question=question), "answer": reference,
-          "solution": solution}
+    """One JSONL line to a record; raises `ValueError` saying what is wrong."""
+    try:
+        row: Any = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    _, question = _text_field(row, config.question_fields, "question")
+    if not question.strip():
+        raise ValueError("empty question")
+    answer_name, answer_text = _text_field(row, config.answer_fields, "answer")
+    reference = extract_reference(answer_text, config)
+    if reference is None:
+        rule = "\\boxed{}" if config.extract == "boxed" else repr(config.answer_marker)
+        raise ValueError(f"no {rule} in field {answer_name!r}")
+    if not reference:
+        raise ValueError(f"empty answer extracted from field {answer_name!r}")
+    solution_names = ((config.solution_field,) if config.solution_field is not None
+                      else ("solution", "answer"))
+    solution = ""
+    for name in solution_names:
+        if isinstance(row.get(name), str):
+            solution = row[name]
+            break
+    else:
+        if config.solution_field is not None:
+            raise ValueError(f"missing solution field {config.solution_field!r}")
+    return {"prompt": config.prompt_template.format(question=question), "answer": reference,
+            "solution": solution}
 
 
 def read_math_jsonl(path: str | os.PathLike,
                     config: JsonlConfig = JsonlConfig()) -> tuple[list[dict[str, str]], JsonlReport]:
-  """Reads a JSONL math file into records.
+    """Reads a JSONL math file into records.
 
-  Args:
-    path: the file.
-    config: field names, extraction rule, malformed-row policy.
-  Returns:
-    (records in file order, report).
-  Raises:
-    MalformedRowError: `"{path}:{line}: {reason}"` for the first malformed row, unless
-      `config.skip_malformed`.
-  """
-  path = os.fspath(path)
-  report = JsonlReport(path=path)
-  records = []
-  with open(path, encoding="utf-8") as f:
-    for line_number, line in enumerate(f, start=1):
-      report.lines += 1
-      if not line.strip():
-        report.blank_lines += 1
-        continue
-      try:
-        record = parse_row(line, config)
-      except ValueError as e:
-        message = f"{path}:{line_number}: {e}"
-        if not config.skip_malformed:
-          raise MalformedRowError(message) from None
-        report.skipped.append(message)
-        continue
-      records.append(record)
-      report.loaded += 1
-  if report.skipped:
-    logging.warning("%s", report.summary())
-  return records, report
+    Args:
+      path: the file.
+      config: field names, extraction rule, malformed-row policy.
+    Returns:
+      (records in file order, report).
+    Raises:
+      MalformedRowError: `"{path}:{line}: {reason}"` for the first malformed row, unless
+        `config.skip_malformed`.
+    """
+    path = os.fspath(path)
+    report = JsonlReport(path=path)
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            report.lines += 1
+            if not line.strip():
+                report.blank_lines += 1
+                continue
+            try:
+                record = parse_row(line, config)
+            except ValueError as e:
+                message = f"{path}:{line_number}: {e}"
+                if not config.skip_malformed:
+                    raise MalformedRowError(message) from None
+                report.skipped.append(message)
+                continue
+            records.append(record)
+            report.loaded += 1
+    if report.skipped:
+        logging.warning("%s", report.summary())
+    return records, report

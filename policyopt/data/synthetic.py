@@ -50,47 +50,47 @@ _OPERATORS = "+-*"
 
 @dataclasses.dataclass(frozen=True)
 class ArithmeticConfig:
-  """Difficulty knobs of the synthetic task. The defaults are the demo's difficulty.
+    """Difficulty knobs of the synthetic task. The defaults are the demo's difficulty.
 
-  Attributes:
-    num_operands: operands per problem (>= 2).
-    min_digits / max_digits: each operand has a uniformly drawn number of digits in
-      [min_digits, max_digits] and a uniform value with that many digits (leading digit
-      non-zero, except for 1-digit operands which may be 0). With two 3-digit operands
-      about 70% of the additions carry below the top column (1 - 0.55^2).
-    operators: the operators drawn from, uniformly per position, a subset of "+-*".
-      "+" alone gives the column-sum traces and the forgotten-carry wrong procedure.
-    wrong_procedure_fraction: share of records whose `solution` follows the wrong
-      procedure (exactly floor(n * fraction) of every first n records).
-    test_fraction: share of the problem space that belongs to the test split.
-  """
+    Attributes:
+      num_operands: operands per problem (>= 2).
+      min_digits / max_digits: each operand has a uniformly drawn number of digits in
+        [min_digits, max_digits] and a uniform value with that many digits (leading digit
+        non-zero, except for 1-digit operands which may be 0). With two 3-digit operands
+        about 70% of the additions carry below the top column (1 - 0.55^2).
+      operators: the operators drawn from, uniformly per position, a subset of "+-*".
+        "+" alone gives the column-sum traces and the forgotten-carry wrong procedure.
+      wrong_procedure_fraction: share of records whose `solution` follows the wrong
+        procedure (exactly floor(n * fraction) of every first n records).
+      test_fraction: share of the problem space that belongs to the test split.
+    """
 
-  num_operands: int = 2
-  min_digits: int = 3
-  max_digits: int = 3
-  operators: str = "+"
-  wrong_procedure_fraction: float = 0.0
-  test_fraction: float = 0.1
+    num_operands: int = 2
+    min_digits: int = 3
+    max_digits: int = 3
+    operators: str = "+"
+    wrong_procedure_fraction: float = 0.0
+    test_fraction: float = 0.1
 
-  def __post_init__(self):
-    if self.num_operands < 2:
-      raise ValueError(f"ArithmeticConfig.num_operands must be >= 2, got {self.num_operands}")
-    if not 1 <= self.min_digits <= self.max_digits:
-      raise ValueError("ArithmeticConfig needs 1 <= min_digits <= max_digits, got "
-                       f"min_digits={self.min_digits}, max_digits={self.max_digits}")
-    if not self.operators or any(op not in _OPERATORS for op in self.operators):
-      raise ValueError(f"ArithmeticConfig.operators must be a non-empty subset of "
-                       f"{_OPERATORS!r}, got {self.operators!r}")
-    if not 0.0 <= self.wrong_procedure_fraction <= 1.0:
-      raise ValueError("ArithmeticConfig.wrong_procedure_fraction must be in [0, 1], got "
-                       f"{self.wrong_procedure_fraction}")
-    if not 0.0 < self.test_fraction < 1.0:
-      raise ValueError(f"ArithmeticConfig.test_fraction must be in (0, 1), got {self.test_fraction}")
+    def __post_init__(self):
+        if self.num_operands < 2:
+            raise ValueError(f"ArithmeticConfig.num_operands must be >= 2, got {self.num_operands}")
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ValueError("ArithmeticConfig needs 1 <= min_digits <= max_digits, got "
+                             f"min_digits={self.min_digits}, max_digits={self.max_digits}")
+        if not self.operators or any(op not in _OPERATORS for op in self.operators):
+            raise ValueError(f"ArithmeticConfig.operators must be a non-empty subset of "
+                             f"{_OPERATORS!r}, got {self.operators!r}")
+        if not 0.0 <= self.wrong_procedure_fraction <= 1.0:
+            raise ValueError("ArithmeticConfig.wrong_procedure_fraction must be in [0, 1], got "
+                             f"{self.wrong_procedure_fraction}")
+        if not 0.0 < self.test_fraction < 1.0:
+            raise ValueError(f"ArithmeticConfig.test_fraction must be in (0, 1), got {self.test_fraction}")
 
-  @property
-  def column_traces(self) -> bool:
-    """Whether solutions use column sums (pure addition) rather than step traces."""
-    return set(self.operators) == {"+"}
+    @property
+    def column_traces(self) -> bool:
+        """Whether solutions use column sums (pure addition) rather than step traces."""
+        return set(self.operators) == {"+"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -98,76 +98,76 @@ class ArithmeticConfig:
 
 
 def column_sums(operands: Sequence[int], carry: bool = True) -> list[int]:
-  """Column sums of a multi-operand addition, units column first.
+    """Column sums of a multi-operand addition, units column first.
 
-  c_j = sum_i digit_j(operand_i) + (floor(c_{j-1} / 10) if carry else 0), for columns
-  j = 0 .. (digits of the longest operand) - 1.
+    c_j = sum_i digit_j(operand_i) + (floor(c_{j-1} / 10) if carry else 0), for columns
+    j = 0 .. (digits of the longest operand) - 1.
 
-  Args:
-    operands: non-negative integers.
-    carry: add the carry from the column below (the right procedure) or not (the
-      forgotten-carry wrong procedure).
-  Returns:
-    the column sums, units column first.
-  """
-  if any(x < 0 for x in operands):
-    raise ValueError(f"column_sums takes non-negative operands, got {list(operands)}")
-  num_columns = max(len(str(x)) for x in operands)
-  sums, carried = [], 0
-  for j in range(num_columns):
-    total = sum((x // 10**j) % 10 for x in operands) + (carried if carry else 0)
-    sums.append(total)
-    carried = total // 10
-  return sums
+    Args:
+      operands: non-negative integers.
+      carry: add the carry from the column below (the right procedure) or not (the
+        forgotten-carry wrong procedure).
+    Returns:
+      the column sums, units column first.
+    """
+    if any(x < 0 for x in operands):
+        raise ValueError(f"column_sums takes non-negative operands, got {list(operands)}")
+    num_columns = max(len(str(x)) for x in operands)
+    sums, carried = [], 0
+    for j in range(num_columns):
+        total = sum((x // 10**j) % 10 for x in operands) + (carried if carry else 0)
+        sums.append(total)
+        carried = total // 10
+    return sums
 
 
 def read_columns(sums: Sequence[int]) -> int:
-  """The number a column trace spells: the top sum in full, then the units digit of each
-  lower column, top-down. Equals the true sum when `sums` came with carries."""
-  digits = str(sums[-1]) + "".join(str(s % 10) for s in reversed(sums[:-1]))
-  return int(digits)
+    """The number a column trace spells: the top sum in full, then the units digit of each
+    lower column, top-down. Equals the true sum when `sums` came with carries."""
+    digits = str(sums[-1]) + "".join(str(s % 10) for s in reversed(sums[:-1]))
+    return int(digits)
 
 
 def add_without_carry(operands: Sequence[int]) -> int:
-  """The forgotten-carry wrong answer: `read_columns(column_sums(operands, carry=False))`."""
-  return read_columns(column_sums(operands, carry=False))
+    """The forgotten-carry wrong answer: `read_columns(column_sums(operands, carry=False))`."""
+    return read_columns(column_sums(operands, carry=False))
 
 
 def _apply(left: int, op: str, right: int) -> int:
-  return left + right if op == "+" else left - right if op == "-" else left * right
+    return left + right if op == "+" else left - right if op == "-" else left * right
 
 
 def evaluation_steps(operands: Sequence[int], operators: Sequence[str],
                      precedence: bool = True) -> list[tuple[int, str, int, int]]:
-  """The binary steps (left, op, right, result) that evaluate the expression.
+    """The binary steps (left, op, right, result) that evaluate the expression.
 
-  With `precedence`, every `*` is done first (left to right), then `+`/`-` left to right:
-  the usual rules. Without, strictly left to right (the wrong procedure).
-  """
-  values, ops = list(operands), list(operators)
-  steps = []
-  if precedence:
-    i = 0
-    while i < len(ops):
-      if ops[i] == "*":
-        result = values[i] * values[i + 1]
-        steps.append((values[i], "*", values[i + 1], result))
-        values[i:i + 2] = [result]
-        del ops[i]
-      else:
-        i += 1
-  while ops:
-    result = _apply(values[0], ops[0], values[1])
-    steps.append((values[0], ops[0], values[1], result))
-    values[0:2] = [result]
-    del ops[0]
-  return steps
+    With `precedence`, every `*` is done first (left to right), then `+`/`-` left to right:
+    the usual rules. Without, strictly left to right (the wrong procedure).
+    """
+    values, ops = list(operands), list(operators)
+    steps = []
+    if precedence:
+        i = 0
+        while i < len(ops):
+            if ops[i] == "*":
+                result = values[i] * values[i + 1]
+                steps.append((values[i], "*", values[i + 1], result))
+                values[i:i + 2] = [result]
+                del ops[i]
+            else:
+                i += 1
+    while ops:
+        result = _apply(values[0], ops[0], values[1])
+        steps.append((values[0], ops[0], values[1], result))
+        values[0:2] = [result]
+        del ops[0]
+    return steps
 
 
 def evaluate(operands: Sequence[int], operators: Sequence[str]) -> int:
-  """Exact integer value of the expression under the usual precedence."""
-  steps = evaluation_steps(operands, operators)
-  return steps[-1][3]
+    """Exact integer value of the expression under the usual precedence."""
+    steps = evaluation_steps(operands, operators)
+    return steps[-1][3]
 
 
 # ---------------------------------------------------------------------------------------
@@ -175,49 +175,49 @@ def evaluate(operands: Sequence[int], operators: Sequence[str]) -> int:
 
 
 def render_expression(operands: Sequence[int], operators: Sequence[str]) -> str:
-  """`[471, 853], ["+"]` -> `"471+853"`."""
-  parts = [str(operands[0])]
-  for op, x in zip(operators, operands[1:]):
-    parts += [op, str(x)]
-  return "".join(parts)
+    """`[471, 853], ["+"]` -> `"471+853"`."""
+    parts = [str(operands[0])]
+    for op, x in zip(operators, operands[1:]):
+        parts += [op, str(x)]
+    return "".join(parts)
 
 
 def format_response(reasoning: str, answer: str) -> str:
-  """The response format of every task: `<think>REASONING</think>\\boxed{ANSWER}`."""
-  return f"{THINK_OPEN}{reasoning}{THINK_CLOSE}{BOXED_OPEN}{answer}{BOXED_CLOSE}"
+    """The response format of every task: `<think>REASONING</think>\\boxed{ANSWER}`."""
+    return f"{THINK_OPEN}{reasoning}{THINK_CLOSE}{BOXED_OPEN}{answer}{BOXED_CLOSE}"
 
 
 def solve(operands: Sequence[int], operators: Sequence[str], *, column_trace: bool,
           wrong: bool = False) -> tuple[str, int]:
-  """A worked response and the answer it ends with.
+    """A worked response and the answer it ends with.
 
-  Args:
-    operands / operators: the problem.
-    column_trace: write a column-sum trace (requires all operators "+").
-    wrong: follow the wrong procedure (forgotten carry, or no precedence).
-  Returns:
-    (response text, its boxed answer).
-  """
-  if column_trace:
-    if any(op != "+" for op in operators):
-      raise ValueError(f"column traces need additions only, got operators {list(operators)}")
-    sums = column_sums(operands, carry=not wrong)
-    answer = read_columns(sums)
-    reasoning = ",".join(str(s) for s in sums)
-  else:
-    steps = evaluation_steps(operands, operators, precedence=not wrong)
-    answer = steps[-1][3]
-    reasoning = ",".join(f"{a}{op}{b}={c}" for a, op, b, c in steps)
-  return format_response(reasoning, str(answer)), answer
+    Args:
+      operands / operators: the problem.
+      column_trace: write a column-sum trace (requires all operators "+").
+      wrong: follow the wrong procedure (forgotten carry, or no precedence).
+    Returns:
+      (response text, its boxed answer).
+    """
+    if column_trace:
+        if any(op != "+" for op in operators):
+            raise ValueError(f"column traces need additions only, got operators {list(operators)}")
+        sums = column_sums(operands, carry=not wrong)
+        answer = read_columns(sums)
+        reasoning = ",".join(str(s) for s in sums)
+    else:
+        steps = evaluation_steps(operands, operators, precedence=not wrong)
+        answer = steps[-1][3]
+        reasoning = ",".join(f"{a}{op}{b}={c}" for a, op, b, c in steps)
+    return format_response(reasoning, str(answer)), answer
 
 
 def prompt_text(record: dict) -> str:
-  """The text the policy is conditioned on (the tokenizer adds BOS or a chat template).
+    """The text the policy is conditioned on (the tokenizer adds BOS or a chat template).
 
-  For the synthetic task this is the expression and `=`, e.g. `"471+853="`: the char
-  tokenizer's `encode_prompt` makes it `[BOS] 4 7 1 + 8 5 3 =`.
-  """
-  return record["prompt"]
+    For the synthetic task this is the expression and `=`, e.g. `"471+853="`: the char
+    tokenizer's `encode_prompt` makes it `[BOS] 4 7 1 + 8 5 3 =`.
+    """
+    return record["prompt"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -225,71 +225,71 @@ def prompt_text(record: dict) -> str:
 
 
 def split_of(prompt: str, test_fraction: float) -> str:
-  """"test" if the prompt's hash falls in the first `test_fraction` of [0, 1), else
-  "train". Independent of the seed, so every seed shares one partition."""
-  digest = hashlib.sha256(b"policyopt/arithmetic/split/" + prompt.encode()).digest()
-  u = int.from_bytes(digest[:8], "big") / 2.0**64
-  return "test" if u < test_fraction else "train"
+    """"test" if the prompt's hash falls in the first `test_fraction` of [0, 1), else
+    "train". Independent of the seed, so every seed shares one partition."""
+    digest = hashlib.sha256(b"policyopt/arithmetic/split/" + prompt.encode()).digest()
+    u = int.from_bytes(digest[:8], "big") / 2.0**64
+    return "test" if u < test_fraction else "train"
 
 
 def is_wrong_procedure(index: int, fraction: float) -> bool:
-  """Whether record `index` of a split gets the wrong procedure: exactly
-  floor(n * fraction) of the first n records do, spread evenly."""
-  return math.floor((index + 1) * fraction + 1e-9) > math.floor(index * fraction + 1e-9)
+    """Whether record `index` of a split gets the wrong procedure: exactly
+    floor(n * fraction) of the first n records do, spread evenly."""
+    return math.floor((index + 1) * fraction + 1e-9) > math.floor(index * fraction + 1e-9)
 
 
 def _draw_operand(rng: random.Random, config: ArithmeticConfig) -> int:
-  digits = rng.randint(config.min_digits, config.max_digits)
-  low = 0 if digits == 1 else 10**(digits - 1)
-  return rng.randint(low, 10**digits - 1)
+    digits = rng.randint(config.min_digits, config.max_digits)
+    low = 0 if digits == 1 else 10**(digits - 1)
+    return rng.randint(low, 10**digits - 1)
 
 
 def iter_arithmetic(config: ArithmeticConfig, *, split: str, seed: int,
                     max_attempts: int | None = None) -> Iterator[dict]:
-  """Yields the distinct records of one split, in a fixed order given (config, seed).
+    """Yields the distinct records of one split, in a fixed order given (config, seed).
 
-  Args:
-    config: difficulty knobs.
-    split: "train" or "test".
-    seed: integer seed; one independent stream per (seed, split).
-    max_attempts: stop (raising `ValueError`) after this many draws without enough
-      distinct problems of the split; default unlimited (the stream may then hang if the
-      problem space is exhausted; `generate_arithmetic` always sets a bound).
-  Yields:
-    record dicts (see the module docstring).
-  """
-  if split not in SPLITS:
-    raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-  rng = random.Random(f"policyopt/arithmetic/{seed}/{split}")
-  seen: set[str] = set()
-  attempts = 0
-  while True:
-    attempts += 1
-    if max_attempts is not None and attempts > max_attempts:
-      raise ValueError(
-          f"only {len(seen)} distinct {split!r} problems found in {max_attempts} draws with "
-          f"{config}; widen the difficulty knobs (digits, operands) or ask for fewer examples")
-    operands = [_draw_operand(rng, config) for _ in range(config.num_operands)]
-    operators = [rng.choice(config.operators) for _ in range(config.num_operands - 1)]
-    prompt = render_expression(operands, operators) + "="
-    if prompt in seen or split_of(prompt, config.test_fraction) != split:
-      continue
-    wrong = is_wrong_procedure(len(seen), config.wrong_procedure_fraction)
-    seen.add(prompt)
-    answer = evaluate(operands, operators)
-    solution, _ = solve(operands, operators, column_trace=config.column_traces, wrong=wrong)
-    _, wrong_answer = solve(operands, operators, column_trace=config.column_traces, wrong=True)
-    yield {"prompt": prompt, "answer": str(answer), "solution": solution,
-           "wrong_answer": str(wrong_answer)}
+    Args:
+      config: difficulty knobs.
+      split: "train" or "test".
+      seed: integer seed; one independent stream per (seed, split).
+      max_attempts: stop (raising `ValueError`) after this many draws without enough
+        distinct problems of the split; default unlimited (the stream may then hang if the
+        problem space is exhausted; `generate_arithmetic` always sets a bound).
+    Yields:
+      record dicts (see the module docstring).
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    rng = random.Random(f"policyopt/arithmetic/{seed}/{split}")
+    seen: set[str] = set()
+    attempts = 0
+    while True:
+        attempts += 1
+        if max_attempts is not None and attempts > max_attempts:
+            raise ValueError(
+                f"only {len(seen)} distinct {split!r} problems found in {max_attempts} draws with "
+                f"{config}; widen the difficulty knobs (digits, operands) or ask for fewer examples")
+        operands = [_draw_operand(rng, config) for _ in range(config.num_operands)]
+        operators = [rng.choice(config.operators) for _ in range(config.num_operands - 1)]
+        prompt = render_expression(operands, operators) + "="
+        if prompt in seen or split_of(prompt, config.test_fraction) != split:
+            continue
+        wrong = is_wrong_procedure(len(seen), config.wrong_procedure_fraction)
+        seen.add(prompt)
+        answer = evaluate(operands, operators)
+        solution, _ = solve(operands, operators, column_trace=config.column_traces, wrong=wrong)
+        _, wrong_answer = solve(operands, operators, column_trace=config.column_traces, wrong=True)
+        yield {"prompt": prompt, "answer": str(answer), "solution": solution,
+               "wrong_answer": str(wrong_answer)}
 
 
 def generate_arithmetic(config: ArithmeticConfig, *, split: str, seed: int,
                         num_examples: int) -> list[dict]:
-  """The first `num_examples` records of `iter_arithmetic` (deterministic).
+    """The first `num_examples` records of `iter_arithmetic` (deterministic).
 
-  Raises `ValueError` if the split's problem space is too small for `num_examples`
-  distinct problems (checked by a bound of 100 draws per example, plus 10,000).
-  """
-  stream = iter_arithmetic(config, split=split, seed=seed,
-                           max_attempts=100 * num_examples + 10_000)
-  return [next(stream) for _ in range(num_examples)]
+    Raises `ValueError` if the split's problem space is too small for `num_examples`
+    distinct problems (checked by a bound of 100 draws per example, plus 10,000).
+    """
+    stream = iter_arithmetic(config, split=split, seed=seed,
+                             max_attempts=100 * num_examples + 10_000)
+    return [next(stream) for _ in range(num_examples)]

@@ -34,29 +34,29 @@ _TEXT_FIELDS = ("prompt", "answer", "solution")
 
 
 def _text_features(names) -> tfds.features.FeaturesDict:
-  return tfds.features.FeaturesDict({name: tfds.features.Text() for name in names})
+    return tfds.features.FeaturesDict({name: tfds.features.Text() for name in names})
 
 
 class _Builder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """Base of the builders here: `code_path` given directly.
+    """Base of the builders here: `code_path` given directly.
 
-  tfds 4.9.10 finds a builder's source file through `importlib_resources`, a backport it
-  only requires on Python < 3.9, so `download_and_prepare` of any builder defined in an
-  installed package fails with `ModuleNotFoundError: importlib_resources` on 3.11. The
-  file is this module; saying so skips the lookup.
-  """
+    tfds 4.9.10 finds a builder's source file through `importlib_resources`, a backport it
+    only requires on Python < 3.9, so `download_and_prepare` of any builder defined in an
+    installed package fails with `ModuleNotFoundError: importlib_resources` on 3.11. The
+    file is this module; saying so skips the lookup.
+    """
 
-  @tfds.core.utils.classproperty
-  @classmethod
-  def code_path(cls) -> epath.Path:
-    return epath.Path(__file__)
+    @tfds.core.utils.classproperty
+    @classmethod
+    def code_path(cls) -> epath.Path:
+        return epath.Path(__file__)
 
 
 def _digest(*parts: bytes) -> str:
-  h = hashlib.sha256()
-  for part in parts:
-    h.update(len(part).to_bytes(8, "big") + part)
-  return h.hexdigest()[:12]
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "big") + part)
+    return h.hexdigest()[:12]
 
 
 # ---------------------------------------------------------------------------------------
@@ -65,49 +65,49 @@ def _digest(*parts: bytes) -> str:
 
 @dataclasses.dataclass(eq=False)
 class ArithmeticBuilderConfig(tfds.core.BuilderConfig):
-  """Which synthetic records to write: the task knobs, the seed and the split sizes."""
+    """Which synthetic records to write: the task knobs, the seed and the split sizes."""
 
-  task: synthetic.ArithmeticConfig = synthetic.ArithmeticConfig()
-  seed: int = 0
-  train_size: int = 10_000
-  test_size: int = 512
+    task: synthetic.ArithmeticConfig = synthetic.ArithmeticConfig()
+    seed: int = 0
+    train_size: int = 10_000
+    test_size: int = 512
 
 
 def arithmetic_builder_config(task: synthetic.ArithmeticConfig = synthetic.ArithmeticConfig(),
                               *, seed: int = 0, train_size: int = 10_000,
                               test_size: int = 512) -> ArithmeticBuilderConfig:
-  """A config named by its content (`seed0_10000x512_<hash of the knobs>`)."""
-  knobs = json.dumps(dataclasses.asdict(task), sort_keys=True).encode()
-  name = f"seed{seed}_{train_size}x{test_size}_{_digest(knobs)}"
-  return ArithmeticBuilderConfig(name=name, description=f"{task}", task=task, seed=seed,
-                                 train_size=train_size, test_size=test_size)
+    """A config named by its content (`seed0_10000x512_<hash of the knobs>`)."""
+    knobs = json.dumps(dataclasses.asdict(task), sort_keys=True).encode()
+    name = f"seed{seed}_{train_size}x{test_size}_{_digest(knobs)}"
+    return ArithmeticBuilderConfig(name=name, description=f"{task}", task=task, seed=seed,
+                                   train_size=train_size, test_size=test_size)
 
 
 class PolicyoptArithmetic(_Builder):
-  """The synthetic arithmetic task (`policyopt.data.synthetic`), train and test splits."""
+    """The synthetic arithmetic task (`policyopt.data.synthetic`), train and test splits."""
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "Column-sum traces; forgotten-carry wrong procedure."}
-  BUILDER_CONFIGS = [arithmetic_builder_config()]
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "Column-sum traces; forgotten-carry wrong procedure."}
+    BUILDER_CONFIGS = [arithmetic_builder_config()]
 
-  def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(
-        builder=self,
-        description=synthetic.__doc__.split("\n\n")[0],
-        features=_text_features(_TEXT_FIELDS + ("wrong_answer",)),
-        disable_shuffling=True)
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=synthetic.__doc__.split("\n\n")[0],
+            features=_text_features(_TEXT_FIELDS + ("wrong_answer",)),
+            disable_shuffling=True)
 
-  def _split_generators(self, dl_manager):
-    del dl_manager  # Nothing to download.
-    return {"train": self._generate_examples("train", self.builder_config.train_size),
-            "test": self._generate_examples("test", self.builder_config.test_size)}
+    def _split_generators(self, dl_manager):
+        del dl_manager  # Nothing to download.
+        return {"train": self._generate_examples("train", self.builder_config.train_size),
+                "test": self._generate_examples("test", self.builder_config.test_size)}
 
-  def _generate_examples(self, split: str, size: int):
-    config = self.builder_config
-    records = synthetic.generate_arithmetic(config.task, split=split, seed=config.seed,
-                                            num_examples=size)
-    for index, record in enumerate(records):
-      yield index, record
+    def _generate_examples(self, split: str, size: int):
+        config = self.builder_config
+        records = synthetic.generate_arithmetic(config.task, split=split, seed=config.seed,
+                                                num_examples=size)
+        for index, record in enumerate(records):
+            yield index, record
 
 
 # ---------------------------------------------------------------------------------------
@@ -116,56 +116,56 @@ class PolicyoptArithmetic(_Builder):
 
 @dataclasses.dataclass(eq=False)
 class MathJsonlBuilderConfig(tfds.core.BuilderConfig):
-  """Local JSONL files per split (e.g. {"train": "gsm8k_train.jsonl"}) and how to read them."""
+    """Local JSONL files per split (e.g. {"train": "gsm8k_train.jsonl"}) and how to read them."""
 
-  files: tuple[tuple[str, str], ...] = ()   # ((split, path), ...)
-  reader: jsonl.JsonlConfig = jsonl.JsonlConfig()
+    files: tuple[tuple[str, str], ...] = ()   # ((split, path), ...)
+    reader: jsonl.JsonlConfig = jsonl.JsonlConfig()
 
 
 def math_jsonl_builder_config(files: dict[str, str | os.PathLike],
                               reader: jsonl.JsonlConfig = jsonl.JsonlConfig()
                               ) -> MathJsonlBuilderConfig:
-  """A config named by the reader settings and the files' contents (`jsonl_<hash>`)."""
-  if not files:
-    raise ValueError("math_jsonl_builder_config needs at least one {split: path}")
-  parts = [json.dumps(dataclasses.asdict(reader), sort_keys=True).encode()]
-  items = []
-  for split, path in sorted(files.items()):
-    path = os.path.abspath(os.fspath(path))
-    with open(path, "rb") as f:
-      parts += [split.encode(), f.read()]
-    items.append((split, path))
-  return MathJsonlBuilderConfig(name=f"jsonl_{_digest(*parts)}", files=tuple(items),
-                                reader=reader, description=", ".join(p for _, p in items))
+    """A config named by the reader settings and the files' contents (`jsonl_<hash>`)."""
+    if not files:
+        raise ValueError("math_jsonl_builder_config needs at least one {split: path}")
+    parts = [json.dumps(dataclasses.asdict(reader), sort_keys=True).encode()]
+    items = []
+    for split, path in sorted(files.items()):
+        path = os.path.abspath(os.fspath(path))
+        with open(path, "rb") as f:
+            parts += [split.encode(), f.read()]
+        items.append((split, path))
+    return MathJsonlBuilderConfig(name=f"jsonl_{_digest(*parts)}", files=tuple(items),
+                                  reader=reader, description=", ".join(p for _, p in items))
 
 
 class PolicyoptMathJsonl(_Builder):
-  """Math problems from local JSONL files (`policyopt.data.jsonl`), one split per file.
+    """Math problems from local JSONL files (`policyopt.data.jsonl`), one split per file.
 
-  Malformed rows raise `MalformedRowError` (file:line) unless the reader config skips
-  them; skipped rows are counted per split in `builder.info.metadata["jsonl_reports"]`.
-  """
+    Malformed rows raise `MalformedRowError` (file:line) unless the reader config skips
+    them; skipped rows are counted per split in `builder.info.metadata["jsonl_reports"]`.
+    """
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "prompt / answer / solution text."}
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "prompt / answer / solution text."}
 
-  def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(builder=self, features=_text_features(_TEXT_FIELDS),
-                                 metadata=tfds.core.MetadataDict(), disable_shuffling=True)
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(builder=self, features=_text_features(_TEXT_FIELDS),
+                                     metadata=tfds.core.MetadataDict(), disable_shuffling=True)
 
-  def _split_generators(self, dl_manager):
-    del dl_manager
-    if not self.builder_config.files:
-      raise ValueError("PolicyoptMathJsonl needs a config from math_jsonl_builder_config()")
-    self.info.metadata["jsonl_reports"] = {}
-    return {split: self._generate_examples(split, path)
-            for split, path in self.builder_config.files}
+    def _split_generators(self, dl_manager):
+        del dl_manager
+        if not self.builder_config.files:
+            raise ValueError("PolicyoptMathJsonl needs a config from math_jsonl_builder_config()")
+        self.info.metadata["jsonl_reports"] = {}
+        return {split: self._generate_examples(split, path)
+                for split, path in self.builder_config.files}
 
-  def _generate_examples(self, split: str, path: str):
-    records, report = jsonl.read_math_jsonl(path, self.builder_config.reader)
-    self.info.metadata["jsonl_reports"][split] = dataclasses.asdict(report)
-    for index, record in enumerate(records):
-      yield index, record
+    def _generate_examples(self, split: str, path: str):
+        records, report = jsonl.read_math_jsonl(path, self.builder_config.reader)
+        self.info.metadata["jsonl_reports"][split] = dataclasses.asdict(report)
+        for index, record in enumerate(records):
+            yield index, record
 
 
 # ---------------------------------------------------------------------------------------
@@ -173,30 +173,30 @@ class PolicyoptMathJsonl(_Builder):
 
 
 def prepare(builder: tfds.core.DatasetBuilder, *, progress_bar: bool = False):
-  """`download_and_prepare` (a no-op when already prepared); returns the builder.
+    """`download_and_prepare` (a no-op when already prepared); returns the builder.
 
-  tfds only has a process-wide switch for its progress bars; `progress_bar=False`
-  turns them off for the rest of the process.
-  """
-  tfds.display_progress_bar(progress_bar)
-  builder.download_and_prepare()
-  return builder
+    tfds only has a process-wide switch for its progress bars; `progress_bar=False`
+    turns them off for the rest of the process.
+    """
+    tfds.display_progress_bar(progress_bar)
+    builder.download_and_prepare()
+    return builder
 
 
 def build_arithmetic(data_dir: str | os.PathLike,
                      task: synthetic.ArithmeticConfig = synthetic.ArithmeticConfig(), *,
                      seed: int = 0, train_size: int = 10_000,
                      test_size: int = 512) -> PolicyoptArithmetic:
-  """Prepares (or reuses) the synthetic task under `data_dir`; returns the builder."""
-  config = arithmetic_builder_config(task, seed=seed, train_size=train_size,
-                                     test_size=test_size)
-  return prepare(PolicyoptArithmetic(data_dir=os.fspath(data_dir), config=config,
-                                     file_format="array_record"))
+    """Prepares (or reuses) the synthetic task under `data_dir`; returns the builder."""
+    config = arithmetic_builder_config(task, seed=seed, train_size=train_size,
+                                       test_size=test_size)
+    return prepare(PolicyoptArithmetic(data_dir=os.fspath(data_dir), config=config,
+                                       file_format="array_record"))
 
 
 def build_math_jsonl(data_dir: str | os.PathLike, files: dict[str, str | os.PathLike],
                      reader: jsonl.JsonlConfig = jsonl.JsonlConfig()) -> PolicyoptMathJsonl:
-  """Prepares (or reuses) local JSONL files under `data_dir`; returns the builder."""
-  config = math_jsonl_builder_config(files, reader)
-  return prepare(PolicyoptMathJsonl(data_dir=os.fspath(data_dir), config=config,
-                                    file_format="array_record"))
+    """Prepares (or reuses) local JSONL files under `data_dir`; returns the builder."""
+    config = math_jsonl_builder_config(files, reader)
+    return prepare(PolicyoptMathJsonl(data_dir=os.fspath(data_dir), config=config,
+                                      file_format="array_record"))

@@ -26,110 +26,110 @@ _MASK_VALUE = -1e30
 
 @struct.dataclass
 class KVCache:
-  """Keys and values of every layer, a pytree.
+    """Keys and values of every layer, a pytree.
 
-  Attributes:
-    k: [L, B, S, Hkv, Dh] rotated keys.
-    v: [L, B, S, Hkv, Dh] values.
-    key_mask: bool [B, S], True where the slot holds a real (non-padding) key.
-    index: int32 scalar, next slot to write.
-  """
+    Attributes:
+      k: [L, B, S, Hkv, Dh] rotated keys.
+      v: [L, B, S, Hkv, Dh] values.
+      key_mask: bool [B, S], True where the slot holds a real (non-padding) key.
+      index: int32 scalar, next slot to write.
+    """
 
-  k: jax.Array
-  v: jax.Array
-  key_mask: jax.Array
-  index: jax.Array
+    k: jax.Array
+    v: jax.Array
+    key_mask: jax.Array
+    index: jax.Array
 
-  @classmethod
-  def create(cls, config: ModelConfig, batch_size: int, max_length: int, dtype=None):
-    dtype = jnp.dtype(dtype) if dtype is not None else config.compute_dtype
-    shape = (config.num_layers, batch_size, max_length, config.num_kv_heads, config.head_dim)
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-               key_mask=jnp.zeros((batch_size, max_length), bool),
-               index=jnp.zeros((), jnp.int32))
+    @classmethod
+    def create(cls, config: ModelConfig, batch_size: int, max_length: int, dtype=None):
+        dtype = jnp.dtype(dtype) if dtype is not None else config.compute_dtype
+        shape = (config.num_layers, batch_size, max_length, config.num_kv_heads, config.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   key_mask=jnp.zeros((batch_size, max_length), bool),
+                   index=jnp.zeros((), jnp.int32))
 
-  @property
-  def max_length(self) -> int:
-    return self.k.shape[2]
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[2]
 
 
 def attention_weights_mask(query_slots: jax.Array, key_mask: jax.Array) -> jax.Array:
-  """bool [B, T, S]: query at slot q may see key slot s iff s <= q and key_mask[b, s].
+    """bool [B, T, S]: query at slot q may see key slot s iff s <= q and key_mask[b, s].
 
-  Args:
-    query_slots: int32 [T] slot of each query.
-    key_mask: bool [B, S].
-  """
-  key_slots = jnp.arange(key_mask.shape[1])
-  causal = key_slots[None, :] <= query_slots[:, None]               # [T,S]
-  return causal[None, :, :] & key_mask[:, None, :]
+    Args:
+      query_slots: int32 [T] slot of each query.
+      key_mask: bool [B, S].
+    """
+    key_slots = jnp.arange(key_mask.shape[1])
+    causal = key_slots[None, :] <= query_slots[:, None]               # [T,S]
+    return causal[None, :, :] & key_mask[:, None, :]
 
 
 def dot_product_attention(q, k, v, mask):
-  """softmax(q k^T / sqrt(Dh) + mask) v with grouped heads; softmax in float32.
+    """softmax(q k^T / sqrt(Dh) + mask) v with grouped heads; softmax in float32.
 
-  Args:
-    q: [B, T, H, Dh]; k, v: [B, S, Hkv, Dh]; mask: bool [B, T, S].
-  Returns:
-    [B, T, H, Dh] in q's dtype.
-  """
-  b, t, h, dh = q.shape
-  hkv = k.shape[2]
-  q = q.reshape(b, t, hkv, h // hkv, dh)
-  scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-  scores = scores * (dh ** -0.5)
-  scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
-  return out.reshape(b, t, h, dh)
+    Args:
+      q: [B, T, H, Dh]; k, v: [B, S, Hkv, Dh]; mask: bool [B, T, S].
+    Returns:
+      [B, T, H, Dh] in q's dtype.
+    """
+    b, t, h, dh = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(b, t, hkv, h // hkv, dh)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (dh ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    return out.reshape(b, t, h, dh)
 
 
 class Attention(nnx.Module):
-  """Qwen3 attention: q/k/v projections, RMSNorm on each q and k head, RoPE, GQA, o_proj."""
+    """Qwen3 attention: q/k/v projections, RMSNorm on each q and k head, RoPE, GQA, o_proj."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-    d, h, hkv, dh = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-    std, pdt = config.initializer_range, config.weight_dtype
-    self.dtype = config.compute_dtype
-    self.q_proj = param(rngs, (d, h, dh), ("embed", "heads", "kv"), std=std, dtype=pdt)
-    self.k_proj = param(rngs, (d, hkv, dh), ("embed", "kv_heads", "kv"), std=std, dtype=pdt)
-    self.v_proj = param(rngs, (d, hkv, dh), ("embed", "kv_heads", "kv"), std=std, dtype=pdt)
-    self.o_proj = param(rngs, (h, dh, d), ("heads", "kv", "embed"), std=std, dtype=pdt)
-    self.q_norm = RMSNorm(dh, config.rms_norm_eps, param_dtype=pdt, axis_name="kv")
-    self.k_norm = RMSNorm(dh, config.rms_norm_eps, param_dtype=pdt, axis_name="kv")
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, hkv, dh = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        std, pdt = config.initializer_range, config.weight_dtype
+        self.dtype = config.compute_dtype
+        self.q_proj = param(rngs, (d, h, dh), ("embed", "heads", "kv"), std=std, dtype=pdt)
+        self.k_proj = param(rngs, (d, hkv, dh), ("embed", "kv_heads", "kv"), std=std, dtype=pdt)
+        self.v_proj = param(rngs, (d, hkv, dh), ("embed", "kv_heads", "kv"), std=std, dtype=pdt)
+        self.o_proj = param(rngs, (h, dh, d), ("heads", "kv", "embed"), std=std, dtype=pdt)
+        self.q_norm = RMSNorm(dh, config.rms_norm_eps, param_dtype=pdt, axis_name="kv")
+        self.k_norm = RMSNorm(dh, config.rms_norm_eps, param_dtype=pdt, axis_name="kv")
 
-  def __call__(self, x, cos, sin, token_mask, cache: KVCache | None, layer: int):
-    """Attention of one block.
+    def __call__(self, x, cos, sin, token_mask, cache: KVCache | None, layer: int):
+        """Attention of one block.
 
-    Args:
-      x: [B, T, D] normed input.
-      cos, sin: [B, T, Dh] rotary phases at the tokens' positions.
-      token_mask: bool [B, T], False for padding tokens (never attended as keys).
-      cache: KVCache (updated at slots [index, index+T) of layer ``layer``) or None.
-      layer: index of this block in the cache.
-    Returns:
-      (out [B, T, D], cache or None). The returned cache's index is NOT advanced here.
-    """
-    dt = self.dtype
-    x = x.astype(dt)
-    q = jnp.einsum("btd,dnh->btnh", x, self.q_proj[...].astype(dt))
-    k = jnp.einsum("btd,dnh->btnh", x, self.k_proj[...].astype(dt))
-    v = jnp.einsum("btd,dnh->btnh", x, self.v_proj[...].astype(dt))
-    q = apply_rope(self.q_norm(q), cos, sin)
-    k = apply_rope(self.k_norm(k), cos, sin)
-    q = constrain(q, ("batch", "length", "heads", "kv"))
-    t = x.shape[1]
-    if cache is None:
-      keys, values = k, v
-      mask = attention_weights_mask(jnp.arange(t), token_mask)
-    else:
-      start = (layer, 0, cache.index, 0, 0)
-      new_k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype)[None], start)
-      new_v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype)[None], start)
-      key_mask = jax.lax.dynamic_update_slice(cache.key_mask, token_mask, (0, cache.index))
-      cache = cache.replace(k=new_k, v=new_v, key_mask=key_mask)
-      keys, values = new_k[layer].astype(dt), new_v[layer].astype(dt)
-      mask = attention_weights_mask(cache.index + jnp.arange(t), key_mask)
-    out = dot_product_attention(q, keys, values, mask)
-    out = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dt))
-    return out, cache
+        Args:
+          x: [B, T, D] normed input.
+          cos, sin: [B, T, Dh] rotary phases at the tokens' positions.
+          token_mask: bool [B, T], False for padding tokens (never attended as keys).
+          cache: KVCache (updated at slots [index, index+T) of layer ``layer``) or None.
+          layer: index of this block in the cache.
+        Returns:
+          (out [B, T, D], cache or None). The returned cache's index is NOT advanced here.
+        """
+        dt = self.dtype
+        x = x.astype(dt)
+        q = jnp.einsum("btd,dnh->btnh", x, self.q_proj[...].astype(dt))
+        k = jnp.einsum("btd,dnh->btnh", x, self.k_proj[...].astype(dt))
+        v = jnp.einsum("btd,dnh->btnh", x, self.v_proj[...].astype(dt))
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(k), cos, sin)
+        q = constrain(q, ("batch", "length", "heads", "kv"))
+        t = x.shape[1]
+        if cache is None:
+            keys, values = k, v
+            mask = attention_weights_mask(jnp.arange(t), token_mask)
+        else:
+            start = (layer, 0, cache.index, 0, 0)
+            new_k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype)[None], start)
+            new_v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype)[None], start)
+            key_mask = jax.lax.dynamic_update_slice(cache.key_mask, token_mask, (0, cache.index))
+            cache = cache.replace(k=new_k, v=new_v, key_mask=key_mask)
+            keys, values = new_k[layer].astype(dt), new_v[layer].astype(dt)
+            mask = attention_weights_mask(cache.index + jnp.arange(t), key_mask)
+        out = dot_product_attention(q, keys, values, mask)
+        out = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dt))
+        return out, cache

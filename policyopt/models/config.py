@@ -19,136 +19,136 @@ _DISPATCH = ("ragged", "blocked", "capacity")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Architecture and numerics of a Qwen3 / Qwen3-MoE style decoder.
+    """Architecture and numerics of a Qwen3 / Qwen3-MoE style decoder.
 
-  Attributes:
-    vocab_size: number of token ids V.
-    hidden_size: residual width D.
-    num_layers: number of decoder blocks L.
-    num_heads: query heads H.
-    num_kv_heads: key/value heads (grouped-query attention; H % num_kv_heads == 0).
-    head_dim: width of one attention head Dh (need not equal D / H, as in Qwen3).
-    intermediate_size: SwiGLU width of the dense MLP (dense model, or dense layers of an
-      MoE model).
-    num_experts: experts per MoE block E; 0 means a dense model.
-    num_experts_per_tok: experts chosen per token k (top-k routing).
-    moe_intermediate_size: SwiGLU width of one expert; None = intermediate_size.
-    moe_layers: indices of the layers that are MoE blocks; None = every layer (when
-      num_experts > 0).
-    norm_topk_prob: renormalise the k gathered router probabilities to sum to one
-      (Qwen3-MoE: True; Mixtral-style softmax-then-top-k without it: False).
-    rope_theta: RoPE base (Qwen3: 1e6).
-    rms_norm_eps: epsilon of every RMSNorm.
-    tie_word_embeddings: output projection = input embedding transposed.
-    dtype: computation dtype of matmuls ("float32", "bfloat16", "float16"); norms,
-      softmaxes, router and log-softmax always run in float32.
-    param_dtype: storage dtype of the parameters.
-    moe_dispatch: "ragged" (dropless: sort by expert + jax.lax.ragged_dot; the choice
-      on accelerators), "blocked" (dropless: sort by expert, pad groups to blocks of
-      moe_block_size rows, batched matmul; the fast choice on CPU, where XLA lowers
-      ragged_dot densely per expert) or "capacity" (one-hot dispatch into fixed
-      per-expert buffers; overflow dropped).
-    moe_block_size: rows per block of the "blocked" dispatch.
-    capacity_factor: per-expert buffer = ceil(capacity_factor * tokens * k / E) token
-      copies, for moe_dispatch == "capacity" (GShard / Switch Transformer).
-    max_position_embeddings: recorded for checkpoint export only (RoPE needs no table).
-    initializer_range: standard deviation of the normal initialiser of weight matrices.
-  """
+    Attributes:
+      vocab_size: number of token ids V.
+      hidden_size: residual width D.
+      num_layers: number of decoder blocks L.
+      num_heads: query heads H.
+      num_kv_heads: key/value heads (grouped-query attention; H % num_kv_heads == 0).
+      head_dim: width of one attention head Dh (need not equal D / H, as in Qwen3).
+      intermediate_size: SwiGLU width of the dense MLP (dense model, or dense layers of an
+        MoE model).
+      num_experts: experts per MoE block E; 0 means a dense model.
+      num_experts_per_tok: experts chosen per token k (top-k routing).
+      moe_intermediate_size: SwiGLU width of one expert; None = intermediate_size.
+      moe_layers: indices of the layers that are MoE blocks; None = every layer (when
+        num_experts > 0).
+      norm_topk_prob: renormalise the k gathered router probabilities to sum to one
+        (Qwen3-MoE: True; Mixtral-style softmax-then-top-k without it: False).
+      rope_theta: RoPE base (Qwen3: 1e6).
+      rms_norm_eps: epsilon of every RMSNorm.
+      tie_word_embeddings: output projection = input embedding transposed.
+      dtype: computation dtype of matmuls ("float32", "bfloat16", "float16"); norms,
+        softmaxes, router and log-softmax always run in float32.
+      param_dtype: storage dtype of the parameters.
+      moe_dispatch: "ragged" (dropless: sort by expert + jax.lax.ragged_dot; the choice
+        on accelerators), "blocked" (dropless: sort by expert, pad groups to blocks of
+        moe_block_size rows, batched matmul; the fast choice on CPU, where XLA lowers
+        ragged_dot densely per expert) or "capacity" (one-hot dispatch into fixed
+        per-expert buffers; overflow dropped).
+      moe_block_size: rows per block of the "blocked" dispatch.
+      capacity_factor: per-expert buffer = ceil(capacity_factor * tokens * k / E) token
+        copies, for moe_dispatch == "capacity" (GShard / Switch Transformer).
+      max_position_embeddings: recorded for checkpoint export only (RoPE needs no table).
+      initializer_range: standard deviation of the normal initialiser of weight matrices.
+    """
 
-  vocab_size: int
-  hidden_size: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  intermediate_size: int
-  num_experts: int = 0
-  num_experts_per_tok: int = 2
-  moe_intermediate_size: int | None = None
-  moe_layers: tuple[int, ...] | None = None
-  norm_topk_prob: bool = True
-  rope_theta: float = 1e6
-  rms_norm_eps: float = 1e-6
-  tie_word_embeddings: bool = False
-  dtype: str = "float32"
-  param_dtype: str = "float32"
-  moe_dispatch: str = "ragged"
-  moe_block_size: int = 64
-  capacity_factor: float = 1.25
-  max_position_embeddings: int = 32768
-  initializer_range: float = 0.02
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None
+    moe_layers: tuple[int, ...] | None = None
+    norm_topk_prob: bool = True
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    moe_dispatch: str = "ragged"
+    moe_block_size: int = 64
+    capacity_factor: float = 1.25
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
 
-  def __post_init__(self):
-    if self.moe_layers is not None and not isinstance(self.moe_layers, tuple):
-      object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
-    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                 "head_dim", "intermediate_size"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-          f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
-          f"num_kv_heads ({self.num_kv_heads})")
-    if self.head_dim % 2:
-      raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
-    if self.num_experts < 0:
-      raise ValueError(f"ModelConfig.num_experts must be >= 0, got {self.num_experts}")
-    if self.num_experts > 0:
-      if not 1 <= self.num_experts_per_tok <= self.num_experts:
-        raise ValueError(
-            f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}]"
-            f", got {self.num_experts_per_tok}")
-      if self.moe_layers is not None:
-        bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
-        if bad or len(set(self.moe_layers)) != len(self.moe_layers):
-          raise ValueError(
-              f"ModelConfig.moe_layers must be distinct layer indices in [0, {self.num_layers})"
-              f", got {self.moe_layers}")
-    for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
-    if self.moe_dispatch not in _DISPATCH:
-      raise ValueError(f"ModelConfig.moe_dispatch must be one of {_DISPATCH}, got {self.moe_dispatch!r}")
-    if self.moe_block_size <= 0:
-      raise ValueError(f"ModelConfig.moe_block_size must be > 0, got {self.moe_block_size}")
-    if not self.capacity_factor > 0:
-      raise ValueError(f"ModelConfig.capacity_factor must be > 0, got {self.capacity_factor}")
+    def __post_init__(self):
+        if self.moe_layers is not None and not isinstance(self.moe_layers, tuple):
+            object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts < 0:
+            raise ValueError(f"ModelConfig.num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts > 0:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}]"
+                    f", got {self.num_experts_per_tok}")
+            if self.moe_layers is not None:
+                bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
+                if bad or len(set(self.moe_layers)) != len(self.moe_layers):
+                    raise ValueError(
+                        f"ModelConfig.moe_layers must be distinct layer indices in [0, {self.num_layers})"
+                        f", got {self.moe_layers}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+        if self.moe_dispatch not in _DISPATCH:
+            raise ValueError(f"ModelConfig.moe_dispatch must be one of {_DISPATCH}, got {self.moe_dispatch!r}")
+        if self.moe_block_size <= 0:
+            raise ValueError(f"ModelConfig.moe_block_size must be > 0, got {self.moe_block_size}")
+        if not self.capacity_factor > 0:
+            raise ValueError(f"ModelConfig.capacity_factor must be > 0, got {self.capacity_factor}")
 
-  @property
-  def is_moe(self) -> bool:
-    return self.num_experts > 0
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
-  @property
-  def expert_intermediate_size(self) -> int:
-    return self.moe_intermediate_size or self.intermediate_size
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
 
-  @property
-  def moe_layer_indices(self) -> tuple[int, ...]:
-    """Sorted indices of the MoE layers (empty for a dense model)."""
-    if not self.is_moe:
-      return ()
-    if self.moe_layers is None:
-      return tuple(range(self.num_layers))
-    return tuple(sorted(self.moe_layers))
+    @property
+    def moe_layer_indices(self) -> tuple[int, ...]:
+        """Sorted indices of the MoE layers (empty for a dense model)."""
+        if not self.is_moe:
+            return ()
+        if self.moe_layers is None:
+            return tuple(range(self.num_layers))
+        return tuple(sorted(self.moe_layers))
 
-  @property
-  def num_moe_layers(self) -> int:
-    """L_moe: the leading dimension of the routing array."""
-    return len(self.moe_layer_indices)
+    @property
+    def num_moe_layers(self) -> int:
+        """L_moe: the leading dimension of the routing array."""
+        return len(self.moe_layer_indices)
 
-  @property
-  def compute_dtype(self):
-    return jnp.dtype(self.dtype)
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
 
-  @property
-  def weight_dtype(self):
-    return jnp.dtype(self.param_dtype)
+    @property
+    def weight_dtype(self):
+        return jnp.dtype(self.param_dtype)
 
-  def expert_capacity(self, num_tokens: int) -> int:
-    """Token copies one expert can take in the capacity path: ceil(cf * N * k / E)."""
-    return max(1, math.ceil(self.capacity_factor * num_tokens * self.num_experts_per_tok
-                            / self.num_experts))
+    def expert_capacity(self, num_tokens: int) -> int:
+        """Token copies one expert can take in the capacity path: ceil(cf * N * k / E)."""
+        return max(1, math.ceil(self.capacity_factor * num_tokens * self.num_experts_per_tok
+                                / self.num_experts))
 
-  def replace(self, **changes) -> "ModelConfig":
-    return dataclasses.replace(self, **changes)
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)

@@ -36,94 +36,94 @@ _SINGLE_FILE = "model.safetensors"
 
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
-  """ModelConfig from a transformers config.json dict (Qwen3 or Qwen3-MoE).
+    """ModelConfig from a transformers config.json dict (Qwen3 or Qwen3-MoE).
 
-  Reads both the current field names (``rope_parameters`` nested dict,
-  ``num_local_experts``) and the older ones (top-level ``rope_theta`` / ``rope_scaling``,
-  ``num_experts``). Raises ValueError naming any field or architecture whose meaning
-  this model does not implement.
-  """
-  model_type = hf.get("model_type")
-  if model_type not in _ARCHITECTURES:
-    raise ValueError(f"config.json model_type {model_type!r} is not supported; expected one of "
-                     f"{sorted(_ARCHITECTURES)}")
-  for arch in hf.get("architectures") or []:
-    if arch not in _ARCHITECTURES.values():
-      raise ValueError(f"config.json architectures: {arch!r} is not supported; expected "
-                       f"{sorted(_ARCHITECTURES.values())}")
+    Reads both the current field names (``rope_parameters`` nested dict,
+    ``num_local_experts``) and the older ones (top-level ``rope_theta`` / ``rope_scaling``,
+    ``num_experts``). Raises ValueError naming any field or architecture whose meaning
+    this model does not implement.
+    """
+    model_type = hf.get("model_type")
+    if model_type not in _ARCHITECTURES:
+        raise ValueError(f"config.json model_type {model_type!r} is not supported; expected one of "
+                         f"{sorted(_ARCHITECTURES)}")
+    for arch in hf.get("architectures") or []:
+        if arch not in _ARCHITECTURES.values():
+            raise ValueError(f"config.json architectures: {arch!r} is not supported; expected "
+                             f"{sorted(_ARCHITECTURES.values())}")
 
-  def require(field, ok, expected):
-    if field in hf and hf[field] is not None and not ok(hf[field]):
-      raise ValueError(f"config.json field {field!r} = {hf[field]!r} is not supported; "
-                       f"expected {expected}")
+    def require(field, ok, expected):
+        if field in hf and hf[field] is not None and not ok(hf[field]):
+            raise ValueError(f"config.json field {field!r} = {hf[field]!r} is not supported; "
+                             f"expected {expected}")
 
-  require("hidden_act", lambda v: v == "silu", "'silu'")
-  require("attention_bias", lambda v: v is False, "false")
-  require("use_sliding_window", lambda v: v is False, "false")
-  require("attention_dropout", lambda v: v == 0, "0")
-  require("layer_types", lambda v: all(t == "full_attention" for t in v),
-          "only 'full_attention' layers")
-  rope = hf.get("rope_parameters")
-  if isinstance(rope, dict) and "full_attention" in rope:   # per-layer-type form
-    rope = rope["full_attention"]
-  if rope is None:
-    rope = dict(hf.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if rope_type != "default":
-    raise ValueError(f"config.json rope_parameters.rope_type = {rope_type!r} is not supported; "
-                     "expected 'default'")
-  num_layers = hf["num_hidden_layers"]
-  num_heads = hf["num_attention_heads"]
-  fields = dict(
-      vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=num_layers,
-      num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-      intermediate_size=hf["intermediate_size"], rope_theta=float(rope["rope_theta"]),
-      rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      max_position_embeddings=hf.get("max_position_embeddings", 32768),
-      initializer_range=hf.get("initializer_range", 0.02))
-  if model_type == "qwen3_moe":
-    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
-    step = hf.get("decoder_sparse_step") or 1
-    mlp_only = set(hf.get("mlp_only_layers") or [])
-    moe_layers = tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
-    fields.update(
-        num_experts=num_experts, num_experts_per_tok=hf["num_experts_per_tok"],
-        moe_intermediate_size=hf["moe_intermediate_size"],
-        # transformers' Qwen3MoeConfig defaults norm_topk_prob to False.
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        moe_layers=None if len(moe_layers) == num_layers else moe_layers)
-  fields.update(overrides)
-  return ModelConfig(**fields)
+    require("hidden_act", lambda v: v == "silu", "'silu'")
+    require("attention_bias", lambda v: v is False, "false")
+    require("use_sliding_window", lambda v: v is False, "false")
+    require("attention_dropout", lambda v: v == 0, "0")
+    require("layer_types", lambda v: all(t == "full_attention" for t in v),
+            "only 'full_attention' layers")
+    rope = hf.get("rope_parameters")
+    if isinstance(rope, dict) and "full_attention" in rope:   # per-layer-type form
+        rope = rope["full_attention"]
+    if rope is None:
+        rope = dict(hf.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"config.json rope_parameters.rope_type = {rope_type!r} is not supported; "
+                         "expected 'default'")
+    num_layers = hf["num_hidden_layers"]
+    num_heads = hf["num_attention_heads"]
+    fields = dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        intermediate_size=hf["intermediate_size"], rope_theta=float(rope["rope_theta"]),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        initializer_range=hf.get("initializer_range", 0.02))
+    if model_type == "qwen3_moe":
+        num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+        step = hf.get("decoder_sparse_step") or 1
+        mlp_only = set(hf.get("mlp_only_layers") or [])
+        moe_layers = tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
+        fields.update(
+            num_experts=num_experts, num_experts_per_tok=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            # transformers' Qwen3MoeConfig defaults norm_topk_prob to False.
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            moe_layers=None if len(moe_layers) == num_layers else moe_layers)
+    fields.update(overrides)
+    return ModelConfig(**fields)
 
 
 def config_to_hf(config: ModelConfig) -> dict:
-  """transformers config.json dict for a ModelConfig."""
-  model_type = "qwen3_moe" if config.is_moe else "qwen3"
-  hf = {
-      "architectures": [_ARCHITECTURES[model_type]], "model_type": model_type,
-      "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-      "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-      "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
-      "intermediate_size": config.intermediate_size, "hidden_act": "silu",
-      "rms_norm_eps": config.rms_norm_eps, "tie_word_embeddings": config.tie_word_embeddings,
-      "max_position_embeddings": config.max_position_embeddings,
-      "initializer_range": config.initializer_range, "attention_bias": False,
-      "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
-      # Both spellings: rope_parameters for transformers >= 5, rope_theta for 4.x.
-      "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-      "rope_theta": config.rope_theta, "dtype": config.param_dtype, "use_cache": True,
-  }
-  if config.is_moe:
-    moe = set(config.moe_layer_indices)
-    hf.update(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
-              moe_intermediate_size=config.expert_intermediate_size,
-              norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=1,
-              mlp_only_layers=[i for i in range(config.num_layers) if i not in moe],
-              router_aux_loss_coef=0.001, output_router_logits=False)
-  return hf
+    """transformers config.json dict for a ModelConfig."""
+    model_type = "qwen3_moe" if config.is_moe else "qwen3"
+    hf = {
+        "architectures": [_ARCHITECTURES[model_type]], "model_type": model_type,
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size, "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps, "tie_word_embeddings": config.tie_word_embeddings,
+        "max_position_embeddings": config.max_position_embeddings,
+        "initializer_range": config.initializer_range, "attention_bias": False,
+        "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
+        # Both spellings: rope_parameters for transformers >= 5, rope_theta for 4.x.
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_theta": config.rope_theta, "dtype": config.param_dtype, "use_cache": True,
+    }
+    if config.is_moe:
+        moe = set(config.moe_layer_indices)
+        hf.update(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+                  moe_intermediate_size=config.expert_intermediate_size,
+                  norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=1,
+                  mlp_only_layers=[i for i in range(config.num_layers) if i not in moe],
+                  router_aux_loss_coef=0.001, output_router_logits=False)
+    return hf
 
 
 # --------------------------------------------------------------------------- weights
@@ -134,176 +134,176 @@ def config_to_hf(config: ModelConfig) -> dict:
 
 
 def _linear_in(shape):
-  """HF [out, in] -> policyopt [in, *shape(out)]."""
-  return lambda w: w.T.reshape(w.shape[1], *shape)
+    """HF [out, in] -> policyopt [in, *shape(out)]."""
+    return lambda w: w.T.reshape(w.shape[1], *shape)
 
 
 def _weight_table(config: ModelConfig) -> Iterator[tuple[tuple, list[str], Callable, Callable]]:
-  d, h, hkv, dh = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-  same = (lambda w: w, lambda x: [x])
-  yield ("embed",), ["model.embed_tokens.weight"], *same
-  yield ("final_norm", "scale"), ["model.norm.weight"], *same
-  if not config.tie_word_embeddings:
-    yield ("lm_head",), ["lm_head.weight"], (lambda w: w.T), (lambda x: [x.T])
-  for i in range(config.num_layers):
-    p = f"model.layers.{i}."
-    yield ("layers", i, "input_norm", "scale"), [p + "input_layernorm.weight"], *same
-    yield (("layers", i, "post_attention_norm", "scale"),
-           [p + "post_attention_layernorm.weight"], *same)
-    for name, heads in (("q_proj", h), ("k_proj", hkv), ("v_proj", hkv)):
-      yield (("layers", i, "attn", name), [p + f"self_attn.{name}.weight"],
-             _linear_in((heads, dh)), lambda x: [x.reshape(d, -1).T])
-    yield (("layers", i, "attn", "o_proj"), [p + "self_attn.o_proj.weight"],
-           (lambda w: w.T.reshape(h, dh, d)),
-           lambda x: [x.reshape(h * dh, d).T])
-    for name in ("q_norm", "k_norm"):
-      yield ("layers", i, "attn", name, "scale"), [p + f"self_attn.{name}.weight"], *same
-    if i in config.moe_layer_indices:
-      yield (("layers", i, "mlp", "router"), [p + "mlp.gate.weight"],
-             (lambda w: w.T), (lambda x: [x.T]))
-      e = config.num_experts
-      for name in ("gate_proj", "up_proj", "down_proj"):
-        names = [p + f"mlp.experts.{j}.{name}.weight" for j in range(e)]
-        yield (("layers", i, "mlp", name), names,
-               (lambda *ws: np.stack([w.T for w in ws])),
-               (lambda x: [w.T for w in x]))
-    else:
-      for name in ("gate_proj", "up_proj", "down_proj"):
-        yield (("layers", i, "mlp", name), [p + f"mlp.{name}.weight"],
-               (lambda w: w.T), (lambda x: [x.T]))
+    d, h, hkv, dh = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    same = (lambda w: w, lambda x: [x])
+    yield ("embed",), ["model.embed_tokens.weight"], *same
+    yield ("final_norm", "scale"), ["model.norm.weight"], *same
+    if not config.tie_word_embeddings:
+        yield ("lm_head",), ["lm_head.weight"], (lambda w: w.T), (lambda x: [x.T])
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        yield ("layers", i, "input_norm", "scale"), [p + "input_layernorm.weight"], *same
+        yield (("layers", i, "post_attention_norm", "scale"),
+               [p + "post_attention_layernorm.weight"], *same)
+        for name, heads in (("q_proj", h), ("k_proj", hkv), ("v_proj", hkv)):
+            yield (("layers", i, "attn", name), [p + f"self_attn.{name}.weight"],
+                   _linear_in((heads, dh)), lambda x: [x.reshape(d, -1).T])
+        yield (("layers", i, "attn", "o_proj"), [p + "self_attn.o_proj.weight"],
+               (lambda w: w.T.reshape(h, dh, d)),
+               lambda x: [x.reshape(h * dh, d).T])
+        for name in ("q_norm", "k_norm"):
+            yield ("layers", i, "attn", name, "scale"), [p + f"self_attn.{name}.weight"], *same
+        if i in config.moe_layer_indices:
+            yield (("layers", i, "mlp", "router"), [p + "mlp.gate.weight"],
+                   (lambda w: w.T), (lambda x: [x.T]))
+            e = config.num_experts
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                names = [p + f"mlp.experts.{j}.{name}.weight" for j in range(e)]
+                yield (("layers", i, "mlp", name), names,
+                       (lambda *ws: np.stack([w.T for w in ws])),
+                       (lambda x: [w.T for w in x]))
+        else:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                yield (("layers", i, "mlp", name), [p + f"mlp.{name}.weight"],
+                       (lambda w: w.T), (lambda x: [x.T]))
 
 
 class _Reader:
-  """Lazy access to the tensors of a single-file or sharded safetensors checkpoint."""
+    """Lazy access to the tensors of a single-file or sharded safetensors checkpoint."""
 
-  def __init__(self, path: str):
-    from safetensors import safe_open
-    index = os.path.join(path, _INDEX_FILE)
-    if os.path.exists(index):
-      with open(index) as f:
-        weight_map = json.load(f)["weight_map"]
-    else:
-      files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-      if not files:
-        raise FileNotFoundError(f"no *.safetensors file (nor {_INDEX_FILE}) in {path}")
-      weight_map = {}
-      for name in files:
-        with safe_open(os.path.join(path, name), framework="np") as f:
-          weight_map.update({key: name for key in f.keys()})
-    self.path, self.weight_map, self._open = path, weight_map, {}
-    self._safe_open = safe_open
+    def __init__(self, path: str):
+        from safetensors import safe_open
+        index = os.path.join(path, _INDEX_FILE)
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        else:
+            files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors file (nor {_INDEX_FILE}) in {path}")
+            weight_map = {}
+            for name in files:
+                with safe_open(os.path.join(path, name), framework="np") as f:
+                    weight_map.update({key: name for key in f.keys()})
+        self.path, self.weight_map, self._open = path, weight_map, {}
+        self._safe_open = safe_open
 
-  def __contains__(self, name):
-    return name in self.weight_map
+    def __contains__(self, name):
+        return name in self.weight_map
 
-  def get(self, name: str) -> np.ndarray:
-    if name not in self.weight_map:
-      raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.path}")
-    file = self.weight_map[name]
-    if file not in self._open:
-      self._open[file] = self._safe_open(os.path.join(self.path, file), framework="np")
-    return self._open[file].get_tensor(name)
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.path}")
+        file = self.weight_map[name]
+        if file not in self._open:
+            self._open[file] = self._safe_open(os.path.join(self.path, file), framework="np")
+        return self._open[file].get_tensor(name)
 
-  def close(self):
-    self._open.clear()
+    def close(self):
+        self._open.clear()
 
 
 def _fused_experts(reader: _Reader, prefix: str, name: str, f: int):
-  """Experts stored fused by transformers 5 ([E, 2F, D] gate_up and [E, D, F] down)."""
-  if name == "down_proj":
-    return np.swapaxes(reader.get(prefix + "mlp.experts.down_proj"), 1, 2)
-  gate_up = reader.get(prefix + "mlp.experts.gate_up_proj")
-  part = gate_up[:, :f] if name == "gate_proj" else gate_up[:, f:]
-  return np.swapaxes(part, 1, 2)
+    """Experts stored fused by transformers 5 ([E, 2F, D] gate_up and [E, D, F] down)."""
+    if name == "down_proj":
+        return np.swapaxes(reader.get(prefix + "mlp.experts.down_proj"), 1, 2)
+    gate_up = reader.get(prefix + "mlp.experts.gate_up_proj")
+    part = gate_up[:, :f] if name == "gate_proj" else gate_up[:, f:]
+    return np.swapaxes(part, 1, 2)
 
 
 def from_pretrained(path: str, **config_overrides) -> Transformer:
-  """Load a Qwen3 / Qwen3-MoE checkpoint folder into a policyopt Transformer.
+    """Load a Qwen3 / Qwen3-MoE checkpoint folder into a policyopt Transformer.
 
-  Args:
-    path: folder with config.json and model.safetensors or sharded
-      model-XXXXX-of-YYYYY.safetensors + model.safetensors.index.json.
-    **config_overrides: ModelConfig fields to set, e.g. dtype="bfloat16",
-      param_dtype="bfloat16", moe_dispatch="capacity".
-  Returns:
-    Transformer with the checkpoint's weights (in param_dtype).
-  """
-  config_path = os.path.join(path, "config.json")
-  if not os.path.exists(config_path):
-    raise FileNotFoundError(f"{config_path} not found: expected a HuggingFace model folder")
-  with open(config_path) as f:
-    config = config_from_hf(json.load(f), **config_overrides)
-  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
-  variables = dict(nnx.to_flat_state(state))
-  reader = _Reader(path)
-  loaded = {}
-  for path_key, names, from_hf, _ in _weight_table(config):
-    if len(names) > 1 and names[0] not in reader:
-      prefix = names[0].split("mlp.experts.")[0]
-      value = _fused_experts(reader, prefix, path_key[-1], config.expert_intermediate_size)
-    else:
-      value = from_hf(*[reader.get(n) for n in names])
-    variable = variables[path_key]
-    expected = variable.get_value().shape
-    if tuple(value.shape) != tuple(expected):
-      raise ValueError(f"tensor {names[0]!r} has shape {value.shape}, which maps to "
-                       f"{value.shape} instead of {expected} for {'.'.join(map(str, path_key))}")
-    loaded[path_key] = variable.replace(jnp.asarray(value, config.weight_dtype))
-  reader.close()
-  missing = set(variables) - set(loaded)
-  if missing:
-    raise ValueError(f"parameters not set by the checkpoint: {sorted(missing)}")
-  state = nnx.from_flat_state([(k, loaded[k]) for k, _ in nnx.to_flat_state(state)])
-  return nnx.merge(graphdef, state)
+    Args:
+      path: folder with config.json and model.safetensors or sharded
+        model-XXXXX-of-YYYYY.safetensors + model.safetensors.index.json.
+      **config_overrides: ModelConfig fields to set, e.g. dtype="bfloat16",
+        param_dtype="bfloat16", moe_dispatch="capacity".
+    Returns:
+      Transformer with the checkpoint's weights (in param_dtype).
+    """
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{config_path} not found: expected a HuggingFace model folder")
+    with open(config_path) as f:
+        config = config_from_hf(json.load(f), **config_overrides)
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    variables = dict(nnx.to_flat_state(state))
+    reader = _Reader(path)
+    loaded = {}
+    for path_key, names, from_hf, _ in _weight_table(config):
+        if len(names) > 1 and names[0] not in reader:
+            prefix = names[0].split("mlp.experts.")[0]
+            value = _fused_experts(reader, prefix, path_key[-1], config.expert_intermediate_size)
+        else:
+            value = from_hf(*[reader.get(n) for n in names])
+        variable = variables[path_key]
+        expected = variable.get_value().shape
+        if tuple(value.shape) != tuple(expected):
+            raise ValueError(f"tensor {names[0]!r} has shape {value.shape}, which maps to "
+                             f"{value.shape} instead of {expected} for {'.'.join(map(str, path_key))}")
+        loaded[path_key] = variable.replace(jnp.asarray(value, config.weight_dtype))
+    reader.close()
+    missing = set(variables) - set(loaded)
+    if missing:
+        raise ValueError(f"parameters not set by the checkpoint: {sorted(missing)}")
+    state = nnx.from_flat_state([(k, loaded[k]) for k, _ in nnx.to_flat_state(state)])
+    return nnx.merge(graphdef, state)
 
 
 def save_pretrained(model: Transformer, path: str, *, max_shard_size: int | None = None,
                     dtype: str | None = None) -> None:
-  """Write ``model`` as a HuggingFace folder (config.json + safetensors).
+    """Write ``model`` as a HuggingFace folder (config.json + safetensors).
 
-  Args:
-    model: a policyopt Transformer.
-    path: output folder (created).
-    max_shard_size: bytes per safetensors file; when the weights exceed it they are split
-      into model-XXXXX-of-YYYYY.safetensors with model.safetensors.index.json.
-    dtype: storage dtype ("float32", "bfloat16"); default the parameters' own dtype.
-  """
-  from safetensors.numpy import save_file
-  config = model.config
-  os.makedirs(path, exist_ok=True)
-  variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-  tensors: dict[str, np.ndarray] = {}
-  for path_key, names, _, to_hf in _weight_table(config):
-    value = np.asarray(jax.device_get(variables[path_key].get_value()))
+    Args:
+      model: a policyopt Transformer.
+      path: output folder (created).
+      max_shard_size: bytes per safetensors file; when the weights exceed it they are split
+        into model-XXXXX-of-YYYYY.safetensors with model.safetensors.index.json.
+      dtype: storage dtype ("float32", "bfloat16"); default the parameters' own dtype.
+    """
+    from safetensors.numpy import save_file
+    config = model.config
+    os.makedirs(path, exist_ok=True)
+    variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    tensors: dict[str, np.ndarray] = {}
+    for path_key, names, _, to_hf in _weight_table(config):
+        value = np.asarray(jax.device_get(variables[path_key].get_value()))
+        if dtype is not None:
+            value = value.astype(jnp.dtype(dtype))
+        for name, array in zip(names, to_hf(value)):
+            tensors[name] = np.ascontiguousarray(array)
+    hf_config = config_to_hf(config)
     if dtype is not None:
-      value = value.astype(jnp.dtype(dtype))
-    for name, array in zip(names, to_hf(value)):
-      tensors[name] = np.ascontiguousarray(array)
-  hf_config = config_to_hf(config)
-  if dtype is not None:
-    hf_config["dtype"] = dtype
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(hf_config, f, indent=2, sort_keys=True)
-  shards: list[dict[str, np.ndarray]] = [{}]
-  size = 0
-  for name in sorted(tensors):
-    nbytes = tensors[name].nbytes
-    if max_shard_size is not None and shards[-1] and size + nbytes > max_shard_size:
-      shards.append({})
-      size = 0
-    shards[-1][name] = tensors[name]
-    size += nbytes
-  metadata = {"format": "pt"}
-  if len(shards) == 1:
-    save_file(shards[0], os.path.join(path, _SINGLE_FILE), metadata=metadata)
-    return
-  weight_map = {}
-  for i, shard in enumerate(shards):
-    file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-    save_file(shard, os.path.join(path, file), metadata=metadata)
-    weight_map.update({name: file for name in shard})
-  index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
-           "weight_map": weight_map}
-  with open(os.path.join(path, _INDEX_FILE), "w") as f:
-    json.dump(index, f, indent=2, sort_keys=True)
+        hf_config["dtype"] = dtype
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if max_shard_size is not None and shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, _SINGLE_FILE), metadata=metadata)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, file), metadata=metadata)
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
+             "weight_map": weight_map}
+    with open(os.path.join(path, _INDEX_FILE), "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)

@@ -11,81 +11,81 @@ from policyopt.models.config import ModelConfig
 
 
 def param(rngs: nnx.Rngs | None, shape, logical_axes, *, std: float | None, dtype):
-  """An ``nnx.Param`` of ``shape``, normal(0, std) (or ones when std is None), tagged with
-  its logical axis names (see ``policyopt.models.sharding``).
+    """An ``nnx.Param`` of ``shape``, normal(0, std) (or ones when std is None), tagged with
+    its logical axis names (see ``policyopt.models.sharding``).
 
-  Outside a trace the values are drawn on the host with NumPy, seeded by
-  ``rngs.params()``: building a model then compiles nothing (an eager
-  ``jax.random.normal`` compiles a kernel per distinct shape, seconds each on a CPU).
-  Under ``jit`` / ``eval_shape`` they come from ``jax.random.normal``.
-  """
-  if len(shape) != len(logical_axes):
-    raise ValueError(f"param shape {shape} and logical axes {logical_axes} differ in rank")
-  dtype = jnp.dtype(dtype)
-  if std is None:
-    value = jnp.asarray(np.ones(shape, dtype))
-  else:
-    key = rngs.params()
-    if isinstance(key, jax.core.Tracer):
-      value = (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    Outside a trace the values are drawn on the host with NumPy, seeded by
+    ``rngs.params()``: building a model then compiles nothing (an eager
+    ``jax.random.normal`` compiles a kernel per distinct shape, seconds each on a CPU).
+    Under ``jit`` / ``eval_shape`` they come from ``jax.random.normal``.
+    """
+    if len(shape) != len(logical_axes):
+        raise ValueError(f"param shape {shape} and logical axes {logical_axes} differ in rank")
+    dtype = jnp.dtype(dtype)
+    if std is None:
+        value = jnp.asarray(np.ones(shape, dtype))
     else:
-      seed = np.asarray(jax.random.key_data(key)).astype(np.uint32).ravel().tolist()
-      draw = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
-      value = jnp.asarray((std * draw).astype(dtype))
-  return nnx.Param(value, logical_axes=tuple(logical_axes))
+        key = rngs.params()
+        if isinstance(key, jax.core.Tracer):
+            value = (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        else:
+            seed = np.asarray(jax.random.key_data(key)).astype(np.uint32).ravel().tolist()
+            draw = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+            value = jnp.asarray((std * draw).astype(dtype))
+    return nnx.Param(value, logical_axes=tuple(logical_axes))
 
 
 class RMSNorm(nnx.Module):
-  """y = w * x / sqrt(mean(x^2) + eps)  (Zhang & Sennrich 2019), statistics in float32.
+    """y = w * x / sqrt(mean(x^2) + eps)  (Zhang & Sennrich 2019), statistics in float32.
 
-  As in Qwen3 the normalised value is cast back to the input dtype before the scale.
-  """
+    As in Qwen3 the normalised value is cast back to the input dtype before the scale.
+    """
 
-  def __init__(self, size: int, eps: float, *, param_dtype, axis_name: str | None = "embed"):
-    self.eps = eps
-    self.scale = param(None, (size,), (axis_name,), std=None, dtype=param_dtype)
+    def __init__(self, size: int, eps: float, *, param_dtype, axis_name: str | None = "embed"):
+        self.eps = eps
+        self.scale = param(None, (size,), (axis_name,), std=None, dtype=param_dtype)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
 
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
-  """cos, sin [B, T, Dh] of rotary embeddings (Su et al. 2021) at integer positions.
+    """cos, sin [B, T, Dh] of rotary embeddings (Su et al. 2021) at integer positions.
 
-  inv_freq_i = theta^(-2i/Dh), i < Dh/2; angles = position * inv_freq, duplicated as
-  [angles, angles] (the "rotate half" layout of Llama / Qwen / HuggingFace).
-  """
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq          # [B,T,Dh/2]
-  angles = jnp.concatenate([angles, angles], axis=-1)                    # [B,T,Dh]
-  return jnp.cos(angles), jnp.sin(angles)
+    inv_freq_i = theta^(-2i/Dh), i < Dh/2; angles = position * inv_freq, duplicated as
+    [angles, angles] (the "rotate half" layout of Llama / Qwen / HuggingFace).
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq          # [B,T,Dh/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)                    # [B,T,Dh]
+    return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """x [B,T,N,Dh] rotated: x * cos + rotate_half(x) * sin, rotate_half(a, b) = (-b, a)."""
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  cos = cos[:, :, None, :]
-  sin = sin[:, :, None, :]
-  out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
-  return out.astype(x.dtype)
+    """x [B,T,N,Dh] rotated: x * cos + rotate_half(x) * sin, rotate_half(a, b) = (-b, a)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos[:, :, None, :]
+    sin = sin[:, :, None, :]
+    out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
+    return out.astype(x.dtype)
 
 
 class MLP(nnx.Module):
-  """SwiGLU feed-forward (Shazeer 2020): down( silu(x W_gate) * (x W_up) )."""
+    """SwiGLU feed-forward (Shazeer 2020): down( silu(x W_gate) * (x W_up) )."""
 
-  def __init__(self, config: ModelConfig, intermediate_size: int, *, rngs: nnx.Rngs):
-    d, f = config.hidden_size, intermediate_size
-    std, pdt = config.initializer_range, config.weight_dtype
-    self.dtype = config.compute_dtype
-    self.gate_proj = param(rngs, (d, f), ("embed", "mlp"), std=std, dtype=pdt)
-    self.up_proj = param(rngs, (d, f), ("embed", "mlp"), std=std, dtype=pdt)
-    self.down_proj = param(rngs, (f, d), ("mlp", "embed"), std=std, dtype=pdt)
+    def __init__(self, config: ModelConfig, intermediate_size: int, *, rngs: nnx.Rngs):
+        d, f = config.hidden_size, intermediate_size
+        std, pdt = config.initializer_range, config.weight_dtype
+        self.dtype = config.compute_dtype
+        self.gate_proj = param(rngs, (d, f), ("embed", "mlp"), std=std, dtype=pdt)
+        self.up_proj = param(rngs, (d, f), ("embed", "mlp"), std=std, dtype=pdt)
+        self.down_proj = param(rngs, (f, d), ("mlp", "embed"), std=std, dtype=pdt)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x = x.astype(self.dtype)
-    gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...].astype(self.dtype))
-    up = jnp.einsum("btd,df->btf", x, self.up_proj[...].astype(self.dtype))
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down_proj[...].astype(self.dtype))
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(self.dtype)
+        gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...].astype(self.dtype))
+        up = jnp.einsum("btd,df->btf", x, self.up_proj[...].astype(self.dtype))
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down_proj[...].astype(self.dtype))

@@ -53,178 +53,178 @@ from policyopt.models.layers import param
 
 def route(router_logits: jax.Array, k: int, norm_topk_prob: bool,
           routing: jax.Array | None = None):
-  """Steps 2-4: select k experts per token (or take the replayed ones) and gate them.
+    """Steps 2-4: select k experts per token (or take the replayed ones) and gate them.
 
-  Args:
-    router_logits: float32 [N, E].
-    k: experts per token.
-    norm_topk_prob: renormalise the gathered probabilities over the k experts.
-    routing: int32 [N, k] experts to replay, or None to choose top-k.
-  Returns:
-    expert_ids int32 [N, k], gates float32 [N, k], probs float32 [N, E].
-  """
-  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-  if routing is None:
-    _, expert_ids = jax.lax.top_k(probs, k)
-  else:
-    # Out-of-range ids cannot raise inside jit; clip them so they stay harmless.
-    expert_ids = jnp.clip(routing, 0, probs.shape[-1] - 1)
-  expert_ids = expert_ids.astype(jnp.int32)
-  gates = jnp.take_along_axis(probs, expert_ids, axis=-1)
-  if norm_topk_prob:
-    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-  return expert_ids, gates, probs
+    Args:
+      router_logits: float32 [N, E].
+      k: experts per token.
+      norm_topk_prob: renormalise the gathered probabilities over the k experts.
+      routing: int32 [N, k] experts to replay, or None to choose top-k.
+    Returns:
+      expert_ids int32 [N, k], gates float32 [N, k], probs float32 [N, E].
+    """
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    if routing is None:
+        _, expert_ids = jax.lax.top_k(probs, k)
+    else:
+        # Out-of-range ids cannot raise inside jit; clip them so they stay harmless.
+        expert_ids = jnp.clip(routing, 0, probs.shape[-1] - 1)
+    expert_ids = expert_ids.astype(jnp.int32)
+    gates = jnp.take_along_axis(probs, expert_ids, axis=-1)
+    if norm_topk_prob:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return expert_ids, gates, probs
 
 
 def ragged_experts(x, expert_ids, gates, w_gate, w_up, w_down):
-  """Step 5, dropless: sort copies by expert, grouped matmuls, unsort, weighted sum.
+    """Step 5, dropless: sort copies by expert, grouped matmuls, unsort, weighted sum.
 
-  Args:
-    x: [N, D]; expert_ids: int32 [N, k]; gates: [N, k];
-    w_gate, w_up: [E, D, F]; w_down: [E, F, D] (all in the compute dtype).
-  Returns:
-    [N, D].
-  """
-  n, k = expert_ids.shape
-  num_experts = w_gate.shape[0]
-  flat_ids = expert_ids.reshape(-1)                                  # [N*k]
-  order = jnp.argsort(flat_ids, stable=True)                          # copies by expert
-  group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-  x_sorted = jnp.take(x, order // k, axis=0)                          # [N*k, D]
-  gate = jax.lax.ragged_dot(x_sorted, w_gate, group_sizes)
-  up = jax.lax.ragged_dot(x_sorted, w_up, group_sizes)
-  y_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
-  y_copies = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
-  y_copies = y_copies.reshape(n, k, -1)
-  return jnp.einsum("nkd,nk->nd", y_copies, gates.astype(y_copies.dtype))
+    Args:
+      x: [N, D]; expert_ids: int32 [N, k]; gates: [N, k];
+      w_gate, w_up: [E, D, F]; w_down: [E, F, D] (all in the compute dtype).
+    Returns:
+      [N, D].
+    """
+    n, k = expert_ids.shape
+    num_experts = w_gate.shape[0]
+    flat_ids = expert_ids.reshape(-1)                                  # [N*k]
+    order = jnp.argsort(flat_ids, stable=True)                          # copies by expert
+    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+    x_sorted = jnp.take(x, order // k, axis=0)                          # [N*k, D]
+    gate = jax.lax.ragged_dot(x_sorted, w_gate, group_sizes)
+    up = jax.lax.ragged_dot(x_sorted, w_up, group_sizes)
+    y_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
+    y_copies = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
+    y_copies = y_copies.reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", y_copies, gates.astype(y_copies.dtype))
 
 
 def blocked_experts(x, expert_ids, gates, w_gate, w_up, w_down, block_size: int):
-  """Step 5, dropless with block padding: every block of ``block_size`` sorted copies
-  belongs to one expert, and blocks are multiplied by their expert's weights.
+    """Step 5, dropless with block padding: every block of ``block_size`` sorted copies
+    belongs to one expert, and blocks are multiplied by their expert's weights.
 
-  With M = N*k copies and g_e copies for expert e, expert e occupies
-  ceil(g_e / block) blocks starting at row P_e = block * sum_{e'<e} ceil(g_e' / block);
-  sum_e ceil(g_e / block) <= ceil(M / block) + E bounds the static number of blocks.
+    With M = N*k copies and g_e copies for expert e, expert e occupies
+    ceil(g_e / block) blocks starting at row P_e = block * sum_{e'<e} ceil(g_e' / block);
+    sum_e ceil(g_e / block) <= ceil(M / block) + E bounds the static number of blocks.
 
-  Args:
-    x: [N, D]; expert_ids: int32 [N, k]; gates: [N, k]; w_*: as in ragged_experts;
-    block_size: rows per block (at most; smaller when the mean group is smaller).
-  Returns:
-    [N, D].
-  """
-  n, k = expert_ids.shape
-  num_experts, d = w_gate.shape[0], x.shape[-1]
-  copies = n * k
-  # Few tokens (decoding): shrink the block to the power of two >= the mean group size,
-  # so padding stays O(copies) instead of O(E * block_size).
-  mean_group = max(1, -(-copies // num_experts))
-  block_size = min(block_size, 1 << (mean_group - 1).bit_length())
-  num_blocks = -(-copies // block_size) + num_experts
-  flat_ids = expert_ids.reshape(-1)
-  order = jnp.argsort(flat_ids, stable=True)
-  sorted_ids = flat_ids[order]
-  group_sizes = jnp.bincount(flat_ids, length=num_experts)
-  padded_sizes = -(-group_sizes // block_size) * block_size
-  padded_ends = jnp.cumsum(padded_sizes)
-  group_starts = jnp.cumsum(group_sizes) - group_sizes
-  dest = (padded_ends - padded_sizes)[sorted_ids] + jnp.arange(copies) - group_starts[sorted_ids]
-  rows = jnp.zeros((num_blocks * block_size, d), x.dtype)
-  rows = rows.at[dest].set(jnp.take(x, order // k, axis=0), unique_indices=True)
-  rows = rows.reshape(num_blocks, block_size, d)
-  block_starts = jnp.arange(num_blocks) * block_size
-  block_expert = jnp.minimum(jnp.searchsorted(padded_ends, block_starts, side="right"),
-                             num_experts - 1)                       # unused blocks: zeros
-  gate = jnp.einsum("brd,bdf->brf", rows, jnp.take(w_gate, block_expert, axis=0))
-  up = jnp.einsum("brd,bdf->brf", rows, jnp.take(w_up, block_expert, axis=0))
-  out = jnp.einsum("brf,bfd->brd", jax.nn.silu(gate) * up, jnp.take(w_down, block_expert, axis=0))
-  y_sorted = jnp.take(out.reshape(-1, d), dest, axis=0)
-  y_copies = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
-  return jnp.einsum("nkd,nk->nd", y_copies.reshape(n, k, d), gates.astype(x.dtype))
+    Args:
+      x: [N, D]; expert_ids: int32 [N, k]; gates: [N, k]; w_*: as in ragged_experts;
+      block_size: rows per block (at most; smaller when the mean group is smaller).
+    Returns:
+      [N, D].
+    """
+    n, k = expert_ids.shape
+    num_experts, d = w_gate.shape[0], x.shape[-1]
+    copies = n * k
+    # Few tokens (decoding): shrink the block to the power of two >= the mean group size,
+    # so padding stays O(copies) instead of O(E * block_size).
+    mean_group = max(1, -(-copies // num_experts))
+    block_size = min(block_size, 1 << (mean_group - 1).bit_length())
+    num_blocks = -(-copies // block_size) + num_experts
+    flat_ids = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)
+    sorted_ids = flat_ids[order]
+    group_sizes = jnp.bincount(flat_ids, length=num_experts)
+    padded_sizes = -(-group_sizes // block_size) * block_size
+    padded_ends = jnp.cumsum(padded_sizes)
+    group_starts = jnp.cumsum(group_sizes) - group_sizes
+    dest = (padded_ends - padded_sizes)[sorted_ids] + jnp.arange(copies) - group_starts[sorted_ids]
+    rows = jnp.zeros((num_blocks * block_size, d), x.dtype)
+    rows = rows.at[dest].set(jnp.take(x, order // k, axis=0), unique_indices=True)
+    rows = rows.reshape(num_blocks, block_size, d)
+    block_starts = jnp.arange(num_blocks) * block_size
+    block_expert = jnp.minimum(jnp.searchsorted(padded_ends, block_starts, side="right"),
+                               num_experts - 1)                       # unused blocks: zeros
+    gate = jnp.einsum("brd,bdf->brf", rows, jnp.take(w_gate, block_expert, axis=0))
+    up = jnp.einsum("brd,bdf->brf", rows, jnp.take(w_up, block_expert, axis=0))
+    out = jnp.einsum("brf,bfd->brd", jax.nn.silu(gate) * up, jnp.take(w_down, block_expert, axis=0))
+    y_sorted = jnp.take(out.reshape(-1, d), dest, axis=0)
+    y_copies = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
+    return jnp.einsum("nkd,nk->nd", y_copies.reshape(n, k, d), gates.astype(x.dtype))
 
 
 def capacity_experts(x, expert_ids, gates, valid, w_gate, w_up, w_down, capacity: int):
-  """Step 5, capacity factor: one-hot dispatch into [E, C] buffers, overflow dropped.
+    """Step 5, capacity factor: one-hot dispatch into [E, C] buffers, overflow dropped.
 
-  Args:
-    x: [N, D]; expert_ids: int32 [N, k]; gates: [N, k]; valid: bool [N] (padding tokens
-      take no buffer space); w_*: as in ragged_experts; capacity: C.
-  Returns:
-    (y [N, D], dropped: float32 scalar number of valid copies that found no slot).
-  """
-  n, k = expert_ids.shape
-  num_experts = w_gate.shape[0]
-  onehot = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.int32) * valid[:, None, None]
-  # Priority: choice j of every token before choice j+1 of any token.
-  by_choice = onehot.transpose(1, 0, 2).reshape(k * n, num_experts)
-  position = jnp.sum((jnp.cumsum(by_choice, axis=0) - 1) * by_choice, axis=-1)
-  position = position.reshape(k, n).T                                # [N,k]
-  kept = (position < capacity) & valid[:, None]
-  dropped = jnp.sum(valid[:, None] & ~kept).astype(jnp.float32)
-  slot = jax.nn.one_hot(jnp.where(kept, position, capacity), capacity, dtype=x.dtype)
-  expert_onehot = onehot.astype(x.dtype) * kept[..., None].astype(x.dtype)   # [N,k,E]
-  dispatch = jnp.einsum("nke,nkc->nec", expert_onehot, slot)
-  combine = jnp.einsum("nke,nkc->nec", expert_onehot * gates[..., None].astype(x.dtype), slot)
-  expert_in = jnp.einsum("nec,nd->ecd", dispatch, x)
-  h = (jax.nn.silu(jnp.einsum("ecd,edf->ecf", expert_in, w_gate))
-       * jnp.einsum("ecd,edf->ecf", expert_in, w_up))
-  expert_out = jnp.einsum("ecf,efd->ecd", h, w_down)
-  return jnp.einsum("nec,ecd->nd", combine, expert_out), dropped
+    Args:
+      x: [N, D]; expert_ids: int32 [N, k]; gates: [N, k]; valid: bool [N] (padding tokens
+        take no buffer space); w_*: as in ragged_experts; capacity: C.
+    Returns:
+      (y [N, D], dropped: float32 scalar number of valid copies that found no slot).
+    """
+    n, k = expert_ids.shape
+    num_experts = w_gate.shape[0]
+    onehot = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.int32) * valid[:, None, None]
+    # Priority: choice j of every token before choice j+1 of any token.
+    by_choice = onehot.transpose(1, 0, 2).reshape(k * n, num_experts)
+    position = jnp.sum((jnp.cumsum(by_choice, axis=0) - 1) * by_choice, axis=-1)
+    position = position.reshape(k, n).T                                # [N,k]
+    kept = (position < capacity) & valid[:, None]
+    dropped = jnp.sum(valid[:, None] & ~kept).astype(jnp.float32)
+    slot = jax.nn.one_hot(jnp.where(kept, position, capacity), capacity, dtype=x.dtype)
+    expert_onehot = onehot.astype(x.dtype) * kept[..., None].astype(x.dtype)   # [N,k,E]
+    dispatch = jnp.einsum("nke,nkc->nec", expert_onehot, slot)
+    combine = jnp.einsum("nke,nkc->nec", expert_onehot * gates[..., None].astype(x.dtype), slot)
+    expert_in = jnp.einsum("nec,nd->ecd", dispatch, x)
+    h = (jax.nn.silu(jnp.einsum("ecd,edf->ecf", expert_in, w_gate))
+         * jnp.einsum("ecd,edf->ecf", expert_in, w_up))
+    expert_out = jnp.einsum("ecf,efd->ecd", h, w_down)
+    return jnp.einsum("nec,ecd->nd", combine, expert_out), dropped
 
 
 def router_aux(router_logits, probs, expert_ids, valid, num_experts: int):
-  """Step 6: load-balancing loss, router z-loss and tokens per expert over valid tokens."""
-  k = expert_ids.shape[-1]
-  valid_f = valid.astype(jnp.float32)
-  n_valid = jnp.maximum(jnp.sum(valid_f), 1.0)
-  counts = jnp.sum(jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32)
-                   * valid_f[:, None, None], axis=(0, 1))              # [E]
-  fraction = counts / (n_valid * k)
-  mean_prob = jnp.sum(probs * valid_f[:, None], axis=0) / n_valid
-  load_balancing = num_experts * jnp.sum(fraction * mean_prob)
-  z = jax.nn.logsumexp(router_logits.astype(jnp.float32), axis=-1)
-  z_loss = jnp.sum(valid_f * z * z) / n_valid
-  return {"load_balancing_loss": load_balancing, "router_z_loss": z_loss,
-          "tokens_per_expert": counts}
+    """Step 6: load-balancing loss, router z-loss and tokens per expert over valid tokens."""
+    k = expert_ids.shape[-1]
+    valid_f = valid.astype(jnp.float32)
+    n_valid = jnp.maximum(jnp.sum(valid_f), 1.0)
+    counts = jnp.sum(jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32)
+                     * valid_f[:, None, None], axis=(0, 1))              # [E]
+    fraction = counts / (n_valid * k)
+    mean_prob = jnp.sum(probs * valid_f[:, None], axis=0) / n_valid
+    load_balancing = num_experts * jnp.sum(fraction * mean_prob)
+    z = jax.nn.logsumexp(router_logits.astype(jnp.float32), axis=-1)
+    z_loss = jnp.sum(valid_f * z * z) / n_valid
+    return {"load_balancing_loss": load_balancing, "router_z_loss": z_loss,
+            "tokens_per_expert": counts}
 
 
 class MoE(nnx.Module):
-  """Qwen3-MoE sparse block: linear router + E SwiGLU experts (see module docstring)."""
+    """Qwen3-MoE sparse block: linear router + E SwiGLU experts (see module docstring)."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-    d, f, e = config.hidden_size, config.expert_intermediate_size, config.num_experts
-    std, pdt = config.initializer_range, config.weight_dtype
-    self.config = config
-    self.router = param(rngs, (d, e), ("embed", None), std=std, dtype=pdt)
-    self.gate_proj = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std=std, dtype=pdt)
-    self.up_proj = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std=std, dtype=pdt)
-    self.down_proj = param(rngs, (e, f, d), ("expert", "mlp", "embed"), std=std, dtype=pdt)
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, e = config.hidden_size, config.expert_intermediate_size, config.num_experts
+        std, pdt = config.initializer_range, config.weight_dtype
+        self.config = config
+        self.router = param(rngs, (d, e), ("embed", None), std=std, dtype=pdt)
+        self.gate_proj = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std=std, dtype=pdt)
+        self.up_proj = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std=std, dtype=pdt)
+        self.down_proj = param(rngs, (e, f, d), ("expert", "mlp", "embed"), std=std, dtype=pdt)
 
-  def __call__(self, x: jax.Array, token_mask: jax.Array, routing: jax.Array | None = None):
-    """Args:
-      x: [B, T, D]; token_mask: bool [B, T]; routing: int32 [B, T, k] to replay or None.
-    Returns:
-      (y [B, T, D], routing int32 [B, T, k], aux dict of float32: load_balancing_loss,
-       router_z_loss, dropped_tokens scalars and tokens_per_expert [E]).
-    """
-    cfg = self.config
-    b, t, d = x.shape
-    k, dt = cfg.num_experts_per_tok, cfg.compute_dtype
-    flat = x.reshape(b * t, d)
-    valid = token_mask.reshape(b * t)
-    logits = flat.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
-    replay = None if routing is None else routing.reshape(b * t, k)
-    expert_ids, gates, probs = route(logits, k, cfg.norm_topk_prob, replay)
-    weights = [w[...].astype(dt) for w in (self.gate_proj, self.up_proj, self.down_proj)]
-    dropped = jnp.zeros((), jnp.float32)
-    if cfg.moe_dispatch == "ragged":
-      y = ragged_experts(flat.astype(dt), expert_ids, gates, *weights)
-    elif cfg.moe_dispatch == "blocked":
-      y = blocked_experts(flat.astype(dt), expert_ids, gates, *weights,
-                          block_size=cfg.moe_block_size)
-    else:
-      y, dropped = capacity_experts(flat.astype(dt), expert_ids, gates, valid, *weights,
-                                    capacity=cfg.expert_capacity(b * t))
-    aux = router_aux(logits, probs, expert_ids, valid, cfg.num_experts)
-    aux["dropped_tokens"] = dropped
-    return y.reshape(b, t, d), expert_ids.reshape(b, t, k), aux
+    def __call__(self, x: jax.Array, token_mask: jax.Array, routing: jax.Array | None = None):
+        """Args:
+          x: [B, T, D]; token_mask: bool [B, T]; routing: int32 [B, T, k] to replay or None.
+        Returns:
+          (y [B, T, D], routing int32 [B, T, k], aux dict of float32: load_balancing_loss,
+           router_z_loss, dropped_tokens scalars and tokens_per_expert [E]).
+        """
+        cfg = self.config
+        b, t, d = x.shape
+        k, dt = cfg.num_experts_per_tok, cfg.compute_dtype
+        flat = x.reshape(b * t, d)
+        valid = token_mask.reshape(b * t)
+        logits = flat.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+        replay = None if routing is None else routing.reshape(b * t, k)
+        expert_ids, gates, probs = route(logits, k, cfg.norm_topk_prob, replay)
+        weights = [w[...].astype(dt) for w in (self.gate_proj, self.up_proj, self.down_proj)]
+        dropped = jnp.zeros((), jnp.float32)
+        if cfg.moe_dispatch == "ragged":
+            y = ragged_experts(flat.astype(dt), expert_ids, gates, *weights)
+        elif cfg.moe_dispatch == "blocked":
+            y = blocked_experts(flat.astype(dt), expert_ids, gates, *weights,
+                                block_size=cfg.moe_block_size)
+        else:
+            y, dropped = capacity_experts(flat.astype(dt), expert_ids, gates, valid, *weights,
+                                          capacity=cfg.expert_capacity(b * t))
+        aux = router_aux(logits, probs, expert_ids, valid, cfg.num_experts)
+        aux["dropped_tokens"] = dropped
+        return y.reshape(b, t, d), expert_ids.reshape(b, t, k), aux

@@ -38,11 +38,11 @@ PRESETS: dict[str, dict] = {
 
 
 def preset(name: str, vocab_size: int | None = None, **overrides) -> ModelConfig:
-  """The ModelConfig of preset ``name``, with ``vocab_size`` and any field overridden."""
-  if name not in PRESETS:
-    raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
-  fields = dict(PRESETS[name])
-  if vocab_size is not None:
-    fields["vocab_size"] = vocab_size
-  fields.update(overrides)
-  return ModelConfig(**fields)
+    """The ModelConfig of preset ``name``, with ``vocab_size`` and any field overridden."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
+    fields = dict(PRESETS[name])
+    if vocab_size is not None:
+        fields["vocab_size"] = vocab_size
+    fields.update(overrides)
+    return ModelConfig(**fields)

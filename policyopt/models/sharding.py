@@ -40,44 +40,44 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 def logical_to_mesh_axes(logical_axes: Sequence[str | None],
                          rules=LOGICAL_AXIS_RULES,
                          mesh_axis_names: Sequence[str] | None = None) -> PartitionSpec:
-  """Map logical axis names to a PartitionSpec through ``rules``.
+    """Map logical axis names to a PartitionSpec through ``rules``.
 
-  Mesh axes that are not in ``mesh_axis_names`` (when given) or already used by an
-  earlier dimension are dropped, so one rules table serves every mesh shape.
-  """
-  table = dict(rules)
-  used: set[str] = set()
-  out = []
-  for name in logical_axes:
-    target = table.get(name) if name is not None else None
-    if target is None:
-      out.append(None)
-      continue
-    targets = (target,) if isinstance(target, str) else tuple(target)
-    keep = tuple(t for t in targets
-                 if t not in used and (mesh_axis_names is None or t in mesh_axis_names))
-    used.update(keep)
-    out.append(None if not keep else keep[0] if len(keep) == 1 else keep)
-  return PartitionSpec(*out)
+    Mesh axes that are not in ``mesh_axis_names`` (when given) or already used by an
+    earlier dimension are dropped, so one rules table serves every mesh shape.
+    """
+    table = dict(rules)
+    used: set[str] = set()
+    out = []
+    for name in logical_axes:
+        target = table.get(name) if name is not None else None
+        if target is None:
+            out.append(None)
+            continue
+        targets = (target,) if isinstance(target, str) else tuple(target)
+        keep = tuple(t for t in targets
+                     if t not in used and (mesh_axis_names is None or t in mesh_axis_names))
+        used.update(keep)
+        out.append(None if not keep else keep[0] if len(keep) == 1 else keep)
+    return PartitionSpec(*out)
 
 
 def param_partition_specs(params_state, rules=LOGICAL_AXIS_RULES, mesh_axis_names=None):
-  """PartitionSpec for every parameter of an ``nnx.State`` (from ``logical_axes``)."""
-  from flax import nnx  # local: keep this module importable without flax at docs time
+    """PartitionSpec for every parameter of an ``nnx.State`` (from ``logical_axes``)."""
+    from flax import nnx  # local: keep this module importable without flax at docs time
 
-  def spec(variable):
-    axes = variable.get_metadata().get("logical_axes")
-    if axes is None:
-      return PartitionSpec()
-    return logical_to_mesh_axes(axes, rules, mesh_axis_names)
+    def spec(variable):
+        axes = variable.get_metadata().get("logical_axes")
+        if axes is None:
+            return PartitionSpec()
+        return logical_to_mesh_axes(axes, rules, mesh_axis_names)
 
-  return jax.tree.map(spec, params_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(spec, params_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules=LOGICAL_AXIS_RULES):
-  """``with_sharding_constraint`` by logical names when a mesh is set; identity otherwise."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
-    return x
-  spec = logical_to_mesh_axes(logical_axes, rules, mesh.axis_names)
-  return jax.lax.with_sharding_constraint(x, spec)
+    """``with_sharding_constraint`` by logical names when a mesh is set; identity otherwise."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return x
+    spec = logical_to_mesh_axes(logical_axes, rules, mesh.axis_names)
+    return jax.lax.with_sharding_constraint(x, spec)
