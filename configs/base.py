@@ -170,7 +170,8 @@ def base_config() -> ml_collections.ConfigDict:
     # as verl and OpenRLHF do) or "sampler" (the rollout's untruncated log-probs; saves a
     # forward pass, valid when sampler and trainer agree numerically).
     c.algo.old_log_probs = "trainer"
-    # Coefficient of the MoE load-balancing auxiliary loss in the update (0 = off).
+    # Coefficient of the MoE load-balancing auxiliary loss in the update (0 = off); the
+    # critic's update (algo.advantage = "gae", MoE backbone) adds its own with the same one.
     c.algo.load_balancing_coef = 0.0
     # Entropy bonus coefficient (0 = off; none of the recipes use one).
     c.algo.entropy_coef = 0.0

@@ -13,10 +13,10 @@ from flax import nnx
 from policyopt.losses import nll_loss
 from policyopt.models import Transformer, preset
 from policyopt.rl import trainer
-from policyopt.rl.batch import layout
+from policyopt.rl.batch import Batch, layout
 from configs import vapo
-from policyopt.rl.critic import (CriticConfig, GAEConfig, gae_targets, get_critic, init_critic_params,
-                                 token_rewards)
+from policyopt.rl.critic import (CriticConfig, GAEConfig, critic_loss, forward_values, gae_targets,
+                                 get_critic, init_critic_params, token_rewards)
 from policyopt.rl.learner import OptimConfig, split_params
 from tests.test_rl_trainer import tiny
 
@@ -96,6 +96,41 @@ def test_values_are_the_states_before_each_response_token():
     changed = critic.values(params, tokens, arrays["positions"], arrays["attention_mask"], arrays["mask"])
     np.testing.assert_array_equal(np.asarray(changed[0, :2]), np.asarray(values[0, :2]))
     assert np.all(np.abs(np.asarray(changed[0, 2:]) - np.asarray(values[0, 2:])) > 1e-6)
+
+
+def test_moe_critic_adds_its_load_balancing_loss():
+    """On an MoE backbone the critic's loss is the value loss plus load_balancing_coef times
+    the backbone's load-balancing loss (reported either way); the term reaches the router."""
+    model = Transformer(preset("tiny_moe", vocab_size=VOCAB, num_layers=1), rngs=nnx.Rngs(0))
+    graphdef, policy_params = split_params(model)
+    params = _random_head(init_critic_params(policy_params, model.config.hidden_size))
+    arrays = {k: jnp.asarray(v) for k, v in layout([[3, 4, 5], [6], [7, 8]], [[9, 10, 11, 12], [13, 14], [15]],
+                                                   0, 4, 4).items()}
+    rng = np.random.default_rng(0)
+    batch = Batch(tokens=arrays["tokens"], positions=arrays["positions"],
+                  attention_mask=arrays["attention_mask"], mask=arrays["mask"],
+                  advantages=jnp.zeros((3, 4)), old_log_probs=jnp.zeros((3, 4)),
+                  old_values=jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
+                  returns=jnp.asarray(rng.normal(size=(3, 4)), jnp.float32))
+    _, aux = forward_values(graphdef, params, batch.tokens, batch.positions, batch.attention_mask,
+                            4, return_aux=True)
+    balance = float(aux["load_balancing_loss"])
+    assert balance > 0
+
+    def loss_and_grads(coef):
+        settings = CriticConfig(load_balancing_coef=coef)
+        return jax.value_and_grad(lambda p: critic_loss(graphdef, p, batch, settings), has_aux=True)(params)
+
+    (plain, metrics), plain_grads = loss_and_grads(0.0)
+    (with_term, metrics_term), term_grads = loss_and_grads(0.5)
+    assert float(metrics["critic/moe_load_balancing_loss"]) == pytest.approx(balance, rel=1e-6)
+    assert float(plain) == pytest.approx(float(metrics["critic/value_loss"]), rel=1e-6)
+    assert float(with_term) == pytest.approx(float(plain) + 0.5 * balance, rel=1e-6)
+    router = [(path, a, b) for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(plain_grads),
+                                                    jax.tree.leaves(term_grads))
+              if "router" in jax.tree_util.keystr(path)]
+    assert router and any(not np.allclose(a, b) for _, a, b in router)
+    assert CriticConfig.from_config(vapo.get_config("algo.load_balancing_coef=0.01")).load_balancing_coef == 0.01
 
 
 def test_token_rewards_and_gae_targets_hand_worked():

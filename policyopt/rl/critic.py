@@ -30,8 +30,9 @@ with ``lambda_actor`` and the value targets ``A^{lambda_critic} + V`` with
 length-adaptive for the policy (``1 - 1/(alpha |y|)``, alpha 0.05) and 1.0 for the critic.
 
 **Update** (``Critic.update``, jitted once per shape bucket, the state donated): PPO's
-clipped value loss ``losses.value_loss`` (token mean), through the same non-finite guard
-as the policy (``learner.guarded_update``).
+clipped value loss ``losses.value_loss`` (token mean), plus on an MoE backbone
+``algo.load_balancing_coef`` times its load-balancing loss (as for the policy), through the
+same non-finite guard as the policy (``learner.guarded_update``).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def init_critic_params(policy_params, hidden_size: int) -> dict:
     return {"backbone": backbone, "head": head}
 
 
-def forward_values(graphdef, params: dict, tokens, positions, attention_mask, num_response: int) -> jax.Array:
+def forward_values(graphdef, params: dict, tokens, positions, attention_mask, num_response: int,
+                   *, return_aux: bool = False):
     """Values ``V(s_t)`` of the states before each response token of a training-layout batch.
 
     ``V(s_t) = h[P - 1 + t] . w + b`` with ``h`` the backbone's final hidden states and
@@ -78,15 +80,19 @@ def forward_values(graphdef, params: dict, tokens, positions, attention_mask, nu
       tokens, positions, attention_mask: ``[R, S]``.
       num_response: N.
 
+      return_aux: also return the backbone's auxiliary outputs (MoE: ``load_balancing_loss``,
+        ``router_z_loss``, ``dropped_tokens``; empty for a dense backbone).
+
     Returns:
-      float32 ``[R, N]`` values (not masked).
+      float32 ``[R, N]`` values (not masked), and the aux dict when ``return_aux``.
     """
     model = nnx.merge(graphdef, params["backbone"])
     out = model(tokens, positions=positions, attention_mask=attention_mask, return_logits=False)
     start = tokens.shape[1] - num_response - 1
     hidden = jax.lax.slice_in_dim(out.hidden, start, start + num_response, axis=1)
     head = params["head"]
-    return jnp.einsum("rnd,d->rn", hidden.astype(jnp.float32), head["kernel"]) + head["bias"]
+    values = jnp.einsum("rnd,d->rn", hidden.astype(jnp.float32), head["kernel"]) + head["bias"]
+    return (values, out.aux or {}) if return_aux else values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +101,15 @@ class CriticConfig:
 
     value_clip: float | None = 0.2
     aggregation: str = "token_mean"
+    # MoE backbone: coefficient of its load-balancing loss in the critic's loss (the
+    # policy's ``algo.load_balancing_coef``; 0 = off, the loss is still reported).
+    load_balancing_coef: float = 0.0
 
     @classmethod
     def from_config(cls, config) -> "CriticConfig":
         clip = config.critic.value_clip
-        return cls(value_clip=None if clip is None else float(clip))
+        return cls(value_clip=None if clip is None else float(clip),
+                   load_balancing_coef=float(config.algo.load_balancing_coef))
 
 
 def critic_optim(config) -> OptimConfig:
@@ -112,13 +122,19 @@ def critic_optim(config) -> OptimConfig:
 
 
 def critic_loss(graphdef, params, batch: Batch, settings: CriticConfig) -> tuple[jax.Array, dict]:
-    """The value loss of one minibatch (``batch.old_values`` and ``batch.returns`` set)."""
-    values = forward_values(graphdef, params, batch.tokens, batch.positions, batch.attention_mask,
-                            batch.num_response)
+    """The value loss of one minibatch (``batch.old_values`` and ``batch.returns`` set),
+    plus ``load_balancing_coef`` times the MoE backbone's load-balancing loss (as the
+    policy's update adds it; ``critic/moe_load_balancing_loss`` reports it)."""
+    values, aux = forward_values(graphdef, params, batch.tokens, batch.positions,
+                                 batch.attention_mask, batch.num_response, return_aux=True)
     loss, metrics = value_loss(values, batch.old_values, batch.returns, batch.mask,
                                clip=settings.value_clip, aggregation=settings.aggregation)
     metrics = {f"critic/{k}": v for k, v in metrics.items()}
     metrics["critic/values_mean"] = jax.lax.stop_gradient(masked_mean(values, batch.mask))
+    if "load_balancing_loss" in aux:
+        metrics["critic/moe_load_balancing_loss"] = jax.lax.stop_gradient(aux["load_balancing_loss"])
+        if settings.load_balancing_coef:
+            loss = loss + settings.load_balancing_coef * aux["load_balancing_loss"]
     return loss, metrics
 
 
