@@ -11,7 +11,8 @@ Variant strings are comma-separated `key=value` pairs after the file name:
 
 `model=NAME` picks a model preset (`policyopt.models.presets`); `scale=paper` switches to
 the paper's batch geometry and a real-size model (for accelerators); any other key is a
-dotted field path. The command line then overrides single fields:
+dotted field path, its value a Python literal (tuples in brackets:
+`batch.response_buckets=(16,32)`). The command line then overrides single fields:
 `--config.algo.tau_neg=1.1`.
 
 Defaults are sized for the CPU: a tiny MoE, the synthetic addition task, 8 prompts x 8
@@ -320,6 +321,22 @@ def set_field(config: ml_collections.ConfigDict, path: str, value) -> None:
     node[name] = value
 
 
+def split_variant(arg: str) -> list[str]:
+    """Splits a variant string at the commas outside brackets, so that a tuple or list
+    value stays whole: `"a=1,b=(16, 32),c=[1,2]"` -> `["a=1", "b=(16, 32)", "c=[1,2]"]`."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(arg):
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth = max(depth - 1, 0)
+        elif char == "," and depth == 0:
+            items.append(arg[start:i])
+            start = i + 1
+    items.append(arg[start:])
+    return [item for item in items if item.strip()]
+
+
 def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
                   paper: dict | None = None) -> ml_collections.ConfigDict:
     """Applies a variant string `key=value,key=value` (see the module docstring).
@@ -331,7 +348,7 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
     """
     if not arg:
         return config
-    for item in arg.split(","):
+    for item in split_variant(arg):
         if not item.strip():
             continue
         if "=" not in item:

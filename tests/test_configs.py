@@ -79,6 +79,13 @@ def test_variant_string_and_paper_scale():
     assert paper.optim.lr == 1e-6 and paper.reward.cache_len == 4096
 
 
+def test_variant_values_may_be_tuples():
+    assert base.split_variant("a=1,b=(16, 32),c=[1,2],,d={'x': 1}") == ["a=1", "b=(16, 32)", "c=[1,2]", "d={'x': 1}"]
+    config = load("sapo", "batch.response_buckets=(8,24),batch.prompt_buckets=(16,),sampling.max_new_tokens=24")
+    assert config.batch.response_buckets == (8, 24) and config.batch.prompt_buckets == (16,)
+    assert config.sampling.max_new_tokens == 24
+
+
 def test_unknown_or_bad_fields_are_named():
     with pytest.raises(KeyError, match="algo.tau_ng"):
         load("sapo", "algo.tau_ng=1.1")

@@ -1,0 +1,136 @@
+"""The papers' ablations as sweeps: each is a list of arms (label, recipe, variant) that
+`experiments/ablate.py` trains side by side over seeds, then tabulates and plots.
+
+    make demo    # once: writes the SFT checkpoint runs/demo/sft/checkpoints
+    python -m experiments.ablate --ablation sapo_tau --setting demo --seeds 0,1,2 \
+        --workdir runs/ablate/sapo_tau
+
+An arm's config is `configs/<recipe>.py` with the arm's variant, then the common
+`--variant`, then `seed=N`; a named `--setting` (`SETTINGS`: "demo", the demo's model,
+task, batch geometry and SFT start) replaces its sections before the variants are applied
+again, so they win. Arms of one recipe differ exactly in the fields their variants name
+(`tests/test_ablate.py` checks it for every ablation). The recipes' defaults are sized for
+the CPU; `--variant scale=paper` switches every arm to its paper's geometry. On the CPU
+task, start from an SFT checkpoint (`--setting demo`, or `init_checkpoint`): a random
+policy never earns a reward.
+
+Each ablation names the claim it tests, from PAPERS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One configuration of an ablation: ``configs/<recipe>.py`` with ``variant``."""
+
+    label: str  # also the arm's directory name: letters, digits, '_' and '-'
+    recipe: str
+    variant: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ablation:
+    name: str
+    claim: str  # what the paper reports (PAPERS.md)
+    arms: tuple[Arm, ...]
+
+
+ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
+    Ablation(
+        "sapo_tau",
+        "SAPO (2511.20347): tau_neg > tau_pos is the most stable, equal temperatures are in "
+        "between, tau_neg < tau_pos is unstable.",
+        (Arm("neg_gt_pos", "sapo", "algo.tau_pos=1.0,algo.tau_neg=1.05"),
+         Arm("equal", "sapo", "algo.tau_pos=1.0,algo.tau_neg=1.0"),
+         Arm("neg_lt_pos", "sapo", "algo.tau_pos=1.05,algo.tau_neg=1.0"))),
+    Ablation(
+        "routing_replay",
+        "GSPO (2507.18071): on an MoE policy GRPO needs routing replay to converge, GSPO does "
+        "not; R2 replays the old policy's routing, R3 (2510.11370) the sampler's.",
+        (Arm("grpo", "grpo", "algo.routing_replay=none"),
+         Arm("grpo_R2", "grpo", "algo.routing_replay=R2"),
+         Arm("grpo_R3", "grpo", "algo.routing_replay=R3"),
+         Arm("gspo", "gspo", "algo.routing_replay=none"))),
+    Ablation(
+        "dapo",
+        "DAPO (2503.14476): each technique (clip-higher, token-level loss, dynamic sampling, "
+        "overlong shaping and filtering) removed in turn from the full recipe.",
+        (Arm("dapo", "dapo"),
+         Arm("no_clip_higher", "dapo", "algo.clip_high=0.2"),
+         Arm("no_token_loss", "dapo", "algo.aggregation=seq_mean_token_mean"),
+         Arm("no_dynamic_sampling", "dapo", "dynamic_sampling.enabled=False"),
+         Arm("no_overlong", "dapo", "reward.overlong=none,reward.overlong_filter=False"))),
+    Ablation(
+        "dr_grpo",
+        "Dr. GRPO (2503.20783): no std scaling and a constant normaliser remove GRPO's "
+        "difficulty and length biases; GRPO's responses grow longer when wrong.",
+        (Arm("grpo", "grpo"),
+         Arm("grpo_no_std", "grpo", "algo.adv_scale=none"),
+         Arm("dr_grpo", "dr_grpo"))),
+    Ablation(
+        "gspo",
+        "GSPO (2507.18071): the sequence-level ratio and clip against GRPO's token level; "
+        "GSPO-token equals GSPO when advantages are per sequence.",
+        (Arm("grpo", "grpo"),
+         Arm("gspo", "gspo"),
+         Arm("gspo_token", "gspo_token"))),
+    Ablation(
+        "vc_ppo",
+        "VC-PPO (2503.01491): value pretraining and decoupled GAE (lambda_critic 1.0, "
+        "lambda_actor 0.95) against plain PPO, whose value bias hurts long responses.",
+        (Arm("ppo", "ppo"),
+         Arm("ppo_pretrained", "ppo", "critic.pretrain_iterations=5"),
+         Arm("vc_ppo", "vc_ppo"),
+         Arm("vc_ppo_lambda_1", "vc_ppo", "algo.gae_lambda=1.0"))),
+    Ablation(
+        "vapo",
+        "VAPO (2504.05118): length-adaptive GAE, the NLL term on correct samples and the "
+        "value warm-up, each removed in turn.",
+        (Arm("vapo", "vapo"),
+         Arm("no_length_adaptive", "vapo", "algo.gae_length_adaptive=False,algo.gae_lambda=0.95"),
+         Arm("no_nll", "vapo", "algo.nll_coef=0.0"),
+         Arm("no_warmup", "vapo", "critic.pretrain_iterations=0"))),
+    Ablation(
+        "magistral_async",
+        "Magistral (2506.10910): asynchronous generation (n_async = 2 n_batch, the default) "
+        "against the synchronous loop, same recipe.",
+        (Arm("sync", "magistral"),
+         Arm("async", "magistral", "async_mode.enabled=True"))),
+    Ablation(
+        "objectives",
+        "The critic-free objectives side by side on one task, in the SAPO paper's unified "
+        "form: each recipe with its paper's settings.",
+        tuple(Arm(name, name) for name in
+              ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral"))),
+)}
+
+
+def demo_setting(config, sft_checkpoint: str = "runs/demo/sft/checkpoints"):
+    """An arm's recipe in the demo's setting (`configs/demo.py`, `make demo`): its model,
+    task, sampling, batch geometry, optimiser, loop and evaluation, started from the demo's
+    SFT checkpoint; algorithm, reward, critic, dynamic sampling and asynchronous mode stay
+    the recipe's. Returns a new, locked config."""
+    from configs import demo  # noqa: PLC0415 (the demo recipe is only needed here)
+
+    reference = demo.get_config()
+    config = config.copy_and_resolve_references()
+    config.unlock()
+    for section in ("model", "task", "sampling", "batch", "optim", "train", "eval"):
+        for key, value in reference[section].items():
+            config[section][key] = value
+    config.init_checkpoint = sft_checkpoint
+    config.lock()
+    return config
+
+
+#: Named settings for ``experiments/ablate.py --setting``: ``config -> config``.
+SETTINGS = {"demo": demo_setting}
+
+
+def get_ablation(name: str) -> Ablation:
+    if name not in ABLATIONS:
+        raise ValueError(f"unknown ablation {name!r}; known: {', '.join(sorted(ABLATIONS))}")
+    return ABLATIONS[name]

@@ -1,0 +1,252 @@
+"""Runs one of the papers' ablations (`configs/ablations.py`): every arm over every seed,
+then a table, a JSON summary and curves side by side.
+
+    make demo    # once: the SFT checkpoint the "demo" setting starts from
+    python -m experiments.ablate --ablation sapo_tau --setting demo --seeds 0,1,2 \
+        --workdir runs/ablate/sapo_tau [--variant train.num_iterations=60]
+    python -m experiments.ablate --list
+
+Each run goes to `workdir/<arm>/seed<N>` (a normal `experiments/train.py` run directory,
+asynchronous when the arm's config asks for it). A finished run is not trained again and
+an interrupted one resumes from its checkpoint, so rerunning the command completes a
+sweep. The workdir then holds `summary.json` (per arm and seed: held-out pass@1 at the
+start and the end, the last iterations' training metrics, wall time, and the config fields
+in which the arm differs from the first arm), `summary.md` (the table) and `curves.png`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import statistics
+import time
+from typing import Callable, Sequence
+
+from absl import app, flags
+
+from configs import base
+from configs.ablations import ABLATIONS, SETTINGS, Ablation, get_ablation
+from policyopt.metrics import quiet_library_logging, read_jsonl
+from policyopt.rl.async_rl import async_enabled, run_async_rl
+from policyopt.rl.plots import plot_runs
+from policyopt.rl.trainer import run_rl
+from policyopt.runtime import keep_freed_host_memory
+
+#: Training metrics summarised (mean over the last ``tail`` iterations), when a run logs them.
+TAIL_METRICS = ("reward/mean", "reward/accuracy", "loss/clip_frac", "loss/gate_mean",
+                "routing/volatility", "response/length_mean", "policy/entropy",
+                "critic/explained_variance", "async/staleness_mean")
+DONE_FILE = "ablation_run.json"
+
+
+def arm_config(ablation: Ablation, label: str, seed: int, variant: str = "",
+               setting: Callable | None = None):
+    """The locked config of arm ``label`` at ``seed``: its recipe with the arm's variant,
+    then the common ``variant``, then ``seed=N``. With a ``setting`` (``config -> config``,
+    e.g. ``configs.ablations.demo_setting``), the setting is applied to that config and the
+    arm's and common variants once more, so that they win over it."""
+    arm = next((a for a in ablation.arms if a.label == label), None)
+    if arm is None:
+        raise ValueError(f"ablation {ablation.name!r} has no arm {label!r}")
+    variants = ",".join(p for p in (arm.variant, variant) if p)
+    config = importlib.import_module(f"configs.{arm.recipe}").get_config(
+        ",".join(p for p in (variants, f"seed={seed}") if p))
+    if setting is None:
+        return config
+    if "scale=" in variants:
+        raise ValueError("a setting and scale=paper do not mix: the setting replaces the "
+                         "paper's geometry")
+    config = setting(config)
+    config.unlock()
+    base.apply_variant(config, variants)
+    base.check(config)
+    config.lock()
+    return config
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_diff(base, other) -> dict:
+    """``{field: [base value, other value]}`` for every leaf field where two configs differ."""
+    a, b = _flat(base.to_dict()), _flat(other.to_dict())
+    return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def _finished(run_dir: str, config) -> dict | None:
+    path = os.path.join(run_dir, DONE_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        done = json.load(f)
+    return done if done.get("iterations") == config.train.num_iterations else None
+
+
+def summarise_run(run_dir: str, tail: int) -> dict:
+    """Held-out pass@1 at the first and last evaluation, and the mean of ``TAIL_METRICS``
+    over the last ``tail`` iterations, from a run directory's JSONL files."""
+    evals = read_jsonl(os.path.join(run_dir, "eval.jsonl"))
+    # metrics.jsonl also holds the evaluations' records: keep the iterations' own.
+    rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+            if any(k != "step" and not k.startswith("eval/") for k in r)]
+    out = {"iterations": int(rows[-1]["step"]) if rows else 0}
+    if evals:
+        out["pass@1_start"], out["pass@1_end"] = evals[0]["eval/pass@1"], evals[-1]["eval/pass@1"]
+        out["eval_steps"] = [int(evals[0]["step"]), int(evals[-1]["step"])]
+    last = rows[-tail:]
+    for key in TAIL_METRICS:
+        values = [r[key] for r in last if key in r]
+        if values:
+            out[key] = statistics.fmean(values)
+    return out
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def run_ablation(ablation: Ablation, workdir: str, *, seeds: Sequence[int] = (0,), variant: str = "",
+                 setting: Callable | None = None, tail: int = 5, arms: Sequence[str] | None = None,
+                 plot: bool = True, configure: Callable | None = None, quiet: bool = True) -> dict:
+    """Trains every arm (or those in ``arms``) at every seed, then writes the summary.
+
+    Args:
+      ablation: from ``configs.ablations``.
+      workdir: the sweep's directory.
+      seeds: one run per arm and seed.
+      variant: appended to every arm's variant (model, init checkpoint, iterations, ...).
+      setting: ``config -> config`` applied under the variants (see ``arm_config``).
+      tail: iterations averaged for the training metrics.
+      arms: labels of the arms to run (default all).
+      plot: write ``curves.png``.
+      configure: ``config -> config`` applied to each arm's config before training (for
+        fields a variant string cannot set, e.g. tuples; the summary records its diff too).
+      quiet: no per-iteration console line.
+
+    Returns:
+      The summary (also in ``workdir/summary.json``).
+    """
+    selected = [a for a in ablation.arms if arms is None or a.label in arms]
+    if not selected:
+        raise ValueError(f"none of arms={list(arms)} is an arm of {ablation.name!r}: "
+                         f"{[a.label for a in ablation.arms]}")
+    os.makedirs(workdir, exist_ok=True)
+    reference = None
+    results = []
+    for arm in selected:
+        per_seed, first = [], None
+        for seed in seeds:
+            config = arm_config(ablation, arm.label, seed, variant, setting)
+            if configure is not None:
+                config = configure(config)
+            first = config if first is None else first
+            reference = config if reference is None else reference
+            run_dir = os.path.join(workdir, arm.label, f"seed{seed}")
+            done = _finished(run_dir, config)
+            if done is None:
+                if not quiet:
+                    print(f"== {ablation.name}: {arm.label}, seed {seed} -> {run_dir}", flush=True)
+                train = run_async_rl if async_enabled(config) else run_rl
+                start = time.perf_counter()
+                train(config, run_dir, quiet=quiet)
+                done = {"iterations": config.train.num_iterations,
+                        "wall_s": time.perf_counter() - start}
+                with open(os.path.join(run_dir, DONE_FILE), "w") as f:
+                    json.dump(done, f)
+            per_seed.append({"seed": seed, "run_dir": run_dir, "wall_s": done["wall_s"],
+                             **summarise_run(run_dir, tail)})
+        entry = {"arm": arm.label, "recipe": arm.recipe, "variant": arm.variant,
+                 "differs_from_first_arm": config_diff(reference, first),  # at seeds[0]
+                 "seeds": per_seed}
+        for key in ("pass@1_start", "pass@1_end", *TAIL_METRICS):
+            values = [s[key] for s in per_seed if key in s]
+            if values:
+                entry[key] = dict(zip(("mean", "std"), _mean_std(values)))
+        results.append(entry)
+    summary = {"ablation": ablation.name, "claim": ablation.claim, "seeds": list(seeds),
+               "variant": variant, "setting": getattr(setting, "__name__", None), "tail": tail,
+               "arms": results,
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(os.path.join(workdir, "summary.md"), "w") as f:
+        f.write(format_table(summary))
+    if plot:
+        runs = [s["run_dir"] for entry in results for s in entry["seeds"]]
+        labels = [f"{entry['arm']}/seed{s['seed']}" for entry in results for s in entry["seeds"]]
+        summary["curves"] = plot_runs(runs, os.path.join(workdir, "curves.png"), labels=labels)
+    return summary
+
+
+def format_table(summary: dict) -> str:
+    """The summary as a Markdown table (means over seeds, +- the std when several)."""
+    def cell(entry, key, digits=3):
+        stat = entry.get(key)
+        if stat is None:
+            return ""
+        text = f"{stat['mean']:.{digits}f}"
+        return text + (f" ± {stat['std']:.{digits}f}" if len(summary["seeds"]) > 1 else "")
+
+    lines = [f"# Ablation `{summary['ablation']}`", "", summary["claim"], "",
+             f"Seeds {summary['seeds']}; setting `{summary['setting'] or '(none)'}`; "
+             f"common variant `{summary['variant'] or '(none)'}`; "
+             f"training metrics are means over the last {summary['tail']} iterations.", "",
+             "| arm | recipe | variant | pass@1 start | pass@1 end | reward | clip frac | gate "
+             "| volatility | length | wall s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for entry in summary["arms"]:
+        wall = statistics.fmean(s["wall_s"] for s in entry["seeds"])
+        lines.append(
+            f"| {entry['arm']} | {entry['recipe']} | `{entry['variant'] or '-'}` | "
+            f"{cell(entry, 'pass@1_start')} | {cell(entry, 'pass@1_end')} | "
+            f"{cell(entry, 'reward/mean')} | {cell(entry, 'loss/clip_frac')} | "
+            f"{cell(entry, 'loss/gate_mean')} | {cell(entry, 'routing/volatility')} | "
+            f"{cell(entry, 'response/length_mean', 1)} | {wall:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def define_flags() -> None:
+    """The command line (defined when run as a script, so that importing this module for
+    ``run_ablation`` defines no flags)."""
+    flags.DEFINE_string("ablation", None, "A name of configs/ablations.py.")
+    flags.DEFINE_string("workdir", None, "Directory of the sweep (resumed if it exists).")
+    flags.DEFINE_list("seeds", ["0"], "Seeds, one run per arm and seed.")
+    flags.DEFINE_string("variant", "", "Variant appended to every arm, key=value,...")
+    flags.DEFINE_enum("setting", None, sorted(SETTINGS), "A named setting under every arm "
+                      "(configs/ablations.py SETTINGS; 'demo': the demo's task and SFT start).")
+    flags.DEFINE_list("arms", None, "Only these arms (labels).")
+    flags.DEFINE_integer("tail", 5, "Iterations averaged for the training metrics.")
+    flags.DEFINE_bool("list", False, "List the ablations and their arms, then exit.")
+
+
+def main(argv):
+    del argv
+    args = flags.FLAGS
+    if args.list:
+        for ablation in ABLATIONS.values():
+            print(f"{ablation.name}: {ablation.claim}")
+            for arm in ablation.arms:
+                print(f"    {arm.label:22s} configs/{arm.recipe}.py" + (f":{arm.variant}" if arm.variant else ""))
+        return
+    if not args.ablation or not args.workdir:
+        raise app.UsageError("--ablation and --workdir are required (or --list)")
+    quiet_library_logging()
+    keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
+    summary = run_ablation(get_ablation(args.ablation), args.workdir,
+                           seeds=[int(s) for s in args.seeds], variant=args.variant,
+                           setting=SETTINGS[args.setting] if args.setting else None,
+                           tail=args.tail, arms=args.arms, quiet=False)
+    print(format_table(summary))
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

@@ -1,0 +1,79 @@
+"""Held-out evaluation of a run's checkpoint: greedy pass@1 and, with `--k`, mean@k and
+pass@k at `--temperature`.
+
+    python -m experiments.eval --config configs/sapo.py --workdir runs/sapo
+    python -m experiments.eval --config configs/sapo.py --workdir runs/sapo --step 50 \
+        --num_prompts 512 --k 8
+
+`--config` is the run's recipe (as given to `experiments/train.py`); the parameters come
+from `workdir/checkpoints` (the latest step, or `--step`). Prints the metrics and writes
+`workdir/eval_step<N>.json`. At the step of a training-time evaluation and with the same
+settings it reproduces that evaluation's figures (the same sampling key).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from policyopt.metrics import quiet_library_logging
+from policyopt.rl.trainer import build_run, evaluate_run, restore
+from policyopt.runtime import keep_freed_host_memory
+
+def define_flags() -> None:
+    """The command line (defined when run as a script: importing ``evaluate_checkpoint``
+    defines no flags)."""
+    config_flags.DEFINE_config_file("config", None, "The run's recipe, e.g. configs/sapo.py[:variant].")
+    flags.DEFINE_string("workdir", None, "The run directory (holding checkpoints/).")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.DEFINE_integer("num_prompts", None, "Held-out prompts (default: config.eval.num_prompts).")
+    flags.DEFINE_integer("k", None, "Samples per prompt for mean@k / pass@k (default: config.eval.k).")
+    flags.DEFINE_float("temperature", None, "Sampling temperature of mean@k.")
+    flags.mark_flags_as_required(["config", "workdir"])
+
+
+def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, num_prompts: int | None = None,
+                        k: int | None = None, temperature: float | None = None) -> dict:
+    """Restores ``workdir``'s checkpoint (latest, or ``step``) and evaluates it.
+
+    Returns:
+      ``{"step", "eval/pass@1", "eval/length_mean", "eval/num_prompts"}`` and, with
+      ``k > 0``, ``"eval/mean@k"`` and ``"eval/pass@k"``.
+    """
+    config = config.copy_and_resolve_references()
+    config.unlock()
+    for field, value in (("num_prompts", num_prompts), ("k", k), ("temperature", temperature)):
+        if value is not None:
+            config.eval[field] = value
+    config.lock()
+    run = build_run(config, workdir)
+    if run.checkpointer.latest_step() is None:
+        raise FileNotFoundError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
+    if step is not None and step != run.iteration:
+        if step not in run.checkpointer.all_steps():
+            raise ValueError(f"no checkpoint at step {step} in {workdir} "
+                             f"(steps: {sorted(run.checkpointer.all_steps())})")
+        restore(run, step)
+    return {"step": run.iteration, **evaluate_run(run)}
+
+
+def main(argv):
+    del argv
+    args = flags.FLAGS
+    quiet_library_logging()
+    keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
+    result = evaluate_checkpoint(args.config, args.workdir, step=args.step,
+                                 num_prompts=args.num_prompts, k=args.k, temperature=args.temperature)
+    path = os.path.join(args.workdir, f"eval_step{result['step']}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

@@ -1,0 +1,133 @@
+"""The papers' ablations (configs/ablations.py, experiments/ablate.py) and checkpoint
+evaluation (experiments/eval.py): every arm builds and differs from its ablation's first
+arm exactly in the fields its variant names; a tiny sweep trains, summarises what its
+runs logged, and is not retrained when rerun; a checkpoint evaluated afterwards gives the
+figures of the training-time evaluation at that step."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from configs import demo as demo_recipe
+from configs.ablations import ABLATIONS, Ablation, Arm, demo_setting, get_ablation
+from experiments import ablate
+from experiments.eval import evaluate_checkpoint
+from policyopt.metrics import read_jsonl
+from tests.test_rl_trainer import tiny
+
+
+def _named_fields(variant):
+    return {item.split("=")[0] for item in variant.split(",") if item}
+
+
+@pytest.mark.parametrize("name", sorted(ABLATIONS))
+def test_every_arm_builds_and_differs_only_where_its_variant_says(name):
+    ablation = get_ablation(name)
+    labels = [arm.label for arm in ablation.arms]
+    assert len(set(labels)) == len(labels)
+    assert all(label.replace("_", "").replace("-", "").isalnum() for label in labels)
+    first = ablation.arms[0]
+    base = ablate.arm_config(ablation, first.label, 0)
+    for arm in ablation.arms:
+        config = ablate.arm_config(ablation, arm.label, 1, "model=tiny_dense")
+        assert config.seed == 1 and config.model.preset == "tiny_dense"
+        if arm.recipe == first.recipe:
+            diff = ablate.config_diff(base, ablate.arm_config(ablation, arm.label, 0))
+            assert set(diff) <= _named_fields(arm.variant) | _named_fields(first.variant), (arm, diff)
+            if arm is not first:
+                assert diff, f"arm {arm.label} of {name} equals the first arm"
+    with pytest.raises(ValueError, match="no arm"):
+        ablate.arm_config(ablation, "no-such-arm", 0)
+
+
+def test_the_demo_setting_sits_under_the_variants():
+    """--setting demo: the demo's task, geometry and SFT start; the recipe's algorithm; the
+    arm's and the common variants still win; scale=paper is refused with it."""
+    ablation = get_ablation("vapo")
+    config = ablate.arm_config(ablation, "no_nll", 2, "train.num_iterations=30,batch.n_prompts=4",
+                               demo_setting)
+    demo = demo_recipe.get_config()
+    assert config.init_checkpoint == "runs/demo/sft/checkpoints" and config.seed == 2
+    assert (config.sampling.max_new_tokens, config.batch.response_buckets) == (
+        demo.sampling.max_new_tokens, demo.batch.response_buckets)
+    assert config.task.wrong_procedure_fraction == demo.task.wrong_procedure_fraction
+    assert (config.algo.advantage, config.algo.gae_length_adaptive, config.critic.lr) == ("gae", True, 2e-4)
+    assert config.algo.nll_coef == 0.0  # the arm's variant
+    assert (config.train.num_iterations, config.batch.n_prompts) == (30, 4)  # the common variant
+    with pytest.raises(ValueError, match="scale=paper"):
+        ablate.arm_config(ablation, "vapo", 0, "scale=paper", demo_setting)
+
+
+def test_unknown_ablation_names_the_known_ones():
+    with pytest.raises(ValueError, match="sapo_tau"):
+        get_ablation("sapo_tau_typo")
+
+
+def _shrink(config):
+    """tests.test_rl_trainer.tiny's settings on an ablation arm's config."""
+    small = tiny("sapo", model="tiny_dense")
+    config.unlock()
+    for section in ("batch", "sampling", "task", "eval", "train", "dynamic_sampling"):
+        for key, value in small[section].items():
+            config[section][key] = value
+    config.model.preset, config.model.num_layers = small.model.preset, small.model.num_layers
+    config.optim.lr = small.optim.lr
+    config.lock()
+    return config
+
+
+def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypatch):
+    ablation = Ablation("tiny_tau", "SAPO temperatures, shrunk", (
+        Arm("neg_gt_pos", "sapo", "algo.tau_pos=1.0,algo.tau_neg=1.05"),
+        Arm("neg_lt_pos", "sapo", "algo.tau_pos=1.05,algo.tau_neg=1.0")))
+    workdir = str(tmp_path / "sweep")
+    summary = ablate.run_ablation(ablation, workdir, seeds=(0,), configure=_shrink, tail=2)
+    assert [a["arm"] for a in summary["arms"]] == ["neg_gt_pos", "neg_lt_pos"]
+    first, second = summary["arms"]
+    assert first["differs_from_first_arm"] == {}
+    assert second["differs_from_first_arm"] == {"algo.tau_neg": [1.05, 1.0], "algo.tau_pos": [1.0, 1.05]}
+    for entry in summary["arms"]:
+        run = entry["seeds"][0]
+        run_dir = os.path.join(workdir, entry["arm"], "seed0")
+        assert run["run_dir"] == run_dir and run["iterations"] == 2
+        with open(os.path.join(run_dir, "config.json")) as f:
+            logged = json.load(f)["algo"]
+        assert [logged["tau_pos"], logged["tau_neg"]] == [1.0, 1.05] if entry is first else [1.05, 1.0]
+        evals = read_jsonl(os.path.join(run_dir, "eval.jsonl"))
+        rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+        assert run["pass@1_start"] == evals[0]["eval/pass@1"] and run["pass@1_end"] == evals[-1]["eval/pass@1"]
+        assert run["eval_steps"] == [0, 2]
+        train_rows = [r for r in rows if "reward/mean" in r]
+        assert [r["step"] for r in train_rows] == [1, 2]
+        assert run["reward/mean"] == pytest.approx(np.mean([r["reward/mean"] for r in train_rows]))
+        assert entry["pass@1_end"] == {"mean": run["pass@1_end"], "std": 0.0}
+    table = (tmp_path / "sweep" / "summary.md").read_text()
+    assert "| neg_lt_pos | sapo |" in table and summary["claim"] in table
+    assert json.loads((tmp_path / "sweep" / "summary.json").read_text())["ablation"] == "tiny_tau"
+    assert os.path.getsize(summary["curves"]) > 0
+
+    # Rerun: finished runs are summarised, not trained again.
+    def fail(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(ablate, "run_rl", fail)
+    again = ablate.run_ablation(ablation, workdir, seeds=(0,), configure=_shrink, tail=2, plot=False)
+    assert [a["seeds"][0]["pass@1_end"] for a in again["arms"]] == [a["seeds"][0]["pass@1_end"] for a in summary["arms"]]
+    with pytest.raises(ValueError, match="none of arms"):
+        ablate.run_ablation(ablation, workdir, arms=["typo"], configure=_shrink)
+
+    # experiments/eval.py on the final checkpoint reproduces the training-time evaluation.
+    run_dir = os.path.join(workdir, "neg_lt_pos", "seed0")
+    config = _shrink(ablate.arm_config(ablation, "neg_lt_pos", 0))
+    result = evaluate_checkpoint(config, run_dir)
+    logged = read_jsonl(os.path.join(run_dir, "eval.jsonl"))[-1]
+    assert result["step"] == 2
+    for key in ("eval/pass@1", "eval/length_mean", "eval/num_prompts"):
+        assert result[key] == logged[key], key
+    earlier = evaluate_checkpoint(config, run_dir, step=1, num_prompts=4, k=2)
+    assert earlier["step"] == 1 and earlier["eval/num_prompts"] == 4
+    assert 0 <= earlier["eval/mean@2"] <= earlier["eval/pass@2"] <= 1
+    with pytest.raises(ValueError, match="no checkpoint at step 7"):
+        evaluate_checkpoint(config, run_dir, step=7)
