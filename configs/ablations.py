@@ -5,8 +5,8 @@
     python -m experiments.ablate --ablation sapo_tau --setting demo --seeds 0,1,2 \
         --workdir runs/ablate/sapo_tau
 
-An arm's config is `configs/<recipe>.py` with the arm's variant, then the common
-`--variant`, then `seed=N`; a named `--setting` (`SETTINGS`: "demo", the demo's model,
+An arm's config is `configs/<recipe>.py` with the ablation's shared variant, the arm's
+variant, then the common `--variant`, then `seed=N`; a named `--setting` (`SETTINGS`: "demo", the demo's model,
 task, batch geometry and SFT start) replaces its sections before the variants are applied
 again, so they win. Arms of one recipe differ exactly in the fields their variants name
 (`tests/test_ablate.py` checks it for every ablation). The recipes' defaults are sized for
@@ -36,6 +36,17 @@ class Ablation:
     name: str
     claim: str  # what the paper reports (PAPERS.md)
     arms: tuple[Arm, ...]
+    # Shared by every arm, before the arm's own variant: the conditions under which the
+    # compared mechanism acts at all.
+    variant: str = ""
+
+
+# Clips, soft gates and routing replay act only where the ratio pi / pi_old is not 1,
+# i.e. from the second update on the same batch: with one update per batch, the trainer's
+# old log-probs equal the policy's at that update, r = 1 on every token, and every clip
+# range and SAPO temperature gives the same gradient (measured with the demo setting:
+# identical runs for tau_neg = 1.05 and 1.0). These ablations use 4 minibatches per batch.
+OFF_POLICY = "batch.n_minibatches=4"
 
 
 ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
@@ -45,7 +56,8 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
         "between, tau_neg < tau_pos is unstable.",
         (Arm("neg_gt_pos", "sapo", "algo.tau_pos=1.0,algo.tau_neg=1.05"),
          Arm("equal", "sapo", "algo.tau_pos=1.0,algo.tau_neg=1.0"),
-         Arm("neg_lt_pos", "sapo", "algo.tau_pos=1.05,algo.tau_neg=1.0"))),
+         Arm("neg_lt_pos", "sapo", "algo.tau_pos=1.05,algo.tau_neg=1.0")),
+        OFF_POLICY),
     Ablation(
         "routing_replay",
         "GSPO (2507.18071): on an MoE policy GRPO needs routing replay to converge, GSPO does "
@@ -53,7 +65,8 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
         (Arm("grpo", "grpo", "algo.routing_replay=none"),
          Arm("grpo_R2", "grpo", "algo.routing_replay=R2"),
          Arm("grpo_R3", "grpo", "algo.routing_replay=R3"),
-         Arm("gspo", "gspo", "algo.routing_replay=none"))),
+         Arm("gspo", "gspo", "algo.routing_replay=none")),
+        OFF_POLICY),
     Ablation(
         "dapo",
         "DAPO (2503.14476): each technique (clip-higher, token-level loss, dynamic sampling, "
@@ -62,7 +75,8 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
          Arm("no_clip_higher", "dapo", "algo.clip_high=0.2"),
          Arm("no_token_loss", "dapo", "algo.aggregation=seq_mean_token_mean"),
          Arm("no_dynamic_sampling", "dapo", "dynamic_sampling.enabled=False"),
-         Arm("no_overlong", "dapo", "reward.overlong=none,reward.overlong_filter=False"))),
+         Arm("no_overlong", "dapo", "reward.overlong=none,reward.overlong_filter=False")),
+        OFF_POLICY),
     Ablation(
         "dr_grpo",
         "Dr. GRPO (2503.20783): no std scaling and a constant normaliser remove GRPO's "
@@ -76,7 +90,8 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
         "GSPO-token equals GSPO when advantages are per sequence.",
         (Arm("grpo", "grpo"),
          Arm("gspo", "gspo"),
-         Arm("gspo_token", "gspo_token"))),
+         Arm("gspo_token", "gspo_token")),
+        OFF_POLICY),
     Ablation(
         "vc_ppo",
         "VC-PPO (2503.01491): value pretraining and decoupled GAE (lambda_critic 1.0, "
@@ -84,7 +99,8 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
         (Arm("ppo", "ppo"),
          Arm("ppo_pretrained", "ppo", "critic.pretrain_iterations=5"),
          Arm("vc_ppo", "vc_ppo"),
-         Arm("vc_ppo_lambda_1", "vc_ppo", "algo.gae_lambda=1.0"))),
+         Arm("vc_ppo_lambda_1", "vc_ppo", "algo.gae_lambda=1.0")),
+        OFF_POLICY),
     Ablation(
         "vapo",
         "VAPO (2504.05118): length-adaptive GAE, the NLL term on correct samples and the "
@@ -92,7 +108,8 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
         (Arm("vapo", "vapo"),
          Arm("no_length_adaptive", "vapo", "algo.gae_length_adaptive=False,algo.gae_lambda=0.95"),
          Arm("no_nll", "vapo", "algo.nll_coef=0.0"),
-         Arm("no_warmup", "vapo", "critic.pretrain_iterations=0"))),
+         Arm("no_warmup", "vapo", "critic.pretrain_iterations=0")),
+        OFF_POLICY),
     Ablation(
         "magistral_async",
         "Magistral (2506.10910): asynchronous generation (n_async = 2 n_batch, the default) "
@@ -104,7 +121,8 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
         "The critic-free objectives side by side on one task, in the SAPO paper's unified "
         "form: each recipe with its paper's settings.",
         tuple(Arm(name, name) for name in
-              ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral"))),
+              ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral")),
+        OFF_POLICY),
 )}
 
 

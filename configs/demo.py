@@ -38,6 +38,9 @@ def get_config(arg=None):
     c.batch.prompt_buckets = (16,)
     c.batch.n_prompts = 16
     c.batch.group_size = 8
+    # One update per batch (base n_minibatches = 1): the ratio is 1 at every update, so
+    # SAPO's gate is 1 and the update is the group-baseline policy gradient; the gate and
+    # its temperatures act from the second update on a batch (configs/ablations.py).
     c.optim.lr = 1e-3
     c.optim.weight_decay = 0.0
     c.train.num_iterations = 40

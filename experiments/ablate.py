@@ -42,14 +42,14 @@ DONE_FILE = "ablation_run.json"
 
 def arm_config(ablation: Ablation, label: str, seed: int, variant: str = "",
                setting: Callable | None = None):
-    """The locked config of arm ``label`` at ``seed``: its recipe with the arm's variant,
-    then the common ``variant``, then ``seed=N``. With a ``setting`` (``config -> config``,
+    """The locked config of arm ``label`` at ``seed``: its recipe with the ablation's shared
+    variant, the arm's variant, then the common ``variant``, then ``seed=N``. With a ``setting`` (``config -> config``,
     e.g. ``configs.ablations.demo_setting``), the setting is applied to that config and the
     arm's and common variants once more, so that they win over it."""
     arm = next((a for a in ablation.arms if a.label == label), None)
     if arm is None:
         raise ValueError(f"ablation {ablation.name!r} has no arm {label!r}")
-    variants = ",".join(p for p in (arm.variant, variant) if p)
+    variants = ",".join(p for p in (ablation.variant, arm.variant, variant) if p)
     config = importlib.import_module(f"configs.{arm.recipe}").get_config(
         ",".join(p for p in (variants, f"seed={seed}") if p))
     if setting is None:
@@ -172,7 +172,8 @@ def run_ablation(ablation: Ablation, workdir: str, *, seeds: Sequence[int] = (0,
                 entry[key] = dict(zip(("mean", "std"), _mean_std(values)))
         results.append(entry)
     summary = {"ablation": ablation.name, "claim": ablation.claim, "seeds": list(seeds),
-               "variant": variant, "setting": getattr(setting, "__name__", None), "tail": tail,
+               "ablation_variant": ablation.variant, "variant": variant,
+               "setting": getattr(setting, "__name__", None), "tail": tail,
                "arms": results,
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     with open(os.path.join(workdir, "summary.json"), "w") as f:
@@ -196,7 +197,8 @@ def format_table(summary: dict) -> str:
         return text + (f" ± {stat['std']:.{digits}f}" if len(summary["seeds"]) > 1 else "")
 
     lines = [f"# Ablation `{summary['ablation']}`", "", summary["claim"], "",
-             f"Seeds {summary['seeds']}; setting `{summary['setting'] or '(none)'}`; "
+             f"Seeds {summary['seeds']}; every arm `{summary['ablation_variant'] or '(recipe)'}`; "
+             f"setting `{summary['setting'] or '(none)'}`; "
              f"common variant `{summary['variant'] or '(none)'}`; "
              f"training metrics are means over the last {summary['tail']} iterations.", "",
              "| arm | recipe | variant | pass@1 start | pass@1 end | reward | clip frac | gate "
@@ -233,6 +235,8 @@ def main(argv):
     if args.list:
         for ablation in ABLATIONS.values():
             print(f"{ablation.name}: {ablation.claim}")
+            if ablation.variant:
+                print(f"    (every arm: {ablation.variant})")
             for arm in ablation.arms:
                 print(f"    {arm.label:22s} configs/{arm.recipe}.py" + (f":{arm.variant}" if arm.variant else ""))
         return

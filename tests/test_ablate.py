@@ -33,6 +33,9 @@ def test_every_arm_builds_and_differs_only_where_its_variant_says(name):
     for arm in ablation.arms:
         config = ablate.arm_config(ablation, arm.label, 1, "model=tiny_dense")
         assert config.seed == 1 and config.model.preset == "tiny_dense"
+        if "n_minibatches=4" in ablation.variant:  # shared by every arm, setting or not
+            assert config.batch.n_minibatches == 4
+            assert ablate.arm_config(ablation, arm.label, 0, "", demo_setting).batch.n_minibatches == 4
         if arm.recipe == first.recipe:
             diff = ablate.config_diff(base, ablate.arm_config(ablation, arm.label, 0))
             assert set(diff) <= _named_fields(arm.variant) | _named_fields(first.variant), (arm, diff)
