@@ -33,5 +33,6 @@ def get_config(arg=None):
         "optim.lr": 1e-6,
         "reward.language_bonus": True,  # +0.1 when languages agree
         "sampling.max_new_tokens": 32768,
+        "batch.response_buckets": c.batch.response_buckets + (32768,),  # base's stop at 20480
     }
     return base.finalize(c, arg, paper)

@@ -79,6 +79,14 @@ def test_variant_string_and_paper_scale():
     assert paper.optim.lr == 1e-6 and paper.reward.cache_len == 4096
 
 
+@pytest.mark.parametrize("name", [n for n in RECIPES if n != "demo"] + ["magistral_async"])
+def test_every_recipe_builds_at_paper_scale(name):
+    """scale=paper is documented for every recipe (and for every ablation arm via
+    experiments/ablate.py --variant scale=paper): it must pass base.check."""
+    config = load(name, "scale=paper")
+    assert max(config.batch.response_buckets) >= config.sampling.max_new_tokens
+
+
 def test_variant_values_may_be_tuples():
     assert base.split_variant("a=1,b=(16, 32),c=[1,2],,d={'x': 1}") == ["a=1", "b=(16, 32)", "c=[1,2]", "d={'x': 1}"]
     config = load("sapo", "batch.response_buckets=(8,24),batch.prompt_buckets=(16,),sampling.max_new_tokens=24")
