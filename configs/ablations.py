@@ -66,7 +66,7 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
          Arm("grpo_R2", "grpo", "algo.routing_replay=R2"),
          Arm("grpo_R3", "grpo", "algo.routing_replay=R3"),
          Arm("gspo", "gspo", "algo.routing_replay=none")),
-        OFF_POLICY),
+        OFF_POLICY + ",train.routing_metrics=True"),
     Ablation(
         "dapo",
         "DAPO (2503.14476): each technique (clip-higher, token-level loss, dynamic sampling, "
@@ -128,9 +128,9 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
 
 def demo_setting(config, sft_checkpoint: str = "runs/demo/sft/checkpoints"):
     """An arm's recipe in the demo's setting (`configs/demo.py`, `make demo`): its model,
-    task, sampling, batch geometry, optimiser, loop and evaluation, started from the demo's
-    SFT checkpoint; algorithm, reward, critic, dynamic sampling and asynchronous mode stay
-    the recipe's. Returns a new, locked config."""
+    task, sampling, batch geometry, optimiser, loop (with routing metrics) and evaluation,
+    started from the demo's SFT checkpoint; algorithm, reward, critic, dynamic sampling and
+    asynchronous mode stay the recipe's. Returns a new, locked config."""
     from configs import demo  # noqa: PLC0415 (the demo recipe is only needed here)
 
     reference = demo.get_config()
@@ -140,6 +140,8 @@ def demo_setting(config, sft_checkpoint: str = "runs/demo/sft/checkpoints"):
         for key, value in reference[section].items():
             config[section][key] = value
     config.init_checkpoint = sft_checkpoint
+    # The demo turns them off for speed; the ablation summary reports routing volatility.
+    config.train.routing_metrics = True
     config.lock()
     return config
 

@@ -33,9 +33,11 @@ def test_every_arm_builds_and_differs_only_where_its_variant_says(name):
     for arm in ablation.arms:
         config = ablate.arm_config(ablation, arm.label, 1, "model=tiny_dense")
         assert config.seed == 1 and config.model.preset == "tiny_dense"
+        # Every arm builds in the demo setting (a field named *_scale is not scale=paper).
+        in_demo = ablate.arm_config(ablation, arm.label, 0, "", demo_setting)
         if "n_minibatches=4" in ablation.variant:  # shared by every arm, setting or not
             assert config.batch.n_minibatches == 4
-            assert ablate.arm_config(ablation, arm.label, 0, "", demo_setting).batch.n_minibatches == 4
+            assert in_demo.batch.n_minibatches == 4
         if arm.recipe == first.recipe:
             diff = ablate.config_diff(base, ablate.arm_config(ablation, arm.label, 0))
             assert set(diff) <= _named_fields(arm.variant) | _named_fields(first.variant), (arm, diff)
@@ -59,8 +61,30 @@ def test_the_demo_setting_sits_under_the_variants():
     assert (config.algo.advantage, config.algo.gae_length_adaptive, config.critic.lr) == ("gae", True, 2e-4)
     assert config.algo.nll_coef == 0.0  # the arm's variant
     assert (config.train.num_iterations, config.batch.n_prompts) == (30, 4)  # the common variant
+    # The demo turns routing metrics off for speed; the summary's volatility column needs them.
+    assert config.train.routing_metrics
     with pytest.raises(ValueError, match="scale=paper"):
         ablate.arm_config(ablation, "vapo", 0, "scale=paper", demo_setting)
+
+
+def test_a_run_directory_of_another_config_is_refused(tmp_path):
+    """A finished run is skipped only if it was trained with the arm's config: a sweep
+    rerun with another setting or variant in the same workdir must not summarise (or
+    resume) the old runs as its own. More iterations extend a run."""
+    ablation = get_ablation("sapo_tau")
+    config = ablate.arm_config(ablation, "equal", 0)
+    run_dir = tmp_path / "equal" / "seed0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True))
+    (run_dir / ablate.DONE_FILE).write_text(json.dumps({"iterations": config.train.num_iterations,
+                                                        "wall_s": 1.0}))
+    assert ablate._finished(str(run_dir), config)["wall_s"] == 1.0
+    assert ablate._finished(str(run_dir), ablate.arm_config(
+        ablation, "equal", 0, f"train.num_iterations={config.train.num_iterations + 10}")) is None
+    with pytest.raises(ValueError, match="optim.lr"):
+        ablate._finished(str(run_dir), ablate.arm_config(ablation, "equal", 0, "optim.lr=0.5"))
+    with pytest.raises(ValueError, match="init_checkpoint"):
+        ablate._finished(str(run_dir), ablate.arm_config(ablation, "equal", 0, "", demo_setting))
 
 
 def test_unknown_ablation_names_the_known_ones():
