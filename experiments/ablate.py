@@ -9,7 +9,8 @@ then a table, a JSON summary and curves side by side.
 Each run goes to `workdir/<arm>/seed<N>` (a normal `experiments/train.py` run directory,
 asynchronous when the arm's config asks for it). A finished run is not trained again and
 an interrupted one resumes from its checkpoint, so rerunning the command completes a
-sweep (a run directory trained with another config is an error, not a finished run). The workdir then holds `summary.json` (per arm and seed: held-out pass@1 at the
+sweep (a run directory trained with another config, the loop's cadence aside, is an error,
+not a finished run). The workdir then holds `summary.json` (per arm and seed: held-out pass@1 at the
 start and the end, the last iterations' training metrics, wall time, and the config fields
 in which the arm differs from the first arm), `summary.md` (the table) and `curves.png`.
 """
@@ -84,15 +85,16 @@ def config_diff(base, other) -> dict:
 def _finished(run_dir: str, config) -> dict | None:
     """The run's DONE_FILE record if it finished ``config.train.num_iterations``, else None
     (train it: a run with fewer iterations resumes). Raises a ValueError when the run
-    directory holds a run of another config (its ``config.json``; the iteration count
-    aside): it would be summarised, or resumed, as this arm's."""
+    directory holds a run of another config (its ``config.json``; the ``train`` section,
+    iterations, logging and checkpoint cadence, aside): it would be summarised, or resumed,
+    as this arm's."""
     logged_path = os.path.join(run_dir, "config.json")
     if os.path.exists(logged_path):
         with open(logged_path) as f:
             logged = _flat(json.load(f))
         current = _flat(json.loads(config.to_json_best_effort()))
         diff = {k: [logged.get(k), current.get(k)] for k in sorted(set(logged) | set(current))
-                if k != "train.num_iterations" and logged.get(k) != current.get(k)}
+                if not k.startswith("train.") and logged.get(k) != current.get(k)}
         if diff:
             raise ValueError(f"{run_dir} holds a run of another config ({{field: [logged, now]}}: "
                              f"{diff}); use another --workdir, or remove that run")

@@ -81,6 +81,9 @@ def test_a_run_directory_of_another_config_is_refused(tmp_path):
     assert ablate._finished(str(run_dir), config)["wall_s"] == 1.0
     assert ablate._finished(str(run_dir), ablate.arm_config(
         ablation, "equal", 0, f"train.num_iterations={config.train.num_iterations + 10}")) is None
+    # The loop's cadence and metrics (train.*) do not change what is trained.
+    assert ablate._finished(str(run_dir), ablate.arm_config(
+        ablation, "equal", 0, "train.routing_metrics=False,train.eval_every=3"))["wall_s"] == 1.0
     with pytest.raises(ValueError, match="optim.lr"):
         ablate._finished(str(run_dir), ablate.arm_config(ablation, "equal", 0, "optim.lr=0.5"))
     with pytest.raises(ValueError, match="init_checkpoint"):
