@@ -5,14 +5,16 @@
     python -m experiments.ablate --ablation sapo_tau --setting demo --seeds 0,1,2 \
         --workdir runs/ablate/sapo_tau
 
-An arm's config is `configs/<recipe>.py` with the ablation's shared variant, the arm's
-variant, then the common `--variant`, then `seed=N`; a named `--setting` (`SETTINGS`: "demo", the demo's model,
-task, batch geometry and SFT start) replaces its sections before the variants are applied
-again, so they win. Arms of one recipe differ exactly in the fields their variants name
-(`tests/test_ablate.py` checks it for every ablation). The recipes' defaults are sized for
-the CPU; `--variant scale=paper` switches every arm to its paper's geometry. On the CPU
-task, start from an SFT checkpoint (`--setting demo`, or `init_checkpoint`): a random
-policy never earns a reward.
+An arm's config is `configs/<recipe>.py` with (later winning) `scale=paper` if the common
+`--variant` asks for it, the ablation's shared variant, the arm's variant, the rest of the
+common `--variant`, and `seed=N` (`experiments/ablate.arm_config`). A named `--setting`
+(`SETTINGS`: "demo", the demo's model, task, batch geometry and SFT start) replaces its
+sections, and the variants are applied again, so they win. Arms of one recipe differ
+exactly in the fields their variants name (`tests/test_ablate.py` checks it for every
+ablation), and every arm gets `train.num_iterations` policy iterations (value pretraining
+comes on top). The recipes' defaults are sized for the CPU; on the CPU task start from an
+SFT checkpoint (`--setting demo`, or `init_checkpoint`): a random policy never earns a
+reward.
 
 Each ablation names the claim it tests, from PAPERS.md.
 """
@@ -104,7 +106,9 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
     Ablation(
         "vapo",
         "VAPO (2504.05118): length-adaptive GAE, the NLL term on correct samples and the "
-        "value warm-up, each removed in turn.",
+        "value warm-up, each removed in turn. (On responses of <= 20 tokens alpha = 0.05 "
+        "clamps every policy lambda to 0, so no_length_adaptive there compares lambda 0.95 "
+        "with 0; add algo.gae_alpha=0.2 to the variant for lambda ~0.7.)",
         (Arm("vapo", "vapo"),
          Arm("no_length_adaptive", "vapo", "algo.gae_length_adaptive=False,algo.gae_lambda=0.95"),
          Arm("no_nll", "vapo", "algo.nll_coef=0.0"),
@@ -130,16 +134,20 @@ def demo_setting(config, sft_checkpoint: str = "runs/demo/sft/checkpoints"):
     """An arm's recipe in the demo's setting (`configs/demo.py`, `make demo`): its model,
     task, sampling, batch geometry, optimiser, loop (with routing metrics) and evaluation,
     started from the demo's SFT checkpoint; algorithm, reward, critic, dynamic sampling and
-    asynchronous mode stay the recipe's. Returns a new, locked config."""
+    asynchronous mode stay the recipe's, and the critic's learning rate keeps the recipe's
+    ratio to the actor's. Returns a new, locked config."""
     from configs import demo  # noqa: PLC0415 (the demo recipe is only needed here)
 
     reference = demo.get_config()
     config = config.copy_and_resolve_references()
+    # The critic keeps the recipe's critic / actor learning-rate ratio (VAPO 2:1).
+    critic_ratio = config.critic.lr / config.optim.lr
     config.unlock()
     for section in ("model", "task", "sampling", "batch", "optim", "train", "eval"):
         for key, value in reference[section].items():
             config[section][key] = value
     config.init_checkpoint = sft_checkpoint
+    config.critic.lr = critic_ratio * config.optim.lr
     # The demo turns them off for speed; the ablation summary reports routing volatility.
     config.train.routing_metrics = True
     config.lock()

@@ -22,6 +22,7 @@ samples, responses of at most 24 tokens.
 from __future__ import annotations
 
 import ast
+import json
 
 import ml_collections
 from ml_collections import config_dict
@@ -322,17 +323,26 @@ def set_field(config: ml_collections.ConfigDict, path: str, value) -> None:
 
 
 def split_variant(arg: str) -> list[str]:
-    """Splits a variant string at the commas outside brackets, so that a tuple or list
-    value stays whole: `"a=1,b=(16, 32),c=[1,2]"` -> `["a=1", "b=(16, 32)", "c=[1,2]"]`."""
-    items, depth, start = [], 0, 0
+    """Splits a variant string at the commas outside brackets and quotes, so that a tuple,
+    list or quoted value stays whole: `"a=1,b=(16, 32),c='x,y'"` -> `["a=1", "b=(16, 32)",
+    "c='x,y'"]`. Unbalanced brackets or quotes are an error naming the string."""
+    items, stack, quote, start = [], [], None, 0
+    pairs = {")": "(", "]": "[", "}": "{"}
     for i, char in enumerate(arg):
-        if char in "([{":
-            depth += 1
-        elif char in ")]}":
-            depth = max(depth - 1, 0)
-        elif char == "," and depth == 0:
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "([{":
+            stack.append(char)
+        elif char in pairs:
+            if not stack or stack.pop() != pairs[char]:
+                raise ValueError(f"config variant {arg!r}: unbalanced {char!r} at position {i}")
+        elif char == "," and not stack:
             items.append(arg[start:i])
             start = i + 1
+    if stack or quote:
+        raise ValueError(f"config variant {arg!r}: unclosed {(quote or stack[-1])!r}")
     items.append(arg[start:])
     return [item for item in items if item.strip()]
 
@@ -446,6 +456,30 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.algo.routing_replay={config.algo.routing_replay!r} needs the "
                          "trainer's old-log-prob forward (R2 records its routing, R3 replays the "
                          "sampler's routing in it); set algo.old_log_probs='trainer'")
+
+
+def load_run_config(path: str) -> ml_collections.ConfigDict:
+    """The config a run wrote (`workdir/config.json`), rebuilt on `base_config()` so that
+    every field keeps its type (tuples stay tuples); checked and locked. A field that
+    `base_config()` does not have is an error naming it."""
+    with open(path) as f:
+        values = json.load(f)
+    config = base_config()
+
+    def assign(node, tree, prefix):
+        for key, value in tree.items():
+            name = prefix + key
+            if key not in node:
+                raise KeyError(f"{path}: {name!r} is not a config field")
+            if isinstance(value, dict):
+                assign(node[key], value, name + ".")
+            else:
+                node[key] = tuple(value) if isinstance(value, list) else value
+
+    assign(config, values, "")
+    check(config)
+    config.lock()
+    return config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

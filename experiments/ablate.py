@@ -9,10 +9,12 @@ then a table, a JSON summary and curves side by side.
 Each run goes to `workdir/<arm>/seed<N>` (a normal `experiments/train.py` run directory,
 asynchronous when the arm's config asks for it). A finished run is not trained again and
 an interrupted one resumes from its checkpoint, so rerunning the command completes a
-sweep (a run directory trained with another config, the loop's cadence aside, is an error,
-not a finished run). The workdir then holds `summary.json` (per arm and seed: held-out pass@1 at the
-start and the end, the last iterations' training metrics, wall time, and the config fields
-in which the arm differs from the first arm), `summary.md` (the table) and `curves.png`.
+sweep (a run directory trained with another config, the loop's cadence aside, or for more
+iterations, is an error, not a finished run). The workdir then holds `summary.json` (per
+arm and seed: held-out pass@1 at the start and the end, the last iterations' training
+metrics, wall time, and the config fields in which the arm differs from the first arm),
+`summary.md` (the table) and `curves.png`. Every arm gets the same number of policy
+iterations: a critic's value pretraining comes on top.
 """
 
 from __future__ import annotations
@@ -43,24 +45,37 @@ DONE_FILE = "ablation_run.json"
 
 def arm_config(ablation: Ablation, label: str, seed: int, variant: str = "",
                setting: Callable | None = None):
-    """The locked config of arm ``label`` at ``seed``: its recipe with the ablation's shared
-    variant, the arm's variant, then the common ``variant``, then ``seed=N``. With a ``setting`` (``config -> config``,
-    e.g. ``configs.ablations.demo_setting``), the setting is applied to that config and the
-    arm's and common variants once more, so that they win over it."""
+    """The locked config of arm ``label`` at ``seed``.
+
+    Order, later winning: the recipe; ``scale=paper`` when the common ``variant`` asks for
+    it; the ablation's shared variant (e.g. 4 minibatches per batch, which the paper
+    geometry must not undo); the arm's variant; the rest of the common ``variant``;
+    ``seed=N``. With a ``setting`` (``config -> config``, e.g.
+    ``configs.ablations.demo_setting``), the setting is applied to that config and the
+    variants once more, so that they win over it. Finally every arm gets
+    ``train.num_iterations`` *policy* iterations: a critic's value-pretraining iterations
+    (``critic.pretrain_iterations``, which update the critic only) come on top.
+    """
     arm = next((a for a in ablation.arms if a.label == label), None)
     if arm is None:
         raise ValueError(f"ablation {ablation.name!r} has no arm {label!r}")
-    variants = ",".join(p for p in (ablation.variant, arm.variant, variant) if p)
+    common = base.split_variant(variant) if variant else []
+    scale = [item for item in common if item.split("=", 1)[0].strip() == "scale"]
+    rest = [item for item in common if item not in scale]
+    variants = ",".join(p for p in (ablation.variant, arm.variant, *rest) if p)
     config = importlib.import_module(f"configs.{arm.recipe}").get_config(
-        ",".join(p for p in (variants, f"seed={seed}") if p))
-    if setting is None:
-        return config
-    if any(item.split("=", 1)[0].strip() == "scale" for item in base.split_variant(variants)):
-        raise ValueError("a setting and scale=paper do not mix: the setting replaces the "
-                         "paper's geometry")
-    config = setting(config)
-    config.unlock()
-    base.apply_variant(config, variants)
+        ",".join(p for p in (*scale, variants, f"seed={seed}") if p))
+    if setting is not None:
+        if scale:
+            raise ValueError("a setting and scale=paper do not mix: the setting replaces the "
+                             "paper's geometry")
+        config = setting(config)
+        config.unlock()
+        base.apply_variant(config, variants)
+    else:
+        config.unlock()
+    if config.algo.advantage == "gae" and config.critic.pretrain_iterations:
+        config.train.num_iterations += config.critic.pretrain_iterations
     base.check(config)
     config.lock()
     return config
@@ -98,12 +113,24 @@ def _finished(run_dir: str, config) -> dict | None:
         if diff:
             raise ValueError(f"{run_dir} holds a run of another config ({{field: [logged, now]}}: "
                              f"{diff}); use another --workdir, or remove that run")
+    wanted = config.train.num_iterations
     path = os.path.join(run_dir, DONE_FILE)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        done = json.load(f)
-    return done if done.get("iterations") == config.train.num_iterations else None
+    done = None
+    if os.path.exists(path):
+        with open(path) as f:
+            done = json.load(f)
+    trained = max(done["iterations"] if done else 0, _last_step(run_dir))
+    if trained > wanted:
+        raise ValueError(f"{run_dir} was trained for {trained} iterations, more than this sweep's "
+                         f"{wanted}: its summary would describe the longer run; use another "
+                         "--workdir, or as many iterations")
+    return done if done and done.get("iterations") == wanted else None
+
+
+def _last_step(run_dir: str) -> int:
+    """The last iteration a run directory's metrics.jsonl records (0 if none)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    return max((int(r["step"]) for r in read_jsonl(path)), default=0) if os.path.exists(path) else 0
 
 
 def summarise_run(run_dir: str, tail: int) -> dict:
@@ -177,6 +204,7 @@ def run_ablation(ablation: Ablation, workdir: str, *, seeds: Sequence[int] = (0,
                         "wall_s": time.perf_counter() - start}
                 with open(os.path.join(run_dir, DONE_FILE), "w") as f:
                     json.dump(done, f)
+            # wall_s: the attempt that finished the run (a resumed run's last attempt).
             per_seed.append({"seed": seed, "run_dir": run_dir, "wall_s": done["wall_s"],
                              **summarise_run(run_dir, tail)})
         entry = {"arm": arm.label, "recipe": arm.recipe, "variant": arm.variant,
@@ -254,7 +282,8 @@ def main(argv):
             if ablation.variant:
                 print(f"    (every arm: {ablation.variant})")
             for arm in ablation.arms:
-                print(f"    {arm.label:22s} configs/{arm.recipe}.py" + (f":{arm.variant}" if arm.variant else ""))
+                suffix = f":{arm.variant}" if arm.variant else ""
+                print(f"    {arm.label:22s} configs/{arm.recipe}.py{suffix}")
         return
     if not args.ablation or not args.workdir:
         raise app.UsageError("--ablation and --workdir are required (or --list)")

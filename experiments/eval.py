@@ -2,11 +2,14 @@
 pass@k at `--temperature`.
 
     python -m experiments.eval --config configs/sapo.py --workdir runs/sapo
+    python -m experiments.eval --workdir runs/ablate/sapo_tau/equal/seed0     # its config.json
     python -m experiments.eval --config configs/sapo.py --workdir runs/sapo --step 50 \
         --num_prompts 512 --k 8
 
-`--config` is the run's recipe (as given to `experiments/train.py`); the parameters come
-from `workdir/checkpoints` (the latest step, or `--step`). Prints the metrics and writes
+`--config` is the run's recipe (as given to `experiments/train.py`); without it, the
+config the run wrote (`workdir/config.json`: also runs of `experiments/ablate.py`, whose
+configs no recipe string rebuilds). The parameters come from `workdir/checkpoints` (the
+latest step, or `--step`). Prints the metrics and writes
 `workdir/eval_step<N>.json`. At the step of a training-time evaluation and with the same
 settings it reproduces that evaluation's figures (the same sampling key).
 """
@@ -19,6 +22,7 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
+from configs.base import load_run_config
 from policyopt.metrics import quiet_library_logging
 from policyopt.rl.trainer import build_run, evaluate_run, restore
 from policyopt.runtime import keep_freed_host_memory
@@ -26,13 +30,14 @@ from policyopt.runtime import keep_freed_host_memory
 def define_flags() -> None:
     """The command line (defined when run as a script: importing ``evaluate_checkpoint``
     defines no flags)."""
-    config_flags.DEFINE_config_file("config", None, "The run's recipe, e.g. configs/sapo.py[:variant].")
+    config_flags.DEFINE_config_file("config", None, "The run's recipe, e.g. configs/sapo.py[:variant] "
+                                    "(default: the run's own config.json).")
     flags.DEFINE_string("workdir", None, "The run directory (holding checkpoints/).")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
     flags.DEFINE_integer("num_prompts", None, "Held-out prompts (default: config.eval.num_prompts).")
     flags.DEFINE_integer("k", None, "Samples per prompt for mean@k / pass@k (default: config.eval.k).")
     flags.DEFINE_float("temperature", None, "Sampling temperature of mean@k.")
-    flags.mark_flags_as_required(["config", "workdir"])
+    flags.mark_flags_as_required(["workdir"])
 
 
 def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, num_prompts: int | None = None,
@@ -65,7 +70,8 @@ def main(argv):
     args = flags.FLAGS
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
-    result = evaluate_checkpoint(args.config, args.workdir, step=args.step,
+    config = args.config or load_run_config(os.path.join(args.workdir, "config.json"))
+    result = evaluate_checkpoint(config, args.workdir, step=args.step,
                                  num_prompts=args.num_prompts, k=args.k, temperature=args.temperature)
     path = os.path.join(args.workdir, f"eval_step{result['step']}.json")
     with open(path, "w") as f:

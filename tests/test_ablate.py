@@ -13,6 +13,7 @@ import pytest
 from configs import demo as demo_recipe
 from configs.ablations import ABLATIONS, Ablation, Arm, demo_setting, get_ablation
 from experiments import ablate
+from configs.base import load_run_config
 from experiments.eval import evaluate_checkpoint
 from policyopt.metrics import read_jsonl
 from tests.test_rl_trainer import tiny
@@ -38,9 +39,14 @@ def test_every_arm_builds_and_differs_only_where_its_variant_says(name):
         if "n_minibatches=4" in ablation.variant:  # shared by every arm, setting or not
             assert config.batch.n_minibatches == 4
             assert in_demo.batch.n_minibatches == 4
+        if "n_minibatches=4" in ablation.variant:  # the paper geometry does not undo it
+            assert ablate.arm_config(ablation, arm.label, 0, "scale=paper").batch.n_minibatches == 4
         if arm.recipe == first.recipe:
             diff = ablate.config_diff(base, ablate.arm_config(ablation, arm.label, 0))
-            assert set(diff) <= _named_fields(arm.variant) | _named_fields(first.variant), (arm, diff)
+            named = _named_fields(arm.variant) | _named_fields(first.variant)
+            if "critic.pretrain_iterations" in named:  # pretraining comes on top of the policy's
+                named.add("train.num_iterations")
+            assert set(diff) <= named, (arm, diff)
             if arm is not first:
                 assert diff, f"arm {arm.label} of {name} equals the first arm"
     with pytest.raises(ValueError, match="no arm"):
@@ -58,9 +64,14 @@ def test_the_demo_setting_sits_under_the_variants():
     assert (config.sampling.max_new_tokens, config.batch.response_buckets) == (
         demo.sampling.max_new_tokens, demo.batch.response_buckets)
     assert config.task.wrong_procedure_fraction == demo.task.wrong_procedure_fraction
-    assert (config.algo.advantage, config.algo.gae_length_adaptive, config.critic.lr) == ("gae", True, 2e-4)
+    assert (config.algo.advantage, config.algo.gae_length_adaptive) == ("gae", True)
+    # The critic keeps VAPO's 2:1 ratio to the actor's learning rate (the demo's 1e-3).
+    assert (config.optim.lr, config.critic.lr) == (demo.optim.lr, pytest.approx(2 * demo.optim.lr))
     assert config.algo.nll_coef == 0.0  # the arm's variant
-    assert (config.train.num_iterations, config.batch.n_prompts) == (30, 4)  # the common variant
+    # The common variant; the 5 value warm-up iterations come on top of 30 policy iterations.
+    assert (config.train.num_iterations, config.batch.n_prompts) == (35, 4)
+    no_warmup = ablate.arm_config(ablation, "no_warmup", 2, "train.num_iterations=30", demo_setting)
+    assert (no_warmup.critic.pretrain_iterations, no_warmup.train.num_iterations) == (0, 30)
     # The demo turns routing metrics off for speed; the summary's volatility column needs them.
     assert config.train.routing_metrics
     with pytest.raises(ValueError, match="scale=paper"):
@@ -88,6 +99,10 @@ def test_a_run_directory_of_another_config_is_refused(tmp_path):
         ablate._finished(str(run_dir), ablate.arm_config(ablation, "equal", 0, "optim.lr=0.5"))
     with pytest.raises(ValueError, match="init_checkpoint"):
         ablate._finished(str(run_dir), ablate.arm_config(ablation, "equal", 0, "", demo_setting))
+    # A run trained longer than the sweep asks would be summarised as the shorter one.
+    with pytest.raises(ValueError, match="more than"):
+        ablate._finished(str(run_dir), ablate.arm_config(
+            ablation, "equal", 0, f"train.num_iterations={config.train.num_iterations - 1}"))
 
 
 def test_unknown_ablation_names_the_known_ones():
@@ -161,3 +176,7 @@ def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypa
     assert 0 <= earlier["eval/mean@2"] <= earlier["eval/pass@2"] <= 1
     with pytest.raises(ValueError, match="no checkpoint at step 7"):
         evaluate_checkpoint(config, run_dir, step=7)
+    # No recipe string rebuilds a configured arm: the run's own config.json does.
+    rebuilt = load_run_config(os.path.join(run_dir, "config.json"))
+    assert ablate.config_diff(config, rebuilt) == {}
+    assert evaluate_checkpoint(rebuilt, run_dir)["eval/pass@1"] == logged["eval/pass@1"]

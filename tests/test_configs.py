@@ -1,6 +1,7 @@
 """Recipe configs: paper values, variants, command-line overrides, errors naming the field."""
 
 import importlib
+import json
 
 import pytest
 from absl import flags
@@ -92,6 +93,24 @@ def test_variant_values_may_be_tuples():
     config = load("sapo", "batch.response_buckets=(8,24),batch.prompt_buckets=(16,),sampling.max_new_tokens=24")
     assert config.batch.response_buckets == (8, 24) and config.batch.prompt_buckets == (16,)
     assert config.sampling.max_new_tokens == 24
+    assert base.split_variant("a='x,y',b=\"(,\",c=1") == ["a='x,y'", 'b="(,"', "c=1"]
+    for bad in ("a=(1,2", "a=1)", "a='x", "a=[1,2)"):
+        with pytest.raises(ValueError, match="config variant"):
+            base.split_variant(bad)
+
+
+def test_a_run_config_json_loads_back_with_its_types(tmp_path):
+    config = load("vapo", "batch.response_buckets=(8,24),sampling.max_new_tokens=24,algo.tis_cap=2.0")
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json_best_effort(indent=2, sort_keys=True))
+    loaded = base.load_run_config(str(path))
+    assert loaded.to_dict() == config.to_dict()
+    assert loaded.batch.response_buckets == (8, 24) and loaded.algo.gae_lambda_critic == 1.0
+    with pytest.raises(AttributeError):
+        loaded.algo.tau_nge = 1.0  # locked: no new fields
+    path.write_text(json.dumps({"algo": {"tau_nge": 1.0}}))
+    with pytest.raises(KeyError, match="algo.tau_nge"):
+        base.load_run_config(str(path))
 
 
 def test_unknown_or_bad_fields_are_named():
