@@ -147,7 +147,8 @@ def demo_setting(config, sft_checkpoint: str = "runs/demo/sft/checkpoints"):
         for key, value in reference[section].items():
             config[section][key] = value
     config.init_checkpoint = sft_checkpoint
-    config.critic.lr = critic_ratio * config.optim.lr
+    if config.algo.advantage == "gae":
+        config.critic.lr = critic_ratio * config.optim.lr
     # The demo turns them off for speed; the ablation summary reports routing volatility.
     config.train.routing_metrics = True
     config.lock()
