@@ -227,7 +227,9 @@ def run_ablation(ablation: Ablation, workdir: str, *, seeds: Sequence[int] = (0,
     if plot:
         runs = [s["run_dir"] for entry in results for s in entry["seeds"]]
         labels = [f"{entry['arm']}/seed{s['seed']}" for entry in results for s in entry["seeds"]]
-        summary["curves"] = plot_runs(runs, os.path.join(workdir, "curves.png"), labels=labels)
+        groups = [entry["arm"] for entry in results for _ in entry["seeds"]]
+        summary["curves"] = plot_runs(runs, os.path.join(workdir, "curves.png"), labels=labels,
+                                      groups=groups)
     return summary
 
 

@@ -45,6 +45,29 @@ def test_plot_runs_draws_every_run_with_distinct_labels(tmp_path, monkeypatch):
     assert drawn["clip fraction"] == {}  # absent metric: empty panel, no error
 
 
+def test_groups_share_a_colour_and_one_legend_entry(tmp_path, monkeypatch):
+    runs = []
+    for name, slope in (("a0", 0.1), ("a1", 0.2), ("b0", 0.05)):
+        _fake_run(tmp_path / name, slope)
+        runs.append(str(tmp_path / name))
+    seen = {}
+    savefig = plt.Figure.savefig
+
+    def record(fig, path, **kwargs):
+        ax = fig.axes[0]
+        seen["lines"] = {line.get_label(): (line.get_color(), line.get_linestyle()) for line in ax.get_lines()}
+        seen["legend"] = [text.get_text() for text in ax.get_legend().get_texts()]
+        return savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(plt.Figure, "savefig", record)
+    plots.plot_runs(runs, str(tmp_path / "curves.png"), labels=["a/s0", "a/s1", "b/s0"],
+                    groups=["a", "a", "b"])
+    lines = seen["lines"]
+    assert lines["a/s0"][0] == lines["a/s1"][0] != lines["b/s0"][0]
+    assert lines["a/s0"][1] != lines["a/s1"][1]
+    assert seen["legend"] == ["a", "b"]
+
+
 def test_default_labels_use_the_shortest_distinguishing_suffix():
     assert plots._default_labels(["runs/sapo", "runs/grpo"]) == ["sapo", "grpo"]
     assert plots._default_labels(["runs/s0/rl", "runs/s1/rl"]) == ["s0/rl", "s1/rl"]
