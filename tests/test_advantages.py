@@ -400,3 +400,20 @@ def test_equal_python_lambdas_run_one_recurrence():
         r, v, m, gamma=1.0, lam_actor=np.float32(0.9), lam_critic=np.float32(0.9))) == once
     assert products(lambda r, v, m: adv.decoupled_gae(
         r, v, m, gamma=1.0, lam_actor=0.9, lam_critic=1.0)) > once
+
+
+def test_per_row_lambdas_across_the_discount_range_match_loops():
+    # VAPO's lambdas (0 for short responses, up to ~0.99), a tiny one and 1 in one batch,
+    # on 200 tokens (two levels of the blocked recursion), against the definition.
+    rng = np.random.default_rng(8)
+    shape = (6, 200)
+    rewards = rng.normal(size=shape).astype(np.float32)
+    values = rng.normal(size=shape).astype(np.float32)
+    mask = contiguous_mask(rng, shape)
+    fn = jax.jit(functools.partial(adv.gae, gamma=1.0))
+    for lam in ([0.0, 0.02, 0.3, 0.9, 0.99, 1.0], [0.0, 0.003, 0.3, 0.9, 0.99, 1.0]):
+        lam = np.asarray(lam, np.float32)
+        advantages, returns = fn(rewards, values, mask, lam=lam)
+        want_adv, want_ret = ref_gae(rewards, values, mask, 1.0, lam)
+        np.testing.assert_allclose(advantages, want_adv, rtol=1e-5, atol=2e-5, err_msg=str(lam))
+        np.testing.assert_allclose(returns, want_ret, rtol=1e-5, atol=2e-5, err_msg=str(lam))
