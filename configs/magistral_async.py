@@ -8,6 +8,13 @@ cache (PAPERS.md "Asynchronous generation"). Runs `policyopt.rl.async_rl.run_asy
 Every field and variant of `configs/magistral.py`, with `async_mode.enabled = True`. Any
 other recipe trains asynchronously the same way with `async_mode.enabled=True` in its
 variant string (the `async_mode` block of `configs/base.py`).
+
+Off-policy correction: like the paper, none by default. Measured on the demo task
+(benchmarks/RESULTS.md, "Asynchronous generation off policy"): at lr 1e-4 asynchronous
+runs match synchronous ones, but at lr 1e-3, where one version moves the policy a lot,
+samples ~1.5 versions old stop learning without a correction; `algo.tis_cap=2.0`
+(truncated importance weights) or `algo.old_log_probs=sampler` (clip the ratio against
+the sampler's log-probs) restore it.
 """
 
 from configs import magistral
