@@ -634,16 +634,30 @@ def value_loss(
     metrics = {
         "value_loss": jax.lax.stop_gradient(loss),
         "value_clip_frac": clip_frac,
-        "explained_variance": jax.lax.stop_gradient(explained_variance(residual_var, returns_var)),
+        "explained_variance": jax.lax.stop_gradient(explained_variance(
+            residual_var, returns_var, masked_mean(jnp.square(returns), mask_f))),
     }
     return loss, metrics
 
 
-def explained_variance(residual_var: Array, returns_var: Array) -> Array:
+# Variances below this fraction of the mean square count as 0: float32 rounding of a
+# constant (e.g. returns computed as (R - V) + V) leaves a variance of order (1e-7 R)^2.
+_CONSTANT_REL_VAR = 1e-12
+
+
+def explained_variance(residual_var: Array, returns_var: Array,
+                       returns_mean_sq: Array | None = None) -> Array:
     """``1 - Var[R - V] / Var[R]``; with constant returns (Var[R] = 0) it is 1 if the values
-    match them exactly and 0 otherwise (never NaN, never a spurious 1)."""
-    exact = jnp.where(residual_var > 0, 0.0, 1.0).astype(returns_var.dtype)
-    return jnp.where(returns_var > 0, 1.0 - _safe_div(residual_var, returns_var), exact)
+    match them and 0 otherwise (never NaN, never a spurious 1).
+
+    With ``returns_mean_sq`` (``E[R^2]``), returns whose variance is below ``1e-12 E[R^2]``
+    count as constant, and values within that of them as matching: float32 rounding makes
+    GAE returns ``(R - V) + V`` of a batch with one reward "vary" by ~1e-14, which would
+    otherwise give explained variances of -1e13.
+    """
+    floor = 0.0 if returns_mean_sq is None else _CONSTANT_REL_VAR * returns_mean_sq
+    exact = jnp.where(residual_var > floor, 0.0, 1.0).astype(returns_var.dtype)
+    return jnp.where(returns_var > floor, 1.0 - _safe_div(residual_var, returns_var), exact)
 
 
 def masked_var(x: Array, mask: Array, axis=None) -> Array:

@@ -578,6 +578,14 @@ def test_value_loss():
     ev = jax.jit(lambda v: losses.value_loss(v, v, constant, full)[1]["explained_variance"])
     assert float(ev(constant)) == 1.0
     assert float(ev(constant + np.arange(6, dtype=np.float32).reshape(2, 3))) == 0.0
+    # Returns that are one reward up to float32 rounding ((R - V) + V, as GAE with lambda 1
+    # computes them) count as constant: 0 for other values (it was -1e13), 1 for equal ones.
+    values = np.array([[0.1, 3.7, 123.456], [7.77, 0.013, 1e4 / 3]], np.float32)
+    rounded = (np.float32(-1.0) - values) + values
+    assert rounded.var() > 0  # the rounding this is about (~5e-14)
+    ev_r = jax.jit(lambda v, r: losses.value_loss(v, v, r, full)[1]["explained_variance"])
+    assert float(ev_r(values, rounded)) == 0.0
+    assert float(ev_r(np.full((2, 3), -1.0, np.float32), rounded)) == 1.0
     # Hand-worked: V = 1.5, V_old = 1, R = 2: clipped V = 1.2, 0.5 * max(0.25, 0.64) = 0.32.
     both = jax.jit(lambda *args: (losses.value_loss(*args, clip=0.2)[0],
                                   losses.value_loss(*args, clip=None)[0]))
