@@ -107,8 +107,8 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
         "vapo",
         "VAPO (2504.05118): length-adaptive GAE, the NLL term on correct samples and the "
         "value warm-up, each removed in turn. (On responses of <= 20 tokens alpha = 0.05 "
-        "clamps every policy lambda to 0, so no_length_adaptive there compares lambda 0.95 "
-        "with 0; add algo.gae_alpha=0.2 to the variant for lambda ~0.7.)",
+        "clamps every policy lambda to 0 and VAPO collapses; `--variant algo.gae_alpha=1.0` "
+        "gives lambda = 1 - 1/|y| ~ 0.93, near the paper's regime: benchmarks/RESULTS.md.)",
         (Arm("vapo", "vapo"),
          Arm("no_length_adaptive", "vapo", "algo.gae_length_adaptive=False,algo.gae_lambda=0.95"),
          Arm("no_nll", "vapo", "algo.nll_coef=0.0"),
