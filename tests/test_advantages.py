@@ -315,6 +315,14 @@ def contiguous_mask(rng, shape):
     return mask
 
 
+def contiguous_inputs(seed, shape):
+    """Normal rewards and values and a ``contiguous_mask``."""
+    rng = np.random.default_rng(seed)
+    rewards = rng.normal(size=shape).astype(np.float32)
+    values = rng.normal(size=shape).astype(np.float32)
+    return rewards, values, contiguous_mask(rng, shape)
+
+
 @functools.partial(jax.jit, static_argnames="chunk")
 def blocked_variants(rewards, values, mask, lam_rows, chunk):
     # The blocked kernel itself (decoupled_gae(impl="blocked") dispatches to it when the
@@ -365,11 +373,8 @@ def test_blocked_gae_long_sequence_matches_recurrence():
     # T = 600 with lambda = 1 (the critic's) sums up to 600 terms: the default (blocked)
     # GAE and the float64 recurrence A_t = delta_t + gamma lam A_{t+1} agree to float32
     # rounding.
-    rng = np.random.default_rng(6)
     shape = (4, 600)
-    rewards = rng.normal(size=shape).astype(np.float32)
-    values = rng.normal(size=shape).astype(np.float32)
-    mask = contiguous_mask(rng, shape)
+    rewards, values, mask = contiguous_inputs(6, shape)
     advantages, returns = jax.jit(functools.partial(
         adv.decoupled_gae, gamma=1.0, lam_actor=0.95, lam_critic=1.0))(rewards, values, mask)
     valid = mask > 0
@@ -403,17 +408,11 @@ def test_equal_python_lambdas_run_one_recurrence():
 
 
 def test_per_row_lambdas_across_the_discount_range_match_loops():
-    # VAPO's lambdas (0 for short responses, up to ~0.99), a tiny one and 1 in one batch,
+    # VAPO's lambdas (0 for short responses, up to ~0.99), tiny ones and 1 in one batch,
     # on 200 tokens (two levels of the blocked recursion), against the definition.
-    rng = np.random.default_rng(8)
-    shape = (6, 200)
-    rewards = rng.normal(size=shape).astype(np.float32)
-    values = rng.normal(size=shape).astype(np.float32)
-    mask = contiguous_mask(rng, shape)
-    fn = jax.jit(functools.partial(adv.gae, gamma=1.0))
-    for lam in ([0.0, 0.02, 0.3, 0.9, 0.99, 1.0], [0.0, 0.003, 0.3, 0.9, 0.99, 1.0]):
-        lam = np.asarray(lam, np.float32)
-        advantages, returns = fn(rewards, values, mask, lam=lam)
-        want_adv, want_ret = ref_gae(rewards, values, mask, 1.0, lam)
-        np.testing.assert_allclose(advantages, want_adv, rtol=1e-5, atol=2e-5, err_msg=str(lam))
-        np.testing.assert_allclose(returns, want_ret, rtol=1e-5, atol=2e-5, err_msg=str(lam))
+    rewards, values, mask = contiguous_inputs(8, (7, 200))
+    lam = np.asarray([0.0, 0.003, 0.02, 0.3, 0.9, 0.99, 1.0], np.float32)
+    advantages, returns = jax.jit(functools.partial(adv.gae, gamma=1.0))(rewards, values, mask, lam=lam)
+    want_adv, want_ret = ref_gae(rewards, values, mask, 1.0, lam)
+    np.testing.assert_allclose(advantages, want_adv, rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(returns, want_ret, rtol=1e-5, atol=2e-5)
