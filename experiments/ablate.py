@@ -105,11 +105,8 @@ def _finished(run_dir: str, config) -> dict | None:
     as this arm's."""
     logged_path = os.path.join(run_dir, "config.json")
     if os.path.exists(logged_path):
-        with open(logged_path) as f:
-            logged = _flat(json.load(f))
-        current = _flat(json.loads(config.to_json_best_effort()))
-        diff = {k: [logged.get(k), current.get(k)] for k in sorted(set(logged) | set(current))
-                if not k.startswith("train.") and logged.get(k) != current.get(k)}
+        diff = {k: v for k, v in config_diff(base.load_run_config(logged_path), config).items()
+                if not k.startswith("train.")}
         if diff:
             raise ValueError(f"{run_dir} holds a run of another config ({{field: [logged, now]}}: "
                              f"{diff}); use another --workdir, or remove that run")
