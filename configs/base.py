@@ -358,9 +358,7 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
     """
     if not arg:
         return config
-    for item in split_variant(arg):
-        if not item.strip():
-            continue
+    for item in split_variant(arg):  # no empty items
         if "=" not in item:
             raise ValueError(f"config variant {item!r} is not key=value (in {arg!r})")
         key, text = (s.strip() for s in item.split("=", 1))

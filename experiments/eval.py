@@ -54,6 +54,8 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, num_pr
         if value is not None:
             config.eval[field] = value
     config.lock()
+    if config.eval.num_prompts < 1:
+        raise ValueError("config.eval.num_prompts is 0 (the run did not evaluate): pass num_prompts")
     run = build_run(config, workdir)
     if run.checkpointer.latest_step() is None:
         raise FileNotFoundError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")

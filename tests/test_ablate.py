@@ -176,6 +176,8 @@ def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypa
     assert 0 <= earlier["eval/mean@2"] <= earlier["eval/pass@2"] <= 1
     with pytest.raises(ValueError, match="no checkpoint at step 7"):
         evaluate_checkpoint(config, run_dir, step=7)
+    with pytest.raises(ValueError, match="num_prompts"):
+        evaluate_checkpoint(config, run_dir, num_prompts=0)
     # No recipe string rebuilds a configured arm: the run's own config.json does.
     rebuilt = load_run_config(os.path.join(run_dir, "config.json"))
     assert ablate.config_diff(config, rebuilt) == {}
