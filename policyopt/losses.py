@@ -629,13 +629,10 @@ def value_loss(
         per_token = 0.5 * jnp.maximum(unclipped, clipped)
         clip_frac = masked_mean((clipped > unclipped).astype(mask_f.dtype), mask_f)
     loss = aggregate(per_token, mask_f, aggregation)
-    residual_var = masked_var(returns - values, mask_f)
-    returns_var = masked_var(returns, mask_f)
     metrics = {
         "value_loss": jax.lax.stop_gradient(loss),
         "value_clip_frac": clip_frac,
-        "explained_variance": jax.lax.stop_gradient(explained_variance(
-            residual_var, returns_var, masked_mean(jnp.square(returns), mask_f))),
+        "explained_variance": jax.lax.stop_gradient(explained_variance(returns, values, mask_f)),
     }
     return loss, metrics
 
@@ -645,17 +642,18 @@ def value_loss(
 _CONSTANT_REL_VAR = 1e-12
 
 
-def explained_variance(residual_var: Array, returns_var: Array,
-                       returns_mean_sq: Array | None = None) -> Array:
-    """``1 - Var[R - V] / Var[R]``; with constant returns (Var[R] = 0) it is 1 if the values
-    match them and 0 otherwise (never NaN, never a spurious 1).
+def explained_variance(returns: Array, values: Array, mask: Array) -> Array:
+    """``1 - Var[R - V] / Var[R]`` over valid positions; with constant returns it is 1 if the
+    values match them and 0 otherwise (never NaN, never a spurious 1).
 
-    With ``returns_mean_sq`` (``E[R^2]``), returns whose variance is below ``1e-12 E[R^2]``
-    count as constant, and values within that of them as matching: float32 rounding makes
-    GAE returns ``(R - V) + V`` of a batch with one reward "vary" by ~1e-14, which would
-    otherwise give explained variances of -1e13.
+    Returns whose variance is below ``1e-12 E[R^2]`` count as constant, and values within
+    that of them as matching: float32 rounding makes GAE returns ``(R - V) + V`` of a batch
+    with one reward "vary" by ~1e-14, which would otherwise give explained variances of -1e13.
     """
-    floor = 0.0 if returns_mean_sq is None else _CONSTANT_REL_VAR * returns_mean_sq
+    mask_f = _as_mask(mask, jnp.result_type(returns, jnp.float32))
+    residual_var = masked_var(returns - values, mask_f)
+    returns_var = masked_var(returns, mask_f)
+    floor = _CONSTANT_REL_VAR * masked_mean(jnp.square(returns), mask_f)
     exact = jnp.where(residual_var > floor, 0.0, 1.0).astype(returns_var.dtype)
     return jnp.where(returns_var > floor, 1.0 - _safe_div(residual_var, returns_var), exact)
 

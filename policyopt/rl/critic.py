@@ -264,9 +264,7 @@ def gae_targets(rewards, values, mask, settings: GAEConfig) -> tuple[jax.Array, 
         "advantages/std": jnp.sqrt(masked_var(advantages, mask_f)),
         "critic/returns_mean": masked_mean(returns, mask_f),
         "critic/rollout_values_mean": masked_mean(values, mask_f),
-        "critic/rollout_explained_variance": explained_variance(
-            masked_var(returns - values, mask_f), masked_var(returns, mask_f),
-            masked_mean(jnp.square(returns), mask_f)),
+        "critic/rollout_explained_variance": explained_variance(returns, values, mask_f),
     }
     if settings.whiten:
         advantages = masked_whiten(advantages, mask_f)
