@@ -69,7 +69,8 @@ __all__ = ["AsyncConfig", "async_enabled", "PromptStream", "GroupBatcher", "make
 
 @dataclasses.dataclass(frozen=True)
 class AsyncConfig:
-    """``config.async_mode`` (fields absent from a recipe take these defaults)."""
+    """``config.async_mode`` (the block of ``configs/base.py``, where each field is
+    documented; fields absent from a hand-built config take these defaults)."""
 
     enabled: bool = False
     # Most completions started and not yet taken by the trainer (in generation or
@@ -98,18 +99,11 @@ class AsyncConfig:
         return cls(**values)
 
     def resolved_n_async(self, config) -> int:
-        """n_async, checked against the batch geometry (errors name the field)."""
-        group, n_batch = config.batch.group_size, config.batch.n_prompts * config.batch.group_size
-        n_async = 2 * n_batch if self.n_async is None else int(self.n_async)
-        if n_async < group or n_async % group:
-            raise ValueError(f"config.async_mode.n_async ({n_async}) must be a positive multiple of "
-                             f"batch.group_size ({group}): the G samples of a prompt start together")
-        if self.segment_steps < 1:
-            raise ValueError(f"config.async_mode.segment_steps must be >= 1, got {self.segment_steps}")
-        if self.num_slots is not None and (self.num_slots < group or self.num_slots % group):
-            raise ValueError(f"config.async_mode.num_slots ({self.num_slots}) must be a positive "
-                             f"multiple of batch.group_size ({group})")
-        return n_async
+        """n_async, the default (2 * n_batch) resolved. The fields are checked, with their
+        names, by ``configs/base.check`` (and again by ``AsyncGenerator`` and
+        ``SlotConfig``)."""
+        n_batch = config.batch.n_prompts * config.batch.group_size
+        return 2 * n_batch if self.n_async is None else int(self.n_async)
 
 
 def async_enabled(config) -> bool:
