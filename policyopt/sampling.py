@@ -29,8 +29,11 @@ Whenever truncation removed mass, q != pi_T: q(y) = pi_T(y) / Z on the kept set 
 and 0 outside it. Truncated samples are therefore off-policy for pi_T, and an importance
 ratio pi_theta / pi_old that uses pi_old = pi_T ignores the factor Z on every kept token
 and the never-sampled tail (a biased estimate), while using log q as pi_old puts two
-different distributions into one ratio. Corrections such as truncated importance sampling,
-w = min(pi_old(y) / q(y), C) (see PAPERS.md), need both, hence both are returned. Greedy
+different distributions into one ratio. A correction for the truncation needs both, hence
+both are returned. The trainer's truncated importance sampling (`algo.tis_cap`,
+w = min(pi_old(y) / pi_T(y), C), PAPERS.md) uses `raw_log_probs` as the behaviour policy,
+as vLLM-based trainers do: it corrects for sampler / trainer mismatch and for stale
+parameters (asynchronous generation), not for top-k / top-p truncation. Greedy
 decoding samples from a point mass: its `log_probs` are 0 and its `raw_log_probs` are
 the model's own (temperature 1).
 
@@ -147,7 +150,8 @@ class TopK:
         return logits / self.temperature
 
     def sample(self, logits, rng):
-        values, indices = jax.lax.top_k(logits, self.k)  # [B, k], descending
+        # k larger than the vocabulary keeps every token (as TopP clamps its own).
+        values, indices = jax.lax.top_k(logits, min(self.k, logits.shape[-1]))  # [B, k], descending
         values = self.scale(values)
         choice = jax.random.categorical(rng, values, axis=-1)
         tokens = _take(indices, choice).astype(jnp.int32)

@@ -151,6 +151,16 @@ def test_top_k_top_p_temperature_hand_worked():
     np.testing.assert_allclose(log_probs, expected[tokens], rtol=1e-5)
 
 
+def test_top_k_beyond_the_vocabulary_is_plain_temperature_sampling():
+    logits = jax.random.normal(jax.random.key(0), (4, 8))
+    key = jax.random.key(3)
+    tokens, log_probs = sampling.TopK(k=100, temperature=0.5).sample(logits, key)
+    expected = jax.nn.log_softmax(logits / 0.5, axis=-1)
+    np.testing.assert_allclose(np.asarray(log_probs),
+                               np.take_along_axis(np.asarray(expected), np.asarray(tokens)[:, None], 1)[:, 0],
+                               rtol=1e-5)
+
+
 def test_top_k_1_is_greedy():
     logits = jax.random.normal(jax.random.key(0), (64, 512)) * 3.0
     tokens, log_probs = jax.jit(sampling.TopK(k=1, temperature=0.7).sample)(logits, jax.random.key(1))
