@@ -10,7 +10,11 @@ Variant strings are comma-separated `key=value` pairs after the file name:
     --config configs/sapo.py:model=tiny_dense,algo.routing_replay=R2
 
 `model=NAME` picks a model preset (`policyopt.models.presets`); `scale=paper` switches to
-the paper's batch geometry and a real-size model (for accelerators); any other key is a
+a real-size model and the settings the paper fixes (learning rate, batch geometry and
+generation budget, as PAPERS.md records them; for accelerators); where the paper records
+no generation budget (GSPO, SAPO, PPO, VC-PPO) the variant must name
+`sampling.max_new_tokens`, and fields the paper leaves open keep the CPU defaults (check
+`batch.*`); any other key is a
 dotted field path, its value a Python literal (tuples in brackets:
 `batch.response_buckets=(16,32)`). The command line then overrides single fields:
 `--config.algo.tau_neg=1.1`.
@@ -53,7 +57,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Computation dtype ("float32", "bfloat16"); parameters stay in param_dtype.
     c.model.dtype = placeholder(str)
     c.model.param_dtype = placeholder(str)
-    # "ragged" (dropless) or "capacity" MoE dispatch.
+    # MoE dispatch: "ragged" or "blocked" (dropless), or "capacity" (drops tokens by batch
+    # position; SFT and benchmarks only: the RL trainer refuses it).
     c.model.moe_dispatch = placeholder(str)
 
     # Orbax checkpoint directory of the base policy (e.g. the SFT run's `checkpoints/`);
@@ -122,8 +127,9 @@ def base_config() -> ml_collections.ConfigDict:
     # SAPO temperatures of the soft gate for A > 0 and A <= 0.
     c.algo.tau_pos = 1.0
     c.algo.tau_neg = 1.05
-    # Aggregation: "token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-    # "seq_mean_token_sum_norm".
+    # Aggregation: "token_mean" (over the minibatch's tokens), "group_token_mean" (per
+    # group, then mean over groups: the DAPO paper's form), "seq_mean_token_mean",
+    # "seq_mean_token_sum", "seq_mean_token_sum_norm" (see policyopt.losses.aggregate).
     c.algo.aggregation = "seq_mean_token_mean"
     # Constant divisor of "seq_mean_token_sum_norm" (Dr. GRPO); None = max_new_tokens.
     c.algo.max_len = placeholder(int)
@@ -202,6 +208,10 @@ def base_config() -> ml_collections.ConfigDict:
     # not full, the remaining slots keep zero-variance groups (zero advantage) and the
     # shortfall is reported in the metrics.
     c.dynamic_sampling.max_rounds = 4
+    # Which groups are dropped: "reward" (all G rewards equal: zero advantage; Magistral)
+    # or "accuracy" (all correct or all wrong: DAPO eq. 11, whose reward also carries the
+    # overlong penalty).
+    c.dynamic_sampling.criterion = "reward"
 
     # ---- Reward (`policyopt.rewards.RewardSpec`) ------------------------------------------
     c.reward = ml_collections.ConfigDict()
@@ -358,6 +368,7 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
     """
     if not arg:
         return config
+    named, paper_scale = set(), False
     for item in split_variant(arg):  # no empty items
         if "=" not in item:
             raise ValueError(f"config variant {item!r} is not key=value (in {arg!r})")
@@ -371,9 +382,23 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
                 raise ValueError("this recipe defines no paper-scale variant")
             for path, value in paper.items():
                 set_field(config, path, value)
+            paper_scale = True
         else:
             set_field(config, key, _parse_value(text))
+            named.add(key)
+    missing = [key for key in PAPER_SCALE_REQUIRED if key not in (paper or {}) and key not in named]
+    if paper_scale and missing:
+        raise ValueError(
+            f"scale=paper: this recipe's paper records no value for {', '.join(missing)} "
+            f"(PAPERS.md); keeping the CPU default would be wrong at scale, so name it in the "
+            f"variant, e.g. scale=paper,{missing[0]}=16384")
     return config
+
+
+# Fields that `scale=paper` must set, from the recipe's paper or from the variant: the
+# CPU default (24 tokens) silently changes the methods at scale (VAPO's length-adaptive
+# lambda, Dr. GRPO's constant, overlong shaping).
+PAPER_SCALE_REQUIRED = ("sampling.max_new_tokens",)
 
 
 def finalize(config: ml_collections.ConfigDict, arg: str | None,
@@ -393,8 +418,8 @@ def finalize(config: ml_collections.ConfigDict, arg: str | None,
 
 _CHOICES = {
     "algo.method": ("ppo", "gspo", "gspo_token", "sapo"),
-    "algo.aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                         "seq_mean_token_sum_norm"),
+    "algo.aggregation": ("token_mean", "group_token_mean", "seq_mean_token_mean",
+                         "seq_mean_token_sum", "seq_mean_token_sum_norm"),
     "algo.advantage": ("outcome", "gae"),
     "algo.adv_center": ("group", "none"),
     "algo.adv_scale": ("group", "batch", "minibatch", "none"),
@@ -402,6 +427,7 @@ _CHOICES = {
     "algo.routing_replay": ("none", "R2", "R3"),
     "algo.old_log_probs": ("trainer", "sampler"),
     "reward.overlong": ("none", "dapo", "magistral"),
+    "dynamic_sampling.criterion": ("reward", "accuracy"),
 }
 
 

@@ -23,6 +23,7 @@ def get_config(arg=None):
     # Dynamic sampling: drop groups with accuracy 0 or 1, sample more until full.
     c.dynamic_sampling.enabled = True
     c.dynamic_sampling.max_rounds = 4
+    c.dynamic_sampling.criterion = "accuracy"  # eq. 11: 0 < |{o_i correct}| < G
     # Overlong reward shaping with L_max = max_new_tokens and L_cache a quarter of it on
     # the CPU (paper: 20480 / 4096).
     c.reward.overlong = "dapo"

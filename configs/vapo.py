@@ -50,5 +50,9 @@ def get_config(arg=None):
         "batch.n_prompts": 512,           # 512 prompts x 16 samples
         "batch.group_size": 16,
         "batch.n_minibatches": 16,        # minibatch 512 sequences: 8192 / 512
+        # VAPO compares with DAPO "under identical experimental settings" (abstract):
+        # DAPO's generation budget. With the CPU's 24 tokens, alpha = 0.05 would clamp
+        # every lambda_policy to 0.
+        "sampling.max_new_tokens": 20480,
     }
     return base.finalize(c, arg, paper)

@@ -313,10 +313,13 @@ def test_errors_in_the_generator_surface_in_the_caller_and_no_thread_survives():
 
 
 def test_run_async_rl_trains_checkpoints_and_resumes(tmp_path):
-    config = tiny()
+    config = tiny("train.routing_metrics=True")
     assert async_enabled(config) and not async_enabled(magistral.get_config())
     summary = run_async_rl(config, str(tmp_path), quiet=True)
     run, metrics = summary["run"], summary["metrics"]
+    # The sampler's routing is from older versions: named as staleness, not numerics.
+    assert "routing/stale_sampler_disagreement/layer_0" in metrics
+    assert not any(k.startswith("routing/sampler_trainer_disagreement") for k in metrics)
     assert summary["iteration"] == 3 and int(run.state.step) + int(run.state.skipped) == 3
     for key in ("reward/mean", "loss/loss", "update/grad_norm", "policy/entropy",
                 "async/staleness_min", "async/staleness_mean", "async/staleness_max",

@@ -61,6 +61,10 @@ def test_critic_paper_values():
     paper = load("vapo", "scale=paper")
     assert (paper.optim.lr, paper.critic.lr, paper.critic.pretrain_iterations) == (1e-6, 2e-6, 50)
     assert (paper.batch.n_prompts, paper.batch.group_size, paper.batch.n_minibatches) == (512, 16, 16)
+    assert paper.sampling.max_new_tokens == 20480  # DAPO's, not the CPU's 24 (lambda ~ 0.999)
+    assert load("dapo", "algo.aggregation=group_token_mean").algo.aggregation == "group_token_mean"
+    assert load("dapo").dynamic_sampling.criterion == "accuracy"
+    assert load("magistral").dynamic_sampling.criterion == "reward"
     with pytest.raises(ValueError, match="pretrain_iterations"):
         load("grpo", "critic.pretrain_iterations=3")
     with pytest.raises(ValueError, match="gae_lambda_critic"):
@@ -84,8 +88,14 @@ def test_variant_string_and_paper_scale():
 def test_every_recipe_builds_at_paper_scale(name):
     """scale=paper is documented for every recipe (and for every ablation arm via
     experiments/ablate.py --variant scale=paper): it must pass base.check."""
-    config = load(name, "scale=paper")
+    variant = "scale=paper"
+    if name in ("gspo", "gspo_token", "sapo", "ppo", "vc_ppo"):  # PAPERS.md records no budget
+        with pytest.raises(ValueError, match="scale=paper: .*sampling.max_new_tokens"):
+            load(name, variant)
+        variant += ",sampling.max_new_tokens=16384"
+    config = load(name, variant)
     assert max(config.batch.response_buckets) >= config.sampling.max_new_tokens
+    assert config.sampling.max_new_tokens >= 1024
 
 
 def test_variant_values_may_be_tuples():

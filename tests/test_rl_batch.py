@@ -50,10 +50,11 @@ def test_dynamic_sampling_fills_the_batch_with_non_constant_groups():
     r3 = _round([1, 0, 0, 1, 1, 0], seed=3)
     assert not sampler.add(r1)
     assert not sampler.add(r2)
-    assert sampler.add(r3)  # 1 + 1 + (1 of 2 mixed groups)
+    assert sampler.add(r3)  # 1 + 1 + (1 of its 3 mixed groups)
     merged, metrics = sampler.batch(pad_id=0)
     assert metrics == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/prompts_drawn": 9.0,
-                       "dynamic_sampling/kept_fraction": 3 / 9, "dynamic_sampling/shortfall": 0.0}
+                       # informative groups drawn, the one beyond a full batch included
+                       "dynamic_sampling/kept_fraction": 5 / 9, "dynamic_sampling/shortfall": 0.0}
     np.testing.assert_array_equal(merged.rewards, [0, 1, 0, 1, 1, 0])
     grouped = merged.rewards.reshape(3, 2)
     assert np.all(grouped.max(1) != grouped.min(1))
@@ -73,6 +74,9 @@ def test_dynamic_sampling_cap_fills_with_zero_variance_groups_and_reports_shortf
     merged, metrics = sampler.batch(pad_id=0)
     assert metrics["dynamic_sampling/shortfall"] == 1.0
     assert merged.tokens.shape[0] == 4
+    # The filler group (last) keeps the shape but counts in no loss or mean: mask 0.
+    np.testing.assert_array_equal(merged.rewards, [1, 0, 1, 1])
+    np.testing.assert_array_equal(merged.mask, [[1, 1], [1, 1], [0, 0], [0, 0]])
     disabled = B.DynamicSampler(n_prompts=2, group_size=2, enabled=False, max_rounds=1)
     assert disabled.add(_round([1, 1, 0, 0]))
     merged, metrics = disabled.batch(pad_id=0)
@@ -126,3 +130,32 @@ def test_routing_volatility_against_a_loop_and_by_hand():
     assert float(overall) == pytest.approx(want_overall)
     metrics = routing_metrics("routing/volatility", a, b, mask)
     assert set(metrics) == {"routing/volatility"} | {f"routing/volatility/layer_{i}" for i in range(4)}
+
+
+def test_dynamic_sampling_criteria_reward_spread_or_accuracy():
+    # Rewards with an overlong penalty: group 0 all correct but of unequal reward, group 1
+    # mixed, group 2 all wrong with equal rewards, group 3 all wrong of unequal reward.
+    rewards = np.array([1.0, 0.5, 1.0, -1.0, -1.0, -1.0, -1.0, -1.5], np.float32)
+    correct = np.array([1, 1, 1, 0, 0, 0, 0, 0], bool)
+    np.testing.assert_array_equal(B.uninformative_groups(rewards, correct, 2, "reward"),
+                                  [False, False, True, False])
+    # DAPO eq. 11 keeps a group iff 0 < #correct < G.
+    np.testing.assert_array_equal(B.uninformative_groups(rewards, correct, 2, "accuracy"),
+                                  [True, False, True, True])
+    with pytest.raises(ValueError, match="criterion"):
+        B.uninformative_groups(rewards, correct, 2, "variance")
+    sampler = B.DynamicSampler(n_prompts=1, group_size=2, enabled=True, max_rounds=1,
+                               criterion="accuracy")
+    r = _round(rewards)._replace(correct=correct)
+    assert sampler.add(r)
+    merged, metrics = sampler.batch(pad_id=0)
+    np.testing.assert_array_equal(merged.rewards, [1.0, -1.0])  # the one mixed group
+    assert metrics["dynamic_sampling/kept_fraction"] == 1 / 1 and metrics["dynamic_sampling/shortfall"] == 0
+
+
+def test_truncated_rows_end_tokens_at_the_limit_are_complete():
+    tokens = np.array([[5, 6, 2], [5, 6, 7], [5, 2, 0], [5, 6, 9]])
+    lengths = np.array([3, 3, 2, 3])
+    # Row 0 ends with EOS (2) at the limit, row 3 with a stop id (9): complete; row 1 is cut.
+    np.testing.assert_array_equal(B.truncated_rows(tokens, lengths, 3, (2, 9)), [False, True, False, False])
+    np.testing.assert_array_equal(B.truncated_rows(tokens, lengths, 3, ()), [True, True, False, True])

@@ -156,3 +156,11 @@ def test_compile_count_stops_growing_after_warm_up(tmp_path, monkeypatch):
     for _ in range(3):
         trainer.rl_iteration(run)
     assert dict(run.learner.trace_counts) == warm
+
+
+def test_capacity_dispatch_is_refused_for_rl(tmp_path):
+    # Capacity drops depend on the rows batched together: sampler, old-log-prob pass and
+    # minibatches would compute different policies (ratio != 1 at the first update).
+    config = tiny("grpo", extra="model.moe_dispatch=capacity")
+    with pytest.raises(ValueError, match="dropless"):
+        trainer.build_run(config, str(tmp_path))

@@ -59,7 +59,8 @@ from policyopt.rewards.batch import score_batch
 from policyopt.rl import build
 from policyopt.rl.async_generation import (AsyncGenerator, GroupCompletion, SlotConfig,
                                            SlotGenerator, staleness_bound)
-from policyopt.rl.batch import bucket, merge_rounds, round_from_rollout
+from policyopt.rl.batch import (DYNAMIC_SAMPLING_CRITERIA, bucket, merge_rounds, round_from_rollout,
+                                 truncated_rows, uninformative_groups)
 from policyopt.rl.evaluate import decode
 from policyopt.rl.trainer import RLRun, RunLoop, _checkpoint_state, build_run, train_on_batch
 
@@ -144,14 +145,15 @@ class PromptStream:
 
 def make_scorer(run: RLRun):
     """``GroupCompletion -> GroupCompletion`` with rewards, as the synchronous trainer
-    scores (``policyopt.rewards.batch.score_batch``; truncated = no EOS at the limit)."""
+    scores (``policyopt.rewards.batch.score_batch``; truncated: ``truncated_rows``)."""
     cfg, tokenizer = run.config, run.tokenizer
     num_new = cfg.sampling.max_new_tokens
 
     def score(completion: GroupCompletion) -> GroupCompletion:
         group = completion.tokens.shape[0]
         texts = decode(completion.tokens, completion.lengths, tokenizer)
-        truncated = (completion.lengths >= num_new) & (completion.tokens[:, -1] != tokenizer.eos_id)
+        truncated = truncated_rows(completion.tokens, completion.lengths, num_new,
+                                   run.sampling_config.end_ids)
         scores = score_batch(texts, [completion.meta["answer"]] * group, completion.lengths,
                              run.reward_spec, prompts=[completion.meta["prompt"]] * group,
                              num_workers=cfg.reward.num_workers, truncated=truncated)
@@ -196,14 +198,18 @@ def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
 class GroupBatcher:
     """Finished groups -> batches of ``n_prompts`` groups, in arrival order.
 
-    Dynamic sampling as ``policyopt.rl.batch.DynamicSampler`` (DAPO; Magistral drops
-    zero-variance groups): when enabled, groups with all-equal rewards are dropped until
-    ``n_prompts`` are kept or ``max_groups`` groups were seen; a short batch is completed
-    with the most recently dropped groups (zero advantage) and the shortfall reported.
+    Dynamic sampling as ``policyopt.rl.batch.DynamicSampler``: when enabled, uninformative
+    groups (``uninformative_groups`` under ``criterion``) are dropped until ``n_prompts``
+    are kept or ``max_groups`` groups were seen; a short batch is completed with the most
+    recently dropped groups (their loss mask is zeroed by ``async_iteration``) and the
+    shortfall reported.
     """
 
-    def __init__(self, n_prompts: int, group_size: int, *, enabled: bool, max_groups: int):
-        self.n_prompts, self.group_size = n_prompts, group_size
+    def __init__(self, n_prompts: int, group_size: int, *, enabled: bool, max_groups: int,
+                 criterion: str = "reward"):
+        if criterion not in DYNAMIC_SAMPLING_CRITERIA:
+            raise ValueError(f"criterion={criterion!r} is not one of {DYNAMIC_SAMPLING_CRITERIA}")
+        self.n_prompts, self.group_size, self.criterion = n_prompts, group_size, criterion
         self.enabled, self.max_groups = enabled, max(max_groups, n_prompts)
         self.kept: list[GroupCompletion] = []
         self.dropped: list[GroupCompletion] = []
@@ -212,7 +218,8 @@ class GroupBatcher:
     def add(self, group: GroupCompletion) -> bool:
         """Adds one scored group; True when the batch is complete."""
         self.seen += 1
-        if self.enabled and np.ptp(group.rewards) == 0:
+        if self.enabled and uninformative_groups(group.rewards, group.correct, self.group_size,
+                                                 self.criterion)[0]:
             self.dropped.append(group)
         else:
             self.kept.append(group)
@@ -282,6 +289,11 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
     groups, metrics = batcher.batch()
     waited = time.perf_counter() - start
     merged, versions, start_version, finish_version = assemble(groups, run)
+    fillers = int(metrics["dynamic_sampling/shortfall"])
+    if fillers:  # completed a short batch: they count in no loss, mean or statistic
+        mask = np.array(merged.mask, copy=True)
+        mask[-fillers * cfg.batch.group_size:] = 0
+        merged = merged._replace(mask=mask)
     rewards = np.concatenate([g.rewards for g in groups])
     correct = np.concatenate([g.correct for g in groups])
     lengths = np.concatenate([g.lengths for g in groups])
@@ -290,7 +302,9 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
         "batch/reward_mean": float(np.mean(merged.rewards)),
         "batch/accuracy": float(np.mean(merged.correct)),
         "response/length_mean": float(np.mean(lengths)), "response/length_max": float(np.max(lengths)),
-        "response/truncated_fraction": float(np.mean(lengths >= cfg.sampling.max_new_tokens)),
+        "response/truncated_fraction": float(np.mean(np.concatenate(
+            [truncated_rows(g.tokens, g.lengths, cfg.sampling.max_new_tokens, run.sampling_config.end_ids)
+             for g in groups]))),
         "time/wait_for_generator_s": waited,
         "async/queued": float(generator.queued),
         "async/segments": float(generator.stats["segments"]),
@@ -299,6 +313,11 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
     metrics.update(staleness_metrics(version, versions, start_version, finish_version))
     _, key_shuffle = jax.random.split(jax.random.fold_in(run.rng, run.iteration))
     metrics = train_on_batch(run, merged, metrics, key_shuffle)
+    # The sampler's routing here comes from older (and mixed) parameter versions, so its
+    # disagreement with the trainer's measures staleness, not numerics: named for that.
+    stale = "routing/sampler_trainer_disagreement"
+    metrics = {(k.replace(stale, "routing/stale_sampler_disagreement") if k.startswith(stale) else k): v
+               for k, v in metrics.items()}
     run.iteration += 1
     generator.publish(jax.tree.map(jnp.copy, run.state.params), run.iteration)
     metrics["time/iteration_s"] = time.perf_counter() - start
@@ -335,7 +354,8 @@ def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, qui
                             rows=slot_config.rows)
     ds = config.dynamic_sampling
     batcher = GroupBatcher(config.batch.n_prompts, group, enabled=ds.enabled,
-                           max_groups=ds.max_rounds * config.batch.n_prompts if ds.enabled else 0)
+                           max_groups=ds.max_rounds * config.batch.n_prompts if ds.enabled else 0,
+                           criterion=ds.criterion)
     loop = RunLoop(run, total, quiet=quiet)
     info = {}
     try:

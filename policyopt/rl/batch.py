@@ -70,6 +70,15 @@ def bucket(length: int, buckets: Sequence[int], *, name: str = "length") -> int:
                      f"(extend config.batch.*_buckets)")
 
 
+def truncated_rows(tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int,
+                   end_ids: Sequence[int]) -> np.ndarray:
+    """bool ``[B]``: responses that reached ``max_new_tokens`` without ending on an end
+    token (a response whose end token is its last allowed one is complete)."""
+    tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+    ended = np.isin(tokens[:, max_new_tokens - 1], np.asarray(end_ids, tokens.dtype))
+    return (lengths >= max_new_tokens) & ~ended
+
+
 def encode_prompts(prompts: Sequence[str], tokenizer, buckets: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Tokenises prompts (``tokenizer.encode_prompt``) and right-pads them to a bucket.
 
@@ -206,45 +215,74 @@ def merge_rounds(selected: Sequence[tuple[Round, np.ndarray]], group_size: int, 
         rewards=cat("rewards"), correct=cat("correct"), prompt_width=prompt_width)
 
 
+DYNAMIC_SAMPLING_CRITERIA = ("reward", "accuracy")
+
+
+def uninformative_groups(rewards: np.ndarray, correct: np.ndarray, group_size: int,
+                         criterion: str = "reward") -> np.ndarray:
+    """bool ``[N / G]``: the groups dynamic sampling drops.
+
+    ``"reward"``: all G rewards are equal (zero advantage under any group baseline;
+    Magistral drops these). ``"accuracy"``: all G samples are correct or all are wrong
+    (DAPO eq. 11, ``0 < |{o_i correct}| < G`` keeps a group); with overlong shaping in the
+    reward, an all-correct group of different lengths has unequal rewards but still goes.
+    """
+    if criterion == "reward":
+        grouped = np.asarray(rewards).reshape(-1, group_size)
+        return grouped.max(axis=1) == grouped.min(axis=1)
+    if criterion == "accuracy":
+        grouped = np.asarray(correct, bool).reshape(-1, group_size)
+        return grouped.all(axis=1) | ~grouped.any(axis=1)
+    raise ValueError(f"dynamic sampling criterion {criterion!r} is not one of {DYNAMIC_SAMPLING_CRITERIA}")
+
+
 class DynamicSampler:
     """Accumulates groups over sampling rounds until a batch of ``n_prompts`` is full.
 
-    DAPO's dynamic sampling: a group whose G rewards are all equal (accuracy 0 or 1) is
-    dropped; rounds continue until ``n_prompts`` groups are kept or ``max_rounds`` rounds
-    were drawn. A batch that is still short is completed with dropped groups (zero
-    advantage: they add no gradient but keep the batch shape fixed) and the shortfall is
+    DAPO's dynamic sampling: an uninformative group (``uninformative_groups``: all rewards
+    equal, or with ``criterion="accuracy"`` accuracy 0 or 1) is dropped; rounds continue
+    until ``n_prompts`` groups are kept or ``max_rounds`` rounds were drawn. A batch that
+    is still short is completed with dropped groups whose loss mask is 0 (they keep the
+    batch shape fixed and count in no loss, mean or statistic) and the shortfall is
     reported. With ``enabled=False`` one round is taken as it is.
     """
 
-    def __init__(self, n_prompts: int, group_size: int, *, enabled: bool, max_rounds: int):
+    def __init__(self, n_prompts: int, group_size: int, *, enabled: bool, max_rounds: int,
+                 criterion: str = "reward"):
+        if criterion not in DYNAMIC_SAMPLING_CRITERIA:
+            raise ValueError(f"criterion={criterion!r} is not one of {DYNAMIC_SAMPLING_CRITERIA}")
         self.n_prompts, self.group_size = n_prompts, group_size
-        self.enabled, self.max_rounds = enabled, max_rounds
+        self.enabled, self.max_rounds, self.criterion = enabled, max_rounds, criterion
         self.reset()
 
     def reset(self) -> None:
         self.kept: list[tuple[Round, np.ndarray]] = []
         self.dropped: list[tuple[Round, np.ndarray]] = []
         self.num_kept = 0
+        self.num_informative = 0  # drawn, including those beyond a full batch
         self.rounds = 0
 
     def add(self, r: Round) -> bool:
         """Adds one round; returns True when the batch is complete (full or cap reached)."""
         self.rounds += 1
-        grouped = r.rewards.reshape(-1, self.group_size)
-        zero_variance = grouped.max(axis=1) == grouped.min(axis=1)
-        if not self.enabled:
-            zero_variance = np.zeros_like(zero_variance)
-        keep = np.flatnonzero(~zero_variance)[: self.n_prompts - self.num_kept]
+        if self.enabled:
+            drop_mask = uninformative_groups(r.rewards, r.correct, self.group_size, self.criterion)
+        else:
+            drop_mask = np.zeros((len(r.rewards) // self.group_size,), bool)
+        informative = np.flatnonzero(~drop_mask)
+        self.num_informative += informative.size
+        keep = informative[: self.n_prompts - self.num_kept]
         if keep.size:
             self.kept.append((r, keep))
             self.num_kept += keep.size
-        drop = np.flatnonzero(zero_variance)
+        drop = np.flatnonzero(drop_mask)
         if drop.size:
             self.dropped.append((r, drop))
         return self.num_kept >= self.n_prompts or self.rounds >= self.max_rounds
 
     def batch(self, pad_id: int) -> tuple[Round, dict[str, float]]:
-        """The assembled batch and its dynamic-sampling metrics; then resets."""
+        """The assembled batch (kept groups first, then any fillers, masked out) and its
+        dynamic-sampling metrics; then resets."""
         selected = list(self.kept)
         shortfall = self.n_prompts - self.num_kept
         need = shortfall
@@ -260,10 +298,14 @@ class DynamicSampler:
         metrics = {
             "dynamic_sampling/rounds": float(self.rounds),
             "dynamic_sampling/prompts_drawn": float(total_groups),
-            "dynamic_sampling/kept_fraction": self.num_kept / total_groups,
+            "dynamic_sampling/kept_fraction": self.num_informative / total_groups,
             "dynamic_sampling/shortfall": float(shortfall),
         }
         merged = merge_rounds(selected, self.group_size, pad_id)
+        if shortfall > 0:
+            mask = np.array(merged.mask, copy=True)
+            mask[self.num_kept * self.group_size:] = 0
+            merged = merged._replace(mask=mask)
         self.reset()
         return merged, metrics
 

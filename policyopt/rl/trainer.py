@@ -47,7 +47,8 @@ from policyopt.losses import truncated_importance_weights
 from policyopt.metrics import MetricsWriter, Progress
 from policyopt.rewards.batch import score_batch
 from policyopt.rl import build
-from policyopt.rl.batch import Batch, DynamicSampler, bucket, minibatch_indices, round_from_rollout, take_rows
+from policyopt.rl.batch import (Batch, DynamicSampler, bucket, minibatch_indices, round_from_rollout,
+                                take_rows, truncated_rows)
 from policyopt.rl.critic import Critic, CriticConfig, GAEConfig, critic_optim, gae_targets, get_critic
 from policyopt.rl.evaluate import decode, evaluate
 from policyopt.rl.learner import Learner, LossConfig, OptimConfig, TrainState, get_learner
@@ -96,6 +97,14 @@ def build_run(config, workdir: str) -> RLRun:
     os.makedirs(workdir, exist_ok=True)
     tokenizer = build.make_tokenizer(config)
     model = build.make_model(config, tokenizer.vocab_size)
+    if model.config.is_moe and model.config.moe_dispatch == "capacity":
+        raise ValueError(
+            "config.model.moe_dispatch='capacity' drops token copies by their position in the "
+            "whole forward call, so a response's log-probs depend on the rows it is batched "
+            "with: the sampler (R rows per step), the old-log-prob pass and each minibatch "
+            "would compute different policies (ratio != 1 at the first update) and routing "
+            "replay does not replay the drops. RL needs a dropless dispatch ('ragged' or "
+            "'blocked').")
     graphdef, params = build.init_params(config, model)
     learner = get_learner(graphdef, LossConfig.from_config(config), OptimConfig.from_config(config.optim))
     ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
@@ -150,9 +159,10 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
     cfg = run.config
     group = cfg.batch.group_size
     sampler = DynamicSampler(cfg.batch.n_prompts, group, enabled=cfg.dynamic_sampling.enabled,
-                             max_rounds=cfg.dynamic_sampling.max_rounds if cfg.dynamic_sampling.enabled else 1)
+                             max_rounds=cfg.dynamic_sampling.max_rounds if cfg.dynamic_sampling.enabled else 1,
+                             criterion=cfg.dynamic_sampling.criterion)
     gen_time = score_time = 0.0
-    all_rewards, all_correct, all_lengths = [], [], []
+    all_rewards, all_correct, all_lengths, all_truncated = [], [], [], []
     done, round_index = False, 0
     while not done:
         prompts = next(run.data)
@@ -161,13 +171,15 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
                               prompts["prompt_lengths"], jax.random.fold_in(key, round_index),
                               config=run.sampling_config)
         tokens, lengths = jax.device_get((rollout.tokens, rollout.lengths))
+        truncated = truncated_rows(tokens, lengths, cfg.sampling.max_new_tokens,
+                                   run.sampling_config.end_ids)
         t1 = time.perf_counter()
         texts = decode(tokens, lengths, run.tokenizer)
         references = [a for a in prompts["answer"] for _ in range(group)]
         texts_prompts = [p for p in prompts["prompt"] for _ in range(group)]
         scores = score_batch(texts, references, lengths, run.reward_spec, prompts=texts_prompts,
                              num_workers=cfg.reward.num_workers,
-                             truncated=(lengths >= cfg.sampling.max_new_tokens) & (tokens[:, -1] != run.tokenizer.eos_id))
+                             truncated=truncated)
         t2 = time.perf_counter()
         gen_time, score_time = gen_time + t1 - t0, score_time + t2 - t1
         width = min(bucket(int(lengths.max()), cfg.batch.response_buckets, name="response length"),
@@ -178,6 +190,7 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
         all_rewards.append(scores.rewards)
         all_correct.append(scores.correct)
         all_lengths.append(lengths)
+        all_truncated.append(truncated)
         done = sampler.add(rnd)
         round_index += 1
     merged, metrics = sampler.batch(run.tokenizer.pad_id)
@@ -189,7 +202,7 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
         "batch/accuracy": float(np.mean(merged.correct)),
         "response/length_mean": float(np.mean(lengths)),
         "response/length_max": float(np.max(lengths)),
-        "response/truncated_fraction": float(np.mean(lengths >= cfg.sampling.max_new_tokens)),
+        "response/truncated_fraction": float(np.mean(np.concatenate(all_truncated))),
         "time/generate_s": gen_time, "time/score_s": score_time,
     })
     return merged, metrics
