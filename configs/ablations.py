@@ -137,9 +137,10 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
 def demo_setting(config, sft_checkpoint: str = "runs/demo/sft/checkpoints"):
     """An arm's recipe in the demo's setting (`configs/demo.py`, `make demo`): its model,
     task, sampling, batch geometry, optimiser, loop (with routing metrics) and evaluation,
-    started from the demo's SFT checkpoint; algorithm, reward, critic, dynamic sampling and
-    asynchronous mode stay the recipe's, and the critic's learning rate keeps the recipe's
-    ratio to the actor's. Returns a new, locked config."""
+    started from the demo's SFT checkpoint; algorithm, reward (but for the overlong ramp's
+    length, below), critic, dynamic sampling and asynchronous mode stay the recipe's, and
+    the critic's learning rate keeps the recipe's ratio to the actor's. Returns a new,
+    locked config."""
     from configs import demo  # noqa: PLC0415 (the demo recipe is only needed here)
 
     reference = demo.get_config()
@@ -153,6 +154,13 @@ def demo_setting(config, sft_checkpoint: str = "runs/demo/sft/checkpoints"):
     config.init_checkpoint = sft_checkpoint
     if config.algo.advantage == "gae":
         config.critic.lr = critic_ratio * config.optim.lr
+    # Overlong shaping (DAPO, Magistral) ramps over the last L_cache tokens of L_max =
+    # max_new_tokens = 20; the default L_cache (a quarter) would start it at 15 tokens and
+    # penalise the task's correct answers (up to 17 tokens; measured: DAPO 0.585 with the
+    # shaping vs 0.721 without). L_cache = 3 starts it past them, as DAPO's 4096 of 20480
+    # starts past its expected 16384 (L_cache / L_max 15% here, 20% there).
+    if config.reward.cache_len is None:
+        config.reward.cache_len = 3
     # The demo turns them off for speed; the ablation summary reports routing volatility.
     config.train.routing_metrics = True
     config.lock()
