@@ -241,7 +241,7 @@ def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotC
     num_new, fill = s.max_new_tokens, s.fill_id
     end_ids = jnp.asarray(s.end_ids, jnp.int32) if s.end_ids else None
     stop_window = _stop_window(s)
-    column = jnp.arange(num_new, dtype=jnp.int32)[None, :]
+    rows = jnp.arange(config.rows, dtype=jnp.int32)
     state = state.replace(cache=_compact(state.cache, config.window))
 
     def cond(carry):
@@ -268,24 +268,27 @@ def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotC
             for stop in s.stop_sequences:
                 stop_arr = jnp.asarray(stop, jnp.int32)
                 ended |= jnp.all(recent[:, stop_window - len(stop):] == stop_arr, axis=-1)
-        here = (column == st.step[:, None]) & live[:, None]  # [R, N]: this step's column
+        # This step's column of each live row; N (out of range: the write is dropped) for
+        # the others. Scatters touch R entries per step, not the whole [R, N] buffers.
+        column = jnp.where(live, st.step, num_new)
+
+        def put(buffer, values):
+            return buffer.at[rows, column].set(values.astype(buffer.dtype), mode="drop")
+
         out = model(tokens[:, None], positions=(st.prompt_lengths + st.step)[:, None],
                     attention_mask=live[:, None], cache=st.cache, return_logits=False)
         routing = st.routing
-        if routing is not None:
-            routing = jnp.where(here[None, :, :, None], out.routing.astype(jnp.int32), routing)
+        if routing is not None:  # [L, R, N, k] <- [L, R, 1, k]
+            routing = routing.at[:, rows, column].set(out.routing[:, :, 0].astype(jnp.int32), mode="drop")
         step = st.step + live.astype(jnp.int32)
         new_logits = _next_logits(model, out.hidden[:, 0])
         return i + 1, st.replace(
             cache=out.cache, done=st.done | (live & (ended | (step >= num_new))), step=step,
             logits=jnp.where(live[:, None], new_logits, logits),
             logits_version=jnp.where(live, version, st.logits_version),
-            tokens=jnp.where(here, tokens[:, None], st.tokens),
-            mask=jnp.where(here, 1.0, st.mask),
-            log_probs=jnp.where(here, log_probs[:, None], st.log_probs),
-            raw_log_probs=jnp.where(here, raw_log_probs[:, None], st.raw_log_probs),
-            versions=jnp.where(here, st.logits_version[:, None], st.versions),
-            routing=routing, recent=recent)
+            tokens=put(st.tokens, tokens), mask=put(st.mask, jnp.ones_like(log_probs)),
+            log_probs=put(st.log_probs, log_probs), raw_log_probs=put(st.raw_log_probs, raw_log_probs),
+            versions=put(st.versions, st.logits_version), routing=routing, recent=recent)
 
     _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
     return state
