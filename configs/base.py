@@ -286,6 +286,23 @@ def base_config() -> ml_collections.ConfigDict:
     # Seconds to wait for the generator thread to stop at the end or on an error.
     c.async_mode.join_timeout_s = 60.0
 
+    # ---- Device mesh (`policyopt.sharding`) -----------------------------------------------
+    # One mesh over every device of every host, one field per axis of
+    # `policyopt.sharding.MESH_AXES`: the sizes multiply to the device count, and at most
+    # one of them is -1 (the devices the others leave). The default puts every device on
+    # `data`, which on one CPU is a single device. Parameters and optimiser states are
+    # sharded by their logical axes, batch rows split over data x fsdp (replicated when
+    # the row count does not divide).
+    c.mesh = ml_collections.ConfigDict()
+    # Data parallelism: batch rows split, parameters replicated.
+    c.mesh.data = -1
+    # FSDP (ZeRO-3 style): batch rows split and parameters sharded along `embed`.
+    c.mesh.fsdp = 1
+    # Tensor parallelism: attention heads, MLP hidden units and the vocabulary split.
+    c.mesh.tensor = 1
+    # Expert parallelism: the MoE experts split.
+    c.mesh.expert = 1
+
     # ---- Evaluation on the held-out split --------------------------------------------------
     c.eval = ml_collections.ConfigDict()
     # Held-out prompts evaluated (at most task.num_test).
@@ -476,6 +493,14 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.async_mode.segment_steps must be >= 1, got {a.segment_steps}")
     if a.prompt_width is not None and a.prompt_width < 1:
         raise ValueError(f"config.async_mode.prompt_width must be >= 1, got {a.prompt_width}")
+    sizes = dict(config.mesh.items())
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            raise ValueError(f"config.mesh.{name} must be a positive int, or -1 for the devices the "
+                             f"other axes leave, got {size!r}")
+    if list(sizes.values()).count(-1) > 1:
+        axes = [name for name, size in sizes.items() if size == -1]
+        raise ValueError(f"config.mesh: at most one axis may be -1, got -1 for {axes}")
     if config.algo.routing_replay in ("R2", "R3") and config.algo.old_log_probs == "sampler":
         raise ValueError(f"config.algo.routing_replay={config.algo.routing_replay!r} needs the "
                          "trainer's old-log-prob forward (R2 records its routing, R3 replays the "

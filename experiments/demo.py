@@ -24,6 +24,7 @@ from absl import app, flags
 from configs import demo
 from policyopt.metrics import quiet_library_logging
 from policyopt.runtime import keep_freed_host_memory
+from policyopt.sharding import initialize_distributed
 from policyopt.rl.sft import run_sft
 from policyopt.rl.trainer import run_rl
 
@@ -37,6 +38,7 @@ _RERUN = flags.DEFINE_bool("rerun_rl", True,
 
 def main(argv):
     del argv
+    initialize_distributed()  # jax.distributed on a multi-host job; no-op on one host
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
     workdir = _WORKDIR.value

@@ -26,6 +26,7 @@ from configs.base import load_run_config
 from policyopt.metrics import quiet_library_logging
 from policyopt.rl.trainer import build_run, evaluate_run, restore
 from policyopt.runtime import keep_freed_host_memory
+from policyopt.sharding import initialize_distributed
 
 def define_flags() -> None:
     """The command line (defined when run as a script: importing ``evaluate_checkpoint``
@@ -70,6 +71,7 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, num_pr
 def main(argv):
     del argv
     args = flags.FLAGS
+    initialize_distributed()  # jax.distributed on a multi-host job; no-op on one host
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
     config = args.config or load_run_config(os.path.join(args.workdir, "config.json"))

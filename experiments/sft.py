@@ -12,6 +12,7 @@ from ml_collections import config_flags
 
 from policyopt.metrics import quiet_library_logging
 from policyopt.runtime import keep_freed_host_memory
+from policyopt.sharding import initialize_distributed
 from policyopt.rl.sft import run_sft
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe file (its sft.*, task.*, model.* fields are used).")
@@ -23,6 +24,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     del argv
+    initialize_distributed()  # jax.distributed on a multi-host job; no-op on one host
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
     summary = run_sft(_CONFIG.value, _WORKDIR.value, steps=_STEPS.value, init_checkpoint=_INIT.value)

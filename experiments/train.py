@@ -15,6 +15,7 @@ from ml_collections import config_flags
 
 from policyopt.metrics import quiet_library_logging
 from policyopt.runtime import keep_freed_host_memory
+from policyopt.sharding import initialize_distributed
 from policyopt.rl.async_rl import async_enabled, run_async_rl
 from policyopt.rl.trainer import run_rl
 
@@ -25,6 +26,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     del argv
+    initialize_distributed()  # jax.distributed on a multi-host job; no-op on one host
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
     config = _CONFIG.value

@@ -22,6 +22,15 @@ Typical use, identical on one CPU and on a pod::
     with jax.set_mesh(mesh):
       state, metrics = update(state, batch)
 
+The trainers (``policyopt.rl``: RL, asynchronous RL, SFT, evaluation) do this from the
+config's ``mesh`` block: ``learner.place_state`` puts a training state on the mesh (the
+optimiser's moments sharded as the parameters they mirror, ``optimizer_specs``),
+``shard_rows`` splits a batch's rows over ``data`` x ``fsdp`` when their number divides
+(else replicates them), and the steps constrain their outputs to the specs their inputs
+were placed with (``constrain_tree``; ``fit_spec`` writes specs in jit's canonical form),
+so every step compiles once per shape. Batches are built whole on one host: a multi-host
+job would need process-local batches assembled into global arrays, which is not done.
+
 Tests run it on 8 simulated CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
 """
@@ -32,10 +41,11 @@ import os
 from typing import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from policyopt.models.sharding import LOGICAL_AXIS_RULES, param_partition_specs
+from policyopt.models.sharding import LOGICAL_AXIS_RULES, logical_to_mesh_axes
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -93,32 +103,127 @@ def make_mesh(shape: Mapping[str, int] | None = None, devices=None) -> Mesh:
     return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types, devices=devices)
 
 
-def param_shardings(params, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
-    """``NamedSharding`` for every parameter of an ``nnx.State``, from its logical axes.
+def fit_spec(shape, spec: PartitionSpec, mesh) -> PartitionSpec:
+    """``spec`` for an array of ``shape`` on ``mesh`` (a ``Mesh`` or ``AbstractMesh``).
 
-    A dimension whose size the mesh axis does not divide is replicated instead (small test
-    models on large meshes), so any model can be put on any mesh.
+    A dimension whose size its mesh axes do not divide is replicated instead (small test
+    models on large meshes), so that any model fits any mesh. The spec is written in the
+    canonical form in which ``jax.jit`` reports the shardings of its outputs: mesh axes of
+    size 1 left out, a single axis as its name, no trailing replicated dimensions. A
+    jitted step whose outputs are constrained to the specs its inputs were placed with
+    then returns arrays whose shardings compare equal to the inputs', and the next call
+    reuses the compiled step (jit keys its cache on the sharding objects).
+    """
+    dims = []
+    for size, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        names = tuple(a for a in names if mesh.shape[a] > 1)
+        extent = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+        if not names or size % extent:
+            dims.append(None)
+        else:
+            dims.append(names[0] if len(names) == 1 else names)
+    while dims and dims[-1] is None:
+        dims.pop()
+    return PartitionSpec(*dims)
+
+
+def logical_spec(shape, logical_axes, mesh, rules=LOGICAL_AXIS_RULES) -> PartitionSpec:
+    """The ``PartitionSpec`` on ``mesh`` of an array of ``shape`` whose dimensions have these
+    logical names (``policyopt.models.sharding``), fitted by ``fit_spec``."""
+    return fit_spec(shape, logical_to_mesh_axes(logical_axes, rules, mesh.axis_names), mesh)
+
+
+def param_specs(params, mesh, rules=LOGICAL_AXIS_RULES):
+    """``PartitionSpec`` of every parameter of ``params`` on ``mesh``, from its logical axes.
+
+    Args:
+      params: an ``nnx.State`` of parameters, or any pytree of ``nnx.Variable`` and array
+        leaves (the critic's ``{"backbone": nnx.State, "head": {...}}``); arrays that are
+        not ``nnx.Variable`` have no logical axes and are replicated.
+      mesh: a ``Mesh``, or inside ``jax.jit`` the ``AbstractMesh`` set by ``jax.set_mesh``.
+      rules: logical axis -> mesh axes.
+
+    Returns:
+      ``params``' structure down to the variables, a ``PartitionSpec`` (``fit_spec``) in
+      place of each.
     """
     from flax import nnx
 
-    specs = param_partition_specs(params, rules, mesh.axis_names)
+    def spec(leaf):
+        if not isinstance(leaf, nnx.Variable):
+            return PartitionSpec()
+        axes = leaf.get_metadata().get("logical_axes") or ()
+        return logical_spec(leaf.get_value().shape, axes, mesh, rules)
 
-    def fit(variable, spec):
-        shape = variable.get_value().shape if isinstance(variable, nnx.Variable) else variable.shape
-        dims = []
-        for size, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-            names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-            extent = int(np.prod([mesh.shape[a] for a in names])) if names else 1
-            dims.append(axes if size % extent == 0 else None)
-        return NamedSharding(mesh, PartitionSpec(*dims))
+    return jax.tree.map(spec, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
-    is_leaf = lambda x: isinstance(x, nnx.Variable)
-    return jax.tree.map(fit, params, specs, is_leaf=is_leaf)
+
+def param_shardings(params, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
+    """``NamedSharding`` for every parameter of ``params``, from its logical axes
+    (``param_specs``): a dimension whose size the mesh axis does not divide is replicated."""
+    return named_shardings(param_specs(params, mesh, rules), mesh)
 
 
 def shard_params(params, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
     """Place an ``nnx.State`` of parameters on ``mesh`` by their logical axes."""
     return jax.device_put(params, param_shardings(params, mesh, rules))
+
+
+def optimizer_specs(optimizer, opt_state, specs):
+    """``PartitionSpec`` of every leaf of an optax state: each copy of the parameter tree it
+    holds (Adam's moments) as the parameters' ``specs`` (``param_specs``), everything else
+    (step counts) replicated (``optax.tree_utils.tree_map_params``)."""
+    import optax
+    from flax import nnx
+
+    return optax.tree_utils.tree_map_params(
+        optimizer, lambda _, spec: spec, opt_state, specs,
+        transform_non_params=lambda _: PartitionSpec(), is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def named_shardings(specs, mesh: Mesh):
+    """A tree of ``PartitionSpec`` as ``NamedSharding`` on ``mesh``."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def constrain_tree(tree, specs_fn):
+    """``with_sharding_constraint(tree, specs_fn(mesh))`` when a mesh is set
+    (``jax.set_mesh``; ``mesh`` is then the abstract mesh), ``tree`` unchanged otherwise.
+
+    Pins the outputs of a jitted step to the shardings its inputs were placed with, so the
+    next call (and a checkpoint restored onto them) finds the same shardings and reuses
+    the compiled step.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, specs_fn(mesh))
+
+
+def row_spec(shape, mesh, axis: int = 0) -> PartitionSpec:
+    """Dimension ``axis`` (the rows, logical ``batch``) split over ``data`` and ``fsdp`` when
+    they divide it, every other dimension replicated."""
+    return logical_spec(shape, (None,) * axis + ("batch",), mesh)
+
+
+def shard_rows(x, axis: int = 0, mesh: Mesh | None = None):
+    """``x`` on ``mesh`` (default: the one set by ``jax.set_mesh``) with its rows, dimension
+    ``axis``, split over ``data`` and ``fsdp`` when their number divides (``row_spec``),
+    else replicated. Without a mesh: ``x`` as a device array, as placed by default.
+    ``None`` stays ``None`` (optional batch fields).
+
+    Single host only: ``x`` is the whole (global) batch, which every process would have to
+    hold; building global arrays from process-local batches
+    (``jax.make_array_from_process_local_data``) is not done here.
+    """
+    if x is None:
+        return None
+    mesh = jax.sharding.get_mesh() if mesh is None else mesh
+    if mesh.empty:
+        return jnp.asarray(x)
+    return jax.device_put(x, NamedSharding(mesh, row_spec(np.shape(x), mesh, axis)))
 
 
 def batch_sharding(mesh: Mesh, rank: int = 2) -> NamedSharding:

@@ -8,7 +8,9 @@ from absl import flags
 from ml_collections import config_flags
 
 from configs import base
+from policyopt.rl import build
 from policyopt.rl.critic import GAEConfig
+from policyopt.sharding import MESH_AXES
 
 RECIPES = ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral", "demo", "ppo",
            "vc_ppo", "vapo")
@@ -161,3 +163,20 @@ def test_command_line_overrides_through_config_flags():
     with pytest.raises(Exception, match="tau_ng"):
         values(argv)
         holder.value
+
+
+def test_mesh_block_has_the_mesh_axes_and_checks_its_sizes():
+    config = load("grpo", "mesh.fsdp=2,mesh.tensor=2")
+    assert set(config.mesh.keys()) == set(MESH_AXES)
+    assert dict(config.mesh) == {"data": -1, "fsdp": 2, "tensor": 2, "expert": 1}
+    assert dict(load("sapo").mesh) == {"data": -1, "fsdp": 1, "tensor": 1, "expert": 1}  # one CPU: as before
+    with pytest.raises(ValueError, match="config.mesh.fsdp must be a positive int"):
+        load("grpo", "mesh.fsdp=0")
+    with pytest.raises(ValueError, match="config.mesh.expert must be a positive int"):
+        load("grpo", "mesh.expert=True")
+    with pytest.raises(ValueError, match=r"at most one axis may be -1, got -1 for \['data', 'tensor'\]"):
+        load("grpo", "mesh.tensor=-1")
+    with pytest.raises(KeyError, match="mesh.model"):
+        load("grpo", "mesh.model=2")
+    with pytest.raises(ValueError, match="config.mesh: .* 1 devices are not divisible by 4"):  # 1 CPU
+        build.make_mesh(config)

@@ -95,8 +95,9 @@ def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
 
 
 def test_resume_in_the_same_process_compiles_nothing_new(tmp_path):
-    # Restored arrays are committed to their device; the initial state is committed too
-    # (build.commit), so the jitted steps compiled before the save serve after restore.
+    # Restored arrays come back with the shardings of the target they are restored onto,
+    # the initial state placed on the run's mesh (learner.place_state), so the jitted
+    # steps compiled before the save serve after restore.
     config = tiny("grpo", extra="eval.num_prompts=0,train.checkpoint_every=100")
     first = trainer.run_rl(config, str(tmp_path), num_iterations=1, quiet=True)
     learner = first["run"].learner

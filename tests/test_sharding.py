@@ -11,7 +11,9 @@ import sys
 import textwrap
 
 import jax
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from policyopt import sharding
 
@@ -72,3 +74,28 @@ def test_make_mesh_sizes_and_errors():
         sharding.make_mesh({"data": 2, "tensor": 2}, devices=devices)
     with pytest.raises(ValueError, match="at most one axis"):
         sharding.make_mesh({"data": -1, "tensor": -1}, devices=devices)
+
+
+def test_specs_are_fitted_and_in_the_canonical_form_of_jit_outputs():
+    # jit reports its outputs' shardings without size-1 axes or trailing replicated
+    # dimensions; specs written the same way compare equal, so no step compiles twice.
+    mesh = jax.sharding.AbstractMesh((2, 2, 2, 1), sharding.MESH_AXES)
+    fit = sharding.fit_spec
+    assert fit((8, 6, 3), P(("data", "fsdp"), "tensor", "expert"), mesh) == P(("data", "fsdp"), "tensor")
+    assert fit((6, 8), P(("data", "fsdp"), ("tensor", "expert")), mesh) == P(None, "tensor")  # 6 % 4
+    assert fit((4, 4), P(("fsdp", "expert"), None), mesh) == P("fsdp")
+    assert sharding.row_spec((5, 8, 3), mesh, axis=1) == P(None, ("data", "fsdp"))
+    assert sharding.row_spec((6, 8), mesh) == P() and sharding.row_spec((), mesh) == P()
+    assert sharding.logical_spec((64, 8, 16), ("embed", "heads", "kv"), mesh) == P("fsdp", "tensor")
+
+
+def test_shard_rows_without_a_mesh_and_on_one_device():
+    rows = np.arange(12).reshape(4, 3)
+    assert sharding.shard_rows(None) is None
+    plain = sharding.shard_rows(rows)
+    assert isinstance(plain, jax.Array) and not plain.committed
+    mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        placed = sharding.shard_rows(rows, axis=1)
+    assert placed.committed and placed.sharding == NamedSharding(mesh, P())
+    np.testing.assert_array_equal(placed, rows)

@@ -23,6 +23,10 @@ from policyopt.models.sharding import constrain
 # start of a row) gets a uniform average instead of NaN, and is ignored downstream.
 _MASK_VALUE = -1e30
 
+# Logical axes of the cache's keys and values [L, B, S, Hkv, Dh]
+# (``policyopt.models.sharding``): rows follow the batch, heads the attention heads.
+CACHE_AXES = (None, "batch", "length", "kv_heads", "kv")
+
 
 @struct.dataclass
 class KVCache:
@@ -44,7 +48,8 @@ class KVCache:
     def create(cls, config: ModelConfig, batch_size: int, max_length: int, dtype=None):
         dtype = jnp.dtype(dtype) if dtype is not None else config.compute_dtype
         shape = (config.num_layers, batch_size, max_length, config.num_kv_heads, config.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+        zeros = lambda: constrain(jnp.zeros(shape, dtype), CACHE_AXES)
+        return cls(k=zeros(), v=zeros(),
                    key_mask=jnp.zeros((batch_size, max_length), bool),
                    index=jnp.zeros((), jnp.int32))
 
@@ -126,6 +131,7 @@ class Attention(nnx.Module):
             start = (layer, 0, cache.index, 0, 0)
             new_k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype)[None], start)
             new_v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype)[None], start)
+            new_k, new_v = constrain(new_k, CACHE_AXES), constrain(new_v, CACHE_AXES)
             key_mask = jax.lax.dynamic_update_slice(cache.key_mask, token_mask, (0, cache.index))
             cache = cache.replace(k=new_k, v=new_v, key_mask=key_mask)
             keys, values = new_k[layer].astype(dt), new_v[layer].astype(dt)

@@ -58,6 +58,7 @@ it, within its at most ceil(N / K) segments (at most ceil(N / K) - 1 per other r
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import threading
@@ -69,6 +70,8 @@ import numpy as np
 from absl import logging
 from flax import nnx, struct
 
+from policyopt import sharding
+from policyopt.models.attention import CACHE_AXES
 from policyopt.sampling import Rollout, SamplingConfig, _next_logits, _take
 
 __all__ = ["SlotConfig", "SlotGenerator", "GroupCompletion", "AsyncGenerator",
@@ -174,6 +177,27 @@ def _init_state(model, config: SlotConfig) -> _SlotState:
         recent=jnp.full((rows, window), -1, jnp.int32) if window else None)
 
 
+def _slot_specs(state: _SlotState, mesh) -> _SlotState:
+    """The ``PartitionSpec`` of every field of the slot state on ``mesh``: the R rows split
+    over ``data`` x ``fsdp`` when they divide (the routing along its row axis 1), the KV
+    cache by its logical axes (``CACHE_AXES``: rows, and key/value heads over ``tensor``),
+    its write index replicated."""
+    rows = lambda x, axis=0: sharding.row_spec(x.shape, mesh, axis)
+    specs = jax.tree.map(rows, state)
+    cache = state.cache
+    kv = sharding.logical_spec(cache.k.shape, CACHE_AXES, mesh)
+    specs = specs.replace(cache=specs.cache.replace(k=kv, v=kv))
+    if state.routing is not None:
+        specs = specs.replace(prompt_routing=rows(state.prompt_routing, 1), routing=rows(state.routing, 1))
+    return specs
+
+
+def _pin(state: _SlotState) -> _SlotState:
+    """The new slot state of a jitted step, constrained (under a mesh) to ``_slot_specs``,
+    the shardings its input was placed with, so the step compiles once."""
+    return sharding.constrain_tree(state, lambda mesh: _slot_specs(state, mesh))
+
+
 def _refill(graphdef, params, state: _SlotState, group, prompt, prompt_length, version, *,
             config: SlotConfig) -> _SlotState:
     """Prefills one prompt (under parameters `version`) into the G rows of slot `group`."""
@@ -221,7 +245,7 @@ def _refill(graphdef, params, state: _SlotState, group, prompt, prompt_length, v
             routing=put(state.routing, jnp.arange(k, dtype=jnp.int32), axis=1))
     if state.recent is not None:
         new = new.replace(recent=put(state.recent, -1))
-    return new
+    return _pin(new)
 
 
 def _compact(cache, window: int):
@@ -291,7 +315,7 @@ def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotC
             versions=put(st.versions, st.logits_version), routing=routing, recent=recent)
 
     _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
-    return state
+    return _pin(state)
 
 
 _refill_fn = jax.jit(_refill, static_argnums=(0,), static_argnames=("config",), donate_argnums=(2,))
@@ -347,16 +371,27 @@ class SlotGenerator:
       graphdef: the policy's NNX graph definition (params are passed per call).
       config: the slot geometry and sampling settings.
       params: any parameters of the right structure (used for shapes only).
+      mesh: the mesh the parameters live on (``policyopt.sharding``): the slot state is
+        placed on it (``_slot_specs``) and every step runs under ``jax.set_mesh`` in the
+        calling thread (the mesh context is per thread). None: the default device.
     """
 
-    def __init__(self, graphdef, config: SlotConfig, params):
-        self.graphdef, self.config = graphdef, config
-        # Committed to the device like every later state (the outputs of the jitted
-        # refill / segment): jit keys its cache on committedness, and an uncommitted first
-        # state would compile the refill (a prefill) more than once.
-        self.state = jax.device_put(_init_state(nnx.merge(graphdef, params), config), jax.devices()[0])
+    def __init__(self, graphdef, config: SlotConfig, params, mesh: jax.sharding.Mesh | None = None):
+        self.graphdef, self.config, self.mesh = graphdef, config, mesh
+        # Committed to the device(s) like every later state (the outputs of the jitted
+        # refill / segment, pinned to the same shardings): jit keys its cache on
+        # committedness and shardings, and a first state placed otherwise would compile
+        # the refill (a prefill) more than once.
+        state = _init_state(nnx.merge(graphdef, params), config)
+        if mesh is None:
+            self.state = jax.device_put(state, jax.devices()[0])
+        else:
+            self.state = jax.device_put(state, sharding.named_shardings(_slot_specs(state, mesh), mesh))
         self._meta: dict[int, dict] = {}
         self._active = np.zeros((config.num_groups,), bool)
+
+    def _on_mesh(self):
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def free_groups(self) -> list[int]:
         return [int(g) for g in np.flatnonzero(~self._active)]
@@ -376,8 +411,9 @@ class SlotGenerator:
         cfg = self.config
         length = int(prompt["prompt_length"])
         tokens = _fit_prompt(prompt["prompt_tokens"], length, cfg.prompt_width, cfg.sampling.fill_id)
-        self.state = _refill_fn(self.graphdef, params, self.state, jnp.int32(group), tokens,
-                                jnp.int32(length), jnp.int32(version), config=cfg)
+        with self._on_mesh():
+            self.state = _refill_fn(self.graphdef, params, self.state, jnp.int32(group), tokens,
+                                    jnp.int32(length), jnp.int32(version), config=cfg)
         self._meta[group] = {k: v for k, v in prompt.items() if k not in ("prompt_tokens", "prompt_length")}
         self._active[group] = True
 
@@ -385,7 +421,8 @@ class SlotGenerator:
         """Runs up to K decode steps under `params` and returns the groups that finished
         (their slots are free afterwards)."""
         cfg = self.config
-        self.state = _segment_fn(self.graphdef, params, self.state, jnp.int32(version), rng, config=cfg)
+        with self._on_mesh():
+            self.state = _segment_fn(self.graphdef, params, self.state, jnp.int32(version), rng, config=cfg)
         done = np.asarray(jax.device_get(self.state.done)).reshape(cfg.num_groups, cfg.group_size)
         finished = np.flatnonzero(self._active & done.all(axis=1))
         if finished.size == 0:
@@ -393,18 +430,21 @@ class SlotGenerator:
         self._active[finished] = False
         active = np.repeat(self._active, cfg.group_size)  # placed (committed) as the state is
         self.state = self.state.replace(active=jax.device_put(active, self.state.active.sharding))
-        return [self._completion(int(g), version) for g in finished]
+        # Every row to the host at once, then the finished groups' rows sliced there: a
+        # device-side slice per group would be a program compiled per group (and per mesh).
+        st = self.state
+        rows = jax.device_get(dict(
+            tokens=st.tokens, mask=st.mask, log_probs=st.log_probs, raw_log_probs=st.raw_log_probs,
+            versions=st.versions, prompt_tokens=st.prompt_tokens, prompt_lengths=st.prompt_lengths,
+            start_version=st.start_version, prompt_routing=st.prompt_routing, routing=st.routing))
+        return [self._completion(int(g), version, rows) for g in finished]
 
-    def _completion(self, group: int, version: int) -> GroupCompletion:
-        cfg, st = self.config, self.state
-        rows = slice(group * cfg.group_size, (group + 1) * cfg.group_size)
-        fields = jax.device_get(dict(
-            tokens=st.tokens[rows], mask=st.mask[rows], log_probs=st.log_probs[rows],
-            raw_log_probs=st.raw_log_probs[rows], versions=st.versions[rows],
-            prompt_tokens=st.prompt_tokens[rows], prompt_lengths=st.prompt_lengths[rows],
-            start_version=st.start_version[rows],
-            prompt_routing=None if st.routing is None else st.prompt_routing[:, rows],
-            routing=None if st.routing is None else st.routing[:, rows]))
+    def _completion(self, group: int, version: int, rows: dict) -> GroupCompletion:
+        """The GroupCompletion of slot ``group`` from ``rows``, the host copy of every row."""
+        cfg = self.config
+        at = slice(group * cfg.group_size, (group + 1) * cfg.group_size)
+        fields = {name: None if value is None else value[:, at] if name.endswith("routing") else value[at]
+                  for name, value in rows.items()}
         lengths = fields["prompt_lengths"].astype(np.int32)
         shift = cfg.prompt_width - int(lengths[0])  # one prompt per group
         prompt = np.where(np.arange(cfg.prompt_width)[None] < lengths[:, None],

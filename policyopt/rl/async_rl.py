@@ -189,7 +189,7 @@ def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
                              prompt_width=int(width),
                              segment_steps=min(acfg.segment_steps, cfg.sampling.max_new_tokens))
     params = jax.tree.map(jnp.copy, run.state.params)  # the update donates run.state
-    slots = SlotGenerator(run.graphdef, slot_config, params)
+    slots = SlotGenerator(run.graphdef, slot_config, params, mesh=run.mesh)
     rng = jax.random.fold_in(jax.random.fold_in(run.rng, 0x5EED), run.iteration)
     return AsyncGenerator(slots, stream, params, run.iteration, rng=rng, n_async=n_async,
                           score_fn=make_scorer(run), join_timeout_s=acfg.join_timeout_s)

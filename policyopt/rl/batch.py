@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from policyopt.sharding import shard_rows
+
 
 class Batch(NamedTuple):
     """One RL batch (or minibatch) in the training layout. R rows, S = P + N columns.
@@ -330,3 +332,12 @@ def take_rows(batch: Batch, rows: np.ndarray) -> Batch:
         routing=None if batch.routing is None else jnp.take(batch.routing, rows, axis=1),
         old_values=pick(batch.old_values), returns=pick(batch.returns),
         nll_weights=pick(batch.nll_weights))
+
+
+def shard_batch(batch: Batch) -> Batch:
+    """``batch`` with every field's rows split over the ``data`` and ``fsdp`` axes of the
+    mesh set by ``jax.set_mesh`` (routing along its row axis 1), replicated when the row
+    count does not divide (``policyopt.sharding.shard_rows``); without a mesh, as device
+    arrays placed by default."""
+    return Batch(*(shard_rows(value, axis=1 if name == "routing" else 0)
+                   for name, value in zip(Batch._fields, batch)))

@@ -1,14 +1,16 @@
-"""From a config to the objects of a run: tokenizer, model, task records, reward spec,
-initial parameters. Shared by RL (`policyopt.rl.trainer`) and SFT (`policyopt.rl.sft`)."""
+"""From a config to the objects of a run: device mesh, tokenizer, model, task records,
+reward spec, initial parameters. Shared by RL (`policyopt.rl.trainer`) and SFT
+(`policyopt.rl.sft`)."""
 
 from __future__ import annotations
 
 import functools
 import os
 
-import jax
 from flax import nnx
+from jax.sharding import Mesh
 
+from policyopt import sharding
 from policyopt.checkpoint import Checkpointer
 from policyopt.data import ArithmeticConfig, CharTokenizer, HFTokenizer, generate_arithmetic
 from policyopt.models import Transformer, preset
@@ -17,6 +19,16 @@ from policyopt.rl.learner import split_params
 
 _MODEL_OVERRIDES = ("num_layers", "hidden_size", "num_experts", "num_experts_per_tok", "dtype",
                     "param_dtype", "moe_dispatch")
+
+
+def make_mesh(config) -> Mesh:
+    """The run's mesh over every device (``policyopt.sharding.make_mesh``), one axis size
+    per field of ``config.mesh`` (checked by ``configs/base.check``)."""
+    shape = {name: int(config.mesh[name]) for name in sharding.MESH_AXES}
+    try:
+        return sharding.make_mesh(shape)
+    except ValueError as error:
+        raise ValueError(f"config.mesh: {error}") from None
 
 
 def make_tokenizer(config):
@@ -79,23 +91,16 @@ def correctness_spec() -> RewardSpec:
     return RewardSpec(task="math", format_reward=False)
 
 
-def init_params(config, model: nnx.Module):
-    """``(graphdef, params)`` of the initial policy: the model's own initialisation, or the
-    parameters of ``config.init_checkpoint`` (an SFT or RL checkpoint directory)."""
+def init_params(config, model: nnx.Module, mesh: Mesh):
+    """``(graphdef, params)`` of the initial policy, placed on ``mesh`` by the parameters'
+    logical axes (``policyopt.sharding.shard_params``): the model's own initialisation, or
+    the parameters of ``config.init_checkpoint`` (an SFT or RL checkpoint directory),
+    restored onto those shardings."""
     graphdef, params = split_params(model)
+    params = sharding.shard_params(params, mesh)
     if config.init_checkpoint:
         directory = config.init_checkpoint
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"config.init_checkpoint={directory!r} is not a directory")
         params = Checkpointer(directory).restore_subtree(("train", "params"), params)
-    return graphdef, commit(params)
-
-
-def commit(tree):
-    """``tree`` placed on (committed to) the default device.
-
-    Arrays restored by orbax are committed to their device, freshly created ones are not,
-    and ``jax.jit`` compiles separately for the two; committing the initial state too
-    keeps every jitted step at one compilation across save and restore.
-    """
-    return jax.device_put(tree, jax.devices()[0])
+    return graphdef, params

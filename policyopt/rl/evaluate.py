@@ -7,7 +7,8 @@
 
 Correctness is the math verifier of ``policyopt.rewards`` on the last ``\\boxed{}``.
 Prompts are sent in fixed-size chunks (the last one padded by repeating prompts whose
-results are discarded), so evaluation compiles the sampler once per prompt bucket.
+results are discarded), so evaluation compiles the sampler once per prompt bucket. Under
+``jax.set_mesh`` the prompts' rows are split over the mesh (``sharding.shard_rows``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 import numpy as np
 
 from policyopt.rewards.batch import RewardSpec, score_batch
+from policyopt.sharding import shard_rows
 from policyopt.rl.batch import encode_prompts
 from policyopt.sampling import Greedy, SamplingConfig, generate_fn, sampling_method
 
@@ -46,7 +48,7 @@ def complete(graphdef, params, prompts: Sequence[str], tokenizer, *, max_new_tok
         real = len(chunk)
         chunk += [chunk[0]] * (batch_size - real)
         tokens, prompt_lengths = encode_prompts(chunk, tokenizer, prompt_buckets)
-        rollout = generate_fn(graphdef, params, tokens, prompt_lengths,
+        rollout = generate_fn(graphdef, params, shard_rows(tokens), shard_rows(prompt_lengths),
                               jax.random.fold_in(rng, start), config=config)
         out_tokens, out_lengths = jax.device_get((rollout.tokens, rollout.lengths))
         rows = real * num_samples

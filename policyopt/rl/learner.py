@@ -31,7 +31,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+from jax.sharding import PartitionSpec
 
+from policyopt import sharding
 from policyopt.logprobs import token_log_probs
 from policyopt.losses import aggregate, nll_loss, policy_loss
 from policyopt.rl.batch import Batch
@@ -50,6 +52,23 @@ class TrainState:
     def create(cls, params, optimizer: optax.GradientTransformation) -> "TrainState":
         return cls(step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32),
                    params=params, opt_state=optimizer.init(params))
+
+
+def state_specs(state: TrainState, optimizer: optax.GradientTransformation, mesh) -> TrainState:
+    """The ``PartitionSpec`` of every part of ``state`` on ``mesh`` (a ``Mesh``, or inside
+    jit the ``AbstractMesh``): parameters by their logical axes
+    (``sharding.param_specs``), the optimiser's copies of them (Adam's moments) alike,
+    counters and the optimiser's step counts replicated."""
+    params = sharding.param_specs(state.params, mesh)
+    return TrainState(step=PartitionSpec(), skipped=PartitionSpec(), params=params,
+                      opt_state=sharding.optimizer_specs(optimizer, state.opt_state, params))
+
+
+def place_state(state: TrainState, optimizer: optax.GradientTransformation, mesh) -> TrainState:
+    """``state`` placed on ``mesh`` by ``state_specs``. ``guarded_update`` returns its state
+    with these shardings, and a checkpoint restored onto a placed state comes back with
+    them, so the jitted steps compile once for a run, across save and restore."""
+    return jax.device_put(state, sharding.named_shardings(state_specs(state, optimizer, mesh), mesh))
 
 
 def warmup_constant_schedule(lr: float, warmup_steps: int) -> optax.Schedule:
@@ -201,7 +220,8 @@ def guarded_update(loss_fn: Callable, optimizer: optax.GradientTransformation,
 
     A skipped step leaves ``params`` and ``opt_state`` bit-identical and increments
     ``state.skipped`` (``state.step`` counts applied updates only, so the learning-rate
-    schedule does not advance either).
+    schedule does not advance either). With a mesh set (``jax.set_mesh``) the new state
+    is constrained to ``state_specs``, the shardings ``place_state`` gives the input.
 
     Returns:
       ``(state, metrics)`` with ``update/grad_norm`` (before clipping), ``update/lr``
@@ -217,6 +237,7 @@ def guarded_update(loss_fn: Callable, optimizer: optax.GradientTransformation,
         step=state.step + finite.astype(jnp.int32),
         skipped=state.skipped + (~finite).astype(jnp.int32),
         params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state))
+    new_state = sharding.constrain_tree(new_state, lambda mesh: state_specs(state, optimizer, mesh))
     metrics = dict(metrics)
     metrics["update/grad_norm"] = grad_norm
     metrics["update/lr"] = jnp.asarray(schedule(state.step), jnp.float32)

@@ -12,6 +12,10 @@ iterator state is checkpointed) and the orbax checkpoint format, so
 
     summary = run_sft(config, workdir)                       # config.sft.* settings
     summary = run_sft(config, workdir2, steps=100, init_checkpoint=workdir + "/checkpoints")
+
+Devices as in RL (``policyopt.rl.trainer``): one mesh from ``config.mesh``, the training
+state placed by the parameters' logical axes, batch rows split over ``data`` x ``fsdp``
+when their number divides, every jitted call under ``jax.set_mesh``.
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from policyopt import sharding
 from policyopt.checkpoint import Checkpointer
 from policyopt.data.pipeline import make_pipeline
 from policyopt.losses import aggregate
 from policyopt.metrics import MetricsWriter, Progress
 from policyopt.rl import build
 from policyopt.rl.evaluate import evaluate
-from policyopt.rl.learner import OptimConfig, TrainState, forward_log_probs, guarded_update
+from policyopt.rl.learner import OptimConfig, TrainState, forward_log_probs, guarded_update, place_state
 
 
 def sft_layout(prompt_tokens: np.ndarray, prompt_lengths: np.ndarray, response_tokens: np.ndarray,
@@ -93,6 +98,7 @@ class SFTRun:
     data: Any
     update: Any
     checkpointer: Checkpointer
+    mesh: jax.sharding.Mesh  # every array of the run lives on it (config.mesh)
     step: int = 0
 
 
@@ -104,20 +110,22 @@ def make_sft_iterator(config, tokenizer, *, seed: int):
 
 
 def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SFTRun:
-    """Model, optimiser, data; restores ``workdir/checkpoints`` if it holds a checkpoint,
-    else starts from ``init_checkpoint`` (full training state: params and optimiser)."""
+    """Mesh, model, optimiser, data; restores ``workdir/checkpoints`` if it holds a
+    checkpoint, else starts from ``init_checkpoint`` (full training state: params and
+    optimiser), onto the shardings of the initial state."""
+    mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
     model = build.make_model(config, tokenizer.vocab_size)
-    graphdef, params = build.init_params(config, model)
+    graphdef, params = build.init_params(config, model, mesh)
     s = config.sft
     optim = OptimConfig(lr=float(s.lr), warmup_steps=int(s.warmup_steps),
                         weight_decay=float(s.weight_decay), max_grad_norm=s.max_grad_norm)
     update, optimizer = sft_update_fn(graphdef, optim)
-    state = build.commit(TrainState.create(params, optimizer))
+    state = place_state(TrainState.create(params, optimizer), optimizer, mesh)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints)
     run = SFTRun(config=config, tokenizer=tokenizer, graphdef=graphdef, state=state,
                  data=make_sft_iterator(config, tokenizer, seed=config.seed), update=update,
-                 checkpointer=checkpointer)
+                 checkpointer=checkpointer, mesh=mesh)
     if checkpointer.latest_step() is not None:
         restored, meta = checkpointer.restore({"train": run.state})
         run.state, run.step = restored["train"], int(meta["iteration"])
@@ -135,7 +143,8 @@ def sft_step(run: SFTRun) -> dict[str, float]:
     raw = next(run.data)
     arrays = sft_layout(raw["prompt_tokens"], raw["prompt_lengths"], raw["response_tokens"],
                         raw["response_lengths"], run.tokenizer.pad_id)
-    run.state, metrics = run.update(run.state, {k: jnp.asarray(v) for k, v in arrays.items()})
+    with jax.set_mesh(run.mesh):
+        run.state, metrics = run.update(run.state, {k: sharding.shard_rows(v) for k, v in arrays.items()})
     run.step += 1
     return metrics
 
@@ -145,13 +154,14 @@ def save_sft(run: SFTRun) -> None:
                           {"iteration": run.step, "data": run.data.get_state()})
 
 
-def evaluate_policy(config, graphdef, params, tokenizer) -> dict[str, float]:
-    """Greedy pass@1 (and mean@k if ``config.eval.k``) on the held-out split."""
+def evaluate_policy(config, graphdef, params, tokenizer, mesh) -> dict[str, float]:
+    """Greedy pass@1 (and mean@k if ``config.eval.k``) on the held-out split, on ``mesh``."""
     records = build.task_records(config, "test")[: config.eval.num_prompts]
-    return evaluate(graphdef, params, records, tokenizer, max_new_tokens=config.sampling.max_new_tokens,
-                    batch_size=config.eval.batch_size, prompt_buckets=tuple(config.batch.prompt_buckets),
-                    k=config.eval.k, temperature=config.eval.temperature,
-                    rng=jax.random.PRNGKey(config.seed + 1))
+    with jax.set_mesh(mesh):
+        return evaluate(graphdef, params, records, tokenizer, max_new_tokens=config.sampling.max_new_tokens,
+                        batch_size=config.eval.batch_size, prompt_buckets=tuple(config.batch.prompt_buckets),
+                        k=config.eval.k, temperature=config.eval.temperature,
+                        rng=jax.random.PRNGKey(config.seed + 1))
 
 
 def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: str | None = None,
@@ -183,12 +193,12 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
                 if progress and (run.step % max(1, total // 20) == 0 or run.step == total):
                     progress.update(run.step, metrics)
             if evaluate_every and run.step % evaluate_every == 0 and run.step < total:
-                result = evaluate_policy(config, run.graphdef, run.state.params, run.tokenizer)
+                result = evaluate_policy(config, run.graphdef, run.state.params, run.tokenizer, run.mesh)
                 writer.write(run.step, result)
         save_sft(run)
         result = {}
         if config.eval.num_prompts > 0:
-            result = evaluate_policy(config, run.graphdef, run.state.params, run.tokenizer)
+            result = evaluate_policy(config, run.graphdef, run.state.params, run.tokenizer, run.mesh)
             writer.write(run.step, result)
             if progress:
                 print(f"sft eval @ {run.step}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)

@@ -27,6 +27,15 @@ Routing replay (MoE): ``"R2"`` replays, in every update forward, the routing rec
 the old-log-prob forward; ``"R3"`` replays the sampler's routing in the old-log-prob
 forward and in every update forward (``PAPERS.md``). Only the expert selection is
 replayed; the model recomputes the gate weights from the current router.
+
+Devices: a run lives on one mesh (``config.mesh``, ``policyopt.sharding``; the default
+puts every device on ``data``, which on one CPU is today's single device). Parameters,
+optimiser states and the critic are sharded by the parameters' logical axes
+(``learner.place_state``), the run key is replicated, and the rows of every batch are
+split over ``data`` x ``fsdp`` when their number divides, else replicated
+(``sharding.shard_rows``). Every jitted call runs under ``jax.set_mesh(run.mesh)``, so
+the model's activation constraints apply. One host: the batches are built whole on the
+host (multi-host runs would need process-local batches assembled into global arrays).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from policyopt import sharding
 from policyopt.advantages import outcome_advantages
 from policyopt.checkpoint import Checkpointer
 from policyopt.data.pipeline import make_pipeline
@@ -48,10 +58,10 @@ from policyopt.metrics import MetricsWriter, Progress
 from policyopt.rewards.batch import score_batch
 from policyopt.rl import build
 from policyopt.rl.batch import (Batch, DynamicSampler, bucket, minibatch_indices, round_from_rollout,
-                                take_rows, truncated_rows)
+                                shard_batch, take_rows, truncated_rows)
 from policyopt.rl.critic import Critic, CriticConfig, GAEConfig, critic_optim, gae_targets, get_critic
 from policyopt.rl.evaluate import decode, evaluate
-from policyopt.rl.learner import Learner, LossConfig, OptimConfig, TrainState, get_learner
+from policyopt.rl.learner import Learner, LossConfig, OptimConfig, TrainState, get_learner, place_state
 from policyopt.rl.routing import routing_metrics
 from policyopt.sampling import SamplingConfig, generate_fn, sampling_method
 
@@ -73,6 +83,7 @@ class RLRun:
     sampling_config: SamplingConfig
     reward_spec: Any
     checkpointer: Checkpointer
+    mesh: jax.sharding.Mesh  # every array of the run lives on it (config.mesh)
     iteration: int = 0  # iterations completed
     # The last iteration's sampled batch (host Round) and update Batch, for inspection.
     last_round: Any = None
@@ -92,9 +103,11 @@ def make_prompt_iterator(config, records: list, *, seed: int):
 
 
 def build_run(config, workdir: str) -> RLRun:
-    """Builds model, learner, data and the initial state; restores the latest checkpoint
-    of ``workdir/checkpoints`` when there is one."""
+    """Builds the mesh, model, learner, data and the initial state (placed on the mesh);
+    restores the latest checkpoint of ``workdir/checkpoints`` when there is one, onto the
+    same shardings."""
     os.makedirs(workdir, exist_ok=True)
+    mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
     model = build.make_model(config, tokenizer.vocab_size)
     if model.config.is_moe and model.config.moe_dispatch == "capacity":
@@ -105,11 +118,11 @@ def build_run(config, workdir: str) -> RLRun:
             "would compute different policies (ratio != 1 at the first update) and routing "
             "replay does not replay the drops. RL needs a dropless dispatch ('ragged' or "
             "'blocked').")
-    graphdef, params = build.init_params(config, model)
+    graphdef, params = build.init_params(config, model, mesh)
     learner = get_learner(graphdef, LossConfig.from_config(config), OptimConfig.from_config(config.optim))
     ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
-    state = build.commit(learner.init_state(params))
-    rng = build.commit(jax.random.PRNGKey(config.seed))
+    state = place_state(learner.init_state(params), learner.optimizer, mesh)
+    rng = jax.device_put(jax.random.PRNGKey(config.seed), sharding.replicated(mesh))
     data = make_prompt_iterator(config, build.task_records(config, "train"), seed=config.seed)
     eval_records = build.task_records(config, "test")[: config.eval.num_prompts]
     s = config.sampling
@@ -121,10 +134,11 @@ def build_run(config, workdir: str) -> RLRun:
     run = RLRun(config=config, workdir=workdir, tokenizer=tokenizer, graphdef=graphdef,
                 learner=learner, state=state, ref_params=ref_params, rng=rng, data=data,
                 eval_records=eval_records, sampling_config=sampling_config,
-                reward_spec=build.reward_spec(config), checkpointer=checkpointer)
+                reward_spec=build.reward_spec(config), checkpointer=checkpointer, mesh=mesh)
     if config.algo.advantage == "gae":
         run.critic = get_critic(graphdef, CriticConfig.from_config(config), critic_optim(config))
-        run.critic_state = build.commit(run.critic.init_state(params, model.config.hidden_size))
+        critic_state = run.critic.init_state(params, model.config.hidden_size)
+        run.critic_state = place_state(critic_state, run.critic.optimizer, mesh)
     if checkpointer.latest_step() is not None:
         restore(run)
     return run
@@ -167,9 +181,9 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
     while not done:
         prompts = next(run.data)
         t0 = time.perf_counter()
-        rollout = generate_fn(run.graphdef, run.state.params, prompts["prompt_tokens"],
-                              prompts["prompt_lengths"], jax.random.fold_in(key, round_index),
-                              config=run.sampling_config)
+        rollout = generate_fn(run.graphdef, run.state.params, sharding.shard_rows(prompts["prompt_tokens"]),
+                              sharding.shard_rows(prompts["prompt_lengths"]),
+                              jax.random.fold_in(key, round_index), config=run.sampling_config)
         tokens, lengths = jax.device_get((rollout.tokens, rollout.lengths))
         truncated = truncated_rows(tokens, lengths, cfg.sampling.max_new_tokens,
                                    run.sampling_config.end_ids)
@@ -211,14 +225,14 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
 def _chunked_log_probs(learner: Learner, params, tokens, positions, attention_mask, mask,
                        routing, num_chunks: int):
     """``learner.log_probs`` over ``num_chunks`` equal row chunks (one compiled shape, the
-    minibatch's), concatenated: ``(log_probs [R, N], routing [L, R, S, k] or None)``."""
+    minibatch's, rows placed as a minibatch's), concatenated: ``(log_probs [R, N], routing
+    [L, R, S, k] or None)``."""
     per = tokens.shape[0] // num_chunks
     log_probs, routings = [], []
     for c in range(num_chunks):
-        rows = slice(c * per, (c + 1) * per)
-        replay = None if routing is None else routing[:, rows]
-        lp, _, used = learner.log_probs(params, tokens[rows], positions[rows], attention_mask[rows],
-                                        mask[rows], replay)
+        chunk = lambda x, axis=0: _rows(x, c * per, (c + 1) * per, axis)
+        lp, _, used = learner.log_probs(params, chunk(tokens), chunk(positions), chunk(attention_mask),
+                                        chunk(mask), chunk(routing, axis=1))
         log_probs.append(lp)
         routings.append(used)
     routing_out = None if routings[0] is None else jnp.concatenate(routings, axis=1)
@@ -229,10 +243,20 @@ def _chunked_values(critic: Critic, params, tokens, positions, attention_mask, m
                     num_chunks: int) -> jax.Array:
     """``critic.values`` over ``num_chunks`` equal row chunks (the minibatch's shape)."""
     per = tokens.shape[0] // num_chunks
-    chunks = [critic.values(params, tokens[c * per:(c + 1) * per], positions[c * per:(c + 1) * per],
-                            attention_mask[c * per:(c + 1) * per], mask[c * per:(c + 1) * per])
-              for c in range(num_chunks)]
+    chunks = []
+    for c in range(num_chunks):
+        chunk = lambda x: _rows(x, c * per, (c + 1) * per)
+        chunks.append(critic.values(params, chunk(tokens), chunk(positions), chunk(attention_mask),
+                                    chunk(mask)))
     return jnp.concatenate(chunks, axis=0)
+
+
+def _rows(x, start: int, stop: int, axis: int = 0):
+    """Rows ``[start, stop)`` of ``x`` (along ``axis``), placed as a batch's rows
+    (``sharding.shard_rows``); None stays None."""
+    if x is None:
+        return None
+    return sharding.shard_rows(jax.lax.slice_in_dim(x, start, stop, axis=axis), axis=axis)
 
 
 # Jitted once per response bucket (GAEConfig is static and hashable).
@@ -271,9 +295,10 @@ def minibatch_advantages(rewards, group_size: int, *, center: str = "group", eps
 def rl_iteration(run: RLRun) -> dict[str, float]:
     """Runs one RL iteration on ``run`` (state updated in place) and returns its metrics."""
     start = time.perf_counter()
-    key_sample, key_shuffle = jax.random.split(jax.random.fold_in(run.rng, run.iteration))
-    merged, metrics = _sample_batch(run, key_sample)
-    metrics = train_on_batch(run, merged, metrics, key_shuffle)
+    with jax.set_mesh(run.mesh):
+        key_sample, key_shuffle = jax.random.split(jax.random.fold_in(run.rng, run.iteration))
+        merged, metrics = _sample_batch(run, key_sample)
+        metrics = train_on_batch(run, merged, metrics, key_shuffle)
     run.iteration += 1
     metrics["time/iteration_s"] = time.perf_counter() - start
     return {k: float(v) for k, v in metrics.items()}
@@ -285,6 +310,11 @@ def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) ->
     replay, epochs x minibatches of updates, routing metrics. Updates ``run.state`` (and
     ``run.critic_state``), not ``run.iteration``; shared by ``rl_iteration`` and
     ``async_rl.async_iteration``. Returns ``metrics`` with this step's added."""
+    with jax.set_mesh(run.mesh):
+        return _train_on_batch(run, merged, metrics, key_shuffle)
+
+
+def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -> dict:
     cfg, learner = run.config, run.learner
     algo, group = cfg.algo, cfg.batch.group_size
     # Value pretraining / warm-up updates the critic only: the policy's forward passes
@@ -294,10 +324,10 @@ def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) ->
 
     # Old (and reference) log-probs from the trainer's forward pass.
     t0 = time.perf_counter()
-    tokens, positions = jnp.asarray(merged.tokens), jnp.asarray(merged.positions)
-    attention_mask, mask = jnp.asarray(merged.attention_mask), jnp.asarray(merged.mask)
-    sampler_routing = None if merged.routing is None else jnp.asarray(merged.routing)
-    behaviour = jnp.asarray(merged.behaviour_log_probs)
+    tokens, positions = sharding.shard_rows(merged.tokens), sharding.shard_rows(merged.positions)
+    attention_mask, mask = sharding.shard_rows(merged.attention_mask), sharding.shard_rows(merged.mask)
+    sampler_routing = sharding.shard_rows(merged.routing, axis=1)
+    behaviour = sharding.shard_rows(merged.behaviour_log_probs)
     n_chunks = cfg.batch.n_minibatches
     is_moe = sampler_routing is not None
     replay_old = sampler_routing if (is_moe and algo.routing_replay == "R3") else None
@@ -322,7 +352,7 @@ def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) ->
 
     # Advantages (and, for critic methods, the rollout's values and the value targets),
     # importance weights, the replayed routing.
-    rewards = jnp.asarray(merged.rewards)
+    rewards = sharding.shard_rows(merged.rewards)
     old_values = returns = None
     if run.critic is not None:
         t0 = time.perf_counter()
@@ -336,7 +366,7 @@ def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) ->
         scale = "none" if algo.adv_scale == "minibatch" else algo.adv_scale
         advantages = outcome_advantages(rewards, group, center=algo.adv_center, scale=scale, eps=algo.adv_eps)
     # VAPO's NLL term covers the correct samples.
-    nll_weights = jnp.asarray(merged.correct, jnp.float32) if algo.nll_coef > 0 else None
+    nll_weights = sharding.shard_rows(merged.correct.astype(np.float32)) if algo.nll_coef > 0 else None
     weights = None
     if algo.tis_cap is not None and policy_step:
         weights = truncated_importance_weights(old_log_probs, behaviour, mask, cap=algo.tis_cap)
@@ -361,6 +391,7 @@ def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) ->
             if algo.adv_scale == "minibatch" and run.critic is None:
                 minibatch = minibatch._replace(advantages=minibatch_advantages(
                     rewards[rows], group, center=algo.adv_center, eps=algo.adv_eps))
+            minibatch = shard_batch(minibatch)
             update_metrics = {}
             if not pretraining:
                 run.state, update_metrics = learner.update(run.state, minibatch)
@@ -401,11 +432,12 @@ def _block(tree, t0: float) -> float:
 def evaluate_run(run: RLRun) -> dict[str, float]:
     """Held-out evaluation of the current policy (``policyopt.rl.evaluate``)."""
     cfg = run.config
-    return evaluate(run.graphdef, run.state.params, run.eval_records, run.tokenizer,
-                    max_new_tokens=cfg.sampling.max_new_tokens, batch_size=cfg.eval.batch_size,
-                    prompt_buckets=tuple(cfg.batch.prompt_buckets), k=cfg.eval.k,
-                    temperature=cfg.eval.temperature,
-                    rng=jax.random.fold_in(run.rng, 10**9 + run.iteration))
+    with jax.set_mesh(run.mesh):
+        return evaluate(run.graphdef, run.state.params, run.eval_records, run.tokenizer,
+                        max_new_tokens=cfg.sampling.max_new_tokens, batch_size=cfg.eval.batch_size,
+                        prompt_buckets=tuple(cfg.batch.prompt_buckets), k=cfg.eval.k,
+                        temperature=cfg.eval.temperature,
+                        rng=jax.random.fold_in(run.rng, 10**9 + run.iteration))
 
 
 def run_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bool = False) -> dict:
