@@ -19,7 +19,8 @@ from configs import magistral, magistral_async, vapo
 from policyopt.metrics import read_jsonl
 from policyopt.rl import build
 from policyopt.rl.async_generation import (AsyncGenerator, GeneratorExhausted, SlotConfig,
-                                           SlotGenerator, _refill_fn, _segment_fn, staleness_bound)
+                                           SlotGenerator, _group_rows_fn, _refill_fn, _segment_fn,
+                                           staleness_bound)
 from policyopt.rl.async_rl import PromptStream, async_enabled, make_generator, run_async_rl
 from policyopt.rl.trainer import build_run
 from policyopt.rl.learner import split_params
@@ -213,7 +214,8 @@ def test_refill_and_segment_compile_once():
     graphdef, params, _ = policy()
     params = jax.device_put(params, jax.devices()[0])  # as run_async_rl's (committed) copies
     config = slot_config(num_groups=3, segment=3)  # a geometry no other test uses
-    before = (_refill_fn._cache_size(), _segment_fn._cache_size())
+    fns = (_refill_fn, _segment_fn, _group_rows_fn)  # prefill, decode, a finished group's rows
+    before = [fn._cache_size() for fn in fns]
     slots = SlotGenerator(graphdef, config, params)
     prompts = iter(random_prompts(6, seed=11))
     finished = 0
@@ -224,7 +226,7 @@ def test_refill_and_segment_compile_once():
                 slots.refill(group, prompt, params, segment)
         finished += len(slots.segment(params, segment, jax.random.PRNGKey(segment)))
     assert finished == 6 and slots.num_active == 0
-    assert (_refill_fn._cache_size() - before[0], _segment_fn._cache_size() - before[1]) == (1, 1)
+    assert [fn._cache_size() - b for fn, b in zip(fns, before)] == [1, 1, 1]
 
 
 def generator_threads():

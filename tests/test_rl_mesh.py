@@ -40,7 +40,7 @@ _SCRIPT = textwrap.dedent("""
     from jax.sharding import PartitionSpec as P
     from policyopt.metrics import read_jsonl
     from policyopt.rl import trainer
-    from policyopt.rl.async_generation import _refill_fn, _segment_fn
+    from policyopt.rl.async_generation import _group_rows_fn, _refill_fn, _segment_fn
     from policyopt.rl.async_rl import run_async_rl
     from policyopt.sampling import generate_fn
     from tests.test_rl_trainer import tiny
@@ -112,7 +112,7 @@ _SCRIPT = textwrap.dedent("""
         summary = run_async_rl(config, f"{out}/async", num_iterations=2, quiet=True)
         assert summary["iteration"] == 2 and np.isfinite(summary["metrics"]["loss/loss"])
         assert dict(learner.trace_counts) == compiled, (learner.trace_counts, compiled)
-        assert _refill_fn._cache_size() == _segment_fn._cache_size() == 1
+        assert _refill_fn._cache_size() == _segment_fn._cache_size() == _group_rows_fn._cache_size() == 1
         check_placement(summary["run"].state, {"fsdp", "tensor"})
         print("ok critic async", flush=True)
     """)

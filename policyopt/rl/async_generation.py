@@ -318,6 +318,19 @@ def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotC
     return _pin(state)
 
 
+def _group_rows(state: _SlotState, group, *, group_size: int) -> dict:
+    """The fields of a GroupCompletion for the G rows of slot ``group`` (routing: axis 1)."""
+    take = lambda x, axis=0: None if x is None else jax.lax.dynamic_slice_in_dim(
+        x, group * group_size, group_size, axis)
+    return dict(
+        tokens=take(state.tokens), mask=take(state.mask), log_probs=take(state.log_probs),
+        raw_log_probs=take(state.raw_log_probs), versions=take(state.versions),
+        prompt_tokens=take(state.prompt_tokens), prompt_lengths=take(state.prompt_lengths),
+        start_version=take(state.start_version), prompt_routing=take(state.prompt_routing, 1),
+        routing=take(state.routing, 1))
+
+
+_group_rows_fn = jax.jit(_group_rows, static_argnames=("group_size",))
 _refill_fn = jax.jit(_refill, static_argnums=(0,), static_argnames=("config",), donate_argnums=(2,))
 _segment_fn = jax.jit(_segment, static_argnums=(0,), static_argnames=("config",), donate_argnums=(2,))
 
@@ -430,21 +443,14 @@ class SlotGenerator:
         self._active[finished] = False
         active = np.repeat(self._active, cfg.group_size)  # placed (committed) as the state is
         self.state = self.state.replace(active=jax.device_put(active, self.state.active.sharding))
-        # Every row to the host at once, then the finished groups' rows sliced there: a
-        # device-side slice per group would be a program compiled per group (and per mesh).
-        st = self.state
-        rows = jax.device_get(dict(
-            tokens=st.tokens, mask=st.mask, log_probs=st.log_probs, raw_log_probs=st.raw_log_probs,
-            versions=st.versions, prompt_tokens=st.prompt_tokens, prompt_lengths=st.prompt_lengths,
-            start_version=st.start_version, prompt_routing=st.prompt_routing, routing=st.routing))
-        return [self._completion(int(g), version, rows) for g in finished]
+        return [self._completion(int(g), version) for g in finished]
 
-    def _completion(self, group: int, version: int, rows: dict) -> GroupCompletion:
-        """The GroupCompletion of slot ``group`` from ``rows``, the host copy of every row."""
+    def _completion(self, group: int, version: int) -> GroupCompletion:
+        """The GroupCompletion of slot ``group``: its G rows, sliced on the device by one
+        program compiled once (the group index is traced), then copied to the host."""
         cfg = self.config
-        at = slice(group * cfg.group_size, (group + 1) * cfg.group_size)
-        fields = {name: None if value is None else value[:, at] if name.endswith("routing") else value[at]
-                  for name, value in rows.items()}
+        with self._on_mesh():
+            fields = jax.device_get(_group_rows_fn(self.state, jnp.int32(group), group_size=cfg.group_size))
         lengths = fields["prompt_lengths"].astype(np.int32)
         shift = cfg.prompt_width - int(lengths[0])  # one prompt per group
         prompt = np.where(np.arange(cfg.prompt_width)[None] < lengths[:, None],
