@@ -93,6 +93,15 @@ def test_outcome_advantages_hand_worked():
         assert np.all(np.isfinite(got))
         if center == "group":
             assert np.all(np.asarray(got) == 0)
+    # Values whose float32 group mean is not the value itself (0.9 at G = 16 or 64 gave
+    # advantages of 0.1-0.2 from rounding divided by eps): still exact zeros.
+    for group_size in (3, 16, 64):
+        rewards = np.full(2 * group_size, 0.9, np.float32)
+        rewards[group_size] = 0.1  # the second group is informative
+        for scale in ("group", "batch", "none"):
+            got = np.asarray(adv.outcome_advantages(rewards, group_size, scale=scale))
+            assert np.all(got[:group_size] == 0), (group_size, scale)
+            assert np.any(got[group_size:] != 0)
 
 
 def test_outcome_advantages_errors():
