@@ -219,9 +219,9 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
         "critic.pretrain_iterations=1,algo.gae_length_adaptive=False,algo.gae_lambda=0.95,"
         "algo.adv_whiten=False,train.checkpoint_every=100"))
     run = trainer.build_run(config, str(tmp_path))
-    # Start from a checkpoint of iteration 0: restored arrays are committed to their device,
-    # which jit keys its cache on; starting like the resumed run below, both share compiled
-    # functions (a fresh run's uncommitted arrays would compile everything a second time).
+    # Start from a checkpoint of iteration 0, like the resumed run below: both start from
+    # restored state (placed on the run's mesh with the same shardings) and share
+    # compiled functions.
     trainer.save(run)
     run = trainer.build_run(config, str(tmp_path))
     run.critic_state = run.critic_state.replace(params=_random_head(run.critic_state.params))

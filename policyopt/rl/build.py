@@ -102,5 +102,6 @@ def init_params(config, model: nnx.Module, mesh: Mesh):
         directory = config.init_checkpoint
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"config.init_checkpoint={directory!r} is not a directory")
-        params = Checkpointer(directory).restore_subtree(("train", "params"), params)
+        with Checkpointer(directory) as source:
+            params = source.restore_subtree(("train", "params"), params)
     return graphdef, params

@@ -131,8 +131,8 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
         run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
     elif init_checkpoint:
-        source = Checkpointer(init_checkpoint)
-        restored, meta = source.restore({"train": run.state})
+        with Checkpointer(init_checkpoint) as source:
+            restored, meta = source.restore({"train": run.state})
         run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
     return run
