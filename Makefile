@@ -35,6 +35,7 @@ bench: install-test
 	$(TEST_ENV) $(PY) -m benchmarks.bench_core
 	$(TEST_ENV) $(PY) benchmarks/bench_moe.py
 	$(TEST_ENV) $(PY) -m benchmarks.bench_sampling
+	$(TEST_ENV) $(PY) -m benchmarks.bench_async
 	$(TEST_ENV) $(PY) -m benchmarks.bench_rewards
 	$(TEST_ENV) $(PY) -m benchmarks.bench_rl
 
