@@ -374,6 +374,12 @@ def split_variant(arg: str) -> list[str]:
     return [item for item in items if item.strip()]
 
 
+# Fields that `scale=paper` must set, from the recipe's paper or from the variant: the
+# CPU default (24 tokens) silently changes the methods at scale (VAPO's length-adaptive
+# lambda, Dr. GRPO's constant, overlong shaping).
+PAPER_SCALE_REQUIRED = ("sampling.max_new_tokens",)
+
+
 def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
                   paper: dict | None = None) -> ml_collections.ConfigDict:
     """Applies a variant string `key=value,key=value` (see the module docstring).
@@ -411,11 +417,6 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
             f"variant, e.g. scale=paper,{missing[0]}=16384")
     return config
 
-
-# Fields that `scale=paper` must set, from the recipe's paper or from the variant: the
-# CPU default (24 tokens) silently changes the methods at scale (VAPO's length-adaptive
-# lambda, Dr. GRPO's constant, overlong shaping).
-PAPER_SCALE_REQUIRED = ("sampling.max_new_tokens",)
 
 
 def finalize(config: ml_collections.ConfigDict, arg: str | None,
