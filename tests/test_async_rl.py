@@ -18,10 +18,10 @@ from flax import nnx
 from configs import magistral, magistral_async, vapo
 from policyopt.metrics import read_jsonl
 from policyopt.rl import build
-from policyopt.rl.async_generation import (AsyncGenerator, GeneratorExhausted, SlotConfig,
-                                           SlotGenerator, _group_rows_fn, _refill_fn, _segment_fn,
-                                           staleness_bound)
-from policyopt.rl.async_rl import PromptStream, async_enabled, make_generator, run_async_rl
+from policyopt.rl.async_generation import (AsyncGenerator, GeneratorExhausted, GroupCompletion,
+                                           SlotConfig, SlotGenerator, _group_rows_fn, _refill_fn,
+                                           _segment_fn, staleness_bound)
+from policyopt.rl.async_rl import GroupBatcher, PromptStream, async_enabled, make_generator, run_async_rl
 from policyopt.rl.trainer import build_run
 from policyopt.rl.learner import split_params
 from policyopt.sampling import Greedy, SamplingConfig, generate_fn, sampling_method
@@ -426,3 +426,29 @@ def test_config_fields_and_errors():
     assert async_enabled(vapo.get_config("async_mode.enabled=True"))
     with pytest.raises(ValueError, match="async_mode.segment_steps"):
         vapo.get_config("async_mode.enabled=True,async_mode.segment_steps=0")
+
+
+def test_group_batcher_drops_by_criterion_and_reports_the_fillers():
+    def group(rewards, correct):
+        g = len(rewards)
+        return GroupCompletion(
+            tokens=np.zeros((g, 2), np.int32), mask=np.ones((g, 2), np.float32),
+            log_probs=np.zeros((g, 2), np.float32), raw_log_probs=np.zeros((g, 2), np.float32),
+            lengths=np.full(g, 2, np.int32), prompt_tokens=np.zeros((g, 1), np.int32),
+            prompt_lengths=np.ones(g, np.int32), routing=None, versions=np.zeros((g, 2), np.int32),
+            start_version=0, finish_version=0, meta={}, rewards=np.asarray(rewards, np.float32),
+            correct=np.asarray(correct, bool))
+
+    all_correct = group([1.0, 0.5], [True, True])  # unequal rewards (length penalty)
+    mixed = group([1.0, -1.0], [True, False])
+    by_reward = GroupBatcher(2, 2, enabled=True, max_groups=4)
+    assert not by_reward.add(all_correct) and by_reward.add(mixed)
+    by_accuracy = GroupBatcher(2, 2, enabled=True, max_groups=3, criterion="accuracy")
+    assert not by_accuracy.add(all_correct) and not by_accuracy.add(mixed)
+    assert by_accuracy.add(group([-1.0, -1.0], [False, False]))  # max_groups reached
+    groups, metrics = by_accuracy.batch()
+    # The kept group, then the latest dropped one as a filler, which async_iteration masks.
+    assert groups[0] is mixed and metrics["dynamic_sampling/shortfall"] == 1
+    assert metrics["dynamic_sampling/kept_fraction"] == 1 / 3
+    with pytest.raises(ValueError, match="criterion"):
+        GroupBatcher(2, 2, enabled=True, max_groups=4, criterion="std")

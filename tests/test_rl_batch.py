@@ -77,6 +77,7 @@ def test_dynamic_sampling_cap_fills_with_zero_variance_groups_and_reports_shortf
     # The filler group (last) keeps the shape but counts in no loss or mean: mask 0.
     np.testing.assert_array_equal(merged.rewards, [1, 0, 1, 1])
     np.testing.assert_array_equal(merged.mask, [[1, 1], [1, 1], [0, 0], [0, 0]])
+    assert B.mask_fillers(merged, 0, 2) is merged  # nothing to mask
     disabled = B.DynamicSampler(n_prompts=2, group_size=2, enabled=False, max_rounds=1)
     assert disabled.add(_round([1, 1, 0, 0]))
     merged, metrics = disabled.batch(pad_id=0)

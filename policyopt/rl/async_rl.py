@@ -59,8 +59,8 @@ from policyopt.rewards.batch import score_batch
 from policyopt.rl import build
 from policyopt.rl.async_generation import (AsyncGenerator, GroupCompletion, SlotConfig,
                                            SlotGenerator, staleness_bound)
-from policyopt.rl.batch import (DYNAMIC_SAMPLING_CRITERIA, bucket, merge_rounds, round_from_rollout,
-                                 truncated_rows, uninformative_groups)
+from policyopt.rl.batch import (DYNAMIC_SAMPLING_CRITERIA, bucket, mask_fillers, merge_rounds,
+                                round_from_rollout, truncated_rows, uninformative_groups)
 from policyopt.rl.evaluate import decode
 from policyopt.rl.trainer import RLRun, RunLoop, _checkpoint_state, build_run, train_on_batch
 
@@ -201,7 +201,7 @@ class GroupBatcher:
     Dynamic sampling as ``policyopt.rl.batch.DynamicSampler``: when enabled, uninformative
     groups (``uninformative_groups`` under ``criterion``) are dropped until ``n_prompts``
     are kept or ``max_groups`` groups were seen; a short batch is completed with the most
-    recently dropped groups (their loss mask is zeroed by ``async_iteration``) and the
+    recently dropped groups (``async_iteration`` masks them out, ``mask_fillers``) and the
     shortfall reported.
     """
 
@@ -289,11 +289,7 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
     groups, metrics = batcher.batch()
     waited = time.perf_counter() - start
     merged, versions, start_version, finish_version = assemble(groups, run)
-    fillers = int(metrics["dynamic_sampling/shortfall"])
-    if fillers:  # completed a short batch: they count in no loss, mean or statistic
-        mask = np.array(merged.mask, copy=True)
-        mask[-fillers * cfg.batch.group_size:] = 0
-        merged = merged._replace(mask=mask)
+    merged = mask_fillers(merged, int(metrics["dynamic_sampling/shortfall"]), cfg.batch.group_size)
     rewards = np.concatenate([g.rewards for g in groups])
     correct = np.concatenate([g.correct for g in groups])
     lengths = np.concatenate([g.lengths for g in groups])

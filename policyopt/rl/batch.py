@@ -303,13 +303,20 @@ class DynamicSampler:
             "dynamic_sampling/kept_fraction": self.num_informative / total_groups,
             "dynamic_sampling/shortfall": float(shortfall),
         }
-        merged = merge_rounds(selected, self.group_size, pad_id)
-        if shortfall > 0:
-            mask = np.array(merged.mask, copy=True)
-            mask[self.num_kept * self.group_size:] = 0
-            merged = merged._replace(mask=mask)
+        merged = mask_fillers(merge_rounds(selected, self.group_size, pad_id), shortfall, self.group_size)
         self.reset()
         return merged, metrics
+
+
+def mask_fillers(r: Round, num_fillers: int, group_size: int) -> Round:
+    """``r`` with the loss mask of its last ``num_fillers`` groups set to 0: the groups that
+    complete a short dynamic-sampling batch keep its shape and count in no loss, mean or
+    statistic (under token-mean they would otherwise sit in the denominator)."""
+    if num_fillers <= 0:
+        return r
+    mask = np.array(r.mask, copy=True)
+    mask[-num_fillers * group_size:] = 0
+    return r._replace(mask=mask)
 
 
 def minibatch_indices(num_groups: int, group_size: int, n_minibatches: int, rng: jax.Array | None) -> list[np.ndarray]:
