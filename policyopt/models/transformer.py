@@ -122,7 +122,12 @@ class Transformer(nnx.Module):
             if tuple(routing.shape) != expected:
                 raise ValueError(f"routing must have shape [L_moe, B, T, k] = {expected}, "
                                  f"got {tuple(routing.shape)}")
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
+        # The table is gathered whole along `embed` first (as FSDP gathers every weight at
+        # use): a lookup into a table sharded along `embed` yields rows sharded along it,
+        # which XLA can only reshard to batch rows by replicating them in full
+        # ("involuntary full rematerialization" on a data x fsdp x tensor mesh).
+        table = constrain(self.embed[...], ("vocab", None))
+        x = jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype)
         x = constrain(x, ("batch", "length", "embed"))
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         routings, auxes = [], []
