@@ -26,7 +26,7 @@ from configs.base import load_run_config
 from policyopt.metrics import quiet_library_logging
 from policyopt.rl.trainer import build_run, evaluate_run, restore
 from policyopt.runtime import keep_freed_host_memory
-from policyopt.sharding import initialize_distributed
+from policyopt.sharding import initialize_distributed, is_primary
 
 def define_flags() -> None:
     """The command line (defined when run as a script: importing ``evaluate_checkpoint``
@@ -77,6 +77,8 @@ def main(argv):
     config = args.config or load_run_config(os.path.join(args.workdir, "config.json"))
     result = evaluate_checkpoint(config, args.workdir, step=args.step,
                                  num_prompts=args.num_prompts, k=args.k, temperature=args.temperature)
+    if not is_primary():  # every process evaluated; process 0 writes
+        return
     path = os.path.join(args.workdir, f"eval_step{result['step']}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

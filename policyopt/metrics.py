@@ -53,13 +53,19 @@ class MetricsWriter:
       workdir: run directory (created if missing).
       filename: name of the JSONL file inside ``workdir``.
       tensorboard: also write TensorBoard events under ``<workdir>/tensorboard``.
+      enabled: when False, ``write`` only converts the record and nothing is written (the
+        processes other than 0 of a multi-process job, ``policyopt.sharding.is_primary``).
     """
 
-    def __init__(self, workdir: str, *, filename: str = "metrics.jsonl", tensorboard: bool = True):
-        os.makedirs(workdir, exist_ok=True)
+    def __init__(self, workdir: str, *, filename: str = "metrics.jsonl", tensorboard: bool = True,
+                 enabled: bool = True):
         self.path = os.path.join(workdir, filename)
-        self._file: TextIO = open(self.path, "a", encoding="utf-8")
+        self._file: TextIO | None = None
         self._tb = None
+        if not enabled:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: slow import
 
@@ -68,6 +74,8 @@ class MetricsWriter:
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         """Logs one record at ``step``; returns it as Python floats."""
         scalars = to_scalars(metrics)
+        if self._file is None:
+            return scalars
         record = {"step": int(step), **{k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()}}
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
@@ -77,12 +85,14 @@ class MetricsWriter:
         return scalars
 
     def flush(self) -> None:
-        self._file.flush()
+        if self._file is not None:
+            self._file.flush()
         if self._tb is not None:
             self._tb.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
 

@@ -28,8 +28,16 @@ optimiser's moments sharded as the parameters they mirror, ``optimizer_specs``),
 ``shard_rows`` splits a batch's rows over ``data`` x ``fsdp`` when their number divides
 (else replicates them), and the steps constrain their outputs to the specs their inputs
 were placed with (``constrain_tree``; ``fit_spec`` writes specs in jit's canonical form),
-so every step compiles once per shape. Batches are built whole on one host: a multi-host
-job would need process-local batches assembled into global arrays, which is not done.
+so every step compiles once per shape.
+
+Several processes (hosts; ``initialize_distributed``) run the same program on one global
+mesh. The host side is replicated: every process reads the same prompts, builds the same
+whole batch and places its own shards of it (``shard_rows``); what comes back to the host
+(a rollout to score) is gathered from every process (``to_host``, a collective), so each
+scores every row; process 0 writes logs and metrics (``is_primary``), every process takes
+part in each checkpoint (orbax). ``tests/test_multihost.py`` trains on two processes and
+gets the numbers of one device. Scoring only a process's own rows (then gathering the
+rewards) would divide the verifier work by the number of hosts; not done.
 
 Tests run it on 8 simulated CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
@@ -43,6 +51,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from policyopt.models.sharding import LOGICAL_AXIS_RULES, logical_to_mesh_axes
@@ -51,18 +60,53 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 
 def initialize_distributed() -> None:
-    """Start ``jax.distributed`` when the environment describes a multi-host job.
+    """Start ``jax.distributed`` when the environment describes a multi-process job.
 
-    On a single host (no coordinator address in the environment, one process) this does
-    nothing, so scripts call it unconditionally. On clusters JAX discovers the coordinator
-    itself (SLURM, TPU pods, ``JAX_COORDINATOR_ADDRESS`` + ``JAX_NUM_PROCESSES`` +
-    ``JAX_PROCESS_ID``).
+    One process (no coordinator address in the environment, no SLURM job, at most one
+    process) does nothing, so scripts call it unconditionally, before any other JAX call.
+    With ``JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0), ``JAX_NUM_PROCESSES``
+    and ``JAX_PROCESS_ID`` set, those are passed to ``jax.distributed.initialize``; without
+    them JAX discovers the job itself (SLURM, Open MPI, TPU pods). The CPU backend runs
+    its cross-process collectives through Gloo (JAX's default), so the same job runs on
+    several CPU processes (``tests/test_multihost.py``).
+
+    Every process then runs the same program: it sees every device
+    (``jax.devices()``), holds only its own (``jax.local_devices()``), and host-side work
+    is done identically on each (``to_host``, ``is_primary``).
     """
     env = os.environ
-    multi = (env.get("JAX_COORDINATOR_ADDRESS") or env.get("SLURM_JOB_ID")
-             or int(env.get("JAX_NUM_PROCESSES", "1")) > 1)
-    if multi and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
+    num = int(env.get("JAX_NUM_PROCESSES", "1"))
+    multi = env.get("JAX_COORDINATOR_ADDRESS") or env.get("SLURM_JOB_ID") or num > 1
+    if not multi or jax.distributed.is_initialized():
+        return
+    kwargs = {}
+    if env.get("JAX_COORDINATOR_ADDRESS") and "JAX_PROCESS_ID" in env:
+        kwargs = dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"], num_processes=num,
+                      process_id=int(env["JAX_PROCESS_ID"]))
+    jax.distributed.initialize(**kwargs)
+
+
+def is_primary() -> bool:
+    """True in process 0, the one that writes logs, metrics and other host-side files
+    (checkpoints are written by every process together, through orbax)."""
+    return jax.process_index() == 0
+
+
+def to_host(tree):
+    """Every array leaf of ``tree`` as a NumPy array holding the whole (global) value.
+
+    On one process this is ``jax.device_get``. When an array spans devices of other
+    processes (rows split over a multi-host mesh), its shards are gathered from every
+    process (``multihost_utils.process_allgather``): a collective, so every process must
+    call it, in the same order, as the same program does. Leaves that are not JAX arrays
+    (NumPy arrays, Python numbers) pass through ``np.asarray``; ``None`` stays ``None``.
+    """
+    def fetch(x):
+        if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(fetch, tree)
 
 
 def make_mesh(shape: Mapping[str, int] | None = None, devices=None) -> Mesh:
@@ -214,9 +258,8 @@ def shard_rows(x, axis: int = 0, mesh: Mesh | None = None):
     else replicated. Without a mesh: ``x`` as a device array, as placed by default.
     ``None`` stays ``None`` (optional batch fields).
 
-    Single host only: ``x`` is the whole (global) batch, which every process would have to
-    hold; building global arrays from process-local batches
-    (``jax.make_array_from_process_local_data``) is not done here.
+    ``x`` is the whole (global) batch: on a multi-process mesh every process passes the
+    same ``x`` and keeps the shards of its own devices.
     """
     if x is None:
         return None

@@ -75,3 +75,14 @@ def test_metrics_writer_jsonl_and_tensorboard(tmp_path):
     with pytest.raises(ValueError, match="'vec'"):
         to_scalars({"vec": np.zeros(3)})
     assert console_line(3, 10, {"reward/mean": 0.5, "reward/accuracy": 0.25}) == "[ 3/10] reward 0.5 acc 0.25"
+
+
+def test_disabled_metrics_writer_writes_nothing(tmp_path):
+    # The processes other than 0 of a multi-process job: records converted, nothing written.
+    run_dir = tmp_path / "run"
+    with MetricsWriter(str(run_dir), enabled=False) as writer:
+        assert writer.write(1, {"reward/mean": jnp.float32(0.5)}) == {"reward/mean": 0.5}
+        writer.flush()
+        with pytest.raises(ValueError, match="'vec'"):
+            writer.write(2, {"vec": np.zeros(3)})
+    assert not run_dir.exists()

@@ -336,6 +336,13 @@ def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, qui
       ``{"iteration", "metrics" (last), "eval", "eval_history", "run", "async" (the last
       batch's versions, see ``async_iteration``), "staleness_bound"}``.
     """
+    if jax.process_count() > 1:
+        raise NotImplementedError(
+            "async_mode on a multi-process job: the generator thread and the trainer launch "
+            "programs on the same devices in an order set by thread timing, which differs "
+            "between processes, and programs that span processes must be launched in the "
+            "same order on each. Run asynchronous RL on one process (any number of local "
+            "devices), or the synchronous trainer on many.")
     total = config.train.num_iterations if num_iterations is None else num_iterations
     run = build_run(config, workdir)
     if run.iteration:

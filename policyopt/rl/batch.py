@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from policyopt.sharding import shard_rows
+from policyopt.sharding import shard_rows, to_host
 
 
 class Batch(NamedTuple):
@@ -155,16 +155,16 @@ class Round(NamedTuple):
 
 def round_from_rollout(rollout, rewards, correct, response_width: int) -> Round:
     """Moves a ``Rollout`` to the host in the training layout, trimmed to ``response_width``."""
-    tokens, positions, attention_mask = jax.device_get(rollout.sequences())
+    (tokens, positions, attention_mask), mask, behaviour, routing = to_host(
+        (rollout.sequences(), rollout.mask, rollout.raw_log_probs, rollout.routing))
     prompt_width = rollout.prompt_tokens.shape[1]
     width = prompt_width + response_width
-    routing = None if rollout.routing is None else np.asarray(rollout.routing)[:, :, :width]
     return Round(
-        tokens=np.asarray(tokens)[:, :width], positions=np.asarray(positions)[:, :width],
-        attention_mask=np.asarray(attention_mask)[:, :width],
-        mask=np.asarray(rollout.mask)[:, :response_width],
-        behaviour_log_probs=np.asarray(rollout.raw_log_probs)[:, :response_width],
-        routing=routing, rewards=np.asarray(rewards, np.float32),
+        tokens=tokens[:, :width], positions=positions[:, :width],
+        attention_mask=attention_mask[:, :width], mask=mask[:, :response_width],
+        behaviour_log_probs=behaviour[:, :response_width],
+        routing=None if routing is None else routing[:, :, :width],
+        rewards=np.asarray(rewards, np.float32),
         correct=np.asarray(correct, bool), prompt_width=prompt_width)
 
 

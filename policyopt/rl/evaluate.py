@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from policyopt.rewards.batch import RewardSpec, score_batch
-from policyopt.sharding import shard_rows
+from policyopt.sharding import shard_rows, to_host
 from policyopt.rl.batch import encode_prompts
 from policyopt.sampling import Greedy, SamplingConfig, generate_fn, sampling_method
 
@@ -50,7 +50,7 @@ def complete(graphdef, params, prompts: Sequence[str], tokenizer, *, max_new_tok
         tokens, prompt_lengths = encode_prompts(chunk, tokenizer, prompt_buckets)
         rollout = generate_fn(graphdef, params, shard_rows(tokens), shard_rows(prompt_lengths),
                               jax.random.fold_in(rng, start), config=config)
-        out_tokens, out_lengths = jax.device_get((rollout.tokens, rollout.lengths))
+        out_tokens, out_lengths = to_host((rollout.tokens, rollout.lengths))
         rows = real * num_samples
         texts += decode(out_tokens[:rows], out_lengths[:rows], tokenizer)
         lengths.append(out_lengths[:rows])

@@ -181,8 +181,10 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
     os.makedirs(workdir, exist_ok=True)
     total = config.sft.steps if steps is None else steps
     run = build_sft(config, workdir, init_checkpoint=init_checkpoint)
-    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
-    progress = None if quiet else Progress(total, start_step=run.step, keys=(("sft/nll", "nll"),))
+    primary = sharding.is_primary()  # process 0 writes (multi-process jobs)
+    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=primary)
+    progress = None if (quiet or not primary) else Progress(total, start_step=run.step,
+                                                            keys=(("sft/nll", "nll"),))
     metrics = {}
     try:
         start = time.perf_counter()

@@ -34,8 +34,10 @@ optimiser states and the critic are sharded by the parameters' logical axes
 (``learner.place_state``), the run key is replicated, and the rows of every batch are
 split over ``data`` x ``fsdp`` when their number divides, else replicated
 (``sharding.shard_rows``). Every jitted call runs under ``jax.set_mesh(run.mesh)``, so
-the model's activation constraints apply. One host: the batches are built whole on the
-host (multi-host runs would need process-local batches assembled into global arrays).
+the model's activation constraints apply. On several processes (hosts) each runs this
+same loop: rollouts come back gathered from all of them (``sharding.to_host``), every
+process scores every row and builds the same batch, and process 0 writes the logs
+(``policyopt.sharding``; ``tests/test_multihost.py``). Asynchronous RL is single-process.
 """
 
 from __future__ import annotations
@@ -184,7 +186,7 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
         rollout = generate_fn(run.graphdef, run.state.params, sharding.shard_rows(prompts["prompt_tokens"]),
                               sharding.shard_rows(prompts["prompt_lengths"]),
                               jax.random.fold_in(key, round_index), config=run.sampling_config)
-        tokens, lengths = jax.device_get((rollout.tokens, rollout.lengths))
+        tokens, lengths = sharding.to_host((rollout.tokens, rollout.lengths))
         truncated = truncated_rows(tokens, lengths, cfg.sampling.max_new_tokens,
                                    run.sampling_config.end_ids)
         t1 = time.perf_counter()
@@ -483,11 +485,16 @@ class RunLoop:
     def __init__(self, run: RLRun, total: int, *, quiet: bool = False):
         config, workdir = run.config, run.workdir
         self.run, self.total, self.config = run, total, config
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-        self.writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
-        self.eval_writer = MetricsWriter(workdir, filename="eval.jsonl", tensorboard=False)
-        self.progress = None if quiet else Progress(total, start_step=run.iteration)
+        # Process 0 writes the files and the console line (every process computes the same
+        # records: multi-process jobs run the host side identically on each).
+        primary = sharding.is_primary()
+        if primary:
+            with open(os.path.join(workdir, "config.json"), "w") as f:
+                f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+        self.writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=primary)
+        self.eval_writer = MetricsWriter(workdir, filename="eval.jsonl", tensorboard=False,
+                                         enabled=primary)
+        self.progress = None if (quiet or not primary) else Progress(total, start_step=run.iteration)
         self.history: list[dict] = []
         self.metrics: dict = {}
         self.last_eval: dict = {}

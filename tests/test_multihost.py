@@ -1,0 +1,113 @@
+"""The RL trainer as a multi-process job: two CPU processes of four devices each, joined
+by ``jax.distributed`` (``sharding.initialize_distributed`` reading
+``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``; Gloo carries the
+collectives), train GRPO, then SFT, on one 8-device mesh (data x fsdp x tensor) and must
+give the losses, metrics, evaluations and parameters of the same runs on one device; they
+write one set of logs (process 0), save one checkpoint together and resume from it.
+
+Every process runs the same program. Rows are split over devices of both processes, so
+everything that comes back to the host (the rollout for scoring, the evaluation's
+completions) is gathered from both (``sharding.to_host``); the batches built on each
+host are identical, and each process places its own shards of them.
+
+Subprocesses as in ``tests/test_rl_mesh.py`` (``XLA_FLAGS`` is read once per process),
+compiled with ``--xla_backend_optimization_level=0`` in every run.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+
+from tests.test_rl_mesh import ROOT, _finish
+
+MESH = "mesh.data=2,mesh.fsdp=2,mesh.tensor=2"
+EXTRA = ("eval.num_prompts=4,eval.batch_size=4,train.checkpoint_every=2,sft.batch_size=8,"
+         "reward.incorrect_value=-1.0,reward.overlong=dapo,optim.eps=1e-4")
+
+_SCRIPT = textwrap.dedent("""
+    import sys
+    from policyopt import sharding
+    sharding.initialize_distributed()  # before any other JAX call
+    import jax, numpy as np
+    from policyopt.metrics import read_jsonl
+    from policyopt.rl import trainer
+    from policyopt.rl.sft import run_sft
+    from tests.test_rl_trainer import tiny
+    from tests.test_multihost import EXTRA, MESH
+
+    multi, out = sys.argv[1] == "multi", sys.argv[2]
+    if multi:
+        assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 8, 4)
+    config = tiny("grpo", "tiny_dense", extra=EXTRA + ("," + MESH if multi else ""))
+    summary = trainer.run_rl(config, f"{out}/run", num_iterations=2, quiet=True)
+    run = summary["run"]
+    results = {}
+    # SFT (its update and its greedy evaluation) on the same mesh.
+    sft_summary = run_sft(config, f"{out}/sft", steps=2, quiet=True)
+    results.update({f"sft/{k}": v for k, v in {**sft_summary["metrics"], **sft_summary["eval"]}.items()
+                    if not k.startswith("time/")})
+    params = sharding.to_host(run.state.params)  # every process takes part in the gather
+    if multi:
+        # Really split across the processes: some parameters have shards on both.
+        assert any(not x.is_fully_addressable for x in jax.tree.leaves(run.state.params))
+        # Resumed by both processes from the checkpoint they wrote together.
+        resumed = trainer.build_run(config, f"{out}/run")
+        assert resumed.iteration == 2
+        for got, want in zip(jax.tree.leaves(sharding.to_host(resumed.state.params)),
+                             jax.tree.leaves(params)):
+            np.testing.assert_array_equal(got, want)
+    if sharding.is_primary():
+        for i, row in enumerate(read_jsonl(f"{out}/run/metrics.jsonl")):
+            for key, value in row.items():
+                if not key.startswith("time/") and key != "step":
+                    results[f"metrics{i}/{key}"] = value
+        for i, row in enumerate(read_jsonl(f"{out}/run/eval.jsonl")):
+            for key, value in row.items():
+                results[f"eval{i}/{key}"] = value
+        for i, leaf in enumerate(jax.tree.leaves(params)):
+            results[f"params/{i}"] = leaf
+        np.savez(f"{out}/results.npz", **results)
+    print("ok", jax.process_index(), flush=True)
+    """)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _start(mode: str, out: str, env: dict) -> subprocess.Popen:
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **env)
+    return subprocess.Popen([sys.executable, "-c", _SCRIPT, mode, out], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_processes_train_as_one_device(tmp_path):
+    flags = "--xla_backend_optimization_level=0"
+    one = _start("one", str(tmp_path / "one"), {"XLA_FLAGS": flags})
+    address = f"localhost:{_free_port()}"
+    procs = [_start("multi", str(tmp_path / "multi"), {
+        "XLA_FLAGS": flags + " --xla_force_host_platform_device_count=4",
+        "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
+        for i in range(2)]
+    outputs = [_finish(p) for p in procs]
+    _finish(one)
+    for i, output in enumerate(outputs):
+        assert f"ok {i}" in output, output[-3000:]
+    # One writer: process 0's records, each once (2 iterations, 2 evaluations).
+    lines = [(tmp_path / mode / "run" / "metrics.jsonl").read_text().splitlines() for mode in ("one", "multi")]
+    assert len(lines[0]) == len(lines[1]) == 4
+    want = np.load(tmp_path / "one" / "results.npz")
+    got = np.load(tmp_path / "multi" / "results.npz")
+    assert sorted(got.files) == sorted(want.files)
+    assert any(k.startswith("eval") for k in want.files)
+    for key in want.files:
+        # float32 sums in another order (test_rl_mesh's tolerances).
+        atol = 1e-5 if key.startswith("params/") else 2e-6
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=atol, err_msg=key)
