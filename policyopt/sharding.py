@@ -17,10 +17,18 @@ Typical use, identical on one CPU and on a pod::
 
     initialize_distributed()                           # no-op on one host
     mesh = make_mesh({"data": -1, "fsdp": 1, "tensor": 1, "expert": 1})
-    params = shard_params(params, mesh)                # from nnx.split(model)
+    with jax.set_mesh(mesh):
+      model = Transformer(config, rngs=nnx.Rngs(0))    # or from_pretrained(path)
+    params = shard_params(params, mesh)                # from nnx.split(model); no copy
     batch = jax.device_put(batch, batch_sharding(mesh))
     with jax.set_mesh(mesh):
       state, metrics = update(state, batch)
+
+A model built (or loaded with ``from_pretrained``) under the mesh is born sharded: each
+parameter, drawn or read on the host, goes to each device as that device's shard only
+(``place_host_array``), with the values of a build without a mesh, so a model larger than
+one device can be built; ``shard_params`` then returns it as it is. A model built outside
+the mesh is whole on one device until ``shard_params`` places it.
 
 The trainers (``policyopt.rl``: RL, asynchronous RL, SFT, evaluation) do this from the
 config's ``mesh`` block: ``learner.place_state`` puts a training state on the mesh (the
@@ -210,8 +218,41 @@ def param_shardings(params, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
 
 
 def shard_params(params, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
-    """Place an ``nnx.State`` of parameters on ``mesh`` by their logical axes."""
+    """Place an ``nnx.State`` of parameters on ``mesh`` by their logical axes. Parameters
+    already placed so (a model built under the mesh, ``place_host_array``) are returned as
+    they are, without a copy."""
     return jax.device_put(params, param_shardings(params, mesh, rules))
+
+
+def current_mesh() -> Mesh | None:
+    """The mesh set by ``jax.set_mesh`` when it spans more than one device; ``None`` when no
+    mesh is set, when it has one device, or under a trace (``jax.jit``, ``eval_shape``:
+    only the abstract mesh is known there)."""
+    try:
+        mesh = jax.sharding.get_mesh()
+    except ValueError:  # get_mesh refuses to run under a trace
+        return None
+    return None if mesh.empty or mesh.size == 1 else mesh
+
+
+def place_host_array(value, logical_axes, mesh: Mesh | None = None,
+                     rules=LOGICAL_AXIS_RULES) -> jax.Array:
+    """A host (NumPy) array as a device array, laid out as ``shard_params`` lays out a
+    parameter with these logical axes.
+
+    On ``mesh`` (default ``current_mesh()``) of more than one device: sharded by
+    ``logical_spec``, each device receiving only its own slice of ``value``
+    (``jax.make_array_from_callback``), so no device ever holds a dimension that the spec
+    splits whole. With several processes each must pass the same ``value``; each places
+    only its own devices' slices. Without a mesh, or on one device: ``jnp.asarray(value)``,
+    placed by default.
+    """
+    mesh = current_mesh() if mesh is None else mesh
+    if mesh is None or mesh.size == 1:
+        return jnp.asarray(value)
+    value = np.asarray(value)
+    placement = NamedSharding(mesh, logical_spec(value.shape, logical_axes, mesh, rules))
+    return jax.make_array_from_callback(value.shape, placement, lambda index: value[index])
 
 
 def optimizer_specs(optimizer, opt_state, specs):

@@ -66,13 +66,118 @@ _SCRIPT = textwrap.dedent("""
     """)
 
 
-def test_sharded_forward_and_gradients_match_one_device():
-    # Warnings on (conftest silences XLA's logs): the partitioner's are checked below.
+# A model built, or loaded from a HuggingFace folder, under a mesh of 8 devices: the values
+# of the one-device build bit for bit, each parameter with the sharding shard_params gives
+# it (which then returns it without a copy), and no device ever receiving a parameter
+# that this sharding splits whole: neither put there by jnp.asarray / jax.device_put of
+# the host array (what param() and from_pretrained did before placing shards directly)
+# nor left whole on a device after the build.
+_BUILD_SCRIPT = textwrap.dedent("""
+    import contextlib, tempfile
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from policyopt import sharding
+    from policyopt.models import Transformer, from_pretrained, preset, save_pretrained
+    from policyopt.rl import build
+    from tests.test_rl_trainer import tiny
+
+    assert jax.device_count() == 8, jax.devices()
+    config = preset("tiny_moe")
+    meshes = [sharding.make_mesh(shape)
+              for shape in ({"fsdp": 4, "tensor": 2}, {"fsdp": 2, "tensor": 2, "expert": 2})]
+
+    whole = []  # shapes of the host arrays put whole on a device by jnp.asarray / device_put
+    def recording(put):
+      def wrapped(x, *args, **kwargs):
+        out = put(x, *args, **kwargs)
+        if isinstance(x, np.ndarray) and not isinstance(out, jax.core.Tracer):  # eval_shape
+          whole.append(x.shape)
+        return out
+      return wrapped
+    jnp.asarray, jax.device_put = recording(jnp.asarray), recording(jax.device_put)
+
+    # The parameters of build_fn() (run under jax.set_mesh(mesh) if set_mesh), checked to
+    # be placed as shard_params places them and no parameter that the placement splits
+    # ever whole on a device (none of the arrays the build made and left, nor any it put).
+    def built_on(mesh, build_fn, set_mesh=True):
+      whole.clear()
+      before = jax.live_arrays()
+      with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
+        params = nnx.state(build_fn(), nnx.Param)
+      existing = {id(x) for x in before}
+      created = [x for x in jax.live_arrays() if id(x) not in existing]
+      leaves = jax.tree.leaves(params)
+      wants = jax.tree.leaves(sharding.param_shardings(params, mesh))
+      split = {leaf.shape for leaf, want in zip(leaves, wants) if not want.is_fully_replicated}
+      assert len(split) >= 5, split
+      assert not split & set(whole), (split, whole)
+      for x in created:
+        if x.shape in split:
+          assert all(s.data.size < x.size for s in x.addressable_shards), (x.shape, x.sharding)
+      assert [leaf.sharding for leaf in leaves] == wants
+      # shard_params returns born-sharded parameters as they are (no copy).
+      assert all(a is b for a, b in zip(jax.tree.leaves(sharding.shard_params(params, mesh)), leaves))
+      return params
+
+    def same_values(got, want):
+      assert jax.tree.structure(got) == jax.tree.structure(want)
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+    # (1) A Transformer built under the mesh.
+    built = [built_on(mesh, lambda: Transformer(config, rngs=nnx.Rngs(0))) for mesh in meshes]
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    reference = nnx.state(model, nnx.Param)
+    for params in built:
+      same_values(params, reference)
+    print("ok build", flush=True)
+
+    # (2) from_pretrained on an explicit mesh and on the one set; float32 and bfloat16.
+    path = tempfile.mkdtemp()
+    save_pretrained(model, path)
+    for dtype in ("float32", "bfloat16"):
+      load = lambda **mesh: from_pretrained(path, param_dtype=dtype, **mesh)
+      want = nnx.state(load(), nnx.Param)
+      for mesh in meshes:
+        same_values(built_on(mesh, lambda: load(mesh=mesh), set_mesh=False), want)
+      same_values(built_on(meshes[1], load), want)
+    print("ok from_pretrained", flush=True)
+
+    # (3) The trainers' make_model + init_params: the values and shardings of the model
+    # built off the mesh and placed by init_params.
+    run_config = tiny("grpo", "tiny_moe", extra="mesh.fsdp=2,mesh.tensor=2,mesh.expert=2")
+    mesh = build.make_mesh(run_config)
+    vocab_size = build.make_tokenizer(run_config).vocab_size
+    _, born = build.init_params(run_config, build.make_model(run_config, vocab_size, mesh), mesh)
+    _, placed = build.init_params(run_config, build.make_model(run_config, vocab_size), mesh)
+    same_values(born, placed)
+    assert [x.sharding for x in jax.tree.leaves(born)] == [x.sharding for x in jax.tree.leaves(placed)]
+
+    # (4) A one-device mesh: the parameters placed by default (jnp.asarray) as before,
+    # which on one device is also shard_params' placement.
+    one_mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    with jax.set_mesh(one_mesh):
+      one = nnx.state(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param)
+    same_values(one, reference)
+    assert ([x.sharding for x in jax.tree.leaves(one)]
+            == jax.tree.leaves(sharding.param_shardings(one, one_mesh)))
+    print("ok init_params", flush=True)
+    """)
+
+
+def _run_on_8_devices(script: str) -> subprocess.CompletedProcess:
+    # Warnings on (conftest silences XLA's logs): callers may check the partitioner's.
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="1")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_sharded_forward_and_gradients_match_one_device():
+    proc = _run_on_8_devices(_SCRIPT)
     assert proc.stdout.count("ok") == 4, proc.stdout
     # No resharding that XLA can only do by replicating a whole array (the embedding
     # lookup did, on data x fsdp x tensor, before the table was gathered along `embed`).
@@ -114,3 +219,8 @@ def test_shard_rows_without_a_mesh_and_on_one_device():
         placed = sharding.shard_rows(rows, axis=1)
     assert placed.committed and placed.sharding == NamedSharding(mesh, P())
     np.testing.assert_array_equal(placed, rows)
+
+
+def test_models_are_built_and_loaded_straight_onto_the_mesh():
+    proc = _run_on_8_devices(_BUILD_SCRIPT)
+    assert proc.stdout.split() == ["ok", "build", "ok", "from_pretrained", "ok", "init_params"], proc.stdout

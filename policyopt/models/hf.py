@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from policyopt import sharding
 from policyopt.models.config import ModelConfig
 from policyopt.models.transformer import Transformer
 
@@ -217,12 +219,21 @@ def _fused_experts(reader: _Reader, prefix: str, name: str, f: int):
     return np.swapaxes(part, 1, 2)
 
 
-def from_pretrained(path: str, **config_overrides) -> Transformer:
+def from_pretrained(path: str, *, mesh: Mesh | None = None, **config_overrides) -> Transformer:
     """Load a Qwen3 / Qwen3-MoE checkpoint folder into a policyopt Transformer.
+
+    The tensors are read and placed one at a time. On a mesh of several devices (``mesh``,
+    or the one set by ``jax.set_mesh``) each device receives only its shard of each
+    tensor, by the parameter's logical axes (``policyopt.sharding.place_host_array``, the
+    placement of ``shard_params``): the host holds about one tensor at a time and no
+    device more than its shards, so a checkpoint larger than one device loads. Without a
+    mesh every tensor goes whole to the default device.
 
     Args:
       path: folder with config.json and model.safetensors or sharded
         model-XXXXX-of-YYYYY.safetensors + model.safetensors.index.json.
+      mesh: the mesh to place the parameters on; default the one set by
+        ``jax.set_mesh``, if any.
       **config_overrides: ModelConfig fields to set, e.g. dtype="bfloat16",
         param_dtype="bfloat16", moe_dispatch="capacity".
     Returns:
@@ -249,7 +260,9 @@ def from_pretrained(path: str, **config_overrides) -> Transformer:
         if tuple(value.shape) != tuple(expected):
             raise ValueError(f"tensor {names[0]!r} has shape {value.shape}, which maps to "
                              f"{value.shape} instead of {expected} for {'.'.join(map(str, path_key))}")
-        loaded[path_key] = variable.replace(jnp.asarray(value, config.weight_dtype))
+        value = np.asarray(value, config.weight_dtype)
+        loaded[path_key] = variable.replace(
+            sharding.place_host_array(value, variable.get_metadata()["logical_axes"], mesh))
     reader.close()
     missing = set(variables) - set(loaded)
     if missing:

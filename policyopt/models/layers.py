@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from policyopt import sharding
 from policyopt.models.config import ModelConfig
 
 
@@ -17,22 +18,27 @@ def param(rngs: nnx.Rngs | None, shape, logical_axes, *, std: float | None, dtyp
     Outside a trace the values are drawn on the host with NumPy, seeded by
     ``rngs.params()``: building a model then compiles nothing (an eager
     ``jax.random.normal`` compiles a kernel per distinct shape, seconds each on a CPU).
-    Under ``jit`` / ``eval_shape`` they come from ``jax.random.normal``.
+    Under a mesh of several devices (``jax.set_mesh``) each device then receives only its
+    shard of the draw (``policyopt.sharding.place_host_array``: the placement of
+    ``shard_params``), so a model too large for one device can be built; the values are
+    the same as without a mesh. Under ``jit`` / ``eval_shape`` they come from
+    ``jax.random.normal``.
     """
     if len(shape) != len(logical_axes):
         raise ValueError(f"param shape {shape} and logical axes {logical_axes} differ in rank")
     dtype = jnp.dtype(dtype)
+    logical_axes = tuple(logical_axes)
     if std is None:
-        value = jnp.asarray(np.ones(shape, dtype))
+        value = np.ones(shape, dtype)
     else:
         key = rngs.params()
         if isinstance(key, jax.core.Tracer):
             value = (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-        else:
-            seed = np.asarray(jax.random.key_data(key)).astype(np.uint32).ravel().tolist()
-            draw = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
-            value = jnp.asarray((std * draw).astype(dtype))
-    return nnx.Param(value, logical_axes=tuple(logical_axes))
+            return nnx.Param(value, logical_axes=logical_axes)
+        seed = np.asarray(jax.random.key_data(key)).astype(np.uint32).ravel().tolist()
+        draw = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+        value = (std * draw).astype(dtype)
+    return nnx.Param(sharding.place_host_array(value, logical_axes), logical_axes=logical_axes)
 
 
 class RMSNorm(nnx.Module):

@@ -4,9 +4,11 @@ reward spec, initial parameters. Shared by RL (`policyopt.rl.trainer`) and SFT
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
+import jax
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -39,16 +41,22 @@ def make_tokenizer(config):
     return CharTokenizer()
 
 
-def make_model(config, vocab_size: int) -> nnx.Module:
+def make_model(config, vocab_size: int, mesh: Mesh | None = None) -> nnx.Module:
     """The policy: a preset (with ``config.model`` overrides) initialised from
-    ``config.seed``, or a HuggingFace checkpoint folder."""
+    ``config.seed``, or a HuggingFace checkpoint folder.
+
+    With ``mesh`` the parameters are born on it, each device receiving only its shards
+    (placed by their logical axes as ``init_params`` places them; the values are those of
+    a build without a mesh), so a model larger than one device can be built.
+    """
     if config.model.pretrained:
         from policyopt.models import from_pretrained
 
-        return from_pretrained(config.model.pretrained)
+        return from_pretrained(config.model.pretrained, mesh=mesh)
     overrides = {name: config.model[name] for name in _MODEL_OVERRIDES if config.model[name] is not None}
     model_config = preset(config.model.preset, vocab_size=vocab_size, **overrides)
-    return Transformer(model_config, rngs=nnx.Rngs(config.seed))
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        return Transformer(model_config, rngs=nnx.Rngs(config.seed))
 
 
 def task_config(config) -> ArithmeticConfig:
@@ -93,9 +101,10 @@ def correctness_spec() -> RewardSpec:
 
 def init_params(config, model: nnx.Module, mesh: Mesh):
     """``(graphdef, params)`` of the initial policy, placed on ``mesh`` by the parameters'
-    logical axes (``policyopt.sharding.shard_params``): the model's own initialisation, or
-    the parameters of ``config.init_checkpoint`` (an SFT or RL checkpoint directory),
-    restored onto those shardings."""
+    logical axes (``policyopt.sharding.shard_params``; a model built on ``mesh`` by
+    ``make_model`` is already placed so and is not copied): the model's own
+    initialisation, or the parameters of ``config.init_checkpoint`` (an SFT or RL
+    checkpoint directory), restored onto those shardings."""
     graphdef, params = split_params(model)
     params = sharding.shard_params(params, mesh)
     if config.init_checkpoint:

@@ -115,7 +115,7 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
     optimiser), onto the shardings of the initial state."""
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
-    model = build.make_model(config, tokenizer.vocab_size)
+    model = build.make_model(config, tokenizer.vocab_size, mesh)
     graphdef, params = build.init_params(config, model, mesh)
     s = config.sft
     optim = OptimConfig(lr=float(s.lr), warmup_steps=int(s.warmup_steps),

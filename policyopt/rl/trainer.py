@@ -29,8 +29,9 @@ forward and in every update forward (``PAPERS.md``). Only the expert selection i
 replayed; the model recomputes the gate weights from the current router.
 
 Devices: a run lives on one mesh (``config.mesh``, ``policyopt.sharding``; the default
-puts every device on ``data``, which on one CPU is today's single device). Parameters,
-optimiser states and the critic are sharded by the parameters' logical axes
+puts every device on ``data``, which on one CPU is today's single device). The policy is
+built on the mesh (``build.make_model``: each device receives only its shards), and
+parameters, optimiser states and the critic are sharded by the parameters' logical axes
 (``learner.place_state``), the run key is replicated, and the rows of every batch are
 split over ``data`` x ``fsdp`` when their number divides, else replicated
 (``sharding.shard_rows``). Every jitted call runs under ``jax.set_mesh(run.mesh)``, so
@@ -111,7 +112,7 @@ def build_run(config, workdir: str) -> RLRun:
     os.makedirs(workdir, exist_ok=True)
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
-    model = build.make_model(config, tokenizer.vocab_size)
+    model = build.make_model(config, tokenizer.vocab_size, mesh)
     if model.config.is_moe and model.config.moe_dispatch == "capacity":
         raise ValueError(
             "config.model.moe_dispatch='capacity' drops token copies by their position in the "
