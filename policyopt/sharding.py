@@ -41,11 +41,11 @@ so every step compiles once per shape.
 Several processes (hosts; ``initialize_distributed``) run the same program on one global
 mesh. The host side is replicated: every process reads the same prompts, builds the same
 whole batch and places its own shards of it (``shard_rows``); what comes back to the host
-(a rollout to score) is gathered from every process (``to_host``, a collective), so each
-scores every row; process 0 writes logs and metrics (``is_primary``), every process takes
-part in each checkpoint (orbax). ``tests/test_multihost.py`` trains on two processes and
-gets the numbers of one device. Scoring only a process's own rows (then gathering the
-rewards) would divide the verifier work by the number of hosts; not done.
+(a rollout to score) is gathered from every process (``to_host``, a collective); each
+process runs the verifiers on its ``1 / P`` of the rows and receives the others' scores
+(``policyopt.rewards.score_batch(..., across_processes=True)``); process 0 writes logs and
+metrics (``is_primary``), every process takes part in each checkpoint (orbax).
+``tests/test_multihost.py`` trains on two processes and gets the numbers of one device.
 
 Tests run it on 8 simulated CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``).

@@ -7,8 +7,9 @@ write one set of logs (process 0), save one checkpoint together and resume from 
 
 Every process runs the same program. Rows are split over devices of both processes, so
 everything that comes back to the host (the rollout for scoring, the evaluation's
-completions) is gathered from both (``sharding.to_host``); the batches built on each
-host are identical, and each process places its own shards of them.
+completions) is gathered from both (``sharding.to_host``); each process runs the
+verifiers on half of the completions and receives the other half's scores; the batches
+built on each host are identical, and each process places its own shards of them.
 
 Subprocesses as in ``tests/test_rl_mesh.py`` (``XLA_FLAGS`` is read once per process),
 compiled with ``--xla_backend_optimization_level=0`` in every run.
@@ -40,12 +41,20 @@ _SCRIPT = textwrap.dedent("""
     from tests.test_multihost import EXTRA, MESH
 
     multi, out = sys.argv[1] == "multi", sys.argv[2]
+    # Count the completions this process runs the verifiers on.
+    from policyopt.rewards import batch as reward_batch
+    scored, score_items = [0], reward_batch._score_items
+    def counting(items, *args):
+        scored[0] += len(items)
+        return score_items(items, *args)
+    reward_batch._score_items = counting
     if multi:
         assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 8, 4)
     config = tiny("grpo", "tiny_dense", extra=EXTRA + ("," + MESH if multi else ""))
     summary = trainer.run_rl(config, f"{out}/run", num_iterations=2, quiet=True)
     run = summary["run"]
     results = {}
+    print("scored", jax.process_index(), scored[0], flush=True)
     # SFT (its update and its greedy evaluation) on the same mesh.
     sft_summary = run_sft(config, f"{out}/sft", steps=2, quiet=True)
     results.update({f"sft/{k}": v for k, v in {**sft_summary["metrics"], **sft_summary["eval"]}.items()
@@ -97,9 +106,12 @@ def test_two_processes_train_as_one_device(tmp_path):
         "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
         for i in range(2)]
     outputs = [_finish(p) for p in procs]
-    _finish(one)
+    one_output = _finish(one)
     for i, output in enumerate(outputs):
         assert f"ok {i}" in output, output[-3000:]
+    # Each process verified half of the completions (RL rollouts and evaluations).
+    total = int(one_output.split("scored 0 ")[1].split()[0])
+    assert total > 0 and [f"scored {i} {total // 2}" in out for i, out in enumerate(outputs)] == [True, True]
     # One writer: process 0's records, each once (2 iterations, 2 evaluations).
     lines = [(tmp_path / mode / "run" / "metrics.jsonl").read_text().splitlines() for mode in ("one", "multi")]
     assert len(lines[0]) == len(lines[1]) == 4

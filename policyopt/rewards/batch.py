@@ -33,6 +33,7 @@ import concurrent.futures
 import dataclasses
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -348,6 +349,46 @@ class BatchScores(tuple):
     metrics = property(lambda self: self[2])
 
 
+def _score_items(items, spec, deadline, num_workers) -> tuple[list[SampleScore], int]:
+    """Scores ``items`` here: serially (``num_workers`` 0) or in the worker pool."""
+    if not items:
+        return [], 0
+    if num_workers and num_workers > 0:
+        return _score_parallel(items, spec, deadline, num_workers)
+    return _score_chunk(items, spec, deadline), 0
+
+
+def _process_count() -> int:
+    """``jax.process_count()``; 1 when JAX is not imported (e.g. in a worker process)."""
+    jax = sys.modules.get("jax")
+    return 1 if jax is None else jax.process_count()
+
+
+#: Every ``SampleScore.status`` (the code sent between processes).
+STATUSES = ("correct", "incorrect", "no_answer", "rejected", "timeout", "format", "deadline", "error")
+
+
+def _score_across_processes(items, spec, deadline, num_workers) -> tuple[list[SampleScore], int]:
+    """Each process of a multi-process job scores its slice of ``items`` (contiguous,
+    ``ceil(N / P)`` each), then every process receives every slice's scores
+    (``multihost_utils.process_allgather``, a collective: every process calls this with
+    the same items). Returns what ``_score_items`` would on all of them."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    count, index = jax.process_count(), jax.process_index()
+    per = -(-len(items) // count)
+    mine, errors = _score_items(items[index * per:(index + 1) * per], spec, deadline, num_workers)
+    fields = np.zeros((per, 4), np.float32)  # correctness, format_ok, language_ok, status
+    for row, score in enumerate(mine):
+        fields[row] = (score.correctness, score.format_ok, score.language_ok, STATUSES.index(score.status))
+    local = np.concatenate([fields.reshape(-1), [errors]]).astype(np.float32)
+    gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(count, -1)
+    rows = gathered[:, :-1].reshape(count * per, 4)[: len(items)]
+    scores = [SampleScore(bool(f), float(c), STATUSES[int(code)], bool(lang)) for c, f, lang, code in rows]
+    return scores, int(gathered[:, -1].sum())
+
+
 def score_batch(
     completions: Sequence[str],
     references: Sequence[Any],
@@ -358,6 +399,7 @@ def score_batch(
     num_workers: int = 0,
     deadline_s: float | None = None,
     truncated: Sequence[bool] | None = None,
+    across_processes: bool = False,
 ) -> BatchScores:
     """Scores a batch of completions per ``spec``; never raises on model output.
 
@@ -374,6 +416,10 @@ def score_batch(
         scored by then get reward 0 and are counted in ``metrics["deadline_missed"]``.
       truncated: N flags "stopped at the generation limit without EOS"; default
         ``lengths >= spec.max_len`` (all False when max_len is None).
+      across_processes: on a multi-process job (``jax.process_count() > 1``) every process
+        calls this with the same batch, scores its own ``1 / P`` of it and receives the
+        others' scores (a collective), so each returns the whole batch's scores for
+        ``1 / P`` of the verifier work. Ignored on one process.
 
     Returns:
       :class:`BatchScores`: ``(rewards float32 [N], correct bool [N], metrics)`` plus
@@ -389,13 +435,10 @@ def score_batch(
     start = time.time()
     deadline = None if deadline_s is None else start + deadline_s
     items = [(completions[i], references[i], None if prompts is None else prompts[i]) for i in range(n)]
-    errors = 0
-    if n == 0:
-        scores = []
-    elif num_workers and num_workers > 0:
-        scores, errors = _score_parallel(items, spec, deadline, num_workers)
+    if across_processes and _process_count() > 1:
+        scores, errors = _score_across_processes(items, spec, deadline, num_workers)
     else:
-        scores = _score_chunk(items, spec, deadline)
+        scores, errors = _score_items(items, spec, deadline, num_workers)
 
     lengths = np.asarray(lengths, dtype=np.int64).reshape(n)
     correctness = np.array([s.correctness for s in scores], dtype=np.float32).reshape(n)

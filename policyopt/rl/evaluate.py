@@ -83,7 +83,7 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
     batch_size = min(batch_size, len(prompts))
     texts, lengths = complete(graphdef, params, prompts, tokenizer, max_new_tokens=max_new_tokens,
                               batch_size=batch_size, prompt_buckets=prompt_buckets, rng=rng)
-    _, correct, _ = score_batch(texts, answers, lengths, spec)
+    _, correct, _ = score_batch(texts, answers, lengths, spec, across_processes=True)
     metrics = {"eval/pass@1": float(np.mean(correct)), "eval/length_mean": float(np.mean(lengths)),
                "eval/num_prompts": float(len(prompts))}
     if k > 0:
@@ -92,7 +92,7 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
                                   rng=jax.random.fold_in(rng, 1), temperature=temperature,
                                   num_samples=k)
         references = [a for a in answers for _ in range(k)]
-        _, correct, _ = score_batch(texts, references, lengths, spec)
+        _, correct, _ = score_batch(texts, references, lengths, spec, across_processes=True)
         correct = np.asarray(correct).reshape(len(prompts), k)
         metrics[f"eval/mean@{k}"] = float(correct.mean())
         metrics[f"eval/pass@{k}"] = float(correct.any(axis=1).mean())

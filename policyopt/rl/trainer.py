@@ -36,8 +36,9 @@ parameters, optimiser states and the critic are sharded by the parameters' logic
 split over ``data`` x ``fsdp`` when their number divides, else replicated
 (``sharding.shard_rows``). Every jitted call runs under ``jax.set_mesh(run.mesh)``, so
 the model's activation constraints apply. On several processes (hosts) each runs this
-same loop: rollouts come back gathered from all of them (``sharding.to_host``), every
-process scores every row and builds the same batch, and process 0 writes the logs
+same loop: rollouts come back gathered from all of them (``sharding.to_host``), each process
+scores its share of the rows and receives the others' scores (``score_batch(...,
+across_processes=True)``), every process builds the same batch, and process 0 writes the logs
 (``policyopt.sharding``; ``tests/test_multihost.py``). Asynchronous RL is single-process.
 """
 
@@ -195,8 +196,8 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
         references = [a for a in prompts["answer"] for _ in range(group)]
         texts_prompts = [p for p in prompts["prompt"] for _ in range(group)]
         scores = score_batch(texts, references, lengths, run.reward_spec, prompts=texts_prompts,
-                             num_workers=cfg.reward.num_workers,
-                             truncated=truncated)
+                             num_workers=cfg.reward.num_workers, truncated=truncated,
+                             across_processes=True)
         t2 = time.perf_counter()
         gen_time, score_time = gen_time + t1 - t0, score_time + t2 - t1
         width = min(bucket(int(lengths.max()), cfg.batch.response_buckets, name="response length"),
