@@ -47,6 +47,18 @@ process runs the verifiers on its ``1 / P`` of the rows and receives the others'
 metrics (``is_primary``), every process takes part in each checkpoint (orbax).
 ``tests/test_multihost.py`` trains on two processes and gets the numbers of one device.
 
+Known limits of multi-process runs on the CPU backend (XLA:CPU with Gloo; accelerator
+backends have their own collectives and were not measured):
+
+- With several devices per process, a run can deadlock in mismatched Gloo collectives
+  between consecutive programs (seen in 3 of 4 runs of VAPO on the MoE model with R3
+  replay and two minibatches, 2 processes x 4 devices, on a CPU shared with other jobs:
+  each hung in its second or third iteration; the run on an idle CPU, and the test's
+  dense GRPO and SFT runs also under load, complete). It looks like an XLA:CPU runtime
+  issue; not fixed here.
+- With one device per process, orbax's checkpoint save fails ("input arrays must have
+  one shard each"); not investigated.
+
 Tests run it on 8 simulated CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
 """
@@ -89,6 +101,9 @@ def initialize_distributed() -> None:
         return
     kwargs = {}
     if env.get("JAX_COORDINATOR_ADDRESS") and "JAX_PROCESS_ID" in env:
+        if "JAX_NUM_PROCESSES" not in env:
+            raise ValueError("JAX_COORDINATOR_ADDRESS and JAX_PROCESS_ID are set but "
+                             "JAX_NUM_PROCESSES is not: set it to the number of processes")
         kwargs = dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"], num_processes=num,
                       process_id=int(env["JAX_PROCESS_ID"]))
     jax.distributed.initialize(**kwargs)

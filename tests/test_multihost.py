@@ -55,6 +55,12 @@ _SCRIPT = textwrap.dedent("""
     run = summary["run"]
     results = {}
     print("scored", jax.process_index(), scored[0], flush=True)
+    # Code verifier statuses travel between processes too (3 completions on 2 processes:
+    # the second scores one and pads); no sandbox runs for these two outcomes.
+    from policyopt.rewards import RewardSpec, score_batch
+    code = score_batch(["no code", "```python\\nprint(1)\\n```", "none"], [[{"input": "", "output": "1"}], [], []],
+                       [3, 3, 3], RewardSpec(task="code", format_reward=False), across_processes=True)
+    print("code", jax.process_index(), code.status, flush=True)
     # SFT (its update and its greedy evaluation) on the same mesh.
     sft_summary = run_sft(config, f"{out}/sft", steps=2, quiet=True)
     results.update({f"sft/{k}": v for k, v in {**sft_summary["metrics"], **sft_summary["eval"]}.items()
@@ -109,6 +115,8 @@ def test_two_processes_train_as_one_device(tmp_path):
     one_output = _finish(one)
     for i, output in enumerate(outputs):
         assert f"ok {i}" in output, output[-3000:]
+    for i, output in enumerate(outputs):
+        assert f"code {i} ['no_code', 'no_tests', 'no_code']" in output, output[-3000:]
     # Each process verified half of the completions (RL rollouts and evaluations).
     total = int(one_output.split("scored 0 ")[1].split()[0])
     assert total > 0 and [f"scored {i} {total // 2}" in out for i, out in enumerate(outputs)] == [True, True]

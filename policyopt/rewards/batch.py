@@ -136,8 +136,8 @@ class SampleScore:
     Attributes:
       format_ok: passed the format check (always computed, gate or not).
       correctness: c in [0, 1].
-      status: verifier outcome ("correct", "incorrect", "no_answer", "rejected",
-        "timeout", "format", "deadline", "error").
+      status: verifier outcome (``STATUSES``: "correct", "incorrect", "no_answer",
+        "rejected", "timeout", "format", "deadline", "error"; code: "no_code", "no_tests").
       language_ok: the language-consistency condition holds (False when not computed).
     """
 
@@ -364,29 +364,44 @@ def _process_count() -> int:
     return 1 if jax is None else jax.process_count()
 
 
-#: Every ``SampleScore.status`` (the code sent between processes).
-STATUSES = ("correct", "incorrect", "no_answer", "rejected", "timeout", "format", "deadline", "error")
+#: Every ``SampleScore.status`` (math and code verifiers, the batch's own), by the code
+#: sent between processes; a status not listed travels as "error".
+STATUSES = ("correct", "incorrect", "no_answer", "rejected", "timeout", "format", "deadline",
+            "error", "no_code", "no_tests")
 
 
 def _score_across_processes(items, spec, deadline, num_workers) -> tuple[list[SampleScore], int]:
     """Each process of a multi-process job scores its slice of ``items`` (contiguous,
     ``ceil(N / P)`` each), then every process receives every slice's scores
     (``multihost_utils.process_allgather``, a collective: every process calls this with
-    the same items). Returns what ``_score_items`` would on all of them."""
+    the same items). Returns what ``_score_items`` would on all of them. If scoring raises
+    in any process, every process raises after the exchange (none is left waiting in it).
+    """
     import jax
     from jax.experimental import multihost_utils
 
     count, index = jax.process_count(), jax.process_index()
     per = -(-len(items) // count)
-    mine, errors = _score_items(items[index * per:(index + 1) * per], spec, deadline, num_workers)
     fields = np.zeros((per, 4), np.float32)  # correctness, format_ok, language_ok, status
-    for row, score in enumerate(mine):
-        fields[row] = (score.correctness, score.format_ok, score.language_ok, STATUSES.index(score.status))
-    local = np.concatenate([fields.reshape(-1), [errors]]).astype(np.float32)
+    failure, errors = None, 0
+    try:
+        mine, errors = _score_items(items[index * per:(index + 1) * per], spec, deadline, num_workers)
+        error_code = STATUSES.index("error")
+        for row, score in enumerate(mine):
+            code = STATUSES.index(score.status) if score.status in STATUSES else error_code
+            fields[row] = (score.correctness, score.format_ok, score.language_ok, code)
+    except Exception as error:  # noqa: BLE001 - re-raised below, after the collective
+        failure = error
+    local = np.concatenate([fields.reshape(-1), [errors, failure is not None]]).astype(np.float32)
     gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(count, -1)
-    rows = gathered[:, :-1].reshape(count * per, 4)[: len(items)]
+    if failure is not None:
+        raise failure
+    failed = np.flatnonzero(gathered[:, -1])
+    if failed.size:
+        raise RuntimeError(f"score_batch: scoring failed in process(es) {failed.tolist()}")
+    rows = gathered[:, :-2].reshape(count * per, 4)[: len(items)]
     scores = [SampleScore(bool(f), float(c), STATUSES[int(code)], bool(lang)) for c, f, lang, code in rows]
-    return scores, int(gathered[:, -1].sum())
+    return scores, int(gathered[:, -2].sum())
 
 
 def score_batch(
