@@ -3,7 +3,8 @@ by ``jax.distributed`` (``sharding.initialize_distributed`` reading
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``; Gloo carries the
 collectives), train GRPO, then SFT, on one 8-device mesh (data x fsdp x tensor) and must
 give the losses, metrics, evaluations and parameters of the same runs on one device; they
-write one set of logs (process 0), save one checkpoint together and resume from it.
+write one set of logs (process 0), save one checkpoint together and resume from it, and
+export one HuggingFace folder.
 
 Every process runs the same program. Rows are split over devices of both processes, so
 everything that comes back to the host (the rollout for scoring, the evaluation's
@@ -66,6 +67,11 @@ _SCRIPT = textwrap.dedent("""
     results.update({f"sft/{k}": v for k, v in {**sft_summary["metrics"], **sft_summary["eval"]}.items()
                     if not k.startswith("time/")})
     params = sharding.to_host(run.state.params)  # every process takes part in the gather
+    # HuggingFace export: gathered from both processes, written by process 0.
+    from flax import nnx
+    from policyopt.models import save_pretrained
+    from safetensors.numpy import load_file
+    save_pretrained(nnx.merge(run.graphdef, run.state.params), f"{out}/hf")
     if multi:
         # Really split across the processes: some parameters have shards on both.
         assert any(not x.is_fully_addressable for x in jax.tree.leaves(run.state.params))
@@ -85,6 +91,8 @@ _SCRIPT = textwrap.dedent("""
                 results[f"eval{i}/{key}"] = value
         for i, leaf in enumerate(jax.tree.leaves(params)):
             results[f"params/{i}"] = leaf
+        for name, tensor in load_file(f"{out}/hf/model.safetensors").items():
+            results[f"params/hf/{name}"] = tensor
         np.savez(f"{out}/results.npz", **results)
     print("ok", jax.process_index(), flush=True)
     """)
@@ -126,7 +134,7 @@ def test_two_processes_train_as_one_device(tmp_path):
     want = np.load(tmp_path / "one" / "results.npz")
     got = np.load(tmp_path / "multi" / "results.npz")
     assert sorted(got.files) == sorted(want.files)
-    assert any(k.startswith("eval") for k in want.files)
+    assert any(k.startswith("eval") for k in want.files) and any("/hf/" in k for k in want.files)
     for key in want.files:
         # float32 sums in another order (test_rl_mesh's tolerances).
         atol = 1e-5 if key.startswith("params/") else 2e-6

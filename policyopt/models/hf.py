@@ -19,7 +19,6 @@ import json
 import os
 from typing import Callable, Iterator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -281,18 +280,23 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_size: int | None
       max_shard_size: bytes per safetensors file; when the weights exceed it they are split
         into model-XXXXX-of-YYYYY.safetensors with model.safetensors.index.json.
       dtype: storage dtype ("float32", "bfloat16"); default the parameters' own dtype.
+
+    On a multi-process job every process calls this (parameters split across processes
+    are gathered, ``policyopt.sharding.to_host``) and process 0 writes the folder.
     """
     from safetensors.numpy import save_file
     config = model.config
-    os.makedirs(path, exist_ok=True)
     variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     tensors: dict[str, np.ndarray] = {}
     for path_key, names, _, to_hf in _weight_table(config):
-        value = np.asarray(jax.device_get(variables[path_key].get_value()))
+        value = sharding.to_host(variables[path_key].get_value())
         if dtype is not None:
             value = value.astype(jnp.dtype(dtype))
         for name, array in zip(names, to_hf(value)):
             tensors[name] = np.ascontiguousarray(array)
+    if not sharding.is_primary():
+        return
+    os.makedirs(path, exist_ok=True)
     hf_config = config_to_hf(config)
     if dtype is not None:
         hf_config["dtype"] = dtype
