@@ -47,17 +47,13 @@ process runs the verifiers on its ``1 / P`` of the rows and receives the others'
 metrics (``is_primary``), every process takes part in each checkpoint (orbax).
 ``tests/test_multihost.py`` trains on two processes and gets the numbers of one device.
 
-Known limits of multi-process runs on the CPU backend (XLA:CPU with Gloo; accelerator
-backends have their own collectives and were not measured):
-
-- With several devices per process, a run can deadlock in mismatched Gloo collectives
-  between consecutive programs (seen in 3 of 4 runs of VAPO on the MoE model with R3
-  replay and two minibatches, 2 processes x 4 devices, on a CPU shared with other jobs:
-  each hung in its second or third iteration; the run on an idle CPU, and the test's
-  dense GRPO and SFT runs also under load, complete). It looks like an XLA:CPU runtime
-  issue; not fixed here.
-- With one device per process, orbax's checkpoint save fails ("input arrays must have
-  one shard each"); not investigated.
+A known limit on the CPU backend (XLA:CPU with Gloo; accelerator backends have their own
+collectives and were not tried): with several devices per process a run can deadlock in
+mismatched Gloo collectives between consecutive programs. VAPO on the MoE model with R3
+replay and two minibatches, 2 processes x 4 devices, hung in its second or third
+iteration in 3 of 4 runs on a CPU shared with other jobs (it completed on an idle CPU);
+with 1 device per process the same run, under the same load, completed. It looks like an
+XLA:CPU runtime issue, not fixed here: on CPUs, run one process per device.
 
 Tests run it on 8 simulated CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
@@ -107,6 +103,21 @@ def initialize_distributed() -> None:
         kwargs = dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"], num_processes=num,
                       process_id=int(env["JAX_PROCESS_ID"]))
     jax.distributed.initialize(**kwargs)
+
+
+def put(tree, shardings):
+    """``jax.device_put(tree, shardings)``, also on a mesh that spans processes.
+
+    There an array held by a single local device goes through the host first: with one
+    device per process, XLA:CPU's ``device_put`` of such an array to a mesh-wide sharding
+    returns an array whose shards cannot be listed (orbax's save then fails with "input
+    arrays must have one shard each"). Host (NumPy) leaves and arrays already on the mesh
+    are placed as they are.
+    """
+    if jax.process_count() > 1:
+        tree = jax.tree.map(
+            lambda x: np.asarray(x) if isinstance(x, jax.Array) and len(x.devices()) == 1 else x, tree)
+    return jax.device_put(tree, shardings)
 
 
 def is_primary() -> bool:
@@ -236,7 +247,7 @@ def shard_params(params, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
     """Place an ``nnx.State`` of parameters on ``mesh`` by their logical axes. Parameters
     already placed so (a model built under the mesh, ``place_host_array``) are returned as
     they are, without a copy."""
-    return jax.device_put(params, param_shardings(params, mesh, rules))
+    return put(params, param_shardings(params, mesh, rules))
 
 
 def current_mesh() -> Mesh | None:
@@ -322,7 +333,7 @@ def shard_rows(x, axis: int = 0, mesh: Mesh | None = None):
     mesh = jax.sharding.get_mesh() if mesh is None else mesh
     if mesh.empty:
         return jnp.asarray(x)
-    return jax.device_put(x, NamedSharding(mesh, row_spec(np.shape(x), mesh, axis)))
+    return put(x, NamedSharding(mesh, row_spec(np.shape(x), mesh, axis)))
 
 
 def batch_sharding(mesh: Mesh, rank: int = 2) -> NamedSharding:

@@ -1,7 +1,8 @@
-"""The RL trainer as a multi-process job: two CPU processes of four devices each, joined
-by ``jax.distributed`` (``sharding.initialize_distributed`` reading
-``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``; Gloo carries the
-collectives), train GRPO, then SFT, on one 8-device mesh (data x fsdp x tensor) and must
+"""The RL trainer as a multi-process job: two CPU processes, joined by ``jax.distributed``
+(``sharding.initialize_distributed`` reading ``JAX_COORDINATOR_ADDRESS``,
+``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``; Gloo carries the collectives), train GRPO, then
+SFT, on one mesh (four devices each: data x fsdp x tensor; or one device each: fsdp, the
+case where a replicated array placed from one device used to come out unreadable) and must
 give the losses, metrics, evaluations and parameters of the same runs on one device; they
 write one set of logs (process 0), save one checkpoint together and resume from it, and
 export one HuggingFace folder.
@@ -23,10 +24,13 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from tests.test_rl_mesh import ROOT, _finish
 
-MESH = "mesh.data=2,mesh.fsdp=2,mesh.tensor=2"
+# Local devices per process -> the 2-process mesh: 4 devices each (data x fsdp x tensor),
+# or 1 each with the parameters split between the two processes (fsdp).
+MESHES = {4: "mesh.data=2,mesh.fsdp=2,mesh.tensor=2", 1: "mesh.fsdp=2"}
 EXTRA = ("eval.num_prompts=4,eval.batch_size=4,train.checkpoint_every=2,sft.batch_size=8,"
          "reward.incorrect_value=-1.0,reward.overlong=dapo,optim.eps=1e-4")
 
@@ -39,9 +43,9 @@ _SCRIPT = textwrap.dedent("""
     from policyopt.rl import trainer
     from policyopt.rl.sft import run_sft
     from tests.test_rl_trainer import tiny
-    from tests.test_multihost import EXTRA, MESH
+    from tests.test_multihost import EXTRA, MESHES
 
-    multi, out = sys.argv[1] == "multi", sys.argv[2]
+    multi, out, local = sys.argv[1] == "multi", sys.argv[2], int(sys.argv[3])
     # Count the completions this process runs the verifiers on.
     from policyopt.rewards import batch as reward_batch
     scored, score_items = [0], reward_batch._score_items
@@ -50,8 +54,8 @@ _SCRIPT = textwrap.dedent("""
         return score_items(items, *args)
     reward_batch._score_items = counting
     if multi:
-        assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 8, 4)
-    config = tiny("grpo", "tiny_dense", extra=EXTRA + ("," + MESH if multi else ""))
+        assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 2 * local, local)
+    config = tiny("grpo", "tiny_dense", extra=EXTRA + ("," + MESHES[local] if multi else ""))
     summary = trainer.run_rl(config, f"{out}/run", num_iterations=2, quiet=True)
     run = summary["run"]
     results = {}
@@ -104,19 +108,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(mode: str, out: str, env: dict) -> subprocess.Popen:
+def _start(mode: str, out: str, local: int, env: dict) -> subprocess.Popen:
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, JAX_PLATFORMS="cpu", **env)
-    return subprocess.Popen([sys.executable, "-c", _SCRIPT, mode, out], env=env, cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-c", _SCRIPT, mode, out, str(local)], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_two_processes_train_as_one_device(tmp_path):
+@pytest.mark.parametrize("local", sorted(MESHES, reverse=True))
+def test_two_processes_train_as_one_device(tmp_path, local):
     flags = "--xla_backend_optimization_level=0"
-    one = _start("one", str(tmp_path / "one"), {"XLA_FLAGS": flags})
+    one = _start("one", str(tmp_path / "one"), local, {"XLA_FLAGS": flags})
     address = f"localhost:{_free_port()}"
-    procs = [_start("multi", str(tmp_path / "multi"), {
-        "XLA_FLAGS": flags + " --xla_force_host_platform_device_count=4",
+    procs = [_start("multi", str(tmp_path / "multi"), local, {
+        "XLA_FLAGS": flags + f" --xla_force_host_platform_device_count={local}",
         "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
         for i in range(2)]
     outputs = [_finish(p) for p in procs]

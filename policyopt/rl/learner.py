@@ -68,7 +68,7 @@ def place_state(state: TrainState, optimizer: optax.GradientTransformation, mesh
     """``state`` placed on ``mesh`` by ``state_specs``. ``guarded_update`` returns its state
     with these shardings, and a checkpoint restored onto a placed state comes back with
     them, so the jitted steps compile once for a run, across save and restore."""
-    return jax.device_put(state, sharding.named_shardings(state_specs(state, optimizer, mesh), mesh))
+    return sharding.put(state, sharding.named_shardings(state_specs(state, optimizer, mesh), mesh))
 
 
 def warmup_constant_schedule(lr: float, warmup_steps: int) -> optax.Schedule:

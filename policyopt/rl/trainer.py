@@ -126,7 +126,7 @@ def build_run(config, workdir: str) -> RLRun:
     learner = get_learner(graphdef, LossConfig.from_config(config), OptimConfig.from_config(config.optim))
     ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
     state = place_state(learner.init_state(params), learner.optimizer, mesh)
-    rng = jax.device_put(jax.random.PRNGKey(config.seed), sharding.replicated(mesh))
+    rng = sharding.put(jax.random.PRNGKey(config.seed), sharding.replicated(mesh))
     data = make_prompt_iterator(config, build.task_records(config, "train"), seed=config.seed)
     eval_records = build.task_records(config, "test")[: config.eval.num_prompts]
     s = config.sampling
