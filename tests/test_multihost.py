@@ -115,17 +115,37 @@ def _start(mode: str, out: str, local: int, env: dict) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+FLAGS = "--xla_backend_optimization_level=0"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The one-device runs, shared by both layouts: started at once (beside the first
+    layout's processes), waited for when first needed. Returns ``() -> (dir, output)``."""
+    out = tmp_path_factory.mktemp("one")
+    proc = _start("one", str(out), 1, {"XLA_FLAGS": FLAGS})
+    done = []
+
+    def result():
+        if not done:
+            done.append((out, _finish(proc)))
+        return done[0]
+
+    yield result
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
 @pytest.mark.parametrize("local", sorted(MESHES, reverse=True))
-def test_two_processes_train_as_one_device(tmp_path, local):
-    flags = "--xla_backend_optimization_level=0"
-    one = _start("one", str(tmp_path / "one"), local, {"XLA_FLAGS": flags})
+def test_two_processes_train_as_one_device(tmp_path, local, reference):
     address = f"localhost:{_free_port()}"
     procs = [_start("multi", str(tmp_path / "multi"), local, {
-        "XLA_FLAGS": flags + f" --xla_force_host_platform_device_count={local}",
+        "XLA_FLAGS": FLAGS + f" --xla_force_host_platform_device_count={local}",
         "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
         for i in range(2)]
     outputs = [_finish(p) for p in procs]
-    one_output = _finish(one)
+    one_dir, one_output = reference()
     for i, output in enumerate(outputs):
         assert f"ok {i}" in output, output[-3000:]
     for i, output in enumerate(outputs):
@@ -134,9 +154,9 @@ def test_two_processes_train_as_one_device(tmp_path, local):
     total = int(one_output.split("scored 0 ")[1].split()[0])
     assert total > 0 and [f"scored {i} {total // 2}" in out for i, out in enumerate(outputs)] == [True, True]
     # One writer: process 0's records, each once (2 iterations, 2 evaluations).
-    lines = [(tmp_path / mode / "run" / "metrics.jsonl").read_text().splitlines() for mode in ("one", "multi")]
+    lines = [(d / "run" / "metrics.jsonl").read_text().splitlines() for d in (one_dir, tmp_path / "multi")]
     assert len(lines[0]) == len(lines[1]) == 4
-    want = np.load(tmp_path / "one" / "results.npz")
+    want = np.load(one_dir / "results.npz")
     got = np.load(tmp_path / "multi" / "results.npz")
     assert sorted(got.files) == sorted(want.files)
     assert any(k.startswith("eval") for k in want.files) and any("/hf/" in k for k in want.files)
