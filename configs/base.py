@@ -60,6 +60,13 @@ def base_config() -> ml_collections.ConfigDict:
     # MoE dispatch: "ragged" or "blocked" (dropless), or "capacity" (drops tokens by batch
     # position; SFT and benchmarks only: the RL trainer refuses it).
     c.model.moe_dispatch = placeholder(str)
+    # Dispatch of the sampler's decode steps (one token per row); None: moe_dispatch. On a
+    # GPU: moe_dispatch="blocked", moe_block_size=512, moe_decode_dispatch="ragged".
+    c.model.moe_decode_dispatch = placeholder(str)
+    # Rows per block of the "blocked" dispatch (CPU 16-64, GPU 256-512).
+    c.model.moe_block_size = placeholder(int)
+    # "auto", "take" or "onehot": how "blocked" hands the blocks their expert's weights.
+    c.model.moe_weight_gather = placeholder(str)
 
     # Orbax checkpoint directory of the base policy (e.g. the SFT run's `checkpoints/`);
     # None: random initialisation from `seed`.

@@ -162,3 +162,23 @@ def test_missing_tensor_names_it(tmp_path):
     with pytest.raises(KeyError, match="model.layers.1.self_attn.k_norm.weight"):
         from_pretrained(str(tmp_path))
     assert os.path.exists(tmp_path / "config.json")
+
+
+def test_rl_build_applies_runtime_overrides_to_a_pretrained_model(tmp_path):
+    """config.model's dtype / MoE-dispatch fields reach a pretrained checkpoint; a field
+    that would change its shapes is refused instead of being ignored."""
+    from policyopt.rl import build
+    from tests.test_rl_trainer import tiny
+    hf_model = _hf_model("moe")
+    hf_model.save_pretrained(tmp_path)
+    extra = (f"model.pretrained={tmp_path},model.moe_dispatch=blocked,model.moe_block_size=8,"
+             "model.moe_decode_dispatch=ragged,model.moe_weight_gather=onehot")
+    config = tiny("grpo", "tiny_moe", extra=extra)
+    with pytest.raises(ValueError, match="num_layers"):      # tiny() shrinks num_layers
+        build.make_model(config, vocab_size=0)
+    config.unlock()
+    config.model.num_layers = None
+    cfg = build.make_model(config, vocab_size=0).config
+    assert (cfg.moe_dispatch, cfg.moe_block_size, cfg.moe_decode_dispatch, cfg.moe_weight_gather) == (
+        "blocked", 8, "ragged", "onehot")
+    assert cfg.num_experts == hf_model.config.num_experts

@@ -197,6 +197,11 @@ def test_config_errors_name_the_field():
         ModelConfig(**{**TINY, "num_kv_heads": 3})
     with pytest.raises(ValueError, match="moe_dispatch"):
         ModelConfig(**TINY, num_experts=4, moe_dispatch="dense")
+    with pytest.raises(ValueError, match="moe_weight_gather"):
+        ModelConfig(**TINY, num_experts=4, moe_weight_gather="scatter")
+    assert ModelConfig(**TINY, moe_weight_gather="onehot").resolved_weight_gather() == "onehot"
+    auto = ModelConfig(**TINY).resolved_weight_gather()
+    assert auto == ("take" if jax.default_backend() == "cpu" else "onehot")
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         ModelConfig(**TINY, num_experts=4, num_experts_per_tok=5)
     with pytest.raises(ValueError, match="moe_layers"):

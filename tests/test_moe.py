@@ -94,12 +94,19 @@ def test_route_hand_worked():
     np.testing.assert_allclose(gates, [[1 / 7, 1 / 7]], rtol=1e-6)
 
 
+def _dispatch(name):
+    """"blocked-onehot" -> blocked dispatch with one-hot weight gathering; else the name."""
+    dispatch, _, gather = name.partition("-")
+    return dict(moe_dispatch=dispatch, moe_weight_gather=gather or "take")
+
+
 @pytest.mark.parametrize("dispatch,norm_topk_prob", [
-    ("ragged", True), ("ragged", False), ("blocked", True), ("capacity", False)])
+    ("ragged", True), ("ragged", False), ("blocked", True), ("blocked-onehot", False),
+    ("capacity", False)])
 def test_fast_paths_match_loop_reference(dispatch, norm_topk_prob):
     # capacity_factor = E / K: every expert can hold every token, nothing is dropped.
     # Block size 3: groups of every size modulo the block occur, some experts get none.
-    moe = MoE(_config(moe_dispatch=dispatch, norm_topk_prob=norm_topk_prob,
+    moe = MoE(_config(**_dispatch(dispatch), norm_topk_prob=norm_topk_prob,
                       capacity_factor=E / K, moe_block_size=3), rngs=nnx.Rngs(0))
     x = _inputs()
     y, routing, aux = _run(moe, x)
@@ -110,12 +117,12 @@ def test_fast_paths_match_loop_reference(dispatch, norm_topk_prob):
     np.testing.assert_array_equal(aux["tokens_per_expert"], np.bincount(chosen.ravel(), minlength=E))
 
 
-@pytest.mark.parametrize("dispatch", ["ragged", "blocked", "capacity"])
+@pytest.mark.parametrize("dispatch", ["ragged", "blocked", "blocked-onehot", "capacity"])
 def test_gradients_match_loop_reference_under_replay(dispatch):
     """Replay a routing that differs from the natural one (the k *least* likely experts):
     output and every gradient equal the loop reference with those experts; the router
     gets a non-zero gradient through the recomputed gates."""
-    moe = MoE(_config(moe_dispatch=dispatch, capacity_factor=E / K, moe_block_size=4),
+    moe = MoE(_config(**_dispatch(dispatch), capacity_factor=E / K, moe_block_size=4),
               rngs=nnx.Rngs(1))
     x = _inputs(seed=1)
     natural, natural_routing, _ = _run(moe, x)
@@ -209,8 +216,9 @@ def test_router_statistics_hand_worked():
     assert float(aux["tokens_per_expert"][0]) == 3
 
 
+@pytest.mark.parametrize("gather", ["take", "onehot"])
 @pytest.mark.parametrize("tokens", [1, 40])
-def test_blocked_dispatch_any_token_count(tokens):
+def test_blocked_dispatch_any_token_count(tokens, gather):
     """Decode-sized (1 token: block shrinks to 1 row) to many blocks per expert."""
     from policyopt.models.moe import blocked_experts
     rng = np.random.default_rng(tokens)
@@ -219,7 +227,8 @@ def test_blocked_dispatch_any_token_count(tokens):
     gates = jnp.asarray(rng.uniform(size=(tokens, K)), jnp.float32)
     weights = [jnp.asarray(rng.normal(size=shape), jnp.float32)
                for shape in ((E, D, F), (E, D, F), (E, F, D))]
-    got = jax.jit(blocked_experts, static_argnames="block_size")(x, ids, gates, *weights, block_size=8)
+    got = jax.jit(blocked_experts, static_argnames=("block_size", "gather"))(
+        x, ids, gates, *weights, block_size=8, gather=gather)
     want = numpy_loop_fixed_gates(x, ids, gates, *weights)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -234,3 +243,22 @@ def numpy_loop_fixed_gates(x, ids, gates, gate_proj, up_proj, down_proj):
             hidden = hidden / (1 + np.exp(-hidden)) * (x64[n] @ np.asarray(up_proj[e], np.float64))
             out[n] += float(gates[n, j]) * (hidden @ np.asarray(down_proj[e], np.float64))
     return out
+
+
+@pytest.mark.parametrize("tokens_per_row", [1, 5])
+def test_decode_dispatch_applies_to_one_token_calls_only(tokens_per_row):
+    """moe_decode_dispatch="ragged" under moe_dispatch="blocked": a call of one token per
+    row (a decode step) goes through ragged_dot, a longer call through the blocks; both
+    equal the loop reference (so the sampler and the trainer compute the same policy)."""
+    moe = MoE(_config(moe_dispatch="blocked", moe_decode_dispatch="ragged", moe_block_size=2),
+              rngs=nnx.Rngs(3))
+    x = _inputs(seed=3, shape=(6, tokens_per_row))
+    graphdef, state = nnx.split(moe)
+    jaxpr = str(jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x, jnp.ones(x.shape[:2], bool)))(state, x))
+    assert ("ragged_dot" in jaxpr) == (tokens_per_row == 1)
+    y, routing, _ = _run(moe, x)
+    want, chosen = numpy_loop_moe(x, _params(moe), K, True)
+    np.testing.assert_array_equal(routing.reshape(-1, K), chosen)
+    np.testing.assert_allclose(y.reshape(-1, D), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="moe_decode_dispatch"):
+        _config(moe_decode_dispatch="dense")

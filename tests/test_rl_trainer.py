@@ -159,9 +159,10 @@ def test_compile_count_stops_growing_after_warm_up(tmp_path, monkeypatch):
     assert dict(run.learner.trace_counts) == warm
 
 
-def test_capacity_dispatch_is_refused_for_rl(tmp_path):
+@pytest.mark.parametrize("field", ["moe_dispatch", "moe_decode_dispatch"])
+def test_capacity_dispatch_is_refused_for_rl(tmp_path, field):
     # Capacity drops depend on the rows batched together: sampler, old-log-prob pass and
     # minibatches would compute different policies (ratio != 1 at the first update).
-    config = tiny("grpo", extra="model.moe_dispatch=capacity")
+    config = tiny("grpo", extra=f"model.{field}=capacity")
     with pytest.raises(ValueError, match="dropless"):
         trainer.build_run(config, str(tmp_path))

@@ -222,6 +222,19 @@ def test_log_probs_equal_full_forward(name, moe_model, dense_model, moe_sampled)
                                atol=2e-4)
 
 
+def test_decode_dispatch_gives_the_same_rollout(moe_model, moe_sampled):
+    """Prefill "blocked", decode "ragged" (moe_decode_dispatch; the GPU layout of
+    moe_0p5b): the same weights sample the same tokens, routing and log-probs as the
+    single-dispatch model, and the log-probs equal a full (blocked) forward pass."""
+    mixed = Transformer(MOE.replace(moe_dispatch="blocked", moe_block_size=2,
+                                    moe_decode_dispatch="ragged"), rngs=nnx.Rngs(0))
+    rollout = run(mixed, temperature=1.0, seed=3)
+    np.testing.assert_array_equal(np.asarray(rollout.tokens), np.asarray(moe_sampled.tokens))
+    np.testing.assert_array_equal(np.asarray(rollout.routing), np.asarray(moe_sampled.routing))
+    np.testing.assert_allclose(np.asarray(rollout.log_probs), np.asarray(moe_sampled.log_probs), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(rollout.log_probs), reference_log_probs(mixed, rollout), atol=2e-4)
+
+
 def test_routing_replay_reproduces_log_probs(moe_model, moe_sampled):
     rollout, prompt_len = moe_sampled, PROMPTS.shape[1]
     tokens, positions, attention_mask = rollout.sequences()

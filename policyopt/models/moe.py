@@ -23,9 +23,12 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
      blocked (dropless, plain XLA; MegaBlocks' padded block-sparse form): as ragged,
        but each expert's group is padded to a multiple of ``moe_block_size`` rows, so
        every block of rows belongs to one expert; the blocks are multiplied by their
-       expert's gathered weights in one batched matmul. Work is
-       O((N k + E * block) D F) on any backend. (XLA:CPU lowers ragged_dot to one dense
-       matmul per expert, O(E N k D F); accelerators have grouped-GEMM kernels.)
+       expert's weights in one batched matmul. Work is O((N k + E * block) D F) on any
+       backend. (XLA:CPU and XLA:GPU lower ragged_dot to a dense product over all
+       experts, O(E N k D F); TPUs have grouped-matmul kernels.) The weights reach the
+       blocks by an indexed gather on CPUs and by a one-hot [blocks, E] matmul on
+       accelerators, whose gradient is then a matmul, not a scatter-add
+       (``moe_weight_gather``).
 
      capacity (GShard / Switch Transformer): every expert has a buffer of
        C = ceil(capacity_factor * N * k / E) copies; copies claim buffer positions in
@@ -99,7 +102,8 @@ def ragged_experts(x, expert_ids, gates, w_gate, w_up, w_down):
     return jnp.einsum("nkd,nk->nd", y_copies, gates.astype(y_copies.dtype))
 
 
-def blocked_experts(x, expert_ids, gates, w_gate, w_up, w_down, block_size: int):
+def blocked_experts(x, expert_ids, gates, w_gate, w_up, w_down, block_size: int,
+                    gather: str = "take"):
     """Step 5, dropless with block padding: every block of ``block_size`` sorted copies
     belongs to one expert, and blocks are multiplied by their expert's weights.
 
@@ -110,6 +114,12 @@ def blocked_experts(x, expert_ids, gates, w_gate, w_up, w_down, block_size: int)
     Args:
       x: [N, D]; expert_ids: int32 [N, k]; gates: [N, k]; w_*: as in ragged_experts;
       block_size: rows per block (at most; smaller when the mean group is smaller).
+      gather: how each block receives its expert's weights. "take": an indexed gather
+        (whose gradient is a scatter-add into [E, D, F]); "onehot": a matmul with the
+        one-hot [blocks, E] block-to-expert matrix (exact at HIGHEST precision: one
+        nonzero term per sum; its gradient is a matmul too, which accelerators run on
+        their matrix units instead of as atomic scatter-adds). Unlike "take", a NaN or
+        inf in one expert's weights reaches every block (0 * inf).
     Returns:
       [N, D].
     """
@@ -133,11 +143,26 @@ def blocked_experts(x, expert_ids, gates, w_gate, w_up, w_down, block_size: int)
     rows = rows.at[dest].set(jnp.take(x, order // k, axis=0), unique_indices=True)
     rows = rows.reshape(num_blocks, block_size, d)
     block_starts = jnp.arange(num_blocks) * block_size
-    block_expert = jnp.minimum(jnp.searchsorted(padded_ends, block_starts, side="right"),
-                               num_experts - 1)                       # unused blocks: zeros
-    gate = jnp.einsum("brd,bdf->brf", rows, jnp.take(w_gate, block_expert, axis=0))
-    up = jnp.einsum("brd,bdf->brf", rows, jnp.take(w_up, block_expert, axis=0))
-    out = jnp.einsum("brf,bfd->brd", jax.nn.silu(gate) * up, jnp.take(w_down, block_expert, axis=0))
+    # compare_all: one [blocks, E] comparison instead of a while loop of binary search
+    # steps (each a kernel launch on accelerators).
+    block_expert = jnp.minimum(
+        jnp.searchsorted(padded_ends, block_starts, side="right", method="compare_all"),
+        num_experts - 1)                                                # unused blocks: zeros
+    if gather == "take":
+        def weights_of(w):
+            return jnp.take(w, block_expert, axis=0)
+    elif gather == "onehot":
+        onehot = jax.nn.one_hot(block_expert, num_experts, dtype=w_gate.dtype)
+
+        def weights_of(w):
+            # HIGHEST: a float32 product at default precision would round the weights
+            # (TF32 on GPUs, bfloat16 passes on TPUs), and the weight gradient with them.
+            return jnp.einsum("be,e...->b...", onehot, w, precision=jax.lax.Precision.HIGHEST)
+    else:
+        raise ValueError(f"gather must be 'take' or 'onehot', got {gather!r}")
+    gate = jnp.einsum("brd,bdf->brf", rows, weights_of(w_gate))
+    up = jnp.einsum("brd,bdf->brf", rows, weights_of(w_up))
+    out = jnp.einsum("brf,bfd->brd", jax.nn.silu(gate) * up, weights_of(w_down))
     y_sorted = jnp.take(out.reshape(-1, d), dest, axis=0)
     y_copies = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
     return jnp.einsum("nkd,nk->nd", y_copies.reshape(n, k, d), gates.astype(x.dtype))
@@ -217,11 +242,14 @@ class MoE(nnx.Module):
         expert_ids, gates, probs = route(logits, k, cfg.norm_topk_prob, replay)
         weights = [w[...].astype(dt) for w in (self.gate_proj, self.up_proj, self.down_proj)]
         dropped = jnp.zeros((), jnp.float32)
-        if cfg.moe_dispatch == "ragged":
+        dispatch = cfg.moe_dispatch
+        if t == 1 and cfg.moe_decode_dispatch is not None:
+            dispatch = cfg.moe_decode_dispatch                          # a decode step
+        if dispatch == "ragged":
             y = ragged_experts(flat.astype(dt), expert_ids, gates, *weights)
-        elif cfg.moe_dispatch == "blocked":
+        elif dispatch == "blocked":
             y = blocked_experts(flat.astype(dt), expert_ids, gates, *weights,
-                                block_size=cfg.moe_block_size)
+                                block_size=cfg.moe_block_size, gather=cfg.resolved_weight_gather())
         else:
             y, dropped = capacity_experts(flat.astype(dt), expert_ids, gates, valid, *weights,
                                           capacity=cfg.expert_capacity(b * t))

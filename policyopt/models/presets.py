@@ -5,7 +5,12 @@
 
 The CPU presets (tiny_moe, moe_7m) use the "blocked" dropless dispatch: XLA:CPU lowers
 ``jax.lax.ragged_dot`` to one dense matmul per expert, 3-10x slower there
-(benchmarks/RESULTS.md, bench_moe). The accelerator presets keep "ragged".
+(benchmarks/RESULTS.md, bench_moe). So does XLA:GPU (a dense product over all experts):
+on an H200, moe_0p5b's training step ran 3.75x faster with "blocked" (block 512, one-hot
+weight gather) than with "ragged", while decoding (a few tokens per expert) was faster
+with "ragged" (RESULTS.md, "Accelerator"). moe_0p5b therefore trains and prefills with
+"blocked" and decodes with "ragged" (``moe_decode_dispatch``);
+qwen3_30b_a3b keeps "ragged", the choice on TPUs (grouped-matmul kernels).
   moe_0p5b              ~0.5B total parameters, 32 experts top-4 (accelerator benchmark)
   qwen3_30b_a3b         the shape of Qwen3-30B-A3B (48 layers, 128 experts top-8)
 """
@@ -27,7 +32,8 @@ PRESETS: dict[str, dict] = {
                    moe_dispatch="blocked", moe_block_size=16),
     "moe_0p5b": dict(vocab_size=32768, hidden_size=1024, num_layers=12, num_heads=16,
                      num_kv_heads=4, head_dim=64, intermediate_size=2816, num_experts=32,
-                     num_experts_per_tok=4, moe_intermediate_size=352),
+                     num_experts_per_tok=4, moe_intermediate_size=352,
+                     moe_dispatch="blocked", moe_block_size=512, moe_decode_dispatch="ragged"),
     # Qwen3-30B-A3B config.json (Qwen team, 2025).
     "qwen3_30b_a3b": dict(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
                           num_kv_heads=4, head_dim=128, intermediate_size=6144,

@@ -19,8 +19,11 @@ from policyopt.models import Transformer, preset
 from policyopt.rewards.batch import RewardSpec
 from policyopt.rl.learner import split_params
 
-_MODEL_OVERRIDES = ("num_layers", "hidden_size", "num_experts", "num_experts_per_tok", "dtype",
-                    "param_dtype", "moe_dispatch")
+# Fields of config.model that override the preset. The runtime ones (how the model
+# computes, not its shapes) also apply to a pretrained checkpoint.
+_RUNTIME_OVERRIDES = ("dtype", "param_dtype", "moe_dispatch", "moe_decode_dispatch", "moe_block_size",
+                      "moe_weight_gather")
+_MODEL_OVERRIDES = ("num_layers", "hidden_size", "num_experts", "num_experts_per_tok") + _RUNTIME_OVERRIDES
 
 
 def make_mesh(config) -> Mesh:
@@ -43,17 +46,22 @@ def make_tokenizer(config):
 
 def make_model(config, vocab_size: int, mesh: Mesh | None = None) -> nnx.Module:
     """The policy: a preset (with ``config.model`` overrides) initialised from
-    ``config.seed``, or a HuggingFace checkpoint folder.
+    ``config.seed``, or a HuggingFace checkpoint folder (with the runtime overrides:
+    dtypes and MoE dispatch).
 
     With ``mesh`` the parameters are born on it, each device receiving only its shards
     (placed by their logical axes as ``init_params`` places them; the values are those of
     a build without a mesh), so a model larger than one device can be built.
     """
+    overrides = {name: config.model[name] for name in _MODEL_OVERRIDES if config.model[name] is not None}
     if config.model.pretrained:
         from policyopt.models import from_pretrained
 
-        return from_pretrained(config.model.pretrained, mesh=mesh)
-    overrides = {name: config.model[name] for name in _MODEL_OVERRIDES if config.model[name] is not None}
+        shapes = sorted(set(overrides) - set(_RUNTIME_OVERRIDES))
+        if shapes:
+            raise ValueError(f"config.model.{shapes[0]} cannot change the shape of the pretrained "
+                             f"checkpoint {config.model.pretrained!r}; only {_RUNTIME_OVERRIDES} apply")
+        return from_pretrained(config.model.pretrained, mesh=mesh, **overrides)
     model_config = preset(config.model.preset, vocab_size=vocab_size, **overrides)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         return Transformer(model_config, rngs=nnx.Rngs(config.seed))

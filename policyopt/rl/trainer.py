@@ -114,14 +114,15 @@ def build_run(config, workdir: str) -> RLRun:
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
     model = build.make_model(config, tokenizer.vocab_size, mesh)
-    if model.config.is_moe and model.config.moe_dispatch == "capacity":
+    dispatches = (model.config.moe_dispatch, model.config.moe_decode_dispatch)
+    if model.config.is_moe and "capacity" in dispatches:
         raise ValueError(
-            "config.model.moe_dispatch='capacity' drops token copies by their position in the "
-            "whole forward call, so a response's log-probs depend on the rows it is batched "
-            "with: the sampler (R rows per step), the old-log-prob pass and each minibatch "
-            "would compute different policies (ratio != 1 at the first update) and routing "
-            "replay does not replay the drops. RL needs a dropless dispatch ('ragged' or "
-            "'blocked').")
+            "config.model.moe_dispatch (or moe_decode_dispatch) 'capacity' drops token copies "
+            "by their position in the whole forward call, so a response's log-probs depend on "
+            "the rows it is batched with: the sampler (R rows per step), the old-log-prob "
+            "pass and each minibatch would compute different policies (ratio != 1 at the "
+            "first update) and routing replay does not replay the drops. RL needs a dropless "
+            "dispatch ('ragged' or 'blocked').")
     graphdef, params = build.init_params(config, model, mesh)
     learner = get_learner(graphdef, LossConfig.from_config(config), OptimConfig.from_config(config.optim))
     ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
