@@ -10,9 +10,10 @@ both sides report the median of several timed runs.
 
     python -m benchmarks.bench_sampling [--runs 5] [--hf_runs 3] [--blocks 16]
 
-The model runs with its default MoE dispatch ("ragged": on the CPU, XLA lowers
-`ragged_dot` to a dense product over all experts) and, with the same weights, with the
-dropless "blocked" dispatch (numerically the same model, O(N k) expert work).
+The same weights run with the "ragged" MoE dispatch (on the CPU, XLA lowers `ragged_dot`
+to a dense product over all experts) and with the dropless "blocked" dispatch of each
+``--blocks`` size (numerically the same model, O(N k) expert work; blocked 16 is the
+preset's own).
 
 Writes benchmarks/results/bench_sampling.json.
 """
@@ -118,15 +119,15 @@ def main():
     new_tokens = args.batch * args.max_new_tokens
 
     rows = []
-    graphdef, state = nnx.split(model)
-    variants = [("ragged", config)]  # the default dispatch
-    for block in args.blocks:  # the same weights with the blocked dropless dispatch
-        blocked = config.replace(moe_dispatch="blocked", moe_block_size=block)
-        abstract = nnx.eval_shape(lambda c=blocked: Transformer(c, rngs=nnx.Rngs(0)))
-        variants.append((f"blocked {block}", blocked, nnx.split(abstract)[0]))
-    for variant in variants:
-        name, variant_config = variant[0], variant[1]
-        variant_graphdef = graphdef if len(variant) == 2 else variant[2]
+    _, state = nnx.split(model)
+    # The same weights under each dropless dispatch: ragged_dot, and blocked with each
+    # block size (the preset's own dispatch is blocked 16).
+    variants = [("ragged", config.replace(moe_dispatch="ragged"))]
+    variants += [(f"blocked {block}", config.replace(moe_dispatch="blocked", moe_block_size=block))
+                 for block in args.blocks]
+    for name, variant_config in variants:
+        abstract = nnx.eval_shape(lambda c=variant_config: Transformer(c, rngs=nnx.Rngs(0)))
+        variant_graphdef = nnx.split(abstract)[0]
         first, median, times, cpu = bench_policyopt(
             variant_graphdef, state, prompts, lengths, args.max_new_tokens, args.runs,
             temperature=1.0)
@@ -146,7 +147,7 @@ def main():
     for row in rows[:-1]:
         row["speedup_vs_transformers"] = hf_median / row["seconds"]
         row["cpu_speedup_vs_transformers"] = hf_cpu / row["cpu_seconds"]
-    default_speedup = rows[0]["speedup_vs_transformers"]
+    ragged_speedup = rows[0]["speedup_vs_transformers"]
     speedup = max(row["speedup_vs_transformers"] for row in rows[:-1])
 
     print(f"\nSampler throughput, {config.num_layers}-layer Qwen3-MoE ({num_params / 1e6:.1f}M "
@@ -164,7 +165,7 @@ def main():
               f"{'' if cpu_ratio is None else f'{cpu_ratio:5.1f}x':>6s} "
               f"{'' if compile_s is None else f'{compile_s:14.1f}'}")
     verdict = "PASS" if speedup >= TARGET_SPEEDUP else "FAIL"
-    print(f"speed-up vs transformers (median / median): default dispatch {default_speedup:.1f}x, "
+    print(f"speed-up vs transformers (median / median): ragged {ragged_speedup:.1f}x, "
           f"best {speedup:.1f}x (target >= {TARGET_SPEEDUP:.0f}x: {verdict})")
 
     result = dict(
@@ -175,7 +176,7 @@ def main():
         batch=args.batch, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
         cpu_count=os.cpu_count(), torch_threads=threads, platform=platform.platform(terse=True),
         versions=dict(jax=jax.__version__, transformers=tf_version, torch=torch_version),
-        rows=rows, speedup=speedup, speedup_default_dispatch=default_speedup, target_speedup=TARGET_SPEEDUP, passed=speedup >= TARGET_SPEEDUP)
+        rows=rows, speedup=speedup, speedup_ragged=ragged_speedup, target_speedup=TARGET_SPEEDUP, passed=speedup >= TARGET_SPEEDUP)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

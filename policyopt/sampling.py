@@ -337,7 +337,7 @@ def _repeat_rows(x: jax.Array, times: int, axis: int) -> jax.Array:
 
 
 def _repeat_cache(cache, times: int):
-    """Repeats every row of a KVCache (`k, v [L, B, S, H, D]`, `key_mask [B, S]`)."""
+    """Repeats every row of a KVCache (`k, v [L, B, Hkv, S, Dh]`, `key_mask [B, S]`)."""
     if times == 1:
         return cache
     return cache.replace(

@@ -23,9 +23,9 @@ from policyopt.models.sharding import constrain
 # start of a row) gets a uniform average instead of NaN, and is ignored downstream.
 _MASK_VALUE = -1e30
 
-# Logical axes of the cache's keys and values [L, B, S, Hkv, Dh]
+# Logical axes of the cache's keys and values [L, B, Hkv, S, Dh]
 # (``policyopt.models.sharding``): rows follow the batch, heads the attention heads.
-CACHE_AXES = (None, "batch", "length", "kv_heads", "kv")
+CACHE_AXES = (None, "batch", "kv_heads", "length", "kv")
 
 
 @struct.dataclass
@@ -33,8 +33,9 @@ class KVCache:
     """Keys and values of every layer, a pytree.
 
     Attributes:
-      k: [L, B, S, Hkv, Dh] rotated keys.
-      v: [L, B, S, Hkv, Dh] values.
+      k: [L, B, Hkv, S, Dh] rotated keys (heads before slots: a decode step reads each
+        head's keys as one contiguous [S, Dh] block, with no transpose per step).
+      v: [L, B, Hkv, S, Dh] values.
       key_mask: bool [B, S], True where the slot holds a real (non-padding) key.
       index: int32 scalar, next slot to write.
     """
@@ -47,7 +48,7 @@ class KVCache:
     @classmethod
     def create(cls, config: ModelConfig, batch_size: int, max_length: int, dtype=None):
         dtype = jnp.dtype(dtype) if dtype is not None else config.compute_dtype
-        shape = (config.num_layers, batch_size, max_length, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, batch_size, config.num_kv_heads, max_length, config.head_dim)
         zeros = lambda: constrain(jnp.zeros(shape, dtype), CACHE_AXES)
         return cls(k=zeros(), v=zeros(),
                    key_mask=jnp.zeros((batch_size, max_length), bool),
@@ -55,7 +56,7 @@ class KVCache:
 
     @property
     def max_length(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def attention_weights_mask(query_slots: jax.Array, key_mask: jax.Array) -> jax.Array:
@@ -70,22 +71,24 @@ def attention_weights_mask(query_slots: jax.Array, key_mask: jax.Array) -> jax.A
     return causal[None, :, :] & key_mask[:, None, :]
 
 
-def dot_product_attention(q, k, v, mask):
+def dot_product_attention(q, k, v, mask, *, heads_first: bool = False):
     """softmax(q k^T / sqrt(Dh) + mask) v with grouped heads; softmax in float32.
 
     Args:
-      q: [B, T, H, Dh]; k, v: [B, S, Hkv, Dh]; mask: bool [B, T, S].
+      q: [B, T, H, Dh]; k, v: [B, S, Hkv, Dh], or [B, Hkv, S, Dh] with heads_first (the
+        KV cache's layout); mask: bool [B, T, S].
     Returns:
       [B, T, H, Dh] in q's dtype.
     """
     b, t, h, dh = q.shape
-    hkv = k.shape[2]
+    hkv = k.shape[1 if heads_first else 2]
+    kv = "bksh" if heads_first else "bskh"
     q = q.reshape(b, t, hkv, h // hkv, dh)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(f"btkgh,{kv}->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (dh ** -0.5)
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    out = jnp.einsum(f"bkgts,{kv}->btkgh", probs, v)
     return out.reshape(b, t, h, dh)
 
 
@@ -128,14 +131,15 @@ class Attention(nnx.Module):
             keys, values = k, v
             mask = attention_weights_mask(jnp.arange(t), token_mask)
         else:
-            start = (layer, 0, cache.index, 0, 0)
-            new_k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype)[None], start)
-            new_v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype)[None], start)
+            start = (layer, 0, 0, cache.index, 0)
+            to_cache = lambda x, c: jnp.swapaxes(x, 1, 2).astype(c.dtype)[None]   # [1,B,Hkv,T,Dh]
+            new_k = jax.lax.dynamic_update_slice(cache.k, to_cache(k, cache.k), start)
+            new_v = jax.lax.dynamic_update_slice(cache.v, to_cache(v, cache.v), start)
             new_k, new_v = constrain(new_k, CACHE_AXES), constrain(new_v, CACHE_AXES)
             key_mask = jax.lax.dynamic_update_slice(cache.key_mask, token_mask, (0, cache.index))
             cache = cache.replace(k=new_k, v=new_v, key_mask=key_mask)
             keys, values = new_k[layer].astype(dt), new_v[layer].astype(dt)
             mask = attention_weights_mask(cache.index + jnp.arange(t), key_mask)
-        out = dot_product_attention(q, keys, values, mask)
+        out = dot_product_attention(q, keys, values, mask, heads_first=cache is not None)
         out = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dt))
         return out, cache

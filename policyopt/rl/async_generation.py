@@ -32,7 +32,7 @@ them; a trainer that recomputes pi_old with its own parameters and applies trunc
 importance sampling (``algo.tis_cap``, ``algo.old_log_probs = "trainer"``) corrects for
 the mixture unchanged.
 
-**KV cache layout.** One ``KVCache`` ``[L, R, S, Hkv, Dh]`` shared by every row, with one
+**KV cache layout.** One ``KVCache`` ``[L, R, Hkv, S, Dh]`` shared by every row, with one
 write index (the model's cache writes all rows at one slot). With ``W = P + N``
 (prompt width + max_new_tokens) and ``S = W + K``: each segment first rolls the cache so
 that the last W slots come first and the write index is W (a live row never spans more
@@ -127,7 +127,7 @@ class SlotConfig:
 class _SlotState:
     """Everything the decode segments carry, R rows (one KV cache for all)."""
 
-    cache: Any  # KVCache [L, R, S, Hkv, Dh]
+    cache: Any  # KVCache [L, R, Hkv, S, Dh]
     active: jax.Array  # bool [R]: holds a completion that has not been taken out
     done: jax.Array  # bool [R]: the row has ended
     step: jax.Array  # int32 [R]: tokens sampled so far
@@ -222,7 +222,7 @@ def _refill(graphdef, params, state: _SlotState, group, prompt, prompt_length, v
     # other slot of those rows (the previous completion) is masked out.
     cache = state.cache
     first_slot = cache.index - prompt_width
-    start = (0, row0, first_slot, 0, 0)
+    start = (0, row0, 0, first_slot, 0)
     row_mask = jnp.zeros((group_size, config.cache_length), bool)
     row_mask = jax.lax.dynamic_update_slice(row_mask, repeat(prompt_mask[None], 0), (0, first_slot))
     cache = cache.replace(
@@ -252,7 +252,7 @@ def _compact(cache, window: int):
     """Rolls the cache so that slots [index - W, index) become [0, W); index := W."""
     shift = cache.index - window
     keep = jnp.arange(cache.max_length) < window
-    return cache.replace(k=jnp.roll(cache.k, -shift, axis=2), v=jnp.roll(cache.v, -shift, axis=2),
+    return cache.replace(k=jnp.roll(cache.k, -shift, axis=3), v=jnp.roll(cache.v, -shift, axis=3),
                          key_mask=jnp.roll(cache.key_mask, -shift, axis=1) & keep[None],
                          index=jnp.asarray(window, jnp.int32))
 
