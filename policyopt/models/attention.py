@@ -83,23 +83,19 @@ def dot_product_attention(q, k, v, mask, *, heads_first: bool = False):
     b, t, h, dh = q.shape
     hkv = k.shape[1 if heads_first else 2]
     g = h // hkv
+    kv = "bksh" if heads_first else "bskh"
+    scores = jnp.einsum(f"btkgh,{kv}->bkgts", q.reshape(b, t, hkv, g, dh), k,
+                        preferred_element_type=jnp.float32) * (dh ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     if heads_first:
         # Probabilities times values as a batched matmul with the batch dims (b, k)
         # leading and the query rows (t, g) together, the layout XLA:CPU's matmul library
         # takes as is (3x faster there than "bkgts,bksh->btkgh" for a decode step; with
-        # t = 1 the transposes are free reshapes). For the scores the first form is faster.
-        scores = jnp.einsum("btkgh,bksh->bkgts", q.reshape(b, t, hkv, g, dh), k,
-                            preferred_element_type=jnp.float32) * (dh ** -0.5)
-        scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        # t = 1 the transposes are free reshapes). The same form for the scores is slower.
         probs = probs.transpose(0, 1, 3, 2, 4).reshape(b, hkv, t * g, -1)
         out = jnp.einsum("bkqs,bksh->bkqh", probs, v)
         return out.reshape(b, hkv, t, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dh)
-    q = q.reshape(b, t, hkv, g, dh)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (dh ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
     return out.reshape(b, t, h, dh)
 

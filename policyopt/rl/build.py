@@ -21,9 +21,10 @@ from policyopt.rl.learner import split_params
 
 # Fields of config.model that override the preset. The runtime ones (how the model
 # computes, not its shapes) also apply to a pretrained checkpoint.
-_RUNTIME_OVERRIDES = ("dtype", "param_dtype", "moe_dispatch", "moe_decode_dispatch", "moe_block_size",
-                      "moe_weight_gather")
-_MODEL_OVERRIDES = ("num_layers", "hidden_size", "num_experts", "num_experts_per_tok") + _RUNTIME_OVERRIDES
+_RUNTIME_OVERRIDES = ("dtype", "param_dtype", "moe_dispatch", "moe_decode_dispatch",
+                      "moe_block_size", "moe_weight_gather")
+_MODEL_OVERRIDES = (("num_layers", "hidden_size", "num_experts", "num_experts_per_tok")
+                    + _RUNTIME_OVERRIDES)
 
 
 def make_mesh(config) -> Mesh:
