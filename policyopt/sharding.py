@@ -52,8 +52,10 @@ collectives and were not tried): with several devices per process a run can dead
 mismatched Gloo collectives between consecutive programs. VAPO on the MoE model with R3
 replay and two minibatches, 2 processes x 4 devices, hung in its second or third
 iteration in 3 of 4 runs on a CPU shared with other jobs (it completed on an idle CPU);
-with 1 device per process the same run, under the same load, completed. It looks like an
-XLA:CPU runtime issue, not fixed here: on CPUs, run one process per device.
+with 1 device per process the same run, under the same load, completed. Dense GRPO on
+2 processes x 4 devices (data x fsdp x tensor) also hung once, on an idle CPU, so the test
+now runs 1 device per process only. It looks like an XLA:CPU runtime issue, not fixed
+here: on CPUs, run one process per device.
 
 Tests run it on 8 simulated CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
