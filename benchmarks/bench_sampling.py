@@ -11,9 +11,10 @@ both sides report the median of several timed runs.
     python -m benchmarks.bench_sampling [--runs 5] [--hf_runs 3] [--blocks 16]
 
 The same weights run with the "ragged" MoE dispatch (on the CPU, XLA lowers `ragged_dot`
-to a dense product over all experts) and with the dropless "blocked" dispatch of each
-``--blocks`` size (numerically the same model, O(N k) expert work; blocked 16 is the
-preset's own).
+to a dense product over all experts), with the dropless "blocked" dispatch of each
+``--blocks`` size (O(N k) expert work), for prefill and decode alike, and as the preset
+runs them: prefill "blocked" 16, decode "dense" (every token through every expert).
+Numerically the same model each time.
 
 Writes benchmarks/results/bench_sampling.json.
 """
@@ -120,11 +121,14 @@ def main():
 
     rows = []
     _, state = nnx.split(model)
-    # The same weights under each dropless dispatch: ragged_dot, and blocked with each
-    # block size (the preset's own dispatch is blocked 16).
-    variants = [("ragged", config.replace(moe_dispatch="ragged"))]
-    variants += [(f"blocked {block}", config.replace(moe_dispatch="blocked", moe_block_size=block))
+    # The same weights under each dropless dispatch, for prefill and decode alike (decode
+    # dispatch None): ragged_dot, blocked with each block size; then the preset's own.
+    variants = [("ragged", config.replace(moe_dispatch="ragged", moe_decode_dispatch=None))]
+    variants += [(f"blocked {block}", config.replace(moe_dispatch="blocked", moe_block_size=block,
+                                                     moe_decode_dispatch=None))
                  for block in args.blocks]
+    variants += [(f"{config.moe_dispatch} {config.moe_block_size}, decode "
+                  f"{config.moe_decode_dispatch}", config)]
     for name, variant_config in variants:
         abstract = nnx.eval_shape(lambda c=variant_config: Transformer(c, rngs=nnx.Rngs(0)))
         variant_graphdef = nnx.split(abstract)[0]
@@ -132,7 +136,9 @@ def main():
             variant_graphdef, state, prompts, lengths, args.max_new_tokens, args.runs,
             temperature=1.0)
         rows.append(dict(name=f"policyopt generate (MoE {name}, temperature 1)",
-                         moe_dispatch=variant_config.moe_dispatch, seconds=median,
+                         moe_dispatch=variant_config.moe_dispatch,
+                         moe_decode_dispatch=variant_config.moe_decode_dispatch or variant_config.moe_dispatch,
+                         moe_block_size=variant_config.moe_block_size, seconds=median,
                          tokens_per_s=new_tokens / median, cpu_seconds=cpu,
                          compile_and_first_s=first, times=times))
         print(f"  {rows[-1]['name']}: {median:.2f} s, compile + first {first:.1f} s", flush=True)

@@ -337,14 +337,12 @@ def _repeat_rows(x: jax.Array, times: int, axis: int) -> jax.Array:
 
 
 def _repeat_cache(cache, times: int):
-    """Repeats every row of a KVCache (`k, v [L, B, Hkv, S, Dh]`, `key_mask [B, S]`)."""
+    """Repeats every row of a KVCache (axis 0 of each layer's keys and values, and of
+    `key_mask [B, S]`)."""
     if times == 1:
         return cache
-    return cache.replace(
-        k=_repeat_rows(cache.k, times, 1),
-        v=_repeat_rows(cache.v, times, 1),
-        key_mask=_repeat_rows(cache.key_mask, times, 0),
-    )
+    cache = cache.map_layers(lambda x: _repeat_rows(x, times, 0))
+    return cache.replace(key_mask=_repeat_rows(cache.key_mask, times, 0))
 
 
 def _next_logits(model, hidden: jax.Array) -> jax.Array:
@@ -381,7 +379,8 @@ def _generate(graphdef, state, prompts, prompt_lengths, rng, *, config: Sampling
     # 1. Prefill B prompts into slots [0, P).
     index = jnp.arange(prompt_len, dtype=jnp.int32)[None, :]
     prompt_mask = index < prompt_lengths[:, None]
-    cache = model.init_cache(batch, prompt_len + num_new, dtype=config.cache_dtype)
+    # Per-layer cache buffers: each layer's attention reads its own (see KVCache).
+    cache = model.init_cache(batch, prompt_len + num_new, dtype=config.cache_dtype, per_layer=True)
     out = model(
         prompts,
         positions=jnp.broadcast_to(index, prompts.shape),

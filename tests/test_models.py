@@ -87,12 +87,13 @@ def test_output_shapes(models, kind):
         assert out.routing is None and out.aux == {}
 
 
+@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked", "per_layer"])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_kv_cache_prefill_then_decode_equals_full_forward(models, kind):
+def test_kv_cache_prefill_then_decode_equals_full_forward(models, kind, per_layer):
     model = models[kind]
     tokens = _tokens((2, 9), seed=1)
     full = call(model, tokens)
-    cache = model.init_cache(2, 12)
+    cache = model.init_cache(2, 12, per_layer=per_layer)
     prefill = call(model, tokens[:, :5], cache=cache)
     np.testing.assert_allclose(prefill.logits, full.logits[:, :5], rtol=1e-5, atol=1e-5)
     cache = prefill.cache
@@ -109,6 +110,41 @@ def test_kv_cache_prefill_then_decode_equals_full_forward(models, kind):
         cache = out.cache
     assert int(cache.index) == 9
     np.testing.assert_array_equal(cache.key_mask, np.arange(12)[None, :].repeat(2, 0) < 9)
+    assert cache.per_layer == per_layer
+
+
+def test_kv_cache_layout_and_forms(models):
+    """Keys are stored transposed [L, B, Hkv, Dh, S], values [L, B, Hkv, S, Dh]; slot s
+    holds the rotated key / value of token s; the stacked and per-layer forms hold the
+    same arrays, and roll_slots / put_rows move slots and rows as documented."""
+    model = models["dense"]
+    cfg = model.config
+    tokens = _tokens((2, 5), seed=4)
+    stacked = call(model, tokens, cache=model.init_cache(2, 7)).cache
+    per_layer = call(model, tokens, cache=model.init_cache(2, 7, per_layer=True)).cache
+    shape_k = (cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, 7)
+    assert stacked.k.shape == shape_k and stacked.v.shape == shape_k[:3] + (7, cfg.head_dim)
+    assert isinstance(per_layer.k, tuple) and len(per_layer.k) == cfg.num_layers
+    for a, b in ((stacked, per_layer.stack()), (stacked.unstack().stack(), stacked)):
+        np.testing.assert_array_equal(a.k, b.k)
+        np.testing.assert_array_equal(a.v, b.v)
+    # Layer 0's values: v_proj of the first block's normed input, at slots 0..4.
+    x = jnp.take(model.embed[...], tokens, axis=0)
+    v = jnp.einsum("btd,dnh->bnth", model.layers[0].input_norm(x), model.layers[0].attn.v_proj[...])
+    np.testing.assert_allclose(stacked.v[0, :, :, :5], v, rtol=1e-5, atol=1e-6)
+    assert not np.any(stacked.k[:, :, :, :, 5:]) and not np.any(stacked.v[:, :, :, 5:])
+    rolled = stacked.roll_slots(2)
+    np.testing.assert_array_equal(rolled.k[..., 2:7], stacked.k[..., :5])
+    np.testing.assert_array_equal(rolled.v[:, :, :, 2:7], stacked.v[:, :, :, :5])
+    np.testing.assert_array_equal(rolled.key_mask[:, 2:7], stacked.key_mask[:, :5])
+    small = call(model, tokens[:1, :3], cache=model.init_cache(1, 3)).cache
+    put = stacked.put_rows(small, 1, 4)
+    np.testing.assert_array_equal(put.k[:, 1:, ..., 4:7], small.k)
+    np.testing.assert_array_equal(put.v[:, 1:, :, 4:7], small.v)
+    np.testing.assert_array_equal(put.k[:, :1], stacked.k[:, :1])
+    np.testing.assert_array_equal(put.k[:, 1:, ..., :4], stacked.k[:, 1:, ..., :4])
+    with pytest.raises(ValueError, match="stacked"):
+        per_layer.roll_slots(1)
 
 
 def test_right_padded_prompts_decode_like_unpadded(models):
@@ -196,7 +232,7 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="num_kv_heads"):
         ModelConfig(**{**TINY, "num_kv_heads": 3})
     with pytest.raises(ValueError, match="moe_dispatch"):
-        ModelConfig(**TINY, num_experts=4, moe_dispatch="dense")
+        ModelConfig(**TINY, num_experts=4, moe_dispatch="sparse")
     with pytest.raises(ValueError, match="moe_weight_gather"):
         ModelConfig(**TINY, num_experts=4, moe_weight_gather="scatter")
     assert ModelConfig(**TINY, moe_weight_gather="onehot").resolved_weight_gather() == "onehot"

@@ -1,4 +1,4 @@
-"""MoE block: ragged and blocked (dropless) and capacity dispatch against a plain loop over tokens
+"""MoE block: ragged, blocked and dense (dropless) and capacity dispatch against a plain loop over tokens
 and experts; gradients; routing replay; capacity drops and priority; router statistics
 worked out by hand."""
 
@@ -102,7 +102,7 @@ def _dispatch(name):
 
 @pytest.mark.parametrize("dispatch,norm_topk_prob", [
     ("ragged", True), ("ragged", False), ("blocked", True), ("blocked-onehot", False),
-    ("capacity", False)])
+    ("dense", True), ("dense", False), ("capacity", False)])
 def test_fast_paths_match_loop_reference(dispatch, norm_topk_prob):
     # capacity_factor = E / K: every expert can hold every token, nothing is dropped.
     # Block size 3: groups of every size modulo the block occur, some experts get none.
@@ -117,7 +117,7 @@ def test_fast_paths_match_loop_reference(dispatch, norm_topk_prob):
     np.testing.assert_array_equal(aux["tokens_per_expert"], np.bincount(chosen.ravel(), minlength=E))
 
 
-@pytest.mark.parametrize("dispatch", ["ragged", "blocked", "blocked-onehot", "capacity"])
+@pytest.mark.parametrize("dispatch", ["ragged", "blocked", "blocked-onehot", "dense", "capacity"])
 def test_gradients_match_loop_reference_under_replay(dispatch):
     """Replay a routing that differs from the natural one (the k *least* likely experts):
     output and every gradient equal the loop reference with those experts; the router
@@ -261,4 +261,4 @@ def test_decode_dispatch_applies_to_one_token_calls_only(tokens_per_row):
     np.testing.assert_array_equal(routing.reshape(-1, K), chosen)
     np.testing.assert_allclose(y.reshape(-1, D), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="moe_decode_dispatch"):
-        _config(moe_decode_dispatch="dense")
+        _config(moe_decode_dispatch="sparse")

@@ -222,12 +222,14 @@ def test_log_probs_equal_full_forward(name, moe_model, dense_model, moe_sampled)
                                atol=2e-4)
 
 
-def test_decode_dispatch_gives_the_same_rollout(moe_model, moe_sampled):
+@pytest.mark.parametrize("decode_dispatch", ["ragged", "dense"])
+def test_decode_dispatch_gives_the_same_rollout(moe_model, moe_sampled, decode_dispatch):
     """Prefill "blocked", decode "ragged" (moe_decode_dispatch; the GPU layout of
-    moe_0p5b): the same weights sample the same tokens, routing and log-probs as the
-    single-dispatch model, and the log-probs equal a full (blocked) forward pass."""
+    moe_0p5b) or "dense" (the CPU presets' decode): the same weights sample the same
+    tokens, routing and log-probs as the single-dispatch model, and the log-probs equal a
+    full (blocked) forward pass."""
     mixed = Transformer(MOE.replace(moe_dispatch="blocked", moe_block_size=2,
-                                    moe_decode_dispatch="ragged"), rngs=nnx.Rngs(0))
+                                    moe_decode_dispatch=decode_dispatch), rngs=nnx.Rngs(0))
     rollout = run(mixed, temperature=1.0, seed=3)
     np.testing.assert_array_equal(np.asarray(rollout.tokens), np.asarray(moe_sampled.tokens))
     np.testing.assert_array_equal(np.asarray(rollout.routing), np.asarray(moe_sampled.routing))

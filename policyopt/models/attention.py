@@ -23,9 +23,10 @@ from policyopt.models.sharding import constrain
 # start of a row) gets a uniform average instead of NaN, and is ignored downstream.
 _MASK_VALUE = -1e30
 
-# Logical axes of the cache's keys and values [L, B, Hkv, S, Dh]
-# (``policyopt.models.sharding``): rows follow the batch, heads the attention heads.
-CACHE_AXES = (None, "batch", "kv_heads", "length", "kv")
+# Logical axes (``policyopt.models.sharding``) of the cache's keys [L, B, Hkv, Dh, S] and
+# values [L, B, Hkv, S, Dh]: rows follow the batch, heads the attention heads.
+KEY_CACHE_AXES = (None, "batch", "kv_heads", "kv", "length")
+VALUE_CACHE_AXES = (None, "batch", "kv_heads", "length", "kv")
 
 
 @struct.dataclass
@@ -33,30 +34,105 @@ class KVCache:
     """Keys and values of every layer, a pytree.
 
     Attributes:
-      k: [L, B, Hkv, S, Dh] rotated keys (heads before slots: a decode step reads each
-        head's keys as one contiguous [S, Dh] block, with no transpose per step).
-      v: [L, B, Hkv, S, Dh] values.
+      k: [L, B, Hkv, Dh, S] rotated keys, stored transposed (slots last), so that a
+        decode step's scores are a plain [G, Dh] x [Dh, S] product per row and head; or,
+        in the per-layer form, a tuple of L arrays [B, Hkv, Dh, S].
+      v: [L, B, Hkv, S, Dh] values, or a tuple of L [B, Hkv, S, Dh] arrays.
       key_mask: bool [B, S], True where the slot holds a real (non-padding) key.
       index: int32 scalar, next slot to write.
+
+    Heads come before slots in both, so a decode step reads each head's keys and values
+    as contiguous blocks. The per-layer form (``per_layer=True``, ``unstack()``) is what
+    the sampler's decode loop carries: each layer's attention then reads its own
+    buffers, where a layer of a stacked array is first copied out of it (XLA cannot
+    hand a slice of a buffer to a matmul). Both forms give the same results.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array | tuple
+    v: jax.Array | tuple
     key_mask: jax.Array
     index: jax.Array
 
     @classmethod
-    def create(cls, config: ModelConfig, batch_size: int, max_length: int, dtype=None):
+    def create(cls, config: ModelConfig, batch_size: int, max_length: int, dtype=None, *,
+               per_layer: bool = False):
         dtype = jnp.dtype(dtype) if dtype is not None else config.compute_dtype
-        shape = (config.num_layers, batch_size, config.num_kv_heads, max_length, config.head_dim)
-        zeros = lambda: constrain(jnp.zeros(shape, dtype), CACHE_AXES)
-        return cls(k=zeros(), v=zeros(),
+        b, hkv, dh, layers = batch_size, config.num_kv_heads, config.head_dim, config.num_layers
+
+        def zeros(shape, axes):
+            if per_layer:
+                return tuple(constrain(jnp.zeros(shape, dtype), axes[1:]) for _ in range(layers))
+            return constrain(jnp.zeros((layers,) + shape, dtype), axes)
+
+        return cls(k=zeros((b, hkv, dh, max_length), KEY_CACHE_AXES),
+                   v=zeros((b, hkv, max_length, dh), VALUE_CACHE_AXES),
                    key_mask=jnp.zeros((batch_size, max_length), bool),
                    index=jnp.zeros((), jnp.int32))
 
     @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
+
+    @property
     def max_length(self) -> int:
-        return self.k.shape[3]
+        return self.key_mask.shape[1]
+
+    def unstack(self) -> "KVCache":
+        """The per-layer form (tuples of per-layer arrays)."""
+        if self.per_layer:
+            return self
+        return self.replace(k=tuple(self.k), v=tuple(self.v))
+
+    def stack(self) -> "KVCache":
+        """The stacked form ([L, ...] arrays)."""
+        if not self.per_layer:
+            return self
+        return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
+
+    def map_layers(self, fn) -> "KVCache":
+        """Applies ``fn`` to every per-layer key and value array (either form); ``fn``
+        must keep the axes of [B, Hkv, ...] in place (e.g. repeat or select rows)."""
+        if self.per_layer:
+            return self.replace(k=tuple(fn(x) for x in self.k), v=tuple(fn(x) for x in self.v))
+        return self.replace(k=jax.vmap(fn)(self.k), v=jax.vmap(fn)(self.v))
+
+    def layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        """Keys [B, Hkv, Dh, S] and values [B, Hkv, S, Dh] of ``layer``."""
+        return self.k[layer], self.v[layer]
+
+    def write(self, layer: int, k: jax.Array, v: jax.Array) -> "KVCache":
+        """Writes ``k, v`` [B, T, Hkv, Dh] (the projections' layout) of ``layer`` at slots
+        [index, index + T)."""
+        k = jnp.transpose(k, (0, 2, 3, 1))                                  # [B, Hkv, Dh, T]
+        v = jnp.swapaxes(v, 1, 2)                                           # [B, Hkv, T, Dh]
+
+        def put(buf, new, start, axes):
+            if self.per_layer:
+                out = jax.lax.dynamic_update_slice(buf[layer], new.astype(buf[layer].dtype), start)
+                return buf[:layer] + (constrain(out, axes[1:]),) + buf[layer + 1:]
+            out = jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype)[None], (layer,) + start)
+            return constrain(out, axes)
+
+        return self.replace(k=put(self.k, k, (0, 0, 0, self.index), KEY_CACHE_AXES),
+                            v=put(self.v, v, (0, 0, self.index, 0), VALUE_CACHE_AXES))
+
+    def roll_slots(self, shift) -> "KVCache":
+        """Every layer's keys, values and ``key_mask`` rolled by ``shift`` slots
+        (``jnp.roll`` along the slot axis)."""
+        if self.per_layer:
+            raise ValueError("roll_slots needs the stacked form (KVCache.stack())")
+        return self.replace(k=jnp.roll(self.k, shift, axis=4), v=jnp.roll(self.v, shift, axis=3),
+                            key_mask=jnp.roll(self.key_mask, shift, axis=1))
+
+    def put_rows(self, other: "KVCache", row: int, slot) -> "KVCache":
+        """This cache with ``other``'s keys and values (stacked, [L, B', ...], all of its
+        S' slots) written at rows [row, row + B'), slots [slot, slot + S'). The key mask
+        and index are left alone."""
+        if self.per_layer or other.per_layer:
+            raise ValueError("put_rows needs the stacked form (KVCache.stack())")
+        k = jax.lax.dynamic_update_slice(self.k, other.k.astype(self.k.dtype), (0, row, 0, 0, slot))
+        v = jax.lax.dynamic_update_slice(self.v, other.v.astype(self.v.dtype), (0, row, 0, slot, 0))
+        return self.replace(k=k, v=v)
 
 
 def attention_weights_mask(query_slots: jax.Array, key_mask: jax.Array) -> jax.Array:
@@ -71,33 +147,39 @@ def attention_weights_mask(query_slots: jax.Array, key_mask: jax.Array) -> jax.A
     return causal[None, :, :] & key_mask[:, None, :]
 
 
-def dot_product_attention(q, k, v, mask, *, heads_first: bool = False):
+def dot_product_attention(q, k, v, mask, *, cache_layout: bool = False):
     """softmax(q k^T / sqrt(Dh) + mask) v with grouped heads; softmax in float32.
 
     Args:
-      q: [B, T, H, Dh]; k, v: [B, S, Hkv, Dh], or [B, Hkv, S, Dh] with heads_first (the
-        KV cache's layout); mask: bool [B, T, S].
+      q: [B, T, H, Dh]; k, v: [B, S, Hkv, Dh]; or, with cache_layout (KVCache's),
+        k [B, Hkv, Dh, S] and v [B, Hkv, S, Dh]; mask: bool [B, T, S].
     Returns:
       [B, T, H, Dh] in q's dtype.
     """
     b, t, h, dh = q.shape
-    hkv = k.shape[1 if heads_first else 2]
+    if not cache_layout:
+        hkv = k.shape[2]
+        g = h // hkv
+        scores = jnp.einsum("btkgh,bskh->bkgts", q.reshape(b, t, hkv, g, dh), k,
+                            preferred_element_type=jnp.float32) * (dh ** -0.5)
+        scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+        return out.reshape(b, t, h, dh)
+    # Both products as batched matmuls with the batch dims (b, k) leading, the query rows
+    # (t, g) together and plain [rows, K] x [K, cols] operands, the layout XLA:CPU's
+    # matmul library takes as is: 1.8x (scores) and 3x (values) faster for a decode step
+    # than contracting over the keys' and values' minor axes. With t = 1 the transposes
+    # of q and of the output are free reshapes.
+    hkv = k.shape[1]
     g = h // hkv
-    kv = "bksh" if heads_first else "bskh"
-    scores = jnp.einsum(f"btkgh,{kv}->bkgts", q.reshape(b, t, hkv, g, dh), k,
+    rows = q.reshape(b, t, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dh)
+    scores = jnp.einsum("bkqh,bkhs->bkqs", rows, k,
                         preferred_element_type=jnp.float32) * (dh ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    if heads_first:
-        # Probabilities times values as a batched matmul with the batch dims (b, k)
-        # leading and the query rows (t, g) together, the layout XLA:CPU's matmul library
-        # takes as is (3x faster there than "bkgts,bksh->btkgh" for a decode step; with
-        # t = 1 the transposes are free reshapes). The same form for the scores is slower.
-        probs = probs.transpose(0, 1, 3, 2, 4).reshape(b, hkv, t * g, -1)
-        out = jnp.einsum("bkqs,bksh->bkqh", probs, v)
-        return out.reshape(b, hkv, t, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dh)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
-    return out.reshape(b, t, h, dh)
+    scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, hkv, t, g, -1), _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hkv, t * g, -1)
+    out = jnp.einsum("bkqs,bksh->bkqh", probs, v)
+    return out.reshape(b, hkv, t, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dh)
 
 
 class Attention(nnx.Module):
@@ -139,15 +221,11 @@ class Attention(nnx.Module):
             keys, values = k, v
             mask = attention_weights_mask(jnp.arange(t), token_mask)
         else:
-            start = (layer, 0, 0, cache.index, 0)
-            to_cache = lambda x, c: jnp.swapaxes(x, 1, 2).astype(c.dtype)[None]   # [1,B,Hkv,T,Dh]
-            new_k = jax.lax.dynamic_update_slice(cache.k, to_cache(k, cache.k), start)
-            new_v = jax.lax.dynamic_update_slice(cache.v, to_cache(v, cache.v), start)
-            new_k, new_v = constrain(new_k, CACHE_AXES), constrain(new_v, CACHE_AXES)
+            cache = cache.write(layer, k, v)
             key_mask = jax.lax.dynamic_update_slice(cache.key_mask, token_mask, (0, cache.index))
-            cache = cache.replace(k=new_k, v=new_v, key_mask=key_mask)
-            keys, values = new_k[layer].astype(dt), new_v[layer].astype(dt)
+            cache = cache.replace(key_mask=key_mask)
+            keys, values = (x.astype(dt) for x in cache.layer(layer))
             mask = attention_weights_mask(cache.index + jnp.arange(t), key_mask)
-        out = dot_product_attention(q, keys, values, mask, heads_first=cache is not None)
+        out = dot_product_attention(q, keys, values, mask, cache_layout=cache is not None)
         out = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dt))
         return out, cache

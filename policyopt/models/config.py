@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_DISPATCH = ("ragged", "blocked", "capacity")
+_DISPATCH = ("ragged", "blocked", "dense", "capacity")
 _GATHER = ("auto", "take", "onehot")
 
 
@@ -49,8 +49,10 @@ class ModelConfig:
         on TPUs, which have grouped-matmul kernels), "blocked" (dropless: sort by expert,
         pad groups to blocks of moe_block_size rows, batched matmul; the fast choice for
         training on CPUs and GPUs, where XLA lowers ragged_dot to a dense product over
-        every expert) or "capacity" (one-hot dispatch into fixed per-expert buffers;
-        overflow dropped).
+        every expert), "dense" (dropless: every token through every expert, weighted by
+        its gates, zero for the experts it did not choose; E / k times the expert FLOPs
+        in three plain matmuls; for decoding small models) or "capacity" (one-hot
+        dispatch into fixed per-expert buffers; overflow dropped).
       moe_decode_dispatch: the dispatch of calls with one token per row (the sampler's
         decode steps); None: moe_dispatch. On an H200 at moe_0p5b's shape, "ragged"
         decoded faster (its dense product over the experts reads each weight once) and

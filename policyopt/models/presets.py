@@ -3,14 +3,17 @@
   tiny_dense, tiny_moe  trains on a laptop CPU in minutes (tests, smoke runs)
   moe_7m                4 layers, D=256, 8 experts top-2, V=512 (sampler benchmark)
 
-The CPU presets (tiny_moe, moe_7m) use the "blocked" dropless dispatch: XLA:CPU lowers
-``jax.lax.ragged_dot`` to one dense matmul per expert, 3-10x slower there
-(benchmarks/RESULTS.md, bench_moe). So does XLA:GPU (a dense product over all experts):
-on an H200, moe_0p5b's training step ran 3.75x faster with "blocked" (block 512, one-hot
-weight gather) than with "ragged", while decoding (a few tokens per expert) was faster
-with "ragged" (RESULTS.md, "Accelerator"). moe_0p5b therefore trains and prefills with
-"blocked" and decodes with "ragged" (``moe_decode_dispatch``);
-qwen3_30b_a3b keeps "ragged", the choice on TPUs (grouped-matmul kernels).
+The CPU presets (tiny_moe, moe_7m) train and prefill with the "blocked" dropless
+dispatch: XLA:CPU lowers ``jax.lax.ragged_dot`` to one dense matmul per expert, 3-10x
+slower there (benchmarks/RESULTS.md, bench_moe). So does XLA:GPU (a dense product over
+all experts): on an H200, moe_0p5b's training step ran 3.75x faster with "blocked" (block
+512, one-hot weight gather) than with "ragged", while decoding (a few tokens per expert)
+was faster with "ragged" (RESULTS.md, "Accelerator"). moe_0p5b therefore trains and
+prefills with "blocked" and decodes with "ragged" (``moe_decode_dispatch``). The CPU
+presets decode with "dense" (every token through every expert: E / k times the FLOPs,
+but no sort, gather or scatter; a decode step of moe_7m at batch 64 ran ~1.6x faster
+than with "blocked", RESULTS.md, "CPU sampler"). qwen3_30b_a3b keeps "ragged", the
+choice on TPUs (grouped-matmul kernels).
   moe_0p5b              ~0.5B total parameters, 32 experts top-4 (accelerator benchmark)
   qwen3_30b_a3b         the shape of Qwen3-30B-A3B (48 layers, 128 experts top-8)
 """
@@ -25,11 +28,11 @@ PRESETS: dict[str, dict] = {
     "tiny_moe": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, intermediate_size=128, num_experts=4,
                      num_experts_per_tok=2, moe_intermediate_size=64, rope_theta=1e4,
-                     moe_dispatch="blocked", moe_block_size=16),
+                     moe_dispatch="blocked", moe_block_size=16, moe_decode_dispatch="dense"),
     "moe_7m": dict(vocab_size=512, hidden_size=256, num_layers=4, num_heads=4,
                    num_kv_heads=2, head_dim=64, intermediate_size=512, num_experts=8,
                    num_experts_per_tok=2, moe_intermediate_size=256, rope_theta=1e4,
-                   moe_dispatch="blocked", moe_block_size=16),
+                   moe_dispatch="blocked", moe_block_size=16, moe_decode_dispatch="dense"),
     "moe_0p5b": dict(vocab_size=32768, hidden_size=1024, num_layers=12, num_heads=16,
                      num_kv_heads=4, head_dim=64, intermediate_size=2816, num_experts=32,
                      num_experts_per_tok=4, moe_intermediate_size=352,

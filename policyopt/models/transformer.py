@@ -79,10 +79,11 @@ class Transformer(nnx.Module):
             self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"),
                                  std=std, dtype=pdt)
 
-    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
+    def init_cache(self, batch_size: int, max_length: int, dtype=None, *,
+                   per_layer: bool = False) -> KVCache:
         """An empty KVCache for ``batch_size`` rows and ``max_length`` slots (compute dtype
-        unless ``dtype`` is given)."""
-        return KVCache.create(self.config, batch_size, max_length, dtype)
+        unless ``dtype`` is given), stacked or per layer (see KVCache)."""
+        return KVCache.create(self.config, batch_size, max_length, dtype, per_layer=per_layer)
 
     def output_embedding(self) -> jax.Array:
         """[D, V] matrix W with logits = hidden @ W (the embedding transposed when tied)."""

@@ -32,7 +32,8 @@ them; a trainer that recomputes pi_old with its own parameters and applies trunc
 importance sampling (``algo.tis_cap``, ``algo.old_log_probs = "trainer"``) corrects for
 the mixture unchanged.
 
-**KV cache layout.** One ``KVCache`` ``[L, R, Hkv, S, Dh]`` shared by every row, with one
+**KV cache layout.** One stacked ``KVCache`` (values ``[L, R, Hkv, S, Dh]``, keys stored
+transposed ``[L, R, Hkv, Dh, S]``) shared by every row, with one
 write index (the model's cache writes all rows at one slot). With ``W = P + N``
 (prompt width + max_new_tokens) and ``S = W + K``: each segment first rolls the cache so
 that the last W slots come first and the write index is W (a live row never spans more
@@ -71,7 +72,7 @@ from absl import logging
 from flax import nnx, struct
 
 from policyopt import sharding
-from policyopt.models.attention import CACHE_AXES
+from policyopt.models.attention import KEY_CACHE_AXES, VALUE_CACHE_AXES
 from policyopt.sampling import Rollout, SamplingConfig, _next_logits, _take
 
 __all__ = ["SlotConfig", "SlotGenerator", "GroupCompletion", "AsyncGenerator",
@@ -127,7 +128,7 @@ class SlotConfig:
 class _SlotState:
     """Everything the decode segments carry, R rows (one KV cache for all)."""
 
-    cache: Any  # KVCache [L, R, Hkv, S, Dh]
+    cache: Any  # KVCache, stacked: k [L, R, Hkv, Dh, S], v [L, R, Hkv, S, Dh]
     active: jax.Array  # bool [R]: holds a completion that has not been taken out
     done: jax.Array  # bool [R]: the row has ended
     step: jax.Array  # int32 [R]: tokens sampled so far
@@ -180,13 +181,14 @@ def _init_state(model, config: SlotConfig) -> _SlotState:
 def _slot_specs(state: _SlotState, mesh) -> _SlotState:
     """The ``PartitionSpec`` of every field of the slot state on ``mesh``: the R rows split
     over ``data`` x ``fsdp`` when they divide (the routing along its row axis 1), the KV
-    cache by its logical axes (``CACHE_AXES``: rows, and key/value heads over ``tensor``),
-    its write index replicated."""
+    cache by its logical axes (``KEY_CACHE_AXES``, ``VALUE_CACHE_AXES``: rows, and key/value
+    heads over ``tensor``), its write index replicated."""
     rows = lambda x, axis=0: sharding.row_spec(x.shape, mesh, axis)
     specs = jax.tree.map(rows, state)
     cache = state.cache
-    kv = sharding.logical_spec(cache.k.shape, CACHE_AXES, mesh)
-    specs = specs.replace(cache=specs.cache.replace(k=kv, v=kv))
+    specs = specs.replace(cache=specs.cache.replace(
+        k=sharding.logical_spec(cache.k.shape, KEY_CACHE_AXES, mesh),
+        v=sharding.logical_spec(cache.v.shape, VALUE_CACHE_AXES, mesh)))
     if state.routing is not None:
         specs = specs.replace(prompt_routing=rows(state.prompt_routing, 1), routing=rows(state.routing, 1))
     return specs
@@ -222,13 +224,10 @@ def _refill(graphdef, params, state: _SlotState, group, prompt, prompt_length, v
     # other slot of those rows (the previous completion) is masked out.
     cache = state.cache
     first_slot = cache.index - prompt_width
-    start = (0, row0, 0, first_slot, 0)
     row_mask = jnp.zeros((group_size, config.cache_length), bool)
     row_mask = jax.lax.dynamic_update_slice(row_mask, repeat(prompt_mask[None], 0), (0, first_slot))
-    cache = cache.replace(
-        k=jax.lax.dynamic_update_slice(cache.k, repeat(out.cache.k, 1).astype(cache.k.dtype), start),
-        v=jax.lax.dynamic_update_slice(cache.v, repeat(out.cache.v, 1).astype(cache.v.dtype), start),
-        key_mask=jax.lax.dynamic_update_slice(cache.key_mask, row_mask, (row0, 0)))
+    cache = cache.put_rows(out.cache.map_layers(lambda x: repeat(x, 0)), row0, first_slot)
+    cache = cache.replace(key_mask=jax.lax.dynamic_update_slice(cache.key_mask, row_mask, (row0, 0)))
     new = state.replace(
         cache=cache, active=put(state.active, True), done=put(state.done, False),
         step=put(state.step, 0), logits=put(state.logits, logits),
@@ -250,11 +249,9 @@ def _refill(graphdef, params, state: _SlotState, group, prompt, prompt_length, v
 
 def _compact(cache, window: int):
     """Rolls the cache so that slots [index - W, index) become [0, W); index := W."""
-    shift = cache.index - window
     keep = jnp.arange(cache.max_length) < window
-    return cache.replace(k=jnp.roll(cache.k, -shift, axis=3), v=jnp.roll(cache.v, -shift, axis=3),
-                         key_mask=jnp.roll(cache.key_mask, -shift, axis=1) & keep[None],
-                         index=jnp.asarray(window, jnp.int32))
+    cache = cache.roll_slots(window - cache.index)
+    return cache.replace(key_mask=cache.key_mask & keep[None], index=jnp.asarray(window, jnp.int32))
 
 
 def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotConfig) -> _SlotState:
