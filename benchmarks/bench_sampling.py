@@ -14,7 +14,7 @@ The same weights run with the "ragged" MoE dispatch (on the CPU, XLA lowers `rag
 to a dense product over all experts), with the dropless "blocked" dispatch of each
 ``--blocks`` size (O(N k) expert work), for prefill and decode alike, and as the preset
 runs them: prefill "blocked" 16, decode "dense" (every token through every expert).
-Numerically the same model each time.
+The same model each time, up to float rounding.
 
 Writes benchmarks/results/bench_sampling.json.
 """

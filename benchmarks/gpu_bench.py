@@ -236,12 +236,12 @@ def main():
     parser.add_argument("--out", default="gpu_bench.json")
     parser.add_argument("--device-name", default="h200", choices=sorted(PEAKS))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check it runs on the CPU")
-    parser.add_argument("--dispatch", default=None, choices=("ragged", "blocked", "capacity"),
+    parser.add_argument("--dispatch", default=None, choices=("ragged", "blocked", "dense", "capacity"),
                         help="override the preset's moe_dispatch")
     parser.add_argument("--block-size", type=int, default=None, help="override moe_block_size")
     parser.add_argument("--gather", default=None, choices=("auto", "take", "onehot"),
                         help="override moe_weight_gather")
-    parser.add_argument("--sampler-dispatch", default=None, choices=("ragged", "blocked", "capacity"),
+    parser.add_argument("--sampler-dispatch", default=None, choices=("ragged", "blocked", "dense", "capacity"),
                         help="one moe_dispatch for the sampler's prefill and decode (default: the "
                              "preset's moe_dispatch and moe_decode_dispatch)")
     parser.add_argument("--skip-sampler", action="store_true")

@@ -94,6 +94,19 @@ def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_sft_rerun_in_a_finished_workdir_reuses_it(tmp_path):
+    """A second run_sft in a workdir that already holds its last step restores it and
+    returns the same parameters (it used to fail saving that step again)."""
+    from policyopt.rl.sft import run_sft
+
+    config = tiny("grpo", extra="eval.num_prompts=0,sft.steps=2,sft.batch_size=4")
+    first = run_sft(config, str(tmp_path / "sft"), quiet=True)
+    again = run_sft(config, str(tmp_path / "sft"), quiet=True)
+    assert first["step"] == again["step"] == 2
+    for got, want in zip(jax.tree.leaves(again["params"]), jax.tree.leaves(first["params"])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_resume_in_the_same_process_compiles_nothing_new(tmp_path):
     # Restored arrays come back with the shardings of the target they are restored onto,
     # the initial state placed on the run's mesh (learner.place_state), so the jitted

@@ -124,10 +124,10 @@ class KVCache:
         return self.replace(k=jnp.roll(self.k, shift, axis=4), v=jnp.roll(self.v, shift, axis=3),
                             key_mask=jnp.roll(self.key_mask, shift, axis=1))
 
-    def put_rows(self, other: "KVCache", row: int, slot) -> "KVCache":
+    def put_rows(self, other: "KVCache", row, slot) -> "KVCache":
         """This cache with ``other``'s keys and values (stacked, [L, B', ...], all of its
-        S' slots) written at rows [row, row + B'), slots [slot, slot + S'). The key mask
-        and index are left alone."""
+        S' slots) written at rows [row, row + B'), slots [slot, slot + S') (``row`` and
+        ``slot``: ints or traced int32 scalars). The key mask and index are left alone."""
         if self.per_layer or other.per_layer:
             raise ValueError("put_rows needs the stacked form (KVCache.stack())")
         k = jax.lax.dynamic_update_slice(self.k, other.k.astype(self.k.dtype), (0, row, 0, 0, slot))
@@ -154,7 +154,7 @@ def dot_product_attention(q, k, v, mask, *, cache_layout: bool = False):
       q: [B, T, H, Dh]; k, v: [B, S, Hkv, Dh]; or, with cache_layout (KVCache's),
         k [B, Hkv, Dh, S] and v [B, Hkv, S, Dh]; mask: bool [B, T, S].
     Returns:
-      [B, T, H, Dh] in q's dtype.
+      [B, T, H, Dh] in v's dtype.
     """
     b, t, h, dh = q.shape
     if not cache_layout:

@@ -50,11 +50,13 @@ class ModelConfig:
         pad groups to blocks of moe_block_size rows, batched matmul; the fast choice for
         training on CPUs and GPUs, where XLA lowers ragged_dot to a dense product over
         every expert), "dense" (dropless: every token through every expert, weighted by
-        its gates, zero for the experts it did not choose; E / k times the expert FLOPs
-        in three plain matmuls; for decoding small models) or "capacity" (one-hot
+        its gates, 0 for the experts it did not choose, so a NaN or inf in any expert's
+        output reaches every token; E / k times the expert FLOPs and [E, N, F]
+        intermediates, in three batched matmuls with no sort or gather; for decoding
+        small models, e.g. the CPU presets' moe_decode_dispatch) or "capacity" (one-hot
         dispatch into fixed per-expert buffers; overflow dropped).
       moe_decode_dispatch: the dispatch of calls with one token per row (the sampler's
-        decode steps); None: moe_dispatch. On an H200 at moe_0p5b's shape, "ragged"
+        decode steps); None: moe_dispatch (set it explicitly to override a preset's). On an H200 at moe_0p5b's shape, "ragged"
         decoded faster (its dense product over the experts reads each weight once) and
         "blocked" trained and prefilled faster. Dropless dispatches agree up to float
         summation order.

@@ -31,11 +31,11 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
        (``moe_weight_gather``).
 
      dense (dropless, no sort): every token through every expert, weighted by its gate
-       for the k experts it chose and by 0 for the others: y = sum_e c_e SwiGLU_e(x)
-       with c = the gates scattered into [N, E]. E / k times the expert FLOPs of the
-       dropless dispatches, but three batched matmuls over the experts with no sort,
-       gather or scatter, and each weight read once: the fastest for decoding (few
-       tokens) with small E / k on CPUs.
+       for the k experts it chose and by 0 for the others (so a non-finite output of any
+       expert reaches every token). E / k times the expert FLOPs of the dropless
+       dispatches, but three batched matmuls over the experts with no sort, gather or
+       scatter, and each weight read once: the fastest for decoding (few tokens) with
+       small E / k on CPUs.
 
      capacity (GShard / Switch Transformer): every expert has a buffer of
        C = ceil(capacity_factor * N * k / E) copies; copies claim buffer positions in
@@ -176,11 +176,15 @@ def blocked_experts(x, expert_ids, gates, w_gate, w_up, w_down, block_size: int,
 
 
 def dense_experts(x, expert_ids, gates, w_gate, w_up, w_down):
-    """Step 5, dense: every token through every expert, weighted by its (zero or chosen) gate.
+    """Step 5, dense: every token through every expert, weighted by its gates (0 for the
+    experts it did not choose).
 
-    Equal to the dropless dispatches up to float summation order, as long as every
-    expert's output is finite (an unchosen expert enters with weight 0, and 0 * inf is
-    NaN).
+    Equal to the dropless dispatches up to float summation order while every expert's
+    output is finite: an expert no token chose still enters every token with weight 0,
+    and 0 * inf or 0 * NaN is NaN. (A selection instead of the weighting would stop that,
+    but it splits the three products that XLA:CPU's matmul library runs as one fused
+    graph: a moe_7m sampler call took 25-50% longer.) Memory: [E, N, F] and
+    [E, N, D] intermediates, so for few tokens (decoding) and small E / k.
 
     Args:
       x: [N, D]; expert_ids: int32 [N, k]; gates: [N, k]; w_*: as in ragged_experts.
@@ -188,9 +192,11 @@ def dense_experts(x, expert_ids, gates, w_gate, w_up, w_down):
       [N, D].
     """
     num_experts = w_gate.shape[0]
-    # [E, N]: gate of expert e for token n (the k chosen experts are distinct).
-    combine = jnp.sum(jax.nn.one_hot(expert_ids, num_experts, dtype=x.dtype)
-                      * gates.astype(x.dtype)[..., None], axis=1).T
+    onehot = jax.nn.one_hot(expert_ids, num_experts, dtype=x.dtype)      # [N, k, E]
+    # [E, N]: the summed gates of expert e for token n (a token listing an expert twice
+    # gets both gates, as in the other dropless dispatches; a sum, not a matmul, so no
+    # reduced-precision product rounds the gates).
+    combine = jnp.sum(onehot * gates.astype(x.dtype)[..., None], axis=1).T
     # Batched over the experts, x broadcast: the weights are used in their stored
     # [E, D, F] layout (contracting D of [E, D, F] against [N, D] directly makes XLA
     # transpose the weights on every call; measured ~10% slower decoding on a CPU).

@@ -263,7 +263,9 @@ def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotC
     end_ids = jnp.asarray(s.end_ids, jnp.int32) if s.end_ids else None
     stop_window = _stop_window(s)
     rows = jnp.arange(config.rows, dtype=jnp.int32)
-    state = state.replace(cache=_compact(state.cache, config.window))
+    # The loop carries one buffer per layer (KVCache.unstack): a layer of the stacked
+    # cache would be copied out of it at every step. Stacked again after the segment.
+    state = state.replace(cache=_compact(state.cache, config.window).unstack())
 
     def cond(carry):
         i, st = carry
@@ -312,7 +314,7 @@ def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotC
             versions=put(st.versions, st.logits_version), routing=routing, recent=recent)
 
     _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
-    return _pin(state)
+    return _pin(state.replace(cache=state.cache.stack()))
 
 
 def _group_rows(state: _SlotState, group, *, group_size: int) -> dict:

@@ -150,6 +150,10 @@ def sft_step(run: SFTRun) -> dict[str, float]:
 
 
 def save_sft(run: SFTRun) -> None:
+    """Checkpoints the run at its current step; a no-op when that step is already saved
+    (a run resumed at its last step, e.g. a second ``make demo``)."""
+    if run.checkpointer.latest_step() == run.step:
+        return
     run.checkpointer.save(run.step, {"train": run.state},
                           {"iteration": run.step, "data": run.data.get_state()})
 
