@@ -56,10 +56,10 @@ class ModelConfig:
         small models, e.g. the CPU presets' moe_decode_dispatch) or "capacity" (one-hot
         dispatch into fixed per-expert buffers; overflow dropped).
       moe_decode_dispatch: the dispatch of calls with one token per row (the sampler's
-        decode steps); None: moe_dispatch (set it explicitly to override a preset's). On an H200 at moe_0p5b's shape, "ragged"
-        decoded faster (its dense product over the experts reads each weight once) and
-        "blocked" trained and prefilled faster. Dropless dispatches agree up to float
-        summation order.
+        decode steps); None: moe_dispatch (set it explicitly to override a preset's). On
+        an H200 at moe_0p5b's shape, "ragged" decoded faster (its dense product over the
+        experts reads each weight once) and "blocked" trained and prefilled faster.
+        Dropless dispatches agree up to float summation order.
       moe_block_size: rows per block of the "blocked" dispatch (CPU: 16-64; GPU: 256-512,
         so that each block's matmul is large enough for the matrix units).
       moe_weight_gather: how the "blocked" dispatch hands each block its expert's

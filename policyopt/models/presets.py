@@ -12,8 +12,8 @@ was faster with "ragged" (RESULTS.md, "Accelerator"). moe_0p5b therefore trains 
 prefills with "blocked" and decodes with "ragged" (``moe_decode_dispatch``). The CPU
 presets decode with "dense" (every token through every expert: E / k times the FLOPs,
 but no sort, gather or scatter; moe_7m's whole sampler call at batch 64, 128 new tokens,
-ran ~1.6x faster than with "blocked" decoding, RESULTS.md, "Seventh session"). qwen3_30b_a3b keeps "ragged", the
-choice on TPUs (grouped-matmul kernels).
+ran ~1.6x faster than with "blocked" decoding, RESULTS.md, "Seventh session").
+qwen3_30b_a3b keeps "ragged", the choice on TPUs (grouped-matmul kernels).
   moe_0p5b              ~0.5B total parameters, 32 experts top-4 (accelerator benchmark)
   qwen3_30b_a3b         the shape of Qwen3-30B-A3B (48 layers, 128 experts top-8)
 """
