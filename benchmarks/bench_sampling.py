@@ -13,7 +13,7 @@ both sides report the median of several timed runs.
 The same weights run with the "ragged" MoE dispatch (on the CPU, XLA lowers `ragged_dot`
 to a dense product over all experts), with the dropless "blocked" dispatch of each
 ``--blocks`` size (O(N k) expert work), for prefill and decode alike, and as the preset
-runs them: prefill "blocked" 16, decode "dense" (every token through every expert).
+runs them: prefill "blocked" 128, decode "dense" (every token through every expert).
 The same model each time, up to float rounding.
 
 Writes benchmarks/results/bench_sampling.json.
