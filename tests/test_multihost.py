@@ -2,10 +2,9 @@
 (``sharding.initialize_distributed`` reading ``JAX_COORDINATOR_ADDRESS``,
 ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``; Gloo carries the collectives), train GRPO, then
 SFT, on one mesh (one device each: fsdp, the case where a replicated array placed from
-one device used to come out unreadable) and must
-give the losses, metrics, evaluations and parameters of the same runs on one device; they
-write one set of logs (process 0), save one checkpoint together and resume from it, and
-export one HuggingFace folder.
+one device used to come out unreadable) and must give the losses, metrics, evaluations
+and parameters of the same runs on one device; they write one set of logs (process 0),
+save one checkpoint together and resume from it, and export one HuggingFace folder.
 
 Every process runs the same program. Rows are split over devices of both processes, so
 everything that comes back to the host (the rollout for scoring, the evaluation's
