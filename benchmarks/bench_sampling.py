@@ -13,7 +13,8 @@ both sides report the median of several timed runs.
 The same weights run with the "ragged" MoE dispatch (on the CPU, XLA lowers `ragged_dot`
 to a dense product over all experts), with the dropless "blocked" dispatch of each
 ``--blocks`` size (O(N k) expert work), for prefill and decode alike, and as the preset
-runs them: prefill "blocked" 128, decode "dense" (every token through every expert).
+runs them: prefill "blocked" 128, decode "dense" (every token through every expert), and
+the preset again with ``--decode_segments`` decode loops over growing KV caches.
 The same model each time, up to float rounding.
 
 Writes benchmarks/results/bench_sampling.json.
@@ -54,10 +55,12 @@ def _median_time(fn, runs: int) -> tuple[float, list[float], float]:
     return float(np.median(times)), times, float(np.median(cpu_times))
 
 
-def bench_policyopt(graphdef, state, prompts, lengths, max_new_tokens, runs, **kwargs):
+def bench_policyopt(graphdef, state, prompts, lengths, max_new_tokens, runs, decode_segments=1,
+                    **kwargs):
     """(compile + first run seconds, median steady-state seconds, all times, CPU seconds)."""
     config = sampling.SamplingConfig(
-        max_new_tokens=max_new_tokens, method=sampling.sampling_method(**kwargs))
+        max_new_tokens=max_new_tokens, method=sampling.sampling_method(**kwargs),
+        decode_segments=decode_segments)
     prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
     seeds = iter(range(10_000))
 
@@ -108,6 +111,8 @@ def main():
     parser.add_argument("--hf_runs", type=int, default=3)
     parser.add_argument("--blocks", type=int, nargs="*", default=[16],
                         help="block sizes of extra runs with the blocked MoE dispatch")
+    parser.add_argument("--decode_segments", type=int, nargs="*", default=[4],
+                        help="extra runs of the preset with this many decode loops")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args()
 
@@ -127,18 +132,21 @@ def main():
     variants += [(f"blocked {block}", config.replace(moe_dispatch="blocked", moe_block_size=block,
                                                      moe_decode_dispatch=None))
                  for block in args.blocks]
-    variants += [(f"{config.moe_dispatch} {config.moe_block_size}, decode "
-                  f"{config.moe_decode_dispatch}", config)]
-    for name, variant_config in variants:
+    preset_name = f"{config.moe_dispatch} {config.moe_block_size}, decode {config.moe_decode_dispatch}"
+    variants += [(preset_name, config)]
+    # The preset again, decoding in K loops over growing caches (SamplingConfig.decode_segments).
+    variants += [(f"{preset_name}, {k} decode loops", config, k) for k in args.decode_segments if k > 1]
+    for name, variant_config, *segments in variants:
         abstract = nnx.eval_shape(lambda c=variant_config: Transformer(c, rngs=nnx.Rngs(0)))
         variant_graphdef = nnx.split(abstract)[0]
         first, median, times, cpu = bench_policyopt(
             variant_graphdef, state, prompts, lengths, args.max_new_tokens, args.runs,
-            temperature=1.0)
+            decode_segments=segments[0] if segments else 1, temperature=1.0)
         rows.append(dict(name=f"policyopt generate (MoE {name}, temperature 1)",
                          moe_dispatch=variant_config.moe_dispatch,
                          moe_decode_dispatch=variant_config.moe_decode_dispatch or variant_config.moe_dispatch,
-                         moe_block_size=variant_config.moe_block_size, seconds=median,
+                         moe_block_size=variant_config.moe_block_size,
+                         decode_segments=segments[0] if segments else 1, seconds=median,
                          tokens_per_s=new_tokens / median, cpu_seconds=cpu,
                          compile_and_first_s=first, times=times))
         print(f"  {rows[-1]['name']}: {median:.2f} s, compile + first {first:.1f} s", flush=True)
@@ -161,12 +169,13 @@ def main():
           f"vocab {config.vocab_size}), {args.batch} prompts x {args.prompt_len} tokens, "
           f"{args.max_new_tokens} new tokens, CPU ({os.cpu_count()} cores, torch threads "
           f"{threads})")
-    print(f"{'':52s} {'median s':>9s} {'tokens/s':>9s} {'vs HF':>6s} {'CPU s':>7s} "
+    width = max(len(row["name"]) for row in rows)
+    print(f"{'':{width}s} {'median s':>9s} {'tokens/s':>9s} {'vs HF':>6s} {'CPU s':>7s} "
           f"{'vs HF':>6s} {'compile+1st s':>14s}")
     for row in rows:
         compile_s, ratio = row.get("compile_and_first_s"), row.get("speedup_vs_transformers")
         cpu_ratio = row.get("cpu_speedup_vs_transformers")
-        print(f"{row['name']:52s} {row['seconds']:9.2f} {row['tokens_per_s']:9.0f} "
+        print(f"{row['name']:{width}s} {row['seconds']:9.2f} {row['tokens_per_s']:9.0f} "
               f"{'' if ratio is None else f'{ratio:5.1f}x':>6s} {row['cpu_seconds']:7.1f} "
               f"{'' if cpu_ratio is None else f'{cpu_ratio:5.1f}x':>6s} "
               f"{'' if compile_s is None else f'{compile_s:14.1f}'}")

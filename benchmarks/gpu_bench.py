@@ -186,14 +186,15 @@ def bench_update(config, rows: int, prompt_len: int, response_len: int, repeats:
 
 
 def bench_sampler(config, batch: int, prompt_len: int, new_tokens: int, repeats: int, peak_bw: float,
-                  profile_dir: str | None = None):
+                  profile_dir: str | None = None, decode_segments: int = 1):
     model = Transformer(config, rngs=nnx.Rngs(1))
     # Serve in bfloat16 (what a generator holds): cast the parameters once.
     graphdef, state = nnx.split(model)
     state = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
     prompts = jnp.asarray(np.random.default_rng(0).integers(1, config.vocab_size, (batch, prompt_len)), jnp.int32)
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
-    samp = sampling.SamplingConfig(max_new_tokens=new_tokens, method=sampling.Temperature(1.0))
+    samp = sampling.SamplingConfig(max_new_tokens=new_tokens, method=sampling.Temperature(1.0),
+                                   decode_segments=decode_segments)
     run = jax.jit(lambda s, p, l, k: sampling.generate_fn(graphdef, s, p, l, k, config=samp))
     start = time.perf_counter()
     run = run.lower(state, prompts, lengths, jax.random.key(0)).compile()
@@ -227,7 +228,7 @@ def bench_sampler(config, batch: int, prompt_len: int, new_tokens: int, repeats:
         "hbm_bytes_per_step": bytes_per_step, "hbm_gb_per_s": bytes_per_step / step_s / 1e9,
         "hbm_utilisation": bytes_per_step / step_s / peak_bw, "moe_dispatch": config.moe_dispatch,
         "moe_decode_dispatch": config.moe_decode_dispatch or config.moe_dispatch,
-        **extra,
+        "decode_segments": decode_segments, **extra,
     }
 
 
@@ -244,6 +245,8 @@ def main():
     parser.add_argument("--sampler-dispatch", default=None, choices=("ragged", "blocked", "dense", "capacity"),
                         help="one moe_dispatch for the sampler's prefill and decode (default: the "
                              "preset's moe_dispatch and moe_decode_dispatch)")
+    parser.add_argument("--decode-segments", type=int, default=1,
+                        help="the sampler's decode loops over growing caches (SamplingConfig)")
     parser.add_argument("--skip-sampler", action="store_true")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="also trace two updates and one sampler call into DIR and print the "
@@ -274,7 +277,8 @@ def main():
         sampler_config = config
         if args.sampler_dispatch:
             sampler_config = config.replace(moe_dispatch=args.sampler_dispatch, moe_decode_dispatch=None)
-        report["sampler"] = bench_sampler(sampler_config, **smp, peak_bw=peak_bw, profile_dir=args.profile)
+        report["sampler"] = bench_sampler(sampler_config, **smp, peak_bw=peak_bw, profile_dir=args.profile,
+                                          decode_segments=args.decode_segments)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     u, s = report["update"], report.get("sampler")

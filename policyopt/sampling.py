@@ -20,6 +20,9 @@ How a call runs (everything below is one `jax.jit`, traced once per bucket of
      slot `P + step`, while RoPE uses the row's own position `prompt_lengths + step`; a
      right-padded prompt therefore continues exactly as the same prompt unpadded. The loop
      stops when every row has ended (EOS or a stop sequence) or after `max_new_tokens`.
+     With `decode_segments = K`, K loops run one after the other, loop k over steps
+     [k N/K, (k+1) N/K) with a cache of P + (k+1) N/K slots (padded with empty slots
+     between loops): a step's attention reads the slots written so far, plus at most N/K.
 
 Behaviour log-probs and truncation: `Rollout.log_probs` are log q(y), q the distribution
 the token was actually drawn from (temperature, then top-k / top-p renormalised over the
@@ -223,7 +226,7 @@ def sampling_method(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
 class SamplingConfig:
     """Everything static about a `generate_fn` call (hashable: a jit cache key)."""
 
-    # Number of decode steps N; the cache holds P + N slots.
+    # Number of decode steps N; the cache holds P + N slots (at the last segment).
     max_new_tokens: int
     # How tokens are drawn from the logits (Greedy, Temperature, TopK, TopP).
     method: SamplingMethod = Temperature(1.0)
@@ -241,6 +244,10 @@ class SamplingConfig:
     pad_id: int | None = None
     # dtype of the KV cache; None: the model's default.
     cache_dtype: str | None = None
+    # Decode in this many loops of ~N/K steps; loop k attends over a cache of
+    # P + (k+1) N/K slots instead of P + N (fewer bytes read per step for long
+    # generations), at the cost of one more compiled loop body per segment. Same tokens.
+    decode_segments: int = 1
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -252,6 +259,11 @@ class SamplingConfig:
                 f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
                 f"got {self.min_new_tokens}"
             )
+        if not 1 <= self.decode_segments <= self.max_new_tokens:
+            raise ValueError(
+                f"decode_segments must be in [1, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.decode_segments}"
+            )
         if any(len(s) == 0 for s in self.stop_sequences):
             raise ValueError("stop_sequences must not contain an empty sequence")
         object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
@@ -262,6 +274,13 @@ class SamplingConfig:
     @property
     def end_ids(self) -> tuple[int, ...]:
         return ((self.eos_id,) if self.eos_id is not None else ()) + self.stop_ids
+
+    @property
+    def segment_ends(self) -> tuple[int, ...]:
+        """Decode step at which each segment ends (the last is ``max_new_tokens``)."""
+        size = -(-self.max_new_tokens // self.decode_segments)
+        return tuple(sorted({min(size * (k + 1), self.max_new_tokens)
+                             for k in range(self.decode_segments)}))
 
     @property
     def fill_id(self) -> int:
@@ -379,8 +398,12 @@ def _generate(graphdef, state, prompts, prompt_lengths, rng, *, config: Sampling
     # 1. Prefill B prompts into slots [0, P).
     index = jnp.arange(prompt_len, dtype=jnp.int32)[None, :]
     prompt_mask = index < prompt_lengths[:, None]
-    # Per-layer cache buffers: each layer's attention reads its own (see KVCache).
-    cache = model.init_cache(batch, prompt_len + num_new, dtype=config.cache_dtype, per_layer=True)
+    # Per-layer cache buffers: each layer's attention reads its own (see KVCache). The
+    # cache grows segment by segment (config.decode_segments): slots [0, P + end of the
+    # segment), so each step's attention reads only slots that can hold keys by then.
+    segment_ends = config.segment_ends
+    cache = model.init_cache(batch, prompt_len + segment_ends[0], dtype=config.cache_dtype,
+                             per_layer=True)
     out = model(
         prompts,
         positions=jnp.broadcast_to(index, prompts.shape),
@@ -420,9 +443,6 @@ def _generate(graphdef, state, prompts, prompt_lengths, rng, *, config: Sampling
         routing=routing,
         recent=jnp.full((rows, stop_window), -1, jnp.int32) if stop_window else None,
     )
-
-    def cond(s: _DecodeState):
-        return (s.step < num_new) & ~jnp.all(s.done)
 
     def body(s: _DecodeState) -> _DecodeState:
         logits = s.logits
@@ -474,7 +494,12 @@ def _generate(graphdef, state, prompts, prompt_lengths, rng, *, config: Sampling
             recent=recent,
         )
 
-    final = jax.lax.while_loop(cond, body, init)
+    final = init
+    for end in segment_ends:
+        # Steps [previous end, end): no row writes past slot P + end - 1 in this segment.
+        final = final.replace(cache=final.cache.resize(prompt_len + end))
+        final = jax.lax.while_loop(
+            lambda s, end=end: (s.step < end) & ~jnp.all(s.done), body, final)
 
     prompt_tokens = _right_align(jnp.where(prompt_mask, prompts, fill), prompt_lengths, axis=1)
     routing = None
@@ -522,6 +547,7 @@ def generate(
     pad_id: int | None = None,
     method: SamplingMethod | None = None,
     cache_dtype: str | None = None,
+    decode_segments: int = 1,
 ) -> Rollout:
     """Samples `num_samples` continuations of each right-padded prompt.
 
@@ -540,6 +566,7 @@ def generate(
       pad_id: token written after the end; default eos_id, or 0 without EOS.
       method: an explicit `SamplingMethod`, overriding temperature/top_k/top_p.
       cache_dtype: KV-cache dtype (default: the model's).
+      decode_segments: decode loops whose caches grow with the step (see `SamplingConfig`).
 
     Returns:
       A `Rollout` with B * G rows (prompt b -> rows b*G .. b*G+G-1).
@@ -568,6 +595,7 @@ def generate(
         num_samples=num_samples,
         pad_id=pad_id,
         cache_dtype=cache_dtype,
+        decode_segments=decode_segments,
     )
     graphdef, state = nnx.split(model)
     return generate_fn(graphdef, state, prompts, prompt_lengths, rng, config=config)

@@ -40,7 +40,7 @@ def test_every_arm_builds_and_differs_only_where_its_variant_says(name):
             assert config.batch.n_minibatches == 4
             assert in_demo.batch.n_minibatches == 4
         if "n_minibatches=4" in ablation.variant:  # the paper geometry does not undo it
-            paper = "scale=paper,sampling.max_new_tokens=16384"  # not every paper records one
+            paper = "scale=paper,sampling.max_new_tokens=20480"  # not every paper records one
             assert ablate.arm_config(ablation, arm.label, 0, paper).batch.n_minibatches == 4
         if arm.recipe == first.recipe:
             diff = ablate.config_diff(base, ablate.arm_config(ablation, arm.label, 0))

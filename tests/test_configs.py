@@ -140,6 +140,11 @@ def test_unknown_or_bad_fields_are_named():
         load("grpo", "scale=huge")
     with pytest.raises(TypeError):
         load("sapo").algo.tau_neg = "high"
+    with pytest.raises(ValueError, match="reward.max_len .* must be <= sampling.max_new_tokens"):
+        load("dapo", "reward.max_len=32,sampling.max_new_tokens=24")
+    with pytest.raises(ValueError, match="decode_segments"):
+        load("grpo", "sampling.decode_segments=25")
+    assert load("grpo", "sampling.decode_segments=4").sampling.decode_segments == 4
 
 
 def test_command_line_overrides_through_config_flags():

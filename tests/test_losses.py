@@ -448,6 +448,24 @@ def test_padding_values_change_nothing(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_bool_int_and_float_masks_agree(method):
+    """Bool, int and float masks give the same results: anything > 0 is a valid token."""
+    log_probs, old, advantages, mask = make_inputs(5)
+    expected, _ = run_all(method, log_probs, old, advantages, mask)
+    int_mask = np.where(mask > 0, 3, np.where(np.arange(mask.size).reshape(mask.shape) % 2, 0, -2))
+    float_mask = np.where(mask > 0, 2.5, int_mask).astype(np.float32)  # 2.5 valid; 0, -2 not
+    for other in (mask > 0, int_mask.astype(np.int32), float_mask):
+        results, _ = run_all(method, log_probs, old, advantages, other)
+        for aggregation in AGGREGATIONS:
+            (loss, metrics), grad = results[aggregation]
+            (loss_f, metrics_f), grad_f = expected[aggregation]
+            np.testing.assert_array_equal(loss, loss_f)
+            np.testing.assert_array_equal(grad, grad_f)
+            for name in metrics_f:
+                np.testing.assert_array_equal(metrics[name], metrics_f[name], err_msg=name)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_finite_with_zero_length_responses_and_zero_advantages(method):
     zeros = np.zeros(SHAPE, np.float32)
     one_token = zeros.copy()

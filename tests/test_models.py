@@ -145,6 +145,24 @@ def test_kv_cache_layout_and_forms(models):
     np.testing.assert_array_equal(put.k[:, 1:, ..., :4], stacked.k[:, 1:, ..., :4])
     with pytest.raises(ValueError, match="stacked"):
         per_layer.roll_slots(1)
+    # resize: empty slots appended (or the last ones dropped), the rest unchanged, both forms.
+    for cache in (stacked, per_layer):
+        grown, shrunk = cache.resize(10).stack(), cache.resize(5).stack()
+        assert grown.max_length == 10 and shrunk.max_length == 5 and cache.resize(7) is cache
+        assert grown.per_layer == shrunk.per_layer == False  # noqa: E712 (stacked again)
+        np.testing.assert_array_equal(grown.k[..., :7], stacked.k)
+        np.testing.assert_array_equal(grown.v[:, :, :, :7], stacked.v)
+        assert not np.any(grown.k[..., 7:]) and not np.any(grown.v[:, :, :, 7:])
+        np.testing.assert_array_equal(grown.key_mask, np.pad(stacked.key_mask, ((0, 0), (0, 3))))
+        np.testing.assert_array_equal(shrunk.k, stacked.k[..., :5])
+        np.testing.assert_array_equal(shrunk.v, stacked.v[:, :, :, :5])
+        assert int(grown.index) == int(shrunk.index) == 5
+    # Decoding on into a grown cache equals decoding into one that was long from the start
+    # (up to float rounding: the softmax sums over another number of empty slots).
+    nxt = _tokens((2, 1), seed=5)
+    long = call(model, nxt, cache=stacked).logits
+    np.testing.assert_allclose(call(model, nxt, cache=stacked.resize(5).resize(9)).logits, long,
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_right_padded_prompts_decode_like_unpadded(models):

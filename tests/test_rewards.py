@@ -463,6 +463,17 @@ def test_score_batch_deadline_counts_missed_samples():
     rewards, correct, metrics = score_batch(completions, references, [1] * 10, spec, deadline_s=0.0)
     assert metrics["deadline_missed"] == 10
     assert not rewards.any() and not correct.any()
+    # DAPO's recipe (wrong = -1, overlong penalty): a missed sample gets -1 without penalty,
+    # not 0 (which would rank it above its group's wrong answers), and leaves the loss.
+    dapo = RewardSpec(format_reward=False, incorrect_value=-1.0, overlong="dapo", max_len=8,
+                      cache_len=4)
+    missed = score_batch(completions, references, [8] * 10, dapo, deadline_s=0.0)
+    np.testing.assert_array_equal(missed.rewards, np.full(10, -1.0, np.float32))
+    np.testing.assert_array_equal(missed.sample_mask, np.zeros(10, np.float32))
+    assert not missed.correct.any() and missed.metrics["length_penalty_mean"] == 0.0
+    scored = score_batch(completions, references, [8] * 10, dapo)
+    assert scored.metrics["deadline_missed"] == 0 and scored.sample_mask.all()
+    assert scored.rewards.min() == -2.0  # wrong and at L_max: -1 - 1
 
 
 def test_score_batch_deadline_stops_serial_scoring_midway():

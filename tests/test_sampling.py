@@ -331,6 +331,34 @@ def test_eos_and_stop_sequence_end_and_mask(moe_model, moe_greedy):
     assert int(rollout.num_steps) == lengths.max()  # the loop stopped when all rows ended
 
 
+@pytest.mark.parametrize("segments", [3])
+def test_decode_segments_give_the_same_rollout(moe_model, moe_sampled, moe_greedy, segments):
+    """Decoding in K loops over growing caches (3: uneven segments of 3, 3 and 2 steps)
+    samples the same tokens, log-probs and routing as one loop, stops early at the same
+    step, and the segment ends cover [0, N]."""
+    config = sampling.SamplingConfig(max_new_tokens=MAX_NEW, decode_segments=segments)
+    assert config.segment_ends[-1] == MAX_NEW and len(config.segment_ends) == segments
+    rollout = run(moe_model, temperature=1.0, seed=3, decode_segments=segments)
+    for field in ("tokens", "mask", "routing", "lengths", "num_steps"):
+        np.testing.assert_array_equal(np.asarray(getattr(rollout, field)),
+                                      np.asarray(getattr(moe_sampled, field)), err_msg=field)
+    for field in ("log_probs", "raw_log_probs"):
+        np.testing.assert_allclose(np.asarray(getattr(rollout, field)),
+                                   np.asarray(getattr(moe_sampled, field)), atol=1e-5, err_msg=field)
+    # Early stop inside the first segment: every row ends at step 1 (EOS = its first token).
+    eos = int(np.asarray(moe_greedy.tokens)[0, 0])
+    ended = run(moe_model, temperature=0.0, eos_id=eos, decode_segments=segments,
+                prompts=PROMPTS[:1], lengths=LENGTHS[:1])
+    assert int(ended.num_steps) == 1 and np.asarray(ended.mask).sum() == 1
+
+
+def test_decode_segments_validated():
+    with pytest.raises(ValueError, match="decode_segments"):
+        sampling.SamplingConfig(max_new_tokens=4, decode_segments=5)
+    with pytest.raises(ValueError, match="decode_segments"):
+        sampling.SamplingConfig(max_new_tokens=4, decode_segments=0)
+
+
 def test_fixed_rng_reproducible(moe_model, moe_sampled):
     again = run(moe_model, temperature=1.0, seed=3)
     np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(moe_sampled.tokens))

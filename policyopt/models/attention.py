@@ -116,6 +116,30 @@ class KVCache:
         return self.replace(k=put(self.k, k, (0, 0, 0, self.index), KEY_CACHE_AXES),
                             v=put(self.v, v, (0, 0, self.index, 0), VALUE_CACHE_AXES))
 
+    def resize(self, length: int) -> "KVCache":
+        """This cache with ``length`` slots: empty slots (``key_mask`` False) appended at the
+        end, or the last slots dropped. Index, keys and values of the kept slots unchanged."""
+        extra = length - self.max_length
+        if extra == 0:
+            return self
+
+        def fit(x, axis, axes=None):
+            if extra < 0:
+                x = jax.lax.slice_in_dim(x, 0, length, axis=axis)
+            else:
+                widths = [(0, 0)] * x.ndim
+                widths[axis] = (0, extra)
+                x = jnp.pad(x, widths)
+            return x if axes is None else constrain(x, axes)
+
+        def fit_all(buf, axes):
+            if self.per_layer:
+                return tuple(fit(x, axes.index("length") - 1, axes[1:]) for x in buf)
+            return fit(buf, axes.index("length"), axes)
+
+        return self.replace(k=fit_all(self.k, KEY_CACHE_AXES), v=fit_all(self.v, VALUE_CACHE_AXES),
+                            key_mask=fit(self.key_mask, 1))
+
     def roll_slots(self, shift) -> "KVCache":
         """Every layer's keys, values and ``key_mask`` rolled by ``shift`` slots
         (``jnp.roll`` along the slot axis)."""

@@ -333,7 +333,8 @@ class BatchScores(tuple):
       correctness: float32 [N] correctness c in [0, 1] (pass rate for partial code credit).
       format_ok: bool [N] passed the format check.
       truncated: bool [N] hit the generation limit.
-      sample_mask: float32 [N] 0 for samples to drop from the loss (overlong filtering).
+      sample_mask: float32 [N] 0 for samples to drop from the loss (overlong filtering,
+        missed deadline).
       length_penalty: float32 [N] overlong penalty added to the reward (0 where gated).
       language_ok: bool [N] language consistency held.
       status: list[str] [N] verifier outcome per sample.
@@ -427,8 +428,11 @@ def score_batch(
       num_workers: worker processes; 0 scores serially in this process (with the same
         per-sample time limits and deadline). The pool persists across calls; the first
         call starts it (seconds) unless :func:`start_workers` already did.
-      deadline_s: wall-clock budget for the whole batch, from this call; samples not
-        scored by then get reward 0 and are counted in ``metrics["deadline_missed"]``.
+      deadline_s: wall-clock budget for the whole batch, from this call. Samples not
+        scored by then are left out of the loss (``sample_mask`` 0), get the reward of a
+        failed sample without length penalty or bonus (0 with ``format_reward``, else
+        ``incorrect_value``; a reward of 0 would rank them above DAPO's wrong answers in
+        their group) and are counted in ``metrics["deadline_missed"]``.
       truncated: N flags "stopped at the generation limit without EOS"; default
         ``lengths >= spec.max_len`` (all False when max_len is None).
       across_processes: on a multi-process job (``jax.process_count() > 1``) every process
@@ -474,7 +478,7 @@ def score_batch(
     else:
         graded = ~missed
         plain = spec.incorrect_value + (spec.plain_correct_value - spec.incorrect_value) * correctness
-        base = np.where(graded, plain, 0.0)
+        base = np.where(graded, plain, spec.incorrect_value)
     penalty = np.where(graded, penalty, 0.0).astype(np.float32)
     bonus = np.where(graded & language_ok, spec.language_bonus, 0.0)
     rewards = (base + penalty + bonus).astype(np.float32)
@@ -486,7 +490,7 @@ def score_batch(
         is_truncated = length_lib.truncated(lengths, spec.max_len)
     else:
         is_truncated = np.zeros(n, bool)
-    sample_mask = np.where(spec.overlong_filter & is_truncated, 0.0, 1.0).astype(np.float32)
+    sample_mask = np.where((spec.overlong_filter & is_truncated) | missed, 0.0, 1.0).astype(np.float32)
 
     def mean(x) -> float:
         return float(np.mean(x)) if n else 0.0

@@ -246,8 +246,7 @@ def assemble(groups: list[GroupCompletion], run: RLRun):
         width = min(bucket(int(g.lengths.max()), cfg.batch.response_buckets, name="response length"),
                     num_new)
         rnd = round_from_rollout(g.rollout(), g.rewards, g.correct, width)
-        if cfg.reward.overlong_filter:
-            rnd = rnd._replace(mask=rnd.mask * g.sample_mask[:, None])
+        rnd = rnd._replace(mask=rnd.mask * g.sample_mask[:, None])  # see trainer.py
         rounds.append((rnd, np.zeros((1,), np.int64)))
     merged = merge_rounds(rounds, group, run.tokenizer.pad_id)
     width = merged.mask.shape[1]

@@ -31,7 +31,8 @@ def decode(tokens: np.ndarray, lengths: np.ndarray, tokenizer) -> list[str]:
 
 def complete(graphdef, params, prompts: Sequence[str], tokenizer, *, max_new_tokens: int,
              batch_size: int, prompt_buckets: Sequence[int], rng: jax.Array,
-             temperature: float = 0.0, num_samples: int = 1) -> tuple[list[str], np.ndarray]:
+             temperature: float = 0.0, num_samples: int = 1,
+             decode_segments: int = 1) -> tuple[list[str], np.ndarray]:
     """Completes every prompt ``num_samples`` times, in chunks of ``batch_size`` prompts.
 
     Returns:
@@ -41,7 +42,7 @@ def complete(graphdef, params, prompts: Sequence[str], tokenizer, *, max_new_tok
     method = Greedy() if temperature == 0 else sampling_method(temperature)
     config = SamplingConfig(max_new_tokens=max_new_tokens, method=method,
                             eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                            num_samples=num_samples)
+                            num_samples=num_samples, decode_segments=decode_segments)
     texts, lengths = [], []
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start:start + batch_size])
@@ -59,7 +60,8 @@ def complete(graphdef, params, prompts: Sequence[str], tokenizer, *, max_new_tok
 
 def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_tokens: int,
              batch_size: int = 256, prompt_buckets: Sequence[int] = (16, 32, 64, 128, 256, 512),
-             k: int = 0, temperature: float = 1.0, rng: jax.Array | None = None) -> dict[str, float]:
+             k: int = 0, temperature: float = 1.0, rng: jax.Array | None = None,
+             decode_segments: int = 1) -> dict[str, float]:
     """pass@1 (greedy) and, with ``k > 0``, mean@k / pass@k (sampled) on ``records``.
 
     Args:
@@ -71,6 +73,7 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
       prompt_buckets: prompt padding buckets.
       k, temperature: mean@k sampling (k = 0 skips it).
       rng: key of the sampled evaluation.
+      decode_segments: the sampler's decode loops (``SamplingConfig.decode_segments``).
 
     Returns:
       ``{"eval/pass@1", "eval/length_mean", "eval/num_prompts"}`` and, with k,
@@ -82,7 +85,8 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
     rng = jax.random.PRNGKey(0) if rng is None else rng
     batch_size = min(batch_size, len(prompts))
     texts, lengths = complete(graphdef, params, prompts, tokenizer, max_new_tokens=max_new_tokens,
-                              batch_size=batch_size, prompt_buckets=prompt_buckets, rng=rng)
+                              batch_size=batch_size, prompt_buckets=prompt_buckets, rng=rng,
+                              decode_segments=decode_segments)
     _, correct, _ = score_batch(texts, answers, lengths, spec, across_processes=True)
     metrics = {"eval/pass@1": float(np.mean(correct)), "eval/length_mean": float(np.mean(lengths)),
                "eval/num_prompts": float(len(prompts))}
@@ -90,7 +94,7 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
         texts, lengths = complete(graphdef, params, prompts, tokenizer, max_new_tokens=max_new_tokens,
                                   batch_size=batch_size, prompt_buckets=prompt_buckets,
                                   rng=jax.random.fold_in(rng, 1), temperature=temperature,
-                                  num_samples=k)
+                                  num_samples=k, decode_segments=decode_segments)
         references = [a for a in answers for _ in range(k)]
         _, correct, _ = score_batch(texts, references, lengths, spec, across_processes=True)
         correct = np.asarray(correct).reshape(len(prompts), k)

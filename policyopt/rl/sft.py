@@ -165,6 +165,7 @@ def evaluate_policy(config, graphdef, params, tokenizer, mesh) -> dict[str, floa
         return evaluate(graphdef, params, records, tokenizer, max_new_tokens=config.sampling.max_new_tokens,
                         batch_size=config.eval.batch_size, prompt_buckets=tuple(config.batch.prompt_buckets),
                         k=config.eval.k, temperature=config.eval.temperature,
+                        decode_segments=config.sampling.decode_segments,
                         rng=jax.random.PRNGKey(config.seed + 1))
 
 

@@ -133,7 +133,8 @@ def build_run(config, workdir: str) -> RLRun:
     s = config.sampling
     sampling_config = SamplingConfig(
         max_new_tokens=s.max_new_tokens, method=sampling_method(s.temperature, s.top_k, s.top_p),
-        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, num_samples=config.batch.group_size)
+        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, num_samples=config.batch.group_size,
+        decode_segments=s.decode_segments)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                                 max_to_keep=config.train.keep_checkpoints)
     run = RLRun(config=config, workdir=workdir, tokenizer=tokenizer, graphdef=graphdef,
@@ -204,8 +205,8 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
         width = min(bucket(int(lengths.max()), cfg.batch.response_buckets, name="response length"),
                     cfg.sampling.max_new_tokens)
         rnd = round_from_rollout(rollout, scores.rewards, scores.correct, width)
-        if cfg.reward.overlong_filter:
-            rnd = rnd._replace(mask=rnd.mask * np.asarray(scores.sample_mask)[:, None])
+        # 0 on samples to leave out of the loss (overlong filtering, scoring deadline).
+        rnd = rnd._replace(mask=rnd.mask * np.asarray(scores.sample_mask)[:, None])
         all_rewards.append(scores.rewards)
         all_correct.append(scores.correct)
         all_lengths.append(lengths)
@@ -441,7 +442,7 @@ def evaluate_run(run: RLRun) -> dict[str, float]:
         return evaluate(run.graphdef, run.state.params, run.eval_records, run.tokenizer,
                         max_new_tokens=cfg.sampling.max_new_tokens, batch_size=cfg.eval.batch_size,
                         prompt_buckets=tuple(cfg.batch.prompt_buckets), k=cfg.eval.k,
-                        temperature=cfg.eval.temperature,
+                        temperature=cfg.eval.temperature, decode_segments=cfg.sampling.decode_segments,
                         rng=jax.random.fold_in(run.rng, 10**9 + run.iteration))
 
 
