@@ -162,7 +162,11 @@ def main():
         row["speedup_vs_transformers"] = hf_median / row["seconds"]
         row["cpu_speedup_vs_transformers"] = hf_cpu / row["cpu_seconds"]
     ragged_speedup = rows[0]["speedup_vs_transformers"]
-    speedup = max(row["speedup_vs_transformers"] for row in rows[:-1])
+    # The headline compares one decode loop (what the configs ship); the decode-loop rows
+    # are reported on their own.
+    speedup = max(row["speedup_vs_transformers"] for row in rows[:-1] if row["decode_segments"] == 1)
+    loops_speedup = max((row["speedup_vs_transformers"] for row in rows[:-1]
+                         if row["decode_segments"] > 1), default=None)
 
     print(f"\nSampler throughput, {config.num_layers}-layer Qwen3-MoE ({num_params / 1e6:.1f}M "
           f"params, {config.num_experts} experts top-{config.num_experts_per_tok}, "
@@ -181,7 +185,8 @@ def main():
               f"{'' if compile_s is None else f'{compile_s:14.1f}'}")
     verdict = "PASS" if speedup >= TARGET_SPEEDUP else "FAIL"
     print(f"speed-up vs transformers (median / median): ragged {ragged_speedup:.1f}x, "
-          f"best {speedup:.1f}x (target >= {TARGET_SPEEDUP:.0f}x: {verdict})")
+          f"best {speedup:.1f}x (target >= {TARGET_SPEEDUP:.0f}x: {verdict})"
+          + ("" if loops_speedup is None else f"; with decode loops {loops_speedup:.1f}x"))
 
     result = dict(
         benchmark="bench_sampling", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -191,7 +196,7 @@ def main():
         batch=args.batch, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
         cpu_count=os.cpu_count(), torch_threads=threads, platform=platform.platform(terse=True),
         versions=dict(jax=jax.__version__, transformers=tf_version, torch=torch_version),
-        rows=rows, speedup=speedup, speedup_ragged=ragged_speedup, target_speedup=TARGET_SPEEDUP, passed=speedup >= TARGET_SPEEDUP)
+        rows=rows, speedup=speedup, speedup_ragged=ragged_speedup, speedup_decode_loops=loops_speedup, target_speedup=TARGET_SPEEDUP, passed=speedup >= TARGET_SPEEDUP)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

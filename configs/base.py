@@ -124,9 +124,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.sampling.top_k = 0
     c.sampling.top_p = 1.0
     # Decode loops over growing KV caches (`SamplingConfig.decode_segments`): loop k of K
-    # attends over P + (k+1) N/K slots instead of P + N. Same tokens; each loop is one more
-    # compiled body. CPU, 32 + 512 tokens: K = 4 -17%, K = 8 -22% per call
-    # (benchmarks/RESULTS.md); 1 for short responses like the demo's.
+    # attends over P + (k+1) N/K slots instead of P + N. The same tokens up to float
+    # rounding; each loop is one more compiled body. CPU, a 7M dense model, 16 prompts of
+    # 32 + 512 tokens: K = 4 -17%, K = 8 -22% per call (benchmarks/RESULTS.md); 1 for short
+    # responses like the demo's. Synchronous generation only (the async generator keeps
+    # its own windowed cache).
     c.sampling.decode_segments = 1
 
     # ---- Algorithm ------------------------------------------------------------------------
@@ -484,10 +486,11 @@ def check(config: ml_collections.ConfigDict) -> None:
     if not 1 <= config.sampling.decode_segments <= max_new:
         raise ValueError(f"config.sampling.decode_segments must be in [1, max_new_tokens={max_new}], "
                          f"got {config.sampling.decode_segments}")
-    if config.reward.max_len is not None and config.reward.max_len > max_new:
-        raise ValueError(f"config.reward.max_len ({config.reward.max_len}) must be <= "
-                         f"sampling.max_new_tokens ({max_new}): responses stop at max_new_tokens, "
-                         "so none would reach L_max (no full overlong penalty, no filtering)")
+    r = config.reward
+    if r.overlong != "none" and r.max_len is not None and r.max_len > max_new:
+        raise ValueError(f"config.reward.max_len ({r.max_len}) must be <= sampling.max_new_tokens "
+                         f"({max_new}) with reward.overlong={r.overlong!r}: responses stop at "
+                         "max_new_tokens, so none would get the full overlong penalty")
     algo = config.algo
     for name in ("gae_gamma", "gae_lambda", "gae_lambda_critic"):
         if algo[name] is not None and not 0.0 <= algo[name] <= 1.0:

@@ -244,9 +244,10 @@ class SamplingConfig:
     pad_id: int | None = None
     # dtype of the KV cache; None: the model's default.
     cache_dtype: str | None = None
-    # Decode in this many loops of ~N/K steps; loop k attends over a cache of
-    # P + (k+1) N/K slots instead of P + N (fewer bytes read per step for long
-    # generations), at the cost of one more compiled loop body per segment. Same tokens.
+    # Decode in K loops of N/K steps (rounded down at each end); loop k attends over a cache
+    # of P + (k+1) N/K slots instead of P + N (fewer bytes read per step for long
+    # generations), at the cost of one more compiled loop body per loop. The same tokens
+    # up to float rounding (the softmax sums over fewer empty slots).
     decode_segments: int = 1
 
     def __post_init__(self):
@@ -277,10 +278,10 @@ class SamplingConfig:
 
     @property
     def segment_ends(self) -> tuple[int, ...]:
-        """Decode step at which each segment ends (the last is ``max_new_tokens``)."""
-        size = -(-self.max_new_tokens // self.decode_segments)
-        return tuple(sorted({min(size * (k + 1), self.max_new_tokens)
-                             for k in range(self.decode_segments)}))
+        """Decode step at which each of the K loops ends: ``(k + 1) N // K``, strictly
+        increasing for K <= N, the last ``N``."""
+        n, k = self.max_new_tokens, self.decode_segments
+        return tuple((i + 1) * n // k for i in range(k))
 
     @property
     def fill_id(self) -> int:

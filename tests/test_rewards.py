@@ -460,9 +460,10 @@ def test_score_batch_serial_equals_parallel():
 def test_score_batch_deadline_counts_missed_samples():
     completions, references = _mixed_batch(10)
     spec = RewardSpec()
-    rewards, correct, metrics = score_batch(completions, references, [1] * 10, spec, deadline_s=0.0)
+    result = score_batch(completions, references, [1] * 10, spec, deadline_s=0.0)
+    rewards, correct, metrics = result
     assert metrics["deadline_missed"] == 10
-    assert not rewards.any() and not correct.any()
+    assert not rewards.any() and not correct.any() and not result.sample_mask.any()
     # DAPO's recipe (wrong = -1, overlong penalty): a missed sample gets -1 without penalty,
     # not 0 (which would rank it above its group's wrong answers), and leaves the loss.
     dapo = RewardSpec(format_reward=False, incorrect_value=-1.0, overlong="dapo", max_len=8,

@@ -331,25 +331,29 @@ def test_eos_and_stop_sequence_end_and_mask(moe_model, moe_greedy):
     assert int(rollout.num_steps) == lengths.max()  # the loop stopped when all rows ended
 
 
-@pytest.mark.parametrize("segments", [3])
-def test_decode_segments_give_the_same_rollout(moe_model, moe_sampled, moe_greedy, segments):
-    """Decoding in K loops over growing caches (3: uneven segments of 3, 3 and 2 steps)
-    samples the same tokens, log-probs and routing as one loop, stops early at the same
-    step, and the segment ends cover [0, N]."""
-    config = sampling.SamplingConfig(max_new_tokens=MAX_NEW, decode_segments=segments)
-    assert config.segment_ends[-1] == MAX_NEW and len(config.segment_ends) == segments
-    rollout = run(moe_model, temperature=1.0, seed=3, decode_segments=segments)
-    for field in ("tokens", "mask", "routing", "lengths", "num_steps"):
-        np.testing.assert_array_equal(np.asarray(getattr(rollout, field)),
-                                      np.asarray(getattr(moe_sampled, field)), err_msg=field)
-    for field in ("log_probs", "raw_log_probs"):
-        np.testing.assert_allclose(np.asarray(getattr(rollout, field)),
-                                   np.asarray(getattr(moe_sampled, field)), atol=1e-5, err_msg=field)
-    # Early stop inside the first segment: every row ends at step 1 (EOS = its first token).
-    eos = int(np.asarray(moe_greedy.tokens)[0, 0])
-    ended = run(moe_model, temperature=0.0, eos_id=eos, decode_segments=segments,
-                prompts=PROMPTS[:1], lengths=LENGTHS[:1])
-    assert int(ended.num_steps) == 1 and np.asarray(ended.mask).sum() == 1
+def test_decode_segments_give_the_same_rollout(moe_model, moe_sampled):
+    """Decoding in K = 3 loops over growing caches (ends at steps 2, 5, 8) samples the same
+    tokens, log-probs and routing as one loop: plain, and with an EOS and a stop sequence
+    that end rows in different loops, G = 2 samples per prompt and min_new_tokens."""
+    config = sampling.SamplingConfig(max_new_tokens=MAX_NEW, decode_segments=3)
+    assert config.segment_ends == (2, 5, 8)
+    assert sampling.SamplingConfig(max_new_tokens=10, decode_segments=4).segment_ends == (2, 5, 7, 10)
+
+    def same(one, three):
+        for field in ("tokens", "mask", "routing", "lengths", "num_steps"):
+            np.testing.assert_array_equal(np.asarray(getattr(three, field)),
+                                          np.asarray(getattr(one, field)), err_msg=field)
+        for field in ("log_probs", "raw_log_probs"):
+            np.testing.assert_allclose(np.asarray(getattr(three, field)),
+                                       np.asarray(getattr(one, field)), atol=1e-5, err_msg=field)
+
+    same(moe_sampled, run(moe_model, temperature=1.0, seed=3, decode_segments=3))
+    tokens = np.asarray(moe_sampled.tokens)
+    ending = dict(eos_id=int(tokens[0, 1]), stop_sequences=((int(tokens[1, 3]), int(tokens[1, 4])),),
+                  num_samples=2, min_new_tokens=1, temperature=1.0, seed=3)
+    one, three = run(moe_model, **ending), run(moe_model, decode_segments=3, **ending)
+    same(one, three)
+    assert 1 < np.asarray(one.lengths).min() < MAX_NEW  # rows end inside the run
 
 
 def test_decode_segments_validated():

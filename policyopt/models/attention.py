@@ -118,7 +118,9 @@ class KVCache:
 
     def resize(self, length: int) -> "KVCache":
         """This cache with ``length`` slots: empty slots (``key_mask`` False) appended at the
-        end, or the last slots dropped. Index, keys and values of the kept slots unchanged."""
+        end, or the last slots dropped. Index, keys and values of the kept slots unchanged;
+        ``length`` must stay above the slots still to be written (``dynamic_update_slice``
+        would clamp a write past the end onto the last slots)."""
         extra = length - self.max_length
         if extra == 0:
             return self

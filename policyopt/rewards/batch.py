@@ -432,7 +432,9 @@ def score_batch(
         scored by then are left out of the loss (``sample_mask`` 0), get the reward of a
         failed sample without length penalty or bonus (0 with ``format_reward``, else
         ``incorrect_value``; a reward of 0 would rank them above DAPO's wrong answers in
-        their group) and are counted in ``metrics["deadline_missed"]``.
+        their group) and are counted in ``metrics["deadline_missed"]``. Their stand-in
+        reward still counts in their group's statistics and in ``reward_mean``. (The
+        trainers pass no deadline.)
       truncated: N flags "stopped at the generation limit without EOS"; default
         ``lengths >= spec.max_len`` (all False when max_len is None).
       across_processes: on a multi-process job (``jax.process_count() > 1``) every process

@@ -89,7 +89,11 @@ def task_records(config, split: str) -> list[dict]:
 
 
 def reward_spec(config) -> RewardSpec:
-    """``RewardSpec`` from ``config.reward`` (length limits default to max_new_tokens)."""
+    """``RewardSpec`` from ``config.reward`` (length limits default to max_new_tokens).
+
+    The task is math: the trainer's tasks (``task_config``) are math problems. The code
+    verifier (``RewardSpec(task="code")``) is used through ``policyopt.rewards`` directly.
+    """
     r = config.reward
     max_len = r.max_len or config.sampling.max_new_tokens
     cache_len = r.cache_len or max(1, max_len // 4)
