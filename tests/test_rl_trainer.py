@@ -94,6 +94,22 @@ def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_decode_loops_train_like_one_loop(tmp_path):
+    """config.sampling.decode_segments reaches the rollouts and the evaluation: two decode
+    loops sample the same tokens (up to float rounding), so the run is the same."""
+    runs = [trainer.run_rl(tiny("grpo", extra=f"sampling.decode_segments={k},train.num_iterations=1"),
+                           str(tmp_path / str(k)), num_iterations=1, quiet=True) for k in (1, 2)]
+    one, two = runs
+    assert two["run"].sampling_config.decode_segments == 2
+    np.testing.assert_array_equal(two["run"].last_batch.tokens, one["run"].last_batch.tokens)
+    for key in ("reward/mean", "eval/pass@1"):
+        got = two["metrics"].get(key, two["eval"].get(key))
+        want = one["metrics"].get(key, one["eval"].get(key))
+        assert got is not None and got == want, key
+    for got, want in zip(_params(two["run"]), _params(one["run"])):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_sft_rerun_in_a_finished_workdir_reuses_it(tmp_path):
     """A second run_sft in a workdir that already holds its last step restores it and
     returns the same parameters (it used to fail saving that step again)."""
