@@ -76,9 +76,11 @@ def base_config() -> ml_collections.ConfigDict:
 
     # ---- Task -----------------------------------------------------------------------
     c.task = ml_collections.ConfigDict()
-    # "arithmetic" (the synthetic task of `policyopt.data.synthetic`).
+    # "arithmetic" (the synthetic task of `policyopt.data.synthetic`) or "math_jsonl"
+    # (local GSM8K / MATH style JSONL files, `policyopt.data.jsonl`; use it with a
+    # pretrained model and its tokenizer, `model.pretrained`).
     c.task.name = "arithmetic"
-    # Difficulty knobs of `ArithmeticConfig`.
+    # Difficulty knobs of `ArithmeticConfig` (task "arithmetic").
     c.task.num_operands = 2
     c.task.min_digits = 3
     c.task.max_digits = 3
@@ -92,6 +94,32 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.num_test = 512
     # Seed of the task generator (independent of `seed`).
     c.task.seed = 0
+    # Task "math_jsonl": one file per split, every row used (`JsonlConfig`): the problem
+    # is the first of `question_fields` present, the reference is extracted from the first
+    # of `answer_fields` present ("auto": last \boxed{}, else the text after
+    # `answer_marker`, else the whole field; "boxed", "marker", "none"), the SFT target
+    # is `solution_field` (None: "solution", else "answer"), and the prompt is
+    # `prompt_template` with `{question}` (a Python format string: write literal braces
+    # twice, `\\boxed{{}}`; the tokenizer's chat template is applied on top). Malformed rows raise with file:line unless `skip_malformed`.
+    c.task.train_file = placeholder(str)
+    c.task.test_file = placeholder(str)
+    c.task.question_fields = "question,problem,prompt"
+    c.task.answer_fields = "answer,solution"
+    c.task.solution_field = placeholder(str)
+    c.task.extract = "auto"
+    c.task.answer_marker = "####"
+    c.task.prompt_template = "{question}"
+    c.task.skip_malformed = False
+    # Prompts longer than the largest `batch.prompt_buckets` (chat template included;
+    # every prompt is tokenised once when the run is built): "error" (raise, naming the
+    # record), "drop", "truncate_left" or "truncate_right" (keep
+    # the text's end / start). Held-out prompts over the limit are left out of the
+    # evaluation unless "error".
+    c.task.overlong_prompt = "error"
+    # A directory to write either task to as tfds array_record files
+    # (`policyopt.data.tfds_builders`, prepared once, named by content) and read it back
+    # by random access instead of holding it in memory; None: in memory.
+    c.task.tfds_dir = placeholder(str)
 
     # ---- Batch geometry ---------------------------------------------------------------
     c.batch = ml_collections.ConfigDict()
@@ -462,6 +490,9 @@ _CHOICES = {
     "algo.old_log_probs": ("trainer", "sampler"),
     "reward.overlong": ("none", "dapo", "magistral"),
     "dynamic_sampling.criterion": ("reward", "accuracy"),
+    "task.name": ("arithmetic", "math_jsonl"),
+    "task.extract": ("auto", "boxed", "marker", "none"),
+    "task.overlong_prompt": ("error", "drop", "truncate_left", "truncate_right"),
 }
 
 
@@ -473,6 +504,14 @@ def check(config: ml_collections.ConfigDict) -> None:
             node = node[part]
         if node not in choices:
             raise ValueError(f"config.{path} must be one of {choices}, got {node!r}")
+    t = config.task
+    if t.name == "math_jsonl":
+        missing = [f"task.{split}_file" for split in ("train", "test") if not t[f"{split}_file"]]
+        if missing:
+            raise ValueError(f"config.{missing[0]} is required with task.name='math_jsonl'")
+        if "{question}" not in t.prompt_template:
+            raise ValueError(f"config.task.prompt_template must contain '{{question}}', got "
+                             f"{t.prompt_template!r}")
     b = config.batch
     if b.n_prompts < 1 or b.group_size < 1 or b.epochs < 1 or b.n_minibatches < 1:
         raise ValueError("config.batch.n_prompts, group_size, epochs and n_minibatches must be >= 1")

@@ -170,10 +170,12 @@ def widest_prompt(config) -> int:
     the width of the first batch would not do: a later batch in a larger bucket would not
     fit). One tokenising pass over the training prompts, in the training pipeline's
     settings."""
-    records = build.task_records(config, "train")
+    records = build.task_source(config, "train")
+    buckets, policy = tuple(config.batch.prompt_buckets), config.task.overlong_prompt
     pipeline = make_pipeline(records, batch_size=min(len(records), 1024), seed=0, shuffle=False,
                              num_epochs=1, drop_remainder=False, tokenizer=build.make_tokenizer(config),
-                             length_buckets=tuple(config.batch.prompt_buckets))
+                             length_buckets=buckets, overlong_prompt=policy,
+                             max_prompt_length=max(buckets))
     return max(int(np.shape(batch["prompt_tokens"])[1]) for batch in pipeline)
 
 

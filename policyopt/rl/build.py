@@ -7,14 +7,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from typing import Sequence
 
 import jax
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
 from policyopt import sharding
 from policyopt.checkpoint import Checkpointer
-from policyopt.data import ArithmeticConfig, CharTokenizer, HFTokenizer, generate_arithmetic
+from policyopt.data import (ArithmeticConfig, CharTokenizer, HFTokenizer, JsonlConfig, as_record,
+                            generate_arithmetic, read_math_jsonl)
 from policyopt.models import Transformer, preset
 from policyopt.rewards.batch import RewardSpec
 from policyopt.rl.learner import split_params
@@ -68,13 +71,43 @@ def make_model(config, vocab_size: int, mesh: Mesh | None = None) -> nnx.Module:
         return Transformer(model_config, rngs=nnx.Rngs(config.seed))
 
 
+TASKS = ("arithmetic", "math_jsonl")
+
+
 def task_config(config) -> ArithmeticConfig:
+    """The synthetic task's knobs (``task.name = "arithmetic"``)."""
     task = config.task
     if task.name != "arithmetic":
-        raise ValueError(f"config.task.name={task.name!r}: only 'arithmetic' is built in")
+        raise ValueError(f"config.task.name={task.name!r} has no ArithmeticConfig")
     return ArithmeticConfig(num_operands=task.num_operands, min_digits=task.min_digits,
                             max_digits=task.max_digits, operators=task.operators,
                             wrong_procedure_fraction=task.wrong_procedure_fraction)
+
+
+def _names(value) -> tuple[str, ...]:
+    """``"question,problem"`` (a config string) or a sequence -> ``("question", "problem")``."""
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    return tuple(p.strip() for p in parts if p.strip())
+
+
+def jsonl_reader(config) -> JsonlConfig:
+    """How ``task.name = "math_jsonl"`` reads its files (``policyopt.data.jsonl``)."""
+    t = config.task
+    return JsonlConfig(question_fields=_names(t.question_fields), answer_fields=_names(t.answer_fields),
+                       solution_field=t.solution_field or None, extract=t.extract,
+                       answer_marker=t.answer_marker, prompt_template=t.prompt_template,
+                       skip_malformed=bool(t.skip_malformed))
+
+
+def _jsonl_files(config) -> dict[str, str]:
+    t = config.task
+    files = {"train": t.train_file, "test": t.test_file}
+    for split, path in files.items():
+        if not path:
+            raise ValueError(f"config.task.{split}_file is required with task.name='math_jsonl'")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"config.task.{split}_file={path!r} is not a file")
+    return files
 
 
 @functools.lru_cache(maxsize=8)
@@ -82,17 +115,92 @@ def _records(arith: ArithmeticConfig, split: str, seed: int, num: int) -> tuple:
     return tuple(generate_arithmetic(arith, split=split, seed=seed, num_examples=num))
 
 
+@functools.lru_cache(maxsize=8)
+def _jsonl_records(path: str, reader: JsonlConfig, stamp: tuple) -> tuple:
+    del stamp  # part of the cache key: the file's size and modification time
+    records, _ = read_math_jsonl(path, reader)
+    return tuple(records)
+
+
+def _prepared_builder(config):
+    """The task as tfds array_record files under ``task.tfds_dir`` (prepared once, by the
+    first process of a multi-process job while the others wait, then reused)."""
+    from policyopt.data import tfds_builders  # imports tensorflow_datasets: only when used
+
+    t = config.task
+    if t.name == "arithmetic":
+        prepare = lambda: tfds_builders.build_arithmetic(
+            t.tfds_dir, task_config(config), seed=int(t.seed), train_size=int(t.num_train),
+            test_size=int(t.num_test))
+    else:
+        files, reader = _jsonl_files(config), jsonl_reader(config)
+        prepare = lambda: tfds_builders.build_math_jsonl(t.tfds_dir, files, reader)
+    if jax.process_count() == 1:
+        return prepare()
+    from jax.experimental import multihost_utils
+
+    builder = prepare() if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices("policyopt.task.tfds_prepare")
+    return builder if builder is not None else prepare()  # prepared: opens it
+
+
+def task_source(config, split: str) -> Sequence:
+    """The records of the task's ``"train"`` or ``"test"`` split, as a random-access
+    sequence (what the grain pipelines read).
+
+    - ``task.name = "arithmetic"``: ``task.num_train`` / ``num_test`` synthetic problems
+      from ``task.seed`` (deterministic, cached).
+    - ``task.name = "math_jsonl"``: every row of ``task.train_file`` / ``test_file``
+      (GSM8K / MATH style, read per the ``task`` fields: ``jsonl_reader``).
+    - With ``task.tfds_dir`` either task is written once as tfds array_record files there
+      (``policyopt.data.tfds_builders``, named by content) and read back by random access
+      instead of being held in memory; text fields then come back as bytes
+      (``policyopt.data.as_record`` decodes them). The records are the same.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    t = config.task
+    if t.name not in TASKS:
+        raise ValueError(f"config.task.name={t.name!r} is not one of {TASKS}")
+    if t.tfds_dir:
+        return _prepared_builder(config).as_data_source(split)
+    if t.name == "arithmetic":
+        num = t.num_train if split == "train" else t.num_test
+        return _records(task_config(config), split, int(t.seed), int(num))
+    path = _jsonl_files(config)[split]
+    stat = os.stat(path)
+    return _jsonl_records(os.path.abspath(path), jsonl_reader(config), (stat.st_size, stat.st_mtime_ns))
+
+
 def task_records(config, split: str) -> list[dict]:
-    """Records of the task's ``"train"`` or ``"test"`` split (deterministic, cached)."""
-    num = config.task.num_train if split == "train" else config.task.num_test
-    return list(_records(task_config(config), split, int(config.task.seed), int(num)))
+    """``task_source`` as a list of records with ``str`` text fields."""
+    return [as_record(record) for record in task_source(config, split)]
+
+
+def eval_records(config, tokenizer) -> list[dict]:
+    """The held-out records evaluated: the first ``eval.num_prompts`` of the test split.
+
+    With ``task.overlong_prompt`` other than ``"error"``, held-out prompts longer than the
+    largest prompt bucket (chat template included) are left out (logged): a truncated
+    problem is not the problem. With ``"error"`` such a prompt raises when it is encoded.
+    """
+    records = task_records(config, "test")
+    if config.task.overlong_prompt != "error":
+        limit = max(config.batch.prompt_buckets)
+        kept = [r for r in records if len(tokenizer.encode_prompt(r["prompt"])) <= limit]
+        if len(kept) < len(records):
+            logging.info("evaluation: %d of %d held-out prompts are longer than %d tokens and are "
+                         "left out", len(records) - len(kept), len(records), limit)
+        records = kept
+    return records[: config.eval.num_prompts]
 
 
 def reward_spec(config) -> RewardSpec:
     """``RewardSpec`` from ``config.reward`` (length limits default to max_new_tokens).
 
-    The task is math: the trainer's tasks (``task_config``) are math problems. The code
-    verifier (``RewardSpec(task="code")``) is used through ``policyopt.rewards`` directly.
+    The task is math: the trainer's tasks (``task_source``: the synthetic arithmetic and
+    math JSONL files) are math problems with a reference answer. The code verifier
+    (``RewardSpec(task="code")``) is used through ``policyopt.rewards`` directly.
     """
     r = config.reward
     max_len = r.max_len or config.sampling.max_new_tokens

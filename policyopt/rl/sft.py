@@ -31,7 +31,7 @@ import numpy as np
 
 from policyopt import sharding
 from policyopt.checkpoint import Checkpointer
-from policyopt.data.pipeline import make_pipeline
+from policyopt.data.pipeline import as_record, make_pipeline
 from policyopt.losses import aggregate
 from policyopt.metrics import MetricsWriter, Progress
 from policyopt.rl import build
@@ -103,10 +103,18 @@ class SFTRun:
 
 
 def make_sft_iterator(config, tokenizer, *, seed: int):
-    records = build.task_records(config, "train")
+    """Batches of (prompt, worked solution) pairs of the task's training split."""
+    records = build.task_source(config, "train")
+    if config.task.name != "arithmetic" and not all(as_record(r)["solution"] for r in records):
+        raise ValueError(f"SFT needs a worked solution for every training record; "
+                         f"{config.task.train_file!r} has records without one (see "
+                         "task.solution_field)")
     buckets = tuple(sorted(set(config.batch.prompt_buckets) | set(config.batch.response_buckets)))
+    policy = config.task.overlong_prompt
     return iter(make_pipeline(records, batch_size=config.sft.batch_size, seed=seed,
-                              tokenizer=tokenizer, include_solution=True, length_buckets=buckets))
+                              tokenizer=tokenizer, include_solution=True, length_buckets=buckets,
+                              max_prompt_length=max(config.batch.prompt_buckets),
+                              overlong_prompt=policy))
 
 
 def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SFTRun:
@@ -160,7 +168,7 @@ def save_sft(run: SFTRun) -> None:
 
 def evaluate_policy(config, graphdef, params, tokenizer, mesh) -> dict[str, float]:
     """Greedy pass@1 (and mean@k if ``config.eval.k``) on the held-out split, on ``mesh``."""
-    records = build.task_records(config, "test")[: config.eval.num_prompts]
+    records = build.eval_records(config, tokenizer)
     with jax.set_mesh(mesh):
         return evaluate(graphdef, params, records, tokenizer, max_new_tokens=config.sampling.max_new_tokens,
                         batch_size=config.eval.batch_size, prompt_buckets=tuple(config.batch.prompt_buckets),

@@ -98,11 +98,17 @@ class RLRun:
     critic_state: TrainState | None = None
 
 
-def make_prompt_iterator(config, records: list, *, seed: int):
-    """The grain iterator of RL prompt batches (n_prompts prompts, bucketed, shuffled)."""
+def make_prompt_iterator(config, records, *, seed: int):
+    """The grain iterator of RL prompt batches (n_prompts prompts, bucketed, shuffled) over
+    ``records`` (a random-access sequence: ``build.task_source``). Every prompt is
+    tokenised once when it is built: prompts longer than the largest prompt bucket raise
+    there, naming the record, or are dropped or truncated (``task.overlong_prompt``)."""
+    buckets = tuple(config.batch.prompt_buckets)
+    policy = config.task.overlong_prompt
     pipeline = make_pipeline(records, batch_size=config.batch.n_prompts, seed=seed,
-                             tokenizer=build.make_tokenizer(config),
-                             length_buckets=tuple(config.batch.prompt_buckets))
+                             tokenizer=build.make_tokenizer(config), length_buckets=buckets,
+                             max_prompt_length=max(buckets),
+                             overlong_prompt=policy)
     return iter(pipeline)
 
 
@@ -128,8 +134,8 @@ def build_run(config, workdir: str) -> RLRun:
     ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
     state = place_state(learner.init_state(params), learner.optimizer, mesh)
     rng = sharding.put(jax.random.PRNGKey(config.seed), sharding.replicated(mesh))
-    data = make_prompt_iterator(config, build.task_records(config, "train"), seed=config.seed)
-    eval_records = build.task_records(config, "test")[: config.eval.num_prompts]
+    data = make_prompt_iterator(config, build.task_source(config, "train"), seed=config.seed)
+    eval_records = build.eval_records(config, tokenizer)
     s = config.sampling
     sampling_config = SamplingConfig(
         max_new_tokens=s.max_new_tokens, method=sampling_method(s.temperature, s.top_k, s.top_p),

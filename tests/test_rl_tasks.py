@@ -1,0 +1,195 @@
+"""The trainer's tasks from the config: the synthetic arithmetic task, local math JSONL
+files (``task.name = "math_jsonl"``) and either one through tfds array_record files
+(``task.tfds_dir``), with the prompt-length policy and the config's checks."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from configs import base
+from policyopt.rl import build, trainer
+from policyopt.rl.sft import make_sft_iterator
+from tests.test_rl_trainer import tiny
+
+
+def _with(config, **fields):
+    """``config`` with ``task.<name>`` fields set (values may hold commas and slashes)."""
+    config = config.copy_and_resolve_references()
+    config.unlock()
+    for name, value in fields.items():
+        config.task[name] = value
+    config.lock()
+    base.check(config)
+    return config
+
+
+def _write_jsonl(path, records, **renamed):
+    """Writes records, each field under ``renamed.get(field, field)``."""
+    with open(path, "w") as f:
+        for record in records:
+            f.write(json.dumps({renamed.get(k, k): v for k, v in record.items()}) + "\n")
+    return str(path)
+
+
+def _as_jsonl(config, directory, **renamed):
+    """The config's arithmetic task written as two JSONL files and read back as the task."""
+    files = {split: _write_jsonl(directory / f"{split}.jsonl", build.task_records(config, split),
+                                 **renamed)
+             for split in ("train", "test")}
+    return _with(config, name="math_jsonl", train_file=files["train"], test_file=files["test"])
+
+
+def _first_batches(config, n=3):
+    iterator = trainer.make_prompt_iterator(config, build.task_source(config, "train"), seed=0)
+    return [next(iterator) for _ in range(n)]
+
+
+def test_math_jsonl_task_trains_like_the_same_records_in_memory(tmp_path):
+    """The arithmetic records written as GSM8K-style JSONL ("question" / "answer" fields)
+    are read back as the same records, so one RL iteration on them is the same run."""
+    config = tiny("grpo", extra="train.num_iterations=1")
+    jsonl = _as_jsonl(config, tmp_path, prompt="question")
+    for split in ("train", "test"):
+        want = [{k: r[k] for k in ("prompt", "answer", "solution")} for r in build.task_records(config, split)]
+        assert build.task_records(jsonl, split) == want
+    runs = [trainer.run_rl(c, str(tmp_path / name), num_iterations=1, quiet=True)
+            for name, c in (("memory", config), ("jsonl", jsonl))]
+    memory, from_file = runs
+    np.testing.assert_array_equal(from_file["run"].last_batch.tokens, memory["run"].last_batch.tokens)
+    for key in ("reward/mean", "loss/loss"):
+        assert from_file["metrics"][key] == memory["metrics"][key], key
+    assert from_file["eval"]["eval/pass@1"] == memory["eval"]["eval/pass@1"]
+    for got, want in zip(jax.tree.leaves(from_file["run"].state.params),
+                         jax.tree.leaves(memory["run"].state.params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_jsonl_fields_template_and_extraction(tmp_path):
+    """MATH-style rows: the problem under "problem", the reference extracted from the last
+    box of "solution", the prompt built from the template; malformed rows raise with
+    file:line unless skipped."""
+    rows = [{"problem": f"{i}+{i}=?", "solution": f"{i}+{i} is \\boxed{{{2 * i}}}."} for i in range(6)]
+    train = _write_jsonl(tmp_path / "train.jsonl", rows)
+    test = _write_jsonl(tmp_path / "test.jsonl", rows[:2])
+    config = _with(tiny("grpo"), name="math_jsonl", train_file=train, test_file=test,
+                   prompt_template="Q: {question}", question_fields="problem",
+                   answer_fields="solution")
+    records = build.task_records(config, "train")
+    assert [r["prompt"] for r in records] == [f"Q: {i}+{i}=?" for i in range(6)]
+    assert [r["answer"] for r in records] == [str(2 * i) for i in range(6)]
+    assert records[0]["solution"] == rows[0]["solution"]
+
+    with open(train, "a") as f:
+        f.write('{"problem": "no solution"}\n')
+    with pytest.raises(ValueError, match="train.jsonl:7: missing answer field"):
+        build.task_records(config, "train")
+    skipping = _with(config, skip_malformed=True)
+    assert len(build.task_records(skipping, "train")) == 6
+
+
+def test_tfds_dir_gives_the_same_records_and_batches(tmp_path):
+    """With task.tfds_dir the task is written as array_record files and read back by
+    random access (bytes fields): the same records, RL prompt batches, SFT batches and
+    held-out records as in memory, for both tasks."""
+    arithmetic = tiny("grpo")
+    arithmetic.unlock()
+    arithmetic.batch.response_buckets = (6, 32)  # worked solutions of up to 17 tokens (SFT)
+    arithmetic.lock()
+    jsonl = _as_jsonl(arithmetic, tmp_path)
+    for config in (arithmetic, jsonl):
+        prepared = _with(config, tfds_dir=str(tmp_path / f"tfds_{config.task.name}"))
+        assert not isinstance(build.task_source(prepared, "train"), (list, tuple))
+        for split in ("train", "test"):
+            assert build.task_records(prepared, split) == build.task_records(config, split)
+        tokenizer = build.make_tokenizer(config)
+        assert build.eval_records(prepared, tokenizer) == build.eval_records(config, tokenizer)
+        for got, want in zip(_first_batches(prepared), _first_batches(config)):
+            assert got["prompt"] == want["prompt"]
+            np.testing.assert_array_equal(got["prompt_tokens"], want["prompt_tokens"])
+        sft_got = next(make_sft_iterator(prepared, tokenizer, seed=0))
+        sft_want = next(make_sft_iterator(config, tokenizer, seed=0))
+        np.testing.assert_array_equal(sft_got["response_tokens"], sft_want["response_tokens"])
+
+
+def test_overlong_prompts_raise_or_are_dropped(tmp_path):
+    """A prompt longer than the largest prompt bucket raises when batched ("error"), or
+    is left out of training and evaluation ("drop")."""
+    rows = [{"question": f"{i}+1", "answer": str(i + 1)} for i in range(8)]
+    long_row = {"question": "9" * 40 + "+1", "answer": "1" + "0" * 40}
+    train = _write_jsonl(tmp_path / "train.jsonl", rows[:3] + [long_row] + rows[3:])
+    test = _write_jsonl(tmp_path / "test.jsonl", [long_row] + rows[:2])
+    config = _with(tiny("grpo", extra="batch.n_prompts=9"), name="math_jsonl", train_file=train,
+                   test_file=test)  # the prompt bucket is 16 tokens; one batch holds them all
+    with pytest.raises(ValueError, match="record 3: prompt longer than max_prompt_length=16"):
+        _first_batches(config, n=1)
+
+    dropping = _with(tiny("grpo", extra="batch.n_prompts=4"), name="math_jsonl", train_file=train,
+                     test_file=test, overlong_prompt="drop")
+    batches = _first_batches(dropping, n=4)  # two epochs of the 8 short prompts
+    seen = [p for b in batches for p in b["prompt"]]
+    assert sorted(seen) == sorted(r["question"] for r in rows for _ in range(2))
+    tokenizer = build.make_tokenizer(config)
+    assert [r["prompt"] for r in build.eval_records(dropping, tokenizer)] == ["0+1", "1+1"]
+
+
+def test_sft_refuses_records_without_a_worked_solution(tmp_path):
+    rows = [{"question": f"{i}+1", "final": str(i + 1)} for i in range(4)]
+    train = _write_jsonl(tmp_path / "train.jsonl", rows)
+    config = _with(tiny("grpo"), name="math_jsonl", train_file=train, test_file=train,
+                   answer_fields="final")
+    assert [r["answer"] for r in build.task_records(config, "train")] == ["1", "2", "3", "4"]
+    with pytest.raises(ValueError, match="worked solution"):
+        make_sft_iterator(config, build.make_tokenizer(config), seed=0)
+
+
+def test_config_checks_the_task_fields(tmp_path):
+    config = tiny("grpo")
+    config.unlock()
+    config.task.name = "math_jsonl"
+    with pytest.raises(ValueError, match="task.train_file is required"):
+        base.check(config)
+    config.task.train_file = config.task.test_file = str(tmp_path / "missing.jsonl")
+    base.check(config)  # the files are opened when the run is built
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        build.task_records(config, "train")
+    config.task.prompt_template = "no placeholder"
+    with pytest.raises(ValueError, match="prompt_template"):
+        base.check(config)
+    config.task.name = "gsm8k"
+    with pytest.raises(ValueError, match="task.name"):
+        base.check(config)
+
+
+def test_pretrained_model_and_tokenizer_train_on_a_jsonl_task(tmp_path):
+    """The README's recipe at toy scale: a HuggingFace Qwen3-MoE folder (weights and
+    tokenizer.json) trains with RL on a math JSONL task and is evaluated on its test file."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tests.test_data import _tiny_bpe
+
+    _tiny_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]).save(str(tmp_path / "tokenizer.json"))
+    torch.manual_seed(0)
+    hf_config = transformers.Qwen3MoeConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=24)
+    transformers.Qwen3MoeForCausalLM(hf_config).save_pretrained(tmp_path)
+    rows = [{"problem": f"What is {i}+35?", "solution": f"\\boxed{{{i + 35}}}"} for i in range(12)]
+    train = _write_jsonl(tmp_path / "train.jsonl", rows[:8])
+    test = _write_jsonl(tmp_path / "test.jsonl", rows[8:])
+    config = tiny("grpo", extra="train.num_iterations=1")
+    config.unlock()
+    config.model.pretrained, config.model.num_layers = str(tmp_path), None
+    config.batch.prompt_buckets = (32, 64)
+    config.lock()
+    config = _with(config, name="math_jsonl", train_file=train, test_file=test,
+                   prompt_template="{question} Put the final answer in \\boxed{{}}.")
+    summary = trainer.run_rl(config, str(tmp_path / "run"), num_iterations=1, quiet=True)
+    run = summary["run"]
+    assert run.tokenizer.chat_template == "chatml" and run.sampling_config.eos_id == run.tokenizer.eos_id
+    assert [r["answer"] for r in run.eval_records] == ["43", "44", "45", "46"]
+    assert run.eval_records[0]["prompt"] == "What is 8+35? Put the final answer in \\boxed{}."
+    assert summary["eval"]["eval/num_prompts"] == 4 and np.isfinite(summary["metrics"]["loss/loss"])
+    assert int(run.state.step) == 1 and run.last_batch.tokens.shape[0] == 2 * 4
