@@ -241,7 +241,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Value pretraining / warm-up: the first N iterations update only the critic, on
     # Monte-Carlo returns (lambda_critic = 1 whatever algo.gae_lambda_critic) (the policy is
     # frozen and samples as the initial policy; VC-PPO value pretraining, VAPO: 50 steps).
-    # 0 = off.
+    # 0 = off. They count in `train.num_iterations` (VAPO's `scale=paper`, 100 iterations
+    # with 50 of warm-up, makes 50 policy iterations); `experiments/ablate.py` adds them
+    # on top, so that its arms with and without pretraining make as many policy updates.
     c.critic.pretrain_iterations = 0
 
     # ---- Dynamic sampling (DAPO) ---------------------------------------------------------

@@ -29,7 +29,8 @@ def get_config(arg=None):
     # works; the default 8 samples per prompt only fills the CPU batch).
     c.algo.kl_beta = 0.0
     c.dynamic_sampling.enabled = False
-    # Value clip 0.2 (OpenAI baselines, verl's cliprange_value); no value pretraining.
+    # Value clip 0.2 (OpenAI baselines' cliprange, OpenRLHF's value_clip; verl's default
+    # cliprange_value is 0.5; the papers give none); no value pretraining.
     c.critic.value_clip = 0.2
     c.critic.pretrain_iterations = 0
     # The tiny CPU models need larger learning rates than 1e-6; the critic gets twice the

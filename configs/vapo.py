@@ -34,7 +34,10 @@ def get_config(arg=None):
     c.algo.nll_coef = 0.1
     c.algo.kl_beta = 0.0
     c.dynamic_sampling.enabled = False
-    # Value warm-up: 50 steps in the paper (scale=paper); 5 iterations on the CPU.
+    # Value warm-up: 50 steps in the paper (scale=paper); 5 iterations on the CPU. Read as
+    # 50 iterations, each of batch.n_minibatches critic updates (800 updates at paper
+    # scale); if the paper's "steps" are gradient steps, critic.pretrain_iterations=3
+    # (48 updates) is the closer reading. They count in train.num_iterations.
     c.critic.pretrain_iterations = 5
     c.critic.value_clip = 0.2
     # Group sampling: 16 responses per prompt in the paper; 8 on the CPU.

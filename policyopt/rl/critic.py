@@ -28,6 +28,10 @@ critic routes with its own router (routing replay applies to the policy only).
 with ``lambda_actor`` and the value targets ``A^{lambda_critic} + V`` with
 ``lambda_critic``: PPO one lambda (0.95), VC-PPO decoupled (0.95 / 1.0), VAPO
 length-adaptive for the policy (``1 - 1/(alpha |y|)``, alpha 0.05) and 1.0 for the critic.
+A response cut at ``max_new_tokens`` is treated as ended, like one that emitted EOS: its
+reward sits on its last token and the value after it is 0 (no bootstrap from ``V``; as
+verl does). The reward is the outcome reward only: a KL term (``algo.kl_beta``) enters
+the policy loss, not these rewards.
 
 **Update** (``Critic.update``, jitted once per shape bucket, the state donated): PPO's
 clipped value loss ``losses.value_loss`` (token mean), plus on an MoE backbone
