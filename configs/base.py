@@ -216,7 +216,8 @@ def base_config() -> ml_collections.ConfigDict:
     # old-log-prob forward and in every update forward).
     c.algo.routing_replay = "none"
     # Truncated importance sampling cap C: per-token weight min(exp(old - behaviour), C)
-    # between trainer and sampler log-probs (None = off; 2.0 is a common choice).
+    # between trainer and sampler log-probs (None = off; 2.0 is a common choice; needs
+    # old_log_probs = "trainer", with "sampler" the weight would always be 1).
     c.algo.tis_cap = placeholder(float)
     # Where pi_old comes from: "trainer" (a forward pass of the policy before the updates,
     # as verl and OpenRLHF do) or "sampler" (the rollout's untruncated log-probs; saves a
@@ -324,7 +325,8 @@ def base_config() -> ml_collections.ConfigDict:
     # A multiple of batch.group_size; set it below n_async when memory is short.
     c.async_mode.num_slots = placeholder(int)
     # Decode steps between two pick-ups of new weights by the generator (the push
-    # granularity; a completion spans up to ceil(max_new_tokens / segment_steps) pushes).
+    # granularity; a completion is decoded under at most
+    # ceil(max_new_tokens / segment_steps) versions).
     c.async_mode.segment_steps = 8
     # Prompt width of the generator's slots; None: the prompt bucket of the longest
     # training prompt (every prompt fits). A longer prompt is an error naming this field.
@@ -572,6 +574,11 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.algo.routing_replay={config.algo.routing_replay!r} needs the "
                          "trainer's old-log-prob forward (R2 records its routing, R3 replays the "
                          "sampler's routing in it); set algo.old_log_probs='trainer'")
+    if config.algo.tis_cap is not None and config.algo.old_log_probs == "sampler":
+        raise ValueError("config.algo.tis_cap weighs tokens by min(exp(old - behaviour), C), which "
+                         "is 1 when pi_old is the sampler's log-probs (algo.old_log_probs="
+                         "'sampler'); use one correction: tis_cap with old_log_probs='trainer', "
+                         "or old_log_probs='sampler' alone")
 
 
 def load_run_config(path: str) -> ml_collections.ConfigDict:

@@ -318,17 +318,22 @@ class Rollout:
             len + n for response token n; padding gets 0).
           attention_mask: int32 [R, P + N]; 1 on real prompt tokens and valid response
             tokens. Response token n is predicted by the hidden state at index P - 1 + n.
+
+        NumPy in, NumPy out (computed on the host, no device round trip); JAX arrays
+        otherwise.
         """
+        arrays = (self.prompt_tokens, self.prompt_lengths, self.tokens, self.mask)
+        xp = np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
         prompt_len = self.prompt_tokens.shape[1]
-        index = jnp.arange(prompt_len)[None, :]
+        index = xp.arange(prompt_len)[None, :]
         start = prompt_len - self.prompt_lengths[:, None]
         prompt_real = index >= start
-        prompt_positions = jnp.where(prompt_real, index - start, 0)
-        response_positions = self.prompt_lengths[:, None] + jnp.arange(self.tokens.shape[1])[None]
-        tokens = jnp.concatenate([self.prompt_tokens, self.tokens], axis=1)
-        positions = jnp.concatenate([prompt_positions, response_positions], axis=1)
-        attention_mask = jnp.concatenate([prompt_real, self.mask > 0], axis=1)
-        return tokens, positions.astype(jnp.int32), attention_mask.astype(jnp.int32)
+        prompt_positions = xp.where(prompt_real, index - start, 0)
+        response_positions = self.prompt_lengths[:, None] + xp.arange(self.tokens.shape[1])[None]
+        tokens = xp.concatenate([self.prompt_tokens, self.tokens], axis=1)
+        positions = xp.concatenate([prompt_positions, response_positions], axis=1)
+        attention_mask = xp.concatenate([prompt_real, self.mask > 0], axis=1)
+        return tokens, positions.astype(xp.int32), attention_mask.astype(xp.int32)
 
 
 # --------------------------------------------------------------------------------------

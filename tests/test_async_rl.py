@@ -8,6 +8,7 @@ import functools
 import itertools
 import os
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +22,15 @@ from policyopt.rl import build
 from policyopt.rl.async_generation import (AsyncGenerator, GeneratorExhausted, GroupCompletion,
                                            SlotConfig, SlotGenerator, _group_rows_fn, _refill_fn,
                                            _segment_fn, staleness_bound)
-from policyopt.rl.async_rl import GroupBatcher, PromptStream, async_enabled, make_generator, run_async_rl
+from policyopt.rl.async_rl import (GroupBatcher, PromptStream, assemble, async_enabled, make_generator,
+                                   run_async_rl)
+from policyopt.rl.batch import merge_rounds, round_from_rollout
 from policyopt.rl.trainer import build_run
-from policyopt.rl.learner import split_params
+from policyopt.rl.learner import forward_log_probs, split_params
 from policyopt.sampling import Greedy, SamplingConfig, generate_fn, sampling_method
 
 PROMPT_WIDTH, NUM_NEW, GROUP, N_ASYNC, SEGMENT = 16, 6, 2, 8, 2
-THREAD_NAME = "policyopt-async-generator"
+THREAD_NAMES = ("policyopt-async-generator", "policyopt-async-scorer")
 
 
 def tiny(extra="", recipe=magistral_async):
@@ -230,7 +233,8 @@ def test_refill_and_segment_compile_once():
 
 
 def generator_threads():
-    return [t for t in threading.enumerate() if t.name == THREAD_NAME and t.is_alive()]
+    """The generator's threads still alive (its decode and scoring threads)."""
+    return [t for t in threading.enumerate() if t.name in THREAD_NAMES and t.is_alive()]
 
 
 def test_threaded_generation_keeps_groups_whole_and_staleness_bounded():
@@ -271,6 +275,59 @@ def test_threaded_generation_keeps_groups_whole_and_staleness_bounded():
     assert not thread.is_alive() and not generator_threads()
     assert sorted(seen) == list(range(len(prompts)))
     assert 0 < worst <= bound
+
+
+def test_slow_scoring_neither_stops_decoding_nor_delays_close():
+    """Groups are scored in a thread of their own: decoding goes on while a slow verifier
+    scores, groups come back in finish order with their scores, the stream ends after the
+    last scored group, and close() stops the scorer after its current group instead of
+    scoring every finished group first."""
+    graphdef, params, _ = policy()
+    events, lock = [], threading.Lock()
+
+    def slow_score(completion):
+        with lock:
+            events.append(("score", completion.meta["index"]))
+        time.sleep(0.3)
+        with lock:
+            events.append(("scored", completion.meta["index"]))
+        return completion._replace(rewards=np.full(GROUP, completion.meta["index"], np.float32))
+
+    slots = SlotGenerator(graphdef, slot_config(), params)
+    segment = slots.segment
+
+    def counted_segment(*args, **kwargs):
+        with lock:
+            events.append(("segment", None))
+        return segment(*args, **kwargs)
+
+    slots.segment = counted_segment
+    prompts = random_prompts(6, seed=3)
+    generator = AsyncGenerator(slots, iter(prompts), params, 0, rng=jax.random.PRNGKey(0),
+                               n_async=N_ASYNC, score_fn=slow_score, join_timeout_s=5.0)
+    taken = []
+    with generator:
+        with pytest.raises(GeneratorExhausted):
+            while True:
+                taken.append(generator.take())
+    assert not generator_threads()
+    scored = [index for kind, index in events if kind == "score"]
+    assert [c.meta["index"] for c in taken] == scored and sorted(scored) == list(range(6))
+    assert all(np.all(c.rewards == c.meta["index"]) for c in taken)
+    during = [events[events.index(("score", i)):events.index(("scored", i))] for i in scored]
+    assert any(("segment", None) in span for span in during)  # decoded while a group was scored
+    assert generator.stats["groups_scored"] == 6 and generator.stats["score_seconds"] >= 1.5
+
+    # Leaving early: several finished groups wait for the scorer; close() does not score them.
+    generator = AsyncGenerator(SlotGenerator(graphdef, slot_config(), params),
+                               iter(random_prompts(40, seed=4)), params, 0, rng=jax.random.PRNGKey(0),
+                               n_async=N_ASYNC, score_fn=slow_score, join_timeout_s=5.0)
+    with generator:
+        generator.take()
+        time.sleep(0.5)
+        start = time.perf_counter()
+    assert time.perf_counter() - start < 1.5 and not generator_threads()
+    assert generator.stats["groups_scored"] < 40
 
 
 class _Boom(Exception):
@@ -322,6 +379,9 @@ def test_run_async_rl_trains_checkpoints_and_resumes(tmp_path):
     # The sampler's routing is from older versions: named as staleness, not numerics.
     assert "routing/stale_sampler_disagreement/layer_0" in metrics
     assert not any(k.startswith("routing/sampler_trainer_disagreement") for k in metrics)
+    assert "logprob/stale_sampler_trainer_abs_diff" in metrics
+    assert "logprob/sampler_trainer_abs_diff" not in metrics
+    assert metrics["async/score_s"] > 0
     assert summary["iteration"] == 3 and int(run.state.step) + int(run.state.skipped) == 3
     for key in ("reward/mean", "loss/loss", "update/grad_norm", "policy/entropy",
                 "async/staleness_min", "async/staleness_mean", "async/staleness_max",
@@ -402,6 +462,40 @@ def test_default_prompt_width_fits_every_prompt_of_the_stream(tmp_path):
             slots.segment(run.state.params, 0, jax.random.PRNGKey(segment))
         slots.refill(slots.free_groups()[0], prompt, run.state.params, 0)  # fits
     assert widths[0] == 8 and max(widths) == PROMPT_WIDTH  # the case the default must cover
+
+
+def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
+    """Slots 16 tokens wide, prompts of at most 8 (one- and two-digit sums): each batch is
+    cut to the 8-token bucket, as a synchronous batch would be, and trains with R3
+    (the replayed routing is cut with it) to the same log-probs."""
+    config = tiny("task.min_digits=1,task.max_digits=2,async_mode.prompt_width=16,"
+                  "algo.routing_replay='R3',train.num_iterations=2")
+    config.unlock()
+    config.batch.prompt_buckets = (8, PROMPT_WIDTH)
+    config.lock()
+    summary = run_async_rl(config, str(tmp_path), quiet=True)
+    run = summary["run"]
+    merged, batch = run.last_round, run.last_batch
+    assert merged.prompt_width == 8 and batch.tokens.shape[1] == 8 + merged.mask.shape[1]
+    assert batch.routing.shape[2] == batch.tokens.shape[1]
+    assert np.all(merged.attention_mask[:, :merged.prompt_width].sum(1) >= 1)
+    assert summary["metrics"]["update/skipped"] == 0
+
+    # The cut layout gives the log-probs and routing of the uncut one (R3 replay).
+    with make_generator(run, PromptStream(run.data)) as generator:
+        groups = [generator.take() for _ in range(2)]
+    cut, *_ = assemble(groups, run)
+    whole = merge_rounds([(round_from_rollout(g.rollout(), g.rewards, g.correct, NUM_NEW),
+                           np.zeros((1,), np.int64)) for g in groups], GROUP, run.tokenizer.pad_id)
+    assert whole.prompt_width == PROMPT_WIDTH and cut.prompt_width == 8
+    outs = [forward_log_probs(run.graphdef, run.state.params, jnp.asarray(r.tokens),
+                              jnp.asarray(r.positions), jnp.asarray(r.attention_mask), NUM_NEW,
+                              routing=jnp.asarray(r.routing)) for r in (cut, whole)]
+    np.testing.assert_allclose(outs[0].log_probs * cut.mask, outs[1].log_probs * whole.mask,
+                               atol=1e-5)
+    real = whole.attention_mask[:, PROMPT_WIDTH - 8:] > 0
+    np.testing.assert_array_equal(np.asarray(outs[0].routing)[:, real],
+                                  np.asarray(outs[1].routing)[:, :, PROMPT_WIDTH - 8:][:, real])
 
 
 def test_config_fields_and_errors():

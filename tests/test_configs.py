@@ -145,6 +145,11 @@ def test_unknown_or_bad_fields_are_named():
     with pytest.raises(ValueError, match="decode_segments"):
         load("grpo", "sampling.decode_segments=25")
     assert load("grpo", "sampling.decode_segments=4").sampling.decode_segments == 4
+    # Two corrections that cannot combine: the TIS weight against pi_old = behaviour is 1.
+    with pytest.raises(ValueError, match="tis_cap .* old_log_probs='sampler'"):
+        load("magistral_async", "algo.tis_cap=2.0,algo.old_log_probs='sampler'")
+    with pytest.raises(ValueError, match="routing_replay='R2' needs"):
+        load("grpo", "algo.routing_replay='R2',algo.old_log_probs='sampler'")
 
 
 def test_command_line_overrides_through_config_flags():

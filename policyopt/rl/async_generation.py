@@ -63,6 +63,7 @@ import contextlib
 import dataclasses
 import math
 import threading
+import time
 from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
@@ -477,13 +478,17 @@ class GeneratorExhausted(Exception):
 class AsyncGenerator:
     """Runs a `SlotGenerator` in a background thread, next to a trainer.
 
-    The thread loops: pick up the latest published parameters; refill free slot groups
-    while fewer than `n_async` completions are started and not yet taken; run one
-    segment; score the groups that finished (`score_fn`, at once) and queue them. It
-    never waits for the trainer while a group is in flight; with nothing in flight and
-    no budget left it waits for `take`. Errors in the thread are re-raised by `take` (and
-    by `close` when no `take` saw them); `close` (also on leaving a ``with`` block, on
-    error too) stops the thread between segments and joins it.
+    The generator thread loops: pick up the latest published parameters; refill free
+    slot groups while fewer than `n_async` completions are started and not yet taken; run
+    one segment; hand the groups that finished to the scoring thread. The scoring thread
+    scores them (`score_fn`) one group at a time, in finish order, and queues them for
+    `take`, so decoding never waits for a verifier (a slow verifier delays only the
+    groups behind it). The generator never waits for the trainer while a group is in
+    flight; with nothing in flight and no budget left it waits for `take`. Errors in
+    either thread are re-raised by `take` (and by `close` when no `take` saw them);
+    `close` (also on leaving a ``with`` block, on error too) stops the generator between
+    segments and the scorer between groups (the group being scored is finished first),
+    and joins both.
 
     Args:
       slots: the slot generator (its R rows are the generation slots).
@@ -491,8 +496,9 @@ class AsyncGenerator:
       params, version: the initial parameters and their version.
       rng: base key; segment i samples with ``fold_in(rng, i)``.
       n_async: most completions started and not yet taken (default R); a multiple of G.
-      score_fn: ``GroupCompletion -> GroupCompletion`` with rewards, run in the thread.
-      join_timeout_s: how long `close` waits for the thread.
+      score_fn: ``GroupCompletion -> GroupCompletion`` with rewards, run in the scoring
+        thread (None: groups are queued as they finish).
+      join_timeout_s: how long `close` waits for each thread.
     """
 
     def __init__(self, slots: SlotGenerator, prompts: Iterator[dict], params, version: int, *,
@@ -508,18 +514,26 @@ class AsyncGenerator:
         self.score_fn, self.join_timeout_s = score_fn, join_timeout_s
         self._cond = threading.Condition()
         self._params, self._version = params, int(version)
-        self._queue: collections.deque[GroupCompletion] = collections.deque()
+        self._queue: collections.deque[GroupCompletion] = collections.deque()  # for take()
+        self._to_score: collections.deque[GroupCompletion] = collections.deque()
         self._outstanding = 0  # completions started and not yet taken
-        self._stop = self._exhausted = False
+        self._stop = self._exhausted = self._generated_all = False
         self._error: BaseException | None = None
         self._error_seen = False
-        self.stats = collections.Counter()  # segments, groups_started, idle_waits
-        self._thread = threading.Thread(target=self._run, name="policyopt-async-generator", daemon=True)
+        # segments, groups_started, idle_waits, groups_scored, score_seconds
+        self.stats = collections.Counter()
+        self._thread = threading.Thread(target=self._run, args=(self._loop,),
+                                        name="policyopt-async-generator", daemon=True)
+        self._threads = [self._thread]
+        if score_fn is not None:
+            self._threads.append(threading.Thread(target=self._run, args=(self._score_loop,),
+                                                  name="policyopt-async-scorer", daemon=True))
 
     # -- trainer side --------------------------------------------------------------------
 
     def start(self) -> "AsyncGenerator":
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def publish(self, params, version: int) -> None:
@@ -541,7 +555,7 @@ class AsyncGenerator:
                     return completion
                 if self._exhausted:
                     raise GeneratorExhausted("the prompt source is exhausted")
-                if not self._thread.is_alive():
+                if not any(thread.is_alive() for thread in self._threads):
                     raise RuntimeError("the async generator thread is not running (call start())")
                 self._cond.wait(0.5)
 
@@ -556,15 +570,17 @@ class AsyncGenerator:
             return len(self._queue)
 
     def close(self) -> None:
-        """Stops the thread after its current segment and joins it."""
+        """Stops the generator after its current segment and the scorer after its current
+        group, and joins both."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._thread.is_alive() or self._thread.ident is not None:
-            self._thread.join(self.join_timeout_s)
-            if self._thread.is_alive():
-                raise RuntimeError(f"the async generator thread did not stop within "
-                                   f"{self.join_timeout_s} s")
+        for thread in self._threads:
+            if thread.ident is not None:
+                thread.join(self.join_timeout_s)
+                if thread.is_alive():
+                    raise RuntimeError(f"the async generator's thread {thread.name!r} did not "
+                                       f"stop within {self.join_timeout_s} s")
         with self._cond:
             self._raise_error()
 
@@ -586,13 +602,21 @@ class AsyncGenerator:
 
     # -- generator thread ------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, loop) -> None:
         try:
-            self._loop()
+            loop()
         except BaseException as error:  # re-raised in the trainer by take() / close()
             with self._cond:
-                self._error = error
+                if self._error is None:  # the first failure; the other thread stops
+                    self._error = error
+                self._stop = True
                 self._cond.notify_all()
+
+    def _finished(self, completion: GroupCompletion) -> None:
+        """A group is complete: to the scorer, or (without ``score_fn``) to `take`."""
+        with self._cond:
+            (self._queue if self.score_fn is None else self._to_score).append(completion)
+            self._cond.notify_all()
 
     def _loop(self) -> None:
         group = self.slots.config.group_size
@@ -621,7 +645,8 @@ class AsyncGenerator:
             if self.slots.num_active == 0:
                 with self._cond:
                     if source_done:
-                        self._exhausted = True
+                        self._generated_all = True  # the scorer (if any) ends the stream
+                        self._exhausted = self.score_fn is None
                         self._cond.notify_all()
                         return
                     # Nothing in flight and no budget: wait for the trainer to take some.
@@ -633,8 +658,24 @@ class AsyncGenerator:
             segment += 1
             self.stats["segments"] += 1
             for completion in finished:
-                if self.score_fn is not None:
-                    completion = self.score_fn(completion)
-                with self._cond:
-                    self._queue.append(completion)
+                self._finished(completion)
+
+    def _score_loop(self) -> None:
+        """Scores finished groups in finish order and queues them for `take`."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or self._to_score or self._generated_all)
+                if self._stop:
+                    return
+                if not self._to_score:  # generation is over and everything is scored
+                    self._exhausted = True
                     self._cond.notify_all()
+                    return
+                completion = self._to_score.popleft()
+            start = time.perf_counter()
+            completion = self.score_fn(completion)
+            with self._cond:
+                self._queue.append(completion)
+                self.stats["groups_scored"] += 1
+                self.stats["score_seconds"] += time.perf_counter() - start
+                self._cond.notify_all()

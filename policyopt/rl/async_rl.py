@@ -4,8 +4,9 @@ generation and training overlap.
     summary = run_async_rl(config, workdir)   # config.async_mode.enabled (configs/magistral_async.py)
 
 A generator thread (``policyopt.rl.async_generation.AsyncGenerator``) decodes prompts
-continuously in slot groups, scores every group as soon as it finishes and queues it; it
-never waits for the trainer while a group is in flight. The trainer (this thread) takes
+continuously in slot groups and hands every group over as soon as it finishes to a
+scoring thread, which scores it and queues it (so decoding never waits for a verifier);
+the generator never waits for the trainer while a group is in flight. The trainer (this thread) takes
 finished groups in finish order until the batch holds ``n_prompts`` groups
 (``n_batch = n_prompts * G`` completions; with dynamic sampling, zero-variance groups are
 dropped and counted as DAPO / Magistral do), then runs exactly the synchronous trainer's
@@ -60,7 +61,7 @@ from policyopt.rl import build
 from policyopt.rl.async_generation import (AsyncGenerator, GroupCompletion, SlotConfig,
                                            SlotGenerator, staleness_bound)
 from policyopt.rl.batch import (DYNAMIC_SAMPLING_CRITERIA, bucket, mask_fillers, merge_rounds,
-                                round_from_rollout, truncated_rows, uninformative_groups)
+                                round_from_rollout, trim_prompt, truncated_rows, uninformative_groups)
 from policyopt.rl.evaluate import decode
 from policyopt.rl.trainer import RLRun, RunLoop, _checkpoint_state, build_run, train_on_batch
 
@@ -240,7 +241,12 @@ class GroupBatcher:
 
 def assemble(groups: list[GroupCompletion], run: RLRun):
     """The training-layout Round of ``groups`` and their versions ``[R, N_b]`` (-1 past
-    each end), start and finish versions ``[R]``."""
+    each end), start and finish versions ``[R]``.
+
+    The slots hold every prompt at the widest prompt width of the run; each group is cut
+    to its own prompt bucket (only padding goes), so that the batch, like a synchronous
+    one, has the prompt bucket of its longest prompt. Built on the host (no device
+    round trip per group)."""
     cfg, group = run.config, run.config.batch.group_size
     num_new = cfg.sampling.max_new_tokens
     rounds = []
@@ -248,6 +254,9 @@ def assemble(groups: list[GroupCompletion], run: RLRun):
         width = min(bucket(int(g.lengths.max()), cfg.batch.response_buckets, name="response length"),
                     num_new)
         rnd = round_from_rollout(g.rollout(), g.rewards, g.correct, width)
+        prompt_width = min(bucket(int(np.max(g.prompt_lengths)), cfg.batch.prompt_buckets,
+                                  name="prompt length"), rnd.prompt_width)
+        rnd = trim_prompt(rnd, prompt_width)
         rnd = rnd._replace(mask=rnd.mask * g.sample_mask[:, None])  # see trainer.py
         rounds.append((rnd, np.zeros((1,), np.int64)))
     merged = merge_rounds(rounds, group, run.tokenizer.pad_id)
@@ -306,14 +315,18 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
         "async/queued": float(generator.queued),
         "async/segments": float(generator.stats["segments"]),
         "async/groups_started": float(generator.stats["groups_started"]),
+        # Seconds the scoring thread has spent in the verifiers (beside decoding).
+        "async/score_s": float(generator.stats["score_seconds"]),
     })
     metrics.update(staleness_metrics(version, versions, start_version, finish_version))
     _, key_shuffle = jax.random.split(jax.random.fold_in(run.rng, run.iteration))
     metrics = train_on_batch(run, merged, metrics, key_shuffle)
-    # The sampler's routing here comes from older (and mixed) parameter versions, so its
-    # disagreement with the trainer's measures staleness, not numerics: named for that.
-    stale = "routing/sampler_trainer_disagreement"
-    metrics = {(k.replace(stale, "routing/stale_sampler_disagreement") if k.startswith(stale) else k): v
+    # The sampler's routing and log-probs here come from older (and mixed) parameter
+    # versions, so their differences from the trainer's measure staleness, not numerics:
+    # named for that.
+    renamed = {"routing/sampler_trainer_disagreement": "routing/stale_sampler_disagreement",
+               "logprob/sampler_trainer_abs_diff": "logprob/stale_sampler_trainer_abs_diff"}
+    metrics = {next((k.replace(old, new) for old, new in renamed.items() if k.startswith(old)), k): v
                for k, v in metrics.items()}
     run.iteration += 1
     generator.publish(jax.tree.map(jnp.copy, run.state.params), run.iteration)

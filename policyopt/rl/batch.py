@@ -168,6 +168,21 @@ def round_from_rollout(rollout, rewards, correct, response_width: int) -> Round:
         correct=np.asarray(correct, bool), prompt_width=prompt_width)
 
 
+def trim_prompt(r: Round, prompt_width: int) -> Round:
+    """``r`` with its prompt part cut to the last ``prompt_width`` columns (prompts are
+    left-padded, so only padding goes: checked)."""
+    cut = r.prompt_width - prompt_width
+    if cut == 0:
+        return r
+    if cut < 0 or np.any(r.attention_mask[:, :cut]):
+        raise ValueError(f"cannot trim prompts of width {r.prompt_width} to {prompt_width}: "
+                         "real prompt tokens would be cut")
+    return r._replace(tokens=r.tokens[:, cut:], positions=r.positions[:, cut:],
+                      attention_mask=r.attention_mask[:, cut:],
+                      routing=None if r.routing is None else r.routing[:, :, cut:],
+                      prompt_width=prompt_width)
+
+
 def merge_rounds(selected: Sequence[tuple[Round, np.ndarray]], group_size: int, pad_id: int) -> Round:
     """Concatenates chosen groups of several rounds into one ``Round``.
 
