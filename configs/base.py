@@ -280,6 +280,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.language_bonus = False
     # Worker processes for scoring (0 = in-process; the synthetic task is fast).
     c.reward.num_workers = 0
+    # Your own correctness function in place of the math verifier, for rewards and for
+    # the evaluation's pass@1: "package.module:function", called as
+    # function(completion, reference) -> c in [0, 1] (`RewardSpec.verifier`); None: math.
+    c.reward.verifier = placeholder(str)
+    # Its per-sample time limit, in seconds.
+    c.reward.verifier_timeout_s = 5.0
 
     # ---- Optimiser (optax AdamW, warm-up then constant, global-norm clipping) --------------
     c.optim = ml_collections.ConfigDict()
@@ -513,7 +519,13 @@ def check(config: ml_collections.ConfigDict) -> None:
         missing = [f"task.{split}_file" for split in ("train", "test") if not t[f"{split}_file"]]
         if missing:
             raise ValueError(f"config.{missing[0]} is required with task.name='math_jsonl'")
-        if "{question}" not in t.prompt_template:
+        try:
+            probe = t.prompt_template.format(question="\0")
+        except (IndexError, KeyError, ValueError) as error:
+            raise ValueError(f"config.task.prompt_template={t.prompt_template!r} is not a format "
+                             f"string with only {{question}} ({error!r}); write literal braces "
+                             "twice, e.g. \\boxed{{}}") from None
+        if "\0" not in probe:
             raise ValueError(f"config.task.prompt_template must contain '{{question}}', got "
                              f"{t.prompt_template!r}")
     b = config.batch

@@ -333,7 +333,8 @@ class Rollout:
         tokens = xp.concatenate([self.prompt_tokens, self.tokens], axis=1)
         positions = xp.concatenate([prompt_positions, response_positions], axis=1)
         attention_mask = xp.concatenate([prompt_real, self.mask > 0], axis=1)
-        return tokens, positions.astype(xp.int32), attention_mask.astype(xp.int32)
+        return (tokens.astype(xp.int32), positions.astype(xp.int32),
+                attention_mask.astype(xp.int32))
 
 
 # --------------------------------------------------------------------------------------

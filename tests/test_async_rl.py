@@ -324,10 +324,10 @@ def test_slow_scoring_neither_stops_decoding_nor_delays_close():
                                n_async=N_ASYNC, score_fn=slow_score, join_timeout_s=5.0)
     with generator:
         generator.take()
-        time.sleep(0.5)
+        time.sleep(0.5)  # every started group (at most n_async / G = 4 in flight) finishes
         start = time.perf_counter()
     assert time.perf_counter() - start < 1.5 and not generator_threads()
-    assert generator.stats["groups_scored"] < 40
+    assert generator.stats["groups_scored"] < generator.stats["groups_started"]
 
 
 class _Boom(Exception):

@@ -189,6 +189,13 @@ def test_arithmetic_builder_round_trip(tmp_path):
     assert again.data_dir == builder.data_dir
     other = tfds_builders.build_arithmetic(tmp_path, task, seed=6, train_size=64, test_size=16)
     assert other.data_dir != builder.data_dir
+    # download=False only opens prepared data (what the other processes of a job do).
+    opened = tfds_builders.build_arithmetic(tmp_path, task, seed=5, train_size=64, test_size=16,
+                                            download=False)
+    assert opened.data_dir == builder.data_dir and len(opened.as_data_source("test")) == 16
+    with pytest.raises(FileNotFoundError, match="not prepared"):
+        tfds_builders.build_arithmetic(tmp_path, task, seed=7, train_size=64, test_size=16,
+                                       download=False)
 
     source = builder.as_data_source("train")
     kwargs = dict(batch_size=8, seed=1, tokenizer=TOKENIZER, include_solution=True)

@@ -457,6 +457,64 @@ def test_score_batch_serial_equals_parallel():
     assert parallel.metrics["deadline_missed"] == 0
 
 
+def test_custom_verifier_replaces_the_math_verifier():
+    """RewardSpec.verifier: the function's c goes through the usual composition (DAPO's
+    -1 / +1 here, half credit in between), with the format gate, its time limit, and
+    errors scored 0 and counted; the same in the workers as in this process."""
+    spec = RewardSpec(format_reward=False, incorrect_value=-1.0, verifier="tests.verifiers:last_word")
+    completions = ["so it is 42", "so it is 41", "", "\\boxed{42}"]
+    scores = score_batch(completions, ["42"] * 4, [4] * 4, spec)
+    np.testing.assert_array_equal(scores.rewards, [1.0, -1.0, -1.0, -1.0])
+    assert scores.status == ["correct", "incorrect", "incorrect", "incorrect"]
+    parallel = score_batch(completions, ["42"] * 4, [4] * 4, spec, num_workers=2)
+    np.testing.assert_array_equal(parallel.rewards, scores.rewards)
+    assert parallel.status == scores.status
+
+    half = RewardSpec(format_reward=False, incorrect_value=-1.0, verifier="tests.verifiers:half_credit")
+    np.testing.assert_array_equal(score_batch(["x"], ["y"], [1], half).rewards, [0.0])
+    gated = RewardSpec(verifier="tests.verifiers:always_correct")  # Magistral's format gate
+    scores = score_batch(["<think>a</think> \\boxed{1}", "no think"], ["1", "1"], [1, 1], gated)
+    np.testing.assert_allclose(scores.rewards, [1.0, 0.0])
+    assert scores.status == ["correct", "format"]
+
+    slow = RewardSpec(format_reward=False, verifier="tests.verifiers:sleeps", verifier_timeout_s=0.2)
+    start = time.perf_counter()
+    scores = score_batch(["x"], ["y"], [1], slow)
+    assert time.perf_counter() - start < 5 and scores.status == ["timeout"]
+    assert scores.metrics["verifier_timeouts"] == 1 and scores.rewards[0] == 0.0
+    # A verifier that fails on a sample scores c = 0; the format check still counts.
+    formatted = "<think>a</think> \\boxed{1}"
+    for name in ("says_yes", "raises"):
+        broken = RewardSpec(verifier=f"tests.verifiers:{name}")  # Magistral's format gate
+        scores = score_batch([formatted, "no think"], ["1", "2"], [1, 1], broken)
+        assert scores.status == ["verifier_error", "format"]
+        assert scores.metrics["verifier_errors"] == 1 and scores.metrics["format_failure_rate"] == 0.5
+        np.testing.assert_allclose(scores.rewards, [0.1, 0.0])
+        parallel = score_batch([formatted, "no think"], ["1", "2"], [1, 1], broken, num_workers=2)
+        assert parallel.status == scores.status and parallel.metrics["worker_errors"] == 0
+
+    for path, match in (("tests.verifiers", "package.module:function"),
+                        ("tests.no_such_module:f", "cannot import"),
+                        ("tests.verifiers:missing", "no function 'missing'"),
+                        ("tests.verifiers:not_a_function", "no function 'not_a_function'")):
+        with pytest.raises(ValueError, match=match):
+            RewardSpec(verifier=path)
+
+
+def test_a_verifier_the_workers_cannot_import_raises(tmp_path, monkeypatch):
+    """A verifier importable here but not in the (already running) scoring workers raises
+    from score_batch instead of scoring every sample 0 as a crash."""
+    start_workers(2)
+    (tmp_path / "late_verifier.py").write_text("def check(completion, reference):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = RewardSpec(format_reward=False, verifier="late_verifier:check")
+    assert score_batch(["x"], ["y"], [1], spec).status == ["correct"]  # in this process
+    with pytest.raises(ValueError, match="cannot import 'late_verifier'"):
+        score_batch(["x"] * 4, ["y"] * 4, [1] * 4, spec, num_workers=2)
+    # The pool is intact: the next batch scores.
+    assert score_batch(["x"], ["y"], [1], RewardSpec(), num_workers=2).status == ["format"]
+
+
 def test_score_batch_deadline_counts_missed_samples():
     completions, references = _mixed_batch(10)
     spec = RewardSpec()

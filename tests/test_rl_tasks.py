@@ -132,6 +132,8 @@ def test_overlong_prompts_raise_or_are_dropped(tmp_path):
     assert sorted(seen) == sorted(r["question"] for r in rows for _ in range(2))
     tokenizer = build.make_tokenizer(config)
     assert [r["prompt"] for r in build.eval_records(dropping, tokenizer)] == ["0+1", "1+1"]
+    with pytest.raises(ValueError, match="held-out record 0: prompt of"):
+        build.eval_records(config, tokenizer)  # "error": raises when the run is built
 
 
 def test_sft_refuses_records_without_a_worked_solution(tmp_path):
@@ -155,8 +157,16 @@ def test_config_checks_the_task_fields(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         build.task_records(config, "train")
     config.task.prompt_template = "no placeholder"
-    with pytest.raises(ValueError, match="prompt_template"):
+    with pytest.raises(ValueError, match="prompt_template must contain"):
         base.check(config)
+    config.task.prompt_template = "Solve {{question}}"  # doubled: a literal, no placeholder
+    with pytest.raises(ValueError, match="prompt_template must contain"):
+        base.check(config)
+    config.task.prompt_template = "{question} Put the answer in \\boxed{}."  # single braces
+    with pytest.raises(ValueError, match="write literal braces twice"):
+        base.check(config)
+    config.task.prompt_template = "{question} Put the answer in \\boxed{{}}."
+    base.check(config)
     config.task.name = "gsm8k"
     with pytest.raises(ValueError, match="task.name"):
         base.check(config)
@@ -193,3 +203,14 @@ def test_pretrained_model_and_tokenizer_train_on_a_jsonl_task(tmp_path):
     assert run.eval_records[0]["prompt"] == "What is 8+35? Put the final answer in \\boxed{}."
     assert summary["eval"]["eval/num_prompts"] == 4 and np.isfinite(summary["metrics"]["loss/loss"])
     assert int(run.state.step) == 1 and run.last_batch.tokens.shape[0] == 2 * 4
+
+
+def test_custom_verifier_judges_rewards_and_evaluation(tmp_path):
+    """config.reward.verifier replaces the math verifier in the training rewards and in
+    the held-out pass@1 (a verifier that accepts everything: accuracy 1 everywhere)."""
+    config = tiny("grpo", extra="train.num_iterations=1,reward.verifier='tests.verifiers:always_correct'")
+    assert build.reward_spec(config).verifier == build.correctness_spec(config).verifier
+    summary = trainer.run_rl(config, str(tmp_path), num_iterations=1, quiet=True)
+    assert summary["metrics"]["reward/accuracy"] == 1.0 and summary["eval"]["eval/pass@1"] == 1.0
+    with pytest.raises(ValueError, match="cannot import"):
+        build.reward_spec(tiny("grpo", extra="reward.verifier='no_such_module:f'"))

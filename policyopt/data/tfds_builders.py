@@ -172,12 +172,18 @@ class PolicyoptMathJsonl(_Builder):
 # Building
 
 
-def prepare(builder: tfds.core.DatasetBuilder, *, progress_bar: bool = False):
+def prepare(builder: tfds.core.DatasetBuilder, *, progress_bar: bool = False, download: bool = True):
     """`download_and_prepare` (a no-op when already prepared); returns the builder.
 
     tfds only has a process-wide switch for its progress bars; `progress_bar=False`
-    turns them off for the rest of the process.
+    turns them off for the rest of the process. With `download=False` the data must be
+    prepared already (e.g. by another process): `FileNotFoundError` otherwise.
     """
+    if not download:
+        if not builder.is_prepared():
+            raise FileNotFoundError(f"{builder.name} is not prepared in {builder.data_dir} (with "
+                                    "several processes, the directory must be shared by all)")
+        return builder
     tfds.display_progress_bar(progress_bar)
     builder.download_and_prepare()
     return builder
@@ -186,17 +192,20 @@ def prepare(builder: tfds.core.DatasetBuilder, *, progress_bar: bool = False):
 def build_arithmetic(data_dir: str | os.PathLike,
                      task: synthetic.ArithmeticConfig = synthetic.ArithmeticConfig(), *,
                      seed: int = 0, train_size: int = 10_000,
-                     test_size: int = 512) -> PolicyoptArithmetic:
-    """Prepares (or reuses) the synthetic task under `data_dir`; returns the builder."""
+                     test_size: int = 512, download: bool = True) -> PolicyoptArithmetic:
+    """Prepares (or reuses; with `download=False` only reuses) the synthetic task under
+    `data_dir`; returns the builder."""
     config = arithmetic_builder_config(task, seed=seed, train_size=train_size,
                                        test_size=test_size)
     return prepare(PolicyoptArithmetic(data_dir=os.fspath(data_dir), config=config,
-                                       file_format="array_record"))
+                                       file_format="array_record"), download=download)
 
 
 def build_math_jsonl(data_dir: str | os.PathLike, files: dict[str, str | os.PathLike],
-                     reader: jsonl.JsonlConfig = jsonl.JsonlConfig()) -> PolicyoptMathJsonl:
-    """Prepares (or reuses) local JSONL files under `data_dir`; returns the builder."""
+                     reader: jsonl.JsonlConfig = jsonl.JsonlConfig(), *,
+                     download: bool = True) -> PolicyoptMathJsonl:
+    """Prepares (or reuses; with `download=False` only reuses) local JSONL files under
+    `data_dir`; returns the builder."""
     config = math_jsonl_builder_config(files, reader)
     return prepare(PolicyoptMathJsonl(data_dir=os.fspath(data_dir), config=config,
-                                      file_format="array_record"))
+                                      file_format="array_record"), download=download)

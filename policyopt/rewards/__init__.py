@@ -8,6 +8,8 @@ Public API::
     overlong_penalty(length, max_len, cache_len, *, scale=1.0) -> float      # DAPO / Magistral
     languages_consistent(problem, reasoning, answer) -> bool                 # Magistral language bonus
     RewardSpec(...)                                                          # the reward recipe
+        # RewardSpec(verifier="package.module:function") puts your own correctness function
+        # (completion, reference) -> c in [0, 1] in place of the math / code verifier
     score_batch(completions, references, lengths, spec, *, prompts=None,
                 num_workers=0, deadline_s=None, truncated=None) -> BatchScores
         # unpacks as (rewards float32 [N], correct bool [N], metrics); also .sample_mask,

@@ -9,7 +9,7 @@ Reward of one sample (Magistral, arXiv 2506.10910, section 2.2.1; DAPO, arXiv 25
                           + overlong penalty + language_bonus * [languages agree]
 
 with c in [0, 1] the correctness (math: 0/1; code: 0/1, or the pass rate when
-``code_partial``). Magistral: format_value 0.1, correct_value 0.9, overlong "magistral",
+``code_partial``; a custom ``verifier``: what it returns). Magistral: format_value 0.1, correct_value 0.9, overlong "magistral",
 language_bonus 0.1. DAPO: format gate off, correct 1 / incorrect -1, overlong "dapo",
 overlong filtering on.
 
@@ -31,7 +31,10 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
+import functools
+import importlib
 import multiprocessing
+import numbers
 import os
 import sys
 import time
@@ -39,11 +42,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from absl import logging
 
 from policyopt.rewards import format as format_lib
 from policyopt.rewards import language as language_lib
 from policyopt.rewards import length as length_lib
 from policyopt.rewards import math as math_lib
+from policyopt.rewards import timelimit
 
 # The parent waits this long past the deadline for chunks that workers are finishing.
 _DEADLINE_GRACE_S = 0.5
@@ -76,6 +81,20 @@ class RewardSpec:
       code_timeout_s: per-test wall-clock limit of the code sandbox (Magistral: 4 s).
       code_memory_mb: per-test address-space limit (Magistral: 300 MB).
       code_partial: reward the pass rate instead of all-or-nothing (Magistral: off).
+      verifier: a correctness function of your own in place of the task's verifier, as
+        ``"package.module:function"`` (importable by the scoring workers too):
+        ``function(completion: str, reference) -> float | bool``, the correctness c in
+        [0, 1] of the whole completion (``<think>`` part included; see
+        ``policyopt.rewards.extract_boxed`` / ``answer_region``). The format gate (the
+        task's rule), length shaping and language bonus apply as with the built-in
+        verifiers. It runs under ``verifier_timeout_s`` (past it: a timeout, c = 0; in
+        a thread other than the main one the limit interrupts Python code but not a
+        blocking call such as ``time.sleep`` or I/O: score in worker processes,
+        ``num_workers``, if your verifier blocks). An exception or a value outside
+        [0, 1] scores c = 0 (the format check and shaping still count) with status
+        "verifier_error", counted in ``metrics["verifier_errors"]`` and logged once per
+        process. A path the scoring workers cannot import raises from ``score_batch``.
+      verifier_timeout_s: per-sample limit of ``verifier``.
     """
 
     task: str = "math"
@@ -95,6 +114,8 @@ class RewardSpec:
     code_timeout_s: float = 4.0
     code_memory_mb: int = 300
     code_partial: bool = False
+    verifier: str | None = None
+    verifier_timeout_s: float = 5.0
 
     def __post_init__(self):
         if self.task not in format_lib.TASKS:
@@ -115,11 +136,13 @@ class RewardSpec:
                 )
         if self.overlong_filter and self.max_len is None:
             raise ValueError("RewardSpec.overlong_filter=True needs max_len (the generation limit)")
-        if self.math_timeout_s <= 0 or self.code_timeout_s <= 0:
+        if self.math_timeout_s <= 0 or self.code_timeout_s <= 0 or self.verifier_timeout_s <= 0:
             raise ValueError(
                 f"RewardSpec timeouts must be > 0, got math_timeout_s={self.math_timeout_s}, "
-                f"code_timeout_s={self.code_timeout_s}"
+                f"code_timeout_s={self.code_timeout_s}, verifier_timeout_s={self.verifier_timeout_s}"
             )
+        if self.verifier is not None:
+            load_verifier(self.verifier)  # fails here, naming the path, not in a worker
 
     @property
     def penalty_scale(self) -> float:
@@ -137,7 +160,8 @@ class SampleScore:
       format_ok: passed the format check (always computed, gate or not).
       correctness: c in [0, 1].
       status: verifier outcome (``STATUSES``: "correct", "incorrect", "no_answer",
-        "rejected", "timeout", "format", "deadline", "error"; code: "no_code", "no_tests").
+        "rejected", "timeout", "format", "deadline", "error", "verifier_error"; code:
+        "no_code", "no_tests").
       language_ok: the language-consistency condition holds (False when not computed).
     """
 
@@ -148,6 +172,58 @@ class SampleScore:
 
 
 _MISSED = SampleScore(False, 0.0, "deadline")
+
+
+class VerifierImportError(ValueError):
+    """``RewardSpec.verifier`` names nothing importable (here, or in a scoring worker)."""
+
+
+@functools.lru_cache(maxsize=None)
+def load_verifier(path: str):
+    """The function named by ``"package.module:function"`` (``RewardSpec.verifier``)."""
+    module_name, sep, name = str(path).partition(":")
+    if not sep or not module_name or not name:
+        raise VerifierImportError(f"RewardSpec.verifier must be 'package.module:function', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise VerifierImportError(f"RewardSpec.verifier={path!r}: cannot import {module_name!r} "
+                                  f"({error}; in process {os.getpid()})") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise VerifierImportError(f"RewardSpec.verifier={path!r}: {module_name!r} has no function {name!r}")
+    return function
+
+
+_LOGGED_VERIFIER_ERRORS: set[str] = set()
+
+
+def _verifier_error(spec: RewardSpec, message: str) -> tuple[float, str]:
+    if spec.verifier not in _LOGGED_VERIFIER_ERRORS:  # once per verifier and process
+        _LOGGED_VERIFIER_ERRORS.add(spec.verifier)
+        logging.warning("verifier %s failed (scored 0; later failures are counted in "
+                        "verifier_errors, not logged): %s", spec.verifier, message)
+    return 0.0, "verifier_error"
+
+
+def _custom_correctness(completion: str, reference: Any, spec: RewardSpec,
+                        time_left_s: float | None) -> tuple[float, str]:
+    """``(c, status)`` from ``spec.verifier`` under its time limit; never raises for what
+    the verifier does with a sample (an unimportable verifier raises)."""
+    function = load_verifier(spec.verifier)
+    limit = spec.verifier_timeout_s if time_left_s is None else min(spec.verifier_timeout_s, time_left_s)
+    try:
+        with timelimit.time_limit(max(limit, 1e-3)):
+            value = function(completion, reference)
+    except timelimit.VerifierTimeout:
+        return 0.0, "timeout"
+    except Exception as error:  # noqa: BLE001 - the user's verifier failed on this sample
+        return _verifier_error(spec, repr(error))
+    if isinstance(value, (bool, np.bool_)):
+        value = float(value)
+    if not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
+        return _verifier_error(spec, f"returned {value!r}, not a number in [0, 1]")
+    return float(value), "correct" if value >= 1.0 else "incorrect"
 
 
 def _split_for_language(completion: str) -> tuple[str, str]:
@@ -179,7 +255,9 @@ def score_sample(
     is_formatted = format_lib.format_ok(completion, spec.task)
     if spec.format_reward and not is_formatted:
         return SampleScore(False, 0.0, "format")
-    if spec.task == "math":
+    if spec.verifier is not None:
+        correctness, status = _custom_correctness(completion, reference, spec, time_left_s)
+    elif spec.task == "math":
         timeout_s = spec.math_timeout_s if time_left_s is None else min(spec.math_timeout_s, time_left_s)
         verdict = math_lib.verify_math(completion, reference, timeout_s=max(timeout_s, 1e-3))
         correctness, status = verdict.score, verdict.status
@@ -208,6 +286,8 @@ def _score_chunk(
     items: list[tuple[str, Any, str | None]], spec: RewardSpec, deadline: float | None
 ) -> list[SampleScore]:
     """Scores items in order; once ``deadline`` (time.time()) has passed, the rest are missed."""
+    if spec.verifier is not None:
+        load_verifier(spec.verifier)  # an unimportable verifier raises (not: every sample "error")
     scores = []
     for completion, reference, prompt in items:
         time_left = None if deadline is None else deadline - time.time()
@@ -309,6 +389,8 @@ def _score_parallel(items, spec, deadline, num_workers) -> tuple[list[SampleScor
             try:
                 scores.extend(future.result())
                 continue
+            except VerifierImportError:
+                raise  # the workers cannot import RewardSpec.verifier: not a crash to score as 0
             except Exception:  # noqa: BLE001 - BrokenProcessPool (a worker died, e.g. OOM)
                 errors += len(chunk)
                 broken = True
@@ -368,7 +450,7 @@ def _process_count() -> int:
 #: Every ``SampleScore.status`` (math and code verifiers, the batch's own), by the code
 #: sent between processes; a status not listed travels as "error".
 STATUSES = ("correct", "incorrect", "no_answer", "rejected", "timeout", "format", "deadline",
-            "error", "no_code", "no_tests")
+            "error", "no_code", "no_tests", "verifier_error")
 
 
 def _score_across_processes(items, spec, deadline, num_workers) -> tuple[list[SampleScore], int]:
@@ -445,7 +527,7 @@ def score_batch(
     Returns:
       :class:`BatchScores`: ``(rewards float32 [N], correct bool [N], metrics)`` plus
       per-sample details. Metrics: reward_mean, accuracy, format_failure_rate,
-      verifier_timeouts, deadline_missed, worker_errors, length_penalty_mean,
+      verifier_timeouts, verifier_errors, deadline_missed, worker_errors, length_penalty_mean,
       truncated_fraction, language_consistent_rate, num_samples.
     """
     n = len(completions)
@@ -502,6 +584,7 @@ def score_batch(
         "accuracy": mean(correct),
         "format_failure_rate": mean(~format_ok & ~missed),
         "verifier_timeouts": float(sum(s == "timeout" for s in status)),
+        "verifier_errors": float(sum(s == "verifier_error" for s in status)),
         "deadline_missed": float(missed.sum()),
         "worker_errors": float(errors),
         "length_penalty_mean": mean(penalty),

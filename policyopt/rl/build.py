@@ -124,24 +124,35 @@ def _jsonl_records(path: str, reader: JsonlConfig, stamp: tuple) -> tuple:
 
 def _prepared_builder(config):
     """The task as tfds array_record files under ``task.tfds_dir`` (prepared once, by the
-    first process of a multi-process job while the others wait, then reused)."""
+    first process of a multi-process job while the others wait, then reused; the
+    directory must be one that every process sees, e.g. shared storage)."""
     from policyopt.data import tfds_builders  # imports tensorflow_datasets: only when used
 
     t = config.task
     if t.name == "arithmetic":
-        prepare = lambda: tfds_builders.build_arithmetic(
+        prepare = lambda download=True: tfds_builders.build_arithmetic(
             t.tfds_dir, task_config(config), seed=int(t.seed), train_size=int(t.num_train),
-            test_size=int(t.num_test))
+            test_size=int(t.num_test), download=download)
     else:
         files, reader = _jsonl_files(config), jsonl_reader(config)
-        prepare = lambda: tfds_builders.build_math_jsonl(t.tfds_dir, files, reader)
+        prepare = lambda download=True: tfds_builders.build_math_jsonl(t.tfds_dir, files, reader,
+                                                                       download=download)
     if jax.process_count() == 1:
         return prepare()
     from jax.experimental import multihost_utils
 
-    builder = prepare() if jax.process_index() == 0 else None
+    builder = error = None
+    if jax.process_index() == 0:
+        try:
+            builder = prepare()
+        except Exception as e:  # noqa: BLE001 - re-raised after the barrier, so no process waits forever
+            error = e
     multihost_utils.sync_global_devices("policyopt.task.tfds_prepare")
-    return builder if builder is not None else prepare()  # prepared: opens it
+    if error is not None:
+        raise error
+    if builder is None:
+        builder = prepare(download=False)  # opens what process 0 prepared
+    return builder
 
 
 def task_source(config, split: str) -> Sequence:
@@ -180,27 +191,35 @@ def task_records(config, split: str) -> list[dict]:
 def eval_records(config, tokenizer) -> list[dict]:
     """The held-out records evaluated: the first ``eval.num_prompts`` of the test split.
 
-    With ``task.overlong_prompt`` other than ``"error"``, held-out prompts longer than the
-    largest prompt bucket (chat template included) are left out (logged): a truncated
-    problem is not the problem. With ``"error"`` such a prompt raises when it is encoded.
+    Held-out prompts longer than the largest prompt bucket (chat template included) raise
+    here, naming the record, with ``task.overlong_prompt = "error"``; otherwise they are
+    left out (logged): a truncated problem is not the problem.
     """
     records = task_records(config, "test")
-    if config.task.overlong_prompt != "error":
-        limit = max(config.batch.prompt_buckets)
-        kept = [r for r in records if len(tokenizer.encode_prompt(r["prompt"])) <= limit]
-        if len(kept) < len(records):
-            logging.info("evaluation: %d of %d held-out prompts are longer than %d tokens and are "
-                         "left out", len(records) - len(kept), len(records), limit)
-        records = kept
-    return records[: config.eval.num_prompts]
+    limit, kept = max(config.batch.prompt_buckets), []
+    for index, record in enumerate(records):
+        if len(kept) == config.eval.num_prompts:
+            break
+        length = len(tokenizer.encode_prompt(record["prompt"]))
+        if length <= limit:
+            kept.append(record)
+        elif config.task.overlong_prompt == "error":
+            raise ValueError(f"held-out record {index}: prompt of {length} tokens, longer than the "
+                             f"largest of batch.prompt_buckets ({limit}) ({record['prompt'][:60]!r}...); "
+                             "set task.overlong_prompt to leave such prompts out")
+    if len(kept) < min(len(records), config.eval.num_prompts):
+        logging.info("evaluation: held-out prompts longer than %d tokens are left out; %d kept",
+                     limit, len(kept))
+    return kept
 
 
 def reward_spec(config) -> RewardSpec:
     """``RewardSpec`` from ``config.reward`` (length limits default to max_new_tokens).
 
     The task is math: the trainer's tasks (``task_source``: the synthetic arithmetic and
-    math JSONL files) are math problems with a reference answer. The code verifier
-    (``RewardSpec(task="code")``) is used through ``policyopt.rewards`` directly.
+    math JSONL files) are problems with a reference answer, checked by the math verifier
+    or by ``config.reward.verifier``. The code verifier (``RewardSpec(task="code")``) is
+    used through ``policyopt.rewards`` directly.
     """
     r = config.reward
     max_len = r.max_len or config.sampling.max_new_tokens
@@ -212,12 +231,17 @@ def reward_spec(config) -> RewardSpec:
         overlong=r.overlong, max_len=max_len if shaping else None,
         cache_len=cache_len if r.overlong != "none" else None,
         overlong_filter=bool(r.overlong_filter),
-        language_bonus=0.1 if r.language_bonus else 0.0)
+        language_bonus=0.1 if r.language_bonus else 0.0, verifier=r.verifier or None,
+        verifier_timeout_s=float(r.verifier_timeout_s))
 
 
-def correctness_spec() -> RewardSpec:
-    """Plain correctness (1 correct / 0 otherwise): the evaluation metric."""
-    return RewardSpec(task="math", format_reward=False)
+def correctness_spec(config=None) -> RewardSpec:
+    """Plain correctness (1 correct / 0 otherwise, no format gate or shaping): the
+    evaluation metric, with ``config.reward.verifier`` when there is one."""
+    if config is None:
+        return RewardSpec(task="math", format_reward=False)
+    return RewardSpec(task="math", format_reward=False, verifier=config.reward.verifier or None,
+                      verifier_timeout_s=float(config.reward.verifier_timeout_s))
 
 
 def init_params(config, model: nnx.Module, mesh: Mesh):

@@ -61,7 +61,8 @@ def complete(graphdef, params, prompts: Sequence[str], tokenizer, *, max_new_tok
 def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_tokens: int,
              batch_size: int = 256, prompt_buckets: Sequence[int] = (16, 32, 64, 128, 256, 512),
              k: int = 0, temperature: float = 1.0, rng: jax.Array | None = None,
-             decode_segments: int = 1) -> dict[str, float]:
+             decode_segments: int = 1, spec: RewardSpec | None = None,
+             num_workers: int = 0) -> dict[str, float]:
     """pass@1 (greedy) and, with ``k > 0``, mean@k / pass@k (sampled) on ``records``.
 
     Args:
@@ -74,6 +75,9 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
       k, temperature: mean@k sampling (k = 0 skips it).
       rng: key of the sampled evaluation.
       decode_segments: the sampler's decode loops (``SamplingConfig.decode_segments``).
+      spec: how correctness is judged (default: the math verifier, no format gate;
+        ``policyopt.rl.build.correctness_spec`` gives the run's, with its custom verifier).
+      num_workers: scoring worker processes (``score_batch``; 0: in this process).
 
     Returns:
       ``{"eval/pass@1", "eval/length_mean", "eval/num_prompts"}`` and, with k,
@@ -81,13 +85,14 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
     """
     prompts = [r["prompt"] for r in records]
     answers = [r["answer"] for r in records]
-    spec = RewardSpec(task="math", format_reward=False)
+    spec = RewardSpec(task="math", format_reward=False) if spec is None else spec
     rng = jax.random.PRNGKey(0) if rng is None else rng
     batch_size = min(batch_size, len(prompts))
     texts, lengths = complete(graphdef, params, prompts, tokenizer, max_new_tokens=max_new_tokens,
                               batch_size=batch_size, prompt_buckets=prompt_buckets, rng=rng,
                               decode_segments=decode_segments)
-    _, correct, _ = score_batch(texts, answers, lengths, spec, across_processes=True)
+    _, correct, _ = score_batch(texts, answers, lengths, spec, num_workers=num_workers,
+                                across_processes=True)
     metrics = {"eval/pass@1": float(np.mean(correct)), "eval/length_mean": float(np.mean(lengths)),
                "eval/num_prompts": float(len(prompts))}
     if k > 0:
@@ -96,7 +101,8 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
                                   rng=jax.random.fold_in(rng, 1), temperature=temperature,
                                   num_samples=k, decode_segments=decode_segments)
         references = [a for a in answers for _ in range(k)]
-        _, correct, _ = score_batch(texts, references, lengths, spec, across_processes=True)
+        _, correct, _ = score_batch(texts, references, lengths, spec, num_workers=num_workers,
+                                    across_processes=True)
         correct = np.asarray(correct).reshape(len(prompts), k)
         metrics[f"eval/mean@{k}"] = float(correct.mean())
         metrics[f"eval/pass@{k}"] = float(correct.any(axis=1).mean())

@@ -174,7 +174,8 @@ def evaluate_policy(config, graphdef, params, tokenizer, mesh) -> dict[str, floa
                         batch_size=config.eval.batch_size, prompt_buckets=tuple(config.batch.prompt_buckets),
                         k=config.eval.k, temperature=config.eval.temperature,
                         decode_segments=config.sampling.decode_segments,
-                        rng=jax.random.PRNGKey(config.seed + 1))
+                        rng=jax.random.PRNGKey(config.seed + 1), spec=build.correctness_spec(config),
+                        num_workers=config.reward.num_workers)
 
 
 def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: str | None = None,

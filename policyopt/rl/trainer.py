@@ -449,7 +449,8 @@ def evaluate_run(run: RLRun) -> dict[str, float]:
                         max_new_tokens=cfg.sampling.max_new_tokens, batch_size=cfg.eval.batch_size,
                         prompt_buckets=tuple(cfg.batch.prompt_buckets), k=cfg.eval.k,
                         temperature=cfg.eval.temperature, decode_segments=cfg.sampling.decode_segments,
-                        rng=jax.random.fold_in(run.rng, 10**9 + run.iteration))
+                        rng=jax.random.fold_in(run.rng, 10**9 + run.iteration),
+                        spec=build.correctness_spec(cfg), num_workers=cfg.reward.num_workers)
 
 
 def run_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bool = False) -> dict:
