@@ -286,6 +286,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.verifier = placeholder(str)
     # Its per-sample time limit, in seconds.
     c.reward.verifier_timeout_s = 5.0
+    # Wall-clock budget (s) for scoring one round of samples (synchronous) or one group
+    # (async); None: none. Samples not scored by then are left out of the loss, get the
+    # reward of a failed sample (which still counts in their group's statistics) and are
+    # counted in `reward/deadline_missed` (`score_batch`'s deadline_s).
+    c.reward.deadline_s = placeholder(float)
 
     # ---- Optimiser (optax AdamW, warm-up then constant, global-norm clipping) --------------
     c.optim = ml_collections.ConfigDict()
@@ -542,6 +547,9 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.sampling.decode_segments must be in [1, max_new_tokens={max_new}], "
                          f"got {config.sampling.decode_segments}")
     r = config.reward
+    for name in ("verifier_timeout_s", "deadline_s"):
+        if r[name] is not None and r[name] <= 0:
+            raise ValueError(f"config.reward.{name} must be > 0, got {r[name]}")
     if r.overlong != "none" and r.max_len is not None and r.max_len > max_new:
         raise ValueError(f"config.reward.max_len ({r.max_len}) must be <= sampling.max_new_tokens "
                          f"({max_new}) with reward.overlong={r.overlong!r}: responses stop at "

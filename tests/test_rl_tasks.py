@@ -214,3 +214,25 @@ def test_custom_verifier_judges_rewards_and_evaluation(tmp_path):
     assert summary["metrics"]["reward/accuracy"] == 1.0 and summary["eval"]["eval/pass@1"] == 1.0
     with pytest.raises(ValueError, match="cannot import"):
         build.reward_spec(tiny("grpo", extra="reward.verifier='no_such_module:f'"))
+
+
+def test_verifier_health_and_the_scoring_deadline_reach_the_metrics(tmp_path):
+    """A verifier that fails on every sample: reward/verifier_errors counts them all. A
+    verifier that blocks past a deadline of a
+    few milliseconds: the first sample times out (scored 0), the other 7 miss the deadline
+    and are left out of the loss."""
+    config = tiny("grpo", extra="train.num_iterations=1,eval.num_prompts=0,"
+                                "reward.verifier='tests.verifiers:raises'")
+    metrics = trainer.run_rl(config, str(tmp_path / "errors"), num_iterations=1, quiet=True)["metrics"]
+    assert metrics["reward/verifier_errors"] == 8 and 0 <= metrics["reward/format_failure_rate"] <= 1
+    assert metrics["reward/verifier_timeouts"] == 0 and metrics["reward/deadline_missed"] == 0
+    config = tiny("grpo", extra="train.num_iterations=1,eval.num_prompts=0,"
+                                "reward.verifier='tests.verifiers:sleeps',reward.verifier_timeout_s=0.2,"
+                                "reward.deadline_s=0.05")
+    summary = trainer.run_rl(config, str(tmp_path / "deadline"), num_iterations=1, quiet=True)
+    metrics = summary["metrics"]
+    assert metrics["reward/verifier_timeouts"] == 1 and metrics["reward/deadline_missed"] == 7
+    rows_in_loss = np.asarray(summary["run"].last_batch.mask).sum(axis=1) > 0
+    assert rows_in_loss.sum() == 1  # the timed-out sample was scored (c = 0); the rest missed
+    with pytest.raises(ValueError, match="deadline_s must be > 0"):
+        tiny("grpo", extra="reward.deadline_s=0.0")

@@ -49,6 +49,7 @@ def test_every_recipe_runs_a_few_iterations(recipe, model, tmp_path):
     metrics = summary["metrics"]
     assert summary["iteration"] == 2 and int(run.state.step) + int(run.state.skipped) == 2 - pretrain
     for key in ("reward/mean", "reward/accuracy", "response/length_mean", "loss/loss",
+                "reward/format_failure_rate", "reward/verifier_errors", "reward/deadline_missed",
                 "loss/clip_frac", "loss/gate_mean", "policy/entropy", "update/grad_norm",
                 "update/lr", "update/skipped", "time/generate_s", "time/update_s"):
         assert key in metrics and np.isfinite(metrics[key]), key

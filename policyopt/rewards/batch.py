@@ -402,6 +402,23 @@ def _score_parallel(items, spec, deadline, num_workers) -> tuple[list[SampleScor
     return scores, errors
 
 
+# score_batch metrics that count samples (summed over batches) and that are per-sample
+# means (averaged over batches, weighted by their samples): see `merge_metrics`.
+COUNT_METRICS = ("verifier_timeouts", "verifier_errors", "deadline_missed", "worker_errors")
+MEAN_METRICS = ("format_failure_rate", "length_penalty_mean", "truncated_fraction",
+                "language_consistent_rate")
+
+
+def merge_metrics(batches: Sequence[dict]) -> dict[str, float]:
+    """The verifier-health metrics of several ``score_batch`` calls as one batch's: counts
+    summed, rates averaged over all their samples."""
+    total = sum(m["num_samples"] for m in batches)
+    merged = {key: float(sum(m[key] for m in batches)) for key in COUNT_METRICS}
+    for key in MEAN_METRICS:
+        merged[key] = float(sum(m[key] * m["num_samples"] for m in batches) / total) if total else 0.0
+    return merged
+
+
 class BatchScores(tuple):
     """``(rewards, correct, metrics)``, with per-sample details as attributes.
 

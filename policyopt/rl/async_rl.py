@@ -63,7 +63,8 @@ from policyopt.rl.async_generation import (AsyncGenerator, GroupCompletion, Slot
 from policyopt.rl.batch import (DYNAMIC_SAMPLING_CRITERIA, bucket, mask_fillers, merge_rounds,
                                 round_from_rollout, trim_prompt, truncated_rows, uninformative_groups)
 from policyopt.rl.evaluate import decode
-from policyopt.rl.trainer import RLRun, RunLoop, _checkpoint_state, build_run, train_on_batch
+from policyopt.rl.trainer import (RLRun, RunLoop, _checkpoint_state, build_run, scoring_metrics,
+                                  train_on_batch)
 
 __all__ = ["AsyncConfig", "async_enabled", "PromptStream", "GroupBatcher", "make_scorer",
            "make_generator", "async_iteration", "run_async_rl"]
@@ -157,10 +158,12 @@ def make_scorer(run: RLRun):
                                    run.sampling_config.end_ids)
         scores = score_batch(texts, [completion.meta["answer"]] * group, completion.lengths,
                              run.reward_spec, prompts=[completion.meta["prompt"]] * group,
-                             num_workers=cfg.reward.num_workers, truncated=truncated)
+                             num_workers=cfg.reward.num_workers, truncated=truncated,
+                             deadline_s=cfg.reward.deadline_s)
         return completion._replace(rewards=np.asarray(scores.rewards, np.float32),
                                    correct=np.asarray(scores.correct, bool),
-                                   sample_mask=np.asarray(scores.sample_mask, np.float32))
+                                   sample_mask=np.asarray(scores.sample_mask, np.float32),
+                                   scoring=scores.metrics)
 
     return score
 
@@ -319,6 +322,8 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
         "async/score_s": float(generator.stats["score_seconds"]),
     })
     metrics.update(staleness_metrics(version, versions, start_version, finish_version))
+    if all(g.scoring is not None for g in groups):  # the batch's groups (not the dropped ones)
+        metrics.update(scoring_metrics([g.scoring for g in groups]))
     _, key_shuffle = jax.random.split(jax.random.fold_in(run.rng, run.iteration))
     metrics = train_on_batch(run, merged, metrics, key_shuffle)
     # The sampler's routing and log-probs here come from older (and mixed) parameter

@@ -59,7 +59,7 @@ from policyopt.checkpoint import Checkpointer
 from policyopt.data.pipeline import make_pipeline
 from policyopt.losses import truncated_importance_weights
 from policyopt.metrics import MetricsWriter, Progress
-from policyopt.rewards.batch import score_batch
+from policyopt.rewards.batch import merge_metrics, score_batch
 from policyopt.rl import build
 from policyopt.rl.batch import (Batch, DynamicSampler, bucket, minibatch_indices, round_from_rollout,
                                 shard_batch, take_rows, truncated_rows)
@@ -188,7 +188,7 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
                              max_rounds=cfg.dynamic_sampling.max_rounds if cfg.dynamic_sampling.enabled else 1,
                              criterion=cfg.dynamic_sampling.criterion)
     gen_time = score_time = 0.0
-    all_rewards, all_correct, all_lengths, all_truncated = [], [], [], []
+    all_rewards, all_correct, all_lengths, all_truncated, all_scoring = [], [], [], [], []
     done, round_index = False, 0
     while not done:
         prompts = next(run.data)
@@ -205,7 +205,7 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
         texts_prompts = [p for p in prompts["prompt"] for _ in range(group)]
         scores = score_batch(texts, references, lengths, run.reward_spec, prompts=texts_prompts,
                              num_workers=cfg.reward.num_workers, truncated=truncated,
-                             across_processes=True)
+                             deadline_s=cfg.reward.deadline_s, across_processes=True)
         t2 = time.perf_counter()
         gen_time, score_time = gen_time + t1 - t0, score_time + t2 - t1
         width = min(bucket(int(lengths.max()), cfg.batch.response_buckets, name="response length"),
@@ -213,6 +213,7 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
         rnd = round_from_rollout(rollout, scores.rewards, scores.correct, width)
         # 0 on samples to leave out of the loss (overlong filtering, scoring deadline).
         rnd = rnd._replace(mask=rnd.mask * np.asarray(scores.sample_mask)[:, None])
+        all_scoring.append(scores.metrics)
         all_rewards.append(scores.rewards)
         all_correct.append(scores.correct)
         all_lengths.append(lengths)
@@ -231,7 +232,17 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
         "response/truncated_fraction": float(np.mean(np.concatenate(all_truncated))),
         "time/generate_s": gen_time, "time/score_s": score_time,
     })
+    metrics.update(scoring_metrics(all_scoring))
     return merged, metrics
+
+
+def scoring_metrics(batches: list[dict]) -> dict[str, float]:
+    """``reward/*`` verifier-health metrics of the iteration's ``score_batch`` calls (every
+    sample scored, dynamic sampling's dropped groups included): format failures,
+    verifier timeouts and errors, missed deadlines, crashed workers (counts), mean length
+    penalty, language consistency."""
+    return {f"reward/{key}": value for key, value in merge_metrics(batches).items()
+            if key != "truncated_fraction"}  # reported as response/truncated_fraction
 
 
 def _chunked_log_probs(learner: Learner, params, tokens, positions, attention_mask, mask,
