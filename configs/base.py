@@ -94,13 +94,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.num_test = 512
     # Seed of the task generator (independent of `seed`).
     c.task.seed = 0
-    # Task "math_jsonl": one file per split, every row used (`JsonlConfig`): the problem
-    # is the first of `question_fields` present, the reference is extracted from the first
-    # of `answer_fields` present ("auto": last \boxed{}, else the text after
-    # `answer_marker`, else the whole field; "boxed", "marker", "none"), the SFT target
-    # is `solution_field` (None: "solution", else "answer"), and the prompt is
-    # `prompt_template` with `{question}` (a Python format string: write literal braces
-    # twice, `\\boxed{{}}`; the tokenizer's chat template is applied on top). Malformed rows raise with file:line unless `skip_malformed`.
+    # Task "math_jsonl": one file per split, every row used (`JsonlConfig`).
+    # - The problem is the first of `question_fields` present; a list of chat messages
+    #   gives its last user message. Dotted names reach into nested objects
+    #   ("reward_model.ground_truth"), in every field list.
+    # - The reference is extracted from the first of `answer_fields` present, per
+    #   `extract`: "auto" (last \boxed{}, else the text after `answer_marker`, else the
+    #   whole field), "boxed", "marker" or "none".
+    # - The SFT target is `solution_field` (None: "solution", else "answer").
+    # - The prompt is `prompt_template` with `{question}` (a Python format string: write
+    #   literal braces twice, `\\boxed{{}}`); the tokenizer's chat template goes on top.
+    # - Malformed rows raise with file:line unless `skip_malformed`.
     c.task.train_file = placeholder(str)
     c.task.test_file = placeholder(str)
     c.task.question_fields = "question,problem,prompt"

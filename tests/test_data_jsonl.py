@@ -58,6 +58,28 @@ def test_custom_fields_and_numbers(tmp_path):
     assert records == [{"prompt": "six times seven", "answer": "42", "solution": "6*7"}]
 
 
+def test_verl_style_rows_nested_fields_and_chat_prompts(tmp_path):
+    """A DAPO-Math-17k / verl row (a chat list as the prompt, the reference nested under
+    reward_model): the last user message is the problem, dotted names reach the answer."""
+    row = {"data_source": "math_dapo",
+           "prompt": [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Find x if 2x = 68."}],
+           "reward_model": {"style": "rule", "ground_truth": "34"},
+           "extra_info": {"index": 7, "solution": "x = 34"}}
+    no_user = dict(row, prompt=[{"role": "system", "content": "hi"}])
+    path = _write(tmp_path / "dapo.jsonl", [json.dumps(row), json.dumps(no_user)])
+    config = JsonlConfig(question_fields=("prompt",), answer_fields=("reward_model.ground_truth",),
+                         solution_field="extra_info.solution", extract="none", skip_malformed=True)
+    records, report = read_math_jsonl(path, config)
+    assert records == [{"prompt": "Find x if 2x = 68.", "answer": "34", "solution": "x = 34"}]
+    assert report.skipped == [f"{path}:2: question field 'prompt' is a list without a user "
+                              "message ({'role': 'user', 'content': ...})"]
+    missing = JsonlConfig(question_fields=("prompt",), answer_fields=("reward_model.answer",))
+    with pytest.raises(MalformedRowError, match="missing answer field: none of "
+                                                "\\['reward_model.answer'\\] present"):
+        read_math_jsonl(path, missing)
+
+
 def test_extract_rules():
     assert extract_reference("x \\boxed{2} #### 3", JsonlConfig()) == "2"
     assert extract_reference("x #### 3", JsonlConfig(extract="boxed")) is None

@@ -66,6 +66,12 @@ def last_boxed(text: str) -> str | None:
 class JsonlConfig:
     """How to read a math JSONL file.
 
+    Field names may be dotted paths into nested objects (verl-style rows:
+    ``"reward_model.ground_truth"``), and a question field may hold a list of chat
+    messages (``[{"role": "user", "content": ...}, ...]``, as in DAPO-Math-17k or
+    verl's parquet files exported with ``datasets``' ``to_json``): the content of its
+    last user message is the problem.
+
     Attributes:
       question_fields: candidate names of the problem field, the first present is used
         (GSM8K: "question"; MATH: "problem").
@@ -140,15 +146,46 @@ def extract_reference(text: str, config: JsonlConfig) -> str | None:
     return text.strip()
 
 
-def _text_field(row: dict, names: tuple[str, ...], what: str) -> tuple[str, str]:
-    """(field name, its text) of the first of `names` present; raises `ValueError`."""
+_MISSING = object()
+
+
+def _lookup(row: dict, name: str) -> Any:
+    """``row[name]``, following dots into nested objects (``_MISSING`` if absent)."""
+    value: Any = row
+    for part in name.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _last_user_message(messages: list) -> str | None:
+    """The content of the last ``{"role": "user", "content": str}`` of a chat, or None."""
+    for message in reversed(messages):
+        if (isinstance(message, dict) and message.get("role") == "user"
+                and isinstance(message.get("content"), str)):
+            return message["content"]
+    return None
+
+
+def _text_field(row: dict, names: tuple[str, ...], what: str, *,
+                chat: bool = False) -> tuple[str, str]:
+    """(field name, its text) of the first of `names` present (dotted paths allowed; with
+    `chat`, a list of chat messages gives its last user message); raises `ValueError`."""
     for name in names:
-        if name in row and row[name] is not None:
-            value = row[name]
-            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-                raise ValueError(f"{what} field {name!r} must be text or a number, got "
-                                 f"{type(value).__name__}")
-            return name, str(value)
+        value = _lookup(row, name)
+        if value is _MISSING or value is None:
+            continue
+        if chat and isinstance(value, list):
+            content = _last_user_message(value)
+            if content is None:
+                raise ValueError(f"{what} field {name!r} is a list without a user message "
+                                 "({'role': 'user', 'content': ...})")
+            return name, content
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ValueError(f"{what} field {name!r} must be text or a number, got "
+                             f"{type(value).__name__}")
+        return name, str(value)
     raise ValueError(f"missing {what} field: none of {list(names)} present "
                      f"(fields: {sorted(row)[:10]})")
 
@@ -161,7 +198,7 @@ def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
         raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
-    _, question = _text_field(row, config.question_fields, "question")
+    _, question = _text_field(row, config.question_fields, "question", chat=True)
     if not question.strip():
         raise ValueError("empty question")
     answer_name, answer_text = _text_field(row, config.answer_fields, "answer")
@@ -175,8 +212,8 @@ def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
                       else ("solution", "answer"))
     solution = ""
     for name in solution_names:
-        if isinstance(row.get(name), str):
-            solution = row[name]
+        if isinstance(_lookup(row, name), str):
+            solution = _lookup(row, name)
             break
     else:
         if config.solution_field is not None:
