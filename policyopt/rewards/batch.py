@@ -9,8 +9,8 @@ Reward of one sample (Magistral, arXiv 2506.10910, section 2.2.1; DAPO, arXiv 25
                           + overlong penalty + language_bonus * [languages agree]
 
 with c in [0, 1] the correctness (math: 0/1; code: 0/1, or the pass rate when
-``code_partial``; a custom ``verifier``: what it returns). Magistral: format_value 0.1, correct_value 0.9, overlong "magistral",
-language_bonus 0.1. DAPO: format gate off, correct 1 / incorrect -1, overlong "dapo",
+``code_partial``; a custom ``verifier``: what it returns). Magistral: format_value 0.1,
+correct_value 0.9, overlong "magistral", language_bonus 0.1. DAPO: format gate off, correct 1 / incorrect -1, overlong "dapo",
 overlong filtering on.
 
 Parallelism: samples are scored in chunks by a persistent pool of worker processes started

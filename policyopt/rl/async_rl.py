@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from policyopt.data.pipeline import make_pipeline
+from policyopt.data.pipeline import as_record
 from policyopt.rewards.batch import score_batch
 from policyopt.rl import build
 from policyopt.rl.async_generation import (AsyncGenerator, GroupCompletion, SlotConfig,
@@ -172,15 +172,19 @@ def widest_prompt(config) -> int:
     """The padded width of the longest training prompt: the largest prompt bucket that a
     batch of the prompt stream can have (the slots' prompt width is fixed for the run, so
     the width of the first batch would not do: a later batch in a larger bucket would not
-    fit). One tokenising pass over the training prompts, in the training pipeline's
-    settings."""
-    records = build.task_source(config, "train")
+    fit). One tokenising pass over the training prompts, with the training pipeline's
+    limit: prompts over the largest bucket are dropped (not counted) or truncated (to it)
+    per ``task.overlong_prompt``, and raise with "error"."""
+    tokenizer = build.make_tokenizer(config)
     buckets, policy = tuple(config.batch.prompt_buckets), config.task.overlong_prompt
-    pipeline = make_pipeline(records, batch_size=min(len(records), 1024), seed=0, shuffle=False,
-                             num_epochs=1, drop_remainder=False, tokenizer=build.make_tokenizer(config),
-                             length_buckets=buckets, overlong_prompt=policy,
-                             max_prompt_length=max(buckets))
-    return max(int(np.shape(batch["prompt_tokens"])[1]) for batch in pipeline)
+    limit = max(buckets)
+    longest = 0
+    for record in build.task_source(config, "train"):
+        length = len(tokenizer.encode_prompt(as_record(record)["prompt"]))
+        if length > limit and policy == "drop":
+            continue
+        longest = max(longest, min(length, limit) if policy.startswith("truncate") else length)
+    return bucket(longest, buckets, name="prompt length")
 
 
 def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
