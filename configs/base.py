@@ -116,9 +116,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.skip_malformed = False
     # Prompts longer than the largest `batch.prompt_buckets` (chat template included;
     # every prompt is tokenised once when the run is built): "error" (raise, naming the
-    # record), "drop", "truncate_left" or "truncate_right" (keep
-    # the text's end / start). Held-out prompts over the limit are left out of the
-    # evaluation unless "error".
+    # record), "drop", "truncate_left" or "truncate_right" (keep the text's end / start).
+    # Held-out prompts over the limit raise with "error", else are left out of the
+    # evaluation (a truncated problem is not the problem).
     c.task.overlong_prompt = "error"
     # A directory to write either task to as tfds array_record files
     # (`policyopt.data.tfds_builders`, prepared once, named by content) and read it back
