@@ -290,9 +290,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.verifier = placeholder(str)
     # Its per-sample time limit, in seconds.
     c.reward.verifier_timeout_s = 5.0
+    # Where the math answer is: "boxed" (the last \boxed{}) or "answer_line" (the last
+    # "Answer: ..." line, as DAPO-Math-17k's prompts ask); for the verifier, the format
+    # gate and the evaluation (with `verifier` set, for the format gate only).
+    c.reward.answer_format = "boxed"
     # Wall-clock budget (s) for scoring one round of samples (synchronous) or one group
-    # (async); None: none. Samples not scored by then are left out of the loss, get the
-    # reward of a failed sample (which still counts in their group's statistics) and are
+    # (async); None: none. Samples not scored by then are left out of the loss and of
+    # their group's statistics (mean, std, dynamic sampling's test; advantage 0), and are
     # counted in `reward/deadline_missed` (`score_batch`'s deadline_s).
     c.reward.deadline_s = placeholder(float)
 
@@ -508,6 +512,7 @@ _CHOICES = {
     "algo.routing_replay": ("none", "R2", "R3"),
     "algo.old_log_probs": ("trainer", "sampler"),
     "reward.overlong": ("none", "dapo", "magistral"),
+    "reward.answer_format": ("boxed", "answer_line"),
     "dynamic_sampling.criterion": ("reward", "accuracy"),
     "task.name": ("arithmetic", "math_jsonl"),
     "task.extract": ("auto", "boxed", "marker", "none"),

@@ -56,11 +56,12 @@ def _group_rewards(rewards: Array, group_size: int) -> Array:
     return rewards.astype(jnp.result_type(rewards, jnp.float32)).reshape(-1, group_size)
 
 
-def _unbiased_std(x: Array, axis) -> Array:
-    """Sample standard deviation (ddof 1); 0 when there is a single element."""
-    count = x.shape[axis] if axis is not None else x.size
-    mean = jnp.mean(x, axis=axis, keepdims=True)
-    return jnp.sqrt(jnp.sum(jnp.square(x - mean), axis=axis, keepdims=True) / max(count - 1, 1))
+def _unbiased_std(grouped: Array, valid: Array) -> Array:
+    """``[N / G, 1]`` sample standard deviation (ddof 1) of each group's valid rewards; 0
+    for a single one."""
+    count = jnp.sum(valid, axis=1, keepdims=True)
+    centred = jnp.where(valid, grouped - _masked_group_mean(grouped, valid), 0.0)
+    return jnp.sqrt(jnp.sum(jnp.square(centred), axis=1, keepdims=True) / jnp.maximum(count - 1, 1))
 
 
 def outcome_advantages(
@@ -70,6 +71,7 @@ def outcome_advantages(
     center: str = "group",
     scale: str = "group",
     eps: float = 1e-6,
+    valid: Array | None = None,
 ) -> Array:
     """Per-sequence advantages from scalar rewards laid out group after group.
 
@@ -93,6 +95,11 @@ def outcome_advantages(
       center: ``"group"`` or ``"none"``.
       scale: ``"group"``, ``"batch"`` or ``"none"``.
       eps: added to the std.
+      valid: optional ``[N]`` bool, False for samples whose reward is no verdict (e.g. a
+        sample that missed the scoring deadline got a stand-in reward). They are left out
+        of every statistic (group mean, group std, batch mean and std, the all-equal
+        test, which then needs two valid rewards to differ) and get advantage 0. None:
+        every sample is valid.
 
     Returns:
       ``[N]`` float32 advantages (broadcast them over each sequence's tokens).
@@ -102,26 +109,26 @@ def outcome_advantages(
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r} is not one of {SCALES}")
     grouped = _group_rewards(rewards, group_size)
+    valid = _group_valid(valid, grouped)
     if center == "group":
         # An all-equal group gets exact zeros. R - mean(R) alone does not give them: the
         # float32 mean of G copies of 0.9 is not 0.9 for most G, and the std scaling then
         # divides that rounding error by eps (measured: advantages up to 0.19 at G = 64).
-        equal = jnp.max(grouped, axis=1, keepdims=True) == jnp.min(grouped, axis=1, keepdims=True)
-        advantages = jnp.where(equal, 0.0, grouped - jnp.mean(grouped, axis=1, keepdims=True))
+        equal = _all_equal(grouped, valid)[:, None]
+        advantages = jnp.where(equal | ~valid, 0.0, grouped - _masked_group_mean(grouped, valid))
     else:
-        advantages = grouped
+        advantages = jnp.where(valid, grouped, 0.0)
     if scale == "group":
         if group_size < 2:
             raise ValueError("scale='group' needs group_size >= 2 (the std of one reward is undefined)")
-        advantages = advantages / (_unbiased_std(grouped, axis=1) + eps)
+        advantages = advantages / (_unbiased_std(grouped, valid) + eps)
     if scale == "batch":
         # Magistral drops zero-variance groups before the batch is formed: with group
         # centering their advantages are exactly 0, so they are left out of the batch
         # statistics here and keep their zeros (the same result as dropping them).
-        keep = jnp.ones_like(advantages, bool)
+        keep = valid
         if center == "group":
-            keep = jnp.broadcast_to(jnp.max(grouped, 1, keepdims=True) > jnp.min(grouped, 1, keepdims=True),
-                                    grouped.shape)
+            keep = keep & ~_all_equal(grouped, valid)[:, None]
         count = jnp.sum(keep)
         mean = jnp.sum(jnp.where(keep, advantages, 0)) / jnp.maximum(count, 1)
         var = jnp.sum(jnp.where(keep, jnp.square(advantages - mean), 0)) / jnp.maximum(count - 1, 1)
@@ -129,19 +136,44 @@ def outcome_advantages(
     return advantages.reshape(-1)
 
 
-def zero_variance_groups(rewards: Array, group_size: int) -> Array:
+def zero_variance_groups(rewards: Array, group_size: int, valid: Array | None = None) -> Array:
     """Which groups have all-equal rewards (for DAPO's dynamic sampling, Magistral's filter).
 
     Args:
       rewards: ``[N]`` rewards laid out group after group.
       group_size: G.
+      valid: optional ``[N]`` bool: only these rewards are compared (see
+        ``outcome_advantages``); a group with fewer than two valid rewards counts as
+        all-equal.
 
     Returns:
-      ``[N // G]`` bool, True where every reward of the group is exactly equal (their
-      advantages are zero and they carry no gradient).
+      ``[N // G]`` bool, True where every (valid) reward of the group is exactly equal
+      (their advantages are zero and they carry no gradient).
     """
     grouped = _group_rewards(rewards, group_size)
-    return jnp.max(grouped, axis=1) == jnp.min(grouped, axis=1)
+    return _all_equal(grouped, _group_valid(valid, grouped))
+
+
+def _group_valid(valid: Array | None, grouped: Array) -> Array:
+    """``valid`` as ``[N / G, G]`` bool (all True when None)."""
+    if valid is None:
+        return jnp.ones(grouped.shape, bool)
+    valid = jnp.asarray(valid)
+    if valid.shape != (grouped.size,):
+        raise ValueError(f"valid must be [N] = [{grouped.size}] like rewards, got shape {valid.shape}")
+    return valid.astype(bool).reshape(grouped.shape)
+
+
+def _all_equal(grouped: Array, valid: Array) -> Array:
+    """``[N / G]``: the group's valid rewards are all equal (or fewer than two)."""
+    high = jnp.max(jnp.where(valid, grouped, -jnp.inf), axis=1)
+    low = jnp.min(jnp.where(valid, grouped, jnp.inf), axis=1)
+    return (high <= low) | (jnp.sum(valid, axis=1) < 2)
+
+
+def _masked_group_mean(grouped: Array, valid: Array) -> Array:
+    count = jnp.maximum(jnp.sum(valid, axis=1, keepdims=True), 1)
+    return jnp.sum(jnp.where(valid, grouped, 0.0), axis=1, keepdims=True) / count
 
 
 def masked_whiten(x: Array, mask: Array, *, shift_mean: bool = True, eps: float = 1e-8) -> Array:

@@ -19,8 +19,10 @@ SHAPE = (12, 9)
 # ----------------------------------------------------------------------------------------
 
 
-def ref_outcome_advantages(rewards, group_size, center, scale, eps=1e-6):
-    """GRPO / Dr. GRPO / Magistral advantages with explicit loops (ddof-1 std + eps)."""
+def ref_outcome_advantages(rewards, group_size, center, scale, eps=1e-6, valid=None):
+    """GRPO / Dr. GRPO / Magistral advantages with explicit loops (ddof-1 std + eps).
+
+    ``valid``: samples left out of every statistic, with advantage 0 (None: all valid)."""
     def mean(xs):
         return sum(xs) / len(xs)
 
@@ -28,11 +30,15 @@ def ref_outcome_advantages(rewards, group_size, center, scale, eps=1e-6):
         m = mean(xs)
         return math.sqrt(sum((x - m) ** 2 for x in xs) / max(len(xs) - 1, 1))
 
+    valid = [True] * len(rewards) if valid is None else [bool(v) for v in valid]
     out = []
     for start in range(0, len(rewards), group_size):
-        group = [float(r) for r in rewards[start:start + group_size]]
-        for r in group:
-            a = r - mean(group) if center == "group" else r
+        group = [float(r) for r, v in zip(rewards[start:start + group_size], valid[start:start + group_size]) if v]
+        for r, v in zip(rewards[start:start + group_size], valid[start:start + group_size]):
+            if not v:
+                out.append(0.0)
+                continue
+            a = float(r) - mean(group) if center == "group" else float(r)
             if scale == "group":
                 a = a / (std(group) + eps)
             out.append(a)
@@ -40,8 +46,8 @@ def ref_outcome_advantages(rewards, group_size, center, scale, eps=1e-6):
         keep = []
         for k in range(len(rewards)):
             start = k // group_size * group_size
-            group = [float(r) for r in rewards[start:start + group_size]]
-            keep.append(center == "none" or max(group) > min(group))
+            group = [float(r) for r, v in zip(rewards[start:start + group_size], valid[start:start + group_size]) if v]
+            keep.append(valid[k] and (center == "none" or max(group) > min(group)))
         kept = [a for a, k in zip(out, keep) if k]
         m, s = mean(kept), std(kept)
         out = [(a - m) / (s + eps) if k else 0.0 for a, k in zip(out, keep)]
@@ -102,6 +108,44 @@ def test_outcome_advantages_hand_worked():
             got = np.asarray(adv.outcome_advantages(rewards, group_size, scale=scale))
             assert np.all(got[:group_size] == 0), (group_size, scale)
             assert np.any(got[group_size:] != 0)
+
+
+def test_outcome_advantages_leave_invalid_samples_out():
+    """Samples with valid=False (a stand-in reward: missed scoring deadline) count in no
+    statistic and get advantage 0; their rewards change nothing."""
+    rng = np.random.default_rng(3)
+    rewards = rng.normal(size=20).astype(np.float32)
+    rewards[8:12] = rng.integers(0, 2, size=4)
+    valid = np.ones(20, bool)
+    valid[[1, 6, 7, 10]] = False  # groups with 3, 2 and 3 valid samples
+    valid[13:16] = False  # a group with a single valid sample
+    valid[16:20] = False  # a group with none
+    for center, scale in OUTCOME_OPTIONS:
+        got = np.asarray(adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid))
+        expected = ref_outcome_advantages(rewards, 4, center, scale, valid=valid)
+        assert np.all(got[~valid] == 0), f"{center} {scale}"
+        # (center "none", scale "group": the lone valid sample gets r / (0 + eps), ~1e6,
+        # so a relative tolerance only.)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=0 if (center, scale) == ("none", "group") else 1e-6,
+                                   err_msg=f"{center} {scale}")
+        changed = np.where(valid, rewards, 100.0).astype(np.float32)
+        np.testing.assert_array_equal(
+            adv.outcome_advantages(changed, 4, center=center, scale=scale, valid=valid),
+            adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid))
+        # All valid: the same numbers as no mask at all.
+        np.testing.assert_array_equal(
+            adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=np.ones(20, bool)),
+            adv.outcome_advantages(rewards, 4, center=center, scale=scale))
+    # Hand-worked: [1, 0, (missed), 0] -> mean 1/3, std sqrt(1/3) over the three.
+    got = adv.outcome_advantages(np.array([1, 0, 0, 0], np.float32), 4, valid=np.array([1, 1, 0, 1], bool))
+    np.testing.assert_allclose(got, [(2 / 3) / math.sqrt(1 / 3), -(1 / 3) / math.sqrt(1 / 3), 0,
+                                     -(1 / 3) / math.sqrt(1 / 3)], rtol=1e-5)
+    # Zero variance among the valid ones (a missed sample's reward differs): uninformative.
+    np.testing.assert_array_equal(
+        adv.zero_variance_groups(np.array([1, 1, 0, 1, 0, 1, 5, 5], np.float32), 4,
+                                 valid=np.array([1, 1, 0, 1, 1, 0, 0, 0], bool)), [True, True])
+    with pytest.raises(ValueError, match="valid"):
+        adv.outcome_advantages(rewards, 4, valid=valid[:8])
 
 
 def test_outcome_advantages_errors():

@@ -524,7 +524,7 @@ def test_config_fields_and_errors():
 
 
 def test_group_batcher_drops_by_criterion_and_reports_the_fillers():
-    def group(rewards, correct):
+    def group(rewards, correct, scored=None):
         g = len(rewards)
         return GroupCompletion(
             tokens=np.zeros((g, 2), np.int32), mask=np.ones((g, 2), np.float32),
@@ -532,7 +532,7 @@ def test_group_batcher_drops_by_criterion_and_reports_the_fillers():
             lengths=np.full(g, 2, np.int32), prompt_tokens=np.zeros((g, 1), np.int32),
             prompt_lengths=np.ones(g, np.int32), routing=None, versions=np.zeros((g, 2), np.int32),
             start_version=0, finish_version=0, meta={}, rewards=np.asarray(rewards, np.float32),
-            correct=np.asarray(correct, bool))
+            correct=np.asarray(correct, bool), scored=scored)
 
     all_correct = group([1.0, 0.5], [True, True])  # unequal rewards (length penalty)
     mixed = group([1.0, -1.0], [True, False])
@@ -547,3 +547,10 @@ def test_group_batcher_drops_by_criterion_and_reports_the_fillers():
     assert metrics["dynamic_sampling/kept_fraction"] == 1 / 3
     with pytest.raises(ValueError, match="criterion"):
         GroupBatcher(2, 2, enabled=True, max_groups=4, criterion="std")
+    # A sample that missed the scoring deadline makes no group informative.
+    half_missed = group([1.0, -1.0], [True, False], scored=np.array([True, False]))
+    for criterion in ("reward", "accuracy"):
+        batcher = GroupBatcher(1, 2, enabled=True, max_groups=2, criterion=criterion)
+        assert not batcher.add(half_missed) and batcher.add(mixed)
+        kept, _ = batcher.batch()
+        assert len(kept) == 1 and kept[0] is mixed

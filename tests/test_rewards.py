@@ -14,6 +14,7 @@ import pytest
 from policyopt.rewards import (
     RewardSpec,
     VerifierTimeout,
+    extract_answer_line,
     extract_boxed,
     format_ok,
     identify_language,
@@ -177,6 +178,59 @@ def test_extract_boxed():
     assert extract_boxed(r"\boxed {5}") == "5"
 
 
+# DAPO-Math-17k's prompts end "The last line of your response should be of the form
+# Answer: $Answer (without quotes) where $Answer is the answer to the problem."
+ANSWER_LINE_CASES = [
+    ("Some work.\nAnswer: 34", "34"),
+    ("Answer: $\\frac{1}{2}$.", "\\frac{1}{2}"),  # dollars and a full stop go
+    ("Answer: 3.5.", "3.5"),
+    ("Answer: \\boxed{7}", "7"),  # a box on the line gives its content
+    ("answer: 1\nFINAL ANSWER: 2", "2"),  # the last line, any case (verl's (?i) pattern)
+    ("The answer:\n 42", "42"),  # verl's \s* crosses a line break
+    ("Answer: x = 3\nThanks", "x = 3"),
+    ("Answer: 1\nAnswer: .", None),  # the last line counts, even when it is empty
+    ("the answer is 5", None),
+    ("\\boxed{5}", None),
+    ("", None),
+]
+
+
+@pytest.mark.parametrize("text, expected", ANSWER_LINE_CASES)
+def test_extract_answer_line(text, expected):
+    assert extract_answer_line(text) == expected
+
+
+@pytest.mark.parametrize(
+    "completion, reference, expected",
+    [
+        ("Work...\nAnswer: 34", "34", 1.0),
+        ("Answer: 0.5", "\\frac{1}{2}", 1.0),  # math-verify, where verl's string match says no
+        ("Answer: x = 3", "3", 1.0),  # verl keeps what follows the last "=": the same verdict
+        ("Answer: 35", "34", 0.0),
+        ("\\boxed{34}", "34", 0.0),  # a box alone is not an answer line
+        ("<think>Answer: 34</think>\nAnswer: 35", "34", 0.0),  # the reasoning is not graded
+        ("<think>Answer: 35</think>\nAnswer: 34", "34", 1.0),
+    ],
+)
+def test_math_correctness_answer_line(completion, reference, expected):
+    assert math_correctness(completion, reference, answer_format="answer_line") == expected
+    verdict = verify_math(completion, reference, answer_format="answer_line")
+    assert verdict.score == expected
+    if extract_answer_line(completion.rsplit("</think>", 1)[-1]) is None:
+        assert verdict.status == "no_answer"
+    # The default format reads boxes only.
+    assert math_correctness(completion, reference) == (1.0 if "\\boxed{34}" in completion else 0.0)
+
+
+def test_unknown_answer_format_is_refused():
+    with pytest.raises(ValueError, match="answer_format"):
+        verify_math("Answer: 1", "1", answer_format="last_line")
+    with pytest.raises(ValueError, match="answer_format"):
+        format_ok("<think></think>Answer: 1", "math", "last_line")
+    with pytest.raises(ValueError, match="answer_format"):
+        RewardSpec(answer_format="last_line")
+
+
 def test_time_limit_interrupts_main_thread_and_restores_handler():
     previous = signal.getsignal(signal.SIGALRM)
     start = time.perf_counter()
@@ -270,6 +324,19 @@ FORMAT_CASES = [
 @pytest.mark.parametrize("completion, task, expected", FORMAT_CASES)
 def test_format_ok(completion, task, expected):
     assert format_ok(completion, task) is expected
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("<think>reason</think>\nAnswer: 1", True),
+        ("<think>reason</think> \\boxed{1}", False),
+        ("<think>reason\nAnswer: 1</think> so 1", False),
+        ("Answer: 1", False),
+    ],
+)
+def test_format_ok_answer_line(completion, expected):
+    assert format_ok(completion, "math", "answer_line") is expected
 
 
 def test_format_rejects_unknown_task():
@@ -423,6 +490,20 @@ def test_score_batch_dapo_rewards_and_overlong_filter():
     assert explicit.sample_mask.tolist() == [1.0, 1.0, 1.0, 1.0, 0.0]
 
 
+def test_score_batch_answer_line_dapo_and_magistral_recipes():
+    # DAPO on DAPO-Math-17k: +1 / -1 from the "Answer:" line, no format gate.
+    dapo = RewardSpec(format_reward=False, incorrect_value=-1.0, answer_format="answer_line")
+    completions = ["so\nAnswer: 3", "Answer: 4", "\\boxed{3}", "<think>x</think>\nAnswer: 3"]
+    rewards, correct, _ = score_batch(completions, ["3"] * 4, [5] * 4, dapo)
+    np.testing.assert_allclose(rewards, [1.0, -1.0, -1.0, 1.0])
+    assert correct.tolist() == [True, False, False, True]
+    # Magistral's gate with answer lines: <think>...</think> then an "Answer:" line.
+    gated = RewardSpec(answer_format="answer_line")
+    rewards, correct, metrics = score_batch(completions, ["3"] * 4, [5] * 4, gated)
+    np.testing.assert_allclose(rewards, [0.0, 0.0, 0.0, 1.0])
+    assert metrics["format_failure_rate"] == pytest.approx(0.75)
+
+
 def test_score_batch_checks_lengths_match():
     with pytest.raises(ValueError, match="references"):
         score_batch(["a", "b"], ["1"], [1, 2], RewardSpec())
@@ -522,6 +603,7 @@ def test_score_batch_deadline_counts_missed_samples():
     rewards, correct, metrics = result
     assert metrics["deadline_missed"] == 10
     assert not rewards.any() and not correct.any() and not result.sample_mask.any()
+    assert not result.scored.any()  # stand-in rewards, for no group statistic
     # DAPO's recipe (wrong = -1, overlong penalty): a missed sample gets -1 without penalty,
     # not 0 (which would rank it above its group's wrong answers), and leaves the loss.
     dapo = RewardSpec(format_reward=False, incorrect_value=-1.0, overlong="dapo", max_len=8,
@@ -531,7 +613,7 @@ def test_score_batch_deadline_counts_missed_samples():
     np.testing.assert_array_equal(missed.sample_mask, np.zeros(10, np.float32))
     assert not missed.correct.any() and missed.metrics["length_penalty_mean"] == 0.0
     scored = score_batch(completions, references, [8] * 10, dapo)
-    assert scored.metrics["deadline_missed"] == 0 and scored.sample_mask.all()
+    assert scored.metrics["deadline_missed"] == 0 and scored.sample_mask.all() and scored.scored.all()
     assert scored.rewards.min() == -2.0  # wrong and at L_max: -1 - 1
 
 

@@ -154,6 +154,33 @@ def test_dynamic_sampling_criteria_reward_spread_or_accuracy():
     assert metrics["dynamic_sampling/kept_fraction"] == 1 / 1 and metrics["dynamic_sampling/shortfall"] == 0
 
 
+def test_dynamic_sampling_compares_scored_samples_only():
+    """A missed sample's stand-in reward (``scored`` False) says nothing: a group is
+    informative only through its scored samples, and needs two of them."""
+    rewards = np.array([1, 1, 0, 1, 1, 0, 0, 0, 1, 0, 1, 1], np.float32)  # G = 3
+    correct = rewards > 0
+    scored = np.array([1, 1, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1], bool)
+    for criterion in ("reward", "accuracy"):
+        # Group 0: scored [1, 1] (the 0 was missed); group 2: one scored sample (the 1
+        # that makes it informative was missed).
+        np.testing.assert_array_equal(B.uninformative_groups(rewards, correct, 3, criterion, scored=scored),
+                                      [True, False, True, False], err_msg=criterion)
+        np.testing.assert_array_equal(B.uninformative_groups(rewards, correct, 3, criterion),
+                                      [False, False, False, False], err_msg=criterion)
+    sampler = B.DynamicSampler(n_prompts=4, group_size=3, enabled=True, max_rounds=1)
+    assert sampler.add(_round(rewards)._replace(scored=scored))
+    merged, metrics = sampler.batch(pad_id=0)
+    # Kept: groups 1 and 3, then the dropped groups 0 and 2 as fillers, each row with its flag.
+    assert metrics["dynamic_sampling/shortfall"] == 2 and metrics["dynamic_sampling/kept_fraction"] == 2 / 4
+    rows = [3, 4, 5, 9, 10, 11, 0, 1, 2, 6, 7, 8]
+    np.testing.assert_array_equal(merged.rewards, rewards[rows])
+    np.testing.assert_array_equal(merged.scored, scored[rows])
+    disabled = B.DynamicSampler(n_prompts=4, group_size=3, enabled=False, max_rounds=1)
+    disabled.add(_round(rewards)._replace(scored=scored))
+    np.testing.assert_array_equal(disabled.batch(pad_id=0)[0].scored, scored)
+    assert _round(rewards).scored is None and _round(rewards).scored_rows().all()
+
+
 def test_truncated_rows_end_tokens_at_the_limit_are_complete():
     tokens = np.array([[5, 6, 2], [5, 6, 7], [5, 2, 0], [5, 6, 9]])
     lengths = np.array([3, 3, 2, 3])

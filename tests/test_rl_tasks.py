@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from configs import base
+from policyopt.rewards import score_batch
 from policyopt.rl import build, trainer
 from policyopt.rl.sft import make_sft_iterator
 from tests.test_rl_trainer import tiny
@@ -216,6 +217,19 @@ def test_custom_verifier_judges_rewards_and_evaluation(tmp_path):
         build.reward_spec(tiny("grpo", extra="reward.verifier='no_such_module:f'"))
 
 
+def test_answer_format_reaches_rewards_and_evaluation():
+    """reward.answer_format=answer_line (DAPO-Math-17k): the training reward and the
+    held-out pass@1 both read the last "Answer:" line."""
+    config = tiny("grpo", extra="reward.answer_format='answer_line'")
+    for spec in (build.reward_spec(config), build.correctness_spec(config)):
+        assert spec.answer_format == "answer_line"
+        scores = score_batch(["Work\nAnswer: 7", "\\boxed{7}"], ["7", "7"], [3, 3], spec)
+        assert scores.correct.tolist() == [True, False]
+    assert build.correctness_spec(tiny("grpo")).answer_format == "boxed"
+    with pytest.raises(ValueError, match="reward.answer_format"):
+        tiny("grpo", extra="reward.answer_format='last_line'")
+
+
 def test_verifier_health_and_the_scoring_deadline_reach_the_metrics(tmp_path):
     """A verifier that fails on every sample: reward/verifier_errors counts them all. A
     verifier that blocks past a deadline of a
@@ -236,3 +250,27 @@ def test_verifier_health_and_the_scoring_deadline_reach_the_metrics(tmp_path):
     assert rows_in_loss.sum() == 1  # the timed-out sample was scored (c = 0); the rest missed
     with pytest.raises(ValueError, match="deadline_s must be > 0"):
         tiny("grpo", extra="reward.deadline_s=0.0")
+
+
+def test_missed_samples_count_in_no_group_statistic(tmp_path):
+    """A sample that missed the scoring deadline has a stand-in reward: it is left out of
+    its group's mean and std and gets advantage 0. Scored in order: 1 (correct), 0, a
+    timeout at the deadline (0, scored), then five misses; so group 0 is [1, 0, 0, missed]
+    and group 1 all missed."""
+    from tests import verifiers
+
+    verifiers.CALLS[0] = 0
+    config = tiny("grpo", extra="train.num_iterations=1,eval.num_prompts=0,"
+                                "reward.verifier='tests.verifiers:right_wrong_then_blocks',"
+                                "reward.verifier_timeout_s=10.0,reward.deadline_s=0.5")
+    summary = trainer.run_rl(config, str(tmp_path), num_iterations=1, quiet=True)
+    metrics, run = summary["metrics"], summary["run"]
+    assert metrics["reward/verifier_timeouts"] == 1 and metrics["reward/deadline_missed"] == 5
+    assert run.last_round.scored.tolist() == [True] * 3 + [False] * 5
+    # Group [1, 0, 0]: mean 1/3, unbiased std sqrt(1/3); counting the missed sample's
+    # stand-in reward (0) would give mean 1/4 and a non-zero advantage for it.
+    std = np.sqrt(1 / 3) + config.algo.adv_eps
+    np.testing.assert_allclose(np.asarray(run.last_batch.advantages),
+                               [(2 / 3) / std, -(1 / 3) / std, -(1 / 3) / std] + [0.0] * 5, rtol=1e-5)
+    rows_in_loss = np.asarray(run.last_batch.mask).sum(axis=1) > 0
+    assert rows_in_loss[3:].sum() == 0

@@ -23,6 +23,21 @@ def sleeps(completion, reference):
     return 1.0
 
 
+# Calls of `right_wrong_then_blocks` in this process (a test resets it).
+CALLS = [0]
+
+
+def right_wrong_then_blocks(completion, reference):
+    """1, then 0, then blocks: under a scoring deadline shorter than the time limit, the
+    third sample times out at the deadline and every later one misses it (serial scoring,
+    in order)."""
+    CALLS[0] += 1
+    if CALLS[0] <= 2:
+        return 1.0 if CALLS[0] == 1 else 0.0
+    time.sleep(30)
+    return 1.0
+
+
 def says_yes(completion, reference):
     return "yes"
 

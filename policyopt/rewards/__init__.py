@@ -2,9 +2,10 @@
 
 Public API::
 
-    math_correctness(completion, reference, *, timeout_s=5.0) -> float       # 1.0 / 0.0
+    math_correctness(completion, reference, *, timeout_s=5.0, answer_format="boxed") -> float
+        # 1.0 / 0.0; the answer: "boxed" (last \\boxed{}) or "answer_line" (last "Answer: ...")
     code_correctness(completion, tests, *, timeout_s=4.0, memory_mb=300, partial=False) -> float
-    format_ok(completion, task) -> bool                                      # Magistral format gate
+    format_ok(completion, task, answer_format="boxed") -> bool               # Magistral format gate
     overlong_penalty(length, max_len, cache_len, *, scale=1.0) -> float      # DAPO / Magistral
     languages_consistent(problem, reasoning, answer) -> bool                 # Magistral language bonus
     RewardSpec(...)                                                          # the reward recipe
@@ -31,7 +32,14 @@ from policyopt.rewards.code import CodeResult, SandboxResult, code_correctness, 
 from policyopt.rewards.format import first_code_block, format_ok, split_think
 from policyopt.rewards.language import identify_language, languages_consistent, strip_latex_and_code
 from policyopt.rewards.length import overlong_penalties, overlong_penalty, truncated
-from policyopt.rewards.math import MathVerdict, answer_region, extract_boxed, math_correctness, verify_math
+from policyopt.rewards.math import (
+    MathVerdict,
+    answer_region,
+    extract_answer_line,
+    extract_boxed,
+    math_correctness,
+    verify_math,
+)
 from policyopt.rewards.timelimit import VerifierTimeout, time_limit
 
 __all__ = [
@@ -44,6 +52,7 @@ __all__ = [
     "VerifierTimeout",
     "answer_region",
     "code_correctness",
+    "extract_answer_line",
     "extract_boxed",
     "first_code_block",
     "format_ok",

@@ -95,6 +95,9 @@ class RewardSpec:
         "verifier_error", counted in ``metrics["verifier_errors"]`` and logged once per
         process. A path the scoring workers cannot import raises from ``score_batch``.
       verifier_timeout_s: per-sample limit of ``verifier``.
+      answer_format: math: where the answer is, ``"boxed"`` (the last ``\\boxed{}``) or
+        ``"answer_line"`` (the last ``Answer: ...`` line, DAPO-Math-17k's format), for
+        the verifier and the format gate; with ``verifier`` set, only for the gate.
     """
 
     task: str = "math"
@@ -116,10 +119,15 @@ class RewardSpec:
     code_partial: bool = False
     verifier: str | None = None
     verifier_timeout_s: float = 5.0
+    answer_format: str = "boxed"
 
     def __post_init__(self):
         if self.task not in format_lib.TASKS:
             raise ValueError(f"RewardSpec.task must be one of {format_lib.TASKS}, got {self.task!r}")
+        if self.answer_format not in math_lib.ANSWER_FORMATS:
+            raise ValueError(
+                f"RewardSpec.answer_format must be one of {math_lib.ANSWER_FORMATS}, got {self.answer_format!r}"
+            )
         if self.overlong not in length_lib.OVERLONG_MODES:
             raise ValueError(
                 f"RewardSpec.overlong must be one of {length_lib.OVERLONG_MODES}, got {self.overlong!r}"
@@ -252,14 +260,16 @@ def score_sample(
         them.
     """
     completion = str(completion)
-    is_formatted = format_lib.format_ok(completion, spec.task)
+    is_formatted = format_lib.format_ok(completion, spec.task, spec.answer_format)
     if spec.format_reward and not is_formatted:
         return SampleScore(False, 0.0, "format")
     if spec.verifier is not None:
         correctness, status = _custom_correctness(completion, reference, spec, time_left_s)
     elif spec.task == "math":
         timeout_s = spec.math_timeout_s if time_left_s is None else min(spec.math_timeout_s, time_left_s)
-        verdict = math_lib.verify_math(completion, reference, timeout_s=max(timeout_s, 1e-3))
+        verdict = math_lib.verify_math(
+            completion, reference, timeout_s=max(timeout_s, 1e-3), answer_format=spec.answer_format
+        )
         correctness, status = verdict.score, verdict.status
     else:
         from policyopt.rewards import code as code_lib  # deferred: only code tasks need it
@@ -434,6 +444,10 @@ class BatchScores(tuple):
       truncated: bool [N] hit the generation limit.
       sample_mask: float32 [N] 0 for samples to drop from the loss (overlong filtering,
         missed deadline).
+      scored: bool [N] the reward is a verdict; False for a sample that missed the
+        deadline (its reward is a stand-in, to leave out of its group's statistics:
+        ``outcome_advantages(valid=...)``). An overlong-filtered sample is scored: DAPO
+        masks its loss, its reward still counts in its group.
       length_penalty: float32 [N] overlong penalty added to the reward (0 where gated).
       language_ok: bool [N] language consistency held.
       status: list[str] [N] verifier outcome per sample.
@@ -531,9 +545,9 @@ def score_batch(
         scored by then are left out of the loss (``sample_mask`` 0), get the reward of a
         failed sample without length penalty or bonus (0 with ``format_reward``, else
         ``incorrect_value``; a reward of 0 would rank them above DAPO's wrong answers in
-        their group) and are counted in ``metrics["deadline_missed"]``. Their stand-in
-        reward still counts in their group's statistics and in ``reward_mean``. (The
-        trainers pass no deadline.)
+        their group), ``scored`` False, and are counted in ``metrics["deadline_missed"]``.
+        Their stand-in reward counts in ``reward_mean``; the trainers leave it out of its
+        group's statistics (``outcome_advantages(valid=scored)``, dynamic sampling).
       truncated: N flags "stopped at the generation limit without EOS"; default
         ``lengths >= spec.max_len`` (all False when max_len is None).
       across_processes: on a multi-process job (``jax.process_count() > 1``) every process
@@ -618,6 +632,7 @@ def score_batch(
         format_ok=format_ok,
         truncated=is_truncated,
         sample_mask=sample_mask,
+        scored=~missed,
         length_penalty=penalty,
         language_ok=language_ok,
         status=status,

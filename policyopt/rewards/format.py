@@ -6,8 +6,9 @@ A response is well formatted when
    leading space),
 2. it contains exactly one ``<think>`` and exactly one ``</think>`` (so exactly one
    ``<think>...</think>`` pair, opened first),
-3. after ``</think>``: for math, a ``\\boxed{...}`` whose braces close; for code, a
-   fenced block with a language tag (```` ```python ... ``` ````).
+3. after ``</think>``: for math, a ``\\boxed{...}`` whose braces close (with
+   ``answer_format="answer_line"``, an ``Answer: ...`` line instead: DAPO-Math-17k's
+   format); for code, a fenced block with a language tag (```` ```python ... ``` ````).
 
 A format failure gives reward 0 and grading stops; a well-formatted response gets 0.1
 and a correct one a further 0.9 (values configurable in
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from policyopt.rewards.math import THINK_CLOSE, THINK_OPEN, extract_boxed
+from policyopt.rewards.math import ANSWER_FORMATS, THINK_CLOSE, THINK_OPEN, extract_answer
 
 # A fenced block with a language tag: ```lang\n ... ```
 FENCED_BLOCK = re.compile(r"```[ \t]*([A-Za-z0-9_+#.-]+)[ \t]*\r?\n(.*?)```", re.DOTALL)
@@ -47,14 +48,20 @@ def first_code_block(text: str) -> tuple[str, str] | None:
     return None if match is None else (match.group(1).lower(), match.group(2))
 
 
-def format_ok(completion: str, task: str) -> bool:
-    """Magistral's format check for ``task`` in ("math", "code"); see the module docstring."""
+def format_ok(completion: str, task: str, answer_format: str = "boxed") -> bool:
+    """Magistral's format check for ``task`` in ("math", "code"); see the module docstring.
+
+    ``answer_format`` (math only): where the answer must be, ``"boxed"`` or
+    ``"answer_line"`` (``policyopt.rewards.math.ANSWER_FORMATS``).
+    """
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
     parts = split_think(completion)
     if parts is None:
         return False
     answer = parts[1]
     if task == "math":
-        return extract_boxed(answer) is not None
+        return extract_answer(answer, answer_format) is not None
     return first_code_block(answer) is not None

@@ -1,12 +1,16 @@
-"""Math answer correctness: last ``\\boxed{...}`` compared with the reference by math-verify.
+"""Math answer correctness: the last ``\\boxed{...}`` (or ``Answer: ...`` line) compared
+with the reference by math-verify.
 
 Pipeline of :func:`math_correctness` (each step can only lower the cost of the next):
 
 1. *Answer region*: the text after ``</think>`` when the completion has one (the
    reasoning is never graded), otherwise the whole completion.
-2. *Extraction*: the content of the last ``\\boxed{...}`` whose braces close, found by a
-   single linear scan (nested braces allowed; an unclosed box is no answer). The last
-   box is the one that *starts* last, as in the MATH / math-verify convention.
+2. *Extraction*, by ``answer_format``: ``"boxed"`` (default), the content of the last
+   ``\\boxed{...}`` whose braces close, found by a single linear scan (nested braces
+   allowed; an unclosed box is no answer; the last box is the one that *starts* last, as
+   in the MATH / math-verify convention); ``"answer_line"``, the rest of the last
+   ``Answer: ...`` line (DAPO-Math-17k's prompts ask for "The last line of your response
+   should be of the form Answer: $Answer"; see :func:`extract_answer_line`).
 3. *Exact fast path*: identical strings (after removing blanks and ``$``) are correct.
    Two plain rational literals (``-12``, ``0.50``, ``3/4``, ``\\frac{3}{4}``) are compared
    exactly with :class:`fractions.Fraction`, with no parser at all, reproducing
@@ -58,6 +62,8 @@ DEFAULT_TIMEOUT_S = 5.0
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+# Where the answer is: the last closed \boxed{} or the last "Answer: ..." line.
+ANSWER_FORMATS = ("boxed", "answer_line")
 
 _BOX_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\{|\}")
 _DECIMAL = r"(?:\d+\.?\d*|\.\d+)"
@@ -68,6 +74,8 @@ _LATEX_FRAC = re.compile(r"([+-]?)\\[dt]?frac(?:\{([+-]?\d+)\}\{([+-]?\d+)\}|(\d
 # float_rounding=6); closer ones are left to math-verify.
 _DECIMAL_SEPARATION = fractions.Fraction(2, 10**6)
 _BLANKS = re.compile(r"\s+|\$|\\[,;:! ]|\\quad")
+# verl's DAPO reward (math_dapo.py) finds the answer with this pattern, case-insensitive.
+_ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +84,10 @@ class MathVerdict:
 
     Attributes:
       score: 1.0 if the answer is equivalent to the reference, else 0.0.
-      status: "correct", "incorrect", "no_answer" (no closed box), "rejected" (failed the
-        screen of step 4) or "timeout" (the time limit expired: scored 0).
-      answer: the extracted answer text (None when there is no closed box).
+      status: "correct", "incorrect", "no_answer" (no closed box, or no answer line),
+        "rejected" (failed the screen of step 4) or "timeout" (the time limit expired:
+        scored 0).
+      answer: the extracted answer text (None when there is none).
     """
 
     score: float
@@ -115,6 +124,44 @@ def extract_boxed(text: str) -> str | None:
         else:
             stack.append(token.end())
     return last_content
+
+
+def extract_answer_line(text: str) -> str | None:
+    """The answer written on the last ``Answer: ...`` line (DAPO-Math-17k's format).
+
+    The line is found as verl's DAPO reward finds it: the last match of
+    ``Answer\\s*:\\s*([^\\n]+)``, case-insensitive (so ``Final answer: 3`` counts, and
+    ``Answer:`` followed by a line break takes the next line). Its text is then cleaned of
+    what a model writes around an answer: a ``\\boxed{...}`` on the line gives its content,
+    surrounding ``$`` and a final full stop go. verl then compares normalised strings
+    (Minerva's normalisation); here the answer goes through the same comparison as a boxed
+    one (exact, rational, then math-verify), which accepts every answer that string match
+    accepts (``x = 3`` included) and also equivalent forms (``0.5`` for ``\\frac{1}{2}``).
+    verl also reads only the last 300 characters of the response; this reads all of it.
+
+    Returns:
+      The answer text, or None when there is no such line or it is empty once cleaned.
+    """
+    answer = None
+    for match in _ANSWER_LINE.finditer(text):
+        answer = match.group(1)
+    if answer is None:
+        return None
+    boxed = extract_boxed(answer)
+    if boxed is not None:
+        answer = boxed
+    for _ in range(2):  # "$3$." and "3.$" alike
+        answer = answer.strip().strip("$").strip().removesuffix(".")
+    return answer.strip() or None
+
+
+def extract_answer(text: str, answer_format: str = "boxed") -> str | None:
+    """The answer of ``text`` by ``answer_format`` (one of ``ANSWER_FORMATS``), or None."""
+    if answer_format == "boxed":
+        return extract_boxed(text)
+    if answer_format == "answer_line":
+        return extract_answer_line(text)
+    raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
 
 
 def _normalise(answer: str) -> str:
@@ -276,7 +323,11 @@ def _symbolic_equal(gold: str, answer: str) -> bool:
 
 
 def verify_math(
-    completion: str, reference: str, *, timeout_s: float | None = DEFAULT_TIMEOUT_S
+    completion: str,
+    reference: str,
+    *,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    answer_format: str = "boxed",
 ) -> MathVerdict:
     """Grades one math completion; never raises on model output.
 
@@ -284,12 +335,16 @@ def verify_math(
       completion: model output (text after the prompt).
       reference: reference answer, plain (``"3/4"``, ``"\\frac{3}{4}"``) or boxed.
       timeout_s: wall-clock limit for parsing and verification; None: no limit.
+      answer_format: where the answer is, ``"boxed"`` (the last ``\\boxed{}``) or
+        ``"answer_line"`` (the last ``Answer: ...`` line); see the module docstring.
 
     Returns:
       A :class:`MathVerdict` (score 1.0 / 0.0 and the reason).
     """
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
     try:
-        answer = extract_boxed(answer_region(str(completion)))
+        answer = extract_answer(answer_region(str(completion)), answer_format)
         if answer is None:
             return MathVerdict(0.0, "no_answer")
         gold = _reference_answer(str(reference))
@@ -315,11 +370,17 @@ def verify_math(
 
 
 def math_correctness(
-    completion: str, reference: str, *, timeout_s: float | None = DEFAULT_TIMEOUT_S
+    completion: str,
+    reference: str,
+    *,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    answer_format: str = "boxed",
 ) -> float:
-    """1.0 if the last ``\\boxed{}`` answer of ``completion`` equals ``reference``, else 0.0.
+    """1.0 if the last ``\\boxed{}`` answer of ``completion`` (with
+    ``answer_format="answer_line"``: its last ``Answer: ...`` line) equals ``reference``,
+    else 0.0.
 
     See the module docstring for the pipeline (fast exact path, screen, math-verify under
     a time limit). Never raises on model output.
     """
-    return verify_math(completion, reference, timeout_s=timeout_s).score
+    return verify_math(completion, reference, timeout_s=timeout_s, answer_format=answer_format).score

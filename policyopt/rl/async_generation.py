@@ -356,6 +356,7 @@ class GroupCompletion(NamedTuple):
     rewards: np.ndarray | None = None  # float32 [G], once scored
     correct: np.ndarray | None = None  # bool [G]
     sample_mask: np.ndarray | None = None  # float32 [G]: 0 drops a sample from the loss
+    scored: np.ndarray | None = None  # bool [G]: False where the reward is a stand-in
     scoring: dict | None = None  # the scorer's metrics (`score_batch`'s), once scored
 
     def rollout(self) -> Rollout:

@@ -163,6 +163,7 @@ def make_scorer(run: RLRun):
         return completion._replace(rewards=np.asarray(scores.rewards, np.float32),
                                    correct=np.asarray(scores.correct, bool),
                                    sample_mask=np.asarray(scores.sample_mask, np.float32),
+                                   scored=np.asarray(scores.scored, bool),
                                    scoring=scores.metrics)
 
     return score
@@ -229,7 +230,7 @@ class GroupBatcher:
         """Adds one scored group; True when the batch is complete."""
         self.seen += 1
         if self.enabled and uninformative_groups(group.rewards, group.correct, self.group_size,
-                                                 self.criterion)[0]:
+                                                 self.criterion, scored=group.scored)[0]:
             self.dropped.append(group)
         else:
             self.kept.append(group)
@@ -260,7 +261,7 @@ def assemble(groups: list[GroupCompletion], run: RLRun):
     for g in groups:
         width = min(bucket(int(g.lengths.max()), cfg.batch.response_buckets, name="response length"),
                     num_new)
-        rnd = round_from_rollout(g.rollout(), g.rewards, g.correct, width)
+        rnd = round_from_rollout(g.rollout(), g.rewards, g.correct, width, scored=g.scored)
         prompt_width = min(bucket(int(np.max(g.prompt_lengths)), cfg.batch.prompt_buckets,
                                   name="prompt length"), rnd.prompt_width)
         rnd = trim_prompt(rnd, prompt_width)

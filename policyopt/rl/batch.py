@@ -147,14 +147,22 @@ class Round(NamedTuple):
     rewards: np.ndarray  # float32 [R]
     correct: np.ndarray  # bool [R]
     prompt_width: int  # P
+    # bool [R]: the reward is a verdict (False: a stand-in, the sample missed the scoring
+    # deadline; it counts in no group statistic). None: every sample was scored.
+    scored: np.ndarray | None = None
+
+    def scored_rows(self) -> np.ndarray:
+        """``scored``, all True when None."""
+        return np.ones(len(self.rewards), bool) if self.scored is None else np.asarray(self.scored, bool)
 
     @property
     def num_groups(self) -> int:
         return self.tokens.shape[0]  # divided by G by the caller
 
 
-def round_from_rollout(rollout, rewards, correct, response_width: int) -> Round:
-    """Moves a ``Rollout`` to the host in the training layout, trimmed to ``response_width``."""
+def round_from_rollout(rollout, rewards, correct, response_width: int, scored=None) -> Round:
+    """Moves a ``Rollout`` to the host in the training layout, trimmed to ``response_width``
+    (``scored``: see ``Round``; None: every sample was scored)."""
     (tokens, positions, attention_mask), mask, behaviour, routing = to_host(
         (rollout.sequences(), rollout.mask, rollout.raw_log_probs, rollout.routing))
     prompt_width = rollout.prompt_tokens.shape[1]
@@ -165,7 +173,8 @@ def round_from_rollout(rollout, rewards, correct, response_width: int) -> Round:
         behaviour_log_probs=behaviour[:, :response_width],
         routing=None if routing is None else routing[:, :, :width],
         rewards=np.asarray(rewards, np.float32),
-        correct=np.asarray(correct, bool), prompt_width=prompt_width)
+        correct=np.asarray(correct, bool), prompt_width=prompt_width,
+        scored=None if scored is None else np.asarray(scored, bool))
 
 
 def trim_prompt(r: Round, prompt_width: int) -> Round:
@@ -223,33 +232,41 @@ def merge_rounds(selected: Sequence[tuple[Round, np.ndarray]], group_size: int, 
             mask=np.pad(r.mask[rows], ((0, 0), (0, extra_n))),
             behaviour_log_probs=np.pad(r.behaviour_log_probs[rows], ((0, 0), (0, extra_n))),
             routing=routing, rewards=r.rewards[rows], correct=r.correct[rows],
-            prompt_width=prompt_width))
+            prompt_width=prompt_width, scored=r.scored_rows()[rows]))
     cat = lambda name, axis=0: np.concatenate([getattr(p, name) for p in parts], axis=axis)
     return Round(
         tokens=cat("tokens"), positions=cat("positions"), attention_mask=cat("attention_mask"),
         mask=cat("mask"), behaviour_log_probs=cat("behaviour_log_probs"),
         routing=None if parts[0].routing is None else cat("routing", axis=1),
-        rewards=cat("rewards"), correct=cat("correct"), prompt_width=prompt_width)
+        rewards=cat("rewards"), correct=cat("correct"), prompt_width=prompt_width,
+        scored=cat("scored"))
 
 
 DYNAMIC_SAMPLING_CRITERIA = ("reward", "accuracy")
 
 
 def uninformative_groups(rewards: np.ndarray, correct: np.ndarray, group_size: int,
-                         criterion: str = "reward") -> np.ndarray:
+                         criterion: str = "reward", scored: np.ndarray | None = None) -> np.ndarray:
     """bool ``[N / G]``: the groups dynamic sampling drops.
 
     ``"reward"``: all G rewards are equal (zero advantage under any group baseline;
     Magistral drops these). ``"accuracy"``: all G samples are correct or all are wrong
     (DAPO eq. 11, ``0 < |{o_i correct}| < G`` keeps a group); with overlong shaping in the
     reward, an all-correct group of different lengths has unequal rewards but still goes.
+    ``scored`` (bool ``[N]``, None: all): only scored samples are compared (a missed
+    sample's stand-in reward says nothing); a group with fewer than two is uninformative.
     """
+    scored = np.ones(np.shape(rewards), bool) if scored is None else np.asarray(scored, bool)
+    scored = scored.reshape(-1, group_size)
+    few = scored.sum(axis=1) < 2
     if criterion == "reward":
-        grouped = np.asarray(rewards).reshape(-1, group_size)
-        return grouped.max(axis=1) == grouped.min(axis=1)
+        grouped = np.asarray(rewards, np.float64).reshape(-1, group_size)
+        high = np.where(scored, grouped, -np.inf).max(axis=1)
+        low = np.where(scored, grouped, np.inf).min(axis=1)
+        return few | (high <= low)
     if criterion == "accuracy":
         grouped = np.asarray(correct, bool).reshape(-1, group_size)
-        return grouped.all(axis=1) | ~grouped.any(axis=1)
+        return few | ~(grouped & scored).any(axis=1) | ~(~grouped & scored).any(axis=1)
     raise ValueError(f"dynamic sampling criterion {criterion!r} is not one of {DYNAMIC_SAMPLING_CRITERIA}")
 
 
@@ -283,7 +300,8 @@ class DynamicSampler:
         """Adds one round; returns True when the batch is complete (full or cap reached)."""
         self.rounds += 1
         if self.enabled:
-            drop_mask = uninformative_groups(r.rewards, r.correct, self.group_size, self.criterion)
+            drop_mask = uninformative_groups(r.rewards, r.correct, self.group_size, self.criterion,
+                                             scored=r.scored)
         else:
             drop_mask = np.zeros((len(r.rewards) // self.group_size,), bool)
         informative = np.flatnonzero(~drop_mask)

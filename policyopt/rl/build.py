@@ -232,16 +232,18 @@ def reward_spec(config) -> RewardSpec:
         cache_len=cache_len if r.overlong != "none" else None,
         overlong_filter=bool(r.overlong_filter),
         language_bonus=0.1 if r.language_bonus else 0.0, verifier=r.verifier or None,
-        verifier_timeout_s=float(r.verifier_timeout_s))
+        verifier_timeout_s=float(r.verifier_timeout_s), answer_format=r.answer_format)
 
 
 def correctness_spec(config=None) -> RewardSpec:
     """Plain correctness (1 correct / 0 otherwise, no format gate or shaping): the
-    evaluation metric, with ``config.reward.verifier`` when there is one."""
+    evaluation metric, with ``config.reward.verifier`` when there is one and the run's
+    ``reward.answer_format``."""
     if config is None:
         return RewardSpec(task="math", format_reward=False)
     return RewardSpec(task="math", format_reward=False, verifier=config.reward.verifier or None,
-                      verifier_timeout_s=float(config.reward.verifier_timeout_s))
+                      verifier_timeout_s=float(config.reward.verifier_timeout_s),
+                      answer_format=config.reward.answer_format)
 
 
 def init_params(config, model: nnx.Module, mesh: Mesh):

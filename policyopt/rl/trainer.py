@@ -210,7 +210,7 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
         gen_time, score_time = gen_time + t1 - t0, score_time + t2 - t1
         width = min(bucket(int(lengths.max()), cfg.batch.response_buckets, name="response length"),
                     cfg.sampling.max_new_tokens)
-        rnd = round_from_rollout(rollout, scores.rewards, scores.correct, width)
+        rnd = round_from_rollout(rollout, scores.rewards, scores.correct, width, scored=scores.scored)
         # 0 on samples to leave out of the loss (overlong filtering, scoring deadline).
         rnd = rnd._replace(mask=rnd.mask * np.asarray(scores.sample_mask)[:, None])
         all_scoring.append(scores.metrics)
@@ -294,7 +294,8 @@ def gae_settings(config, *, pretraining: bool) -> GAEConfig:
     return dataclasses.replace(settings, lam_critic=1.0) if pretraining else settings
 
 
-def minibatch_advantages(rewards, group_size: int, *, center: str = "group", eps: float = 1e-6):
+def minibatch_advantages(rewards, group_size: int, *, center: str = "group", eps: float = 1e-6,
+                         valid=None):
     """Magistral's advantages (2506.10910, PAPERS.md): ``A = R - mean(R_group)``, then
     ``(A - mean_mb(A)) / std_mb(A)`` over the sequences of one minibatch.
 
@@ -308,11 +309,13 @@ def minibatch_advantages(rewards, group_size: int, *, center: str = "group", eps
       group_size: G.
       center: ``"group"`` (Magistral) or ``"none"``.
       eps: added to the minibatch std.
+      valid: optional ``[R]`` bool, False for samples left out of every statistic (a
+        missed scoring deadline; ``outcome_advantages``).
 
     Returns:
       ``[R]`` advantages.
     """
-    return outcome_advantages(rewards, group_size, center=center, scale="batch", eps=eps)
+    return outcome_advantages(rewards, group_size, center=center, scale="batch", eps=eps, valid=valid)
 
 
 def rl_iteration(run: RLRun) -> dict[str, float]:
@@ -376,6 +379,7 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
     # Advantages (and, for critic methods, the rollout's values and the value targets),
     # importance weights, the replayed routing.
     rewards = sharding.shard_rows(merged.rewards)
+    scored = merged.scored_rows()
     old_values = returns = None
     if run.critic is not None:
         t0 = time.perf_counter()
@@ -387,7 +391,9 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
         metrics["time/values_s"] = _block(advantages, t0)
     else:
         scale = "none" if algo.adv_scale == "minibatch" else algo.adv_scale
-        advantages = outcome_advantages(rewards, group, center=algo.adv_center, scale=scale, eps=algo.adv_eps)
+        # Samples that missed the scoring deadline count in no group statistic.
+        advantages = outcome_advantages(rewards, group, center=algo.adv_center, scale=scale,
+                                        eps=algo.adv_eps, valid=scored)
     # VAPO's NLL term covers the correct samples.
     nll_weights = sharding.shard_rows(merged.correct.astype(np.float32)) if algo.nll_coef > 0 else None
     weights = None
@@ -413,7 +419,7 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
             minibatch = take_rows(batch, rows)
             if algo.adv_scale == "minibatch" and run.critic is None:
                 minibatch = minibatch._replace(advantages=minibatch_advantages(
-                    rewards[rows], group, center=algo.adv_center, eps=algo.adv_eps))
+                    rewards[rows], group, center=algo.adv_center, eps=algo.adv_eps, valid=scored[rows]))
             minibatch = shard_batch(minibatch)
             update_metrics = {}
             if not pretraining:
