@@ -76,9 +76,12 @@ def base_config() -> ml_collections.ConfigDict:
 
     # ---- Task -----------------------------------------------------------------------
     c.task = ml_collections.ConfigDict()
-    # "arithmetic" (the synthetic task of `policyopt.data.synthetic`) or "math_jsonl"
-    # (local GSM8K / MATH style JSONL files, `policyopt.data.jsonl`; use it with a
-    # pretrained model and its tokenizer, `model.pretrained`).
+    # "arithmetic" (the synthetic task of `policyopt.data.synthetic`), "math_jsonl"
+    # (local GSM8K / MATH style JSONL files, `policyopt.data.jsonl`) or "code_jsonl"
+    # (local code problems with tests, MBPP / HumanEval / APPS style, scored by running
+    # the response's first Python block against them in the sandbox of
+    # `policyopt.rewards.code`; the format gate then asks for a fenced block). Use the
+    # file tasks with a pretrained model and its tokenizer, `model.pretrained`.
     c.task.name = "arithmetic"
     # Difficulty knobs of `ArithmeticConfig` (task "arithmetic").
     c.task.num_operands = 2
@@ -114,6 +117,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.answer_marker = "####"
     c.task.prompt_template = "{question}"
     c.task.skip_malformed = False
+    # Task "code_jsonl": the same fields, except that the tests come from the first of
+    # `tests_fields` present, in any encoding `policyopt.rewards.code.parse_tests` reads
+    # (asserts, MBPP's list of asserts, HumanEval's check() with the row's `entry_point`,
+    # stdin / stdout cases, APPS / CodeContests parallel lists, or JSON text of these).
+    # The SFT target is `solution_field` (None: "solution", else "code").
+    c.task.tests_fields = "tests,test_list,test,input_output,public_tests"
     # Prompts longer than the largest `batch.prompt_buckets` (chat template included;
     # every prompt is tokenised once when the run is built): "error" (raise, naming the
     # record), "drop", "truncate_left" or "truncate_right" (keep the text's end / start).
@@ -286,10 +295,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.num_workers = 0
     # Your own correctness function in place of the math verifier, for rewards and for
     # the evaluation's pass@1: "package.module:function", called as
-    # function(completion, reference) -> c in [0, 1] (`RewardSpec.verifier`); None: math.
+    # function(completion, reference) -> c in [0, 1] (`RewardSpec.verifier`); None: the
+    # task's (math, or code for "code_jsonl", whose reference is then the tests as JSON
+    # text, read by `policyopt.rewards.code.parse_tests`).
     c.reward.verifier = placeholder(str)
     # Its per-sample time limit, in seconds.
     c.reward.verifier_timeout_s = 5.0
+    # Task "code_jsonl": per-test limits of the sandbox (Magistral: 4 s, 300 MB) and
+    # partial credit (the pass rate; Magistral found all-or-nothing better).
+    c.reward.code_timeout_s = 4.0
+    c.reward.code_memory_mb = 300
+    c.reward.code_partial = False
     # Where the math answer is: "boxed" (the last \boxed{}) or "answer_line" (the last
     # "Answer: ..." line, as DAPO-Math-17k's prompts ask); for the verifier, the format
     # gate and the evaluation (with `verifier` set, for the format gate only).
@@ -514,7 +530,7 @@ _CHOICES = {
     "reward.overlong": ("none", "dapo", "magistral"),
     "reward.answer_format": ("boxed", "answer_line"),
     "dynamic_sampling.criterion": ("reward", "accuracy"),
-    "task.name": ("arithmetic", "math_jsonl"),
+    "task.name": ("arithmetic", "math_jsonl", "code_jsonl"),
     "task.extract": ("auto", "boxed", "marker", "none"),
     "task.overlong_prompt": ("error", "drop", "truncate_left", "truncate_right"),
 }
@@ -529,10 +545,10 @@ def check(config: ml_collections.ConfigDict) -> None:
         if node not in choices:
             raise ValueError(f"config.{path} must be one of {choices}, got {node!r}")
     t = config.task
-    if t.name == "math_jsonl":
+    if t.name in ("math_jsonl", "code_jsonl"):
         missing = [f"task.{split}_file" for split in ("train", "test") if not t[f"{split}_file"]]
         if missing:
-            raise ValueError(f"config.{missing[0]} is required with task.name='math_jsonl'")
+            raise ValueError(f"config.{missing[0]} is required with task.name={t.name!r}")
         try:
             probe = t.prompt_template.format(question="\0")
         except (IndexError, KeyError, ValueError) as error:
@@ -556,7 +572,7 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.sampling.decode_segments must be in [1, max_new_tokens={max_new}], "
                          f"got {config.sampling.decode_segments}")
     r = config.reward
-    for name in ("verifier_timeout_s", "deadline_s"):
+    for name in ("verifier_timeout_s", "deadline_s", "code_timeout_s", "code_memory_mb"):
         if r[name] is not None and r[name] <= 0:
             raise ValueError(f"config.reward.{name} must be > 0, got {r[name]}")
     if r.overlong != "none" and r.max_len is not None and r.max_len > max_new:

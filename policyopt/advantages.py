@@ -56,11 +56,20 @@ def _group_rewards(rewards: Array, group_size: int) -> Array:
     return rewards.astype(jnp.result_type(rewards, jnp.float32)).reshape(-1, group_size)
 
 
-def _unbiased_std(grouped: Array, valid: Array) -> Array:
-    """``[N / G, 1]`` sample standard deviation (ddof 1) of each group's valid rewards; 0
-    for a single one."""
+# The group statistics below take ``valid`` (``[N / G, G]`` bool) or None for "every
+# sample": None keeps the static group size in the formulas (XLA divides by a constant),
+# so runs without invalid samples get the same bits as before masks existed.
+
+
+def _unbiased_std(grouped: Array, valid: Array | None) -> Array:
+    """``[N / G, 1]`` sample standard deviation (ddof 1) of each group's (valid) rewards;
+    0 for a single one."""
+    if valid is None:
+        mean = jnp.mean(grouped, axis=1, keepdims=True)
+        count = grouped.shape[1]
+        return jnp.sqrt(jnp.sum(jnp.square(grouped - mean), axis=1, keepdims=True) / max(count - 1, 1))
     count = jnp.sum(valid, axis=1, keepdims=True)
-    centred = jnp.where(valid, grouped - _masked_group_mean(grouped, valid), 0.0)
+    centred = jnp.where(valid, grouped - _group_mean(grouped, valid), 0.0)
     return jnp.sqrt(jnp.sum(jnp.square(centred), axis=1, keepdims=True) / jnp.maximum(count - 1, 1))
 
 
@@ -114,10 +123,12 @@ def outcome_advantages(
         # An all-equal group gets exact zeros. R - mean(R) alone does not give them: the
         # float32 mean of G copies of 0.9 is not 0.9 for most G, and the std scaling then
         # divides that rounding error by eps (measured: advantages up to 0.19 at G = 64).
-        equal = _all_equal(grouped, valid)[:, None]
-        advantages = jnp.where(equal | ~valid, 0.0, grouped - _masked_group_mean(grouped, valid))
+        drop = _all_equal(grouped, valid)[:, None]
+        if valid is not None:
+            drop = drop | ~valid
+        advantages = jnp.where(drop, 0.0, grouped - _group_mean(grouped, valid))
     else:
-        advantages = jnp.where(valid, grouped, 0.0)
+        advantages = grouped if valid is None else jnp.where(valid, grouped, 0.0)
     if scale == "group":
         if group_size < 2:
             raise ValueError("scale='group' needs group_size >= 2 (the std of one reward is undefined)")
@@ -126,7 +137,7 @@ def outcome_advantages(
         # Magistral drops zero-variance groups before the batch is formed: with group
         # centering their advantages are exactly 0, so they are left out of the batch
         # statistics here and keep their zeros (the same result as dropping them).
-        keep = valid
+        keep = jnp.ones(grouped.shape, bool) if valid is None else valid
         if center == "group":
             keep = keep & ~_all_equal(grouped, valid)[:, None]
         count = jnp.sum(keep)
@@ -154,24 +165,28 @@ def zero_variance_groups(rewards: Array, group_size: int, valid: Array | None = 
     return _all_equal(grouped, _group_valid(valid, grouped))
 
 
-def _group_valid(valid: Array | None, grouped: Array) -> Array:
-    """``valid`` as ``[N / G, G]`` bool (all True when None)."""
+def _group_valid(valid: Array | None, grouped: Array) -> Array | None:
+    """``valid`` as ``[N / G, G]`` bool (None stays None: every sample)."""
     if valid is None:
-        return jnp.ones(grouped.shape, bool)
+        return None
     valid = jnp.asarray(valid)
     if valid.shape != (grouped.size,):
         raise ValueError(f"valid must be [N] = [{grouped.size}] like rewards, got shape {valid.shape}")
     return valid.astype(bool).reshape(grouped.shape)
 
 
-def _all_equal(grouped: Array, valid: Array) -> Array:
-    """``[N / G]``: the group's valid rewards are all equal (or fewer than two)."""
+def _all_equal(grouped: Array, valid: Array | None) -> Array:
+    """``[N / G]``: the group's (valid) rewards are all equal (or fewer than two)."""
+    if valid is None:
+        return jnp.max(grouped, axis=1) == jnp.min(grouped, axis=1)
     high = jnp.max(jnp.where(valid, grouped, -jnp.inf), axis=1)
     low = jnp.min(jnp.where(valid, grouped, jnp.inf), axis=1)
     return (high <= low) | (jnp.sum(valid, axis=1) < 2)
 
 
-def _masked_group_mean(grouped: Array, valid: Array) -> Array:
+def _group_mean(grouped: Array, valid: Array | None) -> Array:
+    if valid is None:
+        return jnp.mean(grouped, axis=1, keepdims=True)
     count = jnp.maximum(jnp.sum(valid, axis=1, keepdims=True), 1)
     return jnp.sum(jnp.where(valid, grouped, 0.0), axis=1, keepdims=True) / count
 

@@ -23,7 +23,7 @@ from policyopt.rl.async_generation import (AsyncGenerator, GeneratorExhausted, G
                                            SlotConfig, SlotGenerator, _group_rows_fn, _refill_fn,
                                            _segment_fn, staleness_bound)
 from policyopt.rl.async_rl import (GroupBatcher, PromptStream, assemble, async_enabled, make_generator,
-                                   run_async_rl)
+                                   make_scorer, run_async_rl)
 from policyopt.rl.batch import merge_rounds, round_from_rollout
 from policyopt.rl.trainer import build_run
 from policyopt.rl.learner import forward_log_probs, split_params
@@ -486,6 +486,17 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
     with make_generator(run, PromptStream(run.data)) as generator:
         groups = [generator.take() for _ in range(2)]
     cut, *_ = assemble(groups, run)
+    # The scorer's per-sample "scored" flags reach the batch (a sample that missed the
+    # scoring deadline counts in no group statistic).
+    assert all(g.scored.tolist() == [True] * GROUP for g in groups) and cut.scored.all()
+    flagged, *_ = assemble([groups[0]._replace(scored=np.array([True, False])), groups[1]], run)
+    assert flagged.scored.tolist() == [True, False, True, True]
+    late = run.config.copy_and_resolve_references()
+    late.unlock()
+    late.reward.deadline_s = 1e-9
+    late.lock()
+    rescored = make_scorer(dataclasses.replace(run, config=late))(groups[0])
+    assert not rescored.scored.any() and not rescored.sample_mask.any()
     whole = merge_rounds([(round_from_rollout(g.rollout(), g.rewards, g.correct, NUM_NEW),
                            np.zeros((1,), np.int64)) for g in groups], GROUP, run.tokenizer.pad_id)
     assert whole.prompt_width == PROMPT_WIDTH and cut.prompt_width == 8

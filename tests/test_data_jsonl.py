@@ -114,6 +114,45 @@ def test_malformed_row_names_file_and_line(tmp_path, bad_line, config, reason):
     assert "1 malformed rows skipped" in report.summary()
 
 
+def test_code_files_from_mbpp_humaneval_apps_and_codecontests_rows(tmp_path):
+    """Code problems: the tests of each dataset's row shape become the record's answer
+    (JSON text the code verifier reads back); unreadable tests make the row malformed."""
+    rows = [
+        {"text": "Write add_one.", "test_list": ["assert add_one(1) == 2"], "code": "def add_one(x): return x + 1"},
+        {"prompt": "def add_one(x):", "test": "def check(candidate):\n    assert candidate(1) == 2\n",
+         "entry_point": "add_one", "canonical_solution": "    return x + 1"},
+        {"question": "Sum two numbers.", "input_output": json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})},
+        {"description": "Sum.", "public_tests": {"input": ["1 2\n"], "output": ["3\n"]}},
+        {"prompt": [{"role": "user", "content": "Sum."}],
+         "reward_model": {"ground_truth": json.dumps([{"input": "1 2", "output": "3"}])}},
+    ]
+    path = _write(tmp_path / "code.jsonl", [json.dumps(r) for r in rows])
+    config = JsonlConfig(task="code", question_fields=("text", "prompt", "question", "description"),
+                         tests_fields=("test_list", "test", "input_output", "public_tests",
+                                       "reward_model.ground_truth"))
+    records, report = read_math_jsonl(path, config)
+    assert report.loaded == 5 and [r["prompt"] for r in records] == [
+        "Write add_one.", "def add_one(x):", "Sum two numbers.", "Sum.", "Sum."]
+    assert json.loads(records[0]["answer"]) == "assert add_one(1) == 2"
+    assert json.loads(records[1]["answer"]).endswith("check(add_one)\n")
+    stdin_cases = [{"input": "1 2\n", "output": "3\n"}]
+    assert json.loads(records[2]["answer"]) == json.loads(records[3]["answer"]) == stdin_cases
+    assert json.loads(records[4]["answer"]) == [{"input": "1 2", "output": "3"}]
+    assert records[0]["solution"] == "def add_one(x): return x + 1" and records[2]["solution"] == ""
+    # Unreadable tests, named by file:line.
+    bad = [json.dumps(rows[0]), json.dumps({"text": "q", "test_list": []}),
+           json.dumps({"text": "q", "input_output": {"fn_name": "f", "inputs": [], "outputs": []}}),
+           json.dumps({"text": "q", "code": "x"})]
+    path = _write(tmp_path / "bad.jsonl", bad)
+    for line, reason in [(2, "tests field 'test_list': empty tests"), (3, "tests field 'input_output': call-based"),
+                         (4, "missing tests field")]:
+        lines = bad[:1] + [bad[line - 1]]
+        with pytest.raises(MalformedRowError, match=f"bad_{line}.jsonl:2: {reason}"):
+            read_math_jsonl(_write(tmp_path / f"bad_{line}.jsonl", lines), config)
+    records, report = read_math_jsonl(path, JsonlConfig(**{**config.__dict__, "skip_malformed": True}))
+    assert report.loaded == 1 and len(report.skipped) == 3
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="extract"):
         JsonlConfig(extract="last")
@@ -121,3 +160,7 @@ def test_config_errors():
         JsonlConfig(question_fields="question")
     with pytest.raises(ValueError, match="prompt_template"):
         JsonlConfig(prompt_template="no placeholder")
+    with pytest.raises(ValueError, match="task"):
+        JsonlConfig(task="proofs")
+    with pytest.raises(ValueError, match="tests_fields"):
+        JsonlConfig(tests_fields="tests")

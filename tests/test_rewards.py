@@ -188,7 +188,12 @@ ANSWER_LINE_CASES = [
     ("answer: 1\nFINAL ANSWER: 2", "2"),  # the last line, any case (verl's (?i) pattern)
     ("The answer:\n 42", "42"),  # verl's \s* crosses a line break
     ("Answer: x = 3\nThanks", "x = 3"),
-    ("Answer: 1\nAnswer: .", None),  # the last line counts, even when it is empty
+    ("Answer: 1\nAnswer: .", None),  # the last match counts, even when nothing is left of it
+    ("Answer: 1\nAnswer:", "1"),  # an empty "Answer:" is no match (verl's [^\n]+)
+    ("Answer: $5$ dollars", "5"),  # the first $...$ span, as Minerva's normalisation keeps
+    ("**Answer:** 34", "34"),  # Markdown emphasis
+    ("Answer: **34**", "34"),
+    ("Answer: 1, 2, 3, ...", "1, 2, 3, ..."),  # one full stop goes, not an ellipsis
     ("the answer is 5", None),
     ("\\boxed{5}", None),
     ("", None),
@@ -641,6 +646,20 @@ def test_score_batch_parallel_deadline_then_recovers():
     again = score_batch(completions, references, [1] * 6, RewardSpec(), num_workers=2)
     serial = score_batch(completions, references, [1] * 6, RewardSpec())
     np.testing.assert_array_equal(again.rewards, serial.rewards)
+
+
+def test_samples_of_a_crashed_worker_get_no_verdict():
+    """A worker that dies mid-batch: its samples get the stand-in reward, leave the loss and
+    their group's statistics ("worker_error", scored False); the next call has a new pool."""
+    completions, references = _mixed_batch(6)
+    spec = RewardSpec(format_reward=False, incorrect_value=-1.0, verifier="tests.verifiers:dies_in_a_worker")
+    lost = score_batch(completions, references, [1] * 6, spec, num_workers=2)
+    assert lost.metrics["worker_errors"] == 6 and lost.metrics["deadline_missed"] == 0
+    assert lost.status == ["worker_error"] * 6 and not lost.scored.any() and not lost.sample_mask.any()
+    np.testing.assert_array_equal(lost.rewards, np.full(6, -1.0, np.float32))
+    again = score_batch(completions, references, [1] * 6, RewardSpec(), num_workers=2)
+    assert again.metrics["worker_errors"] == 0 and again.scored.all()
+    np.testing.assert_array_equal(again.rewards, score_batch(completions, references, [1] * 6, RewardSpec()).rewards)
 
 
 def test_score_batch_survives_a_worker_killed_between_calls():

@@ -6,6 +6,7 @@ when the tests run as root), its children call setsid() to leave the process gro
 the test checks that none of them survives.
 """
 
+import json
 import os
 import pathlib
 import shutil
@@ -54,6 +55,47 @@ def test_stdin_stdout_cases():
     wrong = cases + [{"input": "2 2", "output": "5"}]
     assert code_correctness(SUM_STDIN, wrong) == 0.0
     assert code_correctness(SUM_STDIN, wrong, partial=True) == pytest.approx(0.75)
+
+
+CASES = [{"input": "1 2\n", "output": "3"}, {"input": "5 5", "output": "10"}]
+
+
+@pytest.mark.parametrize("tests, expected", [
+    (GOOD_TESTS, GOOD_TESTS),
+    (["assert add_one(1) == 2", "assert add_one(-1) == 0"], GOOD_TESTS),  # MBPP test_list
+    (CASES, CASES),
+    ({"inputs": ["1 2\n", "5 5"], "outputs": ["3", "10"]}, CASES),  # APPS input_output
+    ({"input": ["1 2\n", "5 5"], "output": ["3", "10"]}, CASES),  # CodeContests public_tests
+    ([{"input": ["1 2", ""], "output": ["3"]}], [{"input": "1 2\n", "output": "3"}]),  # lines
+    (json.dumps({"inputs": ["1 2\n", "5 5"], "outputs": ["3", "10"]}), CASES),  # as JSON text
+    (json.dumps(CASES), CASES),
+    (json.dumps(GOOD_TESTS), GOOD_TESTS),
+    ("[x for x in []]  # Python, not JSON", "[x for x in []]  # Python, not JSON"),
+])
+def test_parse_tests_reads_the_datasets_encodings(tests, expected):
+    assert code_lib.parse_tests(tests) == expected
+
+
+def test_parse_tests_completes_humaneval_and_refuses_the_rest():
+    check = "def check(candidate):\n    assert candidate(1) == 2\n"
+    assert code_lib.parse_tests(check, entry_point="add_one") == check.rstrip() + "\n\n\ncheck(add_one)\n"
+    assert code_lib.parse_tests(check + "check(add_one)\n", entry_point="add_one") == check + "check(add_one)\n"
+    assert code_lib.parse_tests(GOOD_TESTS, entry_point="add_one") == GOOD_TESTS  # no check()
+    assert code_correctness(ADD_ONE, code_lib.parse_tests(check, entry_point="add_one"), **FAST) == 1.0
+    assert code_lib.parse_tests([]) == [] and code_lib.parse_tests("") == ""  # "no_tests" downstream
+    for bad, reason in [(7, "text, a list or an object"),
+                        ({"fn_name": "f", "inputs": [[1]], "outputs": [2]}, "call-based"),
+                        ({"inputs": ["1"]}, "parallel lists"), ({"inputs": ["1"], "outputs": []}, "1 inputs but 0"),
+                        ([{"input": "1"}], "needs 'input' and 'output'"), (["assert 1", {"input": ""}], "only"),
+                        ([{"input": 1, "output": "1"}], "text or a list of lines")]:
+        with pytest.raises(ValueError, match=reason):
+            code_lib.parse_tests(bad)
+    with pytest.raises(ValueError, match="not a Python name"):
+        code_lib.parse_tests(check, entry_point="add one")
+    # The verifier reads every encoding (here APPS's, as JSON text).
+    apps = json.dumps({"inputs": ["1 2\n", "5 5"], "outputs": ["3", "10"]})
+    assert code_correctness(SUM_STDIN, apps, **FAST) == 1.0
+    assert code_correctness(SUM_STDIN, {"fn_name": "f", "inputs": [], "outputs": []}) == 0.0  # never raises
 
 
 def test_first_tagged_block_must_be_python():

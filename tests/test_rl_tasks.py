@@ -217,6 +217,37 @@ def test_custom_verifier_judges_rewards_and_evaluation(tmp_path):
         build.reward_spec(tiny("grpo", extra="reward.verifier='no_such_module:f'"))
 
 
+def test_code_jsonl_task_trains_and_scores_programs_against_its_tests(tmp_path):
+    """task.name=code_jsonl: rows of problems with stdin / stdout tests train and evaluate;
+    the rewards run the response's Python block against the record's tests in the
+    sandbox, with the config's limits (a hand-written program per record: the right one
+    passes, a wrong one fails)."""
+    config = tiny("grpo", extra="train.num_iterations=1,eval.num_prompts=4,reward.code_timeout_s=2.0")
+    files, answers = {}, build.task_records(config, "test")[:2]
+    for split in ("train", "test"):
+        rows = [{"question": r["prompt"], "tests": [{"input": "", "output": r["answer"]}]}
+                for r in build.task_records(config, split)]
+        files[split] = _write_jsonl(tmp_path / f"{split}.jsonl", rows)
+    config = _with(config, name="code_jsonl", train_file=files["train"], test_file=files["test"])
+    spec = build.reward_spec(config)
+    assert spec.task == "code" and spec.code_timeout_s == 2.0 and spec.code_memory_mb == 300
+    assert build.correctness_spec(config).task == "code" and not build.correctness_spec(config).code_partial
+    tests = [r["answer"] for r in build.task_records(config, "test")[:2]]  # JSON text
+    assert [json.loads(t) for t in tests] == [[{"input": "", "output": r["answer"]}] for r in answers]
+    programs = [f"```python\nprint({r['answer']!r})\n```" for r in answers]
+    wrong = [f"```python\nprint({r['answer']!r} + '0')\n```" for r in answers]
+    scores = score_batch(programs + wrong + ["no code"], tests * 2 + tests[:1], [5] * 5, spec)
+    assert scores.correct.tolist() == [True, True, False, False, False], scores.status
+    assert scores.status[-1] == "no_code"
+    summary = trainer.run_rl(config, str(tmp_path / "run"), num_iterations=1, quiet=True)
+    assert summary["eval"]["eval/num_prompts"] == 4 and np.isfinite(summary["metrics"]["loss/loss"])
+    assert summary["metrics"]["reward/worker_errors"] == 0
+    with pytest.raises(ValueError, match="task.train_file is required with task.name='code_jsonl'"):
+        _with(config, train_file=None)
+    with pytest.raises(ValueError, match="reward.code_timeout_s must be > 0"):
+        tiny("grpo", extra="reward.code_timeout_s=0.0")
+
+
 def test_answer_format_reaches_rewards_and_evaluation():
     """reward.answer_format=answer_line (DAPO-Math-17k): the training reward and the
     held-out pass@1 both read the last "Answer:" line."""
@@ -256,14 +287,18 @@ def test_missed_samples_count_in_no_group_statistic(tmp_path):
     """A sample that missed the scoring deadline has a stand-in reward: it is left out of
     its group's mean and std and gets advantage 0. Scored in order: 1 (correct), 0, a
     timeout at the deadline (0, scored), then five misses; so group 0 is [1, 0, 0, missed]
-    and group 1 all missed."""
+    and group 1 all missed. Magistral's minibatch advantages leave it out too (here they
+    equal the group-normalised ones, so the two runs have the same gradient)."""
     from tests import verifiers
 
-    verifiers.CALLS[0] = 0
-    config = tiny("grpo", extra="train.num_iterations=1,eval.num_prompts=0,"
-                                "reward.verifier='tests.verifiers:right_wrong_then_blocks',"
-                                "reward.verifier_timeout_s=10.0,reward.deadline_s=0.5")
-    summary = trainer.run_rl(config, str(tmp_path), num_iterations=1, quiet=True)
+    def run_with(extra, name):
+        verifiers.CALLS[0] = 0
+        config = tiny("grpo", extra="train.num_iterations=1,eval.num_prompts=0,"
+                                    "reward.verifier='tests.verifiers:right_wrong_then_blocks',"
+                                    "reward.verifier_timeout_s=10.0,reward.deadline_s=2.0" + extra)
+        return config, trainer.run_rl(config, str(tmp_path / name), num_iterations=1, quiet=True)
+
+    config, summary = run_with("", "group")
     metrics, run = summary["metrics"], summary["run"]
     assert metrics["reward/verifier_timeouts"] == 1 and metrics["reward/deadline_missed"] == 5
     assert run.last_round.scored.tolist() == [True] * 3 + [False] * 5
@@ -274,3 +309,8 @@ def test_missed_samples_count_in_no_group_statistic(tmp_path):
                                [(2 / 3) / std, -(1 / 3) / std, -(1 / 3) / std] + [0.0] * 5, rtol=1e-5)
     rows_in_loss = np.asarray(run.last_batch.mask).sum(axis=1) > 0
     assert rows_in_loss[3:].sum() == 0
+    # [1, 0, 0] centred, then normalised over the minibatch's scored samples of informative
+    # groups: mean 0, std sqrt(1/3), the numbers above (with the stand-in: [1.5, -0.5 x 3]).
+    _, minibatch = run_with(",algo.adv_scale='minibatch'", "minibatch")
+    assert minibatch["metrics"]["reward/deadline_missed"] == 5
+    np.testing.assert_allclose(minibatch["metrics"]["update/grad_norm"], metrics["update/grad_norm"], rtol=1e-4)

@@ -1,6 +1,8 @@
 """Custom verifiers for the tests (``RewardSpec.verifier="tests.verifiers:NAME"``): a
 module of plain functions, importable by the scoring workers."""
 
+import multiprocessing
+import os
 import time
 
 
@@ -36,6 +38,13 @@ def right_wrong_then_blocks(completion, reference):
         return 1.0 if CALLS[0] == 1 else 0.0
     time.sleep(30)
     return 1.0
+
+
+def dies_in_a_worker(completion, reference):
+    """Kills the scoring worker it runs in (as the OOM killer would); 0 in the main process."""
+    if multiprocessing.parent_process() is not None:
+        os._exit(3)
+    return 0.0
 
 
 def says_yes(completion, reference):

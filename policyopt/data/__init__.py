@@ -1,5 +1,5 @@
-"""Data: tokenizers, the synthetic arithmetic task, local JSONL math files, tfds builders
-and grain pipelines.
+"""Data: tokenizers, the synthetic arithmetic task, local JSONL math (and code) files, tfds
+builders and grain pipelines.
 
 The tfds builders (`policyopt.data.tfds_builders`) are not imported here, so that
 `import policyopt.data` stays light; import that module to use them.

@@ -1,4 +1,5 @@
-"""Local JSONL files of math problems (GSM8K / MATH style) as task records.
+"""Local JSONL files of math problems (GSM8K / MATH style) or code problems with tests
+(MBPP / HumanEval / APPS / CodeContests style) as task records.
 
 Each line of the file is one JSON object. The problem text and the answer are read from
 configurable fields; the reference answer is extracted from the answer text:
@@ -20,6 +21,13 @@ reference after extraction) raises `MalformedRowError` naming `file:line`. With
 returned `JsonlReport` (and logged). Blank lines are not rows; they are counted too.
 Prompt lengths in tokens are limited downstream, in `policyopt.data.pipeline`, where the
 tokenizer is known.
+
+Code problems (`JsonlConfig(task="code")`): the tests come from the first of
+`tests_fields` present, in any encoding `policyopt.rewards.code.parse_tests` reads (an
+assert string, MBPP's list of asserts, HumanEval's `check(candidate)` completed with the
+row's `entry_point`, a list of stdin / stdout cases, APPS's and CodeContests' parallel
+lists, or any of them as JSON text); the record's `answer` is the tests as JSON text,
+which the code verifier reads back. Tests that cannot be read make the row malformed.
 """
 
 from __future__ import annotations
@@ -64,7 +72,7 @@ def last_boxed(text: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class JsonlConfig:
-    """How to read a math JSONL file.
+    """How to read a math (or code) JSONL file.
 
     Field names may be dotted paths into nested objects (verl-style rows:
     ``"reward_model.ground_truth"``), and a question field may hold a list of chat
@@ -87,6 +95,11 @@ class JsonlConfig:
       prompt_template: format string for the prompt, with `{question}`, e.g.
         `"{question}\\nPut the final answer in \\\\boxed{{}}."`.
       skip_malformed: skip, count and report malformed rows instead of raising.
+      task: "math" (a reference answer, from `answer_fields`) or "code" (tests, from
+        `tests_fields`; `answer_fields` and `extract` are unused).
+      tests_fields: candidate names of the tests field, the first present is used
+        (MBPP: "test_list"; HumanEval: "test"; APPS: "input_output"; CodeContests:
+        "public_tests"; verl-style rows: "reward_model.ground_truth").
     """
 
     question_fields: tuple[str, ...] = ("question", "problem", "prompt")
@@ -96,8 +109,14 @@ class JsonlConfig:
     answer_marker: str = "####"
     prompt_template: str = "{question}"
     skip_malformed: bool = False
+    task: str = "math"
+    tests_fields: tuple[str, ...] = ("tests", "test_list", "test", "input_output", "public_tests")
 
     def __post_init__(self):
+        if self.task not in ("math", "code"):
+            raise ValueError(f"JsonlConfig.task must be 'math' or 'code', got {self.task!r}")
+        if isinstance(self.tests_fields, str):
+            raise ValueError("JsonlConfig.tests_fields is a tuple of names, e.g. ('test_list',)")
         if self.extract not in ("auto", "boxed", "marker", "none"):
             raise ValueError(f"JsonlConfig.extract must be 'auto', 'boxed', 'marker' or 'none', "
                              f"got {self.extract!r}")
@@ -190,6 +209,27 @@ def _text_field(row: dict, names: tuple[str, ...], what: str, *,
                      f"(fields: {sorted(row)[:10]})")
 
 
+def _code_tests(row: dict, config: JsonlConfig) -> str:
+    """The row's tests as JSON text (``policyopt.rewards.code.parse_tests``); raises
+    ``ValueError``."""
+    from policyopt.rewards.code import parse_tests  # deferred: only code tasks need it
+
+    for name in config.tests_fields:
+        value = _lookup(row, name)
+        if value is _MISSING or value is None:
+            continue
+        entry_point = row.get("entry_point")
+        try:
+            tests = parse_tests(value, entry_point=entry_point if isinstance(entry_point, str) else None)
+        except ValueError as e:
+            raise ValueError(f"tests field {name!r}: {e}") from None
+        if not (tests.strip() if isinstance(tests, str) else tests):
+            raise ValueError(f"tests field {name!r}: empty tests")
+        return json.dumps(tests)
+    raise ValueError(f"missing tests field: none of {list(config.tests_fields)} present "
+                     f"(fields: {sorted(row)[:10]})")
+
+
 def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
     """One JSONL line to a record; raises `ValueError` saying what is wrong."""
     try:
@@ -201,15 +241,20 @@ def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
     _, question = _text_field(row, config.question_fields, "question", chat=True)
     if not question.strip():
         raise ValueError("empty question")
-    answer_name, answer_text = _text_field(row, config.answer_fields, "answer")
-    reference = extract_reference(answer_text, config)
-    if reference is None:
-        rule = "\\boxed{}" if config.extract == "boxed" else repr(config.answer_marker)
-        raise ValueError(f"no {rule} in field {answer_name!r}")
-    if not reference:
-        raise ValueError(f"empty answer extracted from field {answer_name!r}")
+    if config.task == "code":
+        reference = _code_tests(row, config)
+        default_solutions = ("solution", "code")
+    else:
+        answer_name, answer_text = _text_field(row, config.answer_fields, "answer")
+        reference = extract_reference(answer_text, config)
+        if reference is None:
+            rule = "\\boxed{}" if config.extract == "boxed" else repr(config.answer_marker)
+            raise ValueError(f"no {rule} in field {answer_name!r}")
+        if not reference:
+            raise ValueError(f"empty answer extracted from field {answer_name!r}")
+        default_solutions = ("solution", "answer")
     solution_names = ((config.solution_field,) if config.solution_field is not None
-                      else ("solution", "answer"))
+                      else default_solutions)
     solution = ""
     for name in solution_names:
         if isinstance(_lookup(row, name), str):
@@ -224,7 +269,7 @@ def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
 
 def read_math_jsonl(path: str | os.PathLike,
                     config: JsonlConfig = JsonlConfig()) -> tuple[list[dict[str, str]], JsonlReport]:
-    """Reads a JSONL math file into records.
+    """Reads a JSONL math file (or, with ``config.task = "code"``, code problems) into records.
 
     Args:
       path: the file.

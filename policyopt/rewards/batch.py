@@ -21,9 +21,11 @@ preload list is the process-wide fork server's; if something else started that s
 first, workers import what they need themselves (slower start, same results). A batch
 deadline is enforced twice: workers stop starting new samples once it has passed (and cap
 each verifier's time limit to what is left), and the parent stops waiting at the deadline
-plus a short grace; samples not back by then score 0, are counted in
-``metrics["deadline_missed"]``, and the pool, whose workers may be stuck, is killed and
-replaced on the next call.
+plus a short grace; samples not back by then get the stand-in reward of a failed sample,
+are counted in ``metrics["deadline_missed"]``, and the pool, whose workers may be stuck,
+is killed and replaced on the next call. Samples of a worker that crashed (e.g. killed
+for memory) are treated alike, with status "worker_error", counted in
+``metrics["worker_errors"]``.
 """
 
 from __future__ import annotations
@@ -169,7 +171,7 @@ class SampleScore:
       correctness: c in [0, 1].
       status: verifier outcome (``STATUSES``: "correct", "incorrect", "no_answer",
         "rejected", "timeout", "format", "deadline", "error", "verifier_error"; code:
-        "no_code", "no_tests").
+        "no_code", "no_tests"; "worker_error": lost to a scoring worker that crashed).
       language_ok: the language-consistency condition holds (False when not computed).
     """
 
@@ -180,6 +182,10 @@ class SampleScore:
 
 
 _MISSED = SampleScore(False, 0.0, "deadline")
+_LOST = SampleScore(False, 0.0, "worker_error")
+# Statuses with no verdict: the sample gets a stand-in reward and is left out of the loss
+# and of its group's statistics (``BatchScores.scored`` False).
+UNSCORED = ("deadline", "worker_error")
 
 
 class VerifierImportError(ValueError):
@@ -404,7 +410,7 @@ def _score_parallel(items, spec, deadline, num_workers) -> tuple[list[SampleScor
             except Exception:  # noqa: BLE001 - BrokenProcessPool (a worker died, e.g. OOM)
                 errors += len(chunk)
                 broken = True
-                scores.extend([SampleScore(False, 0.0, "error")] * len(chunk))
+                scores.extend([_LOST] * len(chunk))
                 continue
         scores.extend([_MISSED] * len(chunk))
     if broken:
@@ -443,11 +449,12 @@ class BatchScores(tuple):
       format_ok: bool [N] passed the format check.
       truncated: bool [N] hit the generation limit.
       sample_mask: float32 [N] 0 for samples to drop from the loss (overlong filtering,
-        missed deadline).
+        missed deadline, lost to a crashed worker).
       scored: bool [N] the reward is a verdict; False for a sample that missed the
-        deadline (its reward is a stand-in, to leave out of its group's statistics:
-        ``outcome_advantages(valid=...)``). An overlong-filtered sample is scored: DAPO
-        masks its loss, its reward still counts in its group.
+        deadline or was lost to a crashed scoring worker (its reward is a stand-in, to
+        leave out of its group's statistics: ``outcome_advantages(valid=...)``). An
+        overlong-filtered sample is scored: DAPO masks its loss, its reward still counts
+        in its group.
       length_penalty: float32 [N] overlong penalty added to the reward (0 where gated).
       language_ok: bool [N] language consistency held.
       status: list[str] [N] verifier outcome per sample.
@@ -481,7 +488,7 @@ def _process_count() -> int:
 #: Every ``SampleScore.status`` (math and code verifiers, the batch's own), by the code
 #: sent between processes; a status not listed travels as "error".
 STATUSES = ("correct", "incorrect", "no_answer", "rejected", "timeout", "format", "deadline",
-            "error", "no_code", "no_tests", "verifier_error")
+            "error", "no_code", "no_tests", "verifier_error", "worker_error")
 
 
 def _score_across_processes(items, spec, deadline, num_workers) -> tuple[list[SampleScore], int]:
@@ -579,7 +586,7 @@ def score_batch(
     format_ok = np.array([s.format_ok for s in scores], dtype=bool).reshape(n)
     language_ok = np.array([s.language_ok for s in scores], dtype=bool).reshape(n)
     status = [s.status for s in scores]
-    missed = np.array([s == "deadline" for s in status], dtype=bool).reshape(n)
+    unscored = np.array([s in UNSCORED for s in status], dtype=bool).reshape(n)
 
     if spec.overlong != "none":
         penalty = length_lib.overlong_penalties(
@@ -588,10 +595,10 @@ def score_batch(
     else:
         penalty = np.zeros(n, np.float32)
     if spec.format_reward:
-        graded = format_ok & ~missed
+        graded = format_ok & ~unscored
         base = np.where(graded, spec.format_value + spec.correct_value * correctness, 0.0)
     else:
-        graded = ~missed
+        graded = ~unscored
         plain = spec.incorrect_value + (spec.plain_correct_value - spec.incorrect_value) * correctness
         base = np.where(graded, plain, spec.incorrect_value)
     penalty = np.where(graded, penalty, 0.0).astype(np.float32)
@@ -605,7 +612,7 @@ def score_batch(
         is_truncated = length_lib.truncated(lengths, spec.max_len)
     else:
         is_truncated = np.zeros(n, bool)
-    sample_mask = np.where((spec.overlong_filter & is_truncated) | missed, 0.0, 1.0).astype(np.float32)
+    sample_mask = np.where((spec.overlong_filter & is_truncated) | unscored, 0.0, 1.0).astype(np.float32)
 
     def mean(x) -> float:
         return float(np.mean(x)) if n else 0.0
@@ -613,10 +620,10 @@ def score_batch(
     metrics = {
         "reward_mean": mean(rewards),
         "accuracy": mean(correct),
-        "format_failure_rate": mean(~format_ok & ~missed),
+        "format_failure_rate": mean(~format_ok & ~unscored),
         "verifier_timeouts": float(sum(s == "timeout" for s in status)),
         "verifier_errors": float(sum(s == "verifier_error" for s in status)),
-        "deadline_missed": float(missed.sum()),
+        "deadline_missed": float(sum(s == "deadline" for s in status)),
         "worker_errors": float(errors),
         "length_penalty_mean": mean(penalty),
         "truncated_fraction": mean(is_truncated),
@@ -632,7 +639,7 @@ def score_batch(
         format_ok=format_ok,
         truncated=is_truncated,
         sample_mask=sample_mask,
-        scored=~missed,
+        scored=~unscored,
         length_penalty=penalty,
         language_ok=language_ok,
         status=status,

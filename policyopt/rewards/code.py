@@ -12,6 +12,11 @@ Tests (``tests`` argument) follow two conventions:
   equals ``output`` after stripping trailing blanks of every line and blank lines at both
   ends.
 
+Datasets store tests in other shapes; :func:`parse_tests` brings each to one of the two
+(MBPP's list of asserts, HumanEval's ``check(candidate)`` with its entry point, APPS's
+``input_output`` and CodeContests' ``public_tests`` parallel lists, any of them as JSON
+text), and the trainers' code tasks keep them as JSON text in their records.
+
 Only Python is run: the first fenced block with a language tag (Magistral's format) must
 be tagged ``python``, ``py`` or ``python3``; any other language scores 0. Magistral: 20
 tests, 4 s and 300 MB per test, binary reward (partial credit hurt).
@@ -62,8 +67,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -375,6 +382,85 @@ def _normalise_output(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
 
+def _lines(value: Any, what: str) -> str:
+    """A stdin / stdout text: a string, or a list of lines (joined by newlines)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(line, str) for line in value):
+        return "\n".join(value)
+    raise ValueError(f"a test case's {what} must be text or a list of lines, got {type(value).__name__}")
+
+
+def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dict[str, str]]:
+    """Tests in any of the encodings datasets use, as :func:`run_code_tests` takes them.
+
+    - A string of Python statements (asserts; HumanEval, MBPP's ``test``): as it is. A
+      string holding JSON text (an array, an object or a string: ``"[...]"``) is decoded
+      first and read by these rules; a string that is not valid JSON is Python.
+    - A list of strings (MBPP's ``test_list``): the statements, one per line.
+    - A list of ``{"input": ..., "output": ...}`` cases: stdin / expected stdout; either
+      may be a list of lines.
+    - An object of parallel lists, ``{"inputs": [...], "outputs": [...]}`` (APPS's
+      ``input_output``) or ``{"input": [...], "output": [...]}`` (CodeContests'
+      ``public_tests``): the cases, in order.
+
+    Args:
+      tests: the tests, in one of those encodings.
+      entry_point: HumanEval's function name: a test string that defines
+        ``check(candidate)`` and never calls it gets ``check(<entry_point>)`` appended.
+
+    Returns:
+      An assert string, or a list of ``{"input": str, "output": str}`` dicts.
+
+      Empty tests stay empty (``run_code_tests`` reports "no_tests" for an empty list).
+
+    Raises:
+      ValueError: an encoding not listed above, or call-based cases (APPS's ``fn_name``:
+        the function's arguments and return value instead of stdin/stdout).
+    """
+    if isinstance(tests, str):
+        text = tests.strip()
+        if text[:1] in ("[", "{", '"'):
+            try:
+                decoded = json.loads(text)
+            except json.JSONDecodeError:
+                decoded = None
+            if decoded is not None:
+                return parse_tests(decoded, entry_point=entry_point)
+        if not text:
+            return tests
+        if entry_point and re.search(r"^def check\(", tests, re.M) and not re.search(r"^check\(", tests, re.M):
+            if not entry_point.isidentifier():
+                raise ValueError(f"entry_point {entry_point!r} is not a Python name")
+            tests = tests.rstrip() + f"\n\n\ncheck({entry_point})\n"
+        return tests
+    if isinstance(tests, dict):
+        if tests.get("fn_name"):
+            raise ValueError("call-based tests (fn_name) are not supported: the cases must be stdin / stdout")
+        inputs = tests.get("inputs", tests.get("input"))
+        outputs = tests.get("outputs", tests.get("output"))
+        if not isinstance(inputs, list) or not isinstance(outputs, list):
+            raise ValueError("a tests object needs parallel lists 'inputs' / 'outputs' (or 'input' / 'output'), "
+                             f"got keys {sorted(tests)[:6]}")
+        if len(inputs) != len(outputs):
+            raise ValueError(f"{len(inputs)} inputs but {len(outputs)} outputs")
+        tests = [{"input": i, "output": o} for i, o in zip(inputs, outputs)]
+    if isinstance(tests, list):
+        if not tests:
+            return []
+        if all(isinstance(t, str) for t in tests):
+            return parse_tests("\n".join(tests), entry_point=entry_point)
+        if all(isinstance(t, dict) for t in tests):
+            cases = []
+            for case in tests:
+                if "input" not in case or "output" not in case:
+                    raise ValueError(f"a test case needs 'input' and 'output', got keys {sorted(case)[:6]}")
+                cases.append({"input": _lines(case["input"], "input"), "output": _lines(case["output"], "output")})
+            return cases
+        raise ValueError("a list of tests must hold only assert strings or only {input, output} cases")
+    raise ValueError(f"tests must be text, a list or an object, got {type(tests).__name__}")
+
+
 def _split_asserts(tests: str) -> tuple[str, list[str]]:
     """(setup statements, one source string per top-level assert) of a test string."""
     tree = ast.parse(tests)
@@ -397,12 +483,14 @@ def run_code_tests(
 
     Args:
       completion: model output; the block is searched after ``</think>`` when present.
-      tests: assert string, or list of {"input", "output"} cases.
+      tests: assert string, or list of {"input", "output"} cases, or any encoding
+        :func:`parse_tests` reads (a malformed one raises ``ValueError``).
       timeout_s: wall-clock (and CPU) limit per test process.
       memory_mb: address-space limit per test process.
       stop_at_first_failure: stop once a case fails (binary reward needs no more).
       max_processes: RLIMIT_NPROC of the sandbox uid.
     """
+    tests = parse_tests(tests)
     block = first_code_block(answer_region(str(completion)))
     if block is None or block[0] not in PYTHON_TAGS:
         return CodeResult(0, max(len(tests), 1) if not isinstance(tests, str) else 1, "no_code")

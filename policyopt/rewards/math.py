@@ -76,6 +76,7 @@ _DECIMAL_SEPARATION = fractions.Fraction(2, 10**6)
 _BLANKS = re.compile(r"\s+|\$|\\[,;:! ]|\\quad")
 # verl's DAPO reward (math_dapo.py) finds the answer with this pattern, case-insensitive.
 _ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)
+_DOLLAR_SPAN = re.compile(r"\$([^$]+)\$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,13 +132,18 @@ def extract_answer_line(text: str) -> str | None:
 
     The line is found as verl's DAPO reward finds it: the last match of
     ``Answer\\s*:\\s*([^\\n]+)``, case-insensitive (so ``Final answer: 3`` counts, and
-    ``Answer:`` followed by a line break takes the next line). Its text is then cleaned of
-    what a model writes around an answer: a ``\\boxed{...}`` on the line gives its content,
-    surrounding ``$`` and a final full stop go. verl then compares normalised strings
-    (Minerva's normalisation); here the answer goes through the same comparison as a boxed
-    one (exact, rational, then math-verify), which accepts every answer that string match
-    accepts (``x = 3`` included) and also equivalent forms (``0.5`` for ``\\frac{1}{2}``).
-    verl also reads only the last 300 characters of the response; this reads all of it.
+    ``Answer:`` followed by a line break takes the next line). What a model writes around
+    the answer then goes: Markdown emphasis (``**Answer:** 34``), a ``\\boxed{...}`` on
+    the line (its content is the answer), else the first ``$...$`` span (its content, as
+    Minerva's normalisation keeps), surrounding ``$`` and one final full stop (not an
+    ellipsis).
+
+    Differences from verl, deliberate: the answer is compared like a boxed one (exact,
+    rational, then math-verify), which also accepts equivalent forms (``0.5`` for
+    ``\\frac{1}{2}``, ``x = 3`` for ``3``) where verl compares normalised strings; verl's
+    normalisation removes units and words (``5 dollars``) that math-verify may reject; and
+    verl reads only the last 300 characters of the response, this all of it (after
+    ``</think>``, see ``answer_region``).
 
     Returns:
       The answer text, or None when there is no such line or it is empty once cleaned.
@@ -147,12 +153,17 @@ def extract_answer_line(text: str) -> str | None:
         answer = match.group(1)
     if answer is None:
         return None
+    answer = answer.strip().strip("*").strip()
     boxed = extract_boxed(answer)
-    if boxed is not None:
+    dollars = _DOLLAR_SPAN.search(answer)
+    if boxed is not None and boxed.strip():
         answer = boxed
-    for _ in range(2):  # "$3$." and "3.$" alike
-        answer = answer.strip().strip("$").strip().removesuffix(".")
-    return answer.strip() or None
+    elif dollars is not None:
+        answer = dollars.group(1)
+    answer = answer.strip()
+    if answer.endswith(".") and not answer.endswith(".."):
+        answer = answer[:-1]
+    return answer.strip().strip("$").strip() or None
 
 
 def extract_answer(text: str, answer_format: str = "boxed") -> str | None:

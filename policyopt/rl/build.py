@@ -71,7 +71,7 @@ def make_model(config, vocab_size: int, mesh: Mesh | None = None) -> nnx.Module:
         return Transformer(model_config, rngs=nnx.Rngs(config.seed))
 
 
-TASKS = ("arithmetic", "math_jsonl")
+TASKS = ("arithmetic", "math_jsonl", "code_jsonl")
 
 
 def task_config(config) -> ArithmeticConfig:
@@ -91,12 +91,15 @@ def _names(value) -> tuple[str, ...]:
 
 
 def jsonl_reader(config) -> JsonlConfig:
-    """How ``task.name = "math_jsonl"`` reads its files (``policyopt.data.jsonl``)."""
+    """How ``task.name = "math_jsonl"`` or ``"code_jsonl"`` reads its files
+    (``policyopt.data.jsonl``)."""
     t = config.task
     return JsonlConfig(question_fields=_names(t.question_fields), answer_fields=_names(t.answer_fields),
                        solution_field=t.solution_field or None, extract=t.extract,
                        answer_marker=t.answer_marker, prompt_template=t.prompt_template,
-                       skip_malformed=bool(t.skip_malformed))
+                       skip_malformed=bool(t.skip_malformed),
+                       task="code" if t.name == "code_jsonl" else "math",
+                       tests_fields=_names(t.tests_fields))
 
 
 def _jsonl_files(config) -> dict[str, str]:
@@ -104,7 +107,7 @@ def _jsonl_files(config) -> dict[str, str]:
     files = {"train": t.train_file, "test": t.test_file}
     for split, path in files.items():
         if not path:
-            raise ValueError(f"config.task.{split}_file is required with task.name='math_jsonl'")
+            raise ValueError(f"config.task.{split}_file is required with task.name={t.name!r}")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"config.task.{split}_file={path!r} is not a file")
     return files
@@ -163,6 +166,8 @@ def task_source(config, split: str) -> Sequence:
       from ``task.seed`` (deterministic, cached).
     - ``task.name = "math_jsonl"``: every row of ``task.train_file`` / ``test_file``
       (GSM8K / MATH style, read per the ``task`` fields: ``jsonl_reader``).
+    - ``task.name = "code_jsonl"``: the same, code problems whose ``answer`` is their
+      tests as JSON text (``policyopt.data.jsonl``, ``JsonlConfig(task="code")``).
     - With ``task.tfds_dir`` either task is written once as tfds array_record files there
       (``policyopt.data.tfds_builders``, named by content) and read back by random access
       instead of being held in memory; text fields then come back as bytes
@@ -213,37 +218,47 @@ def eval_records(config, tokenizer) -> list[dict]:
     return kept
 
 
+def _reward_task(config) -> str:
+    """``RewardSpec.task`` of the run: "code" for ``task.name = "code_jsonl"``, else "math"."""
+    return "code" if config.task.name == "code_jsonl" else "math"
+
+
+def _task_limits(config) -> dict:
+    r = config.reward
+    return dict(task=_reward_task(config), verifier=r.verifier or None,
+                verifier_timeout_s=float(r.verifier_timeout_s), answer_format=r.answer_format,
+                code_timeout_s=float(r.code_timeout_s), code_memory_mb=int(r.code_memory_mb),
+                code_partial=bool(r.code_partial))
+
+
 def reward_spec(config) -> RewardSpec:
     """``RewardSpec`` from ``config.reward`` (length limits default to max_new_tokens).
 
-    The task is math: the trainer's tasks (``task_source``: the synthetic arithmetic and
-    math JSONL files) are problems with a reference answer, checked by the math verifier
-    or by ``config.reward.verifier``. The code verifier (``RewardSpec(task="code")``) is
-    used through ``policyopt.rewards`` directly.
+    The task's verifier: math (the synthetic arithmetic task and math JSONL files: a
+    reference answer) or code (``task.name = "code_jsonl"``: tests run in the sandbox),
+    or ``config.reward.verifier`` in its place.
     """
     r = config.reward
     max_len = r.max_len or config.sampling.max_new_tokens
     cache_len = r.cache_len or max(1, max_len // 4)
     shaping = r.overlong != "none" or r.overlong_filter
     return RewardSpec(
-        task="math", format_reward=bool(r.format), format_value=float(r.format_value),
+        format_reward=bool(r.format), format_value=float(r.format_value),
         correct_value=float(r.correct_value), incorrect_value=float(r.incorrect_value),
         overlong=r.overlong, max_len=max_len if shaping else None,
         cache_len=cache_len if r.overlong != "none" else None,
         overlong_filter=bool(r.overlong_filter),
-        language_bonus=0.1 if r.language_bonus else 0.0, verifier=r.verifier or None,
-        verifier_timeout_s=float(r.verifier_timeout_s), answer_format=r.answer_format)
+        language_bonus=0.1 if r.language_bonus else 0.0, **_task_limits(config))
 
 
 def correctness_spec(config=None) -> RewardSpec:
     """Plain correctness (1 correct / 0 otherwise, no format gate or shaping): the
-    evaluation metric, with ``config.reward.verifier`` when there is one and the run's
-    ``reward.answer_format``."""
+    evaluation metric, with the run's verifier (math or code, or ``config.reward.verifier``)
+    and its limits and ``reward.answer_format``; code tasks stop at a sample's first
+    failing test (pass@1 needs no pass rate)."""
     if config is None:
         return RewardSpec(task="math", format_reward=False)
-    return RewardSpec(task="math", format_reward=False, verifier=config.reward.verifier or None,
-                      verifier_timeout_s=float(config.reward.verifier_timeout_s),
-                      answer_format=config.reward.answer_format)
+    return RewardSpec(format_reward=False, **(_task_limits(config) | {"code_partial": False}))
 
 
 def init_params(config, model: nnx.Module, mesh: Mesh):

@@ -380,6 +380,12 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
     # importance weights, the replayed routing.
     rewards = sharding.shard_rows(merged.rewards)
     scored = merged.scored_rows()
+
+    def valid(rows=slice(None)):
+        """Samples that missed the scoring deadline count in no group statistic (None:
+        every sample was scored; the statistics then keep their static group size)."""
+        return None if scored[rows].all() else scored[rows]
+
     old_values = returns = None
     if run.critic is not None:
         t0 = time.perf_counter()
@@ -391,9 +397,8 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
         metrics["time/values_s"] = _block(advantages, t0)
     else:
         scale = "none" if algo.adv_scale == "minibatch" else algo.adv_scale
-        # Samples that missed the scoring deadline count in no group statistic.
         advantages = outcome_advantages(rewards, group, center=algo.adv_center, scale=scale,
-                                        eps=algo.adv_eps, valid=scored)
+                                        eps=algo.adv_eps, valid=valid())
     # VAPO's NLL term covers the correct samples.
     nll_weights = sharding.shard_rows(merged.correct.astype(np.float32)) if algo.nll_coef > 0 else None
     weights = None
@@ -419,7 +424,7 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
             minibatch = take_rows(batch, rows)
             if algo.adv_scale == "minibatch" and run.critic is None:
                 minibatch = minibatch._replace(advantages=minibatch_advantages(
-                    rewards[rows], group, center=algo.adv_center, eps=algo.adv_eps, valid=scored[rows]))
+                    rewards[rows], group, center=algo.adv_center, eps=algo.adv_eps, valid=valid(rows)))
             minibatch = shard_batch(minibatch)
             update_metrics = {}
             if not pretraining:
