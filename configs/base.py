@@ -80,8 +80,11 @@ def base_config() -> ml_collections.ConfigDict:
     # (local GSM8K / MATH style JSONL files, `policyopt.data.jsonl`) or "code_jsonl"
     # (local code problems with tests, MBPP / HumanEval / APPS style, scored by running
     # the response's first Python block against them in the sandbox of
-    # `policyopt.rewards.code`; the format gate then asks for a fenced block). Use the
-    # file tasks with a pretrained model and its tokenizer, `model.pretrained`.
+    # `policyopt.rewards.code`; the format gate then asks for a fenced block) or
+    # "mixed_jsonl" (both in the same files, Magistral's mixture: a row with one of
+    # `tests_fields` is code, any other math; each sample is checked by its own task's
+    # verifier). Use the file tasks with a pretrained model and its tokenizer,
+    # `model.pretrained`.
     c.task.name = "arithmetic"
     # Difficulty knobs of `ArithmeticConfig` (task "arithmetic").
     c.task.num_operands = 2
@@ -530,7 +533,7 @@ _CHOICES = {
     "reward.overlong": ("none", "dapo", "magistral"),
     "reward.answer_format": ("boxed", "answer_line"),
     "dynamic_sampling.criterion": ("reward", "accuracy"),
-    "task.name": ("arithmetic", "math_jsonl", "code_jsonl"),
+    "task.name": ("arithmetic", "math_jsonl", "code_jsonl", "mixed_jsonl"),
     "task.extract": ("auto", "boxed", "marker", "none"),
     "task.overlong_prompt": ("error", "drop", "truncate_left", "truncate_right"),
 }
@@ -545,7 +548,7 @@ def check(config: ml_collections.ConfigDict) -> None:
         if node not in choices:
             raise ValueError(f"config.{path} must be one of {choices}, got {node!r}")
     t = config.task
-    if t.name in ("math_jsonl", "code_jsonl"):
+    if t.name in ("math_jsonl", "code_jsonl", "mixed_jsonl"):
         missing = [f"task.{split}_file" for split in ("train", "test") if not t[f"{split}_file"]]
         if missing:
             raise ValueError(f"config.{missing[0]} is required with task.name={t.name!r}")

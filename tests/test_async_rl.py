@@ -18,6 +18,7 @@ from flax import nnx
 
 from configs import magistral, magistral_async, vapo
 from policyopt.metrics import read_jsonl
+from policyopt.rewards import score_batch
 from policyopt.rl import build
 from policyopt.rl.async_generation import (AsyncGenerator, GeneratorExhausted, GroupCompletion,
                                            SlotConfig, SlotGenerator, _group_rows_fn, _refill_fn,
@@ -508,6 +509,28 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
     real = whole.attention_mask[:, PROMPT_WIDTH - 8:] > 0
     np.testing.assert_array_equal(np.asarray(outs[0].routing)[:, real],
                                   np.asarray(outs[1].routing)[:, :, PROMPT_WIDTH - 8:][:, real])
+
+
+def test_mixed_math_and_code_prompts_are_scored_by_their_task(tmp_path, monkeypatch):
+    """Async mode on task.name=mixed_jsonl: every group carries its record's task to
+    ``score_batch`` (recorded on its way through; the real function scores), which checks
+    it with that task's verifier; per-task accuracies are logged."""
+    from policyopt.rl import async_rl
+    from tests.test_rl_tasks import _mixed_files
+
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append((kwargs["prompts"], kwargs["tasks"]))
+        return score_batch(*args, **kwargs)
+
+    monkeypatch.setattr(async_rl, "score_batch", recording)
+    config = _mixed_files(tiny("train.num_iterations=1"), tmp_path)
+    summary = run_async_rl(config, str(tmp_path / "train"), quiet=True)
+    assert seen  # one call per group; code problems' prompts start with "py: "
+    for prompts, tasks in seen:
+        assert tasks == ["code" if p.startswith("py: ") else "math" for p in prompts]
+    assert any(k.startswith("reward/accuracy_") for k in summary["metrics"])
 
 
 def test_config_fields_and_errors():

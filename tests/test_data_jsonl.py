@@ -153,6 +153,18 @@ def test_code_files_from_mbpp_humaneval_apps_and_codecontests_rows(tmp_path):
     assert report.loaded == 1 and len(report.skipped) == 3
 
 
+def test_mixed_files_say_each_rows_task(tmp_path):
+    rows = [{"question": "1+1?", "answer": "2"},
+            {"question": "Print 2.", "test_list": ["assert True"]},
+            {"question": "2+2?", "answer": "#### 4", "tests": None}]  # a null tests field: math
+    path = _write(tmp_path / "mixed.jsonl", [json.dumps(r) for r in rows])
+    records, _ = read_math_jsonl(path, JsonlConfig(task="mixed"))
+    assert [(r["task"], r["answer"]) for r in records] == [
+        ("math", "2"), ("code", json.dumps("assert True")), ("math", "4")]
+    math_only, _ = read_math_jsonl(path, JsonlConfig(skip_malformed=True))
+    assert "task" not in math_only[0]
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="extract"):
         JsonlConfig(extract="last")

@@ -248,6 +248,52 @@ def test_code_jsonl_task_trains_and_scores_programs_against_its_tests(tmp_path):
         tiny("grpo", extra="reward.code_timeout_s=0.0")
 
 
+def _mixed_files(config, directory):
+    """The config's arithmetic task as one math and one code problem per record,
+    interleaved, in one file per split (Magistral's math and code mixture); the code
+    problems' prompts start with "py: "."""
+    files = {}
+    for split in ("train", "test"):
+        rows = []
+        for r in build.task_records(config, split):
+            rows.append({"question": r["prompt"], "answer": r["answer"]})
+            rows.append({"question": "py: " + r["prompt"], "tests": [{"input": "", "output": r["answer"]}]})
+        files[split] = _write_jsonl(directory / f"mixed_{split}.jsonl", rows)
+    return _with(config, name="mixed_jsonl", train_file=files["train"], test_file=files["test"])
+
+
+def test_mixed_jsonl_checks_each_sample_with_its_own_task(tmp_path):
+    """task.name=mixed_jsonl: math rows and code rows in one file; every record says its
+    task, the trainer and the evaluation check each sample with its task's verifier and
+    log accuracy per task, and task.tfds_dir keeps the task field."""
+    config = tiny("grpo", extra="train.num_iterations=1,eval.num_prompts=4")
+    answers = [r["answer"] for r in build.task_records(config, "test")[:2]]
+    mixed = _mixed_files(config, tmp_path)
+    records = build.task_records(mixed, "test")[:4]
+    assert [r["task"] for r in records] == ["math", "code", "math", "code"]
+    assert records[0]["answer"] == answers[0] and json.loads(records[1]["answer"]) == [
+        {"input": "", "output": answers[0]}]
+    prepared = _with(mixed, tfds_dir=str(tmp_path / "tfds"))
+    assert build.task_records(prepared, "test") == build.task_records(mixed, "test")
+    # A boxed answer is right for the math records only, a program for the code ones.
+    boxed = [f"\\boxed{{{answers[0]}}}", f"\\boxed{{{answers[0]}}}"]
+    program = [f"```python\nprint({answers[0]!r})\n```"] * 2
+    tasks = [r["task"] for r in records[:2]] * 2
+    scores = score_batch(boxed + program, [r["answer"] for r in records[:2]] * 2, [5] * 4,
+                         build.reward_spec(mixed), tasks=tasks)
+    assert scores.correct.tolist() == [True, False, False, True]
+    assert scores.status[1] == "no_code" and scores.status[2] == "no_answer"
+    summary = trainer.run_rl(mixed, str(tmp_path / "run"), num_iterations=1, quiet=True)
+    metrics, evaluation = summary["metrics"], summary["eval"]
+    per_task = {k for k in metrics if k.startswith("reward/accuracy_")}  # the batch's tasks
+    assert per_task and per_task <= {"reward/accuracy_math", "reward/accuracy_code"}
+    assert {"eval/pass@1_math", "eval/pass@1_code"} <= set(evaluation)  # 2 + 2 held-out records
+    assert evaluation["eval/pass@1"] == pytest.approx(
+        (evaluation["eval/pass@1_math"] + evaluation["eval/pass@1_code"]) / 2)
+    with pytest.raises(ValueError, match="task 'proof' is not one of"):
+        score_batch(["x"], ["1"], [1], build.reward_spec(mixed), tasks=["proof"])
+
+
 def test_answer_format_reaches_rewards_and_evaluation():
     """reward.answer_format=answer_line (DAPO-Math-17k): the training reward and the
     held-out pass@1 both read the last "Answer:" line."""

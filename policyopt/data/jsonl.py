@@ -28,6 +28,11 @@ assert string, MBPP's list of asserts, HumanEval's `check(candidate)` completed 
 row's `entry_point`, a list of stdin / stdout cases, APPS's and CodeContests' parallel
 lists, or any of them as JSON text); the record's `answer` is the tests as JSON text,
 which the code verifier reads back. Tests that cannot be read make the row malformed.
+
+Both in one file (`JsonlConfig(task="mixed")`, Magistral's math and code mixture): a row
+with one of `tests_fields` is a code problem, any other a math problem, and each record
+says which in a fourth field, `task` ("math" or "code"), which the trainers pass to the
+verifier with its sample.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ from typing import Any
 from absl import logging
 
 _BOXED_PREFIXES = ("\\boxed{", "\\fbox{")
+
+
+TASKS = ("math", "code", "mixed")
 
 
 class MalformedRowError(ValueError):
@@ -95,8 +103,9 @@ class JsonlConfig:
       prompt_template: format string for the prompt, with `{question}`, e.g.
         `"{question}\\nPut the final answer in \\\\boxed{{}}."`.
       skip_malformed: skip, count and report malformed rows instead of raising.
-      task: "math" (a reference answer, from `answer_fields`) or "code" (tests, from
-        `tests_fields`; `answer_fields` and `extract` are unused).
+      task: "math" (a reference answer, from `answer_fields`), "code" (tests, from
+        `tests_fields`; `answer_fields` and `extract` are unused) or "mixed" (per row:
+        code when a tests field is present, else math; records get a `task` field).
       tests_fields: candidate names of the tests field, the first present is used
         (MBPP: "test_list"; HumanEval: "test"; APPS: "input_output"; CodeContests:
         "public_tests"; verl-style rows: "reward_model.ground_truth").
@@ -113,8 +122,8 @@ class JsonlConfig:
     tests_fields: tuple[str, ...] = ("tests", "test_list", "test", "input_output", "public_tests")
 
     def __post_init__(self):
-        if self.task not in ("math", "code"):
-            raise ValueError(f"JsonlConfig.task must be 'math' or 'code', got {self.task!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"JsonlConfig.task must be one of {TASKS}, got {self.task!r}")
         if isinstance(self.tests_fields, str):
             raise ValueError("JsonlConfig.tests_fields is a tuple of names, e.g. ('test_list',)")
         if self.extract not in ("auto", "boxed", "marker", "none"):
@@ -241,7 +250,11 @@ def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
     _, question = _text_field(row, config.question_fields, "question", chat=True)
     if not question.strip():
         raise ValueError("empty question")
-    if config.task == "code":
+    task = config.task
+    if task == "mixed":
+        present = any(_lookup(row, name) not in (_MISSING, None) for name in config.tests_fields)
+        task = "code" if present else "math"
+    if task == "code":
         reference = _code_tests(row, config)
         default_solutions = ("solution", "code")
     else:
@@ -263,8 +276,11 @@ def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
     else:
         if config.solution_field is not None:
             raise ValueError(f"missing solution field {config.solution_field!r}")
-    return {"prompt": config.prompt_template.format(question=question), "answer": reference,
-            "solution": solution}
+    record = {"prompt": config.prompt_template.format(question=question), "answer": reference,
+              "solution": solution}
+    if config.task == "mixed":
+        record["task"] = task
+    return record
 
 
 def read_math_jsonl(path: str | os.PathLike,

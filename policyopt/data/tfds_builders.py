@@ -140,7 +140,8 @@ def math_jsonl_builder_config(files: dict[str, str | os.PathLike],
 
 
 class PolicyoptMathJsonl(_Builder):
-    """Math problems from local JSONL files (`policyopt.data.jsonl`), one split per file.
+    """Math or code problems (or both) from local JSONL files (`policyopt.data.jsonl`), one
+    split per file.
 
     Malformed rows raise `MalformedRowError` (file:line) unless the reader config skips
     them; skipped rows are counted per split in `builder.info.metadata["jsonl_reports"]`.
@@ -150,7 +151,10 @@ class PolicyoptMathJsonl(_Builder):
     RELEASE_NOTES = {"1.0.0": "prompt / answer / solution text."}
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(builder=self, features=_text_features(_TEXT_FIELDS),
+        # Mixed math and code files: each record also says its task.
+        mixed = self.builder_config is not None and self.builder_config.reader.task == "mixed"
+        fields = _TEXT_FIELDS + (("task",) if mixed else ())
+        return tfds.core.DatasetInfo(builder=self, features=_text_features(fields),
                                      metadata=tfds.core.MetadataDict(), disable_shuffling=True)
 
     def _split_generators(self, dl_manager):

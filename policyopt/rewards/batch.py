@@ -299,19 +299,24 @@ def score_sample(
 
 
 def _score_chunk(
-    items: list[tuple[str, Any, str | None]], spec: RewardSpec, deadline: float | None
+    items: list[tuple[str, Any, str | None, str | None]], spec: RewardSpec, deadline: float | None
 ) -> list[SampleScore]:
-    """Scores items in order; once ``deadline`` (time.time()) has passed, the rest are missed."""
+    """Scores items ``(completion, reference, prompt, task)`` in order (a task other than
+    None overrides ``spec.task`` for its item); once ``deadline`` (time.time()) has
+    passed, the rest are missed."""
     if spec.verifier is not None:
         load_verifier(spec.verifier)  # an unimportable verifier raises (not: every sample "error")
+    specs = {None: spec, spec.task: spec}
     scores = []
-    for completion, reference, prompt in items:
+    for completion, reference, prompt, task in items:
         time_left = None if deadline is None else deadline - time.time()
         if time_left is not None and time_left <= 0:
             scores.append(_MISSED)
             continue
         try:
-            scores.append(score_sample(completion, reference, prompt, spec, time_left_s=time_left))
+            if task not in specs:
+                specs[task] = dataclasses.replace(spec, task=task)
+            scores.append(score_sample(completion, reference, prompt, specs[task], time_left_s=time_left))
         except Exception:  # noqa: BLE001 - a reference/test malformed beyond repair scores 0
             scores.append(SampleScore(False, 0.0, "error"))
     return scores
@@ -536,6 +541,7 @@ def score_batch(
     deadline_s: float | None = None,
     truncated: Sequence[bool] | None = None,
     across_processes: bool = False,
+    tasks: Sequence[str | None] | None = None,
 ) -> BatchScores:
     """Scores a batch of completions per ``spec``; never raises on model output.
 
@@ -561,6 +567,9 @@ def score_batch(
         calls this with the same batch, scores its own ``1 / P`` of it and receives the
         others' scores (a collective), so each returns the whole batch's scores for
         ``1 / P`` of the verifier work. Ignored on one process.
+      tasks: N tasks (``"math"`` / ``"code"``, None: ``spec.task``) for a batch that
+        mixes them (Magistral trains on math and code at once): each sample is checked,
+        format gate included, by its task's verifier with ``spec``'s other settings.
 
     Returns:
       :class:`BatchScores`: ``(rewards float32 [N], correct bool [N], metrics)`` plus
@@ -569,13 +578,18 @@ def score_batch(
       truncated_fraction, language_consistent_rate, num_samples.
     """
     n = len(completions)
-    named = (("references", references), ("lengths", lengths), ("prompts", prompts), ("truncated", truncated))
+    named = (("references", references), ("lengths", lengths), ("prompts", prompts), ("truncated", truncated),
+             ("tasks", tasks))
     for name, values in named:
         if values is not None and len(values) != n:
             raise ValueError(f"score_batch: {name} has {len(values)} entries, completions has {n}")
     start = time.time()
     deadline = None if deadline_s is None else start + deadline_s
-    items = [(completions[i], references[i], None if prompts is None else prompts[i]) for i in range(n)]
+    for task in set(tasks or ()) - {None}:
+        if task not in format_lib.TASKS:
+            raise ValueError(f"score_batch: task {task!r} is not one of {format_lib.TASKS}")
+    items = [(completions[i], references[i], None if prompts is None else prompts[i],
+              None if tasks is None else tasks[i]) for i in range(n)]
     if across_processes and _process_count() > 1:
         scores, errors = _score_across_processes(items, spec, deadline, num_workers)
     else:

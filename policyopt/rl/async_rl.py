@@ -62,7 +62,7 @@ from policyopt.rl.async_generation import (AsyncGenerator, GroupCompletion, Slot
                                            SlotGenerator, staleness_bound)
 from policyopt.rl.batch import (DYNAMIC_SAMPLING_CRITERIA, bucket, mask_fillers, merge_rounds,
                                 round_from_rollout, trim_prompt, truncated_rows, uninformative_groups)
-from policyopt.rl.evaluate import decode
+from policyopt.rl.evaluate import decode, task_accuracies
 from policyopt.rl.trainer import (RLRun, RunLoop, _checkpoint_state, build_run, scoring_metrics,
                                   train_on_batch)
 
@@ -129,7 +129,8 @@ class PromptStream:
         for i, length in enumerate(np.asarray(batch["prompt_lengths"])):
             self._buffer.append(dict(prompt_tokens=np.asarray(batch["prompt_tokens"][i]),
                                      prompt_length=int(length), prompt=batch["prompt"][i],
-                                     answer=batch["answer"][i]))
+                                     answer=batch["answer"][i],
+                                     task=batch["task"][i] if "task" in batch else None))
 
     def __iter__(self):
         return self
@@ -159,7 +160,8 @@ def make_scorer(run: RLRun):
         scores = score_batch(texts, [completion.meta["answer"]] * group, completion.lengths,
                              run.reward_spec, prompts=[completion.meta["prompt"]] * group,
                              num_workers=cfg.reward.num_workers, truncated=truncated,
-                             deadline_s=cfg.reward.deadline_s)
+                             deadline_s=cfg.reward.deadline_s,
+                             tasks=[completion.meta.get("task")] * group)
         return completion._replace(rewards=np.asarray(scores.rewards, np.float32),
                                    correct=np.asarray(scores.correct, bool),
                                    sample_mask=np.asarray(scores.sample_mask, np.float32),
@@ -329,6 +331,9 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
     metrics.update(staleness_metrics(version, versions, start_version, finish_version))
     if all(g.scoring is not None for g in groups):  # the batch's groups (not the dropped ones)
         metrics.update(scoring_metrics([g.scoring for g in groups]))
+    if any(g.meta.get("task") is not None for g in groups):  # mixed math and code prompts
+        tasks = [g.meta.get("task") for g in groups for _ in range(len(g.rewards))]
+        metrics.update(task_accuracies(correct, tasks, "reward/accuracy"))
     _, key_shuffle = jax.random.split(jax.random.fold_in(run.rng, run.iteration))
     metrics = train_on_batch(run, merged, metrics, key_shuffle)
     # The sampler's routing and log-probs here come from older (and mixed) parameter

@@ -71,7 +71,9 @@ def make_model(config, vocab_size: int, mesh: Mesh | None = None) -> nnx.Module:
         return Transformer(model_config, rngs=nnx.Rngs(config.seed))
 
 
-TASKS = ("arithmetic", "math_jsonl", "code_jsonl")
+TASKS = ("arithmetic", "math_jsonl", "code_jsonl", "mixed_jsonl")
+# What each JSONL task's rows are (`JsonlConfig.task`).
+_JSONL_KINDS = {"math_jsonl": "math", "code_jsonl": "code", "mixed_jsonl": "mixed"}
 
 
 def task_config(config) -> ArithmeticConfig:
@@ -91,14 +93,14 @@ def _names(value) -> tuple[str, ...]:
 
 
 def jsonl_reader(config) -> JsonlConfig:
-    """How ``task.name = "math_jsonl"`` or ``"code_jsonl"`` reads its files
-    (``policyopt.data.jsonl``)."""
+    """How ``task.name = "math_jsonl"``, ``"code_jsonl"`` or ``"mixed_jsonl"`` reads its
+    files (``policyopt.data.jsonl``)."""
     t = config.task
     return JsonlConfig(question_fields=_names(t.question_fields), answer_fields=_names(t.answer_fields),
                        solution_field=t.solution_field or None, extract=t.extract,
                        answer_marker=t.answer_marker, prompt_template=t.prompt_template,
                        skip_malformed=bool(t.skip_malformed),
-                       task="code" if t.name == "code_jsonl" else "math",
+                       task=_JSONL_KINDS.get(t.name, "math"),
                        tests_fields=_names(t.tests_fields))
 
 
@@ -168,6 +170,8 @@ def task_source(config, split: str) -> Sequence:
       (GSM8K / MATH style, read per the ``task`` fields: ``jsonl_reader``).
     - ``task.name = "code_jsonl"``: the same, code problems whose ``answer`` is their
       tests as JSON text (``policyopt.data.jsonl``, ``JsonlConfig(task="code")``).
+    - ``task.name = "mixed_jsonl"``: both in the same files (a row with a tests field is
+      code, any other math), each record with its ``task``.
     - With ``task.tfds_dir`` either task is written once as tfds array_record files there
       (``policyopt.data.tfds_builders``, named by content) and read back by random access
       instead of being held in memory; text fields then come back as bytes
@@ -219,7 +223,8 @@ def eval_records(config, tokenizer) -> list[dict]:
 
 
 def _reward_task(config) -> str:
-    """``RewardSpec.task`` of the run: "code" for ``task.name = "code_jsonl"``, else "math"."""
+    """``RewardSpec.task`` of the run: "code" for ``task.name = "code_jsonl"``, else "math"
+    (with ``"mixed_jsonl"`` each sample's record says its own, ``score_batch(tasks=)``)."""
     return "code" if config.task.name == "code_jsonl" else "math"
 
 

@@ -58,6 +58,15 @@ def complete(graphdef, params, prompts: Sequence[str], tokenizer, *, max_new_tok
     return texts, np.concatenate(lengths)
 
 
+def task_accuracies(correct, tasks, name: str) -> dict[str, float]:
+    """``{f"{name}_{task}": mean correct of the task's samples}`` for each task of a mixed
+    batch (``tasks`` None: nothing)."""
+    if tasks is None:
+        return {}
+    correct, tasks = np.asarray(correct, bool), np.asarray(tasks)
+    return {f"{name}_{task}": float(correct[tasks == task].mean()) for task in sorted(set(tasks.tolist()))}
+
+
 def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_tokens: int,
              batch_size: int = 256, prompt_buckets: Sequence[int] = (16, 32, 64, 128, 256, 512),
              k: int = 0, temperature: float = 1.0, rng: jax.Array | None = None,
@@ -85,6 +94,8 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
     """
     prompts = [r["prompt"] for r in records]
     answers = [r["answer"] for r in records]
+    # Mixed math and code records say their task (None: the spec's).
+    tasks = [r["task"] for r in records] if records and "task" in records[0] else None
     spec = RewardSpec(task="math", format_reward=False) if spec is None else spec
     rng = jax.random.PRNGKey(0) if rng is None else rng
     batch_size = min(batch_size, len(prompts))
@@ -92,9 +103,10 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
                               batch_size=batch_size, prompt_buckets=prompt_buckets, rng=rng,
                               decode_segments=decode_segments)
     _, correct, _ = score_batch(texts, answers, lengths, spec, num_workers=num_workers,
-                                across_processes=True)
+                                across_processes=True, tasks=tasks)
     metrics = {"eval/pass@1": float(np.mean(correct)), "eval/length_mean": float(np.mean(lengths)),
                "eval/num_prompts": float(len(prompts))}
+    metrics.update(task_accuracies(correct, tasks, "eval/pass@1"))
     if k > 0:
         texts, lengths = complete(graphdef, params, prompts, tokenizer, max_new_tokens=max_new_tokens,
                                   batch_size=batch_size, prompt_buckets=prompt_buckets,
@@ -102,7 +114,8 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
                                   num_samples=k, decode_segments=decode_segments)
         references = [a for a in answers for _ in range(k)]
         _, correct, _ = score_batch(texts, references, lengths, spec, num_workers=num_workers,
-                                    across_processes=True)
+                                    across_processes=True,
+                                    tasks=None if tasks is None else [t for t in tasks for _ in range(k)])
         correct = np.asarray(correct).reshape(len(prompts), k)
         metrics[f"eval/mean@{k}"] = float(correct.mean())
         metrics[f"eval/pass@{k}"] = float(correct.any(axis=1).mean())

@@ -64,7 +64,7 @@ from policyopt.rl import build
 from policyopt.rl.batch import (Batch, DynamicSampler, bucket, minibatch_indices, round_from_rollout,
                                 shard_batch, take_rows, truncated_rows)
 from policyopt.rl.critic import Critic, CriticConfig, GAEConfig, critic_optim, gae_targets, get_critic
-from policyopt.rl.evaluate import decode, evaluate
+from policyopt.rl.evaluate import decode, evaluate, task_accuracies
 from policyopt.rl.learner import Learner, LossConfig, OptimConfig, TrainState, get_learner, place_state
 from policyopt.rl.routing import routing_metrics
 from policyopt.sampling import SamplingConfig, generate_fn, sampling_method
@@ -188,7 +188,7 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
                              max_rounds=cfg.dynamic_sampling.max_rounds if cfg.dynamic_sampling.enabled else 1,
                              criterion=cfg.dynamic_sampling.criterion)
     gen_time = score_time = 0.0
-    all_rewards, all_correct, all_lengths, all_truncated, all_scoring = [], [], [], [], []
+    all_rewards, all_correct, all_lengths, all_truncated, all_scoring, all_tasks = [], [], [], [], [], []
     done, round_index = False, 0
     while not done:
         prompts = next(run.data)
@@ -203,9 +203,11 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
         texts = decode(tokens, lengths, run.tokenizer)
         references = [a for a in prompts["answer"] for _ in range(group)]
         texts_prompts = [p for p in prompts["prompt"] for _ in range(group)]
+        # Mixed math and code prompts: each sample is checked by its own task's verifier.
+        tasks = [t for t in prompts["task"] for _ in range(group)] if "task" in prompts else None
         scores = score_batch(texts, references, lengths, run.reward_spec, prompts=texts_prompts,
                              num_workers=cfg.reward.num_workers, truncated=truncated,
-                             deadline_s=cfg.reward.deadline_s, across_processes=True)
+                             deadline_s=cfg.reward.deadline_s, across_processes=True, tasks=tasks)
         t2 = time.perf_counter()
         gen_time, score_time = gen_time + t1 - t0, score_time + t2 - t1
         width = min(bucket(int(lengths.max()), cfg.batch.response_buckets, name="response length"),
@@ -218,6 +220,7 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
         all_correct.append(scores.correct)
         all_lengths.append(lengths)
         all_truncated.append(truncated)
+        all_tasks.extend(tasks or ())
         done = sampler.add(rnd)
         round_index += 1
     merged, metrics = sampler.batch(run.tokenizer.pad_id)
@@ -233,6 +236,7 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
         "time/generate_s": gen_time, "time/score_s": score_time,
     })
     metrics.update(scoring_metrics(all_scoring))
+    metrics.update(task_accuracies(np.concatenate(all_correct), all_tasks or None, "reward/accuracy"))
     return merged, metrics
 
 
