@@ -123,8 +123,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Task "code_jsonl": the same fields, except that the tests come from the first of
     # `tests_fields` present, in any encoding `policyopt.rewards.code.parse_tests` reads
     # (asserts, MBPP's list of asserts, HumanEval's check() with the row's `entry_point`,
-    # stdin / stdout cases, APPS / CodeContests parallel lists, or JSON text of these).
-    # The SFT target is `solution_field` (None: "solution", else "code").
+    # stdin / stdout cases, APPS / CodeContests parallel lists, or JSON text of these; an
+    # empty field gives way to the next). Call-based tests (APPS's fn_name) make a row
+    # malformed (see `skip_malformed`). The SFT target is `solution_field` (None:
+    # "solution", else "code"), put in a ```python fence when it has none.
     c.task.tests_fields = "tests,test_list,test,input_output,public_tests"
     # Prompts longer than the largest `batch.prompt_buckets` (chat template included;
     # every prompt is tokenised once when the run is built): "error" (raise, naming the

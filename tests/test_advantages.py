@@ -149,6 +149,20 @@ def test_outcome_advantages_leave_invalid_samples_out():
         adv.outcome_advantages(rewards, 4, valid=valid[:8])
 
 
+def test_grpo_advantages_without_a_mask_keep_their_bits():
+    """Without ``valid`` GRPO's statistics divide by the static group size, as before masks
+    existed: runs with no missed sample get bit for bit the numbers they always had."""
+    rng = np.random.default_rng(5)
+    for group_size in (3, 8, 16):
+        rewards = rng.normal(size=4 * group_size).astype(np.float32)
+        grouped = jnp.asarray(rewards).reshape(-1, group_size)
+        mean = jnp.mean(grouped, axis=1, keepdims=True)
+        equal = jnp.max(grouped, axis=1, keepdims=True) == jnp.min(grouped, axis=1, keepdims=True)
+        std = jnp.sqrt(jnp.sum(jnp.square(grouped - mean), axis=1, keepdims=True) / (group_size - 1))
+        expected = (jnp.where(equal, 0.0, grouped - mean) / (std + 1e-6)).reshape(-1)
+        np.testing.assert_array_equal(adv.outcome_advantages(rewards, group_size), expected)
+
+
 def test_outcome_advantages_errors():
     with pytest.raises(ValueError, match="group_size"):
         adv.outcome_advantages(np.zeros(6), 4)

@@ -138,7 +138,8 @@ def test_code_files_from_mbpp_humaneval_apps_and_codecontests_rows(tmp_path):
     stdin_cases = [{"input": "1 2\n", "output": "3\n"}]
     assert json.loads(records[2]["answer"]) == json.loads(records[3]["answer"]) == stdin_cases
     assert json.loads(records[4]["answer"]) == [{"input": "1 2", "output": "3"}]
-    assert records[0]["solution"] == "def add_one(x): return x + 1" and records[2]["solution"] == ""
+    # A solution without a fence gets one: the format the code verifier reads.
+    assert records[0]["solution"] == "```python\ndef add_one(x): return x + 1\n```" and records[2]["solution"] == ""
     # Unreadable tests, named by file:line.
     bad = [json.dumps(rows[0]), json.dumps({"text": "q", "test_list": []}),
            json.dumps({"text": "q", "input_output": {"fn_name": "f", "inputs": [], "outputs": []}}),
@@ -151,6 +152,30 @@ def test_code_files_from_mbpp_humaneval_apps_and_codecontests_rows(tmp_path):
             read_math_jsonl(_write(tmp_path / f"bad_{line}.jsonl", lines), config)
     records, report = read_math_jsonl(path, JsonlConfig(**{**config.__dict__, "skip_malformed": True}))
     assert report.loaded == 1 and len(report.skipped) == 3
+
+
+def test_code_rows_setup_empty_fields_and_unverifiable_tests(tmp_path):
+    """MBPP's setup code and imports run before its asserts; an empty tests field gives
+    way to the next (CodeContests' public / private tests); tests that would pass every
+    program or cannot run as stdin / stdout make the row malformed."""
+    config = JsonlConfig(task="code", tests_fields=("test_list", "public_tests", "private_tests", "test"))
+    rows = [
+        {"question": "q", "test_list": ["assert f(4) == 2.0"], "test_setup_code": "import math",
+         "test_imports": ["import cmath"]},
+        {"question": "q", "public_tests": {"input": [], "output": []},
+         "private_tests": {"input": ["1\n"], "output": [1]}},  # a number as the output
+    ]
+    records, _ = read_math_jsonl(_write(tmp_path / "ok.jsonl", [json.dumps(r) for r in rows]), config)
+    assert json.loads(records[0]["answer"]) == "import cmath\nimport math\nassert f(4) == 2.0"
+    assert json.loads(records[1]["answer"]) == [{"input": "1\n", "output": "1"}]
+    unverifiable = [
+        ({"question": "q", "test": "def check(candidate):\n    assert candidate(1) == 2\n"}, "never call it"),
+        ({"question": "q", "test_list": [{"input": "[1]", "output": "1", "testtype": "functional"}]}, "call-based"),
+        ({"question": "q", "public_tests": {"input": [], "output": []}}, "public_tests': empty tests"),
+    ]
+    for i, (row, reason) in enumerate(unverifiable):
+        with pytest.raises(MalformedRowError, match=reason):
+            read_math_jsonl(_write(tmp_path / f"bad{i}.jsonl", [json.dumps(row)]), config)
 
 
 def test_mixed_files_say_each_rows_task(tmp_path):

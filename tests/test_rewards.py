@@ -193,6 +193,8 @@ ANSWER_LINE_CASES = [
     ("Answer: $5$ dollars", "5"),  # the first $...$ span, as Minerva's normalisation keeps
     ("**Answer:** 34", "34"),  # Markdown emphasis
     ("Answer: **34**", "34"),
+    ("Answer: **34**.", "34"),
+    ("Answer: **34.**", "34"),
     ("Answer: 1, 2, 3, ...", "1, 2, 3, ..."),  # one full stop goes, not an ellipsis
     ("the answer is 5", None),
     ("\\boxed{5}", None),

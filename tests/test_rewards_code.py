@@ -87,11 +87,24 @@ def test_parse_tests_completes_humaneval_and_refuses_the_rest():
                         ({"fn_name": "f", "inputs": [[1]], "outputs": [2]}, "call-based"),
                         ({"inputs": ["1"]}, "parallel lists"), ({"inputs": ["1"], "outputs": []}, "1 inputs but 0"),
                         ([{"input": "1"}], "needs 'input' and 'output'"), (["assert 1", {"input": ""}], "only"),
-                        ([{"input": 1, "output": "1"}], "text or a list of lines")]:
+                        ([{"input": None, "output": "1"}], "text, a number or a list of lines")]:
         with pytest.raises(ValueError, match=reason):
             code_lib.parse_tests(bad)
     with pytest.raises(ValueError, match="not a Python name"):
         code_lib.parse_tests(check, entry_point="add one")
+    with pytest.raises(ValueError, match="never call it"):  # every program would pass
+        code_lib.parse_tests(check)
+    main_guard = check + "\nif __name__ == '__main__':\n    check(add_one)\n"
+    assert code_lib.parse_tests(main_guard, entry_point="other") == main_guard  # called already
+    recursive = check + "    check(add_one)\n"  # a call inside check() is no call
+    assert code_lib.parse_tests(recursive, entry_point="add_one").endswith("\n\n\ncheck(add_one)\n")
+    for call_based in ([{"input": "[1]", "output": "2", "testtype": "functional"}],  # LiveCodeBench
+                       [{"input": "[1]", "output": "2", "type": "function_call"}],
+                       {"inputs": [[1]], "outputs": [2], "func_name": "f"}):
+        with pytest.raises(ValueError, match="call-based"):
+            code_lib.parse_tests(call_based)
+    # Numbers as outputs and tuples of cases, as datasets store them.
+    assert code_correctness(SUM_STDIN, ({"input": "1 2", "output": 3},), **FAST) == 1.0
     # The verifier reads every encoding (here APPS's, as JSON text).
     apps = json.dumps({"inputs": ["1 2\n", "5 5"], "outputs": ["3", "10"]})
     assert code_correctness(SUM_STDIN, apps, **FAST) == 1.0

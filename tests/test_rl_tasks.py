@@ -222,7 +222,8 @@ def test_code_jsonl_task_trains_and_scores_programs_against_its_tests(tmp_path):
     the rewards run the response's Python block against the record's tests in the
     sandbox, with the config's limits (a hand-written program per record: the right one
     passes, a wrong one fails)."""
-    config = tiny("grpo", extra="train.num_iterations=1,eval.num_prompts=4,reward.code_timeout_s=2.0")
+    config = tiny("grpo", extra="train.num_iterations=1,eval.num_prompts=4,reward.code_timeout_s=2.0,"
+                                "reward.code_memory_mb=256,reward.code_partial=True")
     files, answers = {}, build.task_records(config, "test")[:2]
     for split in ("train", "test"):
         rows = [{"question": r["prompt"], "tests": [{"input": "", "output": r["answer"]}]}
@@ -230,8 +231,9 @@ def test_code_jsonl_task_trains_and_scores_programs_against_its_tests(tmp_path):
         files[split] = _write_jsonl(tmp_path / f"{split}.jsonl", rows)
     config = _with(config, name="code_jsonl", train_file=files["train"], test_file=files["test"])
     spec = build.reward_spec(config)
-    assert spec.task == "code" and spec.code_timeout_s == 2.0 and spec.code_memory_mb == 300
-    assert build.correctness_spec(config).task == "code" and not build.correctness_spec(config).code_partial
+    assert spec.task == "code" and spec.code_timeout_s == 2.0 and spec.code_memory_mb == 256 and spec.code_partial
+    evaluation = build.correctness_spec(config)  # pass@1: all tests, stopping at the first failure
+    assert (evaluation.task, evaluation.code_memory_mb, evaluation.code_partial) == ("code", 256, False)
     tests = [r["answer"] for r in build.task_records(config, "test")[:2]]  # JSON text
     assert [json.loads(t) for t in tests] == [[{"input": "", "output": r["answer"]}] for r in answers]
     programs = [f"```python\nprint({r['answer']!r})\n```" for r in answers]

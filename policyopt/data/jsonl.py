@@ -26,8 +26,14 @@ Code problems (`JsonlConfig(task="code")`): the tests come from the first of
 `tests_fields` present, in any encoding `policyopt.rewards.code.parse_tests` reads (an
 assert string, MBPP's list of asserts, HumanEval's `check(candidate)` completed with the
 row's `entry_point`, a list of stdin / stdout cases, APPS's and CodeContests' parallel
-lists, or any of them as JSON text); the record's `answer` is the tests as JSON text,
-which the code verifier reads back. Tests that cannot be read make the row malformed.
+lists, or any of them as JSON text; an empty field gives way to the next), with MBPP's
+`test_setup_code` / `test_imports` run before its asserts; the record's `answer` is the
+tests as JSON text, which the code verifier reads back. Tests that cannot be read make
+the row malformed, call-based ones included (APPS rows with `fn_name`, LiveCodeBench's
+functional tests): skip them with `skip_malformed`. A solution without a code fence
+(MBPP's `code`) is wrapped in a ```` ```python ```` fence, the format the verifier reads.
+The prompt is the question field as it is: MBPP's `text` does not name the function the
+tests call, so build MBPP prompts with the first test beforehand (as its paper does).
 
 Both in one file (`JsonlConfig(task="mixed")`, Magistral's math and code mixture): a row
 with one of `tests_fields` is a code problem, any other a math problem, and each record
@@ -223,6 +229,7 @@ def _code_tests(row: dict, config: JsonlConfig) -> str:
     ``ValueError``."""
     from policyopt.rewards.code import parse_tests  # deferred: only code tasks need it
 
+    empty = []
     for name in config.tests_fields:
         value = _lookup(row, name)
         if value is _MISSING or value is None:
@@ -233,10 +240,28 @@ def _code_tests(row: dict, config: JsonlConfig) -> str:
         except ValueError as e:
             raise ValueError(f"tests field {name!r}: {e}") from None
         if not (tests.strip() if isinstance(tests, str) else tests):
-            raise ValueError(f"tests field {name!r}: empty tests")
+            empty.append(name)  # e.g. CodeContests' public_tests: try the next field
+            continue
+        if isinstance(tests, str):
+            tests = _mbpp_setup(row) + tests
         return json.dumps(tests)
+    if empty:
+        raise ValueError(f"tests field {empty[0]!r}: empty tests")
     raise ValueError(f"missing tests field: none of {list(config.tests_fields)} present "
                      f"(fields: {sorted(row)[:10]})")
+
+
+def _mbpp_setup(row: dict) -> str:
+    """MBPP's ``test_setup_code`` and sanitized MBPP's ``test_imports``, to run before its
+    asserts (the program and the tests share one namespace)."""
+    lines = []
+    imports = row.get("test_imports")
+    if isinstance(imports, list):
+        lines += [line for line in imports if isinstance(line, str) and line.strip()]
+    setup = row.get("test_setup_code")
+    if isinstance(setup, str) and setup.strip():
+        lines.append(setup.rstrip())
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
@@ -276,6 +301,8 @@ def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
     else:
         if config.solution_field is not None:
             raise ValueError(f"missing solution field {config.solution_field!r}")
+    if task == "code" and solution.strip() and "```" not in solution:
+        solution = f"```python\n{solution.strip()}\n```"  # the format the code verifier reads
     record = {"prompt": config.prompt_template.format(question=question), "answer": reference,
               "solution": solution}
     if config.task == "mixed":

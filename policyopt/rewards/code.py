@@ -383,12 +383,43 @@ def _normalise_output(text: str) -> str:
 
 
 def _lines(value: Any, what: str) -> str:
-    """A stdin / stdout text: a string, or a list of lines (joined by newlines)."""
+    """A stdin / stdout text: a string, a number, or a list of lines (joined by newlines)."""
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and all(isinstance(line, str) for line in value):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(line, str) for line in value):
         return "\n".join(value)
-    raise ValueError(f"a test case's {what} must be text or a list of lines, got {type(value).__name__}")
+    raise ValueError(f"a test case's {what} must be text, a number or a list of lines, got {type(value).__name__}")
+
+
+def _calls_check(tests: str) -> bool:
+    """Whether a test string calls ``check`` outside ``def check`` (``ast.parse`` of the
+    trusted tests: nothing is evaluated)."""
+    try:
+        tree = ast.parse(tests)
+    except SyntaxError:
+        return re.search(r"^check\(", tests, re.M) is not None
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "check":
+            continue
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) and sub.func.id == "check":
+                return True
+    return False
+
+
+# Keys that mark call-based cases (the function's arguments and return value, not stdin and
+# stdout): APPS's fn_name, LiveCodeBench's testtype "functional" (DeepCoder's rows),
+# PrimeIntellect's type "function_call".
+_CALL_BASED = ("fn_name", "func_name")
+
+
+def _refuse_call_based(tests: dict) -> None:
+    if any(tests.get(key) for key in _CALL_BASED) or tests.get("type") == "function_call" or (
+            tests.get("testtype", "stdin") != "stdin"):
+        raise ValueError("call-based tests (fn_name / testtype 'functional' / type 'function_call') are not "
+                         "supported: the cases must be stdin / stdout")
 
 
 def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dict[str, str]]:
@@ -399,7 +430,7 @@ def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dic
       first and read by these rules; a string that is not valid JSON is Python.
     - A list of strings (MBPP's ``test_list``): the statements, one per line.
     - A list of ``{"input": ..., "output": ...}`` cases: stdin / expected stdout; either
-      may be a list of lines.
+      may be a number or a list of lines.
     - An object of parallel lists, ``{"inputs": [...], "outputs": [...]}`` (APPS's
       ``input_output``) or ``{"input": [...], "output": [...]}`` (CodeContests'
       ``public_tests``): the cases, in order.
@@ -415,8 +446,11 @@ def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dic
       Empty tests stay empty (``run_code_tests`` reports "no_tests" for an empty list).
 
     Raises:
-      ValueError: an encoding not listed above, or call-based cases (APPS's ``fn_name``:
-        the function's arguments and return value instead of stdin/stdout).
+      ValueError: an encoding not listed above; call-based cases (APPS's ``fn_name``,
+        LiveCodeBench's ``testtype: "functional"``, ``type: "function_call"``: the
+        function's arguments and return value instead of stdin / stdout); a
+        ``check(candidate)`` that is never called and no ``entry_point`` (every program
+        would pass).
     """
     if isinstance(tests, str):
         text = tests.strip()
@@ -429,23 +463,25 @@ def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dic
                 return parse_tests(decoded, entry_point=entry_point)
         if not text:
             return tests
-        if entry_point and re.search(r"^def check\(", tests, re.M) and not re.search(r"^check\(", tests, re.M):
+        if re.search(r"^def check\(", tests, re.M) and not _calls_check(tests):
+            if not entry_point:
+                raise ValueError("the tests define check(candidate) but never call it, and no entry_point "
+                                 "names the function to check (every program would pass)")
             if not entry_point.isidentifier():
                 raise ValueError(f"entry_point {entry_point!r} is not a Python name")
             tests = tests.rstrip() + f"\n\n\ncheck({entry_point})\n"
         return tests
     if isinstance(tests, dict):
-        if tests.get("fn_name"):
-            raise ValueError("call-based tests (fn_name) are not supported: the cases must be stdin / stdout")
+        _refuse_call_based(tests)
         inputs = tests.get("inputs", tests.get("input"))
         outputs = tests.get("outputs", tests.get("output"))
-        if not isinstance(inputs, list) or not isinstance(outputs, list):
+        if not isinstance(inputs, (list, tuple)) or not isinstance(outputs, (list, tuple)):
             raise ValueError("a tests object needs parallel lists 'inputs' / 'outputs' (or 'input' / 'output'), "
                              f"got keys {sorted(tests)[:6]}")
         if len(inputs) != len(outputs):
             raise ValueError(f"{len(inputs)} inputs but {len(outputs)} outputs")
         tests = [{"input": i, "output": o} for i, o in zip(inputs, outputs)]
-    if isinstance(tests, list):
+    if isinstance(tests, (list, tuple)):
         if not tests:
             return []
         if all(isinstance(t, str) for t in tests):
@@ -453,6 +489,7 @@ def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dic
         if all(isinstance(t, dict) for t in tests):
             cases = []
             for case in tests:
+                _refuse_call_based(case)
                 if "input" not in case or "output" not in case:
                     raise ValueError(f"a test case needs 'input' and 'output', got keys {sorted(case)[:6]}")
                 cases.append({"input": _lines(case["input"], "input"), "output": _lines(case["output"], "output")})

@@ -153,7 +153,10 @@ def extract_answer_line(text: str) -> str | None:
         answer = match.group(1)
     if answer is None:
         return None
-    answer = answer.strip().strip("*").strip()
+    for _ in range(2):  # Markdown emphasis and a full stop, in either order ("**34**.")
+        answer = answer.strip().strip("*").strip()
+        if answer.endswith(".") and not answer.endswith(".."):
+            answer = answer[:-1]
     boxed = extract_boxed(answer)
     dollars = _DOLLAR_SPAN.search(answer)
     if boxed is not None and boxed.strip():
