@@ -311,6 +311,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.code_timeout_s = 4.0
     c.reward.code_memory_mb = 300
     c.reward.code_partial = False
+    # Run only a problem's first N tests (Magistral: 20); None: all of them.
+    c.reward.code_max_tests = placeholder(int)
     # Where the math answer is: "boxed" (the last \boxed{}) or "answer_line" (the last
     # "Answer: ..." line, as DAPO-Math-17k's prompts ask); for the verifier, the format
     # gate and the evaluation (with `verifier` set, for the format gate only).
@@ -577,7 +579,7 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.sampling.decode_segments must be in [1, max_new_tokens={max_new}], "
                          f"got {config.sampling.decode_segments}")
     r = config.reward
-    for name in ("verifier_timeout_s", "deadline_s", "code_timeout_s", "code_memory_mb"):
+    for name in ("verifier_timeout_s", "deadline_s", "code_timeout_s", "code_memory_mb", "code_max_tests"):
         if r[name] is not None and r[name] <= 0:
             raise ValueError(f"config.reward.{name} must be > 0, got {r[name]}")
     if r.overlong != "none" and r.max_len is not None and r.max_len > max_new:

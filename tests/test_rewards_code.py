@@ -111,6 +111,21 @@ def test_parse_tests_completes_humaneval_and_refuses_the_rest():
     assert code_correctness(SUM_STDIN, {"fn_name": "f", "inputs": [], "outputs": []}) == 0.0  # never raises
 
 
+def test_max_tests_runs_the_first_cases_or_asserts():
+    """Magistral runs 20 tests per problem: ``max_tests`` keeps the first ones."""
+    cases = [{"input": f"{i} 0", "output": str(i)} for i in range(5)] + [{"input": "1 1", "output": "3"}]
+    assert code_correctness(SUM_STDIN, cases, **FAST) == 0.0  # the sixth case is wrong
+    assert code_correctness(SUM_STDIN, cases, max_tests=5, **FAST) == 1.0
+    tests = "import math\nassert add_one(1) == 2\nassert add_one(math.floor(2.5)) == 3\nassert add_one(0) == 5"
+    assert code_lib.limit_tests(tests, 2) == "import math\nassert add_one(1) == 2\nassert add_one(math.floor(2.5)) == 3\n"
+    assert code_lib.limit_tests(tests, 3) == tests and code_lib.limit_tests(cases, None) is cases
+    assert code_correctness(ADD_ONE, tests, **FAST) == 0.0
+    assert code_correctness(ADD_ONE, tests, max_tests=2, **FAST) == 1.0
+    assert code_correctness(ADD_ONE, tests, max_tests=2, partial=True, **FAST) == 1.0
+    with pytest.raises(ValueError, match="max_tests"):
+        code_lib.limit_tests(cases, 0)
+
+
 def test_first_tagged_block_must_be_python():
     assert code_correctness(solution("int main() { return 0; }", "cpp"), GOOD_TESTS) == 0.0
     untagged = "<think>x</think>\n```\ndef add_one(x):\n    return x + 1\n```"

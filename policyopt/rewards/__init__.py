@@ -4,7 +4,8 @@ Public API::
 
     math_correctness(completion, reference, *, timeout_s=5.0, answer_format="boxed") -> float
         # 1.0 / 0.0; the answer: "boxed" (last \\boxed{}) or "answer_line" (last "Answer: ...")
-    code_correctness(completion, tests, *, timeout_s=4.0, memory_mb=300, partial=False) -> float
+    code_correctness(completion, tests, *, timeout_s=4.0, memory_mb=300, partial=False,
+                     max_tests=None) -> float
     format_ok(completion, task, answer_format="boxed") -> bool               # Magistral format gate
     overlong_penalty(length, max_len, cache_len, *, scale=1.0) -> float      # DAPO / Magistral
     languages_consistent(problem, reasoning, answer) -> bool                 # Magistral language bonus

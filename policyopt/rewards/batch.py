@@ -83,6 +83,8 @@ class RewardSpec:
       code_timeout_s: per-test wall-clock limit of the code sandbox (Magistral: 4 s).
       code_memory_mb: per-test address-space limit (Magistral: 300 MB).
       code_partial: reward the pass rate instead of all-or-nothing (Magistral: off).
+      code_max_tests: run only a problem's first this many tests (Magistral: 20); None:
+        all of them.
       verifier: a correctness function of your own in place of the task's verifier, as
         ``"package.module:function"`` (importable by the scoring workers too):
         ``function(completion: str, reference) -> float | bool``, the correctness c in
@@ -119,6 +121,7 @@ class RewardSpec:
     code_timeout_s: float = 4.0
     code_memory_mb: int = 300
     code_partial: bool = False
+    code_max_tests: int | None = None
     verifier: str | None = None
     verifier_timeout_s: float = 5.0
     answer_format: str = "boxed"
@@ -151,6 +154,8 @@ class RewardSpec:
                 f"RewardSpec timeouts must be > 0, got math_timeout_s={self.math_timeout_s}, "
                 f"code_timeout_s={self.code_timeout_s}, verifier_timeout_s={self.verifier_timeout_s}"
             )
+        if self.code_max_tests is not None and self.code_max_tests < 1:
+            raise ValueError(f"RewardSpec.code_max_tests must be >= 1 or None, got {self.code_max_tests}")
         if self.verifier is not None:
             load_verifier(self.verifier)  # fails here, naming the path, not in a worker
 
@@ -286,6 +291,7 @@ def score_sample(
             timeout_s=spec.code_timeout_s,
             memory_mb=spec.code_memory_mb,
             stop_at_first_failure=not spec.code_partial,
+            max_tests=spec.code_max_tests,
         )
         correctness = result.pass_rate if spec.code_partial else float(result.all_passed)
         status = result.status

@@ -498,6 +498,24 @@ def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dic
     raise ValueError(f"tests must be text, a list or an object, got {type(tests).__name__}")
 
 
+def limit_tests(tests: str | list[dict[str, str]], max_tests: int | None) -> str | list[dict[str, str]]:
+    """The first ``max_tests`` cases of parsed tests, or of an assert string's top-level
+    asserts (kept after its other statements); None: all of them."""
+    if max_tests is None:
+        return tests
+    if max_tests < 1:
+        raise ValueError(f"max_tests must be >= 1 or None, got {max_tests}")
+    if not isinstance(tests, str):
+        return tests[:max_tests]
+    try:
+        setup, asserts = _split_asserts(tests)
+    except SyntaxError:
+        return tests
+    if len(asserts) <= max_tests:
+        return tests
+    return setup + "\n" + "\n".join(asserts[:max_tests]) + "\n"
+
+
 def _split_asserts(tests: str) -> tuple[str, list[str]]:
     """(setup statements, one source string per top-level assert) of a test string."""
     tree = ast.parse(tests)
@@ -515,6 +533,7 @@ def run_code_tests(
     memory_mb: int = 300,
     stop_at_first_failure: bool = True,
     max_processes: int = DEFAULT_MAX_PROCESSES,
+    max_tests: int | None = None,
 ) -> CodeResult:
     """Runs the first code block of ``completion`` against ``tests``; never raises on model output.
 
@@ -526,8 +545,10 @@ def run_code_tests(
       memory_mb: address-space limit per test process.
       stop_at_first_failure: stop once a case fails (binary reward needs no more).
       max_processes: RLIMIT_NPROC of the sandbox uid.
+      max_tests: run only the first this many cases, or top-level asserts (Magistral runs
+        20 tests per problem); None: all.
     """
-    tests = parse_tests(tests)
+    tests = limit_tests(parse_tests(tests), max_tests)
     block = first_code_block(answer_region(str(completion)))
     if block is None or block[0] not in PYTHON_TAGS:
         return CodeResult(0, max(len(tests), 1) if not isinstance(tests, str) else 1, "no_code")
@@ -564,6 +585,7 @@ def code_correctness(
     timeout_s: float = 4.0,
     memory_mb: int = 300,
     partial: bool = False,
+    max_tests: int | None = None,
 ) -> float:
     """1.0 if the completion's first code block passes every test (pass rate if ``partial``).
 
@@ -572,7 +594,8 @@ def code_correctness(
     """
     try:
         result = run_code_tests(
-            completion, tests, timeout_s=timeout_s, memory_mb=memory_mb, stop_at_first_failure=not partial
+            completion, tests, timeout_s=timeout_s, memory_mb=memory_mb, stop_at_first_failure=not partial,
+            max_tests=max_tests,
         )
     except (OSError, SyntaxError, ValueError, KeyError, TypeError):
         return 0.0
