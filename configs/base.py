@@ -128,6 +128,10 @@ def base_config() -> ml_collections.ConfigDict:
     # malformed (see `skip_malformed`). The SFT target is `solution_field` (None:
     # "solution", else "code"), put in a ```python fence when it has none.
     c.task.tests_fields = "tests,test_list,test,input_output,public_tests"
+    # Task "mixed_jsonl": a field naming each row's task, for files whose math answers and
+    # code tests share a field (verl-style rows: "ability", with "math" / "coding"
+    # values); None: a row is code when one of `tests_fields` holds something.
+    c.task.task_field = placeholder(str)
     # Prompts longer than the largest `batch.prompt_buckets` (chat template included;
     # every prompt is tokenised once when the run is built): "error" (raise, naming the
     # record), "drop", "truncate_left" or "truncate_right" (keep the text's end / start).
@@ -301,13 +305,14 @@ def base_config() -> ml_collections.ConfigDict:
     # Your own correctness function in place of the math verifier, for rewards and for
     # the evaluation's pass@1: "package.module:function", called as
     # function(completion, reference) -> c in [0, 1] (`RewardSpec.verifier`); None: the
-    # task's (math, or code for "code_jsonl", whose reference is then the tests as JSON
-    # text, read by `policyopt.rewards.code.parse_tests`).
+    # task's (math, or code for "code_jsonl" and the code rows of "mixed_jsonl", whose
+    # reference is then the tests as JSON text, read by `policyopt.rewards.code.parse_tests`).
     c.reward.verifier = placeholder(str)
     # Its per-sample time limit, in seconds.
     c.reward.verifier_timeout_s = 5.0
-    # Task "code_jsonl": per-test limits of the sandbox (Magistral: 4 s, 300 MB) and
-    # partial credit (the pass rate; Magistral found all-or-nothing better).
+    # Code problems ("code_jsonl", code rows of "mixed_jsonl"): per-test limits of the
+    # sandbox (Magistral: 4 s, 300 MB) and partial credit (the pass rate; Magistral found
+    # all-or-nothing better).
     c.reward.code_timeout_s = 4.0
     c.reward.code_memory_mb = 300
     c.reward.code_partial = False

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from policyopt.data.jsonl import (JsonlConfig, MalformedRowError, extract_reference, last_boxed,
-                                  read_math_jsonl)
+                                  parse_row, read_math_jsonl)
 
 
 def _write(path, lines):
@@ -138,8 +138,11 @@ def test_code_files_from_mbpp_humaneval_apps_and_codecontests_rows(tmp_path):
     stdin_cases = [{"input": "1 2\n", "output": "3\n"}]
     assert json.loads(records[2]["answer"]) == json.loads(records[3]["answer"]) == stdin_cases
     assert json.loads(records[4]["answer"]) == [{"input": "1 2", "output": "3"}]
-    # A solution without a fence gets one: the format the code verifier reads.
+    # A solution without a fence gets one: the format the code verifier reads (indents kept).
     assert records[0]["solution"] == "```python\ndef add_one(x): return x + 1\n```" and records[2]["solution"] == ""
+    indented = parse_row(json.dumps({"text": "q", "test_list": ["assert f(1) == 1"], "code": "\r\n    return x\r\n"}),
+                         config)
+    assert indented["solution"] == "```python\n    return x\n```"  # CRLF gone, the indent kept
     # Unreadable tests, named by file:line.
     bad = [json.dumps(rows[0]), json.dumps({"text": "q", "test_list": []}),
            json.dumps({"text": "q", "input_output": {"fn_name": "f", "inputs": [], "outputs": []}}),
@@ -188,6 +191,30 @@ def test_mixed_files_say_each_rows_task(tmp_path):
         ("math", "2"), ("code", json.dumps("assert True")), ("math", "4")]
     math_only, _ = read_math_jsonl(path, JsonlConfig(skip_malformed=True))
     assert "task" not in math_only[0]
+    # An empty tests field is no code problem.
+    path = _write(tmp_path / "empty.jsonl", [json.dumps({"question": "1+1?", "answer": "2", "test": ""})])
+    assert read_math_jsonl(path, JsonlConfig(task="mixed"))[0][0]["task"] == "math"
+
+
+def test_mixed_files_whose_answers_and_tests_share_a_field(tmp_path):
+    """verl-style mixtures keep math answers and code tests in reward_model.ground_truth
+    and say which in "ability": task_field reads it."""
+    rows = [{"prompt": "1+1?", "ability": "math", "reward_model": {"ground_truth": "2"}},
+            {"prompt": "Sum.", "ability": "coding",
+             "reward_model": {"ground_truth": json.dumps({"inputs": ["1 2"], "outputs": ["3"]})}},
+            {"prompt": "?", "ability": "chess", "reward_model": {"ground_truth": "e4"}}]
+    path = _write(tmp_path / "verl.jsonl", [json.dumps(r) for r in rows])
+    config = JsonlConfig(task="mixed", task_field="ability", answer_fields=("reward_model.ground_truth",),
+                         tests_fields=("reward_model.ground_truth",), extract="none", skip_malformed=True)
+    records, report = read_math_jsonl(path, config)
+    assert [(r["task"], r["answer"]) for r in records] == [
+        ("math", "2"), ("code", json.dumps([{"input": "1 2", "output": "3"}]))]
+    assert "'chess' is neither math nor code" in report.skipped[0]
+    # Without it every row would be read as code, and the math answer refused as tests.
+    _, report = read_math_jsonl(path, JsonlConfig(**{**config.__dict__, "task_field": None}))
+    assert report.loaded == 1 and "tests field 'reward_model.ground_truth'" in report.skipped[0]
+    with pytest.raises(ValueError, match="task_field is for task='mixed'"):
+        JsonlConfig(task="code", task_field="ability")
 
 
 def test_config_errors():

@@ -43,6 +43,22 @@ def test_assert_tests_pass_and_fail():
     assert code_correctness(solution("def add_one(x):\n    return x +"), GOOD_TESTS) == 0.0  # syntax error
 
 
+@pytest.mark.parametrize("program, expected", [
+    ("def add_one(x):\n    return x + 1\nimport sys\nsys.exit(0)", 1.0),  # a habit: the tests still run
+    ("def add_one(x):\n    return x\nimport sys\nsys.exit(0)", 0.0),  # ... and still fail
+    ("import sys\nsys.exit(0)", 0.0),  # no function, no tests run: not a pass
+    ("raise SystemExit(0)", 0.0),
+    ("import os\nos._exit(0)", 0.0),  # leaves before the tests: no marker
+    ("def add_one(x):\n    import os\n    os._exit(0)", 0.0),  # leaves from inside a test
+    ("def add_one(x):\n    return x + 1\nprint('chatter')", 1.0),
+])
+def test_a_program_that_exits_early_does_not_pass(program, expected):
+    """Assert tests run after the program in one process: exiting with status 0 before
+    them (or from inside them) must not count as passing them."""
+    assert code_correctness(solution(program), GOOD_TESTS, **FAST) == expected
+    assert code_correctness(solution(program), GOOD_TESTS, partial=True, **FAST) == expected
+
+
 def test_partial_credit_counts_each_assert():
     tests = "import math\nassert add_one(1) == 2\nassert add_one(2) == 4\nassert add_one(math.floor(2.5)) == 3\nassert add_one(0) == 0"
     assert code_correctness(ADD_ONE, tests, partial=True) == pytest.approx(0.5)
@@ -70,7 +86,10 @@ CASES = [{"input": "1 2\n", "output": "3"}, {"input": "5 5", "output": "10"}]
     (json.dumps({"inputs": ["1 2\n", "5 5"], "outputs": ["3", "10"]}), CASES),  # as JSON text
     (json.dumps(CASES), CASES),
     (json.dumps(GOOD_TESTS), GOOD_TESTS),
-    ("[x for x in []]  # Python, not JSON", "[x for x in []]  # Python, not JSON"),
+    ("[add_one(x) for x in []]  # Python, not JSON", "[add_one(x) for x in []]  # Python, not JSON"),
+    ({"language": "python", "test_cases": [{"input": "1 2\n", "output": "3", "type": "stdin_stdout"},
+                                           {"input": "5 5", "output": "10", "testtype": None}]},
+     CASES),  # PrimeIntellect's verification_info
 ])
 def test_parse_tests_reads_the_datasets_encodings(tests, expected):
     assert code_lib.parse_tests(tests) == expected
@@ -94,6 +113,13 @@ def test_parse_tests_completes_humaneval_and_refuses_the_rest():
         code_lib.parse_tests(check, entry_point="add one")
     with pytest.raises(ValueError, match="never call it"):  # every program would pass
         code_lib.parse_tests(check)
+    # Strings that would fail every program (not Python: a math answer in a shared field,
+    # a compressed blob) or pass every one (nothing at the top level can fail).
+    for text, reason in [("\\frac12", "not Python"), ("eJzLSM3JyVcozy/KSQEAGgQEXQ==", "not Python"),
+                         ("34", "cannot fail"), ("import math", "cannot fail"),
+                         ("def test_add():\n    assert add_one(1) == 2\n", "cannot fail")]:
+        with pytest.raises(ValueError, match=reason):
+            code_lib.parse_tests(text)
     main_guard = check + "\nif __name__ == '__main__':\n    check(add_one)\n"
     assert code_lib.parse_tests(main_guard, entry_point="other") == main_guard  # called already
     recursive = check + "    check(add_one)\n"  # a call inside check() is no call

@@ -268,10 +268,19 @@ def _mixed_files(config, directory):
     return _with(config, name="mixed_jsonl", train_file=files["train"], test_file=files["test"])
 
 
-def test_mixed_jsonl_checks_each_sample_with_its_own_task(tmp_path):
+def test_mixed_jsonl_checks_each_sample_with_its_own_task(tmp_path, monkeypatch):
     """task.name=mixed_jsonl: math rows and code rows in one file; every record says its
-    task, the trainer and the evaluation check each sample with its task's verifier and
-    log accuracy per task, and task.tfds_dir keeps the task field."""
+    task, the trainer and the evaluation pass it to score_batch with its sample (recorded
+    on the way; the real function scores), log accuracy per task, and task.tfds_dir
+    keeps the task field."""
+    from policyopt.rl import evaluate as evaluate_lib
+
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append((kwargs.get("prompts"), kwargs["tasks"]))
+        return score_batch(*args, **kwargs)
+
     config = tiny("grpo", extra="train.num_iterations=1,eval.num_prompts=4")
     answers = [r["answer"] for r in build.task_records(config, "test")[:2]]
     mixed = _mixed_files(config, tmp_path)
@@ -289,15 +298,21 @@ def test_mixed_jsonl_checks_each_sample_with_its_own_task(tmp_path):
                          build.reward_spec(mixed), tasks=tasks)
     assert scores.correct.tolist() == [True, False, False, True]
     assert scores.status[1] == "no_code" and scores.status[2] == "no_answer"
+    monkeypatch.setattr(trainer, "score_batch", recording)
+    monkeypatch.setattr(evaluate_lib, "score_batch", recording)
     summary = trainer.run_rl(mixed, str(tmp_path / "run"), num_iterations=1, quiet=True)
     metrics, evaluation = summary["metrics"], summary["eval"]
+    training = [(p, t) for p, t in seen if p is not None]  # the evaluation passes no prompts
+    assert training and all(t == ["code" if q.startswith("py: ") else "math" for q in p] for p, t in training)
+    assert [t for p, t in seen if p is None][0] == ["math", "code", "math", "code"]  # held-out
     per_task = {k for k in metrics if k.startswith("reward/accuracy_")}  # the batch's tasks
     assert per_task and per_task <= {"reward/accuracy_math", "reward/accuracy_code"}
     assert {"eval/pass@1_math", "eval/pass@1_code"} <= set(evaluation)  # 2 + 2 held-out records
     assert evaluation["eval/pass@1"] == pytest.approx(
         (evaluation["eval/pass@1_math"] + evaluation["eval/pass@1_code"]) / 2)
     with pytest.raises(ValueError, match="task 'proof' is not one of"):
-        score_batch(["x"], ["1"], [1], build.reward_spec(mixed), tasks=["proof"])
+        score_batch(["x"], ["1"], [1], build.reward_spec(mixed), tasks=np.array(["proof"]))
+    assert score_batch(["x"], ["1"], [1], build.reward_spec(mixed), tasks=np.array(["math"])).status == ["no_answer"]
 
 
 def test_answer_format_reaches_rewards_and_evaluation():

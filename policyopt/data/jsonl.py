@@ -11,9 +11,11 @@ configurable fields; the reference answer is extracted from the answer text:
 - Otherwise the whole field, stripped (e.g. MATH-500's short `"answer"` field).
 
 The record produced is the task record used everywhere in policyopt:
-`{"prompt": str, "answer": str, "solution": str}`, where `solution` is the worked
-solution text when the file has one (empty otherwise). It is NOT rewritten into the
-`<think>...</think>\\boxed{}` response format.
+`{"prompt": str, "answer": str, "solution": str}` (and `task` for mixed files), where
+`solution` is the worked solution text when the file has one (empty otherwise). It is
+NOT rewritten into the `<think>...</think>\\boxed{}` response format (a code solution
+without a fence only gets its ```` ```python ```` fence): with Magistral's format gate
+on, prepare SFT targets in the gated format.
 
 A malformed row (invalid JSON, not an object, a missing or non-text field, an empty
 reference after extraction) raises `MalformedRowError` naming `file:line`. With
@@ -101,7 +103,8 @@ class JsonlConfig:
         present is used (GSM8K: "answer"; MATH: "solution"; MATH-500 has both "answer" and
         "solution": "answer" comes first).
       solution_field: field kept as the record's worked `solution` (None: the first field
-        among "solution", "answer" that exists, else empty).
+        among "solution", "answer" that exists, for code rows among "solution", "code",
+        else empty).
       extract: "auto" (last `\\boxed{}` if any, else the text after the last
         `answer_marker` if any, else the whole text), "boxed" (a box is required), "marker"
         (the marker is required) or "none" (the whole text).
@@ -115,6 +118,11 @@ class JsonlConfig:
       tests_fields: candidate names of the tests field, the first present is used
         (MBPP: "test_list"; HumanEval: "test"; APPS: "input_output"; CodeContests:
         "public_tests"; verl-style rows: "reward_model.ground_truth").
+      task_field: "mixed" only: a field naming each row's task (verl-style rows:
+        "ability"; a value containing "code", "coding" or "program" is code, one
+        containing "math" is math, anything else is malformed), for files whose math
+        answers and code tests share a field. None: a row is code when one of
+        `tests_fields` holds something (not empty).
     """
 
     question_fields: tuple[str, ...] = ("question", "problem", "prompt")
@@ -126,12 +134,15 @@ class JsonlConfig:
     skip_malformed: bool = False
     task: str = "math"
     tests_fields: tuple[str, ...] = ("tests", "test_list", "test", "input_output", "public_tests")
+    task_field: str | None = None
 
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"JsonlConfig.task must be one of {TASKS}, got {self.task!r}")
         if isinstance(self.tests_fields, str):
             raise ValueError("JsonlConfig.tests_fields is a tuple of names, e.g. ('test_list',)")
+        if self.task_field is not None and self.task != "mixed":
+            raise ValueError(f"JsonlConfig.task_field is for task='mixed', got task={self.task!r}")
         if self.extract not in ("auto", "boxed", "marker", "none"):
             raise ValueError(f"JsonlConfig.extract must be 'auto', 'boxed', 'marker' or 'none', "
                              f"got {self.extract!r}")
@@ -251,6 +262,26 @@ def _code_tests(row: dict, config: JsonlConfig) -> str:
                      f"(fields: {sorted(row)[:10]})")
 
 
+def _row_task(row: dict, config: JsonlConfig) -> str:
+    """"math" or "code": a mixed file's row, by ``config.task_field`` or by its tests."""
+    if config.task_field is not None:
+        value = _lookup(row, config.task_field)
+        if not isinstance(value, str):
+            raise ValueError(f"task field {config.task_field!r} missing or not text")
+        name = value.lower()
+        if any(word in name for word in ("code", "coding", "program")):
+            return "code"
+        if "math" in name:
+            return "math"
+        raise ValueError(f"task field {config.task_field!r}: {value!r} is neither math nor code")
+    for name in config.tests_fields:
+        value = _lookup(row, name)
+        if value is not _MISSING and value is not None and (not isinstance(value, (str, list, dict)) or (
+                value.strip() if isinstance(value, str) else value)):
+            return "code"
+    return "math"
+
+
 def _mbpp_setup(row: dict) -> str:
     """MBPP's ``test_setup_code`` and sanitized MBPP's ``test_imports``, to run before its
     asserts (the program and the tests share one namespace)."""
@@ -277,8 +308,7 @@ def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
         raise ValueError("empty question")
     task = config.task
     if task == "mixed":
-        present = any(_lookup(row, name) not in (_MISSING, None) for name in config.tests_fields)
-        task = "code" if present else "math"
+        task = _row_task(row, config)
     if task == "code":
         reference = _code_tests(row, config)
         default_solutions = ("solution", "code")
@@ -302,7 +332,8 @@ def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
         if config.solution_field is not None:
             raise ValueError(f"missing solution field {config.solution_field!r}")
     if task == "code" and solution.strip() and "```" not in solution:
-        solution = f"```python\n{solution.strip()}\n```"  # the format the code verifier reads
+        code = solution.replace("\r\n", "\n").strip("\n")  # the first line keeps its indent
+        solution = f"```python\n{code}\n```"  # the format the code verifier reads
     record = {"prompt": config.prompt_template.format(question=question), "answer": reference,
               "solution": solution}
     if config.task == "mixed":

@@ -147,8 +147,12 @@ class PolicyoptMathJsonl(_Builder):
     them; skipped rows are counted per split in `builder.info.metadata["jsonl_reports"]`.
     """
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "prompt / answer / solution text."}
+    # Bump when `policyopt.data.jsonl` reads rows differently: the directory's name hashes
+    # the reader settings and the files, not the reading code.
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {"1.0.0": "prompt / answer / solution text.",
+                     "1.1.0": "code problems (tests as JSON text, MBPP setup, fenced solutions) and mixed "
+                              "files (a task field)."}
 
     def _info(self) -> tfds.core.DatasetInfo:
         # Mixed math and code files: each record also says its task.

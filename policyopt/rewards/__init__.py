@@ -12,8 +12,9 @@ Public API::
     RewardSpec(...)                                                          # the reward recipe
         # RewardSpec(verifier="package.module:function") puts your own correctness function
         # (completion, reference) -> c in [0, 1] in place of the math / code verifier
-    score_batch(completions, references, lengths, spec, *, prompts=None,
-                num_workers=0, deadline_s=None, truncated=None) -> BatchScores
+    score_batch(completions, references, lengths, spec, *, prompts=None, num_workers=0,
+                deadline_s=None, truncated=None, across_processes=False,
+                tasks=None) -> BatchScores  # tasks: per-sample "math" / "code" (mixtures)
         # unpacks as (rewards float32 [N], correct bool [N], metrics); also .sample_mask,
         # .truncated, .format_ok, .correctness, .length_penalty, .language_ok, .status
 

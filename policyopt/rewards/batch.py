@@ -591,6 +591,7 @@ def score_batch(
             raise ValueError(f"score_batch: {name} has {len(values)} entries, completions has {n}")
     start = time.time()
     deadline = None if deadline_s is None else start + deadline_s
+    tasks = None if tasks is None else [None if t is None else str(t) for t in tasks]
     for task in set(tasks or ()) - {None}:
         if task not in format_lib.TASKS:
             raise ValueError(f"score_batch: task {task!r} is not one of {format_lib.TASKS}")

@@ -3,7 +3,13 @@
 Tests (``tests`` argument) follow two conventions:
 
 * a string of Python statements, typically ``assert``s, run after the program in the same
-  namespace (HumanEval / MBPP). All-or-nothing: one process runs program + tests. With
+  namespace (HumanEval / MBPP). A test passes when the tests ran to their end: the
+  harness catches a ``SystemExit`` of the program itself (``sys.exit(0)`` at its end, a
+  common habit, would otherwise skip the tests and exit 0) and prints a random marker
+  after the tests, which the scorer requires; a program that leaves by ``os._exit`` or
+  exits from inside a tested function fails. (The marker is a constant of the harness's
+  code: it guards against exits, not against a program that inspects its caller's
+  frame.) All-or-nothing: one process runs program + tests. With
   partial credit, the top-level ``assert`` statements are split (``ast.parse`` of the
   trusted test string; nothing is evaluated in this process) and each runs in its own
   process after the program and the non-assert statements (imports, helpers);
@@ -71,6 +77,7 @@ import json
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -393,6 +400,24 @@ def _lines(value: Any, what: str) -> str:
     raise ValueError(f"a test case's {what} must be text, a number or a list of lines, got {type(value).__name__}")
 
 
+def _check_runnable(tests: str) -> None:
+    """Raises ``ValueError`` unless ``tests`` is Python that can fail: a string that does not
+    parse (a math answer such as ``\\frac12``, a compressed blob) would fail every
+    program, and one whose top level neither asserts, raises nor calls anything (``34``;
+    ``def test_x(): assert ...`` never called) would pass every program."""
+    try:
+        tree = ast.parse(tests)
+    except SyntaxError as error:
+        raise ValueError(f"the tests are not Python ({error.msg}, line {error.lineno})") from None
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if any(isinstance(sub, (ast.Assert, ast.Raise, ast.Call)) for sub in ast.walk(node)):
+            return
+    raise ValueError("the tests cannot fail: nothing at their top level asserts, raises or calls "
+                     "(every program would pass)")
+
+
 def _calls_check(tests: str) -> bool:
     """Whether a test string calls ``check`` outside ``def check`` (``ast.parse`` of the
     trusted tests: nothing is evaluated)."""
@@ -417,7 +442,7 @@ _CALL_BASED = ("fn_name", "func_name")
 
 def _refuse_call_based(tests: dict) -> None:
     if any(tests.get(key) for key in _CALL_BASED) or tests.get("type") == "function_call" or (
-            tests.get("testtype", "stdin") != "stdin"):
+            tests.get("testtype") not in (None, "stdin")):
         raise ValueError("call-based tests (fn_name / testtype 'functional' / type 'function_call') are not "
                          "supported: the cases must be stdin / stdout")
 
@@ -433,7 +458,8 @@ def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dic
       may be a number or a list of lines.
     - An object of parallel lists, ``{"inputs": [...], "outputs": [...]}`` (APPS's
       ``input_output``) or ``{"input": [...], "output": [...]}`` (CodeContests'
-      ``public_tests``): the cases, in order.
+      ``public_tests``): the cases, in order; or with a ``test_cases`` list
+      (PrimeIntellect's ``verification_info``): those cases.
 
     Args:
       tests: the tests, in one of those encodings.
@@ -449,8 +475,9 @@ def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dic
       ValueError: an encoding not listed above; call-based cases (APPS's ``fn_name``,
         LiveCodeBench's ``testtype: "functional"``, ``type: "function_call"``: the
         function's arguments and return value instead of stdin / stdout); a
-        ``check(candidate)`` that is never called and no ``entry_point`` (every program
-        would pass).
+        ``check(candidate)`` that is never called and no ``entry_point``; a test string
+        that is not Python, or whose top level neither asserts, raises nor calls
+        anything (it would fail, or pass, every program).
     """
     if isinstance(tests, str):
         text = tests.strip()
@@ -470,9 +497,12 @@ def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dic
             if not entry_point.isidentifier():
                 raise ValueError(f"entry_point {entry_point!r} is not a Python name")
             tests = tests.rstrip() + f"\n\n\ncheck({entry_point})\n"
+        _check_runnable(tests)
         return tests
     if isinstance(tests, dict):
         _refuse_call_based(tests)
+        if isinstance(tests.get("test_cases"), (list, tuple)):  # PrimeIntellect's verification_info
+            return parse_tests(tests["test_cases"], entry_point=entry_point)
         inputs = tests.get("inputs", tests.get("input"))
         outputs = tests.get("outputs", tests.get("output"))
         if not isinstance(inputs, (list, tuple)) or not isinstance(outputs, (list, tuple)):
@@ -496,6 +526,21 @@ def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dic
             return cases
         raise ValueError("a list of tests must hold only assert strings or only {input, output} cases")
     raise ValueError(f"tests must be text, a list or an object, got {type(tests).__name__}")
+
+
+def _assert_harness(program: str, tests: str, marker: str) -> str:
+    """The source run for assert tests: the program (its own ``SystemExit`` caught), then
+    the tests in the same namespace, then ``marker`` on a line of its own."""
+    return (
+        "import sys as _policyopt_sys\n"
+        "try:\n"
+        f"    exec(compile({program!r}, 'program.py', 'exec'), globals())\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"exec(compile({tests!r}, 'tests.py', 'exec'), globals())\n"
+        f"_policyopt_sys.stdout.write('\\n' + {marker!r} + '\\n')\n"
+        "_policyopt_sys.stdout.flush()\n"
+    )
 
 
 def limit_tests(tests: str | list[dict[str, str]], max_tests: int | None) -> str | list[dict[str, str]]:
@@ -549,6 +594,7 @@ def run_code_tests(
         20 tests per problem); None: all.
     """
     tests = limit_tests(parse_tests(tests), max_tests)
+    marker = secrets.token_hex(16)  # printed after the tests (assert strings), per call
     block = first_code_block(answer_region(str(completion)))
     if block is None or block[0] not in PYTHON_TAGS:
         return CodeResult(0, max(len(tests), 1) if not isinstance(tests, str) else 1, "no_code")
@@ -556,10 +602,10 @@ def run_code_tests(
     limits = dict(timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes)
     if isinstance(tests, str):
         if stop_at_first_failure:
-            cases = [(program + "\n\n" + tests + "\n", "", None)]
+            cases = [(_assert_harness(program, tests, marker), "", None)]
         else:
             setup, asserts = _split_asserts(tests)
-            cases = [(program + "\n\n" + setup + "\n" + test + "\n", "", None) for test in asserts]
+            cases = [(_assert_harness(program, setup + "\n" + test, marker), "", None) for test in asserts]
     else:
         cases = [(program, str(case["input"]), str(case["output"])) for case in tests]
     if not cases:
@@ -568,9 +614,10 @@ def run_code_tests(
     for source, stdin, expected in cases:
         result = run_sandboxed(source, stdin=stdin, **limits)
         any_timeout |= result.timed_out
-        ok = result.returncode == 0 and (
-            expected is None or _normalise_output(result.stdout) == _normalise_output(expected)
-        )
+        if expected is None:  # assert tests: they must have run to their end
+            ok = result.returncode == 0 and result.stdout.rstrip("\n").rsplit("\n", 1)[-1] == marker
+        else:
+            ok = result.returncode == 0 and _normalise_output(result.stdout) == _normalise_output(expected)
         passed += ok
         if not ok and stop_at_first_failure:
             break

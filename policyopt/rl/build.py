@@ -101,7 +101,8 @@ def jsonl_reader(config) -> JsonlConfig:
                        answer_marker=t.answer_marker, prompt_template=t.prompt_template,
                        skip_malformed=bool(t.skip_malformed),
                        task=_JSONL_KINDS.get(t.name, "math"),
-                       tests_fields=_names(t.tests_fields))
+                       tests_fields=_names(t.tests_fields),
+                       task_field=(t.task_field or None) if t.name == "mixed_jsonl" else None)
 
 
 def _jsonl_files(config) -> dict[str, str]:
