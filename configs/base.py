@@ -316,7 +316,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.code_timeout_s = 4.0
     c.reward.code_memory_mb = 300
     c.reward.code_partial = False
-    # Run only a problem's first N tests (Magistral: 20); None: all of them.
+    # Run only a problem's first N tests in the training reward (Magistral: 20; stdin /
+    # stdout cases or top-level asserts); None: all of them. The evaluation runs all.
     c.reward.code_max_tests = placeholder(int)
     # Where the math answer is: "boxed" (the last \boxed{}) or "answer_line" (the last
     # "Answer: ..." line, as DAPO-Math-17k's prompts ask); for the verifier, the format

@@ -25,7 +25,8 @@ def get_config(arg=None):
     c.reward.format_value = 0.1
     c.reward.correct_value = 0.9
     c.reward.overlong = "magistral"
-    # Code problems (task.name code_jsonl / mixed_jsonl): 20 tests, 4 s and 300 MB each.
+    # Code problems (task.name code_jsonl / mixed_jsonl): the training reward runs 20
+    # tests, 4 s and 300 MB each (the evaluation runs every test).
     c.reward.code_max_tests = 20
     # One update per batch (n_batch = n_minibatch works best).
     c.batch.n_minibatches = 1

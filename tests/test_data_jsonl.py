@@ -191,9 +191,11 @@ def test_mixed_files_say_each_rows_task(tmp_path):
         ("math", "2"), ("code", json.dumps("assert True")), ("math", "4")]
     math_only, _ = read_math_jsonl(path, JsonlConfig(skip_malformed=True))
     assert "task" not in math_only[0]
-    # An empty tests field is no code problem.
-    path = _write(tmp_path / "empty.jsonl", [json.dumps({"question": "1+1?", "answer": "2", "test": ""})])
-    assert read_math_jsonl(path, JsonlConfig(task="mixed"))[0][0]["task"] == "math"
+    # An empty tests field is no code problem, also as JSON text.
+    empties = ["", [], "[]", {"inputs": [], "outputs": []}, json.dumps({"input": [], "output": []})]
+    path = _write(tmp_path / "empty.jsonl", [json.dumps({"question": "1+1?", "answer": "2", "test": e})
+                                             for e in empties])
+    assert [r["task"] for r in read_math_jsonl(path, JsonlConfig(task="mixed"))[0]] == ["math"] * 5
 
 
 def test_mixed_files_whose_answers_and_tests_share_a_field(tmp_path):

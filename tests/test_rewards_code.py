@@ -51,6 +51,14 @@ def test_assert_tests_pass_and_fail():
     ("import os\nos._exit(0)", 0.0),  # leaves before the tests: no marker
     ("def add_one(x):\n    import os\n    os._exit(0)", 0.0),  # leaves from inside a test
     ("def add_one(x):\n    return x + 1\nprint('chatter')", 1.0),
+    # Replacing what the harness runs the tests with, or reading its source, does not help.
+    ("exec = lambda *a, **k: None\ndef add_one(x):\n    return 'x'", 0.0),
+    ("import builtins\nbuiltins.exec = lambda *a, **k: None\ndef add_one(x):\n    return 'x'", 0.0),
+    ("import re, sys, os\nsys.stdout.write(' '.join(re.findall('[0-9a-f]{32}', open('main.py').read())))\n"
+     "sys.stdout.flush()\nos._exit(0)", 0.0),
+    # A correct program may define its own compile() or close its stdout.
+    ("import re\ndef compile(p):\n    return re.compile(p)\ndef add_one(x):\n    return x + 1", 1.0),
+    ("import sys\ndef add_one(x):\n    return x + 1\nsys.stdout.close()", 1.0),
 ])
 def test_a_program_that_exits_early_does_not_pass(program, expected):
     """Assert tests run after the program in one process: exiting with status 0 before
@@ -117,7 +125,9 @@ def test_parse_tests_completes_humaneval_and_refuses_the_rest():
     # a compressed blob) or pass every one (nothing at the top level can fail).
     for text, reason in [("\\frac12", "not Python"), ("eJzLSM3JyVcozy/KSQEAGgQEXQ==", "not Python"),
                          ("34", "cannot fail"), ("import math", "cannot fail"),
-                         ("def test_add():\n    assert add_one(1) == 2\n", "cannot fail")]:
+                         ("def test_add():\n    assert add_one(1) == 2\n", "pytest-style"),
+                         ("import unittest\nclass T(unittest.TestCase):\n    def test(self):\n        self.assertEqual(1, 2)\n"
+                          "unittest.main(exit=False)\n", "unittest / pytest")]:
         with pytest.raises(ValueError, match=reason):
             code_lib.parse_tests(text)
     main_guard = check + "\nif __name__ == '__main__':\n    check(add_one)\n"
@@ -135,6 +145,21 @@ def test_parse_tests_completes_humaneval_and_refuses_the_rest():
     apps = json.dumps({"inputs": ["1 2\n", "5 5"], "outputs": ["3", "10"]})
     assert code_correctness(SUM_STDIN, apps, **FAST) == 1.0
     assert code_correctness(SUM_STDIN, {"fn_name": "f", "inputs": [], "outputs": []}) == 0.0  # never raises
+
+
+def test_asserts_keep_their_order_and_decorators_when_cut_or_split():
+    """Setup between asserts stays where it was, decorators stay on their classes, when
+    ``max_tests`` cuts the string or partial credit runs each assert on its own."""
+    tests = "\n".join(f"x = add_one({i})\nassert x == {i + 1}" for i in range(25))
+    tests = "from dataclasses import dataclass\n@dataclass\nclass P:\n    a: int\n" + tests + "\nassert P(1).a == 1"
+    for options in ({}, {"max_tests": 20}, {"partial": True}, {"partial": True, "max_tests": 20}):
+        assert code_correctness(ADD_ONE, tests, **options, **FAST) == 1.0, options
+    cut = code_lib.limit_tests(tests, 2)
+    assert cut == "from dataclasses import dataclass\n@dataclass\nclass P:\n    a: int\nx = add_one(0)\nassert x == 1\n" \
+                  "x = add_one(1)\nassert x == 2\n"
+    # HumanEval's asserts sit inside check(): with partial credit the string is one test.
+    check = code_lib.parse_tests("def check(candidate):\n    assert candidate(1) == 2\n", entry_point="add_one")
+    assert code_correctness(ADD_ONE, check, partial=True, **FAST) == 1.0
 
 
 def test_max_tests_runs_the_first_cases_or_asserts():

@@ -249,8 +249,9 @@ def test_code_jsonl_task_trains_and_scores_programs_against_its_tests(tmp_path):
     with pytest.raises(ValueError, match="reward.code_timeout_s must be > 0"):
         tiny("grpo", extra="reward.code_timeout_s=0.0")
     # Magistral's recipe runs 20 tests per problem; the others every test.
-    assert build.reward_spec(_with(tiny("magistral"), name="code_jsonl", train_file=files["train"],
-                                   test_file=files["test"])).code_max_tests == 20
+    magistral = _with(tiny("magistral"), name="code_jsonl", train_file=files["train"], test_file=files["test"])
+    assert build.reward_spec(magistral).code_max_tests == 20
+    assert build.correctness_spec(magistral).code_max_tests is None  # pass@1 on every test
     assert spec.code_max_tests is None
 
 

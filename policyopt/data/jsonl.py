@@ -122,7 +122,7 @@ class JsonlConfig:
         "ability"; a value containing "code", "coding" or "program" is code, one
         containing "math" is math, anything else is malformed), for files whose math
         answers and code tests share a field. None: a row is code when one of
-        `tests_fields` holds something (not empty).
+        `tests_fields` holds tests (not empty, also as JSON text: "[]" is none).
     """
 
     question_fields: tuple[str, ...] = ("question", "problem", "prompt")
@@ -274,10 +274,17 @@ def _row_task(row: dict, config: JsonlConfig) -> str:
         if "math" in name:
             return "math"
         raise ValueError(f"task field {config.task_field!r}: {value!r} is neither math nor code")
+    from policyopt.rewards.code import parse_tests  # deferred: only code tasks need it
+
     for name in config.tests_fields:
         value = _lookup(row, name)
-        if value is not _MISSING and value is not None and (not isinstance(value, (str, list, dict)) or (
-                value.strip() if isinstance(value, str) else value)):
+        if value is _MISSING or value is None:
+            continue
+        try:
+            tests = parse_tests(value)
+        except ValueError:
+            return "code"  # tests it cannot read: the row is malformed, and says why
+        if tests.strip() if isinstance(tests, str) else tests:
             return "code"
     return "math"
 

@@ -83,8 +83,9 @@ class RewardSpec:
       code_timeout_s: per-test wall-clock limit of the code sandbox (Magistral: 4 s).
       code_memory_mb: per-test address-space limit (Magistral: 300 MB).
       code_partial: reward the pass rate instead of all-or-nothing (Magistral: off).
-      code_max_tests: run only a problem's first this many tests (Magistral: 20); None:
-        all of them.
+      code_max_tests: run only a problem's first this many tests (Magistral: 20): stdin /
+        stdout cases, or top-level asserts (asserts inside a function, as in HumanEval's
+        ``check``, are not counted); None: all of them.
       verifier: a correctness function of your own in place of the task's verifier, as
         ``"package.module:function"`` (importable by the scoring workers too):
         ``function(completion: str, reference) -> float | bool``, the correctness c in

@@ -4,12 +4,16 @@ Tests (``tests`` argument) follow two conventions:
 
 * a string of Python statements, typically ``assert``s, run after the program in the same
   namespace (HumanEval / MBPP). A test passes when the tests ran to their end: the
-  harness catches a ``SystemExit`` of the program itself (``sys.exit(0)`` at its end, a
-  common habit, would otherwise skip the tests and exit 0) and prints a random marker
-  after the tests, which the scorer requires; a program that leaves by ``os._exit`` or
-  exits from inside a tested function fails. (The marker is a constant of the harness's
-  code: it guards against exits, not against a program that inspects its caller's
-  frame.) All-or-nothing: one process runs program + tests. With
+  harness runs the program and then the tests in a fresh namespace with ``exec`` and
+  ``compile`` bound before the program runs, catches a ``SystemExit`` of the program
+  itself (``sys.exit(0)`` at its end, a common habit, would otherwise skip the tests and
+  exit 0), and after the tests writes a random marker to a copy of the stdout
+  descriptor, which the scorer requires. A program that leaves by ``os._exit``, exits
+  from inside a tested function, or replaces ``exec`` fails; the bootstrap deletes the
+  harness's file before the program runs. (The marker is still a constant of the
+  harness's code: this guards against exits and shadowed builtins, not against a
+  program that inspects its caller's frame.) unittest / pytest tests are refused:
+  their failures are reported, not raised. All-or-nothing: one process runs program + tests. With
   partial credit, the top-level ``assert`` statements are split (``ast.parse`` of the
   trusted test string; nothing is evaluated in this process) and each runs in its own
   process after the program and the non-assert statements (imports, helpers);
@@ -122,6 +126,7 @@ if os.getppid() != parent:
     os._exit(137)
 with open("main.py", encoding="utf-8") as f:
     source = f.read()
+os.remove("main.py")  # the harness's marker is in it: not for the program to read
 sys.argv = ["main.py"]
 del os, resource, cpu_s, memory, nproc, fsize, uid, parent, limit, value, f
 exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
@@ -409,11 +414,20 @@ def _check_runnable(tests: str) -> None:
         tree = ast.parse(tests)
     except SyntaxError as error:
         raise ValueError(f"the tests are not Python ({error.msg}, line {error.lineno})") from None
+    for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        if any(name.split(".")[0] in ("unittest", "pytest") for name in names):
+            raise ValueError("unittest / pytest tests are not supported: their failures are reported, "
+                             "not raised (write them as asserts)")
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
         if any(isinstance(sub, (ast.Assert, ast.Raise, ast.Call)) for sub in ast.walk(node)):
             return
+    if any(isinstance(node, ast.FunctionDef) and node.name.startswith("test") for node in tree.body):
+        raise ValueError("pytest-style tests (def test_...) are not run: call them at the top level of the "
+                         "tests, or write them as asserts")
     raise ValueError("the tests cannot fail: nothing at their top level asserts, raises or calls "
                      "(every program would pass)")
 
@@ -530,22 +544,28 @@ def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dic
 
 def _assert_harness(program: str, tests: str, marker: str) -> str:
     """The source run for assert tests: the program (its own ``SystemExit`` caught), then
-    the tests in the same namespace, then ``marker`` on a line of its own."""
+    the tests, in a fresh namespace, then ``marker`` on a line of its own, written to a
+    copy of the stdout descriptor. ``exec``, ``compile`` and the writer are bound before the
+    program runs, so a program that replaces them (``exec = ...``, ``builtins.exec``,
+    ``sys.stdout.close()``) neither skips the tests nor hides the marker."""
     return (
-        "import sys as _policyopt_sys\n"
-        "try:\n"
-        f"    exec(compile({program!r}, 'program.py', 'exec'), globals())\n"
-        "except SystemExit:\n"
-        "    pass\n"
-        f"exec(compile({tests!r}, 'tests.py', 'exec'), globals())\n"
-        f"_policyopt_sys.stdout.write('\\n' + {marker!r} + '\\n')\n"
-        "_policyopt_sys.stdout.flush()\n"
+        "def _policyopt_run(program, tests, marker, exec=exec, compile=compile, SystemExit=SystemExit,\n"
+        "                   write=__import__('os').write, fd=__import__('os').dup(1)):\n"
+        "    namespace = {'__name__': '__main__', '__builtins__': __builtins__}\n"
+        "    try:\n"
+        "        exec(compile(program, 'program.py', 'exec'), namespace)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "    exec(compile(tests, 'tests.py', 'exec'), namespace)\n"
+        "    write(fd, ('\\n' + marker + '\\n').encode())\n"
+        f"_policyopt_run({program!r}, {tests!r}, {marker!r})\n"
     )
 
 
 def limit_tests(tests: str | list[dict[str, str]], max_tests: int | None) -> str | list[dict[str, str]]:
-    """The first ``max_tests`` cases of parsed tests, or of an assert string's top-level
-    asserts (kept after its other statements); None: all of them."""
+    """The first ``max_tests`` cases of parsed tests, or an assert string cut after its
+    ``max_tests``-th top-level assert (the statements before it kept in order; asserts
+    inside functions, as in HumanEval's ``check``, are not counted); None: all of them."""
     if max_tests is None:
         return tests
     if max_tests < 1:
@@ -553,21 +573,45 @@ def limit_tests(tests: str | list[dict[str, str]], max_tests: int | None) -> str
     if not isinstance(tests, str):
         return tests[:max_tests]
     try:
-        setup, asserts = _split_asserts(tests)
+        statements = _statements(tests)
     except SyntaxError:
         return tests
+    asserts = [i for i, (is_assert, _) in enumerate(statements) if is_assert]
     if len(asserts) <= max_tests:
         return tests
-    return setup + "\n" + "\n".join(asserts[:max_tests]) + "\n"
+    return "\n".join(source for _, source in statements[:asserts[max_tests - 1] + 1]) + "\n"
 
 
-def _split_asserts(tests: str) -> tuple[str, list[str]]:
-    """(setup statements, one source string per top-level assert) of a test string."""
-    tree = ast.parse(tests)
-    setup, asserts = [], []
-    for node in tree.body:
-        (asserts if isinstance(node, ast.Assert) else setup).append(ast.get_source_segment(tests, node) or "")
-    return "\n".join(setup), asserts
+def _statements(tests: str) -> list[tuple[bool, str]]:
+    """``(is an assert, source)`` of each top-level statement of a test string, in order,
+    decorators included."""
+    lines = tests.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+
+    def offset(lineno: int, col: int) -> int:  # ast columns count UTF-8 bytes
+        return starts[lineno - 1] + len(lines[lineno - 1].encode()[:col].decode(errors="ignore"))
+
+    statements = []
+    for node in ast.parse(tests).body:
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        begin = starts[first - 1] if first < node.lineno else offset(node.lineno, node.col_offset)
+        statements.append((isinstance(node, ast.Assert), tests[begin:offset(node.end_lineno, node.end_col_offset)]))
+    return statements
+
+
+def _split_asserts(tests: str) -> list[str]:
+    """One source string per top-level assert of a test string: the statements before it
+    that are not asserts, in order, then the assert (partial credit). A string without
+    top-level asserts (HumanEval's asserts inside ``check``) is one test."""
+    statements = _statements(tests)
+    cases = []
+    for index, (is_assert, source) in enumerate(statements):
+        if is_assert:
+            setup = [s for a, s in statements[:index] if not a]
+            cases.append("\n".join(setup + [source]) + "\n")
+    return cases or [tests]
 
 
 def run_code_tests(
@@ -604,8 +648,7 @@ def run_code_tests(
         if stop_at_first_failure:
             cases = [(_assert_harness(program, tests, marker), "", None)]
         else:
-            setup, asserts = _split_asserts(tests)
-            cases = [(_assert_harness(program, setup + "\n" + test, marker), "", None) for test in asserts]
+            cases = [(_assert_harness(program, test, marker), "", None) for test in _split_asserts(tests)]
     else:
         cases = [(program, str(case["input"]), str(case["output"])) for case in tests]
     if not cases:
@@ -615,7 +658,7 @@ def run_code_tests(
         result = run_sandboxed(source, stdin=stdin, **limits)
         any_timeout |= result.timed_out
         if expected is None:  # assert tests: they must have run to their end
-            ok = result.returncode == 0 and result.stdout.rstrip("\n").rsplit("\n", 1)[-1] == marker
+            ok = result.returncode == 0 and marker in result.stdout
         else:
             ok = result.returncode == 0 and _normalise_output(result.stdout) == _normalise_output(expected)
         passed += ok

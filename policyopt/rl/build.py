@@ -261,11 +261,13 @@ def reward_spec(config) -> RewardSpec:
 def correctness_spec(config=None) -> RewardSpec:
     """Plain correctness (1 correct / 0 otherwise, no format gate or shaping): the
     evaluation metric, with the run's verifier (math or code, or ``config.reward.verifier``)
-    and its limits and ``reward.answer_format``; code tasks stop at a sample's first
-    failing test (pass@1 needs no pass rate)."""
+    and its limits and ``reward.answer_format``; code tasks run every test (the training
+    reward's ``code_max_tests`` cap does not apply) and stop at a sample's first failing
+    one (pass@1 needs no pass rate)."""
     if config is None:
         return RewardSpec(task="math", format_reward=False)
-    return RewardSpec(format_reward=False, **(_task_limits(config) | {"code_partial": False}))
+    return RewardSpec(format_reward=False,
+                      **(_task_limits(config) | {"code_partial": False, "code_max_tests": None}))
 
 
 def init_params(config, model: nnx.Module, mesh: Mesh):
