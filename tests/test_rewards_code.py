@@ -56,6 +56,9 @@ def test_assert_tests_pass_and_fail():
     ("import builtins\nbuiltins.exec = lambda *a, **k: None\ndef add_one(x):\n    return 'x'", 0.0),
     ("import re, sys, os\nsys.stdout.write(' '.join(re.findall('[0-9a-f]{32}', open('main.py').read())))\n"
      "sys.stdout.flush()\nos._exit(0)", 0.0),
+    ("import re, sys, os\nmain = vars(sys.modules['__main__'])\n"
+     "text = ' '.join(str(v) + ' ' + str(getattr(v, 'co_consts', '')) for v in main.values())\n"
+     "os.write(1, ' '.join(re.findall('[0-9a-f]{32}', text)).encode())\nos._exit(0)", 0.0),
     # A correct program may define its own compile() or close its stdout.
     ("import re\ndef compile(p):\n    return re.compile(p)\ndef add_one(x):\n    return x + 1", 1.0),
     ("import sys\ndef add_one(x):\n    return x + 1\nsys.stdout.close()", 1.0),
@@ -157,6 +160,14 @@ def test_asserts_keep_their_order_and_decorators_when_cut_or_split():
     cut = code_lib.limit_tests(tests, 2)
     assert cut == "from dataclasses import dataclass\n@dataclass\nclass P:\n    a: int\nx = add_one(0)\nassert x == 1\n" \
                   "x = add_one(1)\nassert x == 2\n"
+    # Line breaks other than \n / \r (form feed, U+2028) neither cut a test off nor split a
+    # string literal: a wrong f fails, a right one passes.
+    wrong, right = solution("def f(x):\n    return -1"), solution("def f(x):\n    return 1 if x == 'a\u2028b' else x")
+    feed = "\x0cassert f(1) == 1\nassert f(2) == 2\nassert f(3) == 3"
+    literal = "assert f('a\u2028b') == 1\nassert f(2) == 2\nassert f(3) == 3"
+    for options in ({"max_tests": 1}, {"max_tests": 2}, {"partial": True}):
+        assert code_correctness(wrong, feed, **options, **FAST) == 0.0, options
+        assert code_correctness(right, literal, **options, **FAST) == 1.0, options
     # HumanEval's asserts sit inside check(): with partial credit the string is one test.
     check = code_lib.parse_tests("def check(candidate):\n    assert candidate(1) == 2\n", entry_point="add_one")
     assert code_correctness(ADD_ONE, check, partial=True, **FAST) == 1.0

@@ -12,8 +12,13 @@ Tests (``tests`` argument) follow two conventions:
   from inside a tested function, or replaces ``exec`` fails; the bootstrap deletes the
   harness's file before the program runs. (The marker is still a constant of the
   harness's code: this guards against exits and shadowed builtins, not against a
-  program that inspects its caller's frame.) unittest / pytest tests are refused:
-  their failures are reported, not raised. All-or-nothing: one process runs program + tests. With
+  program that inspects its callers' frames, ``sys._getframe`` / ``settrace`` /
+  ``_current_frames``, which no in-process check can stop.) Inherent to assert tests,
+  whatever the harness: a returned object whose ``__eq__`` always says True, or a
+  monkeypatched library function the tests use, passes them. unittest / pytest tests are
+  refused: their failures are reported, not raised. The program runs as ``__main__``
+  with empty stdin and no ``__file__``, and its output (marker included) is capped at
+  ``max_output_bytes``. All-or-nothing: one process runs program + tests. With
   partial credit, the top-level ``assert`` statements are split (``ast.parse`` of the
   trusted test string; nothing is evaluated in this process) and each runs in its own
   process after the program and the non-assert statements (imports, helpers);
@@ -124,12 +129,20 @@ except Exception:
     pass
 if os.getppid() != parent:
     os._exit(137)
-with open("main.py", encoding="utf-8") as f:
-    source = f.read()
-os.remove("main.py")  # the harness's marker is in it: not for the program to read
 sys.argv = ["main.py"]
-del os, resource, cpu_s, memory, nproc, fsize, uid, parent, limit, value, f
-exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+
+
+def run(remove=os.remove):
+    # Read, delete and run main.py in this frame: the harness's marker is in its text,
+    # which then sits in no file and no module attribute.
+    with open("main.py", encoding="utf-8") as f:
+        code = compile(f.read(), "main.py", "exec")
+    remove("main.py")
+    exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+
+
+del os, resource, cpu_s, memory, nproc, fsize, uid, parent, limit, value
+run()
 """
 
 
@@ -579,13 +592,14 @@ def limit_tests(tests: str | list[dict[str, str]], max_tests: int | None) -> str
     asserts = [i for i, (is_assert, _) in enumerate(statements) if is_assert]
     if len(asserts) <= max_tests:
         return tests
-    return "\n".join(source for _, source in statements[:asserts[max_tests - 1] + 1]) + "\n"
+    cut = "\n".join(source for _, source in statements[:asserts[max_tests - 1] + 1]) + "\n"
+    return cut if _parses(cut) else tests  # all of them rather than a cut that went wrong
 
 
 def _statements(tests: str) -> list[tuple[bool, str]]:
     """``(is an assert, source)`` of each top-level statement of a test string, in order,
     decorators included."""
-    lines = tests.splitlines(keepends=True)
+    lines = re.split(r"(?<=\n)|(?<=\r)(?!\n)", tests)  # ast's line breaks: \n, \r\n, \r only
     starts = [0]
     for line in lines:
         starts.append(starts[-1] + len(line))
@@ -611,7 +625,17 @@ def _split_asserts(tests: str) -> list[str]:
         if is_assert:
             setup = [s for a, s in statements[:index] if not a]
             cases.append("\n".join(setup + [source]) + "\n")
-    return cases or [tests]
+    if not cases or not all(_parses(case) for case in cases):
+        return [tests]  # one test rather than a case the split got wrong
+    return cases
+
+
+def _parses(source: str) -> bool:
+    try:
+        ast.parse(source)
+    except SyntaxError:
+        return False
+    return True
 
 
 def run_code_tests(
