@@ -132,6 +132,9 @@ def base_config() -> ml_collections.ConfigDict:
     # code tests share a field (verl-style rows: "ability", with "math" / "coding"
     # values); None: a row is code when one of `tests_fields` holds something.
     c.task.task_field = placeholder(str)
+    # The prompt of code rows ("code_jsonl", the code rows of "mixed_jsonl", which then
+    # need not share the math rows' template); None: `prompt_template`.
+    c.task.code_prompt_template = placeholder(str)
     # Prompts longer than the largest `batch.prompt_buckets` (chat template included;
     # every prompt is tokenised once when the run is built): "error" (raise, naming the
     # record), "drop", "truncate_left" or "truncate_right" (keep the text's end / start).
@@ -562,15 +565,18 @@ def check(config: ml_collections.ConfigDict) -> None:
         missing = [f"task.{split}_file" for split in ("train", "test") if not t[f"{split}_file"]]
         if missing:
             raise ValueError(f"config.{missing[0]} is required with task.name={t.name!r}")
-        try:
-            probe = t.prompt_template.format(question="\0")
-        except (IndexError, KeyError, ValueError) as error:
-            raise ValueError(f"config.task.prompt_template={t.prompt_template!r} is not a format "
-                             f"string with only {{question}} ({error!r}); write literal braces "
-                             "twice, e.g. \\boxed{{}}") from None
-        if "\0" not in probe:
-            raise ValueError(f"config.task.prompt_template must contain '{{question}}', got "
-                             f"{t.prompt_template!r}")
+        for name in ("prompt_template", "code_prompt_template"):
+            template = t[name]
+            if template is None:
+                continue
+            try:
+                probe = template.format(question="\0")
+            except (IndexError, KeyError, ValueError) as error:
+                raise ValueError(f"config.task.{name}={template!r} is not a format "
+                                 f"string with only {{question}} ({error!r}); write literal braces "
+                                 "twice, e.g. \\boxed{{}}") from None
+            if "\0" not in probe:
+                raise ValueError(f"config.task.{name} must contain '{{question}}', got {template!r}")
     b = config.batch
     if b.n_prompts < 1 or b.group_size < 1 or b.epochs < 1 or b.n_minibatches < 1:
         raise ValueError("config.batch.n_prompts, group_size, epochs and n_minibatches must be >= 1")

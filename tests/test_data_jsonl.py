@@ -196,6 +196,14 @@ def test_mixed_files_say_each_rows_task(tmp_path):
     path = _write(tmp_path / "empty.jsonl", [json.dumps({"question": "1+1?", "answer": "2", "test": e})
                                              for e in empties])
     assert [r["task"] for r in read_math_jsonl(path, JsonlConfig(task="mixed"))[0]] == ["math"] * 5
+    # Each task's own prompt template.
+    path = _write(tmp_path / "templates.jsonl", [json.dumps(r) for r in rows[:2]])
+    config = JsonlConfig(task="mixed", prompt_template="{question} Put the answer in \\boxed{{}}.",
+                         code_prompt_template="{question} Answer with a ```python block.")
+    assert [r["prompt"] for r in read_math_jsonl(path, config)[0]] == [
+        "1+1? Put the answer in \\boxed{}.", "Print 2. Answer with a ```python block."]
+    with pytest.raises(ValueError, match="code_prompt_template must contain"):
+        JsonlConfig(code_prompt_template="no question")
 
 
 def test_mixed_files_whose_answers_and_tests_share_a_field(tmp_path):

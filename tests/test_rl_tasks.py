@@ -289,6 +289,10 @@ def test_mixed_jsonl_checks_each_sample_with_its_own_task(tmp_path, monkeypatch)
     assert [r["task"] for r in records] == ["math", "code", "math", "code"]
     assert records[0]["answer"] == answers[0] and json.loads(records[1]["answer"]) == [
         {"input": "", "output": answers[0]}]
+    templated = _with(mixed, code_prompt_template="code: {question}")
+    assert [r["prompt"][:6] for r in build.task_records(templated, "test")[:2]] == [records[0]["prompt"][:6], "code: "]
+    with pytest.raises(ValueError, match="task.code_prompt_template must contain"):
+        _with(mixed, code_prompt_template="code")
     prepared = _with(mixed, tfds_dir=str(tmp_path / "tfds"))
     assert build.task_records(prepared, "test") == build.task_records(mixed, "test")
     # A boxed answer is right for the math records only, a program for the code ones.
@@ -311,6 +315,13 @@ def test_mixed_jsonl_checks_each_sample_with_its_own_task(tmp_path, monkeypatch)
     assert {"eval/pass@1_math", "eval/pass@1_code"} <= set(evaluation)  # 2 + 2 held-out records
     assert evaluation["eval/pass@1"] == pytest.approx(
         (evaluation["eval/pass@1_math"] + evaluation["eval/pass@1_code"]) / 2)
+    run = summary["run"]
+    with_k = evaluate_lib.evaluate(run.graphdef, run.state.params, build.eval_records(mixed, run.tokenizer),
+                                   run.tokenizer, max_new_tokens=6, prompt_buckets=(16,), k=2,
+                                   spec=build.correctness_spec(mixed))
+    for name in ("mean@2", "pass@2"):
+        assert with_k[f"eval/{name}"] == pytest.approx(
+            (with_k[f"eval/{name}_math"] + with_k[f"eval/{name}_code"]) / 2), name
     with pytest.raises(ValueError, match="task 'proof' is not one of"):
         score_batch(["x"], ["1"], [1], build.reward_spec(mixed), tasks=np.array(["proof"]))
     assert score_batch(["x"], ["1"], [1], build.reward_spec(mixed), tasks=np.array(["math"])).status == ["no_answer"]

@@ -123,6 +123,9 @@ class JsonlConfig:
         containing "math" is math, anything else is malformed), for files whose math
         answers and code tests share a field. None: a row is code when one of
         `tests_fields` holds tests (not empty, also as JSON text: "[]" is none).
+      code_prompt_template: the prompt of code rows, with `{question}` (e.g. asking for
+        a fenced Python block, where `prompt_template` asks math rows for a box); None:
+        `prompt_template`.
     """
 
     question_fields: tuple[str, ...] = ("question", "problem", "prompt")
@@ -135,6 +138,7 @@ class JsonlConfig:
     task: str = "math"
     tests_fields: tuple[str, ...] = ("tests", "test_list", "test", "input_output", "public_tests")
     task_field: str | None = None
+    code_prompt_template: str | None = None
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -149,9 +153,10 @@ class JsonlConfig:
         if isinstance(self.question_fields, str) or isinstance(self.answer_fields, str):
             raise ValueError("JsonlConfig.question_fields / answer_fields are tuples of names, "
                              "e.g. ('question',)")
-        if "{question}" not in self.prompt_template:
-            raise ValueError(f"JsonlConfig.prompt_template must contain '{{question}}', got "
-                             f"{self.prompt_template!r}")
+        for name in ("prompt_template", "code_prompt_template"):
+            template = getattr(self, name)
+            if template is not None and "{question}" not in template:
+                raise ValueError(f"JsonlConfig.{name} must contain '{{question}}', got {template!r}")
 
 
 @dataclasses.dataclass
@@ -341,7 +346,8 @@ def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
     if task == "code" and solution.strip() and "```" not in solution:
         code = solution.replace("\r\n", "\n").strip("\n")  # the first line keeps its indent
         solution = f"```python\n{code}\n```"  # the format the code verifier reads
-    record = {"prompt": config.prompt_template.format(question=question), "answer": reference,
+    template = config.code_prompt_template if task == "code" and config.code_prompt_template else config.prompt_template
+    record = {"prompt": template.format(question=question), "answer": reference,
               "solution": solution}
     if config.task == "mixed":
         record["task"] = task

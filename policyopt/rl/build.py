@@ -102,7 +102,8 @@ def jsonl_reader(config) -> JsonlConfig:
                        skip_malformed=bool(t.skip_malformed),
                        task=_JSONL_KINDS.get(t.name, "math"),
                        tests_fields=_names(t.tests_fields),
-                       task_field=(t.task_field or None) if t.name == "mixed_jsonl" else None)
+                       task_field=(t.task_field or None) if t.name == "mixed_jsonl" else None,
+                       code_prompt_template=t.code_prompt_template or None)
 
 
 def _jsonl_files(config) -> dict[str, str]:

@@ -119,4 +119,8 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
         correct = np.asarray(correct).reshape(len(prompts), k)
         metrics[f"eval/mean@{k}"] = float(correct.mean())
         metrics[f"eval/pass@{k}"] = float(correct.any(axis=1).mean())
+        for task in sorted(set(tasks or ())):  # mixed math and code records
+            rows = np.asarray(tasks) == task
+            metrics[f"eval/mean@{k}_{task}"] = float(correct[rows].mean())
+            metrics[f"eval/pass@{k}_{task}"] = float(correct[rows].any(axis=1).mean())
     return metrics
