@@ -37,6 +37,7 @@ bench: install-test
 	$(TEST_ENV) $(PY) -m benchmarks.bench_sampling
 	$(TEST_ENV) $(PY) -m benchmarks.bench_async
 	$(TEST_ENV) $(PY) -m benchmarks.bench_rewards
+	$(TEST_ENV) $(PY) -m benchmarks.bench_code_rewards
 	$(TEST_ENV) $(PY) -m benchmarks.bench_rl
 
 clean:
