@@ -240,9 +240,11 @@ def _text_field(row: dict, names: tuple[str, ...], what: str, *,
                      f"(fields: {sorted(row)[:10]})")
 
 
-def _code_tests(row: dict, config: JsonlConfig) -> str:
-    """The row's tests as JSON text (``policyopt.rewards.code.parse_tests``); raises
-    ``ValueError``."""
+def _find_tests(row: dict, config: JsonlConfig) -> tuple[str | None, list[str]]:
+    """``(tests as JSON text, or None when no field holds any; the names of the fields
+    present but empty)``: the first of ``tests_fields`` holding tests, read by
+    ``policyopt.rewards.code.parse_tests`` (an empty field gives way to the next, e.g.
+    CodeContests' public_tests); raises ``ValueError`` for tests it cannot read."""
     from policyopt.rewards.code import parse_tests  # deferred: only code tasks need it
 
     empty = []
@@ -256,11 +258,19 @@ def _code_tests(row: dict, config: JsonlConfig) -> str:
         except ValueError as e:
             raise ValueError(f"tests field {name!r}: {e}") from None
         if not (tests.strip() if isinstance(tests, str) else tests):
-            empty.append(name)  # e.g. CodeContests' public_tests: try the next field
+            empty.append(name)
             continue
         if isinstance(tests, str):
             tests = _mbpp_setup(row) + tests
-        return json.dumps(tests)
+        return json.dumps(tests), empty
+    return None, empty
+
+
+def _code_tests(row: dict, config: JsonlConfig) -> str:
+    """The row's tests as JSON text (``_find_tests``); raises ``ValueError``."""
+    tests, empty = _find_tests(row, config)
+    if tests is not None:
+        return tests
     if empty:
         raise ValueError(f"tests field {empty[0]!r}: empty tests")
     raise ValueError(f"missing tests field: none of {list(config.tests_fields)} present "
@@ -279,19 +289,10 @@ def _row_task(row: dict, config: JsonlConfig) -> str:
         if "math" in name:
             return "math"
         raise ValueError(f"task field {config.task_field!r}: {value!r} is neither math nor code")
-    from policyopt.rewards.code import parse_tests  # deferred: only code tasks need it
-
-    for name in config.tests_fields:
-        value = _lookup(row, name)
-        if value is _MISSING or value is None:
-            continue
-        try:
-            tests = parse_tests(value)
-        except ValueError:
-            return "code"  # tests it cannot read: the row is malformed, and says why
-        if tests.strip() if isinstance(tests, str) else tests:
-            return "code"
-    return "math"
+    try:
+        return "math" if _find_tests(row, config)[0] is None else "code"
+    except ValueError:
+        return "code"  # tests it cannot read: the row is malformed, and says why
 
 
 def _mbpp_setup(row: dict) -> str:
