@@ -244,6 +244,21 @@ def base_config() -> ml_collections.ConfigDict:
     # between trainer and sampler log-probs (None = off; 2.0 is a common choice; needs
     # old_log_probs = "trainer", with "sampler" the weight would always be 1).
     c.algo.tis_cap = placeholder(float)
+    # Its level: "token" (min(rho_t, C)) or "sequence" (min(prod_t rho_t, C), one weight
+    # per sequence: unbiased up to the cap, more variance; caps of 2-10 are usual).
+    c.algo.tis_level = "token"
+    # Rollout rejection sampling between sampler and trainer (Liu, Li et al. 2025, "When
+    # Speed Kills Stability"; verl's rollout_rs): tokens or sequences whose ratio
+    # rho = pi_old / mu lies outside [rs_lower, rs_upper] leave the policy loss (and its
+    # denominators; the critic still trains on them). Level None (off), "token" (rho_t),
+    # "sequence" (prod_t rho_t) or "geometric" (exp(mean_t log rho_t): tight bounds,
+    # e.g. rs_upper = 1.001). rs_lower None: 1 / rs_upper. Needs old_log_probs = "trainer".
+    c.algo.rs_level = placeholder(str)
+    c.algo.rs_upper = placeholder(float)
+    c.algo.rs_lower = placeholder(float)
+    # Veto: also reject every sequence holding a token with rho_t < rs_veto (1e-4 is
+    # usual; None = off), with or without rs_level.
+    c.algo.rs_veto = placeholder(float)
     # Where pi_old comes from: "trainer" (a forward pass of the policy before the updates,
     # as verl and OpenRLHF do) or "sampler" (the rollout's untruncated log-probs; saves a
     # forward pass, valid when sampler and trainer agree numerically).
@@ -543,6 +558,8 @@ _CHOICES = {
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.routing_replay": ("none", "R2", "R3"),
     "algo.old_log_probs": ("trainer", "sampler"),
+    "algo.tis_level": ("token", "sequence"),
+    "algo.rs_level": (None, "token", "sequence", "geometric"),
     "reward.overlong": ("none", "dapo", "magistral"),
     "reward.answer_format": ("boxed", "answer_line"),
     "dynamic_sampling.criterion": ("reward", "accuracy"),
@@ -643,6 +660,26 @@ def check(config: ml_collections.ConfigDict) -> None:
                          "is 1 when pi_old is the sampler's log-probs (algo.old_log_probs="
                          "'sampler'); use one correction: tis_cap with old_log_probs='trainer', "
                          "or old_log_probs='sampler' alone")
+    if algo.tis_cap is not None and not algo.tis_cap > 0:
+        raise ValueError(f"config.algo.tis_cap must be > 0, got {algo.tis_cap}")
+    if algo.rs_level is not None or algo.rs_veto is not None:
+        if algo.old_log_probs == "sampler":
+            raise ValueError("config.algo.rs_level / rs_veto reject tokens by rho = exp(old - "
+                             "behaviour), which is 1 when pi_old is the sampler's log-probs "
+                             "(algo.old_log_probs='sampler'); set algo.old_log_probs='trainer'")
+        if algo.rs_level is not None and (algo.rs_upper is None or not algo.rs_upper > 0):
+            raise ValueError(f"config.algo.rs_level={algo.rs_level!r} needs algo.rs_upper > 0, "
+                             f"got {algo.rs_upper}")
+        lower = algo.rs_lower if algo.rs_lower is not None else (
+            1.0 / algo.rs_upper if algo.rs_level is not None else None)
+        if algo.rs_level is not None and not 0 < lower <= algo.rs_upper:
+            raise ValueError(f"config.algo.rs_lower ({lower}) must be in (0, rs_upper="
+                             f"{algo.rs_upper}]")
+        if algo.rs_veto is not None and not algo.rs_veto > 0:
+            raise ValueError(f"config.algo.rs_veto must be > 0, got {algo.rs_veto}")
+    if algo.rs_level is None and (algo.rs_upper is not None or algo.rs_lower is not None):
+        raise ValueError("config.algo.rs_upper / rs_lower are set but algo.rs_level is None: "
+                         "choose the level they apply at ('token', 'sequence' or 'geometric')")
 
 
 def load_run_config(path: str) -> ml_collections.ConfigDict:

@@ -25,6 +25,12 @@ Methods (``policy_loss(method=...)``; a new method is one function registered wi
 - ``"sapo"``: soft gate ``f(r) = sigmoid(tau (r - 1)) * 4 / tau`` with ``tau = tau_pos`` if
   A > 0 else ``tau_neg``, no clip (SAPO, 2511.20347).
 
+Rollout correction, between the sampler's (behaviour, mu) and the trainer's (pi_old)
+log-probs of the sampled tokens: ``truncated_importance_weights`` (token or sequence
+level, into ``policy_loss(importance_weights=...)``), ``rejection_mask`` (token, sequence
+or geometric level, and a veto; multiply it into the policy loss's mask) and the
+diagnostics ``offpolicy_metrics``.
+
 All arrays are ``[B, T]`` (B sequences, T response positions) with ``mask`` 1 on valid
 response tokens; values at positions where ``mask`` is 0 never influence any output.
 """
@@ -47,6 +53,9 @@ AGGREGATIONS = (
     "seq_mean_token_sum_norm",
 )
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# Rollout correction (sampler vs trainer): importance-weight and rejection levels.
+IS_LEVELS = ("token", "sequence")
+RS_LEVELS = ("token", "sequence", "geometric")
 METRICS = ("all", "none")
 
 
@@ -352,21 +361,134 @@ def kl_penalty(
     return jnp.where(valid, per_token, 0)
 
 
-def truncated_importance_weights(
-    old_log_probs: Array, behaviour_log_probs: Array, mask: Array, cap: float = 2.0
-) -> Array:
-    """Truncated importance weights ``min(exp(old - behaviour), cap)``, stop-gradient.
+def _rollout_log_ratio(old_log_probs: Array, behaviour_log_probs: Array, mask: Array):
+    """``(valid, log rho)``: the valid tokens and ``log rho_t = old - behaviour`` (0 on padding)."""
+    valid = _as_mask(mask, old_log_probs.dtype) > 0
+    return valid, jnp.where(valid, old_log_probs - behaviour_log_probs, 0)
 
-    Corrects the mismatch between the sampler's (behaviour) and the trainer's (old)
-    log-probs of the same tokens; ``cap = 2.0`` is the common default. 0 on padding.
+
+def _sequence_log_ratio(log_rho: Array, valid: Array, level: str) -> Array:
+    """Per sequence ``[B, 1]``: ``sum_t log rho_t`` ("sequence": the log of the product of
+    the token ratios) or its mean over the valid tokens ("geometric"; 0 for an empty
+    sequence)."""
+    total = jnp.sum(log_rho, axis=-1, keepdims=True)
+    if level == "sequence":
+        return total
+    return _safe_div(total, jnp.sum(valid, axis=-1, keepdims=True).astype(log_rho.dtype))
+
+
+def truncated_importance_weights(
+    old_log_probs: Array, behaviour_log_probs: Array, mask: Array, cap: float = 2.0, *,
+    level: str = "token",
+) -> Array:
+    """Truncated importance weights between the sampler (behaviour) and the trainer, stop-gradient.
+
+    Corrects the mismatch between the sampler's (behaviour, mu) and the trainer's (old)
+    log-probs of the same tokens, ``rho_t = exp(old - behaviour)``:
+
+    - ``level="token"`` (TIS): ``w_t = min(rho_t, cap)``; ``cap = 2.0`` is the common default;
+    - ``level="sequence"``: ``w_i = min(prod_t rho_{i,t}, cap)`` over the valid tokens of
+      sequence i, the same weight on each of its tokens (unbiased up to the cap, higher
+      variance: verl's "sequence" rollout IS, after Liu, Li et al. 2025, "When Speed Kills
+      Stability"; caps of 2-10 are usual).
+
+    0 on padding.
 
     Returns:
       ``[B, T]`` weights to pass as ``policy_loss(importance_weights=...)``.
     """
-    valid = _as_mask(mask, old_log_probs.dtype) > 0
-    log_weight = jnp.where(valid, old_log_probs - behaviour_log_probs, 0)
+    if level not in IS_LEVELS:
+        raise ValueError(f"level={level!r} is not one of {IS_LEVELS}")
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    valid, log_weight = _rollout_log_ratio(old_log_probs, behaviour_log_probs, mask)
+    if level == "sequence":
+        log_weight = jnp.broadcast_to(_sequence_log_ratio(log_weight, valid, level), log_weight.shape)
     weights = jnp.minimum(jnp.exp(log_weight), cap)
     return jax.lax.stop_gradient(jnp.where(valid, weights, 0))
+
+
+def rejection_mask(
+    old_log_probs: Array, behaviour_log_probs: Array, mask: Array, *, level: str | None = None,
+    upper: float | None = None, lower: float | None = None, veto: float | None = None,
+) -> Array:
+    """Rollout rejection sampling: which tokens the policy loss keeps, stop-gradient.
+
+    With ``rho_t = exp(old - behaviour)`` (trainer over sampler), a token or a whole
+    sequence is rejected, rather than reweighted, when its ratio lies outside
+    ``[lower, upper]`` (``lower`` defaults to ``1 / upper``):
+
+    - ``level="token"``: token t when ``rho_t`` is outside;
+    - ``level="sequence"``: sequence i when ``prod_t rho_{i,t}`` is outside;
+    - ``level="geometric"``: sequence i when the geometric mean ``exp(mean_t log rho_{i,t})``
+      is outside (it does not grow with length, so the bounds are tight: 1.001 - 1.01);
+    - ``veto``: besides, sequence i when any of its tokens has ``rho_t < veto`` (a token the
+      trainer finds far less likely than the sampler did; 1e-4 is usual).
+
+    ``level=None`` applies the veto alone. (verl's rollout rejection sampling and veto,
+    after Liu, Li et al. 2025, "When Speed Kills Stability".) Rejected tokens leave the
+    loss and its denominators: pass ``mask * rejection_mask(...)`` as the policy loss's
+    mask. Bounds are compared in log space, so products over long sequences never
+    overflow.
+
+    Returns:
+      ``[B, T]`` float 0/1, 1 on the valid tokens kept, 0 on rejected tokens and padding.
+    """
+    if level is not None and level not in RS_LEVELS:
+        raise ValueError(f"level={level!r} is not one of {RS_LEVELS} or None")
+    if level is not None and (upper is None or not upper > 0):
+        raise ValueError(f"rejection at level={level!r} needs upper > 0, got {upper}")
+    lower = (1.0 / upper if level is not None else None) if lower is None else lower
+    if level is not None and not 0 < lower <= upper:
+        raise ValueError(f"the rejection bounds need 0 < lower <= upper, got lower={lower}, upper={upper}")
+    if veto is not None and not veto > 0:
+        raise ValueError(f"veto must be > 0, got {veto}")
+    valid, log_rho = _rollout_log_ratio(old_log_probs, behaviour_log_probs, mask)
+    keep = valid
+    if level is not None:
+        x = log_rho if level == "token" else _sequence_log_ratio(log_rho, valid, level)
+        keep = keep & (x >= math.log(lower)) & (x <= math.log(upper))
+    if veto is not None:
+        keep = keep & ~jnp.any(valid & (log_rho < math.log(veto)), axis=-1, keepdims=True)
+    return jax.lax.stop_gradient(keep.astype(old_log_probs.dtype))
+
+
+# log(prod rho) is clamped here before chi2_seq squares it (e^40 stays finite in float32).
+_OFFPOLICY_SEQ_LOG_CLAMP = 20.0
+
+
+def offpolicy_metrics(old_log_probs: Array, behaviour_log_probs: Array, mask: Array) -> dict[str, Array]:
+    """How far the trainer's log-probs (pi_old) are from the sampler's (mu) on the sampled
+    tokens, with ``rho_t = pi_old / mu``, over valid tokens only:
+
+    - ``kl_k1``: token mean of ``log mu - log pi_old``, an estimate of KL(mu || pi_old);
+    - ``kl_k3``: token mean of ``rho - 1 - log rho`` (the same KL, k3 estimator, >= 0);
+    - ``ppl_ratio``: mean over non-empty sequences of ``PPL_old / PPL_mu =
+      exp(-mean_t log rho_t)``;
+    - ``chi2_token``: token mean of ``rho^2 - 1``; ``chi2_seq``: mean over non-empty
+      sequences of ``(prod_t rho_t)^2 - 1``, with ``log prod_t rho_t`` clamped to +-20;
+    - ``log_ratio_abs_max``: the largest ``|log rho_t|``.
+
+    All are 0 when the two agree; they are the diagnostics of verl's rollout correction.
+    """
+    valid, log_rho = _rollout_log_ratio(old_log_probs, behaviour_log_probs, mask)
+    rho = jnp.where(valid, jnp.exp(log_rho), 1)
+    valid_f = valid.astype(log_rho.dtype)
+    n = jnp.sum(valid_f)
+    non_empty = jnp.any(valid, axis=-1)
+    n_seq = jnp.sum(non_empty.astype(log_rho.dtype))
+    seq_mean = lambda x: _safe_div(jnp.sum(jnp.where(non_empty, x, 0)), n_seq)
+    geometric = _sequence_log_ratio(log_rho, valid, "geometric")[:, 0]
+    seq_log = jnp.clip(jnp.sum(log_rho, axis=-1), -_OFFPOLICY_SEQ_LOG_CLAMP, _OFFPOLICY_SEQ_LOG_CLAMP)
+    out = {
+        "kl_k1": _safe_div(jnp.sum(-log_rho), n),
+        "kl_k3": _safe_div(jnp.sum(jnp.where(valid, rho - 1 - log_rho, 0)), n),
+        "ppl_ratio": seq_mean(jnp.exp(-geometric)),
+        "chi2_token": _safe_div(jnp.sum(jnp.where(valid, jnp.square(rho) - 1, 0)), n),
+        "chi2_seq": seq_mean(jnp.expm1(2 * seq_log)),
+        "log_ratio_abs_max": jnp.max(jnp.abs(log_rho)),
+    }
+    return jax.tree.map(jax.lax.stop_gradient, out)
 
 
 def policy_loss(

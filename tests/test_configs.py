@@ -150,6 +150,25 @@ def test_unknown_or_bad_fields_are_named():
         load("magistral_async", "algo.tis_cap=2.0,algo.old_log_probs='sampler'")
     with pytest.raises(ValueError, match="routing_replay='R2' needs"):
         load("grpo", "algo.routing_replay='R2',algo.old_log_probs='sampler'")
+    # Rollout correction: levels, bounds, and pi_old from the trainer.
+    with pytest.raises(ValueError, match="algo.tis_level"):
+        load("grpo", "algo.tis_cap=2.0,algo.tis_level=seq")
+    with pytest.raises(ValueError, match="algo.rs_level"):
+        load("grpo", "algo.rs_level=geo,algo.rs_upper=1.001")
+    with pytest.raises(ValueError, match="rs_level='token' needs algo.rs_upper"):
+        load("grpo", "algo.rs_level=token")
+    with pytest.raises(ValueError, match="rs_upper / rs_lower are set but algo.rs_level is None"):
+        load("grpo", "algo.rs_upper=2.0")
+    with pytest.raises(ValueError, match="rs_lower"):
+        load("grpo", "algo.rs_level=sequence,algo.rs_upper=2.0,algo.rs_lower=3.0")
+    with pytest.raises(ValueError, match="rs_veto must be > 0"):
+        load("grpo", "algo.rs_veto=0.0")
+    with pytest.raises(ValueError, match="tis_cap must be > 0"):
+        load("grpo", "algo.tis_cap=-1.0")
+    with pytest.raises(ValueError, match="rs_level / rs_veto .*old_log_probs='trainer'"):
+        load("grpo", "algo.rs_veto=1e-4,algo.old_log_probs=sampler")
+    config = load("grpo", "algo.rs_level=geometric,algo.rs_upper=1.001,algo.rs_veto=1e-4")
+    assert (config.algo.rs_level, config.algo.rs_upper, config.algo.rs_lower) == ("geometric", 1.001, None)
 
 
 def test_command_line_overrides_through_config_flags():

@@ -15,9 +15,10 @@ from policyopt.models import Transformer, preset
 from policyopt.rl import trainer
 from policyopt.rl.batch import Batch, layout
 from configs import vapo
-from policyopt.rl.critic import (CriticConfig, GAEConfig, critic_loss, forward_values, gae_targets,
-                                 get_critic, init_critic_params, token_rewards)
-from policyopt.rl.learner import OptimConfig, split_params
+from policyopt.rl.critic import (Critic, CriticConfig, GAEConfig, critic_loss, critic_optim,
+                                 forward_values, gae_targets, get_critic, init_critic_params,
+                                 token_rewards)
+from policyopt.rl.learner import OptimConfig, TrainState, split_params
 from tests.test_rl_trainer import tiny
 
 VOCAB = 16
@@ -122,6 +123,9 @@ def test_moe_critic_adds_its_load_balancing_loss():
         return jax.value_and_grad(lambda p: critic_loss(graphdef, p, batch, settings), has_aux=True)(params)
 
     (plain, metrics), plain_grads = loss_and_grads(0.0)
+    # Rollout rejection sampling's loss mask is the policy's: the critic still fits every token.
+    rejected = batch._replace(loss_mask=jnp.zeros_like(batch.mask))
+    assert float(critic_loss(graphdef, params, rejected, CriticConfig())[0]) == float(plain)
     (with_term, metrics_term), term_grads = loss_and_grads(0.5)
     assert float(metrics["critic/moe_load_balancing_loss"]) == pytest.approx(balance, rel=1e-6)
     assert float(plain) == pytest.approx(float(metrics["critic/value_loss"]), rel=1e-6)
@@ -131,6 +135,15 @@ def test_moe_critic_adds_its_load_balancing_loss():
               if "router" in jax.tree_util.keystr(path)]
     assert router and any(not np.allclose(a, b) for _, a, b in router)
     assert CriticConfig.from_config(vapo.get_config("algo.load_balancing_coef=0.01")).load_balancing_coef == 0.01
+    # A minibatch without a valid token does not move the critic (AdamW's decay and momentum).
+    critic = Critic(graphdef, CriticConfig(), critic_optim(vapo.get_config()))
+    state = TrainState.create(jax.tree.map(jnp.copy, params), critic.optimizer)
+    state, _ = critic.update(state, batch)
+    before = jax.tree.map(jnp.copy, state)
+    state, metrics = critic.update(state, batch._replace(mask=jnp.zeros_like(batch.mask)))
+    assert float(metrics["critic/empty"]) == 1.0 and int(state.step) == 1
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_token_rewards_and_gae_targets_hand_worked():

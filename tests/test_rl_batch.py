@@ -77,12 +77,33 @@ def test_dynamic_sampling_cap_fills_with_zero_variance_groups_and_reports_shortf
     # The filler group (last) keeps the shape but counts in no loss or mean: mask 0.
     np.testing.assert_array_equal(merged.rewards, [1, 0, 1, 1])
     np.testing.assert_array_equal(merged.mask, [[1, 1], [1, 1], [0, 0], [0, 0]])
+    np.testing.assert_array_equal(merged.scored_rows(), [True, True, False, False])
     assert B.mask_fillers(merged, 0, 2) is merged  # nothing to mask
     disabled = B.DynamicSampler(n_prompts=2, group_size=2, enabled=False, max_rounds=1)
     assert disabled.add(_round([1, 1, 0, 0]))
     merged, metrics = disabled.batch(pad_id=0)
     np.testing.assert_array_equal(merged.rewards, [1, 1, 0, 0])
     assert metrics["dynamic_sampling/kept_fraction"] == 1.0
+
+
+def test_filler_groups_stay_out_of_batch_advantage_statistics():
+    """With the "accuracy" criterion a filler (all wrong) can have unequal rewards, e.g. two
+    length penalties: it is masked out of the loss and must not move the batch mean and std
+    of the kept groups' advantages either (Magistral's minibatch normalisation)."""
+    from policyopt.advantages import outcome_advantages
+
+    sampler = B.DynamicSampler(n_prompts=2, group_size=2, enabled=True, max_rounds=1,
+                               criterion="accuracy")
+    rnd = _round([1.0, 0.0, -0.1, -0.3])  # group 2: both wrong, different length penalties
+    rnd = rnd._replace(correct=np.array([True, False, False, False]))
+    assert sampler.add(rnd)
+    merged, metrics = sampler.batch(pad_id=0)
+    assert metrics["dynamic_sampling/shortfall"] == 1.0
+    valid = merged.scored_rows()
+    advantages = np.asarray(outcome_advantages(merged.rewards, 2, center="group", scale="batch", valid=valid))
+    # Hand-worked: kept group (1, 0) centred to (0.5, -0.5), batch std over those two rows
+    # (ddof 1: sqrt(0.5)); the filler gets 0.
+    np.testing.assert_allclose(advantages, [0.5 / np.sqrt(0.5), -0.5 / np.sqrt(0.5), 0, 0], rtol=1e-5)
 
 
 def test_minibatches_hold_whole_groups_and_cover_the_batch():
@@ -170,11 +191,12 @@ def test_dynamic_sampling_compares_scored_samples_only():
     sampler = B.DynamicSampler(n_prompts=4, group_size=3, enabled=True, max_rounds=1)
     assert sampler.add(_round(rewards)._replace(scored=scored))
     merged, metrics = sampler.batch(pad_id=0)
-    # Kept: groups 1 and 3, then the dropped groups 0 and 2 as fillers, each row with its flag.
+    # Kept: groups 1 and 3, each row with its flag, then the dropped groups 0 and 2 as
+    # fillers, unscored (they count in no statistic).
     assert metrics["dynamic_sampling/shortfall"] == 2 and metrics["dynamic_sampling/kept_fraction"] == 2 / 4
     rows = [3, 4, 5, 9, 10, 11, 0, 1, 2, 6, 7, 8]
     np.testing.assert_array_equal(merged.rewards, rewards[rows])
-    np.testing.assert_array_equal(merged.scored, scored[rows])
+    np.testing.assert_array_equal(merged.scored, np.concatenate([scored[rows[:6]], np.zeros(6, bool)]))
     disabled = B.DynamicSampler(n_prompts=4, group_size=3, enabled=False, max_rounds=1)
     disabled.add(_round(rewards)._replace(scored=scored))
     np.testing.assert_array_equal(disabled.batch(pad_id=0)[0].scored, scored)

@@ -149,6 +149,27 @@ def test_replayed_routing_reaches_the_update_forward(policy):
     assert any(changed)  # the replayed experts change the update itself
 
 
+def test_loss_mask_restricts_the_policy_terms(policy):
+    """Rollout rejection sampling's ``loss_mask``: the policy loss, its denominators and the
+    entropy cover the kept tokens only (the reference: full logits, the kept mask)."""
+    model, graphdef, params = policy
+    learner = get_learner(graphdef, SETTINGS, OPTIM)
+    batch, prompts, responses = _batch(seed=4)
+    keep = np.asarray(batch.mask).copy()
+    keep[0] = 0  # a whole sequence rejected
+    keep[1, 0] = 0  # and one token
+    assert keep.sum() < np.asarray(batch.mask).sum()
+    log_probs = _reference_log_probs(model, batch, prompts, responses, SETTINGS.temperature)
+    adv = jnp.broadcast_to(batch.advantages[:, None], log_probs.shape)
+    want = policy_loss(log_probs, batch.old_log_probs, adv, jnp.asarray(keep), method="sapo",
+                       aggregation="seq_mean_token_mean")[0]
+    loss, metrics = learner.loss(params, batch._replace(loss_mask=jnp.asarray(keep)))
+    full_loss, _ = learner.loss(params, batch)
+    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    assert abs(float(loss) - float(full_loss)) > 1e-4
+    assert float(metrics["loss/num_tokens"]) == keep.sum()
+
+
 @pytest.mark.parametrize("field", ["advantages", "old_log_probs"])
 def test_non_finite_step_is_skipped_and_leaves_state_untouched(policy, field):
     _, graphdef, params = policy
@@ -165,6 +186,28 @@ def test_non_finite_step_is_skipped_and_leaves_state_untouched(policy, field):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     state, metrics = learner.update(state, batch)  # training continues
     assert float(metrics["update/skipped"]) == 0.0 and int(state.step) == 2
+
+
+@pytest.mark.parametrize("field", ["mask", "loss_mask"])
+def test_a_minibatch_without_tokens_is_not_an_update(policy, field):
+    """Only masked rows (dynamic sampling's fillers) or every token rejected: the gradient is
+    0, but AdamW's weight decay and momentum would still move the parameters (and the
+    schedule would advance). The step is skipped and reported as empty, not as a failure."""
+    _, graphdef, params = policy
+    learner = get_learner(graphdef, SETTINGS, OPTIM)
+    batch, _, _ = _batch(seed=5)
+    state, _ = learner.update(learner.init_state(_copy(params)), batch)  # momentum is now non-zero
+    before = _copy(state)
+    empty = batch._replace(**{field: jnp.zeros_like(batch.mask)})
+    state, metrics = learner.update(state, empty)
+    assert float(metrics["update/empty"]) == 1.0 and float(metrics["update/skipped"]) == 0.0
+    assert float(metrics["update/grad_norm"]) == 0.0
+    assert int(state.step) == 1 and int(state.skipped) == 0
+    for got, want in zip(jax.tree.leaves((state.params, state.opt_state)),
+                         jax.tree.leaves((before.params, before.opt_state))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    state, metrics = learner.update(state, batch)
+    assert float(metrics["update/empty"]) == 0.0 and int(state.step) == 2
 
 
 def test_warmup_schedule_and_trace_counts(policy):

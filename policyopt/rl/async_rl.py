@@ -34,7 +34,9 @@ bounds it: ``async_generation.staleness_bound``.
 Off-policy correction: behaviour log-probs are recorded token by token under whichever
 parameters produced them, so truncated importance sampling (``algo.tis_cap``, with
 ``algo.old_log_probs = "trainer"``) applies unchanged: w = min(pi_old / mu, C) with mu
-the per-token behaviour mixture. ``old_log_probs = "sampler"`` makes mu itself pi_old.
+the per-token behaviour mixture; so do its sequence level and rejection sampling
+(``algo.tis_level``, ``algo.rs_*``), and the ``offpolicy/*`` metrics measure staleness and
+numerical mismatch together. ``old_log_probs = "sampler"`` makes mu itself pi_old.
 
 Checkpoints hold parameters, optimiser state, counters and iteration (as ``run_rl``) and
 the position of the prompt stream as far as the generator has read it. Completions in

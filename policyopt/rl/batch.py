@@ -49,6 +49,9 @@ class Batch(NamedTuple):
     old_values: jax.Array | None = None  # float32 [R, N]: critic values of the rollout
     returns: jax.Array | None = None  # float32 [R, N]: value targets (critic methods)
     nll_weights: jax.Array | None = None  # float32 [R]: weight of each row in the NLL term
+    # float32 [R, N]: the policy terms' mask when rollout rejection sampling drops tokens
+    # (``losses.rejection_mask``; 0 on padding); None: ``mask``. The critic uses ``mask``.
+    loss_mask: jax.Array | None = None
 
     @property
     def num_response(self) -> int:
@@ -342,14 +345,18 @@ class DynamicSampler:
 
 
 def mask_fillers(r: Round, num_fillers: int, group_size: int) -> Round:
-    """``r`` with the loss mask of its last ``num_fillers`` groups set to 0: the groups that
-    complete a short dynamic-sampling batch keep its shape and count in no loss, mean or
-    statistic (under token-mean they would otherwise sit in the denominator)."""
+    """``r`` with the loss mask of its last ``num_fillers`` groups set to 0 and their rows
+    marked unscored: the groups that complete a short dynamic-sampling batch keep its shape
+    and count in no loss, mean or statistic (under token-mean they would otherwise sit in
+    the denominator; with the "accuracy" criterion a filler's rewards can differ, e.g. by
+    their length penalties, and would enter batch or minibatch advantage statistics)."""
     if num_fillers <= 0:
         return r
     mask = np.array(r.mask, copy=True)
     mask[-num_fillers * group_size:] = 0
-    return r._replace(mask=mask)
+    scored = r.scored_rows().copy()
+    scored[-num_fillers * group_size:] = False
+    return r._replace(mask=mask, scored=scored)
 
 
 def minibatch_indices(num_groups: int, group_size: int, n_minibatches: int, rng: jax.Array | None) -> list[np.ndarray]:
@@ -371,7 +378,7 @@ def take_rows(batch: Batch, rows: np.ndarray) -> Batch:
         importance_weights=pick(batch.importance_weights), ref_log_probs=pick(batch.ref_log_probs),
         routing=None if batch.routing is None else jnp.take(batch.routing, rows, axis=1),
         old_values=pick(batch.old_values), returns=pick(batch.returns),
-        nll_weights=pick(batch.nll_weights))
+        nll_weights=pick(batch.nll_weights), loss_mask=pick(batch.loss_mask))
 
 
 def shard_batch(batch: Batch) -> Batch:

@@ -186,9 +186,10 @@ class Critic:
 
     def _update(self, state: TrainState, batch: Batch):
         self.trace_counts["update"] += 1
-        state, metrics = guarded_update(self.loss, self.optimizer, self.schedule, state, batch)
+        state, metrics = guarded_update(self.loss, self.optimizer, self.schedule, state, batch,
+                                        active=jnp.any(batch.mask > 0))
         renamed = {"update/grad_norm": "critic/grad_norm", "update/lr": "critic/lr",
-                   "update/skipped": "critic/skipped"}
+                   "update/skipped": "critic/skipped", "update/empty": "critic/empty"}
         return state, {renamed.get(k, k): v for k, v in metrics.items()}
 
 

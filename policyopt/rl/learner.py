@@ -15,8 +15,8 @@ One update (``Learner.update``, jitted once per shape bucket, the state donated)
 given: R2 / R3), takes the log-probs of the response tokens from the final hidden
 states (``policyopt.logprobs.token_log_probs``, chunked over the vocabulary, at the
 sampling temperature) and returns ``policyopt.losses.policy_loss`` with the recipe's
-method, clip / temperatures, aggregation, optional KL (GRPO, k3) and optional truncated
-importance weights, plus optional load-balancing and entropy terms and VAPO's NLL on
+method, clip / temperatures, aggregation, optional KL (GRPO, k3), optional truncated
+importance weights and, with rollout rejection sampling, over ``batch.loss_mask``, plus optional load-balancing and entropy terms and VAPO's NLL on
 correct samples (``mu * losses.nll_loss``). ``batch.advantages`` is one advantage per
 sequence (outcome advantages) or one per token (GAE, ``policyopt.rl.critic``).
 """
@@ -184,8 +184,10 @@ def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.A
     advantages = batch.advantages
     if advantages.ndim == 1:  # one advantage per sequence, shared by its tokens
         advantages = jnp.broadcast_to(advantages[:, None], fwd.log_probs.shape)
+    # The policy terms' tokens: those rollout rejection sampling kept, if it ran.
+    mask = batch.mask if batch.loss_mask is None else batch.loss_mask
     loss, policy_metrics = policy_loss(
-        fwd.log_probs, batch.old_log_probs, advantages, batch.mask, method=settings.method,
+        fwd.log_probs, batch.old_log_probs, advantages, mask, method=settings.method,
         clip_low=settings.clip_low, clip_high=settings.clip_high, dual_clip=settings.dual_clip,
         tau_pos=settings.tau_pos, tau_neg=settings.tau_neg, aggregation=settings.aggregation,
         group_size=settings.group_size, max_len=settings.max_len,
@@ -193,7 +195,7 @@ def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.A
         ref_log_probs=batch.ref_log_probs if settings.kl_beta > 0 else None,
         kl_coef=settings.kl_beta, kl_estimator=settings.kl_estimator)
     metrics = {f"loss/{k}": v for k, v in policy_metrics.items()}
-    entropy = aggregate(fwd.entropy, batch.mask, "token_mean")
+    entropy = aggregate(fwd.entropy, mask, "token_mean")
     metrics["policy/entropy"] = jax.lax.stop_gradient(entropy)
     if settings.entropy_coef:
         loss = loss - settings.entropy_coef * entropy
@@ -207,7 +209,7 @@ def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.A
         if batch.nll_weights is None:
             raise ValueError("LossConfig.nll_coef > 0 (config.algo.nll_coef) needs batch.nll_weights "
                              "(1 on the rows the NLL term covers, e.g. the correct samples)")
-        nll = nll_loss(fwd.log_probs, batch.mask, batch.nll_weights)
+        nll = nll_loss(fwd.log_probs, mask, batch.nll_weights)
         metrics["loss/nll"] = jax.lax.stop_gradient(nll)
         loss = loss + settings.nll_coef * nll
     metrics["loss/total"] = jax.lax.stop_gradient(loss)
@@ -215,26 +217,35 @@ def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.A
 
 
 def guarded_update(loss_fn: Callable, optimizer: optax.GradientTransformation,
-                   schedule: optax.Schedule, state: TrainState, batch) -> tuple[TrainState, dict]:
-    """One optimiser step that is skipped when the loss or the gradient is not finite.
+                   schedule: optax.Schedule, state: TrainState, batch,
+                   active: jax.Array | None = None) -> tuple[TrainState, dict]:
+    """One optimiser step that is skipped when the loss or the gradient is not finite, or
+    when the minibatch holds nothing to learn from.
 
-    A skipped step leaves ``params`` and ``opt_state`` bit-identical and increments
-    ``state.skipped`` (``state.step`` counts applied updates only, so the learning-rate
-    schedule does not advance either). With a mesh set (``jax.set_mesh``) the new state
-    is constrained to ``state_specs``, the shardings ``place_state`` gives the input.
+    A skipped step leaves ``params`` and ``opt_state`` bit-identical (``state.step`` counts
+    applied updates only, so the learning-rate schedule does not advance either). A
+    non-finite step increments ``state.skipped``. ``active`` (a scalar bool, None: True)
+    False is an empty minibatch, e.g. only the masked filler groups of dynamic sampling:
+    its loss and gradient are 0, but AdamW would still apply weight decay and its momentum,
+    so it is skipped too, and reported as ``update/empty``, not counted as a failure. With
+    a mesh set (``jax.set_mesh``) the new state is constrained to ``state_specs``, the
+    shardings ``place_state`` gives the input.
 
     Returns:
       ``(state, metrics)`` with ``update/grad_norm`` (before clipping), ``update/lr``
-      (of this step) and ``update/skipped`` (0 or 1) added to ``loss_fn``'s metrics.
+      (of this step), ``update/skipped`` and ``update/empty`` (0 or 1) added to
+      ``loss_fn``'s metrics.
     """
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    active = jnp.asarray(True) if active is None else jnp.asarray(active, bool)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    apply = finite & active
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
     new_state = TrainState(
-        step=state.step + finite.astype(jnp.int32),
+        step=state.step + apply.astype(jnp.int32),
         skipped=state.skipped + (~finite).astype(jnp.int32),
         params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state))
     new_state = sharding.constrain_tree(new_state, lambda mesh: state_specs(state, optimizer, mesh))
@@ -242,6 +253,7 @@ def guarded_update(loss_fn: Callable, optimizer: optax.GradientTransformation,
     metrics["update/grad_norm"] = grad_norm
     metrics["update/lr"] = jnp.asarray(schedule(state.step), jnp.float32)
     metrics["update/skipped"] = (~finite).astype(jnp.float32)
+    metrics["update/empty"] = (finite & ~active).astype(jnp.float32)
     return new_state, metrics
 
 
@@ -345,4 +357,8 @@ class Learner:
 
     def _update(self, state: TrainState, batch: Batch):
         self._update_traces += 1
-        return guarded_update(self.loss, self.optimizer, self.schedule, state, batch)
+        # A minibatch without a token in the policy loss (only dynamic sampling's filler
+        # groups, or everything rejected) is not an update.
+        mask = batch.mask if batch.loss_mask is None else batch.loss_mask
+        return guarded_update(self.loss, self.optimizer, self.schedule, state, batch,
+                              active=jnp.any(mask > 0))

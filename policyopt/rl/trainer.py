@@ -28,6 +28,12 @@ the old-log-prob forward; ``"R3"`` replays the sampler's routing in the old-log-
 forward and in every update forward (``PAPERS.md``). Only the expert selection is
 replayed; the model recomputes the gate weights from the current router.
 
+Sampler-trainer mismatch: with ``algo.old_log_probs = "trainer"`` every iteration logs
+``offpolicy/*`` (``rollout_correction``) and applies the configured corrections:
+truncated importance weights (``algo.tis_cap``, ``tis_level``) and rejection sampling
+(``algo.rs_level``, ``rs_upper``, ``rs_lower``, ``rs_veto``), whose kept tokens become
+``Batch.loss_mask``, the policy loss's mask (the critic keeps ``Batch.mask``).
+
 Devices: a run lives on one mesh (``config.mesh``, ``policyopt.sharding``; the default
 puts every device on ``data``, which on one CPU is today's single device). The policy is
 built on the mesh (``build.make_model``: each device receives only its shards), and
@@ -45,6 +51,7 @@ across_processes=True)``), every process builds the same batch, and process 0 wr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Any
@@ -57,7 +64,7 @@ from policyopt import sharding
 from policyopt.advantages import outcome_advantages
 from policyopt.checkpoint import Checkpointer
 from policyopt.data.pipeline import make_pipeline
-from policyopt.losses import truncated_importance_weights
+from policyopt.losses import offpolicy_metrics, rejection_mask, truncated_importance_weights
 from policyopt.metrics import MetricsWriter, Progress
 from policyopt.rewards.batch import merge_metrics, score_batch
 from policyopt.rl import build
@@ -298,6 +305,54 @@ def gae_settings(config, *, pretraining: bool) -> GAEConfig:
     return dataclasses.replace(settings, lam_critic=1.0) if pretraining else settings
 
 
+@dataclasses.dataclass(frozen=True)
+class CorrectionConfig:
+    """Rollout correction between the sampler (behaviour log-probs, mu) and the trainer's
+    pi_old: ``config.algo``'s ``tis_*`` and ``rs_*`` fields (``configs/base.py``)."""
+
+    tis_cap: float | None = None
+    tis_level: str = "token"
+    rs_level: str | None = None
+    rs_upper: float | None = None
+    rs_lower: float | None = None
+    rs_veto: float | None = None
+
+    @classmethod
+    def from_config(cls, algo) -> "CorrectionConfig":
+        return cls(**{f.name: algo.get(f.name, f.default) for f in dataclasses.fields(cls)})
+
+
+@functools.partial(jax.jit, static_argnames="settings")
+def rollout_correction(old_log_probs, behaviour_log_probs, mask, settings: CorrectionConfig):
+    """Importance weights, the loss mask of rejection sampling, and metrics.
+
+    Returns:
+      ``(weights, loss_mask, metrics)``: truncated importance weights ``[R, N]`` (None
+      without ``tis_cap``), the tokens rejection sampling keeps ``[R, N]`` (None without
+      ``rs_level`` and ``rs_veto``), and ``offpolicy/*`` metrics: ``losses.offpolicy_metrics``
+      (KL, PPL ratio, chi-square between mu and pi_old), ``is_truncated_frac`` (valid tokens
+      whose weight the cap set), ``rs_rejected_token_frac`` and ``rs_rejected_seq_frac``
+      (valid tokens, and non-empty sequences wholly, left out of the policy loss).
+    """
+    metrics = {f"offpolicy/{k}": v for k, v in offpolicy_metrics(old_log_probs, behaviour_log_probs, mask).items()}
+    valid = mask > 0
+    n_tokens = jnp.maximum(jnp.sum(valid), 1)
+    weights = loss_mask = None
+    if settings.tis_cap is not None:
+        weights = truncated_importance_weights(old_log_probs, behaviour_log_probs, mask,
+                                               cap=settings.tis_cap, level=settings.tis_level)
+        metrics["offpolicy/is_truncated_frac"] = jnp.sum(valid & (weights >= settings.tis_cap)) / n_tokens
+    if settings.rs_level is not None or settings.rs_veto is not None:
+        loss_mask = rejection_mask(old_log_probs, behaviour_log_probs, mask, level=settings.rs_level,
+                                   upper=settings.rs_upper, lower=settings.rs_lower, veto=settings.rs_veto)
+        kept = loss_mask > 0
+        metrics["offpolicy/rs_rejected_token_frac"] = 1 - jnp.sum(kept) / n_tokens
+        non_empty = jnp.any(valid, axis=-1)
+        metrics["offpolicy/rs_rejected_seq_frac"] = (
+            jnp.sum(non_empty & ~jnp.any(kept, axis=-1)) / jnp.maximum(jnp.sum(non_empty), 1))
+    return weights, loss_mask, metrics
+
+
 def minibatch_advantages(rewards, group_size: int, *, center: str = "group", eps: float = 1e-6,
                          valid=None):
     """Magistral's advantages (2506.10910, PAPERS.md): ``A = R - mean(R_group)``, then
@@ -405,14 +460,17 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
                                         eps=algo.adv_eps, valid=valid())
     # VAPO's NLL term covers the correct samples.
     nll_weights = sharding.shard_rows(merged.correct.astype(np.float32)) if algo.nll_coef > 0 else None
-    weights = None
-    if algo.tis_cap is not None and policy_step:
-        weights = truncated_importance_weights(old_log_probs, behaviour, mask, cap=algo.tis_cap)
+    # Rollout correction (sampler vs trainer): importance weights, rejection sampling.
+    weights = loss_mask = None
+    if algo.old_log_probs == "trainer" and policy_step:
+        weights, loss_mask, correction_metrics = rollout_correction(
+            old_log_probs, behaviour, mask, CorrectionConfig.from_config(algo))
+        metrics.update(jax.device_get(correction_metrics))
     replay = {"none": None, "R2": old_routing, "R3": sampler_routing}[algo.routing_replay] if is_moe else None
     batch = Batch(tokens=tokens, positions=positions, attention_mask=attention_mask, mask=mask,
                   advantages=advantages, old_log_probs=old_log_probs, importance_weights=weights,
                   ref_log_probs=ref_log_probs, routing=replay, old_values=old_values,
-                  returns=returns, nll_weights=nll_weights)
+                  returns=returns, nll_weights=nll_weights, loss_mask=loss_mask)
 
     run.last_round, run.last_batch = merged, batch
 
@@ -440,7 +498,7 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
                 sums[k] = sums.get(k, 0.0) + v
             num_updates += 1
     update_metrics = {k: v / num_updates for k, v in sums.items()}
-    for key in ("update/skipped", "critic/skipped"):  # counts, not means
+    for key in ("update/skipped", "critic/skipped", "update/empty", "critic/empty"):  # counts, not means
         if key in sums:
             update_metrics[key] = sums[key]
     metrics.update(jax.device_get(update_metrics))
