@@ -397,7 +397,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Prompt width of the generator's slots; None: the prompt bucket of the longest
     # training prompt (every prompt fits). A longer prompt is an error naming this field.
     c.async_mode.prompt_width = placeholder(int)
-    # Seconds to wait for the generator thread to stop at the end or on an error.
+    # Seconds to wait for the scoring thread to stop at the end or on an error (with
+    # reward.num_workers > 0 its worker pool is killed at once; in-process scoring finishes
+    # the group it is on, and after this long is left to finish in the background).
     c.async_mode.join_timeout_s = 60.0
 
     # ---- Device mesh (`policyopt.sharding`) -----------------------------------------------

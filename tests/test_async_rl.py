@@ -331,6 +331,37 @@ def test_slow_scoring_neither_stops_decoding_nor_delays_close():
     assert generator.stats["groups_scored"] < generator.stats["groups_started"]
 
 
+def test_close_cuts_a_busy_scorer_short_and_never_hangs():
+    """A scorer blocked in a group: close() calls ``interrupt_scoring`` (async_rl kills the
+    scorer's worker pool) and returns at once; without one it waits ``join_timeout_s``,
+    warns and leaves the thread to finish, never raising over the caller."""
+    graphdef, params, _ = policy()
+    for interrupt in (True, False):
+        release, busy = threading.Event(), threading.Event()
+
+        def blocked_score(completion):
+            busy.set()
+            release.wait(30)
+            return completion._replace(rewards=np.zeros(GROUP, np.float32))
+
+        generator = AsyncGenerator(SlotGenerator(graphdef, slot_config(), params),
+                                   iter(random_prompts(8, seed=11)), params, 0, rng=jax.random.PRNGKey(0),
+                                   n_async=N_ASYNC, score_fn=blocked_score, join_timeout_s=1.0,
+                                   interrupt_scoring=release.set if interrupt else None)
+        generator.start()
+        assert busy.wait(60)
+        start = time.perf_counter()
+        generator.close()
+        elapsed = time.perf_counter() - start
+        if interrupt:
+            assert elapsed < 1.0 and not generator_threads()
+        else:
+            assert 1.0 <= elapsed < 3.0 and [t.name for t in generator_threads()] == ["policyopt-async-scorer"]
+            release.set()
+            generator._threads[1].join(5)
+            assert not generator_threads()
+
+
 class _Boom(Exception):
     pass
 
@@ -582,6 +613,8 @@ def test_group_batcher_drops_by_criterion_and_reports_the_fillers():
     # The kept group, then the latest dropped one as a filler, which async_iteration masks.
     assert groups[0] is mixed and metrics["dynamic_sampling/shortfall"] == 1
     assert metrics["dynamic_sampling/kept_fraction"] == 1 / 3
+    # Every group drawn, for reward/* and response/* (as the synchronous trainer's rounds).
+    assert len(by_accuracy.last_seen) == 3 and any(g is all_correct for g in by_accuracy.last_seen)
     with pytest.raises(ValueError, match="criterion"):
         GroupBatcher(2, 2, enabled=True, max_groups=4, criterion="std")
     # A sample that missed the scoring deadline makes no group informative.

@@ -664,12 +664,39 @@ def test_samples_of_a_crashed_worker_get_no_verdict():
     np.testing.assert_array_equal(again.rewards, score_batch(completions, references, [1] * 6, RewardSpec()).rewards)
 
 
+def test_a_call_waiting_without_deadline_returns_when_its_pool_is_killed():
+    """Another thread killing the pool (its deadline passed, or a worker crashed) cancels
+    this call's queued chunks: the call returns them as lost instead of waiting for ever;
+    a caller under another pool name is untouched."""
+    from policyopt.rewards import batch as batch_lib
+
+    spec = RewardSpec(format_reward=False, verifier="tests.verifiers:sleeps", verifier_timeout_s=60.0)
+    completions, references = ["x"] * 12, ["x"] * 12
+    start_workers(2)
+    start_workers(2, pool="other")
+    results = {}
+    waiting = threading.Thread(target=lambda: results.update(
+        lost=score_batch(completions, references, [1] * 12, spec, num_workers=2)))
+    waiting.start()
+    time.sleep(1.0)  # its 2 x 4 chunks are queued, two running
+    other = batch_lib._POOLS[("other", 2)]
+    batch_lib.kill_pool(2)
+    waiting.join(timeout=10)
+    assert not waiting.is_alive()
+    assert results["lost"].metrics["worker_errors"] == 12 and not results["lost"].scored.any()
+    assert batch_lib._POOLS[("other", 2)] is other  # another pool is not affected
+    completions, references = _mixed_batch(6)
+    again = score_batch(completions, references, [1] * 6, RewardSpec(), num_workers=2)
+    np.testing.assert_array_equal(again.rewards, score_batch(completions, references, [1] * 6, RewardSpec()).rewards)
+    batch_lib.kill_pool(2, "other")
+
+
 def test_score_batch_survives_a_worker_killed_between_calls():
     from policyopt.rewards import batch as batch_lib
 
     completions, references = _mixed_batch(6)
     start_workers(2)
-    for process in list(batch_lib._POOLS[2]._processes.values()):
+    for process in list(batch_lib._POOLS[("default", 2)]._processes.values()):
         process.kill()  # e.g. the OOM killer
         process.join()
     first = score_batch(completions, references, [1] * 6, RewardSpec(), num_workers=2)

@@ -39,6 +39,7 @@ import multiprocessing
 import numbers
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -333,19 +334,25 @@ def _warm_worker() -> None:
     math_lib._math_verify()  # no-op when the fork server preloaded it
 
 
-_POOLS: dict[int, concurrent.futures.ProcessPoolExecutor] = {}
+# Worker pools by (name, size). Callers that score at the same time from different threads
+# use different names (the asynchronous trainer's scoring thread: "async"; evaluation and
+# the synchronous trainer: "default"): a pool killed after a missed deadline cancels the
+# futures of everyone using it.
+_POOLS: dict[tuple[str, int], concurrent.futures.ProcessPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
 
 
-def _get_pool(num_workers: int) -> concurrent.futures.ProcessPoolExecutor:
-    pool = _POOLS.get(num_workers)
-    if pool is None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["policyopt.rewards.worker"])
-        pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=num_workers, mp_context=context, initializer=_warm_worker
-        )
-        _POOLS[num_workers] = pool
-    return pool
+def _get_pool(num_workers: int, name: str = "default") -> concurrent.futures.ProcessPoolExecutor:
+    with _POOLS_LOCK:
+        pool = _POOLS.get((name, num_workers))
+        if pool is None:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(["policyopt.rewards.worker"])
+            pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=num_workers, mp_context=context, initializer=_warm_worker
+            )
+            _POOLS[(name, num_workers)] = pool
+        return pool
 
 
 def _ping(delay_s: float) -> int:
@@ -353,21 +360,24 @@ def _ping(delay_s: float) -> int:
     return os.getpid()
 
 
-def start_workers(num_workers: int) -> None:
+def start_workers(num_workers: int, pool: str = "default") -> None:
     """Starts the scoring pool of ``num_workers`` processes now and waits until all are up.
 
     The first parallel :func:`score_batch` call otherwise pays this (the fork server
     imports and warms SymPy: seconds) before its deadline clock can mean anything; call
-    this once at set-up. Idempotent.
+    this once at set-up. Idempotent. ``pool``: see :func:`score_batch`.
     """
-    pool = _get_pool(num_workers)
+    pool = _get_pool(num_workers, pool)
     # Overlapping sleeps make the executor start every worker (it spawns on demand).
     list(pool.map(_ping, [0.05] * num_workers))
 
 
-def _kill_pool(num_workers: int) -> None:
-    """Kills the workers of a pool (some may be stuck in C code) and forgets the pool."""
-    pool = _POOLS.pop(num_workers, None)
+def kill_pool(num_workers: int, name: str = "default") -> None:
+    """Kills the workers of a pool (some may be stuck in C code) and forgets the pool: its
+    callers' pending work is lost (scored as lost to a crashed worker). The next call
+    that needs the pool starts a new one."""
+    with _POOLS_LOCK:
+        pool = _POOLS.pop((name, num_workers), None)
     if pool is None:
         return
     # ProcessPoolExecutor has no public kill before Python 3.14 (kill_workers); until
@@ -389,30 +399,50 @@ def _kill_pool(num_workers: int) -> None:
 
 def shutdown_pools() -> None:
     """Stops every worker pool started by :func:`score_batch` (also run at exit)."""
-    for num_workers in list(_POOLS):
-        pool = _POOLS.pop(num_workers)
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+    for pool in pools:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
 atexit.register(shutdown_pools)
 
 
-def _score_parallel(items, spec, deadline, num_workers) -> tuple[list[SampleScore], int]:
+def _wait(futures, deadline):
+    """``concurrent.futures.wait`` until every future is done or the deadline (+ grace)
+    passes, polling: a future cancelled by ``kill_pool`` (another caller of the same
+    pool) never counts as done for ``wait``, and would otherwise block it for ever."""
+    end = None if deadline is None else deadline + _DEADLINE_GRACE_S
+    while True:
+        timeout = _WAIT_POLL_S if end is None else min(_WAIT_POLL_S, max(end - time.time(), 0.0))
+        done, not_done = concurrent.futures.wait(futures, timeout=timeout)
+        if not not_done or all(f.cancelled() for f in not_done) or (end is not None and time.time() >= end):
+            return done, not_done
+
+
+_WAIT_POLL_S = 1.0
+
+
+def _score_parallel(items, spec, deadline, num_workers, name="default") -> tuple[list[SampleScore], int]:
     """Returns the scores and the number of samples lost to crashed workers."""
     chunk_size = max(1, -(-len(items) // (num_workers * _CHUNKS_PER_WORKER)))
     chunks = [items[start : start + chunk_size] for start in range(0, len(items), chunk_size)]
     try:
-        pool = _get_pool(num_workers)
+        pool = _get_pool(num_workers, name)
         futures = [pool.submit(_score_chunk, chunk, spec, deadline) for chunk in chunks]
-    except concurrent.futures.BrokenExecutor:  # a worker died between calls: start afresh
-        _kill_pool(num_workers)
-        pool = _get_pool(num_workers)
+    except (concurrent.futures.BrokenExecutor, RuntimeError):  # a worker died between calls, or
+        kill_pool(num_workers, name)  # another thread shut the pool down: start afresh
+        pool = _get_pool(num_workers, name)
         futures = [pool.submit(_score_chunk, chunk, spec, deadline) for chunk in chunks]
-    wait_s = None if deadline is None else max(deadline - time.time(), 0.0) + _DEADLINE_GRACE_S
-    done, not_done = concurrent.futures.wait(futures, timeout=wait_s)
+    done, not_done = _wait(futures, deadline)
     scores: list[SampleScore] = []
-    errors, broken = 0, bool(not_done)
+    errors, broken = 0, any(not f.cancelled() for f in not_done)
     for future, chunk in zip(futures, chunks):
+        if future.cancelled():  # the pool was killed under this call: lost, like a crash
+            errors += len(chunk)
+            scores.extend([_LOST] * len(chunk))
+            continue
         if future in done:
             try:
                 scores.extend(future.result())
@@ -426,7 +456,7 @@ def _score_parallel(items, spec, deadline, num_workers) -> tuple[list[SampleScor
                 continue
         scores.extend([_MISSED] * len(chunk))
     if broken:
-        _kill_pool(num_workers)
+        kill_pool(num_workers, name)
     return scores, errors
 
 
@@ -482,12 +512,12 @@ class BatchScores(tuple):
     metrics = property(lambda self: self[2])
 
 
-def _score_items(items, spec, deadline, num_workers) -> tuple[list[SampleScore], int]:
+def _score_items(items, spec, deadline, num_workers, pool="default") -> tuple[list[SampleScore], int]:
     """Scores ``items`` here: serially (``num_workers`` 0) or in the worker pool."""
     if not items:
         return [], 0
     if num_workers and num_workers > 0:
-        return _score_parallel(items, spec, deadline, num_workers)
+        return _score_parallel(items, spec, deadline, num_workers, pool)
     return _score_chunk(items, spec, deadline), 0
 
 
@@ -503,7 +533,7 @@ STATUSES = ("correct", "incorrect", "no_answer", "rejected", "timeout", "format"
             "error", "no_code", "no_tests", "verifier_error", "worker_error")
 
 
-def _score_across_processes(items, spec, deadline, num_workers) -> tuple[list[SampleScore], int]:
+def _score_across_processes(items, spec, deadline, num_workers, pool="default") -> tuple[list[SampleScore], int]:
     """Each process of a multi-process job scores its slice of ``items`` (contiguous,
     ``ceil(N / P)`` each), then every process receives every slice's scores
     (``multihost_utils.process_allgather``, a collective: every process calls this with
@@ -518,7 +548,7 @@ def _score_across_processes(items, spec, deadline, num_workers) -> tuple[list[Sa
     fields = np.zeros((per, 4), np.float32)  # correctness, format_ok, language_ok, status
     failure, errors = None, 0
     try:
-        mine, errors = _score_items(items[index * per:(index + 1) * per], spec, deadline, num_workers)
+        mine, errors = _score_items(items[index * per:(index + 1) * per], spec, deadline, num_workers, pool)
         error_code = STATUSES.index("error")
         for row, score in enumerate(mine):
             code = STATUSES.index(score.status) if score.status in STATUSES else error_code
@@ -549,6 +579,7 @@ def score_batch(
     truncated: Sequence[bool] | None = None,
     across_processes: bool = False,
     tasks: Sequence[str | None] | None = None,
+    pool: str = "default",
 ) -> BatchScores:
     """Scores a batch of completions per ``spec``; never raises on model output.
 
@@ -577,6 +608,10 @@ def score_batch(
       tasks: N tasks (``"math"`` / ``"code"``, None: ``spec.task``) for a batch that
         mixes them (Magistral trains on math and code at once): each sample is checked,
         format gate included, by its task's verifier with ``spec``'s other settings.
+      pool: the name of the worker pool (with ``num_workers`` > 0). Callers that score at
+        the same time from different threads must use different pools (the asynchronous
+        trainer's scoring thread uses ``"async"``): a missed deadline or a crashed worker
+        kills the pool, and with it the other caller's pending work.
 
     Returns:
       :class:`BatchScores`: ``(rewards float32 [N], correct bool [N], metrics)`` plus
@@ -599,9 +634,9 @@ def score_batch(
     items = [(completions[i], references[i], None if prompts is None else prompts[i],
               None if tasks is None else tasks[i]) for i in range(n)]
     if across_processes and _process_count() > 1:
-        scores, errors = _score_across_processes(items, spec, deadline, num_workers)
+        scores, errors = _score_across_processes(items, spec, deadline, num_workers, pool)
     else:
-        scores, errors = _score_items(items, spec, deadline, num_workers)
+        scores, errors = _score_items(items, spec, deadline, num_workers, pool)
 
     lengths = np.asarray(lengths, dtype=np.int64).reshape(n)
     correctness = np.array([s.correctness for s in scores], dtype=np.float32).reshape(n)

@@ -484,13 +484,17 @@ class AsyncGenerator:
     slot groups while fewer than `n_async` completions are started and not yet taken; run
     one segment; hand the groups that finished to the scoring thread. The scoring thread
     scores them (`score_fn`) one group at a time, in finish order, and queues them for
-    `take`, so decoding never waits for a verifier (a slow verifier delays only the
-    groups behind it). The generator never waits for the trainer while a group is in
+    `take`, so decoding does not wait for a verifier while the `n_async` budget lasts
+    (a slow verifier delays the groups behind it; groups waiting to be scored count in
+    the budget, so a verifier slower than decoding eventually idles the generator). The generator never waits for the trainer while a group is in
     flight; with nothing in flight and no budget left it waits for `take`. Errors in
     either thread are re-raised by `take` (and by `close` when no `take` saw them);
     `close` (also on leaving a ``with`` block, on error too) stops the generator between
-    segments and the scorer between groups (the group being scored is finished first),
-    and joins both.
+    segments (and joins it: a segment always ends) and the scorer between groups: it calls
+    `interrupt_scoring`, if given, to abandon the group being scored (else that group is
+    finished first), and waits `join_timeout_s` for the scorer; a scorer still busy then
+    (a verifier blocked in this process, which no time limit can interrupt in a thread) is
+    left to finish in the background with a warning.
 
     Args:
       slots: the slot generator (its R rows are the generation slots).
@@ -500,13 +504,15 @@ class AsyncGenerator:
       n_async: most completions started and not yet taken (default R); a multiple of G.
       score_fn: ``GroupCompletion -> GroupCompletion`` with rewards, run in the scoring
         thread (None: groups are queued as they finish).
-      join_timeout_s: how long `close` waits for each thread.
+      join_timeout_s: how long `close` waits for the scoring thread.
+      interrupt_scoring: called by `close` after asking the threads to stop, to make the
+        scorer's current call return early (``async_rl`` kills the scorer's worker pool).
     """
 
     def __init__(self, slots: SlotGenerator, prompts: Iterator[dict], params, version: int, *,
                  rng: jax.Array, n_async: int | None = None,
                  score_fn: Callable[[GroupCompletion], GroupCompletion] | None = None,
-                 join_timeout_s: float = 60.0):
+                 join_timeout_s: float = 60.0, interrupt_scoring: Callable[[], None] | None = None):
         group = slots.config.group_size
         self.n_async = slots.config.rows if n_async is None else int(n_async)
         if self.n_async < group or self.n_async % group:
@@ -514,6 +520,7 @@ class AsyncGenerator:
                              f"size ({group}): groups are started whole")
         self.slots, self.prompts, self.rng = slots, prompts, rng
         self.score_fn, self.join_timeout_s = score_fn, join_timeout_s
+        self.interrupt_scoring = interrupt_scoring
         self._cond = threading.Condition()
         self._params, self._version = params, int(version)
         self._queue: collections.deque[GroupCompletion] = collections.deque()  # for take()
@@ -572,17 +579,32 @@ class AsyncGenerator:
             return len(self._queue)
 
     def close(self) -> None:
-        """Stops the generator after its current segment and the scorer after its current
-        group, and joins both."""
+        """Stops the generator after its current segment and joins it; stops the scorer
+        after its current group (cut short by ``interrupt_scoring``) and waits up to
+        ``join_timeout_s`` for it (see the class docstring)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        for thread in self._threads:
-            if thread.ident is not None:
-                thread.join(self.join_timeout_s)
-                if thread.is_alive():
-                    raise RuntimeError(f"the async generator's thread {thread.name!r} did not "
-                                       f"stop within {self.join_timeout_s} s")
+        # The generator stops between segments; a segment always ends (the first one may
+        # compile for a while): joined without a limit, so that no thread is left inside
+        # XLA when the interpreter exits.
+        if self._thread.ident is not None:
+            self._thread.join()
+        for thread in self._threads[1:]:
+            if thread.ident is None:
+                continue
+            if thread.is_alive() and self.interrupt_scoring is not None:
+                try:
+                    self.interrupt_scoring()
+                except Exception as error:  # noqa: BLE001 - closing goes on
+                    logging.warning("interrupting the async scorer failed: %r", error)
+            thread.join(self.join_timeout_s)
+            if thread.is_alive():
+                logging.warning(
+                    "the async scoring thread is still scoring a group %.0f s after close(); it is "
+                    "left to finish in the background (a verifier blocked in this process: "
+                    "reward.num_workers > 0 puts scoring in worker processes, which close() "
+                    "stops)", self.join_timeout_s)
         with self._cond:
             self._raise_error()
 

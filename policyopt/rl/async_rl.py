@@ -5,7 +5,8 @@ generation and training overlap.
 
 A generator thread (``policyopt.rl.async_generation.AsyncGenerator``) decodes prompts
 continuously in slot groups and hands every group over as soon as it finishes to a
-scoring thread, which scores it and queues it (so decoding never waits for a verifier);
+scoring thread, which scores it and queues it (so decoding does not wait for a verifier
+while the ``n_async`` budget lasts: groups waiting to be scored count in it);
 the generator never waits for the trainer while a group is in flight. The trainer (this thread) takes
 finished groups in finish order until the batch holds ``n_prompts`` groups
 (``n_batch = n_prompts * G`` completions; with dynamic sampling, zero-variance groups are
@@ -58,7 +59,7 @@ import numpy as np
 from absl import logging
 
 from policyopt.data.pipeline import as_record
-from policyopt.rewards.batch import score_batch
+from policyopt.rewards.batch import kill_pool, score_batch
 from policyopt.rl import build
 from policyopt.rl.async_generation import (AsyncGenerator, GroupCompletion, SlotConfig,
                                            SlotGenerator, staleness_bound)
@@ -89,7 +90,7 @@ class AsyncConfig:
     # Prompt width of the generator's slots; None: the prompt bucket of the longest
     # training prompt (``widest_prompt``), so that every prompt of the stream fits.
     prompt_width: int | None = None
-    # Seconds to wait for the generator thread to stop.
+    # Seconds to wait for the scoring thread to stop (the generator is always joined).
     join_timeout_s: float = 60.0
 
     @classmethod
@@ -148,6 +149,19 @@ class PromptStream:
             return self._batches.get_state()
 
 
+# The scoring thread's worker pool, apart from the one evaluation uses in the trainer's
+# thread at the same time (``score_batch(pool=...)``).
+SCORING_POOL = "async"
+
+
+def _interrupt_scoring(num_workers: int):
+    """``close``'s way to cut the scorer's current group short: kill its worker pool (None
+    for in-process scoring, which cannot be interrupted)."""
+    if not num_workers:
+        return None
+    return lambda: kill_pool(num_workers, SCORING_POOL)
+
+
 def make_scorer(run: RLRun):
     """``GroupCompletion -> GroupCompletion`` with rewards, as the synchronous trainer
     scores (``policyopt.rewards.batch.score_batch``; truncated: ``truncated_rows``)."""
@@ -163,7 +177,7 @@ def make_scorer(run: RLRun):
                              run.reward_spec, prompts=[completion.meta["prompt"]] * group,
                              num_workers=cfg.reward.num_workers, truncated=truncated,
                              deadline_s=cfg.reward.deadline_s,
-                             tasks=[completion.meta.get("task")] * group)
+                             tasks=[completion.meta.get("task")] * group, pool=SCORING_POOL)
         return completion._replace(rewards=np.asarray(scores.rewards, np.float32),
                                    correct=np.asarray(scores.correct, bool),
                                    sample_mask=np.asarray(scores.sample_mask, np.float32),
@@ -207,7 +221,8 @@ def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
     slots = SlotGenerator(run.graphdef, slot_config, params, mesh=run.mesh)
     rng = jax.random.fold_in(jax.random.fold_in(run.rng, 0x5EED), run.iteration)
     return AsyncGenerator(slots, stream, params, run.iteration, rng=rng, n_async=n_async,
-                          score_fn=make_scorer(run), join_timeout_s=acfg.join_timeout_s)
+                          score_fn=make_scorer(run), join_timeout_s=acfg.join_timeout_s,
+                          interrupt_scoring=_interrupt_scoring(run.config.reward.num_workers))
 
 
 class GroupBatcher:
@@ -217,7 +232,9 @@ class GroupBatcher:
     groups (``uninformative_groups`` under ``criterion``) are dropped until ``n_prompts``
     are kept or ``max_groups`` groups were seen; a short batch is completed with the most
     recently dropped groups (``async_iteration`` masks them out, ``mask_fillers``) and the
-    shortfall reported.
+    shortfall reported. ``last_seen``: every group the last batch drew, dropped ones
+    included (the training metrics ``reward/*`` and ``response/*`` cover them, as the
+    synchronous trainer's cover every sampling round).
     """
 
     def __init__(self, n_prompts: int, group_size: int, *, enabled: bool, max_groups: int,
@@ -229,6 +246,7 @@ class GroupBatcher:
         self.kept: list[GroupCompletion] = []
         self.dropped: list[GroupCompletion] = []
         self.seen = 0
+        self.last_seen: list[GroupCompletion] = []
 
     def add(self, group: GroupCompletion) -> bool:
         """Adds one scored group; True when the batch is complete."""
@@ -247,6 +265,7 @@ class GroupBatcher:
         metrics = {"dynamic_sampling/groups_seen": float(self.seen),
                    "dynamic_sampling/kept_fraction": len(self.kept) / self.seen,
                    "dynamic_sampling/shortfall": float(max(shortfall, 0))}
+        self.last_seen = self.kept + self.dropped
         self.kept, self.dropped, self.seen = [], [], 0
         return groups, metrics
 
@@ -312,9 +331,12 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
     waited = time.perf_counter() - start
     merged, versions, start_version, finish_version = assemble(groups, run)
     merged = mask_fillers(merged, int(metrics["dynamic_sampling/shortfall"]), cfg.batch.group_size)
-    rewards = np.concatenate([g.rewards for g in groups])
-    correct = np.concatenate([g.correct for g in groups])
-    lengths = np.concatenate([g.lengths for g in groups])
+    # reward/* and response/* over every group drawn, as the synchronous trainer reports
+    # every sampling round (dropped groups included); batch/* over the batch.
+    seen = batcher.last_seen
+    rewards = np.concatenate([g.rewards for g in seen])
+    correct = np.concatenate([g.correct for g in seen])
+    lengths = np.concatenate([g.lengths for g in seen])
     metrics.update({
         "reward/mean": float(np.mean(rewards)), "reward/accuracy": float(np.mean(correct)),
         "batch/reward_mean": float(np.mean(merged.rewards)),
@@ -322,7 +344,7 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
         "response/length_mean": float(np.mean(lengths)), "response/length_max": float(np.max(lengths)),
         "response/truncated_fraction": float(np.mean(np.concatenate(
             [truncated_rows(g.tokens, g.lengths, cfg.sampling.max_new_tokens, run.sampling_config.end_ids)
-             for g in groups]))),
+             for g in seen]))),
         "time/wait_for_generator_s": waited,
         "async/queued": float(generator.queued),
         "async/segments": float(generator.stats["segments"]),
@@ -331,10 +353,10 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
         "async/score_s": float(generator.stats["score_seconds"]),
     })
     metrics.update(staleness_metrics(version, versions, start_version, finish_version))
-    if all(g.scoring is not None for g in groups):  # the batch's groups (not the dropped ones)
-        metrics.update(scoring_metrics([g.scoring for g in groups]))
-    if any(g.meta.get("task") is not None for g in groups):  # mixed math and code prompts
-        tasks = [g.meta.get("task") for g in groups for _ in range(len(g.rewards))]
+    if all(g.scoring is not None for g in seen):
+        metrics.update(scoring_metrics([g.scoring for g in seen]))
+    if any(g.meta.get("task") is not None for g in seen):  # mixed math and code prompts
+        tasks = [g.meta.get("task") for g in seen for _ in range(len(g.rewards))]
         metrics.update(task_accuracies(correct, tasks, "reward/accuracy"))
     _, key_shuffle = jax.random.split(jax.random.fold_in(run.rng, run.iteration))
     metrics = train_on_batch(run, merged, metrics, key_shuffle)
