@@ -265,7 +265,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.algo.old_log_probs = "trainer"
     # Coefficient of the MoE load-balancing auxiliary loss in the update (0 = off); the
     # critic's update (algo.advantage = "gae", MoE backbone) adds its own with the same one.
+    # The loss is E * sum_e f_e P_e with f_e the fraction of the k * N routing slots that go
+    # to expert e, per layer, averaged over layers: 1 at perfect balance. HuggingFace's
+    # Qwen3-MoE counts f_e over the N tokens (k at balance) and averages f and P over
+    # layers first: its router_aux_loss_coef c (0.001 in the released configs) is about
+    # load_balancing_coef = c * k here.
     c.algo.load_balancing_coef = 0.0
+    # Coefficient of the router z-loss (ST-MoE, 2202.08906: mean squared logsumexp of the
+    # router logits; reported as moe/router_z_loss) in the policy update (0 = off).
+    c.algo.router_z_coef = 0.0
     # Entropy bonus coefficient (0 = off; none of the recipes use one).
     c.algo.entropy_coef = 0.0
 
@@ -606,6 +614,10 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.batch.response_buckets (max {max(b.response_buckets)}) must hold "
                          f"sampling.max_new_tokens ({config.sampling.max_new_tokens})")
     max_new = config.sampling.max_new_tokens
+    if not config.sampling.temperature > 0:
+        raise ValueError(f"config.sampling.temperature must be > 0, got {config.sampling.temperature}: "
+                         "the trainer's log-probs are taken at the rollout temperature (greedy "
+                         "pass@1 is what the evaluation reports)")
     if not 1 <= config.sampling.decode_segments <= max_new:
         raise ValueError(f"config.sampling.decode_segments must be in [1, max_new_tokens={max_new}], "
                          f"got {config.sampling.decode_segments}")

@@ -168,7 +168,10 @@ class TopP:
     With candidates sorted by probability p_(1) >= p_(2) >= ... (of softmax(logits / T),
     restricted first to the `top_k` largest when top_k > 0), keep the smallest prefix
     whose mass reaches `p`: candidate i is kept iff sum_{j<i} p_(j) < p (so the most
-    likely token always is), then sample from the kept set renormalised.
+    likely token always is), then sample from the kept set renormalised. Tokens of equal
+    probability at the cut are ordered by index (``lax.top_k``), so the lower indices are
+    kept. Build it through `sampling_method`, which uses no nucleus for p = 1 (a float32
+    cumulative sum can drop a tail of ~1e-7 of the mass over a large vocabulary).
     """
 
     p: float
@@ -568,7 +571,8 @@ def generate(
         temperature=0 is greedy. Ignored when `method` is given.
       eos_id: end-of-sequence token (mask 1 on it, pad after it); None: no EOS.
       num_samples: G samples per prompt sharing one prefill.
-      min_new_tokens: end tokens are banned for the first min_new_tokens steps.
+      min_new_tokens: end tokens are banned for the first min_new_tokens steps (stop
+        sequences are not: one completed earlier still ends the row).
       stop_ids, stop_sequences: further tokens / token sequences that end a sequence.
       pad_id: token written after the end; default eos_id, or 0 without EOS.
       method: an explicit `SamplingMethod`, overriding temperature/top_k/top_p.

@@ -145,6 +145,8 @@ def test_unknown_or_bad_fields_are_named():
     with pytest.raises(ValueError, match="decode_segments"):
         load("grpo", "sampling.decode_segments=25")
     assert load("grpo", "sampling.decode_segments=4").sampling.decode_segments == 4
+    with pytest.raises(ValueError, match="sampling.temperature must be > 0"):
+        load("grpo", "sampling.temperature=0.0")
     # Two corrections that cannot combine: the TIS weight against pi_old = behaviour is 1.
     with pytest.raises(ValueError, match="tis_cap .* old_log_probs='sampler'"):
         load("magistral_async", "algo.tis_cap=2.0,algo.old_log_probs='sampler'")

@@ -131,11 +131,15 @@ def _base_config(**fields):
 def test_config_field_mapping_old_and_new_names():
     old = config_from_hf(_base_config(rope_theta=1e6, rope_scaling=None))
     new = config_from_hf(_base_config(rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
-    assert old == new and old.rope_theta == 1e6 and old.head_dim == 4 and old.num_kv_heads == 2
+    assert old == new and old.rope_theta == 1e6 and old.num_kv_heads == 2
+    # No head_dim in config.json: transformers' Qwen3Config default (128) for dense Qwen3,
+    # hidden_size / heads for Qwen3-MoE.
+    assert old.head_dim == 128 and config_from_hf(_base_config(head_dim=4)).head_dim == 4
     moe = config_from_hf(_base_config(model_type="qwen3_moe", num_hidden_layers=4, num_local_experts=8,
                                       num_experts_per_tok=2, moe_intermediate_size=4,
                                       decoder_sparse_step=2))
     assert moe.num_experts == 8 and moe.moe_layer_indices == (1, 3) and not moe.norm_topk_prob
+    assert moe.head_dim == 4
 
 
 @pytest.mark.parametrize("fields,match", [

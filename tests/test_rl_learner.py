@@ -188,6 +188,17 @@ def test_non_finite_step_is_skipped_and_leaves_state_untouched(policy, field):
     assert float(metrics["update/skipped"]) == 0.0 and int(state.step) == 2
 
 
+def test_router_z_loss_enters_the_update_with_its_coefficient(policy):
+    import dataclasses
+
+    _, graphdef, params = policy
+    batch, _, _ = _batch(seed=6)
+    plain, metrics = get_learner(graphdef, SETTINGS, OPTIM).loss(params, batch)
+    with_z, _ = get_learner(graphdef, dataclasses.replace(SETTINGS, router_z_coef=0.5), OPTIM).loss(params, batch)
+    assert float(metrics["moe/router_z_loss"]) > 0
+    assert float(with_z) == pytest.approx(float(plain) + 0.5 * float(metrics["moe/router_z_loss"]), rel=1e-6)
+
+
 @pytest.mark.parametrize("field", ["mask", "loss_mask"])
 def test_a_minibatch_without_tokens_is_not_an_update(policy, field):
     """Only masked rows (dynamic sampling's fillers) or every token rejected: the gradient is

@@ -214,6 +214,19 @@ def test_rollout_correction_reaches_the_batch(tmp_path, monkeypatch):
     assert trainer.rollout_correction._cache_size() == compiled
 
 
+def test_routing_metrics_run_in_minibatch_chunks(tmp_path, monkeypatch):
+    """The routing forwards of the volatility metrics run in the minibatch's shape, as the
+    old log-probs do (not the whole batch: memory, and a compile of its own)."""
+    config = tiny("grpo", extra="batch.n_minibatches=2,train.routing_metrics=True,train.num_iterations=1,"
+                                "eval.num_prompts=0")
+    run = trainer.build_run(config, str(tmp_path))
+    rows, routing = [], run.learner.routing
+    monkeypatch.setattr(run.learner, "routing",
+                        lambda params, tokens, *args: rows.append(tokens.shape[0]) or routing(params, tokens, *args))
+    metrics = trainer.rl_iteration(run)
+    assert rows == [4, 4] and 0 <= metrics["routing/volatility"] <= 1  # 2 x 4 samples, 2 chunks
+
+
 def test_compile_count_stops_growing_after_warm_up(tmp_path, monkeypatch):
     # Fresh learners and forward passes: the process-wide ones are shared with every test
     # of the same model and temperature that ran before in this process (their traces of

@@ -79,7 +79,9 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     fields = dict(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        # transformers' Qwen3Config defaults head_dim to 128; Qwen3-MoE's attention falls back
+        # to hidden_size / heads.
+        head_dim=hf.get("head_dim") or (128 if model_type == "qwen3" else hf["hidden_size"] // num_heads),
         intermediate_size=hf["intermediate_size"], rope_theta=float(rope["rope_theta"]),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

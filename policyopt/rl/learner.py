@@ -160,6 +160,7 @@ class LossConfig:
     kl_estimator: str = "k3"
     temperature: float = 1.0
     load_balancing_coef: float = 0.0
+    router_z_coef: float = 0.0
     entropy_coef: float = 0.0
     nll_coef: float = 0.0
 
@@ -174,6 +175,7 @@ class LossConfig:
             kl_beta=float(algo.kl_beta), kl_estimator=algo.kl_estimator,
             temperature=float(config.sampling.temperature),
             load_balancing_coef=float(algo.load_balancing_coef),
+            router_z_coef=float(algo.get("router_z_coef", 0.0)),
             entropy_coef=float(algo.entropy_coef), nll_coef=float(algo.nll_coef))
 
 
@@ -203,6 +205,9 @@ def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.A
         metrics["moe/load_balancing_loss"] = jax.lax.stop_gradient(fwd.aux["load_balancing_loss"])
         if settings.load_balancing_coef:
             loss = loss + settings.load_balancing_coef * fwd.aux["load_balancing_loss"]
+        metrics["moe/router_z_loss"] = jax.lax.stop_gradient(fwd.aux["router_z_loss"])
+        if settings.router_z_coef:  # ST-MoE's z-loss (2202.08906): keeps router logits small
+            loss = loss + settings.router_z_coef * fwd.aux["router_z_loss"]
     if settings.nll_coef:
         # VAPO (2504.05118): + mu * L_NLL over the correct samples of the minibatch
         # (batch.nll_weights), at the training temperature like the policy term.

@@ -26,7 +26,11 @@ and optimiser state are part of the checkpoint.
 Routing replay (MoE): ``"R2"`` replays, in every update forward, the routing recorded by
 the old-log-prob forward; ``"R3"`` replays the sampler's routing in the old-log-prob
 forward and in every update forward (``PAPERS.md``). Only the expert selection is
-replayed; the model recomputes the gate weights from the current router.
+replayed; the model recomputes the gate weights from the current router, as its own
+routing does: renormalised over the replayed k experts when the model has
+``norm_topk_prob`` (Qwen3-30B-A3B, and what PAPERS.md describes), the full-softmax
+probabilities of those experts otherwise, so that a replay of the model's own choice
+reproduces its forward exactly.
 
 Sampler-trainer mismatch: with ``algo.old_log_probs = "trainer"`` every iteration logs
 ``offpolicy/*`` (``rollout_correction``) and applies the configured corrections:
@@ -273,6 +277,16 @@ def _chunked_log_probs(learner: Learner, params, tokens, positions, attention_ma
     return jnp.concatenate(log_probs, axis=0), routing_out
 
 
+def _chunked_routing(learner: Learner, params, tokens, positions, attention_mask, num_chunks: int):
+    """``learner.routing`` over ``num_chunks`` equal row chunks (the minibatch's shape, as
+    the old log-probs: the same compiled shape and memory, and the same numerics, so that
+    routing volatility has no batch-shape noise floor), concatenated: ``[L, R, S, k]``."""
+    per = tokens.shape[0] // num_chunks
+    return jnp.concatenate([learner.routing(params, *(_rows(x, c * per, (c + 1) * per)
+                                                      for x in (tokens, positions, attention_mask)))
+                            for c in range(num_chunks)], axis=1)
+
+
 def _chunked_values(critic: Critic, params, tokens, positions, attention_mask, mask,
                     num_chunks: int) -> jax.Array:
     """``critic.values`` over ``num_chunks`` equal row chunks (the minibatch's shape)."""
@@ -429,7 +443,7 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
     routing_metrics_on = is_moe and cfg.train.routing_metrics and policy_step
     natural_old = old_routing if (is_moe and replay_old is None) else None
     if routing_metrics_on and natural_old is None:
-        natural_old = learner.routing(run.state.params, tokens, positions, attention_mask)
+        natural_old = _chunked_routing(learner, run.state.params, tokens, positions, attention_mask, n_chunks)
     if policy_step:
         metrics["time/old_log_probs_s"] = _block(old_log_probs, t0)
         metrics["logprob/sampler_trainer_abs_diff"] = float(
@@ -509,7 +523,7 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
 
     # Routing metrics (MoE).
     if routing_metrics_on:
-        new_routing = learner.routing(run.state.params, tokens, positions, attention_mask)
+        new_routing = _chunked_routing(learner, run.state.params, tokens, positions, attention_mask, n_chunks)
         metrics.update(jax.device_get(routing_metrics("routing/volatility", natural_old, new_routing, attention_mask)))
         metrics.update(jax.device_get(routing_metrics(
             "routing/sampler_trainer_disagreement", natural_old, sampler_routing, attention_mask)))
