@@ -63,7 +63,9 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
     Ablation(
         "routing_replay",
         "GSPO (2507.18071): on an MoE policy GRPO needs routing replay to converge, GSPO does "
-        "not; R2 replays the old policy's routing, R3 (2510.11370) the sampler's.",
+        "not; R2 replays the old policy's routing, R3 (2510.11370) the sampler's. (With 4 "
+        "minibatches, routing/volatility is measured after a batch's 4 updates, not the "
+        "one update of the paper's ~10%.)",
         (Arm("grpo", "grpo", "algo.routing_replay=none"),
          Arm("grpo_R2", "grpo", "algo.routing_replay=R2"),
          Arm("grpo_R3", "grpo", "algo.routing_replay=R3"),
@@ -77,20 +79,24 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
          Arm("no_clip_higher", "dapo", "algo.clip_high=0.2"),
          Arm("no_token_loss", "dapo", "algo.aggregation=seq_mean_token_mean"),
          Arm("no_dynamic_sampling", "dapo", "dynamic_sampling.enabled=False"),
-         Arm("no_overlong", "dapo", "reward.overlong=none,reward.overlong_filter=False")),
+         Arm("no_overlong", "dapo", "reward.overlong=none,reward.overlong_filter=False"),
+         Arm("no_overlong_shaping", "dapo", "reward.overlong=none"),
+         Arm("no_overlong_filter", "dapo", "reward.overlong_filter=False")),
         OFF_POLICY),
     Ablation(
         "dr_grpo",
         "Dr. GRPO (2503.20783): no std scaling and a constant normaliser remove GRPO's "
-        "difficulty and length biases; GRPO's responses grow longer when wrong.",
-        (Arm("grpo", "grpo"),
-         Arm("grpo_no_std", "grpo", "algo.adv_scale=none"),
+        "difficulty and length biases; GRPO's responses grow longer when wrong. (GRPO without "
+        "its KL term, as Dr. GRPO has none: the arms differ in the std and the normaliser.)",
+        (Arm("grpo", "grpo", "algo.kl_beta=0.0"),
+         Arm("grpo_no_std", "grpo", "algo.kl_beta=0.0,algo.adv_scale=none"),
          Arm("dr_grpo", "dr_grpo"))),
     Ablation(
         "gspo",
         "GSPO (2507.18071): the sequence-level ratio and clip against GRPO's token level; "
-        "GSPO-token equals GSPO when advantages are per sequence.",
-        (Arm("grpo", "grpo"),
+        "GSPO-token equals GSPO when advantages are per sequence. (GRPO as the paper's "
+        "baseline: clip 0.2 / 0.27, no KL.)",
+        (Arm("grpo", "grpo", "algo.clip_high=0.27,algo.kl_beta=0.0"),
          Arm("gspo", "gspo"),
          Arm("gspo_token", "gspo_token")),
         OFF_POLICY),
@@ -127,7 +133,8 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
     Ablation(
         "objectives",
         "The critic-free objectives side by side on one task, in the SAPO paper's unified "
-        "form: each recipe with its paper's settings.",
+        "form: each recipe with its paper's settings, but 4 minibatches per batch for all of "
+        "them, so that the clips act (Magistral's paper prefers one update per batch).",
         tuple(Arm(name, name) for name in
               ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral")),
         OFF_POLICY),

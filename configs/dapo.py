@@ -36,8 +36,8 @@ def get_config(arg=None):
     c.optim.weight_decay = 0.1
     paper = {
         "model.preset": "qwen3_30b_a3b",
-        "optim.lr": 1e-6,                 # DAPO §4.1: lr 1e-6, linear warm-up 20 steps
-        "optim.warmup_steps": 20,
+        "optim.lr": 1e-6,                 # DAPO §4.1: lr 1e-6, linear warm-up over 20
+        "optim.warmup_steps": 320,        # rollout steps = 20 x 16 optimiser updates
         "batch.n_prompts": 512,           # prompt batch 512
         "batch.group_size": 16,           # 16 responses per prompt
         "batch.n_minibatches": 16,        # mini-batch 512: 16 updates per rollout step
