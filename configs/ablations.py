@@ -125,11 +125,14 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
         "Magistral (2506.10910): asynchronous generation (n_async = 2 n_batch, the default) "
         "against the synchronous loop, same recipe; and two off-policy corrections the paper "
         "does not use: truncated importance weights between the sampler's and the trainer's "
-        "log-probs (C = 2), or the PPO ratio taken against the sampler's log-probs.",
+        "log-probs (C = 2; per token, or per sequence), the PPO ratio taken against the "
+        "sampler's log-probs, or geometric rejection sampling (bound 1.01) alone.",
         (Arm("sync", "magistral"),
          Arm("async", "magistral", "async_mode.enabled=True"),
          Arm("async_tis", "magistral", "async_mode.enabled=True,algo.tis_cap=2.0"),
-         Arm("async_sampler_old", "magistral", "async_mode.enabled=True,algo.old_log_probs=sampler"))),
+         Arm("async_seq_tis", "magistral", "async_mode.enabled=True,algo.tis_cap=2.0,algo.tis_level=sequence"),
+         Arm("async_sampler_old", "magistral", "async_mode.enabled=True,algo.old_log_probs=sampler"),
+         Arm("async_geo_rs", "magistral", "async_mode.enabled=True,algo.rs_level=geometric,algo.rs_upper=1.01"))),
     Ablation(
         "objectives",
         "The critic-free objectives side by side on one task, in the SAPO paper's unified "

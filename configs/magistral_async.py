@@ -13,8 +13,9 @@ Off-policy correction: like the paper, none by default. Measured on the demo tas
 (benchmarks/RESULTS.md, "Asynchronous generation off policy"): at lr 1e-4 asynchronous
 runs match synchronous ones, but at lr 1e-3, where one version moves the policy a lot,
 samples ~1.5 versions old stop learning without a correction; `algo.tis_cap=2.0`
-(truncated importance weights) or `algo.old_log_probs=sampler` (clip the ratio against
-the sampler's log-probs) restore it.
+(truncated importance weights; `algo.tis_level=sequence` as well) or
+`algo.old_log_probs=sampler` (clip the ratio against the sampler's log-probs) restore it;
+rejection sampling alone (`algo.rs_level`) does not.
 """
 
 from configs import magistral
