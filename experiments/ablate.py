@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import statistics
 import time
@@ -143,7 +144,8 @@ def summarise_run(run_dir: str, tail: int) -> dict:
         out["eval_steps"] = [int(evals[0]["step"]), int(evals[-1]["step"])]
     last = rows[-tail:]
     for key in TAIL_METRICS:
-        values = [r[key] for r in last if key in r]
+        # NaN: an iteration without a value (e.g. no update: only dynamic sampling's fillers).
+        values = [r[key] for r in last if key in r and math.isfinite(r[key])]
         if values:
             out[key] = statistics.fmean(values)
     return out

@@ -453,8 +453,9 @@ def rejection_mask(
     return jax.lax.stop_gradient(keep.astype(old_log_probs.dtype))
 
 
-# log(prod rho) is clamped here before chi2_seq squares it (e^40 stays finite in float32).
-_OFFPOLICY_SEQ_LOG_CLAMP = 20.0
+# Log-ratios (per token, per-sequence sums and means) are clamped to +-20 inside the
+# metrics, as verl clamps them, so that a far-off token gives a large finite value, not inf.
+_OFFPOLICY_LOG_CLAMP = 20.0
 
 
 def offpolicy_metrics(old_log_probs: Array, behaviour_log_probs: Array, mask: Array) -> dict[str, Array]:
@@ -466,23 +467,30 @@ def offpolicy_metrics(old_log_probs: Array, behaviour_log_probs: Array, mask: Ar
     - ``ppl_ratio``: mean over non-empty sequences of ``PPL_old / PPL_mu =
       exp(-mean_t log rho_t)``;
     - ``chi2_token``: token mean of ``rho^2 - 1``; ``chi2_seq``: mean over non-empty
-      sequences of ``(prod_t rho_t)^2 - 1``, with ``log prod_t rho_t`` clamped to +-20;
+      sequences of ``(prod_t rho_t)^2 - 1``;
     - ``log_ratio_abs_max``: the largest ``|log rho_t|``.
+
+    ``log rho_t`` (in ``kl_k3`` and ``chi2_token``), the per-sequence mean (``ppl_ratio``)
+    and sum (``chi2_seq``) are clamped to +-20 first, as verl does, so that one far-off
+    token gives a large finite value rather than inf; ``kl_k1`` and ``log_ratio_abs_max``
+    are not clamped.
 
     All are 0 when the two agree; they are the diagnostics of verl's rollout correction.
     """
     valid, log_rho = _rollout_log_ratio(old_log_probs, behaviour_log_probs, mask)
-    rho = jnp.where(valid, jnp.exp(log_rho), 1)
+    clamp = lambda x: jnp.clip(x, -_OFFPOLICY_LOG_CLAMP, _OFFPOLICY_LOG_CLAMP)
+    clamped = clamp(log_rho)
+    rho = jnp.where(valid, jnp.exp(clamped), 1)
     valid_f = valid.astype(log_rho.dtype)
     n = jnp.sum(valid_f)
     non_empty = jnp.any(valid, axis=-1)
     n_seq = jnp.sum(non_empty.astype(log_rho.dtype))
     seq_mean = lambda x: _safe_div(jnp.sum(jnp.where(non_empty, x, 0)), n_seq)
-    geometric = _sequence_log_ratio(log_rho, valid, "geometric")[:, 0]
-    seq_log = jnp.clip(jnp.sum(log_rho, axis=-1), -_OFFPOLICY_SEQ_LOG_CLAMP, _OFFPOLICY_SEQ_LOG_CLAMP)
+    geometric = clamp(_sequence_log_ratio(log_rho, valid, "geometric")[:, 0])
+    seq_log = clamp(jnp.sum(log_rho, axis=-1))
     out = {
         "kl_k1": _safe_div(jnp.sum(-log_rho), n),
-        "kl_k3": _safe_div(jnp.sum(jnp.where(valid, rho - 1 - log_rho, 0)), n),
+        "kl_k3": _safe_div(jnp.sum(jnp.where(valid, rho - 1 - clamped, 0)), n),
         "ppl_ratio": seq_mean(jnp.exp(-geometric)),
         "chi2_token": _safe_div(jnp.sum(jnp.where(valid, jnp.square(rho) - 1, 0)), n),
         "chi2_seq": seq_mean(jnp.expm1(2 * seq_log)),

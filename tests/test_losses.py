@@ -385,6 +385,19 @@ def test_offpolicy_metrics_against_a_loop(seed):
                                                       "chi2_seq": 0.0, "log_ratio_abs_max": 0.0}
 
 
+def test_offpolicy_metrics_stay_finite_for_far_off_tokens():
+    """Log-ratios are clamped to +-20 in the metrics (verl's convention): one token 50 nats
+    apart, or a sequence 100 nats apart, gives large finite values, not inf."""
+    old = np.zeros((2, 3), np.float32)
+    behaviour = np.array([[-50.0, 0.0, 0.0], [100.0, 100.0, 100.0]], np.float32)
+    metrics = {k: float(v) for k, v in losses.offpolicy_metrics(old, behaviour, np.ones((2, 3))).items()}
+    assert all(np.isfinite(v) for v in metrics.values()), metrics
+    np.testing.assert_allclose(metrics["chi2_token"], (math.exp(40) - 1 + 2 * 0 + 3 * (math.exp(-40) - 1)) / 6, rtol=1e-4)
+    np.testing.assert_allclose(metrics["ppl_ratio"], (math.exp(-50 / 3) + math.exp(20)) / 2, rtol=1e-4)
+    np.testing.assert_allclose(metrics["kl_k1"], (-50 + 300) / 6, rtol=1e-6)  # not clamped
+    assert metrics["log_ratio_abs_max"] == 100.0
+
+
 def test_rollout_correction_arguments_are_checked():
     old_log_probs, behaviour, mask = _rollout_inputs(0)
     with pytest.raises(ValueError, match="level='tok'"):

@@ -691,6 +691,30 @@ def test_a_call_waiting_without_deadline_returns_when_its_pool_is_killed():
     batch_lib.kill_pool(2, "other")
 
 
+def test_a_call_cleaning_up_its_killed_pool_spares_the_next_one():
+    """A call whose pool was killed under it must not kill the pool that another caller of
+    the same name started since (kill_pool(only=...))."""
+    from policyopt.rewards import batch as batch_lib
+
+    spec = RewardSpec(format_reward=False, verifier="tests.verifiers:sleeps", verifier_timeout_s=60.0)
+    results = {}
+    start_workers(2, pool="shared")
+    first = threading.Thread(target=lambda: results.update(
+        first=score_batch(["x"] * 12, ["x"] * 12, [1] * 12, spec, num_workers=2, pool="shared")))
+    first.start()
+    time.sleep(1.0)
+    batch_lib.kill_pool(2, "shared")
+    # Still scoring (4 x 1.5 s on 2 workers) when the first call notices its loss.
+    naps = RewardSpec(format_reward=False, verifier="tests.verifiers:naps", verifier_timeout_s=60.0)
+    second = score_batch(["x"] * 4, ["x"] * 4, [1] * 4, naps, num_workers=2, pool="shared")
+    first.join(timeout=10)
+    # Its queued chunks were cancelled: it notices at its next poll, while the second call
+    # is scoring on a new pool of the same name.
+    assert not first.is_alive() and results["first"].metrics["worker_errors"] == 12
+    assert second.metrics["worker_errors"] == 0 and second.rewards.tolist() == [1.0] * 4
+    batch_lib.kill_pool(2, "shared")
+
+
 def test_score_batch_survives_a_worker_killed_between_calls():
     from policyopt.rewards import batch as batch_lib
 

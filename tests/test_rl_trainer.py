@@ -14,7 +14,7 @@ import pytest
 from policyopt.metrics import read_jsonl
 from policyopt.rl import learner as learner_lib
 from policyopt.rl import trainer
-from policyopt.rl.batch import round_from_rollout
+from policyopt.rl.batch import mask_fillers, round_from_rollout
 
 RECIPES = ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral", "ppo", "vc_ppo", "vapo")
 CRITIC_RECIPES = ("ppo", "vc_ppo", "vapo")
@@ -53,11 +53,14 @@ def test_every_recipe_runs_a_few_iterations(recipe, model, tmp_path):
     empty = sum(row.get("update/empty", 0) for row in read_jsonl(os.path.join(tmp_path, "metrics.jsonl")))
     assert summary["iteration"] == 2 and int(run.state.step) + int(run.state.skipped) + empty == 2 - pretrain
     assert empty == 0 or recipe in ("dapo", "magistral")  # the recipes with dynamic sampling
+    # An iteration with no update (only fillers) reports its update metrics as NaN.
+    updated = metrics["update/empty"] == 0
     for key in ("reward/mean", "reward/accuracy", "response/length_mean", "loss/loss",
                 "reward/format_failure_rate", "reward/verifier_errors", "reward/deadline_missed",
                 "loss/clip_frac", "loss/gate_mean", "policy/entropy", "update/grad_norm",
                 "update/lr", "update/skipped", "time/generate_s", "time/update_s"):
-        assert key in metrics and np.isfinite(metrics[key]), key
+        assert key in metrics, key
+        assert np.isfinite(metrics[key]) or (not updated and key.split("/")[0] in ("loss", "policy", "update")), key
     assert metrics["update/skipped"] == 0
     assert ("routing/volatility" in metrics) == (model == "tiny_moe")
     if model == "tiny_moe":
@@ -225,6 +228,24 @@ def test_routing_metrics_run_in_minibatch_chunks(tmp_path, monkeypatch):
                         lambda params, tokens, *args: rows.append(tokens.shape[0]) or routing(params, tokens, *args))
     metrics = trainer.rl_iteration(run)
     assert rows == [4, 4] and 0 <= metrics["routing/volatility"] <= 1  # 2 x 4 samples, 2 chunks
+
+
+def test_empty_minibatches_do_not_dilute_the_update_metrics(tmp_path):
+    """A minibatch of fillers only is no update; the iteration's update metrics are means
+    over the minibatches that were updates (NaN when none was), not pulled toward 0."""
+    config = tiny("grpo", extra="batch.n_minibatches=2,train.num_iterations=1,eval.num_prompts=0")
+    run = trainer.build_run(config, str(tmp_path))
+    trainer.rl_iteration(run)
+    merged = run.last_round
+    # The same batch with its second group as a filler: one minibatch of the two is empty.
+    metrics = trainer.train_on_batch(run, mask_fillers(merged, 1, 4), {}, jax.random.PRNGKey(0))
+    assert metrics["update/empty"] == 1 and metrics["update/skipped"] == 0
+    # The one update ran at the batch's old parameters (the empty one changed nothing).
+    assert metrics["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["policy/entropy"] > 1.0 and metrics["loss/num_tokens"] == merged.mask[:4].sum()
+    metrics = trainer.train_on_batch(run, mask_fillers(merged, 2, 4), {}, jax.random.PRNGKey(0))
+    assert metrics["update/empty"] == 2
+    assert np.isnan(metrics["loss/loss"]) and np.isnan(metrics["policy/entropy"])
 
 
 def test_compile_count_stops_growing_after_warm_up(tmp_path, monkeypatch):

@@ -25,6 +25,11 @@ def sleeps(completion, reference):
     return 1.0
 
 
+def naps(completion, reference):
+    time.sleep(1.5)
+    return 1.0
+
+
 # Calls of `right_wrong_then_blocks` in this process (a test resets it).
 CALLS = [0]
 

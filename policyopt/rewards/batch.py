@@ -372,12 +372,17 @@ def start_workers(num_workers: int, pool: str = "default") -> None:
     list(pool.map(_ping, [0.05] * num_workers))
 
 
-def kill_pool(num_workers: int, name: str = "default") -> None:
+def kill_pool(num_workers: int, name: str = "default", only=None) -> None:
     """Kills the workers of a pool (some may be stuck in C code) and forgets the pool: its
     callers' pending work is lost (scored as lost to a crashed worker). The next call
-    that needs the pool starts a new one."""
+    that needs the pool starts a new one. ``only``: kill the pool registered under the
+    name only if it is this executor (a call cleaning up the pool it used must not kill a
+    newer one that another caller of the same name has started since)."""
     with _POOLS_LOCK:
-        pool = _POOLS.pop((name, num_workers), None)
+        key = (name, num_workers)
+        if only is not None and _POOLS.get(key) is not only:
+            return
+        pool = _POOLS.pop(key, None)
     if pool is None:
         return
     # ProcessPoolExecutor has no public kill before Python 3.14 (kill_workers); until
@@ -432,7 +437,7 @@ def _score_parallel(items, spec, deadline, num_workers, name="default") -> tuple
         pool = _get_pool(num_workers, name)
         futures = [pool.submit(_score_chunk, chunk, spec, deadline) for chunk in chunks]
     except (concurrent.futures.BrokenExecutor, RuntimeError):  # a worker died between calls, or
-        kill_pool(num_workers, name)  # another thread shut the pool down: start afresh
+        kill_pool(num_workers, name, only=pool)  # another thread shut the pool down: start afresh
         pool = _get_pool(num_workers, name)
         futures = [pool.submit(_score_chunk, chunk, spec, deadline) for chunk in chunks]
     done, not_done = _wait(futures, deadline)
@@ -456,7 +461,7 @@ def _score_parallel(items, spec, deadline, num_workers, name="default") -> tuple
                 continue
         scores.extend([_MISSED] * len(chunk))
     if broken:
-        kill_pool(num_workers, name)
+        kill_pool(num_workers, name, only=pool)
     return scores, errors
 
 

@@ -593,12 +593,19 @@ class AsyncGenerator:
         for thread in self._threads[1:]:
             if thread.ident is None:
                 continue
-            if thread.is_alive() and self.interrupt_scoring is not None:
-                try:
-                    self.interrupt_scoring()
-                except Exception as error:  # noqa: BLE001 - closing goes on
-                    logging.warning("interrupting the async scorer failed: %r", error)
-            thread.join(self.join_timeout_s)
+            # Interrupt, then wait; again every second: a scorer caught between two steps
+            # of its call (decoding, before it reached the pool) may start a new pool.
+            end = time.monotonic() + self.join_timeout_s
+            while thread.is_alive():
+                if self.interrupt_scoring is not None:
+                    try:
+                        self.interrupt_scoring()
+                    except Exception as error:  # noqa: BLE001 - closing goes on
+                        logging.warning("interrupting the async scorer failed: %r", error)
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                thread.join(min(1.0, left))
             if thread.is_alive():
                 logging.warning(
                     "the async scoring thread is still scoring a group %.0f s after close(); it is "

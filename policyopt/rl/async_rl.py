@@ -66,8 +66,8 @@ from policyopt.rl.async_generation import (AsyncGenerator, GroupCompletion, Slot
 from policyopt.rl.batch import (DYNAMIC_SAMPLING_CRITERIA, bucket, mask_fillers, merge_rounds,
                                 round_from_rollout, trim_prompt, truncated_rows, uninformative_groups)
 from policyopt.rl.evaluate import decode, task_accuracies
-from policyopt.rl.trainer import (RLRun, RunLoop, _checkpoint_state, build_run, scoring_metrics,
-                                  train_on_batch)
+from policyopt.rl.trainer import (RLRun, RunLoop, _checkpoint_state, batch_metrics, build_run,
+                                  scoring_metrics, train_on_batch)
 
 __all__ = ["AsyncConfig", "async_enabled", "PromptStream", "GroupBatcher", "make_scorer",
            "make_generator", "async_iteration", "run_async_rl"]
@@ -339,8 +339,7 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
     lengths = np.concatenate([g.lengths for g in seen])
     metrics.update({
         "reward/mean": float(np.mean(rewards)), "reward/accuracy": float(np.mean(correct)),
-        "batch/reward_mean": float(np.mean(merged.rewards)),
-        "batch/accuracy": float(np.mean(merged.correct)),
+        **batch_metrics(merged),
         "response/length_mean": float(np.mean(lengths)), "response/length_max": float(np.max(lengths)),
         "response/truncated_fraction": float(np.mean(np.concatenate(
             [truncated_rows(g.tokens, g.lengths, cfg.sampling.max_new_tokens, run.sampling_config.end_ids)

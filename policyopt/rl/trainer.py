@@ -239,8 +239,7 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
     metrics.update({
         "reward/mean": float(np.mean(np.concatenate(all_rewards))),
         "reward/accuracy": float(np.mean(np.concatenate(all_correct))),
-        "batch/reward_mean": float(np.mean(merged.rewards)),
-        "batch/accuracy": float(np.mean(merged.correct)),
+        **batch_metrics(merged),
         "response/length_mean": float(np.mean(lengths)),
         "response/length_max": float(np.max(lengths)),
         "response/truncated_fraction": float(np.mean(np.concatenate(all_truncated))),
@@ -249,6 +248,16 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
     metrics.update(scoring_metrics(all_scoring))
     metrics.update(task_accuracies(np.concatenate(all_correct), all_tasks or None, "reward/accuracy"))
     return merged, metrics
+
+
+def batch_metrics(merged) -> dict[str, float]:
+    """``batch/reward_mean`` and ``batch/accuracy`` over the batch's scored samples: the
+    rows that train (dynamic sampling's fillers and missed samples left out; NaN if none)."""
+    scored = merged.scored_rows()
+    if not scored.any():
+        return {"batch/reward_mean": float("nan"), "batch/accuracy": float("nan")}
+    return {"batch/reward_mean": float(np.mean(merged.rewards[scored])),
+            "batch/accuracy": float(np.mean(merged.correct[scored]))}
 
 
 def scoring_metrics(batches: list[dict]) -> dict[str, float]:
@@ -493,7 +502,7 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
     t0 = time.perf_counter()
     num_groups = tokens.shape[0] // group
     sums: dict[str, jax.Array] = {}
-    num_updates = 0
+    weights: dict[str, jax.Array] = {}
     for epoch in range(cfg.batch.epochs):
         shuffle = jax.random.fold_in(key_shuffle, epoch) if cfg.batch.n_minibatches > 1 else None
         for rows in minibatch_indices(num_groups, group, cfg.batch.n_minibatches, shuffle):
@@ -509,12 +518,17 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
                 run.critic_state, critic_metrics = run.critic.update(run.critic_state, minibatch)
                 update_metrics = {**update_metrics, **critic_metrics}
             for k, v in update_metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
-            num_updates += 1
-    update_metrics = {k: v / num_updates for k, v in sums.items()}
-    for key in ("update/skipped", "critic/skipped", "update/empty", "critic/empty"):  # counts, not means
-        if key in sums:
-            update_metrics[key] = sums[key]
+                if k in _UPDATE_COUNTS:
+                    sums[k] = sums.get(k, 0.0) + v
+                    continue
+                # Means over the minibatches that were updates: an empty one (fillers only,
+                # or every token rejected) reports zeros, which would dilute them.
+                w = 1.0 - update_metrics["critic/empty" if k.startswith("critic/") else "update/empty"]
+                sums[k] = sums.get(k, 0.0) + w * v
+                weights[k] = weights.get(k, 0.0) + w
+    # NaN when every minibatch was empty: no update, no value.
+    update_metrics = {k: v if k in _UPDATE_COUNTS else v / jnp.where(weights[k] > 0, weights[k], jnp.nan)
+                      for k, v in sums.items()}
     metrics.update(jax.device_get(update_metrics))
     if run.critic is not None:
         metrics["critic/pretraining"] = float(pretraining)
@@ -532,6 +546,10 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
     metrics["update/step"] = float(run.state.step)
     metrics["update/skipped_total"] = float(run.state.skipped)
     return metrics
+
+
+# Update metrics that are counts over the minibatches (summed), not means.
+_UPDATE_COUNTS = ("update/skipped", "critic/skipped", "update/empty", "critic/empty")
 
 
 def _block(tree, t0: float) -> float:
