@@ -502,7 +502,7 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
     t0 = time.perf_counter()
     num_groups = tokens.shape[0] // group
     sums: dict[str, jax.Array] = {}
-    weights: dict[str, jax.Array] = {}
+    updates: dict[str, jax.Array] = {}  # per metric: how many minibatches were updates
     for epoch in range(cfg.batch.epochs):
         shuffle = jax.random.fold_in(key_shuffle, epoch) if cfg.batch.n_minibatches > 1 else None
         for rows in minibatch_indices(num_groups, group, cfg.batch.n_minibatches, shuffle):
@@ -525,9 +525,9 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
                 # or every token rejected) reports zeros, which would dilute them.
                 w = 1.0 - update_metrics["critic/empty" if k.startswith("critic/") else "update/empty"]
                 sums[k] = sums.get(k, 0.0) + w * v
-                weights[k] = weights.get(k, 0.0) + w
+                updates[k] = updates.get(k, 0.0) + w
     # NaN when every minibatch was empty: no update, no value.
-    update_metrics = {k: v if k in _UPDATE_COUNTS else v / jnp.where(weights[k] > 0, weights[k], jnp.nan)
+    update_metrics = {k: v if k in _UPDATE_COUNTS else v / jnp.where(updates[k] > 0, updates[k], jnp.nan)
                       for k, v in sums.items()}
     metrics.update(jax.device_get(update_metrics))
     if run.critic is not None:
