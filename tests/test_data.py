@@ -1,5 +1,6 @@
 """Tokenizers and the synthetic arithmetic task (policyopt.data)."""
 
+import json
 import random
 
 import pytest
@@ -106,6 +107,32 @@ def test_hf_tokenizer_text_cannot_forge_special_tokens(tmp_path):
     tok.save(tmp_path / "tok.json")
     loaded = load_tokenizer(tmp_path / "tok.json")
     assert loaded.encode_prompt("hello") == tok.encode_prompt("hello")
+
+
+def test_hf_tokenizer_stop_ids_from_chatml_and_generation_config(tmp_path):
+    """A base model (EOS <|endoftext|>) prompted with ChatML stops at <|im_end|> too;
+    generation_config.json's eos_token_id list becomes stop tokens, as in HF generate."""
+    raw = _tiny_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_pad|>"])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    ids = {t: raw.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>", "<|fim_pad|>")}
+    assert HFTokenizer(raw).stop_ids == ()  # EOS is <|im_end|> already.
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    base_model = HFTokenizer.from_pretrained(tmp_path)
+    assert base_model.eos_id == ids["<|endoftext|>"] and base_model.stop_ids == (ids["<|im_end|>"],)
+    assert HFTokenizer(raw, eos_token="<|endoftext|>", chat_template="plain").stop_ids == ()
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [ids["<|fim_pad|>"], ids["<|endoftext|>"]]}))
+    tok = HFTokenizer.from_pretrained(tmp_path)
+    assert tok.stop_tokens == ("<|fim_pad|>", "<|endoftext|>")
+    assert tok.stop_ids == (ids["<|fim_pad|>"], ids["<|im_end|>"])
+    tok.save(tmp_path / "saved.json")
+    assert load_tokenizer(tmp_path / "saved.json").stop_ids == tok.stop_ids
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 99999}')
+    with pytest.raises(ValueError, match="eos_token_id"):
+        HFTokenizer.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="stop_tokens='<nope>'"):
+        HFTokenizer(raw, stop_tokens=["<nope>"])
+    assert CharTokenizer("0123").stop_ids == ()
 
 
 def test_hf_tokenizer_plain_fallback(tmp_path):

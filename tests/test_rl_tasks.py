@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from configs import base
+from policyopt.data import HFTokenizer
 from policyopt.rewards import score_batch
-from policyopt.rl import build, trainer
+from policyopt.rl import build, evaluate, trainer
 from policyopt.rl.sft import make_sft_iterator
 from tests.test_rl_trainer import tiny
 
@@ -181,6 +182,8 @@ def test_pretrained_model_and_tokenizer_train_on_a_jsonl_task(tmp_path):
     from tests.test_data import _tiny_bpe
 
     _tiny_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]).save(str(tmp_path / "tokenizer.json"))
+    # A base model's settings: EOS is <|endoftext|>, yet under ChatML <|im_end|> ends a turn.
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
     torch.manual_seed(0)
     hf_config = transformers.Qwen3MoeConfig(
         vocab_size=320, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
@@ -199,11 +202,23 @@ def test_pretrained_model_and_tokenizer_train_on_a_jsonl_task(tmp_path):
                    prompt_template="{question} Put the final answer in \\boxed{{}}.")
     summary = trainer.run_rl(config, str(tmp_path / "run"), num_iterations=1, quiet=True)
     run = summary["run"]
-    assert run.tokenizer.chat_template == "chatml" and run.sampling_config.eos_id == run.tokenizer.eos_id
+    tokenizer = run.tokenizer
+    im_end, endoftext = tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")
+    assert tokenizer.chat_template == "chatml" and tokenizer.eos_id == endoftext
+    assert run.sampling_config.end_ids == (endoftext, im_end)
     assert [r["answer"] for r in run.eval_records] == ["43", "44", "45", "46"]
     assert run.eval_records[0]["prompt"] == "What is 8+35? Put the final answer in \\boxed{}."
     assert summary["eval"]["eval/num_prompts"] == 4 and np.isfinite(summary["metrics"]["loss/loss"])
     assert int(run.state.step) == 1 and run.last_batch.tokens.shape[0] == 2 * 4
+    # Evaluation stops on the tokenizer's stop ids too: with every token a stop token,
+    # each completion is one token long.
+    prompts = [r["prompt"] for r in run.eval_records]
+    everything = HFTokenizer(tokenizer.tokenizer, eos_token="<|endoftext|>",
+                             stop_tokens=sorted(tokenizer.tokenizer.get_vocab()))
+    for tok, expected in ((tokenizer, None), (everything, 1)):
+        _, lengths = evaluate.complete(run.graphdef, run.state.params, prompts, tok, max_new_tokens=6,
+                                       batch_size=4, prompt_buckets=(32, 64), rng=jax.random.PRNGKey(0))
+        assert expected is None and lengths.max() > 1 or np.all(lengths == expected)
 
 
 def test_custom_verifier_judges_rewards_and_evaluation(tmp_path):

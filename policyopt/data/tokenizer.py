@@ -9,6 +9,7 @@ tokenizer.encode_prompt(prompt) -> list[int]   # what the policy is conditioned 
 tokenizer.wrap_prompt(ids) -> list[int]         # the same, from encoded prompt text
 tokenizer.encode_response(response) -> list[int]   # the SFT target, ending with EOS
 tokenizer.vocab_size, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
+tokenizer.stop_ids                              # further tokens that end a response
 tokenizer.save(path); load_tokenizer(path)
 ```
 
@@ -79,6 +80,11 @@ class CharTokenizer:
     @property
     def eos_id(self) -> int:
         return self._ids[EOS]
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Tokens other than EOS that end a response: none for this vocabulary."""
+        return ()
 
     @property
     def special_ids(self) -> frozenset[int]:
@@ -181,7 +187,9 @@ class HFTokenizer:
 
     - ChatML (the vocabulary has `<|im_start|>` and `<|im_end|>`, e.g. Qwen3):
       `<|im_start|>user\\n{prompt}<|im_end|>\\n<|im_start|>assistant\\n`; EOS is
-      `<|im_end|>` (where the chat model stops) unless given.
+      `<|im_end|>` (where the chat model stops) unless given. When EOS is another token
+      (a base model's `<|endoftext|>`), `<|im_end|>` still ends a response: it is in
+      `stop_ids`, so a model that closes its turn is not left to invent the next one.
     - Otherwise ("plain"): `[BOS] + prompt` when a BOS token is known, else the prompt.
 
     Qwen3's template adds an empty `<think>\\n\\n</think>` block only when thinking is
@@ -197,10 +205,14 @@ class HFTokenizer:
       bos_token / eos_token / pad_token: token strings; each must be in the vocabulary.
         Defaults: BOS none; EOS `<|im_end|>` for ChatML, else required; PAD = EOS.
       chat_template: "auto" (ChatML when its tokens exist, else plain), "chatml", "plain".
+      stop_tokens: further tokens that end a response as EOS does (sampling stops on
+        them; see `stop_ids`). `from_pretrained` adds `generation_config.json`'s
+        `eos_token_id` list, as HuggingFace's `generate` does.
     """
 
     def __init__(self, tokenizer, *, bos_token: str | None = None, eos_token: str | None = None,
-                 pad_token: str | None = None, chat_template: str = "auto"):
+                 pad_token: str | None = None, chat_template: str = "auto",
+                 stop_tokens: Sequence[str] = ()):
         import tokenizers  # Imported here: the char tokenizer needs nothing.
         self.tokenizer = tokenizer
         # A copy that encodes special tokens found in text as plain text.
@@ -223,6 +235,10 @@ class HFTokenizer:
         self._bos_id = self._required_id(bos_token, "bos_token") if bos_token is not None else None
         self._eos_id = self._required_id(eos_token, "eos_token")
         self._pad_id = self._required_id(self.pad_token, "pad_token")
+        self.stop_tokens = tuple(stop_tokens)
+        stops = list(self.stop_tokens) + (["<|im_end|>"] if chat_template == "chatml" else [])
+        stop_ids = [self._required_id(token, "stop_tokens") for token in stops]
+        self._stop_ids = tuple(dict.fromkeys(i for i in stop_ids if i != self._eos_id))
 
     def _required_id(self, token: str, field: str) -> int:
         token_id = self.tokenizer.token_to_id(token)
@@ -241,8 +257,12 @@ class HFTokenizer:
         """Loads `tokenizer.json` from a local checkpoint folder (no network).
 
         BOS/EOS/PAD default to `tokenizer_config.json`'s `bos_token`/`eos_token`/`pad_token`
-        when that file exists; keyword arguments override them.
+        when that file exists; keyword arguments override them. The ids of
+        `generation_config.json`'s `eos_token_id` (an id or a list, e.g. Qwen2.5-Instruct's
+        `[151645, 151643]`) become `stop_tokens` unless those are given.
         """
+        import tokenizers  # Imported here: the char tokenizer needs nothing.
+        tokenizer = tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
         config_path = os.path.join(directory, "tokenizer_config.json")
         if os.path.exists(config_path):
             with open(config_path, encoding="utf-8") as f:
@@ -250,7 +270,17 @@ class HFTokenizer:
             for field in ("bos_token", "eos_token", "pad_token"):
                 if field not in kwargs and _token_content(config.get(field)) is not None:
                     kwargs[field] = _token_content(config[field])
-        return cls.from_file(os.path.join(directory, "tokenizer.json"), **kwargs)
+        generation_path = os.path.join(directory, "generation_config.json")
+        if "stop_tokens" not in kwargs and os.path.exists(generation_path):
+            with open(generation_path, encoding="utf-8") as f:
+                end_ids = json.load(f).get("eos_token_id")
+            end_ids = [end_ids] if isinstance(end_ids, int) else list(end_ids or ())
+            tokens = [tokenizer.id_to_token(int(i)) for i in end_ids]
+            missing = [i for i, token in zip(end_ids, tokens) if token is None]
+            if missing:
+                raise ValueError(f"{generation_path}: eos_token_id {missing} not in the vocabulary")
+            kwargs["stop_tokens"] = tuple(tokens)
+        return cls(tokenizer, **kwargs)
 
     @property
     def vocab_size(self) -> int:
@@ -267,6 +297,13 @@ class HFTokenizer:
     @property
     def eos_id(self) -> int:
         return self._eos_id
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Tokens other than EOS that end a response (sampling stops on them, with mask 1
+        on the token, as on EOS): `<|im_end|>` under ChatML when EOS is another token, and
+        the `stop_tokens`."""
+        return self._stop_ids
 
     def token_to_id(self, token: str) -> int:
         token_id = self.tokenizer.token_to_id(token)
@@ -306,7 +343,8 @@ class HFTokenizer:
         """Writes `tokenizer.json` at `path` and the policyopt settings at `path + '.meta.json'`."""
         self.tokenizer.save(os.fspath(path))
         meta = {"type": "hf", "bos_token": self.bos_token, "eos_token": self.eos_token,
-                "pad_token": self.pad_token, "chat_template": self.chat_template}
+                "pad_token": self.pad_token, "chat_template": self.chat_template,
+                "stop_tokens": list(self.stop_tokens)}
         with open(os.fspath(path) + ".meta.json", "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
 
@@ -315,7 +353,8 @@ class HFTokenizer:
         with open(os.fspath(path) + ".meta.json", encoding="utf-8") as f:
             meta = json.load(f)
         return cls.from_file(path, bos_token=meta["bos_token"], eos_token=meta["eos_token"],
-                             pad_token=meta["pad_token"], chat_template=meta["chat_template"])
+                             pad_token=meta["pad_token"], chat_template=meta["chat_template"],
+                             stop_tokens=tuple(meta.get("stop_tokens", ())))
 
     def __repr__(self) -> str:
         return f"HFTokenizer(vocab_size={self.vocab_size}, chat_template={self.chat_template!r})"

@@ -41,7 +41,8 @@ def complete(graphdef, params, prompts: Sequence[str], tokenizer, *, max_new_tok
     """
     method = Greedy() if temperature == 0 else sampling_method(temperature)
     config = SamplingConfig(max_new_tokens=max_new_tokens, method=method,
-                            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                            eos_id=tokenizer.eos_id, stop_ids=tokenizer.stop_ids,
+                            pad_id=tokenizer.pad_id,
                             num_samples=num_samples, decode_segments=decode_segments)
     texts, lengths = [], []
     for start in range(0, len(prompts), batch_size):

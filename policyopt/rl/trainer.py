@@ -150,7 +150,8 @@ def build_run(config, workdir: str) -> RLRun:
     s = config.sampling
     sampling_config = SamplingConfig(
         max_new_tokens=s.max_new_tokens, method=sampling_method(s.temperature, s.top_k, s.top_p),
-        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, num_samples=config.batch.group_size,
+        eos_id=tokenizer.eos_id, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+        num_samples=config.batch.group_size,
         decode_segments=s.decode_segments)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                                 max_to_keep=config.train.keep_checkpoints)
