@@ -383,6 +383,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.tensorboard = True
     # Measure routing volatility (an extra router-only forward pass per iteration).
     c.train.routing_metrics = True
+    # Resume from the workdir's checkpoint even if the config differs from the one it was
+    # saved under (the changed fields are logged). By default a change other than the
+    # loop's cadence, the evaluation and the mesh (`build.RESUME_FREE_FIELDS`) is refused.
+    c.train.allow_config_change = False
 
     # ---- Asynchronous generation (`policyopt.rl.async_rl`; PAPERS.md) ----------------------
     # Magistral's mode, for any recipe: generators never wait for the trainer, finished
@@ -447,6 +451,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.sft.warmup_steps = 20
     c.sft.weight_decay = 0.0
     c.sft.max_grad_norm = 1.0
+    # Save a checkpoint every K updates (and at the end); 0: only at the end.
+    c.sft.checkpoint_every = 500
+    # Worked solutions longer than the largest of batch.prompt_buckets and
+    # batch.response_buckets (the SFT batch's length buckets; EOS included):
+    # "error" (raised when the data is built, naming the record), "drop", or "truncate"
+    # (the first tokens are kept, EOS lost: the model learns not to stop).
+    c.sft.overlong_response = "error"
     return c
 
 
@@ -576,6 +587,14 @@ _CHOICES = {
     "task.name": ("arithmetic", "math_jsonl", "code_jsonl", "mixed_jsonl"),
     "task.extract": ("auto", "boxed", "marker", "none"),
     "task.overlong_prompt": ("error", "drop", "truncate_left", "truncate_right"),
+    "sft.overlong_response": ("error", "drop", "truncate"),
+}
+
+# Integer fields and their least value (None: the field may also be None).
+_MINIMUMS = {
+    "train.num_iterations": 0, "train.eval_every": 0, "train.checkpoint_every": 1,
+    "train.log_every": 1, "eval.num_prompts": 0, "eval.batch_size": 1, "eval.k": 0,
+    "sft.steps": 0, "sft.batch_size": 1, "sft.checkpoint_every": 0,
 }
 
 
@@ -587,6 +606,15 @@ def check(config: ml_collections.ConfigDict) -> None:
             node = node[part]
         if node not in choices:
             raise ValueError(f"config.{path} must be one of {choices}, got {node!r}")
+    for path, least in _MINIMUMS.items():
+        section, name = path.split(".")
+        value = config[section][name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"config.{path} must be an int >= {least}, got {value!r}")
+    keep = config.train.keep_checkpoints
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"config.train.keep_checkpoints must be an int >= 1 (or None: keep "
+                         f"every checkpoint), got {keep!r}")
     t = config.task
     if t.name in ("math_jsonl", "code_jsonl", "mixed_jsonl"):
         missing = [f"task.{split}_file" for split in ("train", "test") if not t[f"{split}_file"]]

@@ -55,21 +55,29 @@ class MetricsWriter:
       tensorboard: also write TensorBoard events under ``<workdir>/tensorboard``.
       enabled: when False, ``write`` only converts the record and nothing is written (the
         processes other than 0 of a multi-process job, ``policyopt.sharding.is_primary``).
+      resume_step: the step a run continues from. Records of the JSONL file with a later
+        step (written after the checkpoint the run resumed from, so about to be written
+        again) are removed, and TensorBoard purges its events after that step. A run
+        that starts from scratch passes -1 (every old record goes); None keeps the file
+        as it is and appends.
     """
 
     def __init__(self, workdir: str, *, filename: str = "metrics.jsonl", tensorboard: bool = True,
-                 enabled: bool = True):
+                 enabled: bool = True, resume_step: int | None = None):
         self.path = os.path.join(workdir, filename)
         self._file: TextIO | None = None
         self._tb = None
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
+        if resume_step is not None and os.path.exists(self.path):
+            truncate_jsonl(self.path, resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: slow import
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=purge)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         """Logs one record at ``step``; returns it as Python floats."""
@@ -101,6 +109,31 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def truncate_jsonl(path: str, max_step: int) -> int:
+    """Keeps the records of a metrics JSONL file with ``step <= max_step`` (and lines that
+    are not JSON records, e.g. a last line cut short by a crash, go too); returns how many
+    records were removed. The file is replaced atomically."""
+    kept, removed = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                step = int(record["step"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                removed += bool(line.strip())
+                continue
+            if step <= max_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                removed += 1
+    if removed:
+        temporary = path + ".tmp"
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(temporary, path)
+    return removed
 
 
 def read_jsonl(path: str) -> list[dict[str, float]]:

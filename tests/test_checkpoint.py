@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from policyopt.checkpoint import Checkpointer
-from policyopt.metrics import MetricsWriter, console_line, read_jsonl, to_scalars
+from policyopt.metrics import MetricsWriter, console_line, read_jsonl, to_scalars, truncate_jsonl
 from policyopt.rl.learner import TrainState, make_optimizer
 
 
@@ -75,6 +75,24 @@ def test_metrics_writer_jsonl_and_tensorboard(tmp_path):
     with pytest.raises(ValueError, match="'vec'"):
         to_scalars({"vec": np.zeros(3)})
     assert console_line(3, 10, {"reward/mean": 0.5, "reward/accuracy": 0.25}) == "[ 3/10] reward 0.5 acc 0.25"
+
+
+def test_metrics_writer_resuming_removes_the_records_after_the_checkpoint(tmp_path):
+    with MetricsWriter(str(tmp_path), tensorboard=False) as writer:
+        for step in (0, 1, 2, 3):
+            writer.write(step, {"x": step})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "x"')  # a last line cut short by a crash
+    with MetricsWriter(str(tmp_path), tensorboard=False, resume_step=1) as writer:
+        writer.write(2, {"x": 20})
+    assert [(r["step"], r["x"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(0, 0), (1, 1), (2, 20)]
+    with MetricsWriter(str(tmp_path), tensorboard=False) as writer:  # no resume_step: appends
+        writer.write(3, {"x": 30})
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 4
+    with MetricsWriter(str(tmp_path), resume_step=-1) as writer:  # a fresh start
+        writer.write(0, {"x": 5})
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0.0, "x": 5.0}]
+    assert truncate_jsonl(str(tmp_path / "metrics.jsonl"), 0) == 0
 
 
 def test_disabled_metrics_writer_writes_nothing(tmp_path):

@@ -169,6 +169,15 @@ def test_unknown_or_bad_fields_are_named():
         load("grpo", "algo.tis_cap=-1.0")
     with pytest.raises(ValueError, match="rs_level / rs_veto .*old_log_probs='trainer'"):
         load("grpo", "algo.rs_veto=1e-4,algo.old_log_probs=sampler")
+    # The loop's cadences: a zero would divide by zero mid-run.
+    for field, value in (("train.checkpoint_every", 0), ("train.log_every", 0), ("train.eval_every", -1),
+                         ("eval.batch_size", 0), ("sft.checkpoint_every", -5), ("eval.num_prompts", -1)):
+        with pytest.raises(ValueError, match=f"config.{field} must be an int >= "):
+            load("grpo", f"{field}={value}")
+    with pytest.raises(ValueError, match="keep_checkpoints must be an int >= 1"):
+        load("grpo", "train.keep_checkpoints=0")
+    with pytest.raises(ValueError, match="sft.overlong_response"):
+        load("grpo", "sft.overlong_response=cut")
     config = load("grpo", "algo.rs_level=geometric,algo.rs_upper=1.001,algo.rs_veto=1e-4")
     assert (config.algo.rs_level, config.algo.rs_upper, config.algo.rs_lower) == ("geometric", 1.001, None)
 

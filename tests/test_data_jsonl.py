@@ -114,6 +114,26 @@ def test_malformed_row_names_file_and_line(tmp_path, bad_line, config, reason):
     assert "1 malformed rows skipped" in report.summary()
 
 
+def test_a_row_that_is_not_utf8_is_one_malformed_row(tmp_path):
+    good = json.dumps({"question": "ok", "answer": "#### 1"}).encode()
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + b'{"question": "caf\xe9", "answer": "#### 2"}\n' + good + b"\n")
+    with pytest.raises(MalformedRowError, match=r"data.jsonl:2: not UTF-8 text \(byte 17"):
+        read_math_jsonl(path, JsonlConfig())
+    records, report = read_math_jsonl(path, JsonlConfig(skip_malformed=True))
+    assert [r["prompt"] for r in records] == ["ok", "ok"] and len(report.skipped) == 1  # BOM read
+
+
+def test_prompt_templates_are_checked_when_the_config_is_made():
+    with pytest.raises(ValueError, match="not a format string with only {question}"):
+        JsonlConfig(prompt_template="{question} in {unit}")
+    with pytest.raises(ValueError, match="write literal braces twice"):
+        JsonlConfig(code_prompt_template="{question} \\boxed{}")
+    with pytest.raises(ValueError, match="must contain"):
+        JsonlConfig(prompt_template="{{question}}")
+    assert JsonlConfig(prompt_template="{question} \\boxed{{}}").prompt_template.endswith("{{}}")
+
+
 def test_code_files_from_mbpp_humaneval_apps_and_codecontests_rows(tmp_path):
     """Code problems: the tests of each dataset's row shape become the record's answer
     (JSON text the code verifier reads back); unreadable tests make the row malformed."""

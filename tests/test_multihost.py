@@ -34,7 +34,7 @@ from tests.test_rl_mesh import ROOT, _finish
 # policyopt/sharding.py.
 MESHES = {1: "mesh.fsdp=2"}
 EXTRA = ("eval.num_prompts=4,eval.batch_size=4,train.checkpoint_every=2,sft.batch_size=8,"
-         "reward.incorrect_value=-1.0,reward.overlong=dapo,optim.eps=1e-4")
+         "sft.overlong_response=drop,reward.incorrect_value=-1.0,reward.overlong=dapo,optim.eps=1e-4")
 
 _SCRIPT = textwrap.dedent("""
     import sys

@@ -176,6 +176,14 @@ def test_extract_boxed():
     assert extract_boxed(r"\fbox{3}") == "3"
     assert extract_boxed("} no box {") is None
     assert extract_boxed(r"\boxed {5}") == "5"
+    # The brace-less form, last of all boxes whichever its form.
+    assert extract_boxed(r"so \boxed 42.") == "42"
+    assert extract_boxed(r"$\boxed -3$ then") == "-3"
+    assert extract_boxed(r"\boxed{1} then \boxed 2") == "2"
+    assert extract_boxed(r"\boxed 2 then \boxed{1}") == "1"
+    assert extract_boxed(r"\boxed .") is None
+    assert extract_boxed(r"so \boxed 42.", bare=False) is None
+    assert verify_math(r"<think>6*7</think> so \boxed 42.", "42").score == 1.0
 
 
 # DAPO-Math-17k's prompts end "The last line of your response should be of the form
@@ -321,6 +329,7 @@ FORMAT_CASES = [
     (r"<think>reason \boxed{1}", "math", False),
     (r"<think>reason \boxed{1}</think> so 1", "math", False),
     (r"<think>reason</think> \boxed{1", "math", False),
+    (r"<think>reason</think> \boxed 1", "math", False),  # the verifier reads it; the gate asks for {}
     ("<think>plan</think>\n```python\nprint(1)\n```", "code", True),
     ("<think>plan</think>\n```\nprint(1)\n```", "code", False),
     ("<think>```python\nprint(1)\n```</think> done", "code", False),

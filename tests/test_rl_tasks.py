@@ -148,6 +148,33 @@ def test_sft_refuses_records_without_a_worked_solution(tmp_path):
         make_sft_iterator(config, build.make_tokenizer(config), seed=0)
 
 
+def test_sft_solutions_longer_than_the_buckets_raise_or_are_dropped(tmp_path):
+    """The SFT batch's longest bucket bounds the worked solutions when the data is built
+    (they used to stop the run at the batch that held one)."""
+    rows = [{"question": f"{i}+1", "solution": f"\\boxed{{{i + 1}}}"} for i in range(6)]
+    rows.insert(2, {"question": "1+1", "solution": "2" * 40})
+    train = _write_jsonl(tmp_path / "train.jsonl", rows)
+    config = _with(tiny("grpo", extra="sft.batch_size=2"), name="math_jsonl", train_file=train,
+                   test_file=train)
+    tokenizer = build.make_tokenizer(config)
+    with pytest.raises(ValueError, match=r"record 2: solution longer than .*=16 .*sft.overlong_response"):
+        make_sft_iterator(config, tokenizer, seed=0)
+    config.unlock()
+    config.sft.overlong_response = "drop"
+    config.lock()
+    batches = [next(it) for it in [make_sft_iterator(config, tokenizer, seed=0)] for _ in range(3)]
+    assert sorted(q for b in batches for q in b["prompt"]) == sorted(f"{i}+1" for i in range(6))
+
+
+def test_empty_held_out_set_is_an_error(tmp_path):
+    rows = [{"question": "9" * 40 + "+1", "answer": "1"}]
+    test = _write_jsonl(tmp_path / "test.jsonl", rows)
+    config = _with(tiny("grpo"), name="math_jsonl", train_file=test, test_file=test,
+                   overlong_prompt="drop")
+    with pytest.raises(ValueError, match="no held-out prompt to evaluate.*all longer than 16"):
+        build.eval_records(config, build.make_tokenizer(config))
+
+
 def test_config_checks_the_task_fields(tmp_path):
     config = tiny("grpo")
     config.unlock()

@@ -106,6 +106,35 @@ def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_resume_after_a_crash_writes_each_record_once_and_refuses_another_config(tmp_path):
+    """Records written after the last checkpoint (lost in a crash) are removed on resume
+    and written again, once; a finished run resumed is not evaluated again (its
+    checkpoint holds the evaluation); a checkpoint refuses a config that changes the
+    experiment, and accepts one that changes only the cadence."""
+    import shutil
+
+    config = tiny("grpo", extra="train.num_iterations=3,train.checkpoint_every=2")
+    trainer.run_rl(config, str(tmp_path), quiet=True)  # checkpoints 2 and 3; evaluations 0, 3
+    shutil.rmtree(tmp_path / "checkpoints" / "3")  # as if the run died after iteration 3's logs
+    resumed = trainer.run_rl(config, str(tmp_path), quiet=True)
+    assert resumed["iteration"] == 3 and [e["iteration"] for e in resumed["eval_history"]] == [3]
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows if "loss/loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in rows if "eval/pass@1" in r] == [0, 3]
+    evals = read_jsonl(tmp_path / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 3]
+    again = trainer.run_rl(config, str(tmp_path), quiet=True)
+    assert again["eval_history"] == [] and again["eval"] == resumed["eval"]
+    assert read_jsonl(tmp_path / "eval.jsonl") == evals
+    changed = tiny("grpo", extra="train.num_iterations=3,train.checkpoint_every=2,algo.clip_high=0.28")
+    with pytest.raises(ValueError, match=r"another config \(algo.clip_high: 0.2 -> 0.28\)"):
+        trainer.run_rl(changed, str(tmp_path), quiet=True)
+    allowed = tiny("grpo", extra="train.num_iterations=3,algo.clip_high=0.28,train.allow_config_change=True")
+    assert trainer.run_rl(allowed, str(tmp_path), quiet=True)["iteration"] == 3
+    cadence = tiny("grpo", extra="train.num_iterations=3,train.checkpoint_every=5,eval.num_prompts=4")
+    assert trainer.run_rl(cadence, str(tmp_path), quiet=True)["iteration"] == 3
+
+
 def test_decode_loops_train_like_one_loop(tmp_path):
     """config.sampling.decode_segments reaches the rollouts and the evaluation: two decode
     loops sample the same tokens (up to float rounding), so the run is the same."""
@@ -124,15 +153,23 @@ def test_decode_loops_train_like_one_loop(tmp_path):
 
 def test_sft_rerun_in_a_finished_workdir_reuses_it(tmp_path):
     """A second run_sft in a workdir that already holds its last step restores it and
-    returns the same parameters (it used to fail saving that step again)."""
+    returns the same parameters and evaluation (it used to fail saving that step again,
+    then to evaluate again); sft.checkpoint_every saves along the way."""
     from policyopt.rl.sft import run_sft
 
-    config = tiny("grpo", extra="eval.num_prompts=0,sft.steps=2,sft.batch_size=4")
+    config = tiny("grpo", extra="eval.num_prompts=4,sft.steps=3,sft.batch_size=4,sft.checkpoint_every=1,"
+                                "sft.overlong_response=drop")
     first = run_sft(config, str(tmp_path / "sft"), quiet=True)
+    assert first["checkpoint_dir"] and sorted(os.listdir(first["checkpoint_dir"])) == ["2", "3"]
     again = run_sft(config, str(tmp_path / "sft"), quiet=True)
-    assert first["step"] == again["step"] == 2
+    assert first["step"] == again["step"] == 3
     for got, want in zip(jax.tree.leaves(again["params"]), jax.tree.leaves(first["params"])):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # The final evaluation is returned from the checkpoint, not run (and logged) again.
+    assert again["eval"] == first["eval"] and "eval/pass@1" in again["eval"]
+    rows = read_jsonl(tmp_path / "sft" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "eval/pass@1" in r] == [3]
+    assert [r["step"] for r in rows if "sft/nll" in r] == [1, 2, 3]
 
 
 def test_resume_in_the_same_process_compiles_nothing_new(tmp_path):

@@ -155,7 +155,14 @@ class JsonlConfig:
                              "e.g. ('question',)")
         for name in ("prompt_template", "code_prompt_template"):
             template = getattr(self, name)
-            if template is not None and "{question}" not in template:
+            if template is None:
+                continue
+            try:
+                probe = template.format(question="\0")
+            except (IndexError, KeyError, ValueError) as error:
+                raise ValueError(f"JsonlConfig.{name}={template!r} is not a format string with "
+                                 f"only {{question}} ({error!r}); write literal braces twice") from None
+            if "\0" not in probe:
                 raise ValueError(f"JsonlConfig.{name} must contain '{{question}}', got {template!r}")
 
 
@@ -371,13 +378,17 @@ def read_math_jsonl(path: str | os.PathLike,
     path = os.fspath(path)
     report = JsonlReport(path=path)
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # decoded line by line: a bad byte is one malformed row
+        for line_number, raw in enumerate(f, start=1):
             report.lines += 1
-            if not line.strip():
+            if not raw.strip():
                 report.blank_lines += 1
                 continue
             try:
+                try:
+                    line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
                 record = parse_row(line, config)
             except ValueError as e:
                 message = f"{path}:{line_number}: {e}"

@@ -307,7 +307,7 @@ def make_pipeline(source: Sequence, *, batch_size: int, seed: int, shuffle: bool
         collate = _collate_records
     if report.kept_examples < report.source_examples or report.truncated_prompts or (
             report.truncated_responses):
-        logging.info("data pipeline: %s", report.summary())
+        logging.warning("data pipeline: %s", report.summary())
     if len(indices) == 0:
         raise ValueError(f"no examples left to batch: {report.summary()}")
 

@@ -6,7 +6,8 @@ A response is well formatted when
    leading space),
 2. it contains exactly one ``<think>`` and exactly one ``</think>`` (so exactly one
    ``<think>...</think>`` pair, opened first),
-3. after ``</think>``: for math, a ``\\boxed{...}`` whose braces close (with
+3. after ``</think>``: for math, a ``\\boxed{...}`` whose braces close (LaTeX's brace-less
+   ``\\boxed 5``, which the verifier reads, fails the gate: the paper asks for braces; with
    ``answer_format="answer_line"``, an ``Answer: ...`` line instead: DAPO-Math-17k's
    format); for code, a fenced block with a language tag (```` ```python ... ``` ````).
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from policyopt.rewards.math import ANSWER_FORMATS, THINK_CLOSE, THINK_OPEN, extract_answer
+from policyopt.rewards.math import ANSWER_FORMATS, THINK_CLOSE, THINK_OPEN, extract_answer, extract_boxed
 
 # A fenced block with a language tag: ```lang\n ... ```
 FENCED_BLOCK = re.compile(r"```[ \t]*([A-Za-z0-9_+#.-]+)[ \t]*\r?\n(.*?)```", re.DOTALL)
@@ -62,6 +63,8 @@ def format_ok(completion: str, task: str, answer_format: str = "boxed") -> bool:
     if parts is None:
         return False
     answer = parts[1]
+    if task == "math" and answer_format == "boxed":
+        return extract_boxed(answer, bare=False) is not None  # the paper's \boxed{}
     if task == "math":
         return extract_answer(answer, answer_format) is not None
     return first_code_block(answer) is not None

@@ -66,6 +66,9 @@ THINK_CLOSE = "</think>"
 ANSWER_FORMATS = ("boxed", "answer_line")
 
 _BOX_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\{|\}")
+# LaTeX's brace-less form, `\boxed 5`: the run of characters after the space (up to a
+# blank, `$` or a brace), as MATH's and verl's `remove_boxed` read it.
+_BARE_BOX = re.compile(r"\\(?:boxed|fbox)[ \t]+([^\s${}]+)")
 _DECIMAL = r"(?:\d+\.?\d*|\.\d+)"
 _PLAIN_NUMBER = re.compile(rf"[+-]?{_DECIMAL}")
 _PLAIN_RATIO = re.compile(r"([+-]?)(\d+)/(\d+)")
@@ -102,11 +105,14 @@ def answer_region(completion: str) -> str:
     return completion if cut < 0 else completion[cut + len(THINK_CLOSE) :]
 
 
-def extract_boxed(text: str) -> str | None:
+def extract_boxed(text: str, *, bare: bool = True) -> str | None:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) whose braces close.
 
     One linear pass over brace tokens with a stack, so a megabyte of unclosed
     ``\\boxed{`` costs linear time. "Last" means the box that starts last.
+
+    With ``bare``, LaTeX's brace-less ``\\boxed 5`` counts too (its content: the
+    characters up to the next blank, ``$`` or brace, without a sentence's final ``.,;:``).
 
     Returns:
       The content between the box's braces, or None when no box closes.
@@ -124,6 +130,11 @@ def extract_boxed(text: str) -> str | None:
             stack.append(-1)
         else:
             stack.append(token.end())
+    match = None
+    for match in _BARE_BOX.finditer(text) if bare else ():
+        pass
+    if match is not None and match.start(1) > last_start and match.group(1).rstrip(".,;:"):
+        return match.group(1).rstrip(".,;:")
     return last_content
 
 

@@ -67,7 +67,7 @@ from policyopt.rl.batch import (DYNAMIC_SAMPLING_CRITERIA, bucket, mask_fillers,
                                 round_from_rollout, trim_prompt, truncated_rows, uninformative_groups)
 from policyopt.rl.evaluate import decode, task_accuracies
 from policyopt.rl.trainer import (RLRun, RunLoop, _checkpoint_state, batch_metrics, build_run,
-                                  scoring_metrics, train_on_batch)
+                                  checkpoint_meta, scoring_metrics, train_on_batch)
 
 __all__ = ["AsyncConfig", "async_enabled", "PromptStream", "GroupBatcher", "make_scorer",
            "make_generator", "async_iteration", "run_async_rl"]
@@ -376,8 +376,7 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
 
 def save(run: RLRun, stream: PromptStream) -> None:
     """Checkpoints the run (``trainer.save`` with the prompt stream's position)."""
-    run.checkpointer.save(run.iteration, _checkpoint_state(run),
-                          {"iteration": run.iteration, "data": stream.get_state()})
+    run.checkpointer.save(run.iteration, _checkpoint_state(run), checkpoint_meta(run, stream.get_state()))
 
 
 def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bool = False) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 from typing import Sequence
 
@@ -28,6 +29,62 @@ _RUNTIME_OVERRIDES = ("dtype", "param_dtype", "moe_dispatch", "moe_decode_dispat
                       "moe_block_size", "moe_weight_gather")
 _MODEL_OVERRIDES = (("num_layers", "hidden_size", "num_experts", "num_experts_per_tok")
                     + _RUNTIME_OVERRIDES)
+
+
+# Config fields a run may change when it resumes from its checkpoint: how long it runs,
+# how often it logs, evaluates and saves, the evaluation itself, the mesh (checkpoints
+# restore onto any), worker counts. Any other change would continue one experiment under
+# another's settings (the data position, for one, counts batches of the old size and
+# order), so a resumed run with one refuses to start unless `train.allow_config_change`.
+RESUME_FREE_FIELDS = ("train.num_iterations", "train.eval_every", "train.checkpoint_every",
+                      "train.keep_checkpoints", "train.log_every", "train.tensorboard",
+                      "train.routing_metrics", "train.allow_config_change", "eval.", "mesh.",
+                      "sft.steps", "sft.checkpoint_every", "init_checkpoint",
+                      "reward.num_workers", "async_mode.join_timeout_s")
+
+
+def config_record(config) -> dict:
+    """The config as flat ``{dotted.name: JSON value}``, as a checkpoint stores it."""
+    flat = {}
+
+    def visit(node, prefix):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                visit(value, prefix + key + ".")
+            else:
+                flat[prefix + key] = value
+
+    visit(json.loads(config.to_json_best_effort(sort_keys=True)), "")
+    return flat
+
+
+def check_resume_config(saved: dict | None, config, directory: str) -> None:
+    """Compares the config a checkpoint was saved under (``config_record``) with the
+    config resuming from it; a checkpoint without one (older runs) is not checked.
+
+    Raises:
+      ValueError: naming the changed fields, unless ``config.train.allow_config_change``
+        (then they are logged as a warning).
+    """
+    if saved is None:
+        return
+    current = config_record(config)
+    changed = sorted(name for name in set(saved) | set(current)
+                     if saved.get(name, "<absent>") != current.get(name, "<absent>")
+                     and not any(name == free or (free.endswith(".") and name.startswith(free))
+                                 for free in RESUME_FREE_FIELDS))
+    if not changed:
+        return
+    lines = "; ".join(f"{name}: {saved.get(name, '<absent>')!r} -> {current.get(name, '<absent>')!r}"
+                      for name in changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
+    if config.train.get("allow_config_change", False):
+        logging.warning("resuming %s under a changed config: %s", directory, lines)
+        return
+    raise ValueError(
+        f"the checkpoint in {directory} was saved under another config ({lines}). Resume with "
+        "the same config, start a new workdir (config.init_checkpoint=<that checkpoints "
+        "directory> starts from its parameters), or set train.allow_config_change=True to "
+        "continue anyway.")
 
 
 def make_mesh(config) -> Mesh:
@@ -218,9 +275,13 @@ def eval_records(config, tokenizer) -> list[dict]:
             raise ValueError(f"held-out record {index}: prompt of {length} tokens, longer than the "
                              f"largest of batch.prompt_buckets ({limit}) ({record['prompt'][:60]!r}...); "
                              "set task.overlong_prompt to leave such prompts out")
+    if config.eval.num_prompts > 0 and not kept:
+        raise ValueError(f"no held-out prompt to evaluate: the test split has {len(records)} "
+                         f"records{f', all longer than {limit} tokens' if records else ''}; set "
+                         "eval.num_prompts=0 to train without evaluation")
     if len(kept) < min(len(records), config.eval.num_prompts):
-        logging.info("evaluation: held-out prompts longer than %d tokens are left out; %d kept",
-                     limit, len(kept))
+        logging.warning("evaluation: held-out prompts longer than %d tokens are left out; %d kept",
+                        limit, len(kept))
     return kept
 
 

@@ -21,6 +21,7 @@ when their number divides, every jitted call under ``jax.set_mesh``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any
@@ -100,6 +101,9 @@ class SFTRun:
     checkpointer: Checkpointer
     mesh: jax.sharding.Mesh  # every array of the run lives on it (config.mesh)
     step: int = 0
+    # The final evaluation, saved with the final checkpoint (a resumed, finished run
+    # returns it instead of evaluating again); empty until then.
+    final_eval: dict = dataclasses.field(default_factory=dict)
 
 
 def make_sft_iterator(config, tokenizer, *, seed: int):
@@ -110,11 +114,18 @@ def make_sft_iterator(config, tokenizer, *, seed: int):
                          f"{config.task.train_file!r} has records without one (see "
                          "task.solution_field)")
     buckets = tuple(sorted(set(config.batch.prompt_buckets) | set(config.batch.response_buckets)))
-    policy = config.task.overlong_prompt
-    return iter(make_pipeline(records, batch_size=config.sft.batch_size, seed=seed,
-                              tokenizer=tokenizer, include_solution=True, length_buckets=buckets,
-                              max_prompt_length=max(config.batch.prompt_buckets),
-                              overlong_prompt=policy))
+    try:
+        pipeline = make_pipeline(records, batch_size=config.sft.batch_size, seed=seed,
+                                 tokenizer=tokenizer, include_solution=True, length_buckets=buckets,
+                                 max_prompt_length=max(config.batch.prompt_buckets),
+                                 overlong_prompt=config.task.overlong_prompt,
+                                 max_response_length=max(buckets),
+                                 overlong_response=config.sft.overlong_response)
+    except ValueError as error:
+        raise ValueError(f"SFT data: {error} (config.task.overlong_prompt, config.sft.overlong_response; "
+                         "the solution limit is the largest of batch.prompt_buckets and "
+                         "batch.response_buckets)") from None
+    return iter(pipeline)
 
 
 def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SFTRun:
@@ -136,8 +147,10 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
                  checkpointer=checkpointer, mesh=mesh)
     if checkpointer.latest_step() is not None:
         restored, meta = checkpointer.restore({"train": run.state})
+        build.check_resume_config(meta.get("config"), config, checkpointer.directory)
         run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
+        run.final_eval = {k: float(v) for k, v in (meta.get("final_eval") or {}).items()}
     elif init_checkpoint:
         with Checkpointer(init_checkpoint) as source:
             restored, meta = source.restore({"train": run.state})
@@ -158,12 +171,15 @@ def sft_step(run: SFTRun) -> dict[str, float]:
 
 
 def save_sft(run: SFTRun) -> None:
-    """Checkpoints the run at its current step; a no-op when that step is already saved
-    (a run resumed at its last step, e.g. a second ``make demo``)."""
+    """Checkpoints the run at its current step (with ``run.final_eval``); a no-op when
+    that step is already saved (a run resumed at its last step, e.g. a second
+    ``make demo``)."""
     if run.checkpointer.latest_step() == run.step:
         return
+    final_eval = {k: v if math.isfinite(v) else str(v) for k, v in run.final_eval.items()}
     run.checkpointer.save(run.step, {"train": run.state},
-                          {"iteration": run.step, "data": run.data.get_state()})
+                          {"iteration": run.step, "data": run.data.get_state(),
+                           "config": build.config_record(run.config), "final_eval": final_eval})
 
 
 def evaluate_policy(config, graphdef, params, tokenizer, mesh) -> dict[str, float]:
@@ -186,7 +202,9 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
     ``init_checkpoint`` (another SFT run's checkpoint directory: parameters, optimiser
     state, step and data position all continue, which makes "more SFT" the control of an
     RL run) or from ``config.init_checkpoint`` / a fresh initialisation. Writes
-    ``metrics.jsonl`` and a final checkpoint under ``workdir``.
+    ``metrics.jsonl``, a checkpoint every ``config.sft.checkpoint_every`` updates and a
+    final one (after the final evaluation, which it holds: a finished run resumed
+    returns that evaluation) under ``workdir``.
 
     Returns:
       ``{"step", "metrics", "eval" (final greedy pass@1 etc., if config.eval.num_prompts),
@@ -196,7 +214,9 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
     total = config.sft.steps if steps is None else steps
     run = build_sft(config, workdir, init_checkpoint=init_checkpoint)
     primary = sharding.is_primary()  # process 0 writes (multi-process jobs)
-    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=primary)
+    # Records after the checkpoint's step are written again (see trainer.RunLoop).
+    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=primary,
+                           resume_step=run.step if run.step else -1)
     progress = None if (quiet or not primary) else Progress(total, start_step=run.step,
                                                             keys=(("sft/nll", "nll"),))
     metrics = {}
@@ -211,13 +231,17 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
             if evaluate_every and run.step % evaluate_every == 0 and run.step < total:
                 result = evaluate_policy(config, run.graphdef, run.state.params, run.tokenizer, run.mesh)
                 writer.write(run.step, result)
-        save_sft(run)
-        result = {}
-        if config.eval.num_prompts > 0:
+            every = config.sft.checkpoint_every
+            if every and run.step % every == 0 and run.step < total:
+                save_sft(run)
+        result = run.final_eval if run.checkpointer.latest_step() == run.step else {}
+        if config.eval.num_prompts > 0 and not result:
             result = evaluate_policy(config, run.graphdef, run.state.params, run.tokenizer, run.mesh)
             writer.write(run.step, result)
             if progress:
                 print(f"sft eval @ {run.step}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)
+        run.final_eval = result
+        save_sft(run)
     finally:
         writer.close()
     return {"step": run.step, "metrics": metrics, "eval": result, "graphdef": run.graphdef,

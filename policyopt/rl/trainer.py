@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import time
 from typing import Any
@@ -107,6 +108,10 @@ class RLRun:
     # TrainState (parameters, optimiser state, counters); None otherwise.
     critic: Critic | None = None
     critic_state: TrainState | None = None
+    # The last evaluation's metrics and the iteration it was at (saved in checkpoints, so
+    # a resumed run neither repeats an evaluation nor loses it).
+    last_eval: dict = dataclasses.field(default_factory=dict)
+    last_eval_iteration: int | None = None
 
 
 def make_prompt_iterator(config, records, *, seed: int):
@@ -175,21 +180,33 @@ def _checkpoint_state(run: RLRun) -> dict:
     return state
 
 
+def checkpoint_meta(run: RLRun, data_state) -> dict:
+    """The JSON record saved beside the arrays: iteration, data position, the config
+    (checked on resume, ``build.check_resume_config``) and the last evaluation."""
+    return {"iteration": run.iteration, "data": data_state, "config": build.config_record(run.config),
+            "eval": {"iteration": run.last_eval_iteration,
+                     "metrics": {k: v if math.isfinite(v) else str(v) for k, v in run.last_eval.items()}}}
+
+
 def save(run: RLRun) -> None:
     """Checkpoints the run at its current iteration."""
-    run.checkpointer.save(run.iteration, _checkpoint_state(run),
-                          {"iteration": run.iteration, "data": run.data.get_state()})
+    run.checkpointer.save(run.iteration, _checkpoint_state(run), checkpoint_meta(run, run.data.get_state()))
 
 
 def restore(run: RLRun, step: int | None = None) -> None:
     """Restores parameters, optimiser, counters, run key, iteration and data position (and
-    the critic's parameters, optimiser and counters)."""
+    the critic's parameters, optimiser and counters, and the last evaluation); refuses a
+    checkpoint saved under another config (``build.check_resume_config``)."""
     restored, meta = run.checkpointer.restore(_checkpoint_state(run), step)
+    build.check_resume_config(meta.get("config"), run.config, run.checkpointer.directory)
     run.state, run.rng = restored["train"], restored["rng"]
     if run.critic_state is not None:
         run.critic_state = restored["critic"]
     run.iteration = int(meta["iteration"])
     run.data.set_state(meta["data"])
+    evaluation = meta.get("eval") or {}
+    run.last_eval = {k: float(v) for k, v in (evaluation.get("metrics") or {}).items()}
+    run.last_eval_iteration = evaluation.get("iteration")
 
 
 def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
@@ -606,8 +623,13 @@ class RunLoop:
     evaluation and checkpoint cadence, and the summary the two return.
 
     Use: ``begin()`` (evaluates at iteration 0), ``after_iteration(metrics, save)`` after
-    each iteration (``run.iteration`` already advanced), ``end()`` (evaluates a resumed,
-    finished run once), ``close()`` in a ``finally``, then ``summary()``.
+    each iteration (``run.iteration`` already advanced), ``end()`` (evaluates the final
+    iteration if nothing has), ``close()`` in a ``finally``, then ``summary()``.
+
+    A resumed run continues its files: records of ``metrics.jsonl`` and ``eval.jsonl``
+    after the checkpoint's iteration (written before a crash, about to be written again)
+    are removed, as are TensorBoard's; a run that starts at iteration 0 starts them
+    afresh.
     """
 
     def __init__(self, run: RLRun, total: int, *, quiet: bool = False):
@@ -619,13 +641,14 @@ class RunLoop:
         if primary:
             with open(os.path.join(workdir, "config.json"), "w") as f:
                 f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-        self.writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=primary)
+        resume_step = run.iteration if run.iteration else -1
+        self.writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=primary,
+                                    resume_step=resume_step)
         self.eval_writer = MetricsWriter(workdir, filename="eval.jsonl", tensorboard=False,
-                                         enabled=primary)
+                                         enabled=primary, resume_step=resume_step)
         self.progress = None if (quiet or not primary) else Progress(total, start_step=run.iteration)
         self.history: list[dict] = []
         self.metrics: dict = {}
-        self.last_eval: dict = {}
         self.evaluating = config.eval.num_prompts > 0
 
     def evaluate(self) -> dict:
@@ -637,8 +660,12 @@ class RunLoop:
         if self.progress:
             print(f"eval @ {run.iteration}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()),
                   flush=True)
-        self.last_eval = result
+        run.last_eval, run.last_eval_iteration = result, run.iteration
         return result
+
+    @property
+    def last_eval(self) -> dict:
+        return self.run.last_eval
 
     def begin(self) -> None:
         if self.run.iteration == 0 and self.evaluating:
@@ -659,7 +686,9 @@ class RunLoop:
             save()
 
     def end(self) -> None:
-        if not self.last_eval and self.evaluating:  # resumed a finished run
+        # A resumed, finished run was evaluated at its end before it saved (its checkpoint
+        # says so); one finished with another config's eval settings is evaluated here.
+        if self.evaluating and self.run.last_eval_iteration != self.run.iteration:
             self.evaluate()
 
     def close(self) -> None:
