@@ -12,7 +12,10 @@ back to back (ratios are medians of per-batch ratios, so load drifting during th
 biases no row):
 
 * ``serial``: ``score_batch(num_workers=0)`` in this process (the sandbox: a fresh
-  interpreter per test process, resource limits, a throw-away uid when root);
+  interpreter per test process, resource limits, a throw-away uid when root; assert
+  tests in a process of their own beside the program's, ``code_isolation="process"``);
+* ``serial, one process``: the same with ``code_isolation="none"`` (assert tests after
+  the program in its process: one interpreter instead of two, open to reward hacks);
 * ``parallel warm``: ``score_batch(num_workers=W)`` with the worker pool started;
 * ``reference``: a naive scorer, ``subprocess.run([python, "-c", program + tests])`` per
   test with a timeout and nothing else (no limits, no uid, no harness): the floor of
@@ -40,6 +43,7 @@ from policyopt.rewards.code import parse_tests
 
 RESULTS = Path(__file__).parent / "results" / "bench_code_rewards.json"
 SPEC = RewardSpec(task="code")  # Magistral's recipe: format gate, 0.1 / 0.9, 4 s, 300 MB
+ONE_PROCESS = RewardSpec(task="code", code_isolation="none")
 
 
 def _completion(program: str) -> str:
@@ -94,8 +98,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     start_workers(args.workers)
-    times = {"serial": [], "parallel warm": [], "reference": []}
-    ratios = {"parallel warm": [], "reference": []}
+    times = {"serial": [], "serial, one process": [], "parallel warm": [], "reference": []}
+    ratios = {"serial, one process": [], "parallel warm": [], "reference": []}
     for repeat in range(args.repeats):
         completions, references = make_batch(args.n, seed=repeat)
         lengths = [len(c) for c in completions]
@@ -104,12 +108,15 @@ def main() -> None:
         serial = score_batch(completions, references, lengths, SPEC)
         elapsed["serial"] = time.perf_counter() - start
         start = time.perf_counter()
+        one_process = score_batch(completions, references, lengths, ONE_PROCESS)
+        elapsed["serial, one process"] = time.perf_counter() - start
+        start = time.perf_counter()
         parallel = score_batch(completions, references, lengths, SPEC, num_workers=args.workers)
         elapsed["parallel warm"] = time.perf_counter() - start
         start = time.perf_counter()
         naive = reference_scorer(completions, references)
         elapsed["reference"] = time.perf_counter() - start
-        if serial.correct.tolist() != parallel.correct.tolist() or serial.correct.tolist() != naive:
+        if not (serial.correct.tolist() == parallel.correct.tolist() == one_process.correct.tolist() == naive):
             raise AssertionError("the scorers disagree on which programs are correct")
         for key, value in elapsed.items():
             times[key].append(value)
@@ -118,13 +125,13 @@ def main() -> None:
     accuracy = float(serial.correct.mean())
     rows = []
     print(f"{args.n} completions (accuracy {accuracy:.2f}), {args.workers} workers, {os.cpu_count()} CPUs")
-    print(f"{'scorer':16s} {'median s':>9s} {'samples/s':>10s} {'x serial':>9s}")
+    print(f"{'scorer':20s} {'median s':>9s} {'samples/s':>10s} {'x serial':>9s}")
     for key, values in times.items():
         seconds = statistics.median(values)
         ratio = 1.0 if key == "serial" else statistics.median(ratios[key])
         rows.append(dict(scorer=key, seconds=round(seconds, 3), samples_per_s=round(args.n / seconds, 1),
                          x_serial=round(ratio, 2)))
-        print(f"{key:16s} {seconds:9.3f} {args.n / seconds:10.1f} {ratio:9.2f}")
+        print(f"{key:20s} {seconds:9.3f} {args.n / seconds:10.1f} {ratio:9.2f}")
     result = dict(benchmark="bench_code_rewards", n=args.n, workers=args.workers, repeats=args.repeats,
                   accuracy=accuracy, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   python=platform.python_version(), cpu_count=os.cpu_count(), root=os.geteuid() == 0,

@@ -345,6 +345,12 @@ def base_config() -> ml_collections.ConfigDict:
     # Run only a problem's first N tests in the training reward (Magistral: 20; stdin /
     # stdout cases or top-level asserts); None: all of them. The evaluation runs all.
     c.reward.code_max_tests = placeholder(int)
+    # Where assert tests run: "process", in a process of their own that sees only plain
+    # values from the program's (an object equal to everything, a redefined built-in or
+    # a program that finds the harness's marker cannot pass them), or "none", after the
+    # program in its process (one interpreter per test instead of two). The module
+    # docstring of policyopt/rewards/isolation.py lists what "process" changes.
+    c.reward.code_isolation = "process"
     # Where the math answer is: "boxed" (the last \boxed{}) or "answer_line" (the last
     # "Answer: ..." line, as DAPO-Math-17k's prompts ask); for the verifier, the format
     # gate and the evaluation (with `verifier` set, for the format gate only).
@@ -588,6 +594,7 @@ _CHOICES = {
     "task.extract": ("auto", "boxed", "marker", "none"),
     "task.overlong_prompt": ("error", "drop", "truncate_left", "truncate_right"),
     "sft.overlong_response": ("error", "drop", "truncate"),
+    "reward.code_isolation": ("process", "none"),
 }
 
 # Integer fields and their least value (None: the field may also be None).

@@ -63,11 +63,193 @@ def test_assert_tests_pass_and_fail():
     ("import re\ndef compile(p):\n    return re.compile(p)\ndef add_one(x):\n    return x + 1", 1.0),
     ("import sys\ndef add_one(x):\n    return x + 1\nsys.stdout.close()", 1.0),
 ])
-def test_a_program_that_exits_early_does_not_pass(program, expected):
-    """Assert tests run after the program in one process: exiting with status 0 before
-    them (or from inside them) must not count as passing them."""
-    assert code_correctness(solution(program), GOOD_TESTS, **FAST) == expected
-    assert code_correctness(solution(program), GOOD_TESTS, partial=True, **FAST) == expected
+@pytest.mark.parametrize("isolation", code_lib.ISOLATIONS)
+def test_a_program_that_exits_early_does_not_pass(program, expected, isolation):
+    """Exiting with status 0 before the tests (or from inside them) must not count as
+    passing them, whether they run after the program in its process or in their own."""
+    assert code_correctness(solution(program), GOOD_TESTS, isolation=isolation, **FAST) == expected
+    assert code_correctness(solution(program), GOOD_TESTS, partial=True, isolation=isolation, **FAST) == expected
+
+
+# Reward hacks that one process cannot stop (the marker found in the harness's frame, an
+# object equal to everything, a built-in the tests compare with redefined): isolation
+# "process" fails them all; "none" is shown passing them, so the test fails if the
+# hacks stop working there (and this list no longer says what isolation buys).
+HACKS = [
+    ("import sys, os\nf = sys._getframe(1)\n"
+     "os.write(f.f_locals['fd'], ('\\n' + f.f_locals['marker'] + '\\n').encode())\nos._exit(0)", GOOD_TESTS),
+    ("class Anything:\n    def __eq__(self, other):\n        return True\n"
+     "def add_one(x):\n    return Anything()", GOOD_TESTS),
+    ("class Int(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+     "def add_one(x):\n    return Int(5)", GOOD_TESTS),
+    ("class Yes:\n    def __bool__(self):\n        return True\n"
+     "def is_prime(x):\n    return Yes()", "assert is_prime(7)\nassert is_prime(11)"),
+    ("def add_one(x):\n    return 0\ndef set(*args):\n    return 1\ndef len(*args):\n    return 2",
+     "assert set([add_one(1)]) == set([2])\nassert len([add_one(0)]) == len([1, 1])"),
+]
+
+
+@pytest.mark.parametrize("hack", range(len(HACKS)))
+def test_isolated_tests_are_not_fooled_by_the_program(hack):
+    program, tests = solution(HACKS[hack][0]), HACKS[hack][1]
+    assert code_correctness(program, tests, isolation="none", **FAST) == 1.0
+    assert code_correctness(program, tests, isolation="process", **FAST) == 0.0
+    assert code_correctness(program, tests, partial=True, isolation="process", **FAST) == 0.0
+
+
+# Honest programs whose values cross between the processes: every shape the codec
+# carries, and the ways tests use a program (classes, generators, exceptions, in-place
+# mutation, its constants and imports, helpers that call it), all pass isolated.
+HONEST = """
+import math, collections, fractions, decimal
+MOD = 10**9 + 7
+Pair = collections.namedtuple("Pair", "a b")
+def factorial(n):
+    return math.factorial(n)
+def shapes():
+    return [None, True, 1, -2**70, 2.5, float("inf"), 1 + 2j, "é\\udcff", b"\\x00\\xff", bytearray(b"ab"),
+            (1, [2]), {(1, 2): {3}}, frozenset({4}), range(1, 9, 2), ..., fractions.Fraction(1, 3),
+            decimal.Decimal("0.1"), collections.Counter("aab"), collections.OrderedDict(a=1),
+            collections.deque([1, 2]), Pair(1, 2)]
+def nan():
+    return float("nan")
+def sort_in_place(items, *, reverse=False, seen=None):
+    items.sort(reverse=reverse)
+    if seen is not None:
+        seen["n"] = len(items)
+def evens(n):
+    for i in range(0, n, 2):
+        yield i
+def safe_sqrt(x):
+    if x < 0:
+        raise ValueError("negative")
+    return math.sqrt(x)
+class NotFound(Exception):
+    pass
+def find(items, x):
+    if x not in items:
+        raise NotFound(x)
+    return items.index(x)
+class Solution:
+    def __init__(self, base=0):
+        self.base = base
+    def add(self, x):
+        return self.base + x
+    def __str__(self):
+        return f"Solution({self.base})"
+class Bag:
+    def __init__(self):
+        self.items = [3, 1]
+    def __len__(self):
+        return 2
+    def __iter__(self):
+        return iter(self.items)
+    def __getitem__(self, i):
+        return self.items[i]
+    def __contains__(self, x):
+        return x in self.items
+"""
+HONEST_TESTS = """
+import collections, fractions, decimal
+assert factorial(2000) == __import__("math").factorial(2000)  # beyond int's digit limit as text
+assert MOD == 1000000007 and math.sqrt(4) == 2.0  # the program's constants and imports
+got = shapes()
+want = [None, True, 1, -2**70, 2.5, float("inf"), 1 + 2j, "é\\udcff", b"\\x00\\xff", bytearray(b"ab"), (1, [2]),
+        {(1, 2): {3}}, frozenset({4}), range(1, 9, 2), ..., fractions.Fraction(1, 3), decimal.Decimal("0.1"),
+        collections.Counter("aab"), collections.OrderedDict(a=1), collections.deque([1, 2]), (1, 2)]
+assert got == want and [type(x) for x in got[:-1]] == [type(x) for x in want[:-1]]  # a namedtuple: a tuple
+assert type(got[4]) is float and type(got[2]) is int
+x = nan()
+assert x != x
+items, seen = [3, 1, 2], {}
+assert sort_in_place(items, reverse=True, seen=seen) is None and items == [3, 2, 1] and seen == {"n": 3}
+assert list(evens(7)) == [0, 2, 4, 6] and sum(evens(5)) == 6
+try:
+    safe_sqrt(-1)
+except ValueError as error:
+    assert str(error) == "negative"
+else:
+    assert False
+try:
+    find([1], 2)
+except Exception as error:
+    assert "NotFound" in type(error).__name__ + str(error)  # isolated: ProgramError("NotFound: 2")
+else:
+    assert False
+s = Solution(base=10)
+assert s.add(5) == 15 and s.base == 10 and str(s) == "Solution(10)" and "Solution" in repr(Solution)
+bag = Bag()
+assert len(bag) == 2 and list(bag) == [3, 1] and bag[1] == 1 and 3 in bag and 5 not in bag
+def helper(n):  # a function of the tests calling the program (a global lookup)
+    return factorial(n) % MOD
+assert helper(5) == 120
+"""
+
+
+def test_isolated_tests_get_the_programs_values_and_objects():
+    program = solution(HONEST)
+    assert code_correctness(program, HONEST_TESTS, isolation="none") == 1.0
+    assert code_correctness(program, HONEST_TESTS, isolation="process") == 1.0
+    assert code_correctness(program, HONEST_TESTS.replace("== 15", "== 16"), isolation="process") == 0.0
+    split = "assert factorial(3) == 6\nassert factorial(3) == 7\nassert list(evens(3)) == [0, 2]"
+    assert code_correctness(program, split, partial=True, isolation="process") == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("program, tests", [
+    # What one process allows and isolation does not (module docstring of isolation.py):
+    # comparing the program's own objects, passing it a function of the tests', reading a
+    # global it changed, a built-in's name it redefined.
+    ("class P:\n    def __init__(self, x):\n        self.x = x\n    def __eq__(self, o):\n        return self.x == o.x",
+     "assert P(1) == P(1)"),
+    ("def apply(f, x):\n    return f(x)", "assert apply(lambda v: v + 1, 1) == 2"),
+    ("count = 0\ndef bump():\n    global count\n    count += 1", "bump()\nassert count == 1"),
+    ("def max(items):\n    return items[0]", "assert max([1, 5]) == 1"),
+])
+def test_what_isolation_refuses(program, tests):
+    assert code_correctness(solution(program), tests, isolation="none") == 1.0
+    assert code_correctness(solution(program), tests, isolation="process") == 0.0
+
+
+def test_isolated_protocol_failures_fail_the_tests():
+    """A program that talks on the pipes itself, dies in a call, spins in a call, or
+    fails before the tests start: the tests fail (and a spin is a timeout)."""
+    garbage = "import os\nfor fd in range(3, 4096):\n    try:\n        os.write(fd, b'\\x00\\x00\\x00\\x02[]')\n    except OSError:\n        pass"
+    dies = "def add_one(x):\n    import os\n    os._exit(0)"
+    for program in (garbage + "\ndef add_one(x):\n    return x + 1", dies, "raise ValueError('at import')"):
+        assert code_correctness(solution(program), GOOD_TESTS, isolation="process", **FAST) == 0.0
+    # A test that swallows every exception still fails once the program's process is gone.
+    catch_all = "try:\n    add_one(1)\nexcept BaseException:\n    pass"
+    assert code_correctness(solution(dies), catch_all, isolation="process", **FAST) == 0.0
+    spin = code_lib.run_code_tests(solution("def add_one(x):\n    while True:\n        pass"), GOOD_TESTS,
+                                   isolation="process", timeout_s=1.0)
+    assert spin.status == "timeout"
+    with pytest.raises(ValueError, match="isolation must be one of"):
+        code_lib.run_code_tests(ADD_ONE, GOOD_TESTS, isolation="thread")
+
+
+def test_codec_round_trips_and_rejects_what_it_does_not_know():
+    from policyopt.rewards import isolation
+
+    def refuse(value):
+        raise TypeError(type(value).__name__)
+
+    values = [None, False, 0, 2**62, -2**62 + 1, 1.0, float("-inf"), "", "\udcff", b"", [], (), {}, set(),
+              frozenset(), [[1, (2, {3: frozenset({4})})]], range(0), complex(0, -1), Ellipsis]
+    for value in values:
+        data = isolation.encode(value, refuse)
+        back = isolation.decode(json.loads(json.dumps(data)), None)
+        assert back == value and type(back) is type(value)
+    with pytest.raises(TypeError):
+        isolation.encode(object(), refuse)
+    for bad in ({"x": 1}, ["Z", 1], ["S", ["L"]], ["D", 1], ["I", 5], ["R", 1.0, 2, 1], ["H", "1", "f"],
+                ["Q", 1, 0], [], [1, 2]):
+        with pytest.raises(isolation.ProtocolError):
+            isolation.decode(bad, lambda key, name: None)
+    deep = 1
+    for _ in range(100_000):
+        deep = ["L", deep]
+    with pytest.raises(isolation.ProtocolError):
+        isolation.decode(deep, None)
 
 
 def test_partial_credit_counts_each_assert():

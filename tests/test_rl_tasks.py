@@ -295,6 +295,13 @@ def test_code_jsonl_task_trains_and_scores_programs_against_its_tests(tmp_path):
     assert build.reward_spec(magistral).code_max_tests == 20
     assert build.correctness_spec(magistral).code_max_tests is None  # pass@1 on every test
     assert spec.code_max_tests is None
+    # Assert tests run in a process of their own unless reward.code_isolation says otherwise.
+    assert (spec.code_isolation, evaluation.code_isolation) == ("process", "process")
+    one_process = _with(tiny("grpo", extra="reward.code_isolation=none"), name="code_jsonl",
+                        train_file=files["train"], test_file=files["test"])
+    assert build.reward_spec(one_process).code_isolation == build.correctness_spec(one_process).code_isolation == "none"
+    with pytest.raises(ValueError, match="reward.code_isolation must be one of"):
+        tiny("grpo", extra="reward.code_isolation=thread")
 
 
 def _mixed_files(config, directory):

@@ -135,6 +135,19 @@ def test_resume_after_a_crash_writes_each_record_once_and_refuses_another_config
     assert trainer.run_rl(cadence, str(tmp_path), quiet=True)["iteration"] == 3
 
 
+def test_resume_check_skips_fields_added_since_the_checkpoint():
+    from policyopt.rl import build
+
+    config = tiny("grpo")
+    saved = build.config_record(config)
+    del saved["reward.code_isolation"]  # a checkpoint of a library that did not have the field
+    saved["a.removed_field"] = 1  # nor a field removed since
+    build.check_resume_config(saved, config, "runs/x")
+    saved["algo.clip_high"] = 0.3
+    with pytest.raises(ValueError, match=r"another config \(algo.clip_high: 0.3 -> 0.2\)"):
+        build.check_resume_config(saved, config, "runs/x")
+
+
 def test_decode_loops_train_like_one_loop(tmp_path):
     """config.sampling.decode_segments reaches the rollouts and the evaluation: two decode
     loops sample the same tokens (up to float rounding), so the run is the same."""

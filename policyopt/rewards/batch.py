@@ -87,6 +87,10 @@ class RewardSpec:
       code_max_tests: run only a problem's first this many tests (Magistral: 20): stdin /
         stdout cases, or top-level asserts (asserts inside a function, as in HumanEval's
         ``check``, are not counted); None: all of them.
+      code_isolation: where assert tests run (``policyopt.rewards.code.run_code_tests``):
+        ``"process"``, in a process of their own that sees only plain values from the
+        program's (``policyopt.rewards.isolation``; closes the reward hacks one process
+        cannot), or ``"none"``, after the program in its process (half the interpreters).
       verifier: a correctness function of your own in place of the task's verifier, as
         ``"package.module:function"`` (importable by the scoring workers too):
         ``function(completion: str, reference) -> float | bool``, the correctness c in
@@ -124,6 +128,7 @@ class RewardSpec:
     code_memory_mb: int = 300
     code_partial: bool = False
     code_max_tests: int | None = None
+    code_isolation: str = "process"
     verifier: str | None = None
     verifier_timeout_s: float = 5.0
     answer_format: str = "boxed"
@@ -158,6 +163,8 @@ class RewardSpec:
             )
         if self.code_max_tests is not None and self.code_max_tests < 1:
             raise ValueError(f"RewardSpec.code_max_tests must be >= 1 or None, got {self.code_max_tests}")
+        if self.code_isolation not in ("process", "none"):
+            raise ValueError(f"RewardSpec.code_isolation must be 'process' or 'none', got {self.code_isolation!r}")
         if self.verifier is not None:
             load_verifier(self.verifier)  # fails here, naming the path, not in a worker
 
@@ -294,6 +301,7 @@ def score_sample(
             memory_mb=spec.code_memory_mb,
             stop_at_first_failure=not spec.code_partial,
             max_tests=spec.code_max_tests,
+            isolation=spec.code_isolation,
         )
         correctness = result.pass_rate if spec.code_partial else float(result.all_passed)
         status = result.status

@@ -2,26 +2,31 @@
 
 Tests (``tests`` argument) follow two conventions:
 
-* a string of Python statements, typically ``assert``s, run after the program in the same
-  namespace (HumanEval / MBPP). A test passes when the tests ran to their end: the
-  harness runs the program and then the tests in a fresh namespace with ``exec`` and
-  ``compile`` bound before the program runs, catches a ``SystemExit`` of the program
-  itself (``sys.exit(0)`` at its end, a common habit, would otherwise skip the tests and
-  exit 0), and after the tests writes a random marker to a copy of the stdout
-  descriptor, which the scorer requires. A program that leaves by ``os._exit``, exits
-  from inside a tested function, or replaces ``exec`` fails; the bootstrap deletes the
-  harness's file before the program runs. (The marker is still a constant of the
-  harness's code: this guards against exits and shadowed builtins, not against a
-  program that inspects its callers' frames, ``sys._getframe`` / ``settrace`` /
-  ``_current_frames``, which no in-process check can stop.) Inherent to assert tests,
-  whatever the harness: a returned object whose ``__eq__`` always says True, or a
-  monkeypatched library function the tests use, passes them. unittest / pytest tests are
-  refused: their failures are reported, not raised. The program runs as ``__main__``
-  with empty stdin and no ``__file__``, and its output (marker included) is capped at
-  ``max_output_bytes``. All-or-nothing: one process runs program + tests. With
+* a string of Python statements, typically ``assert``s (HumanEval / MBPP). A test passes
+  when the tests ran to their end. By default (``isolation="process"``) they run in a
+  process of their own, joined by pipes to the process that runs the program
+  (:func:`run_isolated`, ``policyopt.rewards.isolation``): each name the program
+  defined reaches the tests as a plain value (numbers, strings, containers, ...) or as
+  a stand-in that forwards calls to the program's process, whose results cross as
+  plain values too; the tests' process writes a random marker when they have run, and
+  the scorer requires it. So a program cannot pass by exiting early, by returning an
+  object whose ``__eq__`` always says True, by redefining a built-in the tests compare
+  with, or by finding the marker (it is in another process, of another uid when the
+  scorer is root). ``isolation.py``'s docstring lists what honest programs lose (their
+  objects compared with ``==``, callbacks from the tests, globals read after a call).
+  With ``isolation="none"`` the program and then the tests run in one process, in a
+  fresh namespace, with ``exec`` and ``compile`` bound before the program runs; the
+  program's own ``SystemExit`` is caught and the marker is written to a copy of the
+  stdout descriptor after the tests. That stops exits and shadowed ``exec``, not a
+  program that inspects its callers' frames (``sys._getframe``) to find the marker,
+  returns an object equal to everything, or monkeypatches what the tests use: use it
+  only for trusted programs (it starts one interpreter per test instead of two).
+  unittest / pytest tests are refused: their failures are reported, not raised. The
+  program runs as ``__main__`` with empty stdin and no ``__file__``, and its output is
+  capped at ``max_output_bytes``. All-or-nothing: one run for the whole string. With
   partial credit, the top-level ``assert`` statements are split (``ast.parse`` of the
-  trusted test string; nothing is evaluated in this process) and each runs in its own
-  process after the program and the non-assert statements (imports, helpers);
+  trusted test string; nothing is evaluated in this process) and each runs on its own
+  against a fresh run of the program, after the non-assert statements (imports, helpers);
 * a list of ``{"input": str, "output": str}`` cases (competitive programming): the program
   reads ``input`` on stdin; a case passes when it exits with status 0 and its stdout
   equals ``output`` after stripping trailing blanks of every line and blank lines at both
@@ -100,6 +105,7 @@ from policyopt.rewards.format import first_code_block
 from policyopt.rewards.math import answer_region
 
 PYTHON_TAGS = ("python", "py", "python3")
+ISOLATIONS = ("process", "none")
 DEFAULT_MAX_PROCESSES = 16
 DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
 # Interpreter start-up allowance added to the wall-clock limit, seconds.
@@ -323,6 +329,84 @@ def _sweep_once() -> None:
     remove_stale_sandboxes()
 
 
+class _Sandbox:
+    """One sandboxed process, started at construction: its directory, files, uid and
+    ``Popen``; ``wait`` then ``finish`` (kill, reap, read the output), ``close`` always."""
+
+    def __init__(self, program: str, *, stdin: str, timeout_s: float, memory_mb: int, max_processes: int,
+                 max_output_bytes: int, python: str | None, uid: int, pass_fds: tuple[int, ...] = ()):
+        self.uid, self.max_output_bytes, self.files, self.process = uid, max_output_bytes, [], None
+        self.root = tempfile.mkdtemp(prefix=f"{_SANDBOX_PREFIX}{os.getpid()}-")
+        try:
+            os.chmod(self.root, 0o711)
+            workdir = os.path.join(self.root, "work")
+            os.mkdir(workdir, 0o700)
+            with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+                f.write(program)
+            if uid >= 0:
+                os.chown(workdir, uid, uid)
+                os.chown(os.path.join(workdir, "main.py"), uid, uid)
+                nproc = max_processes
+            else:
+                nproc = _count_processes(os.getuid()) + max_processes
+            stdin_path = os.path.join(self.root, "stdin")
+            with open(stdin_path, "w", encoding="utf-8") as f:
+                f.write(stdin)
+            command = [
+                *_unshare_prefix(), python or _sandbox_python(), "-I", "-S", "-c", _BOOTSTRAP,
+                str(max(1, int(-(-timeout_s // 1)))), str(memory_mb << 20), str(nproc),
+                str(max_output_bytes), str(uid), str(os.getpid()),
+            ]  # fmt: skip
+            self.files = [open(stdin_path, "rb"), open(os.path.join(self.root, "stdout"), "w+b"),
+                          open(os.path.join(self.root, "stderr"), "w+b")]
+            self.process = subprocess.Popen(
+                command, cwd=workdir, env={"PATH": "/usr/bin:/bin"}, stdin=self.files[0],
+                stdout=self.files[1], stderr=self.files[2], start_new_session=True, close_fds=True,
+                pass_fds=pass_fds,
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def wait(self, timeout_s: float) -> int | None:
+        """The exit status, or None when the wall-clock limit expired first."""
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def finish(self, returncode: int | None) -> SandboxResult:
+        """Kills what is left of the run (group, then uid) and reads its output."""
+        # On an idle machine a busy loop reaches its CPU-time limit (= the time limit)
+        # before the wall-clock one: killed by SIGXCPU (or SIGKILL at the hard limit),
+        # which is a timeout too.
+        timed_out = returncode is None or returncode in (-signal.SIGXCPU, -signal.SIGKILL)
+        _kill_group(self.process.pid)
+        if self.uid >= 0:
+            _reap_uid(self.uid)
+        self.process.wait()
+        outputs = []
+        for f in self.files[1:]:
+            f.seek(0)
+            outputs.append(f.read(self.max_output_bytes).decode("utf-8", errors="replace"))
+        return SandboxResult(returncode, outputs[0], outputs[1], timed_out, self.uid)
+
+    def close(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            _kill_group(self.process.pid)
+            if self.uid >= 0:
+                _reap_uid(self.uid)
+            self.process.wait()
+        for f in self.files:
+            f.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _sandbox_uids(count: int) -> list[int]:
+    """``count`` distinct throw-away uids when the scorer is root, else -1 each."""
+    return random.sample(_SANDBOX_UIDS, count) if _is_root() else [-1] * count
+
+
 def run_sandboxed(
     program: str,
     *,
@@ -335,65 +419,73 @@ def run_sandboxed(
 ) -> SandboxResult:
     """Runs untrusted Python source in the sandbox described in the module docstring."""
     _sweep_once()
-    root = tempfile.mkdtemp(prefix=f"{_SANDBOX_PREFIX}{os.getpid()}-")
-    uid = random.choice(_SANDBOX_UIDS) if _is_root() else -1
+    sandbox = _Sandbox(program, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb,
+                       max_processes=max_processes, max_output_bytes=max_output_bytes, python=python,
+                       uid=_sandbox_uids(1)[0])
     try:
-        os.chmod(root, 0o711)
-        workdir = os.path.join(root, "work")
-        os.mkdir(workdir, 0o700)
-        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
-            f.write(program)
-        if uid >= 0:
-            os.chown(workdir, uid, uid)
-            os.chown(os.path.join(workdir, "main.py"), uid, uid)
-            nproc = max_processes
-        else:
-            nproc = _count_processes(os.getuid()) + max_processes
-        stdin_path = os.path.join(root, "stdin")
-        with open(stdin_path, "w", encoding="utf-8") as f:
-            f.write(stdin)
-        interpreter = python or _sandbox_python()
-        command = [
-            *_unshare_prefix(), interpreter, "-I", "-S", "-c", _BOOTSTRAP,
-            str(max(1, int(-(-timeout_s // 1)))), str(memory_mb << 20), str(nproc),
-            str(max_output_bytes), str(uid), str(os.getpid()),
-        ]  # fmt: skip
-        with (
-            open(stdin_path, "rb") as stdin_file,
-            open(os.path.join(root, "stdout"), "w+b") as stdout_file,
-            open(os.path.join(root, "stderr"), "w+b") as stderr_file,
-        ):
-            process = subprocess.Popen(
-                command,
-                cwd=workdir,
-                env={"PATH": "/usr/bin:/bin"},
-                stdin=stdin_file,
-                stdout=stdout_file,
-                stderr=stderr_file,
-                start_new_session=True,
-                close_fds=True,
-            )
-            timed_out = False
-            try:
-                returncode = process.wait(timeout=timeout_s + _STARTUP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                timed_out, returncode = True, None
-            # On an idle machine a busy loop reaches its CPU-time limit (= the time limit)
-            # before the wall-clock one: killed by SIGXCPU (or SIGKILL at the hard limit),
-            # which is a timeout too.
-            if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
-                timed_out = True
-            _kill_group(process.pid)
-            if uid >= 0:
-                _reap_uid(uid)
-            process.wait()
-            stdout_file.seek(0)
-            stdout = stdout_file.read(max_output_bytes).decode("utf-8", errors="replace")
-            stderr_file.seek(0)
-            stderr = stderr_file.read(max_output_bytes).decode("utf-8", errors="replace")
-        return SandboxResult(returncode, stdout, stderr, timed_out, uid)
+        return sandbox.finish(sandbox.wait(timeout_s + _STARTUP_GRACE_S))
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        sandbox.close()
+
+
+def run_isolated(
+    program: str,
+    tests: str,
+    marker: str,
+    *,
+    timeout_s: float = 4.0,
+    memory_mb: int = 300,
+    max_processes: int = DEFAULT_MAX_PROCESSES,
+    max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+    python: str | None = None,
+) -> SandboxResult:
+    """Runs assert ``tests`` against ``program`` in two sandboxes joined by pipes
+    (``policyopt.rewards.isolation``): the program's process serves the tests' process,
+    which writes ``marker`` when the tests ran to their end. Each process has the limits
+    of :func:`run_sandboxed` and its own uid; the wall-clock limit covers both.
+
+    Returns:
+      The tests' process's result; ``timed_out`` also when the program's process hit
+      its CPU limit.
+    """
+    _sweep_once()
+    requests_r, requests_w = os.pipe()
+    replies_r, replies_w = os.pipe()
+    limits = dict(stdin="", timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes,
+                  max_output_bytes=max_output_bytes, python=python)
+    server_uid, client_uid = _sandbox_uids(2)
+    sandboxes = []
+    try:
+        sandboxes.append(_Sandbox(f"{_isolation_source()}\nserve({program!r}, {requests_r}, {replies_w})\n",
+                                  uid=server_uid, pass_fds=(requests_r, replies_w), **limits))
+        sandboxes.append(_Sandbox(f"{_isolation_source()}\nrun_tests({tests!r}, {marker!r}, {replies_r}, "
+                                  f"{requests_w})\n", uid=client_uid, pass_fds=(replies_r, requests_w), **limits))
+        for fd in (requests_r, requests_w, replies_r, replies_w):
+            os.close(fd)
+        requests_r = requests_w = replies_r = replies_w = -1
+        server, client = sandboxes
+        returncode = client.wait(timeout_s + _STARTUP_GRACE_S)
+        server_code = server.process.poll()  # before the kill: did it die of its CPU limit?
+        result = client.finish(returncode)
+        server.finish(server_code)
+        if server_code in (-signal.SIGXCPU, -signal.SIGKILL):
+            result = dataclasses.replace(result, timed_out=True)
+        return result
+    finally:
+        for fd in (requests_r, requests_w, replies_r, replies_w):
+            if fd >= 0:
+                os.close(fd)
+        for sandbox in sandboxes:
+            sandbox.close()
+
+
+@functools.cache
+def _isolation_source() -> str:
+    """The source of ``policyopt.rewards.isolation``, which both sandboxes run."""
+    from policyopt.rewards import isolation
+
+    with open(isolation.__file__, encoding="utf-8") as f:
+        return f.read()
 
 
 def _kill_group(pgid: int) -> None:
@@ -647,6 +739,7 @@ def run_code_tests(
     stop_at_first_failure: bool = True,
     max_processes: int = DEFAULT_MAX_PROCESSES,
     max_tests: int | None = None,
+    isolation: str = "process",
 ) -> CodeResult:
     """Runs the first code block of ``completion`` against ``tests``; never raises on model output.
 
@@ -660,7 +753,14 @@ def run_code_tests(
       max_processes: RLIMIT_NPROC of the sandbox uid.
       max_tests: run only the first this many cases, or top-level asserts (Magistral runs
         20 tests per problem); None: all.
+      isolation: where assert tests run: ``"process"`` (default) in a process of their
+        own that talks to the program's process (:func:`run_isolated`,
+        ``policyopt.rewards.isolation``), or ``"none"``, after the program in its process
+        (one interpreter instead of two, and open to the reward hacks that module
+        describes). stdin / stdout cases run the program alone either way.
     """
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
     tests = limit_tests(parse_tests(tests), max_tests)
     marker = secrets.token_hex(16)  # printed after the tests (assert strings), per call
     block = first_code_block(answer_region(str(completion)))
@@ -669,17 +769,19 @@ def run_code_tests(
     program = block[1]
     limits = dict(timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes)
     if isinstance(tests, str):
-        if stop_at_first_failure:
-            cases = [(_assert_harness(program, tests, marker), "", None)]
-        else:
-            cases = [(_assert_harness(program, test, marker), "", None) for test in _split_asserts(tests)]
+        cases = [(test, "", None) for test in ([tests] if stop_at_first_failure else _split_asserts(tests))]
     else:
         cases = [(program, str(case["input"]), str(case["output"])) for case in tests]
     if not cases:
         return CodeResult(0, 0, "no_tests")
     passed, any_timeout = 0, False
     for source, stdin, expected in cases:
-        result = run_sandboxed(source, stdin=stdin, **limits)
+        if expected is None and isolation == "process":
+            result = run_isolated(program, source, marker, **limits)
+        elif expected is None:
+            result = run_sandboxed(_assert_harness(program, source, marker), **limits)
+        else:
+            result = run_sandboxed(source, stdin=stdin, **limits)
         any_timeout |= result.timed_out
         if expected is None:  # assert tests: they must have run to their end
             ok = result.returncode == 0 and marker in result.stdout
@@ -700,6 +802,7 @@ def code_correctness(
     memory_mb: int = 300,
     partial: bool = False,
     max_tests: int | None = None,
+    isolation: str = "process",
 ) -> float:
     """1.0 if the completion's first code block passes every test (pass rate if ``partial``).
 
@@ -709,7 +812,7 @@ def code_correctness(
     try:
         result = run_code_tests(
             completion, tests, timeout_s=timeout_s, memory_mb=memory_mb, stop_at_first_failure=not partial,
-            max_tests=max_tests,
+            max_tests=max_tests, isolation=isolation,
         )
     except (OSError, SyntaxError, ValueError, KeyError, TypeError):
         return 0.0

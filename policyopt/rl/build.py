@@ -60,7 +60,9 @@ def config_record(config) -> dict:
 
 def check_resume_config(saved: dict | None, config, directory: str) -> None:
     """Compares the config a checkpoint was saved under (``config_record``) with the
-    config resuming from it; a checkpoint without one (older runs) is not checked.
+    config resuming from it; a checkpoint without one (older runs) is not checked, nor
+    are fields its config does not have (added to the library since it was saved) or
+    that the current config no longer has.
 
     Raises:
       ValueError: naming the changed fields, unless ``config.train.allow_config_change``
@@ -69,13 +71,13 @@ def check_resume_config(saved: dict | None, config, directory: str) -> None:
     if saved is None:
         return
     current = config_record(config)
-    changed = sorted(name for name in set(saved) | set(current)
-                     if saved.get(name, "<absent>") != current.get(name, "<absent>")
+    changed = sorted(name for name in set(saved) & set(current)
+                     if saved[name] != current[name]
                      and not any(name == free or (free.endswith(".") and name.startswith(free))
                                  for free in RESUME_FREE_FIELDS))
     if not changed:
         return
-    lines = "; ".join(f"{name}: {saved.get(name, '<absent>')!r} -> {current.get(name, '<absent>')!r}"
+    lines = "; ".join(f"{name}: {saved[name]!r} -> {current[name]!r}"
                       for name in changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
     if config.train.get("allow_config_change", False):
         logging.warning("resuming %s under a changed config: %s", directory, lines)
@@ -296,7 +298,7 @@ def _task_limits(config) -> dict:
     return dict(task=_reward_task(config), verifier=r.verifier or None,
                 verifier_timeout_s=float(r.verifier_timeout_s), answer_format=r.answer_format,
                 code_timeout_s=float(r.code_timeout_s), code_memory_mb=int(r.code_memory_mb),
-                code_partial=bool(r.code_partial),
+                code_partial=bool(r.code_partial), code_isolation=r.code_isolation,
                 code_max_tests=None if r.code_max_tests is None else int(r.code_max_tests))
 
 
