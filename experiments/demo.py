@@ -1,7 +1,9 @@
 """The main job (`make demo`): RL with a verifiable reward fixes what more SFT cannot.
 
 1. SFT cold start of the tiny MoE on synthetic addition where 60% of the worked solutions
-   forget to carry (`configs/demo.py`); cached in WORKDIR/sft once done.
+   forget to carry (`configs/demo.py`); cached once done, per seed: WORKDIR/sft for seed
+   0 (the start of `--setting demo` ablations, `configs/ablations.py`), WORKDIR/sft_seed<N>
+   for another.
 2. SAPO from that checkpoint (WORKDIR/rl).
 3. Control: the same number of updates spent on more SFT instead (WORKDIR/control).
 
@@ -30,7 +32,7 @@ from policyopt.rl.trainer import run_rl
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "Where the three runs and demo.json go.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of initialisation, sampling and minibatch order.")
-_FRESH = flags.DEFINE_bool("fresh", False, "Start over: delete WORKDIR first (the SFT cache too).")
+_FRESH = flags.DEFINE_bool("fresh", False, "Start over: delete WORKDIR first (the SFT caches too).")
 _RERUN = flags.DEFINE_bool("rerun_rl", True,
                            "Redo the RL and control runs even if WORKDIR holds them (the SFT "
                            "cold start is reused).")
@@ -53,7 +55,8 @@ def main(argv):
 
     start = time.perf_counter()
     print("== 1/3 SFT cold start (60% of the solutions forget to carry)", flush=True)
-    sft = run_sft(config, os.path.join(workdir, "sft"))
+    sft_dir = "sft" if _SEED.value == 0 else f"sft_seed{_SEED.value}"  # one cache per seed
+    sft = run_sft(config, os.path.join(workdir, sft_dir))
     before = sft["eval"]["eval/pass@1"]
     times["sft_s"] = time.perf_counter() - start
 

@@ -57,14 +57,14 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, num_pr
     config.lock()
     if config.eval.num_prompts < 1:
         raise ValueError("config.eval.num_prompts is 0 (the run did not evaluate): pass num_prompts")
-    run = build_run(config, workdir)
+    run = build_run(config, workdir, check_config=False)  # evaluation may change any setting
     if run.checkpointer.latest_step() is None:
         raise FileNotFoundError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
     if step is not None and step != run.iteration:
         if step not in run.checkpointer.all_steps():
             raise ValueError(f"no checkpoint at step {step} in {workdir} "
                              f"(steps: {sorted(run.checkpointer.all_steps())})")
-        restore(run, step)
+        restore(run, step, check_config=False)
     return {"step": run.iteration, **evaluate_run(run)}
 
 

@@ -151,6 +151,28 @@ def read_jsonl(path: str) -> list[dict[str, float]]:
     return records
 
 
+def read_step_record(path: str, step: int, *, prefix: str = "") -> dict[str, float] | None:
+    """The last record of a metrics JSONL file at ``step`` that has a key starting with
+    ``prefix`` (e.g. ``"eval/"``), without its ``step``; None when there is none or no
+    file. Lines that are not JSON records (a last line cut short by a crash) are skipped:
+    a resumed run reads what an earlier run logged at its checkpoint's step (its
+    evaluation) before deciding whether to do it again."""
+    found = None
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                    at = int(record.pop("step"))
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+                    continue
+                if at == step and any(key.startswith(prefix) for key in record):
+                    found = {key: float(value) for key, value in record.items()}
+    except FileNotFoundError:
+        return None
+    return found
+
+
 def console_line(step: int, total: int, metrics: Mapping[str, float],
                  keys: Iterable[tuple[str, str]] = CONSOLE_KEYS) -> str:
     """Formats one progress line: ``[ 12/100] reward 0.41 acc 0.40 ... s/it 1.9``."""

@@ -183,3 +183,7 @@ def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypa
     rebuilt = load_run_config(os.path.join(run_dir, "config.json"))
     assert ablate.config_diff(config, rebuilt) == {}
     assert evaluate_checkpoint(rebuilt, run_dir)["eval/pass@1"] == logged["eval/pass@1"]
+    # Evaluation may change what training may not (another held-out set, budget, dispatch).
+    rebuilt.unlock()
+    rebuilt.task.num_test, rebuilt.sampling.max_new_tokens = 16, rebuilt.sampling.max_new_tokens - 1
+    assert evaluate_checkpoint(rebuilt, run_dir)["step"] == 2

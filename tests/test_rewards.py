@@ -176,11 +176,13 @@ def test_extract_boxed():
     assert extract_boxed(r"\fbox{3}") == "3"
     assert extract_boxed("} no box {") is None
     assert extract_boxed(r"\boxed {5}") == "5"
-    # The brace-less form, last of all boxes whichever its form.
+    # The brace-less form, only where no braced box closes (prose after a box is no answer).
     assert extract_boxed(r"so \boxed 42.") == "42"
-    assert extract_boxed(r"$\boxed -3$ then") == "-3"
-    assert extract_boxed(r"\boxed{1} then \boxed 2") == "2"
+    assert extract_boxed(r"$\boxed -3$ then \boxed 4") == "4"
+    assert extract_boxed(r"\boxed{1} then \boxed 2") == "1"
     assert extract_boxed(r"\boxed 2 then \boxed{1}") == "1"
+    assert extract_boxed(r"\boxed{12} (formatted with \boxed as you asked).") == "12"
+    assert extract_boxed(r"\boxed \frac{1}{2}") is None and extract_boxed(r"\boxed \pi") == r"\pi"
     assert extract_boxed(r"\boxed .") is None
     assert extract_boxed(r"so \boxed 42.", bare=False) is None
     assert verify_math(r"<think>6*7</think> so \boxed 42.", "42").score == 1.0

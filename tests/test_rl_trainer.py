@@ -5,6 +5,7 @@ growing after warm-up."""
 import importlib
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -108,11 +109,9 @@ def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
 
 def test_resume_after_a_crash_writes_each_record_once_and_refuses_another_config(tmp_path):
     """Records written after the last checkpoint (lost in a crash) are removed on resume
-    and written again, once; a finished run resumed is not evaluated again (its
-    checkpoint holds the evaluation); a checkpoint refuses a config that changes the
+    and written again, once; a finished run resumed is not evaluated again (eval.jsonl
+    holds the evaluation of its step); a checkpoint refuses a config that changes the
     experiment, and accepts one that changes only the cadence."""
-    import shutil
-
     config = tiny("grpo", extra="train.num_iterations=3,train.checkpoint_every=2")
     trainer.run_rl(config, str(tmp_path), quiet=True)  # checkpoints 2 and 3; evaluations 0, 3
     shutil.rmtree(tmp_path / "checkpoints" / "3")  # as if the run died after iteration 3's logs
@@ -133,6 +132,13 @@ def test_resume_after_a_crash_writes_each_record_once_and_refuses_another_config
     assert trainer.run_rl(allowed, str(tmp_path), quiet=True)["iteration"] == 3
     cadence = tiny("grpo", extra="train.num_iterations=3,train.checkpoint_every=5,eval.num_prompts=4")
     assert trainer.run_rl(cadence, str(tmp_path), quiet=True)["iteration"] == 3
+    # Resumed at an earlier checkpoint and stopped there (num_iterations is free to change):
+    # evaluated there once, however many times it is rerun.
+    shutil.rmtree(tmp_path / "checkpoints" / "3")
+    shorter = tiny("grpo", extra="train.num_iterations=2,train.checkpoint_every=2")
+    for _ in range(2):
+        assert trainer.run_rl(shorter, str(tmp_path), quiet=True)["iteration"] == 2
+    assert [e["step"] for e in read_jsonl(tmp_path / "eval.jsonl")] == [0, 2]
 
 
 def test_resume_check_skips_fields_added_since_the_checkpoint():
@@ -178,11 +184,50 @@ def test_sft_rerun_in_a_finished_workdir_reuses_it(tmp_path):
     assert first["step"] == again["step"] == 3
     for got, want in zip(jax.tree.leaves(again["params"]), jax.tree.leaves(first["params"])):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    # The final evaluation is returned from the checkpoint, not run (and logged) again.
+    # The final evaluation is read back from the log, not run (and logged) again.
     assert again["eval"] == first["eval"] and "eval/pass@1" in again["eval"]
     rows = read_jsonl(tmp_path / "sft" / "metrics.jsonl")
     assert [r["step"] for r in rows if "eval/pass@1" in r] == [3]
     assert [r["step"] for r in rows if "sft/nll" in r] == [1, 2, 3]
+    # Resumed at an earlier checkpoint and stopped there: evaluated there once, ever.
+    shutil.rmtree(tmp_path / "sft" / "checkpoints" / "3")
+    for _ in range(2):
+        assert run_sft(config, str(tmp_path / "sft"), steps=2, quiet=True)["step"] == 2
+    rows = read_jsonl(tmp_path / "sft" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "eval/pass@1" in r] == [2]
+
+
+def test_a_failed_final_evaluation_loses_no_training(tmp_path, monkeypatch):
+    """Checkpoints are saved before the evaluation of their step (RL and SFT): a run whose
+    final evaluation fails resumes at its last step and evaluates it, once."""
+    from policyopt.rl import sft
+
+    config = tiny("grpo", extra="eval.num_prompts=4,sft.steps=2,sft.batch_size=4,sft.checkpoint_every=0,"
+                                "sft.overlong_response=drop,train.checkpoint_every=10")
+    evaluate_run = trainer.evaluate_run
+
+    def fails_at_the_end(run):  # the RL run's evaluation at iteration 0 works
+        if run.iteration == 2:
+            raise RuntimeError("evaluation failed")
+        return evaluate_run(run)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("evaluation failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sft, "evaluate_policy", fails)
+        patch.setattr(trainer, "evaluate_run", fails_at_the_end)
+        with pytest.raises(RuntimeError, match="evaluation failed"):
+            sft.run_sft(config, str(tmp_path / "sft"), quiet=True)
+        with pytest.raises(RuntimeError, match="evaluation failed"):
+            trainer.run_rl(config, str(tmp_path / "rl"), quiet=True)
+    assert os.listdir(tmp_path / "sft" / "checkpoints") == ["2"]
+    assert os.listdir(tmp_path / "rl" / "checkpoints") == ["2"]
+    assert "eval/pass@1" in sft.run_sft(config, str(tmp_path / "sft"), quiet=True)["eval"]
+    resumed = trainer.run_rl(config, str(tmp_path / "rl"), quiet=True)
+    assert [e["iteration"] for e in resumed["eval_history"]] == [2]
+    assert [r["step"] for r in read_jsonl(tmp_path / "rl" / "eval.jsonl")] == [0, 2]
+    assert trainer.run_rl(config, str(tmp_path / "rl"), quiet=True)["eval_history"] == []
 
 
 def test_resume_in_the_same_process_compiles_nothing_new(tmp_path):

@@ -67,8 +67,9 @@ ANSWER_FORMATS = ("boxed", "answer_line")
 
 _BOX_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\{|\}")
 # LaTeX's brace-less form, `\boxed 5`: the run of characters after the space (up to a
-# blank, `$` or a brace), as MATH's and verl's `remove_boxed` read it.
-_BARE_BOX = re.compile(r"\\(?:boxed|fbox)[ \t]+([^\s${}]+)")
+# blank, `$` or a brace), as MATH's and verl's `remove_boxed` read it; not when a brace
+# follows that run (`\boxed \frac{1}{2}`: a macro whose arguments the run cuts off).
+_BARE_BOX = re.compile(r"\\(?:boxed|fbox)[ \t]+([^\s${}]++)(?!\{)")
 _DECIMAL = r"(?:\d+\.?\d*|\.\d+)"
 _PLAIN_NUMBER = re.compile(rf"[+-]?{_DECIMAL}")
 _PLAIN_RATIO = re.compile(r"([+-]?)(\d+)/(\d+)")
@@ -111,8 +112,10 @@ def extract_boxed(text: str, *, bare: bool = True) -> str | None:
     One linear pass over brace tokens with a stack, so a megabyte of unclosed
     ``\\boxed{`` costs linear time. "Last" means the box that starts last.
 
-    With ``bare``, LaTeX's brace-less ``\\boxed 5`` counts too (its content: the
-    characters up to the next blank, ``$`` or brace, without a sentence's final ``.,;:``).
+    With ``bare`` and no braced box that closes, LaTeX's brace-less ``\\boxed 5`` counts
+    (its content: the characters up to the next blank, ``$`` or brace, without a
+    sentence's final ``.,;:``; the last such box). A braced box always wins: prose after
+    it such as "(formatted with \\boxed as asked)" is not an answer.
 
     Returns:
       The content between the box's braces, or None when no box closes.
@@ -130,12 +133,14 @@ def extract_boxed(text: str, *, bare: bool = True) -> str | None:
             stack.append(-1)
         else:
             stack.append(token.end())
+    if last_content is not None or not bare:
+        return last_content
     match = None
-    for match in _BARE_BOX.finditer(text) if bare else ():
+    for match in _BARE_BOX.finditer(text):
         pass
-    if match is not None and match.start(1) > last_start and match.group(1).rstrip(".,;:"):
+    if match is not None and match.group(1).rstrip(".,;:"):
         return match.group(1).rstrip(".,;:")
-    return last_content
+    return None
 
 
 def extract_answer_line(text: str) -> str | None:

@@ -33,14 +33,18 @@ _MODEL_OVERRIDES = (("num_layers", "hidden_size", "num_experts", "num_experts_pe
 
 # Config fields a run may change when it resumes from its checkpoint: how long it runs,
 # how often it logs, evaluates and saves, the evaluation itself, the mesh (checkpoints
-# restore onto any), worker counts. Any other change would continue one experiment under
+# restore onto any), worker counts, and how the same computation is laid out (MoE
+# dispatch and its blocks, decode loops, async slots: the same results up to float
+# rounding, chosen per machine). Any other change would continue one experiment under
 # another's settings (the data position, for one, counts batches of the old size and
 # order), so a resumed run with one refuses to start unless `train.allow_config_change`.
 RESUME_FREE_FIELDS = ("train.num_iterations", "train.eval_every", "train.checkpoint_every",
                       "train.keep_checkpoints", "train.log_every", "train.tensorboard",
                       "train.routing_metrics", "train.allow_config_change", "eval.", "mesh.",
                       "sft.steps", "sft.checkpoint_every", "init_checkpoint",
-                      "reward.num_workers", "async_mode.join_timeout_s")
+                      "reward.num_workers", "async_mode.join_timeout_s", "async_mode.num_slots",
+                      "model.moe_dispatch", "model.moe_decode_dispatch", "model.moe_block_size",
+                      "model.moe_weight_gather", "sampling.decode_segments")
 
 
 def config_record(config) -> dict:

@@ -21,7 +21,6 @@ when their number divides, every jitted call under ``jax.set_mesh``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from typing import Any
@@ -34,7 +33,7 @@ from policyopt import sharding
 from policyopt.checkpoint import Checkpointer
 from policyopt.data.pipeline import as_record, make_pipeline
 from policyopt.losses import aggregate
-from policyopt.metrics import MetricsWriter, Progress
+from policyopt.metrics import MetricsWriter, Progress, read_step_record
 from policyopt.rl import build
 from policyopt.rl.evaluate import evaluate
 from policyopt.rl.learner import OptimConfig, TrainState, forward_log_probs, guarded_update, place_state
@@ -101,9 +100,6 @@ class SFTRun:
     checkpointer: Checkpointer
     mesh: jax.sharding.Mesh  # every array of the run lives on it (config.mesh)
     step: int = 0
-    # The final evaluation, saved with the final checkpoint (a resumed, finished run
-    # returns it instead of evaluating again); empty until then.
-    final_eval: dict = dataclasses.field(default_factory=dict)
 
 
 def make_sft_iterator(config, tokenizer, *, seed: int):
@@ -150,7 +146,6 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
         build.check_resume_config(meta.get("config"), config, checkpointer.directory)
         run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
-        run.final_eval = {k: float(v) for k, v in (meta.get("final_eval") or {}).items()}
     elif init_checkpoint:
         with Checkpointer(init_checkpoint) as source:
             restored, meta = source.restore({"train": run.state})
@@ -171,15 +166,13 @@ def sft_step(run: SFTRun) -> dict[str, float]:
 
 
 def save_sft(run: SFTRun) -> None:
-    """Checkpoints the run at its current step (with ``run.final_eval``); a no-op when
-    that step is already saved (a run resumed at its last step, e.g. a second
-    ``make demo``)."""
+    """Checkpoints the run at its current step; a no-op when that step is already saved
+    (a run resumed at its last step, e.g. a second ``make demo``)."""
     if run.checkpointer.latest_step() == run.step:
         return
-    final_eval = {k: v if math.isfinite(v) else str(v) for k, v in run.final_eval.items()}
     run.checkpointer.save(run.step, {"train": run.state},
                           {"iteration": run.step, "data": run.data.get_state(),
-                           "config": build.config_record(run.config), "final_eval": final_eval})
+                           "config": build.config_record(run.config)})
 
 
 def evaluate_policy(config, graphdef, params, tokenizer, mesh) -> dict[str, float]:
@@ -203,8 +196,9 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
     state, step and data position all continue, which makes "more SFT" the control of an
     RL run) or from ``config.init_checkpoint`` / a fresh initialisation. Writes
     ``metrics.jsonl``, a checkpoint every ``config.sft.checkpoint_every`` updates and a
-    final one (after the final evaluation, which it holds: a finished run resumed
-    returns that evaluation) under ``workdir``.
+    final one, then the final evaluation, under ``workdir``. A finished run resumed
+    returns the final evaluation its ``metrics.jsonl`` holds instead of evaluating again
+    (records after the checkpoint's step are removed on resume, as in the RL trainer).
 
     Returns:
       ``{"step", "metrics", "eval" (final greedy pass@1 etc., if config.eval.num_prompts),
@@ -234,14 +228,16 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
             every = config.sft.checkpoint_every
             if every and run.step % every == 0 and run.step < total:
                 save_sft(run)
-        result = run.final_eval if run.checkpointer.latest_step() == run.step else {}
+        save_sft(run)  # before the evaluation: a failed one loses no training
+        result = {}
+        if config.eval.num_prompts > 0:
+            # Every process reads the log (they must agree on evaluating, a collective).
+            result = read_step_record(writer.path, run.step, prefix="eval/") or {}
         if config.eval.num_prompts > 0 and not result:
             result = evaluate_policy(config, run.graphdef, run.state.params, run.tokenizer, run.mesh)
             writer.write(run.step, result)
             if progress:
                 print(f"sft eval @ {run.step}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)
-        run.final_eval = result
-        save_sft(run)
     finally:
         writer.close()
     return {"step": run.step, "metrics": metrics, "eval": result, "graphdef": run.graphdef,

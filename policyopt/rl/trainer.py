@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import time
 from typing import Any
@@ -70,7 +69,7 @@ from policyopt.advantages import outcome_advantages
 from policyopt.checkpoint import Checkpointer
 from policyopt.data.pipeline import make_pipeline
 from policyopt.losses import offpolicy_metrics, rejection_mask, truncated_importance_weights
-from policyopt.metrics import MetricsWriter, Progress
+from policyopt.metrics import MetricsWriter, Progress, read_step_record
 from policyopt.rewards.batch import merge_metrics, score_batch
 from policyopt.rl import build
 from policyopt.rl.batch import (Batch, DynamicSampler, bucket, minibatch_indices, round_from_rollout,
@@ -108,8 +107,9 @@ class RLRun:
     # TrainState (parameters, optimiser state, counters); None otherwise.
     critic: Critic | None = None
     critic_state: TrainState | None = None
-    # The last evaluation's metrics and the iteration it was at (saved in checkpoints, so
-    # a resumed run neither repeats an evaluation nor loses it).
+    # The last evaluation's metrics and the iteration it was at: run here or, when the
+    # run resumed, read back from eval.jsonl at the checkpoint's iteration (RunLoop), so
+    # a resumed run neither repeats an evaluation nor loses it.
     last_eval: dict = dataclasses.field(default_factory=dict)
     last_eval_iteration: int | None = None
 
@@ -128,10 +128,11 @@ def make_prompt_iterator(config, records, *, seed: int):
     return iter(pipeline)
 
 
-def build_run(config, workdir: str) -> RLRun:
+def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
     """Builds the mesh, model, learner, data and the initial state (placed on the mesh);
     restores the latest checkpoint of ``workdir/checkpoints`` when there is one, onto the
-    same shardings."""
+    same shardings (refusing one saved under another config unless ``check_config`` is
+    False: see ``restore``)."""
     os.makedirs(workdir, exist_ok=True)
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
@@ -169,7 +170,7 @@ def build_run(config, workdir: str) -> RLRun:
         critic_state = run.critic.init_state(params, model.config.hidden_size)
         run.critic_state = place_state(critic_state, run.critic.optimizer, mesh)
     if checkpointer.latest_step() is not None:
-        restore(run)
+        restore(run, check_config=check_config)
     return run
 
 
@@ -181,11 +182,9 @@ def _checkpoint_state(run: RLRun) -> dict:
 
 
 def checkpoint_meta(run: RLRun, data_state) -> dict:
-    """The JSON record saved beside the arrays: iteration, data position, the config
-    (checked on resume, ``build.check_resume_config``) and the last evaluation."""
-    return {"iteration": run.iteration, "data": data_state, "config": build.config_record(run.config),
-            "eval": {"iteration": run.last_eval_iteration,
-                     "metrics": {k: v if math.isfinite(v) else str(v) for k, v in run.last_eval.items()}}}
+    """The JSON record saved beside the arrays: iteration, data position and the config
+    (checked on resume, ``build.check_resume_config``)."""
+    return {"iteration": run.iteration, "data": data_state, "config": build.config_record(run.config)}
 
 
 def save(run: RLRun) -> None:
@@ -193,20 +192,20 @@ def save(run: RLRun) -> None:
     run.checkpointer.save(run.iteration, _checkpoint_state(run), checkpoint_meta(run, run.data.get_state()))
 
 
-def restore(run: RLRun, step: int | None = None) -> None:
+def restore(run: RLRun, step: int | None = None, *, check_config: bool = True) -> None:
     """Restores parameters, optimiser, counters, run key, iteration and data position (and
-    the critic's parameters, optimiser and counters, and the last evaluation); refuses a
-    checkpoint saved under another config (``build.check_resume_config``)."""
+    the critic's parameters, optimiser and counters); refuses a checkpoint saved under
+    another config (``build.check_resume_config``) unless ``check_config`` is False
+    (``experiments/eval.py``, which only reads the parameters)."""
     restored, meta = run.checkpointer.restore(_checkpoint_state(run), step)
-    build.check_resume_config(meta.get("config"), run.config, run.checkpointer.directory)
+    if check_config:
+        build.check_resume_config(meta.get("config"), run.config, run.checkpointer.directory)
     run.state, run.rng = restored["train"], restored["rng"]
     if run.critic_state is not None:
         run.critic_state = restored["critic"]
     run.iteration = int(meta["iteration"])
     run.data.set_state(meta["data"])
-    evaluation = meta.get("eval") or {}
-    run.last_eval = {k: float(v) for k, v in (evaluation.get("metrics") or {}).items()}
-    run.last_eval_iteration = evaluation.get("iteration")
+    run.last_eval, run.last_eval_iteration = {}, None
 
 
 def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
@@ -629,7 +628,10 @@ class RunLoop:
     A resumed run continues its files: records of ``metrics.jsonl`` and ``eval.jsonl``
     after the checkpoint's iteration (written before a crash, about to be written again)
     are removed, as are TensorBoard's; a run that starts at iteration 0 starts them
-    afresh.
+    afresh. An evaluation that ``eval.jsonl`` holds at the checkpoint's iteration (the
+    parameters it evaluated are the checkpoint's) is the run's last one and is not run
+    again: a finished run resumed is evaluated once, ever. Checkpoints are saved before
+    the evaluation of their iteration, so a failed evaluation loses no training.
     """
 
     def __init__(self, run: RLRun, total: int, *, quiet: bool = False):
@@ -650,6 +652,11 @@ class RunLoop:
         self.history: list[dict] = []
         self.metrics: dict = {}
         self.evaluating = config.eval.num_prompts > 0
+        if run.iteration and run.last_eval_iteration != run.iteration:
+            # Every process reads it (they must agree on whether to evaluate, a collective).
+            logged = read_step_record(self.eval_writer.path, run.iteration, prefix="eval/")
+            if logged is not None:
+                run.last_eval, run.last_eval_iteration = logged, run.iteration
 
     def evaluate(self) -> dict:
         run = self.run
@@ -680,14 +687,14 @@ class RunLoop:
             self.progress.update(run.iteration, {**metrics, **self.last_eval})
         final = run.iteration == self.total
         every = train.eval_every
-        if self.evaluating and ((every and run.iteration % every == 0) or final):
-            self.evaluate()
         if final or run.iteration % train.checkpoint_every == 0:
             save()
+        if self.evaluating and ((every and run.iteration % every == 0) or final):
+            self.evaluate()
 
     def end(self) -> None:
-        # A resumed, finished run was evaluated at its end before it saved (its checkpoint
-        # says so); one finished with another config's eval settings is evaluated here.
+        # A resumed run that was not evaluated at its iteration (a finished run whose
+        # final evaluation failed, or that ran with eval.num_prompts=0) is evaluated here.
         if self.evaluating and self.run.last_eval_iteration != self.run.iteration:
             self.evaluate()
 
