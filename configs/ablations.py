@@ -7,11 +7,16 @@
 
 An arm's config is `configs/<recipe>.py` with (later winning) `scale=paper` if the common
 `--variant` asks for it, the ablation's shared variant, the arm's variant, the rest of the
-common `--variant`, and `seed=N` (`experiments/ablate.arm_config`). A named `--setting`
-(`SETTINGS`: "demo", the demo's model, task, batch geometry and SFT start) replaces its
-sections, and the variants are applied again, so they win. Arms of one recipe differ
-exactly in the fields their variants name (`tests/test_ablate.py` checks it for every
-ablation), and every arm gets `train.num_iterations` policy iterations (value pretraining
+common `--variant`, and `seed=N` (`experiments/ablate.arm_config`). Every arm then takes
+the `SHARED_SECTIONS` (model, task, sampling, batch geometry and generation budget, loop,
+evaluation) of the ablation's *reference* recipe at the same scale (`Ablation.reference`:
+at `scale=paper`, that paper's geometry for every arm, not each arm's own paper's), a named
+`--setting` (`SETTINGS`: "demo", the demo's model, task, batch geometry and SFT start)
+replaces its sections, and the variants are applied again, so they win. So arms differ
+only in the method: arms of one recipe exactly in the fields their variants name, arms of
+different recipes also in the fields `Ablation.compares` declares (`tests/test_ablate.py`
+checks both for every ablation, at the CPU defaults, in the demo setting and at paper
+scale), and every arm gets `train.num_iterations` policy iterations (value pretraining
 comes on top). The recipes' defaults are sized for the CPU; on the CPU task start from an
 SFT checkpoint (`--setting demo`, or `init_checkpoint`): a random policy never earns a
 reward.
@@ -33,6 +38,12 @@ class Arm:
     variant: str = ""
 
 
+#: Config sections that are budget, not method: every arm of an ablation takes them from
+#: its reference recipe (`share_sections`), so that no arm samples more prompts, more
+#: responses per prompt or longer ones, or makes more updates per batch, than another.
+SHARED_SECTIONS = ("model", "task", "sampling", "batch", "train", "eval")
+
+
 @dataclasses.dataclass(frozen=True)
 class Ablation:
     name: str
@@ -41,6 +52,24 @@ class Ablation:
     # Shared by every arm, before the arm's own variant: the conditions under which the
     # compared mechanism acts at all.
     variant: str = ""
+    # The recipe whose SHARED_SECTIONS every arm takes, at the scale asked for (its CPU
+    # defaults, or its `scale=paper` geometry and generation budget): the paper whose
+    # claim the ablation tests where there is one. None: the first arm's recipe.
+    reference: str | None = None
+    # The fields in which arms of different recipes differ besides those their variants
+    # name: the methods compared (dotted paths; one ending in "." is a whole section).
+    # Never a field of SHARED_SECTIONS.
+    compares: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        shared = [f for f in self.compares if f.split(".", 1)[0] in SHARED_SECTIONS]
+        if shared:
+            raise ValueError(f"ablation {self.name!r}: compares names {shared}, fields of the "
+                             f"sections every arm shares ({', '.join(SHARED_SECTIONS)})")
+
+    @property
+    def reference_recipe(self) -> str:
+        return self.reference or self.arms[0].recipe
 
 
 # Clips, soft gates and routing replay act only where the ratio pi / pi_old is not 1,
@@ -49,6 +78,12 @@ class Ablation:
 # range and SAPO temperature gives the same gradient (measured with the demo setting:
 # identical runs for tau_neg = 1.05 and 1.0). These ablations use 4 minibatches per batch.
 OFF_POLICY = "batch.n_minibatches=4"
+
+# The GSPO paper's GRPO baseline (2507.18071; PAPERS.md "GSPO"): clip 0.2 / 0.27, no KL
+# (GRPO's own recipe has beta 0.04 and a symmetric 0.2 clip).
+GSPO_GRPO_BASELINE = "algo.clip_high=0.27,algo.kl_beta=0.0"
+# What GRPO and GSPO(-token) differ in: the objective and its clip range.
+GSPO_VS_GRPO = ("algo.method", "algo.clip_low", "algo.clip_high")
 
 
 ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
@@ -63,14 +98,15 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
     Ablation(
         "routing_replay",
         "GSPO (2507.18071): on an MoE policy GRPO needs routing replay to converge, GSPO does "
-        "not; R2 replays the old policy's routing, R3 (2510.11370) the sampler's. (With 4 "
+        "not; R2 replays the old policy's routing, R3 (2510.11370) the sampler's. (GRPO as "
+        "the paper's baseline: clip 0.2 / 0.27, no KL; every arm in GSPO's geometry. With 4 "
         "minibatches, routing/volatility is measured after a batch's 4 updates, not the "
         "one update of the paper's ~10%.)",
-        (Arm("grpo", "grpo", "algo.routing_replay=none"),
-         Arm("grpo_R2", "grpo", "algo.routing_replay=R2"),
-         Arm("grpo_R3", "grpo", "algo.routing_replay=R3"),
+        (Arm("grpo", "grpo", f"algo.routing_replay=none,{GSPO_GRPO_BASELINE}"),
+         Arm("grpo_R2", "grpo", f"algo.routing_replay=R2,{GSPO_GRPO_BASELINE}"),
+         Arm("grpo_R3", "grpo", f"algo.routing_replay=R3,{GSPO_GRPO_BASELINE}"),
          Arm("gspo", "gspo", "algo.routing_replay=none")),
-        OFF_POLICY + ",train.routing_metrics=True"),
+        OFF_POLICY + ",train.routing_metrics=True", reference="gspo", compares=GSPO_VS_GRPO),
     Ablation(
         "dapo",
         "DAPO (2503.14476): each technique (clip-higher, token-level loss, dynamic sampling, "
@@ -87,19 +123,21 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
         "dr_grpo",
         "Dr. GRPO (2503.20783): no std scaling and a constant normaliser remove GRPO's "
         "difficulty and length biases; GRPO's responses grow longer when wrong. (GRPO without "
-        "its KL term, as Dr. GRPO has none: the arms differ in the std and the normaliser.)",
+        "its KL term, as Dr. GRPO has none: the arms differ in the std and the normaliser; "
+        "every arm in Dr. GRPO's geometry, its constant the shared generation budget.)",
         (Arm("grpo", "grpo", "algo.kl_beta=0.0"),
          Arm("grpo_no_std", "grpo", "algo.kl_beta=0.0,algo.adv_scale=none"),
-         Arm("dr_grpo", "dr_grpo"))),
+         Arm("dr_grpo", "dr_grpo")),
+        reference="dr_grpo", compares=("algo.adv_scale", "algo.aggregation", "algo.max_len")),
     Ablation(
         "gspo",
         "GSPO (2507.18071): the sequence-level ratio and clip against GRPO's token level; "
         "GSPO-token equals GSPO when advantages are per sequence. (GRPO as the paper's "
-        "baseline: clip 0.2 / 0.27, no KL.)",
-        (Arm("grpo", "grpo", "algo.clip_high=0.27,algo.kl_beta=0.0"),
+        "baseline: clip 0.2 / 0.27, no KL; every arm in GSPO's geometry.)",
+        (Arm("grpo", "grpo", GSPO_GRPO_BASELINE),
          Arm("gspo", "gspo"),
          Arm("gspo_token", "gspo_token")),
-        OFF_POLICY),
+        OFF_POLICY, reference="gspo", compares=GSPO_VS_GRPO),
     Ablation(
         "vc_ppo",
         "VC-PPO (2503.01491): value pretraining and decoupled GAE (lambda_critic 1.0, "
@@ -108,13 +146,14 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
          Arm("ppo_pretrained", "ppo", "critic.pretrain_iterations=5"),
          Arm("vc_ppo", "vc_ppo"),
          Arm("vc_ppo_lambda_1", "vc_ppo", "algo.gae_lambda=1.0")),
-        OFF_POLICY),
+        OFF_POLICY, reference="vc_ppo",
+        compares=("algo.gae_lambda_critic", "critic.pretrain_iterations")),
     Ablation(
         "vapo",
         "VAPO (2504.05118): length-adaptive GAE, the NLL term on correct samples and the "
         "value warm-up, each removed in turn. (On responses of <= 20 tokens alpha = 0.05 "
-        "clamps every policy lambda to 0 and VAPO collapses; `--variant algo.gae_alpha=1.0` "
-        "gives lambda = 1 - 1/|y| ~ 0.93, near the paper's regime: benchmarks/RESULTS.md.)",
+        "gives every policy lambda 0 (the clamp below 20 tokens, the formula at 20) and VAPO "
+        "collapses; `--variant algo.gae_alpha=1.0` gives lambda = 1 - 1/|y| ~ 0.93, near the paper's regime: benchmarks/RESULTS.md.)",
         (Arm("vapo", "vapo"),
          Arm("no_length_adaptive", "vapo", "algo.gae_length_adaptive=False,algo.gae_lambda=0.95"),
          Arm("no_nll", "vapo", "algo.nll_coef=0.0"),
@@ -136,11 +175,18 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
     Ablation(
         "objectives",
         "The critic-free objectives side by side on one task, in the SAPO paper's unified "
-        "form: each recipe with its paper's settings, but 4 minibatches per batch for all of "
-        "them, so that the clips act (Magistral's paper prefers one update per batch).",
+        "form: each recipe with its paper's method settings (objective, advantages, KL, "
+        "reward shaping, dynamic sampling, optimiser schedule) on one geometry, with 4 "
+        "minibatches per batch for all of them, so that the clips act (Magistral's paper "
+        "prefers one update per batch). At scale=paper every arm takes DAPO's geometry: "
+        "512 prompts x 16, 20480 tokens (Magistral's 32768 is cut to it).",
         tuple(Arm(name, name) for name in
               ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral")),
-        OFF_POLICY),
+        OFF_POLICY, reference="dapo",
+        # DAPO's recipe also sets the optimiser's weight decay and warm-up (paper: 20
+        # rollout steps); the reward and sampling filters are methods here.
+        compares=("algo.", "reward.", "dynamic_sampling.", "optim.weight_decay",
+                  "optim.warmup_steps")),
 )}
 
 
@@ -173,6 +219,22 @@ def demo_setting(config, sft_checkpoint: str = "runs/demo/sft/checkpoints"):
         config.reward.cache_len = 3
     # The demo turns them off for speed; the ablation summary reports routing volatility.
     config.train.routing_metrics = True
+    config.lock()
+    return config
+
+
+def share_sections(config, reference):
+    """``config`` with the ``SHARED_SECTIONS`` of ``reference`` (an ablation's reference
+    recipe at the same scale): model, task, sampling (the generation budget), batch
+    geometry, loop and evaluation. Fields derived from the budget follow it where the
+    recipe leaves them to it (Dr. GRPO's constant ``algo.max_len`` and the overlong
+    shaping's ``reward.max_len`` are None: ``sampling.max_new_tokens``). Returns a new,
+    locked config."""
+    config = config.copy_and_resolve_references()
+    config.unlock()
+    for section in SHARED_SECTIONS:
+        for key, value in reference[section].items():
+            config[section][key] = value
     config.lock()
     return config
 

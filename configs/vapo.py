@@ -18,13 +18,15 @@ def get_config(arg=None):
     # Token-level loss (PAPERS.md, VAPO; the library divides by the minibatch's tokens).
     c.algo.aggregation = "token_mean"
     # Length-adaptive GAE for the policy: lambda = 1 - 1/(alpha |y|), alpha = 0.05,
-    # clamped at 0 when alpha |y| <= 1 (responses of <= 20 tokens; the paper gives no
-    # rule); lambda_critic = 1.0; gamma = 1.0 (PAPERS.md, VAPO).
+    # clamped at 0 where alpha |y| < 1 (responses shorter than 20 tokens; at 20 the formula
+    # gives exactly 0 itself; the paper gives no rule); lambda_critic = 1.0; gamma = 1.0
+    # (PAPERS.md, VAPO).
     c.algo.advantage = "gae"
     c.algo.gae_length_adaptive = True
-    # Note: the CPU task's responses are <= 20 tokens, so alpha = 0.05 clamps every lambda
-    # at 0 there (one-step TD advantages, only as good as the critic); the paper's regime
-    # is thousands of tokens. algo.gae_alpha=0.2 gives lambda ~0.7 at 17 tokens.
+    # Note: the CPU task's responses are <= 20 tokens, so alpha = 0.05 gives every lambda 0
+    # there (the clamp below 20 tokens, the formula at 20: one-step TD advantages, only as
+    # good as the critic); the paper's regime is thousands of tokens. algo.gae_alpha=0.2
+    # gives lambda ~0.7 at 17 tokens.
     c.algo.gae_alpha = 0.05
     c.algo.gae_lambda_critic = 1.0
     c.algo.gae_gamma = 1.0

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 from absl import app, flags
 
 from configs import base
-from configs.ablations import ABLATIONS, SETTINGS, Ablation, get_ablation
+from configs.ablations import ABLATIONS, SETTINGS, Ablation, get_ablation, share_sections
 from policyopt.metrics import quiet_library_logging, read_jsonl
 from policyopt.rl.async_rl import async_enabled, run_async_rl
 from policyopt.rl.plots import plot_runs
@@ -51,9 +51,13 @@ def arm_config(ablation: Ablation, label: str, seed: int, variant: str = "",
     Order, later winning: the recipe; ``scale=paper`` when the common ``variant`` asks for
     it; the ablation's shared variant (e.g. 4 minibatches per batch, which the paper
     geometry must not undo); the arm's variant; the rest of the common ``variant``;
-    ``seed=N``. With a ``setting`` (``config -> config``, e.g.
-    ``configs.ablations.demo_setting``), the setting is applied to that config and the
-    variants once more, so that they win over it. Finally every arm gets
+    ``seed=N``. Then the ``SHARED_SECTIONS`` (geometry, generation budget, model, task,
+    loop) of the ablation's reference recipe (``Ablation.reference_recipe``) built at the
+    same scale with the shared and the common variants
+    (``configs.ablations.share_sections``): at ``scale=paper`` every arm takes that
+    paper's geometry, not its own paper's. With a ``setting`` (``config -> config``, e.g.
+    ``configs.ablations.demo_setting``), the setting is applied to that config. The
+    variants are then applied once more, so that they win. Finally every arm gets
     ``train.num_iterations`` *policy* iterations: a critic's value-pretraining iterations
     (``critic.pretrain_iterations``, which update the critic only) come on top.
     """
@@ -63,18 +67,30 @@ def arm_config(ablation: Ablation, label: str, seed: int, variant: str = "",
     common = base.split_variant(variant) if variant else []
     scale = [item for item in common if item.split("=", 1)[0].strip() == "scale"]
     rest = [item for item in common if item not in scale]
+    if setting is not None and scale:
+        raise ValueError("a setting and scale=paper do not mix: the setting replaces the "
+                         "paper's geometry")
     variants = ",".join(p for p in (ablation.variant, arm.variant, *rest) if p)
+    try:
+        reference = importlib.import_module(f"configs.{ablation.reference_recipe}").get_config(
+            ",".join(p for p in (*scale, ablation.variant, *rest) if p))
+    except ValueError as error:
+        raise ValueError(f"ablation {ablation.name!r}: every arm takes the geometry and "
+                         f"generation budget of configs/{ablation.reference_recipe}.py, which "
+                         f"refuses this variant: {error}") from error
+    # The arm's own paper may record no budget, which scale=paper requires: the reference's.
+    budget = []
+    if scale:
+        for path in (*base.PAPER_SCALE_REQUIRED, "batch.response_buckets"):
+            section, name = path.split(".")
+            budget.append(f"{path}={reference[section][name]!r}")
     config = importlib.import_module(f"configs.{arm.recipe}").get_config(
-        ",".join(p for p in (*scale, variants, f"seed={seed}") if p))
+        ",".join(p for p in (*scale, *budget, variants, f"seed={seed}") if p))
+    config = share_sections(config, reference)
     if setting is not None:
-        if scale:
-            raise ValueError("a setting and scale=paper do not mix: the setting replaces the "
-                             "paper's geometry")
         config = setting(config)
-        config.unlock()
-        base.apply_variant(config, variants)
-    else:
-        config.unlock()
+    config.unlock()
+    base.apply_variant(config, variants)
     if config.algo.advantage == "gae" and config.critic.pretrain_iterations:
         config.train.num_iterations += config.critic.pretrain_iterations
     base.check(config)

@@ -94,9 +94,20 @@ def outcome_advantages(
     - ``scale="none"`` (Dr. GRPO, 2503.20783): no division.
 
     Standard deviations are the unbiased (ddof 1) sample std, with ``eps`` added to it
-    (the papers do not state the convention; this is common practice). With
-    ``center="group"`` a group whose rewards are all equal gets exact zeros under every
-    scale, never NaN (set explicitly: float32 ``R - mean(R)`` need not be 0).
+    (the papers do not state the convention; this is common practice).
+
+    Exact zeros, never NaN, where the rewards carry no signal (set explicitly: the float32
+    mean of G copies of 0.9 is not 0.9, so ``R - mean(R)`` and the std are rounding
+    errors, which dividing by ``std + eps`` would blow up):
+
+    - a group whose (valid) rewards are all equal, or that has fewer than two valid ones,
+      gets 0 with ``center="group"`` under every scale, and with ``scale="group"`` under
+      every center (its std is 0: ``R / (0 + eps)`` would be ~1e6 R);
+    - with ``scale="batch"``, a batch whose kept values are all equal (with
+      ``center="none"``: every valid reward of the batch equal) gets 0. With
+      ``center="none"`` an all-equal group in a batch that is not keeps its normalised
+      rewards (they differ from the batch's);
+    - ``center="none"``, ``scale="none"`` returns the (valid) rewards unchanged.
 
     Args:
       rewards: ``[N]`` scalar rewards, ``N = num_groups * group_size``, group by group.
@@ -119,20 +130,22 @@ def outcome_advantages(
         raise ValueError(f"scale={scale!r} is not one of {SCALES}")
     grouped = _group_rewards(rewards, group_size)
     valid = _group_valid(valid, grouped)
+    # All-equal groups (and invalid samples) get exact zeros. R - mean(R) alone does not
+    # give them: the float32 mean of G copies of 0.9 is not 0.9 for most G, and the std
+    # scaling then divides that rounding error by eps (measured with 0.9s: advantages up to
+    # 0.19 at G = 64 with center="group", 8.5e5 at G = 8 with center="none").
+    drop = _all_equal(grouped, valid)[:, None]
+    if valid is not None:
+        drop = drop | ~valid
     if center == "group":
-        # An all-equal group gets exact zeros. R - mean(R) alone does not give them: the
-        # float32 mean of G copies of 0.9 is not 0.9 for most G, and the std scaling then
-        # divides that rounding error by eps (measured: advantages up to 0.19 at G = 64).
-        drop = _all_equal(grouped, valid)[:, None]
-        if valid is not None:
-            drop = drop | ~valid
         advantages = jnp.where(drop, 0.0, grouped - _group_mean(grouped, valid))
     else:
         advantages = grouped if valid is None else jnp.where(valid, grouped, 0.0)
     if scale == "group":
         if group_size < 2:
             raise ValueError("scale='group' needs group_size >= 2 (the std of one reward is undefined)")
-        advantages = advantages / (_unbiased_std(grouped, valid) + eps)
+        # (With center="group" the dropped rows are 0 already: the same bits either way.)
+        advantages = jnp.where(drop, 0.0, advantages / (_unbiased_std(grouped, valid) + eps))
     if scale == "batch":
         # Magistral drops zero-variance groups before the batch is formed: with group
         # centering their advantages are exactly 0, so they are left out of the batch
@@ -140,6 +153,11 @@ def outcome_advantages(
         keep = jnp.ones(grouped.shape, bool) if valid is None else valid
         if center == "group":
             keep = keep & ~_all_equal(grouped, valid)[:, None]
+        # Kept values all equal (or fewer than two): no signal, exact zeros (their float32
+        # mean need not equal them, and (A - mean) / (0 + eps) would be rounding / eps).
+        high = jnp.max(jnp.where(keep, advantages, -jnp.inf))
+        low = jnp.min(jnp.where(keep, advantages, jnp.inf))
+        keep = keep & (high > low)
         count = jnp.sum(keep)
         mean = jnp.sum(jnp.where(keep, advantages, 0)) / jnp.maximum(count, 1)
         var = jnp.sum(jnp.where(keep, jnp.square(advantages - mean), 0)) / jnp.maximum(count - 1, 1)
@@ -216,7 +234,8 @@ def length_adaptive_lambda(lengths: Array, alpha: float = 0.05, *, min_lam: floa
     The paper gives no rule for ``alpha * l <= 1`` (where the formula is <= 0, and
     undefined at l = 0): the result is clamped below at ``min_lam`` (default 0, i.e.
     one-step TD advantages ``r_t + gamma V_{t+1} - V_t`` for very short responses). With
-    alpha = 0.05 this affects responses of 20 tokens or fewer.
+    alpha = 0.05 the clamp changes only responses shorter than 20 tokens: at l = 20 the
+    formula itself gives exactly 0.
 
     Args:
       lengths: ``[B]`` response lengths (number of valid tokens).

@@ -556,9 +556,10 @@ def policy_loss(
       total) and ``dual_clip_frac``; ``ratio_mean`` / ``ratio_min`` / ``ratio_max`` of the
       token ratio ``r`` and ``seq_ratio_mean`` of ``s_i`` (the same for every method);
       ``approx_kl``, the k3 estimate of KL(pi_old || pi_theta), token mean of
-      ``r - 1 - log r``; ``gate_mean``, mean gradient weight ``w`` (SAPO's mean gate; 1 -
-      clip fraction for PPO); ``log_ratio_seq_var``, variance (ddof 0) of ``log r`` within
-      each sequence, mean over non-empty sequences (SAPO reports < 0.02); ``zero_grad_frac``,
+      ``r - 1 - log r``; ``gate_mean``, mean gradient weight ``w`` (SAPO's mean gate; for
+      PPO ``1 - clip_frac - dual_clip_frac``: the gate is 1 on every token that neither
+      clip removed); ``log_ratio_seq_var``, variance (ddof 0) of ``log r`` within each
+      sequence, mean over non-empty sequences (SAPO reports < 0.02); ``zero_grad_frac``,
       fraction of tokens with no gradient (gate 0, advantage 0 or importance weight 0);
       ``num_tokens``; and ``kl_ref`` / ``importance_weight_mean`` when those are used.
       Under ``jit`` the metrics cost nothing when they are discarded (dead code); on

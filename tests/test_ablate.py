@@ -1,9 +1,12 @@
 """The papers' ablations (configs/ablations.py, experiments/ablate.py) and checkpoint
-evaluation (experiments/eval.py): every arm builds and differs from its ablation's first
-arm exactly in the fields its variant names; a tiny sweep trains, summarises what its
-runs logged, and is not retrained when rerun; a checkpoint evaluated afterwards gives the
-figures of the training-time evaluation at that step."""
+evaluation (experiments/eval.py): every arm builds and, at the CPU defaults, in the demo
+setting and at paper scale, differs from its ablation's first arm only in the fields its
+variant names and, across recipes, those the ablation declares it compares (geometry and
+generation budget shared); a tiny sweep trains, summarises what its runs logged, and is
+not retrained when rerun; a checkpoint evaluated afterwards gives the figures of the
+training-time evaluation at that step."""
 
+import importlib
 import json
 import os
 
@@ -11,11 +14,12 @@ import numpy as np
 import pytest
 
 from configs import demo as demo_recipe
-from configs.ablations import ABLATIONS, Ablation, Arm, demo_setting, get_ablation
+from configs.ablations import ABLATIONS, SHARED_SECTIONS, Ablation, Arm, demo_setting, get_ablation
 from experiments import ablate
 from configs.base import load_run_config
 from experiments.eval import evaluate_checkpoint
 from policyopt.metrics import read_jsonl
+from policyopt.rl.learner import LossConfig
 from tests.test_rl_trainer import tiny
 
 
@@ -23,14 +27,118 @@ def _named_fields(variant):
     return {item.split("=")[0] for item in variant.split(",") if item}
 
 
+# The scales an ablation is built at: (common variant, setting). "paper" alone is refused
+# where the reference recipe's paper records no generation budget; "paper_budget" names one.
+SCALES = {"default": ("", None), "demo": ("", demo_setting), "paper": ("scale=paper", None),
+          "paper_budget": ("scale=paper,sampling.max_new_tokens=20480", None)}
+# The reference recipes whose papers record no generation budget (PAPERS.md).
+NO_PAPER_BUDGET = ("gspo", "gspo_token", "sapo", "ppo", "vc_ppo")
+
+
+def _compared(field, compares):
+    return any(field == c or (c.endswith(".") and field.startswith(c)) for c in compares)
+
+
+@pytest.mark.parametrize("scale", sorted(SCALES))
 @pytest.mark.parametrize("name", sorted(ABLATIONS))
-def test_every_arm_builds_and_differs_only_where_its_variant_says(name):
+def test_arms_differ_only_in_the_methods_they_compare(name, scale):
+    """At every scale an ablation accepts, each arm's resolved config differs from the
+    first arm's only in the fields the two arms' variants name and, for an arm of another
+    recipe, those ``Ablation.compares`` declares (never geometry, budget, model, task or
+    loop: SHARED_SECTIONS); ``train.num_iterations`` only by the value-pretraining
+    iterations that come on top. Dr. GRPO's constant is the shared budget."""
+    ablation = get_ablation(name)
+    variant, setting = SCALES[scale]
+    if scale == "paper" and ablation.reference_recipe in NO_PAPER_BUDGET:
+        with pytest.raises(ValueError, match=f"ablation {name!r}.*sampling.max_new_tokens"):
+            ablate.arm_config(ablation, ablation.arms[0].label, 0, variant, setting)
+        return
+    first = ablation.arms[0]
+    configs = {arm.label: ablate.arm_config(ablation, arm.label, 0, variant, setting)
+               for arm in ablation.arms}
+    for arm in ablation.arms:
+        assert not {f for f in _named_fields(arm.variant) if f.split(".")[0] in SHARED_SECTIONS}, arm
+        diff = ablate.config_diff(configs[first.label], configs[arm.label])
+        named = _named_fields(arm.variant) | _named_fields(first.variant)
+        compares = ablation.compares if arm.recipe != first.recipe else ()
+        if "critic.pretrain_iterations" in diff:  # pretraining comes on top of the policy's
+            (pre_a, pre_b), (it_a, it_b) = diff["critic.pretrain_iterations"], diff["train.num_iterations"]
+            assert it_b - it_a == pre_b - pre_a, (arm, diff)
+            del diff["train.num_iterations"]
+        stray = {k: v for k, v in diff.items() if k not in named and not _compared(k, compares)}
+        assert not stray, (name, scale, arm.label, stray)
+        if arm is not first:
+            assert diff, f"arm {arm.label} of {name} equals the first arm"
+        config = configs[arm.label]
+        # Dr. GRPO's normalising constant follows the shared generation budget.
+        if config.algo.aggregation == "seq_mean_token_sum_norm":
+            assert LossConfig.from_config(config).max_len == config.sampling.max_new_tokens
+
+
+def test_paper_scale_arms_take_the_reference_paper_geometry():
+    """Hand-checked against the recipes' paper values (PAPERS.md): every arm of a
+    cross-recipe ablation takes its reference paper's geometry and budget at scale=paper,
+    not its own paper's (the GRPO arms used to keep GRPO's 64 x 16 and 1024 tokens)."""
+    expected = {  # (group_size, n_prompts, n_minibatches, max_new_tokens)
+        # Dr. GRPO's 8 x 128 prompts and 3000 tokens, one update per batch.
+        "dr_grpo": ("scale=paper", (8, 128, 1, 3000)),
+        # GSPO records no batch size (the CPU 8 x 8) nor budget; 4 minibatches (GSPO §5.1).
+        "gspo": ("scale=paper,sampling.max_new_tokens=16384", (8, 8, 4, 16384)),
+        "routing_replay": ("scale=paper,sampling.max_new_tokens=16384", (8, 8, 4, 16384)),
+        # DAPO's 512 x 16 and 20480 tokens; 4 minibatches for the clips (OFF_POLICY).
+        "objectives": ("scale=paper", (16, 512, 4, 20480)),
+    }
+    for name, (variant, geometry) in expected.items():
+        ablation = get_ablation(name)
+        for arm in ablation.arms:
+            config = ablate.arm_config(ablation, arm.label, 0, variant)
+            b = config.batch
+            assert (b.group_size, b.n_prompts, b.n_minibatches, config.sampling.max_new_tokens) == geometry, (
+                name, arm.label)
+            assert (config.model.preset, config.optim.lr) == ("qwen3_30b_a3b", 1e-6), (name, arm.label)
+    dr = ablate.arm_config(get_ablation("dr_grpo"), "dr_grpo", 0, "scale=paper")
+    assert (dr.algo.max_len, LossConfig.from_config(dr).max_len) == (None, 3000)
+    # A budget in the common variant beats the reference's paper, for every arm, and moves
+    # Dr. GRPO's constant with it; in the objectives ablation too (DAPO's geometry).
+    for label in ("grpo", "dr_grpo"):
+        config = ablate.arm_config(get_ablation("dr_grpo"), label, 0, "scale=paper,sampling.max_new_tokens=2048")
+        assert (config.sampling.max_new_tokens, config.batch.n_prompts) == (2048, 128)
+    assert LossConfig.from_config(config).max_len == 2048
+    dr = ablate.arm_config(get_ablation("objectives"), "dr_grpo", 0, "scale=paper")
+    assert LossConfig.from_config(dr).max_len == 20480 and dr.batch.n_prompts == 512
+    # Magistral's own 32768 tokens and buckets give way to the reference's.
+    magistral = ablate.arm_config(get_ablation("objectives"), "magistral", 0, "scale=paper")
+    assert max(magistral.batch.response_buckets) == 20480 and magistral.reward.language_bonus
+    # The reference's paper refuses the variant: the error names the ablation and the recipe.
+    with pytest.raises(ValueError, match="ablation 'objectives'.*configs/dapo.py.*reward.max_len"):
+        ablate.arm_config(get_ablation("objectives"), "sapo", 0, "scale=paper,sampling.max_new_tokens=4096")
+
+
+def test_compares_may_not_name_shared_fields():
+    with pytest.raises(ValueError, match="'bad'.*batch.group_size"):
+        Ablation("bad", "claim", (Arm("a", "grpo"), Arm("b", "gspo")), compares=("batch.group_size",))
+
+
+@pytest.mark.parametrize("scale", sorted(SCALES))
+def test_routing_replay_grpo_arms_are_the_gspo_papers_baseline(scale):
+    """GSPO (2507.18071; PAPERS.md): its GRPO baseline clips at 0.2 / 0.27, without KL."""
+    ablation = get_ablation("routing_replay")
+    variant, setting = SCALES[scale]
+    if scale == "paper":
+        variant += ",sampling.max_new_tokens=16384"
+    for label in ("grpo", "grpo_R2", "grpo_R3"):
+        algo = ablate.arm_config(ablation, label, 0, variant, setting).algo
+        assert (algo.method, algo.clip_low, algo.clip_high, algo.kl_beta) == ("ppo", 0.2, 0.27, 0.0)
+    gspo = get_ablation("gspo")
+    assert ablate.arm_config(gspo, "grpo", 0).algo.to_dict() == ablate.arm_config(ablation, "grpo", 0).algo.to_dict()
+
+
+@pytest.mark.parametrize("name", sorted(ABLATIONS))
+def test_every_arm_builds_with_the_shared_variant_and_common_variants(name):
     ablation = get_ablation(name)
     labels = [arm.label for arm in ablation.arms]
     assert len(set(labels)) == len(labels)
     assert all(label.replace("_", "").replace("-", "").isalnum() for label in labels)
-    first = ablation.arms[0]
-    base = ablate.arm_config(ablation, first.label, 0)
     for arm in ablation.arms:
         config = ablate.arm_config(ablation, arm.label, 1, "model=tiny_dense")
         assert config.seed == 1 and config.model.preset == "tiny_dense"
@@ -42,14 +150,6 @@ def test_every_arm_builds_and_differs_only_where_its_variant_says(name):
         if "n_minibatches=4" in ablation.variant:  # the paper geometry does not undo it
             paper = "scale=paper,sampling.max_new_tokens=20480"  # not every paper records one
             assert ablate.arm_config(ablation, arm.label, 0, paper).batch.n_minibatches == 4
-        if arm.recipe == first.recipe:
-            diff = ablate.config_diff(base, ablate.arm_config(ablation, arm.label, 0))
-            named = _named_fields(arm.variant) | _named_fields(first.variant)
-            if "critic.pretrain_iterations" in named:  # pretraining comes on top of the policy's
-                named.add("train.num_iterations")
-            assert set(diff) <= named, (arm, diff)
-            if arm is not first:
-                assert diff, f"arm {arm.label} of {name} equals the first arm"
     with pytest.raises(ValueError, match="no arm"):
         ablate.arm_config(ablation, "no-such-arm", 0)
 

@@ -22,7 +22,9 @@ SHAPE = (12, 9)
 def ref_outcome_advantages(rewards, group_size, center, scale, eps=1e-6, valid=None):
     """GRPO / Dr. GRPO / Magistral advantages with explicit loops (ddof-1 std + eps).
 
-    ``valid``: samples left out of every statistic, with advantage 0 (None: all valid)."""
+    ``valid``: samples left out of every statistic, with advantage 0 (None: all valid).
+    No signal, exact zeros: a group of all-equal (or fewer than two) valid rewards with
+    center "group" or scale "group"; with scale "batch", all-equal kept values."""
     def mean(xs):
         return sum(xs) / len(xs)
 
@@ -38,6 +40,9 @@ def ref_outcome_advantages(rewards, group_size, center, scale, eps=1e-6, valid=N
             if not v:
                 out.append(0.0)
                 continue
+            if (center == "group" or scale == "group") and (len(group) < 2 or max(group) == min(group)):
+                out.append(0.0)
+                continue
             a = float(r) - mean(group) if center == "group" else float(r)
             if scale == "group":
                 a = a / (std(group) + eps)
@@ -48,6 +53,8 @@ def ref_outcome_advantages(rewards, group_size, center, scale, eps=1e-6, valid=N
             start = k // group_size * group_size
             group = [float(r) for r, v in zip(rewards[start:start + group_size], valid[start:start + group_size]) if v]
             keep.append(valid[k] and (center == "none" or max(group) > min(group)))
+        if len({a for a, k in zip(out, keep) if k}) < 2:  # all kept values equal
+            keep = [False] * len(keep)
         kept = [a for a, k in zip(out, keep) if k]
         m, s = mean(kept), std(kept)
         out = [(a - m) / (s + eps) if k else 0.0 for a, k in zip(out, keep)]
@@ -70,7 +77,7 @@ def test_outcome_advantages_match_loops():
     for (center, scale), got in results.items():
         expected = ref_outcome_advantages(rewards, 4, center, scale)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=f"{center} {scale}")
-        if center == "group":
+        if center == "group" or scale == "group":
             assert np.all(np.asarray(got)[4:8] == 0), f"{center} {scale}"  # exact zeros
     # Another shape: 3 groups of 2.
     rewards = rng.normal(size=6).astype(np.float32)
@@ -124,10 +131,9 @@ def test_outcome_advantages_leave_invalid_samples_out():
         got = np.asarray(adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid))
         expected = ref_outcome_advantages(rewards, 4, center, scale, valid=valid)
         assert np.all(got[~valid] == 0), f"{center} {scale}"
-        # (center "none", scale "group": the lone valid sample gets r / (0 + eps), ~1e6,
-        # so a relative tolerance only.)
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=0 if (center, scale) == ("none", "group") else 1e-6,
-                                   err_msg=f"{center} {scale}")
+        if center == "group" or scale == "group":  # the lone valid sample: no signal
+            assert got[12] == 0, f"{center} {scale}"
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=f"{center} {scale}")
         changed = np.where(valid, rewards, 100.0).astype(np.float32)
         np.testing.assert_array_equal(
             adv.outcome_advantages(changed, 4, center=center, scale=scale, valid=valid),
@@ -147,6 +153,63 @@ def test_outcome_advantages_leave_invalid_samples_out():
                                  valid=np.array([1, 1, 0, 1, 1, 0, 0, 0], bool)), [True, True])
     with pytest.raises(ValueError, match="valid"):
         adv.outcome_advantages(rewards, 4, valid=valid[:8])
+
+
+def test_no_signal_gives_exact_zeros_for_every_center_and_scale():
+    """All-equal rewards whose float32 mean is not the value itself (0.9): exact zeros for
+    an all-equal group under center "group" or scale "group", for an all-equal batch under
+    scale "batch", whatever the other option; with the valid mask too. Hand-worked."""
+    nine = np.float32(0.9)
+    # 64 rewards of 0.9, G = 8 (before: center "none", scale "group" gave up to 8.46e5, and
+    # scale "batch" |A| 0.056). Only center "none", scale "none" keeps them: A = R.
+    rewards = np.full(64, nine)
+    for center, scale in OUTCOME_OPTIONS:
+        got = np.asarray(adv.outcome_advantages(rewards, 8, center=center, scale=scale))
+        expected = rewards if (center, scale) == ("none", "none") else np.zeros(64, np.float32)
+        np.testing.assert_array_equal(got, expected, err_msg=f"{center} {scale}")
+    # [0.9] * 4 then [1, 0, 0, 1], G = 4.
+    rewards = np.array([nine] * 4 + [1, 0, 0, 1], np.float32)
+    root3 = math.sqrt(3.0)
+    # Second group: mean 0.5, std sqrt(1/3); centred +-0.5 -> +-0.5 sqrt(3) = +-0.8660.
+    # Center "none", scale "group": R / sqrt(1/3) = sqrt(3) R.
+    # Center "none", scale "batch": mean (3.6 + 2) / 8 = 0.7, std sqrt(1.32 / 7) = 0.434248.
+    # Center "group", scale "batch": kept [0.5, -0.5, -0.5, 0.5], mean 0, std sqrt(1/3).
+    batch_std = math.sqrt(1.32 / 7)
+    expected = {
+        ("group", "group"): [0, 0, 0, 0, root3 / 2, -root3 / 2, -root3 / 2, root3 / 2],
+        ("group", "batch"): [0, 0, 0, 0, root3 / 2, -root3 / 2, -root3 / 2, root3 / 2],
+        ("group", "none"): [0, 0, 0, 0, 0.5, -0.5, -0.5, 0.5],
+        ("none", "group"): [0, 0, 0, 0, root3, 0, 0, root3],
+        ("none", "batch"): [0.2 / batch_std] * 4 + [0.3 / batch_std, -0.7 / batch_std,
+                                                    -0.7 / batch_std, 0.3 / batch_std],
+        ("none", "none"): [nine] * 4 + [1, 0, 0, 1],
+    }
+    for (center, scale), want in expected.items():
+        got = np.asarray(adv.outcome_advantages(rewards, 4, center=center, scale=scale))
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{center} {scale}")
+        if center == "group" or scale == "group":  # the 0.9 group: exact zeros, not ~1e-7
+            assert np.all(got[:4] == 0), (center, scale)
+    # [0.9] * 4 then [0.1] * 4: center "none", scale "batch" keeps the constant groups'
+    # values (they differ from the batch's): mean 0.5, std sqrt(8 * 0.16 / 7) -> +-0.935414.
+    got = adv.outcome_advantages(np.array([nine] * 4 + [0.1] * 4, np.float32), 4, center="none",
+                                 scale="batch")
+    np.testing.assert_allclose(got, [0.4 / math.sqrt(1.28 / 7)] * 4 + [-0.4 / math.sqrt(1.28 / 7)] * 4,
+                               rtol=1e-5)
+    # With the valid mask: the one reward that differs (5.0) is not valid, so every group
+    # and the batch hold only 0.9s; a group with one valid sample has no signal either.
+    rewards = np.array([nine, nine, 5.0, nine, nine, nine, nine, nine, nine, 2.0, 3.0, 4.0], np.float32)
+    valid = np.array([1, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0], bool)
+    for center, scale in OUTCOME_OPTIONS:
+        got = np.asarray(adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid))
+        expected = np.where(valid, nine, 0) if (center, scale) == ("none", "none") else np.zeros(12)
+        np.testing.assert_array_equal(got, expected.astype(np.float32), err_msg=f"{center} {scale}")
+    # The same groups, one informative valid pair in the last: [0.9, 0.1] -> centred +-0.4,
+    # std sqrt(0.32); the 0.9-only groups stay exact zeros.
+    rewards[10], valid[10] = 0.1, True
+    got = np.asarray(adv.outcome_advantages(rewards, 4, center="none", scale="group", valid=valid))
+    np.testing.assert_allclose(got, [0, 0, 0, 0, 0, 0, 0, 0, 0.9 / math.sqrt(0.32), 0,
+                                     0.1 / math.sqrt(0.32), 0], rtol=1e-5)
+    assert np.all(got[:8] == 0)
 
 
 def test_grpo_advantages_without_a_mask_keep_their_bits():
