@@ -72,7 +72,8 @@ def test_a_program_that_exits_early_does_not_pass(program, expected, isolation):
 
 
 # Reward hacks that one process cannot stop (the marker found in the harness's frame, an
-# object equal to everything, a built-in the tests compare with redefined): isolation
+# object equal to everything, alone or inside a list, an int subclass equal to
+# everything, a built-in the tests compare with redefined): isolation
 # "process" fails them all; "none" is shown passing them, so the test fails if the
 # hacks stop working there (and this list no longer says what isolation buys).
 HACKS = [
@@ -82,8 +83,8 @@ HACKS = [
      "def add_one(x):\n    return Anything()", GOOD_TESTS),
     ("class Int(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
      "def add_one(x):\n    return Int(5)", GOOD_TESTS),
-    ("class Yes:\n    def __bool__(self):\n        return True\n"
-     "def is_prime(x):\n    return Yes()", "assert is_prime(7)\nassert is_prime(11)"),
+    ("class Anything:\n    def __eq__(self, other):\n        return True\n"
+     "def pair(x):\n    return [Anything(), Anything()]", "assert pair(1) == [1, 2]\nassert pair(2) == [4, 8]"),
     ("def add_one(x):\n    return 0\ndef set(*args):\n    return 1\ndef len(*args):\n    return 2",
      "assert set([add_one(1)]) == set([2])\nassert len([add_one(0)]) == len([1, 1])"),
 ]
@@ -195,6 +196,96 @@ def test_isolated_tests_get_the_programs_values_and_objects():
     assert code_correctness(program, split, partial=True, isolation="process") == pytest.approx(2 / 3)
 
 
+OBJECTS = """
+import collections
+class ListNode:
+    def __init__(self, val=0, next=None):
+        self.val, self.next = val, next
+def reverse(head):
+    prev = None
+    while head:
+        head.next, prev, head = prev, head, head.next
+    return prev
+class BadInput(ValueError):
+    pass
+def parse(text):
+    if not text.isdigit():
+        raise BadInput("not a number", text)
+    return int(text)
+def squares(n):
+    for i in range(n):
+        yield i * i
+def same(x):
+    return x
+"""
+OBJECT_TESTS = """
+import collections
+head = ListNode(1)
+head.next = ListNode(2)
+head.next.next = ListNode(3)
+node, values = reverse(head), []
+while node:
+    values.append(node.val)
+    node = node.next
+assert values == [3, 2, 1] and node is None
+first = reverse(ListNode(7))
+assert first is first and len({first, first}) == 1
+try:
+    parse("x")
+except ValueError as error:  # the program's subclass of ValueError
+    assert error.args == ("not a number", "x")
+try:
+    parse("y")
+except BadInput:
+    pass
+else:
+    assert False
+assert sum(squares(5000)) == sum(i * i for i in range(5000))  # in few round trips
+Point = collections.namedtuple("Point", "x y")
+assert same(Point(1, 2)) == (1, 2)
+"""
+
+
+def test_isolated_program_objects_behave_like_objects():
+    """Linked structures built by the tests (attributes set, truth, identity), the
+    program's exception classes (caught by name and by their built-in base, with their
+    args), long generators, namedtuples from the tests."""
+    program = solution(OBJECTS)
+    assert code_correctness(program, OBJECT_TESTS, isolation="none") == 1.0
+    assert code_correctness(program, OBJECT_TESTS, isolation="process") == 1.0
+
+
+def test_isolated_partial_credit_runs_the_statements_after_the_last_assert():
+    # A loop of asserts after the last top-level assert was dropped by the split.
+    tests = "assert add_one(1) == 2\nfor x in range(-3, 3):\n    assert add_one(x) == x + 1\n"
+    wrong = solution("def add_one(x):\n    return 2")
+    for isolation in code_lib.ISOLATIONS:
+        assert code_correctness(wrong, tests, partial=True, isolation=isolation) == pytest.approx(0.5)
+        assert code_correctness(ADD_ONE, tests, partial=True, isolation=isolation) == 1.0
+    assert code_lib._split_asserts("assert f()\ndef g():\n    assert 0\n") == ["assert f()\n"]
+
+
+def test_a_fake_module_does_not_answer_for_the_standard_library():
+    program = solution("class FakeMath:\n    def isclose(self, *args, **kwargs):\n        return True\n"
+                       "math = FakeMath()\ndef area(r):\n    return 0")
+    tests = "assert math.isclose(area(2), 12.566, rel_tol=1e-3)"
+    assert code_correctness(program, tests, isolation="none") == 1.0
+    assert code_correctness(program, tests, isolation="process") == 0.0
+    honest = solution("import math\ndef area(r):\n    return math.pi * r * r")
+    assert code_correctness(honest, tests, isolation="process") == 1.0
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="files of one user are readable by that user's programs")
+def test_a_program_cannot_read_other_runs_files():
+    """The tests' process writes its stdout / stderr (assert messages) to files only the
+    scorer can read: the program's process runs beside it and must not read them."""
+    program = solution("import glob\ndef readable():\n    count = 0\n"
+                       "    for path in glob.glob('/tmp/policyopt-sandbox-*/*'):\n"
+                       "        try:\n            open(path).read()\n            count += 1\n"
+                       "        except OSError:\n            pass\n    return count")
+    assert code_correctness(program, "assert readable() == 0", isolation="process") == 1.0
+
+
 @pytest.mark.parametrize("program, tests", [
     # What one process allows and isolation does not (module docstring of isolation.py):
     # comparing the program's own objects, passing it a function of the tests', reading a
@@ -241,6 +332,10 @@ def test_codec_round_trips_and_rejects_what_it_does_not_know():
         assert back == value and type(back) is type(value)
     with pytest.raises(TypeError):
         isolation.encode(object(), refuse)
+    error = isolation.decode(["Z", "BadInput", "KeyError"], None)  # an exception class of the program's
+    assert issubclass(error, KeyError) and error.__name__ == "BadInput"
+    assert isolation.decode(["Z", "BadInput", "KeyError"], None) is error
+    assert issubclass(isolation.decode(["Z", "Oops", "SystemExit"], None), isolation.ProgramError)
     for bad in ({"x": 1}, ["Z", 1], ["S", ["L"]], ["D", 1], ["I", 5], ["R", 1.0, 2, 1], ["H", "1", "f"],
                 ["Q", 1, 0], [], [1, 2]):
         with pytest.raises(isolation.ProtocolError):

@@ -44,7 +44,9 @@ tests, 4 s and 300 MB per test, binary reward (partial credit hurt).
 The sandbox (:func:`run_sandboxed`), per test process:
 
 * a fresh temporary directory as working directory (deleted afterwards), holding the
-  program; stdin from a file; stdout and stderr to files outside that directory;
+  program; stdin from a file; stdout and stderr to files outside that directory, which
+  only the scorer may open (mode 0600: the child gets them as descriptors, and no other
+  run's program reads this run's input or its tests' assert messages);
 * a cleared environment (only ``PATH``), and an isolated interpreter ``python -I -S``
   (no ``PYTHON*`` variables, no user or site packages: the standard library only);
 * resource limits set by a trusted prologue in the child before any untrusted code runs
@@ -59,7 +61,11 @@ The sandbox (:func:`run_sandboxed`), per test process:
   run, keeps the program out of files it does not own (outside the working directory it
   can write only to world-writable places such as ``/tmp``, and at most
   ``max_output_bytes`` per file), and lets the reaper kill every process of that uid,
-  including ones that escaped the process group with ``setsid``;
+  including ones that escaped the process group with ``setsid``. It still *reads* what
+  every user may read (a world-readable copy of the dataset, ``/proc``) and may leave
+  files in ``/tmp`` for later runs: a private mount namespace (a root holding only the
+  interpreter, the standard library and the working directory) would close both, and
+  is not built yet; keep answer files unreadable to other users (mode 0600);
 * network: when ``unshare --net`` works (root, or unprivileged user namespaces) the
   child runs in a fresh network namespace with no interface but a down loopback; where it
   does not, the program keeps the host network (this is the case for a non-root scorer
@@ -349,16 +355,18 @@ class _Sandbox:
                 nproc = max_processes
             else:
                 nproc = _count_processes(os.getuid()) + max_processes
+            # The run's files are the scorer's alone (0600): the child gets them as open
+            # descriptors, and another run's program cannot read this one's tests' output.
             stdin_path = os.path.join(self.root, "stdin")
-            with open(stdin_path, "w", encoding="utf-8") as f:
+            with open(_private(stdin_path), "w", encoding="utf-8") as f:
                 f.write(stdin)
             command = [
                 *_unshare_prefix(), python or _sandbox_python(), "-I", "-S", "-c", _BOOTSTRAP,
                 str(max(1, int(-(-timeout_s // 1)))), str(memory_mb << 20), str(nproc),
                 str(max_output_bytes), str(uid), str(os.getpid()),
             ]  # fmt: skip
-            self.files = [open(stdin_path, "rb"), open(os.path.join(self.root, "stdout"), "w+b"),
-                          open(os.path.join(self.root, "stderr"), "w+b")]
+            self.files = [open(stdin_path, "rb"), open(_private(os.path.join(self.root, "stdout")), "w+b"),
+                          open(_private(os.path.join(self.root, "stderr")), "w+b")]
             self.process = subprocess.Popen(
                 command, cwd=workdir, env={"PATH": "/usr/bin:/bin"}, stdin=self.files[0],
                 stdout=self.files[1], stderr=self.files[2], start_new_session=True, close_fds=True,
@@ -400,6 +408,11 @@ class _Sandbox:
         for f in self.files:
             f.close()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _private(path: str) -> int:
+    """A new file only its owner can read or write, opened for writing (a descriptor)."""
+    return os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
 
 
 def _sandbox_uids(count: int) -> list[int]:
@@ -709,7 +722,9 @@ def _statements(tests: str) -> list[tuple[bool, str]]:
 
 def _split_asserts(tests: str) -> list[str]:
     """One source string per top-level assert of a test string: the statements before it
-    that are not asserts, in order, then the assert (partial credit). A string without
+    that are not asserts, in order, then the assert (partial credit); and when statements
+    after the last assert can fail (a loop of asserts, a ``check(f)`` call), one more
+    case: every statement that is not a top-level assert, in order. A string without
     top-level asserts (HumanEval's asserts inside ``check``) is one test."""
     statements = _statements(tests)
     cases = []
@@ -717,9 +732,24 @@ def _split_asserts(tests: str) -> list[str]:
         if is_assert:
             setup = [s for a, s in statements[:index] if not a]
             cases.append("\n".join(setup + [source]) + "\n")
+    last = max((i for i, (is_assert, _) in enumerate(statements) if is_assert), default=-1)
+    if cases and any(_can_fail(source) for _, source in statements[last + 1:]):
+        cases.append("\n".join(s for a, s in statements if not a) + "\n")
     if not cases or not all(_parses(case) for case in cases):
         return [tests]  # one test rather than a case the split got wrong
     return cases
+
+
+def _can_fail(source: str) -> bool:
+    """Whether a top-level statement can fail a test: it asserts, raises or calls
+    (outside a function or class definition, which runs nothing by being defined)."""
+    try:
+        node = ast.parse(source).body[0]
+    except (SyntaxError, IndexError):
+        return True
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return False
+    return any(isinstance(sub, (ast.Assert, ast.Raise, ast.Call)) for sub in ast.walk(node))
 
 
 def _parses(source: str) -> bool:

@@ -2,8 +2,8 @@
 
 The program and its tests run in two sandboxed processes (two throw-away uids when the
 scorer is root) joined by two pipes. The *server* runs the untrusted program, then
-answers requests: call this function, get this attribute, iterate this object. The
-*client* runs the trusted test string in a namespace where each name the program
+answers requests: call this function, get or set this attribute, iterate this object.
+The *client* runs the trusted test string in a namespace where each name the program
 defined is a stand-in that forwards to the server, and writes the scorer's marker
 when the tests have run to their end. Only plain values cross the pipes, encoded as
 tagged JSON (:func:`encode`, :func:`decode`): ``None``, ``bool``, ``int``, ``float``,
@@ -12,28 +12,38 @@ tagged JSON (:func:`encode`, :func:`decode`): ``None``, ``bool``, ``int``, ``flo
 ``collections.Counter`` / ``OrderedDict`` / ``defaultdict`` / ``deque`` (a namedtuple
 or other subclass of a built-in arrives as its base type). The client builds them
 with its own classes, so what the tests compare is data, never an object of the
-program's: an object whose ``__eq__`` always says True arrives as a handle, and a
-handle refuses ``==``, ordering, ``bool()`` and ``hash()``. Anything else the program
-returns (its classes, their instances, generators, bound methods) stays in the server
-and the client gets a handle that forwards calls, attribute reads, iteration, ``len``,
-indexing, ``in``, ``str`` and ``repr``. The program cannot reach the client's memory,
-files or marker (another process, another uid), so inspecting frames, shadowing
-``exec`` or exiting early gains nothing.
+program's. Anything else the program returns (its classes, their instances,
+generators, bound methods) stays in the server, and the client gets a stand-in (one
+per object, so ``is`` and hashing work) that forwards calls, attribute reads and
+writes, iteration (in batches), ``len``, indexing, ``in``, truth, ``str`` and ``repr``;
+each answer is a plain value the program chose, which it could as well have returned.
+``==``, ``!=`` and ordering on a stand-in are refused: an object equal to everything
+would pass every comparison, and no plain value does. The program's exception classes
+reach the tests as classes of the client's own, subclasses of the built-in exception
+they derive from (``except ValueError`` catches a ``class BadInput(ValueError)``,
+``except BadInput`` names it), raised with the program's args. A name the tests use as
+a module (``math.isclose``) that names a standard-library module is the client's own
+import, whatever the program bound to it. The program cannot reach the client's
+memory, files or marker (another process, another uid), so inspecting frames,
+shadowing ``exec`` or exiting early gains nothing.
 
 What changes for honest programs, against one process:
 
 * names of built-ins the program redefines (``def set(...)``) do not reach the tests,
   which keep Python's own (in one process a program could rebind what the tests
-  compare with);
+  compare with), nor do standard-library module names the tests use as modules;
+* the program's objects cannot be compared with ``==`` (a dataclass or Enum result, a
+  ``Point(1, 2) == Point(1, 2)`` test): compare their attributes;
 * module-level values are copied when the program has run: a test that reads a global
   after a call sees its value from before the call;
 * list, dict, set and bytearray arguments a call mutates in place are copied back into
   the tests' objects (top level only; the same object passed twice arrives as two);
-* the tests cannot pass the program a function or an object of their own (a
-  ``TypeError`` in the tests, so the test fails);
-* what the program prints does not reach the tests' stdout;
-* an exception the program raises reaches the tests as the built-in exception of the
-  same name, or as :class:`ProgramError`.
+* the tests cannot pass the program a function, a class or an object of their own (a
+  ``TypeError`` in the tests, so the test fails); namedtuples go as tuples;
+* what the program prints does not reach the tests' stdout, and a recursion limit the
+  tests set does not reach the program;
+* every call is a round trip (~0.2 ms): a test that calls the program 10^4 times
+  spends seconds of its time limit on them.
 
 This file runs in the sandbox's interpreter (``python -I -S``: the standard library
 only) and is imported by the scorer and the tests (the codec is the same on both
@@ -227,6 +237,8 @@ def _decode(data, handle):
         return collections.deque(inner(item) for item in items)
     if tag == "H" and len(items) == 2 and type(items[0]) is int and type(items[1]) is str:
         return handle(items[0], items[1])
+    if tag == "Z" and len(items) == 2 and type(items[0]) is str and type(items[1]) is str:
+        return _program_exception(items[0], items[1])
     raise ProtocolError(f"unknown tag {tag!r}")
 
 
@@ -238,7 +250,7 @@ _MUTABLE = (list, dict, set, bytearray)
 def serve(program, requests, replies):
     """Runs ``program`` (its own ``SystemExit`` caught), sends the names it defined, then
     answers requests until the client closes its end."""
-    handles = {}
+    handles, keys = {}, {}  # one key per object, kept alive: the tests' `is` works
 
     def as_handle(value):
         base = _base_value(value)
@@ -246,8 +258,12 @@ def serve(program, requests, replies):
             return encode(base, as_handle)
         if type(value) is type(sys) and getattr(value, "__name__", None) in _stdlib_modules():
             return ["U", value.__name__]  # the client imports its own copy
-        key = len(handles)
-        handles[key] = value
+        if isinstance(value, type) and issubclass(value, BaseException):
+            return ["Z", value.__qualname__, _builtin_base(value)]  # the client makes its own
+        key = keys.get(id(value))
+        if key is None:
+            key = keys[id(value)] = len(handles)
+            handles[key] = value
         return ["H", key, type(value).__qualname__]
 
     def local(key, name):
@@ -261,7 +277,7 @@ def serve(program, requests, replies):
     except SystemExit:
         pass
     except BaseException as error:  # the tests would fail on the first name they use
-        _send(replies, {"load_error": _describe(error)})
+        _send(replies, {"load_error": _describe(error, as_handle)[:2]})
         return
     names = {}
     for name, value in list(namespace.items()):
@@ -280,12 +296,25 @@ def serve(program, requests, replies):
         _send(replies, _answer(request, handles, as_handle, local))
 
 
-def _describe(error):
+def _builtin_base(kind):
+    """The name of the first built-in exception class in ``kind``'s method resolution order."""
+    for base in kind.__mro__:
+        if getattr(builtins, base.__name__, None) is base:
+            return base.__name__
+    return "Exception"
+
+
+def _describe(error, as_handle):
+    """``[type name, message, built-in base name, args (encoded) or None]``."""
     try:
         message = str(error)[:2000]
     except BaseException:
         message = "<unprintable>"
-    return [type(error).__name__, message]
+    try:
+        args = encode(tuple(error.args), as_handle)
+    except BaseException:
+        args = None
+    return [type(error).__name__, message, _builtin_base(type(error)), args]
 
 
 def _answer(request, handles, as_handle, local):
@@ -299,12 +328,23 @@ def _answer(request, handles, as_handle, local):
             back = [encode(a, as_handle) if type(a) in _MUTABLE else None for a in args]
             back_kw = {key: encode(v, as_handle) for key, v in kwargs.items() if type(v) in _MUTABLE}
             return {"v": encode(value, as_handle), "a": back, "k": back_kw}
+        if op == "next":  # up to n items: one round trip for many
+            items = []
+            for _ in range(request["n"]):
+                try:
+                    items.append(next(target))
+                except StopIteration:
+                    return {"v": encode(items, as_handle), "done": True}
+            return {"v": encode(items, as_handle), "done": False}
         if op == "getattr":
             value = getattr(target, request["n"])
+        elif op == "setattr":
+            setattr(target, request["n"], decode(request["x"], local))
+            value = None
         elif op == "iter":
             value = iter(target)
-        elif op == "next":
-            value = next(target)
+        elif op == "bool":
+            value = bool(target)
         elif op == "len":
             value = len(target)
         elif op == "getitem":
@@ -319,7 +359,7 @@ def _answer(request, handles, as_handle, local):
             raise ValueError(f"unknown op {op!r}")
         return {"v": encode(value, as_handle)}
     except BaseException as error:  # the program's exceptions, SystemExit included
-        return {"e": _describe(error)}
+        return {"e": _describe(error, as_handle)}
 
 
 def _stdlib_modules():
@@ -365,10 +405,11 @@ class _Connection:
         reply = self.receive()
         if "e" in reply:
             error = reply["e"]
-            if type(error) is not list or len(error) != 2 or not all(type(x) is str for x in error):
+            if (type(error) is not list or len(error) != 4 or not all(type(x) is str for x in error[:3])):
                 self.broken = "a malformed error"
                 raise ProtocolError(self.broken)
-            raise _exception(*error)
+            args = None if error[3] is None else self.value(error[3])
+            raise _exception(error[0], error[1], error[2], args if type(args) is tuple else None)
         if "v" not in reply:
             self.broken = "a reply without a value"
             raise ProtocolError(self.broken)
@@ -391,11 +432,37 @@ class _Connection:
 _CONNECTION = None
 
 
-def _exception(name, message):
+_EXCEPTIONS = {}
+
+
+def _program_exception(name, base):
+    """The tests' class for the program's exception class ``name``: a subclass of the
+    built-in ``base`` it derives from (``except ValueError`` catches the program's
+    ``class BadInput(ValueError)``, and ``except BadInput`` names this class), and of
+    :class:`ProgramError` when that base is ``Exception`` itself."""
+    kind = getattr(builtins, base, None)
+    if not (isinstance(kind, type) and issubclass(kind, Exception)):
+        kind = Exception
+    if (name, kind) not in _EXCEPTIONS:
+        bases = (ProgramError,) if kind is Exception else (kind,)
+        _EXCEPTIONS[name, kind] = type(name if name.isidentifier() else "ProgramError", bases, {})
+    return _EXCEPTIONS[name, kind]
+
+
+def _exception(name, message, base="Exception", args=None):
+    """The exception the tests see: the built-in one of that name (only ``Exception``
+    subclasses: a ``SystemExit`` from the program is a :class:`ProgramError`), else the
+    program's class as :func:`_program_exception` makes it; with the program's ``args``
+    where they are plain values."""
     kind = getattr(builtins, name, None)
-    if isinstance(kind, type) and issubclass(kind, Exception):
-        return kind(message)
-    return ProgramError(f"{name}: {message}")
+    if not (isinstance(kind, type) and issubclass(kind, Exception)):
+        kind = _program_exception(name, base)
+    if args is not None:
+        try:
+            return kind(*args)
+        except Exception:
+            pass
+    return kind(message)
 
 
 def _write_back(original, updated):
@@ -413,6 +480,8 @@ def _outgoing(value):
     def unknown(item):
         if type(item) is _Remote:
             return ["H", item._key, item._name]
+        if isinstance(item, tuple):  # a namedtuple
+            return encode(tuple(item), unknown)
         raise TypeError(f"isolated tests pass plain values to the program, not {type(item).__name__}")
     return encode(value, unknown)
 
@@ -426,13 +495,25 @@ def _refuse(operation):
 
 class _Remote:
     """The tests' stand-in for one of the program's objects (functions, classes,
-    instances, iterators): calls, attribute reads, iteration, ``len``, indexing, ``in``,
-    ``str`` and ``repr`` are forwarded; comparisons, truth and hashing are refused."""
+    instances, iterators): calls, attribute reads and writes, iteration, ``len``,
+    indexing, ``in``, truth, ``str`` and ``repr`` are forwarded, and answered by the
+    program with plain values (none of these lets an object pass more than a plain value
+    could: a program may return ``True``, or ``range(-10**18, 10**18)`` for ``in``).
+    ``==``, ``!=`` and ordering are refused (an object equal to everything would pass
+    every comparison; nothing plain does); hashing and ``is`` go by identity (one
+    stand-in per object of the program's)."""
 
-    __slots__ = ("_key", "_name")
+    __slots__ = ("_key", "_name", "_items", "_batch")
 
-    def __init__(self, key, name):
-        self._key, self._name = key, name
+    def __new__(cls, key, name):
+        remote = _REMOTES.get(key)
+        if remote is None:
+            remote = _REMOTES[key] = object.__new__(cls)
+            object.__setattr__(remote, "_key", key)
+            object.__setattr__(remote, "_name", name)
+            object.__setattr__(remote, "_items", [])
+            object.__setattr__(remote, "_batch", 0)
+        return remote
 
     def __call__(self, *args, **kwargs):
         return _CONNECTION.call(self, args, kwargs)
@@ -448,11 +529,35 @@ class _Remote:
             raise TypeError(f"{op} of the program's {self._name} gave {type(value).__name__}")
         return value
 
+    def __setattr__(self, name, value):
+        _CONNECTION.request("setattr", self, n=name, x=_outgoing(value))
+
     def __iter__(self):
         return _CONNECTION.value(_CONNECTION.request("iter", self)["v"])
 
     def __next__(self):
-        return _CONNECTION.value(_CONNECTION.request("next", self)["v"])
+        if not self._items:
+            if self._batch < 0:  # the program's iterator ended
+                raise StopIteration
+            # 1, 2, 4, ... 1024 items per round trip: a long generator costs few round
+            # trips, a slow one is not run far ahead of what the tests take.
+            batch = min(2 * self._batch or 1, 1024)
+            reply = _CONNECTION.request("next", self, n=batch)
+            items = _CONNECTION.value(reply["v"])
+            if type(items) is not list or len(items) > batch:
+                _CONNECTION.broken = "a malformed batch of items"
+                raise ProtocolError(_CONNECTION.broken)
+            self._items.extend(reversed(items))
+            object.__setattr__(self, "_batch", -1 if reply.get("done") is True else batch)
+            if not self._items:
+                raise StopIteration
+        return self._items.pop()
+
+    def __bool__(self):
+        return self._plain("bool", bool)
+
+    def __hash__(self):
+        return object.__hash__(self)
 
     def __len__(self):
         return self._plain("len", int)
@@ -475,8 +580,9 @@ class _Remote:
     __le__ = _refuse("<=")
     __gt__ = _refuse(">")
     __ge__ = _refuse(">=")
-    __bool__ = _refuse("truth")
-    __hash__ = None
+
+
+_REMOTES = {}
 
 
 def run_tests(tests, marker, replies, requests):
@@ -493,16 +599,29 @@ def run_tests(tests, marker, replies, requests):
     if type(names) is not dict:
         raise ProtocolError("no names from the program")
     namespace = {"__name__": "__main__", "__builtins__": builtins}
-    shadowed = set(dir(builtins))
+    shadowed, modules = set(dir(builtins)), set(_stdlib_modules())
+    # Names the tests use as modules (`math.isclose`): a program's `math = FakeMath()`
+    # must not answer them, so those that name standard-library modules get the module.
+    import ast
+    dotted = {node.value.id for node in ast.walk(ast.parse(tests))
+              if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)}
+    for name in dotted & modules:
+        try:
+            namespace[name] = __import__(name)
+        except ImportError:
+            pass
     for name, data in names.items():
         if type(name) is not str or not name.isidentifier() or name in shadowed:
             continue
-        if type(data) is list and len(data) == 2 and data[0] == "U" and type(data[1]) is str:
-            if data[1] in _stdlib_modules():
+        is_module = type(data) is list and len(data) == 2 and data[0] == "U" and type(data[1]) is str
+        if is_module:
+            if data[1] in modules:
                 try:
                     namespace[name] = __import__(data[1], fromlist=["_"])
                 except ImportError:
                     pass
+            continue
+        if name in namespace:
             continue
         try:
             namespace[name] = decode(data, _Remote)
