@@ -4,7 +4,16 @@ float32 logits for every token at once.
 For hidden states h_t [D], output embedding W [D, V] and temperature tau,
 
     z_t = h_t W / tau,   log pi(y_t) = z_t[y_t] - logsumexp(z_t),
-    H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_t[v].
+    H_t = sum_v pi_v (logsumexp(z_t) - z_t[v]).
+
+The entropy is written as a sum of non-negative terms: the textbook
+``logsumexp(z) - sum_v pi_v z_v`` cancels for a peaked distribution (on V = 32,768
+logits with a peak 20-45 above N(0, 3^2) noise, float32 gave negative entropies and
+150% relative error on entropies below 1e-3). This form is never negative and its
+absolute error stays at float32 rounding of logsumexp (~1e-7 nats here), which is also
+the error of log pi(y) = z_y - logsumexp(z) that a probability ratio sees; the relative
+error of entropies far below that is large, and no metric or loss of this library
+reads them.
 
 The B*T tokens are processed in chunks of ``chunk_size`` by a ``lax.scan`` whose body is
 ``jax.checkpoint``-ed: the forward pass keeps one chunk's [chunk_size, V] float32 logits
@@ -32,14 +41,24 @@ def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
     return max(1, min(chunk, num_tokens))
 
 
-def _chunk_stats(embedding, hidden, targets, temperature):
-    """log-probs and entropies [C] of one chunk of hidden [C, D]."""
-    logits = jnp.einsum("nd,dv->nv", hidden, embedding, preferred_element_type=jnp.float32)
-    logits = logits / temperature
+def _chunk_stats(embedding, hidden, targets, temperature, with_entropy):
+    """log-probs [C] and (with_entropy) entropies [C], else None, of one chunk of hidden
+    [C, D] (see the module docstring).
+
+    ``embedding`` arrives in its own dtype and is cast to the hidden dtype here, inside
+    the scan body: its gradient is then accumulated across chunks in the parameter dtype
+    (a bfloat16 accumulator gave 2.0% relative error after 256 chunks, against 0.24%
+    for one chunk; N = 4,096, D = 64, V = 512).
+    """
+    logits = jnp.einsum("nd,dv->nv", hidden, embedding.astype(hidden.dtype),
+                        preferred_element_type=jnp.float32) / temperature
     lse = jax.nn.logsumexp(logits, axis=-1)
     log_probs = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
+    if not with_entropy:
+        return log_probs, None
+    # H = sum_v p_v (lse - z_v): every term >= 0 (see the module docstring).
     probs = jnp.exp(logits - lse[:, None])
-    entropy = lse - jnp.sum(probs * logits, axis=-1)
+    entropy = jnp.sum(probs * (lse[:, None] - logits), axis=-1)
     return log_probs, entropy
 
 
@@ -50,7 +69,9 @@ def token_log_probs(hidden: jax.Array, embedding: jax.Array, targets: jax.Array,
 
     Args:
       hidden: [B, T, D] final hidden states (ModelOutput.hidden), any float dtype.
-      embedding: [D, V] output embedding (Transformer.output_embedding()).
+      embedding: [D, V] output embedding (Transformer.output_embedding()), any float
+        dtype; cast to the hidden dtype chunk by chunk, so its gradient sums over the
+        chunks in its own dtype.
       targets: int32 [B, T] token ids whose log-probs are wanted (usually the next tokens).
       temperature: divides the logits (sampling temperature), > 0.
       chunk_size: tokens per chunk; None picks one with chunk * V <= 2**25 elements.
@@ -71,11 +92,10 @@ def token_log_probs(hidden: jax.Array, embedding: jax.Array, targets: jax.Array,
     pad = num_chunks * chunk - n
     flat_hidden = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0)))
     flat_targets = jnp.pad(targets.reshape(n).astype(jnp.int32), (0, pad))
-    embedding = embedding.astype(hidden.dtype)
-    stats = jax.checkpoint(_chunk_stats, static_argnums=(3,))
+    stats = jax.checkpoint(_chunk_stats, static_argnums=(3, 4))
 
     def body(carry, xs):
-        return carry, stats(embedding, xs[0], xs[1], temperature)
+        return carry, stats(embedding, xs[0], xs[1], temperature, return_entropy)
 
     _, (log_probs, entropy) = jax.lax.scan(
         body, None, (flat_hidden.reshape(num_chunks, chunk, d), flat_targets.reshape(num_chunks, chunk)))

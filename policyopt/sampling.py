@@ -274,6 +274,34 @@ class SamplingConfig:
         object.__setattr__(
             self, "stop_sequences", tuple(tuple(int(t) for t in s) for s in self.stop_sequences)
         )
+        # Negative ids would wrap in the min_new_tokens ban (logits[:, -1] is token V - 1)
+        # and match the -1 that fills the stop-sequence window before any token is drawn.
+        for name, token in self._special_ids():
+            if token < 0:
+                raise ValueError(f"SamplingConfig.{name} = {token} is a negative token id")
+
+    def _special_ids(self) -> tuple[tuple[str, int], ...]:
+        """(field, id) of every token id the config names."""
+        ids = [("eos_id", self.eos_id), ("pad_id", self.pad_id)]
+        ids += [(f"stop_ids[{i}]", t) for i, t in enumerate(self.stop_ids)]
+        ids += [(f"stop_sequences[{i}][{j}]", t)
+                for i, seq in enumerate(self.stop_sequences) for j, t in enumerate(seq)]
+        return tuple((name, int(t)) for name, t in ids if t is not None)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raises ValueError naming any token id of this config outside [0, vocab_size).
+
+        Called by `generate_fn` (at trace time) with the model's vocabulary: inside the
+        jitted loop an out-of-range id raises nothing. A pad_id >= V would be written into
+        the rollout and fed back at padding positions; an eos_id or stop id >= V can
+        never be drawn, so its rows would never end.
+        """
+        for name, token in self._special_ids():
+            if not 0 <= token < vocab_size:
+                raise ValueError(
+                    f"SamplingConfig.{name} = {token} is outside the model's vocabulary "
+                    f"[0, {vocab_size})"
+                )
 
     @property
     def end_ids(self) -> tuple[int, ...]:
@@ -399,6 +427,7 @@ def _right_align(x: jax.Array, lengths: jax.Array, axis: int) -> jax.Array:
 
 def _generate(graphdef, state, prompts, prompt_lengths, rng, *, config: SamplingConfig) -> Rollout:
     model = nnx.merge(graphdef, state)
+    config.check_vocab(model.config.vocab_size)
     batch, prompt_len = prompts.shape
     num_new, group = config.max_new_tokens, config.num_samples
     rows = batch * group
@@ -575,6 +604,8 @@ def generate(
         sequences are not: one completed earlier still ends the row).
       stop_ids, stop_sequences: further tokens / token sequences that end a sequence.
       pad_id: token written after the end; default eos_id, or 0 without EOS.
+        Every token id (eos_id, stop_ids, stop_sequences, pad_id, and the prompts'
+        real tokens) must be in [0, V): ValueError otherwise.
       method: an explicit `SamplingMethod`, overriding temperature/top_k/top_p.
       cache_dtype: KV-cache dtype (default: the model's).
       decode_segments: decode loops whose caches grow with the step (see `SamplingConfig`).
@@ -595,6 +626,17 @@ def generate(
         raise ValueError(
             f"prompt_lengths must be in [1, P={prompts.shape[1]}], got "
             f"min {lengths_np.min()} max {lengths_np.max()}"
+        )
+    # Real prompt tokens only: padding is masked out, and any id there is clamped into
+    # the vocabulary by the embedding lookup (Transformer.__call__).
+    prompts_np = np.asarray(prompts)
+    real = np.arange(prompts.shape[1])[None, :] < lengths_np[:, None]
+    bad = np.argwhere(real & ((prompts_np < 0) | (prompts_np >= model.config.vocab_size)))
+    if bad.size:
+        row, col = bad[0]
+        raise ValueError(
+            f"prompts[{row}, {col}] = {prompts_np[row, col]} is outside the model's vocabulary "
+            f"[0, {model.config.vocab_size}) ({len(bad)} such tokens)"
         )
     config = SamplingConfig(
         max_new_tokens=max_new_tokens,

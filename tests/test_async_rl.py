@@ -170,6 +170,16 @@ def test_behaviour_log_probs_follow_the_version_of_every_token():
     assert spanning == 2
 
 
+def test_slot_generator_refuses_token_ids_outside_the_vocabulary():
+    graphdef, params, tokenizer = policy()
+    config = slot_config()
+    vocab = nnx.merge(graphdef, params).config.vocab_size
+    bad = SlotConfig(dataclasses.replace(config.sampling, pad_id=vocab), config.num_groups,
+                     config.prompt_width, config.segment_steps)
+    with pytest.raises(ValueError, match=rf"SamplingConfig.pad_id = {vocab} is outside"):
+        SlotGenerator(graphdef, bad, params)
+
+
 def test_greedy_without_updates_equals_the_synchronous_sampler():
     graphdef, params, tokenizer = policy()
     prompts = random_prompts(5, seed=3, min_length=1)

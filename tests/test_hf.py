@@ -186,3 +186,87 @@ def test_rl_build_applies_runtime_overrides_to_a_pretrained_model(tmp_path):
     assert (cfg.moe_dispatch, cfg.moe_block_size, cfg.moe_decode_dispatch, cfg.moe_weight_gather) == (
         "blocked", 8, "ragged", "onehot")
     assert cfg.num_experts == hf_model.config.num_experts
+
+
+def test_wrong_tensor_shape_names_both_shapes(tmp_path):
+    """The checkpoint's own shape, what it maps to, and what the parameter needs."""
+    from safetensors.numpy import load_file, save_file
+    hf_model = _hf_model("dense")
+    hf_model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    good = dict(tensors)
+    tensors["model.layers.0.mlp.gate_proj.weight"] = tensors["model.layers.0.mlp.gate_proj.weight"][:39]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape "
+                                         r"\(39, 32\), which maps to \(32, 39\) instead of "
+                                         r"\(32, 40\) for layers\.0\.mlp\.gate_proj"):
+        from_pretrained(str(tmp_path))
+    # A shape that the head split cannot even reshape: 60 rows for 4 heads of 16.
+    good["model.layers.1.self_attn.q_proj.weight"] = good["model.layers.1.self_attn.q_proj.weight"][:60]
+    save_file(good, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.q_proj\.weight' has shape "
+                                         r"\(60, 32\), which does not map to \(32, 4, 16\)"):
+        from_pretrained(str(tmp_path))
+
+
+def _numpy_balance_statistics(layer_logits, mask, k):
+    """Per layer: f_le = c_le / (N k) and P_le = mean_n softmax(z_n)_e over valid tokens."""
+    fractions, mean_probs = [], []
+    valid = mask.reshape(-1).astype(bool)
+    for logits in layer_logits:
+        logits = np.asarray(logits, np.float64)[valid]
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        chosen = np.argsort(-probs, axis=-1)[:, :k]
+        counts = np.bincount(chosen.ravel(), minlength=logits.shape[-1])
+        fractions.append(counts / (len(logits) * k))
+        mean_probs.append(probs.mean(0))
+    return np.array(fractions), np.array(mean_probs)
+
+
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_load_balancing_loss_against_transformers(num_layers):
+    """LB = E sum_e f_e P_e per layer (1 at balance), mean over layers here; transformers'
+    load_balancing_loss_func = k E sum_e (mean_l f_le)(mean_l P_le) (k at balance): for
+    one layer exactly k * LB (policyopt.models.moe.router_aux)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    from policyopt.models.moe import route, router_aux
+    num_experts, k, batch, length = 8, 3, 2, 40
+    rng = np.random.default_rng(num_layers)
+    layer_logits = rng.normal(size=(num_layers, batch * length, num_experts)).astype(np.float32)
+    mask = np.ones((batch, length), np.int64)
+    mask[1, 25:] = 0
+    ours = []
+    for logits in layer_logits:
+        ids, _, probs = route(jnp.asarray(logits), k, True)
+        ours.append(float(router_aux(jnp.asarray(logits), probs, ids, jnp.asarray(mask.reshape(-1) > 0),
+                                     num_experts)["load_balancing_loss"]))
+    hf = float(load_balancing_loss_func(tuple(torch.tensor(l) for l in layer_logits), num_experts, k,
+                                        attention_mask=torch.tensor(mask)))
+    fractions, mean_probs = _numpy_balance_statistics(layer_logits, mask, k)
+    np.testing.assert_allclose(ours, num_experts * np.sum(fractions * mean_probs, -1), rtol=1e-5)
+    np.testing.assert_allclose(hf, k * num_experts * np.sum(fractions.mean(0) * mean_probs.mean(0)),
+                               rtol=1e-5)
+    if num_layers == 1:
+        np.testing.assert_allclose(hf, k * ours[0], rtol=1e-5)
+    else:       # pooling before the product: not k times the mean of the layers' losses
+        assert abs(hf - k * np.mean(ours)) > 1e-3 * hf
+
+
+def test_model_load_balancing_loss_is_1_over_k_of_transformers_aux_loss(tmp_path):
+    """A checkpoint with one MoE layer, right-padded rows: Qwen3MoeForCausalLM's aux_loss
+    (output_router_logits=True) is exactly k times ModelOutput.aux["load_balancing_loss"]."""
+    hf_model = _hf_model("moe", mlp_only_layers=[0, 2])
+    hf_model.save_pretrained(tmp_path)
+    model = from_pretrained(str(tmp_path))
+    assert model.config.moe_layer_indices == (1,)
+    tokens = _tokens(batch=3, length=9)
+    mask = np.ones(tokens.shape, np.int64)
+    mask[1, 6:] = 0
+    mask[2, 3:] = 0
+    with torch.no_grad():
+        hf = hf_model(torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask),
+                      output_router_logits=True)
+    ours = model(jnp.asarray(tokens), attention_mask=jnp.asarray(mask)).aux["load_balancing_loss"]
+    k = hf_model.config.num_experts_per_tok
+    np.testing.assert_allclose(float(hf.aux_loss), k * float(ours), rtol=1e-5)

@@ -199,6 +199,24 @@ def test_padding_tokens_excluded_from_router_statistics(models):
     np.testing.assert_allclose(out.aux["tokens_per_expert"].sum(-1), [22, 22])
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_out_of_range_padding_ids_cannot_poison_real_tokens(models, kind):
+    """Left padding holding ids >= V or < 0 (attention_mask 0): the real tokens' logits
+    equal those of the unpadded sequence. An out-of-range lookup used to give a NaN
+    embedding, which reached every real token of the row (probability 0 times NaN)."""
+    model = models[kind]
+    real = _tokens((1, 5), seed=4)
+    alone = np.asarray(call(model, real).logits)
+    pad = 3
+    positions = jnp.asarray(np.maximum(np.arange(pad + 5) - pad, 0)[None], jnp.int32)
+    mask = jnp.asarray((np.arange(pad + 5) >= pad)[None], jnp.int32)
+    for pad_id in (40, 10**6, -1, -10**6):
+        tokens = jnp.concatenate([jnp.full((1, pad), pad_id, jnp.int32), real], axis=1)
+        out = call(model, tokens, positions=positions, attention_mask=mask)
+        assert np.isfinite(np.asarray(out.logits)).all(), pad_id
+        np.testing.assert_allclose(out.logits[:, pad:], alone, rtol=1e-5, atol=1e-5)
+
+
 def test_moe_layer_subset_and_routing_shape_errors():
     model = _model(num_layers=3, num_experts=4, moe_intermediate_size=16, moe_layers=(1,))
     tokens = jnp.ones((1, 4), jnp.int32)

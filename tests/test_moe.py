@@ -262,3 +262,47 @@ def test_decode_dispatch_applies_to_one_token_calls_only(tokens_per_row):
     np.testing.assert_allclose(y.reshape(-1, D), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="moe_decode_dispatch"):
         _config(moe_decode_dispatch="sparse")
+
+
+def test_blocked_take_gradient_sums_in_the_parameter_dtype():
+    """bfloat16 compute, float32 parameters, blocks of 4 rows: the "take" gather's
+    gradient (a scatter-add of ~500 blocks per expert) sums in float32, so the expert
+    weights' gradient error against a float32 loop reference (same bfloat16-rounded
+    inputs, same routing) is the ragged dispatch's (0.57%; 0.60% blocked), not the 2.7%
+    of a bfloat16 scatter-add."""
+    dim, tokens = 64, (4, 1024)
+    fields = dict(hidden_size=dim, moe_intermediate_size=dim, initializer_range=0.1,
+                  dtype="bfloat16", moe_block_size=4)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(*tokens, dim)), jnp.bfloat16)
+    cotangent = jnp.asarray(rng.normal(size=(*tokens, dim)), jnp.float32)
+    mask = jnp.ones(tokens, bool)
+    names = ("gate_proj", "up_proj", "down_proj")
+
+    def grads(**dispatch):
+        moe = MoE(_config(**fields, **dispatch), rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(moe)
+
+        def loss(state):
+            y, routing, _ = nnx.merge(graphdef, state)(x, mask)
+            return jnp.sum(y.astype(jnp.float32) * cotangent), routing
+
+        grad, routing = jax.jit(jax.grad(loss, has_aux=True))(state)
+        return moe, routing, {n: np.asarray(grad[n][...], np.float64) for n in names}
+
+    moe, routing, ragged = grads(moe_dispatch="ragged")
+    _, blocked_routing, blocked = grads(moe_dispatch="blocked", moe_weight_gather="take")
+    np.testing.assert_array_equal(routing, blocked_routing)
+
+    def reference(weights):
+        y = jax_loop_moe(x.reshape(-1, dim).astype(jnp.float32), moe.router[...], *weights,
+                         routing.reshape(-1, K), K, True)
+        return jnp.sum(y.reshape(*tokens, dim) * cotangent)
+
+    want = jax.jit(jax.grad(reference))(tuple(getattr(moe, n)[...] for n in names))
+    for name, ref in zip(names, want):
+        ref = np.asarray(ref, np.float64)
+        error = {k: np.linalg.norm(g[name] - ref) / np.linalg.norm(ref)
+                 for k, g in (("ragged", ragged), ("blocked", blocked))}
+        assert error["ragged"] < 0.01, (name, error)
+        assert error["blocked"] < 1.1 * error["ragged"], (name, error)

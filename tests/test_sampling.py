@@ -444,3 +444,34 @@ def test_compiles_once_per_bucket(moe_model, moe_sampled):
                                                        jnp.asarray(LENGTHS), rng,
                                                        config=config).log_probs.sum())
     assert step.lower(state, jax.random.key(3)).out_info.shape == ()
+
+
+def test_token_ids_outside_the_vocabulary_raise(dense_model):
+    """pad_id / eos_id / stop ids must be in [0, V): a pad_id of 99 with V = 64 was written
+    into rollouts; a negative eos_id banned token V - 1 under min_new_tokens."""
+    for field, value in (("pad_id", VOCAB), ("eos_id", 99), ("stop_ids", (3, VOCAB + 1)),
+                         ("stop_sequences", ((5, 70),))):
+        with pytest.raises(ValueError, match=rf"SamplingConfig\.{field}.* = \d+ is outside "
+                                             rf"the model's vocabulary \[0, {VOCAB}\)"):
+            run(dense_model, temperature=1.0, **{field: value})
+    for field, value in (("pad_id", -1), ("eos_id", -2), ("stop_ids", (-1,)),
+                         ("stop_sequences", ((4, -1),))):
+        with pytest.raises(ValueError, match=rf"SamplingConfig\.{field}.* = -\d is a negative"):
+            sampling.SamplingConfig(max_new_tokens=2, **{field: value})
+    # generate_fn checks too (at trace time), with the model's vocabulary.
+    graphdef, state = nnx.split(dense_model)
+    with pytest.raises(ValueError, match=r"pad_id = 64 is outside"):
+        sampling.generate_fn(graphdef, state, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS),
+                             jax.random.key(0),
+                             config=sampling.SamplingConfig(max_new_tokens=2, pad_id=VOCAB))
+    # Real prompt tokens are checked; padding may hold anything.
+    prompts = PROMPTS.copy()
+    prompts[2, 1] = VOCAB
+    with pytest.raises(ValueError, match=r"prompts\[2, 1\] = 64 is outside"):
+        run(dense_model, prompts, temperature=1.0)
+    prompts = PROMPTS.copy()
+    prompts[1, 2:] = [VOCAB, -1, 10**6, VOCAB, VOCAB]
+    padded = run(dense_model, prompts, temperature=1.0, seed=11)
+    plain = run(dense_model, temperature=1.0, seed=11)
+    np.testing.assert_array_equal(np.asarray(padded.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(padded.prompt_tokens), np.asarray(plain.prompt_tokens))

@@ -199,13 +199,20 @@ class _Reader:
     def __contains__(self, name):
         return name in self.weight_map
 
-    def get(self, name: str) -> np.ndarray:
+    def _file(self, name: str):
         if name not in self.weight_map:
             raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.path}")
         file = self.weight_map[name]
         if file not in self._open:
             self._open[file] = self._safe_open(os.path.join(self.path, file), framework="np")
-        return self._open[file].get_tensor(name)
+        return self._open[file]
+
+    def get(self, name: str) -> np.ndarray:
+        return self._file(name).get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of tensor ``name``, read from the header (no data)."""
+        return tuple(self._file(name).get_slice(name).get_shape())
 
     def close(self):
         self._open.clear()
@@ -251,16 +258,27 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, **config_overrides) 
     reader = _Reader(path)
     loaded = {}
     for path_key, names, from_hf, _ in _weight_table(config):
-        if len(names) > 1 and names[0] not in reader:
-            prefix = names[0].split("mlp.experts.")[0]
-            value = _fused_experts(reader, prefix, path_key[-1], config.expert_intermediate_size)
-        else:
-            value = from_hf(*[reader.get(n) for n in names])
         variable = variables[path_key]
-        expected = variable.get_value().shape
-        if tuple(value.shape) != tuple(expected):
-            raise ValueError(f"tensor {names[0]!r} has shape {value.shape}, which maps to "
-                             f"{value.shape} instead of {expected} for {'.'.join(map(str, path_key))}")
+        expected = tuple(variable.get_value().shape)
+        target = ".".join(map(str, path_key))
+        fused = len(names) > 1 and names[0] not in reader
+        if fused:
+            prefix = names[0].split("mlp.experts.")[0]
+            source = prefix + ("mlp.experts.down_proj" if path_key[-1] == "down_proj"
+                               else "mlp.experts.gate_up_proj")
+        else:
+            source = names[0]            # of several (one per expert): the first
+        try:
+            if fused:
+                value = _fused_experts(reader, prefix, path_key[-1], config.expert_intermediate_size)
+            else:
+                value = from_hf(*[reader.get(n) for n in names])
+        except ValueError as error:      # a reshape or stack that the shapes do not allow
+            raise ValueError(f"tensor {source!r} has shape {reader.shape(source)}, which does "
+                             f"not map to {expected} for {target}: {error}") from error
+        if tuple(value.shape) != expected:
+            raise ValueError(f"tensor {source!r} has shape {reader.shape(source)}, which maps to "
+                             f"{tuple(value.shape)} instead of {expected} for {target}")
         value = np.asarray(value, config.weight_dtype)
         loaded[path_key] = variable.replace(
             sharding.place_host_array(value, variable.get_metadata()["logical_axes"], mesh))

@@ -28,7 +28,9 @@ class ModelOutput:
         a dense model.
       aux: dict with "load_balancing_loss", "router_z_loss", "dropped_tokens" (float32
         scalars, mean over MoE layers for the losses, sum for dropped) and
-        "tokens_per_expert" float32 [L_moe, E]; empty for a dense model.
+        "tokens_per_expert" float32 [L_moe, E]; empty for a dense model. The
+        load-balancing loss is 1 at perfect balance, 1 / k of transformers' aux_loss
+        for one MoE layer (policyopt.models.moe.router_aux).
     """
 
     logits: jax.Array | None
@@ -97,7 +99,10 @@ class Transformer(nnx.Module):
         """Forward pass.
 
         Args:
-          tokens: int32 [B, T].
+          tokens: int32 [B, T]. Ids outside [0, V) are clamped into it: such ids are
+            meant for padding (attention_mask 0), which they must not poison (a NaN
+            embedding, as an out-of-range lookup gives, reaches every real token of
+            its row through attention: probability 0 times NaN is NaN).
           positions: int32 [B, T] RoPE positions; default 0..T-1, or cache.index + 0..T-1
             with a cache. Right-padded rows need explicit ones (prompt_length + step).
           attention_mask: [B, T], 1 = real token; keys with 0 are never attended. Default ones.
@@ -128,7 +133,7 @@ class Transformer(nnx.Module):
         # which XLA can only reshard to batch rows by replicating them in full
         # ("involuntary full rematerialization" on a data x fsdp x tensor mesh).
         table = constrain(self.embed[...], ("vocab", None))
-        x = jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype)
+        x = jnp.take(table, tokens, axis=0, mode="clip").astype(cfg.compute_dtype)
         x = constrain(x, ("batch", "length", "embed"))
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         routings, auxes = [], []

@@ -397,7 +397,9 @@ class SlotGenerator:
         # refill / segment, pinned to the same shardings): jit keys its cache on
         # committedness and shardings, and a first state placed otherwise would compile
         # the refill (a prefill) more than once.
-        state = _init_state(nnx.merge(graphdef, params), config)
+        model = nnx.merge(graphdef, params)
+        config.sampling.check_vocab(model.config.vocab_size)  # as generate_fn does
+        state = _init_state(model, config)
         if mesh is None:
             self.state = jax.device_put(state, jax.devices()[0])
         else:
