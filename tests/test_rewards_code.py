@@ -6,6 +6,7 @@ when the tests run as root), its children call setsid() to leave the process gro
 the test checks that none of them survives.
 """
 
+import glob
 import json
 import os
 import pathlib
@@ -217,6 +218,12 @@ def squares(n):
         yield i * i
 def same(x):
     return x
+def flaky():
+    yield 1
+    yield 2
+    raise ValueError("third")
+def ascii_text(data):
+    return data.decode("ascii")
 """
 OBJECT_TESTS = """
 import collections
@@ -243,6 +250,20 @@ else:
 assert sum(squares(5000)) == sum(i * i for i in range(5000))  # in few round trips
 Point = collections.namedtuple("Point", "x y")
 assert same(Point(1, 2)) == (1, 2)
+items = flaky()  # an error after some items comes after those items
+assert next(items) == 1 and next(items) == 2
+try:
+    next(items)
+except ValueError as error:
+    assert str(error) == "third"
+else:
+    assert False
+try:
+    ascii_text(b"\\xff")
+except UnicodeDecodeError as error:  # a built-in exception with five arguments
+    assert error.start == 0
+else:
+    assert False
 """
 
 
@@ -273,6 +294,32 @@ def test_a_fake_module_does_not_answer_for_the_standard_library():
     assert code_correctness(program, tests, isolation="process") == 0.0
     honest = solution("import math\ndef area(r):\n    return math.pi * r * r")
     assert code_correctness(honest, tests, isolation="process") == 1.0
+
+
+JAILED = IS_ROOT and code_lib._jail_works(code_lib._sandbox_python())
+
+
+@pytest.mark.skipif(not JAILED, reason="needs root and mount namespaces (the sandbox's own root)")
+def test_a_program_sees_only_its_own_root(tmp_path):
+    """The dataset on the host (a world-readable file), the scorer's /proc, a note left
+    in /tmp by an earlier run: none of them is visible from the sandbox."""
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text('{"answer": 42}\n')
+    os.chmod(tmp_path, 0o755)
+    os.chmod(answers, 0o644)
+    probe = ("import os\nprint(os.path.exists({path!r}), os.path.exists('/proc/1'), "
+             "os.path.exists('/tmp/note'), sorted(os.listdir('/')))\n"
+             "open('/tmp/note', 'w').write('x')\nprint(os.getcwd(), os.listdir('.'))")
+    for _ in range(2):  # the second run would see the first's note
+        result = run_sandboxed(probe.format(path=str(answers)), timeout_s=5.0)
+        lines = result.stdout.splitlines()
+        assert result.returncode == 0, result.stderr
+        assert lines[0] == "False False False ['bin', 'dev', 'lib', 'lib64', 'sbin', 'tmp', 'usr', 'work']" or (
+            lines[0].startswith("False False False [") and "'work'" in lines[0]), lines
+        assert lines[1] == "/work []", lines  # main.py is read and deleted before the program
+    # The program still runs its standard library and its limits, and is scored.
+    assert code_correctness(ADD_ONE, GOOD_TESTS, isolation="process") == 1.0
+    assert code_correctness(SUM_STDIN, [{"input": "1 2", "output": "3"}]) == 1.0
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="files of one user are readable by that user's programs")
@@ -610,24 +657,21 @@ def test_network_is_unreachable():
 @pytest.mark.skipif(not IS_ROOT, reason="sandbox processes are recognised by their uid")
 def test_sandboxed_program_dies_with_its_scorer():
     # A scoring worker killed at a batch deadline must not leave its test running. The
-    # program reports its uid through a world-writable folder (pytest's tmp_path is not
-    # reachable by the sandbox uid).
-    folder = tempfile.mkdtemp()
-    os.chmod(folder, 0o777)
-    uid_file = pathlib.Path(folder) / "uid"
-    program = f"import os, time\nopen({str(uid_file)!r}, 'w').write(str(os.getuid()))\ntime.sleep(60)"
+    # program reports its uid in its working directory, which the test finds on the host
+    # (the sandbox sees nothing else of the host's when it has a root of its own).
+    program = "import os, time\nopen('uid.tmp', 'w').write(str(os.getuid()))\nos.rename('uid.tmp', 'uid')\ntime.sleep(60)"
     script = f"from policyopt.rewards import run_sandboxed\nrun_sandboxed({program!r}, timeout_s=60)"
     scorer = subprocess.Popen([sys.executable, "-c", script])
     try:
-        deadline = time.monotonic() + 30
-        while not (uid_file.exists() and uid_file.read_text().strip()) and time.monotonic() < deadline:
+        deadline, found = time.monotonic() + 30, []
+        while not found and time.monotonic() < deadline:
             time.sleep(0.05)
-        uid = int(uid_file.read_text())
+            found = glob.glob(os.path.join(tempfile.gettempdir(), f"policyopt-sandbox-{scorer.pid}-*", "work", "uid"))
+        uid = int(pathlib.Path(found[0]).read_text())
         assert code_lib._live_processes(uid), "the sandboxed program is not running"
     finally:
         scorer.kill()
         scorer.wait()
-        shutil.rmtree(folder, ignore_errors=True)
     assert _live_processes_after_grace(uid) == []
     # The dead scorer's working directory is swept away.
     assert code_lib.remove_stale_sandboxes([scorer.pid]) == 1

@@ -163,8 +163,10 @@ class RewardSpec:
             )
         if self.code_max_tests is not None and self.code_max_tests < 1:
             raise ValueError(f"RewardSpec.code_max_tests must be >= 1 or None, got {self.code_max_tests}")
-        if self.code_isolation not in ("process", "none"):
-            raise ValueError(f"RewardSpec.code_isolation must be 'process' or 'none', got {self.code_isolation!r}")
+        from policyopt.rewards.code import ISOLATIONS  # deferred: only code tasks need the module
+
+        if self.code_isolation not in ISOLATIONS:
+            raise ValueError(f"RewardSpec.code_isolation must be one of {ISOLATIONS}, got {self.code_isolation!r}")
         if self.verifier is not None:
             load_verifier(self.verifier)  # fails here, naming the path, not in a worker
 

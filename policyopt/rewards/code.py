@@ -61,11 +61,18 @@ The sandbox (:func:`run_sandboxed`), per test process:
   run, keeps the program out of files it does not own (outside the working directory it
   can write only to world-writable places such as ``/tmp``, and at most
   ``max_output_bytes`` per file), and lets the reaper kill every process of that uid,
-  including ones that escaped the process group with ``setsid``. It still *reads* what
-  every user may read (a world-readable copy of the dataset, ``/proc``) and may leave
-  files in ``/tmp`` for later runs: a private mount namespace (a root holding only the
-  interpreter, the standard library and the working directory) would close both, and
-  is not built yet; keep answer files unreadable to other users (mode 0600);
+  including ones that escaped the process group with ``setsid``;
+* a root of its own, when the scorer is root and mount namespaces work (probed once,
+  ``_jail_works``; not in every container): ``unshare --mount``, then the bootstrap
+  mounts a tmpfs as the new root holding read-only binds of ``/usr`` (and ``/bin``,
+  ``/lib``..., or the interpreter's own folder), ``/dev/null``, ``zero``, ``random``,
+  ``urandom``, a fresh 64 MB ``/tmp`` and ``/dev/shm``, and the working directory as
+  ``/work``, and ``chroot``s into it before dropping privileges. So the program reads
+  nothing of the host's (no dataset file, no ``/proc`` of the scorer, no other run's
+  files) and leaves nothing for later runs (its ``/tmp`` dies with it). Without it (a
+  non-root scorer, a container without mounts) the program reads what every user may
+  read and may leave files in the host's ``/tmp``: keep answer files unreadable to
+  other users there;
 * network: when ``unshare --net`` works (root, or unprivileged user namespaces) the
   child runs in a fresh network namespace with no interface but a down loopback; where it
   does not, the program keeps the host network (this is the case for a non-root scorer
@@ -123,6 +130,49 @@ _SANDBOX_UIDS = range(2_000_000, 2_100_000)
 _BOOTSTRAP = """
 import os, resource, sys
 cpu_s, memory, nproc, fsize, uid, parent = (int(a) for a in sys.argv[1:7])
+jail, prefix = sys.argv[7:9]
+if jail:  # a root of its own, in the mount namespace `unshare --mount` made (see _JAIL)
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+
+    def mount(source, target, kind, flags, data=None):
+        names = [None if name is None else name.encode() for name in (source, target, kind)]
+        if libc.mount(*names, flags, None if data is None else data.encode()) != 0:
+            sys.stderr.write(f"sandbox: mount {target}: {os.strerror(ctypes.get_errno())}\\n")
+            os._exit(125)
+
+    def bind(host, read_only=True):
+        target = jail + host
+        if os.path.isdir(host):
+            os.makedirs(target, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            open(target, "w").close()
+        mount(host, target, None, 4096 | 16384)  # MS_BIND | MS_REC
+        if read_only:  # MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
+            mount(None, target, None, 32 | 4096 | 1 | 2 | 4)
+
+    mount(None, "/", None, 16384 | (1 << 18))  # MS_REC | MS_PRIVATE: nothing reaches the host
+    mount("tmpfs", jail, "tmpfs", 2 | 4, "size=1m,mode=755")
+    for name in ("bin", "lib", "lib32", "lib64", "libx32", "sbin"):
+        if os.path.islink("/" + name):
+            os.symlink(os.readlink("/" + name), jail + "/" + name)
+        elif os.path.isdir("/" + name):
+            bind("/" + name)
+    bind("/usr")
+    if prefix and not os.path.exists(jail + prefix):
+        bind(prefix)  # an interpreter installed outside /usr
+    for device in ("null", "zero", "random", "urandom"):
+        bind("/dev/" + device, read_only=False)
+    for scratch in ("/tmp", "/dev/shm"):
+        os.makedirs(jail + scratch)
+        mount("tmpfs", jail + scratch, "tmpfs", 2 | 4, "size=64m,mode=1777")
+    os.makedirs(jail + "/work")
+    mount(os.getcwd(), jail + "/work", None, 4096)
+    os.chroot(jail)
+    os.chdir("/work")
+    del libc, mount, bind, ctypes
 for limit, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, 64),
                      (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NPROC, nproc),
                      (resource.RLIMIT_AS, memory)):
@@ -153,7 +203,7 @@ def run(remove=os.remove):
     exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
 
 
-del os, resource, cpu_s, memory, nproc, fsize, uid, parent, limit, value
+del os, resource, cpu_s, memory, nproc, fsize, uid, parent, limit, value, jail, prefix
 run()
 """
 
@@ -340,7 +390,8 @@ class _Sandbox:
     ``Popen``; ``wait`` then ``finish`` (kill, reap, read the output), ``close`` always."""
 
     def __init__(self, program: str, *, stdin: str, timeout_s: float, memory_mb: int, max_processes: int,
-                 max_output_bytes: int, python: str | None, uid: int, pass_fds: tuple[int, ...] = ()):
+                 max_output_bytes: int, python: str | None, uid: int, pass_fds: tuple[int, ...] = (),
+                 jail: bool | None = None):
         self.uid, self.max_output_bytes, self.files, self.process = uid, max_output_bytes, [], None
         self.root = tempfile.mkdtemp(prefix=f"{_SANDBOX_PREFIX}{os.getpid()}-")
         try:
@@ -360,13 +411,20 @@ class _Sandbox:
             stdin_path = os.path.join(self.root, "stdin")
             with open(_private(stdin_path), "w", encoding="utf-8") as f:
                 f.write(stdin)
+            python = python or _sandbox_python()
+            jail_dir = ""
+            if jail or (jail is None and _jail_works(python)):
+                jail_dir = os.path.join(self.root, "jail")
+                os.mkdir(jail_dir, 0o755)
+            prefix = _interpreter_prefix(python)
             command = [
-                *_unshare_prefix(), python or _sandbox_python(), "-I", "-S", "-c", _BOOTSTRAP,
+                *(_jail_prefix() if jail_dir else _unshare_prefix()), python, "-I", "-S", "-c", _BOOTSTRAP,
                 str(max(1, int(-(-timeout_s // 1)))), str(memory_mb << 20), str(nproc),
-                str(max_output_bytes), str(uid), str(os.getpid()),
+                str(max_output_bytes), str(uid), str(os.getpid()), jail_dir, prefix,
             ]  # fmt: skip
-            self.files = [open(stdin_path, "rb"), open(_private(os.path.join(self.root, "stdout")), "w+b"),
-                          open(_private(os.path.join(self.root, "stderr")), "w+b")]
+            self.files.append(open(stdin_path, "rb"))
+            for name in ("stdout", "stderr"):  # one at a time: close() closes what is open
+                self.files.append(open(_private(os.path.join(self.root, name)), "w+b"))
             self.process = subprocess.Popen(
                 command, cwd=workdir, env={"PATH": "/usr/bin:/bin"}, stdin=self.files[0],
                 stdout=self.files[1], stderr=self.files[2], start_new_session=True, close_fds=True,
@@ -413,6 +471,39 @@ class _Sandbox:
 def _private(path: str) -> int:
     """A new file only its owner can read or write, opened for writing (a descriptor)."""
     return os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+
+
+def _interpreter_prefix(python: str) -> str:
+    """The installation folder of an interpreter outside /usr (``/opt/python3.11`` for
+    ``/opt/python3.11/bin/python3``), which the jail must hold too; "" under /usr."""
+    real = os.path.realpath(python)
+    return "" if real.startswith("/usr/") else os.path.dirname(os.path.dirname(real))
+
+
+@functools.cache
+def _jail_prefix() -> tuple[str, ...]:
+    """``("unshare", "--net", "--mount", "--")`` when the scorer is root and that works."""
+    net = _unshare_prefix()
+    if not _is_root() or not net or "--map-root-user" in net:
+        return ()
+    probe = subprocess.run([net[0], "--net", "--mount", "--", "true"], capture_output=True, timeout=10, env={})
+    return (net[0], "--net", "--mount", "--") if probe.returncode == 0 else ()
+
+
+@functools.cache
+def _jail_works(python: str) -> bool:
+    """Whether programs can run in a root of their own here (root, a mount namespace,
+    mounts allowed in it: not in every container), probed once per interpreter."""
+    if not _jail_prefix():
+        return False
+    sandbox = _Sandbox("import json, math, re\nprint('ok')\n", stdin="", timeout_s=10.0, memory_mb=300,
+                       max_processes=DEFAULT_MAX_PROCESSES, max_output_bytes=1 << 16, python=python,
+                       uid=_sandbox_uids(1)[0], jail=True)
+    try:
+        result = sandbox.finish(sandbox.wait(10.0 + _STARTUP_GRACE_S))
+    finally:
+        sandbox.close()
+    return result.returncode == 0 and result.stdout.strip() == "ok"
 
 
 def _sandbox_uids(count: int) -> list[int]:
@@ -462,13 +553,13 @@ def run_isolated(
       its CPU limit.
     """
     _sweep_once()
-    requests_r, requests_w = os.pipe()
-    replies_r, replies_w = os.pipe()
     limits = dict(stdin="", timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes,
                   max_output_bytes=max_output_bytes, python=python)
     server_uid, client_uid = _sandbox_uids(2)
-    sandboxes = []
+    sandboxes, requests_r, requests_w, replies_r, replies_w = [], -1, -1, -1, -1
     try:
+        requests_r, requests_w = os.pipe()
+        replies_r, replies_w = os.pipe()
         sandboxes.append(_Sandbox(f"{_isolation_source()}\nserve({program!r}, {requests_r}, {replies_w})\n",
                                   uid=server_uid, pass_fds=(requests_r, replies_w), **limits))
         sandboxes.append(_Sandbox(f"{_isolation_source()}\nrun_tests({tests!r}, {marker!r}, {replies_r}, "

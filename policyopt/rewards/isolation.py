@@ -24,8 +24,13 @@ they derive from (``except ValueError`` catches a ``class BadInput(ValueError)``
 ``except BadInput`` names it), raised with the program's args. A name the tests use as
 a module (``math.isclose``) that names a standard-library module is the client's own
 import, whatever the program bound to it. The program cannot reach the client's
-memory, files or marker (another process, another uid), so inspecting frames,
-shadowing ``exec`` or exiting early gains nothing.
+memory, files or marker, so inspecting frames, shadowing ``exec`` or exiting early
+gains nothing: when the scorer is root, the two processes run as two throw-away uids
+(and each in a root of its own where mount namespaces work: ``policyopt.rewards.code``).
+Without root both run as the scorer's user, and a program that reads the other
+process's files or memory (``/proc``) could find the marker: isolation then stops the
+hacks of one process (an object equal to everything, a redefined built-in), not a
+program that attacks the sandbox.
 
 What changes for honest programs, against one process:
 
@@ -335,6 +340,8 @@ def _answer(request, handles, as_handle, local):
                     items.append(next(target))
                 except StopIteration:
                     return {"v": encode(items, as_handle), "done": True}
+                except BaseException as error:  # raised after the items before it
+                    return {"v": encode(items, as_handle), "done": True, "then": _describe(error, as_handle)}
             return {"v": encode(items, as_handle), "done": False}
         if op == "getattr":
             value = getattr(target, request["n"])
@@ -378,7 +385,7 @@ class _Connection:
         except ProtocolError as error:
             self.broken = str(error)
             raise
-        except (EOFError, OSError, ValueError, struct.error) as error:
+        except (EOFError, OSError, ValueError, struct.error, RecursionError, MemoryError) as error:
             self.broken = f"the program's process is gone or garbled ({type(error).__name__}: {error})"
             raise ProtocolError(self.broken) from None
         if type(message) is not dict:
@@ -404,16 +411,19 @@ class _Connection:
             raise ProtocolError(self.broken) from None
         reply = self.receive()
         if "e" in reply:
-            error = reply["e"]
-            if (type(error) is not list or len(error) != 4 or not all(type(x) is str for x in error[:3])):
-                self.broken = "a malformed error"
-                raise ProtocolError(self.broken)
-            args = None if error[3] is None else self.value(error[3])
-            raise _exception(error[0], error[1], error[2], args if type(args) is tuple else None)
+            raise self.error(reply["e"])
         if "v" not in reply:
             self.broken = "a reply without a value"
             raise ProtocolError(self.broken)
         return reply
+
+    def error(self, error):
+        """The exception for an error reply ``[name, message, base, args]``."""
+        if type(error) is not list or len(error) != 4 or not all(type(x) is str for x in error[:3]):
+            self.broken = "a malformed error"
+            raise ProtocolError(self.broken)
+        args = None if error[3] is None else self.value(error[3])
+        return _exception(error[0], error[1], error[2], args if type(args) is tuple else None)
 
     def call(self, remote, args, kwargs):
         reply = self.request("call", remote, a=[_outgoing(a) for a in args],
@@ -457,12 +467,13 @@ def _exception(name, message, base="Exception", args=None):
     kind = getattr(builtins, name, None)
     if not (isinstance(kind, type) and issubclass(kind, Exception)):
         kind = _program_exception(name, base)
-    if args is not None:
-        try:
-            return kind(*args)
-        except Exception:
-            pass
-    return kind(message)
+    for make in ((lambda: kind(*args)) if args is not None else None, lambda: kind(message)):
+        if make is not None:
+            try:
+                return make()
+            except Exception:  # a constructor that wants other arguments (UnicodeDecodeError)
+                pass
+    return _program_exception(name, "Exception")(message)
 
 
 def _write_back(original, updated):
@@ -503,7 +514,7 @@ class _Remote:
     every comparison; nothing plain does); hashing and ``is`` go by identity (one
     stand-in per object of the program's)."""
 
-    __slots__ = ("_key", "_name", "_items", "_batch")
+    __slots__ = ("_key", "_name", "_items", "_batch", "_then")
 
     def __new__(cls, key, name):
         remote = _REMOTES.get(key)
@@ -513,6 +524,7 @@ class _Remote:
             object.__setattr__(remote, "_name", name)
             object.__setattr__(remote, "_items", [])
             object.__setattr__(remote, "_batch", 0)
+            object.__setattr__(remote, "_then", None)
         return remote
 
     def __call__(self, *args, **kwargs):
@@ -537,6 +549,10 @@ class _Remote:
 
     def __next__(self):
         if not self._items:
+            if self._then is not None:  # the program's iterator raised after its last items
+                error = self._then
+                object.__setattr__(self, "_then", None)
+                raise _CONNECTION.error(error)
             if self._batch < 0:  # the program's iterator ended
                 raise StopIteration
             # 1, 2, 4, ... 1024 items per round trip: a long generator costs few round
@@ -549,8 +565,9 @@ class _Remote:
                 raise ProtocolError(_CONNECTION.broken)
             self._items.extend(reversed(items))
             object.__setattr__(self, "_batch", -1 if reply.get("done") is True else batch)
+            object.__setattr__(self, "_then", reply.get("then"))
             if not self._items:
-                raise StopIteration
+                return self.__next__()
         return self._items.pop()
 
     def __bool__(self):
