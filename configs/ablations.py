@@ -199,14 +199,10 @@ def demo_setting(config, sft_checkpoint: str = "runs/demo/sft/checkpoints"):
     locked config."""
     from configs import demo  # noqa: PLC0415 (the demo recipe is only needed here)
 
-    reference = demo.get_config()
-    config = config.copy_and_resolve_references()
     # The critic keeps the recipe's critic / actor learning-rate ratio (VAPO 2:1).
     critic_ratio = config.critic.lr / config.optim.lr
+    config = share_sections(config, demo.get_config(), SHARED_SECTIONS + ("optim",))
     config.unlock()
-    for section in ("model", "task", "sampling", "batch", "optim", "train", "eval"):
-        for key, value in reference[section].items():
-            config[section][key] = value
     config.init_checkpoint = sft_checkpoint
     if config.algo.advantage == "gae":
         config.critic.lr = critic_ratio * config.optim.lr
@@ -223,16 +219,16 @@ def demo_setting(config, sft_checkpoint: str = "runs/demo/sft/checkpoints"):
     return config
 
 
-def share_sections(config, reference):
-    """``config`` with the ``SHARED_SECTIONS`` of ``reference`` (an ablation's reference
-    recipe at the same scale): model, task, sampling (the generation budget), batch
-    geometry, loop and evaluation. Fields derived from the budget follow it where the
-    recipe leaves them to it (Dr. GRPO's constant ``algo.max_len`` and the overlong
-    shaping's ``reward.max_len`` are None: ``sampling.max_new_tokens``). Returns a new,
-    locked config."""
+def share_sections(config, reference, sections=SHARED_SECTIONS):
+    """``config`` with the ``sections`` of ``reference`` (default ``SHARED_SECTIONS``, of
+    an ablation's reference recipe at the same scale: model, task, sampling (the
+    generation budget), batch geometry, loop and evaluation). Fields derived from the
+    budget follow it where the recipe leaves them to it (Dr. GRPO's constant
+    ``algo.max_len`` and the overlong shaping's ``reward.max_len`` are None:
+    ``sampling.max_new_tokens``). Returns a new, locked config."""
     config = config.copy_and_resolve_references()
     config.unlock()
-    for section in SHARED_SECTIONS:
+    for section in sections:
         for key, value in reference[section].items():
             config[section][key] = value
     config.lock()

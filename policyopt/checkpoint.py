@@ -72,6 +72,16 @@ class Checkpointer:
         restored = self._manager.restore(int(step), args=args)
         return restored["state"], dict(restored["meta"] or {})
 
+    def meta(self, step: int | None = None) -> dict:
+        """The JSON record of the checkpoint at ``step`` (default: latest), without
+        reading its arrays (a resumed run checks its config against it first)."""
+        if step is None:
+            step = self.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        restored = self._manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(restored["meta"] or {})
+
     def restore_subtree(self, path: tuple[str, ...], target: Any, step: int | None = None) -> Any:
         """Restores only the subtree at ``path`` of the saved state (e.g. the parameters).
 

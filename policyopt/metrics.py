@@ -115,9 +115,10 @@ def truncate_jsonl(path: str, max_step: int) -> int:
     """Keeps the records of a metrics JSONL file with ``step <= max_step`` (and lines that
     are not JSON records, e.g. a last line cut short by a crash, go too); returns how many
     records were removed. The file is replaced atomically."""
-    kept, removed = [], 0
+    kept, removed, unterminated = [], 0, False
     with open(path, encoding="utf-8") as f:
         for line in f:
+            unterminated = not line.endswith("\n")
             try:
                 record = json.loads(line)
                 step = int(record["step"])
@@ -128,7 +129,7 @@ def truncate_jsonl(path: str, max_step: int) -> int:
                 kept.append(line if line.endswith("\n") else line + "\n")
             else:
                 removed += 1
-    if removed:
+    if removed or unterminated:  # (a kept last line without its newline would join the next)
         temporary = path + ".tmp"
         with open(temporary, "w", encoding="utf-8") as f:
             f.writelines(kept)
@@ -164,10 +165,10 @@ def read_step_record(path: str, step: int, *, prefix: str = "") -> dict[str, flo
                 try:
                     record = json.loads(line)
                     at = int(record.pop("step"))
+                    if at == step and any(key.startswith(prefix) for key in record):
+                        found = {key: float(value) for key, value in record.items()}
                 except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
                     continue
-                if at == step and any(key.startswith(prefix) for key in record):
-                    found = {key: float(value) for key, value in record.items()}
     except FileNotFoundError:
         return None
     return found

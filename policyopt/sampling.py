@@ -613,15 +613,16 @@ def generate(
     Returns:
       A `Rollout` with B * G rows (prompt b -> rows b*G .. b*G+G-1).
     """
-    prompts = jnp.asarray(prompts, jnp.int32)
-    prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
+    # Checked on the host copies (the inputs are usually host arrays), then sent once.
+    prompts_np = np.asarray(prompts).astype(np.int32, copy=False)
+    lengths_np = np.asarray(prompt_lengths).astype(np.int32, copy=False)
+    prompts, prompt_lengths = prompts_np, lengths_np
     if prompts.ndim != 2:
         raise ValueError(f"prompts must be [B, P], got shape {prompts.shape}")
     if prompt_lengths.shape != prompts.shape[:1]:
         raise ValueError(
             f"prompt_lengths must be [B={prompts.shape[0]}], got shape {prompt_lengths.shape}"
         )
-    lengths_np = np.asarray(prompt_lengths)
     if lengths_np.size and (lengths_np.min() < 1 or lengths_np.max() > prompts.shape[1]):
         raise ValueError(
             f"prompt_lengths must be in [1, P={prompts.shape[1]}], got "
@@ -629,7 +630,6 @@ def generate(
         )
     # Real prompt tokens only: padding is masked out, and any id there is clamped into
     # the vocabulary by the embedding lookup (Transformer.__call__).
-    prompts_np = np.asarray(prompts)
     real = np.arange(prompts.shape[1])[None, :] < lengths_np[:, None]
     bad = np.argwhere(real & ((prompts_np < 0) | (prompts_np >= model.config.vocab_size)))
     if bad.size:
@@ -651,4 +651,4 @@ def generate(
         decode_segments=decode_segments,
     )
     graphdef, state = nnx.split(model)
-    return generate_fn(graphdef, state, prompts, prompt_lengths, rng, config=config)
+    return generate_fn(graphdef, state, jnp.asarray(prompts), jnp.asarray(prompt_lengths), rng, config=config)

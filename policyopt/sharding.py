@@ -63,6 +63,7 @@ Tests run it on 8 simulated CPU devices
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Mapping
 
@@ -126,6 +127,21 @@ def is_primary() -> bool:
     """True in process 0, the one that writes logs, metrics and other host-side files
     (checkpoints are written by every process together, through orbax)."""
     return jax.process_index() == 0
+
+
+def broadcast_json(value):
+    """``value`` (JSON-serialisable) as process 0 has it, in every process: for decisions
+    that must agree across processes and come from a file only process 0 reads (e.g.
+    whether a resumed run was already evaluated). A collective when there are several
+    processes; returns ``value`` itself with one."""
+    if jax.process_count() == 1:
+        return value
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8) if is_primary() else np.zeros(0, np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.asarray(data.size, np.int64)))
+    buffer = np.zeros(size, np.uint8)
+    if is_primary():
+        buffer[:] = data
+    return json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer))).decode())
 
 
 def to_host(tree):

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from policyopt.checkpoint import Checkpointer
-from policyopt.metrics import MetricsWriter, console_line, read_jsonl, to_scalars, truncate_jsonl
+from policyopt.metrics import (MetricsWriter, console_line, read_jsonl, read_step_record, to_scalars,
+                               truncate_jsonl)
 from policyopt.rl.learner import TrainState, make_optimizer
 
 
@@ -93,6 +94,14 @@ def test_metrics_writer_resuming_removes_the_records_after_the_checkpoint(tmp_pa
         writer.write(0, {"x": 5})
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0.0, "x": 5.0}]
     assert truncate_jsonl(str(tmp_path / "metrics.jsonl"), 0) == 0
+    # A last record without its newline (a crash between the two) does not swallow the next.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 0, "y": 1}')
+    with MetricsWriter(str(tmp_path), tensorboard=False, resume_step=0) as writer:
+        writer.write(1, {"x": 6})
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 0, 1]
+    assert read_step_record(str(tmp_path / "metrics.jsonl"), 0, prefix="y") == {"y": 1.0}
+    assert read_step_record(str(tmp_path / "missing.jsonl"), 0) is None
 
 
 def test_disabled_metrics_writer_writes_nothing(tmp_path):

@@ -130,8 +130,14 @@ def test_resume_after_a_crash_writes_each_record_once_and_refuses_another_config
         trainer.run_rl(changed, str(tmp_path), quiet=True)
     allowed = tiny("grpo", extra="train.num_iterations=3,algo.clip_high=0.28,train.allow_config_change=True")
     assert trainer.run_rl(allowed, str(tmp_path), quiet=True)["iteration"] == 3
+    # The config is checked before the arrays are read: a changed shape is named too.
+    with pytest.raises(ValueError, match=r"another config \(model.hidden_size"):
+        trainer.run_rl(tiny("grpo", extra="train.num_iterations=3,model.hidden_size=48"), str(tmp_path), quiet=True)
     cadence = tiny("grpo", extra="train.num_iterations=3,train.checkpoint_every=5,eval.num_prompts=4")
     assert trainer.run_rl(cadence, str(tmp_path), quiet=True)["iteration"] == 3
+    # Another evaluation setting: the logged evaluation is not this one, so it runs.
+    assert [(e["step"], e["eval/num_prompts"]) for e in read_jsonl(tmp_path / "eval.jsonl")] == [
+        (0, 8), (3, 8), (3, 4)]
     # Resumed at an earlier checkpoint and stopped there (num_iterations is free to change):
     # evaluated there once, however many times it is rerun.
     shutil.rmtree(tmp_path / "checkpoints" / "3")
@@ -195,6 +201,13 @@ def test_sft_rerun_in_a_finished_workdir_reuses_it(tmp_path):
         assert run_sft(config, str(tmp_path / "sft"), steps=2, quiet=True)["step"] == 2
     rows = read_jsonl(tmp_path / "sft" / "metrics.jsonl")
     assert [r["step"] for r in rows if "eval/pass@1" in r] == [2]
+    # SFT compares only what it reads: another RL setting reuses the SFT run.
+    other_rl = tiny("grpo", extra="eval.num_prompts=4,sft.steps=3,sft.batch_size=4,sft.checkpoint_every=1,"
+                                  "sft.overlong_response=drop,algo.clip_high=0.3")
+    assert run_sft(other_rl, str(tmp_path / "sft"), steps=2, quiet=True)["step"] == 2
+    with pytest.raises(ValueError, match=r"another config \(sft.lr"):
+        run_sft(tiny("grpo", extra="eval.num_prompts=4,sft.batch_size=4,sft.lr=0.5,sft.overlong_response=drop"),
+                str(tmp_path / "sft"), steps=2, quiet=True)
 
 
 def test_a_failed_final_evaluation_loses_no_training(tmp_path, monkeypatch):
@@ -228,6 +241,17 @@ def test_a_failed_final_evaluation_loses_no_training(tmp_path, monkeypatch):
     assert [e["iteration"] for e in resumed["eval_history"]] == [2]
     assert [r["step"] for r in read_jsonl(tmp_path / "rl" / "eval.jsonl")] == [0, 2]
     assert trainer.run_rl(config, str(tmp_path / "rl"), quiet=True)["eval_history"] == []
+    # Stopped during an evaluation mid-run (on the cadence, beside a checkpoint): the
+    # resumed run evaluates that iteration first.
+    cadence = tiny("grpo", extra="eval.num_prompts=4,train.num_iterations=3,train.eval_every=1,"
+                                 "train.checkpoint_every=1")
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "evaluate_run", fails_at_the_end)  # fails at iteration 2
+        with pytest.raises(RuntimeError, match="evaluation failed"):
+            trainer.run_rl(cadence, str(tmp_path / "mid"), quiet=True)
+    resumed = trainer.run_rl(cadence, str(tmp_path / "mid"), quiet=True)
+    assert [e["iteration"] for e in resumed["eval_history"]] == [2, 3]
+    assert [r["step"] for r in read_jsonl(tmp_path / "mid" / "eval.jsonl")] == [0, 1, 2, 3]
 
 
 def test_resume_in_the_same_process_compiles_nothing_new(tmp_path):

@@ -62,11 +62,13 @@ def config_record(config) -> dict:
     return flat
 
 
-def check_resume_config(saved: dict | None, config, directory: str) -> None:
+def check_resume_config(saved: dict | None, config, directory: str, *,
+                        sections: Sequence[str] | None = None) -> None:
     """Compares the config a checkpoint was saved under (``config_record``) with the
     config resuming from it; a checkpoint without one (older runs) is not checked, nor
     are fields its config does not have (added to the library since it was saved) or
-    that the current config no longer has.
+    that the current config no longer has. ``sections``: compare only the fields under
+    these prefixes (SFT: what an SFT run reads), default all.
 
     Raises:
       ValueError: naming the changed fields, unless ``config.train.allow_config_change``
@@ -77,6 +79,7 @@ def check_resume_config(saved: dict | None, config, directory: str) -> None:
     current = config_record(config)
     changed = sorted(name for name in set(saved) & set(current)
                      if saved[name] != current[name]
+                     and (sections is None or any(name == s or name.startswith(s) for s in sections))
                      and not any(name == free or (free.endswith(".") and name.startswith(free))
                                  for free in RESUME_FREE_FIELDS))
     if not changed:
@@ -91,6 +94,16 @@ def check_resume_config(saved: dict | None, config, directory: str) -> None:
         "the same config, start a new workdir (config.init_checkpoint=<that checkpoints "
         "directory> starts from its parameters), or set train.allow_config_change=True to "
         "continue anyway.")
+
+
+def same_evaluation(saved: dict | None, config) -> bool:
+    """Whether a checkpoint's config (``config_record``) evaluates as ``config`` does (the
+    same ``eval.*`` fields): an evaluation logged at its step is then the one this run
+    would do."""
+    if saved is None:
+        return False
+    current = config_record(config)
+    return all(saved.get(name) == value for name, value in current.items() if name.startswith("eval."))
 
 
 def make_mesh(config) -> Mesh:

@@ -100,6 +100,12 @@ class SFTRun:
     checkpointer: Checkpointer
     mesh: jax.sharding.Mesh  # every array of the run lives on it (config.mesh)
     step: int = 0
+    # The config the restored checkpoint was saved under (build.config_record), or None.
+    resumed_config: dict | None = None
+
+
+# The config fields an SFT run reads (build.check_resume_config compares only these).
+SFT_FIELDS = ("seed", "model.", "task.", "batch.", "sft.")
 
 
 def make_sft_iterator(config, tokenizer, *, seed: int):
@@ -142,10 +148,14 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
                  data=make_sft_iterator(config, tokenizer, seed=config.seed), update=update,
                  checkpointer=checkpointer, mesh=mesh)
     if checkpointer.latest_step() is not None:
+        # The config first (a changed shape would fail in the arrays, unnamed), and only
+        # what SFT reads: a recipe's RL settings may change under a cached SFT start.
+        build.check_resume_config(checkpointer.meta().get("config"), config, checkpointer.directory,
+                                  sections=SFT_FIELDS)
         restored, meta = checkpointer.restore({"train": run.state})
-        build.check_resume_config(meta.get("config"), config, checkpointer.directory)
         run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
+        run.resumed_config = meta.get("config")
     elif init_checkpoint:
         with Checkpointer(init_checkpoint) as source:
             restored, meta = source.restore({"train": run.state})
@@ -230,9 +240,10 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
                 save_sft(run)
         save_sft(run)  # before the evaluation: a failed one loses no training
         result = {}
-        if config.eval.num_prompts > 0:
-            # Every process reads the log (they must agree on evaluating, a collective).
-            result = read_step_record(writer.path, run.step, prefix="eval/") or {}
+        if config.eval.num_prompts > 0 and build.same_evaluation(run.resumed_config, config):
+            # Process 0's log decides for every process (evaluating is a collective).
+            logged = read_step_record(writer.path, run.step, prefix="eval/") if primary else None
+            result = sharding.broadcast_json(logged) or {}
         if config.eval.num_prompts > 0 and not result:
             result = evaluate_policy(config, run.graphdef, run.state.params, run.tokenizer, run.mesh)
             writer.write(run.step, result)

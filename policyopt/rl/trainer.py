@@ -112,6 +112,8 @@ class RLRun:
     # a resumed run neither repeats an evaluation nor loses it.
     last_eval: dict = dataclasses.field(default_factory=dict)
     last_eval_iteration: int | None = None
+    # The config the restored checkpoint was saved under (build.config_record), or None.
+    resumed_config: dict | None = None
 
 
 def make_prompt_iterator(config, records, *, seed: int):
@@ -197,15 +199,16 @@ def restore(run: RLRun, step: int | None = None, *, check_config: bool = True) -
     the critic's parameters, optimiser and counters); refuses a checkpoint saved under
     another config (``build.check_resume_config``) unless ``check_config`` is False
     (``experiments/eval.py``, which only reads the parameters)."""
-    restored, meta = run.checkpointer.restore(_checkpoint_state(run), step)
-    if check_config:
+    if check_config:  # before the arrays: a changed shape would fail there, unnamed
+        meta = run.checkpointer.meta(step)
         build.check_resume_config(meta.get("config"), run.config, run.checkpointer.directory)
+    restored, meta = run.checkpointer.restore(_checkpoint_state(run), step)
     run.state, run.rng = restored["train"], restored["rng"]
     if run.critic_state is not None:
         run.critic_state = restored["critic"]
     run.iteration = int(meta["iteration"])
     run.data.set_state(meta["data"])
-    run.last_eval, run.last_eval_iteration = {}, None
+    run.last_eval, run.last_eval_iteration, run.resumed_config = {}, None, meta.get("config")
 
 
 def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
@@ -652,9 +655,13 @@ class RunLoop:
         self.history: list[dict] = []
         self.metrics: dict = {}
         self.evaluating = config.eval.num_prompts > 0
-        if run.iteration and run.last_eval_iteration != run.iteration:
-            # Every process reads it (they must agree on whether to evaluate, a collective).
-            logged = read_step_record(self.eval_writer.path, run.iteration, prefix="eval/")
+        if (run.iteration and run.last_eval_iteration != run.iteration
+                and build.same_evaluation(run.resumed_config, config)):
+            # Process 0's log decides for every process (evaluating is a collective).
+            logged = None
+            if primary:
+                logged = read_step_record(self.eval_writer.path, run.iteration, prefix="eval/")
+            logged = sharding.broadcast_json(logged)
             if logged is not None:
                 run.last_eval, run.last_eval_iteration = logged, run.iteration
 
@@ -675,7 +682,11 @@ class RunLoop:
         return self.run.last_eval
 
     def begin(self) -> None:
-        if self.run.iteration == 0 and self.evaluating:
+        """Evaluates at iteration 0, and at a resumed iteration on the evaluation cadence
+        whose evaluation is not in the log (the run stopped during it)."""
+        run, every = self.run, self.config.train.eval_every
+        due = run.iteration == 0 or (every and run.iteration % every == 0 and run.iteration < self.total)
+        if self.evaluating and due and run.last_eval_iteration != run.iteration:
             self.evaluate()
 
     def after_iteration(self, metrics: dict, save) -> None:
