@@ -1,7 +1,8 @@
 """Shared defaults of every RL recipe (big_vision style: `get_config(arg)` -> ConfigDict).
 
 A recipe (`configs/grpo.py`, `configs/sapo.py`, ...) starts from `base_config()`, sets
-the fields its paper fixes (values cited from `PAPERS.md`), and calls `finalize(config,
+the fields its paper fixes (each value cited: paper and section, or marked as this
+project's choice; docs/algorithms.md has them all), and calls `finalize(config,
 arg)`, which applies the variant string and locks the config, so that a mistyped field,
 from a recipe, a variant or the command line, is an error naming it.
 
@@ -11,7 +12,7 @@ Variant strings are comma-separated `key=value` pairs after the file name:
 
 `model=NAME` picks a model preset (`policyopt.models.presets`); `scale=paper` switches to
 a real-size model and the settings the paper fixes (learning rate, batch geometry and
-generation budget, as PAPERS.md records them; for accelerators); where the paper records
+generation budget, as the paper states them; for accelerators); where the paper records
 no generation budget (GSPO, SAPO, PPO, VC-PPO) the variant must name
 `sampling.max_new_tokens`, and fields the paper leaves open keep the CPU defaults (check
 `batch.*`); any other key is a
@@ -196,8 +197,9 @@ def base_config() -> ml_collections.ConfigDict:
     # SAPO temperatures of the soft gate for A > 0 and A <= 0.
     c.algo.tau_pos = 1.0
     c.algo.tau_neg = 1.05
-    # Aggregation: "token_mean" (over the minibatch's tokens), "group_token_mean" (per
-    # group, then mean over groups: the DAPO paper's form), "seq_mean_token_mean",
+    # Aggregation: "token_mean" (over the minibatch's tokens: verl's token-mean),
+    # "group_token_mean" (per group, then mean over groups: the form of the DAPO, Magistral
+    # and VAPO papers), "seq_mean_token_mean",
     # "seq_mean_token_sum", "seq_mean_token_sum_norm" (see policyopt.losses.aggregate).
     c.algo.aggregation = "seq_mean_token_mean"
     # Constant divisor of "seq_mean_token_sum_norm" (Dr. GRPO); None = max_new_tokens.
@@ -213,7 +215,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.algo.adv_scale = "group"
     # Epsilon added to the std.
     c.algo.adv_eps = 1e-6
-    # GAE (algo.advantage = "gae"; PAPERS.md "Critic-based"). The outcome reward sits on
+    # GAE (algo.advantage = "gae"; docs/algorithms.md "GAE"). The outcome reward sits on
     # the last valid response token, 0 elsewhere. Discount gamma (1.0 for LLMs).
     c.algo.gae_gamma = 1.0
     # lambda of the policy advantages (classic PPO 0.95; VC-PPO lambda_actor 0.95).
@@ -236,6 +238,11 @@ def base_config() -> ml_collections.ConfigDict:
     # then no reference forward pass is run.
     c.algo.kl_beta = 0.0
     c.algo.kl_estimator = "k3"
+    # verl's clamp of k3 (log-ratio to +-20, k3 to <= 10: `losses.kl_penalty`); off: the
+    # paper's k3 (GRPO eq. 4). This project's choice: off, as the clamp zeroes the KL's
+    # gradient on exactly the tokens furthest from the reference (k3 > 10), and a
+    # non-finite loss already skips the update (`learner.guarded_update`).
+    c.algo.kl_clamp = False
     # Routing replay for MoE policies: "none", "R2" (replay the old-log-prob forward's
     # routing in every update forward), "R3" (replay the sampler's routing in the
     # old-log-prob forward and in every update forward).
@@ -315,11 +322,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.format = False
     c.reward.format_value = 0.1
     c.reward.correct_value = 0.9
-    # Without the format gate: reward of an incorrect response (DAPO uses -1; correct is 1).
+    # Without the format gate: reward of an incorrect response (correct is 1). 0: this
+    # project's choice; DAPO (2503.14476 §2.4), VC-PPO and VAPO use -1.
     c.reward.incorrect_value = 0.0
     # Length shaping: "none", "dapo" (overlong penalty), "magistral" (-0.1 scale).
     c.reward.overlong = "none"
-    # L_max and L_cache of the length shaping (None: max_new_tokens and a quarter of it).
+    # L_max and L_cache of the length shaping (None: max_new_tokens and a quarter of it;
+    # the quarter is this project's choice: DAPO's 4096 of 20480 is a fifth; this project
+    # records no Magistral value).
     c.reward.max_len = placeholder(int)
     c.reward.cache_len = placeholder(int)
     # DAPO's overlong filtering: responses cut at max_new_tokens are masked out of the loss.
@@ -394,7 +404,7 @@ def base_config() -> ml_collections.ConfigDict:
     # loop's cadence, the evaluation and the mesh (`build.RESUME_FREE_FIELDS`) is refused.
     c.train.allow_config_change = False
 
-    # ---- Asynchronous generation (`policyopt.rl.async_rl`; PAPERS.md) ----------------------
+    # ---- Asynchronous generation (`policyopt.rl.async_rl`; docs/algorithms.md) -------------
     # Magistral's mode, for any recipe: generators never wait for the trainer, finished
     # groups are scored at once, new weights reach the generators mid-generation.
     c.async_mode = ml_collections.ConfigDict()
@@ -554,8 +564,8 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
     if paper_scale and missing:
         raise ValueError(
             f"scale=paper: this recipe's paper records no value for {', '.join(missing)} "
-            f"(PAPERS.md); keeping the CPU default would be wrong at scale, so name it in the "
-            f"variant, e.g. scale=paper,{missing[0]}=16384")
+            f"(docs/algorithms.md); keeping the CPU default would be wrong at scale, so name "
+            f"it in the variant, e.g. scale=paper,{missing[0]}=16384")
     return config
 
 

@@ -53,6 +53,9 @@ AGGREGATIONS = (
     "seq_mean_token_sum_norm",
 )
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# verl's k3 clamp (``kl_penalty(..., clamp=True)``): the log-ratio to +-20, then k3 to <= 10.
+KL_LOG_RATIO_CLAMP = 20.0
+K3_MAX = 10.0
 # Rollout correction (sampler vs trainer): importance-weight and rejection levels.
 IS_LEVELS = ("token", "sequence")
 RS_LEVELS = ("token", "sequence", "geometric")
@@ -89,9 +92,10 @@ def aggregate(
     at least one valid token (fully masked sequences count in no mean):
 
     - ``"token_mean"``: ``sum_{i,t} m x / sum_{i,t} m``, the denominator being all valid
-      tokens of the *minibatch passed in* (as verl/TRL/OpenRLHF do; DAPO 2503.14476,
-      VAPO, Magistral).
-    - ``"group_token_mean"``: the DAPO paper's form, token mean within each group of
+      tokens of the *minibatch passed in* (verl's, TRL's and OpenRLHF's token-level loss;
+      not the papers' form, see ``"group_token_mean"``).
+    - ``"group_token_mean"``: the token-level loss as DAPO (2503.14476 eq. 12), Magistral
+      (2506.10910) and VAPO (2504.05118) write it: token mean within each group of
       ``group_size`` consecutive sequences (one prompt), then mean over groups that have at
       least one valid token: ``mean_g sum_{i in g,t} m x / sum_{i in g,t} m``.
     - ``"seq_mean_token_mean"``: ``mean_{i in I} (1/|y_i|) sum_t m x`` (GRPO 2402.03300 eq. 3,
@@ -333,7 +337,8 @@ def sapo_objective(inputs: GateInputs) -> Surrogate:
 
 
 def kl_penalty(
-    log_probs: Array, ref_log_probs: Array, mask: Array, *, estimator: str = "k3"
+    log_probs: Array, ref_log_probs: Array, mask: Array, *, estimator: str = "k3",
+    clamp: bool = False,
 ) -> Array:
     """Per-token KL(pi_theta || pi_ref) estimate from samples of pi_theta, 0 on padding.
 
@@ -341,13 +346,24 @@ def kl_penalty(
     ``k1 = -delta``; ``k2 = delta^2 / 2``; ``k3 = exp(delta) - delta - 1 >= 0`` (the
     unbiased, low-variance estimator of GRPO eq. 4, used with beta = 0.04).
 
+    ``clamp=True`` (k3 only) is verl's ``low_var_kl``:
+    ``min(exp(d) - d - 1, 10)`` with ``d = clip(delta, -20, 20)``. Its value differs from
+    the paper's k3 only where k3 > 10 (``delta`` above ~2.6 or below -11: pi_theta ~14x
+    below pi_ref on the token, or ~6e4x above it), and there its gradient is 0; the clip of
+    ``delta`` keeps ``exp`` finite, so that no inf or NaN reaches the gradient. Off, the
+    paper's formula (see docs/algorithms.md, "KL to the reference policy").
+
     Args:
       log_probs, ref_log_probs, mask: ``[B, T]``.
       estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+      clamp: verl's clamp of k3 (``KL_LOG_RATIO_CLAMP``, ``K3_MAX``); k1 and k2 have none.
 
     Returns:
       ``[B, T]`` per-token penalty (aggregate it like the policy terms).
     """
+    if clamp and estimator != "k3":
+        raise ValueError(f"the KL clamp (kl_clamp=True) is defined for estimator 'k3' only (verl's "
+                         f"low_var_kl), got estimator={estimator!r}")
     valid = _as_mask(mask, log_probs.dtype) > 0
     delta = jnp.where(valid, ref_log_probs - log_probs, 0)
     if estimator == "k1":
@@ -355,7 +371,11 @@ def kl_penalty(
     elif estimator == "k2":
         per_token = 0.5 * jnp.square(delta)
     elif estimator == "k3":
+        if clamp:
+            delta = jnp.clip(delta, -KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
         per_token = jnp.expm1(delta) - delta
+        if clamp:
+            per_token = jnp.minimum(per_token, K3_MAX)
     else:
         raise ValueError(f"estimator={estimator!r} is not one of {KL_ESTIMATORS}")
     return jnp.where(valid, per_token, 0)
@@ -518,6 +538,7 @@ def policy_loss(
     ref_log_probs: Array | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    kl_clamp: bool = False,
     metrics: str = "all",
 ) -> tuple[Array, dict[str, Array]]:
     """The policy loss ``-J`` of the unified objective, and its metrics.
@@ -545,6 +566,7 @@ def policy_loss(
       ref_log_probs: optional ``[B, T]`` reference log-probs for a KL penalty in the loss.
       kl_coef: coefficient ``beta`` of that penalty.
       kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+      kl_clamp: verl's clamp of k3 (see ``kl_penalty``); False: the paper's k3.
       metrics: ``"all"`` (default) computes every metric below; ``"none"`` returns only
         ``loss`` (for steps that do not log: on XLA:CPU each metric is one more pass over
         ``[B, T]`` arrays, see ``benchmarks/bench_core.py``). Loss and gradient are the same.
@@ -564,7 +586,8 @@ def policy_loss(
       ``num_tokens``; and ``kl_ref`` / ``importance_weight_mean`` when those are used.
       Under ``jit`` the metrics cost nothing when they are discarded (dead code); on
       XLA:CPU computing all of them costs several times the loss itself (see
-      ``benchmarks/bench_core.py``). Log-ratios are not clamped (verl clamps at +-20).
+      ``benchmarks/bench_core.py``). The policy ratio's log is not clamped (verl clamps it at
+      +-20); the KL's is with ``kl_clamp``.
     """
     if method not in OBJECTIVES:
         raise ValueError(f"method={method!r} is not one of {sorted(OBJECTIVES)}")
@@ -579,6 +602,9 @@ def policy_loss(
     shape = jnp.shape(log_probs)
     if aggregation == "group_token_mean":
         _check_group_size(shape[0], group_size)
+    if kl_clamp and kl_estimator != "k3":
+        raise ValueError(f"kl_clamp=True is defined for kl_estimator='k3' only (verl's "
+                         f"low_var_kl), got kl_estimator={kl_estimator!r}")
     for name, array in (("old_log_probs", old_log_probs), ("advantages", advantages), ("mask", mask)):
         if jnp.shape(array) != shape:
             raise ValueError(f"{name} has shape {jnp.shape(array)}, expected {shape} like log_probs")
@@ -610,7 +636,8 @@ def policy_loss(
         else:
             weights = None
         if ref_log_probs is not None:
-            kl = kl_penalty(log_probs, jax.lax.stop_gradient(ref_log_probs), mask_f, estimator=kl_estimator)
+            kl = kl_penalty(log_probs, jax.lax.stop_gradient(ref_log_probs), mask_f,
+                            estimator=kl_estimator, clamp=kl_clamp)
             per_token = per_token - kl_coef * kl
             diagnostics["kl_ref"] = masked_mean(kl, mask_f)
         loss = -aggregate(per_token, mask_f, aggregation, group_size=group_size, max_len=max_len)

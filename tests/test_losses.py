@@ -61,7 +61,8 @@ def sigmoid(x):
 
 
 # ----------------------------------------------------------------------------------------
-# The NumPy loop reference: value and d loss / d log_probs, written from PAPERS.md.
+# The NumPy loop reference: value and d loss / d log_probs, written from the papers
+# (docs/algorithms.md).
 # ----------------------------------------------------------------------------------------
 
 
@@ -497,7 +498,7 @@ def test_sequence_level_terms_aggregate_like_their_broadcast():
 
 
 # ----------------------------------------------------------------------------------------
-# The identities of PAPERS.md.
+# The papers' identities (docs/algorithms.md).
 # ----------------------------------------------------------------------------------------
 
 
@@ -700,6 +701,72 @@ def test_kl_penalty_estimators():
     k3 = losses.kl_penalty(log_probs, ref_log_probs, mask)
     np.testing.assert_allclose(loss_kl, 0.04 * np.sum(k3) / mask.sum(), rtol=1e-5)
     np.testing.assert_allclose(metrics_kl["kl_ref"], np.sum(k3) / mask.sum(), rtol=1e-5)
+
+
+def verl_low_var_kl(log_probs, ref_log_probs):
+    """verl's k3 (``core_algos.kl_penalty_forward``, "low_var_kl"), in NumPy float64."""
+    delta = np.clip(np.float64(ref_log_probs) - np.float64(log_probs), -20, 20)
+    return np.clip(np.exp(delta) - delta - 1, -10, 10)
+
+
+def test_kl_clamp_is_verls_k3():
+    # delta = log pi_ref - log pi_theta per token; the last position is padding.
+    deltas = np.array([[-0.5, 1.0, 3.0, -15.0, 25.0, -30.0, 100.0, 0.0]], np.float32)
+    mask = np.array([[1, 1, 1, 1, 1, 1, 1, 0]], np.float32)
+    log_probs = np.full_like(deltas, -2.0)
+    ref_log_probs = log_probs + deltas
+
+    def total(log_probs, clamp):
+        return jnp.sum(losses.kl_penalty(log_probs, ref_log_probs, mask, clamp=clamp))
+
+    values = {clamp: np.asarray(jax.jit(losses.kl_penalty, static_argnames="clamp")(
+        log_probs, ref_log_probs, mask, clamp=clamp)) for clamp in (False, True)}
+    grads = {clamp: np.asarray(jax.grad(total)(log_probs, clamp)) for clamp in (False, True)}
+    # Hand-worked, k3 = e^d - d - 1 and d k3 / d log pi_theta = 1 - e^d:
+    #   d = -0.5: 0.60653 - 0.5 = 0.10653 (grad 0.39347);  d = 1: e - 2 = 0.71828 (grad 1 - e);
+    #   d = 3: e^3 - 4 = 16.0855 > 10;  d = -15: 14.0000003 > 10;  d = 25: 7.2e10;
+    #   d = -30: 29;  d = 100: e^100 overflows float32 (inf).
+    # Clamped (verl): every k3 above 10 is 10 with gradient 0; d is clipped to +-20 first,
+    # so d = 100 gives 10 and a zero gradient instead of inf and NaN.
+    expected = [0.10653066, 0.71828183, 10.0, 10.0, 10.0, 10.0, 10.0, 0.0]
+    np.testing.assert_allclose(values[True][0], expected, rtol=1e-6)
+    verl = verl_low_var_kl(log_probs, ref_log_probs)
+    np.testing.assert_allclose(values[True][0, :7], verl[0, :7], rtol=1e-6)
+    np.testing.assert_allclose(grads[True][0], [0.39346934, 1 - math.e] + [0] * 6, rtol=1e-6)
+    # Unclamped: the paper's k3 everywhere (GRPO eq. 4).
+    np.testing.assert_allclose(values[False][0, :6], [0.10653066, 0.71828183, math.exp(3) - 4,
+                                                      math.exp(-15) + 14, math.exp(25) - 26, 29.0],
+                               rtol=1e-5)
+    np.testing.assert_allclose(grads[False][0, :4], [0.39346934, 1 - math.e, 1 - math.exp(3),
+                                                     1 - math.exp(-15)], rtol=1e-5)
+    assert values[False][0, 6] == np.inf and not np.isfinite(grads[False][0, 6])
+    # Where k3 <= 10 the clamp changes nothing: random inputs of test_kl_penalty_estimators.
+    log_probs, ref_log_probs, _, mask = make_inputs(4)
+    unclamped = np.asarray(losses.kl_penalty(log_probs, ref_log_probs, mask))
+    clamped = np.asarray(losses.kl_penalty(log_probs, ref_log_probs, mask, clamp=True))
+    np.testing.assert_allclose(clamped, np.where(mask > 0, np.minimum(unclamped, 10), 0), rtol=1e-6)
+    verl = np.where(mask > 0, verl_low_var_kl(log_probs, ref_log_probs), 0)
+    np.testing.assert_allclose(clamped, verl, rtol=1e-5, atol=1e-7)
+
+
+def test_kl_clamp_in_the_policy_loss():
+    deltas = np.array([[0.5, 3.0, -15.0, 0.0], [1.0, -0.2, 0.0, 0.0]], np.float32)
+    mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.float32)
+    log_probs = np.full_like(deltas, -1.0)
+    zeros = np.zeros_like(deltas)
+    loss_fn = jax.jit(functools.partial(losses.policy_loss, kl_coef=0.04, aggregation="token_mean"),
+                      static_argnames="kl_clamp")
+    loss, metrics = loss_fn(log_probs, log_probs, zeros, mask, ref_log_probs=log_probs + deltas,
+                            kl_clamp=True)
+    # Advantages 0: the loss is beta * token mean of the clamped k3 over the 5 valid tokens.
+    k3 = [math.exp(0.5) - 1.5, 10.0, 10.0, math.e - 2, math.exp(-0.2) - 0.8]
+    np.testing.assert_allclose(metrics["kl_ref"], sum(k3) / 5, rtol=1e-6)
+    np.testing.assert_allclose(loss, 0.04 * sum(k3) / 5, rtol=1e-6)
+    with pytest.raises(ValueError, match="kl_clamp=True is defined for kl_estimator='k3' only"):
+        losses.policy_loss(log_probs, log_probs, zeros, mask, ref_log_probs=log_probs, kl_coef=0.04,
+                           kl_estimator="k2", kl_clamp=True)
+    with pytest.raises(ValueError, match="estimator 'k3' only"):
+        losses.kl_penalty(log_probs, log_probs, mask, estimator="k1", clamp=True)
 
 
 def test_entropy_from_logits():

@@ -158,6 +158,7 @@ class LossConfig:
     max_len: int | None = None
     kl_beta: float = 0.0
     kl_estimator: str = "k3"
+    kl_clamp: bool = False
     temperature: float = 1.0
     load_balancing_coef: float = 0.0
     router_z_coef: float = 0.0
@@ -173,9 +174,10 @@ class LossConfig:
             aggregation=algo.aggregation, group_size=int(config.batch.group_size),
             max_len=int(algo.max_len or config.sampling.max_new_tokens),
             kl_beta=float(algo.kl_beta), kl_estimator=algo.kl_estimator,
+            kl_clamp=bool(algo.kl_clamp),
             temperature=float(config.sampling.temperature),
             load_balancing_coef=float(algo.load_balancing_coef),
-            router_z_coef=float(algo.get("router_z_coef", 0.0)),
+            router_z_coef=float(algo.router_z_coef),
             entropy_coef=float(algo.entropy_coef), nll_coef=float(algo.nll_coef))
 
 
@@ -195,7 +197,7 @@ def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.A
         group_size=settings.group_size, max_len=settings.max_len,
         importance_weights=batch.importance_weights,
         ref_log_probs=batch.ref_log_probs if settings.kl_beta > 0 else None,
-        kl_coef=settings.kl_beta, kl_estimator=settings.kl_estimator)
+        kl_coef=settings.kl_beta, kl_estimator=settings.kl_estimator, kl_clamp=settings.kl_clamp)
     metrics = {f"loss/{k}": v for k, v in policy_metrics.items()}
     entropy = aggregate(fwd.entropy, mask, "token_mean")
     metrics["policy/entropy"] = jax.lax.stop_gradient(entropy)
