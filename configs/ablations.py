@@ -21,7 +21,7 @@ comes on top). The recipes' defaults are sized for the CPU; on the CPU task star
 SFT checkpoint (`--setting demo`, or `init_checkpoint`): a random policy never earns a
 reward.
 
-Each ablation names the claim it tests, from PAPERS.md.
+Each ablation names the claim it tests, from its paper (docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ SHARED_SECTIONS = ("model", "task", "sampling", "batch", "train", "eval")
 @dataclasses.dataclass(frozen=True)
 class Ablation:
     name: str
-    claim: str  # what the paper reports (PAPERS.md)
+    claim: str  # what the paper reports (docs/algorithms.md)
     arms: tuple[Arm, ...]
     # Shared by every arm, before the arm's own variant: the conditions under which the
     # compared mechanism acts at all.
@@ -79,7 +79,7 @@ class Ablation:
 # identical runs for tau_neg = 1.05 and 1.0). These ablations use 4 minibatches per batch.
 OFF_POLICY = "batch.n_minibatches=4"
 
-# The GSPO paper's GRPO baseline (2507.18071; PAPERS.md "GSPO"): clip 0.2 / 0.27, no KL
+# The GSPO paper's GRPO baseline (2507.18071; docs/algorithms.md "GSPO"): clip 0.2 / 0.27, no KL
 # (GRPO's own recipe has beta 0.04 and a symmetric 0.2 clip).
 GSPO_GRPO_BASELINE = "algo.clip_high=0.27,algo.kl_beta=0.0"
 # What GRPO and GSPO(-token) differ in: the objective and its clip range.

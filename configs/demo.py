@@ -27,7 +27,7 @@ def get_config(arg=None):
     c.sft.batch_size = 64
     c.sft.lr = 1e-2
     c.sft.warmup_steps = 20
-    # SAPO (PAPERS.md): soft gate, tau_pos 1.0 / tau_neg 1.05, sequence-mean token-mean.
+    # SAPO (2511.20347): soft gate, tau_pos 1.0 / tau_neg 1.05, sequence-mean token-mean.
     c.algo.method = "sapo"
     c.algo.tau_pos = 1.0
     c.algo.tau_neg = 1.05

@@ -12,5 +12,5 @@ from configs import gspo
 def get_config(arg=None):
     c = gspo.get_config()
     c.unlock()
-    c.algo.method = "gspo_token"
+    c.algo.method = "gspo_token"  # every other field: GSPO's, cited there
     return base.finalize(c, arg, {"model.preset": "qwen3_30b_a3b", "optim.lr": 1e-6})

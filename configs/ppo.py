@@ -12,13 +12,14 @@ from configs import base
 def get_config(arg=None):
     c = base.base_config()
     c.algo.method = "ppo"
-    # Clipped surrogate, eps = 0.2 on both sides (PAPERS.md "PPO / GRPO clipped surrogate").
+    # Clipped surrogate, eps = 0.2 on both sides (1707.06347 §6.1).
     c.algo.clip_low = 0.2
     c.algo.clip_high = 0.2
-    # Per-token loss averaged over the minibatch's tokens (verl / OpenRLHF PPO default).
+    # Per-token loss averaged over the minibatch's tokens (verl / OpenRLHF PPO default;
+    # this project's choice: the PPO papers for LLMs name no aggregation).
     c.algo.aggregation = "token_mean"
     # GAE with one lambda for advantages and value targets: gamma 1.0, lambda 0.95
-    # (PAPERS.md "Critic-based": classic PPO for LLMs); gae_lambda_critic stays None, i.e.
+    # (classic PPO for LLMs, as VC-PPO's baseline, 2503.01491); gae_lambda_critic stays None, i.e.
     # follows gae_lambda. The outcome reward sits on the last response token.
     c.algo.advantage = "gae"
     c.algo.gae_gamma = 1.0
@@ -29,16 +30,20 @@ def get_config(arg=None):
     # works; the default 8 samples per prompt only fills the CPU batch).
     c.algo.kl_beta = 0.0
     c.dynamic_sampling.enabled = False
+    # Rule-based reward +1 correct / -1 incorrect: VC-PPO's (2503.01491), whose PPO
+    # baseline this recipe is (classic PPO fixes no reward). With a critic whose values
+    # start at 0 and an absolute value clip, 0 is then the midpoint of the two outcomes.
+    c.reward.incorrect_value = -1.0
     # Value clip 0.2 (OpenAI baselines' cliprange, OpenRLHF's value_clip; verl's default
     # cliprange_value is 0.5; the papers give none); no value pretraining.
     c.critic.value_clip = 0.2
     c.critic.pretrain_iterations = 0
-    # The tiny CPU models need larger learning rates than 1e-6; the critic gets twice the
-    # actor's, the ratio VAPO uses (PAPERS.md).
+    # The tiny CPU models need larger learning rates than 1e-6 (this project's choice);
+    # the critic gets twice the actor's, the ratio VAPO uses (2504.05118).
     c.optim.lr = 1e-4
     c.critic.lr = 2e-4
     paper = {
-        "model.preset": "qwen3_30b_a3b",
+        "model.preset": "qwen3_30b_a3b",  # this project's target
         "optim.lr": 1e-6,   # the actor lr of the critic-based papers (VAPO: 1e-6)
         "critic.lr": 2e-6,  # VAPO's critic lr; classic PPO papers do not fix one for LLMs
     }

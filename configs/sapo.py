@@ -11,13 +11,17 @@ from configs import base
 def get_config(arg=None):
     c = base.base_config()
     c.algo.method = "sapo"
-    # tau_pos = 1.0, tau_neg = 1.05 (PAPERS.md, SAPO: from public implementations).
+    # tau_pos = 1.0, tau_neg = 1.05: from public implementations (verl's actor defaults),
+    # not confirmed from the paper's text (2511.20347); tau_neg > tau_pos as it advises.
     c.algo.tau_pos = 1.0
     c.algo.tau_neg = 1.05
+    # The paper's unified form: (1/G) sum_i (1/|y_i|) sum_t, GRPO's group advantages.
     c.algo.aggregation = "seq_mean_token_mean"
     c.algo.adv_center = "group"
     c.algo.adv_scale = "group"
-    c.algo.kl_beta = 0.0
-    c.optim.lr = 1e-4  # CPU
+    c.algo.kl_beta = 0.0  # no KL term (this project's choice, as GSPO)
+    c.optim.lr = 1e-4  # CPU (this project's choice)
+    # Qwen3-30B-A3B and lr 1e-6: this project's choice (as GSPO's recipe); max_new_tokens
+    # must be named (base.py).
     paper = {"model.preset": "qwen3_30b_a3b", "optim.lr": 1e-6}
     return base.finalize(c, arg, paper)

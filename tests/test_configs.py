@@ -32,21 +32,25 @@ def test_paper_values():
     grpo, dapo, dr, gspo, gspo_t, sapo, mag = (load(n) for n in RECIPES[:7])
     assert (grpo.algo.method, grpo.algo.kl_beta, grpo.algo.kl_estimator) == ("ppo", 0.04, "k3")
     assert grpo.algo.aggregation == "seq_mean_token_mean"
-    assert (dapo.algo.clip_low, dapo.algo.clip_high, dapo.algo.aggregation) == (0.2, 0.28, "token_mean")
+    assert (dapo.algo.clip_low, dapo.algo.clip_high) == (0.2, 0.28)
+    assert dapo.algo.aggregation == "group_token_mean"
     assert dapo.dynamic_sampling.enabled and dapo.reward.overlong == "dapo" and dapo.algo.kl_beta == 0
     assert (dr.algo.adv_scale, dr.algo.aggregation) == ("none", "seq_mean_token_sum_norm")
     assert (gspo.algo.method, gspo.algo.clip_low, gspo.algo.clip_high) == ("gspo", 3e-4, 4e-4)
     assert gspo_t.algo.method == "gspo_token" and gspo_t.algo.clip_high == 4e-4
     assert (sapo.algo.method, sapo.algo.tau_pos, sapo.algo.tau_neg) == ("sapo", 1.0, 1.05)
-    assert (mag.algo.clip_high, mag.algo.adv_scale, mag.algo.aggregation) == (0.28, "minibatch", "token_mean")
+    assert (mag.algo.clip_high, mag.algo.adv_scale) == (0.28, "minibatch")
+    assert mag.algo.aggregation == "group_token_mean"
     assert mag.reward.format and mag.reward.overlong == "magistral" and mag.dynamic_sampling.enabled
 
 
 def test_critic_paper_values():
     ppo, vc, vapo = (load(n) for n in ("ppo", "vc_ppo", "vapo"))
     for c in (ppo, vc, vapo):
-        assert (c.algo.advantage, c.algo.gae_gamma, c.algo.method, c.algo.aggregation) == ("gae", 1.0, "ppo", "token_mean")
+        assert (c.algo.advantage, c.algo.gae_gamma, c.algo.method) == ("gae", 1.0, "ppo")
         assert c.algo.kl_beta == 0 and not c.dynamic_sampling.enabled
+    assert (ppo.algo.aggregation, vc.algo.aggregation, vapo.algo.aggregation) == (
+        "token_mean", "token_mean", "group_token_mean")
     assert (ppo.algo.gae_lambda, ppo.algo.gae_lambda_critic, ppo.algo.nll_coef) == (0.95, None, 0.0)
     # PPO's one lambda: the critic's follows gae_lambda, also when only gae_lambda is overridden.
     assert GAEConfig.from_config(ppo.algo).lam_critic == 0.95
@@ -64,7 +68,7 @@ def test_critic_paper_values():
     assert (paper.optim.lr, paper.critic.lr, paper.critic.pretrain_iterations) == (1e-6, 2e-6, 50)
     assert (paper.batch.n_prompts, paper.batch.group_size, paper.batch.n_minibatches) == (512, 16, 16)
     assert paper.sampling.max_new_tokens == 20480  # DAPO's, not the CPU's 24 (lambda ~ 0.999)
-    assert load("dapo", "algo.aggregation=group_token_mean").algo.aggregation == "group_token_mean"
+    assert load("dapo", "algo.aggregation=token_mean").algo.aggregation == "token_mean"  # verl's
     assert load("dapo").dynamic_sampling.criterion == "accuracy"
     assert load("magistral").dynamic_sampling.criterion == "reward"
     with pytest.raises(ValueError, match="pretrain_iterations"):
@@ -73,6 +77,33 @@ def test_critic_paper_values():
         load("vc_ppo", "algo.gae_lambda_critic=1.5")
     with pytest.raises(ValueError, match="algo.advantage"):
         load("ppo", "algo.advantage=td")
+
+
+def test_recipes_state_the_papers_rewards_aggregation_and_kl():
+    """The papers' forms (docs/algorithms.md): +-1 rewards for the critic recipes (VC-PPO,
+    VAPO and the PPO baseline of VC-PPO), as DAPO; the per-group token mean for DAPO,
+    Magistral and VAPO (verl's minibatch token mean stays selectable); k3 unclamped."""
+    names = ("grpo", "dapo", "dr_grpo", "gspo", "sapo", "magistral", "ppo", "vc_ppo", "vapo")
+    configs = {name: load(name) for name in names}
+    incorrect = {name: c.reward.incorrect_value for name, c in configs.items()}
+    assert incorrect == {"grpo": 0.0, "dapo": -1.0, "dr_grpo": 0.0, "gspo": 0.0, "sapo": 0.0,
+                         "magistral": 0.0, "ppo": -1.0, "vc_ppo": -1.0, "vapo": -1.0}
+    group_mean = sorted(n for n, c in configs.items() if c.algo.aggregation == "group_token_mean")
+    assert group_mean == ["dapo", "magistral", "vapo"]
+    assert all(not c.algo.kl_clamp for c in configs.values())
+    for name in group_mean:
+        assert load(name, "algo.aggregation=token_mean").algo.aggregation == "token_mean"
+    assert load("grpo", "algo.kl_clamp=True").algo.kl_clamp is True
+    # The critic sees +-1 outcomes; the loss settings carry the clamp and the aggregation.
+    from policyopt.rl.learner import LossConfig
+    settings = LossConfig.from_config(load("vapo", "algo.kl_clamp=True,algo.kl_beta=0.04"))
+    assert (settings.kl_clamp, settings.aggregation) == (True, "group_token_mean")
+    assert settings.group_size == 8
+    spec = build.reward_spec(configs["vapo"])
+    assert (spec.incorrect_value, spec.plain_correct_value) == (-1.0, 1.0)
+    assert not spec.format_reward
+    # pass@1 counts correct answers, whatever the training reward of a wrong one.
+    assert build.correctness_spec(configs["vapo"]).incorrect_value == 0.0
 
 
 def test_variant_string_and_paper_scale():
@@ -91,7 +122,7 @@ def test_every_recipe_builds_at_paper_scale(name):
     """scale=paper is documented for every recipe (and for every ablation arm via
     experiments/ablate.py --variant scale=paper): it must pass base.check."""
     variant = "scale=paper"
-    if name in ("gspo", "gspo_token", "sapo", "ppo", "vc_ppo"):  # PAPERS.md records no budget
+    if name in ("gspo", "gspo_token", "sapo", "ppo", "vc_ppo"):  # no budget recorded (docs/)
         with pytest.raises(ValueError, match="scale=paper: .*sampling.max_new_tokens"):
             load(name, variant)
         variant += ",sampling.max_new_tokens=16384"

@@ -8,8 +8,11 @@ vocabulary projection::
 
 Its parameters are a plain pytree ``{"backbone": nnx.State, "head": {"kernel": [D],
 "bias": []}}`` with their own optimiser state (``learner.TrainState``). The backbone
-starts as a copy of the policy's initial parameters (the usual choice: VC-PPO 2503.01491
-and VAPO 2504.05118 initialise the value model from the SFT policy) and the head at
+starts as a copy of the policy's initial parameters (this project's choice, as verl's
+examples do; VC-PPO 2503.01491 and VAPO 2504.05118 do not say what their value model
+starts from: they name initialising it from a reward model, the RLHF practice, as the
+source of the initialisation bias that value pretraining under the fixed SFT policy
+removes; see docs/algorithms.md, "VC-PPO") and the head at
 **zeros**, so every initial value is exactly 0 (no random offset the pretraining must
 first unlearn); the head's gradient ``(V - R) h`` is non-zero from the first update and
 the backbone's follows once ``w != 0``. The (unused) output embedding stays in the
