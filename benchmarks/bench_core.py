@@ -125,7 +125,7 @@ def numpy_gae(rewards, values, mask, gamma, lam_actor, lam_critic):
 
 def numpy_loss_and_grad(log_probs, old_log_probs, advantages, mask, method,
                         clip_low=0.2, clip_high=0.2, tau_pos=1.0, tau_neg=1.05):
-    """Token-mean loss and d loss / d log_probs in vectorised NumPy, from PAPERS.md."""
+    """Token-mean loss and d loss / d log_probs in vectorised NumPy, from docs/algorithms.md."""
     valid = mask > 0
     weight = mask / max(mask.sum(), 1)
     log_ratio = np.where(valid, log_probs - old_log_probs, 0)

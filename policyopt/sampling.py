@@ -34,7 +34,7 @@ ratio pi_theta / pi_old that uses pi_old = pi_T ignores the factor Z on every ke
 and the never-sampled tail (a biased estimate), while using log q as pi_old puts two
 different distributions into one ratio. A correction for the truncation needs both, hence
 both are returned. The trainer's truncated importance sampling (`algo.tis_cap`,
-w = min(pi_old(y) / pi_T(y), C), PAPERS.md) uses `raw_log_probs` as the behaviour policy,
+w = min(pi_old(y) / pi_T(y), C), docs/algorithms.md) uses `raw_log_probs` as the behaviour policy,
 as vLLM-based trainers do: it corrects for sampler / trainer mismatch and for stale
 parameters (asynchronous generation), not for top-k / top-p truncation. Greedy
 decoding samples from a point mass: its `log_probs` are 0 and its `raw_log_probs` are

@@ -31,7 +31,7 @@ def _named_fields(variant):
 # where the reference recipe's paper records no generation budget; "paper_budget" names one.
 SCALES = {"default": ("", None), "demo": ("", demo_setting), "paper": ("scale=paper", None),
           "paper_budget": ("scale=paper,sampling.max_new_tokens=20480", None)}
-# The reference recipes whose papers record no generation budget (PAPERS.md).
+# The reference recipes whose papers record no generation budget (docs/algorithms.md).
 NO_PAPER_BUDGET = ("gspo", "gspo_token", "sapo", "ppo", "vc_ppo")
 
 
@@ -76,7 +76,7 @@ def test_arms_differ_only_in_the_methods_they_compare(name, scale):
 
 
 def test_paper_scale_arms_take_the_reference_paper_geometry():
-    """Hand-checked against the recipes' paper values (PAPERS.md): every arm of a
+    """Hand-checked against the recipes' paper values (docs/algorithms.md): every arm of a
     cross-recipe ablation takes its reference paper's geometry and budget at scale=paper,
     not its own paper's (the GRPO arms used to keep GRPO's 64 x 16 and 1024 tokens)."""
     expected = {  # (group_size, n_prompts, n_minibatches, max_new_tokens)
@@ -121,7 +121,7 @@ def test_compares_may_not_name_shared_fields():
 
 @pytest.mark.parametrize("scale", sorted(SCALES))
 def test_routing_replay_grpo_arms_are_the_gspo_papers_baseline(scale):
-    """GSPO (2507.18071; PAPERS.md): its GRPO baseline clips at 0.2 / 0.27, without KL."""
+    """GSPO (2507.18071; docs/algorithms.md): its GRPO baseline clips at 0.2 / 0.27, without KL."""
     ablation = get_ablation("routing_replay")
     variant, setting = SCALES[scale]
     if scale == "paper":

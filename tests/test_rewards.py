@@ -366,7 +366,7 @@ def test_format_rejects_unknown_task():
 
 
 def dapo_reference(length, max_len, cache_len):
-    """PAPERS.md 'Reward shaping', written out case by case."""
+    """docs/algorithms.md "Reward" (DAPO eq. 13, Magistral), written out case by case."""
     if length <= max_len - cache_len:
         return 0.0
     if length <= max_len:

@@ -6,7 +6,7 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
   1. Router logits   z = x W_r                        [N, E]   (float32)
   2. Probabilities   p = softmax(z)                   [N, E]
   3. Selection       e = top_k(p, k)                  [N, k]   int32, best first
-     -- or, under replay (R2 / R3, see PAPERS.md), e = the given routing: only the
+     -- or, under replay (R2 / R3, docs/algorithms.md), e = the given routing: only the
      *selection* is replayed.
   4. Gate weights    g_j = p[e_j]  and, if norm_topk_prob, g_j /= sum_j g_j
      (= softmax of z over the k selected experts). Always recomputed from the *current*

@@ -1,6 +1,6 @@
 """Continuous-batching generation whose weights change between decode segments, and the
 thread that runs it next to a trainer (asynchronous RL, Magistral arXiv 2506.10910;
-PAPERS.md "Asynchronous generation").
+docs/algorithms.md "Asynchronous generation").
 
     slots = SlotGenerator(graphdef, SlotConfig(sampling, num_groups, prompt_width, 8))
     with AsyncGenerator(slots, prompts, params, version=0, rng=key) as generator:

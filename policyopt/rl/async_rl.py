@@ -1,4 +1,4 @@
-"""Asynchronous RL (Magistral, arXiv 2506.10910; PAPERS.md "Asynchronous generation"):
+"""Asynchronous RL (Magistral, arXiv 2506.10910; docs/algorithms.md "Asynchronous generation"):
 generation and training overlap.
 
     summary = run_async_rl(config, workdir)   # config.async_mode.enabled (configs/magistral_async.py)

@@ -25,10 +25,10 @@ and optimiser state are part of the checkpoint.
 
 Routing replay (MoE): ``"R2"`` replays, in every update forward, the routing recorded by
 the old-log-prob forward; ``"R3"`` replays the sampler's routing in the old-log-prob
-forward and in every update forward (``PAPERS.md``). Only the expert selection is
+forward and in every update forward (docs/algorithms.md). Only the expert selection is
 replayed; the model recomputes the gate weights from the current router, as its own
 routing does: renormalised over the replayed k experts when the model has
-``norm_topk_prob`` (Qwen3-30B-A3B, and what PAPERS.md describes), the full-softmax
+``norm_topk_prob`` (Qwen3-30B-A3B; docs/algorithms.md "Routing replay"), the full-softmax
 probabilities of those experts otherwise, so that a replay of the model's own choice
 reproduces its forward exactly.
 
@@ -343,7 +343,7 @@ _gae_targets = jax.jit(gae_targets, static_argnames="settings")
 def gae_settings(config, *, pretraining: bool) -> GAEConfig:
     """The GAE settings of an iteration: ``config.algo``'s, except that value pretraining
     trains the critic on Monte-Carlo returns, ``lambda_critic = 1`` (VC-PPO 2503.01491,
-    PAPERS.md), whatever ``algo.gae_lambda_critic`` the later PPO updates use."""
+    docs/algorithms.md), whatever ``algo.gae_lambda_critic`` the later PPO updates use."""
     settings = GAEConfig.from_config(config.algo)
     return dataclasses.replace(settings, lam_critic=1.0) if pretraining else settings
 
@@ -398,7 +398,7 @@ def rollout_correction(old_log_probs, behaviour_log_probs, mask, settings: Corre
 
 def minibatch_advantages(rewards, group_size: int, *, center: str = "group", eps: float = 1e-6,
                          valid=None):
-    """Magistral's advantages (2506.10910, PAPERS.md): ``A = R - mean(R_group)``, then
+    """Magistral's advantages (2506.10910 §2.1): ``A = R - mean(R_group)``, then
     ``(A - mean_mb(A)) / std_mb(A)`` over the sequences of one minibatch.
 
     Magistral drops groups whose rewards are all equal before forming the batch, so their
