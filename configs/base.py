@@ -36,7 +36,10 @@ placeholder = config_dict.placeholder
 
 
 def base_config() -> ml_collections.ConfigDict:
-    """The shared defaults, every field commented. Recipes override what their paper fixes."""
+    """The shared defaults, every field commented. Recipes override what their paper fixes.
+
+    A default that its comment does not attribute to a paper is this project's choice
+    (sized for the CPU, or verl's default where the comment says so)."""
     c = ml_collections.ConfigDict()
     # Seed of parameter initialisation (when not starting from a checkpoint), of the
     # sampler's rng stream and of minibatch shuffling.
@@ -213,7 +216,7 @@ def base_config() -> ml_collections.ConfigDict:
     # Advantage scaling: "group" (GRPO: group std), "batch" (std over the batch),
     # "minibatch" (Magistral: (A - mean_mb) / std_mb over each minibatch), "none" (Dr. GRPO).
     c.algo.adv_scale = "group"
-    # Epsilon added to the std.
+    # Epsilon added to the std (verl's 1e-6; the papers state none).
     c.algo.adv_eps = 1e-6
     # GAE (algo.advantage = "gae"; docs/algorithms.md "GAE"). The outcome reward sits on
     # the last valid response token, 0 elsewhere. Discount gamma (1.0 for LLMs).
@@ -379,7 +382,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.b1 = 0.9
     c.optim.b2 = 0.999
     c.optim.eps = 1e-8
-    c.optim.weight_decay = 0.01
+    c.optim.weight_decay = 0.01  # verl's default
     # Global gradient-norm clipping threshold (verl's default 1.0).
     c.optim.max_grad_norm = 1.0
 
