@@ -126,7 +126,13 @@ def collectives(hlo_text: str, top: int = 3) -> dict:
             continue
         if match["start"]:
             arrays = [max(arrays, key=lambda a: a[1])]
-        shape = arrays[0][0] if len(arrays) == 1 else "(" + ", ".join(a[0] for a in arrays) + ")"
+        shapes = [a[0] for a in arrays]
+        if len(shapes) == 1:
+            shape = shapes[0]
+        elif len(set(shapes)) == 1:  # a combined op over equal arrays
+            shape = f"{len(shapes)} x {shapes[0]}"
+        else:
+            shape = "(" + ", ".join(shapes) + ")"
         found[match["kind"]].append((shape, int(sum(a[1] for a in arrays))))
     return {kind: {"count": len(ops), "bytes": sum(b for _, b in ops),
                    "largest": [{"shape": s, "bytes": b}
