@@ -53,24 +53,27 @@ What XLA:CPU's figures predict for GPUs and TPUs, and what they do not:
   global batch, or with the number of devices show up as they would on an accelerator;
   this is what the simulator is for (attention scores, MoE gathers of every token,
   all-reduced full-size gradients).
-- XLA:CPU keeps matmul results and many elementwise intermediates in float32 where a
-  GPU / TPU keeps bfloat16, and it fuses less (no GPU-style fusion of softmax or of
-  matmul epilogues, no TPU layout changes): with ``dtype=bfloat16`` the CPU figures are
-  an upper bound, often by up to ~2x on activations. Parameters and optimiser state are
-  exact.
-- Rematerialisation: ``jax.checkpoint`` policies and scanned layers behave as on TPUs
-  (XLA:CPU honours the checkpoint boundaries; a scan keeps only its carries and saved
-  residuals per layer), but XLA's own rematerialisation pass, which GPUs and TPUs run
-  under a memory limit, does not run on the CPU, and its scheduling differs: an
-  accelerator can come out lower.
+- XLA:CPU computes a bfloat16 matmul in float32: it converts both operands to float32
+  copies, multiplies, and converts the result back (its optimized HLO, jax 0.10). So a
+  ``dtype=bfloat16`` program holds float32 temporaries that a GPU or TPU, whose matrix
+  units take bf16 in and accumulate internally, would not; XLA:CPU also fuses less
+  (no fusion of softmax or matmul epilogues as on GPUs, no TPU layout passes). The CPU's
+  activation figures are therefore an upper bound, by up to ~2x where matmul outputs
+  dominate. Parameters and optimiser state are exact.
+- Rematerialisation: ``jax.checkpoint`` policies and scanned layers act as on TPUs (the
+  checkpoint boundaries are in the HLO XLA:CPU compiles; a scan keeps its carries and saved
+  residuals per layer). The GPU and TPU compilers also run XLA's own rematerialisation
+  against the device's memory limit, and schedule differently; the CPU has no limit to
+  fit, so an accelerator can come out lower than these figures (by how much, the CPU
+  cannot say).
 - The CPU has no HBM and no memory limit: a program that needs 300 GiB per device
   compiles here and would fail there. Nothing here is a measurement of time or
   bandwidth; ``compile_s`` is only the cost of the simulation.
-- Collectives are synchronous on the CPU (no async start/done pairs, no overlap with
-  compute) and XLA:CPU lowers some ops differently (``ragged-all-to-all`` is not
-  supported, jax 0.10.2); the kinds and sizes of the collectives follow from the
-  shardings and match what GPU/TPU SPMD partitioning produces for the same program up to
-  the backend's combiner passes (which merge small all-reduces).
+- Collectives are synchronous on the CPU (no async start / done pairs, no overlap with
+  compute: their buffers' lifetimes differ on accelerators), and XLA:CPU lacks some
+  (``ragged-all-to-all`` is not supported, jax 0.10.2). Which collectives appear, and
+  their sizes, come from XLA's SPMD partitioner, which GPUs and TPUs share, so they carry
+  over; each backend's combiner passes merge small ones differently, so counts can differ.
 - Custom kernels (Pallas, cuDNN) do not compile for the CPU; their memory is the
   kernel's, not shown here (an implementation that only exists on an accelerator must be
   simulated through its XLA fallback).
@@ -161,8 +164,14 @@ def _literal(text: str):
 def parse_args(argv=None) -> argparse.Namespace:
     """The flags (module docstring); ``--model.FIELD=value`` and ``--config.FIELD=value``
     are collected into ``model_overrides`` / ``config_overrides``."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.scale_sim", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.scale_sim",
+        description="Compile-only per-device memory and collectives of the jitted update or "
+                    "rollout on simulated CPU devices (the module docstring says how to read "
+                    "them).",
+        epilog="--model.FIELD=value overrides a ModelConfig field (any field: e.g. "
+               "--model.dtype=bfloat16 --model.moe_dispatch=blocked); --config.FIELD=value a "
+               "field of the recipe's config (e.g. --config.algo.kl_beta=0.01).")
     p.add_argument("--step", choices=("update", "rollout"), required=True)
     p.add_argument("--preset", required=True, help="policyopt.models.presets name")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
@@ -497,8 +506,9 @@ def _gib(value: float, width: int) -> str:
 def format_table(record: dict) -> str:
     """The record as a short readable table."""
     mesh = ",".join(f"{k}={v}" for k, v in record["mesh"].items() if v > 1) or "1 device"
-    lines = [f"scale_sim --step {record['step']}: {record['preset']} ({record['num_layers']} layers), "
-             f"{record['method']}, {record['devices']} devices, mesh {mesh}"]
+    lines = [f"scale_sim --step {record['step']}: {record['preset']} "
+             f"({record['num_layers']} layers), {record['method']}, {record['devices']} devices, "
+             f"mesh {mesh}"]
     inputs = record["inputs"]
     if record["step"] == "update":
         lines.append(f"  minibatch {record['rows']} rows x {inputs['seq_len']} tokens "
