@@ -23,11 +23,11 @@ _SCRIPT = textwrap.dedent("""
     out = sys.argv[1]
     base = ["--preset", "tiny_moe", "--devices", "4", "--mesh", "fsdp=4",
             "--model.num_layers=3", "--model.dtype=bfloat16"]
-    update = ["--step", "update", *base, "--seq-len", "256", "--prompt-len", "16"]
+    update = ["--step", "update", *base, "--seq-len", "128", "--prompt-len", "16"]
     records = {
         "extrapolated": scale_sim.main(update + ["--json", os.path.join(out, "update.json")]),
         "full": scale_sim.main(update + ["--full-depth"]),
-        "rollout": scale_sim.main(["--step", "rollout", *base, "--model.num_layers=2",
+        "rollout": scale_sim.main(["--step", "rollout", *base, "--model.num_layers=1",
                                    "--prompts", "4", "--samples", "2", "--prompt-len", "16",
                                    "--new-tokens", "8"]),
     }
@@ -108,7 +108,7 @@ def test_collectives_are_read_on_an_fsdp_mesh(records):
 def test_rollout_record(records):
     record = records["rollout"]
     assert record["step"] == "rollout" and record["rows"] == 8
-    assert record["extrapolated"] is False and record["num_layers"] == 2
+    assert record["extrapolated"] is False and record["num_layers"] == 1
     assert [c["call"] for c in record["calls"]] == ["generate_fn"]
     assert record["per_device_peak_gib"] > 0
     opt_state = record["state_gib_per_device"] - record["params_gib_per_device"]
