@@ -395,7 +395,8 @@ def rollout_calls(args, config, setup: Setup, mesh) -> list[tuple[str, object]]:
 
 
 def compile_once(args, config, mesh, num_layers: int) -> dict:
-    """Compiles the step(s) at ``num_layers`` and reads their memory and collectives."""
+    """Lowers and compiles the step(s) at ``num_layers`` (``compile_s`` times both) and reads
+    their memory and collectives."""
     import jax
 
     setup = build(args, config, mesh, num_layers)
@@ -476,19 +477,26 @@ def simulate(args) -> dict:
                     model_overrides=args.model_overrides, config_overrides=args.config_overrides),
         jax_version=jax.__version__)
     if args.step == "update":
-        rows = args.rows_per_device * args.devices
-        tokens = jax.ShapeDtypeStruct((rows, args.seq_len), "int32",
-                                      sharding=jax.sharding.NamedSharding(
-                                          mesh, sharding.row_spec((rows, args.seq_len), mesh)))
-        record["rows"] = rows
-        record["rows_on_each_device"] = int(tokens.sharding.shard_shape(tokens.shape)[0])
+        record["rows"] = args.rows_per_device * args.devices
+        record["rows_on_each_device"] = rows_on_each_device(record["rows"], mesh)
     else:
+        record["prompt_rows_on_each_device"] = rows_on_each_device(args.prompts, mesh)
         record["rows"] = args.prompts * args.samples
         opt_bytes = state_bytes - params_bytes
         for call in calls:
             call["peak_with_resident_state_gib"] = call["per_device_peak_gib"] + opt_bytes / GIB
         record["peak_with_resident_state_gib"] = worst["peak_with_resident_state_gib"]
     return record
+
+
+def rows_on_each_device(rows: int, mesh) -> int:
+    """How many of ``rows`` rows one device holds when placed as ``shard_rows`` places them."""
+    from jax.sharding import NamedSharding
+
+    from policyopt import sharding
+
+    spec = sharding.row_spec((rows,), mesh)
+    return int(NamedSharding(mesh, spec).shard_shape((rows,))[0])
 
 
 def preset_depth(args, config) -> int:
@@ -516,7 +524,8 @@ def format_table(record: dict) -> str:
                      f"{record['rows_on_each_device']}")
     else:
         lines.append(f"  {inputs['prompts']} prompts x {inputs['samples']} samples, "
-                     f"{inputs['prompt_len']} prompt + {inputs['new_tokens']} new tokens")
+                     f"{inputs['prompt_len']} prompt + {inputs['new_tokens']} new tokens; "
+                     f"prompts on each device: {record['prompt_rows_on_each_device']}")
     lines.append(f"  state (params + optimiser) per device: "
                  f"{_gib(record['state_gib_per_device'], 0)} GiB "
                  f"(params {_gib(record['params_gib_per_device'], 0)})")

@@ -108,6 +108,7 @@ def test_collectives_are_read_on_an_fsdp_mesh(records):
 def test_rollout_record(records):
     record = records["rollout"]
     assert record["step"] == "rollout" and record["rows"] == 8
+    assert record["prompt_rows_on_each_device"] == 1  # 4 prompts over fsdp=4
     assert record["extrapolated"] is False and record["num_layers"] == 1
     assert [c["call"] for c in record["calls"]] == ["generate_fn"]
     assert record["per_device_peak_gib"] > 0
