@@ -18,6 +18,7 @@ moe_7m's blocks hold 128 rows: each block gathers its expert's weights, and at D
 sampler call 8-11% faster). qwen3_30b_a3b keeps "ragged", the choice on TPUs
 (grouped-matmul kernels).
   moe_0p5b              ~0.5B total parameters, 32 experts top-4 (accelerator benchmark)
+  qwen3_8b              the shape of Qwen3-8B (dense, 36 layers, D=4096, ~8.2B parameters)
   qwen3_30b_a3b         the shape of Qwen3-30B-A3B (48 layers, 128 experts top-8)
 """
 
@@ -40,6 +41,11 @@ PRESETS: dict[str, dict] = {
                      num_kv_heads=4, head_dim=64, intermediate_size=2816, num_experts=32,
                      num_experts_per_tok=4, moe_intermediate_size=352,
                      moe_dispatch="blocked", moe_block_size=512, moe_decode_dispatch="ragged"),
+    # Qwen3-8B config.json (Qwen team, 2025): untied input and output embeddings.
+    "qwen3_8b": dict(vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32,
+                     num_kv_heads=8, head_dim=128, intermediate_size=12288, rope_theta=1e6,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     max_position_embeddings=40960),
     # Qwen3-30B-A3B config.json (Qwen team, 2025).
     "qwen3_30b_a3b": dict(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
                           num_kv_heads=4, head_dim=128, intermediate_size=6144,
