@@ -161,16 +161,24 @@ class KVCache:
         return self.replace(k=k, v=v)
 
 
-def attention_weights_mask(query_slots: jax.Array, key_mask: jax.Array) -> jax.Array:
-    """bool [B, T, S]: query at slot q may see key slot s iff s <= q and key_mask[b, s].
+def attention_weights_mask(query_slots: jax.Array, key_mask: jax.Array,
+                           segment_ids: jax.Array | None = None) -> jax.Array:
+    """bool [B, T, S]: query at slot q may see key slot s iff s <= q and key_mask[b, s]
+    (and, with ``segment_ids``, iff both lie in the same segment).
 
     Args:
       query_slots: int32 [T] slot of each query.
       key_mask: bool [B, S].
+      segment_ids: int32 [B, T] (then S == T, no cache): packed rows' segment of each
+        token, 0 for padding; a key of segment 0 is never seen.
     """
     key_slots = jnp.arange(key_mask.shape[1])
     causal = key_slots[None, :] <= query_slots[:, None]               # [T,S]
-    return causal[None, :, :] & key_mask[:, None, :]
+    mask = causal[None, :, :] & key_mask[:, None, :]
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        mask = mask & same & (segment_ids != 0)[:, None, :]
+    return mask
 
 
 def dot_product_attention(q, k, v, mask, *, cache_layout: bool = False):
@@ -222,7 +230,8 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(dh, config.rms_norm_eps, param_dtype=pdt, axis_name="kv")
         self.k_norm = RMSNorm(dh, config.rms_norm_eps, param_dtype=pdt, axis_name="kv")
 
-    def __call__(self, x, cos, sin, token_mask, cache: KVCache | None, layer: int):
+    def __call__(self, x, cos, sin, token_mask, cache: KVCache | None, layer: int,
+                 segment_ids: jax.Array | None = None):
         """Attention of one block.
 
         Args:
@@ -231,6 +240,8 @@ class Attention(nnx.Module):
           token_mask: bool [B, T], False for padding tokens (never attended as keys).
           cache: KVCache (updated at slots [index, index+T) of layer ``layer``) or None.
           layer: index of this block in the cache.
+          segment_ids: int32 [B, T] or None: packed rows, a query sees only the keys of
+            its own segment (0 = padding, never seen). Not with a cache.
         Returns:
           (out [B, T, D], cache or None). The returned cache's index is NOT advanced here.
         """
@@ -245,8 +256,11 @@ class Attention(nnx.Module):
         t = x.shape[1]
         if cache is None:
             keys, values = k, v
-            mask = attention_weights_mask(jnp.arange(t), token_mask)
+            mask = attention_weights_mask(jnp.arange(t), token_mask, segment_ids)
         else:
+            if segment_ids is not None:
+                raise ValueError("segment_ids (packed rows) cannot be used with a KV cache: "
+                                 "packing is for training forwards; decode unpacked rows")
             cache = cache.write(layer, k, v)
             key_mask = jax.lax.dynamic_update_slice(cache.key_mask, token_mask, (0, cache.index))
             cache = cache.replace(key_mask=key_mask)
