@@ -179,12 +179,13 @@ def test_hand_worked(name):
     k[0, 0, 0, 0] = 1
     v = np.zeros((1, 4, 1, 2), np.float32)
     v[0, :, 0, 0] = [1, 2, 4, 8]
-    out = _implementation(name)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                np.ones((1, 4), bool), np.array([[1, 1, 2, 2]], np.int32))
+    fn = jax.jit(_implementation(name))
+    out = fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), np.ones((1, 4), bool),
+             np.array([[1, 1, 2, 2]], np.int32))
     np.testing.assert_allclose(np.asarray(out)[0, :, 0, 0], [1, 1.25, 4, 6], rtol=1e-6)
     # Unpacked, the last key masked: out_3 = (1 + 2 + 4) / 3.
-    out = _implementation(name)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                np.array([[1, 1, 1, 0]], bool), None)
+    out = fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), np.array([[1, 1, 1, 0]], bool),
+             None)
     np.testing.assert_allclose(np.asarray(out)[0, 2:3, 0, 0], [7 / 3], rtol=1e-6)
 
 
@@ -292,12 +293,10 @@ def test_kv_cache_decode_equals_blockwise_forward():
     model = _model(attention="blockwise", attention_block_size=4)
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, TINY["vocab_size"], (2, 9)))
     full = _call(model, tokens).logits
-    cache = model.init_cache(2, 9)
-    out = model(tokens[:, :5], cache=cache)
-    steps = [out.logits]
-    cache = out.cache
+    out = _call(model, tokens[:, :5], cache=model.init_cache(2, 9))
+    steps, cache = [out.logits], out.cache
     for i in range(5, 9):
-        out = model(tokens[:, i:i + 1], cache=cache)
+        out = _call(model, tokens[:, i:i + 1], cache=cache)
         steps.append(out.logits)
         cache = out.cache
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-4, rtol=1e-5)
