@@ -3,6 +3,10 @@
 gradients on ragged, left-padded, packed and GQA inputs), config errors, memory."""
 
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -222,6 +226,50 @@ def test_blockwise_backward_holds_no_scores():
     einsum, blockwise = temp_bytes("xla"), temp_bytes("blockwise")
     assert einsum > heads * scores
     assert blockwise < scores / 4, (blockwise, einsum)
+
+
+_MESH_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from policyopt import sharding
+    from policyopt.models.attention_ops import attend
+
+    assert jax.device_count() == 8, jax.devices()
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    rng = np.random.default_rng(0)
+    b, t = 4, 20
+    q = jnp.asarray(rng.normal(size=(b, t, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, t, 2, 8)), jnp.float32) for _ in range(2))
+    mask = jnp.asarray(np.arange(t)[None] < np.array([[20], [15], [9], [20]]))
+    real = np.asarray(mask)[..., None, None]
+    w = jnp.asarray(rng.normal(size=q.shape) * real, jnp.float32)
+
+    def run(name):
+        def loss(q, k, v):
+            out = attend(q, k, v, key_mask=mask, implementation=name, block_size=8,
+                         interpret=True)
+            return jnp.sum(out * w), out
+        with jax.set_mesh(mesh):
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    (_, want), want_grads = run("xla")
+    for name in ("splash", "blockwise"):
+        (_, got), got_grads = run(name)
+        np.testing.assert_allclose(np.asarray(got) * real, np.asarray(want) * real, atol=1e-5)
+        for g, h in zip(got_grads, want_grads):
+            np.testing.assert_allclose(g, h, atol=1e-5)
+        print("ok", name)
+    """)
+
+
+def test_splash_and_blockwise_on_a_mesh():
+    # Splash runs per device under shard_map (rows over data x fsdp, heads over tensor).
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split() == ["ok", "splash", "ok", "blockwise"], proc.stdout
 
 
 # ---- choice of implementation, errors --------------------------------------------------

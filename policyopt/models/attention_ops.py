@@ -39,6 +39,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "splash")
 
@@ -457,7 +458,46 @@ def splash_attention(q, k, v, key_mask, segment_ids=None, *, interpret: bool = F
     def heads_first(x):
         return _pad_to(x, padded, 1).transpose(0, 2, 1, 3)                 # [B, heads, T, Dh]
 
-    kernel = _splash_kernel(h, padded, block, interpret)
-    out = jax.vmap(lambda q_b, k_b, v_b, ids_b: kernel(q_b, k_b, v_b, SegmentIds(ids_b, ids_b)))(
-        heads_first(q * jnp.asarray(dh ** -0.5, q.dtype)), heads_first(k), heads_first(v), ids)
+    q, k, v = heads_first(q * jnp.asarray(dh ** -0.5, q.dtype)), heads_first(k), heads_first(v)
+    axes = _splash_mesh_axes(b, h, k.shape[1])
+
+    def rows(q, k, v, ids):
+        kernel = _splash_kernel(q.shape[1], padded, block, interpret)
+        return jax.vmap(lambda q_b, k_b, v_b, ids_b: kernel(q_b, k_b, v_b,
+                                                            SegmentIds(ids_b, ids_b)))(q, k, v, ids)
+
+    if axes is None:
+        out = rows(q, k, v, ids)
+    else:
+        # Pallas TPU kernels are not partitioned automatically: each device runs the
+        # kernel on its own rows (and heads) under shard_map.
+        from jax.sharding import PartitionSpec as P
+        batch_axes, head_axes = axes
+        heads = P(batch_axes, head_axes, None, None)
+        out = jax.shard_map(rows, in_specs=(heads, heads, heads, P(batch_axes, None)),
+                            out_specs=heads, check_vma=False)(q, k, v, ids)
     return out.transpose(0, 2, 1, 3)[:, :t].astype(v.dtype)
+
+
+def _splash_mesh_axes(batch: int, heads: int, kv_heads: int):
+    """(batch mesh axes, head mesh axes) for splash's shard_map under the current mesh, by
+    the logical rules of ``policyopt.models.sharding`` ("batch", "heads"); heads are split
+    only when both H and Hkv divide evenly (a shard keeps whole kv groups). None without
+    a mesh."""
+    from policyopt.models.sharding import logical_to_mesh_axes
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return None
+    spec = logical_to_mesh_axes(("batch", "heads"), mesh_axis_names=mesh.axis_names)
+
+    def size(axes):
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        return int(np.prod([mesh.shape[a] for a in axes]))
+
+    batch_axes, head_axes = spec
+    if batch % size(batch_axes):
+        raise ValueError(f"splash attention: {batch} rows do not divide over the mesh axes "
+                         f"{batch_axes} ({size(batch_axes)} shards)")
+    if heads % size(head_axes) or kv_heads % size(head_axes):
+        head_axes = None
+    return batch_axes, head_axes
