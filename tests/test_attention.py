@@ -304,6 +304,15 @@ def test_unavailable_implementation_is_a_config_error():
     check_implementation("cudnn", backend="gpu", dtype=jnp.bfloat16, head_dim=128)
     check_implementation("splash", backend="tpu", dtype=jnp.float32, head_dim=128)
     assert ModelConfig(**TINY).resolved_attention() == "auto"
+    # From the run config (configs/base.py's model.attention), as the trainers build it.
+    from configs import base
+    from policyopt.rl import build
+    config = base.get_config()
+    config.model.attention = "splash"
+    with pytest.raises(ValueError, match="model.attention='splash'"):
+        build.make_model(config, vocab_size=32)
+    config.model.attention, config.model.attention_block_size = "blockwise", 64
+    assert build.make_model(config, vocab_size=32).config.attention_block_size == 64
 
 
 # ---- the model with each implementation ------------------------------------------------

@@ -12,8 +12,8 @@ every query t, kv head g(h) of query head h (grouped-query attention),
 with the softmax statistics in float32. The implementations differ in what they hold in
 memory and where they run:
 
-  "xla"        the einsum of ``policyopt.models.attention``: the float32 [B, H, T, T]
-               scores, then a softmax. Fastest for short rows; memory quadratic in T.
+  "xla"        the einsum (``dot_product_attention`` below, also the KV-cache path of
+               ``policyopt.models.attention``): float32 [B, H, T, T] scores, a softmax. Fastest for short rows; memory quadratic in T.
   "blockwise"  flash-style online softmax over key blocks in plain JAX, with a custom
                VJP that recomputes each block's probabilities from the saved per-row
                log-sum-exp (FlashAttention-2, Dao 2023, arXiv:2307.08691, Algorithms 1
@@ -43,10 +43,10 @@ import numpy as np
 
 IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "splash")
 
-# Longest row for which "auto" keeps the einsum on CPUs (and on GPUs / TPUs where the
-# kernels do not apply): below it the [T, T] scores are small and one fused einsum beats
-# the block loops; at and above it "blockwise" was as fast or faster
-# (benchmarks/bench_attention.py, RESULTS.md).
+# Row length from which "auto" leaves the einsum for "blockwise" on CPUs (and on GPUs
+# where cuDNN does not apply). Below it a row is one or two blocks and the two ran within
+# this machine's noise; from 1,024 tokens blockwise trained 1.8x faster and more, with
+# temporaries that stop growing with T (benchmarks/bench_attention.py, RESULTS.md).
 XLA_MAX_LENGTH = 1024
 
 # Finite "minus infinity" of masked scores: in the einsum, a query whose keys are all

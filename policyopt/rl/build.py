@@ -128,7 +128,7 @@ def make_tokenizer(config):
 def make_model(config, vocab_size: int, mesh: Mesh | None = None) -> nnx.Module:
     """The policy: a preset (with ``config.model`` overrides) initialised from
     ``config.seed``, or a HuggingFace checkpoint folder (with the runtime overrides:
-    dtypes and MoE dispatch).
+    dtypes, MoE dispatch, attention implementation).
 
     With ``mesh`` the parameters are born on it, each device receiving only its shards
     (placed by their logical axes as ``init_params`` places them; the values are those of
