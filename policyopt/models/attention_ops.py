@@ -13,7 +13,8 @@ with the softmax statistics in float32. The implementations differ in what they 
 memory and where they run:
 
   "xla"        the einsum (``dot_product_attention`` below, also the KV-cache path of
-               ``policyopt.models.attention``): float32 [B, H, T, T] scores, a softmax. Fastest for short rows; memory quadratic in T.
+               ``policyopt.models.attention``): float32 [B, H, T, T] scores, a softmax.
+               Fastest for short rows; memory quadratic in T.
   "blockwise"  flash-style online softmax over key blocks in plain JAX, with a custom
                VJP that recomputes each block's probabilities from the saved per-row
                log-sum-exp (FlashAttention-2, Dao 2023, arXiv:2307.08691, Algorithms 1
