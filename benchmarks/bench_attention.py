@@ -10,6 +10,11 @@ and the compiled temporaries of the backward (``memory_analysis().temp_size_in_b
 is ``XLA_MAX_LENGTH``, where "auto" leaves the einsum on CPUs.
 
     python -m benchmarks.bench_attention    # table + benchmarks/results/bench_attention.json
+
+``--layer-memory 4096 8192`` instead compiles (does not run) ``jax.grad`` of a one-layer
+decoder with Qwen3-30B-A3B's attention shape (D=2048, H=32, Hkv=4, Dh=128; a dense MLP of
+width 6144, vocabulary 1024, bf16, one row) at each length, for "xla" and "blockwise",
+and prints the compiled temporaries: the [B, H, T, T] term that the einsum adds per layer.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import time
 import jax
 import jax.numpy as jnp
 
+from flax import nnx
+
+from policyopt.models import ModelConfig, Transformer
 from policyopt.models.attention_ops import attend
 
 
@@ -64,6 +72,22 @@ def measure(length, implementation, args):
             "train_temp_mib": temp / 2 ** 20}
 
 
+def layer_memory(length, implementation):
+    """Compiled temporaries (GiB) of jax.grad of a one-layer decoder at ``length``."""
+    config = ModelConfig(vocab_size=1024, hidden_size=2048, num_layers=1, num_heads=32,
+                         num_kv_heads=4, head_dim=128, intermediate_size=6144, dtype="bfloat16",
+                         attention=implementation)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
+
+    def loss(params, tokens):
+        return jnp.mean(nnx.merge(graphdef, params)(tokens).logits)
+
+    compiled = jax.jit(jax.grad(loss)).lower(params, tokens).compile()
+    return {"length": length, "implementation": implementation,
+            "train_temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2 ** 30}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
@@ -74,9 +98,20 @@ def main():
     parser.add_argument("--block-size", type=int, default=512)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layer-memory", type=int, nargs="*", default=None,
+                        help="lengths: compile-only temporaries of a one-layer decoder")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                       "bench_attention.json"))
     args = parser.parse_args()
+    if args.layer_memory:
+        args.out = args.out.replace(".json", "_layer.json")
+        rows = [layer_memory(length, name) for length in args.layer_memory
+                for name in ("xla", "blockwise")]
+        print(f"{'T':>6} {'impl':>10} {'grad temp GiB':>14}")
+        for r in rows:
+            print(f"{r['length']:>6} {r['implementation']:>10} {r['train_temp_gib']:>14.2f}")
+        _write(args, rows)
+        return
 
     rows = []
     print(f"attention, {args.tokens} tokens per call, H={args.heads}, Hkv={args.kv_heads}, "
@@ -96,6 +131,10 @@ def main():
                   f"{r['forward_ms']:>9.2f} {r['train_ms']:>9.2f} "
                   f"{r['train_temp_mib']:>15.1f} {ratios}", flush=True)
         rows += [einsum, blockwise]
+    _write(args, rows)
+
+
+def _write(args, rows):
     result = {"config": vars(args) | {"platform": jax.devices()[0].platform,
                                       "device": str(jax.devices()[0].device_kind),
                                       "machine": platform.machine(), "jax": jax.__version__,
