@@ -58,7 +58,7 @@ def _positions(segment_ids):
     return positions
 
 
-@pytest.mark.parametrize("attention,moe", [("xla", False), ("xla", True), ("blockwise", False)])
+@pytest.mark.parametrize("attention,moe", [("xla", True), ("blockwise", False)])
 def test_packed_segments_equal_separate_rows(attention, moe):
     extra = dict(num_experts=4, num_experts_per_tok=2, moe_dispatch="ragged") if moe else {}
     model = _model(attention=attention, attention_block_size=4, **extra)
