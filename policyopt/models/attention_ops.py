@@ -28,10 +28,10 @@ memory and where they run:
                ``XLA_MAX_LENGTH`` tokens and blockwise from there (benchmarks/RESULTS.md,
                bench_attention).
 
-Query rows that may see no key at all (padding tokens before a row's first real token,
-or of segment 0) have no defined output: every implementation returns finite values
-there ("blockwise": zeros, with zero gradient), which callers ignore. Every other row is
-the same function in all implementations, up to float summation order.
+Query rows of padding tokens (``key_mask`` False, or segment 0) have no defined output:
+every implementation returns finite values there ("blockwise": zeros for rows that see
+no key and for blocks of padding only, which it skips), which callers ignore. Every other
+row is the same function in all implementations, up to float summation order.
 """
 
 from __future__ import annotations
@@ -244,7 +244,8 @@ def blockwise_attention(q, k, v, key_mask, segment_ids, *, block_size: int = 512
         its own id; id 0 sees nothing).
       block_size: rows of a query block and of a key block; T is padded up to a multiple.
     Returns:
-      [B, T, H, Dh] in v's dtype; 0 at rows that see no key.
+      [B, T, H, Dh] in v's dtype; 0 at rows that see no key and in blocks holding only
+      padding (in every row of the batch), whose work is skipped.
     """
     return _blockwise(q, k, v, key_mask, segment_ids, min(block_size, q.shape[1]))
 
@@ -272,6 +273,13 @@ def _tile_mask(i, j, block, key_mask_j, segment_q, segment_k):
     return mask[:, None, None]
 
 
+def _live_blocks(maskb, segb):
+    """bool [n]: blocks holding a real token (key_mask True, segment != 0) in some row.
+    The others are skipped, as keys (nothing sees them) and as queries (their rows,
+    padding, are left at 0)."""
+    return (maskb & (segb != 0)).any(axis=(1, 2))
+
+
 def _scores(q_i, k_j, scale):
     return jnp.einsum("bkgqh,bksh->bkgqs", q_i, k_j, preferred_element_type=jnp.float32) * scale
 
@@ -286,12 +294,13 @@ def _blockwise_fwd(q, k, v, key_mask, segment_ids, block):
     qb, kb, vb, maskb, segb = _block_inputs(q, k, v, key_mask, segment_ids, block)
     n = qb.shape[0]
     scale = dh ** -0.5
+    live = _live_blocks(maskb, segb)
 
     def query_block(i):
         q_i, seg_i = qb[i], segb[i]
         stats_shape = q_i.shape[:-1]                                       # [B, Hkv, G, bq]
 
-        def key_block(j, carry):
+        def update(j, carry):
             m, l, o = carry
             mask = _tile_mask(i, j, block, maskb[j], seg_i, segb[j])
             s = jnp.where(mask, _scores(q_i, kb[j], scale), _MASK_VALUE)
@@ -303,11 +312,15 @@ def _blockwise_fwd(q, k, v, key_mask, segment_ids, block):
                                                   preferred_element_type=jnp.float32)
             return m_new, l, o
 
+        def key_block(j, carry):
+            return jax.lax.cond(live[j], update, lambda j, carry: carry, j, carry)
+
         init = (jnp.full(stats_shape, _MASK_VALUE, jnp.float32),
                 jnp.zeros(stats_shape, jnp.float32),
                 jnp.zeros(stats_shape + (dh,), jnp.float32))
         # Causality: query block i sees key blocks 0..i only.
-        m, l, o = jax.lax.fori_loop(0, i + 1, key_block, init)
+        m, l, o = jax.lax.cond(live[i], lambda: jax.lax.fori_loop(0, i + 1, key_block, init),
+                               lambda: init)
         seen = l > 0
         out = o / jnp.where(seen, l, 1.0)[..., None]
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
@@ -327,13 +340,14 @@ def _blockwise_bwd(block, residuals, d_out):
     (dob,) = _block_inputs(d_out, k, v, key_mask, segment_ids, block)[:1]
     n = qb.shape[0]
     scale = dh ** -0.5
+    live = _live_blocks(maskb, segb)
     # D_t = sum_h do_t * out_t (FlashAttention-2's row term; = rowsum(p * dp)).
     delta = jnp.einsum("nbkgqh,nbkgqh->nbkgq", dob.astype(jnp.float32), out.astype(jnp.float32))
 
     def key_block(j, dq):
         k_j, v_j, mask_j, seg_j = kb[j], vb[j], maskb[j], segb[j]
 
-        def query_block(i, carry):
+        def update(i, carry):
             dq, dk_j, dv_j = carry
             q_i, do_i = qb[i], dob[i]
             mask = _tile_mask(i, j, block, mask_j, segb[i], seg_j)
@@ -349,9 +363,14 @@ def _blockwise_bwd(block, residuals, d_out):
                               preferred_element_type=jnp.float32)
             return dq.at[i].add(dq_i), dk_j, dv_j
 
+        def query_block(i, carry):
+            return jax.lax.cond(live[i], update, lambda i, carry: carry, i, carry)
+
         zeros = jnp.zeros(k_j.shape, jnp.float32)
         # Causality: key block j is seen by query blocks j..n-1 only.
-        dq, dk_j, dv_j = jax.lax.fori_loop(j, n, query_block, (dq, zeros, zeros))
+        dq, dk_j, dv_j = jax.lax.cond(
+            live[j], lambda: jax.lax.fori_loop(j, n, query_block, (dq, zeros, zeros)),
+            lambda: (dq, zeros, zeros))
         return dq, (dk_j, dv_j)
 
     dq = jnp.zeros(qb.shape, jnp.float32)
