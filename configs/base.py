@@ -73,6 +73,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.moe_block_size = placeholder(int)
     # "auto", "take" or "onehot": how "blocked" hands the blocks their expert's weights.
     c.model.moe_weight_gather = placeholder(str)
+    # Attention of the training and scoring forwards: "auto" (default: cuDNN flash
+    # attention on GPUs, splash on TPUs, on CPUs the einsum below 1,024 tokens and
+    # "blockwise" from there), "xla" (einsum: [B, H, T, T] float32 scores), "blockwise"
+    # (online softmax over key blocks, memory linear in T, every backend), "cudnn"
+    # (GPU, bf16/fp16) or "splash" (TPU). An implementation the backend lacks is an
+    # error before anything compiles. None: "auto".
+    c.model.attention = placeholder(str)
+    # Query and key rows per block of "blockwise" (None: 512).
+    c.model.attention_block_size = placeholder(int)
 
     # Orbax checkpoint directory of the base policy (e.g. the SFT run's `checkpoints/`);
     # None: random initialisation from `seed`.

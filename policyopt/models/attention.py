@@ -15,13 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from policyopt.models.attention_ops import attend, attention_weights_mask, dot_product_attention
 from policyopt.models.config import ModelConfig
 from policyopt.models.layers import RMSNorm, apply_rope, param
 from policyopt.models.sharding import constrain
-
-# Finite "minus infinity": a query whose keys are all masked (e.g. a padding token at the
-# start of a row) gets a uniform average instead of NaN, and is ignored downstream.
-_MASK_VALUE = -1e30
 
 # Logical axes (``policyopt.models.sharding``) of the cache's keys [L, B, Hkv, Dh, S] and
 # values [L, B, Hkv, S, Dh]: rows follow the batch, heads the attention heads.
@@ -161,53 +158,6 @@ class KVCache:
         return self.replace(k=k, v=v)
 
 
-def attention_weights_mask(query_slots: jax.Array, key_mask: jax.Array) -> jax.Array:
-    """bool [B, T, S]: query at slot q may see key slot s iff s <= q and key_mask[b, s].
-
-    Args:
-      query_slots: int32 [T] slot of each query.
-      key_mask: bool [B, S].
-    """
-    key_slots = jnp.arange(key_mask.shape[1])
-    causal = key_slots[None, :] <= query_slots[:, None]               # [T,S]
-    return causal[None, :, :] & key_mask[:, None, :]
-
-
-def dot_product_attention(q, k, v, mask, *, cache_layout: bool = False):
-    """softmax(q k^T / sqrt(Dh) + mask) v with grouped heads; softmax in float32.
-
-    Args:
-      q: [B, T, H, Dh]; k, v: [B, S, Hkv, Dh]; or, with cache_layout (KVCache's),
-        k [B, Hkv, Dh, S] and v [B, Hkv, S, Dh]; mask: bool [B, T, S].
-    Returns:
-      [B, T, H, Dh] in v's dtype.
-    """
-    b, t, h, dh = q.shape
-    if not cache_layout:
-        hkv = k.shape[2]
-        g = h // hkv
-        scores = jnp.einsum("btkgh,bskh->bkgts", q.reshape(b, t, hkv, g, dh), k,
-                            preferred_element_type=jnp.float32) * (dh ** -0.5)
-        scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
-        return out.reshape(b, t, h, dh)
-    # Both products as batched matmuls with the batch dims (b, k) leading, the query rows
-    # (t, g) together and plain [rows, K] x [K, cols] operands, the layout XLA:CPU's
-    # matmul library takes as is: 1.8x (scores) and 3x (values) faster for a decode step
-    # than contracting over the keys' and values' minor axes. With t = 1 the transposes
-    # of q and of the output are free reshapes.
-    hkv = k.shape[1]
-    g = h // hkv
-    rows = q.reshape(b, t, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dh)
-    scores = jnp.einsum("bkqh,bkhs->bkqs", rows, k,
-                        preferred_element_type=jnp.float32) * (dh ** -0.5)
-    scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, hkv, t, g, -1), _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hkv, t * g, -1)
-    out = jnp.einsum("bkqs,bksh->bkqh", probs, v)
-    return out.reshape(b, hkv, t, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dh)
-
-
 class Attention(nnx.Module):
     """Qwen3 attention: q/k/v projections, RMSNorm on each q and k head, RoPE, GQA, o_proj."""
 
@@ -215,6 +165,10 @@ class Attention(nnx.Module):
         d, h, hkv, dh = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         std, pdt = config.initializer_range, config.weight_dtype
         self.dtype = config.compute_dtype
+        # Checked here, at model build time, so that a backend without it fails before
+        # anything compiles.
+        self.implementation = config.resolved_attention()
+        self.block_size = config.attention_block_size
         self.q_proj = param(rngs, (d, h, dh), ("embed", "heads", "kv"), std=std, dtype=pdt)
         self.k_proj = param(rngs, (d, hkv, dh), ("embed", "kv_heads", "kv"), std=std, dtype=pdt)
         self.v_proj = param(rngs, (d, hkv, dh), ("embed", "kv_heads", "kv"), std=std, dtype=pdt)
@@ -222,7 +176,8 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(dh, config.rms_norm_eps, param_dtype=pdt, axis_name="kv")
         self.k_norm = RMSNorm(dh, config.rms_norm_eps, param_dtype=pdt, axis_name="kv")
 
-    def __call__(self, x, cos, sin, token_mask, cache: KVCache | None, layer: int):
+    def __call__(self, x, cos, sin, token_mask, cache: KVCache | None, layer: int,
+                 segment_ids: jax.Array | None = None):
         """Attention of one block.
 
         Args:
@@ -231,6 +186,8 @@ class Attention(nnx.Module):
           token_mask: bool [B, T], False for padding tokens (never attended as keys).
           cache: KVCache (updated at slots [index, index+T) of layer ``layer``) or None.
           layer: index of this block in the cache.
+          segment_ids: int32 [B, T] or None: packed rows, a query sees only the keys of
+            its own segment (0 = padding, never seen). Not with a cache.
         Returns:
           (out [B, T, D], cache or None). The returned cache's index is NOT advanced here.
         """
@@ -244,14 +201,17 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "length", "heads", "kv"))
         t = x.shape[1]
         if cache is None:
-            keys, values = k, v
-            mask = attention_weights_mask(jnp.arange(t), token_mask)
+            out = attend(q, k, v, key_mask=token_mask, segment_ids=segment_ids,
+                         implementation=self.implementation, block_size=self.block_size)
         else:
+            if segment_ids is not None:
+                raise ValueError("segment_ids (packed rows) cannot be used with a KV cache: "
+                                 "packing is for training forwards; decode unpacked rows")
             cache = cache.write(layer, k, v)
             key_mask = jax.lax.dynamic_update_slice(cache.key_mask, token_mask, (0, cache.index))
             cache = cache.replace(key_mask=key_mask)
             keys, values = (x.astype(dt) for x in cache.layer(layer))
             mask = attention_weights_mask(cache.index + jnp.arange(t), key_mask)
-        out = dot_product_attention(q, keys, values, mask, cache_layout=cache is not None)
+            out = dot_product_attention(q, keys, values, mask, cache_layout=True)
         out = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dt))
         return out, cache

@@ -14,6 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from policyopt.models.attention_ops import IMPLEMENTATIONS, check_implementation
+
 _DTYPES = ("float32", "bfloat16", "float16")
 _DISPATCH = ("ragged", "blocked", "dense", "capacity")
 _GATHER = ("auto", "take", "onehot")
@@ -66,6 +68,15 @@ class ModelConfig:
         weights: "take" (indexed gather; fastest on CPU), "onehot" (a matmul with the
         one-hot block-to-expert matrix, whose gradient is a matmul rather than a
         scatter-add; for accelerators) or "auto" (by the default JAX backend).
+      attention: implementation of full-sequence attention (training and scoring
+        forwards; decoding with a KV cache always runs the einsum):
+        "auto" (cuDNN flash attention on a GPU where it applies, splash on a TPU, else
+        the einsum below policyopt.models.attention_ops.XLA_MAX_LENGTH tokens and
+        "blockwise" from there), "xla" (einsum + softmax: float32 [B, H, T, T] scores),
+        "blockwise" (flash-style online softmax in plain JAX, memory linear in T, every
+        backend), "cudnn" (GPU, bf16/fp16) or "splash" (TPU Pallas kernel). See
+        policyopt.models.attention_ops.
+      attention_block_size: query and key rows per block of "blockwise".
       capacity_factor: per-expert buffer = ceil(capacity_factor * tokens * k / E) token
         copies, for moe_dispatch == "capacity" (GShard / Switch Transformer).
       max_position_embeddings: recorded for checkpoint export only (RoPE needs no table).
@@ -94,6 +105,8 @@ class ModelConfig:
     moe_block_size: int = 64
     moe_weight_gather: str = "auto"
     capacity_factor: float = 1.25
+    attention: str = "auto"
+    attention_block_size: int = 512
     max_position_embeddings: int = 32768
     initializer_range: float = 0.02
 
@@ -137,6 +150,12 @@ class ModelConfig:
                 f"ModelConfig.moe_weight_gather must be one of {_GATHER}, got {self.moe_weight_gather!r}")
         if self.moe_block_size <= 0:
             raise ValueError(f"ModelConfig.moe_block_size must be > 0, got {self.moe_block_size}")
+        if self.attention not in IMPLEMENTATIONS:
+            raise ValueError(f"ModelConfig.attention (model.attention) must be one of "
+                             f"{IMPLEMENTATIONS}, got {self.attention!r}")
+        if not isinstance(self.attention_block_size, int) or self.attention_block_size <= 0:
+            raise ValueError(f"ModelConfig.attention_block_size must be a positive int, "
+                             f"got {self.attention_block_size!r}")
         if not self.capacity_factor > 0:
             raise ValueError(f"ModelConfig.capacity_factor must be > 0, got {self.capacity_factor}")
 
@@ -145,6 +164,20 @@ class ModelConfig:
         if self.moe_weight_gather != "auto":
             return self.moe_weight_gather
         return "take" if jax.default_backend() == "cpu" else "onehot"
+
+    def resolved_attention(self, *, interpret: bool = False) -> str:
+        """``attention``, checked against the default JAX backend before anything is
+        compiled ("auto" stays "auto": each call picks by its length and masks).
+
+        Raises:
+          ValueError: naming model.attention and the backend, when an explicit
+            implementation cannot run here ("cudnn" off a GPU or outside bf16/fp16 or
+            its head dims, "splash" off a TPU unless ``interpret``).
+        """
+        check_implementation(self.attention, backend=jax.default_backend(),
+                             dtype=self.compute_dtype, head_dim=self.head_dim,
+                             interpret=interpret)
+        return self.attention
 
     @property
     def is_moe(self) -> bool:

@@ -55,8 +55,9 @@ class Block(nnx.Module):
         else:
             self.mlp = MLP(config, config.intermediate_size, rngs=rngs)
 
-    def __call__(self, x, cos, sin, token_mask, cache, routing):
-        attn_out, cache = self.attn(self.input_norm(x), cos, sin, token_mask, cache, self.layer)
+    def __call__(self, x, cos, sin, token_mask, cache, routing, segment_ids=None):
+        attn_out, cache = self.attn(self.input_norm(x), cos, sin, token_mask, cache, self.layer,
+                                    segment_ids)
         x = x + attn_out.astype(x.dtype)
         h = self.post_attention_norm(x)
         if self.is_moe:
@@ -95,7 +96,8 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, cache: KVCache | None = None,
-                 routing: jax.Array | None = None, return_logits: bool = True) -> ModelOutput:
+                 routing: jax.Array | None = None, return_logits: bool = True,
+                 segment_ids: jax.Array | None = None) -> ModelOutput:
         """Forward pass.
 
         Args:
@@ -109,6 +111,10 @@ class Transformer(nnx.Module):
           cache: KVCache to read and extend at slots [index, index+T), or None.
           routing: int32 [L_moe, B, T, k] experts to replay in every MoE layer, or None.
           return_logits: False skips the vocabulary projection (logits=None).
+          segment_ids: int32 [B, T] or None: packed rows, several sequences per row; a
+            token attends only to earlier tokens of its own segment, and tokens of
+            segment 0 are padding (as with attention_mask 0). Positions stay the
+            caller's (per segment: 0.. at each segment's start). Not with a cache.
         Returns:
           ModelOutput.
         """
@@ -121,6 +127,14 @@ class Transformer(nnx.Module):
             token_mask = jnp.ones((b, t), bool)
         else:
             token_mask = attention_mask.astype(bool)
+        if segment_ids is not None:
+            if cache is not None:
+                raise ValueError("segment_ids (packed rows) cannot be used with a KV cache")
+            if tuple(segment_ids.shape) != (b, t):
+                raise ValueError(f"segment_ids must have the tokens' shape [B, T] = {(b, t)}, "
+                                 f"got {tuple(segment_ids.shape)}")
+            segment_ids = segment_ids.astype(jnp.int32)
+            token_mask = token_mask & (segment_ids != 0)
         if routing is not None:
             expected = (cfg.num_moe_layers, b, t, cfg.num_experts_per_tok)
             if not cfg.is_moe:
@@ -141,7 +155,8 @@ class Transformer(nnx.Module):
             layer_routing = None
             if block.is_moe and routing is not None:
                 layer_routing = routing[len(routings)]
-            x, cache, layer_routing, aux = block(x, cos, sin, token_mask, cache, layer_routing)
+            x, cache, layer_routing, aux = block(x, cos, sin, token_mask, cache, layer_routing,
+                                                 segment_ids)
             if block.is_moe:
                 routings.append(layer_routing)
                 auxes.append(aux)
