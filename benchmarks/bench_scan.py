@@ -7,7 +7,7 @@ Compile only: abstract parameters (``nnx.eval_shape``) and tokens
 separately (tracing + lowering, then XLA), and the size of the lowered text recorded.
 
     python -m benchmarks.bench_scan                       # moe_7m, 1 vs 12 layers
-    python -m benchmarks.bench_scan --preset tiny_dense --layers 1,12,48 --remat full
+    python -m benchmarks.bench_scan --preset tiny_dense --layers 2,12,48 --modes scan --remat full
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="moe_7m")
     parser.add_argument("--layers", default="1,12", help="comma-separated depths")
+    parser.add_argument("--modes", default="loop,scan", help="loop, scan or both")
     parser.add_argument("--remat", default="none", choices=("none", "full", "save_dots"))
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -57,7 +58,7 @@ def main():
     rows = []
     print(f"{'layers':>6} {'scan':>5} {'lower s':>8} {'compile s':>9} {'HLO chars':>10}")
     for layers in (int(n) for n in args.layers.split(",")):
-        for scan in (False, True):
+        for scan in [mode == "scan" for mode in args.modes.split(",")]:
             config = preset(args.preset, num_layers=layers, scan_layers=scan, remat=args.remat)
             row = {"layers": layers, "scan_layers": scan, **measure(config, args.batch, args.seq_len)}
             rows.append(row)
