@@ -82,6 +82,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.attention = placeholder(str)
     # Query and key rows per block of "blockwise" (None: 512).
     c.model.attention_block_size = placeholder(int)
+    # Stack each run of identical decoder layers and run it with a scan (True): compile
+    # time stops growing with depth, and remat frees memory on XLA:CPU only this way.
+    # For deep models and long sequences (qwen3_30b_a3b: True); the CPU presets keep
+    # False (faster decoding). Changes the checkpoint layout: fixed for a run.
+    c.model.scan_layers = placeholder(bool)
+    # Rematerialisation of each decoder block: "none", "full" (keep each block's input
+    # only) or "save_dots" (keep the projections' outputs, recompute attention). Turn it
+    # on, with scan_layers, when activations do not fit (long sequences).
+    c.model.remat = placeholder(str)
 
     # Orbax checkpoint directory of the base policy (e.g. the SFT run's `checkpoints/`);
     # None: random initialisation from `seed`.

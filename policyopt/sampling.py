@@ -437,12 +437,13 @@ def _generate(graphdef, state, prompts, prompt_lengths, rng, *, config: Sampling
     # 1. Prefill B prompts into slots [0, P).
     index = jnp.arange(prompt_len, dtype=jnp.int32)[None, :]
     prompt_mask = index < prompt_lengths[:, None]
-    # Per-layer cache buffers: each layer's attention reads its own (see KVCache). The
+    # Per-layer cache buffers: each layer's attention reads its own (see KVCache); a
+    # scanned model (scan_layers) carries the stacked cache through its layer scan. The
     # cache grows segment by segment (config.decode_segments): slots [0, P + end of the
     # segment), so each step's attention reads only slots that can hold keys by then.
     segment_ends = config.segment_ends
     cache = model.init_cache(batch, prompt_len + segment_ends[0], dtype=config.cache_dtype,
-                             per_layer=True)
+                             per_layer=not model.config.scan_layers)
     out = model(
         prompts,
         positions=jnp.broadcast_to(index, prompts.shape),

@@ -55,9 +55,10 @@ def tiny(extra="", recipe=magistral_async):
 
 
 @functools.lru_cache(maxsize=None)
-def policy():
-    """(graphdef, params, tokenizer) of the tiny config, as run_async_rl builds them."""
-    config = tiny()
+def policy(extra=""):
+    """(graphdef, params, tokenizer) of the tiny config (with ``extra`` overrides), as
+    run_async_rl builds them."""
+    config = tiny(extra)
     tokenizer = build.make_tokenizer(config)
     graphdef, params = split_params(build.make_model(config, tokenizer.vocab_size))
     return graphdef, params, tokenizer
@@ -180,8 +181,10 @@ def test_slot_generator_refuses_token_ids_outside_the_vocabulary():
         SlotGenerator(graphdef, bad, params)
 
 
-def test_greedy_without_updates_equals_the_synchronous_sampler():
-    graphdef, params, tokenizer = policy()
+@pytest.mark.parametrize("extra", ["", "model.scan_layers=True"], ids=["loop", "scan"])
+def test_greedy_without_updates_equals_the_synchronous_sampler(extra):
+    graphdef, params, tokenizer = policy(extra)
+    assert nnx.merge(graphdef, params).config.scan_layers == bool(extra)   # stacked cache
     prompts = random_prompts(5, seed=3, min_length=1)
     tokens = np.stack([p["prompt_tokens"] for p in prompts])
     lengths = np.asarray([p["prompt_length"] for p in prompts], np.int32)

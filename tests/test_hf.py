@@ -64,11 +64,12 @@ def _assert_close(got, want):
     assert rel < 1e-4, rel
 
 
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["loop", "scan"])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_import_matches_transformers(kind, tmp_path):
+def test_import_matches_transformers(kind, scan_layers, tmp_path):
     hf_model = _hf_model(kind)
     hf_model.save_pretrained(tmp_path)
-    model = from_pretrained(str(tmp_path))
+    model = from_pretrained(str(tmp_path), scan_layers=scan_layers)
     tokens = _tokens()
     hf_logits, hf_routing = _hf_forward(hf_model, tokens)
     out = model(jnp.asarray(tokens))
@@ -84,13 +85,14 @@ def test_import_matches_transformers(kind, tmp_path):
     np.testing.assert_array_equal(replayed.logits, out.logits)
 
 
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["loop", "scan"])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_export_round_trip_and_transformers_reload(kind, tmp_path):
+def test_export_round_trip_and_transformers_reload(kind, scan_layers, tmp_path):
     hf_model = _hf_model(kind, norm_topk_prob=False) if kind == "moe" else _hf_model(kind)
     hf_model.save_pretrained(tmp_path / "hf")
-    model = from_pretrained(str(tmp_path / "hf"))
+    model = from_pretrained(str(tmp_path / "hf"), scan_layers=scan_layers)
     save_pretrained(model, str(tmp_path / "export"))
-    again = from_pretrained(str(tmp_path / "export"))
+    again = from_pretrained(str(tmp_path / "export"), scan_layers=scan_layers)
     from flax import nnx
     import jax
     for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),

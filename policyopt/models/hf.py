@@ -11,6 +11,10 @@ Experts are read either per expert (``mlp.experts.{e}.gate_proj.weight``: the Qw
 release format, also what transformers 5 writes) or fused (``mlp.experts.gate_up_proj``
 [E, 2F, D], ``mlp.experts.down_proj`` [E, D, F]: transformers 5's in-memory layout), and
 written per expert.
+
+A model with ``scan_layers`` holds each run of identical layers as one stacked array per
+parameter (``policyopt.models.transformer``); HF's per-layer tensors are read into and
+written out of its slices, one stacked parameter at a time.
 """
 
 from __future__ import annotations
@@ -176,6 +180,26 @@ def _weight_table(config: ModelConfig) -> Iterator[tuple[tuple, list[str], Calla
                        (lambda w: w.T), (lambda x: [x.T]))
 
 
+def _locate(config: ModelConfig, path_key: tuple) -> tuple[tuple, int | None]:
+    """The state path of a weight-table row and the row's index along the stacked
+    ``layers`` axis: (path_key, None) per layer; ("layers", run, ...), offset with
+    ``scan_layers`` (``ModelConfig.layer_run``)."""
+    if path_key[0] != "layers" or not config.scan_layers:
+        return path_key, None
+    run, offset = config.layer_run(path_key[1])
+    return ("layers", run) + tuple(path_key[2:]), offset
+
+
+def _table_by_variable(config: ModelConfig) -> dict[tuple, list]:
+    """The weight table grouped by state path: {path: [(offset, row), ...]}, the rows of
+    a stacked parameter in layer order (one row, offset None, for any other)."""
+    groups: dict[tuple, list] = {}
+    for row in _weight_table(config):
+        state_path, offset = _locate(config, row[0])
+        groups.setdefault(state_path, []).append((offset, row))
+    return groups
+
+
 class _Reader:
     """Lazy access to the tensors of a single-file or sharded safetensors checkpoint."""
 
@@ -227,6 +251,32 @@ def _fused_experts(reader: _Reader, prefix: str, name: str, f: int):
     return np.swapaxes(part, 1, 2)
 
 
+def _read_tensor(reader: _Reader, config: ModelConfig, row, expected: tuple) -> np.ndarray:
+    """The policyopt array of one weight-table row, read from the checkpoint and checked
+    against ``expected`` (the shape of one layer's parameter)."""
+    path_key, names, from_hf, _ = row
+    target = ".".join(map(str, path_key))
+    fused = len(names) > 1 and names[0] not in reader
+    if fused:
+        prefix = names[0].split("mlp.experts.")[0]
+        source = prefix + ("mlp.experts.down_proj" if path_key[-1] == "down_proj"
+                           else "mlp.experts.gate_up_proj")
+    else:
+        source = names[0]                # of several (one per expert): the first
+    try:
+        if fused:
+            value = _fused_experts(reader, prefix, path_key[-1], config.expert_intermediate_size)
+        else:
+            value = from_hf(*[reader.get(n) for n in names])
+    except ValueError as error:          # a reshape or stack that the shapes do not allow
+        raise ValueError(f"tensor {source!r} has shape {reader.shape(source)}, which does "
+                         f"not map to {expected} for {target}: {error}") from error
+    if tuple(value.shape) != expected:
+        raise ValueError(f"tensor {source!r} has shape {reader.shape(source)}, which maps to "
+                         f"{tuple(value.shape)} instead of {expected} for {target}")
+    return value
+
+
 def from_pretrained(path: str, *, mesh: Mesh | None = None, **config_overrides) -> Transformer:
     """Load a Qwen3 / Qwen3-MoE checkpoint folder into a policyopt Transformer.
 
@@ -243,7 +293,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, **config_overrides) 
       mesh: the mesh to place the parameters on; default the one set by
         ``jax.set_mesh``, if any.
       **config_overrides: ModelConfig fields to set, e.g. dtype="bfloat16",
-        param_dtype="bfloat16", moe_dispatch="capacity".
+        param_dtype="bfloat16", moe_dispatch="capacity", scan_layers=True, remat="full".
     Returns:
       Transformer with the checkpoint's weights (in param_dtype).
     """
@@ -257,30 +307,16 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, **config_overrides) 
     variables = dict(nnx.to_flat_state(state))
     reader = _Reader(path)
     loaded = {}
-    for path_key, names, from_hf, _ in _weight_table(config):
-        variable = variables[path_key]
+    for state_path, rows in _table_by_variable(config).items():
+        variable = variables[state_path]
         expected = tuple(variable.get_value().shape)
-        target = ".".join(map(str, path_key))
-        fused = len(names) > 1 and names[0] not in reader
-        if fused:
-            prefix = names[0].split("mlp.experts.")[0]
-            source = prefix + ("mlp.experts.down_proj" if path_key[-1] == "down_proj"
-                               else "mlp.experts.gate_up_proj")
-        else:
-            source = names[0]            # of several (one per expert): the first
-        try:
-            if fused:
-                value = _fused_experts(reader, prefix, path_key[-1], config.expert_intermediate_size)
-            else:
-                value = from_hf(*[reader.get(n) for n in names])
-        except ValueError as error:      # a reshape or stack that the shapes do not allow
-            raise ValueError(f"tensor {source!r} has shape {reader.shape(source)}, which does "
-                             f"not map to {expected} for {target}: {error}") from error
-        if tuple(value.shape) != expected:
-            raise ValueError(f"tensor {source!r} has shape {reader.shape(source)}, which maps to "
-                             f"{tuple(value.shape)} instead of {expected} for {target}")
-        value = np.asarray(value, config.weight_dtype)
-        loaded[path_key] = variable.replace(
+        if rows[0][0] is not None:       # stacked: one slice per layer
+            expected = expected[1:]
+        values = [np.asarray(_read_tensor(reader, config, row, expected), config.weight_dtype)
+                  for _, row in rows]
+        value = values[0] if rows[0][0] is None else np.stack(values)
+        del values
+        loaded[state_path] = variable.replace(
             sharding.place_host_array(value, variable.get_metadata()["logical_axes"], mesh))
     reader.close()
     missing = set(variables) - set(loaded)
@@ -308,12 +344,14 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_size: int | None
     config = model.config
     variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     tensors: dict[str, np.ndarray] = {}
-    for path_key, names, _, to_hf in _weight_table(config):
-        value = sharding.to_host(variables[path_key].get_value())
+    for state_path, rows in _table_by_variable(config).items():
+        value = sharding.to_host(variables[state_path].get_value())
         if dtype is not None:
             value = value.astype(jnp.dtype(dtype))
-        for name, array in zip(names, to_hf(value)):
-            tensors[name] = np.ascontiguousarray(array)
+        for offset, (_, names, _, to_hf) in rows:
+            layer_value = value if offset is None else value[offset]
+            for name, array in zip(names, to_hf(layer_value)):
+                tensors[name] = np.ascontiguousarray(array)
     if not sharding.is_primary():
         return
     os.makedirs(path, exist_ok=True)

@@ -20,6 +20,12 @@ sampler call 8-11% faster). qwen3_30b_a3b keeps "ragged", the choice on TPUs
   moe_0p5b              ~0.5B total parameters, 32 experts top-4 (accelerator benchmark)
   qwen3_8b              the shape of Qwen3-8B (dense, 36 layers, D=4096, ~8.2B parameters)
   qwen3_30b_a3b         the shape of Qwen3-30B-A3B (48 layers, 128 experts top-8)
+
+Only qwen3_30b_a3b scans its layers (``scan_layers``: one stacked block, compiled once
+rather than 48 times); every preset keeps ``remat="none"``, which a run at long sequence
+lengths overrides (``model.remat``; with the scan, since XLA:CPU frees rematerialised
+memory only there). The small presets stay unrolled: their decode steps are faster
+without the per-layer loop and cache-slice copy of a scan, and they compile in seconds.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ PRESETS: dict[str, dict] = {
                           num_kv_heads=4, head_dim=128, intermediate_size=6144,
                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                           norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6,
-                          max_position_embeddings=40960),
+                          max_position_embeddings=40960, scan_layers=True),
 }
 
 

@@ -2,7 +2,8 @@
 that maps them to mesh axes.
 
 Every parameter is created with a ``logical_axes`` metadata tuple naming its dimensions
-(``embed``, ``heads``, ``kv``, ``mlp``, ``vocab``, ``expert``; ``None`` = replicated), and
+(``embed``, ``heads``, ``kv``, ``mlp``, ``vocab``, ``expert``; ``layers``, the leading axis of
+the stacked parameters of ``ModelConfig.scan_layers``; ``None`` = replicated), and
 activations pass through :func:`constrain` with names such as ``batch`` and ``length``.
 Without a mesh both are inert. Sharding a model then only needs a mesh::
 
@@ -34,6 +35,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("expert", "expert"),
+    ("layers", None),        # stacked decoder layers (scan_layers): every device holds all
 )
 
 

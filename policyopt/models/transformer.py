@@ -1,13 +1,25 @@
 """The decoder: embedding, pre-norm blocks (attention + MLP or MoE), final norm, output
 projection; returns logits or hidden states, the updated KV cache, the routing of every
-MoE layer and the auxiliary router losses."""
+MoE layer and the auxiliary router losses.
+
+The blocks are held per layer (``model.layers[i]``, run in a Python loop: one copy of the
+block per layer in the compiled program) or, with ``ModelConfig.scan_layers``, stacked:
+``model.layers[r]`` is one Block for run r of ``config.layer_runs`` (consecutive layers
+of one kind) whose parameters carry a leading ``layers`` axis, run with
+``jax.lax.scan`` (one copy of the block per run). ``stack_layers`` / ``unstack_layers``
+convert a model's state between the two layouts; a model built from the same
+``nnx.Rngs`` in either layout holds the same weights. ``ModelConfig.remat`` wraps each
+block (or the scanned body) in ``jax.checkpoint``.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
+from policyopt import sharding
 from policyopt.models.attention import Attention, KVCache
 from policyopt.models.config import ModelConfig
 from policyopt.models.layers import MLP, RMSNorm, param, rope_cos_sin
@@ -55,8 +67,12 @@ class Block(nnx.Module):
         else:
             self.mlp = MLP(config, config.intermediate_size, rngs=rngs)
 
-    def __call__(self, x, cos, sin, token_mask, cache, routing, segment_ids=None):
-        attn_out, cache = self.attn(self.input_norm(x), cos, sin, token_mask, cache, self.layer,
+    def __call__(self, x, cos, sin, token_mask, cache, routing, segment_ids=None, layer=None):
+        """``segment_ids``: int32 [B, T] of packed rows, or None. ``layer``: the block's
+        index in the cache; default ``self.layer`` (a traced int32 scalar inside the layer
+        scan)."""
+        layer = self.layer if layer is None else layer
+        attn_out, cache = self.attn(self.input_norm(x), cos, sin, token_mask, cache, layer,
                                     segment_ids)
         x = x + attn_out.astype(x.dtype)
         h = self.post_attention_norm(x)
@@ -76,7 +92,10 @@ class Transformer(nnx.Module):
         pdt, std = config.weight_dtype, config.initializer_range
         self.embed = param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"),
                            std=std, dtype=pdt)
-        self.layers = nnx.List([Block(config, i, rngs=rngs) for i in range(config.num_layers)])
+        blocks = [Block(config, i, rngs=rngs) for i in range(config.num_layers)]
+        if config.scan_layers:
+            blocks = [_stack_blocks(blocks[start:stop]) for start, stop in config.layer_runs]
+        self.layers = nnx.List(blocks)
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=pdt)
         if not config.tie_word_embeddings:
             self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"),
@@ -150,16 +169,37 @@ class Transformer(nnx.Module):
         x = jnp.take(table, tokens, axis=0, mode="clip").astype(cfg.compute_dtype)
         x = constrain(x, ("batch", "length", "embed"))
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        policy = _remat_policy(cfg.remat)
         routings, auxes = [], []
-        for block in self.layers:
-            layer_routing = None
-            if block.is_moe and routing is not None:
-                layer_routing = routing[len(routings)]
-            x, cache, layer_routing, aux = block(x, cos, sin, token_mask, cache, layer_routing,
-                                                 segment_ids)
-            if block.is_moe:
-                routings.append(layer_routing)
-                auxes.append(aux)
+        if cfg.scan_layers:
+            # The scan carries the stacked cache: each layer writes its slots in place and
+            # reads its keys and values at a traced layer index.
+            per_layer_cache = cache is not None and cache.per_layer
+            if per_layer_cache:
+                cache = cache.stack()
+            for (start, stop), block in zip(cfg.layer_runs, self.layers):
+                run_routing = None
+                if block.is_moe and routing is not None:
+                    moe_start = sum(r.shape[0] for r in routings)
+                    run_routing = routing[moe_start:moe_start + stop - start]
+                x, cache, run_routing, aux = _scan_blocks(
+                    block, start, stop, policy, x, cos, sin, token_mask, segment_ids, cache,
+                    run_routing)
+                if block.is_moe:
+                    routings.append(run_routing)
+                    auxes.append(aux)
+            if per_layer_cache:
+                cache = cache.unstack()
+        else:
+            for block in self.layers:
+                layer_routing = None
+                if block.is_moe and routing is not None:
+                    layer_routing = routing[len(routings)]
+                x, cache, layer_routing, aux = _apply_block(
+                    block, policy, x, cos, sin, token_mask, segment_ids, cache, layer_routing)
+                if block.is_moe:
+                    routings.append(layer_routing[None])
+                    auxes.append(jax.tree.map(lambda a: a[None], aux))
         hidden = self.final_norm(x)
         logits = None
         if return_logits:
@@ -169,12 +209,169 @@ class Transformer(nnx.Module):
             cache = cache.replace(index=cache.index + t)
         out_routing, out_aux = None, {}
         if routings:
-            out_routing = jnp.stack(routings)
+            # Per-layer outputs, [L_moe, ...] once the runs are joined.
+            out_routing = jnp.concatenate(routings)
+            stacked = {name: jnp.concatenate([a[name] for a in auxes]) for name in auxes[0]}
             out_aux = {
-                "load_balancing_loss": jnp.mean(jnp.stack([a["load_balancing_loss"] for a in auxes])),
-                "router_z_loss": jnp.mean(jnp.stack([a["router_z_loss"] for a in auxes])),
-                "dropped_tokens": jnp.sum(jnp.stack([a["dropped_tokens"] for a in auxes])),
-                "tokens_per_expert": jnp.stack([a["tokens_per_expert"] for a in auxes]),
+                "load_balancing_loss": jnp.mean(stacked["load_balancing_loss"]),
+                "router_z_loss": jnp.mean(stacked["router_z_loss"]),
+                "dropped_tokens": jnp.sum(stacked["dropped_tokens"]),
+                "tokens_per_expert": stacked["tokens_per_expert"],
             }
         return ModelOutput(logits=logits, hidden=hidden, cache=cache, routing=out_routing,
                            aux=out_aux)
+
+
+# --------------------------------------------------------------------------- layers
+
+
+def _remat_policy(remat: str):
+    """``ModelConfig.remat`` -> (whether to checkpoint, the ``jax.checkpoint`` policy).
+
+    "save_dots" keeps ``dots_with_no_batch_dims_saveable`` rather than ``checkpoint_dots``:
+    the latter also saves the attention einsums, whose rows and heads are batch dimensions,
+    i.e. the [B, H, T, T] scores that rematerialisation exists to drop.
+    """
+    if remat == "none":
+        return False, None
+    if remat == "full":
+        return True, None
+    return True, jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+def _apply_block(block: Block, policy, x, cos, sin, token_mask, segment_ids, cache, routing):
+    """One per-layer block, under ``jax.checkpoint`` when ``policy`` asks for it."""
+    remat, save = policy
+    if not remat:
+        return block(x, cos, sin, token_mask, cache, routing, segment_ids)
+    graphdef, params = nnx.split(block)
+
+    def run(params, x, cache, routing):
+        return nnx.merge(graphdef, params)(x, cos, sin, token_mask, cache, routing, segment_ids)
+
+    return jax.checkpoint(run, policy=save)(params, x, cache, routing)
+
+
+def _scan_blocks(block: Block, start: int, stop: int, policy, x, cos, sin, token_mask,
+                 segment_ids, cache, routing):
+    """Layers [start, stop) of one run, ``block`` holding their stacked parameters, as a
+    ``jax.lax.scan`` whose body is one block (under ``jax.checkpoint`` per the policy).
+
+    Carry: the residual stream x [B, T, D] and the stacked KVCache (written at the
+    layer's index). Scanned inputs: the layer's parameters, its index, its replayed
+    routing [B, T, k] (MoE runs). Outputs per layer: routing [B, T, k] and aux (MoE).
+
+    Returns:
+      (x, cache, routing [n, B, T, k] or None, aux dict of [n, ...] arrays or None).
+    """
+    remat, save = policy
+    graphdef, params = nnx.split(block)
+
+    def body(carry, inputs):
+        x, cache = carry
+        layer_params, layer, layer_routing = inputs
+        layer_block = nnx.merge(graphdef, layer_params)
+        x, cache, layer_routing, aux = layer_block(x, cos, sin, token_mask, cache, layer_routing,
+                                                   segment_ids, layer=layer)
+        return (x, cache), (layer_routing, aux)
+
+    if remat:
+        # prevent_cse guards against XLA merging the recomputation with the forward;
+        # inside a scan that cannot happen, and it would block optimisations.
+        body = jax.checkpoint(body, policy=save, prevent_cse=False)
+    layers = jnp.arange(start, stop, dtype=jnp.int32)
+    (x, cache), (routing, aux) = jax.lax.scan(body, (x, cache), (params, layers, routing))
+    return x, cache, routing, aux
+
+
+def _stack_values(values, logical_axes):
+    """Per-layer arrays -> one [n, ...] array with logical axes ("layers", *axes).
+
+    Traced values (a build under jit or ``nnx.eval_shape``) are stacked in the trace;
+    concrete ones on the host and placed as ``policyopt.models.layers.param`` places a
+    parameter (sharded by its logical axes on the current mesh), so that building a
+    model compiles nothing.
+    """
+    if any(isinstance(v, jax.core.Tracer) for v in values):
+        return jnp.stack(values)
+    host = np.stack(sharding.to_host(list(values)))
+    return sharding.place_host_array(host, logical_axes)
+
+
+def _stack_variables(variables):
+    """Per-layer ``nnx.Variable`` s of one parameter -> the stacked Variable."""
+    axes = variables[0].get_metadata().get("logical_axes")
+    stacked_axes = None if axes is None else ("layers",) + tuple(axes)
+    value = _stack_values([v.get_value() for v in variables], stacked_axes or ())
+    if axes is None:
+        return variables[0].replace(value)
+    return variables[0].replace(value, logical_axes=stacked_axes)
+
+
+def _unstack_variable(variable, count: int):
+    """A stacked ``nnx.Variable`` -> ``count`` per-layer Variables (leading axis dropped)."""
+    axes = variable.get_metadata().get("logical_axes")
+    value = variable.get_value()
+    if isinstance(value, jax.core.Tracer):
+        values = [value[j] for j in range(count)]
+    else:
+        host = sharding.to_host(value)
+        values = [sharding.place_host_array(host[j], tuple(axes or ())[1:]) for j in range(count)]
+    if axes is None:
+        return [variable.replace(v) for v in values]
+    return [variable.replace(v, logical_axes=tuple(axes)[1:]) for v in values]
+
+
+def _stack_blocks(blocks: list[Block]) -> Block:
+    """Blocks of identical structure -> one Block whose variables are stacked (layer 0 of
+    the stack is ``blocks[0]``); its ``layer`` attribute is that of the first."""
+    graphdef, _ = nnx.split(blocks[0])
+    states = [nnx.state(b) for b in blocks]
+    stacked = jax.tree.map(lambda *vs: _stack_variables(vs), *states,
+                           is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, stacked)
+
+
+def stack_layers(state: nnx.State, config: ModelConfig) -> nnx.State:
+    """A Transformer's state in the per-layer layout -> the scan_layers layout.
+
+    Paths ("layers", i, ...) become ("layers", r, ...) with layer i at index i - start of
+    run r = ``config.layer_runs`` entry holding i. Any part of the state (all variables,
+    or ``nnx.state(model, nnx.Param)``, or an optimiser's moments shaped like it) converts;
+    merge it with the graphdef of a model built with ``scan_layers=True``.
+
+    Args:
+      state: ``nnx.State`` of a model with per-layer blocks (``config.num_layers``).
+      config: the model's config (either scan_layers value: only its layer runs are read).
+    Returns:
+      The stacked ``nnx.State``.
+    """
+    groups: dict[tuple, list] = {}
+    flat = []
+    for path, variable in nnx.to_flat_state(state):
+        if path[0] != "layers":
+            flat.append((path, variable))
+            continue
+        run, offset = config.layer_run(int(path[1]))
+        size = config.layer_runs[run][1] - config.layer_runs[run][0]
+        groups.setdefault(("layers", run) + tuple(path[2:]), [None] * size)[offset] = variable
+    for path, variables in groups.items():
+        missing = [j for j, v in enumerate(variables) if v is None]
+        if missing:
+            raise ValueError(f"stack_layers: {'.'.join(map(str, path[2:]))} is missing for layers "
+                             f"{[config.layer_runs[path[1]][0] + j for j in missing]}")
+        flat.append((path, _stack_variables(variables)))
+    return nnx.from_flat_state(flat)
+
+
+def unstack_layers(state: nnx.State, config: ModelConfig) -> nnx.State:
+    """The inverse of ``stack_layers``: a scan_layers state -> the per-layer layout."""
+    flat = []
+    for path, variable in nnx.to_flat_state(state):
+        if path[0] != "layers":
+            flat.append((path, variable))
+            continue
+        start, stop = config.layer_runs[int(path[1])]
+        for j, layer_variable in enumerate(_unstack_variable(variable, stop - start)):
+            flat.append((("layers", start + j) + tuple(path[2:]), layer_variable))
+    return nnx.from_flat_state(flat)

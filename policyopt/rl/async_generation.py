@@ -266,7 +266,9 @@ def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotC
     rows = jnp.arange(config.rows, dtype=jnp.int32)
     # The loop carries one buffer per layer (KVCache.unstack): a layer of the stacked
     # cache would be copied out of it at every step. Stacked again after the segment.
-    state = state.replace(cache=_compact(state.cache, config.window).unstack())
+    # A scanned model (scan_layers) keeps the stacked cache, its layer scan's carry.
+    cache = _compact(state.cache, config.window)
+    state = state.replace(cache=cache if model.config.scan_layers else cache.unstack())
 
     def cond(carry):
         i, st = carry
