@@ -401,7 +401,9 @@ def cudnn_attention(q, k, v, key_mask, segment_ids=None, *, implementation: str 
     rotated back. A mask with holes inside the span would see the holes' keys: such
     rows need ``segment_ids`` (0 at the holes). Packed rows (``segment_ids``) go through
     the dense boolean mask [B, 1, T, T], which cuDNN turns into a bias: quadratic bytes
-    in T, so "auto" sends packed rows to "blockwise" instead.
+    in T, so "auto" sends packed rows to "blockwise" instead. Limits that JAX checks
+    only when tracing, on the device: head dims above 128 need Hopper or later, and a
+    mask (packed rows) in training needs an even T.
 
     Args:
       q: [B, T, H, Dh]; k, v: [B, T, Hkv, Dh]; bf16 or fp16 on a GPU.
