@@ -237,3 +237,37 @@ def test_critic_values_and_loss_equal_padded():
     (loss_k, _), grads_k = grad(params, packed)
     assert float(loss_k) == pytest.approx(float(loss_p), abs=1e-5)
     _assert_trees_close(grads_k, grads_p)
+
+
+# ---- The trainer -------------------------------------------------------------------------
+
+def test_trainer_iteration_packed_equals_padded(tmp_path):
+    """One PPO iteration (critic, GAE, KL to a reference, R2 replay, 2 minibatches) with
+    ``batch.pack`` on gives the parameters and metrics of the padded iteration. Wrong
+    answers score -1, so the value loss and the GAE advantages are not zero."""
+    from policyopt.rl import trainer
+    from tests.test_rl_trainer import tiny
+
+    runs = {}
+    for pack in (False, True):
+        config = tiny("ppo", "tiny_moe", extra="algo.routing_replay=R2,batch.n_minibatches=2,"
+                      f"algo.kl_beta=0.01,critic.pretrain_iterations=0,batch.pack={pack},"
+                      "batch.pack_tokens=44,reward.incorrect_value=-1.0")
+        run = trainer.build_run(config, str(tmp_path / str(pack)))
+        runs[pack] = (run, trainer.rl_iteration(run))
+    (padded, want), (packed, got) = runs[False], runs[True]
+    np.testing.assert_array_equal(packed.last_round.tokens, padded.last_round.tokens)
+    assert got["batch/padding_fraction"] == want["batch/padding_fraction"] > 0
+    # The packed rows held every real token: their slots are whole rows of 44, at least
+    # one per minibatch.
+    real = int(np.sum(packed.last_round.attention_mask))
+    slots = real / (1 - got["batch/packed_padding_fraction"])
+    assert slots == pytest.approx(round(slots / 44) * 44) and slots >= 2 * 44
+    assert "batch/packed_padding_fraction" not in want
+    assert want["update/grad_norm"] > 1e-3 and want["critic/value_loss"] > 1e-3  # a real update
+    for key in ("loss/total", "loss/kl_ref", "critic/value_loss", "update/grad_norm",
+                "critic/grad_norm", "logprob/sampler_trainer_abs_diff", "advantages/mean"):
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
+    assert int(packed.state.step) == int(padded.state.step) == 2
+    _assert_trees_close(packed.state.params, padded.state.params)
+    _assert_trees_close(packed.critic_state.params, padded.critic_state.params)
