@@ -88,7 +88,8 @@ def test_brute_force_every_token_placed_once(seed):
         assert len(set(where[:, 0])) == 1
         slots = where[:, 1]
         np.testing.assert_array_equal(slots, slots[0] + np.arange(len(slots)))
-        np.testing.assert_array_equal(source[where[0, 0], slots] - r * width, np.flatnonzero(mask[r]))
+        np.testing.assert_array_equal(source[where[0, 0], slots] - r * width,
+                                      np.flatnonzero(mask[r]))
     assert np.all((seg == 0) == (source == -1))
     # First fit decreasing, replayed: rows longest first (ties by index), each at the end
     # of the first packed row that had room for it then.
@@ -104,7 +105,8 @@ def test_brute_force_every_token_placed_once(seed):
         assert (fill > 0).sum() <= rows
     # Positions: packing the padded positions restarts each segment at its row's start.
     positions = layout([[1] * int(np.sum(mask[r, :pw])) for r in range(rows)],
-                       [[1] * int(np.sum(mask[r, pw:])) for r in range(rows)], 0, pw, rw)["positions"]
+                       [[1] * int(np.sum(mask[r, pw:])) for r in range(rows)],
+                       0, pw, rw)["positions"]
     packed_positions = np.asarray(gather_slots(positions, source, fill=-1))
     for r in range(rows):
         got = packed_positions[seg == r + 1]
@@ -146,8 +148,8 @@ def _batch(rng, rows, prompt_width, response_width):
                  advantages=jnp.asarray(rng.normal(size=rows), jnp.float32),
                  old_log_probs=jnp.asarray(-rng.random((rows, response_width)) * mask, jnp.float32),
                  ref_log_probs=jnp.asarray(-rng.random((rows, response_width)) * mask, jnp.float32),
-                 old_values=jnp.asarray(rng.normal(size=(rows, response_width)) * mask, jnp.float32),
-                 returns=jnp.asarray(rng.normal(size=(rows, response_width)) * mask, jnp.float32))
+                 old_values=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32),
+                 returns=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32))
 
 
 def _assert_trees_close(got, want, tol=1e-5):
@@ -220,7 +222,7 @@ def test_critic_values_and_loss_equal_padded():
     model = Transformer(preset("tiny_moe", vocab_size=VOCAB, num_layers=2), rngs=nnx.Rngs(0))
     graphdef, policy_params = split_params(model)
     params = init_critic_params(policy_params, model.config.hidden_size)
-    params["head"]["kernel"] = jax.random.normal(jax.random.PRNGKey(3), params["head"]["kernel"].shape)
+    params["head"]["kernel"] = jax.random.normal(jax.random.PRNGKey(3), (model.config.hidden_size,))
     rng = np.random.default_rng(4)
     batch = _batch(rng, rows=5, prompt_width=4, response_width=6)
     packed = _packed(batch, row_length=16)

@@ -96,7 +96,10 @@ def forward_values(graphdef, params: dict, tokens, positions, attention_mask, nu
     """
     model = nnx.merge(graphdef, params["backbone"])
     head = params["head"]
-    value_of = lambda h: jnp.einsum("rnd,d->rn", h.astype(jnp.float32), head["kernel"]) + head["bias"]
+
+    def value_of(hidden):
+        return jnp.einsum("rnd,d->rn", hidden.astype(jnp.float32), head["kernel"]) + head["bias"]
+
     start = tokens.shape[1] - num_response - 1
     if packing is None:
         out = model(tokens, positions=positions, attention_mask=attention_mask,

@@ -19,6 +19,8 @@ method, clip / temperatures, aggregation, optional KL (GRPO, k3), optional trunc
 importance weights and, with rollout rejection sampling, over ``batch.loss_mask``, plus optional load-balancing and entropy terms and VAPO's NLL on
 correct samples (``mu * losses.nll_loss``). ``batch.advantages`` is one advantage per
 sequence (outcome advantages) or one per token (GAE, ``policyopt.rl.critic``).
+With ``batch.packing`` (``policyopt.rl.packing``) the forward runs on packed rows and its
+log-probs are gathered back to ``[R, N]`` before the loss, which is therefore unchanged.
 """
 
 from __future__ import annotations
@@ -238,8 +240,8 @@ class LossConfig:
 def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.Array, dict]:
     """The RL loss of one minibatch and its metrics (see the module docstring)."""
     fwd = forward_log_probs(graphdef, params, batch.tokens, batch.positions, batch.attention_mask,
-                            batch.num_response, temperature=settings.temperature, routing=batch.routing,
-                            packing=batch.packing)
+                            batch.num_response, temperature=settings.temperature,
+                            routing=batch.routing, packing=batch.packing)
     advantages = batch.advantages
     if advantages.ndim == 1:  # one advantage per sequence, shared by its tokens
         advantages = jnp.broadcast_to(advantages[:, None], fwd.log_probs.shape)

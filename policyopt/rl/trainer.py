@@ -32,6 +32,15 @@ routing does: renormalised over the replayed k experts when the model has
 probabilities of those experts otherwise, so that a replay of the model's own choice
 reproduces its forward exactly.
 
+Sequence packing (``config.batch.pack``): the old-log-prob, reference and value passes
+(per row chunk) and every update (per minibatch) run the model on packed rows, the real
+tokens of the chunk's rows first-fit-decreasing into rows of ``batch.pack_tokens`` slots
+with segment ids (``policyopt.rl.packing``, ``pack_rows``); their per-token results come
+back to the padded rows, so advantages, losses and routing replay see the padded layout
+and give the same update. ``batch/padding_fraction`` (padded rows) and
+``batch/packed_padding_fraction`` (the updates' packed rows) are logged. The routing
+metrics' extra forwards stay padded.
+
 Sampler-trainer mismatch: with ``algo.old_log_probs = "trainer"`` every iteration logs
 ``offpolicy/*`` (``rollout_correction``) and applies the configured corrections:
 truncated importance weights (``algo.tis_cap``, ``tis_level``) and rejection sampling
@@ -495,8 +504,8 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
     chunk_packings = pack_chunks(cfg, merged.attention_mask, n_chunks)
     if algo.old_log_probs == "trainer" and policy_step:
         old_log_probs, old_routing = _chunked_log_probs(
-            learner, run.state.params, tokens, positions, attention_mask, mask, replay_old, n_chunks,
-            chunk_packings)
+            learner, run.state.params, tokens, positions, attention_mask, mask, replay_old,
+            n_chunks, chunk_packings)
     else:
         old_log_probs, old_routing = behaviour, None
     ref_log_probs = None
