@@ -118,6 +118,9 @@ def test_too_small_bucket_names_the_row():
     with pytest.raises(ValueError, match=r"row 1 has 4 real tokens .* packed row length 3 "
                                          r"\(config\.batch\.pack_tokens\)"):
         pack_layout(mask, 3)
+    # A minibatch's rows are named by their number in the batch.
+    with pytest.raises(ValueError, match=r"row 7 has 4 real tokens"):
+        pack_layout(mask, 3, row_ids=[5, 7, 9])
     with pytest.raises(ValueError, match="row 0: its real tokens .* not contiguous"):
         pack_layout(np.array([[1, 0, 1]]), 3)
 

@@ -107,7 +107,7 @@ def row_lengths(attention_mask: np.ndarray) -> np.ndarray:
 
 
 def pack_layout(attention_mask: np.ndarray, row_length: int, *, row_multiple: int = 1,
-                field: str = "config.batch.pack_tokens") -> PackedLayout:
+                field: str = "config.batch.pack_tokens", row_ids=None) -> PackedLayout:
     """First-fit-decreasing packing of the real tokens of ``attention_mask``'s rows.
 
     Args:
@@ -115,6 +115,8 @@ def pack_layout(attention_mask: np.ndarray, row_length: int, *, row_multiple: in
       row_length: ``T``, slots per packed row.
       row_multiple: the packed row count is ``packed_rows(filled, row_multiple)``.
       field: the setting ``row_length`` came from, named in errors.
+      row_ids: ``[R]`` the rows' numbers in errors (a minibatch's rows in its batch);
+        None: ``0 .. R - 1``.
 
     Returns:
       ``PackedLayout`` of NumPy int32 arrays ``[N_p, T]`` and ``[R, S]``.
@@ -131,7 +133,8 @@ def pack_layout(attention_mask: np.ndarray, row_length: int, *, row_multiple: in
     too_long = np.flatnonzero(lengths > row_length)
     if too_long.size:
         r = int(too_long[0])
-        raise ValueError(f"row {r} has {lengths[r]} real tokens (prompt and response), more than "
+        name = r if row_ids is None else int(row_ids[r])
+        raise ValueError(f"row {name} has {lengths[r]} real tokens (prompt and response), more than "
                          f"the packed row length {row_length} ({field}); {too_long.size} row(s) "
                          f"do not fit, the longest has {lengths.max()} tokens")
     order = np.argsort(-lengths, kind="stable")

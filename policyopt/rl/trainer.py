@@ -341,18 +341,19 @@ def _chunked_values(critic: Critic, params, tokens, positions, attention_mask, m
     return jnp.concatenate(chunks, axis=0)
 
 
-def pack_rows(config, attention_mask: np.ndarray) -> PackedLayout | None:
+def pack_rows(config, attention_mask: np.ndarray, rows=None) -> PackedLayout | None:
     """The packed layout of a minibatch's rows (host ``[R, S]`` attention mask) with
     ``config.batch.pack`` on, else None: rows of ``batch.pack_tokens`` slots (None: the
     padded width ``S``), their number a multiple of the mesh's row shards (``data`` x
     ``fsdp``, so they split like a batch's rows). A row longer than the packed row is a
-    ValueError naming it (``packing.pack_layout``)."""
+    ValueError naming it (``packing.pack_layout``; ``rows``: the rows' numbers in the
+    batch, for that message)."""
     if not config.batch.pack:
         return None
     mesh = jax.sharding.get_mesh()
     shards = 1 if mesh.empty else int(np.prod([mesh.shape.get(a, 1) for a in ("data", "fsdp")]))
     row_length = config.batch.pack_tokens or attention_mask.shape[1]
-    return pack_layout(attention_mask, row_length, row_multiple=shards)
+    return pack_layout(attention_mask, row_length, row_multiple=shards, row_ids=rows)
 
 
 def pack_chunks(config, attention_mask: np.ndarray, num_chunks: int) -> list | None:
@@ -361,7 +362,8 @@ def pack_chunks(config, attention_mask: np.ndarray, num_chunks: int) -> list | N
     if not config.batch.pack:
         return None
     per = attention_mask.shape[0] // num_chunks
-    return [pack_rows(config, attention_mask[c * per:(c + 1) * per]) for c in range(num_chunks)]
+    chunks = [np.arange(c * per, (c + 1) * per) for c in range(num_chunks)]
+    return [pack_rows(config, attention_mask[rows], rows) for rows in chunks]
 
 
 def _place_packing(packing: PackedLayout | None) -> PackedLayout | None:
@@ -576,7 +578,7 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
             if algo.adv_scale == "minibatch" and run.critic is None:
                 minibatch = minibatch._replace(advantages=minibatch_advantages(
                     rewards[rows], group, center=algo.adv_center, eps=algo.adv_eps, valid=valid(rows)))
-            packing = pack_rows(cfg, merged.attention_mask[rows])
+            packing = pack_rows(cfg, merged.attention_mask[rows], rows)
             if packing is not None:
                 minibatch = minibatch._replace(packing=packing)
                 packed_slots += packing.segment_ids.size
