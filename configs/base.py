@@ -186,6 +186,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.batch.prompt_buckets = (16, 32, 64, 128, 256, 512, 1024, 2048)
     c.batch.response_buckets = (8, 16, 24, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
                                 16384, 20480)
+    # Sequence packing of the training forwards (old / reference log-probs, critic values,
+    # updates): the real tokens of each minibatch's rows (prompt + response) placed one
+    # after another in rows of `pack_tokens` slots, first-fit decreasing, attention within
+    # each sequence only (policyopt.rl.packing). The losses are unchanged: the per-token
+    # results return to the padded rows before them. Logged: batch/padding_fraction
+    # (padded layout) and batch/packed_padding_fraction.
+    c.batch.pack = False
+    # Slots per packed row, >= the longest row's real tokens; None: the batch's padded
+    # width (prompt bucket + response bucket), so packing never adds rows.
+    c.batch.pack_tokens = None
 
     # ---- Sampling -----------------------------------------------------------------------
     c.sampling = ml_collections.ConfigDict()
@@ -676,6 +686,12 @@ def check(config: ml_collections.ConfigDict) -> None:
     if b.n_prompts % b.n_minibatches:
         raise ValueError(f"config.batch.n_minibatches ({b.n_minibatches}) must divide "
                          f"n_prompts ({b.n_prompts}): minibatches hold whole groups")
+    if not isinstance(b.pack, bool):
+        raise ValueError(f"config.batch.pack must be True or False, got {b.pack!r}")
+    if b.pack_tokens is not None and (isinstance(b.pack_tokens, bool)
+                                      or not isinstance(b.pack_tokens, int) or b.pack_tokens < 1):
+        raise ValueError(f"config.batch.pack_tokens must be an int >= 1 (or None: the padded "
+                         f"width), got {b.pack_tokens!r}")
     if max(b.response_buckets) < config.sampling.max_new_tokens:
         raise ValueError(f"config.batch.response_buckets (max {max(b.response_buckets)}) must hold "
                          f"sampling.max_new_tokens ({config.sampling.max_new_tokens})")

@@ -21,7 +21,7 @@ cap on rounds is reached (the remaining slots then keep zero-variance groups, co
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,9 @@ class Batch(NamedTuple):
     # float32 [R, N]: the policy terms' mask when rollout rejection sampling drops tokens
     # (``losses.rejection_mask``; 0 on padding); None: ``mask``. The critic uses ``mask``.
     loss_mask: jax.Array | None = None
+    # ``policyopt.rl.packing.PackedLayout`` of these rows (``config.batch.pack``): the
+    # forwards run on packed rows, every loss on the fields above; None: padded rows.
+    packing: Any = None
 
     @property
     def num_response(self) -> int:
@@ -368,7 +371,8 @@ def minibatch_indices(num_groups: int, group_size: int, n_minibatches: int, rng:
 
 
 def take_rows(batch: Batch, rows: np.ndarray) -> Batch:
-    """Selects rows of every field (routing along its row axis 1)."""
+    """Selects rows of every field (routing along its row axis 1); a packing of the whole
+    batch does not carry over (the minibatch is packed on its own: ``packing=None``)."""
     rows = jnp.asarray(rows)
     pick = lambda a: None if a is None else jnp.take(a, rows, axis=0)
     return Batch(
@@ -386,5 +390,9 @@ def shard_batch(batch: Batch) -> Batch:
     mesh set by ``jax.set_mesh`` (routing along its row axis 1), replicated when the row
     count does not divide (``policyopt.sharding.shard_rows``); without a mesh, as device
     arrays placed by default."""
-    return Batch(*(shard_rows(value, axis=1 if name == "routing" else 0)
-                   for name, value in zip(Batch._fields, batch)))
+    def place(name, value):
+        if name == "packing":  # packed rows and padded rows, each split as a batch's rows
+            return None if value is None else type(value)(*(shard_rows(x) for x in value))
+        return shard_rows(value, axis=1 if name == "routing" else 0)
+
+    return Batch(*(place(name, value) for name, value in zip(Batch._fields, batch)))

@@ -54,7 +54,8 @@ from flax import nnx
 from policyopt.advantages import decoupled_gae, length_adaptive_gae, masked_whiten
 from policyopt.losses import explained_variance, masked_mean, masked_var, value_loss
 from policyopt.rl.batch import Batch
-from policyopt.rl.learner import OptimConfig, TrainState, guarded_update
+from policyopt.rl.learner import OptimConfig, TrainState, guarded_update, packed_forward
+from policyopt.rl.packing import gather_slots
 
 
 def init_critic_params(policy_params, hidden_size: int) -> dict:
@@ -74,7 +75,7 @@ def init_critic_params(policy_params, hidden_size: int) -> dict:
 
 
 def forward_values(graphdef, params: dict, tokens, positions, attention_mask, num_response: int,
-                   *, return_aux: bool = False):
+                   *, return_aux: bool = False, packing=None):
     """Values ``V(s_t)`` of the states before each response token of a training-layout batch.
 
     ``V(s_t) = h[P - 1 + t] . w + b`` with ``h`` the backbone's final hidden states and
@@ -89,16 +90,29 @@ def forward_values(graphdef, params: dict, tokens, positions, attention_mask, nu
 
       return_aux: also return the backbone's auxiliary outputs (MoE: ``load_balancing_loss``,
         ``router_z_loss``, ``dropped_tokens``; empty for a dense backbone).
+      packing: a ``packing.PackedLayout`` of these rows: the backbone runs on the packed
+        rows and the values of columns ``P - 1 .. S - 2`` are read back from their slots
+        (0 where the response token is padding); equal results.
 
     Returns:
       float32 ``[R, N]`` values (not masked), and the aux dict when ``return_aux``.
     """
     model = nnx.merge(graphdef, params["backbone"])
-    out = model(tokens, positions=positions, attention_mask=attention_mask, return_logits=False)
-    start = tokens.shape[1] - num_response - 1
-    hidden = jax.lax.slice_in_dim(out.hidden, start, start + num_response, axis=1)
     head = params["head"]
-    values = jnp.einsum("rnd,d->rn", hidden.astype(jnp.float32), head["kernel"]) + head["bias"]
+
+    def value_of(hidden):
+        return jnp.einsum("rnd,d->rn", hidden.astype(jnp.float32), head["kernel"]) + head["bias"]
+
+    start = tokens.shape[1] - num_response - 1
+    if packing is None:
+        out = model(tokens, positions=positions, attention_mask=attention_mask,
+                    return_logits=False)
+        values = value_of(jax.lax.slice_in_dim(out.hidden, start, start + num_response, axis=1))
+    else:
+        out, _ = packed_forward(model, tokens, positions, packing)
+        valid = packing.target[:, start + 1:] >= 0                      # response token real
+        index = jnp.where(valid, packing.target[:, start:start + num_response], -1)
+        values = gather_slots(value_of(out.hidden), index)              # [N_p, T] -> [R, N]
     return (values, out.aux or {}) if return_aux else values
 
 
@@ -133,7 +147,8 @@ def critic_loss(graphdef, params, batch: Batch, settings: CriticConfig) -> tuple
     plus ``load_balancing_coef`` times the MoE backbone's load-balancing loss (as the
     policy's update adds it; ``critic/moe_load_balancing_loss`` reports it)."""
     values, aux = forward_values(graphdef, params, batch.tokens, batch.positions,
-                                 batch.attention_mask, batch.num_response, return_aux=True)
+                                 batch.attention_mask, batch.num_response, return_aux=True,
+                                 packing=batch.packing)
     loss, metrics = value_loss(values, batch.old_values, batch.returns, batch.mask,
                                clip=settings.value_clip, aggregation=settings.aggregation)
     metrics = {f"critic/{k}": v for k, v in metrics.items()}
@@ -161,8 +176,8 @@ class Critic:
     """The jitted functions of one value model, compiled once per shape bucket.
 
     Attributes:
-      values: ``(params, tokens, positions, attention_mask, mask) -> values [R, N]``
-        (0 where ``mask`` is 0).
+      values: ``(params, tokens, positions, attention_mask, mask, packing=None) ->
+        values [R, N]`` (0 where ``mask`` is 0; with a ``PackedLayout``, run packed).
       update: ``(state, batch) -> (state, metrics)``, the state donated; metrics are
         ``critic/value_loss``, ``critic/explained_variance``, ``critic/value_clip_frac``,
         ``critic/values_mean``, ``critic/grad_norm``, ``critic/lr``, ``critic/skipped``.
@@ -182,9 +197,10 @@ class Critic:
     def loss(self, params, batch: Batch):
         return critic_loss(self.graphdef, params, batch, self.settings)
 
-    def _values(self, params, tokens, positions, attention_mask, mask):
+    def _values(self, params, tokens, positions, attention_mask, mask, packing=None):
         self.trace_counts["values"] += 1
-        values = forward_values(self.graphdef, params, tokens, positions, attention_mask, mask.shape[1])
+        values = forward_values(self.graphdef, params, tokens, positions, attention_mask,
+                                mask.shape[1], packing=packing)
         return jnp.where(mask > 0, values, 0.0)
 
     def _update(self, state: TrainState, batch: Batch):

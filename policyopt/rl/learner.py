@@ -19,6 +19,8 @@ method, clip / temperatures, aggregation, optional KL (GRPO, k3), optional trunc
 importance weights and, with rollout rejection sampling, over ``batch.loss_mask``, plus optional load-balancing and entropy terms and VAPO's NLL on
 correct samples (``mu * losses.nll_loss``). ``batch.advantages`` is one advantage per
 sequence (outcome advantages) or one per token (GAE, ``policyopt.rl.critic``).
+With ``batch.packing`` (``policyopt.rl.packing``) the forward runs on packed rows and its
+log-probs are gathered back to ``[R, N]`` before the loss, which is therefore unchanged.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from policyopt import sharding
 from policyopt.logprobs import token_log_probs
 from policyopt.losses import aggregate, nll_loss, policy_loss
 from policyopt.rl.batch import Batch
+from policyopt.rl.packing import PackedLayout, gather_slots
 
 
 @struct.dataclass
@@ -116,7 +119,7 @@ class Forward(NamedTuple):
 
 
 def forward_log_probs(graphdef, params, tokens, positions, attention_mask, num_response: int, *,
-                      temperature: float = 1.0, routing=None) -> Forward:
+                      temperature: float = 1.0, routing=None, packing=None) -> Forward:
     """Log-probs and entropies of the response tokens of a training-layout batch.
 
     Response token ``n`` is predicted by the hidden state at index ``P - 1 + n``
@@ -128,10 +131,15 @@ def forward_log_probs(graphdef, params, tokens, positions, attention_mask, num_r
       num_response: N.
       temperature: the logits are divided by it (the sampling temperature).
       routing: int32 ``[L_moe, R, S, k]`` to replay, or None.
+      packing: a ``packing.PackedLayout`` of these rows: the model runs on the packed
+        rows (``packed_forward_log_probs``), the results come back in this layout.
 
     Returns:
       ``Forward``: log_probs and entropy ``[R, N]``, the routing used, the model's aux.
     """
+    if packing is not None:
+        return packed_forward_log_probs(graphdef, params, tokens, positions, packing,
+                                        num_response, temperature=temperature, routing=routing)
     model = nnx.merge(graphdef, params)
     out = model(tokens, positions=positions, attention_mask=attention_mask, routing=routing,
                 return_logits=False)
@@ -141,6 +149,56 @@ def forward_log_probs(graphdef, params, tokens, positions, attention_mask, num_r
     log_probs, entropy = token_log_probs(hidden, model.output_embedding(), targets,
                                          temperature=temperature, return_entropy=True)
     return Forward(log_probs, entropy, out.routing, out.aux)
+
+
+def packed_forward(model, tokens, positions, packing: PackedLayout, routing=None):
+    """The model on the packed rows of a training-layout batch (``policyopt.rl.packing``).
+
+    Tokens, positions and the routing to replay are gathered into ``[N_p, T]`` slots
+    (``packing.source``); each segment attends only to itself (``segment_ids``).
+
+    Returns:
+      ``(ModelOutput on [N_p, T], packed tokens int32 [N_p, T])``.
+    """
+    segment_ids = packing.segment_ids
+    packed_tokens = gather_slots(tokens, packing.source)
+    packed_routing = None if routing is None else gather_slots(routing, packing.source, axis=1)
+    out = model(packed_tokens, positions=gather_slots(positions, packing.source),
+                attention_mask=segment_ids > 0, segment_ids=segment_ids,
+                routing=packed_routing, return_logits=False)
+    return out, packed_tokens
+
+
+def packed_forward_log_probs(graphdef, params, tokens, positions, packing: PackedLayout,
+                             num_response: int, *, temperature: float = 1.0,
+                             routing=None) -> Forward:
+    """``forward_log_probs`` with the model run on packed rows; equal results.
+
+    In a packed row the token after slot ``t`` of a segment is at slot ``t + 1``, so the
+    log-prob of every slot's successor is taken on ``[N_p, T]`` and read back at the slots
+    of padded columns ``P - 1 .. S - 2`` (``packing.target``); 0 where the response token
+    is padding. The recorded routing comes back as ``[L_moe, R, S, k]`` (0 on padding).
+
+    Args:
+      tokens, positions: ``[R, S]`` (training layout).
+      packing: ``PackedLayout`` of these rows (device arrays).
+      num_response, temperature, routing: as ``forward_log_probs``.
+
+    Returns:
+      ``Forward`` in the padded layout: log_probs and entropy ``[R, N]``.
+    """
+    model = nnx.merge(graphdef, params)
+    out, packed_tokens = packed_forward(model, tokens, positions, packing, routing)
+    successors = jnp.pad(packed_tokens[:, 1:], ((0, 0), (0, 1)))
+    log_probs, entropy = token_log_probs(out.hidden, model.output_embedding(), successors,
+                                         temperature=temperature, return_entropy=True)
+    start = tokens.shape[1] - num_response - 1
+    predicting = packing.target[:, start:start + num_response]          # [R, N]
+    valid = packing.target[:, start + 1:] >= 0                          # response token real
+    index = jnp.where(valid, predicting, -1)
+    log_probs, entropy = gather_slots(log_probs, index), gather_slots(entropy, index)
+    used = None if out.routing is None else gather_slots(out.routing, packing.target, axis=1)
+    return Forward(log_probs, entropy, used, out.aux)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +242,8 @@ class LossConfig:
 def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.Array, dict]:
     """The RL loss of one minibatch and its metrics (see the module docstring)."""
     fwd = forward_log_probs(graphdef, params, batch.tokens, batch.positions, batch.attention_mask,
-                            batch.num_response, temperature=settings.temperature, routing=batch.routing)
+                            batch.num_response, temperature=settings.temperature,
+                            routing=batch.routing, packing=batch.packing)
     advantages = batch.advantages
     if advantages.ndim == 1:  # one advantage per sequence, shared by its tokens
         advantages = jnp.broadcast_to(advantages[:, None], fwd.log_probs.shape)
@@ -308,10 +367,12 @@ class _Forwards:
         self.log_probs = jax.jit(self._log_probs)
         self.routing = jax.jit(self._routing)
 
-    def _log_probs(self, params, tokens, positions, attention_mask, mask, routing=None):
+    def _log_probs(self, params, tokens, positions, attention_mask, mask, routing=None,
+                   packing=None):
         self.trace_counts["log_probs"] += 1
         fwd = forward_log_probs(self.graphdef, params, tokens, positions, attention_mask,
-                                mask.shape[1], temperature=self.temperature, routing=routing)
+                                mask.shape[1], temperature=self.temperature, routing=routing,
+                                packing=packing)
         valid = mask > 0
         return jnp.where(valid, fwd.log_probs, 0.0), jnp.where(valid, fwd.entropy, 0.0), fwd.routing
 
@@ -330,9 +391,10 @@ class Learner:
 
     Attributes:
       update: ``(state, batch) -> (state, metrics)``, the state donated.
-      log_probs: ``(params, tokens, positions, attention_mask, mask, routing) ->
+      log_probs: ``(params, tokens, positions, attention_mask, mask, routing, packing) ->
         (log_probs, entropy, routing)`` of a training-layout batch (old / reference
-        log-probs; returns the routing used, i.e. recorded or replayed).
+        log-probs; returns the routing used, i.e. recorded or replayed; with a
+        ``PackedLayout`` the model runs on packed rows, the results are the same).
       routing: ``(params, tokens, positions, attention_mask) -> routing`` without replay
         and without the vocabulary projection (routing metrics).
       trace_counts: how many times each function was traced (a compile-count probe;

@@ -32,6 +32,15 @@ routing does: renormalised over the replayed k experts when the model has
 probabilities of those experts otherwise, so that a replay of the model's own choice
 reproduces its forward exactly.
 
+Sequence packing (``config.batch.pack``): the old-log-prob, reference and value passes
+(per row chunk) and every update (per minibatch) run the model on packed rows, the real
+tokens of the chunk's rows first-fit-decreasing into rows of ``batch.pack_tokens`` slots
+with segment ids (``policyopt.rl.packing``, ``pack_rows``); their per-token results come
+back to the padded rows, so advantages, losses and routing replay see the padded layout
+and give the same update. ``batch/padding_fraction`` (padded rows) and
+``batch/packed_padding_fraction`` (the updates' packed rows) are logged. The routing
+metrics' extra forwards stay padded.
+
 Sampler-trainer mismatch: with ``algo.old_log_probs = "trainer"`` every iteration logs
 ``offpolicy/*`` (``rollout_correction``) and applies the configured corrections:
 truncated importance weights (``algo.tis_cap``, ``tis_level``) and rejection sampling
@@ -77,6 +86,7 @@ from policyopt.rl.batch import (Batch, DynamicSampler, bucket, minibatch_indices
 from policyopt.rl.critic import Critic, CriticConfig, GAEConfig, critic_optim, gae_targets, get_critic
 from policyopt.rl.evaluate import decode, evaluate, task_accuracies
 from policyopt.rl.learner import Learner, LossConfig, OptimConfig, TrainState, get_learner, place_state
+from policyopt.rl.packing import PackedLayout, pack_layout
 from policyopt.rl.routing import routing_metrics
 from policyopt.sampling import SamplingConfig, generate_fn, sampling_method
 
@@ -290,16 +300,18 @@ def scoring_metrics(batches: list[dict]) -> dict[str, float]:
 
 
 def _chunked_log_probs(learner: Learner, params, tokens, positions, attention_mask, mask,
-                       routing, num_chunks: int):
+                       routing, num_chunks: int, packings=None):
     """``learner.log_probs`` over ``num_chunks`` equal row chunks (one compiled shape, the
     minibatch's, rows placed as a minibatch's), concatenated: ``(log_probs [R, N], routing
-    [L, R, S, k] or None)``."""
+    [L, R, S, k] or None)``. ``packings``: each chunk's ``PackedLayout`` (``pack_chunks``),
+    or None (padded rows)."""
     per = tokens.shape[0] // num_chunks
     log_probs, routings = [], []
     for c in range(num_chunks):
         chunk = lambda x, axis=0: _rows(x, c * per, (c + 1) * per, axis)
         lp, _, used = learner.log_probs(params, chunk(tokens), chunk(positions), chunk(attention_mask),
-                                        chunk(mask), chunk(routing, axis=1))
+                                        chunk(mask), chunk(routing, axis=1),
+                                        _place_packing(packings and packings[c]))
         log_probs.append(lp)
         routings.append(used)
     routing_out = None if routings[0] is None else jnp.concatenate(routings, axis=1)
@@ -317,15 +329,46 @@ def _chunked_routing(learner: Learner, params, tokens, positions, attention_mask
 
 
 def _chunked_values(critic: Critic, params, tokens, positions, attention_mask, mask,
-                    num_chunks: int) -> jax.Array:
-    """``critic.values`` over ``num_chunks`` equal row chunks (the minibatch's shape)."""
+                    num_chunks: int, packings=None) -> jax.Array:
+    """``critic.values`` over ``num_chunks`` equal row chunks (the minibatch's shape),
+    packed as ``_chunked_log_probs``."""
     per = tokens.shape[0] // num_chunks
     chunks = []
     for c in range(num_chunks):
         chunk = lambda x: _rows(x, c * per, (c + 1) * per)
         chunks.append(critic.values(params, chunk(tokens), chunk(positions), chunk(attention_mask),
-                                    chunk(mask)))
+                                    chunk(mask), _place_packing(packings and packings[c])))
     return jnp.concatenate(chunks, axis=0)
+
+
+def pack_rows(config, attention_mask: np.ndarray, rows=None) -> PackedLayout | None:
+    """The packed layout of a minibatch's rows (host ``[R, S]`` attention mask) with
+    ``config.batch.pack`` on, else None: rows of ``batch.pack_tokens`` slots (None: the
+    padded width ``S``), their number a multiple of the mesh's row shards (``data`` x
+    ``fsdp``, so they split like a batch's rows). A row longer than the packed row is a
+    ValueError naming it (``packing.pack_layout``; ``rows``: the rows' numbers in the
+    batch, for that message)."""
+    if not config.batch.pack:
+        return None
+    mesh = jax.sharding.get_mesh()
+    shards = 1 if mesh.empty else int(np.prod([mesh.shape.get(a, 1) for a in ("data", "fsdp")]))
+    row_length = config.batch.pack_tokens or attention_mask.shape[1]
+    return pack_layout(attention_mask, row_length, row_multiple=shards, row_ids=rows)
+
+
+def pack_chunks(config, attention_mask: np.ndarray, num_chunks: int) -> list | None:
+    """``pack_rows`` of each of ``num_chunks`` equal row chunks (the old-log-prob, reference
+    and value passes), or None with packing off."""
+    if not config.batch.pack:
+        return None
+    per = attention_mask.shape[0] // num_chunks
+    chunks = [np.arange(c * per, (c + 1) * per) for c in range(num_chunks)]
+    return [pack_rows(config, attention_mask[rows], rows) for rows in chunks]
+
+
+def _place_packing(packing: PackedLayout | None) -> PackedLayout | None:
+    """A host ``PackedLayout`` on the mesh, each array's rows split as a batch's."""
+    return None if packing is None else PackedLayout(*(sharding.shard_rows(x) for x in packing))
 
 
 def _rows(x, start: int, stop: int, axis: int = 0):
@@ -459,15 +502,19 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
     n_chunks = cfg.batch.n_minibatches
     is_moe = sampler_routing is not None
     replay_old = sampler_routing if (is_moe and algo.routing_replay == "R3") else None
+    # Packed rows for the forwards (config.batch.pack; None: padded), one layout per chunk.
+    chunk_packings = pack_chunks(cfg, merged.attention_mask, n_chunks)
     if algo.old_log_probs == "trainer" and policy_step:
         old_log_probs, old_routing = _chunked_log_probs(
-            learner, run.state.params, tokens, positions, attention_mask, mask, replay_old, n_chunks)
+            learner, run.state.params, tokens, positions, attention_mask, mask, replay_old,
+            n_chunks, chunk_packings)
     else:
         old_log_probs, old_routing = behaviour, None
     ref_log_probs = None
     if run.ref_params is not None and policy_step:
         ref_log_probs, _ = _chunked_log_probs(
-            learner, run.ref_params, tokens, positions, attention_mask, mask, None, n_chunks)
+            learner, run.ref_params, tokens, positions, attention_mask, mask, None, n_chunks,
+            chunk_packings)
     # The old policy's own (not replayed) routing, for the routing metrics.
     routing_metrics_on = is_moe and cfg.train.routing_metrics and policy_step
     natural_old = old_routing if (is_moe and replay_old is None) else None
@@ -492,7 +539,7 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
     if run.critic is not None:
         t0 = time.perf_counter()
         old_values = _chunked_values(run.critic, run.critic_state.params, tokens, positions,
-                                     attention_mask, mask, n_chunks)
+                                     attention_mask, mask, n_chunks, chunk_packings)
         advantages, returns, gae_metrics = _gae_targets(
             rewards, old_values, mask, settings=gae_settings(cfg, pretraining=pretraining))
         metrics.update(jax.device_get(gae_metrics))
@@ -523,6 +570,7 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
     num_groups = tokens.shape[0] // group
     sums: dict[str, jax.Array] = {}
     updates: dict[str, jax.Array] = {}  # per metric: how many minibatches were updates
+    packed_slots = packed_real = 0  # over the update minibatches' packed rows
     for epoch in range(cfg.batch.epochs):
         shuffle = jax.random.fold_in(key_shuffle, epoch) if cfg.batch.n_minibatches > 1 else None
         for rows in minibatch_indices(num_groups, group, cfg.batch.n_minibatches, shuffle):
@@ -530,6 +578,11 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
             if algo.adv_scale == "minibatch" and run.critic is None:
                 minibatch = minibatch._replace(advantages=minibatch_advantages(
                     rewards[rows], group, center=algo.adv_center, eps=algo.adv_eps, valid=valid(rows)))
+            packing = pack_rows(cfg, merged.attention_mask[rows], rows)
+            if packing is not None:
+                minibatch = minibatch._replace(packing=packing)
+                packed_slots += packing.segment_ids.size
+                packed_real += packing.num_real
             minibatch = shard_batch(minibatch)
             update_metrics = {}
             if not pretraining:
@@ -563,6 +616,10 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
             "routing/sampler_trainer_disagreement", natural_old, sampler_routing, attention_mask)))
     metrics["batch/prompt_width"] = float(merged.prompt_width)
     metrics["batch/response_width"] = float(merged.mask.shape[1])
+    # Padding: of the padded rows' slots, and (config.batch.pack) of the packed rows'.
+    metrics["batch/padding_fraction"] = 1.0 - float(np.mean(merged.attention_mask > 0))
+    if packed_slots:
+        metrics["batch/packed_padding_fraction"] = 1.0 - packed_real / packed_slots
     metrics["update/step"] = float(run.state.step)
     metrics["update/skipped_total"] = float(run.state.skipped)
     return metrics
