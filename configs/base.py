@@ -351,9 +351,11 @@ def base_config() -> ml_collections.ConfigDict:
     # program in its process (one interpreter per test instead of two). The module
     # docstring of policyopt/rewards/isolation.py lists what "process" changes.
     c.reward.code_isolation = "process"
-    # Where the math answer is: "boxed" (the last \boxed{}) or "answer_line" (the last
-    # "Answer: ..." line, as DAPO-Math-17k's prompts ask); for the verifier, the format
-    # gate and the evaluation (with `verifier` set, for the format gate only).
+    # Where the math answer is: "boxed" (the last \boxed{}), "answer_line" (the last
+    # "Answer: ..." line, as DAPO-Math-17k's prompts ask) or "gsm8k" (the text after the
+    # last "####", the form of GSM8K's solutions, so that SFT on them and the RL reward
+    # agree); for the verifier, the format gate and the evaluation (with `verifier` set,
+    # for the format gate only).
     c.reward.answer_format = "boxed"
     # Wall-clock budget (s) for scoring one round of samples (synchronous) or one group
     # (async); None: none. Samples not scored by then are left out of the loss and of
@@ -588,7 +590,7 @@ _CHOICES = {
     "algo.tis_level": ("token", "sequence"),
     "algo.rs_level": (None, "token", "sequence", "geometric"),
     "reward.overlong": ("none", "dapo", "magistral"),
-    "reward.answer_format": ("boxed", "answer_line"),
+    "reward.answer_format": ("boxed", "answer_line", "gsm8k"),
     "dynamic_sampling.criterion": ("reward", "accuracy"),
     "task.name": ("arithmetic", "math_jsonl", "code_jsonl", "mixed_jsonl"),
     "task.extract": ("auto", "boxed", "marker", "none"),

@@ -105,8 +105,9 @@ class RewardSpec:
         "verifier_error", counted in ``metrics["verifier_errors"]`` and logged once per
         process. A path the scoring workers cannot import raises from ``score_batch``.
       verifier_timeout_s: per-sample limit of ``verifier``.
-      answer_format: math: where the answer is, ``"boxed"`` (the last ``\\boxed{}``) or
-        ``"answer_line"`` (the last ``Answer: ...`` line, DAPO-Math-17k's format), for
+      answer_format: math: where the answer is, ``"boxed"`` (the last ``\\boxed{}``),
+        ``"answer_line"`` (the last ``Answer: ...`` line, DAPO-Math-17k's format) or
+        ``"gsm8k"`` (the text after the last ``####``), for
         the verifier and the format gate; with ``verifier`` set, only for the gate.
     """
 
@@ -341,6 +342,7 @@ def _score_chunk(
 
 
 def _warm_worker() -> None:
+    math_lib.mark_killable_process()  # math-verify runs here: the parent kills stuck workers
     math_lib._math_verify()  # no-op when the fork server preloaded it
 
 
