@@ -156,7 +156,9 @@ SCORING_POOL = "async"
 
 def _interrupt_scoring(num_workers: int):
     """``close``'s way to cut the scorer's current group short: kill its worker pool (None
-    for in-process scoring, which cannot be interrupted)."""
+    for in-process scoring, which cannot be interrupted; its math verification still runs
+    in the scoring thread's own killable verifier process, ``policyopt.rewards.math``, so
+    a group ends within its samples' time limits, never hangs)."""
     if not num_workers:
         return None
     return lambda: kill_pool(num_workers, SCORING_POOL)
