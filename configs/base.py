@@ -395,6 +395,10 @@ def base_config() -> ml_collections.ConfigDict:
     # saved under (the changed fields are logged). By default a change other than the
     # loop's cadence, the evaluation and the mesh (`build.RESUME_FREE_FIELDS`) is refused.
     c.train.allow_config_change = False
+    # Stop the run (with a one-line message) once this many policy or critic updates in a
+    # row were skipped by the non-finite guard (loss, gradient, new parameters or optimiser
+    # state not finite): such a run learns nothing more.
+    c.train.max_skipped_updates = 10
 
     # ---- Asynchronous generation (`policyopt.rl.async_rl`; PAPERS.md) ----------------------
     # Magistral's mode, for any recipe: generators never wait for the trainer, finished
@@ -602,7 +606,7 @@ _CHOICES = {
 # Integer fields and their least value (None: the field may also be None).
 _MINIMUMS = {
     "train.num_iterations": 0, "train.eval_every": 0, "train.checkpoint_every": 1,
-    "train.log_every": 1, "eval.num_prompts": 0, "eval.batch_size": 1, "eval.k": 0,
+    "train.log_every": 1, "train.max_skipped_updates": 1, "eval.num_prompts": 0, "eval.batch_size": 1, "eval.k": 0,
     "sft.steps": 0, "sft.batch_size": 1, "sft.checkpoint_every": 0,
 }
 
