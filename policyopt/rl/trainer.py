@@ -66,7 +66,7 @@ import numpy as np
 
 from policyopt import sharding
 from policyopt.advantages import outcome_advantages
-from policyopt.checkpoint import Checkpointer
+from policyopt.checkpoint import Checkpointer, lock_workdir
 from policyopt.data.pipeline import make_pipeline
 from policyopt.losses import offpolicy_metrics, rejection_mask, truncated_importance_weights
 from policyopt.metrics import MetricsWriter, Progress, read_step_record
@@ -652,6 +652,7 @@ def run_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bo
       "eval_history" (list), "run" (the RLRun)}``.
     """
     total = config.train.num_iterations if num_iterations is None else num_iterations
+    lock_workdir(workdir)  # one process per workdir: a second is refused in one line
     run = build_run(config, workdir)
     loop = RunLoop(run, total, quiet=quiet)
     try:
