@@ -341,6 +341,10 @@ def base_config() -> ml_collections.ConfigDict:
     # all-or-nothing better).
     c.reward.code_timeout_s = 4.0
     c.reward.code_memory_mb = 300
+    # Size (MB) of each test process's working directory, /tmp and /dev/shm: tmpfs where
+    # the sandbox has a root of its own (memory, so kept well under code_memory_mb), else
+    # the working directory on disk, watched and killed past it (policyopt/rewards/code.py).
+    c.reward.code_disk_mb = 64
     c.reward.code_partial = False
     # Run only a problem's first N tests in the training reward (Magistral: 20; stdin /
     # stdout cases or top-level asserts); None: all of them. The evaluation runs all.
@@ -663,7 +667,8 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.sampling.decode_segments must be in [1, max_new_tokens={max_new}], "
                          f"got {config.sampling.decode_segments}")
     r = config.reward
-    for name in ("verifier_timeout_s", "deadline_s", "code_timeout_s", "code_memory_mb", "code_max_tests"):
+    for name in ("verifier_timeout_s", "deadline_s", "code_timeout_s", "code_memory_mb", "code_disk_mb",
+                 "code_max_tests"):
         if r[name] is not None and r[name] <= 0:
             raise ValueError(f"config.reward.{name} must be > 0, got {r[name]}")
     if r.overlong != "none" and r.max_len is not None and r.max_len > max_new:
