@@ -610,7 +610,8 @@ _CHOICES = {
 # Integer fields and their least value (None: the field may also be None).
 _MINIMUMS = {
     "train.num_iterations": 0, "train.eval_every": 0, "train.checkpoint_every": 1,
-    "train.log_every": 1, "train.max_skipped_updates": 1, "eval.num_prompts": 0, "eval.batch_size": 1, "eval.k": 0,
+    "train.log_every": 1, "eval.num_prompts": 0, "eval.batch_size": 1, "eval.k": 0,
+    "train.max_skipped_updates": 1,
     "sft.steps": 0, "sft.batch_size": 1, "sft.checkpoint_every": 0,
 }
 
@@ -667,8 +668,8 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.sampling.decode_segments must be in [1, max_new_tokens={max_new}], "
                          f"got {config.sampling.decode_segments}")
     r = config.reward
-    for name in ("verifier_timeout_s", "deadline_s", "code_timeout_s", "code_memory_mb", "code_disk_mb",
-                 "code_max_tests"):
+    for name in ("verifier_timeout_s", "deadline_s", "code_timeout_s", "code_memory_mb",
+                 "code_disk_mb", "code_max_tests"):
         if r[name] is not None and r[name] <= 0:
             raise ValueError(f"config.reward.{name} must be > 0, got {r[name]}")
     if r.overlong != "none" and r.max_len is not None and r.max_len > max_new:

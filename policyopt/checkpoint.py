@@ -64,7 +64,7 @@ def _checksums(leaves: list) -> jax.Array:
             leaf = leaf.astype(jnp.uint8)
         if leaf.dtype.itemsize == 8:
             leaf = jax.lax.bitcast_convert_type(leaf, jnp.uint32)  # [..., 2]
-        elif jnp.issubdtype(leaf.dtype, jnp.floating) or jnp.issubdtype(leaf.dtype, jnp.signedinteger):
+        elif not jnp.issubdtype(leaf.dtype, jnp.unsignedinteger):  # floats, signed ints
             leaf = jax.lax.bitcast_convert_type(leaf, jnp.dtype(f"uint{8 * leaf.dtype.itemsize}"))
         bits = leaf.reshape(-1).astype(jnp.uint32)
         weights = jnp.arange(bits.shape[0], dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
@@ -208,8 +208,8 @@ class Checkpointer:
                     logging.warning("%s; falling back to the previous checkpoint %s", error,
                                     self.step_path(steps[index + 1]))
         if len(steps) > 1:
-            raise CorruptCheckpointError(f"{first_error}; no earlier checkpoint in {self.directory} "
-                                         f"is readable either") from first_error
+            raise CorruptCheckpointError(f"{first_error}; no earlier checkpoint in "
+                                         f"{self.directory} is readable either") from first_error
         raise first_error
 
     def _read(self, step: int, args: ocp.args.Composite, what: str) -> dict:
@@ -224,7 +224,8 @@ class Checkpointer:
             return self._manager.restore(int(step), args=args)
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, OSError) as error:
             raise CorruptCheckpointError(
-                f"checkpoint {path} is corrupt: cannot read its {what} ({_first_line(error)})") from error
+                f"checkpoint {path} is corrupt: cannot read its {what} ({_first_line(error)})"
+            ) from error
         except Exception as error:  # noqa: BLE001 - orbax / tensorstore raise many kinds
             message = str(error).lower()
             corrupt = "shape" not in message and any(word in message for word in _CORRUPT_WORDS)
@@ -272,7 +273,8 @@ class Checkpointer:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
 
         def read(candidate):
-            args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+            args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                      meta=ocp.args.JsonRestore())
             restored = self._read(candidate, args, "state and meta")
             self._verify(candidate, restored["state"])
             return restored["state"], dict(restored["meta"] or {})
@@ -284,7 +286,8 @@ class Checkpointer:
         reads, with the same fallback as ``restore``), without reading its arrays (a
         resumed run checks its config against it first)."""
         def read(candidate):
-            restored = self._read(candidate, ocp.args.Composite(meta=ocp.args.JsonRestore()), "meta")
+            args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+            restored = self._read(candidate, args, "meta")
             return dict(restored["meta"] or {})
 
         return self._with_fallback(step, read)

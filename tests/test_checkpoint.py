@@ -161,21 +161,24 @@ def test_a_flipped_bit_is_caught_and_the_previous_checkpoint_restored(tmp_path, 
     _corrupt_arrays(ckpt.step_path(2))
     from policyopt.checkpoint import CorruptCheckpointError
 
-    with pytest.raises(CorruptCheckpointError, match=f"checkpoint {tmp_path}/2 is corrupt: the checksums of "
-                                                     "train/params/w differ"):
+    with pytest.raises(CorruptCheckpointError,
+                       match=f"checkpoint {tmp_path}/2 is corrupt: the checksums of train/params/w differ"):
         ckpt.restore(states[1], step=2)
     with caplog.at_level("WARNING"):
         restored, meta = ckpt.restore(states[1])
     assert meta == {"iteration": 1} and _equal(restored, states[1])
     warning = " ".join(r.getMessage() for r in caplog.records)
-    assert f"{tmp_path}/2 is corrupt" in warning and f"falling back to the previous checkpoint {tmp_path}/1" in warning
+    assert f"{tmp_path}/2 is corrupt" in warning
+    assert f"falling back to the previous checkpoint {tmp_path}/1" in warning
     # A partial restore (RL from an SFT checkpoint) is verified too; a fresh Checkpointer,
     # as build.init_params uses (orbax binds an item's handler on first use).
-    params = Checkpointer(str(tmp_path)).restore_subtree(("train", "params"), states[1]["train"]["params"])
+    params = Checkpointer(str(tmp_path)).restore_subtree(("train", "params"),
+                                                         states[1]["train"]["params"])
     assert _equal(params, states[1]["train"]["params"])
     # With no earlier checkpoint to fall back to, the error names the path.
     _corrupt_arrays(ckpt.step_path(1))
-    with pytest.raises(CorruptCheckpointError, match=f"{tmp_path}/2 is corrupt.*no earlier checkpoint"):
+    with pytest.raises(CorruptCheckpointError,
+                       match=f"{tmp_path}/2 is corrupt.*no earlier checkpoint"):
         ckpt.restore(states[1])
 
 
@@ -190,20 +193,21 @@ def test_restore_errors_name_the_checkpoint(tmp_path):
     ckpt, states = _two_checkpoints(tmp_path / "json")
     with open(os.path.join(ckpt.step_path(2), "meta", "metadata"), "w") as f:
         f.write("{not json")
-    with pytest.raises(CorruptCheckpointError, match=f"{tmp_path}/json/2 is corrupt: cannot read its meta "
-                                                     r"\(JSONDecodeError"):
+    with pytest.raises(CorruptCheckpointError,
+                       match=f"{tmp_path}/json/2 is corrupt: cannot read its meta " r"\(JSONDecodeError"):
         ckpt.meta(2)
     assert ckpt.meta() == {"iteration": 1} and ckpt.restore(states[1])[1] == {"iteration": 1}
 
     ckpt, states = _two_checkpoints(tmp_path / "missing")
     shutil.rmtree(os.path.join(ckpt.step_path(2), "state"))
-    with pytest.raises(CorruptCheckpointError, match=rf"{tmp_path}/missing/2 is corrupt: its item\(s\) "
-                                                     r"\['state'\] are missing"):
+    with pytest.raises(CorruptCheckpointError,
+                       match=rf"{tmp_path}/missing/2 is corrupt: its item\(s\) \['state'\] are missing"):
         ckpt.restore(states[1], step=2)
     assert ckpt.restore(states[1])[1] == {"iteration": 1}
 
     wrong = {"train": {"params": {"w": jnp.zeros(5)}}, "rng": states[1]["rng"]}
-    with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path}/missing/1: cannot restore") as error:
+    with pytest.raises(CheckpointError,
+                       match=f"checkpoint {tmp_path}/missing/1: cannot restore") as error:
         ckpt.restore(wrong, step=1)
     assert not isinstance(error.value, CorruptCheckpointError)
 

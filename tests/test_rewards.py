@@ -214,30 +214,33 @@ def test_the_issue_reproduction_returns_promptly_from_a_thread():
 
 
 def test_a_stuck_verification_off_the_main_thread_is_killed(monkeypatch):
-    """With the screen switched off, the reproduction reaches SymPy and sits in one
-    big-integer power that no in-process limit can stop. Off a worker process's main
-    thread it runs in the thread's verifier process, killed at the limit: the caller gets
-    a timeout (scored 0) in about the limit, and the next verification works."""
+    """With the screen switched off, the reproduction reaches SymPy: a power of about 10^9
+    digits, one C call that a limit inside a thread cannot interrupt (the asynchronous
+    exception waits for it; this froze the process). Verification off a scoring worker's
+    main thread runs in the calling thread's verifier process instead, stopped or killed
+    at the limit: a timeout (scored 0) in about the limit, from the main thread and from
+    another one, and the next verification works."""
     from policyopt.rewards import math as math_lib
 
     monkeypatch.setattr(math_lib, "screen_answer", lambda answer: True)
     verify_math(boxed(r"\sqrt{8}"), r"2\sqrt{2}", timeout_s=30)  # start the worker: seconds
     results = []
 
-    def grade():
+    def grade(root):  # a new pair each time: verdicts are cached
         results.append(verify_math(boxed(r"3^{99999 \cdot 9999}"), "42", timeout_s=1.0))
-        results.append(verify_math(boxed(r"\sqrt{8}"), r"2\sqrt{2}", timeout_s=30))
+        results.append(verify_math(boxed(rf"\sqrt{{{2 * root * root}}}"), rf"{root}\sqrt{{2}}",
+                                   timeout_s=30))
 
-    for run in (grade, lambda: threading.Thread(target=grade, daemon=True)):
+    for root, in_thread in ((3, False), (4, True)):
         results.clear()
         start = time.perf_counter()
-        if run is grade:  # this (main) thread: not a scoring worker, so not in-process
-            grade()
-        else:
-            thread = run()
+        if in_thread:
+            thread = threading.Thread(target=grade, args=(root,), daemon=True)
             thread.start()
             thread.join(60)
             assert not thread.is_alive()
+        else:
+            grade(root)  # the main thread of a process that is no scoring worker
         assert [r.status for r in results] == ["timeout", "correct"]
         assert time.perf_counter() - start < 45
 

@@ -49,9 +49,10 @@ The sandbox (:func:`run_sandboxed`), per test process:
   with ``ENOSPC`` in the program; nothing reaches the host's disk); without one it is on
   the host's disk, polled every 20 ms by the scorer, which kills the program once it
   holds more (``SandboxResult.disk_exceeded``; what it wrote in between, at most one
-  poll's worth, is removed with the directory); stdin from a file; stdout and stderr to files outside that directory, which
-  only the scorer may open (mode 0600: the child gets them as descriptors, and no other
-  run's program reads this run's input or its tests' assert messages);
+  poll's worth, is removed with the directory); stdin from a file; stdout and stderr to
+  files outside that directory, which only the scorer may open (mode 0600: the child gets
+  them as descriptors, and no other run's program reads this run's input or its tests'
+  assert messages);
 * a cleared environment (only ``PATH``), and an isolated interpreter ``python -I -S``
   (no ``PYTHON*`` variables, no user or site packages: the standard library only);
 * resource limits set by a trusted prologue in the child before any untrusted code runs
@@ -449,7 +450,8 @@ class _Sandbox:
             command = [
                 *(_jail_prefix() if jail_dir else _unshare_prefix()), python, "-I", "-S", "-c", _BOOTSTRAP,
                 str(max(1, int(-(-timeout_s // 1)))), str(memory_mb << 20), str(nproc),
-                str(max_output_bytes), str(uid), str(os.getpid()), str(self.disk_bytes), jail_dir, prefix,
+                str(max_output_bytes), str(uid), str(os.getpid()), str(self.disk_bytes), jail_dir,
+                prefix,
             ]  # fmt: skip
             self.files.append(open(stdin_path, "rb"))
             for name in ("stdout", "stderr"):  # one at a time: close() closes what is open
@@ -484,7 +486,8 @@ class _Sandbox:
                     box.disk_exceeded = True
                     _kill_group(box.process.pid)
             try:
-                return self.process.wait(timeout=max(0.0, min(_DISK_POLL_S, deadline - time.monotonic())))
+                left = deadline - time.monotonic()
+                return self.process.wait(timeout=max(0.0, min(_DISK_POLL_S, left)))
             except subprocess.TimeoutExpired:
                 if time.monotonic() >= deadline:
                     return None
@@ -516,7 +519,8 @@ class _Sandbox:
         # On an idle machine a busy loop reaches its CPU-time limit (= the time limit)
         # before the wall-clock one: killed by SIGXCPU (or SIGKILL at the hard limit),
         # which is a timeout too.
-        timed_out = not self.disk_exceeded and (returncode is None or returncode in (-signal.SIGXCPU, -signal.SIGKILL))
+        timed_out = not self.disk_exceeded and (
+            returncode is None or returncode in (-signal.SIGXCPU, -signal.SIGKILL))
         _kill_group(self.process.pid)
         if self.uid >= 0:
             _reap_uid(self.uid)
@@ -526,9 +530,10 @@ class _Sandbox:
             f.seek(0)
             outputs.append(f.read(self.max_output_bytes).decode("utf-8", errors="replace"))
         if self.disk_exceeded:
-            outputs[1] += (f"\nsandbox: killed: the working directory passed {self.disk_bytes >> 20} MB "
-                           f"or {MAX_FILES} files\n")
-        return SandboxResult(returncode, outputs[0], outputs[1], timed_out, self.uid, self.disk_exceeded)
+            outputs[1] += (f"\nsandbox: killed: the working directory passed "
+                           f"{self.disk_bytes >> 20} MB or {MAX_FILES} files\n")
+        return SandboxResult(returncode, outputs[0], outputs[1], timed_out, self.uid,
+                             self.disk_exceeded)
 
     def close(self) -> None:
         if self.process is not None and self.process.returncode is None:
@@ -974,7 +979,8 @@ def run_code_tests(
     if block is None or block[0] not in PYTHON_TAGS:
         return CodeResult(0, max(len(tests), 1) if not isinstance(tests, str) else 1, "no_code")
     program = block[1]
-    limits = dict(timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes, disk_mb=disk_mb)
+    limits = dict(timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes,
+                  disk_mb=disk_mb)
     if isinstance(tests, str):
         cases = [(test, "", None) for test in ([tests] if stop_at_first_failure else _split_asserts(tests))]
     else:

@@ -9,7 +9,8 @@ A response is well formatted when
 3. after ``</think>``: for math, a ``\\boxed{...}`` whose braces close (LaTeX's brace-less
    ``\\boxed 5``, which the verifier reads, fails the gate: the paper asks for braces; with
    ``answer_format="answer_line"``, an ``Answer: ...`` line instead: DAPO-Math-17k's
-   format; with ``answer_format="gsm8k"``, a ``#### answer`` line: GSM8K's); for code, a fenced block with a language tag (```` ```python ... ``` ````).
+   format; with ``answer_format="gsm8k"``, a ``#### answer`` line: GSM8K's); for code, a
+   fenced block with a language tag (```` ```python ... ``` ````).
 
 A format failure gives reward 0 and grading stops; a well-formatted response gets 0.1
 and a correct one a further 0.9 (values configurable in

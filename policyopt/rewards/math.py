@@ -40,8 +40,9 @@ Pipeline of :func:`math_correctness` (each step can only lower the cost of the n
    which their parent kills at its deadline) this step runs in a verifier process of
    the calling thread's own (:class:`~policyopt.rewards.timelimit.KillableWorker`,
    forked from the scoring pool's fork server with math-verify loaded), which is killed
-   and replaced when it overruns the limit: the caller gets a timeout, never a hang. Nothing is ever ``eval``-ed: math-verify parses LaTeX with its own
-   grammar and builds SymPy objects; ``__import__('os')...`` is just an unparsable string.
+   and replaced when it overruns the limit: the caller gets a timeout, never a hang.
+   Nothing is ever ``eval``-ed: math-verify parses LaTeX with its own grammar and builds
+   SymPy objects; ``__import__('os')...`` is just an unparsable string.
    Parsed references and finished verdicts are cached per process (the G samples of a
    group share a reference and often repeat an answer); timeouts are never cached.
 

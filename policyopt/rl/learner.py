@@ -226,7 +226,8 @@ def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.A
 def tree_all_finite(tree) -> jax.Array:
     """True (a bool scalar) when every floating-point value in ``tree`` is finite: one
     reduction per leaf, fused by XLA into the step that produced them."""
-    leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+    leaves = [leaf for leaf in jax.tree.leaves(tree)
+              if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
     if not leaves:
         return jnp.asarray(True)
     return jnp.stack([jnp.isfinite(leaf).all() for leaf in leaves]).all()

@@ -605,15 +605,16 @@ class SkippedUpdates:
         """Counts the iteration's updates; raises ``UpdatesSkipped`` (one line) at the limit."""
         for name, (step, skipped) in self._counts(states).items():
             last_step, last_skipped = self.last.get(name, (step, skipped))
-            self.streak[name] = 0 if step > last_step else self.streak.get(name, 0) + skipped - last_skipped
+            streak = self.streak.get(name, 0) + skipped - last_skipped
+            self.streak[name] = 0 if step > last_step else streak
             self.last[name] = (step, skipped)
             if self.streak[name] >= self.limit:
                 model = "critic" if name == "critic" else "policy"
                 raise UpdatesSkipped(
-                    f"stopping at iteration {iteration}: the last {self.streak[name]} {model} updates "
-                    f"were skipped (non-finite loss, gradient, parameters or optimiser state; "
-                    f"{name}/skipped in metrics.jsonl) and the run cannot learn; lower optim.lr, "
-                    f"check optim.eps, or restart from an earlier checkpoint "
+                    f"stopping at iteration {iteration}: the last {self.streak[name]} {model} "
+                    f"updates were skipped (non-finite loss, gradient, parameters or optimiser "
+                    f"state; {name}/skipped in metrics.jsonl) and the run cannot learn; lower "
+                    f"optim.lr, check optim.eps, or restart from an earlier checkpoint "
                     f"(config.train.max_skipped_updates={self.limit})")
 
 
@@ -698,7 +699,8 @@ class RunLoop:
         self.eval_writer = MetricsWriter(workdir, filename="eval.jsonl", tensorboard=False,
                                          enabled=primary, resume_step=resume_step)
         self.progress = None if (quiet or not primary) else Progress(total, start_step=run.iteration)
-        self.skipped_updates = SkippedUpdates(config.train.max_skipped_updates, _guarded_states(run))
+        self.skipped_updates = SkippedUpdates(config.train.max_skipped_updates,
+                                              _guarded_states(run))
         self.history: list[dict] = []
         self.metrics: dict = {}
         self.evaluating = config.eval.num_prompts > 0
