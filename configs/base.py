@@ -382,6 +382,10 @@ def base_config() -> ml_collections.ConfigDict:
     # all-or-nothing better).
     c.reward.code_timeout_s = 4.0
     c.reward.code_memory_mb = 300
+    # Size (MB) of each test process's working directory, /tmp and /dev/shm: tmpfs where
+    # the sandbox has a root of its own (memory, so kept well under code_memory_mb), else
+    # the working directory on disk, watched and killed past it (policyopt/rewards/code.py).
+    c.reward.code_disk_mb = 64
     c.reward.code_partial = False
     # Run only a problem's first N tests in the training reward (Magistral: 20; stdin /
     # stdout cases or top-level asserts); None: all of them. The evaluation runs all.
@@ -392,9 +396,11 @@ def base_config() -> ml_collections.ConfigDict:
     # program in its process (one interpreter per test instead of two). The module
     # docstring of policyopt/rewards/isolation.py lists what "process" changes.
     c.reward.code_isolation = "process"
-    # Where the math answer is: "boxed" (the last \boxed{}) or "answer_line" (the last
-    # "Answer: ..." line, as DAPO-Math-17k's prompts ask); for the verifier, the format
-    # gate and the evaluation (with `verifier` set, for the format gate only).
+    # Where the math answer is: "boxed" (the last \boxed{}), "answer_line" (the last
+    # "Answer: ..." line, as DAPO-Math-17k's prompts ask) or "gsm8k" (the text after the
+    # last "####", the form of GSM8K's solutions, so that SFT on them and the RL reward
+    # agree); for the verifier, the format gate and the evaluation (with `verifier` set,
+    # for the format gate only).
     c.reward.answer_format = "boxed"
     # Wall-clock budget (s) for scoring one round of samples (synchronous) or one group
     # (async); None: none. Samples not scored by then are left out of the loss and of
@@ -434,6 +440,10 @@ def base_config() -> ml_collections.ConfigDict:
     # saved under (the changed fields are logged). By default a change other than the
     # loop's cadence, the evaluation and the mesh (`build.RESUME_FREE_FIELDS`) is refused.
     c.train.allow_config_change = False
+    # Stop the run (with a one-line message) once this many policy or critic updates in a
+    # row were skipped by the non-finite guard (loss, gradient, new parameters or optimiser
+    # state not finite): such a run learns nothing more.
+    c.train.max_skipped_updates = 10
 
     # ---- Asynchronous generation (`policyopt.rl.async_rl`; docs/algorithms.md) -------------
     # Magistral's mode, for any recipe: generators never wait for the trainer, finished
@@ -629,7 +639,7 @@ _CHOICES = {
     "algo.tis_level": ("token", "sequence"),
     "algo.rs_level": (None, "token", "sequence", "geometric"),
     "reward.overlong": ("none", "dapo", "magistral"),
-    "reward.answer_format": ("boxed", "answer_line"),
+    "reward.answer_format": ("boxed", "answer_line", "gsm8k"),
     "dynamic_sampling.criterion": ("reward", "accuracy"),
     "task.name": ("arithmetic", "math_jsonl", "code_jsonl", "mixed_jsonl"),
     "task.extract": ("auto", "boxed", "marker", "none"),
@@ -642,6 +652,7 @@ _CHOICES = {
 _MINIMUMS = {
     "train.num_iterations": 0, "train.eval_every": 0, "train.checkpoint_every": 1,
     "train.log_every": 1, "eval.num_prompts": 0, "eval.batch_size": 1, "eval.k": 0,
+    "train.max_skipped_updates": 1,
     "sft.steps": 0, "sft.batch_size": 1, "sft.checkpoint_every": 0,
 }
 
@@ -704,7 +715,8 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.sampling.decode_segments must be in [1, max_new_tokens={max_new}], "
                          f"got {config.sampling.decode_segments}")
     r = config.reward
-    for name in ("verifier_timeout_s", "deadline_s", "code_timeout_s", "code_memory_mb", "code_max_tests"):
+    for name in ("verifier_timeout_s", "deadline_s", "code_timeout_s", "code_memory_mb",
+                 "code_disk_mb", "code_max_tests"):
         if r[name] is not None and r[name] <= 0:
             raise ValueError(f"config.reward.{name} must be > 0, got {r[name]}")
     if r.overlong != "none" and r.max_len is not None and r.max_len > max_new:

@@ -6,19 +6,149 @@ A checkpoint at step ``s`` is a directory ``<dir>/<s>/`` with two items:
   the rng key), saved with orbax's standard handler and restored onto the structure,
   shapes and dtypes of a target pytree;
 - ``meta``: a JSON-serialisable dict (the loop's iteration, the data iterator's state,
-  anything the loop needs to continue exactly where it stopped).
+  anything the loop needs to continue exactly where it stopped);
+- ``checksums``: a JSON dict of one 32-bit checksum per array of ``state`` (by its key
+  path, :func:`tree_checksums`), written in the same atomic save.
 
 Restoring the latest checkpoint and continuing gives bit-identical parameters to an
 uninterrupted run (tested in ``tests/test_checkpoint.py`` and ``tests/test_rl_trainer.py``).
+
+Verification on restore: the restored arrays' checksums must equal the saved ones (a
+flipped bit in an array file otherwise loads silently, e.g. a NaN in Adam's moments).
+Restoring the latest checkpoint (``step=None``) falls back to the previous kept one when
+the latest is corrupt (checksum mismatch, unreadable files, a missing item, broken JSON),
+with a warning naming both directories; a checkpoint of another shape is not corrupt and
+is never skipped. Every restore error is a :class:`CheckpointError` naming the directory.
+Checkpoints written before checksums existed are restored unverified.
+
+:func:`lock_workdir` gives a run's directory one owner: a second process is refused
+(``fcntl.flock`` on ``<workdir>/.lock``; the kernel releases it when the owner exits, so a
+killed run leaves no stale lock).
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be restored; the message names its directory."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint whose files are damaged (checksums, unreadable or missing items)."""
+
+
+def _key_data(leaf):
+    return jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
+
+
+@jax.jit
+def _checksums(leaves: list) -> jax.Array:
+    """``uint32 [len(leaves)]``: for each array, the sum over its elements of
+    ``bits_i * (2 i + 1)`` mod 2^32, ``bits_i`` element i's bytes as an unsigned integer
+    (32-bit chunks for 64-bit types). Any single flipped bit changes it (an odd multiple of
+    a power of two below 2^32 is never 0 mod 2^32); sharded arrays reduce where they lie."""
+    sums = []
+    for leaf in leaves:
+        if leaf.dtype == jnp.bool_:
+            leaf = leaf.astype(jnp.uint8)
+        if leaf.dtype.itemsize == 8:
+            leaf = jax.lax.bitcast_convert_type(leaf, jnp.uint32)  # [..., 2]
+        elif not jnp.issubdtype(leaf.dtype, jnp.unsignedinteger):  # floats, signed ints
+            leaf = jax.lax.bitcast_convert_type(leaf, jnp.dtype(f"uint{8 * leaf.dtype.itemsize}"))
+        bits = leaf.reshape(-1).astype(jnp.uint32)
+        weights = jnp.arange(bits.shape[0], dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+        sums.append(jnp.sum(bits * weights, dtype=jnp.uint32))
+    return jnp.stack(sums) if sums else jnp.zeros((0,), jnp.uint32)
+
+
+def _path_name(path) -> str:
+    """``"train/params/embed/embedding"``: a key path by its names, whether its nodes are
+    dicts or dataclasses (a full state and a partial restore of it name a leaf alike)."""
+    names = []
+    for key in path:
+        for attribute in ("key", "name", "idx"):
+            if hasattr(key, attribute):
+                names.append(str(getattr(key, attribute)))
+                break
+        else:
+            names.append(str(key))
+    return "/".join(names)
+
+
+def tree_checksums(tree: Any) -> dict[str, int]:
+    """``{key path: checksum}`` of every array leaf of ``tree`` (see ``_checksums``)."""
+    paths, leaves = [], []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(leaf, (jax.Array, np.ndarray)):
+            paths.append(_path_name(path))
+            leaves.append(_key_data(jnp.asarray(leaf) if isinstance(leaf, np.ndarray) else leaf))
+    values = np.asarray(jax.device_get(_checksums(leaves)))
+    return {path: int(value) for path, value in zip(paths, values)}
+
+
+# Words of tensorstore's and orbax's errors that mean damaged files (not a wrong target).
+_CORRUPT_WORDS = ("corrupt", "decod", "checksum", "error while reading", "error reading",
+                  "unexpected end", "data_loss", "data loss")
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    """``"Type: first line of the message"``, at most ``limit`` characters (tensorstore's
+    messages carry whole JSON specs)."""
+    message = str(error).strip().split(" See full TensorStore details")[0]
+    text = f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_held_locks: dict[str, int] = {}
+
+
+def lock_workdir(workdir: str) -> None:
+    """Makes this process the owner of ``workdir`` (created if missing) until it exits.
+
+    ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``<workdir>/.lock``, which holds the owner's pid.
+    The kernel drops the lock when the owner exits, however it ends, so a stale file is
+    harmless. Calling it again in the owning process is a no-op (a run resumed in the same
+    process, the SFT then RL stages of the demo). In a multi-process job only process 0
+    takes it (the processes share the workdir).
+
+    Raises:
+      RuntimeError: one line naming the directory and the other process's pid, when
+        another process holds it.
+    """
+    path = os.path.join(os.path.abspath(workdir), ".lock")
+    if path in _held_locks or jax.process_index() != 0:
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RuntimeError(f"workdir {os.path.dirname(path)} is in use by another process "
+                           f"(pid {owner}, lock {path}); wait for it to finish or choose "
+                           f"another workdir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held_locks[path] = fd  # kept open: the lock lives as long as this process
+
+
+def unlock_workdir(workdir: str) -> None:
+    """Releases ``lock_workdir``'s lock (also released when the process exits)."""
+    fd = _held_locks.pop(os.path.join(os.path.abspath(workdir), ".lock"), None)
+    if fd is not None:
+        os.close(fd)
 
 
 class Checkpointer:
@@ -42,48 +172,129 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
+    def step_path(self, step: int) -> str:
+        """The directory of the checkpoint at ``step``."""
+        return os.path.join(self.directory, str(int(step)))
+
     def save(self, step: int, state: Any, meta: dict | None = None) -> None:
-        """Saves ``state`` and ``meta`` at ``step`` and waits until they are on disk."""
+        """Saves ``state``, ``meta`` and the checksums of ``state``'s arrays at ``step`` and
+        waits until they are on disk."""
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                  meta=ocp.args.JsonSave(dict(meta or {})))
+                                  meta=ocp.args.JsonSave(dict(meta or {})),
+                                  checksums=ocp.args.JsonSave(tree_checksums(state)))
         self._manager.save(int(step), args=args, force=True)
         self._manager.wait_until_finished()
 
+    def _newest_first(self, step: int | None) -> list[int]:
+        """``[step]``, or with None every saved step, newest first (the fallbacks)."""
+        if step is not None:
+            return [int(step)]
+        steps = sorted(self.all_steps(), reverse=True)
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        return steps
+
+    def _with_fallback(self, step: int | None, read):
+        """``read(step)`` for ``step``, or with None for the newest step that is not corrupt
+        (a warning names the corrupt and the fallback directories)."""
+        steps = self._newest_first(step)
+        first_error = None
+        for index, candidate in enumerate(steps):
+            try:
+                return read(candidate)
+            except CorruptCheckpointError as error:
+                first_error = first_error or error
+                if index + 1 < len(steps):
+                    logging.warning("%s; falling back to the previous checkpoint %s", error,
+                                    self.step_path(steps[index + 1]))
+        if len(steps) > 1:
+            raise CorruptCheckpointError(f"{first_error}; no earlier checkpoint in "
+                                         f"{self.directory} is readable either") from first_error
+        raise first_error
+
+    def _read(self, step: int, args: ocp.args.Composite, what: str) -> dict:
+        """``manager.restore`` with every failure turned into a ``CheckpointError`` naming
+        the step's directory (corrupt files: ``CorruptCheckpointError``)."""
+        path = self.step_path(step)
+        missing = [name for name in args.keys() if not os.path.isdir(os.path.join(path, name))]
+        if missing:
+            raise CorruptCheckpointError(f"checkpoint {path} is corrupt: its item(s) {missing} are "
+                                         f"missing (a partial copy, or files deleted by hand?)")
+        try:
+            return self._manager.restore(int(step), args=args)
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, OSError) as error:
+            raise CorruptCheckpointError(
+                f"checkpoint {path} is corrupt: cannot read its {what} ({_first_line(error)})"
+            ) from error
+        except Exception as error:  # noqa: BLE001 - orbax / tensorstore raise many kinds
+            message = str(error).lower()
+            corrupt = "shape" not in message and any(word in message for word in _CORRUPT_WORDS)
+            kind = CorruptCheckpointError if corrupt else CheckpointError
+            raise kind(f"checkpoint {path}{' is corrupt' if corrupt else ''}: cannot restore its "
+                       f"{what} ({_first_line(error)})") from error
+
+    def _verify(self, step: int, restored_state: Any, prefix: tuple = ()) -> None:
+        """Compares the checksums of ``restored_state`` (the subtree at ``prefix``) with the
+        saved ones; an older checkpoint without checksums passes unverified."""
+        path = self.step_path(step)
+        if not os.path.isdir(os.path.join(path, "checksums")):
+            return
+        saved = self._read(step, ocp.args.Composite(checksums=ocp.args.JsonRestore()),
+                           "checksums")["checksums"]
+        subtree = restored_state
+        for key in reversed(prefix):
+            subtree = {key: subtree}
+        bad = [name for name, value in tree_checksums(subtree).items()
+               if name in saved and saved[name] != value]
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise CorruptCheckpointError(
+                f"checkpoint {path} is corrupt: the checksums of {', '.join(bad[:3])}{more} differ "
+                f"from those saved with it (damaged array files)")
+
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
-        """Restores the checkpoint at ``step`` (default: latest) onto ``target``'s structure.
+        """Restores the checkpoint at ``step`` (default: latest) onto ``target``'s structure
+        and verifies its arrays against their saved checksums.
 
         Args:
           target: a pytree with the structure, shapes and dtypes to restore (concrete
             arrays or ``jax.ShapeDtypeStruct`` leaves).
-          step: which checkpoint; None for the latest.
+          step: which checkpoint; None for the latest that is not corrupt (a corrupt
+            latest checkpoint falls back to the previous kept one, with a warning).
 
         Returns:
           ``(state, meta)``.
 
         Raises:
           FileNotFoundError: naming the directory when it holds no checkpoint.
+          CheckpointError: naming the checkpoint's directory (``CorruptCheckpointError``
+            when its files are damaged: the checkpoint asked for, or every kept one).
         """
-        if step is None:
-            step = self.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
-        restored = self._manager.restore(int(step), args=args)
-        return restored["state"], dict(restored["meta"] or {})
+
+        def read(candidate):
+            args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                      meta=ocp.args.JsonRestore())
+            restored = self._read(candidate, args, "state and meta")
+            self._verify(candidate, restored["state"])
+            return restored["state"], dict(restored["meta"] or {})
+
+        return self._with_fallback(step, read)
 
     def meta(self, step: int | None = None) -> dict:
-        """The JSON record of the checkpoint at ``step`` (default: latest), without
-        reading its arrays (a resumed run checks its config against it first)."""
-        if step is None:
-            step = self.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        restored = self._manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return dict(restored["meta"] or {})
+        """The JSON record of the checkpoint at ``step`` (default: the latest whose record
+        reads, with the same fallback as ``restore``), without reading its arrays (a
+        resumed run checks its config against it first)."""
+        def read(candidate):
+            args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+            restored = self._read(candidate, args, "meta")
+            return dict(restored["meta"] or {})
+
+        return self._with_fallback(step, read)
 
     def restore_subtree(self, path: tuple[str, ...], target: Any, step: int | None = None) -> Any:
-        """Restores only the subtree at ``path`` of the saved state (e.g. the parameters).
+        """Restores only the subtree at ``path`` of the saved state (e.g. the parameters),
+        verified against its saved checksums.
 
         Used to start RL from an SFT checkpoint whatever the SFT optimiser state was:
         ``restore_subtree(("train", "params"), params)``.
@@ -91,22 +302,23 @@ class Checkpointer:
         Args:
           path: keys (attribute or dict names) leading to the subtree in the saved state.
           target: concrete arrays with the subtree's structure, shapes and dtypes.
-          step: which checkpoint; None for the latest.
+          step: which checkpoint; None for the latest that is not corrupt.
         """
-        if step is None:
-            step = self.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
         item = target
         for key in reversed(path):
             item = {key: item}
         restore_args = ocp.checkpoint_utils.construct_restore_args(item)
-        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=item, restore_args=restore_args, partial_restore=True))
-        restored = self._manager.restore(int(step), args=args)["state"]
-        for key in path:
-            restored = restored[key]
-        return restored
+
+        def read(candidate):
+            args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=item, restore_args=restore_args, partial_restore=True))
+            restored = self._read(candidate, args, "state")["state"]
+            for key in path:
+                restored = restored[key]
+            self._verify(candidate, restored, tuple(path))
+            return restored
+
+        return self._with_fallback(step, read)
 
     def close(self) -> None:
         self._manager.close()

@@ -144,6 +144,13 @@ def test_moe_critic_adds_its_load_balancing_loss():
     assert float(metrics["critic/empty"]) == 1.0 and int(state.step) == 1
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(before)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # A learning rate of inf: finite loss and gradient, non-finite new parameters; skipped.
+    critic = Critic(graphdef, CriticConfig(), OptimConfig(lr=float("inf")))
+    state = TrainState.create(jax.tree.map(jnp.copy, params), critic.optimizer)
+    state, metrics = critic.update(state, batch)
+    assert float(metrics["critic/skipped"]) == 1.0 and np.isfinite(float(metrics["critic/grad_norm"]))
+    assert int(state.step) == 0 and int(state.skipped) == 1
+    assert all(np.isfinite(leaf).all() for leaf in _leaves(state))
 
 
 def test_token_rewards_and_gae_targets_hand_worked():

@@ -16,6 +16,7 @@ from policyopt.rewards import (
     VerifierTimeout,
     extract_answer_line,
     extract_boxed,
+    extract_gsm8k,
     format_ok,
     identify_language,
     languages_consistent,
@@ -167,6 +168,152 @@ def test_hostile_answers_are_rejected_before_parsing():
         start = time.perf_counter()
         assert verify_math(boxed(answer), "1").status == "rejected"
         assert time.perf_counter() - start < 0.5
+
+
+# Arithmetic inside exponents, towers and powers of bracketed powers: a big-integer power
+# that sits in one C call. Each must be rejected unparsed.
+EXPLOSIVE_EXPONENTS = [
+    r"3^{99999 \cdot 9999}",  # the issue's reproduction
+    r"3^{99999 \times 9999}",
+    "3^{99999*9999}",
+    "2^{99999+99999}",
+    "2^{(999)(999)}",
+    "2^{999 999}",
+    "(3^{999})^{999}",
+    r"\left(3^{999}\right)^{999}",
+    "{3^{999}}^{999}",
+    "2^{3^{4}}",
+    "2^3^4",
+    "2^{123456}",
+]
+
+
+@pytest.mark.parametrize("answer", EXPLOSIVE_EXPONENTS)
+def test_arithmetic_in_exponents_is_rejected_unparsed(answer):
+    start = time.perf_counter()
+    assert verify_math(boxed(answer), "42").status == "rejected"
+    assert time.perf_counter() - start < 0.5
+
+
+@pytest.mark.parametrize("answer, reference", [
+    ("2^{10}", "1024"), ("2^{3 \\cdot 4}", "4096"), ("x^{2n+1}", "x^{2n+1}"),
+    ("10^{-3}", "0.001"), ("(x^2)^3", "x^6"), ("2^{99999}", "2^{99999}"),
+])
+def test_small_exponents_still_reach_the_verifier(answer, reference):
+    assert verify_math(boxed(answer), reference).status == "correct"
+
+
+def test_the_issue_reproduction_returns_promptly_from_a_thread():
+    box = r"\boxed{3^{99999 \cdot 9999}}"
+    results = []
+    thread = threading.Thread(
+        target=lambda: results.append(math_correctness(box, "42", timeout_s=1.0)), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and results == [0.0]
+
+
+def test_a_stuck_verification_off_the_main_thread_is_killed(monkeypatch):
+    """With the screen switched off, the reproduction reaches SymPy: a power of about 10^9
+    digits, one C call that a limit inside a thread cannot interrupt (the asynchronous
+    exception waits for it; this froze the process). Verification off a scoring worker's
+    main thread runs in the calling thread's verifier process instead, stopped or killed
+    at the limit: a timeout (scored 0) in about the limit, from the main thread and from
+    another one, and the next verification works."""
+    from policyopt.rewards import math as math_lib
+
+    monkeypatch.setattr(math_lib, "screen_answer", lambda answer: True)
+    verify_math(boxed(r"\sqrt{8}"), r"2\sqrt{2}", timeout_s=30)  # start the worker: seconds
+    results = []
+
+    def grade(root):  # a new pair each time: verdicts are cached
+        results.append(verify_math(boxed(r"3^{99999 \cdot 9999}"), "42", timeout_s=1.0))
+        results.append(verify_math(boxed(rf"\sqrt{{{2 * root * root}}}"), rf"{root}\sqrt{{2}}",
+                                   timeout_s=30))
+
+    for root, in_thread in ((3, False), (4, True)):
+        results.clear()
+        start = time.perf_counter()
+        if in_thread:
+            thread = threading.Thread(target=grade, args=(root,), daemon=True)
+            thread.start()
+            thread.join(60)
+            assert not thread.is_alive()
+        else:
+            grade(root)  # the main thread of a process that is no scoring worker
+        assert [r.status for r in results] == ["timeout", "correct"]
+        assert time.perf_counter() - start < 45
+
+
+def test_a_killable_worker_is_killed_in_c_code_and_replaced():
+    from policyopt.rewards.timelimit import KillableWorker
+    from tests import verifiers
+
+    worker = KillableWorker()
+    try:
+        assert worker.call(pow, (3, 4), 30.0) == 81
+        first = worker.pid
+        start = time.perf_counter()
+        with pytest.raises(VerifierTimeout, match="call exceeded 0.2 s$"):
+            worker.call(pow, (3, 10**10), 0.2)  # interruptible: the worker's own limit
+        assert worker.pid == first
+        with pytest.raises(VerifierTimeout, match="killed"):
+            worker.call(verifiers.deaf, (60,), 0.2)  # deaf to SIGALRM: killed
+        assert time.perf_counter() - start < 5
+        with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+            worker.call(divmod, (1, 0), 30.0)
+        assert worker.call(pow, (2, 5), 30.0) == 32 and worker.pid != first
+    finally:
+        worker.kill()
+
+
+@pytest.mark.parametrize("answer, expected", [
+    ("43=42", 0.0), ("43 = 42", 0.0), ("6*7=42", 1.0), (r"6 \cdot 7 = 42", 1.0),
+    ("42=42", 1.0), ("40+2=42=43", 0.0), ("x=42", 1.0), ("x = 43", 0.0), (r"\frac{84}{2}=42", 1.0),
+])
+def test_an_equation_with_a_numeric_left_side_must_hold(answer, expected):
+    """math-verify grades an equation by its right side alone (43=42 equals 42); here a
+    left side without a variable must equal the reference too."""
+    assert math_correctness(boxed(answer), "42") == expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("3 + 4 = <<3+4=7>>7 apples.\n#### 7", "7"),
+    ("#### 1,000.", "1000"),
+    ("#### **$12**", "12"),
+    ("#### 5\nextra text #### 6\nmore", "6"),
+    ("####\n  -3  ", "-3"),
+    ("no marker 7", None),
+    ("#### ", None),
+])
+def test_extract_gsm8k(text, expected):
+    assert extract_gsm8k(text) == expected
+
+
+def test_gsm8k_answer_format_in_verifier_gate_and_sft_targets(tmp_path):
+    """reward.answer_format="gsm8k": a GSM8K solution (the SFT target of its row) is
+    correct against the row's reference under the verifier and passes the format gate;
+    under "boxed" it has no answer, which was the disagreement between SFT and RL."""
+    import json
+
+    from policyopt.data.jsonl import read_math_jsonl
+
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text(json.dumps({"question": "Tom has 3 apples and buys 4. How many?",
+                                "answer": "He has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"}) + "\n")
+    (record,), _ = read_math_jsonl(str(path))
+    target = record["solution"]
+    assert verify_math(target, record["answer"], answer_format="gsm8k").status == "correct"
+    assert math_correctness(target, "8", answer_format="gsm8k") == 0.0
+    assert verify_math(target, record["answer"]).status == "no_answer"
+    # A whole GSM8K solution as the reference reads its final answer too.
+    assert math_correctness("#### 7", target, answer_format="gsm8k") == 1.0
+    gated = "<think>3 + 4 = 7</think> #### 7"
+    assert format_ok(gated, "math", "gsm8k") and not format_ok(gated, "math")
+    assert not format_ok("<think>7</think> 7", "math", "gsm8k")
+    scores = score_batch([gated, "<think>7</think> \\boxed{7}"], ["7", "7"], [5, 5],
+                         RewardSpec(answer_format="gsm8k"))
+    assert scores.rewards.tolist() == pytest.approx([1.0, 0.0])
 
 
 def test_extract_boxed():

@@ -657,16 +657,18 @@ def test_network_is_unreachable():
 @pytest.mark.skipif(not IS_ROOT, reason="sandbox processes are recognised by their uid")
 def test_sandboxed_program_dies_with_its_scorer():
     # A scoring worker killed at a batch deadline must not leave its test running. The
-    # program reports its uid in its working directory, which the test finds on the host
-    # (the sandbox sees nothing else of the host's when it has a root of its own).
-    program = "import os, time\nopen('uid.tmp', 'w').write(str(os.getuid()))\nos.rename('uid.tmp', 'uid')\ntime.sleep(60)"
+    # program prints its uid to its stdout file, which the test finds on the host (its
+    # working directory is a tmpfs of its own when it has a root of its own).
+    program = "import os, time\nprint(os.getuid(), flush=True)\ntime.sleep(60)"
     script = f"from policyopt.rewards import run_sandboxed\nrun_sandboxed({program!r}, timeout_s=60)"
     scorer = subprocess.Popen([sys.executable, "-c", script])
     try:
         deadline, found = time.monotonic() + 30, []
         while not found and time.monotonic() < deadline:
             time.sleep(0.05)
-            found = glob.glob(os.path.join(tempfile.gettempdir(), f"policyopt-sandbox-{scorer.pid}-*", "work", "uid"))
+            found = [path for path in glob.glob(os.path.join(tempfile.gettempdir(),
+                                                             f"policyopt-sandbox-{scorer.pid}-*", "stdout"))
+                     if pathlib.Path(path).read_text().strip().isdigit()]
         uid = int(pathlib.Path(found[0]).read_text())
         assert code_lib._live_processes(uid), "the sandboxed program is not running"
     finally:
@@ -692,3 +694,79 @@ def test_score_batch_code_task_composes_format_and_pass_rate():
     partial = score_batch([ADD_ONE], [tests], [5], RewardSpec(task="code", code_partial=True))
     np.testing.assert_allclose(partial.rewards, [0.1 + 0.9 * 0.5], atol=1e-6)
     assert not partial.correct[0]
+
+
+# The issue's program (6,000 files of 1 MiB scored 1 and took 5.9 GB of the host's disk),
+# scaled to the small limit of the test: it writes until something stops it.
+FILLS_ITS_DIRECTORY = solution(
+    "import os\n"
+    "size = os.statvfs('.').f_blocks * os.statvfs('.').f_frsize\n"
+    "print('cwd bytes', size, flush=True)\n"
+    "for i in range(6000):\n"
+    "    with open(f'f{i}', 'wb') as f:\n"
+    "        f.write(b'x' * (1 << 20))\n"
+    "def add_one(x):\n    return x + 1")
+MANY_FILES = solution("for i in range(6000):\n    open(f'f{i}', 'w').close()\n"
+                      "def add_one(x):\n    return x + 1")
+JAIL_MODES = [pytest.param(True, marks=pytest.mark.skipif(not JAILED, reason="no jail here")), False]
+
+
+def _python_without_jail() -> str:
+    """An interpreter the sandbox uid can read outside a jail: the jail binds the scorer's
+    own into its root (it may sit in root's home, e.g. pyenv); without one the uid needs
+    a world-readable one."""
+    for python in ([sys.executable] if not IS_ROOT else []) + ["/usr/bin/python3"]:
+        if os.path.exists(python):
+            return python
+    pytest.skip("no world-readable interpreter for a sandbox uid without a jail")
+
+
+@pytest.fixture
+def sandbox_roots(monkeypatch):
+    """A directory of its own for the sandboxes' roots (traversable by their uids), to see
+    what they leave behind."""
+    roots = tempfile.mkdtemp(prefix="policyopt-test-roots-")
+    os.chmod(roots, 0o711)
+    monkeypatch.setattr(tempfile, "tempdir", roots)
+    yield roots
+    shutil.rmtree(roots, ignore_errors=True)
+
+
+@pytest.mark.parametrize("jail", JAIL_MODES, ids=["jail", "no_jail"])
+@pytest.mark.parametrize("program", [FILLS_ITS_DIRECTORY, MANY_FILES], ids=["bytes", "files"])
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_a_program_that_fills_its_directory_scores_0(jail, program, isolation, monkeypatch, sandbox_roots):
+    """In a jail the working directory is a tmpfs of reward.code_disk_mb (writes past it
+    fail in the program: ENOSPC); without one the scorer kills the program once its
+    directory on disk passes the size or MAX_FILES. Either way it scores 0, the host's
+    disk holds at most one poll's worth, and nothing is left behind."""
+    monkeypatch.setattr(code_lib, "_jail_works", lambda python: jail)
+    if not jail:
+        monkeypatch.setattr(code_lib, "_sandbox_python", _python_without_jail)
+    result = code_lib.run_code_tests(program, GOOD_TESTS, isolation=isolation, disk_mb=8, timeout_s=20.0)
+    assert result.status == "incorrect" and result.passed == 0
+    assert os.listdir(sandbox_roots) == []
+    # The honest program under the same limits.
+    assert code_lib.run_code_tests(ADD_ONE, GOOD_TESTS, isolation=isolation, disk_mb=8).status == "correct"
+
+
+@pytest.mark.skipif(not JAILED, reason="no jail here")
+def test_the_jails_working_directory_is_a_tmpfs_of_code_disk_mb():
+    result = run_sandboxed("import os\ns = os.statvfs('.')\nprint(s.f_blocks * s.f_frsize, s.f_files)\n"
+                           "n = 0\ntry:\n    while True:\n        open(f'f{n}', 'wb').write(b'x' * (1 << 20))\n"
+                           "        n += 1\nexcept OSError as e:\n    print(n, e.errno)\n",
+                           timeout_s=10.0, disk_mb=8, max_output_bytes=2 << 20)
+    size, inodes, written, errno = (int(x) for x in result.stdout.split())
+    assert size == 8 << 20 and inodes == 4096 and errno == 28  # ENOSPC
+    assert written == 7 or written == 8  # 1 MiB files in 8 MiB (a last partial one fails)
+
+
+def test_without_a_jail_the_scorer_kills_a_program_past_the_limit(sandbox_roots):
+    program = ("import time\nfor i in range(6000):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n"
+               "print('done')\n")
+    start = time.perf_counter()
+    result = run_sandboxed(program, timeout_s=20.0, disk_mb=8, jail=False, max_output_bytes=2 << 20,
+                           python=_python_without_jail())
+    assert result.disk_exceeded and not result.timed_out and result.returncode == -9
+    assert "done" not in result.stdout and "passed 8 MB or 4096 files" in result.stderr
+    assert time.perf_counter() - start < 10 and os.listdir(sandbox_roots) == []

@@ -11,8 +11,8 @@ from flax import nnx
 from policyopt.losses import policy_loss
 from policyopt.models import Transformer, preset
 from policyopt.rl.batch import Batch, layout
-from policyopt.rl.learner import (LossConfig, OptimConfig, TrainState, get_learner, split_params,
-                                  warmup_constant_schedule)
+from policyopt.rl.learner import (LossConfig, OptimConfig, TrainState, get_learner, guarded_update,
+                                  make_optimizer, split_params, warmup_constant_schedule)
 
 VOCAB = 16
 SETTINGS = LossConfig(method="sapo", aggregation="seq_mean_token_mean", temperature=0.7, group_size=2)
@@ -186,6 +186,47 @@ def test_non_finite_step_is_skipped_and_leaves_state_untouched(policy, field):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     state, metrics = learner.update(state, batch)  # training continues
     assert float(metrics["update/skipped"]) == 0.0 and int(state.step) == 2
+
+
+@pytest.mark.parametrize("optim", [dict(lr=float("inf")), dict(lr=float("nan")), dict(lr=1.0, eps=0.0)])
+def test_a_step_that_would_save_non_finite_values_is_skipped(optim):
+    """Finite loss and gradient, but the new state is not: lr inf / NaN makes the new
+    parameters non-finite; eps = 0 gives 0 / 0 in Adam where a gradient is 0 (here w[1]),
+    NaN in the parameters. By hand, loss = w0^2 at w = [1, 0]: grad [2, 0]."""
+    params = {"w": jnp.asarray([1.0, 0.0])}
+    optimizer, schedule = make_optimizer(**optim, max_grad_norm=None)
+    state = TrainState.create(params, optimizer)
+    state, metrics = jax.jit(lambda s: guarded_update(
+        lambda p, b: (p["w"][0] ** 2, {}), optimizer, schedule, s, None))(state)
+    assert float(metrics["update/grad_norm"]) == 2.0  # the inputs were finite
+    assert float(metrics["update/skipped"]) == 1.0 and int(state.skipped) == 1 and int(state.step) == 0
+    np.testing.assert_array_equal(np.asarray(state.params["w"]), [1.0, 0.0])
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+    # The same step with sane settings is applied (w0 moves against its gradient).
+    optimizer, schedule = make_optimizer(lr=0.1, max_grad_norm=None)
+    state, metrics = guarded_update(lambda p, b: (p["w"][0] ** 2, {}), optimizer, schedule,
+                                    TrainState.create(params, optimizer), None)
+    assert float(metrics["update/skipped"]) == 0.0 and float(state.params["w"][0]) == pytest.approx(0.9)
+
+
+def test_a_nan_in_the_optimiser_state_is_caught(policy):
+    """A NaN already in Adam's first moment (e.g. restored from a corrupt checkpoint): the
+    step's new parameters and moments are NaN, so it is skipped, and so is every later one."""
+    _, graphdef, params = policy
+    learner = get_learner(graphdef, SETTINGS, OPTIM)
+    batch, _, _ = _batch(seed=3)
+    state, _ = learner.update(learner.init_state(_copy(params)), batch)
+    leaves, treedef = jax.tree.flatten(state.opt_state)
+    index = next(i for i, leaf in enumerate(leaves) if leaf.ndim >= 2)
+    leaves[index] = leaves[index].at[(0,) * leaves[index].ndim].set(jnp.nan)
+    state = state.replace(opt_state=jax.tree.unflatten(treedef, leaves))
+    before = _copy(state)
+    for _ in range(2):
+        state, metrics = learner.update(state, batch)
+        assert float(metrics["update/skipped"]) == 1.0 and np.isfinite(float(metrics["loss/total"]))
+    assert int(state.step) == 1 and int(state.skipped) == 2
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(before.params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_router_z_loss_enters_the_update_with_its_coefficient(policy):

@@ -385,6 +385,10 @@ def test_answer_format_reaches_rewards_and_evaluation():
         scores = score_batch(["Work\nAnswer: 7", "\\boxed{7}"], ["7", "7"], [3, 3], spec)
         assert scores.correct.tolist() == [True, False]
     assert build.correctness_spec(tiny("grpo")).answer_format == "boxed"
+    config = tiny("grpo", extra="reward.answer_format='gsm8k'")  # GSM8K's "#### 7"
+    for spec in (build.reward_spec(config), build.correctness_spec(config)):
+        scores = score_batch(["<think>3+4</think>\n#### 7", "\\boxed{7}"], ["7", "7"], [3, 3], spec)
+        assert scores.correct.tolist() == [True, False]
     with pytest.raises(ValueError, match="reward.answer_format"):
         tiny("grpo", extra="reward.answer_format='last_line'")
 

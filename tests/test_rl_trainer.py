@@ -402,3 +402,33 @@ def test_capacity_dispatch_is_refused_for_rl(tmp_path, field):
     config = tiny("grpo", extra=f"model.{field}=capacity")
     with pytest.raises(ValueError, match="dropless"):
         trainer.build_run(config, str(tmp_path))
+
+
+def test_skipped_update_streaks_are_counted_per_model_by_hand():
+    """Counters (step, skipped) after each iteration, by hand: the policy applies 1 and
+    skips 1 (streak 0: it applied one), then skips 2 (2), then 1 (3 = limit: stop); the
+    critic's own count is separate and an applied update resets it."""
+    from types import SimpleNamespace as State
+
+    streaks = trainer.SkippedUpdates(3, {"update": State(step=0, skipped=0),
+                                         "critic": State(step=0, skipped=0)})
+    streaks.update(1, {"update": State(step=1, skipped=1), "critic": State(step=0, skipped=2)})
+    assert streaks.streak == {"update": 0, "critic": 2}
+    streaks.update(2, {"update": State(step=1, skipped=3), "critic": State(step=1, skipped=2)})
+    assert streaks.streak == {"update": 2, "critic": 0}
+    with pytest.raises(trainer.UpdatesSkipped, match=r"^stopping at iteration 3: the last 3 policy "
+                       r"updates were skipped .*max_skipped_updates=3\)$"):
+        streaks.update(3, {"update": State(step=1, skipped=4), "critic": State(step=1, skipped=2)})
+
+
+def test_a_run_whose_updates_are_all_skipped_stops(tmp_path):
+    """optim.lr=1e30: the first update is finite but blows the parameters up, and every later
+    update is non-finite and skipped. The run used to go on to the end and exit 0; it stops
+    after train.max_skipped_updates of them, with every iteration's metrics written."""
+    config = tiny("grpo", model="tiny_dense", extra="optim.lr=1e30,train.max_skipped_updates=2,"
+                  "train.num_iterations=8,eval.num_prompts=0,batch.n_minibatches=2")
+    with pytest.raises(trainer.UpdatesSkipped, match="max_skipped_updates=2"):
+        trainer.run_rl(config, str(tmp_path), quiet=True)
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert 1 < len(rows) < 8 and rows[-1]["update/skipped"] == 2
+    assert rows[-1]["update/step"] == rows[-2]["update/step"]  # nothing applied since

@@ -61,3 +61,13 @@ def raises(completion, reference):
 
 
 not_a_function = 3
+
+
+def deaf(seconds):
+    """Sleeps ``seconds`` with SIGALRM blocked: a stand-in for one C call that never returns
+    to the interpreter (no time limit in its process can stop it; only a kill can)."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    time.sleep(seconds)
+    return seconds

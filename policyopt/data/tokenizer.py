@@ -112,7 +112,9 @@ class CharTokenizer:
                 if char not in self._ids:
                     raise ValueError(
                         f"character {char!r} at position {i} of {text[:60]!r} is not in the "
-                        f"CharTokenizer alphabet {self.alphabet!r}")
+                        f"CharTokenizer alphabet {self.alphabet!r}; the character tokenizer is "
+                        "for the synthetic arithmetic task: for real text set model.pretrained "
+                        "(a Hugging Face checkpoint directory, whose tokenizer is used)")
                 ids.append(self._ids[char])
                 i += 1
         return ids

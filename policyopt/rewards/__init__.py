@@ -3,7 +3,8 @@
 Public API::
 
     math_correctness(completion, reference, *, timeout_s=5.0, answer_format="boxed") -> float
-        # 1.0 / 0.0; the answer: "boxed" (last \\boxed{}) or "answer_line" (last "Answer: ...")
+        # 1.0 / 0.0; the answer: "boxed" (last \\boxed{}), "answer_line" (last "Answer: ...")
+        # or "gsm8k" (after the last "####")
     code_correctness(completion, tests, *, timeout_s=4.0, memory_mb=300, partial=False,
                      max_tests=None) -> float
     format_ok(completion, task, answer_format="boxed") -> bool               # Magistral format gate
@@ -40,6 +41,7 @@ from policyopt.rewards.math import (
     answer_region,
     extract_answer_line,
     extract_boxed,
+    extract_gsm8k,
     math_correctness,
     verify_math,
 )
@@ -57,6 +59,7 @@ __all__ = [
     "code_correctness",
     "extract_answer_line",
     "extract_boxed",
+    "extract_gsm8k",
     "first_code_block",
     "format_ok",
     "identify_language",

@@ -83,6 +83,7 @@ class RewardSpec:
       math_timeout_s: per-sample limit of the math verifier.
       code_timeout_s: per-test wall-clock limit of the code sandbox (Magistral: 4 s).
       code_memory_mb: per-test address-space limit (Magistral: 300 MB).
+      code_disk_mb: per-test size of the sandbox's working directory (and ``/tmp``), MB.
       code_partial: reward the pass rate instead of all-or-nothing (Magistral: off).
       code_max_tests: run only a problem's first this many tests (Magistral: 20): stdin /
         stdout cases, or top-level asserts (asserts inside a function, as in HumanEval's
@@ -105,8 +106,9 @@ class RewardSpec:
         "verifier_error", counted in ``metrics["verifier_errors"]`` and logged once per
         process. A path the scoring workers cannot import raises from ``score_batch``.
       verifier_timeout_s: per-sample limit of ``verifier``.
-      answer_format: math: where the answer is, ``"boxed"`` (the last ``\\boxed{}``) or
-        ``"answer_line"`` (the last ``Answer: ...`` line, DAPO-Math-17k's format), for
+      answer_format: math: where the answer is, ``"boxed"`` (the last ``\\boxed{}``),
+        ``"answer_line"`` (the last ``Answer: ...`` line, DAPO-Math-17k's format) or
+        ``"gsm8k"`` (the text after the last ``####``), for
         the verifier and the format gate; with ``verifier`` set, only for the gate.
     """
 
@@ -126,6 +128,7 @@ class RewardSpec:
     math_timeout_s: float = math_lib.DEFAULT_TIMEOUT_S
     code_timeout_s: float = 4.0
     code_memory_mb: int = 300
+    code_disk_mb: int = 64
     code_partial: bool = False
     code_max_tests: int | None = None
     code_isolation: str = "process"
@@ -301,6 +304,7 @@ def score_sample(
             reference,
             timeout_s=spec.code_timeout_s,
             memory_mb=spec.code_memory_mb,
+            disk_mb=spec.code_disk_mb,
             stop_at_first_failure=not spec.code_partial,
             max_tests=spec.code_max_tests,
             isolation=spec.code_isolation,
@@ -341,6 +345,7 @@ def _score_chunk(
 
 
 def _warm_worker() -> None:
+    math_lib.mark_killable_process()  # math-verify runs here: the parent kills stuck workers
     math_lib._math_verify()  # no-op when the fork server preloaded it
 
 

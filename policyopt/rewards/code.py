@@ -44,9 +44,15 @@ tests, 4 s and 300 MB per test, binary reward (partial credit hurt).
 The sandbox (:func:`run_sandboxed`), per test process:
 
 * a fresh temporary directory as working directory (deleted afterwards), holding the
-  program; stdin from a file; stdout and stderr to files outside that directory, which
-  only the scorer may open (mode 0600: the child gets them as descriptors, and no other
-  run's program reads this run's input or its tests' assert messages);
+  program, of at most ``disk_mb`` (``reward.code_disk_mb``, default 64 MB) and
+  ``MAX_FILES`` files: in a jail (below) it is a tmpfs of that size (writes past it fail
+  with ``ENOSPC`` in the program; nothing reaches the host's disk); without one it is on
+  the host's disk, polled every 20 ms by the scorer, which kills the program once it
+  holds more (``SandboxResult.disk_exceeded``; what it wrote in between, at most one
+  poll's worth, is removed with the directory); stdin from a file; stdout and stderr to
+  files outside that directory, which only the scorer may open (mode 0600: the child gets
+  them as descriptors, and no other run's program reads this run's input or its tests'
+  assert messages);
 * a cleared environment (only ``PATH``), and an isolated interpreter ``python -I -S``
   (no ``PYTHON*`` variables, no user or site packages: the standard library only);
 * resource limits set by a trusted prologue in the child before any untrusted code runs
@@ -66,13 +72,15 @@ The sandbox (:func:`run_sandboxed`), per test process:
   ``_jail_works``; not in every container): ``unshare --mount``, then the bootstrap
   mounts a tmpfs as the new root holding read-only binds of ``/usr`` (and ``/bin``,
   ``/lib``..., or the interpreter's own folder), ``/dev/null``, ``zero``, ``random``,
-  ``urandom``, a fresh 64 MB ``/tmp`` and ``/dev/shm``, and the working directory as
-  ``/work``, and ``chroot``s into it before dropping privileges. So the program reads
+  ``urandom``, a fresh ``/tmp`` and ``/dev/shm`` and a working directory ``/work`` (three
+  tmpfs of ``disk_mb`` each: memory, not disk), and ``chroot``s into it before dropping
+  privileges. So the program reads
   nothing of the host's (no dataset file, no ``/proc`` of the scorer, no other run's
   files) and leaves nothing for later runs (its ``/tmp`` dies with it). Without it (a
   non-root scorer, a container without mounts) the program reads what every user may
-  read and may leave files in the host's ``/tmp``: keep answer files unreadable to
-  other users there;
+  read and may leave files in the host's ``/tmp`` (each at most ``max_output_bytes``,
+  ``RLIMIT_FSIZE``, but their number is not bounded there: only the working directory
+  is watched): keep answer files unreadable to other users there;
 * network: when ``unshare --net`` works (root, or unprivileged user namespaces) the
   child runs in a fresh network namespace with no interface but a down loopback; where it
   does not, the program keeps the host network (this is the case for a non-root scorer
@@ -121,6 +129,13 @@ PYTHON_TAGS = ("python", "py", "python3")
 ISOLATIONS = ("process", "none")
 DEFAULT_MAX_PROCESSES = 16
 DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
+# Size of the working directory, /tmp and /dev/shm (MB; `reward.code_disk_mb`).
+DEFAULT_DISK_MB = 64
+# Files a program may create in its working directory without a jail (with one: the
+# tmpfs's inode limit).
+MAX_FILES = 4096
+# Without a jail the working directory's size is polled this often (s).
+_DISK_POLL_S = 0.02
 # Interpreter start-up allowance added to the wall-clock limit, seconds.
 _STARTUP_GRACE_S = 0.5
 # Unprivileged uids used when the scorer runs as root (unlikely to belong to anyone).
@@ -129,8 +144,8 @@ _SANDBOX_UIDS = range(2_000_000, 2_100_000)
 # Trusted prologue run by the child interpreter before the untrusted program.
 _BOOTSTRAP = """
 import os, resource, sys
-cpu_s, memory, nproc, fsize, uid, parent = (int(a) for a in sys.argv[1:7])
-jail, prefix = sys.argv[7:9]
+cpu_s, memory, nproc, fsize, uid, parent, disk = (int(a) for a in sys.argv[1:8])
+jail, prefix = sys.argv[8:10]
 if jail:  # a root of its own, in the mount namespace `unshare --mount` made (see _JAIL)
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
@@ -167,12 +182,22 @@ if jail:  # a root of its own, in the mount namespace `unshare --mount` made (se
         bind("/dev/" + device, read_only=False)
     for scratch in ("/tmp", "/dev/shm"):
         os.makedirs(jail + scratch)
-        mount("tmpfs", jail + scratch, "tmpfs", 2 | 4, "size=64m,mode=1777")
+        mount("tmpfs", jail + scratch, "tmpfs", 2 | 4, f"size={disk},mode=1777")
+    # The working directory is a tmpfs of `disk` bytes too, not the host's disk: the
+    # program (read from the host's copy, which is removed) goes in alone.
     os.makedirs(jail + "/work")
-    mount(os.getcwd(), jail + "/work", None, 4096)
+    owner = f",uid={uid},gid={uid}" if uid >= 0 else ""
+    mount("tmpfs", jail + "/work", "tmpfs", 2 | 4, f"size={disk},nr_inodes=4096,mode=700{owner}")
+    with open("main.py", "rb") as f:
+        source = f.read()
+    os.remove("main.py")
+    with open(jail + "/work/main.py", "wb") as f:
+        f.write(source)
+    if uid >= 0:
+        os.chown(jail + "/work/main.py", uid, uid)
     os.chroot(jail)
     os.chdir("/work")
-    del libc, mount, bind, ctypes
+    del libc, mount, bind, ctypes, owner, source, f
 for limit, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, 64),
                      (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NPROC, nproc),
                      (resource.RLIMIT_AS, memory)):
@@ -203,7 +228,7 @@ def run(remove=os.remove):
     exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
 
 
-del os, resource, cpu_s, memory, nproc, fsize, uid, parent, limit, value, jail, prefix
+del os, resource, cpu_s, memory, nproc, fsize, uid, parent, limit, value, jail, prefix, disk
 run()
 """
 
@@ -218,6 +243,8 @@ class SandboxResult:
       stderr: captured standard error (same cap), decoded.
       timed_out: the wall-clock limit expired.
       uid: the unprivileged uid the program ran as (-1: the scorer's own, not root).
+      disk_exceeded: killed for filling its working directory (without a jail; in one,
+        writes past the tmpfs's size fail with ``ENOSPC`` in the program instead).
     """
 
     returncode: int | None
@@ -225,6 +252,7 @@ class SandboxResult:
     stderr: str
     timed_out: bool
     uid: int = -1
+    disk_exceeded: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,12 +419,13 @@ class _Sandbox:
 
     def __init__(self, program: str, *, stdin: str, timeout_s: float, memory_mb: int, max_processes: int,
                  max_output_bytes: int, python: str | None, uid: int, pass_fds: tuple[int, ...] = (),
-                 jail: bool | None = None):
+                 jail: bool | None = None, disk_mb: int = DEFAULT_DISK_MB):
         self.uid, self.max_output_bytes, self.files, self.process = uid, max_output_bytes, [], None
+        self.disk_bytes, self.disk_exceeded, self.jailed = disk_mb << 20, False, False
         self.root = tempfile.mkdtemp(prefix=f"{_SANDBOX_PREFIX}{os.getpid()}-")
         try:
             os.chmod(self.root, 0o711)
-            workdir = os.path.join(self.root, "work")
+            workdir = self.workdir = os.path.join(self.root, "work")
             os.mkdir(workdir, 0o700)
             with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
                 f.write(program)
@@ -416,11 +445,13 @@ class _Sandbox:
             if jail or (jail is None and _jail_works(python)):
                 jail_dir = os.path.join(self.root, "jail")
                 os.mkdir(jail_dir, 0o755)
+                self.jailed = True
             prefix = _interpreter_prefix(python)
             command = [
                 *(_jail_prefix() if jail_dir else _unshare_prefix()), python, "-I", "-S", "-c", _BOOTSTRAP,
                 str(max(1, int(-(-timeout_s // 1)))), str(memory_mb << 20), str(nproc),
-                str(max_output_bytes), str(uid), str(os.getpid()), jail_dir, prefix,
+                str(max_output_bytes), str(uid), str(os.getpid()), str(self.disk_bytes), jail_dir,
+                prefix,
             ]  # fmt: skip
             self.files.append(open(stdin_path, "rb"))
             for name in ("stdout", "stderr"):  # one at a time: close() closes what is open
@@ -434,19 +465,62 @@ class _Sandbox:
             self.close()
             raise
 
-    def wait(self, timeout_s: float) -> int | None:
-        """The exit status, or None when the wall-clock limit expired first."""
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
+    def wait(self, timeout_s: float, watch: Sequence["_Sandbox"] = ()) -> int | None:
+        """The exit status, or None when the wall-clock limit expired first.
+
+        Without a jail the working directories of this sandbox and of ``watch`` (the
+        program's process of an isolated test) are polled meanwhile: one that holds more
+        than ``disk_mb`` or ``MAX_FILES`` files has its process group killed
+        (``disk_exceeded``).
+        """
+        polled = [box for box in (self, *watch) if not box.jailed]
+        if not polled:
+            try:
+                return self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                return None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for box in polled:
+                if not box.disk_exceeded and box.process.poll() is None and box.over_disk_limit():
+                    box.disk_exceeded = True
+                    _kill_group(box.process.pid)
+            try:
+                left = deadline - time.monotonic()
+                return self.process.wait(timeout=max(0.0, min(_DISK_POLL_S, left)))
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    return None
+
+    def over_disk_limit(self) -> bool:
+        """Whether the working directory holds more than ``disk_mb`` (allocated blocks) or
+        ``MAX_FILES`` entries (a scan that stops as soon as either is passed)."""
+        used, count, stack = 0, 0, [self.workdir]
+        while stack:
+            try:
+                entries = list(os.scandir(stack.pop()))
+            except OSError:
+                continue
+            for entry in entries:
+                count += 1
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                used += info.st_blocks * 512
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                if used > self.disk_bytes or count > MAX_FILES:
+                    return True
+        return False
 
     def finish(self, returncode: int | None) -> SandboxResult:
         """Kills what is left of the run (group, then uid) and reads its output."""
         # On an idle machine a busy loop reaches its CPU-time limit (= the time limit)
         # before the wall-clock one: killed by SIGXCPU (or SIGKILL at the hard limit),
         # which is a timeout too.
-        timed_out = returncode is None or returncode in (-signal.SIGXCPU, -signal.SIGKILL)
+        timed_out = not self.disk_exceeded and (
+            returncode is None or returncode in (-signal.SIGXCPU, -signal.SIGKILL))
         _kill_group(self.process.pid)
         if self.uid >= 0:
             _reap_uid(self.uid)
@@ -455,7 +529,11 @@ class _Sandbox:
         for f in self.files[1:]:
             f.seek(0)
             outputs.append(f.read(self.max_output_bytes).decode("utf-8", errors="replace"))
-        return SandboxResult(returncode, outputs[0], outputs[1], timed_out, self.uid)
+        if self.disk_exceeded:
+            outputs[1] += (f"\nsandbox: killed: the working directory passed "
+                           f"{self.disk_bytes >> 20} MB or {MAX_FILES} files\n")
+        return SandboxResult(returncode, outputs[0], outputs[1], timed_out, self.uid,
+                             self.disk_exceeded)
 
     def close(self) -> None:
         if self.process is not None and self.process.returncode is None:
@@ -520,12 +598,19 @@ def run_sandboxed(
     max_processes: int = DEFAULT_MAX_PROCESSES,
     max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
     python: str | None = None,
+    disk_mb: int = DEFAULT_DISK_MB,
+    jail: bool | None = None,
 ) -> SandboxResult:
-    """Runs untrusted Python source in the sandbox described in the module docstring."""
+    """Runs untrusted Python source in the sandbox described in the module docstring.
+
+    ``disk_mb``: size of the working directory (and of ``/tmp`` and ``/dev/shm`` in a
+    jail). ``jail``: None uses a root of its own where that works; False runs without
+    one (the fallback of a non-root scorer, for tests).
+    """
     _sweep_once()
     sandbox = _Sandbox(program, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb,
                        max_processes=max_processes, max_output_bytes=max_output_bytes, python=python,
-                       uid=_sandbox_uids(1)[0])
+                       uid=_sandbox_uids(1)[0], disk_mb=disk_mb, jail=jail)
     try:
         return sandbox.finish(sandbox.wait(timeout_s + _STARTUP_GRACE_S))
     finally:
@@ -542,6 +627,8 @@ def run_isolated(
     max_processes: int = DEFAULT_MAX_PROCESSES,
     max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
     python: str | None = None,
+    disk_mb: int = DEFAULT_DISK_MB,
+    jail: bool | None = None,
 ) -> SandboxResult:
     """Runs assert ``tests`` against ``program`` in two sandboxes joined by pipes
     (``policyopt.rewards.isolation``): the program's process serves the tests' process,
@@ -554,7 +641,7 @@ def run_isolated(
     """
     _sweep_once()
     limits = dict(stdin="", timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes,
-                  max_output_bytes=max_output_bytes, python=python)
+                  max_output_bytes=max_output_bytes, python=python, disk_mb=disk_mb, jail=jail)
     server_uid, client_uid = _sandbox_uids(2)
     sandboxes, requests_r, requests_w, replies_r, replies_w = [], -1, -1, -1, -1
     try:
@@ -568,11 +655,13 @@ def run_isolated(
             os.close(fd)
         requests_r = requests_w = replies_r = replies_w = -1
         server, client = sandboxes
-        returncode = client.wait(timeout_s + _STARTUP_GRACE_S)
+        returncode = client.wait(timeout_s + _STARTUP_GRACE_S, watch=[server])
         server_code = server.process.poll()  # before the kill: did it die of its CPU limit?
         result = client.finish(returncode)
         server.finish(server_code)
-        if server_code in (-signal.SIGXCPU, -signal.SIGKILL):
+        if server.disk_exceeded:  # killed for its disk use: a failure, not a timeout
+            result = dataclasses.replace(result, disk_exceeded=True)
+        elif server_code in (-signal.SIGXCPU, -signal.SIGKILL):
             result = dataclasses.replace(result, timed_out=True)
         return result
     finally:
@@ -861,6 +950,7 @@ def run_code_tests(
     max_processes: int = DEFAULT_MAX_PROCESSES,
     max_tests: int | None = None,
     isolation: str = "process",
+    disk_mb: int = DEFAULT_DISK_MB,
 ) -> CodeResult:
     """Runs the first code block of ``completion`` against ``tests``; never raises on model output.
 
@@ -879,6 +969,7 @@ def run_code_tests(
         ``policyopt.rewards.isolation``), or ``"none"``, after the program in its process
         (one interpreter instead of two, and open to the reward hacks that module
         describes). stdin / stdout cases run the program alone either way.
+      disk_mb: size of each test process's working directory (and jail's ``/tmp``).
     """
     if isolation not in ISOLATIONS:
         raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
@@ -888,7 +979,8 @@ def run_code_tests(
     if block is None or block[0] not in PYTHON_TAGS:
         return CodeResult(0, max(len(tests), 1) if not isinstance(tests, str) else 1, "no_code")
     program = block[1]
-    limits = dict(timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes)
+    limits = dict(timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes,
+                  disk_mb=disk_mb)
     if isinstance(tests, str):
         cases = [(test, "", None) for test in ([tests] if stop_at_first_failure else _split_asserts(tests))]
     else:

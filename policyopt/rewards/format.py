@@ -9,7 +9,8 @@ A response is well formatted when
 3. after ``</think>``: for math, a ``\\boxed{...}`` whose braces close (LaTeX's brace-less
    ``\\boxed 5``, which the verifier reads, fails the gate: the paper asks for braces; with
    ``answer_format="answer_line"``, an ``Answer: ...`` line instead: DAPO-Math-17k's
-   format); for code, a fenced block with a language tag (```` ```python ... ``` ````).
+   format; with ``answer_format="gsm8k"``, a ``#### answer`` line: GSM8K's); for code, a
+   fenced block with a language tag (```` ```python ... ``` ````).
 
 A format failure gives reward 0 and grading stops; a well-formatted response gets 0.1
 and a correct one a further 0.9 (values configurable in
@@ -52,8 +53,8 @@ def first_code_block(text: str) -> tuple[str, str] | None:
 def format_ok(completion: str, task: str, answer_format: str = "boxed") -> bool:
     """Magistral's format check for ``task`` in ("math", "code"); see the module docstring.
 
-    ``answer_format`` (math only): where the answer must be, ``"boxed"`` or
-    ``"answer_line"`` (``policyopt.rewards.math.ANSWER_FORMATS``).
+    ``answer_format`` (math only): where the answer must be, ``"boxed"``,
+    ``"answer_line"`` or ``"gsm8k"`` (``policyopt.rewards.math.ANSWER_FORMATS``).
     """
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")

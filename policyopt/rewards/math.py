@@ -10,7 +10,9 @@ Pipeline of :func:`math_correctness` (each step can only lower the cost of the n
    allowed; an unclosed box is no answer; the last box is the one that *starts* last, as
    in the MATH / math-verify convention); ``"answer_line"``, the rest of the last
    ``Answer: ...`` line (DAPO-Math-17k's prompts ask for "The last line of your response
-   should be of the form Answer: $Answer"; see :func:`extract_answer_line`).
+   should be of the form Answer: $Answer"; see :func:`extract_answer_line`); ``"gsm8k"``,
+   the text after the last ``####`` (GSM8K's solutions end with ``#### 72``; see
+   :func:`extract_gsm8k`).
 3. *Exact fast path*: identical strings (after removing blanks and ``$``) are correct.
    Two plain rational literals (``-12``, ``0.50``, ``3/4``, ``\\frac{3}{4}``) are compared
    exactly with :class:`fractions.Fraction`, with no parser at all, reproducing
@@ -20,16 +22,27 @@ Pipeline of :func:`math_correctness` (each step can only lower the cost of the n
    Most answers of arithmetic tasks stop here (microseconds).
 4. *Screen* of untrusted text before any parser sees it: answers longer than
    ``MAX_ANSWER_CHARS``, nested deeper than ``MAX_NESTING``, or containing a power tower
-   (``10^{10^{10}}``, ``10**10**10``), a power with a huge literal exponent or a factorial
-   of a huge argument score 0 at once. These are exactly the inputs whose evaluation can
-   sit inside a single C call (big-integer arithmetic) that no time limit interrupts.
+   (``10^{10^{10}}``, ``10**10**10``), a power whose exponent may exceed
+   ``MAX_EXPONENT`` (a literal of more than 5 digits, or arithmetic on literals:
+   ``3^{99999 \\cdot 9999}``, ``2^{99999+99999}``, ``2^{(999)(999)}``; bounded by the
+   product of (n + 1) over the exponent's numbers n, which bounds their sums and products
+   alike), a power of a bracketed power whose exponents multiply past that bound
+   (``(3^{999})^{999}``) or a factorial of a huge argument score 0 at once. These are
+   exactly the inputs whose evaluation can sit inside a single C call (big-integer
+   arithmetic) that no time limit interrupts.
 5. *Symbolic comparison*: ``math_verify.parse`` of ``\\boxed{answer}`` and of the
    reference, then ``math_verify.verify(gold, prediction)`` (numeric with 6-digit float
    rounding, symbolic simplification, sets, intervals, equations, percentages), all
    under one :func:`~policyopt.rewards.timelimit.time_limit`. math-verify's own
    ``signal.alarm`` timeouts are switched off (they only work in the main thread, in
-   whole seconds). Nothing is ever ``eval``-ed: math-verify parses LaTeX with its own
-   grammar and builds SymPy objects; ``__import__('os')...`` is just an unparsable string.
+   whole seconds). A time limit cannot stop one long C call, so except on the main
+   thread of a scoring worker process (``policyopt.rewards.score_batch``'s workers,
+   which their parent kills at its deadline) this step runs in a verifier process of
+   the calling thread's own (:class:`~policyopt.rewards.timelimit.KillableWorker`,
+   forked from the scoring pool's fork server with math-verify loaded), which is killed
+   and replaced when it overruns the limit: the caller gets a timeout, never a hang.
+   Nothing is ever ``eval``-ed: math-verify parses LaTeX with its own grammar and builds
+   SymPy objects; ``__import__('os')...`` is just an unparsable string.
    Parsed references and finished verdicts are cached per process (the G samples of a
    group share a reference and often repeat an answer); timeouts are never cached.
 
@@ -37,6 +50,12 @@ math-verify leniencies worth knowing (they are the community's conventions, kept
 ``50\\%`` equals both ``50`` and ``0.5``; ``x=3`` equals ``3``; ``\\text{(A)}`` equals
 ``A``; decimals equal fractions when they agree to 6 places (``0.3333333`` = 1/3, but
 ``0.333`` != 1/3).
+
+One deliberate difference: math-verify grades an equation against a plain reference by
+its right-hand side alone (``9=1`` equals ``1``, and so ``43=42`` equals ``42``). Here an
+answer that is a chain of equalities with numbers only on its left (``6 \\cdot 7 = 42``,
+``43 = 42``) is correct only when every side equals the reference; with a variable or
+any other non-numeric left side (``x = 42``) math-verify's rule applies.
 """
 
 from __future__ import annotations
@@ -46,9 +65,11 @@ import fractions
 import functools
 import logging
 import re
+import threading
+import time
 from typing import Any
 
-from policyopt.rewards.timelimit import VerifierTimeout, time_limit
+from policyopt.rewards.timelimit import VerifierTimeout, thread_worker, time_limit
 
 # Answers longer than this (characters inside the box) are rejected unread.
 MAX_ANSWER_CHARS = 1_000
@@ -57,13 +78,17 @@ MAX_NESTING = 24
 # Literal exponents (and factorial arguments) with more digits than this are rejected.
 MAX_EXPONENT_DIGITS = 5
 MAX_FACTORIAL_DIGITS = 3
+# Exponents whose bound (product of n + 1 over their numbers n) exceeds this are rejected.
+MAX_EXPONENT = 10**MAX_EXPONENT_DIGITS
 # Default per-call limit for parsing + verification, seconds (math-verify's own default).
 DEFAULT_TIMEOUT_S = 5.0
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
-# Where the answer is: the last closed \boxed{} or the last "Answer: ..." line.
-ANSWER_FORMATS = ("boxed", "answer_line")
+# Where the answer is: the last closed \boxed{}, the last "Answer: ..." line, or the text
+# after the last "####" (GSM8K).
+ANSWER_FORMATS = ("boxed", "answer_line", "gsm8k")
+GSM8K_MARKER = "####"
 
 _BOX_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\{|\}")
 # LaTeX's brace-less form, `\boxed 5`: the run of characters after the space (up to a
@@ -81,6 +106,9 @@ _BLANKS = re.compile(r"\s+|\$|\\[,;:! ]|\\quad")
 # verl's DAPO reward (math_dapo.py) finds the answer with this pattern, case-insensitive.
 _ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)
 _DOLLAR_SPAN = re.compile(r"\$([^$]+)\$")
+# A thousands separator between digits (`1,000`), dropped from GSM8K answers as
+# lm-evaluation-harness's GSM8K filter does.
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +197,12 @@ def extract_answer_line(text: str) -> str | None:
         answer = match.group(1)
     if answer is None:
         return None
+    return _clean_answer(answer)
+
+
+def _clean_answer(answer: str) -> str | None:
+    """An answer line without Markdown emphasis, a final full stop and ``$``; the content
+    of a ``\\boxed{}`` or else of the first ``$...$`` span on it (``extract_answer_line``)."""
     for _ in range(2):  # Markdown emphasis and a full stop, in either order ("**34**.")
         answer = answer.strip().strip("*").strip()
         if answer.endswith(".") and not answer.endswith(".."):
@@ -185,12 +219,35 @@ def extract_answer_line(text: str) -> str | None:
     return answer.strip().strip("$").strip() or None
 
 
+def extract_gsm8k(text: str) -> str | None:
+    """The answer after the last ``####`` (GSM8K's ``... 5 + 7 = 12\\n#### 12``).
+
+    The first non-blank line after the marker, cleaned as an ``Answer:`` line is
+    (:func:`extract_answer_line`: emphasis, ``$``, a final full stop, a box on it), with
+    thousands separators between digits removed (``1,000`` -> ``1000``, as
+    lm-evaluation-harness's GSM8K filter does; ``1,2`` stays).
+
+    Returns:
+      The answer text, or None when there is no marker or nothing after it.
+    """
+    cut = text.rfind(GSM8K_MARKER)
+    if cut < 0:
+        return None
+    rest = text[cut + len(GSM8K_MARKER) :].strip()
+    if not rest:
+        return None
+    answer = _clean_answer(rest.splitlines()[0])
+    return None if answer is None else _THOUSANDS.sub("", answer)
+
+
 def extract_answer(text: str, answer_format: str = "boxed") -> str | None:
     """The answer of ``text`` by ``answer_format`` (one of ``ANSWER_FORMATS``), or None."""
     if answer_format == "boxed":
         return extract_boxed(text)
     if answer_format == "answer_line":
         return extract_answer_line(text)
+    if answer_format == "gsm8k":
+        return extract_gsm8k(text)
     raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
 
 
@@ -266,27 +323,66 @@ def _operand_after(text: str, pos: int) -> tuple[str, int]:
     return match.group(), match.end()
 
 
+def _group_before(text: str, end: int) -> str | None:
+    """The bracketed group that closes just before ``end`` (blanks and ``\\right``
+    skipped), found by matching brackets backwards, or None when none closes there."""
+    before = text[:end].rstrip()
+    if before.endswith("\\right)") or before.endswith("\\right]"):
+        before = before[: -len("\\right)")] + before[-1]
+    if not before or before[-1] not in ")}]":
+        return None
+    depth = 0
+    for start in range(len(before) - 1, -1, -1):
+        if before[start] in ")}]":
+            depth += 1
+        elif before[start] in "({[":
+            depth -= 1
+            if depth == 0:
+                return before[start:]
+    return before
+
+
+def _exponent_bound(exponent: str) -> int:
+    """An upper bound of the magnitude of an exponent made of literals: the product of
+    (n + 1) over its numbers n, which bounds any sum, difference and product of them
+    (a + b <= (a + 1)(b + 1)); 1 for a purely symbolic exponent."""
+    bound = 1
+    for digits in _DIGITS.findall(exponent):
+        if len(digits) > MAX_EXPONENT_DIGITS:
+            return MAX_EXPONENT + 1
+        bound *= int(digits) + 1
+        if bound > MAX_EXPONENT:
+            return bound
+    return bound
+
+
 def _is_explosive(answer: str) -> bool:
-    """True for power towers, huge literal exponents and factorials of huge arguments."""
+    """True for power towers, exponents that may be huge (long literals, arithmetic on
+    literals), powers of bracketed powers and factorials of huge arguments."""
     for power in _POWER.finditer(answer):
         exponent, end = _operand_after(answer, power.end())
         if _POWER.search(exponent) or _FACTORIAL.search(exponent):
             return True  # a^(b^c) or a^(b!)
         if _POWER.match(answer[end:].lstrip()):
-            return True  # a**b**c, which binds as a**(b**c)
-        if any(len(d) > MAX_EXPONENT_DIGITS for d in _DIGITS.findall(exponent)):
-            return True
+            return True  # a**b**c, which binds as a**(b**c), or a^b^c
+        bound = _exponent_bound(exponent)
+        if bound > MAX_EXPONENT:
+            return True  # 2^{123456}, 3^{99999 \cdot 9999}, 2^{99999+99999}
+        base = _group_before(answer, power.start())
+        if base is not None and _POWER.search(base):  # (a^b)^c = a^(b c)
+            inner = max(_exponent_bound(_operand_after(base, p.end())[0])
+                        for p in _POWER.finditer(base))
+            if inner * bound > MAX_EXPONENT:
+                return True
     for bang in _FACTORIAL.finditer(answer):
-        before = answer[: bang.start()].rstrip()
-        if before.endswith((")", "}", "]")):
-            opener = {")": "(", "}": "{", "]": "["}[before[-1]]
-            group = before[before.rfind(opener) :]
+        group = _group_before(answer, bang.start())
+        if group is not None:
             if _POWER.search(group) or any(
                 len(d) > MAX_FACTORIAL_DIGITS for d in _DIGITS.findall(group)
             ):
                 return True
         else:
-            digits = re.search(r"\d+$", before)
+            digits = re.search(r"\d+$", answer[: bang.start()].rstrip())
             if digits and len(digits.group()) > MAX_FACTORIAL_DIGITS:
                 return True
     return False
@@ -330,7 +426,9 @@ def _math_verify() -> Any:
     return math_verify
 
 
-def _reference_answer(reference: str) -> str:
+def _reference_answer(reference: str, answer_format: str = "boxed") -> str:
+    if answer_format == "gsm8k" and GSM8K_MARKER in reference:  # a whole GSM8K solution
+        return extract_gsm8k(reference) or ""
     boxed = extract_boxed(reference) if "\\boxed" in reference or "\\fbox" in reference else None
     text = boxed if boxed is not None else reference
     return text.strip().strip("$").strip()
@@ -352,6 +450,95 @@ def _symbolic_equal(gold: str, answer: str) -> bool:
     return bool(math_verify.verify(_parse_gold(gold), parsed, timeout_seconds=None))
 
 
+# True in a process whose main thread may run math-verify in-process: a scoring worker of
+# `score_batch` (its parent kills it at the deadline) or a `KillableWorker`.
+_KILLABLE_PROCESS = False
+
+
+def mark_killable_process() -> None:
+    """Declares this process killable by its parent: math-verify then runs in-process on
+    its main thread (``score_batch``'s workers call this when they start)."""
+    global _KILLABLE_PROCESS
+    _KILLABLE_PROCESS = True
+
+
+def _start_verifier_process() -> None:
+    """Initializer of a verifier process (``KillableWorker``): killable, math-verify warm."""
+    mark_killable_process()
+    _math_verify()
+
+
+# Verdicts of the verifier processes, kept here too: a repeated answer costs no round trip.
+_REMOTE_VERDICTS: dict[tuple[str, str], bool] = {}
+
+
+def _equal_within(gold: str, answer: str, timeout_s: float | None) -> bool:
+    """``_symbolic_equal`` under a time limit of ``timeout_s`` that cannot hang the caller.
+
+    In-process on the main thread of a killable process (or with no limit); otherwise in
+    the calling thread's verifier process (module docstring, step 5).
+
+    Raises:
+      VerifierTimeout: the limit expired.
+    """
+    in_process = _KILLABLE_PROCESS and threading.current_thread() is threading.main_thread()
+    if in_process or timeout_s is None or timeout_s <= 0:
+        _math_verify()  # import outside the limit: an interrupted import leaves a broken module
+        with time_limit(timeout_s):
+            return _symbolic_equal(gold, answer)
+    key = (gold, answer)
+    if key not in _REMOTE_VERDICTS:
+        worker = thread_worker("math", preload=["policyopt.rewards.worker"],
+                               initializer=_start_verifier_process)
+        if len(_REMOTE_VERDICTS) > 16384:
+            _REMOTE_VERDICTS.clear()
+        _REMOTE_VERDICTS[key] = worker.call(_symbolic_equal, key, timeout_s)
+    return _REMOTE_VERDICTS[key]
+
+
+_LATEX_MACRO = re.compile(r"\\[A-Za-z]+")
+
+
+def _numeric_equation_sides(answer: str) -> list[str] | None:
+    """The sides of ``answer`` when it is a chain of equalities whose left side has no
+    letter (``6 \\cdot 7 = 42``, ``43 = 42``; LaTeX macros such as ``\\frac`` are not
+    letters), else None (``x = 42``, inequalities, no ``=`` at top level)."""
+    depth, cuts = 0, []
+    for index, char in enumerate(answer):
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == "=" and depth == 0:
+            before, after = answer[index - 1 : index], answer[index + 1 : index + 2]
+            if before not in ("<", ">", "!", ":", "=") and after != "=":
+                cuts.append(index)
+    if not cuts:
+        return None
+    bounds = [-1, *cuts, len(answer)]
+    sides = [answer[start + 1 : end].strip() for start, end in zip(bounds, bounds[1:])]
+    if not all(sides) or re.search(r"[A-Za-z]", _LATEX_MACRO.sub("", sides[0])):
+        return None
+    return sides
+
+
+def _judge(answer: str, gold: str, deadline: float | None) -> str:
+    """"correct", "incorrect" or "rejected" for one answer (steps 3 to 5 of the module
+    docstring); raises ``VerifierTimeout`` past ``deadline`` (time.monotonic())."""
+    answer_key, gold_key = _normalise(answer), _normalise(gold)
+    if not answer_key:
+        return "incorrect"
+    if answer_key == gold_key:
+        return "correct"
+    fast = _fast_compare(answer_key, gold_key)
+    if fast is not None:
+        return "correct" if fast else "incorrect"
+    if not screen_answer(answer) or not screen_answer(gold):
+        return "rejected"
+    timeout_s = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+    return "correct" if _equal_within(gold, answer, timeout_s) else "incorrect"
+
+
 def verify_math(
     completion: str,
     reference: str,
@@ -363,10 +550,12 @@ def verify_math(
 
     Args:
       completion: model output (text after the prompt).
-      reference: reference answer, plain (``"3/4"``, ``"\\frac{3}{4}"``) or boxed.
+      reference: reference answer, plain (``"3/4"``, ``"\\frac{3}{4}"``), boxed, or
+        with ``answer_format="gsm8k"`` a whole GSM8K solution (``... #### 12``).
       timeout_s: wall-clock limit for parsing and verification; None: no limit.
-      answer_format: where the answer is, ``"boxed"`` (the last ``\\boxed{}``) or
-        ``"answer_line"`` (the last ``Answer: ...`` line); see the module docstring.
+      answer_format: where the answer is, ``"boxed"`` (the last ``\\boxed{}``),
+        ``"answer_line"`` (the last ``Answer: ...`` line) or ``"gsm8k"`` (after the last
+        ``####``); see the module docstring.
 
     Returns:
       A :class:`MathVerdict` (score 1.0 / 0.0 and the reason).
@@ -377,21 +566,19 @@ def verify_math(
         answer = extract_answer(answer_region(str(completion)), answer_format)
         if answer is None:
             return MathVerdict(0.0, "no_answer")
-        gold = _reference_answer(str(reference))
-        answer_key, gold_key = _normalise(answer), _normalise(gold)
-        if not answer_key:
-            return MathVerdict(0.0, "incorrect", answer)
-        if answer_key == gold_key:
-            return MathVerdict(1.0, "correct", answer)
-        fast = _fast_compare(answer_key, gold_key)
-        if fast is not None:
-            return MathVerdict(float(fast), "correct" if fast else "incorrect", answer)
-        if not screen_answer(answer) or not screen_answer(gold):
-            return MathVerdict(0.0, "rejected", answer)
-        _math_verify()  # import outside the limit: an interrupted import leaves a broken module
-        with time_limit(timeout_s):
-            ok = _symbolic_equal(gold, answer)
-        return MathVerdict(float(ok), "correct" if ok else "incorrect", answer)
+        gold = _reference_answer(str(reference), answer_format)
+        deadline = None if timeout_s is None or timeout_s <= 0 else time.monotonic() + timeout_s
+        status = _judge(answer, gold, deadline)
+        sides = None
+        if status == "correct" and "=" in answer and "=" not in gold:
+            sides = _numeric_equation_sides(answer)
+        if sides is not None:
+            # math-verify grades `43=42` by its right side; every side must equal the gold.
+            for side in sides:
+                status = _judge(side, gold, deadline)
+                if status != "correct":
+                    break
+        return MathVerdict(float(status == "correct"), status, answer)
     except VerifierTimeout:
         return MathVerdict(0.0, "timeout")
     except Exception:  # noqa: BLE001 - a verifier bug must not crash training; scored 0

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from policyopt.checkpoint import lock_workdir
 from policyopt.data.pipeline import as_record
 from policyopt.rewards.batch import kill_pool, score_batch
 from policyopt.rl import build
@@ -156,7 +157,9 @@ SCORING_POOL = "async"
 
 def _interrupt_scoring(num_workers: int):
     """``close``'s way to cut the scorer's current group short: kill its worker pool (None
-    for in-process scoring, which cannot be interrupted)."""
+    for in-process scoring, which cannot be interrupted; its math verification still runs
+    in the scoring thread's own killable verifier process, ``policyopt.rewards.math``, so
+    a group ends within its samples' time limits, never hangs)."""
     if not num_workers:
         return None
     return lambda: kill_pool(num_workers, SCORING_POOL)
@@ -395,6 +398,7 @@ def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, qui
             "same order on each. Run asynchronous RL on one process (any number of local "
             "devices), or the synchronous trainer on many.")
     total = config.train.num_iterations if num_iterations is None else num_iterations
+    lock_workdir(workdir)  # one process per workdir: a second is refused in one line
     run = build_run(config, workdir)
     if run.iteration:
         logging.info("async RL resumes at iteration %d; generation restarts from scratch "

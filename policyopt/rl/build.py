@@ -317,6 +317,7 @@ def _task_limits(config) -> dict:
     return dict(task=_reward_task(config), verifier=r.verifier or None,
                 verifier_timeout_s=float(r.verifier_timeout_s), answer_format=r.answer_format,
                 code_timeout_s=float(r.code_timeout_s), code_memory_mb=int(r.code_memory_mb),
+                code_disk_mb=int(r.code_disk_mb),
                 code_partial=bool(r.code_partial), code_isolation=r.code_isolation,
                 code_max_tests=None if r.code_max_tests is None else int(r.code_max_tests))
 

@@ -39,7 +39,8 @@ the policy loss, not these rewards.
 **Update** (``Critic.update``, jitted once per shape bucket, the state donated): PPO's
 clipped value loss ``losses.value_loss`` (token mean), plus on an MoE backbone
 ``algo.load_balancing_coef`` times its load-balancing loss (as for the policy), through the
-same non-finite guard as the policy (``learner.guarded_update``).
+same non-finite guard as the policy (``learner.guarded_update``: loss, gradient, new
+parameters and optimiser state).
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ Everything here is a pure function of pytrees. The model enters as an NNX ``Grap
 One update (``Learner.update``, jitted once per shape bucket, the state donated):
 
     (loss, metrics), grads = value_and_grad(loss_fn)(params, batch)
+    new_params, new_opt_state = AdamW(clip_by_global_norm(grads))
     finite = isfinite(loss) and isfinite(global_norm(grads))
-    params, opt_state = AdamW(clip_by_global_norm(grads))      if finite
+             and every value of new_params and new_opt_state is finite
+    params, opt_state = new_params, new_opt_state               if finite
                         unchanged                               otherwise (counted)
 
 ``loss_fn`` runs the policy forward on the batch (replaying ``batch.routing`` when it is
@@ -47,7 +49,7 @@ class TrainState:
     """Parameters, optimiser state and update counters (a pytree; donated to ``update``)."""
 
     step: jax.Array  # int32 []: updates applied (the optimiser's schedule count)
-    skipped: jax.Array  # int32 []: updates skipped because loss or gradient was not finite
+    skipped: jax.Array  # int32 []: updates skipped for a non-finite loss, gradient or new state
     params: Any  # nnx.State of nnx.Param
     opt_state: Any
 
@@ -282,11 +284,28 @@ def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.A
     return loss, metrics
 
 
+def tree_all_finite(tree) -> jax.Array:
+    """True (a bool scalar) when every floating-point value in ``tree`` is finite: one
+    reduction per leaf, fused by XLA into the step that produced them."""
+    leaves = [leaf for leaf in jax.tree.leaves(tree)
+              if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.stack([jnp.isfinite(leaf).all() for leaf in leaves]).all()
+
+
 def guarded_update(loss_fn: Callable, optimizer: optax.GradientTransformation,
                    schedule: optax.Schedule, state: TrainState, batch,
                    active: jax.Array | None = None) -> tuple[TrainState, dict]:
-    """One optimiser step that is skipped when the loss or the gradient is not finite, or
-    when the minibatch holds nothing to learn from.
+    """One optimiser step that is skipped when the loss, the gradient, the new parameters
+    or the new optimiser state are not all finite, or when the minibatch holds nothing to
+    learn from.
+
+    Checking what the step would save, not only its inputs, catches a learning rate of inf
+    or NaN, ``eps = 0`` (0 / 0 in Adam where a gradient and its second moment are 0), and a
+    NaN already in the optimiser state (every later step is then skipped, and the trainer
+    stops after ``train.max_skipped_updates`` of them), at the cost of one fused reduction
+    over the new state.
 
     A skipped step leaves ``params`` and ``opt_state`` bit-identical (``state.step`` counts
     applied updates only, so the learning-rate schedule does not advance either). A
@@ -308,6 +327,7 @@ def guarded_update(loss_fn: Callable, optimizer: optax.GradientTransformation,
     active = jnp.asarray(True) if active is None else jnp.asarray(active, bool)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    finite = finite & tree_all_finite((params, opt_state))  # what would be saved
     apply = finite & active
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
     new_state = TrainState(

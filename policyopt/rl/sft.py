@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from policyopt import sharding
-from policyopt.checkpoint import Checkpointer
+from policyopt.checkpoint import Checkpointer, lock_workdir
 from policyopt.data.pipeline import as_record, make_pipeline
 from policyopt.losses import aggregate
 from policyopt.metrics import MetricsWriter, Progress, read_step_record
@@ -215,6 +215,7 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
       "graphdef", "params", "checkpoint_dir"}``.
     """
     os.makedirs(workdir, exist_ok=True)
+    lock_workdir(workdir)  # one process per workdir: a second is refused in one line
     total = config.sft.steps if steps is None else steps
     run = build_sft(config, workdir, init_checkpoint=init_checkpoint)
     primary = sharding.is_primary()  # process 0 writes (multi-process jobs)

@@ -75,7 +75,7 @@ import numpy as np
 
 from policyopt import sharding
 from policyopt.advantages import outcome_advantages
-from policyopt.checkpoint import Checkpointer
+from policyopt.checkpoint import Checkpointer, lock_workdir
 from policyopt.data.pipeline import make_pipeline
 from policyopt.losses import offpolicy_metrics, rejection_mask, truncated_importance_weights
 from policyopt.metrics import MetricsWriter, Progress, read_step_record
@@ -629,6 +629,52 @@ def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -
 _UPDATE_COUNTS = ("update/skipped", "critic/skipped", "update/empty", "critic/empty")
 
 
+class UpdatesSkipped(RuntimeError):
+    """Raised when ``train.max_skipped_updates`` updates in a row were skipped."""
+
+
+def _guarded_states(run: RLRun) -> dict:
+    """The states whose updates the non-finite guard may skip: the policy's and the critic's."""
+    return {"update": run.state, "critic": run.critic_state}
+
+
+class SkippedUpdates:
+    """Stops a run once ``limit`` updates in a row were skipped by the non-finite guard
+    (``learner.guarded_update``: loss, gradient, new parameters or optimiser state not
+    finite), counted apart for the policy and the critic from their states' ``step``
+    (applied) and ``skipped`` counters. An iteration that applied any update resets its
+    model's count; one that applied none adds its skipped updates to it. Such a run learns
+    nothing more (a NaN in Adam's moments, or a learning rate that blew the parameters up,
+    makes every later update non-finite) and would otherwise go on to exit 0.
+    """
+
+    def __init__(self, limit: int, states: dict):
+        self.limit = limit
+        self.last = self._counts(states)
+        self.streak = dict.fromkeys(self.last, 0)
+
+    @staticmethod
+    def _counts(states: dict) -> dict[str, tuple[int, int]]:
+        return {name: (int(state.step), int(state.skipped))
+                for name, state in states.items() if state is not None}
+
+    def update(self, iteration: int, states: dict) -> None:
+        """Counts the iteration's updates; raises ``UpdatesSkipped`` (one line) at the limit."""
+        for name, (step, skipped) in self._counts(states).items():
+            last_step, last_skipped = self.last.get(name, (step, skipped))
+            streak = self.streak.get(name, 0) + skipped - last_skipped
+            self.streak[name] = 0 if step > last_step else streak
+            self.last[name] = (step, skipped)
+            if self.streak[name] >= self.limit:
+                model = "critic" if name == "critic" else "policy"
+                raise UpdatesSkipped(
+                    f"stopping at iteration {iteration}: the last {self.streak[name]} {model} "
+                    f"updates were skipped (non-finite loss, gradient, parameters or optimiser "
+                    f"state; {name}/skipped in metrics.jsonl) and the run cannot learn; lower "
+                    f"optim.lr, check optim.eps, or restart from an earlier checkpoint "
+                    f"(config.train.max_skipped_updates={self.limit})")
+
+
 def _block(tree, t0: float) -> float:
     jax.block_until_ready(tree)
     return time.perf_counter() - t0
@@ -664,6 +710,7 @@ def run_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bo
       "eval_history" (list), "run" (the RLRun)}``.
     """
     total = config.train.num_iterations if num_iterations is None else num_iterations
+    lock_workdir(workdir)  # one process per workdir: a second is refused in one line
     run = build_run(config, workdir)
     loop = RunLoop(run, total, quiet=quiet)
     try:
@@ -709,6 +756,8 @@ class RunLoop:
         self.eval_writer = MetricsWriter(workdir, filename="eval.jsonl", tensorboard=False,
                                          enabled=primary, resume_step=resume_step)
         self.progress = None if (quiet or not primary) else Progress(total, start_step=run.iteration)
+        self.skipped_updates = SkippedUpdates(config.train.max_skipped_updates,
+                                              _guarded_states(run))
         self.history: list[dict] = []
         self.metrics: dict = {}
         self.evaluating = config.eval.num_prompts > 0
@@ -751,6 +800,7 @@ class RunLoop:
         run, train = self.run, self.config.train
         self.metrics = metrics
         self.writer.write(run.iteration, metrics)
+        self.skipped_updates.update(run.iteration, _guarded_states(run))
         if self.progress and run.iteration % train.log_every == 0:
             self.progress.update(run.iteration, {**metrics, **self.last_eval})
         final = run.iteration == self.total
