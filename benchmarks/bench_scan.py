@@ -60,7 +60,8 @@ def main():
     for layers in (int(n) for n in args.layers.split(",")):
         for scan in [mode == "scan" for mode in args.modes.split(",")]:
             config = preset(args.preset, num_layers=layers, scan_layers=scan, remat=args.remat)
-            row = {"layers": layers, "scan_layers": scan, **measure(config, args.batch, args.seq_len)}
+            row = {"layers": layers, "scan_layers": scan,
+                   **measure(config, args.batch, args.seq_len)}
             rows.append(row)
             print(f"{layers:>6} {str(scan):>5} {row['lower_s']:8.2f} {row['compile_s']:9.2f} "
                   f"{row['hlo_chars']:>10}", flush=True)
