@@ -376,3 +376,52 @@ def test_config_refuses_micro_batches_shorter_than_the_longest_row():
         base.get_config("batch.micro_batch_tokens=-5")
     assert base.get_config().batch.micro_batch_tokens is None
     assert LossConfig.from_config(base.get_config("batch.micro_batch_tokens=0")).micro_batch_tokens is None
+
+
+_MESH_SCRIPT = """
+import dataclasses, jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from policyopt import sharding
+from policyopt.models import Transformer, preset
+from policyopt.rl.batch import shard_batch
+from policyopt.rl.learner import LossConfig, get_learner, place_state, split_params, state_specs
+from tests.test_micro_batches import OPTIM, VOCAB, _assert_same, _batch
+
+assert jax.device_count() == 8
+mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+with jax.set_mesh(mesh):
+    model = Transformer(preset("tiny_dense", vocab_size=VOCAB, num_layers=1), rngs=nnx.Rngs(0))
+    graphdef, params = split_params(model)
+    settings = LossConfig(method="ppo", aggregation="seq_mean_token_mean", group_size=2,
+                          kl_beta=0.05, entropy_coef=0.01, nll_coef=0.1)
+    batch = shard_batch(_batch(10, rows=16, full=True))
+    out = []
+    for tokens in (None, 8 * 9):  # 2 micro-batches of 8 rows, one row per device
+        learner = get_learner(graphdef, dataclasses.replace(settings, micro_batch_tokens=tokens),
+                              OPTIM)
+        state = place_state(learner.init_state(jax.tree.map(jnp.copy, params)),
+                            learner.optimizer, mesh)
+        specs = [x.sharding.spec for x in jax.tree.leaves(state)]
+        state, metrics = learner.update(state, batch)
+        assert [x.sharding.spec for x in jax.tree.leaves(state)] == specs
+        out.append((state, metrics))
+    assert any("fsdp" in str(s) for s in specs), specs
+    _assert_same(*out, params)
+print("OK")
+"""
+
+
+def test_micro_batches_on_a_mesh_equal_one_pass():
+    """8 simulated devices (data 2 x fsdp 4): rows sharded, parameters and the gradient
+    accumulator sharded along fsdp; the micro-batched update equals one pass and returns
+    the state with its shardings."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8 "
+               "--xla_backend_optimization_level=0", PYTHONPATH=root)
+    result = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, cwd=root,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-4000:]
