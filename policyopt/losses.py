@@ -696,7 +696,8 @@ def policy_loss(
             per_token = per_token - kl_coef * kl
             diagnostics["kl_ref"] = masked_mean(kl, mask_f)
         if row_weights is None:
-            loss = -aggregate(per_token, mask_f, aggregation, group_size=group_size, max_len=max_len)
+            loss = -aggregate(per_token, mask_f, aggregation, group_size=group_size,
+                              max_len=max_len)
         else:
             loss = -weighted_row_sum(per_token, mask_f, jax.lax.stop_gradient(row_weights))
 

@@ -22,7 +22,8 @@ from policyopt.models import Transformer, preset
 from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch, layout
 from policyopt.rl.critic import CriticConfig, get_critic, init_critic_params
-from policyopt.rl.learner import LossConfig, OptimConfig, TrainState, get_learner, rl_loss, split_params
+from policyopt.rl.learner import (LossConfig, OptimConfig, TrainState, get_learner, rl_loss,
+                                  split_params)
 from policyopt.rl.trainer import minibatch_advantages
 
 VOCAB = 16
@@ -159,7 +160,8 @@ def test_policy_loss_shares_sum_to_the_minibatch_loss(aggregation):
 
     def one_pass(log_probs, method):
         return losses.policy_loss(log_probs, old_log_probs, advantages, mask, method=method,
-                                  importance_weights=weights, ref_log_probs=ref_log_probs, **kwargs)[0]
+                                  importance_weights=weights, ref_log_probs=ref_log_probs,
+                                  **kwargs)[0]
 
     def micro(log_probs, method):
         share = lambda lp, old, adv, m, iw, ref, w: losses.policy_loss(
@@ -186,9 +188,10 @@ def test_policy_loss_shares_sum_to_the_minibatch_loss(aggregation):
 def test_value_and_nll_shares_sum_to_the_minibatch_loss():
     rng = np.random.default_rng(1)
     rows, width = 6, 5
-    mask = jnp.asarray(np.arange(width)[None] < rng.integers(0, width + 1, rows)[:, None], jnp.float32)
-    values, old_values, returns, log_probs = (jnp.asarray(rng.normal(size=(rows, width)), jnp.float32)
-                                              for _ in range(4))
+    lengths = rng.integers(0, width + 1, rows)
+    mask = jnp.asarray(np.arange(width)[None] < lengths[:, None], jnp.float32)
+    values, old_values, returns, log_probs = (
+        jnp.asarray(rng.normal(size=(rows, width)), jnp.float32) for _ in range(4))
     seq_weights = jnp.asarray([1, 0, 1, 1, 0, 1], jnp.float32)
 
     @jax.jit
@@ -358,7 +361,8 @@ def test_micro_batches_bound_the_update_memory(dense):
     batch = _batch(9, rows=16, prompt=8, response=56)
     temp = {}
     for tokens in (None, 2 * 64):
-        learner = get_learner(graphdef, dataclasses.replace(settings, micro_batch_tokens=tokens), OPTIM)
+        learner = get_learner(graphdef, dataclasses.replace(settings, micro_batch_tokens=tokens),
+                              OPTIM)
         state = jax.eval_shape(learner.init_state, params)
         compiled = learner.update.lower(state, batch).compile()
         temp[tokens] = compiled.memory_analysis().temp_size_in_bytes
@@ -375,7 +379,8 @@ def test_config_refuses_micro_batches_shorter_than_the_longest_row():
     with pytest.raises(ValueError, match="micro_batch_tokens must be an int >= 0"):
         base.get_config("batch.micro_batch_tokens=-5")
     assert base.get_config().batch.micro_batch_tokens is None
-    assert LossConfig.from_config(base.get_config("batch.micro_batch_tokens=0")).micro_batch_tokens is None
+    off = base.get_config("batch.micro_batch_tokens=0")
+    assert LossConfig.from_config(off).micro_batch_tokens is None
 
 
 _MESH_SCRIPT = """
@@ -420,8 +425,8 @@ def test_micro_batches_on_a_mesh_equal_one_pass():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-               "--xla_backend_optimization_level=0", PYTHONPATH=root)
+    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, PYTHONPATH=root)
     result = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, cwd=root,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-4000:]

@@ -143,7 +143,8 @@ def critic_loss(graphdef, params, batch: Batch, settings: CriticConfig) -> tuple
     return critic_objective(values, aux, batch, settings)
 
 
-def critic_objective(values, aux: dict, batch: Batch, settings: CriticConfig) -> tuple[jax.Array, dict]:
+def critic_objective(values, aux: dict, batch: Batch,
+                     settings: CriticConfig) -> tuple[jax.Array, dict]:
     """``critic_loss`` from the critic's values ``[R, N]`` and backbone aux on ``batch``."""
     loss, metrics = value_loss(values, batch.old_values, batch.returns, batch.mask,
                                clip=settings.value_clip, aggregation=settings.aggregation)

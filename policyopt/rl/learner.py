@@ -259,9 +259,6 @@ class Normalisers(NamedTuple):
                    aux_tokens=jnp.sum(batch.attention_mask > 0).astype(jnp.float32))
 
 
-_AUX_TERMS = (("load_balancing_loss", "load_balancing_coef"), ("router_z_loss", "router_z_coef"))
-
-
 def rl_loss_share(fwd: Forward, batch: Batch, settings: LossConfig,
                   norms: Normalisers) -> tuple[jax.Array, dict]:
     """A micro-batch's share of its minibatch's ``rl_objective``, term by term.
@@ -295,14 +292,17 @@ def rl_loss_share(fwd: Forward, batch: Batch, settings: LossConfig,
     aux = {"tokens": tokens}
     if fwd.aux and "load_balancing_loss" in fwd.aux:
         share = jnp.where(norms.aux_tokens > 0, tokens / jnp.maximum(norms.aux_tokens, 1.0), 0.0)
-        for name, coef in _AUX_TERMS:
+        coefs = {"load_balancing_loss": settings.load_balancing_coef,
+                 "router_z_loss": settings.router_z_coef}
+        for name, coef in coefs.items():
             aux[name] = fwd.aux[name]
-            if getattr(settings, coef):
-                loss = loss + getattr(settings, coef) * share * fwd.aux[name]
+            if coef:
+                loss = loss + coef * share * fwd.aux[name]
     if settings.nll_coef:
         if batch.nll_weights is None:
-            raise ValueError("LossConfig.nll_coef > 0 (config.algo.nll_coef) needs batch.nll_weights "
-                             "(1 on the rows the NLL term covers, e.g. the correct samples)")
+            raise ValueError("LossConfig.nll_coef > 0 (config.algo.nll_coef) needs "
+                             "batch.nll_weights (1 on the rows the NLL term covers, e.g. the "
+                             "correct samples)")
         loss = loss + settings.nll_coef * nll_loss(fwd.log_probs, mask, batch.nll_weights,
                                                    denominator=norms.nll)
     return loss, aux
@@ -336,8 +336,8 @@ def micro_batched_rl_grads(graphdef, settings: LossConfig, params, batch: Batch)
         share_fn, params, (micro_batches.split(batch, per, count), *row_norms))
     tokens = aux.pop("tokens")
     aux = {name: micro_batches.token_weighted_mean(values, tokens) for name, values in aux.items()}
-    fwd = Forward(micro_batches.merge_rows(log_probs, rows), micro_batches.merge_rows(entropy, rows),
-                  None, aux)
+    fwd = Forward(micro_batches.merge_rows(log_probs, rows),
+                  micro_batches.merge_rows(entropy, rows), None, aux)
     loss, metrics = rl_objective(jax.tree.map(jax.lax.stop_gradient, fwd), batch, settings)
     return (loss, metrics), grads
 
