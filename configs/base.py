@@ -196,6 +196,13 @@ def base_config() -> ml_collections.ConfigDict:
     # Slots per packed row, >= the longest row's real tokens; None: the batch's padded
     # width (prompt bucket + response bucket), so packing never adds rows.
     c.batch.pack_tokens = None
+    # Gradient accumulation: each minibatch's update runs as micro-batches of at most this
+    # many tokens (rows x padded row length, over the whole mesh), their gradients summed
+    # in float32 inside the jitted step, then one optimiser step. The result is the
+    # minibatch's (its denominators; `policyopt.rl.micro_batches`), the memory one
+    # micro-batch's. At least the longest row, max(prompt_buckets) + max_new_tokens.
+    # None or 0: one pass over the minibatch.
+    c.batch.micro_batch_tokens = placeholder(int)
 
     # ---- Sampling -----------------------------------------------------------------------
     c.sampling = ml_collections.ConfigDict()
@@ -707,6 +714,19 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.batch.response_buckets (max {max(b.response_buckets)}) must hold "
                          f"sampling.max_new_tokens ({config.sampling.max_new_tokens})")
     max_new = config.sampling.max_new_tokens
+    micro = b.micro_batch_tokens
+    if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 0):
+        raise ValueError(f"config.batch.micro_batch_tokens must be an int >= 0 (None or 0: off), "
+                         f"got {micro!r}")
+    if micro and micro < max(b.prompt_buckets) + max_new:
+        raise ValueError(f"config.batch.micro_batch_tokens ({micro}) is below the longest row, "
+                         f"{max(b.prompt_buckets) + max_new} tokens (the largest of "
+                         f"batch.prompt_buckets, {max(b.prompt_buckets)}, + "
+                         f"sampling.max_new_tokens, {max_new}): a micro-batch holds whole rows")
+    if micro and b.pack:
+        raise ValueError("config.batch.micro_batch_tokens and config.batch.pack cannot be used "
+                         "together yet: a packed minibatch is not split into micro-batches "
+                         "(turn one of them off)")
     if not config.sampling.temperature > 0:
         raise ValueError(f"config.sampling.temperature must be > 0, got {config.sampling.temperature}: "
                          "the trainer's log-probs are taken at the rollout temperature (greedy "

@@ -161,6 +161,82 @@ def _check_group_size(num_seqs: int, group_size: int | None) -> None:
         )
 
 
+def aggregation_weights(
+    mask: Array,
+    aggregation: str = "token_mean",
+    *,
+    group_size: int | None = None,
+    max_len: int | float | None = None,
+) -> Array:
+    """The weight of each row in an aggregation: ``aggregate(x) = sum_i w_i sum_t m_{i,t} x_{i,t}``.
+
+    Every aggregation rule is linear in the per-token terms with coefficients that depend
+    on the mask only, and the same for all tokens of a row. With ``|y_i| = sum_t m_{i,t}``,
+    ``n`` the number of rows with ``|y_i| > 0`` and ``w_i = 0`` where ``|y_i| = 0``:
+
+    - ``"token_mean"``: ``w_i = 1 / sum_j |y_j|``;
+    - ``"group_token_mean"``: ``w_i = 1 / (T_g n_g)``, ``T_g`` the valid tokens of row i's
+      group and ``n_g`` the number of groups with ``T_g > 0``;
+    - ``"seq_mean_token_mean"``: ``w_i = 1 / (|y_i| n)``;
+    - ``"seq_mean_token_sum"``: ``w_i = 1 / n``;
+    - ``"seq_mean_token_sum_norm"``: ``w_i = 1 / (max_len n)``.
+
+    Computed once over a whole minibatch, these weights make the loss of any subset of its
+    rows (a micro-batch, ``weighted_row_sum``) that subset's share of the minibatch's
+    loss: the shares sum to ``aggregate`` over the minibatch, with its denominators.
+
+    Args:
+      mask: ``[B, T]`` 1 on valid tokens.
+      aggregation, group_size, max_len: as in ``aggregate``.
+
+    Returns:
+      float ``[B]`` row weights, stop-gradient.
+    """
+    mask = _as_mask(mask)
+    lengths = jnp.sum(mask, axis=-1)
+    nonempty = lengths > 0
+    one = jnp.ones_like(lengths)
+    if aggregation == "token_mean":
+        weights = one * _safe_div(1.0, jnp.sum(lengths))
+    elif aggregation == "group_token_mean":
+        _check_group_size(mask.shape[0], group_size)
+        group_tokens = jnp.sum(lengths.reshape(-1, group_size), axis=1)
+        num_groups = jnp.sum(group_tokens > 0)
+        per_group = _safe_div(1.0, group_tokens * num_groups)
+        weights = jnp.repeat(per_group, group_size)
+    else:
+        num_nonempty = jnp.sum(nonempty)
+        if aggregation == "seq_mean_token_mean":
+            weights = _safe_div(1.0, lengths * num_nonempty)
+        elif aggregation == "seq_mean_token_sum":
+            weights = one * _safe_div(1.0, num_nonempty)
+        elif aggregation == "seq_mean_token_sum_norm":
+            norm = mask.shape[-1] if max_len is None else max_len
+            if not norm or norm <= 0:
+                raise ValueError(f"max_len must be a positive constant, got {max_len!r}")
+            weights = one * _safe_div(1.0, norm * num_nonempty)
+        else:
+            raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}")
+    return jax.lax.stop_gradient(jnp.where(nonempty, weights, 0.0))
+
+
+def weighted_row_sum(per_token: Array, mask: Array, row_weights: Array) -> Array:
+    """``sum_i w_i sum_t m_{i,t} x_{i,t}``: an aggregation with row weights given
+    (``aggregation_weights``, computed over the minibatch these rows belong to).
+
+    Args:
+      per_token: ``[B, T]`` terms, or ``[B, 1]`` sequence terms (as in ``aggregate``).
+      mask: ``[B, T]``.
+      row_weights: ``[B]``.
+
+    Returns:
+      A scalar.
+    """
+    mask = _as_mask(mask, per_token.dtype)
+    seq_sums = _row_sums(per_token, mask, jnp.sum(mask, axis=-1))
+    return jnp.sum(jnp.asarray(row_weights, per_token.dtype) * seq_sums)
+
+
 def masked_mean(x: Array, mask: Array, axis=None) -> Array:
     """Mean of ``x`` over positions where ``mask`` is 1; 0 where there are none."""
     mask = _as_mask(mask, x.dtype)
@@ -540,6 +616,7 @@ def policy_loss(
     kl_estimator: str = "k3",
     kl_clamp: bool = False,
     metrics: str = "all",
+    row_weights: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """The policy loss ``-J`` of the unified objective, and its metrics.
 
@@ -570,6 +647,10 @@ def policy_loss(
       metrics: ``"all"`` (default) computes every metric below; ``"none"`` returns only
         ``loss`` (for steps that do not log: on XLA:CPU each metric is one more pass over
         ``[B, T]`` arrays, see ``benchmarks/bench_core.py``). Loss and gradient are the same.
+      row_weights: optional ``[B]`` weights of the rows in place of the aggregation rule,
+        ``aggregation_weights`` of the whole minibatch these rows are part of (a
+        micro-batch): the loss is then ``-sum_i w_i sum_t m term``, these rows' share of
+        the minibatch's loss (``aggregation``, ``group_size`` and ``max_len`` unused).
 
     Returns:
       ``(loss, metrics)``: a scalar to minimise, and a flat dict of scalars computed over
@@ -600,7 +681,7 @@ def policy_loss(
             f"dual_clip={dual_clip!r} needs method='ppo' (got {method!r}) and a value > 1"
         )
     shape = jnp.shape(log_probs)
-    if aggregation == "group_token_mean":
+    if aggregation == "group_token_mean" and row_weights is None:
         _check_group_size(shape[0], group_size)
     if kl_clamp and kl_estimator != "k3":
         raise ValueError(f"kl_clamp=True is defined for kl_estimator='k3' only (verl's "
@@ -611,7 +692,8 @@ def policy_loss(
 
     dtype = jnp.result_type(log_probs, jnp.float32)
 
-    def compute(log_probs, old_log_probs, advantages, mask, importance_weights, ref_log_probs):
+    def compute(log_probs, old_log_probs, advantages, mask, importance_weights, ref_log_probs,
+                row_weights):
         mask_f = _as_mask(mask, dtype)
         valid = mask_f > 0
         log_probs = jnp.asarray(log_probs, dtype)
@@ -640,7 +722,11 @@ def policy_loss(
                             estimator=kl_estimator, clamp=kl_clamp)
             per_token = per_token - kl_coef * kl
             diagnostics["kl_ref"] = masked_mean(kl, mask_f)
-        loss = -aggregate(per_token, mask_f, aggregation, group_size=group_size, max_len=max_len)
+        if row_weights is None:
+            loss = -aggregate(per_token, mask_f, aggregation, group_size=group_size,
+                              max_len=max_len)
+        else:
+            loss = -weighted_row_sum(per_token, mask_f, jax.lax.stop_gradient(row_weights))
 
         if metrics == "none":
             return loss, {"loss": jax.lax.stop_gradient(loss)}
@@ -655,7 +741,7 @@ def policy_loss(
     # XLA:CPU costs less than writing and re-reading stored [B, T] residuals
     # (benchmarks/bench_core.py); loss, gradient and metrics are unchanged.
     return jax.checkpoint(compute, policy=_save_only_reductions)(
-        log_probs, old_log_probs, advantages, mask, importance_weights, ref_log_probs)
+        log_probs, old_log_probs, advantages, mask, importance_weights, ref_log_probs, row_weights)
 
 
 _REDUCTIONS = (jax.lax.reduce_sum_p, jax.lax.reduce_max_p, jax.lax.reduce_min_p)
@@ -752,6 +838,7 @@ def value_loss(
     *,
     clip: float | None = 0.2,
     aggregation: str = "token_mean",
+    row_weights: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """PPO's clipped value loss (Schulman et al. 2017; as in OpenAI baselines / verl).
 
@@ -766,6 +853,9 @@ def value_loss(
       mask: ``[B, T]``.
       clip: value clip range, or None.
       aggregation: see ``aggregate``.
+      row_weights: optional ``[B]``: ``aggregation_weights`` of the whole minibatch these
+        rows are part of, in place of ``aggregation`` (``policy_loss``): the loss is then
+        these rows' share of the minibatch's loss.
 
     Returns:
       ``(loss, metrics)`` with ``value_loss``, ``value_clip_frac`` (tokens where the clipped
@@ -786,7 +876,10 @@ def value_loss(
         clipped = jnp.square(clipped_values - returns)
         per_token = 0.5 * jnp.maximum(unclipped, clipped)
         clip_frac = masked_mean((clipped > unclipped).astype(mask_f.dtype), mask_f)
-    loss = aggregate(per_token, mask_f, aggregation)
+    if row_weights is None:
+        loss = aggregate(per_token, mask_f, aggregation)
+    else:
+        loss = weighted_row_sum(per_token, mask_f, jax.lax.stop_gradient(row_weights))
     metrics = {
         "value_loss": jax.lax.stop_gradient(loss),
         "value_clip_frac": clip_frac,
@@ -824,7 +917,8 @@ def masked_var(x: Array, mask: Array, axis=None) -> Array:
     return masked_mean(jnp.square(x - mean), mask, axis=axis)
 
 
-def nll_loss(log_probs: Array, mask: Array, seq_weights: Array) -> Array:
+def nll_loss(log_probs: Array, mask: Array, seq_weights: Array, *,
+             denominator: Array | None = None) -> Array:
     """Negative log-likelihood over a chosen subset of sequences (VAPO's positive samples).
 
     ``L_NLL = -(1 / sum_{i in S} |y_i|) sum_{i in S} sum_t log pi(y_{i,t})`` with ``S`` the
@@ -836,6 +930,9 @@ def nll_loss(log_probs: Array, mask: Array, seq_weights: Array) -> Array:
       log_probs: ``[B, T]``.
       mask: ``[B, T]``.
       seq_weights: ``[B]`` bool or float, e.g. ``correct``.
+      denominator: ``sum w_i m`` of the whole minibatch these rows are part of (a
+        micro-batch), in place of these rows' own: the result is then their share of the
+        minibatch's loss. None: these rows' own.
 
     Returns:
       A scalar.
@@ -843,4 +940,5 @@ def nll_loss(log_probs: Array, mask: Array, seq_weights: Array) -> Array:
     mask_f = _as_mask(mask, jnp.result_type(log_probs, jnp.float32))
     weights = mask_f * jnp.asarray(seq_weights, mask_f.dtype)[:, None]
     selected = jnp.where(weights != 0, log_probs, 0) * weights
-    return -_safe_div(jnp.sum(selected), jnp.sum(weights))
+    total = jnp.sum(weights) if denominator is None else jax.lax.stop_gradient(denominator)
+    return -_safe_div(jnp.sum(selected), total)

@@ -46,7 +46,7 @@ RESUME_FREE_FIELDS = ("train.num_iterations", "train.eval_every", "train.checkpo
                       "reward.num_workers", "async_mode.join_timeout_s", "async_mode.num_slots",
                       "model.moe_dispatch", "model.moe_decode_dispatch", "model.moe_block_size",
                       "model.moe_weight_gather", "model.attention", "model.attention_block_size",
-                      "model.remat", "sampling.decode_segments")
+                      "model.remat", "sampling.decode_segments", "batch.micro_batch_tokens")
 
 
 def config_record(config) -> dict:

@@ -40,20 +40,25 @@ the policy loss, not these rewards.
 clipped value loss ``losses.value_loss`` (token mean), plus on an MoE backbone
 ``algo.load_balancing_coef`` times its load-balancing loss (as for the policy), through the
 same non-finite guard as the policy (``learner.guarded_update``: loss, gradient, new
-parameters and optimiser state).
+parameters and optimiser state); with ``CriticConfig.micro_batch_tokens``, over
+micro-batches whose value losses are their shares of the minibatch's
+(``micro_batched_critic_grads``).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from policyopt.advantages import decoupled_gae, length_adaptive_gae, masked_whiten
-from policyopt.losses import explained_variance, masked_mean, masked_var, value_loss
+from policyopt.losses import (aggregation_weights, explained_variance, masked_mean, masked_var,
+                              value_loss)
+from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch
 from policyopt.rl.learner import OptimConfig, TrainState, guarded_update, packed_forward
 from policyopt.rl.packing import gather_slots
@@ -126,12 +131,16 @@ class CriticConfig:
     # MoE backbone: coefficient of its load-balancing loss in the critic's loss (the
     # policy's ``algo.load_balancing_coef``; 0 = off, the loss is still reported).
     load_balancing_coef: float = 0.0
+    # Tokens per micro-batch of an update (``config.batch.micro_batch_tokens``; None: one
+    # pass over the minibatch). Memory, not the result: ``policyopt.rl.micro_batches``.
+    micro_batch_tokens: int | None = None
 
     @classmethod
     def from_config(cls, config) -> "CriticConfig":
         clip = config.critic.value_clip
         return cls(value_clip=None if clip is None else float(clip),
-                   load_balancing_coef=float(config.algo.load_balancing_coef))
+                   load_balancing_coef=float(config.algo.load_balancing_coef),
+                   micro_batch_tokens=config.batch.micro_batch_tokens or None)
 
 
 def critic_optim(config) -> OptimConfig:
@@ -150,6 +159,12 @@ def critic_loss(graphdef, params, batch: Batch, settings: CriticConfig) -> tuple
     values, aux = forward_values(graphdef, params, batch.tokens, batch.positions,
                                  batch.attention_mask, batch.num_response, return_aux=True,
                                  packing=batch.packing)
+    return critic_objective(values, aux, batch, settings)
+
+
+def critic_objective(values, aux: dict, batch: Batch,
+                     settings: CriticConfig) -> tuple[jax.Array, dict]:
+    """``critic_loss`` from the critic's values ``[R, N]`` and backbone aux on ``batch``."""
     loss, metrics = value_loss(values, batch.old_values, batch.returns, batch.mask,
                                clip=settings.value_clip, aggregation=settings.aggregation)
     metrics = {f"critic/{k}": v for k, v in metrics.items()}
@@ -159,6 +174,50 @@ def critic_loss(graphdef, params, batch: Batch, settings: CriticConfig) -> tuple
         if settings.load_balancing_coef:
             loss = loss + settings.load_balancing_coef * aux["load_balancing_loss"]
     return loss, metrics
+
+
+def micro_batched_critic_grads(graphdef, settings: CriticConfig, params, batch: Batch):
+    """``((loss, metrics), grads)`` of ``critic_loss`` on a minibatch run as micro-batches
+    of at most ``settings.micro_batch_tokens`` tokens (``policyopt.rl.micro_batches``).
+
+    Each micro-batch's loss is its share of the minibatch's: the value loss with the
+    minibatch's row weights (``losses.aggregation_weights``), the MoE load-balancing loss
+    times the micro-batch's share of the valid tokens. Loss and metrics are
+    ``critic_objective`` over the whole minibatch's values, the load-balancing loss the
+    token-weighted mean of the micro-batches'.
+    """
+    if batch.packing is not None:
+        raise ValueError("micro-batches of a packed minibatch are not supported: "
+                         "config.batch.micro_batch_tokens needs config.batch.pack off")
+    rows, width = batch.tokens.shape
+    per, count = micro_batches.plan(rows, width, settings.micro_batch_tokens)
+    row_weights = aggregation_weights(batch.mask, settings.aggregation)
+    total_tokens = jnp.sum(batch.attention_mask > 0).astype(jnp.float32)
+
+    def share_fn(params, xs):
+        micro, weights = xs
+        micro = micro_batches.constrain_rows(micro)
+        values, aux = forward_values(graphdef, params, micro.tokens, micro.positions,
+                                     micro.attention_mask, micro.num_response, return_aux=True)
+        share, _ = value_loss(values, micro.old_values, micro.returns, micro.mask,
+                              clip=settings.value_clip, row_weights=weights)
+        tokens = jnp.sum(micro.attention_mask > 0).astype(jnp.float32)
+        outputs = {"values": values, "tokens": tokens}
+        if "load_balancing_loss" in aux:
+            outputs["load_balancing_loss"] = aux["load_balancing_loss"]
+            if settings.load_balancing_coef:
+                fraction = jnp.where(total_tokens > 0, tokens / jnp.maximum(total_tokens, 1.0), 0.0)
+                share = share + settings.load_balancing_coef * fraction * aux["load_balancing_loss"]
+        return share, outputs
+
+    _, grads, outputs = micro_batches.accumulate(
+        share_fn, params, (micro_batches.split(batch, per, count),
+                           micro_batches.split_rows(row_weights, per, count)))
+    values = jax.lax.stop_gradient(micro_batches.merge_rows(outputs.pop("values"), rows))
+    tokens = outputs.pop("tokens")
+    aux = {name: jax.lax.stop_gradient(micro_batches.token_weighted_mean(v, tokens))
+           for name, v in outputs.items()}
+    return critic_objective(values, aux, batch, settings), grads
 
 
 _CRITICS: dict = {}
@@ -206,8 +265,12 @@ class Critic:
 
     def _update(self, state: TrainState, batch: Batch):
         self.trace_counts["update"] += 1
+        grad_fn = None
+        if self.settings.micro_batch_tokens and micro_batches.plan(
+                *batch.tokens.shape, self.settings.micro_batch_tokens)[1] > 1:
+            grad_fn = functools.partial(micro_batched_critic_grads, self.graphdef, self.settings)
         state, metrics = guarded_update(self.loss, self.optimizer, self.schedule, state, batch,
-                                        active=jnp.any(batch.mask > 0))
+                                        active=jnp.any(batch.mask > 0), grad_fn=grad_fn)
         renamed = {"update/grad_norm": "critic/grad_norm", "update/lr": "critic/lr",
                    "update/skipped": "critic/skipped", "update/empty": "critic/empty"}
         return state, {renamed.get(k, k): v for k, v in metrics.items()}

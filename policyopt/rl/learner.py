@@ -23,12 +23,18 @@ correct samples (``mu * losses.nll_loss``). ``batch.advantages`` is one advantag
 sequence (outcome advantages) or one per token (GAE, ``policyopt.rl.critic``).
 With ``batch.packing`` (``policyopt.rl.packing``) the forward runs on packed rows and its
 log-probs are gathered back to ``[R, N]`` before the loss, which is therefore unchanged.
+
+With ``LossConfig.micro_batch_tokens`` the gradient is summed over micro-batches of the
+minibatch inside the same jitted step, each micro-batch's loss its share of the
+minibatch's (``micro_batched_rl_grads``, ``policyopt.rl.micro_batches``), then the same
+guard and one update.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -39,7 +45,8 @@ from jax.sharding import PartitionSpec
 
 from policyopt import sharding
 from policyopt.logprobs import token_log_probs
-from policyopt.losses import aggregate, nll_loss, policy_loss
+from policyopt.losses import aggregate, aggregation_weights, nll_loss, policy_loss, weighted_row_sum
+from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch
 from policyopt.rl.packing import PackedLayout, gather_slots
 
@@ -224,6 +231,9 @@ class LossConfig:
     router_z_coef: float = 0.0
     entropy_coef: float = 0.0
     nll_coef: float = 0.0
+    # Tokens per micro-batch of an update (``config.batch.micro_batch_tokens``; None: one
+    # pass over the minibatch). Memory, not the result: ``policyopt.rl.micro_batches``.
+    micro_batch_tokens: int | None = None
 
     @classmethod
     def from_config(cls, config) -> "LossConfig":
@@ -238,7 +248,8 @@ class LossConfig:
             temperature=float(config.sampling.temperature),
             load_balancing_coef=float(algo.load_balancing_coef),
             router_z_coef=float(algo.router_z_coef),
-            entropy_coef=float(algo.entropy_coef), nll_coef=float(algo.nll_coef))
+            entropy_coef=float(algo.entropy_coef), nll_coef=float(algo.nll_coef),
+            micro_batch_tokens=config.batch.micro_batch_tokens or None)
 
 
 def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.Array, dict]:
@@ -246,6 +257,11 @@ def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.A
     fwd = forward_log_probs(graphdef, params, batch.tokens, batch.positions, batch.attention_mask,
                             batch.num_response, temperature=settings.temperature,
                             routing=batch.routing, packing=batch.packing)
+    return rl_objective(fwd, batch, settings)
+
+
+def rl_objective(fwd: Forward, batch: Batch, settings: LossConfig) -> tuple[jax.Array, dict]:
+    """``rl_loss`` from the policy's forward outputs on ``batch``: the loss and metrics."""
     advantages = batch.advantages
     if advantages.ndim == 1:  # one advantage per sequence, shared by its tokens
         advantages = jnp.broadcast_to(advantages[:, None], fwd.log_probs.shape)
@@ -294,9 +310,118 @@ def tree_all_finite(tree) -> jax.Array:
     return jnp.stack([jnp.isfinite(leaf).all() for leaf in leaves]).all()
 
 
+class Normalisers(NamedTuple):
+    """The denominators of ``rl_objective``'s terms over a whole minibatch, so that a
+    micro-batch's loss is its share of the minibatch's (``policyopt.rl.micro_batches``)."""
+
+    policy: jax.Array  # [R]: losses.aggregation_weights of the policy mask
+    entropy: jax.Array  # [R]: the token mean's row weights of the policy mask
+    nll: jax.Array  # []: sum_i nll_weights_i |y_i| (0 without the NLL term)
+    aux_tokens: jax.Array  # []: valid tokens (attention_mask) the MoE aux losses average over
+
+    @classmethod
+    def of(cls, batch: Batch, settings: LossConfig) -> "Normalisers":
+        mask = batch.mask if batch.loss_mask is None else batch.loss_mask
+        nll = jnp.zeros((), jnp.float32)
+        if settings.nll_coef and batch.nll_weights is not None:
+            nll = jnp.sum((mask > 0) * jnp.asarray(batch.nll_weights, jnp.float32)[:, None])
+        return cls(policy=aggregation_weights(mask, settings.aggregation,
+                                              group_size=settings.group_size,
+                                              max_len=settings.max_len),
+                   entropy=aggregation_weights(mask, "token_mean"), nll=nll,
+                   aux_tokens=jnp.sum(batch.attention_mask > 0).astype(jnp.float32))
+
+
+def rl_loss_share(fwd: Forward, batch: Batch, settings: LossConfig,
+                  norms: Normalisers) -> tuple[jax.Array, dict]:
+    """A micro-batch's share of its minibatch's ``rl_objective``, term by term.
+
+    With the minibatch's normalisers ``norms`` (its rows' slices for the row weights),
+    the policy term is ``-sum_i w_i sum_t m term`` (``policy_loss(row_weights=...)``), the
+    entropy bonus ``-c sum_{i,t} m H / T_mb``, VAPO's NLL ``-mu sum w_i m log pi / sum_mb w m``
+    and each MoE aux loss ``c * aux * t / T_mb`` (``t``: this micro-batch's valid tokens):
+    summed over the micro-batches, the minibatch's loss (the aux losses by their
+    token-weighted mean). No metrics: the caller computes them over the whole minibatch.
+
+    Returns:
+      ``(share, aux)``: a scalar and ``{"tokens", <aux loss names>}`` of this micro-batch.
+    """
+    advantages = batch.advantages
+    if advantages.ndim == 1:
+        advantages = jnp.broadcast_to(advantages[:, None], fwd.log_probs.shape)
+    mask = batch.mask if batch.loss_mask is None else batch.loss_mask
+    loss, _ = policy_loss(
+        fwd.log_probs, batch.old_log_probs, advantages, mask, method=settings.method,
+        clip_low=settings.clip_low, clip_high=settings.clip_high, dual_clip=settings.dual_clip,
+        tau_pos=settings.tau_pos, tau_neg=settings.tau_neg, aggregation=settings.aggregation,
+        group_size=settings.group_size, max_len=settings.max_len,
+        importance_weights=batch.importance_weights,
+        ref_log_probs=batch.ref_log_probs if settings.kl_beta > 0 else None,
+        kl_coef=settings.kl_beta, kl_estimator=settings.kl_estimator, metrics="none",
+        row_weights=norms.policy)
+    if settings.entropy_coef:
+        loss = loss - settings.entropy_coef * weighted_row_sum(fwd.entropy, mask, norms.entropy)
+    tokens = jnp.sum(batch.attention_mask > 0).astype(jnp.float32)
+    aux = {"tokens": tokens}
+    if fwd.aux and "load_balancing_loss" in fwd.aux:
+        share = jnp.where(norms.aux_tokens > 0, tokens / jnp.maximum(norms.aux_tokens, 1.0), 0.0)
+        coefs = {"load_balancing_loss": settings.load_balancing_coef,
+                 "router_z_loss": settings.router_z_coef}
+        for name, coef in coefs.items():
+            aux[name] = fwd.aux[name]
+            if coef:
+                loss = loss + coef * share * fwd.aux[name]
+    if settings.nll_coef:
+        if batch.nll_weights is None:
+            raise ValueError("LossConfig.nll_coef > 0 (config.algo.nll_coef) needs "
+                             "batch.nll_weights (1 on the rows the NLL term covers, e.g. the "
+                             "correct samples)")
+        loss = loss + settings.nll_coef * nll_loss(fwd.log_probs, mask, batch.nll_weights,
+                                                   denominator=norms.nll)
+    return loss, aux
+
+
+def micro_batched_rl_grads(graphdef, settings: LossConfig, params, batch: Batch):
+    """``((loss, metrics), grads)`` of ``rl_loss`` on a minibatch run as micro-batches of
+    at most ``settings.micro_batch_tokens`` tokens (``policyopt.rl.micro_batches``).
+
+    The gradients are the sum of the micro-batches' shares' (``rl_loss_share``); the loss
+    and metrics are ``rl_objective`` over the whole minibatch's log-probs and entropies
+    (as the scan returns them), the MoE aux losses their token-weighted means.
+    """
+    if batch.packing is not None:
+        raise ValueError("micro-batches of a packed minibatch are not supported: "
+                         "config.batch.micro_batch_tokens needs config.batch.pack off")
+    rows, width = batch.tokens.shape
+    per, count = micro_batches.plan(rows, width, settings.micro_batch_tokens)
+    norms = Normalisers.of(batch, settings)
+    row_norms = (micro_batches.split_rows(norms.policy, per, count),
+                 micro_batches.split_rows(norms.entropy, per, count))
+
+    def share_fn(params, xs):
+        micro, policy_weights, entropy_weights = xs
+        micro = micro_batches.constrain_rows(micro)
+        fwd = forward_log_probs(graphdef, params, micro.tokens, micro.positions,
+                                micro.attention_mask, micro.num_response,
+                                temperature=settings.temperature, routing=micro.routing)
+        share, aux = rl_loss_share(fwd, micro, settings,
+                                   norms._replace(policy=policy_weights, entropy=entropy_weights))
+        return share, (fwd.log_probs, fwd.entropy, aux)
+
+    _, grads, (log_probs, entropy, aux) = micro_batches.accumulate(
+        share_fn, params, (micro_batches.split(batch, per, count), *row_norms))
+    tokens = aux.pop("tokens")
+    aux = {name: micro_batches.token_weighted_mean(values, tokens) for name, values in aux.items()}
+    fwd = Forward(micro_batches.merge_rows(log_probs, rows),
+                  micro_batches.merge_rows(entropy, rows), None, aux)
+    loss, metrics = rl_objective(jax.tree.map(jax.lax.stop_gradient, fwd), batch, settings)
+    return (loss, metrics), grads
+
+
 def guarded_update(loss_fn: Callable, optimizer: optax.GradientTransformation,
                    schedule: optax.Schedule, state: TrainState, batch,
-                   active: jax.Array | None = None) -> tuple[TrainState, dict]:
+                   active: jax.Array | None = None, *,
+                   grad_fn: Callable | None = None) -> tuple[TrainState, dict]:
     """One optimiser step that is skipped when the loss, the gradient, the new parameters
     or the new optimiser state are not all finite, or when the minibatch holds nothing to
     learn from.
@@ -316,12 +441,18 @@ def guarded_update(loss_fn: Callable, optimizer: optax.GradientTransformation,
     a mesh set (``jax.set_mesh``) the new state is constrained to ``state_specs``, the
     shardings ``place_state`` gives the input.
 
+    ``grad_fn`` (``(params, batch) -> ((loss, metrics), grads)``) computes the gradient
+    some other way than ``jax.value_and_grad(loss_fn, has_aux=True)``, the default: over
+    micro-batches (``micro_batched_rl_grads``). The guard and the update are the same.
+
     Returns:
       ``(state, metrics)`` with ``update/grad_norm`` (before clipping), ``update/lr``
       (of this step), ``update/skipped`` and ``update/empty`` (0 or 1) added to
       ``loss_fn``'s metrics.
     """
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+    if grad_fn is None:
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, metrics), grads = grad_fn(state.params, batch)
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     active = jnp.asarray(True) if active is None else jnp.asarray(active, bool)
@@ -449,5 +580,9 @@ class Learner:
         # A minibatch without a token in the policy loss (only dynamic sampling's filler
         # groups, or everything rejected) is not an update.
         mask = batch.mask if batch.loss_mask is None else batch.loss_mask
+        grad_fn = None
+        if self.settings.micro_batch_tokens and micro_batches.plan(
+                *batch.tokens.shape, self.settings.micro_batch_tokens)[1] > 1:
+            grad_fn = functools.partial(micro_batched_rl_grads, self.graphdef, self.settings)
         return guarded_update(self.loss, self.optimizer, self.schedule, state, batch,
-                              active=jnp.any(mask > 0))
+                              active=jnp.any(mask > 0), grad_fn=grad_fn)
