@@ -379,7 +379,8 @@ def save(run: RLRun, stream: PromptStream) -> None:
     run.checkpointer.save(run.iteration, _checkpoint_state(run), checkpoint_meta(run, stream.get_state()))
 
 
-def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bool = False) -> dict:
+def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bool = False,
+                 recipe: str | None = None) -> dict:
     """Trains with asynchronous RL for ``config.train.num_iterations`` batches (resuming
     from ``workdir/checkpoints`` when possible); the outputs of ``trainer.run_rl``.
 
@@ -410,12 +411,12 @@ def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, qui
     batcher = GroupBatcher(config.batch.n_prompts, group, enabled=ds.enabled,
                            max_groups=ds.max_rounds * config.batch.n_prompts if ds.enabled else 0,
                            criterion=ds.criterion)
-    loop = RunLoop(run, total, quiet=quiet)
+    loop = RunLoop(run, total, quiet=quiet, recipe=recipe)
     info = {}
     try:
         loop.begin()
         with generator if run.iteration < total else contextlib.nullcontext():
-            while run.iteration < total:
+            while run.iteration < total and not loop.stopping:
                 metrics, info = async_iteration(run, generator, batcher)
                 metrics["async/staleness_bound"] = float(bound)
                 loop.after_iteration(metrics, save=lambda: save(run, stream))

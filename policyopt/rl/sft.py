@@ -152,12 +152,14 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
         # what SFT reads: a recipe's RL settings may change under a cached SFT start.
         build.check_resume_config(checkpointer.meta().get("config"), config, checkpointer.directory,
                                   sections=SFT_FIELDS)
+        build.check_checkpoint_shapes(checkpointer, {"train": run.state}, config, field="resume")
         restored, meta = checkpointer.restore({"train": run.state})
         run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
         run.resumed_config = meta.get("config")
     elif init_checkpoint:
         with Checkpointer(init_checkpoint) as source:
+            build.check_checkpoint_shapes(source, {"train": run.state}, config, field="init_checkpoint")
             restored, meta = source.restore({"train": run.state})
         run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
