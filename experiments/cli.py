@@ -26,11 +26,6 @@ from ml_collections import config_flags
 
 from configs import base
 
-_PRINT = flags.DEFINE_bool("print_config", False, "Print the resolved config (recipe, variant and "
-                           "--config.X overrides), each field with its comment, and exit.")
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Check the config and build the run (model shapes, "
-                             "data, evaluation prompts, checkpoints to start from) without "
-                             "compiling or writing anything, then exit.")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Show the traceback of an error.")
 
 class UsageError(ValueError):
@@ -51,13 +46,20 @@ def interrupted_status(signal_name: str) -> int:
 _holder = None
 
 
-def define_config_flag(help_text: str) -> None:
+def define_config_flag(help_text: str, *, dry_run: bool = True) -> None:
     """Defines `--config` (a recipe file with an optional `:variant`), whose fields the
-    command line overrides with `--config.section.field=value`."""
+    command line overrides with `--config.section.field=value`, and `--print_config`
+    (and `--dry_run` with ``dry_run``: the script then implements it)."""
     global _holder
     _holder = config_flags.DEFINE_config_file(
         "config", None, help_text + " Override any field with --config.section.field=value; "
         "--print_config lists every field with its comment.")
+    flags.DEFINE_bool("print_config", False, "Print the resolved config (recipe, variant and "
+                      "--config.X overrides), each field with its comment, and exit.")
+    if dry_run:
+        flags.DEFINE_bool("dry_run", False, "Check the config and build the run (model shapes, "
+                          "data, evaluation prompts, checkpoints to start from) without "
+                          "compiling or writing anything, then exit.")
 
 
 def config_given() -> bool:
@@ -153,13 +155,13 @@ def run(main) -> None:
         try:
             if config_given():
                 config = final_config()
-                if _PRINT.value:
+                if flags.FLAGS.print_config:
                     try:
                         print(base.describe(config), flush=True)
                     except BrokenPipeError:  # `--print_config | head`
                         sys.stdout = None
                     return 0
-            elif _PRINT.value:
+            elif "print_config" in flags.FLAGS and flags.FLAGS.print_config:
                 raise UsageError("--print_config needs --config")
         except USER_ERRORS as error:  # the command line or the config: status 2
             if _VERBOSE.value:
@@ -181,4 +183,4 @@ def run(main) -> None:
 
 
 def dry_run() -> bool:
-    return _DRY_RUN.value
+    return "dry_run" in flags.FLAGS and flags.FLAGS.dry_run

@@ -61,3 +61,9 @@ def raises(completion, reference):
 
 
 not_a_function = 3
+
+
+def odd_length(completion, reference):
+    """1.0 when the completion has an odd number of characters: informative groups from a
+    random policy (rewards that differ within a group), so that updates have a signal."""
+    return float(len(str(completion)) % 2)
