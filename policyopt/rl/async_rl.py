@@ -315,6 +315,20 @@ def staleness_metrics(version: int, versions: np.ndarray, start: np.ndarray,
     }
 
 
+def group_samples(groups: list[GroupCompletion], tokenizer) -> dict:
+    """The completions of ``groups`` with their prompts, references and verdicts, in
+    ``RLRun.last_samples``' layout (for samples.jsonl)."""
+    texts, prompts, references, rewards, correct = [], [], [], [], []
+    for g in groups:
+        texts += decode(g.tokens, g.lengths, tokenizer)
+        prompts += [g.meta["prompt"]] * len(g.lengths)
+        references += [g.meta["answer"]] * len(g.lengths)
+        rewards += list(g.rewards)
+        correct += list(g.correct)
+    return dict(prompts=prompts, completions=texts, references=references, rewards=rewards,
+                correct=correct)
+
+
 def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher) -> tuple[dict, dict]:
     """Takes one batch of finished groups, trains on it (version ``run.iteration``),
     publishes the new parameters as version ``run.iteration + 1``.
@@ -357,6 +371,7 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
     if any(g.meta.get("task") is not None for g in seen):  # mixed math and code prompts
         tasks = [g.meta.get("task") for g in seen for _ in range(len(g.rewards))]
         metrics.update(task_accuracies(correct, tasks, "reward/accuracy"))
+    run.last_samples = group_samples(groups[:cfg.train.sample_prompts], run.tokenizer)
     _, key_shuffle = jax.random.split(jax.random.fold_in(run.rng, run.iteration))
     metrics = train_on_batch(run, merged, metrics, key_shuffle)
     # The sampler's routing and log-probs here come from older (and mixed) parameter
