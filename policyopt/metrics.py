@@ -248,6 +248,12 @@ class Progress:
         self._start_step = start_step
         self._steady: tuple[int, float] | None = None  # (step, time) of the first logged step
 
+    def start_steady(self, step: int) -> None:
+        """Marks ``step`` as done with compilation (the ETA counts from here on); the
+        first logged step otherwise."""
+        if self._steady is None:
+            self._steady = (step, self._clock())
+
     def eta(self, step: int) -> float | None:
         """Seconds left by the steady-state rate; None before two logged steps."""
         if self._steady is None or step <= self._steady[0]:

@@ -191,6 +191,13 @@ def test_eta_leaves_out_the_compiling_steps():
         now[0] += 2.0  # steady: 2 s per step
         line = progress.update(step, {})
     assert line.endswith("| 104s eta 14s")  # 7 steps left x 2 s, not x 104 / 3 s
+    # Logging every 5 steps: the end of step 1 (compiled) marks the steady state.
+    now[0] = 0.0
+    progress = Progress(11, stream=stream, clock=lambda: now[0])
+    now[0] = 100.0
+    progress.start_steady(1)
+    now[0] += 4 * 2.0
+    assert progress.update(5, {}).endswith("| 108s eta 12s")  # 6 left x 2 s
 
 
 def _events(directory):

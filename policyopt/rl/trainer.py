@@ -800,6 +800,8 @@ class RunLoop:
         if self.console and self.first_iteration:
             print(f"first iteration: {time.perf_counter() - self._first_start:.1f}s with compilation",
                   flush=True)
+        if self.progress and self.first_iteration and run.iteration % train.log_every:
+            self.progress.start_steady(run.iteration)  # the ETA leaves the compiling one out
         self.first_iteration = False
         if self.progress and run.iteration % train.log_every == 0:
             shown = {k: v for k, v in metrics.items() if not k.startswith("eval/")}
