@@ -132,8 +132,13 @@ def plan_run(config, workdir: str, *, recipe: str | None = None) -> str:
     else:
         abstract = nnx.eval_shape(lambda: build.make_model(config, tokenizer.vocab_size, None))
         params = nnx.state(abstract, nnx.Param)
-    make_prompt_iterator(config, build.task_source(config, "train"), seed=config.seed)
-    held_out = build.eval_records(config, tokenizer) if config.eval.num_prompts > 0 else []
+    notes = []
+    if config.task.tfds_dir:  # preparing the tfds files would write them
+        notes.append(f"  data      task.tfds_dir={config.task.tfds_dir!r}: not read in a dry run")
+        held_out = []
+    else:
+        make_prompt_iterator(config, build.task_source(config, "train"), seed=config.seed)
+        held_out = build.eval_records(config, tokenizer) if config.eval.num_prompts > 0 else []
     build.reward_spec(config)
     directory = os.path.join(workdir, "checkpoints")
     resume_step = None
@@ -153,7 +158,7 @@ def plan_run(config, workdir: str, *, recipe: str | None = None) -> str:
     text = banner(config, workdir, recipe=recipe, num_params=parameter_count(params), mesh=mesh,
                   start=starting_point(config, directory, resume_step),
                   total=config.train.num_iterations)
-    lines = [text, f"  held-out  {len(held_out)} prompts"]
+    lines = [text, f"  held-out  {len(held_out)} prompts", *notes]
     lines += [f"warning: {w}" for w in advisories(config)]
     lines.append("dry run: config checked and run built; nothing compiled, nothing written")
     return "\n".join(lines)
