@@ -765,7 +765,8 @@ _RANGES = (
     ("algo.load_balancing_coef", 0.0, None, True, False),
     ("algo.router_z_coef", 0.0, None, True, False),
     ("sampling.top_p", 0.0, 1.0, False, False), ("eval.temperature", 0.0, None, False, False),
-    ("reward.format_value", None, None, True, False), ("reward.correct_value", None, None, True, False),
+    ("reward.format_value", None, None, True, False),
+    ("reward.correct_value", None, None, True, False),
     ("reward.incorrect_value", None, None, True, False),
     ("async_mode.join_timeout_s", 0.0, None, False, False),
 )
@@ -794,7 +795,8 @@ def _check_ranges(config) -> None:
             continue
         bound = "" if low is None else (f">= {low}" if low_inclusive else f"> {low}")
         bound += "" if high is None else f"{' and ' if bound else ''}<= {high}"
-        ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        number = not isinstance(value, bool) and isinstance(value, (int, float))
+        ok = (number and math.isfinite(value)
               and (low is None or (value >= low if low_inclusive else value > low))
               and (high is None or value <= high))
         if not ok:
@@ -830,7 +832,8 @@ def field_comments() -> dict[str, str]:
                 if pending:
                     comments[match.group(1)] = " ".join(pending)
                 elif match.group(1) not in comments and comments.get("_last"):
-                    comments[match.group(1)] = comments["_last"]  # a field sharing the comment above
+                    # a field that shares the comment above the previous one
+                    comments[match.group(1)] = comments["_last"]
                 comments["_last"] = comments.get(match.group(1), "")
                 pending = []
             elif not text.startswith(("c.", ")")) and text:
@@ -855,7 +858,8 @@ def describe(config: ml_collections.ConfigDict, width: int = 100) -> str:
                 continue
             comment = comments.get(name)
             if comment:
-                lines.extend(textwrap.wrap(comment, width, initial_indent="# ", subsequent_indent="# "))
+                lines.extend(textwrap.wrap(comment, width, initial_indent="# ",
+                                           subsequent_indent="# "))
             lines.append(f"{name} = {value!r}")
 
     visit(config, "")

@@ -84,7 +84,8 @@ def config_source() -> str:
 def user_message(error: BaseException) -> str:
     """The one-line (or two-line) form of an error: its own message, without the
     traceback text that config_flags folds into it, and a mistyped field's suggestion."""
-    text = str(error.args[0]) if isinstance(error, (KeyError, AttributeError)) and error.args else str(error)
+    keyed = isinstance(error, (KeyError, AttributeError)) and error.args
+    text = str(error.args[0]) if keyed else str(error)
     if "Error whilst parsing config file" in text or "Traceback (most recent call last)" in text:
         # config_flags re-raises the recipe's error with the traceback in its message.
         lines = [line for line in text.splitlines() if line.strip()]
@@ -104,7 +105,8 @@ def user_message(error: BaseException) -> str:
         paths = [arg[len("--config."):].split("=", 1)[0] for arg in sys.argv[1:]
                  if arg.startswith("--config.")]
         named = next((p for p in paths if key in p.split(".")), key)
-        text = f"unknown config field {named!r}" + (f": {hint[0].lower()}{hint[1:]}" if hint else "")
+        hint = f": {hint[0].lower()}{hint[1:]}" if hint else ""
+        text = f"unknown config field {named!r}{hint}"
     return text
 
 

@@ -83,7 +83,8 @@ def main(argv):
     start = time.perf_counter()
     print(f"== 3/3 control: {updates} more SFT updates instead of RL", flush=True)
     control = run_sft(config, os.path.join(workdir, "control"), steps=config.sft.steps + updates,
-                      init_checkpoint=sft["checkpoint_dir"], recipe="configs/demo.py (control: more SFT)")
+                      init_checkpoint=sft["checkpoint_dir"],
+                      recipe="configs/demo.py (control: more SFT)")
     _stop_if_interrupted(control)
     after_sft = control["eval"]["eval/pass@1"]
     times["control_s"] = time.perf_counter() - start

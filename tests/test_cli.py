@@ -27,7 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ("model=tiny_dense,model.num_layers=1,batch.n_prompts=2,batch.group_size=4,"
         "batch.n_minibatches=1,sampling.max_new_tokens=6,task.num_train=64,task.num_test=8,"
         "eval.num_prompts=8,eval.batch_size=8,train.eval_every=0,train.checkpoint_every=1,"
-        "train.tensorboard=False,optim.lr=0.01,batch.prompt_buckets=(16,),batch.response_buckets=(6,)")
+        "train.tensorboard=False,optim.lr=0.01,batch.prompt_buckets=(16,),"
+        "batch.response_buckets=(6,)")
 
 
 def load(name, arg=None):
@@ -46,12 +47,14 @@ def checked(name, **fields):
 
 # Each fault of the list, by the field the error must name.
 BAD_VALUES = [
-    ("algo__method", "grpo", r"config\.algo\.method must be one of \('ppo', 'gspo', 'gspo_token', 'sapo'\)"),
+    ("algo__method", "grpo",
+     r"config\.algo\.method must be one of \('ppo', 'gspo', 'gspo_token', 'sapo'\)"),
     ("algo__aggregation", "mean", r"config\.algo\.aggregation must be one of"),
     ("batch__n_minibatches", 3, r"config\.batch\.n_minibatches \(3\) must divide n_prompts"),
     ("train__checkpoint_every", 0, r"config\.train\.checkpoint_every must be an int >= 1, got 0"),
     ("sampling__temperature", 0.0, r"config\.sampling\.temperature must be > 0"),
-    ("batch__group_size", 1, r"config\.batch\.group_size must be >= 2 with group-relative advantages"),
+    ("batch__group_size", 1,
+     r"config\.batch\.group_size must be >= 2 with group-relative advantages"),
     ("train__num_iterations", -5, r"config\.train\.num_iterations must be an int >= 1, got -5"),
     ("optim__lr", 0.0, r"config\.optim\.lr must be a finite number > 0\.0, got 0\.0"),
     ("optim__lr", -0.001, r"config\.optim\.lr must be a finite number > 0\.0, got -0\.001"),
@@ -97,7 +100,8 @@ def test_method_choices_come_from_the_objectives_registry():
 def test_print_config_comments_every_commented_field():
     text = base.describe(load("sapo"))
     lines = text.splitlines()
-    for field in ("algo.tau_neg", "optim.warmup_steps", "train.sample_every", "batch.n_minibatches"):
+    for field in ("algo.tau_neg", "optim.warmup_steps", "train.sample_every",
+                  "batch.n_minibatches"):
         at = next(i for i, line in enumerate(lines) if line.startswith(f"{field} = "))
         assert lines[at - 1].startswith("# "), field
     assert "algo.tau_neg = 1.05" in lines and "batch.n_minibatches = 4" in lines
@@ -117,7 +121,8 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path):
     out = _cli("experiments.train", "--config", "configs/sapo.py", f"--workdir={workdir}",
                "--config.train.checkpoint_every=0")
     assert out.returncode == 2, out.stderr
-    assert out.stderr.splitlines()[0] == "error: config.train.checkpoint_every must be an int >= 1, got 0"
+    first = out.stderr.splitlines()[0]
+    assert first == "error: config.train.checkpoint_every must be an int >= 1, got 0"
     assert len(out.stderr.splitlines()) <= 2 and "Traceback" not in out.stderr
     assert not workdir.exists()
     out = _cli("experiments.train", "--config", "configs/sapo.py", f"--workdir={workdir}",
@@ -125,8 +130,8 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path):
     assert out.returncode == 2
     assert out.stderr.splitlines()[0] == ("error: unknown config field 'algo.tau_ng': did you mean "
                                           '"tau_neg" instead of "tau_ng"?')
-    out = _cli("experiments.train", "--config", "configs/nope.py:model=tiny_dense", f"--workdir={workdir}",
-               "--config.algo.tau_neg=1.1")
+    out = _cli("experiments.train", "--config", "configs/nope.py:model=tiny_dense",
+               f"--workdir={workdir}", "--config.algo.tau_neg=1.1")
     assert out.returncode == 2
     assert out.stderr.startswith("error: config file not found: 'configs/nope.py'")
     out = _cli("experiments.train", "--config", "configs/sapo.py", f"--workdir={workdir}",
@@ -142,7 +147,8 @@ def test_help_print_config_and_dry_run_exit_zero(tmp_path):
                "--print_config")
     assert out.returncode == 0 and "\nalgo.tau_neg = 1.1\n" in out.stdout
     workdir = tmp_path / "run"
-    out = _cli("experiments.train", "--config", f"configs/sapo.py:{TINY}", f"--workdir={workdir}", "--dry_run")
+    out = _cli("experiments.train", "--config", f"configs/sapo.py:{TINY}", f"--workdir={workdir}",
+               "--dry_run")
     assert out.returncode == 0, out.stderr
     assert "random initialisation (seed 0)" in out.stdout and "44,128)" in out.stdout
     assert "warning: batch.epochs=1 and batch.n_minibatches=1" in out.stdout  # TINY: one update
@@ -220,7 +226,8 @@ def _events(directory):
 def test_tensorboard_keeps_metric_names_and_writes_sample_text(tmp_path):
     writer = MetricsWriter(str(tmp_path), tensorboard=True)
     writer.write(3, {"eval/pass@1": 0.25, "reward/mean": 0.5})
-    writer.write_text(3, "samples/train", [{"step": 3, "prompt": "1+1=", "completion": "a|b", "reward": 1.0}])
+    writer.write_text(3, "samples/train",
+                      [{"step": 3, "prompt": "1+1=", "completion": "a|b", "reward": 1.0}])
     writer.close()
     values = {v.tag: v for e in _events(str(tmp_path / "tensorboard")) if e.HasField("summary")
               for v in e.summary.value}
@@ -251,12 +258,14 @@ def test_plots_refuse_missing_runs_and_draw_sft_runs(tmp_path, monkeypatch):
     def record(fig, path, **kwargs):
         for ax in fig.axes:
             if ax.get_title():
-                drawn[ax.get_title()] = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+                drawn[ax.get_title()] = {line.get_label(): list(line.get_ydata())
+                                         for line in ax.get_lines()}
         return savefig(fig, path, **kwargs)
 
     monkeypatch.setattr(plt.Figure, "savefig", record)
     plots.plot_runs([str(tmp_path / "sft")], str(tmp_path / "sft.png"))
-    assert drawn == {"SFT loss (NLL)": {"sft": [2.0, 1.0]}, "held-out pass@1 (greedy)": {"sft": [0.5]}}
+    assert drawn == {"SFT loss (NLL)": {"sft": [2.0, 1.0]},
+                     "held-out pass@1 (greedy)": {"sft": [0.5]}}
 
 
 def test_equal_curves_get_distinct_styles():
@@ -264,11 +273,13 @@ def test_equal_curves_get_distinct_styles():
     assert len({(s["linestyle"], s["marker"]) for s in styles}) == 4
     grouped = plots.line_styles(3, ["a", "a", "b"])
     assert grouped[0]["color"] == grouped[1]["color"] != grouped[2]["color"]
-    assert (grouped[0]["linestyle"], grouped[0]["marker"]) != (grouped[1]["linestyle"], grouped[1]["marker"])
+    style = lambda s: (s["linestyle"], s["marker"])
+    assert style(grouped[0]) != style(grouped[1])
 
 
 def test_checkpoint_of_another_model_names_the_parameter_shapes_and_presets(tmp_path):
-    configs = {name: load("sapo", f"model={name},model.num_layers=1") for name in ("tiny_moe", "tiny_dense")}
+    configs = {name: load("sapo", f"model={name},model.num_layers=1")
+               for name in ("tiny_moe", "tiny_dense")}
     params = {}
     for name, config in configs.items():
         model = build.make_model(config, 64)
@@ -284,16 +295,19 @@ def test_checkpoint_of_another_model_names_the_parameter_shapes_and_presets(tmp_
                                           configs["tiny_dense"], field="config.init_checkpoint")
     lines = str(error.value).splitlines()
     assert len(lines) <= 6
-    assert lines[0] == f"config.init_checkpoint: {tmp_path / 'ck'} (step 5) holds another model than this run's"
+    assert lines[0] == (f"config.init_checkpoint: {tmp_path / 'ck'} (step 5) holds another model "
+                        "than this run's")
     assert "layers.0.mlp.down_proj: checkpoint (4, 64, 64), this run (128, 64)" in lines[1]
     assert lines[-1] == ("  saved with model.preset='tiny_moe', model.num_layers=1; this run: "
                          "model.preset='tiny_dense', model.num_layers=1")
 
 
-def test_run_logs_samples_banner_and_stops_with_a_checkpoint_on_sigterm(tmp_path, capsys, monkeypatch):
+def test_run_logs_samples_banner_and_stops_with_a_checkpoint_on_sigterm(tmp_path, capsys,
+                                                                       monkeypatch):
     workdir = str(tmp_path / "run")
-    config = load("sapo", TINY + ",train.num_iterations=3,train.sample_every=1,train.sample_prompts=1,"
-                  "train.checkpoint_every=100,train.eval_every=1,train.zero_variance_patience=1")
+    config = load("sapo", TINY + ",train.num_iterations=3,train.sample_every=1,"
+                  "train.sample_prompts=1,train.checkpoint_every=100,train.eval_every=1,"
+                  "train.zero_variance_patience=1")
     iterate = trainer.rl_iteration
 
     def iterate_then_sigterm(run):

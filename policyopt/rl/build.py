@@ -414,7 +414,8 @@ def check_checkpoint_shapes(checkpointer: Checkpointer, target, config, *, step:
         record = {}
 
     def model_of(values) -> str:
-        names = ["preset", "pretrained"] + [n for n in _MODEL_OVERRIDES if n not in _RUNTIME_OVERRIDES]
+        shapes = [n for n in _MODEL_OVERRIDES if n not in _RUNTIME_OVERRIDES]
+        names = ["preset", "pretrained"] + shapes
         parts = [f"model.{n}={values.get('model.' + n)!r}" for n in names
                  if values.get("model." + n) is not None]
         return ", ".join(parts) or "an unrecorded model"
@@ -427,7 +428,8 @@ def check_checkpoint_shapes(checkpointer: Checkpointer, target, config, *, step:
     if len(diffs) > 3:
         lines.append(f"  ... and {len(diffs) - 3} more parameters of other shapes")
     if missing:
-        lines.append(f"  not in the checkpoint: {', '.join(n.removeprefix('train.params.') for n in missing[:3])}"
-                     + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+        names = ", ".join(n.removeprefix("train.params.") for n in missing[:3])
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        lines.append(f"  not in the checkpoint: {names}{more}")
     lines.append(f"  saved with {model_of(record)}; this run: {model_of(config_record(config))}")
     raise ValueError("\n".join(lines))

@@ -112,7 +112,7 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
     if samples is not None:
         for i, text in enumerate(texts):
             samples.append({"split": "eval", "prompt": prompts[i], "completion": text,
-                            "reference": answers[i] if isinstance(answers[i], str) else str(answers[i]),
+                            "reference": str(answers[i]),
                             "reward": float(scores.rewards[i]), "correct": bool(correct[i]),
                             "status": str(scores.status[i])})
     metrics = {"eval/pass@1": float(np.mean(correct)), "eval/length_mean": float(np.mean(lengths)),

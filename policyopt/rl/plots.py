@@ -51,7 +51,8 @@ def check_runs(run_dirs: Sequence[str]) -> None:
     bad = [d for d in run_dirs if not any(os.path.isfile(os.path.join(d, f))
                                           for f in ("metrics.jsonl", "eval.jsonl"))]
     if bad:
-        raise FileNotFoundError("no run (metrics.jsonl or eval.jsonl) in " + ", ".join(map(repr, bad)))
+        raise FileNotFoundError("no run (metrics.jsonl or eval.jsonl) in "
+                                + ", ".join(map(repr, bad)))
 
 
 def line_styles(num_runs: int, groups: Sequence[str] | None = None) -> list[dict]:
@@ -68,8 +69,9 @@ def line_styles(num_runs: int, groups: Sequence[str] | None = None) -> list[dict
     for group in groups:
         colours.setdefault(group, f"C{len(colours) % 10}")
         members[group] = members.get(group, -1) + 1
-        styles.append({"color": colours[group], "linestyle": LINESTYLES[members[group] % len(LINESTYLES)],
-                       "marker": MARKERS[members[group] % len(MARKERS)]})
+        member = members[group]
+        styles.append({"color": colours[group], "linestyle": LINESTYLES[member % len(LINESTYLES)],
+                       "marker": MARKERS[member % len(MARKERS)]})
     return styles
 
 

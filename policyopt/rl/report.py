@@ -52,7 +52,8 @@ def _human(count: int) -> str:
 
 def starting_point(config, checkpoint_dir: str, resume_step: int | None) -> str:
     if resume_step is not None:
-        return f"resuming from step {resume_step} ({os.path.join(checkpoint_dir, str(resume_step))})"
+        path = os.path.join(checkpoint_dir, str(resume_step))
+        return f"resuming from step {resume_step} ({path})"
     if config.init_checkpoint:
         return f"init_checkpoint {config.init_checkpoint}"
     if config.model.pretrained:
@@ -66,16 +67,17 @@ def banner(config, workdir: str, *, recipe: str | None, num_params: int, mesh, s
     devices = jax.devices()
     platforms = sorted({d.platform for d in devices})
     model = config.model.pretrained or config.model.preset
+    b = config.batch
     lines = [
         f"{kind} run: {recipe or '(config given in code)'}",
         f"  workdir   {os.path.abspath(workdir)}",
         f"  start     {start}",
         f"  model     {model}, {_human(num_params)} parameters ({num_params:,})",
-        f"  devices   {len(devices)} x {'/'.join(platforms)} over {jax.process_count()} process(es); "
-        f"mesh {dict(mesh.shape)}",
-        f"  method    {config.algo.method}, {config.batch.n_prompts} prompts x {config.batch.group_size} "
-        f"samples, {config.batch.n_minibatches} minibatch(es) x {config.batch.epochs} epoch(s), "
-        f"{total} iterations" if kind == "RL" else
+        f"  devices   {len(devices)} x {'/'.join(platforms)} over {jax.process_count()} "
+        f"process(es); mesh {dict(mesh.shape)}",
+        f"  method    {config.algo.method}, {b.n_prompts} prompts x {b.group_size} samples, "
+        f"{b.n_minibatches} minibatch(es) x {b.epochs} epoch(s), {total} iterations"
+        if kind == "RL" else
         f"  steps     {total} of {config.sft.batch_size} sequences",
     ]
     return "\n".join(lines)
@@ -89,8 +91,8 @@ def sample_rows(prompts: Sequence[str], completions: Sequence[str], references: 
     verifier's ``status`` / ``format_ok`` when known (``samples.jsonl``)."""
     rows = []
     for i in range(min(limit, len(completions))):
-        row = {"step": int(step), "split": split, "prompt": prompts[i], "completion": completions[i],
-               "reference": references[i] if isinstance(references[i], (str, int, float)) else str(references[i]),
+        row = {"step": int(step), "split": split, "prompt": prompts[i],
+               "completion": completions[i], "reference": str(references[i]),
                "reward": float(rewards[i]), "correct": bool(correct[i])}
         if status is not None:
             row["status"] = str(status[i])
@@ -100,12 +102,14 @@ def sample_rows(prompts: Sequence[str], completions: Sequence[str], references: 
     return rows
 
 
-def informative_fraction(rewards: np.ndarray, group_size: int, scored: np.ndarray | None = None) -> float:
+def informative_fraction(rewards: np.ndarray, group_size: int,
+                         scored: np.ndarray | None = None) -> float:
     """The fraction of a batch's groups whose scored rewards are not all equal (a group
     with fewer than two scored samples is not informative): the groups that have a
     nonzero group-relative advantage."""
     rewards = np.asarray(rewards, np.float64).reshape(-1, group_size)
-    valid = np.ones_like(rewards, bool) if scored is None else np.asarray(scored, bool).reshape(-1, group_size)
+    valid = (np.ones_like(rewards, bool) if scored is None
+             else np.asarray(scored, bool).reshape(-1, group_size))
     informative = []
     for row, keep in zip(rewards, valid):
         values = row[keep]
@@ -151,7 +155,8 @@ def plan_run(config, workdir: str, *, recipe: str | None = None) -> str:
                                               field="resume")
     if resume_step is None and config.init_checkpoint:
         if not os.path.isdir(config.init_checkpoint):
-            raise FileNotFoundError(f"config.init_checkpoint={config.init_checkpoint!r} is not a directory")
+            raise FileNotFoundError(f"config.init_checkpoint={config.init_checkpoint!r} is not a "
+                                    "directory")
         with Checkpointer(config.init_checkpoint) as source:
             build.check_checkpoint_shapes(source, {"train": {"params": params}}, config,
                                           field="config.init_checkpoint")

@@ -160,7 +160,8 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
         run.resumed_config = meta.get("config")
     elif init_checkpoint:
         with Checkpointer(init_checkpoint) as source:
-            build.check_checkpoint_shapes(source, {"train": run.state}, config, field="init_checkpoint")
+            build.check_checkpoint_shapes(source, {"train": run.state}, config,
+                                          field="init_checkpoint")
             restored, meta = source.restore({"train": run.state})
         run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
@@ -231,13 +232,16 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
                                                             keys=(("sft/nll", "nll"),))
     if progress:
         resumed = run.checkpointer.latest_step() is not None
-        start_text = report.starting_point(config, run.checkpointer.directory, run.step if resumed else None)
+        start_text = report.starting_point(config, run.checkpointer.directory,
+                                           run.step if resumed else None)
         if not resumed and init_checkpoint:
             start_text = f"continuing SFT checkpoint {init_checkpoint} (step {run.step})"
-        print(report.banner(config, workdir, recipe=recipe, num_params=report.parameter_count(run.state.params),
-                            mesh=run.mesh, start=start_text, total=total, kind="SFT"), flush=True)
+        print(report.banner(config, workdir, recipe=recipe, mesh=run.mesh, start=start_text,
+                            num_params=report.parameter_count(run.state.params), total=total,
+                            kind="SFT"), flush=True)
         if run.step < total:
-            print("compiling the SFT step (the first update's time includes compilation) ...", flush=True)
+            print("compiling the SFT step (the first update's time includes compilation) ...",
+                  flush=True)
     metrics, stop, result = {}, GracefulStop(), {}
     try:
         stop.__enter__()
@@ -259,7 +263,8 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
             print(f"{stop.signal_name}: stopped at step {run.step}; checkpoint "
                   f"{os.path.join(run.checkpointer.directory, str(run.step))}; rerun the same "
                   "command to resume", flush=True)
-        if config.eval.num_prompts > 0 and not stop.requested and build.same_evaluation(run.resumed_config, config):
+        if (config.eval.num_prompts > 0 and not stop.requested
+                and build.same_evaluation(run.resumed_config, config)):
             # Process 0's log decides for every process (evaluating is a collective).
             logged = read_step_record(writer.path, run.step, prefix="eval/") if primary else None
             result = sharding.broadcast_json(logged) or {}

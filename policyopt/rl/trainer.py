@@ -669,12 +669,12 @@ class RunLoop:
         primary = sharding.is_primary()
         self.console = primary and not quiet
         if self.console:
+            resumed = run.checkpointer.latest_step() is not None
             start = report.starting_point(config, run.checkpointer.directory,
-                                          run.iteration if run.checkpointer.latest_step() is not None else None)
-            print(report.banner(config, workdir, recipe=recipe, num_params=report.parameter_count(
-                run.state.params), mesh=run.mesh, start=start, total=total), flush=True)
-            if run.checkpointer.latest_step() is not None:
-                print(start, flush=True)
+                                          run.iteration if resumed else None)
+            print(report.banner(config, workdir, recipe=recipe, mesh=run.mesh, start=start,
+                                num_params=report.parameter_count(run.state.params), total=total),
+                  flush=True)
         for warning in report.advisories(config):
             self._warn(warning)
         if primary:
@@ -697,6 +697,7 @@ class RunLoop:
         # resume, the last one eval.jsonl holds (at or before the checkpoint's iteration).
         self.shown_eval = read_last_value(self.eval_writer.path, "eval/pass@1") if primary else None
         self.stop = GracefulStop()
+        self.stopped_by: str | None = None  # the signal that stopped the run (process 0's)
         self.uninformative_streak, self.first_iteration = 0, True
         self._first_start = time.perf_counter()
         if (run.iteration and run.last_eval_iteration != run.iteration
@@ -718,14 +719,20 @@ class RunLoop:
 
     @property
     def stopping(self) -> bool:
-        """A SIGINT / SIGTERM asked the run to stop (after a checkpoint)."""
-        return self.stop.requested
+        """A SIGINT / SIGTERM asked the run to stop (after a checkpoint): as process 0
+        received it, polled once per iteration (``_poll_stop``)."""
+        return self.stopped_by is not None
+
+    def _poll_stop(self) -> None:
+        """Every process takes process 0's answer (a collective on several processes), so
+        that all of them stop after the same iteration."""
+        self.stopped_by = sharding.broadcast_json(self.stop.signal_name)
 
     def evaluate(self) -> dict:
         run = self.run
         if self.console and not self.history:
-            print(f"evaluating {len(run.eval_records)} held-out prompts at iteration {run.iteration} "
-                  "(compiling the sampler first) ...", flush=True)
+            print(f"evaluating {len(run.eval_records)} held-out prompts at iteration "
+                  f"{run.iteration} (compiling the sampler first) ...", flush=True)
         samples: list[dict] = []
         result = evaluate_run(run, samples=samples)
         self.eval_writer.write(run.iteration, result)
@@ -745,7 +752,8 @@ class RunLoop:
         prompts' completions with rewards and verdicts: samples.jsonl, TensorBoard text,
         and one of them on the console."""
         run, train = self.run, self.config.train
-        if not (train.sample_every and run.iteration % train.sample_every == 0 and run.last_samples):
+        due = train.sample_every and run.iteration % train.sample_every == 0
+        if not (due and run.last_samples):
             return
         rows = report.sample_rows(**run.last_samples, step=run.iteration,
                                   limit=train.sample_prompts * self.config.batch.group_size)
@@ -753,9 +761,9 @@ class RunLoop:
         self.writer.write_text(run.iteration, "samples/train", rows)
         if self.progress and rows:
             row = rows[0]
-            print(f"sample @ {run.iteration}: {row['prompt'][-60:]!r} -> {row['completion'][:120]!r} "
-                  f"reward {row['reward']:.3g} ({row.get('status', 'correct' if row['correct'] else 'wrong')})",
-                  flush=True)
+            verdict = row.get("status", "correct" if row["correct"] else "wrong")
+            print(f"sample @ {run.iteration}: {row['prompt'][-60:]!r} -> "
+                  f"{row['completion'][:120]!r} reward {row['reward']:.3g} ({verdict})", flush=True)
 
     def _watch_informative(self, metrics: dict) -> None:
         """Counts iterations in a row whose batch has no informative group and warns once a
@@ -763,11 +771,13 @@ class RunLoop:
         patience = self.config.train.zero_variance_patience
         if "batch/informative_groups" not in metrics:
             return
-        self.uninformative_streak = 0 if metrics["batch/informative_groups"] > 0 else self.uninformative_streak + 1
+        informative = metrics["batch/informative_groups"] > 0
+        self.uninformative_streak = 0 if informative else self.uninformative_streak + 1
         if patience and self.uninformative_streak == patience:
+            accuracy = metrics.get("reward/accuracy", float("nan"))
             self._warn(
                 f"no informative group in the last {patience} iterations: every group's rewards "
-                f"are equal (accuracy {metrics.get('reward/accuracy', float('nan')):.3g}), so every "
+                f"are equal (accuracy {accuracy:.3g}), so every "
                 "advantage is 0 and nothing trains. A policy that solves nothing (e.g. random "
                 "weights) needs a start that sometimes succeeds (config.init_checkpoint of an SFT "
                 "run) or a denser reward.")
@@ -784,7 +794,8 @@ class RunLoop:
         self.stop.__enter__()
         if self.evaluating and due and run.last_eval_iteration != run.iteration:
             self.evaluate()
-        if self.console and run.iteration < self.total:
+        self._poll_stop()
+        if self.console and run.iteration < self.total and not self.stopping:
             print(f"iteration {run.iteration + 1}: compiling the sampler and the update steps "
                   "(the first iteration's time includes compilation) ...", flush=True)
             self._first_start = time.perf_counter()
@@ -798,26 +809,29 @@ class RunLoop:
         self.metrics = metrics
         self.writer.write(run.iteration, metrics)
         if self.console and self.first_iteration:
-            print(f"first iteration: {time.perf_counter() - self._first_start:.1f}s with compilation",
-                  flush=True)
+            seconds = time.perf_counter() - self._first_start
+            print(f"first iteration: {seconds:.1f}s with compilation", flush=True)
         if self.progress and self.first_iteration and run.iteration % train.log_every:
             self.progress.start_steady(run.iteration)  # the ETA leaves the compiling one out
         self.first_iteration = False
         if self.progress and run.iteration % train.log_every == 0:
             shown = {k: v for k, v in metrics.items() if not k.startswith("eval/")}
-            suffix = "" if self.shown_eval is None else f"pass@1 {self.shown_eval[1]:.3f} (it {self.shown_eval[0]})"
+            suffix = ""
+            if self.shown_eval is not None:  # the last evaluation, with its iteration
+                suffix = f"pass@1 {self.shown_eval[1]:.3f} (it {self.shown_eval[0]})"
             self.progress.update(run.iteration, shown, suffix=suffix)
         self._log_samples()
         self._watch_informative(metrics)
+        self._poll_stop()
         final = run.iteration == self.total
         every = train.eval_every
         if final or run.iteration % train.checkpoint_every == 0 or self.stopping:
             save()
-        if self.stopping and not final:
+        if self.stopping:  # the evaluation too waits for the resumed run (``end``)
             if self.console:
-                print(f"{self.stop.signal_name}: stopped at iteration {run.iteration}; checkpoint "
-                      f"{os.path.join(run.checkpointer.directory, str(run.iteration))}; rerun the same "
-                      "command to resume", flush=True)
+                path = os.path.join(run.checkpointer.directory, str(run.iteration))
+                print(f"{self.stopped_by}: stopped at iteration {run.iteration}; checkpoint "
+                      f"{path}; rerun the same command to resume", flush=True)
             return
         if self.evaluating and ((every and run.iteration % every == 0) or final):
             self.evaluate()
@@ -826,7 +840,8 @@ class RunLoop:
         # A resumed run that was not evaluated at its iteration (a finished run whose
         # final evaluation failed, or that ran with eval.num_prompts=0) is evaluated here.
         # A stopped run is not: it resumes where it stopped.
-        if self.evaluating and self.run.last_eval_iteration != self.run.iteration and not self.stopping:
+        unevaluated = self.run.last_eval_iteration != self.run.iteration
+        if self.evaluating and unevaluated and not self.stopping:
             self.evaluate()
 
     def close(self) -> None:
@@ -836,6 +851,6 @@ class RunLoop:
 
     def summary(self, **extra) -> dict:
         return {"iteration": self.run.iteration, "metrics": self.metrics, "eval": self.last_eval,
-                "eval_history": self.history, "run": self.run, "interrupted": self.stop.signal_name,
+                "eval_history": self.history, "run": self.run, "interrupted": self.stopped_by,
                 **extra}
 
