@@ -43,5 +43,7 @@ setup(
     packages=find_packages(include=["policyopt", "policyopt.*"]),
     python_requires=">=3.11,<3.13",
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": TEST_REQUIRES},
+    # `pip install -e .[tensorboard]`: the TensorBoard app, to read the event files that
+    # runs write (tensorboardX, installed above, writes them).
+    extras_require={"test": TEST_REQUIRES, "tensorboard": ["tensorboard>=2.16,<3"]},
 )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 
 import ml_collections
 from ml_collections import config_dict
@@ -451,6 +452,13 @@ def base_config() -> ml_collections.ConfigDict:
     # row were skipped by the non-finite guard (loss, gradient, new parameters or optimiser
     # state not finite): such a run learns nothing more.
     c.train.max_skipped_updates = 10
+    # Every K iterations (0 = never), the completions of the batch's first `sample_prompts`
+    # prompts (with rewards and verdicts) go to samples.jsonl and TensorBoard text.
+    c.train.sample_every = 10
+    c.train.sample_prompts = 2
+    # Warn after this many iterations in a row with no informative group (every group's
+    # rewards equal: zero advantage, nothing to learn); 0 = never.
+    c.train.zero_variance_patience = 5
 
     # ---- Asynchronous generation (`policyopt.rl.async_rl`; docs/algorithms.md) -------------
     # Magistral's mode, for any recipe: generators never wait for the trainer, finished
@@ -633,10 +641,10 @@ def finalize(config: ml_collections.ConfigDict, arg: str | None,
     return config
 
 
+# Fields with a fixed set of values. `algo.method` and `algo.aggregation` come from
+# `policyopt.losses` (the objectives registry and AGGREGATIONS: `_registry_choices`), so
+# a newly registered objective is accepted without editing this table.
 _CHOICES = {
-    "algo.method": ("ppo", "gspo", "gspo_token", "sapo"),
-    "algo.aggregation": ("token_mean", "group_token_mean", "seq_mean_token_mean",
-                         "seq_mean_token_sum", "seq_mean_token_sum_norm"),
     "algo.advantage": ("outcome", "gae"),
     "algo.adv_center": ("group", "none"),
     "algo.adv_scale": ("group", "batch", "minibatch", "none"),
@@ -657,7 +665,7 @@ _CHOICES = {
 
 # Integer fields and their least value (None: the field may also be None).
 _MINIMUMS = {
-    "train.num_iterations": 0, "train.eval_every": 0, "train.checkpoint_every": 1,
+    "train.num_iterations": 1, "train.eval_every": 0, "train.checkpoint_every": 1,
     "train.log_every": 1, "eval.num_prompts": 0, "eval.batch_size": 1, "eval.k": 0,
     "train.max_skipped_updates": 1,
     "sft.steps": 0, "sft.batch_size": 1, "sft.checkpoint_every": 0,
@@ -666,7 +674,7 @@ _MINIMUMS = {
 
 def check(config: ml_collections.ConfigDict) -> None:
     """Raises a ValueError naming the first field with an impossible value."""
-    for path, choices in _CHOICES.items():
+    for path, choices in (_registry_choices() | _CHOICES).items():
         node = config
         for part in path.split("."):
             node = node[part]
@@ -808,6 +816,133 @@ def check(config: ml_collections.ConfigDict) -> None:
     if algo.rs_level is None and (algo.rs_upper is not None or algo.rs_lower is not None):
         raise ValueError("config.algo.rs_upper / rs_lower are set but algo.rs_level is None: "
                          "choose the level they apply at ('token', 'sequence' or 'geometric')")
+    _check_ranges(config)
+
+
+def _registry_choices() -> dict[str, tuple]:
+    """The values of `algo.method` (the objectives registered in `policyopt.losses`) and of
+    `algo.aggregation` (imported here: the configs stay importable without JAX until checked)."""
+    from policyopt import losses
+
+    return {"algo.method": tuple(losses.OBJECTIVES), "algo.aggregation": tuple(losses.AGGREGATIONS)}
+
+
+# Numeric fields and their allowed range: (field, low, high, low_inclusive, allow None).
+# Every value must be a finite number; learning rates and Adam's eps must be > 0 (0 trains
+# nothing, a negative one ascends the loss, eps = 0 divides by zero on unseen weights).
+_RANGES = (
+    ("optim.lr", 0.0, None, False, False), ("optim.eps", 0.0, None, False, False),
+    ("optim.b1", 0.0, 1.0, True, False), ("optim.b2", 0.0, 1.0, True, False),
+    ("optim.weight_decay", 0.0, None, True, False), ("optim.max_grad_norm", 0.0, None, False, True),
+    ("critic.lr", 0.0, None, False, False), ("critic.weight_decay", 0.0, None, True, False),
+    ("sft.lr", 0.0, None, False, False), ("sft.weight_decay", 0.0, None, True, False),
+    ("sft.max_grad_norm", 0.0, None, False, True),
+    ("algo.clip_low", 0.0, 1.0, True, False), ("algo.clip_high", 0.0, None, True, False),
+    ("algo.tau_pos", 0.0, None, False, False), ("algo.tau_neg", 0.0, None, False, False),
+    ("algo.adv_eps", 0.0, None, True, False), ("algo.kl_beta", 0.0, None, True, False),
+    ("algo.entropy_coef", 0.0, None, True, False),
+    ("algo.load_balancing_coef", 0.0, None, True, False),
+    ("algo.router_z_coef", 0.0, None, True, False),
+    ("sampling.top_p", 0.0, 1.0, False, False), ("eval.temperature", 0.0, None, False, False),
+    ("reward.format_value", None, None, True, False),
+    ("reward.correct_value", None, None, True, False),
+    ("reward.incorrect_value", None, None, True, False),
+    ("async_mode.join_timeout_s", 0.0, None, False, False),
+)
+# Integer fields and their least value, beside `_MINIMUMS` (these are read by the
+# optimiser, the sampler and dynamic sampling rather than by the loop).
+_INT_MINIMUMS = (("optim.warmup_steps", 0), ("critic.warmup_steps", 0), ("sft.warmup_steps", 0),
+                 ("sampling.max_new_tokens", 1), ("sampling.top_k", 0),
+                 ("dynamic_sampling.max_rounds", 1), ("train.sample_every", 0),
+                 ("train.sample_prompts", 1), ("train.zero_variance_patience", 0),
+                 ("task.num_train", 1), ("task.num_test", 0))
+
+
+def _field(config, path: str):
+    node = config
+    for part in path.split("."):
+        node = node[part]
+    return node
+
+
+def _check_ranges(config) -> None:
+    """The numeric ranges of `_RANGES` and `_INT_MINIMUMS`, and the rules that tie fields
+    together (group-relative advantages need G >= 2, a dual clip above 1, ...)."""
+    for path, low, high, low_inclusive, optional in _RANGES:
+        value = _field(config, path)
+        if value is None and optional:
+            continue
+        bound = "" if low is None else (f">= {low}" if low_inclusive else f"> {low}")
+        bound += "" if high is None else f"{' and ' if bound else ''}<= {high}"
+        number = not isinstance(value, bool) and isinstance(value, (int, float))
+        ok = (number and math.isfinite(value)
+              and (low is None or (value >= low if low_inclusive else value > low))
+              and (high is None or value <= high))
+        if not ok:
+            raise ValueError(f"config.{path} must be a finite number{' ' + bound if bound else ''}"
+                             f"{' (or None)' if optional else ''}, got {value!r}")
+    for path, least in _INT_MINIMUMS:
+        value = _field(config, path)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"config.{path} must be an int >= {least}, got {value!r}")
+    algo, group = config.algo, config.batch.group_size
+    if algo.advantage == "outcome" and group < 2 and "group" in (algo.adv_center, algo.adv_scale):
+        raise ValueError(f"config.batch.group_size must be >= 2 with group-relative advantages "
+                         f"(algo.adv_center={algo.adv_center!r}, adv_scale={algo.adv_scale!r}), "
+                         f"got {group}: a group of one has advantage 0 and trains nothing")
+    if algo.dual_clip is not None and not (math.isfinite(algo.dual_clip) and algo.dual_clip > 1):
+        raise ValueError(f"config.algo.dual_clip must be > 1 (or None: off), got {algo.dual_clip}")
+
+
+def field_comments() -> dict[str, str]:
+    """``{"algo.tau_neg": "SAPO temperatures of ..."}``: the comment above each field of
+    `base_config()` (read from this file), for `--print_config`."""
+    import re
+
+    comments, pending = {}, []
+    with open(__file__, encoding="utf-8") as f:
+        for line in f:
+            text = line.strip()
+            if text.startswith("# ----"):
+                pending = []
+            elif text.startswith("#"):
+                pending.append(text.lstrip("#").strip())
+            elif match := re.match(r"c\.([\w.]+)\s*=", text):
+                if pending:
+                    comments[match.group(1)] = " ".join(pending)
+                elif match.group(1) not in comments and comments.get("_last"):
+                    # a field that shares the comment above the previous one
+                    comments[match.group(1)] = comments["_last"]
+                comments["_last"] = comments.get(match.group(1), "")
+                pending = []
+            elif not text.startswith(("c.", ")")) and text:
+                pending = [] if not text.endswith((",", "(")) else pending
+    comments.pop("_last", None)
+    return comments
+
+
+def describe(config: ml_collections.ConfigDict, width: int = 100) -> str:
+    """The resolved config as `section.field = value` lines, each under its comment
+    (`--print_config`)."""
+    import textwrap
+
+    comments, lines = field_comments(), []
+
+    def visit(node, prefix):
+        for key in node.keys():
+            value, name = node[key], prefix + key
+            if isinstance(value, ml_collections.ConfigDict):
+                lines.append(f"\n# ---- {name} " + "-" * max(4, 40 - len(name)))
+                visit(value, name + ".")
+                continue
+            comment = comments.get(name)
+            if comment:
+                lines.extend(textwrap.wrap(comment, width, initial_indent="# ",
+                                           subsequent_indent="# "))
+            lines.append(f"{name} = {value!r}")
+
+    visit(config, "")
+    return "\n".join(lines).lstrip("\n")
 
 
 def load_run_config(path: str) -> ml_collections.ConfigDict:

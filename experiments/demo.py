@@ -7,7 +7,9 @@
 2. SAPO from that checkpoint (WORKDIR/rl).
 3. Control: the same number of updates spent on more SFT instead (WORKDIR/control).
 
-Greedy pass@1 on the held-out prompts before RL (X), after RL (Y) and after the control
+Each run directory holds its metrics.jsonl and TensorBoard events (`tensorboard --logdir
+WORKDIR`), the RL run also samples.jsonl; `experiments/plot.py --runs WORKDIR/rl,WORKDIR/control`
+draws them. Greedy pass@1 on the held-out prompts before RL (X), after RL (Y) and after the control
 (Z) is printed at the end, and written to WORKDIR/demo.json:
 
     control pass@1 (continued SFT, same budget): X -> Z
@@ -19,11 +21,13 @@ Greedy pass@1 on the held-out prompts before RL (X), after RL (Y) and after the 
 import json
 import os
 import shutil
+import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 from configs import demo
+from experiments import cli
 from policyopt.metrics import quiet_library_logging
 from policyopt.runtime import keep_freed_host_memory
 from policyopt.sharding import initialize_distributed
@@ -36,6 +40,12 @@ _FRESH = flags.DEFINE_bool("fresh", False, "Start over: delete WORKDIR first (th
 _RERUN = flags.DEFINE_bool("rerun_rl", True,
                            "Redo the RL and control runs even if WORKDIR holds them (the SFT "
                            "cold start is reused).")
+
+
+def _stop_if_interrupted(summary: dict) -> None:
+    """A stage stopped by SIGINT / SIGTERM (it saved a checkpoint) ends the demo."""
+    if summary.get("interrupted"):
+        sys.exit(cli.interrupted_status(summary["interrupted"]))
 
 
 def main(argv):
@@ -56,14 +66,16 @@ def main(argv):
     start = time.perf_counter()
     print("== 1/3 SFT cold start (60% of the solutions forget to carry)", flush=True)
     sft_dir = "sft" if _SEED.value == 0 else f"sft_seed{_SEED.value}"  # one cache per seed
-    sft = run_sft(config, os.path.join(workdir, sft_dir))
+    sft = run_sft(config, os.path.join(workdir, sft_dir), recipe=f"configs/demo.py:{variant} (SFT)")
+    _stop_if_interrupted(sft)
     before = sft["eval"]["eval/pass@1"]
     times["sft_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
     print("== 2/3 RL with SAPO from the SFT policy", flush=True)
     rl_config = demo.get_config(f"{variant},init_checkpoint={sft['checkpoint_dir']}")
-    rl = run_rl(rl_config, os.path.join(workdir, "rl"))
+    rl = run_rl(rl_config, os.path.join(workdir, "rl"), recipe=f"configs/demo.py:{variant} (SAPO)")
+    _stop_if_interrupted(rl)
     after_rl = rl["eval"]["eval/pass@1"]
     updates = int(rl["run"].state.step)
     times["rl_s"] = time.perf_counter() - start
@@ -71,7 +83,9 @@ def main(argv):
     start = time.perf_counter()
     print(f"== 3/3 control: {updates} more SFT updates instead of RL", flush=True)
     control = run_sft(config, os.path.join(workdir, "control"), steps=config.sft.steps + updates,
-                      init_checkpoint=sft["checkpoint_dir"])
+                      init_checkpoint=sft["checkpoint_dir"],
+                      recipe="configs/demo.py (control: more SFT)")
+    _stop_if_interrupted(control)
     after_sft = control["eval"]["eval/pass@1"]
     times["control_s"] = time.perf_counter() - start
 
@@ -86,4 +100,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

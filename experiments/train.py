@@ -3,37 +3,55 @@
     python -m experiments.train --config configs/sapo.py --workdir runs/sapo
     python -m experiments.train --config configs/grpo.py:model=tiny_dense \
         --config.algo.routing_replay=R2 --config.train.num_iterations=50 --workdir runs/grpo_r2
+    python -m experiments.train --config configs/sapo.py --print_config    # every field
+    python -m experiments.train --config configs/sapo.py --workdir runs/x --dry_run
 
-The work directory receives the resolved config (config.json), metrics.jsonl,
-TensorBoard events, eval.jsonl and orbax checkpoints; rerunning the same command
-resumes from the latest checkpoint. A config with `async_mode.enabled`
-(configs/magistral_async.py) trains with asynchronous generation (`run_async_rl`).
+The config (recipe, variant and every `--config.X` override) is checked before anything
+is built or written; a bad value ends the run at once with the field named. The work
+directory receives the resolved config (config.json), metrics.jsonl, TensorBoard events,
+eval.jsonl, sampled completions (samples.jsonl, eval_samples.jsonl) and orbax
+checkpoints; rerunning the same command resumes from the latest checkpoint. Ctrl-C or
+SIGTERM stops at the next iteration with a checkpoint (Ctrl-C twice: at once). A config
+with `async_mode.enabled` (configs/magistral_async.py) trains with asynchronous
+generation (`run_async_rl`).
 """
 
-from absl import app, flags
-from ml_collections import config_flags
+import sys
 
+from absl import flags
+
+from experiments import cli
 from policyopt.metrics import quiet_library_logging
 from policyopt.runtime import keep_freed_host_memory
 from policyopt.sharding import initialize_distributed
-from policyopt.rl.async_rl import async_enabled, run_async_rl
-from policyopt.rl.trainer import run_rl
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe file, e.g. configs/sapo.py[:variant].")
+cli.define_config_flag("Recipe file, e.g. configs/sapo.py[:variant].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed if it holds checkpoints).")
-flags.mark_flags_as_required(["config", "workdir"])
+flags.adopt_module_key_flags(cli)
 
 
 def main(argv):
     del argv
+    config = cli.final_config()
+    if _WORKDIR.value is None:
+        raise cli.UsageError("--workdir is required (the run directory)")
     initialize_distributed()  # jax.distributed on a multi-host job; no-op on one host
     quiet_library_logging()
+    from policyopt.rl import report  # noqa: PLC0415 - after the config is checked
+    from policyopt.rl.async_rl import async_enabled, run_async_rl  # noqa: PLC0415
+    from policyopt.rl.trainer import run_rl  # noqa: PLC0415
+
+    if cli.dry_run():
+        print(report.plan_run(config, _WORKDIR.value, recipe=cli.config_source()))
+        return 0
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
-    config = _CONFIG.value
     train = run_async_rl if async_enabled(config) else run_rl  # config.async_mode.enabled
-    summary = train(config, _WORKDIR.value)
+    summary = train(config, _WORKDIR.value, recipe=cli.config_source())
+    if summary.get("interrupted"):
+        sys.exit(cli.interrupted_status(summary["interrupted"]))
     print("final eval:", summary["eval"])
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

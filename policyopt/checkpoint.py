@@ -281,6 +281,36 @@ class Checkpointer:
 
         return self._with_fallback(step, read)
 
+    def saved_shapes(self, step: int | None = None) -> dict[str, tuple[int, ...]]:
+        """``{"train.params.embed.embedding": (V, D), ...}``: the shape of every array of
+        the checkpoint's ``state`` (default: latest), read from its metadata, without
+        reading the arrays."""
+        if step is None:
+            step = self.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        path = os.path.join(self.directory, str(int(step)), "state")
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity(logging.ERROR)  # orbax warns about a step-level file it does not need
+        try:
+            tree = ocp.StandardCheckpointer().metadata(path).item_metadata.tree
+        finally:
+            logging.set_verbosity(verbosity)
+        shapes = {}
+
+        def visit(node, prefix):
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    visit(value, prefix + (str(key),))
+            elif isinstance(node, (list, tuple)):
+                for index, value in enumerate(node):
+                    visit(value, prefix + (str(index),))
+            elif node is not None and hasattr(node, "shape"):
+                shapes[".".join(prefix)] = tuple(node.shape)
+
+        visit(tree, ())
+        return shapes
+
     def meta(self, step: int | None = None) -> dict:
         """The JSON record of the checkpoint at ``step`` (default: the latest whose record
         reads, with the same fallback as ``restore``), without reading its arrays (a

@@ -88,9 +88,35 @@ class MetricsWriter:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for key, value in scalars.items():
-                self._tb.add_scalar(key, value, global_step=int(step))
+            self._tb_scalars(int(step), scalars)
         return scalars
+
+    def _tb_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        """One TensorBoard summary per record, each tag the metric's own name
+        (``eval/pass@1`` stays ``eval/pass@1``: ``SummaryWriter.add_scalar`` would rewrite
+        characters outside ``[-/\w.]`` to ``_``, which TensorBoard itself does not need)."""
+        from tensorboardX.proto.summary_pb2 import Summary  # imported lazily: slow import
+
+        values = [Summary.Value(tag=key, simple_value=value) for key, value in scalars.items()]
+        self._tb._get_file_writer().add_summary(Summary(value=values), global_step=step)
+
+    def write_rows(self, step: int, rows: Iterable[Mapping[str, Any]]) -> None:
+        """Appends JSON records (any JSON values, e.g. sampled completions) at ``step``."""
+        if self._file is None:
+            return
+        for row in rows:
+            self._file.write(json.dumps({"step": int(step), **row}, ensure_ascii=False) + "\n")
+        self._file.flush()
+
+    def write_text(self, step: int, tag: str, rows: list[Mapping[str, Any]]) -> None:
+        """``rows`` as a Markdown table in TensorBoard's text tab (nothing without TensorBoard)."""
+        if self._tb is None or not rows:
+            return
+        keys = [key for key in rows[0] if key != "step"]
+        cell = lambda value: str(value).replace("|", "\\|").replace("\n", "<br>")
+        lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(cell(row.get(key, "")) for key in keys) + " |" for row in rows]
+        self._tb.add_text(tag, "\n".join(lines), global_step=int(step))
 
     def flush(self) -> None:
         if self._file is not None:
@@ -174,6 +200,24 @@ def read_step_record(path: str, step: int, *, prefix: str = "") -> dict[str, flo
     return found
 
 
+def read_last_value(path: str, key: str) -> tuple[int, float] | None:
+    """``(step, value)`` of the last record of a metrics JSONL file holding ``key``; None
+    when there is none or no file (lines that are not JSON records are skipped)."""
+    found = None
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                    if key in record:
+                        found = (int(record["step"]), float(record[key]))
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+                    continue
+    except FileNotFoundError:
+        return None
+    return found
+
+
 def console_line(step: int, total: int, metrics: Mapping[str, float],
                  keys: Iterable[tuple[str, str]] = CONSOLE_KEYS) -> str:
     """Formats one progress line: ``[ 12/100] reward 0.41 acc 0.40 ... s/it 1.9``."""
@@ -186,21 +230,48 @@ def console_line(step: int, total: int, metrics: Mapping[str, float],
 
 
 class Progress:
-    """Prints a progress line per logged step, with the elapsed time and an ETA."""
+    """Prints a progress line per logged step, with the elapsed time and an ETA.
+
+    The ETA is measured from steady-state steps only: the time up to the first logged
+    step (which holds the compilation of every jitted step, 10-100x a later step on a
+    small model) is left out, so the first line has no ETA and later ones extrapolate
+    ``(now - t_first) / (step - step_first)``."""
 
     def __init__(self, total: int, *, stream: TextIO | None = None, start_step: int = 0,
-                 keys: Iterable[tuple[str, str]] = CONSOLE_KEYS):
+                 keys: Iterable[tuple[str, str]] = CONSOLE_KEYS,
+                 clock=time.perf_counter):
         self.total = total
         self.keys = tuple(keys)
         self.stream = stream or sys.stdout
-        self._start_time = time.perf_counter()
+        self._clock = clock
+        self._start_time = clock()
         self._start_step = start_step
+        self._steady: tuple[int, float] | None = None  # (step, time) of the first logged step
 
-    def update(self, step: int, metrics: Mapping[str, float]) -> str:
-        elapsed = time.perf_counter() - self._start_time
-        done = max(step - self._start_step, 1)
-        eta = elapsed / done * max(self.total - step, 0)
-        line = f"{console_line(step, self.total, metrics, self.keys)} | {elapsed:.0f}s eta {eta:.0f}s"
+    def start_steady(self, step: int) -> None:
+        """Marks ``step`` as done with compilation (the ETA counts from here on); the
+        first logged step otherwise."""
+        if self._steady is None:
+            self._steady = (step, self._clock())
+
+    def eta(self, step: int) -> float | None:
+        """Seconds left by the steady-state rate; None before two logged steps."""
+        if self._steady is None or step <= self._steady[0]:
+            return None
+        rate = (self._clock() - self._steady[1]) / (step - self._steady[0])
+        return rate * max(self.total - step, 0)
+
+    def update(self, step: int, metrics: Mapping[str, float], *, suffix: str = "") -> str:
+        now = self._clock()
+        elapsed = now - self._start_time
+        eta = self.eta(step)
+        if self._steady is None:
+            self._steady = (step, now)
+        if eta is None and step >= self.total:
+            eta = 0.0
+        eta_text = "eta after compile" if eta is None else f"eta {eta:.0f}s"
+        line = console_line(step, self.total, metrics, self.keys) + (f" {suffix}" if suffix else "")
+        line += f" | {elapsed:.0f}s {eta_text}"
         print(line, file=self.stream, flush=True)
         return line
 

@@ -60,3 +60,58 @@ def keep_freed_host_memory(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD,
     mmap_ok = libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))
     trim_ok = libc.mallopt(_M_TRIM_THRESHOLD, int(trim_threshold))
     return bool(mmap_ok and trim_ok)
+
+
+class GracefulStop:
+    """SIGINT (Ctrl-C) and SIGTERM ask a training loop to stop at its next iteration
+    boundary, where it saves a checkpoint; a second SIGINT stops at once
+    (``KeyboardInterrupt``). Installed while used as a context manager, on the main thread
+    only (elsewhere Python delivers no signals, and it does nothing).
+
+        with GracefulStop() as stop:
+            while not stop.requested:
+                ...
+        stop.signal_name  # "SIGINT" / "SIGTERM", or None
+    """
+
+    def __init__(self, message: str = "stopping after this iteration (a checkpoint is saved); "
+                                      "Ctrl-C again to stop at once"):
+        self.message = message
+        self.signal_number: int | None = None
+        self._previous: dict = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_number is not None
+
+    @property
+    def signal_name(self) -> str | None:
+        import signal
+
+        return None if self.signal_number is None else signal.Signals(self.signal_number).name
+
+    def _handle(self, number, frame) -> None:
+        import signal
+        import sys
+
+        del frame
+        if self.signal_number is not None and number == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_number = number
+        print(f"\n{signal.Signals(number).name}: {self.message}", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> "GracefulStop":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for number in (signal.SIGINT, signal.SIGTERM):
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}

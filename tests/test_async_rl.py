@@ -6,6 +6,7 @@ the caller with no thread left behind, and a short run_async_rl with resume."""
 import dataclasses
 import functools
 import itertools
+import json
 import os
 import threading
 import time
@@ -419,7 +420,8 @@ def test_errors_in_the_generator_surface_in_the_caller_and_no_thread_survives():
 def test_run_async_rl_trains_checkpoints_and_resumes(tmp_path):
     # Without dynamic sampling: the tiny random policy earns no reward, and Magistral's
     # dynamic sampling would leave only fillers, so no update (update/empty).
-    config = tiny("train.routing_metrics=True,dynamic_sampling.enabled=False")
+    config = tiny("train.routing_metrics=True,dynamic_sampling.enabled=False,train.sample_every=3,"
+                  "train.sample_prompts=1")
     assert async_enabled(config) and not async_enabled(magistral.get_config())
     summary = run_async_rl(config, str(tmp_path), quiet=True)
     run, metrics = summary["run"], summary["metrics"]
@@ -445,6 +447,11 @@ def test_run_async_rl_trains_checkpoints_and_resumes(tmp_path):
     prompt_part = merged.tokens[:, :merged.prompt_width].reshape(-1, GROUP, merged.prompt_width)
     assert np.all(prompt_part == prompt_part[:, :1])
     assert info["versions"].shape == merged.mask.shape and np.all(info["start_version"] <= 2)
+    # samples.jsonl at iteration 3: the batch's first group, as trained on.
+    samples = [json.loads(line) for line in open(os.path.join(tmp_path, "samples.jsonl"))]
+    assert [r["step"] for r in samples] == [3] * GROUP
+    assert [r["reward"] for r in samples] == [float(x) for x in merged.rewards[:GROUP]]
+    assert {r["prompt"] for r in samples} == {info["groups"][0].meta["prompt"]}
     assert run.checkpointer.latest_step() == 3
     resumed = run_async_rl(config, str(tmp_path), num_iterations=4, quiet=True)
     assert resumed["iteration"] == 4 and np.isfinite(resumed["metrics"]["loss/loss"])

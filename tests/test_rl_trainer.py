@@ -219,10 +219,10 @@ def test_a_failed_final_evaluation_loses_no_training(tmp_path, monkeypatch):
                                 "sft.overlong_response=drop,train.checkpoint_every=10")
     evaluate_run = trainer.evaluate_run
 
-    def fails_at_the_end(run):  # the RL run's evaluation at iteration 0 works
+    def fails_at_the_end(run, **kwargs):  # the RL run's evaluation at iteration 0 works
         if run.iteration == 2:
             raise RuntimeError("evaluation failed")
-        return evaluate_run(run)
+        return evaluate_run(run, **kwargs)
 
     def fails(*args, **kwargs):
         raise RuntimeError("evaluation failed")

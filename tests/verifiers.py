@@ -71,3 +71,9 @@ def deaf(seconds):
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
     time.sleep(seconds)
     return seconds
+
+
+def odd_length(completion, reference):
+    """1.0 when the completion has an odd number of characters: informative groups from a
+    random policy (rewards that differ within a group), so that updates have a signal."""
+    return float(len(str(completion)) % 2)

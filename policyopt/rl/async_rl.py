@@ -318,6 +318,20 @@ def staleness_metrics(version: int, versions: np.ndarray, start: np.ndarray,
     }
 
 
+def group_samples(groups: list[GroupCompletion], tokenizer) -> dict:
+    """The completions of ``groups`` with their prompts, references and verdicts, in
+    ``RLRun.last_samples``' layout (for samples.jsonl)."""
+    texts, prompts, references, rewards, correct = [], [], [], [], []
+    for g in groups:
+        texts += decode(g.tokens, g.lengths, tokenizer)
+        prompts += [g.meta["prompt"]] * len(g.lengths)
+        references += [g.meta["answer"]] * len(g.lengths)
+        rewards += list(g.rewards)
+        correct += list(g.correct)
+    return dict(prompts=prompts, completions=texts, references=references, rewards=rewards,
+                correct=correct)
+
+
 def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher) -> tuple[dict, dict]:
     """Takes one batch of finished groups, trains on it (version ``run.iteration``),
     publishes the new parameters as version ``run.iteration + 1``.
@@ -360,6 +374,7 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
     if any(g.meta.get("task") is not None for g in seen):  # mixed math and code prompts
         tasks = [g.meta.get("task") for g in seen for _ in range(len(g.rewards))]
         metrics.update(task_accuracies(correct, tasks, "reward/accuracy"))
+    run.last_samples = group_samples(groups[:cfg.train.sample_prompts], run.tokenizer)
     _, key_shuffle = jax.random.split(jax.random.fold_in(run.rng, run.iteration))
     metrics = train_on_batch(run, merged, metrics, key_shuffle)
     # The sampler's routing and log-probs here come from older (and mixed) parameter
@@ -382,7 +397,8 @@ def save(run: RLRun, stream: PromptStream) -> None:
     run.checkpointer.save(run.iteration, _checkpoint_state(run), checkpoint_meta(run, stream.get_state()))
 
 
-def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bool = False) -> dict:
+def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bool = False,
+                 recipe: str | None = None) -> dict:
     """Trains with asynchronous RL for ``config.train.num_iterations`` batches (resuming
     from ``workdir/checkpoints`` when possible); the outputs of ``trainer.run_rl``.
 
@@ -414,12 +430,12 @@ def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, qui
     batcher = GroupBatcher(config.batch.n_prompts, group, enabled=ds.enabled,
                            max_groups=ds.max_rounds * config.batch.n_prompts if ds.enabled else 0,
                            criterion=ds.criterion)
-    loop = RunLoop(run, total, quiet=quiet)
+    loop = RunLoop(run, total, quiet=quiet, recipe=recipe)
     info = {}
     try:
         loop.begin()
         with generator if run.iteration < total else contextlib.nullcontext():
-            while run.iteration < total:
+            while run.iteration < total and not loop.stopping:
                 metrics, info = async_iteration(run, generator, batcher)
                 metrics["async/staleness_bound"] = float(bound)
                 loop.after_iteration(metrics, save=lambda: save(run, stream))

@@ -42,6 +42,7 @@ _MODEL_OVERRIDES = (("num_layers", "hidden_size", "num_experts", "num_experts_pe
 RESUME_FREE_FIELDS = ("train.num_iterations", "train.eval_every", "train.checkpoint_every",
                       "train.keep_checkpoints", "train.log_every", "train.tensorboard",
                       "train.routing_metrics", "train.allow_config_change", "eval.", "mesh.",
+                      "train.sample_every", "train.sample_prompts", "train.zero_variance_patience",
                       "sft.steps", "sft.checkpoint_every", "init_checkpoint",
                       "reward.num_workers", "async_mode.join_timeout_s", "async_mode.num_slots",
                       "model.moe_dispatch", "model.moe_decode_dispatch", "model.moe_block_size",
@@ -367,5 +368,71 @@ def init_params(config, model: nnx.Module, mesh: Mesh):
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"config.init_checkpoint={directory!r} is not a directory")
         with Checkpointer(directory) as source:
+            check_checkpoint_shapes(source, {"train": {"params": params}}, config,
+                                    field="config.init_checkpoint")
             params = source.restore_subtree(("train", "params"), params)
     return graphdef, params
+
+
+def _path_name(path) -> str:
+    """A pytree key path as the dotted name orbax saves it under (``train.params.w``)."""
+    parts = []
+    for entry in path:
+        for attribute in ("key", "name", "idx"):
+            if hasattr(entry, attribute):
+                parts.append(str(getattr(entry, attribute)))
+                break
+    return ".".join(parts)
+
+
+def check_checkpoint_shapes(checkpointer: Checkpointer, target, config, *, step: int | None = None,
+                            field: str = "the checkpoint") -> None:
+    """Compares the shapes of ``target``'s arrays with the checkpoint's (its metadata;
+    no array is read) before restoring: a checkpoint of another model would otherwise fail
+    deep inside orbax without naming either.
+
+    Raises:
+      ValueError: naming the first differing parameters with both shapes, the checkpoint
+        directory and step, and the model the checkpoint was saved with (its
+        ``model.preset`` / ``model.pretrained`` and shape overrides) against this run's.
+    """
+    step = checkpointer.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"{field}: no checkpoint in {checkpointer.directory}")
+    saved = checkpointer.saved_shapes(step)
+    wanted = {_path_name(path): tuple(leaf.shape) for path, leaf
+              in jax.tree_util.tree_flatten_with_path(target)[0] if hasattr(leaf, "shape")}
+    # nnx.State leaves may carry a trailing ".value" that orbax's names do not.
+    lookup = lambda name: saved.get(name, saved.get(name.removesuffix(".value")))
+    diffs = [(name, lookup(name), shape) for name, shape in wanted.items()
+             if lookup(name) is not None and lookup(name) != shape]
+    matched = any(lookup(name) is not None for name in wanted)
+    missing = [name for name in wanted if matched and lookup(name) is None
+               and name.startswith("train.params")]
+    if not diffs and not missing:
+        return
+    try:
+        record = checkpointer.meta(step).get("config") or {}
+    except Exception:  # noqa: BLE001 - the shapes are the error; the record only explains it
+        record = {}
+
+    def model_of(values) -> str:
+        shapes = [n for n in _MODEL_OVERRIDES if n not in _RUNTIME_OVERRIDES]
+        names = ["preset", "pretrained"] + shapes
+        parts = [f"model.{n}={values.get('model.' + n)!r}" for n in names
+                 if values.get("model." + n) is not None]
+        return ", ".join(parts) or "an unrecorded model"
+
+    where = f"{checkpointer.directory} (step {step})"
+    lines = [f"{field}: {where} holds another model than this run's"]
+    for name, old, new in diffs[:3]:
+        short = name.removeprefix("train.params.").removesuffix(".value")
+        lines.append(f"  {short}: checkpoint {old}, this run {new}")
+    if len(diffs) > 3:
+        lines.append(f"  ... and {len(diffs) - 3} more parameters of other shapes")
+    if missing:
+        names = ", ".join(n.removeprefix("train.params.") for n in missing[:3])
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        lines.append(f"  not in the checkpoint: {names}{more}")
+    lines.append(f"  saved with {model_of(record)}; this run: {model_of(config_record(config))}")
+    raise ValueError("\n".join(lines))

@@ -72,7 +72,7 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
              batch_size: int = 256, prompt_buckets: Sequence[int] = (16, 32, 64, 128, 256, 512),
              k: int = 0, temperature: float = 1.0, rng: jax.Array | None = None,
              decode_segments: int = 1, spec: RewardSpec | None = None,
-             num_workers: int = 0) -> dict[str, float]:
+             num_workers: int = 0, samples: list | None = None) -> dict[str, float]:
     """pass@1 (greedy) and, with ``k > 0``, mean@k / pass@k (sampled) on ``records``.
 
     Args:
@@ -88,6 +88,9 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
       spec: how correctness is judged (default: the math verifier, no format gate;
         ``policyopt.rl.build.correctness_spec`` gives the run's, with its custom verifier).
       num_workers: scoring worker processes (``score_batch``; 0: in this process).
+      samples: a list that receives, when given, one record per greedy completion
+        (``prompt``, ``completion``, ``reference``, ``reward`` = correctness, ``correct``,
+        ``status``; the run's ``eval_samples.jsonl``).
 
     Returns:
       ``{"eval/pass@1", "eval/length_mean", "eval/num_prompts"}`` and, with k,
@@ -103,8 +106,15 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
     texts, lengths = complete(graphdef, params, prompts, tokenizer, max_new_tokens=max_new_tokens,
                               batch_size=batch_size, prompt_buckets=prompt_buckets, rng=rng,
                               decode_segments=decode_segments)
-    _, correct, _ = score_batch(texts, answers, lengths, spec, num_workers=num_workers,
-                                across_processes=True, tasks=tasks)
+    scores = score_batch(texts, answers, lengths, spec, num_workers=num_workers,
+                         across_processes=True, tasks=tasks)
+    correct = scores.correct
+    if samples is not None:
+        for i, text in enumerate(texts):
+            samples.append({"split": "eval", "prompt": prompts[i], "completion": text,
+                            "reference": str(answers[i]),
+                            "reward": float(scores.rewards[i]), "correct": bool(correct[i]),
+                            "status": str(scores.status[i])})
     metrics = {"eval/pass@1": float(np.mean(correct)), "eval/length_mean": float(np.mean(lengths)),
                "eval/num_prompts": float(len(prompts))}
     metrics.update(task_accuracies(correct, tasks, "eval/pass@1"))

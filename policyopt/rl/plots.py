@@ -1,4 +1,10 @@
-"""PNG curves of one or more runs side by side (reads each run's metrics.jsonl and eval.jsonl)."""
+"""PNG curves of one or more runs side by side (reads each run's metrics.jsonl and eval.jsonl).
+
+RL and SFT runs alike: a panel is drawn when at least one run logged its metric (an SFT
+run logs ``sft/nll`` and its evaluations in metrics.jsonl), and runs whose curves
+coincide stay visible (each run its own line style and marker, lines slightly
+transparent). A run directory that does not exist or holds no metrics is an error.
+"""
 
 from __future__ import annotations
 
@@ -17,16 +23,56 @@ PANELS = (
     ("routing volatility", "routing/volatility", "metrics.jsonl"),
     ("response length", "response/length_mean", "metrics.jsonl"),
     ("entropy", "policy/entropy", "metrics.jsonl"),
+    ("SFT loss (NLL)", "sft/nll", "metrics.jsonl"),
 )
+#: Line styles and markers cycled over the runs of a panel, so that equal curves stay
+#: visible on top of each other.
+LINESTYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "x", "+", "*")
 
 
 def load_curve(run_dir: str, key: str, filename: str) -> tuple[list[float], list[float]]:
-    """``(steps, values)`` of ``key`` in ``run_dir/filename`` (empty when absent)."""
-    path = os.path.join(run_dir, filename)
-    if not os.path.exists(path):
-        return [], []
-    records = [r for r in read_jsonl(path) if key in r]
-    return [r["step"] for r in records], [r[key] for r in records]
+    """``(steps, values)`` of ``key`` in ``run_dir/filename``, else in the run's other
+    metrics file (SFT runs log their evaluations in metrics.jsonl); empty when absent."""
+    for name in (filename, *(f for f in ("metrics.jsonl", "eval.jsonl") if f != filename)):
+        path = os.path.join(run_dir, name)
+        if os.path.exists(path):
+            records = [r for r in read_jsonl(path) if key in r]
+            if records:
+                return [r["step"] for r in records], [r[key] for r in records]
+    return [], []
+
+
+def check_runs(run_dirs: Sequence[str]) -> None:
+    """Raises FileNotFoundError naming every run directory that does not exist or holds
+    neither metrics.jsonl nor eval.jsonl."""
+    if not run_dirs:
+        raise ValueError("no run directory given")
+    bad = [d for d in run_dirs if not any(os.path.isfile(os.path.join(d, f))
+                                          for f in ("metrics.jsonl", "eval.jsonl"))]
+    if bad:
+        raise FileNotFoundError("no run (metrics.jsonl or eval.jsonl) in "
+                                + ", ".join(map(repr, bad)))
+
+
+def line_styles(num_runs: int, groups: Sequence[str] | None = None) -> list[dict]:
+    """matplotlib line keywords per run: without groups each run gets a colour, a line
+    style and a marker of its own; with groups the runs of a group share a colour and
+    differ in line style and marker."""
+    styles = []
+    if groups is None:
+        for i in range(num_runs):
+            styles.append({"color": f"C{i % 10}", "linestyle": LINESTYLES[i % len(LINESTYLES)],
+                           "marker": MARKERS[i % len(MARKERS)]})
+        return styles
+    colours, members = {}, {}
+    for group in groups:
+        colours.setdefault(group, f"C{len(colours) % 10}")
+        members[group] = members.get(group, -1) + 1
+        member = members[group]
+        styles.append({"color": colours[group], "linestyle": LINESTYLES[member % len(LINESTYLES)],
+                       "marker": MARKERS[member % len(MARKERS)]})
+    return styles
 
 
 def _default_labels(run_dirs: Sequence[str]) -> list[str]:
@@ -61,30 +107,29 @@ def plot_runs(run_dirs: Sequence[str], out_path: str, *, labels: Sequence[str] |
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    check_runs(run_dirs)
     labels = list(labels) if labels else _default_labels(run_dirs)
     if len(labels) != len(run_dirs):
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs")
-    styles = [{} for _ in run_dirs]
-    if groups is not None:
-        if len(groups) != len(run_dirs):
-            raise ValueError(f"{len(groups)} groups for {len(run_dirs)} runs")
-        colours, members = {}, {}
-        for i, group in enumerate(groups):
-            colours.setdefault(group, f"C{len(colours) % 10}")
-            members[group] = members.get(group, -1) + 1
-            styles[i] = {"color": colours[group],
-                         "linestyle": ("-", "--", ":", "-.")[members[group] % 4]}
-    cols = 4
+    if groups is not None and len(groups) != len(run_dirs):
+        raise ValueError(f"{len(groups)} groups for {len(run_dirs)} runs")
+    styles = line_styles(len(run_dirs), groups)
+    colours = {group: style["color"] for group, style in zip(groups or (), styles)}
+    curves = {(key, filename): [load_curve(d, key, filename) for d in run_dirs]
+              for _, key, filename in panels}
+    panels = [panel for panel in panels if any(steps for steps, _ in curves[panel[1:]])]
+    if not panels:
+        raise ValueError(f"none of the runs {list(run_dirs)} logged a metric of the panels")
+    cols = min(4, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
     for ax, (title, key, filename) in zip(axes.flat, panels):
-        for run_dir, label, style in zip(run_dirs, labels, styles):
-            steps, values = load_curve(run_dir, key, filename)
+        for (steps, values), label, style in zip(curves[(key, filename)], labels, styles):
             if steps:
-                ax.plot(steps, values, label=label, marker="." if len(steps) < 30 else None,
-                        linewidth=1.2, **style)
+                ax.plot(steps, values, label=label, linewidth=1.2, alpha=0.8, markersize=4,
+                        markevery=max(1, len(steps) // 12), **style)
         ax.set_title(title)
-        ax.set_xlabel("iteration")
+        ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")

@@ -34,9 +34,10 @@ from policyopt.checkpoint import Checkpointer, lock_workdir
 from policyopt.data.pipeline import as_record, make_pipeline
 from policyopt.losses import aggregate
 from policyopt.metrics import MetricsWriter, Progress, read_step_record
-from policyopt.rl import build
+from policyopt.rl import build, report
 from policyopt.rl.evaluate import evaluate
 from policyopt.rl.learner import OptimConfig, TrainState, forward_log_probs, guarded_update, place_state
+from policyopt.runtime import GracefulStop
 
 
 def sft_layout(prompt_tokens: np.ndarray, prompt_lengths: np.ndarray, response_tokens: np.ndarray,
@@ -152,12 +153,15 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
         # what SFT reads: a recipe's RL settings may change under a cached SFT start.
         build.check_resume_config(checkpointer.meta().get("config"), config, checkpointer.directory,
                                   sections=SFT_FIELDS)
+        build.check_checkpoint_shapes(checkpointer, {"train": run.state}, config, field="resume")
         restored, meta = checkpointer.restore({"train": run.state})
         run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
         run.resumed_config = meta.get("config")
     elif init_checkpoint:
         with Checkpointer(init_checkpoint) as source:
+            build.check_checkpoint_shapes(source, {"train": run.state}, config,
+                                          field="init_checkpoint")
             restored, meta = source.restore({"train": run.state})
         run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
@@ -198,7 +202,7 @@ def evaluate_policy(config, graphdef, params, tokenizer, mesh) -> dict[str, floa
 
 
 def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: str | None = None,
-            evaluate_every: int = 0, quiet: bool = False) -> dict:
+            evaluate_every: int = 0, quiet: bool = False, recipe: str | None = None) -> dict:
     """Trains with SFT until ``steps`` updates in total (default ``config.sft.steps``).
 
     Resumes from ``workdir/checkpoints`` when possible; otherwise starts from
@@ -210,9 +214,12 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
     returns the final evaluation its ``metrics.jsonl`` holds instead of evaluating again
     (records after the checkpoint's step are removed on resume, as in the RL trainer).
 
+    SIGINT / SIGTERM stop it after the current update with a checkpoint (no evaluation);
+    ``"interrupted"`` then names the signal. ``recipe``: what the start-up banner names.
+
     Returns:
       ``{"step", "metrics", "eval" (final greedy pass@1 etc., if config.eval.num_prompts),
-      "graphdef", "params", "checkpoint_dir"}``.
+      "graphdef", "params", "checkpoint_dir", "interrupted"}``.
     """
     os.makedirs(workdir, exist_ok=True)
     lock_workdir(workdir)  # one process per workdir: a second is refused in one line
@@ -224,10 +231,23 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
                            resume_step=run.step if run.step else -1)
     progress = None if (quiet or not primary) else Progress(total, start_step=run.step,
                                                             keys=(("sft/nll", "nll"),))
-    metrics = {}
+    if progress:
+        resumed = run.checkpointer.latest_step() is not None
+        start_text = report.starting_point(config, run.checkpointer.directory,
+                                           run.step if resumed else None)
+        if not resumed and init_checkpoint:
+            start_text = f"continuing SFT checkpoint {init_checkpoint} (step {run.step})"
+        print(report.banner(config, workdir, recipe=recipe, mesh=run.mesh, start=start_text,
+                            num_params=report.parameter_count(run.state.params), total=total,
+                            kind="SFT"), flush=True)
+        if run.step < total:
+            print("compiling the SFT step (the first update's time includes compilation) ...",
+                  flush=True)
+    metrics, stop, result = {}, GracefulStop(), {}
     try:
+        stop.__enter__()
         start = time.perf_counter()
-        while run.step < total:
+        while run.step < total and not stop.requested:
             metrics = sft_step(run)
             if run.step % config.train.log_every == 0 or run.step == total:
                 metrics = writer.write(run.step, {**metrics, "time/elapsed_s": time.perf_counter() - start})
@@ -240,17 +260,23 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
             if every and run.step % every == 0 and run.step < total:
                 save_sft(run)
         save_sft(run)  # before the evaluation: a failed one loses no training
-        result = {}
-        if config.eval.num_prompts > 0 and build.same_evaluation(run.resumed_config, config):
+        if stop.requested and progress:
+            print(f"{stop.signal_name}: stopped at step {run.step}; checkpoint "
+                  f"{os.path.join(run.checkpointer.directory, str(run.step))}; rerun the same "
+                  "command to resume", flush=True)
+        if (config.eval.num_prompts > 0 and not stop.requested
+                and build.same_evaluation(run.resumed_config, config)):
             # Process 0's log decides for every process (evaluating is a collective).
             logged = read_step_record(writer.path, run.step, prefix="eval/") if primary else None
             result = sharding.broadcast_json(logged) or {}
-        if config.eval.num_prompts > 0 and not result:
+        if config.eval.num_prompts > 0 and not result and not stop.requested:
             result = evaluate_policy(config, run.graphdef, run.state.params, run.tokenizer, run.mesh)
             writer.write(run.step, result)
             if progress:
                 print(f"sft eval @ {run.step}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)
     finally:
+        stop.__exit__()
         writer.close()
     return {"step": run.step, "metrics": metrics, "eval": result, "graphdef": run.graphdef,
-            "params": run.state.params, "checkpoint_dir": run.checkpointer.directory}
+            "params": run.state.params, "checkpoint_dir": run.checkpointer.directory,
+            "interrupted": stop.signal_name}

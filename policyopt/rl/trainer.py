@@ -66,21 +66,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from policyopt import sharding
 from policyopt.advantages import outcome_advantages
 from policyopt.checkpoint import Checkpointer, lock_workdir
 from policyopt.data.pipeline import make_pipeline
 from policyopt.losses import offpolicy_metrics, rejection_mask, truncated_importance_weights
-from policyopt.metrics import MetricsWriter, Progress, read_step_record
+from policyopt.metrics import MetricsWriter, Progress, read_last_value, read_step_record
 from policyopt.rewards.batch import merge_metrics, score_batch
-from policyopt.rl import build
+from policyopt.rl import build, report
 from policyopt.rl.batch import (Batch, DynamicSampler, bucket, minibatch_indices, round_from_rollout,
                                 shard_batch, take_rows, truncated_rows)
 from policyopt.rl.critic import Critic, CriticConfig, GAEConfig, critic_optim, gae_targets, get_critic
@@ -88,6 +90,7 @@ from policyopt.rl.evaluate import decode, evaluate, task_accuracies
 from policyopt.rl.learner import Learner, LossConfig, OptimConfig, TrainState, get_learner, place_state
 from policyopt.rl.packing import PackedLayout, pack_layout
 from policyopt.rl.routing import routing_metrics
+from policyopt.runtime import GracefulStop
 from policyopt.sampling import SamplingConfig, generate_fn, sampling_method
 
 
@@ -124,6 +127,9 @@ class RLRun:
     last_eval_iteration: int | None = None
     # The config the restored checkpoint was saved under (build.config_record), or None.
     resumed_config: dict | None = None
+    # The first sampling round's prompts, completions, references and verdicts of the last
+    # iteration (``report.sample_rows`` fields, as lists), for samples.jsonl; or None.
+    last_samples: dict | None = None
 
 
 def make_prompt_iterator(config, records, *, seed: int):
@@ -212,6 +218,8 @@ def restore(run: RLRun, step: int | None = None, *, check_config: bool = True) -
     if check_config:  # before the arrays: a changed shape would fail there, unnamed
         meta = run.checkpointer.meta(step)
         build.check_resume_config(meta.get("config"), run.config, run.checkpointer.directory)
+    build.check_checkpoint_shapes(run.checkpointer, _checkpoint_state(run), run.config, step=step,
+                                  field="resume")
     restored, meta = run.checkpointer.restore(_checkpoint_state(run), step)
     run.state, run.rng = restored["train"], restored["rng"]
     if run.critic_state is not None:
@@ -262,6 +270,11 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
         all_lengths.append(lengths)
         all_truncated.append(truncated)
         all_tasks.extend(tasks or ())
+        if round_index == 0:
+            run.last_samples = dict(prompts=texts_prompts, completions=texts, references=references,
+                                    rewards=scores.rewards, correct=scores.correct,
+                                    status=getattr(scores, "status", None),
+                                    format_ok=getattr(scores, "format_ok", None))
         done = sampler.add(rnd)
         round_index += 1
     merged, metrics = sampler.batch(run.tokenizer.pad_id)
@@ -680,8 +693,13 @@ def _block(tree, t0: float) -> float:
     return time.perf_counter() - t0
 
 
-def evaluate_run(run: RLRun) -> dict[str, float]:
-    """Held-out evaluation of the current policy (``policyopt.rl.evaluate``)."""
+# Completions of each evaluation written to eval_samples.jsonl (the first held-out prompts).
+EVAL_SAMPLES_LOGGED = 16
+
+
+def evaluate_run(run: RLRun, samples: list | None = None) -> dict[str, float]:
+    """Held-out evaluation of the current policy (``policyopt.rl.evaluate``); ``samples``,
+    when given, receives one record per held-out completion (``evaluate``)."""
     cfg = run.config
     with jax.set_mesh(run.mesh):
         return evaluate(run.graphdef, run.state.params, run.eval_records, run.tokenizer,
@@ -689,10 +707,12 @@ def evaluate_run(run: RLRun) -> dict[str, float]:
                         prompt_buckets=tuple(cfg.batch.prompt_buckets), k=cfg.eval.k,
                         temperature=cfg.eval.temperature, decode_segments=cfg.sampling.decode_segments,
                         rng=jax.random.fold_in(run.rng, 10**9 + run.iteration),
-                        spec=build.correctness_spec(cfg), num_workers=cfg.reward.num_workers)
+                        spec=build.correctness_spec(cfg), num_workers=cfg.reward.num_workers,
+                        samples=samples)
 
 
-def run_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bool = False) -> dict:
+def run_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bool = False,
+           recipe: str | None = None) -> dict:
     """Trains with RL for ``config.train.num_iterations`` iterations (resuming if possible).
 
     Writes to ``workdir``: ``config.json`` (resolved config), ``metrics.jsonl`` and
@@ -703,19 +723,23 @@ def run_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bo
       config: a locked recipe config (``configs/*.py``).
       workdir: the run directory.
       num_iterations: stop after this many iterations in total (default from config).
-      quiet: no console progress line.
+      quiet: no console output (banner, progress line, samples).
+      recipe: what the banner names as the run's recipe (the command line's ``--config``).
+
+    SIGINT / SIGTERM stop the run at the next iteration boundary with a checkpoint
+    (``RunLoop``); the summary's ``"interrupted"`` then names the signal.
 
     Returns:
       ``{"iteration", "metrics" (last iteration), "eval" (last evaluation),
-      "eval_history" (list), "run" (the RLRun)}``.
+      "eval_history" (list), "run" (the RLRun), "interrupted" (signal name or None)}``.
     """
     total = config.train.num_iterations if num_iterations is None else num_iterations
     lock_workdir(workdir)  # one process per workdir: a second is refused in one line
     run = build_run(config, workdir)
-    loop = RunLoop(run, total, quiet=quiet)
+    loop = RunLoop(run, total, quiet=quiet, recipe=recipe)
     try:
         loop.begin()
-        while run.iteration < total:
+        while run.iteration < total and not loop.stopping:
             loop.after_iteration(rl_iteration(run), save=lambda: save(run))
         loop.end()
     finally:
@@ -741,12 +765,22 @@ class RunLoop:
     the evaluation of their iteration, so a failed evaluation loses no training.
     """
 
-    def __init__(self, run: RLRun, total: int, *, quiet: bool = False):
+    def __init__(self, run: RLRun, total: int, *, quiet: bool = False, recipe: str | None = None):
         config, workdir = run.config, run.workdir
         self.run, self.total, self.config = run, total, config
         # Process 0 writes the files and the console line (every process computes the same
         # records: multi-process jobs run the host side identically on each).
         primary = sharding.is_primary()
+        self.console = primary and not quiet
+        if self.console:
+            resumed = run.checkpointer.latest_step() is not None
+            start = report.starting_point(config, run.checkpointer.directory,
+                                          run.iteration if resumed else None)
+            print(report.banner(config, workdir, recipe=recipe, mesh=run.mesh, start=start,
+                                num_params=report.parameter_count(run.state.params), total=total),
+                  flush=True)
+        for warning in report.advisories(config):
+            self._warn(warning)
         if primary:
             with open(os.path.join(workdir, "config.json"), "w") as f:
                 f.write(config.to_json_best_effort(indent=2, sort_keys=True))
@@ -761,6 +795,17 @@ class RunLoop:
         self.history: list[dict] = []
         self.metrics: dict = {}
         self.evaluating = config.eval.num_prompts > 0
+        self.samples = MetricsWriter(workdir, filename="samples.jsonl", tensorboard=False,
+                                     enabled=primary, resume_step=resume_step)
+        self.eval_samples = MetricsWriter(workdir, filename="eval_samples.jsonl", tensorboard=False,
+                                          enabled=primary, resume_step=resume_step)
+        # The pass@1 the console shows, with the iteration it was measured at: after a
+        # resume, the last one eval.jsonl holds (at or before the checkpoint's iteration).
+        self.shown_eval = read_last_value(self.eval_writer.path, "eval/pass@1") if primary else None
+        self.stop = GracefulStop()
+        self.stopped_by: str | None = None  # the signal that stopped the run (process 0's)
+        self.uninformative_streak, self.first_iteration = 0, True
+        self._first_start = time.perf_counter()
         if (run.iteration and run.last_eval_iteration != run.iteration
                 and build.same_evaluation(run.resumed_config, config)):
             # Process 0's log decides for every process (evaluating is a collective).
@@ -771,17 +816,77 @@ class RunLoop:
             if logged is not None:
                 run.last_eval, run.last_eval_iteration = logged, run.iteration
 
+    def _warn(self, message: str) -> None:
+        """A warning on the console (``warning: ...``), or in the log when quiet."""
+        if self.console:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+        else:
+            logging.warning("%s", message)
+
+    @property
+    def stopping(self) -> bool:
+        """A SIGINT / SIGTERM asked the run to stop (after a checkpoint): as process 0
+        received it, polled once per iteration (``_poll_stop``)."""
+        return self.stopped_by is not None
+
+    def _poll_stop(self) -> None:
+        """Every process takes process 0's answer (a collective on several processes), so
+        that all of them stop after the same iteration."""
+        self.stopped_by = sharding.broadcast_json(self.stop.signal_name)
+
     def evaluate(self) -> dict:
         run = self.run
-        result = evaluate_run(run)
+        if self.console and not self.history:
+            print(f"evaluating {len(run.eval_records)} held-out prompts at iteration "
+                  f"{run.iteration} (compiling the sampler first) ...", flush=True)
+        samples: list[dict] = []
+        result = evaluate_run(run, samples=samples)
         self.eval_writer.write(run.iteration, result)
         self.writer.write(run.iteration, result)
+        self.eval_samples.write_rows(run.iteration, samples[:EVAL_SAMPLES_LOGGED])
         self.history.append({"iteration": run.iteration, **result})
         if self.progress:
             print(f"eval @ {run.iteration}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()),
                   flush=True)
         run.last_eval, run.last_eval_iteration = result, run.iteration
+        if "eval/pass@1" in result:
+            self.shown_eval = (run.iteration, result["eval/pass@1"])
         return result
+
+    def _log_samples(self) -> None:
+        """Every ``train.sample_every`` iterations, the first ``train.sample_prompts``
+        prompts' completions with rewards and verdicts: samples.jsonl, TensorBoard text,
+        and one of them on the console."""
+        run, train = self.run, self.config.train
+        due = train.sample_every and run.iteration % train.sample_every == 0
+        if not (due and run.last_samples):
+            return
+        rows = report.sample_rows(**run.last_samples, step=run.iteration,
+                                  limit=train.sample_prompts * self.config.batch.group_size)
+        self.samples.write_rows(run.iteration, rows)
+        self.writer.write_text(run.iteration, "samples/train", rows)
+        if self.progress and rows:
+            row = rows[0]
+            verdict = row.get("status", "correct" if row["correct"] else "wrong")
+            print(f"sample @ {run.iteration}: {row['prompt'][-60:]!r} -> "
+                  f"{row['completion'][:120]!r} reward {row['reward']:.3g} ({verdict})", flush=True)
+
+    def _watch_informative(self, metrics: dict) -> None:
+        """Counts iterations in a row whose batch has no informative group and warns once a
+        streak reaches ``train.zero_variance_patience``."""
+        patience = self.config.train.zero_variance_patience
+        if "batch/informative_groups" not in metrics:
+            return
+        informative = metrics["batch/informative_groups"] > 0
+        self.uninformative_streak = 0 if informative else self.uninformative_streak + 1
+        if patience and self.uninformative_streak == patience:
+            accuracy = metrics.get("reward/accuracy", float("nan"))
+            self._warn(
+                f"no informative group in the last {patience} iterations: every group's rewards "
+                f"are equal (accuracy {accuracy:.3g}), so every "
+                "advantage is 0 and nothing trains. A policy that solves nothing (e.g. random "
+                "weights) needs a start that sometimes succeeds (config.init_checkpoint of an SFT "
+                "run) or a denser reward.")
 
     @property
     def last_eval(self) -> dict:
@@ -792,35 +897,67 @@ class RunLoop:
         whose evaluation is not in the log (the run stopped during it)."""
         run, every = self.run, self.config.train.eval_every
         due = run.iteration == 0 or (every and run.iteration % every == 0 and run.iteration < self.total)
+        self.stop.__enter__()
         if self.evaluating and due and run.last_eval_iteration != run.iteration:
             self.evaluate()
+        self._poll_stop()
+        if self.console and run.iteration < self.total and not self.stopping:
+            print(f"iteration {run.iteration + 1}: compiling the sampler and the update steps "
+                  "(the first iteration's time includes compilation) ...", flush=True)
+            self._first_start = time.perf_counter()
 
     def after_iteration(self, metrics: dict, save) -> None:
         """Writes ``metrics``, then evaluates and checkpoints (``save()``) when due."""
         run, train = self.run, self.config.train
+        if run.last_round is not None and not np.isnan(metrics.get("batch/reward_mean", 0.0)):
+            metrics["batch/informative_groups"] = report.informative_fraction(
+                run.last_round.rewards, self.config.batch.group_size, run.last_round.scored_rows())
         self.metrics = metrics
         self.writer.write(run.iteration, metrics)
         self.skipped_updates.update(run.iteration, _guarded_states(run))
+        if self.console and self.first_iteration:
+            seconds = time.perf_counter() - self._first_start
+            print(f"first iteration: {seconds:.1f}s with compilation", flush=True)
+        if self.progress and self.first_iteration and run.iteration % train.log_every:
+            self.progress.start_steady(run.iteration)  # the ETA leaves the compiling one out
+        self.first_iteration = False
         if self.progress and run.iteration % train.log_every == 0:
-            self.progress.update(run.iteration, {**metrics, **self.last_eval})
+            shown = {k: v for k, v in metrics.items() if not k.startswith("eval/")}
+            suffix = ""
+            if self.shown_eval is not None:  # the last evaluation, with its iteration
+                suffix = f"pass@1 {self.shown_eval[1]:.3f} (it {self.shown_eval[0]})"
+            self.progress.update(run.iteration, shown, suffix=suffix)
+        self._log_samples()
+        self._watch_informative(metrics)
+        self._poll_stop()
         final = run.iteration == self.total
         every = train.eval_every
-        if final or run.iteration % train.checkpoint_every == 0:
+        if final or run.iteration % train.checkpoint_every == 0 or self.stopping:
             save()
+        if self.stopping:  # the evaluation too waits for the resumed run (``end``)
+            if self.console:
+                path = os.path.join(run.checkpointer.directory, str(run.iteration))
+                print(f"{self.stopped_by}: stopped at iteration {run.iteration}; checkpoint "
+                      f"{path}; rerun the same command to resume", flush=True)
+            return
         if self.evaluating and ((every and run.iteration % every == 0) or final):
             self.evaluate()
 
     def end(self) -> None:
         # A resumed run that was not evaluated at its iteration (a finished run whose
         # final evaluation failed, or that ran with eval.num_prompts=0) is evaluated here.
-        if self.evaluating and self.run.last_eval_iteration != self.run.iteration:
+        # A stopped run is not: it resumes where it stopped.
+        unevaluated = self.run.last_eval_iteration != self.run.iteration
+        if self.evaluating and unevaluated and not self.stopping:
             self.evaluate()
 
     def close(self) -> None:
-        self.writer.close()
-        self.eval_writer.close()
+        self.stop.__exit__()
+        for writer in (self.writer, self.eval_writer, self.samples, self.eval_samples):
+            writer.close()
 
     def summary(self, **extra) -> dict:
         return {"iteration": self.run.iteration, "metrics": self.metrics, "eval": self.last_eval,
-                "eval_history": self.history, "run": self.run, **extra}
+                "eval_history": self.history, "run": self.run, "interrupted": self.stopped_by,
+                **extra}
 

@@ -1,0 +1,169 @@
+"""What a run tells its user: the start-up banner, warnings about settings that cannot act,
+sampled completions, and the dry run (``experiments/train.py --dry_run``) that builds a
+run's pieces without compiling or writing anything.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+# Which settings each objective's ratio-dependent part reads (policyopt.losses).
+_RATIO_SETTINGS = {"ppo": "algo.clip_low / clip_high / dual_clip",
+                   "gspo": "algo.clip_low / clip_high", "gspo_token": "algo.clip_low / clip_high",
+                   "sapo": "algo.tau_pos / tau_neg (the gate is 1)"}
+
+
+def advisories(config) -> list[str]:
+    """Warnings about a config that runs but in which some settings cannot act.
+
+    - One update per batch (``batch.epochs = 1``, ``batch.n_minibatches = 1``) with pi_old
+      from the trainer: the update runs at the parameters that computed pi_old, so the
+      ratio is 1 at every token and a method's clip or gate (``_RATIO_SETTINGS``) changes
+      nothing: the update is the plain policy gradient whatever those fields say.
+    """
+    out = []
+    b, algo = config.batch, config.algo
+    one_update = b.epochs == 1 and b.n_minibatches == 1
+    synchronous = not config.async_mode.enabled
+    if one_update and algo.old_log_probs == "trainer" and synchronous:
+        settings = _RATIO_SETTINGS.get(algo.method, "the objective's ratio-dependent part")
+        out.append(f"batch.epochs=1 and batch.n_minibatches=1: one update per batch, at the "
+                   f"parameters that computed pi_old, so the ratio is 1 at every token and "
+                   f"{settings} of algo.method={algo.method!r} change nothing; set "
+                   "batch.n_minibatches > 1 (or batch.epochs > 1) for off-policy updates")
+    return out
+
+
+def parameter_count(params) -> int:
+    return int(sum(math.prod(getattr(leaf, "shape", ())) for leaf in jax.tree.leaves(params)))
+
+
+def _human(count: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g}{unit}"
+    return str(count)
+
+
+def starting_point(config, checkpoint_dir: str, resume_step: int | None) -> str:
+    if resume_step is not None:
+        path = os.path.join(checkpoint_dir, str(resume_step))
+        return f"resuming from step {resume_step} ({path})"
+    if config.init_checkpoint:
+        return f"init_checkpoint {config.init_checkpoint}"
+    if config.model.pretrained:
+        return f"pretrained {config.model.pretrained}"
+    return f"random initialisation (seed {config.seed})"
+
+
+def banner(config, workdir: str, *, recipe: str | None, num_params: int, mesh, start: str,
+           total: int, kind: str = "RL") -> str:
+    """The lines printed when a run starts: what runs, where, from what, on what."""
+    devices = jax.devices()
+    platforms = sorted({d.platform for d in devices})
+    model = config.model.pretrained or config.model.preset
+    b = config.batch
+    lines = [
+        f"{kind} run: {recipe or '(config given in code)'}",
+        f"  workdir   {os.path.abspath(workdir)}",
+        f"  start     {start}",
+        f"  model     {model}, {_human(num_params)} parameters ({num_params:,})",
+        f"  devices   {len(devices)} x {'/'.join(platforms)} over {jax.process_count()} "
+        f"process(es); mesh {dict(mesh.shape)}",
+        f"  method    {config.algo.method}, {b.n_prompts} prompts x {b.group_size} samples, "
+        f"{b.n_minibatches} minibatch(es) x {b.epochs} epoch(s), {total} iterations"
+        if kind == "RL" else
+        f"  steps     {total} of {config.sft.batch_size} sequences",
+    ]
+    return "\n".join(lines)
+
+
+def sample_rows(prompts: Sequence[str], completions: Sequence[str], references: Sequence[Any],
+                rewards, correct, *, step: int, limit: int, status=None, format_ok=None,
+                split: str = "train") -> list[dict]:
+    """One JSON-ready record per completion of the first ``limit`` completions: ``step``,
+    ``split``, ``prompt``, ``completion``, ``reference``, ``reward``, ``correct`` and the
+    verifier's ``status`` / ``format_ok`` when known (``samples.jsonl``)."""
+    rows = []
+    for i in range(min(limit, len(completions))):
+        row = {"step": int(step), "split": split, "prompt": prompts[i],
+               "completion": completions[i], "reference": str(references[i]),
+               "reward": float(rewards[i]), "correct": bool(correct[i])}
+        if status is not None:
+            row["status"] = str(status[i])
+        if format_ok is not None:
+            row["format_ok"] = bool(format_ok[i])
+        rows.append(row)
+    return rows
+
+
+def informative_fraction(rewards: np.ndarray, group_size: int,
+                         scored: np.ndarray | None = None) -> float:
+    """The fraction of a batch's groups whose scored rewards are not all equal (a group
+    with fewer than two scored samples is not informative): the groups that have a
+    nonzero group-relative advantage."""
+    rewards = np.asarray(rewards, np.float64).reshape(-1, group_size)
+    valid = (np.ones_like(rewards, bool) if scored is None
+             else np.asarray(scored, bool).reshape(-1, group_size))
+    informative = []
+    for row, keep in zip(rewards, valid):
+        values = row[keep]
+        informative.append(values.size >= 2 and bool(np.ptp(values) > 0))
+    return float(np.mean(informative)) if informative else 0.0
+
+
+def plan_run(config, workdir: str, *, recipe: str | None = None) -> str:
+    """The dry run: checks and builds what a run would (mesh, tokenizer, the model's
+    shapes without allocating them, task data with every prompt tokenised, the held-out
+    prompts, the reward spec, the checkpoint it would start from and its shapes), without
+    compiling a step or writing a file. Returns the banner with the warnings."""
+    from flax import nnx
+
+    from policyopt.checkpoint import Checkpointer
+    from policyopt.rl import build
+    from policyopt.rl.trainer import make_prompt_iterator
+
+    mesh = build.make_mesh(config)
+    tokenizer = build.make_tokenizer(config)
+    if config.model.pretrained:
+        model = build.make_model(config, tokenizer.vocab_size, None)
+        params = nnx.state(model, nnx.Param)
+    else:
+        abstract = nnx.eval_shape(lambda: build.make_model(config, tokenizer.vocab_size, None))
+        params = nnx.state(abstract, nnx.Param)
+    notes = []
+    if config.task.tfds_dir:  # preparing the tfds files would write them
+        notes.append(f"  data      task.tfds_dir={config.task.tfds_dir!r}: not read in a dry run")
+        held_out = []
+    else:
+        make_prompt_iterator(config, build.task_source(config, "train"), seed=config.seed)
+        held_out = build.eval_records(config, tokenizer) if config.eval.num_prompts > 0 else []
+    build.reward_spec(config)
+    directory = os.path.join(workdir, "checkpoints")
+    resume_step = None
+    if os.path.isdir(directory) and os.listdir(directory):
+        with Checkpointer(directory) as checkpointer:
+            resume_step = checkpointer.latest_step()
+            if resume_step is not None:
+                build.check_resume_config(checkpointer.meta().get("config"), config, directory)
+                build.check_checkpoint_shapes(checkpointer, {"train": {"params": params}}, config,
+                                              field="resume")
+    if resume_step is None and config.init_checkpoint:
+        if not os.path.isdir(config.init_checkpoint):
+            raise FileNotFoundError(f"config.init_checkpoint={config.init_checkpoint!r} is not a "
+                                    "directory")
+        with Checkpointer(config.init_checkpoint) as source:
+            build.check_checkpoint_shapes(source, {"train": {"params": params}}, config,
+                                          field="config.init_checkpoint")
+    text = banner(config, workdir, recipe=recipe, num_params=parameter_count(params), mesh=mesh,
+                  start=starting_point(config, directory, resume_step),
+                  total=config.train.num_iterations)
+    lines = [text, f"  held-out  {len(held_out)} prompts", *notes]
+    lines += [f"warning: {w}" for w in advisories(config)]
+    lines.append("dry run: config checked and run built; nothing compiled, nothing written")
+    return "\n".join(lines)

@@ -1,0 +1,353 @@
+"""The command line and what a run tells its user: every config value checked on the final
+config before anything is written, one-line errors, --print_config / --dry_run / --help,
+warnings about settings that cannot act, the banner, ETA, sampled completions, a
+checkpoint on SIGTERM, checkpoint shape errors, TensorBoard names and plots."""
+
+import importlib
+import io
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import base
+from policyopt import losses
+from policyopt.checkpoint import Checkpointer
+from policyopt.metrics import MetricsWriter, Progress, read_jsonl
+from policyopt.rl import build, plots, report, trainer
+from policyopt.rl.learner import split_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ("model=tiny_dense,model.num_layers=1,batch.n_prompts=2,batch.group_size=4,"
+        "batch.n_minibatches=1,sampling.max_new_tokens=6,task.num_train=64,task.num_test=8,"
+        "eval.num_prompts=8,eval.batch_size=8,train.eval_every=0,train.checkpoint_every=1,"
+        "train.tensorboard=False,optim.lr=0.01,batch.prompt_buckets=(16,),"
+        "batch.response_buckets=(6,)")
+
+
+def load(name, arg=None):
+    return importlib.import_module(f"configs.{name}").get_config(arg)
+
+
+def checked(name, **fields):
+    """A recipe with fields changed after `finalize` (as `--config.X` overrides are), then
+    `check`ed: what the command line does with the final config."""
+    config = load(name)
+    for path, value in fields.items():
+        base.set_field(config, path.replace("__", "."), value)
+    base.check(config)
+    return config
+
+
+# Each fault of the issue's list, by the field the error must name.
+BAD_VALUES = [
+    ("algo__method", "grpo",
+     r"config\.algo\.method must be one of \('ppo', 'gspo', 'gspo_token', 'sapo'\)"),
+    ("algo__aggregation", "mean", r"config\.algo\.aggregation must be one of"),
+    ("batch__n_minibatches", 3, r"config\.batch\.n_minibatches \(3\) must divide n_prompts"),
+    ("train__checkpoint_every", 0, r"config\.train\.checkpoint_every must be an int >= 1, got 0"),
+    ("sampling__temperature", 0.0, r"config\.sampling\.temperature must be > 0"),
+    ("batch__group_size", 1,
+     r"config\.batch\.group_size must be >= 2 with group-relative advantages"),
+    ("train__num_iterations", -5, r"config\.train\.num_iterations must be an int >= 1, got -5"),
+    ("optim__lr", 0.0, r"config\.optim\.lr must be a finite number > 0\.0, got 0\.0"),
+    ("optim__lr", -0.001, r"config\.optim\.lr must be a finite number > 0\.0, got -0\.001"),
+    ("optim__lr", float("inf"), r"config\.optim\.lr must be a finite number > 0\.0, got inf"),
+    ("optim__lr", float("nan"), r"config\.optim\.lr must be a finite number > 0\.0, got nan"),
+    ("optim__eps", 0.0, r"config\.optim\.eps must be a finite number > 0\.0, got 0\.0"),
+    ("optim__warmup_steps", -5, r"config\.optim\.warmup_steps must be an int >= 0, got -5"),
+    ("critic__lr", -1e-5, r"config\.critic\.lr must be a finite number > 0"),
+    ("sft__lr", 0.0, r"config\.sft\.lr must be a finite number > 0"),
+    ("algo__tau_neg", 0.0, r"config\.algo\.tau_neg must be a finite number > 0"),
+    ("eval__temperature", -1.0, r"config\.eval\.temperature must be a finite number > 0"),
+    ("algo__clip_low", 1.5, r"config\.algo\.clip_low must be a finite number >= 0\.0 and <= 1\.0"),
+    ("algo__dual_clip", 0.5, r"config\.algo\.dual_clip must be > 1"),
+    ("sampling__top_p", 0.0, r"config\.sampling\.top_p must be a finite number > 0\.0 and <= 1\.0"),
+    ("optim__b2", 1.5, r"config\.optim\.b2 must be a finite number >= 0\.0 and <= 1\.0"),
+    ("train__sample_every", -1, r"config\.train\.sample_every must be an int >= 0"),
+]
+
+
+@pytest.mark.parametrize("field,value,message", BAD_VALUES)
+def test_every_bad_value_is_named_on_the_final_config(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        checked("grpo", **{field: value})
+
+
+def test_group_size_one_is_allowed_without_group_statistics():
+    # A critic's GAE advantages need no group: G = 1 is a valid PPO setting.
+    config = checked("ppo", batch__group_size=1)
+    assert config.batch.group_size == 1
+
+
+def test_method_choices_come_from_the_objectives_registry():
+    name = "test_cli_objective"
+    losses.register_objective(name)(losses.OBJECTIVES["ppo"])
+    try:
+        assert checked("grpo", algo__method=name).algo.method == name
+    finally:
+        del losses.OBJECTIVES[name]
+    with pytest.raises(ValueError, match="algo.method"):
+        checked("grpo", algo__method=name)
+
+
+def test_print_config_comments_every_commented_field():
+    text = base.describe(load("sapo"))
+    lines = text.splitlines()
+    for field in ("algo.tau_neg", "optim.warmup_steps", "train.sample_every",
+                  "batch.n_minibatches"):
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"{field} = "))
+        assert lines[at - 1].startswith("# "), field
+    assert "algo.tau_neg = 1.05" in lines and "batch.n_minibatches = 4" in lines
+    # Every field of the config is listed.
+    assert len([line for line in lines if " = " in line and not line.startswith("#")]) == len(
+        build.config_record(load("sapo")))
+
+
+def _cli(*args, timeout=120):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_command_line_errors_are_one_line_and_write_nothing(tmp_path):
+    workdir = tmp_path / "run"
+    out = _cli("experiments.train", "--config", "configs/sapo.py", f"--workdir={workdir}",
+               "--config.train.checkpoint_every=0")
+    assert out.returncode == 2, out.stderr
+    first = out.stderr.splitlines()[0]
+    assert first == "error: config.train.checkpoint_every must be an int >= 1, got 0"
+    assert len(out.stderr.splitlines()) <= 2 and "Traceback" not in out.stderr
+    assert not workdir.exists()
+    out = _cli("experiments.train", "--config", "configs/sapo.py", f"--workdir={workdir}",
+               "--config.algo.tau_ng=1.1")
+    assert out.returncode == 2
+    assert out.stderr.splitlines()[0] == ("error: unknown config field 'algo.tau_ng': did you mean "
+                                          '"tau_neg" instead of "tau_ng"?')
+    out = _cli("experiments.train", "--config", "configs/nope.py:model=tiny_dense",
+               f"--workdir={workdir}", "--config.algo.tau_neg=1.1")
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: config file not found: 'configs/nope.py'")
+    out = _cli("experiments.train", "--config", "configs/sapo.py", f"--workdir={workdir}",
+               "--config.optim.lr=-0.001", "--verbose")
+    assert out.returncode != 0 and "Traceback" in out.stderr  # --verbose keeps it
+    assert not workdir.exists()
+
+
+def test_help_print_config_and_dry_run_exit_zero(tmp_path):
+    out = _cli("experiments.train", "--help")
+    assert out.returncode == 0 and "--print_config" in out.stdout and "--dry_run" in out.stdout
+    out = _cli("experiments.train", "--config", "configs/sapo.py", "--config.algo.tau_neg=1.1",
+               "--print_config")
+    assert out.returncode == 0 and "\nalgo.tau_neg = 1.1\n" in out.stdout
+    workdir = tmp_path / "run"
+    out = _cli("experiments.train", "--config", f"configs/sapo.py:{TINY}", f"--workdir={workdir}",
+               "--dry_run")
+    assert out.returncode == 0, out.stderr
+    assert "random initialisation (seed 0)" in out.stdout and "44,128)" in out.stdout
+    assert "warning: batch.epochs=1 and batch.n_minibatches=1" in out.stdout  # TINY: one update
+    assert not workdir.exists()
+
+
+def test_ratio_warning_and_the_sapo_recipe_default():
+    one_update = load("sapo", "batch.n_minibatches=1")
+    assert any("ratio is 1 at every token" in w and "tau_pos / tau_neg" in w
+               for w in report.advisories(one_update))
+    assert any("clip_low / clip_high" in w for w in report.advisories(load("grpo")))
+    sapo = load("sapo")
+    assert sapo.batch.n_minibatches > 1 and report.advisories(sapo) == []
+    assert report.advisories(load("grpo", "batch.epochs=2")) == []
+
+
+def test_readme_sapo_example_changes_the_update(tmp_path):
+    """`--config.algo.tau_neg=1.1` on configs/sapo.py (its minibatches, 2 here) moves the
+    parameters away from the default's after one iteration; a reward with informative
+    groups from a random policy (`tests.verifiers.odd_length`) gives the updates a signal."""
+    params = {}
+    for tau in (1.05, 1.1):
+        variant = (TINY.replace("batch.n_minibatches=1", "batch.n_minibatches=2")
+                   + f",algo.tau_neg={tau},reward.verifier='tests.verifiers:odd_length',"
+                   "eval.num_prompts=0,train.num_iterations=1,train.sample_every=0")
+        summary = trainer.run_rl(load("sapo", variant), str(tmp_path / str(tau)), quiet=True)
+        assert summary["metrics"]["batch/informative_groups"] > 0
+        params[tau] = [np.asarray(x) for x in jax.tree.leaves(summary["run"].state.params)]
+    assert any(not np.array_equal(a, b) for a, b in zip(params[1.05], params[1.1]))
+
+
+def test_informative_fraction_by_hand():
+    rewards = np.array([0, 0, 0, 0, 1, 0, 1, 1, 1, 1, 1, 1], np.float32)  # 3 groups of 4
+    assert report.informative_fraction(rewards, 4) == pytest.approx(1 / 3)
+    scored = np.array([1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1], bool)  # group 2: one scored sample
+    assert report.informative_fraction(rewards, 4, scored) == 0.0
+
+
+def test_eta_leaves_out_the_compiling_steps():
+    now = [0.0]
+    stream = io.StringIO()
+    progress = Progress(10, stream=stream, clock=lambda: now[0])
+    now[0] = 100.0  # step 1: compilation
+    assert progress.update(1, {}).endswith("eta after compile")
+    for step in (2, 3):
+        now[0] += 2.0  # steady: 2 s per step
+        line = progress.update(step, {})
+    assert line.endswith("| 104s eta 14s")  # 7 steps left x 2 s, not x 104 / 3 s
+    # Logging every 5 steps: the end of step 1 (compiled) marks the steady state.
+    now[0] = 0.0
+    progress = Progress(11, stream=stream, clock=lambda: now[0])
+    now[0] = 100.0
+    progress.start_steady(1)
+    now[0] += 4 * 2.0
+    assert progress.update(5, {}).endswith("| 108s eta 12s")  # 6 left x 2 s
+
+
+def _events(directory):
+    """Every Event of the TensorBoard files under ``directory`` (TFRecord framing: length,
+    its crc, the record, its crc)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    events = []
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            data = f.read()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            events.append(Event.FromString(data[at + 12:at + 12 + length]))
+            at += 12 + length + 4
+    return events
+
+
+def test_tensorboard_keeps_metric_names_and_writes_sample_text(tmp_path):
+    writer = MetricsWriter(str(tmp_path), tensorboard=True)
+    writer.write(3, {"eval/pass@1": 0.25, "reward/mean": 0.5})
+    writer.write_text(3, "samples/train",
+                      [{"step": 3, "prompt": "1+1=", "completion": "a|b", "reward": 1.0}])
+    writer.close()
+    values = {v.tag: v for e in _events(str(tmp_path / "tensorboard")) if e.HasField("summary")
+              for v in e.summary.value}
+    assert values["eval/pass@1"].simple_value == 0.25 and "eval/pass_1" not in values
+    assert values["reward/mean"].simple_value == 0.5
+    text = values["samples/train/text_summary"].tensor.string_val[0].decode()
+    assert "| prompt | completion | reward |" in text and "a\\|b" in text
+
+
+def _run(path, key, values, filename="metrics.jsonl"):
+    writer = MetricsWriter(str(path), filename=filename, tensorboard=False)
+    for step, value in enumerate(values, 1):
+        writer.write(step, {key: value})
+    writer.close()
+
+
+def test_plots_refuse_missing_runs_and_draw_sft_runs(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    _run(tmp_path / "rl", "reward/mean", [0.1, 0.2])
+    _run(tmp_path / "sft", "sft/nll", [2.0, 1.0])
+    _run(tmp_path / "sft", "eval/pass@1", [0.5])  # SFT logs its evaluation in metrics.jsonl
+    with pytest.raises(FileNotFoundError, match="nope"):
+        plots.plot_runs([str(tmp_path / "rl"), str(tmp_path / "nope")], str(tmp_path / "a.png"))
+    drawn = {}
+    savefig = plt.Figure.savefig
+
+    def record(fig, path, **kwargs):
+        for ax in fig.axes:
+            if ax.get_title():
+                drawn[ax.get_title()] = {line.get_label(): list(line.get_ydata())
+                                         for line in ax.get_lines()}
+        return savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(plt.Figure, "savefig", record)
+    plots.plot_runs([str(tmp_path / "sft")], str(tmp_path / "sft.png"))
+    assert drawn == {"SFT loss (NLL)": {"sft": [2.0, 1.0]},
+                     "held-out pass@1 (greedy)": {"sft": [0.5]}}
+
+
+def test_equal_curves_get_distinct_styles():
+    styles = plots.line_styles(4)
+    assert len({(s["linestyle"], s["marker"]) for s in styles}) == 4
+    grouped = plots.line_styles(3, ["a", "a", "b"])
+    assert grouped[0]["color"] == grouped[1]["color"] != grouped[2]["color"]
+    style = lambda s: (s["linestyle"], s["marker"])
+    assert style(grouped[0]) != style(grouped[1])
+
+
+def test_checkpoint_of_another_model_names_the_parameter_shapes_and_presets(tmp_path):
+    configs = {name: load("sapo", f"model={name},model.num_layers=1")
+               for name in ("tiny_moe", "tiny_dense")}
+    params = {}
+    for name, config in configs.items():
+        model = build.make_model(config, 64)
+        params[name] = split_params(model)[1]
+    with Checkpointer(str(tmp_path / "ck")) as checkpointer:
+        checkpointer.save(5, {"train": {"params": params["tiny_moe"]}},
+                          {"iteration": 5, "config": build.config_record(configs["tiny_moe"])})
+        # The same model passes.
+        build.check_checkpoint_shapes(checkpointer, {"train": {"params": params["tiny_moe"]}},
+                                      configs["tiny_moe"])
+        with pytest.raises(ValueError) as error:
+            build.check_checkpoint_shapes(checkpointer, {"train": {"params": params["tiny_dense"]}},
+                                          configs["tiny_dense"], field="config.init_checkpoint")
+    lines = str(error.value).splitlines()
+    assert len(lines) <= 6
+    assert lines[0] == (f"config.init_checkpoint: {tmp_path / 'ck'} (step 5) holds another model "
+                        "than this run's")
+    assert "layers.0.mlp.down_proj: checkpoint (4, 64, 64), this run (128, 64)" in lines[1]
+    assert lines[-1] == ("  saved with model.preset='tiny_moe', model.num_layers=1; this run: "
+                         "model.preset='tiny_dense', model.num_layers=1")
+
+
+def test_run_logs_samples_banner_and_stops_with_a_checkpoint_on_sigterm(tmp_path, capsys,
+                                                                       monkeypatch):
+    workdir = str(tmp_path / "run")
+    config = load("sapo", TINY + ",train.num_iterations=3,train.sample_every=1,"
+                  "train.sample_prompts=1,train.checkpoint_every=100,train.eval_every=1,"
+                  "train.zero_variance_patience=1")
+    iterate = trainer.rl_iteration
+
+    def iterate_then_sigterm(run):
+        metrics = iterate(run)
+        if run.iteration == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # what `kill` or a scheduler sends
+        return metrics
+
+    monkeypatch.setattr(trainer, "rl_iteration", iterate_then_sigterm)
+    handler = signal.getsignal(signal.SIGTERM)
+    summary = trainer.run_rl(config, workdir, recipe="configs/sapo.py:tiny")
+    out = capsys.readouterr()
+    assert summary["interrupted"] == "SIGTERM" and summary["iteration"] == 1
+    assert summary["run"].checkpointer.latest_step() == 1  # saved although checkpoint_every=100
+    assert "RL run: configs/sapo.py:tiny" in out.out and "random initialisation (seed 0)" in out.out
+    assert "compiling the sampler and the update steps" in out.out
+    assert "pass@1 0.000 (it 0)" in out.out  # the evaluation shown with its iteration
+    assert f"SIGTERM: stopped at iteration 1; checkpoint {workdir}/checkpoints/1" in out.out
+    assert "no informative group in the last 1 iterations" in out.err  # a random policy
+    assert signal.getsignal(signal.SIGTERM) is handler  # restored
+    rows = [json.loads(line) for line in open(os.path.join(workdir, "samples.jsonl"))]
+    assert len(rows) == 4 and {r["step"] for r in rows} == {1}  # 1 prompt x G = 4
+    assert {"prompt", "completion", "reward", "correct", "status", "reference"} <= set(rows[0])
+    assert len({r["prompt"] for r in rows}) == 1
+    # The rows are the batch's first group (no dynamic sampling: the batch is the round).
+    batch = summary["run"].last_round
+    assert [r["reward"] for r in rows] == [float(x) for x in batch.rewards[:4]]
+    assert [r["correct"] for r in rows] == [bool(x) for x in batch.correct[:4]]
+    evals = [json.loads(line) for line in open(os.path.join(workdir, "eval_samples.jsonl"))]
+    logged = read_jsonl(os.path.join(workdir, "eval.jsonl"))
+    # Stopped before the evaluation of iteration 1: only iteration 0's, 8 held-out prompts.
+    assert len(evals) == 8 and {e["step"] for e in evals} == {0}
+    assert np.mean([e["correct"] for e in evals]) == logged[0]["eval/pass@1"]
+
+    monkeypatch.setattr(trainer, "rl_iteration", iterate)
+    summary = trainer.run_rl(config, workdir, recipe="configs/sapo.py:tiny")
+    out = capsys.readouterr().out
+    assert summary["iteration"] == 3 and summary["interrupted"] is None
+    assert f"resuming from step 1 ({workdir}/checkpoints/1)" in out
+    line = next(line for line in out.splitlines() if line.startswith("[2/3]"))
+    assert "pass@1 0.000 (it 1)" in line  # the resumed run evaluated iteration 1 first
+    evals = [json.loads(line) for line in open(os.path.join(workdir, "eval_samples.jsonl"))]
+    assert [sum(e["step"] == step for e in evals) for step in (0, 1, 2, 3)] == [8, 8, 8, 8]
