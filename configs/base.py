@@ -586,6 +586,16 @@ def split_variant(arg: str) -> list[str]:
 # lambda, Dr. GRPO's constant, overlong shaping).
 PAPER_SCALE_REQUIRED = ("sampling.max_new_tokens",)
 
+# What every recipe's `scale=paper` sets before its own paper values (this project's
+# choices for 16k-40k-token responses on accelerators; the recipe or the variant may
+# override them): bf16 matmuls, the decoder layers stacked and scanned with full
+# rematerialisation (each layer keeps only its input for the backward: "save_dots" would
+# keep every projection's output, ~2.5 GB per layer of Qwen3-8B at 32k tokens), and
+# `model.attention="auto"`, which is cuDNN's flash attention on GPUs and splash on TPUs
+# (blockwise on CPUs past 1,024 tokens). `benchmarks/scale_sim.py` measures the result.
+PAPER_SCALE_MODEL = {"model.dtype": "bfloat16", "model.scan_layers": True, "model.remat": "full",
+                     "model.attention": "auto"}
+
 
 def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
                   paper: dict | None = None) -> ml_collections.ConfigDict:
@@ -610,7 +620,7 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
                 raise ValueError(f"scale={text!r}: only scale=paper is defined")
             if not paper:
                 raise ValueError("this recipe defines no paper-scale variant")
-            for path, value in paper.items():
+            for path, value in {**PAPER_SCALE_MODEL, **paper}.items():
                 set_field(config, path, value)
             paper_scale = True
         else:

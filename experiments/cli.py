@@ -25,6 +25,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from configs import base
+from policyopt.checkpoint import WorkdirLocked
+from policyopt.rl.trainer import UpdatesSkipped
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Show the traceback of an error.")
 
@@ -35,6 +37,9 @@ class UsageError(ValueError):
 # Errors that speak to the user (a bad field, file or checkpoint): one line, no traceback.
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, NotImplementedError,
                AttributeError, IOError)
+# Failures of a run that say all there is in one line: the workdir's owner, a run whose
+# updates are all skipped by the non-finite guard.
+RUN_ERRORS = (WorkdirLocked, UpdatesSkipped)
 
 
 def interrupted_status(signal_name: str) -> int:
@@ -176,7 +181,7 @@ def run(main) -> None:
                 raise
             print("interrupted (nothing saved since the last checkpoint)", file=sys.stderr)
             sys.exit(130)
-        except USER_ERRORS as error:  # while building or running
+        except USER_ERRORS + RUN_ERRORS as error:  # while building or running
             if _VERBOSE.value:
                 raise
             _fail(user_message(error), 2 if isinstance(error, UsageError) else 1)

@@ -110,6 +110,10 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+class WorkdirLocked(RuntimeError):
+    """Another process owns the workdir (``lock_workdir``); the message is one line."""
+
+
 _held_locks: dict[str, int] = {}
 
 
@@ -123,7 +127,7 @@ def lock_workdir(workdir: str) -> None:
     takes it (the processes share the workdir).
 
     Raises:
-      RuntimeError: one line naming the directory and the other process's pid, when
+      WorkdirLocked: one line naming the directory and the other process's pid, when
         another process holds it.
     """
     path = os.path.join(os.path.abspath(workdir), ".lock")
@@ -136,7 +140,7 @@ def lock_workdir(workdir: str) -> None:
     except OSError:
         owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise RuntimeError(f"workdir {os.path.dirname(path)} is in use by another process "
+        raise WorkdirLocked(f"workdir {os.path.dirname(path)} is in use by another process "
                            f"(pid {owner}, lock {path}); wait for it to finish or choose "
                            f"another workdir") from None
     os.ftruncate(fd, 0)

@@ -129,6 +129,11 @@ def test_every_recipe_builds_at_paper_scale(name):
     config = load(name, variant)
     assert max(config.batch.response_buckets) >= config.sampling.max_new_tokens
     assert config.sampling.max_new_tokens >= 1024
+    # The long-context model settings (base.PAPER_SCALE_MODEL), which a variant may override.
+    assert (config.model.dtype, config.model.scan_layers, config.model.remat) == (
+        "bfloat16", True, "full")
+    assert config.model.attention == "auto"
+    assert load(name, variant + ",model.remat=save_dots").model.remat == "save_dots"
 
 
 def test_variant_values_may_be_tuples():
