@@ -17,6 +17,7 @@ import jax.numpy as jnp
 _DTYPES = ("float32", "bfloat16", "float16")
 _DISPATCH = ("ragged", "blocked", "dense", "capacity")
 _GATHER = ("auto", "take", "onehot")
+_EP_TRANSPORT = ("auto", "ragged_all_to_all", "all_to_all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,15 @@ class ModelConfig:
         weights: "take" (indexed gather; fastest on CPU), "onehot" (a matmul with the
         one-hot block-to-expert matrix, whose gradient is a matmul rather than a
         scatter-add; for accelerators) or "auto" (by the default JAX backend).
+      moe_ep_transport: how tokens reach their experts' devices when the mesh has an
+        ``expert`` axis of size > 1 (``policyopt.models.moe``, expert parallelism):
+        "ragged_all_to_all" (exact-size slices; GPUs and TPUs: XLA:CPU does not compile
+        it), "all_to_all" (fixed-size per-destination buffers; every backend) or "auto"
+        (ragged_all_to_all on accelerators, all_to_all on CPUs).
+      moe_ep_buffer_factor: receive buffer of the expert-parallel dispatch, in units of
+        the mean load (local copies / expert-axis size per source for "all_to_all", local
+        copies for "ragged_all_to_all"); a step whose routing overflows it runs with the
+        worst-case buffer instead (never drops).
       capacity_factor: per-expert buffer = ceil(capacity_factor * tokens * k / E) token
         copies, for moe_dispatch == "capacity" (GShard / Switch Transformer).
       max_position_embeddings: recorded for checkpoint export only (RoPE needs no table).
@@ -93,6 +103,8 @@ class ModelConfig:
     moe_decode_dispatch: str | None = None
     moe_block_size: int = 64
     moe_weight_gather: str = "auto"
+    moe_ep_transport: str = "auto"
+    moe_ep_buffer_factor: float = 2.0
     capacity_factor: float = 1.25
     max_position_embeddings: int = 32768
     initializer_range: float = 0.02
@@ -135,6 +147,12 @@ class ModelConfig:
         if self.moe_weight_gather not in _GATHER:
             raise ValueError(
                 f"ModelConfig.moe_weight_gather must be one of {_GATHER}, got {self.moe_weight_gather!r}")
+        if self.moe_ep_transport not in _EP_TRANSPORT:
+            raise ValueError(f"ModelConfig.moe_ep_transport must be one of {_EP_TRANSPORT}, "
+                             f"got {self.moe_ep_transport!r}")
+        if not self.moe_ep_buffer_factor > 0:
+            raise ValueError(f"ModelConfig.moe_ep_buffer_factor must be > 0, "
+                             f"got {self.moe_ep_buffer_factor}")
         if self.moe_block_size <= 0:
             raise ValueError(f"ModelConfig.moe_block_size must be > 0, got {self.moe_block_size}")
         if not self.capacity_factor > 0:
@@ -145,6 +163,13 @@ class ModelConfig:
         if self.moe_weight_gather != "auto":
             return self.moe_weight_gather
         return "take" if jax.default_backend() == "cpu" else "onehot"
+
+    def resolved_ep_transport(self) -> str:
+        """``moe_ep_transport`` with "auto" resolved: "all_to_all" on CPU, else
+        "ragged_all_to_all"."""
+        if self.moe_ep_transport != "auto":
+            return self.moe_ep_transport
+        return "all_to_all" if jax.default_backend() == "cpu" else "ragged_all_to_all"
 
     @property
     def is_moe(self) -> bool:

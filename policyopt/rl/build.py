@@ -26,7 +26,8 @@ from policyopt.rl.learner import split_params
 # Fields of config.model that override the preset. The runtime ones (how the model
 # computes, not its shapes) also apply to a pretrained checkpoint.
 _RUNTIME_OVERRIDES = ("dtype", "param_dtype", "moe_dispatch", "moe_decode_dispatch",
-                      "moe_block_size", "moe_weight_gather")
+                      "moe_block_size", "moe_weight_gather", "moe_ep_transport",
+                      "moe_ep_buffer_factor")
 _MODEL_OVERRIDES = (("num_layers", "hidden_size", "num_experts", "num_experts_per_tok")
                     + _RUNTIME_OVERRIDES)
 
@@ -44,7 +45,8 @@ RESUME_FREE_FIELDS = ("train.num_iterations", "train.eval_every", "train.checkpo
                       "sft.steps", "sft.checkpoint_every", "init_checkpoint",
                       "reward.num_workers", "async_mode.join_timeout_s", "async_mode.num_slots",
                       "model.moe_dispatch", "model.moe_decode_dispatch", "model.moe_block_size",
-                      "model.moe_weight_gather", "sampling.decode_segments")
+                      "model.moe_weight_gather", "model.moe_ep_transport",
+                      "model.moe_ep_buffer_factor", "sampling.decode_segments")
 
 
 def config_record(config) -> dict:
