@@ -71,7 +71,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.moe_weight_gather = placeholder(str)
     # Expert parallelism (a mesh with expert > 1): "auto", "ragged_all_to_all" or
     # "all_to_all" (how tokens travel to their experts' devices), and the receive buffer
-    # in units of the mean load (overflow reruns with the worst-case buffer; no drops).
+    # in units of the mean load (a larger load takes more passes; no drops).
     c.model.moe_ep_transport = placeholder(str)
     c.model.moe_ep_buffer_factor = placeholder(float)
 

@@ -86,14 +86,14 @@ _SCRIPT = textwrap.dedent("""
           assert "all-to-all" in hlo
       print("ok moe", shape, flush=True)
 
-    # The bounded buffer, both branches: the largest load of any device computed here
-    # from the routing (rows r of the batch on device r of expert=8; 12 copies each,
-    # expert e on device e), a buffer of exactly that load (bounded branch) and of one
-    # less (overflow: the worst-case branch).
+    # The bounded buffer: the largest load of a device pair computed here from the
+    # routing (row r of the batch on device r of expert=8; 12 copies each, expert e on
+    # device e); buffers of exactly that load (one pass), one less (two passes) and of
+    # one copy (as many passes as the load).
     ids = np.asarray(free[0][1][0]).reshape(8, -1)            # [device, copies]
     load = max(np.bincount(row, minlength=8).max() for row in ids)
     assert 1 < load < 12, load
-    for bound in (load, load - 1):
+    for bound in (load, load - 1, 1):
       cfg = dataclasses.replace(moe_config, moe_ep_buffer_factor=(bound - 0.5) * 8 / 12)
       p, s = make(cfg)
       compare(on_mesh(s, p, {"expert": 8}, tokens, None)[0], free, f"buffer {bound}")
@@ -118,7 +118,9 @@ _SCRIPT = textwrap.dedent("""
 
     moe._RAGGED_ALL_TO_ALL = ragged_reference
     # fsdp=2 x expert=4: row 4 f + j on device (f, j); device (f, j) receives the copies
-    # of experts 2j, 2j + 1 from rows 4f ... 4f + 3 (12 copies sent per device).
+    # of experts 2j, 2j + 1 from rows 4f ... 4f + 3 (12 copies sent per device). A receive
+    # buffer of exactly the largest load, and one less (the step takes the all_to_all
+    # passes instead).
     received = max(np.bincount(ids[4 * f:4 * f + 4].reshape(-1) // 2, minlength=4).max()
                    for f in range(2))
     assert 12 < received < 48, received

@@ -72,10 +72,11 @@ class ModelConfig:
         "ragged_all_to_all" (exact-size slices; GPUs and TPUs: XLA:CPU does not compile
         it), "all_to_all" (fixed-size per-destination buffers; every backend) or "auto"
         (ragged_all_to_all on accelerators, all_to_all on CPUs).
-      moe_ep_buffer_factor: receive buffer of the expert-parallel dispatch, in units of
-        the mean load (local copies / expert-axis size per source for "all_to_all", local
-        copies for "ragged_all_to_all"); a step whose routing overflows it runs with the
-        worst-case buffer instead (never drops).
+      moe_ep_buffer_factor: buffers of the expert-parallel dispatch in units of the mean
+        load: ceil(f m / expert) copies per device pair for "all_to_all" (m = local
+        token copies), which runs as many passes as the most loaded pair needs;
+        ceil(f m) rows received per device for "ragged_all_to_all", whose steps that
+        would overflow it take the all_to_all passes. Never drops.
       capacity_factor: per-expert buffer = ceil(capacity_factor * tokens * k / E) token
         copies, for moe_dispatch == "capacity" (GShard / Switch Transformer).
       max_position_embeddings: recorded for checkpoint export only (RoPE needs no table).

@@ -55,6 +55,7 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -308,21 +309,22 @@ def router_aux(router_logits, probs, expert_ids, valid, num_experts: int,
 #   2. sort the copies by expert id: the copies for device j (experts j E_l ... ) are a
 #      contiguous run of s_j copies;
 #   3. send each run to its device over the expert axis: ``all_to_all`` of fixed
-#      [n_ep, C, D] buffers (C = ceil(f m / n_ep), f = moe_ep_buffer_factor), or
-#      ``ragged_all_to_all`` of exactly s_j rows into a receive buffer of C = ceil(f m)
-#      rows;
+#      [n_ep, C, D] buffers, C = ceil(f m / n_ep) copies per device pair
+#      (f = moe_ep_buffer_factor), or ``ragged_all_to_all`` of exactly s_j rows into a
+#      receive buffer of C = ceil(f m) rows;
 #   4. run the received rows through the E_l local experts (the blocked / ragged / dense
 #      computation of one device, k = 1, gate 1; empty buffer rows are zeros and give
 #      zeros: SwiGLU(0) = 0);
 #   5. send the outputs back the same way, put them in copy order and combine them with
 #      the gates: y_n = sum_j g_nj out_nj.
 #
-# Dropless: when any device's load exceeds C (max_j s_j > C for all_to_all, the rows
-# received for ragged_all_to_all), the whole step takes the worst-case buffer
-# (C = m, resp. n_ep m) instead, one ``lax.cond`` on a predicate pmax-ed over the mesh so
-# every device takes the same branch. Everything but the buffer size is the same
-# arithmetic as on one device, so loss, gradients and routing match it up to float
-# summation order.
+# Dropless with bounded memory: all_to_all runs ceil(max_j s_j / C) passes (max over
+# every device; pass p carries the copies of rank [p C, (p + 1) C) for their device;
+# one pass at f >= the imbalance), a while loop with its own backward pass. When a
+# device would receive more than the ragged buffer holds, the step takes the all_to_all
+# passes instead (one ``lax.cond``, the predicate pmax-ed over the mesh so every device
+# takes the same branch). Everything but the buffers is the arithmetic of one device,
+# so loss, gradients and routing match it up to float summation order.
 
 def _row_axes(mesh) -> tuple[str, ...]:
     """Mesh axes (size > 1) that split the rows: the ``batch`` rule's, in order."""
@@ -385,27 +387,106 @@ def _sort_by_destination(expert_ids, n_ep: int, e_local: int):
     return order, sorted_ids, dest, rank, send_counts, dest_start
 
 
-def _all_to_all_exchange(x, expert_ids, local_fn, n_ep: int, e_local: int, capacity: int):
-    """Steps 2-5 with fixed [n_ep, capacity, D] buffers (``lax.all_to_all``); the caller
-    guarantees that no device sends more than ``capacity`` copies to one device.
+def _varying_like(value, ref):
+    """``value`` typed as varying over the mesh axes ``ref`` varies over (``shard_map``'s
+    check_vma: a loop carry must keep one type across iterations)."""
+    varying = lambda x: set(jax.typeof(x).mat.varying)
+    missing = tuple(sorted(varying(ref) - varying(value)))
+    return jax.lax.pcast(value, missing, to="varying") if missing else value
 
-    Returns the expert outputs of the copies [N k, D] in copy order (token-major)."""
-    n, k = expert_ids.shape
-    d = x.shape[-1]
-    order, sorted_ids, dest, rank, _, _ = _sort_by_destination(expert_ids, n_ep, e_local)
-    send = jnp.zeros((n_ep, capacity, d), x.dtype).at[dest, rank].set(
-        jnp.take(x, order // k, axis=0), unique_indices=True, mode="drop")
-    send_ids = jnp.zeros((n_ep, capacity), jnp.int32).at[dest, rank].set(
-        sorted_ids - dest * e_local, unique_indices=True, mode="drop")
-    recv = jax.lax.all_to_all(send, "expert", 0, 0)          # [source, capacity, D]
-    recv_ids = jax.lax.all_to_all(send_ids, "expert", 0, 0)
-    out = local_fn(recv.reshape(n_ep * capacity, d), recv_ids.reshape(-1))
-    back = jax.lax.all_to_all(out.reshape(n_ep, capacity, d), "expert", 0, 0)
-    y_sorted = back[dest, rank]                                # [N k, D]
+
+def _pass_send(rows, dest, slot, n_ep: int, capacity: int):
+    """Pack the copies of one pass (0 <= slot < capacity) into [n_ep, capacity, ...] by
+    destination and exchange them over the expert axis: [source, capacity, ...]."""
+    inside = (slot >= 0) & (slot < capacity)
+    buf = jnp.zeros((n_ep, capacity) + rows.shape[1:], rows.dtype)
+    buf = buf.at[dest, jnp.where(inside, slot, capacity)].set(rows, mode="drop",
+                                                              unique_indices=True)
+    return jax.lax.all_to_all(buf, "expert", 0, 0)
+
+
+def _pass_return(out, dest, slot, n_ep: int, capacity: int):
+    """The reverse of ``_pass_send``: outputs [n_ep * capacity, D] back to their copies
+    [M, D] (zeros for copies outside the pass)."""
+    inside = (slot >= 0) & (slot < capacity)
+    back = jax.lax.all_to_all(out.reshape(n_ep, capacity, -1), "expert", 0, 0)
+    return jnp.where(inside[:, None], back[dest, jnp.clip(slot, 0, capacity - 1)], 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _multipass(local_fn, n_ep, capacity, x_sorted, params, dest, rank, local_ids, passes):
+    """Steps 3-5 over fixed [n_ep, capacity, D] buffers (``lax.all_to_all``), in as many
+    passes as the largest load needs: pass p carries the copies of rank
+    [p C, (p + 1) C) among those for their device, so nothing is dropped and no buffer
+    exceeds C per device pair. A ``while_loop`` (the trip count is data-dependent, the
+    same on every device), with its own backward pass (``_multipass_bwd``) since a
+    while_loop has no reverse-mode derivative.
+
+    Args:
+      local_fn: (rows [R, D], local ids int32 [R], params) -> [R, D].
+      x_sorted: [M, D] copies sorted by expert; dest, rank, local_ids: int32 [M] their
+        device, rank among the copies for it, expert on it; passes: int32 scalar.
+    Returns:
+      [M, D] expert outputs of the copies, in the same order.
+    """
+    def body(p, y):
+        slot = rank - p * capacity
+        recv = _pass_send(x_sorted, dest, slot, n_ep, capacity)
+        ids = _pass_send(local_ids, dest, slot, n_ep, capacity)
+        out = local_fn(recv.reshape(n_ep * capacity, -1), ids.reshape(-1), params)
+        return y + _pass_return(out, dest, slot, n_ep, capacity).astype(y.dtype)
+
+    y = _varying_like(jnp.zeros_like(x_sorted), x_sorted)
+    return jax.lax.fori_loop(0, passes, body, y)
+
+
+def _multipass_fwd(local_fn, n_ep, capacity, x_sorted, params, dest, rank, local_ids, passes):
+    y = _multipass(local_fn, n_ep, capacity, x_sorted, params, dest, rank, local_ids, passes)
+    return y, (x_sorted, params, dest, rank, local_ids, passes)
+
+
+def _multipass_bwd(local_fn, n_ep, capacity, residuals, dy):
+    """The same passes again: each sends its copies' inputs and output cotangents to
+    their experts, which recompute the forward and take its vjp; the input cotangents
+    travel back, the weight cotangents stay on the experts' device."""
+    x_sorted, params, dest, rank, local_ids, passes = residuals
+
+    def body(p, carry):
+        dx, dparams = carry
+        slot = rank - p * capacity
+        rows = _pass_send(x_sorted, dest, slot, n_ep, capacity).reshape(n_ep * capacity, -1)
+        grads = _pass_send(dy, dest, slot, n_ep, capacity).reshape(n_ep * capacity, -1)
+        ids = _pass_send(local_ids, dest, slot, n_ep, capacity).reshape(-1)
+        _, vjp = jax.vjp(lambda r, w: local_fn(r, ids, w), rows, params)
+        d_rows, d_params = vjp(grads.astype(rows.dtype))
+        dx = dx + _pass_return(d_rows, dest, slot, n_ep, capacity).astype(dx.dtype)
+        return dx, jax.tree.map(jnp.add, dparams, d_params)
+
+    dx = _varying_like(jnp.zeros_like(x_sorted), x_sorted)
+    dparams = jax.tree.map(lambda w: _varying_like(jnp.zeros_like(w), w), params)
+    dx, dparams = jax.lax.fori_loop(0, passes, body, (dx, dparams))
+    return dx, dparams, None, None, None, None
+
+
+_multipass.defvjp(_multipass_fwd, _multipass_bwd)
+
+
+def _all_to_all_exchange(x, expert_ids, params, local_fn, n_ep: int, e_local: int,
+                         capacity: int, all_axes: tuple[str, ...]):
+    """Steps 2-5 over the static all_to_all (``_multipass``), ceil(max load / capacity)
+    passes, max over every device. Returns [N k, D] in copy order (token-major)."""
+    k = expert_ids.shape[1]
+    order, sorted_ids, dest, rank, send_counts, _ = _sort_by_destination(expert_ids, n_ep,
+                                                                          e_local)
+    load = jax.lax.pmax(jnp.max(send_counts), all_axes)
+    passes = (load + capacity - 1) // capacity
+    x_sorted = jnp.take(x, order // k, axis=0)
+    y_sorted = _multipass(local_fn, n_ep, capacity, x_sorted, params, dest, rank,
+                          sorted_ids - dest * e_local, passes)
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
 
 
-def _ragged_exchange(x, expert_ids, local_fn, n_ep: int, e_local: int, capacity: int):
+def _ragged_exchange(x, expert_ids, params, local_fn, n_ep: int, e_local: int, capacity: int):
     """Steps 2-5 with ``lax.ragged_all_to_all``: each device sends exactly its s_j copies
     to device j and receives them into a buffer of ``capacity`` rows (the caller
     guarantees the sum received fits). Returns [N k, D] as ``_all_to_all_exchange``."""
@@ -425,7 +506,7 @@ def _ragged_exchange(x, expert_ids, local_fn, n_ep: int, e_local: int, capacity:
                                   jnp.zeros((capacity, 1), jnp.int32), dest_start, send_counts,
                                   output_offsets, recv_sizes, axis_name="expert")[:, 0]
     filled = jnp.arange(capacity) < jnp.sum(recv_sizes)
-    out = local_fn(jnp.where(filled[:, None], recv, 0), jnp.where(filled, recv_ids, 0))
+    out = local_fn(jnp.where(filled[:, None], recv, 0), jnp.where(filled, recv_ids, 0), params)
     recv_start = jnp.cumsum(recv_sizes) - recv_sizes
     # On source i, its copies for this device started at its dest_start[me].
     source_offsets = (jnp.cumsum(counts, axis=1) - counts)[:, me]
@@ -440,29 +521,33 @@ def _ragged_exchange(x, expert_ids, local_fn, n_ep: int, e_local: int, capacity:
 _RAGGED_ALL_TO_ALL = jax.lax.ragged_all_to_all
 
 
-def _exchange(x, expert_ids, local_fn, n_ep: int, e_local: int, transport: str,
+def _exchange(x, expert_ids, params, local_fn, n_ep: int, e_local: int, transport: str,
               factor: float, all_axes: tuple[str, ...]):
-    """Steps 2-5 with a bounded buffer, or the worst-case one when any device's load
-    overflows it (never drops). Returns [N k, D] in copy order."""
+    """Steps 2-5, dropless with bounded buffers. Returns [N k, D] in copy order.
+
+    "all_to_all": per device pair C = ceil(f m / n_ep) copies a pass, as many passes as
+    the most loaded pair needs. "ragged_all_to_all": C = ceil(f m) rows received per
+    device; when any device would receive more, the step takes the all_to_all passes
+    instead (one ``lax.cond``, its predicate pmax-ed over the mesh).
+    """
     m = expert_ids.size
-    _, _, dest, _, send_counts, _ = _sort_by_destination(expert_ids, n_ep, e_local)
-    del dest
+    static = functools.partial(_all_to_all_exchange, params=params, local_fn=local_fn,
+                               n_ep=n_ep, e_local=e_local, all_axes=all_axes,
+                               capacity=min(m, math.ceil(factor * m / n_ep)))
     if transport == "all_to_all":
-        worst, bound = m, math.ceil(factor * m / n_ep)
-        load = jnp.max(send_counts)
-        fn = _all_to_all_exchange
-    elif transport == "ragged_all_to_all":
-        worst, bound = n_ep * m, math.ceil(factor * m)
-        load = jax.lax.psum(send_counts, "expert")[jax.lax.axis_index("expert")]
-        fn = _ragged_exchange
-    else:
+        return static(x, expert_ids)
+    if transport != "ragged_all_to_all":
         raise ValueError(f"ModelConfig.moe_ep_transport must be 'ragged_all_to_all' or "
                          f"'all_to_all' here, got {transport!r}")
-    run = lambda cap: (lambda a, b: fn(a, b, local_fn, n_ep, e_local, cap))
-    if bound >= worst:
-        return run(worst)(x, expert_ids)
-    overflow = jax.lax.pmax(load, all_axes) > bound
-    return jax.lax.cond(overflow, run(worst), run(bound), x, expert_ids)
+    capacity = min(n_ep * m, math.ceil(factor * m))
+    ragged = functools.partial(_ragged_exchange, params=params, local_fn=local_fn, n_ep=n_ep,
+                               e_local=e_local, capacity=capacity)
+    if capacity == n_ep * m:
+        return ragged(x, expert_ids)
+    _, _, _, _, send_counts, _ = _sort_by_destination(expert_ids, n_ep, e_local)
+    received = jax.lax.psum(send_counts, "expert")[jax.lax.axis_index("expert")]
+    overflow = jax.lax.pmax(received, all_axes) > capacity
+    return jax.lax.cond(overflow, static, ragged, x, expert_ids)
 
 
 def _expert_parallel_block(x, token_mask, routing, router, params, config: ModelConfig,
@@ -491,10 +576,9 @@ def _expert_parallel_block(x, token_mask, routing, router, params, config: Model
         chosen = replay[0].reshape(b * t, k) if replay else None
         expert_ids, gates, probs = route(logits, k, cfg.norm_topk_prob, chosen)
         aux = router_aux(logits, probs, expert_ids, valid, num_experts, axis_names=row_axes)
-        local_fn = lambda rows, ids: _local_experts(rows, ids, (w_gate, w_up, w_down), cfg,
-                                                    dispatch)
-        y_copies = _exchange(flat.astype(dt), expert_ids, local_fn, n_ep, e_local, transport,
-                             cfg.moe_ep_buffer_factor, all_axes)
+        local_fn = functools.partial(_local_experts, config=cfg, dispatch=dispatch)
+        y_copies = _exchange(flat.astype(dt), expert_ids, (w_gate, w_up, w_down), local_fn,
+                             n_ep, e_local, transport, cfg.moe_ep_buffer_factor, all_axes)
         y = jnp.einsum("nkd,nk->nd", y_copies.reshape(b * t, k, d), gates.astype(dt))
         return y.reshape(b, t, d), expert_ids.reshape(b, t, k), aux
 

@@ -165,9 +165,10 @@ def make_model(config, vocab_size: int, mesh: Mesh | None = None) -> nnx.Module:
     ``config.seed``, or a HuggingFace checkpoint folder (with the runtime overrides:
     dtypes and MoE dispatch).
 
-    With ``mesh`` (checked by ``check_mesh`` first) the parameters are born on it, each device receiving only its shards
-    (placed by their logical axes as ``init_params`` places them; the values are those of
-    a build without a mesh), so a model larger than one device can be built.
+    With ``mesh`` (checked by ``check_mesh`` first) the parameters are born on it, each
+    device receiving only its shards (placed by their logical axes as ``init_params``
+    places them; the values are those of a build without a mesh), so a model larger than
+    one device can be built.
     """
     overrides = {name: config.model[name] for name in _MODEL_OVERRIDES if config.model[name] is not None}
     if config.model.pretrained:
