@@ -4,7 +4,8 @@ on the meshes expert=8, fsdp=2 x expert=4 and data=2 x expert=4, with and withou
 replay, for the MoE and the dense model; the bounded buffer's overflow fallback; the
 ragged_all_to_all transport's offsets (against a reference implementation of the
 collective's semantics: XLA:CPU does not compile ragged-all-to-all); and the config
-errors of a mesh that expert parallelism cannot use.
+errors of a mesh that expert parallelism cannot use; MoE blocks inside a ``lax.scan``
+over layers.
 
 One subprocess (JAX reads ``XLA_FLAGS`` once, at start-up) runs every case; it compiles
 with ``--xla_backend_optimization_level=0`` (as tests/test_rl_mesh.py) to halve XLA:CPU's
@@ -116,6 +117,14 @@ _SCRIPT = textwrap.dedent("""
       # recv_sizes must be what the sources send: else poison the result.
       return jnp.where(jnp.all(recv_sizes == sizes[:, me]), output, jnp.full_like(output, -1))
 
+    # The real collective traces and lowers (XLA:CPU cannot compile it).
+    cfg = dataclasses.replace(moe_config, moe_ep_transport="ragged_all_to_all")
+    p, s = make(cfg)
+    mesh = sharding.make_mesh({"expert": 8})
+    with jax.set_mesh(mesh):
+      lowered = s.lower(sharding.shard_params(p, mesh), sharding.shard_rows(tokens, mesh=mesh), None)
+    assert "ragged_all_to_all" in lowered.as_text()
+
     moe._RAGGED_ALL_TO_ALL = ragged_reference
     # fsdp=2 x expert=4: row 4 f + j on device (f, j); device (f, j) receives the copies
     # of experts 2j, 2j + 1 from rows 4f ... 4f + 3 (12 copies sent per device). A receive
@@ -138,6 +147,27 @@ _SCRIPT = textwrap.dedent("""
       compare(on_mesh(step, params, shape, tokens, None)[0], want, f"dense {shape}")
       print("ok dense", shape, flush=True)
 
+    # MoE blocks in a lax.scan over layers (scanned transformers): the shard_map,
+    # while loops and custom backward pass inside the scan body.
+    layers = [moe.MoE(moe_config, rngs=nnx.Rngs(i)) for i in range(2)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *[nnx.state(l, nnx.Param) for l in layers])
+    layer_def = nnx.graphdef(layers[0])
+    x = jax.random.normal(jax.random.key(2), (8, 6, 64))
+
+    def scanned(stack, x):
+      def body(h, p):
+        y, routing, aux = nnx.merge(layer_def, p)(h, jnp.ones(h.shape[:2], bool))
+        return h + y, (routing, aux["load_balancing_loss"])
+      h, (routing, lb) = jax.lax.scan(body, x, stack)
+      return jnp.sum(h ** 2) + lb.sum(), (routing, {})
+
+    grad = jax.jit(jax.value_and_grad(scanned, has_aux=True, argnums=(0, 1)))
+    want = grad(stack, x)
+    mesh = sharding.make_mesh({"fsdp": 2, "expert": 4})
+    with jax.set_mesh(mesh):
+      compare(grad(stack, sharding.shard_rows(x, mesh=mesh)), want, "scan")
+    print("ok scan", flush=True)
+
     # Bad input: an expert axis that does not divide the experts, refused when traced.
     bad = preset("tiny_moe", vocab_size=64, num_layers=1, num_experts=4)
     p, s = make(bad)
@@ -156,7 +186,7 @@ def test_expert_parallel_matches_one_device():
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
-    for line in ("ok moe", "ok buffer", "ok ragged", "ok dense", "ok refused"):
+    for line in ("ok moe", "ok buffer", "ok ragged", "ok dense", "ok scan", "ok refused"):
         assert line in proc.stdout, proc.stdout
 
 

@@ -500,17 +500,20 @@ def _ragged_exchange(x, expert_ids, params, local_fn, n_ep: int, e_local: int, c
     # Where device i's rows for device j start on j: after the rows of sources < i.
     output_offsets = (jnp.cumsum(counts, axis=0) - counts)[me]
     x_sorted = jnp.take(x, order // k, axis=0)
-    recv = _RAGGED_ALL_TO_ALL(x_sorted, jnp.zeros((capacity, d), x.dtype), dest_start,
+    # Receive buffers typed as varying over the mesh like the data (shard_map's check_vma:
+    # the collective's result has its ``output`` operand's type).
+    buffer = lambda shape, dtype: _varying_like(jnp.zeros(shape, dtype), x_sorted)
+    recv = _RAGGED_ALL_TO_ALL(x_sorted, buffer((capacity, d), x.dtype), dest_start,
                               send_counts, output_offsets, recv_sizes, axis_name="expert")
     recv_ids = _RAGGED_ALL_TO_ALL((sorted_ids - dest * e_local)[:, None],
-                                  jnp.zeros((capacity, 1), jnp.int32), dest_start, send_counts,
+                                  buffer((capacity, 1), jnp.int32), dest_start, send_counts,
                                   output_offsets, recv_sizes, axis_name="expert")[:, 0]
     filled = jnp.arange(capacity) < jnp.sum(recv_sizes)
     out = local_fn(jnp.where(filled[:, None], recv, 0), jnp.where(filled, recv_ids, 0), params)
     recv_start = jnp.cumsum(recv_sizes) - recv_sizes
     # On source i, its copies for this device started at its dest_start[me].
     source_offsets = (jnp.cumsum(counts, axis=1) - counts)[:, me]
-    y_sorted = _RAGGED_ALL_TO_ALL(out, jnp.zeros((n * k, d), out.dtype), recv_start, recv_sizes,
+    y_sorted = _RAGGED_ALL_TO_ALL(out, buffer((n * k, d), out.dtype), recv_start, recv_sizes,
                                   source_offsets, send_counts, axis_name="expert")
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
 
