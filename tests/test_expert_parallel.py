@@ -122,7 +122,8 @@ _SCRIPT = textwrap.dedent("""
     p, s = make(cfg)
     mesh = sharding.make_mesh({"expert": 8})
     with jax.set_mesh(mesh):
-      lowered = s.lower(sharding.shard_params(p, mesh), sharding.shard_rows(tokens, mesh=mesh), None)
+      lowered = s.lower(sharding.shard_params(p, mesh), sharding.shard_rows(tokens, mesh=mesh),
+                        None)
     assert "ragged_all_to_all" in lowered.as_text()
 
     moe._RAGGED_ALL_TO_ALL = ragged_reference

@@ -51,6 +51,10 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
          aux_loss: see router_aux)
        router z-loss = mean_n logsumexp(z_n)^2                  (ST-MoE eq. 5)
        dropped_tokens = copies dropped by the capacity path (0 for ragged).
+
+On a mesh with an ``expert`` axis of size > 1 the dropless dispatches run expert-parallel
+under ``jax.shard_map``: each device routes its own rows and sends each token copy to the
+device holding its expert (section "Expert parallelism" below).
 """
 
 from __future__ import annotations
