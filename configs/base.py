@@ -93,6 +93,12 @@ def base_config() -> ml_collections.ConfigDict:
     # on, with scan_layers, when activations do not fit (long sequences).
     c.model.remat = placeholder(str)
 
+    # Expert parallelism (a mesh with expert > 1): "auto", "ragged_all_to_all" or
+    # "all_to_all" (how tokens travel to their experts' devices), and the receive buffer
+    # in units of the mean load (a larger load takes more passes; no drops).
+    c.model.moe_ep_transport = placeholder(str)
+    c.model.moe_ep_buffer_factor = placeholder(float)
+
     # Orbax checkpoint directory of the base policy (e.g. the SFT run's `checkpoints/`);
     # None: random initialisation from `seed`.
     c.init_checkpoint = placeholder(str)

@@ -11,7 +11,8 @@ Mesh axes (any may have size 1):
   data    pure data parallelism: batch rows split, parameters replicated
   fsdp    batch rows split *and* parameters sharded along ``embed`` (ZeRO-3 style)
   tensor  attention heads, MLP hidden units and the vocabulary split (Megatron style)
-  expert  MoE experts split (expert parallelism)
+  expert  MoE experts split (expert parallelism); batch rows split too (data parallel for
+          every other layer; the MoE block sends tokens to their experts' devices)
 
 Typical use, identical on one CPU and on a pod::
 
@@ -33,7 +34,7 @@ the mesh is whole on one device until ``shard_params`` places it.
 The trainers (``policyopt.rl``: RL, asynchronous RL, SFT, evaluation) do this from the
 config's ``mesh`` block: ``learner.place_state`` puts a training state on the mesh (the
 optimiser's moments sharded as the parameters they mirror, ``optimizer_specs``),
-``shard_rows`` splits a batch's rows over ``data`` x ``fsdp`` when their number divides
+``shard_rows`` splits a batch's rows over ``data`` x ``fsdp`` x ``expert`` when their number divides
 (else replicates them), and the steps constrain their outputs to the specs their inputs
 were placed with (``constrain_tree``; ``fit_spec`` writes specs in jit's canonical form),
 so every step compiles once per shape.
@@ -332,8 +333,8 @@ def constrain_tree(tree, specs_fn):
 
 
 def row_spec(shape, mesh, axis: int = 0) -> PartitionSpec:
-    """Dimension ``axis`` (the rows, logical ``batch``) split over ``data`` and ``fsdp`` when
-    they divide it, every other dimension replicated."""
+    """Dimension ``axis`` (the rows, logical ``batch``) split over ``data``, ``fsdp`` and
+    ``expert`` when they divide it, every other dimension replicated."""
     return logical_spec(shape, (None,) * axis + ("batch",), mesh)
 
 
@@ -355,8 +356,9 @@ def shard_rows(x, axis: int = 0, mesh: Mesh | None = None):
 
 
 def batch_sharding(mesh: Mesh, rank: int = 2) -> NamedSharding:
-    """Rows split over ``data`` and ``fsdp``; the other ``rank - 1`` dimensions replicated."""
-    return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (rank - 1))))
+    """Rows split over ``data``, ``fsdp`` and ``expert`` (the ``batch`` rule); the other
+    ``rank - 1`` dimensions replicated."""
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp", "expert"), *([None] * (rank - 1))))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -21,6 +21,8 @@ _DISPATCH = ("ragged", "blocked", "dense", "capacity")
 _GATHER = ("auto", "take", "onehot")
 _REMAT = ("none", "full", "save_dots")
 
+_EP_TRANSPORT = ("auto", "ragged_all_to_all", "all_to_all")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -78,6 +80,17 @@ class ModelConfig:
         backend), "cudnn" (GPU, bf16/fp16) or "splash" (TPU Pallas kernel). See
         policyopt.models.attention_ops.
       attention_block_size: query and key rows per block of "blockwise".
+
+      moe_ep_transport: how tokens reach their experts' devices when the mesh has an
+        ``expert`` axis of size > 1 (``policyopt.models.moe``, expert parallelism):
+        "ragged_all_to_all" (exact-size slices; GPUs and TPUs: XLA:CPU does not compile
+        it), "all_to_all" (fixed-size per-destination buffers; every backend) or "auto"
+        (ragged_all_to_all on accelerators, all_to_all on CPUs).
+      moe_ep_buffer_factor: buffers of the expert-parallel dispatch in units of the mean
+        load: ceil(f m / expert) copies per device pair for "all_to_all" (m = local
+        token copies), which runs as many passes as the most loaded pair needs;
+        ceil(f m) rows received per device for "ragged_all_to_all", whose steps that
+        would overflow it take the all_to_all passes. Never drops.
       capacity_factor: per-expert buffer = ceil(capacity_factor * tokens * k / E) token
         copies, for moe_dispatch == "capacity" (GShard / Switch Transformer).
       max_position_embeddings: recorded for checkpoint export only (RoPE needs no table).
@@ -125,6 +138,8 @@ class ModelConfig:
     moe_decode_dispatch: str | None = None
     moe_block_size: int = 64
     moe_weight_gather: str = "auto"
+    moe_ep_transport: str = "auto"
+    moe_ep_buffer_factor: float = 2.0
     capacity_factor: float = 1.25
     attention: str = "auto"
     attention_block_size: int = 512
@@ -171,6 +186,12 @@ class ModelConfig:
         if self.moe_weight_gather not in _GATHER:
             raise ValueError(
                 f"ModelConfig.moe_weight_gather must be one of {_GATHER}, got {self.moe_weight_gather!r}")
+        if self.moe_ep_transport not in _EP_TRANSPORT:
+            raise ValueError(f"ModelConfig.moe_ep_transport must be one of {_EP_TRANSPORT}, "
+                             f"got {self.moe_ep_transport!r}")
+        if not self.moe_ep_buffer_factor > 0:
+            raise ValueError(f"ModelConfig.moe_ep_buffer_factor must be > 0, "
+                             f"got {self.moe_ep_buffer_factor}")
         if self.moe_block_size <= 0:
             raise ValueError(f"ModelConfig.moe_block_size must be > 0, got {self.moe_block_size}")
         if self.attention not in IMPLEMENTATIONS:
@@ -205,6 +226,13 @@ class ModelConfig:
                              dtype=self.compute_dtype, head_dim=self.head_dim,
                              interpret=interpret)
         return self.attention
+
+    def resolved_ep_transport(self) -> str:
+        """``moe_ep_transport`` with "auto" resolved: "all_to_all" on CPU, else
+        "ragged_all_to_all"."""
+        if self.moe_ep_transport != "auto":
+            return self.moe_ep_transport
+        return "all_to_all" if jax.default_backend() == "cpu" else "ragged_all_to_all"
 
     @property
     def is_moe(self) -> bool:

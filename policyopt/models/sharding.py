@@ -26,14 +26,29 @@ from jax.sharding import PartitionSpec
 # Mesh axes: "data" (batch), "fsdp" (parameter + batch sharding), "tensor" (heads / mlp /
 # vocab), "expert" (expert parallelism). A mesh that lacks an axis simply leaves it out.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
+    # Activations' rows (sequences): split over every axis that is data parallel for the
+    # dense layers. "expert" too: attention, norms, embeddings and the dense MLPs see it as
+    # one more data axis (each device its own rows), and the MoE block sends each token
+    # copy from its row's device to its expert's (policyopt.models.moe, expert parallelism).
+    ("batch", ("data", "fsdp", "expert")),
+    # Sequence positions: whole on every device (attention needs them all).
     ("length", None),
+    # Model width D of every weight (embedding, attention, MLP, router, experts): the FSDP
+    # (ZeRO-3) shard; gathered per layer for the matmul, gradients reduce-scattered back.
+    # Activations' D stays whole (it is contracted in every matmul).
     ("embed", "fsdp"),
+    # Attention heads of q / o and k / v: Megatron-style tensor parallelism.
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
-    ("kv", None),            # head_dim
+    # head_dim: whole (RoPE and q.k contract it).
+    ("kv", None),
+    # MLP / expert hidden width F: tensor parallelism (column-split up/gate, row-split down).
     ("mlp", "tensor"),
+    # Vocabulary of the embedding and LM head: tensor parallelism (the logits' softmax
+    # then reduces over it).
     ("vocab", "tensor"),
+    # The expert dimension E of the expert weights [E, D, F]: E / expert experts per device,
+    # the destination of their tokens (their D dimension is still split over fsdp).
     ("expert", "expert"),
     ("layers", None),        # stacked decoder layers (scan_layers): every device holds all
 )

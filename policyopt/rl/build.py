@@ -27,7 +27,7 @@ from policyopt.rl.learner import split_params
 # computes, not its shapes) also apply to a pretrained checkpoint.
 _RUNTIME_OVERRIDES = ("dtype", "param_dtype", "moe_dispatch", "moe_decode_dispatch",
                       "moe_block_size", "moe_weight_gather", "attention", "attention_block_size",
-                      "scan_layers", "remat")
+                      "scan_layers", "remat", "moe_ep_transport", "moe_ep_buffer_factor")
 _MODEL_OVERRIDES = (("num_layers", "hidden_size", "num_experts", "num_experts_per_tok")
                     + _RUNTIME_OVERRIDES)
 
@@ -47,7 +47,8 @@ RESUME_FREE_FIELDS = ("train.num_iterations", "train.eval_every", "train.checkpo
                       "reward.num_workers", "async_mode.join_timeout_s", "async_mode.num_slots",
                       "model.moe_dispatch", "model.moe_decode_dispatch", "model.moe_block_size",
                       "model.moe_weight_gather", "model.attention", "model.attention_block_size",
-                      "model.remat", "sampling.decode_segments", "batch.micro_batch_tokens")
+                      "model.remat", "model.moe_ep_transport", "model.moe_ep_buffer_factor",
+                      "sampling.decode_segments", "batch.micro_batch_tokens")
 
 
 def config_record(config) -> dict:
@@ -119,6 +120,40 @@ def make_mesh(config) -> Mesh:
         raise ValueError(f"config.mesh: {error}") from None
 
 
+def check_mesh(config, mesh: Mesh, num_experts: int) -> None:
+    """Refuses a mesh that expert parallelism cannot use (``policyopt.models.moe``).
+
+    On a mesh with ``expert`` > 1 the MoE block keeps ``num_experts / expert`` experts
+    per device and each device routes its own rows, split over the row axes
+    (``data`` x ``fsdp`` x ``expert``). So the expert axis must divide the number of
+    experts, and the row axes the rows of every RL update (``batch.n_prompts *
+    batch.group_size / batch.n_minibatches``).
+
+    Raises:
+      ValueError: naming the mesh field, the config field and both numbers.
+    """
+    n_ep = int(mesh.shape.get("expert", 1))
+    if num_experts == 0 or n_ep == 1:
+        return
+    if num_experts % n_ep:
+        raise ValueError(f"config.mesh.expert={n_ep} does not divide the model's num_experts="
+                         f"{num_experts}: expert parallelism holds num_experts / mesh.expert "
+                         "experts on each device")
+    row_axes = [a for a in ("data", "fsdp", "expert") if a in mesh.shape]
+    split = 1
+    for a in row_axes:
+        split *= int(mesh.shape[a])
+    b = config.batch
+    checks = [("batch.n_prompts * batch.group_size / batch.n_minibatches",
+               b.n_prompts * b.group_size // max(b.n_minibatches, 1))]
+    for name, rows in checks:
+        if rows % split:
+            sizes = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in row_axes)
+            raise ValueError(f"config.{name} = {rows} rows are not divisible by the {split} row "
+                             f"shards of the mesh ({sizes}): with mesh.expert > 1 every device "
+                             "routes its own rows to the experts")
+
+
 def make_tokenizer(config):
     """The tokenizer of the run: the char tokenizer of the synthetic task, or the
     pretrained model's ``tokenizer.json``."""
@@ -132,9 +167,10 @@ def make_model(config, vocab_size: int, mesh: Mesh | None = None) -> nnx.Module:
     ``config.seed``, or a HuggingFace checkpoint folder (with the runtime overrides:
     dtypes, MoE dispatch, attention implementation).
 
-    With ``mesh`` the parameters are born on it, each device receiving only its shards
-    (placed by their logical axes as ``init_params`` places them; the values are those of
-    a build without a mesh), so a model larger than one device can be built.
+    With ``mesh`` (checked by ``check_mesh`` first) the parameters are born on it, each
+    device receiving only its shards (placed by their logical axes as ``init_params``
+    places them; the values are those of a build without a mesh), so a model larger than
+    one device can be built.
     """
     overrides = {name: config.model[name] for name in _MODEL_OVERRIDES if config.model[name] is not None}
     if config.model.pretrained:
@@ -144,8 +180,13 @@ def make_model(config, vocab_size: int, mesh: Mesh | None = None) -> nnx.Module:
         if shapes:
             raise ValueError(f"config.model.{shapes[0]} cannot change the shape of the pretrained "
                              f"checkpoint {config.model.pretrained!r}; only {_RUNTIME_OVERRIDES} apply")
-        return from_pretrained(config.model.pretrained, mesh=mesh, **overrides)
+        model = from_pretrained(config.model.pretrained, mesh=mesh, **overrides)
+        if mesh is not None:
+            check_mesh(config, mesh, model.config.num_experts)
+        return model
     model_config = preset(config.model.preset, vocab_size=vocab_size, **overrides)
+    if mesh is not None:
+        check_mesh(config, mesh, model_config.num_experts)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         return Transformer(model_config, rngs=nnx.Rngs(config.seed))
 
