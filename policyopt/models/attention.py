@@ -229,7 +229,8 @@ class Attention(nnx.Module):
           x: [B, T, D] normed input.
           cos, sin: [B, T, Dh] rotary phases at the tokens' positions.
           token_mask: bool [B, T], False for padding tokens (never attended as keys).
-          cache: KVCache (updated at slots [index, index+T) of layer ``layer``) or None.
+          cache: KVCache (updated at slots [index, index+T) of layer ``layer``), a
+            ``policyopt.models.paged.PagedKVCache`` (see its ``attend``), or None.
           layer: index of this block in the cache.
         Returns:
           (out [B, T, D], cache or None). The returned cache's index is NOT advanced here.
@@ -243,6 +244,9 @@ class Attention(nnx.Module):
         k = apply_rope(self.k_norm(k), cos, sin)
         q = constrain(q, ("batch", "length", "heads", "kv"))
         t = x.shape[1]
+        if getattr(cache, "paged", False):  # policyopt.models.paged.PagedKVCache
+            out, cache = cache.attend(layer, q, k, v, token_mask)
+            return jnp.einsum("btnh,nhd->btd", out.astype(dt), self.o_proj[...].astype(dt)), cache
         if cache is None:
             keys, values = k, v
             mask = attention_weights_mask(jnp.arange(t), token_mask)
