@@ -19,10 +19,17 @@ while pages last); a row refused stays where it is and asks again next step: it 
 it is never truncated. ``release`` pushes a row's pages back on the stack.
 
 Attention over pages (``attend``):
-  * ``"gather"`` (CPUs and GPUs): the row's pages are gathered into a
+  * ``"gather"`` (default, CPUs and GPUs): the row's pages are gathered into a
     ``[Hkv, B, S, Dh]`` block (S = max_pages * ps), then masked grouped attention as in
-    ``policyopt.models.attention.dot_product_attention``. Chosen over a per-page online
-    softmax on the measurement in ``benchmarks/bench_paged_attention.py``.
+    ``policyopt.models.attention.dot_product_attention``: two batched matmuls.
+  * ``"online"``: page by page in a ``lax.scan`` with an online softmax. Measured by
+    ``benchmarks/bench_paged_attention.py`` (one decode step of one layer, B = 64,
+    160 slots, moe_7m's heads) on the 2-core CPU shared with other jobs: gather 22.8 and
+    25.3 ms, online 20.1 and 18.6 ms, the dense KVCache 3.2 and 3.4 ms (two runs). The
+    page gather itself is most of the gap to the dense cache, and neither paged form
+    wins clearly; the gather stays the default as the simpler graph (one product each
+    for scores and values), the online form is there for a device where it measures
+    faster.
   * ``"pallas"`` (TPUs, one-token decode only): the kernel that ships with JAX; prefill
     (T > 1) uses the gather. On a CPU it runs in Pallas' TPU interpret mode
     (``jax.experimental.pallas.tpu.force_tpu_interpret_mode``), which the tests use.
@@ -45,6 +52,7 @@ from flax import struct
 from policyopt.models.config import ModelConfig
 
 _MASK_VALUE = -1e30
+ATTENTION = ("gather", "online", "pallas")
 
 
 @struct.dataclass
@@ -58,7 +66,7 @@ class PagedKVCache:
       free: int32 [NP]; ``free[:num_free]`` are the free page ids (a stack, top last).
       num_free: int32 []; free pages.
       index: int32 []; advanced by ``Transformer`` after each call, unused here.
-      attention: "gather" or "pallas" (static).
+      attention: "gather", "online" or "pallas" (static; see the module docstring).
     """
 
     k: jax.Array
@@ -84,10 +92,10 @@ class PagedKVCache:
           page_size: ps, token slots per page.
           max_pages: pages one row may hold (its longest sequence / ps, rounded up).
           dtype: pool dtype (default: the model's compute dtype).
-          attention: "gather" or "pallas".
+          attention: "gather", "online" or "pallas".
         """
-        if attention not in ("gather", "pallas"):
-            raise ValueError(f"attention must be 'gather' or 'pallas', got {attention!r}")
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         for name, value in (("rows", rows), ("num_pages", num_pages),
                             ("page_size", page_size), ("max_pages", max_pages)):
             if value < 1:
@@ -234,8 +242,18 @@ class PagedKVCache:
             out = _pallas_decode(q[:, 0], pool_k[layer], pool_v[layer], ends,
                                  jnp.minimum(self.page_table, num_pages - 1))
             return out[:, None].astype(pool_v.dtype), cache
-        return gather_attention(q, pool_k[layer], pool_v[layer], self.page_table, slots,
-                                ends), cache
+        attend = online_attention if self.attention == "online" else gather_attention
+        return attend(q, pool_k[layer], pool_v[layer], self.page_table, slots, ends), cache
+
+
+def _gather_pages(pool, table):
+    """pool [Hkv, NP, ps, Dh] at pages ``table`` [...] -> [Hkv, ..., ps, Dh].
+
+    A ``take`` in "clip" mode: plain indexing gathers in "fill" mode, whose bounds checks
+    made XLA:CPU's gather 3x slower (benchmarks/bench_paged_attention.py).
+    """
+    flat = jnp.take(pool, table.reshape(-1), axis=1, mode="clip")
+    return flat.reshape(pool.shape[:1] + table.shape + pool.shape[2:])
 
 
 def gather_attention(q, k_pages, v_pages, page_table, query_slots, ends):
@@ -255,8 +273,8 @@ def gather_attention(q, k_pages, v_pages, page_table, query_slots, ends):
     g = h // hkv
     table = jnp.minimum(page_table, num_pages - 1)
     length = table.shape[1] * ps
-    keys = k_pages[:, table].reshape(hkv, b, length, dh)                       # [Hkv, B, S, Dh]
-    values = v_pages[:, table].reshape(hkv, b, length, dh)
+    keys = _gather_pages(k_pages, table).reshape(hkv, b, length, dh)           # [Hkv, B, S, Dh]
+    values = _gather_pages(v_pages, table).reshape(hkv, b, length, dh)
     rows = q.reshape(b, t, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dh)
     scores = jnp.einsum("bkqd,kbsd->bkqs", rows.astype(keys.dtype), keys,
                         preferred_element_type=jnp.float32) * (dh ** -0.5)
@@ -288,8 +306,8 @@ def online_attention(q, k_pages, v_pages, page_table, query_slots, ends):
 
     def step(carry, column):
         m, l, o = carry
-        keys = k_pages[:, table[:, column]]                                     # [Hkv, B, ps, Dh]
-        values = v_pages[:, table[:, column]]
+        keys = _gather_pages(k_pages, table[:, column])                         # [Hkv, B, ps, Dh]
+        values = _gather_pages(v_pages, table[:, column])
         z = jnp.einsum("bkqd,kbsd->bkqs", rows, keys,
                        preferred_element_type=jnp.float32) * (dh ** -0.5)
         slot = column * ps + jnp.arange(ps)
