@@ -149,15 +149,17 @@ def _evict(s: _State, rows) -> _State:
 def _decode(graphdef, params, s: _State, rng, *, config: SamplingConfig, steps: int):
     """At most ``steps`` decode steps of every running row.
 
-    Returns (state, steps run, tokens made, row-steps spent waiting for a page)."""
+    Returns (state, steps run, tokens made, row-steps spent waiting for a page, most pages
+    held at once)."""
     model = nnx.merge(graphdef, params)
     num_new = config.max_new_tokens
     end_ids = jnp.asarray(config.end_ids, jnp.int32) if config.end_ids else None
 
     def body(carry):
-        step, made, waits, s = carry
+        step, made, waits, peak, s = carry
         cache, granted = s.cache.reserve(s.active.astype(jnp.int32))
         go = s.active & granted
+        peak = jnp.maximum(peak, cache.num_pages - cache.num_free)
         logits = s.logits
         sample_logits = logits
         if config.min_new_tokens > 0 and end_ids is not None:
@@ -185,12 +187,12 @@ def _decode(graphdef, params, s: _State, rng, *, config: SamplingConfig, steps: 
                       active=s.active & ~ended, count=s.count + go,
                       tokens=put(s.tokens, tokens), log_probs=put(s.log_probs, log_probs),
                       raw_log_probs=put(s.raw_log_probs, raw))
-        return step + 1, made + jnp.sum(go), waits + jnp.sum(s.active & ~granted), s
+        return step + 1, made + jnp.sum(go), waits + jnp.sum(s.active & ~granted), peak, s
 
     zero = jnp.zeros((), jnp.int32)
-    run, made, waits, s = jax.lax.while_loop(
-        lambda c: (c[0] < steps) & jnp.any(c[3].active), body, (zero, zero, zero, s))
-    return s, run, made, waits
+    run, made, waits, peak, s = jax.lax.while_loop(
+        lambda c: (c[0] < steps) & jnp.any(c[4].active), body, (zero, zero, zero, zero, s))
+    return s, run, made, waits, peak
 
 
 class Engine:
@@ -200,9 +202,10 @@ class Engine:
       model: a ``policyopt.models.Transformer``.
       engine: EngineConfig (budget, rows, page size).
       config: SamplingConfig (stop_sequences and decode_segments are not supported).
+      graphdef: the graph to merge ``generate``'s ``params`` into (default: the model's).
     """
 
-    def __init__(self, model, engine: EngineConfig, config: SamplingConfig):
+    def __init__(self, model, engine: EngineConfig, config: SamplingConfig, *, graphdef=None):
         if engine.rows % config.num_samples:
             raise ValueError(f"EngineConfig.rows = {engine.rows} must be a multiple of "
                              f"SamplingConfig.num_samples = {config.num_samples}")
@@ -211,14 +214,18 @@ class Engine:
         config.check_vocab(model.config.vocab_size)
         self.model, self.engine, self.config = model, engine, config
         self.graphdef, self.params = nnx.split(model)
+        if graphdef is not None:  # a trainer's (its params passed to generate)
+            self.graphdef = graphdef
         self.stats: dict[str, int] = {}
 
-    def generate(self, prompts, prompt_lengths, rng) -> Rollout:
+    def generate(self, prompts, prompt_lengths, rng, params=None) -> Rollout:
         """G samples of each right-padded prompt, as ``policyopt.sampling.generate``.
 
         Args:
           prompts: int [B, P], right-padded; prompt_lengths: int [B] in [1, P].
           rng: PRNG key.
+          params: the model's state (``nnx.split``) to decode with, e.g. a trainer's
+            current parameters; default: the model's at construction.
         Returns:
           A Rollout with B * G rows (prompt b -> rows b*G .. b*G+G-1), routing None,
           num_steps the decode steps run (summed over calls).
@@ -227,6 +234,7 @@ class Engine:
             prompt plus one page.
         """
         engine, config = self.engine, self.config
+        params = self.params if params is None else params
         prompts = np.asarray(prompts, np.int32)
         lengths = np.asarray(prompt_lengths, np.int32)
         batch, prompt_len = prompts.shape
@@ -254,11 +262,11 @@ class Engine:
         counts = np.zeros(batch * group, np.int32)
         steps_run = 0
         # What the last call did: row-steps spent waiting for a page, groups and rows
-        # preempted, most pages held at once (after a decode call).
+        # preempted, most pages held at once during decode.
         self.stats = dict(waits=0, preempted_groups=0, preempted_rows=0, peak_pages=0)
 
         def admit(state, b, row0, num_rows, first_sample):
-            return _admit(self.graphdef, self.params, state, jnp.asarray(prompts[b]),
+            return _admit(self.graphdef, params, state, jnp.asarray(prompts[b]),
                           jnp.int32(lengths[b]), jnp.int32(row0), jnp.int32(num_rows),
                           jnp.int32(first_sample), jnp.int32(b), config=config)
 
@@ -281,12 +289,11 @@ class Engine:
                 num_free -= group * pages_for(int(lengths[b]), engine.page_size)
                 slots[slot] = b
                 admitted.append(slot)
-            state, run, made, waits = _decode(self.graphdef, self.params, state, rng,
+            state, run, made, waits, peak = _decode(self.graphdef, params, state, rng,
                                               config=config, steps=engine.steps_per_call)
             steps_run += int(run)
             self.stats["waits"] += int(waits)
-            self.stats["peak_pages"] = max(self.stats["peak_pages"],
-                                           engine.num_pages - int(state.cache.num_free))
+            self.stats["peak_pages"] = max(self.stats["peak_pages"], int(peak))
             active = np.asarray(state.active)
             for slot in list(admitted):
                 rows = slice(slot * group, (slot + 1) * group)
