@@ -200,3 +200,28 @@ def test_pallas_kernel_interpreted_equals_gather():
                                atol=2e-2, rtol=2e-2)
     reference = _numpy_reference(q, k, v, ends, table)[:, 0]
     np.testing.assert_allclose(np.asarray(kernel, np.float32), reference, atol=3e-2, rtol=3e-2)
+
+
+def test_pallas_attention_in_the_model_decodes_like_the_gather():
+    """A decode step of the tiny dense model with attention="pallas" (interpreted; the
+    prefill takes the gather) gives the gather's logits up to the kernel's bfloat16 dots."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    model = Transformer(CONFIGS["dense"], rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    batch, prompt_len = PROMPTS.shape
+    positions = jnp.broadcast_to(jnp.arange(prompt_len), PROMPTS.shape)
+    mask = jnp.arange(prompt_len)[None, :] < LENGTHS[:, None]
+    logits = {}
+    for attention in ("gather", "pallas"):
+        cache = PagedKVCache.create(model.config, batch, num_pages=8, page_size=4, max_pages=3,
+                                    attention=attention)
+        with pltpu.force_tpu_interpret_mode():
+            _, cache, _ = step_paged(graphdef, state, PROMPTS, positions, mask, cache)
+            tokens = jnp.array([[1], [2], [3]], jnp.int32)
+            step, _, _ = step_paged(graphdef, state, tokens, LENGTHS[:, None],
+                                    jnp.ones((batch, 1), bool), cache)
+        logits[attention] = np.asarray(step[:, 0])
+    scale = np.abs(logits["gather"]).max()
+    np.testing.assert_allclose(logits["pallas"], logits["gather"], atol=2e-2 * scale)
+    np.testing.assert_array_equal(logits["pallas"].argmax(-1), logits["gather"].argmax(-1))
