@@ -114,7 +114,7 @@ def _admit(graphdef, params, s: _State, prompt, length, row0, num_rows, first_sa
     view = cache.replace(page_table=cache.page_table[row0][None], lengths=cache.lengths[row0][None])
     prompt_len = prompt.shape[0]
     mask = (jnp.arange(prompt_len) < length)[None]
-    view, _ = view.reserve(length[None])
+    view, _ = view.reserve(length[None], pages_for(prompt_len, cache.page_size))
     out = model(prompt[None], positions=jnp.arange(prompt_len)[None], attention_mask=mask,
                 cache=view, return_logits=False)
     view = out.cache.advance(mask)
@@ -122,7 +122,9 @@ def _admit(graphdef, params, s: _State, prompt, length, row0, num_rows, first_sa
                          lengths=cache.lengths.at[row0].set(view.lengths[0]))
     rows = jnp.arange(cache.lengths.shape[0])
     group_rows = (rows >= row0) & (rows < row0 + num_rows)
-    cache, _ = cache.copy_rows(row0, group_rows & (rows != row0))
+    sample = jnp.arange(config.num_samples)
+    dest = jnp.where((sample >= 1) & (sample < num_rows), row0 + sample, rows.shape[0])
+    cache, _ = cache.copy_rows(row0, dest, pages_for(prompt_len, cache.page_size))
     hidden = jax.lax.dynamic_index_in_dim(out.hidden[0], length - 1, keepdims=False)
     logits = _next_logits(model, hidden[None])[0]
     col = lambda x: group_rows.reshape((-1,) + (1,) * (x.ndim - 1))
@@ -157,7 +159,7 @@ def _decode(graphdef, params, s: _State, rng, *, config: SamplingConfig, steps: 
 
     def body(carry):
         step, made, waits, peak, s = carry
-        cache, granted = s.cache.reserve(s.active.astype(jnp.int32))
+        cache, granted = s.cache.reserve(s.active.astype(jnp.int32), 1)
         go = s.active & granted
         peak = jnp.maximum(peak, cache.num_pages - cache.num_free)
         logits = s.logits

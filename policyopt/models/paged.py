@@ -133,17 +133,21 @@ class PagedKVCache:
     # Allocation.
     # ----------------------------------------------------------------------------------
 
-    def reserve(self, new_tokens: jax.Array) -> tuple["PagedKVCache", jax.Array]:
+    def reserve(self, new_tokens: jax.Array, max_new_pages: int | None = None
+                ) -> tuple["PagedKVCache", jax.Array]:
         """Pages for ``new_tokens`` more tokens of each row, all or none per row.
 
         Row r needs ceil((len_r + n_r) / ps) - pages_r more pages. Asking rows are served
         in row order while the stack lasts: with c_r the inclusive cumsum of the needs,
         row r is granted iff c_r <= num_free (or it needs none), so the granted rows that
-        need pages are a prefix of the asking ones and take ``free[num_free - c_r .. num_free - c_r + need_r)``. A row
-        whose sequence would pass ``max_pages`` pages is refused too.
+        need pages are a prefix of the asking ones, and pop their pages off the stack.
+        A row whose sequence would pass ``max_pages`` pages is refused too.
 
         Args:
           new_tokens: int32 [R], tokens each row is about to write (0: asks nothing).
+          max_new_pages: static bound on the pages one row may need now (1 for a decode
+            step, whatever ``new_tokens`` <= page size); default ``max_pages``. Keeps the
+            table update at R x max_new_pages entries.
         Returns:
           (cache, granted bool [R]); granted is True for rows that need no page.
         """
@@ -158,7 +162,7 @@ class PagedKVCache:
         take = jnp.where(granted, need, 0)
         start = jnp.cumsum(take) - take                              # exclusive, [R]
         total = jnp.sum(take)
-        j = jnp.arange(self.max_pages)[None, :]                      # [1, max_pages]
+        j = jnp.arange(max_new_pages or self.max_pages)[None, :]     # [1, max_new_pages]
         valid = j < take[:, None]
         stack_pos = self.num_free - 1 - (start[:, None] + j)         # popped from the top
         page = jnp.where(valid, self.free[jnp.clip(stack_pos, 0, num_pages - 1)], num_pages)
@@ -181,27 +185,37 @@ class PagedKVCache:
                             num_free=self.num_free + jnp.sum(flat_held).astype(jnp.int32),
                             lengths=jnp.where(rows, 0, self.lengths))
 
-    def copy_rows(self, source: jax.Array, rows: jax.Array) -> tuple["PagedKVCache", jax.Array]:
-        """Gives each row in ``rows`` (bool [R]) its own copy of row ``source``'s tokens
-        (e.g. the G samples of one prefilled prompt). The rows must be empty.
+    def copy_rows(self, source: jax.Array, dest: jax.Array, num_pages: int
+                  ) -> tuple["PagedKVCache", jax.Array]:
+        """Gives each row in ``dest`` its own copy of row ``source``'s tokens (e.g. the G
+        samples of one prefilled prompt). The rows must be empty.
 
+        Args:
+          source: int32 scalar row.
+          dest: int32 [D] rows; entries >= R are skipped.
+          num_pages: static bound on the pages ``source`` holds (e.g. ceil(P / ps)):
+            D x num_pages pages are copied, not a whole table's worth.
         Returns:
-          (cache, granted bool [R]); a row not granted (pool exhausted) stays empty.
+          (cache, granted bool [D]); a row not granted (pool exhausted) stays empty.
         """
+        rows = self.lengths.shape[0]
         length = self.lengths[source]
-        cache, granted = self.reserve(jnp.where(rows, length, 0))
-        copy = rows & granted
-        src = cache.page_table[source]                               # [max_pages]
-        dst = jnp.where(copy[:, None], cache.page_table, self.num_pages)  # [R, max_pages]
-        src = jnp.broadcast_to(src[None], dst.shape)
-        src = jnp.where(dst < self.num_pages, src, 0)
+        asks = jnp.zeros((rows,), jnp.int32).at[dest].set(length, mode="drop")
+        cache, granted = self.reserve(asks, num_pages)
+        inside = dest < rows
+        copy = inside & granted[jnp.minimum(dest, rows - 1)]                 # [D]
+        table = cache.page_table[jnp.minimum(dest, rows - 1), :num_pages]     # [D, n]
+        dst = jnp.where(copy[:, None], table, self.num_pages).reshape(-1)
+        src = jnp.where(dst < self.num_pages,
+                        jnp.broadcast_to(cache.page_table[source, :num_pages][None],
+                                         table.shape).reshape(-1), 0)
 
         def move(pool):
-            pages = pool[:, :, src.reshape(-1)]                      # [L, Hkv, R*mp, ps, Dh]
-            return pool.at[:, :, dst.reshape(-1)].set(pages, mode="drop")
+            pages = jnp.take(pool, src, axis=2, mode="clip")                 # [L, Hkv, D*n, ...]
+            return pool.at[:, :, dst].set(pages, mode="drop")
 
-        lengths = jnp.where(copy, length, cache.lengths)
-        return cache.replace(k=move(cache.k), v=move(cache.v), lengths=lengths), granted & rows
+        lengths = cache.lengths.at[jnp.where(copy, dest, rows)].set(length, mode="drop")
+        return cache.replace(k=move(cache.k), v=move(cache.v), lengths=lengths), copy
 
     def advance(self, token_mask: jax.Array) -> "PagedKVCache":
         """Lengths after a forward call whose real tokens were ``token_mask`` [R, T]."""
