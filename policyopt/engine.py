@@ -183,7 +183,9 @@ def _decode(graphdef, params, s: _State, rng, *, config: SamplingConfig, steps: 
         column = jnp.where(go, s.count, num_new)                     # dropped when waiting
         rows = jnp.arange(tokens.shape[0])
         put = lambda buf, value: buf.at[rows, column].set(value, mode="drop")
-        cache = out.cache.advance(feed).release(ended)
+        cache = out.cache.advance(feed)
+        # A flat pass over every row's table: only on steps where some row ended.
+        cache = jax.lax.cond(jnp.any(ended), lambda c: c.release(ended), lambda c: c, cache)
         s = s.replace(cache=cache,
                       logits=jnp.where(feed, _next_logits(model, out.hidden[:, 0]), logits),
                       active=s.active & ~ended, count=s.count + go,
@@ -264,7 +266,8 @@ class Engine:
         counts = np.zeros(batch * group, np.int32)
         steps_run = 0
         # What the last call did: row-steps spent waiting for a page, groups and rows
-        # preempted, most pages held at once during decode.
+        # preempted, most pages held at once during decode, pages still held at the end
+        # (0: every page came back).
         self.stats = dict(waits=0, preempted_groups=0, preempted_rows=0, peak_pages=0)
 
         def admit(state, b, row0, num_rows, first_sample):
@@ -329,6 +332,7 @@ class Engine:
                     waiting[slot].append(row)
                     self.stats["preempted_rows"] += 1
                 state = _evict(state, jnp.asarray(evict))
+        self.stats["pages_held_at_end"] = engine.num_pages - int(state.cache.num_free)
         mask = (np.arange(num_new)[None, :] < counts[:, None]).astype(np.float32)
         fill = config.fill_id
         shift = prompt_len - lengths

@@ -66,7 +66,7 @@ def test_greedy_equals_generate(model, greedy_reference):
     _check_equal(rollout, reference)
     assert stats["waits"] == stats["preempted_groups"] == stats["preempted_rows"] == 0
     # Pages follow the tokens held: at most 4 rows of ceil((6 + 9) / 4) = 4 pages.
-    assert 0 < stats["peak_pages"] <= 16
+    assert 0 < stats["peak_pages"] <= 16 and stats["pages_held_at_end"] == 0
 
 
 def test_small_budget_waits_not_truncates(model, greedy_reference):
@@ -78,7 +78,7 @@ def test_small_budget_waits_not_truncates(model, greedy_reference):
     _check_equal(rollout, reference)
     assert stats["waits"] > 0
     assert stats["preempted_groups"] + stats["preempted_rows"] > 0
-    assert stats["peak_pages"] == 10
+    assert stats["peak_pages"] == 10 and stats["pages_held_at_end"] == 0
 
 
 def test_log_probs_equal_full_forward(model):
