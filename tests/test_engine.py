@@ -57,12 +57,13 @@ def _check_equal(rollout, reference):
     np.testing.assert_allclose(rollout.raw_log_probs, reference.raw_log_probs, atol=1e-4)
 
 
-def test_greedy_equals_generate(model, greedy_reference):
+@pytest.mark.parametrize("attention", ["gather", "online"])
+def test_greedy_equals_generate(model, greedy_reference, attention):
     """Two groups of rows for three prompts: the third is admitted when a group is
     handed out."""
     eos, reference = greedy_reference
     rollout, stats = _engine_rollout(model, eos, kv_tokens=256, rows=4, page_size=4,
-                                     steps_per_call=4)
+                                     steps_per_call=4, attention=attention)
     _check_equal(rollout, reference)
     assert stats["waits"] == stats["preempted_groups"] == stats["preempted_rows"] == 0
     # Pages follow the tokens held: at most 4 rows of ceil((6 + 9) / 4) = 4 pages.
