@@ -4,9 +4,10 @@ of G samples at a time, within a KV memory budget.
 How a call runs (``Engine.generate``):
 
   1. Admission (host). A free group of G rows takes the next prompt when the pool has
-     G * (pages of the prompt + 1) free pages. The prompt is prefilled once into the
-     group's first row (a ``[1, P]`` forward pass writing that row's pages), and its pages
-     are copied to the other G - 1 rows (``PagedKVCache.copy_rows``).
+     the pages of the prompt, one more per row, and a copy of a partly filled last page
+     for each other row, free. The prompt is prefilled once into the group's first row
+     (a ``[1, P]`` forward pass writing that row's pages); the other G - 1 rows share its
+     full pages and get their own copy of the partial one (``PagedKVCache.copy_rows``).
   2. Decode (one jitted ``lax.while_loop`` of at most ``steps_per_call`` steps). Each
      running row asks for the page its next token needs (``PagedKVCache.reserve``); a row
      refused waits (it samples nothing and writes nothing this step). A row that goes on
@@ -26,8 +27,8 @@ Greedy outputs equal ``policyopt.sampling.generate``'s for the same prompts. Sam
 outputs follow another key schedule (per row, not per step), so they differ from it.
 Behaviour log-probs are those of the distribution each token was drawn from, as there.
 
-Not yet (issue 23): routing capture (R3) of MoE rollouts, stop sequences, sharing one
-prompt's pages between its G rows (each row holds a copy), and a sharded model.
+Not yet (issue 23): routing capture (R3) of MoE rollouts, stop sequences, a sharded
+model.
 """
 
 from __future__ import annotations
@@ -287,11 +288,13 @@ class Engine:
                 if slots[slot] >= 0 or not queue:
                     continue
                 b = queue[0]
-                if num_free < group * (pages_for(int(lengths[b]), engine.page_size) + 1):
+                prompt_pages = (pages_for(int(lengths[b]), engine.page_size)
+                                + (group - 1) * int(lengths[b] % engine.page_size > 0))
+                if num_free < prompt_pages + group:
                     break
                 queue.pop(0)
                 state = admit(state, b, slot * group, group, 0)
-                num_free -= group * pages_for(int(lengths[b]), engine.page_size)
+                num_free -= prompt_pages
                 slots[slot] = b
                 admitted.append(slot)
             state, run, made, waits, peak = _decode(self.graphdef, params, state, rng,

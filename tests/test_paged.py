@@ -117,6 +117,44 @@ def test_reserve_release_reuse_hand_worked():
     assert sorted(np.asarray(cache.free).tolist()) == [0, 1, 2, 3, 4]
 
 
+copy_rows = jax.jit(lambda cache, source, dest: cache.copy_rows(source, dest, 3))
+
+
+def test_copy_rows_shares_full_pages_and_copies_the_partial_one():
+    """A 5-token prompt in pages of 2 (pages 0, 1 full, page 2 partial) given to rows 1
+    and 2: they share pages 0 and 1 and get pages 3 and 4 holding page 2's keys."""
+    config = CONFIGS["dense"]
+    cache = PagedKVCache.create(config, 4, num_pages=6, page_size=2, max_pages=4)
+    cache, _ = reserve(cache, jnp.array([5, 0, 0, 0], jnp.int32))
+    cache = advance(cache, jnp.array([[1] * 5, [0] * 5, [0] * 5, [0] * 5], bool))
+    cache = cache.replace(k=cache.k.at[:, :, 2].set(7.0), v=cache.v.at[:, :, 2].set(-3.0))
+    cache, granted = copy_rows(cache, jnp.int32(0), jnp.array([1, 2, 4], jnp.int32))
+    np.testing.assert_array_equal(granted, [True, True, False])        # row 4: outside
+    np.testing.assert_array_equal(cache.page_table[:3, :3], [[0, 1, 2], [0, 1, 3], [0, 1, 4]])
+    np.testing.assert_array_equal(cache.lengths, [5, 5, 5, 0])
+    np.testing.assert_array_equal(cache.refs, [3, 3, 1, 1, 1, 0])
+    assert int(cache.num_free) == 1
+    for page in (3, 4):
+        np.testing.assert_array_equal(cache.k[:, :, page], 7.0)
+        np.testing.assert_array_equal(cache.v[:, :, page], -3.0)
+    # One page left: row 3 gets the shared pages but is refused its partial page.
+    cache, _ = reserve(cache, jnp.array([0, 0, 0, 0], jnp.int32))
+    cache = cache.replace(num_free=jnp.int32(0))
+    cache, granted = copy_rows(cache, jnp.int32(0), jnp.array([3, 9, 9], jnp.int32))
+    np.testing.assert_array_equal(granted, [False, False, False])
+    np.testing.assert_array_equal(cache.page_table[3], [6, 6, 6, 6])
+    np.testing.assert_array_equal(cache.refs, [3, 3, 1, 1, 1, 0])
+    cache = cache.replace(num_free=jnp.int32(1))
+    # The source handed out first: only its own page 2 comes back; the shared pages
+    # stay until their last row goes.
+    cache = release(cache, jnp.array([True, False, False, False]))
+    np.testing.assert_array_equal(cache.refs, [2, 2, 0, 1, 1, 0])
+    assert int(cache.num_free) == 2 and int(cache.free[1]) == 2
+    cache = release(cache, jnp.array([False, True, True, False]))
+    assert int(cache.num_free) == 6
+    assert sorted(np.asarray(cache.free).tolist()) == list(range(6))
+
+
 def test_refused_row_waits_and_writes_nothing():
     """A row refused a page is left out of the step (mask False): the pool and the other
     rows' results are as without it, and it goes on once a page is free."""

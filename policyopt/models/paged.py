@@ -16,7 +16,10 @@ steps, so a host-side allocator would stop the loop every ``ps`` steps to ask th
 The stack keeps allocation a cumsum and two scatters per step, on the device.
 ``reserve`` grants each asking row all of its pages or none (rows served in row order
 while pages last); a row refused stays where it is and asks again next step: it waits,
-it is never truncated. ``release`` pushes a row's pages back on the stack.
+it is never truncated. ``release`` drops a row's references to its pages and pushes the
+pages left with none back on the stack. The G samples of a prompt share its full pages
+(``copy_rows``; ``refs`` counts the rows on each page), each with its own copy of a
+partly filled last page: no row writes below its length, so shared pages stay read-only.
 
 Attention over pages (``attend``):
   * ``"gather"`` (default, CPUs and GPUs): the row's pages are gathered into a
@@ -65,6 +68,8 @@ class PagedKVCache:
       lengths: int32 [R]; tokens each row holds.
       free: int32 [NP]; ``free[:num_free]`` are the free page ids (a stack, top last).
       num_free: int32 []; free pages.
+      refs: int32 [NP]; table entries pointing at each page (> 1: a prompt's full pages
+        shared by the rows of its group, ``copy_rows``).
       index: int32 []; advanced by ``Transformer`` after each call, unused here.
       attention: "gather", "online" or "pallas" (static; see the module docstring).
     """
@@ -75,6 +80,7 @@ class PagedKVCache:
     lengths: jax.Array
     free: jax.Array
     num_free: jax.Array
+    refs: jax.Array
     index: jax.Array
     attention: str = struct.field(pytree_node=False, default="gather")
 
@@ -107,6 +113,7 @@ class PagedKVCache:
                    lengths=jnp.zeros((rows,), jnp.int32),
                    free=jnp.arange(num_pages, dtype=jnp.int32)[::-1],
                    num_free=jnp.asarray(num_pages, jnp.int32),
+                   refs=jnp.zeros((num_pages,), jnp.int32),
                    index=jnp.zeros((), jnp.int32), attention=attention)
 
     @property
@@ -169,50 +176,69 @@ class PagedKVCache:
         column = jnp.where(valid, held[:, None] + j, self.max_pages)  # drop when invalid
         rows = jnp.broadcast_to(jnp.arange(self.page_table.shape[0])[:, None], column.shape)
         table = self.page_table.at[rows, column].set(page, mode="drop")
-        return self.replace(page_table=table, num_free=self.num_free - total), granted
+        refs = self.refs.at[page.reshape(-1)].set(1, mode="drop")
+        return self.replace(page_table=table, num_free=self.num_free - total, refs=refs), granted
 
     def release(self, rows: jax.Array) -> "PagedKVCache":
-        """Returns the pages of ``rows`` (bool [R]) to the stack and empties the rows."""
+        """Empties ``rows`` (bool [R]): each page they point at loses one reference, and the
+        pages left with none go back on the stack (in page order)."""
         num_pages = self.num_pages
         held = (self.page_table < num_pages) & rows[:, None]
-        flat_pages = self.page_table.reshape(-1)
-        flat_held = held.reshape(-1)
-        pos = self.num_free + jnp.cumsum(flat_held) - flat_held
-        pos = jnp.where(flat_held, pos, num_pages)                   # drop when not held
-        free = self.free.at[pos].set(flat_pages, mode="drop")
+        dropped = jnp.where(held, self.page_table, num_pages).reshape(-1)
+        refs = self.refs.at[dropped].add(-1, mode="drop")
+        freed = (self.refs > 0) & (refs == 0)                               # [NP]
+        pos = jnp.where(freed, self.num_free + jnp.cumsum(freed) - freed, num_pages)
+        free = self.free.at[pos].set(jnp.arange(num_pages, dtype=jnp.int32), mode="drop")
         table = jnp.where(rows[:, None], num_pages, self.page_table)
-        return self.replace(page_table=table, free=free,
-                            num_free=self.num_free + jnp.sum(flat_held).astype(jnp.int32),
+        return self.replace(page_table=table, free=free, refs=refs,
+                            num_free=self.num_free + jnp.sum(freed, dtype=jnp.int32),
                             lengths=jnp.where(rows, 0, self.lengths))
 
     def copy_rows(self, source: jax.Array, dest: jax.Array, num_pages: int
                   ) -> tuple["PagedKVCache", jax.Array]:
-        """Gives each row in ``dest`` its own copy of row ``source``'s tokens (e.g. the G
-        samples of one prefilled prompt). The rows must be empty.
+        """Gives each row in ``dest`` row ``source``'s tokens (e.g. the G samples of one
+        prefilled prompt). The rows must be empty.
+
+        The source's full pages are shared (their references counted in ``refs``): no row
+        ever writes below its length, so they are read-only. A last, partly filled page is
+        copied into a page of each row's own, which it goes on filling.
 
         Args:
           source: int32 scalar row.
           dest: int32 [D] rows; entries >= R are skipped.
-          num_pages: static bound on the pages ``source`` holds (e.g. ceil(P / ps)):
-            D x num_pages pages are copied, not a whole table's worth.
+          num_pages: static bound on the pages ``source`` holds (e.g. ceil(P / ps)).
         Returns:
-          (cache, granted bool [D]); a row not granted (pool exhausted) stays empty.
+          (cache, granted bool [D]); a row not granted (no page for the partial page)
+          stays empty.
         """
-        rows = self.lengths.shape[0]
+        rows, ps = self.lengths.shape[0], self.page_size
         length = self.lengths[source]
-        asks = jnp.zeros((rows,), jnp.int32).at[dest].set(length, mode="drop")
-        cache, granted = self.reserve(asks, num_pages)
+        full = length // ps
         inside = dest < rows
-        copy = inside & granted[jnp.minimum(dest, rows - 1)]                 # [D]
-        table = cache.page_table[jnp.minimum(dest, rows - 1), :num_pages]     # [D, n]
-        dst = jnp.where(copy[:, None], table, self.num_pages).reshape(-1)
-        src = jnp.where(dst < self.num_pages,
-                        jnp.broadcast_to(cache.page_table[source, :num_pages][None],
-                                         table.shape).reshape(-1), 0)
+        safe_dest = jnp.minimum(dest, rows - 1)
+        source_pages = self.page_table[source, :num_pages]                  # [n]
+        shared = inside[:, None] & (jnp.arange(num_pages)[None, :] < full)  # [D, n]
+        column = jnp.where(shared, jnp.arange(num_pages)[None, :], self.max_pages)
+        table = self.page_table.at[safe_dest[:, None], column].set(
+            jnp.broadcast_to(source_pages[None], shared.shape), mode="drop")
+        refs = self.refs.at[jnp.where(shared, source_pages[None], self.num_pages).reshape(-1)
+                            ].add(1, mode="drop")
+        lengths = self.lengths.at[jnp.where(inside, dest, rows)].set(full * ps, mode="drop")
+        cache = self.replace(page_table=table, refs=refs, lengths=lengths)
+        asks = jnp.zeros((rows,), jnp.int32).at[dest].set(length - full * ps, mode="drop")
+        cache, granted = cache.reserve(asks, 1)
+        copy = inside & granted[safe_dest]                                  # [D]
+        refused = jnp.zeros((rows,), bool).at[dest].set(inside & ~copy, mode="drop")
+        cache = cache.release(refused)
+        # The partial page: source's page at column `full` into each row's own.
+        partial = copy & (length > full * ps)
+        src = jnp.where(partial, self.page_table[source, jnp.minimum(full, self.max_pages - 1)],
+                        0)
+        dst = jnp.where(partial, cache.page_table[safe_dest, jnp.minimum(full, self.max_pages - 1)],
+                        self.num_pages)
 
         def move(pool):
-            pages = jnp.take(pool, src, axis=2, mode="clip")                 # [L, Hkv, D*n, ...]
-            return pool.at[:, :, dst].set(pages, mode="drop")
+            return pool.at[:, :, dst].set(jnp.take(pool, src, axis=2, mode="clip"), mode="drop")
 
         lengths = cache.lengths.at[jnp.where(copy, dest, rows)].set(length, mode="drop")
         return cache.replace(k=move(cache.k), v=move(cache.v), lengths=lengths), copy
