@@ -243,6 +243,9 @@ class Engine:
         prompts = np.asarray(prompts, np.int32)
         lengths = np.asarray(prompt_lengths, np.int32)
         batch, prompt_len = prompts.shape
+        if lengths.shape != (batch,) or lengths.min() < 1 or lengths.max() > prompt_len:
+            raise ValueError(f"prompt_lengths must be [B={batch}] in [1, P={prompt_len}], got "
+                             f"shape {lengths.shape}, min {lengths.min()} max {lengths.max()}")
         budget = engine.num_pages * engine.page_size
         too_long = np.flatnonzero(lengths > budget)
         if too_long.size:

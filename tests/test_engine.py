@@ -114,6 +114,9 @@ def test_budget_errors(model):
                                          r"longest prompt \(6 tokens\) plus one page"):
         Engine(model, EngineConfig(kv_tokens=8, rows=2, page_size=4), config).generate(
             PROMPTS, LENGTHS, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"prompt_lengths must be \[B=3\] in \[1, P=7\]"):
+        Engine(model, EngineConfig(kv_tokens=64, rows=2), config).generate(
+            PROMPTS, np.array([6, 0, 4]), jax.random.key(0))
     with pytest.raises(ValueError, match=r"EngineConfig.rows = 3 must be a multiple"):
         Engine(model, EngineConfig(kv_tokens=64, rows=3), config)
     with pytest.raises(ValueError, match=r"EngineConfig.page_size must be >= 1, got 0"):
