@@ -229,6 +229,15 @@ def base_config() -> ml_collections.ConfigDict:
     # responses like the demo's. Synchronous generation only (the async generator keeps
     # its own windowed cache).
     c.sampling.decode_segments = 1
+    # Continuous batching (`policyopt.engine`) on a paged KV cache instead of one
+    # `generate_fn` call over all B x G rows: the pool's KV token slots (the memory budget,
+    # shared by all rows; 0 = off), the rows decoded together (a multiple of
+    # batch.group_size; 0 = all B x G), and the token slots per page. Greedy tokens are
+    # generate's; sampled ones follow per-row keys (another draw of the same distribution).
+    # Synchronous trainer, one device, no R3 yet.
+    c.sampling.engine_kv_tokens = 0
+    c.sampling.engine_rows = 0
+    c.sampling.engine_page_size = 16
 
     # ---- Algorithm ------------------------------------------------------------------------
     c.algo = ml_collections.ConfigDict()
@@ -758,6 +767,21 @@ def check(config: ml_collections.ConfigDict) -> None:
     if not 1 <= config.sampling.decode_segments <= max_new:
         raise ValueError(f"config.sampling.decode_segments must be in [1, max_new_tokens={max_new}], "
                          f"got {config.sampling.decode_segments}")
+    s = config.sampling
+    if s.engine_kv_tokens < 0 or s.engine_rows < 0 or s.engine_page_size < 1:
+        raise ValueError(f"config.sampling.engine_kv_tokens ({s.engine_kv_tokens}) and "
+                         f"engine_rows ({s.engine_rows}) must be >= 0, engine_page_size "
+                         f"({s.engine_page_size}) >= 1")
+    if s.engine_kv_tokens > 0:
+        if s.engine_rows % b.group_size:
+            raise ValueError(f"config.sampling.engine_rows ({s.engine_rows}) must be a multiple "
+                             f"of batch.group_size ({b.group_size}): rows are refilled by group")
+        if s.engine_kv_tokens < 2 * s.engine_page_size:
+            raise ValueError(f"config.sampling.engine_kv_tokens ({s.engine_kv_tokens}) must hold "
+                             f"a prompt plus one page of {s.engine_page_size} tokens")
+        if config.algo.routing_replay == "R3":
+            raise ValueError("config.sampling.engine_kv_tokens > 0 does not capture the "
+                             "sampler's routing yet: algo.routing_replay = 'R3' needs it 0")
     r = config.reward
     for name in ("verifier_timeout_s", "deadline_s", "code_timeout_s", "code_memory_mb",
                  "code_disk_mb", "code_max_tests"):

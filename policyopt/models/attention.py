@@ -184,7 +184,8 @@ class Attention(nnx.Module):
           x: [B, T, D] normed input.
           cos, sin: [B, T, Dh] rotary phases at the tokens' positions.
           token_mask: bool [B, T], False for padding tokens (never attended as keys).
-          cache: KVCache (updated at slots [index, index+T) of layer ``layer``) or None.
+          cache: KVCache (updated at slots [index, index+T) of layer ``layer``), a
+            ``policyopt.models.paged.PagedKVCache`` (see its ``attend``), or None.
           layer: index of this block in the cache.
           segment_ids: int32 [B, T] or None: packed rows, a query sees only the keys of
             its own segment (0 = padding, never seen). Not with a cache.
@@ -200,6 +201,9 @@ class Attention(nnx.Module):
         k = apply_rope(self.k_norm(k), cos, sin)
         q = constrain(q, ("batch", "length", "heads", "kv"))
         t = x.shape[1]
+        if getattr(cache, "paged", False):  # policyopt.models.paged.PagedKVCache
+            out, cache = cache.attend(layer, q, k, v, token_mask)
+            return jnp.einsum("btnh,nhd->btd", out.astype(dt), self.o_proj[...].astype(dt)), cache
         if cache is None:
             out = attend(q, k, v, key_mask=token_mask, segment_ids=segment_ids,
                          implementation=self.implementation, block_size=self.block_size)

@@ -130,6 +130,8 @@ class RLRun:
     # The first sampling round's prompts, completions, references and verdicts of the last
     # iteration (``report.sample_rows`` fields, as lists), for samples.jsonl; or None.
     last_samples: dict | None = None
+    # Continuous-batching engine (config.sampling.engine_kv_tokens > 0), or None.
+    engine: Any = None
 
 
 def make_prompt_iterator(config, records, *, seed: int):
@@ -183,6 +185,8 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
                 learner=learner, state=state, ref_params=ref_params, rng=rng, data=data,
                 eval_records=eval_records, sampling_config=sampling_config,
                 reward_spec=build.reward_spec(config), checkpointer=checkpointer, mesh=mesh)
+    if s.engine_kv_tokens > 0:
+        run.engine = _make_engine(config, model, graphdef, sampling_config, mesh)
     if config.algo.advantage == "gae":
         run.critic = get_critic(graphdef, CriticConfig.from_config(config), critic_optim(config))
         critic_state = run.critic.init_state(params, model.config.hidden_size)
@@ -190,6 +194,20 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
     if checkpointer.latest_step() is not None:
         restore(run, check_config=check_config)
     return run
+
+
+def _make_engine(config, model, graphdef, sampling_config: SamplingConfig, mesh):
+    """The continuous-batching engine of config.sampling (one device only for now)."""
+    from policyopt.engine import Engine, EngineConfig
+
+    if mesh.size > 1:
+        raise ValueError(f"config.sampling.engine_kv_tokens > 0 decodes on one device; the "
+                         f"mesh has {mesh.size}: set it 0 (decoding a sharded model: issue 23)")
+    s = config.sampling
+    rows = s.engine_rows or config.batch.n_prompts * config.batch.group_size
+    return Engine(model, EngineConfig(kv_tokens=s.engine_kv_tokens, rows=rows,
+                                      page_size=s.engine_page_size), sampling_config,
+                  graphdef=graphdef)
 
 
 def _checkpoint_state(run: RLRun) -> dict:
@@ -242,9 +260,14 @@ def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
     while not done:
         prompts = next(run.data)
         t0 = time.perf_counter()
-        rollout = generate_fn(run.graphdef, run.state.params, sharding.shard_rows(prompts["prompt_tokens"]),
-                              sharding.shard_rows(prompts["prompt_lengths"]),
-                              jax.random.fold_in(key, round_index), config=run.sampling_config)
+        if run.engine is not None:
+            rollout = run.engine.generate(prompts["prompt_tokens"], prompts["prompt_lengths"],
+                                          jax.random.fold_in(key, round_index),
+                                          params=run.state.params)
+        else:
+            rollout = generate_fn(run.graphdef, run.state.params, sharding.shard_rows(prompts["prompt_tokens"]),
+                                  sharding.shard_rows(prompts["prompt_lengths"]),
+                                  jax.random.fold_in(key, round_index), config=run.sampling_config)
         tokens, lengths = sharding.to_host((rollout.tokens, rollout.lengths))
         truncated = truncated_rows(tokens, lengths, cfg.sampling.max_new_tokens,
                                    run.sampling_config.end_ids)

@@ -1,0 +1,389 @@
+"""A paged KV cache: a pool of fixed-size pages, a page table per row, a free stack.
+
+Memory then follows the tokens each row actually holds, not prompt + max_new_tokens per
+row (vLLM's PagedAttention, Kwon et al. 2023, arXiv 2309.06180).
+
+Layout. Keys and values of every layer live in one pool each, ``[L, Hkv, NP, ps, Dh]``
+(NP pages of ``ps`` token slots). Per layer this is exactly the ``[Hkv, NP, ps, Dh]``
+layout that JAX's TPU paged-attention kernel
+(``jax.experimental.pallas.ops.tpu.paged_attention``) reads, so the kernel gets a layer's
+pool with no transpose. Row ``r`` holds its token ``s`` at page ``page_table[r, s // ps]``,
+slot ``s % ps``; an entry equal to NP means "no page" (writes there are dropped).
+
+Allocation is in-jit, from a free stack (``free[:num_free]`` holds the free page ids):
+a decode step runs inside a ``lax.while_loop``, and a row needs a new page every ``ps``
+steps, so a host-side allocator would stop the loop every ``ps`` steps to ask the host.
+The stack keeps allocation a cumsum and two scatters per step, on the device.
+``reserve`` grants each asking row all of its pages or none (rows served in row order
+while pages last); a row refused stays where it is and asks again next step: it waits,
+it is never truncated. ``release`` drops a row's references to its pages and pushes the
+pages left with none back on the stack. The G samples of a prompt share its full pages
+(``copy_rows``; ``refs`` counts the rows on each page), each with its own copy of a
+partly filled last page: no row writes below its length, so shared pages stay read-only.
+
+Attention over pages (``attend``):
+  * ``"gather"`` (default, CPUs and GPUs): the row's pages are gathered into a
+    ``[Hkv, B, S, Dh]`` block (S = max_pages * ps), then masked grouped attention as in
+    ``policyopt.models.attention.dot_product_attention``: two batched matmuls.
+  * ``"online"``: page by page in a ``lax.scan`` with an online softmax. Measured by
+    ``benchmarks/bench_paged_attention.py`` (one decode step of one layer, B = 64,
+    160 slots, moe_7m's heads) on the 2-core CPU shared with other jobs: gather 22.8 and
+    25.3 ms, online 20.1 and 18.6 ms, the dense KVCache 3.2 and 3.4 ms (two runs). The
+    page gather itself is most of the gap to the dense cache, and neither paged form
+    wins clearly; the gather stays the default as the simpler graph (one product each
+    for scores and values), the online form is there for a device where it measures
+    faster.
+  * ``"pallas"`` (TPUs, one-token decode only): the kernel that ships with JAX; prefill
+    (T > 1) uses the gather. On a CPU it runs in Pallas' TPU interpret mode
+    (``jax.experimental.pallas.tpu.force_tpu_interpret_mode``), which the tests use.
+
+Contract of a forward call with ``T`` tokens per row: the real tokens of a row
+(``token_mask``) are a prefix of its T tokens (right padding); they go to slots
+``lengths[r] .. lengths[r] + n_r - 1``; the caller reserves their pages first and then
+advances ``lengths`` by ``n_r`` (``advance``). ``Transformer`` bumps ``index``, which
+the paged cache does not use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from policyopt.models.config import ModelConfig
+
+_MASK_VALUE = -1e30
+ATTENTION = ("gather", "online", "pallas")
+
+
+@struct.dataclass
+class PagedKVCache:
+    """Page pools, page tables and the free stack, a pytree.
+
+    Attributes:
+      k, v: [L, Hkv, NP, ps, Dh] key and value pools (keys rotated).
+      page_table: int32 [R, max_pages]; NP where a row has no page.
+      lengths: int32 [R]; tokens each row holds.
+      free: int32 [NP]; ``free[:num_free]`` are the free page ids (a stack, top last).
+      num_free: int32 []; free pages.
+      refs: int32 [NP]; table entries pointing at each page (> 1: a prompt's full pages
+        shared by the rows of its group, ``copy_rows``).
+      index: int32 []; advanced by ``Transformer`` after each call, unused here.
+      attention: "gather", "online" or "pallas" (static; see the module docstring).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    page_table: jax.Array
+    lengths: jax.Array
+    free: jax.Array
+    num_free: jax.Array
+    refs: jax.Array
+    index: jax.Array
+    attention: str = struct.field(pytree_node=False, default="gather")
+
+    # Read by ``Attention`` to route a forward call here.
+    paged = True
+
+    @classmethod
+    def create(cls, config: ModelConfig, rows: int, num_pages: int, page_size: int,
+               max_pages: int, dtype=None, *, attention: str = "gather") -> "PagedKVCache":
+        """An empty cache: every page free, every row empty.
+
+        Args:
+          rows: R, rows decoded together.
+          num_pages: NP, pages in the pool (the memory budget: NP * ps tokens per layer).
+          page_size: ps, token slots per page.
+          max_pages: pages one row may hold (its longest sequence / ps, rounded up).
+          dtype: pool dtype (default: the model's compute dtype).
+          attention: "gather", "online" or "pallas".
+        """
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        for name, value in (("rows", rows), ("num_pages", num_pages),
+                            ("page_size", page_size), ("max_pages", max_pages)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        dtype = jnp.dtype(dtype) if dtype is not None else config.compute_dtype
+        shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   page_table=jnp.full((rows, max_pages), num_pages, jnp.int32),
+                   lengths=jnp.zeros((rows,), jnp.int32),
+                   free=jnp.arange(num_pages, dtype=jnp.int32)[::-1],
+                   num_free=jnp.asarray(num_pages, jnp.int32),
+                   refs=jnp.zeros((num_pages,), jnp.int32),
+                   index=jnp.zeros((), jnp.int32), attention=attention)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def max_pages(self) -> int:
+        return self.page_table.shape[1]
+
+    @property
+    def max_length(self) -> int:
+        return self.max_pages * self.page_size
+
+    def pages_held(self) -> jax.Array:
+        """int32 [R]: pages each row holds."""
+        return jnp.sum(self.page_table < self.num_pages, axis=1).astype(jnp.int32)
+
+    # ----------------------------------------------------------------------------------
+    # Allocation.
+    # ----------------------------------------------------------------------------------
+
+    def reserve(self, new_tokens: jax.Array, max_new_pages: int | None = None
+                ) -> tuple["PagedKVCache", jax.Array]:
+        """Pages for ``new_tokens`` more tokens of each row, all or none per row.
+
+        Row r needs ceil((len_r + n_r) / ps) - pages_r more pages. Asking rows are served
+        in row order while the stack lasts: with c_r the inclusive cumsum of the needs,
+        row r is granted iff c_r <= num_free (or it needs none), so the granted rows that
+        need pages are a prefix of the asking ones, and pop their pages off the stack.
+        A row whose sequence would pass ``max_pages`` pages is refused too.
+
+        Args:
+          new_tokens: int32 [R], tokens each row is about to write (0: asks nothing).
+          max_new_pages: static bound on the pages one row may need now (1 for a decode
+            step, whatever ``new_tokens`` <= page size); default ``max_pages``. Keeps the
+            table update at R x max_new_pages entries.
+        Returns:
+          (cache, granted bool [R]); granted is True for rows that need no page.
+        """
+        ps, num_pages = self.page_size, self.num_pages
+        held = self.pages_held()
+        wanted = (self.lengths + new_tokens + ps - 1) // ps
+        need = jnp.maximum(wanted - held, 0)
+        fits = wanted <= self.max_pages
+        asked = jnp.where(fits, need, 0)
+        cum = jnp.cumsum(asked)
+        granted = fits & ((need == 0) | (cum <= self.num_free))
+        take = jnp.where(granted, need, 0)
+        start = jnp.cumsum(take) - take                              # exclusive, [R]
+        total = jnp.sum(take)
+        j = jnp.arange(max_new_pages or self.max_pages)[None, :]     # [1, max_new_pages]
+        valid = j < take[:, None]
+        stack_pos = self.num_free - 1 - (start[:, None] + j)         # popped from the top
+        page = jnp.where(valid, self.free[jnp.clip(stack_pos, 0, num_pages - 1)], num_pages)
+        column = jnp.where(valid, held[:, None] + j, self.max_pages)  # drop when invalid
+        rows = jnp.broadcast_to(jnp.arange(self.page_table.shape[0])[:, None], column.shape)
+        table = self.page_table.at[rows, column].set(page, mode="drop")
+        refs = self.refs.at[page.reshape(-1)].set(1, mode="drop")
+        return self.replace(page_table=table, num_free=self.num_free - total, refs=refs), granted
+
+    def release(self, rows: jax.Array) -> "PagedKVCache":
+        """Empties ``rows`` (bool [R]): each page they point at loses one reference, and the
+        pages left with none go back on the stack (in page order)."""
+        num_pages = self.num_pages
+        held = (self.page_table < num_pages) & rows[:, None]
+        dropped = jnp.where(held, self.page_table, num_pages).reshape(-1)
+        refs = self.refs.at[dropped].add(-1, mode="drop")
+        freed = (self.refs > 0) & (refs == 0)                               # [NP]
+        pos = jnp.where(freed, self.num_free + jnp.cumsum(freed) - freed, num_pages)
+        free = self.free.at[pos].set(jnp.arange(num_pages, dtype=jnp.int32), mode="drop")
+        table = jnp.where(rows[:, None], num_pages, self.page_table)
+        return self.replace(page_table=table, free=free, refs=refs,
+                            num_free=self.num_free + jnp.sum(freed, dtype=jnp.int32),
+                            lengths=jnp.where(rows, 0, self.lengths))
+
+    def copy_rows(self, source: jax.Array, dest: jax.Array, num_pages: int
+                  ) -> tuple["PagedKVCache", jax.Array]:
+        """Gives each row in ``dest`` row ``source``'s tokens (e.g. the G samples of one
+        prefilled prompt). The rows must be empty.
+
+        The source's full pages are shared (their references counted in ``refs``): no row
+        ever writes below its length, so they are read-only. A last, partly filled page is
+        copied into a page of each row's own, which it goes on filling.
+
+        Args:
+          source: int32 scalar row.
+          dest: int32 [D] rows; entries >= R are skipped.
+          num_pages: static bound on the pages ``source`` holds (e.g. ceil(P / ps)).
+        Returns:
+          (cache, granted bool [D]); a row not granted (no page for the partial page)
+          stays empty.
+        """
+        rows, ps = self.lengths.shape[0], self.page_size
+        length = self.lengths[source]
+        full = length // ps
+        inside = dest < rows
+        safe_dest = jnp.minimum(dest, rows - 1)
+        source_pages = self.page_table[source, :num_pages]                  # [n]
+        shared = inside[:, None] & (jnp.arange(num_pages)[None, :] < full)  # [D, n]
+        column = jnp.where(shared, jnp.arange(num_pages)[None, :], self.max_pages)
+        table = self.page_table.at[safe_dest[:, None], column].set(
+            jnp.broadcast_to(source_pages[None], shared.shape), mode="drop")
+        refs = self.refs.at[jnp.where(shared, source_pages[None], self.num_pages).reshape(-1)
+                            ].add(1, mode="drop")
+        lengths = self.lengths.at[jnp.where(inside, dest, rows)].set(full * ps, mode="drop")
+        cache = self.replace(page_table=table, refs=refs, lengths=lengths)
+        asks = jnp.zeros((rows,), jnp.int32).at[dest].set(length - full * ps, mode="drop")
+        cache, granted = cache.reserve(asks, 1)
+        copy = inside & granted[safe_dest]                                  # [D]
+        refused = jnp.zeros((rows,), bool).at[dest].set(inside & ~copy, mode="drop")
+        cache = cache.release(refused)
+        # The partial page: source's page at column `full` into each row's own.
+        partial = copy & (length > full * ps)
+        src = jnp.where(partial, self.page_table[source, jnp.minimum(full, self.max_pages - 1)],
+                        0)
+        dst = jnp.where(partial, cache.page_table[safe_dest, jnp.minimum(full, self.max_pages - 1)],
+                        self.num_pages)
+
+        def move(pool):
+            return pool.at[:, :, dst].set(jnp.take(pool, src, axis=2, mode="clip"), mode="drop")
+
+        lengths = cache.lengths.at[jnp.where(copy, dest, rows)].set(length, mode="drop")
+        return cache.replace(k=move(cache.k), v=move(cache.v), lengths=lengths), copy
+
+    def advance(self, token_mask: jax.Array) -> "PagedKVCache":
+        """Lengths after a forward call whose real tokens were ``token_mask`` [R, T]."""
+        return self.replace(lengths=self.lengths + jnp.sum(token_mask, axis=1, dtype=jnp.int32))
+
+    # ----------------------------------------------------------------------------------
+    # Attention.
+    # ----------------------------------------------------------------------------------
+
+    def attend(self, layer, q, k, v, token_mask) -> tuple[jax.Array, "PagedKVCache"]:
+        """Writes this call's keys and values of ``layer`` and attends over the row's pages.
+
+        Query t of row r sits at slot p = lengths[r] + t and sees slots s <= p with
+        s < lengths[r] + n_r (n_r real tokens in this call).
+
+        Args:
+          layer: int or traced int32 scalar.
+          q: [B, T, H, Dh] rotated queries; k, v: [B, T, Hkv, Dh] (k rotated).
+          token_mask: bool [B, T], a prefix of real tokens per row.
+        Returns:
+          (out [B, T, H, Dh] in the pool's dtype, cache with this layer written).
+        """
+        b, t, h, dh = q.shape
+        ps, num_pages = self.page_size, self.num_pages
+        slots = self.lengths[:, None] + jnp.arange(t)[None, :]                   # [B, T]
+        column = slots // ps
+        page = jnp.take_along_axis(self.page_table, jnp.minimum(column, self.max_pages - 1),
+                                   axis=1)
+        page = jnp.where(token_mask & (column < self.max_pages), page, num_pages)
+        offset = slots % ps
+        # Advanced indices (layer, page, offset) around a slice: the result's leading axes
+        # are [B, T], then Hkv, Dh: the projections' layout.
+        pool_k = self.k.at[layer, :, page, offset].set(k.astype(self.k.dtype), mode="drop")
+        pool_v = self.v.at[layer, :, page, offset].set(v.astype(self.v.dtype), mode="drop")
+        cache = self.replace(k=pool_k, v=pool_v)
+        ends = self.lengths + jnp.sum(token_mask, axis=1, dtype=jnp.int32)       # [B]
+        if self.attention == "pallas" and t == 1:
+            out = _pallas_decode(q[:, 0], pool_k[layer], pool_v[layer], ends,
+                                 jnp.minimum(self.page_table, num_pages - 1))
+            return out[:, None].astype(pool_v.dtype), cache
+        attend = online_attention if self.attention == "online" else gather_attention
+        return attend(q, pool_k[layer], pool_v[layer], self.page_table, slots, ends), cache
+
+
+def _gather_pages(pool, table):
+    """pool [Hkv, NP, ps, Dh] at pages ``table`` [...] -> [Hkv, ..., ps, Dh].
+
+    A ``take`` in "clip" mode: plain indexing gathers in "fill" mode, whose bounds checks
+    made XLA:CPU's gather 3x slower (benchmarks/bench_paged_attention.py).
+    """
+    flat = jnp.take(pool, table.reshape(-1), axis=1, mode="clip")
+    return flat.reshape(pool.shape[:1] + table.shape + pool.shape[2:])
+
+
+def gather_attention(q, k_pages, v_pages, page_table, query_slots, ends):
+    """softmax(q k^T / sqrt(Dh) + mask) v over each row's pages, gathered into one block.
+
+    Key slot s of row r is seen by query t iff s <= query_slots[r, t] and s < ends[r].
+
+    Args:
+      q: [B, T, H, Dh]; k_pages, v_pages: [Hkv, NP, ps, Dh] (one layer's pools);
+      page_table: int32 [B, max_pages] (entries >= NP: no page, masked by ``ends``);
+      query_slots: int32 [B, T]; ends: int32 [B].
+    Returns:
+      [B, T, H, Dh] in v_pages' dtype.
+    """
+    b, t, h, dh = q.shape
+    hkv, num_pages, ps, _ = k_pages.shape
+    g = h // hkv
+    table = jnp.minimum(page_table, num_pages - 1)
+    length = table.shape[1] * ps
+    keys = _gather_pages(k_pages, table).reshape(hkv, b, length, dh)           # [Hkv, B, S, Dh]
+    values = _gather_pages(v_pages, table).reshape(hkv, b, length, dh)
+    rows = q.reshape(b, t, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dh)
+    scores = jnp.einsum("bkqd,kbsd->bkqs", rows.astype(keys.dtype), keys,
+                        preferred_element_type=jnp.float32) * (dh ** -0.5)
+    key_slots = jnp.arange(length)
+    mask = (key_slots[None, None, :] <= query_slots[:, :, None]) & (
+        key_slots[None, None, :] < ends[:, None, None])                          # [B, T, S]
+    scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, hkv, t, g, length),
+                       _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype).reshape(b, hkv, t * g, length)
+    out = jnp.einsum("bkqs,kbsd->bkqd", probs, values)
+    return out.reshape(b, hkv, t, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dh)
+
+
+def online_attention(q, k_pages, v_pages, page_table, query_slots, ends):
+    """The same attention as ``gather_attention``, one page at a time with an online
+    softmax (Milakov & Gimelshein 2018): m' = max(m, max_s z_s), l' = l e^(m - m') +
+    sum_s e^(z_s - m'), o' = o e^(m - m') + sum_s e^(z_s - m') v_s; out = o / l.
+
+    Kept as the measured alternative (``benchmarks/bench_paged_attention.py``). Same
+    arguments and result as ``gather_attention``.
+    """
+    b, t, h, dh = q.shape
+    hkv, num_pages, ps, _ = k_pages.shape
+    g = h // hkv
+    table = jnp.minimum(page_table, num_pages - 1)
+    rows = q.reshape(b, t, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dh)
+    rows = rows.astype(k_pages.dtype)
+    query = jnp.repeat(query_slots, g, axis=1)[:, None, :]                     # [B, 1, T*G]
+
+    def step(carry, column):
+        m, l, o = carry
+        keys = _gather_pages(k_pages, table[:, column])                         # [Hkv, B, ps, Dh]
+        values = _gather_pages(v_pages, table[:, column])
+        z = jnp.einsum("bkqd,kbsd->bkqs", rows, keys,
+                       preferred_element_type=jnp.float32) * (dh ** -0.5)
+        slot = column * ps + jnp.arange(ps)
+        seen = (slot <= query[..., None]) & (slot < ends[:, None, None, None])
+        z = jnp.where(seen, z, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        scale = jnp.exp(m - safe)
+        p = jnp.exp(z - safe[..., None])
+        l = l * scale + jnp.sum(p, axis=-1)
+        o = o * scale[..., None] + jnp.einsum("bkqs,kbsd->bkqd", p.astype(values.dtype), values,
+                                              preferred_element_type=jnp.float32)
+        return (m_new, l, o), None
+
+    init = (jnp.full((b, hkv, t * g), -jnp.inf, jnp.float32),
+            jnp.zeros((b, hkv, t * g), jnp.float32), jnp.zeros((b, hkv, t * g, dh), jnp.float32))
+    (m, l, o), _ = jax.lax.scan(step, init, jnp.arange(table.shape[1]))
+    out = (o / jnp.maximum(l, 1e-30)[..., None]).astype(v_pages.dtype)
+    return out.reshape(b, hkv, t, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dh)
+
+
+def _pallas_decode(q, k_pages, v_pages, lengths, page_indices):
+    """One-token paged attention by JAX's TPU kernel: q [B, H, Dh] -> [B, H, Dh].
+
+    The kernel applies no 1/sqrt(Dh): q is scaled here. ``pages_per_compute_block`` is the
+    largest divisor of max_pages up to 8 (the kernel needs one that divides it).
+    """
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    max_pages = page_indices.shape[1]
+    block = max(d for d in range(1, min(8, max_pages) + 1) if max_pages % d == 0)
+    scaled = (q.astype(jnp.float32) * (q.shape[-1] ** -0.5)).astype(k_pages.dtype)
+    return paged_attention(scaled, k_pages, v_pages, lengths.astype(jnp.int32),
+                           page_indices.astype(jnp.int32), pages_per_compute_block=block)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold ``tokens`` tokens: ceil(tokens / page_size)."""
+    return math.ceil(tokens / page_size)

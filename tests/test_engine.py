@@ -1,0 +1,152 @@
+"""Tests of policyopt.engine: continuous batching on the paged cache against
+policyopt.sampling.generate (greedy) and a full forward pass (behaviour log-probs)."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from policyopt import sampling
+from policyopt.engine import Engine, EngineConfig
+from policyopt.models import ModelConfig, Transformer
+from policyopt.sampling import Greedy, SamplingConfig, Temperature
+
+_BASE = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+             head_dim=8, intermediate_size=48, rope_theta=1e4, initializer_range=0.3)
+MOE = ModelConfig(**_BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+PROMPTS = np.array([[5, 17, 3, 9, 22, 41, 0],
+                    [7, 2, 0, 0, 0, 0, 0],
+                    [11, 30, 8, 60, 0, 0, 0]], np.int32)
+LENGTHS = np.array([6, 2, 4], np.int32)
+NEW = 9
+GROUP = 2
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(MOE, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(model):
+    """generate's greedy rollout, with an end token that some rows draw early."""
+    first = sampling.generate(model, PROMPTS, LENGTHS, max_new_tokens=NEW, rng=jax.random.key(0),
+                              temperature=0.0, num_samples=GROUP)
+    eos = int(np.asarray(first.tokens)[2, 3])
+    rollout = sampling.generate(model, PROMPTS, LENGTHS, max_new_tokens=NEW,
+                                rng=jax.random.key(0), temperature=0.0, num_samples=GROUP,
+                                eos_id=eos)
+    return eos, rollout
+
+
+def _engine_rollout(model, eos, **engine):
+    config = SamplingConfig(max_new_tokens=NEW, method=Greedy(), eos_id=eos, num_samples=GROUP)
+    engine = Engine(model, EngineConfig(**engine), config)
+    return engine.generate(PROMPTS, LENGTHS, jax.random.key(0)), engine.stats
+
+
+def _check_equal(rollout, reference):
+    lengths = np.asarray(reference.lengths)
+    assert lengths.min() < NEW, "the end token must end some rows early"
+    np.testing.assert_array_equal(rollout.tokens, reference.tokens)
+    np.testing.assert_array_equal(rollout.mask, reference.mask)
+    np.testing.assert_array_equal(rollout.prompt_tokens, reference.prompt_tokens)
+    np.testing.assert_allclose(rollout.log_probs, reference.log_probs, atol=1e-5)
+    np.testing.assert_allclose(rollout.raw_log_probs, reference.raw_log_probs, atol=1e-4)
+
+
+@pytest.mark.parametrize("attention", ["gather", "online"])
+def test_greedy_equals_generate(model, greedy_reference, attention):
+    """Two groups of rows for three prompts: the third is admitted when a group is
+    handed out."""
+    eos, reference = greedy_reference
+    rollout, stats = _engine_rollout(model, eos, kv_tokens=256, rows=4, page_size=4,
+                                     steps_per_call=4, attention=attention)
+    _check_equal(rollout, reference)
+    assert stats["waits"] == stats["preempted_groups"] == stats["preempted_rows"] == 0
+    # Pages follow the tokens held: at most 4 rows of ceil((6 + 9) / 4) = 4 pages.
+    assert 0 < stats["peak_pages"] <= 16 and stats["pages_held_at_end"] == 0
+
+
+def test_small_budget_waits_not_truncates(model, greedy_reference):
+    """A pool of 10 pages of 2 slots for 6 rows of up to 15 tokens: rows wait for pages,
+    groups are preempted and recomputed, and the rollout is the same."""
+    eos, reference = greedy_reference
+    rollout, stats = _engine_rollout(model, eos, kv_tokens=20, rows=6, page_size=2,
+                                     steps_per_call=2)
+    _check_equal(rollout, reference)
+    assert stats["waits"] > 0
+    assert stats["preempted_groups"] + stats["preempted_rows"] > 0
+    assert stats["peak_pages"] == 10 and stats["pages_held_at_end"] == 0
+
+
+def test_log_probs_equal_full_forward(model):
+    """Temperature 1: the behaviour log-probs are log softmax of a full forward pass over
+    prompt + response (no cache) at each sampled token."""
+    config = SamplingConfig(max_new_tokens=NEW, method=Temperature(1.0), num_samples=GROUP)
+    engine = Engine(model, EngineConfig(kv_tokens=64, rows=4, page_size=4), config)
+    rollout = engine.generate(PROMPTS, LENGTHS, jax.random.key(3))
+    tokens, positions, attention_mask = rollout.sequences()
+    graphdef, params = nnx.split(model)
+    forward = jax.jit(lambda params, *args: nnx.merge(graphdef, params)(
+        args[0], positions=args[1], attention_mask=args[2]).logits)
+    logits = forward(params, jnp.asarray(tokens), jnp.asarray(positions),
+                     jnp.asarray(attention_mask))
+    prompt_len = PROMPTS.shape[1]
+    log_softmax = jax.nn.log_softmax(logits[:, prompt_len - 1:-1], axis=-1)
+    expected = np.take_along_axis(np.asarray(log_softmax), rollout.tokens[..., None], -1)[..., 0]
+    mask = rollout.mask > 0
+    assert mask.sum() == GROUP * len(PROMPTS) * NEW
+    np.testing.assert_allclose(rollout.log_probs[mask], expected[mask], atol=1e-4, rtol=1e-4)
+    # Different keys for the two samples of a prompt.
+    assert not np.array_equal(rollout.tokens[0], rollout.tokens[1])
+
+
+def test_budget_errors(model):
+    config = SamplingConfig(max_new_tokens=NEW, method=Greedy(), num_samples=GROUP)
+    with pytest.raises(ValueError, match=r"prompt 0 has 6 tokens, more than the KV budget "
+                                         r"EngineConfig.kv_tokens = 5"):
+        Engine(model, EngineConfig(kv_tokens=5, rows=2, page_size=1), config).generate(
+            PROMPTS, LENGTHS, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"EngineConfig.kv_tokens = 8 is smaller than the "
+                                         r"longest prompt \(6 tokens\) plus one page"):
+        Engine(model, EngineConfig(kv_tokens=8, rows=2, page_size=4), config).generate(
+            PROMPTS, LENGTHS, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"prompt_lengths must be \[B=3\] in \[1, P=7\]"):
+        Engine(model, EngineConfig(kv_tokens=64, rows=2), config).generate(
+            PROMPTS, np.array([6, 0, 4]), jax.random.key(0))
+    with pytest.raises(ValueError, match=r"EngineConfig.rows = 3 must be a multiple"):
+        Engine(model, EngineConfig(kv_tokens=64, rows=3), config)
+    with pytest.raises(ValueError, match=r"EngineConfig.page_size must be >= 1, got 0"):
+        EngineConfig(kv_tokens=64, rows=2, page_size=0)
+
+
+def test_synchronous_trainer_streams_its_rows_through_the_engine(tmp_path):
+    """grpo on a tiny MoE with 2 prompts x 4 samples through 4 engine rows: one group at a
+    time, the second admitted when the first is handed out; the run trains."""
+    from policyopt.rl import trainer
+    from tests.test_rl_trainer import tiny
+
+    extra = ("sampling.engine_kv_tokens=256,sampling.engine_rows=4,sampling.engine_page_size=4,"
+             "train.num_iterations=1")
+    out = trainer.run_rl(tiny("grpo", extra=extra), str(tmp_path), num_iterations=1, quiet=True)
+    run = out["run"]
+    assert run.engine is not None and run.engine.engine.rows == 4
+    assert run.engine.stats["peak_pages"] > 0
+    assert np.isfinite(out["metrics"]["reward/mean"])
+    assert run.last_batch.tokens.shape[0] == 2 * 4
+
+
+@pytest.mark.parametrize("extra,message", [
+    ("sampling.engine_kv_tokens=256,sampling.engine_rows=6", r"engine_rows \(6\) must be a multiple"),
+    ("sampling.engine_kv_tokens=20,sampling.engine_page_size=16",
+     r"engine_kv_tokens \(20\) must hold a prompt plus one page"),
+    ("sampling.engine_kv_tokens=256,algo.routing_replay=R3", r"routing_replay = 'R3' needs it 0"),
+])
+def test_engine_config_errors(extra, message):
+    from tests.test_rl_trainer import tiny
+
+    with pytest.raises(ValueError, match=message):
+        tiny("grpo", extra=extra)
