@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 # Tests keep JAX on the CPU and quiet; XLA uses the cores it is given.
 TEST_ENV := JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=3
+# Test processes (pytest-xdist); each test file runs whole in one of them, so its
+# module-scoped fixtures (built and compiled models) are made once.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test install install-test bench clean
 
@@ -28,7 +31,7 @@ demo: install
 	$(TEST_ENV) $(PY) -m experiments.demo --workdir runs/demo
 
 test: install-test
-	$(TEST_ENV) $(PY) -m pytest -q tests
+	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # Every CPU benchmark in turn (tens of minutes); each prints a table and writes JSON.
 bench: install-test
