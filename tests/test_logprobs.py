@@ -182,3 +182,59 @@ def test_bfloat16_embedding_gradient_sums_in_float32():
     one_chunk, many_chunks = error(tokens), error(16)
     assert one_chunk < 4e-3
     assert many_chunks < 1.25 * one_chunk, (one_chunk, many_chunks)
+
+
+_MESH_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import policyopt.logprobs as logprobs
+from policyopt.logprobs import token_log_probs
+
+logprobs._LOGITS_ELEMENT_BUDGET = 2**14  # chunks of 4 tokens for V = 4096: many chunks
+b, t, d, v = 8, 96, 16, 4096
+mesh = jax.make_mesh((8,), ("fsdp",))
+rng = np.random.default_rng(0)
+hidden = rng.normal(size=(b, t, d)).astype(np.float32)
+embedding = rng.normal(size=(d, v)).astype(np.float32)
+targets = rng.integers(0, v, size=(b, t)).astype(np.int32)
+
+
+def loss(hidden, embedding, targets):
+    lp, ent = token_log_probs(hidden, embedding, targets, return_entropy=True)
+    return jnp.sum(lp) + 0.1 * jnp.sum(ent), (lp, ent)
+
+
+fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+(_, (want_lp, want_ent)), want_grads = fn(hidden, embedding, targets)
+with jax.set_mesh(mesh):
+    rows = NamedSharding(mesh, P("fsdp"))
+    args = (jax.device_put(hidden, rows), jax.device_put(embedding, NamedSharding(mesh, P())),
+            jax.device_put(targets, rows))
+    hlo = fn.lower(*args).compile().as_text()
+    (_, (lp, ent)), grads = fn(*args)
+np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), rtol=1e-5, atol=1e-5)
+np.testing.assert_allclose(np.asarray(ent), np.asarray(want_ent), rtol=1e-5, atol=1e-5)
+for g, h in zip(grads, want_grads):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-4, atol=1e-4)
+# No device gathers the other rows' hidden states ([8, 96, 16] or its flattened form).
+gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
+assert not any("768" in line or "[8,96" in line for line in gathers), gathers
+print("ok")
+"""
+
+
+def test_rows_split_over_devices_stay_split():
+    """With the rows split over 8 simulated devices and more tokens than one chunk, the
+    chunks run along time with every row (no all-gather of the hidden states), and the
+    log-probs, entropies and gradients equal one device's."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split() == ["ok"], proc.stdout
