@@ -260,21 +260,32 @@ def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.A
     return rl_objective(fwd, batch, settings)
 
 
-def rl_objective(fwd: Forward, batch: Batch, settings: LossConfig) -> tuple[jax.Array, dict]:
-    """``rl_loss`` from the policy's forward outputs on ``batch``: the loss and metrics."""
+def _policy_mask(batch: Batch) -> jax.Array:
+    """The policy terms' tokens: those rollout rejection sampling kept, if it ran."""
+    return batch.mask if batch.loss_mask is None else batch.loss_mask
+
+
+def _policy_term(fwd: Forward, batch: Batch, settings: LossConfig, **options):
+    """``losses.policy_loss`` of the recipe on ``batch`` (one pass, or a micro-batch's share
+    with ``row_weights``): the same call for both, so a setting reaches both."""
     advantages = batch.advantages
     if advantages.ndim == 1:  # one advantage per sequence, shared by its tokens
         advantages = jnp.broadcast_to(advantages[:, None], fwd.log_probs.shape)
-    # The policy terms' tokens: those rollout rejection sampling kept, if it ran.
-    mask = batch.mask if batch.loss_mask is None else batch.loss_mask
-    loss, policy_metrics = policy_loss(
-        fwd.log_probs, batch.old_log_probs, advantages, mask, method=settings.method,
-        clip_low=settings.clip_low, clip_high=settings.clip_high, dual_clip=settings.dual_clip,
-        tau_pos=settings.tau_pos, tau_neg=settings.tau_neg, aggregation=settings.aggregation,
-        group_size=settings.group_size, max_len=settings.max_len,
-        importance_weights=batch.importance_weights,
+    return policy_loss(
+        fwd.log_probs, batch.old_log_probs, advantages, _policy_mask(batch),
+        method=settings.method, clip_low=settings.clip_low, clip_high=settings.clip_high,
+        dual_clip=settings.dual_clip, tau_pos=settings.tau_pos, tau_neg=settings.tau_neg,
+        aggregation=settings.aggregation, group_size=settings.group_size,
+        max_len=settings.max_len, importance_weights=batch.importance_weights,
         ref_log_probs=batch.ref_log_probs if settings.kl_beta > 0 else None,
-        kl_coef=settings.kl_beta, kl_estimator=settings.kl_estimator, kl_clamp=settings.kl_clamp)
+        kl_coef=settings.kl_beta, kl_estimator=settings.kl_estimator,
+        kl_clamp=settings.kl_clamp, **options)
+
+
+def rl_objective(fwd: Forward, batch: Batch, settings: LossConfig) -> tuple[jax.Array, dict]:
+    """``rl_loss`` from the policy's forward outputs on ``batch``: the loss and metrics."""
+    mask = _policy_mask(batch)
+    loss, policy_metrics = _policy_term(fwd, batch, settings)
     metrics = {f"loss/{k}": v for k, v in policy_metrics.items()}
     entropy = aggregate(fwd.entropy, mask, "token_mean")
     metrics["policy/entropy"] = jax.lax.stop_gradient(entropy)
@@ -346,19 +357,8 @@ def rl_loss_share(fwd: Forward, batch: Batch, settings: LossConfig,
     Returns:
       ``(share, aux)``: a scalar and ``{"tokens", <aux loss names>}`` of this micro-batch.
     """
-    advantages = batch.advantages
-    if advantages.ndim == 1:
-        advantages = jnp.broadcast_to(advantages[:, None], fwd.log_probs.shape)
-    mask = batch.mask if batch.loss_mask is None else batch.loss_mask
-    loss, _ = policy_loss(
-        fwd.log_probs, batch.old_log_probs, advantages, mask, method=settings.method,
-        clip_low=settings.clip_low, clip_high=settings.clip_high, dual_clip=settings.dual_clip,
-        tau_pos=settings.tau_pos, tau_neg=settings.tau_neg, aggregation=settings.aggregation,
-        group_size=settings.group_size, max_len=settings.max_len,
-        importance_weights=batch.importance_weights,
-        ref_log_probs=batch.ref_log_probs if settings.kl_beta > 0 else None,
-        kl_coef=settings.kl_beta, kl_estimator=settings.kl_estimator, metrics="none",
-        row_weights=norms.policy)
+    mask = _policy_mask(batch)
+    loss, _ = _policy_term(fwd, batch, settings, metrics="none", row_weights=norms.policy)
     if settings.entropy_coef:
         loss = loss - settings.entropy_coef * weighted_row_sum(fwd.entropy, mask, norms.entropy)
     tokens = jnp.sum(batch.attention_mask > 0).astype(jnp.float32)
