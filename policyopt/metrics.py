@@ -185,18 +185,13 @@ def read_step_record(path: str, step: int, *, prefix: str = "") -> dict[str, flo
     a resumed run reads what an earlier run logged at its checkpoint's step (its
     evaluation) before deciding whether to do it again."""
     found = None
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                    at = int(record.pop("step"))
-                    if at == step and any(key.startswith(prefix) for key in record):
-                        found = {key: float(value) for key, value in record.items()}
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-                    continue
-    except FileNotFoundError:
-        return None
+    for record in _records(path):
+        try:
+            at = int(record.pop("step"))
+            if at == step and any(key.startswith(prefix) for key in record):
+                found = {key: float(value) for key, value in record.items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
     return found
 
 
@@ -204,18 +199,29 @@ def read_last_value(path: str, key: str) -> tuple[int, float] | None:
     """``(step, value)`` of the last record of a metrics JSONL file holding ``key``; None
     when there is none or no file (lines that are not JSON records are skipped)."""
     found = None
+    for record in _records(path):
+        try:
+            if key in record:
+                found = (int(record["step"]), float(record[key]))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+    return found
+
+
+def _records(path: str):
+    """The JSON objects of a JSONL file, one per line; lines that are not (a last line cut
+    short by a crash) are skipped, and a missing file has none."""
     try:
         with open(path, encoding="utf-8") as f:
             for line in f:
                 try:
                     record = json.loads(line)
-                    if key in record:
-                        found = (int(record["step"]), float(record[key]))
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+                except json.JSONDecodeError:
                     continue
+                if isinstance(record, dict):
+                    yield record
     except FileNotFoundError:
-        return None
-    return found
+        return
 
 
 def console_line(step: int, total: int, metrics: Mapping[str, float],
