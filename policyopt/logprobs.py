@@ -124,7 +124,8 @@ def _local_rows(rows: int) -> int:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return rows
-    spec = sharding.row_spec((rows,), mesh)[0]
+    spec = tuple(sharding.row_spec((rows,), mesh))
+    spec = spec[0] if spec else None  # replicated rows: an empty spec
     axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
     return rows // math.prod(mesh.shape[axis] for axis in axes)
 
