@@ -770,3 +770,16 @@ def test_without_a_jail_the_scorer_kills_a_program_past_the_limit(sandbox_roots)
     assert result.disk_exceeded and not result.timed_out and result.returncode == -9
     assert "done" not in result.stdout and "passed 8 MB or 4096 files" in result.stderr
     assert time.perf_counter() - start < 10 and os.listdir(sandbox_roots) == []
+
+
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_a_directory_filled_between_two_polls_still_scores_0(isolation, monkeypatch, sandbox_roots):
+    """A program that writes its files and ends within one poll's interval (the polls made
+    rare here; a loaded machine did it at 20 ms) is caught by the check after it ends."""
+    monkeypatch.setattr(code_lib, "_jail_works", lambda python: False)
+    monkeypatch.setattr(code_lib, "_sandbox_python", _python_without_jail)
+    monkeypatch.setattr(code_lib, "_DISK_POLL_S", 60.0)
+    result = code_lib.run_code_tests(MANY_FILES, GOOD_TESTS, isolation=isolation, disk_mb=8,
+                                     timeout_s=20.0)
+    assert result.status == "incorrect" and result.passed == 0
+    assert os.listdir(sandbox_roots) == []

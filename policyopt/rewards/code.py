@@ -516,6 +516,10 @@ class _Sandbox:
 
     def finish(self, returncode: int | None) -> SandboxResult:
         """Kills what is left of the run (group, then uid) and reads its output."""
+        if not self.jailed and not self.disk_exceeded and self.over_disk_limit():
+            # Filled between two polls, or after the last one (the run ended first): a
+            # fast program can write MAX_FILES empty files within one poll's interval.
+            self.disk_exceeded = True
         # On an idle machine a busy loop reaches its CPU-time limit (= the time limit)
         # before the wall-clock one: killed by SIGXCPU (or SIGKILL at the hard limit),
         # which is a timeout too.
@@ -1000,6 +1004,7 @@ def run_code_tests(
             ok = result.returncode == 0 and marker in result.stdout
         else:
             ok = result.returncode == 0 and _normalise_output(result.stdout) == _normalise_output(expected)
+        ok = ok and not result.disk_exceeded  # past reward.code_disk_mb: a failure
         passed += ok
         if not ok and stop_at_first_failure:
             break
