@@ -1,10 +1,18 @@
-"""One JAX mesh from a single CPU to many hosts, and the placement of parameters and
-batches on it.
+"""One JAX mesh from a single CPU to many hosts, the logical-axis rules that map the
+model's dimensions onto it, and the placement of parameters and batches on it.
 
-The model annotates every parameter with logical axis names and every large activation
-with a sharding constraint (``policyopt.models.sharding``: one small rules table maps the
-logical names to the mesh axes below). This module only builds the mesh and puts arrays on
-it; nothing else in the library needs to know how many devices there are.
+The model annotates every parameter with logical axis names (``embed``, ``heads``,
+``kv_heads``, ``kv``, ``mlp``, ``vocab``, ``expert``; ``layers``, the leading axis of the
+stacked parameters of ``ModelConfig.scan_layers``; ``None`` = replicated) in a
+``logical_axes`` metadata tuple, and every large activation with a sharding constraint by
+name (``constrain``: ``batch``, ``length``, ...). One small rules table,
+``LOGICAL_AXIS_RULES``, maps the logical names to the mesh axes below; without a mesh both
+are inert. This module builds the mesh and puts arrays on it; nothing else in the library
+needs to know how many devices there are. It imports nothing from the model code (the
+model imports it).
+
+(The metadata key is ``logical_axes`` rather than flax's ``out_sharding`` because flax
+0.12 shards eagerly at creation and refuses ``out_sharding`` without a mesh.)
 
 Mesh axes (any may have size 1):
 
@@ -66,7 +74,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -74,9 +82,84 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from policyopt.models.sharding import LOGICAL_AXIS_RULES, logical_to_mesh_axes
-
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
+# Mesh axes: "data" (batch), "fsdp" (parameter + batch sharding), "tensor" (heads / mlp /
+# vocab), "expert" (expert parallelism). A mesh that lacks an axis simply leaves it out.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # Activations' rows (sequences): split over every axis that is data parallel for the
+    # dense layers. "expert" too: attention, norms, embeddings and the dense MLPs see it as
+    # one more data axis (each device its own rows), and the MoE block sends each token
+    # copy from its row's device to its expert's (policyopt.models.moe, expert parallelism).
+    ("batch", ("data", "fsdp", "expert")),
+    # Sequence positions: whole on every device (attention needs them all).
+    ("length", None),
+    # Model width D of every weight (embedding, attention, MLP, router, experts): the FSDP
+    # (ZeRO-3) shard; gathered per layer for the matmul, gradients reduce-scattered back.
+    # Activations' D stays whole (it is contracted in every matmul).
+    ("embed", "fsdp"),
+    # Attention heads of q / o and k / v: Megatron-style tensor parallelism.
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    # head_dim: whole (RoPE and q.k contract it).
+    ("kv", None),
+    # MLP / expert hidden width F: tensor parallelism (column-split up/gate, row-split down).
+    ("mlp", "tensor"),
+    # Vocabulary of the embedding and LM head: tensor parallelism (the logits' softmax
+    # then reduces over it).
+    ("vocab", "tensor"),
+    # The expert dimension E of the expert weights [E, D, F]: E / expert experts per device,
+    # the destination of their tokens (their D dimension is still split over fsdp).
+    ("expert", "expert"),
+    ("layers", None),        # stacked decoder layers (scan_layers): every device holds all
+)
+
+
+def logical_to_mesh_axes(logical_axes: Sequence[str | None],
+                         rules=LOGICAL_AXIS_RULES,
+                         mesh_axis_names: Sequence[str] | None = None) -> PartitionSpec:
+    """Map logical axis names to a PartitionSpec through ``rules``.
+
+    Mesh axes that are not in ``mesh_axis_names`` (when given) or already used by an
+    earlier dimension are dropped, so one rules table serves every mesh shape.
+    """
+    table = dict(rules)
+    used: set[str] = set()
+    out = []
+    for name in logical_axes:
+        target = table.get(name) if name is not None else None
+        if target is None:
+            out.append(None)
+            continue
+        targets = (target,) if isinstance(target, str) else tuple(target)
+        keep = tuple(t for t in targets
+                     if t not in used and (mesh_axis_names is None or t in mesh_axis_names))
+        used.update(keep)
+        out.append(None if not keep else keep[0] if len(keep) == 1 else keep)
+    return PartitionSpec(*out)
+
+
+def param_partition_specs(params_state, rules=LOGICAL_AXIS_RULES, mesh_axis_names=None):
+    """PartitionSpec for every parameter of an ``nnx.State`` (from ``logical_axes``)."""
+    from flax import nnx  # local: keep this module importable without flax at docs time
+
+    def spec(variable):
+        axes = variable.get_metadata().get("logical_axes")
+        if axes is None:
+            return PartitionSpec()
+        return logical_to_mesh_axes(axes, rules, mesh_axis_names)
+
+    return jax.tree.map(spec, params_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules=LOGICAL_AXIS_RULES):
+    """``with_sharding_constraint`` by logical names when a mesh is set; identity otherwise."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return x
+    spec = logical_to_mesh_axes(logical_axes, rules, mesh.axis_names)
+    return jax.lax.with_sharding_constraint(x, spec)
 
 
 def initialize_distributed() -> None:
@@ -227,7 +310,7 @@ def fit_spec(shape, spec: PartitionSpec, mesh) -> PartitionSpec:
 
 def logical_spec(shape, logical_axes, mesh, rules=LOGICAL_AXIS_RULES) -> PartitionSpec:
     """The ``PartitionSpec`` on ``mesh`` of an array of ``shape`` whose dimensions have these
-    logical names (``policyopt.models.sharding``), fitted by ``fit_spec``."""
+    logical names (``LOGICAL_AXIS_RULES``), fitted by ``fit_spec``."""
     return fit_spec(shape, logical_to_mesh_axes(logical_axes, rules, mesh.axis_names), mesh)
 
 

@@ -12,7 +12,7 @@ from flax import nnx
 
 from policyopt.models import KVCache, ModelConfig, ModelOutput, Transformer, preset
 from policyopt.models.layers import RMSNorm, apply_rope, rope_cos_sin
-from policyopt.models.sharding import logical_to_mesh_axes, param_partition_specs
+from policyopt.sharding import logical_to_mesh_axes, param_partition_specs
 
 TINY = dict(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
             head_dim=8, intermediate_size=48, rope_theta=1e4)

@@ -18,9 +18,9 @@ from flax import nnx, struct
 from policyopt.models.attention_ops import attend, attention_weights_mask, dot_product_attention
 from policyopt.models.config import ModelConfig
 from policyopt.models.layers import RMSNorm, apply_rope, param
-from policyopt.models.sharding import constrain
+from policyopt.sharding import constrain
 
-# Logical axes (``policyopt.models.sharding``) of the cache's keys [L, B, Hkv, Dh, S] and
+# Logical axes (``policyopt.sharding``) of the cache's keys [L, B, Hkv, Dh, S] and
 # values [L, B, Hkv, S, Dh]: rows follow the batch, heads the attention heads.
 KEY_CACHE_AXES = (None, "batch", "kv_heads", "kv", "length")
 VALUE_CACHE_AXES = (None, "batch", "kv_heads", "length", "kv")

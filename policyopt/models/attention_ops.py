@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from policyopt.sharding import logical_to_mesh_axes
+
 IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "splash")
 
 # Row length from which "auto" leaves the einsum for "blockwise" on CPUs (and on GPUs
@@ -503,10 +505,9 @@ def splash_attention(q, k, v, key_mask, segment_ids=None, *, interpret: bool = F
 
 def _splash_mesh_axes(batch: int, heads: int, kv_heads: int):
     """(batch mesh axes, head mesh axes) for splash's shard_map under the current mesh, by
-    the logical rules of ``policyopt.models.sharding`` ("batch", "heads"); heads are split
+    the logical rules of ``policyopt.sharding`` ("batch", "heads"); heads are split
     only when both H and Hkv divide evenly (a shard keeps whole kv groups). None without
     a mesh."""
-    from policyopt.models.sharding import logical_to_mesh_axes
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return None

@@ -13,7 +13,7 @@ from policyopt.models.config import ModelConfig
 
 def param(rngs: nnx.Rngs | None, shape, logical_axes, *, std: float | None, dtype):
     """An ``nnx.Param`` of ``shape``, normal(0, std) (or ones when std is None), tagged with
-    its logical axis names (see ``policyopt.models.sharding``).
+    its logical axis names (see ``policyopt.sharding``).
 
     Outside a trace the values are drawn on the host with NumPy, seeded by
     ``rngs.params()``: building a model then compiles nothing (an eager

@@ -70,6 +70,7 @@ from jax.sharding import PartitionSpec
 
 from policyopt.models.config import ModelConfig
 from policyopt.models.layers import param
+from policyopt.sharding import logical_to_mesh_axes
 
 
 def route(router_logits: jax.Array, k: int, norm_topk_prob: bool,
@@ -332,8 +333,6 @@ def router_aux(router_logits, probs, expert_ids, valid, num_experts: int,
 
 def _row_axes(mesh) -> tuple[str, ...]:
     """Mesh axes (size > 1) that split the rows: the ``batch`` rule's, in order."""
-    from policyopt.models.sharding import logical_to_mesh_axes
-
     target = logical_to_mesh_axes(("batch",), mesh_axis_names=mesh.axis_names)[0]
     names = () if target is None else (target,) if isinstance(target, str) else tuple(target)
     return tuple(a for a in names if mesh.shape[a] > 1)

@@ -24,7 +24,7 @@ from policyopt.models.attention import Attention, KVCache
 from policyopt.models.config import ModelConfig
 from policyopt.models.layers import MLP, RMSNorm, param, rope_cos_sin
 from policyopt.models.moe import MoE
-from policyopt.models.sharding import constrain
+from policyopt.sharding import constrain
 
 
 @struct.dataclass
