@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from policyopt.rewards import RewardSpec, score_batch, shutdown_pools
-from policyopt.rewards.math import _math_verify
+from policyopt.rewards.math import load_math_verify
 
 GROUP_SIZE = 8
 FILLER = (
@@ -95,7 +95,7 @@ def make_batch(n: int, seed: int = 0, kinds: tuple[int, ...] = (0, 1, 2)) -> tup
 
 def reference_scorer(completions: list[str], references: list[str]) -> np.ndarray:
     """Plain math-verify, one parse + verify per sample (its own signal timeouts)."""
-    math_verify = _math_verify()
+    math_verify = load_math_verify()
     scores = []
     for completion, reference in zip(completions, references):
         gold = math_verify.parse("\\boxed{" + reference + "}")
@@ -116,7 +116,7 @@ def main() -> None:
     # verifier caches (gold parses, repeated answers) filled by an earlier one.
     batches = [make_batch(args.n, seed) for seed in range(args.repeats + 2)]
     spec = RewardSpec()
-    _math_verify()  # import and warm SymPy before timing anything
+    load_math_verify()  # import and warm SymPy before timing anything
 
     def serial(completions, references):
         return score_batch(completions, references, [len(c) // 4 for c in completions], spec)

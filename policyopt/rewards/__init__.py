@@ -18,6 +18,10 @@ Public API::
                 tasks=None) -> BatchScores  # tasks: per-sample "math" / "code" (mixtures)
         # unpacks as (rewards float32 [N], correct bool [N], metrics); also .sample_mask,
         # .truncated, .format_ok, .correctness, .length_penalty, .language_ok, .status
+    compose_rewards(Verdicts(correctness, format_ok, language_ok, scored), lengths, spec,
+                    *, truncated=None) -> ComposedRewards
+        # score_batch's reward arithmetic on the verifiers' verdicts, in NumPy (rewards,
+        # correct, length_penalty, truncated, sample_mask; all [N])
 
 Each function of model output returns a value and never raises on what the model wrote.
 """
@@ -33,6 +37,7 @@ from policyopt.rewards.batch import (
     start_workers,
 )
 from policyopt.rewards.code import CodeResult, SandboxResult, code_correctness, run_code_tests, run_sandboxed
+from policyopt.rewards.compose import ComposedRewards, Verdicts, compose_rewards
 from policyopt.rewards.format import first_code_block, format_ok, split_think
 from policyopt.rewards.language import identify_language, languages_consistent, strip_latex_and_code
 from policyopt.rewards.length import overlong_penalties, overlong_penalty, truncated
@@ -50,13 +55,16 @@ from policyopt.rewards.timelimit import VerifierTimeout, time_limit
 __all__ = [
     "BatchScores",
     "CodeResult",
+    "ComposedRewards",
     "MathVerdict",
     "RewardSpec",
     "SampleScore",
     "SandboxResult",
+    "Verdicts",
     "VerifierTimeout",
     "answer_region",
     "code_correctness",
+    "compose_rewards",
     "extract_answer_line",
     "extract_boxed",
     "extract_gsm8k",

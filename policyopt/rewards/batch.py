@@ -1,17 +1,9 @@
-"""Reward composition (:class:`RewardSpec`) and parallel batch scoring (:func:`score_batch`).
+"""Reward recipes (:class:`RewardSpec`) and parallel batch scoring (:func:`score_batch`).
 
-Reward of one sample (Magistral, arXiv 2506.10910, section 2.2.1; DAPO, arXiv 2503.14476):
-
-    format gate on:   r = 0                                   if the format check fails
-                      r = format_value + correct_value * c    otherwise
-                          + overlong penalty + language_bonus * [languages agree]
-    format gate off:  r = incorrect_value + (plain_correct_value - incorrect_value) * c
-                          + overlong penalty + language_bonus * [languages agree]
-
-with c in [0, 1] the correctness (math: 0/1; code: 0/1, or the pass rate when
-``code_partial``; a custom ``verifier``: what it returns). Magistral: format_value 0.1,
-correct_value 0.9, overlong "magistral", language_bonus 0.1. DAPO: format gate off, correct 1 / incorrect -1, overlong "dapo",
-overlong filtering on.
+The verifiers judge each sample (format, correctness c in [0, 1], language); the reward
+arithmetic on their verdicts (format gate, correct / incorrect values, overlong shaping and
+filtering, language bonus; Magistral, arXiv 2506.10910, and DAPO, arXiv 2503.14476) is
+:func:`policyopt.rewards.compose.compose_rewards`, whose module docstring writes it out.
 
 Parallelism: samples are scored in chunks by a persistent pool of worker processes started
 with the ``forkserver`` method (never plain ``fork``: the trainer process runs JAX's
@@ -52,6 +44,7 @@ from policyopt.rewards import language as language_lib
 from policyopt.rewards import length as length_lib
 from policyopt.rewards import math as math_lib
 from policyopt.rewards import timelimit
+from policyopt.rewards.compose import Verdicts, compose_rewards
 
 # The parent waits this long past the deadline for chunks that workers are finishing.
 _DEADLINE_GRACE_S = 0.5
@@ -61,7 +54,7 @@ _CHUNKS_PER_WORKER = 4
 
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
-    """How a completion's reward is composed (see the module docstring for the formula).
+    """How a completion's reward is composed (the formula: ``policyopt.rewards.compose``).
 
     Attributes:
       task: "math" (last ``\\boxed{}`` vs the reference) or "code" (first fenced block run
@@ -346,7 +339,7 @@ def _score_chunk(
 
 def _warm_worker() -> None:
     math_lib.mark_killable_process()  # math-verify runs here: the parent kills stuck workers
-    math_lib._math_verify()  # no-op when the fork server preloaded it
+    math_lib.load_math_verify()  # no-op when the fork server preloaded it
 
 
 # Worker pools by (name, size). Callers that score at the same time from different threads
@@ -658,38 +651,17 @@ def score_batch(
     else:
         scores, errors = _score_items(items, spec, deadline, num_workers, pool)
 
-    lengths = np.asarray(lengths, dtype=np.int64).reshape(n)
-    correctness = np.array([s.correctness for s in scores], dtype=np.float32).reshape(n)
-    format_ok = np.array([s.format_ok for s in scores], dtype=bool).reshape(n)
-    language_ok = np.array([s.language_ok for s in scores], dtype=bool).reshape(n)
     status = [s.status for s in scores]
     unscored = np.array([s in UNSCORED for s in status], dtype=bool).reshape(n)
-
-    if spec.overlong != "none":
-        penalty = length_lib.overlong_penalties(
-            lengths, spec.max_len, spec.cache_len, scale=spec.penalty_scale
-        )
-    else:
-        penalty = np.zeros(n, np.float32)
-    if spec.format_reward:
-        graded = format_ok & ~unscored
-        base = np.where(graded, spec.format_value + spec.correct_value * correctness, 0.0)
-    else:
-        graded = ~unscored
-        plain = spec.incorrect_value + (spec.plain_correct_value - spec.incorrect_value) * correctness
-        base = np.where(graded, plain, spec.incorrect_value)
-    penalty = np.where(graded, penalty, 0.0).astype(np.float32)
-    bonus = np.where(graded & language_ok, spec.language_bonus, 0.0)
-    rewards = (base + penalty + bonus).astype(np.float32)
-    correct = graded & (correctness >= 1.0)
-
-    if truncated is not None:
-        is_truncated = np.asarray(truncated, dtype=bool).reshape(n)
-    elif spec.max_len is not None:
-        is_truncated = length_lib.truncated(lengths, spec.max_len)
-    else:
-        is_truncated = np.zeros(n, bool)
-    sample_mask = np.where((spec.overlong_filter & is_truncated) | unscored, 0.0, 1.0).astype(np.float32)
+    verdicts = Verdicts(
+        correctness=np.array([s.correctness for s in scores], dtype=np.float32).reshape(n),
+        format_ok=np.array([s.format_ok for s in scores], dtype=bool).reshape(n),
+        language_ok=np.array([s.language_ok for s in scores], dtype=bool).reshape(n),
+        scored=~unscored)
+    composed = compose_rewards(verdicts, lengths, spec, truncated=truncated)
+    rewards, correct, penalty = composed.rewards, composed.correct, composed.length_penalty
+    is_truncated = composed.truncated
+    format_ok, language_ok = verdicts.format_ok, verdicts.language_ok
 
     def mean(x) -> float:
         return float(np.mean(x)) if n else 0.0
@@ -712,10 +684,10 @@ def score_batch(
         rewards,
         correct,
         metrics,
-        correctness=correctness,
+        correctness=verdicts.correctness,
         format_ok=format_ok,
         truncated=is_truncated,
-        sample_mask=sample_mask,
+        sample_mask=composed.sample_mask,
         scored=~unscored,
         length_penalty=penalty,
         language_ok=language_ok,

@@ -52,7 +52,9 @@ def strip_latex_and_code(text: str) -> str:
 
 
 @functools.cache
-def _identifier() -> Any:
+def load_language_identifier() -> Any:
+    """py3langid's language identifier, loaded once per process (the scoring pool's fork
+    server loads it before forking its workers, ``policyopt.rewards.worker``)."""
     from py3langid.langid import MODEL_FILE, LanguageIdentifier
 
     # A private instance: py3langid's module-level one is shared global state.
@@ -64,7 +66,7 @@ def identify_language(text: str, *, min_letters: int = DEFAULT_MIN_LETTERS) -> s
     stripped = strip_latex_and_code(text)
     if sum(char.isalpha() for char in stripped) < min_letters:
         return UNDETERMINED
-    return _identifier().classify(stripped)[0]
+    return load_language_identifier().classify(stripped)[0]
 
 
 def languages_consistent(

@@ -405,7 +405,7 @@ class _DropDisabledTimeoutWarning(logging.Filter):
 
 
 @functools.cache
-def _math_verify() -> Any:
+def load_math_verify() -> Any:
     """math-verify, imported and warmed up once per process, outside any time limit.
 
     SymPy imports much of itself lazily on first use (simplification, polynomials, sets);
@@ -438,14 +438,14 @@ def _reference_answer(reference: str, answer_format: str = "boxed") -> str:
 def _parse_gold(reference_answer: str) -> list:
     # Cached: the G samples of a group share their reference. Exceptions (timeouts) are
     # not cached by lru_cache.
-    return _math_verify().parse("\\boxed{" + reference_answer + "}", parsing_timeout=None)
+    return load_math_verify().parse("\\boxed{" + reference_answer + "}", parsing_timeout=None)
 
 
 @functools.lru_cache(maxsize=16384)
 def _symbolic_equal(gold: str, answer: str) -> bool:
     # Cached: samples of a group often repeat an answer. Call under a time limit; a
     # timeout propagates and is not cached.
-    math_verify = _math_verify()
+    math_verify = load_math_verify()
     parsed = math_verify.parse("\\boxed{" + answer + "}", parsing_timeout=None)
     return bool(math_verify.verify(_parse_gold(gold), parsed, timeout_seconds=None))
 
@@ -465,7 +465,7 @@ def mark_killable_process() -> None:
 def _start_verifier_process() -> None:
     """Initializer of a verifier process (``KillableWorker``): killable, math-verify warm."""
     mark_killable_process()
-    _math_verify()
+    load_math_verify()
 
 
 # Verdicts of the verifier processes, kept here too: a repeated answer costs no round trip.
@@ -483,7 +483,7 @@ def _equal_within(gold: str, answer: str, timeout_s: float | None) -> bool:
     """
     in_process = _KILLABLE_PROCESS and threading.current_thread() is threading.main_thread()
     if in_process or timeout_s is None or timeout_s <= 0:
-        _math_verify()  # import outside the limit: an interrupted import leaves a broken module
+        load_math_verify()  # import outside the limit: an interrupted import leaves a broken module
         with time_limit(timeout_s):
             return _symbolic_equal(gold, answer)
     key = (gold, answer)

@@ -8,8 +8,8 @@ Replacing a pool killed at a deadline therefore costs a fork, not seconds of imp
 worker.
 """
 
-from policyopt.rewards import language as _language_lib
-from policyopt.rewards import math as _math_lib
+from policyopt.rewards import language as language_lib
+from policyopt.rewards import math as math_lib
 
-_math_lib._math_verify()
-_language_lib._identifier()
+math_lib.load_math_verify()
+language_lib.load_language_identifier()
