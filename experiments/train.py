@@ -37,12 +37,12 @@ def main(argv):
         raise cli.UsageError("--workdir is required (the run directory)")
     initialize_distributed()  # jax.distributed on a multi-host job; no-op on one host
     quiet_library_logging()
-    from policyopt.rl import report  # noqa: PLC0415 - after the config is checked
+    from policyopt.rl.dry_run import plan_run  # noqa: PLC0415 - after the config is checked
     from policyopt.rl.async_rl import async_enabled, run_async_rl  # noqa: PLC0415
     from policyopt.rl.trainer import run_rl  # noqa: PLC0415
 
     if cli.dry_run():
-        print(report.plan_run(config, _WORKDIR.value, recipe=cli.config_source()))
+        print(plan_run(config, _WORKDIR.value, recipe=cli.config_source()))
         return 0
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
     train = run_async_rl if async_enabled(config) else run_rl  # config.async_mode.enabled

@@ -1,6 +1,6 @@
 """What a run tells its user: the start-up banner, warnings about settings that cannot act,
-sampled completions, and the dry run (``experiments/train.py --dry_run``) that builds a
-run's pieces without compiling or writing anything.
+and sampled completions (the dry run that prints them without training:
+``policyopt.rl.dry_run``).
 """
 
 from __future__ import annotations
@@ -115,55 +115,3 @@ def informative_fraction(rewards: np.ndarray, group_size: int,
         values = row[keep]
         informative.append(values.size >= 2 and bool(np.ptp(values) > 0))
     return float(np.mean(informative)) if informative else 0.0
-
-
-def plan_run(config, workdir: str, *, recipe: str | None = None) -> str:
-    """The dry run: checks and builds what a run would (mesh, tokenizer, the model's
-    shapes without allocating them, task data with every prompt tokenised, the held-out
-    prompts, the reward spec, the checkpoint it would start from and its shapes), without
-    compiling a step or writing a file. Returns the banner with the warnings."""
-    from flax import nnx
-
-    from policyopt.checkpoint import Checkpointer
-    from policyopt.rl import build
-    from policyopt.rl.trainer import make_prompt_iterator
-
-    mesh = build.make_mesh(config)
-    tokenizer = build.make_tokenizer(config)
-    if config.model.pretrained:
-        model = build.make_model(config, tokenizer.vocab_size, None)
-        params = nnx.state(model, nnx.Param)
-    else:
-        abstract = nnx.eval_shape(lambda: build.make_model(config, tokenizer.vocab_size, None))
-        params = nnx.state(abstract, nnx.Param)
-    notes = []
-    if config.task.tfds_dir:  # preparing the tfds files would write them
-        notes.append(f"  data      task.tfds_dir={config.task.tfds_dir!r}: not read in a dry run")
-        held_out = []
-    else:
-        make_prompt_iterator(config, build.task_source(config, "train"), seed=config.seed)
-        held_out = build.eval_records(config, tokenizer) if config.eval.num_prompts > 0 else []
-    build.reward_spec(config)
-    directory = os.path.join(workdir, "checkpoints")
-    resume_step = None
-    if os.path.isdir(directory) and os.listdir(directory):
-        with Checkpointer(directory) as checkpointer:
-            resume_step = checkpointer.latest_step()
-            if resume_step is not None:
-                build.check_resume_config(checkpointer.meta().get("config"), config, directory)
-                build.check_checkpoint_shapes(checkpointer, {"train": {"params": params}}, config,
-                                              field="resume")
-    if resume_step is None and config.init_checkpoint:
-        if not os.path.isdir(config.init_checkpoint):
-            raise FileNotFoundError(f"config.init_checkpoint={config.init_checkpoint!r} is not a "
-                                    "directory")
-        with Checkpointer(config.init_checkpoint) as source:
-            build.check_checkpoint_shapes(source, {"train": {"params": params}}, config,
-                                          field="config.init_checkpoint")
-    text = banner(config, workdir, recipe=recipe, num_params=parameter_count(params), mesh=mesh,
-                  start=starting_point(config, directory, resume_step),
-                  total=config.train.num_iterations)
-    lines = [text, f"  held-out  {len(held_out)} prompts", *notes]
-    lines += [f"warning: {w}" for w in advisories(config)]
-    lines.append("dry run: config checked and run built; nothing compiled, nothing written")
-    return "\n".join(lines)
