@@ -399,22 +399,43 @@ def _varying_like(value, ref):
     return jax.lax.pcast(value, missing, to="varying") if missing else value
 
 
+def _as_bits(x):
+    """A float array as the unsigned integers of its bit pattern (other dtypes as they are).
+
+    The passes only move rows (scatter into buffers, all_to_all, gather, select): on
+    their bits, the moves keep the storage width on every backend. XLA:CPU's float
+    normalization otherwise runs every bfloat16 gather, scatter, select and collective in
+    float32, on float32 copies of the buffers (qwen3_30b_a3b at 32k tokens, 64 devices:
+    the pass buffers were f32[8, 65536, 2048], 4 GiB each; benchmarks/RESULTS.md)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def _from_bits(bits, dtype):
+    """The inverse of ``_as_bits``."""
+    return bits if bits.dtype == dtype else jax.lax.bitcast_convert_type(bits, dtype)
+
+
 def _pass_send(rows, dest, slot, n_ep: int, capacity: int):
     """Pack the copies of one pass (0 <= slot < capacity) into [n_ep, capacity, ...] by
-    destination and exchange them over the expert axis: [source, capacity, ...]."""
+    destination and exchange them over the expert axis: [source, capacity, ...] (empty
+    slots are zeros)."""
     inside = (slot >= 0) & (slot < capacity)
-    buf = jnp.zeros((n_ep, capacity) + rows.shape[1:], rows.dtype)
-    buf = buf.at[dest, jnp.where(inside, slot, capacity)].set(rows, mode="drop",
+    bits = _as_bits(rows)
+    buf = jnp.zeros((n_ep, capacity) + rows.shape[1:], bits.dtype)
+    buf = buf.at[dest, jnp.where(inside, slot, capacity)].set(bits, mode="drop",
                                                               unique_indices=True)
-    return jax.lax.all_to_all(buf, "expert", 0, 0)
+    return _from_bits(jax.lax.all_to_all(buf, "expert", 0, 0), rows.dtype)
 
 
-def _pass_return(out, dest, slot, n_ep: int, capacity: int):
-    """The reverse of ``_pass_send``: outputs [n_ep * capacity, D] back to their copies
-    [M, D] (zeros for copies outside the pass)."""
+def _pass_return(out, dest, slot, n_ep: int, capacity: int, into):
+    """The reverse of ``_pass_send``: outputs [n_ep * capacity, D] back to their copies,
+    written into ``into`` [M, D] (bits, ``_as_bits``) at the copies of the pass: every copy
+    travels in exactly one pass."""
     inside = (slot >= 0) & (slot < capacity)
-    back = jax.lax.all_to_all(out.reshape(n_ep, capacity, -1), "expert", 0, 0)
-    return jnp.where(inside[:, None], back[dest, jnp.clip(slot, 0, capacity - 1)], 0)
+    back = jax.lax.all_to_all(_as_bits(out).reshape(n_ep, capacity, -1), "expert", 0, 0)
+    return jnp.where(inside[:, None], back[dest, jnp.clip(slot, 0, capacity - 1)], into)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -438,10 +459,10 @@ def _multipass(local_fn, n_ep, capacity, x_sorted, params, dest, rank, local_ids
         recv = _pass_send(x_sorted, dest, slot, n_ep, capacity)
         ids = _pass_send(local_ids, dest, slot, n_ep, capacity)
         out = local_fn(recv.reshape(n_ep * capacity, -1), ids.reshape(-1), params)
-        return y + _pass_return(out, dest, slot, n_ep, capacity).astype(y.dtype)
+        return _pass_return(out.astype(x_sorted.dtype), dest, slot, n_ep, capacity, y)
 
-    y = _varying_like(jnp.zeros_like(x_sorted), x_sorted)
-    return jax.lax.fori_loop(0, passes, body, y)
+    y = _varying_like(jnp.zeros_like(_as_bits(x_sorted)), x_sorted)
+    return _from_bits(jax.lax.fori_loop(0, passes, body, y), x_sorted.dtype)
 
 
 def _multipass_fwd(local_fn, n_ep, capacity, x_sorted, params, dest, rank, local_ids, passes):
@@ -463,13 +484,13 @@ def _multipass_bwd(local_fn, n_ep, capacity, residuals, dy):
         ids = _pass_send(local_ids, dest, slot, n_ep, capacity).reshape(-1)
         _, vjp = jax.vjp(lambda r, w: local_fn(r, ids, w), rows, params)
         d_rows, d_params = vjp(grads.astype(rows.dtype))
-        dx = dx + _pass_return(d_rows, dest, slot, n_ep, capacity).astype(dx.dtype)
+        dx = _pass_return(d_rows.astype(x_sorted.dtype), dest, slot, n_ep, capacity, dx)
         return dx, jax.tree.map(jnp.add, dparams, d_params)
 
-    dx = _varying_like(jnp.zeros_like(x_sorted), x_sorted)
+    dx = _varying_like(jnp.zeros_like(_as_bits(x_sorted)), x_sorted)
     dparams = jax.tree.map(lambda w: _varying_like(jnp.zeros_like(w), w), params)
     dx, dparams = jax.lax.fori_loop(0, passes, body, (dx, dparams))
-    return dx, dparams, None, None, None, None
+    return _from_bits(dx, x_sorted.dtype), dparams, None, None, None, None
 
 
 _multipass.defvjp(_multipass_fwd, _multipass_bwd)
