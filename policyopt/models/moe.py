@@ -308,8 +308,11 @@ def router_aux(router_logits, probs, expert_ids, valid, num_experts: int,
 # (E_l = E / n_ep per device), the block runs under ``jax.shard_map``; per device, with
 # its n local tokens and m = n k copies:
 #
-#   1. route the local tokens (router weights gathered whole; replay takes the local
-#      rows of [B, T, k]); aux statistics psum-ed over the row axes (``router_aux``);
+#   0. the router and expert weights arrive as their FSDP shards (model width D split
+#      over the ``embed`` rule's axes) and are all-gathered along D in the block, so that
+#      their gradients are reduce-scattered back onto the shards (ZeRO-3);
+#   1. route the local tokens (replay takes the local rows of [B, T, k]); aux
+#      statistics psum-ed over the row axes (``router_aux``);
 #   2. sort the copies by expert id: the copies for device j (experts j E_l ... ) are a
 #      contiguous run of s_j copies;
 #   3. send each run to its device over the expert axis: ``all_to_all`` of fixed
@@ -337,6 +340,18 @@ def _row_axes(mesh) -> tuple[str, ...]:
     target = logical_to_mesh_axes(("batch",), mesh_axis_names=mesh.axis_names)[0]
     names = () if target is None else (target,) if isinstance(target, str) else tuple(target)
     return tuple(a for a in names if mesh.shape[a] > 1)
+
+
+def _width_axes(mesh, hidden_size: int) -> tuple[str, ...]:
+    """Mesh axes (size > 1) that split the model width D of the weights (the ``embed``
+    rule's, FSDP), or () where they do not divide ``hidden_size`` (the weights are then
+    replicated along D, as ``policyopt.sharding.param_specs`` places them)."""
+    from policyopt.models.sharding import logical_to_mesh_axes
+
+    target = logical_to_mesh_axes(("embed",), mesh_axis_names=mesh.axis_names)[0]
+    names = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+    names = tuple(a for a in names if mesh.shape[a] > 1)
+    return names if hidden_size % int(np.prod([mesh.shape[a] for a in names])) == 0 else ()
 
 
 def expert_parallel_mesh(config: ModelConfig, rows: int):
@@ -595,9 +610,25 @@ def _expert_parallel_block(x, token_mask, routing, router, params, config: Model
     e_local = num_experts // n_ep
     transport = cfg.resolved_ep_transport()
     all_axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+    width = _width_axes(mesh, cfg.hidden_size)
+
+    def gathered(w, axis):
+        # FSDP (ZeRO-3) inside the block: the model width of a weight arrives as this
+        # device's shard and is all-gathered here, so that the weight's gradient, the
+        # transpose of the all-gather, is reduce-scattered onto the shards (a psum_scatter;
+        # left to XLA, the gradient is all-reduced at full size and then sliced on XLA:CPU,
+        # which has no pass turning the two into a reduce-scatter).
+        # Typed as varying over the other row axes first, so that the gradient's psum over
+        # them (data parallelism) runs on the shard, after the reduce-scatter.
+        others = tuple(a for a in row_axes
+                       if a not in width and a not in jax.typeof(w).mat.varying)
+        w = jax.lax.pcast(w, others, to="varying") if others else w
+        return jax.lax.all_gather(w, width, axis=axis, tiled=True) if width else w
 
     def body(x, token_mask, router, w_gate, w_up, w_down, *replay):
         b, t, d = x.shape
+        router, w_gate, w_up = gathered(router, 0), gathered(w_gate, 1), gathered(w_up, 1)
+        w_down = gathered(w_down, 2)
         flat = x.reshape(b * t, d)
         valid = token_mask.reshape(b * t)
         logits = flat.astype(jnp.float32) @ router.astype(jnp.float32)
@@ -611,9 +642,10 @@ def _expert_parallel_block(x, token_mask, routing, router, params, config: Model
         return y.reshape(b, t, d), expert_ids.reshape(b, t, k), aux
 
     rows = PartitionSpec(row_axes)
-    experts = PartitionSpec("expert")
+    shard = width or None
     args = (x, token_mask, router, *params) + (() if routing is None else (routing,))
-    in_specs = (rows, rows, PartitionSpec(), experts, experts, experts) + (
+    in_specs = (rows, rows, PartitionSpec(shard, None), PartitionSpec("expert", shard, None),
+                PartitionSpec("expert", shard, None), PartitionSpec("expert", None, shard)) + (
         () if routing is None else (rows,))
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs,
                          out_specs=(rows, rows, PartitionSpec()))(*args)
