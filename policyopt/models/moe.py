@@ -11,7 +11,7 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
   4. Gate weights    g_j = p[e_j]  and, if norm_topk_prob, g_j /= sum_j g_j
      (= softmax of z over the k selected experts). Always recomputed from the *current*
      logits, so under replay the router still receives gradient through g.
-  5. Experts         y = sum_j g_j * SwiGLU_{e_j}(x)   via one of four dispatches:
+  5. Experts         y = sum_j g_j * SwiGLU_{e_j}(x)   via one of five dispatches:
 
      ragged (dropless, default; MegaBlocks / MaxText "sparse matmul"):
        a. flatten the N*k token copies, argsort them by expert id (stable)
@@ -19,6 +19,9 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
        c. gather x in that order and run the three expert matmuls as
           jax.lax.ragged_dot (one grouped GEMM per projection)
        d. scatter the outputs back to copy order, weight by g and sum over the k copies.
+
+     megablox (dropless): as ragged, the grouped matmuls by the megablox GMM kernel for
+       TPUs (``megablox_matmul``; Pallas interpret mode on other backends).
 
      blocked (dropless, plain XLA; MegaBlocks' padded block-sparse form): as ragged,
        but each expert's group is padded to a multiple of ``moe_block_size`` rows, so
@@ -97,12 +100,54 @@ def route(router_logits: jax.Array, k: int, norm_topk_prob: bool,
     return expert_ids, gates, probs
 
 
-def ragged_experts(x, expert_ids, gates, w_gate, w_up, w_down):
+def megablox_matmul(rows, weights, group_sizes, interpret: bool | None = None):
+    """Grouped matmul with the megablox GMM kernel of JAX's Pallas TPU ops
+    (``jax.experimental.pallas.ops.tpu.megablox.gmm``, MegaBlocks' block-sparse product):
+    out[r] = rows[r] @ weights[e(r)], rows sorted by group, group e of ``group_sizes[e]``
+    rows. Its custom VJP runs the kernel again for the rows' gradient and the transposed
+    kernel (``tgmm``) for the weights'. Rows are padded to a multiple of the row tile;
+    rows past sum(group_sizes) come out zero, with zero gradient.
+
+    Args:
+      rows: [M, D]; weights: [E, D, F] (same dtype); group_sizes: int32 [E], sum <= M.
+      interpret: run the kernel in Pallas interpret mode; None: on every backend but TPU
+        (the kernel is Mosaic TPU code: interpret mode is for tests, and slow).
+    Returns:
+      [M, F] in the dtype of ``rows`` (accumulated in float32).
+    """
+    from jax.experimental.pallas.ops.tpu import megablox
+
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    m, d = rows.shape
+    f = weights.shape[-1]
+    # Row tile: 512 rows (MaxText's default) or all rows rounded up to 8 sublanes when
+    # fewer; k and n tiles: the whole dimension up to 1,024 (multiples of 128 lanes at
+    # model sizes; the kernel masks a ragged last tile).
+    tm = min(512, -(-m // 8) * 8)
+    tiling = (tm, min(d, 1024), min(f, 1024))
+    padded = -(-m // tm) * tm
+    if padded != m:
+        rows = jnp.pad(rows, ((0, padded - m), (0, 0)))
+    # The kernel leaves rows past the groups unwritten, in its output and in the rows'
+    # gradient (NaN in interpret mode): selected away on both sides (a select's
+    # gradient selects too, so the unwritten rows never reach a product).
+    grouped = (jnp.arange(padded) < jnp.sum(group_sizes))[:, None]
+    rows = jnp.where(grouped, rows, 0)
+    # Positional: the custom_vjp's non-differentiable arguments are (3, 4, 7, 8).
+    out = megablox.gmm(rows, weights.astype(rows.dtype), group_sizes.astype(jnp.int32),
+                       rows.dtype, tiling, None, None, False, interpret)
+    return jnp.where(grouped, out, 0)[:m]
+
+
+def ragged_experts(x, expert_ids, gates, w_gate, w_up, w_down, matmul: str = "ragged_dot"):
     """Step 5, dropless: sort copies by expert, grouped matmuls, unsort, weighted sum.
 
     Args:
       x: [N, D]; expert_ids: int32 [N, k]; gates: [N, k];
       w_gate, w_up: [E, D, F]; w_down: [E, F, D] (all in the compute dtype).
+      matmul: the grouped matmul, "ragged_dot" (``jax.lax.ragged_dot``) or "megablox"
+        (``megablox_matmul``).
     Returns:
       [N, D].
     """
@@ -112,9 +157,15 @@ def ragged_experts(x, expert_ids, gates, w_gate, w_up, w_down):
     order = jnp.argsort(flat_ids, stable=True)                          # copies by expert
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
     x_sorted = jnp.take(x, order // k, axis=0)                          # [N*k, D]
-    gate = jax.lax.ragged_dot(x_sorted, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(x_sorted, w_up, group_sizes)
-    y_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
+    if matmul == "ragged_dot":
+        grouped = jax.lax.ragged_dot
+    elif matmul == "megablox":
+        grouped = megablox_matmul
+    else:
+        raise ValueError(f"matmul must be 'ragged_dot' or 'megablox', got {matmul!r}")
+    gate = grouped(x_sorted, w_gate, group_sizes)
+    up = grouped(x_sorted, w_up, group_sizes)
+    y_sorted = grouped(jax.nn.silu(gate) * up, w_down, group_sizes)
     y_copies = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
     y_copies = y_copies.reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y_copies, gates.astype(y_copies.dtype))
@@ -388,8 +439,9 @@ def _local_experts(rows, local_ids, params, config: ModelConfig, dispatch: str):
         return blocked_experts(rows, ids, ones, *params, block_size=config.moe_block_size,
                                gather=config.resolved_weight_gather())
     weights = [w.astype(rows.dtype) for w in params]
-    if dispatch == "ragged":
-        return ragged_experts(rows, ids, ones, *weights)
+    if dispatch in ("ragged", "megablox"):
+        matmul = "megablox" if dispatch == "megablox" else "ragged_dot"
+        return ragged_experts(rows, ids, ones, *weights, matmul=matmul)
     return dense_experts(rows, ids, ones, *weights)
 
 
@@ -691,8 +743,9 @@ class MoE(nnx.Module):
         params = [w[...] for w in (self.gate_proj, self.up_proj, self.down_proj)]
         weights = [w.astype(dt) for w in params]
         dropped = jnp.zeros((), jnp.float32)
-        if dispatch == "ragged":
-            y = ragged_experts(flat.astype(dt), expert_ids, gates, *weights)
+        if dispatch in ("ragged", "megablox"):
+            matmul = "megablox" if dispatch == "megablox" else "ragged_dot"
+            y = ragged_experts(flat.astype(dt), expert_ids, gates, *weights, matmul=matmul)
         elif dispatch == "blocked":
             # The parameters themselves: blocked_experts casts them (after its gather).
             y = blocked_experts(flat.astype(dt), expert_ids, gates, *params,
