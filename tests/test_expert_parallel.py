@@ -190,6 +190,14 @@ _SCRIPT = textwrap.dedent("""
     except ValueError as error:
       assert "mesh.expert=8" in str(error) and "num_experts=4" in str(error), error
       print("ok refused", flush=True)
+    # The megablox kernel under shard_map: refused with the field and value.
+    p, s = make(dataclasses.replace(moe_config, moe_dispatch="megablox"))
+    try:
+      on_mesh(s, p, {"expert": 8}, tokens, None)
+      raise AssertionError("megablox ran expert-parallel")
+    except ValueError as error:
+      assert "moe_dispatch='megablox'" in str(error) and "mesh.expert=8" in str(error), error
+      print("ok megablox refused", flush=True)
     """)
 
 
@@ -200,7 +208,8 @@ def test_expert_parallel_matches_one_device():
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
-    for line in ("ok moe", "ok buffer", "ok ragged", "ok dense", "ok scan", "ok refused"):
+    for line in ("ok moe", "ok buffer", "ok ragged", "ok dense", "ok scan", "ok refused",
+                 "ok megablox refused"):
         assert line in proc.stdout, proc.stdout
 
 

@@ -657,6 +657,12 @@ def _expert_parallel_block(x, token_mask, routing, router, params, config: Model
       As ``MoE.__call__`` before the dropped count: (y, routing, aux).
     """
     cfg = config
+    if dispatch == "megablox":
+        # jax 0.10: its pallas_call does not say how its output varies over the mesh
+        # axes, which shard_map's check_vma requires.
+        raise ValueError("ModelConfig.moe_dispatch='megablox' does not run expert-parallel "
+                         f"yet (mesh.expert={mesh.shape['expert']}): use 'ragged' or "
+                         "'blocked' on a mesh with an expert axis")
     k, dt, num_experts = cfg.num_experts_per_tok, cfg.compute_dtype, cfg.num_experts
     n_ep = mesh.shape["expert"]
     e_local = num_experts // n_ep
