@@ -61,7 +61,15 @@ What XLA:CPU's figures predict for GPUs and TPUs, and what they do not:
   units take bf16 in and accumulate internally, would not; XLA:CPU also fuses less
   (no fusion of softmax or matmul epilogues as on GPUs, no TPU layout passes). The CPU's
   activation figures are therefore an upper bound, by up to ~2x where matmul outputs
-  dominate. Parameters and optimiser state are exact.
+  dominate. Parameters and optimiser state are exact. The same holds for every bfloat16
+  gather, scatter, select, dynamic-(update-)slice and collective: XLA:CPU's
+  ``float-normalization-bf16`` pass rewrites each into float32 (qwen3_30b_a3b at 32k
+  tokens: the scan's saved residual stream, bf16[48, 1, 32768, 2048], gets a 12 GiB
+  float32 copy before the backward loop; benchmarks/RESULTS.md, fourteenth session).
+- XLA:CPU has no pass that turns an all-reduce followed by a slice into a reduce-scatter
+  (XLA's GPU pipeline has one): a gradient whose FSDP reduction is left to the SPMD
+  partitioner shows here as a full-size all-reduce; an explicit reduce-scatter (the MoE
+  block's weights, ``policyopt.models.moe``) shows as one.
 - Rematerialisation: ``jax.checkpoint`` policies and scanned layers act as on TPUs (the
   checkpoint boundaries are in the HLO XLA:CPU compiles; a scan keeps its carries and saved
   residuals per layer). The GPU and TPU compilers also run XLA's own rematerialisation

@@ -1,7 +1,8 @@
 """Expert parallelism (``policyopt.models.moe``, ``jax.shard_map``) on 8 simulated CPU
 devices: loss, gradients, routing and the tokens each expert received equal one device's
 on the meshes expert=8, fsdp=2 x expert=4 and data=2 x expert=4, with and without routing
-replay, for the MoE and the dense model; the bounded buffer's overflow fallback; the
+replay, for the MoE and the dense model; the MoE weights' gradients reduce-scattered onto
+their fsdp shards; the bounded buffer's overflow fallback; the
 ragged_all_to_all transport's offsets (against a reference implementation of the
 collective's semantics: XLA:CPU does not compile ragged-all-to-all); and the config
 errors of a mesh that expert parallelism cannot use; MoE blocks inside a ``lax.scan``
@@ -85,6 +86,18 @@ _SCRIPT = textwrap.dedent("""
           with jax.set_mesh(mesh):
             hlo = step.lower(placed, *rows, None).compile().as_text()
           assert "all-to-all" in hlo
+        if shape == MESHES[1] and routing is None:
+          # FSDP inside the block: the expert weights' and the router's gradients are
+          # reduce-scattered onto their fsdp shards, never all-reduced at full size
+          # (local experts [2, D=64, F=64], D split over fsdp=2; router [D=64, E=8]).
+          with jax.set_mesh(mesh):
+            hlo = step.lower(placed, *rows, None).compile().as_text()
+          ops = lambda kind: [l for l in hlo.splitlines() if f" {kind}(" in l]
+          scattered = " ".join(ops("reduce-scatter"))
+          for shard in ("f32[2,32,64]", "f32[2,64,32]", "f32[32,8]"):
+            assert shard in scattered, (shard, scattered)
+          for full in ("f32[2,64,64]", "f32[64,8]"):
+            assert not [l for l in ops("all-reduce") if full in l], full
       print("ok moe", shape, flush=True)
 
     # The bounded buffer: the largest load of a device pair computed here from the
@@ -177,6 +190,14 @@ _SCRIPT = textwrap.dedent("""
     except ValueError as error:
       assert "mesh.expert=8" in str(error) and "num_experts=4" in str(error), error
       print("ok refused", flush=True)
+    # The megablox kernel under shard_map: refused with the field and value.
+    p, s = make(dataclasses.replace(moe_config, moe_dispatch="megablox"))
+    try:
+      on_mesh(s, p, {"expert": 8}, tokens, None)
+      raise AssertionError("megablox ran expert-parallel")
+    except ValueError as error:
+      assert "moe_dispatch='megablox'" in str(error) and "mesh.expert=8" in str(error), error
+      print("ok megablox refused", flush=True)
     """)
 
 
@@ -187,7 +208,8 @@ def test_expert_parallel_matches_one_device():
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
-    for line in ("ok moe", "ok buffer", "ok ragged", "ok dense", "ok scan", "ok refused"):
+    for line in ("ok moe", "ok buffer", "ok ragged", "ok dense", "ok scan", "ok refused",
+                 "ok megablox refused"):
         assert line in proc.stdout, proc.stdout
 
 

@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from policyopt.models import ModelConfig
-from policyopt.models.moe import MoE, capacity_experts, route, router_aux
+from policyopt.models.moe import (MoE, capacity_experts, megablox_matmul, route,
+                                  router_aux)
 
 E, K, D, F = 4, 2, 8, 6
 
@@ -101,8 +102,8 @@ def _dispatch(name):
 
 
 @pytest.mark.parametrize("dispatch,norm_topk_prob", [
-    ("ragged", True), ("ragged", False), ("blocked", True), ("blocked-onehot", False),
-    ("dense", True), ("dense", False), ("capacity", False)])
+    ("ragged", True), ("ragged", False), ("megablox", True), ("blocked", True),
+    ("blocked-onehot", False), ("dense", True), ("dense", False), ("capacity", False)])
 def test_fast_paths_match_loop_reference(dispatch, norm_topk_prob):
     # capacity_factor = E / K: every expert can hold every token, nothing is dropped.
     # Block size 3: groups of every size modulo the block occur, some experts get none.
@@ -117,7 +118,8 @@ def test_fast_paths_match_loop_reference(dispatch, norm_topk_prob):
     np.testing.assert_array_equal(aux["tokens_per_expert"], np.bincount(chosen.ravel(), minlength=E))
 
 
-@pytest.mark.parametrize("dispatch", ["ragged", "blocked", "blocked-onehot", "dense", "capacity"])
+@pytest.mark.parametrize("dispatch", ["ragged", "megablox", "blocked", "blocked-onehot", "dense",
+                                      "capacity"])
 def test_gradients_match_loop_reference_under_replay(dispatch):
     """Replay a routing that differs from the natural one (the k *least* likely experts):
     output and every gradient equal the loop reference with those experts; the router
@@ -306,3 +308,36 @@ def test_blocked_take_gradient_sums_in_the_parameter_dtype():
                  for k, g in (("ragged", ragged), ("blocked", blocked))}
         assert error["ragged"] < 0.01, (name, error)
         assert error["blocked"] < 1.1 * error["ragged"], (name, error)
+
+
+def test_megablox_matmul_matches_one_hot_products():
+    """The megablox GMM kernel (Pallas interpret mode on the CPU) against the one-hot
+    form out[r] = sum_e [e(r) = e] rows[r] @ W_e, values and both gradients: groups of
+    sizes 5, 0, 9, 3 (one empty) over 19 rows, padded inside to the row tile (24), and
+    two rows past the groups, which come out zero."""
+    rng = np.random.default_rng(0)
+    sizes = np.array([5, 0, 9, 3], np.int32)
+    rows = jnp.asarray(rng.normal(size=(19, D)), jnp.float32)
+    weights = jnp.asarray(rng.normal(size=(4, D, F)), jnp.float32)
+    cotangent = jnp.asarray(rng.normal(size=(19, F)), jnp.float32)
+    group = np.repeat(np.arange(4), sizes)                              # e(r), 17 rows
+    onehot = jnp.asarray(np.eye(4)[group], jnp.float32)                 # [17, E]
+
+    def one_hot_form(rows, weights):
+        out = jnp.einsum("re,rd,edf->rf", onehot, rows[:17], weights)
+        return jnp.concatenate([out, jnp.zeros((2, F))])
+
+    def kernel(rows, weights):
+        return megablox_matmul(rows, weights, jnp.asarray(sizes), interpret=True)
+
+    out = kernel(rows, weights)
+    np.testing.assert_allclose(out, one_hot_form(rows, weights), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out[17:], 0)
+    grads = jax.grad(lambda r, w: jnp.sum(kernel(r, w) * cotangent), argnums=(0, 1))(
+        rows, weights)
+    want = jax.grad(lambda r, w: jnp.sum(one_hot_form(r, w) * cotangent), argnums=(0, 1))(
+        rows, weights)
+    for got, ref in zip(grads, want):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(grads[0][17:], 0)                    # past the groups
+    np.testing.assert_array_equal(grads[1][1], 0)                      # the empty group

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from policyopt.models.attention_ops import IMPLEMENTATIONS, check_implementation
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_DISPATCH = ("ragged", "blocked", "dense", "capacity")
+_DISPATCH = ("ragged", "megablox", "blocked", "dense", "capacity")
 _GATHER = ("auto", "take", "onehot")
 _REMAT = ("none", "full", "save_dots")
 
@@ -51,10 +51,13 @@ class ModelConfig:
         softmaxes, router and log-softmax always run in float32.
       param_dtype: storage dtype of the parameters.
       moe_dispatch: "ragged" (dropless: sort by expert + jax.lax.ragged_dot; the choice
-        on TPUs, which have grouped-matmul kernels), "blocked" (dropless: sort by expert,
-        pad groups to blocks of moe_block_size rows, batched matmul; the fast choice for
-        training on CPUs and GPUs, where XLA lowers ragged_dot to a dense product over
-        every expert), "dense" (dropless: every token through every expert, weighted by
+        on TPUs, which have grouped-matmul kernels), "megablox" (as "ragged", the grouped
+        matmuls by the megablox GMM Pallas kernel for TPUs that ships with JAX; on other
+        backends it runs in Pallas interpret mode, for tests only; not yet on a mesh with
+        an expert axis), "blocked" (dropless:
+        sort by expert, pad groups to blocks of moe_block_size rows, batched matmul; the
+        fast choice for training on CPUs and GPUs, where XLA lowers ragged_dot to a dense
+        product over every expert), "dense" (dropless: every token through every expert, weighted by
         its gates, 0 for the experts it did not choose, so a NaN or inf in any expert's
         output reaches every token; E / k times the expert FLOPs and [E, N, F]
         intermediates, in three batched matmuls with no sort or gather; for decoding

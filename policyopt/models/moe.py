@@ -11,7 +11,7 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
   4. Gate weights    g_j = p[e_j]  and, if norm_topk_prob, g_j /= sum_j g_j
      (= softmax of z over the k selected experts). Always recomputed from the *current*
      logits, so under replay the router still receives gradient through g.
-  5. Experts         y = sum_j g_j * SwiGLU_{e_j}(x)   via one of four dispatches:
+  5. Experts         y = sum_j g_j * SwiGLU_{e_j}(x)   via one of five dispatches:
 
      ragged (dropless, default; MegaBlocks / MaxText "sparse matmul"):
        a. flatten the N*k token copies, argsort them by expert id (stable)
@@ -19,6 +19,9 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
        c. gather x in that order and run the three expert matmuls as
           jax.lax.ragged_dot (one grouped GEMM per projection)
        d. scatter the outputs back to copy order, weight by g and sum over the k copies.
+
+     megablox (dropless): as ragged, the grouped matmuls by the megablox GMM kernel for
+       TPUs (``megablox_matmul``; Pallas interpret mode on other backends).
 
      blocked (dropless, plain XLA; MegaBlocks' padded block-sparse form): as ragged,
        but each expert's group is padded to a multiple of ``moe_block_size`` rows, so
@@ -98,12 +101,54 @@ def route(router_logits: jax.Array, k: int, norm_topk_prob: bool,
     return expert_ids, gates, probs
 
 
-def ragged_experts(x, expert_ids, gates, w_gate, w_up, w_down):
+def megablox_matmul(rows, weights, group_sizes, interpret: bool | None = None):
+    """Grouped matmul with the megablox GMM kernel of JAX's Pallas TPU ops
+    (``jax.experimental.pallas.ops.tpu.megablox.gmm``, MegaBlocks' block-sparse product):
+    out[r] = rows[r] @ weights[e(r)], rows sorted by group, group e of ``group_sizes[e]``
+    rows. Its custom VJP runs the kernel again for the rows' gradient and the transposed
+    kernel (``tgmm``) for the weights'. Rows are padded to a multiple of the row tile;
+    rows past sum(group_sizes) come out zero, with zero gradient.
+
+    Args:
+      rows: [M, D]; weights: [E, D, F] (same dtype); group_sizes: int32 [E], sum <= M.
+      interpret: run the kernel in Pallas interpret mode; None: on every backend but TPU
+        (the kernel is Mosaic TPU code: interpret mode is for tests, and slow).
+    Returns:
+      [M, F] in the dtype of ``rows`` (accumulated in float32).
+    """
+    from jax.experimental.pallas.ops.tpu import megablox
+
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    m, d = rows.shape
+    f = weights.shape[-1]
+    # Row tile: 512 rows (MaxText's default) or all rows rounded up to 8 sublanes when
+    # fewer; k and n tiles: the whole dimension up to 1,024 (multiples of 128 lanes at
+    # model sizes; the kernel masks a ragged last tile).
+    tm = min(512, -(-m // 8) * 8)
+    tiling = (tm, min(d, 1024), min(f, 1024))
+    padded = -(-m // tm) * tm
+    if padded != m:
+        rows = jnp.pad(rows, ((0, padded - m), (0, 0)))
+    # The kernel leaves rows past the groups unwritten, in its output and in the rows'
+    # gradient (NaN in interpret mode): selected away on both sides (a select's
+    # gradient selects too, so the unwritten rows never reach a product).
+    grouped = (jnp.arange(padded) < jnp.sum(group_sizes))[:, None]
+    rows = jnp.where(grouped, rows, 0)
+    # Positional: the custom_vjp's non-differentiable arguments are (3, 4, 7, 8).
+    out = megablox.gmm(rows, weights.astype(rows.dtype), group_sizes.astype(jnp.int32),
+                       rows.dtype, tiling, None, None, False, interpret)
+    return jnp.where(grouped, out, 0)[:m]
+
+
+def ragged_experts(x, expert_ids, gates, w_gate, w_up, w_down, matmul: str = "ragged_dot"):
     """Step 5, dropless: sort copies by expert, grouped matmuls, unsort, weighted sum.
 
     Args:
       x: [N, D]; expert_ids: int32 [N, k]; gates: [N, k];
       w_gate, w_up: [E, D, F]; w_down: [E, F, D] (all in the compute dtype).
+      matmul: the grouped matmul, "ragged_dot" (``jax.lax.ragged_dot``) or "megablox"
+        (``megablox_matmul``).
     Returns:
       [N, D].
     """
@@ -113,9 +158,15 @@ def ragged_experts(x, expert_ids, gates, w_gate, w_up, w_down):
     order = jnp.argsort(flat_ids, stable=True)                          # copies by expert
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
     x_sorted = jnp.take(x, order // k, axis=0)                          # [N*k, D]
-    gate = jax.lax.ragged_dot(x_sorted, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(x_sorted, w_up, group_sizes)
-    y_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
+    if matmul == "ragged_dot":
+        grouped = jax.lax.ragged_dot
+    elif matmul == "megablox":
+        grouped = megablox_matmul
+    else:
+        raise ValueError(f"matmul must be 'ragged_dot' or 'megablox', got {matmul!r}")
+    gate = grouped(x_sorted, w_gate, group_sizes)
+    up = grouped(x_sorted, w_up, group_sizes)
+    y_sorted = grouped(jax.nn.silu(gate) * up, w_down, group_sizes)
     y_copies = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
     y_copies = y_copies.reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y_copies, gates.astype(y_copies.dtype))
@@ -309,8 +360,11 @@ def router_aux(router_logits, probs, expert_ids, valid, num_experts: int,
 # (E_l = E / n_ep per device), the block runs under ``jax.shard_map``; per device, with
 # its n local tokens and m = n k copies:
 #
-#   1. route the local tokens (router weights gathered whole; replay takes the local
-#      rows of [B, T, k]); aux statistics psum-ed over the row axes (``router_aux``);
+#   0. the router and expert weights arrive as their FSDP shards (model width D split
+#      over the ``embed`` rule's axes) and are all-gathered along D in the block, so that
+#      their gradients are reduce-scattered back onto the shards (ZeRO-3);
+#   1. route the local tokens (replay takes the local rows of [B, T, k]); aux
+#      statistics psum-ed over the row axes (``router_aux``);
 #   2. sort the copies by expert id: the copies for device j (experts j E_l ... ) are a
 #      contiguous run of s_j copies;
 #   3. send each run to its device over the expert axis: ``all_to_all`` of fixed
@@ -336,6 +390,18 @@ def _row_axes(mesh) -> tuple[str, ...]:
     target = logical_to_mesh_axes(("batch",), mesh_axis_names=mesh.axis_names)[0]
     names = () if target is None else (target,) if isinstance(target, str) else tuple(target)
     return tuple(a for a in names if mesh.shape[a] > 1)
+
+
+def _width_axes(mesh, hidden_size: int) -> tuple[str, ...]:
+    """Mesh axes (size > 1) that split the model width D of the weights (the ``embed``
+    rule's, FSDP), or () where they do not divide ``hidden_size`` (the weights are then
+    replicated along D, as ``policyopt.sharding.param_specs`` places them)."""
+    from policyopt.models.sharding import logical_to_mesh_axes
+
+    target = logical_to_mesh_axes(("embed",), mesh_axis_names=mesh.axis_names)[0]
+    names = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+    names = tuple(a for a in names if mesh.shape[a] > 1)
+    return names if hidden_size % int(np.prod([mesh.shape[a] for a in names])) == 0 else ()
 
 
 def expert_parallel_mesh(config: ModelConfig, rows: int):
@@ -372,8 +438,9 @@ def _local_experts(rows, local_ids, params, config: ModelConfig, dispatch: str):
         return blocked_experts(rows, ids, ones, *params, block_size=config.moe_block_size,
                                gather=config.resolved_weight_gather())
     weights = [w.astype(rows.dtype) for w in params]
-    if dispatch == "ragged":
-        return ragged_experts(rows, ids, ones, *weights)
+    if dispatch in ("ragged", "megablox"):
+        matmul = "megablox" if dispatch == "megablox" else "ragged_dot"
+        return ragged_experts(rows, ids, ones, *weights, matmul=matmul)
     return dense_experts(rows, ids, ones, *weights)
 
 
@@ -398,22 +465,43 @@ def _varying_like(value, ref):
     return jax.lax.pcast(value, missing, to="varying") if missing else value
 
 
+def _as_bits(x):
+    """A float array as the unsigned integers of its bit pattern (other dtypes as they are).
+
+    The passes only move rows (scatter into buffers, all_to_all, gather, select): on
+    their bits, the moves keep the storage width on every backend. XLA:CPU's float
+    normalization otherwise runs every bfloat16 gather, scatter, select and collective in
+    float32, on float32 copies of the buffers (qwen3_30b_a3b at 32k tokens, 64 devices:
+    the pass buffers were f32[8, 65536, 2048], 4 GiB each; benchmarks/RESULTS.md)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def _from_bits(bits, dtype):
+    """The inverse of ``_as_bits``."""
+    return bits if bits.dtype == dtype else jax.lax.bitcast_convert_type(bits, dtype)
+
+
 def _pass_send(rows, dest, slot, n_ep: int, capacity: int):
     """Pack the copies of one pass (0 <= slot < capacity) into [n_ep, capacity, ...] by
-    destination and exchange them over the expert axis: [source, capacity, ...]."""
+    destination and exchange them over the expert axis: [source, capacity, ...] (empty
+    slots are zeros)."""
     inside = (slot >= 0) & (slot < capacity)
-    buf = jnp.zeros((n_ep, capacity) + rows.shape[1:], rows.dtype)
-    buf = buf.at[dest, jnp.where(inside, slot, capacity)].set(rows, mode="drop",
+    bits = _as_bits(rows)
+    buf = jnp.zeros((n_ep, capacity) + rows.shape[1:], bits.dtype)
+    buf = buf.at[dest, jnp.where(inside, slot, capacity)].set(bits, mode="drop",
                                                               unique_indices=True)
-    return jax.lax.all_to_all(buf, "expert", 0, 0)
+    return _from_bits(jax.lax.all_to_all(buf, "expert", 0, 0), rows.dtype)
 
 
-def _pass_return(out, dest, slot, n_ep: int, capacity: int):
-    """The reverse of ``_pass_send``: outputs [n_ep * capacity, D] back to their copies
-    [M, D] (zeros for copies outside the pass)."""
+def _pass_return(out, dest, slot, n_ep: int, capacity: int, into):
+    """The reverse of ``_pass_send``: outputs [n_ep * capacity, D] back to their copies,
+    written into ``into`` [M, D] (bits, ``_as_bits``) at the copies of the pass: every copy
+    travels in exactly one pass."""
     inside = (slot >= 0) & (slot < capacity)
-    back = jax.lax.all_to_all(out.reshape(n_ep, capacity, -1), "expert", 0, 0)
-    return jnp.where(inside[:, None], back[dest, jnp.clip(slot, 0, capacity - 1)], 0)
+    back = jax.lax.all_to_all(_as_bits(out).reshape(n_ep, capacity, -1), "expert", 0, 0)
+    return jnp.where(inside[:, None], back[dest, jnp.clip(slot, 0, capacity - 1)], into)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -437,10 +525,10 @@ def _multipass(local_fn, n_ep, capacity, x_sorted, params, dest, rank, local_ids
         recv = _pass_send(x_sorted, dest, slot, n_ep, capacity)
         ids = _pass_send(local_ids, dest, slot, n_ep, capacity)
         out = local_fn(recv.reshape(n_ep * capacity, -1), ids.reshape(-1), params)
-        return y + _pass_return(out, dest, slot, n_ep, capacity).astype(y.dtype)
+        return _pass_return(out.astype(x_sorted.dtype), dest, slot, n_ep, capacity, y)
 
-    y = _varying_like(jnp.zeros_like(x_sorted), x_sorted)
-    return jax.lax.fori_loop(0, passes, body, y)
+    y = _varying_like(jnp.zeros_like(_as_bits(x_sorted)), x_sorted)
+    return _from_bits(jax.lax.fori_loop(0, passes, body, y), x_sorted.dtype)
 
 
 def _multipass_fwd(local_fn, n_ep, capacity, x_sorted, params, dest, rank, local_ids, passes):
@@ -462,13 +550,13 @@ def _multipass_bwd(local_fn, n_ep, capacity, residuals, dy):
         ids = _pass_send(local_ids, dest, slot, n_ep, capacity).reshape(-1)
         _, vjp = jax.vjp(lambda r, w: local_fn(r, ids, w), rows, params)
         d_rows, d_params = vjp(grads.astype(rows.dtype))
-        dx = dx + _pass_return(d_rows, dest, slot, n_ep, capacity).astype(dx.dtype)
+        dx = _pass_return(d_rows.astype(x_sorted.dtype), dest, slot, n_ep, capacity, dx)
         return dx, jax.tree.map(jnp.add, dparams, d_params)
 
-    dx = _varying_like(jnp.zeros_like(x_sorted), x_sorted)
+    dx = _varying_like(jnp.zeros_like(_as_bits(x_sorted)), x_sorted)
     dparams = jax.tree.map(lambda w: _varying_like(jnp.zeros_like(w), w), params)
     dx, dparams = jax.lax.fori_loop(0, passes, body, (dx, dparams))
-    return dx, dparams, None, None, None, None
+    return _from_bits(dx, x_sorted.dtype), dparams, None, None, None, None
 
 
 _multipass.defvjp(_multipass_fwd, _multipass_bwd)
@@ -568,14 +656,36 @@ def _expert_parallel_block(x, token_mask, routing, router, params, config: Model
       As ``MoE.__call__`` before the dropped count: (y, routing, aux).
     """
     cfg = config
+    if dispatch == "megablox":
+        # jax 0.10: its pallas_call does not say how its output varies over the mesh
+        # axes, which shard_map's check_vma requires.
+        raise ValueError("ModelConfig.moe_dispatch='megablox' does not run expert-parallel "
+                         f"yet (mesh.expert={mesh.shape['expert']}): use 'ragged' or "
+                         "'blocked' on a mesh with an expert axis")
     k, dt, num_experts = cfg.num_experts_per_tok, cfg.compute_dtype, cfg.num_experts
     n_ep = mesh.shape["expert"]
     e_local = num_experts // n_ep
     transport = cfg.resolved_ep_transport()
     all_axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+    width = _width_axes(mesh, cfg.hidden_size)
+
+    def gathered(w, axis):
+        # FSDP (ZeRO-3) inside the block: the model width of a weight arrives as this
+        # device's shard and is all-gathered here, so that the weight's gradient, the
+        # transpose of the all-gather, is reduce-scattered onto the shards (a psum_scatter;
+        # left to XLA, the gradient is all-reduced at full size and then sliced on XLA:CPU,
+        # which has no pass turning the two into a reduce-scatter).
+        # Typed as varying over the other row axes first, so that the gradient's psum over
+        # them (data parallelism) runs on the shard, after the reduce-scatter.
+        others = tuple(a for a in row_axes
+                       if a not in width and a not in jax.typeof(w).mat.varying)
+        w = jax.lax.pcast(w, others, to="varying") if others else w
+        return jax.lax.all_gather(w, width, axis=axis, tiled=True) if width else w
 
     def body(x, token_mask, router, w_gate, w_up, w_down, *replay):
         b, t, d = x.shape
+        router, w_gate, w_up = gathered(router, 0), gathered(w_gate, 1), gathered(w_up, 1)
+        w_down = gathered(w_down, 2)
         flat = x.reshape(b * t, d)
         valid = token_mask.reshape(b * t)
         logits = flat.astype(jnp.float32) @ router.astype(jnp.float32)
@@ -589,9 +699,10 @@ def _expert_parallel_block(x, token_mask, routing, router, params, config: Model
         return y.reshape(b, t, d), expert_ids.reshape(b, t, k), aux
 
     rows = PartitionSpec(row_axes)
-    experts = PartitionSpec("expert")
+    shard = width or None
     args = (x, token_mask, router, *params) + (() if routing is None else (routing,))
-    in_specs = (rows, rows, PartitionSpec(), experts, experts, experts) + (
+    in_specs = (rows, rows, PartitionSpec(shard, None), PartitionSpec("expert", shard, None),
+                PartitionSpec("expert", shard, None), PartitionSpec("expert", None, shard)) + (
         () if routing is None else (rows,))
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs,
                          out_specs=(rows, rows, PartitionSpec()))(*args)
@@ -637,8 +748,9 @@ class MoE(nnx.Module):
         params = [w[...] for w in (self.gate_proj, self.up_proj, self.down_proj)]
         weights = [w.astype(dt) for w in params]
         dropped = jnp.zeros((), jnp.float32)
-        if dispatch == "ragged":
-            y = ragged_experts(flat.astype(dt), expert_ids, gates, *weights)
+        if dispatch in ("ragged", "megablox"):
+            matmul = "megablox" if dispatch == "megablox" else "ragged_dot"
+            y = ragged_experts(flat.astype(dt), expert_ids, gates, *weights, matmul=matmul)
         elif dispatch == "blocked":
             # The parameters themselves: blocked_experts casts them (after its gather).
             y = blocked_experts(flat.astype(dt), expert_ids, gates, *params,
