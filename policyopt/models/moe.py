@@ -396,8 +396,6 @@ def _width_axes(mesh, hidden_size: int) -> tuple[str, ...]:
     """Mesh axes (size > 1) that split the model width D of the weights (the ``embed``
     rule's, FSDP), or () where they do not divide ``hidden_size`` (the weights are then
     replicated along D, as ``policyopt.sharding.param_specs`` places them)."""
-    from policyopt.models.sharding import logical_to_mesh_axes
-
     target = logical_to_mesh_axes(("embed",), mesh_axis_names=mesh.axis_names)[0]
     names = () if target is None else (target,) if isinstance(target, str) else tuple(target)
     names = tuple(a for a in names if mesh.shape[a] > 1)
