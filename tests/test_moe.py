@@ -1,5 +1,5 @@
-"""MoE block: ragged, blocked, dense and gathered (dropless) and capacity dispatch against a plain loop over tokens
-and experts; gradients; routing replay; capacity drops and priority; router statistics
+"""MoE block: ragged, blocked, dense and gathered (dropless) and capacity dispatch against a
+plain loop over tokens and experts; gradients; routing replay; capacity drops and priority; router statistics
 worked out by hand."""
 
 import functools
