@@ -1,6 +1,6 @@
 """MoE block: ragged, blocked, dense and gathered (dropless) and capacity dispatch against a
-plain loop over tokens and experts; gradients; routing replay; capacity drops and priority; router statistics
-worked out by hand."""
+plain loop over tokens and experts; gradients; routing replay; capacity drops and priority;
+router statistics worked out by hand."""
 
 import functools
 
