@@ -13,11 +13,33 @@ both sides report the median of several timed runs.
 The same weights run with the "ragged" MoE dispatch (on the CPU, XLA lowers `ragged_dot`
 to a dense product over all experts), with the dropless "blocked" dispatch of each
 ``--blocks`` size (O(N k) expert work), for prefill and decode alike, and as the preset
-runs them: prefill "blocked" 128, decode "dense" (every token through every expert), and
-the preset again with ``--decode_segments`` decode loops over growing KV caches.
+runs them: prefill "blocked" 128, decode "gathered" (each expert on its own tokens), the
+preset with decode "dense" (every token through every expert, its decode until the
+fourteenth session), and the preset again with ``--decode_segments`` decode loops over
+growing KV caches.
 The same model each time, up to float rounding.
 
-Writes benchmarks/results/bench_sampling.json.
+A second case, a long-tailed length mix (``--long_tail_prompts``, 0 to skip): 90% of the
+rows end after 32 new tokens, 10% after 512, as RL rollouts do (most answers short, a few
+running to the limit). The lengths are planted in moe_7m's weights: each layer's output
+projections (attention ``o_proj``, experts' ``down_proj``) are zeroed, so the final
+hidden state is the normed embedding of the token just fed (every matmul still runs on
+the same shapes; the router keeps its random weights, so routing is as unbalanced as in
+the main case). The embedding's first coordinate marks a token's class (+1 long, -1
+short) and so does the output projection's, so a row samples tokens of its last prompt
+token's class (odds e^-30 of leaving it); the end token's output column has -2 there, so
+after a short-class token it is near certain and after a long-class one never, and
+``min_new_tokens = 32`` holds it back until then. Prompts of the long class are every
+tenth. Two ways to generate the same prompts at temperature 1:
+
+  * static batch: ``policyopt.sampling.generate_fn`` over batches of ``--batch`` rows,
+    each running until its longest row ends (512 steps; every batch holds long rows),
+    on the dense KV cache; timed on the first batch, times the number of batches (every
+    batch has the same mix);
+  * engine: ``policyopt.engine.Engine`` (continuous batching on the paged KV cache),
+    ``--batch`` rows refilled as rows end, all the prompts in one call.
+
+Tokens/s counts the tokens generated (the end token included).
 """
 
 from __future__ import annotations
@@ -42,6 +64,8 @@ from policyopt.models import Transformer, preset, save_pretrained  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "bench_sampling.json")
 TARGET_SPEEDUP = 5.0
+# The long-tailed mix: the engine against the static batch (issue 23's floor).
+TARGET_LONG_TAIL = 3.0
 
 
 def _median_time(fn, runs: int) -> tuple[float, list[float], float]:
@@ -102,6 +126,100 @@ def bench_transformers(path, prompts, max_new_tokens, runs, temperature):
     return median, times, cpu, torch.get_num_threads(), transformers.__version__, torch.__version__
 
 
+def plant_lengths(model, end_id: int):
+    """Sets ``model`` (moe_7m) so that rows whose last prompt token is of the long class
+    (ids >= V / 2) never end and the others end as soon as allowed (see the docstring).
+
+    Returns (short-class ids, long-class ids)."""
+    config = model.config
+    vocab, hidden = config.vocab_size, config.hidden_size
+    rng = np.random.default_rng(1)
+    ids = np.arange(vocab)
+    sign = np.where(ids >= vocab // 2, 1.0, -1.0).astype(np.float32)
+    embed = rng.normal(0.0, 0.02, (vocab, hidden)).astype(np.float32)
+    embed[:, 0] = sign
+    head = rng.normal(0.0, 0.02, (hidden, vocab)).astype(np.float32)
+    head[0, :] = sign
+    head[:, end_id] = 0.0
+    head[0, end_id] = -2.0
+    model.embed[...] = jnp.asarray(embed)
+    model.lm_head[...] = jnp.asarray(head)
+    for block in model.layers:
+        block.attn.o_proj[...] = jnp.zeros_like(block.attn.o_proj[...])
+        block.mlp.down_proj[...] = jnp.zeros_like(block.mlp.down_proj[...])
+    short = ids[(ids < vocab // 2) & (ids != end_id)]
+    return short, ids[ids >= vocab // 2]
+
+
+def bench_long_tail(config, args):
+    """The long-tailed mix: static batches of ``generate_fn`` vs the engine. Returns a dict."""
+    from policyopt.engine import Engine, EngineConfig
+
+    short_len, long_len, end_id = 32, 512, 0
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    short_ids, long_ids = plant_lengths(model, end_id)
+    rng = np.random.default_rng(2)
+    count, batch = args.long_tail_prompts, args.batch
+    long_rows = np.arange(count) % 10 == 5
+    prompts = np.where(long_rows[:, None], rng.choice(long_ids, (count, args.prompt_len)),
+                       rng.choice(short_ids, (count, args.prompt_len))).astype(np.int32)
+    lengths = np.full(count, args.prompt_len, np.int32)
+    sampling_config = sampling.SamplingConfig(
+        max_new_tokens=long_len, method=sampling.Temperature(1.0), eos_id=end_id,
+        min_new_tokens=short_len)
+    graphdef, state = nnx.split(model)
+
+    def static(seed):
+        rollout = sampling.generate_fn(graphdef, state, jnp.asarray(prompts[:batch]),
+                                       jnp.asarray(lengths[:batch]), jax.random.key(seed),
+                                       config=sampling_config)
+        return np.asarray(jax.block_until_ready(rollout).lengths)
+
+    made = static(0)                                               # compile
+    want = np.where(long_rows[:batch], long_len, short_len + 1)
+    assert np.array_equal(made, want), "the planted lengths did not hold"
+    static_s, static_times, static_cpu = _median_time(lambda: static(1), args.long_tail_runs)
+    batches = -(-count // batch)
+    total_tokens = int(np.where(long_rows, long_len, short_len + 1).sum())
+    static_tps = int(made.sum()) / static_s
+    engine_config = EngineConfig(kv_tokens=batch * args.long_tail_slots_per_row, rows=batch,
+                                 page_size=args.page_size, steps_per_call=args.steps_per_call)
+    engine = Engine(model, engine_config, sampling_config)
+    first_start = time.perf_counter()
+    rollout = engine.generate(prompts, lengths, jax.random.key(0))      # compile + first
+    engine_first = time.perf_counter() - first_start
+    assert np.array_equal(np.asarray(rollout.lengths), np.where(long_rows, long_len, short_len + 1))
+    engine_s, engine_times, engine_cpu = _median_time(
+        lambda: engine.generate(prompts, lengths, jax.random.key(1)), args.long_tail_runs)
+    engine_tps = total_tokens / engine_s
+    result = dict(prompts=count, rows=batch, short_tokens=short_len + 1, long_tokens=long_len,
+                  long_fraction=float(long_rows.mean()), tokens=total_tokens,
+                  static=dict(seconds_per_batch=static_s, batches=batches, times=static_times,
+                              cpu_seconds_per_batch=static_cpu, tokens_per_s=static_tps,
+                              kv_slots=batch * (args.prompt_len + long_len)),
+                  engine=dict(seconds=engine_s, times=engine_times, cpu_seconds=engine_cpu,
+                              tokens_per_s=engine_tps, compile_and_first_s=engine_first,
+                              kv_tokens=engine_config.kv_tokens, page_size=args.page_size,
+                              steps_per_call=args.steps_per_call,
+                              peak_pages=engine.stats["peak_pages"],
+                              steps=int(rollout.num_steps)),
+                  speedup=engine_tps / static_tps,
+                  cpu_speedup=(total_tokens / engine_cpu) / (int(made.sum()) / static_cpu),
+                  target_speedup=TARGET_LONG_TAIL)
+    result["passed"] = result["speedup"] >= TARGET_LONG_TAIL
+    print(f"\nLong-tailed mix, {count} prompts x {args.prompt_len} tokens, {long_rows.mean():.0%} "
+          f"ending after {long_len} new tokens, the rest after {short_len + 1}; {batch} rows")
+    print(f"  static batch: {static_s:.2f} s per batch of {batch} ({static_cpu:.1f} CPU s), "
+          f"{static_tps:.0f} tokens/s, {batch * (args.prompt_len + long_len)} KV slots")
+    print(f"  engine:       {engine_s:.2f} s for all {count} ({engine_cpu:.1f} CPU s), "
+          f"{engine_tps:.0f} tokens/s, {rollout.num_steps} steps, at most "
+          f"{engine.stats['peak_pages'] * args.page_size} of {engine_config.kv_tokens} KV slots")
+    verdict = "PASS" if result["passed"] else "FAIL"
+    print(f"  engine / static tokens/s: {result['speedup']:.2f}x wall, "
+          f"{result['cpu_speedup']:.2f}x CPU (target >= {TARGET_LONG_TAIL:.0f}x: {verdict})")
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -113,10 +231,22 @@ def main():
                         help="block sizes of extra runs with the blocked MoE dispatch")
     parser.add_argument("--decode_segments", type=int, nargs="*", default=[4],
                         help="extra runs of the preset with this many decode loops")
+    parser.add_argument("--long_tail_prompts", type=int, default=256,
+                        help="prompts of the long-tailed case (0: skip it)")
+    parser.add_argument("--long_tail_runs", type=int, default=1)
+    parser.add_argument("--long_tail_slots_per_row", type=int, default=256,
+                        help="the engine's KV budget per row (kv_tokens = rows x this)")
+    parser.add_argument("--page_size", type=int, default=16)
+    parser.add_argument("--steps_per_call", type=int, default=16)
+    parser.add_argument("--skip_main", action="store_true",
+                        help="only the long-tailed case")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args()
-
     config = preset("moe_7m")
+    long_tail = bench_long_tail(config, args) if args.long_tail_prompts else None
+    if args.skip_main:
+        return
+
     model = Transformer(config, rngs=nnx.Rngs(0))
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     rng = np.random.default_rng(0)
@@ -134,6 +264,10 @@ def main():
                  for block in args.blocks]
     preset_name = f"{config.moe_dispatch} {config.moe_block_size}, decode {config.moe_decode_dispatch}"
     variants += [(preset_name, config)]
+    if config.moe_decode_dispatch != "dense":
+        # The preset with the decode dispatch it had before "gathered" (every token
+        # through every expert), for the before / after in one run.
+        variants += [(f"{preset_name} -> dense", config.replace(moe_decode_dispatch="dense"))]
     # The preset again, decoding in K loops over growing caches (SamplingConfig.decode_segments).
     variants += [(f"{preset_name}, {k} decode loops", config, k) for k in args.decode_segments if k > 1]
     for name, variant_config, *segments in variants:
@@ -196,7 +330,7 @@ def main():
         batch=args.batch, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
         cpu_count=os.cpu_count(), torch_threads=threads, platform=platform.platform(terse=True),
         versions=dict(jax=jax.__version__, transformers=tf_version, torch=torch_version),
-        rows=rows, speedup=speedup, speedup_ragged=ragged_speedup, speedup_decode_loops=loops_speedup, target_speedup=TARGET_SPEEDUP, passed=speedup >= TARGET_SPEEDUP)
+        rows=rows, speedup=speedup, speedup_ragged=ragged_speedup, speedup_decode_loops=loops_speedup, target_speedup=TARGET_SPEEDUP, passed=speedup >= TARGET_SPEEDUP, long_tail=long_tail)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -62,12 +62,13 @@ def base_config() -> ml_collections.ConfigDict:
     # Computation dtype ("float32", "bfloat16"); parameters stay in param_dtype.
     c.model.dtype = placeholder(str)
     c.model.param_dtype = placeholder(str)
-    # MoE dispatch: "ragged", "blocked" or "dense" (dropless; dense: every token through
-    # every expert, for decoding small models), or "capacity" (drops tokens by batch
+    # MoE dispatch: "ragged", "blocked", "dense" or "gathered" (dropless; dense: every
+    # token through every expert, gathered: each expert's own tokens in a small buffer,
+    # both for decoding small models), or "capacity" (drops tokens by batch
     # position; SFT and benchmarks only: the RL trainer refuses it).
     c.model.moe_dispatch = placeholder(str)
     # Dispatch of the sampler's decode steps (one token per row); None: the preset's
-    # (tiny_moe and moe_7m: "dense"; otherwise moe_dispatch). On a GPU:
+    # (tiny_moe: "dense", moe_7m: "gathered"; otherwise moe_dispatch). On a GPU:
     # moe_dispatch="blocked", moe_block_size=512, moe_decode_dispatch="ragged".
     c.model.moe_decode_dispatch = placeholder(str)
     # Rows per block of the "blocked" dispatch (CPU 16-64, GPU 256-512).

@@ -1,6 +1,6 @@
-"""MoE block: ragged, blocked and dense (dropless) and capacity dispatch against a plain loop over tokens
-and experts; gradients; routing replay; capacity drops and priority; router statistics
-worked out by hand."""
+"""MoE block: ragged, blocked, dense and gathered (dropless) and capacity dispatch against a
+plain loop over tokens and experts; gradients; routing replay; capacity drops and priority;
+router statistics worked out by hand."""
 
 import functools
 
@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from policyopt.models import ModelConfig
-from policyopt.models.moe import (MoE, capacity_experts, megablox_matmul, route,
-                                  router_aux)
+from policyopt.models.moe import (MoE, capacity_experts, gathered_capacities, gathered_experts,
+                                  megablox_matmul, route, router_aux)
 
 E, K, D, F = 4, 2, 8, 6
 
@@ -103,7 +103,8 @@ def _dispatch(name):
 
 @pytest.mark.parametrize("dispatch,norm_topk_prob", [
     ("ragged", True), ("ragged", False), ("megablox", True), ("blocked", True),
-    ("blocked-onehot", False), ("dense", True), ("dense", False), ("capacity", False)])
+    ("blocked-onehot", False), ("dense", True), ("dense", False), ("gathered", True),
+    ("capacity", False)])
 def test_fast_paths_match_loop_reference(dispatch, norm_topk_prob):
     # capacity_factor = E / K: every expert can hold every token, nothing is dropped.
     # Block size 3: groups of every size modulo the block occur, some experts get none.
@@ -119,6 +120,7 @@ def test_fast_paths_match_loop_reference(dispatch, norm_topk_prob):
 
 
 @pytest.mark.parametrize("dispatch", ["ragged", "megablox", "blocked", "blocked-onehot", "dense",
+                                      "gathered",
                                       "capacity"])
 def test_gradients_match_loop_reference_under_replay(dispatch):
     """Replay a routing that differs from the natural one (the k *least* likely experts):
@@ -341,3 +343,49 @@ def test_megablox_matmul_matches_one_hot_products():
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(grads[0][17:], 0)                    # past the groups
     np.testing.assert_array_equal(grads[1][1], 0)                      # the empty group
+
+def test_gathered_capacities_hand_worked():
+    # N = 64, k = 2, E = 8: mean load 16 copies; 1.5 x 16 = 24, 3 x 16 = 48.
+    assert gathered_capacities(64, 2, 8) == (24, 48)
+    # N = 32: mean 8 -> 12 -> 16 (rounded up to 8 rows) and 24.
+    assert gathered_capacities(32, 2, 8) == (16, 24)
+    # N = 12, E = 4: mean 6 -> 16 and 24, neither below N: dense only.
+    assert gathered_capacities(12, 2, 4) == ()
+
+
+@pytest.mark.parametrize("case", ["first buffer", "second buffer", "dense"])
+def test_gathered_dispatch_every_buffer_matches_loop_reference(case):
+    """32 tokens, 8 experts top-2 (buffers of 16 and 24 rows): replayed routings whose
+    busiest expert takes 12 tokens, 22, or all 32 (beyond both buffers: the dense
+    branch); each equals the float64 loop. In the buffered cases expert 7, which no token
+    chose, has a NaN down projection: their outputs stay finite (the dense branch would
+    spread it to every token with weight 0)."""
+    n, e, k, f = 32, 8, 2, 6
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=(n, D)), jnp.float32)
+    w_gate, w_up, w_down = (np.asarray(rng.normal(size=s) * 0.5, np.float32)
+                            for s in ((e, D, f), (e, D, f), (e, f, D)))
+    tokens = np.arange(n)
+    if case == "first buffer":
+        ids = np.stack([tokens % 6, (tokens + 1) % 6], 1)              # experts 0-5, <= 12 each
+        ids[5] = [3, 3]                                                 # an expert listed twice
+    elif case == "second buffer":
+        ids = np.stack([np.where(tokens < 20, 0, tokens % 6), (tokens % 5) + 1], 1)
+    else:
+        ids = np.stack([np.zeros(n, int), np.ones(n, int)], 1)          # 32 tokens on 0 and 1
+    counts = np.array([np.sum(np.any(ids == j, 1)) for j in range(e)])
+    low, high = {"first buffer": (0, 16), "second buffer": (16, 24), "dense": (24, n)}[case]
+    assert low < counts.max() <= high
+    gates = jnp.asarray(rng.uniform(0.1, 1.0, size=(n, k)), jnp.float32)
+    if case != "dense":
+        w_down[7] = np.nan
+    y = jax.jit(gathered_experts)(x, jnp.asarray(ids, jnp.int32), gates, w_gate, w_up, w_down)
+    want = np.zeros((n, D))
+    x64 = np.asarray(x, np.float64)
+    for t in range(n):
+        for j in range(k):
+            ex = ids[t, j]
+            hidden = x64[t] @ w_gate[ex].astype(np.float64)
+            hidden = hidden / (1 + np.exp(-hidden)) * (x64[t] @ w_up[ex].astype(np.float64))
+            want[t] += float(gates[t, j]) * (hidden @ w_down[ex].astype(np.float64))
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)

@@ -222,10 +222,10 @@ def test_log_probs_equal_full_forward(name, moe_model, dense_model, moe_sampled)
                                atol=2e-4)
 
 
-@pytest.mark.parametrize("decode_dispatch", ["ragged", "dense"])
+@pytest.mark.parametrize("decode_dispatch", ["ragged", "dense", "gathered"])
 def test_decode_dispatch_gives_the_same_rollout(moe_model, moe_sampled, decode_dispatch):
     """Prefill "blocked", decode "ragged" (moe_decode_dispatch; the GPU layout of
-    moe_0p5b) or "dense" (the CPU presets' decode): the same weights sample the same
+    moe_0p5b), "dense" or "gathered" (the CPU presets' decode): the same weights sample the same
     tokens, routing and log-probs as the single-dispatch model, and the log-probs equal a
     full (blocked) forward pass."""
     mixed = Transformer(MOE.replace(moe_dispatch="blocked", moe_block_size=2,

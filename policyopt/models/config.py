@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from policyopt.models.attention_ops import IMPLEMENTATIONS, check_implementation
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_DISPATCH = ("ragged", "megablox", "blocked", "dense", "capacity")
+_DISPATCH = ("ragged", "megablox", "blocked", "dense", "gathered", "capacity")
 _GATHER = ("auto", "take", "onehot")
 _REMAT = ("none", "full", "save_dots")
 
@@ -61,8 +61,11 @@ class ModelConfig:
         its gates, 0 for the experts it did not choose, so a NaN or inf in any expert's
         output reaches every token; E / k times the expert FLOPs and [E, N, F]
         intermediates, in three batched matmuls with no sort or gather; for decoding
-        small models, e.g. the CPU presets' moe_decode_dispatch) or "capacity" (one-hot
-        dispatch into fixed per-expert buffers; overflow dropped).
+        small models), "gathered" (dropless: each expert's tokens gathered into a buffer
+        of a small multiple of the mean load, chosen per call from a few static sizes,
+        "dense" when the busiest expert overflows them all; for decoding, e.g. the CPU
+        presets' moe_decode_dispatch) or "capacity" (one-hot dispatch into fixed
+        per-expert buffers; overflow dropped).
       moe_decode_dispatch: the dispatch of calls with one token per row (the sampler's
         decode steps); None: moe_dispatch (set it explicitly to override a preset's). On
         an H200 at moe_0p5b's shape, "ragged" decoded faster (its dense product over the

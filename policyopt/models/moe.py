@@ -1,5 +1,5 @@
 """Mixture-of-Experts block: router, top-k routing (captured or replayed), dropless
-ragged, blocked and dense dispatch, capacity-factor one-hot dispatch, auxiliary outputs.
+ragged, blocked, dense and gathered dispatch, capacity-factor one-hot dispatch, auxiliary outputs.
 
 Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per token:
 
@@ -39,6 +39,12 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
        dispatches, but three batched matmuls over the experts with no sort, gather or
        scatter, and each weight read once: the fastest for decoding (few tokens) with
        small E / k on CPUs.
+
+     gathered (dropless, for decoding): each expert's tokens gathered into a buffer
+       of C rows, C a small multiple of the mean load N k / E chosen per call from a few
+       static sizes (the busiest expert's count picks one; "dense" when it exceeds them
+       all); three batched matmuls over the experts on the stored weights, as dense,
+       with E C rows instead of E N.
 
      capacity (GShard / Switch Transformer): every expert has a buffer of
        C = ceil(capacity_factor * N * k / E) copies; copies claim buffer positions in
@@ -278,6 +284,79 @@ def dense_experts(x, expert_ids, gates, w_gate, w_up, w_down):
     up = jnp.einsum("end,edf->enf", x, w_up)
     hidden = jax.nn.silu(gate) * up * combine[:, :, None]                # [E, N, F]
     return jnp.sum(jnp.einsum("enf,efd->end", hidden, w_down), axis=0)
+
+
+# Headroom of the "gathered" dispatch's buffers over an expert's mean load N k / E: the
+# buffers tried in turn, each as a multiple of the mean (rounded up to 8 rows); a call
+# whose busiest expert exceeds the last runs "dense".
+GATHERED_HEADROOM = (1.5, 3.0)
+
+
+def gathered_capacities(num_tokens: int, k: int, num_experts: int) -> tuple[int, ...]:
+    """Buffer sizes C of the "gathered" dispatch for N tokens: ceil8(h N k / E) for each
+    headroom h in ``GATHERED_HEADROOM``, those below N only (a buffer of N rows is the
+    dense dispatch)."""
+    mean = num_tokens * k / num_experts
+    sizes = sorted({8 * math.ceil(h * mean / 8) for h in GATHERED_HEADROOM})
+    return tuple(c for c in sizes if c < num_tokens)
+
+
+def gathered_experts(x, expert_ids, gates, w_gate, w_up, w_down):
+    """Step 5, gathered (dropless; for decoding): each expert runs on its own tokens,
+    gathered into a buffer of C rows, with C the smallest of ``gathered_capacities``
+    that holds the busiest expert's tokens; "dense" when none does.
+
+    With c_e the tokens that chose expert e and C >= max_e c_e, buffer row i of expert e
+    holds token n_{e,i} (its tokens in token order, then tokens with weight 0 as
+    padding), and
+
+        y_n = sum_e sum_{i: n_{e,i} = n} w_{e,n} SwiGLU_e(x_n),
+
+    w_{e,n} the summed gates of e for token n: the dense dispatch's sum without its
+    E N - N k zero-weight terms. E C rows of expert work instead of dense's E N (at
+    N = 64, k = 2, E = 8: C = 24, 2.7x fewer FLOPs), and, unlike "ragged" / "blocked",
+    no weight is copied: the batched matmuls read the stored [E, D, F] weights. Padding
+    rows are computed but dropped from the sum, so a non-finite output of an expert
+    reaches only the tokens that chose it. Equal to the other dropless dispatches up to
+    float summation order.
+
+    Args:
+      x: [N, D]; expert_ids: int32 [N, k]; gates: [N, k]; w_*: as in ragged_experts.
+    Returns:
+      [N, D].
+    """
+    n, d = x.shape
+    num_experts = w_gate.shape[0]
+    onehot = jax.nn.one_hot(expert_ids, num_experts, dtype=x.dtype)      # [N, k, E]
+    combine = jnp.sum(onehot * gates.astype(x.dtype)[..., None], axis=1).T   # [E, N]
+    chosen = jnp.any(onehot > 0, axis=1).T                                # [E, N]
+    counts = jnp.sum(chosen, axis=1)                                      # [E]
+    # Priority n - i for chosen tokens, 0 for the others: top_k lists an expert's tokens
+    # in token order, then padding.
+    priority = jnp.where(chosen, n - jnp.arange(n, dtype=jnp.int32)[None, :], 0)
+
+    def buffered(capacity):
+        def run(_):
+            keys, rows = jax.lax.top_k(priority, capacity)                 # [E, C]
+            weights = jnp.take_along_axis(combine, rows, axis=1)            # [E, C]
+            xg = jnp.take(x, rows, axis=0)                                  # [E, C, D]
+            gate = jnp.einsum("ecd,edf->ecf", xg, w_gate)
+            up = jnp.einsum("ecd,edf->ecf", xg, w_up)
+            hidden = jax.nn.silu(gate) * up * weights[:, :, None]
+            out = jnp.einsum("ecf,efd->ecd", hidden, w_down)               # [E, C, D]
+            # Padding rows (priority 0) are dropped, not added with weight 0.
+            dest = jnp.where(keys > 0, rows, n).reshape(-1)
+            return jnp.zeros_like(x).at[dest].add(out.reshape(-1, d), mode="drop")
+        return run
+
+    capacities = gathered_capacities(n, expert_ids.shape[1], num_experts)
+    branches = [buffered(c) for c in capacities]
+    branches.append(lambda _: dense_experts(x, expert_ids, gates, w_gate, w_up, w_down))
+    if len(branches) == 1:
+        return branches[0](None)
+    # The first buffer that holds the busiest expert (len(capacities): none, dense).
+    branch = jnp.sum(jnp.max(counts) > jnp.asarray(capacities, counts.dtype))
+    return jax.lax.switch(branch, branches, None)
 
 
 def capacity_experts(x, expert_ids, gates, valid, w_gate, w_up, w_down, capacity: int):
@@ -755,6 +834,8 @@ class MoE(nnx.Module):
                                 block_size=cfg.moe_block_size, gather=cfg.resolved_weight_gather())
         elif dispatch == "dense":
             y = dense_experts(flat.astype(dt), expert_ids, gates, *weights)
+        elif dispatch == "gathered":
+            y = gathered_experts(flat.astype(dt), expert_ids, gates, *weights)
         else:
             y, dropped = capacity_experts(flat.astype(dt), expert_ids, gates, valid, *weights,
                                           capacity=cfg.expert_capacity(b * t))

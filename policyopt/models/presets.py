@@ -9,10 +9,12 @@ slower there (benchmarks/RESULTS.md, bench_moe). So does XLA:GPU (a dense produc
 all experts): on an H200, moe_0p5b's training step ran 3.75x faster with "blocked" (block
 512, one-hot weight gather) than with "ragged", while decoding (a few tokens per expert)
 was faster with "ragged" (RESULTS.md, "Accelerator"). moe_0p5b therefore trains and
-prefills with "blocked" and decodes with "ragged" (``moe_decode_dispatch``). The CPU
-presets decode with "dense" (every token through every expert: E / k times the FLOPs,
-but no sort, gather or scatter; moe_7m's whole sampler call at batch 64, 128 new tokens,
-ran ~1.6x faster than with "blocked" decoding, RESULTS.md, "Seventh session").
+prefills with "blocked" and decodes with "ragged" (``moe_decode_dispatch``). tiny_moe
+decodes with "dense" (every token through every expert: E / k times the FLOPs, but no
+sort, gather or scatter; moe_7m's whole sampler call at batch 64, 128 new tokens, ran
+~1.6x faster than with "blocked" decoding, RESULTS.md, "Seventh session"); moe_7m with
+"gathered" (the same batched matmuls on each expert's own tokens only: its sampler call
+took 27% less CPU time than with "dense", RESULTS.md, "Fourteenth session").
 moe_7m's blocks hold 128 rows: each block gathers its expert's weights, and at D = F = 256
 (bench_moe, 2048 tokens) blocks of 128 ran the layer 2x faster than blocks of 16 (its
 sampler call 8-11% faster). qwen3_30b_a3b keeps "ragged", the choice on TPUs
@@ -42,7 +44,7 @@ PRESETS: dict[str, dict] = {
     "moe_7m": dict(vocab_size=512, hidden_size=256, num_layers=4, num_heads=4,
                    num_kv_heads=2, head_dim=64, intermediate_size=512, num_experts=8,
                    num_experts_per_tok=2, moe_intermediate_size=256, rope_theta=1e4,
-                   moe_dispatch="blocked", moe_block_size=128, moe_decode_dispatch="dense"),
+                   moe_dispatch="blocked", moe_block_size=128, moe_decode_dispatch="gathered"),
     "moe_0p5b": dict(vocab_size=32768, hidden_size=1024, num_layers=12, num_heads=16,
                      num_kv_heads=4, head_dim=64, intermediate_size=2816, num_experts=32,
                      num_experts_per_tok=4, moe_intermediate_size=352,
