@@ -97,6 +97,9 @@ class PagedKVCache:
 
     # Read by ``Attention`` to route a forward call here.
     paged = True
+    # Read by a scanned ``Transformer`` (scan_layers): the pools are already stacked by
+    # layer, carried through the layer scan as they are.
+    per_layer = False
 
     @classmethod
     def create(cls, config: ModelConfig, rows: int, num_pages: int, page_size: int,
