@@ -304,7 +304,8 @@ class PagedKVCache:
                         self.num_pages)
 
         def move(pool):
-            return pool.at[:, :, dst].set(jnp.take(pool, src, axis=2, mode="clip"), mode="drop")
+            return _write(pool, (slice(None), slice(None), dst),
+                          jnp.take(pool, src, axis=2, mode="clip"))
 
         lengths = cache.lengths.at[jnp.where(copy, dest, rows)].set(length, mode="drop")
         return cache.replace(k=move(cache.k), v=move(cache.v), lengths=lengths), copy
@@ -346,8 +347,8 @@ class PagedKVCache:
         offset = slots % ps
         # Advanced indices (layer, page, offset) around a slice: the result's leading axes
         # are [B, T], then Hkv, Dh: the projections' layout.
-        pool_k = self.k.at[layer, :, page, offset].set(k.astype(self.k.dtype), mode="drop")
-        pool_v = self.v.at[layer, :, page, offset].set(v.astype(self.v.dtype), mode="drop")
+        pool_k = _write(self.k, (layer, slice(None), page, offset), k)
+        pool_v = _write(self.v, (layer, slice(None), page, offset), v)
         cache = self.replace(k=pool_k, v=pool_v)
         ends = self.lengths + jnp.sum(token_mask, axis=1, dtype=jnp.int32)       # [B]
         if self.attention == "pallas" and t == 1:
@@ -356,6 +357,18 @@ class PagedKVCache:
             return out[:, None].astype(pool_v.dtype), cache
         attend = online_attention if self.attention == "online" else gather_attention
         return attend(q, pool_k[layer], pool_v[layer], self.page_table, slots, ends), cache
+
+
+def _write(pool, index, values):
+    """``pool.at[index].set(values)`` (out-of-range pages dropped). A 16-bit float pool is
+    written through its bits (uint16): XLA:CPU has no bfloat16 scatter and would convert
+    the whole pool to float32 and back at every write (seen in the compiled decode)."""
+    values = values.astype(pool.dtype)
+    if pool.dtype.itemsize != 2 or not jnp.issubdtype(pool.dtype, jnp.floating):
+        return pool.at[index].set(values, mode="drop")
+    bits = jax.lax.bitcast_convert_type(pool, jnp.uint16)
+    bits = bits.at[index].set(jax.lax.bitcast_convert_type(values, jnp.uint16), mode="drop")
+    return jax.lax.bitcast_convert_type(bits, pool.dtype)
 
 
 def _gather_pages(pool, table):
