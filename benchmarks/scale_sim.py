@@ -23,10 +23,16 @@ gives (what ``place_state`` places). Then, under ``jax.set_mesh``, as the traine
   R2 / R3 on MoE, values and returns for critic methods), rows placed as
   ``shard_batch`` places them;
 - ``--step rollout``: every jitted generation call the synchronous trainer makes for one
-  round of ``--prompts`` prompts x ``--samples`` samples: today one
-  ``policyopt.sampling.generate_fn`` call over all the rows (prompts placed by
-  ``shard_rows``, parameters as the train state holds them), its ``SamplingConfig`` the
-  recipe's.
+  round of ``--prompts`` prompts x ``--samples`` samples, its ``SamplingConfig`` the
+  recipe's, parameters as the train state holds them. Through the engine
+  (``policyopt.engine``, one shard per device along the row axes): its admission (a
+  prefill of one prompt per shard, ``[S, P]``), its decode (``steps_per_call`` steps of
+  every row) and its eviction, with the per-device budget ``--engine-kv-tokens`` (default
+  the recipe's ``sampling.engine_kv_tokens``, else 2^17) and ``--engine-rows`` rows per
+  device (default: the round's rows over the devices). The engine's whole state (page
+  pool, page tables, tokens, routing) is an argument of each call. ``--engine-kv-tokens
+  0``: one ``policyopt.sampling.generate_fn`` call over all the rows (prompts placed by
+  ``shard_rows``), as the trainer does without the engine.
 
 Each is lowered and compiled (``.lower(...).compile()``), never run, and read with
 ``compiled.memory_analysis()`` and the optimized HLO text (``compiled.as_text()``).
@@ -102,6 +108,10 @@ import sys
 import time
 
 GIB = 1024 ** 3
+# KV token slots per device of the engine's pool when neither --engine-kv-tokens nor the
+# recipe sets one: 2^17 (qwen3_30b_a3b: 12 GiB of bf16 keys and values at 96 KiB per token,
+# 24 GiB in the preset's float32).
+DEFAULT_ENGINE_KV_TOKENS = 1 << 17
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
          "ragged-all-to-all")
 _COLLECTIVE = re.compile(
@@ -196,6 +206,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, help="rollout: prompts per round")
     p.add_argument("--samples", type=int, help="rollout: samples per prompt (G)")
     p.add_argument("--new-tokens", type=int, help="rollout: max_new_tokens")
+    p.add_argument("--engine-kv-tokens", type=int,
+                   help="rollout: KV token slots of the engine's pool per device (0: one "
+                        "generate_fn call over every row; default: the recipe's "
+                        "sampling.engine_kv_tokens, else 2^17)")
+    p.add_argument("--engine-attention", default="gather", choices=("gather", "online"),
+                   help="rollout: the engine's attention over pages (policyopt.models.paged; "
+                        "the TPU kernel, \"pallas\", does not compile for the CPU: "
+                        "\"online\" reads the pages one at a time as it does)")
+    p.add_argument("--engine-rows", type=int,
+                   help="rollout: rows the engine decodes per device (default: the recipe's "
+                        "sampling.engine_rows, else prompts x samples / devices on the row axes)")
     p.add_argument("--micro-batch-tokens", type=int,
                    help="config.batch.micro_batch_tokens, where the learner has micro-batches")
     p.add_argument("--full-depth", action="store_true",
@@ -377,8 +398,10 @@ def update_batch(args, config, setup: Setup, mesh):
 
 
 def rollout_calls(args, config, setup: Setup, mesh) -> list[tuple[str, object]]:
-    """``(name, lower)`` of every jitted generation call of one synchronous round: today one
-    ``generate_fn`` over ``prompts x samples`` rows (``trainer._sample_batch``)."""
+    """``(name, lower)`` of every jitted generation call of one synchronous round of
+    ``prompts x samples`` rows: the engine's (``policyopt.engine``: admission, decode,
+    eviction; one shard per device along the row axes, each with its budget), or with
+    ``--engine-kv-tokens 0`` one ``generate_fn`` over all the rows."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -393,15 +416,56 @@ def rollout_calls(args, config, setup: Setup, mesh) -> list[tuple[str, object]]:
         method=sampling_method(s.temperature, s.top_k, s.top_p),
         eos_id=min(2, vocab - 1), pad_id=0, num_samples=args.samples,
         decode_segments=s.decode_segments)
-    shape = (args.prompts, args.prompt_len)
-    prompts = jax.ShapeDtypeStruct(shape, jnp.int32,
-                                   sharding=NamedSharding(mesh, sharding.row_spec(shape, mesh)))
-    lengths = jax.ShapeDtypeStruct(shape[:1], jnp.int32,
-                                   sharding=NamedSharding(mesh, sharding.row_spec(shape[:1], mesh)))
+
+    def rows(shape, dtype):
+        spec = sharding.row_spec(shape, mesh)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sharding.replicated(mesh))
-    lower = lambda: generate_fn.lower(setup.graphdef, setup.state.params, prompts, lengths, rng,
-                                      config=sampling_config)
-    return [("generate_fn", lower)]
+    engine = engine_config(args, config, mesh)
+    if engine is None:
+        shape = (args.prompts, args.prompt_len)
+        prompts, lengths = rows(shape, jnp.int32), rows(shape[:1], jnp.int32)
+        lower = lambda: generate_fn.lower(setup.graphdef, setup.state.params, prompts, lengths,
+                                          rng, config=sampling_config)
+        return [("generate_fn", lower)]
+    from policyopt.engine import _admit, _decode, _evict, _init_state, _state_specs, row_shards
+
+    shards = row_shards(mesh)
+    state = jax.eval_shape(lambda: _init_state(setup.model_config, engine, sampling_config,
+                                               args.prompt_len, shards))
+    state = _abstract(state, _state_specs(state, mesh), mesh)
+    per_shard = [rows((shards,), jnp.int32) for _ in range(5)]
+    prompts = rows((shards, args.prompt_len), jnp.int32)
+    params = setup.state.params
+    return [
+        ("engine_admit", lambda: _admit.lower(setup.graphdef, params, state, prompts, *per_shard,
+                                              config=sampling_config)),
+        ("engine_decode", lambda: _decode.lower(setup.graphdef, params, state, rng,
+                                                config=sampling_config,
+                                                steps=engine.steps_per_call)),
+        ("engine_evict", lambda: _evict.lower(state, rows((engine.rows * shards,), jnp.bool_))),
+    ]
+
+
+def engine_config(args, config, mesh):
+    """The engine's per-shard budget: ``--engine-kv-tokens`` (default the recipe's
+    ``sampling.engine_kv_tokens``, else ``DEFAULT_ENGINE_KV_TOKENS``), ``--engine-rows``
+    (default the recipe's ``engine_rows``, else the round's rows over the shards);
+    None for ``--engine-kv-tokens 0``."""
+    from policyopt.engine import EngineConfig, row_shards
+
+    s = config.sampling
+    kv_tokens = args.engine_kv_tokens
+    if kv_tokens is None:
+        kv_tokens = s.engine_kv_tokens or DEFAULT_ENGINE_KV_TOKENS
+    if kv_tokens == 0:
+        return None
+    shards = row_shards(mesh)
+    rows = args.engine_rows or s.engine_rows or args.samples * -(-args.prompts // shards)
+    return EngineConfig(kv_tokens=kv_tokens, rows=rows, page_size=s.engine_page_size,
+                        attention=args.engine_attention,
+                        capture_routing=config.algo.routing_replay == "R3")
 
 
 def compile_once(args, config, mesh, num_layers: int) -> dict:
@@ -483,6 +547,8 @@ def simulate(args) -> dict:
         inputs=dict(seq_len=args.seq_len, prompt_len=args.prompt_len,
                     rows_per_device=args.rows_per_device, prompts=args.prompts,
                     samples=args.samples, new_tokens=args.new_tokens,
+                    engine_kv_tokens=args.engine_kv_tokens, engine_rows=args.engine_rows,
+                    engine_attention=args.engine_attention,
                     micro_batch_tokens=args.micro_batch_tokens, variant=args.variant,
                     model_overrides=args.model_overrides, config_overrides=args.config_overrides),
         jax_version=jax.__version__)
@@ -491,12 +557,21 @@ def simulate(args) -> dict:
         record["rows_on_each_device"] = rows_on_each_device(record["rows"], mesh)
     else:
         record["prompt_rows_on_each_device"] = rows_on_each_device(args.prompts, mesh)
+        engine = engine_config(args, config, mesh)
+        record["engine"] = None if engine is None else dict(
+            dataclasses.asdict(engine), shards=row_shards_of(mesh))
         record["rows"] = args.prompts * args.samples
         opt_bytes = state_bytes - params_bytes
         for call in calls:
             call["peak_with_resident_state_gib"] = call["per_device_peak_gib"] + opt_bytes / GIB
         record["peak_with_resident_state_gib"] = worst["peak_with_resident_state_gib"]
     return record
+
+
+def row_shards_of(mesh) -> int:
+    from policyopt.engine import row_shards
+
+    return row_shards(mesh)
 
 
 def rows_on_each_device(rows: int, mesh) -> int:
@@ -536,6 +611,14 @@ def format_table(record: dict) -> str:
         lines.append(f"  {inputs['prompts']} prompts x {inputs['samples']} samples, "
                      f"{inputs['prompt_len']} prompt + {inputs['new_tokens']} new tokens; "
                      f"prompts on each device: {record['prompt_rows_on_each_device']}")
+        engine = record.get("engine")
+        if engine:
+            lines.append(f"  engine: {engine['shards']} shards (one per device on the row axes), "
+                         f"each {engine['rows']} rows, {engine['kv_tokens']} KV token slots "
+                         f"in pages of {engine['page_size']}, {engine['attention']} attention, "
+                         f"{engine['steps_per_call']} "
+                         f"steps per decode call, routing captured: "
+                         f"{engine['capture_routing']}")
     lines.append(f"  state (params + optimiser) per device: "
                  f"{_gib(record['state_gib_per_device'], 0)} GiB "
                  f"(params {_gib(record['params_gib_per_device'], 0)})")

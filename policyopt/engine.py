@@ -27,12 +27,30 @@ Greedy outputs equal ``policyopt.sampling.generate``'s for the same prompts. Sam
 outputs follow another key schedule (per row, not per step), so they differ from it.
 Behaviour log-probs are those of the distribution each token was drawn from, as there.
 
-Not yet (issue 23): routing capture (R3) of MoE rollouts, stop sequences, a sharded
-model.
+Sharded model (``mesh``). The engine runs S shards, one per device along the mesh's row
+axes (``data``, ``fsdp``, ``expert``: the logical ``batch``), each with ``rows`` rows and
+a pool of ``kv_tokens`` slots: rows and the pools' pages are split over those axes, and
+allocation, prefix copies and attention run per shard (``PagedKVCache.shards``), so no
+pool moves between devices (``tests/test_engine.py`` checks the compiled decode). An
+admission call prefills up to one prompt per shard (``[S, P]``, rows split as above). The
+parameters stay where the train state holds them, no copy is made for decoding: each
+call is the model's training forward under the mesh, in which XLA's SPMD partitioner
+gathers an fsdp-split weight where its layer uses it (one layer's weights at a time, a
+temporary, as in the training forward) and routes tokens to the devices holding their
+experts; ``benchmarks/scale_sim.py --step rollout`` lists these collectives and the
+per-device peak of every call. ``generate(params=...)`` takes the trainer's current
+arrays, so a weight update reaches the engine in place, with no host round trip. The
+pools are not split over ``tensor`` (each tensor-parallel device holds its shard's whole
+pool).
+
+Routing capture (R3): for an MoE model the experts of every prompt token (from the
+admission's prefill) and of every generated token (from the decode step that fed it) are
+kept per row in ``Rollout.sequences()``'s layout, equal to ``generate``'s capture.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from functools import partial
 
@@ -40,19 +58,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import PartitionSpec
 
+from policyopt import sharding
 from policyopt.models.paged import ATTENTION, PagedKVCache, pages_for
-from policyopt.sampling import Rollout, SamplingConfig, _next_logits, _take
+from policyopt.sampling import Rollout, SamplingConfig, decode_step, next_logits
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """The engine's memory budget and batching (hashable: part of the jit cache key)."""
 
-    # KV token slots in the page pool (each holds every layer's key and value of one token):
-    # the memory budget, kv_tokens * L * 2 * Hkv * Dh * bytes. Rounded down to pages.
+    # KV token slots in each shard's page pool (each holds every layer's key and value of
+    # one token): the memory budget per device on the mesh's row axes,
+    # kv_tokens * L * 2 * Hkv * Dh * bytes. Rounded down to pages.
     kv_tokens: int
-    # Rows decoded together; a multiple of SamplingConfig.num_samples (whole groups).
+    # Rows each shard decodes together; a multiple of SamplingConfig.num_samples (whole
+    # groups).
     rows: int
     # Token slots per page.
     page_size: int = 16
@@ -60,6 +82,9 @@ class EngineConfig:
     attention: str = "gather"
     # Decode steps per jitted call between the host's hand-outs and admissions.
     steps_per_call: int = 16
+    # Record the experts every prompt and response token was routed to (MoE models; R3,
+    # arXiv 2510.11370): [L_moe, R, P + N, k] int32 held on the device during the call.
+    capture_routing: bool = True
 
     def __post_init__(self):
         for name in ("kv_tokens", "rows", "page_size", "steps_per_call"):
@@ -88,116 +113,188 @@ class _State:
     tokens: jax.Array         # int32 [R, N]
     log_probs: jax.Array      # float32 [R, N]
     raw_log_probs: jax.Array  # float32 [R, N]
+    routing: jax.Array | None  # int32 [L_moe, R, P + N, k], Rollout.sequences() layout
+    recent: jax.Array | None  # int32 [R, M]; last M tokens, for stop sequences
 
 
-def _init_state(model, engine: EngineConfig, config: SamplingConfig, max_length: int) -> _State:
-    rows, num_new = engine.rows, config.max_new_tokens
-    cache = PagedKVCache.create(model.config, rows, engine.num_pages, engine.page_size,
-                                pages_for(max_length, engine.page_size), config.cache_dtype,
-                                attention=engine.attention)
-    return _State(cache=cache, logits=jnp.zeros((rows, model.config.vocab_size), jnp.float32),
+def _stop_window(config: SamplingConfig) -> int:
+    return max((len(stop) for stop in config.stop_sequences), default=0)
+
+
+def _init_state(mc, engine: EngineConfig, config: SamplingConfig, prompt_len: int,
+                shards: int = 1) -> _State:
+    """The empty state of ``shards`` x ``engine.rows`` rows (``mc``: the ModelConfig)."""
+    rows, num_new = engine.rows * shards, config.max_new_tokens
+    cache = PagedKVCache.create(mc, rows, engine.num_pages * shards, engine.page_size,
+                                pages_for(prompt_len + num_new, engine.page_size),
+                                config.cache_dtype, attention=engine.attention, shards=shards)
+    routing = None
+    if mc.is_moe and engine.capture_routing:
+        k = mc.num_experts_per_tok
+        routing = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32),
+                                   (mc.num_moe_layers, rows, prompt_len + num_new, k))
+    window = _stop_window(config)
+    return _State(cache=cache, logits=jnp.zeros((rows, mc.vocab_size), jnp.float32),
                   active=jnp.zeros((rows,), bool), count=jnp.zeros((rows,), jnp.int32),
                   prompt_lengths=jnp.zeros((rows,), jnp.int32),
                   prompt_ids=jnp.zeros((rows,), jnp.int32),
                   sample_ids=jnp.zeros((rows,), jnp.int32),
                   tokens=jnp.full((rows, num_new), config.fill_id, jnp.int32),
                   log_probs=jnp.zeros((rows, num_new), jnp.float32),
-                  raw_log_probs=jnp.zeros((rows, num_new), jnp.float32))
+                  raw_log_probs=jnp.zeros((rows, num_new), jnp.float32), routing=routing,
+                  recent=jnp.full((rows, window), -1, jnp.int32) if window else None)
+
+
+def _state_specs(s: _State, mesh) -> _State:
+    """Where each field lives on ``mesh``: rows (and each shard's pages of the pools) split
+    over the row axes (``policyopt.sharding.row_spec``, logical ``batch``), the routing
+    along its row axis 1, the cache's write index replicated."""
+    rows = lambda x, axis=0: sharding.row_spec(x.shape, mesh, axis)
+    specs = jax.tree.map(rows, s)
+    cache = s.cache
+    pool = sharding.logical_spec(cache.k.shape, (None, None, "batch", None, None), mesh)
+    specs = specs.replace(cache=specs.cache.replace(
+        k=pool, v=pool, index=PartitionSpec(),
+        num_free=rows(cache.num_free) if cache.num_free.ndim else PartitionSpec()))
+    if s.routing is not None:
+        specs = specs.replace(routing=rows(s.routing, 1))
+    return specs
+
+
+def _pin(s: _State) -> _State:
+    """The new state of a jitted call constrained (under a mesh) to ``_state_specs``."""
+    return sharding.constrain_tree(s, lambda mesh: _state_specs(s, mesh))
 
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=("config",), donate_argnums=(2,))
-def _admit(graphdef, params, s: _State, prompt, length, row0, num_rows, first_sample,
+def _admit(graphdef, params, s: _State, prompts, lengths, row0, num_rows, first_sample,
            prompt_index, *, config: SamplingConfig) -> _State:
-    """Prefills ``prompt`` [P] (``length`` real tokens) into row ``row0`` and copies it to
-    rows [row0, row0 + num_rows), samples first_sample, first_sample + 1, ..."""
+    """Admits up to one prompt per shard: prefills ``prompts[i]`` [P] (``lengths[i]`` real
+    tokens) into row ``row0[i]`` of shard i and copies it to rows [row0[i], row0[i] +
+    num_rows[i]) (samples first_sample[i], first_sample[i] + 1, ...); num_rows[i] = 0
+    admits nothing on shard i. All arguments after ``s`` are [S] (prompts [S, P]); rows
+    are global row indices."""
     model = nnx.merge(graphdef, params)
     cache = s.cache
-    view = cache.replace(page_table=cache.page_table[row0][None], lengths=cache.lengths[row0][None])
-    prompt_len = prompt.shape[0]
-    mask = (jnp.arange(prompt_len) < length)[None]
-    view, _ = view.reserve(length[None], pages_for(prompt_len, cache.page_size))
-    out = model(prompt[None], positions=jnp.arange(prompt_len)[None], attention_mask=mask,
-                cache=view, return_logits=False)
+    shards, num_total = cache.shards, cache.lengths.shape[0]
+    per_shard = num_total // shards
+    prompt_len, ps, group = prompts.shape[1], cache.page_size, config.num_samples
+    pick = jnp.arange(shards)
+    local0 = row0 - pick * per_shard
+    table = cache.page_table.reshape(shards, per_shard, -1)
+    held = cache.lengths.reshape(shards, per_shard)
+    view = cache.replace(page_table=table[pick, local0], lengths=held[pick, local0])
+    mask = (jnp.arange(prompt_len)[None] < lengths[:, None]) & (num_rows > 0)[:, None]
+    view, _ = view.reserve(jnp.sum(mask, axis=1, dtype=jnp.int32), pages_for(prompt_len, ps))
+    out = model(prompts, positions=jnp.broadcast_to(jnp.arange(prompt_len), prompts.shape),
+                attention_mask=mask, cache=view, return_logits=False)
     view = out.cache.advance(mask)
-    cache = view.replace(page_table=cache.page_table.at[row0].set(view.page_table[0]),
-                         lengths=cache.lengths.at[row0].set(view.lengths[0]))
-    rows = jnp.arange(cache.lengths.shape[0])
-    group_rows = (rows >= row0) & (rows < row0 + num_rows)
-    sample = jnp.arange(config.num_samples)
-    dest = jnp.where((sample >= 1) & (sample < num_rows), row0 + sample, rows.shape[0])
-    cache, _ = cache.copy_rows(row0, dest, pages_for(prompt_len, cache.page_size))
-    hidden = jax.lax.dynamic_index_in_dim(out.hidden[0], length - 1, keepdims=False)
-    logits = _next_logits(model, hidden[None])[0]
-    col = lambda x: group_rows.reshape((-1,) + (1,) * (x.ndim - 1))
-    return s.replace(
+    cache = view.replace(
+        page_table=table.at[pick, local0].set(view.page_table).reshape(cache.page_table.shape),
+        lengths=held.at[pick, local0].set(view.lengths).reshape(-1))
+    sample = jnp.arange(group)[None]
+    dest = jnp.where((sample >= 1) & (sample < num_rows[:, None]), local0[:, None] + sample,
+                     per_shard)                                                  # [S, G]
+    if shards == 1:
+        cache, _ = cache.copy_rows(local0[0], dest[0], pages_for(prompt_len, ps))
+    else:
+        cache, _ = cache.copy_rows(local0, dest, pages_for(prompt_len, ps))
+    per_row = lambda x, axis=0: jnp.repeat(x, per_shard, axis=axis)         # [S, ...] -> [R, ...]
+    rows = jnp.arange(num_total)
+    start = per_row(row0)
+    group_rows = (rows >= start) & (rows < start + per_row(num_rows))
+    last = jnp.take_along_axis(out.hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+    logits = per_row(next_logits(model, last[:, 0]))                            # [R, V]
+    col = lambda x, axis=0: group_rows.reshape((1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1))
+    routing = s.routing
+    if routing is not None:
+        # The prompt's experts right-aligned (index P - length + j holds prompt token j, as
+        # Rollout.sequences() lays tokens out), then k distinct experts on every response
+        # slot until its token is generated.
+        source = (jnp.arange(prompt_len)[None] - (prompt_len - lengths)[:, None]) % prompt_len
+        prompt_routing = jnp.take_along_axis(out.routing.astype(jnp.int32),
+                                             source[None, :, :, None], axis=2)   # [L, S, P, k]
+        k = routing.shape[-1]
+        filler = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), prompt_routing.shape[:2] + (
+            routing.shape[2] - prompt_len, k))
+        new = per_row(jnp.concatenate([prompt_routing, filler], axis=2), axis=1)
+        routing = jnp.where(col(routing, 1), new, routing)
+    recent = s.recent
+    if recent is not None:
+        recent = jnp.where(col(recent), -1, recent)
+    return _pin(s.replace(
         cache=cache,
-        logits=jnp.where(col(s.logits), logits[None], s.logits),
+        logits=jnp.where(col(s.logits), logits, s.logits),
         active=s.active | group_rows,
         count=jnp.where(group_rows, 0, s.count),
-        prompt_lengths=jnp.where(group_rows, length, s.prompt_lengths),
-        prompt_ids=jnp.where(group_rows, prompt_index, s.prompt_ids),
-        sample_ids=jnp.where(group_rows, first_sample + rows - row0, s.sample_ids),
+        prompt_lengths=jnp.where(group_rows, per_row(lengths), s.prompt_lengths),
+        prompt_ids=jnp.where(group_rows, per_row(prompt_index), s.prompt_ids),
+        sample_ids=jnp.where(group_rows, per_row(first_sample) + rows - start, s.sample_ids),
         tokens=jnp.where(col(s.tokens), config.fill_id, s.tokens),
         log_probs=jnp.where(col(s.log_probs), 0.0, s.log_probs),
-        raw_log_probs=jnp.where(col(s.raw_log_probs), 0.0, s.raw_log_probs))
+        raw_log_probs=jnp.where(col(s.raw_log_probs), 0.0, s.raw_log_probs),
+        routing=routing, recent=recent))
 
 
 @partial(jax.jit, donate_argnums=(0,))
 def _evict(s: _State, rows) -> _State:
     """Returns the pages of ``rows`` (bool [R]) and stops them."""
-    return s.replace(cache=s.cache.release(rows), active=s.active & ~rows)
+    return _pin(s.replace(cache=s.cache.release(rows), active=s.active & ~rows))
 
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=("config", "steps"), donate_argnums=(2,))
 def _decode(graphdef, params, s: _State, rng, *, config: SamplingConfig, steps: int):
-    """At most ``steps`` decode steps of every running row.
+    """At most ``steps`` decode steps of every running row (``sampling.decode_step``).
 
-    Returns (state, steps run, tokens made, row-steps spent waiting for a page, most pages
-    held at once)."""
+    Returns (state, steps run, tokens made per shard [S], row-steps spent waiting for a
+    page, most pages one shard held at once)."""
     model = nnx.merge(graphdef, params)
     num_new = config.max_new_tokens
-    end_ids = jnp.asarray(config.end_ids, jnp.int32) if config.end_ids else None
 
     def body(carry):
-        step, made, waits, peak, s = carry
+        i, made, waits, peak, s = carry
         cache, granted = s.cache.reserve(s.active.astype(jnp.int32), 1)
         go = s.active & granted
-        peak = jnp.maximum(peak, cache.num_pages - cache.num_free)
-        logits = s.logits
-        sample_logits = logits
-        if config.min_new_tokens > 0 and end_ids is not None:
-            banned = logits.at[:, end_ids].set(-jnp.inf)
-            sample_logits = jnp.where((s.count < config.min_new_tokens)[:, None], banned, logits)
+        peak = jnp.maximum(peak, jnp.max(cache.pages_in_use()))
         keys = jax.vmap(lambda b, j, n: jax.random.fold_in(jax.random.fold_in(
             jax.random.fold_in(rng, b), j), n))(s.prompt_ids, s.sample_ids, s.count)
-        tokens, log_probs = jax.vmap(
-            lambda row, key: config.method.sample(row[None], key))(sample_logits, keys)
-        tokens, log_probs = tokens[:, 0], log_probs[:, 0]
-        raw = _take(jax.nn.log_softmax(config.method.scale(logits), axis=-1), tokens)
-        ended = s.count + 1 >= num_new
-        if end_ids is not None:
-            ended |= jnp.any(tokens[:, None] == end_ids[None, :], axis=-1)
-        ended &= go
-        feed = (go & ~ended)[:, None]
-        out = model(tokens[:, None], positions=(s.prompt_lengths + s.count)[:, None],
-                    attention_mask=feed, cache=cache, return_logits=False)
+        step = decode_step(model, config, s.logits, cache, count=s.count, live=go,
+                           positions=s.prompt_lengths + s.count, row_rngs=keys, recent=s.recent)
+        ended = step.ended | (go & (s.count + 1 >= num_new))
         column = jnp.where(go, s.count, num_new)                     # dropped when waiting
-        rows = jnp.arange(tokens.shape[0])
+        rows = jnp.arange(go.shape[0])
         put = lambda buf, value: buf.at[rows, column].set(value, mode="drop")
-        cache = out.cache.advance(feed)
+        routing = s.routing
+        if routing is not None:  # [L, R, P + N, k] <- [L, R, k] at slot P + count
+            prompt_len = routing.shape[2] - num_new
+            routing = routing.at[:, rows, prompt_len + column].set(step.routing, mode="drop")
+        cache = step.cache.advance(go[:, None])
         # A flat pass over every row's table: only on steps where some row ended.
         cache = jax.lax.cond(jnp.any(ended), lambda c: c.release(ended), lambda c: c, cache)
-        s = s.replace(cache=cache,
-                      logits=jnp.where(feed, _next_logits(model, out.hidden[:, 0]), logits),
-                      active=s.active & ~ended, count=s.count + go,
-                      tokens=put(s.tokens, tokens), log_probs=put(s.log_probs, log_probs),
-                      raw_log_probs=put(s.raw_log_probs, raw))
-        return step + 1, made + jnp.sum(go), waits + jnp.sum(s.active & ~granted), peak, s
+        s = s.replace(cache=cache, logits=step.logits, active=s.active & ~ended,
+                      count=s.count + go, tokens=put(s.tokens, step.tokens),
+                      log_probs=put(s.log_probs, step.log_probs),
+                      raw_log_probs=put(s.raw_log_probs, step.raw_log_probs),
+                      routing=routing, recent=step.recent)
+        made = made + jnp.sum(go.reshape(made.shape[0], -1), axis=1, dtype=jnp.int32)
+        return i + 1, made, waits + jnp.sum(s.active & ~granted), peak, s
 
     zero = jnp.zeros((), jnp.int32)
+    made = jnp.zeros((s.cache.shards,), jnp.int32)
     run, made, waits, peak, s = jax.lax.while_loop(
-        lambda c: (c[0] < steps) & jnp.any(c[4].active), body, (zero, zero, zero, zero, s))
-    return s, run, made, waits, peak
+        lambda c: (c[0] < steps) & jnp.any(c[4].active), body, (zero, made, zero, zero, s))
+    return _pin(s), run, made, waits, peak
+
+
+ROW_AXES = ("data", "fsdp", "expert")
+
+
+def row_shards(mesh) -> int:
+    """Shards of the engine on ``mesh``: the devices along its row axes (``data``, ``fsdp``,
+    ``expert``, the logical ``batch``); 1 without a mesh."""
+    if mesh is None:
+        return 1
+    return int(np.prod([mesh.shape[name] for name in ROW_AXES if name in mesh.shape]))
 
 
 class Engine:
@@ -205,23 +302,54 @@ class Engine:
 
     Args:
       model: a ``policyopt.models.Transformer``.
-      engine: EngineConfig (budget, rows, page size).
-      config: SamplingConfig (stop_sequences and decode_segments are not supported).
+      engine: EngineConfig (budget, rows, page size), per shard.
+      config: SamplingConfig (decode_segments is ignored: pages grow with the tokens).
       graphdef: the graph to merge ``generate``'s ``params`` into (default: the model's).
+      mesh: the mesh the parameters live on (``policyopt.sharding``), or None. The engine
+        then runs S = ``row_shards(mesh)`` shards, one per device along the row axes, each
+        with ``engine.rows`` rows and a pool of ``engine.kv_tokens`` slots on that device;
+        the parameters stay as placed (see "Sharded model" in the module docstring).
     """
 
-    def __init__(self, model, engine: EngineConfig, config: SamplingConfig, *, graphdef=None):
+    def __init__(self, model, engine: EngineConfig, config: SamplingConfig, *, graphdef=None,
+                 mesh=None):
         if engine.rows % config.num_samples:
             raise ValueError(f"EngineConfig.rows = {engine.rows} must be a multiple of "
                              f"SamplingConfig.num_samples = {config.num_samples}")
-        if config.stop_sequences:
-            raise ValueError("SamplingConfig.stop_sequences are not supported by the engine")
         config.check_vocab(model.config.vocab_size)
-        self.model, self.engine, self.config = model, engine, config
+        self.model, self.engine, self.config, self.mesh = model, engine, config, mesh
+        self.shards = row_shards(mesh)
         self.graphdef, self.params = nnx.split(model)
         if graphdef is not None:  # a trainer's (its params passed to generate)
             self.graphdef = graphdef
         self.stats: dict[str, int] = {}
+
+    @classmethod
+    def from_config(cls, config, model, graphdef, mesh, sampling_config: SamplingConfig
+                    ) -> "Engine":
+        """The engine of a run's config: ``config.sampling.engine_kv_tokens`` and
+        ``engine_page_size``; ``engine_rows`` rows per shard (0: the round's B x G rows
+        over the shards); routing captured for ``algo.routing_replay = "R3"``."""
+        s = config.sampling
+        shards = row_shards(None if mesh is None or mesh.size == 1 else mesh)
+        group = config.batch.group_size
+        rows = s.engine_rows or group * -(-config.batch.n_prompts // shards)
+        return cls(model, EngineConfig(kv_tokens=s.engine_kv_tokens, rows=rows,
+                                       page_size=s.engine_page_size,
+                                       capture_routing=config.algo.routing_replay == "R3"),
+                   sampling_config, graphdef=graphdef,
+                   mesh=None if mesh is None or mesh.size == 1 else mesh)
+
+    def _on_mesh(self):
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def init_state(self, prompt_len: int) -> _State:
+        """The empty state for prompts of width ``prompt_len``, placed on the mesh."""
+        state = _init_state(self.model.config, self.engine, self.config, prompt_len, self.shards)
+        if self.mesh is None:
+            return jax.device_put(state, jax.devices()[0])
+        return jax.device_put(state, sharding.named_shardings(
+            _state_specs(state, self.mesh), self.mesh))
 
     def generate(self, prompts, prompt_lengths, rng, params=None) -> Rollout:
         """G samples of each right-padded prompt, as ``policyopt.sampling.generate``.
@@ -232,14 +360,19 @@ class Engine:
           params: the model's state (``nnx.split``) to decode with, e.g. a trainer's
             current parameters; default: the model's at construction.
         Returns:
-          A Rollout with B * G rows (prompt b -> rows b*G .. b*G+G-1), routing None,
-          num_steps the decode steps run (summed over calls).
+          A Rollout with B * G rows (prompt b -> rows b*G .. b*G+G-1), as NumPy arrays;
+          routing [L_moe, B * G, P + N, k] for an MoE model with capture_routing (None
+          otherwise); num_steps the decode steps run (summed over calls).
         Raises:
           ValueError: a prompt longer than the budget, or a budget smaller than the longest
             prompt plus one page.
         """
-        engine, config = self.engine, self.config
-        params = self.params if params is None else params
+        with self._on_mesh():
+            return self._generate(prompts, prompt_lengths, rng,
+                                  self.params if params is None else params)
+
+    def _generate(self, prompts, prompt_lengths, rng, params) -> Rollout:
+        engine, config, shards = self.engine, self.config, self.shards
         prompts = np.asarray(prompts, np.int32)
         lengths = np.asarray(prompt_lengths, np.int32)
         batch, prompt_len = prompts.shape
@@ -259,50 +392,70 @@ class Engine:
                 f"EngineConfig.kv_tokens = {engine.kv_tokens} is smaller than the longest "
                 f"prompt ({lengths.max()} tokens) plus one page (page_size = "
                 f"{engine.page_size}): needs >= {need * engine.page_size}")
-        group, num_new = config.num_samples, config.max_new_tokens
-        state = _init_state(self.model, engine, config, prompt_len + num_new)
-        slots = [-1] * (engine.rows // group)             # prompt held by each group of rows
+        group, num_new, ps = config.num_samples, config.max_new_tokens, engine.page_size
+        rows_total = engine.rows * shards
+        groups_per_shard = engine.rows // group
+        state = self.init_state(prompt_len)
+        slots = [-1] * (rows_total // group)               # prompt held by each group of rows
         waiting = [[] for _ in slots]                      # rows of a slot evicted, to redo
         admitted = []                                      # running slots, oldest first
         queue = list(range(batch))
         out = {name: np.zeros((batch * group, num_new), dtype) for name, dtype in (
             ("tokens", np.int32), ("log_probs", np.float32), ("raw_log_probs", np.float32))}
+        if state.routing is not None:
+            num_moe, _, width, k = state.routing.shape
+            out["routing"] = np.zeros((num_moe, batch * group, width, k), np.int32)
         counts = np.zeros(batch * group, np.int32)
         steps_run = 0
         # What the last call did: row-steps spent waiting for a page, groups and rows
-        # preempted, most pages held at once during decode, pages still held at the end
-        # (0: every page came back).
+        # preempted, most pages one shard held at once during decode, pages still held at
+        # the end (0: every page came back).
         self.stats = dict(waits=0, preempted_groups=0, preempted_rows=0, peak_pages=0)
+        shard_of = lambda slot: slot // groups_per_shard
+        prompt_pages = lambda b: pages_for(int(lengths[b]), ps)
 
-        def admit(state, b, row0, num_rows, first_sample):
-            return _admit(self.graphdef, params, state, jnp.asarray(prompts[b]),
-                          jnp.int32(lengths[b]), jnp.int32(row0), jnp.int32(num_rows),
-                          jnp.int32(first_sample), jnp.int32(b), config=config)
+        def admit(state, admissions):
+            """One _admit call: ``admissions`` maps a shard to (prompt, row0, rows, sample)."""
+            args = np.zeros((6, shards), np.int32)
+            args[1] = np.arange(shards) * engine.rows                    # row0: unused rows
+            for shard, (b, row0, num_rows, first_sample) in admissions.items():
+                args[:, shard] = (b, row0, num_rows, first_sample, lengths[b], b)
+            picked = prompts[args[0]]
+            return _admit(self.graphdef, params, state, jnp.asarray(picked),
+                          jnp.asarray(np.maximum(args[4], 1)), *map(jnp.asarray, args[1:4]),
+                          jnp.asarray(args[5]), config=config)
 
         while queue or admitted:
-            num_free = int(state.cache.num_free)
-            for slot in admitted:                          # evicted rows first
-                b = slots[slot]
-                while waiting[slot] and num_free >= pages_for(int(lengths[b]), engine.page_size) + 1:
-                    row = waiting[slot].pop(0)
-                    state = admit(state, b, row, 1, row - slot * group)
-                    num_free -= pages_for(int(lengths[b]), engine.page_size)
-            for slot in range(len(slots)):
-                if slots[slot] >= 0 or not queue:
-                    continue
-                b = queue[0]
-                prompt_pages = (pages_for(int(lengths[b]), engine.page_size)
-                                + (group - 1) * int(lengths[b] % engine.page_size > 0))
-                if num_free < prompt_pages + group:
+            num_free = np.asarray(state.cache.num_free).reshape(-1).copy()       # [S]
+            while True:                                    # up to one admission per shard a call
+                admissions = {}
+                for slot in admitted:                      # evicted rows first
+                    b, shard = slots[slot], shard_of(slot)
+                    if (waiting[slot] and shard not in admissions
+                            and num_free[shard] >= prompt_pages(b) + 1):
+                        row = waiting[slot].pop(0)
+                        admissions[shard] = (b, row, 1, row - slot * group)
+                        num_free[shard] -= prompt_pages(b)
+                for slot in range(len(slots)):
+                    shard = shard_of(slot)
+                    if slots[slot] >= 0 or not queue or shard in admissions:
+                        continue
+                    b = queue[0]
+                    pages = prompt_pages(b) + (group - 1) * int(lengths[b] % ps > 0)
+                    if num_free[shard] < pages + group:
+                        continue
+                    queue.pop(0)
+                    admissions[shard] = (b, slot * group, group, 0)
+                    num_free[shard] -= pages
+                    slots[slot] = b
+                    admitted.append(slot)
+                if not admissions:
                     break
-                queue.pop(0)
-                state = admit(state, b, slot * group, group, 0)
-                num_free -= prompt_pages
-                slots[slot] = b
-                admitted.append(slot)
+                state = admit(state, admissions)
             state, run, made, waits, peak = _decode(self.graphdef, params, state, rng,
-                                              config=config, steps=engine.steps_per_call)
+                                                    config=config, steps=engine.steps_per_call)
             steps_run += int(run)
+            made = np.asarray(made)
             self.stats["waits"] += int(waits)
             self.stats["peak_pages"] = max(self.stats["peak_pages"], int(peak))
             active = np.asarray(state.active)
@@ -312,21 +465,29 @@ class Engine:
                     continue
                 b = slots[slot]
                 dest = slice(b * group, (b + 1) * group)
-                for name in out:
+                for name in ("tokens", "log_probs", "raw_log_probs"):
                     out[name][dest] = np.asarray(getattr(state, name)[rows])
+                if "routing" in out:
+                    out["routing"][:, dest] = np.asarray(state.routing[:, rows])
                 counts[dest] = np.asarray(state.count[rows])
                 slots[slot] = -1
                 admitted.remove(slot)
-            if int(made) == 0 and admitted:
-                # Every running row waits for a page: free some, to be recomputed.
-                if len(admitted) > 1:
-                    slot = admitted.pop()
-                    evict = (np.arange(engine.rows) // group) == slot
+            evict = np.zeros(rows_total, bool)
+            for shard in range(shards):
+                mine = [slot for slot in admitted if shard_of(slot) == shard]
+                if made[shard] or not mine:
+                    continue
+                # Every running row of this shard waits for a page: free some, to be
+                # recomputed.
+                if len(mine) > 1:
+                    slot = mine[-1]
+                    admitted.remove(slot)
+                    evict[slot * group:(slot + 1) * group] = True
                     queue.insert(0, slots[slot])
                     self.stats["preempted_groups"] += 1
                     slots[slot], waiting[slot] = -1, []
                 else:
-                    slot = admitted[0]
+                    slot = mine[0]
                     running = np.flatnonzero(active[slot * group:(slot + 1) * group])
                     if running.size <= 1:
                         raise ValueError(
@@ -334,11 +495,12 @@ class Engine:
                             f"to its end: needs up to {prompt_len + num_new} slots in pages "
                             f"of {engine.page_size}")
                     row = slot * group + int(running[-1])
-                    evict = np.arange(engine.rows) == row
+                    evict[row] = True
                     waiting[slot].append(row)
                     self.stats["preempted_rows"] += 1
+            if evict.any():
                 state = _evict(state, jnp.asarray(evict))
-        self.stats["pages_held_at_end"] = engine.num_pages - int(state.cache.num_free)
+        self.stats["pages_held_at_end"] = int(np.sum(np.asarray(state.cache.pages_in_use())))
         mask = (np.arange(num_new)[None, :] < counts[:, None]).astype(np.float32)
         fill = config.fill_id
         shift = prompt_len - lengths
@@ -348,5 +510,5 @@ class Engine:
         return Rollout(tokens=np.where(mask > 0, out["tokens"], fill).astype(np.int32), mask=mask,
                        log_probs=out["log_probs"] * mask, raw_log_probs=out["raw_log_probs"] * mask,
                        lengths=counts, prompt_tokens=np.repeat(aligned, group, axis=0),
-                       prompt_lengths=np.repeat(lengths, group), routing=None,
+                       prompt_lengths=np.repeat(lengths, group), routing=out.get("routing"),
                        num_steps=np.int32(steps_run))

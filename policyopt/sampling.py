@@ -68,6 +68,9 @@ __all__ = [
     "sampling_method",
     "generate",
     "generate_fn",
+    "decode_step",
+    "DecodeStep",
+    "next_logits",
 ]
 
 
@@ -402,7 +405,7 @@ def _repeat_cache(cache, times: int):
     return cache.replace(key_mask=_repeat_rows(cache.key_mask, times, 0))
 
 
-def _next_logits(model, hidden: jax.Array) -> jax.Array:
+def next_logits(model, hidden: jax.Array) -> jax.Array:
     """float32 [R, V] logits from final hidden states [R, D], computed as the model's own
     projection and `policyopt.logprobs.token_log_probs` do (weights in the hidden dtype,
     float32 accumulation), so behaviour and training log-probs agree."""
@@ -410,6 +413,91 @@ def _next_logits(model, hidden: jax.Array) -> jax.Array:
     return jnp.einsum(
         "rd,dv->rv", hidden, embedding, preferred_element_type=jnp.float32
     ).astype(jnp.float32)
+
+
+@struct.dataclass
+class DecodeStep:
+    """What `decode_step` returns for R rows (non-live rows: fill token, zero log-probs,
+    their logits unchanged)."""
+
+    tokens: jax.Array  # int32 [R]; the token drawn (fill_id where not live)
+    log_probs: jax.Array  # float32 [R]; log q(token), q the distribution sampled from
+    raw_log_probs: jax.Array  # float32 [R]; log softmax(scale(logits))[token], untruncated
+    ended: jax.Array  # bool [R]; live and the token ends the row (end id, stop sequence)
+    recent: jax.Array | None  # int32 [R, M]; last M tokens (live rows shifted)
+    logits: jax.Array  # float32 [R, V]; next-token logits after feeding the token
+    cache: object  # the cache with the token's keys / values written
+    routing: jax.Array | None  # int32 [L_moe, R, k]; experts that routed the fed token
+
+
+def decode_step(model, config: SamplingConfig, logits: jax.Array, cache, *, count: jax.Array,
+                live: jax.Array, positions: jax.Array, rng: jax.Array | None = None,
+                row_rngs: jax.Array | None = None, recent: jax.Array | None = None
+                ) -> DecodeStep:
+    """One decode step of R rows: draw a token from each live row's logits, then feed it.
+
+    The step every sampler shares (`generate`, `policyopt.engine`, the asynchronous
+    `SlotGenerator`); they differ only in their bookkeeping (a step for all rows or one per
+    row, dense or paged cache, one key per step or per row). For live row r:
+
+      sample_logits = logits with the end ids at -inf while count[r] < min_new_tokens
+      token, log q = config.method.sample(sample_logits)
+      raw = log softmax(config.method.scale(logits))[token]        (untruncated, no ban)
+      ended = token in end_ids, or the last M tokens equal a stop sequence
+
+    then the token goes through ``model`` at ``positions[r]`` (live rows only: the
+    attention mask), writing its keys / values to ``cache``, and the next-token logits
+    are read from its final hidden state (`next_logits`).
+
+    Args:
+      model: a `policyopt.models.Transformer`.
+      config: the sampling settings (method, end ids, stop sequences, min_new_tokens, fill).
+      logits: float32 [R, V], each row's next-token logits.
+      cache: a KVCache or PagedKVCache (pages for the token reserved by the caller).
+      count: int32 [R], tokens each row has generated (for min_new_tokens).
+      live: bool [R], rows that draw and feed a token this step.
+      positions: int32 [R], RoPE position of the token drawn.
+      rng: one key for the whole step (rows draw from it together), or
+      row_rngs: keys [R], one per row (each row drawn alone). Exactly one of the two.
+      recent: int32 [R, M], the last M tokens, when config has stop sequences.
+    Returns:
+      A `DecodeStep`.
+    """
+    if (rng is None) == (row_rngs is None):
+        raise ValueError("decode_step takes exactly one of rng and row_rngs")
+    fill = config.fill_id
+    end_ids = jnp.asarray(config.end_ids, jnp.int32) if config.end_ids else None
+    sample_logits = logits
+    if config.min_new_tokens > 0 and end_ids is not None:
+        banned = logits.at[:, end_ids].set(-jnp.inf)
+        sample_logits = jnp.where((count < config.min_new_tokens)[:, None], banned, logits)
+    if rng is not None:
+        tokens, log_probs = config.method.sample(sample_logits, rng)
+    else:
+        tokens, log_probs = jax.vmap(lambda row, key: config.method.sample(row[None], key))(
+            sample_logits, row_rngs)
+        tokens, log_probs = tokens[:, 0], log_probs[:, 0]
+    raw_log_probs = _take(jax.nn.log_softmax(config.method.scale(logits), axis=-1), tokens)
+    tokens = jnp.where(live, tokens, fill)
+    log_probs = jnp.where(live, log_probs, 0.0)
+    raw_log_probs = jnp.where(live, raw_log_probs, 0.0)
+    ended = jnp.zeros_like(live)
+    if end_ids is not None:
+        ended = jnp.any(tokens[:, None] == end_ids[None, :], axis=-1)
+    if recent is not None:
+        window = recent.shape[1]
+        shifted = jnp.concatenate([recent[:, 1:], tokens[:, None]], axis=1)
+        recent = jnp.where(live[:, None], shifted, recent)
+        for stop in config.stop_sequences:
+            stop_arr = jnp.asarray(stop, jnp.int32)
+            ended |= jnp.all(recent[:, window - len(stop):] == stop_arr, axis=-1)
+    out = model(tokens[:, None], positions=positions[:, None], attention_mask=live[:, None],
+                cache=cache, return_logits=False)
+    routing = None if out.routing is None else out.routing[:, :, 0].astype(jnp.int32)
+    logits = jnp.where(live[:, None], next_logits(model, out.hidden[:, 0]), logits)
+    return DecodeStep(tokens=tokens, log_probs=log_probs, raw_log_probs=raw_log_probs,
+                      ended=live & ended, recent=recent, logits=logits, cache=out.cache,
+                      routing=routing)
 
 
 def _right_align(x: jax.Array, lengths: jax.Array, axis: int) -> jax.Array:
@@ -452,7 +540,7 @@ def _generate(graphdef, state, prompts, prompt_lengths, rng, *, config: Sampling
         return_logits=False,
     )
     last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-    logits = _next_logits(model, last_hidden)
+    logits = next_logits(model, last_hidden)
 
     # 2. G samples per prompt share this prefill.
     cache = _repeat_cache(out.cache, group)
@@ -462,7 +550,6 @@ def _generate(graphdef, state, prompts, prompt_lengths, rng, *, config: Sampling
 
     # 3. Decode.
     fill = config.fill_id
-    end_ids = jnp.asarray(config.end_ids, jnp.int32) if config.end_ids else None
     stop_window = max((len(s) for s in config.stop_sequences), default=0)
     routing = None
     if prompt_routing is not None:
@@ -485,53 +572,25 @@ def _generate(graphdef, state, prompts, prompt_lengths, rng, *, config: Sampling
     )
 
     def body(s: _DecodeState) -> _DecodeState:
-        logits = s.logits
-        sample_logits = logits
-        if config.min_new_tokens > 0 and end_ids is not None:
-            banned = logits.at[:, end_ids].set(-jnp.inf)
-            sample_logits = jnp.where(s.step < config.min_new_tokens, banned, logits)
-        tokens, log_probs = config.method.sample(sample_logits, jax.random.fold_in(rng, s.step))
-        raw_log_probs = _take(jax.nn.log_softmax(config.method.scale(logits), axis=-1), tokens)
         live = ~s.done
-        tokens = jnp.where(live, tokens, fill)
-        log_probs = jnp.where(live, log_probs, 0.0)
-        raw_log_probs = jnp.where(live, raw_log_probs, 0.0)
-
-        ended = jnp.zeros_like(live)
-        if end_ids is not None:
-            ended = jnp.any(tokens[:, None] == end_ids[None, :], axis=-1)
-        recent = s.recent
-        if recent is not None:
-            recent = jnp.concatenate([recent[:, 1:], tokens[:, None]], axis=1)
-            for stop in config.stop_sequences:
-                stop_arr = jnp.asarray(stop, jnp.int32)
-                ended |= jnp.all(recent[:, stop_window - len(stop) :] == stop_arr, axis=-1)
-        done = s.done | (live & ended)
-
-        out = model(
-            tokens[:, None],
-            positions=(lengths_rep + s.step)[:, None],
-            attention_mask=live[:, None],
-            cache=s.cache,
-            return_logits=False,
-        )
+        step = decode_step(model, config, s.logits, s.cache, count=jnp.full((rows,), s.step),
+                           live=live, positions=lengths_rep + s.step,
+                           rng=jax.random.fold_in(rng, s.step), recent=s.recent)
         write = lambda buf, col: jax.lax.dynamic_update_index_in_dim(buf, col, s.step, axis=1)
         routing = s.routing
-        if routing is not None:
-            routing = jax.lax.dynamic_update_slice_in_dim(
-                routing, out.routing.astype(jnp.int32), s.step, axis=2
-            )
+        if routing is not None:  # [L, R, N, k] <- [L, R, k] at column step
+            routing = jax.lax.dynamic_update_index_in_dim(routing, step.routing, s.step, axis=2)
         return _DecodeState(
             step=s.step + 1,
-            done=done,
-            logits=_next_logits(model, out.hidden[:, 0]),
-            cache=out.cache,
-            tokens=write(s.tokens, tokens),
+            done=s.done | step.ended,
+            logits=step.logits,
+            cache=step.cache,
+            tokens=write(s.tokens, step.tokens),
             mask=write(s.mask, live.astype(jnp.float32)),
-            log_probs=write(s.log_probs, log_probs),
-            raw_log_probs=write(s.raw_log_probs, raw_log_probs),
+            log_probs=write(s.log_probs, step.log_probs),
+            raw_log_probs=write(s.raw_log_probs, step.raw_log_probs),
             routing=routing,
-            recent=recent,
+            recent=step.recent,
         )
 
     final = init

@@ -1,6 +1,11 @@
 """Tests of policyopt.engine: continuous batching on the paged cache against
 policyopt.sampling.generate (greedy) and a full forward pass (behaviour log-probs)."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -55,6 +60,17 @@ def _check_equal(rollout, reference):
     np.testing.assert_array_equal(rollout.prompt_tokens, reference.prompt_tokens)
     np.testing.assert_allclose(rollout.log_probs, reference.log_probs, atol=1e-5)
     np.testing.assert_allclose(rollout.raw_log_probs, reference.raw_log_probs, atol=1e-4)
+    # R3: the experts of every real prompt token and every generated token, in
+    # Rollout.sequences()' layout. Past a row's end generate keeps routing its fill tokens
+    # while other rows run; the engine leaves k distinct experts there (never replayed).
+    assert rollout.routing.shape == reference.routing.shape == (2, 6, 7 + NEW, 2)
+    real = rollout.sequences()[2] > 0
+    assert real.sum() == np.asarray(LENGTHS).sum() * GROUP + rollout.mask.sum()
+    np.testing.assert_array_equal(rollout.routing[:, real], np.asarray(reference.routing)[:, real])
+    past_end = np.concatenate([np.zeros_like(rollout.prompt_tokens, bool), rollout.mask == 0], 1)
+    assert past_end.any()
+    np.testing.assert_array_equal(rollout.routing[:, past_end], np.broadcast_to(
+        np.arange(2), (2, past_end.sum(), 2)))
 
 
 @pytest.mark.parametrize("attention", ["gather", "online"])
@@ -80,6 +96,26 @@ def test_small_budget_waits_not_truncates(model, greedy_reference):
     assert stats["waits"] > 0
     assert stats["preempted_groups"] + stats["preempted_rows"] > 0
     assert stats["peak_pages"] == 10 and stats["pages_held_at_end"] == 0
+
+
+def test_stop_sequences_and_no_routing_capture(model):
+    """A two-token stop sequence drawn by some rows ends them as in generate; with
+    capture_routing=False the rollout holds no routing."""
+    first = sampling.generate(model, PROMPTS, LENGTHS, max_new_tokens=NEW, rng=jax.random.key(0),
+                              temperature=0.0, num_samples=GROUP)
+    stop = tuple(int(t) for t in np.asarray(first.tokens)[0, 2:4])
+    reference = sampling.generate(model, PROMPTS, LENGTHS, max_new_tokens=NEW,
+                                  rng=jax.random.key(0), temperature=0.0, num_samples=GROUP,
+                                  stop_sequences=(stop,))
+    assert np.asarray(reference.lengths).min() < NEW
+    config = SamplingConfig(max_new_tokens=NEW, method=Greedy(), num_samples=GROUP,
+                            stop_sequences=(stop,))
+    engine = Engine(model, EngineConfig(kv_tokens=128, rows=4, page_size=4,
+                                        capture_routing=False), config)
+    rollout = engine.generate(PROMPTS, LENGTHS, jax.random.key(0))
+    np.testing.assert_array_equal(rollout.tokens, reference.tokens)
+    np.testing.assert_array_equal(rollout.mask, reference.mask)
+    assert rollout.routing is None
 
 
 def test_log_probs_equal_full_forward(model):
@@ -150,3 +186,68 @@ def test_engine_config_errors(extra, message):
 
     with pytest.raises(ValueError, match=message):
         tiny("grpo", extra=extra)
+
+
+_SHARDED_SCRIPT = textwrap.dedent("""
+    import re
+    import jax, numpy as np
+    from flax import nnx
+    from policyopt import sampling, sharding
+    from policyopt.engine import Engine, EngineConfig, _decode
+    from policyopt.models import Transformer
+    from policyopt.sampling import Greedy, SamplingConfig
+    from tests.test_engine import GROUP, LENGTHS, MOE, NEW, PROMPTS
+
+    model = Transformer(MOE, rngs=nnx.Rngs(0))
+    first = sampling.generate(model, PROMPTS, LENGTHS, max_new_tokens=NEW, rng=jax.random.key(0),
+                              temperature=0.0, num_samples=GROUP)
+    eos = int(np.asarray(first.tokens)[2, 3])
+    reference = sampling.generate(model, PROMPTS, LENGTHS, max_new_tokens=NEW,
+                                  rng=jax.random.key(0), temperature=0.0, num_samples=GROUP,
+                                  eos_id=eos)
+    mesh = sharding.make_mesh({"fsdp": 2})
+    graphdef, params = nnx.split(model)
+    params = sharding.shard_params(params, mesh)
+    config = SamplingConfig(max_new_tokens=NEW, method=Greedy(), eos_id=eos, num_samples=GROUP)
+    # Two shards of 2 rows and 12 pages of 2 slots: rows wait for pages.
+    engine = Engine(model, EngineConfig(kv_tokens=24, rows=2, page_size=2, steps_per_call=3),
+                    config, graphdef=graphdef, mesh=mesh)
+    assert engine.shards == 2
+    rollout = engine.generate(PROMPTS, LENGTHS, jax.random.key(0), params=params)
+    np.testing.assert_array_equal(rollout.tokens, reference.tokens)
+    np.testing.assert_array_equal(rollout.mask, reference.mask)
+    np.testing.assert_allclose(rollout.raw_log_probs, reference.raw_log_probs, atol=1e-4)
+    real = rollout.sequences()[2] > 0
+    np.testing.assert_array_equal(rollout.routing[:, real], np.asarray(reference.routing)[:, real])
+    assert engine.stats["pages_held_at_end"] == 0 and engine.stats["waits"] > 0, engine.stats
+    print("ok equal", engine.stats, flush=True)
+
+    # The decode program holds each shard's pool on its own device: no collective moves a
+    # pool ([L, Hkv, pages, ps, Dh] or a shard of it).
+    state = engine.init_state(PROMPTS.shape[1])
+    assert state.cache.k.sharding.shard_shape(state.cache.k.shape)[2] == 12
+    with jax.set_mesh(mesh):
+        text = _decode.lower(graphdef, params, state, jax.random.key(0), config=config,
+                             steps=3).compile().as_text()
+    pools = {f"[{','.join(map(str, shape))}]" for shape in
+             [state.cache.k.shape, state.cache.k.shape[:2] + (12,) + state.cache.k.shape[3:]]}
+    ops = re.findall(r"=\s+(\S.*?)\s+(?:all-gather|all-reduce|all-to-all|collective-permute)"
+                     r"(?:-start)?\(", text)
+    assert ops, "the fsdp-split weights are gathered"
+    moved = [op for op in ops if any(p in op for p in pools)]
+    assert not moved, moved
+    print("ok local pools", flush=True)
+    """)
+
+
+def test_sharded_engine_on_two_devices_equals_generate():
+    """Parameters on an fsdp=2 mesh, two engine shards (one pool and two rows per device,
+    rows waiting for pages): the rollout and its routing equal generate's on one
+    device, and the compiled decode moves no pool between devices."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    assert proc.stdout.count("ok") == 2, proc.stdout

@@ -117,6 +117,32 @@ def test_reserve_release_reuse_hand_worked():
     assert sorted(np.asarray(cache.free).tolist()) == [0, 1, 2, 3, 4]
 
 
+def test_shards_allocate_from_their_own_pools_hand_worked():
+    """2 shards of 2 rows and 2 pages of 2 slots (page ids local, 2 = no page): a row is
+    refused when its own pool is empty, whatever the other pool holds."""
+    cache = PagedKVCache.create(CONFIGS["dense"], 4, num_pages=4, page_size=2, max_pages=3,
+                                shards=2)
+    cache, granted = reserve(cache, jnp.array([4, 0, 2, 0], jnp.int32))  # needs 2, 0, 1, 0
+    np.testing.assert_array_equal(granted, [True, True, True, True])
+    np.testing.assert_array_equal(cache.page_table, [[0, 1, 2], [2, 2, 2], [0, 2, 2],
+                                                     [2, 2, 2]])
+    np.testing.assert_array_equal(cache.num_free, [0, 1])
+    cache = advance(cache, jnp.array([[1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0],
+                                      [0, 0, 0, 0]], bool))
+    # Row 1 (shard 0) is refused although shard 1 has a free page; row 3 gets it.
+    cache, granted = reserve(cache, jnp.array([0, 1, 0, 1], jnp.int32))
+    np.testing.assert_array_equal(granted, [True, False, True, True])
+    np.testing.assert_array_equal(cache.page_table[3], [1, 2, 2])
+    np.testing.assert_array_equal(cache.num_free, [0, 0])
+    # Row 0 handed out: its pages go back to shard 0's stack, and row 1 gets one.
+    cache = release(cache, jnp.array([True, False, False, False]))
+    np.testing.assert_array_equal(cache.num_free, [2, 0])
+    np.testing.assert_array_equal(cache.pages_in_use(), [0, 2])
+    cache, granted = reserve(cache, jnp.array([0, 1, 0, 0], jnp.int32))
+    assert bool(granted[1]) and int(cache.page_table[1, 0]) in (0, 1)
+    np.testing.assert_array_equal(cache.lengths, [0, 0, 2, 0])
+
+
 copy_rows = jax.jit(lambda cache, source, dest: cache.copy_rows(source, dest, 3))
 
 

@@ -2,7 +2,8 @@
 
 One subprocess (JAX reads ``XLA_FLAGS`` once, at start-up; the simulator sets 4 simulated
 devices itself) runs the simulator's ``main`` three times: the update extrapolated from 1
-and 2 layers and compiled whole at 3, and one rollout; it prints the records as JSON.
+and 2 layers and compiled whole at 3, and two rollouts (through the engine, and one
+generate_fn call); it prints the records as JSON.
 """
 
 import json
@@ -24,12 +25,13 @@ _SCRIPT = textwrap.dedent("""
     base = ["--preset", "tiny_moe", "--devices", "4", "--mesh", "fsdp=4",
             "--model.num_layers=3", "--model.dtype=bfloat16"]
     update = ["--step", "update", *base, "--seq-len", "128", "--prompt-len", "16"]
+    rollout = ["--step", "rollout", *base, "--model.num_layers=1", "--prompts", "4",
+               "--samples", "2", "--prompt-len", "16", "--new-tokens", "8"]
     records = {
         "extrapolated": scale_sim.main(update + ["--json", os.path.join(out, "update.json")]),
         "full": scale_sim.main(update + ["--full-depth"]),
-        "rollout": scale_sim.main(["--step", "rollout", *base, "--model.num_layers=1",
-                                   "--prompts", "4", "--samples", "2", "--prompt-len", "16",
-                                   "--new-tokens", "8"]),
+        "rollout": scale_sim.main(rollout + ["--engine-kv-tokens", "64"]),
+        "rollout_generate": scale_sim.main(rollout + ["--engine-kv-tokens", "0"]),
     }
     with open(os.path.join(out, "records.json"), "w") as f:
         json.dump(records, f, default=str)
@@ -105,12 +107,16 @@ def test_collectives_are_read_on_an_fsdp_mesh(records):
     assert found["all-gather"]["count"] > two["all-gather"]["count"]
 
 
-def test_rollout_record(records):
-    record = records["rollout"]
+@pytest.mark.parametrize("name,calls", [
+    ("rollout", ["engine_admit", "engine_decode", "engine_evict"]),
+    ("rollout_generate", ["generate_fn"])])
+def test_rollout_record(records, name, calls):
+    record = records[name]
     assert record["step"] == "rollout" and record["rows"] == 8
     assert record["prompt_rows_on_each_device"] == 1  # 4 prompts over fsdp=4
     assert record["extrapolated"] is False and record["num_layers"] == 1
-    assert [c["call"] for c in record["calls"]] == ["generate_fn"]
+    assert [c["call"] for c in record["calls"]] == calls
+    assert record["per_device_peak_gib"] == max(c["per_device_peak_gib"] for c in record["calls"])
     assert record["per_device_peak_gib"] > 0
     opt_state = record["state_gib_per_device"] - record["params_gib_per_device"]
     assert record["peak_with_resident_state_gib"] == pytest.approx(

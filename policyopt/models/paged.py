@@ -37,6 +37,14 @@ Attention over pages (``attend``):
     (T > 1) uses the gather. On a CPU it runs in Pallas' TPU interpret mode
     (``jax.experimental.pallas.tpu.force_tpu_interpret_mode``), which the tests use.
 
+Shards. ``shards = S`` splits the pool into S pools of NP / S pages, each serving R / S
+rows (rows ``s R/S .. (s+1) R/S - 1`` use pool s; page ids in the table are local to a
+pool). Every method then runs on the S pools side by side (``_per_shard``, a vmap):
+allocation, copies and attention never cross pools. With the pools' pages and the rows
+split over the same mesh axes (``policyopt.engine``: the row axes ``data``, ``fsdp``,
+``expert``), each device allocates from and attends over its own pages: the pool is never
+gathered.
+
 Contract of a forward call with ``T`` tokens per row: the real tokens of a row
 (``token_mask``) are a prefix of its T tokens (right padding); they go to slots
 ``lengths[r] .. lengths[r] + n_r - 1``; the caller reserves their pages first and then
@@ -72,6 +80,8 @@ class PagedKVCache:
         shared by the rows of its group, ``copy_rows``).
       index: int32 []; advanced by ``Transformer`` after each call, unused here.
       attention: "gather", "online" or "pallas" (static; see the module docstring).
+      shards: S (static), independent pools side by side (see "Shards" in the module
+        docstring); with S > 1, num_free is int32 [S] and page ids are local to a shard.
     """
 
     k: jax.Array
@@ -83,42 +93,87 @@ class PagedKVCache:
     refs: jax.Array
     index: jax.Array
     attention: str = struct.field(pytree_node=False, default="gather")
+    shards: int = struct.field(pytree_node=False, default=1)
 
     # Read by ``Attention`` to route a forward call here.
     paged = True
+    # Read by a scanned ``Transformer`` (scan_layers): the pools are already stacked by
+    # layer, carried through the layer scan as they are.
+    per_layer = False
 
     @classmethod
     def create(cls, config: ModelConfig, rows: int, num_pages: int, page_size: int,
-               max_pages: int, dtype=None, *, attention: str = "gather") -> "PagedKVCache":
+               max_pages: int, dtype=None, *, attention: str = "gather",
+               shards: int = 1) -> "PagedKVCache":
         """An empty cache: every page free, every row empty.
 
         Args:
-          rows: R, rows decoded together.
-          num_pages: NP, pages in the pool (the memory budget: NP * ps tokens per layer).
+          rows: R, rows decoded together (all shards; a multiple of ``shards``).
+          num_pages: NP, pages in the pool (the memory budget: NP * ps tokens per layer;
+            all shards, a multiple of ``shards``).
           page_size: ps, token slots per page.
           max_pages: pages one row may hold (its longest sequence / ps, rounded up).
           dtype: pool dtype (default: the model's compute dtype).
           attention: "gather", "online" or "pallas".
+          shards: S pools of NP / S pages for R / S rows each.
         """
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
-        for name, value in (("rows", rows), ("num_pages", num_pages),
-                            ("page_size", page_size), ("max_pages", max_pages)):
+        for name, value in (("rows", rows), ("num_pages", num_pages), ("page_size", page_size),
+                            ("max_pages", max_pages), ("shards", shards)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if rows % shards or num_pages % shards:
+            raise ValueError(f"rows ({rows}) and num_pages ({num_pages}) must be multiples of "
+                             f"shards ({shards})")
         dtype = jnp.dtype(dtype) if dtype is not None else config.compute_dtype
+        local = num_pages // shards
         shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
+        num_free = jnp.full((shards,) if shards > 1 else (), local, jnp.int32)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                   page_table=jnp.full((rows, max_pages), num_pages, jnp.int32),
+                   page_table=jnp.full((rows, max_pages), local, jnp.int32),
                    lengths=jnp.zeros((rows,), jnp.int32),
-                   free=jnp.arange(num_pages, dtype=jnp.int32)[::-1],
-                   num_free=jnp.asarray(num_pages, jnp.int32),
-                   refs=jnp.zeros((num_pages,), jnp.int32),
-                   index=jnp.zeros((), jnp.int32), attention=attention)
+                   free=jnp.tile(jnp.arange(local, dtype=jnp.int32)[::-1], shards),
+                   num_free=num_free, refs=jnp.zeros((num_pages,), jnp.int32),
+                   index=jnp.zeros((), jnp.int32), attention=attention, shards=shards)
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[2]
+        """Pages of one shard's pool (all of them without shards): the "no page" id."""
+        return self.k.shape[2] // self.shards
+
+    def pages_in_use(self) -> jax.Array:
+        """int32 [] (or [S] with shards): pages held by some row, per shard."""
+        return self.num_pages - self.num_free
+
+    # ----------------------------------------------------------------------------------
+    # Shards: each method runs on every shard's pool and rows (a vmap, no communication).
+    # ----------------------------------------------------------------------------------
+
+    def _per_shard(self, fn, *args):
+        """``fn(cache, *args)`` on each shard: a cache of NP / S pages and R / S rows, each
+        arg split on its leading axis into [S, ...]. Returns fn's cache joined back and its
+        other results as [S, ...]."""
+        s = self.shards
+        pool = lambda x: x.reshape(x.shape[:2] + (s, -1) + x.shape[3:])
+        split = self.replace(k=pool(self.k), v=pool(self.v),
+                             page_table=self.page_table.reshape(s, -1, self.max_pages),
+                             lengths=self.lengths.reshape(s, -1), free=self.free.reshape(s, -1),
+                             refs=self.refs.reshape(s, -1), shards=1)
+        axes = split.replace(k=2, v=2, page_table=0, lengths=0, free=0, num_free=0, refs=0,
+                             index=None)
+
+        def run(cache, *shard_args):
+            out = fn(cache, *shard_args)
+            return (out, ()) if isinstance(out, PagedKVCache) else (out[0], tuple(out[1:]))
+
+        cache, rest = jax.vmap(run, in_axes=(axes,) + (0,) * len(args),
+                               out_axes=(axes, 0))(split, *args)
+        flat = lambda x: x.reshape((-1,) + x.shape[2:])
+        joined = cache.replace(k=cache.k.reshape(self.k.shape), v=cache.v.reshape(self.v.shape),
+                               page_table=flat(cache.page_table), lengths=flat(cache.lengths),
+                               free=flat(cache.free), refs=flat(cache.refs), shards=s)
+        return joined, rest
 
     @property
     def page_size(self) -> int:
@@ -158,6 +213,10 @@ class PagedKVCache:
         Returns:
           (cache, granted bool [R]); granted is True for rows that need no page.
         """
+        if self.shards > 1:
+            cache, (granted,) = self._per_shard(
+                lambda c, n: c.reserve(n, max_new_pages), new_tokens.reshape(self.shards, -1))
+            return cache, granted.reshape(-1)
         ps, num_pages = self.page_size, self.num_pages
         held = self.pages_held()
         wanted = (self.lengths + new_tokens + ps - 1) // ps
@@ -182,6 +241,8 @@ class PagedKVCache:
     def release(self, rows: jax.Array) -> "PagedKVCache":
         """Empties ``rows`` (bool [R]): each page they point at loses one reference, and the
         pages left with none go back on the stack (in page order)."""
+        if self.shards > 1:
+            return self._per_shard(lambda c, r: c.release(r), rows.reshape(self.shards, -1))[0]
         num_pages = self.num_pages
         held = (self.page_table < num_pages) & rows[:, None]
         dropped = jnp.where(held, self.page_table, num_pages).reshape(-1)
@@ -207,10 +268,15 @@ class PagedKVCache:
           source: int32 scalar row.
           dest: int32 [D] rows; entries >= R are skipped.
           num_pages: static bound on the pages ``source`` holds (e.g. ceil(P / ps)).
+          With S > 1 shards: source [S] and dest [S, D], rows local to each shard (< R / S).
         Returns:
-          (cache, granted bool [D]); a row not granted (no page for the partial page)
-          stays empty.
+          (cache, granted bool [D]) ([S, D] with shards); a row not granted (no page for
+          the partial page) stays empty.
         """
+        if self.shards > 1:
+            cache, (copied,) = self._per_shard(
+                lambda c, src, dst: c.copy_rows(src, dst, num_pages), source, dest)
+            return cache, copied
         rows, ps = self.lengths.shape[0], self.page_size
         length = self.lengths[source]
         full = length // ps
@@ -238,7 +304,8 @@ class PagedKVCache:
                         self.num_pages)
 
         def move(pool):
-            return pool.at[:, :, dst].set(jnp.take(pool, src, axis=2, mode="clip"), mode="drop")
+            return _write(pool, (slice(None), slice(None), dst),
+                          jnp.take(pool, src, axis=2, mode="clip"))
 
         lengths = cache.lengths.at[jnp.where(copy, dest, rows)].set(length, mode="drop")
         return cache.replace(k=move(cache.k), v=move(cache.v), lengths=lengths), copy
@@ -264,6 +331,12 @@ class PagedKVCache:
         Returns:
           (out [B, T, H, Dh] in the pool's dtype, cache with this layer written).
         """
+        if self.shards > 1:
+            split = lambda x: x.reshape((self.shards, -1) + x.shape[1:])
+            cache, (out,) = self._per_shard(
+                lambda c, *a: c.attend(layer, *a)[::-1], split(q), split(k), split(v),
+                split(token_mask))
+            return out.reshape(q.shape[:1] + out.shape[2:]), cache
         b, t, h, dh = q.shape
         ps, num_pages = self.page_size, self.num_pages
         slots = self.lengths[:, None] + jnp.arange(t)[None, :]                   # [B, T]
@@ -274,8 +347,8 @@ class PagedKVCache:
         offset = slots % ps
         # Advanced indices (layer, page, offset) around a slice: the result's leading axes
         # are [B, T], then Hkv, Dh: the projections' layout.
-        pool_k = self.k.at[layer, :, page, offset].set(k.astype(self.k.dtype), mode="drop")
-        pool_v = self.v.at[layer, :, page, offset].set(v.astype(self.v.dtype), mode="drop")
+        pool_k = _write(self.k, (layer, slice(None), page, offset), k)
+        pool_v = _write(self.v, (layer, slice(None), page, offset), v)
         cache = self.replace(k=pool_k, v=pool_v)
         ends = self.lengths + jnp.sum(token_mask, axis=1, dtype=jnp.int32)       # [B]
         if self.attention == "pallas" and t == 1:
@@ -284,6 +357,18 @@ class PagedKVCache:
             return out[:, None].astype(pool_v.dtype), cache
         attend = online_attention if self.attention == "online" else gather_attention
         return attend(q, pool_k[layer], pool_v[layer], self.page_table, slots, ends), cache
+
+
+def _write(pool, index, values):
+    """``pool.at[index].set(values)`` (out-of-range pages dropped). A 16-bit float pool is
+    written through its bits (uint16): XLA:CPU has no bfloat16 scatter and would convert
+    the whole pool to float32 and back at every write (seen in the compiled decode)."""
+    values = values.astype(pool.dtype)
+    if pool.dtype.itemsize != 2 or not jnp.issubdtype(pool.dtype, jnp.floating):
+        return pool.at[index].set(values, mode="drop")
+    bits = jax.lax.bitcast_convert_type(pool, jnp.uint16)
+    bits = bits.at[index].set(jax.lax.bitcast_convert_type(values, jnp.uint16), mode="drop")
+    return jax.lax.bitcast_convert_type(bits, pool.dtype)
 
 
 def _gather_pages(pool, table):

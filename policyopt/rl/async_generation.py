@@ -74,7 +74,7 @@ from flax import nnx, struct
 
 from policyopt import sharding
 from policyopt.models.attention import KEY_CACHE_AXES, VALUE_CACHE_AXES
-from policyopt.sampling import Rollout, SamplingConfig, _next_logits, _take
+from policyopt.sampling import Rollout, SamplingConfig, decode_step, next_logits
 
 __all__ = ["SlotConfig", "SlotGenerator", "GroupCompletion", "AsyncGenerator",
            "GeneratorExhausted", "staleness_bound"]
@@ -212,7 +212,7 @@ def _refill(graphdef, params, state: _SlotState, group, prompt, prompt_length, v
     out = model(prompt[None].astype(jnp.int32), positions=index[None], attention_mask=prompt_mask[None],
                 cache=model.init_cache(1, prompt_width, dtype=s.cache_dtype), return_logits=False)
     last = jax.lax.dynamic_index_in_dim(out.hidden[0], prompt_length - 1, axis=0)  # [1, D]
-    logits = _next_logits(model, last)  # [1, V]
+    logits = next_logits(model, last)  # [1, V]
 
     row0 = group * group_size
     repeat = lambda x, axis: jnp.repeat(x, group_size, axis=axis)
@@ -256,13 +256,11 @@ def _compact(cache, window: int):
 
 
 def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotConfig) -> _SlotState:
-    """Up to K decode steps of every live row under parameters `version` (see
-    ``policyopt.sampling._generate``'s loop body, here with a step per row)."""
+    """Up to K decode steps of every live row under parameters `version`
+    (``policyopt.sampling.decode_step``, here with a step per row)."""
     model = nnx.merge(graphdef, params)
     s = config.sampling
-    num_new, fill = s.max_new_tokens, s.fill_id
-    end_ids = jnp.asarray(s.end_ids, jnp.int32) if s.end_ids else None
-    stop_window = _stop_window(s)
+    num_new = s.max_new_tokens
     rows = jnp.arange(config.rows, dtype=jnp.int32)
     # The loop carries one buffer per layer (KVCache.unstack): a layer of the stacked
     # cache would be copied out of it at every step. Stacked again after the segment.
@@ -277,23 +275,9 @@ def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotC
     def body(carry):
         i, st = carry
         live = st.active & ~st.done
-        logits = sample_logits = st.logits
-        if s.min_new_tokens > 0 and end_ids is not None:
-            banned = logits.at[:, end_ids].set(-jnp.inf)
-            sample_logits = jnp.where((st.step < s.min_new_tokens)[:, None], banned, logits)
-        tokens, log_probs = s.method.sample(sample_logits, jax.random.fold_in(rng, i))
-        raw_log_probs = _take(jax.nn.log_softmax(s.method.scale(logits), axis=-1), tokens)
-        tokens = jnp.where(live, tokens, fill)
-        ended = jnp.zeros_like(live)
-        if end_ids is not None:
-            ended = jnp.any(tokens[:, None] == end_ids[None, :], axis=-1)
-        recent = st.recent
-        if recent is not None:
-            shifted = jnp.concatenate([recent[:, 1:], tokens[:, None]], axis=1)
-            recent = jnp.where(live[:, None], shifted, recent)
-            for stop in s.stop_sequences:
-                stop_arr = jnp.asarray(stop, jnp.int32)
-                ended |= jnp.all(recent[:, stop_window - len(stop):] == stop_arr, axis=-1)
+        step = decode_step(model, s, st.logits, st.cache, count=st.step, live=live,
+                           positions=st.prompt_lengths + st.step,
+                           rng=jax.random.fold_in(rng, i), recent=st.recent)
         # This step's column of each live row; N (out of range: the write is dropped) for
         # the others. Scatters touch R entries per step, not the whole [R, N] buffers.
         column = jnp.where(live, st.step, num_new)
@@ -301,20 +285,18 @@ def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotC
         def put(buffer, values):
             return buffer.at[rows, column].set(values.astype(buffer.dtype), mode="drop")
 
-        out = model(tokens[:, None], positions=(st.prompt_lengths + st.step)[:, None],
-                    attention_mask=live[:, None], cache=st.cache, return_logits=False)
         routing = st.routing
-        if routing is not None:  # [L, R, N, k] <- [L, R, 1, k]
-            routing = routing.at[:, rows, column].set(out.routing[:, :, 0].astype(jnp.int32), mode="drop")
-        step = st.step + live.astype(jnp.int32)
-        new_logits = _next_logits(model, out.hidden[:, 0])
+        if routing is not None:  # [L, R, N, k] <- [L, R, k]
+            routing = routing.at[:, rows, column].set(step.routing, mode="drop")
+        count = st.step + live.astype(jnp.int32)
         return i + 1, st.replace(
-            cache=out.cache, done=st.done | (live & (ended | (step >= num_new))), step=step,
-            logits=jnp.where(live[:, None], new_logits, logits),
+            cache=step.cache, done=st.done | step.ended | (live & (count >= num_new)),
+            step=count, logits=step.logits,
             logits_version=jnp.where(live, version, st.logits_version),
-            tokens=put(st.tokens, tokens), mask=put(st.mask, jnp.ones_like(log_probs)),
-            log_probs=put(st.log_probs, log_probs), raw_log_probs=put(st.raw_log_probs, raw_log_probs),
-            versions=put(st.versions, st.logits_version), routing=routing, recent=recent)
+            tokens=put(st.tokens, step.tokens), mask=put(st.mask, jnp.ones_like(step.log_probs)),
+            log_probs=put(st.log_probs, step.log_probs),
+            raw_log_probs=put(st.raw_log_probs, step.raw_log_probs),
+            versions=put(st.versions, st.logits_version), routing=routing, recent=step.recent)
 
     _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
     return _pin(state.replace(cache=state.cache.stack()))
