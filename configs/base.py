@@ -22,6 +22,14 @@ dotted field path, its value a Python literal (tuples in brackets:
 
 Defaults are sized for the CPU: a tiny MoE, the synthetic addition task, 8 prompts x 8
 samples, responses of at most 24 tokens.
+
+This file is the one place of a run's defaults. The settings dataclasses the library builds
+from a config (`rl.learner.LossConfig`, `OptimConfig`, `rl.critic.GAEConfig`,
+`CriticConfig`) have no defaults of their own, and check their fields when they are built
+(`check` builds them); keyword defaults of library functions (`losses.policy_loss`,
+`advantages.gae`, ...) serve direct calls and are never read by a run. The choices of
+`algo.method` (any objective registered with `policyopt.losses.register_objective`),
+`algo.aggregation` and the advantage estimators come from the library's modules.
 """
 
 from __future__ import annotations
