@@ -23,6 +23,7 @@ Peak numbers are those of the device named on the command line (default H200 SXM
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import platform
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from configs import base
 from policyopt import sampling
 from policyopt.models import Transformer, preset
 from policyopt.rl.batch import Batch
@@ -143,8 +145,9 @@ def bench_update(config, rows: int, prompt_len: int, response_len: int, repeats:
     model = Transformer(config, rngs=nnx.Rngs(0))
     graphdef, params = split_params(model)
     optimizer, schedule = make_optimizer(lr=1e-6, warmup_steps=0)
-    learner = Learner(graphdef, LossConfig(method="sapo", group_size=16, max_len=response_len),
-                      optimizer, schedule)
+    settings = dataclasses.replace(LossConfig.from_config(base.base_config()), method="sapo",
+                                   aggregation="token_mean", group_size=16, max_len=response_len)
+    learner = Learner(graphdef, settings, optimizer, schedule)
     state = learner.init_state(params)
     seq = prompt_len + response_len
     rng = np.random.default_rng(0)

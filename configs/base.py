@@ -22,13 +22,20 @@ dotted field path, its value a Python literal (tuples in brackets:
 
 Defaults are sized for the CPU: a tiny MoE, the synthetic addition task, 8 prompts x 8
 samples, responses of at most 24 tokens.
+
+This file is the one place of a run's defaults. The settings dataclasses the library builds
+from a config (`rl.learner.LossConfig`, `OptimConfig`, `rl.critic.GAEConfig`,
+`CriticConfig`) have no defaults of their own, and check their fields when they are built
+(`check` builds them); keyword defaults of library functions (`losses.policy_loss`,
+`advantages.gae`, ...) serve direct calls and are never read by a run. The choices of
+`algo.method` (any objective registered with `policyopt.losses.register_objective`),
+`algo.aggregation` and the advantage estimators come from the library's modules.
 """
 
 from __future__ import annotations
 
 import ast
 import json
-import math
 
 import ml_collections
 from ml_collections import config_dict
@@ -535,6 +542,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.sft.steps = 300
     # Sequences per update.
     c.sft.batch_size = 64
+    # Its AdamW (Adam's betas and eps shared with `optim`).
     c.sft.lr = 3e-3
     c.sft.warmup_steps = 20
     c.sft.weight_decay = 0.0
@@ -667,18 +675,15 @@ def finalize(config: ml_collections.ConfigDict, arg: str | None,
     return config
 
 
-# Fields with a fixed set of values. `algo.method` and `algo.aggregation` come from
-# `policyopt.losses` (the objectives registry and AGGREGATIONS: `_registry_choices`), so
-# a newly registered objective is accepted without editing this table.
+# Fields with a fixed set of values that no library module owns. The library's own choices
+# (the advantage estimators and rollout-correction levels) come from its modules
+# (`_library_choices`), and the policy loss's (`algo.method`, the objectives registered
+# with `policyopt.losses.register_objective`; `algo.aggregation`; `algo.kl_estimator`) are
+# checked by `LossConfig` when `check` builds it, so a newly registered objective is
+# accepted without editing this file.
 _CHOICES = {
-    "algo.advantage": ("outcome", "gae"),
-    "algo.adv_center": ("group", "none"),
-    "algo.adv_scale": ("group", "batch", "minibatch", "none"),
-    "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.routing_replay": ("none", "R2", "R3"),
     "algo.old_log_probs": ("trainer", "sampler"),
-    "algo.tis_level": ("token", "sequence"),
-    "algo.rs_level": (None, "token", "sequence", "geometric"),
     "reward.overlong": ("none", "dapo", "magistral"),
     "reward.answer_format": ("boxed", "answer_line", "gsm8k"),
     "dynamic_sampling.criterion": ("reward", "accuracy"),
@@ -699,13 +704,16 @@ _MINIMUMS = {
 
 
 def check(config: ml_collections.ConfigDict) -> None:
-    """Raises a ValueError naming the first field with an impossible value."""
-    for path, choices in (_registry_choices() | _CHOICES).items():
-        node = config
-        for part in path.split("."):
-            node = node[part]
-        if node not in choices:
-            raise ValueError(f"config.{path} must be one of {choices}, got {node!r}")
+    """Raises a ValueError naming the first field with an impossible value.
+
+    The sections that the library holds in a settings dataclass are checked by building
+    it, where its checks live (`LossConfig`: `algo`'s objective, aggregation, clip, KL and
+    coefficients; `GAEConfig`: `algo.gae_*`; `CriticConfig`: `critic.value_clip`); the rest
+    here. Imports the library (JAX) on first use: the configs themselves do not."""
+    from policyopt import checks
+
+    for path, choices in (_library_choices() | _CHOICES).items():
+        checks.check_choice(f"config.{path}", _field(config, path), choices)
     for path, least in _MINIMUMS.items():
         section, name = path.split(".")
         value = config[section][name]
@@ -792,14 +800,8 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.reward.max_len ({r.max_len}) must be <= sampling.max_new_tokens "
                          f"({max_new}) with reward.overlong={r.overlong!r}: responses stop at "
                          "max_new_tokens, so none would get the full overlong penalty")
+    _check_settings(config)
     algo = config.algo
-    for name in ("gae_gamma", "gae_lambda", "gae_lambda_critic"):
-        if algo[name] is not None and not 0.0 <= algo[name] <= 1.0:
-            raise ValueError(f"config.algo.{name} must be in [0, 1], got {algo[name]}")
-    if algo.gae_alpha <= 0:
-        raise ValueError(f"config.algo.gae_alpha must be > 0, got {algo.gae_alpha}")
-    if algo.nll_coef < 0:
-        raise ValueError(f"config.algo.nll_coef must be >= 0, got {algo.nll_coef}")
     if config.critic.pretrain_iterations < 0:
         raise ValueError("config.critic.pretrain_iterations must be >= 0, got "
                          f"{config.critic.pretrain_iterations}")
@@ -860,17 +862,33 @@ def check(config: ml_collections.ConfigDict) -> None:
     _check_ranges(config)
 
 
-def _registry_choices() -> dict[str, tuple]:
-    """The values of `algo.method` (the objectives registered in `policyopt.losses`) and of
-    `algo.aggregation` (imported here: the configs stay importable without JAX until checked)."""
-    from policyopt import losses
+def _library_choices() -> dict[str, tuple]:
+    """The values of the fields whose choices the library's modules define: the advantage
+    estimator, its centring and scaling (`policyopt.advantages`; "minibatch" is Magistral's
+    scaling, applied per minibatch by the trainer) and the rollout correction's levels
+    (`policyopt.losses`). Imported here: the configs stay importable without JAX."""
+    from policyopt import advantages, losses
 
-    return {"algo.method": tuple(losses.OBJECTIVES), "algo.aggregation": tuple(losses.AGGREGATIONS)}
+    return {"algo.advantage": advantages.ESTIMATORS, "algo.adv_center": advantages.CENTERS,
+            "algo.adv_scale": advantages.SCALES + ("minibatch",),
+            "algo.tis_level": losses.IS_LEVELS, "algo.rs_level": (None,) + losses.RS_LEVELS}
+
+
+def _check_settings(config) -> None:
+    """Builds the library's settings dataclasses of `config`, which check their fields
+    (each error naming the config field): the policy loss, GAE and the value loss."""
+    from policyopt.rl.critic import CriticConfig, GAEConfig
+    from policyopt.rl.learner import LossConfig
+
+    LossConfig.from_config(config)
+    GAEConfig.from_config(config.algo)
+    CriticConfig.from_config(config)
 
 
 # Numeric fields and their allowed range: (field, low, high, low_inclusive, allow None).
 # Every value must be a finite number; learning rates and Adam's eps must be > 0 (0 trains
 # nothing, a negative one ascends the loss, eps = 0 divides by zero on unseen weights).
+# The policy loss's and GAE's ranges are checked by their dataclasses (`_check_settings`).
 _RANGES = (
     ("optim.lr", 0.0, None, False, False), ("optim.eps", 0.0, None, False, False),
     ("optim.b1", 0.0, 1.0, True, False), ("optim.b2", 0.0, 1.0, True, False),
@@ -878,12 +896,7 @@ _RANGES = (
     ("critic.lr", 0.0, None, False, False), ("critic.weight_decay", 0.0, None, True, False),
     ("sft.lr", 0.0, None, False, False), ("sft.weight_decay", 0.0, None, True, False),
     ("sft.max_grad_norm", 0.0, None, False, True),
-    ("algo.clip_low", 0.0, 1.0, True, False), ("algo.clip_high", 0.0, None, True, False),
-    ("algo.tau_pos", 0.0, None, False, False), ("algo.tau_neg", 0.0, None, False, False),
-    ("algo.adv_eps", 0.0, None, True, False), ("algo.kl_beta", 0.0, None, True, False),
-    ("algo.entropy_coef", 0.0, None, True, False),
-    ("algo.load_balancing_coef", 0.0, None, True, False),
-    ("algo.router_z_coef", 0.0, None, True, False),
+    ("algo.adv_eps", 0.0, None, True, False),
     ("sampling.top_p", 0.0, 1.0, False, False), ("eval.temperature", 0.0, None, False, False),
     ("reward.format_value", None, None, True, False),
     ("reward.correct_value", None, None, True, False),
@@ -907,21 +920,13 @@ def _field(config, path: str):
 
 
 def _check_ranges(config) -> None:
-    """The numeric ranges of `_RANGES` and `_INT_MINIMUMS`, and the rules that tie fields
-    together (group-relative advantages need G >= 2, a dual clip above 1, ...)."""
+    """The numeric ranges of `_RANGES` and `_INT_MINIMUMS`, and the rule that group-relative
+    advantages need G >= 2."""
+    from policyopt.checks import check_number
+
     for path, low, high, low_inclusive, optional in _RANGES:
-        value = _field(config, path)
-        if value is None and optional:
-            continue
-        bound = "" if low is None else (f">= {low}" if low_inclusive else f"> {low}")
-        bound += "" if high is None else f"{' and ' if bound else ''}<= {high}"
-        number = not isinstance(value, bool) and isinstance(value, (int, float))
-        ok = (number and math.isfinite(value)
-              and (low is None or (value >= low if low_inclusive else value > low))
-              and (high is None or value <= high))
-        if not ok:
-            raise ValueError(f"config.{path} must be a finite number{' ' + bound if bound else ''}"
-                             f"{' (or None)' if optional else ''}, got {value!r}")
+        check_number(f"config.{path}", _field(config, path), low=low, high=high,
+                     low_inclusive=low_inclusive, optional=optional)
     for path, least in _INT_MINIMUMS:
         value = _field(config, path)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -931,8 +936,6 @@ def _check_ranges(config) -> None:
         raise ValueError(f"config.batch.group_size must be >= 2 with group-relative advantages "
                          f"(algo.adv_center={algo.adv_center!r}, adv_scale={algo.adv_scale!r}), "
                          f"got {group}: a group of one has advantage 0 and trains nothing")
-    if algo.dual_clip is not None and not (math.isfinite(algo.dual_clip) and algo.dual_clip > 1):
-        raise ValueError(f"config.algo.dual_clip must be > 1 (or None: off), got {algo.dual_clip}")
 
 
 def field_comments() -> dict[str, str]:

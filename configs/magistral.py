@@ -37,9 +37,9 @@ def get_config(arg=None):
     c.batch.n_minibatches = 1
     c.optim.lr = 1e-4  # CPU (this project's choice)
     # At scale=paper the batch geometry (batch.n_prompts, batch.group_size) keeps the CPU
-    # defaults: this project records no value from the paper for them; name them in the
-    # variant. Qwen3-30B-A3B and lr 1e-6 are this project's choice (the paper trains
-    # Mistral Medium 3 and Small 3).
+    # defaults, 8 prompts x 8 samples (this project's choice: it records no value from the
+    # paper for them; name them in the variant). Qwen3-30B-A3B and lr 1e-6 are this
+    # project's choice (the paper trains Mistral Medium 3 and Small 3).
     paper = {
         "model.preset": "qwen3_30b_a3b",
         "optim.lr": 1e-6,

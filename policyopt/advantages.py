@@ -39,6 +39,11 @@ __all__ = [
     "masked_whiten",
 ]
 
+# The advantage estimators (``config.algo.advantage``): "outcome", one advantage per
+# sequence from its group's rewards (``outcome_advantages``, centred by one of ``CENTERS``
+# and scaled by one of ``SCALES``), or "gae", per-token advantages from a critic's values
+# (``gae``, ``decoupled_gae``, ``length_adaptive_gae``).
+ESTIMATORS = ("outcome", "gae")
 CENTERS = ("group", "none")
 SCALES = ("group", "batch", "none")
 GAE_IMPLS = ("blocked", "scan", "associative")

@@ -38,10 +38,12 @@ response tokens; values at positions where ``mask`` is 0 never influence any out
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from policyopt.checks import check_choice, check_number
 
 Array = jax.Array
 
@@ -595,6 +597,52 @@ def offpolicy_metrics(old_log_probs: Array, behaviour_log_probs: Array, mask: Ar
     return jax.tree.map(jax.lax.stop_gradient, out)
 
 
+def check_policy_options(
+    *,
+    method: str,
+    aggregation: str,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    tau_pos: float,
+    tau_neg: float,
+    kl_estimator: str,
+    kl_clamp: bool,
+    names: Mapping[str, str] | None = None,
+) -> None:
+    """Raises a one-line ValueError for the first option of ``policy_loss`` that it cannot
+    take: ``method`` not registered (``register_objective``), ``aggregation`` not one of
+    ``AGGREGATIONS``, ``clip_low`` outside [0, 1], ``clip_high`` < 0, a temperature <= 0, a
+    dual clip <= 1 or with a method other than ``"ppo"``, an unknown KL estimator, or the KL
+    clamp with an estimator other than k3. Clip ranges and temperatures are checked when
+    they are Python numbers (not traced arrays).
+
+    ``policy_loss`` calls it on every call; ``rl.learner.LossConfig`` calls it when a run's
+    settings are built, with ``names`` mapping each argument to the config field it comes
+    from (``{"tau_neg": "config.algo.tau_neg", ...}``), so that the error names that field.
+    """
+    label = lambda arg: (names or {}).get(arg, arg)
+    check_choice(label("method"), method, OBJECTIVES)
+    check_choice(label("aggregation"), aggregation, AGGREGATIONS)
+    for arg, value, low, high, low_inclusive in (
+        ("clip_low", clip_low, 0.0, 1.0, True), ("clip_high", clip_high, 0.0, None, True),
+        ("tau_pos", tau_pos, 0.0, None, False), ("tau_neg", tau_neg, 0.0, None, False),
+    ):
+        if isinstance(value, (int, float)):
+            check_number(label(arg), value, low=low, high=high, low_inclusive=low_inclusive)
+    if dual_clip is not None:
+        if method != "ppo":
+            raise ValueError(f"{label('dual_clip')}={dual_clip!r} needs {label('method')}='ppo', "
+                             f"got {method!r} (the dual clip bounds the token clip's A < 0 side)")
+        if isinstance(dual_clip, bool) or not isinstance(dual_clip, (int, float)) or not (
+                math.isfinite(dual_clip) and dual_clip > 1):
+            raise ValueError(f"{label('dual_clip')} must be > 1 (or None: off), got {dual_clip!r}")
+    check_choice(label("kl_estimator"), kl_estimator, KL_ESTIMATORS)
+    if kl_clamp and kl_estimator != "k3":
+        raise ValueError(f"{label('kl_clamp')}=True is defined for {label('kl_estimator')}='k3' "
+                         f"only (verl's low_var_kl), got {kl_estimator!r}")
+
+
 def policy_loss(
     log_probs: Array,
     old_log_probs: Array,
@@ -670,22 +718,14 @@ def policy_loss(
       ``benchmarks/bench_core.py``). The policy ratio's log is not clamped (verl clamps it at
       +-20); the KL's is with ``kl_clamp``.
     """
-    if method not in OBJECTIVES:
-        raise ValueError(f"method={method!r} is not one of {sorted(OBJECTIVES)}")
+    check_policy_options(method=method, aggregation=aggregation, clip_low=clip_low,
+                         clip_high=clip_high, dual_clip=dual_clip, tau_pos=tau_pos,
+                         tau_neg=tau_neg, kl_estimator=kl_estimator, kl_clamp=kl_clamp)
     if metrics not in METRICS:
         raise ValueError(f"metrics={metrics!r} is not one of {METRICS}")
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}")
-    if dual_clip is not None and (method != "ppo" or dual_clip <= 1.0):
-        raise ValueError(
-            f"dual_clip={dual_clip!r} needs method='ppo' (got {method!r}) and a value > 1"
-        )
     shape = jnp.shape(log_probs)
     if aggregation == "group_token_mean" and row_weights is None:
         _check_group_size(shape[0], group_size)
-    if kl_clamp and kl_estimator != "k3":
-        raise ValueError(f"kl_clamp=True is defined for kl_estimator='k3' only (verl's "
-                         f"low_var_kl), got kl_estimator={kl_estimator!r}")
     for name, array in (("old_log_probs", old_log_probs), ("advantages", advantages), ("mask", mask)):
         if jnp.shape(array) != shape:
             raise ValueError(f"{name} has shape {jnp.shape(array)}, expected {shape} like log_probs")

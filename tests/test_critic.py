@@ -18,7 +18,8 @@ from configs import vapo
 from policyopt.rl.critic import (Critic, CriticConfig, GAEConfig, critic_loss, critic_optim,
                                  forward_values, gae_targets, get_critic, init_critic_params,
                                  token_rewards)
-from policyopt.rl.learner import OptimConfig, TrainState, split_params
+from policyopt.rl.learner import TrainState, split_params
+from tests.settings import critic_settings, gae_settings, optim_settings
 from tests.test_rl_trainer import tiny
 
 VOCAB = 16
@@ -77,7 +78,7 @@ def test_values_are_the_states_before_each_response_token():
     prompts = [[3, 4, 5], [6], [7, 8]]
     responses = [[9, 10, 11, 12], [13, 14], [15]]
     arrays = {k: jnp.asarray(v) for k, v in layout(prompts, responses, 0, 4, 4).items()}
-    critic = get_critic(graphdef, CriticConfig(), OptimConfig(lr=1e-3))
+    critic = get_critic(graphdef, critic_settings(), optim_settings(lr=1e-3, weight_decay=0.0))
     values = critic.values(params, arrays["tokens"], arrays["positions"], arrays["attention_mask"],
                            arrays["mask"])
     assert values.shape == (3, 4)
@@ -119,13 +120,13 @@ def test_moe_critic_adds_its_load_balancing_loss():
     assert balance > 0
 
     def loss_and_grads(coef):
-        settings = CriticConfig(load_balancing_coef=coef)
+        settings = critic_settings(load_balancing_coef=coef)
         return jax.value_and_grad(lambda p: critic_loss(graphdef, p, batch, settings), has_aux=True)(params)
 
     (plain, metrics), plain_grads = loss_and_grads(0.0)
     # Rollout rejection sampling's loss mask is the policy's: the critic still fits every token.
     rejected = batch._replace(loss_mask=jnp.zeros_like(batch.mask))
-    assert float(critic_loss(graphdef, params, rejected, CriticConfig())[0]) == float(plain)
+    assert float(critic_loss(graphdef, params, rejected, critic_settings())[0]) == float(plain)
     (with_term, metrics_term), term_grads = loss_and_grads(0.5)
     assert float(metrics["critic/moe_load_balancing_loss"]) == pytest.approx(balance, rel=1e-6)
     assert float(plain) == pytest.approx(float(metrics["critic/value_loss"]), rel=1e-6)
@@ -136,7 +137,7 @@ def test_moe_critic_adds_its_load_balancing_loss():
     assert router and any(not np.allclose(a, b) for _, a, b in router)
     assert CriticConfig.from_config(vapo.get_config("algo.load_balancing_coef=0.01")).load_balancing_coef == 0.01
     # A minibatch without a valid token does not move the critic (AdamW's decay and momentum).
-    critic = Critic(graphdef, CriticConfig(), critic_optim(vapo.get_config()))
+    critic = Critic(graphdef, critic_settings(), critic_optim(vapo.get_config()))
     state = TrainState.create(jax.tree.map(jnp.copy, params), critic.optimizer)
     state, _ = critic.update(state, batch)
     before = jax.tree.map(jnp.copy, state)
@@ -145,7 +146,7 @@ def test_moe_critic_adds_its_load_balancing_loss():
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(before)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     # A learning rate of inf: finite loss and gradient, non-finite new parameters; skipped.
-    critic = Critic(graphdef, CriticConfig(), OptimConfig(lr=float("inf")))
+    critic = Critic(graphdef, critic_settings(), optim_settings(lr=float("inf"), weight_decay=0.0))
     state = TrainState.create(jax.tree.map(jnp.copy, params), critic.optimizer)
     state, metrics = critic.update(state, batch)
     assert float(metrics["critic/skipped"]) == 1.0 and np.isfinite(float(metrics["critic/grad_norm"]))
@@ -159,7 +160,7 @@ def test_token_rewards_and_gae_targets_hand_worked():
     np.testing.assert_array_equal(np.asarray(token_rewards(rewards, mask)),
                                   [[0, 0, 1, 0], [0, -1, 0, 0], [0, 0, 0, 0]])
     values = jnp.asarray([[0.5, 0.25, 0.5, 9.0], [0.0, -0.5, 9.0, 9.0], [1.0, 1.0, 1.0, 1.0]])
-    settings = GAEConfig(gamma=1.0, lam_actor=0.5, lam_critic=1.0, whiten=False)
+    settings = gae_settings(gamma=1.0, lam_actor=0.5, lam_critic=1.0, whiten=False)
     advantages, returns, metrics = gae_targets(rewards, values, mask, settings)
     # Row 0: deltas (0.25 - 0.5, 0.5 - 0.25, 1 - 0.5) = (-0.25, 0.25, 0.5);
     # A_2 = 0.5, A_1 = 0.25 + 0.5 * 0.5 = 0.5, A_0 = -0.25 + 0.5 * 0.5 = 0.
@@ -170,7 +171,7 @@ def test_token_rewards_and_gae_targets_hand_worked():
     np.testing.assert_allclose(np.asarray(returns), [[1, 1, 1, 0], [-1, -1, 0, 0], [0] * 4], atol=1e-6)
     assert float(metrics["critic/returns_mean"]) == pytest.approx(0.2)
     assert float(metrics["advantages/mean"]) == pytest.approx((0 + 0.5 + 0.5 - 0.75 - 0.5) / 5)
-    whitened, _, _ = gae_targets(rewards, values, mask, GAEConfig(lam_actor=0.5, lam_critic=1.0))
+    whitened, _, _ = gae_targets(rewards, values, mask, gae_settings(lam_actor=0.5, lam_critic=1.0))
     valid = np.asarray(mask) > 0
     assert float(np.mean(np.asarray(whitened)[valid])) == pytest.approx(0, abs=1e-6)
     assert float(np.std(np.asarray(whitened)[valid])) == pytest.approx(1, abs=1e-4)

@@ -21,8 +21,9 @@ from policyopt import losses
 from policyopt.models import Transformer, preset
 from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch, layout
-from policyopt.rl.critic import CriticConfig, get_critic, init_critic_params
-from policyopt.rl.learner import (LossConfig, OptimConfig, TrainState, get_learner, rl_loss,
+from policyopt.rl.critic import get_critic, init_critic_params
+from tests.settings import critic_settings, loss_settings, optim_settings
+from policyopt.rl.learner import (LossConfig, TrainState, get_learner, rl_loss,
                                   split_params)
 from policyopt.rl.trainer import minibatch_advantages
 
@@ -33,7 +34,7 @@ WIDTH = PROMPT + RESPONSE
 # 4 rows of 9 tokens per micro-batch: 2 micro-batches (rows 0, 2, 4 and 1, 3, 5: every
 # group split between them) and 2 filler rows. 2 rows (+ 3 spare tokens): 3, no filler.
 MICRO_4_ROWS, MICRO_2_ROWS = 4 * WIDTH, 2 * WIDTH + 3
-OPTIM = OptimConfig(lr=1e-2, eps=1.0, weight_decay=0.01, max_grad_norm=None)
+OPTIM = optim_settings(lr=1e-2, eps=1.0, weight_decay=0.01, max_grad_norm=None)
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +234,7 @@ def test_update_equals_one_pass_for_every_aggregation(dense, aggregation):
     """PPO with the KL penalty, truncated importance weights, a rejection loss mask, the
     entropy bonus and VAPO's NLL term: 2 micro-batches, 2 filler rows, groups split."""
     graphdef, params = dense
-    settings = LossConfig(method="ppo", aggregation=aggregation, group_size=GROUP, max_len=7,
+    settings = loss_settings(method="ppo", aggregation=aggregation, group_size=GROUP, max_len=7,
                           kl_beta=0.05, entropy_coef=0.01, nll_coef=0.1)
     batch = _batch(1, full=True)
     one, micro = _both(lambda s: get_learner(graphdef, s, OPTIM), settings, params, batch,
@@ -244,7 +245,7 @@ def test_update_equals_one_pass_for_every_aggregation(dense, aggregation):
 
 def test_gspo_sequence_ratios_equal_one_pass(dense):
     graphdef, params = dense
-    settings = LossConfig(method="gspo", aggregation="seq_mean_token_mean", clip_low=3e-2,
+    settings = loss_settings(method="gspo", aggregation="seq_mean_token_mean", clip_low=3e-2,
                           clip_high=4e-2, group_size=GROUP)
     batch = _batch(2)
     batch = batch._replace(old_log_probs=batch.old_log_probs * 0.99)  # some sequences clipped
@@ -263,7 +264,7 @@ def test_magistral_minibatch_advantages_reach_every_micro_batch(dense):
     # Statistics over fewer rows would be different (the test can fail).
     own = minibatch_advantages(rewards[jnp.asarray([0, 1, 4, 5])], GROUP)
     assert abs(float(own[0]) - float(advantages[0])) > 1e-3
-    settings = LossConfig(method="ppo", aggregation="token_mean", group_size=GROUP, max_len=7,
+    settings = loss_settings(method="ppo", aggregation="token_mean", group_size=GROUP, max_len=7,
                           kl_beta=0.05, entropy_coef=0.01, nll_coef=0.1)
     batch = _batch(3, full=True)._replace(advantages=advantages)
     one, micro = _both(lambda s: get_learner(graphdef, s, OPTIM), settings, params, batch,
@@ -273,7 +274,7 @@ def test_magistral_minibatch_advantages_reach_every_micro_batch(dense):
 
 def test_one_compile_per_shape(dense):
     graphdef, params = dense
-    settings = LossConfig(method="ppo", aggregation="token_mean", group_size=GROUP, max_len=7,
+    settings = loss_settings(method="ppo", aggregation="token_mean", group_size=GROUP, max_len=7,
                           kl_beta=0.05, entropy_coef=0.01, nll_coef=0.1,
                           micro_batch_tokens=MICRO_4_ROWS)
     learner = get_learner(graphdef, settings, OPTIM)
@@ -294,7 +295,7 @@ def test_moe_aux_losses_are_token_weighted_means_over_micro_batches(moe):
     ``t_j`` their valid tokens), in the metrics and in the gradient. Checked against that
     definition computed with the model on each micro-batch's rows, routing replayed."""
     model, graphdef, params = moe
-    settings = LossConfig(method="ppo", aggregation="seq_mean_token_mean", group_size=GROUP,
+    settings = loss_settings(method="ppo", aggregation="seq_mean_token_mean", group_size=GROUP,
                           load_balancing_coef=0.3, router_z_coef=0.2,
                           micro_batch_tokens=MICRO_4_ROWS)
     learner = get_learner(graphdef, settings, OPTIM)
@@ -343,7 +344,7 @@ def test_critic_update_equals_one_pass(dense):
     mask = np.asarray(batch.mask)
     batch = batch._replace(old_values=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32),
                            returns=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32))
-    settings = CriticConfig(value_clip=0.2)
+    settings = critic_settings(value_clip=0.2)
     one, micro = _both(lambda s: get_critic(graphdef, s, OPTIM), settings, params, batch,
                        MICRO_4_ROWS)
     _assert_same(one, micro, params)
@@ -357,7 +358,7 @@ def test_micro_batches_bound_the_update_memory(dense):
     """Compiled (not run) update of 16 rows of 64 tokens: micro-batches of 2 rows need a
     fraction of one pass's temporary memory (activations of 2 rows, not 16)."""
     graphdef, params = dense
-    settings = LossConfig(method="ppo", aggregation="token_mean")
+    settings = loss_settings(method="ppo", aggregation="token_mean")
     batch = _batch(9, rows=16, prompt=8, response=56)
     temp = {}
     for tokens in (None, 2 * 64):
@@ -390,6 +391,7 @@ from policyopt import sharding
 from policyopt.models import Transformer, preset
 from policyopt.rl.batch import shard_batch
 from policyopt.rl.learner import LossConfig, get_learner, place_state, split_params, state_specs
+from tests.settings import loss_settings
 from tests.test_micro_batches import OPTIM, VOCAB, _assert_same, _batch
 
 assert jax.device_count() == 8
@@ -397,7 +399,7 @@ mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
 with jax.set_mesh(mesh):
     model = Transformer(preset("tiny_dense", vocab_size=VOCAB, num_layers=1), rngs=nnx.Rngs(0))
     graphdef, params = split_params(model)
-    settings = LossConfig(method="ppo", aggregation="seq_mean_token_mean", group_size=2,
+    settings = loss_settings(method="ppo", aggregation="seq_mean_token_mean", group_size=2,
                           kl_beta=0.05, entropy_coef=0.01, nll_coef=0.1)
     batch = shard_batch(_batch(10, rows=16, full=True))
     out = []

@@ -10,8 +10,9 @@ from flax import nnx
 
 from policyopt.models import Transformer, preset
 from policyopt.rl.batch import Batch, layout
-from policyopt.rl.critic import CriticConfig, critic_loss, forward_values, init_critic_params
-from policyopt.rl.learner import LossConfig, forward_log_probs, rl_loss, split_params
+from policyopt.rl.critic import critic_loss, forward_values, init_critic_params
+from policyopt.rl.learner import forward_log_probs, rl_loss, split_params
+from tests.settings import critic_settings, loss_settings
 from policyopt.rl.packing import gather_slots, pack_layout, packed_rows
 
 VOCAB = 16
@@ -208,7 +209,7 @@ def test_log_probs_losses_gradients_equal_padded(name):
     cases = {"tiny_dense": [("gspo", "seq_mean_token_mean"), ("sapo", "seq_mean_token_sum_norm")],
              "tiny_moe": [("ppo", "token_mean")]}[name]
     for method, aggregation in cases:
-        settings = LossConfig(method=method, aggregation=aggregation, temperature=0.7,
+        settings = loss_settings(method=method, aggregation=aggregation, temperature=0.7,
                               group_size=2, max_len=7, kl_beta=0.05, entropy_coef=0.01,
                               load_balancing_coef=0.01 if name == "tiny_moe" else 0.0)
         grad = jax.jit(jax.value_and_grad(lambda p, b: rl_loss(graphdef, p, b, settings),
@@ -235,7 +236,7 @@ def test_critic_values_and_loss_equal_padded():
     real = np.asarray(batch.attention_mask)[:, 4:] > 0
     np.testing.assert_allclose(np.where(real, values(params, packed), 0),
                                np.where(real, values(params, batch), 0), atol=1e-5)
-    settings = CriticConfig(value_clip=0.2, load_balancing_coef=0.01)
+    settings = critic_settings(value_clip=0.2, load_balancing_coef=0.01)
     grad = jax.jit(jax.value_and_grad(lambda p, b: critic_loss(graphdef, p, b, settings),
                                       has_aux=True))
     (loss_p, _), grads_p = grad(params, batch)
@@ -286,6 +287,7 @@ from policyopt.models import Transformer, preset
 from policyopt.rl import trainer
 from policyopt.rl.batch import shard_batch
 from policyopt.rl.learner import LossConfig, forward_log_probs, rl_loss, split_params
+from tests.settings import critic_settings, loss_settings
 from tests.test_packing import _batch
 from tests.test_rl_trainer import tiny
 
@@ -301,7 +303,7 @@ with jax.set_mesh(mesh):
     padded = shard_batch(batch)
     packed = shard_batch(batch._replace(packing=layout))
     assert packed.packing.segment_ids.sharding.spec[0] == ("data", "fsdp")
-    settings = LossConfig(method="gspo", aggregation="seq_mean_token_mean", group_size=4)
+    settings = loss_settings(method="gspo", aggregation="seq_mean_token_mean", group_size=4)
     step = jax.jit(jax.value_and_grad(lambda p, b: rl_loss(graphdef, p, b, settings)[0]))
     (want, grads_p), (got, grads_k) = step(params, padded), step(params, packed)
     assert abs(float(got) - float(want)) < 1e-5, (got, want)

@@ -8,15 +8,20 @@ import optax
 import pytest
 from flax import nnx
 
+from configs import grpo
+from policyopt import losses
 from policyopt.losses import policy_loss
 from policyopt.models import Transformer, preset
 from policyopt.rl.batch import Batch, layout
-from policyopt.rl.learner import (LossConfig, OptimConfig, TrainState, get_learner, guarded_update,
+from policyopt.rl.critic import GAEConfig
+from policyopt.rl.learner import (LossConfig, TrainState, get_learner, guarded_update,
                                   make_optimizer, split_params, warmup_constant_schedule)
+from tests.settings import gae_settings, loss_settings, optim_settings
 
 VOCAB = 16
-SETTINGS = LossConfig(method="sapo", aggregation="seq_mean_token_mean", temperature=0.7, group_size=2)
-OPTIM = OptimConfig(lr=1e-2, warmup_steps=3, weight_decay=0.01, max_grad_norm=1.0)
+SETTINGS = loss_settings(method="sapo", aggregation="seq_mean_token_mean", temperature=0.7,
+                         group_size=2)
+OPTIM = optim_settings(lr=1e-2, warmup_steps=3, weight_decay=0.01, max_grad_norm=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +117,69 @@ def test_update_matches_reference_step(policy):
     assert int(state.step) == 1 and int(state.skipped) == 0
     for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(want_params)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=PARAM_ATOL)
+
+
+def test_an_objective_registered_by_a_user_runs_from_a_recipe(policy):
+    """``register_objective`` is all a new method needs: the recipe's config accepts its
+    name, and an update runs it; the loss against a NumPy evaluation of its formula."""
+    model, graphdef, params = policy
+    name = "test_learner_vanilla_pg"
+
+    @losses.register_objective(name)
+    def vanilla_pg(inputs):  # f(r) A = r A: no clip, gradient weight 1 everywhere
+        ratio = jnp.exp(inputs.log_ratio)
+        return losses.Surrogate(ratio * inputs.advantages, jnp.ones_like(ratio), None, None, None)
+
+    try:
+        config = grpo.get_config(f"algo.method={name},algo.kl_beta=0.0,batch.group_size=2,"
+                                 "sampling.temperature=0.7")
+        settings = LossConfig.from_config(config)
+        assert (settings.method, settings.aggregation) == (name, "seq_mean_token_mean")
+        learner = get_learner(graphdef, settings, OPTIM)
+        batch, prompts, responses = _batch(seed=3)
+        state, metrics = learner.update(learner.init_state(_copy(params)), batch)
+    finally:
+        del losses.OBJECTIVES[name]
+    log_probs = np.asarray(_reference_log_probs(model, batch, prompts, responses, 0.7), np.float64)
+    mask = np.asarray(batch.mask, np.float64)
+    ratio = np.exp(log_probs - np.asarray(batch.old_log_probs, np.float64)) * mask
+    # seq_mean_token_mean: -mean_i A_i (1 / |y_i|) sum_t r_{i,t}
+    want = -np.mean(np.asarray(batch.advantages) * ratio.sum(1) / mask.sum(1))
+    assert float(metrics["loss/loss"]) == pytest.approx(want, rel=1e-5)
+    assert float(metrics["loss/gate_mean"]) == 1.0 and float(metrics["loss/clip_frac"]) == 0.0
+    assert int(state.step) == 1 and int(state.skipped) == 0
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params),
+                                                       jax.tree.leaves(params))]
+    assert any(moved)
+    # Unregistered again, the name is refused by the config, naming the field.
+    with pytest.raises(ValueError, match=r"config\.algo\.method must be one of \('ppo'"):
+        grpo.get_config(f"algo.method={name}")
+
+
+def test_settings_are_checked_where_they_are_built():
+    # Each error names the config field the setting comes from.
+    cases = [
+        (dict(nll_coef=-0.1), r"config\.algo\.nll_coef must be a finite number >= 0\.0, got -0\.1"),
+        (dict(method="sapo", dual_clip=3.0),
+         r"config\.algo\.dual_clip=3\.0 needs config\.algo\.method='ppo', got 'sapo'"),
+        (dict(dual_clip=1.0), r"config\.algo\.dual_clip must be > 1 \(or None: off\), got 1\.0"),
+        (dict(kl_estimator="k2", kl_clamp=True),
+         r"config\.algo\.kl_clamp=True is defined for config\.algo\.kl_estimator='k3' only"),
+        (dict(aggregation="sum"), r"config\.algo\.aggregation must be one of \('token_mean'"),
+        (dict(clip_low=-0.1), r"config\.algo\.clip_low must be a finite number >= 0\.0 and <= 1"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(ValueError, match=message):
+            loss_settings(**fields)
+    with pytest.raises(ValueError, match=r"config\.algo\.gae_lambda must be a finite number"):
+        gae_settings(lam_actor=1.5)
+    with pytest.raises(ValueError, match=r"config\.algo\.gae_alpha must be a finite number > 0"):
+        gae_settings(alpha=0.0)
+    # policy_loss makes the same checks, naming its own arguments.
+    ones = jnp.ones((2, 3))
+    with pytest.raises(ValueError, match=r"^dual_clip=3\.0 needs method='ppo', got 'sapo'"):
+        policy_loss(ones, ones, ones, ones, method="sapo", dual_clip=3.0)
+    assert isinstance(gae_settings(), GAEConfig)
 
 
 def test_replayed_routing_reaches_the_update_forward(policy):

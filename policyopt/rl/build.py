@@ -90,7 +90,7 @@ def check_resume_config(saved: dict | None, config, directory: str, *,
         return
     lines = "; ".join(f"{name}: {saved[name]!r} -> {current[name]!r}"
                       for name in changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
-    if config.train.get("allow_config_change", False):
+    if config.train.allow_config_change:
         logging.warning("resuming %s under a changed config: %s", directory, lines)
         return
     raise ValueError(

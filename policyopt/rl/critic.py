@@ -56,8 +56,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from policyopt.advantages import decoupled_gae, length_adaptive_gae, masked_whiten
-from policyopt.losses import (aggregation_weights, explained_variance, masked_mean, masked_var,
-                              value_loss)
+from policyopt.checks import check_choice, check_number
+from policyopt.losses import (AGGREGATIONS, aggregation_weights, explained_variance, masked_mean,
+                              masked_var, value_loss)
 from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch
 from policyopt.rl.learner import OptimConfig, TrainState, guarded_update, packed_forward
@@ -124,22 +125,29 @@ def forward_values(graphdef, params: dict, tokens, positions, attention_mask, nu
 
 @dataclasses.dataclass(frozen=True)
 class CriticConfig:
-    """Static settings of the value loss (``config.critic``)."""
+    """Static settings of the value loss (``config.critic``; built by ``from_config``, no
+    defaults of its own: ``configs/base.py`` holds them). Checked when built."""
 
-    value_clip: float | None = 0.2
-    aggregation: str = "token_mean"
+    value_clip: float | None  # config.critic.value_clip
     # MoE backbone: coefficient of its load-balancing loss in the critic's loss (the
     # policy's ``algo.load_balancing_coef``; 0 = off, the loss is still reported).
-    load_balancing_coef: float = 0.0
+    load_balancing_coef: float
     # Tokens per micro-batch of an update (``config.batch.micro_batch_tokens``; None: one
     # pass over the minibatch). Memory, not the result: ``policyopt.rl.micro_batches``.
-    micro_batch_tokens: int | None = None
+    micro_batch_tokens: int | None
+    # Not a config field: the value loss is a token mean over the minibatch (verl's and
+    # OpenRLHF's; the papers do not say).
+    aggregation: str = "token_mean"
+
+    def __post_init__(self):
+        check_number("config.critic.value_clip", self.value_clip, low=0.0, optional=True)
+        check_number("config.algo.load_balancing_coef", self.load_balancing_coef, low=0.0)
+        check_choice("CriticConfig.aggregation", self.aggregation, AGGREGATIONS)
 
     @classmethod
     def from_config(cls, config) -> "CriticConfig":
-        clip = config.critic.value_clip
-        return cls(value_clip=None if clip is None else float(clip),
-                   load_balancing_coef=float(config.algo.load_balancing_coef),
+        return cls(value_clip=config.critic.value_clip,
+                   load_balancing_coef=config.algo.load_balancing_coef,
                    micro_batch_tokens=config.batch.micro_batch_tokens or None)
 
 
@@ -295,22 +303,35 @@ def token_rewards(rewards: jax.Array, mask: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class GAEConfig:
-    """GAE settings of a critic recipe (``config.algo.gae_*``, ``adv_whiten``)."""
+    """GAE settings of a critic recipe (``config.algo.gae_*``, ``adv_whiten``; built by
+    ``from_config``, no defaults of its own: ``configs/base.py`` holds them). Checked when
+    built, each error naming the config field (``GAE_FIELDS``)."""
 
-    gamma: float = 1.0
-    lam_actor: float = 0.95
-    lam_critic: float = 0.95
-    length_adaptive: bool = False
-    alpha: float = 0.05
-    whiten: bool = True
+    gamma: float
+    lam_actor: float
+    lam_critic: float
+    length_adaptive: bool
+    alpha: float
+    whiten: bool
+
+    def __post_init__(self):
+        for name in ("gamma", "lam_actor", "lam_critic"):
+            check_number(GAE_FIELDS[name], getattr(self, name), low=0.0, high=1.0)
+        check_number(GAE_FIELDS["alpha"], self.alpha, low=0.0, low_inclusive=False)
 
     @classmethod
     def from_config(cls, algo) -> "GAEConfig":
         lam_critic = algo.gae_lambda if algo.gae_lambda_critic is None else algo.gae_lambda_critic
-        return cls(gamma=float(algo.gae_gamma), lam_actor=float(algo.gae_lambda),
-                   lam_critic=float(lam_critic),
-                   length_adaptive=bool(algo.gae_length_adaptive), alpha=float(algo.gae_alpha),
+        return cls(gamma=algo.gae_gamma, lam_actor=algo.gae_lambda, lam_critic=lam_critic,
+                   length_adaptive=bool(algo.gae_length_adaptive), alpha=algo.gae_alpha,
                    whiten=bool(algo.adv_whiten))
+
+
+# The config field each GAEConfig field comes from (named by its errors).
+GAE_FIELDS = {"gamma": "config.algo.gae_gamma", "lam_actor": "config.algo.gae_lambda",
+              "lam_critic": "config.algo.gae_lambda_critic",
+              "length_adaptive": "config.algo.gae_length_adaptive",
+              "alpha": "config.algo.gae_alpha", "whiten": "config.algo.adv_whiten"}
 
 
 def gae_targets(rewards, values, mask, settings: GAEConfig) -> tuple[jax.Array, jax.Array, dict]:

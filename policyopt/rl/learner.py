@@ -44,8 +44,10 @@ from flax import nnx, struct
 from jax.sharding import PartitionSpec
 
 from policyopt import sharding
+from policyopt.checks import check_number
 from policyopt.logprobs import token_log_probs
-from policyopt.losses import aggregate, aggregation_weights, nll_loss, policy_loss, weighted_row_sum
+from policyopt.losses import (aggregate, aggregation_weights, check_policy_options, nll_loss,
+                              policy_loss, weighted_row_sum)
 from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch
 from policyopt.rl.packing import PackedLayout, gather_slots
@@ -212,44 +214,66 @@ def packed_forward_log_probs(graphdef, params, tokens, positions, packing: Packe
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Static settings of the RL loss (``config.algo`` plus the sampling temperature)."""
+    """Static settings of the RL loss (``config.algo`` plus the sampling temperature).
 
-    method: str = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
-    aggregation: str = "token_mean"
-    group_size: int | None = None
-    max_len: int | None = None
-    kl_beta: float = 0.0
-    kl_estimator: str = "k3"
-    kl_clamp: bool = False
-    temperature: float = 1.0
-    load_balancing_coef: float = 0.0
-    router_z_coef: float = 0.0
-    entropy_coef: float = 0.0
-    nll_coef: float = 0.0
+    No field has a default: a run's come from ``configs/base.py`` (the one place of the
+    defaults, each cited there) through ``from_config``; code that builds one by hand
+    states every field. The fields are checked when it is built (``__post_init__``:
+    ``losses.check_policy_options`` and the coefficients' ranges), each error naming the
+    config field (``LOSS_FIELDS``).
+    """
+
+    method: str  # a registered objective (``losses.register_objective``)
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    tau_pos: float
+    tau_neg: float
+    aggregation: str  # one of ``losses.AGGREGATIONS``
+    group_size: int | None  # sequences per group (``"group_token_mean"``)
+    max_len: int | None  # constant of ``"seq_mean_token_sum_norm"``
+    kl_beta: float
+    kl_estimator: str
+    kl_clamp: bool
+    temperature: float
+    load_balancing_coef: float
+    router_z_coef: float
+    entropy_coef: float
+    nll_coef: float
     # Tokens per micro-batch of an update (``config.batch.micro_batch_tokens``; None: one
     # pass over the minibatch). Memory, not the result: ``policyopt.rl.micro_batches``.
-    micro_batch_tokens: int | None = None
+    micro_batch_tokens: int | None
+
+    def __post_init__(self):
+        check_policy_options(method=self.method, aggregation=self.aggregation,
+                             clip_low=self.clip_low, clip_high=self.clip_high,
+                             dual_clip=self.dual_clip, tau_pos=self.tau_pos, tau_neg=self.tau_neg,
+                             kl_estimator=self.kl_estimator, kl_clamp=self.kl_clamp,
+                             names=LOSS_FIELDS)
+        for name in ("kl_beta", "load_balancing_coef", "router_z_coef", "entropy_coef",
+                     "nll_coef"):
+            check_number(LOSS_FIELDS[name], getattr(self, name), low=0.0)
 
     @classmethod
     def from_config(cls, config) -> "LossConfig":
         algo = config.algo
         return cls(
-            method=algo.method, clip_low=float(algo.clip_low), clip_high=float(algo.clip_high),
-            dual_clip=algo.dual_clip, tau_pos=float(algo.tau_pos), tau_neg=float(algo.tau_neg),
+            method=algo.method, clip_low=algo.clip_low, clip_high=algo.clip_high,
+            dual_clip=algo.dual_clip, tau_pos=algo.tau_pos, tau_neg=algo.tau_neg,
             aggregation=algo.aggregation, group_size=int(config.batch.group_size),
             max_len=int(algo.max_len or config.sampling.max_new_tokens),
-            kl_beta=float(algo.kl_beta), kl_estimator=algo.kl_estimator,
-            kl_clamp=bool(algo.kl_clamp),
+            kl_beta=algo.kl_beta, kl_estimator=algo.kl_estimator, kl_clamp=bool(algo.kl_clamp),
             temperature=float(config.sampling.temperature),
-            load_balancing_coef=float(algo.load_balancing_coef),
-            router_z_coef=float(algo.router_z_coef),
-            entropy_coef=float(algo.entropy_coef), nll_coef=float(algo.nll_coef),
+            load_balancing_coef=algo.load_balancing_coef, router_z_coef=algo.router_z_coef,
+            entropy_coef=algo.entropy_coef, nll_coef=algo.nll_coef,
             micro_batch_tokens=config.batch.micro_batch_tokens or None)
+
+
+# The config field each LossConfig field comes from (named by its errors).
+LOSS_FIELDS = {field.name: f"config.algo.{field.name}"
+               for field in dataclasses.fields(LossConfig)} | {
+    "group_size": "config.batch.group_size", "temperature": "config.sampling.temperature",
+    "micro_batch_tokens": "config.batch.micro_batch_tokens"}
 
 
 def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.Array, dict]:
@@ -476,15 +500,18 @@ def guarded_update(loss_fn: Callable, optimizer: optax.GradientTransformation,
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """Hyper-parameters of ``make_optimizer`` (hashable: part of a Learner's cache key)."""
+    """Hyper-parameters of ``make_optimizer`` (hashable: part of a Learner's cache key):
+    ``config.optim`` (``from_config``), or ``config.critic`` / ``config.sft`` with Adam's
+    betas and eps of ``config.optim``. No defaults of its own: ``configs/base.py`` holds
+    them, and checks their ranges."""
 
     lr: float
-    warmup_steps: int = 0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
+    warmup_steps: int
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    max_grad_norm: float | None
 
     @classmethod
     def from_config(cls, optim) -> "OptimConfig":

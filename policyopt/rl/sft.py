@@ -106,7 +106,7 @@ class SFTRun:
 
 
 # The config fields an SFT run reads (build.check_resume_config compares only these).
-SFT_FIELDS = ("seed", "model.", "task.", "batch.", "sft.")
+SFT_FIELDS = ("seed", "model.", "task.", "batch.", "sft.", "optim.b1", "optim.b2", "optim.eps")
 
 
 def make_sft_iterator(config, tokenizer, *, seed: int):
@@ -140,8 +140,9 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
     model = build.make_model(config, tokenizer.vocab_size, mesh)
     graphdef, params = build.init_params(config, model, mesh)
     s = config.sft
-    optim = OptimConfig(lr=float(s.lr), warmup_steps=int(s.warmup_steps),
-                        weight_decay=float(s.weight_decay), max_grad_norm=s.max_grad_norm)
+    optim = dataclasses.replace(OptimConfig.from_config(config.optim), lr=float(s.lr),
+                                warmup_steps=int(s.warmup_steps),
+                                weight_decay=float(s.weight_decay), max_grad_norm=s.max_grad_norm)
     update, optimizer = sft_update_fn(graphdef, optim)
     state = place_state(TrainState.create(params, optimizer), optimizer, mesh)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints)
