@@ -68,8 +68,8 @@ from policyopt.rl.async_generation import (AsyncGenerator, GroupCompletion, Slot
 from policyopt.rl.batch import (DYNAMIC_SAMPLING_CRITERIA, bucket, mask_fillers, merge_rounds,
                                 round_from_rollout, trim_prompt, truncated_rows, uninformative_groups)
 from policyopt.rl.evaluate import decode, task_accuracies
-from policyopt.rl.iteration import (RunSpec, Sampled, batch_metrics, prepare, scoring_metrics,
-                                    update_epochs)
+from policyopt.rl.iteration import RunSpec, Sampled, prepare, update_epochs
+from policyopt.rl.report import batch_metrics, scoring_metrics
 from policyopt.rl.trainer import RLRun, RunLoop, build_run, checkpoint_meta, checkpoint_state
 
 __all__ = ["AsyncConfig", "async_enabled", "PromptStream", "GroupBatcher", "make_scorer",

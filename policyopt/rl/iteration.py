@@ -35,7 +35,7 @@ import numpy as np
 from flax import struct
 
 from policyopt import sharding
-from policyopt.rewards.batch import merge_metrics, score_batch
+from policyopt.rewards.batch import score_batch
 from policyopt.rl import forwards
 from policyopt.rl.batch import (Batch, DynamicSampler, Round, bucket, minibatch_indices,
                                 round_from_rollout, shard_batch, take_rows, truncated_rows)
@@ -43,6 +43,7 @@ from policyopt.rl.critic import Critic
 from policyopt.rl.evaluate import decode, task_accuracies
 from policyopt.rl.learner import Learner, TrainState
 from policyopt.rl.methods import Methods
+from policyopt.rl.report import batch_metrics, scoring_metrics
 from policyopt.rl.routing import routing_metrics
 from policyopt.sampling import SamplingConfig, generate_fn
 
@@ -187,25 +188,6 @@ def generate(spec: RunSpec, state: RunState, prompts: dict, key: jax.Array):
     return generate_fn(spec.graphdef, params, sharding.shard_rows(prompts["prompt_tokens"]),
                        sharding.shard_rows(prompts["prompt_lengths"]), key,
                        config=spec.sampling_config)
-
-
-def batch_metrics(merged: Round) -> dict[str, float]:
-    """``batch/reward_mean`` and ``batch/accuracy`` over the batch's scored samples: the
-    rows that train (dynamic sampling's fillers and missed samples left out; NaN if none)."""
-    scored = merged.scored_rows()
-    if not scored.any():
-        return {"batch/reward_mean": float("nan"), "batch/accuracy": float("nan")}
-    return {"batch/reward_mean": float(np.mean(merged.rewards[scored])),
-            "batch/accuracy": float(np.mean(merged.correct[scored]))}
-
-
-def scoring_metrics(batches: list[dict]) -> dict[str, float]:
-    """``reward/*`` verifier-health metrics of the iteration's ``score_batch`` calls (every
-    sample scored, dynamic sampling's dropped groups included): format failures,
-    verifier timeouts and errors, missed deadlines, crashed workers (counts), mean length
-    penalty, language consistency."""
-    return {f"reward/{key}": value for key, value in merge_metrics(batches).items()
-            if key != "truncated_fraction"}  # reported as response/truncated_fraction
 
 
 def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:

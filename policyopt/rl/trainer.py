@@ -92,8 +92,8 @@ from policyopt.sampling import SamplingConfig, sampling_method
 # The stages, their types and their helpers, importable from here as before the split.
 from policyopt.rl.forwards import pack_chunks, pack_rows  # noqa: F401
 from policyopt.rl.iteration import (RunSpec, RunState, Sampled, TrainBatch,  # noqa: F401
-                                    batch_metrics, prepare, sample, scoring_metrics,
-                                    update_epochs)
+                                    prepare, sample, update_epochs)
+from policyopt.rl.report import batch_metrics, scoring_metrics  # noqa: F401
 from policyopt.rl.methods import (CorrectionConfig, gae_settings,  # noqa: F401
                                   minibatch_advantages, rollout_correction)
 
