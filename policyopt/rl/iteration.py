@@ -210,10 +210,11 @@ def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
             spec.learner, state.policy.params, rows, behaviour, methods.old_replay(sampler_routing))
         if spec.ref_params is not None:
             ref_log_probs, _ = forwards.policy_log_probs(spec.learner, spec.ref_params, rows)
-        # pi_old's own (not replayed) routing, for the routing metrics.
-        natural_routing = old_routing if methods.old_replay(sampler_routing) is None else None
-        if sampler_routing is not None and cfg.train.routing_metrics and natural_routing is None:
-            natural_routing = forwards.policy_routing(spec.learner, state.policy.params, rows)
+        if sampler_routing is not None and cfg.train.routing_metrics:  # MoE, with routing
+            # pi_old's own (not replayed) routing, for the routing metrics.
+            natural_routing = old_routing if methods.old_replay(sampler_routing) is None else None
+            if natural_routing is None:
+                natural_routing = forwards.policy_routing(spec.learner, state.policy.params, rows)
         metrics["time/old_log_probs_s"] = _block(old_log_probs, t0)
         metrics[spec.logprob_diff_name] = float(
             jnp.sum(jnp.abs(old_log_probs - behaviour) * rows.mask)
@@ -284,7 +285,7 @@ def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Ar
         metrics["critic/pretraining"] = float(not policy_trains)
         metrics["critic/step"] = float(critic.step)
     metrics["time/update_s"] = _block((policy.params, critic), t0)
-    if batch.natural_routing is not None and cfg.train.routing_metrics:  # MoE
+    if batch.natural_routing is not None:  # MoE, train.routing_metrics
         new_routing = forwards.policy_routing(spec.learner, policy.params, batch.rows)
         mask = batch.rows.attention_mask
         metrics.update(jax.device_get(routing_metrics("routing/volatility",
