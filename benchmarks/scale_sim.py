@@ -370,7 +370,7 @@ def update_batch(args, config, setup: Setup, mesh):
 
 def rollout_calls(args, config, setup: Setup, mesh) -> list[tuple[str, object]]:
     """``(name, lower)`` of every jitted generation call of one synchronous round: today one
-    ``generate_fn`` over ``prompts x samples`` rows (``iteration.sample``)."""
+    ``generate_fn`` over ``prompts x samples`` rows (``trainer._sample_batch``)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
