@@ -549,7 +549,8 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
     late.unlock()
     late.reward.deadline_s = 1e-9
     late.lock()
-    rescored = make_scorer(dataclasses.replace(run, config=late))(groups[0])
+    rescored = make_scorer(dataclasses.replace(run, spec=dataclasses.replace(run.spec, config=late)))(
+        groups[0])
     assert not rescored.scored.any() and not rescored.sample_mask.any()
     whole = merge_rounds([(round_from_rollout(g.rollout(), g.rewards, g.correct, NUM_NEW),
                            np.zeros((1,), np.int64)) for g in groups], GROUP, run.tokenizer.pad_id)

@@ -12,7 +12,7 @@ from flax import nnx
 
 from policyopt.losses import nll_loss
 from policyopt.models import Transformer, preset
-from policyopt.rl import trainer
+from policyopt.rl import forwards, trainer
 from policyopt.rl.batch import Batch, layout
 from configs import vapo
 from policyopt.rl.critic import (Critic, CriticConfig, GAEConfig, critic_loss, critic_optim,
@@ -252,8 +252,8 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
     # Iteration 1: value pretraining. The policy is bit-identical; the critic moved; no
     # policy forward pass (old log-probs) was run for it.
     policy_forwards = []
-    real_log_probs = trainer._chunked_log_probs
-    monkeypatch.setattr(trainer, "_chunked_log_probs",
+    real_log_probs = forwards.policy_log_probs
+    monkeypatch.setattr(forwards, "policy_log_probs",
                         lambda *args: policy_forwards.append(1) or real_log_probs(*args))
     metrics = trainer.rl_iteration(run)
     assert not policy_forwards and "time/old_log_probs_s" not in metrics

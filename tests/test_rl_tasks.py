@@ -11,7 +11,7 @@ import pytest
 from configs import base
 from policyopt.data import HFTokenizer
 from policyopt.rewards import score_batch
-from policyopt.rl import build, evaluate, trainer
+from policyopt.rl import build, evaluate, iteration, trainer
 from policyopt.rl.sft import make_sft_iterator
 from tests.test_rl_trainer import tiny
 
@@ -352,7 +352,7 @@ def test_mixed_jsonl_checks_each_sample_with_its_own_task(tmp_path, monkeypatch)
                          build.reward_spec(mixed), tasks=tasks)
     assert scores.correct.tolist() == [True, False, False, True]
     assert scores.status[1] == "no_code" and scores.status[2] == "no_answer"
-    monkeypatch.setattr(trainer, "score_batch", recording)
+    monkeypatch.setattr(iteration, "score_batch", recording)
     monkeypatch.setattr(evaluate_lib, "score_batch", recording)
     summary = trainer.run_rl(mixed, str(tmp_path / "run"), num_iterations=1, quiet=True)
     metrics, evaluation = summary["metrics"], summary["eval"]

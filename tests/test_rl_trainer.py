@@ -14,7 +14,7 @@ import pytest
 
 from policyopt.metrics import read_jsonl
 from policyopt.rl import learner as learner_lib
-from policyopt.rl import trainer
+from policyopt.rl import iteration, trainer
 from policyopt.rl.batch import mask_fillers, round_from_rollout
 
 RECIPES = ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral", "ppo", "vc_ppo", "vapo")
@@ -303,7 +303,7 @@ def test_rollout_correction_reaches_the_batch(tmp_path, monkeypatch):
         shift = 0.05 * noise.normal(size=rnd.behaviour_log_probs.shape).astype(np.float32)
         return rnd._replace(behaviour_log_probs=rnd.behaviour_log_probs + shift)
 
-    monkeypatch.setattr(trainer, "round_from_rollout", perturbed)
+    monkeypatch.setattr(iteration, "round_from_rollout", perturbed)
     config = tiny("grpo", extra="algo.tis_cap=1.1,algo.tis_level=sequence,algo.rs_level=token,"
                                 "algo.rs_upper=1.05,algo.rs_veto=0.93,train.num_iterations=1,"
                                 "eval.num_prompts=0")

@@ -11,9 +11,10 @@ the generator never waits for the trainer while a group is in flight. The traine
 finished groups in finish order until the batch holds ``n_prompts`` groups
 (``n_batch = n_prompts * G`` completions; with dynamic sampling, zero-variance groups are
 dropped and counted as DAPO / Magistral do), then runs exactly the synchronous trainer's
-step on it (``trainer.train_on_batch``: old log-probs from the trainer's forward,
-advantages, epochs x minibatches of updates; ``n_minibatches`` divides ``n_prompts``, so
-minibatches hold whole groups), and publishes the new parameters, which the generator
+stages on it (``iteration.prepare`` and ``iteration.update_epochs``: old log-probs from the
+trainer's forward, advantages, epochs x minibatches of updates; ``n_minibatches`` divides
+``n_prompts``, so minibatches hold whole groups): ``async_sample`` takes the place of
+``iteration.sample``. It then publishes the new parameters, which the generator
 picks up at its next segment, mid-generation, without recomputing the KV cache.
 
 Recipes: any recipe runs this way with ``async_mode.enabled=True`` (``configs/base.py``),
@@ -67,11 +68,12 @@ from policyopt.rl.async_generation import (AsyncGenerator, GroupCompletion, Slot
 from policyopt.rl.batch import (DYNAMIC_SAMPLING_CRITERIA, bucket, mask_fillers, merge_rounds,
                                 round_from_rollout, trim_prompt, truncated_rows, uninformative_groups)
 from policyopt.rl.evaluate import decode, task_accuracies
-from policyopt.rl.trainer import (RLRun, RunLoop, _checkpoint_state, batch_metrics, build_run,
-                                  checkpoint_meta, scoring_metrics, train_on_batch)
+from policyopt.rl.iteration import RunSpec, Sampled, prepare, update_epochs
+from policyopt.rl.report import batch_metrics, scoring_metrics
+from policyopt.rl.trainer import RLRun, RunLoop, build_run, checkpoint_meta, checkpoint_state
 
 __all__ = ["AsyncConfig", "async_enabled", "PromptStream", "GroupBatcher", "make_scorer",
-           "make_generator", "async_iteration", "run_async_rl"]
+           "make_generator", "async_sample", "async_iteration", "run_async_rl"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,7 +293,7 @@ def assemble(groups: list[GroupCompletion], run: RLRun):
         prompt_width = min(bucket(int(np.max(g.prompt_lengths)), cfg.batch.prompt_buckets,
                                   name="prompt length"), rnd.prompt_width)
         rnd = trim_prompt(rnd, prompt_width)
-        rnd = rnd._replace(mask=rnd.mask * g.sample_mask[:, None])  # see trainer.py
+        rnd = rnd._replace(mask=rnd.mask * g.sample_mask[:, None])  # see iteration.sample
         rounds.append((rnd, np.zeros((1,), np.int64)))
     merged = merge_rounds(rounds, group, run.tokenizer.pad_id)
     width = merged.mask.shape[1]
@@ -332,15 +334,19 @@ def group_samples(groups: list[GroupCompletion], tokenizer) -> dict:
                 correct=correct)
 
 
-def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher) -> tuple[dict, dict]:
-    """Takes one batch of finished groups, trains on it (version ``run.iteration``),
-    publishes the new parameters as version ``run.iteration + 1``.
+def stale_spec(spec: RunSpec) -> RunSpec:
+    """``spec`` as the asynchronous trainer's stages use it: the sampler's routing and
+    log-probs here come from older (and mixed) parameter versions, so their differences
+    from the trainer's measure staleness, not numerics, and their metrics are named so."""
+    return dataclasses.replace(spec, logprob_diff_name="logprob/stale_sampler_trainer_abs_diff",
+                               routing_diff_name="routing/stale_sampler_disagreement")
 
-    Returns:
-      ``(metrics, info)``; info holds the batch's ``groups`` and per-row ``versions``
-      ``[R, N_b]``, ``start_version`` and ``finish_version`` ``[R]``.
-    """
-    cfg, version = run.config, run.iteration
+
+def async_sample(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher):
+    """The asynchronous trainer's ``sample``: one batch of finished groups taken from the
+    generator (dynamic sampling by ``batcher``), as ``iteration.sample`` returns it, and
+    the batch's versions (``async_iteration``'s info)."""
+    cfg = run.config
     start = time.perf_counter()
     while not batcher.add(generator.take()):
         pass
@@ -368,33 +374,45 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
         # Seconds the scoring thread has spent in the verifiers (beside decoding).
         "async/score_s": float(generator.stats["score_seconds"]),
     })
-    metrics.update(staleness_metrics(version, versions, start_version, finish_version))
+    metrics.update(staleness_metrics(run.iteration, versions, start_version, finish_version))
     if all(g.scoring is not None for g in seen):
         metrics.update(scoring_metrics([g.scoring for g in seen]))
     if any(g.meta.get("task") is not None for g in seen):  # mixed math and code prompts
         tasks = [g.meta.get("task") for g in seen for _ in range(len(g.rewards))]
         metrics.update(task_accuracies(correct, tasks, "reward/accuracy"))
-    run.last_samples = group_samples(groups[:cfg.train.sample_prompts], run.tokenizer)
-    _, key_shuffle = jax.random.split(jax.random.fold_in(run.rng, run.iteration))
-    metrics = train_on_batch(run, merged, metrics, key_shuffle)
-    # The sampler's routing and log-probs here come from older (and mixed) parameter
-    # versions, so their differences from the trainer's measure staleness, not numerics:
-    # named for that.
-    renamed = {"routing/sampler_trainer_disagreement": "routing/stale_sampler_disagreement",
-               "logprob/sampler_trainer_abs_diff": "logprob/stale_sampler_trainer_abs_diff"}
-    metrics = {next((k.replace(old, new) for old, new in renamed.items() if k.startswith(old)), k): v
-               for k, v in metrics.items()}
-    run.iteration += 1
-    generator.publish(jax.tree.map(jnp.copy, run.state.params), run.iteration)
-    metrics["time/iteration_s"] = time.perf_counter() - start
+    samples = group_samples(groups[:cfg.train.sample_prompts], run.tokenizer)
     info = dict(groups=groups, versions=versions, start_version=start_version,
                 finish_version=finish_version)
+    return Sampled(merged, samples, metrics), info
+
+
+def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher) -> tuple[dict, dict]:
+    """Takes one batch of finished groups (``async_sample``), trains on it (version
+    ``run.iteration``; ``iteration.prepare``, ``iteration.update_epochs``), publishes the
+    new parameters as version ``run.iteration + 1``.
+
+    Returns:
+      ``(metrics, info)``; info holds the batch's ``groups`` and per-row ``versions``
+      ``[R, N_b]``, ``start_version`` and ``finish_version`` ``[R]``.
+    """
+    start = time.perf_counter()
+    spec, state = stale_spec(run.spec), run.run_state
+    sampled, info = async_sample(run, generator, batcher)
+    _, key_shuffle = jax.random.split(jax.random.fold_in(state.rng, state.iteration))
+    with jax.set_mesh(spec.mesh):
+        batch = prepare(spec, state, sampled.round)
+        state, update_metrics = update_epochs(spec, state, batch, key_shuffle)
+    run.run_state = state.replace(iteration=state.iteration + 1)
+    run.last_samples, run.last_round, run.last_batch = sampled.samples, batch.round, batch.batch
+    generator.publish(jax.tree.map(jnp.copy, run.state.params), run.iteration)
+    metrics = {**sampled.metrics, **batch.metrics, **update_metrics,
+               "time/iteration_s": time.perf_counter() - start}
     return {k: float(v) for k, v in metrics.items()}, info
 
 
 def save(run: RLRun, stream: PromptStream) -> None:
     """Checkpoints the run (``trainer.save`` with the prompt stream's position)."""
-    run.checkpointer.save(run.iteration, _checkpoint_state(run), checkpoint_meta(run, stream.get_state()))
+    run.checkpointer.save(run.iteration, checkpoint_state(run), checkpoint_meta(run, stream.get_state()))
 
 
 def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bool = False,

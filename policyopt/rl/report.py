@@ -12,6 +12,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from policyopt.rewards.batch import merge_metrics
+
 # Which settings each objective's ratio-dependent part reads (policyopt.losses).
 _RATIO_SETTINGS = {"ppo": "algo.clip_low / clip_high / dual_clip",
                    "gspo": "algo.clip_low / clip_high", "gspo_token": "algo.clip_low / clip_high",
@@ -100,6 +102,25 @@ def sample_rows(prompts: Sequence[str], completions: Sequence[str], references: 
             row["format_ok"] = bool(format_ok[i])
         rows.append(row)
     return rows
+
+
+def batch_metrics(merged) -> dict[str, float]:
+    """``batch/reward_mean`` and ``batch/accuracy`` over the batch's scored samples: the
+    rows that train (dynamic sampling's fillers and missed samples left out; NaN if none)."""
+    scored = merged.scored_rows()
+    if not scored.any():
+        return {"batch/reward_mean": float("nan"), "batch/accuracy": float("nan")}
+    return {"batch/reward_mean": float(np.mean(merged.rewards[scored])),
+            "batch/accuracy": float(np.mean(merged.correct[scored]))}
+
+
+def scoring_metrics(batches: list[dict]) -> dict[str, float]:
+    """``reward/*`` verifier-health metrics of the iteration's ``score_batch`` calls (every
+    sample scored, dynamic sampling's dropped groups included): format failures,
+    verifier timeouts and errors, missed deadlines, crashed workers (counts), mean length
+    penalty, language consistency."""
+    return {f"reward/{key}": value for key, value in merge_metrics(batches).items()
+            if key != "truncated_fraction"}  # reported as response/truncated_fraction
 
 
 def informative_fraction(rewards: np.ndarray, group_size: int,

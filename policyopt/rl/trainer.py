@@ -1,12 +1,16 @@
-"""The RL loop, in one place: sample -> score -> dynamic sampling -> old log-probs ->
-advantages -> epochs x minibatches of ``update`` -> metrics, evaluation, checkpoint.
+"""An RL run: built from a config, iterated, logged, evaluated, checkpointed, resumed.
 
     summary = run_rl(config, workdir)        # resumes from workdir/checkpoints if present
 
-Each arrow is a pure jitted function (``policyopt.sampling.generate_fn``,
-``Learner.log_probs``, ``Learner.update``) or host-side bookkeeping on numpy arrays
-(scoring, dynamic sampling, advantages). Shapes are bucketed (``policyopt.rl.batch``)
-so each jitted function compiles a bounded number of times.
+One iteration is ``policyopt.rl.iteration.rl_iteration``: ``sample`` (generate, score,
+dynamic sampling) -> ``prepare`` (old / reference log-probs, advantages, rollout
+correction) -> ``update_epochs`` (epochs x minibatches of the jitted update), stages that
+see only a frozen ``RunSpec`` and a ``RunState`` pytree; the method-specific steps are
+chosen when the run is built (``policyopt.rl.methods``). This module builds them
+(``build_run``), holds them between iterations with the host side of a run (``RLRun``:
+run directory, data position, checkpoints, evaluation), and drives the loop (``run_rl``,
+``RunLoop``). Shapes are bucketed (``policyopt.rl.batch``) so each jitted function
+compiles a bounded number of times.
 
 Determinism and resume: the rng of iteration ``i`` is ``fold_in(run_key, i)``; the
 checkpoint holds the parameters, the optimiser state, the update counters, the run key,
@@ -64,7 +68,6 @@ across_processes=True)``), every process builds the same batch, and process 0 wr
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import sys
 import time
@@ -76,50 +79,45 @@ import numpy as np
 from absl import logging
 
 from policyopt import sharding
-from policyopt.advantages import outcome_advantages
 from policyopt.checkpoint import Checkpointer, lock_workdir
 from policyopt.data.pipeline import make_pipeline
-from policyopt.losses import offpolicy_metrics, rejection_mask, truncated_importance_weights
 from policyopt.metrics import MetricsWriter, Progress, read_last_value, read_step_record
-from policyopt.rewards.batch import merge_metrics, score_batch
-from policyopt.rl import build, report
-from policyopt.rl.batch import (Batch, DynamicSampler, bucket, minibatch_indices, round_from_rollout,
-                                shard_batch, take_rows, truncated_rows)
-from policyopt.rl.critic import Critic, CriticConfig, GAEConfig, critic_optim, gae_targets, get_critic
-from policyopt.rl.evaluate import decode, evaluate, task_accuracies
-from policyopt.rl.learner import Learner, LossConfig, OptimConfig, TrainState, get_learner, place_state
-from policyopt.rl.packing import PackedLayout, pack_layout
-from policyopt.rl.routing import routing_metrics
+from policyopt.rl import build, iteration, methods, report
+from policyopt.rl.critic import CriticConfig, critic_optim, get_critic
+from policyopt.rl.evaluate import evaluate
+from policyopt.rl.learner import LossConfig, OptimConfig, get_learner, place_state
 from policyopt.runtime import GracefulStop
-from policyopt.sampling import SamplingConfig, generate_fn, sampling_method
+from policyopt.sampling import SamplingConfig, sampling_method
+
+# The stages, their types and their helpers, importable from here as before the split.
+from policyopt.rl.forwards import pack_chunks, pack_rows  # noqa: F401
+from policyopt.rl.iteration import (RunSpec, RunState, Sampled, TrainBatch,  # noqa: F401
+                                    prepare, sample, update_epochs)
+from policyopt.rl.report import batch_metrics, scoring_metrics  # noqa: F401
+from policyopt.rl.methods import (CorrectionConfig, gae_settings,  # noqa: F401
+                                  minibatch_advantages, rollout_correction)
 
 
 @dataclasses.dataclass
 class RLRun:
-    """The state of an RL run between iterations (built by ``build_run``)."""
+    """A run between iterations (built by ``build_run``): the stages' ``RunSpec`` and
+    ``RunState`` (``policyopt.rl.iteration``) and the host side of the loop around them
+    (the run directory, checkpoints, evaluation, what the last iteration saw).
 
-    config: Any
+    The spec's fields read as attributes (``run.config``, ``run.learner``, ``run.mesh``,
+    ``run.data`` = ``spec.prompts``, ...), and so do the state's: ``run.state`` (the
+    policy's ``TrainState``), ``run.critic_state``, ``run.rng``, ``run.iteration``, which
+    may also be assigned (each assignment replaces ``run_state``).
+    """
+
+    spec: RunSpec
+    run_state: RunState
     workdir: str
-    tokenizer: Any
-    graphdef: Any
-    learner: Learner
-    state: TrainState
-    ref_params: Any  # frozen initial parameters (KL), or None
-    rng: jax.Array  # run key; iteration i uses fold_in(rng, i)
-    data: Any  # grain iterator over prompt batches (get_state / set_state)
     eval_records: list
-    sampling_config: SamplingConfig
-    reward_spec: Any
     checkpointer: Checkpointer
-    mesh: jax.sharding.Mesh  # every array of the run lives on it (config.mesh)
-    iteration: int = 0  # iterations completed
     # The last iteration's sampled batch (host Round) and update Batch, for inspection.
     last_round: Any = None
     last_batch: Any = None
-    # Critic methods (algo.advantage = "gae"): the value model's jitted steps and its
-    # TrainState (parameters, optimiser state, counters); None otherwise.
-    critic: Critic | None = None
-    critic_state: TrainState | None = None
     # The last evaluation's metrics and the iteration it was at: run here or, when the
     # run resumed, read back from eval.jsonl at the checkpoint's iteration (RunLoop), so
     # a resumed run neither repeats an evaluation nor loses it.
@@ -130,8 +128,25 @@ class RLRun:
     # The first sampling round's prompts, completions, references and verdicts of the last
     # iteration (``report.sample_rows`` fields, as lists), for samples.jsonl; or None.
     last_samples: dict | None = None
-    # Continuous-batching engine (config.sampling.engine_kv_tokens > 0), or None.
-    engine: Any = None
+
+    def _spec_field(name: str):
+        return property(lambda run: getattr(run.spec, name), doc=f"``spec.{name}``")
+
+    def _state_field(name: str):
+        def assign(run, value):
+            run.run_state = run.run_state.replace(**{name: value})
+
+        return property(lambda run: getattr(run.run_state, name), assign,
+                        doc=f"``run_state.{name}``")
+
+    config, graphdef, learner, critic, mesh = map(
+        _spec_field, ("config", "graphdef", "learner", "critic", "mesh"))
+    tokenizer, sampling_config, reward_spec, ref_params, engine, data = map(
+        _spec_field, ("tokenizer", "sampling_config", "reward_spec", "ref_params", "engine",
+                      "prompts"))
+    state, critic_state, rng, iteration = map(_state_field,
+                                              ("policy", "critic", "rng", "iteration"))
+    del _spec_field, _state_field
 
 
 def make_prompt_iterator(config, records, *, seed: int):
@@ -181,16 +196,22 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
         decode_segments=s.decode_segments)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                                 max_to_keep=config.train.keep_checkpoints)
-    run = RLRun(config=config, workdir=workdir, tokenizer=tokenizer, graphdef=graphdef,
-                learner=learner, state=state, ref_params=ref_params, rng=rng, data=data,
-                eval_records=eval_records, sampling_config=sampling_config,
-                reward_spec=build.reward_spec(config), checkpointer=checkpointer, mesh=mesh)
+    engine = None
     if s.engine_kv_tokens > 0:
-        run.engine = _make_engine(config, model, graphdef, sampling_config, mesh)
+        engine = _make_engine(config, model, graphdef, sampling_config, mesh)
+    critic = critic_state = None
     if config.algo.advantage == "gae":
-        run.critic = get_critic(graphdef, CriticConfig.from_config(config), critic_optim(config))
-        critic_state = run.critic.init_state(params, model.config.hidden_size)
-        run.critic_state = place_state(critic_state, run.critic.optimizer, mesh)
+        critic = get_critic(graphdef, CriticConfig.from_config(config), critic_optim(config))
+        critic_state = critic.init_state(params, model.config.hidden_size)
+        critic_state = place_state(critic_state, critic.optimizer, mesh)
+    spec = RunSpec(config=config, graphdef=graphdef, learner=learner, critic=critic, mesh=mesh,
+                   methods=methods.choose(config, is_moe=model.config.is_moe),
+                   tokenizer=tokenizer, sampling_config=sampling_config,
+                   reward_spec=build.reward_spec(config), prompts=data, ref_params=ref_params,
+                   engine=engine,
+                   warmup_iterations=config.critic.pretrain_iterations if critic else 0)
+    run = RLRun(spec=spec, run_state=RunState(policy=state, critic=critic_state, rng=rng),
+                workdir=workdir, eval_records=eval_records, checkpointer=checkpointer)
     if checkpointer.latest_step() is not None:
         restore(run, check_config=check_config)
     return run
@@ -210,7 +231,9 @@ def _make_engine(config, model, graphdef, sampling_config: SamplingConfig, mesh)
                   graphdef=graphdef)
 
 
-def _checkpoint_state(run: RLRun) -> dict:
+def checkpoint_state(run: RLRun) -> dict:
+    """The arrays a checkpoint holds: the policy's ``TrainState``, the run key and (critic
+    methods) the critic's ``TrainState``."""
     state = {"train": run.state, "rng": run.rng}
     if run.critic_state is not None:
         state["critic"] = run.critic_state
@@ -225,7 +248,7 @@ def checkpoint_meta(run: RLRun, data_state) -> dict:
 
 def save(run: RLRun) -> None:
     """Checkpoints the run at its current iteration."""
-    run.checkpointer.save(run.iteration, _checkpoint_state(run), checkpoint_meta(run, run.data.get_state()))
+    run.checkpointer.save(run.iteration, checkpoint_state(run), checkpoint_meta(run, run.data.get_state()))
 
 
 def restore(run: RLRun, step: int | None = None, *, check_config: bool = True) -> None:
@@ -236,433 +259,34 @@ def restore(run: RLRun, step: int | None = None, *, check_config: bool = True) -
     if check_config:  # before the arrays: a changed shape would fail there, unnamed
         meta = run.checkpointer.meta(step)
         build.check_resume_config(meta.get("config"), run.config, run.checkpointer.directory)
-    build.check_checkpoint_shapes(run.checkpointer, _checkpoint_state(run), run.config, step=step,
+    build.check_checkpoint_shapes(run.checkpointer, checkpoint_state(run), run.config, step=step,
                                   field="resume")
-    restored, meta = run.checkpointer.restore(_checkpoint_state(run), step)
-    run.state, run.rng = restored["train"], restored["rng"]
-    if run.critic_state is not None:
-        run.critic_state = restored["critic"]
-    run.iteration = int(meta["iteration"])
+    restored, meta = run.checkpointer.restore(checkpoint_state(run), step)
+    run.run_state = run.run_state.replace(policy=restored["train"], rng=restored["rng"],
+                                          critic=restored.get("critic"),
+                                          iteration=int(meta["iteration"]))
     run.data.set_state(meta["data"])
     run.last_eval, run.last_eval_iteration, run.resumed_config = {}, None, meta.get("config")
 
 
-def _sample_batch(run: RLRun, key: jax.Array) -> tuple[Any, dict]:
-    """Sampling rounds until the batch is full; returns the merged Round and metrics."""
-    cfg = run.config
-    group = cfg.batch.group_size
-    sampler = DynamicSampler(cfg.batch.n_prompts, group, enabled=cfg.dynamic_sampling.enabled,
-                             max_rounds=cfg.dynamic_sampling.max_rounds if cfg.dynamic_sampling.enabled else 1,
-                             criterion=cfg.dynamic_sampling.criterion)
-    gen_time = score_time = 0.0
-    all_rewards, all_correct, all_lengths, all_truncated, all_scoring, all_tasks = [], [], [], [], [], []
-    done, round_index = False, 0
-    while not done:
-        prompts = next(run.data)
-        t0 = time.perf_counter()
-        if run.engine is not None:
-            rollout = run.engine.generate(prompts["prompt_tokens"], prompts["prompt_lengths"],
-                                          jax.random.fold_in(key, round_index),
-                                          params=run.state.params)
-        else:
-            rollout = generate_fn(run.graphdef, run.state.params, sharding.shard_rows(prompts["prompt_tokens"]),
-                                  sharding.shard_rows(prompts["prompt_lengths"]),
-                                  jax.random.fold_in(key, round_index), config=run.sampling_config)
-        tokens, lengths = sharding.to_host((rollout.tokens, rollout.lengths))
-        truncated = truncated_rows(tokens, lengths, cfg.sampling.max_new_tokens,
-                                   run.sampling_config.end_ids)
-        t1 = time.perf_counter()
-        texts = decode(tokens, lengths, run.tokenizer)
-        references = [a for a in prompts["answer"] for _ in range(group)]
-        texts_prompts = [p for p in prompts["prompt"] for _ in range(group)]
-        # Mixed math and code prompts: each sample is checked by its own task's verifier.
-        tasks = [t for t in prompts["task"] for _ in range(group)] if "task" in prompts else None
-        scores = score_batch(texts, references, lengths, run.reward_spec, prompts=texts_prompts,
-                             num_workers=cfg.reward.num_workers, truncated=truncated,
-                             deadline_s=cfg.reward.deadline_s, across_processes=True, tasks=tasks)
-        t2 = time.perf_counter()
-        gen_time, score_time = gen_time + t1 - t0, score_time + t2 - t1
-        width = min(bucket(int(lengths.max()), cfg.batch.response_buckets, name="response length"),
-                    cfg.sampling.max_new_tokens)
-        rnd = round_from_rollout(rollout, scores.rewards, scores.correct, width, scored=scores.scored)
-        # 0 on samples to leave out of the loss (overlong filtering, scoring deadline).
-        rnd = rnd._replace(mask=rnd.mask * np.asarray(scores.sample_mask)[:, None])
-        all_scoring.append(scores.metrics)
-        all_rewards.append(scores.rewards)
-        all_correct.append(scores.correct)
-        all_lengths.append(lengths)
-        all_truncated.append(truncated)
-        all_tasks.extend(tasks or ())
-        if round_index == 0:
-            run.last_samples = dict(prompts=texts_prompts, completions=texts, references=references,
-                                    rewards=scores.rewards, correct=scores.correct,
-                                    status=getattr(scores, "status", None),
-                                    format_ok=getattr(scores, "format_ok", None))
-        done = sampler.add(rnd)
-        round_index += 1
-    merged, metrics = sampler.batch(run.tokenizer.pad_id)
-    lengths = np.concatenate(all_lengths)
-    metrics.update({
-        "reward/mean": float(np.mean(np.concatenate(all_rewards))),
-        "reward/accuracy": float(np.mean(np.concatenate(all_correct))),
-        **batch_metrics(merged),
-        "response/length_mean": float(np.mean(lengths)),
-        "response/length_max": float(np.max(lengths)),
-        "response/truncated_fraction": float(np.mean(np.concatenate(all_truncated))),
-        "time/generate_s": gen_time, "time/score_s": score_time,
-    })
-    metrics.update(scoring_metrics(all_scoring))
-    metrics.update(task_accuracies(np.concatenate(all_correct), all_tasks or None, "reward/accuracy"))
-    return merged, metrics
-
-
-def batch_metrics(merged) -> dict[str, float]:
-    """``batch/reward_mean`` and ``batch/accuracy`` over the batch's scored samples: the
-    rows that train (dynamic sampling's fillers and missed samples left out; NaN if none)."""
-    scored = merged.scored_rows()
-    if not scored.any():
-        return {"batch/reward_mean": float("nan"), "batch/accuracy": float("nan")}
-    return {"batch/reward_mean": float(np.mean(merged.rewards[scored])),
-            "batch/accuracy": float(np.mean(merged.correct[scored]))}
-
-
-def scoring_metrics(batches: list[dict]) -> dict[str, float]:
-    """``reward/*`` verifier-health metrics of the iteration's ``score_batch`` calls (every
-    sample scored, dynamic sampling's dropped groups included): format failures,
-    verifier timeouts and errors, missed deadlines, crashed workers (counts), mean length
-    penalty, language consistency."""
-    return {f"reward/{key}": value for key, value in merge_metrics(batches).items()
-            if key != "truncated_fraction"}  # reported as response/truncated_fraction
-
-
-def _chunked_log_probs(learner: Learner, params, tokens, positions, attention_mask, mask,
-                       routing, num_chunks: int, packings=None):
-    """``learner.log_probs`` over ``num_chunks`` equal row chunks (one compiled shape, the
-    minibatch's, rows placed as a minibatch's), concatenated: ``(log_probs [R, N], routing
-    [L, R, S, k] or None)``. ``packings``: each chunk's ``PackedLayout`` (``pack_chunks``),
-    or None (padded rows)."""
-    per = tokens.shape[0] // num_chunks
-    log_probs, routings = [], []
-    for c in range(num_chunks):
-        chunk = lambda x, axis=0: _rows(x, c * per, (c + 1) * per, axis)
-        lp, _, used = learner.log_probs(params, chunk(tokens), chunk(positions), chunk(attention_mask),
-                                        chunk(mask), chunk(routing, axis=1),
-                                        _place_packing(packings and packings[c]))
-        log_probs.append(lp)
-        routings.append(used)
-    routing_out = None if routings[0] is None else jnp.concatenate(routings, axis=1)
-    return jnp.concatenate(log_probs, axis=0), routing_out
-
-
-def _chunked_routing(learner: Learner, params, tokens, positions, attention_mask, num_chunks: int):
-    """``learner.routing`` over ``num_chunks`` equal row chunks (the minibatch's shape, as
-    the old log-probs: the same compiled shape and memory, and the same numerics, so that
-    routing volatility has no batch-shape noise floor), concatenated: ``[L, R, S, k]``."""
-    per = tokens.shape[0] // num_chunks
-    return jnp.concatenate([learner.routing(params, *(_rows(x, c * per, (c + 1) * per)
-                                                      for x in (tokens, positions, attention_mask)))
-                            for c in range(num_chunks)], axis=1)
-
-
-def _chunked_values(critic: Critic, params, tokens, positions, attention_mask, mask,
-                    num_chunks: int, packings=None) -> jax.Array:
-    """``critic.values`` over ``num_chunks`` equal row chunks (the minibatch's shape),
-    packed as ``_chunked_log_probs``."""
-    per = tokens.shape[0] // num_chunks
-    chunks = []
-    for c in range(num_chunks):
-        chunk = lambda x: _rows(x, c * per, (c + 1) * per)
-        chunks.append(critic.values(params, chunk(tokens), chunk(positions), chunk(attention_mask),
-                                    chunk(mask), _place_packing(packings and packings[c])))
-    return jnp.concatenate(chunks, axis=0)
-
-
-def pack_rows(config, attention_mask: np.ndarray, rows=None) -> PackedLayout | None:
-    """The packed layout of a minibatch's rows (host ``[R, S]`` attention mask) with
-    ``config.batch.pack`` on, else None: rows of ``batch.pack_tokens`` slots (None: the
-    padded width ``S``), their number a multiple of the mesh's row shards (``data`` x
-    ``fsdp``, so they split like a batch's rows). A row longer than the packed row is a
-    ValueError naming it (``packing.pack_layout``; ``rows``: the rows' numbers in the
-    batch, for that message)."""
-    if not config.batch.pack:
-        return None
-    mesh = jax.sharding.get_mesh()
-    shards = 1 if mesh.empty else int(np.prod([mesh.shape.get(a, 1) for a in ("data", "fsdp")]))
-    row_length = config.batch.pack_tokens or attention_mask.shape[1]
-    return pack_layout(attention_mask, row_length, row_multiple=shards, row_ids=rows)
-
-
-def pack_chunks(config, attention_mask: np.ndarray, num_chunks: int) -> list | None:
-    """``pack_rows`` of each of ``num_chunks`` equal row chunks (the old-log-prob, reference
-    and value passes), or None with packing off."""
-    if not config.batch.pack:
-        return None
-    per = attention_mask.shape[0] // num_chunks
-    chunks = [np.arange(c * per, (c + 1) * per) for c in range(num_chunks)]
-    return [pack_rows(config, attention_mask[rows], rows) for rows in chunks]
-
-
-def _place_packing(packing: PackedLayout | None) -> PackedLayout | None:
-    """A host ``PackedLayout`` on the mesh, each array's rows split as a batch's."""
-    return None if packing is None else PackedLayout(*(sharding.shard_rows(x) for x in packing))
-
-
-def _rows(x, start: int, stop: int, axis: int = 0):
-    """Rows ``[start, stop)`` of ``x`` (along ``axis``), placed as a batch's rows
-    (``sharding.shard_rows``); None stays None."""
-    if x is None:
-        return None
-    return sharding.shard_rows(jax.lax.slice_in_dim(x, start, stop, axis=axis), axis=axis)
-
-
-# Jitted once per response bucket (GAEConfig is static and hashable).
-_gae_targets = jax.jit(gae_targets, static_argnames="settings")
-
-
-def gae_settings(config, *, pretraining: bool) -> GAEConfig:
-    """The GAE settings of an iteration: ``config.algo``'s, except that value pretraining
-    trains the critic on Monte-Carlo returns, ``lambda_critic = 1`` (VC-PPO 2503.01491,
-    docs/algorithms.md), whatever ``algo.gae_lambda_critic`` the later PPO updates use."""
-    settings = GAEConfig.from_config(config.algo)
-    return dataclasses.replace(settings, lam_critic=1.0) if pretraining else settings
-
-
-@dataclasses.dataclass(frozen=True)
-class CorrectionConfig:
-    """Rollout correction between the sampler (behaviour log-probs, mu) and the trainer's
-    pi_old: ``config.algo``'s ``tis_*`` and ``rs_*`` fields (``configs/base.py``)."""
-
-    tis_cap: float | None = None
-    tis_level: str = "token"
-    rs_level: str | None = None
-    rs_upper: float | None = None
-    rs_lower: float | None = None
-    rs_veto: float | None = None
-
-    @classmethod
-    def from_config(cls, algo) -> "CorrectionConfig":
-        return cls(**{f.name: algo.get(f.name, f.default) for f in dataclasses.fields(cls)})
-
-
-@functools.partial(jax.jit, static_argnames="settings")
-def rollout_correction(old_log_probs, behaviour_log_probs, mask, settings: CorrectionConfig):
-    """Importance weights, the loss mask of rejection sampling, and metrics.
-
-    Returns:
-      ``(weights, loss_mask, metrics)``: truncated importance weights ``[R, N]`` (None
-      without ``tis_cap``), the tokens rejection sampling keeps ``[R, N]`` (None without
-      ``rs_level`` and ``rs_veto``), and ``offpolicy/*`` metrics: ``losses.offpolicy_metrics``
-      (KL, PPL ratio, chi-square between mu and pi_old), ``is_truncated_frac`` (valid tokens
-      whose weight the cap set), ``rs_rejected_token_frac`` and ``rs_rejected_seq_frac``
-      (valid tokens, and non-empty sequences wholly, left out of the policy loss).
-    """
-    metrics = {f"offpolicy/{k}": v for k, v in offpolicy_metrics(old_log_probs, behaviour_log_probs, mask).items()}
-    valid = mask > 0
-    n_tokens = jnp.maximum(jnp.sum(valid), 1)
-    weights = loss_mask = None
-    if settings.tis_cap is not None:
-        weights = truncated_importance_weights(old_log_probs, behaviour_log_probs, mask,
-                                               cap=settings.tis_cap, level=settings.tis_level)
-        metrics["offpolicy/is_truncated_frac"] = jnp.sum(valid & (weights >= settings.tis_cap)) / n_tokens
-    if settings.rs_level is not None or settings.rs_veto is not None:
-        loss_mask = rejection_mask(old_log_probs, behaviour_log_probs, mask, level=settings.rs_level,
-                                   upper=settings.rs_upper, lower=settings.rs_lower, veto=settings.rs_veto)
-        kept = loss_mask > 0
-        metrics["offpolicy/rs_rejected_token_frac"] = 1 - jnp.sum(kept) / n_tokens
-        non_empty = jnp.any(valid, axis=-1)
-        metrics["offpolicy/rs_rejected_seq_frac"] = (
-            jnp.sum(non_empty & ~jnp.any(kept, axis=-1)) / jnp.maximum(jnp.sum(non_empty), 1))
-    return weights, loss_mask, metrics
-
-
-def minibatch_advantages(rewards, group_size: int, *, center: str = "group", eps: float = 1e-6,
-                         valid=None):
-    """Magistral's advantages (2506.10910 §2.1): ``A = R - mean(R_group)``, then
-    ``(A - mean_mb(A)) / std_mb(A)`` over the sequences of one minibatch.
-
-    Magistral drops groups whose rewards are all equal before forming the batch, so their
-    rows (advantage 0 either way) count in neither ``mean_mb`` nor ``std_mb``: computed
-    from the minibatch's rewards with ``outcome_advantages(scale="batch")``, which leaves
-    zero-variance groups out of the batch statistics. Minibatches hold whole groups.
-
-    Args:
-      rewards: ``[R]`` rewards of the minibatch's rows, group after group.
-      group_size: G.
-      center: ``"group"`` (Magistral) or ``"none"``.
-      eps: added to the minibatch std.
-      valid: optional ``[R]`` bool, False for samples left out of every statistic (a
-        missed scoring deadline; ``outcome_advantages``).
-
-    Returns:
-      ``[R]`` advantages.
-    """
-    return outcome_advantages(rewards, group_size, center=center, scale="batch", eps=eps, valid=valid)
-
-
 def rl_iteration(run: RLRun) -> dict[str, float]:
-    """Runs one RL iteration on ``run`` (state updated in place) and returns its metrics."""
-    start = time.perf_counter()
-    with jax.set_mesh(run.mesh):
-        key_sample, key_shuffle = jax.random.split(jax.random.fold_in(run.rng, run.iteration))
-        merged, metrics = _sample_batch(run, key_sample)
-        metrics = train_on_batch(run, merged, metrics, key_shuffle)
-    run.iteration += 1
-    metrics["time/iteration_s"] = time.perf_counter() - start
-    return {k: float(v) for k, v in metrics.items()}
-
-
-def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -> dict:
-    """The training half of an iteration on a sampled batch (host ``Round``): old /
-    reference log-probs, advantages (critic: values and GAE targets), TIS weights, routing
-    replay, epochs x minibatches of updates, routing metrics. Updates ``run.state`` (and
-    ``run.critic_state``), not ``run.iteration``; shared by ``rl_iteration`` and
-    ``async_rl.async_iteration``. Returns ``metrics`` with this step's added."""
-    with jax.set_mesh(run.mesh):
-        return _train_on_batch(run, merged, metrics, key_shuffle)
-
-
-def _train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -> dict:
-    cfg, learner = run.config, run.learner
-    algo, group = cfg.algo, cfg.batch.group_size
-    # Value pretraining / warm-up updates the critic only: the policy's forward passes
-    # (old and reference log-probs, routing) would be computed for nothing, and are not.
-    pretraining = run.critic is not None and run.iteration < cfg.critic.pretrain_iterations
-    policy_step = not pretraining
-
-    # Old (and reference) log-probs from the trainer's forward pass.
-    t0 = time.perf_counter()
-    tokens, positions = sharding.shard_rows(merged.tokens), sharding.shard_rows(merged.positions)
-    attention_mask, mask = sharding.shard_rows(merged.attention_mask), sharding.shard_rows(merged.mask)
-    sampler_routing = sharding.shard_rows(merged.routing, axis=1)
-    behaviour = sharding.shard_rows(merged.behaviour_log_probs)
-    n_chunks = cfg.batch.n_minibatches
-    is_moe = sampler_routing is not None
-    replay_old = sampler_routing if (is_moe and algo.routing_replay == "R3") else None
-    # Packed rows for the forwards (config.batch.pack; None: padded), one layout per chunk.
-    chunk_packings = pack_chunks(cfg, merged.attention_mask, n_chunks)
-    if algo.old_log_probs == "trainer" and policy_step:
-        old_log_probs, old_routing = _chunked_log_probs(
-            learner, run.state.params, tokens, positions, attention_mask, mask, replay_old,
-            n_chunks, chunk_packings)
-    else:
-        old_log_probs, old_routing = behaviour, None
-    ref_log_probs = None
-    if run.ref_params is not None and policy_step:
-        ref_log_probs, _ = _chunked_log_probs(
-            learner, run.ref_params, tokens, positions, attention_mask, mask, None, n_chunks,
-            chunk_packings)
-    # The old policy's own (not replayed) routing, for the routing metrics.
-    routing_metrics_on = is_moe and cfg.train.routing_metrics and policy_step
-    natural_old = old_routing if (is_moe and replay_old is None) else None
-    if routing_metrics_on and natural_old is None:
-        natural_old = _chunked_routing(learner, run.state.params, tokens, positions, attention_mask, n_chunks)
-    if policy_step:
-        metrics["time/old_log_probs_s"] = _block(old_log_probs, t0)
-        metrics["logprob/sampler_trainer_abs_diff"] = float(
-            jnp.sum(jnp.abs(old_log_probs - behaviour) * mask) / jnp.maximum(jnp.sum(mask), 1))
-
-    # Advantages (and, for critic methods, the rollout's values and the value targets),
-    # importance weights, the replayed routing.
-    rewards = sharding.shard_rows(merged.rewards)
-    scored = merged.scored_rows()
-
-    def valid(rows=slice(None)):
-        """Samples that missed the scoring deadline count in no group statistic (None:
-        every sample was scored; the statistics then keep their static group size)."""
-        return None if scored[rows].all() else scored[rows]
-
-    old_values = returns = None
-    if run.critic is not None:
-        t0 = time.perf_counter()
-        old_values = _chunked_values(run.critic, run.critic_state.params, tokens, positions,
-                                     attention_mask, mask, n_chunks, chunk_packings)
-        advantages, returns, gae_metrics = _gae_targets(
-            rewards, old_values, mask, settings=gae_settings(cfg, pretraining=pretraining))
-        metrics.update(jax.device_get(gae_metrics))
-        metrics["time/values_s"] = _block(advantages, t0)
-    else:
-        scale = "none" if algo.adv_scale == "minibatch" else algo.adv_scale
-        advantages = outcome_advantages(rewards, group, center=algo.adv_center, scale=scale,
-                                        eps=algo.adv_eps, valid=valid())
-    # VAPO's NLL term covers the correct samples.
-    nll_weights = sharding.shard_rows(merged.correct.astype(np.float32)) if algo.nll_coef > 0 else None
-    # Rollout correction (sampler vs trainer): importance weights, rejection sampling.
-    weights = loss_mask = None
-    if algo.old_log_probs == "trainer" and policy_step:
-        weights, loss_mask, correction_metrics = rollout_correction(
-            old_log_probs, behaviour, mask, CorrectionConfig.from_config(algo))
-        metrics.update(jax.device_get(correction_metrics))
-    replay = {"none": None, "R2": old_routing, "R3": sampler_routing}[algo.routing_replay] if is_moe else None
-    batch = Batch(tokens=tokens, positions=positions, attention_mask=attention_mask, mask=mask,
-                  advantages=advantages, old_log_probs=old_log_probs, importance_weights=weights,
-                  ref_log_probs=ref_log_probs, routing=replay, old_values=old_values,
-                  returns=returns, nll_weights=nll_weights, loss_mask=loss_mask)
-
-    run.last_round, run.last_batch = merged, batch
-
-    # Epochs x minibatches of updates: the policy (unless the critic is pretraining) and
-    # the critic, on the same minibatches.
-    t0 = time.perf_counter()
-    num_groups = tokens.shape[0] // group
-    sums: dict[str, jax.Array] = {}
-    updates: dict[str, jax.Array] = {}  # per metric: how many minibatches were updates
-    packed_slots = packed_real = 0  # over the update minibatches' packed rows
-    for epoch in range(cfg.batch.epochs):
-        shuffle = jax.random.fold_in(key_shuffle, epoch) if cfg.batch.n_minibatches > 1 else None
-        for rows in minibatch_indices(num_groups, group, cfg.batch.n_minibatches, shuffle):
-            minibatch = take_rows(batch, rows)
-            if algo.adv_scale == "minibatch" and run.critic is None:
-                minibatch = minibatch._replace(advantages=minibatch_advantages(
-                    rewards[rows], group, center=algo.adv_center, eps=algo.adv_eps, valid=valid(rows)))
-            packing = pack_rows(cfg, merged.attention_mask[rows], rows)
-            if packing is not None:
-                minibatch = minibatch._replace(packing=packing)
-                packed_slots += packing.segment_ids.size
-                packed_real += packing.num_real
-            minibatch = shard_batch(minibatch)
-            update_metrics = {}
-            if not pretraining:
-                run.state, update_metrics = learner.update(run.state, minibatch)
-            if run.critic is not None:
-                run.critic_state, critic_metrics = run.critic.update(run.critic_state, minibatch)
-                update_metrics = {**update_metrics, **critic_metrics}
-            for k, v in update_metrics.items():
-                if k in _UPDATE_COUNTS:
-                    sums[k] = sums.get(k, 0.0) + v
-                    continue
-                # Means over the minibatches that were updates: an empty one (fillers only,
-                # or every token rejected) reports zeros, which would dilute them.
-                w = 1.0 - update_metrics["critic/empty" if k.startswith("critic/") else "update/empty"]
-                sums[k] = sums.get(k, 0.0) + w * v
-                updates[k] = updates.get(k, 0.0) + w
-    # NaN when every minibatch was empty: no update, no value.
-    update_metrics = {k: v if k in _UPDATE_COUNTS else v / jnp.where(updates[k] > 0, updates[k], jnp.nan)
-                      for k, v in sums.items()}
-    metrics.update(jax.device_get(update_metrics))
-    if run.critic is not None:
-        metrics["critic/pretraining"] = float(pretraining)
-        metrics["critic/step"] = float(run.critic_state.step)
-    metrics["time/update_s"] = _block((run.state.params, run.critic_state), t0)
-
-    # Routing metrics (MoE).
-    if routing_metrics_on:
-        new_routing = _chunked_routing(learner, run.state.params, tokens, positions, attention_mask, n_chunks)
-        metrics.update(jax.device_get(routing_metrics("routing/volatility", natural_old, new_routing, attention_mask)))
-        metrics.update(jax.device_get(routing_metrics(
-            "routing/sampler_trainer_disagreement", natural_old, sampler_routing, attention_mask)))
-    metrics["batch/prompt_width"] = float(merged.prompt_width)
-    metrics["batch/response_width"] = float(merged.mask.shape[1])
-    # Padding: of the padded rows' slots, and (config.batch.pack) of the packed rows'.
-    metrics["batch/padding_fraction"] = 1.0 - float(np.mean(merged.attention_mask > 0))
-    if packed_slots:
-        metrics["batch/packed_padding_fraction"] = 1.0 - packed_real / packed_slots
-    metrics["update/step"] = float(run.state.step)
-    metrics["update/skipped_total"] = float(run.state.skipped)
+    """Runs one RL iteration on ``run`` (``iteration.rl_iteration``; the run's state
+    replaced, the batch kept for inspection) and returns its metrics."""
+    run.run_state, metrics, sampled, batch = iteration.rl_iteration(run.spec, run.run_state)
+    run.last_samples, run.last_round, run.last_batch = sampled.samples, batch.round, batch.batch
     return metrics
 
 
-# Update metrics that are counts over the minibatches (summed), not means.
-_UPDATE_COUNTS = ("update/skipped", "critic/skipped", "update/empty", "critic/empty")
+def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -> dict:
+    """The training half of an iteration on a sampled batch (host ``Round``):
+    ``iteration.prepare`` then ``iteration.update_epochs`` on ``run`` (its state replaced,
+    ``run.iteration`` not advanced). Returns ``metrics`` with this step's added."""
+    with jax.set_mesh(run.mesh):
+        batch = iteration.prepare(run.spec, run.run_state, merged)
+        run.run_state, update_metrics = iteration.update_epochs(run.spec, run.run_state, batch,
+                                                                key_shuffle)
+    run.last_round, run.last_batch = batch.round, batch.batch
+    return {**metrics, **batch.metrics, **update_metrics}
 
 
 class UpdatesSkipped(RuntimeError):
@@ -709,11 +333,6 @@ class SkippedUpdates:
                     f"state; {name}/skipped in metrics.jsonl) and the run cannot learn; lower "
                     f"optim.lr, check optim.eps, or restart from an earlier checkpoint "
                     f"(config.train.max_skipped_updates={self.limit})")
-
-
-def _block(tree, t0: float) -> float:
-    jax.block_until_ready(tree)
-    return time.perf_counter() - t0
 
 
 # Completions of each evaluation written to eval_samples.jsonl (the first held-out prompts).

@@ -1,0 +1,321 @@
+"""One RL iteration as three stages, read top to bottom.
+
+    sampled = sample(spec, state, key)           generate, score, dynamic sampling
+    batch = prepare(spec, state, sampled.round)  old / reference log-probs, advantages
+                                                 (critic: values, GAE), rollout correction
+    state, metrics = update_epochs(spec, state, batch, key)
+                                                 epochs x minibatches of the updates
+
+``RunSpec`` (frozen: graphdef, learner, critic, mesh, the config and the method-specific
+steps chosen when the run was built, ``policyopt.rl.methods``) and ``RunState`` (a pytree:
+policy and critic states, run key, iteration) are all a stage sees. The stages call
+jitted functions (``sampling.generate_fn``, ``Learner.log_probs`` / ``update``,
+``Critic.values`` / ``update``) and keep host bookkeeping on NumPy arrays (scoring,
+dynamic sampling). The asynchronous trainer (``policyopt.rl.async_rl``) has its own
+``sample`` and uses ``prepare`` and ``update_epochs`` as they are.
+
+Determinism: iteration ``i`` draws its keys from ``fold_in(state.rng, i)``; the prompts
+come from ``spec.prompts``, a host iterator whose position the run's checkpoint saves
+(``policyopt.rl.trainer.save``), so a resumed run repeats the iteration bit for bit.
+
+Critic warm-up (``config.critic.pretrain_iterations``, VC-PPO 2503.01491): while
+``state.iteration < spec.warmup_iterations`` only the critic is updated, on Monte-Carlo
+targets, and the policy's forward passes are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from policyopt import sharding
+from policyopt.rewards.batch import score_batch
+from policyopt.rl import forwards
+from policyopt.rl.batch import (Batch, DynamicSampler, Round, bucket, minibatch_indices,
+                                round_from_rollout, shard_batch, take_rows, truncated_rows)
+from policyopt.rl.critic import Critic
+from policyopt.rl.evaluate import decode, task_accuracies
+from policyopt.rl.learner import Learner, TrainState
+from policyopt.rl.methods import Methods
+from policyopt.rl.report import batch_metrics, scoring_metrics
+from policyopt.rl.routing import routing_metrics
+from policyopt.sampling import SamplingConfig, generate_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """What does not change during a run (``trainer.build_run`` builds it)."""
+
+    config: Any  # the locked recipe config
+    graphdef: Any
+    learner: Learner
+    critic: Critic | None  # critic methods (algo.advantage = "gae"), else None
+    mesh: jax.sharding.Mesh  # every array of the run lives on it (config.mesh)
+    methods: Methods  # the method-specific steps (policyopt.rl.methods.choose)
+    tokenizer: Any
+    sampling_config: SamplingConfig
+    reward_spec: Any
+    prompts: Any  # host iterator of prompt batches (grain; position saved by the checkpoint)
+    ref_params: Any = None  # frozen initial parameters (KL), or None
+    engine: Any = None  # continuous-batching engine (sampling.engine_kv_tokens > 0), or None
+    warmup_iterations: int = 0  # critic.pretrain_iterations (critic methods), else 0
+    # Names of the sampler-vs-trainer metrics: the asynchronous trainer's sampler is stale.
+    logprob_diff_name: str = "logprob/sampler_trainer_abs_diff"
+    routing_diff_name: str = "routing/sampler_trainer_disagreement"
+
+
+@struct.dataclass
+class RunState:
+    """What an iteration changes (a pytree): the policy's and the critic's parameters,
+    optimiser states and counters, the run key, the iterations completed."""
+
+    policy: TrainState
+    critic: TrainState | None
+    rng: jax.Array  # run key; iteration i uses fold_in(rng, i)
+    iteration: int = struct.field(pytree_node=False, default=0)
+
+
+class Sampled(NamedTuple):
+    """``sample``'s output: the batch's rollouts, scored, and what was seen on the way."""
+
+    round: Round  # host arrays, [R, P + N] tokens, rewards [R], routing [L, R, P + N, k]
+    samples: dict | None  # the first round's texts and verdicts (report.sample_rows fields)
+    metrics: dict  # reward/*, response/*, dynamic_sampling/*, batch/*, time/*
+
+
+class TrainBatch(NamedTuple):
+    """``prepare``'s output: the update's ``Batch`` on the mesh and what the epochs need."""
+
+    batch: Batch  # advantages, old / reference log-probs, weights, routing to replay
+    round: Round  # the host rollouts (rewards, packing layouts, widths)
+    rows: forwards.Rows  # the batch's rows, for the routing metrics' forwards
+    natural_routing: jax.Array | None  # [L, R, S, k]: pi_old's own routing (metrics), or None
+    sampler_routing: jax.Array | None  # [L, R, S, k] on the mesh, or None (dense)
+    metrics: dict  # time/*, logprob/*, offpolicy/*, advantages/*, critic/* of the rollout
+
+
+def rl_iteration(spec: RunSpec, state: RunState):
+    """One iteration: ``(new state, metrics, Sampled, TrainBatch)``."""
+    start = time.perf_counter()
+    with jax.set_mesh(spec.mesh):
+        key_sample, key_shuffle = jax.random.split(jax.random.fold_in(state.rng, state.iteration))
+        sampled = sample(spec, state, key_sample)
+        batch = prepare(spec, state, sampled.round)
+        state, update_metrics = update_epochs(spec, state, batch, key_shuffle)
+    metrics = {**sampled.metrics, **batch.metrics, **update_metrics,
+               "time/iteration_s": time.perf_counter() - start}
+    state = state.replace(iteration=state.iteration + 1)
+    return state, {k: float(v) for k, v in metrics.items()}, sampled, batch
+
+
+def sample(spec: RunSpec, state: RunState, key: jax.Array) -> Sampled:
+    """Sampling rounds of ``n_prompts`` prompts x G samples, scored, until dynamic sampling
+    has a full batch (or its cap on rounds); returns the merged batch."""
+    cfg, group = spec.config, spec.config.batch.group_size
+    ds = cfg.dynamic_sampling
+    sampler = DynamicSampler(cfg.batch.n_prompts, group, enabled=ds.enabled,
+                             max_rounds=ds.max_rounds if ds.enabled else 1, criterion=ds.criterion)
+    gen_time = score_time = 0.0
+    scorings, rewards, correct, lengths, truncated, tasks = [], [], [], [], [], []
+    samples, done, round_index = None, False, 0
+    while not done:
+        prompts = next(spec.prompts)
+        t0 = time.perf_counter()
+        rollout = generate(spec, state, prompts, jax.random.fold_in(key, round_index))
+        tokens, lengths_i = sharding.to_host((rollout.tokens, rollout.lengths))
+        truncated_i = truncated_rows(tokens, lengths_i, cfg.sampling.max_new_tokens,
+                                     spec.sampling_config.end_ids)
+        t1 = time.perf_counter()
+        texts = decode(tokens, lengths_i, spec.tokenizer)
+        repeat = lambda values: [v for v in values for _ in range(group)]
+        references, texts_prompts = repeat(prompts["answer"]), repeat(prompts["prompt"])
+        # Mixed math and code prompts: each sample is checked by its own task's verifier.
+        tasks_i = repeat(prompts["task"]) if "task" in prompts else None
+        scores = score_batch(texts, references, lengths_i, spec.reward_spec, prompts=texts_prompts,
+                             num_workers=cfg.reward.num_workers, truncated=truncated_i,
+                             deadline_s=cfg.reward.deadline_s, across_processes=True,
+                             tasks=tasks_i)
+        t2 = time.perf_counter()
+        gen_time, score_time = gen_time + t1 - t0, score_time + t2 - t1
+        width = min(bucket(int(lengths_i.max()), cfg.batch.response_buckets,
+                           name="response length"), cfg.sampling.max_new_tokens)
+        rnd = round_from_rollout(rollout, scores.rewards, scores.correct, width,
+                                 scored=scores.scored)
+        # 0 on samples to leave out of the loss (overlong filtering, scoring deadline).
+        rnd = rnd._replace(mask=rnd.mask * np.asarray(scores.sample_mask)[:, None])
+        scorings.append(scores.metrics)
+        rewards.append(scores.rewards)
+        correct.append(scores.correct)
+        lengths.append(lengths_i)
+        truncated.append(truncated_i)
+        tasks.extend(tasks_i or ())
+        if round_index == 0:
+            samples = dict(prompts=texts_prompts, completions=texts, references=references,
+                           rewards=scores.rewards, correct=scores.correct,
+                           status=getattr(scores, "status", None),
+                           format_ok=getattr(scores, "format_ok", None))
+        done = sampler.add(rnd)
+        round_index += 1
+    merged, metrics = sampler.batch(spec.tokenizer.pad_id)
+    lengths, correct = np.concatenate(lengths), np.concatenate(correct)
+    metrics.update({
+        "reward/mean": float(np.mean(np.concatenate(rewards))),
+        "reward/accuracy": float(np.mean(correct)),
+        **batch_metrics(merged),
+        "response/length_mean": float(np.mean(lengths)),
+        "response/length_max": float(np.max(lengths)),
+        "response/truncated_fraction": float(np.mean(np.concatenate(truncated))),
+        "time/generate_s": gen_time, "time/score_s": score_time,
+        **scoring_metrics(scorings),
+        **task_accuracies(correct, tasks or None, "reward/accuracy"),
+    })
+    return Sampled(merged, samples, metrics)
+
+
+def generate(spec: RunSpec, state: RunState, prompts: dict, key: jax.Array):
+    """One batch of prompts x G samples at the policy's parameters: the continuous-batching
+    engine's ``generate`` (``spec.engine``) or ``sampling.generate_fn``."""
+    params = state.policy.params
+    if spec.engine is not None:
+        return spec.engine.generate(prompts["prompt_tokens"], prompts["prompt_lengths"], key,
+                                    params=params)
+    return generate_fn(spec.graphdef, params, sharding.shard_rows(prompts["prompt_tokens"]),
+                       sharding.shard_rows(prompts["prompt_lengths"]), key,
+                       config=spec.sampling_config)
+
+
+def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
+    """The update's batch of the sampled ``rnd``: pi_old (trainer or sampler), reference
+    log-probs (KL), advantages (group statistics, or the critic's values and GAE), the
+    rollout correction, VAPO's NLL rows, the routing the updates replay (R2, R3)."""
+    cfg, methods, metrics = spec.config, spec.methods, {}
+    policy_trains = state.iteration >= spec.warmup_iterations
+    t0 = time.perf_counter()
+    rows = forwards.Rows(*(sharding.shard_rows(x) for x in (rnd.tokens, rnd.positions,
+                                                            rnd.attention_mask, rnd.mask)),
+                         num_chunks=cfg.batch.n_minibatches,
+                         packings=forwards.pack_chunks(cfg, rnd.attention_mask,
+                                                       cfg.batch.n_minibatches))
+    sampler_routing = sharding.shard_rows(rnd.routing, axis=1)
+    behaviour = sharding.shard_rows(rnd.behaviour_log_probs)
+    old_log_probs, old_routing, ref_log_probs, natural_routing = behaviour, None, None, None
+    if policy_trains:  # the critic's warm-up needs no forward pass of the policy
+        old_log_probs, old_routing = methods.old_log_probs(
+            spec.learner, state.policy.params, rows, behaviour, methods.old_replay(sampler_routing))
+        if spec.ref_params is not None:
+            ref_log_probs, _ = forwards.policy_log_probs(spec.learner, spec.ref_params, rows)
+        if sampler_routing is not None and cfg.train.routing_metrics:  # MoE, with routing
+            # pi_old's own (not replayed) routing, for the routing metrics.
+            natural_routing = old_routing if methods.old_replay(sampler_routing) is None else None
+            if natural_routing is None:
+                natural_routing = forwards.policy_routing(spec.learner, state.policy.params, rows)
+        metrics["time/old_log_probs_s"] = _block(old_log_probs, t0)
+        metrics[spec.logprob_diff_name] = float(
+            jnp.sum(jnp.abs(old_log_probs - behaviour) * rows.mask)
+            / jnp.maximum(jnp.sum(rows.mask), 1))
+    t0 = time.perf_counter()
+    advantages, returns, old_values, advantage_metrics = methods.advantages(
+        spec, state, rows, sharding.shard_rows(rnd.rewards), _valid(rnd), not policy_trains)
+    metrics.update(advantage_metrics)
+    if spec.critic is not None:
+        metrics["time/values_s"] = _block(advantages, t0)
+    weights = loss_mask = None
+    if methods.correction is not None and policy_trains:
+        weights, loss_mask, correction_metrics = methods.correction(old_log_probs, behaviour,
+                                                                    rows.mask)
+        metrics.update(jax.device_get(correction_metrics))
+    batch = Batch(tokens=rows.tokens, positions=rows.positions, attention_mask=rows.attention_mask,
+                  mask=rows.mask, advantages=advantages, old_log_probs=old_log_probs,
+                  importance_weights=weights, ref_log_probs=ref_log_probs,
+                  routing=methods.update_replay(sampler_routing, old_routing),
+                  old_values=old_values, returns=returns, loss_mask=loss_mask,
+                  nll_weights=methods.nll_weights and methods.nll_weights(rnd.correct))
+    return TrainBatch(batch, rnd, rows, natural_routing, sampler_routing, metrics)
+
+
+def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Array):
+    """``config.batch.epochs`` x ``n_minibatches`` updates of the policy (not during the
+    critic's warm-up) and the critic, on the same minibatches (whole groups, shuffled by
+    ``key``): ``(state, metrics)``, the update metrics averaged over the minibatches that
+    were updates (NaN when none was), counts summed."""
+    cfg, group, methods = spec.config, spec.config.batch.group_size, spec.methods
+    policy_trains = state.iteration >= spec.warmup_iterations
+    policy, critic = state.policy, state.critic
+    t0 = time.perf_counter()
+    sums, updates, packed_slots, packed_real = {}, {}, 0, 0
+    rewards = sharding.shard_rows(batch.round.rewards)
+    for epoch in range(cfg.batch.epochs):
+        shuffle = jax.random.fold_in(key, epoch) if cfg.batch.n_minibatches > 1 else None
+        num_groups = batch.batch.tokens.shape[0] // group
+        for rows in minibatch_indices(num_groups, group, cfg.batch.n_minibatches, shuffle):
+            minibatch = take_rows(batch.batch, rows)
+            if methods.minibatch_advantages is not None:  # Magistral
+                minibatch = minibatch._replace(advantages=methods.minibatch_advantages(
+                    rewards[rows], valid=_valid(batch.round, rows)))
+            packing = forwards.pack_rows(cfg, batch.round.attention_mask[rows], rows)
+            if packing is not None:
+                minibatch = minibatch._replace(packing=packing)
+                packed_slots, packed_real = (packed_slots + packing.segment_ids.size,
+                                             packed_real + packing.num_real)
+            minibatch, step_metrics = shard_batch(minibatch), {}
+            if policy_trains:
+                policy, step_metrics = spec.learner.update(policy, minibatch)
+            if critic is not None:
+                critic, critic_metrics = spec.critic.update(critic, minibatch)
+                step_metrics = {**step_metrics, **critic_metrics}
+            for k, v in step_metrics.items():
+                if k in UPDATE_COUNTS:
+                    sums[k] = sums.get(k, 0.0) + v
+                    continue
+                # Means over the minibatches that were updates: an empty one (fillers only,
+                # or every token rejected) reports zeros, which would dilute them.
+                empty = "critic/empty" if k.startswith("critic/") else "update/empty"
+                w = 1.0 - step_metrics[empty]
+                sums[k], updates[k] = sums.get(k, 0.0) + w * v, updates.get(k, 0.0) + w
+    metrics = jax.device_get({k: v if k in UPDATE_COUNTS
+                              else v / jnp.where(updates[k] > 0, updates[k], jnp.nan)
+                              for k, v in sums.items()})
+    if critic is not None:
+        metrics["critic/pretraining"] = float(not policy_trains)
+        metrics["critic/step"] = float(critic.step)
+    metrics["time/update_s"] = _block((policy.params, critic), t0)
+    if batch.natural_routing is not None:  # MoE, train.routing_metrics
+        new_routing = forwards.policy_routing(spec.learner, policy.params, batch.rows)
+        mask = batch.rows.attention_mask
+        metrics.update(jax.device_get(routing_metrics("routing/volatility",
+                                                      batch.natural_routing, new_routing, mask)))
+        metrics.update(jax.device_get(routing_metrics(spec.routing_diff_name,
+                                                      batch.natural_routing,
+                                                      batch.sampler_routing, mask)))
+    rnd = batch.round
+    metrics["batch/prompt_width"] = float(rnd.prompt_width)
+    metrics["batch/response_width"] = float(rnd.mask.shape[1])
+    # Padding: of the padded rows' slots, and (config.batch.pack) of the packed rows'.
+    metrics["batch/padding_fraction"] = 1.0 - float(np.mean(rnd.attention_mask > 0))
+    if packed_slots:
+        metrics["batch/packed_padding_fraction"] = 1.0 - packed_real / packed_slots
+    metrics["update/step"] = float(policy.step)
+    metrics["update/skipped_total"] = float(policy.skipped)
+    return state.replace(policy=policy, critic=critic), metrics
+
+
+# Update metrics that are counts over the minibatches (summed), not means.
+UPDATE_COUNTS = ("update/skipped", "critic/skipped", "update/empty", "critic/empty")
+
+
+def _valid(rnd: Round, rows=slice(None)):
+    """Samples that missed the scoring deadline count in no group statistic (None: every
+    sample was scored; the statistics then keep their static group size)."""
+    scored = rnd.scored_rows()[rows]
+    return None if scored.all() else scored
+
+
+def _block(tree, t0: float) -> float:
+    jax.block_until_ready(tree)
+    return time.perf_counter() - t0
