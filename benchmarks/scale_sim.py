@@ -429,22 +429,22 @@ def rollout_calls(args, config, setup: Setup, mesh) -> list[tuple[str, object]]:
         lower = lambda: generate_fn.lower(setup.graphdef, setup.state.params, prompts, lengths,
                                           rng, config=sampling_config)
         return [("generate_fn", lower)]
-    from policyopt.engine import _admit, _decode, _evict, _init_state, _state_specs, row_shards
+    from policyopt.engine import admit_rows, decode_steps, evict_rows, empty_state, state_specs, row_shards
 
     shards = row_shards(mesh)
-    state = jax.eval_shape(lambda: _init_state(setup.model_config, engine, sampling_config,
+    state = jax.eval_shape(lambda: empty_state(setup.model_config, engine, sampling_config,
                                                args.prompt_len, shards))
-    state = _abstract(state, _state_specs(state, mesh), mesh)
+    state = _abstract(state, state_specs(state, mesh), mesh)
     per_shard = [rows((shards,), jnp.int32) for _ in range(5)]
     prompts = rows((shards, args.prompt_len), jnp.int32)
     params = setup.state.params
     return [
-        ("engine_admit", lambda: _admit.lower(setup.graphdef, params, state, prompts, *per_shard,
+        ("engine_admit", lambda: admit_rows.lower(setup.graphdef, params, state, prompts, *per_shard,
                                               config=sampling_config)),
-        ("engine_decode", lambda: _decode.lower(setup.graphdef, params, state, rng,
+        ("engine_decode", lambda: decode_steps.lower(setup.graphdef, params, state, rng,
                                                 config=sampling_config,
                                                 steps=engine.steps_per_call)),
-        ("engine_evict", lambda: _evict.lower(state, rows((engine.rows * shards,), jnp.bool_))),
+        ("engine_evict", lambda: evict_rows.lower(state, rows((engine.rows * shards,), jnp.bool_))),
     ]
 
 

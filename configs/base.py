@@ -242,7 +242,8 @@ def base_config() -> ml_collections.ConfigDict:
     # shared by all rows; 0 = off), the rows decoded together (a multiple of
     # batch.group_size; 0 = all B x G), and the token slots per page. Greedy tokens are
     # generate's; sampled ones follow per-row keys (another draw of the same distribution).
-    # Synchronous trainer, one device, no R3 yet.
+    # Synchronous trainer; on a mesh one engine shard per device along the row axes (the
+    # budget and rows are per shard); records the routing for R3.
     c.sampling.engine_kv_tokens = 0
     c.sampling.engine_rows = 0
     c.sampling.engine_page_size = 16
@@ -788,9 +789,6 @@ def check(config: ml_collections.ConfigDict) -> None:
         if s.engine_kv_tokens < 2 * s.engine_page_size:
             raise ValueError(f"config.sampling.engine_kv_tokens ({s.engine_kv_tokens}) must hold "
                              f"a prompt plus one page of {s.engine_page_size} tokens")
-        if config.algo.routing_replay == "R3":
-            raise ValueError("config.sampling.engine_kv_tokens > 0 does not capture the "
-                             "sampler's routing yet: algo.routing_replay = 'R3' needs it 0")
     r = config.reward
     for name in ("verifier_timeout_s", "deadline_s", "code_timeout_s", "code_memory_mb",
                  "code_disk_mb", "code_max_tests"):

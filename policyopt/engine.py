@@ -121,7 +121,7 @@ def _stop_window(config: SamplingConfig) -> int:
     return max((len(stop) for stop in config.stop_sequences), default=0)
 
 
-def _init_state(mc, engine: EngineConfig, config: SamplingConfig, prompt_len: int,
+def empty_state(mc, engine: EngineConfig, config: SamplingConfig, prompt_len: int,
                 shards: int = 1) -> _State:
     """The empty state of ``shards`` x ``engine.rows`` rows (``mc``: the ModelConfig)."""
     rows, num_new = engine.rows * shards, config.max_new_tokens
@@ -145,7 +145,7 @@ def _init_state(mc, engine: EngineConfig, config: SamplingConfig, prompt_len: in
                   recent=jnp.full((rows, window), -1, jnp.int32) if window else None)
 
 
-def _state_specs(s: _State, mesh) -> _State:
+def state_specs(s: _State, mesh) -> _State:
     """Where each field lives on ``mesh``: rows (and each shard's pages of the pools) split
     over the row axes (``policyopt.sharding.row_spec``, logical ``batch``), the routing
     along its row axis 1, the cache's write index replicated."""
@@ -162,12 +162,12 @@ def _state_specs(s: _State, mesh) -> _State:
 
 
 def _pin(s: _State) -> _State:
-    """The new state of a jitted call constrained (under a mesh) to ``_state_specs``."""
-    return sharding.constrain_tree(s, lambda mesh: _state_specs(s, mesh))
+    """The new state of a jitted call constrained (under a mesh) to ``state_specs``."""
+    return sharding.constrain_tree(s, lambda mesh: state_specs(s, mesh))
 
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=("config",), donate_argnums=(2,))
-def _admit(graphdef, params, s: _State, prompts, lengths, row0, num_rows, first_sample,
+def admit_rows(graphdef, params, s: _State, prompts, lengths, row0, num_rows, first_sample,
            prompt_index, *, config: SamplingConfig) -> _State:
     """Admits up to one prompt per shard: prefills ``prompts[i]`` [P] (``lengths[i]`` real
     tokens) into row ``row0[i]`` of shard i and copies it to rows [row0[i], row0[i] +
@@ -237,13 +237,13 @@ def _admit(graphdef, params, s: _State, prompts, lengths, row0, num_rows, first_
 
 
 @partial(jax.jit, donate_argnums=(0,))
-def _evict(s: _State, rows) -> _State:
+def evict_rows(s: _State, rows) -> _State:
     """Returns the pages of ``rows`` (bool [R]) and stops them."""
     return _pin(s.replace(cache=s.cache.release(rows), active=s.active & ~rows))
 
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=("config", "steps"), donate_argnums=(2,))
-def _decode(graphdef, params, s: _State, rng, *, config: SamplingConfig, steps: int):
+def decode_steps(graphdef, params, s: _State, rng, *, config: SamplingConfig, steps: int):
     """At most ``steps`` decode steps of every running row (``sampling.decode_step``).
 
     Returns (state, steps run, tokens made per shard [S], row-steps spent waiting for a
@@ -345,11 +345,11 @@ class Engine:
 
     def init_state(self, prompt_len: int) -> _State:
         """The empty state for prompts of width ``prompt_len``, placed on the mesh."""
-        state = _init_state(self.model.config, self.engine, self.config, prompt_len, self.shards)
+        state = empty_state(self.model.config, self.engine, self.config, prompt_len, self.shards)
         if self.mesh is None:
             return jax.device_put(state, jax.devices()[0])
         return jax.device_put(state, sharding.named_shardings(
-            _state_specs(state, self.mesh), self.mesh))
+            state_specs(state, self.mesh), self.mesh))
 
     def generate(self, prompts, prompt_lengths, rng, params=None) -> Rollout:
         """G samples of each right-padded prompt, as ``policyopt.sampling.generate``.
@@ -415,13 +415,13 @@ class Engine:
         prompt_pages = lambda b: pages_for(int(lengths[b]), ps)
 
         def admit(state, admissions):
-            """One _admit call: ``admissions`` maps a shard to (prompt, row0, rows, sample)."""
+            """One admit_rows call: ``admissions`` maps a shard to (prompt, row0, rows, sample)."""
             args = np.zeros((6, shards), np.int32)
             args[1] = np.arange(shards) * engine.rows                    # row0: unused rows
             for shard, (b, row0, num_rows, first_sample) in admissions.items():
                 args[:, shard] = (b, row0, num_rows, first_sample, lengths[b], b)
             picked = prompts[args[0]]
-            return _admit(self.graphdef, params, state, jnp.asarray(picked),
+            return admit_rows(self.graphdef, params, state, jnp.asarray(picked),
                           jnp.asarray(np.maximum(args[4], 1)), *map(jnp.asarray, args[1:4]),
                           jnp.asarray(args[5]), config=config)
 
@@ -452,7 +452,7 @@ class Engine:
                 if not admissions:
                     break
                 state = admit(state, admissions)
-            state, run, made, waits, peak = _decode(self.graphdef, params, state, rng,
+            state, run, made, waits, peak = decode_steps(self.graphdef, params, state, rng,
                                                     config=config, steps=engine.steps_per_call)
             steps_run += int(run)
             made = np.asarray(made)
@@ -499,7 +499,7 @@ class Engine:
                     waiting[slot].append(row)
                     self.stats["preempted_rows"] += 1
             if evict.any():
-                state = _evict(state, jnp.asarray(evict))
+                state = evict_rows(state, jnp.asarray(evict))
         self.stats["pages_held_at_end"] = int(np.sum(np.asarray(state.cache.pages_in_use())))
         mask = (np.arange(num_new)[None, :] < counts[:, None]).astype(np.float32)
         fill = config.fill_id

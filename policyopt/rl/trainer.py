@@ -81,6 +81,7 @@ from absl import logging
 from policyopt import sharding
 from policyopt.checkpoint import Checkpointer, lock_workdir
 from policyopt.data.pipeline import make_pipeline
+from policyopt.engine import Engine
 from policyopt.metrics import MetricsWriter, Progress, read_last_value, read_step_record
 from policyopt.rl import build, iteration, methods, report
 from policyopt.rl.critic import CriticConfig, critic_optim, get_critic
@@ -198,7 +199,7 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
                                 max_to_keep=config.train.keep_checkpoints)
     engine = None
     if s.engine_kv_tokens > 0:
-        engine = _make_engine(config, model, graphdef, sampling_config, mesh)
+        engine = Engine.from_config(config, model, graphdef, mesh, sampling_config)
     critic = critic_state = None
     if config.algo.advantage == "gae":
         critic = get_critic(graphdef, CriticConfig.from_config(config), critic_optim(config))
@@ -215,20 +216,6 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
     if checkpointer.latest_step() is not None:
         restore(run, check_config=check_config)
     return run
-
-
-def _make_engine(config, model, graphdef, sampling_config: SamplingConfig, mesh):
-    """The continuous-batching engine of config.sampling (one device only for now)."""
-    from policyopt.engine import Engine, EngineConfig
-
-    if mesh.size > 1:
-        raise ValueError(f"config.sampling.engine_kv_tokens > 0 decodes on one device; the "
-                         f"mesh has {mesh.size}: set it 0 (decoding a sharded model: issue 23)")
-    s = config.sampling
-    rows = s.engine_rows or config.batch.n_prompts * config.batch.group_size
-    return Engine(model, EngineConfig(kv_tokens=s.engine_kv_tokens, rows=rows,
-                                      page_size=s.engine_page_size), sampling_config,
-                  graphdef=graphdef)
 
 
 def checkpoint_state(run: RLRun) -> dict:
