@@ -172,18 +172,19 @@ def minibatch_advantages(rewards, group_size: int, *, center: str = "group", eps
 @dataclasses.dataclass(frozen=True)
 class CorrectionConfig:
     """Rollout correction between the sampler (behaviour log-probs, mu) and the trainer's
-    pi_old: ``config.algo``'s ``tis_*`` and ``rs_*`` fields (``configs/base.py``)."""
+    pi_old: ``config.algo``'s ``tis_*`` and ``rs_*`` fields (their defaults and meaning in
+    ``configs/base.py``)."""
 
-    tis_cap: float | None = None
-    tis_level: str = "token"
-    rs_level: str | None = None
-    rs_upper: float | None = None
-    rs_lower: float | None = None
-    rs_veto: float | None = None
+    tis_cap: float | None
+    tis_level: str
+    rs_level: str | None
+    rs_upper: float | None
+    rs_lower: float | None
+    rs_veto: float | None
 
     @classmethod
     def from_config(cls, algo) -> "CorrectionConfig":
-        return cls(**{f.name: algo.get(f.name, f.default) for f in dataclasses.fields(cls)})
+        return cls(**{f.name: algo[f.name] for f in dataclasses.fields(cls)})
 
 
 @functools.partial(jax.jit, static_argnames="settings")
