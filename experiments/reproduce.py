@@ -27,8 +27,11 @@ otherwise (always with one seed: no spread). The effect size is m - threshold, r
 with s. A claim is supported when all its checks are, contradicted when any is, and
 inconclusive otherwise.
 
-Budgets on the 2-core machine (measured, benchmarks/RESULTS.md "Fourteenth session"; the
-SFT starts once per setting on top): see ``Claim.budget`` (``--list`` prints it).
+Budgets on the 2-core machine (benchmarks/RESULTS.md "Fourteenth session"; the SFT
+starts once per setting on top): ``Claim.budget`` (``--list`` prints it). Only
+routing_volatility meets the target of 30 minutes per claim at 3 seeds; the training claims
+were measured, or estimated, on a machine shared by 8 jobs (load ~10) and need fewer seeds
+or iterations (``--variant train.num_iterations=N``) there.
 """
 
 from __future__ import annotations
@@ -133,7 +136,8 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in (
           ONE_UPDATE, "testbed",
           (Check("routing volatility after one update >= 0.05 (the paper's regime)", "value",
                  "one_update", metric="routing/volatility", threshold=0.05),),
-          budget="~1.5 min per seed after the SFT start (~15 min once)"),
+          budget="measured under load (8 jobs on 2 cores): SFT start 18 min once, then 4 min "
+                 "for the first seed (compilation), 7 s per further seed"),
     Claim("routing_replay",
           "GSPO (2507.18071): on an MoE policy GRPO without routing replay fails to converge; "
           "R2 (GSPO) and R3 (2510.11370) restore it; GSPO converges without replay; GSPO's "
@@ -146,7 +150,9 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in (
            Check("GSPO without replay ends above GRPO without replay", "diff", "gspo", "grpo"),
            Check("GSPO clips >= 10^1.5 x GRPO's fraction (paper: ~10^2)", "log10_ratio",
                  "gspo", "grpo", metric="loss/clip_frac", threshold=1.5)),
-          budget="4 arms x 3 seeds x ~2.5 min: ~30 min (estimate from one seed)"),
+          budget="measured under load: ~16 min per arm and seed at 20 iterations (GRPO arm); "
+                 "4 arms x 3 seeds x 40 iterations ~6 h under load, over the 30-min target; "
+                 "idle machine not measured"),
     Claim("sapo_tau",
           "SAPO (2511.20347): tau_neg > tau_pos is the most stable choice, equal temperatures "
           "in between, tau_neg < tau_pos the least.",
@@ -155,7 +161,7 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in (
                  "equal"),
            Check("equal temperatures end above tau_neg < tau_pos", "diff", "equal",
                  "neg_lt_pos")),
-          budget="3 arms x 3 seeds x ~2.5 min: ~23 min (estimate)"),
+          budget="estimated from routing_replay: 3 arms x 3 seeds, ~4.5 h under load"),
     Claim("sapo_stability",
           "SAPO (2511.20347): SAPO is more stable than GRPO and GSPO at the same step size "
           "(each with its paper's method settings, 4 updates per batch).",
@@ -163,7 +169,7 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in (
           (Check("SAPO ends above GRPO", "diff", "sapo", "grpo"),
            Check("SAPO ends above GSPO", "diff", "sapo", "gspo")),
           arms=("grpo", "gspo", "sapo"),
-          budget="3 arms x 3 seeds x ~2.5 min: ~23 min (estimate)"),
+          budget="estimated from routing_replay: 3 arms x 3 seeds, ~4.5 h under load"),
     Claim("vc_ppo",
           "VC-PPO (2503.01491): value pretraining removes PPO's early collapse on long "
           "responses; lambda_actor 1.0 is worse than 0.95.",
@@ -172,8 +178,8 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in (
                  "ppo"),
            Check("VC-PPO (lambda_actor 0.95) ends above lambda_actor 1.0", "diff", "vc_ppo",
                  "vc_ppo_lambda_1")),
-          budget="not measured: responses of up to ~290 tokens, estimated 4 arms x 3 seeds x "
-                 "~10 min, over the 30-minute target; run fewer seeds or iterations"),
+          budget="not run: its SFT start and responses of up to ~290 tokens (15x the "
+                 "testbed's) put it far over the 30-min target on 2 cores"),
     Claim("vapo_length_adaptive",
           "VAPO (2504.05118): the length-adaptive lambda_policy = 1 - 1/(alpha |y|) beats a "
           "fixed lambda when response lengths vary widely.",
@@ -181,7 +187,7 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in (
           (Check("length-adaptive lambda ends above a fixed 0.95", "diff", "vapo",
                  "no_length_adaptive"),),
           arms=("vapo", "no_length_adaptive"),
-          budget="not measured: estimated 2 arms x 3 seeds x ~10 min"),
+          budget="not run: as vc_ppo, 2 arms"),
     Claim("magistral_async",
           "Magistral (2506.10910): asynchronous generation with in-flight weight updates and "
           "no off-policy correction keeps learning at Magistral's step sizes.",
@@ -190,7 +196,7 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in (
            Check("asynchronous Magistral ends within 0.05 of the synchronous loop "
                  "(async - sync > -0.05)", "diff", "async", "sync", threshold=-0.05)),
           arms=("sync", "async"),
-          budget="2 arms x 3 seeds x ~2.5 min: ~15 min (estimate)"),
+          budget="estimated from routing_replay: 2 arms x 3 seeds, ~3 h under load"),
 )}
 
 
