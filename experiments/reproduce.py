@@ -150,9 +150,9 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in (
            Check("GSPO without replay ends above GRPO without replay", "diff", "gspo", "grpo"),
            Check("GSPO clips >= 10^1.5 x GRPO's fraction (paper: ~10^2)", "log10_ratio",
                  "gspo", "grpo", metric="loss/clip_frac", threshold=1.5)),
-          budget="measured under load: ~16 min per arm and seed at 20 iterations (GRPO arm); "
-                 "4 arms x 3 seeds x 40 iterations ~6 h under load, over the 30-min target; "
-                 "idle machine not measured"),
+          budget="measured: per arm and seed at 20 iterations, 16 min at load ~10, 1-2.5 "
+                 "min at load ~2-5 (compilation shared by the arms of one process); 4 arms x "
+                 "3 seeds x 40 iterations: ~30-60 min at low load, hours under load"),
     Claim("sapo_tau",
           "SAPO (2511.20347): tau_neg > tau_pos is the most stable choice, equal temperatures "
           "in between, tau_neg < tau_pos the least.",
@@ -360,8 +360,9 @@ def main(argv):
     if args.list:
         for claim in CLAIMS.values():
             print(f"{claim.name} ({claim.setting}): {claim.source}")
-            print(f"    arms: {', '.join(claim.arm_labels())} "
-                  f"(configs/ablations.py {claim.ablation.name!r})")
+            where = ("configs/ablations.py" if claim.ablation.name in ABLATIONS
+                     else "experiments/reproduce.py")
+            print(f"    arms: {', '.join(claim.arm_labels())} ({where} {claim.ablation.name!r})")
             print(f"    budget on 2 cores: {claim.budget}")
         return
     if not args.claim:
