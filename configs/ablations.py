@@ -27,6 +27,7 @@ Each ablation names the claim it tests, from its paper (docs/algorithms.md).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,18 +191,21 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
 )}
 
 
-def demo_setting(config, sft_checkpoint: str = "runs/demo/sft/checkpoints"):
-    """An arm's recipe in the demo's setting (`configs/demo.py`, `make demo`): its model,
+def demo_setting(config, sft_checkpoint: str = "runs/demo/sft/checkpoints", *,
+                 recipe: str = "demo", cache_len: int | None = 3):
+    """An arm's recipe in the demo's setting (`configs/demo.py`, `make demo`; or in that of
+    ``recipe``, another such recipe: `configs/testbed.py`, `configs/testbed_long.py`, with
+    ``cache_len`` the overlong ramp's length, None: the recipe's): its model,
     task, sampling, batch geometry, optimiser, loop (with routing metrics) and evaluation,
     started from the demo's SFT checkpoint; algorithm, reward (but for the overlong ramp's
     length, below), critic, dynamic sampling and asynchronous mode stay the recipe's, and
     the critic's learning rate keeps the recipe's ratio to the actor's. Returns a new,
     locked config."""
-    from configs import demo  # noqa: PLC0415 (the demo recipe is only needed here)
+    setting = importlib.import_module(f"configs.{recipe}")  # only needed here
 
     # The critic keeps the recipe's critic / actor learning-rate ratio (VAPO 2:1).
     critic_ratio = config.critic.lr / config.optim.lr
-    config = share_sections(config, demo.get_config(), SHARED_SECTIONS + ("optim",))
+    config = share_sections(config, setting.get_config(), SHARED_SECTIONS + ("optim",))
     config.unlock()
     config.init_checkpoint = sft_checkpoint
     if config.algo.advantage == "gae":
@@ -212,7 +216,7 @@ def demo_setting(config, sft_checkpoint: str = "runs/demo/sft/checkpoints"):
     # shaping vs 0.721 without). L_cache = 3 starts it past them, as DAPO's 4096 of 20480
     # starts past its expected 16384 (L_cache / L_max 15% here, 20% there).
     if config.reward.cache_len is None:
-        config.reward.cache_len = 3
+        config.reward.cache_len = cache_len
     # The demo turns them off for speed; the ablation summary reports routing volatility.
     config.train.routing_metrics = True
     config.lock()
@@ -235,8 +239,25 @@ def share_sections(config, reference, sections=SHARED_SECTIONS):
     return config
 
 
+def testbed_setting(config, sft_checkpoint: str = "runs/testbed/sft/checkpoints"):
+    """``demo_setting`` with the volatile-routing testbed (`configs/testbed.py`: the demo's
+    task and geometry on a 4-layer MoE of 32 experts top-4) and its SFT start
+    (`python -m experiments.reproduce` trains it). Returns a new, locked config."""
+    return demo_setting(config, sft_checkpoint, recipe="testbed")
+
+
+def testbed_long_setting(config, sft_checkpoint: str = "runs/testbed_long/sft/checkpoints"):
+    """``demo_setting`` with the length-variety task (`configs/testbed_long.py`: sums of 2
+    to 24 operands, responses of ~20 to ~300 tokens) on the testbed's MoE, and its SFT
+    start; the overlong ramp keeps the recipe's length (a quarter of the budget).
+    Returns a new, locked config."""
+    return demo_setting(config, sft_checkpoint, recipe="testbed_long", cache_len=None)
+
+
 #: Named settings for ``experiments/ablate.py --setting``: ``config -> config``.
-SETTINGS = {"demo": demo_setting}
+#: "testbed" and "testbed_long" are those of ``experiments/reproduce.py``.
+SETTINGS = {"demo": demo_setting, "testbed": testbed_setting,
+            "testbed_long": testbed_long_setting}
 
 
 def get_ablation(name: str) -> Ablation:

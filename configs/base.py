@@ -125,6 +125,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.name = "arithmetic"
     # Difficulty knobs of `ArithmeticConfig` (task "arithmetic").
     c.task.num_operands = 2
+    # None, or the most operands: each problem draws its number in [num_operands,
+    # max_operands] (responses of varied length; configs/testbed_long.py).
+    c.task.max_operands = placeholder(int)
     c.task.min_digits = 3
     c.task.max_digits = 3
     c.task.operators = "+"

@@ -1,5 +1,6 @@
 """Tokenizers and the synthetic arithmetic task (policyopt.data)."""
 
+import dataclasses
 import json
 import random
 
@@ -284,3 +285,29 @@ def test_solutions_pass_the_reward_format_and_verifier():
         assert format_ok(record["solution"], "math")
         boxed = record["solution"].split("\\boxed{")[1][:-1]
         assert math_correctness(record["solution"], record["answer"]) == float(boxed == record["answer"])
+
+
+def test_operand_count_range_gives_varied_lengths():
+    """max_operands: each problem's operand count uniform in [num_operands, max_operands],
+    its step trace one step per operator (the length-variety task, configs/testbed_long.py);
+    without it the stream is the one it always was."""
+    tok = CharTokenizer()
+    config = ArithmeticConfig(num_operands=2, max_operands=24, min_digits=1, max_digits=2,
+                              operators="+-")
+    records = generate_arithmetic(config, split="train", seed=0, num_examples=2000)
+    counts = [r["prompt"].count("+") + r["prompt"].count("-") + 1 for r in records]
+    assert min(counts) == 2 and max(counts) == 24
+    assert abs(sum(counts) / len(counts) - 13) < 0.5      # uniform on 2..24: mean 13
+    for record, count in zip(records[:100], counts):
+        steps = record["solution"].split("<think>")[1].split("</think>")[0].split(",")
+        assert len(steps) == count - 1
+        operands = [int(x) for x in record["prompt"][:-1].replace("-", "+-").split("+")]
+        assert record["answer"] == str(sum(operands))
+    lengths = sorted(len(tok.encode_response(r["solution"])) for r in records)
+    assert lengths[0] < 30 and lengths[-1] > 250
+    fixed = ArithmeticConfig(wrong_procedure_fraction=0.6)
+    assert generate_arithmetic(dataclasses.replace(fixed, max_operands=2), split="train", seed=1,
+                               num_examples=50) == generate_arithmetic(fixed, split="train",
+                                                                       seed=1, num_examples=50)
+    with pytest.raises(ValueError, match="max_operands"):
+        ArithmeticConfig(num_operands=3, max_operands=2)

@@ -53,7 +53,13 @@ class ArithmeticConfig:
     """Difficulty knobs of the synthetic task. The defaults are the demo's difficulty.
 
     Attributes:
-      num_operands: operands per problem (>= 2).
+      num_operands: operands per problem (>= 2); the least number when ``max_operands``
+      is set.
+    max_operands: None, or the most operands per problem: each problem then draws its
+      number of operands uniformly in [num_operands, max_operands], so that the worked
+      solutions' lengths vary (one binary step per operator in the step traces: with
+      operators "+-", 2-3 digit operands and 2 to 24 operands, responses of ~20 to ~330
+      tokens; the length-variety task of experiments/reproduce.py, claim 3).
       min_digits / max_digits: each operand has a uniformly drawn number of digits in
         [min_digits, max_digits] and a uniform value with that many digits (leading digit
         non-zero, except for 1-digit operands which may be 0). With two 3-digit operands
@@ -66,6 +72,7 @@ class ArithmeticConfig:
     """
 
     num_operands: int = 2
+    max_operands: int | None = None
     min_digits: int = 3
     max_digits: int = 3
     operators: str = "+"
@@ -75,6 +82,9 @@ class ArithmeticConfig:
     def __post_init__(self):
         if self.num_operands < 2:
             raise ValueError(f"ArithmeticConfig.num_operands must be >= 2, got {self.num_operands}")
+        if self.max_operands is not None and self.max_operands < self.num_operands:
+            raise ValueError(f"ArithmeticConfig.max_operands must be None or >= num_operands="
+                             f"{self.num_operands}, got {self.max_operands}")
         if not 1 <= self.min_digits <= self.max_digits:
             raise ValueError("ArithmeticConfig needs 1 <= min_digits <= max_digits, got "
                              f"min_digits={self.min_digits}, max_digits={self.max_digits}")
@@ -269,8 +279,12 @@ def iter_arithmetic(config: ArithmeticConfig, *, split: str, seed: int,
             raise ValueError(
                 f"only {len(seen)} distinct {split!r} problems found in {max_attempts} draws with "
                 f"{config}; widen the difficulty knobs (digits, operands) or ask for fewer examples")
-        operands = [_draw_operand(rng, config) for _ in range(config.num_operands)]
-        operators = [rng.choice(config.operators) for _ in range(config.num_operands - 1)]
+        count = config.num_operands
+        if config.max_operands is not None and config.max_operands > count:
+            # Only then: a fixed number of operands keeps the stream it always had.
+            count = rng.randint(config.num_operands, config.max_operands)
+        operands = [_draw_operand(rng, config) for _ in range(count)]
+        operators = [rng.choice(config.operators) for _ in range(count - 1)]
         prompt = render_expression(operands, operators) + "="
         if prompt in seen or split_of(prompt, config.test_fraction) != split:
             continue

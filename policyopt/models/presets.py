@@ -2,6 +2,10 @@
 
   tiny_dense, tiny_moe  trains on a laptop CPU in minutes (tests, smoke runs)
   moe_7m                4 layers, D=256, 8 experts top-2, V=512 (sampler benchmark)
+  moe_volatile          4 layers, D=64, 32 small experts top-4, V=512: the volatile-routing
+                        testbed of experiments/reproduce.py (configs/testbed.py), whose
+                        routing changes by >= 5% per update like the GSPO paper's
+                        Qwen3-30B-A3B (benchmarks/RESULTS.md, "Fourteenth session")
 
 The CPU presets (tiny_moe, moe_7m) train and prefill with the "blocked" dropless
 dispatch: XLA:CPU lowers ``jax.lax.ragged_dot`` to one dense matmul per expert, 3-10x
@@ -45,6 +49,12 @@ PRESETS: dict[str, dict] = {
                    num_kv_heads=2, head_dim=64, intermediate_size=512, num_experts=8,
                    num_experts_per_tok=2, moe_intermediate_size=256, rope_theta=1e4,
                    moe_dispatch="blocked", moe_block_size=128, moe_decode_dispatch="gathered"),
+    # Many small experts (F_e = 16) behind a 32-way router: the gaps between the k-th and
+    # the (k+1)-th router logit are small, so one update moves many tokens' expert sets.
+    "moe_volatile": dict(vocab_size=512, hidden_size=64, num_layers=4, num_heads=4,
+                         num_kv_heads=2, head_dim=16, intermediate_size=128, num_experts=32,
+                         num_experts_per_tok=4, moe_intermediate_size=16, rope_theta=1e4,
+                         moe_dispatch="blocked", moe_block_size=16, moe_decode_dispatch="dense"),
     "moe_0p5b": dict(vocab_size=32768, hidden_size=1024, num_layers=12, num_heads=16,
                      num_kv_heads=4, head_dim=64, intermediate_size=2816, num_experts=32,
                      num_experts_per_tok=4, moe_intermediate_size=352,

@@ -201,7 +201,8 @@ def task_config(config) -> ArithmeticConfig:
     task = config.task
     if task.name != "arithmetic":
         raise ValueError(f"config.task.name={task.name!r} has no ArithmeticConfig")
-    return ArithmeticConfig(num_operands=task.num_operands, min_digits=task.min_digits,
+    return ArithmeticConfig(num_operands=task.num_operands, max_operands=task.max_operands,
+                            min_digits=task.min_digits,
                             max_digits=task.max_digits, operators=task.operators,
                             wrong_procedure_fraction=task.wrong_procedure_fraction)
 
