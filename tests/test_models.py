@@ -288,7 +288,10 @@ def _param_count(config):
 
 
 @pytest.mark.parametrize("name,expected_millions", [
-    ("moe_7m", 7.351), ("moe_0p5b", 514.223), ("qwen3_30b_a3b", 30532.123)])
+    ("moe_7m", 7.351), ("moe_0p5b", 514.223), ("qwen3_30b_a3b", 30532.123),
+    # By hand: embed and head 2 x 512 x 64; per layer attention 12,288 + norms 160, router
+    # 64 x 32, experts 32 x 3 x 64 x 16 = 98,304 (112,800); 4 layers, final norm 64.
+    ("moe_volatile", 0.5168)])
 def test_preset_parameter_counts(name, expected_millions):
     # Embeddings + L identical layers: count 1 and 2 layers, extrapolate (cheap to trace).
     config = preset(name)
