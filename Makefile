@@ -10,7 +10,7 @@ TEST_ENV := JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=3
 # module-scoped fixtures (built and compiled models) are made once.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test install install-test bench clean
+.PHONY: demo test lint format install install-test install-lint bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,14 +24,28 @@ $(VENV)/.installed-test: setup.py | $(VENV)/bin/python
 	$(PY) -m pip install $(PIP_FLAGS) -e ".[test]"
 	touch $(VENV)/.installed $@
 
+$(VENV)/.installed-lint: setup.py | $(VENV)/bin/python
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[lint]"
+	touch $(VENV)/.installed $@
+
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
+install-lint: $(VENV)/.installed-lint
 
 demo: install
 	$(TEST_ENV) $(PY) -m experiments.demo --workdir runs/demo
 
 test: install-test
 	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+
+# Formatting and lint rules (line length 100) from pyproject.toml: `lint` checks, `format` applies.
+lint: install-lint
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+
+format: install-lint
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
 
 # Every CPU benchmark in turn (tens of minutes); each prints a table and writes JSON.
 bench: install-test
