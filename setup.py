@@ -45,7 +45,10 @@ setup(
     install_requires=INSTALL_REQUIRES,
     # `pip install -e .[tensorboard]`: the TensorBoard app, to read the event files that
     # runs write (tensorboardX, installed above, writes them).
-    extras_require={"test": TEST_REQUIRES, "tensorboard": ["tensorboard>=2.16,<3"],
-                    # `make lint` / `make format`: the formatter and linter of pyproject.toml.
-                    "lint": ["ruff>=0.17.6,<0.18"]},
+    extras_require={
+        "test": TEST_REQUIRES,
+        "tensorboard": ["tensorboard>=2.16,<3"],
+        # `make lint` / `make format`: the formatter and linter of pyproject.toml.
+        "lint": ["ruff>=0.17.6,<0.18"],
+    },
 )

@@ -45,8 +45,9 @@ def _sync_call(graphdef, params, prompts, lengths, config):
     seeds = iter(range(10_000))
 
     def call():
-        rollout = sampling.generate_fn(graphdef, params, prompts, lengths,
-                                       jax.random.key(next(seeds)), config=config)
+        rollout = sampling.generate_fn(
+            graphdef, params, prompts, lengths, jax.random.key(next(seeds)), config=config
+        )
         jax.block_until_ready(rollout.tokens)
         assert int(rollout.num_steps) == config.max_new_tokens
 
@@ -62,8 +63,12 @@ def _async_calls(graphdef, params, prompts, lengths, config: SlotConfig):
 
     def refill():
         for group in slots.free_groups():
-            slots.refill(group, {"prompt_tokens": prompts[group], "prompt_length": int(lengths[group])},
-                         params, 0)
+            slots.refill(
+                group,
+                {"prompt_tokens": prompts[group], "prompt_length": int(lengths[group])},
+                params,
+                0,
+            )
 
     def decode():
         finished = []
@@ -101,17 +106,28 @@ def main(argv=None):
     model = Transformer(model_config, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     rng = np.random.default_rng(0)
-    prompts = rng.integers(1, model_config.vocab_size, (args.num_prompts, args.prompt_len), dtype=np.int32)
+    prompts = rng.integers(
+        1, model_config.vocab_size, (args.num_prompts, args.prompt_len), dtype=np.int32
+    )
     lengths = np.full(args.num_prompts, args.prompt_len, np.int32)
     rows = args.num_prompts * args.num_samples
 
     table = []
     for num_new in args.max_new_tokens:
         sampling_config = sampling.SamplingConfig(
-            max_new_tokens=num_new, method=sampling.sampling_method(1.0), num_samples=args.num_samples)
-        slot_config = SlotConfig(sampling=sampling_config, num_groups=args.num_prompts,
-                                 prompt_width=args.prompt_len, segment_steps=args.segment_steps)
-        sync = _sync_call(graphdef, params, jnp.asarray(prompts), jnp.asarray(lengths), sampling_config)
+            max_new_tokens=num_new,
+            method=sampling.sampling_method(1.0),
+            num_samples=args.num_samples,
+        )
+        slot_config = SlotConfig(
+            sampling=sampling_config,
+            num_groups=args.num_prompts,
+            prompt_width=args.prompt_len,
+            segment_steps=args.segment_steps,
+        )
+        sync = _sync_call(
+            graphdef, params, jnp.asarray(prompts), jnp.asarray(lengths), sampling_config
+        )
         round_, segments_only = _async_calls(graphdef, params, prompts, lengths, slot_config)
         for fn in (sync, round_):  # compile
             fn()
@@ -125,31 +141,58 @@ def main(argv=None):
             round_times.append(time.perf_counter() - start)
             segment_times.append(segments_only())
         tokens = rows * num_new
-        sync_s, round_s, segment_s = (float(np.median(t)) for t in (sync_times, round_times, segment_times))
+        sync_s, round_s, segment_s = (
+            float(np.median(t)) for t in (sync_times, round_times, segment_times)
+        )
         ratio = round_s / sync_s
-        table.append(dict(
-            max_new_tokens=num_new, tokens=tokens, sync_s=sync_s, round_s=round_s,
-            segments_s=segment_s, sync_us_per_token=1e6 * sync_s / tokens,
-            round_us_per_token=1e6 * round_s / tokens, ratio=ratio,
-            segments_ratio=segment_s / sync_s, passed=ratio <= LIMIT,
-            times=dict(sync=sync_times, round=round_times, segments=segment_times)))
+        table.append(
+            dict(
+                max_new_tokens=num_new,
+                tokens=tokens,
+                sync_s=sync_s,
+                round_s=round_s,
+                segments_s=segment_s,
+                sync_us_per_token=1e6 * sync_s / tokens,
+                round_us_per_token=1e6 * round_s / tokens,
+                ratio=ratio,
+                segments_ratio=segment_s / sync_s,
+                passed=ratio <= LIMIT,
+                times=dict(sync=sync_times, round=round_times, segments=segment_times),
+            )
+        )
 
-    print(f"\nAsynchronous decode vs the synchronous sampler: {model_config.num_layers}-layer "
-          f"Qwen3-MoE preset moe_7m, {args.num_prompts} prompts x {args.prompt_len} tokens x "
-          f"{args.num_samples} samples (R = {rows}), segments of K = {args.segment_steps}, "
-          f"CPU ({os.cpu_count()} cores), medians of {args.runs}")
-    print(f"{'N':>6s} {'sync s':>8s} {'round s':>8s} {'segments s':>11s} {'sync us/tok':>12s} "
-          f"{'round us/tok':>13s} {'round/sync':>11s} {'segments/sync':>14s} {'limit':>6s}")
+    print(
+        f"\nAsynchronous decode vs the synchronous sampler: {model_config.num_layers}-layer "
+        f"Qwen3-MoE preset moe_7m, {args.num_prompts} prompts x {args.prompt_len} tokens x "
+        f"{args.num_samples} samples (R = {rows}), segments of K = {args.segment_steps}, "
+        f"CPU ({os.cpu_count()} cores), medians of {args.runs}"
+    )
+    print(
+        f"{'N':>6s} {'sync s':>8s} {'round s':>8s} {'segments s':>11s} {'sync us/tok':>12s} "
+        f"{'round us/tok':>13s} {'round/sync':>11s} {'segments/sync':>14s} {'limit':>6s}"
+    )
     for row in table:
-        print(f"{row['max_new_tokens']:6d} {row['sync_s']:8.2f} {row['round_s']:8.2f} "
-              f"{row['segments_s']:11.2f} {row['sync_us_per_token']:12.1f} "
-              f"{row['round_us_per_token']:13.1f} {row['ratio']:10.2f}x {row['segments_ratio']:13.2f}x "
-              f"{LIMIT:5.1f}x {'PASS' if row['passed'] else 'FAIL'}")
+        print(
+            f"{row['max_new_tokens']:6d} {row['sync_s']:8.2f} {row['round_s']:8.2f} "
+            f"{row['segments_s']:11.2f} {row['sync_us_per_token']:12.1f} "
+            f"{row['round_us_per_token']:13.1f} {row['ratio']:10.2f}x {row['segments_ratio']:13.2f}x "
+            f"{LIMIT:5.1f}x {'PASS' if row['passed'] else 'FAIL'}"
+        )
     result = dict(
-        benchmark="bench_async", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        model="moe_7m", rows=rows, prompt_len=args.prompt_len, segment_steps=args.segment_steps,
-        runs=args.runs, limit=LIMIT, cpu_count=os.cpu_count(), platform=platform.platform(terse=True),
-        jax=jax.__version__, table=table, passed=all(row["passed"] for row in table))
+        benchmark="bench_async",
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        model="moe_7m",
+        rows=rows,
+        prompt_len=args.prompt_len,
+        segment_steps=args.segment_steps,
+        runs=args.runs,
+        limit=LIMIT,
+        cpu_count=os.cpu_count(),
+        platform=platform.platform(terse=True),
+        jax=jax.__version__,
+        table=table,
+        passed=all(row["passed"] for row in table),
+    )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -60,7 +60,11 @@ def make_batch(n: int, seed: int) -> tuple[list[str], list[object]]:
         wrong_at = rng.randrange(5) if rng.random() < 0.5 else None
         if (i // 8) % 2 == 0:  # a group of 8 samples shares a problem kind
             tests = "\n".join(f"assert scale({x}) == {a * x}" for x in range(5))
-            body = f"    return {a} * x" if wrong_at is None else f"    return {a} * x + (x == {wrong_at})"
+            body = (
+                f"    return {a} * x"
+                if wrong_at is None
+                else f"    return {a} * x + (x == {wrong_at})"
+            )
             completions.append(_completion(f"def scale(x):\n{body}"))
             references.append(tests)
         else:
@@ -77,13 +81,23 @@ def reference_scorer(completions: list[str], references: list[object]) -> list[b
     for completion, tests in zip(completions, references):
         program = completion.split("```python\n", 1)[1].rsplit("```", 1)[0]
         tests = parse_tests(tests)
-        cases = [(program + "\n" + tests, "", None)] if isinstance(tests, str) else [
-            (program, c["input"], c["output"]) for c in tests]
+        cases = (
+            [(program + "\n" + tests, "", None)]
+            if isinstance(tests, str)
+            else [(program, c["input"], c["output"]) for c in tests]
+        )
         ok = True
         for source, stdin, expected in cases:
-            run = subprocess.run([sys.executable, "-c", source], input=stdin, capture_output=True,
-                                 text=True, timeout=4)
-            ok = run.returncode == 0 and (expected is None or run.stdout.strip() == expected.strip())
+            run = subprocess.run(
+                [sys.executable, "-c", source],
+                input=stdin,
+                capture_output=True,
+                text=True,
+                timeout=4,
+            )
+            ok = run.returncode == 0 and (
+                expected is None or run.stdout.strip() == expected.strip()
+            )
             if not ok:
                 break
         results.append(ok)
@@ -116,7 +130,12 @@ def main() -> None:
         start = time.perf_counter()
         naive = reference_scorer(completions, references)
         elapsed["reference"] = time.perf_counter() - start
-        if not (serial.correct.tolist() == parallel.correct.tolist() == one_process.correct.tolist() == naive):
+        if not (
+            serial.correct.tolist()
+            == parallel.correct.tolist()
+            == one_process.correct.tolist()
+            == naive
+        ):
             raise AssertionError("the scorers disagree on which programs are correct")
         for key, value in elapsed.items():
             times[key].append(value)
@@ -124,18 +143,35 @@ def main() -> None:
             ratios[key].append(elapsed[key] / elapsed["serial"])
     accuracy = float(serial.correct.mean())
     rows = []
-    print(f"{args.n} completions (accuracy {accuracy:.2f}), {args.workers} workers, {os.cpu_count()} CPUs")
+    print(
+        f"{args.n} completions (accuracy {accuracy:.2f}), {args.workers} workers, {os.cpu_count()} CPUs"
+    )
     print(f"{'scorer':20s} {'median s':>9s} {'samples/s':>10s} {'x serial':>9s}")
     for key, values in times.items():
         seconds = statistics.median(values)
         ratio = 1.0 if key == "serial" else statistics.median(ratios[key])
-        rows.append(dict(scorer=key, seconds=round(seconds, 3), samples_per_s=round(args.n / seconds, 1),
-                         x_serial=round(ratio, 2)))
+        rows.append(
+            dict(
+                scorer=key,
+                seconds=round(seconds, 3),
+                samples_per_s=round(args.n / seconds, 1),
+                x_serial=round(ratio, 2),
+            )
+        )
         print(f"{key:20s} {seconds:9.3f} {args.n / seconds:10.1f} {ratio:9.2f}")
-    result = dict(benchmark="bench_code_rewards", n=args.n, workers=args.workers, repeats=args.repeats,
-                  accuracy=accuracy, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                  python=platform.python_version(), cpu_count=os.cpu_count(), root=os.geteuid() == 0,
-                  load_average=os.getloadavg(), rows=rows)
+    result = dict(
+        benchmark="bench_code_rewards",
+        n=args.n,
+        workers=args.workers,
+        repeats=args.repeats,
+        accuracy=accuracy,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        python=platform.python_version(),
+        cpu_count=os.cpu_count(),
+        root=os.geteuid() == 0,
+        load_average=os.getloadavg(),
+        rows=rows,
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -80,7 +80,9 @@ def paired_ms(fn, args, floor_fn, floor_args, repeats):
             jax.block_until_ready(f(*a))
             samples[key + "cpu"].append(time.process_time() - cpu)
             samples[key + "wall"].append(time.perf_counter() - wall)
-    return tuple(1e3 * statistics.median(samples[k]) for k in ("wall", "floor_wall", "cpu", "floor_cpu"))
+    return tuple(
+        1e3 * statistics.median(samples[k]) for k in ("wall", "floor_wall", "cpu", "floor_cpu")
+    )
 
 
 def make_inputs(batch, length, seed=0):
@@ -95,8 +97,14 @@ def make_inputs(batch, length, seed=0):
     rewards = np.zeros((batch, length), np.float32)
     rewards[np.arange(batch), lengths - 1] = rng.integers(0, 2, size=batch)
     values = rng.normal(size=(batch, length)).astype(np.float32)
-    return dict(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
-                mask=mask, rewards=rewards, values=values)
+    return dict(
+        log_probs=log_probs,
+        old_log_probs=old_log_probs,
+        advantages=advantages,
+        mask=mask,
+        rewards=rewards,
+        values=values,
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -123,8 +131,17 @@ def numpy_gae(rewards, values, mask, gamma, lam_actor, lam_critic):
     return out_actor, out_critic
 
 
-def numpy_loss_and_grad(log_probs, old_log_probs, advantages, mask, method,
-                        clip_low=0.2, clip_high=0.2, tau_pos=1.0, tau_neg=1.05):
+def numpy_loss_and_grad(
+    log_probs,
+    old_log_probs,
+    advantages,
+    mask,
+    method,
+    clip_low=0.2,
+    clip_high=0.2,
+    tau_pos=1.0,
+    tau_neg=1.05,
+):
     """Token-mean loss and d loss / d log_probs in vectorised NumPy, from docs/algorithms.md."""
     valid = mask > 0
     weight = mask / max(mask.sum(), 1)
@@ -135,15 +152,23 @@ def numpy_loss_and_grad(log_probs, old_log_probs, advantages, mask, method,
             ratio = np.exp(log_ratio)
         else:
             ratio = np.broadcast_to(np.exp(log_ratio.sum(1, keepdims=True) / lengths), mask.shape)
-        clipped = ((advantages > 0) & (ratio > 1 + clip_high)) | ((advantages < 0) & (ratio < 1 - clip_low))
-        objective = np.where(clipped, np.clip(ratio, 1 - clip_low, 1 + clip_high), ratio) * advantages
+        clipped = ((advantages > 0) & (ratio > 1 + clip_high)) | (
+            (advantages < 0) & (ratio < 1 - clip_low)
+        )
+        objective = (
+            np.where(clipped, np.clip(ratio, 1 - clip_low, 1 + clip_high), ratio) * advantages
+        )
         grad = -weight * np.where(clipped, 0, ratio * advantages)
     elif method == "gspo":
         seq_ratio = np.exp(log_ratio.sum(1, keepdims=True) / lengths)
         seq_adv = (advantages * mask).sum(1, keepdims=True) / lengths
-        clipped = ((seq_adv > 0) & (seq_ratio > 1 + clip_high)) | ((seq_adv < 0) & (seq_ratio < 1 - clip_low))
+        clipped = ((seq_adv > 0) & (seq_ratio > 1 + clip_high)) | (
+            (seq_adv < 0) & (seq_ratio < 1 - clip_low)
+        )
         objective = np.broadcast_to(
-            np.where(clipped, np.clip(seq_ratio, 1 - clip_low, 1 + clip_high), seq_ratio) * seq_adv, mask.shape)
+            np.where(clipped, np.clip(seq_ratio, 1 - clip_low, 1 + clip_high), seq_ratio) * seq_adv,
+            mask.shape,
+        )
         seq_weight = weight.sum(1, keepdims=True)
         grad = -seq_weight * np.where(clipped, 0, seq_ratio * seq_adv) * mask / lengths
     else:
@@ -178,9 +203,12 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--numpy_rows", type=int, default=256)
     parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--system_malloc", action="store_true",
-                        help="leave glibc's malloc settings alone (default: keep freed blocks, "
-                             "policyopt.runtime.keep_freed_host_memory)")
+    parser.add_argument(
+        "--system_malloc",
+        action="store_true",
+        help="leave glibc's malloc settings alone (default: keep freed blocks, "
+        "policyopt.runtime.keep_freed_host_memory)",
+    )
     args = parser.parse_args(argv)
     kept = False if args.system_malloc else runtime.keep_freed_host_memory()
     print(f"keep_freed_host_memory: {kept}")
@@ -191,17 +219,32 @@ def main(argv=None):
 
     def record(group, name, fn, args, floor_fn, limit, numpy_ms=None, note=""):
         ms, floor_ms, cpu_ms, floor_cpu_ms = paired_ms(fn, args, floor_fn, args, repeats)
-        row = dict(group=group, name=name, ms=round(ms, 3), floor_ms=round(floor_ms, 3),
-                   x_floor=round(ms / floor_ms, 2), cpu_ms=round(cpu_ms, 3),
-                   floor_cpu_ms=round(floor_cpu_ms, 3), x_floor_cpu=round(cpu_ms / floor_cpu_ms, 2),
-                   limit=limit, within_limit=ms / floor_ms <= limit,
-                   numpy_ms=None if numpy_ms is None else round(numpy_ms, 2),
-                   speedup_vs_numpy=None if numpy_ms is None else round(numpy_ms / ms, 1),
-                   note=note)
+        row = dict(
+            group=group,
+            name=name,
+            ms=round(ms, 3),
+            floor_ms=round(floor_ms, 3),
+            x_floor=round(ms / floor_ms, 2),
+            cpu_ms=round(cpu_ms, 3),
+            floor_cpu_ms=round(floor_cpu_ms, 3),
+            x_floor_cpu=round(cpu_ms / floor_cpu_ms, 2),
+            limit=limit,
+            within_limit=ms / floor_ms <= limit,
+            numpy_ms=None if numpy_ms is None else round(numpy_ms, 2),
+            speedup_vs_numpy=None if numpy_ms is None else round(numpy_ms / ms, 1),
+            note=note,
+        )
         rows.append(row)
-        print(f"{group:4s} {name:40s} {ms:8.2f} ms  floor {floor_ms:6.2f} ms  x{ms / floor_ms:5.2f}"
-              f" (cpu x{cpu_ms / floor_cpu_ms:5.2f}; limit {limit:.0f}x)" + ("" if numpy_ms is None else f"  numpy {numpy_ms:8.1f} ms"
-                                          f"  ({numpy_ms / ms:5.1f}x faster)"), flush=True)
+        print(
+            f"{group:4s} {name:40s} {ms:8.2f} ms  floor {floor_ms:6.2f} ms  x{ms / floor_ms:5.2f}"
+            f" (cpu x{cpu_ms / floor_cpu_ms:5.2f}; limit {limit:.0f}x)"
+            + (
+                ""
+                if numpy_ms is None
+                else f"  numpy {numpy_ms:8.1f} ms  ({numpy_ms / ms:5.1f}x faster)"
+            ),
+            flush=True,
+        )
 
     # Floors: one fused elementwise pass, same inputs and output sizes.
     loss_floor_fn = jax.jit(lambda lp, old, a, m: (lp - old) * a * m)
@@ -210,13 +253,18 @@ def main(argv=None):
     gae_args = (dev["rewards"], dev["values"], dev["mask"])
 
     def floors():
-        return (median_ms(loss_floor_fn, *loss_args, repeats=repeats),
-                median_ms(gae_floor_fn, *gae_args, repeats=repeats))
+        return (
+            median_ms(loss_floor_fn, *loss_args, repeats=repeats),
+            median_ms(gae_floor_fn, *gae_args, repeats=repeats),
+        )
 
     loss_floor, gae_floor = floors()
-    print(f"floors at the start: loss elementwise {loss_floor:.2f} ms, gae elementwise {gae_floor:.2f} ms")
+    print(
+        f"floors at the start: loss elementwise {loss_floor:.2f} ms, gae elementwise {gae_floor:.2f} ms"
+    )
 
     for method in METHODS:
+
         def with_metrics(lp, old, a, m, method=method):
             return losses.policy_loss(lp, old, a, m, method=method)
 
@@ -227,36 +275,86 @@ def main(argv=None):
         bare = jax.jit(jax.value_and_grad(loss_only, has_aux=True))
         numpy_ms = time_numpy(
             lambda log_probs, old_log_probs, advantages, mask, **_: numpy_loss_and_grad(
-                log_probs, old_log_probs, advantages, mask, method),
-            host, min(args.numpy_rows, batch), batch, repeats)
-        record("loss", f"{method} value+grad+metrics", full, loss_args, loss_floor_fn, LOSS_LIMIT, numpy_ms)
-        record("loss", f"{method} value+grad, metrics='none'", bare, loss_args, loss_floor_fn, LOSS_LIMIT)
+                log_probs, old_log_probs, advantages, mask, method
+            ),
+            host,
+            min(args.numpy_rows, batch),
+            batch,
+            repeats,
+        )
+        record(
+            "loss",
+            f"{method} value+grad+metrics",
+            full,
+            loss_args,
+            loss_floor_fn,
+            LOSS_LIMIT,
+            numpy_ms,
+        )
+        record(
+            "loss",
+            f"{method} value+grad, metrics='none'",
+            bare,
+            loss_args,
+            loss_floor_fn,
+            LOSS_LIMIT,
+        )
 
     gae_numpy = time_numpy(
         lambda rewards, values, mask, **_: numpy_gae(rewards, values, mask, 1.0, 0.95, 0.95),
-        host, min(args.numpy_rows, batch), batch, repeats)
+        host,
+        min(args.numpy_rows, batch),
+        batch,
+        repeats,
+    )
     lengths = host["mask"].sum(1)
     lam_adaptive = np.maximum(1 - 1 / (0.05 * lengths), 0).astype(np.float32)
     variants = [("plain", dict(impl="blocked", chunk=c)) for c in (16, 32, 64)]
     variants += [("plain", dict(impl="associative"))]
     variants += [("plain", dict(impl="scan", unroll=u)) for u in (1, 8)]
     for name, options in variants:
-        fn = jax.jit(lambda r, v, m, options=options: adv.gae(r, v, m, gamma=1.0, lam=0.95, **options))
+        fn = jax.jit(
+            lambda r, v, m, options=options: adv.gae(r, v, m, gamma=1.0, lam=0.95, **options)
+        )
         label = f"gae {name} " + ",".join(f"{k}={v}" for k, v in options.items())
         record("gae", label, fn, gae_args, gae_floor_fn, GAE_LIMIT, gae_numpy)
     for impl in adv.GAE_IMPLS:
-        fn = jax.jit(lambda r, v, m, impl=impl: adv.decoupled_gae(
-            r, v, m, gamma=1.0, lam_actor=0.95, lam_critic=1.0, impl=impl))
+        fn = jax.jit(
+            lambda r, v, m, impl=impl: adv.decoupled_gae(
+                r, v, m, gamma=1.0, lam_actor=0.95, lam_critic=1.0, impl=impl
+            )
+        )
         numpy_ms = time_numpy(
             lambda rewards, values, mask, **_: numpy_gae(rewards, values, mask, 1.0, 0.95, 1.0),
-            host, min(args.numpy_rows, batch), batch, repeats)
+            host,
+            min(args.numpy_rows, batch),
+            batch,
+            repeats,
+        )
         record("gae", f"decoupled_gae impl={impl}", fn, gae_args, gae_floor_fn, GAE_LIMIT, numpy_ms)
-        fn = jax.jit(lambda r, v, m, impl=impl: adv.length_adaptive_gae(r, v, m, gamma=1.0, alpha=0.05, impl=impl))
+        fn = jax.jit(
+            lambda r, v, m, impl=impl: adv.length_adaptive_gae(
+                r, v, m, gamma=1.0, alpha=0.05, impl=impl
+            )
+        )
         numpy_ms = time_numpy(
             lambda rewards, values, mask, lam=lam_adaptive, **_: numpy_gae(
-                rewards, values, mask, 1.0, lam[: len(rewards)], 1.0),
-            host, min(args.numpy_rows, batch), batch, repeats)
-        record("gae", f"length_adaptive_gae impl={impl}", fn, gae_args, gae_floor_fn, GAE_LIMIT, numpy_ms)
+                rewards, values, mask, 1.0, lam[: len(rewards)], 1.0
+            ),
+            host,
+            min(args.numpy_rows, batch),
+            batch,
+            repeats,
+        )
+        record(
+            "gae",
+            f"length_adaptive_gae impl={impl}",
+            fn,
+            gae_args,
+            gae_floor_fn,
+            GAE_LIMIT,
+            numpy_ms,
+        )
 
     # impl="blocked" on a mask with holes (one masked position inside every response, as
     # tool output would make): the run-time check sends it to the lax.scan fallback.
@@ -264,22 +362,40 @@ def main(argv=None):
     holes[:, length // 16] = 0
     holes_args = (dev["rewards"], dev["values"], jnp.asarray(holes))
     fn = jax.jit(lambda r, v, m: adv.gae(r, v, m, gamma=1.0, lam=0.95))
-    record("gae", "gae impl=blocked, mask with holes (scan fallback)", fn, holes_args, gae_floor_fn,
-           GAE_LIMIT, gae_numpy)
+    record(
+        "gae",
+        "gae impl=blocked, mask with holes (scan fallback)",
+        fn,
+        holes_args,
+        gae_floor_fn,
+        GAE_LIMIT,
+        gae_numpy,
+    )
 
     plain = [row for row in rows if row["name"].startswith("gae plain")]
     fastest = min(plain, key=lambda row: row["ms"])
-    print(f"fastest plain GAE: {fastest['name']} ({fastest['ms']:.2f} ms, x{fastest['x_floor']:.2f})")
+    print(
+        f"fastest plain GAE: {fastest['name']} ({fastest['ms']:.2f} ms, x{fastest['x_floor']:.2f})"
+    )
     loss_floor_end, gae_floor_end = floors()
-    print(f"floors at the end: loss {loss_floor_end:.2f} ms, gae {gae_floor_end:.2f} ms "
-          "(each ratio above uses the floor timed alternately with its row)")
+    print(
+        f"floors at the end: loss {loss_floor_end:.2f} ms, gae {gae_floor_end:.2f} ms "
+        "(each ratio above uses the floor timed alternately with its row)"
+    )
     result = dict(
-        benchmark="bench_core", batch=batch, length=length, repeats=repeats,
+        benchmark="bench_core",
+        batch=batch,
+        length=length,
+        repeats=repeats,
         numpy_rows=min(args.numpy_rows, batch),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        jax=jax.__version__, backend=jax.default_backend(), cpu_count=os.cpu_count(),
+        jax=jax.__version__,
+        backend=jax.default_backend(),
+        cpu_count=os.cpu_count(),
         python=platform.python_version(),
-        floors_ms=dict(loss=loss_floor, gae=gae_floor, loss_end=loss_floor_end, gae_end=gae_floor_end),
+        floors_ms=dict(
+            loss=loss_floor, gae=gae_floor, loss_end=loss_floor_end, gae_end=gae_floor_end
+        ),
         fastest_plain_gae=fastest["name"],
         keep_freed_host_memory=kept,
         load_average=os.getloadavg(),

@@ -28,9 +28,19 @@ from policyopt.sampling import SamplingConfig, Temperature
 
 
 def main(prompts=32, group=4, prompt_len=16, new_tokens=96, rows=32, page_size=8, eos=3):
-    config = ModelConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=16, intermediate_size=128, num_experts=4,
-                         num_experts_per_tok=2, moe_intermediate_size=64, rope_theta=1e4)
+    config = ModelConfig(
+        vocab_size=64,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        rope_theta=1e4,
+    )
     model = Transformer(config, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     tokens = rng.integers(4, 64, (prompts, prompt_len)).astype(np.int32)
@@ -38,15 +48,26 @@ def main(prompts=32, group=4, prompt_len=16, new_tokens=96, rows=32, page_size=8
     key = jax.random.key(0)
 
     def run_generate():
-        out = sampling.generate(model, tokens, lengths, max_new_tokens=new_tokens, rng=key,
-                                temperature=1.0, num_samples=group, eos_id=eos)
+        out = sampling.generate(
+            model,
+            tokens,
+            lengths,
+            max_new_tokens=new_tokens,
+            rng=key,
+            temperature=1.0,
+            num_samples=group,
+            eos_id=eos,
+        )
         return np.asarray(out.lengths)
 
     kv_tokens = rows * (prompt_len + new_tokens) // 2
-    engine = Engine(model, EngineConfig(kv_tokens=kv_tokens, rows=rows, page_size=page_size,
-                                        steps_per_call=8),
-                    SamplingConfig(max_new_tokens=new_tokens, method=Temperature(1.0),
-                                   eos_id=eos, num_samples=group))
+    engine = Engine(
+        model,
+        EngineConfig(kv_tokens=kv_tokens, rows=rows, page_size=page_size, steps_per_call=8),
+        SamplingConfig(
+            max_new_tokens=new_tokens, method=Temperature(1.0), eos_id=eos, num_samples=group
+        ),
+    )
 
     def run_engine():
         return np.asarray(engine.generate(tokens, lengths, key).lengths)
@@ -56,11 +77,15 @@ def main(prompts=32, group=4, prompt_len=16, new_tokens=96, rows=32, page_size=8
         start = time.perf_counter()
         made = fn()
         seconds = time.perf_counter() - start
-        print(f"{name:>9}: {made.sum()} tokens (mean length {made.mean():.1f}, max "
-              f"{made.max()}), {made.sum() / seconds:8.1f} tokens/s")
+        print(
+            f"{name:>9}: {made.sum()} tokens (mean length {made.mean():.1f}, max "
+            f"{made.max()}), {made.sum() / seconds:8.1f} tokens/s"
+        )
     dense = prompts * group * (prompt_len + new_tokens)
-    print(f"KV slots: generate {dense}; engine pool {kv_tokens}, most held "
-          f"{engine.stats['peak_pages'] * page_size} ({engine.stats})")
+    print(
+        f"KV slots: generate {dense}; engine pool {kv_tokens}, most held "
+        f"{engine.stats['peak_pages'] * page_size} ({engine.stats})"
+    )
 
 
 if __name__ == "__main__":

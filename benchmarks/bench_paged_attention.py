@@ -34,17 +34,20 @@ def main(batch=64, heads=4, kv_heads=2, head_dim=64, page_size=16, length=160):
     num_pages = batch * max_pages
     q = jnp.asarray(rng.standard_normal((batch, 1, heads, head_dim)), jnp.float32)
     pool = lambda: jnp.asarray(
-        rng.standard_normal((kv_heads, num_pages, page_size, head_dim)), jnp.float32)
+        rng.standard_normal((kv_heads, num_pages, page_size, head_dim)), jnp.float32
+    )
     k_pages, v_pages = pool(), pool()
     table = jnp.asarray(rng.permutation(num_pages).reshape(batch, max_pages), jnp.int32)
     ends = jnp.asarray(rng.integers(length // 2, length + 1, batch), jnp.int32)
     slots = (ends - 1)[:, None]
     args = (q, k_pages, v_pages, table, slots, ends)
-    results = {name: _time(jax.jit(fn), *args)
-               for name, fn in (("gather", gather_attention), ("online", online_attention))}
+    results = {
+        name: _time(jax.jit(fn), *args)
+        for name, fn in (("gather", gather_attention), ("online", online_attention))
+    }
     keys = jnp.asarray(rng.standard_normal((batch, kv_heads, head_dim, length)), jnp.float32)
     values = jnp.asarray(rng.standard_normal((batch, kv_heads, length, head_dim)), jnp.float32)
-    mask = (jnp.arange(length)[None, None, :] < ends[:, None, None])
+    mask = jnp.arange(length)[None, None, :] < ends[:, None, None]
     dense = jax.jit(lambda q, k, v, m: dot_product_attention(q, k, v, m, cache_layout=True))
     results["dense KVCache"] = _time(dense, q, keys, values, mask)
     for name, seconds in results.items():

@@ -60,26 +60,49 @@ def _problem(rng: random.Random, kind: int):
     if kind == 1:  # fraction / decimal
         den = rng.choice([2, 4, 5, 8, 10, 16, 20, 25, 40, 50, 80, 100])
         num = rng.randint(1, 1000 * den)
-        forms = [f"{num / den:g}", rf"\frac{{{num}}}{{{den}}}", rf"\dfrac{{{2 * num}}}{{{2 * den}}}", f"{num}/{den}"]
-        return rf"\frac{{{num}}}{{{den}}}", forms, lambda: rf"\frac{{{num + rng.randint(1, 9)}}}{{{den}}}"
+        forms = [
+            f"{num / den:g}",
+            rf"\frac{{{num}}}{{{den}}}",
+            rf"\dfrac{{{2 * num}}}{{{2 * den}}}",
+            f"{num}/{den}",
+        ]
+        return (
+            rf"\frac{{{num}}}{{{den}}}",
+            forms,
+            lambda: rf"\frac{{{num + rng.randint(1, 9)}}}{{{den}}}",
+        )
     # Wide parameter ranges: different batches (seeds) share almost no answers, so the
     # verifier caches only help within a group, as in RL.
     a, b = rng.randint(2, 2000), rng.randint(1, 2000)
     family = rng.randrange(4)
     if family == 0:
-        return (rf"{a}\sqrt{{2}}", [rf"\sqrt{{{2 * a * a}}}", rf"{a}\sqrt{{2}}", rf"\sqrt{{2}} \cdot {a}"],
-                lambda: rf"\sqrt{{{2 * a * a + rng.randint(1, 999)}}}")
+        return (
+            rf"{a}\sqrt{{2}}",
+            [rf"\sqrt{{{2 * a * a}}}", rf"{a}\sqrt{{2}}", rf"\sqrt{{2}} \cdot {a}"],
+            lambda: rf"\sqrt{{{2 * a * a + rng.randint(1, 999)}}}",
+        )
     if family == 1:
-        return (rf"\frac{{\pi}}{{{a}}}", [rf"\frac{{2\pi}}{{{2 * a}}}", rf"\pi/{a}", rf"\frac{{\pi}}{{{a}}}"],
-                lambda: rf"\frac{{\pi}}{{{a + rng.randint(1, 999)}}}")
+        return (
+            rf"\frac{{\pi}}{{{a}}}",
+            [rf"\frac{{2\pi}}{{{2 * a}}}", rf"\pi/{a}", rf"\frac{{\pi}}{{{a}}}"],
+            lambda: rf"\frac{{\pi}}{{{a + rng.randint(1, 999)}}}",
+        )
     if family == 2:
-        return (rf"[{a}, {a + b})", [rf"[{a},{a + b})", rf"\left[{a}, {a + b}\right)"],
-                lambda: rf"({a},{a + b + rng.randint(0, 999)})")
-    return (rf"x^2 + {2 * a}x + {a * a}", [rf"(x+{a})^2", rf"x^2+{2 * a}x+{a * a}", rf"(x + {a})(x + {a})"],
-            lambda: rf"(x+{a + rng.randint(1, 999)})^2")
+        return (
+            rf"[{a}, {a + b})",
+            [rf"[{a},{a + b})", rf"\left[{a}, {a + b}\right)"],
+            lambda: rf"({a},{a + b + rng.randint(0, 999)})",
+        )
+    return (
+        rf"x^2 + {2 * a}x + {a * a}",
+        [rf"(x+{a})^2", rf"x^2+{2 * a}x+{a * a}", rf"(x + {a})(x + {a})"],
+        lambda: rf"(x+{a + rng.randint(1, 999)})^2",
+    )
 
 
-def make_batch(n: int, seed: int = 0, kinds: tuple[int, ...] = (0, 1, 2)) -> tuple[list[str], list[str]]:
+def make_batch(
+    n: int, seed: int = 0, kinds: tuple[int, ...] = (0, 1, 2)
+) -> tuple[list[str], list[str]]:
     """n completions, GROUP_SIZE per prompt; ``kinds``: 0 integer, 1 fraction, 2 LaTeX."""
     rng = random.Random(seed)
     completions, references = [], []
@@ -88,7 +111,9 @@ def make_batch(n: int, seed: int = 0, kinds: tuple[int, ...] = (0, 1, 2)) -> tup
         for _ in range(GROUP_SIZE):
             reasoning = FILLER[: rng.randint(200, len(FILLER))] * rng.randint(1, 2)
             answer = rng.choice(right_forms) if rng.random() < 0.5 else wrong()
-            completions.append(f"<think>{reasoning}</think> The final answer is \\boxed{{{answer}}}.")
+            completions.append(
+                f"<think>{reasoning}</think> The final answer is \\boxed{{{answer}}}."
+            )
             references.append(reference)
     return completions[:n], references[:n]
 
@@ -105,11 +130,15 @@ def reference_scorer(completions: list[str], references: list[str]) -> np.ndarra
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=1024)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_rewards.json"))
+    parser.add_argument(
+        "--out", default=str(Path(__file__).parent / "results" / "bench_rewards.json")
+    )
     args = parser.parse_args()
 
     # A fresh batch (new seed) for every timed run, so that no run profits from the
@@ -156,21 +185,43 @@ def main() -> None:
         return statistics.median(a / b for a, b in zip(seconds[numerator], seconds[denominator]))
 
     median_s = {name: statistics.median(times) for name, times in seconds.items()}
-    cpu_ms = {name: statistics.median(cpu_seconds[name]) / args.n * 1e3 for name in ("serial", "reference")}
-    agree_parallel = all(np.array_equal(s.rewards, p.rewards) for s, p in zip(outputs["serial"], outputs["parallel"]))
+    cpu_ms = {
+        name: statistics.median(cpu_seconds[name]) / args.n * 1e3
+        for name in ("serial", "reference")
+    }
+    agree_parallel = all(
+        np.array_equal(s.rewards, p.rewards) for s, p in zip(outputs["serial"], outputs["parallel"])
+    )
     agree_reference = float(
         np.mean([s.correct == (r == 1.0) for s, r in zip(outputs["serial"], outputs["reference"])])
     )
     accuracy = float(np.mean([s.metrics["accuracy"] for s in outputs["serial"]]))
     rows = [
         ("serial", median_s["serial"], 1.0),
-        (f"parallel warm ({args.workers} workers)", median_s["parallel"], median_ratio("serial", "parallel")),
-        (f"parallel cold ({args.workers} workers, incl. pool start)", cold_s, median_s["serial"] / cold_s),
-        ("reference: plain math-verify, serial", median_s["reference"], median_ratio("serial", "reference")),
-        ("serial, integer answers only (arithmetic task)", statistics.median(integer_times),
-         median_s["serial"] / statistics.median(integer_times)),
+        (
+            f"parallel warm ({args.workers} workers)",
+            median_s["parallel"],
+            median_ratio("serial", "parallel"),
+        ),
+        (
+            f"parallel cold ({args.workers} workers, incl. pool start)",
+            cold_s,
+            median_s["serial"] / cold_s,
+        ),
+        (
+            "reference: plain math-verify, serial",
+            median_s["reference"],
+            median_ratio("serial", "reference"),
+        ),
+        (
+            "serial, integer answers only (arithmetic task)",
+            statistics.median(integer_times),
+            median_s["serial"] / statistics.median(integer_times),
+        ),
     ]
-    print(f"math reward throughput, N={args.n}, medians over {args.repeats} fresh batches, cpus={os.cpu_count()}")
+    print(
+        f"math reward throughput, N={args.n}, medians over {args.repeats} fresh batches, cpus={os.cpu_count()}"
+    )
     print(f"{'scorer':50s} {'seconds':>8s} {'compl/s':>8s} {'speed vs serial':>16s}")
     for name, wall, speedup in rows:
         print(f"{name:50s} {wall:8.3f} {args.n / wall:8.0f} {speedup:15.2f}x")

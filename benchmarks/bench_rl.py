@@ -25,11 +25,20 @@ from policyopt.runtime import keep_freed_host_memory
 _ITERATIONS = flags.DEFINE_integer("iterations", 5, "Measured iterations (after 2 warm-up ones).")
 _ARG = flags.DEFINE_string("config_arg", "", "Variant string for configs/demo.py.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/bench_rl.json", "JSON output.")
-_SYSTEM_MALLOC = flags.DEFINE_bool("system_malloc", False,
-                                   "Leave glibc's malloc settings alone (the experiments call "
-                                   "policyopt.runtime.keep_freed_host_memory).")
+_SYSTEM_MALLOC = flags.DEFINE_bool(
+    "system_malloc",
+    False,
+    "Leave glibc's malloc settings alone (the experiments call "
+    "policyopt.runtime.keep_freed_host_memory).",
+)
 
-PARTS = ("time/generate_s", "time/score_s", "time/old_log_probs_s", "time/update_s", "time/iteration_s")
+PARTS = (
+    "time/generate_s",
+    "time/score_s",
+    "time/old_log_probs_s",
+    "time/update_s",
+    "time/iteration_s",
+)
 
 
 def main(argv):
@@ -50,24 +59,31 @@ def main(argv):
     total = median["time/iteration_s"]
     rows = int(config.batch.n_prompts * config.batch.group_size)
     result = {
-        "config": f"configs/demo.py:{_ARG.value}", "rows_per_batch": rows,
+        "config": f"configs/demo.py:{_ARG.value}",
+        "rows_per_batch": rows,
         "max_new_tokens": int(config.sampling.max_new_tokens),
-        "warmup_s_incl_compile": warmup_s, "first_iteration_s": warm[0]["time/iteration_s"],
+        "warmup_s_incl_compile": warmup_s,
+        "first_iteration_s": warm[0]["time/iteration_s"],
         "median_s": median,
         "fraction": {k: median[k] / total for k in PARTS[:-1]},
         "ratio_update_to_old_log_probs": median["time/update_s"] / median["time/old_log_probs_s"],
-        "ratio_generate_to_old_log_probs": median["time/generate_s"] / median["time/old_log_probs_s"],
+        "ratio_generate_to_old_log_probs": median["time/generate_s"]
+        / median["time/old_log_probs_s"],
         "iterations": _ITERATIONS.value,
         "keep_freed_host_memory": not _SYSTEM_MALLOC.value,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    print(f"RL iteration on the CPU ({rows} sequences, {config.sampling.max_new_tokens} new tokens), "
-          f"median of {_ITERATIONS.value}")
+    print(
+        f"RL iteration on the CPU ({rows} sequences, {config.sampling.max_new_tokens} new tokens), "
+        f"median of {_ITERATIONS.value}"
+    )
     print(f"{'part':<22}{'seconds':>10}{'share':>8}")
     for k in PARTS:
         share = median[k] / total
         print(f"{k.split('/')[1]:<22}{median[k]:>10.3f}{share:>8.1%}")
-    print(f"update / old log-probs: {result['ratio_update_to_old_log_probs']:.2f}x (fwd+bwd+adam vs fwd; ~3x expected)")
+    print(
+        f"update / old log-probs: {result['ratio_update_to_old_log_probs']:.2f}x (fwd+bwd+adam vs fwd; ~3x expected)"
+    )
     print(f"generate / old log-probs: {result['ratio_generate_to_old_log_probs']:.2f}x")
     print(f"warm-up (build + 2 iterations incl. compilation): {warmup_s:.1f} s")
     os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)

@@ -79,18 +79,22 @@ def _median_time(fn, runs: int) -> tuple[float, list[float], float]:
     return float(np.median(times)), times, float(np.median(cpu_times))
 
 
-def bench_policyopt(graphdef, state, prompts, lengths, max_new_tokens, runs, decode_segments=1,
-                    **kwargs):
+def bench_policyopt(
+    graphdef, state, prompts, lengths, max_new_tokens, runs, decode_segments=1, **kwargs
+):
     """(compile + first run seconds, median steady-state seconds, all times, CPU seconds)."""
     config = sampling.SamplingConfig(
-        max_new_tokens=max_new_tokens, method=sampling.sampling_method(**kwargs),
-        decode_segments=decode_segments)
+        max_new_tokens=max_new_tokens,
+        method=sampling.sampling_method(**kwargs),
+        decode_segments=decode_segments,
+    )
     prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
     seeds = iter(range(10_000))
 
     def call():
-        rollout = sampling.generate_fn(graphdef, state, prompts, lengths,
-                                       jax.random.key(next(seeds)), config=config)
+        rollout = sampling.generate_fn(
+            graphdef, state, prompts, lengths, jax.random.key(next(seeds)), config=config
+        )
         jax.block_until_ready(rollout)
         return rollout
 
@@ -114,10 +118,16 @@ def bench_transformers(path, prompts, max_new_tokens, runs, temperature):
     def call(new_tokens=max_new_tokens):
         with torch.no_grad():
             out = hf_model.generate(
-                input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens, do_sample=sample,
-                temperature=temperature if sample else None, top_k=0 if sample else None,
-                top_p=1.0 if sample else None, pad_token_id=0)
+                input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=sample,
+                temperature=temperature if sample else None,
+                top_k=0 if sample else None,
+                top_p=1.0 if sample else None,
+                pad_token_id=0,
+            )
         assert out.shape[1] == prompts.shape[1] + new_tokens
         return out
 
@@ -161,62 +171,103 @@ def bench_long_tail(config, args):
     rng = np.random.default_rng(2)
     count, batch = args.long_tail_prompts, args.batch
     long_rows = np.arange(count) % 10 == 5
-    prompts = np.where(long_rows[:, None], rng.choice(long_ids, (count, args.prompt_len)),
-                       rng.choice(short_ids, (count, args.prompt_len))).astype(np.int32)
+    prompts = np.where(
+        long_rows[:, None],
+        rng.choice(long_ids, (count, args.prompt_len)),
+        rng.choice(short_ids, (count, args.prompt_len)),
+    ).astype(np.int32)
     lengths = np.full(count, args.prompt_len, np.int32)
     sampling_config = sampling.SamplingConfig(
-        max_new_tokens=long_len, method=sampling.Temperature(1.0), eos_id=end_id,
-        min_new_tokens=short_len)
+        max_new_tokens=long_len,
+        method=sampling.Temperature(1.0),
+        eos_id=end_id,
+        min_new_tokens=short_len,
+    )
     graphdef, state = nnx.split(model)
 
     def static(seed):
-        rollout = sampling.generate_fn(graphdef, state, jnp.asarray(prompts[:batch]),
-                                       jnp.asarray(lengths[:batch]), jax.random.key(seed),
-                                       config=sampling_config)
+        rollout = sampling.generate_fn(
+            graphdef,
+            state,
+            jnp.asarray(prompts[:batch]),
+            jnp.asarray(lengths[:batch]),
+            jax.random.key(seed),
+            config=sampling_config,
+        )
         return np.asarray(jax.block_until_ready(rollout).lengths)
 
-    made = static(0)                                               # compile
+    made = static(0)  # compile
     want = np.where(long_rows[:batch], long_len, short_len + 1)
     assert np.array_equal(made, want), "the planted lengths did not hold"
     static_s, static_times, static_cpu = _median_time(lambda: static(1), args.long_tail_runs)
     batches = -(-count // batch)
     total_tokens = int(np.where(long_rows, long_len, short_len + 1).sum())
     static_tps = int(made.sum()) / static_s
-    engine_config = EngineConfig(kv_tokens=batch * args.long_tail_slots_per_row, rows=batch,
-                                 page_size=args.page_size, steps_per_call=args.steps_per_call)
+    engine_config = EngineConfig(
+        kv_tokens=batch * args.long_tail_slots_per_row,
+        rows=batch,
+        page_size=args.page_size,
+        steps_per_call=args.steps_per_call,
+    )
     engine = Engine(model, engine_config, sampling_config)
     first_start = time.perf_counter()
-    rollout = engine.generate(prompts, lengths, jax.random.key(0))      # compile + first
+    rollout = engine.generate(prompts, lengths, jax.random.key(0))  # compile + first
     engine_first = time.perf_counter() - first_start
     assert np.array_equal(np.asarray(rollout.lengths), np.where(long_rows, long_len, short_len + 1))
     engine_s, engine_times, engine_cpu = _median_time(
-        lambda: engine.generate(prompts, lengths, jax.random.key(1)), args.long_tail_runs)
+        lambda: engine.generate(prompts, lengths, jax.random.key(1)), args.long_tail_runs
+    )
     engine_tps = total_tokens / engine_s
-    result = dict(prompts=count, rows=batch, short_tokens=short_len + 1, long_tokens=long_len,
-                  long_fraction=float(long_rows.mean()), tokens=total_tokens,
-                  static=dict(seconds_per_batch=static_s, batches=batches, times=static_times,
-                              cpu_seconds_per_batch=static_cpu, tokens_per_s=static_tps,
-                              kv_slots=batch * (args.prompt_len + long_len)),
-                  engine=dict(seconds=engine_s, times=engine_times, cpu_seconds=engine_cpu,
-                              tokens_per_s=engine_tps, compile_and_first_s=engine_first,
-                              kv_tokens=engine_config.kv_tokens, page_size=args.page_size,
-                              steps_per_call=args.steps_per_call,
-                              peak_pages=engine.stats["peak_pages"],
-                              steps=int(rollout.num_steps)),
-                  speedup=engine_tps / static_tps,
-                  cpu_speedup=(total_tokens / engine_cpu) / (int(made.sum()) / static_cpu),
-                  target_speedup=TARGET_LONG_TAIL)
+    result = dict(
+        prompts=count,
+        rows=batch,
+        short_tokens=short_len + 1,
+        long_tokens=long_len,
+        long_fraction=float(long_rows.mean()),
+        tokens=total_tokens,
+        static=dict(
+            seconds_per_batch=static_s,
+            batches=batches,
+            times=static_times,
+            cpu_seconds_per_batch=static_cpu,
+            tokens_per_s=static_tps,
+            kv_slots=batch * (args.prompt_len + long_len),
+        ),
+        engine=dict(
+            seconds=engine_s,
+            times=engine_times,
+            cpu_seconds=engine_cpu,
+            tokens_per_s=engine_tps,
+            compile_and_first_s=engine_first,
+            kv_tokens=engine_config.kv_tokens,
+            page_size=args.page_size,
+            steps_per_call=args.steps_per_call,
+            peak_pages=engine.stats["peak_pages"],
+            steps=int(rollout.num_steps),
+        ),
+        speedup=engine_tps / static_tps,
+        cpu_speedup=(total_tokens / engine_cpu) / (int(made.sum()) / static_cpu),
+        target_speedup=TARGET_LONG_TAIL,
+    )
     result["passed"] = result["speedup"] >= TARGET_LONG_TAIL
-    print(f"\nLong-tailed mix, {count} prompts x {args.prompt_len} tokens, {long_rows.mean():.0%} "
-          f"ending after {long_len} new tokens, the rest after {short_len + 1}; {batch} rows")
-    print(f"  static batch: {static_s:.2f} s per batch of {batch} ({static_cpu:.1f} CPU s), "
-          f"{static_tps:.0f} tokens/s, {batch * (args.prompt_len + long_len)} KV slots")
-    print(f"  engine:       {engine_s:.2f} s for all {count} ({engine_cpu:.1f} CPU s), "
-          f"{engine_tps:.0f} tokens/s, {rollout.num_steps} steps, at most "
-          f"{engine.stats['peak_pages'] * args.page_size} of {engine_config.kv_tokens} KV slots")
+    print(
+        f"\nLong-tailed mix, {count} prompts x {args.prompt_len} tokens, {long_rows.mean():.0%} "
+        f"ending after {long_len} new tokens, the rest after {short_len + 1}; {batch} rows"
+    )
+    print(
+        f"  static batch: {static_s:.2f} s per batch of {batch} ({static_cpu:.1f} CPU s), "
+        f"{static_tps:.0f} tokens/s, {batch * (args.prompt_len + long_len)} KV slots"
+    )
+    print(
+        f"  engine:       {engine_s:.2f} s for all {count} ({engine_cpu:.1f} CPU s), "
+        f"{engine_tps:.0f} tokens/s, {rollout.num_steps} steps, at most "
+        f"{engine.stats['peak_pages'] * args.page_size} of {engine_config.kv_tokens} KV slots"
+    )
     verdict = "PASS" if result["passed"] else "FAIL"
-    print(f"  engine / static tokens/s: {result['speedup']:.2f}x wall, "
-          f"{result['cpu_speedup']:.2f}x CPU (target >= {TARGET_LONG_TAIL:.0f}x: {verdict})")
+    print(
+        f"  engine / static tokens/s: {result['speedup']:.2f}x wall, "
+        f"{result['cpu_speedup']:.2f}x CPU (target >= {TARGET_LONG_TAIL:.0f}x: {verdict})"
+    )
     return result
 
 
@@ -227,19 +278,36 @@ def main():
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--hf_runs", type=int, default=3)
-    parser.add_argument("--blocks", type=int, nargs="*", default=[16],
-                        help="block sizes of extra runs with the blocked MoE dispatch")
-    parser.add_argument("--decode_segments", type=int, nargs="*", default=[4],
-                        help="extra runs of the preset with this many decode loops")
-    parser.add_argument("--long_tail_prompts", type=int, default=256,
-                        help="prompts of the long-tailed case (0: skip it)")
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        nargs="*",
+        default=[16],
+        help="block sizes of extra runs with the blocked MoE dispatch",
+    )
+    parser.add_argument(
+        "--decode_segments",
+        type=int,
+        nargs="*",
+        default=[4],
+        help="extra runs of the preset with this many decode loops",
+    )
+    parser.add_argument(
+        "--long_tail_prompts",
+        type=int,
+        default=256,
+        help="prompts of the long-tailed case (0: skip it)",
+    )
     parser.add_argument("--long_tail_runs", type=int, default=1)
-    parser.add_argument("--long_tail_slots_per_row", type=int, default=256,
-                        help="the engine's KV budget per row (kv_tokens = rows x this)")
+    parser.add_argument(
+        "--long_tail_slots_per_row",
+        type=int,
+        default=256,
+        help="the engine's KV budget per row (kv_tokens = rows x this)",
+    )
     parser.add_argument("--page_size", type=int, default=16)
     parser.add_argument("--steps_per_call", type=int, default=16)
-    parser.add_argument("--skip_main", action="store_true",
-                        help="only the long-tailed case")
+    parser.add_argument("--skip_main", action="store_true", help="only the long-tailed case")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args()
     config = preset("moe_7m")
@@ -259,37 +327,66 @@ def main():
     # The same weights under each dropless dispatch, for prefill and decode alike (decode
     # dispatch None): ragged_dot, blocked with each block size; then the preset's own.
     variants = [("ragged", config.replace(moe_dispatch="ragged", moe_decode_dispatch=None))]
-    variants += [(f"blocked {block}", config.replace(moe_dispatch="blocked", moe_block_size=block,
-                                                     moe_decode_dispatch=None))
-                 for block in args.blocks]
-    preset_name = f"{config.moe_dispatch} {config.moe_block_size}, decode {config.moe_decode_dispatch}"
+    variants += [
+        (
+            f"blocked {block}",
+            config.replace(moe_dispatch="blocked", moe_block_size=block, moe_decode_dispatch=None),
+        )
+        for block in args.blocks
+    ]
+    preset_name = (
+        f"{config.moe_dispatch} {config.moe_block_size}, decode {config.moe_decode_dispatch}"
+    )
     variants += [(preset_name, config)]
     if config.moe_decode_dispatch != "dense":
         # The preset with the decode dispatch it had before "gathered" (every token
         # through every expert), for the before / after in one run.
         variants += [(f"{preset_name} -> dense", config.replace(moe_decode_dispatch="dense"))]
     # The preset again, decoding in K loops over growing caches (SamplingConfig.decode_segments).
-    variants += [(f"{preset_name}, {k} decode loops", config, k) for k in args.decode_segments if k > 1]
+    variants += [
+        (f"{preset_name}, {k} decode loops", config, k) for k in args.decode_segments if k > 1
+    ]
     for name, variant_config, *segments in variants:
         abstract = nnx.eval_shape(lambda c=variant_config: Transformer(c, rngs=nnx.Rngs(0)))
         variant_graphdef = nnx.split(abstract)[0]
         first, median, times, cpu = bench_policyopt(
-            variant_graphdef, state, prompts, lengths, args.max_new_tokens, args.runs,
-            decode_segments=segments[0] if segments else 1, temperature=1.0)
-        rows.append(dict(name=f"policyopt generate (MoE {name}, temperature 1)",
-                         moe_dispatch=variant_config.moe_dispatch,
-                         moe_decode_dispatch=variant_config.moe_decode_dispatch or variant_config.moe_dispatch,
-                         moe_block_size=variant_config.moe_block_size,
-                         decode_segments=segments[0] if segments else 1, seconds=median,
-                         tokens_per_s=new_tokens / median, cpu_seconds=cpu,
-                         compile_and_first_s=first, times=times))
+            variant_graphdef,
+            state,
+            prompts,
+            lengths,
+            args.max_new_tokens,
+            args.runs,
+            decode_segments=segments[0] if segments else 1,
+            temperature=1.0,
+        )
+        rows.append(
+            dict(
+                name=f"policyopt generate (MoE {name}, temperature 1)",
+                moe_dispatch=variant_config.moe_dispatch,
+                moe_decode_dispatch=variant_config.moe_decode_dispatch
+                or variant_config.moe_dispatch,
+                moe_block_size=variant_config.moe_block_size,
+                decode_segments=segments[0] if segments else 1,
+                seconds=median,
+                tokens_per_s=new_tokens / median,
+                cpu_seconds=cpu,
+                compile_and_first_s=first,
+                times=times,
+            )
+        )
         print(f"  {rows[-1]['name']}: {median:.2f} s, compile + first {first:.1f} s", flush=True)
     with tempfile.TemporaryDirectory() as path:
         save_pretrained(model, path)
         hf_median, hf_times, hf_cpu, threads, tf_version, torch_version = bench_transformers(
-            path, prompts, args.max_new_tokens, args.hf_runs, temperature=1.0)
-    hf_row = dict(name="transformers generate (torch, temperature 1)", seconds=hf_median,
-                  tokens_per_s=new_tokens / hf_median, cpu_seconds=hf_cpu, times=hf_times)
+            path, prompts, args.max_new_tokens, args.hf_runs, temperature=1.0
+        )
+    hf_row = dict(
+        name="transformers generate (torch, temperature 1)",
+        seconds=hf_median,
+        tokens_per_s=new_tokens / hf_median,
+        cpu_seconds=hf_cpu,
+        times=hf_times,
+    )
     rows.append(hf_row)
     print(f"  {hf_row['name']}: {hf_median:.2f} s", flush=True)
     for row in rows[:-1]:
@@ -298,39 +395,74 @@ def main():
     ragged_speedup = rows[0]["speedup_vs_transformers"]
     # The headline compares one decode loop (what the configs ship); the decode-loop rows
     # are reported on their own.
-    speedup = max(row["speedup_vs_transformers"] for row in rows[:-1] if row["decode_segments"] == 1)
-    loops_speedup = max((row["speedup_vs_transformers"] for row in rows[:-1]
-                         if row["decode_segments"] > 1), default=None)
+    speedup = max(
+        row["speedup_vs_transformers"] for row in rows[:-1] if row["decode_segments"] == 1
+    )
+    loops_speedup = max(
+        (row["speedup_vs_transformers"] for row in rows[:-1] if row["decode_segments"] > 1),
+        default=None,
+    )
 
-    print(f"\nSampler throughput, {config.num_layers}-layer Qwen3-MoE ({num_params / 1e6:.1f}M "
-          f"params, {config.num_experts} experts top-{config.num_experts_per_tok}, "
-          f"vocab {config.vocab_size}), {args.batch} prompts x {args.prompt_len} tokens, "
-          f"{args.max_new_tokens} new tokens, CPU ({os.cpu_count()} cores, torch threads "
-          f"{threads})")
+    print(
+        f"\nSampler throughput, {config.num_layers}-layer Qwen3-MoE ({num_params / 1e6:.1f}M "
+        f"params, {config.num_experts} experts top-{config.num_experts_per_tok}, "
+        f"vocab {config.vocab_size}), {args.batch} prompts x {args.prompt_len} tokens, "
+        f"{args.max_new_tokens} new tokens, CPU ({os.cpu_count()} cores, torch threads "
+        f"{threads})"
+    )
     width = max(len(row["name"]) for row in rows)
-    print(f"{'':{width}s} {'median s':>9s} {'tokens/s':>9s} {'vs HF':>6s} {'CPU s':>7s} "
-          f"{'vs HF':>6s} {'compile+1st s':>14s}")
+    print(
+        f"{'':{width}s} {'median s':>9s} {'tokens/s':>9s} {'vs HF':>6s} {'CPU s':>7s} "
+        f"{'vs HF':>6s} {'compile+1st s':>14s}"
+    )
     for row in rows:
         compile_s, ratio = row.get("compile_and_first_s"), row.get("speedup_vs_transformers")
         cpu_ratio = row.get("cpu_speedup_vs_transformers")
-        print(f"{row['name']:{width}s} {row['seconds']:9.2f} {row['tokens_per_s']:9.0f} "
-              f"{'' if ratio is None else f'{ratio:5.1f}x':>6s} {row['cpu_seconds']:7.1f} "
-              f"{'' if cpu_ratio is None else f'{cpu_ratio:5.1f}x':>6s} "
-              f"{'' if compile_s is None else f'{compile_s:14.1f}'}")
+        print(
+            f"{row['name']:{width}s} {row['seconds']:9.2f} {row['tokens_per_s']:9.0f} "
+            f"{'' if ratio is None else f'{ratio:5.1f}x':>6s} {row['cpu_seconds']:7.1f} "
+            f"{'' if cpu_ratio is None else f'{cpu_ratio:5.1f}x':>6s} "
+            f"{'' if compile_s is None else f'{compile_s:14.1f}'}"
+        )
     verdict = "PASS" if speedup >= TARGET_SPEEDUP else "FAIL"
-    print(f"speed-up vs transformers (median / median): ragged {ragged_speedup:.1f}x, "
-          f"best {speedup:.1f}x (target >= {TARGET_SPEEDUP:.0f}x: {verdict})"
-          + ("" if loops_speedup is None else f"; with decode loops {loops_speedup:.1f}x"))
+    print(
+        f"speed-up vs transformers (median / median): ragged {ragged_speedup:.1f}x, "
+        f"best {speedup:.1f}x (target >= {TARGET_SPEEDUP:.0f}x: {verdict})"
+        + ("" if loops_speedup is None else f"; with decode loops {loops_speedup:.1f}x")
+    )
 
     result = dict(
-        benchmark="bench_sampling", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        model=dict(preset="moe_7m", parameters=int(num_params), **{
-            k: getattr(config, k) for k in ("num_layers", "hidden_size", "num_experts",
-                                            "num_experts_per_tok", "vocab_size")}),
-        batch=args.batch, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
-        cpu_count=os.cpu_count(), torch_threads=threads, platform=platform.platform(terse=True),
+        benchmark="bench_sampling",
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        model=dict(
+            preset="moe_7m",
+            parameters=int(num_params),
+            **{
+                k: getattr(config, k)
+                for k in (
+                    "num_layers",
+                    "hidden_size",
+                    "num_experts",
+                    "num_experts_per_tok",
+                    "vocab_size",
+                )
+            },
+        ),
+        batch=args.batch,
+        prompt_len=args.prompt_len,
+        max_new_tokens=args.max_new_tokens,
+        cpu_count=os.cpu_count(),
+        torch_threads=threads,
+        platform=platform.platform(terse=True),
         versions=dict(jax=jax.__version__, transformers=tf_version, torch=torch_version),
-        rows=rows, speedup=speedup, speedup_ragged=ragged_speedup, speedup_decode_loops=loops_speedup, target_speedup=TARGET_SPEEDUP, passed=speedup >= TARGET_SPEEDUP, long_tail=long_tail)
+        rows=rows,
+        speedup=speedup,
+        speedup_ragged=ragged_speedup,
+        speedup_decode_loops=loops_speedup,
+        target_speedup=TARGET_SPEEDUP,
+        passed=speedup >= TARGET_SPEEDUP,
+        long_tail=long_tail,
+    )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

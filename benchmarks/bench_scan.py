@@ -41,8 +41,11 @@ def measure(config, batch: int, seq_len: int) -> dict:
     lower_s = time.perf_counter() - start
     start = time.perf_counter()
     lowered.compile()
-    return {"lower_s": lower_s, "compile_s": time.perf_counter() - start,
-            "hlo_chars": len(lowered.as_text())}
+    return {
+        "lower_s": lower_s,
+        "compile_s": time.perf_counter() - start,
+        "hlo_chars": len(lowered.as_text()),
+    }
 
 
 def main():
@@ -60,16 +63,32 @@ def main():
     for layers in (int(n) for n in args.layers.split(",")):
         for scan in [mode == "scan" for mode in args.modes.split(",")]:
             config = preset(args.preset, num_layers=layers, scan_layers=scan, remat=args.remat)
-            row = {"layers": layers, "scan_layers": scan,
-                   **measure(config, args.batch, args.seq_len)}
+            row = {
+                "layers": layers,
+                "scan_layers": scan,
+                **measure(config, args.batch, args.seq_len),
+            }
             rows.append(row)
-            print(f"{layers:>6} {str(scan):>5} {row['lower_s']:8.2f} {row['compile_s']:9.2f} "
-                  f"{row['hlo_chars']:>10}", flush=True)
+            print(
+                f"{layers:>6} {str(scan):>5} {row['lower_s']:8.2f} {row['compile_s']:9.2f} "
+                f"{row['hlo_chars']:>10}",
+                flush=True,
+            )
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"preset": args.preset, "remat": args.remat, "batch": args.batch,
-                   "seq_len": args.seq_len, "jax": jax.__version__, "machine": platform.machine(),
-                   "rows": rows}, f, indent=2)
+        json.dump(
+            {
+                "preset": args.preset,
+                "remat": args.remat,
+                "batch": args.batch,
+                "seq_len": args.seq_len,
+                "jax": jax.__version__,
+                "machine": platform.machine(),
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,12 @@ from policyopt.models import Transformer, preset
 from policyopt.rl.batch import Batch
 from policyopt.rl.learner import Learner, LossConfig, make_optimizer, split_params
 
-PEAKS = {"h200": (989e12, 4.8e12), "h100": (989e12, 3.35e12), "a100": (312e12, 2.0e12),
-         "cpu": (1e12, 1e11)}
+PEAKS = {
+    "h200": (989e12, 4.8e12),
+    "h100": (989e12, 3.35e12),
+    "a100": (312e12, 2.0e12),
+    "cpu": (1e12, 1e11),
+}
 
 
 def count_params(config) -> dict[str, float]:
@@ -64,7 +68,11 @@ def count_params(config) -> dict[str, float]:
     unembed = d * config.vocab_size
     total += unembed + d + (0 if config.tie_word_embeddings else d * config.vocab_size)
     active += unembed + d
-    return {"total": total, "active": active, "experts_per_layer_bytes_bf16": config.num_experts * expert * 2}
+    return {
+        "total": total,
+        "active": active,
+        "experts_per_layer_bytes_bf16": config.num_experts * expert * 2,
+    }
 
 
 _HLO_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\S+) .*?op_name=\"([^\"]*)\"")
@@ -116,19 +124,34 @@ def profile_summary(fn, calls: int, trace_dir: str, hlo_text: str = "", top: int
                 kernels.setdefault(op, event.name)
     total_ns = sum(totals.values()) or 1
     index = hlo_index(hlo_text)
-    ops = [{"op": op, "ms_per_call": ns / 1e6 / calls, "share": ns / total_ns,
-            "kernel": kernels[op][:90], "shape": index.get(op, ("", ""))[0],
-            "op_name": index.get(op, ("", ""))[1]} for op, ns in totals.most_common(top)]
-    return {"device_ms_per_call": total_ns / 1e6 / calls, "ops": ops,
-            "planes": [p.name for p in planes]}
+    ops = [
+        {
+            "op": op,
+            "ms_per_call": ns / 1e6 / calls,
+            "share": ns / total_ns,
+            "kernel": kernels[op][:90],
+            "shape": index.get(op, ("", ""))[0],
+            "op_name": index.get(op, ("", ""))[1],
+        }
+        for op, ns in totals.most_common(top)
+    ]
+    return {
+        "device_ms_per_call": total_ns / 1e6 / calls,
+        "ops": ops,
+        "planes": [p.name for p in planes],
+    }
 
 
 def print_profile(title: str, summary: dict) -> None:
-    print(f"\n{title}: device time {summary['device_ms_per_call']:.2f} ms per call "
-          f"({', '.join(summary['planes'])})")
+    print(
+        f"\n{title}: device time {summary['device_ms_per_call']:.2f} ms per call "
+        f"({', '.join(summary['planes'])})"
+    )
     for row in summary["ops"]:
-        print(f"  {row['ms_per_call']:8.3f} ms {100 * row['share']:5.1f}%  {row['op'][:34]:34s} "
-              f"{row['shape']:28s} {row['op_name']} [{row['kernel'][:40]}]")
+        print(
+            f"  {row['ms_per_call']:8.3f} ms {100 * row['share']:5.1f}%  {row['op'][:34]:34s} "
+            f"{row['shape']:28s} {row['op_name']} [{row['kernel'][:40]}]"
+        )
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -140,13 +163,25 @@ def timed(fn, repeats: int) -> list[float]:
     return times
 
 
-def bench_update(config, rows: int, prompt_len: int, response_len: int, repeats: int, peak_flops: float,
-                 profile_dir: str | None = None):
+def bench_update(
+    config,
+    rows: int,
+    prompt_len: int,
+    response_len: int,
+    repeats: int,
+    peak_flops: float,
+    profile_dir: str | None = None,
+):
     model = Transformer(config, rngs=nnx.Rngs(0))
     graphdef, params = split_params(model)
     optimizer, schedule = make_optimizer(lr=1e-6, warmup_steps=0)
-    settings = dataclasses.replace(LossConfig.from_config(base.base_config()), method="sapo",
-                                   aggregation="token_mean", group_size=16, max_len=response_len)
+    settings = dataclasses.replace(
+        LossConfig.from_config(base.base_config()),
+        method="sapo",
+        aggregation="token_mean",
+        group_size=16,
+        max_len=response_len,
+    )
     learner = Learner(graphdef, settings, optimizer, schedule)
     state = learner.init_state(params)
     seq = prompt_len + response_len
@@ -157,7 +192,8 @@ def bench_update(config, rows: int, prompt_len: int, response_len: int, repeats:
         attention_mask=jnp.ones((rows, seq), jnp.int32),
         mask=jnp.ones((rows, response_len), jnp.float32),
         advantages=jnp.asarray(rng.standard_normal(rows), jnp.float32),
-        old_log_probs=jnp.full((rows, response_len), -np.log(config.vocab_size), jnp.float32))
+        old_log_probs=jnp.full((rows, response_len), -np.log(config.vocab_size), jnp.float32),
+    )
     start = time.perf_counter()
     compiled = learner.update.lower(state, batch).compile()
     state, metrics = compiled(state, batch)
@@ -180,24 +216,45 @@ def bench_update(config, rows: int, prompt_len: int, response_len: int, repeats:
     attn_flops = 6 * config.num_layers * config.num_heads * config.head_dim * seq  # per token
     flops = tokens * (6 * counts["active"] + attn_flops)
     return {
-        "rows": rows, "seq": seq, "tokens_per_step": tokens, "compile_s": compile_s,
-        "step_s_median": median, "step_s_all": times, "tokens_per_s": tokens / median,
-        "tflops_per_s": flops / median / 1e12, "mfu": flops / median / peak_flops,
-        "params_total": counts["total"], "params_active": counts["active"],
-        "model_tflop_per_step": flops / 1e12, **extra,
+        "rows": rows,
+        "seq": seq,
+        "tokens_per_step": tokens,
+        "compile_s": compile_s,
+        "step_s_median": median,
+        "step_s_all": times,
+        "tokens_per_s": tokens / median,
+        "tflops_per_s": flops / median / 1e12,
+        "mfu": flops / median / peak_flops,
+        "params_total": counts["total"],
+        "params_active": counts["active"],
+        "model_tflop_per_step": flops / 1e12,
+        **extra,
     }
 
 
-def bench_sampler(config, batch: int, prompt_len: int, new_tokens: int, repeats: int, peak_bw: float,
-                  profile_dir: str | None = None, decode_segments: int = 1):
+def bench_sampler(
+    config,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int,
+    peak_bw: float,
+    profile_dir: str | None = None,
+    decode_segments: int = 1,
+):
     model = Transformer(config, rngs=nnx.Rngs(1))
     # Serve in bfloat16 (what a generator holds): cast the parameters once.
     graphdef, state = nnx.split(model)
-    state = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
-    prompts = jnp.asarray(np.random.default_rng(0).integers(1, config.vocab_size, (batch, prompt_len)), jnp.int32)
+    state = jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, state
+    )
+    prompts = jnp.asarray(
+        np.random.default_rng(0).integers(1, config.vocab_size, (batch, prompt_len)), jnp.int32
+    )
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
-    samp = sampling.SamplingConfig(max_new_tokens=new_tokens, method=sampling.Temperature(1.0),
-                                   decode_segments=decode_segments)
+    samp = sampling.SamplingConfig(
+        max_new_tokens=new_tokens, method=sampling.Temperature(1.0), decode_segments=decode_segments
+    )
     run = jax.jit(lambda s, p, l, k: sampling.generate_fn(graphdef, s, p, l, k, config=samp))
     start = time.perf_counter()
     run = run.lower(state, prompts, lengths, jax.random.key(0)).compile()
@@ -209,29 +266,45 @@ def bench_sampler(config, batch: int, prompt_len: int, new_tokens: int, repeats:
     samp1 = sampling.SamplingConfig(max_new_tokens=1, method=sampling.Temperature(1.0))
     run1 = jax.jit(lambda s, p, l, k: sampling.generate_fn(graphdef, s, p, l, k, config=samp1))
     jax.block_until_ready(run1(state, prompts, lengths, jax.random.key(0)))
-    prefill = statistics.median(timed(lambda: run1(state, prompts, lengths, jax.random.key(2)), repeats))
+    prefill = statistics.median(
+        timed(lambda: run1(state, prompts, lengths, jax.random.key(2)), repeats)
+    )
     median = statistics.median(times)
     extra = {}
     if profile_dir:
-        extra["profile"] = profile_summary(lambda: run(state, prompts, lengths, jax.random.key(3)), 1,
-                                           profile_dir + "/sampler", run.as_text())
+        extra["profile"] = profile_summary(
+            lambda: run(state, prompts, lengths, jax.random.key(3)),
+            1,
+            profile_dir + "/sampler",
+            run.as_text(),
+        )
     decode_s = max(median - prefill, 1e-9)
     counts = count_params(config)
-    weight_bytes = 2 * (counts["total"] - config.hidden_size * config.vocab_size
-                        * (0 if config.tie_word_embeddings else 1))  # bf16, no embedding gather
+    weight_bytes = 2 * (
+        counts["total"]
+        - config.hidden_size * config.vocab_size * (0 if config.tie_word_embeddings else 1)
+    )  # bf16, no embedding gather
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # k+v bf16
     mean_context = prompt_len + new_tokens / 2
     bytes_per_step = weight_bytes + batch * mean_context * kv_per_token
     step_s = decode_s / new_tokens
     return {
-        "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "compile_s": compile_s,
-        "total_s_median": median, "prefill_s_median": prefill, "decode_step_s": step_s,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "compile_s": compile_s,
+        "total_s_median": median,
+        "prefill_s_median": prefill,
+        "decode_step_s": step_s,
         "decode_tokens_per_s": batch * new_tokens / decode_s,
         "tokens_per_s_incl_prefill": batch * new_tokens / median,
-        "hbm_bytes_per_step": bytes_per_step, "hbm_gb_per_s": bytes_per_step / step_s / 1e9,
-        "hbm_utilisation": bytes_per_step / step_s / peak_bw, "moe_dispatch": config.moe_dispatch,
+        "hbm_bytes_per_step": bytes_per_step,
+        "hbm_gb_per_s": bytes_per_step / step_s / 1e9,
+        "hbm_utilisation": bytes_per_step / step_s / peak_bw,
+        "moe_dispatch": config.moe_dispatch,
         "moe_decode_dispatch": config.moe_decode_dispatch or config.moe_dispatch,
-        "decode_segments": decode_segments, **extra,
+        "decode_segments": decode_segments,
+        **extra,
     }
 
 
@@ -239,21 +312,43 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_bench.json")
     parser.add_argument("--device-name", default="h200", choices=sorted(PEAKS))
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check it runs on the CPU")
-    parser.add_argument("--dispatch", default=None, choices=("ragged", "blocked", "dense", "capacity"),
-                        help="override the preset's moe_dispatch")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny sizes, to check it runs on the CPU"
+    )
+    parser.add_argument(
+        "--dispatch",
+        default=None,
+        choices=("ragged", "blocked", "dense", "capacity"),
+        help="override the preset's moe_dispatch",
+    )
     parser.add_argument("--block-size", type=int, default=None, help="override moe_block_size")
-    parser.add_argument("--gather", default=None, choices=("auto", "take", "onehot"),
-                        help="override moe_weight_gather")
-    parser.add_argument("--sampler-dispatch", default=None, choices=("ragged", "blocked", "dense", "capacity"),
-                        help="one moe_dispatch for the sampler's prefill and decode (default: the "
-                             "preset's moe_dispatch and moe_decode_dispatch)")
-    parser.add_argument("--decode-segments", type=int, default=1,
-                        help="the sampler's decode loops over growing caches (SamplingConfig)")
+    parser.add_argument(
+        "--gather",
+        default=None,
+        choices=("auto", "take", "onehot"),
+        help="override moe_weight_gather",
+    )
+    parser.add_argument(
+        "--sampler-dispatch",
+        default=None,
+        choices=("ragged", "blocked", "dense", "capacity"),
+        help="one moe_dispatch for the sampler's prefill and decode (default: the "
+        "preset's moe_dispatch and moe_decode_dispatch)",
+    )
+    parser.add_argument(
+        "--decode-segments",
+        type=int,
+        default=1,
+        help="the sampler's decode loops over growing caches (SamplingConfig)",
+    )
     parser.add_argument("--skip-sampler", action="store_true")
-    parser.add_argument("--profile", default=None, metavar="DIR",
-                        help="also trace two updates and one sampler call into DIR and print the "
-                             "device time per HLO op, with its JAX op name")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="also trace two updates and one sampler call into DIR and print the "
+        "device time per HLO op, with its JAX op name",
+    )
     args = parser.parse_args()
     peak_flops, peak_bw = PEAKS[args.device_name]
     if args.smoke:
@@ -264,38 +359,76 @@ def main():
         config = preset("moe_0p5b", dtype="bfloat16")
         upd = dict(rows=32, prompt_len=256, response_len=768, repeats=5)
         smp = dict(batch=256, prompt_len=128, new_tokens=256, repeats=3)
-    overrides = {k: v for k, v in (("moe_dispatch", args.dispatch), ("moe_block_size", args.block_size),
-                                   ("moe_weight_gather", args.gather)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (
+            ("moe_dispatch", args.dispatch),
+            ("moe_block_size", args.block_size),
+            ("moe_weight_gather", args.gather),
+        )
+        if v is not None
+    }
     config = config.replace(**overrides)
-    report = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "backend": jax.default_backend(),
-              "device": str(jax.devices()[0].device_kind), "python": platform.python_version(),
-              "preset": "tiny_moe" if args.smoke else "moe_0p5b", "peaks": {"flops": peak_flops, "hbm": peak_bw},
-              "moe": {"dispatch": config.moe_dispatch, "block_size": config.moe_block_size,
-                      "weight_gather": config.resolved_weight_gather()}}
-    print(f"MoE: train {report['moe']}, decode {config.moe_decode_dispatch or config.moe_dispatch}", flush=True)
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "python": platform.python_version(),
+        "preset": "tiny_moe" if args.smoke else "moe_0p5b",
+        "peaks": {"flops": peak_flops, "hbm": peak_bw},
+        "moe": {
+            "dispatch": config.moe_dispatch,
+            "block_size": config.moe_block_size,
+            "weight_gather": config.resolved_weight_gather(),
+        },
+    }
+    print(
+        f"MoE: train {report['moe']}, decode {config.moe_decode_dispatch or config.moe_dispatch}",
+        flush=True,
+    )
     report["update"] = bench_update(config, **upd, peak_flops=peak_flops, profile_dir=args.profile)
-    print(json.dumps({"update": {k: v for k, v in report["update"].items() if k != "step_s_all"}}, indent=1),
-          flush=True)
+    print(
+        json.dumps(
+            {"update": {k: v for k, v in report["update"].items() if k != "step_s_all"}}, indent=1
+        ),
+        flush=True,
+    )
     if not args.skip_sampler:
         sampler_config = config
         if args.sampler_dispatch:
-            sampler_config = config.replace(moe_dispatch=args.sampler_dispatch, moe_decode_dispatch=None)
-        report["sampler"] = bench_sampler(sampler_config, **smp, peak_bw=peak_bw, profile_dir=args.profile,
-                                          decode_segments=args.decode_segments)
+            sampler_config = config.replace(
+                moe_dispatch=args.sampler_dispatch, moe_decode_dispatch=None
+            )
+        report["sampler"] = bench_sampler(
+            sampler_config,
+            **smp,
+            peak_bw=peak_bw,
+            profile_dir=args.profile,
+            decode_segments=args.decode_segments,
+        )
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     u, s = report["update"], report.get("sampler")
     print(f"\n| measure | value |\n|---|---|")
-    print(f"| params total / active | {u['params_total']/1e6:.1f}M / {u['params_active']/1e6:.1f}M |")
-    print(f"| update tokens/s | {u['tokens_per_s']:.0f} ({u['rows']}x{u['seq']}, median of {len(u['step_s_all'])}) |")
-    print(f"| update MFU | {100*u['mfu']:.1f}% ({u['tflops_per_s']:.1f} TFLOP/s) |")
+    print(
+        f"| params total / active | {u['params_total'] / 1e6:.1f}M / {u['params_active'] / 1e6:.1f}M |"
+    )
+    print(
+        f"| update tokens/s | {u['tokens_per_s']:.0f} ({u['rows']}x{u['seq']}, median of {len(u['step_s_all'])}) |"
+    )
+    print(f"| update MFU | {100 * u['mfu']:.1f}% ({u['tflops_per_s']:.1f} TFLOP/s) |")
     print(f"| update TFLOP per step (model count) | {u['model_tflop_per_step']:.1f} |")
     print(f"| MoE dispatch | {report['moe']} |")
     print(f"| compile update | {u['compile_s']:.1f}s |")
     if s:
-        print(f"| sampler decode tokens/s | {s['decode_tokens_per_s']:.0f} (batch {s['batch']}, "
-              f"MoE prefill {s['moe_dispatch']}, decode {s['moe_decode_dispatch']}) |")
-        print(f"| decode HBM bandwidth | {s['hbm_gb_per_s']:.0f} GB/s ({100*s['hbm_utilisation']:.1f}% of peak) |")
+        print(
+            f"| sampler decode tokens/s | {s['decode_tokens_per_s']:.0f} (batch {s['batch']}, "
+            f"MoE prefill {s['moe_dispatch']}, decode {s['moe_decode_dispatch']}) |"
+        )
+        print(
+            f"| decode HBM bandwidth | {s['hbm_gb_per_s']:.0f} GB/s ({100 * s['hbm_utilisation']:.1f}% of peak) |"
+        )
         print(f"| compile sampler | {s['compile_s']:.1f}s |")
     for name in ("update", "sampler"):
         if name in report and "profile" in report[name]:

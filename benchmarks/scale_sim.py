@@ -107,16 +107,23 @@ import re
 import sys
 import time
 
-GIB = 1024 ** 3
+GIB = 1024**3
 # KV token slots per device of the engine's pool when neither --engine-kv-tokens nor the
 # recipe sets one: 2^17 (qwen3_30b_a3b: 12 GiB of bf16 keys and values at 96 KiB per token,
 # 24 GiB in the preset's float32).
 DEFAULT_ENGINE_KV_TOKENS = 1 << 17
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-         "ragged-all-to-all")
+KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "ragged-all-to-all",
+)
 _COLLECTIVE = re.compile(
     r"=\s+(?P<type>\S.*?)\s+(?P<kind>ragged-all-to-all|all-reduce|all-gather|reduce-scatter"
-    r"|all-to-all|collective-permute)(?P<start>-start)?\(")
+    r"|all-to-all|collective-permute)(?P<start>-start)?\("
+)
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+|c64|c128)\[([\d,]*)\]")
 _BYTES = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
 
@@ -143,8 +150,10 @@ def collectives(hlo_text: str, top: int = 3) -> dict:
         match = _COLLECTIVE.search(line)
         if not match:
             continue
-        arrays = [(f"{dtype}[{dims}]", _dtype_bytes(dtype) * _prod(dims))
-                  for dtype, dims in _ARRAY.findall(match["type"])]
+        arrays = [
+            (f"{dtype}[{dims}]", _dtype_bytes(dtype) * _prod(dims))
+            for dtype, dims in _ARRAY.findall(match["type"])
+        ]
         if not arrays:
             continue
         if match["start"]:
@@ -157,10 +166,16 @@ def collectives(hlo_text: str, top: int = 3) -> dict:
         else:
             shape = "(" + ", ".join(shapes) + ")"
         found[match["kind"]].append((shape, int(sum(a[1] for a in arrays))))
-    return {kind: {"count": len(ops), "bytes": sum(b for _, b in ops),
-                   "largest": [{"shape": s, "bytes": b}
-                               for s, b in sorted(ops, key=lambda o: -o[1])[:top]]}
-            for kind, ops in found.items()}
+    return {
+        kind: {
+            "count": len(ops),
+            "bytes": sum(b for _, b in ops),
+            "largest": [
+                {"shape": s, "bytes": b} for s, b in sorted(ops, key=lambda o: -o[1])[:top]
+            ],
+        }
+        for kind, ops in found.items()
+    }
 
 
 def _prod(dims: str) -> int:
@@ -187,54 +202,83 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.scale_sim",
         description="Compile-only per-device memory and collectives of the jitted update or "
-                    "rollout on simulated CPU devices (the module docstring says how to read "
-                    "them).",
+        "rollout on simulated CPU devices (the module docstring says how to read "
+        "them).",
         epilog="--model.FIELD=value overrides a ModelConfig field (any field: e.g. "
-               "--model.dtype=bfloat16 --model.moe_dispatch=blocked); --config.FIELD=value a "
-               "field of the recipe's config (e.g. --config.algo.kl_beta=0.01).")
+        "--model.dtype=bfloat16 --model.moe_dispatch=blocked); --config.FIELD=value a "
+        "field of the recipe's config (e.g. --config.algo.kl_beta=0.01).",
+    )
     p.add_argument("--step", choices=("update", "rollout"), required=True)
     p.add_argument("--preset", required=True, help="policyopt.models.presets name")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
-    p.add_argument("--mesh", default="fsdp=-1",
-                   help="axis=size,... over data, fsdp, tensor, expert (one may be -1)")
+    p.add_argument(
+        "--mesh",
+        default="fsdp=-1",
+        help="axis=size,... over data, fsdp, tensor, expert (one may be -1)",
+    )
     p.add_argument("--method", default="gspo", help="recipe: configs/<method>.py")
     p.add_argument("--variant", default="", help="the recipe's variant string (configs/base.py)")
     p.add_argument("--seq-len", type=int, help="update: tokens per row, prompt included")
     p.add_argument("--prompt-len", type=int, help="prompt tokens per row (bucket)")
-    p.add_argument("--rows-per-device", type=int, default=1,
-                   help="update: rows of the minibatch = this x devices")
+    p.add_argument(
+        "--rows-per-device",
+        type=int,
+        default=1,
+        help="update: rows of the minibatch = this x devices",
+    )
     p.add_argument("--prompts", type=int, help="rollout: prompts per round")
     p.add_argument("--samples", type=int, help="rollout: samples per prompt (G)")
     p.add_argument("--new-tokens", type=int, help="rollout: max_new_tokens")
-    p.add_argument("--engine-kv-tokens", type=int,
-                   help="rollout: KV token slots of the engine's pool per device (0: one "
-                        "generate_fn call over every row; default: the recipe's "
-                        "sampling.engine_kv_tokens, else 2^17)")
-    p.add_argument("--engine-attention", default="gather", choices=("gather", "online"),
-                   help="rollout: the engine's attention over pages (policyopt.models.paged; "
-                        "the TPU kernel, \"pallas\", does not compile for the CPU: "
-                        "\"online\" reads the pages one at a time as it does)")
-    p.add_argument("--engine-rows", type=int,
-                   help="rollout: rows the engine decodes per device (default: the recipe's "
-                        "sampling.engine_rows, else prompts x samples / devices on the row axes)")
-    p.add_argument("--micro-batch-tokens", type=int,
-                   help="config.batch.micro_batch_tokens, where the learner has micro-batches")
-    p.add_argument("--full-depth", action="store_true",
-                   help="compile the preset's depth instead of extrapolating from 1 and 2 layers")
+    p.add_argument(
+        "--engine-kv-tokens",
+        type=int,
+        help="rollout: KV token slots of the engine's pool per device (0: one "
+        "generate_fn call over every row; default: the recipe's "
+        "sampling.engine_kv_tokens, else 2^17)",
+    )
+    p.add_argument(
+        "--engine-attention",
+        default="gather",
+        choices=("gather", "online"),
+        help="rollout: the engine's attention over pages (policyopt.models.paged; "
+        'the TPU kernel, "pallas", does not compile for the CPU: '
+        '"online" reads the pages one at a time as it does)',
+    )
+    p.add_argument(
+        "--engine-rows",
+        type=int,
+        help="rollout: rows the engine decodes per device (default: the recipe's "
+        "sampling.engine_rows, else prompts x samples / devices on the row axes)",
+    )
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        help="config.batch.micro_batch_tokens, where the learner has micro-batches",
+    )
+    p.add_argument(
+        "--full-depth",
+        action="store_true",
+        help="compile the preset's depth instead of extrapolating from 1 and 2 layers",
+    )
     p.add_argument("--json", help="write the result here")
     args, rest = p.parse_known_args(argv)
     args.model_overrides, args.config_overrides = {}, []
     for item in rest:
         name, sep, value = item.partition("=")
         if not sep or not name.startswith(("--model.", "--config.")):
-            p.error(f"unrecognized argument {item!r} (expected --model.FIELD=value or "
-                    "--config.FIELD=value)")
+            p.error(
+                f"unrecognized argument {item!r} (expected --model.FIELD=value or "
+                "--config.FIELD=value)"
+            )
         if name.startswith("--model."):
-            args.model_overrides[name[len("--model."):]] = _literal(value)
+            args.model_overrides[name[len("--model.") :]] = _literal(value)
         else:
-            args.config_overrides.append(f"{name[len('--config.'):]}={value}")
-    need = (("seq_len", "prompt_len") if args.step == "update"
-            else ("prompts", "samples", "prompt_len", "new_tokens"))
+            args.config_overrides.append(f"{name[len('--config.') :]}={value}")
+    need = (
+        ("seq_len", "prompt_len")
+        if args.step == "update"
+        else ("prompts", "samples", "prompt_len", "new_tokens")
+    )
     for field in need:
         if getattr(args, field) is None:
             p.error(f"--step {args.step} needs --{field.replace('_', '-')}")
@@ -262,11 +306,16 @@ def set_device_count(devices: int) -> None:
         import jax
 
         if jax.device_count() != devices:
-            raise RuntimeError(f"JAX already started with {jax.device_count()} devices; run "
-                               f"scale_sim in a fresh process for --devices {devices}")
+            raise RuntimeError(
+                f"JAX already started with {jax.device_count()} devices; run "
+                f"scale_sim in a fresh process for --devices {devices}"
+            )
         return
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
     flags.append(f"--xla_force_host_platform_device_count={devices}")
     if not any(f.startswith("--xla_backend_optimization_level") for f in flags):
         # LLVM's optimisation level: compiles ~1.5x faster at 0, and buffer assignment (what
@@ -284,8 +333,10 @@ def recipe_config(args):
     variant += args.config_overrides
     if args.micro_batch_tokens is not None:
         if "micro_batch_tokens" not in recipe.get_config().batch:
-            raise SystemExit("--micro-batch-tokens: this version of the library has no "
-                             "config.batch.micro_batch_tokens (no micro-batches in the learner)")
+            raise SystemExit(
+                "--micro-batch-tokens: this version of the library has no "
+                "config.batch.micro_batch_tokens (no micro-batches in the learner)"
+            )
         variant.append(f"batch.micro_batch_tokens={args.micro_batch_tokens}")
     return recipe.get_config(",".join(variant) or None)
 
@@ -301,8 +352,10 @@ def model_config(args, config, num_layers: int):
     overrides["num_layers"] = num_layers
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise SystemExit(f"--model.{unknown[0]}: ModelConfig has no field {unknown[0]!r} "
-                         f"(fields: {', '.join(sorted(fields))})")
+        raise SystemExit(
+            f"--model.{unknown[0]}: ModelConfig has no field {unknown[0]!r} "
+            f"(fields: {', '.join(sorted(fields))})"
+        )
     return preset(args.preset, **overrides)
 
 
@@ -315,9 +368,13 @@ def _abstract(tree, specs, mesh):
     leaves, treedef = jax.tree.flatten(tree)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     assert len(leaves) == len(spec_leaves), (len(leaves), len(spec_leaves))
-    return jax.tree.unflatten(treedef, [
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
-        for x, s in zip(leaves, spec_leaves)])
+    return jax.tree.unflatten(
+        treedef,
+        [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
+            for x, s in zip(leaves, spec_leaves)
+        ],
+    )
 
 
 def per_device_bytes(tree) -> int:
@@ -326,8 +383,12 @@ def per_device_bytes(tree) -> int:
     import jax
     import numpy as np
 
-    return int(sum(np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                   for x in jax.tree.leaves(tree)))
+    return int(
+        sum(
+            np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+            for x in jax.tree.leaves(tree)
+        )
+    )
 
 
 @dataclasses.dataclass
@@ -346,15 +407,22 @@ def build(args, config, mesh, num_layers: int) -> Setup:
     from flax import nnx
 
     from policyopt.models import Transformer
-    from policyopt.rl.learner import (LossConfig, OptimConfig, TrainState, get_learner,
-                                      split_params, state_specs)
+    from policyopt.rl.learner import (
+        LossConfig,
+        OptimConfig,
+        TrainState,
+        get_learner,
+        split_params,
+        state_specs,
+    )
 
     cfg = model_config(args, config, num_layers)
     with jax.set_mesh(mesh):
         model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, params = split_params(model)
-    learner = get_learner(graphdef, LossConfig.from_config(config),
-                          OptimConfig.from_config(config.optim))
+    learner = get_learner(
+        graphdef, LossConfig.from_config(config), OptimConfig.from_config(config.optim)
+    )
     state = jax.eval_shape(lambda p: TrainState.create(p, learner.optimizer), params)
     state = _abstract(state, state_specs(state, learner.optimizer, mesh), mesh)
     return Setup(learner, graphdef, state, cfg)
@@ -381,20 +449,32 @@ def update_batch(args, config, setup: Setup, mesh):
     trainer_old = algo.old_log_probs == "trainer"
     replay = cfg.is_moe and algo.routing_replay in ("R2", "R3")
     return Batch(
-        tokens=sds((rows, width), jnp.int32), positions=sds((rows, width), jnp.int32),
-        attention_mask=sds((rows, width), jnp.int32), mask=sds((rows, response), jnp.float32),
+        tokens=sds((rows, width), jnp.int32),
+        positions=sds((rows, width), jnp.int32),
+        attention_mask=sds((rows, width), jnp.int32),
+        mask=sds((rows, response), jnp.float32),
         advantages=sds((rows, response) if gae else (rows,), jnp.float32),
         old_log_probs=sds((rows, response), jnp.float32),
-        importance_weights=(sds((rows, response), jnp.float32)
-                            if trainer_old and algo.get("tis_cap") is not None else None),
+        importance_weights=(
+            sds((rows, response), jnp.float32)
+            if trainer_old and algo.get("tis_cap") is not None
+            else None
+        ),
         ref_log_probs=sds((rows, response), jnp.float32) if algo.kl_beta > 0 else None,
-        routing=(sds((cfg.num_moe_layers, rows, width, cfg.num_experts_per_tok), jnp.int32, 1)
-                 if replay else None),
+        routing=(
+            sds((cfg.num_moe_layers, rows, width, cfg.num_experts_per_tok), jnp.int32, 1)
+            if replay
+            else None
+        ),
         old_values=sds((rows, response), jnp.float32) if gae else None,
         returns=sds((rows, response), jnp.float32) if gae else None,
         nll_weights=sds((rows,), jnp.float32) if algo.nll_coef > 0 else None,
-        loss_mask=(sds((rows, response), jnp.float32) if trainer_old and (
-            algo.get("rs_level") is not None or algo.get("rs_veto") is not None) else None))
+        loss_mask=(
+            sds((rows, response), jnp.float32)
+            if trainer_old and (algo.get("rs_level") is not None or algo.get("rs_veto") is not None)
+            else None
+        ),
+    )
 
 
 def rollout_calls(args, config, setup: Setup, mesh) -> list[tuple[str, object]]:
@@ -414,8 +494,11 @@ def rollout_calls(args, config, setup: Setup, mesh) -> list[tuple[str, object]]:
     sampling_config = SamplingConfig(
         max_new_tokens=args.new_tokens,
         method=sampling_method(s.temperature, s.top_k, s.top_p),
-        eos_id=min(2, vocab - 1), pad_id=0, num_samples=args.samples,
-        decode_segments=s.decode_segments)
+        eos_id=min(2, vocab - 1),
+        pad_id=0,
+        num_samples=args.samples,
+        decode_segments=s.decode_segments,
+    )
 
     def rows(shape, dtype):
         spec = sharding.row_spec(shape, mesh)
@@ -426,24 +509,45 @@ def rollout_calls(args, config, setup: Setup, mesh) -> list[tuple[str, object]]:
     if engine is None:
         shape = (args.prompts, args.prompt_len)
         prompts, lengths = rows(shape, jnp.int32), rows(shape[:1], jnp.int32)
-        lower = lambda: generate_fn.lower(setup.graphdef, setup.state.params, prompts, lengths,
-                                          rng, config=sampling_config)
+        lower = lambda: generate_fn.lower(
+            setup.graphdef, setup.state.params, prompts, lengths, rng, config=sampling_config
+        )
         return [("generate_fn", lower)]
-    from policyopt.engine import admit_rows, decode_steps, evict_rows, empty_state, state_specs, row_shards
+    from policyopt.engine import (
+        admit_rows,
+        decode_steps,
+        evict_rows,
+        empty_state,
+        state_specs,
+        row_shards,
+    )
 
     shards = row_shards(mesh)
-    state = jax.eval_shape(lambda: empty_state(setup.model_config, engine, sampling_config,
-                                               args.prompt_len, shards))
+    state = jax.eval_shape(
+        lambda: empty_state(setup.model_config, engine, sampling_config, args.prompt_len, shards)
+    )
     state = _abstract(state, state_specs(state, mesh), mesh)
     per_shard = [rows((shards,), jnp.int32) for _ in range(5)]
     prompts = rows((shards, args.prompt_len), jnp.int32)
     params = setup.state.params
     return [
-        ("engine_admit", lambda: admit_rows.lower(setup.graphdef, params, state, prompts, *per_shard,
-                                              config=sampling_config)),
-        ("engine_decode", lambda: decode_steps.lower(setup.graphdef, params, state, rng,
-                                                config=sampling_config,
-                                                steps=engine.steps_per_call)),
+        (
+            "engine_admit",
+            lambda: admit_rows.lower(
+                setup.graphdef, params, state, prompts, *per_shard, config=sampling_config
+            ),
+        ),
+        (
+            "engine_decode",
+            lambda: decode_steps.lower(
+                setup.graphdef,
+                params,
+                state,
+                rng,
+                config=sampling_config,
+                steps=engine.steps_per_call,
+            ),
+        ),
         ("engine_evict", lambda: evict_rows.lower(state, rows((engine.rows * shards,), jnp.bool_))),
     ]
 
@@ -463,9 +567,13 @@ def engine_config(args, config, mesh):
         return None
     shards = row_shards(mesh)
     rows = args.engine_rows or s.engine_rows or args.samples * -(-args.prompts // shards)
-    return EngineConfig(kv_tokens=kv_tokens, rows=rows, page_size=s.engine_page_size,
-                        attention=args.engine_attention,
-                        capture_routing=config.algo.routing_replay == "R3")
+    return EngineConfig(
+        kv_tokens=kv_tokens,
+        rows=rows,
+        page_size=s.engine_page_size,
+        attention=args.engine_attention,
+        capture_routing=config.algo.routing_replay == "R3",
+    )
 
 
 def compile_once(args, config, mesh, num_layers: int) -> dict:
@@ -486,13 +594,20 @@ def compile_once(args, config, mesh, num_layers: int) -> dict:
             compiled = lower().compile()
         seconds = time.perf_counter() - start
         memory = compiled.memory_analysis()
-        parts = {k: int(getattr(memory, f"{k}_size_in_bytes"))
-                 for k in ("argument", "output", "alias", "temp")}
-        results.append(dict(
-            call=name, num_layers=num_layers, compile_s=round(seconds, 2),
-            peak_bytes=parts["argument"] + parts["output"] - parts["alias"] + parts["temp"],
-            **{f"{k}_bytes": v for k, v in parts.items()},
-            collectives=collectives(compiled.as_text())))
+        parts = {
+            k: int(getattr(memory, f"{k}_size_in_bytes"))
+            for k in ("argument", "output", "alias", "temp")
+        }
+        results.append(
+            dict(
+                call=name,
+                num_layers=num_layers,
+                compile_s=round(seconds, 2),
+                peak_bytes=parts["argument"] + parts["output"] - parts["alias"] + parts["temp"],
+                **{f"{k}_bytes": v for k, v in parts.items()},
+                collectives=collectives(compiled.as_text()),
+            )
+        )
     return dict(setup=setup, calls=results)
 
 
@@ -508,8 +623,10 @@ def simulate(args) -> dict:
     full = model_config(args, config, preset_depth(args, config)).num_layers
     extrapolate = not args.full_depth and full > 2
     if extrapolate and model_config(args, config, full).moe_layers is not None:
-        raise SystemExit(f"preset {args.preset!r} lists moe_layers: depth cannot be extrapolated "
-                         "from 1 and 2 layers; use --full-depth")
+        raise SystemExit(
+            f"preset {args.preset!r} lists moe_layers: depth cannot be extrapolated "
+            "from 1 and 2 layers; use --full-depth"
+        )
     depths = (1, 2) if extrapolate else (full,)
     compiles = [compile_once(args, config, mesh, d) for d in depths]
     # Exact state at full depth from the shapes alone (nothing compiled or allocated).
@@ -528,38 +645,68 @@ def simulate(args) -> dict:
         record.update(
             per_device_peak_gib=peak / GIB,
             per_layer_gib=None if per_layer is None else per_layer / GIB,
-            compiles=[{k: c[k] for k in ("num_layers", "compile_s", "peak_bytes", "argument_bytes",
-                                          "output_bytes", "alias_bytes", "temp_bytes")}
-                      for c in by_depth],
+            compiles=[
+                {
+                    k: c[k]
+                    for k in (
+                        "num_layers",
+                        "compile_s",
+                        "peak_bytes",
+                        "argument_bytes",
+                        "output_bytes",
+                        "alias_bytes",
+                        "temp_bytes",
+                    )
+                }
+                for c in by_depth
+            ],
             compile_s=round(sum(c["compile_s"] for c in by_depth), 2),
-            collectives_num_layers=last["num_layers"])
+            collectives_num_layers=last["num_layers"],
+        )
         calls.append(record)
     worst = max(calls, key=lambda c: c["per_device_peak_gib"])
     mesh_shape = {name: int(size) for name, size in mesh.shape.items()}
     record = dict(
-        step=args.step, preset=args.preset, method=args.method, devices=args.devices,
-        mesh=mesh_shape, num_layers=full, extrapolated=extrapolate,
+        step=args.step,
+        preset=args.preset,
+        method=args.method,
+        devices=args.devices,
+        mesh=mesh_shape,
+        num_layers=full,
+        extrapolated=extrapolate,
         per_device_peak_gib=worst["per_device_peak_gib"],
-        state_gib_per_device=state_bytes / GIB, params_gib_per_device=params_bytes / GIB,
+        state_gib_per_device=state_bytes / GIB,
+        params_gib_per_device=params_bytes / GIB,
         compile_s=round(sum(c["compile_s"] for c in calls), 2),
-        collectives=worst["collectives"], calls=calls,
+        collectives=worst["collectives"],
+        calls=calls,
         model={k: v for k, v in dataclasses.asdict(top.model_config).items()},
-        inputs=dict(seq_len=args.seq_len, prompt_len=args.prompt_len,
-                    rows_per_device=args.rows_per_device, prompts=args.prompts,
-                    samples=args.samples, new_tokens=args.new_tokens,
-                    engine_kv_tokens=args.engine_kv_tokens, engine_rows=args.engine_rows,
-                    engine_attention=args.engine_attention,
-                    micro_batch_tokens=args.micro_batch_tokens, variant=args.variant,
-                    model_overrides=args.model_overrides, config_overrides=args.config_overrides),
-        jax_version=jax.__version__)
+        inputs=dict(
+            seq_len=args.seq_len,
+            prompt_len=args.prompt_len,
+            rows_per_device=args.rows_per_device,
+            prompts=args.prompts,
+            samples=args.samples,
+            new_tokens=args.new_tokens,
+            engine_kv_tokens=args.engine_kv_tokens,
+            engine_rows=args.engine_rows,
+            engine_attention=args.engine_attention,
+            micro_batch_tokens=args.micro_batch_tokens,
+            variant=args.variant,
+            model_overrides=args.model_overrides,
+            config_overrides=args.config_overrides,
+        ),
+        jax_version=jax.__version__,
+    )
     if args.step == "update":
         record["rows"] = args.rows_per_device * args.devices
         record["rows_on_each_device"] = rows_on_each_device(record["rows"], mesh)
     else:
         record["prompt_rows_on_each_device"] = rows_on_each_device(args.prompts, mesh)
         engine = engine_config(args, config, mesh)
-        record["engine"] = None if engine is None else dict(
-            dataclasses.asdict(engine), shards=row_shards_of(mesh))
+        record["engine"] = (
+            None if engine is None else dict(dataclasses.asdict(engine), shards=row_shards_of(mesh))
+        )
         record["rows"] = args.prompts * args.samples
         opt_bytes = state_bytes - params_bytes
         for call in calls:
@@ -599,52 +746,79 @@ def _gib(value: float, width: int) -> str:
 def format_table(record: dict) -> str:
     """The record as a short readable table."""
     mesh = ",".join(f"{k}={v}" for k, v in record["mesh"].items() if v > 1) or "1 device"
-    lines = [f"scale_sim --step {record['step']}: {record['preset']} "
-             f"({record['num_layers']} layers), {record['method']}, {record['devices']} devices, "
-             f"mesh {mesh}"]
+    lines = [
+        f"scale_sim --step {record['step']}: {record['preset']} "
+        f"({record['num_layers']} layers), {record['method']}, {record['devices']} devices, "
+        f"mesh {mesh}"
+    ]
     inputs = record["inputs"]
     if record["step"] == "update":
-        lines.append(f"  minibatch {record['rows']} rows x {inputs['seq_len']} tokens "
-                     f"({inputs['prompt_len']} prompt); rows on each device: "
-                     f"{record['rows_on_each_device']}")
+        lines.append(
+            f"  minibatch {record['rows']} rows x {inputs['seq_len']} tokens "
+            f"({inputs['prompt_len']} prompt); rows on each device: "
+            f"{record['rows_on_each_device']}"
+        )
     else:
-        lines.append(f"  {inputs['prompts']} prompts x {inputs['samples']} samples, "
-                     f"{inputs['prompt_len']} prompt + {inputs['new_tokens']} new tokens; "
-                     f"prompts on each device: {record['prompt_rows_on_each_device']}")
+        lines.append(
+            f"  {inputs['prompts']} prompts x {inputs['samples']} samples, "
+            f"{inputs['prompt_len']} prompt + {inputs['new_tokens']} new tokens; "
+            f"prompts on each device: {record['prompt_rows_on_each_device']}"
+        )
         engine = record.get("engine")
         if engine:
-            lines.append(f"  engine: {engine['shards']} shards (one per device on the row axes), "
-                         f"each {engine['rows']} rows, {engine['kv_tokens']} KV token slots "
-                         f"in pages of {engine['page_size']}, {engine['attention']} attention, "
-                         f"{engine['steps_per_call']} "
-                         f"steps per decode call, routing captured: "
-                         f"{engine['capture_routing']}")
-    lines.append(f"  state (params + optimiser) per device: "
-                 f"{_gib(record['state_gib_per_device'], 0)} GiB "
-                 f"(params {_gib(record['params_gib_per_device'], 0)})")
-    lines.append(f"  {'call':<12}{'layers':>7}{'compile s':>10}{'argument':>10}{'output':>9}"
-                 f"{'alias':>9}{'temp':>10}{'peak GiB':>10}")
+            lines.append(
+                f"  engine: {engine['shards']} shards (one per device on the row axes), "
+                f"each {engine['rows']} rows, {engine['kv_tokens']} KV token slots "
+                f"in pages of {engine['page_size']}, {engine['attention']} attention, "
+                f"{engine['steps_per_call']} "
+                f"steps per decode call, routing captured: "
+                f"{engine['capture_routing']}"
+            )
+    lines.append(
+        f"  state (params + optimiser) per device: "
+        f"{_gib(record['state_gib_per_device'], 0)} GiB "
+        f"(params {_gib(record['params_gib_per_device'], 0)})"
+    )
+    lines.append(
+        f"  {'call':<12}{'layers':>7}{'compile s':>10}{'argument':>10}{'output':>9}"
+        f"{'alias':>9}{'temp':>10}{'peak GiB':>10}"
+    )
     for call in record["calls"]:
         for c in call["compiles"]:
-            lines.append(f"  {call['call']:<12}{c['num_layers']:>7}{c['compile_s']:>10.1f}"
-                         + "".join(_gib(c[k + "_bytes"] / GIB, w) for k, w in
-                                   (("argument", 10), ("output", 9), ("alias", 9), ("temp", 10)))
-                         + _gib(c["peak_bytes"] / GIB, 10))
+            lines.append(
+                f"  {call['call']:<12}{c['num_layers']:>7}{c['compile_s']:>10.1f}"
+                + "".join(
+                    _gib(c[k + "_bytes"] / GIB, w)
+                    for k, w in (("argument", 10), ("output", 9), ("alias", 9), ("temp", 10))
+                )
+                + _gib(c["peak_bytes"] / GIB, 10)
+            )
         how = "extrapolated" if record["extrapolated"] else "compiled"
-        per_layer = (f", {_gib(call['per_layer_gib'], 0)} GiB per layer"
-                     if call["per_layer_gib"] is not None else "")
-        lines.append(f"  {call['call']:<12}{record['num_layers']:>7}  per-device peak "
-                     f"{_gib(call['per_device_peak_gib'], 0)} GiB ({how}{per_layer})")
+        per_layer = (
+            f", {_gib(call['per_layer_gib'], 0)} GiB per layer"
+            if call["per_layer_gib"] is not None
+            else ""
+        )
+        lines.append(
+            f"  {call['call']:<12}{record['num_layers']:>7}  per-device peak "
+            f"{_gib(call['per_device_peak_gib'], 0)} GiB ({how}{per_layer})"
+        )
         if "peak_with_resident_state_gib" in call:
-            lines.append(f"  {'':<12}{'':>7}  with the resident optimiser state "
-                         f"{call['peak_with_resident_state_gib']:.2f} GiB")
-        lines.append(f"  collectives of the {call['collectives_num_layers']}-layer {call['call']} "
-                     "(static count, largest result):")
+            lines.append(
+                f"  {'':<12}{'':>7}  with the resident optimiser state "
+                f"{call['peak_with_resident_state_gib']:.2f} GiB"
+            )
+        lines.append(
+            f"  collectives of the {call['collectives_num_layers']}-layer {call['call']} "
+            "(static count, largest result):"
+        )
         for kind, info in call["collectives"].items():
             if info["count"]:
                 big = info["largest"][0]
-                lines.append(f"    {kind:<20}{info['count']:>5}  {big['shape']} "
-                             f"({big['bytes'] / 2 ** 20:.1f} MiB)")
+                lines.append(
+                    f"    {kind:<20}{info['count']:>5}  {big['shape']} "
+                    f"({big['bytes'] / 2**20:.1f} MiB)"
+                )
     return "\n".join(lines)
 
 

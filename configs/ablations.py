@@ -65,8 +65,10 @@ class Ablation:
     def __post_init__(self):
         shared = [f for f in self.compares if f.split(".", 1)[0] in SHARED_SECTIONS]
         if shared:
-            raise ValueError(f"ablation {self.name!r}: compares names {shared}, fields of the "
-                             f"sections every arm shares ({', '.join(SHARED_SECTIONS)})")
+            raise ValueError(
+                f"ablation {self.name!r}: compares names {shared}, fields of the "
+                f"sections every arm shares ({', '.join(SHARED_SECTIONS)})"
+            )
 
     @property
     def reference_recipe(self) -> str:
@@ -87,112 +89,175 @@ GSPO_GRPO_BASELINE = "algo.clip_high=0.27,algo.kl_beta=0.0"
 GSPO_VS_GRPO = ("algo.method", "algo.clip_low", "algo.clip_high")
 
 
-ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
-    Ablation(
-        "sapo_tau",
-        "SAPO (2511.20347): tau_neg > tau_pos is the most stable, equal temperatures are in "
-        "between, tau_neg < tau_pos is unstable.",
-        (Arm("neg_gt_pos", "sapo", "algo.tau_pos=1.0,algo.tau_neg=1.05"),
-         Arm("equal", "sapo", "algo.tau_pos=1.0,algo.tau_neg=1.0"),
-         Arm("neg_lt_pos", "sapo", "algo.tau_pos=1.05,algo.tau_neg=1.0")),
-        OFF_POLICY),
-    Ablation(
-        "routing_replay",
-        "GSPO (2507.18071): on an MoE policy GRPO needs routing replay to converge, GSPO does "
-        "not; R2 replays the old policy's routing, R3 (2510.11370) the sampler's. (GRPO as "
-        "the paper's baseline: clip 0.2 / 0.27, no KL; every arm in GSPO's geometry. With 4 "
-        "minibatches, routing/volatility is measured after a batch's 4 updates, not the "
-        "one update of the paper's ~10%.)",
-        (Arm("grpo", "grpo", f"algo.routing_replay=none,{GSPO_GRPO_BASELINE}"),
-         Arm("grpo_R2", "grpo", f"algo.routing_replay=R2,{GSPO_GRPO_BASELINE}"),
-         Arm("grpo_R3", "grpo", f"algo.routing_replay=R3,{GSPO_GRPO_BASELINE}"),
-         Arm("gspo", "gspo", "algo.routing_replay=none")),
-        OFF_POLICY + ",train.routing_metrics=True", reference="gspo", compares=GSPO_VS_GRPO),
-    Ablation(
-        "dapo",
-        "DAPO (2503.14476): each technique (clip-higher, token-level loss, dynamic sampling, "
-        "overlong shaping and filtering) removed in turn from the full recipe.",
-        (Arm("dapo", "dapo"),
-         Arm("no_clip_higher", "dapo", "algo.clip_high=0.2"),
-         Arm("no_token_loss", "dapo", "algo.aggregation=seq_mean_token_mean"),
-         Arm("no_dynamic_sampling", "dapo", "dynamic_sampling.enabled=False"),
-         Arm("no_overlong", "dapo", "reward.overlong=none,reward.overlong_filter=False"),
-         Arm("no_overlong_shaping", "dapo", "reward.overlong=none"),
-         Arm("no_overlong_filter", "dapo", "reward.overlong_filter=False")),
-        OFF_POLICY),
-    Ablation(
-        "dr_grpo",
-        "Dr. GRPO (2503.20783): no std scaling and a constant normaliser remove GRPO's "
-        "difficulty and length biases; GRPO's responses grow longer when wrong. (GRPO without "
-        "its KL term, as Dr. GRPO has none: the arms differ in the std and the normaliser; "
-        "every arm in Dr. GRPO's geometry, its constant the shared generation budget.)",
-        (Arm("grpo", "grpo", "algo.kl_beta=0.0"),
-         Arm("grpo_no_std", "grpo", "algo.kl_beta=0.0,algo.adv_scale=none"),
-         Arm("dr_grpo", "dr_grpo")),
-        reference="dr_grpo", compares=("algo.adv_scale", "algo.aggregation", "algo.max_len")),
-    Ablation(
-        "gspo",
-        "GSPO (2507.18071): the sequence-level ratio and clip against GRPO's token level; "
-        "GSPO-token equals GSPO when advantages are per sequence. (GRPO as the paper's "
-        "baseline: clip 0.2 / 0.27, no KL; every arm in GSPO's geometry.)",
-        (Arm("grpo", "grpo", GSPO_GRPO_BASELINE),
-         Arm("gspo", "gspo"),
-         Arm("gspo_token", "gspo_token")),
-        OFF_POLICY, reference="gspo", compares=GSPO_VS_GRPO),
-    Ablation(
-        "vc_ppo",
-        "VC-PPO (2503.01491): value pretraining and decoupled GAE (lambda_critic 1.0, "
-        "lambda_actor 0.95) against plain PPO, whose value bias hurts long responses.",
-        (Arm("ppo", "ppo"),
-         Arm("ppo_pretrained", "ppo", "critic.pretrain_iterations=5"),
-         Arm("vc_ppo", "vc_ppo"),
-         Arm("vc_ppo_lambda_1", "vc_ppo", "algo.gae_lambda=1.0")),
-        OFF_POLICY, reference="vc_ppo",
-        compares=("algo.gae_lambda_critic", "critic.pretrain_iterations")),
-    Ablation(
-        "vapo",
-        "VAPO (2504.05118): length-adaptive GAE, the NLL term on correct samples and the "
-        "value warm-up, each removed in turn. (On responses of <= 20 tokens alpha = 0.05 "
-        "gives every policy lambda 0 (the clamp below 20 tokens, the formula at 20) and VAPO "
-        "collapses; `--variant algo.gae_alpha=1.0` gives lambda = 1 - 1/|y| ~ 0.93, near the paper's regime: benchmarks/RESULTS.md.)",
-        (Arm("vapo", "vapo"),
-         Arm("no_length_adaptive", "vapo", "algo.gae_length_adaptive=False,algo.gae_lambda=0.95"),
-         Arm("no_nll", "vapo", "algo.nll_coef=0.0"),
-         Arm("no_warmup", "vapo", "critic.pretrain_iterations=0")),
-        OFF_POLICY),
-    Ablation(
-        "magistral_async",
-        "Magistral (2506.10910): asynchronous generation (n_async = 2 n_batch, the default) "
-        "against the synchronous loop, same recipe; and two off-policy corrections the paper "
-        "does not use: truncated importance weights between the sampler's and the trainer's "
-        "log-probs (C = 2; per token, or per sequence), the PPO ratio taken against the "
-        "sampler's log-probs, or geometric rejection sampling (bound 1.01) alone.",
-        (Arm("sync", "magistral"),
-         Arm("async", "magistral", "async_mode.enabled=True"),
-         Arm("async_tis", "magistral", "async_mode.enabled=True,algo.tis_cap=2.0"),
-         Arm("async_seq_tis", "magistral", "async_mode.enabled=True,algo.tis_cap=2.0,algo.tis_level=sequence"),
-         Arm("async_sampler_old", "magistral", "async_mode.enabled=True,algo.old_log_probs=sampler"),
-         Arm("async_geo_rs", "magistral", "async_mode.enabled=True,algo.rs_level=geometric,algo.rs_upper=1.01"))),
-    Ablation(
-        "objectives",
-        "The critic-free objectives side by side on one task, in the SAPO paper's unified "
-        "form: each recipe with its paper's method settings (objective, advantages, KL, "
-        "reward shaping, dynamic sampling, optimiser schedule) on one geometry, with 4 "
-        "minibatches per batch for all of them, so that the clips act (Magistral's paper "
-        "prefers one update per batch). At scale=paper every arm takes DAPO's geometry: "
-        "512 prompts x 16, 20480 tokens (Magistral's 32768 is cut to it).",
-        tuple(Arm(name, name) for name in
-              ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral")),
-        OFF_POLICY, reference="dapo",
-        # DAPO's recipe also sets the optimiser's weight decay and warm-up (paper: 20
-        # rollout steps); the reward and sampling filters are methods here.
-        compares=("algo.", "reward.", "dynamic_sampling.", "optim.weight_decay",
-                  "optim.warmup_steps")),
-)}
+ABLATIONS: dict[str, Ablation] = {
+    a.name: a
+    for a in (
+        Ablation(
+            "sapo_tau",
+            "SAPO (2511.20347): tau_neg > tau_pos is the most stable, equal temperatures are in "
+            "between, tau_neg < tau_pos is unstable.",
+            (
+                Arm("neg_gt_pos", "sapo", "algo.tau_pos=1.0,algo.tau_neg=1.05"),
+                Arm("equal", "sapo", "algo.tau_pos=1.0,algo.tau_neg=1.0"),
+                Arm("neg_lt_pos", "sapo", "algo.tau_pos=1.05,algo.tau_neg=1.0"),
+            ),
+            OFF_POLICY,
+        ),
+        Ablation(
+            "routing_replay",
+            "GSPO (2507.18071): on an MoE policy GRPO needs routing replay to converge, GSPO does "
+            "not; R2 replays the old policy's routing, R3 (2510.11370) the sampler's. (GRPO as "
+            "the paper's baseline: clip 0.2 / 0.27, no KL; every arm in GSPO's geometry. With 4 "
+            "minibatches, routing/volatility is measured after a batch's 4 updates, not the "
+            "one update of the paper's ~10%.)",
+            (
+                Arm("grpo", "grpo", f"algo.routing_replay=none,{GSPO_GRPO_BASELINE}"),
+                Arm("grpo_R2", "grpo", f"algo.routing_replay=R2,{GSPO_GRPO_BASELINE}"),
+                Arm("grpo_R3", "grpo", f"algo.routing_replay=R3,{GSPO_GRPO_BASELINE}"),
+                Arm("gspo", "gspo", "algo.routing_replay=none"),
+            ),
+            OFF_POLICY + ",train.routing_metrics=True",
+            reference="gspo",
+            compares=GSPO_VS_GRPO,
+        ),
+        Ablation(
+            "dapo",
+            "DAPO (2503.14476): each technique (clip-higher, token-level loss, dynamic sampling, "
+            "overlong shaping and filtering) removed in turn from the full recipe.",
+            (
+                Arm("dapo", "dapo"),
+                Arm("no_clip_higher", "dapo", "algo.clip_high=0.2"),
+                Arm("no_token_loss", "dapo", "algo.aggregation=seq_mean_token_mean"),
+                Arm("no_dynamic_sampling", "dapo", "dynamic_sampling.enabled=False"),
+                Arm("no_overlong", "dapo", "reward.overlong=none,reward.overlong_filter=False"),
+                Arm("no_overlong_shaping", "dapo", "reward.overlong=none"),
+                Arm("no_overlong_filter", "dapo", "reward.overlong_filter=False"),
+            ),
+            OFF_POLICY,
+        ),
+        Ablation(
+            "dr_grpo",
+            "Dr. GRPO (2503.20783): no std scaling and a constant normaliser remove GRPO's "
+            "difficulty and length biases; GRPO's responses grow longer when wrong. (GRPO without "
+            "its KL term, as Dr. GRPO has none: the arms differ in the std and the normaliser; "
+            "every arm in Dr. GRPO's geometry, its constant the shared generation budget.)",
+            (
+                Arm("grpo", "grpo", "algo.kl_beta=0.0"),
+                Arm("grpo_no_std", "grpo", "algo.kl_beta=0.0,algo.adv_scale=none"),
+                Arm("dr_grpo", "dr_grpo"),
+            ),
+            reference="dr_grpo",
+            compares=("algo.adv_scale", "algo.aggregation", "algo.max_len"),
+        ),
+        Ablation(
+            "gspo",
+            "GSPO (2507.18071): the sequence-level ratio and clip against GRPO's token level; "
+            "GSPO-token equals GSPO when advantages are per sequence. (GRPO as the paper's "
+            "baseline: clip 0.2 / 0.27, no KL; every arm in GSPO's geometry.)",
+            (
+                Arm("grpo", "grpo", GSPO_GRPO_BASELINE),
+                Arm("gspo", "gspo"),
+                Arm("gspo_token", "gspo_token"),
+            ),
+            OFF_POLICY,
+            reference="gspo",
+            compares=GSPO_VS_GRPO,
+        ),
+        Ablation(
+            "vc_ppo",
+            "VC-PPO (2503.01491): value pretraining and decoupled GAE (lambda_critic 1.0, "
+            "lambda_actor 0.95) against plain PPO, whose value bias hurts long responses.",
+            (
+                Arm("ppo", "ppo"),
+                Arm("ppo_pretrained", "ppo", "critic.pretrain_iterations=5"),
+                Arm("vc_ppo", "vc_ppo"),
+                Arm("vc_ppo_lambda_1", "vc_ppo", "algo.gae_lambda=1.0"),
+            ),
+            OFF_POLICY,
+            reference="vc_ppo",
+            compares=("algo.gae_lambda_critic", "critic.pretrain_iterations"),
+        ),
+        Ablation(
+            "vapo",
+            "VAPO (2504.05118): length-adaptive GAE, the NLL term on correct samples and the "
+            "value warm-up, each removed in turn. (On responses of <= 20 tokens alpha = 0.05 "
+            "gives every policy lambda 0 (the clamp below 20 tokens, the formula at 20) and VAPO "
+            "collapses; `--variant algo.gae_alpha=1.0` gives lambda = 1 - 1/|y| ~ 0.93, near the paper's regime: benchmarks/RESULTS.md.)",
+            (
+                Arm("vapo", "vapo"),
+                Arm(
+                    "no_length_adaptive",
+                    "vapo",
+                    "algo.gae_length_adaptive=False,algo.gae_lambda=0.95",
+                ),
+                Arm("no_nll", "vapo", "algo.nll_coef=0.0"),
+                Arm("no_warmup", "vapo", "critic.pretrain_iterations=0"),
+            ),
+            OFF_POLICY,
+        ),
+        Ablation(
+            "magistral_async",
+            "Magistral (2506.10910): asynchronous generation (n_async = 2 n_batch, the default) "
+            "against the synchronous loop, same recipe; and two off-policy corrections the paper "
+            "does not use: truncated importance weights between the sampler's and the trainer's "
+            "log-probs (C = 2; per token, or per sequence), the PPO ratio taken against the "
+            "sampler's log-probs, or geometric rejection sampling (bound 1.01) alone.",
+            (
+                Arm("sync", "magistral"),
+                Arm("async", "magistral", "async_mode.enabled=True"),
+                Arm("async_tis", "magistral", "async_mode.enabled=True,algo.tis_cap=2.0"),
+                Arm(
+                    "async_seq_tis",
+                    "magistral",
+                    "async_mode.enabled=True,algo.tis_cap=2.0,algo.tis_level=sequence",
+                ),
+                Arm(
+                    "async_sampler_old",
+                    "magistral",
+                    "async_mode.enabled=True,algo.old_log_probs=sampler",
+                ),
+                Arm(
+                    "async_geo_rs",
+                    "magistral",
+                    "async_mode.enabled=True,algo.rs_level=geometric,algo.rs_upper=1.01",
+                ),
+            ),
+        ),
+        Ablation(
+            "objectives",
+            "The critic-free objectives side by side on one task, in the SAPO paper's unified "
+            "form: each recipe with its paper's method settings (objective, advantages, KL, "
+            "reward shaping, dynamic sampling, optimiser schedule) on one geometry, with 4 "
+            "minibatches per batch for all of them, so that the clips act (Magistral's paper "
+            "prefers one update per batch). At scale=paper every arm takes DAPO's geometry: "
+            "512 prompts x 16, 20480 tokens (Magistral's 32768 is cut to it).",
+            tuple(
+                Arm(name, name)
+                for name in ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral")
+            ),
+            OFF_POLICY,
+            reference="dapo",
+            # DAPO's recipe also sets the optimiser's weight decay and warm-up (paper: 20
+            # rollout steps); the reward and sampling filters are methods here.
+            compares=(
+                "algo.",
+                "reward.",
+                "dynamic_sampling.",
+                "optim.weight_decay",
+                "optim.warmup_steps",
+            ),
+        ),
+    )
+}
 
 
-def demo_setting(config, sft_checkpoint: str = "runs/demo/sft/checkpoints", *,
-                 recipe: str = "demo", cache_len: int | None = 3):
+def demo_setting(
+    config,
+    sft_checkpoint: str = "runs/demo/sft/checkpoints",
+    *,
+    recipe: str = "demo",
+    cache_len: int | None = 3,
+):
     """An arm's recipe in the demo's setting (`configs/demo.py`, `make demo`; or in that of
     ``recipe``, another such recipe: `configs/testbed.py`, `configs/testbed_long.py`, with
     ``cache_len`` the overlong ramp's length, None: the recipe's): its model,
@@ -256,8 +321,7 @@ def testbed_long_setting(config, sft_checkpoint: str = "runs/testbed_long/sft/ch
 
 #: Named settings for ``experiments/ablate.py --setting``: ``config -> config``.
 #: "testbed" and "testbed_long" are those of ``experiments/reproduce.py``.
-SETTINGS = {"demo": demo_setting, "testbed": testbed_setting,
-            "testbed_long": testbed_long_setting}
+SETTINGS = {"demo": demo_setting, "testbed": testbed_setting, "testbed_long": testbed_long_setting}
 
 
 def get_ablation(name: str) -> Ablation:

@@ -202,8 +202,22 @@ def base_config() -> ml_collections.ConfigDict:
     # at most len(prompt_buckets) * len(response_buckets) times. The largest response
     # bucket must be >= sampling.max_new_tokens.
     c.batch.prompt_buckets = (16, 32, 64, 128, 256, 512, 1024, 2048)
-    c.batch.response_buckets = (8, 16, 24, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
-                                16384, 20480)
+    c.batch.response_buckets = (
+        8,
+        16,
+        24,
+        32,
+        64,
+        128,
+        256,
+        512,
+        1024,
+        2048,
+        4096,
+        8192,
+        16384,
+        20480,
+    )
     # Sequence packing of the training forwards (old / reference log-probs, critic values,
     # updates): the real tokens of each minibatch's rows (prompt + response) placed one
     # after another in rows of `pack_tokens` slots, first-fit decreasing, attention within
@@ -577,7 +591,7 @@ def set_field(config: ml_collections.ConfigDict, path: str, value) -> None:
     node = config
     for i, part in enumerate(parents):
         if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
-            raise KeyError(f"unknown config field {'.'.join(parents[:i + 1])!r} (in {path!r})")
+            raise KeyError(f"unknown config field {'.'.join(parents[: i + 1])!r} (in {path!r})")
         node = node[part]
     if name not in node:
         raise KeyError(f"unknown config field {path!r}")
@@ -621,12 +635,17 @@ PAPER_SCALE_REQUIRED = ("sampling.max_new_tokens",)
 # keep every projection's output, ~2.5 GB per layer of Qwen3-8B at 32k tokens), and
 # `model.attention="auto"`, which is cuDNN's flash attention on GPUs and splash on TPUs
 # (blockwise on CPUs past 1,024 tokens). `benchmarks/scale_sim.py` measures the result.
-PAPER_SCALE_MODEL = {"model.dtype": "bfloat16", "model.scan_layers": True, "model.remat": "full",
-                     "model.attention": "auto"}
+PAPER_SCALE_MODEL = {
+    "model.dtype": "bfloat16",
+    "model.scan_layers": True,
+    "model.remat": "full",
+    "model.attention": "auto",
+}
 
 
-def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
-                  paper: dict | None = None) -> ml_collections.ConfigDict:
+def apply_variant(
+    config: ml_collections.ConfigDict, arg: str | None, paper: dict | None = None
+) -> ml_collections.ConfigDict:
     """Applies a variant string `key=value,key=value` (see the module docstring).
 
     Args:
@@ -659,13 +678,14 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
         raise ValueError(
             f"scale=paper: this recipe's paper records no value for {', '.join(missing)} "
             f"(docs/algorithms.md); keeping the CPU default would be wrong at scale, so name "
-            f"it in the variant, e.g. scale=paper,{missing[0]}=16384")
+            f"it in the variant, e.g. scale=paper,{missing[0]}=16384"
+        )
     return config
 
 
-
-def finalize(config: ml_collections.ConfigDict, arg: str | None,
-             paper: dict | None = None) -> ml_collections.ConfigDict:
+def finalize(
+    config: ml_collections.ConfigDict, arg: str | None, paper: dict | None = None
+) -> ml_collections.ConfigDict:
     """Applies the variant string, checks the config and locks it.
 
     Args:
@@ -700,10 +720,17 @@ _CHOICES = {
 
 # Integer fields and their least value (None: the field may also be None).
 _MINIMUMS = {
-    "train.num_iterations": 1, "train.eval_every": 0, "train.checkpoint_every": 1,
-    "train.log_every": 1, "eval.num_prompts": 0, "eval.batch_size": 1, "eval.k": 0,
+    "train.num_iterations": 1,
+    "train.eval_every": 0,
+    "train.checkpoint_every": 1,
+    "train.log_every": 1,
+    "eval.num_prompts": 0,
+    "eval.batch_size": 1,
+    "eval.k": 0,
     "train.max_skipped_updates": 1,
-    "sft.steps": 0, "sft.batch_size": 1, "sft.checkpoint_every": 0,
+    "sft.steps": 0,
+    "sft.batch_size": 1,
+    "sft.checkpoint_every": 0,
 }
 
 
@@ -725,8 +752,10 @@ def check(config: ml_collections.ConfigDict) -> None:
             raise ValueError(f"config.{path} must be an int >= {least}, got {value!r}")
     keep = config.train.keep_checkpoints
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"config.train.keep_checkpoints must be an int >= 1 (or None: keep "
-                         f"every checkpoint), got {keep!r}")
+        raise ValueError(
+            f"config.train.keep_checkpoints must be an int >= 1 (or None: keep "
+            f"every checkpoint), got {keep!r}"
+        )
     t = config.task
     if t.name in ("math_jsonl", "code_jsonl", "mixed_jsonl"):
         missing = [f"task.{split}_file" for split in ("train", "test") if not t[f"{split}_file"]]
@@ -739,86 +768,131 @@ def check(config: ml_collections.ConfigDict) -> None:
             try:
                 probe = template.format(question="\0")
             except (IndexError, KeyError, ValueError) as error:
-                raise ValueError(f"config.task.{name}={template!r} is not a format "
-                                 f"string with only {{question}} ({error!r}); write literal braces "
-                                 "twice, e.g. \\boxed{{}}") from None
+                raise ValueError(
+                    f"config.task.{name}={template!r} is not a format "
+                    f"string with only {{question}} ({error!r}); write literal braces "
+                    "twice, e.g. \\boxed{{}}"
+                ) from None
             if "\0" not in probe:
-                raise ValueError(f"config.task.{name} must contain '{{question}}', got {template!r}")
+                raise ValueError(
+                    f"config.task.{name} must contain '{{question}}', got {template!r}"
+                )
     b = config.batch
     if b.n_prompts < 1 or b.group_size < 1 or b.epochs < 1 or b.n_minibatches < 1:
-        raise ValueError("config.batch.n_prompts, group_size, epochs and n_minibatches must be >= 1")
+        raise ValueError(
+            "config.batch.n_prompts, group_size, epochs and n_minibatches must be >= 1"
+        )
     if b.n_prompts % b.n_minibatches:
-        raise ValueError(f"config.batch.n_minibatches ({b.n_minibatches}) must divide "
-                         f"n_prompts ({b.n_prompts}): minibatches hold whole groups")
+        raise ValueError(
+            f"config.batch.n_minibatches ({b.n_minibatches}) must divide "
+            f"n_prompts ({b.n_prompts}): minibatches hold whole groups"
+        )
     if not isinstance(b.pack, bool):
         raise ValueError(f"config.batch.pack must be True or False, got {b.pack!r}")
-    if b.pack_tokens is not None and (isinstance(b.pack_tokens, bool)
-                                      or not isinstance(b.pack_tokens, int) or b.pack_tokens < 1):
-        raise ValueError(f"config.batch.pack_tokens must be an int >= 1 (or None: the padded "
-                         f"width), got {b.pack_tokens!r}")
+    if b.pack_tokens is not None and (
+        isinstance(b.pack_tokens, bool) or not isinstance(b.pack_tokens, int) or b.pack_tokens < 1
+    ):
+        raise ValueError(
+            f"config.batch.pack_tokens must be an int >= 1 (or None: the padded "
+            f"width), got {b.pack_tokens!r}"
+        )
     if max(b.response_buckets) < config.sampling.max_new_tokens:
-        raise ValueError(f"config.batch.response_buckets (max {max(b.response_buckets)}) must hold "
-                         f"sampling.max_new_tokens ({config.sampling.max_new_tokens})")
+        raise ValueError(
+            f"config.batch.response_buckets (max {max(b.response_buckets)}) must hold "
+            f"sampling.max_new_tokens ({config.sampling.max_new_tokens})"
+        )
     max_new = config.sampling.max_new_tokens
     micro = b.micro_batch_tokens
     if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 0):
-        raise ValueError(f"config.batch.micro_batch_tokens must be an int >= 0 (None or 0: off), "
-                         f"got {micro!r}")
+        raise ValueError(
+            f"config.batch.micro_batch_tokens must be an int >= 0 (None or 0: off), got {micro!r}"
+        )
     if micro and micro < max(b.prompt_buckets) + max_new:
-        raise ValueError(f"config.batch.micro_batch_tokens ({micro}) is below the longest row, "
-                         f"{max(b.prompt_buckets) + max_new} tokens (the largest of "
-                         f"batch.prompt_buckets, {max(b.prompt_buckets)}, + "
-                         f"sampling.max_new_tokens, {max_new}): a micro-batch holds whole rows")
+        raise ValueError(
+            f"config.batch.micro_batch_tokens ({micro}) is below the longest row, "
+            f"{max(b.prompt_buckets) + max_new} tokens (the largest of "
+            f"batch.prompt_buckets, {max(b.prompt_buckets)}, + "
+            f"sampling.max_new_tokens, {max_new}): a micro-batch holds whole rows"
+        )
     if micro and b.pack:
-        raise ValueError("config.batch.micro_batch_tokens and config.batch.pack cannot be used "
-                         "together yet: a packed minibatch is not split into micro-batches "
-                         "(turn one of them off)")
+        raise ValueError(
+            "config.batch.micro_batch_tokens and config.batch.pack cannot be used "
+            "together yet: a packed minibatch is not split into micro-batches "
+            "(turn one of them off)"
+        )
     if not config.sampling.temperature > 0:
-        raise ValueError(f"config.sampling.temperature must be > 0, got {config.sampling.temperature}: "
-                         "the trainer's log-probs are taken at the rollout temperature (greedy "
-                         "pass@1 is what the evaluation reports)")
+        raise ValueError(
+            f"config.sampling.temperature must be > 0, got {config.sampling.temperature}: "
+            "the trainer's log-probs are taken at the rollout temperature (greedy "
+            "pass@1 is what the evaluation reports)"
+        )
     if not 1 <= config.sampling.decode_segments <= max_new:
-        raise ValueError(f"config.sampling.decode_segments must be in [1, max_new_tokens={max_new}], "
-                         f"got {config.sampling.decode_segments}")
+        raise ValueError(
+            f"config.sampling.decode_segments must be in [1, max_new_tokens={max_new}], "
+            f"got {config.sampling.decode_segments}"
+        )
     s = config.sampling
     if s.engine_kv_tokens < 0 or s.engine_rows < 0 or s.engine_page_size < 1:
-        raise ValueError(f"config.sampling.engine_kv_tokens ({s.engine_kv_tokens}) and "
-                         f"engine_rows ({s.engine_rows}) must be >= 0, engine_page_size "
-                         f"({s.engine_page_size}) >= 1")
+        raise ValueError(
+            f"config.sampling.engine_kv_tokens ({s.engine_kv_tokens}) and "
+            f"engine_rows ({s.engine_rows}) must be >= 0, engine_page_size "
+            f"({s.engine_page_size}) >= 1"
+        )
     if s.engine_kv_tokens > 0:
         if s.engine_rows % b.group_size:
-            raise ValueError(f"config.sampling.engine_rows ({s.engine_rows}) must be a multiple "
-                             f"of batch.group_size ({b.group_size}): rows are refilled by group")
+            raise ValueError(
+                f"config.sampling.engine_rows ({s.engine_rows}) must be a multiple "
+                f"of batch.group_size ({b.group_size}): rows are refilled by group"
+            )
         if s.engine_kv_tokens < 2 * s.engine_page_size:
-            raise ValueError(f"config.sampling.engine_kv_tokens ({s.engine_kv_tokens}) must hold "
-                             f"a prompt plus one page of {s.engine_page_size} tokens")
+            raise ValueError(
+                f"config.sampling.engine_kv_tokens ({s.engine_kv_tokens}) must hold "
+                f"a prompt plus one page of {s.engine_page_size} tokens"
+            )
     r = config.reward
-    for name in ("verifier_timeout_s", "deadline_s", "code_timeout_s", "code_memory_mb",
-                 "code_disk_mb", "code_max_tests"):
+    for name in (
+        "verifier_timeout_s",
+        "deadline_s",
+        "code_timeout_s",
+        "code_memory_mb",
+        "code_disk_mb",
+        "code_max_tests",
+    ):
         if r[name] is not None and r[name] <= 0:
             raise ValueError(f"config.reward.{name} must be > 0, got {r[name]}")
     if r.overlong != "none" and r.max_len is not None and r.max_len > max_new:
-        raise ValueError(f"config.reward.max_len ({r.max_len}) must be <= sampling.max_new_tokens "
-                         f"({max_new}) with reward.overlong={r.overlong!r}: responses stop at "
-                         "max_new_tokens, so none would get the full overlong penalty")
+        raise ValueError(
+            f"config.reward.max_len ({r.max_len}) must be <= sampling.max_new_tokens "
+            f"({max_new}) with reward.overlong={r.overlong!r}: responses stop at "
+            "max_new_tokens, so none would get the full overlong penalty"
+        )
     _check_settings(config)
     algo = config.algo
     if config.critic.pretrain_iterations < 0:
-        raise ValueError("config.critic.pretrain_iterations must be >= 0, got "
-                         f"{config.critic.pretrain_iterations}")
+        raise ValueError(
+            "config.critic.pretrain_iterations must be >= 0, got "
+            f"{config.critic.pretrain_iterations}"
+        )
     if algo.advantage == "outcome" and config.critic.pretrain_iterations > 0:
-        raise ValueError("config.critic.pretrain_iterations > 0 needs a critic: set "
-                         "algo.advantage='gae'")
+        raise ValueError(
+            "config.critic.pretrain_iterations > 0 needs a critic: set algo.advantage='gae'"
+        )
     if algo.advantage == "gae" and algo.adv_scale == "minibatch":
-        raise ValueError("config.algo.adv_scale='minibatch' (Magistral) is an outcome-advantage "
-                         "option; with algo.advantage='gae' use algo.adv_whiten")
+        raise ValueError(
+            "config.algo.adv_scale='minibatch' (Magistral) is an outcome-advantage "
+            "option; with algo.advantage='gae' use algo.adv_whiten"
+        )
     a, group = config.async_mode, b.group_size
     if a.n_async is not None and (a.n_async < group or a.n_async % group):
-        raise ValueError(f"config.async_mode.n_async ({a.n_async}) must be a positive multiple of "
-                         f"batch.group_size ({group})")
+        raise ValueError(
+            f"config.async_mode.n_async ({a.n_async}) must be a positive multiple of "
+            f"batch.group_size ({group})"
+        )
     if a.num_slots is not None and (a.num_slots < group or a.num_slots % group):
-        raise ValueError(f"config.async_mode.num_slots ({a.num_slots}) must be a positive multiple "
-                         f"of batch.group_size ({group})")
+        raise ValueError(
+            f"config.async_mode.num_slots ({a.num_slots}) must be a positive multiple "
+            f"of batch.group_size ({group})"
+        )
     if a.segment_steps < 1:
         raise ValueError(f"config.async_mode.segment_steps must be >= 1, got {a.segment_steps}")
     if a.prompt_width is not None and a.prompt_width < 1:
@@ -826,40 +900,56 @@ def check(config: ml_collections.ConfigDict) -> None:
     sizes = dict(config.mesh.items())
     for name, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
-            raise ValueError(f"config.mesh.{name} must be a positive int, or -1 for the devices the "
-                             f"other axes leave, got {size!r}")
+            raise ValueError(
+                f"config.mesh.{name} must be a positive int, or -1 for the devices the "
+                f"other axes leave, got {size!r}"
+            )
     if list(sizes.values()).count(-1) > 1:
         axes = [name for name, size in sizes.items() if size == -1]
         raise ValueError(f"config.mesh: at most one axis may be -1, got -1 for {axes}")
     if config.algo.routing_replay in ("R2", "R3") and config.algo.old_log_probs == "sampler":
-        raise ValueError(f"config.algo.routing_replay={config.algo.routing_replay!r} needs the "
-                         "trainer's old-log-prob forward (R2 records its routing, R3 replays the "
-                         "sampler's routing in it); set algo.old_log_probs='trainer'")
+        raise ValueError(
+            f"config.algo.routing_replay={config.algo.routing_replay!r} needs the "
+            "trainer's old-log-prob forward (R2 records its routing, R3 replays the "
+            "sampler's routing in it); set algo.old_log_probs='trainer'"
+        )
     if config.algo.tis_cap is not None and config.algo.old_log_probs == "sampler":
-        raise ValueError("config.algo.tis_cap weighs tokens by min(exp(old - behaviour), C), which "
-                         "is 1 when pi_old is the sampler's log-probs (algo.old_log_probs="
-                         "'sampler'); use one correction: tis_cap with old_log_probs='trainer', "
-                         "or old_log_probs='sampler' alone")
+        raise ValueError(
+            "config.algo.tis_cap weighs tokens by min(exp(old - behaviour), C), which "
+            "is 1 when pi_old is the sampler's log-probs (algo.old_log_probs="
+            "'sampler'); use one correction: tis_cap with old_log_probs='trainer', "
+            "or old_log_probs='sampler' alone"
+        )
     if algo.tis_cap is not None and not algo.tis_cap > 0:
         raise ValueError(f"config.algo.tis_cap must be > 0, got {algo.tis_cap}")
     if algo.rs_level is not None or algo.rs_veto is not None:
         if algo.old_log_probs == "sampler":
-            raise ValueError("config.algo.rs_level / rs_veto reject tokens by rho = exp(old - "
-                             "behaviour), which is 1 when pi_old is the sampler's log-probs "
-                             "(algo.old_log_probs='sampler'); set algo.old_log_probs='trainer'")
+            raise ValueError(
+                "config.algo.rs_level / rs_veto reject tokens by rho = exp(old - "
+                "behaviour), which is 1 when pi_old is the sampler's log-probs "
+                "(algo.old_log_probs='sampler'); set algo.old_log_probs='trainer'"
+            )
         if algo.rs_level is not None and (algo.rs_upper is None or not algo.rs_upper > 0):
-            raise ValueError(f"config.algo.rs_level={algo.rs_level!r} needs algo.rs_upper > 0, "
-                             f"got {algo.rs_upper}")
-        lower = algo.rs_lower if algo.rs_lower is not None else (
-            1.0 / algo.rs_upper if algo.rs_level is not None else None)
+            raise ValueError(
+                f"config.algo.rs_level={algo.rs_level!r} needs algo.rs_upper > 0, "
+                f"got {algo.rs_upper}"
+            )
+        lower = (
+            algo.rs_lower
+            if algo.rs_lower is not None
+            else (1.0 / algo.rs_upper if algo.rs_level is not None else None)
+        )
         if algo.rs_level is not None and not 0 < lower <= algo.rs_upper:
-            raise ValueError(f"config.algo.rs_lower ({lower}) must be in (0, rs_upper="
-                             f"{algo.rs_upper}]")
+            raise ValueError(
+                f"config.algo.rs_lower ({lower}) must be in (0, rs_upper={algo.rs_upper}]"
+            )
         if algo.rs_veto is not None and not algo.rs_veto > 0:
             raise ValueError(f"config.algo.rs_veto must be > 0, got {algo.rs_veto}")
     if algo.rs_level is None and (algo.rs_upper is not None or algo.rs_lower is not None):
-        raise ValueError("config.algo.rs_upper / rs_lower are set but algo.rs_level is None: "
-                         "choose the level they apply at ('token', 'sequence' or 'geometric')")
+        raise ValueError(
+            "config.algo.rs_upper / rs_lower are set but algo.rs_level is None: "
+            "choose the level they apply at ('token', 'sequence' or 'geometric')"
+        )
     _check_ranges(config)
 
 
@@ -870,9 +960,13 @@ def _library_choices() -> dict[str, tuple]:
     (`policyopt.losses`). Imported here: the configs stay importable without JAX."""
     from policyopt import advantages, losses
 
-    return {"algo.advantage": advantages.ESTIMATORS, "algo.adv_center": advantages.CENTERS,
-            "algo.adv_scale": advantages.SCALES + ("minibatch",),
-            "algo.tis_level": losses.IS_LEVELS, "algo.rs_level": (None,) + losses.RS_LEVELS}
+    return {
+        "algo.advantage": advantages.ESTIMATORS,
+        "algo.adv_center": advantages.CENTERS,
+        "algo.adv_scale": advantages.SCALES + ("minibatch",),
+        "algo.tis_level": losses.IS_LEVELS,
+        "algo.rs_level": (None,) + losses.RS_LEVELS,
+    }
 
 
 def _check_settings(config) -> None:
@@ -891,14 +985,20 @@ def _check_settings(config) -> None:
 # nothing, a negative one ascends the loss, eps = 0 divides by zero on unseen weights).
 # The policy loss's and GAE's ranges are checked by their dataclasses (`_check_settings`).
 _RANGES = (
-    ("optim.lr", 0.0, None, False, False), ("optim.eps", 0.0, None, False, False),
-    ("optim.b1", 0.0, 1.0, True, False), ("optim.b2", 0.0, 1.0, True, False),
-    ("optim.weight_decay", 0.0, None, True, False), ("optim.max_grad_norm", 0.0, None, False, True),
-    ("critic.lr", 0.0, None, False, False), ("critic.weight_decay", 0.0, None, True, False),
-    ("sft.lr", 0.0, None, False, False), ("sft.weight_decay", 0.0, None, True, False),
+    ("optim.lr", 0.0, None, False, False),
+    ("optim.eps", 0.0, None, False, False),
+    ("optim.b1", 0.0, 1.0, True, False),
+    ("optim.b2", 0.0, 1.0, True, False),
+    ("optim.weight_decay", 0.0, None, True, False),
+    ("optim.max_grad_norm", 0.0, None, False, True),
+    ("critic.lr", 0.0, None, False, False),
+    ("critic.weight_decay", 0.0, None, True, False),
+    ("sft.lr", 0.0, None, False, False),
+    ("sft.weight_decay", 0.0, None, True, False),
     ("sft.max_grad_norm", 0.0, None, False, True),
     ("algo.adv_eps", 0.0, None, True, False),
-    ("sampling.top_p", 0.0, 1.0, False, False), ("eval.temperature", 0.0, None, False, False),
+    ("sampling.top_p", 0.0, 1.0, False, False),
+    ("eval.temperature", 0.0, None, False, False),
     ("reward.format_value", None, None, True, False),
     ("reward.correct_value", None, None, True, False),
     ("reward.incorrect_value", None, None, True, False),
@@ -906,11 +1006,19 @@ _RANGES = (
 )
 # Integer fields and their least value, beside `_MINIMUMS` (these are read by the
 # optimiser, the sampler and dynamic sampling rather than by the loop).
-_INT_MINIMUMS = (("optim.warmup_steps", 0), ("critic.warmup_steps", 0), ("sft.warmup_steps", 0),
-                 ("sampling.max_new_tokens", 1), ("sampling.top_k", 0),
-                 ("dynamic_sampling.max_rounds", 1), ("train.sample_every", 0),
-                 ("train.sample_prompts", 1), ("train.zero_variance_patience", 0),
-                 ("task.num_train", 1), ("task.num_test", 0))
+_INT_MINIMUMS = (
+    ("optim.warmup_steps", 0),
+    ("critic.warmup_steps", 0),
+    ("sft.warmup_steps", 0),
+    ("sampling.max_new_tokens", 1),
+    ("sampling.top_k", 0),
+    ("dynamic_sampling.max_rounds", 1),
+    ("train.sample_every", 0),
+    ("train.sample_prompts", 1),
+    ("train.zero_variance_patience", 0),
+    ("task.num_train", 1),
+    ("task.num_test", 0),
+)
 
 
 def _field(config, path: str):
@@ -926,17 +1034,25 @@ def _check_ranges(config) -> None:
     from policyopt.checks import check_number
 
     for path, low, high, low_inclusive, optional in _RANGES:
-        check_number(f"config.{path}", _field(config, path), low=low, high=high,
-                     low_inclusive=low_inclusive, optional=optional)
+        check_number(
+            f"config.{path}",
+            _field(config, path),
+            low=low,
+            high=high,
+            low_inclusive=low_inclusive,
+            optional=optional,
+        )
     for path, least in _INT_MINIMUMS:
         value = _field(config, path)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"config.{path} must be an int >= {least}, got {value!r}")
     algo, group = config.algo, config.batch.group_size
     if algo.advantage == "outcome" and group < 2 and "group" in (algo.adv_center, algo.adv_scale):
-        raise ValueError(f"config.batch.group_size must be >= 2 with group-relative advantages "
-                         f"(algo.adv_center={algo.adv_center!r}, adv_scale={algo.adv_scale!r}), "
-                         f"got {group}: a group of one has advantage 0 and trains nothing")
+        raise ValueError(
+            f"config.batch.group_size must be >= 2 with group-relative advantages "
+            f"(algo.adv_center={algo.adv_center!r}, adv_scale={algo.adv_scale!r}), "
+            f"got {group}: a group of one has advantage 0 and trains nothing"
+        )
 
 
 def field_comments() -> dict[str, str]:
@@ -982,8 +1098,9 @@ def describe(config: ml_collections.ConfigDict, width: int = 100) -> str:
                 continue
             comment = comments.get(name)
             if comment:
-                lines.extend(textwrap.wrap(comment, width, initial_indent="# ",
-                                           subsequent_indent="# "))
+                lines.extend(
+                    textwrap.wrap(comment, width, initial_indent="# ", subsequent_indent="# ")
+                )
             lines.append(f"{name} = {value!r}")
 
     visit(config, "")

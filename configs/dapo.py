@@ -41,12 +41,12 @@ def get_config(arg=None):
     c.optim.weight_decay = 0.1  # verl's DAPO scripts (the paper states none)
     paper = {
         "model.preset": "qwen3_30b_a3b",  # this project's target (the paper's: Qwen2.5-32B)
-        "optim.lr": 1e-6,                 # DAPO §4.1: lr 1e-6, linear warm-up over 20
-        "optim.warmup_steps": 320,        # rollout steps = 20 x 16 optimiser updates
-        "batch.n_prompts": 512,           # prompt batch 512
-        "batch.group_size": 16,           # 16 responses per prompt
-        "batch.n_minibatches": 16,        # mini-batch 512: 16 updates per rollout step
-        "sampling.max_new_tokens": 20480, # 16384 expected + 4096 soft punish cache
+        "optim.lr": 1e-6,  # DAPO §4.1: lr 1e-6, linear warm-up over 20
+        "optim.warmup_steps": 320,  # rollout steps = 20 x 16 optimiser updates
+        "batch.n_prompts": 512,  # prompt batch 512
+        "batch.group_size": 16,  # 16 responses per prompt
+        "batch.n_minibatches": 16,  # mini-batch 512: 16 updates per rollout step
+        "sampling.max_new_tokens": 20480,  # 16384 expected + 4096 soft punish cache
         "reward.max_len": 20480,
         "reward.cache_len": 4096,
     }

@@ -35,11 +35,11 @@ def get_config(arg=None):
     c.optim.lr = 1e-4
     paper = {
         "model.preset": "qwen3_30b_a3b",  # this project's target (the paper's: 7B dense)
-        "optim.lr": 1e-6,             # DeepSeekMath §4.2: lr 1e-6
-        "batch.group_size": 64,       # 64 samples per question
-        "batch.n_prompts": 16,        # batch of 1024 samples
-        "batch.n_minibatches": 1,     # one update per exploration stage
+        "optim.lr": 1e-6,  # DeepSeekMath §4.2: lr 1e-6
+        "batch.group_size": 64,  # 64 samples per question
+        "batch.n_prompts": 16,  # batch of 1024 samples
+        "batch.n_minibatches": 1,  # one update per exploration stage
         "sampling.max_new_tokens": 1024,  # max length 1024
-        "task.num_test": 512,             # this project's choice
+        "task.num_test": 512,  # this project's choice
     }
     return base.finalize(c, arg, paper)

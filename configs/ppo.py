@@ -44,7 +44,7 @@ def get_config(arg=None):
     c.critic.lr = 2e-4
     paper = {
         "model.preset": "qwen3_30b_a3b",  # this project's target
-        "optim.lr": 1e-6,   # the actor lr of the critic-based papers (VAPO: 1e-6)
+        "optim.lr": 1e-6,  # the actor lr of the critic-based papers (VAPO: 1e-6)
         "critic.lr": 2e-6,  # VAPO's critic lr; classic PPO papers do not fix one for LLMs
     }
     return base.finalize(c, arg, paper)

@@ -57,12 +57,12 @@ def get_config(arg=None):
     c.critic.lr = 2e-4
     paper = {
         "model.preset": "qwen3_30b_a3b",  # this project's target (the paper's: Qwen2.5-32B)
-        "optim.lr": 1e-6,                 # actor lr
-        "critic.lr": 2e-6,                # critic lr
-        "critic.pretrain_iterations": 50, # value warm-up 50 steps
-        "batch.n_prompts": 512,           # 512 prompts x 16 samples
+        "optim.lr": 1e-6,  # actor lr
+        "critic.lr": 2e-6,  # critic lr
+        "critic.pretrain_iterations": 50,  # value warm-up 50 steps
+        "batch.n_prompts": 512,  # 512 prompts x 16 samples
         "batch.group_size": 16,
-        "batch.n_minibatches": 16,        # minibatch 512 sequences: 8192 / 512
+        "batch.n_minibatches": 16,  # minibatch 512 sequences: 8192 / 512
         # VAPO compares with DAPO "under identical experimental settings" (abstract):
         # DAPO's generation budget. With the CPU's 24 tokens, alpha = 0.05 would clamp
         # every lambda_policy to 0.

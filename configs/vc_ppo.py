@@ -29,7 +29,7 @@ def get_config(arg=None):
     c.critic.pretrain_iterations = 5
     paper = {
         "model.preset": "qwen3_30b_a3b",  # this project's target
-        "optim.lr": 1e-6,   # this project's choice: VAPO's (same group's) actor lr
+        "optim.lr": 1e-6,  # this project's choice: VAPO's (same group's) actor lr
         "critic.lr": 2e-6,  # this project's choice: VAPO's critic lr
     }
     return base.finalize(c, arg, paper)

@@ -38,14 +38,23 @@ from policyopt.rl.trainer import run_rl
 from policyopt.runtime import keep_freed_host_memory
 
 #: Training metrics summarised (mean over the last ``tail`` iterations), when a run logs them.
-TAIL_METRICS = ("reward/mean", "reward/accuracy", "loss/clip_frac", "loss/gate_mean",
-                "routing/volatility", "response/length_mean", "policy/entropy",
-                "critic/explained_variance", "async/staleness_mean")
+TAIL_METRICS = (
+    "reward/mean",
+    "reward/accuracy",
+    "loss/clip_frac",
+    "loss/gate_mean",
+    "routing/volatility",
+    "response/length_mean",
+    "policy/entropy",
+    "critic/explained_variance",
+    "async/staleness_mean",
+)
 DONE_FILE = "ablation_run.json"
 
 
-def arm_config(ablation: Ablation, label: str, seed: int, variant: str = "",
-               setting: Callable | None = None):
+def arm_config(
+    ablation: Ablation, label: str, seed: int, variant: str = "", setting: Callable | None = None
+):
     """The locked config of arm ``label`` at ``seed``.
 
     Order, later winning: the recipe; ``scale=paper`` when the common ``variant`` asks for
@@ -68,16 +77,20 @@ def arm_config(ablation: Ablation, label: str, seed: int, variant: str = "",
     scale = [item for item in common if item.split("=", 1)[0].strip() == "scale"]
     rest = [item for item in common if item not in scale]
     if setting is not None and scale:
-        raise ValueError("a setting and scale=paper do not mix: the setting replaces the "
-                         "paper's geometry")
+        raise ValueError(
+            "a setting and scale=paper do not mix: the setting replaces the paper's geometry"
+        )
     variants = ",".join(p for p in (ablation.variant, arm.variant, *rest) if p)
     try:
         reference = importlib.import_module(f"configs.{ablation.reference_recipe}").get_config(
-            ",".join(p for p in (*scale, ablation.variant, *rest) if p))
+            ",".join(p for p in (*scale, ablation.variant, *rest) if p)
+        )
     except ValueError as error:
-        raise ValueError(f"ablation {ablation.name!r}: every arm takes the geometry and "
-                         f"generation budget of configs/{ablation.reference_recipe}.py, which "
-                         f"refuses this variant: {error}") from error
+        raise ValueError(
+            f"ablation {ablation.name!r}: every arm takes the geometry and "
+            f"generation budget of configs/{ablation.reference_recipe}.py, which "
+            f"refuses this variant: {error}"
+        ) from error
     # The arm's own paper may record no budget, which scale=paper requires: the reference's.
     budget = []
     if scale:
@@ -85,7 +98,8 @@ def arm_config(ablation: Ablation, label: str, seed: int, variant: str = "",
             section, name = path.split(".")
             budget.append(f"{path}={reference[section][name]!r}")
     config = importlib.import_module(f"configs.{arm.recipe}").get_config(
-        ",".join(p for p in (*scale, *budget, variants, f"seed={seed}") if p))
+        ",".join(p for p in (*scale, *budget, variants, f"seed={seed}") if p)
+    )
     config = share_sections(config, reference)
     if setting is not None:
         config = setting(config)
@@ -122,11 +136,16 @@ def _finished(run_dir: str, config) -> dict | None:
     as this arm's."""
     logged_path = os.path.join(run_dir, "config.json")
     if os.path.exists(logged_path):
-        diff = {k: v for k, v in config_diff(base.load_run_config(logged_path), config).items()
-                if not k.startswith("train.")}
+        diff = {
+            k: v
+            for k, v in config_diff(base.load_run_config(logged_path), config).items()
+            if not k.startswith("train.")
+        }
         if diff:
-            raise ValueError(f"{run_dir} holds a run of another config ({{field: [logged, now]}}: "
-                             f"{diff}); use another --workdir, or remove that run")
+            raise ValueError(
+                f"{run_dir} holds a run of another config ({{field: [logged, now]}}: "
+                f"{diff}); use another --workdir, or remove that run"
+            )
     wanted = config.train.num_iterations
     path = os.path.join(run_dir, DONE_FILE)
     done = None
@@ -135,9 +154,11 @@ def _finished(run_dir: str, config) -> dict | None:
             done = json.load(f)
     trained = max(done["iterations"] if done else 0, _last_step(run_dir))
     if trained > wanted:
-        raise ValueError(f"{run_dir} was trained for {trained} iterations, more than this sweep's "
-                         f"{wanted}: its summary would describe the longer run; use another "
-                         "--workdir, or as many iterations")
+        raise ValueError(
+            f"{run_dir} was trained for {trained} iterations, more than this sweep's "
+            f"{wanted}: its summary would describe the longer run; use another "
+            "--workdir, or as many iterations"
+        )
     return done if done and done.get("iterations") == wanted else None
 
 
@@ -152,8 +173,11 @@ def summarise_run(run_dir: str, tail: int) -> dict:
     over the last ``tail`` iterations, from a run directory's JSONL files."""
     evals = read_jsonl(os.path.join(run_dir, "eval.jsonl"))
     # metrics.jsonl also holds the evaluations' records: keep the iterations' own.
-    rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-            if any(k != "step" and not k.startswith("eval/") for k in r)]
+    rows = [
+        r
+        for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+        if any(k != "step" and not k.startswith("eval/") for k in r)
+    ]
     out = {"iterations": int(rows[-1]["step"]) if rows else 0}
     if evals:
         out["pass@1_start"], out["pass@1_end"] = evals[0]["eval/pass@1"], evals[-1]["eval/pass@1"]
@@ -171,9 +195,19 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def run_ablation(ablation: Ablation, workdir: str, *, seeds: Sequence[int] = (0,), variant: str = "",
-                 setting: Callable | None = None, tail: int = 5, arms: Sequence[str] | None = None,
-                 plot: bool = True, configure: Callable | None = None, quiet: bool = True) -> dict:
+def run_ablation(
+    ablation: Ablation,
+    workdir: str,
+    *,
+    seeds: Sequence[int] = (0,),
+    variant: str = "",
+    setting: Callable | None = None,
+    tail: int = 5,
+    arms: Sequence[str] | None = None,
+    plot: bool = True,
+    configure: Callable | None = None,
+    quiet: bool = True,
+) -> dict:
     """Trains every arm (or those in ``arms``) at every seed, then writes the summary.
 
     Args:
@@ -194,8 +228,10 @@ def run_ablation(ablation: Ablation, workdir: str, *, seeds: Sequence[int] = (0,
     """
     selected = [a for a in ablation.arms if arms is None or a.label in arms]
     if not selected:
-        raise ValueError(f"none of arms={list(arms)} is an arm of {ablation.name!r}: "
-                         f"{[a.label for a in ablation.arms]}")
+        raise ValueError(
+            f"none of arms={list(arms)} is an arm of {ablation.name!r}: "
+            f"{[a.label for a in ablation.arms]}"
+        )
     os.makedirs(workdir, exist_ok=True)
     reference = None
     results = []
@@ -215,26 +251,44 @@ def run_ablation(ablation: Ablation, workdir: str, *, seeds: Sequence[int] = (0,
                 train = run_async_rl if async_enabled(config) else run_rl
                 start = time.perf_counter()
                 train(config, run_dir, quiet=quiet)
-                done = {"iterations": config.train.num_iterations,
-                        "wall_s": time.perf_counter() - start}
+                done = {
+                    "iterations": config.train.num_iterations,
+                    "wall_s": time.perf_counter() - start,
+                }
                 with open(os.path.join(run_dir, DONE_FILE), "w") as f:
                     json.dump(done, f)
             # wall_s: the attempt that finished the run (a resumed run's last attempt).
-            per_seed.append({"seed": seed, "run_dir": run_dir, "wall_s": done["wall_s"],
-                             **summarise_run(run_dir, tail)})
-        entry = {"arm": arm.label, "recipe": arm.recipe, "variant": arm.variant,
-                 "differs_from_first_arm": config_diff(reference, first),  # at seeds[0]
-                 "seeds": per_seed}
+            per_seed.append(
+                {
+                    "seed": seed,
+                    "run_dir": run_dir,
+                    "wall_s": done["wall_s"],
+                    **summarise_run(run_dir, tail),
+                }
+            )
+        entry = {
+            "arm": arm.label,
+            "recipe": arm.recipe,
+            "variant": arm.variant,
+            "differs_from_first_arm": config_diff(reference, first),  # at seeds[0]
+            "seeds": per_seed,
+        }
         for key in ("pass@1_start", "pass@1_end", *TAIL_METRICS):
             values = [s[key] for s in per_seed if key in s]
             if values:
                 entry[key] = dict(zip(("mean", "std"), _mean_std(values)))
         results.append(entry)
-    summary = {"ablation": ablation.name, "claim": ablation.claim, "seeds": list(seeds),
-               "ablation_variant": ablation.variant, "variant": variant,
-               "setting": getattr(setting, "__name__", None), "tail": tail,
-               "arms": results,
-               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    summary = {
+        "ablation": ablation.name,
+        "claim": ablation.claim,
+        "seeds": list(seeds),
+        "ablation_variant": ablation.variant,
+        "variant": variant,
+        "setting": getattr(setting, "__name__", None),
+        "tail": tail,
+        "arms": results,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(workdir, "summary.md"), "w") as f:
@@ -243,13 +297,15 @@ def run_ablation(ablation: Ablation, workdir: str, *, seeds: Sequence[int] = (0,
         runs = [s["run_dir"] for entry in results for s in entry["seeds"]]
         labels = [f"{entry['arm']}/seed{s['seed']}" for entry in results for s in entry["seeds"]]
         groups = [entry["arm"] for entry in results for _ in entry["seeds"]]
-        summary["curves"] = plot_runs(runs, os.path.join(workdir, "curves.png"), labels=labels,
-                                      groups=groups)
+        summary["curves"] = plot_runs(
+            runs, os.path.join(workdir, "curves.png"), labels=labels, groups=groups
+        )
     return summary
 
 
 def format_table(summary: dict) -> str:
     """The summary as a Markdown table (means over seeds, +- the std when several)."""
+
     def cell(entry, key, digits=3):
         stat = entry.get(key)
         if stat is None:
@@ -257,14 +313,20 @@ def format_table(summary: dict) -> str:
         text = f"{stat['mean']:.{digits}f}"
         return text + (f" ± {stat['std']:.{digits}f}" if len(summary["seeds"]) > 1 else "")
 
-    lines = [f"# Ablation `{summary['ablation']}`", "", summary["claim"], "",
-             f"Seeds {summary['seeds']}; every arm `{summary['ablation_variant'] or '(recipe)'}`; "
-             f"setting `{summary['setting'] or '(none)'}`; "
-             f"common variant `{summary['variant'] or '(none)'}`; "
-             f"training metrics are means over the last {summary['tail']} iterations.", "",
-             "| arm | recipe | variant | pass@1 start | pass@1 end | reward | clip frac | gate "
-             "| volatility | length | wall s |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Ablation `{summary['ablation']}`",
+        "",
+        summary["claim"],
+        "",
+        f"Seeds {summary['seeds']}; every arm `{summary['ablation_variant'] or '(recipe)'}`; "
+        f"setting `{summary['setting'] or '(none)'}`; "
+        f"common variant `{summary['variant'] or '(none)'}`; "
+        f"training metrics are means over the last {summary['tail']} iterations.",
+        "",
+        "| arm | recipe | variant | pass@1 start | pass@1 end | reward | clip frac | gate "
+        "| volatility | length | wall s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for entry in summary["arms"]:
         wall = statistics.fmean(s["wall_s"] for s in entry["seeds"])
         lines.append(
@@ -272,7 +334,8 @@ def format_table(summary: dict) -> str:
             f"{cell(entry, 'pass@1_start')} | {cell(entry, 'pass@1_end')} | "
             f"{cell(entry, 'reward/mean')} | {cell(entry, 'loss/clip_frac')} | "
             f"{cell(entry, 'loss/gate_mean')} | {cell(entry, 'routing/volatility')} | "
-            f"{cell(entry, 'response/length_mean', 1)} | {wall:.0f} |")
+            f"{cell(entry, 'response/length_mean', 1)} | {wall:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -283,8 +346,13 @@ def define_flags() -> None:
     flags.DEFINE_string("workdir", None, "Directory of the sweep (resumed if it exists).")
     flags.DEFINE_list("seeds", ["0"], "Seeds, one run per arm and seed.")
     flags.DEFINE_string("variant", "", "Variant appended to every arm, key=value,...")
-    flags.DEFINE_enum("setting", None, sorted(SETTINGS), "A named setting under every arm "
-                      "(configs/ablations.py SETTINGS; 'demo': the demo's task and SFT start).")
+    flags.DEFINE_enum(
+        "setting",
+        None,
+        sorted(SETTINGS),
+        "A named setting under every arm "
+        "(configs/ablations.py SETTINGS; 'demo': the demo's task and SFT start).",
+    )
     flags.DEFINE_list("arms", None, "Only these arms (labels).")
     flags.DEFINE_integer("tail", 5, "Iterations averaged for the training metrics.")
     flags.DEFINE_bool("list", False, "List the ablations and their arms, then exit.")
@@ -306,10 +374,16 @@ def main(argv):
         raise app.UsageError("--ablation and --workdir are required (or --list)")
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
-    summary = run_ablation(get_ablation(args.ablation), args.workdir,
-                           seeds=[int(s) for s in args.seeds], variant=args.variant,
-                           setting=SETTINGS[args.setting] if args.setting else None,
-                           tail=args.tail, arms=args.arms, quiet=False)
+    summary = run_ablation(
+        get_ablation(args.ablation),
+        args.workdir,
+        seeds=[int(s) for s in args.seeds],
+        variant=args.variant,
+        setting=SETTINGS[args.setting] if args.setting else None,
+        tail=args.tail,
+        arms=args.arms,
+        quiet=False,
+    )
     print(format_table(summary))
 
 

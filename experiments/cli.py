@@ -30,13 +30,21 @@ from policyopt.rl.trainer import UpdatesSkipped
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Show the traceback of an error.")
 
+
 class UsageError(ValueError):
     """A missing or contradictory command-line flag."""
 
 
 # Errors that speak to the user (a bad field, file or checkpoint): one line, no traceback.
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, NotImplementedError,
-               AttributeError, IOError)
+USER_ERRORS = (
+    ValueError,
+    KeyError,
+    FileNotFoundError,
+    NotADirectoryError,
+    NotImplementedError,
+    AttributeError,
+    IOError,
+)
 # Failures of a run that say all there is in one line: the workdir's owner, a run whose
 # updates are all skipped by the non-finite guard.
 RUN_ERRORS = (WorkdirLocked, UpdatesSkipped)
@@ -48,6 +56,7 @@ def interrupted_status(signal_name: str) -> int:
 
     return 128 + int(signal.Signals[signal_name])
 
+
 _holder = None
 
 
@@ -57,14 +66,25 @@ def define_config_flag(help_text: str, *, dry_run: bool = True) -> None:
     (and `--dry_run` with ``dry_run``: the script then implements it)."""
     global _holder
     _holder = config_flags.DEFINE_config_file(
-        "config", None, help_text + " Override any field with --config.section.field=value; "
-        "--print_config lists every field with its comment.")
-    flags.DEFINE_bool("print_config", False, "Print the resolved config (recipe, variant and "
-                      "--config.X overrides), each field with its comment, and exit.")
+        "config",
+        None,
+        help_text + " Override any field with --config.section.field=value; "
+        "--print_config lists every field with its comment.",
+    )
+    flags.DEFINE_bool(
+        "print_config",
+        False,
+        "Print the resolved config (recipe, variant and "
+        "--config.X overrides), each field with its comment, and exit.",
+    )
     if dry_run:
-        flags.DEFINE_bool("dry_run", False, "Check the config and build the run (model shapes, "
-                          "data, evaluation prompts, checkpoints to start from) without "
-                          "compiling or writing anything, then exit.")
+        flags.DEFINE_bool(
+            "dry_run",
+            False,
+            "Check the config and build the run (model shapes, "
+            "data, evaluation prompts, checkpoints to start from) without "
+            "compiling or writing anything, then exit.",
+        )
 
 
 def config_given() -> bool:
@@ -96,7 +116,7 @@ def user_message(error: BaseException) -> str:
         lines = [line for line in text.splitlines() if line.strip()]
         for i in range(len(lines) - 1, -1, -1):
             if re.match(r"^\w*(Error|Exception): ", lines[i]):
-                text = "\n".join([lines[i].split(": ", 1)[1]] + lines[i + 1:])
+                text = "\n".join([lines[i].split(": ", 1)[1]] + lines[i + 1 :])
                 break
     if text[:1] in "'\"":  # ConfigDict's KeyError message arrives as the repr of a string
         try:
@@ -107,8 +127,11 @@ def user_message(error: BaseException) -> str:
     unknown = re.match(r"^'([^']+)'\s*\n?(Did you mean .*)?", text, re.S)
     if unknown and isinstance(error, (KeyError, AttributeError)):
         key, hint = unknown.group(1), (unknown.group(2) or "").strip()
-        paths = [arg[len("--config."):].split("=", 1)[0] for arg in sys.argv[1:]
-                 if arg.startswith("--config.")]
+        paths = [
+            arg[len("--config.") :].split("=", 1)[0]
+            for arg in sys.argv[1:]
+            if arg.startswith("--config.")
+        ]
         named = next((p for p in paths if key in p.split(".")), key)
         hint = f": {hint[0].lower()}{hint[1:]}" if hint else ""
         text = f"unknown config field {named!r}{hint}"

@@ -37,9 +37,11 @@ from policyopt.rl.trainer import run_rl
 _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "Where the three runs and demo.json go.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of initialisation, sampling and minibatch order.")
 _FRESH = flags.DEFINE_bool("fresh", False, "Start over: delete WORKDIR first (the SFT caches too).")
-_RERUN = flags.DEFINE_bool("rerun_rl", True,
-                           "Redo the RL and control runs even if WORKDIR holds them (the SFT "
-                           "cold start is reused).")
+_RERUN = flags.DEFINE_bool(
+    "rerun_rl",
+    True,
+    "Redo the RL and control runs even if WORKDIR holds them (the SFT cold start is reused).",
+)
 
 
 def _stop_if_interrupted(summary: dict) -> None:
@@ -82,19 +84,32 @@ def main(argv):
 
     start = time.perf_counter()
     print(f"== 3/3 control: {updates} more SFT updates instead of RL", flush=True)
-    control = run_sft(config, os.path.join(workdir, "control"), steps=config.sft.steps + updates,
-                      init_checkpoint=sft["checkpoint_dir"],
-                      recipe="configs/demo.py (control: more SFT)")
+    control = run_sft(
+        config,
+        os.path.join(workdir, "control"),
+        steps=config.sft.steps + updates,
+        init_checkpoint=sft["checkpoint_dir"],
+        recipe="configs/demo.py (control: more SFT)",
+    )
     _stop_if_interrupted(control)
     after_sft = control["eval"]["eval/pass@1"]
     times["control_s"] = time.perf_counter() - start
 
-    result = {"seed": _SEED.value, "X": before, "Y": after_rl, "Z": after_sft,
-              "updates": updates, "num_prompts": config.eval.num_prompts, **times}
+    result = {
+        "seed": _SEED.value,
+        "X": before,
+        "Y": after_rl,
+        "Z": after_sft,
+        "updates": updates,
+        "num_prompts": config.eval.num_prompts,
+        **times,
+    }
     with open(os.path.join(workdir, "demo.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"\nheld-out prompts: {config.eval.num_prompts}, greedy; "
-          f"time: SFT {times['sft_s']:.0f}s, RL {times['rl_s']:.0f}s, control {times['control_s']:.0f}s")
+    print(
+        f"\nheld-out prompts: {config.eval.num_prompts}, greedy; "
+        f"time: SFT {times['sft_s']:.0f}s, RL {times['rl_s']:.0f}s, control {times['control_s']:.0f}s"
+    )
     print(f"control pass@1 (continued SFT, same budget): {before:.3f} -> {after_sft:.3f}")
     print(f"eval pass@1: {before:.3f} -> {after_rl:.3f}")
 

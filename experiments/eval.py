@@ -29,23 +29,37 @@ from policyopt.rl.trainer import build_run, evaluate_run, restore
 from policyopt.runtime import keep_freed_host_memory
 from policyopt.sharding import initialize_distributed, is_primary
 
+
 def define_flags() -> None:
     """The command line (defined when run as a script: importing ``evaluate_checkpoint``
     defines no flags)."""
-    cli.define_config_flag("The run's recipe, e.g. configs/sapo.py[:variant] (default: the run's "
-                           "own config.json).", dry_run=False)
+    cli.define_config_flag(
+        "The run's recipe, e.g. configs/sapo.py[:variant] (default: the run's own config.json).",
+        dry_run=False,
+    )
     flags.DEFINE_string("workdir", None, "The run directory (holding checkpoints/).")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-    flags.DEFINE_integer("num_prompts", None, "Held-out prompts (default: config.eval.num_prompts).")
-    flags.DEFINE_integer("k", None, "Samples per prompt for mean@k / pass@k (default: config.eval.k).")
+    flags.DEFINE_integer(
+        "num_prompts", None, "Held-out prompts (default: config.eval.num_prompts)."
+    )
+    flags.DEFINE_integer(
+        "k", None, "Samples per prompt for mean@k / pass@k (default: config.eval.k)."
+    )
     flags.DEFINE_float("temperature", None, "Sampling temperature of mean@k.")
     flags.mark_flags_as_required(["workdir"])
     flags.adopt_module_key_flags(cli)
 
 
-def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, num_prompts: int | None = None,
-                        k: int | None = None, temperature: float | None = None,
-                        samples: list | None = None) -> dict:
+def evaluate_checkpoint(
+    config,
+    workdir: str,
+    *,
+    step: int | None = None,
+    num_prompts: int | None = None,
+    k: int | None = None,
+    temperature: float | None = None,
+    samples: list | None = None,
+) -> dict:
     """Restores ``workdir``'s checkpoint (latest, or ``step``) and evaluates it.
 
     ``samples``, when given, receives one record per greedy completion (``evaluate``).
@@ -61,14 +75,18 @@ def evaluate_checkpoint(config, workdir: str, *, step: int | None = None, num_pr
             config.eval[field] = value
     config.lock()
     if config.eval.num_prompts < 1:
-        raise ValueError("config.eval.num_prompts is 0 (the run did not evaluate): pass num_prompts")
+        raise ValueError(
+            "config.eval.num_prompts is 0 (the run did not evaluate): pass num_prompts"
+        )
     run = build_run(config, workdir, check_config=False)  # evaluation may change any setting
     if run.checkpointer.latest_step() is None:
         raise FileNotFoundError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
     if step is not None and step != run.iteration:
         if step not in run.checkpointer.all_steps():
-            raise ValueError(f"no checkpoint at step {step} in {workdir} "
-                             f"(steps: {sorted(run.checkpointer.all_steps())})")
+            raise ValueError(
+                f"no checkpoint at step {step} in {workdir} "
+                f"(steps: {sorted(run.checkpointer.all_steps())})"
+            )
         restore(run, step, check_config=False)
     return {"step": run.iteration, **evaluate_run(run, samples=samples)}
 
@@ -79,11 +97,21 @@ def main(argv):
     initialize_distributed()  # jax.distributed on a multi-host job; no-op on one host
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
-    config = cli.final_config() if cli.config_given() else load_run_config(
-        os.path.join(args.workdir, "config.json"))
+    config = (
+        cli.final_config()
+        if cli.config_given()
+        else load_run_config(os.path.join(args.workdir, "config.json"))
+    )
     samples: list[dict] = []
-    result = evaluate_checkpoint(config, args.workdir, step=args.step, num_prompts=args.num_prompts,
-                                 k=args.k, temperature=args.temperature, samples=samples)
+    result = evaluate_checkpoint(
+        config,
+        args.workdir,
+        step=args.step,
+        num_prompts=args.num_prompts,
+        k=args.k,
+        temperature=args.temperature,
+        samples=samples,
+    )
     if not is_primary():  # every process evaluated; process 0 writes
         return
     path = os.path.join(args.workdir, f"eval_step{result['step']}.json")

@@ -53,9 +53,38 @@ from policyopt.rl.sft import run_sft
 from policyopt.runtime import keep_freed_host_memory
 
 #: Student's t quantile t_{0.975, df} for df = 1..30 (two-sided 95%); 1.96 beyond.
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 #: The routing-volatility measurement: one update (one iteration, one minibatch) of the
 #: testbed's own recipe (SAPO; at the first update r = 1 and every objective gives the
@@ -65,8 +94,8 @@ ONE_UPDATE = Ablation(
     "GSPO (2507.18071 §5.3): on Qwen3-30B-A3B about 10% of the experts activated for the "
     "same rollout change after one gradient update; the testbed's target is >= 5%.",
     (Arm("one_update", "testbed"),),
-    "train.num_iterations=1,batch.n_minibatches=1,train.routing_metrics=True,"
-    "eval.num_prompts=0")
+    "train.num_iterations=1,batch.n_minibatches=1,train.routing_metrics=True,eval.num_prompts=0",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +139,9 @@ class Check:
                 a, b = runs[0][self.metric], runs[1][self.metric]
                 out.append(math.log10(a / b) if a > 0 and b > 0 else math.nan)
             else:
-                raise ValueError(f"Check.kind must be diff, gain, value or log10_ratio, "
-                                 f"got {self.kind!r}")
+                raise ValueError(
+                    f"Check.kind must be diff, gain, value or log10_ratio, got {self.kind!r}"
+                )
         return [v for v in out if math.isfinite(v)]
 
 
@@ -129,75 +159,144 @@ class Claim:
         return self.arms or tuple(a.label for a in self.ablation.arms)
 
 
-CLAIMS: dict[str, Claim] = {c.name: c for c in (
-    Claim("routing_volatility",
-          "GSPO (2507.18071 §5.3): ~10% of the experts activated for the same rollout change "
-          "after one gradient update (Qwen3-30B-A3B, 48 layers x 128 experts, top-8).",
-          ONE_UPDATE, "testbed",
-          (Check("routing volatility after one update >= 0.05 (the paper's regime)", "value",
-                 "one_update", metric="routing/volatility", threshold=0.05),),
-          budget="measured under load (8 jobs on 2 cores): SFT start 18 min once, then 4 min "
-                 "for the first seed (compilation), 7 s per further seed"),
-    Claim("routing_replay",
-          "GSPO (2507.18071): on an MoE policy GRPO without routing replay fails to converge; "
-          "R2 (GSPO) and R3 (2510.11370) restore it; GSPO converges without replay; GSPO's "
-          "clip acts on two orders of magnitude more tokens than GRPO's and still learns "
-          "more efficiently.",
-          ABLATIONS["routing_replay"], "testbed",
-          (Check("GRPO with R2 ends above GRPO without replay", "diff", "grpo_R2", "grpo"),
-           Check("GRPO with R3 ends above GRPO without replay", "diff", "grpo_R3", "grpo"),
-           Check("GSPO without replay learns (pass@1 end - start > 0)", "gain", "gspo"),
-           Check("GSPO without replay ends above GRPO without replay", "diff", "gspo", "grpo"),
-           Check("GSPO clips >= 10^1.5 x GRPO's fraction (paper: ~10^2)", "log10_ratio",
-                 "gspo", "grpo", metric="loss/clip_frac", threshold=1.5)),
-          budget="measured: per arm and seed at 20 iterations, 16 min at load ~10, 1-2.5 "
-                 "min at load ~2-5 (compilation shared by the arms of one process); 4 arms x "
-                 "3 seeds x 40 iterations: ~30-60 min at low load, hours under load"),
-    Claim("sapo_tau",
-          "SAPO (2511.20347): tau_neg > tau_pos is the most stable choice, equal temperatures "
-          "in between, tau_neg < tau_pos the least.",
-          ABLATIONS["sapo_tau"], "testbed",
-          (Check("tau_neg > tau_pos ends above equal temperatures", "diff", "neg_gt_pos",
-                 "equal"),
-           Check("equal temperatures end above tau_neg < tau_pos", "diff", "equal",
-                 "neg_lt_pos")),
-          budget="estimated from routing_replay: 3 arms x 3 seeds, ~4.5 h under load"),
-    Claim("sapo_stability",
-          "SAPO (2511.20347): SAPO is more stable than GRPO and GSPO at the same step size "
-          "(each with its paper's method settings, 4 updates per batch).",
-          ABLATIONS["objectives"], "testbed",
-          (Check("SAPO ends above GRPO", "diff", "sapo", "grpo"),
-           Check("SAPO ends above GSPO", "diff", "sapo", "gspo")),
-          arms=("grpo", "gspo", "sapo"),
-          budget="estimated from routing_replay: 3 arms x 3 seeds, ~4.5 h under load"),
-    Claim("vc_ppo",
-          "VC-PPO (2503.01491): value pretraining removes PPO's early collapse on long "
-          "responses; lambda_actor 1.0 is worse than 0.95.",
-          ABLATIONS["vc_ppo"], "testbed_long",
-          (Check("PPO with value pretraining ends above plain PPO", "diff", "ppo_pretrained",
-                 "ppo"),
-           Check("VC-PPO (lambda_actor 0.95) ends above lambda_actor 1.0", "diff", "vc_ppo",
-                 "vc_ppo_lambda_1")),
-          budget="not run: its SFT start and responses of up to ~290 tokens (15x the "
-                 "testbed's) put it far over the 30-min target on 2 cores"),
-    Claim("vapo_length_adaptive",
-          "VAPO (2504.05118): the length-adaptive lambda_policy = 1 - 1/(alpha |y|) beats a "
-          "fixed lambda when response lengths vary widely.",
-          ABLATIONS["vapo"], "testbed_long",
-          (Check("length-adaptive lambda ends above a fixed 0.95", "diff", "vapo",
-                 "no_length_adaptive"),),
-          arms=("vapo", "no_length_adaptive"),
-          budget="not run: as vc_ppo, 2 arms"),
-    Claim("magistral_async",
-          "Magistral (2506.10910): asynchronous generation with in-flight weight updates and "
-          "no off-policy correction keeps learning at Magistral's step sizes.",
-          ABLATIONS["magistral_async"], "testbed",
-          (Check("asynchronous Magistral learns (pass@1 end - start > 0)", "gain", "async"),
-           Check("asynchronous Magistral ends within 0.05 of the synchronous loop "
-                 "(async - sync > -0.05)", "diff", "async", "sync", threshold=-0.05)),
-          arms=("sync", "async"),
-          budget="estimated from routing_replay: 2 arms x 3 seeds, ~3 h under load"),
-)}
+CLAIMS: dict[str, Claim] = {
+    c.name: c
+    for c in (
+        Claim(
+            "routing_volatility",
+            "GSPO (2507.18071 §5.3): ~10% of the experts activated for the same rollout change "
+            "after one gradient update (Qwen3-30B-A3B, 48 layers x 128 experts, top-8).",
+            ONE_UPDATE,
+            "testbed",
+            (
+                Check(
+                    "routing volatility after one update >= 0.05 (the paper's regime)",
+                    "value",
+                    "one_update",
+                    metric="routing/volatility",
+                    threshold=0.05,
+                ),
+            ),
+            budget="measured under load (8 jobs on 2 cores): SFT start 18 min once, then 4 min "
+            "for the first seed (compilation), 7 s per further seed",
+        ),
+        Claim(
+            "routing_replay",
+            "GSPO (2507.18071): on an MoE policy GRPO without routing replay fails to converge; "
+            "R2 (GSPO) and R3 (2510.11370) restore it; GSPO converges without replay; GSPO's "
+            "clip acts on two orders of magnitude more tokens than GRPO's and still learns "
+            "more efficiently.",
+            ABLATIONS["routing_replay"],
+            "testbed",
+            (
+                Check("GRPO with R2 ends above GRPO without replay", "diff", "grpo_R2", "grpo"),
+                Check("GRPO with R3 ends above GRPO without replay", "diff", "grpo_R3", "grpo"),
+                Check("GSPO without replay learns (pass@1 end - start > 0)", "gain", "gspo"),
+                Check("GSPO without replay ends above GRPO without replay", "diff", "gspo", "grpo"),
+                Check(
+                    "GSPO clips >= 10^1.5 x GRPO's fraction (paper: ~10^2)",
+                    "log10_ratio",
+                    "gspo",
+                    "grpo",
+                    metric="loss/clip_frac",
+                    threshold=1.5,
+                ),
+            ),
+            budget="measured: per arm and seed at 20 iterations, 16 min at load ~10, 1-2.5 "
+            "min at load ~2-5 (compilation shared by the arms of one process); 4 arms x "
+            "3 seeds x 40 iterations: ~30-60 min at low load, hours under load",
+        ),
+        Claim(
+            "sapo_tau",
+            "SAPO (2511.20347): tau_neg > tau_pos is the most stable choice, equal temperatures "
+            "in between, tau_neg < tau_pos the least.",
+            ABLATIONS["sapo_tau"],
+            "testbed",
+            (
+                Check(
+                    "tau_neg > tau_pos ends above equal temperatures", "diff", "neg_gt_pos", "equal"
+                ),
+                Check(
+                    "equal temperatures end above tau_neg < tau_pos", "diff", "equal", "neg_lt_pos"
+                ),
+            ),
+            budget="estimated from routing_replay: 3 arms x 3 seeds, ~4.5 h under load",
+        ),
+        Claim(
+            "sapo_stability",
+            "SAPO (2511.20347): SAPO is more stable than GRPO and GSPO at the same step size "
+            "(each with its paper's method settings, 4 updates per batch).",
+            ABLATIONS["objectives"],
+            "testbed",
+            (
+                Check("SAPO ends above GRPO", "diff", "sapo", "grpo"),
+                Check("SAPO ends above GSPO", "diff", "sapo", "gspo"),
+            ),
+            arms=("grpo", "gspo", "sapo"),
+            budget="estimated from routing_replay: 3 arms x 3 seeds, ~4.5 h under load",
+        ),
+        Claim(
+            "vc_ppo",
+            "VC-PPO (2503.01491): value pretraining removes PPO's early collapse on long "
+            "responses; lambda_actor 1.0 is worse than 0.95.",
+            ABLATIONS["vc_ppo"],
+            "testbed_long",
+            (
+                Check(
+                    "PPO with value pretraining ends above plain PPO",
+                    "diff",
+                    "ppo_pretrained",
+                    "ppo",
+                ),
+                Check(
+                    "VC-PPO (lambda_actor 0.95) ends above lambda_actor 1.0",
+                    "diff",
+                    "vc_ppo",
+                    "vc_ppo_lambda_1",
+                ),
+            ),
+            budget="not run: its SFT start and responses of up to ~290 tokens (15x the "
+            "testbed's) put it far over the 30-min target on 2 cores",
+        ),
+        Claim(
+            "vapo_length_adaptive",
+            "VAPO (2504.05118): the length-adaptive lambda_policy = 1 - 1/(alpha |y|) beats a "
+            "fixed lambda when response lengths vary widely.",
+            ABLATIONS["vapo"],
+            "testbed_long",
+            (
+                Check(
+                    "length-adaptive lambda ends above a fixed 0.95",
+                    "diff",
+                    "vapo",
+                    "no_length_adaptive",
+                ),
+            ),
+            arms=("vapo", "no_length_adaptive"),
+            budget="not run: as vc_ppo, 2 arms",
+        ),
+        Claim(
+            "magistral_async",
+            "Magistral (2506.10910): asynchronous generation with in-flight weight updates and "
+            "no off-policy correction keeps learning at Magistral's step sizes.",
+            ABLATIONS["magistral_async"],
+            "testbed",
+            (
+                Check("asynchronous Magistral learns (pass@1 end - start > 0)", "gain", "async"),
+                Check(
+                    "asynchronous Magistral ends within 0.05 of the synchronous loop "
+                    "(async - sync > -0.05)",
+                    "diff",
+                    "async",
+                    "sync",
+                    threshold=-0.05,
+                ),
+            ),
+            arms=("sync", "async"),
+            budget="estimated from routing_replay: 2 arms x 3 seeds, ~3 h under load",
+        ),
+    )
+}
 
 
 def get_claim(name: str) -> Claim:
@@ -213,8 +312,10 @@ def select_arms(claim: Claim, arms: Sequence[str] | None) -> tuple[str, ...]:
         return known
     unknown = [a for a in arms if a not in known]
     if unknown:
-        raise ValueError(f"claim {claim.name!r} has no arm {', '.join(map(repr, unknown))}; "
-                         f"known: {', '.join(known)}")
+        raise ValueError(
+            f"claim {claim.name!r} has no arm {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(known)}"
+        )
     return tuple(arms)
 
 
@@ -241,8 +342,14 @@ def judge(values: Sequence[float], threshold: float) -> dict:
         verdict = "contradicted"
     else:
         verdict = "inconclusive"
-    return {"n": n, "mean": mean, "std": std, "half_width": half, "effect": mean - threshold,
-            "verdict": verdict}
+    return {
+        "n": n,
+        "mean": mean,
+        "std": std,
+        "half_width": half,
+        "effect": mean - threshold,
+        "verdict": verdict,
+    }
 
 
 def claim_verdict(verdicts: Sequence[str]) -> str:
@@ -267,28 +374,40 @@ def verdict_table(claim: Claim, summary: dict) -> tuple[str, list[dict]]:
     results = []
     for check in claim.checks:
         values = check.values(runs, seeds)
-        results.append({"check": check.text, "values": values,
-                        **judge(values, check.threshold)})
+        results.append({"check": check.text, "values": values, **judge(values, check.threshold)})
     overall = claim_verdict([r["verdict"] for r in results if r["verdict"] != "not run"])
 
     def fmt(x):
         return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:+.4f}"
 
-    command = (f"python -m experiments.reproduce --claim {claim.name} "
-               f"--seeds {','.join(map(str, seeds))}")
+    command = (
+        f"python -m experiments.reproduce --claim {claim.name} --seeds {','.join(map(str, seeds))}"
+    )
     if summary["variant"]:
         command += f" --variant {summary['variant']}"
-    lines = [f"# Claim `{claim.name}`: {overall} at {len(seeds)} seed(s)", "", claim.source, "",
-             f"Setting `{claim.setting}`; seeds {seeds}; `{command}`; {summary['date']}.", "",
-             "| check | n | effect (mean - threshold) | std | 95% half-width | verdict |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = [
+        f"# Claim `{claim.name}`: {overall} at {len(seeds)} seed(s)",
+        "",
+        claim.source,
+        "",
+        f"Setting `{claim.setting}`; seeds {seeds}; `{command}`; {summary['date']}.",
+        "",
+        "| check | n | effect (mean - threshold) | std | 95% half-width | verdict |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['check']} | {r['n']} | {fmt(r.get('effect'))} | "
-                     f"{fmt(r.get('std'))} | {fmt(r.get('half_width'))} | {r['verdict']} |")
-    lines += ["", "Verdict rule: supported when mean - h > threshold, contradicted when mean + "
-              "h < threshold, h = t(0.975, n-1) std / sqrt(n); inconclusive otherwise (always "
-              "at one seed).", "",
-              ablate.format_table(summary).replace("# Ablation", "## Ablation")]
+        lines.append(
+            f"| {r['check']} | {r['n']} | {fmt(r.get('effect'))} | "
+            f"{fmt(r.get('std'))} | {fmt(r.get('half_width'))} | {r['verdict']} |"
+        )
+    lines += [
+        "",
+        "Verdict rule: supported when mean - h > threshold, contradicted when mean + "
+        "h < threshold, h = t(0.975, n-1) std / sqrt(n); inconclusive otherwise (always "
+        "at one seed).",
+        "",
+        ablate.format_table(summary).replace("# Ablation", "## Ablation"),
+    ]
     return "\n".join(lines) + "\n", results
 
 
@@ -297,20 +416,32 @@ def ensure_sft(setting: str, sft_root: str, variant: str = "") -> str:
     ``sft_root/<setting>/sft`` (resumed if interrupted, reused once finished) with
     ``configs/<setting>.py`` and the ``sft.``, ``task.`` and ``model.`` items of
     ``variant``."""
-    items = [i for i in (base.split_variant(variant) if variant else [])
-             if i.split("=", 1)[0].strip().split(".")[0] in ("sft", "task", "model", "eval")]
+    items = [
+        i
+        for i in (base.split_variant(variant) if variant else [])
+        if i.split("=", 1)[0].strip().split(".")[0] in ("sft", "task", "model", "eval")
+    ]
     config = importlib.import_module(f"configs.{setting}").get_config(",".join(items) or None)
     workdir = os.path.join(sft_root, setting, "sft")
     summary = run_sft(config, workdir, recipe=f"configs/{setting}.py (SFT start)")
     if summary.get("interrupted"):
-        raise SystemExit(f"SFT start of {setting!r} interrupted ({summary['interrupted']}); "
-                         "rerun to resume")
+        raise SystemExit(
+            f"SFT start of {setting!r} interrupted ({summary['interrupted']}); rerun to resume"
+        )
     return summary["checkpoint_dir"]
 
 
-def run_claim(claim: Claim, workdir: str, *, seeds: Sequence[int] = (0,), variant: str = "",
-              arms: Sequence[str] | None = None, sft_root: str = "runs",
-              configure: Callable | None = None, quiet: bool = True) -> dict:
+def run_claim(
+    claim: Claim,
+    workdir: str,
+    *,
+    seeds: Sequence[int] = (0,),
+    variant: str = "",
+    arms: Sequence[str] | None = None,
+    sft_root: str = "runs",
+    configure: Callable | None = None,
+    quiet: bool = True,
+) -> dict:
     """Trains (or resumes) the claim's arms over ``seeds`` and judges it.
 
     Args:
@@ -330,18 +461,32 @@ def run_claim(claim: Claim, workdir: str, *, seeds: Sequence[int] = (0,), varian
     labels = select_arms(claim, arms)
     checkpoint = ensure_sft(claim.setting, sft_root, variant)
     base_setting = SETTINGS[claim.setting]
+
     def setting(config):
         return base_setting(config, checkpoint)
+
     setting.__name__ = claim.setting
-    summary = ablate.run_ablation(claim.ablation, workdir, seeds=seeds, variant=variant,
-                                  setting=setting, arms=labels, configure=configure,
-                                  quiet=quiet)
+    summary = ablate.run_ablation(
+        claim.ablation,
+        workdir,
+        seeds=seeds,
+        variant=variant,
+        setting=setting,
+        arms=labels,
+        configure=configure,
+        quiet=quiet,
+    )
     text, results = verdict_table(claim, summary)
     with open(os.path.join(workdir, "verdict.md"), "w") as f:
         f.write(text)
     overall = claim_verdict([r["verdict"] for r in results if r["verdict"] != "not run"])
-    return {"claim": claim.name, "verdict": overall, "checks": results, "summary": summary,
-            "verdict_md": text}
+    return {
+        "claim": claim.name,
+        "verdict": overall,
+        "checks": results,
+        "summary": summary,
+        "verdict_md": text,
+    }
 
 
 def define_flags() -> None:
@@ -360,8 +505,11 @@ def main(argv):
     if args.list:
         for claim in CLAIMS.values():
             print(f"{claim.name} ({claim.setting}): {claim.source}")
-            where = ("configs/ablations.py" if claim.ablation.name in ABLATIONS
-                     else "experiments/reproduce.py")
+            where = (
+                "configs/ablations.py"
+                if claim.ablation.name in ABLATIONS
+                else "experiments/reproduce.py"
+            )
             print(f"    arms: {', '.join(claim.arm_labels())} ({where} {claim.ablation.name!r})")
             print(f"    budget on 2 cores: {claim.budget}")
         return
@@ -374,9 +522,15 @@ def main(argv):
         raise app.UsageError(str(error)) from error
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
-    result = run_claim(claim, os.path.join(args.workdir, claim.name),
-                       seeds=[int(s) for s in args.seeds], variant=args.variant,
-                       arms=args.arms, sft_root=args.sft_root, quiet=False)
+    result = run_claim(
+        claim,
+        os.path.join(args.workdir, claim.name),
+        seeds=[int(s) for s in args.seeds],
+        variant=args.variant,
+        arms=args.arms,
+        sft_root=args.sft_root,
+        quiet=False,
+    )
     print(result["verdict_md"])
     if claim.name == "routing_volatility":
         values = result["checks"][0]["values"]

@@ -19,9 +19,13 @@ from policyopt.runtime import keep_freed_host_memory
 from policyopt.sharding import initialize_distributed
 
 cli.define_config_flag("Recipe file (its sft.*, task.*, model.* fields are used).", dry_run=False)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed if it holds checkpoints).")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory (created; resumed if it holds checkpoints)."
+)
 _STEPS = flags.DEFINE_integer("steps", None, "Total SFT updates (default config.sft.steps).")
-_INIT = flags.DEFINE_string("init_checkpoint", None, "Continue another SFT run's checkpoint directory.")
+_INIT = flags.DEFINE_string(
+    "init_checkpoint", None, "Continue another SFT run's checkpoint directory."
+)
 flags.adopt_module_key_flags(cli)
 
 
@@ -37,8 +41,13 @@ def main(argv):
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
     from policyopt.rl.sft import run_sft  # noqa: PLC0415 - after the config is checked
 
-    summary = run_sft(config, _WORKDIR.value, steps=_STEPS.value, init_checkpoint=_INIT.value,
-                      recipe=cli.config_source())
+    summary = run_sft(
+        config,
+        _WORKDIR.value,
+        steps=_STEPS.value,
+        init_checkpoint=_INIT.value,
+        recipe=cli.config_source(),
+    )
     if summary.get("interrupted"):
         sys.exit(cli.interrupted_status(summary["interrupted"]))
     print("final eval:", summary["eval"])

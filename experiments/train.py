@@ -26,7 +26,9 @@ from policyopt.runtime import keep_freed_host_memory
 from policyopt.sharding import initialize_distributed
 
 cli.define_config_flag("Recipe file, e.g. configs/sapo.py[:variant].")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; resumed if it holds checkpoints).")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory (created; resumed if it holds checkpoints)."
+)
 flags.adopt_module_key_flags(cli)
 
 

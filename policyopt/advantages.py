@@ -72,7 +72,9 @@ def _unbiased_std(grouped: Array, valid: Array | None) -> Array:
     if valid is None:
         mean = jnp.mean(grouped, axis=1, keepdims=True)
         count = grouped.shape[1]
-        return jnp.sqrt(jnp.sum(jnp.square(grouped - mean), axis=1, keepdims=True) / max(count - 1, 1))
+        return jnp.sqrt(
+            jnp.sum(jnp.square(grouped - mean), axis=1, keepdims=True) / max(count - 1, 1)
+        )
     count = jnp.sum(valid, axis=1, keepdims=True)
     centred = jnp.where(valid, grouped - _group_mean(grouped, valid), 0.0)
     return jnp.sqrt(jnp.sum(jnp.square(centred), axis=1, keepdims=True) / jnp.maximum(count - 1, 1))
@@ -148,7 +150,9 @@ def outcome_advantages(
         advantages = grouped if valid is None else jnp.where(valid, grouped, 0.0)
     if scale == "group":
         if group_size < 2:
-            raise ValueError("scale='group' needs group_size >= 2 (the std of one reward is undefined)")
+            raise ValueError(
+                "scale='group' needs group_size >= 2 (the std of one reward is undefined)"
+            )
         # (With center="group" the dropped rows are 0 already: the same bits either way.)
         advantages = jnp.where(drop, 0.0, advantages / (_unbiased_std(grouped, valid) + eps))
     if scale == "batch":
@@ -194,7 +198,9 @@ def _group_valid(valid: Array | None, grouped: Array) -> Array | None:
         return None
     valid = jnp.asarray(valid)
     if valid.shape != (grouped.size,):
-        raise ValueError(f"valid must be [N] = [{grouped.size}] like rewards, got shape {valid.shape}")
+        raise ValueError(
+            f"valid must be [N] = [{grouped.size}] like rewards, got shape {valid.shape}"
+        )
     return valid.astype(bool).reshape(grouped.shape)
 
 
@@ -452,8 +458,10 @@ def decoupled_gae(
     batch = rewards.shape[0]
     # The same lambda (the same array, or equal Python / NumPy numbers) runs one recurrence.
     same_lam = lam_actor is lam_critic or (
-        isinstance(lam_actor, numbers.Real) and isinstance(lam_critic, numbers.Real)
-        and float(lam_actor) == float(lam_critic))
+        isinstance(lam_actor, numbers.Real)
+        and isinstance(lam_critic, numbers.Real)
+        and float(lam_actor) == float(lam_critic)
+    )
     if same_lam:
         lam_critic = lam_actor
     if impl == "blocked":  # scalar lambdas stay scalar: one matrix shared by all rows
@@ -462,8 +470,14 @@ def decoupled_gae(
 
         def scan():
             adv_actor, adv_critic = _gae_scan(
-                rewards, values, valid, gamma, _per_sequence(lam_actor, batch, dtype),
-                _per_sequence(lam_critic, batch, dtype), unroll)
+                rewards,
+                values,
+                valid,
+                gamma,
+                _per_sequence(lam_actor, batch, dtype),
+                _per_sequence(lam_critic, batch, dtype),
+                unroll,
+            )
             return adv_actor, jnp.where(valid, adv_critic + values, 0)
 
         return jax.lax.cond(
@@ -474,9 +488,13 @@ def decoupled_gae(
     lam_actor = _per_sequence(lam_actor, batch, dtype)
     lam_critic = lam_actor if same_lam else _per_sequence(lam_critic, batch, dtype)
     if impl == "scan":
-        adv_actor, adv_critic = _gae_scan(rewards, values, valid, gamma, lam_actor, lam_critic, unroll)
+        adv_actor, adv_critic = _gae_scan(
+            rewards, values, valid, gamma, lam_actor, lam_critic, unroll
+        )
     elif impl == "associative":
-        adv_actor, adv_critic = _gae_associative(rewards, values, valid, gamma, lam_actor, lam_critic)
+        adv_actor, adv_critic = _gae_associative(
+            rewards, values, valid, gamma, lam_actor, lam_critic
+        )
     else:
         raise ValueError(f"impl={impl!r} is not one of {GAE_IMPLS}")
     returns = jnp.where(valid, adv_critic + values, 0)
@@ -510,7 +528,14 @@ def gae(
       ``(advantages, returns)``, ``[B, T]`` each, 0 at padding positions.
     """
     return decoupled_gae(
-        rewards, values, mask, gamma=gamma, lam_actor=lam, lam_critic=lam, impl=impl, unroll=unroll,
+        rewards,
+        values,
+        mask,
+        gamma=gamma,
+        lam_actor=lam,
+        lam_critic=lam,
+        impl=impl,
+        unroll=unroll,
         chunk=chunk,
     )
 
@@ -535,6 +560,13 @@ def length_adaptive_gae(
     lengths = jnp.sum(jnp.asarray(mask) > 0, axis=-1)
     lam_actor = length_adaptive_lambda(lengths, alpha, min_lam=min_lam)
     return decoupled_gae(
-        rewards, values, mask, gamma=gamma, lam_actor=lam_actor, lam_critic=lam_critic,
-        impl=impl, unroll=unroll, chunk=chunk,
+        rewards,
+        values,
+        mask,
+        gamma=gamma,
+        lam_actor=lam_actor,
+        lam_critic=lam_critic,
+        impl=impl,
+        unroll=unroll,
+        chunk=chunk,
     )

@@ -98,8 +98,16 @@ def tree_checksums(tree: Any) -> dict[str, int]:
 
 
 # Words of tensorstore's and orbax's errors that mean damaged files (not a wrong target).
-_CORRUPT_WORDS = ("corrupt", "decod", "checksum", "error while reading", "error reading",
-                  "unexpected end", "data_loss", "data loss")
+_CORRUPT_WORDS = (
+    "corrupt",
+    "decod",
+    "checksum",
+    "error while reading",
+    "error reading",
+    "unexpected end",
+    "data_loss",
+    "data loss",
+)
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:
@@ -140,9 +148,11 @@ def lock_workdir(workdir: str) -> None:
     except OSError:
         owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise WorkdirLocked(f"workdir {os.path.dirname(path)} is in use by another process "
-                           f"(pid {owner}, lock {path}); wait for it to finish or choose "
-                           f"another workdir") from None
+        raise WorkdirLocked(
+            f"workdir {os.path.dirname(path)} is in use by another process "
+            f"(pid {owner}, lock {path}); wait for it to finish or choose "
+            f"another workdir"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held_locks[path] = fd  # kept open: the lock lives as long as this process
@@ -183,9 +193,11 @@ class Checkpointer:
     def save(self, step: int, state: Any, meta: dict | None = None) -> None:
         """Saves ``state``, ``meta`` and the checksums of ``state``'s arrays at ``step`` and
         waits until they are on disk."""
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                  meta=ocp.args.JsonSave(dict(meta or {})),
-                                  checksums=ocp.args.JsonSave(tree_checksums(state)))
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            meta=ocp.args.JsonSave(dict(meta or {})),
+            checksums=ocp.args.JsonSave(tree_checksums(state)),
+        )
         self._manager.save(int(step), args=args, force=True)
         self._manager.wait_until_finished()
 
@@ -209,11 +221,15 @@ class Checkpointer:
             except CorruptCheckpointError as error:
                 first_error = first_error or error
                 if index + 1 < len(steps):
-                    logging.warning("%s; falling back to the previous checkpoint %s", error,
-                                    self.step_path(steps[index + 1]))
+                    logging.warning(
+                        "%s; falling back to the previous checkpoint %s",
+                        error,
+                        self.step_path(steps[index + 1]),
+                    )
         if len(steps) > 1:
-            raise CorruptCheckpointError(f"{first_error}; no earlier checkpoint in "
-                                         f"{self.directory} is readable either") from first_error
+            raise CorruptCheckpointError(
+                f"{first_error}; no earlier checkpoint in {self.directory} is readable either"
+            ) from first_error
         raise first_error
 
     def _read(self, step: int, args: ocp.args.Composite, what: str) -> dict:
@@ -222,8 +238,10 @@ class Checkpointer:
         path = self.step_path(step)
         missing = [name for name in args.keys() if not os.path.isdir(os.path.join(path, name))]
         if missing:
-            raise CorruptCheckpointError(f"checkpoint {path} is corrupt: its item(s) {missing} are "
-                                         f"missing (a partial copy, or files deleted by hand?)")
+            raise CorruptCheckpointError(
+                f"checkpoint {path} is corrupt: its item(s) {missing} are "
+                f"missing (a partial copy, or files deleted by hand?)"
+            )
         try:
             return self._manager.restore(int(step), args=args)
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, OSError) as error:
@@ -234,8 +252,10 @@ class Checkpointer:
             message = str(error).lower()
             corrupt = "shape" not in message and any(word in message for word in _CORRUPT_WORDS)
             kind = CorruptCheckpointError if corrupt else CheckpointError
-            raise kind(f"checkpoint {path}{' is corrupt' if corrupt else ''}: cannot restore its "
-                       f"{what} ({_first_line(error)})") from error
+            raise kind(
+                f"checkpoint {path}{' is corrupt' if corrupt else ''}: cannot restore its "
+                f"{what} ({_first_line(error)})"
+            ) from error
 
     def _verify(self, step: int, restored_state: Any, prefix: tuple = ()) -> None:
         """Compares the checksums of ``restored_state`` (the subtree at ``prefix``) with the
@@ -243,18 +263,23 @@ class Checkpointer:
         path = self.step_path(step)
         if not os.path.isdir(os.path.join(path, "checksums")):
             return
-        saved = self._read(step, ocp.args.Composite(checksums=ocp.args.JsonRestore()),
-                           "checksums")["checksums"]
+        saved = self._read(step, ocp.args.Composite(checksums=ocp.args.JsonRestore()), "checksums")[
+            "checksums"
+        ]
         subtree = restored_state
         for key in reversed(prefix):
             subtree = {key: subtree}
-        bad = [name for name, value in tree_checksums(subtree).items()
-               if name in saved and saved[name] != value]
+        bad = [
+            name
+            for name, value in tree_checksums(subtree).items()
+            if name in saved and saved[name] != value
+        ]
         if bad:
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
             raise CorruptCheckpointError(
                 f"checkpoint {path} is corrupt: the checksums of {', '.join(bad[:3])}{more} differ "
-                f"from those saved with it (damaged array files)")
+                f"from those saved with it (damaged array files)"
+            )
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
         """Restores the checkpoint at ``step`` (default: latest) onto ``target``'s structure
@@ -277,8 +302,9 @@ class Checkpointer:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
 
         def read(candidate):
-            args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                      meta=ocp.args.JsonRestore())
+            args = ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+            )
             restored = self._read(candidate, args, "state and meta")
             self._verify(candidate, restored["state"])
             return restored["state"], dict(restored["meta"] or {})
@@ -319,6 +345,7 @@ class Checkpointer:
         """The JSON record of the checkpoint at ``step`` (default: the latest whose record
         reads, with the same fallback as ``restore``), without reading its arrays (a
         resumed run checks its config against it first)."""
+
         def read(candidate):
             args = ocp.args.Composite(meta=ocp.args.JsonRestore())
             restored = self._read(candidate, args, "meta")
@@ -344,8 +371,11 @@ class Checkpointer:
         restore_args = ocp.checkpoint_utils.construct_restore_args(item)
 
         def read(candidate):
-            args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item=item, restore_args=restore_args, partial_restore=True))
+            args = ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=item, restore_args=restore_args, partial_restore=True
+                )
+            )
             restored = self._read(candidate, args, "state")["state"]
             for key in path:
                 restored = restored[key]

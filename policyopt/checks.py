@@ -14,22 +14,34 @@ import math
 from typing import Any, Iterable
 
 
-def check_number(label: str, value: Any, *, low: float | None = None, high: float | None = None,
-                 low_inclusive: bool = True, optional: bool = False) -> None:
+def check_number(
+    label: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_inclusive: bool = True,
+    optional: bool = False,
+) -> None:
     """Raises a ValueError naming ``label`` unless ``value`` is a finite int or float (not a
     bool) with ``low <= value`` (``low < value`` if not ``low_inclusive``) and
     ``value <= high``; None passes when ``optional``."""
     if value is None and optional:
         return
     number = not isinstance(value, bool) and isinstance(value, (int, float))
-    ok = (number and math.isfinite(value)
-          and (low is None or (value >= low if low_inclusive else value > low))
-          and (high is None or value <= high))
+    ok = (
+        number
+        and math.isfinite(value)
+        and (low is None or (value >= low if low_inclusive else value > low))
+        and (high is None or value <= high)
+    )
     if not ok:
         bound = "" if low is None else (f">= {low}" if low_inclusive else f"> {low}")
         bound += "" if high is None else f"{' and ' if bound else ''}<= {high}"
-        raise ValueError(f"{label} must be a finite number{' ' + bound if bound else ''}"
-                         f"{' (or None)' if optional else ''}, got {value!r}")
+        raise ValueError(
+            f"{label} must be a finite number{' ' + bound if bound else ''}"
+            f"{' (or None)' if optional else ''}, got {value!r}"
+        )
 
 
 def check_choice(label: str, value: Any, choices: Iterable) -> None:

@@ -91,8 +91,9 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.attention not in ATTENTION:
-            raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, "
-                             f"got {self.attention!r}")
+            raise ValueError(
+                f"EngineConfig.attention must be one of {ATTENTION}, got {self.attention!r}"
+            )
 
     @property
     def num_pages(self) -> int:
@@ -104,14 +105,14 @@ class _State:
     """Every row's decode state (a pytree carried by the decode loop)."""
 
     cache: PagedKVCache
-    logits: jax.Array         # float32 [R, V]; next-token logits
-    active: jax.Array         # bool [R]; admitted and not ended
-    count: jax.Array          # int32 [R]; tokens generated
+    logits: jax.Array  # float32 [R, V]; next-token logits
+    active: jax.Array  # bool [R]; admitted and not ended
+    count: jax.Array  # int32 [R]; tokens generated
     prompt_lengths: jax.Array  # int32 [R]
-    prompt_ids: jax.Array     # int32 [R]; prompt index b of the row's group
-    sample_ids: jax.Array     # int32 [R]; sample j < G within the group
-    tokens: jax.Array         # int32 [R, N]
-    log_probs: jax.Array      # float32 [R, N]
+    prompt_ids: jax.Array  # int32 [R]; prompt index b of the row's group
+    sample_ids: jax.Array  # int32 [R]; sample j < G within the group
+    tokens: jax.Array  # int32 [R, N]
+    log_probs: jax.Array  # float32 [R, N]
     raw_log_probs: jax.Array  # float32 [R, N]
     routing: jax.Array | None  # int32 [L_moe, R, P + N, k], Rollout.sequences() layout
     recent: jax.Array | None  # int32 [R, M]; last M tokens, for stop sequences
@@ -121,28 +122,42 @@ def _stop_window(config: SamplingConfig) -> int:
     return max((len(stop) for stop in config.stop_sequences), default=0)
 
 
-def empty_state(mc, engine: EngineConfig, config: SamplingConfig, prompt_len: int,
-                shards: int = 1) -> _State:
+def empty_state(
+    mc, engine: EngineConfig, config: SamplingConfig, prompt_len: int, shards: int = 1
+) -> _State:
     """The empty state of ``shards`` x ``engine.rows`` rows (``mc``: the ModelConfig)."""
     rows, num_new = engine.rows * shards, config.max_new_tokens
-    cache = PagedKVCache.create(mc, rows, engine.num_pages * shards, engine.page_size,
-                                pages_for(prompt_len + num_new, engine.page_size),
-                                config.cache_dtype, attention=engine.attention, shards=shards)
+    cache = PagedKVCache.create(
+        mc,
+        rows,
+        engine.num_pages * shards,
+        engine.page_size,
+        pages_for(prompt_len + num_new, engine.page_size),
+        config.cache_dtype,
+        attention=engine.attention,
+        shards=shards,
+    )
     routing = None
     if mc.is_moe and engine.capture_routing:
         k = mc.num_experts_per_tok
-        routing = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32),
-                                   (mc.num_moe_layers, rows, prompt_len + num_new, k))
+        routing = jnp.broadcast_to(
+            jnp.arange(k, dtype=jnp.int32), (mc.num_moe_layers, rows, prompt_len + num_new, k)
+        )
     window = _stop_window(config)
-    return _State(cache=cache, logits=jnp.zeros((rows, mc.vocab_size), jnp.float32),
-                  active=jnp.zeros((rows,), bool), count=jnp.zeros((rows,), jnp.int32),
-                  prompt_lengths=jnp.zeros((rows,), jnp.int32),
-                  prompt_ids=jnp.zeros((rows,), jnp.int32),
-                  sample_ids=jnp.zeros((rows,), jnp.int32),
-                  tokens=jnp.full((rows, num_new), config.fill_id, jnp.int32),
-                  log_probs=jnp.zeros((rows, num_new), jnp.float32),
-                  raw_log_probs=jnp.zeros((rows, num_new), jnp.float32), routing=routing,
-                  recent=jnp.full((rows, window), -1, jnp.int32) if window else None)
+    return _State(
+        cache=cache,
+        logits=jnp.zeros((rows, mc.vocab_size), jnp.float32),
+        active=jnp.zeros((rows,), bool),
+        count=jnp.zeros((rows,), jnp.int32),
+        prompt_lengths=jnp.zeros((rows,), jnp.int32),
+        prompt_ids=jnp.zeros((rows,), jnp.int32),
+        sample_ids=jnp.zeros((rows,), jnp.int32),
+        tokens=jnp.full((rows, num_new), config.fill_id, jnp.int32),
+        log_probs=jnp.zeros((rows, num_new), jnp.float32),
+        raw_log_probs=jnp.zeros((rows, num_new), jnp.float32),
+        routing=routing,
+        recent=jnp.full((rows, window), -1, jnp.int32) if window else None,
+    )
 
 
 def state_specs(s: _State, mesh) -> _State:
@@ -153,9 +168,14 @@ def state_specs(s: _State, mesh) -> _State:
     specs = jax.tree.map(rows, s)
     cache = s.cache
     pool = sharding.logical_spec(cache.k.shape, (None, None, "batch", None, None), mesh)
-    specs = specs.replace(cache=specs.cache.replace(
-        k=pool, v=pool, index=PartitionSpec(),
-        num_free=rows(cache.num_free) if cache.num_free.ndim else PartitionSpec()))
+    specs = specs.replace(
+        cache=specs.cache.replace(
+            k=pool,
+            v=pool,
+            index=PartitionSpec(),
+            num_free=rows(cache.num_free) if cache.num_free.ndim else PartitionSpec(),
+        )
+    )
     if s.routing is not None:
         specs = specs.replace(routing=rows(s.routing, 1))
     return specs
@@ -167,8 +187,19 @@ def _pin(s: _State) -> _State:
 
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=("config",), donate_argnums=(2,))
-def admit_rows(graphdef, params, s: _State, prompts, lengths, row0, num_rows, first_sample,
-           prompt_index, *, config: SamplingConfig) -> _State:
+def admit_rows(
+    graphdef,
+    params,
+    s: _State,
+    prompts,
+    lengths,
+    row0,
+    num_rows,
+    first_sample,
+    prompt_index,
+    *,
+    config: SamplingConfig,
+) -> _State:
     """Admits up to one prompt per shard: prefills ``prompts[i]`` [P] (``lengths[i]`` real
     tokens) into row ``row0[i]`` of shard i and copies it to rows [row0[i], row0[i] +
     num_rows[i]) (samples first_sample[i], first_sample[i] + 1, ...); num_rows[i] = 0
@@ -186,25 +217,32 @@ def admit_rows(graphdef, params, s: _State, prompts, lengths, row0, num_rows, fi
     view = cache.replace(page_table=table[pick, local0], lengths=held[pick, local0])
     mask = (jnp.arange(prompt_len)[None] < lengths[:, None]) & (num_rows > 0)[:, None]
     view, _ = view.reserve(jnp.sum(mask, axis=1, dtype=jnp.int32), pages_for(prompt_len, ps))
-    out = model(prompts, positions=jnp.broadcast_to(jnp.arange(prompt_len), prompts.shape),
-                attention_mask=mask, cache=view, return_logits=False)
+    out = model(
+        prompts,
+        positions=jnp.broadcast_to(jnp.arange(prompt_len), prompts.shape),
+        attention_mask=mask,
+        cache=view,
+        return_logits=False,
+    )
     view = out.cache.advance(mask)
     cache = view.replace(
         page_table=table.at[pick, local0].set(view.page_table).reshape(cache.page_table.shape),
-        lengths=held.at[pick, local0].set(view.lengths).reshape(-1))
+        lengths=held.at[pick, local0].set(view.lengths).reshape(-1),
+    )
     sample = jnp.arange(group)[None]
-    dest = jnp.where((sample >= 1) & (sample < num_rows[:, None]), local0[:, None] + sample,
-                     per_shard)                                                  # [S, G]
+    dest = jnp.where(
+        (sample >= 1) & (sample < num_rows[:, None]), local0[:, None] + sample, per_shard
+    )  # [S, G]
     if shards == 1:
         cache, _ = cache.copy_rows(local0[0], dest[0], pages_for(prompt_len, ps))
     else:
         cache, _ = cache.copy_rows(local0, dest, pages_for(prompt_len, ps))
-    per_row = lambda x, axis=0: jnp.repeat(x, per_shard, axis=axis)         # [S, ...] -> [R, ...]
+    per_row = lambda x, axis=0: jnp.repeat(x, per_shard, axis=axis)  # [S, ...] -> [R, ...]
     rows = jnp.arange(num_total)
     start = per_row(row0)
     group_rows = (rows >= start) & (rows < start + per_row(num_rows))
     last = jnp.take_along_axis(out.hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
-    logits = per_row(next_logits(model, last[:, 0]))                            # [R, V]
+    logits = per_row(next_logits(model, last[:, 0]))  # [R, V]
     col = lambda x, axis=0: group_rows.reshape((1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1))
     routing = s.routing
     if routing is not None:
@@ -212,28 +250,35 @@ def admit_rows(graphdef, params, s: _State, prompts, lengths, row0, num_rows, fi
         # Rollout.sequences() lays tokens out), then k distinct experts on every response
         # slot until its token is generated.
         source = (jnp.arange(prompt_len)[None] - (prompt_len - lengths)[:, None]) % prompt_len
-        prompt_routing = jnp.take_along_axis(out.routing.astype(jnp.int32),
-                                             source[None, :, :, None], axis=2)   # [L, S, P, k]
+        prompt_routing = jnp.take_along_axis(
+            out.routing.astype(jnp.int32), source[None, :, :, None], axis=2
+        )  # [L, S, P, k]
         k = routing.shape[-1]
-        filler = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), prompt_routing.shape[:2] + (
-            routing.shape[2] - prompt_len, k))
+        filler = jnp.broadcast_to(
+            jnp.arange(k, dtype=jnp.int32),
+            prompt_routing.shape[:2] + (routing.shape[2] - prompt_len, k),
+        )
         new = per_row(jnp.concatenate([prompt_routing, filler], axis=2), axis=1)
         routing = jnp.where(col(routing, 1), new, routing)
     recent = s.recent
     if recent is not None:
         recent = jnp.where(col(recent), -1, recent)
-    return _pin(s.replace(
-        cache=cache,
-        logits=jnp.where(col(s.logits), logits, s.logits),
-        active=s.active | group_rows,
-        count=jnp.where(group_rows, 0, s.count),
-        prompt_lengths=jnp.where(group_rows, per_row(lengths), s.prompt_lengths),
-        prompt_ids=jnp.where(group_rows, per_row(prompt_index), s.prompt_ids),
-        sample_ids=jnp.where(group_rows, per_row(first_sample) + rows - start, s.sample_ids),
-        tokens=jnp.where(col(s.tokens), config.fill_id, s.tokens),
-        log_probs=jnp.where(col(s.log_probs), 0.0, s.log_probs),
-        raw_log_probs=jnp.where(col(s.raw_log_probs), 0.0, s.raw_log_probs),
-        routing=routing, recent=recent))
+    return _pin(
+        s.replace(
+            cache=cache,
+            logits=jnp.where(col(s.logits), logits, s.logits),
+            active=s.active | group_rows,
+            count=jnp.where(group_rows, 0, s.count),
+            prompt_lengths=jnp.where(group_rows, per_row(lengths), s.prompt_lengths),
+            prompt_ids=jnp.where(group_rows, per_row(prompt_index), s.prompt_ids),
+            sample_ids=jnp.where(group_rows, per_row(first_sample) + rows - start, s.sample_ids),
+            tokens=jnp.where(col(s.tokens), config.fill_id, s.tokens),
+            log_probs=jnp.where(col(s.log_probs), 0.0, s.log_probs),
+            raw_log_probs=jnp.where(col(s.raw_log_probs), 0.0, s.raw_log_probs),
+            routing=routing,
+            recent=recent,
+        )
+    )
 
 
 @partial(jax.jit, donate_argnums=(0,))
@@ -256,12 +301,22 @@ def decode_steps(graphdef, params, s: _State, rng, *, config: SamplingConfig, st
         cache, granted = s.cache.reserve(s.active.astype(jnp.int32), 1)
         go = s.active & granted
         peak = jnp.maximum(peak, jnp.max(cache.pages_in_use()))
-        keys = jax.vmap(lambda b, j, n: jax.random.fold_in(jax.random.fold_in(
-            jax.random.fold_in(rng, b), j), n))(s.prompt_ids, s.sample_ids, s.count)
-        step = decode_step(model, config, s.logits, cache, count=s.count, live=go,
-                           positions=s.prompt_lengths + s.count, row_rngs=keys, recent=s.recent)
+        keys = jax.vmap(
+            lambda b, j, n: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(rng, b), j), n)
+        )(s.prompt_ids, s.sample_ids, s.count)
+        step = decode_step(
+            model,
+            config,
+            s.logits,
+            cache,
+            count=s.count,
+            live=go,
+            positions=s.prompt_lengths + s.count,
+            row_rngs=keys,
+            recent=s.recent,
+        )
         ended = step.ended | (go & (s.count + 1 >= num_new))
-        column = jnp.where(go, s.count, num_new)                     # dropped when waiting
+        column = jnp.where(go, s.count, num_new)  # dropped when waiting
         rows = jnp.arange(go.shape[0])
         put = lambda buf, value: buf.at[rows, column].set(value, mode="drop")
         routing = s.routing
@@ -271,18 +326,25 @@ def decode_steps(graphdef, params, s: _State, rng, *, config: SamplingConfig, st
         cache = step.cache.advance(go[:, None])
         # A flat pass over every row's table: only on steps where some row ended.
         cache = jax.lax.cond(jnp.any(ended), lambda c: c.release(ended), lambda c: c, cache)
-        s = s.replace(cache=cache, logits=step.logits, active=s.active & ~ended,
-                      count=s.count + go, tokens=put(s.tokens, step.tokens),
-                      log_probs=put(s.log_probs, step.log_probs),
-                      raw_log_probs=put(s.raw_log_probs, step.raw_log_probs),
-                      routing=routing, recent=step.recent)
+        s = s.replace(
+            cache=cache,
+            logits=step.logits,
+            active=s.active & ~ended,
+            count=s.count + go,
+            tokens=put(s.tokens, step.tokens),
+            log_probs=put(s.log_probs, step.log_probs),
+            raw_log_probs=put(s.raw_log_probs, step.raw_log_probs),
+            routing=routing,
+            recent=step.recent,
+        )
         made = made + jnp.sum(go.reshape(made.shape[0], -1), axis=1, dtype=jnp.int32)
         return i + 1, made, waits + jnp.sum(s.active & ~granted), peak, s
 
     zero = jnp.zeros((), jnp.int32)
     made = jnp.zeros((s.cache.shards,), jnp.int32)
     run, made, waits, peak, s = jax.lax.while_loop(
-        lambda c: (c[0] < steps) & jnp.any(c[4].active), body, (zero, made, zero, zero, s))
+        lambda c: (c[0] < steps) & jnp.any(c[4].active), body, (zero, made, zero, zero, s)
+    )
     return _pin(s), run, made, waits, peak
 
 
@@ -311,11 +373,14 @@ class Engine:
         the parameters stay as placed (see "Sharded model" in the module docstring).
     """
 
-    def __init__(self, model, engine: EngineConfig, config: SamplingConfig, *, graphdef=None,
-                 mesh=None):
+    def __init__(
+        self, model, engine: EngineConfig, config: SamplingConfig, *, graphdef=None, mesh=None
+    ):
         if engine.rows % config.num_samples:
-            raise ValueError(f"EngineConfig.rows = {engine.rows} must be a multiple of "
-                             f"SamplingConfig.num_samples = {config.num_samples}")
+            raise ValueError(
+                f"EngineConfig.rows = {engine.rows} must be a multiple of "
+                f"SamplingConfig.num_samples = {config.num_samples}"
+            )
         config.check_vocab(model.config.vocab_size)
         self.model, self.engine, self.config, self.mesh = model, engine, config, mesh
         self.shards = row_shards(mesh)
@@ -325,8 +390,9 @@ class Engine:
         self.stats: dict[str, int] = {}
 
     @classmethod
-    def from_config(cls, config, model, graphdef, mesh, sampling_config: SamplingConfig
-                    ) -> "Engine":
+    def from_config(
+        cls, config, model, graphdef, mesh, sampling_config: SamplingConfig
+    ) -> "Engine":
         """The engine of a run's config: ``config.sampling.engine_kv_tokens`` and
         ``engine_page_size``; ``engine_rows`` rows per shard (0: the round's B x G rows
         over the shards); routing captured for ``algo.routing_replay = "R3"``."""
@@ -334,11 +400,18 @@ class Engine:
         shards = row_shards(None if mesh is None or mesh.size == 1 else mesh)
         group = config.batch.group_size
         rows = s.engine_rows or group * -(-config.batch.n_prompts // shards)
-        return cls(model, EngineConfig(kv_tokens=s.engine_kv_tokens, rows=rows,
-                                       page_size=s.engine_page_size,
-                                       capture_routing=config.algo.routing_replay == "R3"),
-                   sampling_config, graphdef=graphdef,
-                   mesh=None if mesh is None or mesh.size == 1 else mesh)
+        return cls(
+            model,
+            EngineConfig(
+                kv_tokens=s.engine_kv_tokens,
+                rows=rows,
+                page_size=s.engine_page_size,
+                capture_routing=config.algo.routing_replay == "R3",
+            ),
+            sampling_config,
+            graphdef=graphdef,
+            mesh=None if mesh is None or mesh.size == 1 else mesh,
+        )
 
     def _on_mesh(self):
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
@@ -348,8 +421,9 @@ class Engine:
         state = empty_state(self.model.config, self.engine, self.config, prompt_len, self.shards)
         if self.mesh is None:
             return jax.device_put(state, jax.devices()[0])
-        return jax.device_put(state, sharding.named_shardings(
-            state_specs(state, self.mesh), self.mesh))
+        return jax.device_put(
+            state, sharding.named_shardings(state_specs(state, self.mesh), self.mesh)
+        )
 
     def generate(self, prompts, prompt_lengths, rng, params=None) -> Rollout:
         """G samples of each right-padded prompt, as ``policyopt.sampling.generate``.
@@ -368,8 +442,9 @@ class Engine:
             prompt plus one page.
         """
         with self._on_mesh():
-            return self._generate(prompts, prompt_lengths, rng,
-                                  self.params if params is None else params)
+            return self._generate(
+                prompts, prompt_lengths, rng, self.params if params is None else params
+            )
 
     def _generate(self, prompts, prompt_lengths, rng, params) -> Rollout:
         engine, config, shards = self.engine, self.config, self.shards
@@ -377,31 +452,42 @@ class Engine:
         lengths = np.asarray(prompt_lengths, np.int32)
         batch, prompt_len = prompts.shape
         if lengths.shape != (batch,) or lengths.min() < 1 or lengths.max() > prompt_len:
-            raise ValueError(f"prompt_lengths must be [B={batch}] in [1, P={prompt_len}], got "
-                             f"shape {lengths.shape}, min {lengths.min()} max {lengths.max()}")
+            raise ValueError(
+                f"prompt_lengths must be [B={batch}] in [1, P={prompt_len}], got "
+                f"shape {lengths.shape}, min {lengths.min()} max {lengths.max()}"
+            )
         budget = engine.num_pages * engine.page_size
         too_long = np.flatnonzero(lengths > budget)
         if too_long.size:
             b = int(too_long[0])
-            raise ValueError(f"prompt {b} has {lengths[b]} tokens, more than the KV budget "
-                             f"EngineConfig.kv_tokens = {engine.kv_tokens} "
-                             f"({budget} slots in whole pages)")
+            raise ValueError(
+                f"prompt {b} has {lengths[b]} tokens, more than the KV budget "
+                f"EngineConfig.kv_tokens = {engine.kv_tokens} "
+                f"({budget} slots in whole pages)"
+            )
         need = pages_for(int(lengths.max()), engine.page_size) + 1
         if engine.num_pages < need:
             raise ValueError(
                 f"EngineConfig.kv_tokens = {engine.kv_tokens} is smaller than the longest "
                 f"prompt ({lengths.max()} tokens) plus one page (page_size = "
-                f"{engine.page_size}): needs >= {need * engine.page_size}")
+                f"{engine.page_size}): needs >= {need * engine.page_size}"
+            )
         group, num_new, ps = config.num_samples, config.max_new_tokens, engine.page_size
         rows_total = engine.rows * shards
         groups_per_shard = engine.rows // group
         state = self.init_state(prompt_len)
-        slots = [-1] * (rows_total // group)               # prompt held by each group of rows
-        waiting = [[] for _ in slots]                      # rows of a slot evicted, to redo
-        admitted = []                                      # running slots, oldest first
+        slots = [-1] * (rows_total // group)  # prompt held by each group of rows
+        waiting = [[] for _ in slots]  # rows of a slot evicted, to redo
+        admitted = []  # running slots, oldest first
         queue = list(range(batch))
-        out = {name: np.zeros((batch * group, num_new), dtype) for name, dtype in (
-            ("tokens", np.int32), ("log_probs", np.float32), ("raw_log_probs", np.float32))}
+        out = {
+            name: np.zeros((batch * group, num_new), dtype)
+            for name, dtype in (
+                ("tokens", np.int32),
+                ("log_probs", np.float32),
+                ("raw_log_probs", np.float32),
+            )
+        }
         if state.routing is not None:
             num_moe, _, width, k = state.routing.shape
             out["routing"] = np.zeros((num_moe, batch * group, width, k), np.int32)
@@ -417,22 +503,32 @@ class Engine:
         def admit(state, admissions):
             """One admit_rows call: ``admissions`` maps a shard to (prompt, row0, rows, sample)."""
             args = np.zeros((6, shards), np.int32)
-            args[1] = np.arange(shards) * engine.rows                    # row0: unused rows
+            args[1] = np.arange(shards) * engine.rows  # row0: unused rows
             for shard, (b, row0, num_rows, first_sample) in admissions.items():
                 args[:, shard] = (b, row0, num_rows, first_sample, lengths[b], b)
             picked = prompts[args[0]]
-            return admit_rows(self.graphdef, params, state, jnp.asarray(picked),
-                          jnp.asarray(np.maximum(args[4], 1)), *map(jnp.asarray, args[1:4]),
-                          jnp.asarray(args[5]), config=config)
+            return admit_rows(
+                self.graphdef,
+                params,
+                state,
+                jnp.asarray(picked),
+                jnp.asarray(np.maximum(args[4], 1)),
+                *map(jnp.asarray, args[1:4]),
+                jnp.asarray(args[5]),
+                config=config,
+            )
 
         while queue or admitted:
-            num_free = np.asarray(state.cache.num_free).reshape(-1).copy()       # [S]
-            while True:                                    # up to one admission per shard a call
+            num_free = np.asarray(state.cache.num_free).reshape(-1).copy()  # [S]
+            while True:  # up to one admission per shard a call
                 admissions = {}
-                for slot in admitted:                      # evicted rows first
+                for slot in admitted:  # evicted rows first
                     b, shard = slots[slot], shard_of(slot)
-                    if (waiting[slot] and shard not in admissions
-                            and num_free[shard] >= prompt_pages(b) + 1):
+                    if (
+                        waiting[slot]
+                        and shard not in admissions
+                        and num_free[shard] >= prompt_pages(b) + 1
+                    ):
                         row = waiting[slot].pop(0)
                         admissions[shard] = (b, row, 1, row - slot * group)
                         num_free[shard] -= prompt_pages(b)
@@ -452,8 +548,9 @@ class Engine:
                 if not admissions:
                     break
                 state = admit(state, admissions)
-            state, run, made, waits, peak = decode_steps(self.graphdef, params, state, rng,
-                                                    config=config, steps=engine.steps_per_call)
+            state, run, made, waits, peak = decode_steps(
+                self.graphdef, params, state, rng, config=config, steps=engine.steps_per_call
+            )
             steps_run += int(run)
             made = np.asarray(made)
             self.stats["waits"] += int(waits)
@@ -482,18 +579,19 @@ class Engine:
                 if len(mine) > 1:
                     slot = mine[-1]
                     admitted.remove(slot)
-                    evict[slot * group:(slot + 1) * group] = True
+                    evict[slot * group : (slot + 1) * group] = True
                     queue.insert(0, slots[slot])
                     self.stats["preempted_groups"] += 1
                     slots[slot], waiting[slot] = -1, []
                 else:
                     slot = mine[0]
-                    running = np.flatnonzero(active[slot * group:(slot + 1) * group])
+                    running = np.flatnonzero(active[slot * group : (slot + 1) * group])
                     if running.size <= 1:
                         raise ValueError(
                             f"EngineConfig.kv_tokens = {engine.kv_tokens} cannot hold one row "
                             f"to its end: needs up to {prompt_len + num_new} slots in pages "
-                            f"of {engine.page_size}")
+                            f"of {engine.page_size}"
+                        )
                     row = slot * group + int(running[-1])
                     evict[row] = True
                     waiting[slot].append(row)
@@ -506,9 +604,15 @@ class Engine:
         shift = prompt_len - lengths
         aligned = np.full_like(prompts, fill)
         for b in range(batch):
-            aligned[b, shift[b]:] = prompts[b, :lengths[b]]
-        return Rollout(tokens=np.where(mask > 0, out["tokens"], fill).astype(np.int32), mask=mask,
-                       log_probs=out["log_probs"] * mask, raw_log_probs=out["raw_log_probs"] * mask,
-                       lengths=counts, prompt_tokens=np.repeat(aligned, group, axis=0),
-                       prompt_lengths=np.repeat(lengths, group), routing=out.get("routing"),
-                       num_steps=np.int32(steps_run))
+            aligned[b, shift[b] :] = prompts[b, : lengths[b]]
+        return Rollout(
+            tokens=np.where(mask > 0, out["tokens"], fill).astype(np.int32),
+            mask=mask,
+            log_probs=out["log_probs"] * mask,
+            raw_log_probs=out["raw_log_probs"] * mask,
+            lengths=counts,
+            prompt_tokens=np.repeat(aligned, group, axis=0),
+            prompt_lengths=np.repeat(lengths, group),
+            routing=out.get("routing"),
+            num_steps=np.int32(steps_run),
+        )

@@ -126,9 +126,7 @@ def aggregate(
         _check_group_size(per_token.shape[0], group_size)
         group_sums = jnp.sum(seq_sums.reshape(-1, group_size), axis=1)
         group_tokens = jnp.sum(lengths.reshape(-1, group_size), axis=1)
-        return _safe_div(
-            jnp.sum(_safe_div(group_sums, group_tokens)), jnp.sum(group_tokens > 0)
-        )
+        return _safe_div(jnp.sum(_safe_div(group_sums, group_tokens)), jnp.sum(group_tokens > 0))
     num_nonempty = jnp.sum(lengths > 0)
     if aggregation == "seq_mean_token_mean":
         per_seq = _safe_div(seq_sums, lengths)
@@ -341,7 +339,9 @@ def ppo_objective(inputs: GateInputs) -> Surrogate:
     ``max(f(r) A, c A)``, i.e. constant (zero gradient) once ``r > c``.
     """
     ratio = jnp.exp(inputs.log_ratio)
-    out = _clipped_surrogate(ratio, inputs.log_ratio, inputs.advantages, inputs.clip_low, inputs.clip_high)
+    out = _clipped_surrogate(
+        ratio, inputs.log_ratio, inputs.advantages, inputs.clip_low, inputs.clip_high
+    )
     if inputs.dual_clip is None:
         return out
     dual = (inputs.advantages < 0) & (inputs.log_ratio > math.log(inputs.dual_clip))
@@ -415,7 +415,11 @@ def sapo_objective(inputs: GateInputs) -> Surrogate:
 
 
 def kl_penalty(
-    log_probs: Array, ref_log_probs: Array, mask: Array, *, estimator: str = "k3",
+    log_probs: Array,
+    ref_log_probs: Array,
+    mask: Array,
+    *,
+    estimator: str = "k3",
     clamp: bool = False,
 ) -> Array:
     """Per-token KL(pi_theta || pi_ref) estimate from samples of pi_theta, 0 on padding.
@@ -440,8 +444,10 @@ def kl_penalty(
       ``[B, T]`` per-token penalty (aggregate it like the policy terms).
     """
     if clamp and estimator != "k3":
-        raise ValueError(f"the KL clamp (kl_clamp=True) is defined for estimator 'k3' only (verl's "
-                         f"low_var_kl), got estimator={estimator!r}")
+        raise ValueError(
+            f"the KL clamp (kl_clamp=True) is defined for estimator 'k3' only (verl's "
+            f"low_var_kl), got estimator={estimator!r}"
+        )
     valid = _as_mask(mask, log_probs.dtype) > 0
     delta = jnp.where(valid, ref_log_probs - log_probs, 0)
     if estimator == "k1":
@@ -476,7 +482,11 @@ def _sequence_log_ratio(log_rho: Array, valid: Array, level: str) -> Array:
 
 
 def truncated_importance_weights(
-    old_log_probs: Array, behaviour_log_probs: Array, mask: Array, cap: float = 2.0, *,
+    old_log_probs: Array,
+    behaviour_log_probs: Array,
+    mask: Array,
+    cap: float = 2.0,
+    *,
     level: str = "token",
 ) -> Array:
     """Truncated importance weights between the sampler (behaviour) and the trainer, stop-gradient.
@@ -501,14 +511,22 @@ def truncated_importance_weights(
         raise ValueError(f"cap must be > 0, got {cap}")
     valid, log_weight = _rollout_log_ratio(old_log_probs, behaviour_log_probs, mask)
     if level == "sequence":
-        log_weight = jnp.broadcast_to(_sequence_log_ratio(log_weight, valid, level), log_weight.shape)
+        log_weight = jnp.broadcast_to(
+            _sequence_log_ratio(log_weight, valid, level), log_weight.shape
+        )
     weights = jnp.minimum(jnp.exp(log_weight), cap)
     return jax.lax.stop_gradient(jnp.where(valid, weights, 0))
 
 
 def rejection_mask(
-    old_log_probs: Array, behaviour_log_probs: Array, mask: Array, *, level: str | None = None,
-    upper: float | None = None, lower: float | None = None, veto: float | None = None,
+    old_log_probs: Array,
+    behaviour_log_probs: Array,
+    mask: Array,
+    *,
+    level: str | None = None,
+    upper: float | None = None,
+    lower: float | None = None,
+    veto: float | None = None,
 ) -> Array:
     """Rollout rejection sampling: which tokens the policy loss keeps, stop-gradient.
 
@@ -538,7 +556,9 @@ def rejection_mask(
         raise ValueError(f"rejection at level={level!r} needs upper > 0, got {upper}")
     lower = (1.0 / upper if level is not None else None) if lower is None else lower
     if level is not None and not 0 < lower <= upper:
-        raise ValueError(f"the rejection bounds need 0 < lower <= upper, got lower={lower}, upper={upper}")
+        raise ValueError(
+            f"the rejection bounds need 0 < lower <= upper, got lower={lower}, upper={upper}"
+        )
     if veto is not None and not veto > 0:
         raise ValueError(f"veto must be > 0, got {veto}")
     valid, log_rho = _rollout_log_ratio(old_log_probs, behaviour_log_probs, mask)
@@ -556,7 +576,9 @@ def rejection_mask(
 _OFFPOLICY_LOG_CLAMP = 20.0
 
 
-def offpolicy_metrics(old_log_probs: Array, behaviour_log_probs: Array, mask: Array) -> dict[str, Array]:
+def offpolicy_metrics(
+    old_log_probs: Array, behaviour_log_probs: Array, mask: Array
+) -> dict[str, Array]:
     """How far the trainer's log-probs (pi_old) are from the sampler's (mu) on the sampled
     tokens, with ``rho_t = pi_old / mu``, over valid tokens only:
 
@@ -625,22 +647,31 @@ def check_policy_options(
     check_choice(label("method"), method, OBJECTIVES)
     check_choice(label("aggregation"), aggregation, AGGREGATIONS)
     for arg, value, low, high, low_inclusive in (
-        ("clip_low", clip_low, 0.0, 1.0, True), ("clip_high", clip_high, 0.0, None, True),
-        ("tau_pos", tau_pos, 0.0, None, False), ("tau_neg", tau_neg, 0.0, None, False),
+        ("clip_low", clip_low, 0.0, 1.0, True),
+        ("clip_high", clip_high, 0.0, None, True),
+        ("tau_pos", tau_pos, 0.0, None, False),
+        ("tau_neg", tau_neg, 0.0, None, False),
     ):
         if isinstance(value, (int, float)):
             check_number(label(arg), value, low=low, high=high, low_inclusive=low_inclusive)
     if dual_clip is not None:
         if method != "ppo":
-            raise ValueError(f"{label('dual_clip')}={dual_clip!r} needs {label('method')}='ppo', "
-                             f"got {method!r} (the dual clip bounds the token clip's A < 0 side)")
-        if isinstance(dual_clip, bool) or not isinstance(dual_clip, (int, float)) or not (
-                math.isfinite(dual_clip) and dual_clip > 1):
+            raise ValueError(
+                f"{label('dual_clip')}={dual_clip!r} needs {label('method')}='ppo', "
+                f"got {method!r} (the dual clip bounds the token clip's A < 0 side)"
+            )
+        if (
+            isinstance(dual_clip, bool)
+            or not isinstance(dual_clip, (int, float))
+            or not (math.isfinite(dual_clip) and dual_clip > 1)
+        ):
             raise ValueError(f"{label('dual_clip')} must be > 1 (or None: off), got {dual_clip!r}")
     check_choice(label("kl_estimator"), kl_estimator, KL_ESTIMATORS)
     if kl_clamp and kl_estimator != "k3":
-        raise ValueError(f"{label('kl_clamp')}=True is defined for {label('kl_estimator')}='k3' "
-                         f"only (verl's low_var_kl), got {kl_estimator!r}")
+        raise ValueError(
+            f"{label('kl_clamp')}=True is defined for {label('kl_estimator')}='k3' "
+            f"only (verl's low_var_kl), got {kl_estimator!r}"
+        )
 
 
 def policy_loss(
@@ -718,22 +749,37 @@ def policy_loss(
       ``benchmarks/bench_core.py``). The policy ratio's log is not clamped (verl clamps it at
       +-20); the KL's is with ``kl_clamp``.
     """
-    check_policy_options(method=method, aggregation=aggregation, clip_low=clip_low,
-                         clip_high=clip_high, dual_clip=dual_clip, tau_pos=tau_pos,
-                         tau_neg=tau_neg, kl_estimator=kl_estimator, kl_clamp=kl_clamp)
+    check_policy_options(
+        method=method,
+        aggregation=aggregation,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        tau_pos=tau_pos,
+        tau_neg=tau_neg,
+        kl_estimator=kl_estimator,
+        kl_clamp=kl_clamp,
+    )
     if metrics not in METRICS:
         raise ValueError(f"metrics={metrics!r} is not one of {METRICS}")
     shape = jnp.shape(log_probs)
     if aggregation == "group_token_mean" and row_weights is None:
         _check_group_size(shape[0], group_size)
-    for name, array in (("old_log_probs", old_log_probs), ("advantages", advantages), ("mask", mask)):
+    for name, array in (
+        ("old_log_probs", old_log_probs),
+        ("advantages", advantages),
+        ("mask", mask),
+    ):
         if jnp.shape(array) != shape:
-            raise ValueError(f"{name} has shape {jnp.shape(array)}, expected {shape} like log_probs")
+            raise ValueError(
+                f"{name} has shape {jnp.shape(array)}, expected {shape} like log_probs"
+            )
 
     dtype = jnp.result_type(log_probs, jnp.float32)
 
-    def compute(log_probs, old_log_probs, advantages, mask, importance_weights, ref_log_probs,
-                row_weights):
+    def compute(
+        log_probs, old_log_probs, advantages, mask, importance_weights, ref_log_probs, row_weights
+    ):
         mask_f = _as_mask(mask, dtype)
         valid = mask_f > 0
         log_probs = jnp.asarray(log_probs, dtype)
@@ -745,33 +791,58 @@ def policy_loss(
         seq_advantages = _safe_div(jnp.sum(advantages, axis=-1), lengths)
 
         inputs = GateInputs(
-            log_ratio, advantages, mask_f, seq_log_ratio, seq_advantages,
-            clip_low, clip_high, dual_clip, tau_pos, tau_neg,
+            log_ratio,
+            advantages,
+            mask_f,
+            seq_log_ratio,
+            seq_advantages,
+            clip_low,
+            clip_high,
+            dual_clip,
+            tau_pos,
+            tau_neg,
         )
         surrogate = OBJECTIVES[method](inputs)
         per_token = surrogate.objective
         diagnostics = {}
         if importance_weights is not None:
-            weights = jax.lax.stop_gradient(jnp.where(valid, jnp.asarray(importance_weights, dtype), 0))
+            weights = jax.lax.stop_gradient(
+                jnp.where(valid, jnp.asarray(importance_weights, dtype), 0)
+            )
             per_token = per_token * weights
             diagnostics["importance_weight_mean"] = masked_mean(weights, mask_f)
         else:
             weights = None
         if ref_log_probs is not None:
-            kl = kl_penalty(log_probs, jax.lax.stop_gradient(ref_log_probs), mask_f,
-                            estimator=kl_estimator, clamp=kl_clamp)
+            kl = kl_penalty(
+                log_probs,
+                jax.lax.stop_gradient(ref_log_probs),
+                mask_f,
+                estimator=kl_estimator,
+                clamp=kl_clamp,
+            )
             per_token = per_token - kl_coef * kl
             diagnostics["kl_ref"] = masked_mean(kl, mask_f)
         if row_weights is None:
-            loss = -aggregate(per_token, mask_f, aggregation, group_size=group_size,
-                              max_len=max_len)
+            loss = -aggregate(
+                per_token, mask_f, aggregation, group_size=group_size, max_len=max_len
+            )
         else:
             loss = -weighted_row_sum(per_token, mask_f, jax.lax.stop_gradient(row_weights))
 
         if metrics == "none":
             return loss, {"loss": jax.lax.stop_gradient(loss)}
-        diagnostics.update(_policy_metrics(jax.lax.stop_gradient(log_ratio), seq_log_ratio,
-                                           advantages, mask_f, lengths, surrogate, weights))
+        diagnostics.update(
+            _policy_metrics(
+                jax.lax.stop_gradient(log_ratio),
+                seq_log_ratio,
+                advantages,
+                mask_f,
+                lengths,
+                surrogate,
+                weights,
+            )
+        )
         diagnostics["loss"] = jax.lax.stop_gradient(loss)
         return loss, diagnostics
 
@@ -781,7 +852,8 @@ def policy_loss(
     # XLA:CPU costs less than writing and re-reading stored [B, T] residuals
     # (benchmarks/bench_core.py); loss, gradient and metrics are unchanged.
     return jax.checkpoint(compute, policy=_save_only_reductions)(
-        log_probs, old_log_probs, advantages, mask, importance_weights, ref_log_probs, row_weights)
+        log_probs, old_log_probs, advantages, mask, importance_weights, ref_log_probs, row_weights
+    )
 
 
 _REDUCTIONS = (jax.lax.reduce_sum_p, jax.lax.reduce_max_p, jax.lax.reduce_min_p)
@@ -837,7 +909,9 @@ def _policy_metrics(log_ratio, seq_log_ratio, advantages, mask_f, lengths, surro
         "ratio_mean": _safe_div(token_sum(jnp.exp(log_ratio)), num_tokens),
         "ratio_min": jnp.exp(jnp.where(has_tokens, min_log_ratio, 0.0)),
         "ratio_max": jnp.exp(jnp.where(has_tokens, max_log_ratio, 0.0)),
-        "seq_ratio_mean": _safe_div(jnp.sum(jnp.where(nonempty, jnp.exp(seq_log_ratio), 0)), num_seqs),
+        "seq_ratio_mean": _safe_div(
+            jnp.sum(jnp.where(nonempty, jnp.exp(seq_log_ratio), 0)), num_seqs
+        ),
         "approx_kl": _safe_div(token_sum(jnp.expm1(log_ratio) - log_ratio), num_tokens),
         "gate_mean": _safe_div(token_sum(gate), num_tokens),
         "log_ratio_seq_var": _safe_div(jnp.sum(seq_var), num_seqs),
@@ -957,8 +1031,9 @@ def masked_var(x: Array, mask: Array, axis=None) -> Array:
     return masked_mean(jnp.square(x - mean), mask, axis=axis)
 
 
-def nll_loss(log_probs: Array, mask: Array, seq_weights: Array, *,
-             denominator: Array | None = None) -> Array:
+def nll_loss(
+    log_probs: Array, mask: Array, seq_weights: Array, *, denominator: Array | None = None
+) -> Array:
     """Negative log-likelihood over a chosen subset of sequences (VAPO's positive samples).
 
     ``L_NLL = -(1 / sum_{i in S} |y_i|) sum_{i in S} sum_t log pi(y_{i,t})`` with ``S`` the

@@ -62,8 +62,15 @@ class MetricsWriter:
         as it is and appends.
     """
 
-    def __init__(self, workdir: str, *, filename: str = "metrics.jsonl", tensorboard: bool = True,
-                 enabled: bool = True, resume_step: int | None = None):
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        filename: str = "metrics.jsonl",
+        tensorboard: bool = True,
+        enabled: bool = True,
+        resume_step: int | None = None,
+    ):
         self.path = os.path.join(workdir, filename)
         self._file: TextIO | None = None
         self._tb = None
@@ -84,7 +91,10 @@ class MetricsWriter:
         scalars = to_scalars(metrics)
         if self._file is None:
             return scalars
-        record = {"step": int(step), **{k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()}}
+        record = {
+            "step": int(step),
+            **{k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()},
+        }
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -224,8 +234,12 @@ def _records(path: str):
         return
 
 
-def console_line(step: int, total: int, metrics: Mapping[str, float],
-                 keys: Iterable[tuple[str, str]] = CONSOLE_KEYS) -> str:
+def console_line(
+    step: int,
+    total: int,
+    metrics: Mapping[str, float],
+    keys: Iterable[tuple[str, str]] = CONSOLE_KEYS,
+) -> str:
     """Formats one progress line: ``[ 12/100] reward 0.41 acc 0.40 ... s/it 1.9``."""
     width = len(str(total))
     parts = [f"[{step:>{width}}/{total}]"]
@@ -243,9 +257,15 @@ class Progress:
     small model) is left out, so the first line has no ETA and later ones extrapolate
     ``(now - t_first) / (step - step_first)``."""
 
-    def __init__(self, total: int, *, stream: TextIO | None = None, start_step: int = 0,
-                 keys: Iterable[tuple[str, str]] = CONSOLE_KEYS,
-                 clock=time.perf_counter):
+    def __init__(
+        self,
+        total: int,
+        *,
+        stream: TextIO | None = None,
+        start_step: int = 0,
+        keys: Iterable[tuple[str, str]] = CONSOLE_KEYS,
+        clock=time.perf_counter,
+    ):
         self.total = total
         self.keys = tuple(keys)
         self.stream = stream or sys.stdout

@@ -40,8 +40,9 @@ def _libc():
     return libc if hasattr(libc, "mallopt") else None
 
 
-def keep_freed_host_memory(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD,
-                           trim_threshold: int = 2**31 - 1) -> bool:
+def keep_freed_host_memory(
+    mmap_threshold: int = DEFAULT_MMAP_THRESHOLD, trim_threshold: int = 2**31 - 1
+) -> bool:
     """Tells glibc's malloc to keep freed blocks of up to ``mmap_threshold`` bytes for reuse.
 
     Args:
@@ -74,8 +75,11 @@ class GracefulStop:
         stop.signal_name  # "SIGINT" / "SIGTERM", or None
     """
 
-    def __init__(self, message: str = "stopping after this iteration (a checkpoint is saved); "
-                                      "Ctrl-C again to stop at once"):
+    def __init__(
+        self,
+        message: str = "stopping after this iteration (a checkpoint is saved); "
+        "Ctrl-C again to stop at once",
+    ):
         self.message = message
         self.signal_number: int | None = None
         self._previous: dict = {}

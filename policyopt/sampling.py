@@ -287,8 +287,11 @@ class SamplingConfig:
         """(field, id) of every token id the config names."""
         ids = [("eos_id", self.eos_id), ("pad_id", self.pad_id)]
         ids += [(f"stop_ids[{i}]", t) for i, t in enumerate(self.stop_ids)]
-        ids += [(f"stop_sequences[{i}][{j}]", t)
-                for i, seq in enumerate(self.stop_sequences) for j, t in enumerate(seq)]
+        ids += [
+            (f"stop_sequences[{i}][{j}]", t)
+            for i, seq in enumerate(self.stop_sequences)
+            for j, t in enumerate(seq)
+        ]
         return tuple((name, int(t)) for name, t in ids if t is not None)
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -367,8 +370,11 @@ class Rollout:
         tokens = xp.concatenate([self.prompt_tokens, self.tokens], axis=1)
         positions = xp.concatenate([prompt_positions, response_positions], axis=1)
         attention_mask = xp.concatenate([prompt_real, self.mask > 0], axis=1)
-        return (tokens.astype(xp.int32), positions.astype(xp.int32),
-                attention_mask.astype(xp.int32))
+        return (
+            tokens.astype(xp.int32),
+            positions.astype(xp.int32),
+            attention_mask.astype(xp.int32),
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -410,9 +416,9 @@ def next_logits(model, hidden: jax.Array) -> jax.Array:
     projection and `policyopt.logprobs.token_log_probs` do (weights in the hidden dtype,
     float32 accumulation), so behaviour and training log-probs agree."""
     embedding = model.output_embedding().astype(hidden.dtype)
-    return jnp.einsum(
-        "rd,dv->rv", hidden, embedding, preferred_element_type=jnp.float32
-    ).astype(jnp.float32)
+    return jnp.einsum("rd,dv->rv", hidden, embedding, preferred_element_type=jnp.float32).astype(
+        jnp.float32
+    )
 
 
 @struct.dataclass
@@ -430,10 +436,19 @@ class DecodeStep:
     routing: jax.Array | None  # int32 [L_moe, R, k]; experts that routed the fed token
 
 
-def decode_step(model, config: SamplingConfig, logits: jax.Array, cache, *, count: jax.Array,
-                live: jax.Array, positions: jax.Array, rng: jax.Array | None = None,
-                row_rngs: jax.Array | None = None, recent: jax.Array | None = None
-                ) -> DecodeStep:
+def decode_step(
+    model,
+    config: SamplingConfig,
+    logits: jax.Array,
+    cache,
+    *,
+    count: jax.Array,
+    live: jax.Array,
+    positions: jax.Array,
+    rng: jax.Array | None = None,
+    row_rngs: jax.Array | None = None,
+    recent: jax.Array | None = None,
+) -> DecodeStep:
     """One decode step of R rows: draw a token from each live row's logits, then feed it.
 
     The step every sampler shares (`generate`, `policyopt.engine`, the asynchronous
@@ -475,7 +490,8 @@ def decode_step(model, config: SamplingConfig, logits: jax.Array, cache, *, coun
         tokens, log_probs = config.method.sample(sample_logits, rng)
     else:
         tokens, log_probs = jax.vmap(lambda row, key: config.method.sample(row[None], key))(
-            sample_logits, row_rngs)
+            sample_logits, row_rngs
+        )
         tokens, log_probs = tokens[:, 0], log_probs[:, 0]
     raw_log_probs = _take(jax.nn.log_softmax(config.method.scale(logits), axis=-1), tokens)
     tokens = jnp.where(live, tokens, fill)
@@ -490,14 +506,26 @@ def decode_step(model, config: SamplingConfig, logits: jax.Array, cache, *, coun
         recent = jnp.where(live[:, None], shifted, recent)
         for stop in config.stop_sequences:
             stop_arr = jnp.asarray(stop, jnp.int32)
-            ended |= jnp.all(recent[:, window - len(stop):] == stop_arr, axis=-1)
-    out = model(tokens[:, None], positions=positions[:, None], attention_mask=live[:, None],
-                cache=cache, return_logits=False)
+            ended |= jnp.all(recent[:, window - len(stop) :] == stop_arr, axis=-1)
+    out = model(
+        tokens[:, None],
+        positions=positions[:, None],
+        attention_mask=live[:, None],
+        cache=cache,
+        return_logits=False,
+    )
     routing = None if out.routing is None else out.routing[:, :, 0].astype(jnp.int32)
     logits = jnp.where(live[:, None], next_logits(model, out.hidden[:, 0]), logits)
-    return DecodeStep(tokens=tokens, log_probs=log_probs, raw_log_probs=raw_log_probs,
-                      ended=live & ended, recent=recent, logits=logits, cache=out.cache,
-                      routing=routing)
+    return DecodeStep(
+        tokens=tokens,
+        log_probs=log_probs,
+        raw_log_probs=raw_log_probs,
+        ended=live & ended,
+        recent=recent,
+        logits=logits,
+        cache=out.cache,
+        routing=routing,
+    )
 
 
 def _right_align(x: jax.Array, lengths: jax.Array, axis: int) -> jax.Array:
@@ -530,8 +558,12 @@ def _generate(graphdef, state, prompts, prompt_lengths, rng, *, config: Sampling
     # cache grows segment by segment (config.decode_segments): slots [0, P + end of the
     # segment), so each step's attention reads only slots that can hold keys by then.
     segment_ends = config.segment_ends
-    cache = model.init_cache(batch, prompt_len + segment_ends[0], dtype=config.cache_dtype,
-                             per_layer=not model.config.scan_layers)
+    cache = model.init_cache(
+        batch,
+        prompt_len + segment_ends[0],
+        dtype=config.cache_dtype,
+        per_layer=not model.config.scan_layers,
+    )
     out = model(
         prompts,
         positions=jnp.broadcast_to(index, prompts.shape),
@@ -573,9 +605,17 @@ def _generate(graphdef, state, prompts, prompt_lengths, rng, *, config: Sampling
 
     def body(s: _DecodeState) -> _DecodeState:
         live = ~s.done
-        step = decode_step(model, config, s.logits, s.cache, count=jnp.full((rows,), s.step),
-                           live=live, positions=lengths_rep + s.step,
-                           rng=jax.random.fold_in(rng, s.step), recent=s.recent)
+        step = decode_step(
+            model,
+            config,
+            s.logits,
+            s.cache,
+            count=jnp.full((rows,), s.step),
+            live=live,
+            positions=lengths_rep + s.step,
+            rng=jax.random.fold_in(rng, s.step),
+            recent=s.recent,
+        )
         write = lambda buf, col: jax.lax.dynamic_update_index_in_dim(buf, col, s.step, axis=1)
         routing = s.routing
         if routing is not None:  # [L, R, N, k] <- [L, R, k] at column step
@@ -598,7 +638,8 @@ def _generate(graphdef, state, prompts, prompt_lengths, rng, *, config: Sampling
         # Steps [previous end, end): no row writes past slot P + end - 1 in this segment.
         final = final.replace(cache=final.cache.resize(prompt_len + end))
         final = jax.lax.while_loop(
-            lambda s, end=end: (s.step < end) & ~jnp.all(s.done), body, final)
+            lambda s, end=end: (s.step < end) & ~jnp.all(s.done), body, final
+        )
 
     prompt_tokens = _right_align(jnp.where(prompt_mask, prompts, fill), prompt_lengths, axis=1)
     routing = None
@@ -711,4 +752,6 @@ def generate(
         decode_segments=decode_segments,
     )
     graphdef, state = nnx.split(model)
-    return generate_fn(graphdef, state, jnp.asarray(prompts), jnp.asarray(prompt_lengths), rng, config=config)
+    return generate_fn(
+        graphdef, state, jnp.asarray(prompts), jnp.asarray(prompt_lengths), rng, config=config
+    )

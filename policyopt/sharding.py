@@ -112,13 +112,15 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # The expert dimension E of the expert weights [E, D, F]: E / expert experts per device,
     # the destination of their tokens (their D dimension is still split over fsdp).
     ("expert", "expert"),
-    ("layers", None),        # stacked decoder layers (scan_layers): every device holds all
+    ("layers", None),  # stacked decoder layers (scan_layers): every device holds all
 )
 
 
-def logical_to_mesh_axes(logical_axes: Sequence[str | None],
-                         rules=LOGICAL_AXIS_RULES,
-                         mesh_axis_names: Sequence[str] | None = None) -> PartitionSpec:
+def logical_to_mesh_axes(
+    logical_axes: Sequence[str | None],
+    rules=LOGICAL_AXIS_RULES,
+    mesh_axis_names: Sequence[str] | None = None,
+) -> PartitionSpec:
     """Map logical axis names to a PartitionSpec through ``rules``.
 
     Mesh axes that are not in ``mesh_axis_names`` (when given) or already used by an
@@ -133,8 +135,11 @@ def logical_to_mesh_axes(logical_axes: Sequence[str | None],
             out.append(None)
             continue
         targets = (target,) if isinstance(target, str) else tuple(target)
-        keep = tuple(t for t in targets
-                     if t not in used and (mesh_axis_names is None or t in mesh_axis_names))
+        keep = tuple(
+            t
+            for t in targets
+            if t not in used and (mesh_axis_names is None or t in mesh_axis_names)
+        )
         used.update(keep)
         out.append(None if not keep else keep[0] if len(keep) == 1 else keep)
     return PartitionSpec(*out)
@@ -185,10 +190,15 @@ def initialize_distributed() -> None:
     kwargs = {}
     if env.get("JAX_COORDINATOR_ADDRESS") and "JAX_PROCESS_ID" in env:
         if "JAX_NUM_PROCESSES" not in env:
-            raise ValueError("JAX_COORDINATOR_ADDRESS and JAX_PROCESS_ID are set but "
-                             "JAX_NUM_PROCESSES is not: set it to the number of processes")
-        kwargs = dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"], num_processes=num,
-                      process_id=int(env["JAX_PROCESS_ID"]))
+            raise ValueError(
+                "JAX_COORDINATOR_ADDRESS and JAX_PROCESS_ID are set but "
+                "JAX_NUM_PROCESSES is not: set it to the number of processes"
+            )
+        kwargs = dict(
+            coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+            num_processes=num,
+            process_id=int(env["JAX_PROCESS_ID"]),
+        )
     jax.distributed.initialize(**kwargs)
 
 
@@ -203,7 +213,9 @@ def put(tree, shardings):
     """
     if jax.process_count() > 1:
         tree = jax.tree.map(
-            lambda x: np.asarray(x) if isinstance(x, jax.Array) and len(x.devices()) == 1 else x, tree)
+            lambda x: np.asarray(x) if isinstance(x, jax.Array) and len(x.devices()) == 1 else x,
+            tree,
+        )
     return jax.device_put(tree, shardings)
 
 
@@ -220,7 +232,11 @@ def broadcast_json(value):
     processes; returns ``value`` itself with one."""
     if jax.process_count() == 1:
         return value
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8) if is_primary() else np.zeros(0, np.uint8)
+    data = (
+        np.frombuffer(json.dumps(value).encode(), np.uint8)
+        if is_primary()
+        else np.zeros(0, np.uint8)
+    )
     size = int(multihost_utils.broadcast_one_to_all(np.asarray(data.size, np.int64)))
     buffer = np.zeros(size, np.uint8)
     if is_primary():
@@ -237,6 +253,7 @@ def to_host(tree):
     call it, in the same order, as the same program does. Leaves that are not JAX arrays
     (NumPy arrays, Python numbers) pass through ``np.asarray``; ``None`` stays ``None``.
     """
+
     def fetch(x):
         if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -270,12 +287,15 @@ def make_mesh(shape: Mapping[str, int] | None = None, devices=None) -> Mesh:
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if len(devices) % known:
-            raise ValueError(f"mesh shape {shape}: {len(devices)} devices are not divisible by {known}")
+            raise ValueError(
+                f"mesh shape {shape}: {len(devices)} devices are not divisible by {known}"
+            )
         sizes[sizes.index(-1)] = len(devices) // known
     if int(np.prod(sizes)) != len(devices):
         raise ValueError(
             f"mesh shape {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, "
-            f"but {len(devices)} are available")
+            f"but {len(devices)} are available"
+        )
     # Auto axes: XLA's partitioner propagates shardings from the parameters, the batch and
     # the model's logical constraints (explicit "sharding in types" would need an output
     # sharding on every gather).
@@ -363,8 +383,9 @@ def current_mesh() -> Mesh | None:
     return None if mesh.empty or mesh.size == 1 else mesh
 
 
-def place_host_array(value, logical_axes, mesh: Mesh | None = None,
-                     rules=LOGICAL_AXIS_RULES) -> jax.Array:
+def place_host_array(
+    value, logical_axes, mesh: Mesh | None = None, rules=LOGICAL_AXIS_RULES
+) -> jax.Array:
     """A host (NumPy) array as a device array, laid out as ``shard_params`` lays out a
     parameter with these logical axes.
 
@@ -391,14 +412,22 @@ def optimizer_specs(optimizer, opt_state, specs):
     from flax import nnx
 
     return optax.tree_utils.tree_map_params(
-        optimizer, lambda _, spec: spec, opt_state, specs,
-        transform_non_params=lambda _: PartitionSpec(), is_leaf=lambda x: isinstance(x, nnx.Variable))
+        optimizer,
+        lambda _, spec: spec,
+        opt_state,
+        specs,
+        transform_non_params=lambda _: PartitionSpec(),
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
 
 
 def named_shardings(specs, mesh: Mesh):
     """A tree of ``PartitionSpec`` as ``NamedSharding`` on ``mesh``."""
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
 
 
 def constrain_tree(tree, specs_fn):

@@ -16,6 +16,7 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402  (after the environment it reads)
 
-jax.config.update("jax_disable_most_optimizations",
-                  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower()
-                  not in ("0", "false", "no", "off"))
+jax.config.update(
+    "jax_disable_most_optimizations",
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() not in ("0", "false", "no", "off"),
+)

@@ -29,8 +29,12 @@ def _named_fields(variant):
 
 # The scales an ablation is built at: (common variant, setting). "paper" alone is refused
 # where the reference recipe's paper records no generation budget; "paper_budget" names one.
-SCALES = {"default": ("", None), "demo": ("", demo_setting), "paper": ("scale=paper", None),
-          "paper_budget": ("scale=paper,sampling.max_new_tokens=20480", None)}
+SCALES = {
+    "default": ("", None),
+    "demo": ("", demo_setting),
+    "paper": ("scale=paper", None),
+    "paper_budget": ("scale=paper,sampling.max_new_tokens=20480", None),
+}
 # The reference recipes whose papers record no generation budget (docs/algorithms.md).
 NO_PAPER_BUDGET = ("gspo", "gspo_token", "sapo", "ppo", "vc_ppo")
 
@@ -54,15 +58,22 @@ def test_arms_differ_only_in_the_methods_they_compare(name, scale):
             ablate.arm_config(ablation, ablation.arms[0].label, 0, variant, setting)
         return
     first = ablation.arms[0]
-    configs = {arm.label: ablate.arm_config(ablation, arm.label, 0, variant, setting)
-               for arm in ablation.arms}
+    configs = {
+        arm.label: ablate.arm_config(ablation, arm.label, 0, variant, setting)
+        for arm in ablation.arms
+    }
     for arm in ablation.arms:
-        assert not {f for f in _named_fields(arm.variant) if f.split(".")[0] in SHARED_SECTIONS}, arm
+        assert not {f for f in _named_fields(arm.variant) if f.split(".")[0] in SHARED_SECTIONS}, (
+            arm
+        )
         diff = ablate.config_diff(configs[first.label], configs[arm.label])
         named = _named_fields(arm.variant) | _named_fields(first.variant)
         compares = ablation.compares if arm.recipe != first.recipe else ()
         if "critic.pretrain_iterations" in diff:  # pretraining comes on top of the policy's
-            (pre_a, pre_b), (it_a, it_b) = diff["critic.pretrain_iterations"], diff["train.num_iterations"]
+            (pre_a, pre_b), (it_a, it_b) = (
+                diff["critic.pretrain_iterations"],
+                diff["train.num_iterations"],
+            )
             assert it_b - it_a == pre_b - pre_a, (arm, diff)
             del diff["train.num_iterations"]
         stray = {k: v for k, v in diff.items() if k not in named and not _compared(k, compares)}
@@ -93,15 +104,24 @@ def test_paper_scale_arms_take_the_reference_paper_geometry():
         for arm in ablation.arms:
             config = ablate.arm_config(ablation, arm.label, 0, variant)
             b = config.batch
-            assert (b.group_size, b.n_prompts, b.n_minibatches, config.sampling.max_new_tokens) == geometry, (
-                name, arm.label)
-            assert (config.model.preset, config.optim.lr) == ("qwen3_30b_a3b", 1e-6), (name, arm.label)
+            assert (
+                b.group_size,
+                b.n_prompts,
+                b.n_minibatches,
+                config.sampling.max_new_tokens,
+            ) == geometry, (name, arm.label)
+            assert (config.model.preset, config.optim.lr) == ("qwen3_30b_a3b", 1e-6), (
+                name,
+                arm.label,
+            )
     dr = ablate.arm_config(get_ablation("dr_grpo"), "dr_grpo", 0, "scale=paper")
     assert (dr.algo.max_len, LossConfig.from_config(dr).max_len) == (None, 3000)
     # A budget in the common variant beats the reference's paper, for every arm, and moves
     # Dr. GRPO's constant with it; in the objectives ablation too (DAPO's geometry).
     for label in ("grpo", "dr_grpo"):
-        config = ablate.arm_config(get_ablation("dr_grpo"), label, 0, "scale=paper,sampling.max_new_tokens=2048")
+        config = ablate.arm_config(
+            get_ablation("dr_grpo"), label, 0, "scale=paper,sampling.max_new_tokens=2048"
+        )
         assert (config.sampling.max_new_tokens, config.batch.n_prompts) == (2048, 128)
     assert LossConfig.from_config(config).max_len == 2048
     dr = ablate.arm_config(get_ablation("objectives"), "dr_grpo", 0, "scale=paper")
@@ -111,12 +131,16 @@ def test_paper_scale_arms_take_the_reference_paper_geometry():
     assert max(magistral.batch.response_buckets) == 20480 and magistral.reward.language_bonus
     # The reference's paper refuses the variant: the error names the ablation and the recipe.
     with pytest.raises(ValueError, match="ablation 'objectives'.*configs/dapo.py.*reward.max_len"):
-        ablate.arm_config(get_ablation("objectives"), "sapo", 0, "scale=paper,sampling.max_new_tokens=4096")
+        ablate.arm_config(
+            get_ablation("objectives"), "sapo", 0, "scale=paper,sampling.max_new_tokens=4096"
+        )
 
 
 def test_compares_may_not_name_shared_fields():
     with pytest.raises(ValueError, match="'bad'.*batch.group_size"):
-        Ablation("bad", "claim", (Arm("a", "grpo"), Arm("b", "gspo")), compares=("batch.group_size",))
+        Ablation(
+            "bad", "claim", (Arm("a", "grpo"), Arm("b", "gspo")), compares=("batch.group_size",)
+        )
 
 
 @pytest.mark.parametrize("scale", sorted(SCALES))
@@ -130,7 +154,10 @@ def test_routing_replay_grpo_arms_are_the_gspo_papers_baseline(scale):
         algo = ablate.arm_config(ablation, label, 0, variant, setting).algo
         assert (algo.method, algo.clip_low, algo.clip_high, algo.kl_beta) == ("ppo", 0.2, 0.27, 0.0)
     gspo = get_ablation("gspo")
-    assert ablate.arm_config(gspo, "grpo", 0).algo.to_dict() == ablate.arm_config(ablation, "grpo", 0).algo.to_dict()
+    assert (
+        ablate.arm_config(gspo, "grpo", 0).algo.to_dict()
+        == ablate.arm_config(ablation, "grpo", 0).algo.to_dict()
+    )
 
 
 @pytest.mark.parametrize("name", sorted(ABLATIONS))
@@ -158,12 +185,15 @@ def test_the_demo_setting_sits_under_the_variants():
     """--setting demo: the demo's task, geometry and SFT start; the recipe's algorithm; the
     arm's and the common variants still win; scale=paper is refused with it."""
     ablation = get_ablation("vapo")
-    config = ablate.arm_config(ablation, "no_nll", 2, "train.num_iterations=30,batch.n_prompts=4",
-                               demo_setting)
+    config = ablate.arm_config(
+        ablation, "no_nll", 2, "train.num_iterations=30,batch.n_prompts=4", demo_setting
+    )
     demo = demo_recipe.get_config()
     assert config.init_checkpoint == "runs/demo/sft/checkpoints" and config.seed == 2
     assert (config.sampling.max_new_tokens, config.batch.response_buckets) == (
-        demo.sampling.max_new_tokens, demo.batch.response_buckets)
+        demo.sampling.max_new_tokens,
+        demo.batch.response_buckets,
+    )
     assert config.task.wrong_procedure_fraction == demo.task.wrong_procedure_fraction
     assert (config.algo.advantage, config.algo.gae_length_adaptive) == ("gae", True)
     # The critic keeps VAPO's 2:1 ratio to the actor's learning rate (the demo's 1e-3).
@@ -188,22 +218,41 @@ def test_a_run_directory_of_another_config_is_refused(tmp_path):
     run_dir = tmp_path / "equal" / "seed0"
     run_dir.mkdir(parents=True)
     (run_dir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True))
-    (run_dir / ablate.DONE_FILE).write_text(json.dumps({"iterations": config.train.num_iterations,
-                                                        "wall_s": 1.0}))
+    (run_dir / ablate.DONE_FILE).write_text(
+        json.dumps({"iterations": config.train.num_iterations, "wall_s": 1.0})
+    )
     assert ablate._finished(str(run_dir), config)["wall_s"] == 1.0
-    assert ablate._finished(str(run_dir), ablate.arm_config(
-        ablation, "equal", 0, f"train.num_iterations={config.train.num_iterations + 10}")) is None
+    assert (
+        ablate._finished(
+            str(run_dir),
+            ablate.arm_config(
+                ablation, "equal", 0, f"train.num_iterations={config.train.num_iterations + 10}"
+            ),
+        )
+        is None
+    )
     # The loop's cadence and metrics (train.*) do not change what is trained.
-    assert ablate._finished(str(run_dir), ablate.arm_config(
-        ablation, "equal", 0, "train.routing_metrics=False,train.eval_every=3"))["wall_s"] == 1.0
+    assert (
+        ablate._finished(
+            str(run_dir),
+            ablate.arm_config(
+                ablation, "equal", 0, "train.routing_metrics=False,train.eval_every=3"
+            ),
+        )["wall_s"]
+        == 1.0
+    )
     with pytest.raises(ValueError, match="optim.lr"):
         ablate._finished(str(run_dir), ablate.arm_config(ablation, "equal", 0, "optim.lr=0.5"))
     with pytest.raises(ValueError, match="init_checkpoint"):
         ablate._finished(str(run_dir), ablate.arm_config(ablation, "equal", 0, "", demo_setting))
     # A run trained longer than the sweep asks would be summarised as the shorter one.
     with pytest.raises(ValueError, match="more than"):
-        ablate._finished(str(run_dir), ablate.arm_config(
-            ablation, "equal", 0, f"train.num_iterations={config.train.num_iterations - 1}"))
+        ablate._finished(
+            str(run_dir),
+            ablate.arm_config(
+                ablation, "equal", 0, f"train.num_iterations={config.train.num_iterations - 1}"
+            ),
+        )
 
 
 def test_unknown_ablation_names_the_known_ones():
@@ -225,25 +274,38 @@ def _shrink(config):
 
 
 def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypatch):
-    ablation = Ablation("tiny_tau", "SAPO temperatures, shrunk", (
-        Arm("neg_gt_pos", "sapo", "algo.tau_pos=1.0,algo.tau_neg=1.05"),
-        Arm("neg_lt_pos", "sapo", "algo.tau_pos=1.05,algo.tau_neg=1.0")))
+    ablation = Ablation(
+        "tiny_tau",
+        "SAPO temperatures, shrunk",
+        (
+            Arm("neg_gt_pos", "sapo", "algo.tau_pos=1.0,algo.tau_neg=1.05"),
+            Arm("neg_lt_pos", "sapo", "algo.tau_pos=1.05,algo.tau_neg=1.0"),
+        ),
+    )
     workdir = str(tmp_path / "sweep")
     summary = ablate.run_ablation(ablation, workdir, seeds=(0,), configure=_shrink, tail=2)
     assert [a["arm"] for a in summary["arms"]] == ["neg_gt_pos", "neg_lt_pos"]
     first, second = summary["arms"]
     assert first["differs_from_first_arm"] == {}
-    assert second["differs_from_first_arm"] == {"algo.tau_neg": [1.05, 1.0], "algo.tau_pos": [1.0, 1.05]}
+    assert second["differs_from_first_arm"] == {
+        "algo.tau_neg": [1.05, 1.0],
+        "algo.tau_pos": [1.0, 1.05],
+    }
     for entry in summary["arms"]:
         run = entry["seeds"][0]
         run_dir = os.path.join(workdir, entry["arm"], "seed0")
         assert run["run_dir"] == run_dir and run["iterations"] == 2
         with open(os.path.join(run_dir, "config.json")) as f:
             logged = json.load(f)["algo"]
-        assert [logged["tau_pos"], logged["tau_neg"]] == [1.0, 1.05] if entry is first else [1.05, 1.0]
+        assert (
+            [logged["tau_pos"], logged["tau_neg"]] == [1.0, 1.05] if entry is first else [1.05, 1.0]
+        )
         evals = read_jsonl(os.path.join(run_dir, "eval.jsonl"))
         rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-        assert run["pass@1_start"] == evals[0]["eval/pass@1"] and run["pass@1_end"] == evals[-1]["eval/pass@1"]
+        assert (
+            run["pass@1_start"] == evals[0]["eval/pass@1"]
+            and run["pass@1_end"] == evals[-1]["eval/pass@1"]
+        )
         assert run["eval_steps"] == [0, 2]
         train_rows = [r for r in rows if "reward/mean" in r]
         assert [r["step"] for r in train_rows] == [1, 2]
@@ -259,8 +321,12 @@ def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypa
         raise AssertionError("a finished run was trained again")
 
     monkeypatch.setattr(ablate, "run_rl", fail)
-    again = ablate.run_ablation(ablation, workdir, seeds=(0,), configure=_shrink, tail=2, plot=False)
-    assert [a["seeds"][0]["pass@1_end"] for a in again["arms"]] == [a["seeds"][0]["pass@1_end"] for a in summary["arms"]]
+    again = ablate.run_ablation(
+        ablation, workdir, seeds=(0,), configure=_shrink, tail=2, plot=False
+    )
+    assert [a["seeds"][0]["pass@1_end"] for a in again["arms"]] == [
+        a["seeds"][0]["pass@1_end"] for a in summary["arms"]
+    ]
     with pytest.raises(ValueError, match="none of arms"):
         ablate.run_ablation(ablation, workdir, arms=["typo"], configure=_shrink)
 

@@ -25,6 +25,7 @@ def ref_outcome_advantages(rewards, group_size, center, scale, eps=1e-6, valid=N
     ``valid``: samples left out of every statistic, with advantage 0 (None: all valid).
     No signal, exact zeros: a group of all-equal (or fewer than two) valid rewards with
     center "group" or scale "group"; with scale "batch", all-equal kept values."""
+
     def mean(xs):
         return sum(xs) / len(xs)
 
@@ -35,12 +36,18 @@ def ref_outcome_advantages(rewards, group_size, center, scale, eps=1e-6, valid=N
     valid = [True] * len(rewards) if valid is None else [bool(v) for v in valid]
     out = []
     for start in range(0, len(rewards), group_size):
-        group = [float(r) for r, v in zip(rewards[start:start + group_size], valid[start:start + group_size]) if v]
-        for r, v in zip(rewards[start:start + group_size], valid[start:start + group_size]):
+        group = [
+            float(r)
+            for r, v in zip(rewards[start : start + group_size], valid[start : start + group_size])
+            if v
+        ]
+        for r, v in zip(rewards[start : start + group_size], valid[start : start + group_size]):
             if not v:
                 out.append(0.0)
                 continue
-            if (center == "group" or scale == "group") and (len(group) < 2 or max(group) == min(group)):
+            if (center == "group" or scale == "group") and (
+                len(group) < 2 or max(group) == min(group)
+            ):
                 out.append(0.0)
                 continue
             a = float(r) - mean(group) if center == "group" else float(r)
@@ -51,7 +58,13 @@ def ref_outcome_advantages(rewards, group_size, center, scale, eps=1e-6, valid=N
         keep = []
         for k in range(len(rewards)):
             start = k // group_size * group_size
-            group = [float(r) for r, v in zip(rewards[start:start + group_size], valid[start:start + group_size]) if v]
+            group = [
+                float(r)
+                for r, v in zip(
+                    rewards[start : start + group_size], valid[start : start + group_size]
+                )
+                if v
+            ]
             keep.append(valid[k] and (center == "none" or max(group) > min(group)))
         if len({a for a, k in zip(out, keep) if k}) < 2:  # all kept values equal
             keep = [False] * len(keep)
@@ -62,10 +75,14 @@ def ref_outcome_advantages(rewards, group_size, center, scale, eps=1e-6, valid=N
 
 
 OUTCOME_OPTIONS = [(c, s) for c in ("group", "none") for s in ("group", "batch", "none")]
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def every_outcome(rewards, group_size=4):
-    return {(c, s): adv.outcome_advantages(rewards, group_size, center=c, scale=s)
-            for c, s in OUTCOME_OPTIONS}
+    return {
+        (c, s): adv.outcome_advantages(rewards, group_size, center=c, scale=s)
+        for c, s in OUTCOME_OPTIONS
+    }
 
 
 def test_outcome_advantages_match_loops():
@@ -82,15 +99,18 @@ def test_outcome_advantages_match_loops():
     # Another shape: 3 groups of 2.
     rewards = rng.normal(size=6).astype(np.float32)
     for (center, scale), got in every_outcome(rewards, 2).items():
-        np.testing.assert_allclose(got, ref_outcome_advantages(rewards, 2, center, scale),
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            got, ref_outcome_advantages(rewards, 2, center, scale), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_outcome_advantages_hand_worked():
     rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0], np.float32)
     results = every_outcome(rewards)
     # Group [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(1/3) -> +-0.5 * sqrt(3) = +-0.8660.
-    np.testing.assert_allclose(results["group", "group"][:4], [0.8660254, -0.8660254, -0.8660254, 0.8660254], rtol=1e-5)
+    np.testing.assert_allclose(
+        results["group", "group"][:4], [0.8660254, -0.8660254, -0.8660254, 0.8660254], rtol=1e-5
+    )
     # Group [0, 0, 0, 1]: mean 0.25, std 0.5 -> -0.5 and 1.5.
     np.testing.assert_allclose(results["group", "group"][8:12], [-0.5, -0.5, -0.5, 1.5], rtol=1e-5)
     # Dr. GRPO: no scaling.
@@ -128,7 +148,9 @@ def test_outcome_advantages_leave_invalid_samples_out():
     valid[13:16] = False  # a group with a single valid sample
     valid[16:20] = False  # a group with none
     for center, scale in OUTCOME_OPTIONS:
-        got = np.asarray(adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid))
+        got = np.asarray(
+            adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid)
+        )
         expected = ref_outcome_advantages(rewards, 4, center, scale, valid=valid)
         assert np.all(got[~valid] == 0), f"{center} {scale}"
         if center == "group" or scale == "group":  # the lone valid sample: no signal
@@ -137,20 +159,34 @@ def test_outcome_advantages_leave_invalid_samples_out():
         changed = np.where(valid, rewards, 100.0).astype(np.float32)
         np.testing.assert_array_equal(
             adv.outcome_advantages(changed, 4, center=center, scale=scale, valid=valid),
-            adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid))
+            adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid),
+        )
         # All valid: the same numbers as no mask at all (up to rounding: without a mask the
         # group size is a constant; the trainer passes None when nothing was missed).
         np.testing.assert_allclose(
             adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=np.ones(20, bool)),
-            adv.outcome_advantages(rewards, 4, center=center, scale=scale), rtol=1e-6, atol=1e-6)
+            adv.outcome_advantages(rewards, 4, center=center, scale=scale),
+            rtol=1e-6,
+            atol=1e-6,
+        )
     # Hand-worked: [1, 0, (missed), 0] -> mean 1/3, std sqrt(1/3) over the three.
-    got = adv.outcome_advantages(np.array([1, 0, 0, 0], np.float32), 4, valid=np.array([1, 1, 0, 1], bool))
-    np.testing.assert_allclose(got, [(2 / 3) / math.sqrt(1 / 3), -(1 / 3) / math.sqrt(1 / 3), 0,
-                                     -(1 / 3) / math.sqrt(1 / 3)], rtol=1e-5)
+    got = adv.outcome_advantages(
+        np.array([1, 0, 0, 0], np.float32), 4, valid=np.array([1, 1, 0, 1], bool)
+    )
+    np.testing.assert_allclose(
+        got,
+        [(2 / 3) / math.sqrt(1 / 3), -(1 / 3) / math.sqrt(1 / 3), 0, -(1 / 3) / math.sqrt(1 / 3)],
+        rtol=1e-5,
+    )
     # Zero variance among the valid ones (a missed sample's reward differs): uninformative.
     np.testing.assert_array_equal(
-        adv.zero_variance_groups(np.array([1, 1, 0, 1, 0, 1, 5, 5], np.float32), 4,
-                                 valid=np.array([1, 1, 0, 1, 1, 0, 0, 0], bool)), [True, True])
+        adv.zero_variance_groups(
+            np.array([1, 1, 0, 1, 0, 1, 5, 5], np.float32),
+            4,
+            valid=np.array([1, 1, 0, 1, 1, 0, 0, 0], bool),
+        ),
+        [True, True],
+    )
     with pytest.raises(ValueError, match="valid"):
         adv.outcome_advantages(rewards, 4, valid=valid[:8])
 
@@ -180,8 +216,8 @@ def test_no_signal_gives_exact_zeros_for_every_center_and_scale():
         ("group", "batch"): [0, 0, 0, 0, root3 / 2, -root3 / 2, -root3 / 2, root3 / 2],
         ("group", "none"): [0, 0, 0, 0, 0.5, -0.5, -0.5, 0.5],
         ("none", "group"): [0, 0, 0, 0, root3, 0, 0, root3],
-        ("none", "batch"): [0.2 / batch_std] * 4 + [0.3 / batch_std, -0.7 / batch_std,
-                                                    -0.7 / batch_std, 0.3 / batch_std],
+        ("none", "batch"): [0.2 / batch_std] * 4
+        + [0.3 / batch_std, -0.7 / batch_std, -0.7 / batch_std, 0.3 / batch_std],
         ("none", "none"): [nine] * 4 + [1, 0, 0, 1],
     }
     for (center, scale), want in expected.items():
@@ -191,24 +227,31 @@ def test_no_signal_gives_exact_zeros_for_every_center_and_scale():
             assert np.all(got[:4] == 0), (center, scale)
     # [0.9] * 4 then [0.1] * 4: center "none", scale "batch" keeps the constant groups'
     # values (they differ from the batch's): mean 0.5, std sqrt(8 * 0.16 / 7) -> +-0.935414.
-    got = adv.outcome_advantages(np.array([nine] * 4 + [0.1] * 4, np.float32), 4, center="none",
-                                 scale="batch")
-    np.testing.assert_allclose(got, [0.4 / math.sqrt(1.28 / 7)] * 4 + [-0.4 / math.sqrt(1.28 / 7)] * 4,
-                               rtol=1e-5)
+    got = adv.outcome_advantages(
+        np.array([nine] * 4 + [0.1] * 4, np.float32), 4, center="none", scale="batch"
+    )
+    np.testing.assert_allclose(
+        got, [0.4 / math.sqrt(1.28 / 7)] * 4 + [-0.4 / math.sqrt(1.28 / 7)] * 4, rtol=1e-5
+    )
     # With the valid mask: the one reward that differs (5.0) is not valid, so every group
     # and the batch hold only 0.9s; a group with one valid sample has no signal either.
-    rewards = np.array([nine, nine, 5.0, nine, nine, nine, nine, nine, nine, 2.0, 3.0, 4.0], np.float32)
+    rewards = np.array(
+        [nine, nine, 5.0, nine, nine, nine, nine, nine, nine, 2.0, 3.0, 4.0], np.float32
+    )
     valid = np.array([1, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0], bool)
     for center, scale in OUTCOME_OPTIONS:
-        got = np.asarray(adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid))
+        got = np.asarray(
+            adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid)
+        )
         expected = np.where(valid, nine, 0) if (center, scale) == ("none", "none") else np.zeros(12)
         np.testing.assert_array_equal(got, expected.astype(np.float32), err_msg=f"{center} {scale}")
     # The same groups, one informative valid pair in the last: [0.9, 0.1] -> centred +-0.4,
     # std sqrt(0.32); the 0.9-only groups stay exact zeros.
     rewards[10], valid[10] = 0.1, True
     got = np.asarray(adv.outcome_advantages(rewards, 4, center="none", scale="group", valid=valid))
-    np.testing.assert_allclose(got, [0, 0, 0, 0, 0, 0, 0, 0, 0.9 / math.sqrt(0.32), 0,
-                                     0.1 / math.sqrt(0.32), 0], rtol=1e-5)
+    np.testing.assert_allclose(
+        got, [0, 0, 0, 0, 0, 0, 0, 0, 0.9 / math.sqrt(0.32), 0, 0.1 / math.sqrt(0.32), 0], rtol=1e-5
+    )
     assert np.all(got[:8] == 0)
 
 
@@ -221,7 +264,9 @@ def test_grpo_advantages_without_a_mask_keep_their_bits():
         grouped = jnp.asarray(rewards).reshape(-1, group_size)
         mean = jnp.mean(grouped, axis=1, keepdims=True)
         equal = jnp.max(grouped, axis=1, keepdims=True) == jnp.min(grouped, axis=1, keepdims=True)
-        std = jnp.sqrt(jnp.sum(jnp.square(grouped - mean), axis=1, keepdims=True) / (group_size - 1))
+        std = jnp.sqrt(
+            jnp.sum(jnp.square(grouped - mean), axis=1, keepdims=True) / (group_size - 1)
+        )
         expected = (jnp.where(equal, 0.0, grouped - mean) / (std + 1e-6)).reshape(-1)
         np.testing.assert_array_equal(adv.outcome_advantages(rewards, group_size), expected)
 
@@ -248,7 +293,7 @@ def make_mask(rng, shape):
     mask = np.ones(shape, np.float32)
     for i in range(batch):
         if i % 3 == 0:
-            mask[i, rng.integers(1, length + 1):] = 0
+            mask[i, rng.integers(1, length + 1) :] = 0
         elif i % 3 == 2:
             mask[i] = rng.random(length) < 0.6
     mask[0] = 0
@@ -269,7 +314,9 @@ def ref_gae(rewards, values, mask, gamma, lam):
             next_value = float(values[i, valid[k + 1]]) if k + 1 < len(valid) else 0.0
             deltas.append(float(rewards[i, t]) + gamma * next_value - float(values[i, t]))
         for k, t in enumerate(valid):
-            advantages[i, t] = sum((gamma * lam[i]) ** l * deltas[k + l] for l in range(len(valid) - k))
+            advantages[i, t] = sum(
+                (gamma * lam[i]) ** l * deltas[k + l] for l in range(len(valid) - k)
+            )
     returns = np.where(mask > 0, advantages + values, 0.0)
     return advantages, returns
 
@@ -279,11 +326,14 @@ def gae_variants(rewards, values, mask, lam_rows):
     out = {}
     for impl in adv.GAE_IMPLS:
         out["rows", impl] = adv.gae(rewards, values, mask, gamma=1.0, lam=lam_rows, impl=impl)
-        out["decoupled", impl] = adv.decoupled_gae(rewards, values, mask, gamma=0.95,
-                                                   lam_actor=0.9, lam_critic=1.0, impl=impl)
+        out["decoupled", impl] = adv.decoupled_gae(
+            rewards, values, mask, gamma=0.95, lam_actor=0.9, lam_critic=1.0, impl=impl
+        )
     # The other entry points with the default implementation (they share its code path).
     out["plain", "default"] = adv.gae(rewards, values, mask, gamma=0.9, lam=0.8)
-    out["adaptive", "default"] = adv.length_adaptive_gae(rewards, values, mask, gamma=1.0, alpha=0.5)
+    out["adaptive", "default"] = adv.length_adaptive_gae(
+        rewards, values, mask, gamma=1.0, alpha=0.5
+    )
     return out
 
 
@@ -310,19 +360,26 @@ def test_gae_matches_loops(shape):
     expected = {
         "plain": ref_gae(rewards, values, mask, 0.9, 0.8),
         "rows": ref_gae(rewards, values, mask, 1.0, lam_rows),
-        "decoupled": (ref_gae(rewards, values, mask, 0.95, 0.9)[0],
-                      ref_gae(rewards, values, mask, 0.95, 1.0)[1]),
-        "adaptive": (ref_gae(rewards, values, mask, 1.0, adaptive_lam)[0],
-                     ref_gae(rewards, values, mask, 1.0, 1.0)[1]),
+        "decoupled": (
+            ref_gae(rewards, values, mask, 0.95, 0.9)[0],
+            ref_gae(rewards, values, mask, 0.95, 1.0)[1],
+        ),
+        "adaptive": (
+            ref_gae(rewards, values, mask, 1.0, adaptive_lam)[0],
+            ref_gae(rewards, values, mask, 1.0, 1.0)[1],
+        ),
     }
-    assert set(results) == {(name, impl) for name in ("rows", "decoupled") for impl in adv.GAE_IMPLS} | {
-        ("plain", "default"), ("adaptive", "default")}
+    assert set(results) == {
+        (name, impl) for name in ("rows", "decoupled") for impl in adv.GAE_IMPLS
+    } | {("plain", "default"), ("adaptive", "default")}
     for (name, impl), (got_advantages, got_returns) in results.items():
         ref_advantages, ref_returns = expected[name]
-        np.testing.assert_allclose(got_advantages, ref_advantages, rtol=1e-5, atol=1e-5,
-                                   err_msg=f"{name} {impl}")
-        np.testing.assert_allclose(got_returns, ref_returns, rtol=1e-5, atol=1e-5,
-                                   err_msg=f"{name} {impl}")
+        np.testing.assert_allclose(
+            got_advantages, ref_advantages, rtol=1e-5, atol=1e-5, err_msg=f"{name} {impl}"
+        )
+        np.testing.assert_allclose(
+            got_returns, ref_returns, rtol=1e-5, atol=1e-5, err_msg=f"{name} {impl}"
+        )
 
 
 def test_gae_hand_worked():
@@ -353,8 +410,9 @@ def test_gae_padding_values_change_nothing():
     rewards, values, mask, lam_rows = make_gae_inputs(1)
     results = gae_variants_jit(rewards, values, mask, lam_rows)
     pad = mask == 0
-    garbage = gae_variants_jit(np.where(pad, np.nan, rewards), np.where(pad, np.inf, values),
-                               mask, lam_rows)
+    garbage = gae_variants_jit(
+        np.where(pad, np.nan, rewards), np.where(pad, np.inf, values), mask, lam_rows
+    )
     for key, (advantages, returns) in results.items():
         np.testing.assert_array_equal(garbage[key][0], advantages, err_msg=str(key))
         np.testing.assert_array_equal(garbage[key][1], returns, err_msg=str(key))
@@ -365,7 +423,9 @@ def test_length_adaptive_lambda():
     lengths = np.array([100, 40, 21, 20, 10, 1, 0])
     # alpha = 0.05: 1 - 1 / (0.05 l); l = 20 gives exactly 0, l < 20 would be negative.
     expected = [0.8, 0.5, 1 - 1 / 1.05, 0.0, 0.0, 0.0, 0.0]
-    np.testing.assert_allclose(adv.length_adaptive_lambda(lengths, 0.05), expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        adv.length_adaptive_lambda(lengths, 0.05), expected, rtol=1e-6, atol=1e-7
+    )
     clamped = adv.length_adaptive_lambda(lengths, 0.05, min_lam=0.5)
     np.testing.assert_allclose(clamped, [0.8, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], rtol=1e-6)
 
@@ -403,8 +463,13 @@ def test_masked_whiten_and_moments():
 
     @jax.jit
     def stats(x, mask):
-        return (adv.masked_mean(x, mask), adv.masked_var(x, mask), adv.masked_whiten(x, mask),
-                adv.masked_whiten(x, mask, shift_mean=False), adv.masked_mean(x, mask, axis=1))
+        return (
+            adv.masked_mean(x, mask),
+            adv.masked_var(x, mask),
+            adv.masked_whiten(x, mask),
+            adv.masked_whiten(x, mask, shift_mean=False),
+            adv.masked_mean(x, mask, axis=1),
+        )
 
     mean, var, whitened, scaled, row_means = stats(x, mask)
     values = [float(x[i, t]) for i, t in zip(*np.nonzero(mask))]
@@ -415,8 +480,9 @@ def test_masked_whiten_and_moments():
     for i, t in np.ndindex(*SHAPE):
         expected = (float(x[i, t]) - ref_mean) / math.sqrt(ref_var + 1e-8) if mask[i, t] else 0.0
         np.testing.assert_allclose(whitened[i, t], expected, rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(scaled[i, t], expected + ref_mean if mask[i, t] else 0.0,
-                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            scaled[i, t], expected + ref_mean if mask[i, t] else 0.0, rtol=1e-4, atol=1e-5
+        )
     for i in range(SHAPE[0]):
         row = [float(x[i, t]) for t in range(SHAPE[1]) if mask[i, t]]
         np.testing.assert_allclose(row_means[i], sum(row) / len(row) if row else 0.0, rtol=1e-5)
@@ -439,7 +505,7 @@ def contiguous_mask(rng, shape):
     lengths = rng.integers(1, length + 1, size=batch)
     starts = np.where(np.arange(batch) % 4 == 1, rng.integers(0, 3, size=batch), 0)
     positions = np.arange(length)[None]
-    mask = ((positions >= starts[:, None]) & (positions < starts[:, None] + lengths[:, None]))
+    mask = (positions >= starts[:, None]) & (positions < starts[:, None] + lengths[:, None])
     mask = mask.astype(np.float32)
     mask[0], mask[1], mask[2] = 0, 1, 0
     mask[2, 0] = 1  # length 1
@@ -476,16 +542,21 @@ def test_blocked_gae_matches_loops_on_masks_without_holes(shape, chunk):
     results = blocked_variants(rewards, values, mask, lam_rows, chunk)
     expected = {
         "scalar": ref_gae(rewards, values, mask, 0.9, 0.8),
-        "decoupled": (ref_gae(rewards, values, mask, 0.95, lam_rows)[0],
-                      ref_gae(rewards, values, mask, 0.95, 1.0)[1]),
+        "decoupled": (
+            ref_gae(rewards, values, mask, 0.95, lam_rows)[0],
+            ref_gae(rewards, values, mask, 0.95, 1.0)[1],
+        ),
     }
     for name, (advantages, returns) in results.items():
-        np.testing.assert_allclose(advantages, expected[name][0], rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(
+            advantages, expected[name][0], rtol=1e-5, atol=1e-5, err_msg=name
+        )
         np.testing.assert_allclose(returns, expected[name][1], rtol=1e-5, atol=1e-5, err_msg=name)
     # Padding values are never read (NaN and inf there change nothing).
     pad = mask == 0
-    garbage = blocked_variants(np.where(pad, np.nan, rewards), np.where(pad, np.inf, values), mask,
-                               lam_rows, chunk)
+    garbage = blocked_variants(
+        np.where(pad, np.nan, rewards), np.where(pad, np.inf, values), mask, lam_rows, chunk
+    )
     for name, outputs in results.items():
         for got, clean in zip(garbage[name], outputs):
             np.testing.assert_array_equal(got, clean, err_msg=name)
@@ -506,8 +577,9 @@ def test_blocked_gae_long_sequence_matches_recurrence():
     # rounding.
     shape = (4, 600)
     rewards, values, mask = contiguous_inputs(6, shape)
-    advantages, returns = jax.jit(functools.partial(
-        adv.decoupled_gae, gamma=1.0, lam_actor=0.95, lam_critic=1.0))(rewards, values, mask)
+    advantages, returns = jax.jit(
+        functools.partial(adv.decoupled_gae, gamma=1.0, lam_actor=0.95, lam_critic=1.0)
+    )(rewards, values, mask)
     valid = mask > 0
     next_values = np.where(valid[:, 1:], values[:, 1:], 0.0)
     delta = np.where(valid, rewards + np.pad(next_values, ((0, 0), (0, 1))) - values, 0.0)
@@ -518,7 +590,9 @@ def test_blocked_gae_long_sequence_matches_recurrence():
             carry = delta[:, t] + lam * carry
             out[:, t] = carry
     np.testing.assert_allclose(advantages, np.where(valid, expected[0.95], 0), rtol=1e-5, atol=2e-5)
-    np.testing.assert_allclose(returns, np.where(valid, expected[1.0] + values, 0), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        returns, np.where(valid, expected[1.0] + values, 0), rtol=1e-5, atol=1e-4
+    )
 
 
 def test_equal_python_lambdas_run_one_recurrence():
@@ -530,12 +604,28 @@ def test_equal_python_lambdas_run_one_recurrence():
         return str(jax.make_jaxpr(fn)(x, x, x)).count("dot_general")
 
     once = products(lambda r, v, m: adv.gae(r, v, m, gamma=1.0, lam=0.9))
-    assert products(lambda r, v, m: adv.decoupled_gae(
-        r, v, m, gamma=1.0, lam_actor=0.9, lam_critic=float("0.9"))) == once
-    assert products(lambda r, v, m: adv.decoupled_gae(
-        r, v, m, gamma=1.0, lam_actor=np.float32(0.9), lam_critic=np.float32(0.9))) == once
-    assert products(lambda r, v, m: adv.decoupled_gae(
-        r, v, m, gamma=1.0, lam_actor=0.9, lam_critic=1.0)) > once
+    assert (
+        products(
+            lambda r, v, m: adv.decoupled_gae(
+                r, v, m, gamma=1.0, lam_actor=0.9, lam_critic=float("0.9")
+            )
+        )
+        == once
+    )
+    assert (
+        products(
+            lambda r, v, m: adv.decoupled_gae(
+                r, v, m, gamma=1.0, lam_actor=np.float32(0.9), lam_critic=np.float32(0.9)
+            )
+        )
+        == once
+    )
+    assert (
+        products(
+            lambda r, v, m: adv.decoupled_gae(r, v, m, gamma=1.0, lam_actor=0.9, lam_critic=1.0)
+        )
+        > once
+    )
 
 
 def test_per_row_lambdas_across_the_discount_range_match_loops():
@@ -543,7 +633,9 @@ def test_per_row_lambdas_across_the_discount_range_match_loops():
     # on 200 tokens (two levels of the blocked recursion), against the definition.
     rewards, values, mask = contiguous_inputs(8, (7, 200))
     lam = np.asarray([0.0, 0.003, 0.02, 0.3, 0.9, 0.99, 1.0], np.float32)
-    advantages, returns = jax.jit(functools.partial(adv.gae, gamma=1.0))(rewards, values, mask, lam=lam)
+    advantages, returns = jax.jit(functools.partial(adv.gae, gamma=1.0))(
+        rewards, values, mask, lam=lam
+    )
     want_adv, want_ret = ref_gae(rewards, values, mask, 1.0, lam)
     np.testing.assert_allclose(advantages, want_adv, rtol=1e-5, atol=2e-5)
     np.testing.assert_allclose(returns, want_ret, rtol=1e-5, atol=2e-5)

@@ -21,11 +21,26 @@ from configs import magistral, magistral_async, vapo
 from policyopt.metrics import read_jsonl
 from policyopt.rewards import score_batch
 from policyopt.rl import build
-from policyopt.rl.async_generation import (AsyncGenerator, GeneratorExhausted, GroupCompletion,
-                                           SlotConfig, SlotGenerator, _group_rows_fn, _refill_fn,
-                                           _segment_fn, staleness_bound)
-from policyopt.rl.async_rl import (GroupBatcher, PromptStream, assemble, async_enabled, make_generator,
-                                   make_scorer, run_async_rl)
+from policyopt.rl.async_generation import (
+    AsyncGenerator,
+    GeneratorExhausted,
+    GroupCompletion,
+    SlotConfig,
+    SlotGenerator,
+    _group_rows_fn,
+    _refill_fn,
+    _segment_fn,
+    staleness_bound,
+)
+from policyopt.rl.async_rl import (
+    GroupBatcher,
+    PromptStream,
+    assemble,
+    async_enabled,
+    make_generator,
+    make_scorer,
+    run_async_rl,
+)
 from policyopt.rl.batch import merge_rounds, round_from_rollout
 from policyopt.rl.trainer import build_run
 from policyopt.rl.learner import forward_log_probs, split_params
@@ -39,12 +54,14 @@ def tiny(extra="", recipe=magistral_async):
     """magistral_async (or another recipe, asynchronous) shrunk to seconds: 1-layer MoE,
     2 prompts x 2 samples, 6 tokens, 8 completions in flight, weights picked up every 2
     decode steps."""
-    variant = (f"model=tiny_moe,model.num_layers=1,batch.n_prompts=2,batch.group_size={GROUP},"
-               f"sampling.max_new_tokens={NUM_NEW},task.num_train=64,task.num_test=8,"
-               "eval.num_prompts=0,train.num_iterations=3,train.eval_every=0,"
-               "train.checkpoint_every=1,train.tensorboard=False,train.routing_metrics=False,"
-               "dynamic_sampling.max_rounds=2,"
-               f"optim.lr=0.01,async_mode.n_async={N_ASYNC},async_mode.segment_steps={SEGMENT}")
+    variant = (
+        f"model=tiny_moe,model.num_layers=1,batch.n_prompts=2,batch.group_size={GROUP},"
+        f"sampling.max_new_tokens={NUM_NEW},task.num_train=64,task.num_test=8,"
+        "eval.num_prompts=0,train.num_iterations=3,train.eval_every=0,"
+        "train.checkpoint_every=1,train.tensorboard=False,train.routing_metrics=False,"
+        "dynamic_sampling.max_rounds=2,"
+        f"optim.lr=0.01,async_mode.n_async={N_ASYNC},async_mode.segment_steps={SEGMENT}"
+    )
     if recipe is not magistral_async:
         variant = "async_mode.enabled=True," + variant
     config = recipe.get_config(variant + ("," + extra if extra else ""))
@@ -68,18 +85,25 @@ def policy(extra=""):
 def slot_config(method=None, num_groups=N_ASYNC // GROUP, segment=SEGMENT):
     """The SlotConfig run_async_rl uses for tiny() (same jit cache entry), or a variant."""
     _, _, tokenizer = policy()
-    sampling = SamplingConfig(max_new_tokens=NUM_NEW, method=method or sampling_method(1.0, 0, 1.0),
-                              eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                              num_samples=GROUP)
-    return SlotConfig(sampling=sampling, num_groups=num_groups, prompt_width=PROMPT_WIDTH,
-                      segment_steps=segment)
+    sampling = SamplingConfig(
+        max_new_tokens=NUM_NEW,
+        method=method or sampling_method(1.0, 0, 1.0),
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        num_samples=GROUP,
+    )
+    return SlotConfig(
+        sampling=sampling, num_groups=num_groups, prompt_width=PROMPT_WIDTH, segment_steps=segment
+    )
 
 
 def perturbed(params, seed, scale=0.05):
     """Other parameters of the same structure (numpy noise: no compilation per shape)."""
     rs = np.random.RandomState(seed)
-    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + scale * rs.standard_normal(x.shape)
-                                              .astype(x.dtype)), params)
+    return jax.tree.map(
+        lambda x: jnp.asarray(np.asarray(x) + scale * rs.standard_normal(x.shape).astype(x.dtype)),
+        params,
+    )
 
 
 def random_prompts(count, seed=0, min_length=3):
@@ -98,8 +122,9 @@ def random_prompts(count, seed=0, min_length=3):
 def _feed(graphdef, params, token, position, cache):
     """One token through the model with a KV cache: its own logits (the model's
     projection, not the sampler's) as log-probs [V], the cache, the routing [L, k]."""
-    out = nnx.merge(graphdef, params)(jnp.reshape(token, (1, 1)), positions=jnp.reshape(position, (1, 1)),
-                                      cache=cache)
+    out = nnx.merge(graphdef, params)(
+        jnp.reshape(token, (1, 1)), positions=jnp.reshape(position, (1, 1)), cache=cache
+    )
     return jax.nn.log_softmax(out.logits[0, 0]), out.cache, out.routing[:, 0, 0]
 
 
@@ -109,7 +134,9 @@ def recompute(graphdef, params_by_version, prompt, tokens, versions):
     token n's logits from feeding token n-1 under versions[n].
 
     Returns (log_probs [n], routing [L, len(prompt) + n - 1, k] of every token fed)."""
-    cache = nnx.merge(graphdef, params_by_version[versions[0]]).init_cache(1, PROMPT_WIDTH + NUM_NEW)
+    cache = nnx.merge(graphdef, params_by_version[versions[0]]).init_cache(
+        1, PROMPT_WIDTH + NUM_NEW
+    )
     fed = [(token, versions[0]) for token in prompt] + list(zip(tokens[:-1], versions[1:]))
     log_probs, routing = [], []
     for position, (token, version) in enumerate(fed):
@@ -144,7 +171,9 @@ def test_behaviour_log_probs_follow_the_version_of_every_token():
             length = int(completion.lengths[row])
             versions = completion.versions[row, :length]
             assert versions[0] == completion.start_version
-            assert np.all(np.diff(versions) >= 0) and np.all(completion.versions[row, length:] == -1)
+            assert np.all(np.diff(versions) >= 0) and np.all(
+                completion.versions[row, length:] == -1
+            )
             if length == NUM_NEW:
                 # Token n's logits come from feeding token n-1 (the prompt for n = 0), in
                 # segments of 2 steps. The first groups were prefilled under the version of
@@ -153,7 +182,7 @@ def test_behaviour_log_probs_follow_the_version_of_every_token():
                 steps = [0, 0, 0, 1, 1, 2] if first == 0 else [0, 1, 1, 2, 2, 3]
                 np.testing.assert_array_equal(versions, first + np.asarray(steps))
             length_p = int(completion.prompt_lengths[row])
-            prompt = completion.prompt_tokens[row, PROMPT_WIDTH - length_p:]  # right-aligned
+            prompt = completion.prompt_tokens[row, PROMPT_WIDTH - length_p :]  # right-aligned
             tokens = completion.tokens[row, :length]
             want, routing = recompute(graphdef, params, prompt, tokens, versions)
             np.testing.assert_allclose(completion.raw_log_probs[row, :length], want, atol=2e-5)
@@ -163,7 +192,8 @@ def test_behaviour_log_probs_follow_the_version_of_every_token():
             # under a version the token versions do not record).
             start = PROMPT_WIDTH - length_p
             np.testing.assert_array_equal(
-                completion.routing[:, row, start:PROMPT_WIDTH + length - 1], routing)
+                completion.routing[:, row, start : PROMPT_WIDTH + length - 1], routing
+            )
             if len(set(versions.tolist())) > 1 and spanning < 2:
                 spanning += 1
                 # The push changed the log-probs: all-version-0 recomputation differs.
@@ -176,8 +206,12 @@ def test_slot_generator_refuses_token_ids_outside_the_vocabulary():
     graphdef, params, tokenizer = policy()
     config = slot_config()
     vocab = nnx.merge(graphdef, params).config.vocab_size
-    bad = SlotConfig(dataclasses.replace(config.sampling, pad_id=vocab), config.num_groups,
-                     config.prompt_width, config.segment_steps)
+    bad = SlotConfig(
+        dataclasses.replace(config.sampling, pad_id=vocab),
+        config.num_groups,
+        config.prompt_width,
+        config.segment_steps,
+    )
     with pytest.raises(ValueError, match=rf"SamplingConfig.pad_id = {vocab} is outside"):
         SlotGenerator(graphdef, bad, params)
 
@@ -185,20 +219,22 @@ def test_slot_generator_refuses_token_ids_outside_the_vocabulary():
 @pytest.mark.parametrize("extra", ["", "model.scan_layers=True"], ids=["loop", "scan"])
 def test_greedy_without_updates_equals_the_synchronous_sampler(extra):
     graphdef, params, tokenizer = policy(extra)
-    assert nnx.merge(graphdef, params).config.scan_layers == bool(extra)   # stacked cache
+    assert nnx.merge(graphdef, params).config.scan_layers == bool(extra)  # stacked cache
     prompts = random_prompts(5, seed=3, min_length=1)
     tokens = np.stack([p["prompt_tokens"] for p in prompts])
     lengths = np.asarray([p["prompt_length"] for p in prompts], np.int32)
     # The end token: the greedy first token of prompt 2, so that lengths differ and slots
     # are refilled while other groups are mid-way.
     cache = nnx.merge(graphdef, params).init_cache(1, PROMPT_WIDTH)
-    for position, token in enumerate(tokens[2, :lengths[2]]):
+    for position, token in enumerate(tokens[2, : lengths[2]]):
         log_probs, cache, _ = _feed(graphdef, params, token, position, cache)
     greedy = slot_config(Greedy(), num_groups=2, segment=3)
-    greedy = SlotConfig(dataclasses.replace(greedy.sampling, eos_id=int(jnp.argmax(log_probs))),
-                        2, PROMPT_WIDTH, 3)
-    reference = generate_fn(graphdef, params, tokens, lengths, jax.random.PRNGKey(0),
-                            config=greedy.sampling)
+    greedy = SlotConfig(
+        dataclasses.replace(greedy.sampling, eos_id=int(jnp.argmax(log_probs))), 2, PROMPT_WIDTH, 3
+    )
+    reference = generate_fn(
+        graphdef, params, tokens, lengths, jax.random.PRNGKey(0), config=greedy.sampling
+    )
     assert len(set(np.asarray(reference.lengths).tolist())) > 1
     slots = SlotGenerator(graphdef, greedy, params)
     queue, done = list(prompts), {}
@@ -215,9 +251,12 @@ def test_greedy_without_updates_equals_the_synchronous_sampler(extra):
         rows = slice(index * GROUP, (index + 1) * GROUP)
         np.testing.assert_array_equal(completion.tokens, np.asarray(reference.tokens[rows]))
         np.testing.assert_array_equal(completion.mask, np.asarray(reference.mask[rows]))
-        np.testing.assert_array_equal(completion.prompt_tokens, np.asarray(reference.prompt_tokens[rows]))
-        np.testing.assert_allclose(completion.raw_log_probs, np.asarray(reference.raw_log_probs[rows]),
-                                   atol=2e-5)
+        np.testing.assert_array_equal(
+            completion.prompt_tokens, np.asarray(reference.prompt_tokens[rows])
+        )
+        np.testing.assert_allclose(
+            completion.raw_log_probs, np.asarray(reference.raw_log_probs[rows]), atol=2e-5
+        )
         valid = np.asarray(attention_mask[rows]) > 0  # routing after the end is never used
         same = np.all(completion.routing == np.asarray(reference.routing[:, rows]), axis=-1)
         assert np.all(same[:, valid])
@@ -263,8 +302,9 @@ def test_threaded_generation_keeps_groups_whole_and_staleness_bounded():
     bound = staleness_bound(N_ASYNC, n_batch, GROUP, NUM_NEW, SEGMENT)
     slots = SlotGenerator(graphdef, slot_config(), params0)
     seen, worst, version = [], 0, 0
-    with AsyncGenerator(slots, iter(prompts), params0, 0, rng=jax.random.PRNGKey(0),
-                        n_async=N_ASYNC) as generator:
+    with AsyncGenerator(
+        slots, iter(prompts), params0, 0, rng=jax.random.PRNGKey(0), n_async=N_ASYNC
+    ) as generator:
         while True:
             batch = []
             try:
@@ -275,9 +315,14 @@ def test_threaded_generation_keeps_groups_whole_and_staleness_bounded():
             for completion in batch:
                 assert completion.tokens.shape == (GROUP, NUM_NEW)
                 prompt = prompts[completion.meta["index"]]
-                expect = np.roll(np.where(np.arange(PROMPT_WIDTH) < prompt["prompt_length"],
-                                          prompt["prompt_tokens"], tokenizer.pad_id),
-                                 PROMPT_WIDTH - prompt["prompt_length"])
+                expect = np.roll(
+                    np.where(
+                        np.arange(PROMPT_WIDTH) < prompt["prompt_length"],
+                        prompt["prompt_tokens"],
+                        tokenizer.pad_id,
+                    ),
+                    PROMPT_WIDTH - prompt["prompt_length"],
+                )
                 assert np.all(completion.prompt_tokens == expect[None])  # all G rows: this prompt
                 valid = completion.versions[completion.mask > 0]
                 assert valid.min() >= completion.start_version and valid.max() <= version
@@ -318,8 +363,16 @@ def test_slow_scoring_neither_stops_decoding_nor_delays_close():
 
     slots.segment = counted_segment
     prompts = random_prompts(6, seed=3)
-    generator = AsyncGenerator(slots, iter(prompts), params, 0, rng=jax.random.PRNGKey(0),
-                               n_async=N_ASYNC, score_fn=slow_score, join_timeout_s=5.0)
+    generator = AsyncGenerator(
+        slots,
+        iter(prompts),
+        params,
+        0,
+        rng=jax.random.PRNGKey(0),
+        n_async=N_ASYNC,
+        score_fn=slow_score,
+        join_timeout_s=5.0,
+    )
     taken = []
     with generator:
         with pytest.raises(GeneratorExhausted):
@@ -329,14 +382,21 @@ def test_slow_scoring_neither_stops_decoding_nor_delays_close():
     scored = [index for kind, index in events if kind == "score"]
     assert [c.meta["index"] for c in taken] == scored and sorted(scored) == list(range(6))
     assert all(np.all(c.rewards == c.meta["index"]) for c in taken)
-    during = [events[events.index(("score", i)):events.index(("scored", i))] for i in scored]
+    during = [events[events.index(("score", i)) : events.index(("scored", i))] for i in scored]
     assert any(("segment", None) in span for span in during)  # decoded while a group was scored
     assert generator.stats["groups_scored"] == 6 and generator.stats["score_seconds"] >= 1.5
 
     # Leaving early: several finished groups wait for the scorer; close() does not score them.
-    generator = AsyncGenerator(SlotGenerator(graphdef, slot_config(), params),
-                               iter(random_prompts(40, seed=4)), params, 0, rng=jax.random.PRNGKey(0),
-                               n_async=N_ASYNC, score_fn=slow_score, join_timeout_s=5.0)
+    generator = AsyncGenerator(
+        SlotGenerator(graphdef, slot_config(), params),
+        iter(random_prompts(40, seed=4)),
+        params,
+        0,
+        rng=jax.random.PRNGKey(0),
+        n_async=N_ASYNC,
+        score_fn=slow_score,
+        join_timeout_s=5.0,
+    )
     with generator:
         generator.take()
         time.sleep(0.5)  # every started group (at most n_async / G = 4 in flight) finishes
@@ -358,10 +418,17 @@ def test_close_cuts_a_busy_scorer_short_and_never_hangs():
             release.wait(30)
             return completion._replace(rewards=np.zeros(GROUP, np.float32))
 
-        generator = AsyncGenerator(SlotGenerator(graphdef, slot_config(), params),
-                                   iter(random_prompts(8, seed=11)), params, 0, rng=jax.random.PRNGKey(0),
-                                   n_async=N_ASYNC, score_fn=blocked_score, join_timeout_s=1.0,
-                                   interrupt_scoring=release.set if interrupt else None)
+        generator = AsyncGenerator(
+            SlotGenerator(graphdef, slot_config(), params),
+            iter(random_prompts(8, seed=11)),
+            params,
+            0,
+            rng=jax.random.PRNGKey(0),
+            n_async=N_ASYNC,
+            score_fn=blocked_score,
+            join_timeout_s=1.0,
+            interrupt_scoring=release.set if interrupt else None,
+        )
         generator.start()
         assert busy.wait(60)
         start = time.perf_counter()
@@ -370,7 +437,9 @@ def test_close_cuts_a_busy_scorer_short_and_never_hangs():
         if interrupt:
             assert elapsed < 1.0 and not generator_threads()
         else:
-            assert 1.0 <= elapsed < 3.0 and [t.name for t in generator_threads()] == ["policyopt-async-scorer"]
+            assert 1.0 <= elapsed < 3.0 and [t.name for t in generator_threads()] == [
+                "policyopt-async-scorer"
+            ]
             release.set()
             generator._threads[1].join(5)
             assert not generator_threads()
@@ -384,10 +453,21 @@ def test_errors_in_the_generator_surface_in_the_caller_and_no_thread_survives():
     graphdef, params, _ = policy()
     # A prompt longer than the slots' prompt width: the generator thread raises.
     prompts = random_prompts(3, seed=7)
-    prompts.append(dict(prompt_tokens=np.ones(PROMPT_WIDTH + 4, np.int32),
-                        prompt_length=PROMPT_WIDTH + 4, index=3))
-    generator = AsyncGenerator(SlotGenerator(graphdef, slot_config(), params), iter(prompts), params,
-                               0, rng=jax.random.PRNGKey(0), n_async=N_ASYNC)
+    prompts.append(
+        dict(
+            prompt_tokens=np.ones(PROMPT_WIDTH + 4, np.int32),
+            prompt_length=PROMPT_WIDTH + 4,
+            index=3,
+        )
+    )
+    generator = AsyncGenerator(
+        SlotGenerator(graphdef, slot_config(), params),
+        iter(prompts),
+        params,
+        0,
+        rng=jax.random.PRNGKey(0),
+        n_async=N_ASYNC,
+    )
     with pytest.raises(RuntimeError, match="generator thread failed") as info:
         with generator:
             for _ in range(10):
@@ -401,15 +481,25 @@ def test_errors_in_the_generator_surface_in_the_caller_and_no_thread_survives():
         yield from random_prompts(2, seed=8)
         raise _Boom("malformed row 2")
 
-    generator = AsyncGenerator(SlotGenerator(graphdef, slot_config(), params), failing(), params,
-                               0, rng=jax.random.PRNGKey(0))
+    generator = AsyncGenerator(
+        SlotGenerator(graphdef, slot_config(), params),
+        failing(),
+        params,
+        0,
+        rng=jax.random.PRNGKey(0),
+    )
     with pytest.raises(RuntimeError) as info:
         with generator:
             while True:
                 generator.take()
     assert isinstance(info.value.__cause__, _Boom)
-    generator = AsyncGenerator(SlotGenerator(graphdef, slot_config(), params),
-                               iter(random_prompts(50, seed=9)), params, 0, rng=jax.random.PRNGKey(0))
+    generator = AsyncGenerator(
+        SlotGenerator(graphdef, slot_config(), params),
+        iter(random_prompts(50, seed=9)),
+        params,
+        0,
+        rng=jax.random.PRNGKey(0),
+    )
     with pytest.raises(KeyError):
         with generator:
             generator.take()
@@ -420,8 +510,10 @@ def test_errors_in_the_generator_surface_in_the_caller_and_no_thread_survives():
 def test_run_async_rl_trains_checkpoints_and_resumes(tmp_path):
     # Without dynamic sampling: the tiny random policy earns no reward, and Magistral's
     # dynamic sampling would leave only fillers, so no update (update/empty).
-    config = tiny("train.routing_metrics=True,dynamic_sampling.enabled=False,train.sample_every=3,"
-                  "train.sample_prompts=1")
+    config = tiny(
+        "train.routing_metrics=True,dynamic_sampling.enabled=False,train.sample_every=3,"
+        "train.sample_prompts=1"
+    )
     assert async_enabled(config) and not async_enabled(magistral.get_config())
     summary = run_async_rl(config, str(tmp_path), quiet=True)
     run, metrics = summary["run"], summary["metrics"]
@@ -431,20 +523,33 @@ def test_run_async_rl_trains_checkpoints_and_resumes(tmp_path):
     assert "logprob/stale_sampler_trainer_abs_diff" in metrics
     assert "logprob/sampler_trainer_abs_diff" not in metrics
     assert metrics["async/score_s"] > 0
-    assert metrics["reward/verifier_errors"] == 0 and 0 <= metrics["reward/format_failure_rate"] <= 1
+    assert (
+        metrics["reward/verifier_errors"] == 0 and 0 <= metrics["reward/format_failure_rate"] <= 1
+    )
     assert summary["iteration"] == 3 and int(run.state.step) + int(run.state.skipped) == 3
-    for key in ("reward/mean", "loss/loss", "update/grad_norm", "policy/entropy",
-                "async/staleness_min", "async/staleness_mean", "async/staleness_max",
-                "async/start_version_min", "async/finish_version_max", "time/wait_for_generator_s"):
+    for key in (
+        "reward/mean",
+        "loss/loss",
+        "update/grad_norm",
+        "policy/entropy",
+        "async/staleness_min",
+        "async/staleness_mean",
+        "async/staleness_max",
+        "async/start_version_min",
+        "async/finish_version_max",
+        "time/wait_for_generator_s",
+    ):
         assert key in metrics and np.isfinite(metrics[key]), key
     assert summary["staleness_bound"] == staleness_bound(N_ASYNC, 4, GROUP, NUM_NEW, SEGMENT) == 5
     rows = read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        assert 0 <= r["async/staleness_min"] <= r["async/staleness_max"] <= summary["staleness_bound"]
+        assert (
+            0 <= r["async/staleness_min"] <= r["async/staleness_max"] <= summary["staleness_bound"]
+        )
     # The last batch: whole groups (one prompt per G rows), versions consistent.
     merged, info = run.last_round, summary["async"]
-    prompt_part = merged.tokens[:, :merged.prompt_width].reshape(-1, GROUP, merged.prompt_width)
+    prompt_part = merged.tokens[:, : merged.prompt_width].reshape(-1, GROUP, merged.prompt_width)
     assert np.all(prompt_part == prompt_part[:, :1])
     assert info["versions"].shape == merged.mask.shape and np.all(info["start_version"] <= 2)
     # samples.jsonl at iteration 3: the batch's first group, as trained on.
@@ -468,8 +573,11 @@ def test_run_async_rl_trains_a_critic_recipe_with_value_pretraining_nll_and_resu
     bit-identical, nothing new to publish), iteration 2 (after a resume, which restores the
     critic) updates both, with GAE advantages and the NLL term on the correct samples."""
     # -1 for wrong answers and DAPO's overlong penalty make the rewards differ between rows.
-    config = tiny("critic.pretrain_iterations=1,reward.incorrect_value=-1.0,reward.overlong=dapo,"
-                  "optim.lr=0.01,critic.lr=0.01", recipe=vapo)
+    config = tiny(
+        "critic.pretrain_iterations=1,reward.incorrect_value=-1.0,reward.overlong=dapo,"
+        "optim.lr=0.01,critic.lr=0.01",
+        recipe=vapo,
+    )
     assert config.algo.advantage == "gae" and config.algo.nll_coef > 0 and async_enabled(config)
     initial = _leaves(build_run(config, str(tmp_path / "initial")).state.params)
 
@@ -490,8 +598,15 @@ def test_run_async_rl_trains_a_critic_recipe_with_value_pretraining_nll_and_resu
     run, metrics = resumed["run"], resumed["metrics"]
     assert resumed["iteration"] == 2 and metrics["critic/pretraining"] == 0.0
     assert int(run.state.step) + int(run.state.skipped) == 1 and int(run.critic_state.step) == 2
-    for key in ("loss/loss", "loss/nll", "critic/value_loss", "critic/explained_variance",
-                "advantages/mean", "async/staleness_max", "update/grad_norm"):
+    for key in (
+        "loss/loss",
+        "loss/nll",
+        "critic/value_loss",
+        "critic/explained_variance",
+        "advantages/mean",
+        "async/staleness_max",
+        "update/grad_norm",
+    ):
         assert key in metrics and np.isfinite(metrics[key]), key
     assert not all(np.array_equal(a, b) for a, b in zip(_leaves(run.state.params), initial))
     assert not generator_threads()
@@ -523,8 +638,10 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
     """Slots 16 tokens wide, prompts of at most 8 (one- and two-digit sums): each batch is
     cut to the 8-token bucket, as a synchronous batch would be, and trains with R3
     (the replayed routing is cut with it) to the same log-probs."""
-    config = tiny("task.min_digits=1,task.max_digits=2,async_mode.prompt_width=16,"
-                  "algo.routing_replay='R3',train.num_iterations=2")
+    config = tiny(
+        "task.min_digits=1,task.max_digits=2,async_mode.prompt_width=16,"
+        "algo.routing_replay='R3',train.num_iterations=2"
+    )
     config.unlock()
     config.batch.prompt_buckets = (8, PROMPT_WIDTH)
     config.lock()
@@ -533,7 +650,7 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
     merged, batch = run.last_round, run.last_batch
     assert merged.prompt_width == 8 and batch.tokens.shape[1] == 8 + merged.mask.shape[1]
     assert batch.routing.shape[2] == batch.tokens.shape[1]
-    assert np.all(merged.attention_mask[:, :merged.prompt_width].sum(1) >= 1)
+    assert np.all(merged.attention_mask[:, : merged.prompt_width].sum(1) >= 1)
     assert summary["metrics"]["update/skipped"] == 0
 
     # The cut layout gives the log-probs and routing of the uncut one (R3 replay).
@@ -549,20 +666,42 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
     late.unlock()
     late.reward.deadline_s = 1e-9
     late.lock()
-    rescored = make_scorer(dataclasses.replace(run, spec=dataclasses.replace(run.spec, config=late)))(
-        groups[0])
+    rescored = make_scorer(
+        dataclasses.replace(run, spec=dataclasses.replace(run.spec, config=late))
+    )(groups[0])
     assert not rescored.scored.any() and not rescored.sample_mask.any()
-    whole = merge_rounds([(round_from_rollout(g.rollout(), g.rewards, g.correct, NUM_NEW),
-                           np.zeros((1,), np.int64)) for g in groups], GROUP, run.tokenizer.pad_id)
+    whole = merge_rounds(
+        [
+            (
+                round_from_rollout(g.rollout(), g.rewards, g.correct, NUM_NEW),
+                np.zeros((1,), np.int64),
+            )
+            for g in groups
+        ],
+        GROUP,
+        run.tokenizer.pad_id,
+    )
     assert whole.prompt_width == PROMPT_WIDTH and cut.prompt_width == 8
-    outs = [forward_log_probs(run.graphdef, run.state.params, jnp.asarray(r.tokens),
-                              jnp.asarray(r.positions), jnp.asarray(r.attention_mask), NUM_NEW,
-                              routing=jnp.asarray(r.routing)) for r in (cut, whole)]
-    np.testing.assert_allclose(outs[0].log_probs * cut.mask, outs[1].log_probs * whole.mask,
-                               atol=1e-5)
-    real = whole.attention_mask[:, PROMPT_WIDTH - 8:] > 0
-    np.testing.assert_array_equal(np.asarray(outs[0].routing)[:, real],
-                                  np.asarray(outs[1].routing)[:, :, PROMPT_WIDTH - 8:][:, real])
+    outs = [
+        forward_log_probs(
+            run.graphdef,
+            run.state.params,
+            jnp.asarray(r.tokens),
+            jnp.asarray(r.positions),
+            jnp.asarray(r.attention_mask),
+            NUM_NEW,
+            routing=jnp.asarray(r.routing),
+        )
+        for r in (cut, whole)
+    ]
+    np.testing.assert_allclose(
+        outs[0].log_probs * cut.mask, outs[1].log_probs * whole.mask, atol=1e-5
+    )
+    real = whole.attention_mask[:, PROMPT_WIDTH - 8 :] > 0
+    np.testing.assert_array_equal(
+        np.asarray(outs[0].routing)[:, real],
+        np.asarray(outs[1].routing)[:, :, PROMPT_WIDTH - 8 :][:, real],
+    )
 
 
 def test_mixed_math_and_code_prompts_are_scored_by_their_task(tmp_path, monkeypatch):
@@ -588,7 +727,9 @@ def test_mixed_math_and_code_prompts_are_scored_by_their_task(tmp_path, monkeypa
 
 
 def test_config_fields_and_errors():
-    config = magistral_async.get_config("model=tiny_dense,async_mode.n_async=32,async_mode.segment_steps=4")
+    config = magistral_async.get_config(
+        "model=tiny_dense,async_mode.n_async=32,async_mode.segment_steps=4"
+    )
     assert config.model.preset == "tiny_dense" and config.async_mode.enabled
     assert (config.async_mode.n_async, config.async_mode.segment_steps) == (32, 4)
     # Worked by hand: n_async 32 leaves 24 others in flight at a group's start; over its 4
@@ -615,12 +756,22 @@ def test_group_batcher_drops_by_criterion_and_reports_the_fillers():
     def group(rewards, correct, scored=None):
         g = len(rewards)
         return GroupCompletion(
-            tokens=np.zeros((g, 2), np.int32), mask=np.ones((g, 2), np.float32),
-            log_probs=np.zeros((g, 2), np.float32), raw_log_probs=np.zeros((g, 2), np.float32),
-            lengths=np.full(g, 2, np.int32), prompt_tokens=np.zeros((g, 1), np.int32),
-            prompt_lengths=np.ones(g, np.int32), routing=None, versions=np.zeros((g, 2), np.int32),
-            start_version=0, finish_version=0, meta={}, rewards=np.asarray(rewards, np.float32),
-            correct=np.asarray(correct, bool), scored=scored)
+            tokens=np.zeros((g, 2), np.int32),
+            mask=np.ones((g, 2), np.float32),
+            log_probs=np.zeros((g, 2), np.float32),
+            raw_log_probs=np.zeros((g, 2), np.float32),
+            lengths=np.full(g, 2, np.int32),
+            prompt_tokens=np.zeros((g, 1), np.int32),
+            prompt_lengths=np.ones(g, np.int32),
+            routing=None,
+            versions=np.zeros((g, 2), np.int32),
+            start_version=0,
+            finish_version=0,
+            meta={},
+            rewards=np.asarray(rewards, np.float32),
+            correct=np.asarray(correct, bool),
+            scored=scored,
+        )
 
     all_correct = group([1.0, 0.5], [True, True])  # unequal rewards (length penalty)
     mixed = group([1.0, -1.0], [True, False])

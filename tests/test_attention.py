@@ -15,13 +15,27 @@ import pytest
 from flax import nnx
 
 from policyopt.models import ModelConfig, Transformer
-from policyopt.models.attention_ops import (XLA_MAX_LENGTH, attend, attention_weights_mask,
-                                            check_implementation, choose_implementation,
-                                            cudnn_attention, dot_product_attention,
-                                            splash_attention)
+from policyopt.models.attention_ops import (
+    XLA_MAX_LENGTH,
+    attend,
+    attention_weights_mask,
+    check_implementation,
+    choose_implementation,
+    cudnn_attention,
+    dot_product_attention,
+    splash_attention,
+)
 
-TINY = dict(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-            head_dim=8, intermediate_size=48, rope_theta=1e4)
+TINY = dict(
+    vocab_size=40,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    rope_theta=1e4,
+)
 
 
 def _model(**overrides):
@@ -45,8 +59,9 @@ def _call(model, tokens, **kwargs):
 
 # One packed row of three sequences (lengths 3, 2, 4) and two padding tokens, and a
 # second row of one sequence (length 6) and five padding tokens.
-SEGMENTS = np.array([[1, 1, 1, 2, 2, 3, 3, 3, 3, 0, 0],
-                     [1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0]], np.int32)
+SEGMENTS = np.array(
+    [[1, 1, 1, 2, 2, 3, 3, 3, 3, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0]], np.int32
+)
 
 
 def _positions(segment_ids):
@@ -63,23 +78,29 @@ def test_packed_segments_equal_separate_rows(attention, moe):
     extra = dict(num_experts=4, num_experts_per_tok=2, moe_dispatch="ragged") if moe else {}
     model = _model(attention=attention, attention_block_size=4, **extra)
     tokens = np.random.default_rng(0).integers(0, TINY["vocab_size"], SEGMENTS.shape)
-    packed = _call(model, jnp.asarray(tokens), positions=jnp.asarray(_positions(SEGMENTS)),
-                   segment_ids=jnp.asarray(SEGMENTS))
+    packed = _call(
+        model,
+        jnp.asarray(tokens),
+        positions=jnp.asarray(_positions(SEGMENTS)),
+        segment_ids=jnp.asarray(SEGMENTS),
+    )
     # Every segment alone in a row of its own, right-padded (one call for all).
     places = [np.nonzero(row == seg)[0] for row in SEGMENTS for seg in sorted(set(row) - {0})]
     rows = [r for r, row in enumerate(SEGMENTS) for _ in sorted(set(row) - {0})]
     alone_tokens = np.zeros((len(places), SEGMENTS.shape[1]), np.int64)
     alone_mask = np.zeros(alone_tokens.shape, np.int32)
     for i, (r, cols) in enumerate(zip(rows, places)):
-        alone_tokens[i, :len(cols)] = tokens[r, cols]
-        alone_mask[i, :len(cols)] = 1
+        alone_tokens[i, : len(cols)] = tokens[r, cols]
+        alone_mask[i, : len(cols)] = 1
     alone = _call(model, jnp.asarray(alone_tokens), attention_mask=jnp.asarray(alone_mask))
     for i, (r, cols) in enumerate(zip(rows, places)):
-        np.testing.assert_allclose(packed.logits[r, cols], alone.logits[i, :len(cols)],
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            packed.logits[r, cols], alone.logits[i, : len(cols)], rtol=1e-5, atol=1e-5
+        )
         if moe:
-            np.testing.assert_array_equal(packed.routing[:, r, cols],
-                                          alone.routing[:, i, :len(cols)])
+            np.testing.assert_array_equal(
+                packed.routing[:, r, cols], alone.routing[:, i, : len(cols)]
+            )
 
 
 def test_segment_ids_refused_with_cache():
@@ -93,6 +114,7 @@ def test_segment_ids_refused_with_cache():
 
 # ---- attend: every implementation against the einsum ----------------------------------
 
+
 def _numpy_attention(q, k, v, key_mask, segment_ids):
     """Loop reference: causal GQA softmax attention, rows that see no key left at 0."""
     b, t, h, dh = q.shape
@@ -101,8 +123,11 @@ def _numpy_attention(q, k, v, key_mask, segment_ids):
     for r in range(b):
         for head in range(h):
             for i in range(t):
-                seen = [j for j in range(i + 1) if key_mask[r, j]
-                        and segment_ids[r, j] == segment_ids[r, i] != 0]
+                seen = [
+                    j
+                    for j in range(i + 1)
+                    if key_mask[r, j] and segment_ids[r, j] == segment_ids[r, i] != 0
+                ]
                 if not seen:
                     continue
                 scores = np.array([q[r, i, head] @ k[r, j, head // group] for j in seen])
@@ -116,28 +141,41 @@ T = 13
 # (1), as policyopt.rl.batch lays out a prompt and its response; row 2: packed, three
 # segments and padding.
 KEY_MASK = np.array([[1] * 9 + [0] * 4, [0] * 3 + [1] * 9 + [0], [1] * 11 + [0] * 2], bool)
-PACKED = np.array([[1] * 9 + [0] * 4, [0] * 3 + [1] * 9 + [0],
-                   [1] * 4 + [2] * 2 + [3] * 5 + [0] * 2], np.int32)
+PACKED = np.array(
+    [[1] * 9 + [0] * 4, [0] * 3 + [1] * 9 + [0], [1] * 4 + [2] * 2 + [3] * 5 + [0] * 2], np.int32
+)
 
 
 def _inputs(dtype=jnp.float32, heads=4, kv_heads=2, head_dim=8, seed=0):
     rng = np.random.default_rng(seed)
     b = KEY_MASK.shape[0]
-    q, k, v = (jnp.asarray(rng.normal(size=(b, T, n, head_dim)), dtype)
-               for n in (heads, kv_heads, kv_heads))
+    q, k, v = (
+        jnp.asarray(rng.normal(size=(b, T, n, head_dim)), dtype)
+        for n in (heads, kv_heads, kv_heads)
+    )
     return q, k, v
 
 
 def _implementation(name):
     """attend with one implementation; "cudnn" runs its masks' mapping through XLA
     (jax.nn.dot_product_attention(implementation="xla")), the kernel needing a GPU."""
+
     def fn(q, k, v, key_mask, segment_ids):
         key_mask = jnp.asarray(key_mask)
         segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
         if name == "cudnn":
             return cudnn_attention(q, k, v, key_mask, segment_ids, implementation="xla")
-        return attend(q, k, v, key_mask=key_mask, segment_ids=segment_ids, implementation=name,
-                      block_size=4, interpret=name == "splash")
+        return attend(
+            q,
+            k,
+            v,
+            key_mask=key_mask,
+            segment_ids=segment_ids,
+            implementation=name,
+            block_size=4,
+            interpret=name == "splash",
+        )
+
     return fn
 
 
@@ -149,24 +187,32 @@ def test_implementations_equal_einsum_values_and_gradients(name, packed):
     reference_ids = PACKED if packed else KEY_MASK.astype(np.int32)
     # Rows that see no key (padding queries) have no defined output: weighted 0.
     sees = KEY_MASK & (reference_ids != 0)
-    weights = jnp.asarray(np.random.default_rng(1).normal(size=q.shape) * sees[..., None, None],
-                          jnp.float32)
+    weights = jnp.asarray(
+        np.random.default_rng(1).normal(size=q.shape) * sees[..., None, None], jnp.float32
+    )
 
     def loss(fn, q, k, v):
         out = fn(q, k, v, KEY_MASK, segment_ids)
         return jnp.sum(out * weights), out
 
     einsum = _implementation("xla")
-    (_, want), want_grads = jax.jit(jax.value_and_grad(
-        functools.partial(loss, einsum), argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    (_, want), want_grads = jax.jit(
+        jax.value_and_grad(functools.partial(loss, einsum), argnums=(0, 1, 2), has_aux=True)
+    )(q, k, v)
     np.testing.assert_allclose(
         np.asarray(want) * sees[..., None, None],
-        _numpy_attention(*map(np.asarray, (q, k, v)), KEY_MASK, reference_ids), atol=1e-5)
-    (_, got), got_grads = jax.jit(jax.value_and_grad(
-        functools.partial(loss, _implementation(name)), argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        _numpy_attention(*map(np.asarray, (q, k, v)), KEY_MASK, reference_ids),
+        atol=1e-5,
+    )
+    (_, got), got_grads = jax.jit(
+        jax.value_and_grad(
+            functools.partial(loss, _implementation(name)), argnums=(0, 1, 2), has_aux=True
+        )
+    )(q, k, v)
     assert np.isfinite(np.asarray(got)).all()
-    np.testing.assert_allclose(np.asarray(got) * sees[..., None, None],
-                               np.asarray(want) * sees[..., None, None], atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(got) * sees[..., None, None], np.asarray(want) * sees[..., None, None], atol=1e-5
+    )
     for g, w in zip(got_grads, want_grads):
         np.testing.assert_allclose(g, w, atol=1e-5)
 
@@ -184,12 +230,16 @@ def test_hand_worked(name):
     v = np.zeros((1, 4, 1, 2), np.float32)
     v[0, :, 0, 0] = [1, 2, 4, 8]
     fn = jax.jit(_implementation(name))
-    out = fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), np.ones((1, 4), bool),
-             np.array([[1, 1, 2, 2]], np.int32))
+    out = fn(
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        np.ones((1, 4), bool),
+        np.array([[1, 1, 2, 2]], np.int32),
+    )
     np.testing.assert_allclose(np.asarray(out)[0, :, 0, 0], [1, 1.25, 4, 6], rtol=1e-6)
     # Unpacked, the last key masked: out_3 = (1 + 2 + 4) / 3.
-    out = fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), np.array([[1, 1, 1, 0]], bool),
-             None)
+    out = fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), np.array([[1, 1, 1, 0]], bool), None)
     np.testing.assert_allclose(np.asarray(out)[0, 2:3, 0, 0], [7 / 3], rtol=1e-6)
 
 
@@ -201,10 +251,14 @@ def test_blockwise_bfloat16_smoke():
     want = _numpy_attention(*(np.asarray(x, np.float32) for x in (q, k, v)), KEY_MASK, PACKED)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32) * sees, want * sees, atol=3e-2)
-    grads = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a, KEY_MASK, PACKED).astype(jnp.float32)),
-                             argnums=(0, 1, 2)))(q, k, v)
-    assert all(g.dtype == jnp.bfloat16 and np.isfinite(np.asarray(g, np.float32)).all()
-               for g in grads)
+    grads = jax.jit(
+        jax.grad(
+            lambda *a: jnp.sum(fn(*a, KEY_MASK, PACKED).astype(jnp.float32)), argnums=(0, 1, 2)
+        )
+    )(q, k, v)
+    assert all(
+        g.dtype == jnp.bfloat16 and np.isfinite(np.asarray(g, np.float32)).all() for g in grads
+    )
 
 
 def test_blockwise_backward_holds_no_scores():
@@ -217,8 +271,10 @@ def test_blockwise_backward_holds_no_scores():
 
     def temp_bytes(implementation):
         def loss(q, k, v, key_mask):
-            return jnp.sum(attend(q, k, v, key_mask=key_mask, implementation=implementation,
-                                  block_size=512))
+            return jnp.sum(
+                attend(q, k, v, key_mask=key_mask, implementation=implementation, block_size=512)
+            )
+
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         return grad.lower(q, k, k, mask).compile().memory_analysis().temp_size_in_bytes
 
@@ -263,24 +319,34 @@ _MESH_SCRIPT = textwrap.dedent("""
 
 def test_splash_and_blockwise_on_a_mesh():
     # Splash runs per device under shard_map (rows over data x fsdp, heads over tensor).
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MESH_SCRIPT],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.split() == ["ok", "splash", "ok", "blockwise"], proc.stdout
 
 
 # ---- choice of implementation, errors --------------------------------------------------
 
+
 def test_auto_choice():
     bf16 = dict(dtype=jnp.bfloat16, head_dim=128)
     choose = functools.partial(choose_implementation, "auto")
     assert choose(backend="gpu", length=8192, packed=False, **bf16) == "cudnn"
     assert choose(backend="gpu", length=8192, packed=True, **bf16) == "blockwise"
-    assert choose(backend="gpu", length=8192, packed=False, dtype=jnp.float32,
-                  head_dim=128) == "blockwise"
+    assert (
+        choose(backend="gpu", length=8192, packed=False, dtype=jnp.float32, head_dim=128)
+        == "blockwise"
+    )
     assert choose(backend="tpu", length=8192, packed=True, **bf16) == "splash"
     assert choose(backend="cpu", length=XLA_MAX_LENGTH - 1, packed=False, **bf16) == "xla"
     assert choose(backend="cpu", length=XLA_MAX_LENGTH, packed=True, **bf16) == "blockwise"
@@ -307,6 +373,7 @@ def test_unavailable_implementation_is_a_config_error():
     # From the run config (configs/base.py's model.attention), as the trainers build it.
     from configs import base
     from policyopt.rl import build
+
     config = base.get_config()
     config.model.attention = "splash"
     with pytest.raises(ValueError, match="model.attention='splash'"):
@@ -316,6 +383,7 @@ def test_unavailable_implementation_is_a_config_error():
 
 
 # ---- the model with each implementation ------------------------------------------------
+
 
 def test_model_blockwise_equals_einsum_logits_and_gradients():
     # Left- and right-padded rows (policyopt.rl.batch's layout), blocks of 4 for T = 13.
@@ -331,9 +399,11 @@ def test_model_blockwise_equals_einsum_logits_and_gradients():
         @jax.jit
         def run(params):
             def loss(params):
-                logits = nnx.merge(graphdef, params)(tokens, positions=positions,
-                                                     attention_mask=attention_mask).logits
+                logits = nnx.merge(graphdef, params)(
+                    tokens, positions=positions, attention_mask=attention_mask
+                ).logits
                 return jnp.sum(jax.nn.log_softmax(logits) * real * 0.01), logits
+
             return jax.grad(loss, has_aux=True)(params)
 
         grads, logits = run(params)
@@ -353,7 +423,7 @@ def test_kv_cache_decode_equals_blockwise_forward():
     out = _call(model, tokens[:, :5], cache=model.init_cache(2, 9))
     steps, cache = [out.logits], out.cache
     for i in range(5, 9):
-        out = _call(model, tokens[:, i:i + 1], cache=cache)
+        out = _call(model, tokens[:, i : i + 1], cache=cache)
         steps.append(out.logits)
         cache = out.cache
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-4, rtol=1e-5)

@@ -10,8 +10,14 @@ import pytest
 from flax import nnx
 
 from policyopt.checkpoint import Checkpointer
-from policyopt.metrics import (MetricsWriter, console_line, read_jsonl, read_step_record, to_scalars,
-                               truncate_jsonl)
+from policyopt.metrics import (
+    MetricsWriter,
+    console_line,
+    read_jsonl,
+    read_step_record,
+    to_scalars,
+    truncate_jsonl,
+)
 from policyopt.rl.learner import TrainState, make_optimizer
 
 
@@ -23,8 +29,12 @@ def _state(seed):
     # One real optimiser step so that the moments are non-trivial.
     grads = jax.tree.map(jnp.ones_like, params)
     updates, opt_state = optimizer.update(grads, state.opt_state, params)
-    return TrainState(step=jnp.int32(1), skipped=jnp.int32(0),
-                      params=jax.tree.map(lambda p, u: p + u, params, updates), opt_state=opt_state)
+    return TrainState(
+        step=jnp.int32(1),
+        skipped=jnp.int32(0),
+        params=jax.tree.map(lambda p, u: p + u, params, updates),
+        opt_state=opt_state,
+    )
 
 
 def _equal(a, b):
@@ -75,7 +85,10 @@ def test_metrics_writer_jsonl_and_tensorboard(tmp_path):
         assert json.loads(f.readline())["step"] == 1
     with pytest.raises(ValueError, match="'vec'"):
         to_scalars({"vec": np.zeros(3)})
-    assert console_line(3, 10, {"reward/mean": 0.5, "reward/accuracy": 0.25}) == "[ 3/10] reward 0.5 acc 0.25"
+    assert (
+        console_line(3, 10, {"reward/mean": 0.5, "reward/accuracy": 0.25})
+        == "[ 3/10] reward 0.5 acc 0.25"
+    )
 
 
 def test_metrics_writer_resuming_removes_the_records_after_the_checkpoint(tmp_path):
@@ -86,7 +99,11 @@ def test_metrics_writer_resuming_removes_the_records_after_the_checkpoint(tmp_pa
         f.write('{"step": 4, "x"')  # a last line cut short by a crash
     with MetricsWriter(str(tmp_path), tensorboard=False, resume_step=1) as writer:
         writer.write(2, {"x": 20})
-    assert [(r["step"], r["x"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(0, 0), (1, 1), (2, 20)]
+    assert [(r["step"], r["x"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [
+        (0, 0),
+        (1, 1),
+        (2, 20),
+    ]
     with MetricsWriter(str(tmp_path), tensorboard=False) as writer:  # no resume_step: appends
         writer.write(3, {"x": 30})
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 4
@@ -123,8 +140,14 @@ def test_checksums_hand_worked_and_every_single_bit_flip_changes_them():
 
     # sum_i bits_i * (2 i + 1) mod 2^32: 1*1 + 2*3 + 3*5 = 22; 1.0f is 0x3f800000;
     # bfloat16 1.0 is 0x3f80; True is 1 (weights 1, 3).
-    sums = tree_checksums({"u": jnp.asarray([1, 2, 3], jnp.uint32), "f": jnp.asarray([1.0]),
-                           "b": jnp.asarray([1.0], jnp.bfloat16), "t": jnp.asarray([False, True])})
+    sums = tree_checksums(
+        {
+            "u": jnp.asarray([1, 2, 3], jnp.uint32),
+            "f": jnp.asarray([1.0]),
+            "b": jnp.asarray([1.0], jnp.bfloat16),
+            "t": jnp.asarray([False, True]),
+        }
+    )
     assert sums == {"u": 22, "f": 0x3F800000, "b": 0x3F80, "t": 3}
     values = np.asarray([1.5, -2.0, np.pi, 0.0], np.float32)
     reference = tree_checksums({"x": jnp.asarray(values)})["x"]
@@ -138,8 +161,12 @@ def test_checksums_hand_worked_and_every_single_bit_flip_changes_them():
 
 def _corrupt_arrays(step_dir):
     """Flips one bit in the middle of the largest array file of a checkpoint."""
-    files = [os.path.join(root, name) for root, _, names in os.walk(os.path.join(step_dir, "state"))
-             for name in names if os.sep + "d" + os.sep in os.path.join(root, name) + os.sep]
+    files = [
+        os.path.join(root, name)
+        for root, _, names in os.walk(os.path.join(step_dir, "state"))
+        for name in names
+        if os.sep + "d" + os.sep in os.path.join(root, name) + os.sep
+    ]
     path = max(files, key=os.path.getsize)
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0x10
@@ -147,8 +174,13 @@ def _corrupt_arrays(step_dir):
 
 
 def _two_checkpoints(directory):
-    states = {step: {"train": {"params": {"w": jnp.arange(4096, dtype=jnp.float32) * step}},
-                     "rng": jax.random.PRNGKey(step)} for step in (1, 2)}
+    states = {
+        step: {
+            "train": {"params": {"w": jnp.arange(4096, dtype=jnp.float32) * step}},
+            "rng": jax.random.PRNGKey(step),
+        }
+        for step in (1, 2)
+    }
     ckpt = Checkpointer(str(directory))
     for step, state in states.items():
         ckpt.save(step, state, {"iteration": step})
@@ -161,8 +193,10 @@ def test_a_flipped_bit_is_caught_and_the_previous_checkpoint_restored(tmp_path, 
     _corrupt_arrays(ckpt.step_path(2))
     from policyopt.checkpoint import CorruptCheckpointError
 
-    with pytest.raises(CorruptCheckpointError,
-                       match=f"checkpoint {tmp_path}/2 is corrupt: the checksums of train/params/w differ"):
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=f"checkpoint {tmp_path}/2 is corrupt: the checksums of train/params/w differ",
+    ):
         ckpt.restore(states[1], step=2)
     with caplog.at_level("WARNING"):
         restored, meta = ckpt.restore(states[1])
@@ -172,13 +206,15 @@ def test_a_flipped_bit_is_caught_and_the_previous_checkpoint_restored(tmp_path, 
     assert f"falling back to the previous checkpoint {tmp_path}/1" in warning
     # A partial restore (RL from an SFT checkpoint) is verified too; a fresh Checkpointer,
     # as build.init_params uses (orbax binds an item's handler on first use).
-    params = Checkpointer(str(tmp_path)).restore_subtree(("train", "params"),
-                                                         states[1]["train"]["params"])
+    params = Checkpointer(str(tmp_path)).restore_subtree(
+        ("train", "params"), states[1]["train"]["params"]
+    )
     assert _equal(params, states[1]["train"]["params"])
     # With no earlier checkpoint to fall back to, the error names the path.
     _corrupt_arrays(ckpt.step_path(1))
-    with pytest.raises(CorruptCheckpointError,
-                       match=f"{tmp_path}/2 is corrupt.*no earlier checkpoint"):
+    with pytest.raises(
+        CorruptCheckpointError, match=f"{tmp_path}/2 is corrupt.*no earlier checkpoint"
+    ):
         ckpt.restore(states[1])
 
 
@@ -193,21 +229,26 @@ def test_restore_errors_name_the_checkpoint(tmp_path):
     ckpt, states = _two_checkpoints(tmp_path / "json")
     with open(os.path.join(ckpt.step_path(2), "meta", "metadata"), "w") as f:
         f.write("{not json")
-    with pytest.raises(CorruptCheckpointError,
-                       match=f"{tmp_path}/json/2 is corrupt: cannot read its meta " r"\(JSONDecodeError"):
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=f"{tmp_path}/json/2 is corrupt: cannot read its meta " r"\(JSONDecodeError",
+    ):
         ckpt.meta(2)
     assert ckpt.meta() == {"iteration": 1} and ckpt.restore(states[1])[1] == {"iteration": 1}
 
     ckpt, states = _two_checkpoints(tmp_path / "missing")
     shutil.rmtree(os.path.join(ckpt.step_path(2), "state"))
-    with pytest.raises(CorruptCheckpointError,
-                       match=rf"{tmp_path}/missing/2 is corrupt: its item\(s\) \['state'\] are missing"):
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=rf"{tmp_path}/missing/2 is corrupt: its item\(s\) \['state'\] are missing",
+    ):
         ckpt.restore(states[1], step=2)
     assert ckpt.restore(states[1])[1] == {"iteration": 1}
 
     wrong = {"train": {"params": {"w": jnp.zeros(5)}}, "rng": states[1]["rng"]}
-    with pytest.raises(CheckpointError,
-                       match=f"checkpoint {tmp_path}/missing/1: cannot restore") as error:
+    with pytest.raises(
+        CheckpointError, match=f"checkpoint {tmp_path}/missing/1: cannot restore"
+    ) as error:
         ckpt.restore(wrong, step=1)
     assert not isinstance(error.value, CorruptCheckpointError)
 
@@ -225,13 +266,25 @@ def test_a_second_process_is_refused_the_workdir(tmp_path):
         f.write("999999\n")
     lock_workdir(workdir)
     lock_workdir(workdir)  # the owner again: a no-op
-    script = ("import sys; from policyopt.checkpoint import lock_workdir\n"
-              "try:\n    lock_workdir(sys.argv[1])\nexcept RuntimeError as e:\n    print(e); sys.exit(3)\n")
+    script = (
+        "import sys; from policyopt.checkpoint import lock_workdir\n"
+        "try:\n    lock_workdir(sys.argv[1])\nexcept RuntimeError as e:\n    print(e); sys.exit(3)\n"
+    )
     env = dict(os.environ, PYTHONPATH=os.getcwd(), JAX_PLATFORMS="cpu")
-    second = subprocess.run([sys.executable, "-c", script, workdir], capture_output=True, text=True,
-                            env=env, timeout=120)
+    second = subprocess.run(
+        [sys.executable, "-c", script, workdir],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert second.returncode == 3, second.stderr
-    assert second.stdout.strip() == (f"workdir {workdir} is in use by another process (pid {os.getpid()}, "
-                                     f"lock {workdir}/.lock); wait for it to finish or choose another workdir")
+    assert second.stdout.strip() == (
+        f"workdir {workdir} is in use by another process (pid {os.getpid()}, "
+        f"lock {workdir}/.lock); wait for it to finish or choose another workdir"
+    )
     unlock_workdir(workdir)
-    assert subprocess.run([sys.executable, "-c", script, workdir], env=env, timeout=120).returncode == 0
+    assert (
+        subprocess.run([sys.executable, "-c", script, workdir], env=env, timeout=120).returncode
+        == 0
+    )

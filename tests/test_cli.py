@@ -24,11 +24,13 @@ from policyopt.rl import build, plots, report, trainer
 from policyopt.rl.learner import split_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ("model=tiny_dense,model.num_layers=1,batch.n_prompts=2,batch.group_size=4,"
-        "batch.n_minibatches=1,sampling.max_new_tokens=6,task.num_train=64,task.num_test=8,"
-        "eval.num_prompts=8,eval.batch_size=8,train.eval_every=0,train.checkpoint_every=1,"
-        "train.tensorboard=False,optim.lr=0.01,batch.prompt_buckets=(16,),"
-        "batch.response_buckets=(6,)")
+TINY = (
+    "model=tiny_dense,model.num_layers=1,batch.n_prompts=2,batch.group_size=4,"
+    "batch.n_minibatches=1,sampling.max_new_tokens=6,task.num_train=64,task.num_test=8,"
+    "eval.num_prompts=8,eval.batch_size=8,train.eval_every=0,train.checkpoint_every=1,"
+    "train.tensorboard=False,optim.lr=0.01,batch.prompt_buckets=(16,),"
+    "batch.response_buckets=(6,)"
+)
 
 
 def load(name, arg=None):
@@ -47,14 +49,20 @@ def checked(name, **fields):
 
 # Each fault of the issue's list, by the field the error must name.
 BAD_VALUES = [
-    ("algo__method", "grpo",
-     r"config\.algo\.method must be one of \('ppo', 'gspo', 'gspo_token', 'sapo'\)"),
+    (
+        "algo__method",
+        "grpo",
+        r"config\.algo\.method must be one of \('ppo', 'gspo', 'gspo_token', 'sapo'\)",
+    ),
     ("algo__aggregation", "mean", r"config\.algo\.aggregation must be one of"),
     ("batch__n_minibatches", 3, r"config\.batch\.n_minibatches \(3\) must divide n_prompts"),
     ("train__checkpoint_every", 0, r"config\.train\.checkpoint_every must be an int >= 1, got 0"),
     ("sampling__temperature", 0.0, r"config\.sampling\.temperature must be > 0"),
-    ("batch__group_size", 1,
-     r"config\.batch\.group_size must be >= 2 with group-relative advantages"),
+    (
+        "batch__group_size",
+        1,
+        r"config\.batch\.group_size must be >= 2 with group-relative advantages",
+    ),
     ("train__num_iterations", -5, r"config\.train\.num_iterations must be an int >= 1, got -5"),
     ("optim__lr", 0.0, r"config\.optim\.lr must be a finite number > 0\.0, got 0\.0"),
     ("optim__lr", -0.001, r"config\.optim\.lr must be a finite number > 0\.0, got -0\.001"),
@@ -100,42 +108,75 @@ def test_method_choices_come_from_the_objectives_registry():
 def test_print_config_comments_every_commented_field():
     text = base.describe(load("sapo"))
     lines = text.splitlines()
-    for field in ("algo.tau_neg", "optim.warmup_steps", "train.sample_every",
-                  "batch.n_minibatches"):
+    for field in (
+        "algo.tau_neg",
+        "optim.warmup_steps",
+        "train.sample_every",
+        "batch.n_minibatches",
+    ):
         at = next(i for i, line in enumerate(lines) if line.startswith(f"{field} = "))
         assert lines[at - 1].startswith("# "), field
     assert "algo.tau_neg = 1.05" in lines and "batch.n_minibatches = 4" in lines
     # Every field of the config is listed.
     assert len([line for line in lines if " = " in line and not line.startswith("#")]) == len(
-        build.config_record(load("sapo")))
+        build.config_record(load("sapo"))
+    )
 
 
 def _cli(*args, timeout=120):
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_command_line_errors_are_one_line_and_write_nothing(tmp_path):
     workdir = tmp_path / "run"
-    out = _cli("experiments.train", "--config", "configs/sapo.py", f"--workdir={workdir}",
-               "--config.train.checkpoint_every=0")
+    out = _cli(
+        "experiments.train",
+        "--config",
+        "configs/sapo.py",
+        f"--workdir={workdir}",
+        "--config.train.checkpoint_every=0",
+    )
     assert out.returncode == 2, out.stderr
     first = out.stderr.splitlines()[0]
     assert first == "error: config.train.checkpoint_every must be an int >= 1, got 0"
     assert len(out.stderr.splitlines()) <= 2 and "Traceback" not in out.stderr
     assert not workdir.exists()
-    out = _cli("experiments.train", "--config", "configs/sapo.py", f"--workdir={workdir}",
-               "--config.algo.tau_ng=1.1")
+    out = _cli(
+        "experiments.train",
+        "--config",
+        "configs/sapo.py",
+        f"--workdir={workdir}",
+        "--config.algo.tau_ng=1.1",
+    )
     assert out.returncode == 2
-    assert out.stderr.splitlines()[0] == ("error: unknown config field 'algo.tau_ng': did you mean "
-                                          '"tau_neg" instead of "tau_ng"?')
-    out = _cli("experiments.train", "--config", "configs/nope.py:model=tiny_dense",
-               f"--workdir={workdir}", "--config.algo.tau_neg=1.1")
+    assert out.stderr.splitlines()[0] == (
+        'error: unknown config field \'algo.tau_ng\': did you mean "tau_neg" instead of "tau_ng"?'
+    )
+    out = _cli(
+        "experiments.train",
+        "--config",
+        "configs/nope.py:model=tiny_dense",
+        f"--workdir={workdir}",
+        "--config.algo.tau_neg=1.1",
+    )
     assert out.returncode == 2
     assert out.stderr.startswith("error: config file not found: 'configs/nope.py'")
-    out = _cli("experiments.train", "--config", "configs/sapo.py", f"--workdir={workdir}",
-               "--config.optim.lr=-0.001", "--verbose")
+    out = _cli(
+        "experiments.train",
+        "--config",
+        "configs/sapo.py",
+        f"--workdir={workdir}",
+        "--config.optim.lr=-0.001",
+        "--verbose",
+    )
     assert out.returncode != 0 and "Traceback" in out.stderr  # --verbose keeps it
     assert not workdir.exists()
 
@@ -143,12 +184,22 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path):
 def test_help_print_config_and_dry_run_exit_zero(tmp_path):
     out = _cli("experiments.train", "--help")
     assert out.returncode == 0 and "--print_config" in out.stdout and "--dry_run" in out.stdout
-    out = _cli("experiments.train", "--config", "configs/sapo.py", "--config.algo.tau_neg=1.1",
-               "--print_config")
+    out = _cli(
+        "experiments.train",
+        "--config",
+        "configs/sapo.py",
+        "--config.algo.tau_neg=1.1",
+        "--print_config",
+    )
     assert out.returncode == 0 and "\nalgo.tau_neg = 1.1\n" in out.stdout
     workdir = tmp_path / "run"
-    out = _cli("experiments.train", "--config", f"configs/sapo.py:{TINY}", f"--workdir={workdir}",
-               "--dry_run")
+    out = _cli(
+        "experiments.train",
+        "--config",
+        f"configs/sapo.py:{TINY}",
+        f"--workdir={workdir}",
+        "--dry_run",
+    )
     assert out.returncode == 0, out.stderr
     assert "random initialisation (seed 0)" in out.stdout and "44,128)" in out.stdout
     assert "warning: batch.epochs=1 and batch.n_minibatches=1" in out.stdout  # TINY: one update
@@ -157,8 +208,10 @@ def test_help_print_config_and_dry_run_exit_zero(tmp_path):
 
 def test_ratio_warning_and_the_sapo_recipe_default():
     one_update = load("sapo", "batch.n_minibatches=1")
-    assert any("ratio is 1 at every token" in w and "tau_pos / tau_neg" in w
-               for w in report.advisories(one_update))
+    assert any(
+        "ratio is 1 at every token" in w and "tau_pos / tau_neg" in w
+        for w in report.advisories(one_update)
+    )
     assert any("clip_low / clip_high" in w for w in report.advisories(load("grpo")))
     sapo = load("sapo")
     assert sapo.batch.n_minibatches > 1 and report.advisories(sapo) == []
@@ -171,9 +224,11 @@ def test_readme_sapo_example_changes_the_update(tmp_path):
     groups from a random policy (`tests.verifiers.odd_length`) gives the updates a signal."""
     params = {}
     for tau in (1.05, 1.1):
-        variant = (TINY.replace("batch.n_minibatches=1", "batch.n_minibatches=2")
-                   + f",algo.tau_neg={tau},reward.verifier='tests.verifiers:odd_length',"
-                   "eval.num_prompts=0,train.num_iterations=1,train.sample_every=0")
+        variant = (
+            TINY.replace("batch.n_minibatches=1", "batch.n_minibatches=2")
+            + f",algo.tau_neg={tau},reward.verifier='tests.verifiers:odd_length',"
+            "eval.num_prompts=0,train.num_iterations=1,train.sample_every=0"
+        )
         summary = trainer.run_rl(load("sapo", variant), str(tmp_path / str(tau)), quiet=True)
         assert summary["metrics"]["batch/informative_groups"] > 0
         params[tau] = [np.asarray(x) for x in jax.tree.leaves(summary["run"].state.params)]
@@ -217,8 +272,8 @@ def _events(directory):
             data = f.read()
         at = 0
         while at < len(data):
-            (length,) = struct.unpack("<Q", data[at:at + 8])
-            events.append(Event.FromString(data[at + 12:at + 12 + length]))
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            events.append(Event.FromString(data[at + 12 : at + 12 + length]))
             at += 12 + length + 4
     return events
 
@@ -226,11 +281,16 @@ def _events(directory):
 def test_tensorboard_keeps_metric_names_and_writes_sample_text(tmp_path):
     writer = MetricsWriter(str(tmp_path), tensorboard=True)
     writer.write(3, {"eval/pass@1": 0.25, "reward/mean": 0.5})
-    writer.write_text(3, "samples/train",
-                      [{"step": 3, "prompt": "1+1=", "completion": "a|b", "reward": 1.0}])
+    writer.write_text(
+        3, "samples/train", [{"step": 3, "prompt": "1+1=", "completion": "a|b", "reward": 1.0}]
+    )
     writer.close()
-    values = {v.tag: v for e in _events(str(tmp_path / "tensorboard")) if e.HasField("summary")
-              for v in e.summary.value}
+    values = {
+        v.tag: v
+        for e in _events(str(tmp_path / "tensorboard"))
+        if e.HasField("summary")
+        for v in e.summary.value
+    }
     assert values["eval/pass@1"].simple_value == 0.25 and "eval/pass_1" not in values
     assert values["reward/mean"].simple_value == 0.5
     text = values["samples/train/text_summary"].tensor.string_val[0].decode()
@@ -258,14 +318,17 @@ def test_plots_refuse_missing_runs_and_draw_sft_runs(tmp_path, monkeypatch):
     def record(fig, path, **kwargs):
         for ax in fig.axes:
             if ax.get_title():
-                drawn[ax.get_title()] = {line.get_label(): list(line.get_ydata())
-                                         for line in ax.get_lines()}
+                drawn[ax.get_title()] = {
+                    line.get_label(): list(line.get_ydata()) for line in ax.get_lines()
+                }
         return savefig(fig, path, **kwargs)
 
     monkeypatch.setattr(plt.Figure, "savefig", record)
     plots.plot_runs([str(tmp_path / "sft")], str(tmp_path / "sft.png"))
-    assert drawn == {"SFT loss (NLL)": {"sft": [2.0, 1.0]},
-                     "held-out pass@1 (greedy)": {"sft": [0.5]}}
+    assert drawn == {
+        "SFT loss (NLL)": {"sft": [2.0, 1.0]},
+        "held-out pass@1 (greedy)": {"sft": [0.5]},
+    }
 
 
 def test_equal_curves_get_distinct_styles():
@@ -278,36 +341,53 @@ def test_equal_curves_get_distinct_styles():
 
 
 def test_checkpoint_of_another_model_names_the_parameter_shapes_and_presets(tmp_path):
-    configs = {name: load("sapo", f"model={name},model.num_layers=1")
-               for name in ("tiny_moe", "tiny_dense")}
+    configs = {
+        name: load("sapo", f"model={name},model.num_layers=1")
+        for name in ("tiny_moe", "tiny_dense")
+    }
     params = {}
     for name, config in configs.items():
         model = build.make_model(config, 64)
         params[name] = split_params(model)[1]
     with Checkpointer(str(tmp_path / "ck")) as checkpointer:
-        checkpointer.save(5, {"train": {"params": params["tiny_moe"]}},
-                          {"iteration": 5, "config": build.config_record(configs["tiny_moe"])})
+        checkpointer.save(
+            5,
+            {"train": {"params": params["tiny_moe"]}},
+            {"iteration": 5, "config": build.config_record(configs["tiny_moe"])},
+        )
         # The same model passes.
-        build.check_checkpoint_shapes(checkpointer, {"train": {"params": params["tiny_moe"]}},
-                                      configs["tiny_moe"])
+        build.check_checkpoint_shapes(
+            checkpointer, {"train": {"params": params["tiny_moe"]}}, configs["tiny_moe"]
+        )
         with pytest.raises(ValueError) as error:
-            build.check_checkpoint_shapes(checkpointer, {"train": {"params": params["tiny_dense"]}},
-                                          configs["tiny_dense"], field="config.init_checkpoint")
+            build.check_checkpoint_shapes(
+                checkpointer,
+                {"train": {"params": params["tiny_dense"]}},
+                configs["tiny_dense"],
+                field="config.init_checkpoint",
+            )
     lines = str(error.value).splitlines()
     assert len(lines) <= 6
-    assert lines[0] == (f"config.init_checkpoint: {tmp_path / 'ck'} (step 5) holds another model "
-                        "than this run's")
+    assert lines[0] == (
+        f"config.init_checkpoint: {tmp_path / 'ck'} (step 5) holds another model than this run's"
+    )
     assert "layers.0.mlp.down_proj: checkpoint (4, 64, 64), this run (128, 64)" in lines[1]
-    assert lines[-1] == ("  saved with model.preset='tiny_moe', model.num_layers=1; this run: "
-                         "model.preset='tiny_dense', model.num_layers=1")
+    assert lines[-1] == (
+        "  saved with model.preset='tiny_moe', model.num_layers=1; this run: "
+        "model.preset='tiny_dense', model.num_layers=1"
+    )
 
 
-def test_run_logs_samples_banner_and_stops_with_a_checkpoint_on_sigterm(tmp_path, capsys,
-                                                                       monkeypatch):
+def test_run_logs_samples_banner_and_stops_with_a_checkpoint_on_sigterm(
+    tmp_path, capsys, monkeypatch
+):
     workdir = str(tmp_path / "run")
-    config = load("sapo", TINY + ",train.num_iterations=3,train.sample_every=1,"
-                  "train.sample_prompts=1,train.checkpoint_every=100,train.eval_every=1,"
-                  "train.zero_variance_patience=1")
+    config = load(
+        "sapo",
+        TINY + ",train.num_iterations=3,train.sample_every=1,"
+        "train.sample_prompts=1,train.checkpoint_every=100,train.eval_every=1,"
+        "train.zero_variance_patience=1",
+    )
     iterate = trainer.rl_iteration
 
     def iterate_then_sigterm(run):

@@ -12,8 +12,19 @@ from policyopt.rl import build
 from policyopt.rl.critic import GAEConfig
 from policyopt.sharding import MESH_AXES
 
-RECIPES = ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral", "demo", "ppo",
-           "vc_ppo", "vapo")
+RECIPES = (
+    "grpo",
+    "dapo",
+    "dr_grpo",
+    "gspo",
+    "gspo_token",
+    "sapo",
+    "magistral",
+    "demo",
+    "ppo",
+    "vc_ppo",
+    "vapo",
+)
 
 
 def load(name, arg=None):
@@ -34,7 +45,9 @@ def test_paper_values():
     assert grpo.algo.aggregation == "seq_mean_token_mean"
     assert (dapo.algo.clip_low, dapo.algo.clip_high) == (0.2, 0.28)
     assert dapo.algo.aggregation == "group_token_mean"
-    assert dapo.dynamic_sampling.enabled and dapo.reward.overlong == "dapo" and dapo.algo.kl_beta == 0
+    assert (
+        dapo.dynamic_sampling.enabled and dapo.reward.overlong == "dapo" and dapo.algo.kl_beta == 0
+    )
     assert (dr.algo.adv_scale, dr.algo.aggregation) == ("none", "seq_mean_token_sum_norm")
     assert (gspo.algo.method, gspo.algo.clip_low, gspo.algo.clip_high) == ("gspo", 3e-4, 4e-4)
     assert gspo_t.algo.method == "gspo_token" and gspo_t.algo.clip_high == 4e-4
@@ -50,23 +63,40 @@ def test_critic_paper_values():
         assert (c.algo.advantage, c.algo.gae_gamma, c.algo.method) == ("gae", 1.0, "ppo")
         assert c.algo.kl_beta == 0 and not c.dynamic_sampling.enabled
     assert (ppo.algo.aggregation, vc.algo.aggregation, vapo.algo.aggregation) == (
-        "token_mean", "token_mean", "group_token_mean")
+        "token_mean",
+        "token_mean",
+        "group_token_mean",
+    )
     assert (ppo.algo.gae_lambda, ppo.algo.gae_lambda_critic, ppo.algo.nll_coef) == (0.95, None, 0.0)
     # PPO's one lambda: the critic's follows gae_lambda, also when only gae_lambda is overridden.
     assert GAEConfig.from_config(ppo.algo).lam_critic == 0.95
     settings = GAEConfig.from_config(load("ppo", "algo.gae_lambda=0.9").algo)
     assert (settings.lam_actor, settings.lam_critic) == (0.9, 0.9)
-    settings = GAEConfig.from_config(load("ppo", "algo.gae_lambda=0.9,algo.gae_lambda_critic=1.0").algo)
+    settings = GAEConfig.from_config(
+        load("ppo", "algo.gae_lambda=0.9,algo.gae_lambda_critic=1.0").algo
+    )
     assert (settings.lam_actor, settings.lam_critic) == (0.9, 1.0)
     assert GAEConfig.from_config(vc.algo).lam_critic == 1.0
-    assert (vc.algo.gae_lambda, vc.algo.gae_lambda_critic, vc.algo.gae_length_adaptive) == (0.95, 1.0, False)
+    assert (vc.algo.gae_lambda, vc.algo.gae_lambda_critic, vc.algo.gae_length_adaptive) == (
+        0.95,
+        1.0,
+        False,
+    )
     assert vc.critic.pretrain_iterations > 0
-    assert (vapo.algo.gae_length_adaptive, vapo.algo.gae_alpha, vapo.algo.gae_lambda_critic) == (True, 0.05, 1.0)
+    assert (vapo.algo.gae_length_adaptive, vapo.algo.gae_alpha, vapo.algo.gae_lambda_critic) == (
+        True,
+        0.05,
+        1.0,
+    )
     assert (vapo.algo.clip_low, vapo.algo.clip_high, vapo.algo.nll_coef) == (0.2, 0.28, 0.1)
     assert load("grpo").algo.advantage == "outcome"
     paper = load("vapo", "scale=paper")
     assert (paper.optim.lr, paper.critic.lr, paper.critic.pretrain_iterations) == (1e-6, 2e-6, 50)
-    assert (paper.batch.n_prompts, paper.batch.group_size, paper.batch.n_minibatches) == (512, 16, 16)
+    assert (paper.batch.n_prompts, paper.batch.group_size, paper.batch.n_minibatches) == (
+        512,
+        16,
+        16,
+    )
     assert paper.sampling.max_new_tokens == 20480  # DAPO's, not the CPU's 24 (lambda ~ 0.999)
     assert load("dapo", "algo.aggregation=token_mean").algo.aggregation == "token_mean"  # verl's
     assert load("dapo").dynamic_sampling.criterion == "accuracy"
@@ -86,8 +116,17 @@ def test_recipes_state_the_papers_rewards_aggregation_and_kl():
     names = ("grpo", "dapo", "dr_grpo", "gspo", "sapo", "magistral", "ppo", "vc_ppo", "vapo")
     configs = {name: load(name) for name in names}
     incorrect = {name: c.reward.incorrect_value for name, c in configs.items()}
-    assert incorrect == {"grpo": 0.0, "dapo": -1.0, "dr_grpo": 0.0, "gspo": 0.0, "sapo": 0.0,
-                         "magistral": 0.0, "ppo": -1.0, "vc_ppo": -1.0, "vapo": -1.0}
+    assert incorrect == {
+        "grpo": 0.0,
+        "dapo": -1.0,
+        "dr_grpo": 0.0,
+        "gspo": 0.0,
+        "sapo": 0.0,
+        "magistral": 0.0,
+        "ppo": -1.0,
+        "vc_ppo": -1.0,
+        "vapo": -1.0,
+    }
     group_mean = sorted(n for n, c in configs.items() if c.algo.aggregation == "group_token_mean")
     assert group_mean == ["dapo", "magistral", "vapo"]
     assert all(not c.algo.kl_clamp for c in configs.values())
@@ -96,6 +135,7 @@ def test_recipes_state_the_papers_rewards_aggregation_and_kl():
     assert load("grpo", "algo.kl_clamp=True").algo.kl_clamp is True
     # The critic sees +-1 outcomes; the loss settings carry the clamp and the aggregation.
     from policyopt.rl.learner import LossConfig
+
     settings = LossConfig.from_config(load("vapo", "algo.kl_clamp=True,algo.kl_beta=0.04"))
     assert (settings.kl_clamp, settings.aggregation) == (True, "group_token_mean")
     assert settings.group_size == 8
@@ -107,13 +147,19 @@ def test_recipes_state_the_papers_rewards_aggregation_and_kl():
 
 
 def test_variant_string_and_paper_scale():
-    config = load("sapo", "model=tiny_dense,algo.tau_neg=1.2,batch.group_size=4,algo.routing_replay=R2")
+    config = load(
+        "sapo", "model=tiny_dense,algo.tau_neg=1.2,batch.group_size=4,algo.routing_replay=R2"
+    )
     assert config.model.preset == "tiny_dense"
     assert config.algo.tau_neg == 1.2 and config.batch.group_size == 4
     assert config.algo.routing_replay == "R2"
     paper = load("dapo", "scale=paper")
     assert paper.model.preset == "qwen3_30b_a3b"
-    assert (paper.batch.n_prompts, paper.batch.group_size, paper.batch.n_minibatches) == (512, 16, 16)
+    assert (paper.batch.n_prompts, paper.batch.group_size, paper.batch.n_minibatches) == (
+        512,
+        16,
+        16,
+    )
     assert paper.optim.lr == 1e-6 and paper.reward.cache_len == 4096
 
 
@@ -131,14 +177,25 @@ def test_every_recipe_builds_at_paper_scale(name):
     assert config.sampling.max_new_tokens >= 1024
     # The long-context model settings (base.PAPER_SCALE_MODEL), which a variant may override.
     assert (config.model.dtype, config.model.scan_layers, config.model.remat) == (
-        "bfloat16", True, "full")
+        "bfloat16",
+        True,
+        "full",
+    )
     assert config.model.attention == "auto"
     assert load(name, variant + ",model.remat=save_dots").model.remat == "save_dots"
 
 
 def test_variant_values_may_be_tuples():
-    assert base.split_variant("a=1,b=(16, 32),c=[1,2],,d={'x': 1}") == ["a=1", "b=(16, 32)", "c=[1,2]", "d={'x': 1}"]
-    config = load("sapo", "batch.response_buckets=(8,24),batch.prompt_buckets=(16,),sampling.max_new_tokens=24")
+    assert base.split_variant("a=1,b=(16, 32),c=[1,2],,d={'x': 1}") == [
+        "a=1",
+        "b=(16, 32)",
+        "c=[1,2]",
+        "d={'x': 1}",
+    ]
+    config = load(
+        "sapo",
+        "batch.response_buckets=(8,24),batch.prompt_buckets=(16,),sampling.max_new_tokens=24",
+    )
     assert config.batch.response_buckets == (8, 24) and config.batch.prompt_buckets == (16,)
     assert config.sampling.max_new_tokens == 24
     assert base.split_variant("a='x,y',b=\"(,\",c=1") == ["a='x,y'", 'b="(,"', "c=1"]
@@ -148,7 +205,9 @@ def test_variant_values_may_be_tuples():
 
 
 def test_a_run_config_json_loads_back_with_its_types(tmp_path):
-    config = load("vapo", "batch.response_buckets=(8,24),sampling.max_new_tokens=24,algo.tis_cap=2.0")
+    config = load(
+        "vapo", "batch.response_buckets=(8,24),sampling.max_new_tokens=24,algo.tis_cap=2.0"
+    )
     path = tmp_path / "config.json"
     path.write_text(config.to_json_best_effort(indent=2, sort_keys=True))
     loaded = base.load_run_config(str(path))
@@ -206,8 +265,14 @@ def test_unknown_or_bad_fields_are_named():
     with pytest.raises(ValueError, match="rs_level / rs_veto .*old_log_probs='trainer'"):
         load("grpo", "algo.rs_veto=1e-4,algo.old_log_probs=sampler")
     # The loop's cadences: a zero would divide by zero mid-run.
-    for field, value in (("train.checkpoint_every", 0), ("train.log_every", 0), ("train.eval_every", -1),
-                         ("eval.batch_size", 0), ("sft.checkpoint_every", -5), ("eval.num_prompts", -1)):
+    for field, value in (
+        ("train.checkpoint_every", 0),
+        ("train.log_every", 0),
+        ("train.eval_every", -1),
+        ("eval.batch_size", 0),
+        ("sft.checkpoint_every", -5),
+        ("eval.num_prompts", -1),
+    ):
         with pytest.raises(ValueError, match=f"config.{field} must be an int >= "):
             load("grpo", f"{field}={value}")
     with pytest.raises(ValueError, match="keep_checkpoints must be an int >= 1"):
@@ -215,14 +280,24 @@ def test_unknown_or_bad_fields_are_named():
     with pytest.raises(ValueError, match="sft.overlong_response"):
         load("grpo", "sft.overlong_response=cut")
     config = load("grpo", "algo.rs_level=geometric,algo.rs_upper=1.001,algo.rs_veto=1e-4")
-    assert (config.algo.rs_level, config.algo.rs_upper, config.algo.rs_lower) == ("geometric", 1.001, None)
+    assert (config.algo.rs_level, config.algo.rs_upper, config.algo.rs_lower) == (
+        "geometric",
+        1.001,
+        None,
+    )
 
 
 def test_command_line_overrides_through_config_flags():
-    argv = ["prog", "--config=configs/sapo.py:model=tiny_dense", "--config.algo.tau_neg=1.1",
-            "--config.batch.n_prompts=4"]
+    argv = [
+        "prog",
+        "--config=configs/sapo.py:model=tiny_dense",
+        "--config.algo.tau_neg=1.1",
+        "--config.batch.n_prompts=4",
+    ]
     values = flags.FlagValues()
-    holder = config_flags.DEFINE_config_file("config", None, "recipe", flag_values=values, sys_argv=argv)
+    holder = config_flags.DEFINE_config_file(
+        "config", None, "recipe", flag_values=values, sys_argv=argv
+    )
     values(argv)
     config = holder.value
     assert config.model.preset == "tiny_dense" and config.algo.tau_neg == 1.1
@@ -230,12 +305,16 @@ def test_command_line_overrides_through_config_flags():
     # A field whose default is None (a typed placeholder) takes a value too.
     argv = ["prog", "--config=configs/ppo.py", "--config.algo.gae_lambda_critic=1.0"]
     values = flags.FlagValues()
-    holder = config_flags.DEFINE_config_file("config", None, "recipe", flag_values=values, sys_argv=argv)
+    holder = config_flags.DEFINE_config_file(
+        "config", None, "recipe", flag_values=values, sys_argv=argv
+    )
     values(argv)
     assert holder.value.algo.gae_lambda_critic == 1.0
     argv = ["prog", "--config=configs/sapo.py", "--config.algo.tau_ng=1.1"]
     values = flags.FlagValues()
-    holder = config_flags.DEFINE_config_file("config", None, "recipe", flag_values=values, sys_argv=argv)
+    holder = config_flags.DEFINE_config_file(
+        "config", None, "recipe", flag_values=values, sys_argv=argv
+    )
     with pytest.raises(Exception, match="tau_ng"):
         values(argv)
         holder.value
@@ -245,14 +324,23 @@ def test_mesh_block_has_the_mesh_axes_and_checks_its_sizes():
     config = load("grpo", "mesh.fsdp=2,mesh.tensor=2")
     assert set(config.mesh.keys()) == set(MESH_AXES)
     assert dict(config.mesh) == {"data": -1, "fsdp": 2, "tensor": 2, "expert": 1}
-    assert dict(load("sapo").mesh) == {"data": -1, "fsdp": 1, "tensor": 1, "expert": 1}  # one CPU: as before
+    assert dict(load("sapo").mesh) == {
+        "data": -1,
+        "fsdp": 1,
+        "tensor": 1,
+        "expert": 1,
+    }  # one CPU: as before
     with pytest.raises(ValueError, match="config.mesh.fsdp must be a positive int"):
         load("grpo", "mesh.fsdp=0")
     with pytest.raises(ValueError, match="config.mesh.expert must be a positive int"):
         load("grpo", "mesh.expert=True")
-    with pytest.raises(ValueError, match=r"at most one axis may be -1, got -1 for \['data', 'tensor'\]"):
+    with pytest.raises(
+        ValueError, match=r"at most one axis may be -1, got -1 for \['data', 'tensor'\]"
+    ):
         load("grpo", "mesh.tensor=-1")
     with pytest.raises(KeyError, match="mesh.model"):
         load("grpo", "mesh.model=2")
-    with pytest.raises(ValueError, match="config.mesh: .* 1 devices are not divisible by 4"):  # 1 CPU
+    with pytest.raises(
+        ValueError, match="config.mesh: .* 1 devices are not divisible by 4"
+    ):  # 1 CPU
         build.make_mesh(config)

@@ -15,9 +15,18 @@ from policyopt.models import Transformer, preset
 from policyopt.rl import forwards, trainer
 from policyopt.rl.batch import Batch, layout
 from configs import vapo
-from policyopt.rl.critic import (Critic, CriticConfig, GAEConfig, critic_loss, critic_optim,
-                                 forward_values, gae_targets, get_critic, init_critic_params,
-                                 token_rewards)
+from policyopt.rl.critic import (
+    Critic,
+    CriticConfig,
+    GAEConfig,
+    critic_loss,
+    critic_optim,
+    forward_values,
+    gae_targets,
+    get_critic,
+    init_critic_params,
+    token_rewards,
+)
 from policyopt.rl.learner import TrainState, split_params
 from tests.settings import critic_settings, gae_settings, optim_settings
 from tests.test_rl_trainer import tiny
@@ -37,10 +46,15 @@ def _random_head(params, seed=0, scale=0.5):
     """Critic parameters with a random (non-zero) head, so values are not all 0."""
     rng = np.random.default_rng(seed)
     kernel = params["head"]["kernel"]
-    head = {"kernel": np.asarray(scale * rng.standard_normal(kernel.shape), np.float32),
-            "bias": np.asarray(0.3, np.float32)}
+    head = {
+        "kernel": np.asarray(scale * rng.standard_normal(kernel.shape), np.float32),
+        "bias": np.asarray(0.3, np.float32),
+    }
     # Placed like the other parameters (committed to their device when they are).
-    head = {k: jax.device_put(v, kernel.sharding) if kernel.committed else jnp.asarray(v) for k, v in head.items()}
+    head = {
+        k: jax.device_put(v, kernel.sharding) if kernel.committed else jnp.asarray(v)
+        for k, v in head.items()
+    }
     return {"backbone": params["backbone"], "head": head}
 
 
@@ -69,7 +83,9 @@ def test_values_are_the_states_before_each_response_token():
     graphdef, policy_params = split_params(model)
     params = init_critic_params(policy_params, model.config.hidden_size)
     # Zero head: every value is exactly 0; the backbone is a copy, not the same buffers.
-    assert float(jnp.abs(params["head"]["kernel"]).max()) == 0 and float(params["head"]["bias"]) == 0
+    assert (
+        float(jnp.abs(params["head"]["kernel"]).max()) == 0 and float(params["head"]["bias"]) == 0
+    )
     for got, want in zip(jax.tree.leaves(params["backbone"]), jax.tree.leaves(policy_params)):
         assert got is not want
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -79,8 +95,9 @@ def test_values_are_the_states_before_each_response_token():
     responses = [[9, 10, 11, 12], [13, 14], [15]]
     arrays = {k: jnp.asarray(v) for k, v in layout(prompts, responses, 0, 4, 4).items()}
     critic = get_critic(graphdef, critic_settings(), optim_settings(lr=1e-3, weight_decay=0.0))
-    values = critic.values(params, arrays["tokens"], arrays["positions"], arrays["attention_mask"],
-                           arrays["mask"])
+    values = critic.values(
+        params, arrays["tokens"], arrays["positions"], arrays["attention_mask"], arrays["mask"]
+    )
     assert values.shape == (3, 4)
     np.testing.assert_array_equal(np.asarray(values)[np.asarray(arrays["mask"]) == 0], 0)
 
@@ -95,7 +112,9 @@ def test_values_are_the_states_before_each_response_token():
             assert float(values[r, t]) == pytest.approx(want, abs=1e-5), (r, t)
     # V(s_t) never sees token t: changing response token 1 changes V(s_2) onwards only.
     tokens = arrays["tokens"].at[0, 4 + 1].set(2)
-    changed = critic.values(params, tokens, arrays["positions"], arrays["attention_mask"], arrays["mask"])
+    changed = critic.values(
+        params, tokens, arrays["positions"], arrays["attention_mask"], arrays["mask"]
+    )
     np.testing.assert_array_equal(np.asarray(changed[0, :2]), np.asarray(values[0, :2]))
     assert np.all(np.abs(np.asarray(changed[0, 2:]) - np.asarray(values[0, 2:])) > 1e-6)
 
@@ -106,22 +125,34 @@ def test_moe_critic_adds_its_load_balancing_loss():
     model = Transformer(preset("tiny_moe", vocab_size=VOCAB, num_layers=1), rngs=nnx.Rngs(0))
     graphdef, policy_params = split_params(model)
     params = _random_head(init_critic_params(policy_params, model.config.hidden_size))
-    arrays = {k: jnp.asarray(v) for k, v in layout([[3, 4, 5], [6], [7, 8]], [[9, 10, 11, 12], [13, 14], [15]],
-                                                   0, 4, 4).items()}
+    arrays = {
+        k: jnp.asarray(v)
+        for k, v in layout(
+            [[3, 4, 5], [6], [7, 8]], [[9, 10, 11, 12], [13, 14], [15]], 0, 4, 4
+        ).items()
+    }
     rng = np.random.default_rng(0)
-    batch = Batch(tokens=arrays["tokens"], positions=arrays["positions"],
-                  attention_mask=arrays["attention_mask"], mask=arrays["mask"],
-                  advantages=jnp.zeros((3, 4)), old_log_probs=jnp.zeros((3, 4)),
-                  old_values=jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
-                  returns=jnp.asarray(rng.normal(size=(3, 4)), jnp.float32))
-    _, aux = forward_values(graphdef, params, batch.tokens, batch.positions, batch.attention_mask,
-                            4, return_aux=True)
+    batch = Batch(
+        tokens=arrays["tokens"],
+        positions=arrays["positions"],
+        attention_mask=arrays["attention_mask"],
+        mask=arrays["mask"],
+        advantages=jnp.zeros((3, 4)),
+        old_log_probs=jnp.zeros((3, 4)),
+        old_values=jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
+        returns=jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
+    )
+    _, aux = forward_values(
+        graphdef, params, batch.tokens, batch.positions, batch.attention_mask, 4, return_aux=True
+    )
     balance = float(aux["load_balancing_loss"])
     assert balance > 0
 
     def loss_and_grads(coef):
         settings = critic_settings(load_balancing_coef=coef)
-        return jax.value_and_grad(lambda p: critic_loss(graphdef, p, batch, settings), has_aux=True)(params)
+        return jax.value_and_grad(
+            lambda p: critic_loss(graphdef, p, batch, settings), has_aux=True
+        )(params)
 
     (plain, metrics), plain_grads = loss_and_grads(0.0)
     # Rollout rejection sampling's loss mask is the policy's: the critic still fits every token.
@@ -131,11 +162,20 @@ def test_moe_critic_adds_its_load_balancing_loss():
     assert float(metrics["critic/moe_load_balancing_loss"]) == pytest.approx(balance, rel=1e-6)
     assert float(plain) == pytest.approx(float(metrics["critic/value_loss"]), rel=1e-6)
     assert float(with_term) == pytest.approx(float(plain) + 0.5 * balance, rel=1e-6)
-    router = [(path, a, b) for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(plain_grads),
-                                                    jax.tree.leaves(term_grads))
-              if "router" in jax.tree_util.keystr(path)]
+    router = [
+        (path, a, b)
+        for (path, a), b in zip(
+            jax.tree_util.tree_leaves_with_path(plain_grads), jax.tree.leaves(term_grads)
+        )
+        if "router" in jax.tree_util.keystr(path)
+    ]
     assert router and any(not np.allclose(a, b) for _, a, b in router)
-    assert CriticConfig.from_config(vapo.get_config("algo.load_balancing_coef=0.01")).load_balancing_coef == 0.01
+    assert (
+        CriticConfig.from_config(
+            vapo.get_config("algo.load_balancing_coef=0.01")
+        ).load_balancing_coef
+        == 0.01
+    )
     # A minibatch without a valid token does not move the critic (AdamW's decay and momentum).
     critic = Critic(graphdef, critic_settings(), critic_optim(vapo.get_config()))
     state = TrainState.create(jax.tree.map(jnp.copy, params), critic.optimizer)
@@ -149,7 +189,9 @@ def test_moe_critic_adds_its_load_balancing_loss():
     critic = Critic(graphdef, critic_settings(), optim_settings(lr=float("inf"), weight_decay=0.0))
     state = TrainState.create(jax.tree.map(jnp.copy, params), critic.optimizer)
     state, metrics = critic.update(state, batch)
-    assert float(metrics["critic/skipped"]) == 1.0 and np.isfinite(float(metrics["critic/grad_norm"]))
+    assert float(metrics["critic/skipped"]) == 1.0 and np.isfinite(
+        float(metrics["critic/grad_norm"])
+    )
     assert int(state.step) == 0 and int(state.skipped) == 1
     assert all(np.isfinite(leaf).all() for leaf in _leaves(state))
 
@@ -157,18 +199,22 @@ def test_moe_critic_adds_its_load_balancing_loss():
 def test_token_rewards_and_gae_targets_hand_worked():
     mask = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], jnp.float32)
     rewards = jnp.asarray([1.0, -1.0, 5.0])
-    np.testing.assert_array_equal(np.asarray(token_rewards(rewards, mask)),
-                                  [[0, 0, 1, 0], [0, -1, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(
+        np.asarray(token_rewards(rewards, mask)), [[0, 0, 1, 0], [0, -1, 0, 0], [0, 0, 0, 0]]
+    )
     values = jnp.asarray([[0.5, 0.25, 0.5, 9.0], [0.0, -0.5, 9.0, 9.0], [1.0, 1.0, 1.0, 1.0]])
     settings = gae_settings(gamma=1.0, lam_actor=0.5, lam_critic=1.0, whiten=False)
     advantages, returns, metrics = gae_targets(rewards, values, mask, settings)
     # Row 0: deltas (0.25 - 0.5, 0.5 - 0.25, 1 - 0.5) = (-0.25, 0.25, 0.5);
     # A_2 = 0.5, A_1 = 0.25 + 0.5 * 0.5 = 0.5, A_0 = -0.25 + 0.5 * 0.5 = 0.
     # Row 1: deltas (-0.5 - 0, -1 + 0.5) = (-0.5, -0.5); A_1 = -0.5, A_0 = -0.75.
-    np.testing.assert_allclose(np.asarray(advantages), [[0, 0.5, 0.5, 0], [-0.75, -0.5, 0, 0], [0] * 4],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(advantages), [[0, 0.5, 0.5, 0], [-0.75, -0.5, 0, 0], [0] * 4], atol=1e-6
+    )
     # lambda_critic = 1, gamma = 1: the value targets are the Monte-Carlo returns.
-    np.testing.assert_allclose(np.asarray(returns), [[1, 1, 1, 0], [-1, -1, 0, 0], [0] * 4], atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(returns), [[1, 1, 1, 0], [-1, -1, 0, 0], [0] * 4], atol=1e-6
+    )
     assert float(metrics["critic/returns_mean"]) == pytest.approx(0.2)
     assert float(metrics["advantages/mean"]) == pytest.approx((0 + 0.5 + 0.5 - 0.75 - 0.5) / 5)
     whitened, _, _ = gae_targets(rewards, values, mask, gae_settings(lam_actor=0.5, lam_critic=1.0))
@@ -190,15 +236,20 @@ def test_nll_loss_hand_worked():
 
 def test_length_adaptive_gae_against_loops():
     settings = GAEConfig.from_config(vapo.get_config().algo)
-    assert settings == GAEConfig(gamma=1.0, lam_actor=0.95, lam_critic=1.0, length_adaptive=True,
-                                 alpha=0.05, whiten=True)
+    assert settings == GAEConfig(
+        gamma=1.0, lam_actor=0.95, lam_critic=1.0, length_adaptive=True, alpha=0.05, whiten=True
+    )
     rng = np.random.default_rng(0)
     lengths = np.array([1, 10, 21, 40, 64, 0])
     mask = (np.arange(64)[None, :] < lengths[:, None]).astype(np.float32)
     values = rng.normal(size=mask.shape).astype(np.float32)
     rewards = rng.normal(size=len(lengths)).astype(np.float32)
-    advantages, returns, _ = gae_targets(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask),
-                                         dataclasses.replace(settings, whiten=False))
+    advantages, returns, _ = gae_targets(
+        jnp.asarray(rewards),
+        jnp.asarray(values),
+        jnp.asarray(mask),
+        dataclasses.replace(settings, whiten=False),
+    )
     per_token = np.zeros(mask.shape)
     for r, length in enumerate(lengths):
         if length:
@@ -215,8 +266,9 @@ def _check_gae(run, critic_before, lam_actor, lam_critic):
     """The iteration's values, advantages and returns against an independent recomputation."""
     batch, sampled = run.last_batch, run.last_round
     mask = np.asarray(batch.mask)
-    values = run.critic.values(critic_before, batch.tokens, batch.positions, batch.attention_mask,
-                               batch.mask)
+    values = run.critic.values(
+        critic_before, batch.tokens, batch.positions, batch.attention_mask, batch.mask
+    )
     np.testing.assert_array_equal(np.asarray(batch.old_values), np.asarray(values))
     values = np.asarray(values, np.float64)
     rewards = np.zeros(mask.shape)
@@ -235,10 +287,15 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
     value pretraining; a checkpoint after it, resumed, gives iteration 2 bit for bit."""
     # A random policy is never correct: -1 for wrong and DAPO's overlong penalty give
     # rewards that differ between rows (-1 or -2), so advantages and returns are not trivial.
-    config = tiny("vapo", model="tiny_dense", extra=(
-        "model.num_layers=1,eval.num_prompts=0,reward.incorrect_value=-1.0,reward.overlong=dapo,"
-        "critic.pretrain_iterations=1,algo.gae_length_adaptive=False,algo.gae_lambda=0.95,"
-        "algo.adv_whiten=False,train.checkpoint_every=100"))
+    config = tiny(
+        "vapo",
+        model="tiny_dense",
+        extra=(
+            "model.num_layers=1,eval.num_prompts=0,reward.incorrect_value=-1.0,reward.overlong=dapo,"
+            "critic.pretrain_iterations=1,algo.gae_length_adaptive=False,algo.gae_lambda=0.95,"
+            "algo.adv_whiten=False,train.checkpoint_every=100"
+        ),
+    )
     run = trainer.build_run(config, str(tmp_path))
     # Start from a checkpoint of iteration 0, like the resumed run below: both start from
     # restored state (placed on the run's mesh with the same shardings) and share
@@ -253,16 +310,21 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
     # policy forward pass (old log-probs) was run for it.
     policy_forwards = []
     real_log_probs = forwards.policy_log_probs
-    monkeypatch.setattr(forwards, "policy_log_probs",
-                        lambda *args: policy_forwards.append(1) or real_log_probs(*args))
+    monkeypatch.setattr(
+        forwards,
+        "policy_log_probs",
+        lambda *args: policy_forwards.append(1) or real_log_probs(*args),
+    )
     metrics = trainer.rl_iteration(run)
     assert not policy_forwards and "time/old_log_probs_s" not in metrics
     assert metrics["critic/pretraining"] == 1.0 and "loss/loss" not in metrics
     assert int(run.state.step) == 0 and int(run.critic_state.step) == 1
     for got, want in zip(_leaves(run.state.params), _leaves(policy_before)):
         np.testing.assert_array_equal(got, want)
-    assert not all(np.array_equal(a, b) for a, b in zip(_leaves(run.critic_state.params),
-                                                        _leaves(critic_before)))
+    assert not all(
+        np.array_equal(a, b)
+        for a, b in zip(_leaves(run.critic_state.params), _leaves(critic_before))
+    )
     # Decoupled GAE: advantages with lambda_actor = 0.95, targets with lambda_critic = 1.0,
     # which with gamma = 1 are the Monte-Carlo returns: the outcome reward on every token.
     rewards = _check_gae(run, critic_before, 0.95, 1.0)
@@ -279,45 +341,72 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
     assert policy_forwards and "time/old_log_probs_s" in metrics
     assert metrics["critic/pretraining"] == 0.0 and int(run.state.step) == 1
     assert int(run.critic_state.step) == 2
-    assert not all(np.array_equal(a, b) for a, b in zip(_leaves(run.state.params), _leaves(policy_before)))
+    assert not all(
+        np.array_equal(a, b) for a, b in zip(_leaves(run.state.params), _leaves(policy_before))
+    )
     _check_gae(run, critic_before, 0.95, 1.0)
-    for key in ("loss/loss", "loss/nll", "critic/value_loss", "critic/explained_variance",
-                "critic/value_clip_frac", "critic/values_mean", "critic/grad_norm", "advantages/mean",
-                "advantages/std", "critic/rollout_explained_variance", "update/grad_norm"):
+    for key in (
+        "loss/loss",
+        "loss/nll",
+        "critic/value_loss",
+        "critic/explained_variance",
+        "critic/value_clip_frac",
+        "critic/values_mean",
+        "critic/grad_norm",
+        "advantages/mean",
+        "advantages/std",
+        "critic/rollout_explained_variance",
+        "update/grad_norm",
+    ):
         assert np.isfinite(metrics[key]), key
     assert metrics["critic/value_loss"] > 0 and metrics["critic/skipped"] == 0
 
     # VAPO's NLL: the trainer selects the correct rows; loss = policy loss + 0.1 * NLL with
     # NLL = -mean log pi over the selected rows' tokens (log pi from the trainer's forward).
     batch = run.last_batch
-    np.testing.assert_array_equal(np.asarray(batch.nll_weights), run.last_round.correct.astype(np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(batch.nll_weights), run.last_round.correct.astype(np.float32)
+    )
     weights = jnp.asarray(np.arange(batch.mask.shape[0]) % 3 == 0, jnp.float32)
     # (The update's metrics are those of the loss at the parameters it starts from; the
     # update is already compiled for this shape, a separate jit of the loss is not.)
-    log_probs, _, _ = run.learner.log_probs(run.state.params, batch.tokens, batch.positions,
-                                            batch.attention_mask, batch.mask, None)
+    log_probs, _, _ = run.learner.log_probs(
+        run.state.params, batch.tokens, batch.positions, batch.attention_mask, batch.mask, None
+    )
     _, loss_metrics = run.learner.update(_copy(run.state), batch._replace(nll_weights=weights))
-    log_probs, mask, rows = np.asarray(log_probs, np.float64), np.asarray(batch.mask), np.asarray(weights) > 0
+    log_probs, mask, rows = (
+        np.asarray(log_probs, np.float64),
+        np.asarray(batch.mask),
+        np.asarray(weights) > 0,
+    )
     want_nll = -(log_probs[rows] * mask[rows]).sum() / mask[rows].sum()
     assert float(loss_metrics["loss/nll"]) == pytest.approx(want_nll, rel=1e-5)
     assert float(loss_metrics["loss/total"]) == pytest.approx(
-        float(loss_metrics["loss/loss"]) + 0.1 * want_nll, rel=1e-5)
+        float(loss_metrics["loss/loss"]) + 0.1 * want_nll, rel=1e-5
+    )
 
     # Resume from the checkpoint after iteration 1: the same iteration 2, critic included.
     resumed = trainer.build_run(config, str(tmp_path))
     assert resumed.iteration == 1 and int(resumed.critic_state.step) == 1
     trainer.rl_iteration(resumed)
-    for got, want in zip(_leaves((resumed.state, resumed.critic_state)), _leaves((run.state, run.critic_state))):
+    for got, want in zip(
+        _leaves((resumed.state, resumed.critic_state)), _leaves((run.state, run.critic_state))
+    ):
         np.testing.assert_array_equal(got, want)
 
 
 def test_value_pretraining_targets_are_monte_carlo_returns(tmp_path):
     """VC-PPO's value pretraining fits Monte-Carlo returns (lambda = 1) even in a recipe
     whose PPO updates use lambda_critic < 1 (PPO's 0.95); afterwards, lambda_critic again."""
-    config = tiny("vapo", model="tiny_dense", extra=(
-        "model.num_layers=1,eval.num_prompts=0,reward.incorrect_value=-1.0,reward.overlong=dapo,"
-        "critic.pretrain_iterations=1,algo.gae_length_adaptive=False,algo.gae_lambda=0.95,"
-        "algo.gae_lambda_critic=0.95,algo.adv_whiten=False,train.checkpoint_every=100"))
+    config = tiny(
+        "vapo",
+        model="tiny_dense",
+        extra=(
+            "model.num_layers=1,eval.num_prompts=0,reward.incorrect_value=-1.0,reward.overlong=dapo,"
+            "critic.pretrain_iterations=1,algo.gae_length_adaptive=False,algo.gae_lambda=0.95,"
+            "algo.gae_lambda_critic=0.95,algo.adv_whiten=False,train.checkpoint_every=100"
+        ),
+    )
     assert trainer.gae_settings(config, pretraining=True).lam_critic == 1.0
     assert trainer.gae_settings(config, pretraining=False) == GAEConfig.from_config(config.algo)
     assert GAEConfig.from_config(config.algo).lam_critic == 0.95

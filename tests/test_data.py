@@ -7,8 +7,15 @@ import random
 import pytest
 
 from policyopt.data import synthetic
-from policyopt.data.synthetic import (ArithmeticConfig, add_without_carry, column_sums,
-                                      evaluate, generate_arithmetic, read_columns, solve)
+from policyopt.data.synthetic import (
+    ArithmeticConfig,
+    add_without_carry,
+    column_sums,
+    evaluate,
+    generate_arithmetic,
+    read_columns,
+    solve,
+)
 from policyopt.data.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 
 # ---------------------------------------------------------------------------------------
@@ -37,7 +44,8 @@ def test_char_tokenizer_prompt_response_and_decode():
     assert response[-1] == tok.eos_id
     assert tok.decode(prompt + response) == "471+853=<think>1</think>\\boxed{1}"
     assert tok.decode(prompt + response + [tok.pad_id] * 3, skip_special=False) == (
-        "<bos>471+853=<think>1</think>\\boxed{1}<eos><pad><pad><pad>")
+        "<bos>471+853=<think>1</think>\\boxed{1}<eos><pad><pad><pad>"
+    )
 
 
 def test_char_tokenizer_errors_name_the_problem():
@@ -66,24 +74,34 @@ def test_char_tokenizer_save_load(tmp_path):
 _CHATML_JINJA = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
     "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def _tiny_bpe(special_tokens):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=special_tokens,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = ["user\nWhat is 12+35?", "assistant\n<think>7,4</think>\\boxed{47}",
-              "the answer is 42", "hello world"] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = [
+        "user\nWhat is 12+35?",
+        "assistant\n<think>7,4</think>\\boxed{47}",
+        "the answer is 42",
+        "hello world",
+    ] * 20
     tok.train_from_iterator(corpus, trainer=trainer)
     return tok
 
 
 def test_hf_tokenizer_chatml_matches_transformers_template(tmp_path):
     from transformers import PreTrainedTokenizerFast
+
     raw = _tiny_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     raw.save(str(tmp_path / "tokenizer.json"))
     tok = HFTokenizer.from_pretrained(tmp_path)
@@ -91,8 +109,9 @@ def test_hf_tokenizer_chatml_matches_transformers_template(tmp_path):
     prompt = "What is 12+35? Think, then answer."
     reference = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
     reference.chat_template = _CHATML_JINJA
-    expected = reference.apply_chat_template([{"role": "user", "content": prompt}],
-                                             add_generation_prompt=True, tokenize=True)
+    expected = reference.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
     if isinstance(expected, dict) or hasattr(expected, "input_ids"):
         expected = expected["input_ids"]
     assert tok.encode_prompt(prompt) == list(expected)
@@ -125,7 +144,8 @@ def test_hf_tokenizer_stop_ids_from_chatml_and_generation_config(tmp_path):
     assert base_model.eos_id == ids["<|endoftext|>"] and base_model.stop_ids == (ids["<|im_end|>"],)
     assert HFTokenizer(raw, eos_token="<|endoftext|>", chat_template="plain").stop_ids == ()
     (tmp_path / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": [ids["<|fim_pad|>"], ids["<|endoftext|>"]]}))
+        json.dumps({"eos_token_id": [ids["<|fim_pad|>"], ids["<|endoftext|>"]]})
+    )
     tok = HFTokenizer.from_pretrained(tmp_path)
     assert tok.stop_tokens == ("<|fim_pad|>", "<|endoftext|>")
     assert tok.stop_ids == (ids["<|fim_pad|>"], ids["<|im_end|>"])
@@ -142,7 +162,8 @@ def test_hf_tokenizer_stop_ids_from_chatml_and_generation_config(tmp_path):
 def test_hf_tokenizer_plain_fallback(tmp_path):
     raw = _tiny_bpe(["<s>", "</s>"])
     (tmp_path / "tokenizer_config.json").write_text(
-        '{"bos_token": {"content": "<s>"}, "eos_token": "</s>"}')
+        '{"bos_token": {"content": "<s>"}, "eos_token": "</s>"}'
+    )
     raw.save(str(tmp_path / "tokenizer.json"))
     tok = HFTokenizer.from_pretrained(tmp_path)
     assert tok.chat_template == "plain"
@@ -158,15 +179,18 @@ def test_hf_tokenizer_plain_fallback(tmp_path):
 # Procedures, on hand-worked cases and against independent references
 
 
-@pytest.mark.parametrize("operands, sums, answer, sums_no_carry, wrong", [
-    ([471, 853], [4, 12, 13], 1324, [4, 12, 12], 1224),
-    ([95, 7], [12, 10], 102, [12, 9], 92),
-    ([58, 67], [15, 12], 125, [15, 11], 115),
-    ([123, 456], [9, 7, 5], 579, [9, 7, 5], 579),       # no carry: both procedures agree
-    ([999, 1], [10, 10, 10], 1000, [10, 9, 9], 990),
-    ([123, 456, 789], [18, 16, 13], 1368, [18, 15, 12], 1258),
-    ([950, 80], [0, 13, 10], 1030, [0, 13, 9], 930),
-])
+@pytest.mark.parametrize(
+    "operands, sums, answer, sums_no_carry, wrong",
+    [
+        ([471, 853], [4, 12, 13], 1324, [4, 12, 12], 1224),
+        ([95, 7], [12, 10], 102, [12, 9], 92),
+        ([58, 67], [15, 12], 125, [15, 11], 115),
+        ([123, 456], [9, 7, 5], 579, [9, 7, 5], 579),  # no carry: both procedures agree
+        ([999, 1], [10, 10, 10], 1000, [10, 9, 9], 990),
+        ([123, 456, 789], [18, 16, 13], 1368, [18, 15, 12], 1258),
+        ([950, 80], [0, 13, 10], 1030, [0, 13, 9], 930),
+    ],
+)
 def test_column_sums_hand_worked(operands, sums, answer, sums_no_carry, wrong):
     assert column_sums(operands) == sums
     assert read_columns(sums) == answer == sum(operands)
@@ -179,9 +203,9 @@ def _no_carry_reference(operands):
     width = max(len(str(x)) for x in operands)
     padded = [str(x).zfill(width) for x in operands]
     total = 0
-    for j in range(width):   # j = 0 is the top column
+    for j in range(width):  # j = 0 is the top column
         column = sum(int(p[j]) for p in padded)
-        place = 10**(width - 1 - j)
+        place = 10 ** (width - 1 - j)
         total += column * place if j == 0 else (column % 10) * place
     return total
 
@@ -189,7 +213,7 @@ def _no_carry_reference(operands):
 def test_procedures_against_references():
     rng = random.Random(0)
     for _ in range(500):
-        operands = [rng.randint(0, 10**rng.randint(1, 5)) for _ in range(rng.randint(2, 4))]
+        operands = [rng.randint(0, 10 ** rng.randint(1, 5)) for _ in range(rng.randint(2, 4))]
         assert read_columns(column_sums(operands)) == sum(operands)
         assert add_without_carry(operands) == _no_carry_reference(operands)
         operators = [rng.choice("+-*") for _ in operands[1:]]
@@ -220,8 +244,12 @@ def test_generation_is_deterministic_and_seeded():
     assert first[:50] == generate_arithmetic(config, split="train", seed=3, num_examples=50)
     other = generate_arithmetic(config, split="train", seed=4, num_examples=200)
     assert len({r["prompt"] for r in first} & {r["prompt"] for r in other}) < 10
-    assert first[0] == {"prompt": first[0]["prompt"], "answer": first[0]["answer"],
-                        "solution": first[0]["solution"], "wrong_answer": first[0]["wrong_answer"]}
+    assert first[0] == {
+        "prompt": first[0]["prompt"],
+        "answer": first[0]["answer"],
+        "solution": first[0]["solution"],
+        "wrong_answer": first[0]["wrong_answer"],
+    }
 
 
 def test_splits_are_disjoint_across_seeds():
@@ -232,12 +260,12 @@ def test_splits_are_disjoint_across_seeds():
     test_prompts = {r["prompt"] for records in test for r in records}
     assert not train_prompts & test_prompts
     for records in train + test:
-        assert len({r["prompt"] for r in records}) == len(records)   # distinct within a split
+        assert len({r["prompt"] for r in records}) == len(records)  # distinct within a split
     assert all(synthetic.split_of(p, 0.2) == "test" for p in test_prompts)
 
 
 def test_exhausted_problem_space_raises():
-    config = ArithmeticConfig(min_digits=1, max_digits=1, test_fraction=0.5)   # 100 problems
+    config = ArithmeticConfig(min_digits=1, max_digits=1, test_fraction=0.5)  # 100 problems
     with pytest.raises(ValueError, match="distinct 'test' problems"):
         generate_arithmetic(config, split="test", seed=0, num_examples=80)
 
@@ -263,7 +291,7 @@ def test_default_difficulty_is_short_and_mostly_carries():
     lengths = [len(tok.encode_response(r["solution"])) for r in records]
     assert max(lengths) <= 24
     carry_share = sum(r["answer"] != r["wrong_answer"] for r in records) / len(records)
-    assert 0.6 < carry_share < 0.8    # 1 - 0.55^2 = 0.6975 for two 3-digit operands
+    assert 0.6 < carry_share < 0.8  # 1 - 0.55^2 = 0.6975 for two 3-digit operands
     for r in records:
         assert tok.decode(tok.encode(r["prompt"] + r["solution"])) == r["prompt"] + r["solution"]
 
@@ -280,11 +308,14 @@ def test_config_errors_name_the_field():
 def test_solutions_pass_the_reward_format_and_verifier():
     """The worked solutions are graded as the RL reward will grade the policy's responses."""
     from policyopt.rewards import format_ok, math_correctness
+
     config = ArithmeticConfig(wrong_procedure_fraction=0.5)
     for record in generate_arithmetic(config, split="train", seed=2, num_examples=40):
         assert format_ok(record["solution"], "math")
         boxed = record["solution"].split("\\boxed{")[1][:-1]
-        assert math_correctness(record["solution"], record["answer"]) == float(boxed == record["answer"])
+        assert math_correctness(record["solution"], record["answer"]) == float(
+            boxed == record["answer"]
+        )
 
 
 def test_operand_count_range_gives_varied_lengths():
@@ -292,12 +323,13 @@ def test_operand_count_range_gives_varied_lengths():
     its step trace one step per operator (the length-variety task, configs/testbed_long.py);
     without it the stream is the one it always was."""
     tok = CharTokenizer()
-    config = ArithmeticConfig(num_operands=2, max_operands=24, min_digits=1, max_digits=2,
-                              operators="+-")
+    config = ArithmeticConfig(
+        num_operands=2, max_operands=24, min_digits=1, max_digits=2, operators="+-"
+    )
     records = generate_arithmetic(config, split="train", seed=0, num_examples=2000)
     counts = [r["prompt"].count("+") + r["prompt"].count("-") + 1 for r in records]
     assert min(counts) == 2 and max(counts) == 24
-    assert abs(sum(counts) / len(counts) - 13) < 0.5      # uniform on 2..24: mean 13
+    assert abs(sum(counts) / len(counts) - 13) < 0.5  # uniform on 2..24: mean 13
     for record, count in zip(records[:100], counts):
         steps = record["solution"].split("<think>")[1].split("</think>")[0].split(",")
         assert len(steps) == count - 1
@@ -306,8 +338,8 @@ def test_operand_count_range_gives_varied_lengths():
     lengths = sorted(len(tok.encode_response(r["solution"])) for r in records)
     assert lengths[0] < 30 and lengths[-1] > 250
     fixed = ArithmeticConfig(wrong_procedure_fraction=0.6)
-    assert generate_arithmetic(dataclasses.replace(fixed, max_operands=2), split="train", seed=1,
-                               num_examples=50) == generate_arithmetic(fixed, split="train",
-                                                                       seed=1, num_examples=50)
+    assert generate_arithmetic(
+        dataclasses.replace(fixed, max_operands=2), split="train", seed=1, num_examples=50
+    ) == generate_arithmetic(fixed, split="train", seed=1, num_examples=50)
     with pytest.raises(ValueError, match="max_operands"):
         ArithmeticConfig(num_operands=3, max_operands=2)

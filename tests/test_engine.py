@@ -18,12 +18,21 @@ from policyopt.engine import Engine, EngineConfig
 from policyopt.models import ModelConfig, Transformer
 from policyopt.sampling import Greedy, SamplingConfig, Temperature
 
-_BASE = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-             head_dim=8, intermediate_size=48, rope_theta=1e4, initializer_range=0.3)
+_BASE = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    rope_theta=1e4,
+    initializer_range=0.3,
+)
 MOE = ModelConfig(**_BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
-PROMPTS = np.array([[5, 17, 3, 9, 22, 41, 0],
-                    [7, 2, 0, 0, 0, 0, 0],
-                    [11, 30, 8, 60, 0, 0, 0]], np.int32)
+PROMPTS = np.array(
+    [[5, 17, 3, 9, 22, 41, 0], [7, 2, 0, 0, 0, 0, 0], [11, 30, 8, 60, 0, 0, 0]], np.int32
+)
 LENGTHS = np.array([6, 2, 4], np.int32)
 NEW = 9
 GROUP = 2
@@ -37,12 +46,26 @@ def model():
 @pytest.fixture(scope="module")
 def greedy_reference(model):
     """generate's greedy rollout, with an end token that some rows draw early."""
-    first = sampling.generate(model, PROMPTS, LENGTHS, max_new_tokens=NEW, rng=jax.random.key(0),
-                              temperature=0.0, num_samples=GROUP)
+    first = sampling.generate(
+        model,
+        PROMPTS,
+        LENGTHS,
+        max_new_tokens=NEW,
+        rng=jax.random.key(0),
+        temperature=0.0,
+        num_samples=GROUP,
+    )
     eos = int(np.asarray(first.tokens)[2, 3])
-    rollout = sampling.generate(model, PROMPTS, LENGTHS, max_new_tokens=NEW,
-                                rng=jax.random.key(0), temperature=0.0, num_samples=GROUP,
-                                eos_id=eos)
+    rollout = sampling.generate(
+        model,
+        PROMPTS,
+        LENGTHS,
+        max_new_tokens=NEW,
+        rng=jax.random.key(0),
+        temperature=0.0,
+        num_samples=GROUP,
+        eos_id=eos,
+    )
     return eos, rollout
 
 
@@ -69,8 +92,9 @@ def _check_equal(rollout, reference):
     np.testing.assert_array_equal(rollout.routing[:, real], np.asarray(reference.routing)[:, real])
     past_end = np.concatenate([np.zeros_like(rollout.prompt_tokens, bool), rollout.mask == 0], 1)
     assert past_end.any()
-    np.testing.assert_array_equal(rollout.routing[:, past_end], np.broadcast_to(
-        np.arange(2), (2, past_end.sum(), 2)))
+    np.testing.assert_array_equal(
+        rollout.routing[:, past_end], np.broadcast_to(np.arange(2), (2, past_end.sum(), 2))
+    )
 
 
 @pytest.mark.parametrize("attention", ["gather", "online"])
@@ -78,8 +102,9 @@ def test_greedy_equals_generate(model, greedy_reference, attention):
     """Two groups of rows for three prompts: the third is admitted when a group is
     handed out."""
     eos, reference = greedy_reference
-    rollout, stats = _engine_rollout(model, eos, kv_tokens=256, rows=4, page_size=4,
-                                     steps_per_call=4, attention=attention)
+    rollout, stats = _engine_rollout(
+        model, eos, kv_tokens=256, rows=4, page_size=4, steps_per_call=4, attention=attention
+    )
     _check_equal(rollout, reference)
     assert stats["waits"] == stats["preempted_groups"] == stats["preempted_rows"] == 0
     # Pages follow the tokens held: at most 4 rows of ceil((6 + 9) / 4) = 4 pages.
@@ -90,8 +115,9 @@ def test_small_budget_waits_not_truncates(model, greedy_reference):
     """A pool of 10 pages of 2 slots for 6 rows of up to 15 tokens: rows wait for pages,
     groups are preempted and recomputed, and the rollout is the same."""
     eos, reference = greedy_reference
-    rollout, stats = _engine_rollout(model, eos, kv_tokens=20, rows=6, page_size=2,
-                                     steps_per_call=2)
+    rollout, stats = _engine_rollout(
+        model, eos, kv_tokens=20, rows=6, page_size=2, steps_per_call=2
+    )
     _check_equal(rollout, reference)
     assert stats["waits"] > 0
     assert stats["preempted_groups"] + stats["preempted_rows"] > 0
@@ -101,17 +127,33 @@ def test_small_budget_waits_not_truncates(model, greedy_reference):
 def test_stop_sequences_and_no_routing_capture(model):
     """A two-token stop sequence drawn by some rows ends them as in generate; with
     capture_routing=False the rollout holds no routing."""
-    first = sampling.generate(model, PROMPTS, LENGTHS, max_new_tokens=NEW, rng=jax.random.key(0),
-                              temperature=0.0, num_samples=GROUP)
+    first = sampling.generate(
+        model,
+        PROMPTS,
+        LENGTHS,
+        max_new_tokens=NEW,
+        rng=jax.random.key(0),
+        temperature=0.0,
+        num_samples=GROUP,
+    )
     stop = tuple(int(t) for t in np.asarray(first.tokens)[0, 2:4])
-    reference = sampling.generate(model, PROMPTS, LENGTHS, max_new_tokens=NEW,
-                                  rng=jax.random.key(0), temperature=0.0, num_samples=GROUP,
-                                  stop_sequences=(stop,))
+    reference = sampling.generate(
+        model,
+        PROMPTS,
+        LENGTHS,
+        max_new_tokens=NEW,
+        rng=jax.random.key(0),
+        temperature=0.0,
+        num_samples=GROUP,
+        stop_sequences=(stop,),
+    )
     assert np.asarray(reference.lengths).min() < NEW
-    config = SamplingConfig(max_new_tokens=NEW, method=Greedy(), num_samples=GROUP,
-                            stop_sequences=(stop,))
-    engine = Engine(model, EngineConfig(kv_tokens=128, rows=4, page_size=4,
-                                        capture_routing=False), config)
+    config = SamplingConfig(
+        max_new_tokens=NEW, method=Greedy(), num_samples=GROUP, stop_sequences=(stop,)
+    )
+    engine = Engine(
+        model, EngineConfig(kv_tokens=128, rows=4, page_size=4, capture_routing=False), config
+    )
     rollout = engine.generate(PROMPTS, LENGTHS, jax.random.key(0))
     np.testing.assert_array_equal(rollout.tokens, reference.tokens)
     np.testing.assert_array_equal(rollout.mask, reference.mask)
@@ -126,12 +168,16 @@ def test_log_probs_equal_full_forward(model):
     rollout = engine.generate(PROMPTS, LENGTHS, jax.random.key(3))
     tokens, positions, attention_mask = rollout.sequences()
     graphdef, params = nnx.split(model)
-    forward = jax.jit(lambda params, *args: nnx.merge(graphdef, params)(
-        args[0], positions=args[1], attention_mask=args[2]).logits)
-    logits = forward(params, jnp.asarray(tokens), jnp.asarray(positions),
-                     jnp.asarray(attention_mask))
+    forward = jax.jit(
+        lambda params, *args: (
+            nnx.merge(graphdef, params)(args[0], positions=args[1], attention_mask=args[2]).logits
+        )
+    )
+    logits = forward(
+        params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(attention_mask)
+    )
     prompt_len = PROMPTS.shape[1]
-    log_softmax = jax.nn.log_softmax(logits[:, prompt_len - 1:-1], axis=-1)
+    log_softmax = jax.nn.log_softmax(logits[:, prompt_len - 1 : -1], axis=-1)
     expected = np.take_along_axis(np.asarray(log_softmax), rollout.tokens[..., None], -1)[..., 0]
     mask = rollout.mask > 0
     assert mask.sum() == GROUP * len(PROMPTS) * NEW
@@ -142,17 +188,26 @@ def test_log_probs_equal_full_forward(model):
 
 def test_budget_errors(model):
     config = SamplingConfig(max_new_tokens=NEW, method=Greedy(), num_samples=GROUP)
-    with pytest.raises(ValueError, match=r"prompt 0 has 6 tokens, more than the KV budget "
-                                         r"EngineConfig.kv_tokens = 5"):
+    with pytest.raises(
+        ValueError,
+        match=r"prompt 0 has 6 tokens, more than the KV budget "
+        r"EngineConfig.kv_tokens = 5",
+    ):
         Engine(model, EngineConfig(kv_tokens=5, rows=2, page_size=1), config).generate(
-            PROMPTS, LENGTHS, jax.random.key(0))
-    with pytest.raises(ValueError, match=r"EngineConfig.kv_tokens = 8 is smaller than the "
-                                         r"longest prompt \(6 tokens\) plus one page"):
+            PROMPTS, LENGTHS, jax.random.key(0)
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"EngineConfig.kv_tokens = 8 is smaller than the "
+        r"longest prompt \(6 tokens\) plus one page",
+    ):
         Engine(model, EngineConfig(kv_tokens=8, rows=2, page_size=4), config).generate(
-            PROMPTS, LENGTHS, jax.random.key(0))
+            PROMPTS, LENGTHS, jax.random.key(0)
+        )
     with pytest.raises(ValueError, match=r"prompt_lengths must be \[B=3\] in \[1, P=7\]"):
         Engine(model, EngineConfig(kv_tokens=64, rows=2), config).generate(
-            PROMPTS, np.array([6, 0, 4]), jax.random.key(0))
+            PROMPTS, np.array([6, 0, 4]), jax.random.key(0)
+        )
     with pytest.raises(ValueError, match=r"EngineConfig.rows = 3 must be a multiple"):
         Engine(model, EngineConfig(kv_tokens=64, rows=3), config)
     with pytest.raises(ValueError, match=r"EngineConfig.page_size must be >= 1, got 0"):
@@ -165,8 +220,10 @@ def test_synchronous_trainer_streams_its_rows_through_the_engine(tmp_path):
     from policyopt.rl import trainer
     from tests.test_rl_trainer import tiny
 
-    extra = ("sampling.engine_kv_tokens=256,sampling.engine_rows=4,sampling.engine_page_size=4,"
-             "train.num_iterations=1")
+    extra = (
+        "sampling.engine_kv_tokens=256,sampling.engine_rows=4,sampling.engine_page_size=4,"
+        "train.num_iterations=1"
+    )
     out = trainer.run_rl(tiny("grpo", extra=extra), str(tmp_path), num_iterations=1, quiet=True)
     run = out["run"]
     assert run.engine is not None and run.engine.engine.rows == 4
@@ -175,31 +232,41 @@ def test_synchronous_trainer_streams_its_rows_through_the_engine(tmp_path):
     assert run.last_batch.tokens.shape[0] == 2 * 4
 
 
-
 def test_trainer_replays_the_engines_routing_r3(tmp_path):
     """R3 through the engine: the round carries the routing the engine recorded, the batch
     replays it, and the old log-probs are a forward of the old parameters with it."""
     from policyopt.rl import trainer
     from tests.test_rl_trainer import tiny
 
-    extra = ("sampling.engine_kv_tokens=256,sampling.engine_rows=4,sampling.engine_page_size=4,"
-             "algo.routing_replay=R3,train.num_iterations=1,eval.num_prompts=0")
+    extra = (
+        "sampling.engine_kv_tokens=256,sampling.engine_rows=4,sampling.engine_page_size=4,"
+        "algo.routing_replay=R3,train.num_iterations=1,eval.num_prompts=0"
+    )
     run = trainer.build_run(tiny("grpo", extra=extra), str(tmp_path))
     old_params = jax.tree.map(jnp.copy, run.state.params)
     trainer.rl_iteration(run)
     batch, sampled = run.last_batch, run.last_round
     assert sampled.routing is not None and batch.routing is not None
     np.testing.assert_array_equal(np.asarray(batch.routing), sampled.routing)
-    replayed, _, _ = run.learner.log_probs(old_params, batch.tokens, batch.positions,
-                                           batch.attention_mask, batch.mask, batch.routing)
+    replayed, _, _ = run.learner.log_probs(
+        old_params, batch.tokens, batch.positions, batch.attention_mask, batch.mask, batch.routing
+    )
     np.testing.assert_allclose(np.asarray(batch.old_log_probs), np.asarray(replayed), atol=1e-6)
 
 
-@pytest.mark.parametrize("extra,message", [
-    ("sampling.engine_kv_tokens=256,sampling.engine_rows=6", r"engine_rows \(6\) must be a multiple"),
-    ("sampling.engine_kv_tokens=20,sampling.engine_page_size=16",
-     r"engine_kv_tokens \(20\) must hold a prompt plus one page"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            "sampling.engine_kv_tokens=256,sampling.engine_rows=6",
+            r"engine_rows \(6\) must be a multiple",
+        ),
+        (
+            "sampling.engine_kv_tokens=20,sampling.engine_page_size=16",
+            r"engine_kv_tokens \(20\) must hold a prompt plus one page",
+        ),
+    ],
+)
 def test_engine_config_errors(extra, message):
     from tests.test_rl_trainer import tiny
 
@@ -263,10 +330,20 @@ def test_sharded_engine_on_two_devices_equals_generate():
     """Parameters on an fsdp=2 mesh, two engine shards (one pool and two rows per device,
     rows waiting for pages): the rollout and its routing equal generate's on one
     device, and the compiled decode moves no pool between devices."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="1")
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        JAX_PLATFORMS="cpu",
+        TF_CPP_MIN_LOG_LEVEL="1",
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHARDED_SCRIPT],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
     assert proc.stdout.count("ok") == 2, proc.stdout

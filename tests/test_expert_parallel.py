@@ -202,14 +202,30 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_expert_parallel_matches_one_device():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-                         "--xla_backend_optimization_level=0")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
-    for line in ("ok moe", "ok buffer", "ok ragged", "ok dense", "ok scan", "ok refused",
-                 "ok megablox refused"):
+    for line in (
+        "ok moe",
+        "ok buffer",
+        "ok ragged",
+        "ok dense",
+        "ok scan",
+        "ok refused",
+        "ok megablox refused",
+    ):
         assert line in proc.stdout, proc.stdout
 
 
@@ -224,10 +240,13 @@ def _config(**mesh):
     return config
 
 
-@pytest.mark.parametrize("mesh,experts,message", [
-    ({"expert": 4}, 6, "config.mesh.expert=4 does not divide the model's num_experts=6"),
-    ({"data": 3, "expert": 2}, 4, "= 8 rows are not divisible by the 6 row shards"),
-])
+@pytest.mark.parametrize(
+    "mesh,experts,message",
+    [
+        ({"expert": 4}, 6, "config.mesh.expert=4 does not divide the model's num_experts=6"),
+        ({"data": 3, "expert": 2}, 4, "= 8 rows are not divisible by the 6 row shards"),
+    ],
+)
 def test_a_mesh_expert_parallelism_cannot_use_is_a_config_error(mesh, experts, message):
     from policyopt.rl import build
 
@@ -237,4 +256,4 @@ def test_a_mesh_expert_parallelism_cannot_use_is_a_config_error(mesh, experts, m
     abstract = jax.sharding.AbstractMesh(tuple(mesh.get(a, 1) for a in MESH_AXES), MESH_AXES)
     with pytest.raises(ValueError, match=message):
         build.check_mesh(_config(**mesh), abstract, experts)
-    build.check_mesh(_config(**mesh), abstract, 0)        # a dense model: nothing to check
+    build.check_mesh(_config(**mesh), abstract, 0)  # a dense model: nothing to check

@@ -34,6 +34,7 @@ class Import:
     """One imported name: ``importer`` (module) loads ``target`` (module) at ``line``;
     ``name`` is what the statement names (``from target import name``), or ``None`` when
     the target is a module: ``import target``, or ``from package import submodule``."""
+
     importer: str
     target: str
     name: str | None
@@ -74,7 +75,7 @@ def resolve(importer: str, is_package: bool, module: str | None, level: int) -> 
         return module or ""
     base = importer.split(".")
     base = base if is_package else base[:-1]
-    base = base[:len(base) - (level - 1)]
+    base = base[: len(base) - (level - 1)]
     return ".".join(base + ([module] if module else []))
 
 
@@ -121,8 +122,11 @@ def private_attributes(name: str, source: str, is_package: bool, modules: set[st
                     bound[alias.asname or alias.name] = f"{source_module}.{alias.name}"
     found = []
     for node in ast.walk(tree):
-        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
-                and not node.attr.startswith("__")):
+        if not (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
             continue
         chain, value = [], node.value
         while isinstance(value, ast.Attribute):
@@ -140,8 +144,11 @@ def private_attributes(name: str, source: str, is_package: bool, modules: set[st
 def all_imports() -> list[Import]:
     files = source_files()
     modules = set(files)
-    return [record for name, path in files.items()
-            for record in imports_of(name, path.read_text(), path.name == "__init__.py", modules)]
+    return [
+        record
+        for name, path in files.items()
+        for record in imports_of(name, path.read_text(), path.name == "__init__.py", modules)
+    ]
 
 
 def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -176,8 +183,9 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     return components
 
 
-def cycle_in(component: list[str], edges: dict[tuple[str, str], Import]
-             ) -> list[tuple[Import, str]]:
+def cycle_in(
+    component: list[str], edges: dict[tuple[str, str], Import]
+) -> list[tuple[Import, str]]:
     """One cycle through the first module of a strongly connected ``component``: the import
     statements that close it, each with the module it runs (breadth-first, so a shortest
     such cycle)."""
@@ -204,8 +212,9 @@ def cycle_in(component: list[str], edges: dict[tuple[str, str], Import]
     raise AssertionError(f"no cycle through {start} in {component}")
 
 
-def import_graph(records: list[Import], prefix: str = "policyopt"
-                 ) -> tuple[dict[str, set[str]], dict[tuple[str, str], Import]]:
+def import_graph(
+    records: list[Import], prefix: str = "policyopt"
+) -> tuple[dict[str, set[str]], dict[tuple[str, str], Import]]:
     """The modules under ``prefix`` as a graph: an edge from each importer to every module
     its imports run, i.e. the target and the target's packages that enclose no importer
     (importing ``a.b.c`` from outside ``a`` runs ``a/__init__.py`` and ``a/b/__init__.py``
@@ -234,18 +243,24 @@ def test_walker_sees_both_import_forms():
     """The walker finds module- and function-level imports, resolves relative ones and
     tells a submodule from a name."""
     modules = {"pkg", "pkg.a", "pkg.sub", "pkg.sub.b", "pkg.sub.c"}
-    source = ("from __future__ import annotations\n"
-              "import pkg.a\n"
-              "from . import b\n"
-              "from .a import _hidden, shown\n"
-              "def f():\n"
-              "    from ..sub import c\n"
-              "    from pkg.sub import thing\n")
+    source = (
+        "from __future__ import annotations\n"
+        "import pkg.a\n"
+        "from . import b\n"
+        "from .a import _hidden, shown\n"
+        "def f():\n"
+        "    from ..sub import c\n"
+        "    from pkg.sub import thing\n"
+    )
     records = imports_of("pkg.sub.d", source, False, modules)
     assert [(r.target, r.name, r.line) for r in records] == [
-        ("pkg.a", None, 2), ("pkg.sub.b", None, 3),
-        ("pkg.sub.a", "_hidden", 4), ("pkg.sub.a", "shown", 4),
-        ("pkg.sub.c", None, 6), ("pkg.sub", "thing", 7)]
+        ("pkg.a", None, 2),
+        ("pkg.sub.b", None, 3),
+        ("pkg.sub.a", "_hidden", 4),
+        ("pkg.sub.a", "shown", 4),
+        ("pkg.sub.c", None, 6),
+        ("pkg.sub", "thing", 7),
+    ]
     assert records[2].where() == "pkg.sub.d line 4: from pkg.sub.a import _hidden"
     assert records[1].where() == "pkg.sub.d line 3: from pkg.sub import b"
 
@@ -254,32 +269,44 @@ def test_walker_sees_private_attributes_of_modules():
     """``lib._x`` through an imported module is found; a class's ``Batch._fields`` and a
     module outside the scanned ones are not."""
     modules = {"pkg", "pkg.lib", "pkg.sub", "pkg.sub.deep"}
-    source = ("from pkg import lib as lib_alias\n"
-              "import pkg.sub.deep\n"
-              "from pkg.lib import Batch\n"
-              "import os\n"
-              "lib_alias._hidden()\n"
-              "pkg.sub.deep._cache.clear()\n"
-              "Batch._fields, os._exit, lib_alias.public\n")
+    source = (
+        "from pkg import lib as lib_alias\n"
+        "import pkg.sub.deep\n"
+        "from pkg.lib import Batch\n"
+        "import os\n"
+        "lib_alias._hidden()\n"
+        "pkg.sub.deep._cache.clear()\n"
+        "Batch._fields, os._exit, lib_alias.public\n"
+    )
     assert private_attributes("pkg.user", source, False, modules) == [
-        "pkg.user line 5: pkg.lib._hidden", "pkg.user line 6: pkg.sub.deep._cache"]
+        "pkg.user line 5: pkg.lib._hidden",
+        "pkg.user line 6: pkg.sub.deep._cache",
+    ]
 
 
 def test_cycle_finder_on_a_hand_made_graph():
     """a -> b -> c -> a is one component and one cycle; d -> a and e alone are none."""
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert strongly_connected(graph) == [["a", "b", "c"]]
-    edges = {(src, dst): Import(src, dst, None, i) for i, (src, dst) in
-             enumerate([("a", "b"), ("b", "c"), ("c", "a"), ("d", "a")])}
+    edges = {
+        (src, dst): Import(src, dst, None, i)
+        for i, (src, dst) in enumerate([("a", "b"), ("b", "c"), ("c", "a"), ("d", "a")])
+    }
     assert [(r.importer, loaded) for r, loaded in cycle_in(["a", "b", "c"], edges)] == [
-        ("a", "b"), ("b", "c"), ("c", "a")]
+        ("a", "b"),
+        ("b", "c"),
+        ("c", "a"),
+    ]
 
 
 def test_graph_counts_the_packages_an_import_runs():
     """``from p.q.m import x`` in ``r`` runs ``p``, ``p.q`` and ``p.q.m``; in ``p.q.n`` only
     ``p.q.m`` (its packages are already initialised); in ``p.s`` ``p.q`` and ``p.q.m``."""
-    records = [Import("r", "p.q.m", "x", 1), Import("p.q.n", "p.q.m", "x", 2),
-               Import("p.s", "p.q.m", "x", 3)]
+    records = [
+        Import("r", "p.q.m", "x", 1),
+        Import("p.q.n", "p.q.m", "x", 2),
+        Import("p.s", "p.q.m", "x", 3),
+    ]
     graph, edges = import_graph(records, prefix="")
     assert graph == {"r": {"p", "p.q", "p.q.m"}, "p.q.n": {"p.q.m"}, "p.s": {"p.q", "p.q.m"}}
     assert describe(edges["r", "p.q"], "p.q") == "r line 1: from p.q.m import x  (runs p.q)"
@@ -310,8 +337,11 @@ def test_no_import_cycle(all_imports):
 def test_infra_never_imports_models(all_imports):
     """Mesh, checkpoint and metrics code sits below the model: it never imports
     ``policyopt.models`` (the logical-axis rules live in ``policyopt.sharding``)."""
-    bad = [r.where() for r in all_imports
-           if r.importer in INFRA and r.target.startswith("policyopt.models")]
+    bad = [
+        r.where()
+        for r in all_imports
+        if r.importer in INFRA and r.target.startswith("policyopt.models")
+    ]
     assert not bad, "infrastructure importing the model code:\n  " + "\n  ".join(bad)
 
 
@@ -319,9 +349,14 @@ def test_no_private_name_imported_across_modules(all_imports):
     """No module imports another module's ``_private`` names, nor reads them through the
     module (``lib._name``): a name that is shared is public, with a docstring, where it is
     defined."""
-    bad = [r.where() for r in all_imports
-           if r.name and r.name.startswith("_") and not r.name.startswith("__")
-           and r.target != r.importer]
+    bad = [
+        r.where()
+        for r in all_imports
+        if r.name
+        and r.name.startswith("_")
+        and not r.name.startswith("__")
+        and r.target != r.importer
+    ]
     files = source_files()
     for name, path in files.items():
         bad += private_attributes(name, path.read_text(), path.name == "__init__.py", set(files))
@@ -332,6 +367,9 @@ def test_every_project_import_resolves(all_imports):
     """Every import of a module of the project names one that exists (a module moved or
     removed leaves no import of its old name, even inside a function that no test calls)."""
     modules = set(source_files())
-    bad = [r.where() for r in all_imports
-           if r.target.split(".")[0] in PACKAGES and r.target not in modules]
+    bad = [
+        r.where()
+        for r in all_imports
+        if r.target.split(".")[0] in PACKAGES and r.target not in modules
+    ]
     assert not bad, "imports of modules that do not exist:\n  " + "\n  ".join(bad)

@@ -23,7 +23,8 @@ def test_map_row_chunks_equals_one_call_over_all_rows():
         return x * 2 + 1, r + 1, None
 
     out, out_routing, out_none = forwards.map_row_chunks(
-        fn, 3, (tokens, routing, None), axes=(0, 1, 0), out_axes=(0, 1, 0))
+        fn, 3, (tokens, routing, None), axes=(0, 1, 0), out_axes=(0, 1, 0)
+    )
     np.testing.assert_array_equal(np.asarray(out), np.asarray(tokens) * 2 + 1)
     np.testing.assert_array_equal(np.asarray(out_routing), np.asarray(routing) + 1)
     assert out_none is None
@@ -34,13 +35,15 @@ def test_map_row_chunks_equals_one_call_over_all_rows():
     np.testing.assert_allclose(np.asarray(sums), want, rtol=1e-6)
 
 
-@pytest.mark.parametrize("recipe,trainer_log_probs,critic,per_minibatch,nll", [
-    ("grpo", True, False, False, False),
-    ("magistral", True, False, True, False),
-    ("vapo", True, True, False, True),
-])
-def test_methods_are_chosen_from_the_config(recipe, trainer_log_probs, critic, per_minibatch,
-                                            nll):
+@pytest.mark.parametrize(
+    "recipe,trainer_log_probs,critic,per_minibatch,nll",
+    [
+        ("grpo", True, False, False, False),
+        ("magistral", True, False, True, False),
+        ("vapo", True, True, False, True),
+    ],
+)
+def test_methods_are_chosen_from_the_config(recipe, trainer_log_probs, critic, per_minibatch, nll):
     config = tiny(recipe)
     chosen = methods.choose(config, is_moe=True)
     assert (chosen.old_log_probs is methods.trainer_old_log_probs) == trainer_log_probs
@@ -67,8 +70,11 @@ def _leaves(tree):
 def test_the_stages_compose_to_rl_iteration(recipe, tmp_path):
     """Two runs of one config: one by ``trainer.rl_iteration``, one stage by stage; the
     same parameters (policy and critic) bit for bit and the same metrics (times aside)."""
-    config = tiny(recipe, extra="eval.num_prompts=0,algo.routing_replay=R2"
-                  + (",critic.pretrain_iterations=1" if recipe == "vapo" else ""))
+    config = tiny(
+        recipe,
+        extra="eval.num_prompts=0,algo.routing_replay=R2"
+        + (",critic.pretrain_iterations=1" if recipe == "vapo" else ""),
+    )
     whole = trainer.build_run(config, str(tmp_path / "whole"))
     staged = trainer.build_run(config, str(tmp_path / "staged"))
     for _ in range(2):  # vapo: the critic's warm-up, then both models
@@ -76,18 +82,21 @@ def test_the_stages_compose_to_rl_iteration(recipe, tmp_path):
         spec, state = staged.spec, staged.run_state
         with jax.set_mesh(spec.mesh):
             key_sample, key_shuffle = jax.random.split(
-                jax.random.fold_in(state.rng, state.iteration))
+                jax.random.fold_in(state.rng, state.iteration)
+            )
             sampled = iteration.sample(spec, state, key_sample)
             batch = iteration.prepare(spec, state, sampled.round)
             state, update_metrics = iteration.update_epochs(spec, state, batch, key_shuffle)
         staged.run_state = state.replace(iteration=state.iteration + 1)
         got = {**sampled.metrics, **batch.metrics, **update_metrics}
         assert staged.iteration == whole.iteration
-        for got_leaf, want_leaf in zip(_leaves((staged.state, staged.critic_state)),
-                                       _leaves((whole.state, whole.critic_state))):
+        for got_leaf, want_leaf in zip(
+            _leaves((staged.state, staged.critic_state)), _leaves((whole.state, whole.critic_state))
+        ):
             np.testing.assert_array_equal(got_leaf, want_leaf)
-        untimed = lambda metrics: {k: float(v) for k, v in metrics.items()
-                                   if not k.startswith("time/")}
+        untimed = lambda metrics: {
+            k: float(v) for k, v in metrics.items() if not k.startswith("time/")
+        }
         assert untimed(got) == pytest.approx(untimed(want), nan_ok=True)
     assert int(whole.state.step) + int(whole.state.skipped) + want["update/empty"] >= 1
     assert batch.batch.routing is not None  # R2: the old forward's routing is replayed

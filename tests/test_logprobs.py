@@ -10,8 +10,10 @@ from policyopt.logprobs import default_chunk_size, token_log_probs
 
 
 def _naive(hidden, embedding, targets, temperature):
-    logits = np.einsum("btd,dv->btv", np.asarray(hidden, np.float64),
-                       np.asarray(embedding, np.float64)) / temperature
+    logits = (
+        np.einsum("btd,dv->btv", np.asarray(hidden, np.float64), np.asarray(embedding, np.float64))
+        / temperature
+    )
     lse = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
     log_probs = np.take_along_axis(logits, np.asarray(targets)[..., None], -1)[..., 0] - lse
     probs = np.exp(logits - lse[..., None])
@@ -37,9 +39,14 @@ def test_matches_naive(chunk_size, temperature):
     hidden = rng.normal(size=(3, 7, 16)).astype(np.float32)
     embedding = rng.normal(size=(16, 50)).astype(np.float32)
     targets = rng.integers(0, 50, size=(3, 7)).astype(np.int32)
-    log_probs, entropy = token_log_probs(jnp.asarray(hidden), jnp.asarray(embedding),
-                                         jnp.asarray(targets), temperature=temperature,
-                                         chunk_size=chunk_size, return_entropy=True)
+    log_probs, entropy = token_log_probs(
+        jnp.asarray(hidden),
+        jnp.asarray(embedding),
+        jnp.asarray(targets),
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=True,
+    )
     ref_lp, ref_ent = _naive(hidden, embedding, targets, temperature)
     assert log_probs.dtype == jnp.float32 and log_probs.shape == (3, 7)
     np.testing.assert_allclose(log_probs, ref_lp, atol=1e-5, rtol=1e-5)
@@ -91,9 +98,11 @@ def test_memory_at_qwen_vocabulary():
     logits (4.98 GB); the backward pass adds only the [D, V] embedding gradient."""
     vocab, tokens, dim = 151936, 8192, 1024
     full_logits_bytes = tokens * vocab * 4
-    args = (jax.ShapeDtypeStruct((1, tokens, dim), jnp.float32),
-            jax.ShapeDtypeStruct((dim, vocab), jnp.float32),
-            jax.ShapeDtypeStruct((1, tokens), jnp.int32))
+    args = (
+        jax.ShapeDtypeStruct((1, tokens, dim), jnp.float32),
+        jax.ShapeDtypeStruct((dim, vocab), jnp.float32),
+        jax.ShapeDtypeStruct((1, tokens), jnp.int32),
+    )
     forward = jax.jit(lambda h, w, y: token_log_probs(h, w, y, return_entropy=True))
     memory = forward.lower(*args).compile().memory_analysis()
     assert memory.temp_size_in_bytes < 0.1 * full_logits_bytes
@@ -138,11 +147,16 @@ def test_entropy_of_peaked_distributions(temperature):
     hidden[0, :, :noise_dim] = rng.normal(size=(tokens, noise_dim))
     peak_of = noise_dim + rng.integers(0, peaks, tokens)
     hidden[0, np.arange(tokens), peak_of] = rng.uniform(20, 45, tokens)
-    hidden *= temperature                                   # the same logits / temperature
+    hidden *= temperature  # the same logits / temperature
     targets = np.argmax(hidden[0] @ embedding, axis=-1)[None].astype(np.int32)
-    log_probs, entropy = token_log_probs(jnp.asarray(hidden), jnp.asarray(embedding),
-                                         jnp.asarray(targets), temperature=temperature,
-                                         chunk_size=64, return_entropy=True)
+    log_probs, entropy = token_log_probs(
+        jnp.asarray(hidden),
+        jnp.asarray(embedding),
+        jnp.asarray(targets),
+        temperature=temperature,
+        chunk_size=64,
+        return_entropy=True,
+    )
     logits = np.einsum("btd,dv->btv", hidden.astype(np.float64), embedding.astype(np.float64))
     ref_log_probs, ref_entropy = _peaked_reference(logits / temperature)
     ref_log_probs = np.take_along_axis(ref_log_probs, targets[..., None], -1)[..., 0]
@@ -174,8 +188,9 @@ def test_bfloat16_embedding_gradient_sums_in_float32():
     want = h64.T @ (np.eye(vocab)[np.asarray(targets[0])] - probs)
 
     def error(chunk_size):
-        grad = jax.grad(lambda w: jnp.sum(token_log_probs(hidden, w, targets,
-                                                          chunk_size=chunk_size)))(embedding)
+        grad = jax.grad(
+            lambda w: jnp.sum(token_log_probs(hidden, w, targets, chunk_size=chunk_size))
+        )(embedding)
         assert grad.dtype == jnp.float32
         return np.linalg.norm(np.asarray(grad, np.float64) - want) / np.linalg.norm(want)
 
@@ -231,10 +246,17 @@ def test_rows_split_over_devices_stay_split():
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MESH_SCRIPT],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.split() == ["ok"], proc.stdout

@@ -42,14 +42,18 @@ def make_inputs(seed, batch=12, length=7, kind="mixed", spread=0.3):
     rng = np.random.default_rng(seed)
     if kind == "mixed":
         third = batch // 3
-        mask = np.concatenate([make_mask(rng, third, length, "end"),
-                               make_mask(rng, third, length, "none"),
-                               make_mask(rng, batch - 2 * third, length, "arbitrary")])
+        mask = np.concatenate(
+            [
+                make_mask(rng, third, length, "end"),
+                make_mask(rng, third, length, "none"),
+                make_mask(rng, batch - 2 * third, length, "arbitrary"),
+            ]
+        )
     else:
         mask = make_mask(rng, batch, length, kind)
     old_log_probs = (-rng.random((batch, length)) * 3).astype(np.float32)
     spreads = np.full((batch, 1), spread)
-    spreads[batch // 2:: 2] = 6 * spread  # a few rows far from the old policy
+    spreads[batch // 2 :: 2] = 6 * spread  # a few rows far from the old policy
     log_probs = (old_log_probs + spreads * rng.normal(size=(batch, length))).astype(np.float32)
     advantages = rng.normal(size=(batch, length)).astype(np.float32)
     advantages[2] = 0.7  # constant within a sequence, as outcome advantages are
@@ -90,17 +94,31 @@ def ref_aggregation_weights(mask, aggregation, group_size=None, max_len=None):
                 members = range(group * group_size, (group + 1) * group_size)
                 group_tokens = sum(lengths[j] for j in members)
                 groups_nonempty = sum(
-                    1 for g in range(batch // group_size)
+                    1
+                    for g in range(batch // group_size)
                     if sum(lengths[j] for j in range(g * group_size, (g + 1) * group_size)) > 0
                 )
                 weights[i, t] = 1.0 / (group_tokens * groups_nonempty)
     return weights
 
 
-def ref_policy_loss(log_probs, old_log_probs, advantages, mask, *, method, clip_low=0.2,
-                    clip_high=0.2, dual_clip=None, tau_pos=1.0, tau_neg=1.05,
-                    aggregation="token_mean", group_size=None, max_len=None,
-                    importance_weights=None):
+def ref_policy_loss(
+    log_probs,
+    old_log_probs,
+    advantages,
+    mask,
+    *,
+    method,
+    clip_low=0.2,
+    clip_high=0.2,
+    dual_clip=None,
+    tau_pos=1.0,
+    tau_neg=1.05,
+    aggregation="token_mean",
+    group_size=None,
+    max_len=None,
+    importance_weights=None,
+):
     """Loss, gradient and the core metrics from per-token loops over valid tokens."""
     batch, length = log_probs.shape
     weights = ref_aggregation_weights(mask, aggregation, group_size, max_len)
@@ -116,8 +134,10 @@ def ref_policy_loss(log_probs, old_log_probs, advantages, mask, *, method, clip_
         seq_log_ratio = sum(float(log_probs[i, t]) - float(old_log_probs[i, t]) for t in valid) / n
         seq_ratio = math.exp(seq_log_ratio)
         seq_adv = sum(float(advantages[i, t]) for t in valid) / n
-        seq_weight = sum(weights[i, t] * (1.0 if importance_weights is None else importance_weights[i, t])
-                         for t in valid)
+        seq_weight = sum(
+            weights[i, t] * (1.0 if importance_weights is None else importance_weights[i, t])
+            for t in valid
+        )
         for t in valid:
             iw = 1.0 if importance_weights is None else float(importance_weights[i, t])
             a = float(advantages[i, t])
@@ -157,17 +177,25 @@ def ref_policy_loss(log_probs, old_log_probs, advantages, mask, *, method, clip_
             zero_grad += gate == 0 or a == 0 or iw == 0
     loss = -float(np.sum(weights * objective))
     tokens = max(int(np.sum(mask > 0)), 1)
-    metrics = dict(clip_frac_low=clipped_low / tokens, clip_frac_high=clipped_high / tokens,
-                   clip_frac=(clipped_low + clipped_high) / tokens, dual_clip_frac=dual / tokens,
-                   gate_mean=gate_sum / tokens, zero_grad_frac=zero_grad / tokens)
+    metrics = dict(
+        clip_frac_low=clipped_low / tokens,
+        clip_frac_high=clipped_high / tokens,
+        clip_frac=(clipped_low + clipped_high) / tokens,
+        dual_clip_frac=dual / tokens,
+        gate_mean=gate_sum / tokens,
+        zero_grad_frac=zero_grad / tokens,
+    )
     return loss, grad, metrics
 
 
 def ref_token_metrics(log_probs, old_log_probs, mask):
     ratios, kls, seq_vars, seq_ratios = [], [], [], []
     for i in range(mask.shape[0]):
-        log_ratios = [float(log_probs[i, t]) - float(old_log_probs[i, t])
-                      for t in range(mask.shape[1]) if mask[i, t] > 0]
+        log_ratios = [
+            float(log_probs[i, t]) - float(old_log_probs[i, t])
+            for t in range(mask.shape[1])
+            if mask[i, t] > 0
+        ]
         if not log_ratios:
             continue
         mean = sum(log_ratios) / len(log_ratios)
@@ -176,13 +204,20 @@ def ref_token_metrics(log_probs, old_log_probs, mask):
         for x in log_ratios:
             ratios.append(math.exp(x))
             kls.append(math.exp(x) - 1 - x)
-    return dict(ratio_mean=np.mean(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
-                approx_kl=np.mean(kls), log_ratio_seq_var=np.mean(seq_vars),
-                seq_ratio_mean=np.mean(seq_ratios), num_tokens=len(ratios))
+    return dict(
+        ratio_mean=np.mean(ratios),
+        ratio_min=min(ratios),
+        ratio_max=max(ratios),
+        approx_kl=np.mean(kls),
+        log_ratio_seq_var=np.mean(seq_vars),
+        seq_ratio_mean=np.mean(seq_ratios),
+        num_tokens=len(ratios),
+    )
 
 
 def loss_and_grad(**options):
     """Jitted value_and_grad of policy_loss w.r.t. log_probs, for one option set."""
+
     def loss_fn(log_probs, old_log_probs, advantages, mask):
         return losses.policy_loss(log_probs, old_log_probs, advantages, mask, **options)
 
@@ -206,9 +241,18 @@ def all_aggregations(method):
     def run(log_probs, old_log_probs, advantages, mask, importance_weights):
         out = {}
         for aggregation in AGGREGATIONS:
+
             def loss_fn(x, aggregation=aggregation):
-                return losses.policy_loss(x, old_log_probs, advantages, mask, aggregation=aggregation,
-                                          importance_weights=importance_weights, **options)
+                return losses.policy_loss(
+                    x,
+                    old_log_probs,
+                    advantages,
+                    mask,
+                    aggregation=aggregation,
+                    importance_weights=importance_weights,
+                    **options,
+                )
+
             out[aggregation] = jax.value_and_grad(loss_fn, has_aux=True)(log_probs)
         return out
 
@@ -233,21 +277,28 @@ def test_policy_loss_matches_loop_reference(method):
         inputs = make_inputs(seed)
         weights = None
         if seed == 1:  # truncated importance weights from a perturbed behaviour policy
-            behaviour = inputs[1] + np.random.default_rng(seed).normal(size=SHAPE).astype(np.float32)
-            weights = np.asarray(losses.truncated_importance_weights(inputs[1], behaviour, inputs[3]))
+            behaviour = inputs[1] + np.random.default_rng(seed).normal(size=SHAPE).astype(
+                np.float32
+            )
+            weights = np.asarray(
+                losses.truncated_importance_weights(inputs[1], behaviour, inputs[3])
+            )
         results, options = run_all(method, *inputs, importance_weights=weights)
         for aggregation, ((loss, metrics), grad) in results.items():
             ref_loss, ref_grad, ref_metrics = ref_policy_loss(
-                *inputs, aggregation=aggregation, importance_weights=weights, **options)
+                *inputs, aggregation=aggregation, importance_weights=weights, **options
+            )
             message = f"{method} {aggregation} seed {seed}"
             np.testing.assert_allclose(loss, ref_loss, rtol=2e-5, atol=1e-6, err_msg=message)
             np.testing.assert_allclose(grad, ref_grad, rtol=2e-4, atol=1e-6, err_msg=message)
             for name, value in ref_metrics.items():
-                np.testing.assert_allclose(metrics[name], value, rtol=1e-5, atol=1e-6,
-                                           err_msg=f"{message} {name}")
+                np.testing.assert_allclose(
+                    metrics[name], value, rtol=1e-5, atol=1e-6, err_msg=f"{message} {name}"
+                )
             for name, value in ref_token_metrics(*inputs[:2], inputs[3]).items():
-                np.testing.assert_allclose(metrics[name], value, rtol=1e-5, atol=1e-6,
-                                           err_msg=f"{message} {name}")
+                np.testing.assert_allclose(
+                    metrics[name], value, rtol=1e-5, atol=1e-6, err_msg=f"{message} {name}"
+                )
             np.testing.assert_allclose(metrics["loss"], loss)
             if method == "ppo" and seed == 0:
                 assert ref_metrics["dual_clip_frac"] > 0 and ref_metrics["clip_frac_low"] > 0
@@ -257,12 +308,15 @@ def test_policy_loss_matches_loop_reference(method):
 def test_truncated_importance_weights():
     _, old_log_probs, _, mask = make_inputs(7)
     behaviour = old_log_probs + np.random.default_rng(3).normal(size=SHAPE).astype(np.float32)
-    weights = np.asarray(losses.truncated_importance_weights(old_log_probs, behaviour, mask, cap=2.0))
+    weights = np.asarray(
+        losses.truncated_importance_weights(old_log_probs, behaviour, mask, cap=2.0)
+    )
     for i, t in np.ndindex(*SHAPE):
         expected = min(math.exp(float(old_log_probs[i, t]) - float(behaviour[i, t])), 2.0)
         np.testing.assert_allclose(weights[i, t], expected if mask[i, t] else 0.0, rtol=1e-6)
     grad = jax.grad(lambda x: jnp.sum(losses.truncated_importance_weights(x, behaviour, mask)))(
-        old_log_probs)
+        old_log_probs
+    )
     assert np.all(np.asarray(grad) == 0)  # stop-gradient
 
 
@@ -276,31 +330,46 @@ def _rollout_inputs(seed):
 
 
 def _numpy_log_rhos(old_log_probs, behaviour, mask, i):
-    return [float(old_log_probs[i, t]) - float(behaviour[i, t]) for t in range(SHAPE[1]) if mask[i, t]]
+    return [
+        float(old_log_probs[i, t]) - float(behaviour[i, t]) for t in range(SHAPE[1]) if mask[i, t]
+    ]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sequence_importance_weights_against_a_loop(seed):
     old_log_probs, behaviour, mask = _rollout_inputs(seed)
-    weights = np.asarray(losses.truncated_importance_weights(old_log_probs, behaviour, mask, cap=1.5,
-                                                             level="sequence"))
+    weights = np.asarray(
+        losses.truncated_importance_weights(
+            old_log_probs, behaviour, mask, cap=1.5, level="sequence"
+        )
+    )
     capped = 0
     for i in range(SHAPE[0]):
         product = math.exp(sum(_numpy_log_rhos(old_log_probs, behaviour, mask, i)))
         capped += product > 1.5
         for t in range(SHAPE[1]):
-            np.testing.assert_allclose(weights[i, t], min(product, 1.5) if mask[i, t] else 0.0, rtol=1e-5)
+            np.testing.assert_allclose(
+                weights[i, t], min(product, 1.5) if mask[i, t] else 0.0, rtol=1e-5
+            )
     assert 0 < capped < SHAPE[0]  # both branches
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("level,upper,lower", [("token", 1.1, None), ("token", 1.3, 0.95),
-                                               ("sequence", 1.5, None), ("geometric", 1.02, None),
-                                               ("geometric", 1.05, 0.99)])
+@pytest.mark.parametrize(
+    "level,upper,lower",
+    [
+        ("token", 1.1, None),
+        ("token", 1.3, 0.95),
+        ("sequence", 1.5, None),
+        ("geometric", 1.02, None),
+        ("geometric", 1.05, 0.99),
+    ],
+)
 def test_rejection_mask_against_a_loop(seed, level, upper, lower):
     old_log_probs, behaviour, mask = _rollout_inputs(seed)
-    keep = np.asarray(losses.rejection_mask(old_log_probs, behaviour, mask, level=level,
-                                            upper=upper, lower=lower))
+    keep = np.asarray(
+        losses.rejection_mask(old_log_probs, behaviour, mask, level=level, upper=upper, lower=lower)
+    )
     low = 1.0 / upper if lower is None else lower
     for i in range(SHAPE[0]):
         log_rhos = _numpy_log_rhos(old_log_probs, behaviour, mask, i)
@@ -312,7 +381,9 @@ def test_rejection_mask_against_a_loop(seed, level, upper, lower):
             if not mask[i, t]:
                 expected = 0.0
             elif level == "token":
-                expected = float(low <= math.exp(float(old_log_probs[i, t]) - float(behaviour[i, t])) <= upper)
+                expected = float(
+                    low <= math.exp(float(old_log_probs[i, t]) - float(behaviour[i, t])) <= upper
+                )
             else:
                 expected = float(seq_ok)
             assert keep[i, t] == expected, (i, t)
@@ -322,10 +393,24 @@ def test_rejection_mask_against_a_loop(seed, level, upper, lower):
 @pytest.mark.parametrize("level", [None, "token", "geometric"])
 def test_veto_rejects_every_sequence_with_one_unlikely_token(level):
     old_log_probs, behaviour, mask = _rollout_inputs(4)
-    keep = np.asarray(losses.rejection_mask(old_log_probs, behaviour, mask, level=level,
-                                            upper=None if level is None else 1.1, veto=0.7))
-    plain = (np.asarray(mask) > 0 if level is None else
-             np.asarray(losses.rejection_mask(old_log_probs, behaviour, mask, level=level, upper=1.1)) > 0)
+    keep = np.asarray(
+        losses.rejection_mask(
+            old_log_probs,
+            behaviour,
+            mask,
+            level=level,
+            upper=None if level is None else 1.1,
+            veto=0.7,
+        )
+    )
+    plain = (
+        np.asarray(mask) > 0
+        if level is None
+        else np.asarray(
+            losses.rejection_mask(old_log_probs, behaviour, mask, level=level, upper=1.1)
+        )
+        > 0
+    )
     vetoed = 0
     for i in range(SHAPE[0]):
         veto = any(math.exp(x) < 0.7 for x in _numpy_log_rhos(old_log_probs, behaviour, mask, i))
@@ -340,10 +425,16 @@ def test_rollout_correction_by_hand():
     old = np.log(np.array([[2.0, 2.0], [0.5, 9.0], [3.0, 3.0]], np.float32))
     behaviour = np.zeros((3, 2), np.float32)
     mask = np.array([[1, 1], [1, 0], [0, 0]], np.float32)
-    np.testing.assert_allclose(losses.truncated_importance_weights(old, behaviour, mask, cap=3.0),
-                               [[2, 2], [0.5, 0], [0, 0]], rtol=1e-6)
-    np.testing.assert_allclose(losses.truncated_importance_weights(old, behaviour, mask, cap=3.0, level="sequence"),
-                               [[3, 3], [0.5, 0], [0, 0]], rtol=1e-6)
+    np.testing.assert_allclose(
+        losses.truncated_importance_weights(old, behaviour, mask, cap=3.0),
+        [[2, 2], [0.5, 0], [0, 0]],
+        rtol=1e-6,
+    )
+    np.testing.assert_allclose(
+        losses.truncated_importance_weights(old, behaviour, mask, cap=3.0, level="sequence"),
+        [[3, 3], [0.5, 0], [0, 0]],
+        rtol=1e-6,
+    )
     rs = lambda **kw: np.asarray(losses.rejection_mask(old, behaviour, mask, **kw)).tolist()
     assert rs(level="token", upper=2.5) == [[1, 1], [1, 0], [0, 0]]  # 0.5 >= 1 / 2.5
     assert rs(level="token", upper=1.9) == [[0, 0], [0, 0], [0, 0]]  # 2 > 1.9, 0.5 < 1 / 1.9
@@ -357,7 +448,9 @@ def test_rollout_correction_by_hand():
     metrics = {k: float(v) for k, v in losses.offpolicy_metrics(old, behaviour, mask).items()}
     log2 = math.log(2.0)
     np.testing.assert_allclose(metrics["kl_k1"], (-log2 - log2 + log2) / 3, rtol=1e-6)
-    np.testing.assert_allclose(metrics["kl_k3"], (2 * (2 - 1 - log2) + (0.5 - 1 + log2)) / 3, rtol=1e-6)
+    np.testing.assert_allclose(
+        metrics["kl_k3"], (2 * (2 - 1 - log2) + (0.5 - 1 + log2)) / 3, rtol=1e-6
+    )
     np.testing.assert_allclose(metrics["ppl_ratio"], (0.5 + 2.0) / 2, rtol=1e-6)
     np.testing.assert_allclose(metrics["chi2_token"], (3 + 3 - 0.75) / 3, rtol=1e-6)
     np.testing.assert_allclose(metrics["chi2_seq"], (15 - 0.75) / 2, rtol=1e-6)
@@ -368,22 +461,40 @@ def test_rollout_correction_by_hand():
 def test_offpolicy_metrics_against_a_loop(seed):
     old_log_probs, behaviour, mask = _rollout_inputs(seed)
     behaviour = np.where(mask > 0, behaviour, np.nan)  # padding never matters
-    metrics = {k: float(v) for k, v in losses.offpolicy_metrics(old_log_probs, behaviour, mask).items()}
+    metrics = {
+        k: float(v) for k, v in losses.offpolicy_metrics(old_log_probs, behaviour, mask).items()
+    }
     tokens, sequences = [], []
     for i in range(SHAPE[0]):
         log_rhos = _numpy_log_rhos(old_log_probs, behaviour, mask, i)
         tokens += log_rhos
         if log_rhos:
             sequences.append(log_rhos)
-    np.testing.assert_allclose(metrics["kl_k1"], np.mean([-x for x in tokens]), rtol=1e-4, atol=1e-7)
-    np.testing.assert_allclose(metrics["kl_k3"], np.mean([math.exp(x) - 1 - x for x in tokens]), rtol=1e-4)
-    np.testing.assert_allclose(metrics["chi2_token"], np.mean([math.exp(2 * x) - 1 for x in tokens]), rtol=1e-4)
-    np.testing.assert_allclose(metrics["ppl_ratio"], np.mean([math.exp(-np.mean(s)) for s in sequences]), rtol=1e-5)
-    np.testing.assert_allclose(metrics["chi2_seq"], np.mean([math.exp(2 * sum(s)) - 1 for s in sequences]), rtol=1e-4)
+    np.testing.assert_allclose(
+        metrics["kl_k1"], np.mean([-x for x in tokens]), rtol=1e-4, atol=1e-7
+    )
+    np.testing.assert_allclose(
+        metrics["kl_k3"], np.mean([math.exp(x) - 1 - x for x in tokens]), rtol=1e-4
+    )
+    np.testing.assert_allclose(
+        metrics["chi2_token"], np.mean([math.exp(2 * x) - 1 for x in tokens]), rtol=1e-4
+    )
+    np.testing.assert_allclose(
+        metrics["ppl_ratio"], np.mean([math.exp(-np.mean(s)) for s in sequences]), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        metrics["chi2_seq"], np.mean([math.exp(2 * sum(s)) - 1 for s in sequences]), rtol=1e-4
+    )
     np.testing.assert_allclose(metrics["log_ratio_abs_max"], max(abs(x) for x in tokens), rtol=1e-6)
     same = losses.offpolicy_metrics(old_log_probs, old_log_probs, mask)
-    assert {k: float(v) for k, v in same.items()} == {"kl_k1": 0.0, "kl_k3": 0.0, "ppl_ratio": 1.0, "chi2_token": 0.0,
-                                                      "chi2_seq": 0.0, "log_ratio_abs_max": 0.0}
+    assert {k: float(v) for k, v in same.items()} == {
+        "kl_k1": 0.0,
+        "kl_k3": 0.0,
+        "ppl_ratio": 1.0,
+        "chi2_token": 0.0,
+        "chi2_seq": 0.0,
+        "log_ratio_abs_max": 0.0,
+    }
 
 
 def test_offpolicy_metrics_stay_finite_for_far_off_tokens():
@@ -391,10 +502,16 @@ def test_offpolicy_metrics_stay_finite_for_far_off_tokens():
     apart, or a sequence 100 nats apart, gives large finite values, not inf."""
     old = np.zeros((2, 3), np.float32)
     behaviour = np.array([[-50.0, 0.0, 0.0], [100.0, 100.0, 100.0]], np.float32)
-    metrics = {k: float(v) for k, v in losses.offpolicy_metrics(old, behaviour, np.ones((2, 3))).items()}
+    metrics = {
+        k: float(v) for k, v in losses.offpolicy_metrics(old, behaviour, np.ones((2, 3))).items()
+    }
     assert all(np.isfinite(v) for v in metrics.values()), metrics
-    np.testing.assert_allclose(metrics["chi2_token"], (math.exp(40) - 1 + 2 * 0 + 3 * (math.exp(-40) - 1)) / 6, rtol=1e-4)
-    np.testing.assert_allclose(metrics["ppl_ratio"], (math.exp(-50 / 3) + math.exp(20)) / 2, rtol=1e-4)
+    np.testing.assert_allclose(
+        metrics["chi2_token"], (math.exp(40) - 1 + 2 * 0 + 3 * (math.exp(-40) - 1)) / 6, rtol=1e-4
+    )
+    np.testing.assert_allclose(
+        metrics["ppl_ratio"], (math.exp(-50 / 3) + math.exp(20)) / 2, rtol=1e-4
+    )
     np.testing.assert_allclose(metrics["kl_k1"], (-50 + 300) / 6, rtol=1e-6)  # not clamped
     assert metrics["log_ratio_abs_max"] == 100.0
 
@@ -428,8 +545,13 @@ def test_hand_worked_ppo():
     # clipped high, 1.28; r = 0.5 with A = -1: clipped low, -0.8; r = 1 with A = 2: inside,
     # 2; r = 4 with A = -1: max(min(-4, -0.8), -3) = -3. Token mean: -(1.28 - 0.8 + 2 - 3) / 4.
     mask = embed([[1, 1, 1, 1]])
-    results, _ = run_all("ppo", embed(np.log([[1.5, 0.5, 1.0, 4.0]])), embed([[0.0] * 4]),
-                         embed([[1.0, -1.0, 2.0, -1.0]]), mask)
+    results, _ = run_all(
+        "ppo",
+        embed(np.log([[1.5, 0.5, 1.0, 4.0]])),
+        embed([[0.0] * 4]),
+        embed([[1.0, -1.0, 2.0, -1.0]]),
+        mask,
+    )
     (loss, metrics), grad = results["token_mean"]
     np.testing.assert_allclose(loss, 0.13, rtol=1e-5)
     np.testing.assert_allclose(grad, embed([[0.0, 0.0, -2.0 / 4, 0.0]]), rtol=1e-6)
@@ -446,13 +568,17 @@ def test_hand_worked_ppo():
 def test_hand_worked_sapo_gspo():
     # SAPO at r = 1: f(1) A = (2 / tau) A: tau_pos = 1 for A = +1, tau_neg = 1.05 for A = -1.
     mask = embed([[1, 1]])
-    results, _ = run_all("sapo", embed([[0.0, 0.0]]), embed([[0.0, 0.0]]), embed([[1.0, -1.0]]), mask)
+    results, _ = run_all(
+        "sapo", embed([[0.0, 0.0]]), embed([[0.0, 0.0]]), embed([[1.0, -1.0]]), mask
+    )
     (loss, metrics), grad = results["token_mean"]
     np.testing.assert_allclose(loss, -(2.0 - 2.0 / 1.05) / 2, rtol=1e-5)
     np.testing.assert_allclose(grad, embed([[-0.5, 0.5]]), rtol=1e-6)  # w = 1 at r = 1
     np.testing.assert_allclose(metrics["gate_mean"], 1.0)
     # GSPO: log-ratios 0.1 and -0.3 -> s = exp(-0.1); A = 1, inside the clip range.
-    results, _ = run_all("gspo", embed([[0.1, -0.3]]), embed([[0.0, 0.0]]), embed([[1.0, 1.0]]), mask)
+    results, _ = run_all(
+        "gspo", embed([[0.1, -0.3]]), embed([[0.0, 0.0]]), embed([[1.0, 1.0]]), mask
+    )
     (loss, metrics), grad = results["token_mean"]
     np.testing.assert_allclose(loss, -math.exp(-0.1), rtol=1e-6)
     np.testing.assert_allclose(grad, embed([[-math.exp(-0.1) / 2] * 2]), rtol=1e-6)
@@ -473,8 +599,10 @@ def test_hand_worked_aggregation():
 
     @jax.jit
     def every_aggregation(per_token, mask):
-        return {aggregation: losses.aggregate(per_token, mask, aggregation, group_size=2, max_len=5)
-                for aggregation in AGGREGATIONS}
+        return {
+            aggregation: losses.aggregate(per_token, mask, aggregation, group_size=2, max_len=5)
+            for aggregation in AGGREGATIONS
+        }
 
     got = every_aggregation(per_token, mask)
     for aggregation, value in expected.items():
@@ -492,9 +620,12 @@ def test_sequence_level_terms_aggregate_like_their_broadcast():
     for aggregation in AGGREGATIONS:
         kwargs = dict(group_size=3, max_len=9)
         row_level = losses.aggregate(jnp.asarray(per_seq), mask, aggregation, **kwargs)
-        token_level = losses.aggregate(jnp.asarray(np.broadcast_to(per_seq, mask.shape)), mask,
-                                       aggregation, **kwargs)
-        np.testing.assert_allclose(row_level, token_level, rtol=1e-5, atol=1e-6, err_msg=aggregation)
+        token_level = losses.aggregate(
+            jnp.asarray(np.broadcast_to(per_seq, mask.shape)), mask, aggregation, **kwargs
+        )
+        np.testing.assert_allclose(
+            row_level, token_level, rtol=1e-5, atol=1e-6, err_msg=aggregation
+        )
 
 
 # ----------------------------------------------------------------------------------------
@@ -510,8 +641,10 @@ def test_sapo_gate_identities():
     def gate_and_grad(log_ratio):
         def objective(log_ratio):
             ones = jnp.ones_like(log_ratio)
-            return losses.sapo_objective(losses.GateInputs(
-                log_ratio, ones, ones, None, None, 0.2, 0.2, None, tau, tau))
+            return losses.sapo_objective(
+                losses.GateInputs(log_ratio, ones, ones, None, None, 0.2, 0.2, None, tau, tau)
+            )
+
         grad = jax.grad(lambda x: jnp.sum(objective(x).objective))(log_ratio)
         return objective(log_ratio).gate, grad
 
@@ -538,8 +671,13 @@ def test_sapo_gradient_is_minus_w_r_a_scaled_by_aggregation():
     for aggregation, (_, grad) in results.items():
         weights = ref_aggregation_weights(mask, aggregation, group_size=3, max_len=11)
         # float32 1 - p loses digits where the gate is ~1e-4 (far from r = 1): atol.
-        np.testing.assert_allclose(grad, -weights * 4 * p * (1 - p) * ratio * advantages,
-                                   rtol=2e-4, atol=1e-6, err_msg=aggregation)
+        np.testing.assert_allclose(
+            grad,
+            -weights * 4 * p * (1 - p) * ratio * advantages,
+            rtol=2e-4,
+            atol=1e-6,
+            err_msg=aggregation,
+        )
 
 
 def test_gspo_gradient_and_gspo_token_equivalence():
@@ -572,8 +710,9 @@ def test_clip_gate_zero_gradient_exactly_outside_trust_region(method):
     log_probs[:9, 0] = np.log(ratio)
     for sign, inside in ((1.0, ratio <= 1.28), (-1.0, ratio >= 0.8)):
         # A > 0: only the high side clips; A < 0: only the low side.
-        results, _ = run_all(method, log_probs, np.zeros(SHAPE, np.float32),
-                             np.full(SHAPE, sign, np.float32), mask)
+        results, _ = run_all(
+            method, log_probs, np.zeros(SHAPE, np.float32), np.full(SHAPE, sign, np.float32), mask
+        )
         grad = np.asarray(results["token_mean"][1])[:9, 0]
         np.testing.assert_array_equal(grad == 0, ~inside)
         np.testing.assert_allclose(grad[inside], -sign * ratio[inside] / 9, rtol=1e-5)
@@ -584,8 +723,10 @@ def test_padding_values_change_nothing(method):
     log_probs, old, advantages, mask = make_inputs(3)
     results, _ = run_all(method, log_probs, old, advantages, mask)
     pad = mask == 0
-    garbage = [np.where(pad, np.float32(value), x) for x, value in
-               ((log_probs, np.nan), (old, 1e30), (advantages, -np.inf))]
+    garbage = [
+        np.where(pad, np.float32(value), x)
+        for x, value in ((log_probs, np.nan), (old, 1e30), (advantages, -np.inf))
+    ]
     results_g, _ = run_all(method, *garbage, mask, importance_weights=np.where(pad, np.nan, 1.0))
     for aggregation in AGGREGATIONS:
         (loss, metrics), grad = results[aggregation]
@@ -644,9 +785,15 @@ def test_metrics_none_keeps_loss_and_gradient():
 
     @jax.jit
     def both(log_probs, old_log_probs, advantages, mask):
-        return [jax.value_and_grad(lambda x, metrics=metrics: losses.policy_loss(
-            x, old_log_probs, advantages, mask, method="ppo", dual_clip=3.0, metrics=metrics),
-            has_aux=True)(log_probs) for metrics in losses.METRICS]
+        return [
+            jax.value_and_grad(
+                lambda x, metrics=metrics: losses.policy_loss(
+                    x, old_log_probs, advantages, mask, method="ppo", dual_clip=3.0, metrics=metrics
+                ),
+                has_aux=True,
+            )(log_probs)
+            for metrics in losses.METRICS
+        ]
 
     ((loss, metrics), grad), ((loss_none, metrics_none), grad_none) = both(*inputs)
     assert set(metrics_none) == {"loss"} and len(metrics) > 10
@@ -678,16 +825,25 @@ def test_bad_options_name_the_field():
 
 def test_kl_penalty_estimators():
     log_probs, ref_log_probs, _, mask = make_inputs(4)
-    every_estimator = jax.jit(lambda *args: {
-        estimator: losses.kl_penalty(*args, estimator=estimator) for estimator in losses.KL_ESTIMATORS})
+    every_estimator = jax.jit(
+        lambda *args: {
+            estimator: losses.kl_penalty(*args, estimator=estimator)
+            for estimator in losses.KL_ESTIMATORS
+        }
+    )
     results = every_estimator(log_probs, ref_log_probs, mask)
     for estimator in losses.KL_ESTIMATORS:
         got = np.asarray(results[estimator])
         for i in range(mask.shape[0]):
             for t in range(mask.shape[1]):
                 delta = float(ref_log_probs[i, t]) - float(log_probs[i, t])
-                expected = {"k1": -delta, "k2": delta * delta / 2,
-                            "k3": math.exp(delta) - delta - 1}[estimator] if mask[i, t] else 0.0
+                expected = (
+                    {"k1": -delta, "k2": delta * delta / 2, "k3": math.exp(delta) - delta - 1}[
+                        estimator
+                    ]
+                    if mask[i, t]
+                    else 0.0
+                )
                 np.testing.assert_allclose(got[i, t], expected, rtol=1e-5, atol=1e-7)
     # Hand-worked: delta = log 2.
     delta = math.log(2.0)
@@ -697,7 +853,8 @@ def test_kl_penalty_estimators():
         np.testing.assert_allclose(results[estimator], value + 0 * one, rtol=1e-6)
     # In the loss: GRPO's beta * k3, aggregated like the policy term.
     loss_kl, metrics_kl = jax.jit(functools.partial(losses.policy_loss, kl_coef=0.04))(
-        log_probs, log_probs, np.zeros_like(mask), mask, ref_log_probs=ref_log_probs)
+        log_probs, log_probs, np.zeros_like(mask), mask, ref_log_probs=ref_log_probs
+    )
     k3 = losses.kl_penalty(log_probs, ref_log_probs, mask)
     np.testing.assert_allclose(loss_kl, 0.04 * np.sum(k3) / mask.sum(), rtol=1e-5)
     np.testing.assert_allclose(metrics_kl["kl_ref"], np.sum(k3) / mask.sum(), rtol=1e-5)
@@ -719,8 +876,14 @@ def test_kl_clamp_is_verls_k3():
     def total(log_probs, clamp):
         return jnp.sum(losses.kl_penalty(log_probs, ref_log_probs, mask, clamp=clamp))
 
-    values = {clamp: np.asarray(jax.jit(losses.kl_penalty, static_argnames="clamp")(
-        log_probs, ref_log_probs, mask, clamp=clamp)) for clamp in (False, True)}
+    values = {
+        clamp: np.asarray(
+            jax.jit(losses.kl_penalty, static_argnames="clamp")(
+                log_probs, ref_log_probs, mask, clamp=clamp
+            )
+        )
+        for clamp in (False, True)
+    }
     grads = {clamp: np.asarray(jax.grad(total)(log_probs, clamp)) for clamp in (False, True)}
     # Hand-worked, k3 = e^d - d - 1 and d k3 / d log pi_theta = 1 - e^d:
     #   d = -0.5: 0.60653 - 0.5 = 0.10653 (grad 0.39347);  d = 1: e - 2 = 0.71828 (grad 1 - e);
@@ -734,11 +897,14 @@ def test_kl_clamp_is_verls_k3():
     np.testing.assert_allclose(values[True][0, :7], verl[0, :7], rtol=1e-6)
     np.testing.assert_allclose(grads[True][0], [0.39346934, 1 - math.e] + [0] * 6, rtol=1e-6)
     # Unclamped: the paper's k3 everywhere (GRPO eq. 4).
-    np.testing.assert_allclose(values[False][0, :6], [0.10653066, 0.71828183, math.exp(3) - 4,
-                                                      math.exp(-15) + 14, math.exp(25) - 26, 29.0],
-                               rtol=1e-5)
-    np.testing.assert_allclose(grads[False][0, :4], [0.39346934, 1 - math.e, 1 - math.exp(3),
-                                                     1 - math.exp(-15)], rtol=1e-5)
+    np.testing.assert_allclose(
+        values[False][0, :6],
+        [0.10653066, 0.71828183, math.exp(3) - 4, math.exp(-15) + 14, math.exp(25) - 26, 29.0],
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        grads[False][0, :4], [0.39346934, 1 - math.e, 1 - math.exp(3), 1 - math.exp(-15)], rtol=1e-5
+    )
     assert values[False][0, 6] == np.inf and not np.isfinite(grads[False][0, 6])
     # Where k3 <= 10 the clamp changes nothing: random inputs of test_kl_penalty_estimators.
     log_probs, ref_log_probs, _, mask = make_inputs(4)
@@ -754,17 +920,28 @@ def test_kl_clamp_in_the_policy_loss():
     mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.float32)
     log_probs = np.full_like(deltas, -1.0)
     zeros = np.zeros_like(deltas)
-    loss_fn = jax.jit(functools.partial(losses.policy_loss, kl_coef=0.04, aggregation="token_mean"),
-                      static_argnames="kl_clamp")
-    loss, metrics = loss_fn(log_probs, log_probs, zeros, mask, ref_log_probs=log_probs + deltas,
-                            kl_clamp=True)
+    loss_fn = jax.jit(
+        functools.partial(losses.policy_loss, kl_coef=0.04, aggregation="token_mean"),
+        static_argnames="kl_clamp",
+    )
+    loss, metrics = loss_fn(
+        log_probs, log_probs, zeros, mask, ref_log_probs=log_probs + deltas, kl_clamp=True
+    )
     # Advantages 0: the loss is beta * token mean of the clamped k3 over the 5 valid tokens.
     k3 = [math.exp(0.5) - 1.5, 10.0, 10.0, math.e - 2, math.exp(-0.2) - 0.8]
     np.testing.assert_allclose(metrics["kl_ref"], sum(k3) / 5, rtol=1e-6)
     np.testing.assert_allclose(loss, 0.04 * sum(k3) / 5, rtol=1e-6)
     with pytest.raises(ValueError, match="kl_clamp=True is defined for kl_estimator='k3' only"):
-        losses.policy_loss(log_probs, log_probs, zeros, mask, ref_log_probs=log_probs, kl_coef=0.04,
-                           kl_estimator="k2", kl_clamp=True)
+        losses.policy_loss(
+            log_probs,
+            log_probs,
+            zeros,
+            mask,
+            ref_log_probs=log_probs,
+            kl_coef=0.04,
+            kl_estimator="k2",
+            kl_clamp=True,
+        )
     with pytest.raises(ValueError, match="estimator 'k3' only"):
         losses.kl_penalty(log_probs, log_probs, mask, estimator="k1", clamp=True)
 
@@ -791,8 +968,11 @@ def test_value_loss():
     rng = np.random.default_rng(1)
     mask = make_mask(rng, 5, 6, "arbitrary")
     values, old_values, returns = (rng.normal(size=(5, 6)).astype(np.float32) for _ in range(3))
-    fn = jax.jit(jax.value_and_grad(lambda v: losses.value_loss(v, old_values, returns, mask, clip=0.2),
-                                    has_aux=True))
+    fn = jax.jit(
+        jax.value_and_grad(
+            lambda v: losses.value_loss(v, old_values, returns, mask, clip=0.2), has_aux=True
+        )
+    )
     (loss, metrics), grad = fn(values)
     total, terms, clipped_count = 0.0, np.zeros((5, 6)), 0
     n = mask.sum()
@@ -807,8 +987,9 @@ def test_value_loss():
     np.testing.assert_allclose(grad, terms, rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(metrics["value_clip_frac"], clipped_count / n, rtol=1e-6)
     residual = (returns - values)[mask > 0]
-    np.testing.assert_allclose(metrics["explained_variance"],
-                               1 - residual.var() / returns[mask > 0].var(), rtol=1e-4)
+    np.testing.assert_allclose(
+        metrics["explained_variance"], 1 - residual.var() / returns[mask > 0].var(), rtol=1e-4
+    )
     # Constant returns: 1 only when the values equal them, else 0 (not NaN, not 1).
     constant = np.full((2, 3), 0.5, np.float32)
     full = np.ones((2, 3), np.float32)
@@ -824,8 +1005,12 @@ def test_value_loss():
     assert float(ev_r(values, rounded)) == 0.0
     assert float(ev_r(np.full((2, 3), -1.0, np.float32), rounded)) == 1.0
     # Hand-worked: V = 1.5, V_old = 1, R = 2: clipped V = 1.2, 0.5 * max(0.25, 0.64) = 0.32.
-    both = jax.jit(lambda *args: (losses.value_loss(*args, clip=0.2)[0],
-                                  losses.value_loss(*args, clip=None)[0]))
+    both = jax.jit(
+        lambda *args: (
+            losses.value_loss(*args, clip=0.2)[0],
+            losses.value_loss(*args, clip=None)[0],
+        )
+    )
     one = np.ones((1, 1), np.float32)
     clipped, unclipped = both(1.5 * one, one, 2 * one, one)
     np.testing.assert_allclose(clipped, 0.32, rtol=1e-6)

@@ -23,8 +23,7 @@ from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch, layout
 from policyopt.rl.critic import get_critic, init_critic_params
 from tests.settings import critic_settings, loss_settings, optim_settings
-from policyopt.rl.learner import (LossConfig, TrainState, get_learner, rl_loss,
-                                  split_params)
+from policyopt.rl.learner import LossConfig, TrainState, get_learner, rl_loss, split_params
 from policyopt.rl.trainer import minibatch_advantages
 
 VOCAB = 16
@@ -58,19 +57,26 @@ def _batch(seed=0, rows=ROWS, prompt=PROMPT, response=RESPONSE, *, full=False):
     arrays = layout(prompts, responses, 0, prompt, response)
     mask = arrays["mask"]
     noisy = lambda mean: jnp.asarray((mean + 0.3 * rng.normal(size=mask.shape)) * mask, jnp.float32)
-    batch = Batch(tokens=jnp.asarray(arrays["tokens"]), positions=jnp.asarray(arrays["positions"]),
-                  attention_mask=jnp.asarray(arrays["attention_mask"]), mask=jnp.asarray(mask),
-                  advantages=jnp.asarray(rng.normal(size=rows), jnp.float32),
-                  old_log_probs=noisy(-2.5))
+    batch = Batch(
+        tokens=jnp.asarray(arrays["tokens"]),
+        positions=jnp.asarray(arrays["positions"]),
+        attention_mask=jnp.asarray(arrays["attention_mask"]),
+        mask=jnp.asarray(mask),
+        advantages=jnp.asarray(rng.normal(size=rows), jnp.float32),
+        old_log_probs=noisy(-2.5),
+    )
     if not full:
         return batch
     loss_mask = mask * (rng.random(mask.shape) > 0.2)
     loss_mask[1] = 0
     return batch._replace(
-        importance_weights=jnp.asarray(np.minimum(np.exp(0.3 * rng.normal(size=mask.shape)), 2.0)
-                                       * mask, jnp.float32),
-        ref_log_probs=noisy(-2.7), loss_mask=jnp.asarray(loss_mask, jnp.float32),
-        nll_weights=jnp.asarray(rng.random(rows) > 0.4, jnp.float32))
+        importance_weights=jnp.asarray(
+            np.minimum(np.exp(0.3 * rng.normal(size=mask.shape)), 2.0) * mask, jnp.float32
+        ),
+        ref_log_probs=noisy(-2.7),
+        loss_mask=jnp.asarray(loss_mask, jnp.float32),
+        nll_weights=jnp.asarray(rng.random(rows) > 0.4, jnp.float32),
+    )
 
 
 def _copy(tree):
@@ -91,8 +97,13 @@ def _assert_same(one, micro, params, metric_rtol=1e-5):
     assert int(state_micro.step) == int(state_one.step) == 1
     assert metrics_micro.keys() == metrics_one.keys()
     for key in metrics_one:
-        np.testing.assert_allclose(float(metrics_micro[key]), float(metrics_one[key]),
-                                   rtol=metric_rtol, atol=1e-7, err_msg=key)
+        np.testing.assert_allclose(
+            float(metrics_micro[key]),
+            float(metrics_one[key]),
+            rtol=metric_rtol,
+            atol=1e-7,
+            err_msg=key,
+        )
     _assert_same_step(state_micro.params, state_one.params, params)
 
 
@@ -101,8 +112,9 @@ def _assert_same_step(got_params, want_params, before_params):
     Euclidean norms) and, since the parameters alone barely move, the steps ``new - old``
     to 1e-4 relative."""
     moved = 0.0
-    for got, want, before in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params),
-                                 jax.tree.leaves(before_params)):
+    for got, want, before in zip(
+        jax.tree.leaves(got_params), jax.tree.leaves(want_params), jax.tree.leaves(before_params)
+    ):
         got, want, before = (np.asarray(x, np.float64) for x in (got, want, before))
         error = np.linalg.norm(got - want)
         assert error <= 1e-6 * np.linalg.norm(want), (error, np.linalg.norm(want))
@@ -156,33 +168,66 @@ def test_policy_loss_shares_sum_to_the_minibatch_loss(aggregation):
     weights = jnp.asarray(rng.random((rows, width)) + 0.5, jnp.float32)
     row_weights = losses.aggregation_weights(mask, aggregation, group_size=2, max_len=9)
     methods = sorted(losses.OBJECTIVES)
-    kwargs = dict(aggregation=aggregation, group_size=2, max_len=9, clip_low=0.1, clip_high=0.15,
-                  kl_coef=0.05)
+    kwargs = dict(
+        aggregation=aggregation, group_size=2, max_len=9, clip_low=0.1, clip_high=0.15, kl_coef=0.05
+    )
 
     def one_pass(log_probs, method):
-        return losses.policy_loss(log_probs, old_log_probs, advantages, mask, method=method,
-                                  importance_weights=weights, ref_log_probs=ref_log_probs,
-                                  **kwargs)[0]
+        return losses.policy_loss(
+            log_probs,
+            old_log_probs,
+            advantages,
+            mask,
+            method=method,
+            importance_weights=weights,
+            ref_log_probs=ref_log_probs,
+            **kwargs,
+        )[0]
 
     def micro(log_probs, method):
         share = lambda lp, old, adv, m, iw, ref, w: losses.policy_loss(
-            lp, old, adv, m, method=method, importance_weights=iw, ref_log_probs=ref,
-            row_weights=w, metrics="none", **kwargs)[0]
-        return _micro_shares(share, (log_probs, old_log_probs, advantages, mask, weights,
-                                     ref_log_probs, row_weights), count=3)
+            lp,
+            old,
+            adv,
+            m,
+            method=method,
+            importance_weights=iw,
+            ref_log_probs=ref,
+            row_weights=w,
+            metrics="none",
+            **kwargs,
+        )[0]
+        return _micro_shares(
+            share,
+            (log_probs, old_log_probs, advantages, mask, weights, ref_log_probs, row_weights),
+            count=3,
+        )
 
-    both = jax.jit(lambda lp: [(jax.value_and_grad(one_pass)(lp, method),
-                                jax.value_and_grad(micro)(lp, method)) for method in methods])
+    both = jax.jit(
+        lambda lp: [
+            (jax.value_and_grad(one_pass)(lp, method), jax.value_and_grad(micro)(lp, method))
+            for method in methods
+        ]
+    )
     for method, ((want_loss, want_grad), (got_loss, got_grad)) in zip(methods, both(log_probs)):
         np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6, err_msg=method)
-        np.testing.assert_allclose(np.asarray(got_grad), np.asarray(want_grad), rtol=1e-5,
-                                   atol=1e-8, err_msg=method)
+        np.testing.assert_allclose(
+            np.asarray(got_grad), np.asarray(want_grad), rtol=1e-5, atol=1e-8, err_msg=method
+        )
         assert np.abs(np.asarray(want_grad)).max() > 0
     if aggregation == "token_mean":  # each micro-batch's own token mean would differ
-        own = jax.jit(lambda: sum(losses.policy_loss(*(a[j] for a in split), method="ppo",
-                                                     **kwargs)[0] for j in range(3)) / 3)
-        split = [micro_batches.split_rows(a, 3, 3) for a in
-                 (log_probs, old_log_probs, advantages, mask)]
+        own = jax.jit(
+            lambda: (
+                sum(
+                    losses.policy_loss(*(a[j] for a in split), method="ppo", **kwargs)[0]
+                    for j in range(3)
+                )
+                / 3
+            )
+        )
+        split = [
+            micro_batches.split_rows(a, 3, 3) for a in (log_probs, old_log_probs, advantages, mask)
+        ]
         assert abs(float(own()) - float(one_pass(log_probs, "ppo"))) > 1e-4
 
 
@@ -192,7 +237,8 @@ def test_value_and_nll_shares_sum_to_the_minibatch_loss():
     lengths = rng.integers(0, width + 1, rows)
     mask = jnp.asarray(np.arange(width)[None] < lengths[:, None], jnp.float32)
     values, old_values, returns, log_probs = (
-        jnp.asarray(rng.normal(size=(rows, width)), jnp.float32) for _ in range(4))
+        jnp.asarray(rng.normal(size=(rows, width)), jnp.float32) for _ in range(4)
+    )
     seq_weights = jnp.asarray([1, 0, 1, 1, 0, 1], jnp.float32)
 
     @jax.jit
@@ -201,13 +247,22 @@ def test_value_and_nll_shares_sum_to_the_minibatch_loss():
         for aggregation in ("token_mean", "seq_mean_token_mean"):
             w = losses.aggregation_weights(mask, aggregation)
             share = lambda v, o, r, m, w: losses.value_loss(v, o, r, m, row_weights=w)[0]
-            out.append((_micro_shares(share, (values, old_values, returns, mask, w), count=4),
-                        losses.value_loss(values, old_values, returns, mask,
-                                          aggregation=aggregation)[0]))
+            out.append(
+                (
+                    _micro_shares(share, (values, old_values, returns, mask, w), count=4),
+                    losses.value_loss(values, old_values, returns, mask, aggregation=aggregation)[
+                        0
+                    ],
+                )
+            )
         total = jnp.sum(mask * seq_weights[:, None])
         share = lambda lp, m, s: losses.nll_loss(lp, m, s, denominator=total)
-        out.append((_micro_shares(share, (log_probs, mask, seq_weights), count=4),
-                    losses.nll_loss(log_probs, mask, seq_weights)))
+        out.append(
+            (
+                _micro_shares(share, (log_probs, mask, seq_weights), count=4),
+                losses.nll_loss(log_probs, mask, seq_weights),
+            )
+        )
         return out
 
     for got, want in both():
@@ -218,8 +273,9 @@ def test_split_and_merge_rows():
     x = jnp.arange(7 * 2).reshape(7, 2)
     split = micro_batches.split_rows(x, 3, 3, fill=-1)  # 3 micro-batches of 3 rows, 2 fillers
     assert split.shape == (3, 3, 2)
-    np.testing.assert_array_equal(np.asarray(split[:, :, 0]) // 2,
-                                  [[0, 3, 6], [1, 4, -1], [2, 5, -1]])
+    np.testing.assert_array_equal(
+        np.asarray(split[:, :, 0]) // 2, [[0, 3, 6], [1, 4, -1], [2, 5, -1]]
+    )
     np.testing.assert_array_equal(np.asarray(micro_batches.merge_rows(split, 7)), np.asarray(x))
     assert micro_batches.plan(6, 9, 36) == (4, 2) and micro_batches.plan(6, 9, 1000) == (6, 1)
     with pytest.raises(ValueError, match=r"micro_batch_tokens \(8\) is below the row length 9"):
@@ -234,23 +290,37 @@ def test_update_equals_one_pass_for_every_aggregation(dense, aggregation):
     """PPO with the KL penalty, truncated importance weights, a rejection loss mask, the
     entropy bonus and VAPO's NLL term: 2 micro-batches, 2 filler rows, groups split."""
     graphdef, params = dense
-    settings = loss_settings(method="ppo", aggregation=aggregation, group_size=GROUP, max_len=7,
-                          kl_beta=0.05, entropy_coef=0.01, nll_coef=0.1)
+    settings = loss_settings(
+        method="ppo",
+        aggregation=aggregation,
+        group_size=GROUP,
+        max_len=7,
+        kl_beta=0.05,
+        entropy_coef=0.01,
+        nll_coef=0.1,
+    )
     batch = _batch(1, full=True)
-    one, micro = _both(lambda s: get_learner(graphdef, s, OPTIM), settings, params, batch,
-                       MICRO_4_ROWS)
+    one, micro = _both(
+        lambda s: get_learner(graphdef, s, OPTIM), settings, params, batch, MICRO_4_ROWS
+    )
     _assert_same(one, micro, params)
     assert float(one[1]["loss/nll"]) != 0 and float(one[1]["loss/kl_ref"]) != 0
 
 
 def test_gspo_sequence_ratios_equal_one_pass(dense):
     graphdef, params = dense
-    settings = loss_settings(method="gspo", aggregation="seq_mean_token_mean", clip_low=3e-2,
-                          clip_high=4e-2, group_size=GROUP)
+    settings = loss_settings(
+        method="gspo",
+        aggregation="seq_mean_token_mean",
+        clip_low=3e-2,
+        clip_high=4e-2,
+        group_size=GROUP,
+    )
     batch = _batch(2)
     batch = batch._replace(old_log_probs=batch.old_log_probs * 0.99)  # some sequences clipped
-    one, micro = _both(lambda s: get_learner(graphdef, s, OPTIM), settings, params, batch,
-                       MICRO_2_ROWS)
+    one, micro = _both(
+        lambda s: get_learner(graphdef, s, OPTIM), settings, params, batch, MICRO_2_ROWS
+    )
     _assert_same(one, micro, params)
 
 
@@ -264,19 +334,34 @@ def test_magistral_minibatch_advantages_reach_every_micro_batch(dense):
     # Statistics over fewer rows would be different (the test can fail).
     own = minibatch_advantages(rewards[jnp.asarray([0, 1, 4, 5])], GROUP)
     assert abs(float(own[0]) - float(advantages[0])) > 1e-3
-    settings = loss_settings(method="ppo", aggregation="token_mean", group_size=GROUP, max_len=7,
-                          kl_beta=0.05, entropy_coef=0.01, nll_coef=0.1)
+    settings = loss_settings(
+        method="ppo",
+        aggregation="token_mean",
+        group_size=GROUP,
+        max_len=7,
+        kl_beta=0.05,
+        entropy_coef=0.01,
+        nll_coef=0.1,
+    )
     batch = _batch(3, full=True)._replace(advantages=advantages)
-    one, micro = _both(lambda s: get_learner(graphdef, s, OPTIM), settings, params, batch,
-                       MICRO_4_ROWS)
+    one, micro = _both(
+        lambda s: get_learner(graphdef, s, OPTIM), settings, params, batch, MICRO_4_ROWS
+    )
     _assert_same(one, micro, params)
 
 
 def test_one_compile_per_shape(dense):
     graphdef, params = dense
-    settings = loss_settings(method="ppo", aggregation="token_mean", group_size=GROUP, max_len=7,
-                          kl_beta=0.05, entropy_coef=0.01, nll_coef=0.1,
-                          micro_batch_tokens=MICRO_4_ROWS)
+    settings = loss_settings(
+        method="ppo",
+        aggregation="token_mean",
+        group_size=GROUP,
+        max_len=7,
+        kl_beta=0.05,
+        entropy_coef=0.01,
+        nll_coef=0.1,
+        micro_batch_tokens=MICRO_4_ROWS,
+    )
     learner = get_learner(graphdef, settings, OPTIM)
     state = learner.init_state(_copy(params))
     state, _ = learner.update(state, _batch(4, full=True))
@@ -295,9 +380,14 @@ def test_moe_aux_losses_are_token_weighted_means_over_micro_batches(moe):
     ``t_j`` their valid tokens), in the metrics and in the gradient. Checked against that
     definition computed with the model on each micro-batch's rows, routing replayed."""
     model, graphdef, params = moe
-    settings = loss_settings(method="ppo", aggregation="seq_mean_token_mean", group_size=GROUP,
-                          load_balancing_coef=0.3, router_z_coef=0.2,
-                          micro_batch_tokens=MICRO_4_ROWS)
+    settings = loss_settings(
+        method="ppo",
+        aggregation="seq_mean_token_mean",
+        group_size=GROUP,
+        load_balancing_coef=0.3,
+        router_z_coef=0.2,
+        micro_batch_tokens=MICRO_4_ROWS,
+    )
     learner = get_learner(graphdef, settings, OPTIM)
     batch = _batch(7)
     routing = learner.routing(params, batch.tokens, batch.positions, batch.attention_mask)
@@ -314,9 +404,13 @@ def test_moe_aux_losses_are_token_weighted_means_over_micro_batches(moe):
         aux, tokens = [], []
         for j in range(count):
             rows = jnp.arange(j, ROWS, count)
-            out = merged(batch.tokens[rows], positions=batch.positions[rows],
-                         attention_mask=batch.attention_mask[rows], routing=routing[:, rows],
-                         return_logits=False)
+            out = merged(
+                batch.tokens[rows],
+                positions=batch.positions[rows],
+                attention_mask=batch.attention_mask[rows],
+                routing=routing[:, rows],
+                return_logits=False,
+            )
             aux.append(out.aux)
             tokens.append(jnp.sum(batch.attention_mask[rows]).astype(jnp.float32))
         mean = lambda name: sum(a[name] * t for a, t in zip(aux, tokens)) / sum(tokens)
@@ -338,15 +432,20 @@ def test_critic_update_equals_one_pass(dense):
     graphdef, policy_params = dense
     rng = np.random.default_rng(8)
     params = init_critic_params(policy_params, 64)
-    params["head"] = {"kernel": jnp.asarray(0.5 * rng.normal(size=64), jnp.float32),
-                      "bias": jnp.asarray(0.3, jnp.float32)}
+    params["head"] = {
+        "kernel": jnp.asarray(0.5 * rng.normal(size=64), jnp.float32),
+        "bias": jnp.asarray(0.3, jnp.float32),
+    }
     batch = _batch(8)
     mask = np.asarray(batch.mask)
-    batch = batch._replace(old_values=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32),
-                           returns=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32))
+    batch = batch._replace(
+        old_values=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32),
+        returns=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32),
+    )
     settings = critic_settings(value_clip=0.2)
-    one, micro = _both(lambda s: get_critic(graphdef, s, OPTIM), settings, params, batch,
-                       MICRO_4_ROWS)
+    one, micro = _both(
+        lambda s: get_critic(graphdef, s, OPTIM), settings, params, batch, MICRO_4_ROWS
+    )
     _assert_same(one, micro, params)
     assert 0 < float(one[1]["critic/value_clip_frac"]) < 1
 
@@ -362,8 +461,9 @@ def test_micro_batches_bound_the_update_memory(dense):
     batch = _batch(9, rows=16, prompt=8, response=56)
     temp = {}
     for tokens in (None, 2 * 64):
-        learner = get_learner(graphdef, dataclasses.replace(settings, micro_batch_tokens=tokens),
-                              OPTIM)
+        learner = get_learner(
+            graphdef, dataclasses.replace(settings, micro_batch_tokens=tokens), OPTIM
+        )
         state = jax.eval_shape(learner.init_state, params)
         compiled = learner.update.lower(state, batch).compile()
         temp[tokens] = compiled.memory_analysis().temp_size_in_bytes
@@ -374,8 +474,11 @@ def test_config_refuses_micro_batches_shorter_than_the_longest_row():
     config = base.get_config("batch.micro_batch_tokens=4096")
     assert config.batch.micro_batch_tokens == 4096
     longest = max(config.batch.prompt_buckets) + config.sampling.max_new_tokens  # 2048 + 24
-    with pytest.raises(ValueError, match=rf"micro_batch_tokens \(2000\) is below the longest row, "
-                                         rf"{longest} tokens"):
+    with pytest.raises(
+        ValueError,
+        match=rf"micro_batch_tokens \(2000\) is below the longest row, "
+        rf"{longest} tokens",
+    ):
         base.get_config("batch.micro_batch_tokens=2000")
     with pytest.raises(ValueError, match="micro_batch_tokens must be an int >= 0"):
         base.get_config("batch.micro_batch_tokens=-5")
@@ -429,6 +532,12 @@ def test_micro_batches_on_a_mesh_equal_one_pass():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, PYTHONPATH=root)
-    result = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, cwd=root,
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-c", _MESH_SCRIPT],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-4000:]

@@ -14,8 +14,16 @@ from policyopt.models import KVCache, ModelConfig, ModelOutput, Transformer, pre
 from policyopt.models.layers import RMSNorm, apply_rope, rope_cos_sin
 from policyopt.sharding import logical_to_mesh_axes, param_partition_specs
 
-TINY = dict(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-            head_dim=8, intermediate_size=48, rope_theta=1e4)
+TINY = dict(
+    vocab_size=40,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    rope_theta=1e4,
+)
 
 
 def _model(**overrides):
@@ -23,7 +31,9 @@ def _model(**overrides):
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     # Larger weights than the 0.02 default make attention and routing non-trivial.
     state = nnx.state(model, nnx.Param)
-    state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x) * (10.0 if x.ndim > 1 else 1.0)), state)
+    state = jax.tree.map(
+        lambda x: jnp.asarray(np.asarray(x) * (10.0 if x.ndim > 1 else 1.0)), state
+    )
     nnx.update(model, state)
     return model
 
@@ -42,8 +52,9 @@ def call(model, tokens, **kwargs):
 def test_rmsnorm_hand_worked():
     norm = RMSNorm(2, eps=0.0, param_dtype=jnp.float32)
     # x = (3, 4): rms = sqrt((9 + 16) / 2) = 5 / sqrt 2.
-    np.testing.assert_allclose(norm(jnp.array([3.0, 4.0])),
-                               [3 * np.sqrt(2) / 5, 4 * np.sqrt(2) / 5], rtol=1e-6)
+    np.testing.assert_allclose(
+        norm(jnp.array([3.0, 4.0])), [3 * np.sqrt(2) / 5, 4 * np.sqrt(2) / 5], rtol=1e-6
+    )
 
 
 def test_rope_hand_worked():
@@ -75,7 +86,9 @@ def test_output_shapes(models, kind):
     assert isinstance(out, ModelOutput)
     assert out.logits.shape == (2, 9, 40) and out.logits.dtype == jnp.float32
     assert out.hidden.shape == (2, 9, 32)
-    np.testing.assert_allclose(out.logits, out.hidden @ model.output_embedding(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        out.logits, out.hidden @ model.output_embedding(), rtol=1e-5, atol=1e-5
+    )
     if kind == "moe":
         assert out.routing.shape == (2, 2, 9, 2) and out.routing.dtype == jnp.int32
         assert out.aux["tokens_per_expert"].shape == (2, 4)
@@ -101,9 +114,9 @@ def test_kv_cache_prefill_then_decode_equals_full_forward(models, kind, per_laye
     for step in range(5, 9):
         if kind == "moe":
             positions = jnp.full((2, 1), step, jnp.int32)
-            out = call(model, tokens[:, step:step + 1], positions=positions, cache=cache)
+            out = call(model, tokens[:, step : step + 1], positions=positions, cache=cache)
         else:  # default positions continue from the cache index
-            out = call(model, tokens[:, step:step + 1], cache=cache)
+            out = call(model, tokens[:, step : step + 1], cache=cache)
         np.testing.assert_allclose(out.logits[:, 0], full.logits[:, step], rtol=1e-5, atol=1e-5)
         if kind == "moe":
             np.testing.assert_array_equal(out.routing[:, :, 0], full.routing[:, :, step])
@@ -161,8 +174,9 @@ def test_kv_cache_layout_and_forms(models):
     # (up to float rounding: the softmax sums over another number of empty slots).
     nxt = _tokens((2, 1), seed=5)
     long = call(model, nxt, cache=stacked).logits
-    np.testing.assert_allclose(call(model, nxt, cache=stacked.resize(5).resize(9)).logits, long,
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        call(model, nxt, cache=stacked.resize(5).resize(9)).logits, long, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_right_padded_prompts_decode_like_unpadded(models):
@@ -178,19 +192,22 @@ def test_right_padded_prompts_decode_like_unpadded(models):
     batched = []
     for step in range(4):
         positions = jnp.asarray(lengths[:, None] + step, jnp.int32)
-        out = call(model, new_tokens[:, step:step + 1], positions=positions, cache=cache)
+        out = call(model, new_tokens[:, step : step + 1], positions=positions, cache=cache)
         batched.append(out.logits[:, 0])
         cache = out.cache
     # Unpadded sequences, filled at the end to a common length 9 (causality hides the fill).
     unpadded = np.ones((2, 9), np.int32)
     for row in range(2):
-        seq = np.concatenate([np.asarray(prompts[row, :lengths[row]]), np.asarray(new_tokens[row])])
-        unpadded[row, :len(seq)] = seq
+        seq = np.concatenate(
+            [np.asarray(prompts[row, : lengths[row]]), np.asarray(new_tokens[row])]
+        )
+        unpadded[row, : len(seq)] = seq
     alone = call(model, jnp.asarray(unpadded))
     for row in range(2):
         for step in range(4):
-            np.testing.assert_allclose(batched[step][row], alone.logits[row, lengths[row] + step],
-                                       rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(
+                batched[step][row], alone.logits[row, lengths[row] + step], rtol=1e-5, atol=1e-5
+            )
 
 
 def test_padding_tokens_excluded_from_router_statistics(models):
@@ -210,7 +227,7 @@ def test_out_of_range_padding_ids_cannot_poison_real_tokens(models, kind):
     pad = 3
     positions = jnp.asarray(np.maximum(np.arange(pad + 5) - pad, 0)[None], jnp.int32)
     mask = jnp.asarray((np.arange(pad + 5) >= pad)[None], jnp.int32)
-    for pad_id in (40, 10**6, -1, -10**6):
+    for pad_id in (40, 10**6, -1, -(10**6)):
         tokens = jnp.concatenate([jnp.full((1, pad), pad_id, jnp.int32), real], axis=1)
         out = call(model, tokens, positions=positions, attention_mask=mask)
         assert np.isfinite(np.asarray(out.logits)).all(), pad_id
@@ -255,7 +272,9 @@ def test_split_merge_jit_compiles_once(models):
     @jax.jit
     @chex.assert_max_traces(n=1)
     def forward(state, tokens, cache):
-        out = nnx.merge(graphdef, state)(tokens, cache=cache, positions=jnp.zeros_like(tokens) + cache.index)
+        out = nnx.merge(graphdef, state)(
+            tokens, cache=cache, positions=jnp.zeros_like(tokens) + cache.index
+        )
         return out.logits, out.cache, out.routing
 
     cache = model.init_cache(2, 4)
@@ -287,11 +306,17 @@ def _param_count(config):
     return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
-@pytest.mark.parametrize("name,expected_millions", [
-    ("moe_7m", 7.351), ("moe_0p5b", 514.223), ("qwen3_30b_a3b", 30532.123),
-    # By hand: embed and head 2 x 512 x 64; per layer attention 12,288 + norms 160, router
-    # 64 x 32, experts 32 x 3 x 64 x 16 = 98,304 (112,800); 4 layers, final norm 64.
-    ("moe_volatile", 0.5168)])
+@pytest.mark.parametrize(
+    "name,expected_millions",
+    [
+        ("moe_7m", 7.351),
+        ("moe_0p5b", 514.223),
+        ("qwen3_30b_a3b", 30532.123),
+        # By hand: embed and head 2 x 512 x 64; per layer attention 12,288 + norms 160, router
+        # 64 x 32, experts 32 x 3 x 64 x 16 = 98,304 (112,800); 4 layers, final norm 64.
+        ("moe_volatile", 0.5168),
+    ],
+)
 def test_preset_parameter_counts(name, expected_millions):
     # Embeddings + L identical layers: count 1 and 2 layers, extrapolate (cheap to trace).
     config = preset(name)
@@ -308,5 +333,6 @@ def test_logical_axes_and_rules(models):
     moe = specs["layers"][0]["mlp"]
     assert moe["gate_proj"] == jax.sharding.PartitionSpec("expert", "fsdp", "tensor")
     assert specs["embed"] == jax.sharding.PartitionSpec("tensor", "fsdp")
-    assert logical_to_mesh_axes(("embed", "mlp"), mesh_axis_names=("fsdp",)) == \
-        jax.sharding.PartitionSpec("fsdp", None)
+    assert logical_to_mesh_axes(
+        ("embed", "mlp"), mesh_axis_names=("fsdp",)
+    ) == jax.sharding.PartitionSpec("fsdp", None)

@@ -11,22 +11,41 @@ import pytest
 from flax import nnx
 
 from policyopt.models import ModelConfig
-from policyopt.models.moe import (MoE, capacity_experts, gathered_capacities, gathered_experts,
-                                  megablox_matmul, route, router_aux)
+from policyopt.models.moe import (
+    MoE,
+    capacity_experts,
+    gathered_capacities,
+    gathered_experts,
+    megablox_matmul,
+    route,
+    router_aux,
+)
 
 E, K, D, F = 4, 2, 8, 6
 
 
 def _config(**overrides):
-    fields = dict(vocab_size=16, hidden_size=D, num_layers=1, num_heads=2, num_kv_heads=1,
-                  head_dim=4, intermediate_size=8, num_experts=E, num_experts_per_tok=K,
-                  moe_intermediate_size=F, initializer_range=0.5)
+    fields = dict(
+        vocab_size=16,
+        hidden_size=D,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        intermediate_size=8,
+        num_experts=E,
+        num_experts_per_tok=K,
+        moe_intermediate_size=F,
+        initializer_range=0.5,
+    )
     return ModelConfig(**{**fields, **overrides})
 
 
 def _params(moe):
-    return {name: np.asarray(getattr(moe, name)[...], np.float64)
-            for name in ("router", "gate_proj", "up_proj", "down_proj")}
+    return {
+        name: np.asarray(getattr(moe, name)[...], np.float64)
+        for name in ("router", "gate_proj", "up_proj", "down_proj")
+    }
 
 
 def numpy_loop_moe(x, params, k, norm_topk_prob, routing=None):
@@ -96,42 +115,62 @@ def test_route_hand_worked():
 
 
 def _dispatch(name):
-    """"blocked-onehot" -> blocked dispatch with one-hot weight gathering; else the name."""
+    """ "blocked-onehot" -> blocked dispatch with one-hot weight gathering; else the name."""
     dispatch, _, gather = name.partition("-")
     return dict(moe_dispatch=dispatch, moe_weight_gather=gather or "take")
 
 
-@pytest.mark.parametrize("dispatch,norm_topk_prob", [
-    ("ragged", True), ("ragged", False), ("megablox", True), ("blocked", True),
-    ("blocked-onehot", False), ("dense", True), ("dense", False), ("gathered", True),
-    ("capacity", False)])
+@pytest.mark.parametrize(
+    "dispatch,norm_topk_prob",
+    [
+        ("ragged", True),
+        ("ragged", False),
+        ("megablox", True),
+        ("blocked", True),
+        ("blocked-onehot", False),
+        ("dense", True),
+        ("dense", False),
+        ("gathered", True),
+        ("capacity", False),
+    ],
+)
 def test_fast_paths_match_loop_reference(dispatch, norm_topk_prob):
     # capacity_factor = E / K: every expert can hold every token, nothing is dropped.
     # Block size 3: groups of every size modulo the block occur, some experts get none.
-    moe = MoE(_config(**_dispatch(dispatch), norm_topk_prob=norm_topk_prob,
-                      capacity_factor=E / K, moe_block_size=3), rngs=nnx.Rngs(0))
+    moe = MoE(
+        _config(
+            **_dispatch(dispatch),
+            norm_topk_prob=norm_topk_prob,
+            capacity_factor=E / K,
+            moe_block_size=3,
+        ),
+        rngs=nnx.Rngs(0),
+    )
     x = _inputs()
     y, routing, aux = _run(moe, x)
     want, chosen = numpy_loop_moe(x, _params(moe), K, norm_topk_prob)
     np.testing.assert_array_equal(routing.reshape(-1, K), chosen)
     np.testing.assert_allclose(y.reshape(-1, D), want, rtol=1e-5, atol=1e-6)
     assert float(aux["dropped_tokens"]) == 0
-    np.testing.assert_array_equal(aux["tokens_per_expert"], np.bincount(chosen.ravel(), minlength=E))
+    np.testing.assert_array_equal(
+        aux["tokens_per_expert"], np.bincount(chosen.ravel(), minlength=E)
+    )
 
 
-@pytest.mark.parametrize("dispatch", ["ragged", "megablox", "blocked", "blocked-onehot", "dense",
-                                      "gathered",
-                                      "capacity"])
+@pytest.mark.parametrize(
+    "dispatch", ["ragged", "megablox", "blocked", "blocked-onehot", "dense", "gathered", "capacity"]
+)
 def test_gradients_match_loop_reference_under_replay(dispatch):
     """Replay a routing that differs from the natural one (the k *least* likely experts):
     output and every gradient equal the loop reference with those experts; the router
     gets a non-zero gradient through the recomputed gates."""
-    moe = MoE(_config(**_dispatch(dispatch), capacity_factor=E / K, moe_block_size=4),
-              rngs=nnx.Rngs(1))
+    moe = MoE(
+        _config(**_dispatch(dispatch), capacity_factor=E / K, moe_block_size=4), rngs=nnx.Rngs(1)
+    )
     x = _inputs(seed=1)
     natural, natural_routing, _ = _run(moe, x)
     probs = jax.nn.softmax(x.reshape(-1, D) @ moe.router[...], -1)
-    forced = jnp.argsort(probs, axis=-1)[:, :K].astype(jnp.int32)       # least likely
+    forced = jnp.argsort(probs, axis=-1)[:, :K].astype(jnp.int32)  # least likely
     assert not np.array_equal(np.sort(forced, -1), np.sort(natural_routing.reshape(-1, K), -1))
     forced = forced.reshape(2, 6, K)
     cotangent = jnp.asarray(np.random.default_rng(2).normal(size=(2, 6, D)), jnp.float32)
@@ -142,7 +181,8 @@ def test_gradients_match_loop_reference_under_replay(dispatch):
         return jnp.sum(y * cotangent), (y, routing)
 
     (_, (y, routing)), (grad_state, grad_x) = jax.jit(
-        jax.value_and_grad(fast, argnums=(0, 1), has_aux=True))(state, x)
+        jax.value_and_grad(fast, argnums=(0, 1), has_aux=True)
+    )(state, x)
     np.testing.assert_array_equal(routing, forced)
     want, _ = numpy_loop_moe(x, _params(moe), K, True, routing=np.asarray(forced).reshape(-1, K))
     np.testing.assert_allclose(y.reshape(-1, D), want, rtol=1e-5, atol=1e-6)
@@ -155,7 +195,8 @@ def test_gradients_match_loop_reference_under_replay(dispatch):
         return jnp.sum(y.reshape(2, 6, D) * cotangent)
 
     ref_weights, ref_x = jax.grad(reference, argnums=(0, 1))(
-        tuple(getattr(moe, n)[...] for n in names), x)
+        tuple(getattr(moe, n)[...] for n in names), x
+    )
     np.testing.assert_allclose(grad_x, ref_x, rtol=1e-4, atol=1e-6)
     for name, ref in zip(names, ref_weights):
         np.testing.assert_allclose(grad_state[name][...], ref, rtol=1e-4, atol=1e-6)
@@ -166,8 +207,10 @@ def test_capacity_drops_overflow_in_priority_order():
     """C = 1. Token 0 picks (e0, e1), token 1 picks (e1, e0): both first choices get the
     single slot of their expert, both second choices are dropped."""
     x = jnp.asarray(np.random.default_rng(3).normal(size=(2, D)), jnp.float32)
-    weights = [jnp.asarray(np.random.default_rng(s).normal(size=shape), jnp.float32)
-               for s, shape in ((4, (E, D, F)), (5, (E, D, F)), (6, (E, F, D)))]
+    weights = [
+        jnp.asarray(np.random.default_rng(s).normal(size=shape), jnp.float32)
+        for s, shape in ((4, (E, D, F)), (5, (E, D, F)), (6, (E, F, D)))
+    ]
     ids = jnp.array([[0, 1], [1, 0]], jnp.int32)
     gates = jnp.array([[0.7, 0.3], [0.6, 0.4]], jnp.float32)
     y, dropped = capacity_experts(x, ids, gates, jnp.ones(2, bool), *weights, capacity=1)
@@ -175,7 +218,9 @@ def test_capacity_drops_overflow_in_priority_order():
 
     def expert(n, e):
         h = np.asarray(x[n]) @ params["gate_proj"][e]
-        return (h / (1 + np.exp(-h)) * (np.asarray(x[n]) @ params["up_proj"][e])) @ params["down_proj"][e]
+        return (h / (1 + np.exp(-h)) * (np.asarray(x[n]) @ params["up_proj"][e])) @ params[
+            "down_proj"
+        ][e]
 
     np.testing.assert_allclose(y, [0.7 * expert(0, 0), 0.6 * expert(1, 1)], rtol=1e-5, atol=1e-6)
     assert float(dropped) == 2
@@ -225,14 +270,18 @@ def test_router_statistics_hand_worked():
 def test_blocked_dispatch_any_token_count(tokens, gather):
     """Decode-sized (1 token: block shrinks to 1 row) to many blocks per expert."""
     from policyopt.models.moe import blocked_experts
+
     rng = np.random.default_rng(tokens)
     x = jnp.asarray(rng.normal(size=(tokens, D)), jnp.float32)
     ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]), jnp.int32)
     gates = jnp.asarray(rng.uniform(size=(tokens, K)), jnp.float32)
-    weights = [jnp.asarray(rng.normal(size=shape), jnp.float32)
-               for shape in ((E, D, F), (E, D, F), (E, F, D))]
+    weights = [
+        jnp.asarray(rng.normal(size=shape), jnp.float32)
+        for shape in ((E, D, F), (E, D, F), (E, F, D))
+    ]
     got = jax.jit(blocked_experts, static_argnames=("block_size", "gather"))(
-        x, ids, gates, *weights, block_size=8, gather=gather)
+        x, ids, gates, *weights, block_size=8, gather=gather
+    )
     want = numpy_loop_fixed_gates(x, ids, gates, *weights)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -254,11 +303,17 @@ def test_decode_dispatch_applies_to_one_token_calls_only(tokens_per_row):
     """moe_decode_dispatch="ragged" under moe_dispatch="blocked": a call of one token per
     row (a decode step) goes through ragged_dot, a longer call through the blocks; both
     equal the loop reference (so the sampler and the trainer compute the same policy)."""
-    moe = MoE(_config(moe_dispatch="blocked", moe_decode_dispatch="ragged", moe_block_size=2),
-              rngs=nnx.Rngs(3))
+    moe = MoE(
+        _config(moe_dispatch="blocked", moe_decode_dispatch="ragged", moe_block_size=2),
+        rngs=nnx.Rngs(3),
+    )
     x = _inputs(seed=3, shape=(6, tokens_per_row))
     graphdef, state = nnx.split(moe)
-    jaxpr = str(jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x, jnp.ones(x.shape[:2], bool)))(state, x))
+    jaxpr = str(
+        jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x, jnp.ones(x.shape[:2], bool)))(
+            state, x
+        )
+    )
     assert ("ragged_dot" in jaxpr) == (tokens_per_row == 1)
     y, routing, _ = _run(moe, x)
     want, chosen = numpy_loop_moe(x, _params(moe), K, True)
@@ -275,8 +330,13 @@ def test_blocked_take_gradient_sums_in_the_parameter_dtype():
     inputs, same routing) is the ragged dispatch's (0.57%; 0.60% blocked), not the 2.7%
     of a bfloat16 scatter-add."""
     dim, tokens = 64, (4, 1024)
-    fields = dict(hidden_size=dim, moe_intermediate_size=dim, initializer_range=0.1,
-                  dtype="bfloat16", moe_block_size=4)
+    fields = dict(
+        hidden_size=dim,
+        moe_intermediate_size=dim,
+        initializer_range=0.1,
+        dtype="bfloat16",
+        moe_block_size=4,
+    )
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(*tokens, dim)), jnp.bfloat16)
     cotangent = jnp.asarray(rng.normal(size=(*tokens, dim)), jnp.float32)
@@ -299,15 +359,23 @@ def test_blocked_take_gradient_sums_in_the_parameter_dtype():
     np.testing.assert_array_equal(routing, blocked_routing)
 
     def reference(weights):
-        y = jax_loop_moe(x.reshape(-1, dim).astype(jnp.float32), moe.router[...], *weights,
-                         routing.reshape(-1, K), K, True)
+        y = jax_loop_moe(
+            x.reshape(-1, dim).astype(jnp.float32),
+            moe.router[...],
+            *weights,
+            routing.reshape(-1, K),
+            K,
+            True,
+        )
         return jnp.sum(y.reshape(*tokens, dim) * cotangent)
 
     want = jax.jit(jax.grad(reference))(tuple(getattr(moe, n)[...] for n in names))
     for name, ref in zip(names, want):
         ref = np.asarray(ref, np.float64)
-        error = {k: np.linalg.norm(g[name] - ref) / np.linalg.norm(ref)
-                 for k, g in (("ragged", ragged), ("blocked", blocked))}
+        error = {
+            k: np.linalg.norm(g[name] - ref) / np.linalg.norm(ref)
+            for k, g in (("ragged", ragged), ("blocked", blocked))
+        }
         assert error["ragged"] < 0.01, (name, error)
         assert error["blocked"] < 1.1 * error["ragged"], (name, error)
 
@@ -322,8 +390,8 @@ def test_megablox_matmul_matches_one_hot_products():
     rows = jnp.asarray(rng.normal(size=(19, D)), jnp.float32)
     weights = jnp.asarray(rng.normal(size=(4, D, F)), jnp.float32)
     cotangent = jnp.asarray(rng.normal(size=(19, F)), jnp.float32)
-    group = np.repeat(np.arange(4), sizes)                              # e(r), 17 rows
-    onehot = jnp.asarray(np.eye(4)[group], jnp.float32)                 # [17, E]
+    group = np.repeat(np.arange(4), sizes)  # e(r), 17 rows
+    onehot = jnp.asarray(np.eye(4)[group], jnp.float32)  # [17, E]
 
     def one_hot_form(rows, weights):
         out = jnp.einsum("re,rd,edf->rf", onehot, rows[:17], weights)
@@ -335,14 +403,15 @@ def test_megablox_matmul_matches_one_hot_products():
     out = kernel(rows, weights)
     np.testing.assert_allclose(out, one_hot_form(rows, weights), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out[17:], 0)
-    grads = jax.grad(lambda r, w: jnp.sum(kernel(r, w) * cotangent), argnums=(0, 1))(
-        rows, weights)
+    grads = jax.grad(lambda r, w: jnp.sum(kernel(r, w) * cotangent), argnums=(0, 1))(rows, weights)
     want = jax.grad(lambda r, w: jnp.sum(one_hot_form(r, w) * cotangent), argnums=(0, 1))(
-        rows, weights)
+        rows, weights
+    )
     for got, ref in zip(grads, want):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(grads[0][17:], 0)                    # past the groups
-    np.testing.assert_array_equal(grads[1][1], 0)                      # the empty group
+    np.testing.assert_array_equal(grads[0][17:], 0)  # past the groups
+    np.testing.assert_array_equal(grads[1][1], 0)  # the empty group
+
 
 def test_gathered_capacities_hand_worked():
     # N = 64, k = 2, E = 8: mean load 16 copies; 1.5 x 16 = 24, 3 x 16 = 48.
@@ -363,16 +432,17 @@ def test_gathered_dispatch_every_buffer_matches_loop_reference(case):
     n, e, k, f = 32, 8, 2, 6
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.normal(size=(n, D)), jnp.float32)
-    w_gate, w_up, w_down = (np.asarray(rng.normal(size=s) * 0.5, np.float32)
-                            for s in ((e, D, f), (e, D, f), (e, f, D)))
+    w_gate, w_up, w_down = (
+        np.asarray(rng.normal(size=s) * 0.5, np.float32) for s in ((e, D, f), (e, D, f), (e, f, D))
+    )
     tokens = np.arange(n)
     if case == "first buffer":
-        ids = np.stack([tokens % 6, (tokens + 1) % 6], 1)              # experts 0-5, <= 12 each
-        ids[5] = [3, 3]                                                 # an expert listed twice
+        ids = np.stack([tokens % 6, (tokens + 1) % 6], 1)  # experts 0-5, <= 12 each
+        ids[5] = [3, 3]  # an expert listed twice
     elif case == "second buffer":
         ids = np.stack([np.where(tokens < 20, 0, tokens % 6), (tokens % 5) + 1], 1)
     else:
-        ids = np.stack([np.zeros(n, int), np.ones(n, int)], 1)          # 32 tokens on 0 and 1
+        ids = np.stack([np.zeros(n, int), np.ones(n, int)], 1)  # 32 tokens on 0 and 1
     counts = np.array([np.sum(np.any(ids == j, 1)) for j in range(e)])
     low, high = {"first buffer": (0, 16), "second buffer": (16, 24), "dense": (24, n)}[case]
     assert low < counts.max() <= high

@@ -33,8 +33,10 @@ from tests.test_rl_mesh import ROOT, _finish
 # collectives), the XLA:CPU deadlock with several devices per process described in
 # policyopt/sharding.py.
 MESHES = {1: "mesh.fsdp=2"}
-EXTRA = ("eval.num_prompts=4,eval.batch_size=4,train.checkpoint_every=2,sft.batch_size=8,"
-         "sft.overlong_response=drop,reward.incorrect_value=-1.0,reward.overlong=dapo,optim.eps=1e-4")
+EXTRA = (
+    "eval.num_prompts=4,eval.batch_size=4,train.checkpoint_every=2,sft.batch_size=8,"
+    "sft.overlong_response=drop,reward.incorrect_value=-1.0,reward.overlong=dapo,optim.eps=1e-4"
+)
 
 _SCRIPT = textwrap.dedent("""
     import sys
@@ -113,8 +115,14 @@ def _free_port() -> int:
 def _start(mode: str, out: str, local: int, env: dict) -> subprocess.Popen:
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, JAX_PLATFORMS="cpu", **env)
-    return subprocess.Popen([sys.executable, "-c", _SCRIPT, mode, out, str(local)], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT, mode, out, str(local)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 FLAGS = "--xla_backend_optimization_level=0"
@@ -142,10 +150,20 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("local", sorted(MESHES, reverse=True))
 def test_two_processes_train_as_one_device(tmp_path, local, reference):
     address = f"localhost:{_free_port()}"
-    procs = [_start("multi", str(tmp_path / "multi"), local, {
-        "XLA_FLAGS": FLAGS + f" --xla_force_host_platform_device_count={local}",
-        "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
-        for i in range(2)]
+    procs = [
+        _start(
+            "multi",
+            str(tmp_path / "multi"),
+            local,
+            {
+                "XLA_FLAGS": FLAGS + f" --xla_force_host_platform_device_count={local}",
+                "JAX_COORDINATOR_ADDRESS": address,
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": str(i),
+            },
+        )
+        for i in range(2)
+    ]
     outputs = [_finish(p) for p in procs]
     one_dir, one_output = reference()
     for i, output in enumerate(outputs):
@@ -154,9 +172,15 @@ def test_two_processes_train_as_one_device(tmp_path, local, reference):
         assert f"code {i} ['no_code', 'no_tests', 'no_code']" in output, output[-3000:]
     # Each process verified half of the completions (RL rollouts and evaluations).
     total = int(one_output.split("scored 0 ")[1].split()[0])
-    assert total > 0 and [f"scored {i} {total // 2}" in out for i, out in enumerate(outputs)] == [True, True]
+    assert total > 0 and [f"scored {i} {total // 2}" in out for i, out in enumerate(outputs)] == [
+        True,
+        True,
+    ]
     # One writer: process 0's records, each once (2 iterations, 2 evaluations).
-    lines = [(d / "run" / "metrics.jsonl").read_text().splitlines() for d in (one_dir, tmp_path / "multi")]
+    lines = [
+        (d / "run" / "metrics.jsonl").read_text().splitlines()
+        for d in (one_dir, tmp_path / "multi")
+    ]
     assert len(lines[0]) == len(lines[1]) == 4
     want = np.load(one_dir / "results.npz")
     got = np.load(tmp_path / "multi" / "results.npz")

@@ -23,20 +23,26 @@ def test_hand_worked_first_fit_decreasing():
     # columns 1-3 (3). T = 8, longest first: row 1 opens packed row 0 (2 free), row 0
     # opens packed row 1 (4 free), row 3 fits packed row 1 at 4 (1 free), row 2 fits
     # packed row 0 at 6 (0 free).
-    mask = np.array([[0, 1, 1, 1, 1, 0],
-                     [1, 1, 1, 1, 1, 1],
-                     [0, 0, 1, 1, 0, 0],
-                     [0, 1, 1, 1, 0, 0]])
+    mask = np.array(
+        [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 0, 0]]
+    )
     packed = pack_layout(mask, 8)
-    np.testing.assert_array_equal(packed.segment_ids, [[2, 2, 2, 2, 2, 2, 3, 3],
-                                                       [1, 1, 1, 1, 4, 4, 4, 0]])
+    np.testing.assert_array_equal(
+        packed.segment_ids, [[2, 2, 2, 2, 2, 2, 3, 3], [1, 1, 1, 1, 4, 4, 4, 0]]
+    )
     # source: r * 6 + s; row 1 is 6..11, row 2's columns 2, 3 are 14, 15, row 3's 19..21.
-    np.testing.assert_array_equal(packed.source, [[6, 7, 8, 9, 10, 11, 14, 15],
-                                                  [1, 2, 3, 4, 19, 20, 21, -1]])
-    np.testing.assert_array_equal(packed.target, [[-1, 8, 9, 10, 11, -1],
-                                                  [0, 1, 2, 3, 4, 5],
-                                                  [-1, -1, 6, 7, -1, -1],
-                                                  [-1, 12, 13, 14, -1, -1]])
+    np.testing.assert_array_equal(
+        packed.source, [[6, 7, 8, 9, 10, 11, 14, 15], [1, 2, 3, 4, 19, 20, 21, -1]]
+    )
+    np.testing.assert_array_equal(
+        packed.target,
+        [
+            [-1, 8, 9, 10, 11, -1],
+            [0, 1, 2, 3, 4, 5],
+            [-1, -1, 6, 7, -1, -1],
+            [-1, 12, 13, 14, -1, -1],
+        ],
+    )
     assert packed.num_real == 15 and packed.padding_fraction == pytest.approx(1 / 16)
     # Two row shards: the 2 packed rows stay 2; three shards: rounded up to 3.
     assert pack_layout(mask, 8, row_multiple=2).segment_ids.shape == (2, 8)
@@ -56,7 +62,7 @@ def _random_mask(rng, rows, prompt_width, response_width):
     for r in range(rows):
         p = rng.integers(1, prompt_width + 1)
         n = rng.integers(0, response_width + 1)
-        mask[r, prompt_width - p:prompt_width + n] = 1
+        mask[r, prompt_width - p : prompt_width + n] = 1
     return mask
 
 
@@ -89,8 +95,9 @@ def test_brute_force_every_token_placed_once(seed):
         assert len(set(where[:, 0])) == 1
         slots = where[:, 1]
         np.testing.assert_array_equal(slots, slots[0] + np.arange(len(slots)))
-        np.testing.assert_array_equal(source[where[0, 0], slots] - r * width,
-                                      np.flatnonzero(mask[r]))
+        np.testing.assert_array_equal(
+            source[where[0, 0], slots] - r * width, np.flatnonzero(mask[r])
+        )
     assert np.all((seg == 0) == (source == -1))
     # First fit decreasing, replayed: rows longest first (ties by index), each at the end
     # of the first packed row that had room for it then.
@@ -105,9 +112,13 @@ def test_brute_force_every_token_placed_once(seed):
     if row_length >= width:
         assert (fill > 0).sum() <= rows
     # Positions: packing the padded positions restarts each segment at its row's start.
-    positions = layout([[1] * int(np.sum(mask[r, :pw])) for r in range(rows)],
-                       [[1] * int(np.sum(mask[r, pw:])) for r in range(rows)],
-                       0, pw, rw)["positions"]
+    positions = layout(
+        [[1] * int(np.sum(mask[r, :pw])) for r in range(rows)],
+        [[1] * int(np.sum(mask[r, pw:])) for r in range(rows)],
+        0,
+        pw,
+        rw,
+    )["positions"]
     packed_positions = np.asarray(gather_slots(positions, source, fill=-1))
     for r in range(rows):
         got = packed_positions[seg == r + 1]
@@ -116,8 +127,11 @@ def test_brute_force_every_token_placed_once(seed):
 
 def test_too_small_bucket_names_the_row():
     mask = np.array([[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]])
-    with pytest.raises(ValueError, match=r"row 1 has 4 real tokens .* packed row length 3 "
-                                         r"\(config\.batch\.pack_tokens\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"row 1 has 4 real tokens .* packed row length 3 "
+        r"\(config\.batch\.pack_tokens\)",
+    ):
         pack_layout(mask, 3)
     # A minibatch's rows are named by their number in the batch.
     with pytest.raises(ValueError, match=r"row 7 has 4 real tokens"):
@@ -130,7 +144,7 @@ def test_gather_slots_round_trip_and_axis():
     rng = np.random.default_rng(0)
     mask = _random_mask(rng, 5, 3, 4)
     packed = pack_layout(mask, 9)
-    x = rng.normal(size=(2, 5, 7, 3)).astype(np.float32)        # [L, R, S, k]-like
+    x = rng.normal(size=(2, 5, 7, 3)).astype(np.float32)  # [L, R, S, k]-like
     there = gather_slots(x, packed.source, axis=1, fill=-7.0)
     assert there.shape == (2,) + packed.source.shape + (3,)
     back = np.asarray(gather_slots(there, packed.target, axis=1, fill=0.0))
@@ -140,20 +154,26 @@ def test_gather_slots_round_trip_and_axis():
 
 # ---- The model on packed rows --------------------------------------------------------------
 
+
 def _batch(rng, rows, prompt_width, response_width):
     prompts = [list(rng.integers(3, VOCAB, rng.integers(1, prompt_width + 1))) for _ in range(rows)]
-    responses = [list(rng.integers(3, VOCAB, rng.integers(1, response_width + 1)))
-                 for _ in range(rows)]
+    responses = [
+        list(rng.integers(3, VOCAB, rng.integers(1, response_width + 1))) for _ in range(rows)
+    ]
     arrays = layout(prompts, responses, 0, prompt_width, response_width)
     mask = arrays["mask"]
     mask[-1] = 0  # a row left out of the loss (e.g. overlong filtering): still packed
-    return Batch(tokens=jnp.asarray(arrays["tokens"]), positions=jnp.asarray(arrays["positions"]),
-                 attention_mask=jnp.asarray(arrays["attention_mask"]), mask=jnp.asarray(mask),
-                 advantages=jnp.asarray(rng.normal(size=rows), jnp.float32),
-                 old_log_probs=jnp.asarray(-rng.random((rows, response_width)) * mask, jnp.float32),
-                 ref_log_probs=jnp.asarray(-rng.random((rows, response_width)) * mask, jnp.float32),
-                 old_values=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32),
-                 returns=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32))
+    return Batch(
+        tokens=jnp.asarray(arrays["tokens"]),
+        positions=jnp.asarray(arrays["positions"]),
+        attention_mask=jnp.asarray(arrays["attention_mask"]),
+        mask=jnp.asarray(mask),
+        advantages=jnp.asarray(rng.normal(size=rows), jnp.float32),
+        old_log_probs=jnp.asarray(-rng.random((rows, response_width)) * mask, jnp.float32),
+        ref_log_probs=jnp.asarray(-rng.random((rows, response_width)) * mask, jnp.float32),
+        old_values=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32),
+        returns=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32),
+    )
 
 
 def _assert_trees_close(got, want, tol=1e-5):
@@ -175,45 +195,70 @@ def test_log_probs_losses_gradients_equal_padded(name):
     rng = np.random.default_rng(1)
     batch = _batch(rng, rows=6, prompt_width=5, response_width=7)
     packed = _packed(batch)
-    assert packed.packing.segment_ids.shape[0] < 6           # rows did share packed rows
-    fwd = jax.jit(lambda p, b: forward_log_probs(graphdef, p, b.tokens, b.positions,
-                                                 b.attention_mask, b.num_response,
-                                                 temperature=0.7, routing=b.routing,
-                                                 packing=b.packing))
+    assert packed.packing.segment_ids.shape[0] < 6  # rows did share packed rows
+    fwd = jax.jit(
+        lambda p, b: forward_log_probs(
+            graphdef,
+            p,
+            b.tokens,
+            b.positions,
+            b.attention_mask,
+            b.num_response,
+            temperature=0.7,
+            routing=b.routing,
+            packing=b.packing,
+        )
+    )
     want, got = fwd(params, batch), fwd(params, packed)
     real = np.asarray(batch.attention_mask)[:, 5:] > 0
-    np.testing.assert_allclose(np.where(real, got.log_probs, 0), np.where(real, want.log_probs, 0),
-                               atol=1e-5)
-    np.testing.assert_allclose(np.where(real, got.entropy, 0), np.where(real, want.entropy, 0),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.where(real, got.log_probs, 0), np.where(real, want.log_probs, 0), atol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.where(real, got.entropy, 0), np.where(real, want.entropy, 0), atol=1e-5
+    )
     if name == "tiny_moe":
         # Routing recorded on packed rows maps back to [L, R, S, k] on every real token,
         # and replaying it (R2) on packed rows gives the padded replay's log-probs.
         real_slots = np.asarray(batch.attention_mask) > 0
-        np.testing.assert_array_equal(np.asarray(got.routing)[:, real_slots],
-                                      np.asarray(want.routing)[:, real_slots])
-        np.testing.assert_allclose(got.aux["load_balancing_loss"], want.aux["load_balancing_loss"],
-                                   rtol=1e-5)
+        np.testing.assert_array_equal(
+            np.asarray(got.routing)[:, real_slots], np.asarray(want.routing)[:, real_slots]
+        )
+        np.testing.assert_allclose(
+            got.aux["load_balancing_loss"], want.aux["load_balancing_loss"], rtol=1e-5
+        )
         # k distinct random experts per token (not the model's own choice).
         e, k = model.config.num_experts, want.routing.shape[-1]
         choice = np.argsort(rng.random(want.routing.shape[:-1] + (e,)), axis=-1)[..., :k]
         replay = jnp.asarray(choice, jnp.int32)
         batch, packed = batch._replace(routing=replay), packed._replace(routing=replay)
         want, got = fwd(params, batch), fwd(params, packed)
-        np.testing.assert_allclose(np.where(real, got.log_probs, 0),
-                                   np.where(real, want.log_probs, 0), atol=1e-5)
-        np.testing.assert_array_equal(np.asarray(got.routing)[:, real_slots],
-                                      np.asarray(replay)[:, real_slots])
+        np.testing.assert_allclose(
+            np.where(real, got.log_probs, 0), np.where(real, want.log_probs, 0), atol=1e-5
+        )
+        np.testing.assert_array_equal(
+            np.asarray(got.routing)[:, real_slots], np.asarray(replay)[:, real_slots]
+        )
     # Sequence-level ratios and per-sequence means (GSPO) on the dense model, the token
     # clip with a token-mean over the minibatch and the MoE terms on the MoE one.
-    cases = {"tiny_dense": [("gspo", "seq_mean_token_mean"), ("sapo", "seq_mean_token_sum_norm")],
-             "tiny_moe": [("ppo", "token_mean")]}[name]
+    cases = {
+        "tiny_dense": [("gspo", "seq_mean_token_mean"), ("sapo", "seq_mean_token_sum_norm")],
+        "tiny_moe": [("ppo", "token_mean")],
+    }[name]
     for method, aggregation in cases:
-        settings = loss_settings(method=method, aggregation=aggregation, temperature=0.7,
-                              group_size=2, max_len=7, kl_beta=0.05, entropy_coef=0.01,
-                              load_balancing_coef=0.01 if name == "tiny_moe" else 0.0)
-        grad = jax.jit(jax.value_and_grad(lambda p, b: rl_loss(graphdef, p, b, settings),
-                                          has_aux=True))
+        settings = loss_settings(
+            method=method,
+            aggregation=aggregation,
+            temperature=0.7,
+            group_size=2,
+            max_len=7,
+            kl_beta=0.05,
+            entropy_coef=0.01,
+            load_balancing_coef=0.01 if name == "tiny_moe" else 0.0,
+        )
+        grad = jax.jit(
+            jax.value_and_grad(lambda p, b: rl_loss(graphdef, p, b, settings), has_aux=True)
+        )
         (loss_p, metrics_p), grads_p = grad(params, batch)
         (loss_k, metrics_k), grads_k = grad(params, packed)
         assert float(loss_k) == pytest.approx(float(loss_p), abs=1e-5), method
@@ -230,15 +275,21 @@ def test_critic_values_and_loss_equal_padded():
     rng = np.random.default_rng(4)
     batch = _batch(rng, rows=5, prompt_width=4, response_width=6)
     packed = _packed(batch, row_length=16)
-    values = jax.jit(lambda p, b: forward_values(graphdef, p, b.tokens, b.positions,
-                                                 b.attention_mask, b.num_response,
-                                                 packing=b.packing))
+    values = jax.jit(
+        lambda p, b: forward_values(
+            graphdef, p, b.tokens, b.positions, b.attention_mask, b.num_response, packing=b.packing
+        )
+    )
     real = np.asarray(batch.attention_mask)[:, 4:] > 0
-    np.testing.assert_allclose(np.where(real, values(params, packed), 0),
-                               np.where(real, values(params, batch), 0), atol=1e-5)
+    np.testing.assert_allclose(
+        np.where(real, values(params, packed), 0),
+        np.where(real, values(params, batch), 0),
+        atol=1e-5,
+    )
     settings = critic_settings(value_clip=0.2, load_balancing_coef=0.01)
-    grad = jax.jit(jax.value_and_grad(lambda p, b: critic_loss(graphdef, p, b, settings),
-                                      has_aux=True))
+    grad = jax.jit(
+        jax.value_and_grad(lambda p, b: critic_loss(graphdef, p, b, settings), has_aux=True)
+    )
     (loss_p, _), grads_p = grad(params, batch)
     (loss_k, _), grads_k = grad(params, packed)
     assert float(loss_k) == pytest.approx(float(loss_p), abs=1e-5)
@@ -246,6 +297,7 @@ def test_critic_values_and_loss_equal_padded():
 
 
 # ---- The trainer -------------------------------------------------------------------------
+
 
 def test_trainer_iteration_packed_equals_padded(tmp_path):
     """One PPO iteration (critic, GAE, KL to a reference, R2 replay, 2 minibatches) with
@@ -256,9 +308,13 @@ def test_trainer_iteration_packed_equals_padded(tmp_path):
 
     runs = {}
     for pack in (False, True):
-        config = tiny("ppo", "tiny_moe", extra="algo.routing_replay=R2,batch.n_minibatches=2,"
-                      f"algo.kl_beta=0.01,critic.pretrain_iterations=0,batch.pack={pack},"
-                      "batch.pack_tokens=44,reward.incorrect_value=-1.0")
+        config = tiny(
+            "ppo",
+            "tiny_moe",
+            extra="algo.routing_replay=R2,batch.n_minibatches=2,"
+            f"algo.kl_beta=0.01,critic.pretrain_iterations=0,batch.pack={pack},"
+            "batch.pack_tokens=44,reward.incorrect_value=-1.0",
+        )
         run = trainer.build_run(config, str(tmp_path / str(pack)))
         runs[pack] = (run, trainer.rl_iteration(run))
     (padded, want), (packed, got) = runs[False], runs[True]
@@ -271,8 +327,15 @@ def test_trainer_iteration_packed_equals_padded(tmp_path):
     assert slots == pytest.approx(round(slots / 44) * 44) and slots >= 2 * 44
     assert "batch/packed_padding_fraction" not in want
     assert want["update/grad_norm"] > 1e-3 and want["critic/value_loss"] > 1e-3  # a real update
-    for key in ("loss/total", "loss/kl_ref", "critic/value_loss", "update/grad_norm",
-                "critic/grad_norm", "logprob/sampler_trainer_abs_diff", "advantages/mean"):
+    for key in (
+        "loss/total",
+        "loss/kl_ref",
+        "critic/value_loss",
+        "update/grad_norm",
+        "critic/grad_norm",
+        "logprob/sampler_trainer_abs_diff",
+        "advantages/mean",
+    ):
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
     assert int(packed.state.step) == int(padded.state.step) == 2
     _assert_trees_close(packed.state.params, padded.state.params)
@@ -320,10 +383,20 @@ def test_packed_update_on_a_mesh_equals_padded():
     import os
     import subprocess
     import sys
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root,
-               XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-                         "--xla_backend_optimization_level=0")
-    result = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], cwd=root, env=env,
-                            capture_output=True, text=True, timeout=900)
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=root,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", _MESH_SCRIPT],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]

@@ -9,32 +9,39 @@ import jax.numpy as jnp
 from flax import nnx
 
 from policyopt.models import ModelConfig, Transformer
-from policyopt.models.paged import (PagedKVCache, _pallas_decode, gather_attention,
-                                    online_attention)
+from policyopt.models.paged import PagedKVCache, _pallas_decode, gather_attention, online_attention
 
 VOCAB = 64
-_BASE = dict(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-             head_dim=8, intermediate_size=48, rope_theta=1e4, initializer_range=0.3)
-CONFIGS = {"dense": ModelConfig(**_BASE),
-           "moe": ModelConfig(**_BASE, num_experts=4, num_experts_per_tok=2,
-                              moe_intermediate_size=16)}
-PROMPTS = np.array([[5, 17, 3, 9, 22, 41, 0],
-                    [7, 2, 0, 0, 0, 0, 0],
-                    [11, 30, 8, 60, 0, 0, 0]], np.int32)
+_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    rope_theta=1e4,
+    initializer_range=0.3,
+)
+CONFIGS = {
+    "dense": ModelConfig(**_BASE),
+    "moe": ModelConfig(**_BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+}
+PROMPTS = np.array(
+    [[5, 17, 3, 9, 22, 41, 0], [7, 2, 0, 0, 0, 0, 0], [11, 30, 8, 60, 0, 0, 0]], np.int32
+)
 LENGTHS = np.array([6, 2, 4], np.int32)
 STEPS = 7
 
 
 def _step_dense(graphdef, state, tokens, positions, mask, cache):
-    out = nnx.merge(graphdef, state)(tokens, positions=positions, attention_mask=mask,
-                                     cache=cache)
+    out = nnx.merge(graphdef, state)(tokens, positions=positions, attention_mask=mask, cache=cache)
     return out.logits, out.cache
 
 
 def _step_paged(graphdef, state, tokens, positions, mask, cache):
     cache, granted = cache.reserve(jnp.sum(mask, axis=1, dtype=jnp.int32))
-    out = nnx.merge(graphdef, state)(tokens, positions=positions, attention_mask=mask,
-                                     cache=cache)
+    out = nnx.merge(graphdef, state)(tokens, positions=positions, attention_mask=mask, cache=cache)
     return out.logits, out.cache.advance(mask), granted
 
 
@@ -72,8 +79,9 @@ def test_paged_decode_equals_dense(name):
         np.testing.assert_array_equal(jnp.argmax(paged_next, axis=-1), tokens)
         pos = (LENGTHS + step)[:, None]
         dense_logits, dense = step_dense(graphdef, state, tokens[:, None], pos, live, dense)
-        paged_logits, paged, granted = step_paged(graphdef, state, tokens[:, None], pos, live,
-                                                  paged)
+        paged_logits, paged, granted = step_paged(
+            graphdef, state, tokens[:, None], pos, live, paged
+        )
         assert bool(jnp.all(granted))
         dense_next, paged_next = dense_logits[:, 0], paged_logits[:, 0]
     np.testing.assert_array_equal(paged.lengths, LENGTHS + STEPS)
@@ -88,7 +96,7 @@ def test_reserve_release_reuse_hand_worked():
     """5 pages of 2 slots; the stack pops 0, 1, 2, ... in row order."""
     config = CONFIGS["dense"]
     cache = PagedKVCache.create(config, 3, num_pages=5, page_size=2, max_pages=3)
-    cache, granted = reserve(cache, jnp.array([3, 2, 4], jnp.int32))   # needs 2, 1, 2
+    cache, granted = reserve(cache, jnp.array([3, 2, 4], jnp.int32))  # needs 2, 1, 2
     np.testing.assert_array_equal(granted, [True, True, True])
     np.testing.assert_array_equal(cache.page_table, [[0, 1, 5], [2, 5, 5], [3, 4, 5]])
     assert int(cache.num_free) == 0
@@ -120,15 +128,16 @@ def test_reserve_release_reuse_hand_worked():
 def test_shards_allocate_from_their_own_pools_hand_worked():
     """2 shards of 2 rows and 2 pages of 2 slots (page ids local, 2 = no page): a row is
     refused when its own pool is empty, whatever the other pool holds."""
-    cache = PagedKVCache.create(CONFIGS["dense"], 4, num_pages=4, page_size=2, max_pages=3,
-                                shards=2)
+    cache = PagedKVCache.create(
+        CONFIGS["dense"], 4, num_pages=4, page_size=2, max_pages=3, shards=2
+    )
     cache, granted = reserve(cache, jnp.array([4, 0, 2, 0], jnp.int32))  # needs 2, 0, 1, 0
     np.testing.assert_array_equal(granted, [True, True, True, True])
-    np.testing.assert_array_equal(cache.page_table, [[0, 1, 2], [2, 2, 2], [0, 2, 2],
-                                                     [2, 2, 2]])
+    np.testing.assert_array_equal(cache.page_table, [[0, 1, 2], [2, 2, 2], [0, 2, 2], [2, 2, 2]])
     np.testing.assert_array_equal(cache.num_free, [0, 1])
-    cache = advance(cache, jnp.array([[1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0],
-                                      [0, 0, 0, 0]], bool))
+    cache = advance(
+        cache, jnp.array([[1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]], bool)
+    )
     # Row 1 (shard 0) is refused although shard 1 has a free page; row 3 gets it.
     cache, granted = reserve(cache, jnp.array([0, 1, 0, 1], jnp.int32))
     np.testing.assert_array_equal(granted, [True, False, True, True])
@@ -155,7 +164,7 @@ def test_copy_rows_shares_full_pages_and_copies_the_partial_one():
     cache = advance(cache, jnp.array([[1] * 5, [0] * 5, [0] * 5, [0] * 5], bool))
     cache = cache.replace(k=cache.k.at[:, :, 2].set(7.0), v=cache.v.at[:, :, 2].set(-3.0))
     cache, granted = copy_rows(cache, jnp.int32(0), jnp.array([1, 2, 4], jnp.int32))
-    np.testing.assert_array_equal(granted, [True, True, False])        # row 4: outside
+    np.testing.assert_array_equal(granted, [True, True, False])  # row 4: outside
     np.testing.assert_array_equal(cache.page_table[:3, :3], [[0, 1, 2], [0, 1, 3], [0, 1, 4]])
     np.testing.assert_array_equal(cache.lengths, [5, 5, 5, 0])
     np.testing.assert_array_equal(cache.refs, [3, 3, 1, 1, 1, 0])
@@ -198,32 +207,42 @@ def test_refused_row_waits_and_writes_nothing():
     # Row 1 handed out; row 0 now gets the freed page and continues where it was.
     cache2 = release(cache2, jnp.array([False, True]))
     one = jnp.array([[True], [False]])
-    logits_next, cache3, granted = step_paged(graphdef, state, jnp.array([[3], [3]]),
-                                              jnp.array([[4], [0]]), one, cache2)
+    logits_next, cache3, granted = step_paged(
+        graphdef, state, jnp.array([[3], [3]]), jnp.array([[4], [0]]), one, cache2
+    )
     np.testing.assert_array_equal(granted, [True, True])
     np.testing.assert_array_equal(cache3.lengths, [5, 0])
-    reference, _ = step_dense(graphdef, state, jnp.array([[5, 6, 7, 8, 3]]),
-                              jnp.arange(5)[None], jnp.ones((1, 5), bool), None)
+    reference, _ = step_dense(
+        graphdef,
+        state,
+        jnp.array([[5, 6, 7, 8, 3]]),
+        jnp.arange(5)[None],
+        jnp.ones((1, 5), bool),
+        None,
+    )
     np.testing.assert_allclose(logits_next[0, 0], reference[0, -1], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(logits[0], reference[0, :4], atol=1e-5, rtol=1e-5)
 
 
-def _random_pools(seed=0, batch=3, heads=4, kv_heads=2, head_dim=16, num_pages=10,
-                  page_size=4, dtype=jnp.float32):
+def _random_pools(
+    seed=0, batch=3, heads=4, kv_heads=2, head_dim=16, num_pages=10, page_size=4, dtype=jnp.float32
+):
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((batch, 1, heads, head_dim)), dtype)
     k = jnp.asarray(rng.standard_normal((kv_heads, num_pages, page_size, head_dim)), dtype)
     v = jnp.asarray(rng.standard_normal((kv_heads, num_pages, page_size, head_dim)), dtype)
     ends = jnp.array([5, 12, 1], jnp.int32)
-    table = jnp.array([[3, 7, 10], [1, 2, 9], [5, 10, 10]], jnp.int32)   # 10: no page
+    table = jnp.array([[3, 7, 10], [1, 2, 9], [5, 10, 10]], jnp.int32)  # 10: no page
     return q, k, v, ends, table
 
 
 def _numpy_reference(q, k, v, ends, table):
     """Loop over rows and heads: softmax(q k^T / sqrt(Dh)) v over the row's first
     ends[b] slots, read page by page from the table."""
-    q, k, v, ends, table = (np.asarray(x, np.float64) if i < 3 else np.asarray(x)
-                            for i, x in enumerate((q, k, v, ends, table)))
+    q, k, v, ends, table = (
+        np.asarray(x, np.float64) if i < 3 else np.asarray(x)
+        for i, x in enumerate((q, k, v, ends, table))
+    )
     batch, _, heads, head_dim = q.shape
     group = heads // k.shape[0]
     out = np.zeros((batch, 1, heads, head_dim))
@@ -231,9 +250,9 @@ def _numpy_reference(q, k, v, ends, table):
         for h in range(heads):
             keys = np.concatenate([k[h // group, p] for p in table[b] if p < k.shape[1]])
             values = np.concatenate([v[h // group, p] for p in table[b] if p < k.shape[1]])
-            z = keys[:ends[b]] @ q[b, 0, h] / np.sqrt(head_dim)
+            z = keys[: ends[b]] @ q[b, 0, h] / np.sqrt(head_dim)
             p = np.exp(z - z.max())
-            out[b, 0, h] = (p / p.sum()) @ values[:ends[b]]
+            out[b, 0, h] = (p / p.sum()) @ values[: ends[b]]
     return out
 
 
@@ -241,10 +260,12 @@ def test_gather_and_online_attention_equal_numpy_loop():
     q, k, v, ends, table = _random_pools()
     slots = (ends - 1)[:, None]
     reference = _numpy_reference(q, k, v, ends, table)
-    np.testing.assert_allclose(gather_attention(q, k, v, table, slots, ends), reference,
-                               atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(online_attention(q, k, v, table, slots, ends), reference,
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        gather_attention(q, k, v, table, slots, ends), reference, atol=1e-5, rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        online_attention(q, k, v, table, slots, ends), reference, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_pallas_kernel_interpreted_equals_gather():
@@ -260,8 +281,9 @@ def test_pallas_kernel_interpreted_equals_gather():
     with pltpu.force_tpu_interpret_mode():
         kernel = _pallas_decode(q[:, 0], k, v, ends, jnp.minimum(table, 9))
     gather = gather_attention(q, k, v, table, (ends - 1)[:, None], ends)[:, 0]
-    np.testing.assert_allclose(np.asarray(kernel, np.float32), np.asarray(gather, np.float32),
-                               atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(
+        np.asarray(kernel, np.float32), np.asarray(gather, np.float32), atol=2e-2, rtol=2e-2
+    )
     reference = _numpy_reference(q, k, v, ends, table)[:, 0]
     np.testing.assert_allclose(np.asarray(kernel, np.float32), reference, atol=3e-2, rtol=3e-2)
 
@@ -278,13 +300,15 @@ def test_pallas_attention_in_the_model_decodes_like_the_gather():
     mask = jnp.arange(prompt_len)[None, :] < LENGTHS[:, None]
     logits = {}
     for attention in ("gather", "pallas"):
-        cache = PagedKVCache.create(model.config, batch, num_pages=8, page_size=4, max_pages=3,
-                                    attention=attention)
+        cache = PagedKVCache.create(
+            model.config, batch, num_pages=8, page_size=4, max_pages=3, attention=attention
+        )
         with pltpu.force_tpu_interpret_mode():
             _, cache, _ = step_paged(graphdef, state, PROMPTS, positions, mask, cache)
             tokens = jnp.array([[1], [2], [3]], jnp.int32)
-            step, _, _ = step_paged(graphdef, state, tokens, LENGTHS[:, None],
-                                    jnp.ones((batch, 1), bool), cache)
+            step, _, _ = step_paged(
+                graphdef, state, tokens, LENGTHS[:, None], jnp.ones((batch, 1), bool), cache
+            )
         logits[attention] = np.asarray(step[:, 0])
     scale = np.abs(logits["gather"]).max()
     np.testing.assert_allclose(logits["pallas"], logits["gather"], atol=2e-2 * scale)

@@ -16,9 +16,15 @@ def _num_params(config) -> int:
 def test_qwen3_8b_matches_its_config_json():
     # Qwen3-8B's config.json (Qwen team, 2025).
     config = preset("qwen3_8b")
-    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
-            config.head_dim, config.intermediate_size, config.vocab_size) == (
-                36, 4096, 32, 8, 128, 12288, 151936)
+    assert (
+        config.num_layers,
+        config.hidden_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+    ) == (36, 4096, 32, 8, 128, 12288, 151936)
     assert config.rope_theta == 1e6 and config.rms_norm_eps == 1e-6
     assert not config.tie_word_embeddings and not config.is_moe
 

@@ -46,14 +46,17 @@ def _run(end, start=0.5, clip=0.01):
 
 
 def test_check_values_per_seed():
-    runs = {"a": {0: _run(0.7, clip=0.2), 1: _run(0.6, clip=0.1)},
-            "b": {0: _run(0.5, clip=0.002), 1: _run(0.65, clip=0.001)}}
+    runs = {
+        "a": {0: _run(0.7, clip=0.2), 1: _run(0.6, clip=0.1)},
+        "b": {0: _run(0.5, clip=0.002), 1: _run(0.65, clip=0.001)},
+    }
     Check = reproduce.Check
     assert Check("", "diff", "a", "b").values(runs, [0, 1]) == pytest.approx([0.2, -0.05])
     assert Check("", "gain", "a").values(runs, [0, 1]) == pytest.approx([0.2, 0.1])
     assert Check("", "value", "b", metric="loss/clip_frac").values(runs, [0, 1]) == [0.002, 0.001]
-    assert Check("", "log10_ratio", "a", "b", metric="loss/clip_frac").values(runs, [0, 1]) \
-        == pytest.approx([2.0, 2.0])
+    assert Check("", "log10_ratio", "a", "b", metric="loss/clip_frac").values(
+        runs, [0, 1]
+    ) == pytest.approx([2.0, 2.0])
     # A seed an arm did not run, or a metric it did not log, is left out.
     assert Check("", "diff", "a", "b").values(runs, [0, 1, 2]) == pytest.approx([0.2, -0.05])
     assert Check("", "value", "a", metric="routing/volatility").values(runs, [0]) == []
@@ -68,8 +71,10 @@ def test_unknown_claim_and_arm_are_refused_with_the_known_ones():
     with pytest.raises(ValueError, match=r"no arm 'grpo_R4'; known: grpo, grpo_R2, grpo_R3, gspo"):
         reproduce.select_arms(claim, ["grpo", "grpo_R4"])
     assert reproduce.select_arms(claim, ["gspo"]) == ("gspo",)
-    assert reproduce.select_arms(reproduce.get_claim("vapo_length_adaptive"), None) == \
-        ("vapo", "no_length_adaptive")
+    assert reproduce.select_arms(reproduce.get_claim("vapo_length_adaptive"), None) == (
+        "vapo",
+        "no_length_adaptive",
+    )
 
 
 @pytest.mark.parametrize("name", list(reproduce.CLAIMS))
@@ -78,8 +83,9 @@ def test_every_claim_builds_its_arms_in_its_setting(name):
     for check in claim.checks:
         assert set(check.arms()) <= set(claim.arm_labels()), check.text
     for label in claim.arm_labels():
-        config = ablate.arm_config(claim.ablation, label, 0, "",
-                                   lambda c: SETTINGS[claim.setting](c, "ckpt"))
+        config = ablate.arm_config(
+            claim.ablation, label, 0, "", lambda c: SETTINGS[claim.setting](c, "ckpt")
+        )
         assert config.model.preset == "moe_volatile" and config.init_checkpoint == "ckpt"
         assert config.train.routing_metrics
         if claim.setting == "testbed_long":
@@ -96,16 +102,19 @@ def _shrink(config):
     return config
 
 
-TINY = ("model.num_layers=1,sft.steps=2,sft.batch_size=4,task.num_train=64,task.num_test=8,"
-        "eval.num_prompts=8,eval.batch_size=8,batch.n_prompts=2,batch.group_size=2,"
-        "train.tensorboard=False")
+TINY = (
+    "model.num_layers=1,sft.steps=2,sft.batch_size=4,task.num_train=64,task.num_test=8,"
+    "eval.num_prompts=8,eval.batch_size=8,batch.n_prompts=2,batch.group_size=2,"
+    "train.tensorboard=False"
+)
 
 
 def test_a_tiny_claim_runs_end_to_end_and_resumes(tmp_path, monkeypatch):
     claim = reproduce.get_claim("routing_volatility")
     workdir = str(tmp_path / "claim")
-    result = reproduce.run_claim(claim, workdir, seeds=(0,), variant=TINY,
-                                 sft_root=str(tmp_path / "sft"), configure=_shrink)
+    result = reproduce.run_claim(
+        claim, workdir, seeds=(0,), variant=TINY, sft_root=str(tmp_path / "sft"), configure=_shrink
+    )
     assert os.path.isdir(tmp_path / "sft" / "testbed" / "sft" / "checkpoints")
     (check,) = result["checks"]
     assert check["n"] == 1 and 0.0 <= check["values"][0] <= 1.0
@@ -119,7 +128,9 @@ def test_a_tiny_claim_runs_end_to_end_and_resumes(tmp_path, monkeypatch):
     # Rerun: the SFT start and the finished run are reused, not trained again.
     def refuse(*args, **kwargs):
         raise AssertionError("trained again")
+
     monkeypatch.setattr(ablate, "run_rl", refuse)
-    again = reproduce.run_claim(claim, workdir, seeds=(0,), variant=TINY,
-                                sft_root=str(tmp_path / "sft"), configure=_shrink)
+    again = reproduce.run_claim(
+        claim, workdir, seeds=(0,), variant=TINY, sft_root=str(tmp_path / "sft"), configure=_shrink
+    )
     assert again["checks"][0]["values"] == check["values"]

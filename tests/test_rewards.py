@@ -145,7 +145,9 @@ def test_math_correctness_table(completion, reference, expected):
     assert time.perf_counter() - start < 20.5
 
 
-@pytest.mark.parametrize("completion, reference, expected", HOSTILE_CASES, ids=range(len(HOSTILE_CASES)))
+@pytest.mark.parametrize(
+    "completion, reference, expected", HOSTILE_CASES, ids=range(len(HOSTILE_CASES))
+)
 def test_math_correctness_hostile(completion, reference, expected):
     # Most are screened out in microseconds (see the next test); the few that reach the
     # parser fail to parse quickly. Bounded well below the 5 s verifier limit even on a
@@ -159,12 +161,18 @@ def test_hostile_answer_is_never_executed(tmp_path):
     marker = tmp_path / "pwned"
     attack = f"__import__('os').system('touch {marker}')"
     assert math_correctness(boxed(attack), "0") == 0.0
-    assert math_correctness(boxed(f"eval(\"{attack}\")"), "0") == 0.0
+    assert math_correctness(boxed(f'eval("{attack}")'), "0") == 0.0
     assert not marker.exists()
 
 
 def test_hostile_answers_are_rejected_before_parsing():
-    for answer in ["10**10**10", "10^{10^{10}}", "(10^{10})!", "{" * 5000 + "1" + "}" * 5000, "1" * MEGABYTE]:
+    for answer in [
+        "10**10**10",
+        "10^{10^{10}}",
+        "(10^{10})!",
+        "{" * 5000 + "1" + "}" * 5000,
+        "1" * MEGABYTE,
+    ]:
         start = time.perf_counter()
         assert verify_math(boxed(answer), "1").status == "rejected"
         assert time.perf_counter() - start < 0.5
@@ -195,10 +203,17 @@ def test_arithmetic_in_exponents_is_rejected_unparsed(answer):
     assert time.perf_counter() - start < 0.5
 
 
-@pytest.mark.parametrize("answer, reference", [
-    ("2^{10}", "1024"), ("2^{3 \\cdot 4}", "4096"), ("x^{2n+1}", "x^{2n+1}"),
-    ("10^{-3}", "0.001"), ("(x^2)^3", "x^6"), ("2^{99999}", "2^{99999}"),
-])
+@pytest.mark.parametrize(
+    "answer, reference",
+    [
+        ("2^{10}", "1024"),
+        ("2^{3 \\cdot 4}", "4096"),
+        ("x^{2n+1}", "x^{2n+1}"),
+        ("10^{-3}", "0.001"),
+        ("(x^2)^3", "x^6"),
+        ("2^{99999}", "2^{99999}"),
+    ],
+)
 def test_small_exponents_still_reach_the_verifier(answer, reference):
     assert verify_math(boxed(answer), reference).status == "correct"
 
@@ -207,7 +222,8 @@ def test_the_issue_reproduction_returns_promptly_from_a_thread():
     box = r"\boxed{3^{99999 \cdot 9999}}"
     results = []
     thread = threading.Thread(
-        target=lambda: results.append(math_correctness(box, "42", timeout_s=1.0)), daemon=True)
+        target=lambda: results.append(math_correctness(box, "42", timeout_s=1.0)), daemon=True
+    )
     thread.start()
     thread.join(10)
     assert not thread.is_alive() and results == [0.0]
@@ -228,8 +244,9 @@ def test_a_stuck_verification_off_the_main_thread_is_killed(monkeypatch):
 
     def grade(root):  # a new pair each time: verdicts are cached
         results.append(verify_math(boxed(r"3^{99999 \cdot 9999}"), "42", timeout_s=1.0))
-        results.append(verify_math(boxed(rf"\sqrt{{{2 * root * root}}}"), rf"{root}\sqrt{{2}}",
-                                   timeout_s=30))
+        results.append(
+            verify_math(boxed(rf"\sqrt{{{2 * root * root}}}"), rf"{root}\sqrt{{2}}", timeout_s=30)
+        )
 
     for root, in_thread in ((3, False), (4, True)):
         results.clear()
@@ -267,25 +284,38 @@ def test_a_killable_worker_is_killed_in_c_code_and_replaced():
         worker.kill()
 
 
-@pytest.mark.parametrize("answer, expected", [
-    ("43=42", 0.0), ("43 = 42", 0.0), ("6*7=42", 1.0), (r"6 \cdot 7 = 42", 1.0),
-    ("42=42", 1.0), ("40+2=42=43", 0.0), ("x=42", 1.0), ("x = 43", 0.0), (r"\frac{84}{2}=42", 1.0),
-])
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        ("43=42", 0.0),
+        ("43 = 42", 0.0),
+        ("6*7=42", 1.0),
+        (r"6 \cdot 7 = 42", 1.0),
+        ("42=42", 1.0),
+        ("40+2=42=43", 0.0),
+        ("x=42", 1.0),
+        ("x = 43", 0.0),
+        (r"\frac{84}{2}=42", 1.0),
+    ],
+)
 def test_an_equation_with_a_numeric_left_side_must_hold(answer, expected):
     """math-verify grades an equation by its right side alone (43=42 equals 42); here a
     left side without a variable must equal the reference too."""
     assert math_correctness(boxed(answer), "42") == expected
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("3 + 4 = <<3+4=7>>7 apples.\n#### 7", "7"),
-    ("#### 1,000.", "1000"),
-    ("#### **$12**", "12"),
-    ("#### 5\nextra text #### 6\nmore", "6"),
-    ("####\n  -3  ", "-3"),
-    ("no marker 7", None),
-    ("#### ", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("3 + 4 = <<3+4=7>>7 apples.\n#### 7", "7"),
+        ("#### 1,000.", "1000"),
+        ("#### **$12**", "12"),
+        ("#### 5\nextra text #### 6\nmore", "6"),
+        ("####\n  -3  ", "-3"),
+        ("no marker 7", None),
+        ("#### ", None),
+    ],
+)
 def test_extract_gsm8k(text, expected):
     assert extract_gsm8k(text) == expected
 
@@ -299,8 +329,15 @@ def test_gsm8k_answer_format_in_verifier_gate_and_sft_targets(tmp_path):
     from policyopt.data.jsonl import read_math_jsonl
 
     path = tmp_path / "gsm8k.jsonl"
-    path.write_text(json.dumps({"question": "Tom has 3 apples and buys 4. How many?",
-                                "answer": "He has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"}) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "question": "Tom has 3 apples and buys 4. How many?",
+                "answer": "He has 3 + 4 = <<3+4=7>>7 apples.\n#### 7",
+            }
+        )
+        + "\n"
+    )
     (record,), _ = read_math_jsonl(str(path))
     target = record["solution"]
     assert verify_math(target, record["answer"], answer_format="gsm8k").status == "correct"
@@ -311,8 +348,12 @@ def test_gsm8k_answer_format_in_verifier_gate_and_sft_targets(tmp_path):
     gated = "<think>3 + 4 = 7</think> #### 7"
     assert format_ok(gated, "math", "gsm8k") and not format_ok(gated, "math")
     assert not format_ok("<think>7</think> 7", "math", "gsm8k")
-    scores = score_batch([gated, "<think>7</think> \\boxed{7}"], ["7", "7"], [5, 5],
-                         RewardSpec(answer_format="gsm8k"))
+    scores = score_batch(
+        [gated, "<think>7</think> \\boxed{7}"],
+        ["7", "7"],
+        [5, 5],
+        RewardSpec(answer_format="gsm8k"),
+    )
     assert scores.rewards.tolist() == pytest.approx([1.0, 0.0])
 
 
@@ -455,7 +496,12 @@ def test_time_limit_does_not_fire_after_the_block():
 def test_math_verifier_works_in_threads_and_times_out():
     # math-verify's own signal.alarm timeouts raise in non-main threads; ours do not.
     with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda ref: math_correctness(boxed(r"\frac{\sqrt{2}}{2}"), ref), [r"\frac{1}{\sqrt{2}}", "0.7"]))
+        results = list(
+            pool.map(
+                lambda ref: math_correctness(boxed(r"\frac{\sqrt{2}}{2}"), ref),
+                [r"\frac{1}{\sqrt{2}}", "0.7"],
+            )
+        )
     assert results == [1.0, 0.0]
     # A slow but screened-in answer (a huge binomial) is interrupted by the time limit.
     start = time.perf_counter()
@@ -478,7 +524,11 @@ FORMAT_CASES = [
     (r"<think>reason \boxed{1}", "math", False),
     (r"<think>reason \boxed{1}</think> so 1", "math", False),
     (r"<think>reason</think> \boxed{1", "math", False),
-    (r"<think>reason</think> \boxed 1", "math", False),  # the verifier reads it; the gate asks for {}
+    (
+        r"<think>reason</think> \boxed 1",
+        "math",
+        False,
+    ),  # the verifier reads it; the gate asks for {}
     ("<think>plan</think>\n```python\nprint(1)\n```", "code", True),
     ("<think>plan</think>\n```\nprint(1)\n```", "code", False),
     ("<think>```python\nprint(1)\n```</think> done", "code", False),
@@ -544,7 +594,9 @@ def test_overlong_penalties_match_case_by_case_reference():
     lengths = np.arange(0, 40)
     for scale in (1.0, 0.1):
         expected = [scale * dapo_reference(int(n), 30, 8) for n in lengths]
-        np.testing.assert_allclose(overlong_penalties(lengths, 30, 8, scale=scale), expected, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(
+            overlong_penalties(lengths, 30, 8, scale=scale), expected, rtol=1e-6, atol=1e-7
+        )
 
 
 def test_overlong_penalty_rejects_bad_cache():
@@ -556,8 +608,12 @@ def test_overlong_penalty_rejects_bad_cache():
 
 # ----------------------------------------------------------------------------- language
 
-ENGLISH_PROBLEM = "A farmer has twelve apples and buys seven more. How many apples does the farmer have now?"
-ENGLISH_REASONING = "The farmer starts with twelve apples. Buying seven more gives $12 + 7 = 19$ apples in total."
+ENGLISH_PROBLEM = (
+    "A farmer has twelve apples and buys seven more. How many apples does the farmer have now?"
+)
+ENGLISH_REASONING = (
+    "The farmer starts with twelve apples. Buying seven more gives $12 + 7 = 19$ apples in total."
+)
 FRENCH_REASONING = "Le fermier commence avec douze pommes. En achetant sept de plus, il obtient $12 + 7 = 19$ pommes."
 ENGLISH_ANSWER = r"So the farmer now has nineteen apples in total: \boxed{19}."
 GERMAN_ANSWER = r"Also hat der Bauer jetzt insgesamt neunzehn Äpfel: \boxed{19}."
@@ -617,7 +673,10 @@ def test_score_batch_magistral_hand_worked():
         think + r"\boxed{19}",  # correct, 90 tokens: 1.1 - 0.1 * 10/20 = 1.05
         "19",  # format failure: 0, no penalty even at 120 tokens
         think + ENGLISH_ANSWER,  # correct, English answer: 1.1
-        "<think>" + FRENCH_REASONING + "</think> " + ENGLISH_ANSWER,  # correct, languages differ: 1.0
+        "<think>"
+        + FRENCH_REASONING
+        + "</think> "
+        + ENGLISH_ANSWER,  # correct, languages differ: 1.0
         think + r"\boxed{18}",  # wrong, 120 tokens: 0.1 - 0.1 + 0.1 = 0.1
     ]
     lengths = [10, 10, 90, 120, 10, 10, 120]
@@ -629,7 +688,9 @@ def test_score_batch_magistral_hand_worked():
     assert correct.tolist() == [True, False, True, False, True, True, False]
     assert metrics["accuracy"] == pytest.approx(4 / 7)
     assert metrics["format_failure_rate"] == pytest.approx(1 / 7)
-    assert metrics["reward_mean"] == pytest.approx(np.mean([1.1, 0.2, 1.05, 0.0, 1.1, 1.0, 0.1]), abs=1e-6)
+    assert metrics["reward_mean"] == pytest.approx(
+        np.mean([1.1, 0.2, 1.05, 0.0, 1.1, 1.0, 0.1]), abs=1e-6
+    )
     np.testing.assert_allclose(result.length_penalty, [0, 0, -0.05, 0, 0, 0, -0.1], atol=1e-7)
     assert metrics["length_penalty_mean"] == pytest.approx(-0.15 / 7, abs=1e-7)
     assert result.truncated.tolist() == [False, False, False, True, False, False, True]
@@ -640,7 +701,12 @@ def test_score_batch_magistral_hand_worked():
 
 def test_score_batch_dapo_rewards_and_overlong_filter():
     spec = RewardSpec(
-        format_reward=False, incorrect_value=-1.0, overlong="dapo", max_len=50, cache_len=10, overlong_filter=True
+        format_reward=False,
+        incorrect_value=-1.0,
+        overlong="dapo",
+        max_len=50,
+        cache_len=10,
+        overlong_filter=True,
     )
     completions = [r"\boxed{3}", r"\boxed{4}", r"\boxed{3}", "no answer", r"\boxed{3}"]
     lengths = [5, 5, 45, 50, 60]
@@ -675,7 +741,13 @@ def test_score_batch_checks_lengths_match():
 
 
 def _mixed_batch(n):
-    answers = [("12", "12"), (r"\frac{1}{2}", "0.5"), ("7", "8"), (r"2\sqrt{2}", r"\sqrt{8}"), ("10**10**10", "1")]
+    answers = [
+        ("12", "12"),
+        (r"\frac{1}{2}", "0.5"),
+        ("7", "8"),
+        (r"2\sqrt{2}", r"\sqrt{8}"),
+        ("10**10**10", "1"),
+    ]
     completions, references = [], []
     for i in range(n):
         answer, reference = answers[i % len(answers)]
@@ -707,7 +779,9 @@ def test_custom_verifier_replaces_the_math_verifier():
     """RewardSpec.verifier: the function's c goes through the usual composition (DAPO's
     -1 / +1 here, half credit in between), with the format gate, its time limit, and
     errors scored 0 and counted; the same in the workers as in this process."""
-    spec = RewardSpec(format_reward=False, incorrect_value=-1.0, verifier="tests.verifiers:last_word")
+    spec = RewardSpec(
+        format_reward=False, incorrect_value=-1.0, verifier="tests.verifiers:last_word"
+    )
     completions = ["so it is 42", "so it is 41", "", "\\boxed{42}"]
     scores = score_batch(completions, ["42"] * 4, [4] * 4, spec)
     np.testing.assert_array_equal(scores.rewards, [1.0, -1.0, -1.0, -1.0])
@@ -716,14 +790,18 @@ def test_custom_verifier_replaces_the_math_verifier():
     np.testing.assert_array_equal(parallel.rewards, scores.rewards)
     assert parallel.status == scores.status
 
-    half = RewardSpec(format_reward=False, incorrect_value=-1.0, verifier="tests.verifiers:half_credit")
+    half = RewardSpec(
+        format_reward=False, incorrect_value=-1.0, verifier="tests.verifiers:half_credit"
+    )
     np.testing.assert_array_equal(score_batch(["x"], ["y"], [1], half).rewards, [0.0])
     gated = RewardSpec(verifier="tests.verifiers:always_correct")  # Magistral's format gate
     scores = score_batch(["<think>a</think> \\boxed{1}", "no think"], ["1", "1"], [1, 1], gated)
     np.testing.assert_allclose(scores.rewards, [1.0, 0.0])
     assert scores.status == ["correct", "format"]
 
-    slow = RewardSpec(format_reward=False, verifier="tests.verifiers:sleeps", verifier_timeout_s=0.2)
+    slow = RewardSpec(
+        format_reward=False, verifier="tests.verifiers:sleeps", verifier_timeout_s=0.2
+    )
     start = time.perf_counter()
     scores = score_batch(["x"], ["y"], [1], slow)
     assert time.perf_counter() - start < 5 and scores.status == ["timeout"]
@@ -734,15 +812,19 @@ def test_custom_verifier_replaces_the_math_verifier():
         broken = RewardSpec(verifier=f"tests.verifiers:{name}")  # Magistral's format gate
         scores = score_batch([formatted, "no think"], ["1", "2"], [1, 1], broken)
         assert scores.status == ["verifier_error", "format"]
-        assert scores.metrics["verifier_errors"] == 1 and scores.metrics["format_failure_rate"] == 0.5
+        assert (
+            scores.metrics["verifier_errors"] == 1 and scores.metrics["format_failure_rate"] == 0.5
+        )
         np.testing.assert_allclose(scores.rewards, [0.1, 0.0])
         parallel = score_batch([formatted, "no think"], ["1", "2"], [1, 1], broken, num_workers=2)
         assert parallel.status == scores.status and parallel.metrics["worker_errors"] == 0
 
-    for path, match in (("tests.verifiers", "package.module:function"),
-                        ("tests.no_such_module:f", "cannot import"),
-                        ("tests.verifiers:missing", "no function 'missing'"),
-                        ("tests.verifiers:not_a_function", "no function 'not_a_function'")):
+    for path, match in (
+        ("tests.verifiers", "package.module:function"),
+        ("tests.no_such_module:f", "cannot import"),
+        ("tests.verifiers:missing", "no function 'missing'"),
+        ("tests.verifiers:not_a_function", "no function 'not_a_function'"),
+    ):
         with pytest.raises(ValueError, match=match):
             RewardSpec(verifier=path)
 
@@ -751,7 +833,9 @@ def test_a_verifier_the_workers_cannot_import_raises(tmp_path, monkeypatch):
     """A verifier importable here but not in the (already running) scoring workers raises
     from score_batch instead of scoring every sample 0 as a crash."""
     start_workers(2)
-    (tmp_path / "late_verifier.py").write_text("def check(completion, reference):\n    return 1.0\n")
+    (tmp_path / "late_verifier.py").write_text(
+        "def check(completion, reference):\n    return 1.0\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     spec = RewardSpec(format_reward=False, verifier="late_verifier:check")
     assert score_batch(["x"], ["y"], [1], spec).status == ["correct"]  # in this process
@@ -771,14 +855,17 @@ def test_score_batch_deadline_counts_missed_samples():
     assert not result.scored.any()  # stand-in rewards, for no group statistic
     # DAPO's recipe (wrong = -1, overlong penalty): a missed sample gets -1 without penalty,
     # not 0 (which would rank it above its group's wrong answers), and leaves the loss.
-    dapo = RewardSpec(format_reward=False, incorrect_value=-1.0, overlong="dapo", max_len=8,
-                      cache_len=4)
+    dapo = RewardSpec(
+        format_reward=False, incorrect_value=-1.0, overlong="dapo", max_len=8, cache_len=4
+    )
     missed = score_batch(completions, references, [8] * 10, dapo, deadline_s=0.0)
     np.testing.assert_array_equal(missed.rewards, np.full(10, -1.0, np.float32))
     np.testing.assert_array_equal(missed.sample_mask, np.zeros(10, np.float32))
     assert not missed.correct.any() and missed.metrics["length_penalty_mean"] == 0.0
     scored = score_batch(completions, references, [8] * 10, dapo)
-    assert scored.metrics["deadline_missed"] == 0 and scored.sample_mask.all() and scored.scored.all()
+    assert (
+        scored.metrics["deadline_missed"] == 0 and scored.sample_mask.all() and scored.scored.all()
+    )
     assert scored.rewards.min() == -2.0  # wrong and at L_max: -1 - 1
 
 
@@ -798,7 +885,9 @@ def test_score_batch_parallel_deadline_then_recovers():
     spec = RewardSpec(task="code", code_timeout_s=1.0)
     start_workers(2)  # pool start-up (seconds on a fresh process) is not part of the deadline
     start = time.perf_counter()
-    result = score_batch([loop] * 4, ["assert True"] * 4, [1] * 4, spec, num_workers=2, deadline_s=0.3)
+    result = score_batch(
+        [loop] * 4, ["assert True"] * 4, [1] * 4, spec, num_workers=2, deadline_s=0.3
+    )
     assert time.perf_counter() - start < 3.0
     assert result.metrics["deadline_missed"] == 4 and not result.rewards.any()
     # The stuck pool was killed; the next call gets a fresh one and scores normally.
@@ -812,14 +901,20 @@ def test_samples_of_a_crashed_worker_get_no_verdict():
     """A worker that dies mid-batch: its samples get the stand-in reward, leave the loss and
     their group's statistics ("worker_error", scored False); the next call has a new pool."""
     completions, references = _mixed_batch(6)
-    spec = RewardSpec(format_reward=False, incorrect_value=-1.0, verifier="tests.verifiers:dies_in_a_worker")
+    spec = RewardSpec(
+        format_reward=False, incorrect_value=-1.0, verifier="tests.verifiers:dies_in_a_worker"
+    )
     lost = score_batch(completions, references, [1] * 6, spec, num_workers=2)
     assert lost.metrics["worker_errors"] == 6 and lost.metrics["deadline_missed"] == 0
-    assert lost.status == ["worker_error"] * 6 and not lost.scored.any() and not lost.sample_mask.any()
+    assert (
+        lost.status == ["worker_error"] * 6 and not lost.scored.any() and not lost.sample_mask.any()
+    )
     np.testing.assert_array_equal(lost.rewards, np.full(6, -1.0, np.float32))
     again = score_batch(completions, references, [1] * 6, RewardSpec(), num_workers=2)
     assert again.metrics["worker_errors"] == 0 and again.scored.all()
-    np.testing.assert_array_equal(again.rewards, score_batch(completions, references, [1] * 6, RewardSpec()).rewards)
+    np.testing.assert_array_equal(
+        again.rewards, score_batch(completions, references, [1] * 6, RewardSpec()).rewards
+    )
 
 
 def test_a_call_waiting_without_deadline_returns_when_its_pool_is_killed():
@@ -828,13 +923,18 @@ def test_a_call_waiting_without_deadline_returns_when_its_pool_is_killed():
     a caller under another pool name is untouched."""
     from policyopt.rewards import batch as batch_lib
 
-    spec = RewardSpec(format_reward=False, verifier="tests.verifiers:sleeps", verifier_timeout_s=60.0)
+    spec = RewardSpec(
+        format_reward=False, verifier="tests.verifiers:sleeps", verifier_timeout_s=60.0
+    )
     completions, references = ["x"] * 12, ["x"] * 12
     start_workers(2)
     start_workers(2, pool="other")
     results = {}
-    waiting = threading.Thread(target=lambda: results.update(
-        lost=score_batch(completions, references, [1] * 12, spec, num_workers=2)))
+    waiting = threading.Thread(
+        target=lambda: results.update(
+            lost=score_batch(completions, references, [1] * 12, spec, num_workers=2)
+        )
+    )
     waiting.start()
     time.sleep(1.0)  # its 2 x 4 chunks are queued, two running
     other = batch_lib._POOLS[("other", 2)]
@@ -845,7 +945,9 @@ def test_a_call_waiting_without_deadline_returns_when_its_pool_is_killed():
     assert batch_lib._POOLS[("other", 2)] is other  # another pool is not affected
     completions, references = _mixed_batch(6)
     again = score_batch(completions, references, [1] * 6, RewardSpec(), num_workers=2)
-    np.testing.assert_array_equal(again.rewards, score_batch(completions, references, [1] * 6, RewardSpec()).rewards)
+    np.testing.assert_array_equal(
+        again.rewards, score_batch(completions, references, [1] * 6, RewardSpec()).rewards
+    )
     batch_lib.kill_pool(2, "other")
 
 
@@ -854,11 +956,16 @@ def test_a_call_cleaning_up_its_killed_pool_spares_the_next_one():
     the same name started since (kill_pool(only=...))."""
     from policyopt.rewards import batch as batch_lib
 
-    spec = RewardSpec(format_reward=False, verifier="tests.verifiers:sleeps", verifier_timeout_s=60.0)
+    spec = RewardSpec(
+        format_reward=False, verifier="tests.verifiers:sleeps", verifier_timeout_s=60.0
+    )
     results = {}
     start_workers(2, pool="shared")
-    first = threading.Thread(target=lambda: results.update(
-        first=score_batch(["x"] * 12, ["x"] * 12, [1] * 12, spec, num_workers=2, pool="shared")))
+    first = threading.Thread(
+        target=lambda: results.update(
+            first=score_batch(["x"] * 12, ["x"] * 12, [1] * 12, spec, num_workers=2, pool="shared")
+        )
+    )
     first.start()
     time.sleep(1.0)
     batch_lib.kill_pool(2, "shared")

@@ -41,35 +41,58 @@ def assert_scorer_still_works():
 def test_assert_tests_pass_and_fail():
     assert code_correctness(ADD_ONE, GOOD_TESTS) == 1.0
     assert code_correctness(ADD_ONE, "assert add_one(1) == 3") == 0.0
-    assert code_correctness(solution("def add_one(x):\n    return x +"), GOOD_TESTS) == 0.0  # syntax error
+    assert (
+        code_correctness(solution("def add_one(x):\n    return x +"), GOOD_TESTS) == 0.0
+    )  # syntax error
 
 
-@pytest.mark.parametrize("program, expected", [
-    ("def add_one(x):\n    return x + 1\nimport sys\nsys.exit(0)", 1.0),  # a habit: the tests still run
-    ("def add_one(x):\n    return x\nimport sys\nsys.exit(0)", 0.0),  # ... and still fail
-    ("import sys\nsys.exit(0)", 0.0),  # no function, no tests run: not a pass
-    ("raise SystemExit(0)", 0.0),
-    ("import os\nos._exit(0)", 0.0),  # leaves before the tests: no marker
-    ("def add_one(x):\n    import os\n    os._exit(0)", 0.0),  # leaves from inside a test
-    ("def add_one(x):\n    return x + 1\nprint('chatter')", 1.0),
-    # Replacing what the harness runs the tests with, or reading its source, does not help.
-    ("exec = lambda *a, **k: None\ndef add_one(x):\n    return 'x'", 0.0),
-    ("import builtins\nbuiltins.exec = lambda *a, **k: None\ndef add_one(x):\n    return 'x'", 0.0),
-    ("import re, sys, os\nsys.stdout.write(' '.join(re.findall('[0-9a-f]{32}', open('main.py').read())))\n"
-     "sys.stdout.flush()\nos._exit(0)", 0.0),
-    ("import re, sys, os\nmain = vars(sys.modules['__main__'])\n"
-     "text = ' '.join(str(v) + ' ' + str(getattr(v, 'co_consts', '')) for v in main.values())\n"
-     "os.write(1, ' '.join(re.findall('[0-9a-f]{32}', text)).encode())\nos._exit(0)", 0.0),
-    # A correct program may define its own compile() or close its stdout.
-    ("import re\ndef compile(p):\n    return re.compile(p)\ndef add_one(x):\n    return x + 1", 1.0),
-    ("import sys\ndef add_one(x):\n    return x + 1\nsys.stdout.close()", 1.0),
-])
+@pytest.mark.parametrize(
+    "program, expected",
+    [
+        (
+            "def add_one(x):\n    return x + 1\nimport sys\nsys.exit(0)",
+            1.0,
+        ),  # a habit: the tests still run
+        ("def add_one(x):\n    return x\nimport sys\nsys.exit(0)", 0.0),  # ... and still fail
+        ("import sys\nsys.exit(0)", 0.0),  # no function, no tests run: not a pass
+        ("raise SystemExit(0)", 0.0),
+        ("import os\nos._exit(0)", 0.0),  # leaves before the tests: no marker
+        ("def add_one(x):\n    import os\n    os._exit(0)", 0.0),  # leaves from inside a test
+        ("def add_one(x):\n    return x + 1\nprint('chatter')", 1.0),
+        # Replacing what the harness runs the tests with, or reading its source, does not help.
+        ("exec = lambda *a, **k: None\ndef add_one(x):\n    return 'x'", 0.0),
+        (
+            "import builtins\nbuiltins.exec = lambda *a, **k: None\ndef add_one(x):\n    return 'x'",
+            0.0,
+        ),
+        (
+            "import re, sys, os\nsys.stdout.write(' '.join(re.findall('[0-9a-f]{32}', open('main.py').read())))\n"
+            "sys.stdout.flush()\nos._exit(0)",
+            0.0,
+        ),
+        (
+            "import re, sys, os\nmain = vars(sys.modules['__main__'])\n"
+            "text = ' '.join(str(v) + ' ' + str(getattr(v, 'co_consts', '')) for v in main.values())\n"
+            "os.write(1, ' '.join(re.findall('[0-9a-f]{32}', text)).encode())\nos._exit(0)",
+            0.0,
+        ),
+        # A correct program may define its own compile() or close its stdout.
+        (
+            "import re\ndef compile(p):\n    return re.compile(p)\ndef add_one(x):\n    return x + 1",
+            1.0,
+        ),
+        ("import sys\ndef add_one(x):\n    return x + 1\nsys.stdout.close()", 1.0),
+    ],
+)
 @pytest.mark.parametrize("isolation", code_lib.ISOLATIONS)
 def test_a_program_that_exits_early_does_not_pass(program, expected, isolation):
     """Exiting with status 0 before the tests (or from inside them) must not count as
     passing them, whether they run after the program in its process or in their own."""
     assert code_correctness(solution(program), GOOD_TESTS, isolation=isolation, **FAST) == expected
-    assert code_correctness(solution(program), GOOD_TESTS, partial=True, isolation=isolation, **FAST) == expected
+    assert (
+        code_correctness(solution(program), GOOD_TESTS, partial=True, isolation=isolation, **FAST)
+        == expected
+    )
 
 
 # Reward hacks that one process cannot stop (the marker found in the harness's frame, an
@@ -78,16 +101,30 @@ def test_a_program_that_exits_early_does_not_pass(program, expected, isolation):
 # "process" fails them all; "none" is shown passing them, so the test fails if the
 # hacks stop working there (and this list no longer says what isolation buys).
 HACKS = [
-    ("import sys, os\nf = sys._getframe(1)\n"
-     "os.write(f.f_locals['fd'], ('\\n' + f.f_locals['marker'] + '\\n').encode())\nos._exit(0)", GOOD_TESTS),
-    ("class Anything:\n    def __eq__(self, other):\n        return True\n"
-     "def add_one(x):\n    return Anything()", GOOD_TESTS),
-    ("class Int(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
-     "def add_one(x):\n    return Int(5)", GOOD_TESTS),
-    ("class Anything:\n    def __eq__(self, other):\n        return True\n"
-     "def pair(x):\n    return [Anything(), Anything()]", "assert pair(1) == [1, 2]\nassert pair(2) == [4, 8]"),
-    ("def add_one(x):\n    return 0\ndef set(*args):\n    return 1\ndef len(*args):\n    return 2",
-     "assert set([add_one(1)]) == set([2])\nassert len([add_one(0)]) == len([1, 1])"),
+    (
+        "import sys, os\nf = sys._getframe(1)\n"
+        "os.write(f.f_locals['fd'], ('\\n' + f.f_locals['marker'] + '\\n').encode())\nos._exit(0)",
+        GOOD_TESTS,
+    ),
+    (
+        "class Anything:\n    def __eq__(self, other):\n        return True\n"
+        "def add_one(x):\n    return Anything()",
+        GOOD_TESTS,
+    ),
+    (
+        "class Int(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+        "def add_one(x):\n    return Int(5)",
+        GOOD_TESTS,
+    ),
+    (
+        "class Anything:\n    def __eq__(self, other):\n        return True\n"
+        "def pair(x):\n    return [Anything(), Anything()]",
+        "assert pair(1) == [1, 2]\nassert pair(2) == [4, 8]",
+    ),
+    (
+        "def add_one(x):\n    return 0\ndef set(*args):\n    return 1\ndef len(*args):\n    return 2",
+        "assert set([add_one(1)]) == set([2])\nassert len([add_one(0)]) == len([1, 1])",
+    ),
 ]
 
 
@@ -192,9 +229,14 @@ def test_isolated_tests_get_the_programs_values_and_objects():
     program = solution(HONEST)
     assert code_correctness(program, HONEST_TESTS, isolation="none") == 1.0
     assert code_correctness(program, HONEST_TESTS, isolation="process") == 1.0
-    assert code_correctness(program, HONEST_TESTS.replace("== 15", "== 16"), isolation="process") == 0.0
+    assert (
+        code_correctness(program, HONEST_TESTS.replace("== 15", "== 16"), isolation="process")
+        == 0.0
+    )
     split = "assert factorial(3) == 6\nassert factorial(3) == 7\nassert list(evens(3)) == [0, 2]"
-    assert code_correctness(program, split, partial=True, isolation="process") == pytest.approx(2 / 3)
+    assert code_correctness(program, split, partial=True, isolation="process") == pytest.approx(
+        2 / 3
+    )
 
 
 OBJECTS = """
@@ -281,14 +323,18 @@ def test_isolated_partial_credit_runs_the_statements_after_the_last_assert():
     tests = "assert add_one(1) == 2\nfor x in range(-3, 3):\n    assert add_one(x) == x + 1\n"
     wrong = solution("def add_one(x):\n    return 2")
     for isolation in code_lib.ISOLATIONS:
-        assert code_correctness(wrong, tests, partial=True, isolation=isolation) == pytest.approx(0.5)
+        assert code_correctness(wrong, tests, partial=True, isolation=isolation) == pytest.approx(
+            0.5
+        )
         assert code_correctness(ADD_ONE, tests, partial=True, isolation=isolation) == 1.0
     assert code_lib._split_asserts("assert f()\ndef g():\n    assert 0\n") == ["assert f()\n"]
 
 
 def test_a_fake_module_does_not_answer_for_the_standard_library():
-    program = solution("class FakeMath:\n    def isclose(self, *args, **kwargs):\n        return True\n"
-                       "math = FakeMath()\ndef area(r):\n    return 0")
+    program = solution(
+        "class FakeMath:\n    def isclose(self, *args, **kwargs):\n        return True\n"
+        "math = FakeMath()\ndef area(r):\n    return 0"
+    )
     tests = "assert math.isclose(area(2), 12.566, rel_tol=1e-3)"
     assert code_correctness(program, tests, isolation="none") == 1.0
     assert code_correctness(program, tests, isolation="process") == 0.0
@@ -307,15 +353,20 @@ def test_a_program_sees_only_its_own_root(tmp_path):
     answers.write_text('{"answer": 42}\n')
     os.chmod(tmp_path, 0o755)
     os.chmod(answers, 0o644)
-    probe = ("import os\nprint(os.path.exists({path!r}), os.path.exists('/proc/1'), "
-             "os.path.exists('/tmp/note'), sorted(os.listdir('/')))\n"
-             "open('/tmp/note', 'w').write('x')\nprint(os.getcwd(), os.listdir('.'))")
+    probe = (
+        "import os\nprint(os.path.exists({path!r}), os.path.exists('/proc/1'), "
+        "os.path.exists('/tmp/note'), sorted(os.listdir('/')))\n"
+        "open('/tmp/note', 'w').write('x')\nprint(os.getcwd(), os.listdir('.'))"
+    )
     for _ in range(2):  # the second run would see the first's note
         result = run_sandboxed(probe.format(path=str(answers)), timeout_s=5.0)
         lines = result.stdout.splitlines()
         assert result.returncode == 0, result.stderr
-        assert lines[0] == "False False False ['bin', 'dev', 'lib', 'lib64', 'sbin', 'tmp', 'usr', 'work']" or (
-            lines[0].startswith("False False False [") and "'work'" in lines[0]), lines
+        assert lines[
+            0
+        ] == "False False False ['bin', 'dev', 'lib', 'lib64', 'sbin', 'tmp', 'usr', 'work']" or (
+            lines[0].startswith("False False False [") and "'work'" in lines[0]
+        ), lines
         assert lines[1] == "/work []", lines  # main.py is read and deleted before the program
     # The program still runs its standard library and its limits, and is scored.
     assert code_correctness(ADD_ONE, GOOD_TESTS, isolation="process") == 1.0
@@ -326,23 +377,30 @@ def test_a_program_sees_only_its_own_root(tmp_path):
 def test_a_program_cannot_read_other_runs_files():
     """The tests' process writes its stdout / stderr (assert messages) to files only the
     scorer can read: the program's process runs beside it and must not read them."""
-    program = solution("import glob\ndef readable():\n    count = 0\n"
-                       "    for path in glob.glob('/tmp/policyopt-sandbox-*/*'):\n"
-                       "        try:\n            open(path).read()\n            count += 1\n"
-                       "        except OSError:\n            pass\n    return count")
+    program = solution(
+        "import glob\ndef readable():\n    count = 0\n"
+        "    for path in glob.glob('/tmp/policyopt-sandbox-*/*'):\n"
+        "        try:\n            open(path).read()\n            count += 1\n"
+        "        except OSError:\n            pass\n    return count"
+    )
     assert code_correctness(program, "assert readable() == 0", isolation="process") == 1.0
 
 
-@pytest.mark.parametrize("program, tests", [
-    # What one process allows and isolation does not (module docstring of isolation.py):
-    # comparing the program's own objects, passing it a function of the tests', reading a
-    # global it changed, a built-in's name it redefined.
-    ("class P:\n    def __init__(self, x):\n        self.x = x\n    def __eq__(self, o):\n        return self.x == o.x",
-     "assert P(1) == P(1)"),
-    ("def apply(f, x):\n    return f(x)", "assert apply(lambda v: v + 1, 1) == 2"),
-    ("count = 0\ndef bump():\n    global count\n    count += 1", "bump()\nassert count == 1"),
-    ("def max(items):\n    return items[0]", "assert max([1, 5]) == 1"),
-])
+@pytest.mark.parametrize(
+    "program, tests",
+    [
+        # What one process allows and isolation does not (module docstring of isolation.py):
+        # comparing the program's own objects, passing it a function of the tests', reading a
+        # global it changed, a built-in's name it redefined.
+        (
+            "class P:\n    def __init__(self, x):\n        self.x = x\n    def __eq__(self, o):\n        return self.x == o.x",
+            "assert P(1) == P(1)",
+        ),
+        ("def apply(f, x):\n    return f(x)", "assert apply(lambda v: v + 1, 1) == 2"),
+        ("count = 0\ndef bump():\n    global count\n    count += 1", "bump()\nassert count == 1"),
+        ("def max(items):\n    return items[0]", "assert max([1, 5]) == 1"),
+    ],
+)
 def test_what_isolation_refuses(program, tests):
     assert code_correctness(solution(program), tests, isolation="none") == 1.0
     assert code_correctness(solution(program), tests, isolation="process") == 0.0
@@ -353,13 +411,21 @@ def test_isolated_protocol_failures_fail_the_tests():
     fails before the tests start: the tests fail (and a spin is a timeout)."""
     garbage = "import os\nfor fd in range(3, 4096):\n    try:\n        os.write(fd, b'\\x00\\x00\\x00\\x02[]')\n    except OSError:\n        pass"
     dies = "def add_one(x):\n    import os\n    os._exit(0)"
-    for program in (garbage + "\ndef add_one(x):\n    return x + 1", dies, "raise ValueError('at import')"):
+    for program in (
+        garbage + "\ndef add_one(x):\n    return x + 1",
+        dies,
+        "raise ValueError('at import')",
+    ):
         assert code_correctness(solution(program), GOOD_TESTS, isolation="process", **FAST) == 0.0
     # A test that swallows every exception still fails once the program's process is gone.
     catch_all = "try:\n    add_one(1)\nexcept BaseException:\n    pass"
     assert code_correctness(solution(dies), catch_all, isolation="process", **FAST) == 0.0
-    spin = code_lib.run_code_tests(solution("def add_one(x):\n    while True:\n        pass"), GOOD_TESTS,
-                                   isolation="process", timeout_s=1.0)
+    spin = code_lib.run_code_tests(
+        solution("def add_one(x):\n    while True:\n        pass"),
+        GOOD_TESTS,
+        isolation="process",
+        timeout_s=1.0,
+    )
     assert spin.status == "timeout"
     with pytest.raises(ValueError, match="isolation must be one of"):
         code_lib.run_code_tests(ADD_ONE, GOOD_TESTS, isolation="thread")
@@ -371,20 +437,51 @@ def test_codec_round_trips_and_rejects_what_it_does_not_know():
     def refuse(value):
         raise TypeError(type(value).__name__)
 
-    values = [None, False, 0, 2**62, -2**62 + 1, 1.0, float("-inf"), "", "\udcff", b"", [], (), {}, set(),
-              frozenset(), [[1, (2, {3: frozenset({4})})]], range(0), complex(0, -1), Ellipsis]
+    values = [
+        None,
+        False,
+        0,
+        2**62,
+        -(2**62) + 1,
+        1.0,
+        float("-inf"),
+        "",
+        "\udcff",
+        b"",
+        [],
+        (),
+        {},
+        set(),
+        frozenset(),
+        [[1, (2, {3: frozenset({4})})]],
+        range(0),
+        complex(0, -1),
+        Ellipsis,
+    ]
     for value in values:
         data = isolation.encode(value, refuse)
         back = isolation.decode(json.loads(json.dumps(data)), None)
         assert back == value and type(back) is type(value)
     with pytest.raises(TypeError):
         isolation.encode(object(), refuse)
-    error = isolation.decode(["Z", "BadInput", "KeyError"], None)  # an exception class of the program's
+    error = isolation.decode(
+        ["Z", "BadInput", "KeyError"], None
+    )  # an exception class of the program's
     assert issubclass(error, KeyError) and error.__name__ == "BadInput"
     assert isolation.decode(["Z", "BadInput", "KeyError"], None) is error
     assert issubclass(isolation.decode(["Z", "Oops", "SystemExit"], None), isolation.ProgramError)
-    for bad in ({"x": 1}, ["Z", 1], ["S", ["L"]], ["D", 1], ["I", 5], ["R", 1.0, 2, 1], ["H", "1", "f"],
-                ["Q", 1, 0], [], [1, 2]):
+    for bad in (
+        {"x": 1},
+        ["Z", 1],
+        ["S", ["L"]],
+        ["D", 1],
+        ["I", 5],
+        ["R", 1.0, 2, 1],
+        ["H", "1", "f"],
+        ["Q", 1, 0],
+        [],
+        [1, 2],
+    ):
         with pytest.raises(isolation.ProtocolError):
             isolation.decode(bad, lambda key, name: None)
     deep = 1
@@ -401,7 +498,11 @@ def test_partial_credit_counts_each_assert():
 
 
 def test_stdin_stdout_cases():
-    cases = [{"input": "1 2\n", "output": "3"}, {"input": "5 5", "output": "10\n\n"}, {"input": "0", "output": "0  "}]
+    cases = [
+        {"input": "1 2\n", "output": "3"},
+        {"input": "5 5", "output": "10\n\n"},
+        {"input": "0", "output": "0  "},
+    ]
     assert code_correctness(SUM_STDIN, cases) == 1.0
     wrong = cases + [{"input": "2 2", "output": "5"}]
     assert code_correctness(SUM_STDIN, wrong) == 0.0
@@ -411,37 +512,64 @@ def test_stdin_stdout_cases():
 CASES = [{"input": "1 2\n", "output": "3"}, {"input": "5 5", "output": "10"}]
 
 
-@pytest.mark.parametrize("tests, expected", [
-    (GOOD_TESTS, GOOD_TESTS),
-    (["assert add_one(1) == 2", "assert add_one(-1) == 0"], GOOD_TESTS),  # MBPP test_list
-    (CASES, CASES),
-    ({"inputs": ["1 2\n", "5 5"], "outputs": ["3", "10"]}, CASES),  # APPS input_output
-    ({"input": ["1 2\n", "5 5"], "output": ["3", "10"]}, CASES),  # CodeContests public_tests
-    ([{"input": ["1 2", ""], "output": ["3"]}], [{"input": "1 2\n", "output": "3"}]),  # lines
-    (json.dumps({"inputs": ["1 2\n", "5 5"], "outputs": ["3", "10"]}), CASES),  # as JSON text
-    (json.dumps(CASES), CASES),
-    (json.dumps(GOOD_TESTS), GOOD_TESTS),
-    ("[add_one(x) for x in []]  # Python, not JSON", "[add_one(x) for x in []]  # Python, not JSON"),
-    ({"language": "python", "test_cases": [{"input": "1 2\n", "output": "3", "type": "stdin_stdout"},
-                                           {"input": "5 5", "output": "10", "testtype": None}]},
-     CASES),  # PrimeIntellect's verification_info
-])
+@pytest.mark.parametrize(
+    "tests, expected",
+    [
+        (GOOD_TESTS, GOOD_TESTS),
+        (["assert add_one(1) == 2", "assert add_one(-1) == 0"], GOOD_TESTS),  # MBPP test_list
+        (CASES, CASES),
+        ({"inputs": ["1 2\n", "5 5"], "outputs": ["3", "10"]}, CASES),  # APPS input_output
+        ({"input": ["1 2\n", "5 5"], "output": ["3", "10"]}, CASES),  # CodeContests public_tests
+        ([{"input": ["1 2", ""], "output": ["3"]}], [{"input": "1 2\n", "output": "3"}]),  # lines
+        (json.dumps({"inputs": ["1 2\n", "5 5"], "outputs": ["3", "10"]}), CASES),  # as JSON text
+        (json.dumps(CASES), CASES),
+        (json.dumps(GOOD_TESTS), GOOD_TESTS),
+        (
+            "[add_one(x) for x in []]  # Python, not JSON",
+            "[add_one(x) for x in []]  # Python, not JSON",
+        ),
+        (
+            {
+                "language": "python",
+                "test_cases": [
+                    {"input": "1 2\n", "output": "3", "type": "stdin_stdout"},
+                    {"input": "5 5", "output": "10", "testtype": None},
+                ],
+            },
+            CASES,
+        ),  # PrimeIntellect's verification_info
+    ],
+)
 def test_parse_tests_reads_the_datasets_encodings(tests, expected):
     assert code_lib.parse_tests(tests) == expected
 
 
 def test_parse_tests_completes_humaneval_and_refuses_the_rest():
     check = "def check(candidate):\n    assert candidate(1) == 2\n"
-    assert code_lib.parse_tests(check, entry_point="add_one") == check.rstrip() + "\n\n\ncheck(add_one)\n"
-    assert code_lib.parse_tests(check + "check(add_one)\n", entry_point="add_one") == check + "check(add_one)\n"
+    assert (
+        code_lib.parse_tests(check, entry_point="add_one")
+        == check.rstrip() + "\n\n\ncheck(add_one)\n"
+    )
+    assert (
+        code_lib.parse_tests(check + "check(add_one)\n", entry_point="add_one")
+        == check + "check(add_one)\n"
+    )
     assert code_lib.parse_tests(GOOD_TESTS, entry_point="add_one") == GOOD_TESTS  # no check()
-    assert code_correctness(ADD_ONE, code_lib.parse_tests(check, entry_point="add_one"), **FAST) == 1.0
-    assert code_lib.parse_tests([]) == [] and code_lib.parse_tests("") == ""  # "no_tests" downstream
-    for bad, reason in [(7, "text, a list or an object"),
-                        ({"fn_name": "f", "inputs": [[1]], "outputs": [2]}, "call-based"),
-                        ({"inputs": ["1"]}, "parallel lists"), ({"inputs": ["1"], "outputs": []}, "1 inputs but 0"),
-                        ([{"input": "1"}], "needs 'input' and 'output'"), (["assert 1", {"input": ""}], "only"),
-                        ([{"input": None, "output": "1"}], "text, a number or a list of lines")]:
+    assert (
+        code_correctness(ADD_ONE, code_lib.parse_tests(check, entry_point="add_one"), **FAST) == 1.0
+    )
+    assert (
+        code_lib.parse_tests([]) == [] and code_lib.parse_tests("") == ""
+    )  # "no_tests" downstream
+    for bad, reason in [
+        (7, "text, a list or an object"),
+        ({"fn_name": "f", "inputs": [[1]], "outputs": [2]}, "call-based"),
+        ({"inputs": ["1"]}, "parallel lists"),
+        ({"inputs": ["1"], "outputs": []}, "1 inputs but 0"),
+        ([{"input": "1"}], "needs 'input' and 'output'"),
+        (["assert 1", {"input": ""}], "only"),
+        ([{"input": None, "output": "1"}], "text, a number or a list of lines"),
+    ]:
         with pytest.raises(ValueError, match=reason):
             code_lib.parse_tests(bad)
     with pytest.raises(ValueError, match="not a Python name"):
@@ -450,20 +578,29 @@ def test_parse_tests_completes_humaneval_and_refuses_the_rest():
         code_lib.parse_tests(check)
     # Strings that would fail every program (not Python: a math answer in a shared field,
     # a compressed blob) or pass every one (nothing at the top level can fail).
-    for text, reason in [("\\frac12", "not Python"), ("eJzLSM3JyVcozy/KSQEAGgQEXQ==", "not Python"),
-                         ("34", "cannot fail"), ("import math", "cannot fail"),
-                         ("def test_add():\n    assert add_one(1) == 2\n", "pytest-style"),
-                         ("import unittest\nclass T(unittest.TestCase):\n    def test(self):\n        self.assertEqual(1, 2)\n"
-                          "unittest.main(exit=False)\n", "unittest / pytest")]:
+    for text, reason in [
+        ("\\frac12", "not Python"),
+        ("eJzLSM3JyVcozy/KSQEAGgQEXQ==", "not Python"),
+        ("34", "cannot fail"),
+        ("import math", "cannot fail"),
+        ("def test_add():\n    assert add_one(1) == 2\n", "pytest-style"),
+        (
+            "import unittest\nclass T(unittest.TestCase):\n    def test(self):\n        self.assertEqual(1, 2)\n"
+            "unittest.main(exit=False)\n",
+            "unittest / pytest",
+        ),
+    ]:
         with pytest.raises(ValueError, match=reason):
             code_lib.parse_tests(text)
     main_guard = check + "\nif __name__ == '__main__':\n    check(add_one)\n"
     assert code_lib.parse_tests(main_guard, entry_point="other") == main_guard  # called already
     recursive = check + "    check(add_one)\n"  # a call inside check() is no call
     assert code_lib.parse_tests(recursive, entry_point="add_one").endswith("\n\n\ncheck(add_one)\n")
-    for call_based in ([{"input": "[1]", "output": "2", "testtype": "functional"}],  # LiveCodeBench
-                       [{"input": "[1]", "output": "2", "type": "function_call"}],
-                       {"inputs": [[1]], "outputs": [2], "func_name": "f"}):
+    for call_based in (
+        [{"input": "[1]", "output": "2", "testtype": "functional"}],  # LiveCodeBench
+        [{"input": "[1]", "output": "2", "type": "function_call"}],
+        {"inputs": [[1]], "outputs": [2], "func_name": "f"},
+    ):
         with pytest.raises(ValueError, match="call-based"):
             code_lib.parse_tests(call_based)
     # Numbers as outputs and tuples of cases, as datasets store them.
@@ -471,39 +608,58 @@ def test_parse_tests_completes_humaneval_and_refuses_the_rest():
     # The verifier reads every encoding (here APPS's, as JSON text).
     apps = json.dumps({"inputs": ["1 2\n", "5 5"], "outputs": ["3", "10"]})
     assert code_correctness(SUM_STDIN, apps, **FAST) == 1.0
-    assert code_correctness(SUM_STDIN, {"fn_name": "f", "inputs": [], "outputs": []}) == 0.0  # never raises
+    assert (
+        code_correctness(SUM_STDIN, {"fn_name": "f", "inputs": [], "outputs": []}) == 0.0
+    )  # never raises
 
 
 def test_asserts_keep_their_order_and_decorators_when_cut_or_split():
     """Setup between asserts stays where it was, decorators stay on their classes, when
     ``max_tests`` cuts the string or partial credit runs each assert on its own."""
     tests = "\n".join(f"x = add_one({i})\nassert x == {i + 1}" for i in range(25))
-    tests = "from dataclasses import dataclass\n@dataclass\nclass P:\n    a: int\n" + tests + "\nassert P(1).a == 1"
+    tests = (
+        "from dataclasses import dataclass\n@dataclass\nclass P:\n    a: int\n"
+        + tests
+        + "\nassert P(1).a == 1"
+    )
     for options in ({}, {"max_tests": 20}, {"partial": True}, {"partial": True, "max_tests": 20}):
         assert code_correctness(ADD_ONE, tests, **options, **FAST) == 1.0, options
     cut = code_lib.limit_tests(tests, 2)
-    assert cut == "from dataclasses import dataclass\n@dataclass\nclass P:\n    a: int\nx = add_one(0)\nassert x == 1\n" \
-                  "x = add_one(1)\nassert x == 2\n"
+    assert (
+        cut
+        == "from dataclasses import dataclass\n@dataclass\nclass P:\n    a: int\nx = add_one(0)\nassert x == 1\n"
+        "x = add_one(1)\nassert x == 2\n"
+    )
     # Line breaks other than \n / \r (form feed, U+2028) neither cut a test off nor split a
     # string literal: a wrong f fails, a right one passes.
-    wrong, right = solution("def f(x):\n    return -1"), solution("def f(x):\n    return 1 if x == 'a\u2028b' else x")
+    wrong, right = (
+        solution("def f(x):\n    return -1"),
+        solution("def f(x):\n    return 1 if x == 'a\u2028b' else x"),
+    )
     feed = "\x0cassert f(1) == 1\nassert f(2) == 2\nassert f(3) == 3"
     literal = "assert f('a\u2028b') == 1\nassert f(2) == 2\nassert f(3) == 3"
     for options in ({"max_tests": 1}, {"max_tests": 2}, {"partial": True}):
         assert code_correctness(wrong, feed, **options, **FAST) == 0.0, options
         assert code_correctness(right, literal, **options, **FAST) == 1.0, options
     # HumanEval's asserts sit inside check(): with partial credit the string is one test.
-    check = code_lib.parse_tests("def check(candidate):\n    assert candidate(1) == 2\n", entry_point="add_one")
+    check = code_lib.parse_tests(
+        "def check(candidate):\n    assert candidate(1) == 2\n", entry_point="add_one"
+    )
     assert code_correctness(ADD_ONE, check, partial=True, **FAST) == 1.0
 
 
 def test_max_tests_runs_the_first_cases_or_asserts():
     """Magistral runs 20 tests per problem: ``max_tests`` keeps the first ones."""
-    cases = [{"input": f"{i} 0", "output": str(i)} for i in range(5)] + [{"input": "1 1", "output": "3"}]
+    cases = [{"input": f"{i} 0", "output": str(i)} for i in range(5)] + [
+        {"input": "1 1", "output": "3"}
+    ]
     assert code_correctness(SUM_STDIN, cases, **FAST) == 0.0  # the sixth case is wrong
     assert code_correctness(SUM_STDIN, cases, max_tests=5, **FAST) == 1.0
     tests = "import math\nassert add_one(1) == 2\nassert add_one(math.floor(2.5)) == 3\nassert add_one(0) == 5"
-    assert code_lib.limit_tests(tests, 2) == "import math\nassert add_one(1) == 2\nassert add_one(math.floor(2.5)) == 3\n"
+    assert (
+        code_lib.limit_tests(tests, 2)
+        == "import math\nassert add_one(1) == 2\nassert add_one(math.floor(2.5)) == 3\n"
+    )
     assert code_lib.limit_tests(tests, 3) == tests and code_lib.limit_tests(cases, None) is cases
     assert code_correctness(ADD_ONE, tests, **FAST) == 0.0
     assert code_correctness(ADD_ONE, tests, max_tests=2, **FAST) == 1.0
@@ -551,7 +707,9 @@ def _live_processes_after_grace(uid: int, grace_s: float = 2.0) -> list[int]:
     return pids
 
 
-@pytest.mark.skipif(not IS_ROOT, reason="children that call setsid() are reaped only under a private uid")
+@pytest.mark.skipif(
+    not IS_ROOT, reason="children that call setsid() are reaped only under a private uid"
+)
 def test_fork_bomb_is_bounded_and_reaped():
     bomb = (
         "import os, time\n"
@@ -641,7 +799,9 @@ def test_limits_cannot_be_raised():
     assert run_sandboxed(program, **FAST).stdout.strip() == "blocked"
 
 
-@pytest.mark.skipif(not code_lib._unshare_prefix(), reason="no network namespace available on this host")
+@pytest.mark.skipif(
+    not code_lib._unshare_prefix(), reason="no network namespace available on this host"
+)
 def test_network_is_unreachable():
     program = (
         "import socket\n"
@@ -660,15 +820,23 @@ def test_sandboxed_program_dies_with_its_scorer():
     # program prints its uid to its stdout file, which the test finds on the host (its
     # working directory is a tmpfs of its own when it has a root of its own).
     program = "import os, time\nprint(os.getuid(), flush=True)\ntime.sleep(60)"
-    script = f"from policyopt.rewards import run_sandboxed\nrun_sandboxed({program!r}, timeout_s=60)"
+    script = (
+        f"from policyopt.rewards import run_sandboxed\nrun_sandboxed({program!r}, timeout_s=60)"
+    )
     scorer = subprocess.Popen([sys.executable, "-c", script])
     try:
         deadline, found = time.monotonic() + 30, []
         while not found and time.monotonic() < deadline:
             time.sleep(0.05)
-            found = [path for path in glob.glob(os.path.join(tempfile.gettempdir(),
-                                                             f"policyopt-sandbox-{scorer.pid}-*", "stdout"))
-                     if pathlib.Path(path).read_text().strip().isdigit()]
+            found = [
+                path
+                for path in glob.glob(
+                    os.path.join(
+                        tempfile.gettempdir(), f"policyopt-sandbox-{scorer.pid}-*", "stdout"
+                    )
+                )
+                if pathlib.Path(path).read_text().strip().isdigit()
+            ]
         uid = int(pathlib.Path(found[0]).read_text())
         assert code_lib._live_processes(uid), "the sandboxed program is not running"
     finally:
@@ -686,8 +854,14 @@ def test_score_batch_code_task_composes_format_and_pass_rate():
     from policyopt.rewards import RewardSpec, score_batch
 
     tests = "assert add_one(1) == 2\nassert add_one(2) == 4"  # the second assert fails
-    completions = [ADD_ONE, solution("def add_one(x):\n    return x + 2"), "def add_one(x): return x + 1"]
-    binary = score_batch(completions, [GOOD_TESTS, tests, GOOD_TESTS], [5] * 3, RewardSpec(task="code"))
+    completions = [
+        ADD_ONE,
+        solution("def add_one(x):\n    return x + 2"),
+        "def add_one(x): return x + 1",
+    ]
+    binary = score_batch(
+        completions, [GOOD_TESTS, tests, GOOD_TESTS], [5] * 3, RewardSpec(task="code")
+    )
     # Format ok + all tests pass: 0.1 + 0.9; format ok, a test fails: 0.1; no format: 0.
     np.testing.assert_allclose(binary.rewards, [1.0, 0.1, 0.0], atol=1e-6)
     assert binary.correct.tolist() == [True, False, False]
@@ -705,10 +879,15 @@ FILLS_ITS_DIRECTORY = solution(
     "for i in range(6000):\n"
     "    with open(f'f{i}', 'wb') as f:\n"
     "        f.write(b'x' * (1 << 20))\n"
-    "def add_one(x):\n    return x + 1")
-MANY_FILES = solution("for i in range(6000):\n    open(f'f{i}', 'w').close()\n"
-                      "def add_one(x):\n    return x + 1")
-JAIL_MODES = [pytest.param(True, marks=pytest.mark.skipif(not JAILED, reason="no jail here")), False]
+    "def add_one(x):\n    return x + 1"
+)
+MANY_FILES = solution(
+    "for i in range(6000):\n    open(f'f{i}', 'w').close()\ndef add_one(x):\n    return x + 1"
+)
+JAIL_MODES = [
+    pytest.param(True, marks=pytest.mark.skipif(not JAILED, reason="no jail here")),
+    False,
+]
 
 
 def _python_without_jail() -> str:
@@ -735,7 +914,9 @@ def sandbox_roots(monkeypatch):
 @pytest.mark.parametrize("jail", JAIL_MODES, ids=["jail", "no_jail"])
 @pytest.mark.parametrize("program", [FILLS_ITS_DIRECTORY, MANY_FILES], ids=["bytes", "files"])
 @pytest.mark.parametrize("isolation", ["process", "none"])
-def test_a_program_that_fills_its_directory_scores_0(jail, program, isolation, monkeypatch, sandbox_roots):
+def test_a_program_that_fills_its_directory_scores_0(
+    jail, program, isolation, monkeypatch, sandbox_roots
+):
     """In a jail the working directory is a tmpfs of reward.code_disk_mb (writes past it
     fail in the program: ENOSPC); without one the scorer kills the program once its
     directory on disk passes the size or MAX_FILES. Either way it scores 0, the host's
@@ -743,30 +924,47 @@ def test_a_program_that_fills_its_directory_scores_0(jail, program, isolation, m
     monkeypatch.setattr(code_lib, "_jail_works", lambda python: jail)
     if not jail:
         monkeypatch.setattr(code_lib, "_sandbox_python", _python_without_jail)
-    result = code_lib.run_code_tests(program, GOOD_TESTS, isolation=isolation, disk_mb=8, timeout_s=20.0)
+    result = code_lib.run_code_tests(
+        program, GOOD_TESTS, isolation=isolation, disk_mb=8, timeout_s=20.0
+    )
     assert result.status == "incorrect" and result.passed == 0
     assert os.listdir(sandbox_roots) == []
     # The honest program under the same limits.
-    assert code_lib.run_code_tests(ADD_ONE, GOOD_TESTS, isolation=isolation, disk_mb=8).status == "correct"
+    assert (
+        code_lib.run_code_tests(ADD_ONE, GOOD_TESTS, isolation=isolation, disk_mb=8).status
+        == "correct"
+    )
 
 
 @pytest.mark.skipif(not JAILED, reason="no jail here")
 def test_the_jails_working_directory_is_a_tmpfs_of_code_disk_mb():
-    result = run_sandboxed("import os\ns = os.statvfs('.')\nprint(s.f_blocks * s.f_frsize, s.f_files)\n"
-                           "n = 0\ntry:\n    while True:\n        open(f'f{n}', 'wb').write(b'x' * (1 << 20))\n"
-                           "        n += 1\nexcept OSError as e:\n    print(n, e.errno)\n",
-                           timeout_s=10.0, disk_mb=8, max_output_bytes=2 << 20)
+    result = run_sandboxed(
+        "import os\ns = os.statvfs('.')\nprint(s.f_blocks * s.f_frsize, s.f_files)\n"
+        "n = 0\ntry:\n    while True:\n        open(f'f{n}', 'wb').write(b'x' * (1 << 20))\n"
+        "        n += 1\nexcept OSError as e:\n    print(n, e.errno)\n",
+        timeout_s=10.0,
+        disk_mb=8,
+        max_output_bytes=2 << 20,
+    )
     size, inodes, written, errno = (int(x) for x in result.stdout.split())
     assert size == 8 << 20 and inodes == 4096 and errno == 28  # ENOSPC
     assert written == 7 or written == 8  # 1 MiB files in 8 MiB (a last partial one fails)
 
 
 def test_without_a_jail_the_scorer_kills_a_program_past_the_limit(sandbox_roots):
-    program = ("import time\nfor i in range(6000):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n"
-               "print('done')\n")
+    program = (
+        "import time\nfor i in range(6000):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n"
+        "print('done')\n"
+    )
     start = time.perf_counter()
-    result = run_sandboxed(program, timeout_s=20.0, disk_mb=8, jail=False, max_output_bytes=2 << 20,
-                           python=_python_without_jail())
+    result = run_sandboxed(
+        program,
+        timeout_s=20.0,
+        disk_mb=8,
+        jail=False,
+        max_output_bytes=2 << 20,
+        python=_python_without_jail(),
+    )
     assert result.disk_exceeded and not result.timed_out and result.returncode == -9
     assert "done" not in result.stdout and "passed 8 MB or 4096 files" in result.stderr
     assert time.perf_counter() - start < 10 and os.listdir(sandbox_roots) == []
@@ -779,7 +977,8 @@ def test_a_directory_filled_between_two_polls_still_scores_0(isolation, monkeypa
     monkeypatch.setattr(code_lib, "_jail_works", lambda python: False)
     monkeypatch.setattr(code_lib, "_sandbox_python", _python_without_jail)
     monkeypatch.setattr(code_lib, "_DISK_POLL_S", 60.0)
-    result = code_lib.run_code_tests(MANY_FILES, GOOD_TESTS, isolation=isolation, disk_mb=8,
-                                     timeout_s=20.0)
+    result = code_lib.run_code_tests(
+        MANY_FILES, GOOD_TESTS, isolation=isolation, disk_mb=8, timeout_s=20.0
+    )
     assert result.status == "incorrect" and result.passed == 0
     assert os.listdir(sandbox_roots) == []

@@ -22,8 +22,13 @@ def test_layout_matches_hand_worked_rows():
     np.testing.assert_array_equal(out["attention_mask"], [[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0]])
     np.testing.assert_array_equal(out["mask"], [[1, 1, 1], [1, 0, 0]])
     # The SFT layout from right-padded pipeline batches gives the same thing.
-    sft = sft_layout(np.array([[5, 6, 0], [7, 0, 0]]), np.array([2, 1]),
-                     np.array([[1, 2, 3], [4, 0, 0]]), np.array([3, 1]), pad_id=0)
+    sft = sft_layout(
+        np.array([[5, 6, 0], [7, 0, 0]]),
+        np.array([2, 1]),
+        np.array([[1, 2, 3], [4, 0, 0]]),
+        np.array([3, 1]),
+        pad_id=0,
+    )
     for key in out:
         np.testing.assert_array_equal(sft[key], out[key])
 
@@ -39,8 +44,10 @@ def _round(rewards, prompt_width=2, response_width=2, num_layers=1, k=2, seed=0)
         mask=np.ones((rows, response_width), np.float32),
         behaviour_log_probs=-rng.random((rows, response_width)).astype(np.float32),
         routing=rng.integers(0, 4, (num_layers, rows, width, k)).astype(np.int32),
-        rewards=np.asarray(rewards, np.float32), correct=np.asarray(rewards) > 0,
-        prompt_width=prompt_width)
+        rewards=np.asarray(rewards, np.float32),
+        correct=np.asarray(rewards) > 0,
+        prompt_width=prompt_width,
+    )
 
 
 def test_dynamic_sampling_fills_the_batch_with_non_constant_groups():
@@ -52,9 +59,13 @@ def test_dynamic_sampling_fills_the_batch_with_non_constant_groups():
     assert not sampler.add(r2)
     assert sampler.add(r3)  # 1 + 1 + (1 of its 3 mixed groups)
     merged, metrics = sampler.batch(pad_id=0)
-    assert metrics == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/prompts_drawn": 9.0,
-                       # informative groups drawn, the one beyond a full batch included
-                       "dynamic_sampling/kept_fraction": 5 / 9, "dynamic_sampling/shortfall": 0.0}
+    assert metrics == {
+        "dynamic_sampling/rounds": 3.0,
+        "dynamic_sampling/prompts_drawn": 9.0,
+        # informative groups drawn, the one beyond a full batch included
+        "dynamic_sampling/kept_fraction": 5 / 9,
+        "dynamic_sampling/shortfall": 0.0,
+    }
     np.testing.assert_array_equal(merged.rewards, [0, 1, 0, 1, 1, 0])
     grouped = merged.rewards.reshape(3, 2)
     assert np.all(grouped.max(1) != grouped.min(1))
@@ -92,18 +103,23 @@ def test_filler_groups_stay_out_of_batch_advantage_statistics():
     of the kept groups' advantages either (Magistral's minibatch normalisation)."""
     from policyopt.advantages import outcome_advantages
 
-    sampler = B.DynamicSampler(n_prompts=2, group_size=2, enabled=True, max_rounds=1,
-                               criterion="accuracy")
+    sampler = B.DynamicSampler(
+        n_prompts=2, group_size=2, enabled=True, max_rounds=1, criterion="accuracy"
+    )
     rnd = _round([1.0, 0.0, -0.1, -0.3])  # group 2: both wrong, different length penalties
     rnd = rnd._replace(correct=np.array([True, False, False, False]))
     assert sampler.add(rnd)
     merged, metrics = sampler.batch(pad_id=0)
     assert metrics["dynamic_sampling/shortfall"] == 1.0
     valid = merged.scored_rows()
-    advantages = np.asarray(outcome_advantages(merged.rewards, 2, center="group", scale="batch", valid=valid))
+    advantages = np.asarray(
+        outcome_advantages(merged.rewards, 2, center="group", scale="batch", valid=valid)
+    )
     # Hand-worked: kept group (1, 0) centred to (0.5, -0.5), batch std over those two rows
     # (ddof 1: sqrt(0.5)); the filler gets 0.
-    np.testing.assert_allclose(advantages, [0.5 / np.sqrt(0.5), -0.5 / np.sqrt(0.5), 0, 0], rtol=1e-5)
+    np.testing.assert_allclose(
+        advantages, [0.5 / np.sqrt(0.5), -0.5 / np.sqrt(0.5), 0, 0], rtol=1e-5
+    )
 
 
 def test_minibatches_hold_whole_groups_and_cover_the_batch():
@@ -141,7 +157,9 @@ def test_routing_volatility_against_a_loop_and_by_hand():
     overall, per_layer = routing_differences(a, b, mask)
     assert float(overall) == pytest.approx(0.25) and per_layer.shape == (1,)
     rng = np.random.default_rng(0)
-    a = np.stack([np.stack([rng.permutation(8)[:3] for _ in range(5 * 7)]) for _ in range(4)]).reshape(4, 5, 7, 3)
+    a = np.stack(
+        [np.stack([rng.permutation(8)[:3] for _ in range(5 * 7)]) for _ in range(4)]
+    ).reshape(4, 5, 7, 3)
     b = a.copy()
     for index in zip(*np.nonzero(rng.random(a.shape[:-1]) < 0.3)):
         b[index] = rng.permutation(8)[:3]  # a fresh choice, sometimes overlapping
@@ -151,7 +169,9 @@ def test_routing_volatility_against_a_loop_and_by_hand():
     np.testing.assert_allclose(per_layer, want_layers, rtol=1e-6)
     assert float(overall) == pytest.approx(want_overall)
     metrics = routing_metrics("routing/volatility", a, b, mask)
-    assert set(metrics) == {"routing/volatility"} | {f"routing/volatility/layer_{i}" for i in range(4)}
+    assert set(metrics) == {"routing/volatility"} | {
+        f"routing/volatility/layer_{i}" for i in range(4)
+    }
 
 
 def test_dynamic_sampling_criteria_reward_spread_or_accuracy():
@@ -159,20 +179,26 @@ def test_dynamic_sampling_criteria_reward_spread_or_accuracy():
     # mixed, group 2 all wrong with equal rewards, group 3 all wrong of unequal reward.
     rewards = np.array([1.0, 0.5, 1.0, -1.0, -1.0, -1.0, -1.0, -1.5], np.float32)
     correct = np.array([1, 1, 1, 0, 0, 0, 0, 0], bool)
-    np.testing.assert_array_equal(B.uninformative_groups(rewards, correct, 2, "reward"),
-                                  [False, False, True, False])
+    np.testing.assert_array_equal(
+        B.uninformative_groups(rewards, correct, 2, "reward"), [False, False, True, False]
+    )
     # DAPO eq. 11 keeps a group iff 0 < #correct < G.
-    np.testing.assert_array_equal(B.uninformative_groups(rewards, correct, 2, "accuracy"),
-                                  [True, False, True, True])
+    np.testing.assert_array_equal(
+        B.uninformative_groups(rewards, correct, 2, "accuracy"), [True, False, True, True]
+    )
     with pytest.raises(ValueError, match="criterion"):
         B.uninformative_groups(rewards, correct, 2, "variance")
-    sampler = B.DynamicSampler(n_prompts=1, group_size=2, enabled=True, max_rounds=1,
-                               criterion="accuracy")
+    sampler = B.DynamicSampler(
+        n_prompts=1, group_size=2, enabled=True, max_rounds=1, criterion="accuracy"
+    )
     r = _round(rewards)._replace(correct=correct)
     assert sampler.add(r)
     merged, metrics = sampler.batch(pad_id=0)
     np.testing.assert_array_equal(merged.rewards, [1.0, -1.0])  # the one mixed group
-    assert metrics["dynamic_sampling/kept_fraction"] == 1 / 1 and metrics["dynamic_sampling/shortfall"] == 0
+    assert (
+        metrics["dynamic_sampling/kept_fraction"] == 1 / 1
+        and metrics["dynamic_sampling/shortfall"] == 0
+    )
 
 
 def test_dynamic_sampling_compares_scored_samples_only():
@@ -184,19 +210,30 @@ def test_dynamic_sampling_compares_scored_samples_only():
     for criterion in ("reward", "accuracy"):
         # Group 0: scored [1, 1] (the 0 was missed); group 2: one scored sample (the 1
         # that makes it informative was missed).
-        np.testing.assert_array_equal(B.uninformative_groups(rewards, correct, 3, criterion, scored=scored),
-                                      [True, False, True, False], err_msg=criterion)
-        np.testing.assert_array_equal(B.uninformative_groups(rewards, correct, 3, criterion),
-                                      [False, False, False, False], err_msg=criterion)
+        np.testing.assert_array_equal(
+            B.uninformative_groups(rewards, correct, 3, criterion, scored=scored),
+            [True, False, True, False],
+            err_msg=criterion,
+        )
+        np.testing.assert_array_equal(
+            B.uninformative_groups(rewards, correct, 3, criterion),
+            [False, False, False, False],
+            err_msg=criterion,
+        )
     sampler = B.DynamicSampler(n_prompts=4, group_size=3, enabled=True, max_rounds=1)
     assert sampler.add(_round(rewards)._replace(scored=scored))
     merged, metrics = sampler.batch(pad_id=0)
     # Kept: groups 1 and 3, each row with its flag, then the dropped groups 0 and 2 as
     # fillers, unscored (they count in no statistic).
-    assert metrics["dynamic_sampling/shortfall"] == 2 and metrics["dynamic_sampling/kept_fraction"] == 2 / 4
+    assert (
+        metrics["dynamic_sampling/shortfall"] == 2
+        and metrics["dynamic_sampling/kept_fraction"] == 2 / 4
+    )
     rows = [3, 4, 5, 9, 10, 11, 0, 1, 2, 6, 7, 8]
     np.testing.assert_array_equal(merged.rewards, rewards[rows])
-    np.testing.assert_array_equal(merged.scored, np.concatenate([scored[rows[:6]], np.zeros(6, bool)]))
+    np.testing.assert_array_equal(
+        merged.scored, np.concatenate([scored[rows[:6]], np.zeros(6, bool)])
+    )
     disabled = B.DynamicSampler(n_prompts=4, group_size=3, enabled=False, max_rounds=1)
     disabled.add(_round(rewards)._replace(scored=scored))
     np.testing.assert_array_equal(disabled.batch(pad_id=0)[0].scored, scored)
@@ -207,5 +244,9 @@ def test_truncated_rows_end_tokens_at_the_limit_are_complete():
     tokens = np.array([[5, 6, 2], [5, 6, 7], [5, 2, 0], [5, 6, 9]])
     lengths = np.array([3, 3, 2, 3])
     # Row 0 ends with EOS (2) at the limit, row 3 with a stop id (9): complete; row 1 is cut.
-    np.testing.assert_array_equal(B.truncated_rows(tokens, lengths, 3, (2, 9)), [False, True, False, False])
-    np.testing.assert_array_equal(B.truncated_rows(tokens, lengths, 3, ()), [True, True, False, True])
+    np.testing.assert_array_equal(
+        B.truncated_rows(tokens, lengths, 3, (2, 9)), [False, True, False, False]
+    )
+    np.testing.assert_array_equal(
+        B.truncated_rows(tokens, lengths, 3, ()), [True, True, False, True]
+    )

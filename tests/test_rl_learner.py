@@ -14,13 +14,21 @@ from policyopt.losses import policy_loss
 from policyopt.models import Transformer, preset
 from policyopt.rl.batch import Batch, layout
 from policyopt.rl.critic import GAEConfig
-from policyopt.rl.learner import (LossConfig, TrainState, get_learner, guarded_update,
-                                  make_optimizer, split_params, warmup_constant_schedule)
+from policyopt.rl.learner import (
+    LossConfig,
+    TrainState,
+    get_learner,
+    guarded_update,
+    make_optimizer,
+    split_params,
+    warmup_constant_schedule,
+)
 from tests.settings import gae_settings, loss_settings, optim_settings
 
 VOCAB = 16
-SETTINGS = loss_settings(method="sapo", aggregation="seq_mean_token_mean", temperature=0.7,
-                         group_size=2)
+SETTINGS = loss_settings(
+    method="sapo", aggregation="seq_mean_token_mean", temperature=0.7, group_size=2
+)
 OPTIM = optim_settings(lr=1e-2, warmup_steps=3, weight_decay=0.01, max_grad_norm=1.0)
 
 
@@ -35,13 +43,24 @@ def policy():
 def _batch(seed=0, rows=4, prompt_width=4, response_width=5):
     rng = np.random.default_rng(seed)
     prompts = [list(rng.integers(3, VOCAB, rng.integers(1, prompt_width + 1))) for _ in range(rows)]
-    responses = [list(rng.integers(3, VOCAB, rng.integers(1, response_width + 1))) for _ in range(rows)]
+    responses = [
+        list(rng.integers(3, VOCAB, rng.integers(1, response_width + 1))) for _ in range(rows)
+    ]
     arrays = layout(prompts, responses, 0, prompt_width, response_width)
-    return Batch(tokens=jnp.asarray(arrays["tokens"]), positions=jnp.asarray(arrays["positions"]),
-                 attention_mask=jnp.asarray(arrays["attention_mask"]), mask=jnp.asarray(arrays["mask"]),
-                 advantages=jnp.asarray(rng.normal(size=rows), jnp.float32),
-                 old_log_probs=jnp.asarray(-rng.random((rows, response_width)) * arrays["mask"], jnp.float32)
-                 ), prompts, responses
+    return (
+        Batch(
+            tokens=jnp.asarray(arrays["tokens"]),
+            positions=jnp.asarray(arrays["positions"]),
+            attention_mask=jnp.asarray(arrays["attention_mask"]),
+            mask=jnp.asarray(arrays["mask"]),
+            advantages=jnp.asarray(rng.normal(size=rows), jnp.float32),
+            old_log_probs=jnp.asarray(
+                -rng.random((rows, response_width)) * arrays["mask"], jnp.float32
+            ),
+        ),
+        prompts,
+        responses,
+    )
 
 
 def _gather_rows(log_softmax, prompts, responses, prompt_width, response_width):
@@ -56,19 +75,26 @@ def _gather_rows(log_softmax, prompts, responses, prompt_width, response_width):
 
 def _reference_log_probs(model, batch, prompts, responses, temperature, routing=None):
     """Full float32 logits of the whole padded batch, log-softmax, gathered by a loop."""
-    forward = jax.jit(lambda b, r: model(b.tokens, positions=b.positions,
-                                         attention_mask=b.attention_mask, routing=r).logits)
+    forward = jax.jit(
+        lambda b, r: (
+            model(
+                b.tokens, positions=b.positions, attention_mask=b.attention_mask, routing=r
+            ).logits
+        )
+    )
     logits = forward(batch, routing) / temperature
-    return _gather_rows(jax.nn.log_softmax(logits, -1), prompts, responses,
-                        batch.num_prompt, batch.num_response)
+    return _gather_rows(
+        jax.nn.log_softmax(logits, -1), prompts, responses, batch.num_prompt, batch.num_response
+    )
 
 
 def test_forward_layout_matches_unpadded_full_logits(policy):
     model, graphdef, params = policy
     learner = get_learner(graphdef, SETTINGS, OPTIM)
     batch, prompts, responses = _batch()
-    log_probs, entropy, routing = learner.log_probs(params, batch.tokens, batch.positions,
-                                                    batch.attention_mask, batch.mask)
+    log_probs, entropy, routing = learner.log_probs(
+        params, batch.tokens, batch.positions, batch.attention_mask, batch.mask
+    )
     want = _reference_log_probs(model, batch, prompts, responses, SETTINGS.temperature)
     np.testing.assert_allclose(np.asarray(log_probs), np.asarray(want), atol=2e-5)
     # The padded layout computes what the unpadded sequence computes (first row).
@@ -76,22 +102,34 @@ def test_forward_layout_matches_unpadded_full_logits(policy):
     logits = logits / SETTINGS.temperature
     unpadded = jax.nn.log_softmax(logits, -1)
     for n, token in enumerate(responses[0]):
-        assert float(log_probs[0, n]) == pytest.approx(float(unpadded[len(prompts[0]) - 1 + n, token]), abs=2e-5)
+        assert float(log_probs[0, n]) == pytest.approx(
+            float(unpadded[len(prompts[0]) - 1 + n, token]), abs=2e-5
+        )
     assert routing.shape == (1, 4, 9, 2) and entropy.shape == (4, 5)
 
 
 def _reference_step(model, graphdef, params, batch, prompts, responses, routing=None):
     """Loss and one AdamW step computed without the Learner (full logits, plain optax)."""
+
     def loss_fn(p):
-        log_probs = _reference_log_probs(nnx.merge(graphdef, p), batch, prompts, responses,
-                                         SETTINGS.temperature, routing)
+        log_probs = _reference_log_probs(
+            nnx.merge(graphdef, p), batch, prompts, responses, SETTINGS.temperature, routing
+        )
         adv = jnp.broadcast_to(batch.advantages[:, None], log_probs.shape)
-        return policy_loss(log_probs, batch.old_log_probs, adv, batch.mask, method="sapo",
-                           aggregation="seq_mean_token_mean")[0]
+        return policy_loss(
+            log_probs,
+            batch.old_log_probs,
+            adv,
+            batch.mask,
+            method="sapo",
+            aggregation="seq_mean_token_mean",
+        )[0]
 
     loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
-    tx = optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(lambda c: 1e-2 * jnp.minimum(1.0, (c + 1.0) / 3), weight_decay=0.01))
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(lambda c: 1e-2 * jnp.minimum(1.0, (c + 1.0) / 3), weight_decay=0.01),
+    )
     updates, _ = tx.update(grads, tx.init(params), params)
     return loss, optax.apply_updates(params, updates), optax.global_norm(grads)
 
@@ -109,7 +147,9 @@ def test_update_matches_reference_step(policy):
     model, graphdef, params = policy
     learner = get_learner(graphdef, SETTINGS, OPTIM)
     batch, prompts, responses = _batch(seed=1)
-    want_loss, want_params, want_norm = _reference_step(model, graphdef, params, batch, prompts, responses)
+    want_loss, want_params, want_norm = _reference_step(
+        model, graphdef, params, batch, prompts, responses
+    )
     state, metrics = learner.update(learner.init_state(_copy(params)), batch)
     assert float(metrics["loss/loss"]) == pytest.approx(float(want_loss), rel=1e-5)
     assert float(metrics["update/grad_norm"]) == pytest.approx(float(want_norm), rel=1e-4)
@@ -131,8 +171,9 @@ def test_an_objective_registered_by_a_user_runs_from_a_recipe(policy):
         return losses.Surrogate(ratio * inputs.advantages, jnp.ones_like(ratio), None, None, None)
 
     try:
-        config = grpo.get_config(f"algo.method={name},algo.kl_beta=0.0,batch.group_size=2,"
-                                 "sampling.temperature=0.7")
+        config = grpo.get_config(
+            f"algo.method={name},algo.kl_beta=0.0,batch.group_size=2,sampling.temperature=0.7"
+        )
         settings = LossConfig.from_config(config)
         assert (settings.method, settings.aggregation) == (name, "seq_mean_token_mean")
         learner = get_learner(graphdef, settings, OPTIM)
@@ -148,8 +189,10 @@ def test_an_objective_registered_by_a_user_runs_from_a_recipe(policy):
     assert float(metrics["loss/loss"]) == pytest.approx(want, rel=1e-5)
     assert float(metrics["loss/gate_mean"]) == 1.0 and float(metrics["loss/clip_frac"]) == 0.0
     assert int(state.step) == 1 and int(state.skipped) == 0
-    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params),
-                                                       jax.tree.leaves(params))]
+    moved = [
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params))
+    ]
     assert any(moved)
     # Unregistered again, the name is refused by the config, naming the field.
     with pytest.raises(ValueError, match=r"config\.algo\.method must be one of \('ppo'"):
@@ -160,11 +203,15 @@ def test_settings_are_checked_where_they_are_built():
     # Each error names the config field the setting comes from.
     cases = [
         (dict(nll_coef=-0.1), r"config\.algo\.nll_coef must be a finite number >= 0\.0, got -0\.1"),
-        (dict(method="sapo", dual_clip=3.0),
-         r"config\.algo\.dual_clip=3\.0 needs config\.algo\.method='ppo', got 'sapo'"),
+        (
+            dict(method="sapo", dual_clip=3.0),
+            r"config\.algo\.dual_clip=3\.0 needs config\.algo\.method='ppo', got 'sapo'",
+        ),
         (dict(dual_clip=1.0), r"config\.algo\.dual_clip must be > 1 \(or None: off\), got 1\.0"),
-        (dict(kl_estimator="k2", kl_clamp=True),
-         r"config\.algo\.kl_clamp=True is defined for config\.algo\.kl_estimator='k3' only"),
+        (
+            dict(kl_estimator="k2", kl_clamp=True),
+            r"config\.algo\.kl_clamp=True is defined for config\.algo\.kl_estimator='k3' only",
+        ),
         (dict(aggregation="sum"), r"config\.algo\.aggregation must be one of \('token_mean'"),
         (dict(clip_low=-0.1), r"config\.algo\.clip_low must be a finite number >= 0\.0 and <= 1"),
     ]
@@ -196,24 +243,34 @@ def test_replayed_routing_reaches_the_update_forward(policy):
     forced = jnp.asarray(forced, jnp.int32)
     assert not np.any(np.asarray(forced)[..., None] == np.asarray(natural)[..., None, :])
     replayed = batch._replace(routing=forced)
-    _, used_routing = learner.log_probs(params, batch.tokens, batch.positions, batch.attention_mask,
-                                        batch.mask, forced)[1:]
+    _, used_routing = learner.log_probs(
+        params, batch.tokens, batch.positions, batch.attention_mask, batch.mask, forced
+    )[1:]
     np.testing.assert_array_equal(np.asarray(used_routing), np.asarray(forced))
 
     def reference_loss(p, routing):  # forward only: full logits with the forced experts
-        log_probs = _reference_log_probs(nnx.merge(graphdef, p), batch, prompts, responses,
-                                         SETTINGS.temperature, routing)
+        log_probs = _reference_log_probs(
+            nnx.merge(graphdef, p), batch, prompts, responses, SETTINGS.temperature, routing
+        )
         adv = jnp.broadcast_to(batch.advantages[:, None], log_probs.shape)
-        return policy_loss(log_probs, batch.old_log_probs, adv, batch.mask, method="sapo",
-                           aggregation="seq_mean_token_mean")[0]
+        return policy_loss(
+            log_probs,
+            batch.old_log_probs,
+            adv,
+            batch.mask,
+            method="sapo",
+            aggregation="seq_mean_token_mean",
+        )[0]
 
     want_loss = jax.jit(reference_loss)(params, forced)
     state, metrics = learner.update(learner.init_state(_copy(params)), replayed)
     free_state, free_metrics = learner.update(learner.init_state(_copy(params)), batch)
     assert float(metrics["loss/loss"]) == pytest.approx(float(want_loss), rel=1e-5)
     assert abs(float(metrics["loss/loss"]) - float(free_metrics["loss/loss"])) > 1e-4
-    changed = [not np.allclose(np.asarray(a), np.asarray(b), atol=PARAM_ATOL)
-               for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(free_state.params))]
+    changed = [
+        not np.allclose(np.asarray(a), np.asarray(b), atol=PARAM_ATOL)
+        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(free_state.params))
+    ]
     assert any(changed)  # the replayed experts change the update itself
 
 
@@ -229,8 +286,14 @@ def test_loss_mask_restricts_the_policy_terms(policy):
     assert keep.sum() < np.asarray(batch.mask).sum()
     log_probs = _reference_log_probs(model, batch, prompts, responses, SETTINGS.temperature)
     adv = jnp.broadcast_to(batch.advantages[:, None], log_probs.shape)
-    want = policy_loss(log_probs, batch.old_log_probs, adv, jnp.asarray(keep), method="sapo",
-                       aggregation="seq_mean_token_mean")[0]
+    want = policy_loss(
+        log_probs,
+        batch.old_log_probs,
+        adv,
+        jnp.asarray(keep),
+        method="sapo",
+        aggregation="seq_mean_token_mean",
+    )[0]
     loss, metrics = learner.loss(params, batch._replace(loss_mask=jnp.asarray(keep)))
     full_loss, _ = learner.loss(params, batch)
     assert float(loss) == pytest.approx(float(want), rel=1e-5)
@@ -249,14 +312,18 @@ def test_non_finite_step_is_skipped_and_leaves_state_untouched(policy, field):
     state, metrics = learner.update(state, batch._replace(**{field: poisoned}))
     assert float(metrics["update/skipped"]) == 1.0
     assert int(state.step) == 1 and int(state.skipped) == 1
-    for got, want in zip(jax.tree.leaves((state.params, state.opt_state)),
-                         jax.tree.leaves((before.params, before.opt_state))):
+    for got, want in zip(
+        jax.tree.leaves((state.params, state.opt_state)),
+        jax.tree.leaves((before.params, before.opt_state)),
+    ):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     state, metrics = learner.update(state, batch)  # training continues
     assert float(metrics["update/skipped"]) == 0.0 and int(state.step) == 2
 
 
-@pytest.mark.parametrize("optim", [dict(lr=float("inf")), dict(lr=float("nan")), dict(lr=1.0, eps=0.0)])
+@pytest.mark.parametrize(
+    "optim", [dict(lr=float("inf")), dict(lr=float("nan")), dict(lr=1.0, eps=0.0)]
+)
 def test_a_step_that_would_save_non_finite_values_is_skipped(optim):
     """Finite loss and gradient, but the new state is not: lr inf / NaN makes the new
     parameters non-finite; eps = 0 gives 0 / 0 in Adam where a gradient is 0 (here w[1]),
@@ -264,17 +331,27 @@ def test_a_step_that_would_save_non_finite_values_is_skipped(optim):
     params = {"w": jnp.asarray([1.0, 0.0])}
     optimizer, schedule = make_optimizer(**optim, max_grad_norm=None)
     state = TrainState.create(params, optimizer)
-    state, metrics = jax.jit(lambda s: guarded_update(
-        lambda p, b: (p["w"][0] ** 2, {}), optimizer, schedule, s, None))(state)
+    state, metrics = jax.jit(
+        lambda s: guarded_update(lambda p, b: (p["w"][0] ** 2, {}), optimizer, schedule, s, None)
+    )(state)
     assert float(metrics["update/grad_norm"]) == 2.0  # the inputs were finite
-    assert float(metrics["update/skipped"]) == 1.0 and int(state.skipped) == 1 and int(state.step) == 0
+    assert (
+        float(metrics["update/skipped"]) == 1.0 and int(state.skipped) == 1 and int(state.step) == 0
+    )
     np.testing.assert_array_equal(np.asarray(state.params["w"]), [1.0, 0.0])
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
     # The same step with sane settings is applied (w0 moves against its gradient).
     optimizer, schedule = make_optimizer(lr=0.1, max_grad_norm=None)
-    state, metrics = guarded_update(lambda p, b: (p["w"][0] ** 2, {}), optimizer, schedule,
-                                    TrainState.create(params, optimizer), None)
-    assert float(metrics["update/skipped"]) == 0.0 and float(state.params["w"][0]) == pytest.approx(0.9)
+    state, metrics = guarded_update(
+        lambda p, b: (p["w"][0] ** 2, {}),
+        optimizer,
+        schedule,
+        TrainState.create(params, optimizer),
+        None,
+    )
+    assert float(metrics["update/skipped"]) == 0.0 and float(state.params["w"][0]) == pytest.approx(
+        0.9
+    )
 
 
 def test_a_nan_in_the_optimiser_state_is_caught(policy):
@@ -303,9 +380,13 @@ def test_router_z_loss_enters_the_update_with_its_coefficient(policy):
     _, graphdef, params = policy
     batch, _, _ = _batch(seed=6)
     plain, metrics = get_learner(graphdef, SETTINGS, OPTIM).loss(params, batch)
-    with_z, _ = get_learner(graphdef, dataclasses.replace(SETTINGS, router_z_coef=0.5), OPTIM).loss(params, batch)
+    with_z, _ = get_learner(graphdef, dataclasses.replace(SETTINGS, router_z_coef=0.5), OPTIM).loss(
+        params, batch
+    )
     assert float(metrics["moe/router_z_loss"]) > 0
-    assert float(with_z) == pytest.approx(float(plain) + 0.5 * float(metrics["moe/router_z_loss"]), rel=1e-6)
+    assert float(with_z) == pytest.approx(
+        float(plain) + 0.5 * float(metrics["moe/router_z_loss"]), rel=1e-6
+    )
 
 
 @pytest.mark.parametrize("field", ["mask", "loss_mask"])
@@ -323,8 +404,10 @@ def test_a_minibatch_without_tokens_is_not_an_update(policy, field):
     assert float(metrics["update/empty"]) == 1.0 and float(metrics["update/skipped"]) == 0.0
     assert float(metrics["update/grad_norm"]) == 0.0
     assert int(state.step) == 1 and int(state.skipped) == 0
-    for got, want in zip(jax.tree.leaves((state.params, state.opt_state)),
-                         jax.tree.leaves((before.params, before.opt_state))):
+    for got, want in zip(
+        jax.tree.leaves((state.params, state.opt_state)),
+        jax.tree.leaves((before.params, before.opt_state)),
+    ):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     state, metrics = learner.update(state, batch)
     assert float(metrics["update/empty"]) == 0.0 and int(state.step) == 2

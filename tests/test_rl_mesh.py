@@ -31,8 +31,10 @@ CASES = {
 # gradients carry signal: Adam divides each gradient by its own magnitude, and a gradient
 # of float noise alone (all advantages 0) would be sign noise of size lr. The larger eps
 # keeps the near-zero gradient entries (noise either way) from being scaled up likewise.
-COMMON = ("eval.num_prompts=0,train.checkpoint_every=2,reward.incorrect_value=-1.0,"
-          "reward.overlong=dapo,optim.eps=1e-4,critic.lr=0.01")
+COMMON = (
+    "eval.num_prompts=0,train.checkpoint_every=2,reward.incorrect_value=-1.0,"
+    "reward.overlong=dapo,optim.eps=1e-4,critic.lr=0.01"
+)
 
 _SCRIPT = textwrap.dedent("""
     import sys
@@ -124,8 +126,14 @@ def _start(mode: str, out: str, devices: int) -> subprocess.Popen:
         flags += f" --xla_force_host_platform_device_count={devices}"
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     os.makedirs(out, exist_ok=True)
-    return subprocess.Popen([sys.executable, "-c", _SCRIPT, mode, out], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT, mode, out],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _finish(proc: subprocess.Popen) -> str:

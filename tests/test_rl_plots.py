@@ -14,8 +14,14 @@ from policyopt.rl import plots  # noqa: E402
 def _fake_run(path, reward_slope):
     writer = MetricsWriter(str(path), tensorboard=False)
     for step in range(1, 6):
-        writer.write(step, {"reward/mean": reward_slope * step, "routing/volatility": 0.1,
-                            "response/length_mean": 10.0 + step})
+        writer.write(
+            step,
+            {
+                "reward/mean": reward_slope * step,
+                "routing/volatility": 0.1,
+                "response/length_mean": 10.0 + step,
+            },
+        )
     writer.close()
     evals = MetricsWriter(str(path), filename="eval.jsonl", tensorboard=False)
     evals.write(0, {"eval/pass@1": 0.3})
@@ -31,12 +37,16 @@ def test_plot_runs_draws_every_run_with_distinct_labels(tmp_path, monkeypatch):
 
     def record(fig, path, **kwargs):
         for ax in fig.axes:
-            drawn[ax.get_title()] = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+            drawn[ax.get_title()] = {
+                line.get_label(): list(line.get_ydata()) for line in ax.get_lines()
+            }
         return savefig(fig, path, **kwargs)
 
     monkeypatch.setattr(plt.Figure, "savefig", record)
-    out = plots.plot_runs([str(tmp_path / "a" / "rl"), str(tmp_path / "b" / "rl")],
-                          str(tmp_path / "out" / "curves.png"))
+    out = plots.plot_runs(
+        [str(tmp_path / "a" / "rl"), str(tmp_path / "b" / "rl")],
+        str(tmp_path / "out" / "curves.png"),
+    )
     assert os.path.getsize(out) > 1000
     assert drawn["reward (mean)"]["a/rl"] == [0.1 * s for s in range(1, 6)]
     assert drawn["reward (mean)"]["b/rl"] == [0.05 * s for s in range(1, 6)]
@@ -55,13 +65,16 @@ def test_groups_share_a_colour_and_one_legend_entry(tmp_path, monkeypatch):
 
     def record(fig, path, **kwargs):
         ax = fig.axes[0]
-        seen["lines"] = {line.get_label(): (line.get_color(), line.get_linestyle()) for line in ax.get_lines()}
+        seen["lines"] = {
+            line.get_label(): (line.get_color(), line.get_linestyle()) for line in ax.get_lines()
+        }
         seen["legend"] = [text.get_text() for text in ax.get_legend().get_texts()]
         return savefig(fig, path, **kwargs)
 
     monkeypatch.setattr(plt.Figure, "savefig", record)
-    plots.plot_runs(runs, str(tmp_path / "curves.png"), labels=["a/s0", "a/s1", "b/s0"],
-                    groups=["a", "a", "b"])
+    plots.plot_runs(
+        runs, str(tmp_path / "curves.png"), labels=["a/s0", "a/s1", "b/s0"], groups=["a", "a", "b"]
+    )
     lines = seen["lines"]
     assert lines["a/s0"][0] == lines["a/s1"][0] != lines["b/s0"][0]
     assert lines["a/s0"][1] != lines["a/s1"][1]

@@ -17,18 +17,33 @@ from policyopt.rl import learner as learner_lib
 from policyopt.rl import iteration, trainer
 from policyopt.rl.batch import mask_fillers, round_from_rollout
 
-RECIPES = ("grpo", "dapo", "dr_grpo", "gspo", "gspo_token", "sapo", "magistral", "ppo", "vc_ppo", "vapo")
+RECIPES = (
+    "grpo",
+    "dapo",
+    "dr_grpo",
+    "gspo",
+    "gspo_token",
+    "sapo",
+    "magistral",
+    "ppo",
+    "vc_ppo",
+    "vapo",
+)
 CRITIC_RECIPES = ("ppo", "vc_ppo", "vapo")
 
 
 def tiny(recipe, model="tiny_moe", extra=""):
     """A recipe shrunk to seconds: one-layer model, 2 prompts x 4 samples, 6 new tokens."""
-    variant = (f"model={model},model.num_layers=1,batch.n_prompts=2,batch.group_size=4,"
-               "batch.n_minibatches=1,sampling.max_new_tokens=6,task.num_train=64,task.num_test=8,"
-               "eval.num_prompts=8,eval.batch_size=8,train.num_iterations=2,train.eval_every=0,"
-               "train.checkpoint_every=1,train.tensorboard=False,dynamic_sampling.max_rounds=2,"
-               "optim.lr=0.01")
-    config = importlib.import_module(f"configs.{recipe}").get_config(variant + ("," + extra if extra else ""))
+    variant = (
+        f"model={model},model.num_layers=1,batch.n_prompts=2,batch.group_size=4,"
+        "batch.n_minibatches=1,sampling.max_new_tokens=6,task.num_train=64,task.num_test=8,"
+        "eval.num_prompts=8,eval.batch_size=8,train.num_iterations=2,train.eval_every=0,"
+        "train.checkpoint_every=1,train.tensorboard=False,dynamic_sampling.max_rounds=2,"
+        "optim.lr=0.01"
+    )
+    config = importlib.import_module(f"configs.{recipe}").get_config(
+        variant + ("," + extra if extra else "")
+    )
     config.unlock()
     config.batch.prompt_buckets = (16,)
     config.batch.response_buckets = (6,)
@@ -40,28 +55,53 @@ def _params(run):
     return [np.asarray(x) for x in jax.tree.leaves(run.state.params)]
 
 
-@pytest.mark.parametrize("recipe,model", [(r, "tiny_moe") for r in RECIPES]
-                         + [("grpo", "tiny_dense")])
+@pytest.mark.parametrize(
+    "recipe,model", [(r, "tiny_moe") for r in RECIPES] + [("grpo", "tiny_dense")]
+)
 def test_every_recipe_runs_a_few_iterations(recipe, model, tmp_path):
     # Critic recipes: iteration 1 value pretraining (VC-PPO, VAPO) or not (PPO), then PPO.
     pretrain = 1 if recipe in ("vc_ppo", "vapo") else 0
-    config = tiny(recipe, model, extra=f"critic.pretrain_iterations={pretrain}" if recipe in CRITIC_RECIPES else "")
+    config = tiny(
+        recipe,
+        model,
+        extra=f"critic.pretrain_iterations={pretrain}" if recipe in CRITIC_RECIPES else "",
+    )
     summary = trainer.run_rl(config, str(tmp_path), quiet=True)
     run = summary["run"]
     metrics = summary["metrics"]
     # Every policy iteration applies its update, or skips it as non-finite or as empty (a
     # batch of dynamic sampling's masked fillers: a tiny random policy solves nothing).
-    empty = sum(row.get("update/empty", 0) for row in read_jsonl(os.path.join(tmp_path, "metrics.jsonl")))
-    assert summary["iteration"] == 2 and int(run.state.step) + int(run.state.skipped) + empty == 2 - pretrain
+    empty = sum(
+        row.get("update/empty", 0) for row in read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+    )
+    assert (
+        summary["iteration"] == 2
+        and int(run.state.step) + int(run.state.skipped) + empty == 2 - pretrain
+    )
     assert empty == 0 or recipe in ("dapo", "magistral")  # the recipes with dynamic sampling
     # An iteration with no update (only fillers) reports its update metrics as NaN.
     updated = metrics["update/empty"] == 0
-    for key in ("reward/mean", "reward/accuracy", "response/length_mean", "loss/loss",
-                "reward/format_failure_rate", "reward/verifier_errors", "reward/deadline_missed",
-                "loss/clip_frac", "loss/gate_mean", "policy/entropy", "update/grad_norm",
-                "update/lr", "update/skipped", "time/generate_s", "time/update_s"):
+    for key in (
+        "reward/mean",
+        "reward/accuracy",
+        "response/length_mean",
+        "loss/loss",
+        "reward/format_failure_rate",
+        "reward/verifier_errors",
+        "reward/deadline_missed",
+        "loss/clip_frac",
+        "loss/gate_mean",
+        "policy/entropy",
+        "update/grad_norm",
+        "update/lr",
+        "update/skipped",
+        "time/generate_s",
+        "time/update_s",
+    ):
         assert key in metrics, key
-        assert np.isfinite(metrics[key]) or (not updated and key.split("/")[0] in ("loss", "policy", "update")), key
+        assert np.isfinite(metrics[key]) or (
+            not updated and key.split("/")[0] in ("loss", "policy", "update")
+        ), key
     assert metrics["update/skipped"] == 0
     assert ("routing/volatility" in metrics) == (model == "tiny_moe")
     if model == "tiny_moe":
@@ -71,8 +111,15 @@ def test_every_recipe_runs_a_few_iterations(recipe, model, tmp_path):
         assert "loss/kl_ref" in metrics
     if recipe in CRITIC_RECIPES:
         assert int(run.critic_state.step) + int(run.critic_state.skipped) == 2
-        for key in ("critic/value_loss", "critic/explained_variance", "critic/value_clip_frac",
-                    "critic/values_mean", "critic/grad_norm", "advantages/mean", "advantages/std"):
+        for key in (
+            "critic/value_loss",
+            "critic/explained_variance",
+            "critic/value_clip_frac",
+            "critic/values_mean",
+            "critic/grad_norm",
+            "advantages/mean",
+            "advantages/std",
+        ):
             assert key in metrics and np.isfinite(metrics[key]), key
         assert ("loss/nll" in metrics) == (config.algo.nll_coef > 0)
     else:
@@ -91,15 +138,19 @@ def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
     # so the data iterator's state must be restored exactly too. (Dropping groups whose
     # rewards are equal: the tiny random policy is never right, but its overlong penalties
     # differ, so iterations 3 and 4 update; 1 and 2 hold only fillers.)
-    config = tiny("dapo", extra="eval.num_prompts=0,train.checkpoint_every=100,"
-                                "dynamic_sampling.criterion=reward")
+    config = tiny(
+        "dapo",
+        extra="eval.num_prompts=0,train.checkpoint_every=100,dynamic_sampling.criterion=reward",
+    )
     first = trainer.run_rl(config, str(tmp_path / "a"), num_iterations=2, quiet=True)
     resumed = trainer.run_rl(config, str(tmp_path / "a"), num_iterations=4, quiet=True)
     assert resumed["iteration"] == 4
     straight = trainer.run_rl(config, str(tmp_path / "b"), num_iterations=4, quiet=True)
     for got, want in zip(_params(resumed["run"]), _params(straight["run"])):
         np.testing.assert_array_equal(got, want)
-    assert not all(np.array_equal(a, b) for a, b in zip(_params(first["run"]), _params(straight["run"])))
+    assert not all(
+        np.array_equal(a, b) for a, b in zip(_params(first["run"]), _params(straight["run"]))
+    )
     assert resumed["run"].data.get_state() == straight["run"].data.get_state()
     opt_resumed = jax.tree.leaves(resumed["run"].state.opt_state)
     opt_straight = jax.tree.leaves(straight["run"].state.opt_state)
@@ -125,19 +176,32 @@ def test_resume_after_a_crash_writes_each_record_once_and_refuses_another_config
     again = trainer.run_rl(config, str(tmp_path), quiet=True)
     assert again["eval_history"] == [] and again["eval"] == resumed["eval"]
     assert read_jsonl(tmp_path / "eval.jsonl") == evals
-    changed = tiny("grpo", extra="train.num_iterations=3,train.checkpoint_every=2,algo.clip_high=0.28")
+    changed = tiny(
+        "grpo", extra="train.num_iterations=3,train.checkpoint_every=2,algo.clip_high=0.28"
+    )
     with pytest.raises(ValueError, match=r"another config \(algo.clip_high: 0.2 -> 0.28\)"):
         trainer.run_rl(changed, str(tmp_path), quiet=True)
-    allowed = tiny("grpo", extra="train.num_iterations=3,algo.clip_high=0.28,train.allow_config_change=True")
+    allowed = tiny(
+        "grpo", extra="train.num_iterations=3,algo.clip_high=0.28,train.allow_config_change=True"
+    )
     assert trainer.run_rl(allowed, str(tmp_path), quiet=True)["iteration"] == 3
     # The config is checked before the arrays are read: a changed shape is named too.
     with pytest.raises(ValueError, match=r"another config \(model.hidden_size"):
-        trainer.run_rl(tiny("grpo", extra="train.num_iterations=3,model.hidden_size=48"), str(tmp_path), quiet=True)
-    cadence = tiny("grpo", extra="train.num_iterations=3,train.checkpoint_every=5,eval.num_prompts=4")
+        trainer.run_rl(
+            tiny("grpo", extra="train.num_iterations=3,model.hidden_size=48"),
+            str(tmp_path),
+            quiet=True,
+        )
+    cadence = tiny(
+        "grpo", extra="train.num_iterations=3,train.checkpoint_every=5,eval.num_prompts=4"
+    )
     assert trainer.run_rl(cadence, str(tmp_path), quiet=True)["iteration"] == 3
     # Another evaluation setting: the logged evaluation is not this one, so it runs.
     assert [(e["step"], e["eval/num_prompts"]) for e in read_jsonl(tmp_path / "eval.jsonl")] == [
-        (0, 8), (3, 8), (3, 4)]
+        (0, 8),
+        (3, 8),
+        (3, 4),
+    ]
     # Resumed at an earlier checkpoint and stopped there (num_iterations is free to change):
     # evaluated there once, however many times it is rerun.
     shutil.rmtree(tmp_path / "checkpoints" / "3")
@@ -163,8 +227,15 @@ def test_resume_check_skips_fields_added_since_the_checkpoint():
 def test_decode_loops_train_like_one_loop(tmp_path):
     """config.sampling.decode_segments reaches the rollouts and the evaluation: two decode
     loops sample the same tokens (up to float rounding), so the run is the same."""
-    runs = [trainer.run_rl(tiny("grpo", extra=f"sampling.decode_segments={k},train.num_iterations=1"),
-                           str(tmp_path / str(k)), num_iterations=1, quiet=True) for k in (1, 2)]
+    runs = [
+        trainer.run_rl(
+            tiny("grpo", extra=f"sampling.decode_segments={k},train.num_iterations=1"),
+            str(tmp_path / str(k)),
+            num_iterations=1,
+            quiet=True,
+        )
+        for k in (1, 2)
+    ]
     one, two = runs
     assert two["run"].sampling_config.decode_segments == 2
     np.testing.assert_array_equal(two["run"].last_batch.tokens, one["run"].last_batch.tokens)
@@ -182,8 +253,11 @@ def test_sft_rerun_in_a_finished_workdir_reuses_it(tmp_path):
     then to evaluate again); sft.checkpoint_every saves along the way."""
     from policyopt.rl.sft import run_sft
 
-    config = tiny("grpo", extra="eval.num_prompts=4,sft.steps=3,sft.batch_size=4,sft.checkpoint_every=1,"
-                                "sft.overlong_response=drop")
+    config = tiny(
+        "grpo",
+        extra="eval.num_prompts=4,sft.steps=3,sft.batch_size=4,sft.checkpoint_every=1,"
+        "sft.overlong_response=drop",
+    )
     first = run_sft(config, str(tmp_path / "sft"), quiet=True)
     assert first["checkpoint_dir"] and sorted(os.listdir(first["checkpoint_dir"])) == ["2", "3"]
     again = run_sft(config, str(tmp_path / "sft"), quiet=True)
@@ -202,12 +276,22 @@ def test_sft_rerun_in_a_finished_workdir_reuses_it(tmp_path):
     rows = read_jsonl(tmp_path / "sft" / "metrics.jsonl")
     assert [r["step"] for r in rows if "eval/pass@1" in r] == [2]
     # SFT compares only what it reads: another RL setting reuses the SFT run.
-    other_rl = tiny("grpo", extra="eval.num_prompts=4,sft.steps=3,sft.batch_size=4,sft.checkpoint_every=1,"
-                                  "sft.overlong_response=drop,algo.clip_high=0.3")
+    other_rl = tiny(
+        "grpo",
+        extra="eval.num_prompts=4,sft.steps=3,sft.batch_size=4,sft.checkpoint_every=1,"
+        "sft.overlong_response=drop,algo.clip_high=0.3",
+    )
     assert run_sft(other_rl, str(tmp_path / "sft"), steps=2, quiet=True)["step"] == 2
     with pytest.raises(ValueError, match=r"another config \(sft.lr"):
-        run_sft(tiny("grpo", extra="eval.num_prompts=4,sft.batch_size=4,sft.lr=0.5,sft.overlong_response=drop"),
-                str(tmp_path / "sft"), steps=2, quiet=True)
+        run_sft(
+            tiny(
+                "grpo",
+                extra="eval.num_prompts=4,sft.batch_size=4,sft.lr=0.5,sft.overlong_response=drop",
+            ),
+            str(tmp_path / "sft"),
+            steps=2,
+            quiet=True,
+        )
 
 
 def test_a_failed_final_evaluation_loses_no_training(tmp_path, monkeypatch):
@@ -215,8 +299,11 @@ def test_a_failed_final_evaluation_loses_no_training(tmp_path, monkeypatch):
     final evaluation fails resumes at its last step and evaluates it, once."""
     from policyopt.rl import sft
 
-    config = tiny("grpo", extra="eval.num_prompts=4,sft.steps=2,sft.batch_size=4,sft.checkpoint_every=0,"
-                                "sft.overlong_response=drop,train.checkpoint_every=10")
+    config = tiny(
+        "grpo",
+        extra="eval.num_prompts=4,sft.steps=2,sft.batch_size=4,sft.checkpoint_every=0,"
+        "sft.overlong_response=drop,train.checkpoint_every=10",
+    )
     evaluate_run = trainer.evaluate_run
 
     def fails_at_the_end(run, **kwargs):  # the RL run's evaluation at iteration 0 works
@@ -243,8 +330,11 @@ def test_a_failed_final_evaluation_loses_no_training(tmp_path, monkeypatch):
     assert trainer.run_rl(config, str(tmp_path / "rl"), quiet=True)["eval_history"] == []
     # Stopped during an evaluation mid-run (on the cadence, beside a checkpoint): the
     # resumed run evaluates that iteration first.
-    cadence = tiny("grpo", extra="eval.num_prompts=4,train.num_iterations=3,train.eval_every=1,"
-                                 "train.checkpoint_every=1")
+    cadence = tiny(
+        "grpo",
+        extra="eval.num_prompts=4,train.num_iterations=3,train.eval_every=1,"
+        "train.checkpoint_every=1",
+    )
     with monkeypatch.context() as patch:
         patch.setattr(trainer, "evaluate_run", fails_at_the_end)  # fails at iteration 2
         with pytest.raises(RuntimeError, match="evaluation failed"):
@@ -270,7 +360,9 @@ def test_resume_in_the_same_process_compiles_nothing_new(tmp_path):
 
 @pytest.mark.parametrize("mode", ["R2", "R3"])
 def test_routing_replay_feeds_the_update(mode, tmp_path):
-    config = tiny("grpo", extra=f"algo.routing_replay={mode},train.num_iterations=1,eval.num_prompts=0")
+    config = tiny(
+        "grpo", extra=f"algo.routing_replay={mode},train.num_iterations=1,eval.num_prompts=0"
+    )
     run = trainer.build_run(config, str(tmp_path))
     old_params = jax.tree.map(jnp.copy, run.state.params)
     trainer.rl_iteration(run)
@@ -278,13 +370,21 @@ def test_routing_replay_feeds_the_update(mode, tmp_path):
     assert batch.routing is not None
     if mode == "R2":
         # The old policy's own routing, recomputed independently, is what was replayed.
-        natural = run.learner.routing(old_params, batch.tokens, batch.positions, batch.attention_mask)
+        natural = run.learner.routing(
+            old_params, batch.tokens, batch.positions, batch.attention_mask
+        )
         np.testing.assert_array_equal(np.asarray(batch.routing), np.asarray(natural))
     else:
         # The sampler's routing is replayed, and the old log-probs were computed with it.
         np.testing.assert_array_equal(np.asarray(batch.routing), sampled.routing)
-        replayed, _, _ = run.learner.log_probs(old_params, batch.tokens, batch.positions,
-                                               batch.attention_mask, batch.mask, batch.routing)
+        replayed, _, _ = run.learner.log_probs(
+            old_params,
+            batch.tokens,
+            batch.positions,
+            batch.attention_mask,
+            batch.mask,
+            batch.routing,
+        )
         np.testing.assert_allclose(np.asarray(batch.old_log_probs), np.asarray(replayed), atol=1e-6)
     # The update's loss at the old parameters is that of a forward with the replayed routing.
     loss, metrics = run.learner.loss(old_params, batch)
@@ -304,13 +404,19 @@ def test_rollout_correction_reaches_the_batch(tmp_path, monkeypatch):
         return rnd._replace(behaviour_log_probs=rnd.behaviour_log_probs + shift)
 
     monkeypatch.setattr(iteration, "round_from_rollout", perturbed)
-    config = tiny("grpo", extra="algo.tis_cap=1.1,algo.tis_level=sequence,algo.rs_level=token,"
-                                "algo.rs_upper=1.05,algo.rs_veto=0.93,train.num_iterations=1,"
-                                "eval.num_prompts=0")
+    config = tiny(
+        "grpo",
+        extra="algo.tis_cap=1.1,algo.tis_level=sequence,algo.rs_level=token,"
+        "algo.rs_upper=1.05,algo.rs_veto=0.93,train.num_iterations=1,"
+        "eval.num_prompts=0",
+    )
     run = trainer.build_run(config, str(tmp_path))
     metrics = trainer.rl_iteration(run)
     batch, sampled = run.last_batch, run.last_round
-    old, behaviour = np.asarray(batch.old_log_probs, np.float64), sampled.behaviour_log_probs.astype(np.float64)
+    old, behaviour = (
+        np.asarray(batch.old_log_probs, np.float64),
+        sampled.behaviour_log_probs.astype(np.float64),
+    )
     mask = np.asarray(batch.mask)
     weights, keep = np.zeros_like(mask), np.zeros_like(mask)
     for i in range(mask.shape[0]):
@@ -319,14 +425,18 @@ def test_rollout_correction_reaches_the_batch(tmp_path, monkeypatch):
         for t in range(mask.shape[1]):
             if mask[i, t]:
                 weights[i, t] = min(np.exp(sum(log_rhos)), 1.1)
-                keep[i, t] = float(not vetoed and 1 / 1.05 <= np.exp(old[i, t] - behaviour[i, t]) <= 1.05)
+                keep[i, t] = float(
+                    not vetoed and 1 / 1.05 <= np.exp(old[i, t] - behaviour[i, t]) <= 1.05
+                )
     np.testing.assert_allclose(np.asarray(batch.importance_weights), weights, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(batch.loss_mask), keep)
     assert 0 < keep.sum() < mask.sum() and 0 < (weights == 1.1).sum() < mask.sum()
     for key in ("kl_k1", "kl_k3", "ppl_ratio", "chi2_token", "chi2_seq", "log_ratio_abs_max"):
         assert np.isfinite(metrics[f"offpolicy/{key}"]) and metrics[f"offpolicy/{key}"] != 0, key
     assert metrics["offpolicy/rs_rejected_token_frac"] == pytest.approx(1 - keep.sum() / mask.sum())
-    assert metrics["offpolicy/is_truncated_frac"] == pytest.approx((weights == 1.1).sum() / mask.sum())
+    assert metrics["offpolicy/is_truncated_frac"] == pytest.approx(
+        (weights == 1.1).sum() / mask.sum()
+    )
     assert metrics["offpolicy/rs_rejected_seq_frac"] == pytest.approx(np.mean(keep.sum(1) == 0))
     # The policy loss covered the kept tokens only.
     assert metrics["loss/num_tokens"] == keep.sum()
@@ -339,12 +449,20 @@ def test_rollout_correction_reaches_the_batch(tmp_path, monkeypatch):
 def test_routing_metrics_run_in_minibatch_chunks(tmp_path, monkeypatch):
     """The routing forwards of the volatility metrics run in the minibatch's shape, as the
     old log-probs do (not the whole batch: memory, and a compile of its own)."""
-    config = tiny("grpo", extra="batch.n_minibatches=2,train.routing_metrics=True,train.num_iterations=1,"
-                                "eval.num_prompts=0")
+    config = tiny(
+        "grpo",
+        extra="batch.n_minibatches=2,train.routing_metrics=True,train.num_iterations=1,"
+        "eval.num_prompts=0",
+    )
     run = trainer.build_run(config, str(tmp_path))
     rows, routing = [], run.learner.routing
-    monkeypatch.setattr(run.learner, "routing",
-                        lambda params, tokens, *args: rows.append(tokens.shape[0]) or routing(params, tokens, *args))
+    monkeypatch.setattr(
+        run.learner,
+        "routing",
+        lambda params, tokens, *args: (
+            rows.append(tokens.shape[0]) or routing(params, tokens, *args)
+        ),
+    )
     metrics = trainer.rl_iteration(run)
     assert rows == [4, 4] and 0 <= metrics["routing/volatility"] <= 1  # 2 x 4 samples, 2 chunks
 
@@ -410,14 +528,18 @@ def test_skipped_update_streaks_are_counted_per_model_by_hand():
     critic's own count is separate and an applied update resets it."""
     from types import SimpleNamespace as State
 
-    streaks = trainer.SkippedUpdates(3, {"update": State(step=0, skipped=0),
-                                         "critic": State(step=0, skipped=0)})
+    streaks = trainer.SkippedUpdates(
+        3, {"update": State(step=0, skipped=0), "critic": State(step=0, skipped=0)}
+    )
     streaks.update(1, {"update": State(step=1, skipped=1), "critic": State(step=0, skipped=2)})
     assert streaks.streak == {"update": 0, "critic": 2}
     streaks.update(2, {"update": State(step=1, skipped=3), "critic": State(step=1, skipped=2)})
     assert streaks.streak == {"update": 2, "critic": 0}
-    with pytest.raises(trainer.UpdatesSkipped, match=r"^stopping at iteration 3: the last 3 policy "
-                       r"updates were skipped .*max_skipped_updates=3\)$"):
+    with pytest.raises(
+        trainer.UpdatesSkipped,
+        match=r"^stopping at iteration 3: the last 3 policy "
+        r"updates were skipped .*max_skipped_updates=3\)$",
+    ):
         streaks.update(3, {"update": State(step=1, skipped=4), "critic": State(step=1, skipped=2)})
 
 
@@ -425,8 +547,12 @@ def test_a_run_whose_updates_are_all_skipped_stops(tmp_path):
     """optim.lr=1e30: the first update is finite but blows the parameters up, and every later
     update is non-finite and skipped. The run used to go on to the end and exit 0; it stops
     after train.max_skipped_updates of them, with every iteration's metrics written."""
-    config = tiny("grpo", model="tiny_dense", extra="optim.lr=1e30,train.max_skipped_updates=2,"
-                  "train.num_iterations=8,eval.num_prompts=0,batch.n_minibatches=2")
+    config = tiny(
+        "grpo",
+        model="tiny_dense",
+        extra="optim.lr=1e30,train.max_skipped_updates=2,"
+        "train.num_iterations=8,eval.num_prompts=0,batch.n_minibatches=2",
+    )
     with pytest.raises(trainer.UpdatesSkipped, match="max_skipped_updates=2"):
         trainer.run_rl(config, str(tmp_path), quiet=True)
     rows = read_jsonl(str(tmp_path / "metrics.jsonl"))

@@ -37,8 +37,9 @@ _PROBE = textwrap.dedent("""
 
 
 def _probe(mode):
-    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True,
-                         check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True
+    ).stdout.split()
     return out[0], int(out[1])
 
 

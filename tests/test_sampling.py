@@ -22,16 +22,25 @@ VOCAB = 64
 MAX_NEW = 8
 # Larger weights than the default initialiser: peaked logits keep greedy decoding away
 # from near-ties, so float32 summation order cannot flip an argmax.
-_BASE = dict(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-             head_dim=8, intermediate_size=48, rope_theta=1e4, initializer_range=0.3)
+_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    rope_theta=1e4,
+    initializer_range=0.3,
+)
 MOE = ModelConfig(**_BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 DENSE = ModelConfig(**_BASE)
 
 # Right-padded prompts of three lengths. The padding value 0 is a real token id: padding
 # must be ignored because of the mask, not because of its value.
-PROMPTS = np.array([[5, 17, 3, 9, 22, 41, 0],
-                    [7, 2, 0, 0, 0, 0, 0],
-                    [11, 30, 8, 60, 0, 0, 0]], np.int32)
+PROMPTS = np.array(
+    [[5, 17, 3, 9, 22, 41, 0], [7, 2, 0, 0, 0, 0, 0], [11, 30, 8, 60, 0, 0, 0]], np.int32
+)
 LENGTHS = np.array([6, 2, 4], np.int32)
 
 
@@ -50,8 +59,14 @@ def forward(model, tokens, attention_mask, positions=None, routing=None):
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     graphdef, state = nnx.split(model)
-    return _forward(graphdef, state, tokens, jnp.asarray(attention_mask, jnp.int32),
-                    jnp.asarray(positions, jnp.int32), routing)
+    return _forward(
+        graphdef,
+        state,
+        tokens,
+        jnp.asarray(attention_mask, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+        routing,
+    )
 
 
 def contiguous(responses, response_lengths, group=1):
@@ -61,8 +76,8 @@ def contiguous(responses, response_lengths, group=1):
     rows, width = prompts.shape[0], prompts.shape[1] + responses.shape[1]
     tokens, mask = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32)
     for r in range(rows):
-        row = list(prompts[r, :lengths[r]]) + list(responses[r, :response_lengths[r]])
-        tokens[r, :len(row)], mask[r, :len(row)] = row, 1
+        row = list(prompts[r, : lengths[r]]) + list(responses[r, : response_lengths[r]])
+        tokens[r, : len(row)], mask[r, : len(row)] = row, 1
     return tokens, mask, lengths
 
 
@@ -98,7 +113,7 @@ def run(model, prompts=PROMPTS, lengths=LENGTHS, seed=0, **kwargs):
 
 def response_log_probs(logits, rollout, prompt_len):
     """Log-probs of the response tokens from logits over `Rollout.sequences()`."""
-    log_probs = jax.nn.log_softmax(logits[:, prompt_len - 1:-1], axis=-1)
+    log_probs = jax.nn.log_softmax(logits[:, prompt_len - 1 : -1], axis=-1)
     log_probs = jnp.take_along_axis(log_probs, rollout.tokens[..., None], axis=-1)[..., 0]
     return np.asarray(log_probs * rollout.mask)
 
@@ -146,7 +161,7 @@ def test_top_k_top_p_temperature_hand_worked():
     assert np.all(tokens == 0) and np.allclose(log_probs, 0.0)
     # Temperature 0.5: p^2 renormalised, every token reachable.
     tokens, log_probs = draw(sampling.Temperature(0.5))
-    expected = np.log(probs ** 2 / (probs ** 2).sum())
+    expected = np.log(probs**2 / (probs**2).sum())
     assert set(np.unique(tokens)) == {0, 1, 2, 3}
     np.testing.assert_allclose(log_probs, expected[tokens], rtol=1e-5)
 
@@ -156,14 +171,18 @@ def test_top_k_beyond_the_vocabulary_is_plain_temperature_sampling():
     key = jax.random.key(3)
     tokens, log_probs = sampling.TopK(k=100, temperature=0.5).sample(logits, key)
     expected = jax.nn.log_softmax(logits / 0.5, axis=-1)
-    np.testing.assert_allclose(np.asarray(log_probs),
-                               np.take_along_axis(np.asarray(expected), np.asarray(tokens)[:, None], 1)[:, 0],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(log_probs),
+        np.take_along_axis(np.asarray(expected), np.asarray(tokens)[:, None], 1)[:, 0],
+        rtol=1e-5,
+    )
 
 
 def test_top_k_1_is_greedy():
     logits = jax.random.normal(jax.random.key(0), (64, 512)) * 3.0
-    tokens, log_probs = jax.jit(sampling.TopK(k=1, temperature=0.7).sample)(logits, jax.random.key(1))
+    tokens, log_probs = jax.jit(sampling.TopK(k=1, temperature=0.7).sample)(
+        logits, jax.random.key(1)
+    )
     greedy_tokens, greedy_log_probs = sampling.Greedy().sample(logits, None)
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(jnp.argmax(logits, -1)))
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(greedy_tokens))
@@ -183,20 +202,24 @@ def test_sampling_method_choice_and_errors():
     with pytest.raises(ValueError, match="max_new_tokens"):
         sampling.SamplingConfig(max_new_tokens=0)
     with pytest.raises(ValueError, match="prompt_lengths"):
-        sampling.generate(None, PROMPTS, np.array([0, 1, 2]), max_new_tokens=2,
-                          rng=jax.random.key(0))
+        sampling.generate(
+            None, PROMPTS, np.array([0, 1, 2]), max_new_tokens=2, rng=jax.random.key(0)
+        )
 
 
 # ------------------------------------------------------------------ against full forwards
 
 
 def test_greedy_equals_stepwise_argmax(moe_model, moe_greedy):
-    np.testing.assert_array_equal(np.asarray(moe_greedy.tokens), greedy_reference(moe_model, MAX_NEW))
+    np.testing.assert_array_equal(
+        np.asarray(moe_greedy.tokens), greedy_reference(moe_model, MAX_NEW)
+    )
     np.testing.assert_array_equal(np.asarray(moe_greedy.mask), 1.0)
     np.testing.assert_array_equal(np.asarray(moe_greedy.log_probs), 0.0)  # a point mass
     # Greedy raw log-probs: the model's own distribution (temperature 1).
-    np.testing.assert_allclose(np.asarray(moe_greedy.raw_log_probs),
-                               reference_log_probs(moe_model, moe_greedy), atol=2e-4)
+    np.testing.assert_allclose(
+        np.asarray(moe_greedy.raw_log_probs), reference_log_probs(moe_model, moe_greedy), atol=2e-4
+    )
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +241,9 @@ def test_log_probs_equal_full_forward(name, moe_model, dense_model, moe_sampled)
     # The training layout of Rollout.sequences() (prompts right-aligned) gives the same.
     tokens, positions, attention_mask = rollout.sequences()
     logits, _ = forward(model, tokens, attention_mask, positions)
-    np.testing.assert_allclose(response_log_probs(logits, rollout, PROMPTS.shape[1]), ref,
-                               atol=2e-4)
+    np.testing.assert_allclose(
+        response_log_probs(logits, rollout, PROMPTS.shape[1]), ref, atol=2e-4
+    )
 
 
 @pytest.mark.parametrize("decode_dispatch", ["ragged", "dense", "gathered"])
@@ -228,13 +252,19 @@ def test_decode_dispatch_gives_the_same_rollout(moe_model, moe_sampled, decode_d
     moe_0p5b), "dense" or "gathered" (the CPU presets' decode): the same weights sample the same
     tokens, routing and log-probs as the single-dispatch model, and the log-probs equal a
     full (blocked) forward pass."""
-    mixed = Transformer(MOE.replace(moe_dispatch="blocked", moe_block_size=2,
-                                    moe_decode_dispatch=decode_dispatch), rngs=nnx.Rngs(0))
+    mixed = Transformer(
+        MOE.replace(moe_dispatch="blocked", moe_block_size=2, moe_decode_dispatch=decode_dispatch),
+        rngs=nnx.Rngs(0),
+    )
     rollout = run(mixed, temperature=1.0, seed=3)
     np.testing.assert_array_equal(np.asarray(rollout.tokens), np.asarray(moe_sampled.tokens))
     np.testing.assert_array_equal(np.asarray(rollout.routing), np.asarray(moe_sampled.routing))
-    np.testing.assert_allclose(np.asarray(rollout.log_probs), np.asarray(moe_sampled.log_probs), atol=2e-5)
-    np.testing.assert_allclose(np.asarray(rollout.log_probs), reference_log_probs(mixed, rollout), atol=2e-4)
+    np.testing.assert_allclose(
+        np.asarray(rollout.log_probs), np.asarray(moe_sampled.log_probs), atol=2e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(rollout.log_probs), reference_log_probs(mixed, rollout), atol=2e-4
+    )
 
 
 def test_routing_replay_reproduces_log_probs(moe_model, moe_sampled):
@@ -263,11 +293,24 @@ def test_greedy_equals_transformers_generate(tmp_path, moe_greedy):
     from policyopt.models import from_pretrained
 
     hf_config = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4}, initializer_range=0.3,
-        tie_word_embeddings=False, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     hf_model = transformers.Qwen3MoeForCausalLM(hf_config).eval()
     hf_model.save_pretrained(tmp_path)
@@ -277,12 +320,17 @@ def test_greedy_equals_transformers_generate(tmp_path, moe_greedy):
     rollout = run(model, temperature=0.0)
     assert np.any(np.asarray(rollout.tokens) != np.asarray(moe_greedy.tokens))  # new weights
     for r in range(PROMPTS.shape[0]):
-        prompt = torch.tensor(PROMPTS[r:r + 1, :LENGTHS[r]], dtype=torch.long)
+        prompt = torch.tensor(PROMPTS[r : r + 1, : LENGTHS[r]], dtype=torch.long)
         with torch.no_grad():
-            out = hf_model.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False,
-                                    output_logits=True, return_dict_in_generate=True,
-                                    pad_token_id=0)
-        continuation = out.sequences[0, LENGTHS[r]:]
+            out = hf_model.generate(
+                prompt,
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        continuation = out.sequences[0, LENGTHS[r] :]
         np.testing.assert_array_equal(np.asarray(rollout.tokens[r]), continuation.numpy())
         hf_log_probs = torch.log_softmax(torch.stack(out.logits)[:, 0].double(), dim=-1)
         hf_log_probs = hf_log_probs.gather(-1, continuation[:, None])[:, 0].numpy()
@@ -337,20 +385,36 @@ def test_decode_segments_give_the_same_rollout(moe_model, moe_sampled):
     that end rows in different loops, G = 2 samples per prompt and min_new_tokens."""
     config = sampling.SamplingConfig(max_new_tokens=MAX_NEW, decode_segments=3)
     assert config.segment_ends == (2, 5, 8)
-    assert sampling.SamplingConfig(max_new_tokens=10, decode_segments=4).segment_ends == (2, 5, 7, 10)
+    assert sampling.SamplingConfig(max_new_tokens=10, decode_segments=4).segment_ends == (
+        2,
+        5,
+        7,
+        10,
+    )
 
     def same(one, three):
         for field in ("tokens", "mask", "routing", "lengths", "num_steps"):
-            np.testing.assert_array_equal(np.asarray(getattr(three, field)),
-                                          np.asarray(getattr(one, field)), err_msg=field)
+            np.testing.assert_array_equal(
+                np.asarray(getattr(three, field)), np.asarray(getattr(one, field)), err_msg=field
+            )
         for field in ("log_probs", "raw_log_probs"):
-            np.testing.assert_allclose(np.asarray(getattr(three, field)),
-                                       np.asarray(getattr(one, field)), atol=1e-5, err_msg=field)
+            np.testing.assert_allclose(
+                np.asarray(getattr(three, field)),
+                np.asarray(getattr(one, field)),
+                atol=1e-5,
+                err_msg=field,
+            )
 
     same(moe_sampled, run(moe_model, temperature=1.0, seed=3, decode_segments=3))
     tokens = np.asarray(moe_sampled.tokens)
-    ending = dict(eos_id=int(tokens[0, 1]), stop_sequences=((int(tokens[1, 3]), int(tokens[1, 4])),),
-                  num_samples=2, min_new_tokens=1, temperature=1.0, seed=3)
+    ending = dict(
+        eos_id=int(tokens[0, 1]),
+        stop_sequences=((int(tokens[1, 3]), int(tokens[1, 4])),),
+        num_samples=2,
+        min_new_tokens=1,
+        temperature=1.0,
+        seed=3,
+    )
     one, three = run(moe_model, **ending), run(moe_model, decode_segments=3, **ending)
     same(one, three)
     assert 1 < np.asarray(one.lengths).min() < MAX_NEW  # rows end inside the run
@@ -380,7 +444,7 @@ def behaviour_reference(logits, method, banned=None):
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")
-    order = order[:method.top_k] if method.top_k else order
+    order = order[: method.top_k] if method.top_k else order
     top = probs[order] / probs[order].sum()
     kept = order[np.cumsum(top) - top < method.p]
     out = np.full(probs.shape, -np.inf)
@@ -394,20 +458,22 @@ def test_group_samples_top_k_top_p_eos_min_new_tokens(moe_model, moe_greedy):
     group, min_new = 3, 2
     method = sampling.TopP(p=0.9, temperature=1.5, top_k=8)
     eos = int(moe_greedy.tokens[0, 0])
-    rollout = run(moe_model, method=method, num_samples=group, eos_id=eos,
-                  min_new_tokens=min_new, seed=21)
+    rollout = run(
+        moe_model, method=method, num_samples=group, eos_id=eos, min_new_tokens=min_new, seed=21
+    )
     rows = 3 * group
     assert rollout.tokens.shape == (rows, MAX_NEW)
     np.testing.assert_array_equal(np.asarray(rollout.prompt_lengths), np.repeat(LENGTHS, group))
     tokens, lengths = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
-    assert all(len({tuple(row) for row in tokens[b * group:(b + 1) * group]}) > 1
-               for b in range(3))  # samples of one prompt differ
+    assert all(
+        len({tuple(row) for row in tokens[b * group : (b + 1) * group]}) > 1 for b in range(3)
+    )  # samples of one prompt differ
     assert np.all(tokens[:, :min_new] != eos) and np.all(lengths >= min_new)
     assert np.any(lengths < MAX_NEW)  # some row did end at EOS
     for r in range(rows):  # rows end at their first EOS, and are padded after it
-        hits = np.flatnonzero(tokens[r, :lengths[r]] == eos)
+        hits = np.flatnonzero(tokens[r, : lengths[r]] == eos)
         assert (hits.size == 0 and lengths[r] == MAX_NEW) or list(hits) == [lengths[r] - 1]
-        assert np.all(tokens[r, lengths[r]:] == eos)
+        assert np.all(tokens[r, lengths[r] :] == eos)
     # Every row continues its own prompt (rows b*G .. b*G+G-1 <- prompt b): behaviour
     # log-probs are those of the truncated distribution, raw ones of softmax(logits / T).
     seq, mask, prompt_lengths = contiguous(tokens, lengths, group)
@@ -434,36 +500,60 @@ def test_compiles_once_per_bucket(moe_model, moe_sampled):
     new_state = jax.tree.map(lambda x: x * 1.01, state)
     for seed in (3, 4, 5):
         prompts = jnp.asarray((PROMPTS + seed - 3) % VOCAB)
-        out = sampling.generate_fn(graphdef, state if seed == 3 else new_state, prompts,
-                                   jnp.asarray(LENGTHS), jax.random.key(seed), config=config)
+        out = sampling.generate_fn(
+            graphdef,
+            state if seed == 3 else new_state,
+            prompts,
+            jnp.asarray(LENGTHS),
+            jax.random.key(seed),
+            config=config,
+        )
         if seed == 3:
             np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(moe_sampled.tokens))
     assert sampling.generate_fn._cache_size() == before
     # generate_fn traces inside a caller's own jit (e.g. a trainer step).
-    step = jax.jit(lambda s, rng: sampling.generate_fn(graphdef, s, jnp.asarray(PROMPTS),
-                                                       jnp.asarray(LENGTHS), rng,
-                                                       config=config).log_probs.sum())
+    step = jax.jit(
+        lambda s, rng: sampling.generate_fn(
+            graphdef, s, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), rng, config=config
+        ).log_probs.sum()
+    )
     assert step.lower(state, jax.random.key(3)).out_info.shape == ()
 
 
 def test_token_ids_outside_the_vocabulary_raise(dense_model):
     """pad_id / eos_id / stop ids must be in [0, V): a pad_id of 99 with V = 64 was written
     into rollouts; a negative eos_id banned token V - 1 under min_new_tokens."""
-    for field, value in (("pad_id", VOCAB), ("eos_id", 99), ("stop_ids", (3, VOCAB + 1)),
-                         ("stop_sequences", ((5, 70),))):
-        with pytest.raises(ValueError, match=rf"SamplingConfig\.{field}.* = \d+ is outside "
-                                             rf"the model's vocabulary \[0, {VOCAB}\)"):
+    for field, value in (
+        ("pad_id", VOCAB),
+        ("eos_id", 99),
+        ("stop_ids", (3, VOCAB + 1)),
+        ("stop_sequences", ((5, 70),)),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=rf"SamplingConfig\.{field}.* = \d+ is outside "
+            rf"the model's vocabulary \[0, {VOCAB}\)",
+        ):
             run(dense_model, temperature=1.0, **{field: value})
-    for field, value in (("pad_id", -1), ("eos_id", -2), ("stop_ids", (-1,)),
-                         ("stop_sequences", ((4, -1),))):
+    for field, value in (
+        ("pad_id", -1),
+        ("eos_id", -2),
+        ("stop_ids", (-1,)),
+        ("stop_sequences", ((4, -1),)),
+    ):
         with pytest.raises(ValueError, match=rf"SamplingConfig\.{field}.* = -\d is a negative"):
             sampling.SamplingConfig(max_new_tokens=2, **{field: value})
     # generate_fn checks too (at trace time), with the model's vocabulary.
     graphdef, state = nnx.split(dense_model)
     with pytest.raises(ValueError, match=r"pad_id = 64 is outside"):
-        sampling.generate_fn(graphdef, state, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS),
-                             jax.random.key(0),
-                             config=sampling.SamplingConfig(max_new_tokens=2, pad_id=VOCAB))
+        sampling.generate_fn(
+            graphdef,
+            state,
+            jnp.asarray(PROMPTS),
+            jnp.asarray(LENGTHS),
+            jax.random.key(0),
+            config=sampling.SamplingConfig(max_new_tokens=2, pad_id=VOCAB),
+        )
     # Real prompt tokens are checked; padding may hold anything.
     prompts = PROMPTS.copy()
     prompts[2, 1] = VOCAB

@@ -43,8 +43,14 @@ def records(tmp_path_factory):
     out = tmp_path_factory.mktemp("scale_sim")
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(out)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(out)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "per-device peak" in proc.stdout  # the table
     with open(out / "records.json") as f:
@@ -63,8 +69,14 @@ def test_update_record_fields(records):
     assert record["rows"] == 4 and record["rows_on_each_device"] == 1
     assert record["model"]["dtype"] == "bfloat16"  # --model.* reaches the ModelConfig
     assert record["compile_s"] > 0
-    for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                 "collective-permute", "ragged-all-to-all"):
+    for kind in (
+        "all-reduce",
+        "all-gather",
+        "reduce-scatter",
+        "all-to-all",
+        "collective-permute",
+        "ragged-all-to-all",
+    ):
         assert kind in record["collectives"]
 
 
@@ -74,7 +86,7 @@ def test_state_is_params_and_adam_moments_over_fsdp(records):
     record = records["extrapolated"]
     params = record["params_gib_per_device"]
     assert record["state_gib_per_device"] == pytest.approx(3 * params, rel=1e-3)
-    total = 3 * sum(_num_params_tiny_moe_3_layers()) * 4 / 2 ** 30
+    total = 3 * sum(_num_params_tiny_moe_3_layers()) * 4 / 2**30
     assert total / 4 <= record["state_gib_per_device"] < total
 
 
@@ -90,8 +102,12 @@ def test_extrapolation_matches_the_full_compile(records):
     full = records["full"]["per_device_peak_gib"]
     assert extrapolated == pytest.approx(full, rel=0.03)
     compiled = records["full"]["calls"][0]["compiles"][0]
-    assert compiled["peak_bytes"] == (compiled["argument_bytes"] + compiled["output_bytes"]
-                                      - compiled["alias_bytes"] + compiled["temp_bytes"])
+    assert compiled["peak_bytes"] == (
+        compiled["argument_bytes"]
+        + compiled["output_bytes"]
+        - compiled["alias_bytes"]
+        + compiled["temp_bytes"]
+    )
     # The donated state is aliased to the new state.
     assert compiled["alias_bytes"] > 0
 
@@ -107,9 +123,13 @@ def test_collectives_are_read_on_an_fsdp_mesh(records):
     assert found["all-gather"]["count"] > two["all-gather"]["count"]
 
 
-@pytest.mark.parametrize("name,calls", [
-    ("rollout", ["engine_admit", "engine_decode", "engine_evict"]),
-    ("rollout_generate", ["generate_fn"])])
+@pytest.mark.parametrize(
+    "name,calls",
+    [
+        ("rollout", ["engine_admit", "engine_decode", "engine_evict"]),
+        ("rollout_generate", ["generate_fn"]),
+    ],
+)
 def test_rollout_record(records, name, calls):
     record = records[name]
     assert record["step"] == "rollout" and record["rows"] == 8
@@ -120,7 +140,8 @@ def test_rollout_record(records, name, calls):
     assert record["per_device_peak_gib"] > 0
     opt_state = record["state_gib_per_device"] - record["params_gib_per_device"]
     assert record["peak_with_resident_state_gib"] == pytest.approx(
-        record["per_device_peak_gib"] + opt_state)
+        record["per_device_peak_gib"] + opt_state
+    )
 
 
 def test_collectives_parser_on_hand_written_hlo():

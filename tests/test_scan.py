@@ -18,8 +18,15 @@ from policyopt.models.transformer import stack_layers, unstack_layers
 from policyopt.sharding import param_specs
 
 P = jax.sharding.PartitionSpec
-BASE = dict(vocab_size=40, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
-            intermediate_size=48, rope_theta=1e4)
+BASE = dict(
+    vocab_size=40,
+    hidden_size=32,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    rope_theta=1e4,
+)
 KINDS = {
     "dense": dict(num_layers=3),
     "moe": dict(num_layers=3, num_experts=4, moe_intermediate_size=16),
@@ -69,6 +76,7 @@ def _loss_fn(graphdef, rest, tokens, mask, routing=None):
         if out.aux:
             value += out.aux["load_balancing_loss"] + 0.1 * out.aux["router_z_loss"]
         return value, out
+
     return loss
 
 
@@ -115,8 +123,9 @@ def test_same_seed_gives_the_same_weights_and_layouts_convert_both_ways():
     for a, b in zip(jax.tree.leaves(converted), jax.tree.leaves(stacked)):
         np.testing.assert_array_equal(a, b)
     # Layer 2 is slice 1 of run 1; back to the per-layer layout exactly.
-    np.testing.assert_array_equal(stacked["layers"][1]["mlp"]["up_proj"][...][1],
-                                  loop.layers[2].mlp.up_proj[...])
+    np.testing.assert_array_equal(
+        stacked["layers"][1]["mlp"]["up_proj"][...][1], loop.layers[2].mlp.up_proj[...]
+    )
     back = unstack_layers(stacked, config)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(nnx.state(loop, nnx.Param))):
         np.testing.assert_array_equal(a, b)
@@ -145,8 +154,12 @@ def test_scan_equals_loop(kind):
     assert set(got.aux) == set(want.aux) and got.aux["tokens_per_expert"].shape == (num_moe, 4)
     _assert_trees_close(got.aux, want.aux)
     # Replay: another routing, layer by layer, enters the scan as its input.
-    other = jnp.asarray(np.random.default_rng(2).permuted(
-        np.broadcast_to(np.arange(4), (num_moe, 2, 9, 4)), axis=-1)[..., :2], jnp.int32)
+    other = jnp.asarray(
+        np.random.default_rng(2).permuted(
+            np.broadcast_to(np.arange(4), (num_moe, 2, 9, 4)), axis=-1
+        )[..., :2],
+        jnp.int32,
+    )
     (_, replay_loop), grads_loop = _grads(loop, tokens, mask, other)
     (_, replay_scan), grads_scan = _grads(scan, tokens, mask, other)
     np.testing.assert_array_equal(replay_scan.routing, other)
@@ -167,8 +180,9 @@ def test_every_remat_policy_gives_the_same_gradients(scan_layers):
     dots = {"none": _count_dots_in_grad(model, tokens, mask)}
     for remat in ("full", "save_dots"):
         config = model.config.replace(remat=remat)
-        rematted = nnx.merge(nnx.split(nnx.eval_shape(
-            lambda: Transformer(config, rngs=nnx.Rngs(0))))[0], state)
+        rematted = nnx.merge(
+            nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))[0], state
+        )
         (loss, _), grads = _grads(rematted, tokens, mask)
         np.testing.assert_allclose(loss, reference_loss, rtol=1e-5)
         _assert_trees_close(grads, reference)
@@ -200,7 +214,7 @@ def test_kv_cache_prefill_then_decode(kind, per_layer):
     _assert_trees_close(cache.stack().v, loop_prefill.cache.v)
     for step in range(5, 9):
         positions = jnp.full((2, 1), step, jnp.int32)
-        out = call(scan, tokens[:, step:step + 1], positions=positions, cache=cache)
+        out = call(scan, tokens[:, step : step + 1], positions=positions, cache=cache)
         np.testing.assert_allclose(out.logits[:, 0], full.logits[:, step], rtol=1e-5, atol=1e-5)
         if kind == "mixed":
             np.testing.assert_array_equal(out.routing[:, :, 0], full.routing[:, :, step])
@@ -224,11 +238,13 @@ def test_greedy_generation_equal(kind):
 
 def test_hf_round_trip_of_the_stacked_layout(tmp_path):
     from policyopt.models import from_pretrained, save_pretrained
+
     pytest.importorskip("safetensors")
     loop, scan = _models("mixed")
     save_pretrained(scan, str(tmp_path / "scan"))
     save_pretrained(loop, str(tmp_path / "loop"))
     from safetensors.numpy import load_file
+
     a = load_file(tmp_path / "scan" / "model.safetensors")
     b = load_file(tmp_path / "loop" / "model.safetensors")
     assert sorted(a) == sorted(b) and "model.layers.2.mlp.experts.3.down_proj.weight" in a
@@ -236,8 +252,9 @@ def test_hf_round_trip_of_the_stacked_layout(tmp_path):
         np.testing.assert_array_equal(a[name], b[name])
     again = from_pretrained(str(tmp_path / "loop"), scan_layers=True)
     assert again.config.scan_layers and again.config.layer_runs == ((0, 1), (1, 3), (3, 4))
-    for x, y in zip(jax.tree.leaves(nnx.state(again, nnx.Param)),
-                    jax.tree.leaves(nnx.state(scan, nnx.Param))):
+    for x, y in zip(
+        jax.tree.leaves(nnx.state(again, nnx.Param)), jax.tree.leaves(nnx.state(scan, nnx.Param))
+    ):
         np.testing.assert_array_equal(x, y)
 
 
@@ -263,8 +280,10 @@ def test_stacked_parameters_shard_like_per_layer_ones():
     assert stacked["layers"][1]["mlp"]["gate_proj"] == P(None, "expert", "fsdp", "tensor")
     assert stacked["layers"][0]["mlp"]["down_proj"] == P(None, "tensor", "fsdp")
     is_spec = lambda x: isinstance(x, P)
-    flat_stacked = {tuple(k.key for k in path): spec for path, spec in
-                    jax.tree_util.tree_flatten_with_path(stacked, is_leaf=is_spec)[0]}
+    flat_stacked = {
+        tuple(k.key for k in path): spec
+        for path, spec in jax.tree_util.tree_flatten_with_path(stacked, is_leaf=is_spec)[0]
+    }
     flat_layers = jax.tree_util.tree_flatten_with_path(per_layer, is_leaf=is_spec)[0]
     assert len(flat_layers) > len(flat_stacked)
     for path, spec in flat_layers:
@@ -272,7 +291,7 @@ def test_stacked_parameters_shard_like_per_layer_ones():
         if path[0] == "layers":
             run, _ = config.layer_run(path[1])
             want = (None,) + tuple(spec)
-            while want and want[-1] is None:       # fit_spec drops trailing Nones
+            while want and want[-1] is None:  # fit_spec drops trailing Nones
                 want = want[:-1]
             assert tuple(flat_stacked[("layers", run) + path[2:]]) == want, path
 
@@ -296,7 +315,7 @@ def test_scanned_program_does_not_grow_with_depth(kind):
     scan2, scan8 = (_lowered_size(config.replace(scan_layers=True), n) for n in (2, 8))
     loop2, loop8 = (_lowered_size(config, n) for n in (2, 8))
     assert scan8 < 1.05 * scan2, (scan2, scan8)
-    assert loop8 > 2.5 * loop2, (loop2, loop8)      # the unrolled program does grow
+    assert loop8 > 2.5 * loop2, (loop2, loop8)  # the unrolled program does grow
 
 
 _MESH_SCRIPT = """
@@ -344,6 +363,7 @@ def test_scanned_model_on_an_fsdp_expert_mesh():
     axis whole, ``embed`` over fsdp, experts over expert); loss, routing and gradients
     equal one device's."""
     from tests.test_sharding import _run_on_8_devices
+
     proc = _run_on_8_devices(_MESH_SCRIPT)
     assert proc.stdout.strip().endswith("ok"), proc.stdout
     assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-3000:]

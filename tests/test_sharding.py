@@ -167,11 +167,21 @@ _BUILD_SCRIPT = textwrap.dedent("""
 
 def _run_on_8_devices(script: str) -> subprocess.CompletedProcess:
     # Warnings on (conftest silences XLA's logs): callers may check the partitioner's.
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="1")
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        JAX_PLATFORMS="cpu",
+        TF_CPP_MIN_LOG_LEVEL="1",
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 
@@ -201,8 +211,12 @@ def test_specs_are_fitted_and_in_the_canonical_form_of_jit_outputs():
     # dimensions; specs written the same way compare equal, so no step compiles twice.
     mesh = jax.sharding.AbstractMesh((2, 2, 2, 1), sharding.MESH_AXES)
     fit = sharding.fit_spec
-    assert fit((8, 6, 3), P(("data", "fsdp"), "tensor", "expert"), mesh) == P(("data", "fsdp"), "tensor")
-    assert fit((6, 8), P(("data", "fsdp"), ("tensor", "expert")), mesh) == P(None, "tensor")  # 6 % 4
+    assert fit((8, 6, 3), P(("data", "fsdp"), "tensor", "expert"), mesh) == P(
+        ("data", "fsdp"), "tensor"
+    )
+    assert fit((6, 8), P(("data", "fsdp"), ("tensor", "expert")), mesh) == P(
+        None, "tensor"
+    )  # 6 % 4
     assert fit((4, 4), P(("fsdp", "expert"), None), mesh) == P("fsdp")
     assert sharding.row_spec((5, 8, 3), mesh, axis=1) == P(None, ("data", "fsdp"))
     assert sharding.row_spec((6, 8), mesh) == P() and sharding.row_spec((), mesh) == P()
@@ -223,4 +237,6 @@ def test_shard_rows_without_a_mesh_and_on_one_device():
 
 def test_models_are_built_and_loaded_straight_onto_the_mesh():
     proc = _run_on_8_devices(_BUILD_SCRIPT)
-    assert proc.stdout.split() == ["ok", "build", "ok", "from_pretrained", "ok", "init_params"], proc.stdout
+    assert proc.stdout.split() == ["ok", "build", "ok", "from_pretrained", "ok", "init_params"], (
+        proc.stdout
+    )

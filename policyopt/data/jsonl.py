@@ -68,7 +68,7 @@ def last_boxed(text: str) -> str | None:
     Returns None when there is none, or when the last one is never closed.
     `last_boxed("a \\boxed{1} b \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"`.
     """
-    start = -1   # index just after the opening brace of the last box
+    start = -1  # index just after the opening brace of the last box
     for prefix in _BOXED_PREFIXES:
         position = text.rfind(prefix)
         if position >= 0:
@@ -148,11 +148,15 @@ class JsonlConfig:
         if self.task_field is not None and self.task != "mixed":
             raise ValueError(f"JsonlConfig.task_field is for task='mixed', got task={self.task!r}")
         if self.extract not in ("auto", "boxed", "marker", "none"):
-            raise ValueError(f"JsonlConfig.extract must be 'auto', 'boxed', 'marker' or 'none', "
-                             f"got {self.extract!r}")
+            raise ValueError(
+                f"JsonlConfig.extract must be 'auto', 'boxed', 'marker' or 'none', "
+                f"got {self.extract!r}"
+            )
         if isinstance(self.question_fields, str) or isinstance(self.answer_fields, str):
-            raise ValueError("JsonlConfig.question_fields / answer_fields are tuples of names, "
-                             "e.g. ('question',)")
+            raise ValueError(
+                "JsonlConfig.question_fields / answer_fields are tuples of names, "
+                "e.g. ('question',)"
+            )
         for name in ("prompt_template", "code_prompt_template"):
             template = getattr(self, name)
             if template is None:
@@ -160,10 +164,14 @@ class JsonlConfig:
             try:
                 probe = template.format(question="\0")
             except (IndexError, KeyError, ValueError) as error:
-                raise ValueError(f"JsonlConfig.{name}={template!r} is not a format string with "
-                                 f"only {{question}} ({error!r}); write literal braces twice") from None
+                raise ValueError(
+                    f"JsonlConfig.{name}={template!r} is not a format string with "
+                    f"only {{question}} ({error!r}); write literal braces twice"
+                ) from None
             if "\0" not in probe:
-                raise ValueError(f"JsonlConfig.{name} must contain '{{question}}', got {template!r}")
+                raise ValueError(
+                    f"JsonlConfig.{name} must contain '{{question}}', got {template!r}"
+                )
 
 
 @dataclasses.dataclass
@@ -177,11 +185,13 @@ class JsonlReport:
     lines: int = 0
     blank_lines: int = 0
     loaded: int = 0
-    skipped: list[str] = dataclasses.field(default_factory=list)   # "file:line: reason"
+    skipped: list[str] = dataclasses.field(default_factory=list)  # "file:line: reason"
 
     def summary(self) -> str:
-        text = (f"{self.path}: {self.loaded} rows loaded, {len(self.skipped)} malformed rows "
-                f"skipped, {self.blank_lines} blank lines")
+        text = (
+            f"{self.path}: {self.loaded} rows loaded, {len(self.skipped)} malformed rows "
+            f"skipped, {self.blank_lines} blank lines"
+        )
         if self.skipped:
             text += "; first skipped: " + "; ".join(self.skipped[:3])
         return text
@@ -219,14 +229,18 @@ def _lookup(row: dict, name: str) -> Any:
 def _last_user_message(messages: list) -> str | None:
     """The content of the last ``{"role": "user", "content": str}`` of a chat, or None."""
     for message in reversed(messages):
-        if (isinstance(message, dict) and message.get("role") == "user"
-                and isinstance(message.get("content"), str)):
+        if (
+            isinstance(message, dict)
+            and message.get("role") == "user"
+            and isinstance(message.get("content"), str)
+        ):
             return message["content"]
     return None
 
 
-def _text_field(row: dict, names: tuple[str, ...], what: str, *,
-                chat: bool = False) -> tuple[str, str]:
+def _text_field(
+    row: dict, names: tuple[str, ...], what: str, *, chat: bool = False
+) -> tuple[str, str]:
     """(field name, its text) of the first of `names` present (dotted paths allowed; with
     `chat`, a list of chat messages gives its last user message); raises `ValueError`."""
     for name in names:
@@ -236,15 +250,19 @@ def _text_field(row: dict, names: tuple[str, ...], what: str, *,
         if chat and isinstance(value, list):
             content = _last_user_message(value)
             if content is None:
-                raise ValueError(f"{what} field {name!r} is a list without a user message "
-                                 "({'role': 'user', 'content': ...})")
+                raise ValueError(
+                    f"{what} field {name!r} is a list without a user message "
+                    "({'role': 'user', 'content': ...})"
+                )
             return name, content
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise ValueError(f"{what} field {name!r} must be text or a number, got "
-                             f"{type(value).__name__}")
+            raise ValueError(
+                f"{what} field {name!r} must be text or a number, got {type(value).__name__}"
+            )
         return name, str(value)
-    raise ValueError(f"missing {what} field: none of {list(names)} present "
-                     f"(fields: {sorted(row)[:10]})")
+    raise ValueError(
+        f"missing {what} field: none of {list(names)} present (fields: {sorted(row)[:10]})"
+    )
 
 
 def _find_tests(row: dict, config: JsonlConfig) -> tuple[str | None, list[str]]:
@@ -261,7 +279,9 @@ def _find_tests(row: dict, config: JsonlConfig) -> tuple[str | None, list[str]]:
             continue
         entry_point = row.get("entry_point")
         try:
-            tests = parse_tests(value, entry_point=entry_point if isinstance(entry_point, str) else None)
+            tests = parse_tests(
+                value, entry_point=entry_point if isinstance(entry_point, str) else None
+            )
         except ValueError as e:
             raise ValueError(f"tests field {name!r}: {e}") from None
         if not (tests.strip() if isinstance(tests, str) else tests):
@@ -280,12 +300,14 @@ def _code_tests(row: dict, config: JsonlConfig) -> str:
         return tests
     if empty:
         raise ValueError(f"tests field {empty[0]!r}: empty tests")
-    raise ValueError(f"missing tests field: none of {list(config.tests_fields)} present "
-                     f"(fields: {sorted(row)[:10]})")
+    raise ValueError(
+        f"missing tests field: none of {list(config.tests_fields)} present "
+        f"(fields: {sorted(row)[:10]})"
+    )
 
 
 def _row_task(row: dict, config: JsonlConfig) -> str:
-    """"math" or "code": a mixed file's row, by ``config.task_field`` or by its tests."""
+    """ "math" or "code": a mixed file's row, by ``config.task_field`` or by its tests."""
     if config.task_field is not None:
         value = _lookup(row, config.task_field)
         if not isinstance(value, str):
@@ -341,8 +363,9 @@ def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
         if not reference:
             raise ValueError(f"empty answer extracted from field {answer_name!r}")
         default_solutions = ("solution", "answer")
-    solution_names = ((config.solution_field,) if config.solution_field is not None
-                      else default_solutions)
+    solution_names = (
+        (config.solution_field,) if config.solution_field is not None else default_solutions
+    )
     solution = ""
     for name in solution_names:
         if isinstance(_lookup(row, name), str):
@@ -354,16 +377,24 @@ def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
     if task == "code" and solution.strip() and "```" not in solution:
         code = solution.replace("\r\n", "\n").strip("\n")  # the first line keeps its indent
         solution = f"```python\n{code}\n```"  # the format the code verifier reads
-    template = config.code_prompt_template if task == "code" and config.code_prompt_template else config.prompt_template
-    record = {"prompt": template.format(question=question), "answer": reference,
-              "solution": solution}
+    template = (
+        config.code_prompt_template
+        if task == "code" and config.code_prompt_template
+        else config.prompt_template
+    )
+    record = {
+        "prompt": template.format(question=question),
+        "answer": reference,
+        "solution": solution,
+    }
     if config.task == "mixed":
         record["task"] = task
     return record
 
 
-def read_math_jsonl(path: str | os.PathLike,
-                    config: JsonlConfig = JsonlConfig()) -> tuple[list[dict[str, str]], JsonlReport]:
+def read_math_jsonl(
+    path: str | os.PathLike, config: JsonlConfig = JsonlConfig()
+) -> tuple[list[dict[str, str]], JsonlReport]:
     """Reads a JSONL math file (or, with ``config.task = "code"``, code problems) into records.
 
     Args:
@@ -388,7 +419,9 @@ def read_math_jsonl(path: str | os.PathLike,
                 try:
                     line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
                 except UnicodeDecodeError as e:
-                    raise ValueError(f"not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
+                    raise ValueError(
+                        f"not UTF-8 text (byte {e.start}: {raw[e.start : e.start + 1]!r})"
+                    ) from None
                 record = parse_row(line, config)
             except ValueError as e:
                 message = f"{path}:{line_number}: {e}"

@@ -67,12 +67,15 @@ def bucket_length(length: int, buckets: Sequence[int]) -> int:
     for bucket in sorted(buckets):
         if length <= bucket:
             return bucket
-    raise ValueError(f"length {length} exceeds the largest length bucket {max(buckets)}; "
-                     "add a bucket or limit the length (max_prompt_length / max_response_length)")
+    raise ValueError(
+        f"length {length} exceeds the largest length bucket {max(buckets)}; "
+        "add a bucket or limit the length (max_prompt_length / max_response_length)"
+    )
 
 
-def pad_to_bucket(sequences: Sequence[Sequence[int]], buckets: Sequence[int],
-                  pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def pad_to_bucket(
+    sequences: Sequence[Sequence[int]], buckets: Sequence[int], pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Right-pads token lists to one bucketed length.
 
     Args:
@@ -86,7 +89,7 @@ def pad_to_bucket(sequences: Sequence[Sequence[int]], buckets: Sequence[int],
     width = bucket_length(int(lengths.max(initial=0)), buckets)
     tokens = np.full((len(sequences), width), pad_id, np.int32)
     for row, sequence in enumerate(sequences):
-        tokens[row, :len(sequence)] = sequence
+        tokens[row, : len(sequence)] = sequence
     return tokens, lengths
 
 
@@ -102,9 +105,11 @@ class LengthReport:
     truncated_responses: int = 0
 
     def summary(self) -> str:
-        return (f"{self.kept_examples}/{self.source_examples} examples kept; prompts: "
-                f"{self.dropped_prompts} dropped, {self.truncated_prompts} truncated; responses: "
-                f"{self.dropped_responses} dropped, {self.truncated_responses} truncated")
+        return (
+            f"{self.kept_examples}/{self.source_examples} examples kept; prompts: "
+            f"{self.dropped_prompts} dropped, {self.truncated_prompts} truncated; responses: "
+            f"{self.dropped_responses} dropped, {self.truncated_responses} truncated"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,9 +132,15 @@ class _Tokenize:
         if self.overlong_prompt.startswith("truncate"):
             budget = self.max_prompt_length - (len(ids) - len(text_ids))
             if budget <= 0:
-                raise ValueError(f"max_prompt_length={self.max_prompt_length} leaves no room for text "
-                                 f"after the {len(ids) - len(text_ids)} tokens of the chat template")
-            kept = text_ids[:budget] if self.overlong_prompt == "truncate_right" else text_ids[-budget:]
+                raise ValueError(
+                    f"max_prompt_length={self.max_prompt_length} leaves no room for text "
+                    f"after the {len(ids) - len(text_ids)} tokens of the chat template"
+                )
+            kept = (
+                text_ids[:budget]
+                if self.overlong_prompt == "truncate_right"
+                else text_ids[-budget:]
+            )
             ids = self.tokenizer.wrap_prompt(kept)
         return ids, True
 
@@ -138,7 +149,7 @@ class _Tokenize:
         if self.max_response_length is None or len(ids) <= self.max_response_length:
             return ids, False
         if self.overlong_response == "truncate":
-            ids = ids[:self.max_response_length]
+            ids = ids[: self.max_response_length]
         return ids, True
 
     def __call__(self, item: tuple[int, dict]) -> dict:
@@ -173,9 +184,11 @@ def _check_lengths(source: Sequence, tokenize: _Tokenize) -> tuple[np.ndarray, L
         _, prompt_over = tokenize.prompt_tokens(record["prompt"])
         if prompt_over:
             if tokenize.overlong_prompt == "error":
-                raise ValueError(f"record {index}: prompt longer than max_prompt_length="
-                                 f"{tokenize.max_prompt_length} tokens ({record['prompt'][:60]!r}...); "
-                                 "set overlong_prompt to 'drop' or 'truncate_right'/'truncate_left'")
+                raise ValueError(
+                    f"record {index}: prompt longer than max_prompt_length="
+                    f"{tokenize.max_prompt_length} tokens ({record['prompt'][:60]!r}...); "
+                    "set overlong_prompt to 'drop' or 'truncate_right'/'truncate_left'"
+                )
             if tokenize.overlong_prompt == "drop":
                 report.dropped_prompts += 1
                 keep[index] = False
@@ -185,9 +198,11 @@ def _check_lengths(source: Sequence, tokenize: _Tokenize) -> tuple[np.ndarray, L
             _, response_over = tokenize.response_tokens(record["solution"])
             if response_over:
                 if tokenize.overlong_response == "error":
-                    raise ValueError(f"record {index}: solution longer than max_response_length="
-                                     f"{tokenize.max_response_length} tokens; set overlong_response to "
-                                     "'drop' or 'truncate'")
+                    raise ValueError(
+                        f"record {index}: solution longer than max_response_length="
+                        f"{tokenize.max_response_length} tokens; set overlong_response to "
+                        "'drop' or 'truncate'"
+                    )
                 if tokenize.overlong_response == "drop":
                     report.dropped_responses += 1
                     keep[index] = False
@@ -218,8 +233,10 @@ class _CollateTokens:
         for key in examples[0]:
             values = [example[key] for example in examples]
             if key.endswith("_tokens"):
-                stem = key[:-len("_tokens")]
-                batch[key], batch[stem + "_lengths"] = pad_to_bucket(values, self.buckets, self.pad_id)
+                stem = key[: -len("_tokens")]
+                batch[key], batch[stem + "_lengths"] = pad_to_bucket(
+                    values, self.buckets, self.pad_id
+                )
             elif isinstance(values[0], str):
                 batch[key] = values
             else:
@@ -248,14 +265,24 @@ class Pipeline:
         return iter(self.dataset)
 
 
-def make_pipeline(source: Sequence, *, batch_size: int, seed: int, shuffle: bool = True,
-                  num_epochs: int | None = None, tokenizer=None,
-                  max_prompt_length: int | None = None, overlong_prompt: str = "error",
-                  include_solution: bool = False, max_response_length: int | None = None,
-                  overlong_response: str = "error",
-                  length_buckets: Sequence[int] = DEFAULT_BUCKETS,
-                  drop_remainder: bool = True, num_threads: int = 0,
-                  prefetch_buffer_size: int = 0) -> Pipeline:
+def make_pipeline(
+    source: Sequence,
+    *,
+    batch_size: int,
+    seed: int,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    tokenizer=None,
+    max_prompt_length: int | None = None,
+    overlong_prompt: str = "error",
+    include_solution: bool = False,
+    max_response_length: int | None = None,
+    overlong_response: str = "error",
+    length_buckets: Sequence[int] = DEFAULT_BUCKETS,
+    drop_remainder: bool = True,
+    num_threads: int = 0,
+    prefetch_buffer_size: int = 0,
+) -> Pipeline:
     """Builds the grain pipeline of batches over `source` (see the module docstring).
 
     Args:
@@ -283,16 +310,27 @@ def make_pipeline(source: Sequence, *, batch_size: int, seed: int, shuffle: bool
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if overlong_prompt not in PROMPT_POLICIES:
-        raise ValueError(f"overlong_prompt must be one of {PROMPT_POLICIES}, got {overlong_prompt!r}")
+        raise ValueError(
+            f"overlong_prompt must be one of {PROMPT_POLICIES}, got {overlong_prompt!r}"
+        )
     if overlong_response not in RESPONSE_POLICIES:
-        raise ValueError(f"overlong_response must be one of {RESPONSE_POLICIES}, got "
-                         f"{overlong_response!r}")
+        raise ValueError(
+            f"overlong_response must be one of {RESPONSE_POLICIES}, got {overlong_response!r}"
+        )
     if tokenizer is None and (max_prompt_length or include_solution or max_response_length):
-        raise ValueError("max_prompt_length / include_solution / max_response_length need a tokenizer")
+        raise ValueError(
+            "max_prompt_length / include_solution / max_response_length need a tokenizer"
+        )
 
     if tokenizer is not None:
-        tokenize = _Tokenize(tokenizer, max_prompt_length, overlong_prompt, include_solution,
-                             max_response_length, overlong_response)
+        tokenize = _Tokenize(
+            tokenizer,
+            max_prompt_length,
+            overlong_prompt,
+            include_solution,
+            max_response_length,
+            overlong_response,
+        )
         if max_prompt_length is not None or max_response_length is not None:
             indices, report = _check_lengths(source, tokenize)
         else:
@@ -305,8 +343,11 @@ def make_pipeline(source: Sequence, *, batch_size: int, seed: int, shuffle: bool
         report = LengthReport(source_examples=len(source), kept_examples=len(source))
         transform = lambda item: dict(as_record(item[1]), index=item[0])
         collate = _collate_records
-    if report.kept_examples < report.source_examples or report.truncated_prompts or (
-            report.truncated_responses):
+    if (
+        report.kept_examples < report.source_examples
+        or report.truncated_prompts
+        or (report.truncated_responses)
+    ):
         logging.warning("data pipeline: %s", report.summary())
     if len(indices) == 0:
         raise ValueError(f"no examples left to batch: {report.summary()}")
@@ -316,11 +357,18 @@ def make_pipeline(source: Sequence, *, batch_size: int, seed: int, shuffle: bool
         dataset = dataset.shuffle(seed=seed)
     if num_epochs != 1:
         dataset = dataset.repeat(num_epochs)
-    dataset = dataset.map(transform).batch(batch_size, drop_remainder=drop_remainder,
-                                           batch_fn=collate)
-    read_options = grain.ReadOptions(num_threads=num_threads,
-                                     prefetch_buffer_size=prefetch_buffer_size)
-    batches_per_epoch = (len(indices) // batch_size if drop_remainder
-                         else -(-len(indices) // batch_size))
-    return Pipeline(dataset=dataset.to_iter_dataset(read_options), report=report,
-                    num_examples=len(indices), batches_per_epoch=batches_per_epoch)
+    dataset = dataset.map(transform).batch(
+        batch_size, drop_remainder=drop_remainder, batch_fn=collate
+    )
+    read_options = grain.ReadOptions(
+        num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size
+    )
+    batches_per_epoch = (
+        len(indices) // batch_size if drop_remainder else -(-len(indices) // batch_size)
+    )
+    return Pipeline(
+        dataset=dataset.to_iter_dataset(read_options),
+        report=report,
+        num_examples=len(indices),
+        batches_per_epoch=batches_per_epoch,
+    )

@@ -83,19 +83,29 @@ class ArithmeticConfig:
         if self.num_operands < 2:
             raise ValueError(f"ArithmeticConfig.num_operands must be >= 2, got {self.num_operands}")
         if self.max_operands is not None and self.max_operands < self.num_operands:
-            raise ValueError(f"ArithmeticConfig.max_operands must be None or >= num_operands="
-                             f"{self.num_operands}, got {self.max_operands}")
+            raise ValueError(
+                f"ArithmeticConfig.max_operands must be None or >= num_operands="
+                f"{self.num_operands}, got {self.max_operands}"
+            )
         if not 1 <= self.min_digits <= self.max_digits:
-            raise ValueError("ArithmeticConfig needs 1 <= min_digits <= max_digits, got "
-                             f"min_digits={self.min_digits}, max_digits={self.max_digits}")
+            raise ValueError(
+                "ArithmeticConfig needs 1 <= min_digits <= max_digits, got "
+                f"min_digits={self.min_digits}, max_digits={self.max_digits}"
+            )
         if not self.operators or any(op not in _OPERATORS for op in self.operators):
-            raise ValueError(f"ArithmeticConfig.operators must be a non-empty subset of "
-                             f"{_OPERATORS!r}, got {self.operators!r}")
+            raise ValueError(
+                f"ArithmeticConfig.operators must be a non-empty subset of "
+                f"{_OPERATORS!r}, got {self.operators!r}"
+            )
         if not 0.0 <= self.wrong_procedure_fraction <= 1.0:
-            raise ValueError("ArithmeticConfig.wrong_procedure_fraction must be in [0, 1], got "
-                             f"{self.wrong_procedure_fraction}")
+            raise ValueError(
+                "ArithmeticConfig.wrong_procedure_fraction must be in [0, 1], got "
+                f"{self.wrong_procedure_fraction}"
+            )
         if not 0.0 < self.test_fraction < 1.0:
-            raise ValueError(f"ArithmeticConfig.test_fraction must be in (0, 1), got {self.test_fraction}")
+            raise ValueError(
+                f"ArithmeticConfig.test_fraction must be in (0, 1), got {self.test_fraction}"
+            )
 
     @property
     def column_traces(self) -> bool:
@@ -147,8 +157,9 @@ def _apply(left: int, op: str, right: int) -> int:
     return left + right if op == "+" else left - right if op == "-" else left * right
 
 
-def evaluation_steps(operands: Sequence[int], operators: Sequence[str],
-                     precedence: bool = True) -> list[tuple[int, str, int, int]]:
+def evaluation_steps(
+    operands: Sequence[int], operators: Sequence[str], precedence: bool = True
+) -> list[tuple[int, str, int, int]]:
     """The binary steps (left, op, right, result) that evaluate the expression.
 
     With `precedence`, every `*` is done first (left to right), then `+`/`-` left to right:
@@ -162,7 +173,7 @@ def evaluation_steps(operands: Sequence[int], operators: Sequence[str],
             if ops[i] == "*":
                 result = values[i] * values[i + 1]
                 steps.append((values[i], "*", values[i + 1], result))
-                values[i:i + 2] = [result]
+                values[i : i + 2] = [result]
                 del ops[i]
             else:
                 i += 1
@@ -197,8 +208,9 @@ def format_response(reasoning: str, answer: str) -> str:
     return f"{THINK_OPEN}{reasoning}{THINK_CLOSE}{BOXED_OPEN}{answer}{BOXED_CLOSE}"
 
 
-def solve(operands: Sequence[int], operators: Sequence[str], *, column_trace: bool,
-          wrong: bool = False) -> tuple[str, int]:
+def solve(
+    operands: Sequence[int], operators: Sequence[str], *, column_trace: bool, wrong: bool = False
+) -> tuple[str, int]:
     """A worked response and the answer it ends with.
 
     Args:
@@ -235,7 +247,7 @@ def prompt_text(record: dict) -> str:
 
 
 def split_of(prompt: str, test_fraction: float) -> str:
-    """"test" if the prompt's hash falls in the first `test_fraction` of [0, 1), else
+    """ "test" if the prompt's hash falls in the first `test_fraction` of [0, 1), else
     "train". Independent of the seed, so every seed shares one partition."""
     digest = hashlib.sha256(b"policyopt/arithmetic/split/" + prompt.encode()).digest()
     u = int.from_bytes(digest[:8], "big") / 2.0**64
@@ -250,12 +262,13 @@ def is_wrong_procedure(index: int, fraction: float) -> bool:
 
 def _draw_operand(rng: random.Random, config: ArithmeticConfig) -> int:
     digits = rng.randint(config.min_digits, config.max_digits)
-    low = 0 if digits == 1 else 10**(digits - 1)
+    low = 0 if digits == 1 else 10 ** (digits - 1)
     return rng.randint(low, 10**digits - 1)
 
 
-def iter_arithmetic(config: ArithmeticConfig, *, split: str, seed: int,
-                    max_attempts: int | None = None) -> Iterator[dict]:
+def iter_arithmetic(
+    config: ArithmeticConfig, *, split: str, seed: int, max_attempts: int | None = None
+) -> Iterator[dict]:
     """Yields the distinct records of one split, in a fixed order given (config, seed).
 
     Args:
@@ -278,7 +291,8 @@ def iter_arithmetic(config: ArithmeticConfig, *, split: str, seed: int,
         if max_attempts is not None and attempts > max_attempts:
             raise ValueError(
                 f"only {len(seen)} distinct {split!r} problems found in {max_attempts} draws with "
-                f"{config}; widen the difficulty knobs (digits, operands) or ask for fewer examples")
+                f"{config}; widen the difficulty knobs (digits, operands) or ask for fewer examples"
+            )
         count = config.num_operands
         if config.max_operands is not None and config.max_operands > count:
             # Only then: a fixed number of operands keeps the stream it always had.
@@ -293,17 +307,23 @@ def iter_arithmetic(config: ArithmeticConfig, *, split: str, seed: int,
         answer = evaluate(operands, operators)
         solution, _ = solve(operands, operators, column_trace=config.column_traces, wrong=wrong)
         _, wrong_answer = solve(operands, operators, column_trace=config.column_traces, wrong=True)
-        yield {"prompt": prompt, "answer": str(answer), "solution": solution,
-               "wrong_answer": str(wrong_answer)}
+        yield {
+            "prompt": prompt,
+            "answer": str(answer),
+            "solution": solution,
+            "wrong_answer": str(wrong_answer),
+        }
 
 
-def generate_arithmetic(config: ArithmeticConfig, *, split: str, seed: int,
-                        num_examples: int) -> list[dict]:
+def generate_arithmetic(
+    config: ArithmeticConfig, *, split: str, seed: int, num_examples: int
+) -> list[dict]:
     """The first `num_examples` records of `iter_arithmetic` (deterministic).
 
     Raises `ValueError` if the split's problem space is too small for `num_examples`
     distinct problems (checked by a bound of 100 draws per example, plus 10,000).
     """
-    stream = iter_arithmetic(config, split=split, seed=seed,
-                             max_attempts=100 * num_examples + 10_000)
+    stream = iter_arithmetic(
+        config, split=split, seed=seed, max_attempts=100 * num_examples + 10_000
+    )
     return [next(stream) for _ in range(num_examples)]

@@ -73,14 +73,24 @@ class ArithmeticBuilderConfig(tfds.core.BuilderConfig):
     test_size: int = 512
 
 
-def arithmetic_builder_config(task: synthetic.ArithmeticConfig = synthetic.ArithmeticConfig(),
-                              *, seed: int = 0, train_size: int = 10_000,
-                              test_size: int = 512) -> ArithmeticBuilderConfig:
+def arithmetic_builder_config(
+    task: synthetic.ArithmeticConfig = synthetic.ArithmeticConfig(),
+    *,
+    seed: int = 0,
+    train_size: int = 10_000,
+    test_size: int = 512,
+) -> ArithmeticBuilderConfig:
     """A config named by its content (`seed0_10000x512_<hash of the knobs>`)."""
     knobs = json.dumps(dataclasses.asdict(task), sort_keys=True).encode()
     name = f"seed{seed}_{train_size}x{test_size}_{_digest(knobs)}"
-    return ArithmeticBuilderConfig(name=name, description=f"{task}", task=task, seed=seed,
-                                   train_size=train_size, test_size=test_size)
+    return ArithmeticBuilderConfig(
+        name=name,
+        description=f"{task}",
+        task=task,
+        seed=seed,
+        train_size=train_size,
+        test_size=test_size,
+    )
 
 
 class PolicyoptArithmetic(_Builder):
@@ -95,17 +105,21 @@ class PolicyoptArithmetic(_Builder):
             builder=self,
             description=synthetic.__doc__.split("\n\n")[0],
             features=_text_features(_TEXT_FIELDS + ("wrong_answer",)),
-            disable_shuffling=True)
+            disable_shuffling=True,
+        )
 
     def _split_generators(self, dl_manager):
         del dl_manager  # Nothing to download.
-        return {"train": self._generate_examples("train", self.builder_config.train_size),
-                "test": self._generate_examples("test", self.builder_config.test_size)}
+        return {
+            "train": self._generate_examples("train", self.builder_config.train_size),
+            "test": self._generate_examples("test", self.builder_config.test_size),
+        }
 
     def _generate_examples(self, split: str, size: int):
         config = self.builder_config
-        records = synthetic.generate_arithmetic(config.task, split=split, seed=config.seed,
-                                                num_examples=size)
+        records = synthetic.generate_arithmetic(
+            config.task, split=split, seed=config.seed, num_examples=size
+        )
         for index, record in enumerate(records):
             yield index, record
 
@@ -118,13 +132,13 @@ class PolicyoptArithmetic(_Builder):
 class MathJsonlBuilderConfig(tfds.core.BuilderConfig):
     """Local JSONL files per split (e.g. {"train": "gsm8k_train.jsonl"}) and how to read them."""
 
-    files: tuple[tuple[str, str], ...] = ()   # ((split, path), ...)
+    files: tuple[tuple[str, str], ...] = ()  # ((split, path), ...)
     reader: jsonl.JsonlConfig = jsonl.JsonlConfig()
 
 
-def math_jsonl_builder_config(files: dict[str, str | os.PathLike],
-                              reader: jsonl.JsonlConfig = jsonl.JsonlConfig()
-                              ) -> MathJsonlBuilderConfig:
+def math_jsonl_builder_config(
+    files: dict[str, str | os.PathLike], reader: jsonl.JsonlConfig = jsonl.JsonlConfig()
+) -> MathJsonlBuilderConfig:
     """A config named by the reader settings and the files' contents (`jsonl_<hash>`)."""
     if not files:
         raise ValueError("math_jsonl_builder_config needs at least one {split: path}")
@@ -135,8 +149,12 @@ def math_jsonl_builder_config(files: dict[str, str | os.PathLike],
         with open(path, "rb") as f:
             parts += [split.encode(), f.read()]
         items.append((split, path))
-    return MathJsonlBuilderConfig(name=f"jsonl_{_digest(*parts)}", files=tuple(items),
-                                  reader=reader, description=", ".join(p for _, p in items))
+    return MathJsonlBuilderConfig(
+        name=f"jsonl_{_digest(*parts)}",
+        files=tuple(items),
+        reader=reader,
+        description=", ".join(p for _, p in items),
+    )
 
 
 class PolicyoptMathJsonl(_Builder):
@@ -150,24 +168,31 @@ class PolicyoptMathJsonl(_Builder):
     # Bump when `policyopt.data.jsonl` reads rows differently: the directory's name hashes
     # the reader settings and the files, not the reading code.
     VERSION = tfds.core.Version("1.1.0")
-    RELEASE_NOTES = {"1.0.0": "prompt / answer / solution text.",
-                     "1.1.0": "code problems (tests as JSON text, MBPP setup, fenced solutions) and mixed "
-                              "files (a task field)."}
+    RELEASE_NOTES = {
+        "1.0.0": "prompt / answer / solution text.",
+        "1.1.0": "code problems (tests as JSON text, MBPP setup, fenced solutions) and mixed "
+        "files (a task field).",
+    }
 
     def _info(self) -> tfds.core.DatasetInfo:
         # Mixed math and code files: each record also says its task.
         mixed = self.builder_config is not None and self.builder_config.reader.task == "mixed"
         fields = _TEXT_FIELDS + (("task",) if mixed else ())
-        return tfds.core.DatasetInfo(builder=self, features=_text_features(fields),
-                                     metadata=tfds.core.MetadataDict(), disable_shuffling=True)
+        return tfds.core.DatasetInfo(
+            builder=self,
+            features=_text_features(fields),
+            metadata=tfds.core.MetadataDict(),
+            disable_shuffling=True,
+        )
 
     def _split_generators(self, dl_manager):
         del dl_manager
         if not self.builder_config.files:
             raise ValueError("PolicyoptMathJsonl needs a config from math_jsonl_builder_config()")
         self.info.metadata["jsonl_reports"] = {}
-        return {split: self._generate_examples(split, path)
-                for split, path in self.builder_config.files}
+        return {
+            split: self._generate_examples(split, path) for split, path in self.builder_config.files
+        }
 
     def _generate_examples(self, split: str, path: str):
         records, report = jsonl.read_math_jsonl(path, self.builder_config.reader)
@@ -180,7 +205,9 @@ class PolicyoptMathJsonl(_Builder):
 # Building
 
 
-def prepare(builder: tfds.core.DatasetBuilder, *, progress_bar: bool = False, download: bool = True):
+def prepare(
+    builder: tfds.core.DatasetBuilder, *, progress_bar: bool = False, download: bool = True
+):
     """`download_and_prepare` (a no-op when already prepared); returns the builder.
 
     tfds only has a process-wide switch for its progress bars; `progress_bar=False`
@@ -189,31 +216,47 @@ def prepare(builder: tfds.core.DatasetBuilder, *, progress_bar: bool = False, do
     """
     if not download:
         if not builder.is_prepared():
-            raise FileNotFoundError(f"{builder.name} is not prepared in {builder.data_dir} (with "
-                                    "several processes, the directory must be shared by all)")
+            raise FileNotFoundError(
+                f"{builder.name} is not prepared in {builder.data_dir} (with "
+                "several processes, the directory must be shared by all)"
+            )
         return builder
     tfds.display_progress_bar(progress_bar)
     builder.download_and_prepare()
     return builder
 
 
-def build_arithmetic(data_dir: str | os.PathLike,
-                     task: synthetic.ArithmeticConfig = synthetic.ArithmeticConfig(), *,
-                     seed: int = 0, train_size: int = 10_000,
-                     test_size: int = 512, download: bool = True) -> PolicyoptArithmetic:
+def build_arithmetic(
+    data_dir: str | os.PathLike,
+    task: synthetic.ArithmeticConfig = synthetic.ArithmeticConfig(),
+    *,
+    seed: int = 0,
+    train_size: int = 10_000,
+    test_size: int = 512,
+    download: bool = True,
+) -> PolicyoptArithmetic:
     """Prepares (or reuses; with `download=False` only reuses) the synthetic task under
     `data_dir`; returns the builder."""
-    config = arithmetic_builder_config(task, seed=seed, train_size=train_size,
-                                       test_size=test_size)
-    return prepare(PolicyoptArithmetic(data_dir=os.fspath(data_dir), config=config,
-                                       file_format="array_record"), download=download)
+    config = arithmetic_builder_config(task, seed=seed, train_size=train_size, test_size=test_size)
+    return prepare(
+        PolicyoptArithmetic(
+            data_dir=os.fspath(data_dir), config=config, file_format="array_record"
+        ),
+        download=download,
+    )
 
 
-def build_math_jsonl(data_dir: str | os.PathLike, files: dict[str, str | os.PathLike],
-                     reader: jsonl.JsonlConfig = jsonl.JsonlConfig(), *,
-                     download: bool = True) -> PolicyoptMathJsonl:
+def build_math_jsonl(
+    data_dir: str | os.PathLike,
+    files: dict[str, str | os.PathLike],
+    reader: jsonl.JsonlConfig = jsonl.JsonlConfig(),
+    *,
+    download: bool = True,
+) -> PolicyoptMathJsonl:
     """Prepares (or reuses; with `download=False` only reuses) local JSONL files under
     `data_dir`; returns the builder."""
     config = math_jsonl_builder_config(files, reader)
-    return prepare(PolicyoptMathJsonl(data_dir=os.fspath(data_dir), config=config,
-                                      file_format="array_record"), download=download)
+    return prepare(
+        PolicyoptMathJsonl(data_dir=os.fspath(data_dir), config=config, file_format="array_record"),
+        download=download,
+    )

@@ -58,7 +58,9 @@ class CharTokenizer:
             raise ValueError(f"CharTokenizer alphabet has repeated characters: {alphabet!r}")
         clashes = [c for c in alphabet if c in _CHAR_SPECIALS]
         if clashes:
-            raise ValueError(f"CharTokenizer alphabet {alphabet!r} contains special tokens {clashes}")
+            raise ValueError(
+                f"CharTokenizer alphabet {alphabet!r} contains special tokens {clashes}"
+            )
         self.alphabet = alphabet
         self.tokens: tuple[str, ...] = _CHAR_SPECIALS + tuple(alphabet)
         self._ids = {token: i for i, token in enumerate(self.tokens)}
@@ -114,7 +116,8 @@ class CharTokenizer:
                         f"character {char!r} at position {i} of {text[:60]!r} is not in the "
                         f"CharTokenizer alphabet {self.alphabet!r}; the character tokenizer is "
                         "for the synthetic arithmetic task: for real text set model.pretrained "
-                        "(a Hugging Face checkpoint directory, whose tokenizer is used)")
+                        "(a Hugging Face checkpoint directory, whose tokenizer is used)"
+                    )
                 ids.append(self._ids[char])
                 i += 1
         return ids
@@ -159,7 +162,9 @@ class CharTokenizer:
             raise ValueError(f"{path}: not a CharTokenizer file (type={config.get('type')!r})")
         tokenizer = cls(config["alphabet"])
         if list(tokenizer.tokens) != config["tokens"]:
-            raise ValueError(f"{path}: token list does not match its alphabet; file edited by hand?")
+            raise ValueError(
+                f"{path}: token list does not match its alphabet; file edited by hand?"
+            )
         return tokenizer
 
     def __eq__(self, other) -> bool:
@@ -212,21 +217,35 @@ class HFTokenizer:
         `eos_token_id` list, as HuggingFace's `generate` does.
     """
 
-    def __init__(self, tokenizer, *, bos_token: str | None = None, eos_token: str | None = None,
-                 pad_token: str | None = None, chat_template: str = "auto",
-                 stop_tokens: Sequence[str] = ()):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        chat_template: str = "auto",
+        stop_tokens: Sequence[str] = (),
+    ):
         import tokenizers  # Imported here: the char tokenizer needs nothing.
+
         self.tokenizer = tokenizer
         # A copy that encodes special tokens found in text as plain text.
         self._text_tokenizer = tokenizers.Tokenizer.from_str(tokenizer.to_str())
         self._text_tokenizer.encode_special_tokens = True
-        has_chatml = all(tokenizer.token_to_id(t) is not None for t in ("<|im_start|>", "<|im_end|>"))
+        has_chatml = all(
+            tokenizer.token_to_id(t) is not None for t in ("<|im_start|>", "<|im_end|>")
+        )
         if chat_template == "auto":
             chat_template = "chatml" if has_chatml else "plain"
         if chat_template not in ("chatml", "plain"):
-            raise ValueError(f"chat_template must be 'auto', 'chatml' or 'plain', got {chat_template!r}")
+            raise ValueError(
+                f"chat_template must be 'auto', 'chatml' or 'plain', got {chat_template!r}"
+            )
         if chat_template == "chatml" and not has_chatml:
-            raise ValueError("chat_template='chatml' but the vocabulary lacks <|im_start|>/<|im_end|>")
+            raise ValueError(
+                "chat_template='chatml' but the vocabulary lacks <|im_start|>/<|im_end|>"
+            )
         self.chat_template = chat_template
         if eos_token is None and chat_template == "chatml":
             eos_token = "<|im_end|>"
@@ -252,6 +271,7 @@ class HFTokenizer:
     def from_file(cls, path: str | os.PathLike, **kwargs) -> "HFTokenizer":
         """Loads a `tokenizer.json` file."""
         import tokenizers  # Imported here: the char tokenizer needs nothing.
+
         return cls(tokenizers.Tokenizer.from_file(os.fspath(path)), **kwargs)
 
     @classmethod
@@ -264,6 +284,7 @@ class HFTokenizer:
         `[151645, 151643]`) become `stop_tokens` unless those are given.
         """
         import tokenizers  # Imported here: the char tokenizer needs nothing.
+
         tokenizer = tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
         config_path = os.path.join(directory, "tokenizer_config.json")
         if os.path.exists(config_path):
@@ -332,8 +353,15 @@ class HFTokenizer:
         if self.chat_template == "chatml":
             start, end = self.token_to_id("<|im_start|>"), self.token_to_id("<|im_end|>")
             newline = self.encode("\n")
-            return ([start] + self.encode("user\n") + list(prompt_ids) + [end] + newline +
-                    [start] + self.encode("assistant\n"))
+            return (
+                [start]
+                + self.encode("user\n")
+                + list(prompt_ids)
+                + [end]
+                + newline
+                + [start]
+                + self.encode("assistant\n")
+            )
         prefix = [self._bos_id] if self._bos_id is not None else []
         return prefix + list(prompt_ids)
 
@@ -344,9 +372,14 @@ class HFTokenizer:
     def save(self, path: str | os.PathLike) -> None:
         """Writes `tokenizer.json` at `path` and the policyopt settings at `path + '.meta.json'`."""
         self.tokenizer.save(os.fspath(path))
-        meta = {"type": "hf", "bos_token": self.bos_token, "eos_token": self.eos_token,
-                "pad_token": self.pad_token, "chat_template": self.chat_template,
-                "stop_tokens": list(self.stop_tokens)}
+        meta = {
+            "type": "hf",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "chat_template": self.chat_template,
+            "stop_tokens": list(self.stop_tokens),
+        }
         with open(os.fspath(path) + ".meta.json", "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
 
@@ -354,9 +387,14 @@ class HFTokenizer:
     def load(cls, path: str | os.PathLike) -> "HFTokenizer":
         with open(os.fspath(path) + ".meta.json", encoding="utf-8") as f:
             meta = json.load(f)
-        return cls.from_file(path, bos_token=meta["bos_token"], eos_token=meta["eos_token"],
-                             pad_token=meta["pad_token"], chat_template=meta["chat_template"],
-                             stop_tokens=tuple(meta.get("stop_tokens", ())))
+        return cls.from_file(
+            path,
+            bos_token=meta["bos_token"],
+            eos_token=meta["eos_token"],
+            pad_token=meta["pad_token"],
+            chat_template=meta["chat_template"],
+            stop_tokens=tuple(meta.get("stop_tokens", ())),
+        )
 
     def __repr__(self) -> str:
         return f"HFTokenizer(vocab_size={self.vocab_size}, chat_template={self.chat_template!r})"

@@ -15,8 +15,17 @@ from policyopt.sharding import LOGICAL_AXIS_RULES, logical_to_mesh_axes, param_p
 from policyopt.models.transformer import ModelOutput, Transformer
 
 __all__ = [
-    "KVCache", "ModelConfig", "ModelOutput", "Transformer", "preset", "PRESETS",
-    "from_pretrained", "save_pretrained", "LOGICAL_AXIS_RULES", "logical_to_mesh_axes",
-    "param_partition_specs", "config_from_hf", "config_to_hf",
+    "KVCache",
+    "ModelConfig",
+    "ModelOutput",
+    "Transformer",
+    "preset",
+    "PRESETS",
+    "from_pretrained",
+    "save_pretrained",
+    "LOGICAL_AXIS_RULES",
+    "logical_to_mesh_axes",
+    "param_partition_specs",
+    "config_from_hf",
+    "config_to_hf",
 ]
-

@@ -51,8 +51,15 @@ class KVCache:
     index: jax.Array
 
     @classmethod
-    def create(cls, config: ModelConfig, batch_size: int, max_length: int, dtype=None, *,
-               per_layer: bool = False):
+    def create(
+        cls,
+        config: ModelConfig,
+        batch_size: int,
+        max_length: int,
+        dtype=None,
+        *,
+        per_layer: bool = False,
+    ):
         dtype = jnp.dtype(dtype) if dtype is not None else config.compute_dtype
         b, hkv, dh, layers = batch_size, config.num_kv_heads, config.head_dim, config.num_layers
 
@@ -61,10 +68,12 @@ class KVCache:
                 return tuple(constrain(jnp.zeros(shape, dtype), axes[1:]) for _ in range(layers))
             return constrain(jnp.zeros((layers,) + shape, dtype), axes)
 
-        return cls(k=zeros((b, hkv, dh, max_length), KEY_CACHE_AXES),
-                   v=zeros((b, hkv, max_length, dh), VALUE_CACHE_AXES),
-                   key_mask=jnp.zeros((batch_size, max_length), bool),
-                   index=jnp.zeros((), jnp.int32))
+        return cls(
+            k=zeros((b, hkv, dh, max_length), KEY_CACHE_AXES),
+            v=zeros((b, hkv, max_length, dh), VALUE_CACHE_AXES),
+            key_mask=jnp.zeros((batch_size, max_length), bool),
+            index=jnp.zeros((), jnp.int32),
+        )
 
     @property
     def per_layer(self) -> bool:
@@ -100,18 +109,20 @@ class KVCache:
     def write(self, layer: int, k: jax.Array, v: jax.Array) -> "KVCache":
         """Writes ``k, v`` [B, T, Hkv, Dh] (the projections' layout) of ``layer`` at slots
         [index, index + T)."""
-        k = jnp.transpose(k, (0, 2, 3, 1))                                  # [B, Hkv, Dh, T]
-        v = jnp.swapaxes(v, 1, 2)                                           # [B, Hkv, T, Dh]
+        k = jnp.transpose(k, (0, 2, 3, 1))  # [B, Hkv, Dh, T]
+        v = jnp.swapaxes(v, 1, 2)  # [B, Hkv, T, Dh]
 
         def put(buf, new, start, axes):
             if self.per_layer:
                 out = jax.lax.dynamic_update_slice(buf[layer], new.astype(buf[layer].dtype), start)
-                return buf[:layer] + (constrain(out, axes[1:]),) + buf[layer + 1:]
+                return buf[:layer] + (constrain(out, axes[1:]),) + buf[layer + 1 :]
             out = jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype)[None], (layer,) + start)
             return constrain(out, axes)
 
-        return self.replace(k=put(self.k, k, (0, 0, 0, self.index), KEY_CACHE_AXES),
-                            v=put(self.v, v, (0, 0, self.index, 0), VALUE_CACHE_AXES))
+        return self.replace(
+            k=put(self.k, k, (0, 0, 0, self.index), KEY_CACHE_AXES),
+            v=put(self.v, v, (0, 0, self.index, 0), VALUE_CACHE_AXES),
+        )
 
     def resize(self, length: int) -> "KVCache":
         """This cache with ``length`` slots: empty slots (``key_mask`` False) appended at the
@@ -136,16 +147,22 @@ class KVCache:
                 return tuple(fit(x, axes.index("length") - 1, axes[1:]) for x in buf)
             return fit(buf, axes.index("length"), axes)
 
-        return self.replace(k=fit_all(self.k, KEY_CACHE_AXES), v=fit_all(self.v, VALUE_CACHE_AXES),
-                            key_mask=fit(self.key_mask, 1))
+        return self.replace(
+            k=fit_all(self.k, KEY_CACHE_AXES),
+            v=fit_all(self.v, VALUE_CACHE_AXES),
+            key_mask=fit(self.key_mask, 1),
+        )
 
     def roll_slots(self, shift) -> "KVCache":
         """Every layer's keys, values and ``key_mask`` rolled by ``shift`` slots
         (``jnp.roll`` along the slot axis)."""
         if self.per_layer:
             raise ValueError("roll_slots needs the stacked form (KVCache.stack())")
-        return self.replace(k=jnp.roll(self.k, shift, axis=4), v=jnp.roll(self.v, shift, axis=3),
-                            key_mask=jnp.roll(self.key_mask, shift, axis=1))
+        return self.replace(
+            k=jnp.roll(self.k, shift, axis=4),
+            v=jnp.roll(self.v, shift, axis=3),
+            key_mask=jnp.roll(self.key_mask, shift, axis=1),
+        )
 
     def put_rows(self, other: "KVCache", row, slot) -> "KVCache":
         """This cache with ``other``'s keys and values (stacked, [L, B', ...], all of its
@@ -176,8 +193,16 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(dh, config.rms_norm_eps, param_dtype=pdt, axis_name="kv")
         self.k_norm = RMSNorm(dh, config.rms_norm_eps, param_dtype=pdt, axis_name="kv")
 
-    def __call__(self, x, cos, sin, token_mask, cache: KVCache | None, layer: int,
-                 segment_ids: jax.Array | None = None):
+    def __call__(
+        self,
+        x,
+        cos,
+        sin,
+        token_mask,
+        cache: KVCache | None,
+        layer: int,
+        segment_ids: jax.Array | None = None,
+    ):
         """Attention of one block.
 
         Args:
@@ -205,12 +230,21 @@ class Attention(nnx.Module):
             out, cache = cache.attend(layer, q, k, v, token_mask)
             return jnp.einsum("btnh,nhd->btd", out.astype(dt), self.o_proj[...].astype(dt)), cache
         if cache is None:
-            out = attend(q, k, v, key_mask=token_mask, segment_ids=segment_ids,
-                         implementation=self.implementation, block_size=self.block_size)
+            out = attend(
+                q,
+                k,
+                v,
+                key_mask=token_mask,
+                segment_ids=segment_ids,
+                implementation=self.implementation,
+                block_size=self.block_size,
+            )
         else:
             if segment_ids is not None:
-                raise ValueError("segment_ids (packed rows) cannot be used with a KV cache: "
-                                 "packing is for training forwards; decode unpacked rows")
+                raise ValueError(
+                    "segment_ids (packed rows) cannot be used with a KV cache: "
+                    "packing is for training forwards; decode unpacked rows"
+                )
             cache = cache.write(layer, k, v)
             key_mask = jax.lax.dynamic_update_slice(cache.key_mask, token_mask, (0, cache.index))
             cache = cache.replace(key_mask=key_mask)

@@ -61,8 +61,9 @@ _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _SPLASH_BLOCK = 128
 
 
-def check_implementation(implementation: str, *, backend: str, dtype, head_dim: int,
-                         interpret: bool = False) -> None:
+def check_implementation(
+    implementation: str, *, backend: str, dtype, head_dim: int, interpret: bool = False
+) -> None:
     """Raises ValueError when ``implementation`` cannot run on ``backend``.
 
     Args:
@@ -73,16 +74,21 @@ def check_implementation(implementation: str, *, backend: str, dtype, head_dim: 
       interpret: splash in Pallas interpret mode (tests on CPUs), allowed off a TPU.
     """
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"model.attention must be one of {IMPLEMENTATIONS}, "
-                         f"got {implementation!r}")
+        raise ValueError(
+            f"model.attention must be one of {IMPLEMENTATIONS}, got {implementation!r}"
+        )
     if implementation == "cudnn":
         reason = _cudnn_unsupported(backend, dtype, head_dim)
         if reason:
-            raise ValueError(f"model.attention='cudnn' cannot run here: {reason}; use 'auto', "
-                             "'blockwise' or 'xla'")
+            raise ValueError(
+                f"model.attention='cudnn' cannot run here: {reason}; use 'auto', "
+                "'blockwise' or 'xla'"
+            )
     if implementation == "splash" and backend != "tpu" and not interpret:
-        raise ValueError(f"model.attention='splash' needs a TPU, but the JAX backend is "
-                         f"{backend!r}; use 'auto', 'blockwise' or 'xla'")
+        raise ValueError(
+            f"model.attention='splash' needs a TPU, but the JAX backend is "
+            f"{backend!r}; use 'auto', 'blockwise' or 'xla'"
+        )
 
 
 def _cudnn_unsupported(backend: str, dtype, head_dim: int) -> str | None:
@@ -96,8 +102,9 @@ def _cudnn_unsupported(backend: str, dtype, head_dim: int) -> str | None:
     return None
 
 
-def choose_implementation(implementation: str, *, backend: str, dtype, head_dim: int,
-                          length: int, packed: bool) -> str:
+def choose_implementation(
+    implementation: str, *, backend: str, dtype, head_dim: int, length: int, packed: bool
+) -> str:
     """The implementation a call runs: ``implementation`` unless it is "auto".
 
     "auto": "cudnn" on a GPU where it applies and the rows are not packed (cuDNN's
@@ -113,9 +120,17 @@ def choose_implementation(implementation: str, *, backend: str, dtype, head_dim:
     return "xla" if length < XLA_MAX_LENGTH else "blockwise"
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, key_mask: jax.Array | None = None,
-           segment_ids: jax.Array | None = None, implementation: str = "auto",
-           block_size: int = 512, interpret: bool = False) -> jax.Array:
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    key_mask: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    implementation: str = "auto",
+    block_size: int = 512,
+    interpret: bool = False,
+) -> jax.Array:
     """Causal grouped-query self-attention of full rows (see the module docstring).
 
     Args:
@@ -132,14 +147,22 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, key_mask: jax.Array | No
     """
     b, t, h, dh = q.shape
     if k.shape[1] != t or v.shape != k.shape or h % k.shape[2]:
-        raise ValueError(f"attend takes self-attention q [B, T, H, Dh] and k, v [B, T, Hkv, Dh] "
-                         f"with H % Hkv == 0; got q {q.shape}, k {k.shape}, v {v.shape}")
+        raise ValueError(
+            f"attend takes self-attention q [B, T, H, Dh] and k, v [B, T, Hkv, Dh] "
+            f"with H % Hkv == 0; got q {q.shape}, k {k.shape}, v {v.shape}"
+        )
     backend = jax.default_backend()
-    check_implementation(implementation, backend=backend, dtype=q.dtype, head_dim=dh,
-                         interpret=interpret)
-    implementation = choose_implementation(implementation, backend=backend, dtype=q.dtype,
-                                           head_dim=dh, length=t,
-                                           packed=segment_ids is not None)
+    check_implementation(
+        implementation, backend=backend, dtype=q.dtype, head_dim=dh, interpret=interpret
+    )
+    implementation = choose_implementation(
+        implementation,
+        backend=backend,
+        dtype=q.dtype,
+        head_dim=dh,
+        length=t,
+        packed=segment_ids is not None,
+    )
     if key_mask is None:
         key_mask = jnp.ones((b, t), bool)
     key_mask = key_mask.astype(bool)
@@ -149,15 +172,17 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, key_mask: jax.Array | No
     if implementation == "blockwise":
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32)
-        return blockwise_attention(q, k, v, key_mask, segment_ids.astype(jnp.int32),
-                                   block_size=block_size)
+        return blockwise_attention(
+            q, k, v, key_mask, segment_ids.astype(jnp.int32), block_size=block_size
+        )
     if implementation == "cudnn":
         return cudnn_attention(q, k, v, key_mask, segment_ids)
     return splash_attention(q, k, v, key_mask, segment_ids, interpret=interpret)
 
 
-def attention_weights_mask(query_slots: jax.Array, key_mask: jax.Array,
-                           segment_ids: jax.Array | None = None) -> jax.Array:
+def attention_weights_mask(
+    query_slots: jax.Array, key_mask: jax.Array, segment_ids: jax.Array | None = None
+) -> jax.Array:
     """bool [B, T, S]: query at slot q may see key slot s iff s <= q and key_mask[b, s]
     (and, with ``segment_ids``, iff both lie in the same segment).
 
@@ -168,7 +193,7 @@ def attention_weights_mask(query_slots: jax.Array, key_mask: jax.Array,
         token, 0 for padding; a key of segment 0 is never seen.
     """
     key_slots = jnp.arange(key_mask.shape[1])
-    causal = key_slots[None, :] <= query_slots[:, None]               # [T,S]
+    causal = key_slots[None, :] <= query_slots[:, None]  # [T,S]
     mask = causal[None, :, :] & key_mask[:, None, :]
     if segment_ids is not None:
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
@@ -189,8 +214,9 @@ def dot_product_attention(q, k, v, mask, *, cache_layout: bool = False):
     if not cache_layout:
         hkv = k.shape[2]
         g = h // hkv
-        scores = jnp.einsum("btkgh,bskh->bkgts", q.reshape(b, t, hkv, g, dh), k,
-                            preferred_element_type=jnp.float32) * (dh ** -0.5)
+        scores = jnp.einsum(
+            "btkgh,bskh->bkgts", q.reshape(b, t, hkv, g, dh), k, preferred_element_type=jnp.float32
+        ) * (dh**-0.5)
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
@@ -203,8 +229,7 @@ def dot_product_attention(q, k, v, mask, *, cache_layout: bool = False):
     hkv = k.shape[1]
     g = h // hkv
     rows = q.reshape(b, t, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dh)
-    scores = jnp.einsum("bkqh,bkhs->bkqs", rows, k,
-                        preferred_element_type=jnp.float32) * (dh ** -0.5)
+    scores = jnp.einsum("bkqh,bkhs->bkqs", rows, k, preferred_element_type=jnp.float32) * (dh**-0.5)
     scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, hkv, t, g, -1), _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hkv, t * g, -1)
     out = jnp.einsum("bkqs,bksh->bkqh", probs, v)
@@ -212,6 +237,7 @@ def dot_product_attention(q, k, v, mask, *, cache_layout: bool = False):
 
 
 # ---- blockwise -------------------------------------------------------------------------
+
 
 def _pad_to(x: jax.Array, length: int, axis: int, value=0) -> jax.Array:
     widths = [(0, 0)] * x.ndim
@@ -223,7 +249,7 @@ def _blocks(x: jax.Array, block: int, axis: int) -> jax.Array:
     """x with ``axis`` (a multiple of ``block`` long) split into [n, ..., block, ...],
     the block index leading."""
     n = x.shape[axis] // block
-    x = x.reshape(x.shape[:axis] + (n, block) + x.shape[axis + 1:])
+    x = x.reshape(x.shape[:axis] + (n, block) + x.shape[axis + 1 :])
     return jnp.moveaxis(x, axis, 0)
 
 
@@ -261,17 +287,21 @@ def _block_inputs(q, k, v, key_mask, segment_ids, block):
     q = _pad_to(q, padded, 1).reshape(b, padded, hkv, h // hkv, dh).transpose(0, 2, 3, 1, 4)
     k = _pad_to(k, padded, 1).transpose(0, 2, 1, 3)
     v = _pad_to(v, padded, 1).transpose(0, 2, 1, 3)
-    return (_blocks(q, block, 3), _blocks(k, block, 2), _blocks(v, block, 2),
-            _blocks(_pad_to(key_mask, padded, 1, False), block, 1),
-            _blocks(_pad_to(segment_ids, padded, 1, 0), block, 1))
+    return (
+        _blocks(q, block, 3),
+        _blocks(k, block, 2),
+        _blocks(v, block, 2),
+        _blocks(_pad_to(key_mask, padded, 1, False), block, 1),
+        _blocks(_pad_to(segment_ids, padded, 1, 0), block, 1),
+    )
 
 
 def _tile_mask(i, j, block, key_mask_j, segment_q, segment_k):
     """bool [B, 1, 1, bq, bk]: which keys of block j each query of block i may see."""
     slots = jnp.arange(block)
-    causal = (j * block + slots)[None, :] <= (i * block + slots)[:, None]       # [bq, bk]
+    causal = (j * block + slots)[None, :] <= (i * block + slots)[:, None]  # [bq, bk]
     same = (segment_q[:, :, None] == segment_k[:, None, :]) & (segment_q != 0)[:, :, None]
-    mask = causal[None] & same & key_mask_j[:, None, :]                         # [B, bq, bk]
+    mask = causal[None] & same & key_mask_j[:, None, :]  # [B, bq, bk]
     return mask[:, None, None]
 
 
@@ -295,12 +325,12 @@ def _blockwise_fwd(q, k, v, key_mask, segment_ids, block):
     b, t, h, dh = q.shape
     qb, kb, vb, maskb, segb = _block_inputs(q, k, v, key_mask, segment_ids, block)
     n = qb.shape[0]
-    scale = dh ** -0.5
+    scale = dh**-0.5
     live = _live_blocks(maskb, segb)
 
     def query_block(i):
         q_i, seg_i = qb[i], segb[i]
-        stats_shape = q_i.shape[:-1]                                       # [B, Hkv, G, bq]
+        stats_shape = q_i.shape[:-1]  # [B, Hkv, G, bq]
 
         def update(j, carry):
             m, l, o = carry
@@ -310,25 +340,29 @@ def _blockwise_fwd(q, k, v, key_mask, segment_ids, block):
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             alpha = jnp.exp(m - m_new)
             l = alpha * l + p.sum(-1)
-            o = alpha[..., None] * o + jnp.einsum("bkgqs,bksh->bkgqh", p.astype(vb.dtype), vb[j],
-                                                  preferred_element_type=jnp.float32)
+            o = alpha[..., None] * o + jnp.einsum(
+                "bkgqs,bksh->bkgqh", p.astype(vb.dtype), vb[j], preferred_element_type=jnp.float32
+            )
             return m_new, l, o
 
         def key_block(j, carry):
             return jax.lax.cond(live[j], update, lambda j, carry: carry, j, carry)
 
-        init = (jnp.full(stats_shape, _MASK_VALUE, jnp.float32),
-                jnp.zeros(stats_shape, jnp.float32),
-                jnp.zeros(stats_shape + (dh,), jnp.float32))
+        init = (
+            jnp.full(stats_shape, _MASK_VALUE, jnp.float32),
+            jnp.zeros(stats_shape, jnp.float32),
+            jnp.zeros(stats_shape + (dh,), jnp.float32),
+        )
         # Causality: query block i sees key blocks 0..i only.
-        m, l, o = jax.lax.cond(live[i], lambda: jax.lax.fori_loop(0, i + 1, key_block, init),
-                               lambda: init)
+        m, l, o = jax.lax.cond(
+            live[i], lambda: jax.lax.fori_loop(0, i + 1, key_block, init), lambda: init
+        )
         seen = l > 0
         out = o / jnp.where(seen, l, 1.0)[..., None]
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
         return out.astype(v.dtype), lse
 
-    out, lse = jax.lax.map(query_block, jnp.arange(n))              # [n, B, Hkv, G, bq, ...]
+    out, lse = jax.lax.map(query_block, jnp.arange(n))  # [n, B, Hkv, G, bq, ...]
     out_rows = jnp.moveaxis(out, 0, 3).reshape(b, k.shape[2], h // k.shape[2], n * block, dh)
     out_rows = out_rows[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
     return out_rows, (q, k, v, key_mask, segment_ids, out, lse)
@@ -341,7 +375,7 @@ def _blockwise_bwd(block, residuals, d_out):
     qb, kb, vb, maskb, segb = _block_inputs(q, k, v, key_mask, segment_ids, block)
     (dob,) = _block_inputs(d_out, k, v, key_mask, segment_ids, block)[:1]
     n = qb.shape[0]
-    scale = dh ** -0.5
+    scale = dh**-0.5
     live = _live_blocks(maskb, segb)
     # D_t = sum_h do_t * out_t (FlashAttention-2's row term; = rowsum(p * dp)).
     delta = jnp.einsum("nbkgqh,nbkgqh->nbkgq", dob.astype(jnp.float32), out.astype(jnp.float32))
@@ -354,15 +388,18 @@ def _blockwise_bwd(block, residuals, d_out):
             q_i, do_i = qb[i], dob[i]
             mask = _tile_mask(i, j, block, mask_j, segb[i], seg_j)
             s = _scores(q_i, k_j, scale)
-            p = jnp.where(mask, jnp.exp(s - lse[i][..., None]), 0.0)        # [B,Hkv,G,bq,bk]
-            dv_j = dv_j + jnp.einsum("bkgqs,bkgqh->bksh", p.astype(do_i.dtype), do_i,
-                                     preferred_element_type=jnp.float32)
+            p = jnp.where(mask, jnp.exp(s - lse[i][..., None]), 0.0)  # [B,Hkv,G,bq,bk]
+            dv_j = dv_j + jnp.einsum(
+                "bkgqs,bkgqh->bksh", p.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32
+            )
             dp = jnp.einsum("bkgqh,bksh->bkgqs", do_i, v_j, preferred_element_type=jnp.float32)
             ds = p * (dp - delta[i][..., None]) * scale
-            dk_j = dk_j + jnp.einsum("bkgqs,bkgqh->bksh", ds.astype(q_i.dtype), q_i,
-                                     preferred_element_type=jnp.float32)
-            dq_i = jnp.einsum("bkgqs,bksh->bkgqh", ds.astype(k_j.dtype), k_j,
-                              preferred_element_type=jnp.float32)
+            dk_j = dk_j + jnp.einsum(
+                "bkgqs,bkgqh->bksh", ds.astype(q_i.dtype), q_i, preferred_element_type=jnp.float32
+            )
+            dq_i = jnp.einsum(
+                "bkgqs,bksh->bkgqh", ds.astype(k_j.dtype), k_j, preferred_element_type=jnp.float32
+            )
             return dq.at[i].add(dq_i), dk_j, dv_j
 
         def query_block(i, carry):
@@ -371,8 +408,10 @@ def _blockwise_bwd(block, residuals, d_out):
         zeros = jnp.zeros(k_j.shape, jnp.float32)
         # Causality: key block j is seen by query blocks j..n-1 only.
         dq, dk_j, dv_j = jax.lax.cond(
-            live[j], lambda: jax.lax.fori_loop(j, n, query_block, (dq, zeros, zeros)),
-            lambda: (dq, zeros, zeros))
+            live[j],
+            lambda: jax.lax.fori_loop(j, n, query_block, (dq, zeros, zeros)),
+            lambda: (dq, zeros, zeros),
+        )
         return dq, (dk_j, dv_j)
 
     dq = jnp.zeros(qb.shape, jnp.float32)
@@ -389,6 +428,7 @@ _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 # ---- cuDNN -----------------------------------------------------------------------------
+
 
 def cudnn_attention(q, k, v, key_mask, segment_ids=None, *, implementation: str = "cudnn"):
     """cuDNN flash attention through ``jax.nn.dot_product_attention``.
@@ -418,40 +458,56 @@ def cudnn_attention(q, k, v, key_mask, segment_ids=None, *, implementation: str 
     t = q.shape[1]
     if segment_ids is not None:
         mask = attention_weights_mask(jnp.arange(t), key_mask, segment_ids)[:, None]
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                            implementation=implementation)
-    start = jnp.argmax(key_mask, axis=1).astype(jnp.int32)                          # [B]
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=True, implementation=implementation
+        )
+    start = jnp.argmax(key_mask, axis=1).astype(jnp.int32)  # [B]
     lengths = jnp.maximum(key_mask.sum(axis=1, dtype=jnp.int32), 1)
-    slots = (jnp.arange(t, dtype=jnp.int32)[None, :] + start[:, None]) % t          # [B, T]
+    slots = (jnp.arange(t, dtype=jnp.int32)[None, :] + start[:, None]) % t  # [B, T]
 
     def rotate(x, index):
         return jnp.take_along_axis(x, index[:, :, None, None], axis=1)
 
     out = jax.nn.dot_product_attention(
-        rotate(q, slots), rotate(k, slots), rotate(v, slots), is_causal=True,
-        query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-        implementation=implementation)
+        rotate(q, slots),
+        rotate(k, slots),
+        rotate(v, slots),
+        is_causal=True,
+        query_seq_lengths=lengths,
+        key_value_seq_lengths=lengths,
+        implementation=implementation,
+    )
     back = (jnp.arange(t, dtype=jnp.int32)[None, :] - start[:, None]) % t
     return rotate(out, back)
 
 
 # ---- splash (TPU) ----------------------------------------------------------------------
 
+
 @functools.lru_cache(maxsize=32)
 def _splash_kernel(num_heads: int, length: int, block: int, interpret: bool):
     """The splash kernel of one row: causal over ``length`` slots, ``num_heads`` heads."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
-    with jax.ensure_compile_time_eval():       # concrete mask tables, cacheable across jits
+
+    with jax.ensure_compile_time_eval():  # concrete mask tables, cacheable across jits
         return _make_splash_kernel(splash, num_heads, length, block, interpret)
 
 
 def _make_splash_kernel(splash, num_heads, length, block, interpret):
     mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * num_heads)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                              block_q_dkv=block, block_kv_dkv=block,
-                              block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                  interpret=interpret)
+    sizes = splash.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
+    return splash.make_splash_mha(
+        mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+    )
 
 
 def splash_attention(q, k, v, key_mask, segment_ids=None, *, interpret: bool = False):
@@ -473,6 +529,7 @@ def splash_attention(q, k, v, key_mask, segment_ids=None, *, interpret: bool = F
       [B, T, H, Dh] in v's dtype.
     """
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
     b, t, h, dh = q.shape
     padded = -(-t // _SPLASH_BLOCK) * _SPLASH_BLOCK
     block = next(size for size in (512, 256, 128) if padded % size == 0)
@@ -480,15 +537,16 @@ def splash_attention(q, k, v, key_mask, segment_ids=None, *, interpret: bool = F
     ids = _pad_to(jnp.where(key_mask, ids, 0), padded, 1)
 
     def heads_first(x):
-        return _pad_to(x, padded, 1).transpose(0, 2, 1, 3)                 # [B, heads, T, Dh]
+        return _pad_to(x, padded, 1).transpose(0, 2, 1, 3)  # [B, heads, T, Dh]
 
-    q, k, v = heads_first(q * jnp.asarray(dh ** -0.5, q.dtype)), heads_first(k), heads_first(v)
+    q, k, v = heads_first(q * jnp.asarray(dh**-0.5, q.dtype)), heads_first(k), heads_first(v)
     axes = _splash_mesh_axes(b, h, k.shape[1])
 
     def rows(q, k, v, ids):
         kernel = _splash_kernel(q.shape[1], padded, block, interpret)
-        return jax.vmap(lambda q_b, k_b, v_b, ids_b: kernel(q_b, k_b, v_b,
-                                                            SegmentIds(ids_b, ids_b)))(q, k, v, ids)
+        return jax.vmap(
+            lambda q_b, k_b, v_b, ids_b: kernel(q_b, k_b, v_b, SegmentIds(ids_b, ids_b))
+        )(q, k, v, ids)
 
     if axes is None:
         out = rows(q, k, v, ids)
@@ -496,10 +554,15 @@ def splash_attention(q, k, v, key_mask, segment_ids=None, *, interpret: bool = F
         # Pallas TPU kernels are not partitioned automatically: each device runs the
         # kernel on its own rows (and heads) under shard_map.
         from jax.sharding import PartitionSpec as P
+
         batch_axes, head_axes = axes
         heads = P(batch_axes, head_axes, None, None)
-        out = jax.shard_map(rows, in_specs=(heads, heads, heads, P(batch_axes, None)),
-                            out_specs=heads, check_vma=False)(q, k, v, ids)
+        out = jax.shard_map(
+            rows,
+            in_specs=(heads, heads, heads, P(batch_axes, None)),
+            out_specs=heads,
+            check_vma=False,
+        )(q, k, v, ids)
     return out.transpose(0, 2, 1, 3)[:, :t].astype(v.dtype)
 
 
@@ -519,8 +582,10 @@ def _splash_mesh_axes(batch: int, heads: int, kv_heads: int):
 
     batch_axes, head_axes = spec
     if batch % size(batch_axes):
-        raise ValueError(f"splash attention: {batch} rows do not divide over the mesh axes "
-                         f"{batch_axes} ({size(batch_axes)} shards)")
+        raise ValueError(
+            f"splash attention: {batch} rows do not divide over the mesh axes "
+            f"{batch_axes} ({size(batch_axes)} shards)"
+        )
     if heads % size(head_axes) or kv_heads % size(head_axes):
         head_axes = None
     return batch_axes, head_axes

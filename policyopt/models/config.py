@@ -157,15 +157,23 @@ class ModelConfig:
     def __post_init__(self):
         if self.moe_layers is not None and not isinstance(self.moe_layers, tuple):
             object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})")
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
         if self.num_experts < 0:
@@ -174,38 +182,54 @@ class ModelConfig:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(
                     f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}]"
-                    f", got {self.num_experts_per_tok}")
+                    f", got {self.num_experts_per_tok}"
+                )
             if self.moe_layers is not None:
                 bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
                 if bad or len(set(self.moe_layers)) != len(self.moe_layers):
                     raise ValueError(
                         f"ModelConfig.moe_layers must be distinct layer indices in [0, {self.num_layers})"
-                        f", got {self.moe_layers}")
+                        f", got {self.moe_layers}"
+                    )
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
-                raise ValueError(f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}"
+                )
         if self.moe_dispatch not in _DISPATCH:
-            raise ValueError(f"ModelConfig.moe_dispatch must be one of {_DISPATCH}, got {self.moe_dispatch!r}")
+            raise ValueError(
+                f"ModelConfig.moe_dispatch must be one of {_DISPATCH}, got {self.moe_dispatch!r}"
+            )
         if self.moe_decode_dispatch is not None and self.moe_decode_dispatch not in _DISPATCH:
-            raise ValueError(f"ModelConfig.moe_decode_dispatch must be None or one of {_DISPATCH}, "
-                             f"got {self.moe_decode_dispatch!r}")
+            raise ValueError(
+                f"ModelConfig.moe_decode_dispatch must be None or one of {_DISPATCH}, "
+                f"got {self.moe_decode_dispatch!r}"
+            )
         if self.moe_weight_gather not in _GATHER:
             raise ValueError(
-                f"ModelConfig.moe_weight_gather must be one of {_GATHER}, got {self.moe_weight_gather!r}")
+                f"ModelConfig.moe_weight_gather must be one of {_GATHER}, got {self.moe_weight_gather!r}"
+            )
         if self.moe_ep_transport not in _EP_TRANSPORT:
-            raise ValueError(f"ModelConfig.moe_ep_transport must be one of {_EP_TRANSPORT}, "
-                             f"got {self.moe_ep_transport!r}")
+            raise ValueError(
+                f"ModelConfig.moe_ep_transport must be one of {_EP_TRANSPORT}, "
+                f"got {self.moe_ep_transport!r}"
+            )
         if not self.moe_ep_buffer_factor > 0:
-            raise ValueError(f"ModelConfig.moe_ep_buffer_factor must be > 0, "
-                             f"got {self.moe_ep_buffer_factor}")
+            raise ValueError(
+                f"ModelConfig.moe_ep_buffer_factor must be > 0, got {self.moe_ep_buffer_factor}"
+            )
         if self.moe_block_size <= 0:
             raise ValueError(f"ModelConfig.moe_block_size must be > 0, got {self.moe_block_size}")
         if self.attention not in IMPLEMENTATIONS:
-            raise ValueError(f"ModelConfig.attention (model.attention) must be one of "
-                             f"{IMPLEMENTATIONS}, got {self.attention!r}")
+            raise ValueError(
+                f"ModelConfig.attention (model.attention) must be one of "
+                f"{IMPLEMENTATIONS}, got {self.attention!r}"
+            )
         if not isinstance(self.attention_block_size, int) or self.attention_block_size <= 0:
-            raise ValueError(f"ModelConfig.attention_block_size must be a positive int, "
-                             f"got {self.attention_block_size!r}")
+            raise ValueError(
+                f"ModelConfig.attention_block_size must be a positive int, "
+                f"got {self.attention_block_size!r}"
+            )
         if not self.capacity_factor > 0:
             raise ValueError(f"ModelConfig.capacity_factor must be > 0, got {self.capacity_factor}")
         if not isinstance(self.scan_layers, bool):
@@ -228,9 +252,13 @@ class ModelConfig:
             implementation cannot run here ("cudnn" off a GPU or outside bf16/fp16 or
             its head dims, "splash" off a TPU unless ``interpret``).
         """
-        check_implementation(self.attention, backend=jax.default_backend(),
-                             dtype=self.compute_dtype, head_dim=self.head_dim,
-                             interpret=interpret)
+        check_implementation(
+            self.attention,
+            backend=jax.default_backend(),
+            dtype=self.compute_dtype,
+            head_dim=self.head_dim,
+            interpret=interpret,
+        )
         return self.attention
 
     def resolved_ep_transport(self) -> str:
@@ -292,8 +320,12 @@ class ModelConfig:
 
     def expert_capacity(self, num_tokens: int) -> int:
         """Token copies one expert can take in the capacity path: ceil(cf * N * k / E)."""
-        return max(1, math.ceil(self.capacity_factor * num_tokens * self.num_experts_per_tok
-                                / self.num_experts))
+        return max(
+            1,
+            math.ceil(
+                self.capacity_factor * num_tokens * self.num_experts_per_tok / self.num_experts
+            ),
+        )
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -50,58 +50,78 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """
     model_type = hf.get("model_type")
     if model_type not in _ARCHITECTURES:
-        raise ValueError(f"config.json model_type {model_type!r} is not supported; expected one of "
-                         f"{sorted(_ARCHITECTURES)}")
+        raise ValueError(
+            f"config.json model_type {model_type!r} is not supported; expected one of "
+            f"{sorted(_ARCHITECTURES)}"
+        )
     for arch in hf.get("architectures") or []:
         if arch not in _ARCHITECTURES.values():
-            raise ValueError(f"config.json architectures: {arch!r} is not supported; expected "
-                             f"{sorted(_ARCHITECTURES.values())}")
+            raise ValueError(
+                f"config.json architectures: {arch!r} is not supported; expected "
+                f"{sorted(_ARCHITECTURES.values())}"
+            )
 
     def require(field, ok, expected):
         if field in hf and hf[field] is not None and not ok(hf[field]):
-            raise ValueError(f"config.json field {field!r} = {hf[field]!r} is not supported; "
-                             f"expected {expected}")
+            raise ValueError(
+                f"config.json field {field!r} = {hf[field]!r} is not supported; expected {expected}"
+            )
 
     require("hidden_act", lambda v: v == "silu", "'silu'")
     require("attention_bias", lambda v: v is False, "false")
     require("use_sliding_window", lambda v: v is False, "false")
     require("attention_dropout", lambda v: v == 0, "0")
-    require("layer_types", lambda v: all(t == "full_attention" for t in v),
-            "only 'full_attention' layers")
+    require(
+        "layer_types",
+        lambda v: all(t == "full_attention" for t in v),
+        "only 'full_attention' layers",
+    )
     rope = hf.get("rope_parameters")
-    if isinstance(rope, dict) and "full_attention" in rope:   # per-layer-type form
+    if isinstance(rope, dict) and "full_attention" in rope:  # per-layer-type form
         rope = rope["full_attention"]
     if rope is None:
         rope = dict(hf.get("rope_scaling") or {})
         rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        raise ValueError(f"config.json rope_parameters.rope_type = {rope_type!r} is not supported; "
-                         "expected 'default'")
+        raise ValueError(
+            f"config.json rope_parameters.rope_type = {rope_type!r} is not supported; "
+            "expected 'default'"
+        )
     num_layers = hf["num_hidden_layers"]
     num_heads = hf["num_attention_heads"]
     fields = dict(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=num_layers,
-        num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         # transformers' Qwen3Config defaults head_dim to 128; Qwen3-MoE's attention falls back
         # to hidden_size / heads.
-        head_dim=hf.get("head_dim") or (128 if model_type == "qwen3" else hf["hidden_size"] // num_heads),
-        intermediate_size=hf["intermediate_size"], rope_theta=float(rope["rope_theta"]),
+        head_dim=hf.get("head_dim")
+        or (128 if model_type == "qwen3" else hf["hidden_size"] // num_heads),
+        intermediate_size=hf["intermediate_size"],
+        rope_theta=float(rope["rope_theta"]),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=hf.get("max_position_embeddings", 32768),
-        initializer_range=hf.get("initializer_range", 0.02))
+        initializer_range=hf.get("initializer_range", 0.02),
+    )
     if model_type == "qwen3_moe":
         num_experts = hf.get("num_experts", hf.get("num_local_experts"))
         step = hf.get("decoder_sparse_step") or 1
         mlp_only = set(hf.get("mlp_only_layers") or [])
-        moe_layers = tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
+        moe_layers = tuple(
+            i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0
+        )
         fields.update(
-            num_experts=num_experts, num_experts_per_tok=hf["num_experts_per_tok"],
+            num_experts=num_experts,
+            num_experts_per_tok=hf["num_experts_per_tok"],
             moe_intermediate_size=hf["moe_intermediate_size"],
             # transformers' Qwen3MoeConfig defaults norm_topk_prob to False.
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            moe_layers=None if len(moe_layers) == num_layers else moe_layers)
+            moe_layers=None if len(moe_layers) == num_layers else moe_layers,
+        )
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -110,26 +130,42 @@ def config_to_hf(config: ModelConfig) -> dict:
     """transformers config.json dict for a ModelConfig."""
     model_type = "qwen3_moe" if config.is_moe else "qwen3"
     hf = {
-        "architectures": [_ARCHITECTURES[model_type]], "model_type": model_type,
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
-        "intermediate_size": config.intermediate_size, "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps, "tie_word_embeddings": config.tie_word_embeddings,
+        "architectures": [_ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
         "max_position_embeddings": config.max_position_embeddings,
-        "initializer_range": config.initializer_range, "attention_bias": False,
-        "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
+        "initializer_range": config.initializer_range,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
         # Both spellings: rope_parameters for transformers >= 5, rope_theta for 4.x.
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "rope_theta": config.rope_theta, "dtype": config.param_dtype, "use_cache": True,
+        "rope_theta": config.rope_theta,
+        "dtype": config.param_dtype,
+        "use_cache": True,
     }
     if config.is_moe:
         moe = set(config.moe_layer_indices)
-        hf.update(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
-                  moe_intermediate_size=config.expert_intermediate_size,
-                  norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=1,
-                  mlp_only_layers=[i for i in range(config.num_layers) if i not in moe],
-                  router_aux_loss_coef=0.001, output_router_logits=False)
+        hf.update(
+            num_experts=config.num_experts,
+            num_experts_per_tok=config.num_experts_per_tok,
+            moe_intermediate_size=config.expert_intermediate_size,
+            norm_topk_prob=config.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i in range(config.num_layers) if i not in moe],
+            router_aux_loss_coef=0.001,
+            output_router_logits=False,
+        )
     return hf
 
 
@@ -155,29 +191,50 @@ def _weight_table(config: ModelConfig) -> Iterator[tuple[tuple, list[str], Calla
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         yield ("layers", i, "input_norm", "scale"), [p + "input_layernorm.weight"], *same
-        yield (("layers", i, "post_attention_norm", "scale"),
-               [p + "post_attention_layernorm.weight"], *same)
+        yield (
+            ("layers", i, "post_attention_norm", "scale"),
+            [p + "post_attention_layernorm.weight"],
+            *same,
+        )
         for name, heads in (("q_proj", h), ("k_proj", hkv), ("v_proj", hkv)):
-            yield (("layers", i, "attn", name), [p + f"self_attn.{name}.weight"],
-                   _linear_in((heads, dh)), lambda x: [x.reshape(d, -1).T])
-        yield (("layers", i, "attn", "o_proj"), [p + "self_attn.o_proj.weight"],
-               (lambda w: w.T.reshape(h, dh, d)),
-               lambda x: [x.reshape(h * dh, d).T])
+            yield (
+                ("layers", i, "attn", name),
+                [p + f"self_attn.{name}.weight"],
+                _linear_in((heads, dh)),
+                lambda x: [x.reshape(d, -1).T],
+            )
+        yield (
+            ("layers", i, "attn", "o_proj"),
+            [p + "self_attn.o_proj.weight"],
+            (lambda w: w.T.reshape(h, dh, d)),
+            lambda x: [x.reshape(h * dh, d).T],
+        )
         for name in ("q_norm", "k_norm"):
             yield ("layers", i, "attn", name, "scale"), [p + f"self_attn.{name}.weight"], *same
         if i in config.moe_layer_indices:
-            yield (("layers", i, "mlp", "router"), [p + "mlp.gate.weight"],
-                   (lambda w: w.T), (lambda x: [x.T]))
+            yield (
+                ("layers", i, "mlp", "router"),
+                [p + "mlp.gate.weight"],
+                (lambda w: w.T),
+                (lambda x: [x.T]),
+            )
             e = config.num_experts
             for name in ("gate_proj", "up_proj", "down_proj"):
                 names = [p + f"mlp.experts.{j}.{name}.weight" for j in range(e)]
-                yield (("layers", i, "mlp", name), names,
-                       (lambda *ws: np.stack([w.T for w in ws])),
-                       (lambda x: [w.T for w in x]))
+                yield (
+                    ("layers", i, "mlp", name),
+                    names,
+                    (lambda *ws: np.stack([w.T for w in ws])),
+                    (lambda x: [w.T for w in x]),
+                )
         else:
             for name in ("gate_proj", "up_proj", "down_proj"):
-                yield (("layers", i, "mlp", name), [p + f"mlp.{name}.weight"],
-                       (lambda w: w.T), (lambda x: [x.T]))
+                yield (
+                    ("layers", i, "mlp", name),
+                    [p + f"mlp.{name}.weight"],
+                    (lambda w: w.T),
+                    (lambda x: [x.T]),
+                )
 
 
 def _locate(config: ModelConfig, path_key: tuple) -> tuple[tuple, int | None]:
@@ -205,6 +262,7 @@ class _Reader:
 
     def __init__(self, path: str):
         from safetensors import safe_open
+
         index = os.path.join(path, _INDEX_FILE)
         if os.path.exists(index):
             with open(index) as f:
@@ -259,21 +317,26 @@ def _read_tensor(reader: _Reader, config: ModelConfig, row, expected: tuple) -> 
     fused = len(names) > 1 and names[0] not in reader
     if fused:
         prefix = names[0].split("mlp.experts.")[0]
-        source = prefix + ("mlp.experts.down_proj" if path_key[-1] == "down_proj"
-                           else "mlp.experts.gate_up_proj")
+        source = prefix + (
+            "mlp.experts.down_proj" if path_key[-1] == "down_proj" else "mlp.experts.gate_up_proj"
+        )
     else:
-        source = names[0]                # of several (one per expert): the first
+        source = names[0]  # of several (one per expert): the first
     try:
         if fused:
             value = _fused_experts(reader, prefix, path_key[-1], config.expert_intermediate_size)
         else:
             value = from_hf(*[reader.get(n) for n in names])
-    except ValueError as error:          # a reshape or stack that the shapes do not allow
-        raise ValueError(f"tensor {source!r} has shape {reader.shape(source)}, which does "
-                         f"not map to {expected} for {target}: {error}") from error
+    except ValueError as error:  # a reshape or stack that the shapes do not allow
+        raise ValueError(
+            f"tensor {source!r} has shape {reader.shape(source)}, which does "
+            f"not map to {expected} for {target}: {error}"
+        ) from error
     if tuple(value.shape) != expected:
-        raise ValueError(f"tensor {source!r} has shape {reader.shape(source)}, which maps to "
-                         f"{tuple(value.shape)} instead of {expected} for {target}")
+        raise ValueError(
+            f"tensor {source!r} has shape {reader.shape(source)}, which maps to "
+            f"{tuple(value.shape)} instead of {expected} for {target}"
+        )
     return value
 
 
@@ -310,14 +373,17 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, **config_overrides) 
     for state_path, rows in _table_by_variable(config).items():
         variable = variables[state_path]
         expected = tuple(variable.get_value().shape)
-        if rows[0][0] is not None:       # stacked: one slice per layer
+        if rows[0][0] is not None:  # stacked: one slice per layer
             expected = expected[1:]
-        values = [np.asarray(_read_tensor(reader, config, row, expected), config.weight_dtype)
-                  for _, row in rows]
+        values = [
+            np.asarray(_read_tensor(reader, config, row, expected), config.weight_dtype)
+            for _, row in rows
+        ]
         value = values[0] if rows[0][0] is None else np.stack(values)
         del values
         loaded[state_path] = variable.replace(
-            sharding.place_host_array(value, variable.get_metadata()["logical_axes"], mesh))
+            sharding.place_host_array(value, variable.get_metadata()["logical_axes"], mesh)
+        )
     reader.close()
     missing = set(variables) - set(loaded)
     if missing:
@@ -326,8 +392,9 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, **config_overrides) 
     return nnx.merge(graphdef, state)
 
 
-def save_pretrained(model: Transformer, path: str, *, max_shard_size: int | None = None,
-                    dtype: str | None = None) -> None:
+def save_pretrained(
+    model: Transformer, path: str, *, max_shard_size: int | None = None, dtype: str | None = None
+) -> None:
     """Write ``model`` as a HuggingFace folder (config.json + safetensors).
 
     Args:
@@ -341,6 +408,7 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_size: int | None
     are gathered, ``policyopt.sharding.to_host``) and process 0 writes the folder.
     """
     from safetensors.numpy import save_file
+
     config = model.config
     variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     tensors: dict[str, np.ndarray] = {}
@@ -378,7 +446,9 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_size: int | None
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, os.path.join(path, file), metadata=metadata)
         weight_map.update({name: file for name in shard})
-    index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
-             "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
+        "weight_map": weight_map,
+    }
     with open(os.path.join(path, _INDEX_FILE), "w") as f:
         json.dump(index, f, indent=2, sort_keys=True)

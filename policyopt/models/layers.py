@@ -64,8 +64,8 @@ def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
     [angles, angles] (the "rotate half" layout of Llama / Qwen / HuggingFace).
     """
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq          # [B,T,Dh/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)                    # [B,T,Dh]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,Dh/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [B,T,Dh]
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -94,4 +94,6 @@ class MLP(nnx.Module):
         x = x.astype(self.dtype)
         gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...].astype(self.dtype))
         up = jnp.einsum("btd,df->btf", x, self.up_proj[...].astype(self.dtype))
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down_proj[...].astype(self.dtype))
+        return jnp.einsum(
+            "btf,fd->btd", jax.nn.silu(gate) * up, self.down_proj[...].astype(self.dtype)
+        )

@@ -82,8 +82,7 @@ from policyopt.models.layers import param
 from policyopt.sharding import logical_to_mesh_axes
 
 
-def route(router_logits: jax.Array, k: int, norm_topk_prob: bool,
-          routing: jax.Array | None = None):
+def route(router_logits: jax.Array, k: int, norm_topk_prob: bool, routing: jax.Array | None = None):
     """Steps 2-4: select k experts per token (or take the replayed ones) and gate them.
 
     Args:
@@ -142,8 +141,17 @@ def megablox_matmul(rows, weights, group_sizes, interpret: bool | None = None):
     grouped = (jnp.arange(padded) < jnp.sum(group_sizes))[:, None]
     rows = jnp.where(grouped, rows, 0)
     # Positional: the custom_vjp's non-differentiable arguments are (3, 4, 7, 8).
-    out = megablox.gmm(rows, weights.astype(rows.dtype), group_sizes.astype(jnp.int32),
-                       rows.dtype, tiling, None, None, False, interpret)
+    out = megablox.gmm(
+        rows,
+        weights.astype(rows.dtype),
+        group_sizes.astype(jnp.int32),
+        rows.dtype,
+        tiling,
+        None,
+        None,
+        False,
+        interpret,
+    )
     return jnp.where(grouped, out, 0)[:m]
 
 
@@ -160,10 +168,10 @@ def ragged_experts(x, expert_ids, gates, w_gate, w_up, w_down, matmul: str = "ra
     """
     n, k = expert_ids.shape
     num_experts = w_gate.shape[0]
-    flat_ids = expert_ids.reshape(-1)                                  # [N*k]
-    order = jnp.argsort(flat_ids, stable=True)                          # copies by expert
+    flat_ids = expert_ids.reshape(-1)  # [N*k]
+    order = jnp.argsort(flat_ids, stable=True)  # copies by expert
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-    x_sorted = jnp.take(x, order // k, axis=0)                          # [N*k, D]
+    x_sorted = jnp.take(x, order // k, axis=0)  # [N*k, D]
     if matmul == "ragged_dot":
         grouped = jax.lax.ragged_dot
     elif matmul == "megablox":
@@ -178,8 +186,9 @@ def ragged_experts(x, expert_ids, gates, w_gate, w_up, w_down, matmul: str = "ra
     return jnp.einsum("nkd,nk->nd", y_copies, gates.astype(y_copies.dtype))
 
 
-def blocked_experts(x, expert_ids, gates, w_gate, w_up, w_down, block_size: int,
-                    gather: str = "take"):
+def blocked_experts(
+    x, expert_ids, gates, w_gate, w_up, w_down, block_size: int, gather: str = "take"
+):
     """Step 5, dropless with block padding: every block of ``block_size`` sorted copies
     belongs to one expert, and blocks are multiplied by their expert's weights.
 
@@ -229,8 +238,10 @@ def blocked_experts(x, expert_ids, gates, w_gate, w_up, w_down, block_size: int,
     # steps (each a kernel launch on accelerators).
     block_expert = jnp.minimum(
         jnp.searchsorted(padded_ends, block_starts, side="right", method="compare_all"),
-        num_experts - 1)                                                # unused blocks: zeros
+        num_experts - 1,
+    )  # unused blocks: zeros
     if gather == "take":
+
         def weights_of(w):
             return jnp.take(w, block_expert, axis=0).astype(x.dtype)
     elif gather == "onehot":
@@ -242,8 +253,9 @@ def blocked_experts(x, expert_ids, gates, w_gate, w_up, w_down, block_size: int,
         def weights_of(w):
             # HIGHEST: a float32 product at default precision would round the weights
             # (TF32 on GPUs, bfloat16 passes on TPUs), and the weight gradient with them.
-            return jnp.einsum("be,e...->b...", onehot, w.astype(x.dtype),
-                              precision=jax.lax.Precision.HIGHEST)
+            return jnp.einsum(
+                "be,e...->b...", onehot, w.astype(x.dtype), precision=jax.lax.Precision.HIGHEST
+            )
     else:
         raise ValueError(f"gather must be 'take' or 'onehot', got {gather!r}")
     gate = jnp.einsum("brd,bdf->brf", rows, weights_of(w_gate))
@@ -271,7 +283,7 @@ def dense_experts(x, expert_ids, gates, w_gate, w_up, w_down):
       [N, D].
     """
     num_experts = w_gate.shape[0]
-    onehot = jax.nn.one_hot(expert_ids, num_experts, dtype=x.dtype)      # [N, k, E]
+    onehot = jax.nn.one_hot(expert_ids, num_experts, dtype=x.dtype)  # [N, k, E]
     # [E, N]: the summed gates of expert e for token n (a token listing an expert twice
     # gets both gates, as in the other dropless dispatches; a sum, not a matmul, so no
     # reduced-precision product rounds the gates).
@@ -279,10 +291,10 @@ def dense_experts(x, expert_ids, gates, w_gate, w_up, w_down):
     # Batched over the experts, x broadcast: the weights are used in their stored
     # [E, D, F] layout (contracting D of [E, D, F] against [N, D] directly makes XLA
     # transpose the weights on every call; measured ~10% slower decoding on a CPU).
-    x = jnp.broadcast_to(x, (num_experts,) + x.shape)                    # [E, N, D]
+    x = jnp.broadcast_to(x, (num_experts,) + x.shape)  # [E, N, D]
     gate = jnp.einsum("end,edf->enf", x, w_gate)
     up = jnp.einsum("end,edf->enf", x, w_up)
-    hidden = jax.nn.silu(gate) * up * combine[:, :, None]                # [E, N, F]
+    hidden = jax.nn.silu(gate) * up * combine[:, :, None]  # [E, N, F]
     return jnp.sum(jnp.einsum("enf,efd->end", hidden, w_down), axis=0)
 
 
@@ -327,26 +339,27 @@ def gathered_experts(x, expert_ids, gates, w_gate, w_up, w_down):
     """
     n, d = x.shape
     num_experts = w_gate.shape[0]
-    onehot = jax.nn.one_hot(expert_ids, num_experts, dtype=x.dtype)      # [N, k, E]
-    combine = jnp.sum(onehot * gates.astype(x.dtype)[..., None], axis=1).T   # [E, N]
-    chosen = jnp.any(onehot > 0, axis=1).T                                # [E, N]
-    counts = jnp.sum(chosen, axis=1)                                      # [E]
+    onehot = jax.nn.one_hot(expert_ids, num_experts, dtype=x.dtype)  # [N, k, E]
+    combine = jnp.sum(onehot * gates.astype(x.dtype)[..., None], axis=1).T  # [E, N]
+    chosen = jnp.any(onehot > 0, axis=1).T  # [E, N]
+    counts = jnp.sum(chosen, axis=1)  # [E]
     # Priority n - i for chosen tokens, 0 for the others: top_k lists an expert's tokens
     # in token order, then padding.
     priority = jnp.where(chosen, n - jnp.arange(n, dtype=jnp.int32)[None, :], 0)
 
     def buffered(capacity):
         def run(_):
-            keys, rows = jax.lax.top_k(priority, capacity)                 # [E, C]
-            weights = jnp.take_along_axis(combine, rows, axis=1)            # [E, C]
-            xg = jnp.take(x, rows, axis=0)                                  # [E, C, D]
+            keys, rows = jax.lax.top_k(priority, capacity)  # [E, C]
+            weights = jnp.take_along_axis(combine, rows, axis=1)  # [E, C]
+            xg = jnp.take(x, rows, axis=0)  # [E, C, D]
             gate = jnp.einsum("ecd,edf->ecf", xg, w_gate)
             up = jnp.einsum("ecd,edf->ecf", xg, w_up)
             hidden = jax.nn.silu(gate) * up * weights[:, :, None]
-            out = jnp.einsum("ecf,efd->ecd", hidden, w_down)               # [E, C, D]
+            out = jnp.einsum("ecf,efd->ecd", hidden, w_down)  # [E, C, D]
             # Padding rows (priority 0) are dropped, not added with weight 0.
             dest = jnp.where(keys > 0, rows, n).reshape(-1)
             return jnp.zeros_like(x).at[dest].add(out.reshape(-1, d), mode="drop")
+
         return run
 
     capacities = gathered_capacities(n, expert_ids.shape[1], num_experts)
@@ -374,22 +387,24 @@ def capacity_experts(x, expert_ids, gates, valid, w_gate, w_up, w_down, capacity
     # Priority: choice j of every token before choice j+1 of any token.
     by_choice = onehot.transpose(1, 0, 2).reshape(k * n, num_experts)
     position = jnp.sum((jnp.cumsum(by_choice, axis=0) - 1) * by_choice, axis=-1)
-    position = position.reshape(k, n).T                                # [N,k]
+    position = position.reshape(k, n).T  # [N,k]
     kept = (position < capacity) & valid[:, None]
     dropped = jnp.sum(valid[:, None] & ~kept).astype(jnp.float32)
     slot = jax.nn.one_hot(jnp.where(kept, position, capacity), capacity, dtype=x.dtype)
-    expert_onehot = onehot.astype(x.dtype) * kept[..., None].astype(x.dtype)   # [N,k,E]
+    expert_onehot = onehot.astype(x.dtype) * kept[..., None].astype(x.dtype)  # [N,k,E]
     dispatch = jnp.einsum("nke,nkc->nec", expert_onehot, slot)
     combine = jnp.einsum("nke,nkc->nec", expert_onehot * gates[..., None].astype(x.dtype), slot)
     expert_in = jnp.einsum("nec,nd->ecd", dispatch, x)
-    h = (jax.nn.silu(jnp.einsum("ecd,edf->ecf", expert_in, w_gate))
-         * jnp.einsum("ecd,edf->ecf", expert_in, w_up))
+    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", expert_in, w_gate)) * jnp.einsum(
+        "ecd,edf->ecf", expert_in, w_up
+    )
     expert_out = jnp.einsum("ecf,efd->ecd", h, w_down)
     return jnp.einsum("nec,ecd->nd", combine, expert_out), dropped
 
 
-def router_aux(router_logits, probs, expert_ids, valid, num_experts: int,
-               axis_names: tuple[str, ...] = ()):
+def router_aux(
+    router_logits, probs, expert_ids, valid, num_experts: int, axis_names: tuple[str, ...] = ()
+):
     """Step 6: load-balancing loss, router z-loss and tokens per expert over valid tokens.
 
     With c_e the copies routed to expert e (k per token) and P_e the mean router
@@ -422,15 +437,22 @@ def router_aux(router_logits, probs, expert_ids, valid, num_experts: int,
     total = (lambda v: jax.lax.psum(v, axis_names)) if axis_names else (lambda v: v)
     valid_f = valid.astype(jnp.float32)
     n_valid = jnp.maximum(total(jnp.sum(valid_f)), 1.0)
-    counts = total(jnp.sum(jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32)
-                           * valid_f[:, None, None], axis=(0, 1)))        # [E]
+    counts = total(
+        jnp.sum(
+            jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32) * valid_f[:, None, None],
+            axis=(0, 1),
+        )
+    )  # [E]
     fraction = counts / (n_valid * k)
     mean_prob = total(jnp.sum(probs * valid_f[:, None], axis=0)) / n_valid
     load_balancing = num_experts * jnp.sum(fraction * mean_prob)
     z = jax.nn.logsumexp(router_logits.astype(jnp.float32), axis=-1)
     z_loss = total(jnp.sum(valid_f * z * z)) / n_valid
-    return {"load_balancing_loss": load_balancing, "router_z_loss": z_loss,
-            "tokens_per_expert": counts}
+    return {
+        "load_balancing_loss": load_balancing,
+        "router_z_loss": z_loss,
+        "tokens_per_expert": counts,
+    }
 
 
 # ---- Expert parallelism ---------------------------------------------------------------
@@ -463,6 +485,7 @@ def router_aux(router_logits, probs, expert_ids, valid, num_experts: int,
 # passes instead (one ``lax.cond``, the predicate pmax-ed over the mesh so every device
 # takes the same branch). Everything but the buffers is the arithmetic of one device,
 # so loss, gradients and routing match it up to float summation order.
+
 
 def _row_axes(mesh) -> tuple[str, ...]:
     """Mesh axes (size > 1) that split the rows: the ``batch`` rule's, in order."""
@@ -497,9 +520,11 @@ def expert_parallel_mesh(config: ModelConfig, rows: int):
         return None
     n_ep = mesh.shape["expert"]
     if config.num_experts % n_ep:
-        raise ValueError(f"mesh.expert={n_ep} does not divide ModelConfig.num_experts="
-                         f"{config.num_experts}: every device must hold num_experts / expert "
-                         "experts")
+        raise ValueError(
+            f"mesh.expert={n_ep} does not divide ModelConfig.num_experts="
+            f"{config.num_experts}: every device must hold num_experts / expert "
+            "experts"
+        )
     axes = _row_axes(mesh)
     split = int(np.prod([mesh.shape[a] for a in axes]))
     if "expert" not in axes or rows % split:
@@ -512,8 +537,14 @@ def _local_experts(rows, local_ids, params, config: ModelConfig, dispatch: str):
     [0, E_l)); the per-row outputs [M, D], unweighted."""
     ids, ones = local_ids[:, None], jnp.ones((rows.shape[0], 1), rows.dtype)
     if dispatch == "blocked":
-        return blocked_experts(rows, ids, ones, *params, block_size=config.moe_block_size,
-                               gather=config.resolved_weight_gather())
+        return blocked_experts(
+            rows,
+            ids,
+            ones,
+            *params,
+            block_size=config.moe_block_size,
+            gather=config.resolved_weight_gather(),
+        )
     weights = [w.astype(rows.dtype) for w in params]
     if dispatch in ("ragged", "megablox"):
         matmul = "megablox" if dispatch == "megablox" else "ragged_dot"
@@ -567,8 +598,9 @@ def _pass_send(rows, dest, slot, n_ep: int, capacity: int):
     inside = (slot >= 0) & (slot < capacity)
     bits = _as_bits(rows)
     buf = jnp.zeros((n_ep, capacity) + rows.shape[1:], bits.dtype)
-    buf = buf.at[dest, jnp.where(inside, slot, capacity)].set(bits, mode="drop",
-                                                              unique_indices=True)
+    buf = buf.at[dest, jnp.where(inside, slot, capacity)].set(
+        bits, mode="drop", unique_indices=True
+    )
     return _from_bits(jax.lax.all_to_all(buf, "expert", 0, 0), rows.dtype)
 
 
@@ -597,6 +629,7 @@ def _multipass(local_fn, n_ep, capacity, x_sorted, params, dest, rank, local_ids
     Returns:
       [M, D] expert outputs of the copies, in the same order.
     """
+
     def body(p, y):
         slot = rank - p * capacity
         recv = _pass_send(x_sorted, dest, slot, n_ep, capacity)
@@ -639,18 +672,26 @@ def _multipass_bwd(local_fn, n_ep, capacity, residuals, dy):
 _multipass.defvjp(_multipass_fwd, _multipass_bwd)
 
 
-def _all_to_all_exchange(x, expert_ids, params, local_fn, n_ep: int, e_local: int,
-                         capacity: int, all_axes: tuple[str, ...]):
+def _all_to_all_exchange(
+    x,
+    expert_ids,
+    params,
+    local_fn,
+    n_ep: int,
+    e_local: int,
+    capacity: int,
+    all_axes: tuple[str, ...],
+):
     """Steps 2-5 over the static all_to_all (``_multipass``), ceil(max load / capacity)
     passes, max over every device. Returns [N k, D] in copy order (token-major)."""
     k = expert_ids.shape[1]
-    order, sorted_ids, dest, rank, send_counts, _ = _sort_by_destination(expert_ids, n_ep,
-                                                                          e_local)
+    order, sorted_ids, dest, rank, send_counts, _ = _sort_by_destination(expert_ids, n_ep, e_local)
     load = jax.lax.pmax(jnp.max(send_counts), all_axes)
     passes = (load + capacity - 1) // capacity
     x_sorted = jnp.take(x, order // k, axis=0)
-    y_sorted = _multipass(local_fn, n_ep, capacity, x_sorted, params, dest, rank,
-                          sorted_ids - dest * e_local, passes)
+    y_sorted = _multipass(
+        local_fn, n_ep, capacity, x_sorted, params, dest, rank, sorted_ids - dest * e_local, passes
+    )
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
 
 
@@ -661,9 +702,10 @@ def _ragged_exchange(x, expert_ids, params, local_fn, n_ep: int, e_local: int, c
     n, k = expert_ids.shape
     d = x.shape[-1]
     order, sorted_ids, dest, _, send_counts, dest_start = _sort_by_destination(
-        expert_ids, n_ep, e_local)
+        expert_ids, n_ep, e_local
+    )
     me = jax.lax.axis_index("expert")
-    counts = jax.lax.all_gather(send_counts, "expert")        # [source, destination]
+    counts = jax.lax.all_gather(send_counts, "expert")  # [source, destination]
     recv_sizes = counts[:, me]
     # Where device i's rows for device j start on j: after the rows of sources < i.
     output_offsets = (jnp.cumsum(counts, axis=0) - counts)[me]
@@ -671,18 +713,38 @@ def _ragged_exchange(x, expert_ids, params, local_fn, n_ep: int, e_local: int, c
     # Receive buffers typed as varying over the mesh like the data (shard_map's check_vma:
     # the collective's result has its ``output`` operand's type).
     buffer = lambda shape, dtype: _varying_like(jnp.zeros(shape, dtype), x_sorted)
-    recv = _RAGGED_ALL_TO_ALL(x_sorted, buffer((capacity, d), x.dtype), dest_start,
-                              send_counts, output_offsets, recv_sizes, axis_name="expert")
-    recv_ids = _RAGGED_ALL_TO_ALL((sorted_ids - dest * e_local)[:, None],
-                                  buffer((capacity, 1), jnp.int32), dest_start, send_counts,
-                                  output_offsets, recv_sizes, axis_name="expert")[:, 0]
+    recv = _RAGGED_ALL_TO_ALL(
+        x_sorted,
+        buffer((capacity, d), x.dtype),
+        dest_start,
+        send_counts,
+        output_offsets,
+        recv_sizes,
+        axis_name="expert",
+    )
+    recv_ids = _RAGGED_ALL_TO_ALL(
+        (sorted_ids - dest * e_local)[:, None],
+        buffer((capacity, 1), jnp.int32),
+        dest_start,
+        send_counts,
+        output_offsets,
+        recv_sizes,
+        axis_name="expert",
+    )[:, 0]
     filled = jnp.arange(capacity) < jnp.sum(recv_sizes)
     out = local_fn(jnp.where(filled[:, None], recv, 0), jnp.where(filled, recv_ids, 0), params)
     recv_start = jnp.cumsum(recv_sizes) - recv_sizes
     # On source i, its copies for this device started at its dest_start[me].
     source_offsets = (jnp.cumsum(counts, axis=1) - counts)[:, me]
-    y_sorted = _RAGGED_ALL_TO_ALL(out, buffer((n * k, d), out.dtype), recv_start, recv_sizes,
-                                  source_offsets, send_counts, axis_name="expert")
+    y_sorted = _RAGGED_ALL_TO_ALL(
+        out,
+        buffer((n * k, d), out.dtype),
+        recv_start,
+        recv_sizes,
+        source_offsets,
+        send_counts,
+        axis_name="expert",
+    )
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
 
 
@@ -692,8 +754,17 @@ def _ragged_exchange(x, expert_ids, params, local_fn, n_ep: int, e_local: int, c
 _RAGGED_ALL_TO_ALL = jax.lax.ragged_all_to_all
 
 
-def _exchange(x, expert_ids, params, local_fn, n_ep: int, e_local: int, transport: str,
-              factor: float, all_axes: tuple[str, ...]):
+def _exchange(
+    x,
+    expert_ids,
+    params,
+    local_fn,
+    n_ep: int,
+    e_local: int,
+    transport: str,
+    factor: float,
+    all_axes: tuple[str, ...],
+):
     """Steps 2-5, dropless with bounded buffers. Returns [N k, D] in copy order.
 
     "all_to_all": per device pair C = ceil(f m / n_ep) copies a pass, as many passes as
@@ -702,17 +773,31 @@ def _exchange(x, expert_ids, params, local_fn, n_ep: int, e_local: int, transpor
     instead (one ``lax.cond``, its predicate pmax-ed over the mesh).
     """
     m = expert_ids.size
-    static = functools.partial(_all_to_all_exchange, params=params, local_fn=local_fn,
-                               n_ep=n_ep, e_local=e_local, all_axes=all_axes,
-                               capacity=min(m, math.ceil(factor * m / n_ep)))
+    static = functools.partial(
+        _all_to_all_exchange,
+        params=params,
+        local_fn=local_fn,
+        n_ep=n_ep,
+        e_local=e_local,
+        all_axes=all_axes,
+        capacity=min(m, math.ceil(factor * m / n_ep)),
+    )
     if transport == "all_to_all":
         return static(x, expert_ids)
     if transport != "ragged_all_to_all":
-        raise ValueError(f"ModelConfig.moe_ep_transport must be 'ragged_all_to_all' or "
-                         f"'all_to_all' here, got {transport!r}")
+        raise ValueError(
+            f"ModelConfig.moe_ep_transport must be 'ragged_all_to_all' or "
+            f"'all_to_all' here, got {transport!r}"
+        )
     capacity = min(n_ep * m, math.ceil(factor * m))
-    ragged = functools.partial(_ragged_exchange, params=params, local_fn=local_fn, n_ep=n_ep,
-                               e_local=e_local, capacity=capacity)
+    ragged = functools.partial(
+        _ragged_exchange,
+        params=params,
+        local_fn=local_fn,
+        n_ep=n_ep,
+        e_local=e_local,
+        capacity=capacity,
+    )
     if capacity == n_ep * m:
         return ragged(x, expert_ids)
     _, _, _, _, send_counts, _ = _sort_by_destination(expert_ids, n_ep, e_local)
@@ -721,8 +806,17 @@ def _exchange(x, expert_ids, params, local_fn, n_ep: int, e_local: int, transpor
     return jax.lax.cond(overflow, static, ragged, x, expert_ids)
 
 
-def _expert_parallel_block(x, token_mask, routing, router, params, config: ModelConfig,
-                           dispatch: str, mesh, row_axes: tuple[str, ...]):
+def _expert_parallel_block(
+    x,
+    token_mask,
+    routing,
+    router,
+    params,
+    config: ModelConfig,
+    dispatch: str,
+    mesh,
+    row_axes: tuple[str, ...],
+):
     """The MoE block under ``jax.shard_map`` (see the section comment above).
 
     Args:
@@ -736,9 +830,11 @@ def _expert_parallel_block(x, token_mask, routing, router, params, config: Model
     if dispatch == "megablox":
         # jax 0.10: its pallas_call does not say how its output varies over the mesh
         # axes, which shard_map's check_vma requires.
-        raise ValueError("ModelConfig.moe_dispatch='megablox' does not run expert-parallel "
-                         f"yet (mesh.expert={mesh.shape['expert']}): use 'ragged' or "
-                         "'blocked' on a mesh with an expert axis")
+        raise ValueError(
+            "ModelConfig.moe_dispatch='megablox' does not run expert-parallel "
+            f"yet (mesh.expert={mesh.shape['expert']}): use 'ragged' or "
+            "'blocked' on a mesh with an expert axis"
+        )
     k, dt, num_experts = cfg.num_experts_per_tok, cfg.compute_dtype, cfg.num_experts
     n_ep = mesh.shape["expert"]
     e_local = num_experts // n_ep
@@ -754,8 +850,7 @@ def _expert_parallel_block(x, token_mask, routing, router, params, config: Model
         # which has no pass turning the two into a reduce-scatter).
         # Typed as varying over the other row axes first, so that the gradient's psum over
         # them (data parallelism) runs on the shard, after the reduce-scatter.
-        others = tuple(a for a in row_axes
-                       if a not in width and a not in jax.typeof(w).mat.varying)
+        others = tuple(a for a in row_axes if a not in width and a not in jax.typeof(w).mat.varying)
         w = jax.lax.pcast(w, others, to="varying") if others else w
         return jax.lax.all_gather(w, width, axis=axis, tiled=True) if width else w
 
@@ -770,19 +865,34 @@ def _expert_parallel_block(x, token_mask, routing, router, params, config: Model
         expert_ids, gates, probs = route(logits, k, cfg.norm_topk_prob, chosen)
         aux = router_aux(logits, probs, expert_ids, valid, num_experts, axis_names=row_axes)
         local_fn = functools.partial(_local_experts, config=cfg, dispatch=dispatch)
-        y_copies = _exchange(flat.astype(dt), expert_ids, (w_gate, w_up, w_down), local_fn,
-                             n_ep, e_local, transport, cfg.moe_ep_buffer_factor, all_axes)
+        y_copies = _exchange(
+            flat.astype(dt),
+            expert_ids,
+            (w_gate, w_up, w_down),
+            local_fn,
+            n_ep,
+            e_local,
+            transport,
+            cfg.moe_ep_buffer_factor,
+            all_axes,
+        )
         y = jnp.einsum("nkd,nk->nd", y_copies.reshape(b * t, k, d), gates.astype(dt))
         return y.reshape(b, t, d), expert_ids.reshape(b, t, k), aux
 
     rows = PartitionSpec(row_axes)
     shard = width or None
     args = (x, token_mask, router, *params) + (() if routing is None else (routing,))
-    in_specs = (rows, rows, PartitionSpec(shard, None), PartitionSpec("expert", shard, None),
-                PartitionSpec("expert", shard, None), PartitionSpec("expert", None, shard)) + (
-        () if routing is None else (rows,))
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs,
-                         out_specs=(rows, rows, PartitionSpec()))(*args)
+    in_specs = (
+        rows,
+        rows,
+        PartitionSpec(shard, None),
+        PartitionSpec("expert", shard, None),
+        PartitionSpec("expert", shard, None),
+        PartitionSpec("expert", None, shard),
+    ) + (() if routing is None else (rows,))
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=(rows, rows, PartitionSpec())
+    )(*args)
 
 
 class MoE(nnx.Module):
@@ -809,12 +919,13 @@ class MoE(nnx.Module):
         k, dt = cfg.num_experts_per_tok, cfg.compute_dtype
         dispatch = cfg.moe_dispatch
         if t == 1 and cfg.moe_decode_dispatch is not None:
-            dispatch = cfg.moe_decode_dispatch                          # a decode step
+            dispatch = cfg.moe_decode_dispatch  # a decode step
         plan = None if dispatch == "capacity" else expert_parallel_mesh(cfg, b)
         if plan is not None:
             params = tuple(w[...] for w in (self.gate_proj, self.up_proj, self.down_proj))
             y, expert_ids, aux = _expert_parallel_block(
-                x, token_mask, routing, self.router[...], params, cfg, dispatch, *plan)
+                x, token_mask, routing, self.router[...], params, cfg, dispatch, *plan
+            )
             aux["dropped_tokens"] = jnp.zeros((), jnp.float32)
             return y, expert_ids, aux
         flat = x.reshape(b * t, d)
@@ -830,15 +941,27 @@ class MoE(nnx.Module):
             y = ragged_experts(flat.astype(dt), expert_ids, gates, *weights, matmul=matmul)
         elif dispatch == "blocked":
             # The parameters themselves: blocked_experts casts them (after its gather).
-            y = blocked_experts(flat.astype(dt), expert_ids, gates, *params,
-                                block_size=cfg.moe_block_size, gather=cfg.resolved_weight_gather())
+            y = blocked_experts(
+                flat.astype(dt),
+                expert_ids,
+                gates,
+                *params,
+                block_size=cfg.moe_block_size,
+                gather=cfg.resolved_weight_gather(),
+            )
         elif dispatch == "dense":
             y = dense_experts(flat.astype(dt), expert_ids, gates, *weights)
         elif dispatch == "gathered":
             y = gathered_experts(flat.astype(dt), expert_ids, gates, *weights)
         else:
-            y, dropped = capacity_experts(flat.astype(dt), expert_ids, gates, valid, *weights,
-                                          capacity=cfg.expert_capacity(b * t))
+            y, dropped = capacity_experts(
+                flat.astype(dt),
+                expert_ids,
+                gates,
+                valid,
+                *weights,
+                capacity=cfg.expert_capacity(b * t),
+            )
         aux = router_aux(logits, probs, expert_ids, valid, cfg.num_experts)
         aux["dropped_tokens"] = dropped
         return y.reshape(b, t, d), expert_ids.reshape(b, t, k), aux

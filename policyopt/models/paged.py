@@ -102,9 +102,18 @@ class PagedKVCache:
     per_layer = False
 
     @classmethod
-    def create(cls, config: ModelConfig, rows: int, num_pages: int, page_size: int,
-               max_pages: int, dtype=None, *, attention: str = "gather",
-               shards: int = 1) -> "PagedKVCache":
+    def create(
+        cls,
+        config: ModelConfig,
+        rows: int,
+        num_pages: int,
+        page_size: int,
+        max_pages: int,
+        dtype=None,
+        *,
+        attention: str = "gather",
+        shards: int = 1,
+    ) -> "PagedKVCache":
         """An empty cache: every page free, every row empty.
 
         Args:
@@ -119,23 +128,35 @@ class PagedKVCache:
         """
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
-        for name, value in (("rows", rows), ("num_pages", num_pages), ("page_size", page_size),
-                            ("max_pages", max_pages), ("shards", shards)):
+        for name, value in (
+            ("rows", rows),
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("max_pages", max_pages),
+            ("shards", shards),
+        ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if rows % shards or num_pages % shards:
-            raise ValueError(f"rows ({rows}) and num_pages ({num_pages}) must be multiples of "
-                             f"shards ({shards})")
+            raise ValueError(
+                f"rows ({rows}) and num_pages ({num_pages}) must be multiples of shards ({shards})"
+            )
         dtype = jnp.dtype(dtype) if dtype is not None else config.compute_dtype
         local = num_pages // shards
         shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
         num_free = jnp.full((shards,) if shards > 1 else (), local, jnp.int32)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                   page_table=jnp.full((rows, max_pages), local, jnp.int32),
-                   lengths=jnp.zeros((rows,), jnp.int32),
-                   free=jnp.tile(jnp.arange(local, dtype=jnp.int32)[::-1], shards),
-                   num_free=num_free, refs=jnp.zeros((num_pages,), jnp.int32),
-                   index=jnp.zeros((), jnp.int32), attention=attention, shards=shards)
+        return cls(
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            page_table=jnp.full((rows, max_pages), local, jnp.int32),
+            lengths=jnp.zeros((rows,), jnp.int32),
+            free=jnp.tile(jnp.arange(local, dtype=jnp.int32)[::-1], shards),
+            num_free=num_free,
+            refs=jnp.zeros((num_pages,), jnp.int32),
+            index=jnp.zeros((), jnp.int32),
+            attention=attention,
+            shards=shards,
+        )
 
     @property
     def num_pages(self) -> int:
@@ -156,23 +177,36 @@ class PagedKVCache:
         other results as [S, ...]."""
         s = self.shards
         pool = lambda x: x.reshape(x.shape[:2] + (s, -1) + x.shape[3:])
-        split = self.replace(k=pool(self.k), v=pool(self.v),
-                             page_table=self.page_table.reshape(s, -1, self.max_pages),
-                             lengths=self.lengths.reshape(s, -1), free=self.free.reshape(s, -1),
-                             refs=self.refs.reshape(s, -1), shards=1)
-        axes = split.replace(k=2, v=2, page_table=0, lengths=0, free=0, num_free=0, refs=0,
-                             index=None)
+        split = self.replace(
+            k=pool(self.k),
+            v=pool(self.v),
+            page_table=self.page_table.reshape(s, -1, self.max_pages),
+            lengths=self.lengths.reshape(s, -1),
+            free=self.free.reshape(s, -1),
+            refs=self.refs.reshape(s, -1),
+            shards=1,
+        )
+        axes = split.replace(
+            k=2, v=2, page_table=0, lengths=0, free=0, num_free=0, refs=0, index=None
+        )
 
         def run(cache, *shard_args):
             out = fn(cache, *shard_args)
             return (out, ()) if isinstance(out, PagedKVCache) else (out[0], tuple(out[1:]))
 
-        cache, rest = jax.vmap(run, in_axes=(axes,) + (0,) * len(args),
-                               out_axes=(axes, 0))(split, *args)
+        cache, rest = jax.vmap(run, in_axes=(axes,) + (0,) * len(args), out_axes=(axes, 0))(
+            split, *args
+        )
         flat = lambda x: x.reshape((-1,) + x.shape[2:])
-        joined = cache.replace(k=cache.k.reshape(self.k.shape), v=cache.v.reshape(self.v.shape),
-                               page_table=flat(cache.page_table), lengths=flat(cache.lengths),
-                               free=flat(cache.free), refs=flat(cache.refs), shards=s)
+        joined = cache.replace(
+            k=cache.k.reshape(self.k.shape),
+            v=cache.v.reshape(self.v.shape),
+            page_table=flat(cache.page_table),
+            lengths=flat(cache.lengths),
+            free=flat(cache.free),
+            refs=flat(cache.refs),
+            shards=s,
+        )
         return joined, rest
 
     @property
@@ -195,8 +229,9 @@ class PagedKVCache:
     # Allocation.
     # ----------------------------------------------------------------------------------
 
-    def reserve(self, new_tokens: jax.Array, max_new_pages: int | None = None
-                ) -> tuple["PagedKVCache", jax.Array]:
+    def reserve(
+        self, new_tokens: jax.Array, max_new_pages: int | None = None
+    ) -> tuple["PagedKVCache", jax.Array]:
         """Pages for ``new_tokens`` more tokens of each row, all or none per row.
 
         Row r needs ceil((len_r + n_r) / ps) - pages_r more pages. Asking rows are served
@@ -215,7 +250,8 @@ class PagedKVCache:
         """
         if self.shards > 1:
             cache, (granted,) = self._per_shard(
-                lambda c, n: c.reserve(n, max_new_pages), new_tokens.reshape(self.shards, -1))
+                lambda c, n: c.reserve(n, max_new_pages), new_tokens.reshape(self.shards, -1)
+            )
             return cache, granted.reshape(-1)
         ps, num_pages = self.page_size, self.num_pages
         held = self.pages_held()
@@ -226,11 +262,11 @@ class PagedKVCache:
         cum = jnp.cumsum(asked)
         granted = fits & ((need == 0) | (cum <= self.num_free))
         take = jnp.where(granted, need, 0)
-        start = jnp.cumsum(take) - take                              # exclusive, [R]
+        start = jnp.cumsum(take) - take  # exclusive, [R]
         total = jnp.sum(take)
-        j = jnp.arange(max_new_pages or self.max_pages)[None, :]     # [1, max_new_pages]
+        j = jnp.arange(max_new_pages or self.max_pages)[None, :]  # [1, max_new_pages]
         valid = j < take[:, None]
-        stack_pos = self.num_free - 1 - (start[:, None] + j)         # popped from the top
+        stack_pos = self.num_free - 1 - (start[:, None] + j)  # popped from the top
         page = jnp.where(valid, self.free[jnp.clip(stack_pos, 0, num_pages - 1)], num_pages)
         column = jnp.where(valid, held[:, None] + j, self.max_pages)  # drop when invalid
         rows = jnp.broadcast_to(jnp.arange(self.page_table.shape[0])[:, None], column.shape)
@@ -247,16 +283,21 @@ class PagedKVCache:
         held = (self.page_table < num_pages) & rows[:, None]
         dropped = jnp.where(held, self.page_table, num_pages).reshape(-1)
         refs = self.refs.at[dropped].add(-1, mode="drop")
-        freed = (self.refs > 0) & (refs == 0)                               # [NP]
+        freed = (self.refs > 0) & (refs == 0)  # [NP]
         pos = jnp.where(freed, self.num_free + jnp.cumsum(freed) - freed, num_pages)
         free = self.free.at[pos].set(jnp.arange(num_pages, dtype=jnp.int32), mode="drop")
         table = jnp.where(rows[:, None], num_pages, self.page_table)
-        return self.replace(page_table=table, free=free, refs=refs,
-                            num_free=self.num_free + jnp.sum(freed, dtype=jnp.int32),
-                            lengths=jnp.where(rows, 0, self.lengths))
+        return self.replace(
+            page_table=table,
+            free=free,
+            refs=refs,
+            num_free=self.num_free + jnp.sum(freed, dtype=jnp.int32),
+            lengths=jnp.where(rows, 0, self.lengths),
+        )
 
-    def copy_rows(self, source: jax.Array, dest: jax.Array, num_pages: int
-                  ) -> tuple["PagedKVCache", jax.Array]:
+    def copy_rows(
+        self, source: jax.Array, dest: jax.Array, num_pages: int
+    ) -> tuple["PagedKVCache", jax.Array]:
         """Gives each row in ``dest`` row ``source``'s tokens (e.g. the G samples of one
         prefilled prompt). The rows must be empty.
 
@@ -275,37 +316,43 @@ class PagedKVCache:
         """
         if self.shards > 1:
             cache, (copied,) = self._per_shard(
-                lambda c, src, dst: c.copy_rows(src, dst, num_pages), source, dest)
+                lambda c, src, dst: c.copy_rows(src, dst, num_pages), source, dest
+            )
             return cache, copied
         rows, ps = self.lengths.shape[0], self.page_size
         length = self.lengths[source]
         full = length // ps
         inside = dest < rows
         safe_dest = jnp.minimum(dest, rows - 1)
-        source_pages = self.page_table[source, :num_pages]                  # [n]
+        source_pages = self.page_table[source, :num_pages]  # [n]
         shared = inside[:, None] & (jnp.arange(num_pages)[None, :] < full)  # [D, n]
         column = jnp.where(shared, jnp.arange(num_pages)[None, :], self.max_pages)
         table = self.page_table.at[safe_dest[:, None], column].set(
-            jnp.broadcast_to(source_pages[None], shared.shape), mode="drop")
-        refs = self.refs.at[jnp.where(shared, source_pages[None], self.num_pages).reshape(-1)
-                            ].add(1, mode="drop")
+            jnp.broadcast_to(source_pages[None], shared.shape), mode="drop"
+        )
+        refs = self.refs.at[jnp.where(shared, source_pages[None], self.num_pages).reshape(-1)].add(
+            1, mode="drop"
+        )
         lengths = self.lengths.at[jnp.where(inside, dest, rows)].set(full * ps, mode="drop")
         cache = self.replace(page_table=table, refs=refs, lengths=lengths)
         asks = jnp.zeros((rows,), jnp.int32).at[dest].set(length - full * ps, mode="drop")
         cache, granted = cache.reserve(asks, 1)
-        copy = inside & granted[safe_dest]                                  # [D]
+        copy = inside & granted[safe_dest]  # [D]
         refused = jnp.zeros((rows,), bool).at[dest].set(inside & ~copy, mode="drop")
         cache = cache.release(refused)
         # The partial page: source's page at column `full` into each row's own.
         partial = copy & (length > full * ps)
-        src = jnp.where(partial, self.page_table[source, jnp.minimum(full, self.max_pages - 1)],
-                        0)
-        dst = jnp.where(partial, cache.page_table[safe_dest, jnp.minimum(full, self.max_pages - 1)],
-                        self.num_pages)
+        src = jnp.where(partial, self.page_table[source, jnp.minimum(full, self.max_pages - 1)], 0)
+        dst = jnp.where(
+            partial,
+            cache.page_table[safe_dest, jnp.minimum(full, self.max_pages - 1)],
+            self.num_pages,
+        )
 
         def move(pool):
-            return _write(pool, (slice(None), slice(None), dst),
-                          jnp.take(pool, src, axis=2, mode="clip"))
+            return _write(
+                pool, (slice(None), slice(None), dst), jnp.take(pool, src, axis=2, mode="clip")
+            )
 
         lengths = cache.lengths.at[jnp.where(copy, dest, rows)].set(length, mode="drop")
         return cache.replace(k=move(cache.k), v=move(cache.v), lengths=lengths), copy
@@ -334,15 +381,18 @@ class PagedKVCache:
         if self.shards > 1:
             split = lambda x: x.reshape((self.shards, -1) + x.shape[1:])
             cache, (out,) = self._per_shard(
-                lambda c, *a: c.attend(layer, *a)[::-1], split(q), split(k), split(v),
-                split(token_mask))
+                lambda c, *a: c.attend(layer, *a)[::-1],
+                split(q),
+                split(k),
+                split(v),
+                split(token_mask),
+            )
             return out.reshape(q.shape[:1] + out.shape[2:]), cache
         b, t, h, dh = q.shape
         ps, num_pages = self.page_size, self.num_pages
-        slots = self.lengths[:, None] + jnp.arange(t)[None, :]                   # [B, T]
+        slots = self.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
         column = slots // ps
-        page = jnp.take_along_axis(self.page_table, jnp.minimum(column, self.max_pages - 1),
-                                   axis=1)
+        page = jnp.take_along_axis(self.page_table, jnp.minimum(column, self.max_pages - 1), axis=1)
         page = jnp.where(token_mask & (column < self.max_pages), page, num_pages)
         offset = slots % ps
         # Advanced indices (layer, page, offset) around a slice: the result's leading axes
@@ -350,10 +400,15 @@ class PagedKVCache:
         pool_k = _write(self.k, (layer, slice(None), page, offset), k)
         pool_v = _write(self.v, (layer, slice(None), page, offset), v)
         cache = self.replace(k=pool_k, v=pool_v)
-        ends = self.lengths + jnp.sum(token_mask, axis=1, dtype=jnp.int32)       # [B]
+        ends = self.lengths + jnp.sum(token_mask, axis=1, dtype=jnp.int32)  # [B]
         if self.attention == "pallas" and t == 1:
-            out = _pallas_decode(q[:, 0], pool_k[layer], pool_v[layer], ends,
-                                 jnp.minimum(self.page_table, num_pages - 1))
+            out = _pallas_decode(
+                q[:, 0],
+                pool_k[layer],
+                pool_v[layer],
+                ends,
+                jnp.minimum(self.page_table, num_pages - 1),
+            )
             return out[:, None].astype(pool_v.dtype), cache
         attend = online_attention if self.attention == "online" else gather_attention
         return attend(q, pool_k[layer], pool_v[layer], self.page_table, slots, ends), cache
@@ -398,16 +453,17 @@ def gather_attention(q, k_pages, v_pages, page_table, query_slots, ends):
     g = h // hkv
     table = jnp.minimum(page_table, num_pages - 1)
     length = table.shape[1] * ps
-    keys = _gather_pages(k_pages, table).reshape(hkv, b, length, dh)           # [Hkv, B, S, Dh]
+    keys = _gather_pages(k_pages, table).reshape(hkv, b, length, dh)  # [Hkv, B, S, Dh]
     values = _gather_pages(v_pages, table).reshape(hkv, b, length, dh)
     rows = q.reshape(b, t, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dh)
-    scores = jnp.einsum("bkqd,kbsd->bkqs", rows.astype(keys.dtype), keys,
-                        preferred_element_type=jnp.float32) * (dh ** -0.5)
+    scores = jnp.einsum(
+        "bkqd,kbsd->bkqs", rows.astype(keys.dtype), keys, preferred_element_type=jnp.float32
+    ) * (dh**-0.5)
     key_slots = jnp.arange(length)
     mask = (key_slots[None, None, :] <= query_slots[:, :, None]) & (
-        key_slots[None, None, :] < ends[:, None, None])                          # [B, T, S]
-    scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, hkv, t, g, length),
-                       _MASK_VALUE)
+        key_slots[None, None, :] < ends[:, None, None]
+    )  # [B, T, S]
+    scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, hkv, t, g, length), _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype).reshape(b, hkv, t * g, length)
     out = jnp.einsum("bkqs,kbsd->bkqd", probs, values)
     return out.reshape(b, hkv, t, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dh)
@@ -427,14 +483,15 @@ def online_attention(q, k_pages, v_pages, page_table, query_slots, ends):
     table = jnp.minimum(page_table, num_pages - 1)
     rows = q.reshape(b, t, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dh)
     rows = rows.astype(k_pages.dtype)
-    query = jnp.repeat(query_slots, g, axis=1)[:, None, :]                     # [B, 1, T*G]
+    query = jnp.repeat(query_slots, g, axis=1)[:, None, :]  # [B, 1, T*G]
 
     def step(carry, column):
         m, l, o = carry
-        keys = _gather_pages(k_pages, table[:, column])                         # [Hkv, B, ps, Dh]
+        keys = _gather_pages(k_pages, table[:, column])  # [Hkv, B, ps, Dh]
         values = _gather_pages(v_pages, table[:, column])
-        z = jnp.einsum("bkqd,kbsd->bkqs", rows, keys,
-                       preferred_element_type=jnp.float32) * (dh ** -0.5)
+        z = jnp.einsum("bkqd,kbsd->bkqs", rows, keys, preferred_element_type=jnp.float32) * (
+            dh**-0.5
+        )
         slot = column * ps + jnp.arange(ps)
         seen = (slot <= query[..., None]) & (slot < ends[:, None, None, None])
         z = jnp.where(seen, z, -jnp.inf)
@@ -443,12 +500,16 @@ def online_attention(q, k_pages, v_pages, page_table, query_slots, ends):
         scale = jnp.exp(m - safe)
         p = jnp.exp(z - safe[..., None])
         l = l * scale + jnp.sum(p, axis=-1)
-        o = o * scale[..., None] + jnp.einsum("bkqs,kbsd->bkqd", p.astype(values.dtype), values,
-                                              preferred_element_type=jnp.float32)
+        o = o * scale[..., None] + jnp.einsum(
+            "bkqs,kbsd->bkqd", p.astype(values.dtype), values, preferred_element_type=jnp.float32
+        )
         return (m_new, l, o), None
 
-    init = (jnp.full((b, hkv, t * g), -jnp.inf, jnp.float32),
-            jnp.zeros((b, hkv, t * g), jnp.float32), jnp.zeros((b, hkv, t * g, dh), jnp.float32))
+    init = (
+        jnp.full((b, hkv, t * g), -jnp.inf, jnp.float32),
+        jnp.zeros((b, hkv, t * g), jnp.float32),
+        jnp.zeros((b, hkv, t * g, dh), jnp.float32),
+    )
     (m, l, o), _ = jax.lax.scan(step, init, jnp.arange(table.shape[1]))
     out = (o / jnp.maximum(l, 1e-30)[..., None]).astype(v_pages.dtype)
     return out.reshape(b, hkv, t, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dh)
@@ -465,8 +526,14 @@ def _pallas_decode(q, k_pages, v_pages, lengths, page_indices):
     max_pages = page_indices.shape[1]
     block = max(d for d in range(1, min(8, max_pages) + 1) if max_pages % d == 0)
     scaled = (q.astype(jnp.float32) * (q.shape[-1] ** -0.5)).astype(k_pages.dtype)
-    return paged_attention(scaled, k_pages, v_pages, lengths.astype(jnp.int32),
-                           page_indices.astype(jnp.int32), pages_per_compute_block=block)
+    return paged_attention(
+        scaled,
+        k_pages,
+        v_pages,
+        lengths.astype(jnp.int32),
+        page_indices.astype(jnp.int32),
+        pages_per_compute_block=block,
+    )
 
 
 def pages_for(tokens: int, page_size: int) -> int:

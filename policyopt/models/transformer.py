@@ -72,8 +72,9 @@ class Block(nnx.Module):
         index in the cache; default ``self.layer`` (a traced int32 scalar inside the layer
         scan)."""
         layer = self.layer if layer is None else layer
-        attn_out, cache = self.attn(self.input_norm(x), cos, sin, token_mask, cache, layer,
-                                    segment_ids)
+        attn_out, cache = self.attn(
+            self.input_norm(x), cos, sin, token_mask, cache, layer, segment_ids
+        )
         x = x + attn_out.astype(x.dtype)
         h = self.post_attention_norm(x)
         if self.is_moe:
@@ -90,19 +91,26 @@ class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         pdt, std = config.weight_dtype, config.initializer_range
-        self.embed = param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"),
-                           std=std, dtype=pdt)
+        self.embed = param(
+            rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), std=std, dtype=pdt
+        )
         blocks = [Block(config, i, rngs=rngs) for i in range(config.num_layers)]
         if config.scan_layers:
             blocks = [_stack_blocks(blocks[start:stop]) for start, stop in config.layer_runs]
         self.layers = nnx.List(blocks)
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=pdt)
         if not config.tie_word_embeddings:
-            self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"),
-                                 std=std, dtype=pdt)
+            self.lm_head = param(
+                rngs,
+                (config.hidden_size, config.vocab_size),
+                ("embed", "vocab"),
+                std=std,
+                dtype=pdt,
+            )
 
-    def init_cache(self, batch_size: int, max_length: int, dtype=None, *,
-                   per_layer: bool = False) -> KVCache:
+    def init_cache(
+        self, batch_size: int, max_length: int, dtype=None, *, per_layer: bool = False
+    ) -> KVCache:
         """An empty KVCache for ``batch_size`` rows and ``max_length`` slots (compute dtype
         unless ``dtype`` is given), stacked or per layer (see KVCache)."""
         return KVCache.create(self.config, batch_size, max_length, dtype, per_layer=per_layer)
@@ -113,10 +121,16 @@ class Transformer(nnx.Module):
             return self.embed[...].T
         return self.lm_head[...]
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None, cache: KVCache | None = None,
-                 routing: jax.Array | None = None, return_logits: bool = True,
-                 segment_ids: jax.Array | None = None) -> ModelOutput:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+        cache: KVCache | None = None,
+        routing: jax.Array | None = None,
+        return_logits: bool = True,
+        segment_ids: jax.Array | None = None,
+    ) -> ModelOutput:
         """Forward pass.
 
         Args:
@@ -150,8 +164,10 @@ class Transformer(nnx.Module):
             if cache is not None:
                 raise ValueError("segment_ids (packed rows) cannot be used with a KV cache")
             if tuple(segment_ids.shape) != (b, t):
-                raise ValueError(f"segment_ids must have the tokens' shape [B, T] = {(b, t)}, "
-                                 f"got {tuple(segment_ids.shape)}")
+                raise ValueError(
+                    f"segment_ids must have the tokens' shape [B, T] = {(b, t)}, "
+                    f"got {tuple(segment_ids.shape)}"
+                )
             segment_ids = segment_ids.astype(jnp.int32)
             token_mask = token_mask & (segment_ids != 0)
         if routing is not None:
@@ -159,8 +175,10 @@ class Transformer(nnx.Module):
             if not cfg.is_moe:
                 raise ValueError("routing was passed to a dense model (num_experts == 0)")
             if tuple(routing.shape) != expected:
-                raise ValueError(f"routing must have shape [L_moe, B, T, k] = {expected}, "
-                                 f"got {tuple(routing.shape)}")
+                raise ValueError(
+                    f"routing must have shape [L_moe, B, T, k] = {expected}, "
+                    f"got {tuple(routing.shape)}"
+                )
         # The table is gathered whole along `embed` first (as FSDP gathers every weight at
         # use): a lookup into a table sharded along `embed` yields rows sharded along it,
         # which XLA can only reshard to batch rows by replicating them in full
@@ -181,10 +199,20 @@ class Transformer(nnx.Module):
                 run_routing = None
                 if block.is_moe and routing is not None:
                     moe_start = sum(r.shape[0] for r in routings)
-                    run_routing = routing[moe_start:moe_start + stop - start]
+                    run_routing = routing[moe_start : moe_start + stop - start]
                 x, cache, run_routing, aux = _scan_blocks(
-                    block, start, stop, policy, x, cos, sin, token_mask, segment_ids, cache,
-                    run_routing)
+                    block,
+                    start,
+                    stop,
+                    policy,
+                    x,
+                    cos,
+                    sin,
+                    token_mask,
+                    segment_ids,
+                    cache,
+                    run_routing,
+                )
                 if block.is_moe:
                     routings.append(run_routing)
                     auxes.append(aux)
@@ -196,15 +224,20 @@ class Transformer(nnx.Module):
                 if block.is_moe and routing is not None:
                     layer_routing = routing[len(routings)]
                 x, cache, layer_routing, aux = _apply_block(
-                    block, policy, x, cos, sin, token_mask, segment_ids, cache, layer_routing)
+                    block, policy, x, cos, sin, token_mask, segment_ids, cache, layer_routing
+                )
                 if block.is_moe:
                     routings.append(layer_routing[None])
                     auxes.append(jax.tree.map(lambda a: a[None], aux))
         hidden = self.final_norm(x)
         logits = None
         if return_logits:
-            logits = jnp.einsum("btd,dv->btv", hidden, self.output_embedding().astype(hidden.dtype),
-                                preferred_element_type=jnp.float32)
+            logits = jnp.einsum(
+                "btd,dv->btv",
+                hidden,
+                self.output_embedding().astype(hidden.dtype),
+                preferred_element_type=jnp.float32,
+            )
         if cache is not None:
             cache = cache.replace(index=cache.index + t)
         out_routing, out_aux = None, {}
@@ -218,8 +251,9 @@ class Transformer(nnx.Module):
                 "dropped_tokens": jnp.sum(stacked["dropped_tokens"]),
                 "tokens_per_expert": stacked["tokens_per_expert"],
             }
-        return ModelOutput(logits=logits, hidden=hidden, cache=cache, routing=out_routing,
-                           aux=out_aux)
+        return ModelOutput(
+            logits=logits, hidden=hidden, cache=cache, routing=out_routing, aux=out_aux
+        )
 
 
 # --------------------------------------------------------------------------- layers
@@ -252,8 +286,19 @@ def _apply_block(block: Block, policy, x, cos, sin, token_mask, segment_ids, cac
     return jax.checkpoint(run, policy=save)(params, x, cache, routing)
 
 
-def _scan_blocks(block: Block, start: int, stop: int, policy, x, cos, sin, token_mask,
-                 segment_ids, cache, routing):
+def _scan_blocks(
+    block: Block,
+    start: int,
+    stop: int,
+    policy,
+    x,
+    cos,
+    sin,
+    token_mask,
+    segment_ids,
+    cache,
+    routing,
+):
     """Layers [start, stop) of one run, ``block`` holding their stacked parameters, as a
     ``jax.lax.scan`` whose body is one block (under ``jax.checkpoint`` per the policy).
 
@@ -271,8 +316,9 @@ def _scan_blocks(block: Block, start: int, stop: int, policy, x, cos, sin, token
         x, cache = carry
         layer_params, layer, layer_routing = inputs
         layer_block = nnx.merge(graphdef, layer_params)
-        x, cache, layer_routing, aux = layer_block(x, cos, sin, token_mask, cache, layer_routing,
-                                                   segment_ids, layer=layer)
+        x, cache, layer_routing, aux = layer_block(
+            x, cos, sin, token_mask, cache, layer_routing, segment_ids, layer=layer
+        )
         return (x, cache), (layer_routing, aux)
 
     if remat:
@@ -327,8 +373,9 @@ def _stack_blocks(blocks: list[Block]) -> Block:
     the stack is ``blocks[0]``); its ``layer`` attribute is that of the first."""
     graphdef, _ = nnx.split(blocks[0])
     states = [nnx.state(b) for b in blocks]
-    stacked = jax.tree.map(lambda *vs: _stack_variables(vs), *states,
-                           is_leaf=lambda x: isinstance(x, nnx.Variable))
+    stacked = jax.tree.map(
+        lambda *vs: _stack_variables(vs), *states, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
     return nnx.merge(graphdef, stacked)
 
 
@@ -358,8 +405,10 @@ def stack_layers(state: nnx.State, config: ModelConfig) -> nnx.State:
     for path, variables in groups.items():
         missing = [j for j, v in enumerate(variables) if v is None]
         if missing:
-            raise ValueError(f"stack_layers: {'.'.join(map(str, path[2:]))} is missing for layers "
-                             f"{[config.layer_runs[path[1]][0] + j for j in missing]}")
+            raise ValueError(
+                f"stack_layers: {'.'.join(map(str, path[2:]))} is missing for layers "
+                f"{[config.layer_runs[path[1]][0] + j for j in missing]}"
+            )
         flat.append((path, _stack_variables(variables)))
     return nnx.from_flat_state(flat)
 

@@ -36,7 +36,13 @@ from policyopt.rewards.batch import (
     shutdown_pools,
     start_workers,
 )
-from policyopt.rewards.code import CodeResult, SandboxResult, code_correctness, run_code_tests, run_sandboxed
+from policyopt.rewards.code import (
+    CodeResult,
+    SandboxResult,
+    code_correctness,
+    run_code_tests,
+    run_sandboxed,
+)
 from policyopt.rewards.compose import ComposedRewards, Verdicts, compose_rewards
 from policyopt.rewards.format import first_code_block, format_ok, split_think
 from policyopt.rewards.language import identify_language, languages_consistent, strip_latex_and_code

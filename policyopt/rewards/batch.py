@@ -131,7 +131,9 @@ class RewardSpec:
 
     def __post_init__(self):
         if self.task not in format_lib.TASKS:
-            raise ValueError(f"RewardSpec.task must be one of {format_lib.TASKS}, got {self.task!r}")
+            raise ValueError(
+                f"RewardSpec.task must be one of {format_lib.TASKS}, got {self.task!r}"
+            )
         if self.answer_format not in math_lib.ANSWER_FORMATS:
             raise ValueError(
                 f"RewardSpec.answer_format must be one of {math_lib.ANSWER_FORMATS}, got {self.answer_format!r}"
@@ -158,11 +160,15 @@ class RewardSpec:
                 f"code_timeout_s={self.code_timeout_s}, verifier_timeout_s={self.verifier_timeout_s}"
             )
         if self.code_max_tests is not None and self.code_max_tests < 1:
-            raise ValueError(f"RewardSpec.code_max_tests must be >= 1 or None, got {self.code_max_tests}")
+            raise ValueError(
+                f"RewardSpec.code_max_tests must be >= 1 or None, got {self.code_max_tests}"
+            )
         from policyopt.rewards.code import ISOLATIONS  # deferred: only code tasks need the module
 
         if self.code_isolation not in ISOLATIONS:
-            raise ValueError(f"RewardSpec.code_isolation must be one of {ISOLATIONS}, got {self.code_isolation!r}")
+            raise ValueError(
+                f"RewardSpec.code_isolation must be one of {ISOLATIONS}, got {self.code_isolation!r}"
+            )
         if self.verifier is not None:
             load_verifier(self.verifier)  # fails here, naming the path, not in a worker
 
@@ -209,15 +215,21 @@ def load_verifier(path: str):
     """The function named by ``"package.module:function"`` (``RewardSpec.verifier``)."""
     module_name, sep, name = str(path).partition(":")
     if not sep or not module_name or not name:
-        raise VerifierImportError(f"RewardSpec.verifier must be 'package.module:function', got {path!r}")
+        raise VerifierImportError(
+            f"RewardSpec.verifier must be 'package.module:function', got {path!r}"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise VerifierImportError(f"RewardSpec.verifier={path!r}: cannot import {module_name!r} "
-                                  f"({error}; in process {os.getpid()})") from None
+        raise VerifierImportError(
+            f"RewardSpec.verifier={path!r}: cannot import {module_name!r} "
+            f"({error}; in process {os.getpid()})"
+        ) from None
     function = getattr(module, name, None)
     if not callable(function):
-        raise VerifierImportError(f"RewardSpec.verifier={path!r}: {module_name!r} has no function {name!r}")
+        raise VerifierImportError(
+            f"RewardSpec.verifier={path!r}: {module_name!r} has no function {name!r}"
+        )
     return function
 
 
@@ -227,17 +239,26 @@ _LOGGED_VERIFIER_ERRORS: set[str] = set()
 def _verifier_error(spec: RewardSpec, message: str) -> tuple[float, str]:
     if spec.verifier not in _LOGGED_VERIFIER_ERRORS:  # once per verifier and process
         _LOGGED_VERIFIER_ERRORS.add(spec.verifier)
-        logging.warning("verifier %s failed (scored 0; later failures are counted in "
-                        "verifier_errors, not logged): %s", spec.verifier, message)
+        logging.warning(
+            "verifier %s failed (scored 0; later failures are counted in "
+            "verifier_errors, not logged): %s",
+            spec.verifier,
+            message,
+        )
     return 0.0, "verifier_error"
 
 
-def _custom_correctness(completion: str, reference: Any, spec: RewardSpec,
-                        time_left_s: float | None) -> tuple[float, str]:
+def _custom_correctness(
+    completion: str, reference: Any, spec: RewardSpec, time_left_s: float | None
+) -> tuple[float, str]:
     """``(c, status)`` from ``spec.verifier`` under its time limit; never raises for what
     the verifier does with a sample (an unimportable verifier raises)."""
     function = load_verifier(spec.verifier)
-    limit = spec.verifier_timeout_s if time_left_s is None else min(spec.verifier_timeout_s, time_left_s)
+    limit = (
+        spec.verifier_timeout_s
+        if time_left_s is None
+        else min(spec.verifier_timeout_s, time_left_s)
+    )
     try:
         with timelimit.time_limit(max(limit, 1e-3)):
             value = function(completion, reference)
@@ -263,7 +284,12 @@ def _split_for_language(completion: str) -> tuple[str, str]:
 
 
 def score_sample(
-    completion: str, reference: Any, prompt: str | None, spec: RewardSpec, *, time_left_s: float | None = None
+    completion: str,
+    reference: Any,
+    prompt: str | None,
+    spec: RewardSpec,
+    *,
+    time_left_s: float | None = None,
 ) -> SampleScore:
     """Format, correctness and language of one completion; never raises on model output.
 
@@ -284,7 +310,9 @@ def score_sample(
     if spec.verifier is not None:
         correctness, status = _custom_correctness(completion, reference, spec, time_left_s)
     elif spec.task == "math":
-        timeout_s = spec.math_timeout_s if time_left_s is None else min(spec.math_timeout_s, time_left_s)
+        timeout_s = (
+            spec.math_timeout_s if time_left_s is None else min(spec.math_timeout_s, time_left_s)
+        )
         verdict = math_lib.verify_math(
             completion, reference, timeout_s=max(timeout_s, 1e-3), answer_format=spec.answer_format
         )
@@ -331,7 +359,9 @@ def _score_chunk(
         try:
             if task not in specs:
                 specs[task] = dataclasses.replace(spec, task=task)
-            scores.append(score_sample(completion, reference, prompt, specs[task], time_left_s=time_left))
+            scores.append(
+                score_sample(completion, reference, prompt, specs[task], time_left_s=time_left)
+            )
         except Exception:  # noqa: BLE001 - a reference/test malformed beyond repair scores 0
             scores.append(SampleScore(False, 0.0, "error"))
     return scores
@@ -430,14 +460,20 @@ def _wait(futures, deadline):
     while True:
         timeout = _WAIT_POLL_S if end is None else min(_WAIT_POLL_S, max(end - time.time(), 0.0))
         done, not_done = concurrent.futures.wait(futures, timeout=timeout)
-        if not not_done or all(f.cancelled() for f in not_done) or (end is not None and time.time() >= end):
+        if (
+            not not_done
+            or all(f.cancelled() for f in not_done)
+            or (end is not None and time.time() >= end)
+        ):
             return done, not_done
 
 
 _WAIT_POLL_S = 1.0
 
 
-def _score_parallel(items, spec, deadline, num_workers, name="default") -> tuple[list[SampleScore], int]:
+def _score_parallel(
+    items, spec, deadline, num_workers, name="default"
+) -> tuple[list[SampleScore], int]:
     """Returns the scores and the number of samples lost to crashed workers."""
     chunk_size = max(1, -(-len(items) // (num_workers * _CHUNKS_PER_WORKER)))
     chunks = [items[start : start + chunk_size] for start in range(0, len(items), chunk_size)]
@@ -476,8 +512,12 @@ def _score_parallel(items, spec, deadline, num_workers, name="default") -> tuple
 # score_batch metrics that count samples (summed over batches) and that are per-sample
 # means (averaged over batches, weighted by their samples): see `merge_metrics`.
 COUNT_METRICS = ("verifier_timeouts", "verifier_errors", "deadline_missed", "worker_errors")
-MEAN_METRICS = ("format_failure_rate", "length_penalty_mean", "truncated_fraction",
-                "language_consistent_rate")
+MEAN_METRICS = (
+    "format_failure_rate",
+    "length_penalty_mean",
+    "truncated_fraction",
+    "language_consistent_rate",
+)
 
 
 def merge_metrics(batches: Sequence[dict]) -> dict[str, float]:
@@ -486,7 +526,9 @@ def merge_metrics(batches: Sequence[dict]) -> dict[str, float]:
     total = sum(m["num_samples"] for m in batches)
     merged = {key: float(sum(m[key] for m in batches)) for key in COUNT_METRICS}
     for key in MEAN_METRICS:
-        merged[key] = float(sum(m[key] * m["num_samples"] for m in batches) / total) if total else 0.0
+        merged[key] = (
+            float(sum(m[key] * m["num_samples"] for m in batches) / total) if total else 0.0
+        )
     return merged
 
 
@@ -525,7 +567,9 @@ class BatchScores(tuple):
     metrics = property(lambda self: self[2])
 
 
-def _score_items(items, spec, deadline, num_workers, pool="default") -> tuple[list[SampleScore], int]:
+def _score_items(
+    items, spec, deadline, num_workers, pool="default"
+) -> tuple[list[SampleScore], int]:
     """Scores ``items`` here: serially (``num_workers`` 0) or in the worker pool."""
     if not items:
         return [], 0
@@ -542,11 +586,25 @@ def _process_count() -> int:
 
 #: Every ``SampleScore.status`` (math and code verifiers, the batch's own), by the code
 #: sent between processes; a status not listed travels as "error".
-STATUSES = ("correct", "incorrect", "no_answer", "rejected", "timeout", "format", "deadline",
-            "error", "no_code", "no_tests", "verifier_error", "worker_error")
+STATUSES = (
+    "correct",
+    "incorrect",
+    "no_answer",
+    "rejected",
+    "timeout",
+    "format",
+    "deadline",
+    "error",
+    "no_code",
+    "no_tests",
+    "verifier_error",
+    "worker_error",
+)
 
 
-def _score_across_processes(items, spec, deadline, num_workers, pool="default") -> tuple[list[SampleScore], int]:
+def _score_across_processes(
+    items, spec, deadline, num_workers, pool="default"
+) -> tuple[list[SampleScore], int]:
     """Each process of a multi-process job scores its slice of ``items`` (contiguous,
     ``ceil(N / P)`` each), then every process receives every slice's scores
     (``multihost_utils.process_allgather``, a collective: every process calls this with
@@ -561,7 +619,9 @@ def _score_across_processes(items, spec, deadline, num_workers, pool="default") 
     fields = np.zeros((per, 4), np.float32)  # correctness, format_ok, language_ok, status
     failure, errors = None, 0
     try:
-        mine, errors = _score_items(items[index * per:(index + 1) * per], spec, deadline, num_workers, pool)
+        mine, errors = _score_items(
+            items[index * per : (index + 1) * per], spec, deadline, num_workers, pool
+        )
         error_code = STATUSES.index("error")
         for row, score in enumerate(mine):
             code = STATUSES.index(score.status) if score.status in STATUSES else error_code
@@ -576,7 +636,9 @@ def _score_across_processes(items, spec, deadline, num_workers, pool="default") 
     if failed.size:
         raise RuntimeError(f"score_batch: scoring failed in process(es) {failed.tolist()}")
     rows = gathered[:, :-2].reshape(count * per, 4)[: len(items)]
-    scores = [SampleScore(bool(f), float(c), STATUSES[int(code)], bool(lang)) for c, f, lang, code in rows]
+    scores = [
+        SampleScore(bool(f), float(c), STATUSES[int(code)], bool(lang)) for c, f, lang, code in rows
+    ]
     return scores, int(gathered[:, -2].sum())
 
 
@@ -633,8 +695,13 @@ def score_batch(
       truncated_fraction, language_consistent_rate, num_samples.
     """
     n = len(completions)
-    named = (("references", references), ("lengths", lengths), ("prompts", prompts), ("truncated", truncated),
-             ("tasks", tasks))
+    named = (
+        ("references", references),
+        ("lengths", lengths),
+        ("prompts", prompts),
+        ("truncated", truncated),
+        ("tasks", tasks),
+    )
     for name, values in named:
         if values is not None and len(values) != n:
             raise ValueError(f"score_batch: {name} has {len(values)} entries, completions has {n}")
@@ -644,8 +711,15 @@ def score_batch(
     for task in set(tasks or ()) - {None}:
         if task not in format_lib.TASKS:
             raise ValueError(f"score_batch: task {task!r} is not one of {format_lib.TASKS}")
-    items = [(completions[i], references[i], None if prompts is None else prompts[i],
-              None if tasks is None else tasks[i]) for i in range(n)]
+    items = [
+        (
+            completions[i],
+            references[i],
+            None if prompts is None else prompts[i],
+            None if tasks is None else tasks[i],
+        )
+        for i in range(n)
+    ]
     if across_processes and _process_count() > 1:
         scores, errors = _score_across_processes(items, spec, deadline, num_workers, pool)
     else:
@@ -657,7 +731,8 @@ def score_batch(
         correctness=np.array([s.correctness for s in scores], dtype=np.float32).reshape(n),
         format_ok=np.array([s.format_ok for s in scores], dtype=bool).reshape(n),
         language_ok=np.array([s.language_ok for s in scores], dtype=bool).reshape(n),
-        scored=~unscored)
+        scored=~unscored,
+    )
     composed = compose_rewards(verdicts, lengths, spec, truncated=truncated)
     rewards, correct, penalty = composed.rewards, composed.correct, composed.length_penalty
     is_truncated = composed.truncated

@@ -287,12 +287,16 @@ def _is_root() -> bool:
 @functools.cache
 def _unshare_prefix() -> tuple[str, ...]:
     """``("unshare", "--net", "--")`` when creating a network namespace works here."""
-    unshare = shutil.which("unshare") or ("/usr/bin/unshare" if os.path.exists("/usr/bin/unshare") else None)
+    unshare = shutil.which("unshare") or (
+        "/usr/bin/unshare" if os.path.exists("/usr/bin/unshare") else None
+    )
     if unshare is None:
         return ()
     for flags in (("--net",), ("--net", "--map-root-user")):
         try:
-            probe = subprocess.run([unshare, *flags, "--", "true"], capture_output=True, timeout=10, env={})
+            probe = subprocess.run(
+                [unshare, *flags, "--", "true"], capture_output=True, timeout=10, env={}
+            )
         except (OSError, subprocess.SubprocessError):
             continue
         if probe.returncode == 0:
@@ -417,9 +421,21 @@ class _Sandbox:
     """One sandboxed process, started at construction: its directory, files, uid and
     ``Popen``; ``wait`` then ``finish`` (kill, reap, read the output), ``close`` always."""
 
-    def __init__(self, program: str, *, stdin: str, timeout_s: float, memory_mb: int, max_processes: int,
-                 max_output_bytes: int, python: str | None, uid: int, pass_fds: tuple[int, ...] = (),
-                 jail: bool | None = None, disk_mb: int = DEFAULT_DISK_MB):
+    def __init__(
+        self,
+        program: str,
+        *,
+        stdin: str,
+        timeout_s: float,
+        memory_mb: int,
+        max_processes: int,
+        max_output_bytes: int,
+        python: str | None,
+        uid: int,
+        pass_fds: tuple[int, ...] = (),
+        jail: bool | None = None,
+        disk_mb: int = DEFAULT_DISK_MB,
+    ):
         self.uid, self.max_output_bytes, self.files, self.process = uid, max_output_bytes, [], None
         self.disk_bytes, self.disk_exceeded, self.jailed = disk_mb << 20, False, False
         self.root = tempfile.mkdtemp(prefix=f"{_SANDBOX_PREFIX}{os.getpid()}-")
@@ -457,8 +473,14 @@ class _Sandbox:
             for name in ("stdout", "stderr"):  # one at a time: close() closes what is open
                 self.files.append(open(_private(os.path.join(self.root, name)), "w+b"))
             self.process = subprocess.Popen(
-                command, cwd=workdir, env={"PATH": "/usr/bin:/bin"}, stdin=self.files[0],
-                stdout=self.files[1], stderr=self.files[2], start_new_session=True, close_fds=True,
+                command,
+                cwd=workdir,
+                env={"PATH": "/usr/bin:/bin"},
+                stdin=self.files[0],
+                stdout=self.files[1],
+                stderr=self.files[2],
+                start_new_session=True,
+                close_fds=True,
                 pass_fds=pass_fds,
             )
         except BaseException:
@@ -524,7 +546,8 @@ class _Sandbox:
         # before the wall-clock one: killed by SIGXCPU (or SIGKILL at the hard limit),
         # which is a timeout too.
         timed_out = not self.disk_exceeded and (
-            returncode is None or returncode in (-signal.SIGXCPU, -signal.SIGKILL))
+            returncode is None or returncode in (-signal.SIGXCPU, -signal.SIGKILL)
+        )
         _kill_group(self.process.pid)
         if self.uid >= 0:
             _reap_uid(self.uid)
@@ -534,10 +557,13 @@ class _Sandbox:
             f.seek(0)
             outputs.append(f.read(self.max_output_bytes).decode("utf-8", errors="replace"))
         if self.disk_exceeded:
-            outputs[1] += (f"\nsandbox: killed: the working directory passed "
-                           f"{self.disk_bytes >> 20} MB or {MAX_FILES} files\n")
-        return SandboxResult(returncode, outputs[0], outputs[1], timed_out, self.uid,
-                             self.disk_exceeded)
+            outputs[1] += (
+                f"\nsandbox: killed: the working directory passed "
+                f"{self.disk_bytes >> 20} MB or {MAX_FILES} files\n"
+            )
+        return SandboxResult(
+            returncode, outputs[0], outputs[1], timed_out, self.uid, self.disk_exceeded
+        )
 
     def close(self) -> None:
         if self.process is not None and self.process.returncode is None:
@@ -568,7 +594,9 @@ def _jail_prefix() -> tuple[str, ...]:
     net = _unshare_prefix()
     if not _is_root() or not net or "--map-root-user" in net:
         return ()
-    probe = subprocess.run([net[0], "--net", "--mount", "--", "true"], capture_output=True, timeout=10, env={})
+    probe = subprocess.run(
+        [net[0], "--net", "--mount", "--", "true"], capture_output=True, timeout=10, env={}
+    )
     return (net[0], "--net", "--mount", "--") if probe.returncode == 0 else ()
 
 
@@ -578,9 +606,17 @@ def _jail_works(python: str) -> bool:
     mounts allowed in it: not in every container), probed once per interpreter."""
     if not _jail_prefix():
         return False
-    sandbox = _Sandbox("import json, math, re\nprint('ok')\n", stdin="", timeout_s=10.0, memory_mb=300,
-                       max_processes=DEFAULT_MAX_PROCESSES, max_output_bytes=1 << 16, python=python,
-                       uid=_sandbox_uids(1)[0], jail=True)
+    sandbox = _Sandbox(
+        "import json, math, re\nprint('ok')\n",
+        stdin="",
+        timeout_s=10.0,
+        memory_mb=300,
+        max_processes=DEFAULT_MAX_PROCESSES,
+        max_output_bytes=1 << 16,
+        python=python,
+        uid=_sandbox_uids(1)[0],
+        jail=True,
+    )
     try:
         result = sandbox.finish(sandbox.wait(10.0 + _STARTUP_GRACE_S))
     finally:
@@ -612,9 +648,18 @@ def run_sandboxed(
     one (the fallback of a non-root scorer, for tests).
     """
     _sweep_once()
-    sandbox = _Sandbox(program, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb,
-                       max_processes=max_processes, max_output_bytes=max_output_bytes, python=python,
-                       uid=_sandbox_uids(1)[0], disk_mb=disk_mb, jail=jail)
+    sandbox = _Sandbox(
+        program,
+        stdin=stdin,
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        max_processes=max_processes,
+        max_output_bytes=max_output_bytes,
+        python=python,
+        uid=_sandbox_uids(1)[0],
+        disk_mb=disk_mb,
+        jail=jail,
+    )
     try:
         return sandbox.finish(sandbox.wait(timeout_s + _STARTUP_GRACE_S))
     finally:
@@ -644,17 +689,38 @@ def run_isolated(
       its CPU limit.
     """
     _sweep_once()
-    limits = dict(stdin="", timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes,
-                  max_output_bytes=max_output_bytes, python=python, disk_mb=disk_mb, jail=jail)
+    limits = dict(
+        stdin="",
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        max_processes=max_processes,
+        max_output_bytes=max_output_bytes,
+        python=python,
+        disk_mb=disk_mb,
+        jail=jail,
+    )
     server_uid, client_uid = _sandbox_uids(2)
     sandboxes, requests_r, requests_w, replies_r, replies_w = [], -1, -1, -1, -1
     try:
         requests_r, requests_w = os.pipe()
         replies_r, replies_w = os.pipe()
-        sandboxes.append(_Sandbox(f"{_isolation_source()}\nserve({program!r}, {requests_r}, {replies_w})\n",
-                                  uid=server_uid, pass_fds=(requests_r, replies_w), **limits))
-        sandboxes.append(_Sandbox(f"{_isolation_source()}\nrun_tests({tests!r}, {marker!r}, {replies_r}, "
-                                  f"{requests_w})\n", uid=client_uid, pass_fds=(replies_r, requests_w), **limits))
+        sandboxes.append(
+            _Sandbox(
+                f"{_isolation_source()}\nserve({program!r}, {requests_r}, {replies_w})\n",
+                uid=server_uid,
+                pass_fds=(requests_r, replies_w),
+                **limits,
+            )
+        )
+        sandboxes.append(
+            _Sandbox(
+                f"{_isolation_source()}\nrun_tests({tests!r}, {marker!r}, {replies_r}, "
+                f"{requests_w})\n",
+                uid=client_uid,
+                pass_fds=(replies_r, requests_w),
+                **limits,
+            )
+        )
         for fd in (requests_r, requests_w, replies_r, replies_w):
             os.close(fd)
         requests_r = requests_w = replies_r = replies_w = -1
@@ -704,7 +770,9 @@ def _lines(value: Any, what: str) -> str:
         return str(value)
     if isinstance(value, (list, tuple)) and all(isinstance(line, str) for line in value):
         return "\n".join(value)
-    raise ValueError(f"a test case's {what} must be text, a number or a list of lines, got {type(value).__name__}")
+    raise ValueError(
+        f"a test case's {what} must be text, a number or a list of lines, got {type(value).__name__}"
+    )
 
 
 def _check_runnable(tests: str) -> None:
@@ -717,21 +785,34 @@ def _check_runnable(tests: str) -> None:
     except SyntaxError as error:
         raise ValueError(f"the tests are not Python ({error.msg}, line {error.lineno})") from None
     for node in ast.walk(tree):
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
         if any(name.split(".")[0] in ("unittest", "pytest") for name in names):
-            raise ValueError("unittest / pytest tests are not supported: their failures are reported, "
-                             "not raised (write them as asserts)")
+            raise ValueError(
+                "unittest / pytest tests are not supported: their failures are reported, "
+                "not raised (write them as asserts)"
+            )
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
         if any(isinstance(sub, (ast.Assert, ast.Raise, ast.Call)) for sub in ast.walk(node)):
             return
-    if any(isinstance(node, ast.FunctionDef) and node.name.startswith("test") for node in tree.body):
-        raise ValueError("pytest-style tests (def test_...) are not run: call them at the top level of the "
-                         "tests, or write them as asserts")
-    raise ValueError("the tests cannot fail: nothing at their top level asserts, raises or calls "
-                     "(every program would pass)")
+    if any(
+        isinstance(node, ast.FunctionDef) and node.name.startswith("test") for node in tree.body
+    ):
+        raise ValueError(
+            "pytest-style tests (def test_...) are not run: call them at the top level of the "
+            "tests, or write them as asserts"
+        )
+    raise ValueError(
+        "the tests cannot fail: nothing at their top level asserts, raises or calls "
+        "(every program would pass)"
+    )
 
 
 def _calls_check(tests: str) -> bool:
@@ -745,7 +826,11 @@ def _calls_check(tests: str) -> bool:
         if isinstance(node, ast.FunctionDef) and node.name == "check":
             continue
         for sub in ast.walk(node):
-            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) and sub.func.id == "check":
+            if (
+                isinstance(sub, ast.Call)
+                and isinstance(sub.func, ast.Name)
+                and sub.func.id == "check"
+            ):
                 return True
     return False
 
@@ -757,10 +842,15 @@ _CALL_BASED = ("fn_name", "func_name")
 
 
 def _refuse_call_based(tests: dict) -> None:
-    if any(tests.get(key) for key in _CALL_BASED) or tests.get("type") == "function_call" or (
-            tests.get("testtype") not in (None, "stdin")):
-        raise ValueError("call-based tests (fn_name / testtype 'functional' / type 'function_call') are not "
-                         "supported: the cases must be stdin / stdout")
+    if (
+        any(tests.get(key) for key in _CALL_BASED)
+        or tests.get("type") == "function_call"
+        or (tests.get("testtype") not in (None, "stdin"))
+    ):
+        raise ValueError(
+            "call-based tests (fn_name / testtype 'functional' / type 'function_call') are not "
+            "supported: the cases must be stdin / stdout"
+        )
 
 
 def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dict[str, str]]:
@@ -808,8 +898,10 @@ def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dic
             return tests
         if re.search(r"^def check\(", tests, re.M) and not _calls_check(tests):
             if not entry_point:
-                raise ValueError("the tests define check(candidate) but never call it, and no entry_point "
-                                 "names the function to check (every program would pass)")
+                raise ValueError(
+                    "the tests define check(candidate) but never call it, and no entry_point "
+                    "names the function to check (every program would pass)"
+                )
             if not entry_point.isidentifier():
                 raise ValueError(f"entry_point {entry_point!r} is not a Python name")
             tests = tests.rstrip() + f"\n\n\ncheck({entry_point})\n"
@@ -822,8 +914,10 @@ def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dic
         inputs = tests.get("inputs", tests.get("input"))
         outputs = tests.get("outputs", tests.get("output"))
         if not isinstance(inputs, (list, tuple)) or not isinstance(outputs, (list, tuple)):
-            raise ValueError("a tests object needs parallel lists 'inputs' / 'outputs' (or 'input' / 'output'), "
-                             f"got keys {sorted(tests)[:6]}")
+            raise ValueError(
+                "a tests object needs parallel lists 'inputs' / 'outputs' (or 'input' / 'output'), "
+                f"got keys {sorted(tests)[:6]}"
+            )
         if len(inputs) != len(outputs):
             raise ValueError(f"{len(inputs)} inputs but {len(outputs)} outputs")
         tests = [{"input": i, "output": o} for i, o in zip(inputs, outputs)]
@@ -837,10 +931,19 @@ def parse_tests(tests: Any, *, entry_point: str | None = None) -> str | list[dic
             for case in tests:
                 _refuse_call_based(case)
                 if "input" not in case or "output" not in case:
-                    raise ValueError(f"a test case needs 'input' and 'output', got keys {sorted(case)[:6]}")
-                cases.append({"input": _lines(case["input"], "input"), "output": _lines(case["output"], "output")})
+                    raise ValueError(
+                        f"a test case needs 'input' and 'output', got keys {sorted(case)[:6]}"
+                    )
+                cases.append(
+                    {
+                        "input": _lines(case["input"], "input"),
+                        "output": _lines(case["output"], "output"),
+                    }
+                )
             return cases
-        raise ValueError("a list of tests must hold only assert strings or only {input, output} cases")
+        raise ValueError(
+            "a list of tests must hold only assert strings or only {input, output} cases"
+        )
     raise ValueError(f"tests must be text, a list or an object, got {type(tests).__name__}")
 
 
@@ -864,7 +967,9 @@ def _assert_harness(program: str, tests: str, marker: str) -> str:
     )
 
 
-def limit_tests(tests: str | list[dict[str, str]], max_tests: int | None) -> str | list[dict[str, str]]:
+def limit_tests(
+    tests: str | list[dict[str, str]], max_tests: int | None
+) -> str | list[dict[str, str]]:
     """The first ``max_tests`` cases of parsed tests, or an assert string cut after its
     ``max_tests``-th top-level assert (the statements before it kept in order; asserts
     inside functions, as in HumanEval's ``check``, are not counted); None: all of them."""
@@ -881,7 +986,7 @@ def limit_tests(tests: str | list[dict[str, str]], max_tests: int | None) -> str
     asserts = [i for i, (is_assert, _) in enumerate(statements) if is_assert]
     if len(asserts) <= max_tests:
         return tests
-    cut = "\n".join(source for _, source in statements[:asserts[max_tests - 1] + 1]) + "\n"
+    cut = "\n".join(source for _, source in statements[: asserts[max_tests - 1] + 1]) + "\n"
     return cut if _parses(cut) else tests  # all of them rather than a cut that went wrong
 
 
@@ -900,7 +1005,12 @@ def _statements(tests: str) -> list[tuple[bool, str]]:
     for node in ast.parse(tests).body:
         first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
         begin = starts[first - 1] if first < node.lineno else offset(node.lineno, node.col_offset)
-        statements.append((isinstance(node, ast.Assert), tests[begin:offset(node.end_lineno, node.end_col_offset)]))
+        statements.append(
+            (
+                isinstance(node, ast.Assert),
+                tests[begin : offset(node.end_lineno, node.end_col_offset)],
+            )
+        )
     return statements
 
 
@@ -917,7 +1027,7 @@ def _split_asserts(tests: str) -> list[str]:
             setup = [s for a, s in statements[:index] if not a]
             cases.append("\n".join(setup + [source]) + "\n")
     last = max((i for i, (is_assert, _) in enumerate(statements) if is_assert), default=-1)
-    if cases and any(_can_fail(source) for _, source in statements[last + 1:]):
+    if cases and any(_can_fail(source) for _, source in statements[last + 1 :]):
         cases.append("\n".join(s for a, s in statements if not a) + "\n")
     if not cases or not all(_parses(case) for case in cases):
         return [tests]  # one test rather than a case the split got wrong
@@ -983,10 +1093,14 @@ def run_code_tests(
     if block is None or block[0] not in PYTHON_TAGS:
         return CodeResult(0, max(len(tests), 1) if not isinstance(tests, str) else 1, "no_code")
     program = block[1]
-    limits = dict(timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes,
-                  disk_mb=disk_mb)
+    limits = dict(
+        timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes, disk_mb=disk_mb
+    )
     if isinstance(tests, str):
-        cases = [(test, "", None) for test in ([tests] if stop_at_first_failure else _split_asserts(tests))]
+        cases = [
+            (test, "", None)
+            for test in ([tests] if stop_at_first_failure else _split_asserts(tests))
+        ]
     else:
         cases = [(program, str(case["input"]), str(case["output"])) for case in tests]
     if not cases:
@@ -1003,7 +1117,9 @@ def run_code_tests(
         if expected is None:  # assert tests: they must have run to their end
             ok = result.returncode == 0 and marker in result.stdout
         else:
-            ok = result.returncode == 0 and _normalise_output(result.stdout) == _normalise_output(expected)
+            ok = result.returncode == 0 and _normalise_output(result.stdout) == _normalise_output(
+                expected
+            )
         ok = ok and not result.disk_exceeded  # past reward.code_disk_mb: a failure
         passed += ok
         if not ok and stop_at_first_failure:
@@ -1029,8 +1145,13 @@ def code_correctness(
     """
     try:
         result = run_code_tests(
-            completion, tests, timeout_s=timeout_s, memory_mb=memory_mb, stop_at_first_failure=not partial,
-            max_tests=max_tests, isolation=isolation,
+            completion,
+            tests,
+            timeout_s=timeout_s,
+            memory_mb=memory_mb,
+            stop_at_first_failure=not partial,
+            max_tests=max_tests,
+            isolation=isolation,
         )
     except (OSError, SyntaxError, ValueError, KeyError, TypeError):
         return 0.0

@@ -71,8 +71,13 @@ class ComposedRewards(NamedTuple):
     sample_mask: np.ndarray
 
 
-def compose_rewards(verdicts: Verdicts, lengths: Sequence[int] | np.ndarray, spec, *,
-                    truncated: Sequence[bool] | np.ndarray | None = None) -> ComposedRewards:
+def compose_rewards(
+    verdicts: Verdicts,
+    lengths: Sequence[int] | np.ndarray,
+    spec,
+    *,
+    truncated: Sequence[bool] | np.ndarray | None = None,
+) -> ComposedRewards:
     """Rewards of N samples from their verdicts and lengths (the module docstring's r).
 
     Args:
@@ -92,20 +97,28 @@ def compose_rewards(verdicts: Verdicts, lengths: Sequence[int] | np.ndarray, spe
     """
     correctness = np.asarray(verdicts.correctness, np.float32).reshape(-1)
     n = correctness.size
-    named = dict(format_ok=verdicts.format_ok, language_ok=verdicts.language_ok,
-                 scored=verdicts.scored, lengths=lengths, truncated=truncated)
+    named = dict(
+        format_ok=verdicts.format_ok,
+        language_ok=verdicts.language_ok,
+        scored=verdicts.scored,
+        lengths=lengths,
+        truncated=truncated,
+    )
     for name, values in named.items():
         if values is not None and np.size(values) != n:
-            raise ValueError(f"compose_rewards: {name} has {np.size(values)} entries, "
-                             f"verdicts.correctness has {n}")
+            raise ValueError(
+                f"compose_rewards: {name} has {np.size(values)} entries, "
+                f"verdicts.correctness has {n}"
+            )
     format_ok = np.asarray(verdicts.format_ok, bool).reshape(n)
     language_ok = np.asarray(verdicts.language_ok, bool).reshape(n)
     scored = np.asarray(verdicts.scored, bool).reshape(n)
     lengths = np.asarray(lengths, np.int64).reshape(n)
 
     if spec.overlong != "none":
-        penalty = length_lib.overlong_penalties(lengths, spec.max_len, spec.cache_len,
-                                                scale=spec.penalty_scale)
+        penalty = length_lib.overlong_penalties(
+            lengths, spec.max_len, spec.cache_len, scale=spec.penalty_scale
+        )
     else:
         penalty = np.zeros(n, np.float32)
     if spec.format_reward:
@@ -113,8 +126,9 @@ def compose_rewards(verdicts: Verdicts, lengths: Sequence[int] | np.ndarray, spe
         base = np.where(graded, spec.format_value + spec.correct_value * correctness, 0.0)
     else:
         graded = scored
-        plain = (spec.incorrect_value
-                 + (spec.plain_correct_value - spec.incorrect_value) * correctness)
+        plain = (
+            spec.incorrect_value + (spec.plain_correct_value - spec.incorrect_value) * correctness
+        )
         base = np.where(graded, plain, spec.incorrect_value)
     penalty = np.where(graded, penalty, 0.0).astype(np.float32)
     bonus = np.where(graded & language_ok, spec.language_bonus, 0.0)

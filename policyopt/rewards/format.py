@@ -21,7 +21,13 @@ from __future__ import annotations
 
 import re
 
-from policyopt.rewards.math import ANSWER_FORMATS, THINK_CLOSE, THINK_OPEN, extract_answer, extract_boxed
+from policyopt.rewards.math import (
+    ANSWER_FORMATS,
+    THINK_CLOSE,
+    THINK_OPEN,
+    extract_answer,
+    extract_boxed,
+)
 
 # A fenced block with a language tag: ```lang\n ... ```
 FENCED_BLOCK = re.compile(r"```[ \t]*([A-Za-z0-9_+#.-]+)[ \t]*\r?\n(.*?)```", re.DOTALL)

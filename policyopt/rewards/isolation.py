@@ -81,7 +81,7 @@ def _send(fd, message):
     data = json.dumps(message, separators=(",", ":")).encode("ascii")
     view = memoryview(_HEADER.pack(len(data)) + data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _read_exact(fd, size):
@@ -107,6 +107,7 @@ def _recv(fd):
 # item is a tag. Floats keep their type (json writes 2.0 as 2.0, and NaN / Infinity);
 # ints beyond 2**62 travel as hex text (no digit limit).
 
+
 def _mapping(tag, items, inner):
     flat = [tag]
     for key, value in items:
@@ -118,6 +119,7 @@ def _mapping(tag, items, inner):
 def encode(value, unknown):
     """``value`` as JSON data; ``unknown(value)`` encodes what is not plain (a handle, or
     an error)."""
+
     def inner(item):
         return encode(item, unknown)
 
@@ -162,7 +164,20 @@ def encode(value, unknown):
 def _base_value(value):
     """A subclass of a built-in (a namedtuple, an IntEnum, a str subclass) as its base
     type's value, or None when ``value`` is not one."""
-    for base in (bool, int, float, complex, str, bytes, bytearray, tuple, list, frozenset, set, dict):
+    for base in (
+        bool,
+        int,
+        float,
+        complex,
+        str,
+        bytes,
+        bytearray,
+        tuple,
+        list,
+        frozenset,
+        set,
+        dict,
+    ):
         if isinstance(value, base):
             return base(value)
     return None
@@ -176,7 +191,15 @@ def decode(data, handle):
         return _decode(data, handle)
     except ProtocolError:
         raise
-    except (TypeError, ValueError, KeyError, IndexError, OverflowError, RecursionError, ArithmeticError) as error:
+    except (
+        TypeError,
+        ValueError,
+        KeyError,
+        IndexError,
+        OverflowError,
+        RecursionError,
+        ArithmeticError,
+    ) as error:
         raise ProtocolError(f"undecodable value ({type(error).__name__}: {error})") from None
 
 
@@ -222,15 +245,18 @@ def _decode(data, handle):
         return Ellipsis
     if tag == "Q" and len(items) == 2:
         import fractions
+
         numerator, denominator = inner(items[0]), inner(items[1])
         if type(numerator) is not int or type(denominator) is not int:
             raise ProtocolError("a Fraction's terms must be ints")
         return fractions.Fraction(numerator, denominator)
     if tag == "M" and len(items) == 1 and type(items[0]) is str:
         import decimal
+
         return decimal.Decimal(items[0])
     if tag in ("K", "O", "X"):
         import collections
+
         pairs = _pairs(items, inner)
         if tag == "K":
             return collections.Counter(dict(pairs))
@@ -239,6 +265,7 @@ def _decode(data, handle):
         return collections.defaultdict(None, pairs)
     if tag == "Y":
         import collections
+
         return collections.deque(inner(item) for item in items)
     if tag == "H" and len(items) == 2 and type(items[0]) is int and type(items[1]) is str:
         return handle(items[0], items[1])
@@ -331,7 +358,9 @@ def _answer(request, handles, as_handle, local):
             kwargs = {key: decode(v, local) for key, v in request["k"].items()}
             value = target(*args, **kwargs)
             back = [encode(a, as_handle) if type(a) in _MUTABLE else None for a in args]
-            back_kw = {key: encode(v, as_handle) for key, v in kwargs.items() if type(v) in _MUTABLE}
+            back_kw = {
+                key: encode(v, as_handle) for key, v in kwargs.items() if type(v) in _MUTABLE
+            }
             return {"v": encode(value, as_handle), "a": back, "k": back_kw}
         if op == "next":  # up to n items: one round trip for many
             items = []
@@ -341,7 +370,11 @@ def _answer(request, handles, as_handle, local):
                 except StopIteration:
                     return {"v": encode(items, as_handle), "done": True}
                 except BaseException as error:  # raised after the items before it
-                    return {"v": encode(items, as_handle), "done": True, "then": _describe(error, as_handle)}
+                    return {
+                        "v": encode(items, as_handle),
+                        "done": True,
+                        "then": _describe(error, as_handle),
+                    }
             return {"v": encode(items, as_handle), "done": False}
         if op == "getattr":
             value = getattr(target, request["n"])
@@ -375,6 +408,7 @@ def _stdlib_modules():
 
 # ---- The client: runs the tests -----------------------------------------------------------
 
+
 class _Connection:
     def __init__(self, replies, requests):
         self.replies, self.requests, self.broken = replies, requests, None
@@ -386,7 +420,9 @@ class _Connection:
             self.broken = str(error)
             raise
         except (EOFError, OSError, ValueError, struct.error, RecursionError, MemoryError) as error:
-            self.broken = f"the program's process is gone or garbled ({type(error).__name__}: {error})"
+            self.broken = (
+                f"the program's process is gone or garbled ({type(error).__name__}: {error})"
+            )
             raise ProtocolError(self.broken) from None
         if type(message) is not dict:
             self.broken = "a reply that is not an object"
@@ -426,14 +462,20 @@ class _Connection:
         return _exception(error[0], error[1], error[2], args if type(args) is tuple else None)
 
     def call(self, remote, args, kwargs):
-        reply = self.request("call", remote, a=[_outgoing(a) for a in args],
-                             k={key: _outgoing(v) for key, v in kwargs.items()})
+        reply = self.request(
+            "call",
+            remote,
+            a=[_outgoing(a) for a in args],
+            k={key: _outgoing(v) for key, v in kwargs.items()},
+        )
         value = self.value(reply["v"])
         back, back_kw = reply.get("a"), reply.get("k")
         if type(back) is not list or len(back) != len(args) or type(back_kw) is not dict:
             self.broken = "a call reply without its arguments"
             raise ProtocolError(self.broken)
-        for original, data in list(zip(args, back)) + [(kwargs.get(k), v) for k, v in back_kw.items()]:
+        for original, data in list(zip(args, back)) + [
+            (kwargs.get(k), v) for k, v in back_kw.items()
+        ]:
             if data is not None and type(original) in _MUTABLE:
                 _write_back(original, self.value(data))
         return value
@@ -493,14 +535,20 @@ def _outgoing(value):
             return ["H", item._key, item._name]
         if isinstance(item, tuple):  # a namedtuple
             return encode(tuple(item), unknown)
-        raise TypeError(f"isolated tests pass plain values to the program, not {type(item).__name__}")
+        raise TypeError(
+            f"isolated tests pass plain values to the program, not {type(item).__name__}"
+        )
+
     return encode(value, unknown)
 
 
 def _refuse(operation):
     def method(self, *args):
-        raise TypeError(f"{operation} of the program's {self._name} object: isolated tests compare "
-                        "plain values (lists, numbers, strings, ...), not the program's objects")
+        raise TypeError(
+            f"{operation} of the program's {self._name} object: isolated tests compare "
+            "plain values (lists, numbers, strings, ...), not the program's objects"
+        )
+
     return method
 
 
@@ -620,8 +668,12 @@ def run_tests(tests, marker, replies, requests):
     # Names the tests use as modules (`math.isclose`): a program's `math = FakeMath()`
     # must not answer them, so those that name standard-library modules get the module.
     import ast
-    dotted = {node.value.id for node in ast.walk(ast.parse(tests))
-              if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)}
+
+    dotted = {
+        node.value.id
+        for node in ast.walk(ast.parse(tests))
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+    }
     for name in dotted & modules:
         try:
             namespace[name] = __import__(name)
@@ -630,7 +682,9 @@ def run_tests(tests, marker, replies, requests):
     for name, data in names.items():
         if type(name) is not str or not name.isidentifier() or name in shadowed:
             continue
-        is_module = type(data) is list and len(data) == 2 and data[0] == "U" and type(data[1]) is str
+        is_module = (
+            type(data) is list and len(data) == 2 and data[0] == "U" and type(data[1]) is str
+        )
         if is_module:
             if data[1] in modules:
                 try:

@@ -370,8 +370,9 @@ def _is_explosive(answer: str) -> bool:
             return True  # 2^{123456}, 3^{99999 \cdot 9999}, 2^{99999+99999}
         base = _group_before(answer, power.start())
         if base is not None and _POWER.search(base):  # (a^b)^c = a^(b c)
-            inner = max(_exponent_bound(_operand_after(base, p.end())[0])
-                        for p in _POWER.finditer(base))
+            inner = max(
+                _exponent_bound(_operand_after(base, p.end())[0]) for p in _POWER.finditer(base)
+            )
             if inner * bound > MAX_EXPONENT:
                 return True
     for bang in _FACTORIAL.finditer(answer):
@@ -416,7 +417,12 @@ def load_math_verify() -> Any:
 
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).addFilter(_DropDisabledTimeoutWarning())
-    warm_up = [("(x+1)^2", "x^2+2x+1"), (r"\frac{1}{3}", "0.3333333"), ("[1, 2)", r"\{1\}"), (r"\sqrt{8}", r"2\sqrt{2}")]
+    warm_up = [
+        ("(x+1)^2", "x^2+2x+1"),
+        (r"\frac{1}{3}", "0.3333333"),
+        ("[1, 2)", r"\{1\}"),
+        (r"\sqrt{8}", r"2\sqrt{2}"),
+    ]
     for gold, answer in warm_up:
         math_verify.verify(
             math_verify.parse("\\boxed{" + gold + "}", parsing_timeout=None),
@@ -488,8 +494,9 @@ def _equal_within(gold: str, answer: str, timeout_s: float | None) -> bool:
             return _symbolic_equal(gold, answer)
     key = (gold, answer)
     if key not in _REMOTE_VERDICTS:
-        worker = thread_worker("math", preload=["policyopt.rewards.worker"],
-                               initializer=_start_verifier_process)
+        worker = thread_worker(
+            "math", preload=["policyopt.rewards.worker"], initializer=_start_verifier_process
+        )
         if len(_REMOTE_VERDICTS) > 16384:
             _REMOTE_VERDICTS.clear()
         _REMOTE_VERDICTS[key] = worker.call(_symbolic_equal, key, timeout_s)
@@ -523,7 +530,7 @@ def _numeric_equation_sides(answer: str) -> list[str] | None:
 
 
 def _judge(answer: str, gold: str, deadline: float | None) -> str:
-    """"correct", "incorrect" or "rejected" for one answer (steps 3 to 5 of the module
+    """ "correct", "incorrect" or "rejected" for one answer (steps 3 to 5 of the module
     docstring); raises ``VerifierTimeout`` past ``deadline`` (time.monotonic())."""
     answer_key, gold_key = _normalise(answer), _normalise(gold)
     if not answer_key:
@@ -600,4 +607,6 @@ def math_correctness(
     See the module docstring for the pipeline (fast exact path, screen, math-verify under
     a time limit). Never raises on model output.
     """
-    return verify_math(completion, reference, timeout_s=timeout_s, answer_format=answer_format).score
+    return verify_math(
+        completion, reference, timeout_s=timeout_s, answer_format=answer_format
+    ).score

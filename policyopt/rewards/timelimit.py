@@ -93,7 +93,9 @@ def _signal_limit(seconds: float) -> Iterator[None]:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
                 if outer_left > 0:  # re-arm an enclosing limit (or someone else's alarm)
-                    signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - start), 1e-3))
+                    signal.setitimer(
+                        signal.ITIMER_REAL, max(outer_left - (time.monotonic() - start), 1e-3)
+                    )
                 break
             except VerifierTimeout:
                 continue
@@ -192,8 +194,9 @@ class KillableWorker:
         if self._preload:
             context.set_forkserver_preload(self._preload)
         parent, child = context.Pipe()
-        process = context.Process(target=_serve, args=(child, self._initializer), daemon=True,
-                                  name="killable-verifier")
+        process = context.Process(
+            target=_serve, args=(child, self._initializer), daemon=True, name="killable-verifier"
+        )
         process.start()
         child.close()
         self._process, self._connection = process, parent
@@ -249,8 +252,9 @@ _WORKERS: dict[tuple[int, int, str], KillableWorker] = {}
 _WORKERS_LOCK = threading.Lock()
 
 
-def thread_worker(name: str, preload: Sequence[str] = (),
-                  initializer: Callable[[], None] | None = None) -> KillableWorker:
+def thread_worker(
+    name: str, preload: Sequence[str] = (), initializer: Callable[[], None] | None = None
+) -> KillableWorker:
     """The calling thread's :class:`KillableWorker` called ``name`` (created on first use;
     all are killed at exit). A worker per thread: concurrent callers never queue behind
     one another's time limits."""

@@ -76,12 +76,24 @@ from policyopt import sharding
 from policyopt.models.attention import KEY_CACHE_AXES, VALUE_CACHE_AXES
 from policyopt.sampling import Rollout, SamplingConfig, decode_step, next_logits
 
-__all__ = ["SlotConfig", "SlotGenerator", "GroupCompletion", "AsyncGenerator",
-           "GeneratorExhausted", "staleness_bound"]
+__all__ = [
+    "SlotConfig",
+    "SlotGenerator",
+    "GroupCompletion",
+    "AsyncGenerator",
+    "GeneratorExhausted",
+    "staleness_bound",
+]
 
 
-def staleness_bound(n_async: int, n_batch: int, group_size: int, max_new_tokens: int,
-                    segment_steps: int, rows: int | None = None) -> int:
+def staleness_bound(
+    n_async: int,
+    n_batch: int,
+    group_size: int,
+    max_new_tokens: int,
+    segment_steps: int,
+    rows: int | None = None,
+) -> int:
     """Largest possible ``b - v`` for a token generated at version v and trained at b,
     with ``rows`` generation rows (default n_async; see the module docstring)."""
     rows = n_async if rows is None else min(rows, n_async)
@@ -166,17 +178,24 @@ def _init_state(model, config: SlotConfig) -> _SlotState:
     window = _stop_window(s)
     zeros = lambda shape, dtype: jnp.zeros(shape, dtype)
     return _SlotState(
-        cache=cache, active=zeros((rows,), bool), done=zeros((rows,), bool),
-        step=zeros((rows,), jnp.int32), logits=zeros((rows, mc.vocab_size), jnp.float32),
+        cache=cache,
+        active=zeros((rows,), bool),
+        done=zeros((rows,), bool),
+        step=zeros((rows,), jnp.int32),
+        logits=zeros((rows, mc.vocab_size), jnp.float32),
         logits_version=zeros((rows,), jnp.int32),
         prompt_tokens=jnp.full((rows, prompt_width), s.fill_id, jnp.int32),
         prompt_lengths=jnp.ones((rows,), jnp.int32),
         tokens=jnp.full((rows, num_new), s.fill_id, jnp.int32),
-        mask=zeros((rows, num_new), jnp.float32), log_probs=zeros((rows, num_new), jnp.float32),
+        mask=zeros((rows, num_new), jnp.float32),
+        log_probs=zeros((rows, num_new), jnp.float32),
         raw_log_probs=zeros((rows, num_new), jnp.float32),
-        versions=jnp.full((rows, num_new), -1, jnp.int32), start_version=zeros((rows,), jnp.int32),
-        prompt_routing=prompt_routing, routing=routing,
-        recent=jnp.full((rows, window), -1, jnp.int32) if window else None)
+        versions=jnp.full((rows, num_new), -1, jnp.int32),
+        start_version=zeros((rows,), jnp.int32),
+        prompt_routing=prompt_routing,
+        routing=routing,
+        recent=jnp.full((rows, window), -1, jnp.int32) if window else None,
+    )
 
 
 def _slot_specs(state: _SlotState, mesh) -> _SlotState:
@@ -187,11 +206,16 @@ def _slot_specs(state: _SlotState, mesh) -> _SlotState:
     rows = lambda x, axis=0: sharding.row_spec(x.shape, mesh, axis)
     specs = jax.tree.map(rows, state)
     cache = state.cache
-    specs = specs.replace(cache=specs.cache.replace(
-        k=sharding.logical_spec(cache.k.shape, KEY_CACHE_AXES, mesh),
-        v=sharding.logical_spec(cache.v.shape, VALUE_CACHE_AXES, mesh)))
+    specs = specs.replace(
+        cache=specs.cache.replace(
+            k=sharding.logical_spec(cache.k.shape, KEY_CACHE_AXES, mesh),
+            v=sharding.logical_spec(cache.v.shape, VALUE_CACHE_AXES, mesh),
+        )
+    )
     if state.routing is not None:
-        specs = specs.replace(prompt_routing=rows(state.prompt_routing, 1), routing=rows(state.routing, 1))
+        specs = specs.replace(
+            prompt_routing=rows(state.prompt_routing, 1), routing=rows(state.routing, 1)
+        )
     return specs
 
 
@@ -201,16 +225,30 @@ def _pin(state: _SlotState) -> _SlotState:
     return sharding.constrain_tree(state, lambda mesh: _slot_specs(state, mesh))
 
 
-def _refill(graphdef, params, state: _SlotState, group, prompt, prompt_length, version, *,
-            config: SlotConfig) -> _SlotState:
+def _refill(
+    graphdef,
+    params,
+    state: _SlotState,
+    group,
+    prompt,
+    prompt_length,
+    version,
+    *,
+    config: SlotConfig,
+) -> _SlotState:
     """Prefills one prompt (under parameters `version`) into the G rows of slot `group`."""
     model = nnx.merge(graphdef, params)
     s = config.sampling
     group_size, prompt_width = s.num_samples, config.prompt_width
     index = jnp.arange(prompt_width, dtype=jnp.int32)
     prompt_mask = index < prompt_length
-    out = model(prompt[None].astype(jnp.int32), positions=index[None], attention_mask=prompt_mask[None],
-                cache=model.init_cache(1, prompt_width, dtype=s.cache_dtype), return_logits=False)
+    out = model(
+        prompt[None].astype(jnp.int32),
+        positions=index[None],
+        attention_mask=prompt_mask[None],
+        cache=model.init_cache(1, prompt_width, dtype=s.cache_dtype),
+        return_logits=False,
+    )
     last = jax.lax.dynamic_index_in_dim(out.hidden[0], prompt_length - 1, axis=0)  # [1, D]
     logits = next_logits(model, last)  # [1, V]
 
@@ -218,7 +256,9 @@ def _refill(graphdef, params, state: _SlotState, group, prompt, prompt_length, v
     repeat = lambda x, axis: jnp.repeat(x, group_size, axis=axis)
 
     def put(buffer, block, axis=0):
-        block = jnp.broadcast_to(block, buffer.shape[:axis] + (group_size,) + buffer.shape[axis + 1:])
+        block = jnp.broadcast_to(
+            block, buffer.shape[:axis] + (group_size,) + buffer.shape[axis + 1 :]
+        )
         return jax.lax.dynamic_update_slice_in_dim(buffer, block.astype(buffer.dtype), row0, axis)
 
     # The prompt's keys / values go to slots [index - P, index) of the group's rows; every
@@ -228,21 +268,31 @@ def _refill(graphdef, params, state: _SlotState, group, prompt, prompt_length, v
     row_mask = jnp.zeros((group_size, config.cache_length), bool)
     row_mask = jax.lax.dynamic_update_slice(row_mask, repeat(prompt_mask[None], 0), (0, first_slot))
     cache = cache.put_rows(out.cache.map_layers(lambda x: repeat(x, 0)), row0, first_slot)
-    cache = cache.replace(key_mask=jax.lax.dynamic_update_slice(cache.key_mask, row_mask, (row0, 0)))
+    cache = cache.replace(
+        key_mask=jax.lax.dynamic_update_slice(cache.key_mask, row_mask, (row0, 0))
+    )
     new = state.replace(
-        cache=cache, active=put(state.active, True), done=put(state.done, False),
-        step=put(state.step, 0), logits=put(state.logits, logits),
+        cache=cache,
+        active=put(state.active, True),
+        done=put(state.done, False),
+        step=put(state.step, 0),
+        logits=put(state.logits, logits),
         logits_version=put(state.logits_version, version),
         prompt_tokens=put(state.prompt_tokens, prompt[None]),
         prompt_lengths=put(state.prompt_lengths, prompt_length),
-        tokens=put(state.tokens, s.fill_id), mask=put(state.mask, 0.0),
-        log_probs=put(state.log_probs, 0.0), raw_log_probs=put(state.raw_log_probs, 0.0),
-        versions=put(state.versions, -1), start_version=put(state.start_version, version))
+        tokens=put(state.tokens, s.fill_id),
+        mask=put(state.mask, 0.0),
+        log_probs=put(state.log_probs, 0.0),
+        raw_log_probs=put(state.raw_log_probs, 0.0),
+        versions=put(state.versions, -1),
+        start_version=put(state.start_version, version),
+    )
     if state.routing is not None:
         k = state.routing.shape[-1]
         new = new.replace(
             prompt_routing=put(state.prompt_routing, out.routing.astype(jnp.int32), axis=1),
-            routing=put(state.routing, jnp.arange(k, dtype=jnp.int32), axis=1))
+            routing=put(state.routing, jnp.arange(k, dtype=jnp.int32), axis=1),
+        )
     if state.recent is not None:
         new = new.replace(recent=put(state.recent, -1))
     return _pin(new)
@@ -255,7 +305,9 @@ def _compact(cache, window: int):
     return cache.replace(key_mask=cache.key_mask & keep[None], index=jnp.asarray(window, jnp.int32))
 
 
-def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotConfig) -> _SlotState:
+def _segment(
+    graphdef, params, state: _SlotState, version, rng, *, config: SlotConfig
+) -> _SlotState:
     """Up to K decode steps of every live row under parameters `version`
     (``policyopt.sampling.decode_step``, here with a step per row)."""
     model = nnx.merge(graphdef, params)
@@ -275,9 +327,17 @@ def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotC
     def body(carry):
         i, st = carry
         live = st.active & ~st.done
-        step = decode_step(model, s, st.logits, st.cache, count=st.step, live=live,
-                           positions=st.prompt_lengths + st.step,
-                           rng=jax.random.fold_in(rng, i), recent=st.recent)
+        step = decode_step(
+            model,
+            s,
+            st.logits,
+            st.cache,
+            count=st.step,
+            live=live,
+            positions=st.prompt_lengths + st.step,
+            rng=jax.random.fold_in(rng, i),
+            recent=st.recent,
+        )
         # This step's column of each live row; N (out of range: the write is dropped) for
         # the others. Scatters touch R entries per step, not the whole [R, N] buffers.
         column = jnp.where(live, st.step, num_new)
@@ -290,13 +350,19 @@ def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotC
             routing = routing.at[:, rows, column].set(step.routing, mode="drop")
         count = st.step + live.astype(jnp.int32)
         return i + 1, st.replace(
-            cache=step.cache, done=st.done | step.ended | (live & (count >= num_new)),
-            step=count, logits=step.logits,
+            cache=step.cache,
+            done=st.done | step.ended | (live & (count >= num_new)),
+            step=count,
+            logits=step.logits,
             logits_version=jnp.where(live, version, st.logits_version),
-            tokens=put(st.tokens, step.tokens), mask=put(st.mask, jnp.ones_like(step.log_probs)),
+            tokens=put(st.tokens, step.tokens),
+            mask=put(st.mask, jnp.ones_like(step.log_probs)),
             log_probs=put(st.log_probs, step.log_probs),
             raw_log_probs=put(st.raw_log_probs, step.raw_log_probs),
-            versions=put(st.versions, st.logits_version), routing=routing, recent=step.recent)
+            versions=put(st.versions, st.logits_version),
+            routing=routing,
+            recent=step.recent,
+        )
 
     _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
     return _pin(state.replace(cache=state.cache.stack()))
@@ -304,19 +370,28 @@ def _segment(graphdef, params, state: _SlotState, version, rng, *, config: SlotC
 
 def _group_rows(state: _SlotState, group, *, group_size: int) -> dict:
     """The fields of a GroupCompletion for the G rows of slot ``group`` (routing: axis 1)."""
-    take = lambda x, axis=0: None if x is None else jax.lax.dynamic_slice_in_dim(
-        x, group * group_size, group_size, axis)
+    take = lambda x, axis=0: (
+        None if x is None else jax.lax.dynamic_slice_in_dim(x, group * group_size, group_size, axis)
+    )
     return dict(
-        tokens=take(state.tokens), mask=take(state.mask), log_probs=take(state.log_probs),
-        raw_log_probs=take(state.raw_log_probs), versions=take(state.versions),
-        prompt_tokens=take(state.prompt_tokens), prompt_lengths=take(state.prompt_lengths),
-        start_version=take(state.start_version), prompt_routing=take(state.prompt_routing, 1),
-        routing=take(state.routing, 1))
+        tokens=take(state.tokens),
+        mask=take(state.mask),
+        log_probs=take(state.log_probs),
+        raw_log_probs=take(state.raw_log_probs),
+        versions=take(state.versions),
+        prompt_tokens=take(state.prompt_tokens),
+        prompt_lengths=take(state.prompt_lengths),
+        start_version=take(state.start_version),
+        prompt_routing=take(state.prompt_routing, 1),
+        routing=take(state.routing, 1),
+    )
 
 
 _group_rows_fn = jax.jit(_group_rows, static_argnames=("group_size",))
 _refill_fn = jax.jit(_refill, static_argnums=(0,), static_argnames=("config",), donate_argnums=(2,))
-_segment_fn = jax.jit(_segment, static_argnums=(0,), static_argnames=("config",), donate_argnums=(2,))
+_segment_fn = jax.jit(
+    _segment, static_argnums=(0,), static_argnames=("config",), donate_argnums=(2,)
+)
 
 
 class GroupCompletion(NamedTuple):
@@ -345,18 +420,27 @@ class GroupCompletion(NamedTuple):
 
     def rollout(self) -> Rollout:
         """As a `policyopt.sampling.Rollout` (for `policyopt.rl.batch.round_from_rollout`)."""
-        return Rollout(tokens=self.tokens, mask=self.mask, log_probs=self.log_probs,
-                       raw_log_probs=self.raw_log_probs, lengths=self.lengths,
-                       prompt_tokens=self.prompt_tokens, prompt_lengths=self.prompt_lengths,
-                       routing=self.routing, num_steps=np.int32(self.lengths.max()))
+        return Rollout(
+            tokens=self.tokens,
+            mask=self.mask,
+            log_probs=self.log_probs,
+            raw_log_probs=self.raw_log_probs,
+            lengths=self.lengths,
+            prompt_tokens=self.prompt_tokens,
+            prompt_lengths=self.prompt_lengths,
+            routing=self.routing,
+            num_steps=np.int32(self.lengths.max()),
+        )
 
 
 def _fit_prompt(tokens, length: int, width: int, pad_id: int) -> np.ndarray:
     """A right-padded prompt cut or padded to `width` (only padding may be cut)."""
     tokens = np.asarray(tokens, np.int32)
     if not 1 <= length <= width:
-        raise ValueError(f"prompt length {length} does not fit the generator's prompt width "
-                         f"{width} (set config.async_mode.prompt_width to at least {length})")
+        raise ValueError(
+            f"prompt length {length} does not fit the generator's prompt width "
+            f"{width} (set config.async_mode.prompt_width to at least {length})"
+        )
     out = np.full((width,), pad_id, np.int32)
     out[:length] = tokens[:length]
     return out
@@ -387,7 +471,9 @@ class SlotGenerator:
         if mesh is None:
             self.state = jax.device_put(state, jax.devices()[0])
         else:
-            self.state = jax.device_put(state, sharding.named_shardings(_slot_specs(state, mesh), mesh))
+            self.state = jax.device_put(
+                state, sharding.named_shardings(_slot_specs(state, mesh), mesh)
+            )
         self._meta: dict[int, dict] = {}
         self._active = np.zeros((config.num_groups,), bool)
 
@@ -411,11 +497,23 @@ class SlotGenerator:
             raise ValueError(f"slot group {group} is still generating")
         cfg = self.config
         length = int(prompt["prompt_length"])
-        tokens = _fit_prompt(prompt["prompt_tokens"], length, cfg.prompt_width, cfg.sampling.fill_id)
+        tokens = _fit_prompt(
+            prompt["prompt_tokens"], length, cfg.prompt_width, cfg.sampling.fill_id
+        )
         with self._on_mesh():
-            self.state = _refill_fn(self.graphdef, params, self.state, jnp.int32(group), tokens,
-                                    jnp.int32(length), jnp.int32(version), config=cfg)
-        self._meta[group] = {k: v for k, v in prompt.items() if k not in ("prompt_tokens", "prompt_length")}
+            self.state = _refill_fn(
+                self.graphdef,
+                params,
+                self.state,
+                jnp.int32(group),
+                tokens,
+                jnp.int32(length),
+                jnp.int32(version),
+                config=cfg,
+            )
+        self._meta[group] = {
+            k: v for k, v in prompt.items() if k not in ("prompt_tokens", "prompt_length")
+        }
         self._active[group] = True
 
     def segment(self, params, version: int, rng: jax.Array) -> list[GroupCompletion]:
@@ -423,7 +521,9 @@ class SlotGenerator:
         (their slots are free afterwards)."""
         cfg = self.config
         with self._on_mesh():
-            self.state = _segment_fn(self.graphdef, params, self.state, jnp.int32(version), rng, config=cfg)
+            self.state = _segment_fn(
+                self.graphdef, params, self.state, jnp.int32(version), rng, config=cfg
+            )
         done = np.asarray(jax.device_get(self.state.done)).reshape(cfg.num_groups, cfg.group_size)
         finished = np.flatnonzero(self._active & done.all(axis=1))
         if finished.size == 0:
@@ -438,25 +538,35 @@ class SlotGenerator:
         program compiled once (the group index is traced), then copied to the host."""
         cfg = self.config
         with self._on_mesh():
-            fields = jax.device_get(_group_rows_fn(self.state, jnp.int32(group), group_size=cfg.group_size))
+            fields = jax.device_get(
+                _group_rows_fn(self.state, jnp.int32(group), group_size=cfg.group_size)
+            )
         lengths = fields["prompt_lengths"].astype(np.int32)
         shift = cfg.prompt_width - int(lengths[0])  # one prompt per group
-        prompt = np.where(np.arange(cfg.prompt_width)[None] < lengths[:, None],
-                          fields["prompt_tokens"], cfg.sampling.fill_id)
+        prompt = np.where(
+            np.arange(cfg.prompt_width)[None] < lengths[:, None],
+            fields["prompt_tokens"],
+            cfg.sampling.fill_id,
+        )
         routing = None
         if fields["routing"] is not None:
             prompt_routing = np.roll(fields["prompt_routing"], shift, axis=2)
             routing = np.concatenate([prompt_routing, fields["routing"]], axis=2).astype(np.int32)
         mask = np.asarray(fields["mask"], np.float32)
         return GroupCompletion(
-            tokens=np.asarray(fields["tokens"], np.int32), mask=mask,
+            tokens=np.asarray(fields["tokens"], np.int32),
+            mask=mask,
             log_probs=np.asarray(fields["log_probs"], np.float32),
             raw_log_probs=np.asarray(fields["raw_log_probs"], np.float32),
             lengths=mask.sum(axis=1).astype(np.int32),
-            prompt_tokens=np.roll(prompt, shift, axis=1).astype(np.int32), prompt_lengths=lengths,
-            routing=routing, versions=np.asarray(fields["versions"], np.int32),
-            start_version=int(fields["start_version"][0]), finish_version=int(version),
-            meta=self._meta.pop(group))
+            prompt_tokens=np.roll(prompt, shift, axis=1).astype(np.int32),
+            prompt_lengths=lengths,
+            routing=routing,
+            versions=np.asarray(fields["versions"], np.int32),
+            start_version=int(fields["start_version"][0]),
+            finish_version=int(version),
+            meta=self._meta.pop(group),
+        )
 
 
 class GeneratorExhausted(Exception):
@@ -495,15 +605,26 @@ class AsyncGenerator:
         scorer's current call return early (``async_rl`` kills the scorer's worker pool).
     """
 
-    def __init__(self, slots: SlotGenerator, prompts: Iterator[dict], params, version: int, *,
-                 rng: jax.Array, n_async: int | None = None,
-                 score_fn: Callable[[GroupCompletion], GroupCompletion] | None = None,
-                 join_timeout_s: float = 60.0, interrupt_scoring: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        slots: SlotGenerator,
+        prompts: Iterator[dict],
+        params,
+        version: int,
+        *,
+        rng: jax.Array,
+        n_async: int | None = None,
+        score_fn: Callable[[GroupCompletion], GroupCompletion] | None = None,
+        join_timeout_s: float = 60.0,
+        interrupt_scoring: Callable[[], None] | None = None,
+    ):
         group = slots.config.group_size
         self.n_async = slots.config.rows if n_async is None else int(n_async)
         if self.n_async < group or self.n_async % group:
-            raise ValueError(f"n_async ({self.n_async}) must be a positive multiple of the group "
-                             f"size ({group}): groups are started whole")
+            raise ValueError(
+                f"n_async ({self.n_async}) must be a positive multiple of the group "
+                f"size ({group}): groups are started whole"
+            )
         self.slots, self.prompts, self.rng = slots, prompts, rng
         self.score_fn, self.join_timeout_s = score_fn, join_timeout_s
         self.interrupt_scoring = interrupt_scoring
@@ -517,12 +638,19 @@ class AsyncGenerator:
         self._error_seen = False
         # segments, groups_started, idle_waits, groups_scored, score_seconds
         self.stats = collections.Counter()
-        self._thread = threading.Thread(target=self._run, args=(self._loop,),
-                                        name="policyopt-async-generator", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(self._loop,), name="policyopt-async-generator", daemon=True
+        )
         self._threads = [self._thread]
         if score_fn is not None:
-            self._threads.append(threading.Thread(target=self._run, args=(self._score_loop,),
-                                                  name="policyopt-async-scorer", daemon=True))
+            self._threads.append(
+                threading.Thread(
+                    target=self._run,
+                    args=(self._score_loop,),
+                    name="policyopt-async-scorer",
+                    daemon=True,
+                )
+            )
 
     # -- trainer side --------------------------------------------------------------------
 
@@ -597,7 +725,9 @@ class AsyncGenerator:
                     "the async scoring thread is still scoring a group %.0f s after close(); it is "
                     "left to finish in the background (a verifier blocked in this process: "
                     "reward.num_workers > 0 puts scoring in worker processes, which close() "
-                    "stops)", self.join_timeout_s)
+                    "stops)",
+                    self.join_timeout_s,
+                )
         with self._cond:
             self._raise_error()
 
@@ -615,7 +745,9 @@ class AsyncGenerator:
     def _raise_error(self) -> None:
         if self._error is not None and not self._error_seen:
             self._error_seen = True
-            raise RuntimeError(f"the async generator thread failed: {self._error!r}") from self._error
+            raise RuntimeError(
+                f"the async generator thread failed: {self._error!r}"
+            ) from self._error
 
     # -- generator thread ------------------------------------------------------------------
 
@@ -644,7 +776,11 @@ class AsyncGenerator:
                     return
                 params, version = self._params, self._version
                 free = self.slots.free_groups()
-                starts = 0 if source_done else min(len(free), (self.n_async - self._outstanding) // group)
+                starts = (
+                    0
+                    if source_done
+                    else min(len(free), (self.n_async - self._outstanding) // group)
+                )
                 self._outstanding += starts * group  # reserved before the prompts are read
             started = 0
             for slot in free[:starts]:
@@ -668,8 +804,9 @@ class AsyncGenerator:
                         return
                     # Nothing in flight and no budget: wait for the trainer to take some.
                     self.stats["idle_waits"] += 1
-                    self._cond.wait_for(lambda: self._stop or
-                                        self._outstanding + group <= self.n_async, timeout=1.0)
+                    self._cond.wait_for(
+                        lambda: self._stop or self._outstanding + group <= self.n_async, timeout=1.0
+                    )
                 continue
             finished = self.slots.segment(params, version, jax.random.fold_in(self.rng, segment))
             segment += 1

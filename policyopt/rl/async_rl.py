@@ -63,17 +63,39 @@ from policyopt.checkpoint import lock_workdir
 from policyopt.data.pipeline import as_record
 from policyopt.rewards.batch import kill_pool, score_batch
 from policyopt.rl import build
-from policyopt.rl.async_generation import (AsyncGenerator, GroupCompletion, SlotConfig,
-                                           SlotGenerator, staleness_bound)
-from policyopt.rl.batch import (DYNAMIC_SAMPLING_CRITERIA, bucket, mask_fillers, merge_rounds,
-                                round_from_rollout, trim_prompt, truncated_rows, uninformative_groups)
+from policyopt.rl.async_generation import (
+    AsyncGenerator,
+    GroupCompletion,
+    SlotConfig,
+    SlotGenerator,
+    staleness_bound,
+)
+from policyopt.rl.batch import (
+    DYNAMIC_SAMPLING_CRITERIA,
+    bucket,
+    mask_fillers,
+    merge_rounds,
+    round_from_rollout,
+    trim_prompt,
+    truncated_rows,
+    uninformative_groups,
+)
 from policyopt.rl.evaluate import decode, task_accuracies
 from policyopt.rl.iteration import RunSpec, Sampled, prepare, update_epochs
 from policyopt.rl.report import batch_metrics, scoring_metrics
 from policyopt.rl.trainer import RLRun, RunLoop, build_run, checkpoint_meta, checkpoint_state
 
-__all__ = ["AsyncConfig", "async_enabled", "PromptStream", "GroupBatcher", "make_scorer",
-           "make_generator", "async_sample", "async_iteration", "run_async_rl"]
+__all__ = [
+    "AsyncConfig",
+    "async_enabled",
+    "PromptStream",
+    "GroupBatcher",
+    "make_scorer",
+    "make_generator",
+    "async_sample",
+    "async_iteration",
+    "run_async_rl",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,10 +155,15 @@ class PromptStream:
     def _fill(self) -> None:
         batch = next(self._batches)
         for i, length in enumerate(np.asarray(batch["prompt_lengths"])):
-            self._buffer.append(dict(prompt_tokens=np.asarray(batch["prompt_tokens"][i]),
-                                     prompt_length=int(length), prompt=batch["prompt"][i],
-                                     answer=batch["answer"][i],
-                                     task=batch["task"][i] if "task" in batch else None))
+            self._buffer.append(
+                dict(
+                    prompt_tokens=np.asarray(batch["prompt_tokens"][i]),
+                    prompt_length=int(length),
+                    prompt=batch["prompt"][i],
+                    answer=batch["answer"][i],
+                    task=batch["task"][i] if "task" in batch else None,
+                )
+            )
 
     def __iter__(self):
         return self
@@ -176,18 +203,28 @@ def make_scorer(run: RLRun):
     def score(completion: GroupCompletion) -> GroupCompletion:
         group = completion.tokens.shape[0]
         texts = decode(completion.tokens, completion.lengths, tokenizer)
-        truncated = truncated_rows(completion.tokens, completion.lengths, num_new,
-                                   run.sampling_config.end_ids)
-        scores = score_batch(texts, [completion.meta["answer"]] * group, completion.lengths,
-                             run.reward_spec, prompts=[completion.meta["prompt"]] * group,
-                             num_workers=cfg.reward.num_workers, truncated=truncated,
-                             deadline_s=cfg.reward.deadline_s,
-                             tasks=[completion.meta.get("task")] * group, pool=SCORING_POOL)
-        return completion._replace(rewards=np.asarray(scores.rewards, np.float32),
-                                   correct=np.asarray(scores.correct, bool),
-                                   sample_mask=np.asarray(scores.sample_mask, np.float32),
-                                   scored=np.asarray(scores.scored, bool),
-                                   scoring=scores.metrics)
+        truncated = truncated_rows(
+            completion.tokens, completion.lengths, num_new, run.sampling_config.end_ids
+        )
+        scores = score_batch(
+            texts,
+            [completion.meta["answer"]] * group,
+            completion.lengths,
+            run.reward_spec,
+            prompts=[completion.meta["prompt"]] * group,
+            num_workers=cfg.reward.num_workers,
+            truncated=truncated,
+            deadline_s=cfg.reward.deadline_s,
+            tasks=[completion.meta.get("task")] * group,
+            pool=SCORING_POOL,
+        )
+        return completion._replace(
+            rewards=np.asarray(scores.rewards, np.float32),
+            correct=np.asarray(scores.correct, bool),
+            sample_mask=np.asarray(scores.sample_mask, np.float32),
+            scored=np.asarray(scores.scored, bool),
+            scoring=scores.metrics,
+        )
 
     return score
 
@@ -219,15 +256,26 @@ def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
     n_async = acfg.resolved_n_async(cfg)
     width = acfg.prompt_width or widest_prompt(cfg)
     rows = min(acfg.num_slots or n_async, n_async)  # rows beyond n_async would stay idle
-    slot_config = SlotConfig(sampling=run.sampling_config, num_groups=rows // cfg.batch.group_size,
-                             prompt_width=int(width),
-                             segment_steps=min(acfg.segment_steps, cfg.sampling.max_new_tokens))
+    slot_config = SlotConfig(
+        sampling=run.sampling_config,
+        num_groups=rows // cfg.batch.group_size,
+        prompt_width=int(width),
+        segment_steps=min(acfg.segment_steps, cfg.sampling.max_new_tokens),
+    )
     params = jax.tree.map(jnp.copy, run.state.params)  # the update donates run.state
     slots = SlotGenerator(run.graphdef, slot_config, params, mesh=run.mesh)
     rng = jax.random.fold_in(jax.random.fold_in(run.rng, 0x5EED), run.iteration)
-    return AsyncGenerator(slots, stream, params, run.iteration, rng=rng, n_async=n_async,
-                          score_fn=make_scorer(run), join_timeout_s=acfg.join_timeout_s,
-                          interrupt_scoring=_interrupt_scoring(run.config.reward.num_workers))
+    return AsyncGenerator(
+        slots,
+        stream,
+        params,
+        run.iteration,
+        rng=rng,
+        n_async=n_async,
+        score_fn=make_scorer(run),
+        join_timeout_s=acfg.join_timeout_s,
+        interrupt_scoring=_interrupt_scoring(run.config.reward.num_workers),
+    )
 
 
 class GroupBatcher:
@@ -242,8 +290,15 @@ class GroupBatcher:
     synchronous trainer's cover every sampling round).
     """
 
-    def __init__(self, n_prompts: int, group_size: int, *, enabled: bool, max_groups: int,
-                 criterion: str = "reward"):
+    def __init__(
+        self,
+        n_prompts: int,
+        group_size: int,
+        *,
+        enabled: bool,
+        max_groups: int,
+        criterion: str = "reward",
+    ):
         if criterion not in DYNAMIC_SAMPLING_CRITERIA:
             raise ValueError(f"criterion={criterion!r} is not one of {DYNAMIC_SAMPLING_CRITERIA}")
         self.n_prompts, self.group_size, self.criterion = n_prompts, group_size, criterion
@@ -256,8 +311,12 @@ class GroupBatcher:
     def add(self, group: GroupCompletion) -> bool:
         """Adds one scored group; True when the batch is complete."""
         self.seen += 1
-        if self.enabled and uninformative_groups(group.rewards, group.correct, self.group_size,
-                                                 self.criterion, scored=group.scored)[0]:
+        if (
+            self.enabled
+            and uninformative_groups(
+                group.rewards, group.correct, self.group_size, self.criterion, scored=group.scored
+            )[0]
+        ):
             self.dropped.append(group)
         else:
             self.kept.append(group)
@@ -266,10 +325,12 @@ class GroupBatcher:
     def batch(self) -> tuple[list[GroupCompletion], dict[str, float]]:
         """The groups of the batch (kept, then fillers) and the metrics; then resets."""
         shortfall = self.n_prompts - len(self.kept)
-        groups = self.kept + self.dropped[::-1][:max(shortfall, 0)]
-        metrics = {"dynamic_sampling/groups_seen": float(self.seen),
-                   "dynamic_sampling/kept_fraction": len(self.kept) / self.seen,
-                   "dynamic_sampling/shortfall": float(max(shortfall, 0))}
+        groups = self.kept + self.dropped[::-1][: max(shortfall, 0)]
+        metrics = {
+            "dynamic_sampling/groups_seen": float(self.seen),
+            "dynamic_sampling/kept_fraction": len(self.kept) / self.seen,
+            "dynamic_sampling/shortfall": float(max(shortfall, 0)),
+        }
         self.last_seen = self.kept + self.dropped
         self.kept, self.dropped, self.seen = [], [], 0
         return groups, metrics
@@ -287,11 +348,15 @@ def assemble(groups: list[GroupCompletion], run: RLRun):
     num_new = cfg.sampling.max_new_tokens
     rounds = []
     for g in groups:
-        width = min(bucket(int(g.lengths.max()), cfg.batch.response_buckets, name="response length"),
-                    num_new)
+        width = min(
+            bucket(int(g.lengths.max()), cfg.batch.response_buckets, name="response length"),
+            num_new,
+        )
         rnd = round_from_rollout(g.rollout(), g.rewards, g.correct, width, scored=g.scored)
-        prompt_width = min(bucket(int(np.max(g.prompt_lengths)), cfg.batch.prompt_buckets,
-                                  name="prompt length"), rnd.prompt_width)
+        prompt_width = min(
+            bucket(int(np.max(g.prompt_lengths)), cfg.batch.prompt_buckets, name="prompt length"),
+            rnd.prompt_width,
+        )
         rnd = trim_prompt(rnd, prompt_width)
         rnd = rnd._replace(mask=rnd.mask * g.sample_mask[:, None])  # see iteration.sample
         rounds.append((rnd, np.zeros((1,), np.int64)))
@@ -303,8 +368,9 @@ def assemble(groups: list[GroupCompletion], run: RLRun):
     return merged, versions, start, finish
 
 
-def staleness_metrics(version: int, versions: np.ndarray, start: np.ndarray,
-                      finish: np.ndarray) -> dict[str, float]:
+def staleness_metrics(
+    version: int, versions: np.ndarray, start: np.ndarray, finish: np.ndarray
+) -> dict[str, float]:
     """Per-batch staleness ``version - token version`` and start / finish versions."""
     valid = versions >= 0
     token_staleness = version - versions[valid]
@@ -313,8 +379,10 @@ def staleness_metrics(version: int, versions: np.ndarray, start: np.ndarray,
         "async/staleness_min": float(token_staleness.min()),
         "async/staleness_mean": float(token_staleness.mean()),
         "async/staleness_max": float(token_staleness.max()),
-        "async/start_version_min": float(start.min()), "async/start_version_max": float(start.max()),
-        "async/finish_version_min": float(finish.min()), "async/finish_version_max": float(finish.max()),
+        "async/start_version_min": float(start.min()),
+        "async/start_version_max": float(start.max()),
+        "async/finish_version_min": float(finish.min()),
+        "async/finish_version_max": float(finish.max()),
         "async/start_staleness_max": float(version - start.min()),
         "async/pushed_mid_generation_fraction": float(np.mean(np.asarray(spans) > 1)),
     }
@@ -330,16 +398,20 @@ def group_samples(groups: list[GroupCompletion], tokenizer) -> dict:
         references += [g.meta["answer"]] * len(g.lengths)
         rewards += list(g.rewards)
         correct += list(g.correct)
-    return dict(prompts=prompts, completions=texts, references=references, rewards=rewards,
-                correct=correct)
+    return dict(
+        prompts=prompts, completions=texts, references=references, rewards=rewards, correct=correct
+    )
 
 
 def stale_spec(spec: RunSpec) -> RunSpec:
     """``spec`` as the asynchronous trainer's stages use it: the sampler's routing and
     log-probs here come from older (and mixed) parameter versions, so their differences
     from the trainer's measure staleness, not numerics, and their metrics are named so."""
-    return dataclasses.replace(spec, logprob_diff_name="logprob/stale_sampler_trainer_abs_diff",
-                               routing_diff_name="routing/stale_sampler_disagreement")
+    return dataclasses.replace(
+        spec,
+        logprob_diff_name="logprob/stale_sampler_trainer_abs_diff",
+        routing_diff_name="routing/stale_sampler_disagreement",
+    )
 
 
 def async_sample(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher):
@@ -360,33 +432,52 @@ def async_sample(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher):
     rewards = np.concatenate([g.rewards for g in seen])
     correct = np.concatenate([g.correct for g in seen])
     lengths = np.concatenate([g.lengths for g in seen])
-    metrics.update({
-        "reward/mean": float(np.mean(rewards)), "reward/accuracy": float(np.mean(correct)),
-        **batch_metrics(merged),
-        "response/length_mean": float(np.mean(lengths)), "response/length_max": float(np.max(lengths)),
-        "response/truncated_fraction": float(np.mean(np.concatenate(
-            [truncated_rows(g.tokens, g.lengths, cfg.sampling.max_new_tokens, run.sampling_config.end_ids)
-             for g in seen]))),
-        "time/wait_for_generator_s": waited,
-        "async/queued": float(generator.queued),
-        "async/segments": float(generator.stats["segments"]),
-        "async/groups_started": float(generator.stats["groups_started"]),
-        # Seconds the scoring thread has spent in the verifiers (beside decoding).
-        "async/score_s": float(generator.stats["score_seconds"]),
-    })
+    metrics.update(
+        {
+            "reward/mean": float(np.mean(rewards)),
+            "reward/accuracy": float(np.mean(correct)),
+            **batch_metrics(merged),
+            "response/length_mean": float(np.mean(lengths)),
+            "response/length_max": float(np.max(lengths)),
+            "response/truncated_fraction": float(
+                np.mean(
+                    np.concatenate(
+                        [
+                            truncated_rows(
+                                g.tokens,
+                                g.lengths,
+                                cfg.sampling.max_new_tokens,
+                                run.sampling_config.end_ids,
+                            )
+                            for g in seen
+                        ]
+                    )
+                )
+            ),
+            "time/wait_for_generator_s": waited,
+            "async/queued": float(generator.queued),
+            "async/segments": float(generator.stats["segments"]),
+            "async/groups_started": float(generator.stats["groups_started"]),
+            # Seconds the scoring thread has spent in the verifiers (beside decoding).
+            "async/score_s": float(generator.stats["score_seconds"]),
+        }
+    )
     metrics.update(staleness_metrics(run.iteration, versions, start_version, finish_version))
     if all(g.scoring is not None for g in seen):
         metrics.update(scoring_metrics([g.scoring for g in seen]))
     if any(g.meta.get("task") is not None for g in seen):  # mixed math and code prompts
         tasks = [g.meta.get("task") for g in seen for _ in range(len(g.rewards))]
         metrics.update(task_accuracies(correct, tasks, "reward/accuracy"))
-    samples = group_samples(groups[:cfg.train.sample_prompts], run.tokenizer)
-    info = dict(groups=groups, versions=versions, start_version=start_version,
-                finish_version=finish_version)
+    samples = group_samples(groups[: cfg.train.sample_prompts], run.tokenizer)
+    info = dict(
+        groups=groups, versions=versions, start_version=start_version, finish_version=finish_version
+    )
     return Sampled(merged, samples, metrics), info
 
 
-def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher) -> tuple[dict, dict]:
+def async_iteration(
+    run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
+) -> tuple[dict, dict]:
     """Takes one batch of finished groups (``async_sample``), trains on it (version
     ``run.iteration``; ``iteration.prepare``, ``iteration.update_epochs``), publishes the
     new parameters as version ``run.iteration + 1``.
@@ -405,18 +496,30 @@ def async_iteration(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
     run.run_state = state.replace(iteration=state.iteration + 1)
     run.last_samples, run.last_round, run.last_batch = sampled.samples, batch.round, batch.batch
     generator.publish(jax.tree.map(jnp.copy, run.state.params), run.iteration)
-    metrics = {**sampled.metrics, **batch.metrics, **update_metrics,
-               "time/iteration_s": time.perf_counter() - start}
+    metrics = {
+        **sampled.metrics,
+        **batch.metrics,
+        **update_metrics,
+        "time/iteration_s": time.perf_counter() - start,
+    }
     return {k: float(v) for k, v in metrics.items()}, info
 
 
 def save(run: RLRun, stream: PromptStream) -> None:
     """Checkpoints the run (``trainer.save`` with the prompt stream's position)."""
-    run.checkpointer.save(run.iteration, checkpoint_state(run), checkpoint_meta(run, stream.get_state()))
+    run.checkpointer.save(
+        run.iteration, checkpoint_state(run), checkpoint_meta(run, stream.get_state())
+    )
 
 
-def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bool = False,
-                 recipe: str | None = None) -> dict:
+def run_async_rl(
+    config,
+    workdir: str,
+    *,
+    num_iterations: int | None = None,
+    quiet: bool = False,
+    recipe: str | None = None,
+) -> dict:
     """Trains with asynchronous RL for ``config.train.num_iterations`` batches (resuming
     from ``workdir/checkpoints`` when possible); the outputs of ``trainer.run_rl``.
 
@@ -430,24 +533,37 @@ def run_async_rl(config, workdir: str, *, num_iterations: int | None = None, qui
             "programs on the same devices in an order set by thread timing, which differs "
             "between processes, and programs that span processes must be launched in the "
             "same order on each. Run asynchronous RL on one process (any number of local "
-            "devices), or the synchronous trainer on many.")
+            "devices), or the synchronous trainer on many."
+        )
     total = config.train.num_iterations if num_iterations is None else num_iterations
     lock_workdir(workdir)  # one process per workdir: a second is refused in one line
     run = build_run(config, workdir)
     if run.iteration:
-        logging.info("async RL resumes at iteration %d; generation restarts from scratch "
-                     "(in-flight completions are not checkpointed)", run.iteration)
+        logging.info(
+            "async RL resumes at iteration %d; generation restarts from scratch "
+            "(in-flight completions are not checkpointed)",
+            run.iteration,
+        )
     stream = PromptStream(run.data)
     generator = make_generator(run, stream)
     slot_config = generator.slots.config
     group = config.batch.group_size
-    bound = staleness_bound(generator.n_async, config.batch.n_prompts * group, group,
-                            config.sampling.max_new_tokens, slot_config.segment_steps,
-                            rows=slot_config.rows)
+    bound = staleness_bound(
+        generator.n_async,
+        config.batch.n_prompts * group,
+        group,
+        config.sampling.max_new_tokens,
+        slot_config.segment_steps,
+        rows=slot_config.rows,
+    )
     ds = config.dynamic_sampling
-    batcher = GroupBatcher(config.batch.n_prompts, group, enabled=ds.enabled,
-                           max_groups=ds.max_rounds * config.batch.n_prompts if ds.enabled else 0,
-                           criterion=ds.criterion)
+    batcher = GroupBatcher(
+        config.batch.n_prompts,
+        group,
+        enabled=ds.enabled,
+        max_groups=ds.max_rounds * config.batch.n_prompts if ds.enabled else 0,
+        criterion=ds.criterion,
+    )
     loop = RunLoop(run, total, quiet=quiet, recipe=recipe)
     info = {}
     try:

@@ -74,12 +74,14 @@ def bucket(length: int, buckets: Sequence[int], *, name: str = "length") -> int:
     for size in sorted(buckets):
         if size >= length:
             return int(size)
-    raise ValueError(f"{name} {length} exceeds the largest bucket {max(buckets)} "
-                     f"(extend config.batch.*_buckets)")
+    raise ValueError(
+        f"{name} {length} exceeds the largest bucket {max(buckets)} (extend config.batch.*_buckets)"
+    )
 
 
-def truncated_rows(tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int,
-                   end_ids: Sequence[int]) -> np.ndarray:
+def truncated_rows(
+    tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int, end_ids: Sequence[int]
+) -> np.ndarray:
     """bool ``[B]``: responses that reached ``max_new_tokens`` without ending on an end
     token (a response whose end token is its last allowed one is complete)."""
     tokens, lengths = np.asarray(tokens), np.asarray(lengths)
@@ -87,7 +89,9 @@ def truncated_rows(tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int,
     return (lengths >= max_new_tokens) & ~ended
 
 
-def encode_prompts(prompts: Sequence[str], tokenizer, buckets: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+def encode_prompts(
+    prompts: Sequence[str], tokenizer, buckets: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
     """Tokenises prompts (``tokenizer.encode_prompt``) and right-pads them to a bucket.
 
     Returns:
@@ -98,12 +102,17 @@ def encode_prompts(prompts: Sequence[str], tokenizer, buckets: Sequence[int]) ->
     width = bucket(int(lengths.max()), buckets, name="prompt length")
     tokens = np.full((len(encoded), width), tokenizer.pad_id, np.int32)
     for i, e in enumerate(encoded):
-        tokens[i, :len(e)] = e
+        tokens[i, : len(e)] = e
     return tokens, lengths
 
 
-def layout(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int,
-           prompt_width: int, response_width: int) -> dict[str, np.ndarray]:
+def layout(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    pad_id: int,
+    prompt_width: int,
+    response_width: int,
+) -> dict[str, np.ndarray]:
     """Builds the training layout from token lists (SFT batches, tests).
 
     Returns:
@@ -119,19 +128,22 @@ def layout(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[
     for r, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
         p, n = len(prompt), len(response)
         if p > prompt_width or n > response_width or p == 0:
-            raise ValueError(f"row {r}: prompt length {p} / response length {n} do not fit "
-                             f"[{prompt_width}, {response_width}] (prompts need >= 1 token)")
-        tokens[r, prompt_width - p:prompt_width] = prompt
-        tokens[r, prompt_width:prompt_width + n] = response
-        positions[r, prompt_width - p:prompt_width] = np.arange(p)
+            raise ValueError(
+                f"row {r}: prompt length {p} / response length {n} do not fit "
+                f"[{prompt_width}, {response_width}] (prompts need >= 1 token)"
+            )
+        tokens[r, prompt_width - p : prompt_width] = prompt
+        tokens[r, prompt_width : prompt_width + n] = response
+        positions[r, prompt_width - p : prompt_width] = np.arange(p)
         positions[r, prompt_width:] = p + np.arange(response_width)
-        attention_mask[r, prompt_width - p:prompt_width + n] = 1
+        attention_mask[r, prompt_width - p : prompt_width + n] = 1
         mask[r, :n] = 1
     return dict(tokens=tokens, positions=positions, attention_mask=attention_mask, mask=mask)
 
 
-def pad_prompt_axis(array: np.ndarray, new_prompt_width: int, prompt_width: int, axis: int,
-                    value) -> np.ndarray:
+def pad_prompt_axis(
+    array: np.ndarray, new_prompt_width: int, prompt_width: int, axis: int, value
+) -> np.ndarray:
     """Left-pads the prompt part of a ``[..., P + N, ...]`` array to ``new_prompt_width``."""
     extra = new_prompt_width - prompt_width
     if extra == 0:
@@ -159,7 +171,11 @@ class Round(NamedTuple):
 
     def scored_rows(self) -> np.ndarray:
         """``scored``, all True when None."""
-        return np.ones(len(self.rewards), bool) if self.scored is None else np.asarray(self.scored, bool)
+        return (
+            np.ones(len(self.rewards), bool)
+            if self.scored is None
+            else np.asarray(self.scored, bool)
+        )
 
     @property
     def num_groups(self) -> int:
@@ -170,17 +186,22 @@ def round_from_rollout(rollout, rewards, correct, response_width: int, scored=No
     """Moves a ``Rollout`` to the host in the training layout, trimmed to ``response_width``
     (``scored``: see ``Round``; None: every sample was scored)."""
     (tokens, positions, attention_mask), mask, behaviour, routing = to_host(
-        (rollout.sequences(), rollout.mask, rollout.raw_log_probs, rollout.routing))
+        (rollout.sequences(), rollout.mask, rollout.raw_log_probs, rollout.routing)
+    )
     prompt_width = rollout.prompt_tokens.shape[1]
     width = prompt_width + response_width
     return Round(
-        tokens=tokens[:, :width], positions=positions[:, :width],
-        attention_mask=attention_mask[:, :width], mask=mask[:, :response_width],
+        tokens=tokens[:, :width],
+        positions=positions[:, :width],
+        attention_mask=attention_mask[:, :width],
+        mask=mask[:, :response_width],
         behaviour_log_probs=behaviour[:, :response_width],
         routing=None if routing is None else routing[:, :, :width],
         rewards=np.asarray(rewards, np.float32),
-        correct=np.asarray(correct, bool), prompt_width=prompt_width,
-        scored=None if scored is None else np.asarray(scored, bool))
+        correct=np.asarray(correct, bool),
+        prompt_width=prompt_width,
+        scored=None if scored is None else np.asarray(scored, bool),
+    )
 
 
 def trim_prompt(r: Round, prompt_width: int) -> Round:
@@ -190,15 +211,22 @@ def trim_prompt(r: Round, prompt_width: int) -> Round:
     if cut == 0:
         return r
     if cut < 0 or np.any(r.attention_mask[:, :cut]):
-        raise ValueError(f"cannot trim prompts of width {r.prompt_width} to {prompt_width}: "
-                         "real prompt tokens would be cut")
-    return r._replace(tokens=r.tokens[:, cut:], positions=r.positions[:, cut:],
-                      attention_mask=r.attention_mask[:, cut:],
-                      routing=None if r.routing is None else r.routing[:, :, cut:],
-                      prompt_width=prompt_width)
+        raise ValueError(
+            f"cannot trim prompts of width {r.prompt_width} to {prompt_width}: "
+            "real prompt tokens would be cut"
+        )
+    return r._replace(
+        tokens=r.tokens[:, cut:],
+        positions=r.positions[:, cut:],
+        attention_mask=r.attention_mask[:, cut:],
+        routing=None if r.routing is None else r.routing[:, :, cut:],
+        prompt_width=prompt_width,
+    )
 
 
-def merge_rounds(selected: Sequence[tuple[Round, np.ndarray]], group_size: int, pad_id: int) -> Round:
+def merge_rounds(
+    selected: Sequence[tuple[Round, np.ndarray]], group_size: int, pad_id: int
+) -> Round:
     """Concatenates chosen groups of several rounds into one ``Round``.
 
     Args:
@@ -232,27 +260,45 @@ def merge_rounds(selected: Sequence[tuple[Round, np.ndarray]], group_size: int, 
             left = np.repeat(filler, prompt_width - r.prompt_width, axis=2)
             right = np.repeat(filler, extra_n, axis=2)
             routing = np.concatenate([left, routing, right], axis=2)
-        parts.append(Round(
-            tokens=seq(r.tokens[rows], pad_id), positions=seq(r.positions[rows], 0),
-            attention_mask=seq(r.attention_mask[rows], 0),
-            mask=np.pad(r.mask[rows], ((0, 0), (0, extra_n))),
-            behaviour_log_probs=np.pad(r.behaviour_log_probs[rows], ((0, 0), (0, extra_n))),
-            routing=routing, rewards=r.rewards[rows], correct=r.correct[rows],
-            prompt_width=prompt_width, scored=r.scored_rows()[rows]))
+        parts.append(
+            Round(
+                tokens=seq(r.tokens[rows], pad_id),
+                positions=seq(r.positions[rows], 0),
+                attention_mask=seq(r.attention_mask[rows], 0),
+                mask=np.pad(r.mask[rows], ((0, 0), (0, extra_n))),
+                behaviour_log_probs=np.pad(r.behaviour_log_probs[rows], ((0, 0), (0, extra_n))),
+                routing=routing,
+                rewards=r.rewards[rows],
+                correct=r.correct[rows],
+                prompt_width=prompt_width,
+                scored=r.scored_rows()[rows],
+            )
+        )
     cat = lambda name, axis=0: np.concatenate([getattr(p, name) for p in parts], axis=axis)
     return Round(
-        tokens=cat("tokens"), positions=cat("positions"), attention_mask=cat("attention_mask"),
-        mask=cat("mask"), behaviour_log_probs=cat("behaviour_log_probs"),
+        tokens=cat("tokens"),
+        positions=cat("positions"),
+        attention_mask=cat("attention_mask"),
+        mask=cat("mask"),
+        behaviour_log_probs=cat("behaviour_log_probs"),
         routing=None if parts[0].routing is None else cat("routing", axis=1),
-        rewards=cat("rewards"), correct=cat("correct"), prompt_width=prompt_width,
-        scored=cat("scored"))
+        rewards=cat("rewards"),
+        correct=cat("correct"),
+        prompt_width=prompt_width,
+        scored=cat("scored"),
+    )
 
 
 DYNAMIC_SAMPLING_CRITERIA = ("reward", "accuracy")
 
 
-def uninformative_groups(rewards: np.ndarray, correct: np.ndarray, group_size: int,
-                         criterion: str = "reward", scored: np.ndarray | None = None) -> np.ndarray:
+def uninformative_groups(
+    rewards: np.ndarray,
+    correct: np.ndarray,
+    group_size: int,
+    criterion: str = "reward",
+    scored: np.ndarray | None = None,
+) -> np.ndarray:
     """bool ``[N / G]``: the groups dynamic sampling drops.
 
     ``"reward"``: all G rewards are equal (zero advantage under any group baseline;
@@ -273,7 +319,9 @@ def uninformative_groups(rewards: np.ndarray, correct: np.ndarray, group_size: i
     if criterion == "accuracy":
         grouped = np.asarray(correct, bool).reshape(-1, group_size)
         return few | ~(grouped & scored).any(axis=1) | ~(~grouped & scored).any(axis=1)
-    raise ValueError(f"dynamic sampling criterion {criterion!r} is not one of {DYNAMIC_SAMPLING_CRITERIA}")
+    raise ValueError(
+        f"dynamic sampling criterion {criterion!r} is not one of {DYNAMIC_SAMPLING_CRITERIA}"
+    )
 
 
 class DynamicSampler:
@@ -287,8 +335,15 @@ class DynamicSampler:
     reported. With ``enabled=False`` one round is taken as it is.
     """
 
-    def __init__(self, n_prompts: int, group_size: int, *, enabled: bool, max_rounds: int,
-                 criterion: str = "reward"):
+    def __init__(
+        self,
+        n_prompts: int,
+        group_size: int,
+        *,
+        enabled: bool,
+        max_rounds: int,
+        criterion: str = "reward",
+    ):
         if criterion not in DYNAMIC_SAMPLING_CRITERIA:
             raise ValueError(f"criterion={criterion!r} is not one of {DYNAMIC_SAMPLING_CRITERIA}")
         self.n_prompts, self.group_size = n_prompts, group_size
@@ -306,8 +361,9 @@ class DynamicSampler:
         """Adds one round; returns True when the batch is complete (full or cap reached)."""
         self.rounds += 1
         if self.enabled:
-            drop_mask = uninformative_groups(r.rewards, r.correct, self.group_size, self.criterion,
-                                             scored=r.scored)
+            drop_mask = uninformative_groups(
+                r.rewards, r.correct, self.group_size, self.criterion, scored=r.scored
+            )
         else:
             drop_mask = np.zeros((len(r.rewards) // self.group_size,), bool)
         informative = np.flatnonzero(~drop_mask)
@@ -342,7 +398,9 @@ class DynamicSampler:
             "dynamic_sampling/kept_fraction": self.num_informative / total_groups,
             "dynamic_sampling/shortfall": float(shortfall),
         }
-        merged = mask_fillers(merge_rounds(selected, self.group_size, pad_id), shortfall, self.group_size)
+        merged = mask_fillers(
+            merge_rounds(selected, self.group_size, pad_id), shortfall, self.group_size
+        )
         self.reset()
         return merged, metrics
 
@@ -356,18 +414,26 @@ def mask_fillers(r: Round, num_fillers: int, group_size: int) -> Round:
     if num_fillers <= 0:
         return r
     mask = np.array(r.mask, copy=True)
-    mask[-num_fillers * group_size:] = 0
+    mask[-num_fillers * group_size :] = 0
     scored = r.scored_rows().copy()
-    scored[-num_fillers * group_size:] = False
+    scored[-num_fillers * group_size :] = False
     return r._replace(mask=mask, scored=scored)
 
 
-def minibatch_indices(num_groups: int, group_size: int, n_minibatches: int, rng: jax.Array | None) -> list[np.ndarray]:
+def minibatch_indices(
+    num_groups: int, group_size: int, n_minibatches: int, rng: jax.Array | None
+) -> list[np.ndarray]:
     """Row indices of each minibatch: whole groups, shuffled by ``rng`` (None: in order)."""
-    order = np.arange(num_groups) if rng is None else np.asarray(jax.random.permutation(rng, num_groups))
+    order = (
+        np.arange(num_groups)
+        if rng is None
+        else np.asarray(jax.random.permutation(rng, num_groups))
+    )
     per = num_groups // n_minibatches
-    chunks = [order[i * per:(i + 1) * per] for i in range(n_minibatches)]
-    return [(np.sort(c)[:, None] * group_size + np.arange(group_size)[None]).reshape(-1) for c in chunks]
+    chunks = [order[i * per : (i + 1) * per] for i in range(n_minibatches)]
+    return [
+        (np.sort(c)[:, None] * group_size + np.arange(group_size)[None]).reshape(-1) for c in chunks
+    ]
 
 
 def take_rows(batch: Batch, rows: np.ndarray) -> Batch:
@@ -376,13 +442,20 @@ def take_rows(batch: Batch, rows: np.ndarray) -> Batch:
     rows = jnp.asarray(rows)
     pick = lambda a: None if a is None else jnp.take(a, rows, axis=0)
     return Batch(
-        tokens=pick(batch.tokens), positions=pick(batch.positions),
-        attention_mask=pick(batch.attention_mask), mask=pick(batch.mask),
-        advantages=pick(batch.advantages), old_log_probs=pick(batch.old_log_probs),
-        importance_weights=pick(batch.importance_weights), ref_log_probs=pick(batch.ref_log_probs),
+        tokens=pick(batch.tokens),
+        positions=pick(batch.positions),
+        attention_mask=pick(batch.attention_mask),
+        mask=pick(batch.mask),
+        advantages=pick(batch.advantages),
+        old_log_probs=pick(batch.old_log_probs),
+        importance_weights=pick(batch.importance_weights),
+        ref_log_probs=pick(batch.ref_log_probs),
         routing=None if batch.routing is None else jnp.take(batch.routing, rows, axis=1),
-        old_values=pick(batch.old_values), returns=pick(batch.returns),
-        nll_weights=pick(batch.nll_weights), loss_mask=pick(batch.loss_mask))
+        old_values=pick(batch.old_values),
+        returns=pick(batch.returns),
+        nll_weights=pick(batch.nll_weights),
+        loss_mask=pick(batch.loss_mask),
+    )
 
 
 def shard_batch(batch: Batch) -> Batch:
@@ -390,6 +463,7 @@ def shard_batch(batch: Batch) -> Batch:
     mesh set by ``jax.set_mesh`` (routing along its row axis 1), replicated when the row
     count does not divide (``policyopt.sharding.shard_rows``); without a mesh, as device
     arrays placed by default."""
+
     def place(name, value):
         if name == "packing":  # packed rows and padded rows, each split as a batch's rows
             return None if value is None else type(value)(*(shard_rows(x) for x in value))

@@ -17,19 +17,41 @@ from jax.sharding import Mesh
 
 from policyopt import sharding
 from policyopt.checkpoint import Checkpointer
-from policyopt.data import (ArithmeticConfig, CharTokenizer, HFTokenizer, JsonlConfig, as_record,
-                            generate_arithmetic, read_math_jsonl)
+from policyopt.data import (
+    ArithmeticConfig,
+    CharTokenizer,
+    HFTokenizer,
+    JsonlConfig,
+    as_record,
+    generate_arithmetic,
+    read_math_jsonl,
+)
 from policyopt.models import Transformer, preset
 from policyopt.rewards.batch import RewardSpec
 from policyopt.rl.learner import split_params
 
 # Fields of config.model that override the preset. The runtime ones (how the model
 # computes, not its shapes) also apply to a pretrained checkpoint.
-_RUNTIME_OVERRIDES = ("dtype", "param_dtype", "moe_dispatch", "moe_decode_dispatch",
-                      "moe_block_size", "moe_weight_gather", "attention", "attention_block_size",
-                      "scan_layers", "remat", "moe_ep_transport", "moe_ep_buffer_factor")
-_MODEL_OVERRIDES = (("num_layers", "hidden_size", "num_experts", "num_experts_per_tok")
-                    + _RUNTIME_OVERRIDES)
+_RUNTIME_OVERRIDES = (
+    "dtype",
+    "param_dtype",
+    "moe_dispatch",
+    "moe_decode_dispatch",
+    "moe_block_size",
+    "moe_weight_gather",
+    "attention",
+    "attention_block_size",
+    "scan_layers",
+    "remat",
+    "moe_ep_transport",
+    "moe_ep_buffer_factor",
+)
+_MODEL_OVERRIDES = (
+    "num_layers",
+    "hidden_size",
+    "num_experts",
+    "num_experts_per_tok",
+) + _RUNTIME_OVERRIDES
 
 
 # Config fields a run may change when it resumes from its checkpoint: how long it runs,
@@ -39,16 +61,38 @@ _MODEL_OVERRIDES = (("num_layers", "hidden_size", "num_experts", "num_experts_pe
 # rounding, chosen per machine). Any other change would continue one experiment under
 # another's settings (the data position, for one, counts batches of the old size and
 # order), so a resumed run with one refuses to start unless `train.allow_config_change`.
-RESUME_FREE_FIELDS = ("train.num_iterations", "train.eval_every", "train.checkpoint_every",
-                      "train.keep_checkpoints", "train.log_every", "train.tensorboard",
-                      "train.routing_metrics", "train.allow_config_change", "eval.", "mesh.",
-                      "train.sample_every", "train.sample_prompts", "train.zero_variance_patience",
-                      "sft.steps", "sft.checkpoint_every", "init_checkpoint",
-                      "reward.num_workers", "async_mode.join_timeout_s", "async_mode.num_slots",
-                      "model.moe_dispatch", "model.moe_decode_dispatch", "model.moe_block_size",
-                      "model.moe_weight_gather", "model.attention", "model.attention_block_size",
-                      "model.remat", "model.moe_ep_transport", "model.moe_ep_buffer_factor",
-                      "sampling.decode_segments", "batch.micro_batch_tokens")
+RESUME_FREE_FIELDS = (
+    "train.num_iterations",
+    "train.eval_every",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.log_every",
+    "train.tensorboard",
+    "train.routing_metrics",
+    "train.allow_config_change",
+    "eval.",
+    "mesh.",
+    "train.sample_every",
+    "train.sample_prompts",
+    "train.zero_variance_patience",
+    "sft.steps",
+    "sft.checkpoint_every",
+    "init_checkpoint",
+    "reward.num_workers",
+    "async_mode.join_timeout_s",
+    "async_mode.num_slots",
+    "model.moe_dispatch",
+    "model.moe_decode_dispatch",
+    "model.moe_block_size",
+    "model.moe_weight_gather",
+    "model.attention",
+    "model.attention_block_size",
+    "model.remat",
+    "model.moe_ep_transport",
+    "model.moe_ep_buffer_factor",
+    "sampling.decode_segments",
+    "batch.micro_batch_tokens",
+)
 
 
 def config_record(config) -> dict:
@@ -66,8 +110,9 @@ def config_record(config) -> dict:
     return flat
 
 
-def check_resume_config(saved: dict | None, config, directory: str, *,
-                        sections: Sequence[str] | None = None) -> None:
+def check_resume_config(
+    saved: dict | None, config, directory: str, *, sections: Sequence[str] | None = None
+) -> None:
     """Compares the config a checkpoint was saved under (``config_record``) with the
     config resuming from it; a checkpoint without one (older runs) is not checked, nor
     are fields its config does not have (added to the library since it was saved) or
@@ -81,15 +126,21 @@ def check_resume_config(saved: dict | None, config, directory: str, *,
     if saved is None:
         return
     current = config_record(config)
-    changed = sorted(name for name in set(saved) & set(current)
-                     if saved[name] != current[name]
-                     and (sections is None or any(name == s or name.startswith(s) for s in sections))
-                     and not any(name == free or (free.endswith(".") and name.startswith(free))
-                                 for free in RESUME_FREE_FIELDS))
+    changed = sorted(
+        name
+        for name in set(saved) & set(current)
+        if saved[name] != current[name]
+        and (sections is None or any(name == s or name.startswith(s) for s in sections))
+        and not any(
+            name == free or (free.endswith(".") and name.startswith(free))
+            for free in RESUME_FREE_FIELDS
+        )
+    )
     if not changed:
         return
-    lines = "; ".join(f"{name}: {saved[name]!r} -> {current[name]!r}"
-                      for name in changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
+    lines = "; ".join(f"{name}: {saved[name]!r} -> {current[name]!r}" for name in changed[:8]) + (
+        f"; and {len(changed) - 8} more" if len(changed) > 8 else ""
+    )
     if config.train.allow_config_change:
         logging.warning("resuming %s under a changed config: %s", directory, lines)
         return
@@ -97,7 +148,8 @@ def check_resume_config(saved: dict | None, config, directory: str, *,
         f"the checkpoint in {directory} was saved under another config ({lines}). Resume with "
         "the same config, start a new workdir (config.init_checkpoint=<that checkpoints "
         "directory> starts from its parameters), or set train.allow_config_change=True to "
-        "continue anyway.")
+        "continue anyway."
+    )
 
 
 def same_evaluation(saved: dict | None, config) -> bool:
@@ -107,7 +159,9 @@ def same_evaluation(saved: dict | None, config) -> bool:
     if saved is None:
         return False
     current = config_record(config)
-    return all(saved.get(name) == value for name, value in current.items() if name.startswith("eval."))
+    return all(
+        saved.get(name) == value for name, value in current.items() if name.startswith("eval.")
+    )
 
 
 def make_mesh(config) -> Mesh:
@@ -136,22 +190,30 @@ def check_mesh(config, mesh: Mesh, num_experts: int) -> None:
     if num_experts == 0 or n_ep == 1:
         return
     if num_experts % n_ep:
-        raise ValueError(f"config.mesh.expert={n_ep} does not divide the model's num_experts="
-                         f"{num_experts}: expert parallelism holds num_experts / mesh.expert "
-                         "experts on each device")
+        raise ValueError(
+            f"config.mesh.expert={n_ep} does not divide the model's num_experts="
+            f"{num_experts}: expert parallelism holds num_experts / mesh.expert "
+            "experts on each device"
+        )
     row_axes = [a for a in ("data", "fsdp", "expert") if a in mesh.shape]
     split = 1
     for a in row_axes:
         split *= int(mesh.shape[a])
     b = config.batch
-    checks = [("batch.n_prompts * batch.group_size / batch.n_minibatches",
-               b.n_prompts * b.group_size // max(b.n_minibatches, 1))]
+    checks = [
+        (
+            "batch.n_prompts * batch.group_size / batch.n_minibatches",
+            b.n_prompts * b.group_size // max(b.n_minibatches, 1),
+        )
+    ]
     for name, rows in checks:
         if rows % split:
             sizes = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in row_axes)
-            raise ValueError(f"config.{name} = {rows} rows are not divisible by the {split} row "
-                             f"shards of the mesh ({sizes}): with mesh.expert > 1 every device "
-                             "routes its own rows to the experts")
+            raise ValueError(
+                f"config.{name} = {rows} rows are not divisible by the {split} row "
+                f"shards of the mesh ({sizes}): with mesh.expert > 1 every device "
+                "routes its own rows to the experts"
+            )
 
 
 def make_tokenizer(config):
@@ -172,14 +234,18 @@ def make_model(config, vocab_size: int, mesh: Mesh | None = None) -> nnx.Module:
     places them; the values are those of a build without a mesh), so a model larger than
     one device can be built.
     """
-    overrides = {name: config.model[name] for name in _MODEL_OVERRIDES if config.model[name] is not None}
+    overrides = {
+        name: config.model[name] for name in _MODEL_OVERRIDES if config.model[name] is not None
+    }
     if config.model.pretrained:
         from policyopt.models import from_pretrained
 
         shapes = sorted(set(overrides) - set(_RUNTIME_OVERRIDES))
         if shapes:
-            raise ValueError(f"config.model.{shapes[0]} cannot change the shape of the pretrained "
-                             f"checkpoint {config.model.pretrained!r}; only {_RUNTIME_OVERRIDES} apply")
+            raise ValueError(
+                f"config.model.{shapes[0]} cannot change the shape of the pretrained "
+                f"checkpoint {config.model.pretrained!r}; only {_RUNTIME_OVERRIDES} apply"
+            )
         model = from_pretrained(config.model.pretrained, mesh=mesh, **overrides)
         if mesh is not None:
             check_mesh(config, mesh, model.config.num_experts)
@@ -201,10 +267,14 @@ def task_config(config) -> ArithmeticConfig:
     task = config.task
     if task.name != "arithmetic":
         raise ValueError(f"config.task.name={task.name!r} has no ArithmeticConfig")
-    return ArithmeticConfig(num_operands=task.num_operands, max_operands=task.max_operands,
-                            min_digits=task.min_digits,
-                            max_digits=task.max_digits, operators=task.operators,
-                            wrong_procedure_fraction=task.wrong_procedure_fraction)
+    return ArithmeticConfig(
+        num_operands=task.num_operands,
+        max_operands=task.max_operands,
+        min_digits=task.min_digits,
+        max_digits=task.max_digits,
+        operators=task.operators,
+        wrong_procedure_fraction=task.wrong_procedure_fraction,
+    )
 
 
 def _names(value) -> tuple[str, ...]:
@@ -217,14 +287,19 @@ def jsonl_reader(config) -> JsonlConfig:
     """How ``task.name = "math_jsonl"``, ``"code_jsonl"`` or ``"mixed_jsonl"`` reads its
     files (``policyopt.data.jsonl``)."""
     t = config.task
-    return JsonlConfig(question_fields=_names(t.question_fields), answer_fields=_names(t.answer_fields),
-                       solution_field=t.solution_field or None, extract=t.extract,
-                       answer_marker=t.answer_marker, prompt_template=t.prompt_template,
-                       skip_malformed=bool(t.skip_malformed),
-                       task=_JSONL_KINDS.get(t.name, "math"),
-                       tests_fields=_names(t.tests_fields),
-                       task_field=(t.task_field or None) if t.name == "mixed_jsonl" else None,
-                       code_prompt_template=t.code_prompt_template or None)
+    return JsonlConfig(
+        question_fields=_names(t.question_fields),
+        answer_fields=_names(t.answer_fields),
+        solution_field=t.solution_field or None,
+        extract=t.extract,
+        answer_marker=t.answer_marker,
+        prompt_template=t.prompt_template,
+        skip_malformed=bool(t.skip_malformed),
+        task=_JSONL_KINDS.get(t.name, "math"),
+        tests_fields=_names(t.tests_fields),
+        task_field=(t.task_field or None) if t.name == "mixed_jsonl" else None,
+        code_prompt_template=t.code_prompt_template or None,
+    )
 
 
 def _jsonl_files(config) -> dict[str, str]:
@@ -259,12 +334,18 @@ def _prepared_builder(config):
     t = config.task
     if t.name == "arithmetic":
         prepare = lambda download=True: tfds_builders.build_arithmetic(
-            t.tfds_dir, task_config(config), seed=int(t.seed), train_size=int(t.num_train),
-            test_size=int(t.num_test), download=download)
+            t.tfds_dir,
+            task_config(config),
+            seed=int(t.seed),
+            train_size=int(t.num_train),
+            test_size=int(t.num_test),
+            download=download,
+        )
     else:
         files, reader = _jsonl_files(config), jsonl_reader(config)
-        prepare = lambda download=True: tfds_builders.build_math_jsonl(t.tfds_dir, files, reader,
-                                                                       download=download)
+        prepare = lambda download=True: tfds_builders.build_math_jsonl(
+            t.tfds_dir, files, reader, download=download
+        )
     if jax.process_count() == 1:
         return prepare()
     from jax.experimental import multihost_utils
@@ -312,7 +393,9 @@ def task_source(config, split: str) -> Sequence:
         return _records(task_config(config), split, int(t.seed), int(num))
     path = _jsonl_files(config)[split]
     stat = os.stat(path)
-    return _jsonl_records(os.path.abspath(path), jsonl_reader(config), (stat.st_size, stat.st_mtime_ns))
+    return _jsonl_records(
+        os.path.abspath(path), jsonl_reader(config), (stat.st_size, stat.st_mtime_ns)
+    )
 
 
 def task_records(config, split: str) -> list[dict]:
@@ -336,16 +419,23 @@ def eval_records(config, tokenizer) -> list[dict]:
         if length <= limit:
             kept.append(record)
         elif config.task.overlong_prompt == "error":
-            raise ValueError(f"held-out record {index}: prompt of {length} tokens, longer than the "
-                             f"largest of batch.prompt_buckets ({limit}) ({record['prompt'][:60]!r}...); "
-                             "set task.overlong_prompt to leave such prompts out")
+            raise ValueError(
+                f"held-out record {index}: prompt of {length} tokens, longer than the "
+                f"largest of batch.prompt_buckets ({limit}) ({record['prompt'][:60]!r}...); "
+                "set task.overlong_prompt to leave such prompts out"
+            )
     if config.eval.num_prompts > 0 and not kept:
-        raise ValueError(f"no held-out prompt to evaluate: the test split has {len(records)} "
-                         f"records{f', all longer than {limit} tokens' if records else ''}; set "
-                         "eval.num_prompts=0 to train without evaluation")
+        raise ValueError(
+            f"no held-out prompt to evaluate: the test split has {len(records)} "
+            f"records{f', all longer than {limit} tokens' if records else ''}; set "
+            "eval.num_prompts=0 to train without evaluation"
+        )
     if len(kept) < min(len(records), config.eval.num_prompts):
-        logging.warning("evaluation: held-out prompts longer than %d tokens are left out; %d kept",
-                        limit, len(kept))
+        logging.warning(
+            "evaluation: held-out prompts longer than %d tokens are left out; %d kept",
+            limit,
+            len(kept),
+        )
     return kept
 
 
@@ -357,12 +447,18 @@ def _reward_task(config) -> str:
 
 def _task_limits(config) -> dict:
     r = config.reward
-    return dict(task=_reward_task(config), verifier=r.verifier or None,
-                verifier_timeout_s=float(r.verifier_timeout_s), answer_format=r.answer_format,
-                code_timeout_s=float(r.code_timeout_s), code_memory_mb=int(r.code_memory_mb),
-                code_disk_mb=int(r.code_disk_mb),
-                code_partial=bool(r.code_partial), code_isolation=r.code_isolation,
-                code_max_tests=None if r.code_max_tests is None else int(r.code_max_tests))
+    return dict(
+        task=_reward_task(config),
+        verifier=r.verifier or None,
+        verifier_timeout_s=float(r.verifier_timeout_s),
+        answer_format=r.answer_format,
+        code_timeout_s=float(r.code_timeout_s),
+        code_memory_mb=int(r.code_memory_mb),
+        code_disk_mb=int(r.code_disk_mb),
+        code_partial=bool(r.code_partial),
+        code_isolation=r.code_isolation,
+        code_max_tests=None if r.code_max_tests is None else int(r.code_max_tests),
+    )
 
 
 def reward_spec(config) -> RewardSpec:
@@ -377,12 +473,17 @@ def reward_spec(config) -> RewardSpec:
     cache_len = r.cache_len or max(1, max_len // 4)
     shaping = r.overlong != "none" or r.overlong_filter
     return RewardSpec(
-        format_reward=bool(r.format), format_value=float(r.format_value),
-        correct_value=float(r.correct_value), incorrect_value=float(r.incorrect_value),
-        overlong=r.overlong, max_len=max_len if shaping else None,
+        format_reward=bool(r.format),
+        format_value=float(r.format_value),
+        correct_value=float(r.correct_value),
+        incorrect_value=float(r.incorrect_value),
+        overlong=r.overlong,
+        max_len=max_len if shaping else None,
         cache_len=cache_len if r.overlong != "none" else None,
         overlong_filter=bool(r.overlong_filter),
-        language_bonus=0.1 if r.language_bonus else 0.0, **_task_limits(config))
+        language_bonus=0.1 if r.language_bonus else 0.0,
+        **_task_limits(config),
+    )
 
 
 def correctness_spec(config=None) -> RewardSpec:
@@ -393,8 +494,10 @@ def correctness_spec(config=None) -> RewardSpec:
     one (pass@1 needs no pass rate)."""
     if config is None:
         return RewardSpec(task="math", format_reward=False)
-    return RewardSpec(format_reward=False,
-                      **(_task_limits(config) | {"code_partial": False, "code_max_tests": None}))
+    return RewardSpec(
+        format_reward=False,
+        **(_task_limits(config) | {"code_partial": False, "code_max_tests": None}),
+    )
 
 
 def init_params(config, model: nnx.Module, mesh: Mesh):
@@ -410,8 +513,9 @@ def init_params(config, model: nnx.Module, mesh: Mesh):
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"config.init_checkpoint={directory!r} is not a directory")
         with Checkpointer(directory) as source:
-            check_checkpoint_shapes(source, {"train": {"params": params}}, config,
-                                    field="config.init_checkpoint")
+            check_checkpoint_shapes(
+                source, {"train": {"params": params}}, config, field="config.init_checkpoint"
+            )
             params = source.restore_subtree(("train", "params"), params)
     return graphdef, params
 
@@ -427,8 +531,14 @@ def _path_name(path) -> str:
     return ".".join(parts)
 
 
-def check_checkpoint_shapes(checkpointer: Checkpointer, target, config, *, step: int | None = None,
-                            field: str = "the checkpoint") -> None:
+def check_checkpoint_shapes(
+    checkpointer: Checkpointer,
+    target,
+    config,
+    *,
+    step: int | None = None,
+    field: str = "the checkpoint",
+) -> None:
     """Compares the shapes of ``target``'s arrays with the checkpoint's (its metadata;
     no array is read) before restoring: a checkpoint of another model would otherwise fail
     deep inside orbax without naming either.
@@ -442,15 +552,24 @@ def check_checkpoint_shapes(checkpointer: Checkpointer, target, config, *, step:
     if step is None:
         raise FileNotFoundError(f"{field}: no checkpoint in {checkpointer.directory}")
     saved = checkpointer.saved_shapes(step)
-    wanted = {_path_name(path): tuple(leaf.shape) for path, leaf
-              in jax.tree_util.tree_flatten_with_path(target)[0] if hasattr(leaf, "shape")}
+    wanted = {
+        _path_name(path): tuple(leaf.shape)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]
+        if hasattr(leaf, "shape")
+    }
     # nnx.State leaves may carry a trailing ".value" that orbax's names do not.
     lookup = lambda name: saved.get(name, saved.get(name.removesuffix(".value")))
-    diffs = [(name, lookup(name), shape) for name, shape in wanted.items()
-             if lookup(name) is not None and lookup(name) != shape]
+    diffs = [
+        (name, lookup(name), shape)
+        for name, shape in wanted.items()
+        if lookup(name) is not None and lookup(name) != shape
+    ]
     matched = any(lookup(name) is not None for name in wanted)
-    missing = [name for name in wanted if matched and lookup(name) is None
-               and name.startswith("train.params")]
+    missing = [
+        name
+        for name in wanted
+        if matched and lookup(name) is None and name.startswith("train.params")
+    ]
     if not diffs and not missing:
         return
     try:
@@ -461,8 +580,11 @@ def check_checkpoint_shapes(checkpointer: Checkpointer, target, config, *, step:
     def model_of(values) -> str:
         shapes = [n for n in _MODEL_OVERRIDES if n not in _RUNTIME_OVERRIDES]
         names = ["preset", "pretrained"] + shapes
-        parts = [f"model.{n}={values.get('model.' + n)!r}" for n in names
-                 if values.get("model." + n) is not None]
+        parts = [
+            f"model.{n}={values.get('model.' + n)!r}"
+            for n in names
+            if values.get("model." + n) is not None
+        ]
         return ", ".join(parts) or "an unrecorded model"
 
     where = f"{checkpointer.directory} (step {step})"

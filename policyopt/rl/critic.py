@@ -57,8 +57,14 @@ from flax import nnx
 
 from policyopt.advantages import decoupled_gae, length_adaptive_gae, masked_whiten
 from policyopt.checks import check_choice, check_number
-from policyopt.losses import (AGGREGATIONS, aggregation_weights, explained_variance, masked_mean,
-                              masked_var, value_loss)
+from policyopt.losses import (
+    AGGREGATIONS,
+    aggregation_weights,
+    explained_variance,
+    masked_mean,
+    masked_var,
+    value_loss,
+)
 from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch
 from policyopt.rl.learner import OptimConfig, TrainState, guarded_update, packed_forward
@@ -81,8 +87,17 @@ def init_critic_params(policy_params, hidden_size: int) -> dict:
     return {"backbone": backbone, "head": head}
 
 
-def forward_values(graphdef, params: dict, tokens, positions, attention_mask, num_response: int,
-                   *, return_aux: bool = False, packing=None):
+def forward_values(
+    graphdef,
+    params: dict,
+    tokens,
+    positions,
+    attention_mask,
+    num_response: int,
+    *,
+    return_aux: bool = False,
+    packing=None,
+):
     """Values ``V(s_t)`` of the states before each response token of a training-layout batch.
 
     ``V(s_t) = h[P - 1 + t] . w + b`` with ``h`` the backbone's final hidden states and
@@ -112,14 +127,13 @@ def forward_values(graphdef, params: dict, tokens, positions, attention_mask, nu
 
     start = tokens.shape[1] - num_response - 1
     if packing is None:
-        out = model(tokens, positions=positions, attention_mask=attention_mask,
-                    return_logits=False)
+        out = model(tokens, positions=positions, attention_mask=attention_mask, return_logits=False)
         values = value_of(jax.lax.slice_in_dim(out.hidden, start, start + num_response, axis=1))
     else:
         out, _ = packed_forward(model, tokens, positions, packing)
-        valid = packing.target[:, start + 1:] >= 0                      # response token real
-        index = jnp.where(valid, packing.target[:, start:start + num_response], -1)
-        values = gather_slots(value_of(out.hidden), index)              # [N_p, T] -> [R, N]
+        valid = packing.target[:, start + 1 :] >= 0  # response token real
+        index = jnp.where(valid, packing.target[:, start : start + num_response], -1)
+        values = gather_slots(value_of(out.hidden), index)  # [N_p, T] -> [R, N]
     return (values, out.aux or {}) if return_aux else values
 
 
@@ -146,39 +160,60 @@ class CriticConfig:
 
     @classmethod
     def from_config(cls, config) -> "CriticConfig":
-        return cls(value_clip=config.critic.value_clip,
-                   load_balancing_coef=config.algo.load_balancing_coef,
-                   micro_batch_tokens=config.batch.micro_batch_tokens or None)
+        return cls(
+            value_clip=config.critic.value_clip,
+            load_balancing_coef=config.algo.load_balancing_coef,
+            micro_batch_tokens=config.batch.micro_batch_tokens or None,
+        )
 
 
 def critic_optim(config) -> OptimConfig:
     """The critic's optimiser: ``config.critic.lr`` / ``warmup_steps`` / ``weight_decay``,
     Adam's betas, eps and gradient clipping shared with ``config.optim``."""
     optim = OptimConfig.from_config(config.optim)
-    return dataclasses.replace(optim, lr=float(config.critic.lr),
-                               warmup_steps=int(config.critic.warmup_steps),
-                               weight_decay=float(config.critic.weight_decay))
+    return dataclasses.replace(
+        optim,
+        lr=float(config.critic.lr),
+        warmup_steps=int(config.critic.warmup_steps),
+        weight_decay=float(config.critic.weight_decay),
+    )
 
 
 def critic_loss(graphdef, params, batch: Batch, settings: CriticConfig) -> tuple[jax.Array, dict]:
     """The value loss of one minibatch (``batch.old_values`` and ``batch.returns`` set),
     plus ``load_balancing_coef`` times the MoE backbone's load-balancing loss (as the
     policy's update adds it; ``critic/moe_load_balancing_loss`` reports it)."""
-    values, aux = forward_values(graphdef, params, batch.tokens, batch.positions,
-                                 batch.attention_mask, batch.num_response, return_aux=True,
-                                 packing=batch.packing)
+    values, aux = forward_values(
+        graphdef,
+        params,
+        batch.tokens,
+        batch.positions,
+        batch.attention_mask,
+        batch.num_response,
+        return_aux=True,
+        packing=batch.packing,
+    )
     return critic_objective(values, aux, batch, settings)
 
 
-def critic_objective(values, aux: dict, batch: Batch,
-                     settings: CriticConfig) -> tuple[jax.Array, dict]:
+def critic_objective(
+    values, aux: dict, batch: Batch, settings: CriticConfig
+) -> tuple[jax.Array, dict]:
     """``critic_loss`` from the critic's values ``[R, N]`` and backbone aux on ``batch``."""
-    loss, metrics = value_loss(values, batch.old_values, batch.returns, batch.mask,
-                               clip=settings.value_clip, aggregation=settings.aggregation)
+    loss, metrics = value_loss(
+        values,
+        batch.old_values,
+        batch.returns,
+        batch.mask,
+        clip=settings.value_clip,
+        aggregation=settings.aggregation,
+    )
     metrics = {f"critic/{k}": v for k, v in metrics.items()}
     metrics["critic/values_mean"] = jax.lax.stop_gradient(masked_mean(values, batch.mask))
     if "load_balancing_loss" in aux:
-        metrics["critic/moe_load_balancing_loss"] = jax.lax.stop_gradient(aux["load_balancing_loss"])
+        metrics["critic/moe_load_balancing_loss"] = jax.lax.stop_gradient(
+            aux["load_balancing_loss"]
+        )
         if settings.load_balancing_coef:
             loss = loss + settings.load_balancing_coef * aux["load_balancing_loss"]
     return loss, metrics
@@ -195,8 +230,10 @@ def micro_batched_critic_grads(graphdef, settings: CriticConfig, params, batch: 
     token-weighted mean of the micro-batches'.
     """
     if batch.packing is not None:
-        raise ValueError("micro-batches of a packed minibatch are not supported: "
-                         "config.batch.micro_batch_tokens needs config.batch.pack off")
+        raise ValueError(
+            "micro-batches of a packed minibatch are not supported: "
+            "config.batch.micro_batch_tokens needs config.batch.pack off"
+        )
     rows, width = batch.tokens.shape
     per, count = micro_batches.plan(rows, width, settings.micro_batch_tokens)
     row_weights = aggregation_weights(batch.mask, settings.aggregation)
@@ -205,10 +242,23 @@ def micro_batched_critic_grads(graphdef, settings: CriticConfig, params, batch: 
     def share_fn(params, xs):
         micro, weights = xs
         micro = micro_batches.constrain_rows(micro)
-        values, aux = forward_values(graphdef, params, micro.tokens, micro.positions,
-                                     micro.attention_mask, micro.num_response, return_aux=True)
-        share, _ = value_loss(values, micro.old_values, micro.returns, micro.mask,
-                              clip=settings.value_clip, row_weights=weights)
+        values, aux = forward_values(
+            graphdef,
+            params,
+            micro.tokens,
+            micro.positions,
+            micro.attention_mask,
+            micro.num_response,
+            return_aux=True,
+        )
+        share, _ = value_loss(
+            values,
+            micro.old_values,
+            micro.returns,
+            micro.mask,
+            clip=settings.value_clip,
+            row_weights=weights,
+        )
         tokens = jnp.sum(micro.attention_mask > 0).astype(jnp.float32)
         outputs = {"values": values, "tokens": tokens}
         if "load_balancing_loss" in aux:
@@ -219,12 +269,16 @@ def micro_batched_critic_grads(graphdef, settings: CriticConfig, params, batch: 
         return share, outputs
 
     _, grads, outputs = micro_batches.accumulate(
-        share_fn, params, (micro_batches.split(batch, per, count),
-                           micro_batches.split_rows(row_weights, per, count)))
+        share_fn,
+        params,
+        (micro_batches.split(batch, per, count), micro_batches.split_rows(row_weights, per, count)),
+    )
     values = jax.lax.stop_gradient(micro_batches.merge_rows(outputs.pop("values"), rows))
     tokens = outputs.pop("tokens")
-    aux = {name: jax.lax.stop_gradient(micro_batches.token_weighted_mean(v, tokens))
-           for name, v in outputs.items()}
+    aux = {
+        name: jax.lax.stop_gradient(micro_batches.token_weighted_mean(v, tokens))
+        for name, v in outputs.items()
+    }
     return critic_objective(values, aux, batch, settings), grads
 
 
@@ -267,20 +321,34 @@ class Critic:
 
     def _values(self, params, tokens, positions, attention_mask, mask, packing=None):
         self.trace_counts["values"] += 1
-        values = forward_values(self.graphdef, params, tokens, positions, attention_mask,
-                                mask.shape[1], packing=packing)
+        values = forward_values(
+            self.graphdef, params, tokens, positions, attention_mask, mask.shape[1], packing=packing
+        )
         return jnp.where(mask > 0, values, 0.0)
 
     def _update(self, state: TrainState, batch: Batch):
         self.trace_counts["update"] += 1
         grad_fn = None
-        if self.settings.micro_batch_tokens and micro_batches.plan(
-                *batch.tokens.shape, self.settings.micro_batch_tokens)[1] > 1:
+        if (
+            self.settings.micro_batch_tokens
+            and micro_batches.plan(*batch.tokens.shape, self.settings.micro_batch_tokens)[1] > 1
+        ):
             grad_fn = functools.partial(micro_batched_critic_grads, self.graphdef, self.settings)
-        state, metrics = guarded_update(self.loss, self.optimizer, self.schedule, state, batch,
-                                        active=jnp.any(batch.mask > 0), grad_fn=grad_fn)
-        renamed = {"update/grad_norm": "critic/grad_norm", "update/lr": "critic/lr",
-                   "update/skipped": "critic/skipped", "update/empty": "critic/empty"}
+        state, metrics = guarded_update(
+            self.loss,
+            self.optimizer,
+            self.schedule,
+            state,
+            batch,
+            active=jnp.any(batch.mask > 0),
+            grad_fn=grad_fn,
+        )
+        renamed = {
+            "update/grad_norm": "critic/grad_norm",
+            "update/lr": "critic/lr",
+            "update/skipped": "critic/skipped",
+            "update/empty": "critic/empty",
+        }
         return state, {renamed.get(k, k): v for k, v in metrics.items()}
 
 
@@ -322,16 +390,25 @@ class GAEConfig:
     @classmethod
     def from_config(cls, algo) -> "GAEConfig":
         lam_critic = algo.gae_lambda if algo.gae_lambda_critic is None else algo.gae_lambda_critic
-        return cls(gamma=algo.gae_gamma, lam_actor=algo.gae_lambda, lam_critic=lam_critic,
-                   length_adaptive=bool(algo.gae_length_adaptive), alpha=algo.gae_alpha,
-                   whiten=bool(algo.adv_whiten))
+        return cls(
+            gamma=algo.gae_gamma,
+            lam_actor=algo.gae_lambda,
+            lam_critic=lam_critic,
+            length_adaptive=bool(algo.gae_length_adaptive),
+            alpha=algo.gae_alpha,
+            whiten=bool(algo.adv_whiten),
+        )
 
 
 # The config field each GAEConfig field comes from (named by its errors).
-GAE_FIELDS = {"gamma": "config.algo.gae_gamma", "lam_actor": "config.algo.gae_lambda",
-              "lam_critic": "config.algo.gae_lambda_critic",
-              "length_adaptive": "config.algo.gae_length_adaptive",
-              "alpha": "config.algo.gae_alpha", "whiten": "config.algo.adv_whiten"}
+GAE_FIELDS = {
+    "gamma": "config.algo.gae_gamma",
+    "lam_actor": "config.algo.gae_lambda",
+    "lam_critic": "config.algo.gae_lambda_critic",
+    "length_adaptive": "config.algo.gae_length_adaptive",
+    "alpha": "config.algo.gae_alpha",
+    "whiten": "config.algo.adv_whiten",
+}
 
 
 def gae_targets(rewards, values, mask, settings: GAEConfig) -> tuple[jax.Array, jax.Array, dict]:
@@ -362,11 +439,23 @@ def gae_targets(rewards, values, mask, settings: GAEConfig) -> tuple[jax.Array, 
     """
     per_token = token_rewards(rewards, mask)
     if settings.length_adaptive:
-        advantages, returns = length_adaptive_gae(per_token, values, mask, gamma=settings.gamma,
-                                                  alpha=settings.alpha, lam_critic=settings.lam_critic)
+        advantages, returns = length_adaptive_gae(
+            per_token,
+            values,
+            mask,
+            gamma=settings.gamma,
+            alpha=settings.alpha,
+            lam_critic=settings.lam_critic,
+        )
     else:
-        advantages, returns = decoupled_gae(per_token, values, mask, gamma=settings.gamma,
-                                            lam_actor=settings.lam_actor, lam_critic=settings.lam_critic)
+        advantages, returns = decoupled_gae(
+            per_token,
+            values,
+            mask,
+            gamma=settings.gamma,
+            lam_actor=settings.lam_actor,
+            lam_critic=settings.lam_critic,
+        )
     mask_f = (jnp.asarray(mask) > 0).astype(jnp.float32)
     metrics = {
         "advantages/mean": masked_mean(advantages, mask_f),
@@ -378,4 +467,3 @@ def gae_targets(rewards, values, mask, settings: GAEConfig) -> tuple[jax.Array, 
     if settings.whiten:
         advantages = masked_whiten(advantages, mask_f)
     return advantages, returns, metrics
-

@@ -45,18 +45,27 @@ def plan_run(config, workdir: str, *, recipe: str | None = None) -> str:
             resume_step = checkpointer.latest_step()
             if resume_step is not None:
                 build.check_resume_config(checkpointer.meta().get("config"), config, directory)
-                build.check_checkpoint_shapes(checkpointer, {"train": {"params": params}}, config,
-                                              field="resume")
+                build.check_checkpoint_shapes(
+                    checkpointer, {"train": {"params": params}}, config, field="resume"
+                )
     if resume_step is None and config.init_checkpoint:
         if not os.path.isdir(config.init_checkpoint):
-            raise FileNotFoundError(f"config.init_checkpoint={config.init_checkpoint!r} is not a "
-                                    "directory")
+            raise FileNotFoundError(
+                f"config.init_checkpoint={config.init_checkpoint!r} is not a directory"
+            )
         with Checkpointer(config.init_checkpoint) as source:
-            build.check_checkpoint_shapes(source, {"train": {"params": params}}, config,
-                                          field="config.init_checkpoint")
-    text = banner(config, workdir, recipe=recipe, num_params=parameter_count(params), mesh=mesh,
-                  start=starting_point(config, directory, resume_step),
-                  total=config.train.num_iterations)
+            build.check_checkpoint_shapes(
+                source, {"train": {"params": params}}, config, field="config.init_checkpoint"
+            )
+    text = banner(
+        config,
+        workdir,
+        recipe=recipe,
+        num_params=parameter_count(params),
+        mesh=mesh,
+        start=starting_point(config, directory, resume_step),
+        total=config.train.num_iterations,
+    )
     lines = [text, f"  held-out  {len(held_out)} prompts", *notes]
     lines += [f"warning: {w}" for w in advisories(config)]
     lines.append("dry run: config checked and run built; nothing compiled, nothing written")

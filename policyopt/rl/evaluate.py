@@ -29,10 +29,20 @@ def decode(tokens: np.ndarray, lengths: np.ndarray, tokenizer) -> list[str]:
     return [tokenizer.decode([int(t) for t in row[:n]]) for row, n in zip(tokens, lengths)]
 
 
-def complete(graphdef, params, prompts: Sequence[str], tokenizer, *, max_new_tokens: int,
-             batch_size: int, prompt_buckets: Sequence[int], rng: jax.Array,
-             temperature: float = 0.0, num_samples: int = 1,
-             decode_segments: int = 1) -> tuple[list[str], np.ndarray]:
+def complete(
+    graphdef,
+    params,
+    prompts: Sequence[str],
+    tokenizer,
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    prompt_buckets: Sequence[int],
+    rng: jax.Array,
+    temperature: float = 0.0,
+    num_samples: int = 1,
+    decode_segments: int = 1,
+) -> tuple[list[str], np.ndarray]:
     """Completes every prompt ``num_samples`` times, in chunks of ``batch_size`` prompts.
 
     Returns:
@@ -40,18 +50,29 @@ def complete(graphdef, params, prompts: Sequence[str], tokenizer, *, max_new_tok
       and their token counts.
     """
     method = Greedy() if temperature == 0 else sampling_method(temperature)
-    config = SamplingConfig(max_new_tokens=max_new_tokens, method=method,
-                            eos_id=tokenizer.eos_id, stop_ids=tokenizer.stop_ids,
-                            pad_id=tokenizer.pad_id,
-                            num_samples=num_samples, decode_segments=decode_segments)
+    config = SamplingConfig(
+        max_new_tokens=max_new_tokens,
+        method=method,
+        eos_id=tokenizer.eos_id,
+        stop_ids=tokenizer.stop_ids,
+        pad_id=tokenizer.pad_id,
+        num_samples=num_samples,
+        decode_segments=decode_segments,
+    )
     texts, lengths = [], []
     for start in range(0, len(prompts), batch_size):
-        chunk = list(prompts[start:start + batch_size])
+        chunk = list(prompts[start : start + batch_size])
         real = len(chunk)
         chunk += [chunk[0]] * (batch_size - real)
         tokens, prompt_lengths = encode_prompts(chunk, tokenizer, prompt_buckets)
-        rollout = generate_fn(graphdef, params, shard_rows(tokens), shard_rows(prompt_lengths),
-                              jax.random.fold_in(rng, start), config=config)
+        rollout = generate_fn(
+            graphdef,
+            params,
+            shard_rows(tokens),
+            shard_rows(prompt_lengths),
+            jax.random.fold_in(rng, start),
+            config=config,
+        )
         out_tokens, out_lengths = to_host((rollout.tokens, rollout.lengths))
         rows = real * num_samples
         texts += decode(out_tokens[:rows], out_lengths[:rows], tokenizer)
@@ -65,14 +86,29 @@ def task_accuracies(correct, tasks, name: str) -> dict[str, float]:
     if tasks is None:
         return {}
     correct, tasks = np.asarray(correct, bool), np.asarray(tasks)
-    return {f"{name}_{task}": float(correct[tasks == task].mean()) for task in sorted(set(tasks.tolist()))}
+    return {
+        f"{name}_{task}": float(correct[tasks == task].mean())
+        for task in sorted(set(tasks.tolist()))
+    }
 
 
-def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_tokens: int,
-             batch_size: int = 256, prompt_buckets: Sequence[int] = (16, 32, 64, 128, 256, 512),
-             k: int = 0, temperature: float = 1.0, rng: jax.Array | None = None,
-             decode_segments: int = 1, spec: RewardSpec | None = None,
-             num_workers: int = 0, samples: list | None = None) -> dict[str, float]:
+def evaluate(
+    graphdef,
+    params,
+    records: Sequence[dict],
+    tokenizer,
+    *,
+    max_new_tokens: int,
+    batch_size: int = 256,
+    prompt_buckets: Sequence[int] = (16, 32, 64, 128, 256, 512),
+    k: int = 0,
+    temperature: float = 1.0,
+    rng: jax.Array | None = None,
+    decode_segments: int = 1,
+    spec: RewardSpec | None = None,
+    num_workers: int = 0,
+    samples: list | None = None,
+) -> dict[str, float]:
     """pass@1 (greedy) and, with ``k > 0``, mean@k / pass@k (sampled) on ``records``.
 
     Args:
@@ -103,30 +139,64 @@ def evaluate(graphdef, params, records: Sequence[dict], tokenizer, *, max_new_to
     spec = RewardSpec(task="math", format_reward=False) if spec is None else spec
     rng = jax.random.PRNGKey(0) if rng is None else rng
     batch_size = min(batch_size, len(prompts))
-    texts, lengths = complete(graphdef, params, prompts, tokenizer, max_new_tokens=max_new_tokens,
-                              batch_size=batch_size, prompt_buckets=prompt_buckets, rng=rng,
-                              decode_segments=decode_segments)
-    scores = score_batch(texts, answers, lengths, spec, num_workers=num_workers,
-                         across_processes=True, tasks=tasks)
+    texts, lengths = complete(
+        graphdef,
+        params,
+        prompts,
+        tokenizer,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        prompt_buckets=prompt_buckets,
+        rng=rng,
+        decode_segments=decode_segments,
+    )
+    scores = score_batch(
+        texts, answers, lengths, spec, num_workers=num_workers, across_processes=True, tasks=tasks
+    )
     correct = scores.correct
     if samples is not None:
         for i, text in enumerate(texts):
-            samples.append({"split": "eval", "prompt": prompts[i], "completion": text,
-                            "reference": str(answers[i]),
-                            "reward": float(scores.rewards[i]), "correct": bool(correct[i]),
-                            "status": str(scores.status[i])})
-    metrics = {"eval/pass@1": float(np.mean(correct)), "eval/length_mean": float(np.mean(lengths)),
-               "eval/num_prompts": float(len(prompts))}
+            samples.append(
+                {
+                    "split": "eval",
+                    "prompt": prompts[i],
+                    "completion": text,
+                    "reference": str(answers[i]),
+                    "reward": float(scores.rewards[i]),
+                    "correct": bool(correct[i]),
+                    "status": str(scores.status[i]),
+                }
+            )
+    metrics = {
+        "eval/pass@1": float(np.mean(correct)),
+        "eval/length_mean": float(np.mean(lengths)),
+        "eval/num_prompts": float(len(prompts)),
+    }
     metrics.update(task_accuracies(correct, tasks, "eval/pass@1"))
     if k > 0:
-        texts, lengths = complete(graphdef, params, prompts, tokenizer, max_new_tokens=max_new_tokens,
-                                  batch_size=batch_size, prompt_buckets=prompt_buckets,
-                                  rng=jax.random.fold_in(rng, 1), temperature=temperature,
-                                  num_samples=k, decode_segments=decode_segments)
+        texts, lengths = complete(
+            graphdef,
+            params,
+            prompts,
+            tokenizer,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            prompt_buckets=prompt_buckets,
+            rng=jax.random.fold_in(rng, 1),
+            temperature=temperature,
+            num_samples=k,
+            decode_segments=decode_segments,
+        )
         references = [a for a in answers for _ in range(k)]
-        _, correct, _ = score_batch(texts, references, lengths, spec, num_workers=num_workers,
-                                    across_processes=True,
-                                    tasks=None if tasks is None else [t for t in tasks for _ in range(k)])
+        _, correct, _ = score_batch(
+            texts,
+            references,
+            lengths,
+            spec,
+            num_workers=num_workers,
+            across_processes=True,
+            tasks=None if tasks is None else [t for t in tasks for _ in range(k)],
+        )
         correct = np.asarray(correct).reshape(len(prompts), k)
         metrics[f"eval/mean@{k}"] = float(correct.mean())
         metrics[f"eval/pass@{k}"] = float(correct.any(axis=1).mean())

@@ -39,19 +39,28 @@ class Rows(NamedTuple):
 def policy_log_probs(learner, params, rows: Rows, routing=None):
     """``learner.log_probs`` of ``rows`` (old or reference log-probs), replaying ``routing``
     (``[L, R, S, k]``, or None): ``(log_probs [R, N], routing used [L, R, S, k] or None)``."""
+
     def forward(tokens, positions, attention_mask, mask, replay, packing):
-        log_probs, _, used = learner.log_probs(params, tokens, positions, attention_mask, mask,
-                                               replay, packing)
+        log_probs, _, used = learner.log_probs(
+            params, tokens, positions, attention_mask, mask, replay, packing
+        )
         return log_probs, used
 
     arrays = (rows.tokens, rows.positions, rows.attention_mask, rows.mask, routing)
-    return map_row_chunks(forward, rows.num_chunks, arrays, axes=(0, 0, 0, 0, 1),
-                          packings=rows.packings, out_axes=(0, 1))
+    return map_row_chunks(
+        forward,
+        rows.num_chunks,
+        arrays,
+        axes=(0, 0, 0, 0, 1),
+        packings=rows.packings,
+        out_axes=(0, 1),
+    )
 
 
 def policy_routing(learner, params, rows: Rows) -> jax.Array:
     """``learner.routing`` of ``rows`` (the model's own routing, padded rows, for the routing
     metrics): ``[L, R, S, k]``."""
+
     def forward(tokens, positions, attention_mask, packing):
         del packing  # the routing metrics' forwards stay padded
         return learner.routing(params, tokens, positions, attention_mask)
@@ -63,12 +72,20 @@ def policy_routing(learner, params, rows: Rows) -> jax.Array:
 def critic_values(critic, params, rows: Rows) -> jax.Array:
     """``critic.values`` of ``rows``: ``[R, N]``, 0 where ``rows.mask`` is 0."""
     arrays = (rows.tokens, rows.positions, rows.attention_mask, rows.mask)
-    return map_row_chunks(functools.partial(critic.values, params), rows.num_chunks, arrays,
-                          packings=rows.packings)
+    return map_row_chunks(
+        functools.partial(critic.values, params), rows.num_chunks, arrays, packings=rows.packings
+    )
 
 
-def map_row_chunks(fn: Callable, num_chunks: int, arrays: Sequence, *, axes: Sequence[int] = (),
-                   packings: Sequence | None = None, out_axes: int | tuple = 0):
+def map_row_chunks(
+    fn: Callable,
+    num_chunks: int,
+    arrays: Sequence,
+    *,
+    axes: Sequence[int] = (),
+    packings: Sequence | None = None,
+    out_axes: int | tuple = 0,
+):
     """``fn`` over ``num_chunks`` equal row chunks of ``arrays``, its outputs concatenated.
 
     Chunk ``c`` holds rows ``[c R / C, (c + 1) R / C)`` of every array (along its axis in

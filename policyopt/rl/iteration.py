@@ -37,8 +37,17 @@ from flax import struct
 from policyopt import sharding
 from policyopt.rewards.batch import score_batch
 from policyopt.rl import forwards
-from policyopt.rl.batch import (Batch, DynamicSampler, Round, bucket, minibatch_indices,
-                                round_from_rollout, shard_batch, take_rows, truncated_rows)
+from policyopt.rl.batch import (
+    Batch,
+    DynamicSampler,
+    Round,
+    bucket,
+    minibatch_indices,
+    round_from_rollout,
+    shard_batch,
+    take_rows,
+    truncated_rows,
+)
 from policyopt.rl.critic import Critic
 from policyopt.rl.evaluate import decode, task_accuracies
 from policyopt.rl.learner import Learner, TrainState
@@ -108,8 +117,12 @@ def rl_iteration(spec: RunSpec, state: RunState):
         sampled = sample(spec, state, key_sample)
         batch = prepare(spec, state, sampled.round)
         state, update_metrics = update_epochs(spec, state, batch, key_shuffle)
-    metrics = {**sampled.metrics, **batch.metrics, **update_metrics,
-               "time/iteration_s": time.perf_counter() - start}
+    metrics = {
+        **sampled.metrics,
+        **batch.metrics,
+        **update_metrics,
+        "time/iteration_s": time.perf_counter() - start,
+    }
     state = state.replace(iteration=state.iteration + 1)
     return state, {k: float(v) for k, v in metrics.items()}, sampled, batch
 
@@ -119,8 +132,13 @@ def sample(spec: RunSpec, state: RunState, key: jax.Array) -> Sampled:
     has a full batch (or its cap on rounds); returns the merged batch."""
     cfg, group = spec.config, spec.config.batch.group_size
     ds = cfg.dynamic_sampling
-    sampler = DynamicSampler(cfg.batch.n_prompts, group, enabled=ds.enabled,
-                             max_rounds=ds.max_rounds if ds.enabled else 1, criterion=ds.criterion)
+    sampler = DynamicSampler(
+        cfg.batch.n_prompts,
+        group,
+        enabled=ds.enabled,
+        max_rounds=ds.max_rounds if ds.enabled else 1,
+        criterion=ds.criterion,
+    )
     gen_time = score_time = 0.0
     scorings, rewards, correct, lengths, truncated, tasks = [], [], [], [], [], []
     samples, done, round_index = None, False, 0
@@ -129,24 +147,36 @@ def sample(spec: RunSpec, state: RunState, key: jax.Array) -> Sampled:
         t0 = time.perf_counter()
         rollout = generate(spec, state, prompts, jax.random.fold_in(key, round_index))
         tokens, lengths_i = sharding.to_host((rollout.tokens, rollout.lengths))
-        truncated_i = truncated_rows(tokens, lengths_i, cfg.sampling.max_new_tokens,
-                                     spec.sampling_config.end_ids)
+        truncated_i = truncated_rows(
+            tokens, lengths_i, cfg.sampling.max_new_tokens, spec.sampling_config.end_ids
+        )
         t1 = time.perf_counter()
         texts = decode(tokens, lengths_i, spec.tokenizer)
         repeat = lambda values: [v for v in values for _ in range(group)]
         references, texts_prompts = repeat(prompts["answer"]), repeat(prompts["prompt"])
         # Mixed math and code prompts: each sample is checked by its own task's verifier.
         tasks_i = repeat(prompts["task"]) if "task" in prompts else None
-        scores = score_batch(texts, references, lengths_i, spec.reward_spec, prompts=texts_prompts,
-                             num_workers=cfg.reward.num_workers, truncated=truncated_i,
-                             deadline_s=cfg.reward.deadline_s, across_processes=True,
-                             tasks=tasks_i)
+        scores = score_batch(
+            texts,
+            references,
+            lengths_i,
+            spec.reward_spec,
+            prompts=texts_prompts,
+            num_workers=cfg.reward.num_workers,
+            truncated=truncated_i,
+            deadline_s=cfg.reward.deadline_s,
+            across_processes=True,
+            tasks=tasks_i,
+        )
         t2 = time.perf_counter()
         gen_time, score_time = gen_time + t1 - t0, score_time + t2 - t1
-        width = min(bucket(int(lengths_i.max()), cfg.batch.response_buckets,
-                           name="response length"), cfg.sampling.max_new_tokens)
-        rnd = round_from_rollout(rollout, scores.rewards, scores.correct, width,
-                                 scored=scores.scored)
+        width = min(
+            bucket(int(lengths_i.max()), cfg.batch.response_buckets, name="response length"),
+            cfg.sampling.max_new_tokens,
+        )
+        rnd = round_from_rollout(
+            rollout, scores.rewards, scores.correct, width, scored=scores.scored
+        )
         # 0 on samples to leave out of the loss (overlong filtering, scoring deadline).
         rnd = rnd._replace(mask=rnd.mask * np.asarray(scores.sample_mask)[:, None])
         scorings.append(scores.metrics)
@@ -156,25 +186,33 @@ def sample(spec: RunSpec, state: RunState, key: jax.Array) -> Sampled:
         truncated.append(truncated_i)
         tasks.extend(tasks_i or ())
         if round_index == 0:
-            samples = dict(prompts=texts_prompts, completions=texts, references=references,
-                           rewards=scores.rewards, correct=scores.correct,
-                           status=getattr(scores, "status", None),
-                           format_ok=getattr(scores, "format_ok", None))
+            samples = dict(
+                prompts=texts_prompts,
+                completions=texts,
+                references=references,
+                rewards=scores.rewards,
+                correct=scores.correct,
+                status=getattr(scores, "status", None),
+                format_ok=getattr(scores, "format_ok", None),
+            )
         done = sampler.add(rnd)
         round_index += 1
     merged, metrics = sampler.batch(spec.tokenizer.pad_id)
     lengths, correct = np.concatenate(lengths), np.concatenate(correct)
-    metrics.update({
-        "reward/mean": float(np.mean(np.concatenate(rewards))),
-        "reward/accuracy": float(np.mean(correct)),
-        **batch_metrics(merged),
-        "response/length_mean": float(np.mean(lengths)),
-        "response/length_max": float(np.max(lengths)),
-        "response/truncated_fraction": float(np.mean(np.concatenate(truncated))),
-        "time/generate_s": gen_time, "time/score_s": score_time,
-        **scoring_metrics(scorings),
-        **task_accuracies(correct, tasks or None, "reward/accuracy"),
-    })
+    metrics.update(
+        {
+            "reward/mean": float(np.mean(np.concatenate(rewards))),
+            "reward/accuracy": float(np.mean(correct)),
+            **batch_metrics(merged),
+            "response/length_mean": float(np.mean(lengths)),
+            "response/length_max": float(np.max(lengths)),
+            "response/truncated_fraction": float(np.mean(np.concatenate(truncated))),
+            "time/generate_s": gen_time,
+            "time/score_s": score_time,
+            **scoring_metrics(scorings),
+            **task_accuracies(correct, tasks or None, "reward/accuracy"),
+        }
+    )
     return Sampled(merged, samples, metrics)
 
 
@@ -183,11 +221,17 @@ def generate(spec: RunSpec, state: RunState, prompts: dict, key: jax.Array):
     engine's ``generate`` (``spec.engine``) or ``sampling.generate_fn``."""
     params = state.policy.params
     if spec.engine is not None:
-        return spec.engine.generate(prompts["prompt_tokens"], prompts["prompt_lengths"], key,
-                                    params=params)
-    return generate_fn(spec.graphdef, params, sharding.shard_rows(prompts["prompt_tokens"]),
-                       sharding.shard_rows(prompts["prompt_lengths"]), key,
-                       config=spec.sampling_config)
+        return spec.engine.generate(
+            prompts["prompt_tokens"], prompts["prompt_lengths"], key, params=params
+        )
+    return generate_fn(
+        spec.graphdef,
+        params,
+        sharding.shard_rows(prompts["prompt_tokens"]),
+        sharding.shard_rows(prompts["prompt_lengths"]),
+        key,
+        config=spec.sampling_config,
+    )
 
 
 def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
@@ -197,17 +241,21 @@ def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
     cfg, methods, metrics = spec.config, spec.methods, {}
     policy_trains = state.iteration >= spec.warmup_iterations
     t0 = time.perf_counter()
-    rows = forwards.Rows(*(sharding.shard_rows(x) for x in (rnd.tokens, rnd.positions,
-                                                            rnd.attention_mask, rnd.mask)),
-                         num_chunks=cfg.batch.n_minibatches,
-                         packings=forwards.pack_chunks(cfg, rnd.attention_mask,
-                                                       cfg.batch.n_minibatches))
+    rows = forwards.Rows(
+        *(
+            sharding.shard_rows(x)
+            for x in (rnd.tokens, rnd.positions, rnd.attention_mask, rnd.mask)
+        ),
+        num_chunks=cfg.batch.n_minibatches,
+        packings=forwards.pack_chunks(cfg, rnd.attention_mask, cfg.batch.n_minibatches),
+    )
     sampler_routing = sharding.shard_rows(rnd.routing, axis=1)
     behaviour = sharding.shard_rows(rnd.behaviour_log_probs)
     old_log_probs, old_routing, ref_log_probs, natural_routing = behaviour, None, None, None
     if policy_trains:  # the critic's warm-up needs no forward pass of the policy
         old_log_probs, old_routing = methods.old_log_probs(
-            spec.learner, state.policy.params, rows, behaviour, methods.old_replay(sampler_routing))
+            spec.learner, state.policy.params, rows, behaviour, methods.old_replay(sampler_routing)
+        )
         if spec.ref_params is not None:
             ref_log_probs, _ = forwards.policy_log_probs(spec.learner, spec.ref_params, rows)
         if sampler_routing is not None and cfg.train.routing_metrics:  # MoE, with routing
@@ -218,24 +266,36 @@ def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
         metrics["time/old_log_probs_s"] = _block(old_log_probs, t0)
         metrics[spec.logprob_diff_name] = float(
             jnp.sum(jnp.abs(old_log_probs - behaviour) * rows.mask)
-            / jnp.maximum(jnp.sum(rows.mask), 1))
+            / jnp.maximum(jnp.sum(rows.mask), 1)
+        )
     t0 = time.perf_counter()
     advantages, returns, old_values, advantage_metrics = methods.advantages(
-        spec, state, rows, sharding.shard_rows(rnd.rewards), _valid(rnd), not policy_trains)
+        spec, state, rows, sharding.shard_rows(rnd.rewards), _valid(rnd), not policy_trains
+    )
     metrics.update(advantage_metrics)
     if spec.critic is not None:
         metrics["time/values_s"] = _block(advantages, t0)
     weights = loss_mask = None
     if methods.correction is not None and policy_trains:
-        weights, loss_mask, correction_metrics = methods.correction(old_log_probs, behaviour,
-                                                                    rows.mask)
+        weights, loss_mask, correction_metrics = methods.correction(
+            old_log_probs, behaviour, rows.mask
+        )
         metrics.update(jax.device_get(correction_metrics))
-    batch = Batch(tokens=rows.tokens, positions=rows.positions, attention_mask=rows.attention_mask,
-                  mask=rows.mask, advantages=advantages, old_log_probs=old_log_probs,
-                  importance_weights=weights, ref_log_probs=ref_log_probs,
-                  routing=methods.update_replay(sampler_routing, old_routing),
-                  old_values=old_values, returns=returns, loss_mask=loss_mask,
-                  nll_weights=methods.nll_weights and methods.nll_weights(rnd.correct))
+    batch = Batch(
+        tokens=rows.tokens,
+        positions=rows.positions,
+        attention_mask=rows.attention_mask,
+        mask=rows.mask,
+        advantages=advantages,
+        old_log_probs=old_log_probs,
+        importance_weights=weights,
+        ref_log_probs=ref_log_probs,
+        routing=methods.update_replay(sampler_routing, old_routing),
+        old_values=old_values,
+        returns=returns,
+        loss_mask=loss_mask,
+        nll_weights=methods.nll_weights and methods.nll_weights(rnd.correct),
+    )
     return TrainBatch(batch, rnd, rows, natural_routing, sampler_routing, metrics)
 
 
@@ -256,13 +316,18 @@ def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Ar
         for rows in minibatch_indices(num_groups, group, cfg.batch.n_minibatches, shuffle):
             minibatch = take_rows(batch.batch, rows)
             if methods.minibatch_advantages is not None:  # Magistral
-                minibatch = minibatch._replace(advantages=methods.minibatch_advantages(
-                    rewards[rows], valid=_valid(batch.round, rows)))
+                minibatch = minibatch._replace(
+                    advantages=methods.minibatch_advantages(
+                        rewards[rows], valid=_valid(batch.round, rows)
+                    )
+                )
             packing = forwards.pack_rows(cfg, batch.round.attention_mask[rows], rows)
             if packing is not None:
                 minibatch = minibatch._replace(packing=packing)
-                packed_slots, packed_real = (packed_slots + packing.segment_ids.size,
-                                             packed_real + packing.num_real)
+                packed_slots, packed_real = (
+                    packed_slots + packing.segment_ids.size,
+                    packed_real + packing.num_real,
+                )
             minibatch, step_metrics = shard_batch(minibatch), {}
             if policy_trains:
                 policy, step_metrics = spec.learner.update(policy, minibatch)
@@ -278,9 +343,12 @@ def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Ar
                 empty = "critic/empty" if k.startswith("critic/") else "update/empty"
                 w = 1.0 - step_metrics[empty]
                 sums[k], updates[k] = sums.get(k, 0.0) + w * v, updates.get(k, 0.0) + w
-    metrics = jax.device_get({k: v if k in UPDATE_COUNTS
-                              else v / jnp.where(updates[k] > 0, updates[k], jnp.nan)
-                              for k, v in sums.items()})
+    metrics = jax.device_get(
+        {
+            k: v if k in UPDATE_COUNTS else v / jnp.where(updates[k] > 0, updates[k], jnp.nan)
+            for k, v in sums.items()
+        }
+    )
     if critic is not None:
         metrics["critic/pretraining"] = float(not policy_trains)
         metrics["critic/step"] = float(critic.step)
@@ -288,11 +356,18 @@ def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Ar
     if batch.natural_routing is not None:  # MoE, train.routing_metrics
         new_routing = forwards.policy_routing(spec.learner, policy.params, batch.rows)
         mask = batch.rows.attention_mask
-        metrics.update(jax.device_get(routing_metrics("routing/volatility",
-                                                      batch.natural_routing, new_routing, mask)))
-        metrics.update(jax.device_get(routing_metrics(spec.routing_diff_name,
-                                                      batch.natural_routing,
-                                                      batch.sampler_routing, mask)))
+        metrics.update(
+            jax.device_get(
+                routing_metrics("routing/volatility", batch.natural_routing, new_routing, mask)
+            )
+        )
+        metrics.update(
+            jax.device_get(
+                routing_metrics(
+                    spec.routing_diff_name, batch.natural_routing, batch.sampler_routing, mask
+                )
+            )
+        )
     rnd = batch.round
     metrics["batch/prompt_width"] = float(rnd.prompt_width)
     metrics["batch/response_width"] = float(rnd.mask.shape[1])

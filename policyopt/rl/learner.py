@@ -46,8 +46,14 @@ from jax.sharding import PartitionSpec
 from policyopt import sharding
 from policyopt.checks import check_number
 from policyopt.logprobs import token_log_probs
-from policyopt.losses import (aggregate, aggregation_weights, check_policy_options, nll_loss,
-                              policy_loss, weighted_row_sum)
+from policyopt.losses import (
+    aggregate,
+    aggregation_weights,
+    check_policy_options,
+    nll_loss,
+    policy_loss,
+    weighted_row_sum,
+)
 from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch
 from policyopt.rl.packing import PackedLayout, gather_slots
@@ -64,8 +70,12 @@ class TrainState:
 
     @classmethod
     def create(cls, params, optimizer: optax.GradientTransformation) -> "TrainState":
-        return cls(step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32),
-                   params=params, opt_state=optimizer.init(params))
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            skipped=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+        )
 
 
 def state_specs(state: TrainState, optimizer: optax.GradientTransformation, mesh) -> TrainState:
@@ -74,8 +84,12 @@ def state_specs(state: TrainState, optimizer: optax.GradientTransformation, mesh
     (``sharding.param_specs``), the optimiser's copies of them (Adam's moments) alike,
     counters and the optimiser's step counts replicated."""
     params = sharding.param_specs(state.params, mesh)
-    return TrainState(step=PartitionSpec(), skipped=PartitionSpec(), params=params,
-                      opt_state=sharding.optimizer_specs(optimizer, state.opt_state, params))
+    return TrainState(
+        step=PartitionSpec(),
+        skipped=PartitionSpec(),
+        params=params,
+        opt_state=sharding.optimizer_specs(optimizer, state.opt_state, params),
+    )
 
 
 def place_state(state: TrainState, optimizer: optax.GradientTransformation, mesh) -> TrainState:
@@ -96,9 +110,16 @@ def warmup_constant_schedule(lr: float, warmup_steps: int) -> optax.Schedule:
     return lambda count: lr * jnp.minimum(1.0, (count + 1.0) / warmup_steps)
 
 
-def make_optimizer(*, lr: float, warmup_steps: int = 0, b1: float = 0.9, b2: float = 0.999,
-                   eps: float = 1e-8, weight_decay: float = 0.0,
-                   max_grad_norm: float | None = 1.0) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(
+    *,
+    lr: float,
+    warmup_steps: int = 0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    max_grad_norm: float | None = 1.0,
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with warm-up then constant learning rate, after global-norm clipping.
 
     Returns:
@@ -117,8 +138,10 @@ def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
     """``(graphdef, params)``; raises if the model holds state other than ``nnx.Param``."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     if jax.tree.leaves(rest):
-        raise ValueError("the policy holds non-parameter state (e.g. batch statistics or rngs); "
-                         "the RL steps only carry nnx.Param")
+        raise ValueError(
+            "the policy holds non-parameter state (e.g. batch statistics or rngs); "
+            "the RL steps only carry nnx.Param"
+        )
     return graphdef, params
 
 
@@ -129,8 +152,18 @@ class Forward(NamedTuple):
     aux: dict
 
 
-def forward_log_probs(graphdef, params, tokens, positions, attention_mask, num_response: int, *,
-                      temperature: float = 1.0, routing=None, packing=None) -> Forward:
+def forward_log_probs(
+    graphdef,
+    params,
+    tokens,
+    positions,
+    attention_mask,
+    num_response: int,
+    *,
+    temperature: float = 1.0,
+    routing=None,
+    packing=None,
+) -> Forward:
     """Log-probs and entropies of the response tokens of a training-layout batch.
 
     Response token ``n`` is predicted by the hidden state at index ``P - 1 + n``
@@ -149,16 +182,30 @@ def forward_log_probs(graphdef, params, tokens, positions, attention_mask, num_r
       ``Forward``: log_probs and entropy ``[R, N]``, the routing used, the model's aux.
     """
     if packing is not None:
-        return packed_forward_log_probs(graphdef, params, tokens, positions, packing,
-                                        num_response, temperature=temperature, routing=routing)
+        return packed_forward_log_probs(
+            graphdef,
+            params,
+            tokens,
+            positions,
+            packing,
+            num_response,
+            temperature=temperature,
+            routing=routing,
+        )
     model = nnx.merge(graphdef, params)
-    out = model(tokens, positions=positions, attention_mask=attention_mask, routing=routing,
-                return_logits=False)
+    out = model(
+        tokens,
+        positions=positions,
+        attention_mask=attention_mask,
+        routing=routing,
+        return_logits=False,
+    )
     start = tokens.shape[1] - num_response - 1
     hidden = jax.lax.slice_in_dim(out.hidden, start, start + num_response, axis=1)
-    targets = tokens[:, start + 1:]
-    log_probs, entropy = token_log_probs(hidden, model.output_embedding(), targets,
-                                         temperature=temperature, return_entropy=True)
+    targets = tokens[:, start + 1 :]
+    log_probs, entropy = token_log_probs(
+        hidden, model.output_embedding(), targets, temperature=temperature, return_entropy=True
+    )
     return Forward(log_probs, entropy, out.routing, out.aux)
 
 
@@ -174,15 +221,28 @@ def packed_forward(model, tokens, positions, packing: PackedLayout, routing=None
     segment_ids = packing.segment_ids
     packed_tokens = gather_slots(tokens, packing.source)
     packed_routing = None if routing is None else gather_slots(routing, packing.source, axis=1)
-    out = model(packed_tokens, positions=gather_slots(positions, packing.source),
-                attention_mask=segment_ids > 0, segment_ids=segment_ids,
-                routing=packed_routing, return_logits=False)
+    out = model(
+        packed_tokens,
+        positions=gather_slots(positions, packing.source),
+        attention_mask=segment_ids > 0,
+        segment_ids=segment_ids,
+        routing=packed_routing,
+        return_logits=False,
+    )
     return out, packed_tokens
 
 
-def packed_forward_log_probs(graphdef, params, tokens, positions, packing: PackedLayout,
-                             num_response: int, *, temperature: float = 1.0,
-                             routing=None) -> Forward:
+def packed_forward_log_probs(
+    graphdef,
+    params,
+    tokens,
+    positions,
+    packing: PackedLayout,
+    num_response: int,
+    *,
+    temperature: float = 1.0,
+    routing=None,
+) -> Forward:
     """``forward_log_probs`` with the model run on packed rows; equal results.
 
     In a packed row the token after slot ``t`` of a segment is at slot ``t + 1``, so the
@@ -201,11 +261,16 @@ def packed_forward_log_probs(graphdef, params, tokens, positions, packing: Packe
     model = nnx.merge(graphdef, params)
     out, packed_tokens = packed_forward(model, tokens, positions, packing, routing)
     successors = jnp.pad(packed_tokens[:, 1:], ((0, 0), (0, 1)))
-    log_probs, entropy = token_log_probs(out.hidden, model.output_embedding(), successors,
-                                         temperature=temperature, return_entropy=True)
+    log_probs, entropy = token_log_probs(
+        out.hidden,
+        model.output_embedding(),
+        successors,
+        temperature=temperature,
+        return_entropy=True,
+    )
     start = tokens.shape[1] - num_response - 1
-    predicting = packing.target[:, start:start + num_response]          # [R, N]
-    valid = packing.target[:, start + 1:] >= 0                          # response token real
+    predicting = packing.target[:, start : start + num_response]  # [R, N]
+    valid = packing.target[:, start + 1 :] >= 0  # response token real
     index = jnp.where(valid, predicting, -1)
     log_probs, entropy = gather_slots(log_probs, index), gather_slots(entropy, index)
     used = None if out.routing is None else gather_slots(out.routing, packing.target, axis=1)
@@ -245,42 +310,69 @@ class LossConfig:
     micro_batch_tokens: int | None
 
     def __post_init__(self):
-        check_policy_options(method=self.method, aggregation=self.aggregation,
-                             clip_low=self.clip_low, clip_high=self.clip_high,
-                             dual_clip=self.dual_clip, tau_pos=self.tau_pos, tau_neg=self.tau_neg,
-                             kl_estimator=self.kl_estimator, kl_clamp=self.kl_clamp,
-                             names=LOSS_FIELDS)
-        for name in ("kl_beta", "load_balancing_coef", "router_z_coef", "entropy_coef",
-                     "nll_coef"):
+        check_policy_options(
+            method=self.method,
+            aggregation=self.aggregation,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+            tau_pos=self.tau_pos,
+            tau_neg=self.tau_neg,
+            kl_estimator=self.kl_estimator,
+            kl_clamp=self.kl_clamp,
+            names=LOSS_FIELDS,
+        )
+        for name in ("kl_beta", "load_balancing_coef", "router_z_coef", "entropy_coef", "nll_coef"):
             check_number(LOSS_FIELDS[name], getattr(self, name), low=0.0)
 
     @classmethod
     def from_config(cls, config) -> "LossConfig":
         algo = config.algo
         return cls(
-            method=algo.method, clip_low=algo.clip_low, clip_high=algo.clip_high,
-            dual_clip=algo.dual_clip, tau_pos=algo.tau_pos, tau_neg=algo.tau_neg,
-            aggregation=algo.aggregation, group_size=int(config.batch.group_size),
+            method=algo.method,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            dual_clip=algo.dual_clip,
+            tau_pos=algo.tau_pos,
+            tau_neg=algo.tau_neg,
+            aggregation=algo.aggregation,
+            group_size=int(config.batch.group_size),
             max_len=int(algo.max_len or config.sampling.max_new_tokens),
-            kl_beta=algo.kl_beta, kl_estimator=algo.kl_estimator, kl_clamp=bool(algo.kl_clamp),
+            kl_beta=algo.kl_beta,
+            kl_estimator=algo.kl_estimator,
+            kl_clamp=bool(algo.kl_clamp),
             temperature=float(config.sampling.temperature),
-            load_balancing_coef=algo.load_balancing_coef, router_z_coef=algo.router_z_coef,
-            entropy_coef=algo.entropy_coef, nll_coef=algo.nll_coef,
-            micro_batch_tokens=config.batch.micro_batch_tokens or None)
+            load_balancing_coef=algo.load_balancing_coef,
+            router_z_coef=algo.router_z_coef,
+            entropy_coef=algo.entropy_coef,
+            nll_coef=algo.nll_coef,
+            micro_batch_tokens=config.batch.micro_batch_tokens or None,
+        )
 
 
 # The config field each LossConfig field comes from (named by its errors).
-LOSS_FIELDS = {field.name: f"config.algo.{field.name}"
-               for field in dataclasses.fields(LossConfig)} | {
-    "group_size": "config.batch.group_size", "temperature": "config.sampling.temperature",
-    "micro_batch_tokens": "config.batch.micro_batch_tokens"}
+LOSS_FIELDS = {
+    field.name: f"config.algo.{field.name}" for field in dataclasses.fields(LossConfig)
+} | {
+    "group_size": "config.batch.group_size",
+    "temperature": "config.sampling.temperature",
+    "micro_batch_tokens": "config.batch.micro_batch_tokens",
+}
 
 
 def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.Array, dict]:
     """The RL loss of one minibatch and its metrics (see the module docstring)."""
-    fwd = forward_log_probs(graphdef, params, batch.tokens, batch.positions, batch.attention_mask,
-                            batch.num_response, temperature=settings.temperature,
-                            routing=batch.routing, packing=batch.packing)
+    fwd = forward_log_probs(
+        graphdef,
+        params,
+        batch.tokens,
+        batch.positions,
+        batch.attention_mask,
+        batch.num_response,
+        temperature=settings.temperature,
+        routing=batch.routing,
+        packing=batch.packing,
+    )
     return rl_objective(fwd, batch, settings)
 
 
@@ -296,14 +388,26 @@ def _policy_term(fwd: Forward, batch: Batch, settings: LossConfig, **options):
     if advantages.ndim == 1:  # one advantage per sequence, shared by its tokens
         advantages = jnp.broadcast_to(advantages[:, None], fwd.log_probs.shape)
     return policy_loss(
-        fwd.log_probs, batch.old_log_probs, advantages, _policy_mask(batch),
-        method=settings.method, clip_low=settings.clip_low, clip_high=settings.clip_high,
-        dual_clip=settings.dual_clip, tau_pos=settings.tau_pos, tau_neg=settings.tau_neg,
-        aggregation=settings.aggregation, group_size=settings.group_size,
-        max_len=settings.max_len, importance_weights=batch.importance_weights,
+        fwd.log_probs,
+        batch.old_log_probs,
+        advantages,
+        _policy_mask(batch),
+        method=settings.method,
+        clip_low=settings.clip_low,
+        clip_high=settings.clip_high,
+        dual_clip=settings.dual_clip,
+        tau_pos=settings.tau_pos,
+        tau_neg=settings.tau_neg,
+        aggregation=settings.aggregation,
+        group_size=settings.group_size,
+        max_len=settings.max_len,
+        importance_weights=batch.importance_weights,
         ref_log_probs=batch.ref_log_probs if settings.kl_beta > 0 else None,
-        kl_coef=settings.kl_beta, kl_estimator=settings.kl_estimator,
-        kl_clamp=settings.kl_clamp, **options)
+        kl_coef=settings.kl_beta,
+        kl_estimator=settings.kl_estimator,
+        kl_clamp=settings.kl_clamp,
+        **options,
+    )
 
 
 def rl_objective(fwd: Forward, batch: Batch, settings: LossConfig) -> tuple[jax.Array, dict]:
@@ -326,8 +430,10 @@ def rl_objective(fwd: Forward, batch: Batch, settings: LossConfig) -> tuple[jax.
         # VAPO (2504.05118): + mu * L_NLL over the correct samples of the minibatch
         # (batch.nll_weights), at the training temperature like the policy term.
         if batch.nll_weights is None:
-            raise ValueError("LossConfig.nll_coef > 0 (config.algo.nll_coef) needs batch.nll_weights "
-                             "(1 on the rows the NLL term covers, e.g. the correct samples)")
+            raise ValueError(
+                "LossConfig.nll_coef > 0 (config.algo.nll_coef) needs batch.nll_weights "
+                "(1 on the rows the NLL term covers, e.g. the correct samples)"
+            )
         nll = nll_loss(fwd.log_probs, mask, batch.nll_weights)
         metrics["loss/nll"] = jax.lax.stop_gradient(nll)
         loss = loss + settings.nll_coef * nll
@@ -338,8 +444,9 @@ def rl_objective(fwd: Forward, batch: Batch, settings: LossConfig) -> tuple[jax.
 def tree_all_finite(tree) -> jax.Array:
     """True (a bool scalar) when every floating-point value in ``tree`` is finite: one
     reduction per leaf, fused by XLA into the step that produced them."""
-    leaves = [leaf for leaf in jax.tree.leaves(tree)
-              if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+    leaves = [
+        leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+    ]
     if not leaves:
         return jnp.asarray(True)
     return jnp.stack([jnp.isfinite(leaf).all() for leaf in leaves]).all()
@@ -360,15 +467,19 @@ class Normalisers(NamedTuple):
         nll = jnp.zeros((), jnp.float32)
         if settings.nll_coef and batch.nll_weights is not None:
             nll = jnp.sum((mask > 0) * jnp.asarray(batch.nll_weights, jnp.float32)[:, None])
-        return cls(policy=aggregation_weights(mask, settings.aggregation,
-                                              group_size=settings.group_size,
-                                              max_len=settings.max_len),
-                   entropy=aggregation_weights(mask, "token_mean"), nll=nll,
-                   aux_tokens=jnp.sum(batch.attention_mask > 0).astype(jnp.float32))
+        return cls(
+            policy=aggregation_weights(
+                mask, settings.aggregation, group_size=settings.group_size, max_len=settings.max_len
+            ),
+            entropy=aggregation_weights(mask, "token_mean"),
+            nll=nll,
+            aux_tokens=jnp.sum(batch.attention_mask > 0).astype(jnp.float32),
+        )
 
 
-def rl_loss_share(fwd: Forward, batch: Batch, settings: LossConfig,
-                  norms: Normalisers) -> tuple[jax.Array, dict]:
+def rl_loss_share(
+    fwd: Forward, batch: Batch, settings: LossConfig, norms: Normalisers
+) -> tuple[jax.Array, dict]:
     """A micro-batch's share of its minibatch's ``rl_objective``, term by term.
 
     With the minibatch's normalisers ``norms`` (its rows' slices for the row weights),
@@ -389,19 +500,24 @@ def rl_loss_share(fwd: Forward, batch: Batch, settings: LossConfig,
     aux = {"tokens": tokens}
     if fwd.aux and "load_balancing_loss" in fwd.aux:
         share = jnp.where(norms.aux_tokens > 0, tokens / jnp.maximum(norms.aux_tokens, 1.0), 0.0)
-        coefs = {"load_balancing_loss": settings.load_balancing_coef,
-                 "router_z_loss": settings.router_z_coef}
+        coefs = {
+            "load_balancing_loss": settings.load_balancing_coef,
+            "router_z_loss": settings.router_z_coef,
+        }
         for name, coef in coefs.items():
             aux[name] = fwd.aux[name]
             if coef:
                 loss = loss + coef * share * fwd.aux[name]
     if settings.nll_coef:
         if batch.nll_weights is None:
-            raise ValueError("LossConfig.nll_coef > 0 (config.algo.nll_coef) needs "
-                             "batch.nll_weights (1 on the rows the NLL term covers, e.g. the "
-                             "correct samples)")
-        loss = loss + settings.nll_coef * nll_loss(fwd.log_probs, mask, batch.nll_weights,
-                                                   denominator=norms.nll)
+            raise ValueError(
+                "LossConfig.nll_coef > 0 (config.algo.nll_coef) needs "
+                "batch.nll_weights (1 on the rows the NLL term covers, e.g. the "
+                "correct samples)"
+            )
+        loss = loss + settings.nll_coef * nll_loss(
+            fwd.log_probs, mask, batch.nll_weights, denominator=norms.nll
+        )
     return loss, aux
 
 
@@ -414,38 +530,61 @@ def micro_batched_rl_grads(graphdef, settings: LossConfig, params, batch: Batch)
     (as the scan returns them), the MoE aux losses their token-weighted means.
     """
     if batch.packing is not None:
-        raise ValueError("micro-batches of a packed minibatch are not supported: "
-                         "config.batch.micro_batch_tokens needs config.batch.pack off")
+        raise ValueError(
+            "micro-batches of a packed minibatch are not supported: "
+            "config.batch.micro_batch_tokens needs config.batch.pack off"
+        )
     rows, width = batch.tokens.shape
     per, count = micro_batches.plan(rows, width, settings.micro_batch_tokens)
     norms = Normalisers.of(batch, settings)
-    row_norms = (micro_batches.split_rows(norms.policy, per, count),
-                 micro_batches.split_rows(norms.entropy, per, count))
+    row_norms = (
+        micro_batches.split_rows(norms.policy, per, count),
+        micro_batches.split_rows(norms.entropy, per, count),
+    )
 
     def share_fn(params, xs):
         micro, policy_weights, entropy_weights = xs
         micro = micro_batches.constrain_rows(micro)
-        fwd = forward_log_probs(graphdef, params, micro.tokens, micro.positions,
-                                micro.attention_mask, micro.num_response,
-                                temperature=settings.temperature, routing=micro.routing)
-        share, aux = rl_loss_share(fwd, micro, settings,
-                                   norms._replace(policy=policy_weights, entropy=entropy_weights))
+        fwd = forward_log_probs(
+            graphdef,
+            params,
+            micro.tokens,
+            micro.positions,
+            micro.attention_mask,
+            micro.num_response,
+            temperature=settings.temperature,
+            routing=micro.routing,
+        )
+        share, aux = rl_loss_share(
+            fwd, micro, settings, norms._replace(policy=policy_weights, entropy=entropy_weights)
+        )
         return share, (fwd.log_probs, fwd.entropy, aux)
 
     _, grads, (log_probs, entropy, aux) = micro_batches.accumulate(
-        share_fn, params, (micro_batches.split(batch, per, count), *row_norms))
+        share_fn, params, (micro_batches.split(batch, per, count), *row_norms)
+    )
     tokens = aux.pop("tokens")
     aux = {name: micro_batches.token_weighted_mean(values, tokens) for name, values in aux.items()}
-    fwd = Forward(micro_batches.merge_rows(log_probs, rows),
-                  micro_batches.merge_rows(entropy, rows), None, aux)
+    fwd = Forward(
+        micro_batches.merge_rows(log_probs, rows),
+        micro_batches.merge_rows(entropy, rows),
+        None,
+        aux,
+    )
     loss, metrics = rl_objective(jax.tree.map(jax.lax.stop_gradient, fwd), batch, settings)
     return (loss, metrics), grads
 
 
-def guarded_update(loss_fn: Callable, optimizer: optax.GradientTransformation,
-                   schedule: optax.Schedule, state: TrainState, batch,
-                   active: jax.Array | None = None, *,
-                   grad_fn: Callable | None = None) -> tuple[TrainState, dict]:
+def guarded_update(
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    state: TrainState,
+    batch,
+    active: jax.Array | None = None,
+    *,
+    grad_fn: Callable | None = None,
+) -> tuple[TrainState, dict]:
     """One optimiser step that is skipped when the loss, the gradient, the new parameters
     or the new optimiser state are not all finite, or when the minibatch holds nothing to
     learn from.
@@ -488,7 +627,9 @@ def guarded_update(loss_fn: Callable, optimizer: optax.GradientTransformation,
     new_state = TrainState(
         step=state.step + apply.astype(jnp.int32),
         skipped=state.skipped + (~finite).astype(jnp.int32),
-        params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state))
+        params=keep(params, state.params),
+        opt_state=keep(opt_state, state.opt_state),
+    )
     new_state = sharding.constrain_tree(new_state, lambda mesh: state_specs(state, optimizer, mesh))
     metrics = dict(metrics)
     metrics["update/grad_norm"] = grad_norm
@@ -515,9 +656,15 @@ class OptimConfig:
 
     @classmethod
     def from_config(cls, optim) -> "OptimConfig":
-        return cls(lr=float(optim.lr), warmup_steps=int(optim.warmup_steps), b1=float(optim.b1),
-                   b2=float(optim.b2), eps=float(optim.eps), weight_decay=float(optim.weight_decay),
-                   max_grad_norm=optim.max_grad_norm)
+        return cls(
+            lr=float(optim.lr),
+            warmup_steps=int(optim.warmup_steps),
+            b1=float(optim.b1),
+            b2=float(optim.b2),
+            eps=float(optim.eps),
+            weight_decay=float(optim.weight_decay),
+            max_grad_norm=optim.max_grad_norm,
+        )
 
     def build(self) -> tuple[optax.GradientTransformation, optax.Schedule]:
         return make_optimizer(**dataclasses.asdict(self))
@@ -545,20 +692,30 @@ class _Forwards:
         self.log_probs = jax.jit(self._log_probs)
         self.routing = jax.jit(self._routing)
 
-    def _log_probs(self, params, tokens, positions, attention_mask, mask, routing=None,
-                   packing=None):
+    def _log_probs(
+        self, params, tokens, positions, attention_mask, mask, routing=None, packing=None
+    ):
         self.trace_counts["log_probs"] += 1
-        fwd = forward_log_probs(self.graphdef, params, tokens, positions, attention_mask,
-                                mask.shape[1], temperature=self.temperature, routing=routing,
-                                packing=packing)
+        fwd = forward_log_probs(
+            self.graphdef,
+            params,
+            tokens,
+            positions,
+            attention_mask,
+            mask.shape[1],
+            temperature=self.temperature,
+            routing=routing,
+            packing=packing,
+        )
         valid = mask > 0
         return jnp.where(valid, fwd.log_probs, 0.0), jnp.where(valid, fwd.entropy, 0.0), fwd.routing
 
     def _routing(self, params, tokens, positions, attention_mask):
         self.trace_counts["routing"] += 1
         model = nnx.merge(self.graphdef, params)
-        return model(tokens, positions=positions, attention_mask=attention_mask,
-                     return_logits=False).routing
+        return model(
+            tokens, positions=positions, attention_mask=attention_mask, return_logits=False
+        ).routing
 
 
 _FORWARDS: dict = {}
@@ -579,8 +736,13 @@ class Learner:
         the forward passes are shared by learners of the same model and temperature).
     """
 
-    def __init__(self, graphdef, settings: LossConfig, optimizer: optax.GradientTransformation,
-                 schedule: optax.Schedule):
+    def __init__(
+        self,
+        graphdef,
+        settings: LossConfig,
+        optimizer: optax.GradientTransformation,
+        schedule: optax.Schedule,
+    ):
         self.graphdef, self.settings = graphdef, settings
         self.optimizer, self.schedule = optimizer, schedule
         self._update_traces = 0
@@ -608,8 +770,17 @@ class Learner:
         # groups, or everything rejected) is not an update.
         mask = batch.mask if batch.loss_mask is None else batch.loss_mask
         grad_fn = None
-        if self.settings.micro_batch_tokens and micro_batches.plan(
-                *batch.tokens.shape, self.settings.micro_batch_tokens)[1] > 1:
+        if (
+            self.settings.micro_batch_tokens
+            and micro_batches.plan(*batch.tokens.shape, self.settings.micro_batch_tokens)[1] > 1
+        ):
             grad_fn = functools.partial(micro_batched_rl_grads, self.graphdef, self.settings)
-        return guarded_update(self.loss, self.optimizer, self.schedule, state, batch,
-                              active=jnp.any(mask > 0), grad_fn=grad_fn)
+        return guarded_update(
+            self.loss,
+            self.optimizer,
+            self.schedule,
+            state,
+            batch,
+            active=jnp.any(mask > 0),
+            grad_fn=grad_fn,
+        )

@@ -72,25 +72,38 @@ def choose(config, *, is_moe: bool) -> Methods:
     replay = algo.routing_replay if is_moe else "none"
     correction = None
     if from_trainer:
-        correction = functools.partial(rollout_correction,
-                                       settings=CorrectionConfig.from_config(algo))
+        correction = functools.partial(
+            rollout_correction, settings=CorrectionConfig.from_config(algo)
+        )
     if critic:
         advantages = functools.partial(gae_advantages, config)
     else:  # Magistral's minibatch scale: the batch is centred only, each minibatch scales
         scale = "none" if algo.adv_scale == "minibatch" else algo.adv_scale
-        advantages = functools.partial(group_advantages, group_size=group,
-                                       center=algo.adv_center, scale=scale, eps=algo.adv_eps)
+        advantages = functools.partial(
+            group_advantages,
+            group_size=group,
+            center=algo.adv_center,
+            scale=scale,
+            eps=algo.adv_eps,
+        )
     per_minibatch = None
     if algo.adv_scale == "minibatch" and not critic:
-        per_minibatch = functools.partial(minibatch_advantages, group_size=group,
-                                          center=algo.adv_center, eps=algo.adv_eps)
+        per_minibatch = functools.partial(
+            minibatch_advantages, group_size=group, center=algo.adv_center, eps=algo.adv_eps
+        )
     return Methods(
         old_log_probs=trainer_old_log_probs if from_trainer else sampler_old_log_probs,
-        correction=correction, advantages=advantages, minibatch_advantages=per_minibatch,
+        correction=correction,
+        advantages=advantages,
+        minibatch_advantages=per_minibatch,
         old_replay=(lambda sampler: sampler) if replay == "R3" else (lambda sampler: None),
-        update_replay={"none": lambda sampler, old: None, "R2": lambda sampler, old: old,
-                       "R3": lambda sampler, old: sampler}[replay],
-        nll_weights=_correct_rows if algo.nll_coef > 0 else None)
+        update_replay={
+            "none": lambda sampler, old: None,
+            "R2": lambda sampler, old: old,
+            "R3": lambda sampler, old: sampler,
+        }[replay],
+        nll_weights=_correct_rows if algo.nll_coef > 0 else None,
+    )
 
 
 def trainer_old_log_probs(learner, params, rows, behaviour, replay):
@@ -111,13 +124,25 @@ def _correct_rows(correct: np.ndarray) -> jax.Array:
     return sharding.shard_rows(correct.astype(np.float32))
 
 
-def group_advantages(spec, state, rows, rewards, valid, warming_up, *, group_size: int,
-                     center: str, scale: str, eps: float):
+def group_advantages(
+    spec,
+    state,
+    rows,
+    rewards,
+    valid,
+    warming_up,
+    *,
+    group_size: int,
+    center: str,
+    scale: str,
+    eps: float,
+):
     """Outcome advantages from group statistics (``advantages.outcome_advantages``):
     ``(advantages [R], None, None, {})``; no critic, no forward pass."""
     del spec, state, rows, warming_up
-    advantages = outcome_advantages(rewards, group_size, center=center, scale=scale, eps=eps,
-                                    valid=valid)
+    advantages = outcome_advantages(
+        rewards, group_size, center=center, scale=scale, eps=eps, valid=valid
+    )
     return advantages, None, None, {}
 
 
@@ -132,7 +157,8 @@ def gae_advantages(config, spec, state, rows, rewards, valid, warming_up):
     del valid  # a sample left out of scoring has a zero mask: no GAE target
     old_values = forwards.critic_values(spec.critic, state.critic.params, rows)
     advantages, returns, metrics = _gae_targets(
-        rewards, old_values, rows.mask, settings=gae_settings(config, pretraining=warming_up))
+        rewards, old_values, rows.mask, settings=gae_settings(config, pretraining=warming_up)
+    )
     return advantages, returns, old_values, jax.device_get(metrics)
 
 
@@ -144,8 +170,9 @@ def gae_settings(config, *, pretraining: bool) -> GAEConfig:
     return dataclasses.replace(settings, lam_critic=1.0) if pretraining else settings
 
 
-def minibatch_advantages(rewards, group_size: int, *, center: str = "group", eps: float = 1e-6,
-                         valid=None):
+def minibatch_advantages(
+    rewards, group_size: int, *, center: str = "group", eps: float = 1e-6, valid=None
+):
     """Magistral's advantages (2506.10910 §2.1): ``A = R - mean(R_group)``, then
     ``(A - mean_mb(A)) / std_mb(A)`` over the sequences of one minibatch.
 
@@ -165,8 +192,9 @@ def minibatch_advantages(rewards, group_size: int, *, center: str = "group", eps
     Returns:
       ``[R]`` advantages.
     """
-    return outcome_advantages(rewards, group_size, center=center, scale="batch", eps=eps,
-                              valid=valid)
+    return outcome_advantages(
+        rewards, group_size, center=center, scale="batch", eps=eps, valid=valid
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,23 +227,34 @@ def rollout_correction(old_log_probs, behaviour_log_probs, mask, settings: Corre
       whose weight the cap set), ``rs_rejected_token_frac`` and ``rs_rejected_seq_frac``
       (valid tokens, and non-empty sequences wholly, left out of the policy loss).
     """
-    metrics = {f"offpolicy/{k}": v
-               for k, v in offpolicy_metrics(old_log_probs, behaviour_log_probs, mask).items()}
+    metrics = {
+        f"offpolicy/{k}": v
+        for k, v in offpolicy_metrics(old_log_probs, behaviour_log_probs, mask).items()
+    }
     valid = mask > 0
     n_tokens = jnp.maximum(jnp.sum(valid), 1)
     weights = loss_mask = None
     if settings.tis_cap is not None:
-        weights = truncated_importance_weights(old_log_probs, behaviour_log_probs, mask,
-                                               cap=settings.tis_cap, level=settings.tis_level)
+        weights = truncated_importance_weights(
+            old_log_probs, behaviour_log_probs, mask, cap=settings.tis_cap, level=settings.tis_level
+        )
         metrics["offpolicy/is_truncated_frac"] = (
-            jnp.sum(valid & (weights >= settings.tis_cap)) / n_tokens)
+            jnp.sum(valid & (weights >= settings.tis_cap)) / n_tokens
+        )
     if settings.rs_level is not None or settings.rs_veto is not None:
-        loss_mask = rejection_mask(old_log_probs, behaviour_log_probs, mask,
-                                   level=settings.rs_level, upper=settings.rs_upper,
-                                   lower=settings.rs_lower, veto=settings.rs_veto)
+        loss_mask = rejection_mask(
+            old_log_probs,
+            behaviour_log_probs,
+            mask,
+            level=settings.rs_level,
+            upper=settings.rs_upper,
+            lower=settings.rs_lower,
+            veto=settings.rs_veto,
+        )
         kept = loss_mask > 0
         metrics["offpolicy/rs_rejected_token_frac"] = 1 - jnp.sum(kept) / n_tokens
         non_empty = jnp.any(valid, axis=-1)
-        metrics["offpolicy/rs_rejected_seq_frac"] = (
-            jnp.sum(non_empty & ~jnp.any(kept, axis=-1)) / jnp.maximum(jnp.sum(non_empty), 1))
+        metrics["offpolicy/rs_rejected_seq_frac"] = jnp.sum(
+            non_empty & ~jnp.any(kept, axis=-1)
+        ) / jnp.maximum(jnp.sum(non_empty), 1)
     return weights, loss_mask, metrics

@@ -47,8 +47,10 @@ def plan(rows: int, width: int, micro_batch_tokens: int) -> tuple[int, int]:
       ValueError: a row is longer than ``micro_batch_tokens``.
     """
     if width > micro_batch_tokens:
-        raise ValueError(f"batch.micro_batch_tokens ({micro_batch_tokens}) is below the row "
-                         f"length {width}: a micro-batch holds whole rows")
+        raise ValueError(
+            f"batch.micro_batch_tokens ({micro_batch_tokens}) is below the row "
+            f"length {width}: a micro-batch holds whole rows"
+        )
     per = min(rows, micro_batch_tokens // width)
     return per, -(-rows // per)
 
@@ -61,7 +63,7 @@ def split_rows(x: jax.Array, per: int, count: int, axis: int = 0, fill=0) -> jax
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, count * per - rows)
     x = jnp.pad(x, pad, constant_values=fill) if count * per > rows else x
-    x = x.reshape(x.shape[:axis] + (per, count) + x.shape[axis + 1:])
+    x = x.reshape(x.shape[:axis] + (per, count) + x.shape[axis + 1 :])
     return jnp.moveaxis(x, axis + 1, 0)
 
 
@@ -79,22 +81,37 @@ def split(batch: Batch, per: int, count: int) -> Batch:
     if routing is not None:
         layers, rows, width, k = routing.shape
         if count * per > rows:
-            filler = jnp.broadcast_to(jnp.arange(k, dtype=routing.dtype),
-                                      (layers, count * per - rows, width, k))
+            filler = jnp.broadcast_to(
+                jnp.arange(k, dtype=routing.dtype), (layers, count * per - rows, width, k)
+            )
             routing = jnp.concatenate([routing, filler], axis=1)
         routing = split_rows(routing, per, count, axis=1)
-    return Batch(*(routing if name == "routing" else
-                   None if value is None else split_rows(value, per, count)
-                   for name, value in zip(Batch._fields, batch)))
+    return Batch(
+        *(
+            routing
+            if name == "routing"
+            else None
+            if value is None
+            else split_rows(value, per, count)
+            for name, value in zip(Batch._fields, batch)
+        )
+    )
 
 
 def constrain_rows(batch: Batch) -> Batch:
     """``batch`` (one micro-batch, inside jit) with its rows split over ``data`` x ``fsdp``
     when a mesh is set and they divide, as ``batch.shard_batch`` places a minibatch."""
+
     def specs(mesh):
-        return Batch(*(None if value is None else
-                       sharding.row_spec(value.shape, mesh, axis=1 if name == "routing" else 0)
-                       for name, value in zip(Batch._fields, batch)))
+        return Batch(
+            *(
+                None
+                if value is None
+                else sharding.row_spec(value.shape, mesh, axis=1 if name == "routing" else 0)
+                for name, value in zip(Batch._fields, batch)
+            )
+        )
+
     return sharding.constrain_tree(batch, specs)
 
 
@@ -123,8 +140,9 @@ def accumulate(share_fn: Callable, params, micro_batches) -> tuple[jax.Array, ob
         summed = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), summed, grads)
         return (total + share.astype(jnp.float32), summed), outputs
 
-    (total, summed), outputs = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
-                                            micro_batches)
+    (total, summed), outputs = jax.lax.scan(
+        body, (jnp.zeros((), jnp.float32), zeros), micro_batches
+    )
     grads = jax.tree.map(lambda s, p: s.astype(p.dtype), summed, params)
     return total, grads, outputs
 

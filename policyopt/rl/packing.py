@@ -100,14 +100,22 @@ def row_lengths(attention_mask: np.ndarray) -> np.ndarray:
     gaps = np.flatnonzero((lengths > 0) & (last - first + 1 != lengths))
     if gaps.size:
         r = int(gaps[0])
-        raise ValueError(f"row {r}: its real tokens (attention_mask 1) are not contiguous "
-                         f"(columns {first[r]}..{last[r]} hold {lengths[r]}); packing needs the "
-                         "training layout of policyopt.rl.batch")
+        raise ValueError(
+            f"row {r}: its real tokens (attention_mask 1) are not contiguous "
+            f"(columns {first[r]}..{last[r]} hold {lengths[r]}); packing needs the "
+            "training layout of policyopt.rl.batch"
+        )
     return lengths
 
 
-def pack_layout(attention_mask: np.ndarray, row_length: int, *, row_multiple: int = 1,
-                field: str = "config.batch.pack_tokens", row_ids=None) -> PackedLayout:
+def pack_layout(
+    attention_mask: np.ndarray,
+    row_length: int,
+    *,
+    row_multiple: int = 1,
+    field: str = "config.batch.pack_tokens",
+    row_ids=None,
+) -> PackedLayout:
     """First-fit-decreasing packing of the real tokens of ``attention_mask``'s rows.
 
     Args:
@@ -134,9 +142,11 @@ def pack_layout(attention_mask: np.ndarray, row_length: int, *, row_multiple: in
     if too_long.size:
         r = int(too_long[0])
         name = r if row_ids is None else int(row_ids[r])
-        raise ValueError(f"row {name} has {lengths[r]} real tokens (prompt and response), more than "
-                         f"the packed row length {row_length} ({field}); {too_long.size} row(s) "
-                         f"do not fit, the longest has {lengths.max()} tokens")
+        raise ValueError(
+            f"row {name} has {lengths[r]} real tokens (prompt and response), more than "
+            f"the packed row length {row_length} ({field}); {too_long.size} row(s) "
+            f"do not fit, the longest has {lengths.max()} tokens"
+        )
     order = np.argsort(-lengths, kind="stable")
     free = np.zeros((rows,), np.int64)  # free slots of each opened packed row
     bin_of = np.full((rows,), -1, np.int64)
@@ -190,8 +200,8 @@ def gather_slots(x, index, *, axis: int = 0, fill=0):
     x = jnp.asarray(x)
     index = jnp.asarray(index)
     shape = x.shape
-    flat = x.reshape(shape[:axis] + (shape[axis] * shape[axis + 1],) + shape[axis + 2:])
+    flat = x.reshape(shape[:axis] + (shape[axis] * shape[axis + 1],) + shape[axis + 2 :])
     out = jnp.take(flat, jnp.maximum(index, 0).reshape(-1), axis=axis)
-    out = out.reshape(shape[:axis] + index.shape + shape[axis + 2:])
+    out = out.reshape(shape[:axis] + index.shape + shape[axis + 2 :])
     valid = (index >= 0).reshape((1,) * axis + index.shape + (1,) * (x.ndim - axis - 2))
     return jnp.where(valid, out, jnp.asarray(fill, x.dtype))

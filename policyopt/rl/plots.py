@@ -48,11 +48,15 @@ def check_runs(run_dirs: Sequence[str]) -> None:
     neither metrics.jsonl nor eval.jsonl."""
     if not run_dirs:
         raise ValueError("no run directory given")
-    bad = [d for d in run_dirs if not any(os.path.isfile(os.path.join(d, f))
-                                          for f in ("metrics.jsonl", "eval.jsonl"))]
+    bad = [
+        d
+        for d in run_dirs
+        if not any(os.path.isfile(os.path.join(d, f)) for f in ("metrics.jsonl", "eval.jsonl"))
+    ]
     if bad:
-        raise FileNotFoundError("no run (metrics.jsonl or eval.jsonl) in "
-                                + ", ".join(map(repr, bad)))
+        raise FileNotFoundError(
+            "no run (metrics.jsonl or eval.jsonl) in " + ", ".join(map(repr, bad))
+        )
 
 
 def line_styles(num_runs: int, groups: Sequence[str] | None = None) -> list[dict]:
@@ -62,16 +66,26 @@ def line_styles(num_runs: int, groups: Sequence[str] | None = None) -> list[dict
     styles = []
     if groups is None:
         for i in range(num_runs):
-            styles.append({"color": f"C{i % 10}", "linestyle": LINESTYLES[i % len(LINESTYLES)],
-                           "marker": MARKERS[i % len(MARKERS)]})
+            styles.append(
+                {
+                    "color": f"C{i % 10}",
+                    "linestyle": LINESTYLES[i % len(LINESTYLES)],
+                    "marker": MARKERS[i % len(MARKERS)],
+                }
+            )
         return styles
     colours, members = {}, {}
     for group in groups:
         colours.setdefault(group, f"C{len(colours) % 10}")
         members[group] = members.get(group, -1) + 1
         member = members[group]
-        styles.append({"color": colours[group], "linestyle": LINESTYLES[member % len(LINESTYLES)],
-                       "marker": MARKERS[member % len(MARKERS)]})
+        styles.append(
+            {
+                "color": colours[group],
+                "linestyle": LINESTYLES[member % len(LINESTYLES)],
+                "marker": MARKERS[member % len(MARKERS)],
+            }
+        )
     return styles
 
 
@@ -85,8 +99,14 @@ def _default_labels(run_dirs: Sequence[str]) -> list[str]:
     return [os.path.normpath(d) for d in run_dirs]
 
 
-def plot_runs(run_dirs: Sequence[str], out_path: str, *, labels: Sequence[str] | None = None,
-              groups: Sequence[str] | None = None, panels=PANELS) -> str:
+def plot_runs(
+    run_dirs: Sequence[str],
+    out_path: str,
+    *,
+    labels: Sequence[str] | None = None,
+    groups: Sequence[str] | None = None,
+    panels=PANELS,
+) -> str:
     """Draws one panel per metric, one line per run, and writes a PNG.
 
     Args:
@@ -115,8 +135,10 @@ def plot_runs(run_dirs: Sequence[str], out_path: str, *, labels: Sequence[str] |
         raise ValueError(f"{len(groups)} groups for {len(run_dirs)} runs")
     styles = line_styles(len(run_dirs), groups)
     colours = {group: style["color"] for group, style in zip(groups or (), styles)}
-    curves = {(key, filename): [load_curve(d, key, filename) for d in run_dirs]
-              for _, key, filename in panels}
+    curves = {
+        (key, filename): [load_curve(d, key, filename) for d in run_dirs]
+        for _, key, filename in panels
+    }
     panels = [panel for panel in panels if any(steps for steps, _ in curves[panel[1:]])]
     if not panels:
         raise ValueError(f"none of the runs {list(run_dirs)} logged a metric of the panels")
@@ -126,12 +148,20 @@ def plot_runs(run_dirs: Sequence[str], out_path: str, *, labels: Sequence[str] |
     for ax, (title, key, filename) in zip(axes.flat, panels):
         for (steps, values), label, style in zip(curves[(key, filename)], labels, styles):
             if steps:
-                ax.plot(steps, values, label=label, linewidth=1.2, alpha=0.8, markersize=4,
-                        markevery=max(1, len(steps) // 12), **style)
+                ax.plot(
+                    steps,
+                    values,
+                    label=label,
+                    linewidth=1.2,
+                    alpha=0.8,
+                    markersize=4,
+                    markevery=max(1, len(steps) // 12),
+                    **style,
+                )
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     if groups is None:
         axes.flat[0].legend(fontsize=8)

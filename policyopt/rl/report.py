@@ -15,9 +15,12 @@ import numpy as np
 from policyopt.rewards.batch import merge_metrics
 
 # Which settings each objective's ratio-dependent part reads (policyopt.losses).
-_RATIO_SETTINGS = {"ppo": "algo.clip_low / clip_high / dual_clip",
-                   "gspo": "algo.clip_low / clip_high", "gspo_token": "algo.clip_low / clip_high",
-                   "sapo": "algo.tau_pos / tau_neg (the gate is 1)"}
+_RATIO_SETTINGS = {
+    "ppo": "algo.clip_low / clip_high / dual_clip",
+    "gspo": "algo.clip_low / clip_high",
+    "gspo_token": "algo.clip_low / clip_high",
+    "sapo": "algo.tau_pos / tau_neg (the gate is 1)",
+}
 
 
 def advisories(config) -> list[str]:
@@ -34,10 +37,12 @@ def advisories(config) -> list[str]:
     synchronous = not config.async_mode.enabled
     if one_update and algo.old_log_probs == "trainer" and synchronous:
         settings = _RATIO_SETTINGS.get(algo.method, "the objective's ratio-dependent part")
-        out.append(f"batch.epochs=1 and batch.n_minibatches=1: one update per batch, at the "
-                   f"parameters that computed pi_old, so the ratio is 1 at every token and "
-                   f"{settings} of algo.method={algo.method!r} change nothing; set "
-                   "batch.n_minibatches > 1 (or batch.epochs > 1) for off-policy updates")
+        out.append(
+            f"batch.epochs=1 and batch.n_minibatches=1: one update per batch, at the "
+            f"parameters that computed pi_old, so the ratio is 1 at every token and "
+            f"{settings} of algo.method={algo.method!r} change nothing; set "
+            "batch.n_minibatches > 1 (or batch.epochs > 1) for off-policy updates"
+        )
     return out
 
 
@@ -63,8 +68,17 @@ def starting_point(config, checkpoint_dir: str, resume_step: int | None) -> str:
     return f"random initialisation (seed {config.seed})"
 
 
-def banner(config, workdir: str, *, recipe: str | None, num_params: int, mesh, start: str,
-           total: int, kind: str = "RL") -> str:
+def banner(
+    config,
+    workdir: str,
+    *,
+    recipe: str | None,
+    num_params: int,
+    mesh,
+    start: str,
+    total: int,
+    kind: str = "RL",
+) -> str:
     """The lines printed when a run starts: what runs, where, from what, on what."""
     devices = jax.devices()
     platforms = sorted({d.platform for d in devices})
@@ -79,23 +93,39 @@ def banner(config, workdir: str, *, recipe: str | None, num_params: int, mesh, s
         f"process(es); mesh {dict(mesh.shape)}",
         f"  method    {config.algo.method}, {b.n_prompts} prompts x {b.group_size} samples, "
         f"{b.n_minibatches} minibatch(es) x {b.epochs} epoch(s), {total} iterations"
-        if kind == "RL" else
-        f"  steps     {total} of {config.sft.batch_size} sequences",
+        if kind == "RL"
+        else f"  steps     {total} of {config.sft.batch_size} sequences",
     ]
     return "\n".join(lines)
 
 
-def sample_rows(prompts: Sequence[str], completions: Sequence[str], references: Sequence[Any],
-                rewards, correct, *, step: int, limit: int, status=None, format_ok=None,
-                split: str = "train") -> list[dict]:
+def sample_rows(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    references: Sequence[Any],
+    rewards,
+    correct,
+    *,
+    step: int,
+    limit: int,
+    status=None,
+    format_ok=None,
+    split: str = "train",
+) -> list[dict]:
     """One JSON-ready record per completion of the first ``limit`` completions: ``step``,
     ``split``, ``prompt``, ``completion``, ``reference``, ``reward``, ``correct`` and the
     verifier's ``status`` / ``format_ok`` when known (``samples.jsonl``)."""
     rows = []
     for i in range(min(limit, len(completions))):
-        row = {"step": int(step), "split": split, "prompt": prompts[i],
-               "completion": completions[i], "reference": str(references[i]),
-               "reward": float(rewards[i]), "correct": bool(correct[i])}
+        row = {
+            "step": int(step),
+            "split": split,
+            "prompt": prompts[i],
+            "completion": completions[i],
+            "reference": str(references[i]),
+            "reward": float(rewards[i]),
+            "correct": bool(correct[i]),
+        }
         if status is not None:
             row["status"] = str(status[i])
         if format_ok is not None:
@@ -110,8 +140,10 @@ def batch_metrics(merged) -> dict[str, float]:
     scored = merged.scored_rows()
     if not scored.any():
         return {"batch/reward_mean": float("nan"), "batch/accuracy": float("nan")}
-    return {"batch/reward_mean": float(np.mean(merged.rewards[scored])),
-            "batch/accuracy": float(np.mean(merged.correct[scored]))}
+    return {
+        "batch/reward_mean": float(np.mean(merged.rewards[scored])),
+        "batch/accuracy": float(np.mean(merged.correct[scored])),
+    }
 
 
 def scoring_metrics(batches: list[dict]) -> dict[str, float]:
@@ -119,18 +151,25 @@ def scoring_metrics(batches: list[dict]) -> dict[str, float]:
     sample scored, dynamic sampling's dropped groups included): format failures,
     verifier timeouts and errors, missed deadlines, crashed workers (counts), mean length
     penalty, language consistency."""
-    return {f"reward/{key}": value for key, value in merge_metrics(batches).items()
-            if key != "truncated_fraction"}  # reported as response/truncated_fraction
+    return {
+        f"reward/{key}": value
+        for key, value in merge_metrics(batches).items()
+        if key != "truncated_fraction"
+    }  # reported as response/truncated_fraction
 
 
-def informative_fraction(rewards: np.ndarray, group_size: int,
-                         scored: np.ndarray | None = None) -> float:
+def informative_fraction(
+    rewards: np.ndarray, group_size: int, scored: np.ndarray | None = None
+) -> float:
     """The fraction of a batch's groups whose scored rewards are not all equal (a group
     with fewer than two scored samples is not informative): the groups that have a
     nonzero group-relative advantage."""
     rewards = np.asarray(rewards, np.float64).reshape(-1, group_size)
-    valid = (np.ones_like(rewards, bool) if scored is None
-             else np.asarray(scored, bool).reshape(-1, group_size))
+    valid = (
+        np.ones_like(rewards, bool)
+        if scored is None
+        else np.asarray(scored, bool).reshape(-1, group_size)
+    )
     informative = []
     for row, keep in zip(rewards, valid):
         values = row[keep]

@@ -27,7 +27,9 @@ import jax
 import jax.numpy as jnp
 
 
-def routing_differences(routing_a: jax.Array, routing_b: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def routing_differences(
+    routing_a: jax.Array, routing_b: jax.Array, token_mask: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Fraction of differing expert choices, per MoE layer and overall.
 
     Args:

@@ -36,12 +36,23 @@ from policyopt.losses import aggregate
 from policyopt.metrics import MetricsWriter, Progress, read_step_record
 from policyopt.rl import build, report
 from policyopt.rl.evaluate import evaluate
-from policyopt.rl.learner import OptimConfig, TrainState, forward_log_probs, guarded_update, place_state
+from policyopt.rl.learner import (
+    OptimConfig,
+    TrainState,
+    forward_log_probs,
+    guarded_update,
+    place_state,
+)
 from policyopt.runtime import GracefulStop
 
 
-def sft_layout(prompt_tokens: np.ndarray, prompt_lengths: np.ndarray, response_tokens: np.ndarray,
-               response_lengths: np.ndarray, pad_id: int) -> dict[str, np.ndarray]:
+def sft_layout(
+    prompt_tokens: np.ndarray,
+    prompt_lengths: np.ndarray,
+    response_tokens: np.ndarray,
+    response_lengths: np.ndarray,
+    pad_id: int,
+) -> dict[str, np.ndarray]:
     """Right-padded prompts and responses (the pipeline's batches) -> training layout.
 
     Returns:
@@ -55,22 +66,36 @@ def sft_layout(prompt_tokens: np.ndarray, prompt_lengths: np.ndarray, response_t
     prompt_real = index >= shift
     aligned = np.where(prompt_real, aligned, pad_id)
     response_width = response_tokens.shape[1]
-    mask = (np.arange(response_width)[None, :] < response_lengths[:, None])
+    mask = np.arange(response_width)[None, :] < response_lengths[:, None]
     tokens = np.concatenate([aligned, np.where(mask, response_tokens, pad_id)], axis=1)
-    positions = np.concatenate([np.where(prompt_real, index - shift, 0),
-                                prompt_lengths[:, None] + np.arange(response_width)[None, :]], axis=1)
+    positions = np.concatenate(
+        [
+            np.where(prompt_real, index - shift, 0),
+            prompt_lengths[:, None] + np.arange(response_width)[None, :],
+        ],
+        axis=1,
+    )
     attention_mask = np.concatenate([prompt_real, mask], axis=1)
-    return dict(tokens=tokens.astype(np.int32), positions=positions.astype(np.int32),
-                attention_mask=attention_mask.astype(np.int32), mask=mask.astype(np.float32))
+    return dict(
+        tokens=tokens.astype(np.int32),
+        positions=positions.astype(np.int32),
+        attention_mask=attention_mask.astype(np.int32),
+        mask=mask.astype(np.float32),
+    )
 
 
 def sft_loss(graphdef, params, batch: dict) -> tuple[jax.Array, dict]:
     """Mean negative log-likelihood of the response tokens (token mean over the batch)."""
-    fwd = forward_log_probs(graphdef, params, batch["tokens"], batch["positions"],
-                            batch["attention_mask"], batch["mask"].shape[1])
+    fwd = forward_log_probs(
+        graphdef,
+        params,
+        batch["tokens"],
+        batch["positions"],
+        batch["attention_mask"],
+        batch["mask"].shape[1],
+    )
     nll = aggregate(-fwd.log_probs, batch["mask"], "token_mean")
-    return nll, {"sft/nll": jax.lax.stop_gradient(nll),
-                 "sft/tokens": jnp.sum(batch["mask"])}
+    return nll, {"sft/nll": jax.lax.stop_gradient(nll), "sft/tokens": jnp.sum(batch["mask"])}
 
 
 _SFT_UPDATES: dict = {}
@@ -84,8 +109,9 @@ def sft_update_fn(graphdef, optim: OptimConfig):
     if key not in _SFT_UPDATES:
         optimizer, schedule = optim.build()
         loss_fn = lambda p, b: sft_loss(graphdef, p, b)
-        update = jax.jit(lambda st, b: guarded_update(loss_fn, optimizer, schedule, st, b),
-                         donate_argnums=0)
+        update = jax.jit(
+            lambda st, b: guarded_update(loss_fn, optimizer, schedule, st, b), donate_argnums=0
+        )
         _SFT_UPDATES[key] = (update, optimizer)
     return _SFT_UPDATES[key]
 
@@ -113,21 +139,31 @@ def make_sft_iterator(config, tokenizer, *, seed: int):
     """Batches of (prompt, worked solution) pairs of the task's training split."""
     records = build.task_source(config, "train")
     if config.task.name != "arithmetic" and not all(as_record(r)["solution"] for r in records):
-        raise ValueError(f"SFT needs a worked solution for every training record; "
-                         f"{config.task.train_file!r} has records without one (see "
-                         "task.solution_field)")
+        raise ValueError(
+            f"SFT needs a worked solution for every training record; "
+            f"{config.task.train_file!r} has records without one (see "
+            "task.solution_field)"
+        )
     buckets = tuple(sorted(set(config.batch.prompt_buckets) | set(config.batch.response_buckets)))
     try:
-        pipeline = make_pipeline(records, batch_size=config.sft.batch_size, seed=seed,
-                                 tokenizer=tokenizer, include_solution=True, length_buckets=buckets,
-                                 max_prompt_length=max(config.batch.prompt_buckets),
-                                 overlong_prompt=config.task.overlong_prompt,
-                                 max_response_length=max(buckets),
-                                 overlong_response=config.sft.overlong_response)
+        pipeline = make_pipeline(
+            records,
+            batch_size=config.sft.batch_size,
+            seed=seed,
+            tokenizer=tokenizer,
+            include_solution=True,
+            length_buckets=buckets,
+            max_prompt_length=max(config.batch.prompt_buckets),
+            overlong_prompt=config.task.overlong_prompt,
+            max_response_length=max(buckets),
+            overlong_response=config.sft.overlong_response,
+        )
     except ValueError as error:
-        raise ValueError(f"SFT data: {error} (config.task.overlong_prompt, config.sft.overlong_response; "
-                         "the solution limit is the largest of batch.prompt_buckets and "
-                         "batch.response_buckets)") from None
+        raise ValueError(
+            f"SFT data: {error} (config.task.overlong_prompt, config.sft.overlong_response; "
+            "the solution limit is the largest of batch.prompt_buckets and "
+            "batch.response_buckets)"
+        ) from None
     return iter(pipeline)
 
 
@@ -140,20 +176,34 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
     model = build.make_model(config, tokenizer.vocab_size, mesh)
     graphdef, params = build.init_params(config, model, mesh)
     s = config.sft
-    optim = dataclasses.replace(OptimConfig.from_config(config.optim), lr=float(s.lr),
-                                warmup_steps=int(s.warmup_steps),
-                                weight_decay=float(s.weight_decay), max_grad_norm=s.max_grad_norm)
+    optim = dataclasses.replace(
+        OptimConfig.from_config(config.optim),
+        lr=float(s.lr),
+        warmup_steps=int(s.warmup_steps),
+        weight_decay=float(s.weight_decay),
+        max_grad_norm=s.max_grad_norm,
+    )
     update, optimizer = sft_update_fn(graphdef, optim)
     state = place_state(TrainState.create(params, optimizer), optimizer, mesh)
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints)
-    run = SFTRun(config=config, tokenizer=tokenizer, graphdef=graphdef, state=state,
-                 data=make_sft_iterator(config, tokenizer, seed=config.seed), update=update,
-                 checkpointer=checkpointer, mesh=mesh)
+    checkpointer = Checkpointer(
+        os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints
+    )
+    run = SFTRun(
+        config=config,
+        tokenizer=tokenizer,
+        graphdef=graphdef,
+        state=state,
+        data=make_sft_iterator(config, tokenizer, seed=config.seed),
+        update=update,
+        checkpointer=checkpointer,
+        mesh=mesh,
+    )
     if checkpointer.latest_step() is not None:
         # The config first (a changed shape would fail in the arrays, unnamed), and only
         # what SFT reads: a recipe's RL settings may change under a cached SFT start.
-        build.check_resume_config(checkpointer.meta().get("config"), config, checkpointer.directory,
-                                  sections=SFT_FIELDS)
+        build.check_resume_config(
+            checkpointer.meta().get("config"), config, checkpointer.directory, sections=SFT_FIELDS
+        )
         build.check_checkpoint_shapes(checkpointer, {"train": run.state}, config, field="resume")
         restored, meta = checkpointer.restore({"train": run.state})
         run.state, run.step = restored["train"], int(meta["iteration"])
@@ -161,8 +211,9 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
         run.resumed_config = meta.get("config")
     elif init_checkpoint:
         with Checkpointer(init_checkpoint) as source:
-            build.check_checkpoint_shapes(source, {"train": run.state}, config,
-                                          field="init_checkpoint")
+            build.check_checkpoint_shapes(
+                source, {"train": run.state}, config, field="init_checkpoint"
+            )
             restored, meta = source.restore({"train": run.state})
         run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
@@ -172,10 +223,17 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
 def sft_step(run: SFTRun) -> dict[str, float]:
     """One SFT update on the next batch."""
     raw = next(run.data)
-    arrays = sft_layout(raw["prompt_tokens"], raw["prompt_lengths"], raw["response_tokens"],
-                        raw["response_lengths"], run.tokenizer.pad_id)
+    arrays = sft_layout(
+        raw["prompt_tokens"],
+        raw["prompt_lengths"],
+        raw["response_tokens"],
+        raw["response_lengths"],
+        run.tokenizer.pad_id,
+    )
     with jax.set_mesh(run.mesh):
-        run.state, metrics = run.update(run.state, {k: sharding.shard_rows(v) for k, v in arrays.items()})
+        run.state, metrics = run.update(
+            run.state, {k: sharding.shard_rows(v) for k, v in arrays.items()}
+        )
     run.step += 1
     return metrics
 
@@ -185,25 +243,48 @@ def save_sft(run: SFTRun) -> None:
     (a run resumed at its last step, e.g. a second ``make demo``)."""
     if run.checkpointer.latest_step() == run.step:
         return
-    run.checkpointer.save(run.step, {"train": run.state},
-                          {"iteration": run.step, "data": run.data.get_state(),
-                           "config": build.config_record(run.config)})
+    run.checkpointer.save(
+        run.step,
+        {"train": run.state},
+        {
+            "iteration": run.step,
+            "data": run.data.get_state(),
+            "config": build.config_record(run.config),
+        },
+    )
 
 
 def evaluate_policy(config, graphdef, params, tokenizer, mesh) -> dict[str, float]:
     """Greedy pass@1 (and mean@k if ``config.eval.k``) on the held-out split, on ``mesh``."""
     records = build.eval_records(config, tokenizer)
     with jax.set_mesh(mesh):
-        return evaluate(graphdef, params, records, tokenizer, max_new_tokens=config.sampling.max_new_tokens,
-                        batch_size=config.eval.batch_size, prompt_buckets=tuple(config.batch.prompt_buckets),
-                        k=config.eval.k, temperature=config.eval.temperature,
-                        decode_segments=config.sampling.decode_segments,
-                        rng=jax.random.PRNGKey(config.seed + 1), spec=build.correctness_spec(config),
-                        num_workers=config.reward.num_workers)
+        return evaluate(
+            graphdef,
+            params,
+            records,
+            tokenizer,
+            max_new_tokens=config.sampling.max_new_tokens,
+            batch_size=config.eval.batch_size,
+            prompt_buckets=tuple(config.batch.prompt_buckets),
+            k=config.eval.k,
+            temperature=config.eval.temperature,
+            decode_segments=config.sampling.decode_segments,
+            rng=jax.random.PRNGKey(config.seed + 1),
+            spec=build.correctness_spec(config),
+            num_workers=config.reward.num_workers,
+        )
 
 
-def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: str | None = None,
-            evaluate_every: int = 0, quiet: bool = False, recipe: str | None = None) -> dict:
+def run_sft(
+    config,
+    workdir: str,
+    *,
+    steps: int | None = None,
+    init_checkpoint: str | None = None,
+    evaluate_every: int = 0,
+    quiet: bool = False,
+    recipe: str | None = None,
+) -> dict:
     """Trains with SFT until ``steps`` updates in total (default ``config.sft.steps``).
 
     Resumes from ``workdir/checkpoints`` when possible; otherwise starts from
@@ -228,22 +309,42 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
     run = build_sft(config, workdir, init_checkpoint=init_checkpoint)
     primary = sharding.is_primary()  # process 0 writes (multi-process jobs)
     # Records after the checkpoint's step are written again (see trainer.RunLoop).
-    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=primary,
-                           resume_step=run.step if run.step else -1)
-    progress = None if (quiet or not primary) else Progress(total, start_step=run.step,
-                                                            keys=(("sft/nll", "nll"),))
+    writer = MetricsWriter(
+        workdir,
+        tensorboard=config.train.tensorboard,
+        enabled=primary,
+        resume_step=run.step if run.step else -1,
+    )
+    progress = (
+        None
+        if (quiet or not primary)
+        else Progress(total, start_step=run.step, keys=(("sft/nll", "nll"),))
+    )
     if progress:
         resumed = run.checkpointer.latest_step() is not None
-        start_text = report.starting_point(config, run.checkpointer.directory,
-                                           run.step if resumed else None)
+        start_text = report.starting_point(
+            config, run.checkpointer.directory, run.step if resumed else None
+        )
         if not resumed and init_checkpoint:
             start_text = f"continuing SFT checkpoint {init_checkpoint} (step {run.step})"
-        print(report.banner(config, workdir, recipe=recipe, mesh=run.mesh, start=start_text,
-                            num_params=report.parameter_count(run.state.params), total=total,
-                            kind="SFT"), flush=True)
+        print(
+            report.banner(
+                config,
+                workdir,
+                recipe=recipe,
+                mesh=run.mesh,
+                start=start_text,
+                num_params=report.parameter_count(run.state.params),
+                total=total,
+                kind="SFT",
+            ),
+            flush=True,
+        )
         if run.step < total:
-            print("compiling the SFT step (the first update's time includes compilation) ...",
-                  flush=True)
+            print(
+                "compiling the SFT step (the first update's time includes compilation) ...",
+                flush=True,
+            )
     metrics, stop, result = {}, GracefulStop(), {}
     try:
         stop.__enter__()
@@ -251,33 +352,55 @@ def run_sft(config, workdir: str, *, steps: int | None = None, init_checkpoint: 
         while run.step < total and not stop.requested:
             metrics = sft_step(run)
             if run.step % config.train.log_every == 0 or run.step == total:
-                metrics = writer.write(run.step, {**metrics, "time/elapsed_s": time.perf_counter() - start})
+                metrics = writer.write(
+                    run.step, {**metrics, "time/elapsed_s": time.perf_counter() - start}
+                )
                 if progress and (run.step % max(1, total // 20) == 0 or run.step == total):
                     progress.update(run.step, metrics)
             if evaluate_every and run.step % evaluate_every == 0 and run.step < total:
-                result = evaluate_policy(config, run.graphdef, run.state.params, run.tokenizer, run.mesh)
+                result = evaluate_policy(
+                    config, run.graphdef, run.state.params, run.tokenizer, run.mesh
+                )
                 writer.write(run.step, result)
             every = config.sft.checkpoint_every
             if every and run.step % every == 0 and run.step < total:
                 save_sft(run)
         save_sft(run)  # before the evaluation: a failed one loses no training
         if stop.requested and progress:
-            print(f"{stop.signal_name}: stopped at step {run.step}; checkpoint "
-                  f"{os.path.join(run.checkpointer.directory, str(run.step))}; rerun the same "
-                  "command to resume", flush=True)
-        if (config.eval.num_prompts > 0 and not stop.requested
-                and build.same_evaluation(run.resumed_config, config)):
+            print(
+                f"{stop.signal_name}: stopped at step {run.step}; checkpoint "
+                f"{os.path.join(run.checkpointer.directory, str(run.step))}; rerun the same "
+                "command to resume",
+                flush=True,
+            )
+        if (
+            config.eval.num_prompts > 0
+            and not stop.requested
+            and build.same_evaluation(run.resumed_config, config)
+        ):
             # Process 0's log decides for every process (evaluating is a collective).
             logged = read_step_record(writer.path, run.step, prefix="eval/") if primary else None
             result = sharding.broadcast_json(logged) or {}
         if config.eval.num_prompts > 0 and not result and not stop.requested:
-            result = evaluate_policy(config, run.graphdef, run.state.params, run.tokenizer, run.mesh)
+            result = evaluate_policy(
+                config, run.graphdef, run.state.params, run.tokenizer, run.mesh
+            )
             writer.write(run.step, result)
             if progress:
-                print(f"sft eval @ {run.step}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()), flush=True)
+                print(
+                    f"sft eval @ {run.step}: "
+                    + " ".join(f"{k} {v:.4f}" for k, v in result.items()),
+                    flush=True,
+                )
     finally:
         stop.__exit__()
         writer.close()
-    return {"step": run.step, "metrics": metrics, "eval": result, "graphdef": run.graphdef,
-            "params": run.state.params, "checkpoint_dir": run.checkpointer.directory,
-            "interrupted": stop.signal_name}
+    return {
+        "step": run.step,
+        "metrics": metrics,
+        "eval": result,
+        "graphdef": run.graphdef,
+        "params": run.state.params,
+        "checkpoint_dir": run.checkpointer.directory,
+        "interrupted": stop.signal_name,
+    }

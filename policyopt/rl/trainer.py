@@ -92,11 +92,22 @@ from policyopt.sampling import SamplingConfig, sampling_method
 
 # The stages, their types and their helpers, importable from here as before the split.
 from policyopt.rl.forwards import pack_chunks, pack_rows  # noqa: F401
-from policyopt.rl.iteration import (RunSpec, RunState, Sampled, TrainBatch,  # noqa: F401
-                                    prepare, sample, update_epochs)
+from policyopt.rl.iteration import (
+    RunSpec,
+    RunState,
+    Sampled,
+    TrainBatch,  # noqa: F401
+    prepare,
+    sample,
+    update_epochs,
+)
 from policyopt.rl.report import batch_metrics, scoring_metrics  # noqa: F401
-from policyopt.rl.methods import (CorrectionConfig, gae_settings,  # noqa: F401
-                                  minibatch_advantages, rollout_correction)
+from policyopt.rl.methods import (
+    CorrectionConfig,
+    gae_settings,  # noqa: F401
+    minibatch_advantages,
+    rollout_correction,
+)
 
 
 @dataclasses.dataclass
@@ -137,16 +148,20 @@ class RLRun:
         def assign(run, value):
             run.run_state = run.run_state.replace(**{name: value})
 
-        return property(lambda run: getattr(run.run_state, name), assign,
-                        doc=f"``run_state.{name}``")
+        return property(
+            lambda run: getattr(run.run_state, name), assign, doc=f"``run_state.{name}``"
+        )
 
     config, graphdef, learner, critic, mesh = map(
-        _spec_field, ("config", "graphdef", "learner", "critic", "mesh"))
+        _spec_field, ("config", "graphdef", "learner", "critic", "mesh")
+    )
     tokenizer, sampling_config, reward_spec, ref_params, engine, data = map(
-        _spec_field, ("tokenizer", "sampling_config", "reward_spec", "ref_params", "engine",
-                      "prompts"))
-    state, critic_state, rng, iteration = map(_state_field,
-                                              ("policy", "critic", "rng", "iteration"))
+        _spec_field,
+        ("tokenizer", "sampling_config", "reward_spec", "ref_params", "engine", "prompts"),
+    )
+    state, critic_state, rng, iteration = map(
+        _state_field, ("policy", "critic", "rng", "iteration")
+    )
     del _spec_field, _state_field
 
 
@@ -157,10 +172,15 @@ def make_prompt_iterator(config, records, *, seed: int):
     there, naming the record, or are dropped or truncated (``task.overlong_prompt``)."""
     buckets = tuple(config.batch.prompt_buckets)
     policy = config.task.overlong_prompt
-    pipeline = make_pipeline(records, batch_size=config.batch.n_prompts, seed=seed,
-                             tokenizer=build.make_tokenizer(config), length_buckets=buckets,
-                             max_prompt_length=max(buckets),
-                             overlong_prompt=policy)
+    pipeline = make_pipeline(
+        records,
+        batch_size=config.batch.n_prompts,
+        seed=seed,
+        tokenizer=build.make_tokenizer(config),
+        length_buckets=buckets,
+        max_prompt_length=max(buckets),
+        overlong_prompt=policy,
+    )
     return iter(pipeline)
 
 
@@ -181,9 +201,12 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
             "the rows it is batched with: the sampler (R rows per step), the old-log-prob "
             "pass and each minibatch would compute different policies (ratio != 1 at the "
             "first update) and routing replay does not replay the drops. RL needs a dropless "
-            "dispatch ('ragged' or 'blocked').")
+            "dispatch ('ragged' or 'blocked')."
+        )
     graphdef, params = build.init_params(config, model, mesh)
-    learner = get_learner(graphdef, LossConfig.from_config(config), OptimConfig.from_config(config.optim))
+    learner = get_learner(
+        graphdef, LossConfig.from_config(config), OptimConfig.from_config(config.optim)
+    )
     ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
     state = place_state(learner.init_state(params), learner.optimizer, mesh)
     rng = sharding.put(jax.random.PRNGKey(config.seed), sharding.replicated(mesh))
@@ -191,12 +214,17 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
     eval_records = build.eval_records(config, tokenizer)
     s = config.sampling
     sampling_config = SamplingConfig(
-        max_new_tokens=s.max_new_tokens, method=sampling_method(s.temperature, s.top_k, s.top_p),
-        eos_id=tokenizer.eos_id, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+        max_new_tokens=s.max_new_tokens,
+        method=sampling_method(s.temperature, s.top_k, s.top_p),
+        eos_id=tokenizer.eos_id,
+        stop_ids=tokenizer.stop_ids,
+        pad_id=tokenizer.pad_id,
         num_samples=config.batch.group_size,
-        decode_segments=s.decode_segments)
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
-                                max_to_keep=config.train.keep_checkpoints)
+        decode_segments=s.decode_segments,
+    )
+    checkpointer = Checkpointer(
+        os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints
+    )
     engine = None
     if s.engine_kv_tokens > 0:
         engine = Engine.from_config(config, model, graphdef, mesh, sampling_config)
@@ -205,14 +233,28 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
         critic = get_critic(graphdef, CriticConfig.from_config(config), critic_optim(config))
         critic_state = critic.init_state(params, model.config.hidden_size)
         critic_state = place_state(critic_state, critic.optimizer, mesh)
-    spec = RunSpec(config=config, graphdef=graphdef, learner=learner, critic=critic, mesh=mesh,
-                   methods=methods.choose(config, is_moe=model.config.is_moe),
-                   tokenizer=tokenizer, sampling_config=sampling_config,
-                   reward_spec=build.reward_spec(config), prompts=data, ref_params=ref_params,
-                   engine=engine,
-                   warmup_iterations=config.critic.pretrain_iterations if critic else 0)
-    run = RLRun(spec=spec, run_state=RunState(policy=state, critic=critic_state, rng=rng),
-                workdir=workdir, eval_records=eval_records, checkpointer=checkpointer)
+    spec = RunSpec(
+        config=config,
+        graphdef=graphdef,
+        learner=learner,
+        critic=critic,
+        mesh=mesh,
+        methods=methods.choose(config, is_moe=model.config.is_moe),
+        tokenizer=tokenizer,
+        sampling_config=sampling_config,
+        reward_spec=build.reward_spec(config),
+        prompts=data,
+        ref_params=ref_params,
+        engine=engine,
+        warmup_iterations=config.critic.pretrain_iterations if critic else 0,
+    )
+    run = RLRun(
+        spec=spec,
+        run_state=RunState(policy=state, critic=critic_state, rng=rng),
+        workdir=workdir,
+        eval_records=eval_records,
+        checkpointer=checkpointer,
+    )
     if checkpointer.latest_step() is not None:
         restore(run, check_config=check_config)
     return run
@@ -230,12 +272,18 @@ def checkpoint_state(run: RLRun) -> dict:
 def checkpoint_meta(run: RLRun, data_state) -> dict:
     """The JSON record saved beside the arrays: iteration, data position and the config
     (checked on resume, ``build.check_resume_config``)."""
-    return {"iteration": run.iteration, "data": data_state, "config": build.config_record(run.config)}
+    return {
+        "iteration": run.iteration,
+        "data": data_state,
+        "config": build.config_record(run.config),
+    }
 
 
 def save(run: RLRun) -> None:
     """Checkpoints the run at its current iteration."""
-    run.checkpointer.save(run.iteration, checkpoint_state(run), checkpoint_meta(run, run.data.get_state()))
+    run.checkpointer.save(
+        run.iteration, checkpoint_state(run), checkpoint_meta(run, run.data.get_state())
+    )
 
 
 def restore(run: RLRun, step: int | None = None, *, check_config: bool = True) -> None:
@@ -246,12 +294,16 @@ def restore(run: RLRun, step: int | None = None, *, check_config: bool = True) -
     if check_config:  # before the arrays: a changed shape would fail there, unnamed
         meta = run.checkpointer.meta(step)
         build.check_resume_config(meta.get("config"), run.config, run.checkpointer.directory)
-    build.check_checkpoint_shapes(run.checkpointer, checkpoint_state(run), run.config, step=step,
-                                  field="resume")
+    build.check_checkpoint_shapes(
+        run.checkpointer, checkpoint_state(run), run.config, step=step, field="resume"
+    )
     restored, meta = run.checkpointer.restore(checkpoint_state(run), step)
-    run.run_state = run.run_state.replace(policy=restored["train"], rng=restored["rng"],
-                                          critic=restored.get("critic"),
-                                          iteration=int(meta["iteration"]))
+    run.run_state = run.run_state.replace(
+        policy=restored["train"],
+        rng=restored["rng"],
+        critic=restored.get("critic"),
+        iteration=int(meta["iteration"]),
+    )
     run.data.set_state(meta["data"])
     run.last_eval, run.last_eval_iteration, run.resumed_config = {}, None, meta.get("config")
 
@@ -270,8 +322,9 @@ def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) ->
     ``run.iteration`` not advanced). Returns ``metrics`` with this step's added."""
     with jax.set_mesh(run.mesh):
         batch = iteration.prepare(run.spec, run.run_state, merged)
-        run.run_state, update_metrics = iteration.update_epochs(run.spec, run.run_state, batch,
-                                                                key_shuffle)
+        run.run_state, update_metrics = iteration.update_epochs(
+            run.spec, run.run_state, batch, key_shuffle
+        )
     run.last_round, run.last_batch = batch.round, batch.batch
     return {**metrics, **batch.metrics, **update_metrics}
 
@@ -302,8 +355,11 @@ class SkippedUpdates:
 
     @staticmethod
     def _counts(states: dict) -> dict[str, tuple[int, int]]:
-        return {name: (int(state.step), int(state.skipped))
-                for name, state in states.items() if state is not None}
+        return {
+            name: (int(state.step), int(state.skipped))
+            for name, state in states.items()
+            if state is not None
+        }
 
     def update(self, iteration: int, states: dict) -> None:
         """Counts the iteration's updates; raises ``UpdatesSkipped`` (one line) at the limit."""
@@ -319,7 +375,8 @@ class SkippedUpdates:
                     f"updates were skipped (non-finite loss, gradient, parameters or optimiser "
                     f"state; {name}/skipped in metrics.jsonl) and the run cannot learn; lower "
                     f"optim.lr, check optim.eps, or restart from an earlier checkpoint "
-                    f"(config.train.max_skipped_updates={self.limit})")
+                    f"(config.train.max_skipped_updates={self.limit})"
+                )
 
 
 # Completions of each evaluation written to eval_samples.jsonl (the first held-out prompts).
@@ -331,17 +388,32 @@ def evaluate_run(run: RLRun, samples: list | None = None) -> dict[str, float]:
     when given, receives one record per held-out completion (``evaluate``)."""
     cfg = run.config
     with jax.set_mesh(run.mesh):
-        return evaluate(run.graphdef, run.state.params, run.eval_records, run.tokenizer,
-                        max_new_tokens=cfg.sampling.max_new_tokens, batch_size=cfg.eval.batch_size,
-                        prompt_buckets=tuple(cfg.batch.prompt_buckets), k=cfg.eval.k,
-                        temperature=cfg.eval.temperature, decode_segments=cfg.sampling.decode_segments,
-                        rng=jax.random.fold_in(run.rng, 10**9 + run.iteration),
-                        spec=build.correctness_spec(cfg), num_workers=cfg.reward.num_workers,
-                        samples=samples)
+        return evaluate(
+            run.graphdef,
+            run.state.params,
+            run.eval_records,
+            run.tokenizer,
+            max_new_tokens=cfg.sampling.max_new_tokens,
+            batch_size=cfg.eval.batch_size,
+            prompt_buckets=tuple(cfg.batch.prompt_buckets),
+            k=cfg.eval.k,
+            temperature=cfg.eval.temperature,
+            decode_segments=cfg.sampling.decode_segments,
+            rng=jax.random.fold_in(run.rng, 10**9 + run.iteration),
+            spec=build.correctness_spec(cfg),
+            num_workers=cfg.reward.num_workers,
+            samples=samples,
+        )
 
 
-def run_rl(config, workdir: str, *, num_iterations: int | None = None, quiet: bool = False,
-           recipe: str | None = None) -> dict:
+def run_rl(
+    config,
+    workdir: str,
+    *,
+    num_iterations: int | None = None,
+    quiet: bool = False,
+    recipe: str | None = None,
+) -> dict:
     """Trains with RL for ``config.train.num_iterations`` iterations (resuming if possible).
 
     Writes to ``workdir``: ``config.json`` (resolved config), ``metrics.jsonl`` and
@@ -403,31 +475,60 @@ class RunLoop:
         self.console = primary and not quiet
         if self.console:
             resumed = run.checkpointer.latest_step() is not None
-            start = report.starting_point(config, run.checkpointer.directory,
-                                          run.iteration if resumed else None)
-            print(report.banner(config, workdir, recipe=recipe, mesh=run.mesh, start=start,
-                                num_params=report.parameter_count(run.state.params), total=total),
-                  flush=True)
+            start = report.starting_point(
+                config, run.checkpointer.directory, run.iteration if resumed else None
+            )
+            print(
+                report.banner(
+                    config,
+                    workdir,
+                    recipe=recipe,
+                    mesh=run.mesh,
+                    start=start,
+                    num_params=report.parameter_count(run.state.params),
+                    total=total,
+                ),
+                flush=True,
+            )
         for warning in report.advisories(config):
             self._warn(warning)
         if primary:
             with open(os.path.join(workdir, "config.json"), "w") as f:
                 f.write(config.to_json_best_effort(indent=2, sort_keys=True))
         resume_step = run.iteration if run.iteration else -1
-        self.writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=primary,
-                                    resume_step=resume_step)
-        self.eval_writer = MetricsWriter(workdir, filename="eval.jsonl", tensorboard=False,
-                                         enabled=primary, resume_step=resume_step)
-        self.progress = None if (quiet or not primary) else Progress(total, start_step=run.iteration)
-        self.skipped_updates = SkippedUpdates(config.train.max_skipped_updates,
-                                              _guarded_states(run))
+        self.writer = MetricsWriter(
+            workdir, tensorboard=config.train.tensorboard, enabled=primary, resume_step=resume_step
+        )
+        self.eval_writer = MetricsWriter(
+            workdir,
+            filename="eval.jsonl",
+            tensorboard=False,
+            enabled=primary,
+            resume_step=resume_step,
+        )
+        self.progress = (
+            None if (quiet or not primary) else Progress(total, start_step=run.iteration)
+        )
+        self.skipped_updates = SkippedUpdates(
+            config.train.max_skipped_updates, _guarded_states(run)
+        )
         self.history: list[dict] = []
         self.metrics: dict = {}
         self.evaluating = config.eval.num_prompts > 0
-        self.samples = MetricsWriter(workdir, filename="samples.jsonl", tensorboard=False,
-                                     enabled=primary, resume_step=resume_step)
-        self.eval_samples = MetricsWriter(workdir, filename="eval_samples.jsonl", tensorboard=False,
-                                          enabled=primary, resume_step=resume_step)
+        self.samples = MetricsWriter(
+            workdir,
+            filename="samples.jsonl",
+            tensorboard=False,
+            enabled=primary,
+            resume_step=resume_step,
+        )
+        self.eval_samples = MetricsWriter(
+            workdir,
+            filename="eval_samples.jsonl",
+            tensorboard=False,
+            enabled=primary,
+            resume_step=resume_step,
+        )
         # The pass@1 the console shows, with the iteration it was measured at: after a
         # resume, the last one eval.jsonl holds (at or before the checkpoint's iteration).
         self.shown_eval = read_last_value(self.eval_writer.path, "eval/pass@1") if primary else None
@@ -435,8 +536,11 @@ class RunLoop:
         self.stopped_by: str | None = None  # the signal that stopped the run (process 0's)
         self.uninformative_streak, self.first_iteration = 0, True
         self._first_start = time.perf_counter()
-        if (run.iteration and run.last_eval_iteration != run.iteration
-                and build.same_evaluation(run.resumed_config, config)):
+        if (
+            run.iteration
+            and run.last_eval_iteration != run.iteration
+            and build.same_evaluation(run.resumed_config, config)
+        ):
             # Process 0's log decides for every process (evaluating is a collective).
             logged = None
             if primary:
@@ -466,8 +570,11 @@ class RunLoop:
     def evaluate(self) -> dict:
         run = self.run
         if self.console and not self.history:
-            print(f"evaluating {len(run.eval_records)} held-out prompts at iteration "
-                  f"{run.iteration} (compiling the sampler first) ...", flush=True)
+            print(
+                f"evaluating {len(run.eval_records)} held-out prompts at iteration "
+                f"{run.iteration} (compiling the sampler first) ...",
+                flush=True,
+            )
         samples: list[dict] = []
         result = evaluate_run(run, samples=samples)
         self.eval_writer.write(run.iteration, result)
@@ -475,8 +582,10 @@ class RunLoop:
         self.eval_samples.write_rows(run.iteration, samples[:EVAL_SAMPLES_LOGGED])
         self.history.append({"iteration": run.iteration, **result})
         if self.progress:
-            print(f"eval @ {run.iteration}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()),
-                  flush=True)
+            print(
+                f"eval @ {run.iteration}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()),
+                flush=True,
+            )
         run.last_eval, run.last_eval_iteration = result, run.iteration
         if "eval/pass@1" in result:
             self.shown_eval = (run.iteration, result["eval/pass@1"])
@@ -490,15 +599,21 @@ class RunLoop:
         due = train.sample_every and run.iteration % train.sample_every == 0
         if not (due and run.last_samples):
             return
-        rows = report.sample_rows(**run.last_samples, step=run.iteration,
-                                  limit=train.sample_prompts * self.config.batch.group_size)
+        rows = report.sample_rows(
+            **run.last_samples,
+            step=run.iteration,
+            limit=train.sample_prompts * self.config.batch.group_size,
+        )
         self.samples.write_rows(run.iteration, rows)
         self.writer.write_text(run.iteration, "samples/train", rows)
         if self.progress and rows:
             row = rows[0]
             verdict = row.get("status", "correct" if row["correct"] else "wrong")
-            print(f"sample @ {run.iteration}: {row['prompt'][-60:]!r} -> "
-                  f"{row['completion'][:120]!r} reward {row['reward']:.3g} ({verdict})", flush=True)
+            print(
+                f"sample @ {run.iteration}: {row['prompt'][-60:]!r} -> "
+                f"{row['completion'][:120]!r} reward {row['reward']:.3g} ({verdict})",
+                flush=True,
+            )
 
     def _watch_informative(self, metrics: dict) -> None:
         """Counts iterations in a row whose batch has no informative group and warns once a
@@ -515,7 +630,8 @@ class RunLoop:
                 f"are equal (accuracy {accuracy:.3g}), so every "
                 "advantage is 0 and nothing trains. A policy that solves nothing (e.g. random "
                 "weights) needs a start that sometimes succeeds (config.init_checkpoint of an SFT "
-                "run) or a denser reward.")
+                "run) or a denser reward."
+            )
 
     @property
     def last_eval(self) -> dict:
@@ -525,14 +641,19 @@ class RunLoop:
         """Evaluates at iteration 0, and at a resumed iteration on the evaluation cadence
         whose evaluation is not in the log (the run stopped during it)."""
         run, every = self.run, self.config.train.eval_every
-        due = run.iteration == 0 or (every and run.iteration % every == 0 and run.iteration < self.total)
+        due = run.iteration == 0 or (
+            every and run.iteration % every == 0 and run.iteration < self.total
+        )
         self.stop.__enter__()
         if self.evaluating and due and run.last_eval_iteration != run.iteration:
             self.evaluate()
         self._poll_stop()
         if self.console and run.iteration < self.total and not self.stopping:
-            print(f"iteration {run.iteration + 1}: compiling the sampler and the update steps "
-                  "(the first iteration's time includes compilation) ...", flush=True)
+            print(
+                f"iteration {run.iteration + 1}: compiling the sampler and the update steps "
+                "(the first iteration's time includes compilation) ...",
+                flush=True,
+            )
             self._first_start = time.perf_counter()
 
     def after_iteration(self, metrics: dict, save) -> None:
@@ -540,7 +661,8 @@ class RunLoop:
         run, train = self.run, self.config.train
         if run.last_round is not None and not np.isnan(metrics.get("batch/reward_mean", 0.0)):
             metrics["batch/informative_groups"] = report.informative_fraction(
-                run.last_round.rewards, self.config.batch.group_size, run.last_round.scored_rows())
+                run.last_round.rewards, self.config.batch.group_size, run.last_round.scored_rows()
+            )
         self.metrics = metrics
         self.writer.write(run.iteration, metrics)
         self.skipped_updates.update(run.iteration, _guarded_states(run))
@@ -566,8 +688,11 @@ class RunLoop:
         if self.stopping:  # the evaluation too waits for the resumed run (``end``)
             if self.console:
                 path = os.path.join(run.checkpointer.directory, str(run.iteration))
-                print(f"{self.stopped_by}: stopped at iteration {run.iteration}; checkpoint "
-                      f"{path}; rerun the same command to resume", flush=True)
+                print(
+                    f"{self.stopped_by}: stopped at iteration {run.iteration}; checkpoint "
+                    f"{path}; rerun the same command to resume",
+                    flush=True,
+                )
             return
         if self.evaluating and ((every and run.iteration % every == 0) or final):
             self.evaluate()
@@ -586,7 +711,12 @@ class RunLoop:
             writer.close()
 
     def summary(self, **extra) -> dict:
-        return {"iteration": self.run.iteration, "metrics": self.metrics, "eval": self.last_eval,
-                "eval_history": self.history, "run": self.run, "interrupted": self.stopped_by,
-                **extra}
-
+        return {
+            "iteration": self.run.iteration,
+            "metrics": self.metrics,
+            "eval": self.last_eval,
+            "eval_history": self.history,
+            "run": self.run,
+            "interrupted": self.stopped_by,
+            **extra,
+        }
