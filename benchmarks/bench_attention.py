@@ -29,7 +29,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-
 from flax import nnx
 
 from policyopt.models import ModelConfig, Transformer

@@ -43,8 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from policyopt import advantages as adv
-from policyopt import losses
-from policyopt import runtime
+from policyopt import losses, runtime
 
 RESULTS = Path(__file__).parent / "results" / "bench_core.json"
 METHODS = ("ppo", "gspo", "gspo_token", "sapo")

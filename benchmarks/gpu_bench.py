@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import platform
+import re
 import statistics
 import time
 
@@ -410,7 +410,7 @@ def main():
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     u, s = report["update"], report.get("sampler")
-    print(f"\n| measure | value |\n|---|---|")
+    print("\n| measure | value |\n|---|---|")
     print(
         f"| params total / active | {u['params_total'] / 1e6:.1f}M / {u['params_active'] / 1e6:.1f}M |"
     )

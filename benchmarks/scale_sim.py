@@ -516,10 +516,10 @@ def rollout_calls(args, config, setup: Setup, mesh) -> list[tuple[str, object]]:
     from policyopt.engine import (
         admit_rows,
         decode_steps,
-        evict_rows,
         empty_state,
-        state_specs,
+        evict_rows,
         row_shards,
+        state_specs,
     )
 
     shards = row_shards(mesh)

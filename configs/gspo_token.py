@@ -5,8 +5,7 @@ token-level advantages.
     --config configs/gspo_token.py[:...]
 """
 
-from configs import base
-from configs import gspo
+from configs import base, gspo
 
 
 def get_config(arg=None):

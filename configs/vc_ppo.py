@@ -6,8 +6,7 @@
     --config configs/vc_ppo.py:scale=paper
 """
 
-from configs import ppo
-from configs import base
+from configs import base, ppo
 
 
 def get_config(arg=None):

@@ -29,10 +29,10 @@ from absl import flags
 from configs import demo
 from experiments import cli
 from policyopt.metrics import quiet_library_logging
-from policyopt.runtime import keep_freed_host_memory
-from policyopt.sharding import initialize_distributed
 from policyopt.rl.sft import run_sft
 from policyopt.rl.trainer import run_rl
+from policyopt.runtime import keep_freed_host_memory
+from policyopt.sharding import initialize_distributed
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "Where the three runs and demo.json go.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of initialisation, sampling and minibatch order.")

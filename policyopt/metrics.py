@@ -102,7 +102,7 @@ class MetricsWriter:
         return scalars
 
     def _tb_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
-        """One TensorBoard summary per record, each tag the metric's own name
+        r"""One TensorBoard summary per record, each tag the metric's own name
         (``eval/pass@1`` stays ``eval/pass@1``: ``SummaryWriter.add_scalar`` would rewrite
         characters outside ``[-/\w.]`` to ``_``, which TensorBoard itself does not need)."""
         from tensorboardX.proto.summary_pb2 import Summary  # imported lazily: slow import

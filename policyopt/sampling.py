@@ -54,8 +54,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from flax import struct
+from flax import nnx, struct
 
 __all__ = [
     "Greedy",

@@ -6,7 +6,6 @@ generation budget shared); a tiny sweep trains, summarises what its runs logged,
 not retrained when rerun; a checkpoint evaluated afterwards gives the figures of the
 training-time evaluation at that step."""
 
-import importlib
 import json
 import os
 
@@ -15,8 +14,8 @@ import pytest
 
 from configs import demo as demo_recipe
 from configs.ablations import ABLATIONS, SHARED_SECTIONS, Ablation, Arm, demo_setting, get_ablation
-from experiments import ablate
 from configs.base import load_run_config
+from experiments import ablate
 from experiments.eval import evaluate_checkpoint
 from policyopt.metrics import read_jsonl
 from policyopt.rl.learner import LossConfig

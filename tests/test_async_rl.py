@@ -42,8 +42,8 @@ from policyopt.rl.async_rl import (
     run_async_rl,
 )
 from policyopt.rl.batch import merge_rounds, round_from_rollout
-from policyopt.rl.trainer import build_run
 from policyopt.rl.learner import forward_log_probs, split_params
+from policyopt.rl.trainer import build_run
 from policyopt.sampling import Greedy, SamplingConfig, generate_fn, sampling_method
 
 PROMPT_WIDTH, NUM_NEW, GROUP, N_ASYNC, SEGMENT = 16, 6, 2, 8, 2

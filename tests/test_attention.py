@@ -18,12 +18,9 @@ from policyopt.models import ModelConfig, Transformer
 from policyopt.models.attention_ops import (
     XLA_MAX_LENGTH,
     attend,
-    attention_weights_mask,
     check_implementation,
     choose_implementation,
     cudnn_attention,
-    dot_product_attention,
-    splash_attention,
 )
 
 TINY = dict(

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from configs import vapo
 from policyopt.losses import nll_loss
 from policyopt.models import Transformer, preset
 from policyopt.rl import forwards, trainer
 from policyopt.rl.batch import Batch, layout
-from configs import vapo
 from policyopt.rl.critic import (
     Critic,
     CriticConfig,

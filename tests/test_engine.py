@@ -6,11 +6,10 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
 from policyopt import sampling
@@ -274,7 +273,7 @@ def test_engine_config_errors(extra, message):
         tiny("grpo", extra=extra)
 
 
-_SHARDED_SCRIPT = textwrap.dedent("""
+_SHARDED_SCRIPT = textwrap.dedent(r"""
     import re
     import jax, numpy as np
     from flax import nnx

@@ -106,8 +106,8 @@ def test_export_round_trip_and_transformers_reload(kind, scan_layers, tmp_path):
     model = from_pretrained(str(tmp_path / "hf"), scan_layers=scan_layers)
     save_pretrained(model, str(tmp_path / "export"))
     again = from_pretrained(str(tmp_path / "export"), scan_layers=scan_layers)
-    from flax import nnx
     import jax
+    from flax import nnx
 
     for a, b in zip(
         jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(again, nnx.Param))
@@ -289,6 +289,7 @@ def test_load_balancing_loss_against_transformers(num_layers):
     load_balancing_loss_func = k E sum_e (mean_l f_le)(mean_l P_le) (k at balance): for
     one layer exactly k * LB (policyopt.models.moe.router_aux)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
     from policyopt.models.moe import route, router_aux
 
     num_experts, k, batch, length = 8, 3, 2, 40

@@ -22,9 +22,9 @@ from policyopt.models import Transformer, preset
 from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch, layout
 from policyopt.rl.critic import get_critic, init_critic_params
-from tests.settings import critic_settings, loss_settings, optim_settings
 from policyopt.rl.learner import LossConfig, TrainState, get_learner, rl_loss, split_params
 from policyopt.rl.trainer import minibatch_advantages
+from tests.settings import critic_settings, loss_settings, optim_settings
 
 VOCAB = 16
 GROUP = 2

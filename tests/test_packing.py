@@ -12,8 +12,8 @@ from policyopt.models import Transformer, preset
 from policyopt.rl.batch import Batch, layout
 from policyopt.rl.critic import critic_loss, forward_values, init_critic_params
 from policyopt.rl.learner import forward_log_probs, rl_loss, split_params
-from tests.settings import critic_settings, loss_settings
 from policyopt.rl.packing import gather_slots, pack_layout, packed_rows
+from tests.settings import critic_settings, loss_settings
 
 VOCAB = 16
 

@@ -1,11 +1,10 @@
 """Tests of policyopt.models.paged: the paged cache against the dense KVCache, the page
 allocator by hand-worked cases, and the TPU kernel (interpreted) against the gather."""
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
 from policyopt.models import ModelConfig, Transformer

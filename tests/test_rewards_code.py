@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from policyopt.rewards import code_correctness, run_sandboxed
 from policyopt.rewards import code as code_lib
+from policyopt.rewards import code_correctness, run_sandboxed
 
 IS_ROOT = os.geteuid() == 0
 FAST = dict(timeout_s=1.0)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from policyopt.metrics import read_jsonl
-from policyopt.rl import learner as learner_lib
 from policyopt.rl import iteration, trainer
+from policyopt.rl import learner as learner_lib
 from policyopt.rl.batch import mask_fillers, round_from_rollout
 
 RECIPES = (

@@ -8,11 +8,10 @@ Compiling a sampler takes seconds, so the tests share a few (batch, prompt lengt
 config) buckets through module-scoped fixtures.
 """
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
 from policyopt import sampling

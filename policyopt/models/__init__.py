@@ -11,8 +11,8 @@ from policyopt.models.attention import KVCache
 from policyopt.models.config import ModelConfig
 from policyopt.models.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
 from policyopt.models.presets import PRESETS, preset
-from policyopt.sharding import LOGICAL_AXIS_RULES, logical_to_mesh_axes, param_partition_specs
 from policyopt.models.transformer import ModelOutput, Transformer
+from policyopt.sharding import LOGICAL_AXIS_RULES, logical_to_mesh_axes, param_partition_specs
 
 __all__ = [
     "KVCache",

@@ -19,9 +19,9 @@ import jax
 import numpy as np
 
 from policyopt.rewards.batch import RewardSpec, score_batch
-from policyopt.sharding import shard_rows, to_host
 from policyopt.rl.batch import encode_prompts
 from policyopt.sampling import Greedy, SamplingConfig, generate_fn, sampling_method
+from policyopt.sharding import shard_rows, to_host
 
 
 def decode(tokens: np.ndarray, lengths: np.ndarray, tokenizer) -> list[str]:

@@ -86,28 +86,21 @@ from policyopt.metrics import MetricsWriter, Progress, read_last_value, read_ste
 from policyopt.rl import build, iteration, methods, report
 from policyopt.rl.critic import CriticConfig, critic_optim, get_critic
 from policyopt.rl.evaluate import evaluate
-from policyopt.rl.learner import LossConfig, OptimConfig, get_learner, place_state
-from policyopt.runtime import GracefulStop
-from policyopt.sampling import SamplingConfig, sampling_method
 
 # The stages, their types and their helpers, importable from here as before the split.
 from policyopt.rl.forwards import pack_chunks, pack_rows  # noqa: F401
 from policyopt.rl.iteration import (
     RunSpec,
     RunState,
-    Sampled,
     TrainBatch,  # noqa: F401
-    prepare,
-    sample,
-    update_epochs,
+)
+from policyopt.rl.learner import LossConfig, OptimConfig, get_learner, place_state
+from policyopt.rl.methods import (
+    gae_settings,  # noqa: F401
 )
 from policyopt.rl.report import batch_metrics, scoring_metrics  # noqa: F401
-from policyopt.rl.methods import (
-    CorrectionConfig,
-    gae_settings,  # noqa: F401
-    minibatch_advantages,
-    rollout_correction,
-)
+from policyopt.runtime import GracefulStop
+from policyopt.sampling import SamplingConfig, sampling_method
 
 
 @dataclasses.dataclass
