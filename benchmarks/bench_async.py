@@ -175,7 +175,8 @@ def main(argv=None):
         print(
             f"{row['max_new_tokens']:6d} {row['sync_s']:8.2f} {row['round_s']:8.2f} "
             f"{row['segments_s']:11.2f} {row['sync_us_per_token']:12.1f} "
-            f"{row['round_us_per_token']:13.1f} {row['ratio']:10.2f}x {row['segments_ratio']:13.2f}x "
+            f"{row['round_us_per_token']:13.1f} {row['ratio']:10.2f}x "
+            f"{row['segments_ratio']:13.2f}x "
             f"{LIMIT:5.1f}x {'PASS' if row['passed'] else 'FAIL'}"
         )
     result = dict(

@@ -144,7 +144,8 @@ def main() -> None:
     accuracy = float(serial.correct.mean())
     rows = []
     print(
-        f"{args.n} completions (accuracy {accuracy:.2f}), {args.workers} workers, {os.cpu_count()} CPUs"
+        f"{args.n} completions (accuracy {accuracy:.2f}), {args.workers} workers, "
+        f"{os.cpu_count()} CPUs"
     )
     print(f"{'scorer':20s} {'median s':>9s} {'samples/s':>10s} {'x serial':>9s}")
     for key, values in times.items():

@@ -259,7 +259,8 @@ def main(argv=None):
 
     loss_floor, gae_floor = floors()
     print(
-        f"floors at the start: loss elementwise {loss_floor:.2f} ms, gae elementwise {gae_floor:.2f} ms"
+        f"floors at the start: loss elementwise {loss_floor:.2f} ms, "
+        f"gae elementwise {gae_floor:.2f} ms"
     )
 
     for method in METHODS:

@@ -220,13 +220,15 @@ def main() -> None:
         ),
     ]
     print(
-        f"math reward throughput, N={args.n}, medians over {args.repeats} fresh batches, cpus={os.cpu_count()}"
+        f"math reward throughput, N={args.n}, medians over {args.repeats} fresh batches, "
+        f"cpus={os.cpu_count()}"
     )
     print(f"{'scorer':50s} {'seconds':>8s} {'compl/s':>8s} {'speed vs serial':>16s}")
     for name, wall, speedup in rows:
         print(f"{name:50s} {wall:8.3f} {args.n / wall:8.0f} {speedup:15.2f}x")
     print(
-        f"CPU time of this process per completion: serial {cpu_ms['serial']:.2f} ms, plain math-verify "
+        f"CPU time of this process per completion: serial {cpu_ms['serial']:.2f} ms, "
+        "plain math-verify "
         f"{cpu_ms['reference']:.2f} ms ({cpu_ms['reference'] / cpu_ms['serial']:.1f}x); "
         f"1-min load average {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} cpus"
     )

@@ -82,7 +82,8 @@ def main(argv):
         share = median[k] / total
         print(f"{k.split('/')[1]:<22}{median[k]:>10.3f}{share:>8.1%}")
     print(
-        f"update / old log-probs: {result['ratio_update_to_old_log_probs']:.2f}x (fwd+bwd+adam vs fwd; ~3x expected)"
+        f"update / old log-probs: {result['ratio_update_to_old_log_probs']:.2f}x "
+        "(fwd+bwd+adam vs fwd; ~3x expected)"
     )
     print(f"generate / old log-probs: {result['ratio_generate_to_old_log_probs']:.2f}x")
     print(f"warm-up (build + 2 iterations incl. compilation): {warmup_s:.1f} s")

@@ -412,10 +412,12 @@ def main():
     u, s = report["update"], report.get("sampler")
     print("\n| measure | value |\n|---|---|")
     print(
-        f"| params total / active | {u['params_total'] / 1e6:.1f}M / {u['params_active'] / 1e6:.1f}M |"
+        f"| params total / active | {u['params_total'] / 1e6:.1f}M / "
+        f"{u['params_active'] / 1e6:.1f}M |"
     )
     print(
-        f"| update tokens/s | {u['tokens_per_s']:.0f} ({u['rows']}x{u['seq']}, median of {len(u['step_s_all'])}) |"
+        f"| update tokens/s | {u['tokens_per_s']:.0f} "
+        f"({u['rows']}x{u['seq']}, median of {len(u['step_s_all'])}) |"
     )
     print(f"| update MFU | {100 * u['mfu']:.1f}% ({u['tflops_per_s']:.1f} TFLOP/s) |")
     print(f"| update TFLOP per step (model count) | {u['model_tflop_per_step']:.1f} |")
@@ -427,7 +429,8 @@ def main():
             f"MoE prefill {s['moe_dispatch']}, decode {s['moe_decode_dispatch']}) |"
         )
         print(
-            f"| decode HBM bandwidth | {s['hbm_gb_per_s']:.0f} GB/s ({100 * s['hbm_utilisation']:.1f}% of peak) |"
+            f"| decode HBM bandwidth | {s['hbm_gb_per_s']:.0f} GB/s "
+            f"({100 * s['hbm_utilisation']:.1f}% of peak) |"
         )
         print(f"| compile sampler | {s['compile_s']:.1f}s |")
     for name in ("update", "sampler"):

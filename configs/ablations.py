@@ -182,7 +182,8 @@ ABLATIONS: dict[str, Ablation] = {
             "VAPO (2504.05118): length-adaptive GAE, the NLL term on correct samples and the "
             "value warm-up, each removed in turn. (On responses of <= 20 tokens alpha = 0.05 "
             "gives every policy lambda 0 (the clamp below 20 tokens, the formula at 20) and VAPO "
-            "collapses; `--variant algo.gae_alpha=1.0` gives lambda = 1 - 1/|y| ~ 0.93, near the paper's regime: benchmarks/RESULTS.md.)",
+            "collapses; `--variant algo.gae_alpha=1.0` gives lambda = 1 - 1/|y| ~ 0.93, near the "
+            "paper's regime: benchmarks/RESULTS.md.)",
             (
                 Arm("vapo", "vapo"),
                 Arm(

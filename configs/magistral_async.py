@@ -3,7 +3,8 @@ for the trainer, finished completions are scored at once, a batch is a fixed num
 completions, new weights reach the generators mid-generation without recomputing the KV
 cache (docs/algorithms.md "Asynchronous generation"). Runs `policyopt.rl.async_rl.run_async_rl`.
 
-    python -m experiments.train --config configs/magistral_async.py[:model=tiny_dense,async_mode.n_async=128]
+    python -m experiments.train --config \
+        configs/magistral_async.py[:model=tiny_dense,async_mode.n_async=128]
 
 Every field and variant of `configs/magistral.py`, with `async_mode.enabled = True`. Any
 other recipe trains asynchronously the same way with `async_mode.enabled=True` in its

@@ -108,7 +108,8 @@ def main(argv):
         json.dump(result, f, indent=1)
     print(
         f"\nheld-out prompts: {config.eval.num_prompts}, greedy; "
-        f"time: SFT {times['sft_s']:.0f}s, RL {times['rl_s']:.0f}s, control {times['control_s']:.0f}s"
+        f"time: SFT {times['sft_s']:.0f}s, RL {times['rl_s']:.0f}s, "
+        f"control {times['control_s']:.0f}s"
     )
     print(f"control pass@1 (continued SFT, same budget): {before:.3f} -> {after_sft:.3f}")
     print(f"eval pass@1: {before:.3f} -> {after_rl:.3f}")

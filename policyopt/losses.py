@@ -928,8 +928,9 @@ def _policy_metrics(log_ratio, seq_log_ratio, advantages, mask_f, lengths, surro
 def entropy_from_logits(logits: Array) -> Array:
     """Entropy ``-sum_v p_v log p_v`` of ``softmax(logits)`` over the last axis, in float32.
 
-    Computed as ``logsumexp(l) - sum_v p_v l_v`` (stable for any logits, -inf included). For large vocabularies
-    prefer the chunked ``policyopt.logprobs.token_log_probs(..., return_entropy=True)``.
+    Computed as ``logsumexp(l) - sum_v p_v l_v`` (stable for any logits, -inf included). For
+    large vocabularies prefer the chunked
+    ``policyopt.logprobs.token_log_probs(..., return_entropy=True)``.
 
     Args:
       logits: ``[..., V]``.

@@ -659,8 +659,9 @@ def _generate(graphdef, state, prompts, prompt_lengths, rng, *, config: Sampling
 
 
 generate_fn = jax.jit(_generate, static_argnums=(0,), static_argnames=("config",))
-generate_fn.__doc__ = """Pure functional sampler: `generate_fn(graphdef, state, prompts, prompt_lengths,
-rng, *, config) -> Rollout`, jitted (graphdef and config static).
+generate_fn.__doc__ = """Pure functional sampler:
+`generate_fn(graphdef, state, prompts, prompt_lengths, rng, *, config) -> Rollout`, jitted
+(graphdef and config static).
 
 For callers that hold their own parameters (e.g. a trainer): `graphdef, state =
 nnx.split(model)` once, then pass any `state` with the same structure (new params).

@@ -268,7 +268,8 @@ def test_a_second_process_is_refused_the_workdir(tmp_path):
     lock_workdir(workdir)  # the owner again: a no-op
     script = (
         "import sys; from policyopt.checkpoint import lock_workdir\n"
-        "try:\n    lock_workdir(sys.argv[1])\nexcept RuntimeError as e:\n    print(e); sys.exit(3)\n"
+        "try:\n    lock_workdir(sys.argv[1])\n"
+        "except RuntimeError as e:\n    print(e); sys.exit(3)\n"
     )
     env = dict(os.environ, PYTHONPATH=os.getcwd(), JAX_PLATFORMS="cpu")
     second = subprocess.run(

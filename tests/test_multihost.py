@@ -58,7 +58,9 @@ _SCRIPT = textwrap.dedent("""
         return score_items(items, *args)
     reward_batch._score_items = counting
     if multi:
-        assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 2 * local, local)
+        assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (
+            2, 2 * local, local
+        )
     config = tiny("grpo", "tiny_dense", extra=EXTRA + ("," + MESHES[local] if multi else ""))
     summary = trainer.run_rl(config, f"{out}/run", num_iterations=2, quiet=True)
     run = summary["run"]
@@ -67,12 +69,14 @@ _SCRIPT = textwrap.dedent("""
     # Code verifier statuses travel between processes too (3 completions on 2 processes:
     # the second scores one and pads); no sandbox runs for these two outcomes.
     from policyopt.rewards import RewardSpec, score_batch
-    code = score_batch(["no code", "```python\\nprint(1)\\n```", "none"], [[{"input": "", "output": "1"}], [], []],
-                       [3, 3, 3], RewardSpec(task="code", format_reward=False), across_processes=True)
+    code = score_batch(["no code", "```python\\nprint(1)\\n```", "none"],
+                       [[{"input": "", "output": "1"}], [], []], [3, 3, 3],
+                       RewardSpec(task="code", format_reward=False), across_processes=True)
     print("code", jax.process_index(), code.status, flush=True)
     # SFT (its update and its greedy evaluation) on the same mesh.
     sft_summary = run_sft(config, f"{out}/sft", steps=2, quiet=True)
-    results.update({f"sft/{k}": v for k, v in {**sft_summary["metrics"], **sft_summary["eval"]}.items()
+    results.update({f"sft/{k}": v
+                    for k, v in {**sft_summary["metrics"], **sft_summary["eval"]}.items()
                     if not k.startswith("time/")})
     params = sharding.to_host(run.state.params)  # every process takes part in the gather
     # HuggingFace export: gathered from both processes, written by process 0.

@@ -614,13 +614,19 @@ ENGLISH_PROBLEM = (
 ENGLISH_REASONING = (
     "The farmer starts with twelve apples. Buying seven more gives $12 + 7 = 19$ apples in total."
 )
-FRENCH_REASONING = "Le fermier commence avec douze pommes. En achetant sept de plus, il obtient $12 + 7 = 19$ pommes."
+FRENCH_REASONING = (
+    "Le fermier commence avec douze pommes. En achetant sept de plus, il obtient "
+    "$12 + 7 = 19$ pommes."
+)
 ENGLISH_ANSWER = r"So the farmer now has nineteen apples in total: \boxed{19}."
 GERMAN_ANSWER = r"Also hat der Bauer jetzt insgesamt neunzehn Äpfel: \boxed{19}."
 
 
 def test_strip_latex_and_code():
-    text = "Compute $\\frac{1}{2}$ and \\(x^2\\) \\[y\\] $$z$$ ```python\nprint('hello world')\n``` then `len(x)` done \\textbf{now}"
+    text = (
+        "Compute $\\frac{1}{2}$ and \\(x^2\\) \\[y\\] $$z$$ ```python\nprint('hello world')\n``` "
+        "then `len(x)` done \\textbf{now}"
+    )
     assert strip_latex_and_code(text) == "Compute and then done now"
     env = "Solve \\begin{align} x &= 1 \\end{align} please </think>"
     assert strip_latex_and_code(env) == "Solve please"

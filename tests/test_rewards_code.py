@@ -62,23 +62,27 @@ def test_assert_tests_pass_and_fail():
         # Replacing what the harness runs the tests with, or reading its source, does not help.
         ("exec = lambda *a, **k: None\ndef add_one(x):\n    return 'x'", 0.0),
         (
-            "import builtins\nbuiltins.exec = lambda *a, **k: None\ndef add_one(x):\n    return 'x'",
+            "import builtins\nbuiltins.exec = lambda *a, **k: None\n"
+            "def add_one(x):\n    return 'x'",
             0.0,
         ),
         (
-            "import re, sys, os\nsys.stdout.write(' '.join(re.findall('[0-9a-f]{32}', open('main.py').read())))\n"
+            "import re, sys, os\n"
+            "sys.stdout.write(' '.join(re.findall('[0-9a-f]{32}', open('main.py').read())))\n"
             "sys.stdout.flush()\nos._exit(0)",
             0.0,
         ),
         (
             "import re, sys, os\nmain = vars(sys.modules['__main__'])\n"
-            "text = ' '.join(str(v) + ' ' + str(getattr(v, 'co_consts', '')) for v in main.values())\n"
+            "text = ' '.join(str(v) + ' ' + str(getattr(v, 'co_consts', '')) "
+            "for v in main.values())\n"
             "os.write(1, ' '.join(re.findall('[0-9a-f]{32}', text)).encode())\nos._exit(0)",
             0.0,
         ),
         # A correct program may define its own compile() or close its stdout.
         (
-            "import re\ndef compile(p):\n    return re.compile(p)\ndef add_one(x):\n    return x + 1",
+            "import re\ndef compile(p):\n    return re.compile(p)\n"
+            "def add_one(x):\n    return x + 1",
             1.0,
         ),
         ("import sys\ndef add_one(x):\n    return x + 1\nsys.stdout.close()", 1.0),
@@ -112,7 +116,8 @@ HACKS = [
         GOOD_TESTS,
     ),
     (
-        "class Int(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+        "class Int(int):\n    def __eq__(self, other):\n        return True\n"
+        "    __hash__ = int.__hash__\n"
         "def add_one(x):\n    return Int(5)",
         GOOD_TESTS,
     ),
@@ -122,7 +127,8 @@ HACKS = [
         "assert pair(1) == [1, 2]\nassert pair(2) == [4, 8]",
     ),
     (
-        "def add_one(x):\n    return 0\ndef set(*args):\n    return 1\ndef len(*args):\n    return 2",
+        "def add_one(x):\n    return 0\ndef set(*args):\n    return 1\n"
+        "def len(*args):\n    return 2",
         "assert set([add_one(1)]) == set([2])\nassert len([add_one(0)]) == len([1, 1])",
     ),
 ]
@@ -138,7 +144,8 @@ def test_isolated_tests_are_not_fooled_by_the_program(hack):
 
 # Honest programs whose values cross between the processes: every shape the codec
 # carries, and the ways tests use a program (classes, generators, exceptions, in-place
-# mutation, its constants and imports, helpers that call it), all pass isolated.
+# mutation, its constants and imports, helpers that call it), all pass isolated. (A
+# backslash ending a line in these strings continues it on the next: line length only.)
 HONEST = """
 import math, collections, fractions, decimal
 MOD = 10**9 + 7
@@ -146,7 +153,8 @@ Pair = collections.namedtuple("Pair", "a b")
 def factorial(n):
     return math.factorial(n)
 def shapes():
-    return [None, True, 1, -2**70, 2.5, float("inf"), 1 + 2j, "é\\udcff", b"\\x00\\xff", bytearray(b"ab"),
+    return [None, True, 1, -2**70, 2.5, float("inf"), 1 + 2j, "é\\udcff", \
+b"\\x00\\xff", bytearray(b"ab"),
             (1, [2]), {(1, 2): {3}}, frozenset({4}), range(1, 9, 2), ..., fractions.Fraction(1, 3),
             decimal.Decimal("0.1"), collections.Counter("aab"), collections.OrderedDict(a=1),
             collections.deque([1, 2]), Pair(1, 2)]
@@ -193,15 +201,19 @@ import collections, fractions, decimal
 assert factorial(2000) == __import__("math").factorial(2000)  # beyond int's digit limit as text
 assert MOD == 1000000007 and math.sqrt(4) == 2.0  # the program's constants and imports
 got = shapes()
-want = [None, True, 1, -2**70, 2.5, float("inf"), 1 + 2j, "é\\udcff", b"\\x00\\xff", bytearray(b"ab"), (1, [2]),
-        {(1, 2): {3}}, frozenset({4}), range(1, 9, 2), ..., fractions.Fraction(1, 3), decimal.Decimal("0.1"),
+want = [None, True, 1, -2**70, 2.5, float("inf"), 1 + 2j, "é\\udcff", b"\\x00\\xff", \
+bytearray(b"ab"), (1, [2]),
+        {(1, 2): {3}}, frozenset({4}), range(1, 9, 2), ..., fractions.Fraction(1, 3), \
+decimal.Decimal("0.1"),
         collections.Counter("aab"), collections.OrderedDict(a=1), collections.deque([1, 2]), (1, 2)]
-assert got == want and [type(x) for x in got[:-1]] == [type(x) for x in want[:-1]]  # a namedtuple: a tuple
+assert got == want and [type(x) for x in got[:-1]] == [type(x) for x in want[:-1]]  \
+# a namedtuple: a tuple
 assert type(got[4]) is float and type(got[2]) is int
 x = nan()
 assert x != x
 items, seen = [3, 1, 2], {}
-assert sort_in_place(items, reverse=True, seen=seen) is None and items == [3, 2, 1] and seen == {"n": 3}
+assert sort_in_place(items, reverse=True, seen=seen) is None and items == [3, 2, 1] and \
+seen == {"n": 3}
 assert list(evens(7)) == [0, 2, 4, 6] and sum(evens(5)) == 6
 try:
     safe_sqrt(-1)
@@ -393,7 +405,8 @@ def test_a_program_cannot_read_other_runs_files():
         # comparing the program's own objects, passing it a function of the tests', reading a
         # global it changed, a built-in's name it redefined.
         (
-            "class P:\n    def __init__(self, x):\n        self.x = x\n    def __eq__(self, o):\n        return self.x == o.x",
+            "class P:\n    def __init__(self, x):\n        self.x = x\n"
+            "    def __eq__(self, o):\n        return self.x == o.x",
             "assert P(1) == P(1)",
         ),
         ("def apply(f, x):\n    return f(x)", "assert apply(lambda v: v + 1, 1) == 2"),
@@ -409,7 +422,10 @@ def test_what_isolation_refuses(program, tests):
 def test_isolated_protocol_failures_fail_the_tests():
     """A program that talks on the pipes itself, dies in a call, spins in a call, or
     fails before the tests start: the tests fail (and a spin is a timeout)."""
-    garbage = "import os\nfor fd in range(3, 4096):\n    try:\n        os.write(fd, b'\\x00\\x00\\x00\\x02[]')\n    except OSError:\n        pass"
+    garbage = (
+        "import os\nfor fd in range(3, 4096):\n    try:\n"
+        "        os.write(fd, b'\\x00\\x00\\x00\\x02[]')\n    except OSError:\n        pass"
+    )
     dies = "def add_one(x):\n    import os\n    os._exit(0)"
     for program in (
         garbage + "\ndef add_one(x):\n    return x + 1",
@@ -492,7 +508,10 @@ def test_codec_round_trips_and_rejects_what_it_does_not_know():
 
 
 def test_partial_credit_counts_each_assert():
-    tests = "import math\nassert add_one(1) == 2\nassert add_one(2) == 4\nassert add_one(math.floor(2.5)) == 3\nassert add_one(0) == 0"
+    tests = (
+        "import math\nassert add_one(1) == 2\nassert add_one(2) == 4\n"
+        "assert add_one(math.floor(2.5)) == 3\nassert add_one(0) == 0"
+    )
     assert code_correctness(ADD_ONE, tests, partial=True) == pytest.approx(0.5)
     assert code_correctness(ADD_ONE, tests) == 0.0  # binary by default (Magistral)
 
@@ -585,7 +604,8 @@ def test_parse_tests_completes_humaneval_and_refuses_the_rest():
         ("import math", "cannot fail"),
         ("def test_add():\n    assert add_one(1) == 2\n", "pytest-style"),
         (
-            "import unittest\nclass T(unittest.TestCase):\n    def test(self):\n        self.assertEqual(1, 2)\n"
+            "import unittest\nclass T(unittest.TestCase):\n"
+            "    def test(self):\n        self.assertEqual(1, 2)\n"
             "unittest.main(exit=False)\n",
             "unittest / pytest",
         ),
@@ -626,8 +646,8 @@ def test_asserts_keep_their_order_and_decorators_when_cut_or_split():
         assert code_correctness(ADD_ONE, tests, **options, **FAST) == 1.0, options
     cut = code_lib.limit_tests(tests, 2)
     assert (
-        cut
-        == "from dataclasses import dataclass\n@dataclass\nclass P:\n    a: int\nx = add_one(0)\nassert x == 1\n"
+        cut == "from dataclasses import dataclass\n@dataclass\nclass P:\n    a: int\n"
+        "x = add_one(0)\nassert x == 1\n"
         "x = add_one(1)\nassert x == 2\n"
     )
     # Line breaks other than \n / \r (form feed, U+2028) neither cut a test off nor split a
@@ -655,7 +675,10 @@ def test_max_tests_runs_the_first_cases_or_asserts():
     ]
     assert code_correctness(SUM_STDIN, cases, **FAST) == 0.0  # the sixth case is wrong
     assert code_correctness(SUM_STDIN, cases, max_tests=5, **FAST) == 1.0
-    tests = "import math\nassert add_one(1) == 2\nassert add_one(math.floor(2.5)) == 3\nassert add_one(0) == 5"
+    tests = (
+        "import math\nassert add_one(1) == 2\n"
+        "assert add_one(math.floor(2.5)) == 3\nassert add_one(0) == 5"
+    )
     assert (
         code_lib.limit_tests(tests, 2)
         == "import math\nassert add_one(1) == 2\nassert add_one(math.floor(2.5)) == 3\n"
@@ -773,7 +796,10 @@ def test_cannot_read_parent_environment(monkeypatch):
     peek = solution("import os\nSECRET = os.environ.get('POLICYOPT_TEST_SECRET')")
     assert code_correctness(peek, "assert SECRET == 's3cret-value'", **FAST) == 0.0
     if IS_ROOT:  # nor the scorer's environment block through /proc
-        snoop = "import os\ntry:\n    open(f'/proc/{os.getppid()}/environ').read()\nexcept OSError:\n    print('blocked')"
+        snoop = (
+            "import os\ntry:\n    open(f'/proc/{os.getppid()}/environ').read()\n"
+            "except OSError:\n    print('blocked')"
+        )
         assert run_sandboxed(snoop, **FAST).stdout.strip() == "blocked"
 
 

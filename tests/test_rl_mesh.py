@@ -56,7 +56,8 @@ _SCRIPT = textwrap.dedent("""
         # Parameters by their logical axes, Adam's moments as the parameters, counters
         # replicated.
         params = specs(state.params)
-        used = {axis for s in params for dim in s for axis in ((dim,) if isinstance(dim, str) else dim or ())}
+        used = {axis for s in params for dim in s
+                for axis in ((dim,) if isinstance(dim, str) else dim or ())}
         assert used == params_axes, (used, params)
         for moment in ("mu", "nu"):
             assert specs(optax.tree_utils.tree_get(state.opt_state, moment)) == params
@@ -86,7 +87,8 @@ _SCRIPT = textwrap.dedent("""
         resumed = trainer.build_run(config, workdir)
         assert resumed.iteration == 2
         saved, restored = (run.state, run.rng), (resumed.state, resumed.rng)
-        assert [x.sharding for x in jax.tree.leaves(restored)] == [x.sharding for x in jax.tree.leaves(saved)]
+        assert [x.sharding for x in jax.tree.leaves(restored)] == [
+            x.sharding for x in jax.tree.leaves(saved)]
         for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         compiled = (dict(run.learner.trace_counts), generate_fn._cache_size())
@@ -114,7 +116,8 @@ _SCRIPT = textwrap.dedent("""
         summary = run_async_rl(config, f"{out}/async", num_iterations=2, quiet=True)
         assert summary["iteration"] == 2 and np.isfinite(summary["metrics"]["loss/loss"])
         assert dict(learner.trace_counts) == compiled, (learner.trace_counts, compiled)
-        assert _refill_fn._cache_size() == _segment_fn._cache_size() == _group_rows_fn._cache_size() == 1
+        assert (_refill_fn._cache_size() == _segment_fn._cache_size()
+                == _group_rows_fn._cache_size() == 1)
         check_placement(summary["run"].state, {"fsdp", "tensor"})
         print("ok critic async", flush=True)
     """)

@@ -18,7 +18,8 @@ _PROBE = textwrap.dedent("""
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     class MallInfo2(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in
-                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+                    ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks "
+                     "fordblks keepcost").split()]
     libc.mallinfo2.restype = MallInfo2
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]

@@ -117,7 +117,8 @@ _BUILD_SCRIPT = textwrap.dedent("""
           assert all(s.data.size < x.size for s in x.addressable_shards), (x.shape, x.sharding)
       assert [leaf.sharding for leaf in leaves] == wants
       # shard_params returns born-sharded parameters as they are (no copy).
-      assert all(a is b for a, b in zip(jax.tree.leaves(sharding.shard_params(params, mesh)), leaves))
+      assert all(a is b for a, b in zip(
+          jax.tree.leaves(sharding.shard_params(params, mesh)), leaves))
       return params
 
     def same_values(got, want):
@@ -152,7 +153,8 @@ _BUILD_SCRIPT = textwrap.dedent("""
     _, born = build.init_params(run_config, build.make_model(run_config, vocab_size, mesh), mesh)
     _, placed = build.init_params(run_config, build.make_model(run_config, vocab_size), mesh)
     same_values(born, placed)
-    assert [x.sharding for x in jax.tree.leaves(born)] == [x.sharding for x in jax.tree.leaves(placed)]
+    assert [x.sharding for x in jax.tree.leaves(born)] == [
+        x.sharding for x in jax.tree.leaves(placed)]
 
     # (4) A one-device mesh: the parameters placed by default (jnp.asarray) as before,
     # which on one device is also shard_params' placement.

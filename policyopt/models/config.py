@@ -181,14 +181,16 @@ class ModelConfig:
         if self.num_experts > 0:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(
-                    f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}]"
+                    "ModelConfig.num_experts_per_tok must be in "
+                    f"[1, num_experts={self.num_experts}]"
                     f", got {self.num_experts_per_tok}"
                 )
             if self.moe_layers is not None:
                 bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
                 if bad or len(set(self.moe_layers)) != len(self.moe_layers):
                     raise ValueError(
-                        f"ModelConfig.moe_layers must be distinct layer indices in [0, {self.num_layers})"
+                        "ModelConfig.moe_layers must be distinct layer indices in "
+                        f"[0, {self.num_layers})"
                         f", got {self.moe_layers}"
                     )
         for name in ("dtype", "param_dtype"):
@@ -207,7 +209,8 @@ class ModelConfig:
             )
         if self.moe_weight_gather not in _GATHER:
             raise ValueError(
-                f"ModelConfig.moe_weight_gather must be one of {_GATHER}, got {self.moe_weight_gather!r}"
+                f"ModelConfig.moe_weight_gather must be one of {_GATHER}, "
+                f"got {self.moe_weight_gather!r}"
             )
         if self.moe_ep_transport not in _EP_TRANSPORT:
             raise ValueError(

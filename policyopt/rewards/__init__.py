@@ -7,10 +7,10 @@ Public API::
         # or "gsm8k" (after the last "####")
     code_correctness(completion, tests, *, timeout_s=4.0, memory_mb=300, partial=False,
                      max_tests=None) -> float
-    format_ok(completion, task, answer_format="boxed") -> bool               # Magistral format gate
-    overlong_penalty(length, max_len, cache_len, *, scale=1.0) -> float      # DAPO / Magistral
-    languages_consistent(problem, reasoning, answer) -> bool                 # Magistral language bonus
-    RewardSpec(...)                                                          # the reward recipe
+    format_ok(completion, task, answer_format="boxed") -> bool           # Magistral format gate
+    overlong_penalty(length, max_len, cache_len, *, scale=1.0) -> float  # DAPO / Magistral
+    languages_consistent(problem, reasoning, answer) -> bool             # Magistral language bonus
+    RewardSpec(...)                                                      # the reward recipe
         # RewardSpec(verifier="package.module:function") puts your own correctness function
         # (completion, reference) -> c in [0, 1] in place of the math / code verifier
     score_batch(completions, references, lengths, spec, *, prompts=None, num_workers=0,

@@ -136,11 +136,13 @@ class RewardSpec:
             )
         if self.answer_format not in math_lib.ANSWER_FORMATS:
             raise ValueError(
-                f"RewardSpec.answer_format must be one of {math_lib.ANSWER_FORMATS}, got {self.answer_format!r}"
+                f"RewardSpec.answer_format must be one of {math_lib.ANSWER_FORMATS}, "
+                f"got {self.answer_format!r}"
             )
         if self.overlong not in length_lib.OVERLONG_MODES:
             raise ValueError(
-                f"RewardSpec.overlong must be one of {length_lib.OVERLONG_MODES}, got {self.overlong!r}"
+                f"RewardSpec.overlong must be one of {length_lib.OVERLONG_MODES}, "
+                f"got {self.overlong!r}"
             )
         if self.overlong != "none":
             if self.max_len is None or self.cache_len is None:
@@ -150,14 +152,16 @@ class RewardSpec:
                 )
             if not 0 < self.cache_len <= self.max_len:
                 raise ValueError(
-                    f"RewardSpec.cache_len must be in (0, max_len={self.max_len}], got {self.cache_len}"
+                    f"RewardSpec.cache_len must be in (0, max_len={self.max_len}], "
+                    f"got {self.cache_len}"
                 )
         if self.overlong_filter and self.max_len is None:
             raise ValueError("RewardSpec.overlong_filter=True needs max_len (the generation limit)")
         if self.math_timeout_s <= 0 or self.code_timeout_s <= 0 or self.verifier_timeout_s <= 0:
             raise ValueError(
                 f"RewardSpec timeouts must be > 0, got math_timeout_s={self.math_timeout_s}, "
-                f"code_timeout_s={self.code_timeout_s}, verifier_timeout_s={self.verifier_timeout_s}"
+                f"code_timeout_s={self.code_timeout_s}, "
+                f"verifier_timeout_s={self.verifier_timeout_s}"
             )
         if self.code_max_tests is not None and self.code_max_tests < 1:
             raise ValueError(
@@ -167,7 +171,8 @@ class RewardSpec:
 
         if self.code_isolation not in ISOLATIONS:
             raise ValueError(
-                f"RewardSpec.code_isolation must be one of {ISOLATIONS}, got {self.code_isolation!r}"
+                f"RewardSpec.code_isolation must be one of {ISOLATIONS}, "
+                f"got {self.code_isolation!r}"
             )
         if self.verifier is not None:
             load_verifier(self.verifier)  # fails here, naming the path, not in a worker

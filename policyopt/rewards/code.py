@@ -321,7 +321,10 @@ def _sandbox_python() -> str:
                 candidates.append(os.path.realpath(path))
     if not _is_root():
         return candidates[0]
-    probe = "import collections, functools, heapq, itertools, json, math, re, string, sys\nprint('ok')\n"
+    probe = (
+        "import collections, functools, heapq, itertools, json, math, re, string, sys\n"
+        "print('ok')\n"
+    )
     for candidate in dict.fromkeys(candidates):
         result = run_sandboxed(probe, timeout_s=10.0, python=candidate)
         if result.returncode == 0 and result.stdout.strip() == "ok":
@@ -464,7 +467,8 @@ class _Sandbox:
                 self.jailed = True
             prefix = _interpreter_prefix(python)
             command = [
-                *(_jail_prefix() if jail_dir else _unshare_prefix()), python, "-I", "-S", "-c", _BOOTSTRAP,
+                *(_jail_prefix() if jail_dir else _unshare_prefix()),
+                python, "-I", "-S", "-c", _BOOTSTRAP,
                 str(max(1, int(-(-timeout_s // 1)))), str(memory_mb << 20), str(nproc),
                 str(max_output_bytes), str(uid), str(os.getpid()), str(self.disk_bytes), jail_dir,
                 prefix,
@@ -771,7 +775,8 @@ def _lines(value: Any, what: str) -> str:
     if isinstance(value, (list, tuple)) and all(isinstance(line, str) for line in value):
         return "\n".join(value)
     raise ValueError(
-        f"a test case's {what} must be text, a number or a list of lines, got {type(value).__name__}"
+        f"a test case's {what} must be text, a number or a list of lines, "
+        f"got {type(value).__name__}"
     )
 
 
@@ -954,7 +959,8 @@ def _assert_harness(program: str, tests: str, marker: str) -> str:
     program runs, so a program that replaces them (``exec = ...``, ``builtins.exec``,
     ``sys.stdout.close()``) neither skips the tests nor hides the marker."""
     return (
-        "def _policyopt_run(program, tests, marker, exec=exec, compile=compile, SystemExit=SystemExit,\n"
+        "def _policyopt_run(program, tests, marker, exec=exec, compile=compile, "
+        "SystemExit=SystemExit,\n"
         "                   write=__import__('os').write, fd=__import__('os').dup(1)):\n"
         "    namespace = {'__name__': '__main__', '__builtins__': __builtins__}\n"
         "    try:\n"

@@ -582,8 +582,9 @@ class AsyncGenerator:
     scores them (`score_fn`) one group at a time, in finish order, and queues them for
     `take`, so decoding does not wait for a verifier while the `n_async` budget lasts
     (a slow verifier delays the groups behind it; groups waiting to be scored count in
-    the budget, so a verifier slower than decoding eventually idles the generator). The generator never waits for the trainer while a group is in
-    flight; with nothing in flight and no budget left it waits for `take`. Errors in
+    the budget, so a verifier slower than decoding eventually idles the generator). The
+    generator never waits for the trainer while a group is in flight; with nothing in
+    flight and no budget left it waits for `take`. Errors in
     either thread are re-raised by `take` (and by `close` when no `take` saw them);
     `close` (also on leaving a ``with`` block, on error too) stops the generator between
     segments (and joins it: a segment always ends) and the scorer between groups: it calls

@@ -1,14 +1,15 @@
 """Asynchronous RL (Magistral, arXiv 2506.10910; docs/algorithms.md "Asynchronous generation"):
 generation and training overlap.
 
-    summary = run_async_rl(config, workdir)   # config.async_mode.enabled (configs/magistral_async.py)
+    # config.async_mode.enabled (configs/magistral_async.py)
+    summary = run_async_rl(config, workdir)
 
 A generator thread (``policyopt.rl.async_generation.AsyncGenerator``) decodes prompts
 continuously in slot groups and hands every group over as soon as it finishes to a
 scoring thread, which scores it and queues it (so decoding does not wait for a verifier
 while the ``n_async`` budget lasts: groups waiting to be scored count in it);
-the generator never waits for the trainer while a group is in flight. The trainer (this thread) takes
-finished groups in finish order until the batch holds ``n_prompts`` groups
+the generator never waits for the trainer while a group is in flight. The trainer (this thread)
+takes finished groups in finish order until the batch holds ``n_prompts`` groups
 (``n_batch = n_prompts * G`` completions; with dynamic sampling, zero-variance groups are
 dropped and counted as DAPO / Magistral do), then runs exactly the synchronous trainer's
 stages on it (``iteration.prepare`` and ``iteration.update_epochs``: old log-probs from the

@@ -18,8 +18,9 @@ given: R2 / R3), takes the log-probs of the response tokens from the final hidde
 states (``policyopt.logprobs.token_log_probs``, chunked over the vocabulary, at the
 sampling temperature) and returns ``policyopt.losses.policy_loss`` with the recipe's
 method, clip / temperatures, aggregation, optional KL (GRPO, k3), optional truncated
-importance weights and, with rollout rejection sampling, over ``batch.loss_mask``, plus optional load-balancing and entropy terms and VAPO's NLL on
-correct samples (``mu * losses.nll_loss``). ``batch.advantages`` is one advantage per
+importance weights and, with rollout rejection sampling, over ``batch.loss_mask``, plus
+optional load-balancing and entropy terms and VAPO's NLL on correct samples
+(``mu * losses.nll_loss``). ``batch.advantages`` is one advantage per
 sequence (outcome advantages) or one per token (GAE, ``policyopt.rl.critic``).
 With ``batch.packing`` (``policyopt.rl.packing``) the forward runs on packed rows and its
 log-probs are gathered back to ``[R, N]`` before the loss, which is therefore unchanged.
