@@ -63,6 +63,9 @@ same loop: rollouts come back gathered from all of them (``sharding.to_host``), 
 scores its share of the rows and receives the others' scores (``score_batch(...,
 across_processes=True)``), every process builds the same batch, and process 0 writes the logs
 (``policyopt.sharding``; ``tests/test_multihost.py``). Asynchronous RL is single-process.
+
+The stages and their helpers (``iteration``, ``methods``, ``forwards``, ``report``) are
+re-exported here (``import name as name``), importable from this module as before.
 """
 
 from __future__ import annotations
@@ -86,19 +89,21 @@ from policyopt.metrics import MetricsWriter, Progress, read_last_value, read_ste
 from policyopt.rl import build, iteration, methods, report
 from policyopt.rl.critic import CriticConfig, critic_optim, get_critic
 from policyopt.rl.evaluate import evaluate
-
-# The stages, their types and their helpers, importable from here as before the split.
-from policyopt.rl.forwards import pack_chunks, pack_rows  # noqa: F401
-from policyopt.rl.iteration import (
-    RunSpec,
-    RunState,
-    TrainBatch,  # noqa: F401
-)
+from policyopt.rl.forwards import pack_chunks as pack_chunks
+from policyopt.rl.forwards import pack_rows as pack_rows
+from policyopt.rl.iteration import RunSpec, RunState
+from policyopt.rl.iteration import Sampled as Sampled
+from policyopt.rl.iteration import TrainBatch as TrainBatch
+from policyopt.rl.iteration import prepare as prepare
+from policyopt.rl.iteration import sample as sample
+from policyopt.rl.iteration import update_epochs as update_epochs
 from policyopt.rl.learner import LossConfig, OptimConfig, get_learner, place_state
-from policyopt.rl.methods import (
-    gae_settings,  # noqa: F401
-)
-from policyopt.rl.report import batch_metrics, scoring_metrics  # noqa: F401
+from policyopt.rl.methods import CorrectionConfig as CorrectionConfig
+from policyopt.rl.methods import gae_settings as gae_settings
+from policyopt.rl.methods import minibatch_advantages as minibatch_advantages
+from policyopt.rl.methods import rollout_correction as rollout_correction
+from policyopt.rl.report import batch_metrics as batch_metrics
+from policyopt.rl.report import scoring_metrics as scoring_metrics
 from policyopt.runtime import GracefulStop
 from policyopt.sampling import SamplingConfig, sampling_method
 
