@@ -6,11 +6,11 @@ their fsdp shards; the bounded buffer's overflow fallback; the
 ragged_all_to_all transport's offsets (against a reference implementation of the
 collective's semantics: XLA:CPU does not compile ragged-all-to-all); and the config
 errors of a mesh that expert parallelism cannot use; MoE blocks inside a ``lax.scan``
-over layers.
+over layers; the megablox kernel (Pallas interpret mode) on the local experts.
 
-One subprocess (JAX reads ``XLA_FLAGS`` once, at start-up) runs every case; it compiles
-with ``--xla_backend_optimization_level=0`` (as tests/test_rl_mesh.py) to halve XLA:CPU's
-compile time.
+A subprocess (JAX reads ``XLA_FLAGS`` once, at start-up) runs the cases of each test; it
+compiles with ``--xla_backend_optimization_level=0`` (as tests/test_rl_mesh.py) to halve
+XLA:CPU's compile time.
 """
 
 import os
@@ -23,7 +23,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_SCRIPT = textwrap.dedent("""
+# Shared by the scripts below: the meshes, the tokens, a jitted loss-and-gradient step of a
+# one-layer model, the comparison with one device's step, and the run of a step on a mesh.
+_PRELUDE = textwrap.dedent("""
     import dataclasses
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
@@ -68,7 +70,9 @@ _SCRIPT = textwrap.dedent("""
           a for a in ("data", "fsdp", "expert") if a in shape), split
       with jax.set_mesh(mesh):
         return step(placed, *rows, *([None] * (len(args) - len(rows)))), step, placed, rows, mesh
+    """)
 
+_SCRIPT = _PRELUDE + textwrap.dedent("""
     moe_config = preset("tiny_moe", vocab_size=64, num_layers=1, num_experts=8,
                         moe_dispatch="blocked", moe_block_size=4)
     params, step = make(moe_config)
@@ -190,18 +194,58 @@ _SCRIPT = textwrap.dedent("""
     except ValueError as error:
       assert "mesh.expert=8" in str(error) and "num_experts=4" in str(error), error
       print("ok refused", flush=True)
-    # The megablox kernel under shard_map: refused with the field and value.
-    p, s = make(dataclasses.replace(moe_config, moe_dispatch="megablox"))
-    try:
-      on_mesh(s, p, {"expert": 8}, tokens, None)
-      raise AssertionError("megablox ran expert-parallel")
-    except ValueError as error:
-      assert "moe_dispatch='megablox'" in str(error) and "mesh.expert=8" in str(error), error
-      print("ok megablox refused", flush=True)
+    """)
+
+# The megablox kernel (Pallas interpret mode) on the local experts inside the shard_map,
+# forward and backward (gmm, and tgmm for the weights), against one device's step with
+# jax.lax.ragged_dot, an independent grouped matmul (tests/test_moe.py checks one device's
+# megablox against the loop MoE). Tiny: every kernel call is an interpreted loop over its
+# tiles.
+_MEGABLOX_SCRIPT = _PRELUDE + textwrap.dedent("""
+    from jax.sharding import PartitionSpec as P
+
+    config = preset("tiny_moe", vocab_size=64, num_layers=1, num_experts=8,
+                    moe_dispatch="ragged")
+    params, step = make(config)
+    want = step(params, tokens, None)
+    _, step = make(dataclasses.replace(config, moe_dispatch="megablox"))
+    for shape in MESHES[:2]:
+      got, _, placed, rows, mesh = on_mesh(step, params, shape, tokens, None)
+      compare(got, want, f"megablox {shape}")
+      # The kernels run inside the expert-parallel shard_map: gmm forward and backward,
+      # tgmm for the weights' gradient.
+      with jax.set_mesh(mesh):
+        jaxpr = str(jax.make_jaxpr(step)(placed, *rows, None))
+      inner = jaxpr[jaxpr.index("shard_map"):]
+      for name in ("all_to_all", "pallas_call", "name=gmm", "name=tgmm"):
+        assert name in inner, (shape, name)
+      print("ok megablox", shape, flush=True)
+
+    # Weights the same on every device (invariant over the mesh) times rows that vary:
+    # the weights' gradient is the sum of every device's (the psum in the kernel's VJP).
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(8 * 16, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(2, 8, 16)), jnp.float32)
+    sizes = jnp.array([5, 9], jnp.int32)
+    mesh = jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def loss(matmul):
+      product = jax.shard_map(lambda x, w: matmul(x, w, sizes), mesh=mesh,
+                              in_specs=(P("expert"), P()), out_specs=P("expert"))
+      return lambda x, w: jnp.sum(jnp.sin(product(x, w)))
+
+    with jax.set_mesh(mesh):
+      x = jax.device_put(x, jax.NamedSharding(mesh, P("expert")))
+      got = jax.jit(jax.value_and_grad(loss(moe.megablox_matmul), argnums=(0, 1)))(x, w)
+      ref = jax.jit(jax.value_and_grad(loss(jax.lax.ragged_dot), argnums=(0, 1)))(x, w)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+      np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+    print("ok megablox invariant weights", flush=True)
     """)
 
 
-def test_expert_parallel_matches_one_device():
+def _run(script):
+    """Runs ``script`` on 8 simulated CPU devices; its stdout."""
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
@@ -209,7 +253,7 @@ def test_expert_parallel_matches_one_device():
         XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
     )
     proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT],
+        [sys.executable, "-c", script],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -217,16 +261,19 @@ def test_expert_parallel_matches_one_device():
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
-    for line in (
-        "ok moe",
-        "ok buffer",
-        "ok ragged",
-        "ok dense",
-        "ok scan",
-        "ok refused",
-        "ok megablox refused",
-    ):
-        assert line in proc.stdout, proc.stdout
+    return proc.stdout
+
+
+def test_expert_parallel_matches_one_device():
+    stdout = _run(_SCRIPT)
+    for line in ("ok moe", "ok buffer", "ok ragged", "ok dense", "ok scan", "ok refused"):
+        assert line in stdout, stdout
+
+
+def test_megablox_expert_parallel_matches_one_device():
+    stdout = _run(_MEGABLOX_SCRIPT)
+    for case in ("{'expert': 8}", "{'fsdp': 2, 'expert': 4}", "invariant weights"):
+        assert f"ok megablox {case}" in stdout, stdout
 
 
 def _config(**mesh):

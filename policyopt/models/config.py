@@ -52,9 +52,9 @@ class ModelConfig:
       param_dtype: storage dtype of the parameters.
       moe_dispatch: "ragged" (dropless: sort by expert + jax.lax.ragged_dot; the choice
         on TPUs, which have grouped-matmul kernels), "megablox" (as "ragged", the grouped
-        matmuls by the megablox GMM Pallas kernel for TPUs that ships with JAX; on other
-        backends it runs in Pallas interpret mode, for tests only; not yet on a mesh with
-        an expert axis), "blocked" (dropless:
+        matmuls by the megablox GMM Pallas kernel for TPUs that ships with JAX, also on
+        each device's local experts on a mesh with an expert axis; on other backends it
+        runs in Pallas interpret mode, for tests only), "blocked" (dropless:
         sort by expert, pad groups to blocks of moe_block_size rows, batched matmul; the
         fast choice for training on CPUs and GPUs, where XLA lowers ragged_dot to a dense
         product over every expert), "dense" (dropless: every token through every expert, weighted by

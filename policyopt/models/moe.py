@@ -21,7 +21,8 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
        d. scatter the outputs back to copy order, weight by g and sum over the k copies.
 
      megablox (dropless): as ragged, the grouped matmuls by the megablox GMM kernel for
-       TPUs (``megablox_matmul``; Pallas interpret mode on other backends).
+       TPUs (``megablox_matmul``; Pallas interpret mode on other backends), on one device
+       or on each device's local experts under expert parallelism.
 
      blocked (dropless, plain XLA; MegaBlocks' padded block-sparse form): as ragged,
        but each expert's group is padded to a multiple of ``moe_block_size`` rows, so
@@ -69,6 +70,7 @@ device holding its expert (section "Expert parallelism" below).
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 
 import jax
@@ -108,11 +110,12 @@ def route(router_logits: jax.Array, k: int, norm_topk_prob: bool, routing: jax.A
 
 def megablox_matmul(rows, weights, group_sizes, interpret: bool | None = None):
     """Grouped matmul with the megablox GMM kernel of JAX's Pallas TPU ops
-    (``jax.experimental.pallas.ops.tpu.megablox.gmm``, MegaBlocks' block-sparse product):
+    (``jax.experimental.pallas.ops.tpu.megablox``, MegaBlocks' block-sparse product):
     out[r] = rows[r] @ weights[e(r)], rows sorted by group, group e of ``group_sizes[e]``
-    rows. Its custom VJP runs the kernel again for the rows' gradient and the transposed
-    kernel (``tgmm``) for the weights'. Rows are padded to a multiple of the row tile;
-    rows past sum(group_sizes) come out zero, with zero gradient.
+    rows. Its VJP (``_gmm``) runs the kernel again for the rows' gradient and the
+    transposed kernel (``tgmm``) for the weights'. Rows are padded to a multiple of the row
+    tile; rows past sum(group_sizes) come out zero, with zero gradient. Inside
+    ``jax.shard_map`` (the expert-parallel block's local experts) too: see ``_gmm``.
 
     Args:
       rows: [M, D]; weights: [E, D, F] (same dtype); group_sizes: int32 [E], sum <= M.
@@ -121,8 +124,6 @@ def megablox_matmul(rows, weights, group_sizes, interpret: bool | None = None):
     Returns:
       [M, F] in the dtype of ``rows`` (accumulated in float32).
     """
-    from jax.experimental.pallas.ops.tpu import megablox
-
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     m, d = rows.shape
@@ -140,19 +141,133 @@ def megablox_matmul(rows, weights, group_sizes, interpret: bool | None = None):
     # gradient selects too, so the unwritten rows never reach a product).
     grouped = (jnp.arange(padded) < jnp.sum(group_sizes))[:, None]
     rows = jnp.where(grouped, rows, 0)
-    # Positional: the custom_vjp's non-differentiable arguments are (3, 4, 7, 8).
-    out = megablox.gmm(
-        rows,
-        weights.astype(rows.dtype),
-        group_sizes.astype(jnp.int32),
-        rows.dtype,
-        tiling,
-        None,
-        None,
-        False,
-        interpret,
-    )
+    out = _gmm(rows, weights.astype(rows.dtype), group_sizes.astype(jnp.int32), tiling, interpret)
     return jnp.where(grouped, out, 0)[:m]
+
+
+def _megablox_kernels():
+    """The module of JAX's megablox kernels, ``gmm`` and ``tgmm`` (the package's own ``gmm``
+    attribute is its custom-VJP op, which shadows the module of the same name)."""
+    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def _manual_varying(*arrays) -> frozenset:
+    """The mesh axes any of ``arrays`` varies over (``jax.shard_map``'s check_vma types;
+    empty outside a shard_map)."""
+    return frozenset().union(*(jax.typeof(a).mat.varying for a in arrays))
+
+
+def _typed_varying(x, axes: frozenset):
+    """``x`` typed as varying over ``axes`` (a ``pcast`` of the axes it lacks)."""
+    missing = tuple(sorted(axes - _manual_varying(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _unchecked(kernel, *args, interpret: bool):
+    """``kernel(*args)``, a Pallas kernel call, traced without shard_map's check_vma when
+    it is called inside a ``jax.shard_map``.
+
+    jax 0.10.2's megablox kernels build their ``pallas_call`` outputs without a
+    manual-axis type, which a shard_map with check_vma refuses. They run here under a
+    nested ``jax.shard_map(check_vma=False)`` over the axes that are manual already: it
+    splits nothing, and its transpose adds no collective. Its outputs come back untyped
+    (invariant over the mesh); ``_gmm`` types them, inside a custom VJP so that no
+    ``pcast`` is ever transposed (into a psum). In interpret mode the arguments are first
+    recomputed as untyped values (``+ 0`` under check_vma=False): the HLO interpreter of
+    ``pallas_call`` carries its operands through a while loop whose body drops their
+    types, and the loop refuses the mismatch (jax 0.10.2).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.manual_axes:
+        return kernel(*args)
+
+    def region(*args):
+        if interpret:
+            args = [a + jnp.zeros((), a.dtype) for a in args]
+        return kernel(*args)
+
+    return jax.shard_map(
+        region,
+        in_specs=tuple(PartitionSpec() for _ in args),
+        out_specs=PartitionSpec(),
+        axis_names=frozenset(mesh.manual_axes),
+        check_vma=False,
+    )(*args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm(lhs, rhs, group_sizes, tiling: tuple[int, int, int], interpret: bool):
+    """out[r] = lhs[r] @ rhs[e(r)] by the megablox ``gmm`` kernel, typed as varying over
+    the mesh axes any operand varies over (inside ``jax.shard_map``; ``_unchecked``).
+
+    Args:
+      lhs: [M, D], M a multiple of tiling[0]; rhs: [E, D, F]; group_sizes: int32 [E];
+      tiling: the kernel's (m, k, n) tiles; interpret: Pallas interpret mode.
+    Returns:
+      [M, F] in the dtype of ``lhs``; rows past sum(group_sizes) unwritten.
+    """
+    kernels = _megablox_kernels()
+    out = _unchecked(
+        lambda l, r, s: kernels.gmm(l, r, s, l.dtype, tiling, interpret=interpret),
+        lhs,
+        rhs,
+        group_sizes,
+        interpret=interpret,
+    )
+    return _typed_varying(out, _manual_varying(lhs, rhs, group_sizes))
+
+
+def _gmm_fwd(lhs, rhs, group_sizes, tiling, interpret):
+    return _gmm(lhs, rhs, group_sizes, tiling, interpret), (lhs, rhs, group_sizes)
+
+
+def _gmm_bwd(tiling, interpret, residuals, grad):
+    """The VJP of megablox's own op (``megablox.ops``): with G = grad [M, F],
+
+        d lhs[r] = G[r] @ rhs[e(r)]^T                 (``gmm``, rhs transposed)
+        d rhs[e] = sum_{r in group e} lhs[r]^T G[r]     (``tgmm``)
+
+    Under ``jax.shard_map`` each is typed as the product (varying over the axes any of
+    lhs, rhs, group_sizes, G varies over) and then summed over the axes its primal does
+    not vary over: the transpose of using an invariant operand in a varying product (a
+    ``psum``, as autodiff inserts for ``jax.lax.ragged_dot``)."""
+    lhs, rhs, group_sizes = residuals
+    kernels = _megablox_kernels()
+    axes = _manual_varying(lhs, rhs, group_sizes, grad)
+    d_lhs = _unchecked(
+        lambda g, r, s: kernels.gmm(
+            g, r, s, lhs.dtype, tiling, transpose_rhs=True, interpret=interpret
+        ),
+        grad,
+        rhs,
+        group_sizes,
+        interpret=interpret,
+    )
+    d_rhs = _unchecked(
+        lambda l, g, s: kernels.tgmm(
+            l.swapaxes(0, 1),
+            g,
+            s,
+            rhs.dtype,
+            tiling,
+            num_actual_groups=rhs.shape[0],
+            interpret=interpret,
+        ),
+        lhs,
+        grad,
+        group_sizes,
+        interpret=interpret,
+    )
+
+    def cotangent(ct, primal):
+        ct = _typed_varying(ct, axes)
+        extra = tuple(sorted(axes - _manual_varying(primal)))
+        return jax.lax.psum(ct, extra) if extra else ct
+
+    return cotangent(d_lhs, lhs), cotangent(d_rhs, rhs), None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def ragged_experts(x, expert_ids, gates, w_gate, w_up, w_down, matmul: str = "ragged_dot"):
@@ -472,9 +587,10 @@ def router_aux(
 #      [n_ep, C, D] buffers, C = ceil(f m / n_ep) copies per device pair
 #      (f = moe_ep_buffer_factor), or ``ragged_all_to_all`` of exactly s_j rows into a
 #      receive buffer of C = ceil(f m) rows;
-#   4. run the received rows through the E_l local experts (the blocked / ragged / dense
-#      computation of one device, k = 1, gate 1; empty buffer rows are zeros and give
-#      zeros: SwiGLU(0) = 0);
+#   4. run the received rows through the E_l local experts (the blocked / ragged /
+#      megablox / dense computation of one device, k = 1, gate 1; empty buffer rows are
+#      zeros and give zeros: SwiGLU(0) = 0; the megablox kernel inside the shard_map as
+#      ``_gmm`` says);
 #   5. send the outputs back the same way, put them in copy order and combine them with
 #      the gates: y_n = sum_j g_nj out_nj.
 #
@@ -827,14 +943,6 @@ def _expert_parallel_block(
       As ``MoE.__call__`` before the dropped count: (y, routing, aux).
     """
     cfg = config
-    if dispatch == "megablox":
-        # jax 0.10: its pallas_call does not say how its output varies over the mesh
-        # axes, which shard_map's check_vma requires.
-        raise ValueError(
-            "ModelConfig.moe_dispatch='megablox' does not run expert-parallel "
-            f"yet (mesh.expert={mesh.shape['expert']}): use 'ragged' or "
-            "'blocked' on a mesh with an expert axis"
-        )
     k, dt, num_experts = cfg.num_experts_per_tok, cfg.compute_dtype, cfg.num_experts
     n_ep = mesh.shape["expert"]
     e_local = num_experts // n_ep
