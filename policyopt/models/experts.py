@@ -9,10 +9,12 @@ y_n = sum_j g_nj SwiGLU_{e_nj}(x_n) [N, D]:
   blocked_experts    dropless: expert groups padded to blocks, one batched matmul
   dense_experts      dropless: every token through every expert, weighted by its gates
   gathered_experts   dropless, for decoding: each expert's tokens in a small buffer
-  capacity_experts   capacity factor: one-hot dispatch into [E, C] buffers, drops counted
+  capacity_experts   capacity factor: one-hot dispatch into [E, C] buffers; also returns
+                     the number of copies dropped
 
-The expert-parallel block (``policyopt.models.expert_parallel``) runs the dropless ones on
-each device's local experts, the megablox kernel inside ``jax.shard_map`` included.
+The expert-parallel block (``policyopt.models.expert_parallel``) runs ragged (with either
+matmul, the megablox kernel inside ``jax.shard_map`` included), blocked or dense on each
+device's local experts ("gathered" there runs as dense).
 """
 
 from __future__ import annotations
