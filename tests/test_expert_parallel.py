@@ -1,4 +1,4 @@
-"""Expert parallelism (``policyopt.models.moe``, ``jax.shard_map``) on 8 simulated CPU
+"""Expert parallelism (``policyopt.models.expert_parallel``, ``jax.shard_map``) on 8 simulated CPU
 devices: loss, gradients, routing and the tokens each expert received equal one device's
 on the meshes expert=8, fsdp=2 x expert=4 and data=2 x expert=4, with and without routing
 replay, for the MoE and the dense model; the MoE weights' gradients reduce-scattered onto
@@ -30,7 +30,7 @@ _PRELUDE = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     from policyopt import sharding
-    from policyopt.models import Transformer, moe, preset
+    from policyopt.models import Transformer, expert_parallel, experts, moe, preset
 
     assert jax.device_count() == 8, jax.devices()
     MESHES = ({"expert": 8}, {"fsdp": 2, "expert": 4}, {"data": 2, "expert": 4})
@@ -143,7 +143,7 @@ _SCRIPT = _PRELUDE + textwrap.dedent("""
                         None)
     assert "ragged_all_to_all" in lowered.as_text()
 
-    moe._RAGGED_ALL_TO_ALL = ragged_reference
+    expert_parallel._RAGGED_ALL_TO_ALL = ragged_reference
     # fsdp=2 x expert=4: row 4 f + j on device (f, j); device (f, j) receives the copies
     # of experts 2j, 2j + 1 from rows 4f ... 4f + 3 (12 copies sent per device). A receive
     # buffer of exactly the largest load, and one less (the step takes the all_to_all
@@ -236,7 +236,7 @@ _MEGABLOX_SCRIPT = _PRELUDE + textwrap.dedent("""
 
     with jax.set_mesh(mesh):
       x = jax.device_put(x, jax.NamedSharding(mesh, P("expert")))
-      got = jax.jit(jax.value_and_grad(loss(moe.megablox_matmul), argnums=(0, 1)))(x, w)
+      got = jax.jit(jax.value_and_grad(loss(experts.megablox_matmul), argnums=(0, 1)))(x, w)
       ref = jax.jit(jax.value_and_grad(loss(jax.lax.ragged_dot), argnums=(0, 1)))(x, w)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
       np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)

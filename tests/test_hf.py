@@ -287,10 +287,10 @@ def _numpy_balance_statistics(layer_logits, mask, k):
 def test_load_balancing_loss_against_transformers(num_layers):
     """LB = E sum_e f_e P_e per layer (1 at balance), mean over layers here; transformers'
     load_balancing_loss_func = k E sum_e (mean_l f_le)(mean_l P_le) (k at balance): for
-    one layer exactly k * LB (policyopt.models.moe.router_aux)."""
+    one layer exactly k * LB (policyopt.models.router.router_aux)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-    from policyopt.models.moe import route, router_aux
+    from policyopt.models.router import route, router_aux
 
     num_experts, k, batch, length = 8, 3, 2, 40
     rng = np.random.default_rng(num_layers)

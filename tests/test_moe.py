@@ -11,15 +11,14 @@ import pytest
 from flax import nnx
 
 from policyopt.models import ModelConfig
-from policyopt.models.moe import (
-    MoE,
+from policyopt.models.experts import (
     capacity_experts,
     gathered_capacities,
     gathered_experts,
     megablox_matmul,
-    route,
-    router_aux,
 )
+from policyopt.models.moe import MoE
+from policyopt.models.router import route, router_aux
 
 E, K, D, F = 4, 2, 8, 6
 
@@ -269,7 +268,7 @@ def test_router_statistics_hand_worked():
 @pytest.mark.parametrize("tokens", [1, 40])
 def test_blocked_dispatch_any_token_count(tokens, gather):
     """Decode-sized (1 token: block shrinks to 1 row) to many blocks per expert."""
-    from policyopt.models.moe import blocked_experts
+    from policyopt.models.experts import blocked_experts
 
     rng = np.random.default_rng(tokens)
     x = jnp.asarray(rng.normal(size=(tokens, D)), jnp.float32)

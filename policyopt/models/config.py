@@ -88,7 +88,7 @@ class ModelConfig:
       attention_block_size: query and key rows per block of "blockwise".
 
       moe_ep_transport: how tokens reach their experts' devices when the mesh has an
-        ``expert`` axis of size > 1 (``policyopt.models.moe``, expert parallelism):
+        ``expert`` axis of size > 1 (``policyopt.models.expert_parallel``):
         "ragged_all_to_all" (exact-size slices; GPUs and TPUs: XLA:CPU does not compile
         it), "all_to_all" (fixed-size per-destination buffers; every backend) or "auto"
         (ragged_all_to_all on accelerators, all_to_all on CPUs).

@@ -175,7 +175,7 @@ def make_mesh(config) -> Mesh:
 
 
 def check_mesh(config, mesh: Mesh, num_experts: int) -> None:
-    """Refuses a mesh that expert parallelism cannot use (``policyopt.models.moe``).
+    """Refuses a mesh that expert parallelism cannot use (``policyopt.models.expert_parallel``).
 
     On a mesh with ``expert`` > 1 the MoE block keeps ``num_experts / expert`` experts
     per device and each device routes its own rows, split over the row axes
