@@ -25,9 +25,12 @@ samples, responses of at most 24 tokens.
 
 This file is the one place of a run's defaults. The settings dataclasses the library builds
 from a config (`rl.learner.LossConfig`, `OptimConfig`, `rl.critic.GAEConfig`,
-`CriticConfig`) have no defaults of their own, and check their fields when they are built
-(`check` builds them); keyword defaults of library functions (`losses.policy_loss`,
-`advantages.gae`, ...) serve direct calls and are never read by a run. The choices of
+`CriticConfig`, `rl.methods.CorrectionConfig`, `rl.async_rl.AsyncConfig`) have no defaults
+of their own; the first four check their fields when they are built (`check` builds them),
+`check` checks the sections of the others. Keyword defaults of library functions
+(`losses.policy_loss`, `advantages.gae`, ...) and of the classes a run fills field by field
+from the config (`sampling.SamplingConfig`, `engine.EngineConfig`, `rewards.RewardSpec`)
+serve direct calls and are never read by a run for a field this file holds. The choices of
 `algo.method` (any objective registered with `policyopt.losses.register_objective`),
 `algo.aggregation` and the advantage estimators come from the library's modules.
 """

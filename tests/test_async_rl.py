@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import magistral, magistral_async, vapo
+from configs import base, magistral, magistral_async, vapo
 from policyopt.metrics import read_jsonl
 from policyopt.rewards import score_batch
 from policyopt.rl import build
@@ -33,6 +33,7 @@ from policyopt.rl.async_generation import (
     staleness_bound,
 )
 from policyopt.rl.async_rl import (
+    AsyncConfig,
     GroupBatcher,
     PromptStream,
     assemble,
@@ -505,6 +506,34 @@ def test_errors_in_the_generator_surface_in_the_caller_and_no_thread_survives():
             generator.take()
             raise KeyError("trainer failed")
     assert not generator._thread.is_alive() and not generator_threads()
+
+
+def test_async_config_takes_every_default_from_configs_base(monkeypatch):
+    """``configs/base.py`` is the one place of ``async_mode``'s defaults: ``AsyncConfig``
+    has none of its own, and a default changed there reaches it through a recipe."""
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(AsyncConfig))
+    assert AsyncConfig.from_config(vapo.get_config()) == AsyncConfig(
+        enabled=False,
+        n_async=None,
+        num_slots=None,
+        segment_steps=8,
+        prompt_width=None,
+        join_timeout_s=60.0,
+    )
+    changed = dict(
+        enabled=True, n_async=32, num_slots=16, segment_steps=3, prompt_width=24, join_timeout_s=7.5
+    )
+    base_config = base.base_config
+
+    def patched():
+        c = base_config()
+        c.async_mode.update(changed)
+        return c
+
+    monkeypatch.setattr(base, "base_config", patched)
+    config = vapo.get_config()  # group_size 8: n_async and num_slots are multiples of it
+    assert AsyncConfig.from_config(config) == AsyncConfig(**changed)
+    assert async_enabled(config)
 
 
 def test_run_async_rl_trains_checkpoints_and_resumes(tmp_path):

@@ -101,34 +101,28 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class AsyncConfig:
-    """``config.async_mode`` (the block of ``configs/base.py``, where each field is
-    documented; fields absent from a hand-built config take these defaults)."""
+    """``config.async_mode``: built by ``from_config``, no defaults of its own
+    (``configs/base.py`` holds them, documents each field and checks them)."""
 
-    enabled: bool = False
+    enabled: bool
     # Most completions started and not yet taken by the trainer (in generation or
     # waiting). None: 2 * n_batch (Magistral: best with n_async / n_batch <= 2).
-    n_async: int | None = None
+    n_async: int | None
     # Generation rows (the slot batch); None: n_async. Fewer rows than n_async bound
     # memory (the KV cache is [rows, P + N + K]) at the price of throughput.
-    num_slots: int | None = None
+    num_slots: int | None
     # K: decode steps between two pick-ups of new weights (the push granularity).
-    segment_steps: int = 8
+    segment_steps: int
     # Prompt width of the generator's slots; None: the prompt bucket of the longest
     # training prompt (``widest_prompt``), so that every prompt of the stream fits.
-    prompt_width: int | None = None
+    prompt_width: int | None
     # Seconds to wait for the scoring thread to stop (the generator is always joined).
-    join_timeout_s: float = 60.0
+    join_timeout_s: float
 
     @classmethod
     def from_config(cls, config) -> "AsyncConfig":
-        node = config.get("async_mode", None)
-        if node is None:
-            return cls()
-        values = {}
-        for field in dataclasses.fields(cls):
-            value = node.get(field.name, None)
-            values[field.name] = field.default if value is None else value
-        return cls(**values)
+        node = config.async_mode
+        return cls(**{field.name: node[field.name] for field in dataclasses.fields(cls)})
 
     def resolved_n_async(self, config) -> int:
         """n_async, the default (2 * n_batch) resolved. The fields are checked, with their

@@ -350,6 +350,19 @@ class DynamicSampler:
         self.enabled, self.max_rounds, self.criterion = enabled, max_rounds, criterion
         self.reset()
 
+    @classmethod
+    def from_config(cls, config) -> "DynamicSampler":
+        """The sampler of a run: ``config.batch.n_prompts`` groups of ``group_size``,
+        ``config.dynamic_sampling`` (disabled: one round, taken as it is)."""
+        ds = config.dynamic_sampling
+        return cls(
+            config.batch.n_prompts,
+            config.batch.group_size,
+            enabled=ds.enabled,
+            max_rounds=ds.max_rounds if ds.enabled else 1,
+            criterion=ds.criterion,
+        )
+
     def reset(self) -> None:
         self.kept: list[tuple[Round, np.ndarray]] = []
         self.dropped: list[tuple[Round, np.ndarray]] = []

@@ -6,13 +6,13 @@
     state, metrics = update_epochs(spec, state, batch, key)
                                                  epochs x minibatches of the updates
 
-``RunSpec`` (frozen: graphdef, learner, critic, mesh, the config and the method-specific
-steps chosen when the run was built, ``policyopt.rl.methods``) and ``RunState`` (a pytree:
-policy and critic states, run key, iteration) are all a stage sees. The stages call
-jitted functions (``sampling.generate_fn``, ``Learner.log_probs`` / ``update``,
-``Critic.values`` / ``update``) and keep host bookkeeping on NumPy arrays (scoring,
-dynamic sampling). The asynchronous trainer (``policyopt.rl.async_rl``) has its own
-``sample`` and uses ``prepare`` and ``update_epochs`` as they are.
+A stage sees ``RunSpec`` (frozen: graphdef, learner, critic, mesh, the config and the
+method-specific steps chosen when the run was built, ``policyopt.rl.methods``) and
+``RunState`` (a pytree: policy and critic states, run key, iteration). It calls jitted
+functions (``sampling.generate_fn``, ``Learner.log_probs`` / ``update``, ``Critic.values``
+/ ``update``) and keeps host bookkeeping on NumPy arrays (scoring: ``rl.rounds``; dynamic
+sampling). The asynchronous trainer (``policyopt.rl.async_rl``) has its own ``sample`` and
+uses ``prepare`` and ``update_epochs`` as they are.
 
 Determinism: iteration ``i`` draws its keys from ``fold_in(state.rng, i)``; the prompts
 come from ``spec.prompts``, a host iterator whose position the run's checkpoint saves
@@ -41,19 +41,17 @@ from policyopt.rl.batch import (
     Batch,
     DynamicSampler,
     Round,
-    bucket,
     minibatch_indices,
     round_from_rollout,
     shard_batch,
     take_rows,
-    truncated_rows,
 )
 from policyopt.rl.critic import Critic
-from policyopt.rl.evaluate import decode, task_accuracies
 from policyopt.rl.learner import Learner, TrainState
 from policyopt.rl.methods import Methods
-from policyopt.rl.report import batch_metrics, scoring_metrics
-from policyopt.rl.routing import routing_metrics
+from policyopt.rl.report import MinibatchMeans, padding_metrics
+from policyopt.rl.rounds import ScoredRound, response_width, round_texts, sampling_metrics
+from policyopt.rl.routing import update_routing_metrics
 from policyopt.sampling import SamplingConfig, generate_fn
 
 
@@ -117,12 +115,8 @@ def rl_iteration(spec: RunSpec, state: RunState):
         sampled = sample(spec, state, key_sample)
         batch = prepare(spec, state, sampled.round)
         state, update_metrics = update_epochs(spec, state, batch, key_shuffle)
-    metrics = {
-        **sampled.metrics,
-        **batch.metrics,
-        **update_metrics,
-        "time/iteration_s": time.perf_counter() - start,
-    }
+    metrics = {**sampled.metrics, **batch.metrics, **update_metrics}
+    metrics["time/iteration_s"] = time.perf_counter() - start
     state = state.replace(iteration=state.iteration + 1)
     return state, {k: float(v) for k, v in metrics.items()}, sampled, batch
 
@@ -130,90 +124,41 @@ def rl_iteration(spec: RunSpec, state: RunState):
 def sample(spec: RunSpec, state: RunState, key: jax.Array) -> Sampled:
     """Sampling rounds of ``n_prompts`` prompts x G samples, scored, until dynamic sampling
     has a full batch (or its cap on rounds); returns the merged batch."""
-    cfg, group = spec.config, spec.config.batch.group_size
-    ds = cfg.dynamic_sampling
-    sampler = DynamicSampler(
-        cfg.batch.n_prompts,
-        group,
-        enabled=ds.enabled,
-        max_rounds=ds.max_rounds if ds.enabled else 1,
-        criterion=ds.criterion,
-    )
-    gen_time = score_time = 0.0
-    scorings, rewards, correct, lengths, truncated, tasks = [], [], [], [], [], []
-    samples, done, round_index = None, False, 0
+    cfg = spec.config
+    sampler = DynamicSampler.from_config(cfg)
+    rounds, times, done = [], {"time/generate_s": 0.0, "time/score_s": 0.0}, False
     while not done:
         prompts = next(spec.prompts)
         t0 = time.perf_counter()
-        rollout = generate(spec, state, prompts, jax.random.fold_in(key, round_index))
-        tokens, lengths_i = sharding.to_host((rollout.tokens, rollout.lengths))
-        truncated_i = truncated_rows(
-            tokens, lengths_i, cfg.sampling.max_new_tokens, spec.sampling_config.end_ids
-        )
+        rollout = generate(spec, state, prompts, jax.random.fold_in(key, len(rounds)))
+        tokens, lengths = sharding.to_host((rollout.tokens, rollout.lengths))
         t1 = time.perf_counter()
-        texts = decode(tokens, lengths_i, spec.tokenizer)
-        repeat = lambda values: [v for v in values for _ in range(group)]
-        references, texts_prompts = repeat(prompts["answer"]), repeat(prompts["prompt"])
-        # Mixed math and code prompts: each sample is checked by its own task's verifier.
-        tasks_i = repeat(prompts["task"]) if "task" in prompts else None
+        texts = round_texts(
+            tokens, lengths, prompts, cfg, spec.tokenizer, spec.sampling_config.end_ids
+        )
         scores = score_batch(
-            texts,
-            references,
-            lengths_i,
+            texts.completions,
+            texts.references,
+            lengths,
             spec.reward_spec,
-            prompts=texts_prompts,
+            prompts=texts.prompts,
             num_workers=cfg.reward.num_workers,
-            truncated=truncated_i,
+            truncated=texts.truncated,
             deadline_s=cfg.reward.deadline_s,
             across_processes=True,
-            tasks=tasks_i,
+            tasks=texts.tasks,
         )
-        t2 = time.perf_counter()
-        gen_time, score_time = gen_time + t1 - t0, score_time + t2 - t1
-        width = min(
-            bucket(int(lengths_i.max()), cfg.batch.response_buckets, name="response length"),
-            cfg.sampling.max_new_tokens,
-        )
-        rnd = round_from_rollout(
-            rollout, scores.rewards, scores.correct, width, scored=scores.scored
-        )
+        times["time/score_s"] += time.perf_counter() - t1
+        times["time/generate_s"] += t1 - t0
+        width = response_width(lengths, cfg)
+        rnd = round_from_rollout(rollout, scores.rewards, scores.correct, width, scores.scored)
         # 0 on samples to leave out of the loss (overlong filtering, scoring deadline).
         rnd = rnd._replace(mask=rnd.mask * np.asarray(scores.sample_mask)[:, None])
-        scorings.append(scores.metrics)
-        rewards.append(scores.rewards)
-        correct.append(scores.correct)
-        lengths.append(lengths_i)
-        truncated.append(truncated_i)
-        tasks.extend(tasks_i or ())
-        if round_index == 0:
-            samples = dict(
-                prompts=texts_prompts,
-                completions=texts,
-                references=references,
-                rewards=scores.rewards,
-                correct=scores.correct,
-                status=getattr(scores, "status", None),
-                format_ok=getattr(scores, "format_ok", None),
-            )
+        rounds.append(ScoredRound(rnd, texts, scores, lengths))
         done = sampler.add(rnd)
-        round_index += 1
     merged, metrics = sampler.batch(spec.tokenizer.pad_id)
-    lengths, correct = np.concatenate(lengths), np.concatenate(correct)
-    metrics.update(
-        {
-            "reward/mean": float(np.mean(np.concatenate(rewards))),
-            "reward/accuracy": float(np.mean(correct)),
-            **batch_metrics(merged),
-            "response/length_mean": float(np.mean(lengths)),
-            "response/length_max": float(np.max(lengths)),
-            "response/truncated_fraction": float(np.mean(np.concatenate(truncated))),
-            "time/generate_s": gen_time,
-            "time/score_s": score_time,
-            **scoring_metrics(scorings),
-            **task_accuracies(correct, tasks or None, "reward/accuracy"),
-        }
-    )
-    return Sampled(merged, samples, metrics)
+    metrics.update({**sampling_metrics(rounds, merged), **times})
+    return Sampled(merged, rounds[0].samples(), metrics)
 
 
 def generate(spec: RunSpec, state: RunState, prompts: dict, key: jax.Array):
@@ -242,10 +187,7 @@ def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
     policy_trains = state.iteration >= spec.warmup_iterations
     t0 = time.perf_counter()
     rows = forwards.Rows(
-        *(
-            sharding.shard_rows(x)
-            for x in (rnd.tokens, rnd.positions, rnd.attention_mask, rnd.mask)
-        ),
+        *map(sharding.shard_rows, (rnd.tokens, rnd.positions, rnd.attention_mask, rnd.mask)),
         num_chunks=cfg.batch.n_minibatches,
         packings=forwards.pack_chunks(cfg, rnd.attention_mask, cfg.batch.n_minibatches),
     )
@@ -303,12 +245,12 @@ def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Ar
     """``config.batch.epochs`` x ``n_minibatches`` updates of the policy (not during the
     critic's warm-up) and the critic, on the same minibatches (whole groups, shuffled by
     ``key``): ``(state, metrics)``, the update metrics averaged over the minibatches that
-    were updates (NaN when none was), counts summed."""
+    were updates (NaN when none was), counts summed (``report.MinibatchMeans``)."""
     cfg, group, methods = spec.config, spec.config.batch.group_size, spec.methods
     policy_trains = state.iteration >= spec.warmup_iterations
     policy, critic = state.policy, state.critic
     t0 = time.perf_counter()
-    sums, updates, packed_slots, packed_real = {}, {}, 0, 0
+    means, packed_slots, packed_real = MinibatchMeans(), 0, 0
     rewards = sharding.shard_rows(batch.round.rewards)
     for epoch in range(cfg.batch.epochs):
         shuffle = jax.random.fold_in(key, epoch) if cfg.batch.n_minibatches > 1 else None
@@ -324,31 +266,16 @@ def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Ar
             packing = forwards.pack_rows(cfg, batch.round.attention_mask[rows], rows)
             if packing is not None:
                 minibatch = minibatch._replace(packing=packing)
-                packed_slots, packed_real = (
-                    packed_slots + packing.segment_ids.size,
-                    packed_real + packing.num_real,
-                )
+                packed_slots += packing.segment_ids.size
+                packed_real += packing.num_real
             minibatch, step_metrics = shard_batch(minibatch), {}
             if policy_trains:
                 policy, step_metrics = spec.learner.update(policy, minibatch)
             if critic is not None:
                 critic, critic_metrics = spec.critic.update(critic, minibatch)
                 step_metrics = {**step_metrics, **critic_metrics}
-            for k, v in step_metrics.items():
-                if k in UPDATE_COUNTS:
-                    sums[k] = sums.get(k, 0.0) + v
-                    continue
-                # Means over the minibatches that were updates: an empty one (fillers only,
-                # or every token rejected) reports zeros, which would dilute them.
-                empty = "critic/empty" if k.startswith("critic/") else "update/empty"
-                w = 1.0 - step_metrics[empty]
-                sums[k], updates[k] = sums.get(k, 0.0) + w * v, updates.get(k, 0.0) + w
-    metrics = jax.device_get(
-        {
-            k: v if k in UPDATE_COUNTS else v / jnp.where(updates[k] > 0, updates[k], jnp.nan)
-            for k, v in sums.items()
-        }
-    )
+            means.add(step_metrics)
+    metrics = means.result()
     if critic is not None:
         metrics["critic/pretraining"] = float(not policy_trains)
         metrics["critic/step"] = float(critic.step)
@@ -356,32 +283,13 @@ def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Ar
     if batch.natural_routing is not None:  # MoE, train.routing_metrics
         new_routing = forwards.policy_routing(spec.learner, policy.params, batch.rows)
         mask = batch.rows.attention_mask
-        metrics.update(
-            jax.device_get(
-                routing_metrics("routing/volatility", batch.natural_routing, new_routing, mask)
-            )
+        metrics |= update_routing_metrics(
+            batch.natural_routing, new_routing, batch.sampler_routing, mask, spec.routing_diff_name
         )
-        metrics.update(
-            jax.device_get(
-                routing_metrics(
-                    spec.routing_diff_name, batch.natural_routing, batch.sampler_routing, mask
-                )
-            )
-        )
-    rnd = batch.round
-    metrics["batch/prompt_width"] = float(rnd.prompt_width)
-    metrics["batch/response_width"] = float(rnd.mask.shape[1])
-    # Padding: of the padded rows' slots, and (config.batch.pack) of the packed rows'.
-    metrics["batch/padding_fraction"] = 1.0 - float(np.mean(rnd.attention_mask > 0))
-    if packed_slots:
-        metrics["batch/packed_padding_fraction"] = 1.0 - packed_real / packed_slots
+    metrics |= padding_metrics(batch.round, packed_slots, packed_real)
     metrics["update/step"] = float(policy.step)
     metrics["update/skipped_total"] = float(policy.skipped)
     return state.replace(policy=policy, critic=critic), metrics
-
-
-# Update metrics that are counts over the minibatches (summed), not means.
-UPDATE_COUNTS = ("update/skipped", "critic/skipped", "update/empty", "critic/empty")
 
 
 def _valid(rnd: Round, rows=slice(None)):

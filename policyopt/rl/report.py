@@ -1,6 +1,6 @@
 """What a run tells its user: the start-up banner, warnings about settings that cannot act,
-and sampled completions (the dry run that prints them without training:
-``policyopt.rl.dry_run``).
+sampled completions (the dry run that prints them without training:
+``policyopt.rl.dry_run``), and the iteration's batch, scoring and update metrics.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import os
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from policyopt.rewards.batch import merge_metrics
@@ -175,3 +176,57 @@ def informative_fraction(
         values = row[keep]
         informative.append(values.size >= 2 and bool(np.ptp(values) > 0))
     return float(np.mean(informative)) if informative else 0.0
+
+
+# Update metrics that are counts over the minibatches (summed), not means.
+UPDATE_COUNTS = ("update/skipped", "critic/skipped", "update/empty", "critic/empty")
+
+
+class MinibatchMeans:
+    """An iteration's update metrics over its minibatches: each metric's mean over the
+    minibatches that were updates, NaN when none was, and the ``UPDATE_COUNTS`` summed.
+
+        mean_k = sum_m (1 - empty_m) v_{k,m} / sum_m (1 - empty_m)
+
+    with ``empty_m`` the minibatch's ``update/empty`` (``critic/empty`` for a ``critic/*``
+    metric): a minibatch with no token to train on (fillers only, or every token rejected)
+    reports zeros, which would dilute the means.
+    """
+
+    def __init__(self):
+        self.sums: dict = {}
+        self.weights: dict = {}
+
+    def add(self, step_metrics: dict) -> None:
+        """Adds one minibatch's metrics (scalars, on the device or the host)."""
+        for k, v in step_metrics.items():
+            if k in UPDATE_COUNTS:
+                self.sums[k] = self.sums.get(k, 0.0) + v
+                continue
+            empty = "critic/empty" if k.startswith("critic/") else "update/empty"
+            w = 1.0 - step_metrics[empty]
+            self.sums[k] = self.sums.get(k, 0.0) + w * v
+            self.weights[k] = self.weights.get(k, 0.0) + w
+
+    def result(self) -> dict:
+        """The means and counts, on the host."""
+        weights = self.weights
+        means = {
+            k: v if k in UPDATE_COUNTS else v / jnp.where(weights[k] > 0, weights[k], jnp.nan)
+            for k, v in self.sums.items()
+        }
+        return jax.device_get(means)
+
+
+def padding_metrics(rnd, packed_slots: int, packed_real: int) -> dict[str, float]:
+    """``batch/*`` widths and padding of the batch ``rnd`` (a ``batch.Round``): its prompt
+    and response widths, the fraction of its padded rows' slots that are padding, and
+    (``config.batch.pack``: ``packed_slots`` > 0) of its packed rows' slots."""
+    metrics = {
+        "batch/prompt_width": float(rnd.prompt_width),
+        "batch/response_width": float(rnd.mask.shape[1]),
+        "batch/padding_fraction": 1.0 - float(np.mean(rnd.attention_mask > 0)),
+    }
+    if packed_slots:
+        metrics["batch/packed_padding_fraction"] = 1.0 - packed_real / packed_slots
+    return metrics

@@ -55,3 +55,21 @@ def routing_metrics(prefix: str, routing_a, routing_b, token_mask) -> dict[str, 
     for layer in range(per_layer.shape[0]):
         metrics[f"{prefix}/layer_{layer}"] = per_layer[layer]
     return metrics
+
+
+def update_routing_metrics(
+    old_routing, new_routing, sampler_routing, token_mask, sampler_name: str
+) -> dict:
+    """An iteration's two routing metrics, as host scalars: ``routing/volatility`` (pi_old's
+    routing against the updated policy's) and ``sampler_name`` (pi_old's against the
+    sampler's; the asynchronous trainer's sampler is stale and names it so), each with its
+    per-layer values.
+
+    Args:
+      old_routing, new_routing, sampler_routing: int32 ``[L, R, S, k]`` expert indices,
+        none of them replayed.
+      token_mask: ``[R, S]``, 1 on the tokens to count (the rows' attention mask).
+    """
+    volatility = routing_metrics("routing/volatility", old_routing, new_routing, token_mask)
+    disagreement = routing_metrics(sampler_name, old_routing, sampler_routing, token_mask)
+    return {**jax.device_get(volatility), **jax.device_get(disagreement)}
