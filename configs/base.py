@@ -417,8 +417,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.cache_len = placeholder(int)
     # DAPO's overlong filtering: responses cut at max_new_tokens are masked out of the loss.
     c.reward.overlong_filter = False
-    # Magistral's language-consistency bonus (+0.1).
-    c.reward.language_bonus = False
+    # Added to the reward of a graded response whose problem, reasoning and answer languages
+    # agree: 0 (off); Magistral (2506.10910 §2.2) adds 0.1.
+    c.reward.language_bonus = 0.0
     # Worker processes for scoring (0 = in-process; the synthetic task is fast).
     c.reward.num_workers = 0
     # Your own correctness function in place of the math verifier, for rewards and for
@@ -1005,6 +1006,7 @@ _RANGES = (
     ("reward.format_value", None, None, True, False),
     ("reward.correct_value", None, None, True, False),
     ("reward.incorrect_value", None, None, True, False),
+    ("reward.language_bonus", 0.0, None, True, False),
     ("async_mode.join_timeout_s", 0.0, None, False, False),
 )
 # Integer fields and their least value, beside `_MINIMUMS` (these are read by the

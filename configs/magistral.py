@@ -43,7 +43,7 @@ def get_config(arg=None):
     paper = {
         "model.preset": "qwen3_30b_a3b",
         "optim.lr": 1e-6,
-        "reward.language_bonus": True,  # +0.1 when languages agree (§2.2)
+        "reward.language_bonus": 0.1,  # when the languages agree (§2.2)
         "sampling.max_new_tokens": 32768,  # this project's choice
         "batch.response_buckets": c.batch.response_buckets + (32768,),  # base's stop at 20480
     }

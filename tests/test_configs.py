@@ -161,6 +161,10 @@ def test_variant_string_and_paper_scale():
         16,
     )
     assert paper.optim.lr == 1e-6 and paper.reward.cache_len == 4096
+    # Magistral's language-consistency bonus (§2.2) is the config's value, 0 by default.
+    assert build.reward_spec(load("magistral", "scale=paper")).language_bonus == 0.1
+    assert build.reward_spec(load("magistral")).language_bonus == 0.0
+    assert build.reward_spec(load("magistral", "reward.language_bonus=0.2")).language_bonus == 0.2
 
 
 @pytest.mark.parametrize("name", [n for n in RECIPES if n != "demo"] + ["magistral_async"])

@@ -481,7 +481,7 @@ def reward_spec(config) -> RewardSpec:
         max_len=max_len if shaping else None,
         cache_len=cache_len if r.overlong != "none" else None,
         overlong_filter=bool(r.overlong_filter),
-        language_bonus=0.1 if r.language_bonus else 0.0,
+        language_bonus=float(r.language_bonus),
         **_task_limits(config),
     )
 
