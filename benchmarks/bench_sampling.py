@@ -196,13 +196,13 @@ def bench_long_tail(config, args):
         )
         return np.asarray(jax.block_until_ready(rollout).lengths)
 
-    made = static(0)  # compile
+    static_made = static(0)  # compile
     want = np.where(long_rows[:batch], long_len, short_len + 1)
-    assert np.array_equal(made, want), "the planted lengths did not hold"
+    assert np.array_equal(static_made, want), "the planted lengths did not hold"
     static_s, static_times, static_cpu = _median_time(lambda: static(1), args.long_tail_runs)
     batches = -(-count // batch)
     total_tokens = int(np.where(long_rows, long_len, short_len + 1).sum())
-    static_tps = int(made.sum()) / static_s
+    static_tps = int(static_made.sum()) / static_s
     engines = {}
     for attention in args.engine_attention:
         engine_config = EngineConfig(
@@ -216,8 +216,8 @@ def bench_long_tail(config, args):
         first_start = time.perf_counter()
         rollout = engine.generate(prompts, lengths, jax.random.key(0))  # compile + first
         engine_first = time.perf_counter() - first_start
-        made = np.asarray(rollout.lengths)
-        assert np.array_equal(made, np.where(long_rows, long_len, short_len + 1))
+        lengths_made = np.asarray(rollout.lengths)
+        assert np.array_equal(lengths_made, np.where(long_rows, long_len, short_len + 1))
         engine_s, engine_times, engine_cpu = _median_time(
             lambda: engine.generate(prompts, lengths, jax.random.key(1)), args.long_tail_runs
         )
@@ -234,7 +234,7 @@ def bench_long_tail(config, args):
             peak_pages=engine.stats["peak_pages"],
             steps=int(rollout.num_steps),
             speedup=total_tokens / engine_s / static_tps,
-            cpu_speedup=(total_tokens / engine_cpu) / (int(made.sum()) / static_cpu),
+            cpu_speedup=(total_tokens / engine_cpu) / (int(static_made.sum()) / static_cpu),
         )
     # The headline: the first attention listed.
     headline = engines[args.engine_attention[0]]

@@ -338,8 +338,9 @@ def _shared_table():
 
 @pytest.mark.parametrize("shared_refs", [0, 1, 3, 16])
 def test_pool_attention_equals_numpy_loop_and_gather(shared_refs):
-    """Shared pages, an empty row, rows ending on a page boundary; the shared references
-    taken 1, 3 or max_pages = 3 at a time (loops of 4, 2, 2 steps) or all at once."""
+    """Shared pages, an empty row, rows ending on a page boundary; the 4 shared references
+    taken 1, 3 or max_pages = 3 at a time (4, 2, 2 chunks: the first, then the overflow
+    loop) or all in the first chunk (16)."""
     q, k, v, _, _ = _random_pools(batch=6)
     table, ends = _shared_table()
     live = np.asarray(ends) > 0

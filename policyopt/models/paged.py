@@ -545,17 +545,18 @@ def pool_attention(q, k_pages, v_pages, page_table, ends, shared_refs=0):
     max m_r = max over the row's pages of max_s z, then e = exp(z - m_r), and segment sums
     l_r = sum e, o_r = sum e v; out_r = o_r / l_r. The other references (a prompt's full
     pages shared by the rows of its group, ``copy_rows``) are listed in table order and
-    taken ``shared_refs`` at a time (their pages gathered) in a ``lax.while_loop`` that
-    runs ceil(count / shared_refs) times, each chunk's (m, l, o) merged into the rows' as
-    an online softmax does: m' = max(m, m_c), l' = l e^(m - m') + l_c e^(m_c - m'),
+    taken ``shared_refs`` at a time (their pages gathered): the first chunk when there is
+    one, the others (an overflow of the bound) in a ``lax.while_loop`` that runs only then,
+    each chunk's (m, l, o) merged into the rows' as an online softmax does: m' = max(m, m_c), l' = l e^(m - m') + l_c e^(m_c - m'),
     o' = o e^(m - m') + o_c e^(m_c - m'). No reference is ever dropped, whatever the bound.
 
     Args:
       q: [B, 1, H, Dh]; k_pages, v_pages: [Hkv, NP, ps, Dh] (one layer's pools);
       page_table: int32 [B, max_pages] (entries >= NP: no page); ends: int32 [B], the
         keys of row r are its slots s < ends[r].
-      shared_refs: static, references beyond each page's first taken per loop step
-        (0: one row's worth, max_pages).
+      shared_refs: static, references beyond each page's first taken per chunk (0: one
+        row's worth, max_pages); ``policyopt.engine`` passes its exact bound, so the
+        overflow loop never runs there.
     Returns:
       [B, 1, H, Dh] in v_pages' dtype; a row with no key gets zeros.
     """
@@ -594,9 +595,16 @@ def pool_attention(q, k_pages, v_pages, page_table, ends, shared_refs=0):
         )
         return i + 1, _merge(stats, part)
 
-    _, (m, l, o) = jax.lax.while_loop(
-        lambda carry: carry[0] * chunk < count, body, (jnp.zeros((), jnp.int32), stats)
-    )
+    # The first chunk under a cond, the rest (overflow) in a loop under another: XLA:CPU
+    # copies the layer's pools into a while loop's operands whether or not it runs (17 ms
+    # of a 64-row decode step, benchmarks/RESULTS.md), and into a cond's only when taken.
+    zero = jnp.zeros((), jnp.int32)
+    first_chunk = lambda stats: body((zero, stats))[1]
+    rest = lambda stats: jax.lax.while_loop(
+        lambda carry: carry[0] * chunk < count, body, (zero + 1, stats)
+    )[1]
+    stats = jax.lax.cond(count > 0, first_chunk, lambda stats: stats, stats)
+    m, l, o = jax.lax.cond(count > chunk, rest, lambda stats: stats, stats)
     out = o[:, :b] / jnp.where(l[:, :b] > 0, l[:, :b], 1.0)[..., None]
     return out.transpose(1, 0, 2, 3).reshape(b, 1, h, dh).astype(v_pages.dtype)
 
