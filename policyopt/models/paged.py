@@ -37,7 +37,16 @@ Attention over pages (``attend``):
     each page against the query of the row that holds it (``pool_attention``), a
     per-row softmax by segment max and segment sums; the pages a group's rows share are
     listed and gathered, a chunk of ``shared_refs`` at a time. Work follows the pool's
-    pages (the budget), not rows x ``max_pages``.
+    pages (the budget), not rows x ``max_pages``. One layer (benchmarks/
+    bench_paged_attention.py, 2026-12-02, 2-core CPU under load ~10, ms CPU per call):
+    uniform (64 rows of <= 160 tokens, 640 pages) gather 3.46, pool 2.17, the dense
+    cache 0.62; long tail (26 of 64 rows up to 544 tokens, 1,024 pages) gather 24.7,
+    online 9.1, pool 3.2, the dense cache over 544 slots 2.2. In the engine's decode
+    (``python -m benchmarks.bench_sampling --skip_main --engine_uniform --runs 2``):
+    long-tailed mix 63.0 CPU s against the gather's 66.4, but the uniform case 7.3
+    against 5.5: XLA:CPU copies each layer's slice of the pools (8 MB each at 1,024
+    pages) before the products read it, where the gather reads the pool in its fusion.
+    Not the default (benchmarks/RESULTS.md, "Fifteenth session").
   * ``"pallas"`` (TPUs, one-token decode only): the kernel that ships with JAX; prefill
     (T > 1) uses the gather. On a CPU it runs in Pallas' TPU interpret mode
     (``jax.experimental.pallas.tpu.force_tpu_interpret_mode``), which the tests use.
