@@ -58,7 +58,9 @@ release = jax.jit(lambda cache, rows: cache.release(rows))
 advance = jax.jit(lambda cache, mask: cache.advance(mask))
 
 
-@pytest.mark.parametrize("name,attention", [("dense", "gather"), ("moe", "gather"), ("moe", "pool")])
+@pytest.mark.parametrize(
+    "name,attention", [("dense", "gather"), ("moe", "gather"), ("moe", "pool")]
+)
 def test_paged_decode_equals_dense(name, attention):
     """Ragged prompts prefilled, then greedy decode: every step's logits and tokens equal
     the dense KVCache's (shared slot P + step, per-row positions), with 3-slot pages that

@@ -556,8 +556,9 @@ def pool_attention(q, k_pages, v_pages, page_table, ends, shared_refs=0):
     pages shared by the rows of its group, ``copy_rows``) are listed in table order and
     taken ``shared_refs`` at a time (their pages gathered): the first chunk when there is
     one, the others (an overflow of the bound) in a ``lax.while_loop`` that runs only then,
-    each chunk's (m, l, o) merged into the rows' as an online softmax does: m' = max(m, m_c), l' = l e^(m - m') + l_c e^(m_c - m'),
-    o' = o e^(m - m') + o_c e^(m_c - m'). No reference is ever dropped, whatever the bound.
+    each chunk's (m, l, o) merged into the rows' as an online softmax does:
+    m' = max(m, m_c), l' = l e^(m - m') + l_c e^(m_c - m'), o' = o e^(m - m') +
+    o_c e^(m_c - m'). No reference is ever dropped, whatever the bound.
 
     Args:
       q: [B, 1, H, Dh]; k_pages, v_pages: [Hkv, NP, ps, Dh] (one layer's pools);
