@@ -37,7 +37,13 @@ tenth. Two ways to generate the same prompts at temperature 1:
     on the dense KV cache; timed on the first batch, times the number of batches (every
     batch has the same mix);
   * engine: ``policyopt.engine.Engine`` (continuous batching on the paged KV cache),
-    ``--batch`` rows refilled as rows end, all the prompts in one call.
+    ``--batch`` rows refilled as rows end, all the prompts in one call, once for each
+    ``--engine_attention`` (default "pool" then "gather"; the first is the headline).
+
+``--engine_uniform`` also runs the main case's geometry through the engine (each
+``--engine_attention``) beside ``generate_fn``; ``--skip_main`` keeps to these two cases
+(``python -m benchmarks.bench_sampling --skip_main --engine_uniform --runs 2``: ~20
+minutes on 2 loaded cores).
 
 Tokens/s counts the tokens generated (the end token included).
 """
