@@ -1,10 +1,17 @@
-"""One decode step's attention over a paged cache: gather into one block vs a per-page
-online softmax (policyopt.models.paged), and the dense KVCache's attention for scale.
+"""One decode step's attention over a paged cache: gather into one block, a per-page
+online softmax, and the pool read in place ("pool") (policyopt.models.paged), with the
+dense KVCache's attention over the same slots per row for scale.
 
-    python -m benchmarks.bench_paged_attention   # ~1 minute on 2 CPU cores
+    python -m benchmarks.bench_paged_attention   # ~2 minutes on 2 CPU cores
 
-Geometry of moe_7m's sampler benchmark (B = 64 rows, 32 + 128 tokens, Hkv = 2, H = 4,
-Dh = 64), pages of 16 slots, every row's pages scattered over the pool.
+Two geometries, moe_7m's heads (Hkv = 2, H = 4, Dh = 64), pages of 16 slots, every row's
+pages scattered over the pool:
+  * uniform: the sampler benchmark's main case, B = 64 rows of 80-160 tokens (max 160,
+    10 pages), a pool of 640 pages;
+  * long tail: bench_sampling's long-tailed mix late in its run, 26 of 64 rows holding
+    33-544 tokens (max 544, 34 pages), the rest empty, a pool of 1,024 pages (the
+    engine's budget of 256 slots per row).
+Times are the best of 5 rounds (wall and process CPU), per call of one layer.
 """
 
 from __future__ import annotations
@@ -16,42 +23,61 @@ import jax.numpy as jnp
 import numpy as np
 
 from policyopt.models.attention import dot_product_attention
-from policyopt.models.paged import gather_attention, online_attention
+from policyopt.models.paged import gather_attention, online_attention, pool_attention
 
 
-def _time(fn, *args, reps=30):
+def _time(fn, *args, reps=10, rounds=5):
     jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(reps):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / reps
+    walls, cpus = [], []
+    for _ in range(rounds):
+        start, cpu = time.perf_counter(), time.process_time()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        walls.append((time.perf_counter() - start) / reps)
+        cpus.append((time.process_time() - cpu) / reps)
+    return min(walls), min(cpus)
 
 
-def main(batch=64, heads=4, kv_heads=2, head_dim=64, page_size=16, length=160):
+def case(name, lengths, num_pages, max_pages, heads=4, kv_heads=2, head_dim=64, page_size=16):
     rng = np.random.default_rng(0)
-    max_pages = length // page_size
-    num_pages = batch * max_pages
+    batch = len(lengths)
     q = jnp.asarray(rng.standard_normal((batch, 1, heads, head_dim)), jnp.float32)
     pool = lambda: jnp.asarray(
         rng.standard_normal((kv_heads, num_pages, page_size, head_dim)), jnp.float32
     )
     k_pages, v_pages = pool(), pool()
-    table = jnp.asarray(rng.permutation(num_pages).reshape(batch, max_pages), jnp.int32)
-    ends = jnp.asarray(rng.integers(length // 2, length + 1, batch), jnp.int32)
+    order = rng.permutation(num_pages)
+    table = np.full((batch, max_pages), num_pages, np.int32)
+    used = 0
+    for row, length in enumerate(lengths):
+        pages = -(-length // page_size)
+        table[row, :pages] = order[used : used + pages]
+        used += pages
+    table, ends = jnp.asarray(table), jnp.asarray(lengths, jnp.int32)
     slots = (ends - 1)[:, None]
-    args = (q, k_pages, v_pages, table, slots, ends)
     results = {
-        name: _time(jax.jit(fn), *args)
-        for name, fn in (("gather", gather_attention), ("online", online_attention))
+        "gather": _time(jax.jit(gather_attention), q, k_pages, v_pages, table, slots, ends),
+        "online": _time(jax.jit(online_attention), q, k_pages, v_pages, table, slots, ends),
+        "pool": _time(jax.jit(pool_attention), q, k_pages, v_pages, table, ends),
     }
+    length = max_pages * page_size
     keys = jnp.asarray(rng.standard_normal((batch, kv_heads, head_dim, length)), jnp.float32)
     values = jnp.asarray(rng.standard_normal((batch, kv_heads, length, head_dim)), jnp.float32)
     mask = jnp.arange(length)[None, None, :] < ends[:, None, None]
     dense = jax.jit(lambda q, k, v, m: dot_product_attention(q, k, v, m, cache_layout=True))
-    results["dense KVCache"] = _time(dense, q, keys, values, mask)
-    for name, seconds in results.items():
-        print(f"{name:>14}: {seconds * 1e6:8.1f} us per decode step (one layer)")
+    results[f"dense KVCache, {length} slots"] = _time(dense, q, keys, values, mask)
+    print(f"{name}: {batch} rows, {used} of {num_pages} pages held, max {max_pages} per row")
+    for label, (wall, cpu) in results.items():
+        print(f"  {label:>24}: {wall * 1e3:6.2f} ms, {cpu * 1e3:6.2f} ms CPU per call")
+
+
+def main():
+    rng = np.random.default_rng(1)
+    case("uniform", rng.integers(80, 161, 64), num_pages=640, max_pages=10)
+    tail = np.zeros(64, int)
+    tail[:26] = rng.integers(33, 545, 26)
+    case("long tail", tail, num_pages=1024, max_pages=34)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,13 @@ tenth. Two ways to generate the same prompts at temperature 1:
     on the dense KV cache; timed on the first batch, times the number of batches (every
     batch has the same mix);
   * engine: ``policyopt.engine.Engine`` (continuous batching on the paged KV cache),
-    ``--batch`` rows refilled as rows end, all the prompts in one call.
+    ``--batch`` rows refilled as rows end, all the prompts in one call, once for each
+    ``--engine_attention`` (default "pool" then "gather"; the first is the headline).
+
+``--engine_uniform`` also runs the main case's geometry through the engine (each
+``--engine_attention``) beside ``generate_fn``; ``--skip_main`` keeps to these two cases
+(``python -m benchmarks.bench_sampling --skip_main --engine_uniform --runs 2``: ~20
+minutes on 2 loaded cores).
 
 Tokens/s counts the tokens generated (the end token included).
 """
@@ -196,28 +202,48 @@ def bench_long_tail(config, args):
         )
         return np.asarray(jax.block_until_ready(rollout).lengths)
 
-    made = static(0)  # compile
+    static_made = static(0)  # compile
     want = np.where(long_rows[:batch], long_len, short_len + 1)
-    assert np.array_equal(made, want), "the planted lengths did not hold"
+    assert np.array_equal(static_made, want), "the planted lengths did not hold"
     static_s, static_times, static_cpu = _median_time(lambda: static(1), args.long_tail_runs)
     batches = -(-count // batch)
     total_tokens = int(np.where(long_rows, long_len, short_len + 1).sum())
-    static_tps = int(made.sum()) / static_s
-    engine_config = EngineConfig(
-        kv_tokens=batch * args.long_tail_slots_per_row,
-        rows=batch,
-        page_size=args.page_size,
-        steps_per_call=args.steps_per_call,
-    )
-    engine = Engine(model, engine_config, sampling_config)
-    first_start = time.perf_counter()
-    rollout = engine.generate(prompts, lengths, jax.random.key(0))  # compile + first
-    engine_first = time.perf_counter() - first_start
-    assert np.array_equal(np.asarray(rollout.lengths), np.where(long_rows, long_len, short_len + 1))
-    engine_s, engine_times, engine_cpu = _median_time(
-        lambda: engine.generate(prompts, lengths, jax.random.key(1)), args.long_tail_runs
-    )
-    engine_tps = total_tokens / engine_s
+    static_tps = int(static_made.sum()) / static_s
+    engines = {}
+    for attention in args.engine_attention:
+        engine_config = EngineConfig(
+            kv_tokens=batch * args.long_tail_slots_per_row,
+            rows=batch,
+            page_size=args.page_size,
+            steps_per_call=args.steps_per_call,
+            attention=attention,
+        )
+        engine = Engine(model, engine_config, sampling_config)
+        first_start = time.perf_counter()
+        rollout = engine.generate(prompts, lengths, jax.random.key(0))  # compile + first
+        engine_first = time.perf_counter() - first_start
+        lengths_made = np.asarray(rollout.lengths)
+        assert np.array_equal(lengths_made, np.where(long_rows, long_len, short_len + 1))
+        engine_s, engine_times, engine_cpu = _median_time(
+            lambda: engine.generate(prompts, lengths, jax.random.key(1)), args.long_tail_runs
+        )
+        engines[attention] = dict(
+            attention=attention,
+            seconds=engine_s,
+            times=engine_times,
+            cpu_seconds=engine_cpu,
+            tokens_per_s=total_tokens / engine_s,
+            compile_and_first_s=engine_first,
+            kv_tokens=engine_config.kv_tokens,
+            page_size=args.page_size,
+            steps_per_call=args.steps_per_call,
+            peak_pages=engine.stats["peak_pages"],
+            steps=int(rollout.num_steps),
+            speedup=total_tokens / engine_s / static_tps,
+            cpu_speedup=(total_tokens / engine_cpu) / (int(static_made.sum()) / static_cpu),
+        )
+    # The headline: the first attention listed.
+    headline = engines[args.engine_attention[0]]
     result = dict(
         prompts=count,
         rows=batch,
@@ -233,20 +259,10 @@ def bench_long_tail(config, args):
             tokens_per_s=static_tps,
             kv_slots=batch * (args.prompt_len + long_len),
         ),
-        engine=dict(
-            seconds=engine_s,
-            times=engine_times,
-            cpu_seconds=engine_cpu,
-            tokens_per_s=engine_tps,
-            compile_and_first_s=engine_first,
-            kv_tokens=engine_config.kv_tokens,
-            page_size=args.page_size,
-            steps_per_call=args.steps_per_call,
-            peak_pages=engine.stats["peak_pages"],
-            steps=int(rollout.num_steps),
-        ),
-        speedup=engine_tps / static_tps,
-        cpu_speedup=(total_tokens / engine_cpu) / (int(made.sum()) / static_cpu),
+        engine=headline,
+        engines=engines,
+        speedup=headline["speedup"],
+        cpu_speedup=headline["cpu_speedup"],
         target_speedup=TARGET_LONG_TAIL,
     )
     result["passed"] = result["speedup"] >= TARGET_LONG_TAIL
@@ -258,16 +274,76 @@ def bench_long_tail(config, args):
         f"  static batch: {static_s:.2f} s per batch of {batch} ({static_cpu:.1f} CPU s), "
         f"{static_tps:.0f} tokens/s, {batch * (args.prompt_len + long_len)} KV slots"
     )
-    print(
-        f"  engine:       {engine_s:.2f} s for all {count} ({engine_cpu:.1f} CPU s), "
-        f"{engine_tps:.0f} tokens/s, {rollout.num_steps} steps, at most "
-        f"{engine.stats['peak_pages'] * args.page_size} of {engine_config.kv_tokens} KV slots"
-    )
+    for attention, run in engines.items():
+        print(
+            f"  engine, {attention:>6s}: {run['seconds']:.2f} s for all {count} "
+            f"({run['cpu_seconds']:.1f} CPU s), {run['tokens_per_s']:.0f} tokens/s, "
+            f"{run['steps']} steps, at most {run['peak_pages'] * args.page_size} of "
+            f"{run['kv_tokens']} KV slots; / static: {run['speedup']:.2f}x wall, "
+            f"{run['cpu_speedup']:.2f}x CPU"
+        )
     verdict = "PASS" if result["passed"] else "FAIL"
     print(
-        f"  engine / static tokens/s: {result['speedup']:.2f}x wall, "
-        f"{result['cpu_speedup']:.2f}x CPU (target >= {TARGET_LONG_TAIL:.0f}x: {verdict})"
+        f"  engine ({args.engine_attention[0]}) / static tokens/s: {result['speedup']:.2f}x "
+        f"wall, {result['cpu_speedup']:.2f}x CPU (target >= {TARGET_LONG_TAIL:.0f}x: {verdict})"
     )
+    return result
+
+
+def bench_engine_uniform(config, args):
+    """The main case's geometry (``--batch`` prompts x ``--prompt_len`` + ``--max_new_tokens``,
+    temperature 1, no end token) through the engine, a budget of exactly P + N slots per
+    row, for each ``--engine_attention``; and the static ``generate_fn`` in the same run.
+    Returns a dict of median seconds and CPU seconds."""
+    from policyopt.engine import Engine, EngineConfig
+
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, config.vocab_size, (args.batch, args.prompt_len), dtype=np.int32)
+    lengths = np.full(args.batch, args.prompt_len, np.int32)
+    sampling_config = sampling.SamplingConfig(
+        max_new_tokens=args.max_new_tokens, method=sampling.Temperature(1.0)
+    )
+    graphdef, state = nnx.split(model)
+    seeds = iter(range(10_000))
+
+    def static():
+        rollout = sampling.generate_fn(
+            graphdef,
+            state,
+            jnp.asarray(prompts),
+            jnp.asarray(lengths),
+            jax.random.key(next(seeds)),
+            config=sampling_config,
+        )
+        jax.block_until_ready(rollout)
+
+    static()
+    seconds, times, cpu = _median_time(static, args.runs)
+    result = dict(static=dict(seconds=seconds, times=times, cpu_seconds=cpu))
+    print(f"\nUniform case, {args.batch} x ({args.prompt_len} + {args.max_new_tokens}) tokens")
+    print(f"  static generate_fn: {seconds:.2f} s ({cpu:.1f} CPU s)")
+    for attention in args.engine_attention:
+        engine = Engine(
+            model,
+            EngineConfig(
+                kv_tokens=args.batch * (args.prompt_len + args.max_new_tokens),
+                rows=args.batch,
+                page_size=args.page_size,
+                steps_per_call=args.steps_per_call,
+                attention=attention,
+            ),
+            sampling_config,
+        )
+        call = lambda: engine.generate(prompts, lengths, jax.random.key(next(seeds)))
+        start = time.perf_counter()
+        call()
+        first = time.perf_counter() - start
+        seconds, times, cpu = _median_time(call, args.runs)
+        result[attention] = dict(
+            seconds=seconds, times=times, cpu_seconds=cpu, compile_and_first_s=first
+        )
+        print(f"  engine, {attention:>6s}: {seconds:.2f} s ({cpu:.1f} CPU s)", flush=True)
     return result
 
 
@@ -307,12 +383,42 @@ def main():
     )
     parser.add_argument("--page_size", type=int, default=16)
     parser.add_argument("--steps_per_call", type=int, default=16)
-    parser.add_argument("--skip_main", action="store_true", help="only the long-tailed case")
-    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument(
+        "--engine_attention",
+        nargs="+",
+        default=["pool", "gather"],
+        help="the engine's attention over pages, each run in turn (the first: headline)",
+    )
+    parser.add_argument(
+        "--engine_uniform",
+        action="store_true",
+        help="also the main case's geometry through the engine (and generate_fn)",
+    )
+    parser.add_argument(
+        "--skip_main",
+        action="store_true",
+        help="only the long-tailed (and --engine_uniform) cases; JSON to --out, default "
+        "results/bench_sampling_engine.json",
+    )
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     config = preset("moe_7m")
     long_tail = bench_long_tail(config, args) if args.long_tail_prompts else None
+    uniform = bench_engine_uniform(config, args) if args.engine_uniform else None
     if args.skip_main:
+        out = args.out or os.path.join(os.path.dirname(RESULTS), "bench_sampling_engine.json")
+        with open(out, "w") as f:
+            json.dump(
+                dict(
+                    benchmark="bench_sampling --skip_main",
+                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    long_tail=long_tail,
+                    engine_uniform=uniform,
+                ),
+                f,
+                indent=2,
+            )
+        print(f"wrote {out}")
         return
 
     model = Transformer(config, rngs=nnx.Rngs(0))
@@ -462,11 +568,13 @@ def main():
         target_speedup=TARGET_SPEEDUP,
         passed=speedup >= TARGET_SPEEDUP,
         long_tail=long_tail,
+        engine_uniform=uniform,
     )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    out = args.out or RESULTS
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

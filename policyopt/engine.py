@@ -78,7 +78,8 @@ class EngineConfig:
     rows: int
     # Token slots per page.
     page_size: int = 16
-    # Attention over pages: "gather", "online" or "pallas" (policyopt.models.paged).
+    # Attention over pages: "gather", "online", "pallas" or "pool" (decode steps read the
+    # pool in place; policyopt.models.paged).
     attention: str = "gather"
     # Decode steps per jitted call between the host's hand-outs and admissions.
     steps_per_call: int = 16
@@ -127,6 +128,9 @@ def empty_state(
 ) -> _State:
     """The empty state of ``shards`` x ``engine.rows`` rows (``mc``: the ModelConfig)."""
     rows, num_new = engine.rows * shards, config.max_new_tokens
+    group = config.num_samples
+    # Shared references: each row but a group's first points at its prompt's full pages.
+    shared = -(-engine.rows * (group - 1) // group) * (prompt_len // engine.page_size)
     cache = PagedKVCache.create(
         mc,
         rows,
@@ -136,6 +140,7 @@ def empty_state(
         config.cache_dtype,
         attention=engine.attention,
         shards=shards,
+        shared_refs=shared,
     )
     routing = None
     if mc.is_moe and engine.capture_routing:

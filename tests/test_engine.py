@@ -96,10 +96,10 @@ def _check_equal(rollout, reference):
     )
 
 
-@pytest.mark.parametrize("attention", ["gather", "online"])
+@pytest.mark.parametrize("attention", ["gather", "online", "pool"])
 def test_greedy_equals_generate(model, greedy_reference, attention):
     """Two groups of rows for three prompts: the third is admitted when a group is
-    handed out."""
+    handed out. ("pool": the second row of a group shares its prompt's full page.)"""
     eos, reference = greedy_reference
     rollout, stats = _engine_rollout(
         model, eos, kv_tokens=256, rows=4, page_size=4, steps_per_call=4, attention=attention
@@ -110,12 +110,13 @@ def test_greedy_equals_generate(model, greedy_reference, attention):
     assert 0 < stats["peak_pages"] <= 16 and stats["pages_held_at_end"] == 0
 
 
-def test_small_budget_waits_not_truncates(model, greedy_reference):
+@pytest.mark.parametrize("attention", ["gather", "pool"])
+def test_small_budget_waits_not_truncates(model, greedy_reference, attention):
     """A pool of 10 pages of 2 slots for 6 rows of up to 15 tokens: rows wait for pages,
     groups are preempted and recomputed, and the rollout is the same."""
     eos, reference = greedy_reference
     rollout, stats = _engine_rollout(
-        model, eos, kv_tokens=20, rows=6, page_size=2, steps_per_call=2
+        model, eos, kv_tokens=20, rows=6, page_size=2, steps_per_call=2, attention=attention
     )
     _check_equal(rollout, reference)
     assert stats["waits"] > 0

@@ -8,7 +8,13 @@ import pytest
 from flax import nnx
 
 from policyopt.models import ModelConfig, Transformer
-from policyopt.models.paged import PagedKVCache, _pallas_decode, gather_attention, online_attention
+from policyopt.models.paged import (
+    PagedKVCache,
+    _pallas_decode,
+    gather_attention,
+    online_attention,
+    pool_attention,
+)
 
 VOCAB = 64
 _BASE = dict(
@@ -52,18 +58,23 @@ release = jax.jit(lambda cache, rows: cache.release(rows))
 advance = jax.jit(lambda cache, mask: cache.advance(mask))
 
 
-@pytest.mark.parametrize("name", ["dense", "moe"])
-def test_paged_decode_equals_dense(name):
+@pytest.mark.parametrize(
+    "name,attention", [("dense", "gather"), ("moe", "gather"), ("moe", "pool")]
+)
+def test_paged_decode_equals_dense(name, attention):
     """Ragged prompts prefilled, then greedy decode: every step's logits and tokens equal
     the dense KVCache's (shared slot P + step, per-row positions), with 3-slot pages that
-    the rows take in interleaved order as they grow."""
+    the rows take in interleaved order as they grow. ("pool": decode steps read the pool
+    in place, the prefill gathers.)"""
     model = Transformer(CONFIGS[name], rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     batch, prompt_len = PROMPTS.shape
     positions = jnp.broadcast_to(jnp.arange(prompt_len), PROMPTS.shape)
     mask = jnp.arange(prompt_len)[None, :] < LENGTHS[:, None]
     dense = model.init_cache(batch, prompt_len + STEPS)
-    paged = PagedKVCache.create(model.config, batch, num_pages=12, page_size=3, max_pages=5)
+    paged = PagedKVCache.create(
+        model.config, batch, num_pages=12, page_size=3, max_pages=5, attention=attention
+    )
     dense_logits, dense = step_dense(graphdef, state, PROMPTS, positions, mask, dense)
     paged_logits, paged, granted = step_paged(graphdef, state, PROMPTS, positions, mask, paged)
     assert bool(jnp.all(granted))
@@ -312,3 +323,77 @@ def test_pallas_attention_in_the_model_decodes_like_the_gather():
     scale = np.abs(logits["gather"]).max()
     np.testing.assert_allclose(logits["pallas"], logits["gather"], atol=2e-2 * scale)
     np.testing.assert_array_equal(logits["pallas"].argmax(-1), logits["gather"].argmax(-1))
+
+
+def _shared_table():
+    """6 rows over 10 pages of 4 slots (10: no page), pages shared as a group's prompt
+    shares them and otherwise: row 0 ends on a page boundary (8 = 2 x 4), row 1 shares its
+    first page, row 2 is empty, row 3 has one slot in its third page, row 4 one full page,
+    row 5 holds page 7 at column 0 where rows 0 and 3 hold it at column 1. References
+    beyond each page's first: page 3 twice (rows 1, 3), page 7 twice (rows 3, 5)."""
+    table = jnp.array(
+        [[3, 7, 10], [3, 1, 10], [10, 10, 10], [3, 7, 2], [5, 10, 10], [7, 9, 10]], jnp.int32
+    )
+    ends = jnp.array([8, 6, 0, 9, 4, 7], jnp.int32)
+    return table, ends
+
+
+@pytest.mark.parametrize("shared_refs", [0, 1, 3, 16])
+def test_pool_attention_equals_numpy_loop_and_gather(shared_refs):
+    """Shared pages, an empty row, rows ending on a page boundary; the 4 shared references
+    taken 1, 3 or max_pages = 3 at a time (4, 2, 2 chunks: the first, then the overflow
+    loop) or all in the first chunk (16)."""
+    q, k, v, _, _ = _random_pools(batch=6)
+    table, ends = _shared_table()
+    live = np.asarray(ends) > 0
+    out = jax.jit(pool_attention, static_argnums=5)(q, k, v, table, ends, shared_refs)
+    reference = _numpy_reference(q[live], k, v, ends[live], table[live])
+    np.testing.assert_allclose(out[live], reference, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(out[~live], 0.0)  # no key: zeros
+    gather = gather_attention(q, k, v, table, (ends - 1)[:, None], ends)
+    np.testing.assert_allclose(out[live], gather[live], atol=1e-5, rtol=1e-5)
+
+
+def test_pool_attention_hand_worked():
+    """One head, Dh = 1, q = 1, pages of 2. Page 0 holds keys (0, ln 2), values (1, 3);
+    page 1 keys (ln 3, 9), values (5, 100). Row 0 = [page 0], 2 keys: weights (1, 2) / 3,
+    out = (1 + 6) / 3 = 7/3. Row 1 = [page 0, page 1], 3 keys (page 0 shared: a second
+    reference, taken by the loop; page 1's slot 1 unseen): weights (1, 2, 3) / 6,
+    out = (1 + 6 + 15) / 6 = 11/3."""
+    q = jnp.ones((2, 1, 1, 1), jnp.float32)
+    k = jnp.array([[[[0.0], [np.log(2)]], [[np.log(3)], [9.0]]]], jnp.float32)
+    v = jnp.array([[[[1.0], [3.0]], [[5.0], [100.0]]]], jnp.float32)
+    table = jnp.array([[0, 2], [0, 1]], jnp.int32)
+    out = pool_attention(q, k, v, table, jnp.array([2, 3], jnp.int32), 1)
+    np.testing.assert_allclose(out[:, 0, 0, 0], [7 / 3, 11 / 3], rtol=1e-6)
+
+
+def test_pool_attention_on_shards_equals_gather():
+    """Two shards (a vmap over pools): shard 0 with two shared references, shard 1 with
+    none, so the loop over shared references runs on one shard only; a decode step's
+    attention through ``attend`` equals the gather's."""
+    q, k, v, _, _ = _random_pools(batch=4, num_pages=10)
+    pools = jnp.concatenate([k, k[:, ::-1]], axis=1)[None], jnp.concatenate([v, -v], axis=1)[None]
+    cache = PagedKVCache.create(
+        ModelConfig(**{**_BASE, "num_layers": 1, "head_dim": 16}),
+        4,
+        num_pages=20,
+        page_size=4,
+        max_pages=3,
+        shards=2,
+        attention="pool",
+        shared_refs=1,
+    )
+    cache = cache.replace(
+        k=pools[0],
+        v=pools[1],
+        page_table=jnp.array([[3, 7, 10], [3, 7, 2], [4, 10, 10], [1, 5, 10]], jnp.int32),
+        lengths=jnp.array([7, 9, 3, 5], jnp.int32),
+    )
+    new_k = jnp.asarray(np.random.default_rng(1).standard_normal((4, 1, 2, 16)), jnp.float32)
+    mask = jnp.array([[True], [True], [True], [False]])
+    attend = jax.jit(lambda c: c.attend(0, q, new_k, -new_k, mask))
+    out, written = attend(cache)
+    reference, written_too = attend(cache.replace(attention="gather"))
+    np.testing.assert_allclose(out, reference, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(written.k, written_too.k)

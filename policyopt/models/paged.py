@@ -33,6 +33,20 @@ Attention over pages (``attend``):
     wins clearly; the gather stays the default as the simpler graph (one product each
     for scores and values), the online form is there for a device where it measures
     faster.
+  * ``"pool"`` (one-token decode; prefill uses the gather): read from the pool in place,
+    each page against the query of the row that holds it (``pool_attention``), a
+    per-row softmax by segment max and segment sums; the pages a group's rows share are
+    listed and gathered, a chunk of ``shared_refs`` at a time. Work follows the pool's
+    pages (the budget), not rows x ``max_pages``. One layer (benchmarks/
+    bench_paged_attention.py, 2026-12-02, 2-core CPU under load ~10, ms CPU per call):
+    uniform (64 rows of <= 160 tokens, 640 pages) gather 3.46, pool 2.17, the dense
+    cache 0.62; long tail (26 of 64 rows up to 544 tokens, 1,024 pages) gather 24.7,
+    online 9.1, pool 3.2, the dense cache over 544 slots 2.2. In the engine's decode
+    (``python -m benchmarks.bench_sampling --skip_main --engine_uniform --runs 2``):
+    long-tailed mix 63.0 CPU s against the gather's 66.4, but the uniform case 7.3
+    against 5.5: XLA:CPU copies each layer's slice of the pools (8 MB each at 1,024
+    pages) before the products read it, where the gather reads the pool in its fusion.
+    Not the default (benchmarks/RESULTS.md, "Fifteenth session").
   * ``"pallas"`` (TPUs, one-token decode only): the kernel that ships with JAX; prefill
     (T > 1) uses the gather. On a CPU it runs in Pallas' TPU interpret mode
     (``jax.experimental.pallas.tpu.force_tpu_interpret_mode``), which the tests use.
@@ -63,7 +77,7 @@ from flax import struct
 from policyopt.models.config import ModelConfig
 
 _MASK_VALUE = -1e30
-ATTENTION = ("gather", "online", "pallas")
+ATTENTION = ("gather", "online", "pallas", "pool")
 
 
 @struct.dataclass
@@ -79,7 +93,10 @@ class PagedKVCache:
       refs: int32 [NP]; table entries pointing at each page (> 1: a prompt's full pages
         shared by the rows of its group, ``copy_rows``).
       index: int32 []; advanced by ``Transformer`` after each call, unused here.
-      attention: "gather", "online" or "pallas" (static; see the module docstring).
+      attention: "gather", "online", "pallas" or "pool" (static; see the module
+        docstring).
+      shared_refs: static, table entries beyond each page's first (shared pages) that the
+        "pool" attention takes per step of its loop over them (0: max_pages).
       shards: S (static), independent pools side by side (see "Shards" in the module
         docstring); with S > 1, num_free is int32 [S] and page ids are local to a shard.
     """
@@ -93,6 +110,7 @@ class PagedKVCache:
     refs: jax.Array
     index: jax.Array
     attention: str = struct.field(pytree_node=False, default="gather")
+    shared_refs: int = struct.field(pytree_node=False, default=0)
     shards: int = struct.field(pytree_node=False, default=1)
 
     # Read by ``Attention`` to route a forward call here.
@@ -113,6 +131,7 @@ class PagedKVCache:
         *,
         attention: str = "gather",
         shards: int = 1,
+        shared_refs: int = 0,
     ) -> "PagedKVCache":
         """An empty cache: every page free, every row empty.
 
@@ -123,8 +142,9 @@ class PagedKVCache:
           page_size: ps, token slots per page.
           max_pages: pages one row may hold (its longest sequence / ps, rounded up).
           dtype: pool dtype (default: the model's compute dtype).
-          attention: "gather", "online" or "pallas".
+          attention: "gather", "online", "pallas" or "pool".
           shards: S pools of NP / S pages for R / S rows each.
+          shared_refs: "pool" attention's chunk of shared references (see the class).
         """
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
@@ -137,6 +157,8 @@ class PagedKVCache:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if shared_refs < 0:
+            raise ValueError(f"shared_refs must be >= 0, got {shared_refs}")
         if rows % shards or num_pages % shards:
             raise ValueError(
                 f"rows ({rows}) and num_pages ({num_pages}) must be multiples of shards ({shards})"
@@ -156,6 +178,7 @@ class PagedKVCache:
             index=jnp.zeros((), jnp.int32),
             attention=attention,
             shards=shards,
+            shared_refs=shared_refs,
         )
 
     @property
@@ -410,6 +433,11 @@ class PagedKVCache:
                 jnp.minimum(self.page_table, num_pages - 1),
             )
             return out[:, None].astype(pool_v.dtype), cache
+        if self.attention == "pool" and t == 1:
+            out = pool_attention(
+                q, pool_k[layer], pool_v[layer], self.page_table, ends, self.shared_refs
+            )
+            return out, cache
         attend = online_attention if self.attention == "online" else gather_attention
         return attend(q, pool_k[layer], pool_v[layer], self.page_table, slots, ends), cache
 
@@ -513,6 +541,113 @@ def online_attention(q, k_pages, v_pages, page_table, query_slots, ends):
     (m, l, o), _ = jax.lax.scan(step, init, jnp.arange(table.shape[1]))
     out = (o / jnp.maximum(l, 1e-30)[..., None]).astype(v_pages.dtype)
     return out.reshape(b, hkv, t, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dh)
+
+
+def pool_attention(q, k_pages, v_pages, page_table, ends, shared_refs=0):
+    """One-token attention read from the pool in place: each page against the query of
+    the row that holds it, so the work follows the pool's pages, not rows x max_pages.
+
+    Each held page p has a first reference (row r_p, column c_p: the smallest
+    r * max_pages + c pointing at it). Its scores z[p, h, s] = q[r_p, h] . k[p, s] /
+    sqrt(Dh), seen iff c_p ps + s < ends[r_p], are one batched product over the pool, with
+    no key gather. Each row's softmax is taken over its segment of references: a segment
+    max m_r = max over the row's pages of max_s z, then e = exp(z - m_r), and segment sums
+    l_r = sum e, o_r = sum e v; out_r = o_r / l_r. The other references (a prompt's full
+    pages shared by the rows of its group, ``copy_rows``) are listed in table order and
+    taken ``shared_refs`` at a time (their pages gathered): the first chunk when there is
+    one, the others (an overflow of the bound) in a ``lax.while_loop`` that runs only then,
+    each chunk's (m, l, o) merged into the rows' as an online softmax does:
+    m' = max(m, m_c), l' = l e^(m - m') + l_c e^(m_c - m'), o' = o e^(m - m') +
+    o_c e^(m_c - m'). No reference is ever dropped, whatever the bound.
+
+    Args:
+      q: [B, 1, H, Dh]; k_pages, v_pages: [Hkv, NP, ps, Dh] (one layer's pools);
+      page_table: int32 [B, max_pages] (entries >= NP: no page); ends: int32 [B], the
+        keys of row r are its slots s < ends[r].
+      shared_refs: static, references beyond each page's first taken per chunk (0: one
+        row's worth, max_pages); ``policyopt.engine`` passes its exact bound, so the
+        overflow loop never runs there.
+    Returns:
+      [B, 1, H, Dh] in v_pages' dtype; a row with no key gets zeros.
+    """
+    b, _, h, dh = q.shape
+    hkv, num_pages, ps, _ = k_pages.shape
+    max_pages = page_table.shape[1]
+    queries = q.reshape(b, hkv, h // hkv, dh).transpose(1, 0, 2, 3)  # [Hkv, B, G, Dh]
+    row_ends = jnp.concatenate([ends, jnp.zeros((1,), ends.dtype)])  # row B: no keys
+    held = page_table < num_pages
+    page = jnp.where(held, page_table, num_pages).reshape(-1)  # [B * max_pages]
+    ref = jnp.arange(b * max_pages, dtype=jnp.int32)  # r * max_pages + c
+    first = jnp.full((num_pages,), b * max_pages, jnp.int32).at[page].min(ref, mode="drop")
+    stats = _segment_partial(
+        queries, first // max_pages, first % max_pages, k_pages, v_pages, row_ends
+    )
+    # References beyond their page's first, compacted to the front in table order.
+    other = held.reshape(-1) & (first[jnp.minimum(page, num_pages - 1)] != ref)
+    count = jnp.sum(other, dtype=jnp.int32)
+    chunk = shared_refs or max_pages
+    size = -(-(b * max_pages) // chunk) * chunk
+    slot = jnp.where(other, jnp.cumsum(other) - 1, size)
+    listed = jnp.full((size,), b * max_pages, jnp.int32).at[slot].set(ref, mode="drop")
+    pages = jnp.concatenate([page, jnp.full((1,), num_pages, jnp.int32)])
+
+    def body(carry):
+        i, stats = carry
+        refs = jax.lax.dynamic_slice(listed, (i * chunk,), (chunk,))
+        at = jnp.minimum(pages[refs], num_pages - 1)
+        part = _segment_partial(
+            queries,
+            refs // max_pages,
+            refs % max_pages,
+            _gather_pages(k_pages, at),
+            _gather_pages(v_pages, at),
+            row_ends,
+        )
+        return i + 1, _merge(stats, part)
+
+    # The first chunk under a cond, the rest (overflow) in a loop under another: XLA:CPU
+    # copies the layer's pools into a while loop's operands whether or not it runs (17 ms
+    # of a 64-row decode step, benchmarks/RESULTS.md), and into a cond's only when taken.
+    zero = jnp.zeros((), jnp.int32)
+    first_chunk = lambda stats: body((zero, stats))[1]
+    rest = lambda stats: jax.lax.while_loop(
+        lambda carry: carry[0] * chunk < count, body, (zero + 1, stats)
+    )[1]
+    stats = jax.lax.cond(count > 0, first_chunk, lambda stats: stats, stats)
+    m, l, o = jax.lax.cond(count > chunk, rest, lambda stats: stats, stats)
+    out = o[:, :b] / jnp.where(l[:, :b] > 0, l[:, :b], 1.0)[..., None]
+    return out.transpose(1, 0, 2, 3).reshape(b, 1, h, dh).astype(v_pages.dtype)
+
+
+def _segment_partial(queries, rows, columns, keys, values, row_ends):
+    """Softmax statistics of each row over the references (rows [M], columns [M]) whose
+    pages are keys, values [Hkv, M, ps, Dh]; queries [Hkv, B, G, Dh]; a row >= B (row_ends
+    [B + 1] gives it no key) marks an unused reference. Returns (m [Hkv, B + 1, G], l of
+    the same shape, o [Hkv, B + 1, G, Dh]): max score, sum of e^(z - m), sum of
+    e^(z - m) v (m = 0 for a row with no key)."""
+    hkv, b, g, dh = queries.shape
+    ps = keys.shape[2]
+    mine = jnp.take(queries, rows, axis=1, mode="clip").astype(keys.dtype)  # [Hkv, M, G, Dh]
+    z = jnp.einsum("kmgd,kmsd->kmgs", mine, keys, preferred_element_type=jnp.float32)
+    seen = columns[:, None] * ps + jnp.arange(ps)[None, :] < row_ends[rows][:, None]
+    z = jnp.where(seen[None, :, None, :], z * (dh**-0.5), -jnp.inf)  # [Hkv, M, G, ps]
+    m = jnp.full((hkv, b + 1, g), -jnp.inf, jnp.float32).at[:, rows].max(jnp.max(z, axis=-1))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(z - jnp.take(m, rows, axis=1)[..., None])
+    l = jnp.zeros((hkv, b + 1, g), jnp.float32).at[:, rows].add(jnp.sum(e, axis=-1))
+    weighted = jnp.einsum(
+        "kmgs,kmsd->kmgd", e.astype(values.dtype), values, preferred_element_type=jnp.float32
+    )
+    o = jnp.zeros((hkv, b + 1, g, dh), jnp.float32).at[:, rows].add(weighted)
+    return m, l, o
+
+
+def _merge(a, b):
+    """Two rows' partial softmax statistics (m, l, o) merged into one."""
+    (m_a, l_a, o_a), (m_b, l_b, o_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    scale_a, scale_b = jnp.exp(m_a - m), jnp.exp(m_b - m)
+    return m, l_a * scale_a + l_b * scale_b, o_a * scale_a[..., None] + o_b * scale_b[..., None]
 
 
 def _pallas_decode(q, k_pages, v_pages, lengths, page_indices):
