@@ -66,6 +66,7 @@ from policyopt.rewards.batch import kill_pool, score_batch
 from policyopt.rl import build
 from policyopt.rl.async_generation import (
     AsyncGenerator,
+    EngineSlots,
     GroupCompletion,
     SlotConfig,
     SlotGenerator,
@@ -264,7 +265,18 @@ def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
         segment_steps=min(acfg.segment_steps, cfg.sampling.max_new_tokens),
     )
     params = jax.tree.map(jnp.copy, run.state.params)  # the update donates run.state
-    slots = SlotGenerator(run.graphdef, slot_config, params, mesh=run.mesh)
+    s = cfg.sampling
+    if s.engine_kv_tokens > 0:  # the paged KV cache of policyopt.engine
+        slots = EngineSlots(
+            run.graphdef,
+            slot_config,
+            params,
+            kv_tokens=s.engine_kv_tokens,
+            page_size=s.engine_page_size,
+            mesh=run.mesh,
+        )
+    else:
+        slots = SlotGenerator(run.graphdef, slot_config, params, mesh=run.mesh)
     rng = jax.random.fold_in(jax.random.fold_in(run.rng, 0x5EED), run.iteration)
     return AsyncGenerator(
         slots,
