@@ -164,11 +164,19 @@ def test_run_async_rl_on_the_paged_engine_trains(tmp_path):
     summary = run_async_rl(config, str(tmp_path), quiet=True)
     run, metrics = summary["run"], summary["metrics"]
     assert summary["iteration"] == 2 and int(run.state.step) + int(run.state.skipped) == 2
-    for key in ("loss/loss", "update/grad_norm", "async/staleness_max", "reward/mean"):
+    for key in (
+        "loss/loss",
+        "update/grad_norm",
+        "async/staleness_max",
+        "reward/mean",
+        "async/page_waits",
+        "async/preempted_groups",
+    ):
         assert key in metrics and np.isfinite(metrics[key]), key
     merged = run.last_round
     prompt_part = merged.tokens[:, : merged.prompt_width].reshape(-1, GROUP, merged.prompt_width)
     assert np.all(prompt_part == prompt_part[:, :1])  # whole groups
+    assert 0 < metrics["async/peak_pages"] <= 2 * ONE_GROUP // PAGE
     assert not generator_threads()
     generator = make_generator(run, PromptStream(run.data))
     assert isinstance(generator.slots, EngineSlots)

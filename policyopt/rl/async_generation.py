@@ -32,7 +32,8 @@ them; a trainer that recomputes pi_old with its own parameters and applies trunc
 importance sampling (``algo.tis_cap``, ``algo.old_log_probs = "trainer"``) corrects for
 the mixture unchanged.
 
-**KV cache layout.** One stacked ``KVCache`` (values ``[L, R, Hkv, S, Dh]``, keys stored
+**KV cache layout (``SlotGenerator``, ``sampling.engine_kv_tokens = 0``).** One stacked
+``KVCache`` (values ``[L, R, Hkv, S, Dh]``, keys stored
 transposed ``[L, R, Hkv, Dh, S]``) shared by every row, with one
 write index (the model's cache writes all rows at one slot). With ``W = P + N``
 (prompt width + max_new_tokens) and ``S = W + K``: each segment first rolls the cache so
@@ -44,6 +45,27 @@ are masked out. Attention masks by key slot and RoPE uses each row's own positio
 (``prompt_length + step``), so every row computes what the synchronous sampler computes
 for it (greedy outputs match ``generate_fn``; ``tests/test_async_rl.py``).
 
+**Paged engine (``EngineSlots``, ``sampling.engine_kv_tokens > 0``).** The same
+interface on ``policyopt.engine``'s paged KV cache and its jitted calls (``admit_rows``,
+``decode_steps``, ``evict_rows``), the one the synchronous trainer streams its rows
+through: memory follows the tokens rows hold (a pool of ``engine_kv_tokens`` slots per
+shard, in pages of ``engine_page_size``), not ``R x (P + N + K)``. A refilled group is
+admitted (its prompt prefilled once, its full pages shared by its G rows) when its
+shard's pool has the prompt's pages and one page per row free; else it is queued, still
+counted as started, and admitted by a later segment under that segment's parameters
+(its ``start_version``). A segment is one ``decode_steps`` call of at most K steps under
+the published parameters; a row refused a page waits (samples nothing, and its logits
+stay those of its last forward). The versions are kept on the host from each row's token
+count before and after a segment: the first token a row draws in a segment has the
+version of its previous logits, the others the segment's, exactly the rule above
+(``tests/test_async_engine.py`` recomputes it token by token through waits). A shard on
+which no row moved in a segment gives back its most recently admitted group's pages; the
+group is queued again at the front and recomputed from its prompt (new start version).
+The pool must hold one group to its end alone (``engine_pages_needed``), so one group can
+always finish. Routing (R3) and stop sequences as in the engine; greedy outputs equal
+``generate_fn``'s. Per-row sampling keys (the engine's, folded with the segment's key)
+differ from SlotGenerator's per-step keys: sampled tokens differ, not their distribution.
+
 **Staleness.** ``AsyncGenerator`` keeps at most ``n_async`` completions started and not
 yet taken by the trainer (in generation or waiting; the generator never blocks on a full
 queue, it starts no new group instead and keeps decoding the ones in flight). With a
@@ -54,6 +76,10 @@ token of a completion trained at version b was generated at version >= b - bound
 trained when a group starts, up to its own, hold only completions that were in flight at
 its start (at most n_async - G others) or that started later and finished no later than
 it, within its at most ceil(N / K) segments (at most ceil(N / K) - 1 per other row).
+With the paged engine this holds while no row waits for a page (``EngineSlots.stats``
+"waits" stays 0, e.g. a pool of at least R' (P + N) slots); a group whose rows waited
+lives more than ceil(N / K) segments and may exceed it (the ``async/staleness_*``
+metrics report what happened).
 """
 
 from __future__ import annotations
@@ -857,7 +883,7 @@ class GeneratorExhausted(Exception):
 
 
 class AsyncGenerator:
-    """Runs a `SlotGenerator` in a background thread, next to a trainer.
+    """Runs a `SlotGenerator` (or `EngineSlots`) in a background thread, next to a trainer.
 
     The generator thread loops: pick up the latest published parameters; refill free
     slot groups while fewer than `n_async` completions are started and not yet taken; run
@@ -877,7 +903,8 @@ class AsyncGenerator:
     left to finish in the background with a warning.
 
     Args:
-      slots: the slot generator (its R rows are the generation slots).
+      slots: the slot generator, SlotGenerator or EngineSlots (its R rows are the
+        generation slots).
       prompts: iterator of prompt dicts (see `SlotGenerator.refill`).
       params, version: the initial parameters and their version.
       rng: base key; segment i samples with ``fold_in(rng, i)``.
@@ -891,7 +918,7 @@ class AsyncGenerator:
 
     def __init__(
         self,
-        slots: SlotGenerator,
+        slots: "SlotGenerator | EngineSlots",
         prompts: Iterator[dict],
         params,
         version: int,

@@ -24,6 +24,11 @@ GAE and is updated on the same minibatches, and VAPO's NLL covers the batch's co
 samples. During value pretraining the policy is not updated, so the weights published
 then are the same as before and only the version number advances.
 
+Generation memory: with ``sampling.engine_kv_tokens > 0`` the generator decodes on the
+paged KV cache of ``policyopt.engine`` (``async_generation.EngineSlots``: a pool of that
+many token slots per shard, ``sampling.engine_page_size`` per page), as the synchronous
+trainer does; with 0, every row holds a dense cache of P + N + K slots (``SlotGenerator``).
+
 Groups: the G samples of a prompt are generated in one slot group and handed over
 together, so group-based advantages always see complete groups.
 
@@ -110,7 +115,8 @@ class AsyncConfig:
     # waiting). None: 2 * n_batch (Magistral: best with n_async / n_batch <= 2).
     n_async: int | None = None
     # Generation rows (the slot batch); None: n_async. Fewer rows than n_async bound
-    # memory (the KV cache is [rows, P + N + K]) at the price of throughput.
+    # memory (the dense KV cache is [rows, P + N + K]; the paged one, with
+    # sampling.engine_kv_tokens > 0, is that budget per shard) at the price of throughput.
     num_slots: int | None = None
     # K: decode steps between two pick-ups of new weights (the push granularity).
     segment_steps: int = 8
@@ -252,7 +258,8 @@ def widest_prompt(config) -> int:
 
 def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
     """The generator of ``run`` (not started), at the run's current parameters and
-    iteration (= version)."""
+    iteration (= version): on the engine's paged KV cache (``EngineSlots``) when
+    ``sampling.engine_kv_tokens > 0``, else on dense slots (``SlotGenerator``)."""
     cfg = run.config
     acfg = AsyncConfig.from_config(cfg)
     n_async = acfg.resolved_n_async(cfg)
@@ -381,6 +388,20 @@ def assemble(groups: list[GroupCompletion], run: RLRun):
     return merged, versions, start, finish
 
 
+def engine_metrics(slots) -> dict[str, float]:
+    """The paged engine's counters since the generator started (``EngineSlots.stats``):
+    row-steps spent waiting for a page, groups preempted and recomputed, most pages one
+    shard held at once; none for dense slots."""
+    if not isinstance(slots, EngineSlots):
+        return {}
+    stats = dict(slots.stats)  # a copy: the generator thread updates it
+    return {
+        "async/page_waits": float(stats.get("waits", 0)),
+        "async/preempted_groups": float(stats.get("preempted_groups", 0)),
+        "async/peak_pages": float(stats.get("peak_pages", 0)),
+    }
+
+
 def staleness_metrics(
     version: int, versions: np.ndarray, start: np.ndarray, finish: np.ndarray
 ) -> dict[str, float]:
@@ -471,6 +492,7 @@ def async_sample(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher):
             "async/queued": float(generator.queued),
             "async/segments": float(generator.stats["segments"]),
             "async/groups_started": float(generator.stats["groups_started"]),
+            **engine_metrics(generator.slots),
             # Seconds the scoring thread has spent in the verifiers (beside decoding).
             "async/score_s": float(generator.stats["score_seconds"]),
         }
