@@ -60,7 +60,9 @@ count before and after a segment: the first token a row draws in a segment has t
 version of its previous logits, the others the segment's, exactly the rule above
 (``tests/test_async_engine.py`` recomputes it token by token through waits). A shard on
 which no row moved in a segment gives back its most recently admitted group's pages; the
-group is queued again at the front and recomputed from its prompt (new start version).
+group is queued again at the front and recomputed from its prompt (new start version),
+and the shard admits nothing until one of its groups finishes (so the elders get the
+pages; with one group left it always can, see below).
 The pool must hold one group to its end alone (``engine_pages_needed``), so one group can
 always finish. Routing (R3) and stop sequences as in the engine; greedy outputs equal
 ``generate_fn``'s. Per-row sampling keys (the engine's, folded with the segment's key)
@@ -710,6 +712,9 @@ class EngineSlots:
         self._versions = np.full((rows, num_new), -1, np.int32)
         self._logits_version = np.zeros((rows,), np.int32)
         self._start_version = np.zeros((config.num_groups,), np.int32)
+        # Shards that preempted a group admit nothing until one of theirs finishes: a
+        # preempted group admitted again at once could take the pages its elders wait for.
+        self._blocked = np.zeros((shards,), bool)
         # Row-steps spent waiting for a page, groups preempted (recomputed from their
         # prompt), most pages one shard held at once.
         self.stats = collections.Counter()
@@ -756,7 +761,7 @@ class EngineSlots:
             admissions = {}
             for group in list(self._pending):
                 shard = self._shard_of(group)
-                if shard in admissions:
+                if shard in admissions or self._blocked[shard]:
                     continue
                 length = self._prompts[group][1]
                 pages = pages_for(length, ps) + (group_size - 1) * int(length % ps > 0)
@@ -796,7 +801,8 @@ class EngineSlots:
         """Admits queued groups, runs up to K decode steps under `params` (a row refused a
         page waits), records each new token's version and returns the groups that
         finished (their slots are free afterwards). A shard on which no row moved gives
-        back the pages of its most recently admitted group, queued again at the front."""
+        back the pages of its most recently admitted group, queued again at the front,
+        and admits nothing until one of its groups finishes."""
         cfg, group_size = self.config, self.config.group_size
         self._admit(params, version)
         if not self._running:
@@ -828,6 +834,7 @@ class EngineSlots:
                 self._running.remove(group)
                 finished.append(self._completion(group, version))
                 self._active[group] = False
+                self._blocked[self._shard_of(group)] = False
         evict = np.zeros((cfg.rows,), bool)
         for shard in range(self.shards):
             mine = [g for g in self._running if self._shard_of(g) == shard]
@@ -839,6 +846,7 @@ class EngineSlots:
             self._running.remove(group)
             self._pending.appendleft(group)
             evict[group * group_size : (group + 1) * group_size] = True
+            self._blocked[shard] = True
             self.stats["preempted_groups"] += 1
         if evict.any():
             with self._on_mesh():
