@@ -115,8 +115,7 @@ class AsyncConfig:
     # waiting). None: 2 * n_batch (Magistral: best with n_async / n_batch <= 2).
     n_async: int | None = None
     # Generation rows (the slot batch); None: n_async. Fewer rows than n_async bound
-    # memory (the dense KV cache is [rows, P + N + K]; the paged one, with
-    # sampling.engine_kv_tokens > 0, is that budget per shard) at the price of throughput.
+    # memory (the KV cache is [rows, P + N + K]) at the price of throughput.
     num_slots: int | None = None
     # K: decode steps between two pick-ups of new weights (the push granularity).
     segment_steps: int = 8
