@@ -716,8 +716,9 @@ class EngineSlots:
         # preempted group admitted again at once could take the pages its elders wait for.
         self._blocked = np.zeros((shards,), bool)
         # Row-steps spent waiting for a page, groups preempted (recomputed from their
-        # prompt), most pages one shard held at once.
-        self.stats = collections.Counter()
+        # prompt), most pages one shard held at once. Every key set here: the trainer's
+        # thread copies the dict while the generator's updates it.
+        self.stats = collections.Counter(waits=0, preempted_groups=0, peak_pages=0)
 
     def _on_mesh(self):
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
