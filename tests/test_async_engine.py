@@ -254,3 +254,27 @@ def test_engine_slots_on_two_devices_equal_generate_and_compile_once():
         timeout=600,
     )
     assert proc.returncode == 0 and "ok mesh" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+
+
+def test_stop_sequences_end_rows_as_in_the_synchronous_sampler():
+    graphdef, params, _ = policy()
+    prompts = random_prompts(4, seed=5, min_length=1)
+    tokens = np.stack([p["prompt_tokens"] for p in prompts])
+    lengths = np.asarray([p["prompt_length"] for p in prompts], np.int32)
+    base = slot_config(Greedy(), num_groups=2, segment=3)
+    free = generate_fn(
+        graphdef, params, tokens, lengths, jax.random.PRNGKey(0), config=base.sampling
+    )
+    stop = tuple(int(t) for t in np.asarray(free.tokens)[0, 1:3])  # ends prompt 0 at 3 tokens
+    sampling = dataclasses.replace(base.sampling, stop_sequences=(stop,))
+    reference = generate_fn(
+        graphdef, params, tokens, lengths, jax.random.PRNGKey(0), config=sampling
+    )
+    assert int(np.asarray(reference.lengths)[0]) == 3
+    config = SlotConfig(sampling, 2, PROMPT_WIDTH, 3)
+    slots = EngineSlots(graphdef, config, params, kv_tokens=2 * ONE_GROUP, page_size=PAGE)
+    done = run_slots(slots, prompts, lambda segment: (params, 0))
+    for index, completion in done.items():
+        rows = slice(index * GROUP, (index + 1) * GROUP)
+        np.testing.assert_array_equal(completion.tokens, np.asarray(reference.tokens[rows]))
+        np.testing.assert_array_equal(completion.lengths, np.asarray(reference.lengths[rows]))
