@@ -262,8 +262,10 @@ def base_config() -> ml_collections.ConfigDict:
     # shared by all rows; 0 = off), the rows decoded together (a multiple of
     # batch.group_size; 0 = all B x G), and the token slots per page. Greedy tokens are
     # generate's; sampled ones follow per-row keys (another draw of the same distribution).
-    # Synchronous trainer; on a mesh one engine shard per device along the row axes (the
-    # budget and rows are per shard); records the routing for R3.
+    # Both trainers (the async generator's rows are async_mode.num_slots, engine_rows
+    # unused; its pool must hold one group of P + N tokens alone); on a mesh one engine
+    # shard per device along the row axes (the budget and rows are per shard); records the
+    # routing for R3.
     c.sampling.engine_kv_tokens = 0
     c.sampling.engine_rows = 0
     c.sampling.engine_page_size = 16

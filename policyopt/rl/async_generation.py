@@ -32,7 +32,8 @@ them; a trainer that recomputes pi_old with its own parameters and applies trunc
 importance sampling (``algo.tis_cap``, ``algo.old_log_probs = "trainer"``) corrects for
 the mixture unchanged.
 
-**KV cache layout.** One stacked ``KVCache`` (values ``[L, R, Hkv, S, Dh]``, keys stored
+**KV cache layout (``SlotGenerator``, ``sampling.engine_kv_tokens = 0``).** One stacked
+``KVCache`` (values ``[L, R, Hkv, S, Dh]``, keys stored
 transposed ``[L, R, Hkv, Dh, S]``) shared by every row, with one
 write index (the model's cache writes all rows at one slot). With ``W = P + N``
 (prompt width + max_new_tokens) and ``S = W + K``: each segment first rolls the cache so
@@ -44,6 +45,29 @@ are masked out. Attention masks by key slot and RoPE uses each row's own positio
 (``prompt_length + step``), so every row computes what the synchronous sampler computes
 for it (greedy outputs match ``generate_fn``; ``tests/test_async_rl.py``).
 
+**Paged engine (``EngineSlots``, ``sampling.engine_kv_tokens > 0``).** The same
+interface on ``policyopt.engine``'s paged KV cache and its jitted calls (``admit_rows``,
+``decode_steps``, ``evict_rows``), the one the synchronous trainer streams its rows
+through: memory follows the tokens rows hold (a pool of ``engine_kv_tokens`` slots per
+shard, in pages of ``engine_page_size``), not ``R x (P + N + K)``. A refilled group is
+admitted (its prompt prefilled once, its full pages shared by its G rows) when its
+shard's pool has the prompt's pages and one page per row free; else it is queued, still
+counted as started, and admitted by a later segment under that segment's parameters
+(its ``start_version``). A segment is one ``decode_steps`` call of at most K steps under
+the published parameters; a row refused a page waits (samples nothing, and its logits
+stay those of its last forward). The versions are kept on the host from each row's token
+count before and after a segment: the first token a row draws in a segment has the
+version of its previous logits, the others the segment's, exactly the rule above
+(``tests/test_async_engine.py`` recomputes it token by token through waits). A shard on
+which no row moved in a segment gives back its most recently admitted group's pages; the
+group is queued again at the front and recomputed from its prompt (new start version),
+and the shard admits nothing until one of its groups finishes (so the elders get the
+pages; with one group left it always can, see below).
+The pool must hold one group to its end alone (``engine_pages_needed``), so one group can
+always finish. Routing (R3) and stop sequences as in the engine; greedy outputs equal
+``generate_fn``'s. Per-row sampling keys (the engine's, folded with the segment's key)
+differ from SlotGenerator's per-step keys: sampled tokens differ, not their distribution.
+
 **Staleness.** ``AsyncGenerator`` keeps at most ``n_async`` completions started and not
 yet taken by the trainer (in generation or waiting; the generator never blocks on a full
 queue, it starts no new group instead and keeps decoding the ones in flight). With a
@@ -54,6 +78,10 @@ token of a completion trained at version b was generated at version >= b - bound
 trained when a group starts, up to its own, hold only completions that were in flight at
 its start (at most n_async - G others) or that started later and finished no later than
 it, within its at most ceil(N / K) segments (at most ceil(N / K) - 1 per other row).
+With the paged engine this holds while no row waits for a page (``EngineSlots.stats``
+"waits" stays 0, e.g. a pool of at least R' (P + N) slots); a group whose rows waited
+lives more than ceil(N / K) segments and may exceed it (the ``async/staleness_*``
+metrics report what happened).
 """
 
 from __future__ import annotations
@@ -64,6 +92,7 @@ import dataclasses
 import math
 import threading
 import time
+from functools import partial
 from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
@@ -73,12 +102,16 @@ from absl import logging
 from flax import nnx, struct
 
 from policyopt import sharding
+from policyopt.engine import Engine, EngineConfig, admit_rows, decode_steps, evict_rows, row_shards
 from policyopt.models.attention import KEY_CACHE_AXES, VALUE_CACHE_AXES
+from policyopt.models.paged import pages_for
 from policyopt.sampling import Rollout, SamplingConfig, decode_step, next_logits
 
 __all__ = [
     "SlotConfig",
     "SlotGenerator",
+    "EngineSlots",
+    "engine_pages_needed",
     "GroupCompletion",
     "AsyncGenerator",
     "GeneratorExhausted",
@@ -569,12 +602,297 @@ class SlotGenerator:
         )
 
 
+def engine_pages_needed(
+    prompt_width: int, max_new_tokens: int, group_size: int, page_size: int
+) -> int:
+    """Pages one pool needs so that a single group of G rows, alone, is admitted and
+    decodes to its end without waiting, for any prompt length L in [1, P]: the most of
+
+      admission (``EngineSlots``): ceil(L / ps) + (G - 1) [L % ps > 0] + G
+      its end:                     floor(L / ps) + G (ceil((L + N) / ps) - floor(L / ps))
+
+    (the prompt's full pages are shared by the G rows, each row holds its own last
+    partial prompt page and the pages of its response)."""
+    need = 0
+    for length in range(1, prompt_width + 1):
+        shared = length // page_size
+        admit = pages_for(length, page_size) + (group_size - 1) * int(length % page_size > 0)
+        end = shared + group_size * (pages_for(length + max_new_tokens, page_size) - shared)
+        need = max(need, admit + group_size, end)
+    return need
+
+
+@partial(jax.jit, static_argnames=("group_size",))
+def _engine_group_rows(state, group, *, group_size: int) -> dict:
+    """Tokens, log-probs, counts and routing (axis 1) of the G rows of slot ``group`` of an
+    engine state (``policyopt.engine``)."""
+    take = lambda x, axis=0: (
+        None if x is None else jax.lax.dynamic_slice_in_dim(x, group * group_size, group_size, axis)
+    )
+    return dict(
+        tokens=take(state.tokens),
+        log_probs=take(state.log_probs),
+        raw_log_probs=take(state.raw_log_probs),
+        count=take(state.count),
+        routing=take(state.routing, 1),
+    )
+
+
+class EngineSlots:
+    """``SlotGenerator``'s interface on the paged KV cache of ``policyopt.engine``
+    (``sampling.engine_kv_tokens > 0``; see "Paged engine" in the module docstring).
+
+    Args:
+      graphdef: the policy's NNX graph definition (params are passed per call).
+      config: the slot geometry and sampling settings (R = num_groups * G rows, P, K).
+      params: any parameters of the right structure (used for shapes only).
+      kv_tokens: KV token slots of each shard's page pool (the memory budget).
+      page_size: token slots per page.
+      attention: attention over pages ("gather", "online", "pallas"; ``models.paged``).
+      capture_routing: record every token's experts (MoE models), as SlotGenerator does.
+      mesh: the mesh the parameters live on, or None: the engine runs one shard per device
+        along the row axes (``engine.row_shards``), ``num_groups`` split evenly over them.
+    Raises:
+      ValueError: num_groups not a multiple of the shards, or a pool that cannot hold one
+        group to its end (``engine_pages_needed``).
+    """
+
+    def __init__(
+        self,
+        graphdef,
+        config: SlotConfig,
+        params,
+        *,
+        kv_tokens: int,
+        page_size: int = 16,
+        attention: str = "gather",
+        capture_routing: bool = True,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        self.graphdef, self.config = graphdef, config
+        mesh = None if mesh is None or mesh.size == 1 else mesh
+        shards = row_shards(mesh)
+        s = config.sampling
+        if config.num_groups % shards:
+            raise ValueError(
+                f"async_mode.num_slots: {config.num_groups} slot groups cannot be split over "
+                f"the engine's {shards} shards (devices on the row axes): needs a multiple"
+            )
+        need = engine_pages_needed(
+            config.prompt_width, s.max_new_tokens, config.group_size, page_size
+        )
+        if kv_tokens // page_size < need:
+            raise ValueError(
+                f"config.sampling.engine_kv_tokens = {kv_tokens} cannot hold one group of "
+                f"{config.group_size} rows of {config.prompt_width} prompt + "
+                f"{s.max_new_tokens} new tokens in pages of {page_size}: needs >= "
+                f"{need * page_size}"
+            )
+        engine_config = EngineConfig(
+            kv_tokens=kv_tokens,
+            rows=config.rows // shards,
+            page_size=page_size,
+            attention=attention,
+            steps_per_call=config.segment_steps,
+            capture_routing=capture_routing,
+        )
+        self.engine = Engine(
+            nnx.merge(graphdef, params), engine_config, s, graphdef=graphdef, mesh=mesh
+        )
+        self.mesh, self.shards = mesh, shards
+        with self._on_mesh():
+            self.state = self.engine.init_state(config.prompt_width)
+        rows, num_new = config.rows, s.max_new_tokens
+        self._active = np.zeros((config.num_groups,), bool)  # started, not handed out
+        self._running: list[int] = []  # admitted groups, oldest first
+        self._pending: collections.deque[int] = collections.deque()  # waiting for pages
+        self._prompts: dict[int, tuple[np.ndarray, int]] = {}
+        self._meta: dict[int, dict] = {}
+        self._count = np.zeros((rows,), np.int32)
+        self._versions = np.full((rows, num_new), -1, np.int32)
+        self._logits_version = np.zeros((rows,), np.int32)
+        self._start_version = np.zeros((config.num_groups,), np.int32)
+        # Shards that preempted a group admit nothing until one of theirs finishes: a
+        # preempted group admitted again at once could take the pages its elders wait for.
+        self._blocked = np.zeros((shards,), bool)
+        # Row-steps spent waiting for a page, groups preempted (recomputed from their
+        # prompt), most pages one shard held at once. Every key set here: the trainer's
+        # thread copies the dict while the generator's updates it.
+        self.stats = collections.Counter(waits=0, preempted_groups=0, peak_pages=0)
+
+    def _on_mesh(self):
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def free_groups(self) -> list[int]:
+        return [int(g) for g in np.flatnonzero(~self._active)]
+
+    @property
+    def num_active(self) -> int:
+        return int(self._active.sum())
+
+    def _shard_of(self, group: int) -> int:
+        return group // (self.config.num_groups // self.shards)
+
+    def refill(self, group: int, prompt: dict, params, version: int) -> None:
+        """Starts the G samples of `prompt` in slot `group` (which must be free): admitted
+        now under `params` if its shard's pool has the pages, else queued and admitted by a
+        later `segment`, under that segment's parameters, once pages come back."""
+        if self._active[group]:
+            raise ValueError(f"slot group {group} is still generating")
+        cfg = self.config
+        length = int(prompt["prompt_length"])
+        tokens = _fit_prompt(
+            prompt["prompt_tokens"], length, cfg.prompt_width, cfg.sampling.fill_id
+        )
+        self._prompts[group] = (tokens, length)
+        self._meta[group] = {
+            k: v for k, v in prompt.items() if k not in ("prompt_tokens", "prompt_length")
+        }
+        self._active[group] = True
+        self._pending.append(group)
+        self._admit(params, version)
+
+    def _admit(self, params, version: int) -> None:
+        """Admits queued groups, oldest first, up to one per shard per ``admit_rows`` call,
+        while the shard's pool has the group's prompt pages and one page per row free."""
+        cfg, group_size = self.config, self.config.group_size
+        ps = self.engine.engine.page_size
+        num_free = np.asarray(jax.device_get(self.state.cache.num_free)).reshape(-1).copy()
+        while self._pending:
+            admissions = {}
+            for group in list(self._pending):
+                shard = self._shard_of(group)
+                if shard in admissions or self._blocked[shard]:
+                    continue
+                length = self._prompts[group][1]
+                pages = pages_for(length, ps) + (group_size - 1) * int(length % ps > 0)
+                if num_free[shard] < pages + group_size:
+                    admissions[shard] = None  # oldest first: later groups of the shard wait
+                    continue
+                num_free[shard] -= pages
+                admissions[shard] = group
+            admitted = {shard: g for shard, g in admissions.items() if g is not None}
+            if not admitted:
+                return
+            args = np.zeros((5, self.shards), np.int32)  # row0, rows, sample0, length, id
+            args[0] = np.arange(self.shards) * (cfg.rows // self.shards)
+            args[3] = 1
+            prompts = np.full((self.shards, cfg.prompt_width), cfg.sampling.fill_id, np.int32)
+            for shard, group in admitted.items():
+                tokens, length = self._prompts[group]
+                args[:, shard] = (group * group_size, group_size, 0, length, group)
+                prompts[shard] = tokens
+                self._pending.remove(group)
+                self._running.append(group)
+                rows = slice(group * group_size, (group + 1) * group_size)
+                self._count[rows], self._versions[rows] = 0, -1
+                self._logits_version[rows] = version
+                self._start_version[group] = version
+            with self._on_mesh():
+                self.state = admit_rows(
+                    self.graphdef,
+                    params,
+                    self.state,
+                    jnp.asarray(prompts),
+                    *map(jnp.asarray, args[[3, 0, 1, 2, 4]]),
+                    config=cfg.sampling,
+                )
+
+    def segment(self, params, version: int, rng: jax.Array) -> list[GroupCompletion]:
+        """Admits queued groups, runs up to K decode steps under `params` (a row refused a
+        page waits), records each new token's version and returns the groups that
+        finished (their slots are free afterwards). A shard on which no row moved gives
+        back the pages of its most recently admitted group, queued again at the front,
+        and admits nothing until one of its groups finishes."""
+        cfg, group_size = self.config, self.config.group_size
+        self._admit(params, version)
+        if not self._running:
+            return []
+        with self._on_mesh():
+            self.state, _, made, waits, peak = decode_steps(
+                self.graphdef,
+                params,
+                self.state,
+                rng,
+                config=cfg.sampling,
+                steps=cfg.segment_steps,
+            )
+        count, active, made = jax.device_get((self.state.count, self.state.active, made))
+        count, active, made = np.asarray(count), np.asarray(active), np.asarray(made)
+        self.stats["waits"] += int(waits)
+        self.stats["peak_pages"] = max(self.stats["peak_pages"], int(peak))
+        # Token n's logits came from the forward of token n - 1: the first token of this
+        # segment from the one before it (logits_version), the others from this one.
+        column = np.arange(cfg.sampling.max_new_tokens)[None]
+        before, lv = self._count[:, None], self._logits_version[:, None]
+        new = (column >= before) & (column < count[:, None])
+        self._versions = np.where(new, np.where(column == before, lv, version), self._versions)
+        self._logits_version = np.where(count > self._count, version, self._logits_version)
+        self._count = count.astype(np.int32)
+        finished = []
+        for group in list(self._running):
+            if not active[group * group_size : (group + 1) * group_size].any():
+                self._running.remove(group)
+                finished.append(self._completion(group, version))
+                self._active[group] = False
+                self._blocked[self._shard_of(group)] = False
+        evict = np.zeros((cfg.rows,), bool)
+        for shard in range(self.shards):
+            mine = [g for g in self._running if self._shard_of(g) == shard]
+            if made[shard] or not mine:
+                continue
+            if len(mine) == 1:  # cannot happen: the pool holds one group (__init__)
+                raise RuntimeError(f"slot group {mine[0]} cannot get a page in an empty pool")
+            group = mine[-1]
+            self._running.remove(group)
+            self._pending.appendleft(group)
+            evict[group * group_size : (group + 1) * group_size] = True
+            self._blocked[shard] = True
+            self.stats["preempted_groups"] += 1
+        if evict.any():
+            with self._on_mesh():
+                self.state = evict_rows(
+                    self.state, jax.device_put(evict, self.state.active.sharding)
+                )
+        return finished
+
+    def _completion(self, group: int, version: int) -> GroupCompletion:
+        cfg, group_size = self.config, self.config.group_size
+        with self._on_mesh():
+            fields = jax.device_get(
+                _engine_group_rows(self.state, jnp.int32(group), group_size=group_size)
+            )
+        tokens, length = self._prompts.pop(group)
+        rows = slice(group * group_size, (group + 1) * group_size)
+        lengths = np.asarray(fields["count"], np.int32)
+        mask = (np.arange(cfg.sampling.max_new_tokens)[None] < lengths[:, None]).astype(np.float32)
+        shift = cfg.prompt_width - length
+        prompt = np.roll(
+            np.where(np.arange(cfg.prompt_width) < length, tokens, cfg.sampling.fill_id), shift
+        )
+        routing = fields["routing"]
+        return GroupCompletion(
+            tokens=np.where(mask > 0, fields["tokens"], cfg.sampling.fill_id).astype(np.int32),
+            mask=mask,
+            log_probs=np.asarray(fields["log_probs"], np.float32) * mask,
+            raw_log_probs=np.asarray(fields["raw_log_probs"], np.float32) * mask,
+            lengths=lengths,
+            prompt_tokens=np.repeat(prompt[None], group_size, axis=0).astype(np.int32),
+            prompt_lengths=np.full((group_size,), length, np.int32),
+            routing=None if routing is None else np.asarray(routing, np.int32),
+            versions=np.where(mask > 0, self._versions[rows], -1).astype(np.int32),
+            start_version=int(self._start_version[group]),
+            finish_version=int(version),
+            meta=self._meta.pop(group),
+        )
+
+
 class GeneratorExhausted(Exception):
     """The prompt source ended and every started group has been taken."""
 
 
 class AsyncGenerator:
-    """Runs a `SlotGenerator` in a background thread, next to a trainer.
+    """Runs a `SlotGenerator` (or `EngineSlots`) in a background thread, next to a trainer.
 
     The generator thread loops: pick up the latest published parameters; refill free
     slot groups while fewer than `n_async` completions are started and not yet taken; run
@@ -594,7 +912,8 @@ class AsyncGenerator:
     left to finish in the background with a warning.
 
     Args:
-      slots: the slot generator (its R rows are the generation slots).
+      slots: the slot generator, SlotGenerator or EngineSlots (its R rows are the
+        generation slots).
       prompts: iterator of prompt dicts (see `SlotGenerator.refill`).
       params, version: the initial parameters and their version.
       rng: base key; segment i samples with ``fold_in(rng, i)``.
@@ -608,7 +927,7 @@ class AsyncGenerator:
 
     def __init__(
         self,
-        slots: SlotGenerator,
+        slots: "SlotGenerator | EngineSlots",
         prompts: Iterator[dict],
         params,
         version: int,

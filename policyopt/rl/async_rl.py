@@ -24,6 +24,11 @@ GAE and is updated on the same minibatches, and VAPO's NLL covers the batch's co
 samples. During value pretraining the policy is not updated, so the weights published
 then are the same as before and only the version number advances.
 
+Generation memory: with ``sampling.engine_kv_tokens > 0`` the generator decodes on the
+paged KV cache of ``policyopt.engine`` (``async_generation.EngineSlots``: a pool of that
+many token slots per shard, ``sampling.engine_page_size`` per page), as the synchronous
+trainer does; with 0, every row holds a dense cache of P + N + K slots (``SlotGenerator``).
+
 Groups: the G samples of a prompt are generated in one slot group and handed over
 together, so group-based advantages always see complete groups.
 
@@ -66,6 +71,7 @@ from policyopt.rewards.batch import kill_pool, score_batch
 from policyopt.rl import build
 from policyopt.rl.async_generation import (
     AsyncGenerator,
+    EngineSlots,
     GroupCompletion,
     SlotConfig,
     SlotGenerator,
@@ -245,7 +251,8 @@ def widest_prompt(config) -> int:
 
 def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
     """The generator of ``run`` (not started), at the run's current parameters and
-    iteration (= version)."""
+    iteration (= version): on the engine's paged KV cache (``EngineSlots``) when
+    ``sampling.engine_kv_tokens > 0``, else on dense slots (``SlotGenerator``)."""
     cfg = run.config
     acfg = AsyncConfig.from_config(cfg)
     n_async = acfg.resolved_n_async(cfg)
@@ -258,7 +265,18 @@ def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
         segment_steps=min(acfg.segment_steps, cfg.sampling.max_new_tokens),
     )
     params = jax.tree.map(jnp.copy, run.state.params)  # the update donates run.state
-    slots = SlotGenerator(run.graphdef, slot_config, params, mesh=run.mesh)
+    s = cfg.sampling
+    if s.engine_kv_tokens > 0:  # the paged KV cache of policyopt.engine
+        slots = EngineSlots(
+            run.graphdef,
+            slot_config,
+            params,
+            kv_tokens=s.engine_kv_tokens,
+            page_size=s.engine_page_size,
+            mesh=run.mesh,
+        )
+    else:
+        slots = SlotGenerator(run.graphdef, slot_config, params, mesh=run.mesh)
     rng = jax.random.fold_in(jax.random.fold_in(run.rng, 0x5EED), run.iteration)
     return AsyncGenerator(
         slots,
@@ -363,6 +381,20 @@ def assemble(groups: list[GroupCompletion], run: RLRun):
     return merged, versions, start, finish
 
 
+def engine_metrics(slots) -> dict[str, float]:
+    """The paged engine's counters since the generator started (``EngineSlots.stats``):
+    row-steps spent waiting for a page, groups preempted and recomputed, most pages one
+    shard held at once; none for dense slots."""
+    if not isinstance(slots, EngineSlots):
+        return {}
+    stats = dict(slots.stats)  # a copy: the generator thread updates it
+    return {
+        "async/page_waits": float(stats.get("waits", 0)),
+        "async/preempted_groups": float(stats.get("preempted_groups", 0)),
+        "async/peak_pages": float(stats.get("peak_pages", 0)),
+    }
+
+
 def staleness_metrics(
     version: int, versions: np.ndarray, start: np.ndarray, finish: np.ndarray
 ) -> dict[str, float]:
@@ -453,6 +485,7 @@ def async_sample(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher):
             "async/queued": float(generator.queued),
             "async/segments": float(generator.stats["segments"]),
             "async/groups_started": float(generator.stats["groups_started"]),
+            **engine_metrics(generator.slots),
             # Seconds the scoring thread has spent in the verifiers (beside decoding).
             "async/score_s": float(generator.stats["score_seconds"]),
         }
