@@ -108,14 +108,22 @@ def token_log_probs(
 
     # On an fsdp mesh the output embedding is gathered whole along D inside a shard_map
     # over the rows (its gradient then reduce-scattered onto its shards): each device
-    # takes its own rows' chunks there.
+    # takes its own rows' chunks there. Nothing of it is saved for the backward pass but
+    # its inputs (the chunks' logits are recomputed there, as they are here without a
+    # mesh; a policy saving matmuls would keep every chunk's).
     def per_device(rows, weights):
         hidden, targets = rows
         return _token_log_probs(
             hidden, weights[0], targets, temperature, chunk_size, return_entropy
         )
 
-    return sharding.fsdp_call(per_device, (hidden, targets), (embedding,), (("embed", "vocab"),))
+    return sharding.fsdp_call(
+        per_device,
+        (hidden, targets),
+        (embedding,),
+        (("embed", "vocab"),),
+        policy=jax.checkpoint_policies.nothing_saveable,
+    )
 
 
 def _token_log_probs(hidden, embedding, targets, temperature, chunk_size, return_entropy):

@@ -33,6 +33,12 @@ Typical use, identical on one CPU and on a pod::
     with jax.set_mesh(mesh):
       state, metrics = update(state, batch)
 
+On a mesh with an ``fsdp`` axis the layers use their weights through ``fsdp_call``: each
+device computes its own rows under a ``jax.shard_map`` in which the weights, arriving as
+their FSDP shards, are all-gathered along ``embed``, so that their gradients are
+reduce-scattered onto the shards (left to XLA's partitioner they would be all-reduced at
+full size and sliced: XLA:CPU forms no reduce-scatter from the two).
+
 A model built (or loaded with ``from_pretrained``) under the mesh is born sharded: each
 parameter, drawn or read on the host, goes to each device as that device's shard only
 (``place_host_array``), with the values of a build without a mesh, so a model larger than
@@ -96,7 +102,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # Sequence positions: whole on every device (attention needs them all).
     ("length", None),
     # Model width D of every weight (embedding, attention, MLP, router, experts): the FSDP
-    # (ZeRO-3) shard; gathered per layer for the matmul, gradients reduce-scattered back.
+    # (ZeRO-3) shard; gathered per layer for the matmul, gradients reduce-scattered back
+    # (explicitly, in a shard_map: ``fsdp_call``, and the MoE block's own).
     # Activations' D stays whole (it is contracted in every matmul).
     ("embed", "fsdp"),
     # Attention heads of q / o and k / v: Megatron-style tensor parallelism.
@@ -176,7 +183,15 @@ def _mesh_axes_of(logical_name: str, mesh, rules=LOGICAL_AXIS_RULES) -> tuple[st
     return tuple(a for a in names if mesh.shape[a] > 1)
 
 
-def fsdp_call(fn, rows, weights, weight_axes, rules=LOGICAL_AXIS_RULES):
+def fsdp_call(
+    fn,
+    rows,
+    weights,
+    weight_axes,
+    *,
+    policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    rules=LOGICAL_AXIS_RULES,
+):
     """``fn(rows, weights)`` with each weight whole along its model width (ZeRO-3): the
     weights enter a ``jax.shard_map`` as their FSDP shards and are all-gathered there, so
     that their gradients are reduce-scattered back onto the shards.
@@ -208,6 +223,13 @@ def fsdp_call(fn, rows, weights, weight_axes, rules=LOGICAL_AXIS_RULES):
         and the gradient is reduce-scattered in it).
       weight_axes: tuple of logical axes tuples, one per weight (``param``'s
         ``logical_axes``).
+      policy: the ``jax.checkpoint`` policy of the call on the mesh: what of ``fn``'s
+        forward pass is saved for the backward pass. The whole weights, and every value
+        computed from them but a product with the rows, must not be (a scan over layers
+        would keep every layer's): they are gathered again in the backward pass, as
+        ZeRO-3 does. The default saves the matmuls' outputs and recomputes the rest
+        (elementwise work); under an outer ``jax.checkpoint`` (``ModelConfig.remat``) the
+        outer policy decides instead (JAX applies the outermost).
       rules: logical axis -> mesh axes.
     Returns:
       ``fn``'s outputs, a pytree of [B, ...] arrays (rows split over R on a mesh).
@@ -252,13 +274,14 @@ def fsdp_call(fn, rows, weights, weight_axes, rules=LOGICAL_AXIS_RULES):
     weight_specs = tuple(
         PartitionSpec(*([None] * d + [width])) if d is not None else PartitionSpec() for d in dims
     )
-    return jax.shard_map(
+    per_device = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(rows_spec, weight_specs),
         out_specs=rows_spec,
         axis_names=frozenset(row_axes),
-    )(rows, tuple(weights))
+    )
+    return jax.checkpoint(per_device, policy=policy)(rows, tuple(weights))
 
 
 def initialize_distributed() -> None:

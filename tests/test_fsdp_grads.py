@@ -6,8 +6,9 @@ and data=2 x fsdp=4, for the dense model (scanned layers under remat, the untied
 embedding through the logits and through the chunked ``token_log_probs``) and the MoE
 model (per-layer blocks, tied embeddings); the compiled gradient step on fsdp=8 has a
 reduce-scatter per weight and no all-reduce of a full-size weight gradient, and no buffer
-of every scanned layer's gathered weight; meshes without an fsdp axis, and rows the mesh
-cannot split, compile the program of before (no ``shard_map``).
+of every scanned layer's gathered weight (under remat and without); the chunked log-probs
+save only their inputs for the backward pass; meshes without an fsdp axis, and rows the
+mesh cannot split, compile the program of before (no ``shard_map``).
 
 One subprocess (JAX reads ``XLA_FLAGS`` once, at start-up) runs every case; it compiles
 with ``--xla_backend_optimization_level=0`` (as tests/test_expert_parallel.py).
@@ -65,12 +66,17 @@ _SCRIPT = textwrap.dedent("""
       return [l for l in lines if pattern.search(l)]
 
     dense = preset("tiny_dense", vocab_size=64, scan_layers=True, remat="full")
+    # Without remat, fsdp_call's own checkpoint keeps the whole weights out of the scan's
+    # saved values (gathered again in the backward pass).
+    dense_no_remat = preset("tiny_dense", vocab_size=64, scan_layers=True, remat="none")
     moe = preset("tiny_moe", vocab_size=64, num_experts=8, moe_dispatch="blocked",
                  moe_block_size=4, tie_word_embeddings=True)
-    for name, config in (("dense", dense), ("moe", moe)):
+    for name, config, meshes in (("dense", dense, MESHES),
+                                 ("dense remat=none", dense_no_remat, MESHES[:1]),
+                                 ("moe", moe, MESHES)):
       graphdef, params, step, loss_fn = make(config)
       ref_loss, ref_grads = step(params, tokens)
-      for shape in MESHES:
+      for shape in meshes:
         mesh = sharding.make_mesh(shape)
         placed = sharding.shard_params(params, mesh)
         rows = sharding.shard_rows(tokens, mesh=mesh)
@@ -82,7 +88,7 @@ _SCRIPT = textwrap.dedent("""
         for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads)):
           np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6,
                                      err_msg=f"{name} {shape} {jax.tree_util.keystr(path)}")
-        if name == "dense" and shape == MESHES[0]:
+        if name.startswith("dense") and shape == MESHES[0]:
           hlo = compiled.as_text()
           specs = sharding.param_specs(params, mesh)
           flat = jax.tree.leaves_with_path(params)
@@ -105,6 +111,18 @@ _SCRIPT = textwrap.dedent("""
               assert not has_shape(hlo.splitlines(), full), (where, full)
           assert split == 12, split   # embed, head, final norm, 9 stacked block weights
         print("ok", name, shape, flush=True)
+
+    # What the backward pass of the chunked log-probs keeps from the forward pass: its
+    # inputs (the output embedding as its shard), not the whole embedding or any chunk's
+    # logits, as on one device (8 rows of 64 tokens, D = 64, V = 512, chunks of 16).
+    mesh = sharding.make_mesh({"fsdp": 8})
+    hidden, weight = jnp.ones((8, 64, 64)), jnp.ones((64, 512))
+    targets = jnp.zeros((8, 64), jnp.int32)
+    log_probs = lambda h, w: token_log_probs(h, w, targets, chunk_size=16).sum()
+    with jax.set_mesh(mesh):
+      saved = {x.shape for x in jax.tree.leaves(jax.vjp(log_probs, hidden, weight)[1])}
+    assert saved == {(8, 64, 64), (64, 512), (8, 64)}, saved
+    print("ok saved", flush=True)
 
     # Without an fsdp axis, or with rows the mesh cannot split, the program of before.
     graphdef, params, step, loss_fn = make(dense)
@@ -135,7 +153,7 @@ def test_dense_gradients_reduce_scattered_and_equal_one_device():
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
-    assert proc.stdout.count("ok") == 7, proc.stdout
+    assert proc.stdout.count("ok") == 9, proc.stdout
 
 
 def test_one_device_runs_no_shard_map():
