@@ -74,8 +74,9 @@ What XLA:CPU's figures predict for GPUs and TPUs, and what they do not:
   float32 copy before the backward loop; benchmarks/RESULTS.md, fourteenth session).
 - XLA:CPU has no pass that turns an all-reduce followed by a slice into a reduce-scatter
   (XLA's GPU pipeline has one): a gradient whose FSDP reduction is left to the SPMD
-  partitioner shows here as a full-size all-reduce; an explicit reduce-scatter (the MoE
-  block's weights, ``policyopt.models.expert_parallel``) shows as one.
+  partitioner shows here as a full-size all-reduce; an explicit reduce-scatter (every
+  weight gathered in a ``shard_map``: the MoE block's, ``policyopt.models.expert_parallel``,
+  and on an fsdp mesh the dense layers', ``policyopt.sharding.fsdp_call``) shows as one.
 - Rematerialisation: ``jax.checkpoint`` policies and scanned layers act as on TPUs (the
   checkpoint boundaries are in the HLO XLA:CPU compiles; a scan keeps its carries and saved
   residuals per layer). The GPU and TPU compilers also run XLA's own rematerialisation

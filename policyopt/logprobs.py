@@ -105,6 +105,30 @@ def token_log_probs(
         raise ValueError(f"targets must be [B, T] = {(b, t)}, got shape {targets.shape}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+
+    # On an fsdp mesh the output embedding is gathered whole along D inside a shard_map
+    # over the rows (its gradient then reduce-scattered onto its shards): each device
+    # takes its own rows' chunks there. Nothing of it is saved for the backward pass but
+    # its inputs (the chunks' logits are recomputed there, as they are here without a
+    # mesh; a policy saving matmuls would keep every chunk's).
+    def per_device(rows, weights):
+        hidden, targets = rows
+        return _token_log_probs(
+            hidden, weights[0], targets, temperature, chunk_size, return_entropy
+        )
+
+    return sharding.fsdp_call(
+        per_device,
+        (hidden, targets),
+        (embedding,),
+        (("embed", "vocab"),),
+        policy=jax.checkpoint_policies.nothing_saveable,
+    )
+
+
+def _token_log_probs(hidden, embedding, targets, temperature, chunk_size, return_entropy):
+    """``token_log_probs`` on the rows this device computes (all of them off a mesh)."""
+    b, t, d = hidden.shape
     n, vocab = b * t, embedding.shape[1]
     chunk = chunk_size or default_chunk_size(n, vocab)
     num_chunks = -(-n // chunk)
@@ -141,7 +165,7 @@ def _local_rows(rows: int) -> int:
     """Rows of a [rows, ...] batch on each device under the current mesh (its ``batch``
     axes, as ``policyopt.sharding.row_spec`` splits them); ``rows`` without a mesh."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
+    if mesh is None or mesh.empty or mesh.manual_axes:  # inside a shard_map: its own rows
         return rows
     spec = tuple(sharding.row_spec((rows,), mesh))
     spec = spec[0] if spec else None  # replicated rows: an empty spec

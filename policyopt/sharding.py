@@ -33,6 +33,12 @@ Typical use, identical on one CPU and on a pod::
     with jax.set_mesh(mesh):
       state, metrics = update(state, batch)
 
+On a mesh with an ``fsdp`` axis the layers use their weights through ``fsdp_call``: each
+device computes its own rows under a ``jax.shard_map`` in which the weights, arriving as
+their FSDP shards, are all-gathered along ``embed``, so that their gradients are
+reduce-scattered onto the shards (left to XLA's partitioner they would be all-reduced at
+full size and sliced: XLA:CPU forms no reduce-scatter from the two).
+
 A model built (or loaded with ``from_pretrained``) under the mesh is born sharded: each
 parameter, drawn or read on the host, goes to each device as that device's shard only
 (``place_host_array``), with the values of a build without a mesh, so a model larger than
@@ -96,7 +102,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # Sequence positions: whole on every device (attention needs them all).
     ("length", None),
     # Model width D of every weight (embedding, attention, MLP, router, experts): the FSDP
-    # (ZeRO-3) shard; gathered per layer for the matmul, gradients reduce-scattered back.
+    # (ZeRO-3) shard; gathered per layer for the matmul, gradients reduce-scattered back
+    # (explicitly, in a shard_map: ``fsdp_call``, and the MoE block's own).
     # Activations' D stays whole (it is contracted in every matmul).
     ("embed", "fsdp"),
     # Attention heads of q / o and k / v: Megatron-style tensor parallelism.
@@ -159,12 +166,122 @@ def param_partition_specs(params_state, rules=LOGICAL_AXIS_RULES, mesh_axis_name
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules=LOGICAL_AXIS_RULES):
-    """``with_sharding_constraint`` by logical names when a mesh is set; identity otherwise."""
+    """``with_sharding_constraint`` by logical names when a mesh is set; identity otherwise.
+    Inside a ``shard_map`` the axes it makes manual are left out (split by hand there)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return x
-    spec = logical_to_mesh_axes(logical_axes, rules, mesh.axis_names)
+    names = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    spec = logical_to_mesh_axes(logical_axes, rules, names)
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _mesh_axes_of(logical_name: str, mesh, rules=LOGICAL_AXIS_RULES) -> tuple[str, ...]:
+    """The mesh axes (size > 1) that the rule of ``logical_name`` maps to, in order."""
+    target = logical_to_mesh_axes((logical_name,), rules, mesh.axis_names)[0]
+    names = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+    return tuple(a for a in names if mesh.shape[a] > 1)
+
+
+def fsdp_call(
+    fn,
+    rows,
+    weights,
+    weight_axes,
+    *,
+    policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    rules=LOGICAL_AXIS_RULES,
+):
+    """``fn(rows, weights)`` with each weight whole along its model width (ZeRO-3): the
+    weights enter a ``jax.shard_map`` as their FSDP shards and are all-gathered there, so
+    that their gradients are reduce-scattered back onto the shards.
+
+    On a mesh whose ``embed`` rule has axes F of size > 1 (``fsdp``) and whose ``batch``
+    rule's axes R (``data``, ``fsdp``, ``expert``; F among them) divide the rows, ``fn``
+    runs once per device on its rows under a ``shard_map`` manual over R (``tensor`` stays
+    automatic). A weight w of logical axes with ``embed`` at dimension i (split over F
+    where F divides it) is all-gathered over F along i; its gradient, the transpose,
+
+        dW_shard = psum_scatter_F(dW_local)   then   psum over R \\ F,
+
+    is the sum over every device's rows, as one device's, reduce-scattered onto the shard
+    (left to XLA's SPMD partitioner, the sum is all-reduced at full size and then sliced on
+    XLA:CPU, which has no pass forming a reduce-scatter from the two). The reduction over
+    the other row axes (data parallelism) runs on the shard, after the reduce-scatter.
+    Weights without an ``embed`` dimension are used whole and their gradients psum-ed.
+
+    Elsewhere (no mesh, one device, no ``fsdp`` axis, rows the mesh cannot split, no weight
+    split along ``embed``, row axes that are not ``Auto`` as ``make_mesh`` makes them, or
+    already inside a ``shard_map``) it is ``fn(rows, weights)``: one device compiles
+    exactly the program it did without this.
+
+    Args:
+      fn: ``fn(rows, weights) -> outputs``, per device: each rows leaf and output leaf has
+        the rows first (each device sees B / |R| of them), ``weights`` whole.
+      rows: pytree of arrays [B, ...] (``None`` leaves allowed), the rows first.
+      weights: tuple of arrays, each in its parameter dtype (the gather moves that dtype,
+        and the gradient is reduce-scattered in it).
+      weight_axes: tuple of logical axes tuples, one per weight (``param``'s
+        ``logical_axes``).
+      policy: the ``jax.checkpoint`` policy of the call on the mesh: what of ``fn``'s
+        forward pass is saved for the backward pass. The whole weights, and every value
+        computed from them but a product with the rows, must not be (a scan over layers
+        would keep every layer's): they are gathered again in the backward pass, as
+        ZeRO-3 does. The default saves the matmuls' outputs and recomputes the rest
+        (elementwise work); under an outer ``jax.checkpoint`` (``ModelConfig.remat``) the
+        outer policy decides instead (JAX applies the outermost).
+      rules: logical axis -> mesh axes.
+    Returns:
+      ``fn``'s outputs, a pytree of [B, ...] arrays (rows split over R on a mesh).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.manual_axes:
+        return fn(rows, weights)
+    width = _mesh_axes_of("embed", mesh, rules)
+    row_axes = _mesh_axes_of("batch", mesh, rules)
+    num_rows = {x.shape[0] for x in jax.tree.leaves(rows)}
+    split = int(np.prod([mesh.shape[a] for a in row_axes]))
+    extent = int(np.prod([mesh.shape[a] for a in width]))
+    dims = []
+    for w, axes in zip(weights, weight_axes, strict=True):
+        axes = tuple(axes)
+        dim = axes.index("embed") if "embed" in axes else None
+        dims.append(None if dim is None or w.shape[dim] % extent else dim)
+    if (
+        not width
+        or not set(width) <= set(row_axes) <= set(mesh.auto_axes)
+        or len(num_rows) != 1
+        or num_rows.pop() % split
+        or all(d is None for d in dims)
+    ):
+        return fn(rows, weights)
+
+    def gathered(w, dim):
+        # Typed as varying over the row axes it is not split over, so that its gradient's
+        # psum over them (data parallelism) runs on the shard, after the reduce-scatter.
+        others = tuple(
+            a
+            for a in row_axes
+            if (dim is None or a not in width) and a not in jax.typeof(w).mat.varying
+        )
+        w = jax.lax.pcast(w, others, to="varying") if others else w
+        return w if dim is None else jax.lax.all_gather(w, width, axis=dim, tiled=True)
+
+    def body(rows, weights):
+        return fn(rows, tuple(gathered(w, d) for w, d in zip(weights, dims)))
+
+    rows_spec = PartitionSpec(row_axes)
+    weight_specs = tuple(
+        PartitionSpec(*([None] * d + [width])) if d is not None else PartitionSpec() for d in dims
+    )
+    per_device = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(rows_spec, weight_specs),
+        out_specs=rows_spec,
+        axis_names=frozenset(row_axes),
+    )
+    return jax.checkpoint(per_device, policy=policy)(rows, tuple(weights))
 
 
 def initialize_distributed() -> None:

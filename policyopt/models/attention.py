@@ -18,12 +18,16 @@ from flax import nnx, struct
 from policyopt.models.attention_ops import attend, attention_weights_mask, dot_product_attention
 from policyopt.models.config import ModelConfig
 from policyopt.models.layers import RMSNorm, apply_rope, param
-from policyopt.sharding import constrain
+from policyopt.sharding import constrain, fsdp_call
 
 # Logical axes (``policyopt.sharding``) of the cache's keys [L, B, Hkv, Dh, S] and
 # values [L, B, Hkv, S, Dh]: rows follow the batch, heads the attention heads.
 KEY_CACHE_AXES = (None, "batch", "kv_heads", "kv", "length")
 VALUE_CACHE_AXES = (None, "batch", "kv_heads", "length", "kv")
+# Logical axes of the projections' weights: q [D, H, Dh], k and v [D, Hkv, Dh], o [H, Dh, D].
+_Q_AXES = ("embed", "heads", "kv")
+_KV_AXES = ("embed", "kv_heads", "kv")
+_O_AXES = ("heads", "kv", "embed")
 
 
 @struct.dataclass
@@ -186,10 +190,10 @@ class Attention(nnx.Module):
         # anything compiles.
         self.implementation = config.resolved_attention()
         self.block_size = config.attention_block_size
-        self.q_proj = param(rngs, (d, h, dh), ("embed", "heads", "kv"), std=std, dtype=pdt)
-        self.k_proj = param(rngs, (d, hkv, dh), ("embed", "kv_heads", "kv"), std=std, dtype=pdt)
-        self.v_proj = param(rngs, (d, hkv, dh), ("embed", "kv_heads", "kv"), std=std, dtype=pdt)
-        self.o_proj = param(rngs, (h, dh, d), ("heads", "kv", "embed"), std=std, dtype=pdt)
+        self.q_proj = param(rngs, (d, h, dh), _Q_AXES, std=std, dtype=pdt)
+        self.k_proj = param(rngs, (d, hkv, dh), _KV_AXES, std=std, dtype=pdt)
+        self.v_proj = param(rngs, (d, hkv, dh), _KV_AXES, std=std, dtype=pdt)
+        self.o_proj = param(rngs, (h, dh, d), _O_AXES, std=std, dtype=pdt)
         self.q_norm = RMSNorm(dh, config.rms_norm_eps, param_dtype=pdt, axis_name="kv")
         self.k_norm = RMSNorm(dh, config.rms_norm_eps, param_dtype=pdt, axis_name="kv")
 
@@ -219,16 +223,19 @@ class Attention(nnx.Module):
         """
         dt = self.dtype
         x = x.astype(dt)
-        q = jnp.einsum("btd,dnh->btnh", x, self.q_proj[...].astype(dt))
-        k = jnp.einsum("btd,dnh->btnh", x, self.k_proj[...].astype(dt))
-        v = jnp.einsum("btd,dnh->btnh", x, self.v_proj[...].astype(dt))
+        q, k, v = fsdp_call(
+            self._project,
+            x,
+            (self.q_proj[...], self.k_proj[...], self.v_proj[...]),
+            (_Q_AXES, _KV_AXES, _KV_AXES),
+        )
         q = apply_rope(self.q_norm(q), cos, sin)
         k = apply_rope(self.k_norm(k), cos, sin)
         q = constrain(q, ("batch", "length", "heads", "kv"))
         t = x.shape[1]
         if getattr(cache, "paged", False):  # policyopt.models.paged.PagedKVCache
             out, cache = cache.attend(layer, q, k, v, token_mask)
-            return jnp.einsum("btnh,nhd->btd", out.astype(dt), self.o_proj[...].astype(dt)), cache
+            return self._output(out.astype(dt)), cache
         if cache is None:
             out = attend(
                 q,
@@ -251,5 +258,19 @@ class Attention(nnx.Module):
             keys, values = (x.astype(dt) for x in cache.layer(layer))
             mask = attention_weights_mask(cache.index + jnp.arange(t), key_mask)
             out = dot_product_attention(q, keys, values, mask, cache_layout=True)
-        out = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dt))
-        return out, cache
+        return self._output(out), cache
+
+    # The projections run under ``policyopt.sharding.fsdp_call``: on an fsdp mesh their
+    # weights are gathered inside a shard_map and their gradients reduce-scattered.
+
+    def _project(self, x, weights):
+        """x [B, T, D] -> q [B, T, H, Dh], k and v [B, T, Hkv, Dh]."""
+        return tuple(jnp.einsum("btd,dnh->btnh", x, w.astype(self.dtype)) for w in weights)
+
+    def _output(self, out):
+        """Attention outputs [B, T, H, Dh] -> [B, T, D] (o_proj)."""
+
+        def project(out, weights):
+            return jnp.einsum("btnh,nhd->btd", out, weights[0].astype(self.dtype))
+
+        return fsdp_call(project, out, (self.o_proj[...],), (_O_AXES,))

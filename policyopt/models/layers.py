@@ -49,12 +49,19 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, size: int, eps: float, *, param_dtype, axis_name: str | None = "embed"):
         self.eps = eps
+        self.axis_name = axis_name
         self.scale = param(None, (size,), (axis_name,), std=None, dtype=param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """x [B, ..., size] -> the same shape; the scale gathered per call on an fsdp mesh
+        (``policyopt.sharding.fsdp_call``) when it is split along ``embed``."""
+        return sharding.fsdp_call(self._apply, x, (self.scale[...],), ((self.axis_name,),))
+
+    def _apply(self, x: jax.Array, weights) -> jax.Array:
+        (scale,) = weights
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+        return scale.astype(x.dtype) * normed.astype(x.dtype)
 
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
@@ -80,7 +87,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward (Shazeer 2020): down( silu(x W_gate) * (x W_up) )."""
+    """SwiGLU feed-forward (Shazeer 2020): down( silu(x W_gate) * (x W_up) ).
+
+    On an fsdp mesh the three weights are gathered inside one ``shard_map`` per call and
+    their gradients reduce-scattered (``policyopt.sharding.fsdp_call``).
+    """
 
     def __init__(self, config: ModelConfig, intermediate_size: int, *, rngs: nnx.Rngs):
         d, f = config.hidden_size, intermediate_size
@@ -91,9 +102,13 @@ class MLP(nnx.Module):
         self.down_proj = param(rngs, (f, d), ("mlp", "embed"), std=std, dtype=pdt)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.astype(self.dtype)
-        gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...].astype(self.dtype))
-        up = jnp.einsum("btd,df->btf", x, self.up_proj[...].astype(self.dtype))
-        return jnp.einsum(
-            "btf,fd->btd", jax.nn.silu(gate) * up, self.down_proj[...].astype(self.dtype)
-        )
+        """x [B, T, D] -> [B, T, D] in the compute dtype."""
+        weights = tuple(w[...] for w in (self.gate_proj, self.up_proj, self.down_proj))
+        axes = (("embed", "mlp"), ("embed", "mlp"), ("mlp", "embed"))
+        return sharding.fsdp_call(self._apply, x.astype(self.dtype), weights, axes)
+
+    def _apply(self, x: jax.Array, weights) -> jax.Array:
+        w_gate, w_up, w_down = (w.astype(self.dtype) for w in weights)
+        gate = jnp.einsum("btd,df->btf", x, w_gate)
+        up = jnp.einsum("btd,df->btf", x, w_up)
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)

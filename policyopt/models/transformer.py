@@ -24,7 +24,11 @@ from policyopt.models.attention import Attention, KVCache
 from policyopt.models.config import ModelConfig
 from policyopt.models.layers import MLP, RMSNorm, param, rope_cos_sin
 from policyopt.models.moe import MoE
-from policyopt.sharding import constrain
+from policyopt.sharding import constrain, fsdp_call
+
+# Logical axes of the embedding table [V, D] and of the output embedding [D, V].
+_EMBED_AXES = ("vocab", "embed")
+_HEAD_AXES = ("embed", "vocab")
 
 
 @struct.dataclass
@@ -92,7 +96,7 @@ class Transformer(nnx.Module):
         self.config = config
         pdt, std = config.weight_dtype, config.initializer_range
         self.embed = param(
-            rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), std=std, dtype=pdt
+            rngs, (config.vocab_size, config.hidden_size), _EMBED_AXES, std=std, dtype=pdt
         )
         blocks = [Block(config, i, rngs=rngs) for i in range(config.num_layers)]
         if config.scan_layers:
@@ -103,7 +107,7 @@ class Transformer(nnx.Module):
             self.lm_head = param(
                 rngs,
                 (config.hidden_size, config.vocab_size),
-                ("embed", "vocab"),
+                _HEAD_AXES,
                 std=std,
                 dtype=pdt,
             )
@@ -116,7 +120,8 @@ class Transformer(nnx.Module):
         return KVCache.create(self.config, batch_size, max_length, dtype, per_layer=per_layer)
 
     def output_embedding(self) -> jax.Array:
-        """[D, V] matrix W with logits = hidden @ W (the embedding transposed when tied)."""
+        """[D, V] matrix W with logits = hidden @ W (the embedding transposed when tied);
+        logical axes ("embed", "vocab") either way."""
         if self.config.tie_word_embeddings:
             return self.embed[...].T
         return self.lm_head[...]
@@ -179,12 +184,18 @@ class Transformer(nnx.Module):
                     f"routing must have shape [L_moe, B, T, k] = {expected}, "
                     f"got {tuple(routing.shape)}"
                 )
+
         # The table is gathered whole along `embed` first (as FSDP gathers every weight at
         # use): a lookup into a table sharded along `embed` yields rows sharded along it,
         # which XLA can only reshard to batch rows by replicating them in full
-        # ("involuntary full rematerialization" on a data x fsdp x tensor mesh).
-        table = constrain(self.embed[...], ("vocab", None))
-        x = jnp.take(table, tokens, axis=0, mode="clip").astype(cfg.compute_dtype)
+        # ("involuntary full rematerialization" on a data x fsdp x tensor mesh). On an
+        # fsdp mesh the gather is explicit, in a shard_map (fsdp_call), so that the
+        # table's gradient is reduce-scattered onto its shards.
+        def lookup(tokens, weights):
+            table = constrain(weights[0], ("vocab", None))
+            return jnp.take(table, tokens, axis=0, mode="clip").astype(cfg.compute_dtype)
+
+        x = fsdp_call(lookup, tokens, (self.embed[...],), (_EMBED_AXES,))
         x = constrain(x, ("batch", "length", "embed"))
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         policy = _remat_policy(cfg.remat)
@@ -232,12 +243,16 @@ class Transformer(nnx.Module):
         hidden = self.final_norm(x)
         logits = None
         if return_logits:
-            logits = jnp.einsum(
-                "btd,dv->btv",
-                hidden,
-                self.output_embedding().astype(hidden.dtype),
-                preferred_element_type=jnp.float32,
-            )
+
+            def project(hidden, weights):
+                return jnp.einsum(
+                    "btd,dv->btv",
+                    hidden,
+                    weights[0].astype(hidden.dtype),
+                    preferred_element_type=jnp.float32,
+                )
+
+            logits = fsdp_call(project, hidden, (self.output_embedding(),), (_HEAD_AXES,))
         if cache is not None:
             cache = cache.replace(index=cache.index + t)
         out_routing, out_aux = None, {}

@@ -1,0 +1,167 @@
+"""ZeRO-3 for the dense layers (``policyopt.sharding.fsdp_call``) on 8 simulated CPU
+devices: the embedding, attention, MLP, norm and output-embedding weights are gathered
+inside a ``shard_map`` over the rows, so their gradients are reduce-scattered onto their
+fsdp shards. Loss and gradients equal one device's on the meshes fsdp=8, fsdp=2 x expert=4
+and data=2 x fsdp=4, for the dense model (scanned layers under remat, the untied output
+embedding through the logits and through the chunked ``token_log_probs``) and the MoE
+model (per-layer blocks, tied embeddings); the compiled gradient step on fsdp=8 has a
+reduce-scatter per weight and no all-reduce of a full-size weight gradient, and no buffer
+of every scanned layer's gathered weight (under remat and without); the chunked log-probs
+save only their inputs for the backward pass; meshes without an fsdp axis, and rows the
+mesh cannot split, compile the program of before (no ``shard_map``).
+
+One subprocess (JAX reads ``XLA_FLAGS`` once, at start-up) runs every case; it compiles
+with ``--xla_backend_optimization_level=0`` (as tests/test_expert_parallel.py).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from policyopt.models import Transformer, preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SCRIPT = textwrap.dedent("""
+    import re
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from policyopt import sharding
+    from policyopt.logprobs import token_log_probs
+    from policyopt.models import Transformer, preset
+
+    assert jax.device_count() == 8, jax.devices()
+    MESHES = ({"fsdp": 8}, {"fsdp": 2, "expert": 4}, {"data": 2, "fsdp": 4})
+    tokens = jax.random.randint(jax.random.key(1), (8, 6), 0, 64)
+
+    def make(config):
+      graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param)
+
+      def loss_fn(params, tokens):
+        model = nnx.merge(graphdef, params)
+        out = model(tokens)
+        # The output embedding twice: in the logits, and in the learner's chunked
+        # log-probs of the hidden states (chunks of 4 tokens).
+        log_probs = jax.nn.log_softmax(out.logits[:, :-1])
+        nll = -jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1).mean()
+        chunked = token_log_probs(
+            out.hidden[:, :-1], model.output_embedding(), tokens[:, 1:], chunk_size=4)
+        loss = nll - 0.5 * chunked.mean()
+        if config.is_moe:
+          loss = loss + 0.1 * out.aux["load_balancing_loss"]
+        return loss
+
+      return graphdef, params, jax.jit(jax.value_and_grad(loss_fn)), loss_fn
+
+    def ops(hlo, kind):
+      return [l for l in hlo.splitlines() if f" {kind}(" in l]
+
+    def has_shape(lines, dims):   # f32[a,b,...] exactly (not a prefix of a longer shape)
+      pattern = re.compile(r"f32\\[" + ",".join(map(str, dims)) + r"\\]")
+      return [l for l in lines if pattern.search(l)]
+
+    dense = preset("tiny_dense", vocab_size=64, scan_layers=True, remat="full")
+    # Without remat, fsdp_call's own checkpoint keeps the whole weights out of the scan's
+    # saved values (gathered again in the backward pass).
+    dense_no_remat = preset("tiny_dense", vocab_size=64, scan_layers=True, remat="none")
+    moe = preset("tiny_moe", vocab_size=64, num_experts=8, moe_dispatch="blocked",
+                 moe_block_size=4, tie_word_embeddings=True)
+    for name, config, meshes in (("dense", dense, MESHES),
+                                 ("dense remat=none", dense_no_remat, MESHES[:1]),
+                                 ("moe", moe, MESHES)):
+      graphdef, params, step, loss_fn = make(config)
+      ref_loss, ref_grads = step(params, tokens)
+      for shape in meshes:
+        mesh = sharding.make_mesh(shape)
+        placed = sharding.shard_params(params, mesh)
+        rows = sharding.shard_rows(tokens, mesh=mesh)
+        with jax.set_mesh(mesh):
+          compiled = step.lower(placed, rows).compile()
+          assert "shard_map" in str(jax.make_jaxpr(loss_fn)(placed, rows))
+        loss, grads = compiled(placed, rows)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=f"{name} {shape}")
+        for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+          np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6,
+                                     err_msg=f"{name} {shape} {jax.tree_util.keystr(path)}")
+        if name.startswith("dense") and shape == MESHES[0]:
+          hlo = compiled.as_text()
+          specs = sharding.param_specs(params, mesh)
+          flat = jax.tree.leaves_with_path(params)
+          split = 0
+          for (path, leaf), spec in zip(flat, jax.tree.leaves(specs)):
+            where = jax.tree_util.keystr(path)
+            if "fsdp" not in tuple(spec):
+              continue
+            split += 1
+            full = leaf.shape
+            # Stacked layers [L, ...] (scan_layers): gathered and reduce-scattered one
+            # layer at a time inside the scan's body.
+            layer = full[1:] if "layers" in where else full
+            shard = tuple(n // 8 if a == "fsdp" else n
+                          for n, a in zip(layer, tuple(spec)[len(full) - len(layer):]))
+            assert has_shape(ops(hlo, "reduce-scatter"), shard), (where, shard)
+            assert not has_shape(ops(hlo, "all-reduce"), layer), (where, layer)
+            assert not has_shape(ops(hlo, "all-gather"), full) or full == layer, where
+            if full != layer:   # no buffer holds every layer's whole weight or gradient
+              assert not has_shape(hlo.splitlines(), full), (where, full)
+          assert split == 12, split   # embed, head, final norm, 9 stacked block weights
+        print("ok", name, shape, flush=True)
+
+    # What the backward pass of the chunked log-probs keeps from the forward pass: its
+    # inputs (the output embedding as its shard), not the whole embedding or any chunk's
+    # logits, as on one device (8 rows of 64 tokens, D = 64, V = 512, chunks of 16).
+    mesh = sharding.make_mesh({"fsdp": 8})
+    hidden, weight = jnp.ones((8, 64, 64)), jnp.ones((64, 512))
+    targets = jnp.zeros((8, 64), jnp.int32)
+    log_probs = lambda h, w: token_log_probs(h, w, targets, chunk_size=16).sum()
+    with jax.set_mesh(mesh):
+      saved = {x.shape for x in jax.tree.leaves(jax.vjp(log_probs, hidden, weight)[1])}
+    assert saved == {(8, 64, 64), (64, 512), (8, 64)}, saved
+    print("ok saved", flush=True)
+
+    # Without an fsdp axis, or with rows the mesh cannot split, the program of before.
+    graphdef, params, step, loss_fn = make(dense)
+    for shape, batch in (({"data": 8}, tokens), ({"fsdp": 8}, tokens[:3])):
+      mesh = sharding.make_mesh(shape)
+      placed = sharding.shard_params(params, mesh)
+      with jax.set_mesh(mesh):
+        assert "shard_map" not in str(jax.make_jaxpr(loss_fn)(placed, batch)), shape
+        loss, _ = step(placed, batch)
+      np.testing.assert_allclose(loss, step(params, batch)[0], rtol=1e-5)
+    print("ok fallback", flush=True)
+    """)
+
+
+def test_dense_gradients_reduce_scattered_and_equal_one_device():
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    assert proc.stdout.count("ok") == 9, proc.stdout
+
+
+def test_one_device_runs_no_shard_map():
+    """One device (no mesh): the model's program has no shard_map; fsdp_call is
+    ``fn(rows, weights)`` (tiny_moe and moe_7m keep their speed)."""
+    model = Transformer(preset("tiny_moe", vocab_size=64), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens = jnp.zeros((2, 5), jnp.int32)
+    loss = lambda p: nnx.merge(graphdef, p)(tokens).logits.sum()
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
+    assert "shard_map" not in jaxpr
