@@ -21,6 +21,8 @@ import textwrap
 import jax
 import pytest
 
+from tests.flags import subprocess_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SCRIPT = textwrap.dedent("""
@@ -202,12 +204,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_expert_parallel_matches_one_device():
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        TF_CPP_MIN_LOG_LEVEL="3",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-    )
+    env = subprocess_env(8, "--xla_backend_optimization_level=0", TF_CPP_MIN_LOG_LEVEL="3")
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT],
         env=env,
