@@ -5,7 +5,9 @@ their programs compile in seconds), so tests compile with JAX's
 ``jax_disable_most_optimizations`` (backend optimisation level 0, LLVM's expensive passes
 off): a quarter less CPU time, the same programs. The environment variable reaches the
 subprocesses that tests start (multi-device runs, the command line), which read it at
-start-up; ``JAX_DISABLE_MOST_OPTIMIZATIONS=0`` turns it off.
+start-up; ``JAX_DISABLE_MOST_OPTIMIZATIONS=0`` turns it off. The suite's XLA flags
+(``tests/flags.py``: the older, faster-compiling CPU fusion emitters) join ``XLA_FLAGS``
+the same way, before JAX starts a backend.
 """
 
 import os
@@ -13,6 +15,10 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+from tests.flags import with_compile_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_compile_flags(os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402  (after the environment it reads)
 

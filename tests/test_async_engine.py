@@ -18,6 +18,7 @@ from flax import nnx
 from policyopt.rl.async_generation import EngineSlots, SlotConfig, engine_pages_needed
 from policyopt.rl.async_rl import PromptStream, make_generator, run_async_rl
 from policyopt.sampling import Greedy, generate_fn
+from tests.flags import subprocess_env
 from tests.test_async_rl import (
     GROUP,
     N_ASYNC,
@@ -238,12 +239,7 @@ def test_engine_slots_on_two_devices_equal_generate_and_compile_once():
     """Parameters on an fsdp=2 mesh, two engine shards (2 groups and a pool per device,
     rows waiting for pages): greedy completions equal generate_fn's on one device, and
     every jitted call compiles once across the run."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-        TF_CPP_MIN_LOG_LEVEL="1",
-    )
+    env = subprocess_env(2, TF_CPP_MIN_LOG_LEVEL="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
         [sys.executable, "-c", _MESH_SCRIPT],

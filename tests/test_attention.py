@@ -22,6 +22,7 @@ from policyopt.models.attention_ops import (
     choose_implementation,
     cudnn_attention,
 )
+from tests.flags import subprocess_env
 
 TINY = dict(
     vocab_size=40,
@@ -316,9 +317,7 @@ _MESH_SCRIPT = textwrap.dedent("""
 
 def test_splash_and_blockwise_on_a_mesh():
     # Splash runs per device under shard_map (rows over data x fsdp, heads over tensor).
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
+    env = subprocess_env(8)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
         [sys.executable, "-c", _MESH_SCRIPT],

@@ -16,6 +16,7 @@ from policyopt import sampling
 from policyopt.engine import Engine, EngineConfig
 from policyopt.models import ModelConfig, Transformer
 from policyopt.sampling import Greedy, SamplingConfig, Temperature
+from tests.flags import subprocess_env
 
 _BASE = dict(
     vocab_size=64,
@@ -330,12 +331,7 @@ def test_sharded_engine_on_two_devices_equals_generate():
     """Parameters on an fsdp=2 mesh, two engine shards (one pool and two rows per device,
     rows waiting for pages): the rollout and its routing equal generate's on one
     device, and the compiled decode moves no pool between devices."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-        TF_CPP_MIN_LOG_LEVEL="1",
-    )
+    env = subprocess_env(2, TF_CPP_MIN_LOG_LEVEL="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
         [sys.executable, "-c", _SHARDED_SCRIPT],

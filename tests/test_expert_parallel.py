@@ -21,6 +21,8 @@ import textwrap
 import jax
 import pytest
 
+from tests.flags import subprocess_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Shared by the scripts below: the meshes, the tokens, a jitted loss-and-gradient step of a
@@ -246,12 +248,7 @@ _MEGABLOX_SCRIPT = _PRELUDE + textwrap.dedent("""
 
 def _run(script):
     """Runs ``script`` on 8 simulated CPU devices; its stdout."""
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        TF_CPP_MIN_LOG_LEVEL="3",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-    )
+    env = subprocess_env(8, "--xla_backend_optimization_level=0", TF_CPP_MIN_LOG_LEVEL="3")
     proc = subprocess.run(
         [sys.executable, "-c", script],
         env=env,

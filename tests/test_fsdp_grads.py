@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from policyopt.models import Transformer, preset
+from tests.flags import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -138,12 +139,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_dense_gradients_reduce_scattered_and_equal_one_device():
-    env = dict(
-        os.environ,
-        PYTHONPATH=ROOT,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-    )
+    env = subprocess_env(8, "--xla_backend_optimization_level=0", PYTHONPATH=ROOT)
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT],
         env=env,

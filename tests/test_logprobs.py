@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from policyopt.logprobs import default_chunk_size, token_log_probs
+from tests.flags import subprocess_env
 
 
 def _naive(hidden, embedding, targets, temperature):
@@ -246,9 +247,7 @@ def test_rows_split_over_devices_stay_split():
     import subprocess
     import sys
 
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
+    env = subprocess_env(8)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
         [sys.executable, "-c", _MESH_SCRIPT],

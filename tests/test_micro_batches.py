@@ -24,6 +24,7 @@ from policyopt.rl.batch import Batch, layout
 from policyopt.rl.critic import get_critic, init_critic_params
 from policyopt.rl.learner import LossConfig, TrainState, get_learner, rl_loss, split_params
 from policyopt.rl.trainer import minibatch_advantages
+from tests.flags import subprocess_env
 from tests.settings import critic_settings, loss_settings, optim_settings
 
 VOCAB = 16
@@ -530,8 +531,7 @@ def test_micro_batches_on_a_mesh_equal_one_pass():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, PYTHONPATH=root)
+    env = subprocess_env(8, "--xla_backend_optimization_level=0", PYTHONPATH=root)
     result = subprocess.run(
         [sys.executable, "-c", _MESH_SCRIPT],
         env=env,

@@ -25,6 +25,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from tests.flags import xla_flags
 from tests.test_rl_mesh import ROOT, _finish
 
 # Local devices per process -> the 2-process mesh: 1 each with the parameters split
@@ -137,7 +138,7 @@ def reference(tmp_path_factory):
     """The one-device runs, shared by every layout: started at once (beside the first
     layout's processes), waited for when first needed. Returns ``() -> (dir, output)``."""
     out = tmp_path_factory.mktemp("one")
-    proc = _start("one", str(out), 1, {"XLA_FLAGS": FLAGS})
+    proc = _start("one", str(out), 1, {"XLA_FLAGS": xla_flags(1, FLAGS)})
     done = []
 
     def result():
@@ -160,7 +161,7 @@ def test_two_processes_train_as_one_device(tmp_path, local, reference):
             str(tmp_path / "multi"),
             local,
             {
-                "XLA_FLAGS": FLAGS + f" --xla_force_host_platform_device_count={local}",
+                "XLA_FLAGS": xla_flags(local, FLAGS),
                 "JAX_COORDINATOR_ADDRESS": address,
                 "JAX_NUM_PROCESSES": "2",
                 "JAX_PROCESS_ID": str(i),

@@ -13,6 +13,7 @@ from policyopt.rl.batch import Batch, layout
 from policyopt.rl.critic import critic_loss, forward_values, init_critic_params
 from policyopt.rl.learner import forward_log_probs, rl_loss, split_params
 from policyopt.rl.packing import gather_slots, pack_layout, packed_rows
+from tests.flags import subprocess_env
 from tests.settings import critic_settings, loss_settings
 
 VOCAB = 16
@@ -385,12 +386,7 @@ def test_packed_update_on_a_mesh_equals_padded():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=root,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-    )
+    env = subprocess_env(8, "--xla_backend_optimization_level=0", PYTHONPATH=root)
     result = subprocess.run(
         [sys.executable, "-c", _MESH_SCRIPT],
         cwd=root,

@@ -17,6 +17,8 @@ import textwrap
 
 import numpy as np
 
+from tests.flags import subprocess_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> (recipe, model, mesh of the 8-device run): GRPO (with its KL to a reference
@@ -124,10 +126,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def _start(mode: str, out: str, devices: int) -> subprocess.Popen:
-    flags = "--xla_backend_optimization_level=0"
-    if devices > 1:
-        flags += f" --xla_force_host_platform_device_count={devices}"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    env = subprocess_env(devices, "--xla_backend_optimization_level=0")
     os.makedirs(out, exist_ok=True)
     return subprocess.Popen(
         [sys.executable, "-c", _SCRIPT, mode, out],

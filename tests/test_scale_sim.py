@@ -15,6 +15,7 @@ import textwrap
 import pytest
 
 from benchmarks.scale_sim import collectives
+from tests.flags import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,8 +42,7 @@ _SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     out = tmp_path_factory.mktemp("scale_sim")
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = subprocess_env(PYTHONPATH=ROOT)  # the simulator adds its device count
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT, str(out)],
         env=env,

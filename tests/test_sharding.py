@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from policyopt import sharding
+from tests.flags import subprocess_env
 
 _SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -170,12 +171,7 @@ _BUILD_SCRIPT = textwrap.dedent("""
 
 def _run_on_8_devices(script: str) -> subprocess.CompletedProcess:
     # Warnings on (conftest silences XLA's logs): callers may check the partitioner's.
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        JAX_PLATFORMS="cpu",
-        TF_CPP_MIN_LOG_LEVEL="1",
-    )
+    env = subprocess_env(8, TF_CPP_MIN_LOG_LEVEL="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
         [sys.executable, "-c", script],

@@ -1,0 +1,41 @@
+"""The suite's XLA flags, for its own processes and the subprocesses tests start.
+
+XLA:CPU's compiler takes most of the suite's time: tiny models run in milliseconds, their
+programs compile in seconds. ``--xla_cpu_use_fusion_emitters=false`` has XLA:CPU emit its
+fusions with the LLVM IR emitters instead of the MLIR fusion emitters: the same HLO, the
+same fusions, about half the compile time (a tiny MoE's gradient step 3.6-3.9 -> 1.5-1.9 CPU
+s; ``tests/test_rl_learner.py`` 77 -> 36 CPU s, run times alike; benchmarks/RESULTS.md,
+"Fifteenth session"). The tests compare numbers within their tolerances, which hold with
+either emitter. A flag of the same name already in ``XLA_FLAGS`` wins.
+
+``XLA_FLAGS`` is read once, when JAX starts a backend, so a test needing simulated devices
+starts a subprocess with ``subprocess_env(devices=8)``.
+"""
+
+import os
+
+COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+
+
+def with_compile_flags(flags: str) -> str:
+    """``flags`` (an ``XLA_FLAGS`` value) with the suite's compile flags it does not set."""
+    given = flags.split()
+    names = {f.split("=", 1)[0] for f in given}
+    return " ".join(given + [f for f in COMPILE_FLAGS if f.split("=", 1)[0] not in names])
+
+
+def xla_flags(devices: int = 1, *extra: str) -> str:
+    """``XLA_FLAGS`` for a subprocess: the suite's compile flags, ``devices`` simulated CPU
+    devices (when more than one) and ``extra`` flags."""
+    flags = list(extra)
+    if devices > 1:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return with_compile_flags(" ".join(flags))
+
+
+def subprocess_env(devices: int = 1, *extra_flags: str, **variables: str) -> dict:
+    """This process's environment for a test's subprocess, on the CPU, with
+    ``xla_flags(devices, *extra_flags)`` and the given variables."""
+    return dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices, *extra_flags), **variables
+    )
