@@ -220,7 +220,9 @@ CLAIMS: dict[str, Claim] = {
                     "equal temperatures end above tau_neg < tau_pos", "diff", "equal", "neg_lt_pos"
                 ),
             ),
-            budget="estimated from routing_replay: 3 arms x 3 seeds, ~4.5 h under load",
+            budget="measured (load 11-14): 3 arms x 1 seed x 20 iterations, 8.4 min after "
+            "the SFT start (1.9-4.4 min per arm, 1.2-2 min of it compilation; the arms "
+            "collapse in iteration 1 at lr 5e-3, later iterations ~2 s); 3 seeds ~25 min",
         ),
         Claim(
             "sapo_stability",
