@@ -235,7 +235,9 @@ CLAIMS: dict[str, Claim] = {
                 Check("SAPO ends above GSPO", "diff", "sapo", "gspo"),
             ),
             arms=("grpo", "gspo", "sapo"),
-            budget="estimated from routing_replay: 3 arms x 3 seeds, ~4.5 h under load",
+            budget="measured (load 12-13): 3 arms x 1 seed x 20 iterations, 12 min after the "
+            "SFT start (1.8-5.9 min per arm, 1-2 min of it compilation; every arm collapses "
+            "in iteration 1 at lr 5e-3); 3 seeds ~35 min",
         ),
         Claim(
             "vc_ppo",
