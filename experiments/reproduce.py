@@ -27,11 +27,13 @@ otherwise (always with one seed: no spread). The effect size is m - threshold, r
 with s. A claim is supported when all its checks are, contradicted when any is, and
 inconclusive otherwise.
 
-Budgets on the 2-core machine (benchmarks/RESULTS.md "Fourteenth session"; the SFT
-starts once per setting on top): ``Claim.budget`` (``--list`` prints it). Only
-routing_volatility meets the target of 30 minutes per claim at 3 seeds; the training claims
-were measured, or estimated, on a machine shared by 8 jobs (load ~10) and need fewer seeds
-or iterations (``--variant train.num_iterations=N``) there.
+Budgets on the 2-core machine (benchmarks/RESULTS.md "Fourteenth session" and "Fifteenth
+session"; the SFT starts once per setting on top): ``Claim.budget`` (``--list`` prints it),
+measured on a machine shared with other jobs (load 9-14). The testbed's claims fit the
+target of 30 minutes per claim at 3 seeds with ``--variant train.num_iterations=20`` (2-6
+min per arm and seed, 1-2.5 min of it compilation), routing_replay's 4 arms only at low
+load; the long task's (vc_ppo, vapo_length_adaptive) were not run: its SFT start alone
+exceeds the target.
 """
 
 from __future__ import annotations
@@ -299,7 +301,7 @@ CLAIMS: dict[str, Claim] = {
             arms=("sync", "async"),
             budget="measured (load 9-12): 2 arms x 1 seed x 20 iterations, 6.2 min after the "
             "SFT start (3.9 / 2.3 min, compilation 98 / 26 s; both collapse at lr 5e-3, "
-            "2-20 s per iteration); 3 seeds ~15 min",
+            "2-20 s per iteration); at lr 1e-3 (learning) 3 seeds 15.5 min, one process",
         ),
     )
 }
