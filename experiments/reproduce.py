@@ -179,7 +179,8 @@ CLAIMS: dict[str, Claim] = {
                     threshold=0.05,
                 ),
             ),
-            budget="measured under load (8 jobs on 2 cores): SFT start 18 min once, then 4 min "
+            budget="measured under load (8 jobs on 2 cores): SFT start 18 min once (7.5 min "
+            "at load 3-11), then 4 min "
             "for the first seed (compilation), 7 s per further seed",
         ),
         Claim(
@@ -224,7 +225,8 @@ CLAIMS: dict[str, Claim] = {
             ),
             budget="measured (load 11-14): 3 arms x 1 seed x 20 iterations, 8.4 min after "
             "the SFT start (1.9-4.4 min per arm, 1.2-2 min of it compilation; the arms "
-            "collapse in iteration 1 at lr 5e-3, later iterations ~2 s); 3 seeds ~25 min",
+            "collapse in iteration 1 at lr 5e-3, later iterations ~2 s; at lr 1e-3, 7.4 min); "
+            "3 seeds ~25 min",
         ),
         Claim(
             "sapo_stability",
@@ -239,7 +241,7 @@ CLAIMS: dict[str, Claim] = {
             arms=("grpo", "gspo", "sapo"),
             budget="measured (load 12-13): 3 arms x 1 seed x 20 iterations, 12 min after the "
             "SFT start (1.8-5.9 min per arm, 1-2 min of it compilation; every arm collapses "
-            "in iteration 1 at lr 5e-3); 3 seeds ~35 min",
+            "in iteration 1 at lr 5e-3; at lr 1e-3, 6.3 min); 3 seeds ~25-35 min",
         ),
         Claim(
             "vc_ppo",
