@@ -263,8 +263,9 @@ CLAIMS: dict[str, Claim] = {
                     "vc_ppo_lambda_1",
                 ),
             ),
-            budget="not run: its SFT start and responses of up to ~290 tokens (15x the "
-            "testbed's) put it far over the 30-min target on 2 cores",
+            budget="not run: its SFT start alone (800 steps of ~8,100 tokens) measured "
+            "5-7 s per step at load 5-10 after ~3 min of compiling the bucket shapes, "
+            "~70-90 min (the testbed's: 0.5 s per step, 7 min), over the 30-min target",
         ),
         Claim(
             "vapo_length_adaptive",
