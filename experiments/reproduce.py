@@ -241,7 +241,7 @@ CLAIMS: dict[str, Claim] = {
             arms=("grpo", "gspo", "sapo"),
             budget="measured (load 12-13): 3 arms x 1 seed x 20 iterations, 12 min after the "
             "SFT start (1.8-5.9 min per arm, 1-2 min of it compilation; every arm collapses "
-            "in iteration 1 at lr 5e-3; at lr 1e-3, 6.3 min); 3 seeds ~25-35 min",
+            "in iteration 1 at lr 5e-3; at lr 1e-3, 6.9 min); 3 seeds ~25-35 min",
         ),
         Claim(
             "vc_ppo",
@@ -304,7 +304,7 @@ CLAIMS: dict[str, Claim] = {
             arms=("sync", "async"),
             budget="measured (load 9-12): 2 arms x 1 seed x 20 iterations, 6.2 min after the "
             "SFT start (3.9 / 2.3 min, compilation 98 / 26 s; both collapse at lr 5e-3, "
-            "2-20 s per iteration); at lr 1e-3 (learning) 3 seeds 15.5 min, one process",
+            "2-20 s per iteration); at lr 1e-3 (learning) 3 seeds 15.5 min",
         ),
     )
 }
