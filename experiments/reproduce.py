@@ -27,11 +27,13 @@ otherwise (always with one seed: no spread). The effect size is m - threshold, r
 with s. A claim is supported when all its checks are, contradicted when any is, and
 inconclusive otherwise.
 
-Budgets on the 2-core machine (benchmarks/RESULTS.md "Fourteenth session"; the SFT
-starts once per setting on top): ``Claim.budget`` (``--list`` prints it). Only
-routing_volatility meets the target of 30 minutes per claim at 3 seeds; the training claims
-were measured, or estimated, on a machine shared by 8 jobs (load ~10) and need fewer seeds
-or iterations (``--variant train.num_iterations=N``) there.
+Budgets on the 2-core machine (benchmarks/RESULTS.md "Fourteenth session" and "Fifteenth
+session"; the SFT starts once per setting on top): ``Claim.budget`` (``--list`` prints it),
+measured on a machine shared with other jobs (load 9-14). The testbed's claims fit the
+target of 30 minutes per claim at 3 seeds with ``--variant train.num_iterations=20`` (2-6
+min per arm and seed, 1-2.5 min of it compilation), routing_replay's 4 arms only at low
+load; the long task's (vc_ppo, vapo_length_adaptive) were not run: its SFT start alone
+exceeds the target.
 """
 
 from __future__ import annotations
@@ -177,7 +179,8 @@ CLAIMS: dict[str, Claim] = {
                     threshold=0.05,
                 ),
             ),
-            budget="measured under load (8 jobs on 2 cores): SFT start 18 min once, then 4 min "
+            budget="measured under load (8 jobs on 2 cores): SFT start 18 min once (7.5 min "
+            "at load 3-11), then 4 min "
             "for the first seed (compilation), 7 s per further seed",
         ),
         Claim(
@@ -220,7 +223,10 @@ CLAIMS: dict[str, Claim] = {
                     "equal temperatures end above tau_neg < tau_pos", "diff", "equal", "neg_lt_pos"
                 ),
             ),
-            budget="estimated from routing_replay: 3 arms x 3 seeds, ~4.5 h under load",
+            budget="measured (load 11-14): 3 arms x 1 seed x 20 iterations, 8.4 min after "
+            "the SFT start (1.9-4.4 min per arm, 1.2-2 min of it compilation; the arms "
+            "collapse in iteration 1 at lr 5e-3, later iterations ~2 s; at lr 1e-3, 7.4 min); "
+            "3 seeds ~25 min",
         ),
         Claim(
             "sapo_stability",
@@ -233,7 +239,9 @@ CLAIMS: dict[str, Claim] = {
                 Check("SAPO ends above GSPO", "diff", "sapo", "gspo"),
             ),
             arms=("grpo", "gspo", "sapo"),
-            budget="estimated from routing_replay: 3 arms x 3 seeds, ~4.5 h under load",
+            budget="measured (load 12-13): 3 arms x 1 seed x 20 iterations, 12 min after the "
+            "SFT start (1.8-5.9 min per arm, 1-2 min of it compilation; every arm collapses "
+            "in iteration 1 at lr 5e-3; at lr 1e-3, 6.9 min); 3 seeds ~25-35 min",
         ),
         Claim(
             "vc_ppo",
@@ -255,8 +263,9 @@ CLAIMS: dict[str, Claim] = {
                     "vc_ppo_lambda_1",
                 ),
             ),
-            budget="not run: its SFT start and responses of up to ~290 tokens (15x the "
-            "testbed's) put it far over the 30-min target on 2 cores",
+            budget="not run: its SFT start alone (800 steps of ~8,100 tokens) measured "
+            "5-7 s per step at load 5-10 after ~3 min of compiling the bucket shapes, "
+            "~70-90 min (the testbed's: 0.5 s per step, 7 min), over the 30-min target",
         ),
         Claim(
             "vapo_length_adaptive",
@@ -293,7 +302,9 @@ CLAIMS: dict[str, Claim] = {
                 ),
             ),
             arms=("sync", "async"),
-            budget="estimated from routing_replay: 2 arms x 3 seeds, ~3 h under load",
+            budget="measured (load 9-12): 2 arms x 1 seed x 20 iterations, 6.2 min after the "
+            "SFT start (3.9 / 2.3 min, compilation 98 / 26 s; both collapse at lr 5e-3, "
+            "2-20 s per iteration); at lr 1e-3 (learning) 3 seeds 15.5 min",
         ),
     )
 }
