@@ -7,7 +7,10 @@ off): a quarter less CPU time, the same programs. The environment variable reach
 subprocesses that tests start (multi-device runs, the command line), which read it at
 start-up; ``JAX_DISABLE_MOST_OPTIMIZATIONS=0`` turns it off. The suite's XLA flags
 (``tests/flags.py``: the older, faster-compiling CPU fusion emitters) join ``XLA_FLAGS``
-the same way, before JAX starts a backend.
+the same way, before JAX starts a backend. JAX's persistent compilation cache goes to one
+new directory per run (``tests/flags.py``, removed at exit), shared by the xdist workers and
+the tests' subprocesses, so a program compiled once in the run is loaded, not compiled
+again, by another test or process; ``JAX_COMPILATION_CACHE_DIR`` set beforehand wins.
 """
 
 import os
@@ -16,13 +19,27 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
-from tests.flags import with_compile_flags  # noqa: E402
+from tests.flags import compilation_cache_dir, with_compile_flags  # noqa: E402
 
 os.environ["XLA_FLAGS"] = with_compile_flags(os.environ.get("XLA_FLAGS", ""))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = compilation_cache_dir()
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402  (after the environment it reads)
 
 jax.config.update(
     "jax_disable_most_optimizations",
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() not in ("0", "false", "no", "off"),
+)
+# Read from the environment when JAX is imported, which may have happened already.
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs",
+    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+)
+jax.config.update(
+    "jax_persistent_cache_min_entry_size_bytes",
+    int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]),
 )

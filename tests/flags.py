@@ -12,7 +12,10 @@ either emitter. A flag of the same name already in ``XLA_FLAGS`` wins.
 starts a subprocess with ``subprocess_env(devices=8)``.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
 
@@ -39,3 +42,13 @@ def subprocess_env(devices: int = 1, *extra_flags: str, **variables: str) -> dic
     return dict(
         os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices, *extra_flags), **variables
     )
+
+
+def compilation_cache_dir() -> str:
+    """A new, empty directory for JAX's persistent compilation cache, removed when this
+    process exits. The first process of a run (pytest, or its xdist controller) makes it;
+    the workers and the tests' subprocesses inherit ``JAX_COMPILATION_CACHE_DIR``, so a
+    program compiled once in the run is not compiled again by another test or process."""
+    path = tempfile.mkdtemp(prefix="policyopt-tests-jax-cache-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
