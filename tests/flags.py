@@ -9,12 +9,14 @@ s; ``tests/test_rl_learner.py`` 77 -> 36 CPU s, run times alike; benchmarks/RESU
 either emitter. A flag of the same name already in ``XLA_FLAGS`` wins.
 
 ``XLA_FLAGS`` is read once, when JAX starts a backend, so a test needing simulated devices
-starts a subprocess with ``subprocess_env(devices=8)``.
+starts a subprocess: ``run_script(script, devices=8)``.
 """
 
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
@@ -42,6 +44,29 @@ def subprocess_env(devices: int = 1, *extra_flags: str, **variables: str) -> dic
     return dict(
         os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices, *extra_flags), **variables
     )
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(
+    script: str, devices: int = 1, *extra_flags: str, timeout: int = 900, **variables: str
+) -> subprocess.CompletedProcess:
+    """Runs ``python -c script`` from the repository root on ``devices`` simulated CPU
+    devices (``subprocess_env``; the repository on ``PYTHONPATH``) and checks that it
+    exited 0, showing its output's tail if not. Returns the finished process (text
+    ``stdout`` / ``stderr``)."""
+    env = subprocess_env(devices, *extra_flags, **{"PYTHONPATH": ROOT, **variables})
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return proc
 
 
 def compilation_cache_dir() -> str:

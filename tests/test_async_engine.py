@@ -4,9 +4,6 @@ waiting for pages, per-token versions and behaviour log-probs across weight push
 a token-by-token recomputation, the budget is checked, and ``run_async_rl`` trains."""
 
 import dataclasses
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -18,7 +15,7 @@ from flax import nnx
 from policyopt.rl.async_generation import EngineSlots, SlotConfig, engine_pages_needed
 from policyopt.rl.async_rl import PromptStream, make_generator, run_async_rl
 from policyopt.sampling import Greedy, generate_fn
-from tests.flags import subprocess_env
+from tests.flags import run_script
 from tests.test_async_rl import (
     GROUP,
     N_ASYNC,
@@ -239,17 +236,8 @@ def test_engine_slots_on_two_devices_equal_generate_and_compile_once():
     """Parameters on an fsdp=2 mesh, two engine shards (2 groups and a pool per device,
     rows waiting for pages): greedy completions equal generate_fn's on one device, and
     every jitted call compiles once across the run."""
-    env = subprocess_env(2, TF_CPP_MIN_LOG_LEVEL="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [sys.executable, "-c", _MESH_SCRIPT],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0 and "ok mesh" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+    proc = run_script(_MESH_SCRIPT, 2, timeout=600, TF_CPP_MIN_LOG_LEVEL="1")
+    assert "ok mesh" in proc.stdout, proc.stdout[-4000:]
 
 
 def test_stop_sequences_end_rows_as_in_the_synchronous_sampler():

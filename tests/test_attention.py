@@ -3,9 +3,6 @@
 gradients on ragged, left-padded, packed and GQA inputs), config errors, memory."""
 
 import functools
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -22,7 +19,7 @@ from policyopt.models.attention_ops import (
     choose_implementation,
     cudnn_attention,
 )
-from tests.flags import subprocess_env
+from tests.flags import run_script
 
 TINY = dict(
     vocab_size=40,
@@ -317,17 +314,7 @@ _MESH_SCRIPT = textwrap.dedent("""
 
 def test_splash_and_blockwise_on_a_mesh():
     # Splash runs per device under shard_map (rows over data x fsdp, heads over tensor).
-    env = subprocess_env(8)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [sys.executable, "-c", _MESH_SCRIPT],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_script(_MESH_SCRIPT, 8, timeout=600)
     assert proc.stdout.split() == ["ok", "splash", "ok", "blockwise"], proc.stdout
 
 

@@ -1,9 +1,6 @@
 """Tests of policyopt.engine: continuous batching on the paged cache against
 policyopt.sampling.generate (greedy) and a full forward pass (behaviour log-probs)."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -16,7 +13,7 @@ from policyopt import sampling
 from policyopt.engine import Engine, EngineConfig
 from policyopt.models import ModelConfig, Transformer
 from policyopt.sampling import Greedy, SamplingConfig, Temperature
-from tests.flags import subprocess_env
+from tests.flags import run_script
 
 _BASE = dict(
     vocab_size=64,
@@ -331,15 +328,5 @@ def test_sharded_engine_on_two_devices_equals_generate():
     """Parameters on an fsdp=2 mesh, two engine shards (one pool and two rows per device,
     rows waiting for pages): the rollout and its routing equal generate's on one
     device, and the compiled decode moves no pool between devices."""
-    env = subprocess_env(2, TF_CPP_MIN_LOG_LEVEL="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [sys.executable, "-c", _SHARDED_SCRIPT],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    proc = run_script(_SHARDED_SCRIPT, 2, timeout=600, TF_CPP_MIN_LOG_LEVEL="1")
     assert proc.stdout.count("ok") == 2, proc.stdout

@@ -14,14 +14,12 @@ XLA:CPU's compile time.
 """
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import pytest
 
-from tests.flags import subprocess_env
+from tests.flags import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -248,17 +246,9 @@ _MEGABLOX_SCRIPT = _PRELUDE + textwrap.dedent("""
 
 def _run(script):
     """Runs ``script`` on 8 simulated CPU devices; its stdout."""
-    env = subprocess_env(8, "--xla_backend_optimization_level=0", TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
-    return proc.stdout
+    return run_script(
+        script, 8, "--xla_backend_optimization_level=0", TF_CPP_MIN_LOG_LEVEL="3"
+    ).stdout
 
 
 def test_expert_parallel_matches_one_device():

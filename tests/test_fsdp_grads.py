@@ -15,8 +15,6 @@ with ``--xla_backend_optimization_level=0`` (as tests/test_expert_parallel.py).
 """
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -24,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from policyopt.models import Transformer, preset
-from tests.flags import subprocess_env
+from tests.flags import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -139,16 +137,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_dense_gradients_reduce_scattered_and_equal_one_device():
-    env = subprocess_env(8, "--xla_backend_optimization_level=0", PYTHONPATH=ROOT)
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    proc = run_script(_SCRIPT, 8, "--xla_backend_optimization_level=0")
     assert proc.stdout.count("ok") == 9, proc.stdout
 
 

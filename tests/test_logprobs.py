@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from policyopt.logprobs import default_chunk_size, token_log_probs
-from tests.flags import subprocess_env
+from tests.flags import run_script
 
 
 def _naive(hidden, embedding, targets, temperature):
@@ -243,19 +243,6 @@ def test_rows_split_over_devices_stay_split():
     """With the rows split over 8 simulated devices and more tokens than one chunk, the
     chunks run along time with every row (no all-gather of the hidden states), and the
     log-probs, entropies and gradients equal one device's."""
-    import os
-    import subprocess
-    import sys
 
-    env = subprocess_env(8)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [sys.executable, "-c", _MESH_SCRIPT],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_script(_MESH_SCRIPT, 8, timeout=600)
     assert proc.stdout.split() == ["ok"], proc.stdout

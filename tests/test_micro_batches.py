@@ -24,7 +24,7 @@ from policyopt.rl.batch import Batch, layout
 from policyopt.rl.critic import get_critic, init_critic_params
 from policyopt.rl.learner import LossConfig, TrainState, get_learner, rl_loss, split_params
 from policyopt.rl.trainer import minibatch_advantages
-from tests.flags import subprocess_env
+from tests.flags import run_script
 from tests.settings import critic_settings, loss_settings, optim_settings
 
 VOCAB = 16
@@ -526,18 +526,6 @@ def test_micro_batches_on_a_mesh_equal_one_pass():
     """8 simulated devices (data 2 x fsdp 4): rows sharded, parameters and the gradient
     accumulator sharded along fsdp; the micro-batched update equals one pass and returns
     the state with its shardings."""
-    import os
-    import subprocess
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = subprocess_env(8, "--xla_backend_optimization_level=0", PYTHONPATH=root)
-    result = subprocess.run(
-        [sys.executable, "-c", _MESH_SCRIPT],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-4000:]
+    result = run_script(_MESH_SCRIPT, 8, "--xla_backend_optimization_level=0")
+    assert "OK" in result.stdout, result.stdout[-4000:]

@@ -13,7 +13,7 @@ from policyopt.rl.batch import Batch, layout
 from policyopt.rl.critic import critic_loss, forward_values, init_critic_params
 from policyopt.rl.learner import forward_log_probs, rl_loss, split_params
 from policyopt.rl.packing import gather_slots, pack_layout, packed_rows
-from tests.flags import subprocess_env
+from tests.flags import run_script
 from tests.settings import critic_settings, loss_settings
 
 VOCAB = 16
@@ -381,18 +381,6 @@ print("OK")
 def test_packed_update_on_a_mesh_equals_padded():
     """8 simulated devices, rows over data x fsdp: packed rows split over them too (their
     count a multiple of 8), the GSPO loss and its gradient those of the padded rows."""
-    import os
-    import subprocess
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = subprocess_env(8, "--xla_backend_optimization_level=0", PYTHONPATH=root)
-    result = subprocess.run(
-        [sys.executable, "-c", _MESH_SCRIPT],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    result = run_script(_MESH_SCRIPT, 8, "--xla_backend_optimization_level=0")
+    assert "OK" in result.stdout, result.stdout[-3000:]

@@ -5,9 +5,7 @@ The multi-device part runs in a subprocess with
 other tests (JAX reads it once, at start-up).
 """
 
-import os
 import subprocess
-import sys
 import textwrap
 
 import jax
@@ -17,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from policyopt import sharding
-from tests.flags import subprocess_env
+from tests.flags import run_script
 
 _SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -171,18 +169,7 @@ _BUILD_SCRIPT = textwrap.dedent("""
 
 def _run_on_8_devices(script: str) -> subprocess.CompletedProcess:
     # Warnings on (conftest silences XLA's logs): callers may check the partitioner's.
-    env = subprocess_env(8, TF_CPP_MIN_LOG_LEVEL="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
+    return run_script(script, 8, timeout=600, TF_CPP_MIN_LOG_LEVEL="1")
 
 
 def test_sharded_forward_and_gradients_match_one_device():
