@@ -240,10 +240,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--engine-attention",
         default="gather",
-        choices=("gather", "online"),
+        choices=("gather", "online", "pool"),
         help="rollout: the engine's attention over pages (policyopt.models.paged; "
         'the TPU kernel, "pallas", does not compile for the CPU: '
-        '"online" reads the pages one at a time as it does)',
+        '"online" reads the pages one at a time as it does; "pool" scores the pages '
+        "in place for decode steps)",
     )
     p.add_argument(
         "--engine-rows",
