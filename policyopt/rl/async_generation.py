@@ -479,7 +479,22 @@ def _fit_prompt(tokens, length: int, width: int, pad_id: int) -> np.ndarray:
     return out
 
 
-class SlotGenerator:
+class _SlotGroups:
+    """What both slot generators share: ``mesh`` (or None) and ``_active``, bool
+    [num_groups], a slot group started and not yet handed out."""
+
+    def _on_mesh(self):
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def free_groups(self) -> list[int]:
+        return [int(g) for g in np.flatnonzero(~self._active)]
+
+    @property
+    def num_active(self) -> int:
+        return int(self._active.sum())
+
+
+class SlotGenerator(_SlotGroups):
     """Slot groups decoded in segments (single-threaded; `AsyncGenerator` runs it in a
     thread). See the module docstring.
 
@@ -509,16 +524,6 @@ class SlotGenerator:
             )
         self._meta: dict[int, dict] = {}
         self._active = np.zeros((config.num_groups,), bool)
-
-    def _on_mesh(self):
-        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
-
-    def free_groups(self) -> list[int]:
-        return [int(g) for g in np.flatnonzero(~self._active)]
-
-    @property
-    def num_active(self) -> int:
-        return int(self._active.sum())
 
     def refill(self, group: int, prompt: dict, params, version: int) -> None:
         """Starts the G samples of `prompt` in slot `group` (which must be free).
@@ -638,7 +643,7 @@ def _engine_group_rows(state, group, *, group_size: int) -> dict:
     )
 
 
-class EngineSlots:
+class EngineSlots(_SlotGroups):
     """``SlotGenerator``'s interface on the paged KV cache of ``policyopt.engine``
     (``sampling.engine_kv_tokens > 0``; see "Paged engine" in the module docstring).
 
@@ -648,7 +653,7 @@ class EngineSlots:
       params: any parameters of the right structure (used for shapes only).
       kv_tokens: KV token slots of each shard's page pool (the memory budget).
       page_size: token slots per page.
-      attention: attention over pages ("gather", "online", "pallas"; ``models.paged``).
+      attention: attention over pages (``models.paged.ATTENTION``).
       capture_routing: record every token's experts (MoE models), as SlotGenerator does.
       mesh: the mesh the parameters live on, or None: the engine runs one shard per device
         along the row axes (``engine.row_shards``), ``num_groups`` split evenly over them.
@@ -719,16 +724,6 @@ class EngineSlots:
         # prompt), most pages one shard held at once. Every key set here: the trainer's
         # thread copies the dict while the generator's updates it.
         self.stats = collections.Counter(waits=0, preempted_groups=0, peak_pages=0)
-
-    def _on_mesh(self):
-        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
-
-    def free_groups(self) -> list[int]:
-        return [int(g) for g in np.flatnonzero(~self._active)]
-
-    @property
-    def num_active(self) -> int:
-        return int(self._active.sum())
 
     def _shard_of(self, group: int) -> int:
         return group // (self.config.num_groups // self.shards)
