@@ -8,7 +8,8 @@ collective's semantics: XLA:CPU does not compile ragged-all-to-all); and the con
 errors of a mesh that expert parallelism cannot use; MoE blocks inside a ``lax.scan``
 over layers; the megablox kernel (Pallas interpret mode) on the local experts.
 
-A subprocess (JAX reads ``XLA_FLAGS`` once, at start-up) runs the cases of each test; it
+One subprocess (JAX reads ``XLA_FLAGS`` once, at start-up) runs the cases of both
+multi-device tests, megablox first, and prints a line per case that each test checks; it
 compiles with ``--xla_backend_optimization_level=0`` (as tests/test_rl_mesh.py) to halve
 XLA:CPU's compile time.
 """
@@ -72,7 +73,7 @@ _PRELUDE = textwrap.dedent("""
         return step(placed, *rows, *([None] * (len(args) - len(rows)))), step, placed, rows, mesh
     """)
 
-_SCRIPT = _PRELUDE + textwrap.dedent("""
+_SCRIPT = textwrap.dedent("""
     moe_config = preset("tiny_moe", vocab_size=64, num_layers=1, num_experts=8,
                         moe_dispatch="blocked", moe_block_size=4)
     params, step = make(moe_config)
@@ -201,7 +202,7 @@ _SCRIPT = _PRELUDE + textwrap.dedent("""
 # jax.lax.ragged_dot, an independent grouped matmul (tests/test_moe.py checks one device's
 # megablox against the loop MoE). Tiny: every kernel call is an interpreted loop over its
 # tiles.
-_MEGABLOX_SCRIPT = _PRELUDE + textwrap.dedent("""
+_MEGABLOX_SCRIPT = textwrap.dedent("""
     from jax.sharding import PartitionSpec as P
 
     config = preset("tiny_moe", vocab_size=64, num_layers=1, num_experts=8,
@@ -244,21 +245,24 @@ _MEGABLOX_SCRIPT = _PRELUDE + textwrap.dedent("""
     """)
 
 
-def _run(script):
-    """Runs ``script`` on 8 simulated CPU devices; its stdout."""
+@pytest.fixture(scope="module")
+def stdout():
+    """Both tests' cases in one subprocess on 8 simulated CPU devices: its stdout. The
+    megablox cases run first, before the ragged cases replace the collective."""
     return run_script(
-        script, 8, "--xla_backend_optimization_level=0", TF_CPP_MIN_LOG_LEVEL="3"
+        _PRELUDE + _MEGABLOX_SCRIPT + _SCRIPT,
+        8,
+        "--xla_backend_optimization_level=0",
+        TF_CPP_MIN_LOG_LEVEL="3",
     ).stdout
 
 
-def test_expert_parallel_matches_one_device():
-    stdout = _run(_SCRIPT)
+def test_expert_parallel_matches_one_device(stdout):
     for line in ("ok moe", "ok buffer", "ok ragged", "ok dense", "ok scan", "ok refused"):
         assert line in stdout, stdout
 
 
-def test_megablox_expert_parallel_matches_one_device():
-    stdout = _run(_MEGABLOX_SCRIPT)
+def test_megablox_expert_parallel_matches_one_device(stdout):
     for case in ("{'expert': 8}", "{'fsdp': 2, 'expert': 4}", "invariant weights"):
         assert f"ok megablox {case}" in stdout, stdout
 

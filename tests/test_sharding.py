@@ -1,11 +1,10 @@
 """Sharding over a JAX mesh: the same numbers on 1 device and on 8 simulated CPU devices.
 
-The multi-device part runs in a subprocess with
+The multi-device part runs in one subprocess (both tests' scripts, one after the other) with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` so the flag does not leak into the
 other tests (JAX reads it once, at start-up).
 """
 
-import subprocess
 import textwrap
 
 import jax
@@ -24,7 +23,10 @@ _SCRIPT = textwrap.dedent("""
     from policyopt.models import Transformer, preset
 
     assert jax.device_count() == 8, jax.devices()
-    config = preset("tiny_moe", vocab_size=64, num_experts=4, num_heads=4, num_kv_heads=2)
+    # One layer: every parameter (and its sharding rule) of a layer is there; a second layer
+    # would repeat the same ops and double the compile time.
+    config = preset("tiny_moe", vocab_size=64, num_experts=4, num_heads=4, num_kv_heads=2,
+                    num_layers=1)
     model = Transformer(config, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     tokens = jax.random.randint(jax.random.key(1), (8, 12), 0, 64)
@@ -55,7 +57,7 @@ _SCRIPT = textwrap.dedent("""
 
     # Hidden states alone (no output projection) of a dense model on data x fsdp x tensor:
     # the embedding lookup must not need a full rematerialisation (checked on stderr).
-    dense = Transformer(preset("tiny_dense"), rngs=nnx.Rngs(0))
+    dense = Transformer(preset("tiny_dense", num_layers=1), rngs=nnx.Rngs(0))
     dense_graphdef, dense_params = nnx.split(dense, nnx.Param)
     hidden = jax.jit(lambda p, t: nnx.merge(dense_graphdef, p)(t, return_logits=False).hidden.sum())
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
@@ -167,17 +169,31 @@ _BUILD_SCRIPT = textwrap.dedent("""
     """)
 
 
-def _run_on_8_devices(script: str) -> subprocess.CompletedProcess:
-    # Warnings on (conftest silences XLA's logs): callers may check the partitioner's.
-    return run_script(script, 8, timeout=600, TF_CPP_MIN_LOG_LEVEL="1")
+# Printed to both streams between the two scripts, to tell each one's output apart.
+_SEPARATOR = "=== build ==="
 
 
-def test_sharded_forward_and_gradients_match_one_device():
-    proc = _run_on_8_devices(_SCRIPT)
-    assert proc.stdout.count("ok") == 4, proc.stdout
+@pytest.fixture(scope="module")
+def outputs():
+    """Both scripts in one subprocess on 8 devices: ``{script: (stdout, stderr)}``."""
+    separate = textwrap.dedent(f"""
+        import sys
+        print({_SEPARATOR!r}, flush=True)
+        print({_SEPARATOR!r}, file=sys.stderr, flush=True)
+        """)
+    # Warnings on (conftest silences XLA's logs): the forward's test checks the partitioner's.
+    proc = run_script(_SCRIPT + separate + _BUILD_SCRIPT, 8, timeout=600, TF_CPP_MIN_LOG_LEVEL="1")
+    stdout, stderr = proc.stdout.split(_SEPARATOR + "\n"), proc.stderr.split(_SEPARATOR + "\n")
+    assert len(stdout) == len(stderr) == 2, (proc.stdout, proc.stderr[-3000:])
+    return {"forward": (stdout[0], stderr[0]), "build": (stdout[1], stderr[1])}
+
+
+def test_sharded_forward_and_gradients_match_one_device(outputs):
+    stdout, stderr = outputs["forward"]
+    assert stdout.count("ok") == 4, stdout
     # No resharding that XLA can only do by replicating a whole array (the embedding
     # lookup did, on data x fsdp x tensor, before the table was gathered along `embed`).
-    assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-3000:]
+    assert "Involuntary full rematerialization" not in stderr, stderr[-3000:]
 
 
 def test_make_mesh_sizes_and_errors():
@@ -221,8 +237,6 @@ def test_shard_rows_without_a_mesh_and_on_one_device():
     np.testing.assert_array_equal(placed, rows)
 
 
-def test_models_are_built_and_loaded_straight_onto_the_mesh():
-    proc = _run_on_8_devices(_BUILD_SCRIPT)
-    assert proc.stdout.split() == ["ok", "build", "ok", "from_pretrained", "ok", "init_params"], (
-        proc.stdout
-    )
+def test_models_are_built_and_loaded_straight_onto_the_mesh(outputs):
+    stdout = outputs["build"][0]
+    assert stdout.split() == ["ok", "build", "ok", "from_pretrained", "ok", "init_params"], stdout
