@@ -266,26 +266,35 @@ def test_a_second_process_is_refused_the_workdir(tmp_path):
         f.write("999999\n")
     lock_workdir(workdir)
     lock_workdir(workdir)  # the owner again: a no-op
+    # One second process (each pays JAX's import): refused while this one holds the lock,
+    # then, told on stdin that it was released, takes it.
     script = (
         "import sys; from policyopt.checkpoint import lock_workdir\n"
-        "try:\n    lock_workdir(sys.argv[1])\n"
-        "except RuntimeError as e:\n    print(e); sys.exit(3)\n"
+        "def attempt():\n"
+        "    try:\n        lock_workdir(sys.argv[1])\n"
+        "    except RuntimeError as e:\n        return str(e)\n"
+        "    return 'locked'\n"
+        "print(attempt(), flush=True)\n"
+        "sys.stdin.readline()\n"
+        "print(attempt(), flush=True)\n"
     )
     env = dict(os.environ, PYTHONPATH=os.getcwd(), JAX_PLATFORMS="cpu")
-    second = subprocess.run(
+    second = subprocess.Popen(
         [sys.executable, "-c", script, workdir],
-        capture_output=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=env,
-        timeout=120,
     )
-    assert second.returncode == 3, second.stderr
-    assert second.stdout.strip() == (
-        f"workdir {workdir} is in use by another process (pid {os.getpid()}, "
-        f"lock {workdir}/.lock); wait for it to finish or choose another workdir"
-    )
-    unlock_workdir(workdir)
-    assert (
-        subprocess.run([sys.executable, "-c", script, workdir], env=env, timeout=120).returncode
-        == 0
-    )
+    try:
+        refused = second.stdout.readline().strip()
+        assert refused == (
+            f"workdir {workdir} is in use by another process (pid {os.getpid()}, "
+            f"lock {workdir}/.lock); wait for it to finish or choose another workdir"
+        )
+        unlock_workdir(workdir)
+        out, err = second.communicate("released\n", timeout=120)
+    finally:
+        second.kill()
+    assert second.returncode == 0 and out.strip() == "locked", err
