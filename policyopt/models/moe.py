@@ -84,13 +84,7 @@ from flax import nnx
 
 from policyopt.models.config import ModelConfig
 from policyopt.models.expert_parallel import expert_parallel_block, expert_parallel_mesh
-from policyopt.models.experts import (
-    blocked_experts,
-    capacity_experts,
-    dense_experts,
-    gathered_experts,
-    ragged_experts,
-)
+from policyopt.models.experts import capacity_experts, dropless_experts
 from policyopt.models.layers import param
 from policyopt.models.router import route, router_aux
 
@@ -134,33 +128,25 @@ class MoE(nnx.Module):
         replay = None if routing is None else routing.reshape(b * t, k)
         expert_ids, gates, probs = route(logits, k, cfg.norm_topk_prob, replay)
         params = [w[...] for w in (self.gate_proj, self.up_proj, self.down_proj)]
-        weights = [w.astype(dt) for w in params]
         dropped = jnp.zeros((), jnp.float32)
-        if dispatch in ("ragged", "megablox"):
-            matmul = "megablox" if dispatch == "megablox" else "ragged_dot"
-            y = ragged_experts(flat.astype(dt), expert_ids, gates, *weights, matmul=matmul)
-        elif dispatch == "blocked":
-            # The parameters themselves: blocked_experts casts them (after its gather).
-            y = blocked_experts(
-                flat.astype(dt),
-                expert_ids,
-                gates,
-                *params,
-                block_size=cfg.moe_block_size,
-                gather=cfg.resolved_weight_gather(),
-            )
-        elif dispatch == "dense":
-            y = dense_experts(flat.astype(dt), expert_ids, gates, *weights)
-        elif dispatch == "gathered":
-            y = gathered_experts(flat.astype(dt), expert_ids, gates, *weights)
-        else:
+        if dispatch == "capacity":
             y, dropped = capacity_experts(
                 flat.astype(dt),
                 expert_ids,
                 gates,
                 valid,
-                *weights,
+                *[w.astype(dt) for w in params],
                 capacity=cfg.expert_capacity(b * t),
+            )
+        else:
+            y = dropless_experts(
+                flat.astype(dt),
+                expert_ids,
+                gates,
+                *params,
+                dispatch=dispatch,
+                block_size=cfg.moe_block_size,
+                gather=cfg.resolved_weight_gather(),
             )
         aux = router_aux(logits, probs, expert_ids, valid, cfg.num_experts)
         aux["dropped_tokens"] = dropped
