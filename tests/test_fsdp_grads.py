@@ -1,14 +1,18 @@
-"""ZeRO-3 for the dense layers (``policyopt.sharding.fsdp_call``) on 8 simulated CPU
-devices: the embedding, attention, MLP, norm and output-embedding weights are gathered
-inside a ``shard_map`` over the rows, so their gradients are reduce-scattered onto their
-fsdp shards. Loss and gradients equal one device's on the meshes fsdp=8, fsdp=2 x expert=4
-and data=2 x fsdp=4, for the dense model (scanned layers under remat, the untied output
-embedding through the logits and through the chunked ``token_log_probs``) and the MoE
-model (per-layer blocks, tied embeddings); the compiled gradient step on fsdp=8 has a
-reduce-scatter per weight and no all-reduce of a full-size weight gradient, and no buffer
-of every scanned layer's gathered weight (under remat and without); the chunked log-probs
-save only their inputs for the backward pass; meshes without an fsdp axis, and rows the
-mesh cannot split, compile the program of before (no ``shard_map``).
+"""ZeRO-3 on 8 simulated CPU devices: the dense layers' weights (embedding, attention, MLP,
+norms, output embedding; ``policyopt.sharding.fsdp_call``) and the MoE block's router and
+experts (``policyopt.models.expert_parallel``, with or without an ``expert`` axis) are
+gathered inside a ``shard_map`` over the rows, so their gradients are reduce-scattered
+onto their fsdp shards. Loss and gradients equal one device's on the meshes fsdp=8,
+fsdp=2 x expert=4 and data=2 x fsdp=4, for the dense model (scanned layers under remat,
+the untied output embedding through the logits and through the chunked
+``token_log_probs``) and the MoE model (per-layer blocks, tied embeddings, padded
+tokens; its routing, tokens per expert and aux losses too, with a replayed routing on
+data=2 x fsdp=4). The compiled gradient step has a reduce-scatter per fsdp-split weight
+and no all-reduce of a full-size weight gradient (dense on fsdp=8; MoE, router and
+experts included, on fsdp=8 and data=2 x fsdp=4), and no buffer of every scanned layer's
+gathered weight (under remat and without); the chunked log-probs save only their inputs
+for the backward pass; meshes without an fsdp axis, and rows the mesh cannot split,
+compile the program of before (no ``shard_map``).
 
 One subprocess (JAX reads ``XLA_FLAGS`` once, at start-up) runs every case; it compiles
 with ``--xla_backend_optimization_level=0`` (as tests/test_expert_parallel.py).
@@ -45,7 +49,8 @@ _SCRIPT = textwrap.dedent("""
 
       def loss_fn(params, tokens, routing=None):
         model = nnx.merge(graphdef, params)
-        out = model(tokens, attention_mask=mask if config.is_moe else None, routing=routing)
+        valid = mask[: tokens.shape[0]] if config.is_moe else None
+        out = model(tokens, attention_mask=valid, routing=routing)
         # The output embedding twice: in the logits, and in the learner's chunked
         # log-probs of the hidden states (chunks of 4 tokens).
         log_probs = jax.nn.log_softmax(out.logits[:, :-1])
@@ -96,29 +101,32 @@ _SCRIPT = textwrap.dedent("""
 
     dense = preset("tiny_dense", vocab_size=64, scan_layers=True, remat="full")
     # Without remat, fsdp_call's own checkpoint keeps the whole weights out of the scan's
-    # saved values (gathered again in the backward pass).
+    # saved values (gathered again in the backward pass). The same numbers as with remat:
+    # one reference for both.
     dense_no_remat = preset("tiny_dense", vocab_size=64, scan_layers=True, remat="none")
     # Per-layer blocks, no remat: on fsdp=8 and data=2 x fsdp=4 (no expert axis) the MoE
     # block runs per device under a shard_map that gathers its router and experts.
     moe = preset("tiny_moe", vocab_size=64, num_experts=8, moe_dispatch="blocked",
                  moe_block_size=4, tie_word_embeddings=True)
     replay = jax.random.randint(jax.random.key(2), (2, 8, 6, 2), 0, 8)   # [L, B, T, k]
-    # (name, config, mesh, replayed routing or None, whether to read the HLO)
-    CASES = (("dense", dense, MESHES[0], None, True),
-             ("dense", dense, MESHES[1], None, False),
-             ("dense", dense, MESHES[2], None, False),
-             ("dense remat=none", dense_no_remat, MESHES[0], None, True),
-             ("moe", moe, MESHES[0], None, True),
-             ("moe", moe, MESHES[1], None, False),
-             ("moe replay", moe, MESHES[2], replay, True))
+    # (name, config, its one-device reference's config, mesh, replayed routing or None,
+    # whether to read the HLO)
+    CASES = (("dense", dense, dense, MESHES[0], None, True),
+             ("dense", dense, dense, MESHES[1], None, False),
+             ("dense remat=none", dense_no_remat, dense, MESHES[2], None, True),
+             ("moe", moe, moe, MESHES[0], None, True),
+             ("moe", moe, moe, MESHES[1], None, False),
+             ("moe replay", moe, moe, MESHES[2], replay, True))
     built, refs = {}, {}
-    for name, config, shape, routing, read_hlo in CASES:
-      if config not in built:
-        built[config] = make(config)
+    for name, config, ref_config, shape, routing, read_hlo in CASES:
+      for c in (config, ref_config):
+        if c not in built:
+          built[c] = make(c)
+      if (ref_config, routing is None) not in refs:
+        _, ref_params, ref_step, _ = built[ref_config]
+        refs[ref_config, routing is None] = ref_step(ref_params, tokens, routing)
+      (ref_loss, ref_metrics), ref_grads = refs[ref_config, routing is None]
       graphdef, params, step, loss_fn = built[config]
-      if (config, routing is None) not in refs:
-        refs[config, routing is None] = step(params, tokens, routing)
-      (ref_loss, ref_metrics), ref_grads = refs[config, routing is None]
       mesh = sharding.make_mesh(shape)
       placed = sharding.shard_params(params, mesh)
       rows = sharding.shard_rows(tokens, mesh=mesh)
@@ -162,22 +170,27 @@ _SCRIPT = textwrap.dedent("""
     assert saved == {(8, 64, 64), (64, 512), (8, 64)}, saved
     print("ok saved", flush=True)
 
-    # Without an fsdp axis, or with rows the mesh cannot split, the program of before.
-    graphdef, params, step, loss_fn = built[dense]
-    for shape, batch in (({"data": 8}, tokens), ({"fsdp": 8}, tokens[:3])):
-      mesh = sharding.make_mesh(shape)
-      placed = sharding.shard_params(params, mesh)
-      with jax.set_mesh(mesh):
-        assert "shard_map" not in str(jax.make_jaxpr(loss_fn)(placed, batch)), shape
-        (loss, _), _ = step(placed, batch)
-      np.testing.assert_allclose(loss, step(params, batch)[0][0], rtol=1e-5)
+    # Without an fsdp axis, or with rows the mesh cannot split, the program of before
+    # (the forward pass: the same path as its gradient's).
+    for config in (dense, moe):
+      graphdef, params, step, loss_fn = built[config]
+      forward = jax.jit(loss_fn)
+      for shape, batch in (({"data": 8}, tokens), ({"fsdp": 8}, tokens[:3])):
+        mesh = sharding.make_mesh(shape)
+        placed = sharding.shard_params(params, mesh)
+        with jax.set_mesh(mesh):
+          assert "shard_map" not in str(jax.make_jaxpr(loss_fn)(placed, batch)), shape
+          if config is dense:
+            loss = forward(placed, batch)[0]
+        if config is dense:
+          np.testing.assert_allclose(loss, forward(params, batch)[0], rtol=1e-5)
     print("ok fallback", flush=True)
     """)
 
 
-def test_dense_gradients_reduce_scattered_and_equal_one_device():
+def test_gradients_reduce_scattered_and_equal_one_device():
     proc = run_script(_SCRIPT, 8, "--xla_backend_optimization_level=0")
-    assert proc.stdout.count("ok") == 9, proc.stdout
+    assert proc.stdout.count("ok") == 8, proc.stdout
 
 
 def test_one_device_runs_no_shard_map():

@@ -31,6 +31,16 @@ device would receive more than the ragged buffer holds, the step takes the all_t
 passes instead (one ``lax.cond``, the predicate pmax-ed over the mesh so every device
 takes the same branch). Everything but the buffers is the arithmetic of one device,
 so loss, gradients and routing match it up to float summation order.
+
+On a mesh with an ``fsdp`` axis and no ``expert`` axis (one expert group: every device
+holds every expert's FSDP shard) the same block runs with steps 2-5 replaced by the
+dispatch of one device (``dropless_experts``) on each device's own rows: step 0 gathers
+the router and experts in their parameter dtype, as ``policyopt.sharding.fsdp_call``
+gathers the dense layers' weights, so their gradients are reduce-scattered (left to
+XLA's partitioner, every device ran the experts on every global token copy, and the
+gradients were all-reduced at full size). Under ``jax.checkpoint`` there (no gathered
+weight saved for the backward pass). Meshes with a ``tensor`` axis, and the "capacity"
+dispatch, whose buffers depend on the global token count, keep the plain path.
 """
 
 from __future__ import annotations
@@ -85,7 +95,8 @@ def expert_parallel_mesh(config: ModelConfig, rows: int):
       rows, the weights all-gathered along D in the block so that their gradients are
       reduce-scattered onto their shards, as ``policyopt.sharding.fsdp_call`` does for
       the dense layers (and under its conditions: ``Auto`` row axes, not already inside
-      a ``shard_map``).
+      a ``shard_map``), on a mesh whose axes of size > 1 are all row axes (a ``tensor``
+      axis keeps the plain path, its split of F left to the partitioner).
 
     Raises:
       ValueError: the expert axis does not divide ``config.num_experts``.

@@ -16,7 +16,8 @@ y_n = sum_j g_nj SwiGLU_{e_nj}(x_n) [N, D]:
 
 The expert-parallel block (``policyopt.models.expert_parallel``) runs ragged (with either
 matmul, the megablox kernel inside ``jax.shard_map`` included), blocked or dense on each
-device's local experts ("gathered" there runs as dense).
+device's local experts ("gathered" there runs as dense); on an FSDP mesh without an
+``expert`` axis, ``dropless_experts`` on each device's own rows.
 """
 
 from __future__ import annotations

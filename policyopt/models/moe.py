@@ -64,7 +64,11 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
 
 On a mesh with an ``expert`` axis of size > 1 the dropless dispatches run expert-parallel
 under ``jax.shard_map``: each device routes its own rows and sends each token copy to the
-device holding its expert (``policyopt.models.expert_parallel``).
+device holding its expert (``policyopt.models.expert_parallel``). On a mesh with an
+``fsdp`` axis and no ``expert`` (or ``tensor``) axis they run under the same
+``shard_map``, each device on its own rows with every expert, the router and expert
+weights all-gathered in it so that their gradients are reduce-scattered (ZeRO-3, as
+the dense layers' ``policyopt.sharding.fsdp_call``).
 
 Modules, each importing only the ones above it in this list:
 
