@@ -1,18 +1,19 @@
 """ZeRO-3 on 8 simulated CPU devices: the dense layers' weights (embedding, attention, MLP,
 norms, output embedding; ``policyopt.sharding.fsdp_call``) and the MoE block's router and
-experts (``policyopt.models.expert_parallel``, with or without an ``expert`` axis) are
+experts (``policyopt.models.expert_parallel``, here without an ``expert`` axis) are
 gathered inside a ``shard_map`` over the rows, so their gradients are reduce-scattered
-onto their fsdp shards. Loss and gradients equal one device's on the meshes fsdp=8,
-fsdp=2 x expert=4 and data=2 x fsdp=4, for the dense model (scanned layers under remat,
-the untied output embedding through the logits and through the chunked
-``token_log_probs``) and the MoE model (per-layer blocks, tied embeddings, padded
-tokens; its routing, tokens per expert and aux losses too, with a replayed routing on
-data=2 x fsdp=4). The compiled gradient step has a reduce-scatter per fsdp-split weight
-and no all-reduce of a full-size weight gradient (dense on fsdp=8; MoE, router and
-experts included, on fsdp=8 and data=2 x fsdp=4), and no buffer of every scanned layer's
+onto their fsdp shards. Loss and gradients equal one device's for the dense model
+(scanned layers, the untied output embedding through the logits and through the chunked
+``token_log_probs``) under remat on fsdp=8 and fsdp=2 x expert=4, without remat on
+data=2 x fsdp=4, and for the MoE model (per-layer blocks, tied embeddings, padded tokens;
+its routing, tokens per expert and aux losses too) on fsdp=8 and, with a replayed
+routing, on data=2 x fsdp=4 (the MoE on expert meshes: tests/test_expert_parallel.py).
+The compiled gradient steps on those four meshes without an expert axis have a
+reduce-scatter per fsdp-split weight (the router's and experts' included) and no
+all-reduce of a full-size weight gradient, and no buffer of every scanned layer's
 gathered weight (under remat and without); the chunked log-probs save only their inputs
 for the backward pass; meshes without an fsdp axis, and rows the mesh cannot split,
-compile the program of before (no ``shard_map``).
+compile the program of before (no ``shard_map``), dense and MoE.
 
 One subprocess (JAX reads ``XLA_FLAGS`` once, at start-up) runs every case; it compiles
 with ``--xla_backend_optimization_level=0`` (as tests/test_expert_parallel.py).
@@ -115,8 +116,8 @@ _SCRIPT = textwrap.dedent("""
              ("dense", dense, dense, MESHES[1], None, False),
              ("dense remat=none", dense_no_remat, dense, MESHES[2], None, True),
              ("moe", moe, moe, MESHES[0], None, True),
-             ("moe", moe, moe, MESHES[1], None, False),
              ("moe replay", moe, moe, MESHES[2], replay, True))
+    # (The MoE model on fsdp=2 x expert=4, expert parallel: tests/test_expert_parallel.py.)
     built, refs = {}, {}
     for name, config, ref_config, shape, routing, read_hlo in CASES:
       for c in (config, ref_config):
@@ -170,27 +171,21 @@ _SCRIPT = textwrap.dedent("""
     assert saved == {(8, 64, 64), (64, 512), (8, 64)}, saved
     print("ok saved", flush=True)
 
-    # Without an fsdp axis, or with rows the mesh cannot split, the program of before
-    # (the forward pass: the same path as its gradient's).
+    # Without an fsdp axis, or with rows the mesh cannot split, the program of before.
     for config in (dense, moe):
       graphdef, params, step, loss_fn = built[config]
-      forward = jax.jit(loss_fn)
       for shape, batch in (({"data": 8}, tokens), ({"fsdp": 8}, tokens[:3])):
         mesh = sharding.make_mesh(shape)
         placed = sharding.shard_params(params, mesh)
         with jax.set_mesh(mesh):
           assert "shard_map" not in str(jax.make_jaxpr(loss_fn)(placed, batch)), shape
-          if config is dense:
-            loss = forward(placed, batch)[0]
-        if config is dense:
-          np.testing.assert_allclose(loss, forward(params, batch)[0], rtol=1e-5)
     print("ok fallback", flush=True)
     """)
 
 
 def test_gradients_reduce_scattered_and_equal_one_device():
     proc = run_script(_SCRIPT, 8, "--xla_backend_optimization_level=0")
-    assert proc.stdout.count("ok") == 8, proc.stdout
+    assert proc.stdout.count("ok") == 7, proc.stdout
 
 
 def test_one_device_runs_no_shard_map():
