@@ -37,7 +37,9 @@ On a mesh with an ``fsdp`` axis the layers use their weights through ``fsdp_call
 device computes its own rows under a ``jax.shard_map`` in which the weights, arriving as
 their FSDP shards, are all-gathered along ``embed``, so that their gradients are
 reduce-scattered onto the shards (left to XLA's partitioner they would be all-reduced at
-full size and sliced: XLA:CPU forms no reduce-scatter from the two).
+full size and sliced: XLA:CPU forms no reduce-scatter from the two). The MoE block does
+the same in its own ``shard_map`` (``policyopt.models.expert_parallel``), on a mesh with
+an ``expert`` axis and on one with ``fsdp`` alone.
 
 A model built (or loaded with ``from_pretrained``) under the mesh is born sharded: each
 parameter, drawn or read on the host, goes to each device as that device's shard only
@@ -103,7 +105,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("length", None),
     # Model width D of every weight (embedding, attention, MLP, router, experts): the FSDP
     # (ZeRO-3) shard; gathered per layer for the matmul, gradients reduce-scattered back
-    # (explicitly, in a shard_map: ``fsdp_call``, and the MoE block's own).
+    # (explicitly, in a shard_map: ``fsdp_call``, and the MoE block's own, with or
+    # without an expert axis: policyopt.models.expert_parallel).
     # Activations' D stays whole (it is contracted in every matmul).
     ("embed", "fsdp"),
     # Attention heads of q / o and k / v: Megatron-style tensor parallelism.

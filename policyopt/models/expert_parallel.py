@@ -31,6 +31,16 @@ device would receive more than the ragged buffer holds, the step takes the all_t
 passes instead (one ``lax.cond``, the predicate pmax-ed over the mesh so every device
 takes the same branch). Everything but the buffers is the arithmetic of one device,
 so loss, gradients and routing match it up to float summation order.
+
+On a mesh with an ``fsdp`` axis and no ``expert`` axis (one expert group: every device
+holds every expert's FSDP shard) the same block runs with steps 2-5 replaced by the
+dispatch of one device (``dropless_experts``) on each device's own rows: step 0 gathers
+the router and experts in their parameter dtype, as ``policyopt.sharding.fsdp_call``
+gathers the dense layers' weights, so their gradients are reduce-scattered (left to
+XLA's partitioner, every device ran the experts on every global token copy, and the
+gradients were all-reduced at full size). Under ``jax.checkpoint`` there (no gathered
+weight saved for the backward pass). Meshes with a ``tensor`` axis, and the "capacity"
+dispatch, whose buffers depend on the global token count, keep the plain path.
 """
 
 from __future__ import annotations
@@ -44,7 +54,12 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from policyopt.models.config import ModelConfig
-from policyopt.models.experts import blocked_experts, dense_experts, ragged_experts
+from policyopt.models.experts import (
+    blocked_experts,
+    dense_experts,
+    dropless_experts,
+    ragged_experts,
+)
 from policyopt.models.router import route, router_aux
 from policyopt.sharding import logical_to_mesh_axes
 
@@ -67,20 +82,29 @@ def _width_axes(mesh, hidden_size: int) -> tuple[str, ...]:
 
 
 def expert_parallel_mesh(config: ModelConfig, rows: int):
-    """``(mesh, row_axes)`` when the MoE block runs expert-parallel, else None.
+    """``(mesh, row_axes)`` when the MoE block runs under ``jax.shard_map``
+    (``expert_parallel_block``), else None.
 
-    Expert parallel: a mesh is set (``jax.set_mesh``) with an ``expert`` axis of size
-    > 1, the dispatch is dropless (not "capacity") and the row axes divide ``rows`` (a
-    batch the mesh cannot split, e.g. one evaluation prompt, takes the plain path, whose
-    shardings XLA propagates).
+    Two meshes take it (a mesh set by ``jax.set_mesh``, a dropless dispatch, not
+    "capacity", and row axes that divide ``rows``; a batch the mesh cannot split, e.g.
+    one evaluation prompt, takes the plain path, whose shardings XLA propagates):
+
+    - expert parallel: an ``expert`` axis of size > 1;
+    - FSDP without an ``expert`` axis: an ``fsdp`` axis that splits the model width
+      (the ``embed`` rule), one expert group: each device runs every expert on its own
+      rows, the weights all-gathered along D in the block so that their gradients are
+      reduce-scattered onto their shards, as ``policyopt.sharding.fsdp_call`` does for
+      the dense layers (and under its conditions: ``Auto`` row axes, not already inside
+      a ``shard_map``), on a mesh whose axes of size > 1 are all row axes (a ``tensor``
+      axis keeps the plain path, its split of F left to the partitioner).
 
     Raises:
       ValueError: the expert axis does not divide ``config.num_experts``.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or mesh.shape.get("expert", 1) == 1:
+    if mesh is None or mesh.empty:
         return None
-    n_ep = mesh.shape["expert"]
+    n_ep = mesh.shape.get("expert", 1)
     if config.num_experts % n_ep:
         raise ValueError(
             f"mesh.expert={n_ep} does not divide ModelConfig.num_experts="
@@ -89,7 +113,15 @@ def expert_parallel_mesh(config: ModelConfig, rows: int):
         )
     axes = _row_axes(mesh)
     split = int(np.prod([mesh.shape[a] for a in axes]))
-    if "expert" not in axes or rows % split:
+    if n_ep == 1:
+        width = _width_axes(mesh, config.hidden_size)
+        split_axes = {a for a in mesh.axis_names if mesh.shape[a] > 1}
+        fsdp = width and not mesh.manual_axes and set(width) <= split_axes == set(axes)
+        if not fsdp or not split_axes <= set(mesh.auto_axes):
+            return None
+    elif "expert" not in axes:
+        return None
+    if rows % split:
         return None
     return mesh, axes
 
@@ -418,6 +450,19 @@ def expert_parallel_block(
         chosen = replay[0].reshape(b * t, k) if replay else None
         expert_ids, gates, probs = route(logits, k, cfg.norm_topk_prob, chosen)
         aux = router_aux(logits, probs, expert_ids, valid, num_experts, axis_names=row_axes)
+        if n_ep == 1:  # one expert group (FSDP only): every expert here, no exchange
+            y = dropless_experts(
+                flat.astype(dt),
+                expert_ids,
+                gates,
+                w_gate,
+                w_up,
+                w_down,
+                dispatch=dispatch,
+                block_size=cfg.moe_block_size,
+                gather=cfg.resolved_weight_gather(),
+            )
+            return y.reshape(b, t, d), expert_ids.reshape(b, t, k), aux
         local_fn = functools.partial(_local_experts, config=cfg, dispatch=dispatch)
         y_copies = _exchange(
             flat.astype(dt),
@@ -435,15 +480,24 @@ def expert_parallel_block(
 
     rows = PartitionSpec(row_axes)
     shard = width or None
+    expert = "expert" if n_ep > 1 else None
     args = (x, token_mask, router, *params) + (() if routing is None else (routing,))
     in_specs = (
         rows,
         rows,
         PartitionSpec(shard, None),
-        PartitionSpec("expert", shard, None),
-        PartitionSpec("expert", shard, None),
-        PartitionSpec("expert", None, shard),
+        PartitionSpec(expert, shard, None),
+        PartitionSpec(expert, shard, None),
+        PartitionSpec(expert, None, shard),
     ) + (() if routing is None else (rows,))
-    return jax.shard_map(
+    per_device = jax.shard_map(
         body, mesh=mesh, in_specs=in_specs, out_specs=(rows, rows, PartitionSpec())
-    )(*args)
+    )
+    if n_ep > 1:
+        return per_device(*args)
+    # One expert group (FSDP only), under ``jax.checkpoint`` as in
+    # ``policyopt.sharding.fsdp_call``, so that no whole weight, nor any value computed
+    # from one, is saved for the backward pass (a scan over layers would keep every
+    # layer's): the block is recomputed there, its weights gathered again. Under
+    # ``ModelConfig.remat`` the outer policy applies.
+    return jax.checkpoint(per_device, policy=jax.checkpoint_policies.nothing_saveable)(*args)

@@ -12,9 +12,12 @@ y_n = sum_j g_nj SwiGLU_{e_nj}(x_n) [N, D]:
   capacity_experts   capacity factor: one-hot dispatch into [E, C] buffers; also returns
                      the number of copies dropped
 
+``dropless_experts`` picks one of the first five by its ``moe_dispatch`` name.
+
 The expert-parallel block (``policyopt.models.expert_parallel``) runs ragged (with either
 matmul, the megablox kernel inside ``jax.shard_map`` included), blocked or dense on each
-device's local experts ("gathered" there runs as dense).
+device's local experts ("gathered" there runs as dense); on an FSDP mesh without an
+``expert`` axis, ``dropless_experts`` on each device's own rows.
 """
 
 from __future__ import annotations
@@ -405,6 +408,40 @@ def gathered_experts(x, expert_ids, gates, w_gate, w_up, w_down):
     # The first buffer that holds the busiest expert (len(capacities): none, dense).
     branch = jnp.sum(jnp.max(counts) > jnp.asarray(capacities, counts.dtype))
     return jax.lax.switch(branch, branches, None)
+
+
+def dropless_experts(
+    x, expert_ids, gates, w_gate, w_up, w_down, dispatch: str, block_size: int, gather: str
+):
+    """Step 5 by the dropless dispatch of that name: ``MoE``'s choice on one device, and
+    per device under an FSDP mesh without an ``expert`` axis (``expert_parallel``).
+
+    Args:
+      x: [N, D] in the compute dtype; expert_ids: int32 [N, k]; gates: [N, k];
+      w_gate, w_up: [E, D, F]; w_down: [E, F, D] in their parameter dtype (cast to the
+        dtype of x, by ``blocked_experts`` after its gather, here for the others).
+      dispatch: "ragged", "megablox", "blocked", "dense" or "gathered".
+      block_size, gather: ``blocked_experts``' (``ModelConfig.moe_block_size`` and
+        ``resolved_weight_gather()``).
+    Returns:
+      [N, D] in the dtype of x.
+    """
+    if dispatch == "blocked":
+        return blocked_experts(
+            x, expert_ids, gates, w_gate, w_up, w_down, block_size=block_size, gather=gather
+        )
+    weights = [w.astype(x.dtype) for w in (w_gate, w_up, w_down)]
+    if dispatch in ("ragged", "megablox"):
+        matmul = "megablox" if dispatch == "megablox" else "ragged_dot"
+        return ragged_experts(x, expert_ids, gates, *weights, matmul=matmul)
+    if dispatch == "dense":
+        return dense_experts(x, expert_ids, gates, *weights)
+    if dispatch == "gathered":
+        return gathered_experts(x, expert_ids, gates, *weights)
+    raise ValueError(
+        "ModelConfig.moe_dispatch must be 'ragged', 'megablox', 'blocked', 'dense' or "
+        f"'gathered' here (dropless), got {dispatch!r}"
+    )
 
 
 def capacity_experts(x, expert_ids, gates, valid, w_gate, w_up, w_down, capacity: int):

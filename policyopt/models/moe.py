@@ -64,7 +64,11 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
 
 On a mesh with an ``expert`` axis of size > 1 the dropless dispatches run expert-parallel
 under ``jax.shard_map``: each device routes its own rows and sends each token copy to the
-device holding its expert (``policyopt.models.expert_parallel``).
+device holding its expert (``policyopt.models.expert_parallel``). On a mesh with an
+``fsdp`` axis and no ``expert`` (or ``tensor``) axis they run under the same
+``shard_map``, each device on its own rows with every expert, the router and expert
+weights all-gathered in it so that their gradients are reduce-scattered (ZeRO-3, as
+the dense layers' ``policyopt.sharding.fsdp_call``).
 
 Modules, each importing only the ones above it in this list:
 
@@ -84,13 +88,7 @@ from flax import nnx
 
 from policyopt.models.config import ModelConfig
 from policyopt.models.expert_parallel import expert_parallel_block, expert_parallel_mesh
-from policyopt.models.experts import (
-    blocked_experts,
-    capacity_experts,
-    dense_experts,
-    gathered_experts,
-    ragged_experts,
-)
+from policyopt.models.experts import capacity_experts, dropless_experts
 from policyopt.models.layers import param
 from policyopt.models.router import route, router_aux
 
@@ -134,33 +132,25 @@ class MoE(nnx.Module):
         replay = None if routing is None else routing.reshape(b * t, k)
         expert_ids, gates, probs = route(logits, k, cfg.norm_topk_prob, replay)
         params = [w[...] for w in (self.gate_proj, self.up_proj, self.down_proj)]
-        weights = [w.astype(dt) for w in params]
         dropped = jnp.zeros((), jnp.float32)
-        if dispatch in ("ragged", "megablox"):
-            matmul = "megablox" if dispatch == "megablox" else "ragged_dot"
-            y = ragged_experts(flat.astype(dt), expert_ids, gates, *weights, matmul=matmul)
-        elif dispatch == "blocked":
-            # The parameters themselves: blocked_experts casts them (after its gather).
-            y = blocked_experts(
-                flat.astype(dt),
-                expert_ids,
-                gates,
-                *params,
-                block_size=cfg.moe_block_size,
-                gather=cfg.resolved_weight_gather(),
-            )
-        elif dispatch == "dense":
-            y = dense_experts(flat.astype(dt), expert_ids, gates, *weights)
-        elif dispatch == "gathered":
-            y = gathered_experts(flat.astype(dt), expert_ids, gates, *weights)
-        else:
+        if dispatch == "capacity":
             y, dropped = capacity_experts(
                 flat.astype(dt),
                 expert_ids,
                 gates,
                 valid,
-                *weights,
+                *[w.astype(dt) for w in params],
                 capacity=cfg.expert_capacity(b * t),
+            )
+        else:
+            y = dropless_experts(
+                flat.astype(dt),
+                expert_ids,
+                gates,
+                *params,
+                dispatch=dispatch,
+                block_size=cfg.moe_block_size,
+                gather=cfg.resolved_weight_gather(),
             )
         aux = router_aux(logits, probs, expert_ids, valid, cfg.num_experts)
         aux["dropped_tokens"] = dropped
