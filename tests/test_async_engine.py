@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from policyopt.engine import admit_rows
 from policyopt.rl.async_generation import EngineSlots, SlotConfig, engine_pages_needed
 from policyopt.rl.async_rl import PromptStream, make_generator, run_async_rl
 from policyopt.sampling import Greedy, generate_fn
@@ -178,7 +179,11 @@ def test_run_async_rl_on_the_paged_engine_trains(tmp_path):
         f"dynamic_sampling.enabled=False,train.num_iterations=2,train.checkpoint_every=2,"
         f"sampling.engine_kv_tokens={2 * ONE_GROUP},sampling.engine_page_size={PAGE}"
     )
+    compiled = admit_rows._cache_size()
     summary = run_async_rl(config, str(tmp_path), quiet=True)
+    # One compilation of the admission: the slot state starts placed as admit_rows returns
+    # it with the trainer's parameters (on a one-device mesh).
+    assert admit_rows._cache_size() - compiled <= 1
     run, metrics = summary["run"], summary["metrics"]
     assert summary["iteration"] == 2 and int(run.state.step) + int(run.state.skipped) == 2
     for key in (
