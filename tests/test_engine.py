@@ -329,7 +329,5 @@ def test_sharded_engine_on_two_devices_equals_generate(greedy_reference, tmp_pat
     path = str(tmp_path / "reference.npz")
     fields = ("tokens", "mask", "raw_log_probs", "routing")
     np.savez(path, eos=eos, **{k: np.asarray(getattr(reference, k)) for k in fields})
-    proc = run_script(
-        _SHARDED_SCRIPT, 2, timeout=600, TF_CPP_MIN_LOG_LEVEL="1", REFERENCE=path
-    )
+    proc = run_script(_SHARDED_SCRIPT, 2, timeout=600, TF_CPP_MIN_LOG_LEVEL="1", REFERENCE=path)
     assert proc.stdout.count("ok") == 2, proc.stdout
