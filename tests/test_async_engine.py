@@ -7,11 +7,11 @@ import dataclasses
 import textwrap
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from policyopt.engine import admit_rows
 from policyopt.rl.async_generation import EngineSlots, SlotConfig, engine_pages_needed
 from policyopt.rl.async_rl import PromptStream, make_generator, run_async_rl
 from policyopt.sampling import Greedy, generate_fn
@@ -62,25 +62,40 @@ def test_pages_needed_by_one_group_by_hand():
     assert engine_pages_needed(1, 1, 2, 4) == 4
 
 
-@pytest.mark.parametrize("kv_tokens", [ONE_GROUP, 4 * ONE_GROUP], ids=["tight", "ample"])
-def test_greedy_equals_the_synchronous_sampler_and_rows_wait_for_pages(kv_tokens):
+@pytest.fixture(scope="module")
+def greedy_case():
+    """Six prompts of 1 to 16 tokens and generate_fn's greedy rollouts of them: ``free``
+    without an end token, ``reference`` with the end token the greedy first token of
+    prompt 2 (``sampling``), so that lengths differ and slots are refilled while other
+    groups are mid-way (as test_async_rl's dense test). Shared by the greedy tests and the
+    two-device script, which compile generate_fn once for them all."""
     graphdef, params, _ = policy()
     prompts = random_prompts(6, seed=3, min_length=1)
     tokens = np.stack([p["prompt_tokens"] for p in prompts])
     lengths = np.asarray([p["prompt_length"] for p in prompts], np.int32)
-    # The end token: the greedy first token of prompt 2, so that lengths differ and slots
-    # are refilled while other groups are mid-way (as test_async_rl's dense test).
-    cache = nnx.merge(graphdef, params).init_cache(1, PROMPT_WIDTH)
+    base = slot_config(Greedy(), num_groups=3, segment=3).sampling
+    free = generate_fn(graphdef, params, tokens, lengths, jax.random.PRNGKey(0), config=base)
+    # The greedy first token of prompt 2 is the argmax of a token-by-token forward of it.
+    cache = nnx.merge(graphdef, params).init_cache(1, PROMPT_WIDTH + NUM_NEW)
     for position, token in enumerate(tokens[2, : lengths[2]]):
         log_probs, cache, _ = _feed(graphdef, params, token, position, cache)
-    base = slot_config(Greedy(), num_groups=3, segment=3)
-    greedy = SlotConfig(
-        dataclasses.replace(base.sampling, eos_id=int(jnp.argmax(log_probs))), 3, PROMPT_WIDTH, 3
-    )
+    eos = int(np.asarray(free.tokens)[2 * GROUP, 0])
+    assert eos == int(np.argmax(np.asarray(log_probs)))
+    sampling = dataclasses.replace(base, eos_id=eos)
     reference = generate_fn(
-        graphdef, params, tokens, lengths, jax.random.PRNGKey(0), config=greedy.sampling
+        graphdef, params, tokens, lengths, jax.random.PRNGKey(0), config=sampling
     )
     assert len(set(np.asarray(reference.lengths).tolist())) > 1
+    # On the host: the tests slice them row by row (op by op on device arrays).
+    host = lambda rollout: jax.tree.map(np.asarray, rollout)
+    return prompts, tokens, lengths, host(free), sampling, host(reference)
+
+
+@pytest.mark.parametrize("kv_tokens", [ONE_GROUP, 4 * ONE_GROUP], ids=["tight", "ample"])
+def test_greedy_equals_the_synchronous_sampler_and_rows_wait_for_pages(greedy_case, kv_tokens):
+    graphdef, params, _ = policy()
+    prompts, _, _, _, sampling, reference = greedy_case
+    greedy = SlotConfig(sampling, 3, PROMPT_WIDTH, 3)
     slots = EngineSlots(graphdef, greedy, params, kv_tokens=kv_tokens, page_size=PAGE)
     done = run_slots(slots, prompts, lambda segment: (params, 0))
     assert sorted(done) == list(range(len(prompts)))
@@ -163,7 +178,11 @@ def test_run_async_rl_on_the_paged_engine_trains(tmp_path):
         f"dynamic_sampling.enabled=False,train.num_iterations=2,train.checkpoint_every=2,"
         f"sampling.engine_kv_tokens={2 * ONE_GROUP},sampling.engine_page_size={PAGE}"
     )
+    compiled = admit_rows._cache_size()
     summary = run_async_rl(config, str(tmp_path), quiet=True)
+    # One compilation of the admission: the slot state starts placed as admit_rows returns
+    # it with the trainer's parameters (on a one-device mesh).
+    assert admit_rows._cache_size() - compiled <= 1
     run, metrics = summary["run"], summary["metrics"]
     assert summary["iteration"] == 2 and int(run.state.step) + int(run.state.skipped) == 2
     for key in (
@@ -190,22 +209,20 @@ _MESH_SCRIPT = textwrap.dedent(r"""
     import jax, jax.numpy as jnp, numpy as np
     from policyopt import sharding
     from policyopt.engine import admit_rows, decode_steps, evict_rows
+    import os
     from policyopt.rl.async_generation import EngineSlots, SlotConfig, _engine_group_rows
-    from policyopt.sampling import Greedy, generate_fn
+    from policyopt.sampling import Greedy
     from tests.test_async_engine import ONE_GROUP, PAGE, run_slots
     from tests.test_async_rl import GROUP, PROMPT_WIDTH, policy, random_prompts, slot_config
 
     graphdef, params, _ = policy()
     prompts = random_prompts(6, seed=3, min_length=1)
-    tokens = np.stack([p["prompt_tokens"] for p in prompts])
-    lengths = np.asarray([p["prompt_length"] for p in prompts], np.int32)
+    # generate_fn's greedy rollout on one device (the test's greedy_case: the end token
+    # the greedy first token of prompt 2, so that lengths differ).
+    reference = np.load(os.environ["REFERENCE"])
     base = slot_config(Greedy(), num_groups=4, segment=3)
-    first = generate_fn(graphdef, params, tokens, lengths, jax.random.PRNGKey(0),
-                        config=base.sampling)
-    eos = int(np.asarray(first.tokens)[2 * GROUP, 0])  # lengths differ
-    config = SlotConfig(dataclasses.replace(base.sampling, eos_id=eos), 4, PROMPT_WIDTH, 3)
-    reference = generate_fn(graphdef, params, tokens, lengths, jax.random.PRNGKey(0),
-                            config=config.sampling)
+    config = SlotConfig(dataclasses.replace(base.sampling, eos_id=int(reference["eos"])), 4,
+                        PROMPT_WIDTH, 3)
     mesh = sharding.make_mesh({"fsdp": 2})
     placed = sharding.shard_params(params, mesh)
     fns = (admit_rows, decode_steps, evict_rows, _engine_group_rows)
@@ -219,10 +236,10 @@ _MESH_SCRIPT = textwrap.dedent(r"""
     assert sorted(done) == list(range(len(prompts)))
     for index, completion in done.items():
         rows = slice(index * GROUP, (index + 1) * GROUP)
-        np.testing.assert_array_equal(completion.tokens, np.asarray(reference.tokens[rows]))
-        np.testing.assert_array_equal(completion.mask, np.asarray(reference.mask[rows]))
-        np.testing.assert_allclose(completion.raw_log_probs,
-                                   np.asarray(reference.raw_log_probs[rows]), atol=1e-4)
+        np.testing.assert_array_equal(completion.tokens, reference["tokens"][rows])
+        np.testing.assert_array_equal(completion.mask, reference["mask"][rows])
+        np.testing.assert_allclose(completion.raw_log_probs, reference["raw_log_probs"][rows],
+                                   atol=1e-4)
     assert slots.stats["waits"] > 0, slots.stats
     # One compilation of each call across every admission and segment (the state keeps
     # its shardings; evict_rows only runs on a preemption).
@@ -232,29 +249,32 @@ _MESH_SCRIPT = textwrap.dedent(r"""
     """)
 
 
-def test_engine_slots_on_two_devices_equal_generate_and_compile_once():
+def test_engine_slots_on_two_devices_equal_generate_and_compile_once(greedy_case, tmp_path):
     """Parameters on an fsdp=2 mesh, two engine shards (2 groups and a pool per device,
     rows waiting for pages): greedy completions equal generate_fn's on one device, and
     every jitted call compiles once across the run."""
-    proc = run_script(_MESH_SCRIPT, 2, timeout=600, TF_CPP_MIN_LOG_LEVEL="1")
+    _, _, _, _, sampling, reference = greedy_case
+    path = str(tmp_path / "reference.npz")
+    np.savez(
+        path,
+        eos=sampling.eos_id,
+        **{k: np.asarray(getattr(reference, k)) for k in ("tokens", "mask", "raw_log_probs")},
+    )
+    proc = run_script(_MESH_SCRIPT, 2, timeout=600, TF_CPP_MIN_LOG_LEVEL="1", REFERENCE=path)
     assert "ok mesh" in proc.stdout, proc.stdout[-4000:]
 
 
-def test_stop_sequences_end_rows_as_in_the_synchronous_sampler():
+def test_stop_sequences_end_rows_as_in_the_synchronous_sampler(greedy_case):
     graphdef, params, _ = policy()
-    prompts = random_prompts(4, seed=5, min_length=1)
-    tokens = np.stack([p["prompt_tokens"] for p in prompts])
-    lengths = np.asarray([p["prompt_length"] for p in prompts], np.int32)
+    prompts, tokens, lengths, free, _, _ = greedy_case  # free: greedy, no end token
     base = slot_config(Greedy(), num_groups=2, segment=3)
-    free = generate_fn(
-        graphdef, params, tokens, lengths, jax.random.PRNGKey(0), config=base.sampling
-    )
     stop = tuple(int(t) for t in np.asarray(free.tokens)[0, 1:3])  # ends prompt 0 at 3 tokens
     sampling = dataclasses.replace(base.sampling, stop_sequences=(stop,))
-    reference = generate_fn(
-        graphdef, params, tokens, lengths, jax.random.PRNGKey(0), config=sampling
+    reference = jax.tree.map(
+        np.asarray,
+        generate_fn(graphdef, params, tokens, lengths, jax.random.PRNGKey(0), config=sampling),
     )
-    assert int(np.asarray(reference.lengths)[0]) == 3
+    assert int(reference.lengths[0]) == 3
     config = SlotConfig(sampling, 2, PROMPT_WIDTH, 3)
     slots = EngineSlots(graphdef, config, params, kv_tokens=2 * ONE_GROUP, page_size=PAGE)
     done = run_slots(slots, prompts, lambda segment: (params, 0))

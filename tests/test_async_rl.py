@@ -225,8 +225,9 @@ def test_greedy_without_updates_equals_the_synchronous_sampler(extra):
     tokens = np.stack([p["prompt_tokens"] for p in prompts])
     lengths = np.asarray([p["prompt_length"] for p in prompts], np.int32)
     # The end token: the greedy first token of prompt 2, so that lengths differ and slots
-    # are refilled while other groups are mid-way.
-    cache = nnx.merge(graphdef, params).init_cache(1, PROMPT_WIDTH)
+    # are refilled while other groups are mid-way. (recompute's cache length: one _feed
+    # compilation for both.)
+    cache = nnx.merge(graphdef, params).init_cache(1, PROMPT_WIDTH + NUM_NEW)
     for position, token in enumerate(tokens[2, : lengths[2]]):
         log_probs, cache, _ = _feed(graphdef, params, token, position, cache)
     greedy = slot_config(Greedy(), num_groups=2, segment=3)
@@ -711,8 +712,10 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
         run.tokenizer.pad_id,
     )
     assert whole.prompt_width == PROMPT_WIDTH and cut.prompt_width == 8
+    # Jitted: run op by op, the two forwards compile each primitive of the model apart.
+    forward = jax.jit(forward_log_probs, static_argnums=(0, 5))
     outs = [
-        forward_log_probs(
+        forward(
             run.graphdef,
             run.state.params,
             jnp.asarray(r.tokens),
@@ -724,7 +727,9 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
         for r in (cut, whole)
     ]
     np.testing.assert_allclose(
-        outs[0].log_probs * cut.mask, outs[1].log_probs * whole.mask, atol=1e-5
+        np.asarray(outs[0].log_probs) * cut.mask,
+        np.asarray(outs[1].log_probs) * whole.mask,
+        atol=1e-5,
     )
     real = whole.attention_mask[:, PROMPT_WIDTH - 8 :] > 0
     np.testing.assert_array_equal(

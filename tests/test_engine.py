@@ -41,9 +41,9 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def greedy_reference(model):
-    """generate's greedy rollout, with an end token that some rows draw early."""
-    first = sampling.generate(
+def greedy_free(model):
+    """generate's greedy rollout without an end token."""
+    return sampling.generate(
         model,
         PROMPTS,
         LENGTHS,
@@ -52,7 +52,12 @@ def greedy_reference(model):
         temperature=0.0,
         num_samples=GROUP,
     )
-    eos = int(np.asarray(first.tokens)[2, 3])
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(model, greedy_free):
+    """generate's greedy rollout, with an end token that some rows draw early."""
+    eos = int(np.asarray(greedy_free.tokens)[2, 3])
     rollout = sampling.generate(
         model,
         PROMPTS,
@@ -122,19 +127,10 @@ def test_small_budget_waits_not_truncates(model, greedy_reference, attention):
     assert stats["peak_pages"] == 10 and stats["pages_held_at_end"] == 0
 
 
-def test_stop_sequences_and_no_routing_capture(model):
+def test_stop_sequences_and_no_routing_capture(model, greedy_free):
     """A two-token stop sequence drawn by some rows ends them as in generate; with
     capture_routing=False the rollout holds no routing."""
-    first = sampling.generate(
-        model,
-        PROMPTS,
-        LENGTHS,
-        max_new_tokens=NEW,
-        rng=jax.random.key(0),
-        temperature=0.0,
-        num_samples=GROUP,
-    )
-    stop = tuple(int(t) for t in np.asarray(first.tokens)[0, 2:4])
+    stop = tuple(int(t) for t in np.asarray(greedy_free.tokens)[0, 2:4])
     reference = sampling.generate(
         model,
         PROMPTS,
@@ -175,8 +171,10 @@ def test_log_probs_equal_full_forward(model):
         params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(attention_mask)
     )
     prompt_len = PROMPTS.shape[1]
-    log_softmax = jax.nn.log_softmax(logits[:, prompt_len - 1 : -1], axis=-1)
-    expected = np.take_along_axis(np.asarray(log_softmax), rollout.tokens[..., None], -1)[..., 0]
+    logits = np.asarray(logits, np.float64)[:, prompt_len - 1 : -1]  # NumPy log softmax
+    top = logits.max(-1, keepdims=True)
+    log_softmax = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    expected = np.take_along_axis(log_softmax, rollout.tokens[..., None], -1)[..., 0]
     mask = rollout.mask > 0
     assert mask.sum() == GROUP * len(PROMPTS) * NEW
     np.testing.assert_allclose(rollout.log_probs[mask], expected[mask], atol=1e-4, rtol=1e-4)
@@ -212,27 +210,11 @@ def test_budget_errors(model):
         EngineConfig(kv_tokens=64, rows=2, page_size=0)
 
 
-def test_synchronous_trainer_streams_its_rows_through_the_engine(tmp_path):
-    """grpo on a tiny MoE with 2 prompts x 4 samples through 4 engine rows: one group at a
-    time, the second admitted when the first is handed out; the run trains."""
-    from policyopt.rl import trainer
-    from tests.test_rl_trainer import tiny
-
-    extra = (
-        "sampling.engine_kv_tokens=256,sampling.engine_rows=4,sampling.engine_page_size=4,"
-        "train.num_iterations=1"
-    )
-    out = trainer.run_rl(tiny("grpo", extra=extra), str(tmp_path), num_iterations=1, quiet=True)
-    run = out["run"]
-    assert run.engine is not None and run.engine.engine.rows == 4
-    assert run.engine.stats["peak_pages"] > 0
-    assert np.isfinite(out["metrics"]["reward/mean"])
-    assert run.last_batch.tokens.shape[0] == 2 * 4
-
-
-def test_trainer_replays_the_engines_routing_r3(tmp_path):
-    """R3 through the engine: the round carries the routing the engine recorded, the batch
-    replays it, and the old log-probs are a forward of the old parameters with it."""
+@pytest.fixture(scope="module")
+def engine_run(tmp_path_factory):
+    """grpo with R3 on a tiny MoE, 2 prompts x 4 samples through 4 engine rows, one
+    iteration: (run, its parameters before the iteration, the iteration's metrics).
+    Shared by the two trainer tests below (one compilation of the engine and the steps)."""
     from policyopt.rl import trainer
     from tests.test_rl_trainer import tiny
 
@@ -240,9 +222,26 @@ def test_trainer_replays_the_engines_routing_r3(tmp_path):
         "sampling.engine_kv_tokens=256,sampling.engine_rows=4,sampling.engine_page_size=4,"
         "algo.routing_replay=R3,train.num_iterations=1,eval.num_prompts=0"
     )
-    run = trainer.build_run(tiny("grpo", extra=extra), str(tmp_path))
-    old_params = jax.tree.map(jnp.copy, run.state.params)
-    trainer.rl_iteration(run)
+    run = trainer.build_run(tiny("grpo", extra=extra), str(tmp_path_factory.mktemp("engine")))
+    old_params = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))(run.state.params)
+    metrics = trainer.rl_iteration(run)
+    return run, old_params, metrics
+
+
+def test_synchronous_trainer_streams_its_rows_through_the_engine(engine_run):
+    """grpo on a tiny MoE with 2 prompts x 4 samples through 4 engine rows: one group at a
+    time, the second admitted when the first is handed out; the run trains."""
+    run, _, metrics = engine_run
+    assert run.engine is not None and run.engine.engine.rows == 4
+    assert run.engine.stats["peak_pages"] > 0
+    assert np.isfinite(metrics["reward/mean"])
+    assert run.last_batch.tokens.shape[0] == 2 * 4
+
+
+def test_trainer_replays_the_engines_routing_r3(engine_run):
+    """R3 through the engine: the round carries the routing the engine recorded, the batch
+    replays it, and the old log-probs are a forward of the old parameters with it."""
+    run, old_params, _ = engine_run
     batch, sampled = run.last_batch, run.last_round
     assert sampled.routing is not None and batch.routing is not None
     np.testing.assert_array_equal(np.asarray(batch.routing), sampled.routing)
@@ -273,22 +272,20 @@ def test_engine_config_errors(extra, message):
 
 
 _SHARDED_SCRIPT = textwrap.dedent(r"""
-    import re
+    import os, re
     import jax, numpy as np
     from flax import nnx
-    from policyopt import sampling, sharding
+    from policyopt import sharding
     from policyopt.engine import Engine, EngineConfig, decode_steps
     from policyopt.models import Transformer
     from policyopt.sampling import Greedy, SamplingConfig
     from tests.test_engine import GROUP, LENGTHS, MOE, NEW, PROMPTS
 
     model = Transformer(MOE, rngs=nnx.Rngs(0))
-    first = sampling.generate(model, PROMPTS, LENGTHS, max_new_tokens=NEW, rng=jax.random.key(0),
-                              temperature=0.0, num_samples=GROUP)
-    eos = int(np.asarray(first.tokens)[2, 3])
-    reference = sampling.generate(model, PROMPTS, LENGTHS, max_new_tokens=NEW,
-                                  rng=jax.random.key(0), temperature=0.0, num_samples=GROUP,
-                                  eos_id=eos)
+    # generate's greedy rollout on one device, with its end token (the test's
+    # greedy_reference fixture).
+    reference = np.load(os.environ["REFERENCE"])
+    eos = int(reference["eos"])
     mesh = sharding.make_mesh({"fsdp": 2})
     graphdef, params = nnx.split(model)
     params = sharding.shard_params(params, mesh)
@@ -298,11 +295,11 @@ _SHARDED_SCRIPT = textwrap.dedent(r"""
                     config, graphdef=graphdef, mesh=mesh)
     assert engine.shards == 2
     rollout = engine.generate(PROMPTS, LENGTHS, jax.random.key(0), params=params)
-    np.testing.assert_array_equal(rollout.tokens, reference.tokens)
-    np.testing.assert_array_equal(rollout.mask, reference.mask)
-    np.testing.assert_allclose(rollout.raw_log_probs, reference.raw_log_probs, atol=1e-4)
+    np.testing.assert_array_equal(rollout.tokens, reference["tokens"])
+    np.testing.assert_array_equal(rollout.mask, reference["mask"])
+    np.testing.assert_allclose(rollout.raw_log_probs, reference["raw_log_probs"], atol=1e-4)
     real = rollout.sequences()[2] > 0
-    np.testing.assert_array_equal(rollout.routing[:, real], np.asarray(reference.routing)[:, real])
+    np.testing.assert_array_equal(rollout.routing[:, real], reference["routing"][:, real])
     assert engine.stats["pages_held_at_end"] == 0 and engine.stats["waits"] > 0, engine.stats
     print("ok equal", engine.stats, flush=True)
 
@@ -324,9 +321,13 @@ _SHARDED_SCRIPT = textwrap.dedent(r"""
     """)
 
 
-def test_sharded_engine_on_two_devices_equals_generate():
+def test_sharded_engine_on_two_devices_equals_generate(greedy_reference, tmp_path):
     """Parameters on an fsdp=2 mesh, two engine shards (one pool and two rows per device,
     rows waiting for pages): the rollout and its routing equal generate's on one
     device, and the compiled decode moves no pool between devices."""
-    proc = run_script(_SHARDED_SCRIPT, 2, timeout=600, TF_CPP_MIN_LOG_LEVEL="1")
+    eos, reference = greedy_reference
+    path = str(tmp_path / "reference.npz")
+    fields = ("tokens", "mask", "raw_log_probs", "routing")
+    np.savez(path, eos=eos, **{k: np.asarray(getattr(reference, k)) for k in fields})
+    proc = run_script(_SHARDED_SCRIPT, 2, timeout=600, TF_CPP_MIN_LOG_LEVEL="1", REFERENCE=path)
     assert proc.stdout.count("ok") == 2, proc.stdout

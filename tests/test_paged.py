@@ -54,6 +54,9 @@ step_dense = jax.jit(_step_dense, static_argnums=0)
 step_paged = jax.jit(_step_paged, static_argnums=0)
 # Jitted once each: op-by-op dispatch compiles every primitive separately.
 reserve = jax.jit(lambda cache, new_tokens: cache.reserve(new_tokens))
+gather = jax.jit(gather_attention)
+online = jax.jit(online_attention)
+pool = jax.jit(pool_attention, static_argnums=5)
 release = jax.jit(lambda cache, rows: cache.release(rows))
 advance = jax.jit(lambda cache, mask: cache.advance(mask))
 
@@ -75,25 +78,27 @@ def test_paged_decode_equals_dense(name, attention):
     paged = PagedKVCache.create(
         model.config, batch, num_pages=12, page_size=3, max_pages=5, attention=attention
     )
+    # Checks on the host (NumPy): device arrays indexed op by op compile each op.
     dense_logits, dense = step_dense(graphdef, state, PROMPTS, positions, mask, dense)
     paged_logits, paged, granted = step_paged(graphdef, state, PROMPTS, positions, mask, paged)
-    assert bool(jnp.all(granted))
+    dense_logits, paged_logits, mask = map(np.asarray, (dense_logits, paged_logits, mask))
+    assert np.all(np.asarray(granted))
     np.testing.assert_array_equal(paged.lengths, LENGTHS)
-    last = (jnp.arange(batch), LENGTHS - 1)
+    last = (np.arange(batch), LENGTHS - 1)
     dense_next, paged_next = dense_logits[last], paged_logits[last]
     np.testing.assert_allclose(paged_logits[mask], dense_logits[mask], atol=1e-5, rtol=1e-5)
     live = jnp.ones((batch, 1), bool)
     for step in range(STEPS):
         np.testing.assert_allclose(paged_next, dense_next, atol=1e-5, rtol=1e-5)
-        tokens = jnp.argmax(dense_next, axis=-1)
-        np.testing.assert_array_equal(jnp.argmax(paged_next, axis=-1), tokens)
+        tokens = np.argmax(dense_next, axis=-1).astype(np.int32)
+        np.testing.assert_array_equal(np.argmax(paged_next, axis=-1), tokens)
         pos = (LENGTHS + step)[:, None]
         dense_logits, dense = step_dense(graphdef, state, tokens[:, None], pos, live, dense)
         paged_logits, paged, granted = step_paged(
             graphdef, state, tokens[:, None], pos, live, paged
         )
-        assert bool(jnp.all(granted))
-        dense_next, paged_next = dense_logits[:, 0], paged_logits[:, 0]
+        assert np.all(np.asarray(granted))
+        dense_next, paged_next = np.asarray(dense_logits)[:, 0], np.asarray(paged_logits)[:, 0]
     np.testing.assert_array_equal(paged.lengths, LENGTHS + STEPS)
     # ceil((6, 2, 4) + 7) / 3) = (5, 3, 4) pages, all distinct, 12 - 12 = 0 left.
     held = np.asarray(paged.page_table)
@@ -230,6 +235,7 @@ def test_refused_row_waits_and_writes_nothing():
         jnp.ones((1, 5), bool),
         None,
     )
+    logits, logits_next, reference = map(np.asarray, (logits, logits_next, reference))
     np.testing.assert_allclose(logits_next[0, 0], reference[0, -1], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(logits[0], reference[0, :4], atol=1e-5, rtol=1e-5)
 
@@ -268,14 +274,12 @@ def _numpy_reference(q, k, v, ends, table):
 
 def test_gather_and_online_attention_equal_numpy_loop():
     q, k, v, ends, table = _random_pools()
-    slots = (ends - 1)[:, None]
+    slots = (np.asarray(ends) - 1)[:, None]
     reference = _numpy_reference(q, k, v, ends, table)
-    np.testing.assert_allclose(
-        gather_attention(q, k, v, table, slots, ends), reference, atol=1e-5, rtol=1e-5
-    )
-    np.testing.assert_allclose(
-        online_attention(q, k, v, table, slots, ends), reference, atol=1e-5, rtol=1e-5
-    )
+    for attention in (gather, online):
+        np.testing.assert_allclose(
+            attention(q, k, v, table, slots, ends), reference, atol=1e-5, rtol=1e-5
+        )
 
 
 def test_pallas_kernel_interpreted_equals_gather():
@@ -290,9 +294,9 @@ def test_pallas_kernel_interpreted_equals_gather():
     q, k, v, ends, table = _random_pools(dtype=jnp.bfloat16)
     with pltpu.force_tpu_interpret_mode():
         kernel = _pallas_decode(q[:, 0], k, v, ends, jnp.minimum(table, 9))
-    gather = gather_attention(q, k, v, table, (ends - 1)[:, None], ends)[:, 0]
+    gathered = np.asarray(gather(q, k, v, table, (np.asarray(ends) - 1)[:, None], ends))[:, 0]
     np.testing.assert_allclose(
-        np.asarray(kernel, np.float32), np.asarray(gather, np.float32), atol=2e-2, rtol=2e-2
+        np.asarray(kernel, np.float32), np.asarray(gathered, np.float32), atol=2e-2, rtol=2e-2
     )
     reference = _numpy_reference(q, k, v, ends, table)[:, 0]
     np.testing.assert_allclose(np.asarray(kernel, np.float32), reference, atol=3e-2, rtol=3e-2)
@@ -346,12 +350,13 @@ def test_pool_attention_equals_numpy_loop_and_gather(shared_refs):
     q, k, v, _, _ = _random_pools(batch=6)
     table, ends = _shared_table()
     live = np.asarray(ends) > 0
-    out = jax.jit(pool_attention, static_argnums=5)(q, k, v, table, ends, shared_refs)
+    out = np.asarray(pool(q, k, v, table, ends, shared_refs))
+    q, table, ends = map(np.asarray, (q, table, ends))
     reference = _numpy_reference(q[live], k, v, ends[live], table[live])
     np.testing.assert_allclose(out[live], reference, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(out[~live], 0.0)  # no key: zeros
-    gather = gather_attention(q, k, v, table, (ends - 1)[:, None], ends)
-    np.testing.assert_allclose(out[live], gather[live], atol=1e-5, rtol=1e-5)
+    gathered = np.asarray(gather(q, k, v, table, (ends - 1)[:, None], ends))
+    np.testing.assert_allclose(out[live], gathered[live], atol=1e-5, rtol=1e-5)
 
 
 def test_pool_attention_hand_worked():
@@ -364,7 +369,7 @@ def test_pool_attention_hand_worked():
     k = jnp.array([[[[0.0], [np.log(2)]], [[np.log(3)], [9.0]]]], jnp.float32)
     v = jnp.array([[[[1.0], [3.0]], [[5.0], [100.0]]]], jnp.float32)
     table = jnp.array([[0, 2], [0, 1]], jnp.int32)
-    out = pool_attention(q, k, v, table, jnp.array([2, 3], jnp.int32), 1)
+    out = pool(q, k, v, table, jnp.array([2, 3], jnp.int32), 1)
     np.testing.assert_allclose(out[:, 0, 0, 0], [7 / 3, 11 / 3], rtol=1e-6)
 
 

@@ -675,7 +675,8 @@ class EngineSlots(_SlotGroups):
         mesh: jax.sharding.Mesh | None = None,
     ):
         self.graphdef, self.config = graphdef, config
-        mesh = None if mesh is None or mesh.size == 1 else mesh
+        one_device = mesh if mesh is not None and mesh.size == 1 else None
+        mesh = None if one_device is not None else mesh
         shards = row_shards(mesh)
         s = config.sampling
         if config.num_groups % shards:
@@ -707,6 +708,12 @@ class EngineSlots(_SlotGroups):
         self.mesh, self.shards = mesh, shards
         with self._on_mesh():
             self.state = self.engine.init_state(config.prompt_width)
+        if one_device is not None:
+            # Placed as the jitted calls return it with parameters on a one-device mesh
+            # (replicated on it): else the first admission compiles admit_rows twice.
+            self.state = jax.device_put(
+                self.state, jax.sharding.NamedSharding(one_device, jax.sharding.PartitionSpec())
+            )
         rows, num_new = config.rows, s.max_new_tokens
         self._active = np.zeros((config.num_groups,), bool)  # started, not handed out
         self._running: list[int] = []  # admitted groups, oldest first
