@@ -86,17 +86,13 @@ def test_output_shapes(models, kind):
     assert isinstance(out, ModelOutput)
     assert out.logits.shape == (2, 9, 40) and out.logits.dtype == jnp.float32
     assert out.hidden.shape == (2, 9, 32)
-    # The checks in NumPy (eager jnp ops would each compile a program).
     np.testing.assert_allclose(
-        out.logits,
-        np.asarray(out.hidden) @ np.asarray(model.output_embedding()),
-        rtol=1e-5,
-        atol=1e-5,
+        out.logits, out.hidden @ model.output_embedding(), rtol=1e-5, atol=1e-5
     )
     if kind == "moe":
         assert out.routing.shape == (2, 2, 9, 2) and out.routing.dtype == jnp.int32
         assert out.aux["tokens_per_expert"].shape == (2, 4)
-        np.testing.assert_allclose(np.asarray(out.aux["tokens_per_expert"]).sum(-1), [36, 36])
+        np.testing.assert_allclose(out.aux["tokens_per_expert"].sum(-1), [36, 36])
         assert float(out.aux["dropped_tokens"]) == 0
         # Replaying the model's own routing changes nothing.
         np.testing.assert_array_equal(call(model, tokens, routing=out.routing).logits, out.logits)
@@ -108,27 +104,22 @@ def test_output_shapes(models, kind):
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_kv_cache_prefill_then_decode_equals_full_forward(models, kind, per_layer):
     model = models[kind]
-    tokens = np.asarray(_tokens((2, 9), seed=1))  # sliced in NumPy, not by eager jnp ops
-    full = jax.tree.map(np.asarray, call(model, jnp.asarray(tokens)))
+    tokens = _tokens((2, 9), seed=1)
+    full = call(model, tokens)
     cache = model.init_cache(2, 12, per_layer=per_layer)
-    prefill = call(model, jnp.asarray(tokens[:, :5]), cache=cache)
+    prefill = call(model, tokens[:, :5], cache=cache)
     np.testing.assert_allclose(prefill.logits, full.logits[:, :5], rtol=1e-5, atol=1e-5)
     cache = prefill.cache
     assert int(cache.index) == 5
     for step in range(5, 9):
         if kind == "moe":
             positions = jnp.full((2, 1), step, jnp.int32)
-            out = call(
-                model, jnp.asarray(tokens[:, step : step + 1]), positions=positions, cache=cache
-            )
+            out = call(model, tokens[:, step : step + 1], positions=positions, cache=cache)
         else:  # default positions continue from the cache index
-            out = call(model, jnp.asarray(tokens[:, step : step + 1]), cache=cache)
-        logits = np.asarray(out.logits)
-        np.testing.assert_allclose(logits[:, 0], full.logits[:, step], rtol=1e-5, atol=1e-5)
+            out = call(model, tokens[:, step : step + 1], cache=cache)
+        np.testing.assert_allclose(out.logits[:, 0], full.logits[:, step], rtol=1e-5, atol=1e-5)
         if kind == "moe":
-            np.testing.assert_array_equal(
-                np.asarray(out.routing)[:, :, 0], full.routing[:, :, step]
-            )
+            np.testing.assert_array_equal(out.routing[:, :, 0], full.routing[:, :, step])
         cache = out.cache
     assert int(cache.index) == 9
     np.testing.assert_array_equal(cache.key_mask, np.arange(12)[None, :].repeat(2, 0) < 9)
@@ -150,27 +141,21 @@ def test_kv_cache_layout_and_forms(models):
     for a, b in ((stacked, per_layer.stack()), (stacked.unstack().stack(), stacked)):
         np.testing.assert_array_equal(a.k, b.k)
         np.testing.assert_array_equal(a.v, b.v)
-    # The caches' arrays in NumPy: the slicing below is the test's, not eager jnp ops.
-    k, v, key_mask = map(np.asarray, (stacked.k, stacked.v, stacked.key_mask))
-    # Layer 0's values: v_proj of the first block's normed input, at slots 0..4 (NumPy).
-    x = np.take(np.asarray(model.embed[...]), np.asarray(tokens), axis=0)
-    normed = np.asarray(model.layers[0].input_norm.scale[...]) * (
-        x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps)
-    )
-    want_v = np.einsum("btd,dnh->bnth", normed, np.asarray(model.layers[0].attn.v_proj[...]))
-    np.testing.assert_allclose(v[0, :, :, :5], want_v, rtol=1e-5, atol=1e-6)
-    assert not np.any(k[:, :, :, :, 5:]) and not np.any(v[:, :, :, 5:])
+    # Layer 0's values: v_proj of the first block's normed input, at slots 0..4.
+    x = jnp.take(model.embed[...], tokens, axis=0)
+    v = jnp.einsum("btd,dnh->bnth", model.layers[0].input_norm(x), model.layers[0].attn.v_proj[...])
+    np.testing.assert_allclose(stacked.v[0, :, :, :5], v, rtol=1e-5, atol=1e-6)
+    assert not np.any(stacked.k[:, :, :, :, 5:]) and not np.any(stacked.v[:, :, :, 5:])
     rolled = stacked.roll_slots(2)
-    np.testing.assert_array_equal(np.asarray(rolled.k)[..., 2:7], k[..., :5])
-    np.testing.assert_array_equal(np.asarray(rolled.v)[:, :, :, 2:7], v[:, :, :, :5])
-    np.testing.assert_array_equal(np.asarray(rolled.key_mask)[:, 2:7], key_mask[:, :5])
+    np.testing.assert_array_equal(rolled.k[..., 2:7], stacked.k[..., :5])
+    np.testing.assert_array_equal(rolled.v[:, :, :, 2:7], stacked.v[:, :, :, :5])
+    np.testing.assert_array_equal(rolled.key_mask[:, 2:7], stacked.key_mask[:, :5])
     small = call(model, tokens[:1, :3], cache=model.init_cache(1, 3)).cache
     put = stacked.put_rows(small, 1, 4)
-    put_k, put_v = np.asarray(put.k), np.asarray(put.v)
-    np.testing.assert_array_equal(put_k[:, 1:, ..., 4:7], small.k)
-    np.testing.assert_array_equal(put_v[:, 1:, :, 4:7], small.v)
-    np.testing.assert_array_equal(put_k[:, :1], k[:, :1])
-    np.testing.assert_array_equal(put_k[:, 1:, ..., :4], k[:, 1:, ..., :4])
+    np.testing.assert_array_equal(put.k[:, 1:, ..., 4:7], small.k)
+    np.testing.assert_array_equal(put.v[:, 1:, :, 4:7], small.v)
+    np.testing.assert_array_equal(put.k[:, :1], stacked.k[:, :1])
+    np.testing.assert_array_equal(put.k[:, 1:, ..., :4], stacked.k[:, 1:, ..., :4])
     with pytest.raises(ValueError, match="stacked"):
         per_layer.roll_slots(1)
     # resize: empty slots appended (or the last ones dropped), the rest unchanged, both forms.
@@ -178,13 +163,12 @@ def test_kv_cache_layout_and_forms(models):
         grown, shrunk = cache.resize(10).stack(), cache.resize(5).stack()
         assert grown.max_length == 10 and shrunk.max_length == 5 and cache.resize(7) is cache
         assert grown.per_layer == shrunk.per_layer == False  # noqa: E712 (stacked again)
-        grown_k, grown_v = np.asarray(grown.k), np.asarray(grown.v)
-        np.testing.assert_array_equal(grown_k[..., :7], k)
-        np.testing.assert_array_equal(grown_v[:, :, :, :7], v)
-        assert not np.any(grown_k[..., 7:]) and not np.any(grown_v[:, :, :, 7:])
-        np.testing.assert_array_equal(grown.key_mask, np.pad(key_mask, ((0, 0), (0, 3))))
-        np.testing.assert_array_equal(shrunk.k, k[..., :5])
-        np.testing.assert_array_equal(shrunk.v, v[:, :, :, :5])
+        np.testing.assert_array_equal(grown.k[..., :7], stacked.k)
+        np.testing.assert_array_equal(grown.v[:, :, :, :7], stacked.v)
+        assert not np.any(grown.k[..., 7:]) and not np.any(grown.v[:, :, :, 7:])
+        np.testing.assert_array_equal(grown.key_mask, np.pad(stacked.key_mask, ((0, 0), (0, 3))))
+        np.testing.assert_array_equal(shrunk.k, stacked.k[..., :5])
+        np.testing.assert_array_equal(shrunk.v, stacked.v[:, :, :, :5])
         assert int(grown.index) == int(shrunk.index) == 5
     # Decoding on into a grown cache equals decoding into one that was long from the start
     # (up to float rounding: the softmax sums over another number of empty slots).
@@ -201,16 +185,15 @@ def test_right_padded_prompts_decode_like_unpadded(models):
     model = models["moe"]
     prompts = _tokens((2, 5), seed=2)
     lengths = np.array([3, 5])
-    new_tokens = np.asarray(_tokens((2, 4), seed=3))  # sliced in NumPy
+    new_tokens = _tokens((2, 4), seed=3)
     mask = jnp.asarray(np.arange(5)[None, :] < lengths[:, None], jnp.int32)
     out = call(model, prompts, attention_mask=mask, cache=model.init_cache(2, 12))
     cache = out.cache
     batched = []
     for step in range(4):
         positions = jnp.asarray(lengths[:, None] + step, jnp.int32)
-        tokens = jnp.asarray(new_tokens[:, step : step + 1])
-        out = call(model, tokens, positions=positions, cache=cache)
-        batched.append(np.asarray(out.logits)[:, 0])
+        out = call(model, new_tokens[:, step : step + 1], positions=positions, cache=cache)
+        batched.append(out.logits[:, 0])
         cache = out.cache
     # Unpadded sequences, filled at the end to a common length 9 (causality hides the fill).
     unpadded = np.ones((2, 9), np.int32)
@@ -219,18 +202,18 @@ def test_right_padded_prompts_decode_like_unpadded(models):
             [np.asarray(prompts[row, : lengths[row]]), np.asarray(new_tokens[row])]
         )
         unpadded[row, : len(seq)] = seq
-    alone = np.asarray(call(model, jnp.asarray(unpadded)).logits)
+    alone = call(model, jnp.asarray(unpadded))
     for row in range(2):
         for step in range(4):
             np.testing.assert_allclose(
-                batched[step][row], alone[row, lengths[row] + step], rtol=1e-5, atol=1e-5
+                batched[step][row], alone.logits[row, lengths[row] + step], rtol=1e-5, atol=1e-5
             )
 
 
 def test_padding_tokens_excluded_from_router_statistics(models):
     mask = jnp.asarray(np.arange(9)[None, :] < np.array([[7], [4]]), jnp.int32)
     out = call(models["moe"], _tokens((2, 9)), attention_mask=mask)
-    np.testing.assert_allclose(np.asarray(out.aux["tokens_per_expert"]).sum(-1), [22, 22])
+    np.testing.assert_allclose(out.aux["tokens_per_expert"].sum(-1), [22, 22])
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
@@ -245,11 +228,10 @@ def test_out_of_range_padding_ids_cannot_poison_real_tokens(models, kind):
     positions = jnp.asarray(np.maximum(np.arange(pad + 5) - pad, 0)[None], jnp.int32)
     mask = jnp.asarray((np.arange(pad + 5) >= pad)[None], jnp.int32)
     for pad_id in (40, 10**6, -1, -(10**6)):
-        tokens = np.concatenate([np.full((1, pad), pad_id, np.int32), np.asarray(real)], axis=1)
-        out = call(model, jnp.asarray(tokens), positions=positions, attention_mask=mask)
-        logits = np.asarray(out.logits)
-        assert np.isfinite(logits).all(), pad_id
-        np.testing.assert_allclose(logits[:, pad:], alone, rtol=1e-5, atol=1e-5)
+        tokens = jnp.concatenate([jnp.full((1, pad), pad_id, jnp.int32), real], axis=1)
+        out = call(model, tokens, positions=positions, attention_mask=mask)
+        assert np.isfinite(np.asarray(out.logits)).all(), pad_id
+        np.testing.assert_allclose(out.logits[:, pad:], alone, rtol=1e-5, atol=1e-5)
 
 
 def test_moe_layer_subset_and_routing_shape_errors():
@@ -273,13 +255,13 @@ def test_tied_embeddings():
 def test_bfloat16_compute(models):
     model = models["moe"]
     tokens = _tokens((2, 9))
-    ref = np.asarray(call(model, tokens).logits)
+    ref = call(model, tokens).logits
     model_bf16 = Transformer(model.config.replace(dtype="bfloat16"), rngs=nnx.Rngs(0))
     nnx.update(model_bf16, nnx.state(model, nnx.Param))
     out = call(model_bf16, tokens)
     assert out.logits.dtype == jnp.float32 and out.hidden.dtype == jnp.bfloat16
     assert model_bf16.init_cache(1, 4).k.dtype == jnp.bfloat16
-    rel = float(np.linalg.norm(np.asarray(out.logits) - ref) / np.linalg.norm(ref))
+    rel = float(jnp.linalg.norm(out.logits - ref) / jnp.linalg.norm(ref))
     assert rel < 0.05
 
 
