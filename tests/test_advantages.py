@@ -77,6 +77,12 @@ def ref_outcome_advantages(rewards, group_size, center, scale, eps=1e-6, valid=N
 OUTCOME_OPTIONS = [(c, s) for c in ("group", "none") for s in ("group", "batch", "none")]
 
 
+# Jitted, as the trainer runs it: one program per shape and options, not one per eager op.
+outcome_advantages = jax.jit(
+    adv.outcome_advantages, static_argnums=1, static_argnames=("center", "scale")
+)
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def every_outcome(rewards, group_size=4):
     return {
@@ -132,7 +138,7 @@ def test_outcome_advantages_hand_worked():
         rewards = np.full(2 * group_size, 0.9, np.float32)
         rewards[group_size] = 0.1  # the second group is informative
         for scale in ("group", "batch", "none"):
-            got = np.asarray(adv.outcome_advantages(rewards, group_size, scale=scale))
+            got = np.asarray(outcome_advantages(rewards, group_size, scale=scale))
             assert np.all(got[:group_size] == 0), (group_size, scale)
             assert np.any(got[group_size:] != 0)
 
@@ -148,9 +154,7 @@ def test_outcome_advantages_leave_invalid_samples_out():
     valid[13:16] = False  # a group with a single valid sample
     valid[16:20] = False  # a group with none
     for center, scale in OUTCOME_OPTIONS:
-        got = np.asarray(
-            adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid)
-        )
+        got = np.asarray(outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid))
         expected = ref_outcome_advantages(rewards, 4, center, scale, valid=valid)
         assert np.all(got[~valid] == 0), f"{center} {scale}"
         if center == "group" or scale == "group":  # the lone valid sample: no signal
@@ -158,19 +162,19 @@ def test_outcome_advantages_leave_invalid_samples_out():
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=f"{center} {scale}")
         changed = np.where(valid, rewards, 100.0).astype(np.float32)
         np.testing.assert_array_equal(
-            adv.outcome_advantages(changed, 4, center=center, scale=scale, valid=valid),
-            adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid),
+            outcome_advantages(changed, 4, center=center, scale=scale, valid=valid),
+            outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid),
         )
         # All valid: the same numbers as no mask at all (up to rounding: without a mask the
         # group size is a constant; the trainer passes None when nothing was missed).
         np.testing.assert_allclose(
-            adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=np.ones(20, bool)),
-            adv.outcome_advantages(rewards, 4, center=center, scale=scale),
+            outcome_advantages(rewards, 4, center=center, scale=scale, valid=np.ones(20, bool)),
+            outcome_advantages(rewards, 4, center=center, scale=scale),
             rtol=1e-6,
             atol=1e-6,
         )
     # Hand-worked: [1, 0, (missed), 0] -> mean 1/3, std sqrt(1/3) over the three.
-    got = adv.outcome_advantages(
+    got = outcome_advantages(
         np.array([1, 0, 0, 0], np.float32), 4, valid=np.array([1, 1, 0, 1], bool)
     )
     np.testing.assert_allclose(
@@ -188,7 +192,7 @@ def test_outcome_advantages_leave_invalid_samples_out():
         [True, True],
     )
     with pytest.raises(ValueError, match="valid"):
-        adv.outcome_advantages(rewards, 4, valid=valid[:8])
+        outcome_advantages(rewards, 4, valid=valid[:8])
 
 
 def test_no_signal_gives_exact_zeros_for_every_center_and_scale():
@@ -200,7 +204,7 @@ def test_no_signal_gives_exact_zeros_for_every_center_and_scale():
     # scale "batch" |A| 0.056). Only center "none", scale "none" keeps them: A = R.
     rewards = np.full(64, nine)
     for center, scale in OUTCOME_OPTIONS:
-        got = np.asarray(adv.outcome_advantages(rewards, 8, center=center, scale=scale))
+        got = np.asarray(outcome_advantages(rewards, 8, center=center, scale=scale))
         expected = rewards if (center, scale) == ("none", "none") else np.zeros(64, np.float32)
         np.testing.assert_array_equal(got, expected, err_msg=f"{center} {scale}")
     # [0.9] * 4 then [1, 0, 0, 1], G = 4.
@@ -221,13 +225,13 @@ def test_no_signal_gives_exact_zeros_for_every_center_and_scale():
         ("none", "none"): [nine] * 4 + [1, 0, 0, 1],
     }
     for (center, scale), want in expected.items():
-        got = np.asarray(adv.outcome_advantages(rewards, 4, center=center, scale=scale))
+        got = np.asarray(outcome_advantages(rewards, 4, center=center, scale=scale))
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{center} {scale}")
         if center == "group" or scale == "group":  # the 0.9 group: exact zeros, not ~1e-7
             assert np.all(got[:4] == 0), (center, scale)
     # [0.9] * 4 then [0.1] * 4: center "none", scale "batch" keeps the constant groups'
     # values (they differ from the batch's): mean 0.5, std sqrt(8 * 0.16 / 7) -> +-0.935414.
-    got = adv.outcome_advantages(
+    got = outcome_advantages(
         np.array([nine] * 4 + [0.1] * 4, np.float32), 4, center="none", scale="batch"
     )
     np.testing.assert_allclose(
@@ -240,15 +244,13 @@ def test_no_signal_gives_exact_zeros_for_every_center_and_scale():
     )
     valid = np.array([1, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0], bool)
     for center, scale in OUTCOME_OPTIONS:
-        got = np.asarray(
-            adv.outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid)
-        )
+        got = np.asarray(outcome_advantages(rewards, 4, center=center, scale=scale, valid=valid))
         expected = np.where(valid, nine, 0) if (center, scale) == ("none", "none") else np.zeros(12)
         np.testing.assert_array_equal(got, expected.astype(np.float32), err_msg=f"{center} {scale}")
     # The same groups, one informative valid pair in the last: [0.9, 0.1] -> centred +-0.4,
     # std sqrt(0.32); the 0.9-only groups stay exact zeros.
     rewards[10], valid[10] = 0.1, True
-    got = np.asarray(adv.outcome_advantages(rewards, 4, center="none", scale="group", valid=valid))
+    got = np.asarray(outcome_advantages(rewards, 4, center="none", scale="group", valid=valid))
     np.testing.assert_allclose(
         got, [0, 0, 0, 0, 0, 0, 0, 0, 0.9 / math.sqrt(0.32), 0, 0.1 / math.sqrt(0.32), 0], rtol=1e-5
     )

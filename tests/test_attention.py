@@ -37,7 +37,10 @@ def _model(**overrides):
     model = Transformer(ModelConfig(**{**TINY, **overrides}), rngs=nnx.Rngs(0))
     # Larger weights than the 0.02 default make attention non-trivial.
     state = nnx.state(model, nnx.Param)
-    state = jax.tree.map(lambda x: x * (10.0 if x.ndim > 1 else 1.0), state)
+    # (In NumPy: an eager jnp multiply would compile a program per parameter shape.)
+    state = jax.tree.map(
+        lambda x: jnp.asarray(np.asarray(x) * (10.0 if x.ndim > 1 else 1.0)), state
+    )
     nnx.update(model, state)
     return model
 
@@ -88,6 +91,8 @@ def test_packed_segments_equal_separate_rows(attention, moe):
         alone_tokens[i, : len(cols)] = tokens[r, cols]
         alone_mask[i, : len(cols)] = 1
     alone = _call(model, jnp.asarray(alone_tokens), attention_mask=jnp.asarray(alone_mask))
+    # Compared in NumPy (eager jnp indexing would compile a program per index).
+    packed, alone = jax.tree.map(np.asarray, (packed, alone))
     for i, (r, cols) in enumerate(zip(rows, places)):
         np.testing.assert_allclose(
             packed.logits[r, cols], alone.logits[i, : len(cols)], rtol=1e-5, atol=1e-5
@@ -151,6 +156,36 @@ def _inputs(dtype=jnp.float32, heads=4, kv_heads=2, head_dim=8, seed=0):
     return q, k, v
 
 
+@functools.lru_cache(maxsize=None)
+def _einsum_values_and_grads(packed):
+    """The einsum attention's output and its loss's gradients on ``_inputs()`` (weights of
+    seed 1), computed once per layout and shared by the implementations' cases."""
+    q, k, v = _inputs()
+    segment_ids = PACKED if packed else None
+    weights = _loss_weights(q.shape, packed)
+
+    def loss(q, k, v):
+        out = _implementation("xla")(q, k, v, KEY_MASK, segment_ids)
+        return jnp.sum(out * weights), out
+
+    (_, want), want_grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        q, k, v
+    )
+    return np.asarray(want), [np.asarray(g) for g in want_grads]
+
+
+def _sees(packed):
+    """[B, T] queries that see a key (padding queries have no defined output)."""
+    return KEY_MASK & ((PACKED if packed else KEY_MASK.astype(np.int32)) != 0)
+
+
+def _loss_weights(shape, packed):
+    sees = _sees(packed)
+    return jnp.asarray(
+        np.random.default_rng(1).normal(size=shape) * sees[..., None, None], jnp.float32
+    )
+
+
 def _implementation(name):
     """attend with one implementation; "cudnn" runs its masks' mapping through XLA
     (jax.nn.dot_product_attention(implementation="xla")), the kernel needing a GPU."""
@@ -181,21 +216,17 @@ def test_implementations_equal_einsum_values_and_gradients(name, packed):
     segment_ids = PACKED if packed else None
     reference_ids = PACKED if packed else KEY_MASK.astype(np.int32)
     # Rows that see no key (padding queries) have no defined output: weighted 0.
-    sees = KEY_MASK & (reference_ids != 0)
-    weights = jnp.asarray(
-        np.random.default_rng(1).normal(size=q.shape) * sees[..., None, None], jnp.float32
-    )
+    sees = _sees(packed)
+    weights = _loss_weights(q.shape, packed)
 
     def loss(fn, q, k, v):
         out = fn(q, k, v, KEY_MASK, segment_ids)
         return jnp.sum(out * weights), out
 
-    einsum = _implementation("xla")
-    (_, want), want_grads = jax.jit(
-        jax.value_and_grad(functools.partial(loss, einsum), argnums=(0, 1, 2), has_aux=True)
-    )(q, k, v)
+    # The einsum's values and gradients: one program per layout, shared by the cases.
+    want, want_grads = _einsum_values_and_grads(packed)
     np.testing.assert_allclose(
-        np.asarray(want) * sees[..., None, None],
+        want * sees[..., None, None],
         _numpy_attention(*map(np.asarray, (q, k, v)), KEY_MASK, reference_ids),
         atol=1e-5,
     )
@@ -401,12 +432,12 @@ def test_model_blockwise_equals_einsum_logits_and_gradients():
 
 def test_kv_cache_decode_equals_blockwise_forward():
     model = _model(attention="blockwise", attention_block_size=4)
-    tokens = jnp.asarray(np.random.default_rng(3).integers(0, TINY["vocab_size"], (2, 9)))
-    full = _call(model, tokens).logits
-    out = _call(model, tokens[:, :5], cache=model.init_cache(2, 9))
-    steps, cache = [out.logits], out.cache
+    tokens = np.random.default_rng(3).integers(0, TINY["vocab_size"], (2, 9))  # NumPy slices
+    full = _call(model, jnp.asarray(tokens)).logits
+    out = _call(model, jnp.asarray(tokens[:, :5]), cache=model.init_cache(2, 9))
+    steps, cache = [np.asarray(out.logits)], out.cache
     for i in range(5, 9):
-        out = _call(model, tokens[:, i : i + 1], cache=cache)
-        steps.append(out.logits)
+        out = _call(model, jnp.asarray(tokens[:, i : i + 1]), cache=cache)
+        steps.append(np.asarray(out.logits))
         cache = out.cache
-    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-4, rtol=1e-5)

@@ -142,23 +142,39 @@ def test_moe_critic_adds_its_load_balancing_loss():
         old_values=jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
         returns=jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
     )
-    _, aux = forward_values(
-        graphdef, params, batch.tokens, batch.positions, batch.attention_mask, 4, return_aux=True
-    )
-    balance = float(aux["load_balancing_loss"])
-    assert balance > 0
+    # Rollout rejection sampling's loss mask is the policy's: the critic still fits every token.
+    rejected = batch._replace(loss_mask=jnp.zeros_like(batch.mask))
 
-    def loss_and_grads(coef):
+    def loss_and_grads(params, coef):
         settings = critic_settings(load_balancing_coef=coef)
         return jax.value_and_grad(
             lambda p: critic_loss(graphdef, p, batch, settings), has_aux=True
         )(params)
 
-    (plain, metrics), plain_grads = loss_and_grads(0.0)
-    # Rollout rejection sampling's loss mask is the policy's: the critic still fits every token.
-    rejected = batch._replace(loss_mask=jnp.zeros_like(batch.mask))
-    assert float(critic_loss(graphdef, params, rejected, critic_settings())[0]) == float(plain)
-    (with_term, metrics_term), term_grads = loss_and_grads(0.5)
+    @jax.jit  # one program for every loss below, not one eager op (and compile) at a time
+    def losses(params):
+        _, aux = forward_values(
+            graphdef,
+            params,
+            batch.tokens,
+            batch.positions,
+            batch.attention_mask,
+            4,
+            return_aux=True,
+        )
+        rejected_loss = critic_loss(graphdef, params, rejected, critic_settings())[0]
+        return (
+            aux["load_balancing_loss"],
+            loss_and_grads(params, 0.0),
+            rejected_loss,
+            loss_and_grads(params, 0.5),
+        )
+
+    balance, ((plain, metrics), plain_grads), rejected_loss, term = losses(params)
+    (with_term, metrics_term), term_grads = term
+    balance = float(balance)
+    assert balance > 0
+    assert float(rejected_loss) == float(plain)
     assert float(metrics["critic/moe_load_balancing_loss"]) == pytest.approx(balance, rel=1e-6)
     assert float(plain) == pytest.approx(float(metrics["critic/value_loss"]), rel=1e-6)
     assert float(with_term) == pytest.approx(float(plain) + 0.5 * balance, rel=1e-6)
@@ -266,9 +282,10 @@ def _check_gae(run, critic_before, lam_actor, lam_critic):
     """The iteration's values, advantages and returns against an independent recomputation."""
     batch, sampled = run.last_batch, run.last_round
     mask = np.asarray(batch.mask)
-    values = run.critic.values(
-        critic_before, batch.tokens, batch.positions, batch.attention_mask, batch.mask
-    )
+    with jax.set_mesh(run.mesh):  # as the trainer calls it: its compiled program serves
+        values = run.critic.values(
+            critic_before, batch.tokens, batch.positions, batch.attention_mask, batch.mask
+        )
     np.testing.assert_array_equal(np.asarray(batch.old_values), np.asarray(values))
     values = np.asarray(values, np.float64)
     rewards = np.zeros(mask.shape)
@@ -367,13 +384,24 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
     np.testing.assert_array_equal(
         np.asarray(batch.nll_weights), run.last_round.correct.astype(np.float32)
     )
-    weights = jnp.asarray(np.arange(batch.mask.shape[0]) % 3 == 0, jnp.float32)
-    # (The update's metrics are those of the loss at the parameters it starts from; the
-    # update is already compiled for this shape, a separate jit of the loss is not.)
-    log_probs, _, _ = run.learner.log_probs(
-        run.state.params, batch.tokens, batch.positions, batch.attention_mask, batch.mask, None
+    # Placed as the trainer's weights, so that its compiled update serves.
+    weights = jax.device_put(
+        np.asarray(np.arange(batch.mask.shape[0]) % 3 == 0, np.float32), batch.nll_weights.sharding
     )
-    _, loss_metrics = run.learner.update(_copy(run.state), batch._replace(nll_weights=weights))
+    # (The update's metrics are those of the loss at the parameters it starts from; the
+    # update is already compiled for this shape, a separate jit of the loss is not. Under
+    # the run's mesh, as the trainer calls them, the trainer's compiled programs serve.)
+    with jax.set_mesh(run.mesh):
+        log_probs, _, _ = run.learner.log_probs(
+            run.state.params,
+            batch.tokens,
+            batch.positions,
+            batch.attention_mask,
+            batch.mask,
+            None,
+            None,
+        )
+        _, loss_metrics = run.learner.update(_copy(run.state), batch._replace(nll_weights=weights))
     log_probs, mask, rows = (
         np.asarray(log_probs, np.float64),
         np.asarray(batch.mask),

@@ -4,9 +4,11 @@ Qwen3-MoE models built in code, torch on the CPU, no downloads)."""
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -106,9 +108,6 @@ def test_export_round_trip_and_transformers_reload(kind, scan_layers, tmp_path):
     model = from_pretrained(str(tmp_path / "hf"), scan_layers=scan_layers)
     save_pretrained(model, str(tmp_path / "export"))
     again = from_pretrained(str(tmp_path / "export"), scan_layers=scan_layers)
-    import jax
-    from flax import nnx
-
     for a, b in zip(
         jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(again, nnx.Param))
     ):
@@ -343,6 +342,12 @@ def test_model_load_balancing_loss_is_1_over_k_of_transformers_aux_loss(tmp_path
             attention_mask=torch.tensor(mask),
             output_router_logits=True,
         )
-    ours = model(jnp.asarray(tokens), attention_mask=jnp.asarray(mask)).aux["load_balancing_loss"]
+    # Jitted: this shape occurs nowhere else (eagerly, every op would compile on its own).
+    graphdef, state = nnx.split(model)
+    ours = jax.jit(
+        lambda state, tokens, mask: nnx.merge(graphdef, state)(tokens, attention_mask=mask).aux[
+            "load_balancing_loss"
+        ]
+    )(state, jnp.asarray(tokens), jnp.asarray(mask))
     k = hf_model.config.num_experts_per_tok
     np.testing.assert_allclose(float(hf.aux_loss), k * float(ours), rtol=1e-5)

@@ -168,10 +168,11 @@ def test_gradients_match_loop_reference_under_replay(dispatch):
     )
     x = _inputs(seed=1)
     natural, natural_routing, _ = _run(moe, x)
-    probs = jax.nn.softmax(x.reshape(-1, D) @ moe.router[...], -1)
-    forced = jnp.argsort(probs, axis=-1)[:, :K].astype(jnp.int32)  # least likely
+    # In NumPy: eager jnp ops would each compile a program.
+    logits = np.asarray(x, np.float64).reshape(-1, D) @ np.asarray(moe.router[...], np.float64)
+    forced = np.argsort(logits, axis=-1, kind="stable")[:, :K].astype(np.int32)  # least likely
     assert not np.array_equal(np.sort(forced, -1), np.sort(natural_routing.reshape(-1, K), -1))
-    forced = forced.reshape(2, 6, K)
+    forced = jnp.asarray(forced.reshape(2, 6, K))
     cotangent = jnp.asarray(np.random.default_rng(2).normal(size=(2, 6, D)), jnp.float32)
     graphdef, state = nnx.split(moe)
 
@@ -188,18 +189,22 @@ def test_gradients_match_loop_reference_under_replay(dispatch):
     assert not np.allclose(y, natural)
 
     names = ("router", "gate_proj", "up_proj", "down_proj")
-
-    def reference(weights, x):
-        y = jax_loop_moe(x.reshape(-1, D), *weights, forced.reshape(-1, K), K, True)
-        return jnp.sum(y.reshape(2, 6, D) * cotangent)
-
-    ref_weights, ref_x = jax.grad(reference, argnums=(0, 1))(
-        tuple(getattr(moe, n)[...] for n in names), x
+    ref_weights, ref_x = _replay_reference_grads(
+        tuple(getattr(moe, n)[...] for n in names), x, forced, cotangent
     )
     np.testing.assert_allclose(grad_x, ref_x, rtol=1e-4, atol=1e-6)
     for name, ref in zip(names, ref_weights):
         np.testing.assert_allclose(grad_state[name][...], ref, rtol=1e-4, atol=1e-6)
-    assert float(jnp.abs(grad_state["router"][...]).max()) > 1e-3
+    assert float(np.abs(np.asarray(grad_state["router"][...])).max()) > 1e-3
+
+
+@jax.jit  # one program for every dispatch's case (the routing is an argument)
+def _replay_reference_grads(weights, x, forced, cotangent):
+    def reference(weights, x):
+        y = jax_loop_moe(x.reshape(-1, D), *weights, forced.reshape(-1, K), K, True)
+        return jnp.sum(y.reshape(2, 6, D) * cotangent)
+
+    return jax.grad(reference, argnums=(0, 1))(weights, x)
 
 
 def test_capacity_drops_overflow_in_priority_order():
@@ -212,7 +217,8 @@ def test_capacity_drops_overflow_in_priority_order():
     ]
     ids = jnp.array([[0, 1], [1, 0]], jnp.int32)
     gates = jnp.array([[0.7, 0.3], [0.6, 0.4]], jnp.float32)
-    y, dropped = capacity_experts(x, ids, gates, jnp.ones(2, bool), *weights, capacity=1)
+    experts = jax.jit(capacity_experts, static_argnames="capacity")  # one program, both calls
+    y, dropped = experts(x, ids, gates, jnp.ones(2, bool), *weights, capacity=1)
     params = dict(zip(("gate_proj", "up_proj", "down_proj"), [np.asarray(w) for w in weights]))
 
     def expert(n, e):
@@ -225,7 +231,7 @@ def test_capacity_drops_overflow_in_priority_order():
     assert float(dropped) == 2
     # Padding takes no slot: token 0 is padding, so token 1 gets expert 0's only slot.
     ids = jnp.array([[0, 1], [0, 1]], jnp.int32)
-    y, dropped = capacity_experts(x, ids, gates, jnp.array([False, True]), *weights, capacity=1)
+    y, dropped = experts(x, ids, gates, jnp.array([False, True]), *weights, capacity=1)
     np.testing.assert_allclose(y[1], 0.6 * expert(1, 0) + 0.4 * expert(1, 1), rtol=1e-5, atol=1e-6)
     assert float(dropped) == 0
 
@@ -399,13 +405,19 @@ def test_megablox_matmul_matches_one_hot_products():
     def kernel(rows, weights):
         return megablox_matmul(rows, weights, jnp.asarray(sizes), interpret=True)
 
-    out = kernel(rows, weights)
-    np.testing.assert_allclose(out, one_hot_form(rows, weights), rtol=1e-5, atol=1e-5)
+    @jax.jit  # values and gradients of both forms in one program, not op by op
+    def run(rows, weights):
+        grad = lambda f: jax.grad(lambda r, w: jnp.sum(f(r, w) * cotangent), argnums=(0, 1))
+        return (
+            kernel(rows, weights),
+            one_hot_form(rows, weights),
+            grad(kernel)(rows, weights),
+            grad(one_hot_form)(rows, weights),
+        )
+
+    out, want_out, grads, want = jax.tree.map(np.asarray, run(rows, weights))
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out[17:], 0)
-    grads = jax.grad(lambda r, w: jnp.sum(kernel(r, w) * cotangent), argnums=(0, 1))(rows, weights)
-    want = jax.grad(lambda r, w: jnp.sum(one_hot_form(r, w) * cotangent), argnums=(0, 1))(
-        rows, weights
-    )
     for got, ref in zip(grads, want):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(grads[0][17:], 0)  # past the groups

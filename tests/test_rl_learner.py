@@ -1,6 +1,8 @@
 """The jitted RL steps: forward layout, the update against a reference built from full
 logits and plain optax, routing replay reaching the update forward, the non-finite guard."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,28 +65,38 @@ def _batch(seed=0, rows=4, prompt_width=4, response_width=5):
     )
 
 
-def _gather_rows(log_softmax, prompts, responses, prompt_width, response_width):
-    """Response log-probs picked out of full ``[R, S, V]`` log-softmaxes, row by row:
-    response token n of row r sits at column P + n and is predicted at column P - 1 + n."""
-    rows = []
+def _gather_index(prompts, responses, prompt_width, response_width):
+    """Where each response log-prob sits in full ``[R, S, V]`` log-softmaxes, row by row:
+    response token n of row r sits at column P + n and is predicted at column P - 1 + n.
+    Returns int ``[R, N]`` (row, column, token) indices and the 0/1 ``[R, N]`` valid mask."""
+    index = np.zeros((3, len(responses), response_width), np.int32)
+    valid = np.zeros((len(responses), response_width), np.float32)
     for r, response in enumerate(responses):
-        picked = [log_softmax[r, prompt_width - 1 + n, token] for n, token in enumerate(response)]
-        rows.append(jnp.stack(picked + [jnp.float32(0)] * (response_width - len(response))))
-    return jnp.stack(rows)
+        for n, token in enumerate(response):
+            index[:, r, n] = (r, prompt_width - 1 + n, token)
+            valid[r, n] = 1
+    return index, valid
 
 
-def _reference_log_probs(model, batch, prompts, responses, temperature, routing=None):
-    """Full float32 logits of the whole padded batch, log-softmax, gathered by a loop."""
-    forward = jax.jit(
-        lambda b, r: (
-            model(
-                b.tokens, positions=b.positions, attention_mask=b.attention_mask, routing=r
-            ).logits
-        )
-    )
-    logits = forward(batch, routing) / temperature
-    return _gather_rows(
-        jax.nn.log_softmax(logits, -1), prompts, responses, batch.num_prompt, batch.num_response
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature"))
+def _reference_forward(params, batch, routing, index, valid, *, graphdef, temperature):
+    logits = nnx.merge(graphdef, params)(
+        batch.tokens,
+        positions=batch.positions,
+        attention_mask=batch.attention_mask,
+        routing=routing,
+    ).logits
+    log_softmax = jax.nn.log_softmax(logits / temperature, -1)
+    return jnp.where(valid > 0, log_softmax[index[0], index[1], index[2]], 0.0)
+
+
+def _reference_log_probs(graphdef, params, batch, prompts, responses, temperature, routing=None):
+    """Full float32 logits of the whole padded batch, log-softmax, gathered at the places a
+    loop over the rows finds (one jitted program, the indices its arguments: batches of one
+    shape share it)."""
+    index, valid = _gather_index(prompts, responses, batch.num_prompt, batch.num_response)
+    return _reference_forward(
+        params, batch, routing, index, valid, graphdef=graphdef, temperature=temperature
     )
 
 
@@ -95,12 +107,15 @@ def test_forward_layout_matches_unpadded_full_logits(policy):
     log_probs, entropy, routing = learner.log_probs(
         params, batch.tokens, batch.positions, batch.attention_mask, batch.mask
     )
-    want = _reference_log_probs(model, batch, prompts, responses, SETTINGS.temperature)
+    want = _reference_log_probs(graphdef, params, batch, prompts, responses, SETTINGS.temperature)
     np.testing.assert_allclose(np.asarray(log_probs), np.asarray(want), atol=2e-5)
-    # The padded layout computes what the unpadded sequence computes (first row).
+    # The padded layout computes what the unpadded sequence computes (first row); the
+    # log-softmax in NumPy (float64).
     logits = jax.jit(lambda t: model(t).logits)(jnp.asarray([prompts[0] + responses[0]]))[0]
-    logits = logits / SETTINGS.temperature
-    unpadded = jax.nn.log_softmax(logits, -1)
+    logits = np.asarray(logits, np.float64) / SETTINGS.temperature
+    shifted = logits - logits.max(-1, keepdims=True)
+    unpadded = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    log_probs = np.asarray(log_probs)
     for n, token in enumerate(responses[0]):
         assert float(log_probs[0, n]) == pytest.approx(
             float(unpadded[len(prompts[0]) - 1 + n, token]), abs=2e-5
@@ -113,7 +128,7 @@ def _reference_step(model, graphdef, params, batch, prompts, responses, routing=
 
     def loss_fn(p):
         log_probs = _reference_log_probs(
-            nnx.merge(graphdef, p), batch, prompts, responses, SETTINGS.temperature, routing
+            graphdef, p, batch, prompts, responses, SETTINGS.temperature, routing
         )
         adv = jnp.broadcast_to(batch.advantages[:, None], log_probs.shape)
         return policy_loss(
@@ -125,13 +140,18 @@ def _reference_step(model, graphdef, params, batch, prompts, responses, routing=
             aggregation="seq_mean_token_mean",
         )[0]
 
-    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
     tx = optax.chain(
         optax.clip_by_global_norm(1.0),
         optax.adamw(lambda c: 1e-2 * jnp.minimum(1.0, (c + 1.0) / 3), weight_decay=0.01),
     )
-    updates, _ = tx.update(grads, tx.init(params), params)
-    return loss, optax.apply_updates(params, updates), optax.global_norm(grads)
+
+    @jax.jit  # one program, not one eager op (and compile) per parameter
+    def step(params):
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, _ = tx.update(grads, tx.init(params), params)
+        return loss, optax.apply_updates(params, updates), optax.global_norm(grads)
+
+    return step(params)
 
 
 # Adam's first step is lr * g / (|g| + eps) per element: ill-conditioned where |g| is near
@@ -181,7 +201,8 @@ def test_an_objective_registered_by_a_user_runs_from_a_recipe(policy):
         state, metrics = learner.update(learner.init_state(_copy(params)), batch)
     finally:
         del losses.OBJECTIVES[name]
-    log_probs = np.asarray(_reference_log_probs(model, batch, prompts, responses, 0.7), np.float64)
+    log_probs = _reference_log_probs(graphdef, params, batch, prompts, responses, 0.7)
+    log_probs = np.asarray(log_probs, np.float64)
     mask = np.asarray(batch.mask, np.float64)
     ratio = np.exp(log_probs - np.asarray(batch.old_log_probs, np.float64)) * mask
     # seq_mean_token_mean: -mean_i A_i (1 / |y_i|) sum_t r_{i,t}
@@ -250,7 +271,7 @@ def test_replayed_routing_reaches_the_update_forward(policy):
 
     def reference_loss(p, routing):  # forward only: full logits with the forced experts
         log_probs = _reference_log_probs(
-            nnx.merge(graphdef, p), batch, prompts, responses, SETTINGS.temperature, routing
+            graphdef, p, batch, prompts, responses, SETTINGS.temperature, routing
         )
         adv = jnp.broadcast_to(batch.advantages[:, None], log_probs.shape)
         return policy_loss(
@@ -284,18 +305,20 @@ def test_loss_mask_restricts_the_policy_terms(policy):
     keep[0] = 0  # a whole sequence rejected
     keep[1, 0] = 0  # and one token
     assert keep.sum() < np.asarray(batch.mask).sum()
-    log_probs = _reference_log_probs(model, batch, prompts, responses, SETTINGS.temperature)
+    log_probs = _reference_log_probs(
+        graphdef, params, batch, prompts, responses, SETTINGS.temperature
+    )
     adv = jnp.broadcast_to(batch.advantages[:, None], log_probs.shape)
-    want = policy_loss(
-        log_probs,
-        batch.old_log_probs,
-        adv,
-        jnp.asarray(keep),
-        method="sapo",
-        aggregation="seq_mean_token_mean",
-    )[0]
-    loss, metrics = learner.loss(params, batch._replace(loss_mask=jnp.asarray(keep)))
-    full_loss, _ = learner.loss(params, batch)
+    want = jax.jit(
+        functools.partial(policy_loss, method="sapo", aggregation="seq_mean_token_mean")
+    )(log_probs, batch.old_log_probs, adv, jnp.asarray(keep))[0]
+    # The update's metrics hold the loss at the parameters it starts from (its programs are
+    # the ones test_a_minibatch_without_tokens_is_not_an_update compiles too).
+    _, metrics = learner.update(
+        learner.init_state(_copy(params)), batch._replace(loss_mask=jnp.asarray(keep))
+    )
+    _, full_metrics = learner.update(learner.init_state(_copy(params)), batch)
+    loss, full_loss = metrics["loss/total"], full_metrics["loss/total"]
     assert float(loss) == pytest.approx(float(want), rel=1e-5)
     assert abs(float(loss) - float(full_loss)) > 1e-4
     assert float(metrics["loss/num_tokens"]) == keep.sum()
@@ -342,13 +365,9 @@ def test_a_step_that_would_save_non_finite_values_is_skipped(optim):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
     # The same step with sane settings is applied (w0 moves against its gradient).
     optimizer, schedule = make_optimizer(lr=0.1, max_grad_norm=None)
-    state, metrics = guarded_update(
-        lambda p, b: (p["w"][0] ** 2, {}),
-        optimizer,
-        schedule,
-        TrainState.create(params, optimizer),
-        None,
-    )
+    state, metrics = jax.jit(  # one program, not one eager op (and compile) at a time
+        lambda s: guarded_update(lambda p, b: (p["w"][0] ** 2, {}), optimizer, schedule, s, None)
+    )(TrainState.create(params, optimizer))
     assert float(metrics["update/skipped"]) == 0.0 and float(state.params["w"][0]) == pytest.approx(
         0.9
     )
@@ -379,10 +398,14 @@ def test_router_z_loss_enters_the_update_with_its_coefficient(policy):
 
     _, graphdef, params = policy
     batch, _, _ = _batch(seed=6)
-    plain, metrics = get_learner(graphdef, SETTINGS, OPTIM).loss(params, batch)
-    with_z, _ = get_learner(graphdef, dataclasses.replace(SETTINGS, router_z_coef=0.5), OPTIM).loss(
-        params, batch
-    )
+    (plain, metrics), (with_z, _) = jax.jit(
+        lambda p: (
+            get_learner(graphdef, SETTINGS, OPTIM).loss(p, batch),
+            get_learner(graphdef, dataclasses.replace(SETTINGS, router_z_coef=0.5), OPTIM).loss(
+                p, batch
+            ),
+        )
+    )(params)
     assert float(metrics["moe/router_z_loss"]) > 0
     assert float(with_z) == pytest.approx(
         float(plain) + 0.5 * float(metrics["moe/router_z_loss"]), rel=1e-6
