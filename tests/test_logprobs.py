@@ -9,6 +9,9 @@ import pytest
 from policyopt.logprobs import default_chunk_size, token_log_probs
 from tests.flags import run_script
 
+# Compiled whole (one program per shape and option), not one eager operation at a time.
+_jitted = jax.jit(token_log_probs, static_argnames=("temperature", "chunk_size", "return_entropy"))
+
 
 def _naive(hidden, embedding, targets, temperature):
     logits = (
@@ -26,11 +29,11 @@ def test_hand_worked_case():
     # One token, D = 1, V = 2, logits (0, log 3): p = (1/4, 3/4).
     hidden = jnp.ones((1, 1, 1))
     embedding = jnp.array([[0.0, np.log(3.0)]])
-    log_probs, entropy = token_log_probs(hidden, embedding, jnp.array([[1]]), return_entropy=True)
+    log_probs, entropy = _jitted(hidden, embedding, jnp.array([[1]]), return_entropy=True)
     np.testing.assert_allclose(log_probs, [[np.log(0.75)]], rtol=1e-6)
     np.testing.assert_allclose(entropy, [[-(0.25 * np.log(0.25) + 0.75 * np.log(0.75))]], rtol=1e-6)
     # Temperature 2 halves the logits: p = softmax(0, log 3 / 2) = (1, sqrt 3) / (1 + sqrt 3).
-    log_probs = token_log_probs(hidden, embedding, jnp.array([[0]]), temperature=2.0)
+    log_probs = _jitted(hidden, embedding, jnp.array([[0]]), temperature=2.0)
     np.testing.assert_allclose(log_probs, [[-np.log(1 + np.sqrt(3.0))]], rtol=1e-6)
 
 
@@ -40,7 +43,7 @@ def test_matches_naive(chunk_size, temperature):
     hidden = rng.normal(size=(3, 7, 16)).astype(np.float32)
     embedding = rng.normal(size=(16, 50)).astype(np.float32)
     targets = rng.integers(0, 50, size=(3, 7)).astype(np.int32)
-    log_probs, entropy = token_log_probs(
+    log_probs, entropy = _jitted(
         jnp.asarray(hidden),
         jnp.asarray(embedding),
         jnp.asarray(targets),
@@ -72,8 +75,9 @@ def test_gradients_match_full_logits():
         ent = -jnp.sum(jnp.exp(logp) * logp, -1)
         return jnp.sum(weights * lp) + 0.1 * jnp.sum(ent)
 
-    got = jax.grad(chunked, argnums=(0, 1))(hidden, embedding)
-    want = jax.grad(full, argnums=(0, 1))(hidden, embedding)
+    # One program, not one eager op per step of each gradient.
+    grads = jax.jit(lambda f, h, w: jax.grad(f, argnums=(0, 1))(h, w), static_argnums=0)
+    got, want = grads(chunked, hidden, embedding), grads(full, hidden, embedding)
     for g, w in zip(got, want):
         assert float(jnp.abs(g).max()) > 0
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
@@ -82,7 +86,7 @@ def test_gradients_match_full_logits():
 def test_bfloat16_hidden_gives_float32():
     hidden = jnp.ones((1, 2, 4), jnp.bfloat16)
     embedding = jnp.ones((4, 6), jnp.float32)
-    log_probs = token_log_probs(hidden, embedding, jnp.zeros((1, 2), jnp.int32))
+    log_probs = _jitted(hidden, embedding, jnp.zeros((1, 2), jnp.int32))
     assert log_probs.dtype == jnp.float32
     np.testing.assert_allclose(log_probs, np.full((1, 2), -np.log(6.0)), rtol=1e-6)
 
@@ -150,7 +154,7 @@ def test_entropy_of_peaked_distributions(temperature):
     hidden[0, np.arange(tokens), peak_of] = rng.uniform(20, 45, tokens)
     hidden *= temperature  # the same logits / temperature
     targets = np.argmax(hidden[0] @ embedding, axis=-1)[None].astype(np.int32)
-    log_probs, entropy = token_log_probs(
+    log_probs, entropy = _jitted(
         jnp.asarray(hidden),
         jnp.asarray(embedding),
         jnp.asarray(targets),
@@ -189,8 +193,8 @@ def test_bfloat16_embedding_gradient_sums_in_float32():
     want = h64.T @ (np.eye(vocab)[np.asarray(targets[0])] - probs)
 
     def error(chunk_size):
-        grad = jax.grad(
-            lambda w: jnp.sum(token_log_probs(hidden, w, targets, chunk_size=chunk_size))
+        grad = jax.jit(
+            jax.grad(lambda w: jnp.sum(token_log_probs(hidden, w, targets, chunk_size=chunk_size)))
         )(embedding)
         assert grad.dtype == jnp.float32
         return np.linalg.norm(np.asarray(grad, np.float64) - want) / np.linalg.norm(want)

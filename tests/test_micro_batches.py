@@ -23,7 +23,7 @@ from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch, layout
 from policyopt.rl.critic import get_critic, init_critic_params
 from policyopt.rl.learner import LossConfig, TrainState, get_learner, rl_loss, split_params
-from policyopt.rl.trainer import minibatch_advantages
+from policyopt.rl.methods import minibatch_advantages
 from tests.flags import run_script
 from tests.settings import critic_settings, loss_settings, optim_settings
 
@@ -138,18 +138,22 @@ def test_aggregation_weights_hand_worked():
         "seq_mean_token_sum": [1 / 3, 0, 1 / 3, 1 / 3],
         "seq_mean_token_sum_norm": [1 / 12, 0, 1 / 12, 1 / 12],  # 1 / (max_len 4 * 3 rows)
     }
+    weights_of = jax.jit(  # one program per rule, not one eager op at a time
+        losses.aggregation_weights, static_argnames=("aggregation", "group_size", "max_len")
+    )
     for aggregation, weights in want.items():
-        got = losses.aggregation_weights(mask, aggregation, group_size=2, max_len=4)
+        got = weights_of(mask, aggregation=aggregation, group_size=2, max_len=4)
         np.testing.assert_allclose(np.asarray(got), weights, rtol=1e-6, err_msg=aggregation)
     assert float(losses.aggregation_weights(np.zeros((2, 3)), "token_mean").sum()) == 0.0
 
 
 def _micro_shares(fn, arrays, count):
-    """``sum_j fn(micro-batch j)`` with rows dealt out as ``micro_batches.split_rows`` does."""
+    """``sum_j fn(micro-batch j)`` with rows dealt out as ``micro_batches.split_rows`` does
+    (``fn`` mapped over the micro-batches: traced and compiled once, not ``count`` times)."""
     rows = arrays[0].shape[0]
     per = -(-rows // count)
     split = [micro_batches.split_rows(a, per, count) for a in arrays]
-    return sum(fn(*(a[j] for a in split)) for j in range(count))
+    return jnp.sum(jax.vmap(fn)(*split))
 
 
 @pytest.mark.parametrize("aggregation", losses.AGGREGATIONS)
@@ -204,32 +208,39 @@ def test_policy_loss_shares_sum_to_the_minibatch_loss(aggregation):
             count=3,
         )
 
-    both = jax.jit(
-        lambda lp: [
-            (jax.value_and_grad(one_pass)(lp, method), jax.value_and_grad(micro)(lp, method))
-            for method in methods
+    def own(log_probs):
+        """The mean of each micro-batch's own PPO loss (its own token mean)."""
+        split = [
+            micro_batches.split_rows(a, 3, 3) for a in (log_probs, old_log_probs, advantages, mask)
         ]
+        return (
+            sum(
+                losses.policy_loss(*(a[j] for a in split), method="ppo", **kwargs)[0]
+                for j in range(3)
+            )
+            / 3
+        )
+
+    # One compiled program for every method (and the own-token-mean counterexample).
+    both = jax.jit(
+        lambda lp: (
+            [
+                (jax.value_and_grad(one_pass)(lp, method), jax.value_and_grad(micro)(lp, method))
+                for method in methods
+            ],
+            own(lp) if aggregation == "token_mean" else None,
+        )
     )
-    for method, ((want_loss, want_grad), (got_loss, got_grad)) in zip(methods, both(log_probs)):
+    results, own_loss = both(log_probs)
+    for method, ((want_loss, want_grad), (got_loss, got_grad)) in zip(methods, results):
         np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6, err_msg=method)
         np.testing.assert_allclose(
             np.asarray(got_grad), np.asarray(want_grad), rtol=1e-5, atol=1e-8, err_msg=method
         )
         assert np.abs(np.asarray(want_grad)).max() > 0
     if aggregation == "token_mean":  # each micro-batch's own token mean would differ
-        own = jax.jit(
-            lambda: (
-                sum(
-                    losses.policy_loss(*(a[j] for a in split), method="ppo", **kwargs)[0]
-                    for j in range(3)
-                )
-                / 3
-            )
-        )
-        split = [
-            micro_batches.split_rows(a, 3, 3) for a in (log_probs, old_log_probs, advantages, mask)
-        ]
-        assert abs(float(own()) - float(one_pass(log_probs, "ppo"))) > 1e-4
+        ppo_loss = results[methods.index("ppo")][0][0]
+        assert abs(float(own_loss) - float(ppo_loss)) > 1e-4
 
 
 def test_value_and_nll_shares_sum_to_the_minibatch_loss():
@@ -331,9 +342,10 @@ def test_magistral_minibatch_advantages_reach_every_micro_batch(dense):
     not their own, and the update equals one pass."""
     graphdef, params = dense
     rewards = jnp.asarray([1, 0, 0.2, 0, 1, 1], jnp.float32)  # the last group is all equal
-    advantages = minibatch_advantages(rewards, GROUP)
+    advantages_of = jax.jit(minibatch_advantages, static_argnums=1)  # not op by op
+    advantages = advantages_of(rewards, GROUP)
     # Statistics over fewer rows would be different (the test can fail).
-    own = minibatch_advantages(rewards[jnp.asarray([0, 1, 4, 5])], GROUP)
+    own = advantages_of(rewards[np.array([0, 1, 4, 5])], GROUP)
     assert abs(float(own[0]) - float(advantages[0])) > 1e-3
     settings = loss_settings(
         method="ppo",
@@ -422,8 +434,13 @@ def test_moe_aux_losses_are_token_weighted_means_over_micro_batches(moe):
     assert float(metrics["moe/load_balancing_loss"]) == pytest.approx(float(lb), rel=1e-5)
     assert float(metrics["moe/router_z_loss"]) == pytest.approx(float(z), rel=1e-5)
     optimizer, _ = OPTIM.build()
-    updates, _ = optimizer.update(grads, optimizer.init(params), params)
-    _assert_same_step(state.params, jax.tree.map(lambda p, u: p + u, params, updates), params)
+
+    @jax.jit  # one program, not one eager op per Adam operation and parameter shape
+    def step(grads, params):
+        updates, _ = optimizer.update(grads, optimizer.init(params), params)
+        return jax.tree.map(lambda p, u: p + u, params, updates)
+
+    _assert_same_step(state.params, step(grads, params), params)
 
 
 # ---- The critic -------------------------------------------------------------------------
