@@ -170,9 +170,9 @@ def _finish(proc: subprocess.Popen) -> str:
 def test_rl_on_a_mesh_matches_one_device_and_compiles_once(tmp_path):
     output = _finish(_start(str(tmp_path)))
     oks = [line for line in output.splitlines() if line.startswith("ok ")]
-    assert oks == [f"ok {name}" for name in CASES] + ["ok critic async", "ok one device"], (
-        output[-3000:]
-    )
+    assert oks == [f"ok {name}" for name in CASES] + ["ok critic async", "ok one device"], output[
+        -3000:
+    ]
     want = np.load(tmp_path / "one" / "results.npz")
     got = np.load(tmp_path / "mesh" / "results.npz")
     assert sorted(got.files) == sorted(want.files)

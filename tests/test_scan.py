@@ -16,6 +16,7 @@ from policyopt.checkpoint import Checkpointer
 from policyopt.models import ModelConfig, Transformer
 from policyopt.models.transformer import stack_layers, unstack_layers
 from policyopt.sharding import param_specs
+from tests.flags import run_script
 
 P = jax.sharding.PartitionSpec
 BASE = dict(
@@ -359,8 +360,7 @@ def test_scanned_model_on_an_fsdp_expert_mesh():
     """Built under an 8-device mesh, the stacked parameters are born sharded (the layer
     axis whole, ``embed`` over fsdp, experts over expert); loss, routing and gradients
     equal one device's."""
-    from tests.test_sharding import _run_on_8_devices
-
-    proc = _run_on_8_devices(_MESH_SCRIPT)
+    # Warnings on (conftest silences XLA's logs): the partitioner's are checked below.
+    proc = run_script(_MESH_SCRIPT, 8, timeout=600, TF_CPP_MIN_LOG_LEVEL="1")
     assert proc.stdout.strip().endswith("ok"), proc.stdout
     assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-3000:]
