@@ -7,7 +7,8 @@ PIP_FLAGS := --disable-pip-version-check --no-input -q
 # Tests keep JAX on the CPU and quiet; XLA uses the cores it is given.
 TEST_ENV := JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=3
 # Test processes (pytest-xdist); each test file runs whole in one of them, so its
-# module-scoped fixtures (built and compiled models) are made once.
+# module-scoped fixtures (built and compiled models) are made once; files are handed out
+# in the order tests/conftest.py collects them (the slowest first).
 TEST_WORKERS ?= 2
 
 .PHONY: demo test lint format install install-test install-lint bench clean
@@ -36,7 +37,7 @@ demo: install
 	$(TEST_ENV) $(PY) -m experiments.demo --workdir runs/demo
 
 test: install-test
-	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # Formatting and lint rules (line length 100) from pyproject.toml: `lint` checks, `format` applies.
 lint: install-lint
