@@ -263,9 +263,10 @@ CLAIMS: dict[str, Claim] = {
                     "vc_ppo_lambda_1",
                 ),
             ),
-            budget="not run: its SFT start alone (800 steps of ~8,100 tokens) measured "
-            "5-7 s per step at load 5-10 after ~3 min of compiling the bucket shapes, "
-            "~70-90 min (the testbed's: 0.5 s per step, 7 min), over the 30-min target",
+            budget="arms not run yet: the SFT start alone (800 steps of ~8,100 tokens, once) "
+            "measured 3.8 s per step with the machine to itself and 5-15 s per step at load "
+            "4-10, after ~3 min of compiling the bucket shapes: ~50 min idle (the testbed's: "
+            "0.5 s per step, 7 min), over the 30-min target",
         ),
         Claim(
             "vapo_length_adaptive",
