@@ -250,7 +250,12 @@ def run_ablation(
                     print(f"== {ablation.name}: {arm.label}, seed {seed} -> {run_dir}", flush=True)
                 train = run_async_rl if async_enabled(config) else run_rl
                 start = time.perf_counter()
-                train(config, run_dir, quiet=quiet)
+                summary = train(config, run_dir, quiet=quiet)
+                if summary.get("interrupted"):  # checkpointed, not finished: stop the sweep
+                    raise SystemExit(
+                        f"{ablation.name}: {arm.label}, seed {seed} interrupted "
+                        f"({summary['interrupted']}); rerun to resume"
+                    )
                 done = {
                     "iterations": config.train.num_iterations,
                     "wall_s": time.perf_counter() - start,
