@@ -313,8 +313,8 @@ def testbed_setting(config, sft_checkpoint: str = "runs/testbed/sft/checkpoints"
 
 
 def testbed_long_setting(config, sft_checkpoint: str = "runs/testbed_long/sft/checkpoints"):
-    """``demo_setting`` with the length-variety task (`configs/testbed_long.py`: sums of 2
-    to 24 operands, responses of ~20 to ~300 tokens) on the testbed's MoE, and its SFT
+    """``demo_setting`` with the length-variety task (`configs/testbed_long.py`: remainders
+    by repeated subtraction, responses of ~11 to ~195 tokens) on the testbed's MoE, and its SFT
     start; the overlong ramp keeps the recipe's length (a quarter of the budget).
     Returns a new, locked config."""
     return demo_setting(config, sft_checkpoint, recipe="testbed_long", cache_len=None)

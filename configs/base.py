@@ -133,7 +133,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.max_operands = placeholder(int)
     c.task.min_digits = 3
     c.task.max_digits = 3
+    # A subset of "+-*", or "mod": remainders by repeated subtraction (`152mod9=`, one
+    # step per subtraction), whose quotient is uniform in [min_steps, max_steps].
     c.task.operators = "+"
+    c.task.min_steps = 1
+    c.task.max_steps = 16
     # Share of SFT solutions that follow the wrong procedure (forgotten carry); the RL
     # prompts and the held-out split only use the prompt and the reference answer.
     c.task.wrong_procedure_fraction = 0.0

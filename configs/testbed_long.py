@@ -1,10 +1,14 @@
 """The length-variety task of `experiments/reproduce.py` (claim 3: VC-PPO's value
 pretraining and decoupled lambda, VAPO's length-adaptive lambda), on the testbed's MoE
-(`configs/testbed.py`): sums and differences of 2 to 24 operands of 1-2 digits, worked
-left to right one binary step at a time (`12+7=19,19-40=-21,...`), so that correct
-responses range from ~20 to ~300 tokens. VAPO's lambda_policy = 1 - 1 / (alpha |y|)
-(alpha 0.05) then spans 0 (under 20 tokens) to ~0.93, and a critic's bias has long
-responses to act on.
+(`configs/testbed.py`): remainders by repeated subtraction (`152mod9=` ->
+`152-9=143,143-9=134,...,17-9=8`, answer 8), with divisors 2-99 and 1 to 16 steps, so
+that correct responses range from ~11 to ~195 tokens (median ~95). VAPO's lambda_policy
+= 1 - 1 / (alpha |y|) (alpha 0.05) then spans 0 (under 20 tokens) to ~0.9, and a
+critic's bias has long responses to act on. Each step depends only on the one before
+(unlike sums of many operands, `12+7-40+...`, whose every step must find its operand in
+the prompt: the 4-layer model's SFT start solved none of those, benchmarks/RESULTS.md
+"Seventeenth session"), so errors, not an unlearnable lookup, make long responses
+harder.
 
     python -m experiments.reproduce --claim vc_ppo --seeds 0,1,2
 
@@ -18,16 +22,16 @@ from configs import base, testbed
 def get_config(arg=None):
     c = testbed.get_config()
     c.unlock()
-    c.task.operators = "+-"
-    c.task.num_operands = 2
-    c.task.max_operands = 24
+    c.task.operators = "mod"
     c.task.min_digits = 1
     c.task.max_digits = 2
-    # "+-" has no precedence to forget: the wrong procedure would be the right one.
+    c.task.min_steps = 1
+    c.task.max_steps = 16
+    # Not the demo's wrong-carry mixture: remainders have no wrong procedure.
     c.task.wrong_procedure_fraction = 0.0
-    # Prompts: BOS + up to 24 operands of 2 digits, 23 operators and "=" (<= 72 tokens).
-    c.batch.prompt_buckets = (32, 80)
-    # Responses: the longest worked solution (24 operands) is <= ~300 tokens with EOS.
-    c.sampling.max_new_tokens = 320
-    c.batch.response_buckets = (64, 160, 320)
+    # Prompts: BOS + a dividend of <= 4 digits, "mod", a divisor of <= 2 digits, "=".
+    c.batch.prompt_buckets = (16,)
+    # Responses: 16 steps of `1682-99=1583,` are <= 195 tokens with EOS.
+    c.sampling.max_new_tokens = 208
+    c.batch.response_buckets = (64, 128, 208)
     return base.finalize(c, arg)

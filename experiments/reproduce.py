@@ -10,7 +10,7 @@ verdict per claim.
 Settings (`configs/ablations.py` SETTINGS): "testbed" (`configs/testbed.py`: the demo's
 wrong-carry addition on `moe_volatile`, 4 layers of 32 experts top-4, whose routing
 changes by >= 5% per update) and "testbed_long" (`configs/testbed_long.py`: the same MoE
-on sums of 2 to 24 operands, responses of ~10 to ~290 tokens). Each setting's SFT start
+on remainders by repeated subtraction, responses of ~11 to ~195 tokens). Each setting's SFT start
 is trained once and cached under ``--sft_root`` (``runs/<setting>/sft``, like the
 demo's ``runs/demo/sft``). A claim's runs go to ``--workdir/<claim>/<arm>/seed<N>``;
 rerunning the command resumes an interrupted sweep where it stopped (finished runs are

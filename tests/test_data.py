@@ -343,3 +343,48 @@ def test_operand_count_range_gives_varied_lengths():
     ) == generate_arithmetic(fixed, split="train", seed=1, num_examples=50)
     with pytest.raises(ValueError, match="max_operands"):
         ArithmeticConfig(num_operands=3, max_operands=2)
+
+
+def test_remainder_task_by_repeated_subtraction():
+    """operators="mod": `n mod d` worked one subtraction per step, each step restating the
+    divisor; the quotient uniform in [min_steps, max_steps], the divisor in [2, 99] for
+    1-2 digits; hand-worked cases and Python's % as the references."""
+    from policyopt.data.synthetic import remainder_steps, solve_remainder
+
+    assert remainder_steps(17, 9) == [(17, 9, 8)]
+    assert remainder_steps(8, 9) == []
+    assert remainder_steps(30, 7) == [(30, 7, 23), (23, 7, 16), (16, 7, 9), (9, 7, 2)]
+    assert solve_remainder(17, 9) == ("<think>17-9=8</think>\\boxed{8}", 8)
+    assert solve_remainder(18, 9)[0] == "<think>18-9=9,9-9=0</think>\\boxed{0}"
+    tok = CharTokenizer()
+    config = ArithmeticConfig(
+        operators="mod", min_digits=1, max_digits=2, min_steps=1, max_steps=16
+    )
+    records = generate_arithmetic(config, split="train", seed=0, num_examples=3000)
+    quotients, divisors = [], []
+    for record in records:
+        dividend, divisor = (int(x) for x in record["prompt"][:-1].split("mod"))
+        assert record["answer"] == record["wrong_answer"] == str(dividend % divisor)
+        steps = record["solution"].split("<think>")[1].split("</think>")[0].split(",")
+        assert len(steps) == dividend // divisor
+        left = dividend
+        for step in steps:  # each step: the previous difference minus the divisor
+            assert step == f"{left}-{divisor}={left - divisor}"
+            left -= divisor
+        quotients.append(dividend // divisor)
+        divisors.append(divisor)
+    assert min(quotients) == 1 and max(quotients) == 16
+    assert abs(sum(quotients) / len(quotients) - 8.5) < 0.3  # uniform on 1..16
+    assert min(divisors) == 2 and max(divisors) == 99
+    lengths = sorted(len(tok.encode_response(r["solution"])) for r in records)
+    assert lengths[0] < 20 and lengths[-1] > 180
+    test = generate_arithmetic(config, split="test", seed=0, num_examples=200)
+    assert not {r["prompt"] for r in test} & {r["prompt"] for r in records}
+    with pytest.raises(ValueError, match="min_steps"):
+        ArithmeticConfig(operators="mod", min_steps=3, max_steps=2)
+    with pytest.raises(ValueError, match="max_operands"):
+        ArithmeticConfig(operators="mod", max_operands=4)
+    with pytest.raises(ValueError, match="no wrong procedure"):
+        ArithmeticConfig(operators="mod", wrong_procedure_fraction=0.5)
+    with pytest.raises(ValueError, match='or "mod"'):
+        ArithmeticConfig(operators="+mod")

@@ -89,9 +89,10 @@ def test_every_claim_builds_its_arms_in_its_setting(name):
         assert config.model.preset == "moe_volatile" and config.init_checkpoint == "ckpt"
         assert config.train.routing_metrics
         if claim.setting == "testbed_long":
-            assert (config.task.max_operands, config.sampling.max_new_tokens) == (24, 320)
+            assert (config.task.operators, config.sampling.max_new_tokens) == ("mod", 208)
+            assert (config.task.min_steps, config.task.max_steps) == (1, 16)
         else:
-            assert (config.task.max_operands, config.sampling.max_new_tokens) == (None, 20)
+            assert (config.task.operators, config.sampling.max_new_tokens) == ("+", 20)
 
 
 def _shrink(config):

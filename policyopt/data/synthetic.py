@@ -27,6 +27,15 @@ the reasoning lists each binary step in evaluation order, `12*3=36,5+36=41,41-4=
 wrong procedure ignores precedence and evaluates strictly left to right
 (`5+12=17,17*3=51,51-4=47`), which is right whenever precedence does not matter.
 
+**Remainders** (`operators="mod"`): `152mod9=` asks for the remainder of 152 divided by
+9, worked by repeated subtraction, one binary step per subtraction, each restating the
+divisor: `152-9=143,143-9=134,...,17-9=8` and the answer `8`. Every step depends only on
+the step before it (the previous difference and the divisor), so a small model can follow
+a chain of any length; the number of steps is the quotient, drawn uniformly in
+[`min_steps`, `max_steps`], which spreads the responses' lengths (the length-variety task
+of experiments/reproduce.py, claim 3). There is no wrong procedure (`wrong_answer` is
+the answer).
+
 **Splits.** Whether a problem belongs to "train" or "test" is decided by hashing its
 prompt (independently of the seed), so the splits are disjoint for every seed and every
 number of examples; within a split problems are distinct. Generation uses Python's
@@ -59,13 +68,18 @@ class ArithmeticConfig:
       number of operands uniformly in [num_operands, max_operands], so that the worked
       solutions' lengths vary (one binary step per operator in the step traces: with
       operators "+-", 2-3 digit operands and 2 to 24 operands, responses of ~20 to ~330
-      tokens; the length-variety task of experiments/reproduce.py, claim 3).
+      tokens; each step must find its operand in the prompt, which the 4-layer testbed
+      model does not learn: the length-variety task of experiments/reproduce.py is "mod").
       min_digits / max_digits: each operand has a uniformly drawn number of digits in
         [min_digits, max_digits] and a uniform value with that many digits (leading digit
         non-zero, except for 1-digit operands which may be 0). With two 3-digit operands
         about 70% of the additions carry below the top column (1 - 0.55^2).
       operators: the operators drawn from, uniformly per position, a subset of "+-*".
         "+" alone gives the column-sum traces and the forgotten-carry wrong procedure.
+        "mod" instead: remainders by repeated subtraction (see the module docstring),
+        whose divisor is uniform in [max(2, 10^(min_digits - 1)), 10^max_digits - 1].
+      min_steps / max_steps: "mod" only: the quotient (the number of subtractions) is
+        uniform in [min_steps, max_steps], the remainder uniform below the divisor.
       wrong_procedure_fraction: share of records whose `solution` follows the wrong
         procedure (exactly floor(n * fraction) of every first n records).
       test_fraction: share of the problem space that belongs to the test split.
@@ -78,6 +92,8 @@ class ArithmeticConfig:
     operators: str = "+"
     wrong_procedure_fraction: float = 0.0
     test_fraction: float = 0.1
+    min_steps: int = 1
+    max_steps: int = 16
 
     def __post_init__(self):
         if self.num_operands < 2:
@@ -92,10 +108,26 @@ class ArithmeticConfig:
                 "ArithmeticConfig needs 1 <= min_digits <= max_digits, got "
                 f"min_digits={self.min_digits}, max_digits={self.max_digits}"
             )
-        if not self.operators or any(op not in _OPERATORS for op in self.operators):
+        if self.remainders:
+            if not 1 <= self.min_steps <= self.max_steps:
+                raise ValueError(
+                    "ArithmeticConfig needs 1 <= min_steps <= max_steps, got "
+                    f"min_steps={self.min_steps}, max_steps={self.max_steps}"
+                )
+            if self.max_operands is not None:
+                raise ValueError(
+                    'ArithmeticConfig.max_operands has no meaning with operators="mod" (its '
+                    "lengths vary through min_steps / max_steps)"
+                )
+            if self.wrong_procedure_fraction:
+                raise ValueError(
+                    'operators="mod" has no wrong procedure: ArithmeticConfig.'
+                    f"wrong_procedure_fraction must be 0, got {self.wrong_procedure_fraction}"
+                )
+        elif not self.operators or any(op not in _OPERATORS for op in self.operators):
             raise ValueError(
                 f"ArithmeticConfig.operators must be a non-empty subset of "
-                f"{_OPERATORS!r}, got {self.operators!r}"
+                f'{_OPERATORS!r} or "mod", got {self.operators!r}'
             )
         if not 0.0 <= self.wrong_procedure_fraction <= 1.0:
             raise ValueError(
@@ -106,6 +138,11 @@ class ArithmeticConfig:
             raise ValueError(
                 f"ArithmeticConfig.test_fraction must be in (0, 1), got {self.test_fraction}"
             )
+
+    @property
+    def remainders(self) -> bool:
+        """Whether the task is remainders by repeated subtraction (``operators="mod"``)."""
+        return self.operators == "mod"
 
     @property
     def column_traces(self) -> bool:
@@ -191,6 +228,28 @@ def evaluate(operands: Sequence[int], operators: Sequence[str]) -> int:
     return steps[-1][3]
 
 
+def remainder_steps(dividend: int, divisor: int) -> list[tuple[int, int, int]]:
+    """The subtractions (left, divisor, difference) that take ``dividend`` below
+    ``divisor``: ``(17, 9) -> [(17, 9, 8)]``; none when it already is."""
+    if dividend < 0 or divisor < 1:
+        raise ValueError(
+            f"remainder_steps takes dividend >= 0, divisor >= 1, got {dividend, divisor}"
+        )
+    steps = []
+    while dividend >= divisor:
+        steps.append((dividend, divisor, dividend - divisor))
+        dividend -= divisor
+    return steps
+
+
+def solve_remainder(dividend: int, divisor: int) -> tuple[str, int]:
+    """The worked response of ``dividend mod divisor`` and its answer:
+    ``(17, 9) -> ("<think>17-9=8</think>\\boxed{8}", 8)``."""
+    steps = remainder_steps(dividend, divisor)
+    reasoning = ",".join(f"{a}-{b}={c}" for a, b, c in steps)
+    return format_response(reasoning, str(dividend % divisor)), dividend % divisor
+
+
 # ---------------------------------------------------------------------------------------
 # Rendering.
 
@@ -260,6 +319,19 @@ def is_wrong_procedure(index: int, fraction: float) -> bool:
     return math.floor((index + 1) * fraction + 1e-9) > math.floor(index * fraction + 1e-9)
 
 
+def _draw_remainder_problem(rng: random.Random, config: ArithmeticConfig) -> dict:
+    divisor = rng.randint(max(2, 10 ** (config.min_digits - 1)), 10**config.max_digits - 1)
+    quotient = rng.randint(config.min_steps, config.max_steps)
+    dividend = quotient * divisor + rng.randrange(divisor)
+    solution, answer = solve_remainder(dividend, divisor)
+    return {
+        "prompt": f"{dividend}mod{divisor}=",
+        "answer": str(answer),
+        "solution": solution,
+        "wrong_answer": str(answer),
+    }
+
+
 def _draw_operand(rng: random.Random, config: ArithmeticConfig) -> int:
     digits = rng.randint(config.min_digits, config.max_digits)
     low = 0 if digits == 1 else 10 ** (digits - 1)
@@ -293,6 +365,16 @@ def iter_arithmetic(
                 f"only {len(seen)} distinct {split!r} problems found in {max_attempts} draws with "
                 f"{config}; widen the difficulty knobs (digits, operands) or ask for fewer examples"
             )
+        if config.remainders:
+            record = _draw_remainder_problem(rng, config)
+            if (
+                record["prompt"] in seen
+                or split_of(record["prompt"], config.test_fraction) != split
+            ):
+                continue
+            seen.add(record["prompt"])
+            yield record
+            continue
         count = config.num_operands
         if config.max_operands is not None and config.max_operands > count:
             # Only then: a fixed number of operands keeps the stream it always had.

@@ -81,7 +81,10 @@ def arithmetic_builder_config(
     test_size: int = 512,
 ) -> ArithmeticBuilderConfig:
     """A config named by its content (`seed0_10000x512_<hash of the knobs>`)."""
-    knobs = json.dumps(dataclasses.asdict(task), sort_keys=True).encode()
+    fields = dataclasses.asdict(task)
+    if not task.remainders:  # knobs that do not change the records keep the names of before
+        del fields["min_steps"], fields["max_steps"]
+    knobs = json.dumps(fields, sort_keys=True).encode()
     name = f"seed{seed}_{train_size}x{test_size}_{_digest(knobs)}"
     return ArithmeticBuilderConfig(
         name=name,

@@ -274,6 +274,8 @@ def task_config(config) -> ArithmeticConfig:
         max_digits=task.max_digits,
         operators=task.operators,
         wrong_procedure_fraction=task.wrong_procedure_fraction,
+        min_steps=task.min_steps,
+        max_steps=task.max_steps,
     )
 
 
