@@ -141,6 +141,9 @@ def empty_state(
         attention=engine.attention,
         shards=shards,
         shared_refs=shared,
+        # One pool per layer for an unrolled model: each layer's attention reads its own
+        # buffers (see policyopt.models.paged); a scanned model carries the stacked pools.
+        per_layer=not mc.scan_layers,
     )
     routing = None
     if mc.is_moe and engine.capture_routing:
@@ -172,11 +175,14 @@ def state_specs(s: _State, mesh) -> _State:
     rows = lambda x, axis=0: sharding.row_spec(x.shape, mesh, axis)
     specs = jax.tree.map(rows, s)
     cache = s.cache
-    pool = sharding.logical_spec(cache.k.shape, (None, None, "batch", None, None), mesh)
+    pool = sharding.logical_spec(cache.pool_shape, (None, "batch", None, None), mesh)
+    if not cache.per_layer:
+        pool = PartitionSpec(None, *pool)
+    pools = tuple(pool for _ in cache.k) if cache.per_layer else pool
     specs = specs.replace(
         cache=specs.cache.replace(
-            k=pool,
-            v=pool,
+            k=pools,
+            v=pools,
             index=PartitionSpec(),
             num_free=rows(cache.num_free) if cache.num_free.ndim else PartitionSpec(),
         )

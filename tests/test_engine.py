@@ -303,15 +303,19 @@ _SHARDED_SCRIPT = textwrap.dedent(r"""
     assert engine.stats["pages_held_at_end"] == 0 and engine.stats["waits"] > 0, engine.stats
     print("ok equal", engine.stats, flush=True)
 
-    # The decode program holds each shard's pool on its own device: no collective moves a
-    # pool ([L, Hkv, pages, ps, Dh] or a shard of it).
+    # The decode program holds each shard's pools on its own device: no collective moves a
+    # pool (a layer's [Hkv, pages, ps, Dh], the unrolled model's per-layer form, or a
+    # shard of it).
     state = engine.init_state(PROMPTS.shape[1])
-    assert state.cache.k.sharding.shard_shape(state.cache.k.shape)[2] == 12
+    assert state.cache.per_layer and len(state.cache.k) == MOE.num_layers
+    for pool in state.cache.k + state.cache.v:
+        assert pool.sharding.shard_shape(pool.shape)[1] == 12
     with jax.set_mesh(mesh):
         text = decode_steps.lower(graphdef, params, state, jax.random.key(0), config=config,
                              steps=3).compile().as_text()
+    shape = state.cache.pool_shape
     pools = {f"[{','.join(map(str, shape))}]" for shape in
-             [state.cache.k.shape, state.cache.k.shape[:2] + (12,) + state.cache.k.shape[3:]]}
+             [shape, shape[:1] + (12,) + shape[2:]]}
     ops = re.findall(r"=\s+(\S.*?)\s+(?:all-gather|all-reduce|all-to-all|collective-permute)"
                      r"(?:-start)?\(", text)
     assert ops, "the fsdp-split weights are gathered"
