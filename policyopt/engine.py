@@ -5,9 +5,10 @@ How a call runs (``Engine.generate``):
 
   1. Admission (host). A free group of G rows takes the next prompt when the pool has
      the pages of the prompt, one more per row, and a copy of a partly filled last page
-     for each other row, free. The prompt is prefilled once into the group's first row
-     (a ``[1, P]`` forward pass writing that row's pages); the other G - 1 rows share its
-     full pages and get their own copy of the partial one (``PagedKVCache.copy_rows``).
+     for each other row, free. The prompt is prefilled once into the group's first row;
+     the other G - 1 rows share its full pages and get their own copy of the partial one
+     (``PagedKVCache.copy_rows``). Up to ``admit_prompts`` prompts per shard are prefilled
+     together, one ``[S A, P]`` forward pass per admission call (``admit_rows``).
   2. Decode (one jitted ``lax.while_loop`` of at most ``steps_per_call`` steps). Each
      running row asks for the page its next token needs (``PagedKVCache.reserve``); a row
      refused waits (it samples nothing and writes nothing this step). A row that goes on
@@ -19,7 +20,8 @@ How a call runs (``Engine.generate``):
   4. No progress. If a decode call moved no row (every running row waits for a page),
      the most recently admitted group is preempted: its pages are returned and it is
      queued again at the front, to be recomputed from its prompt (the same tokens: keys
-     depend on the prompt, sample and token index only). With one group left, its last
+     depend on the prompt, sample and token index only); its shard admits no new group
+     until one of its groups is handed out. With one group left, its last
      running row is preempted the same way and recomputed alone once pages are free;
      only a single row that cannot reach its end in the whole pool raises.
 
@@ -83,12 +85,17 @@ class EngineConfig:
     attention: str = "gather"
     # Decode steps per jitted call between the host's hand-outs and admissions.
     steps_per_call: int = 16
+    # Prompts each shard prefills together in one admission call (one compiled shape,
+    # [S, A, P] with A = min(admit_prompts, rows / G); places left over are padding).
+    # Admitting one prompt per call cost ~41 ms CPU each for moe_7m (benchmarks/RESULTS.md,
+    # "Seventeenth session").
+    admit_prompts: int = 8
     # Record the experts every prompt and response token was routed to (MoE models; R3,
     # arXiv 2510.11370): [L_moe, R, P + N, k] int32 held on the device during the call.
     capture_routing: bool = True
 
     def __post_init__(self):
-        for name in ("kv_tokens", "rows", "page_size", "steps_per_call"):
+        for name in ("kv_tokens", "rows", "page_size", "steps_per_call", "admit_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.attention not in ATTENTION:
@@ -211,47 +218,76 @@ def admit_rows(
     *,
     config: SamplingConfig,
 ) -> _State:
-    """Admits up to one prompt per shard: prefills ``prompts[i]`` [P] (``lengths[i]`` real
-    tokens) into row ``row0[i]`` of shard i and copies it to rows [row0[i], row0[i] +
-    num_rows[i]) (samples first_sample[i], first_sample[i] + 1, ...); num_rows[i] = 0
-    admits nothing on shard i. All arguments after ``s`` are [S] (prompts [S, P]); rows
-    are global row indices."""
+    """Admits up to A prompts per shard in one prefill: prompts[i, a] [P] (lengths[i, a]
+    real tokens) into row row0[i, a] of shard i, copied to rows [row0[i, a], row0[i, a] +
+    num_rows[i, a]) (samples first_sample[i, a], first_sample[i, a] + 1, ...);
+    num_rows[i, a] = 0 admits nothing in that place. All arguments after ``s`` are [S, A]
+    (prompts [S, A, P]), or [S] (prompts [S, P]) for one prompt per shard; rows are global
+    row indices, and the admissions of a shard hold disjoint, empty rows.
+
+    The S x A prompts are one ``[S A, P]`` forward pass; each shard's admissions take
+    their pages in order (a prompt's own pages, then its rows' copies of the partial
+    last page, ``PagedKVCache.copy_rows``)."""
+    if prompts.ndim == 2:  # one prompt per shard
+        prompts = prompts[:, None]
+        lengths, row0, num_rows, first_sample, prompt_index = (
+            x[:, None] for x in (lengths, row0, num_rows, first_sample, prompt_index)
+        )
     model = nnx.merge(graphdef, params)
     cache = s.cache
     shards, num_total = cache.shards, cache.lengths.shape[0]
     per_shard = num_total // shards
-    prompt_len, ps, group = prompts.shape[1], cache.page_size, config.num_samples
-    pick = jnp.arange(shards)
-    local0 = row0 - pick * per_shard
+    width, prompt_len = prompts.shape[1:]
+    ps, group = cache.page_size, config.num_samples
+    flat = lambda x: x.reshape((shards * width,) + x.shape[2:])  # [S, A, ...] -> [S A, ...]
+    pick = jnp.arange(shards)[:, None]
+    used = num_rows > 0  # [S, A]
+    # Local first rows; an unused place reads nothing and writes nowhere (row R / S).
+    local0 = jnp.where(used, row0 - pick * per_shard, per_shard)
+    safe0 = jnp.minimum(local0, per_shard - 1)
     table = cache.page_table.reshape(shards, per_shard, -1)
     held = cache.lengths.reshape(shards, per_shard)
-    view = cache.replace(page_table=table[pick, local0], lengths=held[pick, local0])
-    mask = (jnp.arange(prompt_len)[None] < lengths[:, None]) & (num_rows > 0)[:, None]
+    # The admissions' first rows, shard-major: a cache of S A rows whose shard i holds
+    # rows i A .. i A + A - 1 (the forward's attention splits its rows over the shards).
+    view = cache.replace(
+        page_table=flat(jnp.where(used[..., None], table[pick, safe0], cache.num_pages)),
+        lengths=flat(jnp.where(used, held[pick, safe0], 0)),
+    )
+    mask = (jnp.arange(prompt_len) < lengths[..., None]) & (num_rows > 0)[..., None]
+    mask = flat(mask)  # [S A, P]
     view, _ = view.reserve(jnp.sum(mask, axis=1, dtype=jnp.int32), pages_for(prompt_len, ps))
     out = model(
-        prompts,
-        positions=jnp.broadcast_to(jnp.arange(prompt_len), prompts.shape),
+        flat(prompts),
+        positions=jnp.broadcast_to(jnp.arange(prompt_len), mask.shape),
         attention_mask=mask,
         cache=view,
         return_logits=False,
     )
     view = out.cache.advance(mask)
+    split = lambda x: x.reshape((shards, width) + x.shape[1:])
     cache = view.replace(
-        page_table=table.at[pick, local0].set(view.page_table).reshape(cache.page_table.shape),
-        lengths=held.at[pick, local0].set(view.lengths).reshape(-1),
+        page_table=table.at[pick, local0]
+        .set(split(view.page_table), mode="drop")
+        .reshape(cache.page_table.shape),
+        lengths=held.at[pick, local0].set(split(view.lengths), mode="drop").reshape(-1),
     )
-    sample = jnp.arange(group)[None]
+    sample = jnp.arange(group)
     dest = jnp.where(
-        (sample >= 1) & (sample < num_rows[:, None]), local0[:, None] + sample, per_shard
-    )  # [S, G]
-    if shards == 1:
-        cache, _ = cache.copy_rows(local0[0], dest[0], pages_for(prompt_len, ps))
-    else:
-        cache, _ = cache.copy_rows(local0, dest, pages_for(prompt_len, ps))
-    per_row = lambda x, axis=0: jnp.repeat(x, per_shard, axis=axis)  # [S, ...] -> [R, ...]
+        (sample >= 1) & (sample < num_rows[..., None]), safe0[..., None] + sample, per_shard
+    )  # [S, A, G]
+    for a in range(width if group > 1 else 0):  # each admission's copies in turn (unrolled)
+        if shards == 1:
+            cache, _ = cache.copy_rows(safe0[0, a], dest[0, a], pages_for(prompt_len, ps))
+        else:
+            cache, _ = cache.copy_rows(safe0[:, a], dest[:, a], pages_for(prompt_len, ps))
+    # Each row's admission (a flat index s A + a) if it is in one.
     rows = jnp.arange(num_total)
-    start = per_row(row0)
-    group_rows = (rows >= start) & (rows < start + per_row(num_rows))
+    start = jnp.repeat(row0, per_shard, axis=0)  # [R, A]
+    inside = (rows[:, None] >= start) & (rows[:, None] < start + jnp.repeat(num_rows, per_shard, 0))
+    group_rows = jnp.any(inside, axis=1)  # [R]
+    which = (rows // per_shard) * width + jnp.argmax(inside, axis=1)  # [R]
+    per_row = lambda x, axis=0: jnp.take(x, which, axis=axis)  # [S A, ...] -> [R, ...]
+    lengths, first_sample, prompt_index = map(flat, (lengths, first_sample, prompt_index))
     last = jnp.take_along_axis(out.hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
     logits = per_row(next_logits(model, last[:, 0]))  # [R, V]
     col = lambda x, axis=0: group_rows.reshape((1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1))
@@ -263,7 +299,7 @@ def admit_rows(
         source = (jnp.arange(prompt_len)[None] - (prompt_len - lengths)[:, None]) % prompt_len
         prompt_routing = jnp.take_along_axis(
             out.routing.astype(jnp.int32), source[None, :, :, None], axis=2
-        )  # [L, S, P, k]
+        )  # [L, S A, P, k]
         k = routing.shape[-1]
         filler = jnp.broadcast_to(
             jnp.arange(k, dtype=jnp.int32),
@@ -274,6 +310,7 @@ def admit_rows(
     recent = s.recent
     if recent is not None:
         recent = jnp.where(col(recent), -1, recent)
+    first_row = jnp.take_along_axis(start, jnp.argmax(inside, axis=1)[:, None], axis=1)[:, 0]
     return _pin(
         s.replace(
             cache=cache,
@@ -282,7 +319,9 @@ def admit_rows(
             count=jnp.where(group_rows, 0, s.count),
             prompt_lengths=jnp.where(group_rows, per_row(lengths), s.prompt_lengths),
             prompt_ids=jnp.where(group_rows, per_row(prompt_index), s.prompt_ids),
-            sample_ids=jnp.where(group_rows, per_row(first_sample) + rows - start, s.sample_ids),
+            sample_ids=jnp.where(
+                group_rows, per_row(first_sample) + rows - first_row, s.sample_ids
+            ),
             tokens=jnp.where(col(s.tokens), config.fill_id, s.tokens),
             log_probs=jnp.where(col(s.log_probs), 0.0, s.log_probs),
             raw_log_probs=jnp.where(col(s.raw_log_probs), 0.0, s.raw_log_probs),
@@ -503,21 +542,30 @@ class Engine:
             num_moe, _, width, k = state.routing.shape
             out["routing"] = np.zeros((num_moe, batch * group, width, k), np.int32)
         counts = np.zeros(batch * group, np.int32)
+        # Shards that preempted a group admit no new one until one of theirs is handed out:
+        # the preempted group, admitted again at once, would take the pages its elders
+        # wait for, and be preempted again (a livelock seen with 3 groups in 12 pages).
+        blocked = np.zeros(shards, bool)
         steps_run = 0
         # What the last call did: row-steps spent waiting for a page, groups and rows
-        # preempted, most pages one shard held at once during decode, pages still held at
-        # the end (0: every page came back).
-        self.stats = dict(waits=0, preempted_groups=0, preempted_rows=0, peak_pages=0)
+        # preempted, most pages one shard held at once during decode, admit_rows calls,
+        # pages still held at the end (0: every page came back).
+        self.stats = dict(
+            waits=0, preempted_groups=0, preempted_rows=0, peak_pages=0, admit_calls=0
+        )
         shard_of = lambda slot: slot // groups_per_shard
         prompt_pages = lambda b: pages_for(int(lengths[b]), ps)
 
+        width = min(engine.admit_prompts, groups_per_shard)  # A: admissions per shard a call
+
         def admit(state, admissions):
-            """One admit_rows call: ``admissions`` maps a shard to (prompt, row0, rows, sample)."""
-            args = np.zeros((6, shards), np.int32)
-            args[1] = np.arange(shards) * engine.rows  # row0: unused rows
-            for shard, (b, row0, num_rows, first_sample) in admissions.items():
-                args[:, shard] = (b, row0, num_rows, first_sample, lengths[b], b)
-            picked = prompts[args[0]]
+            """One admit_rows call: ``admissions`` maps a shard to up to A (prompt, row0,
+            rows, first sample) tuples."""
+            args = np.zeros((6, shards, width), np.int32)
+            for shard, places in admissions.items():
+                for a, (b, row0, num_rows, first_sample) in enumerate(places):
+                    args[:, shard, a] = (b, row0, num_rows, first_sample, lengths[b], b)
+            picked = prompts[args[0]]  # [S, A, P]
             return admit_rows(
                 self.graphdef,
                 params,
@@ -531,34 +579,32 @@ class Engine:
 
         while queue or admitted:
             num_free = np.asarray(state.cache.num_free).reshape(-1).copy()  # [S]
-            while True:  # up to one admission per shard a call
+            while True:  # up to A admissions per shard a call
                 admissions = {}
+                room = lambda shard: len(admissions.get(shard, ())) < width
                 for slot in admitted:  # evicted rows first
                     b, shard = slots[slot], shard_of(slot)
-                    if (
-                        waiting[slot]
-                        and shard not in admissions
-                        and num_free[shard] >= prompt_pages(b) + 1
-                    ):
+                    while waiting[slot] and room(shard) and num_free[shard] >= prompt_pages(b) + 1:
                         row = waiting[slot].pop(0)
-                        admissions[shard] = (b, row, 1, row - slot * group)
+                        admissions.setdefault(shard, []).append((b, row, 1, row - slot * group))
                         num_free[shard] -= prompt_pages(b)
                 for slot in range(len(slots)):
                     shard = shard_of(slot)
-                    if slots[slot] >= 0 or not queue or shard in admissions:
+                    if slots[slot] >= 0 or not queue or not room(shard) or blocked[shard]:
                         continue
                     b = queue[0]
                     pages = prompt_pages(b) + (group - 1) * int(lengths[b] % ps > 0)
                     if num_free[shard] < pages + group:
                         continue
                     queue.pop(0)
-                    admissions[shard] = (b, slot * group, group, 0)
+                    admissions.setdefault(shard, []).append((b, slot * group, group, 0))
                     num_free[shard] -= pages
                     slots[slot] = b
                     admitted.append(slot)
                 if not admissions:
                     break
                 state = admit(state, admissions)
+                self.stats["admit_calls"] += 1
             state, run, made, waits, peak = decode_steps(
                 self.graphdef, params, state, rng, config=config, steps=engine.steps_per_call
             )
@@ -579,6 +625,7 @@ class Engine:
                     out["routing"][:, dest] = np.asarray(state.routing[:, rows])
                 counts[dest] = np.asarray(state.count[rows])
                 slots[slot] = -1
+                blocked[shard_of(slot)] = False
                 admitted.remove(slot)
             evict = np.zeros(rows_total, bool)
             for shard in range(shards):
@@ -593,6 +640,7 @@ class Engine:
                     evict[slot * group : (slot + 1) * group] = True
                     queue.insert(0, slots[slot])
                     self.stats["preempted_groups"] += 1
+                    blocked[shard] = True
                     slots[slot], waiting[slot] = -1, []
                 else:
                     slot = mine[0]

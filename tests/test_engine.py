@@ -127,6 +127,45 @@ def test_small_budget_waits_not_truncates(model, greedy_reference, attention):
     assert stats["peak_pages"] == 10 and stats["pages_held_at_end"] == 0
 
 
+@pytest.mark.parametrize("attention", ["gather", "pool"])
+def test_batched_admissions_give_the_same_rollout(model, attention):
+    """Temperature 1, a pool small enough that rows wait and groups are preempted:
+    admitting up to 3 prompts per prefill call (padding places included) gives the tokens
+    and log-probs of admitting them one at a time, in fewer admit_rows calls. (Before a
+    shard that preempted a group stopped admitting new ones, this geometry looped for
+    ever: the preempted group, admitted again at once, was preempted again.)"""
+    config = SamplingConfig(max_new_tokens=NEW, method=Temperature(1.0), num_samples=GROUP)
+    prompts = np.concatenate([PROMPTS, PROMPTS[::-1]])  # 6 prompts, 3 groups of rows
+    lengths = np.concatenate([LENGTHS, LENGTHS[::-1]])
+    runs = {}
+    for admit in (1, 3):
+        engine = Engine(
+            model,
+            EngineConfig(
+                kv_tokens=24,
+                rows=6,
+                page_size=2,
+                steps_per_call=2,
+                attention=attention,
+                admit_prompts=admit,
+            ),
+            config,
+        )
+        runs[admit] = engine.generate(prompts, lengths, jax.random.key(5)), dict(engine.stats)
+    (one, one_stats), (batched, stats) = runs[1], runs[3]
+    assert stats["waits"] > 0 and stats["preempted_groups"] > 0, stats
+    assert stats["pages_held_at_end"] == 0, stats
+    assert stats["admit_calls"] < one_stats["admit_calls"], (stats, one_stats)
+    np.testing.assert_array_equal(batched.tokens, one.tokens)
+    np.testing.assert_array_equal(batched.mask, one.mask)
+    np.testing.assert_allclose(batched.log_probs, one.log_probs, atol=1e-5)
+    real = batched.sequences()[2] > 0
+    np.testing.assert_array_equal(batched.routing[:, real], one.routing[:, real])
+    # Different keys for the two samples of a prompt; every row ran (no truncation).
+    assert not np.array_equal(batched.tokens[0], batched.tokens[1])
+    assert batched.mask.sum() == len(prompts) * GROUP * NEW
+
+
 def test_stop_sequences_and_no_routing_capture(model, greedy_free):
     """A two-token stop sequence drawn by some rows ends them as in generate; with
     capture_routing=False the rollout holds no routing."""
@@ -290,8 +329,9 @@ _SHARDED_SCRIPT = textwrap.dedent(r"""
     graphdef, params = nnx.split(model)
     params = sharding.shard_params(params, mesh)
     config = SamplingConfig(max_new_tokens=NEW, method=Greedy(), eos_id=eos, num_samples=GROUP)
-    # Two shards of 2 rows and 12 pages of 2 slots: rows wait for pages.
-    engine = Engine(model, EngineConfig(kv_tokens=24, rows=2, page_size=2, steps_per_call=3),
+    # Two shards of 4 rows and 12 pages of 2 slots: rows wait for pages; the first
+    # admission call prefills two prompts on shard 0 and one (and a padding place) on 1.
+    engine = Engine(model, EngineConfig(kv_tokens=24, rows=4, page_size=2, steps_per_call=3),
                     config, graphdef=graphdef, mesh=mesh)
     assert engine.shards == 2
     rollout = engine.generate(PROMPTS, LENGTHS, jax.random.key(0), params=params)
