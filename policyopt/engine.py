@@ -9,12 +9,14 @@ How a call runs (``Engine.generate``):
      the other G - 1 rows share its full pages and get their own copy of the partial one
      (``PagedKVCache.copy_rows``). Up to ``admit_prompts`` prompts per shard are prefilled
      together, one ``[S A, P]`` forward pass per admission call (``admit_rows``).
-  2. Decode (one jitted ``lax.while_loop`` of at most ``steps_per_call`` steps). Each
-     running row asks for the page its next token needs (``PagedKVCache.reserve``); a row
-     refused waits (it samples nothing and writes nothing this step). A row that goes on
-     samples its token n with the key fold_in(fold_in(fold_in(rng, prompt), sample), n),
-     records it, and feeds it back at its own slot and position prompt_length + n. A row
-     that ends (end token, or N tokens) returns its pages at once.
+  2. Decode (one jitted ``lax.while_loop`` of at most ``steps_per_call`` steps, over a
+     compacted batch of the running rows when they fit a smaller bucket of rows,
+     ``decode_bucket``). Each running row asks for the page its next token needs
+     (``PagedKVCache.reserve``); a row refused waits (it samples nothing and writes
+     nothing this step). A row that goes on samples its token n with the key
+     fold_in(fold_in(fold_in(rng, prompt), sample), n), records it, and feeds it back at
+     its own slot and position prompt_length + n. A row that ends (end token, or N
+     tokens) returns its pages at once.
   3. Hand-out (host). A group whose rows have all ended is copied out, and its rows are
      free for the next prompt.
   4. No progress. If a decode call moved no row (every running row waits for a page),
@@ -90,6 +92,10 @@ class EngineConfig:
     # Admitting one prompt per call cost ~41 ms CPU each for moe_7m (benchmarks/RESULTS.md,
     # "Seventeenth session").
     admit_prompts: int = 8
+    # Decode over a compacted batch of the running rows (``decode_steps``' bucket): per
+    # shard, the smallest power of two, at least this, that holds every shard's running
+    # rows (at most log2(rows / this) + 2 compiled decode programs); 0: every row always.
+    decode_bucket: int = 8
     # Record the experts every prompt and response token was routed to (MoE models; R3,
     # arXiv 2510.11370): [L_moe, R, P + N, k] int32 held on the device during the call.
     capture_routing: bool = True
@@ -98,6 +104,8 @@ class EngineConfig:
         for name in ("kv_tokens", "rows", "page_size", "steps_per_call", "admit_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_bucket < 0:
+            raise ValueError(f"EngineConfig.decode_bucket must be >= 0, got {self.decode_bucket}")
         if self.attention not in ATTENTION:
             raise ValueError(
                 f"EngineConfig.attention must be one of {ATTENTION}, got {self.attention!r}"
@@ -337,12 +345,117 @@ def evict_rows(s: _State, rows) -> _State:
     return _pin(s.replace(cache=s.cache.release(rows), active=s.active & ~rows))
 
 
-@partial(jax.jit, static_argnums=(0,), static_argnames=("config", "steps"), donate_argnums=(2,))
-def decode_steps(graphdef, params, s: _State, rng, *, config: SamplingConfig, steps: int):
+def _row_fields(s: _State) -> dict:
+    """The per-row fields of ``s`` and their row axis (the cache's pools, free stack and
+    counts are per shard, not per row)."""
+    fields = dict(
+        page_table=(s.cache.page_table, 0),
+        lengths=(s.cache.lengths, 0),
+        **{
+            name: (getattr(s, name), 0)
+            for name in (
+                "logits",
+                "active",
+                "count",
+                "prompt_lengths",
+                "prompt_ids",
+                "sample_ids",
+                "tokens",
+                "log_probs",
+                "raw_log_probs",
+                "recent",
+            )
+        },
+        routing=(s.routing, 1),
+    )
+    return {name: field for name, field in fields.items() if field[0] is not None}
+
+
+def _with_rows(s: _State, fields: dict) -> _State:
+    cache = s.cache.replace(page_table=fields.pop("page_table"), lengths=fields.pop("lengths"))
+    return s.replace(cache=cache, **fields)
+
+
+def compact(s: _State, bucket: int) -> tuple[_State, jax.Array]:
+    """The state of ``bucket`` rows per shard: each shard's running rows first, in row
+    order, then its other rows (distinct, so ``expand`` writes each row once); the pools
+    and free stacks as they are. ``bucket`` must be at least every shard's running rows.
+    Returns (state, rows [S, bucket], local to each shard)."""
+    shards = s.cache.shards
+    per_shard = s.active.shape[0] // shards
+    idle = (~s.active).reshape(shards, per_shard).astype(jnp.int32)
+    rows = jnp.argsort(idle, axis=1, stable=True)[:, :bucket]  # [S, bucket]
+
+    def take(x, axis):
+        x = x.reshape(x.shape[:axis] + (shards, per_shard) + x.shape[axis + 1 :])
+        index = rows.reshape((1,) * axis + rows.shape + (1,) * (x.ndim - axis - 2))
+        x = jnp.take_along_axis(x, index, axis=axis + 1)
+        return x.reshape(x.shape[:axis] + (shards * bucket,) + x.shape[axis + 2 :])
+
+    fields = {name: take(x, axis) for name, (x, axis) in _row_fields(s).items()}
+    return _with_rows(s, fields), rows
+
+
+def expand(s: _State, part: _State, rows) -> _State:
+    """``s`` with the rows of ``part`` (``compact``'s, at ``rows`` [S, bucket]) written
+    back."""
+    shards, bucket = rows.shape
+    per_shard = s.active.shape[0] // shards
+    pick = jnp.arange(shards)[:, None]
+    full, compacted = _row_fields(s), _row_fields(part)
+
+    def put(name):
+        (x, axis), (y, _) = full[name], compacted[name]
+        x = jnp.moveaxis(x, axis, 0).reshape(
+            (shards, per_shard) + x.shape[:axis] + x.shape[axis + 1 :]
+        )
+        y = jnp.moveaxis(y, axis, 0).reshape(
+            (shards, bucket) + y.shape[:axis] + y.shape[axis + 1 :]
+        )
+        x = x.at[pick, rows].set(y).reshape((shards * per_shard,) + x.shape[2:])
+        return jnp.moveaxis(x, 0, axis)
+
+    fields = {name: put(name) for name in full}
+    # The pools, tables' pages and free stacks as the compacted loop left them.
+    cache = part.cache.replace(page_table=fields.pop("page_table"), lengths=fields.pop("lengths"))
+    return s.replace(cache=cache, **fields)
+
+
+@partial(
+    jax.jit,
+    static_argnums=(0,),
+    static_argnames=("config", "steps", "bucket"),
+    donate_argnums=(2,),
+)
+def decode_steps(
+    graphdef,
+    params,
+    s: _State,
+    rng,
+    *,
+    config: SamplingConfig,
+    steps: int,
+    bucket: int | None = None,
+):
     """At most ``steps`` decode steps of every running row (``sampling.decode_step``).
+
+    With ``bucket`` (< rows per shard, >= every shard's running rows): the steps run on a
+    compacted batch of ``bucket`` rows per shard (``compact``: the running rows first, in
+    row order, so pages are granted in the same order), written back after the loop
+    (``expand``): the forward's work follows the running rows, not ``rows``.
 
     Returns (state, steps run, tokens made per shard [S], row-steps spent waiting for a
     page, most pages one shard held at once)."""
+    if bucket is not None:
+        part, rows = compact(s, bucket)
+        part, *rest = _decode_loop(graphdef, params, part, rng, config, steps)
+        return (_pin(expand(s, part, rows)), *rest)
+    s, *rest = _decode_loop(graphdef, params, s, rng, config, steps)
+    return (_pin(s), *rest)
+
+
+def _decode_loop(graphdef, params, s: _State, rng, config: SamplingConfig, steps: int):
+    """``decode_steps``' loop over the rows of ``s``."""
     model = nnx.merge(graphdef, params)
     num_new = config.max_new_tokens
 
@@ -395,7 +508,7 @@ def decode_steps(graphdef, params, s: _State, rng, *, config: SamplingConfig, st
     run, made, waits, peak, s = jax.lax.while_loop(
         lambda c: (c[0] < steps) & jnp.any(c[4].active), body, (zero, made, zero, zero, s)
     )
-    return _pin(s), run, made, waits, peak
+    return s, run, made, waits, peak
 
 
 ROW_AXES = ("data", "fsdp", "expert")
@@ -605,8 +718,19 @@ class Engine:
                     break
                 state = admit(state, admissions)
                 self.stats["admit_calls"] += 1
+            bucket = None
+            if engine.decode_bucket:
+                running = int(np.asarray(state.active).reshape(shards, -1).sum(1).max())
+                bucket = max(engine.decode_bucket, 1 << max(running - 1, 0).bit_length())
+                bucket = bucket if bucket < engine.rows else None
             state, run, made, waits, peak = decode_steps(
-                self.graphdef, params, state, rng, config=config, steps=engine.steps_per_call
+                self.graphdef,
+                params,
+                state,
+                rng,
+                config=config,
+                steps=engine.steps_per_call,
+                bucket=bucket,
             )
             steps_run += int(run)
             made = np.asarray(made)

@@ -258,7 +258,14 @@ class PagedKVCache:
         )
         pool_axes = tuple(page_axis for _ in self.k) if self.per_layer else page_axis
         axes = split.replace(
-            k=pool_axes, v=pool_axes, page_table=0, lengths=0, free=0, num_free=0, refs=0, index=None
+            k=pool_axes,
+            v=pool_axes,
+            page_table=0,
+            lengths=0,
+            free=0,
+            num_free=0,
+            refs=0,
+            index=None,
         )
 
         def run(cache, *shard_args):
@@ -489,9 +496,7 @@ class PagedKVCache:
             )
             return out[:, None].astype(pool_v.dtype), cache
         if self.attention == "pool" and t == 1:
-            out = pool_attention(
-                q, pool_k, pool_v, self.page_table, ends, self.shared_refs
-            )
+            out = pool_attention(q, pool_k, pool_v, self.page_table, ends, self.shared_refs)
             return out, cache
         attend = online_attention if self.attention == "online" else gather_attention
         return attend(q, pool_k, pool_v, self.page_table, slots, ends), cache
