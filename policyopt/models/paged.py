@@ -48,11 +48,13 @@ Attention over pages (``attend``):
     uniform (64 rows of <= 160 tokens, 640 pages) gather 3.46, pool 2.17, the dense
     cache 0.62; long tail (26 of 64 rows up to 544 tokens, 1,024 pages) gather 24.7,
     online 9.1, pool 3.2, the dense cache over 544 slots 2.2. In the engine's decode
-    (``python -m benchmarks.bench_sampling --skip_main --engine_uniform --runs 2``):
-    long-tailed mix 63.0 CPU s against the gather's 66.4, but the uniform case 7.3
-    against 5.5: XLA:CPU copies each layer's slice of the pools (8 MB each at 1,024
-    pages) before the products read it, where the gather reads the pool in its fusion.
-    Not the default (benchmarks/RESULTS.md, "Fifteenth session").
+    (``python -m benchmarks.bench_sampling --skip_main --engine_uniform --runs 3
+    --long_tail_runs 3``, per-layer pools, admissions batched, compacted decodes;
+    medians of 3 alternated calls): long-tailed mix 24.6 CPU s against the gather's
+    29.5, the uniform case 3.31 s against 3.32 (a tie). With the stacked pools XLA:CPU
+    copied each layer's slice (8 MB at 1,024 pages) before the products read it, and the
+    uniform case ran 7.3 against 5.5. Not the default: it does not beat the gather in
+    the uniform case (benchmarks/RESULTS.md, "Seventeenth session").
   * ``"pallas"`` (TPUs, one-token decode only): the kernel that ships with JAX; prefill
     (T > 1) uses the gather. On a CPU it runs in Pallas' TPU interpret mode
     (``jax.experimental.pallas.tpu.force_tpu_interpret_mode``), which the tests use.
