@@ -40,6 +40,10 @@ tenth. Two ways to generate the same prompts at temperature 1:
     ``--batch`` rows refilled as rows end, all the prompts in one call, once for each
     ``--engine_attention`` (default "pool" then "gather"; the first is the headline).
 
+The timed calls of the static batch and of each engine alternate, ``--long_tail_runs``
+rounds (``--runs`` in the uniform case), so that a change in the machine's load reaches
+all of them.
+
 ``--engine_uniform`` also runs the main case's geometry through the engine (each
 ``--engine_attention``) beside ``generate_fn``; ``--skip_main`` keeps to these two cases
 (``python -m benchmarks.bench_sampling --skip_main --engine_uniform --runs 2``: ~20
@@ -56,6 +60,7 @@ import os
 import platform
 import tempfile
 import time
+from functools import partial
 
 import numpy as np
 
@@ -83,6 +88,22 @@ def _median_time(fn, runs: int) -> tuple[float, list[float], float]:
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
     return float(np.median(times)), times, float(np.median(cpu_times))
+
+
+def _alternated_times(fns: dict, runs: int) -> dict:
+    """``_median_time`` of each of ``fns`` (name -> callable), the calls alternated
+    (a, b, c, a, b, c, ...) so that a change in the machine's load reaches every one."""
+    times = {name: ([], []) for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            start, cpu_start = time.perf_counter(), time.process_time()
+            fn()
+            times[name][0].append(time.perf_counter() - start)
+            times[name][1].append(time.process_time() - cpu_start)
+    return {
+        name: (float(np.median(wall)), wall, float(np.median(cpu)))
+        for name, (wall, cpu) in times.items()
+    }
 
 
 def bench_policyopt(
@@ -205,11 +226,9 @@ def bench_long_tail(config, args):
     static_made = static(0)  # compile
     want = np.where(long_rows[:batch], long_len, short_len + 1)
     assert np.array_equal(static_made, want), "the planted lengths did not hold"
-    static_s, static_times, static_cpu = _median_time(lambda: static(1), args.long_tail_runs)
     batches = -(-count // batch)
     total_tokens = int(np.where(long_rows, long_len, short_len + 1).sum())
-    static_tps = int(static_made.sum()) / static_s
-    engines = {}
+    runners, firsts, configs, stats = {"static": lambda: static(1)}, {}, {}, {}
     for attention in args.engine_attention:
         engine_config = EngineConfig(
             kv_tokens=batch * args.long_tail_slots_per_row,
@@ -221,24 +240,34 @@ def bench_long_tail(config, args):
         engine = Engine(model, engine_config, sampling_config)
         first_start = time.perf_counter()
         rollout = engine.generate(prompts, lengths, jax.random.key(0))  # compile + first
-        engine_first = time.perf_counter() - first_start
+        firsts[attention] = time.perf_counter() - first_start
         lengths_made = np.asarray(rollout.lengths)
         assert np.array_equal(lengths_made, np.where(long_rows, long_len, short_len + 1))
-        engine_s, engine_times, engine_cpu = _median_time(
-            lambda: engine.generate(prompts, lengths, jax.random.key(1)), args.long_tail_runs
-        )
+        configs[attention], stats[attention] = engine_config, (engine, int(rollout.num_steps))
+        runners[attention] = partial(engine.generate, prompts, lengths, jax.random.key(1))
+    # The static batch and every engine alternated, --long_tail_runs rounds.
+    timed = _alternated_times(runners, args.long_tail_runs)
+    static_s, static_times, static_cpu = timed["static"]
+    static_tps = int(static_made.sum()) / static_s
+    engines = {}
+    for attention, engine_config in configs.items():
+        engine_s, engine_times, engine_cpu = timed[attention]
+        engine, steps = stats[attention]
         engines[attention] = dict(
             attention=attention,
             seconds=engine_s,
             times=engine_times,
             cpu_seconds=engine_cpu,
             tokens_per_s=total_tokens / engine_s,
-            compile_and_first_s=engine_first,
+            compile_and_first_s=firsts[attention],
             kv_tokens=engine_config.kv_tokens,
             page_size=args.page_size,
             steps_per_call=args.steps_per_call,
+            admit_prompts=engine_config.admit_prompts,
+            decode_bucket=engine_config.decode_bucket,
+            admit_calls=engine.stats["admit_calls"],
             peak_pages=engine.stats["peak_pages"],
-            steps=int(rollout.num_steps),
+            steps=steps,
             speedup=total_tokens / engine_s / static_tps,
             cpu_speedup=(total_tokens / engine_cpu) / (int(static_made.sum()) / static_cpu),
         )
@@ -319,10 +348,7 @@ def bench_engine_uniform(config, args):
         jax.block_until_ready(rollout)
 
     static()
-    seconds, times, cpu = _median_time(static, args.runs)
-    result = dict(static=dict(seconds=seconds, times=times, cpu_seconds=cpu))
-    print(f"\nUniform case, {args.batch} x ({args.prompt_len} + {args.max_new_tokens}) tokens")
-    print(f"  static generate_fn: {seconds:.2f} s ({cpu:.1f} CPU s)")
+    runners, firsts = {"static": static}, {}
     for attention in args.engine_attention:
         engine = Engine(
             model,
@@ -335,13 +361,23 @@ def bench_engine_uniform(config, args):
             ),
             sampling_config,
         )
-        call = lambda: engine.generate(prompts, lengths, jax.random.key(next(seeds)))
+        call = partial(
+            lambda engine: engine.generate(prompts, lengths, jax.random.key(next(seeds))), engine
+        )
         start = time.perf_counter()
         call()
-        first = time.perf_counter() - start
-        seconds, times, cpu = _median_time(call, args.runs)
+        firsts[attention] = time.perf_counter() - start
+        runners[attention] = call
+    # generate_fn and every engine alternated, --runs rounds.
+    timed = _alternated_times(runners, args.runs)
+    seconds, times, cpu = timed["static"]
+    result = dict(static=dict(seconds=seconds, times=times, cpu_seconds=cpu))
+    print(f"\nUniform case, {args.batch} x ({args.prompt_len} + {args.max_new_tokens}) tokens")
+    print(f"  static generate_fn: {seconds:.2f} s ({cpu:.1f} CPU s)")
+    for attention in args.engine_attention:
+        seconds, times, cpu = timed[attention]
         result[attention] = dict(
-            seconds=seconds, times=times, cpu_seconds=cpu, compile_and_first_s=first
+            seconds=seconds, times=times, cpu_seconds=cpu, compile_and_first_s=firsts[attention]
         )
         print(f"  engine, {attention:>6s}: {seconds:.2f} s ({cpu:.1f} CPU s)", flush=True)
     return result

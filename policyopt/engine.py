@@ -5,21 +5,25 @@ How a call runs (``Engine.generate``):
 
   1. Admission (host). A free group of G rows takes the next prompt when the pool has
      the pages of the prompt, one more per row, and a copy of a partly filled last page
-     for each other row, free. The prompt is prefilled once into the group's first row
-     (a ``[1, P]`` forward pass writing that row's pages); the other G - 1 rows share its
-     full pages and get their own copy of the partial one (``PagedKVCache.copy_rows``).
-  2. Decode (one jitted ``lax.while_loop`` of at most ``steps_per_call`` steps). Each
-     running row asks for the page its next token needs (``PagedKVCache.reserve``); a row
-     refused waits (it samples nothing and writes nothing this step). A row that goes on
-     samples its token n with the key fold_in(fold_in(fold_in(rng, prompt), sample), n),
-     records it, and feeds it back at its own slot and position prompt_length + n. A row
-     that ends (end token, or N tokens) returns its pages at once.
+     for each other row, free. The prompt is prefilled once into the group's first row;
+     the other G - 1 rows share its full pages and get their own copy of the partial one
+     (``PagedKVCache.copy_rows``). Up to ``admit_prompts`` prompts per shard are prefilled
+     together, one ``[S A, P]`` forward pass per admission call (``admit_rows``).
+  2. Decode (one jitted ``lax.while_loop`` of at most ``steps_per_call`` steps, over a
+     compacted batch of the running rows when they fit a smaller bucket of rows,
+     ``decode_bucket``). Each running row asks for the page its next token needs
+     (``PagedKVCache.reserve``); a row refused waits (it samples nothing and writes
+     nothing this step). A row that goes on samples its token n with the key
+     fold_in(fold_in(fold_in(rng, prompt), sample), n), records it, and feeds it back at
+     its own slot and position prompt_length + n. A row that ends (end token, or N
+     tokens) returns its pages at once.
   3. Hand-out (host). A group whose rows have all ended is copied out, and its rows are
      free for the next prompt.
   4. No progress. If a decode call moved no row (every running row waits for a page),
      the most recently admitted group is preempted: its pages are returned and it is
      queued again at the front, to be recomputed from its prompt (the same tokens: keys
-     depend on the prompt, sample and token index only). With one group left, its last
+     depend on the prompt, sample and token index only); its shard admits no new group
+     until one of its groups is handed out. With one group left, its last
      running row is preempted the same way and recomputed alone once pages are free;
      only a single row that cannot reach its end in the whole pool raises.
 
@@ -83,14 +87,25 @@ class EngineConfig:
     attention: str = "gather"
     # Decode steps per jitted call between the host's hand-outs and admissions.
     steps_per_call: int = 16
+    # Prompts each shard prefills together in one admission call (one compiled shape,
+    # [S, A, P] with A = min(admit_prompts, rows / G); places left over are padding).
+    # Admitting one prompt per call cost ~41 ms CPU each for moe_7m (benchmarks/RESULTS.md,
+    # "Seventeenth session").
+    admit_prompts: int = 8
+    # Decode over a compacted batch of the running rows (``decode_steps``' bucket): per
+    # shard, the smallest power of two, at least this, that holds every shard's running
+    # rows (at most log2(rows / this) + 2 compiled decode programs); 0: every row always.
+    decode_bucket: int = 8
     # Record the experts every prompt and response token was routed to (MoE models; R3,
     # arXiv 2510.11370): [L_moe, R, P + N, k] int32 held on the device during the call.
     capture_routing: bool = True
 
     def __post_init__(self):
-        for name in ("kv_tokens", "rows", "page_size", "steps_per_call"):
+        for name in ("kv_tokens", "rows", "page_size", "steps_per_call", "admit_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_bucket < 0:
+            raise ValueError(f"EngineConfig.decode_bucket must be >= 0, got {self.decode_bucket}")
         if self.attention not in ATTENTION:
             raise ValueError(
                 f"EngineConfig.attention must be one of {ATTENTION}, got {self.attention!r}"
@@ -141,6 +156,9 @@ def empty_state(
         attention=engine.attention,
         shards=shards,
         shared_refs=shared,
+        # One pool per layer for an unrolled model: each layer's attention reads its own
+        # buffers (see policyopt.models.paged); a scanned model carries the stacked pools.
+        per_layer=not mc.scan_layers,
     )
     routing = None
     if mc.is_moe and engine.capture_routing:
@@ -172,11 +190,14 @@ def state_specs(s: _State, mesh) -> _State:
     rows = lambda x, axis=0: sharding.row_spec(x.shape, mesh, axis)
     specs = jax.tree.map(rows, s)
     cache = s.cache
-    pool = sharding.logical_spec(cache.k.shape, (None, None, "batch", None, None), mesh)
+    pool = sharding.logical_spec(cache.pool_shape, (None, "batch", None, None), mesh)
+    if not cache.per_layer:
+        pool = PartitionSpec(None, *pool)
+    pools = tuple(pool for _ in cache.k) if cache.per_layer else pool
     specs = specs.replace(
         cache=specs.cache.replace(
-            k=pool,
-            v=pool,
+            k=pools,
+            v=pools,
             index=PartitionSpec(),
             num_free=rows(cache.num_free) if cache.num_free.ndim else PartitionSpec(),
         )
@@ -205,47 +226,76 @@ def admit_rows(
     *,
     config: SamplingConfig,
 ) -> _State:
-    """Admits up to one prompt per shard: prefills ``prompts[i]`` [P] (``lengths[i]`` real
-    tokens) into row ``row0[i]`` of shard i and copies it to rows [row0[i], row0[i] +
-    num_rows[i]) (samples first_sample[i], first_sample[i] + 1, ...); num_rows[i] = 0
-    admits nothing on shard i. All arguments after ``s`` are [S] (prompts [S, P]); rows
-    are global row indices."""
+    """Admits up to A prompts per shard in one prefill: prompts[i, a] [P] (lengths[i, a]
+    real tokens) into row row0[i, a] of shard i, copied to rows [row0[i, a], row0[i, a] +
+    num_rows[i, a]) (samples first_sample[i, a], first_sample[i, a] + 1, ...);
+    num_rows[i, a] = 0 admits nothing in that place. All arguments after ``s`` are [S, A]
+    (prompts [S, A, P]), or [S] (prompts [S, P]) for one prompt per shard; rows are global
+    row indices, and the admissions of a shard hold disjoint, empty rows.
+
+    The S x A prompts are one ``[S A, P]`` forward pass; each shard's admissions take
+    their pages in order (a prompt's own pages, then its rows' copies of the partial
+    last page, ``PagedKVCache.copy_rows``)."""
+    if prompts.ndim == 2:  # one prompt per shard
+        prompts = prompts[:, None]
+        lengths, row0, num_rows, first_sample, prompt_index = (
+            x[:, None] for x in (lengths, row0, num_rows, first_sample, prompt_index)
+        )
     model = nnx.merge(graphdef, params)
     cache = s.cache
     shards, num_total = cache.shards, cache.lengths.shape[0]
     per_shard = num_total // shards
-    prompt_len, ps, group = prompts.shape[1], cache.page_size, config.num_samples
-    pick = jnp.arange(shards)
-    local0 = row0 - pick * per_shard
+    width, prompt_len = prompts.shape[1:]
+    ps, group = cache.page_size, config.num_samples
+    flat = lambda x: x.reshape((shards * width,) + x.shape[2:])  # [S, A, ...] -> [S A, ...]
+    pick = jnp.arange(shards)[:, None]
+    used = num_rows > 0  # [S, A]
+    # Local first rows; an unused place reads nothing and writes nowhere (row R / S).
+    local0 = jnp.where(used, row0 - pick * per_shard, per_shard)
+    safe0 = jnp.minimum(local0, per_shard - 1)
     table = cache.page_table.reshape(shards, per_shard, -1)
     held = cache.lengths.reshape(shards, per_shard)
-    view = cache.replace(page_table=table[pick, local0], lengths=held[pick, local0])
-    mask = (jnp.arange(prompt_len)[None] < lengths[:, None]) & (num_rows > 0)[:, None]
+    # The admissions' first rows, shard-major: a cache of S A rows whose shard i holds
+    # rows i A .. i A + A - 1 (the forward's attention splits its rows over the shards).
+    view = cache.replace(
+        page_table=flat(jnp.where(used[..., None], table[pick, safe0], cache.num_pages)),
+        lengths=flat(jnp.where(used, held[pick, safe0], 0)),
+    )
+    mask = (jnp.arange(prompt_len) < lengths[..., None]) & (num_rows > 0)[..., None]
+    mask = flat(mask)  # [S A, P]
     view, _ = view.reserve(jnp.sum(mask, axis=1, dtype=jnp.int32), pages_for(prompt_len, ps))
     out = model(
-        prompts,
-        positions=jnp.broadcast_to(jnp.arange(prompt_len), prompts.shape),
+        flat(prompts),
+        positions=jnp.broadcast_to(jnp.arange(prompt_len), mask.shape),
         attention_mask=mask,
         cache=view,
         return_logits=False,
     )
     view = out.cache.advance(mask)
+    split = lambda x: x.reshape((shards, width) + x.shape[1:])
     cache = view.replace(
-        page_table=table.at[pick, local0].set(view.page_table).reshape(cache.page_table.shape),
-        lengths=held.at[pick, local0].set(view.lengths).reshape(-1),
+        page_table=table.at[pick, local0]
+        .set(split(view.page_table), mode="drop")
+        .reshape(cache.page_table.shape),
+        lengths=held.at[pick, local0].set(split(view.lengths), mode="drop").reshape(-1),
     )
-    sample = jnp.arange(group)[None]
+    sample = jnp.arange(group)
     dest = jnp.where(
-        (sample >= 1) & (sample < num_rows[:, None]), local0[:, None] + sample, per_shard
-    )  # [S, G]
-    if shards == 1:
-        cache, _ = cache.copy_rows(local0[0], dest[0], pages_for(prompt_len, ps))
-    else:
-        cache, _ = cache.copy_rows(local0, dest, pages_for(prompt_len, ps))
-    per_row = lambda x, axis=0: jnp.repeat(x, per_shard, axis=axis)  # [S, ...] -> [R, ...]
+        (sample >= 1) & (sample < num_rows[..., None]), safe0[..., None] + sample, per_shard
+    )  # [S, A, G]
+    for a in range(width if group > 1 else 0):  # each admission's copies in turn (unrolled)
+        if shards == 1:
+            cache, _ = cache.copy_rows(safe0[0, a], dest[0, a], pages_for(prompt_len, ps))
+        else:
+            cache, _ = cache.copy_rows(safe0[:, a], dest[:, a], pages_for(prompt_len, ps))
+    # Each row's admission (a flat index s A + a) if it is in one.
     rows = jnp.arange(num_total)
-    start = per_row(row0)
-    group_rows = (rows >= start) & (rows < start + per_row(num_rows))
+    start = jnp.repeat(row0, per_shard, axis=0)  # [R, A]
+    inside = (rows[:, None] >= start) & (rows[:, None] < start + jnp.repeat(num_rows, per_shard, 0))
+    group_rows = jnp.any(inside, axis=1)  # [R]
+    which = (rows // per_shard) * width + jnp.argmax(inside, axis=1)  # [R]
+    per_row = lambda x, axis=0: jnp.take(x, which, axis=axis)  # [S A, ...] -> [R, ...]
+    lengths, first_sample, prompt_index = map(flat, (lengths, first_sample, prompt_index))
     last = jnp.take_along_axis(out.hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
     logits = per_row(next_logits(model, last[:, 0]))  # [R, V]
     col = lambda x, axis=0: group_rows.reshape((1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1))
@@ -257,7 +307,7 @@ def admit_rows(
         source = (jnp.arange(prompt_len)[None] - (prompt_len - lengths)[:, None]) % prompt_len
         prompt_routing = jnp.take_along_axis(
             out.routing.astype(jnp.int32), source[None, :, :, None], axis=2
-        )  # [L, S, P, k]
+        )  # [L, S A, P, k]
         k = routing.shape[-1]
         filler = jnp.broadcast_to(
             jnp.arange(k, dtype=jnp.int32),
@@ -268,6 +318,7 @@ def admit_rows(
     recent = s.recent
     if recent is not None:
         recent = jnp.where(col(recent), -1, recent)
+    first_row = jnp.take_along_axis(start, jnp.argmax(inside, axis=1)[:, None], axis=1)[:, 0]
     return _pin(
         s.replace(
             cache=cache,
@@ -276,7 +327,9 @@ def admit_rows(
             count=jnp.where(group_rows, 0, s.count),
             prompt_lengths=jnp.where(group_rows, per_row(lengths), s.prompt_lengths),
             prompt_ids=jnp.where(group_rows, per_row(prompt_index), s.prompt_ids),
-            sample_ids=jnp.where(group_rows, per_row(first_sample) + rows - start, s.sample_ids),
+            sample_ids=jnp.where(
+                group_rows, per_row(first_sample) + rows - first_row, s.sample_ids
+            ),
             tokens=jnp.where(col(s.tokens), config.fill_id, s.tokens),
             log_probs=jnp.where(col(s.log_probs), 0.0, s.log_probs),
             raw_log_probs=jnp.where(col(s.raw_log_probs), 0.0, s.raw_log_probs),
@@ -292,12 +345,117 @@ def evict_rows(s: _State, rows) -> _State:
     return _pin(s.replace(cache=s.cache.release(rows), active=s.active & ~rows))
 
 
-@partial(jax.jit, static_argnums=(0,), static_argnames=("config", "steps"), donate_argnums=(2,))
-def decode_steps(graphdef, params, s: _State, rng, *, config: SamplingConfig, steps: int):
+def _row_fields(s: _State) -> dict:
+    """The per-row fields of ``s`` and their row axis (the cache's pools, free stack and
+    counts are per shard, not per row)."""
+    fields = dict(
+        page_table=(s.cache.page_table, 0),
+        lengths=(s.cache.lengths, 0),
+        **{
+            name: (getattr(s, name), 0)
+            for name in (
+                "logits",
+                "active",
+                "count",
+                "prompt_lengths",
+                "prompt_ids",
+                "sample_ids",
+                "tokens",
+                "log_probs",
+                "raw_log_probs",
+                "recent",
+            )
+        },
+        routing=(s.routing, 1),
+    )
+    return {name: field for name, field in fields.items() if field[0] is not None}
+
+
+def _with_rows(s: _State, fields: dict) -> _State:
+    cache = s.cache.replace(page_table=fields.pop("page_table"), lengths=fields.pop("lengths"))
+    return s.replace(cache=cache, **fields)
+
+
+def compact(s: _State, bucket: int) -> tuple[_State, jax.Array]:
+    """The state of ``bucket`` rows per shard: each shard's running rows first, in row
+    order, then its other rows (distinct, so ``expand`` writes each row once); the pools
+    and free stacks as they are. ``bucket`` must be at least every shard's running rows.
+    Returns (state, rows [S, bucket], local to each shard)."""
+    shards = s.cache.shards
+    per_shard = s.active.shape[0] // shards
+    idle = (~s.active).reshape(shards, per_shard).astype(jnp.int32)
+    rows = jnp.argsort(idle, axis=1, stable=True)[:, :bucket]  # [S, bucket]
+
+    def take(x, axis):
+        x = x.reshape(x.shape[:axis] + (shards, per_shard) + x.shape[axis + 1 :])
+        index = rows.reshape((1,) * axis + rows.shape + (1,) * (x.ndim - axis - 2))
+        x = jnp.take_along_axis(x, index, axis=axis + 1)
+        return x.reshape(x.shape[:axis] + (shards * bucket,) + x.shape[axis + 2 :])
+
+    fields = {name: take(x, axis) for name, (x, axis) in _row_fields(s).items()}
+    return _with_rows(s, fields), rows
+
+
+def expand(s: _State, part: _State, rows) -> _State:
+    """``s`` with the rows of ``part`` (``compact``'s, at ``rows`` [S, bucket]) written
+    back."""
+    shards, bucket = rows.shape
+    per_shard = s.active.shape[0] // shards
+    pick = jnp.arange(shards)[:, None]
+    full, compacted = _row_fields(s), _row_fields(part)
+
+    def put(name):
+        (x, axis), (y, _) = full[name], compacted[name]
+        x = jnp.moveaxis(x, axis, 0).reshape(
+            (shards, per_shard) + x.shape[:axis] + x.shape[axis + 1 :]
+        )
+        y = jnp.moveaxis(y, axis, 0).reshape(
+            (shards, bucket) + y.shape[:axis] + y.shape[axis + 1 :]
+        )
+        x = x.at[pick, rows].set(y).reshape((shards * per_shard,) + x.shape[2:])
+        return jnp.moveaxis(x, 0, axis)
+
+    fields = {name: put(name) for name in full}
+    # The pools, tables' pages and free stacks as the compacted loop left them.
+    cache = part.cache.replace(page_table=fields.pop("page_table"), lengths=fields.pop("lengths"))
+    return s.replace(cache=cache, **fields)
+
+
+@partial(
+    jax.jit,
+    static_argnums=(0,),
+    static_argnames=("config", "steps", "bucket"),
+    donate_argnums=(2,),
+)
+def decode_steps(
+    graphdef,
+    params,
+    s: _State,
+    rng,
+    *,
+    config: SamplingConfig,
+    steps: int,
+    bucket: int | None = None,
+):
     """At most ``steps`` decode steps of every running row (``sampling.decode_step``).
+
+    With ``bucket`` (< rows per shard, >= every shard's running rows): the steps run on a
+    compacted batch of ``bucket`` rows per shard (``compact``: the running rows first, in
+    row order, so pages are granted in the same order), written back after the loop
+    (``expand``): the forward's work follows the running rows, not ``rows``.
 
     Returns (state, steps run, tokens made per shard [S], row-steps spent waiting for a
     page, most pages one shard held at once)."""
+    if bucket is not None:
+        part, rows = compact(s, bucket)
+        part, *rest = _decode_loop(graphdef, params, part, rng, config, steps)
+        return (_pin(expand(s, part, rows)), *rest)
+    s, *rest = _decode_loop(graphdef, params, s, rng, config, steps)
+    return (_pin(s), *rest)
+
+
+def _decode_loop(graphdef, params, s: _State, rng, config: SamplingConfig, steps: int):
+    """``decode_steps``' loop over the rows of ``s``."""
     model = nnx.merge(graphdef, params)
     num_new = config.max_new_tokens
 
@@ -350,7 +508,7 @@ def decode_steps(graphdef, params, s: _State, rng, *, config: SamplingConfig, st
     run, made, waits, peak, s = jax.lax.while_loop(
         lambda c: (c[0] < steps) & jnp.any(c[4].active), body, (zero, made, zero, zero, s)
     )
-    return _pin(s), run, made, waits, peak
+    return s, run, made, waits, peak
 
 
 ROW_AXES = ("data", "fsdp", "expert")
@@ -497,21 +655,30 @@ class Engine:
             num_moe, _, width, k = state.routing.shape
             out["routing"] = np.zeros((num_moe, batch * group, width, k), np.int32)
         counts = np.zeros(batch * group, np.int32)
+        # Shards that preempted a group admit no new one until one of theirs is handed out:
+        # the preempted group, admitted again at once, would take the pages its elders
+        # wait for, and be preempted again (a livelock seen with 3 groups in 12 pages).
+        blocked = np.zeros(shards, bool)
         steps_run = 0
         # What the last call did: row-steps spent waiting for a page, groups and rows
-        # preempted, most pages one shard held at once during decode, pages still held at
-        # the end (0: every page came back).
-        self.stats = dict(waits=0, preempted_groups=0, preempted_rows=0, peak_pages=0)
+        # preempted, most pages one shard held at once during decode, admit_rows calls,
+        # pages still held at the end (0: every page came back).
+        self.stats = dict(
+            waits=0, preempted_groups=0, preempted_rows=0, peak_pages=0, admit_calls=0
+        )
         shard_of = lambda slot: slot // groups_per_shard
         prompt_pages = lambda b: pages_for(int(lengths[b]), ps)
 
+        width = min(engine.admit_prompts, groups_per_shard)  # A: admissions per shard a call
+
         def admit(state, admissions):
-            """One admit_rows call: ``admissions`` maps a shard to (prompt, row0, rows, sample)."""
-            args = np.zeros((6, shards), np.int32)
-            args[1] = np.arange(shards) * engine.rows  # row0: unused rows
-            for shard, (b, row0, num_rows, first_sample) in admissions.items():
-                args[:, shard] = (b, row0, num_rows, first_sample, lengths[b], b)
-            picked = prompts[args[0]]
+            """One admit_rows call: ``admissions`` maps a shard to up to A (prompt, row0,
+            rows, first sample) tuples."""
+            args = np.zeros((6, shards, width), np.int32)
+            for shard, places in admissions.items():
+                for a, (b, row0, num_rows, first_sample) in enumerate(places):
+                    args[:, shard, a] = (b, row0, num_rows, first_sample, lengths[b], b)
+            picked = prompts[args[0]]  # [S, A, P]
             return admit_rows(
                 self.graphdef,
                 params,
@@ -525,36 +692,45 @@ class Engine:
 
         while queue or admitted:
             num_free = np.asarray(state.cache.num_free).reshape(-1).copy()  # [S]
-            while True:  # up to one admission per shard a call
+            while True:  # up to A admissions per shard a call
                 admissions = {}
+                room = lambda shard: len(admissions.get(shard, ())) < width
                 for slot in admitted:  # evicted rows first
                     b, shard = slots[slot], shard_of(slot)
-                    if (
-                        waiting[slot]
-                        and shard not in admissions
-                        and num_free[shard] >= prompt_pages(b) + 1
-                    ):
+                    while waiting[slot] and room(shard) and num_free[shard] >= prompt_pages(b) + 1:
                         row = waiting[slot].pop(0)
-                        admissions[shard] = (b, row, 1, row - slot * group)
+                        admissions.setdefault(shard, []).append((b, row, 1, row - slot * group))
                         num_free[shard] -= prompt_pages(b)
                 for slot in range(len(slots)):
                     shard = shard_of(slot)
-                    if slots[slot] >= 0 or not queue or shard in admissions:
+                    if slots[slot] >= 0 or not queue or not room(shard) or blocked[shard]:
                         continue
                     b = queue[0]
                     pages = prompt_pages(b) + (group - 1) * int(lengths[b] % ps > 0)
                     if num_free[shard] < pages + group:
                         continue
                     queue.pop(0)
-                    admissions[shard] = (b, slot * group, group, 0)
+                    admissions.setdefault(shard, []).append((b, slot * group, group, 0))
                     num_free[shard] -= pages
                     slots[slot] = b
                     admitted.append(slot)
                 if not admissions:
                     break
                 state = admit(state, admissions)
+                self.stats["admit_calls"] += 1
+            bucket = None
+            if engine.decode_bucket:
+                running = int(np.asarray(state.active).reshape(shards, -1).sum(1).max())
+                bucket = max(engine.decode_bucket, 1 << max(running - 1, 0).bit_length())
+                bucket = bucket if bucket < engine.rows else None
             state, run, made, waits, peak = decode_steps(
-                self.graphdef, params, state, rng, config=config, steps=engine.steps_per_call
+                self.graphdef,
+                params,
+                state,
+                rng,
+                config=config,
+                steps=engine.steps_per_call,
+                bucket=bucket,
             )
             steps_run += int(run)
             made = np.asarray(made)
@@ -573,6 +749,7 @@ class Engine:
                     out["routing"][:, dest] = np.asarray(state.routing[:, rows])
                 counts[dest] = np.asarray(state.count[rows])
                 slots[slot] = -1
+                blocked[shard_of(slot)] = False
                 admitted.remove(slot)
             evict = np.zeros(rows_total, bool)
             for shard in range(shards):
@@ -587,6 +764,7 @@ class Engine:
                     evict[slot * group : (slot + 1) * group] = True
                     queue.insert(0, slots[slot])
                     self.stats["preempted_groups"] += 1
+                    blocked[shard] = True
                     slots[slot], waiting[slot] = -1, []
                 else:
                     slot = mine[0]

@@ -230,8 +230,8 @@ _MESH_SCRIPT = textwrap.dedent(r"""
     # Two shards (two groups and a pool of one group's pages each, on its own device).
     slots = EngineSlots(graphdef, config, placed, kv_tokens=ONE_GROUP, page_size=PAGE, mesh=mesh)
     assert slots.shards == 2
-    assert slots.state.cache.k.sharding.shard_shape(slots.state.cache.k.shape)[2] == (
-        ONE_GROUP // PAGE)
+    pool = slots.state.cache.k[0]  # layer 0's pool [Hkv, pages, ps, Dh] (per-layer form)
+    assert pool.sharding.shard_shape(pool.shape)[1] == ONE_GROUP // PAGE
     done = run_slots(slots, prompts, lambda segment: (placed, 0))
     assert sorted(done) == list(range(len(prompts)))
     for index, completion in done.items():

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from policyopt import sampling
-from policyopt.engine import Engine, EngineConfig
+from policyopt.engine import Engine, EngineConfig, compact, empty_state, expand
 from policyopt.models import ModelConfig, Transformer
 from policyopt.sampling import Greedy, SamplingConfig, Temperature
 from tests.flags import run_script
@@ -105,7 +105,14 @@ def test_greedy_equals_generate(model, greedy_reference, attention):
     handed out. ("pool": the second row of a group shares its prompt's full page.)"""
     eos, reference = greedy_reference
     rollout, stats = _engine_rollout(
-        model, eos, kv_tokens=256, rows=4, page_size=4, steps_per_call=4, attention=attention
+        model,
+        eos,
+        kv_tokens=256,
+        rows=4,
+        page_size=4,
+        steps_per_call=4,
+        attention=attention,
+        decode_bucket=1,  # compacted decodes as rows end (buckets of 2 and 1 rows)
     )
     _check_equal(rollout, reference)
     assert stats["waits"] == stats["preempted_groups"] == stats["preempted_rows"] == 0
@@ -125,6 +132,73 @@ def test_small_budget_waits_not_truncates(model, greedy_reference, attention):
     assert stats["waits"] > 0
     assert stats["preempted_groups"] + stats["preempted_rows"] > 0
     assert stats["peak_pages"] == 10 and stats["pages_held_at_end"] == 0
+
+
+@pytest.mark.parametrize("attention", ["gather", "pool"])
+def test_batched_admissions_give_the_same_rollout(model, attention):
+    """Temperature 1, a pool small enough that rows wait and groups are preempted:
+    admitting up to 3 prompts per prefill call (padding places included) and decoding
+    compacted batches of the running rows (buckets of 1, 2, 4 rows) gives the tokens and
+    log-probs of admitting them one at a time and decoding every row, in fewer
+    admit_rows calls. (Before a
+    shard that preempted a group stopped admitting new ones, this geometry looped for
+    ever: the preempted group, admitted again at once, was preempted again.)"""
+    config = SamplingConfig(max_new_tokens=NEW, method=Temperature(1.0), num_samples=GROUP)
+    prompts = np.concatenate([PROMPTS, PROMPTS[::-1]])  # 6 prompts, 3 groups of rows
+    lengths = np.concatenate([LENGTHS, LENGTHS[::-1]])
+    runs = {}
+    for admit, bucket in ((1, 0), (3, 1)):
+        engine = Engine(
+            model,
+            EngineConfig(
+                kv_tokens=24,
+                rows=6,
+                page_size=2,
+                steps_per_call=2,
+                attention=attention,
+                admit_prompts=admit,
+                decode_bucket=bucket,
+            ),
+            config,
+        )
+        runs[admit] = engine.generate(prompts, lengths, jax.random.key(5)), dict(engine.stats)
+    (one, one_stats), (batched, stats) = runs[1], runs[3]
+    assert stats["waits"] > 0 and stats["preempted_groups"] > 0, stats
+    assert stats["pages_held_at_end"] == 0, stats
+    assert stats["admit_calls"] < one_stats["admit_calls"], (stats, one_stats)
+    np.testing.assert_array_equal(batched.tokens, one.tokens)
+    np.testing.assert_array_equal(batched.mask, one.mask)
+    np.testing.assert_allclose(batched.log_probs, one.log_probs, atol=1e-5)
+    real = batched.sequences()[2] > 0
+    np.testing.assert_array_equal(batched.routing[:, real], one.routing[:, real])
+    # Different keys for the two samples of a prompt; every row ran (no truncation).
+    assert not np.array_equal(batched.tokens[0], batched.tokens[1])
+    assert batched.mask.sum() == len(prompts) * GROUP * NEW
+
+
+def test_compact_and_expand_hand_worked():
+    """Two shards of 4 rows: each shard's running rows first, in order, then its others;
+    written back, a compacted row lands where it came from and the rest stay."""
+    config = SamplingConfig(max_new_tokens=3, method=Greedy(), num_samples=1)
+    s = empty_state(MOE, EngineConfig(kv_tokens=16, rows=4, page_size=2), config, 4, shards=2)
+    s = s.replace(
+        active=jnp.array([False, True, False, True, True, False, False, False]),
+        count=jnp.arange(8, dtype=jnp.int32),
+        tokens=jnp.arange(24, dtype=jnp.int32).reshape(8, 3),
+        routing=jnp.arange(s.routing.size, dtype=jnp.int32).reshape(s.routing.shape),
+    )
+    part, rows = compact(s, 2)
+    np.testing.assert_array_equal(rows, [[1, 3], [0, 1]])
+    np.testing.assert_array_equal(part.count, [1, 3, 4, 5])
+    np.testing.assert_array_equal(part.active, [True, True, True, False])
+    np.testing.assert_array_equal(part.tokens, np.asarray(s.tokens)[[1, 3, 4, 5]])
+    np.testing.assert_array_equal(part.routing, np.asarray(s.routing)[:, [1, 3, 4, 5]])
+    assert part.cache.page_table.shape == (4, s.cache.max_pages)
+    back = expand(s, part.replace(count=part.count + 100, routing=-part.routing), rows)
+    np.testing.assert_array_equal(back.count, [0, 101, 2, 103, 104, 105, 6, 7])
+    routing, expected = np.asarray(back.routing), np.asarray(s.routing).copy()
+    expected[:, [1, 3, 4, 5]] *= -1
+    np.testing.assert_array_equal(routing, expected)
 
 
 def test_stop_sequences_and_no_routing_capture(model, greedy_free):
@@ -290,8 +364,11 @@ _SHARDED_SCRIPT = textwrap.dedent(r"""
     graphdef, params = nnx.split(model)
     params = sharding.shard_params(params, mesh)
     config = SamplingConfig(max_new_tokens=NEW, method=Greedy(), eos_id=eos, num_samples=GROUP)
-    # Two shards of 2 rows and 12 pages of 2 slots: rows wait for pages.
-    engine = Engine(model, EngineConfig(kv_tokens=24, rows=2, page_size=2, steps_per_call=3),
+    # Two shards of 4 rows and 12 pages of 2 slots: rows wait for pages; the first
+    # admission call prefills two prompts on shard 0 and one (and a padding place) on 1.
+    # Decodes compacted to the running rows once they fit 2 or 1 rows per shard.
+    engine = Engine(model, EngineConfig(kv_tokens=24, rows=4, page_size=2, steps_per_call=3,
+                                        decode_bucket=1),
                     config, graphdef=graphdef, mesh=mesh)
     assert engine.shards == 2
     rollout = engine.generate(PROMPTS, LENGTHS, jax.random.key(0), params=params)
@@ -303,15 +380,19 @@ _SHARDED_SCRIPT = textwrap.dedent(r"""
     assert engine.stats["pages_held_at_end"] == 0 and engine.stats["waits"] > 0, engine.stats
     print("ok equal", engine.stats, flush=True)
 
-    # The decode program holds each shard's pool on its own device: no collective moves a
-    # pool ([L, Hkv, pages, ps, Dh] or a shard of it).
+    # The decode program holds each shard's pools on its own device: no collective moves a
+    # pool (a layer's [Hkv, pages, ps, Dh], the unrolled model's per-layer form, or a
+    # shard of it).
     state = engine.init_state(PROMPTS.shape[1])
-    assert state.cache.k.sharding.shard_shape(state.cache.k.shape)[2] == 12
+    assert state.cache.per_layer and len(state.cache.k) == MOE.num_layers
+    for pool in state.cache.k + state.cache.v:
+        assert pool.sharding.shard_shape(pool.shape)[1] == 12
     with jax.set_mesh(mesh):
         text = decode_steps.lower(graphdef, params, state, jax.random.key(0), config=config,
                              steps=3).compile().as_text()
+    shape = state.cache.pool_shape
     pools = {f"[{','.join(map(str, shape))}]" for shape in
-             [state.cache.k.shape, state.cache.k.shape[:2] + (12,) + state.cache.k.shape[3:]]}
+             [shape, shape[:1] + (12,) + shape[2:]]}
     ops = re.findall(r"=\s+(\S.*?)\s+(?:all-gather|all-reduce|all-to-all|collective-permute)"
                      r"(?:-start)?\(", text)
     assert ops, "the fsdp-split weights are gathered"

@@ -62,13 +62,21 @@ advance = jax.jit(lambda cache, mask: cache.advance(mask))
 
 
 @pytest.mark.parametrize(
-    "name,attention", [("dense", "gather"), ("moe", "gather"), ("moe", "pool")]
+    "name,attention,per_layer",
+    [
+        ("dense", "gather", False),
+        ("moe", "gather", False),
+        ("moe", "pool", False),
+        ("moe", "gather", True),
+        ("moe", "pool", True),
+    ],
 )
-def test_paged_decode_equals_dense(name, attention):
+def test_paged_decode_equals_dense(name, attention, per_layer):
     """Ragged prompts prefilled, then greedy decode: every step's logits and tokens equal
     the dense KVCache's (shared slot P + step, per-row positions), with 3-slot pages that
     the rows take in interleaved order as they grow. ("pool": decode steps read the pool
-    in place, the prefill gathers.)"""
+    in place, the prefill gathers; per_layer: one pool per layer, as the engine holds
+    them for an unrolled model.)"""
     model = Transformer(CONFIGS[name], rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     batch, prompt_len = PROMPTS.shape
@@ -76,7 +84,13 @@ def test_paged_decode_equals_dense(name, attention):
     mask = jnp.arange(prompt_len)[None, :] < LENGTHS[:, None]
     dense = model.init_cache(batch, prompt_len + STEPS)
     paged = PagedKVCache.create(
-        model.config, batch, num_pages=12, page_size=3, max_pages=5, attention=attention
+        model.config,
+        batch,
+        num_pages=12,
+        page_size=3,
+        max_pages=5,
+        attention=attention,
+        per_layer=per_layer,
     )
     # Checks on the host (NumPy): device arrays indexed op by op compile each op.
     dense_logits, dense = step_dense(graphdef, state, PROMPTS, positions, mask, dense)
@@ -105,6 +119,7 @@ def test_paged_decode_equals_dense(name, attention):
     np.testing.assert_array_equal((held < 12).sum(1), [5, 3, 4])
     assert sorted(held[held < 12].tolist()) == list(range(12))
     assert int(paged.num_free) == 0
+    assert paged.per_layer == per_layer and paged.pool_shape == (2, 12, 3, 8)
 
 
 def test_reserve_release_reuse_hand_worked():
@@ -170,23 +185,30 @@ def test_shards_allocate_from_their_own_pools_hand_worked():
 copy_rows = jax.jit(lambda cache, source, dest: cache.copy_rows(source, dest, 3))
 
 
-def test_copy_rows_shares_full_pages_and_copies_the_partial_one():
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_copy_rows_shares_full_pages_and_copies_the_partial_one(per_layer):
     """A 5-token prompt in pages of 2 (pages 0, 1 full, page 2 partial) given to rows 1
-    and 2: they share pages 0 and 1 and get pages 3 and 4 holding page 2's keys."""
+    and 2: they share pages 0 and 1 and get pages 3 and 4 holding page 2's keys (in
+    every layer's pool, stacked or per layer)."""
     config = CONFIGS["dense"]
     cache = PagedKVCache.create(config, 4, num_pages=6, page_size=2, max_pages=4)
     cache, _ = reserve(cache, jnp.array([5, 0, 0, 0], jnp.int32))
     cache = advance(cache, jnp.array([[1] * 5, [0] * 5, [0] * 5, [0] * 5], bool))
     cache = cache.replace(k=cache.k.at[:, :, 2].set(7.0), v=cache.v.at[:, :, 2].set(-3.0))
+    if per_layer:
+        cache = cache.unstack()
     cache, granted = copy_rows(cache, jnp.int32(0), jnp.array([1, 2, 4], jnp.int32))
+    assert cache.per_layer == per_layer
     np.testing.assert_array_equal(granted, [True, True, False])  # row 4: outside
     np.testing.assert_array_equal(cache.page_table[:3, :3], [[0, 1, 2], [0, 1, 3], [0, 1, 4]])
     np.testing.assert_array_equal(cache.lengths, [5, 5, 5, 0])
     np.testing.assert_array_equal(cache.refs, [3, 3, 1, 1, 1, 0])
     assert int(cache.num_free) == 1
+    stacked = cache.stack()
     for page in (3, 4):
-        np.testing.assert_array_equal(cache.k[:, :, page], 7.0)
-        np.testing.assert_array_equal(cache.v[:, :, page], -3.0)
+        np.testing.assert_array_equal(stacked.k[:, :, page], 7.0)
+        np.testing.assert_array_equal(stacked.v[:, :, page], -3.0)
+    np.testing.assert_array_equal(stacked.k[:, :, 5], 0.0)
     # One page left: row 3 gets the shared pages but is refused its partial page.
     cache, _ = reserve(cache, jnp.array([0, 0, 0, 0], jnp.int32))
     cache = cache.replace(num_free=jnp.int32(0))
@@ -402,3 +424,9 @@ def test_pool_attention_on_shards_equals_gather():
     reference, written_too = attend(cache.replace(attention="gather"))
     np.testing.assert_allclose(out, reference, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(written.k, written_too.k)
+    # The per-layer form: the same writes on each shard's pages, the same attention.
+    per_layer_out, per_layer = attend(cache.unstack())
+    assert per_layer.per_layer
+    np.testing.assert_allclose(per_layer_out, out, atol=1e-6, rtol=1e-6)
+    np.testing.assert_array_equal(per_layer.stack().k, written.k)
+    np.testing.assert_array_equal(per_layer.stack().v, written.v)

@@ -4,10 +4,16 @@ Memory then follows the tokens each row actually holds, not prompt + max_new_tok
 row (vLLM's PagedAttention, Kwon et al. 2023, arXiv 2309.06180).
 
 Layout. Keys and values of every layer live in one pool each, ``[L, Hkv, NP, ps, Dh]``
-(NP pages of ``ps`` token slots). Per layer this is exactly the ``[Hkv, NP, ps, Dh]``
-layout that JAX's TPU paged-attention kernel
-(``jax.experimental.pallas.ops.tpu.paged_attention``) reads, so the kernel gets a layer's
-pool with no transpose. Row ``r`` holds its token ``s`` at page ``page_table[r, s // ps]``,
+(NP pages of ``ps`` token slots), or, in the per-layer form (``per_layer=True``,
+``unstack()``), in a tuple of L pools ``[Hkv, NP, ps, Dh]``: exactly the layout that JAX's
+TPU paged-attention kernel (``jax.experimental.pallas.ops.tpu.paged_attention``) reads,
+so the kernel gets a layer's pool with no transpose. The per-layer form is what the
+engine carries for an unrolled model: each layer's attention reads its own buffers,
+where a layer of the stacked pool is first copied out of it by XLA:CPU before a batched
+product can read it (2 x 8 MB per layer and decode step at 1,024 pages of moe_7m, with
+"pool" attention; benchmarks/RESULTS.md, "Seventeenth session"). A scanned model
+(``scan_layers``) carries the stacked form through its layer scan. Both forms give the
+same results. Row ``r`` holds its token ``s`` at page ``page_table[r, s // ps]``,
 slot ``s % ps``; an entry equal to NP means "no page" (writes there are dropped).
 
 Allocation is in-jit, from a free stack (``free[:num_free]`` holds the free page ids):
@@ -42,11 +48,13 @@ Attention over pages (``attend``):
     uniform (64 rows of <= 160 tokens, 640 pages) gather 3.46, pool 2.17, the dense
     cache 0.62; long tail (26 of 64 rows up to 544 tokens, 1,024 pages) gather 24.7,
     online 9.1, pool 3.2, the dense cache over 544 slots 2.2. In the engine's decode
-    (``python -m benchmarks.bench_sampling --skip_main --engine_uniform --runs 2``):
-    long-tailed mix 63.0 CPU s against the gather's 66.4, but the uniform case 7.3
-    against 5.5: XLA:CPU copies each layer's slice of the pools (8 MB each at 1,024
-    pages) before the products read it, where the gather reads the pool in its fusion.
-    Not the default (benchmarks/RESULTS.md, "Fifteenth session").
+    (``python -m benchmarks.bench_sampling --skip_main --engine_uniform --runs 3
+    --long_tail_runs 3``, per-layer pools, admissions batched, compacted decodes;
+    medians of 3 alternated calls): long-tailed mix 24.6 CPU s against the gather's
+    29.5, the uniform case 3.31 s against 3.32 (a tie). With the stacked pools XLA:CPU
+    copied each layer's slice (8 MB at 1,024 pages) before the products read it, and the
+    uniform case ran 7.3 against 5.5. Not the default: it does not beat the gather in
+    the uniform case (benchmarks/RESULTS.md, "Seventeenth session").
   * ``"pallas"`` (TPUs, one-token decode only): the kernel that ships with JAX; prefill
     (T > 1) uses the gather. On a CPU it runs in Pallas' TPU interpret mode
     (``jax.experimental.pallas.tpu.force_tpu_interpret_mode``), which the tests use.
@@ -85,7 +93,8 @@ class PagedKVCache:
     """Page pools, page tables and the free stack, a pytree.
 
     Attributes:
-      k, v: [L, Hkv, NP, ps, Dh] key and value pools (keys rotated).
+      k, v: [L, Hkv, NP, ps, Dh] key and value pools (keys rotated), or in the per-layer
+        form tuples of L pools [Hkv, NP, ps, Dh].
       page_table: int32 [R, max_pages]; NP where a row has no page.
       lengths: int32 [R]; tokens each row holds.
       free: int32 [NP]; ``free[:num_free]`` are the free page ids (a stack, top last).
@@ -115,9 +124,6 @@ class PagedKVCache:
 
     # Read by ``Attention`` to route a forward call here.
     paged = True
-    # Read by a scanned ``Transformer`` (scan_layers): the pools are already stacked by
-    # layer, carried through the layer scan as they are.
-    per_layer = False
 
     @classmethod
     def create(
@@ -132,6 +138,7 @@ class PagedKVCache:
         attention: str = "gather",
         shards: int = 1,
         shared_refs: int = 0,
+        per_layer: bool = False,
     ) -> "PagedKVCache":
         """An empty cache: every page free, every row empty.
 
@@ -145,6 +152,7 @@ class PagedKVCache:
           attention: "gather", "online", "pallas" or "pool".
           shards: S pools of NP / S pages for R / S rows each.
           shared_refs: "pool" attention's chunk of shared references (see the class).
+          per_layer: the pools as tuples of L per-layer arrays (see the module docstring).
         """
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
@@ -165,11 +173,15 @@ class PagedKVCache:
             )
         dtype = jnp.dtype(dtype) if dtype is not None else config.compute_dtype
         local = num_pages // shards
-        shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
+        shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
+        if per_layer:
+            pools = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        else:
+            pools = lambda: jnp.zeros((config.num_layers,) + shape, dtype)
         num_free = jnp.full((shards,) if shards > 1 else (), local, jnp.int32)
         return cls(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=pools(),
+            v=pools(),
             page_table=jnp.full((rows, max_pages), local, jnp.int32),
             lengths=jnp.zeros((rows,), jnp.int32),
             free=jnp.tile(jnp.arange(local, dtype=jnp.int32)[::-1], shards),
@@ -182,9 +194,43 @@ class PagedKVCache:
         )
 
     @property
+    def per_layer(self) -> bool:
+        """Pools held as tuples of per-layer arrays (read by a scanned ``Transformer``,
+        which stacks them for its layer scan)."""
+        return isinstance(self.k, tuple)
+
+    @property
+    def pool_shape(self) -> tuple[int, ...]:
+        """One layer's pool: (Hkv, NP, ps, Dh), NP counting every shard's pages."""
+        return tuple(self.k[0].shape if self.per_layer else self.k.shape[1:])
+
+    def unstack(self) -> "PagedKVCache":
+        """The per-layer form (tuples of [Hkv, NP, ps, Dh] pools)."""
+        if self.per_layer:
+            return self
+        return self.replace(k=tuple(self.k), v=tuple(self.v))
+
+    def stack(self) -> "PagedKVCache":
+        """The stacked form ([L, Hkv, NP, ps, Dh] pools)."""
+        if not self.per_layer:
+            return self
+        return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
+
+    def map_pools(self, fn) -> "PagedKVCache":
+        """``fn`` applied to every layer's key and value pool [Hkv, NP, ...] (either form;
+        ``fn`` keeps the leading Hkv axis)."""
+        if self.per_layer:
+            return self.replace(k=tuple(map(fn, self.k)), v=tuple(map(fn, self.v)))
+        return self.replace(k=jax.vmap(fn)(self.k), v=jax.vmap(fn)(self.v))
+
+    def layer_pools(self, layer) -> tuple[jax.Array, jax.Array]:
+        """Keys and values [Hkv, NP, ps, Dh] of ``layer`` (an int in the per-layer form)."""
+        return self.k[layer], self.v[layer]
+
+    @property
     def num_pages(self) -> int:
         """Pages of one shard's pool (all of them without shards): the "no page" id."""
-        return self.k.shape[2] // self.shards
+        return self.pool_shape[1] // self.shards
 
     def pages_in_use(self) -> jax.Array:
         """int32 [] (or [S] with shards): pages held by some row, per shard."""
@@ -199,18 +245,29 @@ class PagedKVCache:
         arg split on its leading axis into [S, ...]. Returns fn's cache joined back and its
         other results as [S, ...]."""
         s = self.shards
-        pool = lambda x: x.reshape(x.shape[:2] + (s, -1) + x.shape[3:])
+        # The pools' page axis (1 of a layer's pool, 2 of the stacked one) split into [S, ...].
+        page_axis = 1 if self.per_layer else 2
+        pool = lambda x: x.reshape(x.shape[:page_axis] + (s, -1) + x.shape[page_axis + 1 :])
+        per_pool = lambda fn, x: tuple(map(fn, x)) if self.per_layer else fn(x)
         split = self.replace(
-            k=pool(self.k),
-            v=pool(self.v),
+            k=per_pool(pool, self.k),
+            v=per_pool(pool, self.v),
             page_table=self.page_table.reshape(s, -1, self.max_pages),
             lengths=self.lengths.reshape(s, -1),
             free=self.free.reshape(s, -1),
             refs=self.refs.reshape(s, -1),
             shards=1,
         )
+        pool_axes = tuple(page_axis for _ in self.k) if self.per_layer else page_axis
         axes = split.replace(
-            k=2, v=2, page_table=0, lengths=0, free=0, num_free=0, refs=0, index=None
+            k=pool_axes,
+            v=pool_axes,
+            page_table=0,
+            lengths=0,
+            free=0,
+            num_free=0,
+            refs=0,
+            index=None,
         )
 
         def run(cache, *shard_args):
@@ -221,9 +278,10 @@ class PagedKVCache:
             split, *args
         )
         flat = lambda x: x.reshape((-1,) + x.shape[2:])
+        join = lambda x: x.reshape(x.shape[:page_axis] + (-1,) + x.shape[page_axis + 2 :])
         joined = cache.replace(
-            k=cache.k.reshape(self.k.shape),
-            v=cache.v.reshape(self.v.shape),
+            k=per_pool(join, cache.k),
+            v=per_pool(join, cache.v),
             page_table=flat(cache.page_table),
             lengths=flat(cache.lengths),
             free=flat(cache.free),
@@ -234,7 +292,7 @@ class PagedKVCache:
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[3]
+        return self.pool_shape[2]
 
     @property
     def max_pages(self) -> int:
@@ -372,13 +430,11 @@ class PagedKVCache:
             self.num_pages,
         )
 
-        def move(pool):
-            return _write(
-                pool, (slice(None), slice(None), dst), jnp.take(pool, src, axis=2, mode="clip")
-            )
+        def move(pool):  # one layer's [Hkv, NP, ps, Dh]
+            return _write(pool, (slice(None), dst), jnp.take(pool, src, axis=1, mode="clip"))
 
         lengths = cache.lengths.at[jnp.where(copy, dest, rows)].set(length, mode="drop")
-        return cache.replace(k=move(cache.k), v=move(cache.v), lengths=lengths), copy
+        return cache.map_pools(move).replace(lengths=lengths), copy
 
     def advance(self, token_mask: jax.Array) -> "PagedKVCache":
         """Lengths after a forward call whose real tokens were ``token_mask`` [R, T]."""
@@ -395,7 +451,7 @@ class PagedKVCache:
         s < lengths[r] + n_r (n_r real tokens in this call).
 
         Args:
-          layer: int or traced int32 scalar.
+          layer: int, or a traced int32 scalar with stacked pools.
           q: [B, T, H, Dh] rotated queries; k, v: [B, T, Hkv, Dh] (k rotated).
           token_mask: bool [B, T], a prefix of real tokens per row.
         Returns:
@@ -418,28 +474,34 @@ class PagedKVCache:
         page = jnp.take_along_axis(self.page_table, jnp.minimum(column, self.max_pages - 1), axis=1)
         page = jnp.where(token_mask & (column < self.max_pages), page, num_pages)
         offset = slots % ps
-        # Advanced indices (layer, page, offset) around a slice: the result's leading axes
-        # are [B, T], then Hkv, Dh: the projections' layout.
-        pool_k = _write(self.k, (layer, slice(None), page, offset), k)
-        pool_v = _write(self.v, (layer, slice(None), page, offset), v)
-        cache = self.replace(k=pool_k, v=pool_v)
+        if self.per_layer:
+            # Adjacent advanced indices (page, offset) after Hkv: [Hkv, B, T, Dh].
+            put = lambda pools, x: (
+                pools[:layer]
+                + (_write(pools[layer], (slice(None), page, offset), jnp.moveaxis(x, 2, 0)),)
+                + pools[layer + 1 :]
+            )
+        else:
+            # Advanced indices (layer, page, offset) around a slice: the result's leading
+            # axes are [B, T], then Hkv, Dh: the projections' layout.
+            put = lambda pools, x: _write(pools, (layer, slice(None), page, offset), x)
+        cache = self.replace(k=put(self.k, k), v=put(self.v, v))
+        pool_k, pool_v = cache.layer_pools(layer)
         ends = self.lengths + jnp.sum(token_mask, axis=1, dtype=jnp.int32)  # [B]
         if self.attention == "pallas" and t == 1:
             out = _pallas_decode(
                 q[:, 0],
-                pool_k[layer],
-                pool_v[layer],
+                pool_k,
+                pool_v,
                 ends,
                 jnp.minimum(self.page_table, num_pages - 1),
             )
             return out[:, None].astype(pool_v.dtype), cache
         if self.attention == "pool" and t == 1:
-            out = pool_attention(
-                q, pool_k[layer], pool_v[layer], self.page_table, ends, self.shared_refs
-            )
+            out = pool_attention(q, pool_k, pool_v, self.page_table, ends, self.shared_refs)
             return out, cache
         attend = online_attention if self.attention == "online" else gather_attention
-        return attend(q, pool_k[layer], pool_v[layer], self.page_table, slots, ends), cache
+        return attend(q, pool_k, pool_v, self.page_table, slots, ends), cache
 
 
 def _write(pool, index, values):
