@@ -284,7 +284,9 @@ CLAIMS: dict[str, Claim] = {
                 ),
             ),
             arms=("vapo", "no_length_adaptive"),
-            budget="not run: as vc_ppo, 2 arms",
+            budget="measured (load 2-4): 2 arms x 3 seeds x 20 iterations (+5 of value "
+            "pretraining), 5.5-6 min per arm and seed, ~35 min at 3 seeds (the SFT start of "
+            "vc_ppo's setting, once, on top)",
         ),
         Claim(
             "magistral_async",
