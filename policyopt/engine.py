@@ -11,12 +11,13 @@ How a call runs (``Engine.generate``):
      together, one ``[S A, P]`` forward pass per admission call (``admit_rows``).
   2. Decode (one jitted ``lax.while_loop`` of at most ``steps_per_call`` steps, over a
      compacted batch of the running rows when they fit a smaller bucket of rows,
-     ``decode_bucket``). Each running row asks for the page its next token needs
-     (``PagedKVCache.reserve``); a row refused waits (it samples nothing and writes
-     nothing this step). A row that goes on samples its token n with the key
-     fold_in(fold_in(fold_in(rng, prompt), sample), n), records it, and feeds it back at
-     its own slot and position prompt_length + n. A row that ends (end token, or N
-     tokens) returns its pages at once.
+     ``decode_bucket``; with "pool" attention, over a bucketed list of the pages held,
+     ``held_page_bucket``, when the call cannot fill the pool). Each running row asks
+     for the page its next token needs (``PagedKVCache.reserve``); a row refused waits
+     (it samples nothing and writes nothing this step). A row that goes on samples its
+     token n with the key fold_in(fold_in(fold_in(rng, prompt), sample), n), records
+     it, and feeds it back at its own slot and position prompt_length + n. A row that
+     ends (end token, or N tokens) returns its pages at once.
   3. Hand-out (host). A group whose rows have all ended is copied out, and its rows are
      free for the next prompt.
   4. No progress. If a decode call moved no row (every running row waits for a page),

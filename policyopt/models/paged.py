@@ -655,8 +655,10 @@ def pool_attention(q, k_pages, v_pages, page_table, ends, shared_refs=0, held_pa
         owned = first < b * max_pages
         size = -(-num_pages // held_pages) * held_pages
         slot = jnp.where(owned, jnp.cumsum(owned) - 1, size)
-        listed = jnp.full((size,), num_pages, jnp.int32).at[slot].set(
-            jnp.arange(num_pages, dtype=jnp.int32), mode="drop"
+        listed = (
+            jnp.full((size,), num_pages, jnp.int32)
+            .at[slot]
+            .set(jnp.arange(num_pages, dtype=jnp.int32), mode="drop")
         )
         firsts = jnp.concatenate([first, jnp.full((1,), b * max_pages, jnp.int32)])
 
@@ -715,9 +717,7 @@ def _chunks(chunk_stats, count, chunk, stats):
     if stats is None:
         stats = chunk_stats(zero)
     else:
-        stats = jax.lax.cond(
-            count > 0, lambda s: _merge(s, chunk_stats(zero)), lambda s: s, stats
-        )
+        stats = jax.lax.cond(count > 0, lambda s: _merge(s, chunk_stats(zero)), lambda s: s, stats)
 
     def body(carry):
         i, stats = carry
