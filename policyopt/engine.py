@@ -83,9 +83,13 @@ class EngineConfig:
     rows: int
     # Token slots per page.
     page_size: int = 16
-    # Attention over pages: "gather", "online", "pallas" or "pool" (decode steps read the
-    # pool in place; policyopt.models.paged).
-    attention: str = "gather"
+    # Attention over pages: "gather", "online", "pallas" or "pool" (policyopt.models.paged).
+    # "pool" (default): decode steps score the pages held against their rows' queries,
+    # prefill gathers; on moe_7m it ties the gather in the uniform case (4.49 s against
+    # 4.49) and beats it on the long-tailed mix (25.4 s against 37.0; benchmarks/
+    # RESULTS.md, "Eighteenth session"), at the cost of compiling up to one decode program
+    # per bucket of held pages (held_page_bucket). "pallas" on TPUs.
+    attention: str = "pool"
     # Decode steps per jitted call between the host's hand-outs and admissions.
     steps_per_call: int = 16
     # Prompts each shard prefills together in one admission call (one compiled shape,
@@ -100,8 +104,9 @@ class EngineConfig:
     # "pool" attention over the held pages only: each decode call gathers and scores a
     # list of the pages held, padded to the smallest power-of-two multiple of this that
     # holds every page the call can hold (per shard: pages in use + running rows x
-    # ceil(steps_per_call / page_size)); the whole pool in place once that reaches it (at
-    # most log2(pages / this) + 1 variants per row bucket); 0: always the whole pool.
+    # ceil(steps_per_call / page_size)); the whole pool in place once that is more than
+    # half the pool (at most log2(pages / this) variants per row bucket); 0: always the
+    # whole pool.
     held_page_bucket: int = 64
     # Record the experts every prompt and response token was routed to (MoE models; R3,
     # arXiv 2510.11370): [L_moe, R, P + N, k] int32 held on the device during the call.
@@ -750,7 +755,9 @@ class Engine:
                 held_pages = engine.held_page_bucket
                 while held_pages < can_hold:
                     held_pages *= 2
-                held_pages = held_pages if held_pages < engine.num_pages else 0
+                # A gather of more than half the pool's pages costs more than scoring the
+                # whole pool in place (benchmarks/bench_paged_attention.py, 512 of 640).
+                held_pages = held_pages if 2 * held_pages <= engine.num_pages else 0
                 self.stats["held_page_calls"] += held_pages > 0
             state, run, made, waits, peak = decode_steps(
                 self.graphdef,

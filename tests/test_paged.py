@@ -403,7 +403,8 @@ def test_pool_attention_hand_worked():
 def test_pool_attention_on_shards_equals_gather():
     """Two shards (a vmap over pools): shard 0 with two shared references, shard 1 with
     none, so the loop over shared references runs on one shard only; a decode step's
-    attention through ``attend`` equals the gather's."""
+    attention through ``attend`` equals the gather's, over the whole pools or over the
+    held pages only."""
     q, k, v, _, _ = _random_pools(batch=4, num_pages=10)
     pools = jnp.concatenate([k, k[:, ::-1]], axis=1)[None], jnp.concatenate([v, -v], axis=1)[None]
     cache = PagedKVCache.create(
@@ -428,6 +429,10 @@ def test_pool_attention_on_shards_equals_gather():
     out, written = attend(cache)
     reference, written_too = attend(cache.replace(attention="gather"))
     np.testing.assert_allclose(out, reference, atol=1e-5, rtol=1e-5)
+    # Over each shard's held pages only (3 and 3 of 10), 2 at a time: the overflow loop
+    # runs on both shards.
+    held_out, _ = attend(cache.replace(held_pages=2))
+    np.testing.assert_allclose(held_out, reference, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(written.k, written_too.k)
     # The per-layer form: the same writes on each shard's pages, the same attention.
     per_layer_out, per_layer = attend(cache.unstack())
