@@ -85,8 +85,8 @@ class EngineConfig:
     page_size: int = 16
     # Attention over pages: "gather", "online", "pallas" or "pool" (policyopt.models.paged).
     # "pool" (default): decode steps score the pages held against their rows' queries,
-    # prefill gathers; on moe_7m it ties the gather in the uniform case (4.49 s against
-    # 4.49) and beats it on the long-tailed mix (25.4 s against 37.0; benchmarks/
+    # prefill gathers; on moe_7m it ties the gather in the uniform case (3.85 s against
+    # 3.93) and beats it on the long-tailed mix (22.9 s against 34.3; benchmarks/
     # RESULTS.md, "Eighteenth session"), at the cost of compiling up to one decode program
     # per bucket of held pages (held_page_bucket). "pallas" on TPUs.
     attention: str = "pool"

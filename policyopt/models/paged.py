@@ -28,33 +28,35 @@ pages left with none back on the stack. The G samples of a prompt share its full
 partly filled last page: no row writes below its length, so shared pages stay read-only.
 
 Attention over pages (``attend``):
-  * ``"gather"`` (default, CPUs and GPUs): the row's pages are gathered into a
-    ``[Hkv, B, S, Dh]`` block (S = max_pages * ps), then masked grouped attention as in
-    ``policyopt.models.attention.dot_product_attention``: two batched matmuls.
+  * ``"gather"`` (the cache's default; every prefill): the row's pages are gathered
+    into a ``[Hkv, B, S, Dh]`` block (S = max_pages * ps), then masked grouped attention
+    as in ``policyopt.models.attention.dot_product_attention``: two batched matmuls.
   * ``"online"``: page by page in a ``lax.scan`` with an online softmax. Measured by
     ``benchmarks/bench_paged_attention.py`` (one decode step of one layer, B = 64,
     160 slots, moe_7m's heads) on the 2-core CPU shared with other jobs: gather 22.8 and
-    25.3 ms, online 20.1 and 18.6 ms, the dense KVCache 3.2 and 3.4 ms (two runs). The
-    page gather itself is most of the gap to the dense cache, and neither paged form
-    wins clearly; the gather stays the default as the simpler graph (one product each
-    for scores and values), the online form is there for a device where it measures
-    faster.
-  * ``"pool"`` (one-token decode; prefill uses the gather): read from the pool in place,
-    each page against the query of the row that holds it (``pool_attention``), a
+    25.3 ms, online 20.1 and 18.6 ms, the dense KVCache 3.2 and 3.4 ms (two runs); kept
+    for a device where it measures faster.
+  * ``"pool"`` (one-token decode; prefill uses the gather; the engine's default): each
+    held page scored against the query of the row that holds it (``pool_attention``), a
     per-row softmax by segment max and segment sums; the pages a group's rows share are
-    listed and gathered, a chunk of ``shared_refs`` at a time. Work follows the pool's
-    pages (the budget), not rows x ``max_pages``. One layer (benchmarks/
-    bench_paged_attention.py, 2026-12-02, 2-core CPU under load ~10, ms CPU per call):
-    uniform (64 rows of <= 160 tokens, 640 pages) gather 3.46, pool 2.17, the dense
-    cache 0.62; long tail (26 of 64 rows up to 544 tokens, 1,024 pages) gather 24.7,
-    online 9.1, pool 3.2, the dense cache over 544 slots 2.2. In the engine's decode
+    listed and gathered, a chunk of ``shared_refs`` at a time. By default the whole pool
+    is scored in place (no gather): work follows the pool's pages (the budget). With
+    ``held_pages`` = K the pages held are listed and gathered K at a time: work follows
+    the pages held (the engine picks K per decode call, ``EngineConfig.held_page_bucket``,
+    up to half the pool, where the gather measures cheaper than the pool in place). One
+    layer (benchmarks/bench_paged_attention.py, 2026-12-02 16:59 UTC, 2-core CPU under
+    load ~3, ms CPU per call): uniform (64 rows of <= 160 tokens, 506 of 640 pages held)
+    gather 3.43, pool 1.77 (over a list of 512 held pages: 2.55), the dense cache 0.61;
+    long tail (26 of 64 rows up to 544 tokens, 515 of 1,024 pages) gather 27.5, online
+    12.7, pool 4.7, the dense cache over 544 slots 2.2. In the engine's decode
     (``python -m benchmarks.bench_sampling --skip_main --engine_uniform --runs 3
-    --long_tail_runs 3``, per-layer pools, admissions batched, compacted decodes;
-    medians of 3 alternated calls): long-tailed mix 24.6 CPU s against the gather's
-    29.5, the uniform case 3.31 s against 3.32 (a tie). With the stacked pools XLA:CPU
-    copied each layer's slice (8 MB at 1,024 pages) before the products read it, and the
-    uniform case ran 7.3 against 5.5. Not the default: it does not beat the gather in
-    the uniform case (benchmarks/RESULTS.md, "Seventeenth session").
+    --long_tail_runs 3``, medians of 3 alternated calls, benchmarks/RESULTS.md,
+    "Eighteenth session"): long-tailed mix 22.9 s against the gather's 34.3 (3.57x the
+    static batch's tokens/s against 2.39x; 31.7 s against 24.2 without the held-page
+    lists in an A/B run), the uniform case 3.85 s against 3.93 (an A/B of 5 calls: 3.62
+    against 3.97, 4.08 without the lists). With
+    the stacked pools XLA:CPU copied each layer's slice (8 MB at 1,024 pages) before the
+    products read it: the engine carries per-layer pools.
   * ``"pallas"`` (TPUs, one-token decode only): the kernel that ships with JAX; prefill
     (T > 1) uses the gather. On a CPU it runs in Pallas' TPU interpret mode
     (``jax.experimental.pallas.tpu.force_tpu_interpret_mode``), which the tests use.
