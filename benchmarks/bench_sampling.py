@@ -106,6 +106,13 @@ def _alternated_times(fns: dict, runs: int) -> dict:
     }
 
 
+def _engine_knobs(name: str) -> dict:
+    """EngineConfig fields of an ``--engine_attention`` entry: "pool", or "pool:K" for
+    "pool" with ``held_page_bucket = K`` (0: the whole pool every step; an A/B)."""
+    attention, _, held = name.partition(":")
+    return dict(attention=attention, **({"held_page_bucket": int(held)} if held else {}))
+
+
 def bench_policyopt(
     graphdef, state, prompts, lengths, max_new_tokens, runs, decode_segments=1, **kwargs
 ):
@@ -235,7 +242,7 @@ def bench_long_tail(config, args):
             rows=batch,
             page_size=args.page_size,
             steps_per_call=args.steps_per_call,
-            attention=attention,
+            **_engine_knobs(attention),
         )
         engine = Engine(model, engine_config, sampling_config)
         first_start = time.perf_counter()
@@ -265,6 +272,8 @@ def bench_long_tail(config, args):
             steps_per_call=args.steps_per_call,
             admit_prompts=engine_config.admit_prompts,
             decode_bucket=engine_config.decode_bucket,
+            held_page_bucket=engine_config.held_page_bucket,
+            held_page_calls=engine.stats["held_page_calls"],
             admit_calls=engine.stats["admit_calls"],
             peak_pages=engine.stats["peak_pages"],
             steps=steps,
@@ -357,7 +366,7 @@ def bench_engine_uniform(config, args):
                 rows=args.batch,
                 page_size=args.page_size,
                 steps_per_call=args.steps_per_call,
-                attention=attention,
+                **_engine_knobs(attention),
             ),
             sampling_config,
         )
@@ -423,7 +432,8 @@ def main():
         "--engine_attention",
         nargs="+",
         default=["pool", "gather"],
-        help="the engine's attention over pages, each run in turn (the first: headline)",
+        help="the engine's attention over pages, each run in turn (the first: headline); "
+        '"pool:K": "pool" with EngineConfig.held_page_bucket = K (0: the whole pool)',
     )
     parser.add_argument(
         "--engine_uniform",

@@ -11,12 +11,13 @@ How a call runs (``Engine.generate``):
      together, one ``[S A, P]`` forward pass per admission call (``admit_rows``).
   2. Decode (one jitted ``lax.while_loop`` of at most ``steps_per_call`` steps, over a
      compacted batch of the running rows when they fit a smaller bucket of rows,
-     ``decode_bucket``). Each running row asks for the page its next token needs
-     (``PagedKVCache.reserve``); a row refused waits (it samples nothing and writes
-     nothing this step). A row that goes on samples its token n with the key
-     fold_in(fold_in(fold_in(rng, prompt), sample), n), records it, and feeds it back at
-     its own slot and position prompt_length + n. A row that ends (end token, or N
-     tokens) returns its pages at once.
+     ``decode_bucket``; with "pool" attention, over a bucketed list of the pages held,
+     ``held_page_bucket``, when the call cannot fill the pool). Each running row asks
+     for the page its next token needs (``PagedKVCache.reserve``); a row refused waits
+     (it samples nothing and writes nothing this step). A row that goes on samples its
+     token n with the key fold_in(fold_in(fold_in(rng, prompt), sample), n), records
+     it, and feeds it back at its own slot and position prompt_length + n. A row that
+     ends (end token, or N tokens) returns its pages at once.
   3. Hand-out (host). A group whose rows have all ended is copied out, and its rows are
      free for the next prompt.
   4. No progress. If a decode call moved no row (every running row waits for a page),
@@ -82,9 +83,13 @@ class EngineConfig:
     rows: int
     # Token slots per page.
     page_size: int = 16
-    # Attention over pages: "gather", "online", "pallas" or "pool" (decode steps read the
-    # pool in place; policyopt.models.paged).
-    attention: str = "gather"
+    # Attention over pages: "gather", "online", "pallas" or "pool" (policyopt.models.paged).
+    # "pool" (default): decode steps score the pages held against their rows' queries,
+    # prefill gathers; on moe_7m it ties the gather in the uniform case (3.85 s against
+    # 3.93) and beats it on the long-tailed mix (22.9 s against 34.3; benchmarks/
+    # RESULTS.md, "Eighteenth session"), at the cost of compiling up to one decode program
+    # per bucket of held pages (held_page_bucket). "pallas" on TPUs.
+    attention: str = "pool"
     # Decode steps per jitted call between the host's hand-outs and admissions.
     steps_per_call: int = 16
     # Prompts each shard prefills together in one admission call (one compiled shape,
@@ -96,6 +101,13 @@ class EngineConfig:
     # shard, the smallest power of two, at least this, that holds every shard's running
     # rows (at most log2(rows / this) + 2 compiled decode programs); 0: every row always.
     decode_bucket: int = 8
+    # "pool" attention over the held pages only: each decode call gathers and scores a
+    # list of the pages held, padded to the smallest power-of-two multiple of this that
+    # holds every page the call can hold (per shard: pages in use + running rows x
+    # ceil(steps_per_call / page_size)); the whole pool in place once that is more than
+    # half the pool (at most log2(pages / this) variants per row bucket); 0: always the
+    # whole pool.
+    held_page_bucket: int = 64
     # Record the experts every prompt and response token was routed to (MoE models; R3,
     # arXiv 2510.11370): [L_moe, R, P + N, k] int32 held on the device during the call.
     capture_routing: bool = True
@@ -104,8 +116,9 @@ class EngineConfig:
         for name in ("kv_tokens", "rows", "page_size", "steps_per_call", "admit_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.decode_bucket < 0:
-            raise ValueError(f"EngineConfig.decode_bucket must be >= 0, got {self.decode_bucket}")
+        for name in ("decode_bucket", "held_page_bucket"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.attention not in ATTENTION:
             raise ValueError(
                 f"EngineConfig.attention must be one of {ATTENTION}, got {self.attention!r}"
@@ -424,7 +437,7 @@ def expand(s: _State, part: _State, rows) -> _State:
 @partial(
     jax.jit,
     static_argnums=(0,),
-    static_argnames=("config", "steps", "bucket"),
+    static_argnames=("config", "steps", "bucket", "held_pages"),
     donate_argnums=(2,),
 )
 def decode_steps(
@@ -436,22 +449,27 @@ def decode_steps(
     config: SamplingConfig,
     steps: int,
     bucket: int | None = None,
+    held_pages: int = 0,
 ):
     """At most ``steps`` decode steps of every running row (``sampling.decode_step``).
 
     With ``bucket`` (< rows per shard, >= every shard's running rows): the steps run on a
     compacted batch of ``bucket`` rows per shard (``compact``: the running rows first, in
     row order, so pages are granted in the same order), written back after the loop
-    (``expand``): the forward's work follows the running rows, not ``rows``.
+    (``expand``): the forward's work follows the running rows, not ``rows``. With
+    ``held_pages`` (> 0, "pool" attention): each step's attention gathers and scores the
+    pages held, ``held_pages`` at a time (``PagedKVCache.held_pages``): its work follows the
+    pages held, not the pool; a bucket below the pages held costs a loop, never a page.
 
     Returns (state, steps run, tokens made per shard [S], row-steps spent waiting for a
     page, most pages one shard held at once)."""
+    held = lambda s, pages: s.replace(cache=s.cache.replace(held_pages=pages))
     if bucket is not None:
         part, rows = compact(s, bucket)
-        part, *rest = _decode_loop(graphdef, params, part, rng, config, steps)
-        return (_pin(expand(s, part, rows)), *rest)
-    s, *rest = _decode_loop(graphdef, params, s, rng, config, steps)
-    return (_pin(s), *rest)
+        part, *rest = _decode_loop(graphdef, params, held(part, held_pages), rng, config, steps)
+        return (_pin(expand(s, held(part, 0), rows)), *rest)
+    s, *rest = _decode_loop(graphdef, params, held(s, held_pages), rng, config, steps)
+    return (_pin(held(s, 0)), *rest)
 
 
 def _decode_loop(graphdef, params, s: _State, rng, config: SamplingConfig, steps: int):
@@ -662,9 +680,15 @@ class Engine:
         steps_run = 0
         # What the last call did: row-steps spent waiting for a page, groups and rows
         # preempted, most pages one shard held at once during decode, admit_rows calls,
-        # pages still held at the end (0: every page came back).
+        # pages still held at the end (0: every page came back), decode calls whose
+        # "pool" attention read a list of the held pages (not the whole pool).
         self.stats = dict(
-            waits=0, preempted_groups=0, preempted_rows=0, peak_pages=0, admit_calls=0
+            waits=0,
+            preempted_groups=0,
+            preempted_rows=0,
+            peak_pages=0,
+            admit_calls=0,
+            held_page_calls=0,
         )
         shard_of = lambda slot: slot // groups_per_shard
         prompt_pages = lambda b: pages_for(int(lengths[b]), ps)
@@ -718,11 +742,23 @@ class Engine:
                     break
                 state = admit(state, admissions)
                 self.stats["admit_calls"] += 1
-            bucket = None
+            bucket, held_pages = None, 0
+            running = int(np.asarray(state.active).reshape(shards, -1).sum(1).max())
             if engine.decode_bucket:
-                running = int(np.asarray(state.active).reshape(shards, -1).sum(1).max())
                 bucket = max(engine.decode_bucket, 1 << max(running - 1, 0).bit_length())
                 bucket = bucket if bucket < engine.rows else None
+            if engine.held_page_bucket and engine.attention == "pool":
+                # Every page this call can hold: in use now, and one per running row each
+                # page_size steps (a row's slots of the call cross at most that many pages).
+                in_use = engine.num_pages - np.asarray(state.cache.num_free).reshape(-1)
+                can_hold = int(in_use.max()) + running * -(-engine.steps_per_call // ps)
+                held_pages = engine.held_page_bucket
+                while held_pages < can_hold:
+                    held_pages *= 2
+                # A gather of more than half the pool's pages costs more than scoring the
+                # whole pool in place (benchmarks/bench_paged_attention.py, 512 of 640).
+                held_pages = held_pages if 2 * held_pages <= engine.num_pages else 0
+                self.stats["held_page_calls"] += held_pages > 0
             state, run, made, waits, peak = decode_steps(
                 self.graphdef,
                 params,
@@ -731,6 +767,7 @@ class Engine:
                 config=config,
                 steps=engine.steps_per_call,
                 bucket=bucket,
+                held_pages=held_pages,
             )
             steps_run += int(run)
             made = np.asarray(made)

@@ -115,25 +115,38 @@ def test_greedy_equals_generate(model, greedy_reference, attention):
         # "pool": compacted decodes as rows end (buckets of 2 and 1 rows); the compaction
         # moves rows of the state, whatever the attention (test_batched_admissions...).
         decode_bucket=1 if attention == "pool" else 0,
+        # "pool": attention over the held pages only, gathered in buckets of 8 or 16 of
+        # the pool's 64 pages (the greedy rows hold at most 16 + 4 in a call).
+        held_page_bucket=8,
     )
     _check_equal(rollout, reference)
     assert stats["waits"] == stats["preempted_groups"] == stats["preempted_rows"] == 0
     # Pages follow the tokens held: at most 4 rows of ceil((6 + 9) / 4) = 4 pages.
     assert 0 < stats["peak_pages"] <= 16 and stats["pages_held_at_end"] == 0
+    assert (stats["held_page_calls"] > 0) == (attention == "pool"), stats
 
 
 @pytest.mark.parametrize("attention", ["gather", "pool"])
 def test_small_budget_waits_not_truncates(model, greedy_reference, attention):
     """A pool of 10 pages of 2 slots for 6 rows of up to 15 tokens: rows wait for pages,
-    groups are preempted and recomputed, and the rollout is the same."""
+    groups are preempted and recomputed, and the rollout is the same. ("pool": over the
+    held pages, 4 or 8 at a time, or the whole pool when it can be full.)"""
     eos, reference = greedy_reference
     rollout, stats = _engine_rollout(
-        model, eos, kv_tokens=20, rows=6, page_size=2, steps_per_call=2, attention=attention
+        model,
+        eos,
+        kv_tokens=20,
+        rows=6,
+        page_size=2,
+        steps_per_call=2,
+        attention=attention,
+        held_page_bucket=4,
     )
     _check_equal(rollout, reference)
     assert stats["waits"] > 0
     assert stats["preempted_groups"] + stats["preempted_rows"] > 0
     assert stats["peak_pages"] == 10 and stats["pages_held_at_end"] == 0
+    assert (stats["held_page_calls"] > 0) == (attention == "pool"), stats
 
 
 def test_batched_admissions_give_the_same_rollout(model):

@@ -56,7 +56,7 @@ step_paged = jax.jit(_step_paged, static_argnums=0)
 reserve = jax.jit(lambda cache, new_tokens: cache.reserve(new_tokens))
 gather = jax.jit(gather_attention)
 online = jax.jit(online_attention)
-pool = jax.jit(pool_attention, static_argnums=5)
+pool = jax.jit(pool_attention, static_argnums=(5, 6))
 release = jax.jit(lambda cache, rows: cache.release(rows))
 advance = jax.jit(lambda cache, mask: cache.advance(mask))
 
@@ -364,15 +364,19 @@ def _shared_table():
     return table, ends
 
 
-@pytest.mark.parametrize("shared_refs", [0, 1, 3, 16])
-def test_pool_attention_equals_numpy_loop_and_gather(shared_refs):
+@pytest.mark.parametrize(
+    "shared_refs, held_pages", [(0, 0), (1, 0), (3, 0), (16, 0), (3, 2), (1, 4), (16, 6), (3, 10)]
+)
+def test_pool_attention_equals_numpy_loop_and_gather(shared_refs, held_pages):
     """Shared pages, an empty row, rows ending on a page boundary; the 4 shared references
     taken 1, 3 or max_pages = 3 at a time (4, 2, 2 chunks: the first, then the overflow
-    loop) or all in the first chunk (16)."""
+    loop) or all in the first chunk (16). The 6 held pages of the pool's 10 scored in
+    place (held_pages 0, or 10 = NP), or gathered 2, 4 or 6 at a time (3 and 2 chunks: a
+    bucket smaller than the pages held overflows into the loop, nothing is dropped; 1)."""
     q, k, v, _, _ = _random_pools(batch=6)
     table, ends = _shared_table()
     live = np.asarray(ends) > 0
-    out = np.asarray(pool(q, k, v, table, ends, shared_refs))
+    out = np.asarray(pool(q, k, v, table, ends, shared_refs, held_pages))
     q, table, ends = map(np.asarray, (q, table, ends))
     reference = _numpy_reference(q[live], k, v, ends[live], table[live])
     np.testing.assert_allclose(out[live], reference, atol=1e-5, rtol=1e-5)
@@ -391,14 +395,16 @@ def test_pool_attention_hand_worked():
     k = jnp.array([[[[0.0], [np.log(2)]], [[np.log(3)], [9.0]]]], jnp.float32)
     v = jnp.array([[[[1.0], [3.0]], [[5.0], [100.0]]]], jnp.float32)
     table = jnp.array([[0, 2], [0, 1]], jnp.int32)
-    out = pool(q, k, v, table, jnp.array([2, 3], jnp.int32), 1)
-    np.testing.assert_allclose(out[:, 0, 0, 0], [7 / 3, 11 / 3], rtol=1e-6)
+    for held_pages in (0, 1):  # the pool in place; the 2 held pages one at a time
+        out = pool(q, k, v, table, jnp.array([2, 3], jnp.int32), 1, held_pages)
+        np.testing.assert_allclose(out[:, 0, 0, 0], [7 / 3, 11 / 3], rtol=1e-6)
 
 
 def test_pool_attention_on_shards_equals_gather():
     """Two shards (a vmap over pools): shard 0 with two shared references, shard 1 with
     none, so the loop over shared references runs on one shard only; a decode step's
-    attention through ``attend`` equals the gather's."""
+    attention through ``attend`` equals the gather's, over the whole pools or over the
+    held pages only."""
     q, k, v, _, _ = _random_pools(batch=4, num_pages=10)
     pools = jnp.concatenate([k, k[:, ::-1]], axis=1)[None], jnp.concatenate([v, -v], axis=1)[None]
     cache = PagedKVCache.create(
@@ -423,6 +429,10 @@ def test_pool_attention_on_shards_equals_gather():
     out, written = attend(cache)
     reference, written_too = attend(cache.replace(attention="gather"))
     np.testing.assert_allclose(out, reference, atol=1e-5, rtol=1e-5)
+    # Over each shard's held pages only (3 and 3 of 10), 2 at a time: the overflow loop
+    # runs on both shards.
+    held_out, _ = attend(cache.replace(held_pages=2))
+    np.testing.assert_allclose(held_out, reference, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(written.k, written_too.k)
     # The per-layer form: the same writes on each shard's pages, the same attention.
     per_layer_out, per_layer = attend(cache.unstack())

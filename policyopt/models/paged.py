@@ -28,33 +28,35 @@ pages left with none back on the stack. The G samples of a prompt share its full
 partly filled last page: no row writes below its length, so shared pages stay read-only.
 
 Attention over pages (``attend``):
-  * ``"gather"`` (default, CPUs and GPUs): the row's pages are gathered into a
-    ``[Hkv, B, S, Dh]`` block (S = max_pages * ps), then masked grouped attention as in
-    ``policyopt.models.attention.dot_product_attention``: two batched matmuls.
+  * ``"gather"`` (the cache's default; every prefill): the row's pages are gathered
+    into a ``[Hkv, B, S, Dh]`` block (S = max_pages * ps), then masked grouped attention
+    as in ``policyopt.models.attention.dot_product_attention``: two batched matmuls.
   * ``"online"``: page by page in a ``lax.scan`` with an online softmax. Measured by
     ``benchmarks/bench_paged_attention.py`` (one decode step of one layer, B = 64,
     160 slots, moe_7m's heads) on the 2-core CPU shared with other jobs: gather 22.8 and
-    25.3 ms, online 20.1 and 18.6 ms, the dense KVCache 3.2 and 3.4 ms (two runs). The
-    page gather itself is most of the gap to the dense cache, and neither paged form
-    wins clearly; the gather stays the default as the simpler graph (one product each
-    for scores and values), the online form is there for a device where it measures
-    faster.
-  * ``"pool"`` (one-token decode; prefill uses the gather): read from the pool in place,
-    each page against the query of the row that holds it (``pool_attention``), a
+    25.3 ms, online 20.1 and 18.6 ms, the dense KVCache 3.2 and 3.4 ms (two runs); kept
+    for a device where it measures faster.
+  * ``"pool"`` (one-token decode; prefill uses the gather; the engine's default): each
+    held page scored against the query of the row that holds it (``pool_attention``), a
     per-row softmax by segment max and segment sums; the pages a group's rows share are
-    listed and gathered, a chunk of ``shared_refs`` at a time. Work follows the pool's
-    pages (the budget), not rows x ``max_pages``. One layer (benchmarks/
-    bench_paged_attention.py, 2026-12-02, 2-core CPU under load ~10, ms CPU per call):
-    uniform (64 rows of <= 160 tokens, 640 pages) gather 3.46, pool 2.17, the dense
-    cache 0.62; long tail (26 of 64 rows up to 544 tokens, 1,024 pages) gather 24.7,
-    online 9.1, pool 3.2, the dense cache over 544 slots 2.2. In the engine's decode
+    listed and gathered, a chunk of ``shared_refs`` at a time. By default the whole pool
+    is scored in place (no gather): work follows the pool's pages (the budget). With
+    ``held_pages`` = K the pages held are listed and gathered K at a time: work follows
+    the pages held (the engine picks K per decode call, ``EngineConfig.held_page_bucket``,
+    up to half the pool, where the gather measures cheaper than the pool in place). One
+    layer (benchmarks/bench_paged_attention.py, 2026-12-02 16:59 UTC, 2-core CPU under
+    load ~3, ms CPU per call): uniform (64 rows of <= 160 tokens, 506 of 640 pages held)
+    gather 3.43, pool 1.77 (over a list of 512 held pages: 2.55), the dense cache 0.61;
+    long tail (26 of 64 rows up to 544 tokens, 515 of 1,024 pages) gather 27.5, online
+    12.7, pool 4.7, the dense cache over 544 slots 2.2. In the engine's decode
     (``python -m benchmarks.bench_sampling --skip_main --engine_uniform --runs 3
-    --long_tail_runs 3``, per-layer pools, admissions batched, compacted decodes;
-    medians of 3 alternated calls): long-tailed mix 24.6 CPU s against the gather's
-    29.5, the uniform case 3.31 s against 3.32 (a tie). With the stacked pools XLA:CPU
-    copied each layer's slice (8 MB at 1,024 pages) before the products read it, and the
-    uniform case ran 7.3 against 5.5. Not the default: it does not beat the gather in
-    the uniform case (benchmarks/RESULTS.md, "Seventeenth session").
+    --long_tail_runs 3``, medians of 3 alternated calls, benchmarks/RESULTS.md,
+    "Eighteenth session"): long-tailed mix 22.9 s against the gather's 34.3 (3.57x the
+    static batch's tokens/s against 2.39x; 31.7 s against 24.2 without the held-page
+    lists in an A/B run), the uniform case 3.85 s against 3.93 (an A/B of 5 calls: 3.62
+    against 3.97, 4.08 without the lists). With
+    the stacked pools XLA:CPU copied each layer's slice (8 MB at 1,024 pages) before the
+    products read it: the engine carries per-layer pools.
   * ``"pallas"`` (TPUs, one-token decode only): the kernel that ships with JAX; prefill
     (T > 1) uses the gather. On a CPU it runs in Pallas' TPU interpret mode
     (``jax.experimental.pallas.tpu.force_tpu_interpret_mode``), which the tests use.
@@ -120,6 +122,7 @@ class PagedKVCache:
     index: jax.Array
     attention: str = struct.field(pytree_node=False, default="gather")
     shared_refs: int = struct.field(pytree_node=False, default=0)
+    held_pages: int = struct.field(pytree_node=False, default=0)
     shards: int = struct.field(pytree_node=False, default=1)
 
     # Read by ``Attention`` to route a forward call here.
@@ -498,7 +501,9 @@ class PagedKVCache:
             )
             return out[:, None].astype(pool_v.dtype), cache
         if self.attention == "pool" and t == 1:
-            out = pool_attention(q, pool_k, pool_v, self.page_table, ends, self.shared_refs)
+            out = pool_attention(
+                q, pool_k, pool_v, self.page_table, ends, self.shared_refs, self.held_pages
+            )
             return out, cache
         attend = online_attention if self.attention == "online" else gather_attention
         return attend(q, pool_k, pool_v, self.page_table, slots, ends), cache
@@ -605,7 +610,7 @@ def online_attention(q, k_pages, v_pages, page_table, query_slots, ends):
     return out.reshape(b, hkv, t, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, t, h, dh)
 
 
-def pool_attention(q, k_pages, v_pages, page_table, ends, shared_refs=0):
+def pool_attention(q, k_pages, v_pages, page_table, ends, shared_refs=0, held_pages=0):
     """One-token attention read from the pool in place: each page against the query of
     the row that holds it, so the work follows the pool's pages, not rows x max_pages.
 
@@ -614,13 +619,16 @@ def pool_attention(q, k_pages, v_pages, page_table, ends, shared_refs=0):
     sqrt(Dh), seen iff c_p ps + s < ends[r_p], are one batched product over the pool, with
     no key gather. Each row's softmax is taken over its segment of references: a segment
     max m_r = max over the row's pages of max_s z, then e = exp(z - m_r), and segment sums
-    l_r = sum e, o_r = sum e v; out_r = o_r / l_r. The other references (a prompt's full
-    pages shared by the rows of its group, ``copy_rows``) are listed in table order and
-    taken ``shared_refs`` at a time (their pages gathered): the first chunk when there is
-    one, the others (an overflow of the bound) in a ``lax.while_loop`` that runs only then,
+    l_r = sum e, o_r = sum e v; out_r = o_r / l_r. With ``held_pages`` = K < NP, the pages
+    held (those with a first reference) are listed in page order, K at a time, and only
+    they are gathered and scored: the work follows the pages held, not the pool. The
+    other references (a prompt's full pages shared by the rows of its group,
+    ``copy_rows``) are listed in table order and taken ``shared_refs`` at a time (their
+    pages gathered). Of each list, the first chunk is taken when it holds a reference,
+    the others (an overflow of the bound) in a ``lax.while_loop`` that runs only then,
     each chunk's (m, l, o) merged into the rows' as an online softmax does:
     m' = max(m, m_c), l' = l e^(m - m') + l_c e^(m_c - m'), o' = o e^(m - m') +
-    o_c e^(m_c - m'). No reference is ever dropped, whatever the bound.
+    o_c e^(m_c - m'). No reference is ever dropped, whatever the bounds.
 
     Args:
       q: [B, 1, H, Dh]; k_pages, v_pages: [Hkv, NP, ps, Dh] (one layer's pools);
@@ -629,6 +637,9 @@ def pool_attention(q, k_pages, v_pages, page_table, ends, shared_refs=0):
       shared_refs: static, references beyond each page's first taken per chunk (0: one
         row's worth, max_pages); ``policyopt.engine`` passes its exact bound, so the
         overflow loop never runs there.
+      held_pages: static, held pages taken per chunk (0 or >= NP: the whole pool in
+        place, no gather); ``policyopt.engine`` passes a bucket at least the pages its
+        decode call can hold, so the overflow loop never runs there.
     Returns:
       [B, 1, H, Dh] in v_pages' dtype; a row with no key gets zeros.
     """
@@ -641,23 +652,48 @@ def pool_attention(q, k_pages, v_pages, page_table, ends, shared_refs=0):
     page = jnp.where(held, page_table, num_pages).reshape(-1)  # [B * max_pages]
     ref = jnp.arange(b * max_pages, dtype=jnp.int32)  # r * max_pages + c
     first = jnp.full((num_pages,), b * max_pages, jnp.int32).at[page].min(ref, mode="drop")
-    stats = _segment_partial(
-        queries, first // max_pages, first % max_pages, k_pages, v_pages, row_ends
-    )
+    if 0 < held_pages < num_pages:
+        # The held pages in page order, then padding (page NP: no first reference, row B).
+        owned = first < b * max_pages
+        size = -(-num_pages // held_pages) * held_pages
+        slot = jnp.where(owned, jnp.cumsum(owned) - 1, size)
+        listed = (
+            jnp.full((size,), num_pages, jnp.int32)
+            .at[slot]
+            .set(jnp.arange(num_pages, dtype=jnp.int32), mode="drop")
+        )
+        firsts = jnp.concatenate([first, jnp.full((1,), b * max_pages, jnp.int32)])
+
+        def held_chunk(i):
+            at = jax.lax.dynamic_slice(listed, (i * held_pages,), (held_pages,))
+            refs, at = firsts[at], jnp.minimum(at, num_pages - 1)
+            return _segment_partial(
+                queries,
+                refs // max_pages,
+                refs % max_pages,
+                _gather_pages(k_pages, at),
+                _gather_pages(v_pages, at),
+                row_ends,
+            )
+
+        stats = _chunks(held_chunk, jnp.sum(owned, dtype=jnp.int32), held_pages, None)
+    else:
+        stats = _segment_partial(
+            queries, first // max_pages, first % max_pages, k_pages, v_pages, row_ends
+        )
     # References beyond their page's first, compacted to the front in table order.
     other = held.reshape(-1) & (first[jnp.minimum(page, num_pages - 1)] != ref)
     count = jnp.sum(other, dtype=jnp.int32)
     chunk = shared_refs or max_pages
     size = -(-(b * max_pages) // chunk) * chunk
     slot = jnp.where(other, jnp.cumsum(other) - 1, size)
-    listed = jnp.full((size,), b * max_pages, jnp.int32).at[slot].set(ref, mode="drop")
+    listed_refs = jnp.full((size,), b * max_pages, jnp.int32).at[slot].set(ref, mode="drop")
     pages = jnp.concatenate([page, jnp.full((1,), num_pages, jnp.int32)])
 
-    def body(carry):
-        i, stats = carry
-        refs = jax.lax.dynamic_slice(listed, (i * chunk,), (chunk,))
+    def shared_chunk(i):
+        refs = jax.lax.dynamic_slice(listed_refs, (i * chunk,), (chunk,))
         at = jnp.minimum(pages[refs], num_pages - 1)
-        part = _segment_partial(
+        return _segment_partial(
             queries,
             refs // max_pages,
             refs % max_pages,
@@ -665,20 +701,34 @@ def pool_attention(q, k_pages, v_pages, page_table, ends, shared_refs=0):
             _gather_pages(v_pages, at),
             row_ends,
         )
-        return i + 1, _merge(stats, part)
 
-    # The first chunk under a cond, the rest (overflow) in a loop under another: XLA:CPU
-    # copies the layer's pools into a while loop's operands whether or not it runs (17 ms
-    # of a 64-row decode step, benchmarks/RESULTS.md), and into a cond's only when taken.
+    m, l, o = _chunks(shared_chunk, count, chunk, stats)
+    out = o[:, :b] / jnp.where(l[:, :b] > 0, l[:, :b], 1.0)[..., None]
+    return out.transpose(1, 0, 2, 3).reshape(b, 1, h, dh).astype(v_pages.dtype)
+
+
+def _chunks(chunk_stats, count, chunk, stats):
+    """``stats`` merged with ``chunk_stats(i)`` for every chunk i of a list of ``count``
+    references, ``chunk`` a chunk (stats None: the first chunk's own, always taken).
+
+    The first chunk under a cond (taken iff count > 0), the rest (overflow) in a loop under
+    another: XLA:CPU copies the layer's pools into a while loop's operands whether or not
+    it runs (17 ms of a 64-row decode step, benchmarks/RESULTS.md), and into a cond's only
+    when taken."""
     zero = jnp.zeros((), jnp.int32)
-    first_chunk = lambda stats: body((zero, stats))[1]
+    if stats is None:
+        stats = chunk_stats(zero)
+    else:
+        stats = jax.lax.cond(count > 0, lambda s: _merge(s, chunk_stats(zero)), lambda s: s, stats)
+
+    def body(carry):
+        i, stats = carry
+        return i + 1, _merge(stats, chunk_stats(i))
+
     rest = lambda stats: jax.lax.while_loop(
         lambda carry: carry[0] * chunk < count, body, (zero + 1, stats)
     )[1]
-    stats = jax.lax.cond(count > 0, first_chunk, lambda stats: stats, stats)
-    m, l, o = jax.lax.cond(count > chunk, rest, lambda stats: stats, stats)
-    out = o[:, :b] / jnp.where(l[:, :b] > 0, l[:, :b], 1.0)[..., None]
-    return out.transpose(1, 0, 2, 3).reshape(b, 1, h, dh).astype(v_pages.dtype)
+    return jax.lax.cond(count > chunk, rest, lambda s: s, stats)
 
 
 def _segment_partial(queries, rows, columns, keys, values, row_ends):
@@ -705,9 +755,13 @@ def _segment_partial(queries, rows, columns, keys, values, row_ends):
 
 
 def _merge(a, b):
-    """Two rows' partial softmax statistics (m, l, o) merged into one."""
+    """Two rows' partial softmax statistics (m, l, o) merged into one. A side with no key
+    (l = 0, m = 0 by ``_segment_partial``) weighs nothing: its m is taken as -inf, so a row
+    whose scores are all far below 0 does not underflow against it."""
     (m_a, l_a, o_a), (m_b, l_b, o_b) = a, b
+    m_a, m_b = jnp.where(l_a > 0, m_a, -jnp.inf), jnp.where(l_b > 0, m_b, -jnp.inf)
     m = jnp.maximum(m_a, m_b)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
     scale_a, scale_b = jnp.exp(m_a - m), jnp.exp(m_b - m)
     return m, l_a * scale_a + l_b * scale_b, o_a * scale_a[..., None] + o_b * scale_b[..., None]
 
