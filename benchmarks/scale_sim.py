@@ -239,12 +239,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--engine-attention",
-        default="gather",
+        default="pool",
         choices=("gather", "online", "pool"),
-        help="rollout: the engine's attention over pages (policyopt.models.paged; "
+        help="rollout: the engine's attention over pages (policyopt.models.paged; default "
+        'the engine\'s, "pool"; '
         'the TPU kernel, "pallas", does not compile for the CPU: '
         '"online" reads the pages one at a time as it does; "pool" scores the pages '
-        "in place for decode steps)",
+        "in place for decode steps, compiled here over the whole pool, held_pages 0)",
     )
     p.add_argument(
         "--engine-rows",

@@ -653,7 +653,8 @@ class EngineSlots(_SlotGroups):
       params: any parameters of the right structure (used for shapes only).
       kv_tokens: KV token slots of each shard's page pool (the memory budget).
       page_size: token slots per page.
-      attention: attention over pages (``models.paged.ATTENTION``).
+      attention: attention over pages (``models.paged.ATTENTION``; "pool", the engine's
+        default: ``EngineConfig.attention``).
       capture_routing: record every token's experts (MoE models), as SlotGenerator does.
       mesh: the mesh the parameters live on, or None: the engine runs one shard per device
         along the row axes (``engine.row_shards``), ``num_groups`` split evenly over them.
@@ -670,7 +671,7 @@ class EngineSlots(_SlotGroups):
         *,
         kv_tokens: int,
         page_size: int = 16,
-        attention: str = "gather",
+        attention: str = "pool",
         capture_routing: bool = True,
         mesh: jax.sharding.Mesh | None = None,
     ):
