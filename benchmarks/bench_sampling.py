@@ -74,7 +74,9 @@ from policyopt import sampling  # noqa: E402
 from policyopt.models import Transformer, preset, save_pretrained  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "bench_sampling.json")
-TARGET_SPEEDUP = 5.0
+# The main case against transformers: issue 23's floor (an earlier 5x was set against a
+# transformers figure measured under load, ~40x slower than at idle: benchmarks/RESULTS.md).
+TARGET_SPEEDUP = 2.0
 # The long-tailed mix: the engine against the static batch (issue 23's floor).
 TARGET_LONG_TAIL = 3.0
 
