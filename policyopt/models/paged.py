@@ -52,8 +52,8 @@ Attention over pages (``attend``):
     (``python -m benchmarks.bench_sampling --skip_main --engine_uniform --runs 3
     --long_tail_runs 3``, medians of 3 alternated calls, benchmarks/RESULTS.md,
     "Eighteenth session"): long-tailed mix 22.9 s against the gather's 34.3 (3.57x the
-    static batch's tokens/s against 2.39x; 31.7 s against 24.2 without the held-page
-    lists in an A/B run), the uniform case 3.85 s against 3.93 (an A/B of 5 calls: 3.62
+    static batch's tokens/s against 2.39x; in an A/B run 24.2 s with the held-page lists,
+    31.7 s without), the uniform case 3.85 s against 3.93 (an A/B of 5 calls: 3.62
     against 3.97, 4.08 without the lists). With
     the stacked pools XLA:CPU copied each layer's slice (8 MB at 1,024 pages) before the
     products read it: the engine carries per-layer pools.
