@@ -652,29 +652,26 @@ def pool_attention(q, k_pages, v_pages, page_table, ends, shared_refs=0, held_pa
     page = jnp.where(held, page_table, num_pages).reshape(-1)  # [B * max_pages]
     ref = jnp.arange(b * max_pages, dtype=jnp.int32)  # r * max_pages + c
     first = jnp.full((num_pages,), b * max_pages, jnp.int32).at[page].min(ref, mode="drop")
+
+    def gathered(refs, at):  # softmax statistics over references refs, their pages at
+        return _segment_partial(
+            queries,
+            refs // max_pages,
+            refs % max_pages,
+            _gather_pages(k_pages, at),
+            _gather_pages(v_pages, at),
+            row_ends,
+        )
+
     if 0 < held_pages < num_pages:
         # The held pages in page order, then padding (page NP: no first reference, row B).
         owned = first < b * max_pages
-        size = -(-num_pages // held_pages) * held_pages
-        slot = jnp.where(owned, jnp.cumsum(owned) - 1, size)
-        listed = (
-            jnp.full((size,), num_pages, jnp.int32)
-            .at[slot]
-            .set(jnp.arange(num_pages, dtype=jnp.int32), mode="drop")
-        )
+        pages_listed = _listed(owned, jnp.arange(num_pages, dtype=jnp.int32), held_pages, num_pages)
         firsts = jnp.concatenate([first, jnp.full((1,), b * max_pages, jnp.int32)])
 
         def held_chunk(i):
-            at = jax.lax.dynamic_slice(listed, (i * held_pages,), (held_pages,))
-            refs, at = firsts[at], jnp.minimum(at, num_pages - 1)
-            return _segment_partial(
-                queries,
-                refs // max_pages,
-                refs % max_pages,
-                _gather_pages(k_pages, at),
-                _gather_pages(v_pages, at),
-                row_ends,
-            )
+            at = jax.lax.dynamic_slice(pages_listed, (i * held_pages,), (held_pages,))
+            return gathered(firsts[at], jnp.minimum(at, num_pages - 1))
 
         stats = _chunks(held_chunk, jnp.sum(owned, dtype=jnp.int32), held_pages, None)
     else:
@@ -685,26 +682,24 @@ def pool_attention(q, k_pages, v_pages, page_table, ends, shared_refs=0, held_pa
     other = held.reshape(-1) & (first[jnp.minimum(page, num_pages - 1)] != ref)
     count = jnp.sum(other, dtype=jnp.int32)
     chunk = shared_refs or max_pages
-    size = -(-(b * max_pages) // chunk) * chunk
-    slot = jnp.where(other, jnp.cumsum(other) - 1, size)
-    listed_refs = jnp.full((size,), b * max_pages, jnp.int32).at[slot].set(ref, mode="drop")
+    refs_listed = _listed(other, ref, chunk, b * max_pages)
     pages = jnp.concatenate([page, jnp.full((1,), num_pages, jnp.int32)])
 
     def shared_chunk(i):
-        refs = jax.lax.dynamic_slice(listed_refs, (i * chunk,), (chunk,))
-        at = jnp.minimum(pages[refs], num_pages - 1)
-        return _segment_partial(
-            queries,
-            refs // max_pages,
-            refs % max_pages,
-            _gather_pages(k_pages, at),
-            _gather_pages(v_pages, at),
-            row_ends,
-        )
+        refs = jax.lax.dynamic_slice(refs_listed, (i * chunk,), (chunk,))
+        return gathered(refs, jnp.minimum(pages[refs], num_pages - 1))
 
     m, l, o = _chunks(shared_chunk, count, chunk, stats)
     out = o[:, :b] / jnp.where(l[:, :b] > 0, l[:, :b], 1.0)[..., None]
     return out.transpose(1, 0, 2, 3).reshape(b, 1, h, dh).astype(v_pages.dtype)
+
+
+def _listed(mask, values, chunk, fill):
+    """``values`` where ``mask`` holds, compacted to the front in order and padded with
+    ``fill`` to a multiple of ``chunk``: [ceil(len / chunk) * chunk]."""
+    size = -(-mask.shape[0] // chunk) * chunk
+    slot = jnp.where(mask, jnp.cumsum(mask) - 1, size)
+    return jnp.full((size,), fill, values.dtype).at[slot].set(values, mode="drop")
 
 
 def _chunks(chunk_stats, count, chunk, stats):
