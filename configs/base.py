@@ -573,6 +573,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Its AdamW (Adam's betas and eps shared with `optim`).
     c.sft.lr = 3e-3
     c.sft.warmup_steps = 20
+    # After the warm-up: "constant", or "cosine" to lr * min_lr_ratio at update sft.steps
+    # (a run extended past sft.steps, `experiments/sft.py --steps`, continues at that rate).
+    c.sft.lr_decay = "constant"
+    c.sft.min_lr_ratio = 0.0
     c.sft.weight_decay = 0.0
     c.sft.max_grad_norm = 1.0
     # Save a checkpoint every K updates (and at the end); 0: only at the end.
@@ -725,6 +729,7 @@ _CHOICES = {
     "task.extract": ("auto", "boxed", "marker", "none"),
     "task.overlong_prompt": ("error", "drop", "truncate_left", "truncate_right"),
     "sft.overlong_response": ("error", "drop", "truncate"),
+    "sft.lr_decay": ("constant", "cosine"),
     "reward.code_isolation": ("process", "none"),
 }
 
@@ -1004,6 +1009,7 @@ _RANGES = (
     ("critic.lr", 0.0, None, False, False),
     ("critic.weight_decay", 0.0, None, True, False),
     ("sft.lr", 0.0, None, False, False),
+    ("sft.min_lr_ratio", 0.0, 1.0, True, False),
     ("sft.weight_decay", 0.0, None, True, False),
     ("sft.max_grad_norm", 0.0, None, False, True),
     ("algo.adv_eps", 0.0, None, True, False),

@@ -34,4 +34,10 @@ def get_config(arg=None):
     # Responses: 16 steps of `1682-99=1583,` are <= 195 tokens with EOS.
     c.sampling.max_new_tokens = 208
     c.batch.response_buckets = (64, 128, 208)
+    # SFT start: the testbed's lr 1e-2 for 1000 steps, decayed by a cosine to 1e-3 (the
+    # constant 1e-2 for 800 steps left greedy pass@1 at 0.27, too weak a start for RL to
+    # improve in 20 iterations; benchmarks/RESULTS.md "Nineteenth session").
+    c.sft.steps = 1000
+    c.sft.lr_decay = "cosine"
+    c.sft.min_lr_ratio = 0.1
     return base.finalize(c, arg)

@@ -24,6 +24,7 @@ from policyopt.rl.learner import (
     make_optimizer,
     split_params,
     warmup_constant_schedule,
+    warmup_cosine_schedule,
 )
 from tests.settings import gae_settings, loss_settings, optim_settings
 
@@ -434,6 +435,23 @@ def test_a_minibatch_without_tokens_is_not_an_update(policy, field):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     state, metrics = learner.update(state, batch)
     assert float(metrics["update/empty"]) == 0.0 and int(state.step) == 2
+
+
+def test_warmup_cosine_schedule_by_hand():
+    """lr 1, 2 warm-up updates, cosine to 0.1 at update 6: counts 0-1 warm up (1/2, 2/2),
+    then p = (count - 2) / 4 and lr = 0.1 + 0.9 (1 + cos(pi p)) / 2, held at 0.1 after."""
+    got = [float(warmup_cosine_schedule(1.0, 2, 6, 0.1)(c)) for c in range(8)]
+    c45 = np.sqrt(0.5)  # cos(pi / 4)
+    want = [0.5, 1.0, 1.0, 0.1 + 0.45 * (1 + c45), 0.55, 0.1 + 0.45 * (1 - c45), 0.1, 0.1]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # No decay span: the constant schedule; no warm-up: the cosine starts at update 0.
+    assert float(warmup_cosine_schedule(0.5, 4, 4)(10)) == 0.5
+    np.testing.assert_allclose(
+        [float(warmup_cosine_schedule(2.0, 0, 2)(c)) for c in range(3)], [2.0, 1.0, 0.0], atol=1e-6
+    )
+    # make_optimizer's schedule is this one.
+    _, schedule = make_optimizer(lr=1.0, warmup_steps=2, decay_steps=6, min_lr_ratio=0.1)
+    np.testing.assert_allclose([float(schedule(c)) for c in range(8)], want, rtol=1e-6)
 
 
 def test_warmup_schedule_and_trace_counts(policy):

@@ -294,6 +294,26 @@ def test_sft_rerun_in_a_finished_workdir_reuses_it(tmp_path):
         )
 
 
+def test_sft_cosine_learning_rate(tmp_path):
+    """sft.lr_decay="cosine": update k (1-based) logs lr * (r + (1 - r) (1 + cos(pi (k - 1
+    - w) / (steps - w))) / 2) after w warm-up updates; extending such a run past sft.steps
+    with min_lr_ratio 0 (learning rate 0) is refused before anything is built."""
+    from policyopt.rl.sft import run_sft
+
+    extra = (
+        "eval.num_prompts=0,sft.steps=4,sft.batch_size=4,sft.overlong_response=drop,"
+        "sft.lr=0.01,sft.warmup_steps=1,sft.lr_decay=cosine,train.log_every=1"
+    )
+    run_sft(tiny("grpo", extra=extra + ",sft.min_lr_ratio=0.2"), str(tmp_path / "a"), quiet=True)
+    rows = read_jsonl(tmp_path / "a" / "metrics.jsonl")
+    got = [r["update/lr"] for r in rows if "update/lr" in r]
+    cosine = [0.2 + 0.8 * (1 + np.cos(np.pi * p)) / 2 for p in (0, 1 / 3, 2 / 3)]
+    np.testing.assert_allclose(got, 0.01 * np.asarray([1.0, *cosine]), rtol=1e-5)
+    with pytest.raises(ValueError, match="learning rate 0"):
+        run_sft(tiny("grpo", extra=extra), str(tmp_path / "b"), steps=6, quiet=True)
+    assert not os.path.exists(tmp_path / "b" / "checkpoints")
+
+
 def test_a_failed_final_evaluation_loses_no_training(tmp_path, monkeypatch):
     """Checkpoints are saved before the evaluation of their step (RL and SFT): a run whose
     final evaluation fails resumes at its last step and evaluates it, once."""

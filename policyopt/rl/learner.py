@@ -111,6 +111,28 @@ def warmup_constant_schedule(lr: float, warmup_steps: int) -> optax.Schedule:
     return lambda count: lr * jnp.minimum(1.0, (count + 1.0) / warmup_steps)
 
 
+def warmup_cosine_schedule(
+    lr: float, warmup_steps: int, decay_steps: int, min_lr_ratio: float = 0.0
+) -> optax.Schedule:
+    """``warmup_constant_schedule``'s warm-up, then a cosine from ``lr`` at update
+    ``warmup_steps`` to ``lr * min_lr_ratio`` at update ``decay_steps`` (0-based counts: a
+    run of ``decay_steps`` updates ends one step short of it), constant after it: update
+    ``count`` gets ``lr * (r + (1 - r) (1 + cos(pi
+    p)) / 2)`` with ``p = (count - warmup_steps) / (decay_steps - warmup_steps)`` clipped to
+    [0, 1]. ``decay_steps <= warmup_steps``: ``warmup_constant_schedule``."""
+    if decay_steps <= warmup_steps:
+        return warmup_constant_schedule(lr, warmup_steps)
+    warm = warmup_constant_schedule(lr, warmup_steps)
+    span = float(decay_steps - warmup_steps)
+
+    def schedule(count):
+        progress = jnp.clip((count - warmup_steps) / span, 0.0, 1.0)
+        cosine = min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+        return jnp.where(count < warmup_steps, warm(count), lr * cosine)
+
+    return schedule
+
+
 def make_optimizer(
     *,
     lr: float,
@@ -120,14 +142,18 @@ def make_optimizer(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     max_grad_norm: float | None = 1.0,
+    decay_steps: int = 0,
+    min_lr_ratio: float = 0.0,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with warm-up then constant learning rate, after global-norm clipping.
+    """AdamW after global-norm clipping, with linear warm-up, then a constant learning
+    rate (``decay_steps = 0``) or a cosine decay to ``lr * min_lr_ratio`` at update
+    ``decay_steps`` (``warmup_cosine_schedule``).
 
     Returns:
       ``(optimizer, schedule)``; ``schedule(state.step)`` is the learning rate of the next
       update.
     """
-    schedule = warmup_constant_schedule(lr, warmup_steps)
+    schedule = warmup_cosine_schedule(lr, warmup_steps, decay_steps, min_lr_ratio)
     parts = []
     if max_grad_norm is not None and max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(max_grad_norm))
@@ -644,8 +670,8 @@ def guarded_update(
 class OptimConfig:
     """Hyper-parameters of ``make_optimizer`` (hashable: part of a Learner's cache key):
     ``config.optim`` (``from_config``), or ``config.critic`` / ``config.sft`` with Adam's
-    betas and eps of ``config.optim``. No defaults of its own: ``configs/base.py`` holds
-    them, and checks their ranges."""
+    betas and eps of ``config.optim``. No defaults of its own but the decay's (off):
+    ``configs/base.py`` holds them, and checks their ranges."""
 
     lr: float
     warmup_steps: int
@@ -654,6 +680,10 @@ class OptimConfig:
     eps: float
     weight_decay: float
     max_grad_norm: float | None
+    # Cosine decay to lr * min_lr_ratio at update decay_steps (0: constant; `make_optimizer`).
+    # Only SFT sets them (`config.sft.lr_decay`); RL's optimiser keeps a constant rate.
+    decay_steps: int = 0
+    min_lr_ratio: float = 0.0
 
     @classmethod
     def from_config(cls, optim) -> "OptimConfig":

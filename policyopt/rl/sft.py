@@ -182,6 +182,8 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
         warmup_steps=int(s.warmup_steps),
         weight_decay=float(s.weight_decay),
         max_grad_norm=s.max_grad_norm,
+        decay_steps=int(s.steps) if s.lr_decay == "cosine" else 0,
+        min_lr_ratio=float(s.min_lr_ratio),
     )
     update, optimizer = sft_update_fn(graphdef, optim)
     state = place_state(TrainState.create(params, optimizer), optimizer, mesh)
@@ -306,6 +308,12 @@ def run_sft(
     os.makedirs(workdir, exist_ok=True)
     lock_workdir(workdir)  # one process per workdir: a second is refused in one line
     total = config.sft.steps if steps is None else steps
+    if config.sft.lr_decay == "cosine" and total > config.sft.steps and not config.sft.min_lr_ratio:
+        raise ValueError(
+            f"{total} SFT updates with sft.lr_decay='cosine' to 0 at sft.steps="
+            f"{config.sft.steps}: the updates past it would train at learning rate 0; set "
+            "sft.min_lr_ratio > 0 to continue at lr * min_lr_ratio"
+        )
     run = build_sft(config, workdir, init_checkpoint=init_checkpoint)
     primary = sharding.is_primary()  # process 0 writes (multi-process jobs)
     # Records after the checkpoint's step are written again (see trainer.RunLoop).
