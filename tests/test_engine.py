@@ -150,18 +150,15 @@ def test_small_budget_waits_not_truncates(model, greedy_reference):
     assert stats["held_page_calls"] > 0, stats
 
 
-def test_batched_admissions_give_the_same_rollout(model):
-    """Temperature 1, a pool small enough that rows wait and groups are preempted:
-    admitting up to 3 prompts per prefill call (padding places included) and decoding
-    compacted batches of the running rows (buckets of 2 and 4 rows; 1 row:
-    test_greedy_equals_generate["pool"]) gives the tokens and
-    log-probs of admitting them one at a time and decoding every row, in fewer
-    admit_rows calls; on the "pool" attention, whose per-layer pools the admissions write
-    (the gather reads the same state: test_greedy_equals_generate). (Before a
-    shard that preempted a group stopped admitting new ones, this geometry looped for
-    ever: the preempted group, admitted again at once, was preempted again.)"""
+@pytest.fixture(scope="module")
+def sampled_runs(model):
+    """Temperature 1, 6 prompts (3 groups of rows) through a pool small enough that rows
+    wait and groups are preempted: {admit_prompts: (rollout, stats)} for one prompt per
+    admission call decoding every row, and up to 3 per call decoding compacted batches of
+    the running rows (buckets of 2 and 4 rows; 1 row: test_greedy_equals_generate["pool"]).
+    Shared by the two tests below."""
     config = SamplingConfig(max_new_tokens=NEW, method=Temperature(1.0), num_samples=GROUP)
-    prompts = np.concatenate([PROMPTS, PROMPTS[::-1]])  # 6 prompts, 3 groups of rows
+    prompts = np.concatenate([PROMPTS, PROMPTS[::-1]])
     lengths = np.concatenate([LENGTHS, LENGTHS[::-1]])
     runs = {}
     for admit, bucket in ((1, 0), (3, 2)):
@@ -179,7 +176,18 @@ def test_batched_admissions_give_the_same_rollout(model):
             config,
         )
         runs[admit] = engine.generate(prompts, lengths, jax.random.key(5)), dict(engine.stats)
-    (one, one_stats), (batched, stats) = runs[1], runs[3]
+    return runs
+
+
+def test_batched_admissions_give_the_same_rollout(sampled_runs):
+    """Admitting up to 3 prompts per prefill call (padding places included) and decoding
+    compacted batches gives the tokens and log-probs of admitting them one at a time and
+    decoding every row, in fewer admit_rows calls; on the "pool" attention, whose
+    per-layer pools the admissions write (the gather reads the same state:
+    test_greedy_equals_generate). (Before a shard that preempted a group stopped admitting
+    new ones, this geometry looped for ever: the preempted group, admitted again at once,
+    was preempted again.)"""
+    (one, one_stats), (batched, stats) = sampled_runs[1], sampled_runs[3]
     assert stats["waits"] > 0 and stats["preempted_groups"] > 0, stats
     assert stats["pages_held_at_end"] == 0, stats
     assert stats["admit_calls"] < one_stats["admit_calls"], (stats, one_stats)
@@ -190,7 +198,7 @@ def test_batched_admissions_give_the_same_rollout(model):
     np.testing.assert_array_equal(batched.routing[:, real], one.routing[:, real])
     # Different keys for the two samples of a prompt; every row ran (no truncation).
     assert not np.array_equal(batched.tokens[0], batched.tokens[1])
-    assert batched.mask.sum() == len(prompts) * GROUP * NEW
+    assert batched.mask.sum() == 6 * GROUP * NEW
 
 
 def test_compact_and_expand_hand_worked():
@@ -246,12 +254,11 @@ def test_stop_sequences_and_no_routing_capture(model, greedy_free):
     assert rollout.routing is None
 
 
-def test_log_probs_equal_full_forward(model):
+def test_log_probs_equal_full_forward(model, sampled_runs):
     """Temperature 1: the behaviour log-probs are log softmax of a full forward pass over
-    prompt + response (no cache) at each sampled token."""
-    config = SamplingConfig(max_new_tokens=NEW, method=Temperature(1.0), num_samples=GROUP)
-    engine = Engine(model, EngineConfig(kv_tokens=64, rows=4, page_size=4), config)
-    rollout = engine.generate(PROMPTS, LENGTHS, jax.random.key(3))
+    prompt + response (no cache) at each sampled token; of the batched admissions' run,
+    whose rows waited for pages and whose preempted groups were recomputed."""
+    rollout, _ = sampled_runs[3]
     tokens, positions, attention_mask = rollout.sequences()
     graphdef, params = nnx.split(model)
     forward = jax.jit(
@@ -268,10 +275,8 @@ def test_log_probs_equal_full_forward(model):
     log_softmax = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
     expected = np.take_along_axis(log_softmax, rollout.tokens[..., None], -1)[..., 0]
     mask = rollout.mask > 0
-    assert mask.sum() == GROUP * len(PROMPTS) * NEW
+    assert mask.sum() == GROUP * 6 * NEW
     np.testing.assert_allclose(rollout.log_probs[mask], expected[mask], atol=1e-4, rtol=1e-4)
-    # Different keys for the two samples of a prompt.
-    assert not np.array_equal(rollout.tokens[0], rollout.tokens[1])
 
 
 def test_budget_errors(model):
