@@ -61,14 +61,10 @@ def _params(run):
 def test_every_recipe_runs_a_few_iterations(recipe, model, tmp_path):
     # Critic recipes: iteration 1 value pretraining (VC-PPO, VAPO) or not (PPO), then PPO.
     pretrain = 1 if recipe in ("vc_ppo", "vapo") else 0
-    # One checkpoint, the final one (every recipe's whole state saved; saving at every
-    # iteration is the same code: the resume tests below).
-    extra = "train.checkpoint_every=2"
     config = tiny(
         recipe,
         model,
-        extra=extra
-        + (f",critic.pretrain_iterations={pretrain}" if recipe in CRITIC_RECIPES else ""),
+        extra=f"critic.pretrain_iterations={pretrain}" if recipe in CRITIC_RECIPES else "",
     )
     summary = trainer.run_rl(config, str(tmp_path), quiet=True)
     run = summary["run"]
