@@ -44,36 +44,27 @@ jax.config.update(
     int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]),
 )
 
-# The slowest files (seconds of their tests in a full `make test` run, benchmarks/RESULTS.md
-# "Nineteenth session: the suite trimmed"), first: pytest-xdist (`make test`: --dist
-# loadfile --no-loadscope-reorder) hands each worker one file at a time in collection
-# order, so starting with the longest lets the workers end together
-# (longest-processing-time-first) instead of one running a long file alone at the end.
-# Every file of 25 s or more is listed; the others follow in their usual order.
+# The slowest files (CPU seconds of a full run, benchmarks/RESULTS.md "Sixteenth session"),
+# first: pytest-xdist (`make test`: --dist loadfile --no-loadscope-reorder) hands each worker
+# one file at a time in collection order, so starting with the longest lets the workers end
+# together (longest-processing-time-first) instead of one running a long file alone at the
+# end. The other files follow in their usual order.
 SLOWEST_FIRST = (
     "test_rl_trainer.py",
     "test_micro_batches.py",
-    "test_engine.py",
-    "test_scan.py",
     "test_expert_parallel.py",
+    "test_scan.py",
+    "test_engine.py",
+    "test_packing.py",
+    "test_rl_mesh.py",
     "test_async_rl.py",
-    "test_paged.py",
+    "test_scale_sim.py",
     "test_multihost.py",
     "test_rewards_code.py",
-    "test_fsdp_grads.py",
-    "test_packing.py",
-    "test_losses.py",
-    "test_sampling.py",
-    "test_models.py",
     "test_async_engine.py",
-    "test_moe.py",
-    "test_critic.py",
-    "test_rl_mesh.py",
     "test_rl_tasks.py",
-    "test_hf.py",
-    "test_scale_sim.py",
-    "test_attention.py",
-    "test_rl_learner.py",
+    "test_sampling.py",
+    "test_fsdp_grads.py",
 )
 
 
