@@ -150,20 +150,18 @@ def test_small_budget_waits_not_truncates(model, greedy_reference):
     assert stats["held_page_calls"] > 0, stats
 
 
-def test_batched_admissions_give_the_same_rollout(model):
-    """Temperature 1, a pool small enough that rows wait and groups are preempted:
-    admitting up to 3 prompts per prefill call (padding places included) and decoding
-    compacted batches of the running rows (buckets of 1, 2, 4 rows) gives the tokens and
-    log-probs of admitting them one at a time and decoding every row, in fewer
-    admit_rows calls; on the "pool" attention, whose per-layer pools the admissions write
-    (the gather reads the same state: test_greedy_equals_generate). (Before a
-    shard that preempted a group stopped admitting new ones, this geometry looped for
-    ever: the preempted group, admitted again at once, was preempted again.)"""
+@pytest.fixture(scope="module")
+def sampled_runs(model):
+    """Temperature 1, 6 prompts (3 groups of rows) through a pool small enough that rows
+    wait and groups are preempted: {admit_prompts: (rollout, stats)} for one prompt per
+    admission call decoding every row, and up to 3 per call decoding compacted batches of
+    the running rows (buckets of 2 and 4 rows; 1 row: test_greedy_equals_generate["pool"]).
+    Shared by the two tests below."""
     config = SamplingConfig(max_new_tokens=NEW, method=Temperature(1.0), num_samples=GROUP)
-    prompts = np.concatenate([PROMPTS, PROMPTS[::-1]])  # 6 prompts, 3 groups of rows
+    prompts = np.concatenate([PROMPTS, PROMPTS[::-1]])
     lengths = np.concatenate([LENGTHS, LENGTHS[::-1]])
     runs = {}
-    for admit, bucket in ((1, 0), (3, 1)):
+    for admit, bucket in ((1, 0), (3, 2)):
         engine = Engine(
             model,
             EngineConfig(
@@ -178,7 +176,18 @@ def test_batched_admissions_give_the_same_rollout(model):
             config,
         )
         runs[admit] = engine.generate(prompts, lengths, jax.random.key(5)), dict(engine.stats)
-    (one, one_stats), (batched, stats) = runs[1], runs[3]
+    return runs
+
+
+def test_batched_admissions_give_the_same_rollout(sampled_runs):
+    """Admitting up to 3 prompts per prefill call (padding places included) and decoding
+    compacted batches gives the tokens and log-probs of admitting them one at a time and
+    decoding every row, in fewer admit_rows calls; on the "pool" attention, whose
+    per-layer pools the admissions write (the gather reads the same state:
+    test_greedy_equals_generate). (Before a shard that preempted a group stopped admitting
+    new ones, this geometry looped for ever: the preempted group, admitted again at once,
+    was preempted again.)"""
+    (one, one_stats), (batched, stats) = sampled_runs[1], sampled_runs[3]
     assert stats["waits"] > 0 and stats["preempted_groups"] > 0, stats
     assert stats["pages_held_at_end"] == 0, stats
     assert stats["admit_calls"] < one_stats["admit_calls"], (stats, one_stats)
@@ -189,7 +198,7 @@ def test_batched_admissions_give_the_same_rollout(model):
     np.testing.assert_array_equal(batched.routing[:, real], one.routing[:, real])
     # Different keys for the two samples of a prompt; every row ran (no truncation).
     assert not np.array_equal(batched.tokens[0], batched.tokens[1])
-    assert batched.mask.sum() == len(prompts) * GROUP * NEW
+    assert batched.mask.sum() == 6 * GROUP * NEW
 
 
 def test_compact_and_expand_hand_worked():
@@ -203,14 +212,15 @@ def test_compact_and_expand_hand_worked():
         tokens=jnp.arange(24, dtype=jnp.int32).reshape(8, 3),
         routing=jnp.arange(s.routing.size, dtype=jnp.int32).reshape(s.routing.shape),
     )
-    part, rows = compact(s, 2)
+    # Jitted: op by op, every primitive of compact and expand compiles on its own.
+    part, rows = jax.jit(compact, static_argnums=1)(s, 2)
     np.testing.assert_array_equal(rows, [[1, 3], [0, 1]])
     np.testing.assert_array_equal(part.count, [1, 3, 4, 5])
     np.testing.assert_array_equal(part.active, [True, True, True, False])
     np.testing.assert_array_equal(part.tokens, np.asarray(s.tokens)[[1, 3, 4, 5]])
     np.testing.assert_array_equal(part.routing, np.asarray(s.routing)[:, [1, 3, 4, 5]])
     assert part.cache.page_table.shape == (4, s.cache.max_pages)
-    back = expand(s, part.replace(count=part.count + 100, routing=-part.routing), rows)
+    back = jax.jit(expand)(s, part.replace(count=part.count + 100, routing=-part.routing), rows)
     np.testing.assert_array_equal(back.count, [0, 101, 2, 103, 104, 105, 6, 7])
     routing, expected = np.asarray(back.routing), np.asarray(s.routing).copy()
     expected[:, [1, 3, 4, 5]] *= -1
@@ -244,12 +254,11 @@ def test_stop_sequences_and_no_routing_capture(model, greedy_free):
     assert rollout.routing is None
 
 
-def test_log_probs_equal_full_forward(model):
+def test_log_probs_equal_full_forward(model, sampled_runs):
     """Temperature 1: the behaviour log-probs are log softmax of a full forward pass over
-    prompt + response (no cache) at each sampled token."""
-    config = SamplingConfig(max_new_tokens=NEW, method=Temperature(1.0), num_samples=GROUP)
-    engine = Engine(model, EngineConfig(kv_tokens=64, rows=4, page_size=4), config)
-    rollout = engine.generate(PROMPTS, LENGTHS, jax.random.key(3))
+    prompt + response (no cache) at each sampled token; of the batched admissions' run,
+    whose rows waited for pages and whose preempted groups were recomputed."""
+    rollout, _ = sampled_runs[3]
     tokens, positions, attention_mask = rollout.sequences()
     graphdef, params = nnx.split(model)
     forward = jax.jit(
@@ -266,10 +275,8 @@ def test_log_probs_equal_full_forward(model):
     log_softmax = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
     expected = np.take_along_axis(log_softmax, rollout.tokens[..., None], -1)[..., 0]
     mask = rollout.mask > 0
-    assert mask.sum() == GROUP * len(PROMPTS) * NEW
+    assert mask.sum() == GROUP * 6 * NEW
     np.testing.assert_allclose(rollout.log_probs[mask], expected[mask], atol=1e-4, rtol=1e-4)
-    # Different keys for the two samples of a prompt.
-    assert not np.array_equal(rollout.tokens[0], rollout.tokens[1])
 
 
 def test_budget_errors(model):
@@ -382,12 +389,14 @@ _SHARDED_SCRIPT = textwrap.dedent(r"""
     config = SamplingConfig(max_new_tokens=NEW, method=Greedy(), eos_id=eos, num_samples=GROUP)
     # Two shards of 4 rows and 12 pages of 2 slots: rows wait for pages; the first
     # admission call prefills two prompts on shard 0 and one (and a padding place) on 1.
-    # Decodes compacted to the running rows once they fit 2 or 1 rows per shard.
+    # Decodes compacted to the running rows once they fit 2 rows per shard (a bucket of 1
+    # row is the same program at another size: test_greedy_equals_generate["pool"]).
     engine = Engine(model, EngineConfig(kv_tokens=24, rows=4, page_size=2, steps_per_call=3,
-                                        decode_bucket=1),
+                                        decode_bucket=2),
                     config, graphdef=graphdef, mesh=mesh)
     assert engine.shards == 2
-    rollout = engine.generate(PROMPTS, LENGTHS, jax.random.key(0), params=params)
+    rng = jax.random.key(0)  # made off the mesh, as generate's callers make it
+    rollout = engine.generate(PROMPTS, LENGTHS, rng, params=params)
     np.testing.assert_array_equal(rollout.tokens, reference["tokens"])
     np.testing.assert_array_equal(rollout.mask, reference["mask"])
     np.testing.assert_allclose(rollout.raw_log_probs, reference["raw_log_probs"], atol=1e-4)
@@ -398,14 +407,15 @@ _SHARDED_SCRIPT = textwrap.dedent(r"""
 
     # The decode program holds each shard's pools on its own device: no collective moves a
     # pool (a layer's [Hkv, pages, ps, Dh], the unrolled model's per-layer form, or a
-    # shard of it).
+    # shard of it). The program generate ran first (every row, the whole pool), on the
+    # arguments generate gave it: the compiled program is loaded, not compiled again.
     state = engine.init_state(PROMPTS.shape[1])
     assert state.cache.per_layer and len(state.cache.k) == MOE.num_layers
     for pool in state.cache.k + state.cache.v:
         assert pool.sharding.shard_shape(pool.shape)[1] == 12
     with jax.set_mesh(mesh):
-        text = decode_steps.lower(graphdef, params, state, jax.random.key(0), config=config,
-                             steps=3).compile().as_text()
+        text = decode_steps.lower(graphdef, params, state, rng, config=config, steps=3,
+                                  bucket=None, held_pages=0).compile().as_text()
     shape = state.cache.pool_shape
     pools = {f"[{','.join(map(str, shape))}]" for shape in
              [shape, shape[:1] + (12,) + shape[2:]]}
