@@ -13,7 +13,10 @@ harder.
     python -m experiments.reproduce --claim vc_ppo --seeds 0,1,2
 
 trains (once, cached under runs/testbed_long/sft) the SFT start of the
-`testbed_long` setting (`configs/ablations.py`).
+`testbed_long` setting (`configs/ablations.py`): 1000 steps with a cosine-decayed learning
+rate, greedy pass@1 0.72 (benchmarks/RESULTS.md "Nineteenth session"). A cache made
+before that change (800 steps at a constant rate) would be continued, not retrained: move
+it aside.
 """
 
 from configs import base, testbed

@@ -27,16 +27,19 @@ otherwise (always with one seed: no spread). The effect size is m - threshold, r
 with s. A claim is supported when all its checks are, contradicted when any is, and
 inconclusive otherwise.
 
-Budgets on the 2-core machine (benchmarks/RESULTS.md "Fourteenth session" to "Eighteenth
+Budgets on the 2-core machine (benchmarks/RESULTS.md "Fourteenth session" to "Nineteenth
 session"; the SFT starts once per setting on top):
 ``Claim.budget`` (``--list`` prints it), measured on a machine shared with other jobs
 (load 2-14). The testbed's claims fit the
 target of 30 minutes per claim at 3 seeds with ``--variant train.num_iterations=20`` (2-6
 min per arm and seed, 1-2.5 min of it compilation), routing_replay's 4 arms only at low
 load. The long task's claims (vc_ppo, vapo_length_adaptive) take 5-7 min per arm and
-seed ("Seventeenth session", "Eighteenth session"): at 3 seeds, vc_ppo's 4 arms exceed the
-target (71 min). On the long task no method learns in 20 iterations, GRPO included
-("Eighteenth session, the lead"), so claim 3's checks compare arms that all degrade.
+seed ("Seventeenth session" to "Nineteenth session"): at 3 seeds, vc_ppo's 4 arms exceed the
+target (59-71 min). On the long task no method learns in 20 iterations, GRPO included
+("Eighteenth session, the lead"): from the first SFT start every arm degrades at lr
+5e-4; from the cosine-decayed start (greedy pass@1 0.72) every arm holds at lr 1e-4 (the
+setting's step size) and every critic-free one degrades at 2e-4 and above ("Nineteenth
+session"), so claim 3's collapse never shows beside a learning baseline.
 """
 
 from __future__ import annotations
@@ -266,9 +269,9 @@ CLAIMS: dict[str, Claim] = {
                     "vc_ppo_lambda_1",
                 ),
             ),
-            budget="measured (load 2-4): 4 arms x 3 seeds x 20 iterations (+5 of value "
-            "pretraining in 3 arms), 4.8-6.8 min per arm and seed (~90 s of it compilation), "
-            "71 min in all, over the 30-min target; the SFT start (800 steps, once) ~30 min",
+            budget="measured (load 3-5): 4 arms x 3 seeds x 20 iterations (+5 of value "
+            "pretraining in 3 arms), 3.9-6.1 min per arm and seed, 59 min in all, over the "
+            "30-min target; the SFT start (1000 steps, once) ~23 min",
         ),
         Claim(
             "vapo_length_adaptive",
@@ -285,9 +288,9 @@ CLAIMS: dict[str, Claim] = {
                 ),
             ),
             arms=("vapo", "no_length_adaptive"),
-            budget="measured (load 2-4): 2 arms x 3 seeds x 20 iterations (+5 of value "
-            "pretraining), 5.5-6 min per arm and seed, ~35 min at 3 seeds (the SFT start of "
-            "vc_ppo's setting, once, on top)",
+            budget="measured from the earlier, weaker SFT start (load 2-4): 2 arms x 3 seeds "
+            "x 20 iterations (+5 of value pretraining), 5.5-6 min per arm and seed, ~35 min "
+            "at 3 seeds (the SFT start of vc_ppo's setting, once, on top)",
         ),
         Claim(
             "magistral_async",
