@@ -117,9 +117,9 @@ def warmup_cosine_schedule(
     """``warmup_constant_schedule``'s warm-up, then a cosine from ``lr`` at update
     ``warmup_steps`` to ``lr * min_lr_ratio`` at update ``decay_steps`` (0-based counts: a
     run of ``decay_steps`` updates ends one step short of it), constant after it: update
-    ``count`` gets ``lr * (r + (1 - r) (1 + cos(pi
-    p)) / 2)`` with ``p = (count - warmup_steps) / (decay_steps - warmup_steps)`` clipped to
-    [0, 1]. ``decay_steps <= warmup_steps``: ``warmup_constant_schedule``."""
+    ``count`` gets ``lr * (r + (1 - r) (1 + cos(pi p)) / 2)`` with ``r = min_lr_ratio`` and
+    ``p = (count - warmup_steps) / (decay_steps - warmup_steps)`` clipped to [0, 1].
+    ``decay_steps <= warmup_steps``: ``warmup_constant_schedule``."""
     if decay_steps <= warmup_steps:
         return warmup_constant_schedule(lr, warmup_steps)
     warm = warmup_constant_schedule(lr, warmup_steps)
