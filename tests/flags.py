@@ -13,7 +13,11 @@ program's code as one module rather than several compiled on threads: the same L
 either emitter. A flag of the same name already in ``XLA_FLAGS`` wins.
 
 ``XLA_FLAGS`` is read once, when JAX starts a backend, so a test needing simulated devices
-starts a subprocess: ``run_script(script, devices=8)``.
+starts a subprocess: ``run_script(script, devices=8)``. Its simulated devices are threads of
+one process that meet at every collective; XLA:CPU aborts the process when one of them
+waits more than 40 s there, which a 2-core machine under a second load reaches (an
+8-device RL run, benchmarks/RESULTS.md "Nineteenth session"). So ``COLLECTIVE_FLAGS``
+give those waits 600 s: the tests' own subprocess timeouts still stop a real hang.
 """
 
 import atexit
@@ -29,6 +33,14 @@ COMPILE_FLAGS = (
 )
 
 
+# XLA:CPU's collective waits: warn after 60 s, abort after 600 s (the abort's default: 40 s).
+COLLECTIVE_FLAGS = (
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60",
+    "--xla_cpu_collective_call_terminate_timeout_seconds=600",
+    "--xla_cpu_collective_timeout_seconds=600",
+)
+
+
 def with_compile_flags(flags: str) -> str:
     """``flags`` (an ``XLA_FLAGS`` value) with the suite's compile flags it does not set."""
     given = flags.split()
@@ -38,10 +50,11 @@ def with_compile_flags(flags: str) -> str:
 
 def xla_flags(devices: int = 1, *extra: str) -> str:
     """``XLA_FLAGS`` for a subprocess: the suite's compile flags, ``devices`` simulated CPU
-    devices (when more than one) and ``extra`` flags."""
+    devices (when more than one, with ``COLLECTIVE_FLAGS``) and ``extra`` flags."""
     flags = list(extra)
     if devices > 1:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
+        flags += [f for f in COLLECTIVE_FLAGS if f.split("=", 1)[0] not in " ".join(extra)]
     return with_compile_flags(" ".join(flags))
 
 
