@@ -390,6 +390,14 @@ def base_config() -> ml_collections.ConfigDict:
     # with 50 of warm-up, makes 50 policy iterations); `experiments/ablate.py` adds them
     # on top, so that its arms with and without pretraining make as many policy updates.
     c.critic.pretrain_iterations = 0
+    # A critic initialised from an outcome reward model (the RLHF practice VC-PPO and VAPO
+    # name as the source of the value initialisation bias): the first N iterations, before
+    # any value pretraining, train the critic on the SFT policy's rollouts as a reward
+    # model: its value at the last response token only, fitted to the outcome reward
+    # (`policyopt.rl.critic`, "Reward-model initialisation"). 0 = off: the critic starts
+    # from the policy's parameters with a zero value head. They count in
+    # `train.num_iterations` and `experiments/ablate.py` adds them on top, as above.
+    c.critic.reward_model_iterations = 0
 
     # ---- Dynamic sampling (DAPO) ---------------------------------------------------------
     c.dynamic_sampling = ml_collections.ConfigDict()
@@ -883,15 +891,11 @@ def check(config: ml_collections.ConfigDict) -> None:
         )
     _check_settings(config)
     algo = config.algo
-    if config.critic.pretrain_iterations < 0:
-        raise ValueError(
-            "config.critic.pretrain_iterations must be >= 0, got "
-            f"{config.critic.pretrain_iterations}"
-        )
-    if algo.advantage == "outcome" and config.critic.pretrain_iterations > 0:
-        raise ValueError(
-            "config.critic.pretrain_iterations > 0 needs a critic: set algo.advantage='gae'"
-        )
+    for name in ("pretrain_iterations", "reward_model_iterations"):
+        if config.critic[name] < 0:
+            raise ValueError(f"config.critic.{name} must be >= 0, got {config.critic[name]}")
+        if algo.advantage == "outcome" and config.critic[name] > 0:
+            raise ValueError(f"config.critic.{name} > 0 needs a critic: set algo.advantage='gae'")
     if algo.advantage == "gae" and algo.adv_scale == "minibatch":
         raise ValueError(
             "config.algo.adv_scale='minibatch' (Magistral) is an outcome-advantage "

@@ -67,8 +67,9 @@ def arm_config(
     paper's geometry, not its own paper's. With a ``setting`` (``config -> config``, e.g.
     ``configs.ablations.demo_setting``), the setting is applied to that config. The
     variants are then applied once more, so that they win. Finally every arm gets
-    ``train.num_iterations`` *policy* iterations: a critic's value-pretraining iterations
-    (``critic.pretrain_iterations``, which update the critic only) come on top.
+    ``train.num_iterations`` *policy* iterations: a critic's reward-model and
+    value-pretraining iterations (``critic.reward_model_iterations``,
+    ``critic.pretrain_iterations``, which update the critic only) come on top.
     """
     arm = next((a for a in ablation.arms if a.label == label), None)
     if arm is None:
@@ -105,8 +106,10 @@ def arm_config(
         config = setting(config)
     config.unlock()
     base.apply_variant(config, variants)
-    if config.algo.advantage == "gae" and config.critic.pretrain_iterations:
-        config.train.num_iterations += config.critic.pretrain_iterations
+    if config.algo.advantage == "gae":
+        config.train.num_iterations += (
+            config.critic.reward_model_iterations + config.critic.pretrain_iterations
+        )
     base.check(config)
     config.lock()
     return config

@@ -68,12 +68,14 @@ def test_arms_differ_only_in_the_methods_they_compare(name, scale):
         diff = ablate.config_diff(configs[first.label], configs[arm.label])
         named = _named_fields(arm.variant) | _named_fields(first.variant)
         compares = ablation.compares if arm.recipe != first.recipe else ()
-        if "critic.pretrain_iterations" in diff:  # pretraining comes on top of the policy's
-            (pre_a, pre_b), (it_a, it_b) = (
-                diff["critic.pretrain_iterations"],
-                diff["train.num_iterations"],
-            )
-            assert it_b - it_a == pre_b - pre_a, (arm, diff)
+        warmups = [
+            diff[f]
+            for f in ("critic.pretrain_iterations", "critic.reward_model_iterations")
+            if f in diff
+        ]
+        if warmups:  # the critic's warm-up comes on top of the policy's iterations
+            it_a, it_b = diff["train.num_iterations"]
+            assert it_b - it_a == sum(b - a for a, b in warmups), (arm, diff)
             del diff["train.num_iterations"]
         stray = {k: v for k, v in diff.items() if k not in named and not _compared(k, compares)}
         assert not stray, (name, scale, arm.label, stray)
@@ -202,6 +204,15 @@ def test_the_demo_setting_sits_under_the_variants():
     assert (config.train.num_iterations, config.batch.n_prompts) == (35, 4)
     no_warmup = ablate.arm_config(ablation, "no_warmup", 2, "train.num_iterations=30", demo_setting)
     assert (no_warmup.critic.pretrain_iterations, no_warmup.train.num_iterations) == (0, 30)
+    # A reward-model initialisation's iterations come on top too.
+    with_rm = ablate.arm_config(
+        ablation,
+        "vapo",
+        2,
+        "train.num_iterations=30,critic.reward_model_iterations=3",
+        demo_setting,
+    )
+    assert with_rm.train.num_iterations == 38
     # The demo turns routing metrics off for speed; the summary's volatility column needs them.
     assert config.train.routing_metrics
     with pytest.raises(ValueError, match="scale=paper"):

@@ -101,8 +101,12 @@ def test_critic_paper_values():
     assert load("dapo", "algo.aggregation=token_mean").algo.aggregation == "token_mean"  # verl's
     assert load("dapo").dynamic_sampling.criterion == "accuracy"
     assert load("magistral").dynamic_sampling.criterion == "reward"
-    with pytest.raises(ValueError, match="pretrain_iterations"):
+    with pytest.raises(ValueError, match="pretrain_iterations > 0 needs a critic"):
         load("grpo", "critic.pretrain_iterations=3")
+    with pytest.raises(ValueError, match="reward_model_iterations > 0 needs a critic"):
+        load("grpo", "critic.reward_model_iterations=3")
+    with pytest.raises(ValueError, match="reward_model_iterations must be >= 0"):
+        load("ppo", "critic.reward_model_iterations=-1")
     with pytest.raises(ValueError, match="gae_lambda_critic"):
         load("vc_ppo", "algo.gae_lambda_critic=1.5")
     with pytest.raises(ValueError, match="algo.advantage"):

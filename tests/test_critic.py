@@ -1,6 +1,6 @@
 """Critic methods (PPO, VC-PPO, VAPO): the value head's alignment, GAE targets against a
-NumPy loop on a real rollout, decoupled / length-adaptive lambdas, value pretraining,
-VAPO's NLL term, checkpoint resume of the critic."""
+NumPy loop on a real rollout, decoupled / length-adaptive lambdas, the reward-model
+initialisation, value pretraining, VAPO's NLL term, checkpoint resume of the critic."""
 
 import dataclasses
 
@@ -25,6 +25,7 @@ from policyopt.rl.critic import (
     gae_targets,
     get_critic,
     init_critic_params,
+    reward_model_targets,
     token_rewards,
 )
 from policyopt.rl.learner import TrainState, split_params
@@ -445,3 +446,85 @@ def test_value_pretraining_targets_are_monte_carlo_returns(tmp_path):
     rewards = _check_gae(run, critic_before, 0.95, 1.0)
     mc = np.where(np.asarray(run.last_batch.mask) > 0, rewards.sum(axis=1, keepdims=True), 0)
     np.testing.assert_allclose(np.asarray(run.last_batch.returns), mc, atol=1e-5)
+
+
+def test_reward_model_targets_hand_worked():
+    """The reward model's batch: the last valid token of each row, the reward there, and
+    old values equal to the targets, under which PPO's clipped value loss is the plain
+    squared error for any values (the clip 0.2 is far narrower than these errors)."""
+    mask = jnp.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], jnp.float32)
+    rewards = jnp.array([1.0, -1.0, 1.0])
+    last, returns, old_values = reward_model_targets(rewards, mask)
+    np.testing.assert_array_equal(last, [[0, 0, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(returns, [[0, 0, 1, 0], [-1, 0, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(old_values, returns)
+    from policyopt.losses import value_loss
+
+    values = jnp.array([[5.0, 5.0, -0.3, 5.0], [0.9, 5.0, 5.0, 5.0], [5.0, 5.0, 5.0, 5.0]])
+    loss, _ = value_loss(values, old_values, returns, last, clip=0.2)
+    # Two tokens: 0.5 * ((-0.3 - 1)^2 + (0.9 + 1)^2) / 2.
+    np.testing.assert_allclose(float(loss), 0.5 * (1.3**2 + 1.9**2) / 2, rtol=1e-6)
+
+
+def test_reward_model_then_value_pretraining_then_ppo(tmp_path):
+    """``critic.reward_model_iterations=1, critic.pretrain_iterations=1``: iteration 1 fits
+    the critic's last-token value to the reward (the policy bit-identical), iteration 2
+    is value pretraining on Monte-Carlo returns, iteration 3 updates the policy too; the
+    ablation counts both warm-up phases on top of the policy's iterations."""
+    config = tiny(
+        "vapo",
+        model="tiny_dense",
+        extra=(
+            "model.num_layers=1,eval.num_prompts=0,reward.incorrect_value=-1.0,reward.overlong=dapo,"
+            "critic.reward_model_iterations=1,critic.pretrain_iterations=1,"
+            "algo.gae_length_adaptive=False,algo.gae_lambda=0.95,algo.adv_whiten=False,"
+            "train.checkpoint_every=100"
+        ),
+    )
+    run = trainer.build_run(config, str(tmp_path))
+    assert (run.spec.reward_model_iterations, run.spec.warmup_iterations) == (1, 2)
+    run.critic_state = run.critic_state.replace(params=_random_head(run.critic_state.params))
+    policy_before = _copy(run.state.params)
+    critic_before = _copy(run.critic_state.params)
+
+    metrics = trainer.rl_iteration(run)
+    assert metrics["critic/reward_model"] == 1.0 and metrics["critic/pretraining"] == 1.0
+    assert "loss/loss" not in metrics and int(run.state.step) == 0
+    for got, want in zip(_leaves(run.state.params), _leaves(policy_before)):
+        np.testing.assert_array_equal(got, want)
+    rnd, batch = run.last_round, run.last_batch
+    rewards = np.asarray(rnd.rewards)
+    assert len(set(rewards.tolist())) > 1  # -1 or -2 (the overlong penalty)
+    response_mask = np.asarray(rnd.mask)
+    lengths = response_mask.sum(axis=1).astype(int)
+    want_mask = np.zeros_like(response_mask)
+    want_mask[np.arange(len(lengths)), lengths - 1] = 1.0
+    np.testing.assert_array_equal(np.asarray(batch.mask), want_mask)
+    np.testing.assert_allclose(np.asarray(batch.returns), want_mask * rewards[:, None])
+    np.testing.assert_array_equal(np.asarray(batch.old_values), np.asarray(batch.returns))
+
+    # The critic's update fitted the last token's value: its squared error there fell.
+    def last_token_error(params):
+        with jax.set_mesh(run.mesh):
+            values = run.critic.values(
+                params, batch.tokens, batch.positions, batch.attention_mask, rnd.mask
+            )
+        return np.sum(want_mask * (np.asarray(values) - rewards[:, None]) ** 2)
+
+    mse_before, mse_after = (
+        last_token_error(critic_before),
+        last_token_error(run.critic_state.params),
+    )
+    assert mse_after < mse_before
+
+    metrics = trainer.rl_iteration(run)
+    assert metrics["critic/reward_model"] == 0.0 and metrics["critic/pretraining"] == 1.0
+    assert int(run.state.step) == 0
+    mask = np.asarray(run.last_batch.mask)
+    np.testing.assert_array_equal(mask, np.asarray(run.last_round.mask))
+    mc = np.where(mask > 0, np.asarray(run.last_round.rewards)[:, None], 0)
+    np.testing.assert_allclose(np.asarray(run.last_batch.returns), mc, atol=1e-5)
+
+    metrics = trainer.rl_iteration(run)
+    assert metrics["critic/reward_model"] == 0.0 and metrics["critic/pretraining"] == 0.0
+    assert int(run.state.step) == 1 and int(run.critic_state.step) == 3

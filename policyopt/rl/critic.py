@@ -36,6 +36,17 @@ reward sits on its last token and the value after it is 0 (no bootstrap from ``V
 verl does). The reward is the outcome reward only: a KL term (``algo.kl_beta``) enters
 the policy loss, not these rewards.
 
+**Reward-model initialisation** (``config.critic.reward_model_iterations``): VC-PPO and
+VAPO trace PPO's collapse on long responses to a value model initialised from a reward
+model, which scores a whole response at its end and so rates incomplete prefixes badly.
+The first N iterations of such a run (the policy frozen, before any value pretraining)
+train the critic as that reward model on the SFT policy's rollouts
+(``reward_model_targets``): its value at the last response token only, fitted to the
+outcome reward. That is the critic's last computed value, the state before the last
+response token (one token before the state after EOS that an RLHF reward model reads:
+the critic's values stop there, see Alignment). Every other token's value is then the
+reward model's extrapolation to a prefix: the bias value pretraining is meant to remove.
+
 **Update** (``Critic.update``, jitted once per shape bucket, the state donated): PPO's
 clipped value loss ``losses.value_loss`` (token mean), plus on an MoE backbone
 ``algo.load_balancing_coef`` times its load-balancing loss (as for the policy), through the
@@ -367,6 +378,19 @@ def token_rewards(rewards: jax.Array, mask: jax.Array) -> jax.Array:
     last = width - 1 - jnp.argmax(valid[:, ::-1], axis=1)  # index of the last valid token
     at_last = (jnp.arange(width)[None, :] == last[:, None]) & valid
     return jnp.where(at_last, jnp.asarray(rewards, jnp.float32)[:, None], 0.0)
+
+
+def reward_model_targets(rewards: jax.Array, mask: jax.Array):
+    """The critic's batch fields while it is trained as an outcome reward model
+    (``config.critic.reward_model_iterations``; module docstring): ``(mask, returns,
+    old_values)``, each ``[R, N]``: the loss mask on each row's last valid response token
+    only, the outcome reward there, and old values equal to the returns, which make PPO's
+    value clip inactive (``clip(V, R - c, R + c) - R`` is never further from 0 than
+    ``V - R``, so the clipped loss is the squared error): a reward model is fitted
+    without a trust region."""
+    returns = token_rewards(rewards, mask)
+    last = token_rewards(jnp.ones(jnp.shape(rewards), jnp.float32), mask)
+    return last, returns, returns
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,9 +18,11 @@ Determinism: iteration ``i`` draws its keys from ``fold_in(state.rng, i)``; the 
 come from ``spec.prompts``, a host iterator whose position the run's checkpoint saves
 (``policyopt.rl.trainer.save``), so a resumed run repeats the iteration bit for bit.
 
-Critic warm-up (``config.critic.pretrain_iterations``, VC-PPO 2503.01491): while
-``state.iteration < spec.warmup_iterations`` only the critic is updated, on Monte-Carlo
-targets, and the policy's forward passes are skipped.
+Critic warm-up: while ``state.iteration < spec.warmup_iterations`` only the critic is
+updated and the policy's forward passes are skipped: first, for
+``spec.reward_model_iterations`` (``config.critic.reward_model_iterations``), as an outcome
+reward model (its last response token fitted to the reward, ``critic.reward_model_targets``),
+then (``config.critic.pretrain_iterations``, VC-PPO 2503.01491) on Monte-Carlo targets.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from policyopt.rl.batch import (
     shard_batch,
     take_rows,
 )
-from policyopt.rl.critic import Critic
+from policyopt.rl.critic import Critic, reward_model_targets
 from policyopt.rl.learner import Learner, TrainState
 from policyopt.rl.methods import Methods
 from policyopt.rl.report import MinibatchMeans, padding_metrics
@@ -71,7 +73,9 @@ class RunSpec:
     prompts: Any  # host iterator of prompt batches (grain; position saved by the checkpoint)
     ref_params: Any = None  # frozen initial parameters (KL), or None
     engine: Any = None  # continuous-batching engine (sampling.engine_kv_tokens > 0), or None
-    warmup_iterations: int = 0  # critic.pretrain_iterations (critic methods), else 0
+    # critic.reward_model_iterations + critic.pretrain_iterations (critic methods), else 0
+    warmup_iterations: int = 0
+    reward_model_iterations: int = 0  # the first of those: the critic as a reward model
     # Names of the sampler-vs-trainer metrics: the asynchronous trainer's sampler is stale.
     logprob_diff_name: str = "logprob/sampler_trainer_abs_diff"
     routing_diff_name: str = "routing/sampler_trainer_disagreement"
@@ -215,8 +219,13 @@ def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
         spec, state, rows, sharding.shard_rows(rnd.rewards), _valid(rnd), not policy_trains
     )
     metrics.update(advantage_metrics)
+    mask = rows.mask
     if spec.critic is not None:
         metrics["time/values_s"] = _block(advantages, t0)
+        if state.iteration < spec.reward_model_iterations:
+            mask, returns, old_values = reward_model_targets(
+                sharding.shard_rows(rnd.rewards), rows.mask
+            )
     weights = loss_mask = None
     if methods.correction is not None and policy_trains:
         weights, loss_mask, correction_metrics = methods.correction(
@@ -227,7 +236,7 @@ def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
         tokens=rows.tokens,
         positions=rows.positions,
         attention_mask=rows.attention_mask,
-        mask=rows.mask,
+        mask=mask,
         advantages=advantages,
         old_log_probs=old_log_probs,
         importance_weights=weights,
@@ -278,6 +287,7 @@ def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Ar
     metrics = means.result()
     if critic is not None:
         metrics["critic/pretraining"] = float(not policy_trains)
+        metrics["critic/reward_model"] = float(state.iteration < spec.reward_model_iterations)
         metrics["critic/step"] = float(critic.step)
     metrics["time/update_s"] = _block((policy.params, critic), t0)
     if batch.natural_routing is not None:  # MoE, train.routing_metrics

@@ -21,11 +21,13 @@ parameters of 2N uninterrupted iterations bit for bit; ``tests/test_rl_trainer.p
 Critic methods (``config.algo.advantage = "gae"``: PPO, VC-PPO, VAPO): a value model
 (``policyopt.rl.critic``) scores the rollout, GAE gives per-token advantages and value
 targets, and the critic is updated on the same minibatches as the policy, with its own
-optimiser; during the first ``config.critic.pretrain_iterations`` iterations only the
-critic is updated (value pretraining / warm-up), on Monte-Carlo targets (lambda_critic =
-1, VC-PPO; ``gae_settings``), and the policy stays bit-identical (its old-log-prob,
-reference and routing forward passes are skipped then). The critic's parameters
-and optimiser state are part of the checkpoint.
+optimiser; during the first ``config.critic.reward_model_iterations`` iterations the
+critic alone is trained as an outcome reward model (its initialisation, as RLHF's value
+models start from a reward model; ``critic.reward_model_targets``), during the next
+``config.critic.pretrain_iterations`` alone on Monte-Carlo targets (value pretraining /
+warm-up; lambda_critic = 1, VC-PPO; ``gae_settings``); in both the policy stays
+bit-identical (its old-log-prob, reference and routing forward passes are skipped).
+The critic's parameters and optimiser state are part of the checkpoint.
 
 Routing replay (MoE): ``"R2"`` replays, in every update forward, the routing recorded by
 the old-log-prob forward; ``"R3"`` replays the sampler's routing in the old-log-prob
@@ -244,7 +246,12 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
         prompts=data,
         ref_params=ref_params,
         engine=engine,
-        warmup_iterations=config.critic.pretrain_iterations if critic else 0,
+        warmup_iterations=(
+            config.critic.reward_model_iterations + config.critic.pretrain_iterations
+            if critic
+            else 0
+        ),
+        reward_model_iterations=config.critic.reward_model_iterations if critic else 0,
     )
     run = RLRun(
         spec=spec,
