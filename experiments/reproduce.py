@@ -430,17 +430,31 @@ def verdict_table(claim: Claim, summary: dict) -> tuple[str, list[dict]]:
     return "\n".join(lines) + "\n", results
 
 
+#: The fields of a claim's variant that its SFT start is trained with: besides the sft,
+#: task, model and eval sections, the sequence limits SFT pads to and evaluates with (a
+#: longer task, e.g. ``task.max_steps=32`` on testbed_long, needs longer buckets).
+SFT_VARIANT_SECTIONS = ("sft", "task", "model", "eval")
+SFT_VARIANT_FIELDS = ("batch.prompt_buckets", "batch.response_buckets", "sampling.max_new_tokens")
+
+
+def sft_variant(variant: str) -> str:
+    """The items of ``variant`` that the SFT start reads (``SFT_VARIANT_SECTIONS``,
+    ``SFT_VARIANT_FIELDS``), in order; "" when none."""
+    items = []
+    for item in base.split_variant(variant) if variant else []:
+        key = item.split("=", 1)[0].strip()
+        if key.split(".")[0] in SFT_VARIANT_SECTIONS or key in SFT_VARIANT_FIELDS:
+            items.append(item)
+    return ",".join(items)
+
+
 def ensure_sft(setting: str, sft_root: str, variant: str = "") -> str:
     """The checkpoint directory of ``setting``'s SFT start, trained once into
     ``sft_root/<setting>/sft`` (resumed if interrupted, reused once finished) with
-    ``configs/<setting>.py`` and the ``sft.``, ``task.`` and ``model.`` items of
-    ``variant``."""
-    items = [
-        i
-        for i in (base.split_variant(variant) if variant else [])
-        if i.split("=", 1)[0].strip().split(".")[0] in ("sft", "task", "model", "eval")
-    ]
-    config = importlib.import_module(f"configs.{setting}").get_config(",".join(items) or None)
+    ``configs/<setting>.py`` and the items of ``variant`` it reads (``sft_variant``).
+    A variant that changes those items needs its own ``sft_root``: the cached start
+    refuses to resume under a different task or geometry."""
+    config = importlib.import_module(f"configs.{setting}").get_config(sft_variant(variant) or None)
     workdir = os.path.join(sft_root, setting, "sft")
     summary = run_sft(config, workdir, recipe=f"configs/{setting}.py (SFT start)")
     if summary.get("interrupted"):

@@ -1,9 +1,10 @@
 """experiments/reproduce.py: the verdict rule against hand-worked cases and scipy's
 Student t, each check's per-seed quantity from a hand-built summary, unknown claims and
-arms refused with the known ones, every claim's arms built in their settings, and a tiny
-claim run end to end (SFT start cached, one update, verdict.md and curves.png written,
-not retrained when rerun)."""
+arms refused with the known ones, the SFT start's share of a variant, every claim's arms
+built in their settings, and a tiny claim run end to end (SFT start cached, one update,
+verdict.md and curves.png written, not retrained when rerun)."""
 
+import importlib
 import math
 import os
 
@@ -93,6 +94,25 @@ def test_every_claim_builds_its_arms_in_its_setting(name):
             assert (config.task.min_steps, config.task.max_steps) == (1, 16)
         else:
             assert (config.task.operators, config.sampling.max_new_tokens) == ("+", 20)
+
+
+def test_the_sft_start_takes_the_variant_items_it_reads():
+    """A longer task needs longer SFT buckets: the SFT start reads the task, model, sft and
+    eval items and the sequence limits, not the RL ones."""
+    variant = (
+        "task.max_steps=32,sampling.max_new_tokens=416,batch.response_buckets=(128, 256, 416),"
+        "batch.n_prompts=4,critic.lr=3e-3,sft.steps=5,sampling.temperature=0.7,model=moe_volatile"
+    )
+    assert reproduce.sft_variant(variant) == (
+        "task.max_steps=32,sampling.max_new_tokens=416,batch.response_buckets=(128, 256, 416),"
+        "sft.steps=5,model=moe_volatile"
+    )
+    assert reproduce.sft_variant("") == "" and reproduce.sft_variant("critic.lr=1") == ""
+    config = importlib.import_module("configs.testbed_long").get_config(
+        reproduce.sft_variant(variant)
+    )
+    assert (config.task.max_steps, config.batch.response_buckets) == (32, (128, 256, 416))
+    assert config.batch.n_prompts != 4
 
 
 def _shrink(config):
