@@ -258,6 +258,7 @@ def demo_setting(
     *,
     recipe: str = "demo",
     cache_len: int | None = 3,
+    critic: dict | None = None,
 ):
     """An arm's recipe in the demo's setting (`configs/demo.py`, `make demo`; or in that of
     ``recipe``, another such recipe: `configs/testbed.py`, `configs/testbed_long.py`, with
@@ -265,8 +266,9 @@ def demo_setting(
     task, sampling, batch geometry, optimiser, loop (with routing metrics) and evaluation,
     started from the demo's SFT checkpoint; algorithm, reward (but for the overlong ramp's
     length, below), critic, dynamic sampling and asynchronous mode stay the recipe's, and
-    the critic's learning rate keeps the recipe's ratio to the actor's. Returns a new,
-    locked config."""
+    the critic's learning rate keeps the recipe's ratio to the actor's; ``critic``
+    (``{field: value}`` of the critic section) then overrides it for the critic's
+    arms. Returns a new, locked config."""
     setting = importlib.import_module(f"configs.{recipe}")  # only needed here
 
     # The critic keeps the recipe's critic / actor learning-rate ratio (VAPO 2:1).
@@ -276,6 +278,8 @@ def demo_setting(
     config.init_checkpoint = sft_checkpoint
     if config.algo.advantage == "gae":
         config.critic.lr = critic_ratio * config.optim.lr
+        for key, value in (critic or {}).items():
+            config.critic[key] = value
     # Overlong shaping (DAPO, Magistral) ramps over the last L_cache tokens of L_max =
     # max_new_tokens = 20; the default L_cache (a quarter) would start it at 15 tokens and
     # penalise the task's correct answers (up to 17 tokens; measured: DAPO 0.585 with the
@@ -312,17 +316,45 @@ def testbed_setting(config, sft_checkpoint: str = "runs/testbed/sft/checkpoints"
     return demo_setting(config, sft_checkpoint, recipe="testbed")
 
 
+#: The critic of the long settings' PPO-family arms (claim 3). VC-PPO's collapse comes from
+#: a value model initialised from the reward model, so the critic first trains as an
+#: outcome reward model (``critic.reward_model_iterations``, the policy frozen), which
+#: gives it that bias (explained variance -0.82 at PPO's first rollout), before value
+#: pretraining and PPO. Its learning rate is 3e-3, not 2x the actor's 1e-4: at 2e-4 the
+#: freshly initialised value head fits nothing in 12 iterations of value pretraining
+#: (held-out explained variance ~0), at 3e-3 it reaches 0.19-0.28 (benchmarks/RESULTS.md
+#: "Twentieth session").
+LONG_TASK_CRITIC = {"lr": 3e-3, "reward_model_iterations": 10}
+
+
 def testbed_long_setting(config, sft_checkpoint: str = "runs/testbed_long/sft/checkpoints"):
     """``demo_setting`` with the length-variety task (`configs/testbed_long.py`: remainders
     by repeated subtraction, responses of ~11 to ~195 tokens) on the testbed's MoE, and its SFT
-    start; the overlong ramp keeps the recipe's length (a quarter of the budget).
+    start; the overlong ramp keeps the recipe's length (a quarter of the budget); a
+    critic starts as a reward model and learns at 3e-3 (``LONG_TASK_CRITIC``).
     Returns a new, locked config."""
-    return demo_setting(config, sft_checkpoint, recipe="testbed_long", cache_len=None)
+    return demo_setting(
+        config, sft_checkpoint, recipe="testbed_long", cache_len=None, critic=LONG_TASK_CRITIC
+    )
+
+
+def testbed_long32_setting(config, sft_checkpoint: str = "runs/testbed_long32/sft/checkpoints"):
+    """``testbed_long_setting`` with twice the chain (`configs/testbed_long32.py`: 1 to 32
+    subtractions, responses of ~11 to ~403 tokens) and its SFT start, which continues
+    testbed_long's. Returns a new, locked config."""
+    return demo_setting(
+        config, sft_checkpoint, recipe="testbed_long32", cache_len=None, critic=LONG_TASK_CRITIC
+    )
 
 
 #: Named settings for ``experiments/ablate.py --setting``: ``config -> config``.
-#: "testbed" and "testbed_long" are those of ``experiments/reproduce.py``.
-SETTINGS = {"demo": demo_setting, "testbed": testbed_setting, "testbed_long": testbed_long_setting}
+#: "testbed", "testbed_long" and "testbed_long32" are those of ``experiments/reproduce.py``.
+SETTINGS = {
+    "demo": demo_setting,
+    "testbed": testbed_setting,
+    "testbed_long": testbed_long_setting,
+    "testbed_long32": testbed_long32_setting,
+}
 
 
 def get_ablation(name: str) -> Ablation:

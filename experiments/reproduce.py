@@ -6,13 +6,17 @@ verdict per claim.
     python -m experiments.reproduce --list
     python -m experiments.reproduce --claim routing_volatility --seeds 0
     python -m experiments.reproduce --claim routing_replay --seeds 0,1,2 [--arms grpo,gspo]
+    python -m experiments.reproduce --claim vc_ppo --setting testbed_long32 --seeds 0
 
 Settings (`configs/ablations.py` SETTINGS): "testbed" (`configs/testbed.py`: the demo's
 wrong-carry addition on `moe_volatile`, 4 layers of 32 experts top-4, whose routing
 changes by >= 5% per update) and "testbed_long" (`configs/testbed_long.py`: the same MoE
-on remainders by repeated subtraction, responses of ~11 to ~195 tokens). Each setting's SFT start
-is trained once and cached under ``--sft_root`` (``runs/<setting>/sft``, like the
-demo's ``runs/demo/sft``). A claim's runs go to ``--workdir/<claim>/<arm>/seed<N>``;
+on remainders by repeated subtraction, responses of ~11 to ~195 tokens); ``--setting``
+runs a claim in another, e.g. "testbed_long32" (`configs/testbed_long32.py`: twice the
+chain, responses of up to ~403 tokens, whose SFT start continues testbed_long's). Each
+setting's SFT start is trained once and cached under ``--sft_root``
+(``runs/<setting>/sft``, like the demo's ``runs/demo/sft``). A claim's runs go to
+``--workdir/<claim>/<arm>/seed<N>`` (``--workdir/<claim>-<setting>/...`` in another setting);
 rerunning the command resumes an interrupted sweep where it stopped (finished runs are
 not trained again). ``--workdir/<claim>`` then holds the ablation's ``summary.json`` /
 ``summary.md``, ``curves.png`` and ``verdict.md``.
@@ -269,9 +273,11 @@ CLAIMS: dict[str, Claim] = {
                     "vc_ppo_lambda_1",
                 ),
             ),
-            budget="measured (load 3-5): 4 arms x 3 seeds x 20 iterations (+5 of value "
-            "pretraining in 3 arms), 3.9-6.1 min per arm and seed, 59 min in all, over the "
-            "30-min target; the SFT start (1000 steps, once) ~23 min",
+            budget="measured (load 3-5) before the reward-model start: 4 arms x 3 seeds x 20 "
+            "iterations (+5 of value pretraining in 3 arms), 3.9-6.1 min per arm and seed, 59 "
+            "min in all, over the 30-min target; the critic's 10 reward-model iterations "
+            "(since the twenty-first session) add ~40% by iteration count, ~80 min; the SFT "
+            "start (1000 steps, once) ~23 min; --setting testbed_long32: see its config",
         ),
         Claim(
             "vapo_length_adaptive",
@@ -290,7 +296,9 @@ CLAIMS: dict[str, Claim] = {
             arms=("vapo", "no_length_adaptive"),
             budget="measured from the earlier, weaker SFT start (load 2-4): 2 arms x 3 seeds "
             "x 20 iterations (+5 of value pretraining), 5.5-6 min per arm and seed, ~35 min "
-            "at 3 seeds (the SFT start of vc_ppo's setting, once, on top)",
+            "at 3 seeds; the critic's 10 reward-model iterations (since the twenty-first "
+            "session) add ~40% by iteration count, ~50 min (the SFT start of vc_ppo's "
+            "setting, once, on top)",
         ),
         Claim(
             "magistral_async",
@@ -399,9 +407,12 @@ def verdict_table(claim: Claim, summary: dict) -> tuple[str, list[dict]]:
     def fmt(x):
         return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:+.4f}"
 
+    setting = summary.get("setting") or claim.setting
     command = (
         f"python -m experiments.reproduce --claim {claim.name} --seeds {','.join(map(str, seeds))}"
     )
+    if setting != claim.setting:
+        command += f" --setting {setting}"
     if summary["variant"]:
         command += f" --variant {summary['variant']}"
     lines = [
@@ -409,7 +420,7 @@ def verdict_table(claim: Claim, summary: dict) -> tuple[str, list[dict]]:
         "",
         claim.source,
         "",
-        f"Setting `{claim.setting}`; seeds {seeds}; `{command}`; {summary['date']}.",
+        f"Setting `{setting}`; seeds {seeds}; `{command}`; {summary['date']}.",
         "",
         "| check | n | effect (mean - threshold) | std | 95% half-width | verdict |",
         "|---|---:|---:|---:|---:|---|",
@@ -453,10 +464,23 @@ def ensure_sft(setting: str, sft_root: str, variant: str = "") -> str:
     ``sft_root/<setting>/sft`` (resumed if interrupted, reused once finished) with
     ``configs/<setting>.py`` and the items of ``variant`` it reads (``sft_variant``).
     A variant that changes those items needs its own ``sft_root``: the cached start
-    refuses to resume under a different task or geometry."""
-    config = importlib.import_module(f"configs.{setting}").get_config(sft_variant(variant) or None)
+    refuses to resume under a different task or geometry.
+
+    A recipe module that names an ``SFT_PARENT`` setting (`configs/testbed_long32.py`)
+    continues that setting's start, made first the same way (the variant's items apply
+    to both), to its own ``sft.steps`` in all."""
+    module = importlib.import_module(f"configs.{setting}")
+    parent = getattr(module, "SFT_PARENT", None)
+    init = ensure_sft(parent, sft_root, variant) if parent else None
+    config = module.get_config(sft_variant(variant) or None)
     workdir = os.path.join(sft_root, setting, "sft")
-    summary = run_sft(config, workdir, recipe=f"configs/{setting}.py (SFT start)")
+    summary = run_sft(
+        config,
+        workdir,
+        init_checkpoint=init,
+        recipe=f"configs/{setting}.py (SFT start"
+        + (f", continuing {parent}'s)" if parent else ")"),
+    )
     if summary.get("interrupted"):
         raise SystemExit(
             f"SFT start of {setting!r} interrupted ({summary['interrupted']}); rerun to resume"
@@ -472,6 +496,7 @@ def run_claim(
     variant: str = "",
     arms: Sequence[str] | None = None,
     sft_root: str = "runs",
+    setting: str | None = None,
     configure: Callable | None = None,
     quiet: bool = True,
 ) -> dict:
@@ -485,6 +510,8 @@ def run_claim(
         items to the SFT start's config).
       arms: a subset of the claim's arms (default all).
       sft_root: where the settings' SFT starts are cached (``<sft_root>/<setting>/sft``).
+      setting: another of ``configs.ablations.SETTINGS`` than the claim's own (e.g.
+        "testbed_long32" for claim 3 on responses of up to ~400 tokens).
       configure: ``config -> config`` applied to each arm's config (``ablate.run_ablation``).
       quiet: no per-iteration console line.
 
@@ -492,19 +519,22 @@ def run_claim(
       ``{"claim", "verdict", "checks", "summary", "verdict_md"}``.
     """
     labels = select_arms(claim, arms)
-    checkpoint = ensure_sft(claim.setting, sft_root, variant)
-    base_setting = SETTINGS[claim.setting]
+    name = setting or claim.setting
+    if name not in SETTINGS:
+        raise ValueError(f"unknown setting {name!r}; known: {', '.join(SETTINGS)}")
+    checkpoint = ensure_sft(name, sft_root, variant)
+    base_setting = SETTINGS[name]
 
-    def setting(config):
+    def apply_setting(config):
         return base_setting(config, checkpoint)
 
-    setting.__name__ = claim.setting
+    apply_setting.__name__ = name
     summary = ablate.run_ablation(
         claim.ablation,
         workdir,
         seeds=seeds,
         variant=variant,
-        setting=setting,
+        setting=apply_setting,
         arms=labels,
         configure=configure,
         quiet=quiet,
@@ -529,6 +559,12 @@ def define_flags() -> None:
     flags.DEFINE_string("sft_root", "runs", "Cache of the settings' SFT starts.")
     flags.DEFINE_string("variant", "", "Variant appended to every arm, key=value,...")
     flags.DEFINE_list("arms", None, "Only these arms of the claim (labels).")
+    flags.DEFINE_string(
+        "setting",
+        None,
+        "Run the claim in another setting than its own (configs/ablations.py SETTINGS, e.g. "
+        "testbed_long32: claim 3 on responses of up to ~400 tokens).",
+    )
     flags.DEFINE_bool("list", False, "List the claims, their sources, arms and budgets.")
 
 
@@ -551,17 +587,24 @@ def main(argv):
     try:
         claim = get_claim(args.claim)
         select_arms(claim, args.arms)
+        if args.setting and args.setting not in SETTINGS:
+            raise ValueError(f"unknown setting {args.setting!r}; known: {', '.join(SETTINGS)}")
     except ValueError as error:
         raise app.UsageError(str(error)) from error
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
     result = run_claim(
         claim,
-        os.path.join(args.workdir, claim.name),
+        # Another setting's runs go beside the claim's own, not over them.
+        os.path.join(
+            args.workdir,
+            claim.name if args.setting in (None, claim.setting) else f"{claim.name}-{args.setting}",
+        ),
         seeds=[int(s) for s in args.seeds],
         variant=args.variant,
         arms=args.arms,
         sft_root=args.sft_root,
+        setting=args.setting,
         quiet=False,
     )
     print(result["verdict_md"])

@@ -5,6 +5,7 @@ built in their settings, and a tiny claim run end to end (SFT start cached, one 
 verdict.md and curves.png written, not retrained when rerun)."""
 
 import importlib
+import json
 import math
 import os
 
@@ -13,6 +14,7 @@ from scipy import stats
 
 from configs.ablations import SETTINGS
 from experiments import ablate, reproduce
+from policyopt.checkpoint import Checkpointer
 
 
 def test_t_quantiles_match_scipy():
@@ -92,6 +94,8 @@ def test_every_claim_builds_its_arms_in_its_setting(name):
         if claim.setting == "testbed_long":
             assert (config.task.operators, config.sampling.max_new_tokens) == ("mod", 208)
             assert (config.task.min_steps, config.task.max_steps) == (1, 16)
+            if config.algo.advantage == "gae":  # the critic starts as a reward model
+                assert (config.critic.lr, config.critic.reward_model_iterations) == (3e-3, 10)
         else:
             assert (config.task.operators, config.sampling.max_new_tokens) == ("+", 20)
 
@@ -113,6 +117,60 @@ def test_the_sft_start_takes_the_variant_items_it_reads():
     )
     assert (config.task.max_steps, config.batch.response_buckets) == (32, (128, 256, 416))
     assert config.batch.n_prompts != 4
+
+
+def test_a_continued_sft_start_trains_its_parent_first(tmp_path, monkeypatch):
+    """testbed_long32's start continues testbed_long's (``SFT_PARENT``): the parent is
+    trained first, then the child resumes its step count on its own, longer task."""
+    parent_config = importlib.import_module("configs.testbed_long").get_config
+
+    def parent_two_steps(arg=None):  # ensure_sft's call; testbed_long32 calls it bare
+        config = parent_config(arg)
+        if arg:
+            config.unlock()
+            config.sft.steps = 2
+            config.lock()
+        return config
+
+    monkeypatch.setattr(
+        importlib.import_module("configs.testbed_long"), "get_config", parent_two_steps
+    )
+    variant = (
+        "model.num_layers=1,sft.steps=3,sft.batch_size=4,task.num_train=64,task.num_test=8,"
+        "eval.num_prompts=0,train.tensorboard=False"
+    )
+    checkpoint = reproduce.ensure_sft("testbed_long32", str(tmp_path), variant)
+    parent = tmp_path / "testbed_long" / "sft"
+    child = tmp_path / "testbed_long32" / "sft"
+    assert checkpoint == str(child / "checkpoints")
+    assert "2" in os.listdir(parent / "checkpoints") and "3" in os.listdir(child / "checkpoints")
+    # The child made one update (step 3) from the parent's step 2, at its own bucket.
+    records = [json.loads(line) for line in (child / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [3]
+    with Checkpointer(checkpoint) as saved:
+        logged = saved.meta()["config"]
+    assert (logged["task.max_steps"], logged["sampling.max_new_tokens"]) == (32, 416)
+    # Rerun: both are reused (finished), nothing is trained again.
+    assert reproduce.ensure_sft("testbed_long32", str(tmp_path), variant) == checkpoint
+    assert len((child / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_another_setting_is_taken_and_an_unknown_one_refused(tmp_path):
+    claim = reproduce.get_claim("vc_ppo")
+    with pytest.raises(ValueError, match="unknown setting 'nope'; known: demo, testbed, "):
+        reproduce.run_claim(claim, str(tmp_path), setting="nope")
+    for label in claim.arm_labels():
+        config = ablate.arm_config(
+            claim.ablation, label, 0, "", lambda c: SETTINGS["testbed_long32"](c, "ckpt")
+        )
+        assert (config.task.max_steps, config.sampling.max_new_tokens) == (32, 416)
+        assert config.batch.response_buckets == (128, 256, 416)
+        assert config.init_checkpoint == "ckpt"
+        assert (config.critic.lr, config.critic.reward_model_iterations) == (3e-3, 10)
+        # The setting's policy iterations, after 10 of the reward model and the arm's value
+        # pretraining.
+        policy = importlib.import_module("configs.testbed_long32").get_config().train.num_iterations
+        assert config.train.num_iterations == policy + 10 + config.critic.pretrain_iterations
 
 
 def _shrink(config):
