@@ -10,8 +10,10 @@ trains that one first, or reuses its cache) for 300 updates on the longer task, 
 in all on a cosine over 1300: greedy pass@1 0.62 on the 32-step task, mean length 172
 (benchmarks/RESULTS.md "Twenty-first session"). Training it from a random
 initialisation instead costs ~4.4 s per update on 2 cores, ~73 minutes for 1000; the
-continuation ~25 minutes. An RL iteration costs about twice testbed_long's (~20 s), so
-claim 3's arms here take ~4x its budget at 3 seeds: a probe of one seed, not a sweep.
+continuation 21 minutes (1231 s). An RL iteration costs about twice testbed_long's
+(~20 s): claim 3's 4 arms took 646-707 s each at one seed (``--variant
+train.num_iterations=20``, with the critic's 10 reward-model iterations and 5 of value
+pretraining), 45 minutes in all, ~2.3 hours at 3 seeds: a probe, not a sweep.
 """
 
 from configs import base, testbed_long
