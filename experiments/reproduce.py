@@ -32,21 +32,21 @@ with s. A claim is supported when all its checks are, contradicted when any is, 
 inconclusive otherwise.
 
 Budgets on the 2-core machine (benchmarks/RESULTS.md "Fourteenth session" to "Nineteenth
-session"; the SFT starts once per setting on top):
-``Claim.budget`` (``--list`` prints it), measured on a machine shared with other jobs
-(load 2-14). The testbed's claims fit the
-target of 30 minutes per claim at 3 seeds with ``--variant train.num_iterations=20`` (2-6
-min per arm and seed, 1-2.5 min of it compilation), routing_replay's 4 arms only at low
-load. The long task's claims (vc_ppo, vapo_length_adaptive) take 5-7 min per arm and
-seed ("Seventeenth session" to "Nineteenth session"): at 3 seeds, vc_ppo's 4 arms exceed the
-target (59-71 min). On the long task no method learns in 20 iterations, GRPO included
-("Eighteenth session, the lead"): from the first SFT start every arm degrades at lr
-5e-4; from the cosine-decayed start (greedy pass@1 0.72) every arm holds at lr 1e-4 (the
-setting's step size) and every critic-free one degrades at 2e-4 and above ("Nineteenth
-session"), so claim 3's collapse never shows beside a learning baseline. On responses of
-up to ~400 tokens (``--setting testbed_long32``, 45 min for vc_ppo's 4 arms at one seed)
-no arm collapses in length either, and every one falls from 0.62 to 0.54-0.57
-("Twenty-first session").
+session"; the SFT starts once per setting on top): ``Claim.budget`` (``--list`` prints
+it), measured on a machine shared with other jobs (load 2-14). The testbed's claims fit
+the target of 30 minutes per claim at 3 seeds with ``--variant train.num_iterations=20``
+(2-6 min per arm and seed, 1-2.5 min of it compilation), routing_replay's 4 arms only at
+low load. The long task's claims (vc_ppo, vapo_length_adaptive) took 5-7 min per arm and
+seed at load 2-5 ("Seventeenth session" to "Nineteenth session") and 3.5-3.9 min idle
+with the critic's reward-model start ("Twenty-first session"): at 3 seeds, vc_ppo's 4
+arms exceed the target (~45 min idle, 59-71 min loaded). On the long task no method
+learns in 20 iterations, GRPO included ("Eighteenth session, the lead"): from the first
+SFT start every arm degrades at lr 5e-4; from the cosine-decayed start (greedy pass@1
+0.72) every arm holds at lr 1e-4 (the setting's step size) and every critic-free one
+degrades at 2e-4 and above ("Nineteenth session"), so claim 3's collapse never shows
+beside a learning baseline. On responses of up to ~400 tokens (``--setting
+testbed_long32``, 45 min for vc_ppo's 4 arms at one seed) no arm collapses in length
+either, and every one falls from 0.62 to 0.54-0.57 ("Twenty-first session").
 """
 
 from __future__ import annotations
@@ -276,11 +276,12 @@ CLAIMS: dict[str, Claim] = {
                     "vc_ppo_lambda_1",
                 ),
             ),
-            budget="measured (load 3-5) before the reward-model start: 4 arms x 3 seeds x 20 "
-            "iterations (+5 of value pretraining in 3 arms), 3.9-6.1 min per arm and seed, 59 "
-            "min in all, over the 30-min target; the critic's 10 reward-model iterations "
-            "(since the twenty-first session) add ~40% by iteration count, ~80 min; the SFT "
-            "start (1000 steps, once) ~23 min; --setting testbed_long32: see its config",
+            budget="measured idle with the critic's reward-model start (twenty-first "
+            "session): 4 arms x 20 iterations (+10 of the reward model, +5 of value "
+            "pretraining in 3 arms), 210-231 s per arm, 15 min at one seed, ~45 min at 3 "
+            "seeds, over the 30-min target (59 min at load 3-5 before the reward-model "
+            "start); the SFT start (1000 steps, once) ~24 min; --setting testbed_long32: "
+            "45 min at one seed (see its config)",
         ),
         Claim(
             "vapo_length_adaptive",
@@ -299,9 +300,9 @@ CLAIMS: dict[str, Claim] = {
             arms=("vapo", "no_length_adaptive"),
             budget="measured from the earlier, weaker SFT start (load 2-4): 2 arms x 3 seeds "
             "x 20 iterations (+5 of value pretraining), 5.5-6 min per arm and seed, ~35 min "
-            "at 3 seeds; the critic's 10 reward-model iterations (since the twenty-first "
-            "session) add ~40% by iteration count, ~50 min (the SFT start of vc_ppo's "
-            "setting, once, on top)",
+            "at 3 seeds; with the critic's 10 reward-model iterations (since the "
+            "twenty-first session) not re-measured, ~25 min at 3 seeds by vc_ppo's idle "
+            "figures (the SFT start of vc_ppo's setting, once, on top)",
         ),
         Claim(
             "magistral_async",
