@@ -300,9 +300,9 @@ CLAIMS: dict[str, Claim] = {
             arms=("vapo", "no_length_adaptive"),
             budget="measured from the earlier, weaker SFT start (load 2-4): 2 arms x 3 seeds "
             "x 20 iterations (+5 of value pretraining), 5.5-6 min per arm and seed, ~35 min "
-            "at 3 seeds; with the critic's 10 reward-model iterations (since the "
-            "twenty-first session) not re-measured, ~25 min at 3 seeds by vc_ppo's idle "
-            "figures (the SFT start of vc_ppo's setting, once, on top)",
+            "at 3 seeds; measured idle with the critic's reward-model start (twenty-first "
+            "session): 237-268 s per arm, 8.6 min at one seed, ~26 min at 3 seeds (the SFT "
+            "start of vc_ppo's setting, once, on top)",
         ),
         Claim(
             "magistral_async",
