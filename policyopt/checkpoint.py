@@ -305,11 +305,38 @@ class Checkpointer:
             args = ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
             )
+            self._check_shapes(candidate, abstract)
             restored = self._read(candidate, args, "state and meta")
             self._verify(candidate, restored["state"])
             return restored["state"], dict(restored["meta"] or {})
 
         return self._with_fallback(step, read)
+
+    def _check_shapes(self, step: int, abstract: Any) -> None:
+        """Refuses, before any array is read, a target whose arrays have other shapes than
+        the checkpoint's (read from its metadata; unreadable metadata is left to the
+        restore to report). Besides naming every such array, this keeps orbax from
+        failing mid-restore: it then closes its event loop with the other arrays' reads
+        still in flight, and each later prints "Exception ignored ... Event loop is
+        closed" from wherever the program has got to."""
+        try:
+            saved = self.saved_shapes(step)
+        except Exception:  # noqa: BLE001 - a damaged checkpoint: the restore says how
+            return
+        wrong = []
+        for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
+            if not hasattr(leaf, "shape") or jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                continue  # typed keys are stored as their key data
+            name = _path_name(path)
+            shape = saved.get(name.replace("/", "."))
+            if shape is not None and tuple(shape) != tuple(leaf.shape):
+                wrong.append(f"{name} saved {tuple(shape)}, target {tuple(leaf.shape)}")
+        if wrong:
+            more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+            raise CheckpointError(
+                f"checkpoint {self.step_path(step)}: cannot restore its state onto a target "
+                f"of other shapes ({'; '.join(wrong[:3])}{more})"
+            )
 
     def saved_shapes(self, step: int | None = None) -> dict[str, tuple[int, ...]]:
         """``{"train.params.embed.embedding": (V, D), ...}``: the shape of every array of

@@ -253,6 +253,41 @@ def test_restore_errors_name_the_checkpoint(tmp_path):
     assert not isinstance(error.value, CorruptCheckpointError)
 
 
+def test_a_target_of_other_shapes_is_refused_before_any_read(tmp_path, monkeypatch):
+    """A target whose arrays have other shapes than the checkpoint's is refused from the
+    metadata, naming each such array, before orbax reads anything: orbax failing
+    mid-restore would close its event loop with the other arrays' reads in flight, and
+    each would later print "Exception ignored ... Event loop is closed" (32 arrays: some
+    always are)."""
+    import gc
+    import sys
+
+    from policyopt.checkpoint import CheckpointError, CorruptCheckpointError
+
+    state = {f"p{i:02d}": jnp.arange(4096, dtype=jnp.float32) + i for i in range(32)}
+    state["rng"] = jax.random.key(0)
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(1, state, {"iteration": 1})
+    wrong = dict(state, p00=jnp.zeros(5), p07=jnp.zeros((64, 64)))
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    for _ in range(3):
+        try:  # not pytest.raises: its record would keep the restore's frames alive
+            ckpt.restore(wrong, step=1)
+        except CheckpointError as error:
+            assert not isinstance(error, CorruptCheckpointError)
+            assert str(error) == (
+                f"checkpoint {tmp_path}/1: cannot restore its state onto a target of other "
+                "shapes (p00 saved (4096,), target (5,); p07 saved (4096,), target (64, 64))"
+            )
+        else:
+            raise AssertionError("restored a target of other shapes")
+    gc.collect()
+    assert [str(u.exc_value) for u in unraisable] == []
+    restored, meta = ckpt.restore(state)  # typed keys and matching shapes pass the check
+    assert meta == {"iteration": 1} and _equal(restored["p07"], state["p07"])
+
+
 def test_a_second_process_is_refused_the_workdir(tmp_path):
     import subprocess
     import sys
