@@ -350,6 +350,14 @@ def select_arms(claim: Claim, arms: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(arms)
 
 
+def select_setting(claim: Claim, setting: str | None) -> str:
+    """``setting`` (one of ``configs.ablations.SETTINGS``), or the claim's own when None."""
+    name = setting or claim.setting
+    if name not in SETTINGS:
+        raise ValueError(f"unknown setting {name!r}; known: {', '.join(SETTINGS)}")
+    return name
+
+
 def judge(values: Sequence[float], threshold: float) -> dict:
     """The verdict of one check from its per-seed quantity (module doc: Student's t).
 
@@ -523,9 +531,7 @@ def run_claim(
       ``{"claim", "verdict", "checks", "summary", "verdict_md"}``.
     """
     labels = select_arms(claim, arms)
-    name = setting or claim.setting
-    if name not in SETTINGS:
-        raise ValueError(f"unknown setting {name!r}; known: {', '.join(SETTINGS)}")
+    name = select_setting(claim, setting)
     checkpoint = ensure_sft(name, sft_root, variant)
     base_setting = SETTINGS[name]
 
@@ -591,8 +597,7 @@ def main(argv):
     try:
         claim = get_claim(args.claim)
         select_arms(claim, args.arms)
-        if args.setting and args.setting not in SETTINGS:
-            raise ValueError(f"unknown setting {args.setting!r}; known: {', '.join(SETTINGS)}")
+        select_setting(claim, args.setting)
     except ValueError as error:
         raise app.UsageError(str(error)) from error
     quiet_library_logging()
