@@ -364,7 +364,8 @@ def test_remainder_task_by_repeated_subtraction():
     quotients, divisors = [], []
     for record in records:
         dividend, divisor = (int(x) for x in record["prompt"][:-1].split("mod"))
-        assert record["answer"] == record["wrong_answer"] == str(dividend % divisor)
+        assert record["answer"] == str(dividend % divisor)
+        assert record["wrong_answer"] == str(dividend % divisor + divisor)  # quotient >= 1
         steps = record["solution"].split("<think>")[1].split("</think>")[0].split(",")
         assert len(steps) == dividend // divisor
         left = dividend
@@ -384,7 +385,43 @@ def test_remainder_task_by_repeated_subtraction():
         ArithmeticConfig(operators="mod", min_steps=3, max_steps=2)
     with pytest.raises(ValueError, match="max_operands"):
         ArithmeticConfig(operators="mod", max_operands=4)
-    with pytest.raises(ValueError, match="no wrong procedure"):
-        ArithmeticConfig(operators="mod", wrong_procedure_fraction=0.5)
     with pytest.raises(ValueError, match='or "mod"'):
         ArithmeticConfig(operators="+mod")
+
+
+def test_remainder_wrong_procedure_stops_one_subtraction_early():
+    """The remainder task's wrong procedure stops once what is left is below twice the
+    divisor: one subtraction short, answer = remainder + divisor (hand-worked cases); exactly
+    floor(n * fraction) of the first n records follow it, the stream of problems is the
+    one without it, and the correct records are unchanged."""
+    from policyopt.data.synthetic import remainder_steps, solve_remainder
+
+    assert remainder_steps(30, 7, stop_early=True) == [(30, 7, 23), (23, 7, 16), (16, 7, 9)]
+    assert remainder_steps(17, 9, stop_early=True) == []
+    assert solve_remainder(30, 7, wrong=True) == (
+        "<think>30-7=23,23-7=16,16-7=9</think>\\boxed{9}",
+        9,
+    )
+    assert solve_remainder(17, 9, wrong=True) == ("<think></think>\\boxed{17}", 17)
+    assert solve_remainder(18, 9, wrong=True)[1] == 9  # not 0: one subtraction short
+    assert solve_remainder(5, 9, wrong=True) == solve_remainder(5, 9)  # nothing to subtract
+
+    right = ArithmeticConfig(operators="mod", min_digits=1, max_digits=2, max_steps=16)
+    mixed = dataclasses.replace(right, wrong_procedure_fraction=0.5)
+    clean = generate_arithmetic(right, split="train", seed=3, num_examples=400)
+    records = generate_arithmetic(mixed, split="train", seed=3, num_examples=400)
+    assert [r["prompt"] for r in records] == [r["prompt"] for r in clean]
+    num_wrong = 0
+    for record, reference in zip(records, clean):
+        dividend, divisor = (int(x) for x in record["prompt"][:-1].split("mod"))
+        assert record["answer"] == reference["answer"]
+        assert record["wrong_answer"] == str(dividend % divisor + divisor)
+        trace, boxed = record["solution"].split("<think>")[1].split("</think>")
+        steps = [s for s in trace.split(",") if s]
+        if record["solution"] == reference["solution"]:
+            assert len(steps) == dividend // divisor
+            continue
+        num_wrong += 1
+        assert len(steps) == dividend // divisor - 1
+        assert boxed == f"\\boxed{{{record['wrong_answer']}}}"
+    assert num_wrong == 200

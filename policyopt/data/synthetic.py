@@ -33,8 +33,12 @@ divisor: `152-9=143,143-9=134,...,17-9=8` and the answer `8`. Every step depends
 the step before it (the previous difference and the divisor), so a small model can follow
 a chain of any length; the number of steps is the quotient, drawn uniformly in
 [`min_steps`, `max_steps`], which spreads the responses' lengths (the length-variety task
-of experiments/reproduce.py, claim 3). There is no wrong procedure (`wrong_answer` is
-the answer).
+of experiments/reproduce.py, claim 3). The wrong procedure is that of a pupil who stops
+one subtraction early, once what is left is below twice the divisor: `30mod7=` ->
+`30-7=23,23-7=16,16-7=9`, answer 9 (the remainder plus the divisor; with a quotient of 1,
+no subtraction at all). Its one wrong decision comes at the end of the chain, after
+every step has been right, so that a policy which mixes both procedures gains by
+continuing one step further on responses of every length.
 
 **Splits.** Whether a problem belongs to "train" or "test" is decided by hashing its
 prompt (independently of the seed), so the splits are disjoint for every seed and every
@@ -118,11 +122,6 @@ class ArithmeticConfig:
                 raise ValueError(
                     'ArithmeticConfig.max_operands has no meaning with operators="mod" (its '
                     "lengths vary through min_steps / max_steps)"
-                )
-            if self.wrong_procedure_fraction:
-                raise ValueError(
-                    'operators="mod" has no wrong procedure: ArithmeticConfig.'
-                    f"wrong_procedure_fraction must be 0, got {self.wrong_procedure_fraction}"
                 )
         elif not self.operators or any(op not in _OPERATORS for op in self.operators):
             raise ValueError(
@@ -228,26 +227,35 @@ def evaluate(operands: Sequence[int], operators: Sequence[str]) -> int:
     return steps[-1][3]
 
 
-def remainder_steps(dividend: int, divisor: int) -> list[tuple[int, int, int]]:
+def remainder_steps(
+    dividend: int, divisor: int, stop_early: bool = False
+) -> list[tuple[int, int, int]]:
     """The subtractions (left, divisor, difference) that take ``dividend`` below
-    ``divisor``: ``(17, 9) -> [(17, 9, 8)]``; none when it already is."""
+    ``divisor``: ``(17, 9) -> [(17, 9, 8)]``; none when it already is. With
+    ``stop_early`` (the wrong procedure) they stop one subtraction sooner, once what is left
+    is below twice the divisor: ``(30, 7) -> [(30, 7, 23), (23, 7, 16), (16, 7, 9)]``."""
     if dividend < 0 or divisor < 1:
         raise ValueError(
             f"remainder_steps takes dividend >= 0, divisor >= 1, got {dividend, divisor}"
         )
+    bound = 2 * divisor if stop_early else divisor
     steps = []
-    while dividend >= divisor:
+    while dividend >= bound:
         steps.append((dividend, divisor, dividend - divisor))
         dividend -= divisor
     return steps
 
 
-def solve_remainder(dividend: int, divisor: int) -> tuple[str, int]:
-    """The worked response of ``dividend mod divisor`` and its answer:
-    ``(17, 9) -> ("<think>17-9=8</think>\\boxed{8}", 8)``."""
-    steps = remainder_steps(dividend, divisor)
+def solve_remainder(dividend: int, divisor: int, wrong: bool = False) -> tuple[str, int]:
+    """The worked response of ``dividend mod divisor`` and the answer it ends with:
+    ``(17, 9) -> ("<think>17-9=8</think>\\boxed{8}", 8)``; with ``wrong``, the procedure
+    that stops one subtraction early (``remainder_steps``), whose answer is the remainder
+    plus the divisor whenever the quotient is >= 1: ``(17, 9) -> ("<think></think>\\boxed{17}",
+    17)``."""
+    steps = remainder_steps(dividend, divisor, stop_early=wrong)
+    answer = steps[-1][2] if steps else dividend
     reasoning = ",".join(f"{a}-{b}={c}" for a, b, c in steps)
-    return format_response(reasoning, str(dividend % divisor)), dividend % divisor
+    return format_response(reasoning, str(answer)), answer
 
 
 # ---------------------------------------------------------------------------------------
@@ -319,16 +327,20 @@ def is_wrong_procedure(index: int, fraction: float) -> bool:
     return math.floor((index + 1) * fraction + 1e-9) > math.floor(index * fraction + 1e-9)
 
 
-def _draw_remainder_problem(rng: random.Random, config: ArithmeticConfig) -> dict:
+def _draw_remainder_problem(rng: random.Random, config: ArithmeticConfig) -> tuple[int, int]:
     divisor = rng.randint(max(2, 10 ** (config.min_digits - 1)), 10**config.max_digits - 1)
     quotient = rng.randint(config.min_steps, config.max_steps)
-    dividend = quotient * divisor + rng.randrange(divisor)
-    solution, answer = solve_remainder(dividend, divisor)
+    return quotient * divisor + rng.randrange(divisor), divisor
+
+
+def _remainder_record(dividend: int, divisor: int, wrong: bool) -> dict:
+    solution, _ = solve_remainder(dividend, divisor, wrong=wrong)
+    _, wrong_answer = solve_remainder(dividend, divisor, wrong=True)
     return {
         "prompt": f"{dividend}mod{divisor}=",
-        "answer": str(answer),
+        "answer": str(dividend % divisor),
         "solution": solution,
-        "wrong_answer": str(answer),
+        "wrong_answer": str(wrong_answer),
     }
 
 
@@ -366,14 +378,13 @@ def iter_arithmetic(
                 f"{config}; widen the difficulty knobs (digits, operands) or ask for fewer examples"
             )
         if config.remainders:
-            record = _draw_remainder_problem(rng, config)
-            if (
-                record["prompt"] in seen
-                or split_of(record["prompt"], config.test_fraction) != split
-            ):
+            dividend, divisor = _draw_remainder_problem(rng, config)
+            prompt = f"{dividend}mod{divisor}="
+            if prompt in seen or split_of(prompt, config.test_fraction) != split:
                 continue
-            seen.add(record["prompt"])
-            yield record
+            wrong = is_wrong_procedure(len(seen), config.wrong_procedure_fraction)
+            seen.add(prompt)
+            yield _remainder_record(dividend, divisor, wrong)
             continue
         count = config.num_operands
         if config.max_operands is not None and config.max_operands > count:
