@@ -31,22 +31,25 @@ otherwise (always with one seed: no spread). The effect size is m - threshold, r
 with s. A claim is supported when all its checks are, contradicted when any is, and
 inconclusive otherwise.
 
-Budgets on the 2-core machine (benchmarks/RESULTS.md "Fourteenth session" to "Nineteenth
-session"; the SFT starts once per setting on top): ``Claim.budget`` (``--list`` prints
-it), measured on a machine shared with other jobs (load 2-14). The testbed's claims fit
-the target of 30 minutes per claim at 3 seeds with ``--variant train.num_iterations=20``
-(2-6 min per arm and seed, 1-2.5 min of it compilation), routing_replay's 4 arms only at
-low load. The long task's claims (vc_ppo, vapo_length_adaptive) took 5-7 min per arm and
-seed at load 2-5 ("Seventeenth session" to "Nineteenth session") and 3.5-3.9 min idle
-with the critic's reward-model start ("Twenty-first session"): at 3 seeds, vc_ppo's 4
-arms exceed the target (~45 min idle, 59-71 min loaded). On the long task no method
-learns in 20 iterations, GRPO included ("Eighteenth session, the lead"): from the first
-SFT start every arm degrades at lr 5e-4; from the cosine-decayed start (greedy pass@1
-0.72) every arm holds at lr 1e-4 (the setting's step size) and every critic-free one
-degrades at 2e-4 and above ("Nineteenth session"), so claim 3's collapse never shows
-beside a learning baseline. On responses of up to ~400 tokens (``--setting
-testbed_long32``, 45 min for vc_ppo's 4 arms at one seed) no arm collapses in length
-either, and every one falls from 0.62 to 0.54-0.57 ("Twenty-first session").
+Budgets on the 2-core machine (benchmarks/RESULTS.md "Fourteenth session" to
+"Twenty-second session"; the SFT starts once per setting on top): ``Claim.budget``
+(``--list`` prints it), measured on a machine shared with other jobs (load 2-14) unless
+it says idle. The testbed's claims fit the target of 30 minutes per claim at 3 seeds with
+``--variant train.num_iterations=20`` (2-6 min per arm and seed, 1-2.5 min of it
+compilation), routing_replay's 4 arms only at low load. The long task's claims take 3.5-4.5
+min per arm and seed idle (10 reward-model iterations, value pretraining, 20 of PPO, ~7 s
+each): vapo_length_adaptive's 2 arms fit, vc_ppo's 4 take ~45 min at 3 seeds, its two
+checks ~21-24 min each when run apart (``--arms ppo,ppo_pretrained``, ``--arms
+vc_ppo,vc_ppo_lambda_1``).
+
+Claim 3 needs a policy that RL improves: from an SFT start of the right procedure alone
+(greedy pass@1 0.72) no method improved in 20 iterations at any step size ("Eighteenth
+session" to "Twenty-first session", also on responses of up to ~400 tokens, ``--setting
+testbed_long32``). The long task's SFT solutions now follow, half of them, a wrong
+procedure that stops one subtraction early; from that start (0.39) every PPO-family arm
+learns (0.54-0.61 at 3 seeds, "Twenty-second session"), so the collapse VC-PPO describes
+would show beside a learning baseline. It does not: plain PPO ends level with the best
+arm in held-out pass@1, though its training batches score lowest at every seed.
 """
 
 from __future__ import annotations
@@ -276,12 +279,12 @@ CLAIMS: dict[str, Claim] = {
                     "vc_ppo_lambda_1",
                 ),
             ),
-            budget="measured idle with the critic's reward-model start (twenty-first "
-            "session): 4 arms x 20 iterations (+10 of the reward model, +5 of value "
-            "pretraining in 3 arms), 210-231 s per arm, 15 min at one seed, ~45 min at 3 "
-            "seeds, over the 30-min target (59 min at load 3-5 before the reward-model "
-            "start); the SFT start (1000 steps, once) ~24 min; --setting testbed_long32: "
-            "45 min at one seed (see its config)",
+            budget="measured idle (twenty-second session): 4 arms x 20 iterations (+10 of "
+            "the critic as a reward model, +5 of value pretraining in 3 arms), 207-268 s per "
+            "arm and seed, 15 min at one seed, ~45 min at 3 seeds, over the 30-min target; "
+            "each check apart (--arms ppo,ppo_pretrained or --arms vc_ppo,vc_ppo_lambda_1) "
+            "~21-24 min at 3 seeds; the SFT start (1000 steps, once) 28 min; --setting "
+            "testbed_long32: 45 min at one seed (twenty-first session)",
         ),
         Claim(
             "vapo_length_adaptive",
@@ -298,11 +301,10 @@ CLAIMS: dict[str, Claim] = {
                 ),
             ),
             arms=("vapo", "no_length_adaptive"),
-            budget="measured from the earlier, weaker SFT start (load 2-4): 2 arms x 3 seeds "
-            "x 20 iterations (+5 of value pretraining), 5.5-6 min per arm and seed, ~35 min "
-            "at 3 seeds; measured idle with the critic's reward-model start (twenty-first "
-            "session): 237-268 s per arm, 8.6 min at one seed, ~26 min at 3 seeds (the SFT "
-            "start of vc_ppo's setting, once, on top)",
+            budget="measured idle (twenty-second session): 2 arms x 3 seeds x 20 "
+            "iterations (+10 of the critic as a reward model, +5 of value pretraining), "
+            "198-258 s per arm and seed, 23 min at 3 seeds (the SFT start of vc_ppo's "
+            "setting, once, on top)",
         ),
         Claim(
             "magistral_async",
