@@ -35,8 +35,8 @@ Budgets on the 2-core machine (benchmarks/RESULTS.md "Fourteenth session" to
 "Twenty-second session"; the SFT starts once per setting on top): ``Claim.budget``
 (``--list`` prints it), measured on a machine shared with other jobs (load 2-14) unless
 it says idle. The testbed's claims fit the target of 30 minutes per claim at 3 seeds with
-``--variant train.num_iterations=20`` (2-6 min per arm and seed, 1-2.5 min of it
-compilation), routing_replay's 4 arms only at low load. The long task's claims take 3.5-4.5
+``--variant train.num_iterations=20``: ~3 min for a 3- or 4-arm claim idle (9-18 s per
+arm and seed, ~15-token responses), 2-6 min per arm and seed under load. The long task's claims take 3.5-4.5
 min per arm and seed idle (10 reward-model iterations, value pretraining, 20 of PPO, ~7 s
 each): vapo_length_adaptive's 2 arms fit, vc_ppo's 4 take ~45 min at 3 seeds, its two
 checks ~21-24 min each when run apart (``--arms ppo,ppo_pretrained``, ``--arms
@@ -221,9 +221,10 @@ CLAIMS: dict[str, Claim] = {
                     threshold=1.5,
                 ),
             ),
-            budget="measured: per arm and seed at 20 iterations, 16 min at load ~10, 1-2.5 "
-            "min at load ~2-5 (compilation shared by the arms of one process); 4 arms x "
-            "3 seeds x 40 iterations: ~30-60 min at low load, hours under load",
+            budget="measured idle (twenty-second session): 4 arms x 3 seeds x 20 iterations "
+            "in ~3 min after the SFT start (2 min, once; 9-16 s per arm and seed); under "
+            "load (fifteenth session) 1-2.5 min per arm and seed at load ~2-5, 16 min at "
+            "load ~10",
         ),
         Claim(
             "sapo_tau",
@@ -239,10 +240,9 @@ CLAIMS: dict[str, Claim] = {
                     "equal temperatures end above tau_neg < tau_pos", "diff", "equal", "neg_lt_pos"
                 ),
             ),
-            budget="measured (load 11-14): 3 arms x 1 seed x 20 iterations, 8.4 min after "
-            "the SFT start (1.9-4.4 min per arm, 1.2-2 min of it compilation; the arms "
-            "collapse in iteration 1 at lr 5e-3, later iterations ~2 s; at lr 1e-3, 7.4 min); "
-            "3 seeds ~25 min",
+            budget="measured idle (twenty-second session, lr 1e-3): 3 arms x 3 seeds x 20 "
+            "iterations in ~3 min after the SFT start; under load 11-14 (fifteenth session) "
+            "8.4 min at one seed",
         ),
         Claim(
             "sapo_stability",
@@ -255,9 +255,9 @@ CLAIMS: dict[str, Claim] = {
                 Check("SAPO ends above GSPO", "diff", "sapo", "gspo"),
             ),
             arms=("grpo", "gspo", "sapo"),
-            budget="measured (load 12-13): 3 arms x 1 seed x 20 iterations, 12 min after the "
-            "SFT start (1.8-5.9 min per arm, 1-2 min of it compilation; every arm collapses "
-            "in iteration 1 at lr 5e-3; at lr 1e-3, 6.9 min); 3 seeds ~25-35 min",
+            budget="measured idle (twenty-second session, lr 1e-3): 3 arms x 3 seeds x 20 "
+            "iterations in ~3 min after the SFT start; under load 12-13 (fifteenth session) "
+            "12 min at one seed",
         ),
         Claim(
             "vc_ppo",
