@@ -36,11 +36,11 @@ Budgets on the 2-core machine (benchmarks/RESULTS.md "Fourteenth session" to
 (``--list`` prints it), measured on a machine shared with other jobs (load 2-14) unless
 it says idle. The testbed's claims fit the target of 30 minutes per claim at 3 seeds with
 ``--variant train.num_iterations=20``: ~3 min for a 3- or 4-arm claim idle (9-18 s per
-arm and seed, ~15-token responses), 2-6 min per arm and seed under load. The long task's claims take 3.5-4.5
-min per arm and seed idle (10 reward-model iterations, value pretraining, 20 of PPO, ~7 s
-each): vapo_length_adaptive's 2 arms fit, vc_ppo's 4 take ~45 min at 3 seeds, its two
-checks ~21-24 min each when run apart (``--arms ppo,ppo_pretrained``, ``--arms
-vc_ppo,vc_ppo_lambda_1``).
+arm and seed, ~15-token responses), 2-6 min per arm and seed under load. The long task's
+claims take 3.5-4.5 min per arm and seed idle (10 reward-model iterations, value
+pretraining, 20 of PPO, ~7 s each): vapo_length_adaptive's 2 arms fit, vc_ppo's 4 take
+~45 min at 3 seeds, its two checks ~21-24 min each when run apart (``--arms
+ppo,ppo_pretrained``, ``--arms vc_ppo,vc_ppo_lambda_1``).
 
 Claim 3 needs a policy that RL improves: from an SFT start of the right procedure alone
 (greedy pass@1 0.72) no method improved in 20 iterations at any step size ("Eighteenth
