@@ -349,9 +349,11 @@ class Checkpointer:
         path = os.path.join(self.directory, str(int(step)), "state")
         verbosity = logging.get_verbosity()
         logging.set_verbosity(logging.ERROR)  # orbax warns about a step-level file it does not need
+        reader = ocp.StandardCheckpointer()
         try:
-            tree = ocp.StandardCheckpointer().metadata(path).item_metadata.tree
+            tree = reader.metadata(path).item_metadata.tree
         finally:
+            reader.close()  # its metadata store's thread: restore now reads this every time
             logging.set_verbosity(verbosity)
         shapes = {}
 
