@@ -312,26 +312,42 @@ class Checkpointer:
 
         return self._with_fallback(step, read)
 
+    def compare_shapes(self, target: Any, step: int) -> tuple[list[tuple], list[str]]:
+        """``target``'s arrays against the checkpoint's metadata (no array is read):
+        ``([(name, saved shape, target shape), ...], [names not in the checkpoint])``,
+        dotted names as orbax saves them (``train.params.w``; an ``nnx.State`` leaf's
+        trailing ``.value`` is matched without it). The second list is empty when no name
+        matches at all (another tree, not missing arrays). Typed PRNG keys are skipped:
+        they are stored as their key data."""
+        saved = self.saved_shapes(step)
+        lookup = lambda name: saved.get(name, saved.get(name.removesuffix(".value")))
+        wanted = {
+            _path_name(path).replace("/", "."): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(target)
+            if hasattr(leaf, "shape") and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+        }
+        diffs = [
+            (name, tuple(lookup(name)), shape)
+            for name, shape in wanted.items()
+            if lookup(name) is not None and tuple(lookup(name)) != shape
+        ]
+        matched = any(lookup(name) is not None for name in wanted)
+        missing = [name for name in wanted if matched and lookup(name) is None]
+        return diffs, missing
+
     def _check_shapes(self, step: int, abstract: Any) -> None:
         """Refuses, before any array is read, a target whose arrays have other shapes than
-        the checkpoint's (read from its metadata; unreadable metadata is left to the
-        restore to report). Besides naming every such array, this keeps orbax from
-        failing mid-restore: it then closes its event loop with the other arrays' reads
-        still in flight, and each later prints "Exception ignored ... Event loop is
-        closed" from wherever the program has got to."""
+        the checkpoint's (``compare_shapes``; unreadable metadata is left to the restore
+        to report). Besides naming every such array, this keeps orbax from failing
+        mid-restore: it then closes its event loop with the other arrays' reads still in
+        flight, and each later prints "Exception ignored ... Event loop is closed" from
+        wherever the program has got to."""
         try:
-            saved = self.saved_shapes(step)
+            diffs, _ = self.compare_shapes(abstract, step)
         except Exception:  # noqa: BLE001 - a damaged checkpoint: the restore says how
             return
-        wrong = []
-        for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
-            if not hasattr(leaf, "shape") or jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-                continue  # typed keys are stored as their key data
-            name = _path_name(path)
-            shape = saved.get(name.replace("/", "."))
-            if shape is not None and tuple(shape) != tuple(leaf.shape):
-                wrong.append(f"{name} saved {tuple(shape)}, target {tuple(leaf.shape)}")
-        if wrong:
+        if diffs:
+            wrong = [f"{name} saved {old}, target {new}" for name, old, new in diffs]
             more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
             raise CheckpointError(
                 f"checkpoint {self.step_path(step)}: cannot restore its state onto a target "

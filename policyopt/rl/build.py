@@ -522,17 +522,6 @@ def init_params(config, model: nnx.Module, mesh: Mesh):
     return graphdef, params
 
 
-def _path_name(path) -> str:
-    """A pytree key path as the dotted name orbax saves it under (``train.params.w``)."""
-    parts = []
-    for entry in path:
-        for attribute in ("key", "name", "idx"):
-            if hasattr(entry, attribute):
-                parts.append(str(getattr(entry, attribute)))
-                break
-    return ".".join(parts)
-
-
 def check_checkpoint_shapes(
     checkpointer: Checkpointer,
     target,
@@ -553,25 +542,8 @@ def check_checkpoint_shapes(
     step = checkpointer.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"{field}: no checkpoint in {checkpointer.directory}")
-    saved = checkpointer.saved_shapes(step)
-    wanted = {
-        _path_name(path): tuple(leaf.shape)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]
-        if hasattr(leaf, "shape")
-    }
-    # nnx.State leaves may carry a trailing ".value" that orbax's names do not.
-    lookup = lambda name: saved.get(name, saved.get(name.removesuffix(".value")))
-    diffs = [
-        (name, lookup(name), shape)
-        for name, shape in wanted.items()
-        if lookup(name) is not None and lookup(name) != shape
-    ]
-    matched = any(lookup(name) is not None for name in wanted)
-    missing = [
-        name
-        for name in wanted
-        if matched and lookup(name) is None and name.startswith("train.params")
-    ]
+    diffs, missing = checkpointer.compare_shapes(target, step)
+    missing = [name for name in missing if name.startswith("train.params")]
     if not diffs and not missing:
         return
     try:
