@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from policyopt.models import lora
 from policyopt.models.attention_ops import attend, attention_weights_mask, dot_product_attention
 from policyopt.models.config import ModelConfig
 from policyopt.models.layers import RMSNorm, apply_rope, param
@@ -180,7 +181,16 @@ class KVCache:
 
 
 class Attention(nnx.Module):
-    """Qwen3 attention: q/k/v projections, RMSNorm on each q and k head, RoPE, GQA, o_proj."""
+    """Qwen3 attention: q/k/v projections, RMSNorm on each q and k head, RoPE, GQA, o_proj;
+    LoRA adapters on the projections (``policyopt.models.lora``) when ``lora`` holds them."""
+
+    # Weight -> (LoRA target, batch dims, input dims).
+    LORA_SLOTS = {
+        "q_proj": ("q_proj", 0, 1),
+        "k_proj": ("k_proj", 0, 1),
+        "v_proj": ("v_proj", 0, 1),
+        "o_proj": ("o_proj", 0, 2),
+    }
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, h, hkv, dh = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
@@ -196,6 +206,7 @@ class Attention(nnx.Module):
         self.o_proj = param(rngs, (h, dh, d), _O_AXES, std=std, dtype=pdt)
         self.q_norm = RMSNorm(dh, config.rms_norm_eps, param_dtype=pdt, axis_name="kv")
         self.k_norm = RMSNorm(dh, config.rms_norm_eps, param_dtype=pdt, axis_name="kv")
+        self.lora = nnx.data(None)  # lora.Adapters, set by Transformer
 
     def __call__(
         self,
@@ -223,11 +234,15 @@ class Attention(nnx.Module):
         """
         dt = self.dtype
         x = x.astype(dt)
+        arrays, axes, structure = lora.flatten(
+            [
+                lora.adapt(self.lora, "q_proj", self.q_proj[...], _Q_AXES),
+                lora.adapt(self.lora, "k_proj", self.k_proj[...], _KV_AXES),
+                lora.adapt(self.lora, "v_proj", self.v_proj[...], _KV_AXES),
+            ]
+        )
         q, k, v = fsdp_call(
-            self._project,
-            x,
-            (self.q_proj[...], self.k_proj[...], self.v_proj[...]),
-            (_Q_AXES, _KV_AXES, _KV_AXES),
+            lambda x, arrays: self._project(x, lora.unflatten(structure, arrays)), x, arrays, axes
         )
         q = apply_rope(self.q_norm(q), cos, sin)
         k = apply_rope(self.k_norm(k), cos, sin)
@@ -265,12 +280,16 @@ class Attention(nnx.Module):
 
     def _project(self, x, weights):
         """x [B, T, D] -> q [B, T, H, Dh], k and v [B, T, Hkv, Dh]."""
-        return tuple(jnp.einsum("btd,dnh->btnh", x, w.astype(self.dtype)) for w in weights)
+        return tuple(lora.einsum("btd,dnh->btnh", x, w.astype(self.dtype)) for w in weights)
 
     def _output(self, out):
         """Attention outputs [B, T, H, Dh] -> [B, T, D] (o_proj)."""
+        arrays, axes, structure = lora.flatten(
+            [lora.adapt(self.lora, "o_proj", self.o_proj[...], _O_AXES)]
+        )
 
-        def project(out, weights):
-            return jnp.einsum("btnh,nhd->btd", out, weights[0].astype(self.dtype))
+        def project(out, arrays):
+            (w,) = lora.unflatten(structure, arrays)
+            return lora.einsum("btnh,nhd->btd", out, w.astype(self.dtype))
 
-        return fsdp_call(project, out, (self.o_proj[...],), (_O_AXES,))
+        return fsdp_call(project, out, arrays, axes)

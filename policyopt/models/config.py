@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from policyopt.models.attention_ops import IMPLEMENTATIONS, check_implementation
+from policyopt.models.lora import LoRAConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _DISPATCH = ("ragged", "megablox", "blocked", "dense", "gathered", "capacity")
@@ -121,6 +122,8 @@ class ModelConfig:
         memory only inside the scan (unrolled, ~5.4 GiB per Qwen3-8B-sized layer at
         32k tokens stayed live; scanned, ~0.55 GiB, its carried residual), so turn it
         on together with scan_layers for long sequences.
+      lora: LoRA adapters (``policyopt.models.lora.LoRAConfig``; rank 0: none), checked
+        against this model's targets and sizes when the config is built.
     """
 
     vocab_size: int
@@ -153,6 +156,7 @@ class ModelConfig:
     initializer_range: float = 0.02
     scan_layers: bool = False
     remat: str = "none"
+    lora: LoRAConfig = LoRAConfig()
 
     def __post_init__(self):
         if self.moe_layers is not None and not isinstance(self.moe_layers, tuple):
@@ -239,6 +243,10 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.scan_layers must be a bool, got {self.scan_layers!r}")
         if self.remat not in _REMAT:
             raise ValueError(f"ModelConfig.remat must be one of {_REMAT}, got {self.remat!r}")
+        if not isinstance(self.lora, LoRAConfig):
+            raise ValueError(f"ModelConfig.lora must be a LoRAConfig, got {self.lora!r}")
+        if self.lora.enabled:
+            self.lora.check(self)
 
     def resolved_weight_gather(self) -> str:
         """``moe_weight_gather`` with "auto" resolved: "take" on CPU, else "onehot"."""

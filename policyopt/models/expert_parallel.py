@@ -30,7 +30,10 @@ one pass at f >= the imbalance), a while loop with its own backward pass. When a
 device would receive more than the ragged buffer holds, the step takes the all_to_all
 passes instead (one ``lax.cond``, the predicate pmax-ed over the mesh so every device
 takes the same branch). Everything but the buffers is the arithmetic of one device,
-so loss, gradients and routing match it up to float summation order.
+so loss, gradients and routing match it up to float summation order. LoRA adapters of
+the router and the experts (``policyopt.models.lora``) travel with their weights: A and B
+are split over ``expert`` and along D as their weight is, gathered alike, and each local
+expert applies its own.
 
 On a mesh with an ``fsdp`` axis and no ``expert`` axis (one expert group: every device
 holds every expert's FSDP shard) the same block runs with steps 2-5 replaced by the
@@ -53,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from policyopt.models import lora
 from policyopt.models.config import ModelConfig
 from policyopt.models.experts import (
     blocked_experts,
@@ -404,8 +408,7 @@ def expert_parallel_block(
     x,
     token_mask,
     routing,
-    router,
-    params,
+    weights,
     config: ModelConfig,
     dispatch: str,
     mesh,
@@ -415,8 +418,10 @@ def expert_parallel_block(
 
     Args:
       x: [B, T, D]; token_mask: bool [B, T]; routing: int32 [B, T, k] or None;
-      router: [D, E]; params: (w_gate, w_up [E, D, F], w_down [E, F, D]) in their
-        parameter dtype; mesh: the abstract mesh; row_axes: mesh axes splitting B.
+      weights: ``[(weight, logical axes)]`` of the router [D, E] and the experts (w_gate,
+        w_up [E, D, F], w_down [E, F, D]) in their parameter dtype, each an array or a
+        ``lora.Adapted`` with its adapter's axes (``MoE.weights``); mesh: the abstract
+        mesh; row_axes: mesh axes splitting B.
     Returns:
       As ``MoE.__call__`` before the dropped count: (y, routing, aux).
     """
@@ -427,26 +432,35 @@ def expert_parallel_block(
     transport = cfg.resolved_ep_transport()
     all_axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
     width = _width_axes(mesh, cfg.hidden_size)
+    arrays, axes, structure = lora.flatten(weights)
 
-    def gathered(w, axis):
+    def gathered(w, logical_axes):
         # FSDP (ZeRO-3) inside the block: the model width of a weight arrives as this
         # device's shard and is all-gathered here, so that the weight's gradient, the
         # transpose of the all-gather, is reduce-scattered onto the shards (a psum_scatter;
         # left to XLA, the gradient is all-reduced at full size and then sliced on XLA:CPU,
         # which has no pass turning the two into a reduce-scatter).
         # Typed as varying over the other row axes first, so that the gradient's psum over
-        # them (data parallelism) runs on the shard, after the reduce-scatter.
-        others = tuple(a for a in row_axes if a not in width and a not in jax.typeof(w).mat.varying)
+        # them (data parallelism) runs on the shard, after the reduce-scatter. A weight
+        # without a model width (an adapter's A of w_down, B of w_gate / w_up) is whole.
+        split = bool(width) and "embed" in logical_axes
+        others = tuple(
+            a
+            for a in row_axes
+            if (not split or a not in width) and a not in jax.typeof(w).mat.varying
+        )
         w = jax.lax.pcast(w, others, to="varying") if others else w
-        return jax.lax.all_gather(w, width, axis=axis, tiled=True) if width else w
+        if not split:
+            return w
+        return jax.lax.all_gather(w, width, axis=logical_axes.index("embed"), tiled=True)
 
-    def body(x, token_mask, router, w_gate, w_up, w_down, *replay):
+    def body(x, token_mask, arrays, *replay):
         b, t, d = x.shape
-        router, w_gate, w_up = gathered(router, 0), gathered(w_gate, 1), gathered(w_up, 1)
-        w_down = gathered(w_down, 2)
+        arrays = [gathered(w, a) for w, a in zip(arrays, axes)]
+        router, *params = lora.unflatten(structure, arrays)
         flat = x.reshape(b * t, d)
         valid = token_mask.reshape(b * t)
-        logits = flat.astype(jnp.float32) @ router.astype(jnp.float32)
+        logits = lora.einsum("nd,de->ne", flat.astype(jnp.float32), router.astype(jnp.float32))
         chosen = replay[0].reshape(b * t, k) if replay else None
         expert_ids, gates, probs = route(logits, k, cfg.norm_topk_prob, chosen)
         aux = router_aux(logits, probs, expert_ids, valid, num_experts, axis_names=row_axes)
@@ -455,9 +469,7 @@ def expert_parallel_block(
                 flat.astype(dt),
                 expert_ids,
                 gates,
-                w_gate,
-                w_up,
-                w_down,
+                *params,
                 dispatch=dispatch,
                 block_size=cfg.moe_block_size,
                 gather=cfg.resolved_weight_gather(),
@@ -467,7 +479,7 @@ def expert_parallel_block(
         y_copies = _exchange(
             flat.astype(dt),
             expert_ids,
-            (w_gate, w_up, w_down),
+            tuple(params),
             local_fn,
             n_ep,
             e_local,
@@ -478,18 +490,21 @@ def expert_parallel_block(
         y = jnp.einsum("nkd,nk->nd", y_copies.reshape(b * t, k, d), gates.astype(dt))
         return y.reshape(b, t, d), expert_ids.reshape(b, t, k), aux
 
+    def spec(logical_axes):
+        """A weight's PartitionSpec in the block: E over ``expert``, D over the width axes."""
+        names = []
+        for name in logical_axes:
+            if name == "expert" and n_ep > 1:
+                names.append("expert")
+            elif name == "embed" and width:
+                names.append(width)
+            else:
+                names.append(None)
+        return PartitionSpec(*names)
+
     rows = PartitionSpec(row_axes)
-    shard = width or None
-    expert = "expert" if n_ep > 1 else None
-    args = (x, token_mask, router, *params) + (() if routing is None else (routing,))
-    in_specs = (
-        rows,
-        rows,
-        PartitionSpec(shard, None),
-        PartitionSpec(expert, shard, None),
-        PartitionSpec(expert, shard, None),
-        PartitionSpec(expert, None, shard),
-    ) + (() if routing is None else (rows,))
+    args = (x, token_mask, arrays) + (() if routing is None else (routing,))
+    in_specs = (rows, rows, tuple(spec(a) for a in axes)) + (() if routing is None else (rows,))
     per_device = jax.shard_map(
         body, mesh=mesh, in_specs=in_specs, out_specs=(rows, rows, PartitionSpec())
     )

@@ -12,7 +12,10 @@ y_n = sum_j g_nj SwiGLU_{e_nj}(x_n) [N, D]:
   capacity_experts   capacity factor: one-hot dispatch into [E, C] buffers; also returns
                      the number of copies dropped
 
-``dropless_experts`` picks one of the first five by its ``moe_dispatch`` name.
+``dropless_experts`` picks one of the first five by its ``moe_dispatch`` name. Every
+expert weight may be a ``lora.Adapted`` (each expert with its own adapter): the grouped
+matmuls then add ``matmul(matmul(x, A), B)`` (``lora.grouped``), the einsums their
+low-rank path (``lora.einsum``), and the weight gathers take A and B along (``lora.apply``).
 
 The expert-parallel block (``policyopt.models.expert_parallel``) runs ragged (with either
 matmul, the megablox kernel inside ``jax.shard_map`` included), blocked or dense on each
@@ -29,6 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
+
+from policyopt.models import lora
 
 
 def megablox_matmul(rows, weights, group_sizes, interpret: bool | None = None):
@@ -216,9 +221,9 @@ def ragged_experts(x, expert_ids, gates, w_gate, w_up, w_down, matmul: str = "ra
         grouped = megablox_matmul
     else:
         raise ValueError(f"matmul must be 'ragged_dot' or 'megablox', got {matmul!r}")
-    gate = grouped(x_sorted, w_gate, group_sizes)
-    up = grouped(x_sorted, w_up, group_sizes)
-    y_sorted = grouped(jax.nn.silu(gate) * up, w_down, group_sizes)
+    gate = lora.grouped(grouped, x_sorted, w_gate, group_sizes)
+    up = lora.grouped(grouped, x_sorted, w_up, group_sizes)
+    y_sorted = lora.grouped(grouped, jax.nn.silu(gate) * up, w_down, group_sizes)
     y_copies = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
     y_copies = y_copies.reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y_copies, gates.astype(y_copies.dtype))
@@ -281,7 +286,7 @@ def blocked_experts(
     if gather == "take":
 
         def weights_of(w):
-            return jnp.take(w, block_expert, axis=0).astype(x.dtype)
+            return lora.apply(lambda v: jnp.take(v, block_expert, axis=0).astype(x.dtype), w)
     elif gather == "onehot":
         # In the compute dtype: the matmul's gradient sums over the blocks in its
         # accumulator (its error matched the ragged dispatch's), and a float32 matmul
@@ -291,14 +296,17 @@ def blocked_experts(
         def weights_of(w):
             # HIGHEST: a float32 product at default precision would round the weights
             # (TF32 on GPUs, bfloat16 passes on TPUs), and the weight gradient with them.
-            return jnp.einsum(
-                "be,e...->b...", onehot, w.astype(x.dtype), precision=jax.lax.Precision.HIGHEST
+            return lora.apply(
+                lambda v: jnp.einsum(
+                    "be,e...->b...", onehot, v.astype(x.dtype), precision=jax.lax.Precision.HIGHEST
+                ),
+                w,
             )
     else:
         raise ValueError(f"gather must be 'take' or 'onehot', got {gather!r}")
-    gate = jnp.einsum("brd,bdf->brf", rows, weights_of(w_gate))
-    up = jnp.einsum("brd,bdf->brf", rows, weights_of(w_up))
-    out = jnp.einsum("brf,bfd->brd", jax.nn.silu(gate) * up, weights_of(w_down))
+    gate = lora.einsum("brd,bdf->brf", rows, weights_of(w_gate))
+    up = lora.einsum("brd,bdf->brf", rows, weights_of(w_up))
+    out = lora.einsum("brf,bfd->brd", jax.nn.silu(gate) * up, weights_of(w_down))
     y_sorted = jnp.take(out.reshape(-1, d), dest, axis=0)
     y_copies = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
     return jnp.einsum("nkd,nk->nd", y_copies.reshape(n, k, d), gates.astype(x.dtype))
@@ -330,10 +338,10 @@ def dense_experts(x, expert_ids, gates, w_gate, w_up, w_down):
     # [E, D, F] layout (contracting D of [E, D, F] against [N, D] directly makes XLA
     # transpose the weights on every call; measured ~10% slower decoding on a CPU).
     x = jnp.broadcast_to(x, (num_experts,) + x.shape)  # [E, N, D]
-    gate = jnp.einsum("end,edf->enf", x, w_gate)
-    up = jnp.einsum("end,edf->enf", x, w_up)
+    gate = lora.einsum("end,edf->enf", x, w_gate)
+    up = lora.einsum("end,edf->enf", x, w_up)
     hidden = jax.nn.silu(gate) * up * combine[:, :, None]  # [E, N, F]
-    return jnp.sum(jnp.einsum("enf,efd->end", hidden, w_down), axis=0)
+    return jnp.sum(lora.einsum("enf,efd->end", hidden, w_down), axis=0)
 
 
 # Headroom of the "gathered" dispatch's buffers over an expert's mean load N k / E: the
@@ -390,10 +398,10 @@ def gathered_experts(x, expert_ids, gates, w_gate, w_up, w_down):
             keys, rows = jax.lax.top_k(priority, capacity)  # [E, C]
             weights = jnp.take_along_axis(combine, rows, axis=1)  # [E, C]
             xg = jnp.take(x, rows, axis=0)  # [E, C, D]
-            gate = jnp.einsum("ecd,edf->ecf", xg, w_gate)
-            up = jnp.einsum("ecd,edf->ecf", xg, w_up)
+            gate = lora.einsum("ecd,edf->ecf", xg, w_gate)
+            up = lora.einsum("ecd,edf->ecf", xg, w_up)
             hidden = jax.nn.silu(gate) * up * weights[:, :, None]
-            out = jnp.einsum("ecf,efd->ecd", hidden, w_down)  # [E, C, D]
+            out = lora.einsum("ecf,efd->ecd", hidden, w_down)  # [E, C, D]
             # Padding rows (priority 0) are dropped, not added with weight 0.
             dest = jnp.where(keys > 0, rows, n).reshape(-1)
             return jnp.zeros_like(x).at[dest].add(out.reshape(-1, d), mode="drop")
@@ -467,8 +475,8 @@ def capacity_experts(x, expert_ids, gates, valid, w_gate, w_up, w_down, capacity
     dispatch = jnp.einsum("nke,nkc->nec", expert_onehot, slot)
     combine = jnp.einsum("nke,nkc->nec", expert_onehot * gates[..., None].astype(x.dtype), slot)
     expert_in = jnp.einsum("nec,nd->ecd", dispatch, x)
-    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", expert_in, w_gate)) * jnp.einsum(
+    h = jax.nn.silu(lora.einsum("ecd,edf->ecf", expert_in, w_gate)) * lora.einsum(
         "ecd,edf->ecf", expert_in, w_up
     )
-    expert_out = jnp.einsum("ecf,efd->ecd", h, w_down)
+    expert_out = lora.einsum("ecf,efd->ecd", h, w_down)
     return jnp.einsum("nec,ecd->nd", combine, expert_out), dropped

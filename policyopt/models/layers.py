@@ -8,6 +8,7 @@ import numpy as np
 from flax import nnx
 
 from policyopt import sharding
+from policyopt.models import lora
 from policyopt.models.config import ModelConfig
 
 
@@ -89,9 +90,22 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class MLP(nnx.Module):
     """SwiGLU feed-forward (Shazeer 2020): down( silu(x W_gate) * (x W_up) ).
 
-    On an fsdp mesh the three weights are gathered inside one ``shard_map`` per call and
-    their gradients reduce-scattered (``policyopt.sharding.fsdp_call``).
+    On an fsdp mesh the three weights (and their adapters, ``policyopt.models.lora``) are
+    gathered inside one ``shard_map`` per call and their gradients reduce-scattered
+    (``policyopt.sharding.fsdp_call``).
     """
+
+    # Weight -> (LoRA target, batch dims, input dims).
+    LORA_SLOTS = {
+        "gate_proj": ("gate_proj", 0, 1),
+        "up_proj": ("up_proj", 0, 1),
+        "down_proj": ("down_proj", 0, 1),
+    }
+    _AXES = {
+        "gate_proj": ("embed", "mlp"),
+        "up_proj": ("embed", "mlp"),
+        "down_proj": ("mlp", "embed"),
+    }
 
     def __init__(self, config: ModelConfig, intermediate_size: int, *, rngs: nnx.Rngs):
         d, f = config.hidden_size, intermediate_size
@@ -100,15 +114,23 @@ class MLP(nnx.Module):
         self.gate_proj = param(rngs, (d, f), ("embed", "mlp"), std=std, dtype=pdt)
         self.up_proj = param(rngs, (d, f), ("embed", "mlp"), std=std, dtype=pdt)
         self.down_proj = param(rngs, (f, d), ("mlp", "embed"), std=std, dtype=pdt)
+        self.lora = nnx.data(None)  # lora.Adapters, set by Transformer
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> [B, T, D] in the compute dtype."""
-        weights = tuple(w[...] for w in (self.gate_proj, self.up_proj, self.down_proj))
-        axes = (("embed", "mlp"), ("embed", "mlp"), ("mlp", "embed"))
-        return sharding.fsdp_call(self._apply, x.astype(self.dtype), weights, axes)
+        weights = [
+            lora.adapt(self.lora, name, getattr(self, name)[...], self._AXES[name])
+            for name in ("gate_proj", "up_proj", "down_proj")
+        ]
+        arrays, axes, structure = lora.flatten(weights)
+
+        def apply(x, arrays):
+            return self._apply(x, lora.unflatten(structure, arrays))
+
+        return sharding.fsdp_call(apply, x.astype(self.dtype), arrays, axes)
 
     def _apply(self, x: jax.Array, weights) -> jax.Array:
         w_gate, w_up, w_down = (w.astype(self.dtype) for w in weights)
-        gate = jnp.einsum("btd,df->btf", x, w_gate)
-        up = jnp.einsum("btd,df->btf", x, w_up)
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)
+        gate = lora.einsum("btd,df->btf", x, w_gate)
+        up = lora.einsum("btd,df->btf", x, w_up)
+        return lora.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)

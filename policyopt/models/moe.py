@@ -78,6 +78,11 @@ Modules, each importing only the ones above it in this list:
   policyopt.models.expert_parallel  the block under ``jax.shard_map``: exchange of the
                                     copies, bounded buffers, local experts
   policyopt.models.moe              the ``MoE`` module: step 1 and the choice of dispatch
+
+With LoRA adapters (``policyopt.models.lora``) on the router or the experts, every weight
+above is ``W`` plus its low-rank product, each expert with its own, applied unmerged in
+each dispatch (``lora.einsum`` and ``lora.grouped``), so routing, capture and replay are
+those of the adapted model.
 """
 
 from __future__ import annotations
@@ -86,24 +91,47 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from policyopt.models import lora
 from policyopt.models.config import ModelConfig
 from policyopt.models.expert_parallel import expert_parallel_block, expert_parallel_mesh
 from policyopt.models.experts import capacity_experts, dropless_experts
 from policyopt.models.layers import param
 from policyopt.models.router import route, router_aux
 
+# Logical axes of the router [D, E] and of the experts' weights [E, D, F] / [E, F, D].
+_ROUTER_AXES = ("embed", None)
+_IN_AXES = ("expert", "embed", "mlp")
+_OUT_AXES = ("expert", "mlp", "embed")
+
 
 class MoE(nnx.Module):
-    """Qwen3-MoE sparse block: linear router + E SwiGLU experts (see module docstring)."""
+    """Qwen3-MoE sparse block: linear router + E SwiGLU experts (see module docstring);
+    LoRA adapters (``policyopt.models.lora``), one per expert, inside every dispatch."""
+
+    # Weight -> (LoRA target, batch dims, input dims): the experts' batch axis is E.
+    LORA_SLOTS = {
+        "router": ("router", 0, 1),
+        "gate_proj": ("experts.gate_proj", 1, 1),
+        "up_proj": ("experts.up_proj", 1, 1),
+        "down_proj": ("experts.down_proj", 1, 1),
+    }
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, f, e = config.hidden_size, config.expert_intermediate_size, config.num_experts
         std, pdt = config.initializer_range, config.weight_dtype
         self.config = config
-        self.router = param(rngs, (d, e), ("embed", None), std=std, dtype=pdt)
-        self.gate_proj = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std=std, dtype=pdt)
-        self.up_proj = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std=std, dtype=pdt)
-        self.down_proj = param(rngs, (e, f, d), ("expert", "mlp", "embed"), std=std, dtype=pdt)
+        self.router = param(rngs, (d, e), _ROUTER_AXES, std=std, dtype=pdt)
+        self.gate_proj = param(rngs, (e, d, f), _IN_AXES, std=std, dtype=pdt)
+        self.up_proj = param(rngs, (e, d, f), _IN_AXES, std=std, dtype=pdt)
+        self.down_proj = param(rngs, (e, f, d), _OUT_AXES, std=std, dtype=pdt)
+        self.lora = nnx.data(None)  # lora.Adapters, set by Transformer
+
+    def weights(self) -> list:
+        """``[(weight, logical axes)]`` of the router and the three expert weights, each an
+        array or a ``lora.Adapted`` (``lora.adapt``)."""
+        axes = (_ROUTER_AXES, _IN_AXES, _IN_AXES, _OUT_AXES)
+        names = ("router", "gate_proj", "up_proj", "down_proj")
+        return [lora.adapt(self.lora, n, getattr(self, n)[...], a) for n, a in zip(names, axes)]
 
     def __call__(self, x: jax.Array, token_mask: jax.Array, routing: jax.Array | None = None):
         """Args:
@@ -118,20 +146,20 @@ class MoE(nnx.Module):
         dispatch = cfg.moe_dispatch
         if t == 1 and cfg.moe_decode_dispatch is not None:
             dispatch = cfg.moe_decode_dispatch  # a decode step
+        weights = self.weights()
         plan = None if dispatch == "capacity" else expert_parallel_mesh(cfg, b)
         if plan is not None:
-            params = tuple(w[...] for w in (self.gate_proj, self.up_proj, self.down_proj))
             y, expert_ids, aux = expert_parallel_block(
-                x, token_mask, routing, self.router[...], params, cfg, dispatch, *plan
+                x, token_mask, routing, weights, cfg, dispatch, *plan
             )
             aux["dropped_tokens"] = jnp.zeros((), jnp.float32)
             return y, expert_ids, aux
+        router, *params = (w for w, _ in weights)
         flat = x.reshape(b * t, d)
         valid = token_mask.reshape(b * t)
-        logits = flat.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+        logits = lora.einsum("nd,de->ne", flat.astype(jnp.float32), router.astype(jnp.float32))
         replay = None if routing is None else routing.reshape(b * t, k)
         expert_ids, gates, probs = route(logits, k, cfg.norm_topk_prob, replay)
-        params = [w[...] for w in (self.gate_proj, self.up_proj, self.down_proj)]
         dropped = jnp.zeros((), jnp.float32)
         if dispatch == "capacity":
             y, dropped = capacity_experts(

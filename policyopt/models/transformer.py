@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx, struct
 
 from policyopt import sharding
+from policyopt.models import lora
 from policyopt.models.attention import Attention, KVCache
 from policyopt.models.config import ModelConfig
 from policyopt.models.layers import MLP, RMSNorm, param, rope_cos_sin
@@ -88,9 +89,18 @@ class Block(nnx.Module):
         x = x + ffn_out.astype(x.dtype)
         return constrain(x, ("batch", "length", "embed")), cache, routing, aux
 
+    def add_adapters(self, config: lora.LoRAConfig, targets, key, layers: tuple[int, ...]):
+        """LoRA adapters on this block's chosen ``targets`` (``lora.build_adapters``; the
+        block's layers: one, or its run when stacked)."""
+        for module in (self.attn, self.mlp):
+            module.lora = lora.build_adapters(
+                module, type(module).LORA_SLOTS, config, targets, key, layers
+            )
+
 
 class Transformer(nnx.Module):
-    """Qwen3 / Qwen3-MoE decoder-only language model (see ModelConfig)."""
+    """Qwen3 / Qwen3-MoE decoder-only language model (see ModelConfig), with LoRA
+    adapters when ``config.lora.rank > 0`` (``add_adapters``)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -111,6 +121,10 @@ class Transformer(nnx.Module):
                 std=std,
                 dtype=pdt,
             )
+        if config.lora.enabled:
+            # Drawn last, from a key of their own, so the base weights are those of the
+            # same config without LoRA (bit for bit), in either layout.
+            add_adapters(self, config.lora, rngs.params())
 
     def init_cache(
         self, batch_size: int, max_length: int, dtype=None, *, per_layer: bool = False
@@ -269,6 +283,26 @@ class Transformer(nnx.Module):
         return ModelOutput(
             logits=logits, hidden=hidden, cache=cache, routing=out_routing, aux=out_aux
         )
+
+
+def add_adapters(model: "Transformer", config: lora.LoRAConfig, key) -> None:
+    """Attaches LoRA adapters (``policyopt.models.lora``) to ``model``'s blocks, in place,
+    and records ``config`` in ``model.config.lora``. A of layer l and target t depends on
+    (key, l, t) only (``lora.build_adapters``), B is zero: the model's outputs are
+    unchanged. Per-layer and stacked (``scan_layers``) blocks alike.
+
+    Raises:
+      ValueError: a target the model lacks, or a rank above a target's smaller dimension.
+    """
+    model_config = model.config.replace(lora=config)  # checks the targets and ranks
+    targets = config.check(model_config)
+    if model_config.scan_layers:
+        runs = [tuple(range(start, stop)) for start, stop in model_config.layer_runs]
+    else:
+        runs = [(i,) for i in range(model_config.num_layers)]
+    for block, layers in zip(model.layers, runs, strict=True):
+        block.add_adapters(config, targets, key, layers)
+    model.config = model_config
 
 
 # --------------------------------------------------------------------------- layers
