@@ -37,6 +37,14 @@ gives (what ``place_state`` places). Then, under ``jax.set_mesh``, as the traine
 Each is lowered and compiled (``.lower(...).compile()``), never run, and read with
 ``compiled.memory_analysis()`` and the optimized HLO text (``compiled.as_text()``).
 
+LoRA (``--config.model.lora.rank=32``, ``--config.model.lora.targets=...``,
+``--config.model.lora.base_dtype=bfloat16``; docs/lora.md): the train state holds the
+adapters and their optimiser state only, and the frozen base is an argument of every
+call, as the trainer passes it; ``state_gib_per_device`` is then the adapters' state and
+``frozen_gib_per_device`` the base's, both inside the peak. The rollout compiles the
+sampler's weights of ``model.lora.sampler``: merged (the base graph on a base-sized
+merged copy, the base and the adapters resident beside it) or unmerged.
+
 How to read it. ``per_device_peak_gib`` = argument + output - alias + temp bytes of the
 compiled SPMD program, which is one device's program: what that device would hold at
 once during the call, parameters and optimiser state included for the update (they are
@@ -346,10 +354,14 @@ def recipe_config(args):
 
 def model_config(args, config, num_layers: int):
     """The preset with the recipe's ``config.model`` overrides (every field of ``config.model``
-    that names a ``ModelConfig`` field and is set), then ``--model.*``, at ``num_layers``."""
+    that names a ``ModelConfig`` field and is set), then ``--model.*``, at ``num_layers``;
+    with ``config.model.lora.rank > 0`` (``--config.model.lora.rank=32``) LoRA adapters as
+    the trainer builds them (``policyopt.rl.build.make_model``: the base in
+    ``model.lora.base_dtype``, the adapters in the parameter dtype)."""
     from policyopt.models import ModelConfig, preset
+    from policyopt.rl.build import lora_config
 
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"lora"}
     overrides = {k: v for k, v in config.model.items() if k in fields and v is not None}
     overrides.update(args.model_overrides)
     overrides["num_layers"] = num_layers
@@ -357,9 +369,15 @@ def model_config(args, config, num_layers: int):
     if unknown:
         raise SystemExit(
             f"--model.{unknown[0]}: ModelConfig has no field {unknown[0]!r} "
-            f"(fields: {', '.join(sorted(fields))})"
+            f"(fields: {', '.join(sorted(fields))}; LoRA: --config.model.lora.*)"
         )
-    return preset(args.preset, **overrides)
+    model = preset(args.preset, **overrides)
+    if config.model.lora.rank > 0:
+        model = model.replace(
+            param_dtype=config.model.lora.base_dtype or model.param_dtype,
+            lora=lora_config(config, model.param_dtype),
+        )
+    return model
 
 
 def _abstract(tree, specs, mesh):
@@ -400,8 +418,21 @@ class Setup:
 
     learner: object
     graphdef: object
-    state: object  # TrainState of ShapeDtypeStruct, sharded
+    state: object  # TrainState of ShapeDtypeStruct, sharded (LoRA: the adapters')
     model_config: object
+    frozen: object = None  # LoRA: the frozen base, ShapeDtypeStruct, sharded; else None
+    base_graphdef: object = None  # LoRA: the model without adapters
+
+    def sampler(self, form: str = "merged") -> tuple:
+        """``(graphdef, params)`` the generation calls take (LoRA: the base with the
+        adapters merged in, shaped as the base, or the adapted graph unmerged)."""
+        if self.frozen is None:
+            return self.graphdef, self.state.params
+        if form == "merged":
+            return self.base_graphdef, self.frozen
+        from policyopt.models import lora
+
+        return self.graphdef, lora.combine(self.frozen, self.state.params)
 
 
 def build(args, config, mesh, num_layers: int) -> Setup:
@@ -409,26 +440,29 @@ def build(args, config, mesh, num_layers: int) -> Setup:
     import jax
     from flax import nnx
 
-    from policyopt.models import Transformer
+    from policyopt import sharding
+    from policyopt.models import Transformer, lora
     from policyopt.rl.learner import (
         LossConfig,
         OptimConfig,
         TrainState,
         get_learner,
-        split_params,
         state_specs,
     )
 
     cfg = model_config(args, config, num_layers)
     with jax.set_mesh(mesh):
         model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, params = split_params(model)
+    graphdef, params, frozen = lora.split(model)
     learner = get_learner(
         graphdef, LossConfig.from_config(config), OptimConfig.from_config(config.optim)
     )
     state = jax.eval_shape(lambda p: TrainState.create(p, learner.optimizer), params)
     state = _abstract(state, state_specs(state, learner.optimizer, mesh), mesh)
-    return Setup(learner, graphdef, state, cfg)
+    if frozen is None:
+        return Setup(learner, graphdef, state, cfg)
+    frozen = _abstract(frozen, sharding.param_specs(frozen, mesh), mesh)
+    return Setup(learner, graphdef, state, cfg, frozen, lora.base_graphdef(model))
 
 
 def update_batch(args, config, setup: Setup, mesh):
@@ -509,11 +543,12 @@ def rollout_calls(args, config, setup: Setup, mesh) -> list[tuple[str, object]]:
 
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sharding.replicated(mesh))
     engine = engine_config(args, config, mesh)
+    graphdef, params = setup.sampler(config.model.lora.sampler)
     if engine is None:
         shape = (args.prompts, args.prompt_len)
         prompts, lengths = rows(shape, jnp.int32), rows(shape[:1], jnp.int32)
         lower = lambda: generate_fn.lower(
-            setup.graphdef, setup.state.params, prompts, lengths, rng, config=sampling_config
+            graphdef, params, prompts, lengths, rng, config=sampling_config
         )
         return [("generate_fn", lower)]
     from policyopt.engine import (
@@ -532,18 +567,17 @@ def rollout_calls(args, config, setup: Setup, mesh) -> list[tuple[str, object]]:
     state = _abstract(state, state_specs(state, mesh), mesh)
     per_shard = [rows((shards,), jnp.int32) for _ in range(5)]
     prompts = rows((shards, args.prompt_len), jnp.int32)
-    params = setup.state.params
     return [
         (
             "engine_admit",
             lambda: admit_rows.lower(
-                setup.graphdef, params, state, prompts, *per_shard, config=sampling_config
+                graphdef, params, state, prompts, *per_shard, config=sampling_config
             ),
         ),
         (
             "engine_decode",
             lambda: decode_steps.lower(
-                setup.graphdef,
+                graphdef,
                 params,
                 state,
                 rng,
@@ -587,7 +621,7 @@ def compile_once(args, config, mesh, num_layers: int) -> dict:
     setup = build(args, config, mesh, num_layers)
     if args.step == "update":
         batch = update_batch(args, config, setup, mesh)
-        calls = [("update", lambda: setup.learner.update.lower(setup.state, batch))]
+        calls = [("update", lambda: setup.learner.update.lower(setup.state, batch, setup.frozen))]
     else:
         calls = rollout_calls(args, config, setup, mesh)
     results = []
@@ -636,6 +670,7 @@ def simulate(args) -> dict:
     top = compiles[-1]["setup"] if not extrapolate else build(args, config, mesh, full)
     state_bytes = per_device_bytes((top.state.params, top.state.opt_state))
     params_bytes = per_device_bytes(top.state.params)
+    frozen_bytes = 0 if top.frozen is None else per_device_bytes(top.frozen)
     calls = []
     for index, last in enumerate(compiles[-1]["calls"]):
         record = {k: v for k, v in last.items() if k not in ("peak_bytes", "num_layers")}
@@ -680,6 +715,12 @@ def simulate(args) -> dict:
         per_device_peak_gib=worst["per_device_peak_gib"],
         state_gib_per_device=state_bytes / GIB,
         params_gib_per_device=params_bytes / GIB,
+        frozen_gib_per_device=frozen_bytes / GIB,
+        lora=(
+            None
+            if top.frozen is None
+            else dict(dataclasses.asdict(top.model_config.lora), sampler=config.model.lora.sampler)
+        ),
         compile_s=round(sum(c["compile_s"] for c in calls), 2),
         collectives=worst["collectives"],
         calls=calls,
@@ -711,9 +752,12 @@ def simulate(args) -> dict:
             None if engine is None else dict(dataclasses.asdict(engine), shards=row_shards_of(mesh))
         )
         record["rows"] = args.prompts * args.samples
-        opt_bytes = state_bytes - params_bytes
+        resident = state_bytes - params_bytes  # the optimiser's moments
+        if top.frozen is not None and config.model.lora.sampler == "merged":
+            # The calls take the merged copy; the base and the adapters stay beside it.
+            resident += frozen_bytes + params_bytes
         for call in calls:
-            call["peak_with_resident_state_gib"] = call["per_device_peak_gib"] + opt_bytes / GIB
+            call["peak_with_resident_state_gib"] = call["per_device_peak_gib"] + resident / GIB
         record["peak_with_resident_state_gib"] = worst["peak_with_resident_state_gib"]
     return record
 
@@ -777,11 +821,21 @@ def format_table(record: dict) -> str:
                 f"steps per decode call, routing captured: "
                 f"{engine['capture_routing']}"
             )
-    lines.append(
-        f"  state (params + optimiser) per device: "
-        f"{_gib(record['state_gib_per_device'], 0)} GiB "
-        f"(params {_gib(record['params_gib_per_device'], 0)})"
-    )
+    if record.get("lora"):
+        adapters = record["lora"]
+        lines.append(
+            f"  LoRA rank {adapters['rank']} (alpha {adapters['alpha']}) on "
+            f"{','.join(adapters['targets'])}: frozen base per device "
+            f"{_gib(record['frozen_gib_per_device'], 0)} GiB; trainable adapters + "
+            f"optimiser {_gib(record['state_gib_per_device'], 0)} GiB (adapters "
+            f"{_gib(record['params_gib_per_device'], 0)})"
+        )
+    else:
+        lines.append(
+            f"  state (params + optimiser) per device: "
+            f"{_gib(record['state_gib_per_device'], 0)} GiB "
+            f"(params {_gib(record['params_gib_per_device'], 0)})"
+        )
     lines.append(
         f"  {'call':<12}{'layers':>7}{'compile s':>10}{'argument':>10}{'output':>9}"
         f"{'alias':>9}{'temp':>10}{'peak GiB':>10}"

@@ -43,6 +43,16 @@ class Arm:
 #: its reference recipe (`share_sections`), so that no arm samples more prompts, more
 #: responses per prompt or longer ones, or makes more updates per batch, than another.
 SHARED_SECTIONS = ("model", "task", "sampling", "batch", "train", "eval")
+#: Subsections of SHARED_SECTIONS that are a method, not budget: how the model trains
+#: (LoRA adapters or full weights). Each arm keeps its own.
+METHOD_FIELDS = ("model.lora",)
+
+
+def shared_field(path: str) -> bool:
+    """Whether the dotted config field ``path`` is budget every arm shares
+    (``SHARED_SECTIONS`` but ``METHOD_FIELDS``)."""
+    method = any(path == m or path.startswith(m + ".") for m in METHOD_FIELDS)
+    return path.split(".", 1)[0] in SHARED_SECTIONS and not method
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +73,7 @@ class Ablation:
     compares: tuple[str, ...] = ()
 
     def __post_init__(self):
-        shared = [f for f in self.compares if f.split(".", 1)[0] in SHARED_SECTIONS]
+        shared = [f for f in self.compares if shared_field(f.rstrip("."))]
         if shared:
             raise ValueError(
                 f"ablation {self.name!r}: compares names {shared}, fields of the "
@@ -87,6 +97,11 @@ OFF_POLICY = "batch.n_minibatches=4"
 GSPO_GRPO_BASELINE = "algo.clip_high=0.27,algo.kl_beta=0.0"
 # What GRPO and GSPO(-token) differ in: the objective and its clip range.
 GSPO_VS_GRPO = ("algo.method", "algo.clip_low", "algo.clip_high")
+
+# LoRA on every layer's attention and MLP / experts (the router left out: tiny_moe's has 4
+# outputs), the full-weight start (the setting's SFT checkpoint) as the frozen base.
+LORA_ALL = "model.lora.targets='attention,mlp',model.lora.init_checkpoint=base"
+LORA_ATTENTION = "model.lora.targets=attention,model.lora.init_checkpoint=base"
 
 
 ABLATIONS: dict[str, Ablation] = {
@@ -225,6 +240,21 @@ ABLATIONS: dict[str, Ablation] = {
             ),
         ),
         Ablation(
+            "lora_rl",
+            "LoRA Without Regret (Schulman et al., Thinking Machines 2025): for RL with "
+            "verifiable rewards, LoRA matches full fine-tuning even at rank 1 when it is on "
+            "every layer (MLP and MoE included), at a learning rate ~10x full fine-tuning's; "
+            "LoRA on attention only falls behind. (SAPO, one update per batch in the demo "
+            "setting; each arm at its best step size of a sweep, docs/lora.md.)",
+            (
+                Arm("full", "sapo", "optim.lr=1e-3"),
+                Arm("r1_all", "sapo", f"model.lora.rank=1,{LORA_ALL},optim.lr=1e-2"),
+                Arm("r8_all", "sapo", f"model.lora.rank=8,{LORA_ALL},optim.lr=1e-2"),
+                Arm("r32_all", "sapo", f"model.lora.rank=32,{LORA_ALL},optim.lr=1e-2"),
+                Arm("r8_attention", "sapo", f"model.lora.rank=8,{LORA_ATTENTION},optim.lr=1e-2"),
+            ),
+        ),
+        Ablation(
             "objectives",
             "The critic-free objectives side by side on one task, in the SAPO paper's unified "
             "form: each recipe with its paper's method settings (objective, advantages, KL, "
@@ -304,7 +334,8 @@ def share_sections(config, reference, sections=SHARED_SECTIONS):
     config.unlock()
     for section in sections:
         for key, value in reference[section].items():
-            config[section][key] = value
+            if f"{section}.{key}" not in METHOD_FIELDS:
+                config[section][key] = value
     config.lock()
     return config
 

@@ -110,6 +110,41 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.moe_ep_transport = placeholder(str)
     c.model.moe_ep_buffer_factor = placeholder(float)
 
+    # LoRA adapters (Hu et al. 2021, arXiv 2106.09685; docs/lora.md): only the adapters
+    # train (and are in the optimiser state and the checkpoints); the base is frozen, held
+    # once, and is the KL reference policy. Rank r of every adapter; 0 = full weights.
+    # RL only: SFT (experiments/sft.py) trains full weights.
+    c.model.lora = ml_collections.ConfigDict()
+    c.model.lora.rank = 0
+    # Adapters add (alpha / r) x A B. 32 is "LoRA Without Regret"'s (Schulman et al.,
+    # Thinking Machines 2025), whose 1/r scaling makes the best learning rate nearly
+    # independent of the rank.
+    c.model.lora.alpha = 32.0
+    # Comma-separated targets or groups: "q_proj", "k_proj", "v_proj", "o_proj",
+    # "gate_proj", "up_proj", "down_proj" (dense MLP), "experts.gate_proj",
+    # "experts.up_proj", "experts.down_proj" (one adapter per expert), "router"; groups
+    # "attention", "mlp" (every layer's feed-forward: dense MLP and experts), "experts",
+    # "all" (every target, the router included). A name the model lacks is an error
+    # listing its targets.
+    c.model.lora.targets = "all"
+    # Storage dtype of the frozen base (e.g. "bfloat16": half the memory; the adapters
+    # keep model.param_dtype); None: model.param_dtype.
+    c.model.lora.base_dtype = placeholder(str)
+    # What the sampler and the evaluation decode: "merged" (the base with W + (alpha/r) A B
+    # folded in once per weight version, then the plain model) or "unmerged" (A and B
+    # applied at every decode step). Merged was the faster on the CPU (docs/lora.md).
+    c.model.lora.sampler = "merged"
+    # The critic of PPO-family methods: "adapters" (its own adapters, a copy of the
+    # policy's initial ones, and its value head on the policy's frozen base, shared) or
+    # "full" (full weights, a copy of the base).
+    c.model.lora.critic = "adapters"
+    # How `init_checkpoint` is read: "match" (of the run's kind: a LoRA checkpoint's
+    # adapters continue on the base it records, a full-weight one into a full-weight
+    # run), "base" (a full-weight checkpoint, e.g. the SFT start, is the frozen base of
+    # new adapters) or "merged" (a LoRA checkpoint, merged into its base, starts a
+    # full-weight run). Any other pairing is an error.
+    c.model.lora.init_checkpoint = "match"
+
     # Orbax checkpoint directory of the base policy (e.g. the SFT run's `checkpoints/`);
     # None: random initialisation from `seed`.
     c.init_checkpoint = placeholder(str)
@@ -843,6 +878,7 @@ def check(config: ml_collections.ConfigDict) -> None:
             "together yet: a packed minibatch is not split into micro-batches "
             "(turn one of them off)"
         )
+    _check_lora(config)
     if not config.sampling.temperature > 0:
         raise ValueError(
             f"config.sampling.temperature must be > 0, got {config.sampling.temperature}: "
@@ -970,6 +1006,28 @@ def check(config: ml_collections.ConfigDict) -> None:
             "choose the level they apply at ('token', 'sequence' or 'geometric')"
         )
     _check_ranges(config)
+
+
+def _check_lora(config) -> None:
+    """`model.lora.*`: the adapters' fields (`policyopt.models.lora.LoRAConfig`; targets and
+    ranks against the model when it is built) and the choices of the run-level ones."""
+    from policyopt.models.lora import INIT_CHECKPOINT, LoRAConfig
+    from policyopt.rl.adapters import CRITIC_WEIGHTS, SAMPLER_WEIGHTS
+
+    c = config.model.lora
+    LoRAConfig(rank=c.rank, alpha=c.alpha, targets=c.targets)
+    for name, choices in (
+        ("sampler", SAMPLER_WEIGHTS),
+        ("critic", CRITIC_WEIGHTS),
+        ("init_checkpoint", INIT_CHECKPOINT),
+    ):
+        if c[name] not in choices:
+            raise ValueError(f"config.model.lora.{name} must be one of {choices}, got {c[name]!r}")
+    if c.base_dtype is not None and c.base_dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(
+            "config.model.lora.base_dtype must be None, 'float32', 'bfloat16' or 'float16', "
+            f"got {c.base_dtype!r}"
+        )
 
 
 def _library_choices() -> dict[str, tuple]:

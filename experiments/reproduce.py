@@ -328,6 +328,38 @@ CLAIMS: dict[str, Claim] = {
             "SFT start (3.9 / 2.3 min, compilation 98 / 26 s; both collapse at lr 5e-3, "
             "2-20 s per iteration); at lr 1e-3 (learning) 3 seeds 15.5 min",
         ),
+        Claim(
+            "lora_rl",
+            "LoRA Without Regret (Schulman et al., Thinking Machines 2025): in RL with "
+            "verifiable rewards LoRA, even at rank 1, matches full fine-tuning when applied to "
+            "every layer (MLP and MoE included) at a ~10x larger learning rate; attention-only "
+            "LoRA falls behind.",
+            ABLATIONS["lora_rl"],
+            "demo",
+            (
+                Check(
+                    "LoRA rank 1 on every layer learns (pass@1 end - start > 0)", "gain", "r1_all"
+                ),
+                *(
+                    Check(
+                        f"LoRA rank {r} on every layer ends within 0.05 of full fine-tuning "
+                        f"(r{r} - full > -0.05)",
+                        "diff",
+                        f"r{r}_all",
+                        "full",
+                        threshold=-0.05,
+                    )
+                    for r in (1, 8, 32)
+                ),
+                Check(
+                    "LoRA rank 8 on every layer ends above rank 8 on attention only",
+                    "diff",
+                    "r8_all",
+                    "r8_attention",
+                ),
+            ),
+            budget="see docs/lora.md (the step-size sweep, one seed)",
+        ),
     )
 }
 

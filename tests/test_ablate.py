@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 
 from configs import demo as demo_recipe
-from configs.ablations import ABLATIONS, SHARED_SECTIONS, Ablation, Arm, demo_setting, get_ablation
+from configs.ablations import (
+    ABLATIONS,
+    Ablation,
+    Arm,
+    demo_setting,
+    get_ablation,
+    shared_field,
+)
 from configs.base import load_run_config
 from experiments import ablate
 from experiments.eval import evaluate_checkpoint
@@ -62,9 +69,7 @@ def test_arms_differ_only_in_the_methods_they_compare(name, scale):
         for arm in ablation.arms
     }
     for arm in ablation.arms:
-        assert not {f for f in _named_fields(arm.variant) if f.split(".")[0] in SHARED_SECTIONS}, (
-            arm
-        )
+        assert not {f for f in _named_fields(arm.variant) if shared_field(f)}, arm
         diff = ablate.config_diff(configs[first.label], configs[arm.label])
         named = _named_fields(arm.variant) | _named_fields(first.variant)
         compares = ablation.compares if arm.recipe != first.recipe else ()

@@ -3,7 +3,8 @@
 One subprocess (JAX reads ``XLA_FLAGS`` once, at start-up; the simulator sets 4 simulated
 devices itself) runs the simulator's ``main`` three times: the update extrapolated from 1
 and 2 layers and compiled whole at 3, and two rollouts (through the engine, and one
-generate_fn call); it prints the records as JSON.
+generate_fn call), then with LoRA adapters an update and a rollout; it writes the records
+as JSON.
 """
 
 import json
@@ -26,6 +27,7 @@ _SCRIPT = textwrap.dedent("""
     base = ["--preset", "tiny_moe", "--devices", "4", "--mesh", "fsdp=4",
             "--model.num_layers=3", "--model.dtype=bfloat16"]
     update = ["--step", "update", *base, "--seq-len", "128", "--prompt-len", "16"]
+    LORA = ["--config.model.lora.rank=2", "--config.model.lora.base_dtype=bfloat16"]
     rollout = ["--step", "rollout", *base, "--model.num_layers=1", "--prompts", "4",
                "--samples", "2", "--prompt-len", "16", "--new-tokens", "8"]
     records = {
@@ -33,6 +35,8 @@ _SCRIPT = textwrap.dedent("""
         "full": scale_sim.main(update + ["--full-depth"]),
         "rollout": scale_sim.main(rollout + ["--engine-kv-tokens", "64"]),
         "rollout_generate": scale_sim.main(rollout + ["--engine-kv-tokens", "0"]),
+        "lora": scale_sim.main(update + ["--full-depth", *LORA]),
+        "lora_rollout": scale_sim.main(rollout + ["--engine-kv-tokens", "64", *LORA]),
     }
     with open(os.path.join(out, "records.json"), "w") as f:
         json.dump(records, f, default=str)
@@ -95,6 +99,37 @@ def _num_params_tiny_moe_3_layers():
     V, D, L, E, F, Dh = 512, 64, 3, 4, 64, 16
     attention = 2 * D * 4 * Dh + 2 * D * 2 * Dh + 2 * Dh
     return [2 * V * D, L * (attention + E * D + E * 3 * D * F + 2 * D), D]
+
+
+def test_lora_counts_the_frozen_base_and_the_adapters_state_apart(records):
+    # Rank 2 on every target of tiny_moe at 3 layers: the state is 3 copies of the
+    # adapters (float32), the base is counted apart in bfloat16, both inside the peak.
+    record = records["lora"]
+    assert record["lora"]["rank"] == 2 and record["lora"]["targets"] == ["all"]
+    assert record["model"]["param_dtype"] == "bfloat16"  # the base
+    assert record["state_gib_per_device"] == pytest.approx(
+        3 * record["params_gib_per_device"], rel=1e-3
+    )
+    D, L, E, F, Dh, r = 64, 3, 4, 64, 16, 2
+    attention = r * (D + 4 * Dh) * 2 + r * (D + 2 * Dh) * 2
+    experts = E * 3 * r * (D + F)
+    router = r * (D + E)
+    adapters = L * (attention + experts + router) * 4 / 2**30
+    assert adapters / 4 <= record["params_gib_per_device"] <= adapters
+    base = sum(_num_params_tiny_moe_3_layers()) * 2 / 2**30
+    assert base / 4 <= record["frozen_gib_per_device"] <= base
+    full = records["full"]
+    assert record["state_gib_per_device"] < full["state_gib_per_device"] / 10
+    assert record["calls"][0]["compiles"][0]["argument_bytes"] / 2**30 >= (
+        record["frozen_gib_per_device"] + record["state_gib_per_device"]
+    )
+    rollout = records["lora_rollout"]
+    assert rollout["lora"]["sampler"] == "merged"
+    assert {c["call"] for c in rollout["calls"]} == {
+        "engine_admit",
+        "engine_decode",
+        "engine_evict",
+    }
 
 
 def test_extrapolation_matches_the_full_compile(records):

@@ -9,7 +9,13 @@ routing capture and replay, a KV cache, and HuggingFace checkpoint import / expo
 
 from policyopt.models.attention import KVCache
 from policyopt.models.config import ModelConfig
-from policyopt.models.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
+from policyopt.models.hf import (
+    config_from_hf,
+    config_to_hf,
+    from_pretrained,
+    save_adapters,
+    save_pretrained,
+)
 from policyopt.models.presets import PRESETS, preset
 from policyopt.models.transformer import ModelOutput, Transformer
 from policyopt.sharding import LOGICAL_AXIS_RULES, logical_to_mesh_axes, param_partition_specs
@@ -23,6 +29,7 @@ __all__ = [
     "PRESETS",
     "from_pretrained",
     "save_pretrained",
+    "save_adapters",
     "LOGICAL_AXIS_RULES",
     "logical_to_mesh_axes",
     "param_partition_specs",

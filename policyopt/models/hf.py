@@ -15,22 +15,31 @@ written per expert.
 A model with ``scan_layers`` holds each run of identical layers as one stacked array per
 parameter (``policyopt.models.transformer``); HF's per-layer tensors are read into and
 written out of its slices, one stacked parameter at a time.
+
+A model with LoRA adapters (``policyopt.models.lora``) exports merged (``save_pretrained``,
+W + (alpha / r) A B: a plain folder) or as a PEFT adapter folder (``save_adapters``:
+adapter_config.json + adapter_model.safetensors, PEFT's key names); ``from_pretrained``
+adds fresh adapters with ``lora=LoRAConfig(...)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from typing import Callable, Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from policyopt import sharding
+from policyopt.models import lora
 from policyopt.models.config import ModelConfig
-from policyopt.models.transformer import Transformer
+from policyopt.models.transformer import Transformer, add_adapters
 
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _INDEX_FILE = "model.safetensors.index.json"
@@ -340,7 +349,9 @@ def _read_tensor(reader: _Reader, config: ModelConfig, row, expected: tuple) -> 
     return value
 
 
-def from_pretrained(path: str, *, mesh: Mesh | None = None, **config_overrides) -> Transformer:
+def from_pretrained(
+    path: str, *, mesh: Mesh | None = None, seed: int = 0, **config_overrides
+) -> Transformer:
     """Load a Qwen3 / Qwen3-MoE checkpoint folder into a policyopt Transformer.
 
     The tensors are read and placed one at a time. On a mesh of several devices (``mesh``,
@@ -355,16 +366,21 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, **config_overrides) 
         model-XXXXX-of-YYYYY.safetensors + model.safetensors.index.json.
       mesh: the mesh to place the parameters on; default the one set by
         ``jax.set_mesh``, if any.
+      seed: the adapters' key, with ``lora`` (A drawn as ``add_adapters`` draws it).
       **config_overrides: ModelConfig fields to set, e.g. dtype="bfloat16",
-        param_dtype="bfloat16", moe_dispatch="capacity", scan_layers=True, remat="full".
+        param_dtype="bfloat16", moe_dispatch="capacity", scan_layers=True, remat="full",
+        lora=LoRAConfig(rank=8) (adapters added to the loaded weights, B zero).
     Returns:
       Transformer with the checkpoint's weights (in param_dtype).
     """
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{config_path} not found: expected a HuggingFace model folder")
+    adapters = config_overrides.pop("lora", None)
     with open(config_path) as f:
         config = config_from_hf(json.load(f), **config_overrides)
+    if adapters is not None and adapters.enabled:
+        config.replace(lora=adapters)  # the targets and ranks checked before any tensor is read
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     variables = dict(nnx.to_flat_state(state))
@@ -389,11 +405,21 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, **config_overrides) 
     if missing:
         raise ValueError(f"parameters not set by the checkpoint: {sorted(missing)}")
     state = nnx.from_flat_state([(k, loaded[k]) for k, _ in nnx.to_flat_state(state)])
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    if adapters is not None and adapters.enabled:
+        with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+            add_adapters(model, adapters, jax.random.key(seed))
+    return model
 
 
 def save_pretrained(
-    model: Transformer, path: str, *, max_shard_size: int | None = None, dtype: str | None = None
+    model: Transformer,
+    path: str,
+    *,
+    max_shard_size: int | None = None,
+    dtype: str | None = None,
+    merge_lora: bool = True,
+    base_model_name_or_path: str | None = None,
 ) -> None:
     """Write ``model`` as a HuggingFace folder (config.json + safetensors).
 
@@ -403,6 +429,11 @@ def save_pretrained(
       max_shard_size: bytes per safetensors file; when the weights exceed it they are split
         into model-XXXXX-of-YYYYY.safetensors with model.safetensors.index.json.
       dtype: storage dtype ("float32", "bfloat16"); default the parameters' own dtype.
+      merge_lora: for a model with LoRA adapters (``policyopt.models.lora``): True writes
+        the model's weights with the adapters merged in (W + (alpha / r) A B, a plain
+        Qwen3 folder); False writes the adapters alone as a PEFT folder
+        (``save_adapters``).
+      base_model_name_or_path: recorded in a PEFT folder's adapter_config.json.
 
     On a multi-process job every process calls this (parameters split across processes
     are gathered, ``policyopt.sharding.to_host``) and process 0 writes the folder.
@@ -410,7 +441,15 @@ def save_pretrained(
     from safetensors.numpy import save_file
 
     config = model.config
-    variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    state = nnx.state(model, nnx.Param)
+    if config.lora.enabled:
+        if not merge_lora:
+            save_adapters(model, path, dtype=dtype, base_model_name_or_path=base_model_name_or_path)
+            return
+        _, adapters, frozen = lora.split(model)
+        merge = jax.jit(lambda f, a: lora.merged_params(f, a, config.lora.scale))
+        state = merge(frozen, adapters)
+    variables = dict(nnx.to_flat_state(state))
     tensors: dict[str, np.ndarray] = {}
     for state_path, rows in _table_by_variable(config).items():
         value = sharding.to_host(variables[state_path].get_value())
@@ -452,3 +491,92 @@ def save_pretrained(
     }
     with open(os.path.join(path, _INDEX_FILE), "w") as f:
         json.dump(index, f, indent=2, sort_keys=True)
+
+
+# --------------------------------------------------------------------------- PEFT adapters
+
+_PEFT_PREFIX = "base_model.model."
+_ADAPTER_CONFIG = "adapter_config.json"
+_ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def _peft_tensors(model: Transformer) -> tuple[dict[str, np.ndarray], list[str]]:
+    """PEFT's tensors of ``model``'s adapters, ``{key: array}``, and the adapted modules'
+    HF names. For HF weight ``W [out, in]`` of module ``m`` (``m.weight``), PEFT keeps
+    ``m.lora_A.weight [r, in]`` and ``m.lora_B.weight [out, r]`` with
+    ``W' = W + (alpha / r) B A``; each expert its own pair (per-expert names, as
+    ``save_pretrained`` writes the experts)."""
+    config = model.config
+    pairs = lora.adapter_pairs(nnx.state(model, nnx.LoRAParam))
+    tensors, modules = {}, []
+    for state_path, rows in _table_by_variable(config).items():
+        if state_path not in pairs:
+            continue
+        a, b = (sharding.to_host(x) for x in pairs[state_path])
+        for offset, (_, names, _, _) in rows:
+            layer_a = a if offset is None else a[offset]
+            layer_b = b if offset is None else b[offset]
+            experts = len(names) > 1  # one HF name per expert: [E, ...] adapters
+            for e, name in enumerate(names):
+                ea, eb = (layer_a[e], layer_b[e]) if experts else (layer_a, layer_b)
+                rank = ea.shape[-1]
+                module = name.removesuffix(".weight")
+                tensors[f"{_PEFT_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(
+                    ea.reshape(-1, rank).T
+                )
+                tensors[f"{_PEFT_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(
+                    eb.reshape(rank, -1).T
+                )
+                modules.append(module)
+    return tensors, modules
+
+
+def save_adapters(
+    model: Transformer,
+    path: str,
+    *,
+    dtype: str | None = None,
+    base_model_name_or_path: str | None = None,
+) -> None:
+    """Write ``model``'s LoRA adapters as a PEFT folder: ``adapter_config.json`` (LORA, r,
+    lora_alpha, the adapted modules as a ``target_modules`` regular expression of their
+    HF names) and ``adapter_model.safetensors`` (``base_model.model.<module>.lora_A.weight``
+    / ``lora_B.weight``); loaded with ``peft.PeftModel.from_pretrained`` on the base model.
+
+    Raises:
+      ValueError: ``model`` has no adapters.
+    """
+    from safetensors.numpy import save_file
+
+    config = model.config
+    if not config.lora.enabled:
+        raise ValueError("save_adapters: the model has no LoRA adapters (config.lora.rank = 0)")
+    tensors, modules = _peft_tensors(model)
+    if dtype is not None:
+        tensors = {k: v.astype(jnp.dtype(dtype)) for k, v in tensors.items()}
+    if not sharding.is_primary():
+        return
+    os.makedirs(path, exist_ok=True)
+    pattern = "|".join(re.escape(m) for m in sorted(set(modules)))
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": config.lora.rank,
+        "lora_alpha": config.lora.alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "target_modules": f"({pattern})",
+    }
+    with open(os.path.join(path, _ADAPTER_CONFIG), "w") as f:
+        json.dump(adapter_config, f, indent=2, sort_keys=True)
+    save_file(tensors, os.path.join(path, _ADAPTER_FILE), metadata={"format": "pt"})

@@ -274,7 +274,8 @@ class Adapters(nnx.Module):
 
     def __init__(self, scale: float, layout: dict[str, tuple[int, int]], adapters: dict):
         self.scale = float(scale)
-        self.layout = dict(layout)  # weight name -> (batch dims, input dims)
+        # ((weight name, (batch dims, input dims)), ...): static, so hashable.
+        self.layout = tuple(sorted(layout.items()))
         for name, adapter in adapters.items():
             setattr(self, name, adapter)
 
@@ -287,7 +288,7 @@ def adapt(adapters: Adapters | None, name: str, base, axes: tuple):
     if adapter is None:
         return base, tuple(axes)
     b = adapter.lora_b[...]
-    a_axes, b_axes = adapter_axes(axes, *adapters.layout[name])
+    a_axes, b_axes = adapter_axes(axes, *dict(adapters.layout)[name])
     return (
         Adapted(base, adapter.lora_a[...], (b * adapters.scale).astype(b.dtype)),
         Adapted(tuple(axes), a_axes, b_axes),

@@ -926,6 +926,9 @@ class AsyncGenerator:
       join_timeout_s: how long `close` waits for the scoring thread.
       interrupt_scoring: called by `close` after asking the threads to stop, to make the
         scorer's current call return early (``async_rl`` kills the scorer's worker pool).
+      weights: turns published parameters into those the slots decode with, once per
+        version, in the generator thread (LoRA: the trainer publishes its adapters only,
+        joined here to the frozen base or merged into it); None: as published.
     """
 
     def __init__(
@@ -940,6 +943,7 @@ class AsyncGenerator:
         score_fn: Callable[[GroupCompletion], GroupCompletion] | None = None,
         join_timeout_s: float = 60.0,
         interrupt_scoring: Callable[[], None] | None = None,
+        weights: Callable | None = None,
     ):
         group = slots.config.group_size
         self.n_async = slots.config.rows if n_async is None else int(n_async)
@@ -953,6 +957,8 @@ class AsyncGenerator:
         self.interrupt_scoring = interrupt_scoring
         self._cond = threading.Condition()
         self._params, self._version = params, int(version)
+        self._weights = weights
+        self._decoding: tuple | None = None  # (version, the slots' parameters)
         self._queue: collections.deque[GroupCompletion] = collections.deque()  # for take()
         self._to_score: collections.deque[GroupCompletion] = collections.deque()
         self._outstanding = 0  # completions started and not yet taken
@@ -1105,6 +1111,7 @@ class AsyncGenerator:
                     else min(len(free), (self.n_async - self._outstanding) // group)
                 )
                 self._outstanding += starts * group  # reserved before the prompts are read
+            params = self._decode_params(params, version)
             started = 0
             for slot in free[:starts]:
                 try:
@@ -1136,6 +1143,14 @@ class AsyncGenerator:
             self.stats["segments"] += 1
             for completion in finished:
                 self._finished(completion)
+
+    def _decode_params(self, params, version: int):
+        """The slots' parameters of a published version (``weights``), made once."""
+        if self._weights is None:
+            return params
+        if self._decoding is None or self._decoding[0] != version:
+            self._decoding = (version, self._weights(params))
+        return self._decoding[1]
 
     def _score_loop(self) -> None:
         """Scores finished groups in finish order and queues them for `take`."""

@@ -68,7 +68,7 @@ from absl import logging
 from policyopt.checkpoint import lock_workdir
 from policyopt.data.pipeline import as_record
 from policyopt.rewards.batch import kill_pool, score_batch
-from policyopt.rl import build
+from policyopt.rl import build, iteration
 from policyopt.rl.async_generation import (
     AsyncGenerator,
     EngineSlots,
@@ -265,18 +265,27 @@ def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
         segment_steps=min(acfg.segment_steps, cfg.sampling.max_new_tokens),
     )
     params = jax.tree.map(jnp.copy, run.state.params)  # the update donates run.state
+    # LoRA: the trainer publishes its adapters only; the generator joins them to the
+    # frozen base (or merges them into it) once per version (iteration.sampler_weights).
+    with jax.set_mesh(run.mesh):
+        graphdef, decode = iteration.sampler_weights(run.spec, params)
+
+    def weights(published):
+        with jax.set_mesh(run.mesh):
+            return iteration.sampler_weights(run.spec, published)[1]
+
     s = cfg.sampling
     if s.engine_kv_tokens > 0:  # the paged KV cache of policyopt.engine
         slots = EngineSlots(
-            run.graphdef,
+            graphdef,
             slot_config,
-            params,
+            decode,
             kv_tokens=s.engine_kv_tokens,
             page_size=s.engine_page_size,
             mesh=run.mesh,
         )
     else:
-        slots = SlotGenerator(run.graphdef, slot_config, params, mesh=run.mesh)
+        slots = SlotGenerator(graphdef, slot_config, decode, mesh=run.mesh)
     rng = jax.random.fold_in(jax.random.fold_in(run.rng, 0x5EED), run.iteration)
     return AsyncGenerator(
         slots,
@@ -288,6 +297,7 @@ def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
         score_fn=make_scorer(run),
         join_timeout_s=acfg.join_timeout_s,
         interrupt_scoring=_interrupt_scoring(run.config.reward.num_workers),
+        weights=None if run.spec.weights is None else weights,
     )
 
 

@@ -8,7 +8,7 @@ import contextlib
 import functools
 import json
 import os
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 from absl import logging
@@ -26,8 +26,9 @@ from policyopt.data import (
     generate_arithmetic,
     read_math_jsonl,
 )
-from policyopt.models import Transformer, preset
+from policyopt.models import Transformer, lora, preset
 from policyopt.rewards.batch import RewardSpec
+from policyopt.rl import adapters
 from policyopt.rl.learner import split_params
 
 # Fields of config.model that override the preset. The runtime ones (how the model
@@ -90,6 +91,7 @@ RESUME_FREE_FIELDS = (
     "model.remat",
     "model.moe_ep_transport",
     "model.moe_ep_buffer_factor",
+    "model.lora.sampler",
     "sampling.decode_segments",
     "batch.micro_batch_tokens",
 )
@@ -111,13 +113,18 @@ def config_record(config) -> dict:
 
 
 def check_resume_config(
-    saved: dict | None, config, directory: str, *, sections: Sequence[str] | None = None
+    saved: dict | None,
+    config,
+    directory: str,
+    *,
+    sections: Sequence[str] | None = None,
+    ignore: Sequence[str] = (),
 ) -> None:
     """Compares the config a checkpoint was saved under (``config_record``) with the
     config resuming from it; a checkpoint without one (older runs) is not checked, nor
     are fields its config does not have (added to the library since it was saved) or
     that the current config no longer has. ``sections``: compare only the fields under
-    these prefixes (SFT: what an SFT run reads), default all.
+    these prefixes (SFT: what an SFT run reads), default all, but those under ``ignore``.
 
     Raises:
       ValueError: naming the changed fields, unless ``config.train.allow_config_change``
@@ -131,6 +138,7 @@ def check_resume_config(
         for name in set(saved) & set(current)
         if saved[name] != current[name]
         and (sections is None or any(name == s or name.startswith(s) for s in sections))
+        and not any(name.startswith(s) for s in ignore)
         and not any(
             name == free or (free.endswith(".") and name.startswith(free))
             for free in RESUME_FREE_FIELDS
@@ -224,19 +232,36 @@ def make_tokenizer(config):
     return CharTokenizer()
 
 
-def make_model(config, vocab_size: int, mesh: Mesh | None = None) -> nnx.Module:
+def lora_config(config, param_dtype: str) -> lora.LoRAConfig:
+    """``config.model.lora`` as the model's ``LoRAConfig`` (rank 0: none), the adapters
+    stored in ``param_dtype`` (the run's; ``model.lora.base_dtype`` is the base's)."""
+    c = config.model.lora
+    return lora.LoRAConfig(rank=c.rank, alpha=float(c.alpha), targets=c.targets, dtype=param_dtype)
+
+
+def make_model(
+    config, vocab_size: int, mesh: Mesh | None = None, *, with_lora: bool = True
+) -> nnx.Module:
     """The policy: a preset (with ``config.model`` overrides) initialised from
     ``config.seed``, or a HuggingFace checkpoint folder (with the runtime overrides:
-    dtypes, MoE dispatch, attention implementation).
+    dtypes, MoE dispatch, attention implementation); with LoRA adapters
+    (``config.model.lora.rank > 0``, unless ``with_lora`` is False: SFT trains full
+    weights), the base held in ``model.lora.base_dtype`` (None: the parameter dtype).
 
     With ``mesh`` (checked by ``check_mesh`` first) the parameters are born on it, each
     device receiving only its shards (placed by their logical axes as ``init_params``
     places them; the values are those of a build without a mesh), so a model larger than
     one device can be built.
+
+    Raises:
+      ValueError: before anything compiles, for a LoRA target the model lacks or a rank
+        above a target's smaller dimension (``lora.LoRAConfig.check``).
     """
     overrides = {
         name: config.model[name] for name in _MODEL_OVERRIDES if config.model[name] is not None
     }
+    use_lora = with_lora and config.model.lora.rank > 0
+    base_dtype = config.model.lora.base_dtype if use_lora else None
     if config.model.pretrained:
         from policyopt.models import from_pretrained
 
@@ -246,11 +271,20 @@ def make_model(config, vocab_size: int, mesh: Mesh | None = None) -> nnx.Module:
                 f"config.model.{shapes[0]} cannot change the shape of the pretrained "
                 f"checkpoint {config.model.pretrained!r}; only {_RUNTIME_OVERRIDES} apply"
             )
-        model = from_pretrained(config.model.pretrained, mesh=mesh, **overrides)
+        if use_lora:
+            dtype = overrides.get("param_dtype") or "float32"
+            overrides["lora"] = lora_config(config, dtype)
+            overrides["param_dtype"] = base_dtype or dtype
+        model = from_pretrained(config.model.pretrained, mesh=mesh, seed=config.seed, **overrides)
         if mesh is not None:
             check_mesh(config, mesh, model.config.num_experts)
         return model
     model_config = preset(config.model.preset, vocab_size=vocab_size, **overrides)
+    if use_lora:
+        model_config = model_config.replace(
+            param_dtype=base_dtype or model_config.param_dtype,
+            lora=lora_config(config, model_config.param_dtype),
+        )
     if mesh is not None:
         check_mesh(config, mesh, model_config.num_experts)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
@@ -507,19 +541,95 @@ def init_params(config, model: nnx.Module, mesh: Mesh):
     logical axes (``policyopt.sharding.shard_params``; a model built on ``mesh`` by
     ``make_model`` is already placed so and is not copied): the model's own
     initialisation, or the parameters of ``config.init_checkpoint`` (an SFT or RL
-    checkpoint directory), restored onto those shardings."""
+    checkpoint directory), restored onto those shardings. Full weights (SFT); RL takes
+    ``init_policy``."""
     graphdef, params = split_params(model)
     params = sharding.shard_params(params, mesh)
     if config.init_checkpoint:
-        directory = config.init_checkpoint
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"config.init_checkpoint={directory!r} is not a directory")
+        directory = _init_directory(config)
         with Checkpointer(directory) as source:
             check_checkpoint_shapes(
                 source, {"train": {"params": params}}, config, field="config.init_checkpoint"
             )
             params = source.restore_subtree(("train", "params"), params)
     return graphdef, params
+
+
+def _init_directory(config) -> str:
+    directory = config.init_checkpoint
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"config.init_checkpoint={directory!r} is not a directory")
+    return directory
+
+
+class Policy(NamedTuple):
+    """The initial policy of an RL run (``init_policy``)."""
+
+    weights: adapters.PolicyWeights  # graphdef, frozen base (LoRA), sampler weights
+    trainable: Any  # nnx.State: the adapters (LoRA) or every parameter
+    record: dict | None  # adapters.lora_record for the checkpoints' meta (LoRA), else None
+
+
+def init_policy(config, model: nnx.Module, mesh: Mesh) -> Policy:
+    """The RL policy's trainable parameters and frozen base, placed on ``mesh``.
+
+    Full weights: ``init_params``. With LoRA (``policyopt.rl.adapters``) the base is the
+    model's own (preset from the seed, or HuggingFace folder), or with
+    ``config.init_checkpoint`` per ``model.lora.init_checkpoint``: "base" (a full-weight
+    checkpoint is the base, fresh adapters), "match" (a LoRA checkpoint's adapters on
+    the base its record names, its fingerprint checked); a full-weight run starts from
+    a LoRA checkpoint only with "merged" (its base with the adapters merged in). Any
+    other pairing is a one-line error before anything compiles
+    (``adapters.check_kind``).
+    """
+    _, trainable, frozen = lora.split(model)
+    trainable = sharding.shard_params(trainable, mesh)
+    frozen = None if frozen is None else sharding.shard_params(frozen, mesh)
+    directory = _init_directory(config) if config.init_checkpoint else None
+    saved = adapters.saved_lora(directory) if directory else None
+    if directory:
+        adapters.check_kind(saved, config, directory, "config.init_checkpoint")
+    field = "config.init_checkpoint"
+    if directory and frozen is None:  # full weights
+        if saved is None:
+            _, trainable = init_params(config, model, mesh)
+        else:  # "merged": a LoRA checkpoint's base with its adapters merged in
+            base = adapters.base_of_record(saved, trainable)
+            adapters.check_base(saved, base, directory)
+            target, scale = adapters.saved_adapters(model.config, saved, mesh, config.seed)
+            with Checkpointer(directory) as source:
+                check_checkpoint_shapes(source, {"train": {"params": target}}, config, field=field)
+            restored = adapters.restore_params(directory, target)
+            merge = jax.jit(lambda b, a: lora.merged_params(b, a, scale))
+            trainable = sharding.shard_params(merge(base, restored), mesh)
+    elif directory and saved is None:  # "base": a full-weight checkpoint is the base
+        with Checkpointer(directory) as source:
+            check_checkpoint_shapes(source, {"train": {"params": frozen}}, config, field=field)
+        frozen = adapters.restore_params(directory, frozen)
+    elif directory:  # "match": continue a LoRA checkpoint's adapters on its base
+        _check_same_adapters(saved, model.config.lora, directory)
+        frozen = adapters.base_of_record(saved, frozen)
+        adapters.check_base(saved, frozen, directory)
+        with Checkpointer(directory) as source:
+            check_checkpoint_shapes(source, {"train": {"params": trainable}}, config, field=field)
+        trainable = adapters.restore_params(directory, trainable)
+    weights = adapters.make_weights(config, model, trainable, frozen)
+    record = None
+    if frozen is not None:
+        source = saved["base"]["source"] if saved else adapters.base_source(config)
+        record = adapters.lora_record(config, model.config, frozen, source)
+    return Policy(weights, trainable, record)
+
+
+def _check_same_adapters(saved: dict, current: lora.LoRAConfig, directory: str) -> None:
+    """A LoRA checkpoint continued ("match") must hold this run's rank and targets."""
+    theirs = (int(saved["rank"]), tuple(saved["targets"]))
+    if theirs != (current.rank, tuple(current.targets)):
+        raise ValueError(
+            f"config.init_checkpoint={directory} holds adapters of rank {theirs[0]} on "
+            f"{','.join(theirs[1])}; this run has model.lora.rank={current.rank}, "
+            f"targets={','.join(current.targets)}: use the checkpoint's"
+        )
 
 
 def check_checkpoint_shapes(

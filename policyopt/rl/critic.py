@@ -16,7 +16,10 @@ removes; see docs/algorithms.md, "VC-PPO") and the head at
 **zeros**, so every initial value is exactly 0 (no random offset the pretraining must
 first unlearn); the head's gradient ``(V - R) h`` is non-zero from the first update and
 the backbone's follows once ``w != 0``. The (unused) output embedding stays in the
-backbone so that its structure is the policy's; it receives no gradient.
+backbone so that its structure is the policy's; it receives no gradient. With LoRA
+(``config.model.lora.critic``) the backbone is either adapters of its own, a copy of the
+policy's initial ones, on the policy's frozen base, shared ("adapters"), or full weights,
+a copy of that base ("full").
 
 **Alignment.** ``V(s_t)`` for response token ``t`` is the value of the state *before*
 token ``t`` (prompt and response tokens ``< t``): it is read from the hidden state at
@@ -76,6 +79,7 @@ from policyopt.losses import (
     masked_var,
     value_loss,
 )
+from policyopt.models import lora
 from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch
 from policyopt.rl.learner import OptimConfig, TrainState, guarded_update, packed_forward
@@ -108,6 +112,7 @@ def forward_values(
     *,
     return_aux: bool = False,
     packing=None,
+    frozen=None,
 ):
     """Values ``V(s_t)`` of the states before each response token of a training-layout batch.
 
@@ -126,11 +131,13 @@ def forward_values(
       packing: a ``packing.PackedLayout`` of these rows: the backbone runs on the packed
         rows and the values of columns ``P - 1 .. S - 2`` are read back from their slots
         (0 where the response token is padding); equal results.
+      frozen: the base the backbone's adapters join (LoRA, ``model.lora.critic =
+        "adapters"``: the policy's frozen base, shared), or None (full weights).
 
     Returns:
       float32 ``[R, N]`` values (not masked), and the aux dict when ``return_aux``.
     """
-    model = nnx.merge(graphdef, params["backbone"])
+    model = nnx.merge(graphdef, lora.combine(frozen, params["backbone"]))
     head = params["head"]
 
     def value_of(hidden):
@@ -190,7 +197,9 @@ def critic_optim(config) -> OptimConfig:
     )
 
 
-def critic_loss(graphdef, params, batch: Batch, settings: CriticConfig) -> tuple[jax.Array, dict]:
+def critic_loss(
+    graphdef, params, batch: Batch, settings: CriticConfig, frozen=None
+) -> tuple[jax.Array, dict]:
     """The value loss of one minibatch (``batch.old_values`` and ``batch.returns`` set),
     plus ``load_balancing_coef`` times the MoE backbone's load-balancing loss (as the
     policy's update adds it; ``critic/moe_load_balancing_loss`` reports it)."""
@@ -203,6 +212,7 @@ def critic_loss(graphdef, params, batch: Batch, settings: CriticConfig) -> tuple
         batch.num_response,
         return_aux=True,
         packing=batch.packing,
+        frozen=frozen,
     )
     return critic_objective(values, aux, batch, settings)
 
@@ -230,7 +240,7 @@ def critic_objective(
     return loss, metrics
 
 
-def micro_batched_critic_grads(graphdef, settings: CriticConfig, params, batch: Batch):
+def micro_batched_critic_grads(graphdef, settings: CriticConfig, params, batch: Batch, frozen=None):
     """``((loss, metrics), grads)`` of ``critic_loss`` on a minibatch run as micro-batches
     of at most ``settings.micro_batch_tokens`` tokens (``policyopt.rl.micro_batches``).
 
@@ -261,6 +271,7 @@ def micro_batched_critic_grads(graphdef, settings: CriticConfig, params, batch: 
             micro.attention_mask,
             micro.num_response,
             return_aux=True,
+            frozen=frozen,
         )
         share, _ = value_loss(
             values,
@@ -309,9 +320,11 @@ class Critic:
     """The jitted functions of one value model, compiled once per shape bucket.
 
     Attributes:
-      values: ``(params, tokens, positions, attention_mask, mask, packing=None) ->
-        values [R, N]`` (0 where ``mask`` is 0; with a ``PackedLayout``, run packed).
-      update: ``(state, batch) -> (state, metrics)``, the state donated; metrics are
+      values: ``(params, tokens, positions, attention_mask, mask, packing=None,
+        frozen=None) -> values [R, N]`` (0 where ``mask`` is 0; with a ``PackedLayout``,
+        run packed; ``frozen``: the base of a LoRA critic's adapters, ``forward_values``).
+      update: ``(state, batch, frozen=None) -> (state, metrics)``, the state donated
+        (LoRA: its adapters and head trained, ``frozen`` shared and fixed); metrics are
         ``critic/value_loss``, ``critic/explained_variance``, ``critic/value_clip_frac``,
         ``critic/values_mean``, ``critic/grad_norm``, ``critic/lr``, ``critic/skipped``.
       trace_counts: how many times each function was traced.
@@ -327,26 +340,35 @@ class Critic:
     def init_state(self, policy_params, hidden_size: int) -> TrainState:
         return TrainState.create(init_critic_params(policy_params, hidden_size), self.optimizer)
 
-    def loss(self, params, batch: Batch):
-        return critic_loss(self.graphdef, params, batch, self.settings)
+    def loss(self, params, batch: Batch, frozen=None):
+        return critic_loss(self.graphdef, params, batch, self.settings, frozen)
 
-    def _values(self, params, tokens, positions, attention_mask, mask, packing=None):
+    def _values(self, params, tokens, positions, attention_mask, mask, packing=None, frozen=None):
         self.trace_counts["values"] += 1
         values = forward_values(
-            self.graphdef, params, tokens, positions, attention_mask, mask.shape[1], packing=packing
+            self.graphdef,
+            params,
+            tokens,
+            positions,
+            attention_mask,
+            mask.shape[1],
+            packing=packing,
+            frozen=frozen,
         )
         return jnp.where(mask > 0, values, 0.0)
 
-    def _update(self, state: TrainState, batch: Batch):
+    def _update(self, state: TrainState, batch: Batch, frozen=None):
         self.trace_counts["update"] += 1
         grad_fn = None
         if (
             self.settings.micro_batch_tokens
             and micro_batches.plan(*batch.tokens.shape, self.settings.micro_batch_tokens)[1] > 1
         ):
-            grad_fn = functools.partial(micro_batched_critic_grads, self.graphdef, self.settings)
+            grad_fn = functools.partial(
+                micro_batched_critic_grads, self.graphdef, self.settings, frozen=frozen
+            )
         state, metrics = guarded_update(
-            self.loss,
+            lambda params, batch: self.loss(params, batch, frozen),
             self.optimizer,
             self.schedule,
             state,

@@ -13,7 +13,6 @@ and their per-token results come back to the padded rows.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -69,12 +68,17 @@ def policy_routing(learner, params, rows: Rows) -> jax.Array:
     return map_row_chunks(forward, rows.num_chunks, arrays, out_axes=1)
 
 
-def critic_values(critic, params, rows: Rows) -> jax.Array:
-    """``critic.values`` of ``rows``: ``[R, N]``, 0 where ``rows.mask`` is 0."""
+def critic_values(critic, params, rows: Rows, frozen=None) -> jax.Array:
+    """``critic.values`` of ``rows``: ``[R, N]``, 0 where ``rows.mask`` is 0 (``frozen``:
+    the base of a LoRA critic's adapters)."""
     arrays = (rows.tokens, rows.positions, rows.attention_mask, rows.mask)
-    return map_row_chunks(
-        functools.partial(critic.values, params), rows.num_chunks, arrays, packings=rows.packings
-    )
+
+    def values(tokens, positions, attention_mask, mask, packing):
+        return critic.values(
+            params, tokens, positions, attention_mask, mask, packing, frozen=frozen
+        )
+
+    return map_row_chunks(values, rows.num_chunks, arrays, packings=rows.packings)
 
 
 def map_row_chunks(

@@ -71,14 +71,37 @@ class RunSpec:
     sampling_config: SamplingConfig
     reward_spec: Any
     prompts: Any  # host iterator of prompt batches (grain; position saved by the checkpoint)
-    ref_params: Any = None  # frozen initial parameters (KL), or None
+    # The KL reference policy's parameters (a frozen copy of the initial ones; with LoRA
+    # the frozen base itself, no copy) and its learner (LoRA: the base's graph, adapters
+    # off), or None.
+    ref_params: Any = None
+    ref_learner: Learner | None = None
     engine: Any = None  # continuous-batching engine (sampling.engine_kv_tokens > 0), or None
+    # The trainable parameters -> the model's and the sampler's (LoRA: the frozen base
+    # they join, merged or not; policyopt.rl.adapters). None: the parameters are all.
+    weights: Any = None
+    critic_frozen: Any = None  # the base of a LoRA critic's adapters, or None
+    lora_record: dict | None = None  # the checkpoints' "lora" meta (adapters.lora_record)
     # critic.reward_model_iterations + critic.pretrain_iterations (critic methods), else 0
     warmup_iterations: int = 0
     reward_model_iterations: int = 0  # the first of those: the critic as a reward model
     # Names of the sampler-vs-trainer metrics: the asynchronous trainer's sampler is stale.
     logprob_diff_name: str = "logprob/sampler_trainer_abs_diff"
     routing_diff_name: str = "routing/sampler_trainer_disagreement"
+
+
+def policy_params(spec: RunSpec, trainable):
+    """The policy's whole state for the trainer's forwards: ``trainable`` joined to the
+    frozen base (LoRA), or ``trainable`` itself."""
+    return trainable if spec.weights is None else spec.weights.full(trainable)
+
+
+def sampler_weights(spec: RunSpec, trainable) -> tuple[Any, Any]:
+    """``(graphdef, params)`` the sampler decodes ``trainable`` with (LoRA: the adapted
+    graph, or the base graph with the adapters merged in, once per call)."""
+    if spec.weights is None:
+        return spec.graphdef, trainable
+    return spec.weights.for_sampler(trainable)
 
 
 @struct.dataclass
@@ -131,10 +154,11 @@ def sample(spec: RunSpec, state: RunState, key: jax.Array) -> Sampled:
     cfg = spec.config
     sampler = DynamicSampler.from_config(cfg)
     rounds, times, done = [], {"time/generate_s": 0.0, "time/score_s": 0.0}, False
+    weights = sampler_weights(spec, state.policy.params)  # one weight version per batch
     while not done:
         prompts = next(spec.prompts)
         t0 = time.perf_counter()
-        rollout = generate(spec, state, prompts, jax.random.fold_in(key, len(rounds)))
+        rollout = generate(spec, weights, prompts, jax.random.fold_in(key, len(rounds)))
         tokens, lengths = sharding.to_host((rollout.tokens, rollout.lengths))
         t1 = time.perf_counter()
         texts = round_texts(
@@ -165,16 +189,17 @@ def sample(spec: RunSpec, state: RunState, key: jax.Array) -> Sampled:
     return Sampled(merged, rounds[0].samples(), metrics)
 
 
-def generate(spec: RunSpec, state: RunState, prompts: dict, key: jax.Array):
-    """One batch of prompts x G samples at the policy's parameters: the continuous-batching
-    engine's ``generate`` (``spec.engine``) or ``sampling.generate_fn``."""
-    params = state.policy.params
+def generate(spec: RunSpec, weights: tuple, prompts: dict, key: jax.Array):
+    """One batch of prompts x G samples under ``weights`` (``sampler_weights``: graphdef and
+    parameters): the continuous-batching engine's ``generate`` (``spec.engine``, built on
+    that graphdef) or ``sampling.generate_fn``."""
+    graphdef, params = weights
     if spec.engine is not None:
         return spec.engine.generate(
             prompts["prompt_tokens"], prompts["prompt_lengths"], key, params=params
         )
     return generate_fn(
-        spec.graphdef,
+        graphdef,
         params,
         sharding.shard_rows(prompts["prompt_tokens"]),
         sharding.shard_rows(prompts["prompt_lengths"]),
@@ -198,17 +223,20 @@ def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
     sampler_routing = sharding.shard_rows(rnd.routing, axis=1)
     behaviour = sharding.shard_rows(rnd.behaviour_log_probs)
     old_log_probs, old_routing, ref_log_probs, natural_routing = behaviour, None, None, None
+    params = policy_params(spec, state.policy.params)
     if policy_trains:  # the critic's warm-up needs no forward pass of the policy
         old_log_probs, old_routing = methods.old_log_probs(
-            spec.learner, state.policy.params, rows, behaviour, methods.old_replay(sampler_routing)
+            spec.learner, params, rows, behaviour, methods.old_replay(sampler_routing)
         )
         if spec.ref_params is not None:
-            ref_log_probs, _ = forwards.policy_log_probs(spec.learner, spec.ref_params, rows)
+            ref_log_probs, _ = forwards.policy_log_probs(
+                spec.ref_learner or spec.learner, spec.ref_params, rows
+            )
         if sampler_routing is not None and cfg.train.routing_metrics:  # MoE, with routing
             # pi_old's own (not replayed) routing, for the routing metrics.
             natural_routing = old_routing if methods.old_replay(sampler_routing) is None else None
             if natural_routing is None:
-                natural_routing = forwards.policy_routing(spec.learner, state.policy.params, rows)
+                natural_routing = forwards.policy_routing(spec.learner, params, rows)
         metrics["time/old_log_probs_s"] = _block(old_log_probs, t0)
         metrics[spec.logprob_diff_name] = float(
             jnp.sum(jnp.abs(old_log_probs - behaviour) * rows.mask)
@@ -258,6 +286,7 @@ def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Ar
     cfg, group, methods = spec.config, spec.config.batch.group_size, spec.methods
     policy_trains = state.iteration >= spec.warmup_iterations
     policy, critic = state.policy, state.critic
+    frozen = None if spec.weights is None else spec.weights.frozen
     t0 = time.perf_counter()
     means, packed_slots, packed_real = MinibatchMeans(), 0, 0
     rewards = sharding.shard_rows(batch.round.rewards)
@@ -279,9 +308,9 @@ def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Ar
                 packed_real += packing.num_real
             minibatch, step_metrics = shard_batch(minibatch), {}
             if policy_trains:
-                policy, step_metrics = spec.learner.update(policy, minibatch)
+                policy, step_metrics = spec.learner.update(policy, minibatch, frozen)
             if critic is not None:
-                critic, critic_metrics = spec.critic.update(critic, minibatch)
+                critic, critic_metrics = spec.critic.update(critic, minibatch, spec.critic_frozen)
                 step_metrics = {**step_metrics, **critic_metrics}
             means.add(step_metrics)
     metrics = means.result()
@@ -291,7 +320,9 @@ def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Ar
         metrics["critic/step"] = float(critic.step)
     metrics["time/update_s"] = _block((policy.params, critic), t0)
     if batch.natural_routing is not None:  # MoE, train.routing_metrics
-        new_routing = forwards.policy_routing(spec.learner, policy.params, batch.rows)
+        new_routing = forwards.policy_routing(
+            spec.learner, policy_params(spec, policy.params), batch.rows
+        )
         mask = batch.rows.attention_mask
         metrics |= update_routing_metrics(
             batch.natural_routing, new_routing, batch.sampler_routing, mask, spec.routing_diff_name

@@ -55,6 +55,7 @@ from policyopt.losses import (
     policy_loss,
     weighted_row_sum,
 )
+from policyopt.models import lora
 from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch
 from policyopt.rl.packing import PackedLayout, gather_slots
@@ -548,9 +549,10 @@ def rl_loss_share(
     return loss, aux
 
 
-def micro_batched_rl_grads(graphdef, settings: LossConfig, params, batch: Batch):
+def micro_batched_rl_grads(graphdef, settings: LossConfig, params, batch: Batch, frozen=None):
     """``((loss, metrics), grads)`` of ``rl_loss`` on a minibatch run as micro-batches of
-    at most ``settings.micro_batch_tokens`` tokens (``policyopt.rl.micro_batches``).
+    at most ``settings.micro_batch_tokens`` tokens (``policyopt.rl.micro_batches``);
+    ``params`` the trainable parameters, joined to ``frozen`` (LoRA's base) in the forward.
 
     The gradients are the sum of the micro-batches' shares' (``rl_loss_share``); the loss
     and metrics are ``rl_objective`` over the whole minibatch's log-probs and entropies
@@ -574,7 +576,7 @@ def micro_batched_rl_grads(graphdef, settings: LossConfig, params, batch: Batch)
         micro = micro_batches.constrain_rows(micro)
         fwd = forward_log_probs(
             graphdef,
-            params,
+            lora.combine(frozen, params),
             micro.tokens,
             micro.positions,
             micro.attention_mask,
@@ -756,7 +758,9 @@ class Learner:
     """The jitted functions of one policy, compiled once per shape bucket.
 
     Attributes:
-      update: ``(state, batch) -> (state, metrics)``, the state donated.
+      update: ``(state, batch, frozen=None) -> (state, metrics)``, the state donated;
+        ``state.params`` the trainable parameters (LoRA: the adapters, joined in the
+        forward to the ``frozen`` base, which gets no gradient and no optimiser state).
       log_probs: ``(params, tokens, positions, attention_mask, mask, routing, packing) ->
         (log_probs, entropy, routing)`` of a training-layout batch (old / reference
         log-probs; returns the routing used, i.e. recorded or replayed; with a
@@ -795,7 +799,7 @@ class Learner:
     def loss(self, params, batch: Batch):
         return rl_loss(self.graphdef, params, batch, self.settings)
 
-    def _update(self, state: TrainState, batch: Batch):
+    def _update(self, state: TrainState, batch: Batch, frozen=None):
         self._update_traces += 1
         # A minibatch without a token in the policy loss (only dynamic sampling's filler
         # groups, or everything rejected) is not an update.
@@ -805,9 +809,11 @@ class Learner:
             self.settings.micro_batch_tokens
             and micro_batches.plan(*batch.tokens.shape, self.settings.micro_batch_tokens)[1] > 1
         ):
-            grad_fn = functools.partial(micro_batched_rl_grads, self.graphdef, self.settings)
+            grad_fn = functools.partial(
+                micro_batched_rl_grads, self.graphdef, self.settings, frozen=frozen
+            )
         return guarded_update(
-            self.loss,
+            lambda params, batch: self.loss(lora.combine(frozen, params), batch),
             self.optimizer,
             self.schedule,
             state,

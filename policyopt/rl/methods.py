@@ -155,7 +155,9 @@ def gae_advantages(config, spec, state, rows, rewards, valid, warming_up):
     value targets (``critic.gae_targets``; ``gae_settings``): ``(advantages [R, N],
     returns [R, N], old_values [R, N], metrics)``."""
     del valid  # a sample left out of scoring has a zero mask: no GAE target
-    old_values = forwards.critic_values(spec.critic, state.critic.params, rows)
+    old_values = forwards.critic_values(
+        spec.critic, state.critic.params, rows, frozen=spec.critic_frozen
+    )
     advantages, returns, metrics = _gae_targets(
         rewards, old_values, rows.mask, settings=gae_settings(config, pretraining=warming_up)
     )

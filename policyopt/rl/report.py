@@ -79,8 +79,10 @@ def banner(
     start: str,
     total: int,
     kind: str = "RL",
+    trainable: int | None = None,
 ) -> str:
-    """The lines printed when a run starts: what runs, where, from what, on what."""
+    """The lines printed when a run starts: what runs, where, from what, on what
+    (``trainable``: the parameters that train, when fewer than ``num_params``: LoRA)."""
     devices = jax.devices()
     platforms = sorted({d.platform for d in devices})
     model = config.model.pretrained or config.model.preset
@@ -89,7 +91,13 @@ def banner(
         f"{kind} run: {recipe or '(config given in code)'}",
         f"  workdir   {os.path.abspath(workdir)}",
         f"  start     {start}",
-        f"  model     {model}, {_human(num_params)} parameters ({num_params:,})",
+        f"  model     {model}, {_human(num_params)} parameters ({num_params:,})"
+        + (
+            ""
+            if trainable is None
+            else f"; LoRA rank {config.model.lora.rank} on {config.model.lora.targets}: "
+            f"{_human(trainable)} trainable ({trainable:,}), the base frozen"
+        ),
         f"  devices   {len(devices)} x {'/'.join(platforms)} over {jax.process_count()} "
         f"process(es); mesh {dict(mesh.shape)}",
         f"  method    {config.algo.method}, {b.n_prompts} prompts x {b.group_size} samples, "

@@ -131,8 +131,10 @@ class SFTRun:
     resumed_config: dict | None = None
 
 
-# The config fields an SFT run reads (build.check_resume_config compares only these).
+# The config fields an SFT run reads (build.check_resume_config compares only these; SFT
+# trains full weights, model.lora.* is RL's).
 SFT_FIELDS = ("seed", "model.", "task.", "batch.", "sft.", "optim.b1", "optim.b2", "optim.eps")
+SFT_IGNORED = ("model.lora.",)
 
 
 def make_sft_iterator(config, tokenizer, *, seed: int):
@@ -173,7 +175,7 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
     optimiser), onto the shardings of the initial state."""
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
-    model = build.make_model(config, tokenizer.vocab_size, mesh)
+    model = build.make_model(config, tokenizer.vocab_size, mesh, with_lora=False)
     graphdef, params = build.init_params(config, model, mesh)
     s = config.sft
     optim = dataclasses.replace(
@@ -204,7 +206,11 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
         # The config first (a changed shape would fail in the arrays, unnamed), and only
         # what SFT reads: a recipe's RL settings may change under a cached SFT start.
         build.check_resume_config(
-            checkpointer.meta().get("config"), config, checkpointer.directory, sections=SFT_FIELDS
+            checkpointer.meta().get("config"),
+            config,
+            checkpointer.directory,
+            sections=SFT_FIELDS,
+            ignore=SFT_IGNORED,
         )
         build.check_checkpoint_shapes(checkpointer, {"train": run.state}, config, field="resume")
         restored, meta = checkpointer.restore({"train": run.state})

@@ -88,7 +88,7 @@ from policyopt.checkpoint import Checkpointer, lock_workdir
 from policyopt.data.pipeline import make_pipeline
 from policyopt.engine import Engine
 from policyopt.metrics import MetricsWriter, Progress, read_last_value, read_step_record
-from policyopt.rl import build, iteration, methods, report
+from policyopt.rl import adapters, build, iteration, methods, report
 from policyopt.rl.critic import CriticConfig, critic_optim, get_critic
 from policyopt.rl.evaluate import evaluate
 from policyopt.rl.forwards import pack_chunks as pack_chunks
@@ -203,11 +203,19 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
             "first update) and routing replay does not replay the drops. RL needs a dropless "
             "dispatch ('ragged' or 'blocked')."
         )
-    graphdef, params = build.init_params(config, model, mesh)
-    learner = get_learner(
-        graphdef, LossConfig.from_config(config), OptimConfig.from_config(config.optim)
-    )
-    ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
+    policy = build.init_policy(config, model, mesh)
+    weights, params = policy.weights, policy.trainable
+    settings, optim = LossConfig.from_config(config), OptimConfig.from_config(config.optim)
+    learner = get_learner(weights.graphdef, settings, optim)
+    ref_params = ref_learner = None
+    if config.algo.kl_beta > 0 and weights.lora:
+        # The reference policy is the base: its own parameters, no copy, the adapters off.
+        ref_params, ref_learner = (
+            weights.frozen,
+            get_learner(weights.base_graphdef, settings, optim),
+        )
+    elif config.algo.kl_beta > 0:
+        ref_params = jax.tree.map(jnp.copy, params)
     state = place_state(learner.init_state(params), learner.optimizer, mesh)
     rng = sharding.put(jax.random.PRNGKey(config.seed), sharding.replicated(mesh))
     data = make_prompt_iterator(config, build.task_source(config, "train"), seed=config.seed)
@@ -227,15 +235,24 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
     )
     engine = None
     if s.engine_kv_tokens > 0:
-        engine = Engine.from_config(config, model, graphdef, mesh, sampling_config)
-    critic = critic_state = None
+        merged = weights.lora and weights.sampler == "merged"
+        sampler_graphdef = weights.base_graphdef if merged else weights.graphdef
+        engine = Engine.from_config(config, model, sampler_graphdef, mesh, sampling_config)
+    critic = critic_state = critic_frozen = None
     if config.algo.advantage == "gae":
-        critic = get_critic(graphdef, CriticConfig.from_config(config), critic_optim(config))
-        critic_state = critic.init_state(params, model.config.hidden_size)
+        critic_graphdef, critic_init = weights.graphdef, params
+        if weights.lora and config.model.lora.critic == "adapters":
+            critic_frozen = weights.frozen  # its own adapters (a copy), the policy's base
+        elif weights.lora:  # full weights: a copy of the base, in the adapters' dtype
+            dtype = model.config.lora.dtype
+            critic_graphdef = weights.base_graphdef
+            critic_init = jax.tree.map(lambda x: x.astype(dtype), weights.frozen)
+        critic = get_critic(critic_graphdef, CriticConfig.from_config(config), critic_optim(config))
+        critic_state = critic.init_state(critic_init, model.config.hidden_size)
         critic_state = place_state(critic_state, critic.optimizer, mesh)
     spec = RunSpec(
         config=config,
-        graphdef=graphdef,
+        graphdef=weights.graphdef,
         learner=learner,
         critic=critic,
         mesh=mesh,
@@ -245,7 +262,11 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
         reward_spec=build.reward_spec(config),
         prompts=data,
         ref_params=ref_params,
+        ref_learner=ref_learner,
         engine=engine,
+        weights=weights if weights.lora else None,
+        critic_frozen=critic_frozen,
+        lora_record=policy.record,
         warmup_iterations=(
             config.critic.reward_model_iterations + config.critic.pretrain_iterations
             if critic
@@ -276,12 +297,16 @@ def checkpoint_state(run: RLRun) -> dict:
 
 def checkpoint_meta(run: RLRun, data_state) -> dict:
     """The JSON record saved beside the arrays: iteration, data position and the config
-    (checked on resume, ``build.check_resume_config``)."""
-    return {
+    (checked on resume, ``build.check_resume_config``); with LoRA the adapters' record
+    and their base's identity (``adapters.lora_record``: the base is not saved)."""
+    meta = {
         "iteration": run.iteration,
         "data": data_state,
         "config": build.config_record(run.config),
     }
+    if run.spec.lora_record is not None:
+        meta["lora"] = run.spec.lora_record
+    return meta
 
 
 def save(run: RLRun) -> None:
@@ -296,9 +321,14 @@ def restore(run: RLRun, step: int | None = None, *, check_config: bool = True) -
     the critic's parameters, optimiser and counters); refuses a checkpoint saved under
     another config (``build.check_resume_config``) unless ``check_config`` is False
     (``experiments/eval.py``, which only reads the parameters)."""
+    meta = run.checkpointer.meta(step)
+    where = run.checkpointer.directory
+    # Adapters against full weights, and adapters on another base: one line each, first.
+    adapters.check_kind(meta.get("lora"), run.config, where, "resume")
+    if meta.get("lora") is not None:
+        adapters.check_base(meta["lora"], run.spec.weights.frozen, f"resume: {where}")
     if check_config:  # before the arrays: a changed shape would fail there, unnamed
-        meta = run.checkpointer.meta(step)
-        build.check_resume_config(meta.get("config"), run.config, run.checkpointer.directory)
+        build.check_resume_config(meta.get("config"), run.config, where)
     build.check_checkpoint_shapes(
         run.checkpointer, checkpoint_state(run), run.config, step=step, field="resume"
     )
@@ -393,9 +423,10 @@ def evaluate_run(run: RLRun, samples: list | None = None) -> dict[str, float]:
     when given, receives one record per held-out completion (``evaluate``)."""
     cfg = run.config
     with jax.set_mesh(run.mesh):
+        graphdef, params = iteration.sampler_weights(run.spec, run.state.params)
         return evaluate(
-            run.graphdef,
-            run.state.params,
+            graphdef,
+            params,
             run.eval_records,
             run.tokenizer,
             max_new_tokens=cfg.sampling.max_new_tokens,
@@ -490,7 +521,11 @@ class RunLoop:
                     recipe=recipe,
                     mesh=run.mesh,
                     start=start,
-                    num_params=report.parameter_count(run.state.params),
+                    num_params=report.parameter_count(run.state.params)
+                    + report.parameter_count(run.spec.weights and run.spec.weights.frozen),
+                    trainable=(
+                        report.parameter_count(run.state.params) if run.spec.weights else None
+                    ),
                     total=total,
                 ),
                 flush=True,
