@@ -294,3 +294,17 @@ def test_sft_trains_full_weights_under_a_lora_config(sft_checkpoint):
     with Checkpointer(sft_checkpoint) as source:
         assert not any(".lora." in n for n in source.saved_shapes())
         assert "lora" not in source.meta()
+
+
+def test_dry_run_checks_the_lora_pairing(sft_checkpoint, tmp_path):
+    from policyopt.rl.dry_run import plan_run
+
+    config = tiny("grpo", extra=f"{LORA},init_checkpoint={sft_checkpoint!r}")
+    with pytest.raises(ValueError, match="model.lora.init_checkpoint='base'"):
+        plan_run(config, str(tmp_path))
+    config = tiny(
+        "grpo",
+        extra=f"{LORA},init_checkpoint={sft_checkpoint!r},model.lora.init_checkpoint=base",
+    )
+    text = plan_run(config, str(tmp_path))
+    assert "LoRA rank 2 on attention,mlp" in text and "trainable" in text

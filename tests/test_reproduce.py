@@ -89,7 +89,9 @@ def test_every_claim_builds_its_arms_in_its_setting(name):
         config = ablate.arm_config(
             claim.ablation, label, 0, "", lambda c: SETTINGS[claim.setting](c, "ckpt")
         )
-        assert config.model.preset == "moe_volatile" and config.init_checkpoint == "ckpt"
+        # The testbed's MoE, or the demo's (lora_rl: rank 32 fits tiny_moe's experts).
+        preset = "tiny_moe" if claim.setting == "demo" else "moe_volatile"
+        assert config.model.preset == preset and config.init_checkpoint == "ckpt"
         assert config.train.routing_metrics
         if claim.setting == "testbed_long":
             assert (config.task.operators, config.sampling.max_new_tokens) == ("mod", 208)

@@ -119,7 +119,7 @@ def test_lora_counts_the_frozen_base_and_the_adapters_state_apart(records):
     base = sum(_num_params_tiny_moe_3_layers()) * 2 / 2**30
     assert base / 4 <= record["frozen_gib_per_device"] <= base
     full = records["full"]
-    assert record["state_gib_per_device"] < full["state_gib_per_device"] / 10
+    assert record["state_gib_per_device"] < full["state_gib_per_device"] / 5
     assert record["calls"][0]["compiles"][0]["argument_bytes"] / 2**30 >= (
         record["frozen_gib_per_device"] + record["state_gib_per_device"]
     )

@@ -12,7 +12,8 @@ import os
 from flax import nnx
 
 from policyopt.checkpoint import Checkpointer
-from policyopt.rl import build
+from policyopt.models import lora
+from policyopt.rl import adapters, build
 from policyopt.rl.report import advisories, banner, parameter_count, starting_point
 from policyopt.rl.trainer import make_prompt_iterator
 
@@ -26,10 +27,11 @@ def plan_run(config, workdir: str, *, recipe: str | None = None) -> str:
     tokenizer = build.make_tokenizer(config)
     if config.model.pretrained:
         model = build.make_model(config, tokenizer.vocab_size, None)
-        params = nnx.state(model, nnx.Param)
     else:
-        abstract = nnx.eval_shape(lambda: build.make_model(config, tokenizer.vocab_size, None))
-        params = nnx.state(abstract, nnx.Param)
+        model = nnx.eval_shape(lambda: build.make_model(config, tokenizer.vocab_size, None))
+    params = nnx.state(model, nnx.Param)
+    # LoRA: the checkpoints hold the adapters; a full-weight init_checkpoint is the base.
+    _, trainable, frozen = lora.split(model)
     notes = []
     if config.task.tfds_dir:  # preparing the tfds files would write them
         notes.append(f"  data      task.tfds_dir={config.task.tfds_dir!r}: not read in a dry run")
@@ -44,24 +46,32 @@ def plan_run(config, workdir: str, *, recipe: str | None = None) -> str:
         with Checkpointer(directory) as checkpointer:
             resume_step = checkpointer.latest_step()
             if resume_step is not None:
-                build.check_resume_config(checkpointer.meta().get("config"), config, directory)
+                meta = checkpointer.meta()
+                adapters.check_kind(meta.get("lora"), config, directory, "resume")
+                build.check_resume_config(meta.get("config"), config, directory)
                 build.check_checkpoint_shapes(
-                    checkpointer, {"train": {"params": params}}, config, field="resume"
+                    checkpointer, {"train": {"params": trainable}}, config, field="resume"
                 )
     if resume_step is None and config.init_checkpoint:
         if not os.path.isdir(config.init_checkpoint):
             raise FileNotFoundError(
                 f"config.init_checkpoint={config.init_checkpoint!r} is not a directory"
             )
-        with Checkpointer(config.init_checkpoint) as source:
-            build.check_checkpoint_shapes(
-                source, {"train": {"params": params}}, config, field="config.init_checkpoint"
-            )
+        saved = adapters.saved_lora(config.init_checkpoint)
+        field = "config.init_checkpoint"
+        adapters.check_kind(saved, config, config.init_checkpoint, field)
+        target = frozen if frozen is not None and saved is None else trainable
+        if frozen is not None or saved is None:  # a merged LoRA start has other shapes
+            with Checkpointer(config.init_checkpoint) as source:
+                build.check_checkpoint_shapes(
+                    source, {"train": {"params": target}}, config, field=field
+                )
     text = banner(
         config,
         workdir,
         recipe=recipe,
         num_params=parameter_count(params),
+        trainable=None if frozen is None else parameter_count(trainable),
         mesh=mesh,
         start=starting_point(config, directory, resume_step),
         total=config.train.num_iterations,

@@ -25,6 +25,10 @@ sequence (outcome advantages) or one per token (GAE, ``policyopt.rl.critic``).
 With ``batch.packing`` (``policyopt.rl.packing``) the forward runs on packed rows and its
 log-probs are gathered back to ``[R, N]`` before the loss, which is therefore unchanged.
 
+With LoRA adapters (``policyopt.models.lora``, ``policyopt.rl.adapters``) the state's
+parameters are the adapters and ``update``'s ``frozen`` argument is the base: the forward
+runs the two joined (``lora.combine``), the gradient and AdamW see the adapters only.
+
 With ``LossConfig.micro_batch_tokens`` the gradient is summed over micro-batches of the
 minibatch inside the same jitted step, each micro-batch's loss its share of the
 minibatch's (``micro_batched_rl_grads``, ``policyopt.rl.micro_batches``), then the same

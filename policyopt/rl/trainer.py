@@ -53,6 +53,12 @@ truncated importance weights (``algo.tis_cap``, ``tis_level``) and rejection sam
 (``algo.rs_level``, ``rs_upper``, ``rs_lower``, ``rs_veto``), whose kept tokens become
 ``Batch.loss_mask``, the policy loss's mask (the critic keeps ``Batch.mask``).
 
+LoRA (``config.model.lora.rank > 0``; docs/lora.md, ``policyopt.rl.adapters``): the
+policy's state holds the adapters and their optimiser state; the frozen base
+(``RunSpec.weights``) joins them in every forward, is the KL reference (``ref_params``,
+no copy) and a LoRA critic's shared base; the sampler decodes the adapters merged into it
+(once per iteration) or unmerged; checkpoints hold the adapters and the base's identity.
+
 Devices: a run lives on one mesh (``config.mesh``, ``policyopt.sharding``; the default
 puts every device on ``data``, which on one CPU is today's single device). The policy is
 built on the mesh (``build.make_model``: each device receives only its shards), and
