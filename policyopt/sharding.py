@@ -109,6 +109,10 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # without an expert axis: policyopt.models.expert_parallel).
     # Activations' D stays whole (it is contracted in every matmul).
     ("embed", "fsdp"),
+    # The rank r of a LoRA adapter's matrix that has no model width (B of q_proj [r, H, Dh],
+    # of the experts' w_gate / w_up [E, r, F], A of w_down [E, F, r]; policyopt.models.lora):
+    # its FSDP shard instead, gathered like `embed` (FSDP_AXES).
+    ("lora", "fsdp"),
     # Attention heads of q / o and k / v: Megatron-style tensor parallelism.
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -179,6 +183,19 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules=LOGICAL_AX
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+# The logical axes that ZeRO-3 shards over the FSDP mesh axes and gathers per call
+# (``fsdp_call``, the MoE block's gather): a weight's model width, else a LoRA adapter's
+# rank. A weight has at most one of them.
+FSDP_AXES = ("embed", "lora")
+
+
+def fsdp_dim(logical_axes) -> int | None:
+    """The dimension of a weight that FSDP splits (the first of ``FSDP_AXES`` among its
+    logical axes), or None."""
+    axes = tuple(logical_axes)
+    return next((axes.index(name) for name in FSDP_AXES if name in axes), None)
+
+
 def _mesh_axes_of(logical_name: str, mesh, rules=LOGICAL_AXIS_RULES) -> tuple[str, ...]:
     """The mesh axes (size > 1) that the rule of ``logical_name`` maps to, in order."""
     target = logical_to_mesh_axes((logical_name,), rules, mesh.axis_names)[0]
@@ -202,8 +219,9 @@ def fsdp_call(
     On a mesh whose ``embed`` rule has axes F of size > 1 (``fsdp``) and whose ``batch``
     rule's axes R (``data``, ``fsdp``, ``expert``; F among them) divide the rows, ``fn``
     runs once per device on its rows under a ``shard_map`` manual over R (``tensor`` stays
-    automatic). A weight w of logical axes with ``embed`` at dimension i (split over F
-    where F divides it) is all-gathered over F along i; its gradient, the transpose,
+    automatic). A weight w of logical axes with ``embed`` (or a LoRA adapter's ``lora``
+    rank, ``FSDP_AXES``) at dimension i (split over F where F divides it) is all-gathered
+    over F along i; its gradient, the transpose,
 
         dW_shard = psum_scatter_F(dW_local)   then   psum over R \\ F,
 
@@ -247,8 +265,7 @@ def fsdp_call(
     extent = int(np.prod([mesh.shape[a] for a in width]))
     dims = []
     for w, axes in zip(weights, weight_axes, strict=True):
-        axes = tuple(axes)
-        dim = axes.index("embed") if "embed" in axes else None
+        dim = fsdp_dim(axes)
         dims.append(None if dim is None or w.shape[dim] % extent else dim)
     if (
         not width

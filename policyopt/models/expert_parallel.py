@@ -65,7 +65,7 @@ from policyopt.models.experts import (
     ragged_experts,
 )
 from policyopt.models.router import route, router_aux
-from policyopt.sharding import logical_to_mesh_axes
+from policyopt.sharding import fsdp_dim, logical_to_mesh_axes
 
 
 def _row_axes(mesh) -> tuple[str, ...]:
@@ -434,29 +434,36 @@ def expert_parallel_block(
     width = _width_axes(mesh, cfg.hidden_size)
     arrays, axes, structure = lora.flatten(weights)
 
-    def gathered(w, logical_axes):
+    extent = int(np.prod([mesh.shape[a] for a in width]))
+    # Per array, the dimension split over the width axes as the parameters are placed
+    # (the model width, or a LoRA adapter's rank where it has none: sharding.fsdp_dim;
+    # None where it does not divide): gathered in the block, or used whole.
+    dims = []
+    for w, logical_axes in zip(arrays, axes):
+        dim = fsdp_dim(logical_axes) if width else None
+        dims.append(None if dim is None or w.shape[dim] % extent else dim)
+
+    def gathered(w, dim):
         # FSDP (ZeRO-3) inside the block: the model width of a weight arrives as this
         # device's shard and is all-gathered here, so that the weight's gradient, the
         # transpose of the all-gather, is reduce-scattered onto the shards (a psum_scatter;
         # left to XLA, the gradient is all-reduced at full size and then sliced on XLA:CPU,
         # which has no pass turning the two into a reduce-scatter).
         # Typed as varying over the other row axes first, so that the gradient's psum over
-        # them (data parallelism) runs on the shard, after the reduce-scatter. A weight
-        # without a model width (an adapter's A of w_down, B of w_gate / w_up) is whole.
-        split = bool(width) and "embed" in logical_axes
+        # them (data parallelism) runs on the shard, after the reduce-scatter.
         others = tuple(
             a
             for a in row_axes
-            if (not split or a not in width) and a not in jax.typeof(w).mat.varying
+            if (dim is None or a not in width) and a not in jax.typeof(w).mat.varying
         )
         w = jax.lax.pcast(w, others, to="varying") if others else w
-        if not split:
+        if dim is None:
             return w
-        return jax.lax.all_gather(w, width, axis=logical_axes.index("embed"), tiled=True)
+        return jax.lax.all_gather(w, width, axis=dim, tiled=True)
 
     def body(x, token_mask, arrays, *replay):
         b, t, d = x.shape
-        arrays = [gathered(w, a) for w, a in zip(arrays, axes)]
+        arrays = [gathered(w, d) for w, d in zip(arrays, dims)]
         router, *params = lora.unflatten(structure, arrays)
         flat = x.reshape(b * t, d)
         valid = token_mask.reshape(b * t)
@@ -490,21 +497,21 @@ def expert_parallel_block(
         y = jnp.einsum("nkd,nk->nd", y_copies.reshape(b * t, k, d), gates.astype(dt))
         return y.reshape(b, t, d), expert_ids.reshape(b, t, k), aux
 
-    def spec(logical_axes):
-        """A weight's PartitionSpec in the block: E over ``expert``, D over the width axes."""
-        names = []
-        for name in logical_axes:
+    def spec(logical_axes, dim):
+        """A weight's PartitionSpec in the block: E over ``expert``, ``dim`` over the width
+        axes."""
+        names = [None] * len(logical_axes)
+        for i, name in enumerate(logical_axes):
             if name == "expert" and n_ep > 1:
-                names.append("expert")
-            elif name == "embed" and width:
-                names.append(width)
-            else:
-                names.append(None)
+                names[i] = "expert"
+        if dim is not None:
+            names[dim] = width
         return PartitionSpec(*names)
 
     rows = PartitionSpec(row_axes)
     args = (x, token_mask, arrays) + (() if routing is None else (routing,))
-    in_specs = (rows, rows, tuple(spec(a) for a in axes)) + (() if routing is None else (rows,))
+    in_specs = (rows, rows, tuple(spec(a, d) for a, d in zip(axes, dims)))
+    in_specs += () if routing is None else (rows,)
     per_device = jax.shard_map(
         body, mesh=mesh, in_specs=in_specs, out_specs=(rows, rows, PartitionSpec())
     )

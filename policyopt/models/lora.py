@@ -223,14 +223,17 @@ def grouped(matmul, rows, weight, group_sizes):
 
 
 def adapter_axes(axes: tuple, batch_dims: int, in_dims: int) -> tuple[tuple, tuple]:
-    """Logical axes of A and B from the base weight's: the rank axis is replicated."""
+    """Logical axes of A and B from the base weight's. The rank axis is ``"lora"`` (split
+    over the FSDP axes, ``policyopt.sharding``) where the matrix has no model width
+    (``"embed"``), else whole: every adapter matrix is then sharded by FSDP."""
     axes = tuple(axes)
     lead, inputs, outputs = (
         axes[:batch_dims],
         axes[batch_dims : batch_dims + in_dims],
         axes[batch_dims + in_dims :],
     )
-    return lead + inputs + (None,), lead + (None,) + outputs
+    rank = lambda others: None if "embed" in others else "lora"
+    return lead + inputs + (rank(lead + inputs),), lead + (rank(lead + outputs),) + outputs
 
 
 def flatten(weights) -> tuple[tuple, tuple, tuple]:
