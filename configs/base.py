@@ -486,6 +486,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.weight_decay = 0.01  # verl's default
     # Global gradient-norm clipping threshold (verl's default 1.0).
     c.optim.max_grad_norm = 1.0
+    # The MoE routers' learning rate as a multiple of optim.lr (1.0: the same). A lever on
+    # routing volatility: the routers move faster than the rest of the policy, so that
+    # routing causes more of the ratio's noise (docs/claims.md, "routing_share"). The
+    # policy's optimiser only; SFT and the critic keep 1.0.
+    c.optim.router_lr_scale = 1.0
 
     # ---- Loop -------------------------------------------------------------------------------
     c.train = ml_collections.ConfigDict()
@@ -1010,6 +1015,7 @@ _RANGES = (
     ("optim.b2", 0.0, 1.0, True, False),
     ("optim.weight_decay", 0.0, None, True, False),
     ("optim.max_grad_norm", 0.0, None, False, True),
+    ("optim.router_lr_scale", 0.0, None, False, False),
     ("critic.lr", 0.0, None, False, False),
     ("critic.weight_decay", 0.0, None, True, False),
     ("sft.lr", 0.0, None, False, False),

@@ -403,7 +403,9 @@ def test_moe_aux_losses_are_token_weighted_means_over_micro_batches(moe):
     )
     learner = get_learner(graphdef, settings, OPTIM)
     batch = _batch(7)
-    routing = learner.routing(params, batch.tokens, batch.positions, batch.attention_mask)
+    routing = learner.log_probs(
+        params, batch.tokens, batch.positions, batch.attention_mask, batch.mask
+    )[2]
     batch = batch._replace(routing=routing)
     state, metrics = learner.update(learner.init_state(_copy(params)), batch)
 

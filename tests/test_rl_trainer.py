@@ -390,9 +390,9 @@ def test_routing_replay_feeds_the_update(mode, tmp_path):
     assert batch.routing is not None
     if mode == "R2":
         # The old policy's own routing, recomputed independently, is what was replayed.
-        natural = run.learner.routing(
-            old_params, batch.tokens, batch.positions, batch.attention_mask
-        )
+        natural = run.learner.log_probs(
+            old_params, batch.tokens, batch.positions, batch.attention_mask, batch.mask
+        )[2]
         np.testing.assert_array_equal(np.asarray(batch.routing), np.asarray(natural))
     else:
         # The sampler's routing is replayed, and the old log-probs were computed with it.
@@ -468,24 +468,27 @@ def test_rollout_correction_reaches_the_batch(tmp_path, monkeypatch):
 
 
 def test_routing_metrics_run_in_minibatch_chunks(tmp_path, monkeypatch):
-    """The routing forwards of the volatility metrics run in the minibatch's shape, as the
-    old log-probs do (not the whole batch: memory, and a compile of its own)."""
+    """The forwards of the routing metrics (volatility, routing share) run in the
+    minibatch's shape, as the old log-probs do (not the whole batch: memory, and a compile
+    of its own): the old and reference (KL) passes, then the updated policy's natural and
+    replayed passes."""
     config = tiny(
         "grpo",
         extra="batch.n_minibatches=2,train.routing_metrics=True,train.num_iterations=1,"
         "eval.num_prompts=0",
     )
     run = trainer.build_run(config, str(tmp_path))
-    rows, routing = [], run.learner.routing
+    rows, log_probs = [], run.learner.log_probs
     monkeypatch.setattr(
         run.learner,
-        "routing",
+        "log_probs",
         lambda params, tokens, *args: (
-            rows.append(tokens.shape[0]) or routing(params, tokens, *args)
+            rows.append(tokens.shape[0]) or log_probs(params, tokens, *args)
         ),
     )
     metrics = trainer.rl_iteration(run)
-    assert rows == [4, 4] and 0 <= metrics["routing/volatility"] <= 1  # 2 x 4 samples, 2 chunks
+    assert rows == [4] * 8  # 2 x 4 samples in 2 chunks, 4 passes
+    assert 0 <= metrics["routing/volatility"] <= 1 and 0 <= metrics["routing/ratio_share"] <= 1
 
 
 def test_empty_minibatches_do_not_dilute_the_update_metrics(tmp_path):
@@ -523,7 +526,7 @@ def test_compile_count_stops_growing_after_warm_up(tmp_path, monkeypatch):
     counts = run.learner.trace_counts
     # One compilation per response bucket seen, never more.
     assert counts["update"] == len(widths) <= 2
-    assert counts["log_probs"] <= 2 and counts["routing"] <= 2
+    assert counts["log_probs"] <= 2
     config = tiny("sapo", extra="eval.num_prompts=0")
     run = trainer.build_run(config, str(tmp_path / "fixed"))
     for _ in range(2):

@@ -180,13 +180,15 @@ class CriticConfig:
 
 def critic_optim(config) -> OptimConfig:
     """The critic's optimiser: ``config.critic.lr`` / ``warmup_steps`` / ``weight_decay``,
-    Adam's betas, eps and gradient clipping shared with ``config.optim``."""
+    Adam's betas, eps and gradient clipping shared with ``config.optim`` (the policy's
+    ``router_lr_scale`` is not)."""
     optim = OptimConfig.from_config(config.optim)
     return dataclasses.replace(
         optim,
         lr=float(config.critic.lr),
         warmup_steps=int(config.critic.warmup_steps),
         weight_decay=float(config.critic.weight_decay),
+        router_lr_scale=1.0,
     )
 
 

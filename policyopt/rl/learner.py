@@ -144,10 +144,12 @@ def make_optimizer(
     max_grad_norm: float | None = 1.0,
     decay_steps: int = 0,
     min_lr_ratio: float = 0.0,
+    router_lr_scale: float = 1.0,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW after global-norm clipping, with linear warm-up, then a constant learning
     rate (``decay_steps = 0``) or a cosine decay to ``lr * min_lr_ratio`` at update
-    ``decay_steps`` (``warmup_cosine_schedule``).
+    ``decay_steps`` (``warmup_cosine_schedule``). ``router_lr_scale`` != 1 multiplies the
+    MoE routers' updates (weight decay included: their learning rate) by it.
 
     Returns:
       ``(optimizer, schedule)``; ``schedule(state.step)`` is the learning rate of the next
@@ -158,7 +160,24 @@ def make_optimizer(
     if max_grad_norm is not None and max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(max_grad_norm))
     parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    if router_lr_scale != 1.0:
+        parts.append(
+            optax.multi_transform(
+                {"router": optax.scale(router_lr_scale), "rest": optax.identity()}, router_labels
+            )
+        )
     return optax.chain(*parts), schedule
+
+
+def router_labels(params) -> Any:
+    """``"router"`` on the MoE routers' weights (a leaf named ``router``), ``"rest"``
+    elsewhere: the labels of ``make_optimizer``'s ``router_lr_scale``."""
+
+    def label(path, _):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        return "router" if "router" in names else "rest"
+
+    return jax.tree_util.tree_map_with_path(label, params)
 
 
 def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
@@ -684,6 +703,8 @@ class OptimConfig:
     # Only SFT sets them (`config.sft.lr_decay`); RL's optimiser keeps a constant rate.
     decay_steps: int = 0
     min_lr_ratio: float = 0.0
+    # The MoE routers' learning rate over lr (the policy's `config.optim.router_lr_scale`).
+    router_lr_scale: float = 1.0
 
     @classmethod
     def from_config(cls, optim) -> "OptimConfig":
@@ -695,6 +716,7 @@ class OptimConfig:
             eps=float(optim.eps),
             weight_decay=float(optim.weight_decay),
             max_grad_norm=optim.max_grad_norm,
+            router_lr_scale=float(optim.router_lr_scale),
         )
 
     def build(self) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -721,7 +743,6 @@ class _Forwards:
         self.graphdef, self.temperature = graphdef, temperature
         self.trace_counts: collections.Counter = collections.Counter()
         self.log_probs = jax.jit(self._log_probs)
-        self.routing = jax.jit(self._routing)
 
     def _log_probs(
         self, params, tokens, positions, attention_mask, mask, routing=None, packing=None
@@ -741,13 +762,6 @@ class _Forwards:
         valid = mask > 0
         return jnp.where(valid, fwd.log_probs, 0.0), jnp.where(valid, fwd.entropy, 0.0), fwd.routing
 
-    def _routing(self, params, tokens, positions, attention_mask):
-        self.trace_counts["routing"] += 1
-        model = nnx.merge(self.graphdef, params)
-        return model(
-            tokens, positions=positions, attention_mask=attention_mask, return_logits=False
-        ).routing
-
 
 _FORWARDS: dict = {}
 
@@ -761,8 +775,6 @@ class Learner:
         (log_probs, entropy, routing)`` of a training-layout batch (old / reference
         log-probs; returns the routing used, i.e. recorded or replayed; with a
         ``PackedLayout`` the model runs on packed rows, the results are the same).
-      routing: ``(params, tokens, positions, attention_mask) -> routing`` without replay
-        and without the vocabulary projection (routing metrics).
       trace_counts: how many times each function was traced (a compile-count probe;
         the forward passes are shared by learners of the same model and temperature).
     """
@@ -783,7 +795,6 @@ class Learner:
             _FORWARDS[key] = _Forwards(graphdef, settings.temperature)
         self._forwards = _FORWARDS[key]
         self.log_probs = self._forwards.log_probs
-        self.routing = self._forwards.routing
 
     @property
     def trace_counts(self) -> collections.Counter:

@@ -184,6 +184,7 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
         max_grad_norm=s.max_grad_norm,
         decay_steps=int(s.steps) if s.lr_decay == "cosine" else 0,
         min_lr_ratio=float(s.min_lr_ratio),
+        router_lr_scale=1.0,  # the RL policy's lever only
     )
     update, optimizer = sft_update_fn(graphdef, optim)
     state = place_state(TrainState.create(params, optimizer), optimizer, mesh)
