@@ -111,6 +111,8 @@ def per_arm_runs(summary: dict) -> dict[str, dict[tuple[int, int], dict]]:
 def one_regime(runs: Sequence[tuple[str, dict]]) -> dict:
     """The regime (``ablate.regime_of``) that labelled runs ``[(label, regime)]`` share;
     a ValueError naming the first field in which two differ, and the two runs."""
+    if not runs:
+        raise ValueError("verdict table refused: the summary holds no runs")
     first_label, first = runs[0]
     for label, regime in runs[1:]:
         for field, value in first.items():
@@ -190,8 +192,9 @@ def verdict_table(
         "",
     ]
     if exploratory:
+        how = f"`--variant {variant}`" if variant else "A changed arm config"
         lines += [
-            f"**Exploratory**: `--variant {variant}` departs from the claim's definition; "
+            f"**Exploratory**: {how} departs from the claim's definition; "
             "this verdict is not the claim's.",
             "",
         ]
