@@ -231,6 +231,16 @@ def test_a_run_directory_of_another_config_is_refused(tmp_path):
     (run_dir / ablate.DONE_FILE).write_text(
         json.dumps({"iterations": config.train.num_iterations, "wall_s": 1.0})
     )
+    # The logs of a finished run: every iteration, and the final evaluation.
+    last = config.train.num_iterations
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": step, "reward/mean": 0.5}) + "\n" for step in range(1, last + 1)
+        )
+    )
+    (run_dir / "eval.jsonl").write_text(
+        "".join(json.dumps({"step": step, "eval/pass@1": 0.5}) + "\n" for step in (0, last))
+    )
     assert ablate._finished(str(run_dir), config)["wall_s"] == 1.0
     assert (
         ablate._finished(
