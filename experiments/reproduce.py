@@ -133,7 +133,8 @@ def _fmt(x, sign: str = "+") -> str:
 
 def _describe(regime: dict) -> str:
     return (
-        f"lr {regime['optim.lr']:g}, {regime['train.num_iterations']} policy iterations, "
+        f"lr {regime['optim.lr']:g}, {regime['train.num_iterations']} policy iteration"
+        f"{'' if regime['train.num_iterations'] == 1 else 's'}, "
         f"{regime['batch.n_prompts']} prompts x {regime['batch.group_size']} samples, "
         f"{regime['batch.n_minibatches']} minibatch(es) x {regime['batch.epochs']} epoch(s), "
         f"<= {regime['sampling.max_new_tokens']} new tokens"
