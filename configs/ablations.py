@@ -322,8 +322,8 @@ def testbed_setting(config, sft_checkpoint: str = "runs/testbed/sft/checkpoints"
 #: gives it that bias (explained variance -0.82 at PPO's first rollout), before value
 #: pretraining and PPO. Its learning rate is 3e-3, not 2x the actor's 1e-4: at 2e-4 the
 #: freshly initialised value head fits nothing in 12 iterations of value pretraining
-#: (held-out explained variance ~0), at 3e-3 it reaches 0.19-0.28 (benchmarks/RESULTS.md
-#: "Twentieth session").
+#: (held-out explained variance ~0), at 3e-3 it reaches 0.19-0.28 (benchmarks/HISTORY.md,
+#: 2026-12-03).
 LONG_TASK_CRITIC = {"lr": 3e-3, "reward_model_iterations": 10}
 
 

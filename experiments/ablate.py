@@ -6,15 +6,16 @@ then a table, a JSON summary and curves side by side.
         --workdir runs/ablate/sapo_tau [--variant train.num_iterations=60]
     python -m experiments.ablate --list
 
-Each run goes to `workdir/<arm>/seed<N>` (a normal `experiments/train.py` run directory,
-asynchronous when the arm's config asks for it). A finished run is not trained again and
-an interrupted one resumes from its checkpoint, so rerunning the command completes a
-sweep (a run directory trained with another config, the loop's cadence aside, or for more
-iterations, is an error, not a finished run). The workdir then holds `summary.json` (per
-arm and seed: held-out pass@1 at the start and the end, the last iterations' training
-metrics, wall time, and the config fields in which the arm differs from the first arm),
-`summary.md` (the table) and `curves.png`. Every arm gets the same number of policy
-iterations: a critic's value pretraining comes on top.
+Each run goes to `workdir/<arm>/seed<N>` (`start<K>_seed<N>` from the K-th of several SFT
+starts, `run_name`; a normal `experiments/train.py` run directory, asynchronous when the
+arm's config asks for it). A run counts as finished only when its logs reach the last
+iteration (and its final evaluation); any other resumes from its checkpoint, so rerunning
+the command completes a sweep (a run directory trained with another config, the loop's
+cadence aside, or for more iterations, is an error). The workdir then holds `summary.json`
+(per arm and run: held-out pass@1 at the start and the end, the last iterations' training
+metrics, wall time, the learning rate and budget, and the config fields in which the arm
+differs from the first arm), `summary.md` (the table) and `curves.png`. Every arm gets the
+same number of policy iterations: a critic's value pretraining comes on top.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import math
 import os
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from absl import app, flags
 
@@ -50,6 +51,37 @@ TAIL_METRICS = (
     "async/staleness_mean",
 )
 DONE_FILE = "ablation_run.json"
+#: The fields that make a run's learning rate and budget (``regime_of``): a verdict over
+#: runs that differ in one compares settings, not methods (`experiments/reproduce.py`).
+REGIME_FIELDS = (
+    "optim.lr",
+    "train.num_iterations",
+    "batch.n_prompts",
+    "batch.group_size",
+    "batch.n_minibatches",
+    "batch.epochs",
+    "sampling.max_new_tokens",
+)
+
+
+def run_name(start: int, seed: int) -> str:
+    """A run's directory under its arm: ``seed<N>`` from SFT start 0 (the layout of a
+    single-start sweep, whose runs so resume), ``start<K>_seed<N>`` from start K >= 1."""
+    return f"seed{seed}" if start == 0 else f"start{start}_seed{seed}"
+
+
+def regime_of(config) -> dict:
+    """``{field: value}`` of ``REGIME_FIELDS``; ``train.num_iterations`` counts the policy's
+    iterations (a critic's reward-model and value-pretraining iterations come on top)."""
+    out = {}
+    for path in REGIME_FIELDS:
+        section, name = path.split(".")
+        out[path] = config[section][name]
+    if config.algo.advantage == "gae":
+        out["train.num_iterations"] -= (
+            config.critic.reward_model_iterations + config.critic.pretrain_iterations
+        )
+    return out
 
 
 def arm_config(
@@ -133,10 +165,13 @@ def config_diff(base, other) -> dict:
 
 def _finished(run_dir: str, config) -> dict | None:
     """The run's DONE_FILE record if it finished ``config.train.num_iterations``, else None
-    (train it: a run with fewer iterations resumes). Raises a ValueError when the run
-    directory holds a run of another config (its ``config.json``; the ``train`` section,
-    iterations, logging and checkpoint cadence, aside): it would be summarised, or resumed,
-    as this arm's."""
+    (train it: a run with fewer iterations resumes). Finished means the record says so and
+    the logs agree: ``metrics.jsonl`` reaches the last iteration and, when the run
+    evaluates, ``eval.jsonl`` holds the final evaluation; a record over shorter logs is a
+    partial run, resumed, never summarised. Raises a ValueError when the run directory
+    holds a run of another config (its ``config.json``; the ``train`` section, iterations,
+    logging and checkpoint cadence, aside): it would be summarised, or resumed, as this
+    arm's."""
     logged_path = os.path.join(run_dir, "config.json")
     if os.path.exists(logged_path):
         diff = {
@@ -155,20 +190,50 @@ def _finished(run_dir: str, config) -> dict | None:
     if os.path.exists(path):
         with open(path) as f:
             done = json.load(f)
-    trained = max(done["iterations"] if done else 0, _last_step(run_dir))
+    logged = _last_step(run_dir)
+    trained = max(done["iterations"] if done else 0, logged)
     if trained > wanted:
         raise ValueError(
             f"{run_dir} was trained for {trained} iterations, more than this sweep's "
             f"{wanted}: its summary would describe the longer run; use another "
             "--workdir, or as many iterations"
         )
-    return done if done and done.get("iterations") == wanted else None
+    if not done or done.get("iterations") != wanted or logged != wanted:
+        return None
+    if config.eval.num_prompts > 0 and _last_step(run_dir, "eval.jsonl") != wanted:
+        return None  # stopped before its final evaluation: resuming evaluates it
+    return done
 
 
-def _last_step(run_dir: str) -> int:
-    """The last iteration a run directory's metrics.jsonl records (0 if none)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
+def _last_step(run_dir: str, name: str = "metrics.jsonl") -> int:
+    """The last iteration a run directory's ``name`` (metrics.jsonl, eval.jsonl) records
+    (0 if none)."""
+    path = os.path.join(run_dir, name)
     return max((int(r["step"]) for r in read_jsonl(path)), default=0) if os.path.exists(path) else 0
+
+
+def _train(config, run_dir: str, what: str, quiet: bool) -> dict:
+    """Trains (or resumes) one run to ``config.train.num_iterations`` and writes its
+    DONE_FILE record; a run that stops before (a signal, or a trainer returning early) is
+    an exit that asks for a rerun, and gets no record."""
+    if not quiet:
+        print(f"== {what} -> {run_dir}", flush=True)
+    record = os.path.join(run_dir, DONE_FILE)
+    if os.path.exists(record):  # an earlier, shorter run's: this one is not finished yet
+        os.remove(record)
+    train = run_async_rl if async_enabled(config) else run_rl
+    start = time.perf_counter()
+    summary = train(config, run_dir, quiet=quiet)
+    wanted = config.train.num_iterations
+    if summary.get("interrupted") or summary["iteration"] != wanted:
+        how = f"interrupted ({summary['interrupted']})" if summary.get("interrupted") else "stopped"
+        raise SystemExit(
+            f"{what}: {how} at iteration {summary['iteration']} of {wanted}; rerun to resume"
+        )
+    done = {"iterations": wanted, "wall_s": time.perf_counter() - start}
+    with open(record, "w") as f:
+        json.dump(done, f)
+    return done
 
 
 def summarise_run(run_dir: str, tail: int) -> dict:
@@ -205,6 +270,7 @@ def run_ablation(
     seeds: Sequence[int] = (0,),
     variant: str = "",
     setting: Callable | None = None,
+    starts: Mapping[int, Callable] | None = None,
     tail: int = 5,
     arms: Sequence[str] | None = None,
     plot: bool = True,
@@ -216,9 +282,11 @@ def run_ablation(
     Args:
       ablation: from ``configs.ablations``.
       workdir: the sweep's directory.
-      seeds: one run per arm and seed.
+      seeds: one run per arm and seed (and start).
       variant: appended to every arm's variant (model, init checkpoint, iterations, ...).
       setting: ``config -> config`` applied under the variants (see ``arm_config``).
+      starts: in place of ``setting``, one per SFT start: ``{start: config -> config}``;
+        every arm and seed then runs from each start (``run_name``).
       tail: iterations averaged for the training metrics.
       arms: labels of the arms to run (default all).
       plot: write ``curves.png``.
@@ -227,7 +295,9 @@ def run_ablation(
       quiet: no per-iteration console line.
 
     Returns:
-      The summary (also in ``workdir/summary.json``).
+      The summary (also in ``workdir/summary.json``): per arm, its ``runs`` (each with
+      ``start``, ``seed``, ``run_dir``, ``regime`` and ``summarise_run``'s figures) and the
+      figures' mean and std over them.
     """
     selected = [a for a in ablation.arms if arms is None or a.label in arms]
     if not selected:
@@ -235,64 +305,58 @@ def run_ablation(
             f"none of arms={list(arms)} is an arm of {ablation.name!r}: "
             f"{[a.label for a in ablation.arms]}"
         )
+    if starts is not None and setting is not None:
+        raise ValueError("run_ablation: give a setting or the starts' settings, not both")
+    plan = dict(starts) if starts is not None else {0: setting}
     os.makedirs(workdir, exist_ok=True)
     reference = None
     results = []
     for arm in selected:
-        per_seed, first = [], None
-        for seed in seeds:
-            config = arm_config(ablation, arm.label, seed, variant, setting)
-            if configure is not None:
-                config = configure(config)
-            first = config if first is None else first
-            reference = config if reference is None else reference
-            run_dir = os.path.join(workdir, arm.label, f"seed{seed}")
-            done = _finished(run_dir, config)
-            if done is None:
-                if not quiet:
-                    print(f"== {ablation.name}: {arm.label}, seed {seed} -> {run_dir}", flush=True)
-                train = run_async_rl if async_enabled(config) else run_rl
-                start = time.perf_counter()
-                summary = train(config, run_dir, quiet=quiet)
-                if summary.get("interrupted"):  # checkpointed, not finished: stop the sweep
-                    raise SystemExit(
-                        f"{ablation.name}: {arm.label}, seed {seed} interrupted "
-                        f"({summary['interrupted']}); rerun to resume"
-                    )
-                done = {
-                    "iterations": config.train.num_iterations,
-                    "wall_s": time.perf_counter() - start,
-                }
-                with open(os.path.join(run_dir, DONE_FILE), "w") as f:
-                    json.dump(done, f)
-            # wall_s: the attempt that finished the run (a resumed run's last attempt).
-            per_seed.append(
-                {
-                    "seed": seed,
-                    "run_dir": run_dir,
-                    "wall_s": done["wall_s"],
-                    **summarise_run(run_dir, tail),
-                }
-            )
+        runs, first = [], None
+        for start, start_setting in plan.items():
+            for seed in seeds:
+                config = arm_config(ablation, arm.label, seed, variant, start_setting)
+                if configure is not None:
+                    config = configure(config)
+                first = config if first is None else first
+                reference = config if reference is None else reference
+                name = run_name(start, seed)
+                run_dir = os.path.join(workdir, arm.label, name)
+                done = _finished(run_dir, config)
+                if done is None:
+                    done = _train(config, run_dir, f"{ablation.name}: {arm.label}, {name}", quiet)
+                # wall_s: the attempt that finished the run (a resumed run's last attempt).
+                runs.append(
+                    {
+                        "start": start,
+                        "seed": seed,
+                        "run_dir": run_dir,
+                        "wall_s": done["wall_s"],
+                        "regime": regime_of(config),
+                        **summarise_run(run_dir, tail),
+                    }
+                )
         entry = {
             "arm": arm.label,
             "recipe": arm.recipe,
             "variant": arm.variant,
-            "differs_from_first_arm": config_diff(reference, first),  # at seeds[0]
-            "seeds": per_seed,
+            "differs_from_first_arm": config_diff(reference, first),  # at the first run
+            "runs": runs,
         }
         for key in ("pass@1_start", "pass@1_end", *TAIL_METRICS):
-            values = [s[key] for s in per_seed if key in s]
+            values = [r[key] for r in runs if key in r]
             if values:
                 entry[key] = dict(zip(("mean", "std"), _mean_std(values)))
         results.append(entry)
+    named = [getattr(fn, "__name__", None) for fn in plan.values() if fn is not None]
     summary = {
         "ablation": ablation.name,
         "claim": ablation.claim,
+        "starts": list(plan),
         "seeds": list(seeds),
         "ablation_variant": ablation.variant,
         "variant": variant,
-        "setting": getattr(setting, "__name__", None),
+        "setting": named[0] if named else None,
         "tail": tail,
         "arms": results,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -302,31 +366,33 @@ def run_ablation(
     with open(os.path.join(workdir, "summary.md"), "w") as f:
         f.write(format_table(summary))
     if plot:
-        runs = [s["run_dir"] for entry in results for s in entry["seeds"]]
-        labels = [f"{entry['arm']}/seed{s['seed']}" for entry in results for s in entry["seeds"]]
-        groups = [entry["arm"] for entry in results for _ in entry["seeds"]]
+        every = [(entry["arm"], r) for entry in results for r in entry["runs"]]
         summary["curves"] = plot_runs(
-            runs, os.path.join(workdir, "curves.png"), labels=labels, groups=groups
+            [r["run_dir"] for _, r in every],
+            os.path.join(workdir, "curves.png"),
+            labels=[f"{arm}/{run_name(r['start'], r['seed'])}" for arm, r in every],
+            groups=[arm for arm, _ in every],
         )
     return summary
 
 
 def format_table(summary: dict) -> str:
-    """The summary as a Markdown table (means over seeds, +- the std when several)."""
+    """The summary as a Markdown table (means over runs, +- the std when several)."""
 
     def cell(entry, key, digits=3):
         stat = entry.get(key)
         if stat is None:
             return ""
         text = f"{stat['mean']:.{digits}f}"
-        return text + (f" ± {stat['std']:.{digits}f}" if len(summary["seeds"]) > 1 else "")
+        return text + (f" ± {stat['std']:.{digits}f}" if len(entry["runs"]) > 1 else "")
 
     lines = [
         f"# Ablation `{summary['ablation']}`",
         "",
         summary["claim"],
         "",
-        f"Seeds {summary['seeds']}; every arm `{summary['ablation_variant'] or '(recipe)'}`; "
+        f"SFT starts {summary['starts']} x seeds {summary['seeds']}; "
+        f"every arm `{summary['ablation_variant'] or '(recipe)'}`; "
         f"setting `{summary['setting'] or '(none)'}`; "
         f"common variant `{summary['variant'] or '(none)'}`; "
         f"training metrics are means over the last {summary['tail']} iterations.",
@@ -336,7 +402,7 @@ def format_table(summary: dict) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for entry in summary["arms"]:
-        wall = statistics.fmean(s["wall_s"] for s in entry["seeds"])
+        wall = statistics.fmean(r["wall_s"] for r in entry["runs"])
         lines.append(
             f"| {entry['arm']} | {entry['recipe']} | `{entry['variant'] or '-'}` | "
             f"{cell(entry, 'pass@1_start')} | {cell(entry, 'pass@1_end')} | "

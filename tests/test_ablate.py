@@ -231,6 +231,16 @@ def test_a_run_directory_of_another_config_is_refused(tmp_path):
     (run_dir / ablate.DONE_FILE).write_text(
         json.dumps({"iterations": config.train.num_iterations, "wall_s": 1.0})
     )
+    # The logs of a finished run: every iteration, and the final evaluation.
+    last = config.train.num_iterations
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": step, "reward/mean": 0.5}) + "\n" for step in range(1, last + 1)
+        )
+    )
+    (run_dir / "eval.jsonl").write_text(
+        "".join(json.dumps({"step": step, "eval/pass@1": 0.5}) + "\n" for step in (0, last))
+    )
     assert ablate._finished(str(run_dir), config)["wall_s"] == 1.0
     assert (
         ablate._finished(
@@ -302,7 +312,7 @@ def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypa
         "algo.tau_pos": [1.0, 1.05],
     }
     for entry in summary["arms"]:
-        run = entry["seeds"][0]
+        (run,) = entry["runs"]
         run_dir = os.path.join(workdir, entry["arm"], "seed0")
         assert run["run_dir"] == run_dir and run["iterations"] == 2
         with open(os.path.join(run_dir, "config.json")) as f:
@@ -316,7 +326,16 @@ def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypa
             run["pass@1_start"] == evals[0]["eval/pass@1"]
             and run["pass@1_end"] == evals[-1]["eval/pass@1"]
         )
-        assert run["eval_steps"] == [0, 2]
+        assert run["eval_steps"] == [0, 2] and (run["start"], run["seed"]) == (0, 0)
+        assert run["regime"] == {  # tests.test_rl_trainer.tiny's
+            "optim.lr": 0.01,
+            "train.num_iterations": 2,
+            "batch.n_prompts": 2,
+            "batch.group_size": 4,
+            "batch.n_minibatches": 1,
+            "batch.epochs": 1,
+            "sampling.max_new_tokens": 6,
+        }
         train_rows = [r for r in rows if "reward/mean" in r]
         assert [r["step"] for r in train_rows] == [1, 2]
         assert run["reward/mean"] == pytest.approx(np.mean([r["reward/mean"] for r in train_rows]))
@@ -334,8 +353,8 @@ def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypa
     again = ablate.run_ablation(
         ablation, workdir, seeds=(0,), configure=_shrink, tail=2, plot=False
     )
-    assert [a["seeds"][0]["pass@1_end"] for a in again["arms"]] == [
-        a["seeds"][0]["pass@1_end"] for a in summary["arms"]
+    assert [a["runs"][0]["pass@1_end"] for a in again["arms"]] == [
+        a["runs"][0]["pass@1_end"] for a in summary["arms"]
     ]
     with pytest.raises(ValueError, match="none of arms"):
         ablate.run_ablation(ablation, workdir, arms=["typo"], configure=_shrink)
@@ -363,3 +382,66 @@ def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypa
     rebuilt.unlock()
     rebuilt.task.num_test, rebuilt.sampling.max_new_tokens = 16, rebuilt.sampling.max_new_tokens - 1
     assert evaluate_checkpoint(rebuilt, run_dir)["step"] == 2
+
+
+def test_a_partial_run_is_resumed_never_counted(tmp_path, monkeypatch):
+    """A sweep stopped mid-arm (here the second SFT start's run, whose trainer returns after
+    1 of its 2 iterations without naming a signal) exits without a finished record; a
+    record over shorter logs is not trusted; the rerun resumes that run alone and trains
+    its missing iteration."""
+    ablation = Ablation("tiny", "one arm", (Arm("only", "sapo"),))
+    workdir = tmp_path / "sweep"
+    real_run_rl = ablate.run_rl
+    trained = []
+
+    def stops_early(config, run_dir, **kwargs):
+        trained.append(os.path.basename(run_dir))
+        if os.path.basename(run_dir) == "start1_seed0":
+            return real_run_rl(config, run_dir, num_iterations=1, **kwargs)
+        return real_run_rl(config, run_dir, **kwargs)
+
+    monkeypatch.setattr(ablate, "run_rl", stops_early)
+    sweep = dict(seeds=(0,), starts={0: None, 1: None}, configure=_shrink, plot=False)
+    with pytest.raises(SystemExit, match=r"only, start1_seed0: stopped at iteration 1 of 2"):
+        ablate.run_ablation(ablation, str(workdir), **sweep)
+    assert trained == ["seed0", "start1_seed0"]
+    partial = workdir / "only" / "start1_seed0"
+    assert (workdir / "only" / "seed0" / ablate.DONE_FILE).exists()
+    assert not (partial / ablate.DONE_FILE).exists() and not (workdir / "summary.json").exists()
+    assert [r["step"] for r in read_jsonl(partial / "metrics.jsonl") if "reward/mean" in r] == [1]
+    # A finished record over a run whose logs stop at iteration 1 is a partial run.
+    config = _shrink(ablate.arm_config(ablation, "only", 0))
+    (partial / ablate.DONE_FILE).write_text(json.dumps({"iterations": 2, "wall_s": 1.0}))
+    assert ablate._finished(str(partial), config) is None
+
+    trained.clear()
+    monkeypatch.setattr(
+        ablate, "run_rl", lambda *a, **k: trained.append(a[1]) or real_run_rl(*a, **k)
+    )
+    summary = ablate.run_ablation(ablation, str(workdir), **sweep)
+    assert trained == [str(partial)]  # the finished start-0 run is not trained again
+    assert summary["starts"] == [0, 1]
+    runs = summary["arms"][0]["runs"]
+    assert [(r["start"], r["seed"], r["iterations"]) for r in runs] == [(0, 0, 2), (1, 0, 2)]
+    rows = [r["step"] for r in read_jsonl(partial / "metrics.jsonl") if "reward/mean" in r]
+    assert rows == [1, 2] and runs[1]["eval_steps"] == [0, 2]
+    assert ablate._finished(str(partial), config)["iterations"] == 2
+    # Its evaluation at the last iteration lost: not finished either.
+    evals = read_jsonl(partial / "eval.jsonl")
+    (partial / "eval.jsonl").write_text(json.dumps(evals[0]) + "\n")
+    assert ablate._finished(str(partial), config) is None
+
+
+def test_run_names_and_the_regime_of_a_critic_arm():
+    assert [ablate.run_name(k, n) for k, n in ((0, 0), (0, 3), (1, 0), (2, 4))] == [
+        "seed0",
+        "seed3",
+        "start1_seed0",
+        "start2_seed4",
+    ]
+    # VC-PPO's critic iterations (5 of value pretraining) come on top of the policy's.
+    config = ablate.arm_config(get_ablation("vc_ppo"), "vc_ppo", 0, "train.num_iterations=20")
+    assert config.train.num_iterations == 25
+    assert ablate.regime_of(config)["train.num_iterations"] == 20
+    with pytest.raises(ValueError, match="not both"):
+        ablate.run_ablation(get_ablation("vc_ppo"), "unused", setting=demo_setting, starts={})

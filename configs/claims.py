@@ -1,0 +1,316 @@
+"""The papers' claims that `experiments/reproduce.py` tests: each names the ablation that
+tests it (`configs/ablations.py`), its setting, the regime it is judged at (learning rate,
+budget), the SFT starts and seeds, and its checks. docs/claims.md describes each claim and
+the verdict rule (`experiments/verdicts.py`); the budgets cite benchmarks/HISTORY.md by date.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import Callable, Sequence
+
+from configs import base
+from configs.ablations import ABLATIONS, Ablation, Arm
+
+#: The routing-volatility measurement: one update (one iteration, one minibatch: the
+#: claim's regime) of the testbed's own recipe (SAPO; at the first update r = 1 and every
+#: objective gives the same policy gradient) from its SFT start, without evaluation.
+ONE_UPDATE = Ablation(
+    "routing_volatility",
+    "GSPO (2507.18071 §5.3): on Qwen3-30B-A3B about 10% of the experts activated for the "
+    "same rollout change after one gradient update; the testbed's target is >= 5%.",
+    (Arm("one_update", "testbed"),),
+    "train.routing_metrics=True,eval.num_prompts=0",
+)
+
+#: What a claim's regime must fix, so that no two of its runs differ in them.
+REGIME_REQUIRED = ("optim.lr", "train.num_iterations")
+CHECK_KINDS = ("diff", "gain", "value", "log10_ratio")
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One measured comparison of a claim, a quantity per (SFT start, seed) pair.
+
+    ``kind``: "diff" (arm ``a`` minus arm ``b``, same pair, of ``metric``), "gain" (arm
+    ``a``'s pass@1 at the end minus at the start), "value" (arm ``a``'s ``metric``) or
+    "log10_ratio" (log10 of arm ``a``'s ``metric`` over arm ``b``'s, same pair). Supported
+    when the quantity lies above ``threshold``; with a ``margin``, a "no harm" check,
+    equivalent when within threshold -+ margin (`experiments.verdicts.judge`).
+    """
+
+    text: str
+    kind: str
+    a: str
+    b: str | None = None
+    metric: str = "pass@1_end"
+    threshold: float = 0.0
+    margin: float | None = None
+
+    def __post_init__(self):
+        if self.kind not in CHECK_KINDS:
+            raise ValueError(
+                f"Check.kind must be one of {', '.join(CHECK_KINDS)}, got {self.kind!r}"
+            )
+        if (self.b is None) != (self.kind in ("gain", "value")):
+            raise ValueError(f"a {self.kind!r} check takes {'no' if self.b else 'a'} second arm b")
+        if self.margin is not None and not self.margin > 0:
+            raise ValueError(f"Check.margin must be > 0 (or None), got {self.margin}")
+
+    def arms(self) -> tuple[str, ...]:
+        return (self.a,) if self.b is None else (self.a, self.b)
+
+    def value(self, runs: Sequence[dict]) -> float:
+        """The quantity from the runs of ``arms()`` at one pair (NaN when one lacks it)."""
+        if self.kind == "gain":
+            keys = ("pass@1_end", "pass@1_start")
+            return (
+                runs[0][keys[0]] - runs[0][keys[1]] if all(k in runs[0] for k in keys) else math.nan
+            )
+        if any(self.metric not in r for r in runs):
+            return math.nan
+        if self.kind == "value":
+            return runs[0][self.metric]
+        if self.kind == "diff":
+            return runs[0][self.metric] - runs[1][self.metric]
+        a, b = runs[0][self.metric], runs[1][self.metric]
+        return math.log10(a / b) if a > 0 and b > 0 else math.nan
+
+    def values(
+        self, per_arm: dict[str, dict[tuple[int, int], dict]], pairs: Sequence[tuple[int, int]]
+    ) -> tuple[list[float], list[int], int]:
+        """The quantity over the (start, seed) ``pairs`` where it is finite, the start of each
+        value, and how many pairs have none (an arm not run there, a metric not logged, or a
+        value that is not finite, e.g. the log ratio of a zero clip fraction)."""
+        values, starts, missing = [], [], 0
+        for start, seed in pairs:
+            runs = [per_arm.get(arm, {}).get((start, seed)) for arm in self.arms()]
+            value = math.nan if any(r is None for r in runs) else self.value(runs)
+            if math.isfinite(value):
+                values.append(value)
+                starts.append(start)
+            else:
+                missing += 1
+        return values, starts, missing
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A paper's claim: the ablation that tests it, where, in which regime, and its checks."""
+
+    name: str
+    source: str  # the paper and what it reports
+    ablation: Ablation
+    setting: str  # its own setting, a name of configs.ablations.SETTINGS
+    # A variant every arm gets after its own: the learning rate and budget the claim is
+    # judged at (at least REGIME_REQUIRED; minibatches, epochs, ... where the claim needs).
+    regime: str
+    checks: tuple[Check, ...]
+    arms: tuple[str, ...] | None = None  # the ablation's arms run (None: all)
+    other_settings: tuple[str, ...] = ()  # where else it may run (its own directory)
+    starts: tuple[int, ...] = (0, 1)  # SFT starts (>= 2; --starts)
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)  # RL seeds from each start (--seeds)
+    budget: str = ""  # measured or estimated wall time on the 2-core machine
+    headline: Callable[[dict], str] | None = None  # run_claim's result -> a last line
+
+    def __post_init__(self):
+        named = {item.split("=", 1)[0].strip() for item in base.split_variant(self.regime)}
+        missing = [field for field in REGIME_REQUIRED if field not in named]
+        if missing:
+            raise ValueError(
+                f"claim {self.name!r}: its regime must fix {', '.join(missing)}, "
+                f"got {self.regime!r}"
+            )
+        if len(set(self.starts)) < 2:
+            raise ValueError(f"claim {self.name!r}: >= 2 SFT starts, got {self.starts}")
+        for check in self.checks:
+            stray = [arm for arm in check.arms() if arm not in self.arm_labels()]
+            if stray:
+                raise ValueError(
+                    f"claim {self.name!r}: check {check.text!r} names arm {stray[0]!r}, not "
+                    f"one of {', '.join(self.arm_labels())}"
+                )
+
+    def arm_labels(self) -> tuple[str, ...]:
+        return self.arms or tuple(a.label for a in self.ablation.arms)
+
+    def settings(self) -> tuple[str, ...]:
+        return (self.setting, *self.other_settings)
+
+
+def _volatility_line(result: dict) -> str:
+    values = result["checks"][0].get("values") or [math.nan]
+    return f"routing volatility after one update: {statistics.fmean(values):.4f}"
+
+
+CLAIMS: dict[str, Claim] = {
+    c.name: c
+    for c in (
+        Claim(
+            name="routing_volatility",
+            source="GSPO (2507.18071 §5.3): ~10% of the experts activated for the same "
+            "rollout change after one gradient update (Qwen3-30B-A3B, 48 layers x 128 "
+            "experts, top-8).",
+            ablation=ONE_UPDATE,
+            setting="testbed",
+            regime="optim.lr=5e-3,train.num_iterations=1,batch.n_minibatches=1",
+            checks=(
+                Check(
+                    "routing volatility after one update >= 0.05 (the paper's regime)",
+                    "value",
+                    "one_update",
+                    metric="routing/volatility",
+                    threshold=0.05,
+                ),
+            ),
+            budget="measured 2026-12-02 under load (8 jobs on 2 cores): each SFT start 18 "
+            "min once (7.5 min at load 3-11; ~2 min idle, 2026-12-04), then 4 min for the "
+            "first seed (compilation), 7 s per further seed",
+            headline=_volatility_line,
+        ),
+        Claim(
+            name="routing_replay",
+            source="GSPO (2507.18071): on an MoE policy GRPO without routing replay fails to "
+            "converge; R2 (GSPO) and R3 (2510.11370) restore it; GSPO converges without "
+            "replay; GSPO's clip acts on two orders of magnitude more tokens than GRPO's "
+            "and still learns more efficiently.",
+            ablation=ABLATIONS["routing_replay"],
+            setting="testbed",
+            regime="optim.lr=1e-3,train.num_iterations=20",
+            checks=(
+                Check("GRPO with R2 ends above GRPO without replay", "diff", "grpo_R2", "grpo"),
+                Check("GRPO with R3 ends above GRPO without replay", "diff", "grpo_R3", "grpo"),
+                Check("GSPO without replay learns (pass@1 end - start > 0)", "gain", "gspo"),
+                Check("GSPO without replay ends above GRPO without replay", "diff", "gspo", "grpo"),
+                Check(
+                    "GSPO clips >= 10^1.5 x GRPO's fraction (paper: ~10^2)",
+                    "log10_ratio",
+                    "gspo",
+                    "grpo",
+                    metric="loss/clip_frac",
+                    threshold=1.5,
+                ),
+            ),
+            budget="measured idle 2026-12-04: 4 arms x 3 seeds in ~3 min after the SFT start "
+            "(~2 min once per start; 9-16 s per arm and seed); so ~12 min at 2 starts x 5 "
+            "seeds (estimate); under load (2026-12-02) 1-2.5 min per arm and seed at load "
+            "~2-5",
+        ),
+        Claim(
+            name="sapo_tau",
+            source="SAPO (2511.20347): tau_neg > tau_pos is the most stable choice, equal "
+            "temperatures in between, tau_neg < tau_pos the least.",
+            ablation=ABLATIONS["sapo_tau"],
+            setting="testbed",
+            regime="optim.lr=1e-3,train.num_iterations=20",
+            checks=(
+                Check(
+                    "tau_neg > tau_pos ends above equal temperatures", "diff", "neg_gt_pos", "equal"
+                ),
+                Check(
+                    "equal temperatures end above tau_neg < tau_pos", "diff", "equal", "neg_lt_pos"
+                ),
+            ),
+            budget="measured idle 2026-12-04: 3 arms x 3 seeds in ~3 min after the SFT start; "
+            "so ~10 min at 2 starts x 5 seeds (estimate); under load 11-14 (2026-12-02) 8.4 "
+            "min at one seed",
+        ),
+        Claim(
+            name="sapo_stability",
+            source="SAPO (2511.20347): SAPO is more stable than GRPO and GSPO at the same step "
+            "size (each with its paper's method settings, 4 updates per batch).",
+            ablation=ABLATIONS["objectives"],
+            setting="testbed",
+            regime="optim.lr=1e-3,train.num_iterations=20",
+            checks=(
+                Check("SAPO ends above GRPO", "diff", "sapo", "grpo"),
+                Check("SAPO ends above GSPO", "diff", "sapo", "gspo"),
+            ),
+            arms=("grpo", "gspo", "sapo"),
+            budget="measured idle 2026-12-04: 3 arms x 3 seeds in ~3 min after the SFT start; "
+            "so ~10 min at 2 starts x 5 seeds (estimate); under load 12-13 (2026-12-02) 12 "
+            "min at one seed",
+        ),
+        Claim(
+            name="vc_ppo",
+            source="VC-PPO (2503.01491): value pretraining removes PPO's early collapse on "
+            "long responses; lambda_actor 1.0 is worse than 0.95.",
+            ablation=ABLATIONS["vc_ppo"],
+            setting="testbed_long",
+            regime="optim.lr=1e-4,train.num_iterations=20",
+            checks=(
+                Check(
+                    "PPO with value pretraining ends above plain PPO",
+                    "diff",
+                    "ppo_pretrained",
+                    "ppo",
+                ),
+                Check(
+                    "VC-PPO (lambda_actor 0.95) ends above lambda_actor 1.0",
+                    "diff",
+                    "vc_ppo",
+                    "vc_ppo_lambda_1",
+                ),
+            ),
+            other_settings=("testbed_long32",),
+            budget="measured idle 2026-12-04: 4 arms x 20 policy iterations (+10 of the "
+            "critic as a reward model, +5 of value pretraining in 3 arms), 207-268 s per arm "
+            "and seed, ~45 min at 3 seeds, so ~2.7 h at 2 starts x 5 seeds (estimate); "
+            "each check apart (--arms ppo,ppo_pretrained or --arms vc_ppo,vc_ppo_lambda_1) "
+            "half of that; each SFT start (1000 steps, once) 28 min; --setting "
+            "testbed_long32: 45 min at one seed (2026-12-03)",
+        ),
+        Claim(
+            name="vapo_length_adaptive",
+            source="VAPO (2504.05118): the length-adaptive lambda_policy = 1 - 1/(alpha |y|) "
+            "beats a fixed lambda when response lengths vary widely.",
+            ablation=ABLATIONS["vapo"],
+            setting="testbed_long",
+            regime="optim.lr=1e-4,train.num_iterations=20",
+            checks=(
+                Check(
+                    "length-adaptive lambda ends above a fixed 0.95",
+                    "diff",
+                    "vapo",
+                    "no_length_adaptive",
+                ),
+            ),
+            arms=("vapo", "no_length_adaptive"),
+            other_settings=("testbed_long32",),
+            budget="measured idle 2026-12-04: 2 arms x 20 policy iterations (+10 of the "
+            "critic as a reward model, +5 of value pretraining), 198-258 s per arm and "
+            "seed, 23 min at 3 seeds, so ~75 min at 2 starts x 5 seeds (estimate); each "
+            "SFT start (vc_ppo's) once on top",
+        ),
+        Claim(
+            name="magistral_async",
+            source="Magistral (2506.10910): asynchronous generation with in-flight weight "
+            "updates and no off-policy correction keeps learning at Magistral's step sizes.",
+            ablation=ABLATIONS["magistral_async"],
+            setting="testbed",
+            regime="optim.lr=1e-3,train.num_iterations=20",
+            checks=(
+                Check("asynchronous Magistral learns (pass@1 end - start > 0)", "gain", "async"),
+                Check(
+                    "asynchronous Magistral ends within 0.05 of the synchronous loop "
+                    "(no harm: equivalent within the margin)",
+                    "diff",
+                    "async",
+                    "sync",
+                    margin=0.05,
+                ),
+            ),
+            arms=("sync", "async"),
+            budget="measured under load 9-12 (2026-12-02): 2 arms x 3 seeds 15.5 min after "
+            "the SFT start, so ~50 min at 2 starts x 5 seeds (estimate)",
+        ),
+    )
+}
+
+
+def get_claim(name: str) -> Claim:
+    if name not in CLAIMS:
+        raise ValueError(f"unknown claim {name!r}; known: {', '.join(CLAIMS)}")
+    return CLAIMS[name]
