@@ -176,7 +176,8 @@ def test_a_budget_below_one_group_is_refused():
 def test_run_async_rl_on_the_paged_engine_trains(tmp_path):
     config = tiny(
         f"dynamic_sampling.enabled=False,train.num_iterations=2,train.checkpoint_every=2,"
-        f"sampling.engine_kv_tokens={2 * ONE_GROUP},sampling.engine_page_size={PAGE}"
+        f"sampling.engine_kv_tokens={2 * ONE_GROUP},sampling.engine_page_size={PAGE},"
+        f"batch.prompt_buckets=({PROMPT_WIDTH},)"
     )
     compiled = admit_rows._cache_size()
     summary = run_async_rl(config, str(tmp_path), quiet=True)
