@@ -376,8 +376,7 @@ def engine_run(tmp_path_factory):
 
     extra = (
         "sampling.engine_kv_tokens=256,sampling.engine_rows=4,sampling.engine_page_size=4,"
-        "algo.routing_replay=R3,train.num_iterations=1,eval.num_prompts=0,"
-        "batch.prompt_buckets=(16,)"
+        "algo.routing_replay=R3,train.num_iterations=1,eval.num_prompts=0"
     )
     run = trainer.build_run(tiny("grpo", extra=extra), str(tmp_path_factory.mktemp("engine")))
     old_params = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))(run.state.params)
@@ -459,12 +458,10 @@ def test_engine_config_errors(extra, message):
     from tests.test_rl_trainer import tiny
 
     with pytest.raises(ValueError, match=message):
-        tiny("grpo", extra="batch.prompt_buckets=(16,)," + extra)
+        tiny("grpo", extra=extra)
     smallest = message.rsplit("=", 1)[-1].rstrip("$")
     if smallest.isdigit():
-        tiny(
-            "grpo", extra=f"batch.prompt_buckets=(16,),{extra},sampling.engine_kv_tokens={smallest}"
-        )
+        tiny("grpo", extra=f"{extra},sampling.engine_kv_tokens={smallest}")
 
 
 _SHARDED_SCRIPT = textwrap.dedent(r"""
