@@ -184,11 +184,13 @@ def make_prompt_iterator(config, records, *, seed: int):
     return iter(pipeline)
 
 
-def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
+def build_run(config, workdir: str, *, check_config: bool = True, owner: bool = True) -> RLRun:
     """Builds the mesh, model, learner, data and the initial state (placed on the mesh);
-    restores the latest checkpoint of ``workdir/checkpoints`` when there is one, onto the
-    same shardings (refusing one saved under another config unless ``check_config`` is
-    False: see ``restore``)."""
+    restores the latest readable checkpoint of ``workdir/checkpoints`` when there is one,
+    onto the same shardings (refusing one saved under another config unless
+    ``check_config`` is False: see ``restore``). ``owner``: the run will save there (its
+    ``Checkpointer``'s ``owner``: corrupt checkpoints skipped are moved aside); False for a
+    reader such as ``experiments/eval.py``."""
     os.makedirs(workdir, exist_ok=True)
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
@@ -223,7 +225,9 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
         decode_segments=s.decode_segments,
     )
     checkpointer = Checkpointer(
-        os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints
+        os.path.join(workdir, "checkpoints"),
+        max_to_keep=config.train.keep_checkpoints,
+        owner=owner,
     )
     engine = None
     if s.engine_kv_tokens > 0:
@@ -293,16 +297,21 @@ def save(run: RLRun, data_state=None) -> None:
 
 def restore(run: RLRun, step: int | None = None, *, check_config: bool = True) -> None:
     """Restores parameters, optimiser, counters, run key, iteration and data position (and
-    the critic's parameters, optimiser and counters); refuses a checkpoint saved under
+    the critic's parameters, optimiser and counters) from ``step`` (default: the latest
+    readable one, ``Checkpointer.restore``'s fallback); refuses a checkpoint saved under
     another config (``build.check_resume_config``) unless ``check_config`` is False
     (``experiments/eval.py``, which only reads the parameters)."""
-    if check_config:  # before the arrays: a changed shape would fail there, unnamed
-        meta = run.checkpointer.meta(step)
-        build.check_resume_config(meta.get("config"), run.config, run.checkpointer.directory)
-    build.check_checkpoint_shapes(
-        run.checkpointer, checkpoint_state(run), run.config, step=step, field="resume"
-    )
-    restored, meta = run.checkpointer.restore(checkpoint_state(run), step)
+    target = checkpoint_state(run)
+
+    def check(candidate: int, meta: dict) -> None:
+        # Before the arrays: a changed config or shape would fail there, unnamed.
+        if check_config:
+            build.check_resume_config(meta.get("config"), run.config, run.checkpointer.directory)
+        build.check_checkpoint_shapes(
+            run.checkpointer, target, run.config, step=candidate, field="resume"
+        )
+
+    restored, meta = run.checkpointer.restore(target, step, check=check)
     run.run_state = run.run_state.replace(
         policy=restored["train"],
         rng=restored["rng"],
