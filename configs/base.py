@@ -269,7 +269,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Both trainers (the async generator's rows are async_mode.num_slots, engine_rows
     # unused; its pool must hold one group of P + N tokens alone); on a mesh one engine
     # shard per device along the row axes (the budget and rows are per shard); records the
-    # routing for R3.
+    # routing for R3. The budget must admit one group of the longest prompt (its pages, a
+    # copy of its partly filled last page per other row, a page per row) and take one row
+    # to max_new_tokens: checked here, the error names the smallest budget that works.
     c.sampling.engine_kv_tokens = 0
     c.sampling.engine_rows = 0
     c.sampling.engine_page_size = 16
@@ -872,11 +874,7 @@ def check(config: ml_collections.ConfigDict) -> None:
                 f"config.sampling.engine_rows ({s.engine_rows}) must be a multiple "
                 f"of batch.group_size ({b.group_size}): rows are refilled by group"
             )
-        if s.engine_kv_tokens < 2 * s.engine_page_size:
-            raise ValueError(
-                f"config.sampling.engine_kv_tokens ({s.engine_kv_tokens}) must hold "
-                f"a prompt plus one page of {s.engine_page_size} tokens"
-            )
+        _check_engine_budget(config)
     r = config.reward
     for name in (
         "verifier_timeout_s",
@@ -991,6 +989,48 @@ def _library_choices() -> dict[str, tuple]:
         "algo.tis_level": losses.IS_LEVELS,
         "algo.rs_level": (None,) + losses.RS_LEVELS,
     }
+
+
+def _engine_pages(prompt_width: int, max_new: int, group: int, page_size: int, rows_to_end: int):
+    """Pages one engine shard needs for any prompt of 1..P tokens: to admit its group of G
+    rows, ceil(L / ps) + (G - 1) [L % ps > 0] + G (`policyopt.engine.group_pages`), and to
+    take `rows_to_end` of its rows to their ends alone, floor(L / ps) + rows_to_end
+    (ceil((L + N) / ps) - floor(L / ps)) (the full prompt pages are shared)."""
+    need = 0
+    for length in range(1, prompt_width + 1):
+        pages, shared = -(-length // page_size), length // page_size
+        admit = pages + (group - 1) * int(length % page_size > 0) + group
+        end = shared + rows_to_end * (-(-(length + max_new) // page_size) - shared)
+        need = max(need, admit, end)
+    return need
+
+
+def _check_engine_budget(config) -> None:
+    """`sampling.engine_kv_tokens` against the engine's need (`_engine_pages`) for the
+    longest prompt (the largest of `batch.prompt_buckets`, or `async_mode.prompt_width`):
+    a budget that cannot admit a group leaves the engine waiting for pages for ever. The
+    synchronous engine preempts rows down to one, which must reach its end; the
+    asynchronous one needs the whole group to reach its end alone."""
+    s, group, asynchronous = config.sampling, config.batch.group_size, config.async_mode.enabled
+    width = max(config.batch.prompt_buckets, default=1)  # empty: refused elsewhere
+    if asynchronous and config.async_mode.prompt_width:
+        width = max(1, config.async_mode.prompt_width)
+    rows_to_end = group if asynchronous else 1
+    need = _engine_pages(width, s.max_new_tokens, group, s.engine_page_size, rows_to_end)
+    if s.engine_kv_tokens // s.engine_page_size < need:
+        where = (
+            f"async_mode.prompt_width={width}"
+            if asynchronous and config.async_mode.prompt_width
+            else f"the largest of batch.prompt_buckets, {width}"
+        )
+        to_end = f"all {group} rows" if asynchronous else "one row"
+        raise ValueError(
+            f"config.sampling.engine_kv_tokens ({s.engine_kv_tokens}) is too small for "
+            f"batch.group_size={group}: admitting the group of a prompt of up to {width} "
+            f"tokens ({where}) and taking {to_end} to sampling.max_new_tokens="
+            f"{s.max_new_tokens} takes {need} pages of engine_page_size={s.engine_page_size}; "
+            f"the smallest budget that works is engine_kv_tokens={need * s.engine_page_size}"
+        )
 
 
 def _check_settings(config) -> None:

@@ -78,7 +78,8 @@ def evaluate_checkpoint(
         raise ValueError(
             "config.eval.num_prompts is 0 (the run did not evaluate): pass num_prompts"
         )
-    run = build_run(config, workdir, check_config=False)  # evaluation may change any setting
+    # Evaluation may change any setting, and leaves the run's directory as it is.
+    run = build_run(config, workdir, check_config=False, owner=False)
     if run.checkpointer.latest_step() is None:
         raise FileNotFoundError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
     if step is not None and step != run.iteration:

@@ -26,7 +26,11 @@ How a call runs (``Engine.generate``):
      depend on the prompt, sample and token index only); its shard admits no new group
      until one of its groups is handed out. With one group left, its last
      running row is preempted the same way and recomputed alone once pages are free;
-     only a single row that cannot reach its end in the whole pool raises.
+     only a single row that cannot reach its end in the whole pool raises. A prompt
+     whose group no pool could admit (``group_pages``) is refused before any call, and
+     a host loop that stops making progress raises, naming what it saw.
+  5. Stop. ``should_stop`` is polled before each decode call: ``GenerationStopped``
+     (a trainer's SIGINT / SIGTERM reaches a generation in progress this way).
 
 Greedy outputs equal ``policyopt.sampling.generate``'s for the same prompts. Sampled
 outputs follow another key schedule (per row, not per step), so they differ from it.
@@ -58,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from functools import partial
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +73,19 @@ from jax.sharding import PartitionSpec
 from policyopt import sharding
 from policyopt.models.paged import ATTENTION, PagedKVCache, pages_for
 from policyopt.sampling import Rollout, SamplingConfig, decode_step, next_logits
+
+
+def group_pages(prompt_length: int, group_size: int, page_size: int) -> int:
+    """Free pages a shard's pool needs to admit the G rows of one prompt of L tokens:
+    ceil(L / ps) + (G - 1) [L % ps > 0] + G (the prompt's pages, a copy of its partly filled
+    last page for each row but the first, one page per row to decode into)."""
+    partial = int(prompt_length % page_size > 0)
+    return pages_for(prompt_length, page_size) + (group_size - 1) * partial + group_size
+
+
+class GenerationStopped(Exception):
+    """``Engine.generate`` (or the asynchronous generator) stopped at the caller's request
+    (``should_stop``) before the rollout was complete; nothing of it is returned."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -552,10 +570,20 @@ class Engine:
         then runs S = ``row_shards(mesh)`` shards, one per device along the row axes, each
         with ``engine.rows`` rows and a pool of ``engine.kv_tokens`` slots on that device;
         the parameters stay as placed (see "Sharded model" in the module docstring).
+      should_stop: a function polled before each decode call (also settable as the
+        attribute); when it returns True, ``generate`` raises ``GenerationStopped``
+        (a trainer's SIGINT / SIGTERM: ``trainer.RunLoop``).
     """
 
     def __init__(
-        self, model, engine: EngineConfig, config: SamplingConfig, *, graphdef=None, mesh=None
+        self,
+        model,
+        engine: EngineConfig,
+        config: SamplingConfig,
+        *,
+        graphdef=None,
+        mesh=None,
+        should_stop: Callable[[], bool] | None = None,
     ):
         if engine.rows % config.num_samples:
             raise ValueError(
@@ -569,6 +597,7 @@ class Engine:
         if graphdef is not None:  # a trainer's (its params passed to generate)
             self.graphdef = graphdef
         self.stats: dict[str, int] = {}
+        self.should_stop = should_stop
 
     @classmethod
     def from_config(
@@ -619,12 +648,38 @@ class Engine:
           routing [L_moe, B * G, P + N, k] for an MoE model with capture_routing (None
           otherwise); num_steps the decode steps run (summed over calls).
         Raises:
-          ValueError: a prompt longer than the budget, or a budget smaller than the longest
-            prompt plus one page.
+          ValueError: a prompt longer than the budget, or a budget that cannot admit a
+            prompt's group (``group_pages``).
+          GenerationStopped: ``should_stop`` returned True.
+          RuntimeError: decode calls that made no progress (no token, no group handed
+            out), naming what the host loop saw; never expected past the check above.
         """
         with self._on_mesh():
             return self._generate(
                 prompts, prompt_lengths, rng, self.params if params is None else params
+            )
+
+    def _check_budget(self, lengths: np.ndarray) -> None:
+        """Refuses prompts whose group the pool could never admit (``group_pages``): the
+        host loop would wait for pages that never come."""
+        engine, group, ps = self.engine, self.config.num_samples, self.engine.page_size
+        budget = engine.num_pages * ps
+        too_long = np.flatnonzero(lengths > budget)
+        if too_long.size:
+            b = int(too_long[0])
+            raise ValueError(
+                f"prompt {b} has {lengths[b]} tokens, more than the KV budget "
+                f"EngineConfig.kv_tokens = {engine.kv_tokens} ({budget} slots in whole pages)"
+            )
+        needs = [group_pages(int(length), group, ps) for length in lengths]
+        b = int(np.argmax(needs))
+        if needs[b] > engine.num_pages:
+            raise ValueError(
+                f"EngineConfig.kv_tokens = {engine.kv_tokens} cannot admit the group of "
+                f"{group} rows of prompt {b} ({lengths[b]} tokens): that takes {needs[b]} free "
+                f"pages of {ps} slots (the prompt's, a copy of its partly filled last page for "
+                f"each other row, one page per row to decode into): needs kv_tokens >= "
+                f"{needs[b] * ps}"
             )
 
     def _generate(self, prompts, prompt_lengths, rng, params) -> Rollout:
@@ -637,22 +692,7 @@ class Engine:
                 f"prompt_lengths must be [B={batch}] in [1, P={prompt_len}], got "
                 f"shape {lengths.shape}, min {lengths.min()} max {lengths.max()}"
             )
-        budget = engine.num_pages * engine.page_size
-        too_long = np.flatnonzero(lengths > budget)
-        if too_long.size:
-            b = int(too_long[0])
-            raise ValueError(
-                f"prompt {b} has {lengths[b]} tokens, more than the KV budget "
-                f"EngineConfig.kv_tokens = {engine.kv_tokens} "
-                f"({budget} slots in whole pages)"
-            )
-        need = pages_for(int(lengths.max()), engine.page_size) + 1
-        if engine.num_pages < need:
-            raise ValueError(
-                f"EngineConfig.kv_tokens = {engine.kv_tokens} is smaller than the longest "
-                f"prompt ({lengths.max()} tokens) plus one page (page_size = "
-                f"{engine.page_size}): needs >= {need * engine.page_size}"
-            )
+        self._check_budget(lengths)
         group, num_new, ps = config.num_samples, config.max_new_tokens, engine.page_size
         rows_total = engine.rows * shards
         groups_per_shard = engine.rows // group
@@ -714,8 +754,18 @@ class Engine:
                 config=config,
             )
 
+        # No-progress guard: a pass that changes nothing (admits, decodes, hands out and
+        # preempts nothing) would repeat for ever; passes that make no token and hand out no
+        # group are bounded too (each preempts a group or a row, see the module docstring).
+        idle, idle_limit = 0, 2 * (groups_per_shard + group) + 2
         while queue or admitted:
+            if self.should_stop is not None and self.should_stop():
+                raise GenerationStopped(
+                    f"generation stopped on request with {len(queue)} of {batch} prompts "
+                    f"not yet admitted and {len(admitted)} groups running"
+                )
             num_free = np.asarray(state.cache.num_free).reshape(-1).copy()  # [S]
+            admit_calls = self.stats["admit_calls"]
             while True:  # up to A admissions per shard a call
                 admissions = {}
                 room = lambda shard: len(admissions.get(shard, ())) < width
@@ -730,7 +780,7 @@ class Engine:
                     if slots[slot] >= 0 or not queue or not room(shard) or blocked[shard]:
                         continue
                     b = queue[0]
-                    pages = prompt_pages(b) + (group - 1) * int(lengths[b] % ps > 0)
+                    pages = group_pages(int(lengths[b]), group, ps) - group
                     if num_free[shard] < pages + group:
                         continue
                     queue.pop(0)
@@ -774,6 +824,7 @@ class Engine:
             self.stats["waits"] += int(waits)
             self.stats["peak_pages"] = max(self.stats["peak_pages"], int(peak))
             active = np.asarray(state.active)
+            handed_out = 0
             for slot in list(admitted):
                 rows = slice(slot * group, (slot + 1) * group)
                 if active[rows].any() or waiting[slot]:
@@ -788,6 +839,7 @@ class Engine:
                 slots[slot] = -1
                 blocked[shard_of(slot)] = False
                 admitted.remove(slot)
+                handed_out += 1
             evict = np.zeros(rows_total, bool)
             for shard in range(shards):
                 mine = [slot for slot in admitted if shard_of(slot) == shard]
@@ -816,6 +868,22 @@ class Engine:
                     evict[row] = True
                     waiting[slot].append(row)
                     self.stats["preempted_rows"] += 1
+            moved = bool(made.any()) or handed_out > 0
+            idle = 0 if moved else idle + 1
+            changed = moved or evict.any() or self.stats["admit_calls"] > admit_calls
+            if not changed or idle > idle_limit:
+                raise RuntimeError(
+                    f"the engine made no progress in {idle} decode call(s) in a row (no token, "
+                    f"no group handed out{'' if changed else ', nothing admitted or preempted'}"
+                    f"): {len(queue)} prompts queued, groups running per shard "
+                    f"{[sum(shard_of(x) == i for x in admitted) for i in range(shards)]}, rows "
+                    f"running {int(active.sum())}, rows waiting to be recomputed "
+                    f"{sum(map(len, waiting))}, free pages per shard "
+                    f"{np.asarray(state.cache.num_free).reshape(-1).tolist()} of "
+                    f"{engine.num_pages}, blocked shards {np.flatnonzero(blocked).tolist()} "
+                    f"(EngineConfig.kv_tokens = {engine.kv_tokens}, page_size = {ps}, group "
+                    f"of {group})"
+                )
             if evict.any():
                 state = evict_rows(state, jnp.asarray(evict))
         self.stats["pages_held_at_end"] = int(np.sum(np.asarray(state.cache.pages_in_use())))

@@ -64,7 +64,8 @@ group is queued again at the front and recomputed from its prompt (new start ver
 and the shard admits nothing until one of its groups finishes (so the elders get the
 pages; with one group left it always can, see below).
 The pool must hold one group to its end alone (``engine_pages_needed``), so one group can
-always finish. Routing (R3) and stop sequences as in the engine; greedy outputs equal
+always finish; a shard that queues groups and runs none raises rather than decode empty
+segments for ever. Routing (R3) and stop sequences as in the engine; greedy outputs equal
 ``generate_fn``'s. Per-row sampling keys (the engine's, folded with the segment's key)
 differ from SlotGenerator's per-step keys: sampled tokens differ, not their distribution.
 
@@ -102,7 +103,15 @@ from absl import logging
 from flax import nnx, struct
 
 from policyopt import sharding
-from policyopt.engine import Engine, EngineConfig, admit_rows, decode_steps, evict_rows, row_shards
+from policyopt.engine import (
+    Engine,
+    EngineConfig,
+    GenerationStopped,
+    admit_rows,
+    decode_steps,
+    evict_rows,
+    row_shards,
+)
 from policyopt.models.attention import KEY_CACHE_AXES, VALUE_CACHE_AXES
 from policyopt.models.paged import pages_for
 from policyopt.sampling import Rollout, SamplingConfig, decode_step, next_logits
@@ -809,6 +818,7 @@ class EngineSlots(_SlotGroups):
         and admits nothing until one of its groups finishes."""
         cfg, group_size = self.config, self.config.group_size
         self._admit(params, version)
+        self._check_progress()
         if not self._running:
             return []
         with self._on_mesh():
@@ -858,6 +868,23 @@ class EngineSlots(_SlotGroups):
                     self.state, jax.device_put(evict, self.state.active.sharding)
                 )
         return finished
+
+    def _check_progress(self) -> None:
+        """Raises where a shard holds queued groups and runs none after an admission: no
+        segment could ever admit them (its pool is empty, and holds one group: ``__init__``),
+        and the generator would run empty segments for ever."""
+        stuck = sorted(
+            {self._shard_of(g) for g in self._pending} - {self._shard_of(g) for g in self._running}
+        )
+        if stuck:
+            free = np.asarray(jax.device_get(self.state.cache.num_free)).reshape(-1)
+            raise RuntimeError(
+                f"the paged engine cannot admit a queued group on shard(s) {stuck} and runs "
+                f"none there (groups queued {list(self._pending)}, free pages per shard "
+                f"{free.tolist()} of {self.engine.engine.num_pages}, blocked shards "
+                f"{np.flatnonzero(self._blocked).tolist()}): no segment would make progress "
+                f"(config.sampling.engine_kv_tokens = {self.engine.engine.kv_tokens})"
+            )
 
     def _completion(self, group: int, version: int) -> GroupCompletion:
         cfg, group_size = self.config, self.config.group_size
@@ -926,6 +953,9 @@ class AsyncGenerator:
       join_timeout_s: how long `close` waits for the scoring thread.
       interrupt_scoring: called by `close` after asking the threads to stop, to make the
         scorer's current call return early (``async_rl`` kills the scorer's worker pool).
+      should_stop: polled by `take` while it waits (every 0.5 s at most; also settable
+        as the attribute): True makes it raise ``GenerationStopped`` (a trainer's
+        SIGINT / SIGTERM, ``async_rl.run_async_rl``); `close` then stops the threads.
     """
 
     def __init__(
@@ -940,6 +970,7 @@ class AsyncGenerator:
         score_fn: Callable[[GroupCompletion], GroupCompletion] | None = None,
         join_timeout_s: float = 60.0,
         interrupt_scoring: Callable[[], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ):
         group = slots.config.group_size
         self.n_async = slots.config.rows if n_async is None else int(n_async)
@@ -950,7 +981,7 @@ class AsyncGenerator:
             )
         self.slots, self.prompts, self.rng = slots, prompts, rng
         self.score_fn, self.join_timeout_s = score_fn, join_timeout_s
-        self.interrupt_scoring = interrupt_scoring
+        self.interrupt_scoring, self.should_stop = interrupt_scoring, should_stop
         self._cond = threading.Condition()
         self._params, self._version = params, int(version)
         self._queue: collections.deque[GroupCompletion] = collections.deque()  # for take()
@@ -990,10 +1021,16 @@ class AsyncGenerator:
             self._cond.notify_all()
 
     def take(self) -> GroupCompletion:
-        """The next finished group, in finish order (blocks until there is one)."""
+        """The next finished group, in finish order (blocks until there is one, or until
+        ``should_stop`` returns True: ``GenerationStopped``)."""
         with self._cond:
             while True:
                 self._raise_error()
+                if self.should_stop is not None and self.should_stop():
+                    raise GenerationStopped(
+                        f"asynchronous generation stopped on request with {len(self._queue)} "
+                        "finished groups not taken"
+                    )
                 if self._queue:
                     completion = self._queue.popleft()
                     self._outstanding -= self.slots.config.group_size

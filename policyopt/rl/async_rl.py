@@ -67,6 +67,7 @@ from absl import logging
 
 from policyopt.checkpoint import lock_workdir
 from policyopt.data.pipeline import as_record
+from policyopt.engine import GenerationStopped
 from policyopt.rewards.batch import kill_pool, score_batch
 from policyopt.rl import build
 from policyopt.rl.async_generation import (
@@ -596,9 +597,14 @@ def run_async_rl(
     info = {}
     try:
         loop.begin()
+        loop.attach(generator)
         with generator if run.iteration < total else contextlib.nullcontext():
             while run.iteration < total and not loop.stopping:
-                metrics, info = async_iteration(run, generator, batcher)
+                try:
+                    metrics, info = async_iteration(run, generator, batcher)
+                except GenerationStopped:
+                    loop.stopped_in_iteration(save=lambda: save(run, stream))
+                    break
                 metrics["async/staleness_bound"] = float(bound)
                 loop.after_iteration(metrics, save=lambda: save(run, stream))
         loop.end()

@@ -514,11 +514,15 @@ def init_params(config, model: nnx.Module, mesh: Mesh):
         directory = config.init_checkpoint
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"config.init_checkpoint={directory!r} is not a directory")
+        target = {"train": {"params": params}}
         with Checkpointer(directory) as source:
-            check_checkpoint_shapes(
-                source, {"train": {"params": params}}, config, field="config.init_checkpoint"
+            params = source.restore_subtree(
+                ("train", "params"),
+                params,
+                check=lambda step, _: check_checkpoint_shapes(
+                    source, target, config, step=step, field="config.init_checkpoint"
+                ),
             )
-            params = source.restore_subtree(("train", "params"), params)
     return graphdef, params
 
 

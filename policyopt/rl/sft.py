@@ -189,7 +189,7 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
     update, optimizer = sft_update_fn(graphdef, optim)
     state = place_state(TrainState.create(params, optimizer), optimizer, mesh)
     checkpointer = Checkpointer(
-        os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints
+        os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints, owner=True
     )
     run = SFTRun(
         config=config,
@@ -201,23 +201,29 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
         checkpointer=checkpointer,
         mesh=mesh,
     )
+    target = {"train": run.state}
     if checkpointer.latest_step() is not None:
-        # The config first (a changed shape would fail in the arrays, unnamed), and only
-        # what SFT reads: a recipe's RL settings may change under a cached SFT start.
-        build.check_resume_config(
-            checkpointer.meta().get("config"), config, checkpointer.directory, sections=SFT_FIELDS
-        )
-        build.check_checkpoint_shapes(checkpointer, {"train": run.state}, config, field="resume")
-        restored, meta = checkpointer.restore({"train": run.state})
+
+        def check(step: int, meta: dict) -> None:
+            # The config first (a changed shape would fail in the arrays, unnamed), and only
+            # what SFT reads: a recipe's RL settings may change under a cached SFT start.
+            build.check_resume_config(
+                meta.get("config"), config, checkpointer.directory, sections=SFT_FIELDS
+            )
+            build.check_checkpoint_shapes(checkpointer, target, config, step=step, field="resume")
+
+        restored, meta = checkpointer.restore(target, check=check)
         run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
         run.resumed_config = meta.get("config")
     elif init_checkpoint:
         with Checkpointer(init_checkpoint) as source:
-            build.check_checkpoint_shapes(
-                source, {"train": run.state}, config, field="init_checkpoint"
+            restored, meta = source.restore(
+                target,
+                check=lambda step, _: build.check_checkpoint_shapes(
+                    source, target, config, step=step, field="init_checkpoint"
+                ),
             )
-            restored, meta = source.restore({"train": run.state})
         run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
     return run

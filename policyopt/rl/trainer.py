@@ -86,7 +86,7 @@ from absl import logging
 from policyopt import sharding
 from policyopt.checkpoint import Checkpointer, lock_workdir
 from policyopt.data.pipeline import make_pipeline
-from policyopt.engine import Engine
+from policyopt.engine import Engine, GenerationStopped
 from policyopt.metrics import MetricsWriter, Progress, read_last_value, read_step_record
 from policyopt.rl import build, iteration, methods, report
 from policyopt.rl.critic import CriticConfig, critic_optim, get_critic
@@ -184,11 +184,13 @@ def make_prompt_iterator(config, records, *, seed: int):
     return iter(pipeline)
 
 
-def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
+def build_run(config, workdir: str, *, check_config: bool = True, owner: bool = True) -> RLRun:
     """Builds the mesh, model, learner, data and the initial state (placed on the mesh);
-    restores the latest checkpoint of ``workdir/checkpoints`` when there is one, onto the
-    same shardings (refusing one saved under another config unless ``check_config`` is
-    False: see ``restore``)."""
+    restores the latest readable checkpoint of ``workdir/checkpoints`` when there is one,
+    onto the same shardings (refusing one saved under another config unless
+    ``check_config`` is False: see ``restore``). ``owner``: the run will save there (its
+    ``Checkpointer``'s ``owner``: corrupt checkpoints skipped are moved aside); False for a
+    reader such as ``experiments/eval.py``."""
     os.makedirs(workdir, exist_ok=True)
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
@@ -223,7 +225,9 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
         decode_segments=s.decode_segments,
     )
     checkpointer = Checkpointer(
-        os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints
+        os.path.join(workdir, "checkpoints"),
+        max_to_keep=config.train.keep_checkpoints,
+        owner=owner,
     )
     engine = None
     if s.engine_kv_tokens > 0:
@@ -284,25 +288,30 @@ def checkpoint_meta(run: RLRun, data_state) -> dict:
     }
 
 
-def save(run: RLRun) -> None:
-    """Checkpoints the run at its current iteration."""
-    run.checkpointer.save(
-        run.iteration, checkpoint_state(run), checkpoint_meta(run, run.data.get_state())
-    )
+def save(run: RLRun, data_state=None) -> None:
+    """Checkpoints the run at its current iteration, with the data position ``data_state``
+    (default: the iterator's now)."""
+    data_state = run.data.get_state() if data_state is None else data_state
+    run.checkpointer.save(run.iteration, checkpoint_state(run), checkpoint_meta(run, data_state))
 
 
 def restore(run: RLRun, step: int | None = None, *, check_config: bool = True) -> None:
     """Restores parameters, optimiser, counters, run key, iteration and data position (and
-    the critic's parameters, optimiser and counters); refuses a checkpoint saved under
+    the critic's parameters, optimiser and counters) from ``step`` (default: the latest
+    readable one, ``Checkpointer.restore``'s fallback); refuses a checkpoint saved under
     another config (``build.check_resume_config``) unless ``check_config`` is False
     (``experiments/eval.py``, which only reads the parameters)."""
-    if check_config:  # before the arrays: a changed shape would fail there, unnamed
-        meta = run.checkpointer.meta(step)
-        build.check_resume_config(meta.get("config"), run.config, run.checkpointer.directory)
-    build.check_checkpoint_shapes(
-        run.checkpointer, checkpoint_state(run), run.config, step=step, field="resume"
-    )
-    restored, meta = run.checkpointer.restore(checkpoint_state(run), step)
+    target = checkpoint_state(run)
+
+    def check(candidate: int, meta: dict) -> None:
+        # Before the arrays: a changed config or shape would fail there, unnamed.
+        if check_config:
+            build.check_resume_config(meta.get("config"), run.config, run.checkpointer.directory)
+        build.check_checkpoint_shapes(
+            run.checkpointer, target, run.config, step=candidate, field="resume"
+        )
+
+    restored, meta = run.checkpointer.restore(target, step, check=check)
     run.run_state = run.run_state.replace(
         policy=restored["train"],
         rng=restored["rng"],
@@ -432,8 +441,9 @@ def run_rl(
       quiet: no console output (banner, progress line, samples).
       recipe: what the banner names as the run's recipe (the command line's ``--config``).
 
-    SIGINT / SIGTERM stop the run at the next iteration boundary with a checkpoint
-    (``RunLoop``); the summary's ``"interrupted"`` then names the signal.
+    SIGINT / SIGTERM stop the run with a checkpoint (``RunLoop``): at the next iteration
+    boundary, or (engine, one process) at the engine's next decode call, the iteration
+    in progress dropped; the summary's ``"interrupted"`` then names the signal.
 
     Returns:
       ``{"iteration", "metrics" (last iteration), "eval" (last evaluation),
@@ -445,8 +455,15 @@ def run_rl(
     loop = RunLoop(run, total, quiet=quiet, recipe=recipe)
     try:
         loop.begin()
+        loop.attach(run.engine)
         while run.iteration < total and not loop.stopping:
-            loop.after_iteration(rl_iteration(run), save=lambda: save(run))
+            data_state = run.data.get_state()  # the iteration's start, if it is cut short
+            try:
+                metrics = rl_iteration(run)
+            except GenerationStopped:
+                loop.stopped_in_iteration(save=lambda: save(run, data_state))
+                break
+            loop.after_iteration(metrics, save=lambda: save(run))
         loop.end()
     finally:
         loop.close()
@@ -537,8 +554,12 @@ class RunLoop:
         # The pass@1 the console shows, with the iteration it was measured at: after a
         # resume, the last one eval.jsonl holds (at or before the checkpoint's iteration).
         self.shown_eval = read_last_value(self.eval_writer.path, "eval/pass@1") if primary else None
-        self.stop = GracefulStop()
+        self.stop = GracefulStop(
+            "stopping after this iteration, or at the engine's next decode call (a "
+            "checkpoint is saved); Ctrl-C again to stop at once"
+        )
         self.stopped_by: str | None = None  # the signal that stopped the run (process 0's)
+        self._attached: list = []  # objects whose should_stop is this loop's (attach)
         self.uninformative_streak, self.first_iteration = 0, True
         self._first_start = time.perf_counter()
         if (
@@ -566,6 +587,33 @@ class RunLoop:
         """A SIGINT / SIGTERM asked the run to stop (after a checkpoint): as process 0
         received it, polled once per iteration (``_poll_stop``)."""
         return self.stopped_by is not None
+
+    def attach(self, target) -> None:
+        """Lets a SIGINT / SIGTERM reach ``target`` (an ``Engine`` or ``AsyncGenerator``;
+        None: nothing) in the middle of an iteration: its ``should_stop`` becomes this
+        loop's request until ``close``, and it raises ``GenerationStopped``
+        (``stopped_in_iteration``). One process only: on several, every process must
+        stop after the same iteration (``_poll_stop``), so the stop waits for it."""
+        if target is None or jax.process_count() > 1:
+            return
+        target.should_stop = lambda: self.stop.requested
+        self._attached.append(target)
+
+    def stopped_in_iteration(self, save) -> None:
+        """A stop that cut an iteration short (``GenerationStopped``): nothing of it is
+        kept; the run is saved (``save()``) at its last complete iteration unless that
+        checkpoint exists, and ends as a stop does."""
+        run = self.run
+        self.stopped_by = self.stop.signal_name or "stop"
+        if run.iteration not in run.checkpointer.all_steps():
+            save()
+        if self.console:
+            path = os.path.join(run.checkpointer.directory, str(run.iteration))
+            print(
+                f"{self.stopped_by}: stopped during iteration {run.iteration + 1} (its "
+                f"generation cut short); checkpoint {path}; rerun the same command to resume",
+                flush=True,
+            )
 
     def _poll_stop(self) -> None:
         """Every process takes process 0's answer (a collective on several processes), so
@@ -712,6 +760,9 @@ class RunLoop:
 
     def close(self) -> None:
         self.stop.__exit__()
+        for target in self._attached:
+            target.should_stop = None
+        self._attached = []
         for writer in (self.writer, self.eval_writer, self.samples, self.eval_samples):
             writer.close()
 
