@@ -89,6 +89,34 @@ GSPO_GRPO_BASELINE = "algo.clip_high=0.27,algo.kl_beta=0.0"
 GSPO_VS_GRPO = ("algo.method", "algo.clip_low", "algo.clip_high")
 
 
+#: The routing claim's dose-response: routing-volatility levels set by the routers'
+#: learning rate as a multiple of the policy's (``optim.router_lr_scale``; each level's
+#: routing share, ``routing/ratio_share``, is measured in its runs). "low" is the testbed
+#: as it is; "mid" and "high" make routing cause a growing part of the ratio's noise
+#: (docs/claims.md "routing_replay").
+ROUTING_LEVELS = {"low": 1.0, "mid": 30.0, "high": 300.0}
+# The asynchronous loop of Magistral's recipe: its sampler is stale, so its routing differs
+# from pi_old's own and R3 (which replays the sampler's) differs from R2.
+ASYNC = "async_mode.enabled=True"
+
+
+def routing_dose_arms() -> tuple[Arm, ...]:
+    """Per level: GRPO (the GSPO paper's baseline) without replay and with R2; without
+    replay and with R3 in the asynchronous loop (whose sampler routes differently); GSPO."""
+    arms = []
+    for level, scale in ROUTING_LEVELS.items():
+        lr = f"optim.router_lr_scale={scale:g}"
+        grpo = f"{GSPO_GRPO_BASELINE},{lr}"
+        arms += [
+            Arm(f"grpo_{level}", "grpo", f"algo.routing_replay=none,{grpo}"),
+            Arm(f"grpo_R2_{level}", "grpo", f"algo.routing_replay=R2,{grpo}"),
+            Arm(f"grpo_async_{level}", "grpo", f"algo.routing_replay=none,{grpo},{ASYNC}"),
+            Arm(f"grpo_R3_async_{level}", "grpo", f"algo.routing_replay=R3,{grpo},{ASYNC}"),
+            Arm(f"gspo_{level}", "gspo", f"algo.routing_replay=none,{lr}"),
+        ]
+    return tuple(arms)
+
+
 ABLATIONS: dict[str, Ablation] = {
     a.name: a
     for a in (
@@ -116,6 +144,19 @@ ABLATIONS: dict[str, Ablation] = {
                 Arm("grpo_R3", "grpo", f"algo.routing_replay=R3,{GSPO_GRPO_BASELINE}"),
                 Arm("gspo", "gspo", "algo.routing_replay=none"),
             ),
+            OFF_POLICY + ",train.routing_metrics=True",
+            reference="gspo",
+            compares=GSPO_VS_GRPO,
+        ),
+        Ablation(
+            "routing_dose",
+            "GSPO (2507.18071): GRPO needs routing replay on an MoE policy, GSPO does not, and "
+            "the more routing moves the ratio, the more replay matters. Three routing-volatility "
+            "levels (the routers' learning rate 1x, 30x, 300x the policy's); at each, GRPO "
+            "without replay and with R2, GRPO without replay and with R3 (2510.11370) in the "
+            "asynchronous loop, GSPO without replay. (GRPO as the paper's baseline: clip 0.2 / "
+            "0.27, no KL; every arm in GSPO's geometry.)",
+            routing_dose_arms(),
             OFF_POLICY + ",train.routing_metrics=True",
             reference="gspo",
             compares=GSPO_VS_GRPO,
@@ -347,11 +388,18 @@ def testbed_long32_setting(config, sft_checkpoint: str = "runs/testbed_long32/sf
     )
 
 
+def testbed_dense_setting(config, sft_checkpoint: str = "runs/testbed_dense/sft/checkpoints"):
+    """``demo_setting`` with the testbed's dense control (`configs/testbed_dense.py`) and
+    its SFT start. Returns a new, locked config."""
+    return demo_setting(config, sft_checkpoint, recipe="testbed_dense")
+
+
 #: Named settings for ``experiments/ablate.py --setting``: ``config -> config``.
 #: "testbed", "testbed_long" and "testbed_long32" are those of ``experiments/reproduce.py``.
 SETTINGS = {
     "demo": demo_setting,
     "testbed": testbed_setting,
+    "testbed_dense": testbed_dense_setting,
     "testbed_long": testbed_long_setting,
     "testbed_long32": testbed_long32_setting,
 }

@@ -12,7 +12,15 @@ import statistics
 from typing import Callable, Sequence
 
 from configs import base
-from configs.ablations import ABLATIONS, Ablation, Arm
+from configs.ablations import (
+    ABLATIONS,
+    GSPO_GRPO_BASELINE,
+    GSPO_VS_GRPO,
+    OFF_POLICY,
+    ROUTING_LEVELS,
+    Ablation,
+    Arm,
+)
 
 #: The routing-volatility measurement: one update (one iteration, one minibatch: the
 #: claim's regime) of the testbed's own recipe (SAPO; at the first update r = 1 and every
@@ -27,7 +35,7 @@ ONE_UPDATE = Ablation(
 
 #: What a claim's regime must fix, so that no two of its runs differ in them.
 REGIME_REQUIRED = ("optim.lr", "train.num_iterations")
-CHECK_KINDS = ("diff", "gain", "value", "log10_ratio")
+CHECK_KINDS = ("diff", "gain", "value", "log10_ratio", "diff_of_diffs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +43,9 @@ class Check:
     """One measured comparison of a claim, a quantity per (SFT start, seed) pair.
 
     ``kind``: "diff" (arm ``a`` minus arm ``b``, same pair, of ``metric``), "gain" (arm
-    ``a``'s pass@1 at the end minus at the start), "value" (arm ``a``'s ``metric``) or
-    "log10_ratio" (log10 of arm ``a``'s ``metric`` over arm ``b``'s, same pair). Supported
+    ``a``'s pass@1 at the end minus at the start), "value" (arm ``a``'s ``metric``),
+    "log10_ratio" (log10 of arm ``a``'s ``metric`` over arm ``b``'s, same pair) or
+    "diff_of_diffs" ((a - b) - (c - d), same pair: a gap that grows). Supported
     when the quantity lies above ``threshold``; with a ``margin``, a "no harm" check,
     equivalent when within threshold -+ margin (`experiments.verdicts.judge`).
     """
@@ -48,6 +57,8 @@ class Check:
     metric: str = "pass@1_end"
     threshold: float = 0.0
     margin: float | None = None
+    c: str | None = None  # "diff_of_diffs" only
+    d: str | None = None
 
     def __post_init__(self):
         if self.kind not in CHECK_KINDS:
@@ -56,11 +67,13 @@ class Check:
             )
         if (self.b is None) != (self.kind in ("gain", "value")):
             raise ValueError(f"a {self.kind!r} check takes {'no' if self.b else 'a'} second arm b")
+        if (self.c is None or self.d is None) == (self.kind == "diff_of_diffs"):
+            raise ValueError(f"arms c and d go with a 'diff_of_diffs' check, got {self.kind!r}")
         if self.margin is not None and not self.margin > 0:
             raise ValueError(f"Check.margin must be > 0 (or None), got {self.margin}")
 
     def arms(self) -> tuple[str, ...]:
-        return (self.a,) if self.b is None else (self.a, self.b)
+        return tuple(arm for arm in (self.a, self.b, self.c, self.d) if arm is not None)
 
     def value(self, runs: Sequence[dict]) -> float:
         """The quantity from the runs of ``arms()`` at one pair (NaN when one lacks it)."""
@@ -75,6 +88,9 @@ class Check:
             return runs[0][self.metric]
         if self.kind == "diff":
             return runs[0][self.metric] - runs[1][self.metric]
+        if self.kind == "diff_of_diffs":
+            a, b, c, d = (r[self.metric] for r in runs)
+            return (a - b) - (c - d)
         a, b = runs[0][self.metric], runs[1][self.metric]
         return math.log10(a / b) if a > 0 and b > 0 else math.nan
 
@@ -114,6 +130,9 @@ class Claim:
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)  # RL seeds from each start (--seeds)
     budget: str = ""  # measured or estimated wall time on the 2-core machine
     headline: Callable[[dict], str] | None = None  # run_claim's result -> a last line
+    # A regime diagnostic (a figure the other claims need, not a paper's finding): may run
+    # from one SFT start.
+    diagnostic: bool = False
 
     def __post_init__(self):
         named = {item.split("=", 1)[0].strip() for item in base.split_variant(self.regime)}
@@ -123,7 +142,7 @@ class Claim:
                 f"claim {self.name!r}: its regime must fix {', '.join(missing)}, "
                 f"got {self.regime!r}"
             )
-        if len(set(self.starts)) < 2:
+        if len(set(self.starts)) < 2 and not self.diagnostic:
             raise ValueError(f"claim {self.name!r}: >= 2 SFT starts, got {self.starts}")
         for check in self.checks:
             stray = [arm for arm in check.arms() if arm not in self.arm_labels()]
@@ -143,6 +162,56 @@ class Claim:
 def _volatility_line(result: dict) -> str:
     values = result["checks"][0].get("values") or [math.nan]
     return f"routing volatility after one update: {statistics.fmean(values):.4f}"
+
+
+#: The routing claims' learning rate and budget: lr 1e-4 (the testbed's GSPO learns there;
+#: at 1e-3 the parameters' own drift swamps routing), the routers' rate set per arm.
+ROUTING_REGIME = "optim.lr=1e-4,train.num_iterations=100"
+#: The regime diagnostic: the GSPO arm at the routing claim's "mid" level.
+ROUTING_SHARE = Ablation(
+    "routing_share",
+    "The share of the log-ratio's noise that routing causes (routing/ratio_share), GSPO on "
+    "the testbed with the routers at the routing claim's mid level.",
+    (
+        Arm(
+            "gspo",
+            "gspo",
+            f"algo.routing_replay=none,optim.router_lr_scale={ROUTING_LEVELS['mid']:g}",
+        ),
+    ),
+    OFF_POLICY + ",train.routing_metrics=True",
+)
+#: The dense control: GRPO (the GSPO paper's baseline) on `configs/testbed_dense.py`.
+DENSE_CONTROL = Ablation(
+    "routing_dense_control",
+    "GRPO without replay on a dense policy (the routing claim's control).",
+    (Arm("grpo", "grpo", GSPO_GRPO_BASELINE),),
+    OFF_POLICY,
+    reference="gspo",
+    compares=GSPO_VS_GRPO,
+)
+ROUTING_SHARE_BUDGET = "to be measured"
+ROUTING_REPLAY_BUDGET = "to be measured"
+DENSE_CONTROL_BUDGET = "to be measured"
+
+
+def _routing_share_line(result: dict) -> str:
+    """``routing share X (volatility V over the batch's K updates) at lr L; GSPO pass@1
+    A -> B``, means over the runs."""
+    (entry,) = result["summary"]["arms"]
+
+    def mean(key):
+        values = [r[key] for r in entry["runs"] if key in r]
+        return statistics.fmean(values) if values else math.nan
+
+    regime = entry["runs"][0]["regime"]
+    updates = regime["batch.n_minibatches"] * regime["batch.epochs"]
+    return (
+        f"routing share {mean('routing/ratio_share'):.3f} (volatility "
+        f"{mean('routing/volatility'):.4f} over the batch's {updates} updates) at lr "
+        f"{regime['optim.lr']:g}; GSPO pass@1 {mean('pass@1_start'):.3f} -> "
+        f"{mean('pass@1_end'):.3f}"
+    )
 
 
 CLAIMS: dict[str, Claim] = {
@@ -171,32 +240,98 @@ CLAIMS: dict[str, Claim] = {
             headline=_volatility_line,
         ),
         Claim(
+            name="routing_share",
+            source="GSPO (2507.18071 §5.3): on Qwen3-30B-A3B routing changes enough per update "
+            "that GRPO needs routing replay. Regime diagnostic: the share of the ratio's noise "
+            "that routing causes (routing/ratio_share) at a learning rate where GSPO learns.",
+            ablation=ROUTING_SHARE,
+            setting="testbed",
+            regime=ROUTING_REGIME,
+            checks=(
+                Check(
+                    "routing causes >= half of the log-ratio's mean square",
+                    "value",
+                    "gspo",
+                    metric="routing/ratio_share",
+                    threshold=0.5,
+                ),
+                Check(
+                    "GSPO learns: held-out pass@1 +0.10 over its start",
+                    "gain",
+                    "gspo",
+                    threshold=0.10,
+                ),
+            ),
+            starts=(0,),
+            seeds=(0,),
+            diagnostic=True,
+            budget=ROUTING_SHARE_BUDGET,
+            headline=_routing_share_line,
+        ),
+        Claim(
             name="routing_replay",
             source="GSPO (2507.18071): on an MoE policy GRPO without routing replay fails to "
             "converge; R2 (GSPO) and R3 (2510.11370) restore it; GSPO converges without "
-            "replay; GSPO's clip acts on two orders of magnitude more tokens than GRPO's "
-            "and still learns more efficiently.",
-            ablation=ABLATIONS["routing_replay"],
+            "replay. As a dose-response: the more of the ratio's noise routing causes, the "
+            "more GRPO without replay falls behind.",
+            ablation=ABLATIONS["routing_dose"],
             setting="testbed",
-            regime="optim.lr=1e-3,train.num_iterations=20",
-            checks=(
-                Check("GRPO with R2 ends above GRPO without replay", "diff", "grpo_R2", "grpo"),
-                Check("GRPO with R3 ends above GRPO without replay", "diff", "grpo_R3", "grpo"),
-                Check("GSPO without replay learns (pass@1 end - start > 0)", "gain", "gspo"),
-                Check("GSPO without replay ends above GRPO without replay", "diff", "gspo", "grpo"),
+            regime=ROUTING_REGIME,
+            checks=tuple(
+                check
+                for level in ROUTING_LEVELS
+                for check in (
+                    Check(
+                        f"{level}: GRPO with R2 ends above GRPO without replay",
+                        "diff",
+                        f"grpo_R2_{level}",
+                        f"grpo_{level}",
+                    ),
+                    Check(
+                        f"{level}: GRPO with R3 ends above GRPO without replay (asynchronous)",
+                        "diff",
+                        f"grpo_R3_async_{level}",
+                        f"grpo_async_{level}",
+                    ),
+                    Check(
+                        f"{level}: GSPO ends above GRPO without replay",
+                        "diff",
+                        f"gspo_{level}",
+                        f"grpo_{level}",
+                    ),
+                    Check(f"{level}: GSPO without replay learns", "gain", f"gspo_{level}"),
+                )
+            )
+            + (
                 Check(
-                    "GSPO clips >= 10^1.5 x GRPO's fraction (paper: ~10^2)",
-                    "log10_ratio",
-                    "gspo",
-                    "grpo",
-                    metric="loss/clip_frac",
-                    threshold=1.5,
+                    "R2's gain over no replay grows from the low to the high level",
+                    "diff_of_diffs",
+                    "grpo_R2_high",
+                    "grpo_high",
+                    c="grpo_R2_low",
+                    d="grpo_low",
+                ),
+                Check(
+                    "GSPO's lead over GRPO grows from the low to the high level",
+                    "diff_of_diffs",
+                    "gspo_high",
+                    "grpo_high",
+                    c="gspo_low",
+                    d="grpo_low",
                 ),
             ),
-            budget="measured idle 2026-12-04: 4 arms x 3 seeds in ~3 min after the SFT start "
-            "(~2 min once per start; 9-16 s per arm and seed); so ~12 min at 2 starts x 5 "
-            "seeds (estimate); under load (2026-12-02) 1-2.5 min per arm and seed at load "
-            "~2-5",
+            budget=ROUTING_REPLAY_BUDGET,
+        ),
+        Claim(
+            name="routing_dense_control",
+            source="The routing claim's control: on a dense policy of the testbed's depth and "
+            "width (no routing to replay), GRPO without replay learns at the routing claim's "
+            "learning rate.",
+            ablation=DENSE_CONTROL,
+            setting="testbed_dense",
+            regime=ROUTING_REGIME,
+            checks=(Check("dense GRPO without replay learns", "gain", "grpo"),),
+            budget=DENSE_CONTROL_BUDGET,
         ),
         Claim(
             name="sapo_tau",

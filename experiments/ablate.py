@@ -45,6 +45,8 @@ TAIL_METRICS = (
     "loss/clip_frac",
     "loss/gate_mean",
     "routing/volatility",
+    "routing/ratio_share",
+    "routing/log_ratio_ms",
     "response/length_mean",
     "policy/entropy",
     "critic/explained_variance",
@@ -398,8 +400,8 @@ def format_table(summary: dict) -> str:
         f"training metrics are means over the last {summary['tail']} iterations.",
         "",
         "| arm | recipe | variant | pass@1 start | pass@1 end | reward | clip frac | gate "
-        "| volatility | length | wall s |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| volatility | routing share | length | wall s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for entry in summary["arms"]:
         wall = statistics.fmean(r["wall_s"] for r in entry["runs"])
@@ -408,6 +410,7 @@ def format_table(summary: dict) -> str:
             f"{cell(entry, 'pass@1_start')} | {cell(entry, 'pass@1_end')} | "
             f"{cell(entry, 'reward/mean')} | {cell(entry, 'loss/clip_frac')} | "
             f"{cell(entry, 'loss/gate_mean')} | {cell(entry, 'routing/volatility')} | "
+            f"{cell(entry, 'routing/ratio_share')} | "
             f"{cell(entry, 'response/length_mean', 1)} | {wall:.0f} |"
         )
     return "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ import re
 import pytest
 
 from configs import claims
-from configs.ablations import SETTINGS
+from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Check, Claim, get_claim
 from experiments import ablate, reproduce
 from policyopt.checkpoint import Checkpointer
@@ -29,6 +29,31 @@ REGIME = {
     "batch.epochs": 1,
     "sampling.max_new_tokens": 20,
 }
+
+
+#: The routing claim before its dose-response (4 arms at lr 1e-3, 20 iterations): the verdict
+#: machinery's tests use it as a claim of several checks of every kind.
+FOUR_ARMS = Claim(
+    name="routing_replay",
+    source="GSPO (2507.18071): GRPO needs routing replay on an MoE policy, GSPO does not.",
+    ablation=ABLATIONS["routing_replay"],
+    setting="testbed",
+    regime="optim.lr=1e-3,train.num_iterations=20",
+    checks=(
+        Check("GRPO with R2 ends above GRPO without replay", "diff", "grpo_R2", "grpo"),
+        Check("GRPO with R3 ends above GRPO without replay", "diff", "grpo_R3", "grpo"),
+        Check("GSPO without replay learns (pass@1 end - start > 0)", "gain", "gspo"),
+        Check("GSPO without replay ends above GRPO without replay", "diff", "gspo", "grpo"),
+        Check(
+            "GSPO clips >= 10^1.5 x GRPO's fraction (paper: ~10^2)",
+            "log10_ratio",
+            "gspo",
+            "grpo",
+            metric="loss/clip_frac",
+            threshold=1.5,
+        ),
+    ),
+)
 
 
 def _run(end, start=0.5, clip=0.01):
@@ -79,9 +104,11 @@ def test_unknown_claim_arm_and_setting_are_refused_with_the_known_ones():
     with pytest.raises(ValueError, match="unknown claim 'nope'; known: routing_volatility, "):
         get_claim("nope")
     claim = get_claim("routing_replay")
-    with pytest.raises(ValueError, match=r"no arm 'grpo_R4'; known: grpo, grpo_R2, grpo_R3, gspo"):
-        reproduce.select_arms(claim, ["grpo", "grpo_R4"])
-    assert reproduce.select_arms(claim, ["gspo"]) == ("gspo",)
+    with pytest.raises(
+        ValueError, match=r"no arm 'grpo_R4'; known: grpo_low, grpo_R2_low, grpo_async_low, "
+    ):
+        reproduce.select_arms(claim, ["grpo_low", "grpo_R4"])
+    assert reproduce.select_arms(claim, ["gspo_mid"]) == ("gspo_mid",)
     assert reproduce.select_arms(get_claim("vapo_length_adaptive"), None) == (
         "vapo",
         "no_length_adaptive",
@@ -101,7 +128,7 @@ def test_unknown_claim_arm_and_setting_are_refused_with_the_known_ones():
 @pytest.mark.parametrize("name", list(CLAIMS))
 def test_every_claim_runs_its_arms_in_one_regime_in_each_setting(name):
     claim = CLAIMS[name]
-    assert len(set(claim.starts)) >= 2 and claim.regime and claim.budget
+    assert (len(set(claim.starts)) >= 2 or claim.diagnostic) and claim.regime and claim.budget
     regime_items = dict(item.split("=") for item in claim.regime.split(","))
     for setting in claim.settings():
         regimes = []
@@ -109,7 +136,9 @@ def test_every_claim_runs_its_arms_in_one_regime_in_each_setting(name):
             config = ablate.arm_config(
                 claim.ablation, label, 0, claim.regime, lambda c: SETTINGS[setting](c, "ckpt")
             )
-            assert config.model.preset == "moe_volatile" and config.init_checkpoint == "ckpt"
+            dense = setting == "testbed_dense"  # the routing claim's dense control
+            assert config.model.preset == ("tiny_dense" if dense else "moe_volatile")
+            assert config.init_checkpoint == "ckpt"
             assert config.train.routing_metrics
             regimes.append((label, ablate.regime_of(config)))
             if setting.startswith("testbed_long"):
@@ -191,7 +220,7 @@ def test_a_verdict_over_starts_and_seeds_with_every_pair():
 
 
 def test_a_check_not_run_or_missing_a_pair_leaves_the_claim_inconclusive():
-    claim = get_claim("routing_replay")
+    claim = FOUR_ARMS
     up = {p: _run(0.6 + 0.01 * i, clip=0.3) for i, p in enumerate(PAIRS)}
     down = {p: _run(0.4 - 0.01 * i, clip=0.003) for i, p in enumerate(PAIRS)}
     # grpo_R3 was not run (--arms): its check is "not run"; every other check holds.
@@ -253,7 +282,7 @@ def test_magistral_no_harm_check_is_an_equivalence_test():
 
 
 def test_exploratory_variants_and_their_directories():
-    claim = get_claim("routing_replay")
+    claim = FOUR_ARMS
     # The regime already says lr 1e-3 and 20 iterations; logging is not what is trained.
     assert reproduce.departures(claim, "testbed", "") == []
     assert reproduce.departures(claim, "testbed", "optim.lr=1e-3,train.num_iterations=20") == []
@@ -429,3 +458,47 @@ def test_a_tiny_claim_runs_over_two_starts_end_to_end_and_resumes(tmp_path, monk
     before = sft_log.read_text()
     again = reproduce.run_claim(claim, workdir, **run)
     assert again["checks"][0]["values"] == check["values"] and sft_log.read_text() == before
+
+
+def test_diff_of_diffs_checks_and_the_routing_claims():
+    """(a - b) - (c - d) at each pair, by hand; the routing claim's dose-response has its
+    per-level checks and the two growth checks; its diagnostic may run from one start."""
+    check = Check("gap grows", "diff_of_diffs", "a", "b", c="c", d="d")
+    runs = {
+        "a": {(0, 0): _run(0.9)},
+        "b": {(0, 0): _run(0.5)},
+        "c": {(0, 0): _run(0.6)},
+        "d": {(0, 0): _run(0.55)},
+    }
+    values, starts, missing = check.values(runs, [(0, 0), (0, 1)])
+    assert values == [pytest.approx(0.35)] and starts == [0] and missing == 1
+    with pytest.raises(ValueError, match="arms c and d go with a 'diff_of_diffs' check"):
+        Check("x", "diff_of_diffs", "a", "b")
+    with pytest.raises(ValueError, match="arms c and d go with a 'diff_of_diffs' check"):
+        Check("x", "diff", "a", "b", c="c", d="d")
+    dose = get_claim("routing_replay")
+    assert len(dose.checks) == 4 * 3 + 2
+    assert {c.kind for c in dose.checks} == {"diff", "gain", "diff_of_diffs"}
+    share = get_claim("routing_share")
+    assert share.diagnostic and share.starts == (0,) and share.regime == dose.regime
+    result = {
+        "summary": {
+            "arms": [
+                {
+                    "runs": [
+                        {
+                            "regime": {**REGIME, "optim.lr": 1e-4},
+                            "routing/ratio_share": 0.625,
+                            "routing/volatility": 0.04,
+                            "pass@1_start": 0.457,
+                            "pass@1_end": 0.6,
+                        }
+                    ]
+                }
+            ]
+        }
+    }
+    assert share.headline(result) == (
+        "routing share 0.625 (volatility 0.0400 over the batch's 4 updates) at lr 0.0001; "
+        "GSPO pass@1 0.457 -> 0.600"
+    )
