@@ -222,8 +222,9 @@ def levers(record: dict, model_config) -> list[tuple[str, str]]:
     mc, inputs, mesh = model_config, record["inputs"], record["mesh"]
     row_devices = mesh["data"] * mesh["fsdp"] * mesh["expert"]
     rows_each = record.get("rows_on_each_device", 1)
-    if record["step"] == "update" and rows_each > 1:
-        tokens = row_devices * inputs["seq_len"]
+    tokens = row_devices * (inputs["seq_len"] or 0)
+    current = record.get("micro_batch_tokens") or 0  # None or 0: no micro-batches
+    if record["step"] == "update" and rows_each > 1 and not 0 < current <= tokens:
         out.append(
             (
                 f"batch.micro_batch_tokens={tokens}",

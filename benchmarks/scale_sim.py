@@ -592,6 +592,7 @@ def depth_plan(args, model) -> tuple[tuple[int, ...], str]:
 
 
 def num_params(setup: Setup) -> int:
+    """The model's parameter count, from the abstract state's shapes."""
     import jax
     import numpy as np
 
@@ -722,6 +723,7 @@ def simulate(args) -> dict:
         record["rows"] = args.rows_per_device * args.devices
         record["rows_on_each_device"] = rows_on_each_device(record["rows"], mesh)
         record["recipe_minibatch_rows"] = b.n_prompts * b.group_size // b.n_minibatches
+        record["micro_batch_tokens"] = b.micro_batch_tokens
     else:
         record["prompt_rows_on_each_device"] = rows_on_each_device(args.prompts, mesh)
         engine = engine_config(args, config, mesh)

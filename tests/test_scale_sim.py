@@ -317,6 +317,9 @@ def test_levers_for_several_rows_and_a_data_axis():
         "model.moe_dispatch=blocked",
         "mesh.fsdp=8,mesh.data=1",  # 40 GiB of state and copies, half of it saved
     ]
+    # Micro-batches of one row per device already: not proposed again.
+    record["micro_batch_tokens"] = 8192
+    assert "batch.micro_batch_tokens=8192" not in dict(scale_fit.levers(record, model))
     # A run whose excess is activations: no fsdp lever while another lever applies.
     record.update(state_gib_per_device=1.0, resident=[], total_gib=500.0)
     assert "mesh.fsdp=8,mesh.data=1" not in dict(scale_fit.levers(record, model))
