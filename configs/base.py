@@ -658,12 +658,21 @@ PAPER_SCALE_REQUIRED = ("sampling.max_new_tokens",)
 # rematerialisation (each layer keeps only its input for the backward: "save_dots" would
 # keep every projection's output, ~2.5 GB per layer of Qwen3-8B at 32k tokens), and
 # `model.attention="auto"`, which is cuDNN's flash attention on GPUs and splash on TPUs
-# (blockwise on CPUs past 1,024 tokens). `benchmarks/scale_sim.py` measures the result.
+# (blockwise on CPUs past 1,024 tokens). MoE presets train with the "blocked" dispatch in
+# blocks of 4,096 token copies: XLA:GPU (and XLA:CPU) run "ragged" as a product over every
+# expert (qwen3_30b_a3b's GSPO update at 32k tokens on 64 devices: 326 GiB per device),
+# and small blocks multiply the per-block copies of the expert weights (blocks of 64:
+# 248 GiB, 1,024: 71, 4,096: 67 at the time); decode steps, a few tokens per expert,
+# keep "ragged" (blocks of 4,096 would pad each expert's tokens to a block). TPUs: set
+# `model.moe_dispatch=megablox`. `benchmarks/scale_sim.py` measures the result.
 PAPER_SCALE_MODEL = {
     "model.dtype": "bfloat16",
     "model.scan_layers": True,
     "model.remat": "full",
     "model.attention": "auto",
+    "model.moe_dispatch": "blocked",
+    "model.moe_block_size": 4096,
+    "model.moe_decode_dispatch": "ragged",
 }
 
 

@@ -190,6 +190,12 @@ def test_every_recipe_builds_at_paper_scale(name):
         "full",
     )
     assert config.model.attention == "auto"
+    # MoE: the blocked dispatch in blocks of 4,096 copies for training, ragged decoding.
+    assert (
+        config.model.moe_dispatch,
+        config.model.moe_block_size,
+        config.model.moe_decode_dispatch,
+    ) == ("blocked", 4096, "ragged")
     assert load(name, variant + ",model.remat=save_dots").model.remat == "save_dots"
 
 

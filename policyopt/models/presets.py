@@ -22,7 +22,8 @@ took 27% less CPU time than with "dense", RESULTS.md, "Fourteenth session").
 moe_7m's blocks hold 128 rows: each block gathers its expert's weights, and at D = F = 256
 (bench_moe, 2048 tokens) blocks of 128 ran the layer 2x faster than blocks of 16 (its
 sampler call 8-11% faster). qwen3_30b_a3b keeps "ragged", the choice on TPUs
-(grouped-matmul kernels).
+(grouped-matmul kernels); ``scale=paper`` trains it with "blocked" in blocks of 4,096 and
+decodes with "ragged" (``configs/base.py``, ``PAPER_SCALE_MODEL``).
   moe_0p5b              ~0.5B total parameters, 32 experts top-4 (accelerator benchmark)
   qwen3_8b              the shape of Qwen3-8B (dense, 36 layers, D=4096, ~8.2B parameters)
   qwen3_30b_a3b         the shape of Qwen3-30B-A3B (48 layers, 128 experts top-8)
