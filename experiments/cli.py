@@ -124,7 +124,9 @@ def user_message(error: BaseException) -> str:
             text = unwrapped if isinstance(unwrapped, str) else text
         except (ValueError, SyntaxError):
             pass
-    unknown = re.match(r"^'([^']+)'\s*\n?(Did you mean .*)?", text, re.S)
+    # ConfigDict's KeyError for a missing field: "'tau_ng'\nDid you mean ...", or the bare
+    # name once unquoted above (a missing section: "optimizer").
+    unknown = re.match(r"^'?([\w.]+)'?\s*(?:\n(Did you mean .*))?$", text, re.S)
     if unknown and isinstance(error, (KeyError, AttributeError)):
         key, hint = unknown.group(1), (unknown.group(2) or "").strip()
         paths = [
@@ -132,9 +134,13 @@ def user_message(error: BaseException) -> str:
             for arg in sys.argv[1:]
             if arg.startswith("--config.")
         ]
-        named = next((p for p in paths if key in p.split(".")), key)
-        hint = f": {hint[0].lower()}{hint[1:]}" if hint else ""
-        text = f"unknown config field {named!r}{hint}"
+        named = next((p for p in paths if key in p.split(".")), None)
+        message = named and base.unknown_field(base.base_config(), named)
+        if message:  # a `--config.X` override naming no field
+            return message
+        if hint or text.startswith("'"):
+            hint = f": {hint[0].lower()}{hint[1:]}" if hint else ""
+            text = f"unknown config field {named or key!r}{hint}"
     return text
 
 

@@ -69,7 +69,26 @@ BAD_VALUES = [
     ("optim__lr", -0.001, r"config\.optim\.lr must be a finite number > 0\.0, got -0\.001"),
     ("optim__lr", float("inf"), r"config\.optim\.lr must be a finite number > 0\.0, got inf"),
     ("optim__lr", float("nan"), r"config\.optim\.lr must be a finite number > 0\.0, got nan"),
-    ("optim__eps", 0.0, r"config\.optim\.eps must be a finite number > 0\.0, got 0\.0"),
+    # Adam's eps below float32's smallest normal number is 0 on the device: every update
+    # divides 0 by 0 and is skipped, and the run ends "successfully".
+    ("optim__eps", 0.0, r"config\.optim\.eps must be a finite number >= 1\.17549\d*e-38"),
+    ("optim__eps", 1e-45, r"config\.optim\.eps must be a finite number >= 1\.17549\d*e-38"),
+    ("reward__num_workers", -1, r"config\.reward\.num_workers must be an int >= 0, got -1"),
+    (
+        "batch__prompt_buckets",
+        (),
+        r"config\.batch\.prompt_buckets must be a non-empty tuple of ints >= 1, got \(\)",
+    ),
+    (
+        "batch__response_buckets",
+        (8, 0),
+        r"config\.batch\.response_buckets must be a non-empty tuple of ints >= 1, got \(8, 0\)",
+    ),
+    (
+        "reward__verifier",
+        "my_rewards.score",
+        r"config\.reward\.verifier must be 'package\.module:function', got 'my_rewards\.score'",
+    ),
     ("optim__warmup_steps", -5, r"config\.optim\.warmup_steps must be an int >= 0, got -5"),
     ("critic__lr", -1e-5, r"config\.critic\.lr must be a finite number > 0"),
     ("sft__lr", 0.0, r"config\.sft\.lr must be a finite number > 0"),
@@ -219,7 +238,18 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, cli):
     )
     assert out.returncode == 2
     assert out.stderr.splitlines()[0] == (
-        'error: unknown config field \'algo.tau_ng\': did you mean "tau_neg" instead of "tau_ng"?'
+        "error: unknown config field 'algo.tau_ng' (did you mean 'algo.tau_neg'?)"
+    )
+    # A section that does not exist (this printed "error: optimizer").
+    out = cli(
+        "experiments.train",
+        "--config",
+        "configs/sapo.py",
+        f"--workdir={workdir}",
+        "--config.optimizer.lr=1e-3",
+    )
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == (
+        "error: unknown config field 'optimizer.lr': no section 'optimizer' (did you mean 'optim'?)"
     )
     out = cli(
         "experiments.train",
