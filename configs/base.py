@@ -694,10 +694,27 @@ PAPER_SCALE_MODEL = {
 }
 
 
+def check_variant_fields(arg: str | None) -> None:
+    """Raises a ValueError naming a field that the variant string `arg` sets twice
+    (`model=NAME` sets `model.preset`): in a string a user types, the later value would
+    silently win. `apply_variant` itself lets a later item override an earlier one, as
+    composed variants need (`experiments/ablate.py`: an arm's, then the command line's)."""
+    named = set()
+    for item in split_variant(arg or ""):
+        key = item.split("=", 1)[0].strip()
+        field = "model.preset" if key == "model" else key
+        if field in named:
+            raise ValueError(
+                f"config variant {arg!r}: {field} is given twice (name each field once)"
+            )
+        named.add(field)
+
+
 def apply_variant(
     config: ml_collections.ConfigDict, arg: str | None, paper: dict | None = None
 ) -> ml_collections.ConfigDict:
-    """Applies a variant string `key=value,key=value` (see the module docstring).
+    """Applies a variant string `key=value,key=value` (see the module docstring); a later
+    item overrides an earlier one (`check_variant_fields` refuses that in a user's string).
 
     Args:
       config: the config to change in place.
@@ -711,12 +728,7 @@ def apply_variant(
         if "=" not in item:
             raise ValueError(f"config variant {item!r} is not key=value (in {arg!r})")
         key, text = (s.strip() for s in item.split("=", 1))
-        field = "model.preset" if key == "model" else key
-        if field in named:  # the later value would silently win
-            raise ValueError(
-                f"config variant {arg!r}: {field} is given twice (name each field once)"
-            )
-        named.add(field)
+        named.add(key)
         if key == "model":
             config.model.preset = text
         elif key == "scale":
@@ -1022,13 +1034,16 @@ def check(config: ml_collections.ConfigDict) -> None:
 
 
 def _library_choices() -> dict[str, tuple]:
-    """The values of the fields whose choices the library's modules define: the advantage
-    estimator, its centring and scaling (`policyopt.advantages`; "minibatch" is Magistral's
-    scaling, applied per minibatch by the trainer) and the rollout correction's levels
-    (`policyopt.losses`). Imported here: the configs stay importable without JAX."""
+    """The values of the fields whose choices the library's modules define: the model
+    preset (`policyopt.models.presets`), the advantage estimator, its centring and scaling
+    (`policyopt.advantages`; "minibatch" is Magistral's scaling, applied per minibatch by
+    the trainer) and the rollout correction's levels (`policyopt.losses`). Imported here:
+    the configs stay importable without JAX."""
     from policyopt import advantages, losses
+    from policyopt.models.presets import PRESETS
 
     return {
+        "model.preset": tuple(sorted(PRESETS)),
         "algo.advantage": advantages.ESTIMATORS,
         "algo.adv_center": advantages.CENTERS,
         "algo.adv_scale": advantages.SCALES + ("minibatch",),

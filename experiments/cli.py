@@ -94,6 +94,8 @@ def config_given() -> bool:
 def final_config():
     """The config after the recipe, its variant and every `--config.X` override, checked
     (``configs.base.check``) before anything is built or written."""
+    if not config_given():
+        raise UsageError("--config is required (a recipe file, e.g. configs/sapo.py)")
     config = _holder.value
     base.check(config)
     return config
@@ -146,7 +148,8 @@ def user_message(error: BaseException) -> str:
 
 def _check_config_path(argv) -> None:
     """A missing recipe file is named first (config_flags defers its error until the
-    config is read, and then reports it under the first override)."""
+    config is read, and then reports it under the first override), and a field its
+    variant string names twice."""
     for i, arg in enumerate(argv):
         value = None
         if arg.startswith("--config="):
@@ -154,9 +157,13 @@ def _check_config_path(argv) -> None:
         elif arg == "--config" and i + 1 < len(argv):
             value = argv[i + 1]
         if value is not None:
-            path = value.split(":", 1)[0]
+            path, _, variant = value.partition(":")
             if not os.path.isfile(path):
                 _fail(f"config file not found: {path!r} (--config={value})", 2)
+            try:
+                base.check_variant_fields(variant)
+            except ValueError as error:
+                _fail(str(error), 2)
 
 
 def _fail(message: str, status: int) -> None:
@@ -164,6 +171,28 @@ def _fail(message: str, status: int) -> None:
     if "--verbose" not in sys.argv:
         print("(rerun with --verbose for the traceback)", file=sys.stderr)
     sys.exit(status)
+
+
+def usage() -> str:
+    """The running script's command lines (the first indented block of its docstring) and
+    where to find every flag."""
+    module = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = module.name if module else os.path.basename(sys.argv[0])
+    doc = getattr(sys.modules.get("__main__"), "__doc__", None) or ""
+    examples = []
+    for line in doc.splitlines()[1:]:
+        if line.startswith("    "):
+            examples.append(line.rstrip())
+        elif examples:
+            break
+    return "\n".join(["usage:", *examples, f"(python -m {name} --helpshort lists every flag)"])
+
+
+def _usage_fail(error: Exception) -> None:
+    """A missing or contradictory flag: the usage, the error, status 2."""
+    print(usage(), file=sys.stderr)
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _parse(argv):
@@ -180,6 +209,8 @@ def _parse(argv):
     except (flags.Error, *USER_ERRORS) as error:
         if verbose:
             raise
+        if isinstance(error, flags.Error):  # an unknown, missing or malformed flag
+            _usage_fail(error)
         _fail(user_message(error), 2)
 
 
@@ -202,6 +233,8 @@ def run(main) -> None:
         except USER_ERRORS as error:  # the command line or the config: status 2
             if _VERBOSE.value:
                 raise
+            if isinstance(error, UsageError):
+                _usage_fail(error)
             _fail(user_message(error), 2)
         try:
             return main(argv)
@@ -213,7 +246,9 @@ def run(main) -> None:
         except USER_ERRORS + RUN_ERRORS as error:  # while building or running
             if _VERBOSE.value:
                 raise
-            _fail(user_message(error), 2 if isinstance(error, UsageError) else 1)
+            if isinstance(error, UsageError):
+                _usage_fail(error)
+            _fail(user_message(error), 1)
 
     app.run(wrapped, flags_parser=_parse)
 

@@ -1,4 +1,4 @@
-"""RL training from a recipe config.
+r"""RL training from a recipe config.
 
     python -m experiments.train --config configs/sapo.py --workdir runs/sapo
     python -m experiments.train --config configs/grpo.py:model=tiny_dense \

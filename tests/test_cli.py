@@ -73,6 +73,7 @@ BAD_VALUES = [
     # divides 0 by 0 and is skipped, and the run ends "successfully".
     ("optim__eps", 0.0, r"config\.optim\.eps must be a finite number >= 1\.17549\d*e-38"),
     ("optim__eps", 1e-45, r"config\.optim\.eps must be a finite number >= 1\.17549\d*e-38"),
+    ("model__preset", "qwen3_9b", r"config\.model\.preset must be one of \(.*'qwen3_8b'"),
     ("reward__num_workers", -1, r"config\.reward\.num_workers must be an int >= 0, got -1"),
     (
         "batch__prompt_buckets",
@@ -240,6 +241,17 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, cli):
     assert out.stderr.splitlines()[0] == (
         "error: unknown config field 'algo.tau_ng' (did you mean 'algo.tau_neg'?)"
     )
+    # A field given twice in the recipe string (the later value won silently).
+    out = cli(
+        "experiments.train",
+        "--config",
+        "configs/sapo.py:optim.lr=1e-3,algo.tau_neg=1.1,optim.lr=1e-2",
+        f"--workdir={workdir}",
+    )
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == (
+        "error: config variant 'optim.lr=1e-3,algo.tau_neg=1.1,optim.lr=1e-2': optim.lr is "
+        "given twice (name each field once)"
+    )
     # A section that does not exist (this printed "error: optimizer").
     out = cli(
         "experiments.train",
@@ -270,6 +282,24 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, cli):
     )
     assert out.returncode != 0 and "Traceback" in out.stderr  # --verbose keeps it
     assert not workdir.exists()
+
+
+def test_no_flags_prints_the_usage(cli):
+    # This ended in "TypeError: 'NoneType' object is not subscriptable".
+    for module in ("experiments.train", "experiments.sft"):
+        out = cli(module)
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.splitlines()
+        assert lines[0] == "usage:" and lines[1].startswith(f"    python -m {module} --config")
+        assert lines[-2] == f"(python -m {module} --helpshort lists every flag)"
+        assert lines[-1] == "error: --config is required (a recipe file, e.g. configs/sapo.py)"
+        assert "Traceback" not in out.stderr and out.stdout == ""
+    out = cli("experiments.eval")
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == "usage:"
+    assert out.stderr.splitlines()[-1] == "error: --workdir is required (the run directory)"
+    out = cli("experiments.train", "--config", "configs/sapo.py")
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == "usage:"
+    assert out.stderr.splitlines()[-1] == "error: --workdir is required (the run directory)"
 
 
 def test_help_print_config_and_dry_run_exit_zero(tmp_path, cli):

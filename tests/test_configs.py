@@ -302,10 +302,14 @@ def test_a_field_given_twice_or_a_misspelled_section_in_a_variant_is_named():
         ("algo.tau_neg=1.1, algo.tau_neg =1.2", "algo.tau_neg"),
     ):
         with pytest.raises(ValueError) as error:
-            load("sapo", variant)
+            base.check_variant_fields(variant)  # the command line's --config (tests/test_cli.py)
         assert str(error.value) == (
             f"config variant {variant!r}: {field} is given twice (name each field once)"
         )
+    base.check_variant_fields("model=tiny_dense,optim.lr=1e-3,algo.tau_neg=1.1")
+    # Composed variants (experiments/ablate.py: an arm's, then the command line's): the
+    # later value wins.
+    assert load("sapo", "optim.lr=1e-3,optim.lr=2e-3").optim.lr == 2e-3
     # A section that does not exist: named, with the closest section when there is one, or
     # the list of sections; a field of a section: its closest field.
     with pytest.raises(KeyError) as error:

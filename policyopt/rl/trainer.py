@@ -184,12 +184,15 @@ def make_prompt_iterator(config, records, *, seed: int):
     return iter(pipeline)
 
 
-def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
+def build_run(config, workdir: str, *, check_config: bool = True, lock: bool = False) -> RLRun:
     """Builds the mesh, model, learner, data and the initial state (placed on the mesh);
     restores the latest checkpoint of ``workdir/checkpoints`` when there is one, onto the
     same shardings (refusing one saved under another config unless ``check_config`` is
-    False: see ``restore``)."""
-    os.makedirs(workdir, exist_ok=True)
+    False: see ``restore``).
+
+    Nothing is written until everything that can be checked has been (the mesh's devices,
+    files, model, data, evaluation prompts, verifier): only then is ``workdir`` created
+    (and, with ``lock``, locked: ``lock_workdir``) and ``checkpoints/`` opened."""
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
     model = build.make_model(config, tokenizer.vocab_size, mesh)
@@ -222,9 +225,6 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
         num_samples=config.batch.group_size,
         decode_segments=s.decode_segments,
     )
-    checkpointer = Checkpointer(
-        os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints
-    )
     engine = None
     if s.engine_kv_tokens > 0:
         engine = Engine.from_config(config, model, graphdef, mesh, sampling_config)
@@ -252,6 +252,12 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
             else 0
         ),
         reward_model_iterations=config.critic.reward_model_iterations if critic else 0,
+    )
+    if lock:
+        lock_workdir(workdir)  # one process per workdir: a second is refused in one line
+    os.makedirs(workdir, exist_ok=True)
+    checkpointer = Checkpointer(
+        os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints
     )
     run = RLRun(
         spec=spec,
@@ -440,8 +446,8 @@ def run_rl(
       "eval_history" (list), "run" (the RLRun), "interrupted" (signal name or None)}``.
     """
     total = config.train.num_iterations if num_iterations is None else num_iterations
-    lock_workdir(workdir)  # one process per workdir: a second is refused in one line
-    run = build_run(config, workdir)
+    with build.undo_workdir_on_failure(workdir):  # a failed build leaves nothing behind
+        run = build_run(config, workdir, lock=True)
     loop = RunLoop(run, total, quiet=quiet, recipe=recipe)
     try:
         loop.begin()
