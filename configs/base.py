@@ -511,8 +511,9 @@ def base_config() -> ml_collections.ConfigDict:
     # row were skipped by the non-finite guard (loss, gradient, new parameters or optimiser
     # state not finite): such a run learns nothing more.
     c.train.max_skipped_updates = 10
-    # Every K iterations (0 = never), the completions of the batch's first `sample_prompts`
-    # prompts (with rewards and verdicts) go to samples.jsonl and TensorBoard text.
+    # At iteration 1 and every K iterations (K, 2K, ...; 0 = never), the completions of the
+    # batch's first `sample_prompts` prompts (with rewards and verdicts) go to
+    # samples.jsonl and TensorBoard text.
     c.train.sample_every = 10
     c.train.sample_prompts = 2
     # Warn after this many iterations in a row with no informative group (every group's

@@ -505,7 +505,7 @@ def test_run_logs_samples_banner_and_stops_with_a_checkpoint_on_sigterm(
     workdir = str(tmp_path / "run")
     config = load(
         "sapo",
-        TINY + ",train.num_iterations=3,train.sample_every=1,"
+        TINY + ",train.num_iterations=3,train.sample_every=10,"
         "train.sample_prompts=1,train.checkpoint_every=100,train.eval_every=1,"
         "train.zero_variance_patience=1",
     )
@@ -529,6 +529,8 @@ def test_run_logs_samples_banner_and_stops_with_a_checkpoint_on_sigterm(
     assert f"SIGTERM: stopped at iteration 1; checkpoint {workdir}/checkpoints/1" in out.out
     assert "no informative group in the last 1 iterations" in out.err  # a random policy
     assert signal.getsignal(signal.SIGTERM) is handler  # restored
+    # Samples at the first iteration, then every train.sample_every (10; a 3-iteration
+    # run's samples.jsonl was empty).
     rows = [json.loads(line) for line in open(os.path.join(workdir, "samples.jsonl"))]
     assert len(rows) == 4 and {r["step"] for r in rows} == {1}  # 1 prompt x G = 4
     assert {"prompt", "completion", "reward", "correct", "status", "reference"} <= set(rows[0])
@@ -552,3 +554,5 @@ def test_run_logs_samples_banner_and_stops_with_a_checkpoint_on_sigterm(
     assert "pass@1 0.000 (it 1)" in line  # the resumed run evaluated iteration 1 first
     evals = [json.loads(line) for line in open(os.path.join(workdir, "eval_samples.jsonl"))]
     assert [sum(e["step"] == step for e in evals) for step in (0, 1, 2, 3)] == [8, 8, 8, 8]
+    rows = [json.loads(line) for line in open(os.path.join(workdir, "samples.jsonl"))]
+    assert {r["step"] for r in rows} == {1}  # not at 2 or 3: the next is iteration 10

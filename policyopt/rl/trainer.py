@@ -603,11 +603,12 @@ class RunLoop:
         return result
 
     def _log_samples(self) -> None:
-        """Every ``train.sample_every`` iterations, the first ``train.sample_prompts``
-        prompts' completions with rewards and verdicts: samples.jsonl, TensorBoard text,
-        and one of them on the console."""
+        """At iteration 1 and every ``train.sample_every`` iterations (K, 2K, ...), the
+        first ``train.sample_prompts`` prompts' completions with rewards and verdicts:
+        samples.jsonl, TensorBoard text, and one of them on the console."""
         run, train = self.run, self.config.train
-        due = train.sample_every and run.iteration % train.sample_every == 0
+        every = train.sample_every
+        due = every and (run.iteration == 1 or run.iteration % every == 0)
         if not (due and run.last_samples):
             return
         rows = report.sample_rows(
