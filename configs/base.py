@@ -240,7 +240,8 @@ def base_config() -> ml_collections.ConfigDict:
     # in float32 inside the jitted step, then one optimiser step. The result is the
     # minibatch's (its denominators; `policyopt.rl.micro_batches`), the memory one
     # micro-batch's. At least the longest row, max(prompt_buckets) + max_new_tokens.
-    # None or 0: one pass over the minibatch.
+    # With algo.load_balancing_coef > 0 and no routing replay, one more forward pass per
+    # update counts the minibatch's expert loads first. None or 0: one pass.
     c.batch.micro_batch_tokens = placeholder(int)
 
     # ---- Sampling -----------------------------------------------------------------------
