@@ -66,6 +66,12 @@ def _cases(tmp_path):
             "twice.jsonl:1: invalid JSON \\(duplicate key 'answer'\\)",
         ),
         (
+            jsonl + f",task.train_file={_rows(tmp_path / 'fields.jsonl', [{'q': '1+1='}])!r}",
+            MalformedRowError,
+            r"fields.jsonl:1: missing question field: none of \['question', 'problem', "
+            r"'prompt'\] present \(fields: \['q'\]\)",
+        ),
+        (
             ",reward.verifier='no_such_module_here:score'",
             ValueError,
             "config.reward.verifier='no_such_module_here:score': cannot import",
