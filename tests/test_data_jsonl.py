@@ -155,7 +155,7 @@ def test_extract_rules():
         (
             '{"question": "q", "answer": "1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
             JsonlConfig(),
-            "invalid JSON \\(nested too deeply",
+            "invalid JSON \\(nested deeper than Python.s recursion limit",
         ),
     ],
 )

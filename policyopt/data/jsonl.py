@@ -361,7 +361,7 @@ def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
         raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from None
     except RecursionError:
         raise ValueError(
-            f"invalid JSON (nested too deeply: more than {sys.getrecursionlimit()} levels)"
+            f"invalid JSON (nested deeper than Python's recursion limit, {sys.getrecursionlimit()})"
         ) from None
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
