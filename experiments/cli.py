@@ -176,8 +176,8 @@ def _fail(message: str, status: int) -> None:
 def usage() -> str:
     """The running script's command lines (the first indented block of its docstring) and
     where to find every flag."""
-    module = getattr(sys.modules.get("__main__"), "__spec__", None)
-    name = module.name if module else os.path.basename(sys.argv[0])
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    command = f"python -m {spec.name}" if spec else f"python {sys.argv[0]}"
     doc = getattr(sys.modules.get("__main__"), "__doc__", None) or ""
     examples = []
     for line in doc.splitlines()[1:]:
@@ -185,7 +185,7 @@ def usage() -> str:
             examples.append(line.rstrip())
         elif examples:
             break
-    return "\n".join(["usage:", *examples, f"(python -m {name} --helpshort lists every flag)"])
+    return "\n".join(["usage:", *examples, f"({command} --helpshort lists every flag)"])
 
 
 def _usage_fail(error: Exception) -> None:
