@@ -106,7 +106,8 @@ class EngineConfig:
     # prefill gathers; on moe_7m it ties the gather in the uniform case (3.85 s against
     # 3.93) and beats it on the long-tailed mix (22.9 s against 34.3; benchmarks/
     # RESULTS.md, "Eighteenth session"), at the cost of compiling up to one decode program
-    # per bucket of held pages (held_page_bucket). "pallas" on TPUs.
+    # per bucket of held pages (held_page_bucket). "pallas" on TPUs, bfloat16 pools only
+    # (JAX's kernel reads pages as bfloat16).
     attention: str = "pool"
     # Decode steps per jitted call between the host's hand-outs and admissions.
     steps_per_call: int = 16

@@ -55,6 +55,7 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
 
   6. Auxiliary outputs over the valid (non-padding) tokens:
        tokens_per_expert c_e = number of copies routed to e            [E]
+       router_prob_sum = sum_n p_ne (N_valid P_e below)                [E]
        load-balancing loss = E * sum_e f_e P_e, f_e = c_e / (N_valid k),
          P_e = mean_n p_ne   (Switch Transformer eq. 4; 1 at perfect balance; the
          Transformer reports its mean over the MoE layers. Not the scale of transformers'

@@ -59,7 +59,10 @@ Attention over pages (``attend``):
     products read it: the engine carries per-layer pools.
   * ``"pallas"`` (TPUs, one-token decode only): the kernel that ships with JAX; prefill
     (T > 1) uses the gather. On a CPU it runs in Pallas' TPU interpret mode
-    (``jax.experimental.pallas.tpu.force_tpu_interpret_mode``), which the tests use.
+    (``jax.experimental.pallas.tpu.force_tpu_interpret_mode``), which the tests use. The
+    kernel reads every K and V page as bfloat16 whatever the pool's dtype (it takes no
+    dtype), so it takes bfloat16 pools only: a float32 pool is refused when the cache is
+    created (it would decode at bfloat16 precision, log-probs ~1e-2 off per step).
 
 Shards. ``shards = S`` splits the pool into S pools of NP / S pages, each serving R / S
 rows (rows ``s R/S .. (s+1) R/S - 1`` use pool s; page ids in the table are local to a
@@ -152,7 +155,8 @@ class PagedKVCache:
           page_size: ps, token slots per page.
           max_pages: pages one row may hold (its longest sequence / ps, rounded up).
           dtype: pool dtype (default: the model's compute dtype).
-          attention: "gather", "online", "pallas" or "pool".
+          attention: "gather", "online", "pallas" or "pool" ("pallas": bfloat16 pools
+            only, see the module docstring).
           shards: S pools of NP / S pages for R / S rows each.
           shared_refs: "pool" attention's chunk of shared references (see the class).
           per_layer: the pools as tuples of L per-layer arrays (see the module docstring).
@@ -175,6 +179,13 @@ class PagedKVCache:
                 f"rows ({rows}) and num_pages ({num_pages}) must be multiples of shards ({shards})"
             )
         dtype = jnp.dtype(dtype) if dtype is not None else config.compute_dtype
+        if attention == "pallas" and dtype != jnp.bfloat16:
+            raise ValueError(
+                f"attention='pallas' needs a bfloat16 pool, got {jnp.dtype(dtype).name}: JAX's "
+                "TPU paged-attention kernel reads every K and V page as bfloat16, so a wider "
+                "pool would decode at bfloat16 precision (log-probs ~1e-2 off per step); pass "
+                "dtype=bfloat16 (a bfloat16 model's default) or use attention='pool'"
+            )
         local = num_pages // shards
         shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
         if per_layer:

@@ -184,14 +184,19 @@ def make_prompt_iterator(config, records, *, seed: int):
     return iter(pipeline)
 
 
-def build_run(config, workdir: str, *, check_config: bool = True, owner: bool = True) -> RLRun:
+def build_run(
+    config, workdir: str, *, check_config: bool = True, lock: bool = False, owner: bool = True
+) -> RLRun:
     """Builds the mesh, model, learner, data and the initial state (placed on the mesh);
     restores the latest readable checkpoint of ``workdir/checkpoints`` when there is one,
     onto the same shardings (refusing one saved under another config unless
     ``check_config`` is False: see ``restore``). ``owner``: the run will save there (its
     ``Checkpointer``'s ``owner``: corrupt checkpoints skipped are moved aside); False for a
-    reader such as ``experiments/eval.py``."""
-    os.makedirs(workdir, exist_ok=True)
+    reader such as ``experiments/eval.py``.
+
+    Nothing is written until everything that can be checked has been (the mesh's devices,
+    files, model, data, evaluation prompts, verifier): only then is ``workdir`` created
+    (and, with ``lock``, locked: ``lock_workdir``) and ``checkpoints/`` opened."""
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
     model = build.make_model(config, tokenizer.vocab_size, mesh)
@@ -224,11 +229,6 @@ def build_run(config, workdir: str, *, check_config: bool = True, owner: bool = 
         num_samples=config.batch.group_size,
         decode_segments=s.decode_segments,
     )
-    checkpointer = Checkpointer(
-        os.path.join(workdir, "checkpoints"),
-        max_to_keep=config.train.keep_checkpoints,
-        owner=owner,
-    )
     engine = None
     if s.engine_kv_tokens > 0:
         engine = Engine.from_config(config, model, graphdef, mesh, sampling_config)
@@ -256,6 +256,14 @@ def build_run(config, workdir: str, *, check_config: bool = True, owner: bool = 
             else 0
         ),
         reward_model_iterations=config.critic.reward_model_iterations if critic else 0,
+    )
+    if lock:
+        lock_workdir(workdir)  # one process per workdir: a second is refused in one line
+    os.makedirs(workdir, exist_ok=True)
+    checkpointer = Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        max_to_keep=config.train.keep_checkpoints,
+        owner=owner,
     )
     run = RLRun(
         spec=spec,
@@ -450,8 +458,8 @@ def run_rl(
       "eval_history" (list), "run" (the RLRun), "interrupted" (signal name or None)}``.
     """
     total = config.train.num_iterations if num_iterations is None else num_iterations
-    lock_workdir(workdir)  # one process per workdir: a second is refused in one line
-    run = build_run(config, workdir)
+    with build.undo_workdir_on_failure(workdir):  # a failed build leaves nothing behind
+        run = build_run(config, workdir, lock=True)
     loop = RunLoop(run, total, quiet=quiet, recipe=recipe)
     try:
         loop.begin()
@@ -645,11 +653,12 @@ class RunLoop:
         return result
 
     def _log_samples(self) -> None:
-        """Every ``train.sample_every`` iterations, the first ``train.sample_prompts``
-        prompts' completions with rewards and verdicts: samples.jsonl, TensorBoard text,
-        and one of them on the console."""
+        """At iteration 1 and every ``train.sample_every`` iterations (K, 2K, ...), the
+        first ``train.sample_prompts`` prompts' completions with rewards and verdicts:
+        samples.jsonl, TensorBoard text, and one of them on the console."""
         run, train = self.run, self.config.train
-        due = train.sample_every and run.iteration % train.sample_every == 0
+        every = train.sample_every
+        due = every and (run.iteration == 1 or run.iteration % every == 0)
         if not (due and run.last_samples):
             return
         rows = report.sample_rows(
