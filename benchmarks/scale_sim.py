@@ -49,11 +49,12 @@ the preset's depth L is extrapolated from compiles at 1 and 2 layers,
 layers add their buffers linearly, and the compile time grows with the depth (qwen3_8b's
 update at 8k tokens on 8 devices: ~40 s for 1, 2 or 4 layers, 67 s for 12, 270 s for all
 36 on a loaded 2-core machine; the 36-layer peak compiled whole, 710.75 GiB, is 0.03% from
-the extrapolated 710.55; benchmarks/RESULTS.md). ``--full-depth`` compiles the whole model
-(with scanned layers it costs about one layer's time); ``tests/test_scale_sim.py`` checks
-the extrapolation against it on a small model. ``collectives``: the collective ops of
-the optimized program, counted by kind with their result sizes (static: an op inside a
-loop body counts once, however often the loop runs), from the largest compile made.
+the extrapolated 710.55; benchmarks/HISTORY.md "2026-12-02: scale_sim baseline").
+``--full-depth`` compiles the whole model (with scanned layers it costs about one layer's
+time); ``tests/test_scale_sim.py`` checks the extrapolation against it on a small model.
+``collectives``: the collective ops of the optimized program, counted by kind with their
+result sizes (static: an op inside a loop body counts once, however often the loop runs),
+from the largest compile made.
 
 What XLA:CPU's figures predict for GPUs and TPUs, and what they do not:
 - They are the program's buffers as XLA:CPU's buffer assignment lays them out: which
@@ -71,7 +72,8 @@ What XLA:CPU's figures predict for GPUs and TPUs, and what they do not:
   gather, scatter, select, dynamic-(update-)slice and collective: XLA:CPU's
   ``float-normalization-bf16`` pass rewrites each into float32 (qwen3_30b_a3b at 32k
   tokens: the scan's saved residual stream, bf16[48, 1, 32768, 2048], gets a 12 GiB
-  float32 copy before the backward loop; benchmarks/RESULTS.md, fourteenth session).
+  float32 copy before the backward loop; benchmarks/HISTORY.md "2026-12-02: expert
+  parallelism at 32k tokens").
 - XLA:CPU has no pass that turns an all-reduce followed by a slice into a reduce-scatter
   (XLA's GPU pipeline has one): a gradient whose FSDP reduction is left to the SPMD
   partitioner shows here as a full-size all-reduce; an explicit reduce-scatter (every
