@@ -258,8 +258,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Decode loops over growing KV caches (`SamplingConfig.decode_segments`): loop k of K
     # attends over P + (k+1) N/K slots instead of P + N. The same tokens up to float
     # rounding; each loop is one more compiled body. CPU, a 7M dense model, 16 prompts of
-    # 32 + 512 tokens: K = 4 -17%, K = 8 -22% per call (benchmarks/RESULTS.md); 1 for short
-    # responses like the demo's. Synchronous generation only (the async generator keeps
+    # 32 + 512 tokens: K = 4 -17%, K = 8 -22% per call (benchmarks/HISTORY.md, 2026-11-30); 1 for
+    # short responses like the demo's. Synchronous generation only (the async generator keeps
     # its own windowed cache).
     c.sampling.decode_segments = 1
     # Continuous batching (`policyopt.engine`) on a paged KV cache instead of one

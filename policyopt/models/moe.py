@@ -11,7 +11,7 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
   4. Gate weights    g_j = p[e_j]  and, if norm_topk_prob, g_j /= sum_j g_j
      (= softmax of z over the k selected experts). Always recomputed from the *current*
      logits, so under replay the router still receives gradient through g.
-  5. Experts         y = sum_j g_j * SwiGLU_{e_j}(x)   via one of five dispatches:
+  5. Experts         y = sum_j g_j * SwiGLU_{e_j}(x)   via one of six dispatches:
 
      ragged (dropless, default; MegaBlocks / MaxText "sparse matmul"):
        a. flatten the N*k token copies, argsort them by expert id (stable)

@@ -520,8 +520,9 @@ class RunLoop:
                 ),
                 flush=True,
             )
-        for warning in report.advisories(config):
+        for warning in report.advisories(config, report.user_fields(recipe)):
             self._warn(warning)
+        self.short_lambda_checked = False  # report.short_lambda_warning, once per run
         if primary:
             with open(os.path.join(workdir, "config.json"), "w") as f:
                 f.write(config.to_json_best_effort(indent=2, sort_keys=True))
@@ -695,6 +696,16 @@ class RunLoop:
                 "run) or a denser reward."
             )
 
+    def _watch_lambda(self) -> None:
+        """Warns once when the first batch's responses keep a length-adaptive lambda near 0
+        (``report.short_lambda_warning``)."""
+        if self.short_lambda_checked or self.run.last_round is None:
+            return
+        self.short_lambda_checked = True
+        warning = report.short_lambda_warning(self.config, self.run.last_round.mask.sum(axis=1))
+        if warning:
+            self._warn(warning)
+
     @property
     def last_eval(self) -> dict:
         return self.run.last_eval
@@ -711,6 +722,9 @@ class RunLoop:
             self.evaluate()
         self._poll_stop()
         if self.console and run.iteration < self.total and not self.stopping:
+            phase = report.critic_phase(self.config, run.iteration)
+            if phase:
+                print(phase, flush=True)
             print(
                 f"iteration {run.iteration + 1}: compiling the sampler and the update steps "
                 "(the first iteration's time includes compilation) ...",
@@ -742,6 +756,10 @@ class RunLoop:
             self.progress.update(run.iteration, shown, suffix=suffix)
         self._log_samples()
         self._watch_informative(metrics)
+        self._watch_lambda()
+        phase = report.critic_phase(self.config, run.iteration, metrics)
+        if phase and self.console:
+            print(phase, flush=True)
         self._poll_stop()
         final = run.iteration == self.total
         every = train.eval_every
