@@ -240,7 +240,8 @@ def base_config() -> ml_collections.ConfigDict:
     # in float32 inside the jitted step, then one optimiser step. The result is the
     # minibatch's (its denominators; `policyopt.rl.micro_batches`), the memory one
     # micro-batch's. At least the longest row, max(prompt_buckets) + max_new_tokens.
-    # None or 0: one pass over the minibatch.
+    # With algo.load_balancing_coef > 0 and no routing replay, one more forward pass per
+    # update counts the minibatch's expert loads first. None or 0: one pass.
     c.batch.micro_batch_tokens = placeholder(int)
 
     # ---- Sampling -----------------------------------------------------------------------
@@ -257,8 +258,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Decode loops over growing KV caches (`SamplingConfig.decode_segments`): loop k of K
     # attends over P + (k+1) N/K slots instead of P + N. The same tokens up to float
     # rounding; each loop is one more compiled body. CPU, a 7M dense model, 16 prompts of
-    # 32 + 512 tokens: K = 4 -17%, K = 8 -22% per call (benchmarks/RESULTS.md); 1 for short
-    # responses like the demo's. Synchronous generation only (the async generator keeps
+    # 32 + 512 tokens: K = 4 -17%, K = 8 -22% per call (benchmarks/HISTORY.md, 2026-11-30); 1 for
+    # short responses like the demo's. Synchronous generation only (the async generator keeps
     # its own windowed cache).
     c.sampling.decode_segments = 1
     # Continuous batching (`policyopt.engine`) on a paged KV cache instead of one
@@ -518,8 +519,9 @@ def base_config() -> ml_collections.ConfigDict:
     # row were skipped by the non-finite guard (loss, gradient, new parameters or optimiser
     # state not finite): such a run learns nothing more.
     c.train.max_skipped_updates = 10
-    # Every K iterations (0 = never), the completions of the batch's first `sample_prompts`
-    # prompts (with rewards and verdicts) go to samples.jsonl and TensorBoard text.
+    # At iteration 1 and every K iterations (K, 2K, ...; 0 = never), the completions of the
+    # batch's first `sample_prompts` prompts (with rewards and verdicts) go to
+    # samples.jsonl and TensorBoard text.
     c.train.sample_every = 10
     c.train.sample_prompts = 2
     # Warn after this many iterations in a row with no informative group (every group's
@@ -614,16 +616,45 @@ def _parse_value(text: str):
         return text
 
 
+def unknown_field(config: ml_collections.ConfigDict, path: str) -> str | None:
+    """The one-line error for a dotted field that ``config`` does not have, with the
+    closest name (``unknown config field 'optimizer.lr': no section 'optimizer' (did you
+    mean 'optim'?)``), or None when the field exists."""
+    import difflib
+
+    parts, node = path.split("."), config
+    for i, part in enumerate(parts):
+        is_section = i < len(parts) - 1
+        if not isinstance(node, ml_collections.ConfigDict):
+            return f"unknown config field {path!r}: {'.'.join(parts[:i])} is a field, not a section"
+        if part in node and (not is_section or isinstance(node[part], ml_collections.ConfigDict)):
+            node = node[part]
+            continue
+        names = [
+            key
+            for key in node.keys()
+            if not is_section or isinstance(node[key], ml_collections.ConfigDict)
+        ]
+        close = difflib.get_close_matches(part, names, n=1)
+        prefix = ".".join(parts[:i] + [""])
+        if not is_section:
+            hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
+            return f"unknown config field {path!r}{hint}"
+        hint = f"did you mean {prefix + close[0]!r}?" if close else "sections: " + ", ".join(names)
+        return f"unknown config field {path!r}: no section {prefix + part!r} ({hint})"
+    return None
+
+
 def set_field(config: ml_collections.ConfigDict, path: str, value) -> None:
-    """Sets a dotted field, raising a KeyError that names it when it does not exist."""
+    """Sets a dotted field, raising a KeyError that names it (``unknown_field``) when it
+    does not exist."""
+    message = unknown_field(config, path)
+    if message is not None:
+        raise KeyError(message)
     *parents, name = path.split(".")
     node = config
-    for i, part in enumerate(parents):
-        if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
-            raise KeyError(f"unknown config field {'.'.join(parents[: i + 1])!r} (in {path!r})")
+    for part in parents:
         node = node[part]
-    if name not in node:
-        raise KeyError(f"unknown config field {path!r}")
     node[name] = value
 
 
@@ -663,19 +694,45 @@ PAPER_SCALE_REQUIRED = ("sampling.max_new_tokens",)
 # rematerialisation (each layer keeps only its input for the backward: "save_dots" would
 # keep every projection's output, ~2.5 GB per layer of Qwen3-8B at 32k tokens), and
 # `model.attention="auto"`, which is cuDNN's flash attention on GPUs and splash on TPUs
-# (blockwise on CPUs past 1,024 tokens). `benchmarks/scale_sim.py` measures the result.
+# (blockwise on CPUs past 1,024 tokens). MoE presets train with the "blocked" dispatch in
+# blocks of 4,096 token copies: XLA:GPU (and XLA:CPU) run "ragged" as a product over every
+# expert (qwen3_30b_a3b's GSPO update at 32k tokens on 64 devices: 326 GiB per device),
+# and small blocks multiply the per-block copies of the expert weights (blocks of 64:
+# 248 GiB, 1,024: 71, 4,096: 67 at the time); decode steps, a few tokens per expert,
+# keep "ragged" (blocks of 4,096 would pad each expert's tokens to a block). TPUs: set
+# `model.moe_dispatch=megablox`. `benchmarks/scale_sim.py` measures the result.
 PAPER_SCALE_MODEL = {
     "model.dtype": "bfloat16",
     "model.scan_layers": True,
     "model.remat": "full",
     "model.attention": "auto",
+    "model.moe_dispatch": "blocked",
+    "model.moe_block_size": 4096,
+    "model.moe_decode_dispatch": "ragged",
 }
+
+
+def check_variant_fields(arg: str | None) -> None:
+    """Raises a ValueError naming a field that the variant string `arg` sets twice
+    (`model=NAME` sets `model.preset`): in a string a user types, the later value would
+    silently win. `apply_variant` itself lets a later item override an earlier one, as
+    composed variants need (`experiments/ablate.py`: an arm's, then the command line's)."""
+    named = set()
+    for item in split_variant(arg or ""):
+        key = item.split("=", 1)[0].strip()
+        field = "model.preset" if key == "model" else key
+        if field in named:
+            raise ValueError(
+                f"config variant {arg!r}: {field} is given twice (name each field once)"
+            )
+        named.add(field)
 
 
 def apply_variant(
     config: ml_collections.ConfigDict, arg: str | None, paper: dict | None = None
 ) -> ml_collections.ConfigDict:
-    """Applies a variant string `key=value,key=value` (see the module docstring).
+    """Applies a variant string `key=value,key=value` (see the module docstring); a later
+    item overrides an earlier one (`check_variant_fields` refuses that in a user's string).
 
     Args:
       config: the config to change in place.
@@ -689,6 +746,7 @@ def apply_variant(
         if "=" not in item:
             raise ValueError(f"config variant {item!r} is not key=value (in {arg!r})")
         key, text = (s.strip() for s in item.split("=", 1))
+        named.add(key)
         if key == "model":
             config.model.preset = text
         elif key == "scale":
@@ -701,7 +759,6 @@ def apply_variant(
             paper_scale = True
         else:
             set_field(config, key, _parse_value(text))
-            named.add(key)
     missing = [key for key in PAPER_SCALE_REQUIRED if key not in (paper or {}) and key not in named]
     if paper_scale and missing:
         raise ValueError(
@@ -808,6 +865,16 @@ def check(config: ml_collections.ConfigDict) -> None:
                     f"config.task.{name} must contain '{{question}}', got {template!r}"
                 )
     b = config.batch
+    for name in ("prompt_buckets", "response_buckets"):
+        buckets = b[name]
+        if (
+            not isinstance(buckets, (tuple, list))
+            or not buckets
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in buckets)
+        ):
+            raise ValueError(
+                f"config.batch.{name} must be a non-empty tuple of ints >= 1, got {buckets!r}"
+            )
     if b.n_prompts < 1 or b.group_size < 1 or b.epochs < 1 or b.n_minibatches < 1:
         raise ValueError(
             "config.batch.n_prompts, group_size, epochs and n_minibatches must be >= 1"
@@ -876,6 +943,11 @@ def check(config: ml_collections.ConfigDict) -> None:
             )
         _check_engine_budget(config)
     r = config.reward
+    module, colon, function = (r.verifier or "").partition(":")
+    if r.verifier and not (module.strip() and colon and function.strip()):
+        raise ValueError(
+            f"config.reward.verifier must be 'package.module:function', got {r.verifier!r}"
+        )
     for name in (
         "verifier_timeout_s",
         "deadline_s",
@@ -976,13 +1048,16 @@ def check(config: ml_collections.ConfigDict) -> None:
 
 
 def _library_choices() -> dict[str, tuple]:
-    """The values of the fields whose choices the library's modules define: the advantage
-    estimator, its centring and scaling (`policyopt.advantages`; "minibatch" is Magistral's
-    scaling, applied per minibatch by the trainer) and the rollout correction's levels
-    (`policyopt.losses`). Imported here: the configs stay importable without JAX."""
+    """The values of the fields whose choices the library's modules define: the model
+    preset (`policyopt.models.presets`), the advantage estimator, its centring and scaling
+    (`policyopt.advantages`; "minibatch" is Magistral's scaling, applied per minibatch by
+    the trainer) and the rollout correction's levels (`policyopt.losses`). Imported here:
+    the configs stay importable without JAX."""
     from policyopt import advantages, losses
+    from policyopt.models.presets import PRESETS
 
     return {
+        "model.preset": tuple(sorted(PRESETS)),
         "algo.advantage": advantages.ESTIMATORS,
         "algo.adv_center": advantages.CENTERS,
         "algo.adv_scale": advantages.SCALES + ("minibatch",),
@@ -1044,13 +1119,18 @@ def _check_settings(config) -> None:
     CriticConfig.from_config(config)
 
 
+# float32's smallest normal number (numpy.finfo(numpy.float32).tiny): an Adam eps below it
+# is 0 on the device (subnormals flush to zero), which divides 0 by 0 on weights without
+# gradient, so every update would be skipped by the non-finite guard.
+FLOAT32_TINY = 1.1754943508222875e-38
+
 # Numeric fields and their allowed range: (field, low, high, low_inclusive, allow None).
-# Every value must be a finite number; learning rates and Adam's eps must be > 0 (0 trains
-# nothing, a negative one ascends the loss, eps = 0 divides by zero on unseen weights).
-# The policy loss's and GAE's ranges are checked by their dataclasses (`_check_settings`).
+# Every value must be a finite number; learning rates must be > 0 (0 trains nothing, a
+# negative one ascends the loss) and Adam's eps >= FLOAT32_TINY (above). The policy loss's
+# and GAE's ranges are checked by their dataclasses (`_check_settings`).
 _RANGES = (
     ("optim.lr", 0.0, None, False, False),
-    ("optim.eps", 0.0, None, False, False),
+    ("optim.eps", FLOAT32_TINY, None, True, False),
     ("optim.b1", 0.0, 1.0, True, False),
     ("optim.b2", 0.0, 1.0, True, False),
     ("optim.weight_decay", 0.0, None, True, False),
@@ -1085,6 +1165,7 @@ _INT_MINIMUMS = (
     ("train.zero_variance_patience", 0),
     ("task.num_train", 1),
     ("task.num_test", 0),
+    ("reward.num_workers", 0),
 )
 
 

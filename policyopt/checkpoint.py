@@ -184,6 +184,11 @@ def unlock_workdir(workdir: str) -> None:
         os.close(fd)
 
 
+def holds_workdir_lock(workdir: str) -> bool:
+    """Whether this process holds ``workdir``'s lock (``lock_workdir``)."""
+    return os.path.join(os.path.abspath(workdir), ".lock") in _held_locks
+
+
 class Checkpointer:
     """Saves and restores ``(state pytree, meta dict)`` pairs by integer step.
 

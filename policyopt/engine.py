@@ -105,15 +105,16 @@ class EngineConfig:
     # "pool" (default): decode steps score the pages held against their rows' queries,
     # prefill gathers; on moe_7m it ties the gather in the uniform case (3.85 s against
     # 3.93) and beats it on the long-tailed mix (22.9 s against 34.3; benchmarks/
-    # RESULTS.md, "Eighteenth session"), at the cost of compiling up to one decode program
-    # per bucket of held pages (held_page_bucket). "pallas" on TPUs.
+    # RESULTS.md "The engine on a long tail"), at the cost of compiling up to one decode
+    # program per bucket of held pages (held_page_bucket). "pallas" on TPUs, bfloat16 pools
+    # only (JAX's kernel reads pages as bfloat16).
     attention: str = "pool"
     # Decode steps per jitted call between the host's hand-outs and admissions.
     steps_per_call: int = 16
     # Prompts each shard prefills together in one admission call (one compiled shape,
     # [S, A, P] with A = min(admit_prompts, rows / G); places left over are padding).
-    # Admitting one prompt per call cost ~41 ms CPU each for moe_7m (benchmarks/RESULTS.md,
-    # "Seventeenth session").
+    # Admitting one prompt per call cost ~41 ms CPU each for moe_7m (benchmarks/HISTORY.md
+    # "2026-12-02: paged decode attention").
     admit_prompts: int = 8
     # Decode over a compacted batch of the running rows (``decode_steps``' bucket): per
     # shard, the smallest power of two, at least this, that holds every shard's running

@@ -174,7 +174,8 @@ def _as_bits(x):
     their bits, the moves keep the storage width on every backend. XLA:CPU's float
     normalization otherwise runs every bfloat16 gather, scatter, select and collective in
     float32, on float32 copies of the buffers (qwen3_30b_a3b at 32k tokens, 64 devices:
-    the pass buffers were f32[8, 65536, 2048], 4 GiB each; benchmarks/RESULTS.md)."""
+    the pass buffers were f32[8, 65536, 2048], 4 GiB each; benchmarks/HISTORY.md "2026-12-02:
+    expert parallelism at 32k tokens")."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return x
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))

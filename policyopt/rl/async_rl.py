@@ -65,7 +65,6 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from policyopt.checkpoint import lock_workdir
 from policyopt.data.pipeline import as_record
 from policyopt.engine import GenerationStopped
 from policyopt.rewards.batch import kill_pool, score_batch
@@ -565,16 +564,16 @@ def run_async_rl(
             "devices), or the synchronous trainer on many."
         )
     total = config.train.num_iterations if num_iterations is None else num_iterations
-    lock_workdir(workdir)  # one process per workdir: a second is refused in one line
-    run = build_run(config, workdir)
+    with build.undo_workdir_on_failure(workdir):  # a failed build leaves nothing behind
+        run = build_run(config, workdir, lock=True)
+        stream = PromptStream(run.data)
+        generator = make_generator(run, stream)
     if run.iteration:
         logging.info(
             "async RL resumes at iteration %d; generation restarts from scratch "
             "(in-flight completions are not checkpointed)",
             run.iteration,
         )
-    stream = PromptStream(run.data)
-    generator = make_generator(run, stream)
     slot_config = generator.slots.config
     group = config.batch.group_size
     bound = staleness_bound(

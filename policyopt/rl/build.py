@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from policyopt import sharding
-from policyopt.checkpoint import Checkpointer
+from policyopt.checkpoint import Checkpointer, holds_workdir_lock, unlock_workdir
 from policyopt.data import (
     ArithmeticConfig,
     CharTokenizer,
@@ -27,7 +27,7 @@ from policyopt.data import (
     read_math_jsonl,
 )
 from policyopt.models import Transformer, preset
-from policyopt.rewards.batch import RewardSpec
+from policyopt.rewards.batch import RewardSpec, VerifierImportError
 from policyopt.rl.learner import split_params
 
 # Fields of config.model that override the preset. The runtime ones (how the model
@@ -216,10 +216,52 @@ def check_mesh(config, mesh: Mesh, num_experts: int) -> None:
             )
 
 
+@contextlib.contextmanager
+def undo_workdir_on_failure(workdir: str):
+    """Around building a run whose builder takes ``workdir``'s lock (``lock_workdir``) once
+    everything it can check has passed: if the build raises after taking it, the lock is
+    released and what the build made is removed (the ``.lock`` file, an empty
+    ``checkpoints/``, and the directory itself when it did not exist before), so a failed
+    start leaves nothing behind. A lock this process already held is left alone."""
+    path = os.path.abspath(workdir)
+    existed, held = os.path.isdir(path), holds_workdir_lock(path)
+    try:
+        yield
+    except BaseException:
+        if not held and holds_workdir_lock(path):
+            unlock_workdir(path)
+            for made in (os.path.join(path, ".lock"), os.path.join(path, "checkpoints")):
+                with contextlib.suppress(OSError):  # a non-empty checkpoints/ stays
+                    os.rmdir(made) if made.endswith("checkpoints") else os.remove(made)
+            if not existed:
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+        raise
+
+
+def _pretrained_file(config, name: str) -> str:
+    """The path of ``name`` in the ``config.model.pretrained`` folder; an error naming the
+    field when the folder or the file is missing."""
+    folder = config.model.pretrained
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(
+            f"config.model.pretrained={folder!r} is not a directory (expected a HuggingFace "
+            "Qwen3 / Qwen3-MoE checkpoint folder: config.json, tokenizer.json, *.safetensors)"
+        )
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"config.model.pretrained={folder!r} has no {name} (expected a HuggingFace "
+            "Qwen3 / Qwen3-MoE checkpoint folder: config.json, tokenizer.json, *.safetensors)"
+        )
+    return path
+
+
 def make_tokenizer(config):
     """The tokenizer of the run: the char tokenizer of the synthetic task, or the
     pretrained model's ``tokenizer.json``."""
     if config.model.pretrained:
+        _pretrained_file(config, "tokenizer.json")
         return HFTokenizer.from_pretrained(config.model.pretrained)
     return CharTokenizer()
 
@@ -246,6 +288,7 @@ def make_model(config, vocab_size: int, mesh: Mesh | None = None) -> nnx.Module:
                 f"config.model.{shapes[0]} cannot change the shape of the pretrained "
                 f"checkpoint {config.model.pretrained!r}; only {_RUNTIME_OVERRIDES} apply"
             )
+        _pretrained_file(config, "config.json")
         model = from_pretrained(config.model.pretrained, mesh=mesh, **overrides)
         if mesh is not None:
             check_mesh(config, mesh, model.config.num_experts)
@@ -474,7 +517,7 @@ def reward_spec(config) -> RewardSpec:
     max_len = r.max_len or config.sampling.max_new_tokens
     cache_len = r.cache_len or max(1, max_len // 4)
     shaping = r.overlong != "none" or r.overlong_filter
-    return RewardSpec(
+    return _spec(
         format_reward=bool(r.format),
         format_value=float(r.format_value),
         correct_value=float(r.correct_value),
@@ -488,6 +531,17 @@ def reward_spec(config) -> RewardSpec:
     )
 
 
+def _spec(**fields) -> RewardSpec:
+    """``RewardSpec(**fields)``, with a verifier that cannot be imported named as the
+    config field that set it (``config.reward.verifier``)."""
+    try:
+        return RewardSpec(**fields)
+    except VerifierImportError as error:
+        raise VerifierImportError(
+            str(error).replace("RewardSpec.verifier", "config.reward.verifier", 1)
+        ) from None
+
+
 def correctness_spec(config=None) -> RewardSpec:
     """Plain correctness (1 correct / 0 otherwise, no format gate or shaping): the
     evaluation metric, with the run's verifier (math or code, or ``config.reward.verifier``)
@@ -496,7 +550,7 @@ def correctness_spec(config=None) -> RewardSpec:
     one (pass@1 needs no pass rate)."""
     if config is None:
         return RewardSpec(task="math", format_reward=False)
-    return RewardSpec(
+    return _spec(
         format_reward=False,
         **(_task_limits(config) | {"code_partial": False, "code_max_tests": None}),
     )

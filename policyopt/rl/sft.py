@@ -167,10 +167,16 @@ def make_sft_iterator(config, tokenizer, *, seed: int):
     return iter(pipeline)
 
 
-def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SFTRun:
+def build_sft(
+    config, workdir: str, *, init_checkpoint: str | None = None, lock: bool = False
+) -> SFTRun:
     """Mesh, model, optimiser, data; restores ``workdir/checkpoints`` if it holds a
     checkpoint, else starts from ``init_checkpoint`` (full training state: params and
-    optimiser), onto the shardings of the initial state."""
+    optimiser), onto the shardings of the initial state. Nothing is written before
+    everything that can be checked has been (devices, files, model, data, evaluation
+    prompts): only then is ``workdir`` created (and, with ``lock``, locked)."""
+    if init_checkpoint and not os.path.isdir(init_checkpoint):
+        raise FileNotFoundError(f"init_checkpoint={init_checkpoint!r} is not a directory")
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
     model = build.make_model(config, tokenizer.vocab_size, mesh)
@@ -188,6 +194,13 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
     )
     update, optimizer = sft_update_fn(graphdef, optim)
     state = place_state(TrainState.create(params, optimizer), optimizer, mesh)
+    data = make_sft_iterator(config, tokenizer, seed=config.seed)
+    if config.eval.num_prompts > 0:  # what the final evaluation reads, before training
+        build.eval_records(config, tokenizer)
+        build.correctness_spec(config)
+    if lock:
+        lock_workdir(workdir)  # one process per workdir: a second is refused in one line
+    os.makedirs(workdir, exist_ok=True)
     checkpointer = Checkpointer(
         os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints, owner=True
     )
@@ -196,7 +209,7 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
         tokenizer=tokenizer,
         graphdef=graphdef,
         state=state,
-        data=make_sft_iterator(config, tokenizer, seed=config.seed),
+        data=data,
         update=update,
         checkpointer=checkpointer,
         mesh=mesh,
@@ -312,8 +325,6 @@ def run_sft(
       ``{"step", "metrics", "eval" (final greedy pass@1 etc., if config.eval.num_prompts),
       "graphdef", "params", "checkpoint_dir", "interrupted"}``.
     """
-    os.makedirs(workdir, exist_ok=True)
-    lock_workdir(workdir)  # one process per workdir: a second is refused in one line
     total = config.sft.steps if steps is None else steps
     if config.sft.lr_decay == "cosine" and total > config.sft.steps and not config.sft.min_lr_ratio:
         raise ValueError(
@@ -321,7 +332,8 @@ def run_sft(
             f"{config.sft.steps}: the updates past it would train at learning rate 0; set "
             "sft.min_lr_ratio > 0 to continue at lr * min_lr_ratio"
         )
-    run = build_sft(config, workdir, init_checkpoint=init_checkpoint)
+    with build.undo_workdir_on_failure(workdir):  # a failed build leaves nothing behind
+        run = build_sft(config, workdir, init_checkpoint=init_checkpoint, lock=True)
     primary = sharding.is_primary()  # process 0 writes (multi-process jobs)
     # Records after the checkpoint's step are written again (see trainer.RunLoop).
     writer = MetricsWriter(

@@ -184,14 +184,19 @@ def make_prompt_iterator(config, records, *, seed: int):
     return iter(pipeline)
 
 
-def build_run(config, workdir: str, *, check_config: bool = True, owner: bool = True) -> RLRun:
+def build_run(
+    config, workdir: str, *, check_config: bool = True, lock: bool = False, owner: bool = True
+) -> RLRun:
     """Builds the mesh, model, learner, data and the initial state (placed on the mesh);
     restores the latest readable checkpoint of ``workdir/checkpoints`` when there is one,
     onto the same shardings (refusing one saved under another config unless
     ``check_config`` is False: see ``restore``). ``owner``: the run will save there (its
     ``Checkpointer``'s ``owner``: corrupt checkpoints skipped are moved aside); False for a
-    reader such as ``experiments/eval.py``."""
-    os.makedirs(workdir, exist_ok=True)
+    reader such as ``experiments/eval.py``.
+
+    Nothing is written until everything that can be checked has been (the mesh's devices,
+    files, model, data, evaluation prompts, verifier): only then is ``workdir`` created
+    (and, with ``lock``, locked: ``lock_workdir``) and ``checkpoints/`` opened."""
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
     model = build.make_model(config, tokenizer.vocab_size, mesh)
@@ -224,11 +229,6 @@ def build_run(config, workdir: str, *, check_config: bool = True, owner: bool = 
         num_samples=config.batch.group_size,
         decode_segments=s.decode_segments,
     )
-    checkpointer = Checkpointer(
-        os.path.join(workdir, "checkpoints"),
-        max_to_keep=config.train.keep_checkpoints,
-        owner=owner,
-    )
     engine = None
     if s.engine_kv_tokens > 0:
         engine = Engine.from_config(config, model, graphdef, mesh, sampling_config)
@@ -256,6 +256,14 @@ def build_run(config, workdir: str, *, check_config: bool = True, owner: bool = 
             else 0
         ),
         reward_model_iterations=config.critic.reward_model_iterations if critic else 0,
+    )
+    if lock:
+        lock_workdir(workdir)  # one process per workdir: a second is refused in one line
+    os.makedirs(workdir, exist_ok=True)
+    checkpointer = Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        max_to_keep=config.train.keep_checkpoints,
+        owner=owner,
     )
     run = RLRun(
         spec=spec,
@@ -450,8 +458,8 @@ def run_rl(
       "eval_history" (list), "run" (the RLRun), "interrupted" (signal name or None)}``.
     """
     total = config.train.num_iterations if num_iterations is None else num_iterations
-    lock_workdir(workdir)  # one process per workdir: a second is refused in one line
-    run = build_run(config, workdir)
+    with build.undo_workdir_on_failure(workdir):  # a failed build leaves nothing behind
+        run = build_run(config, workdir, lock=True)
     loop = RunLoop(run, total, quiet=quiet, recipe=recipe)
     try:
         loop.begin()
@@ -512,8 +520,9 @@ class RunLoop:
                 ),
                 flush=True,
             )
-        for warning in report.advisories(config):
+        for warning in report.advisories(config, report.user_fields(recipe)):
             self._warn(warning)
+        self.short_lambda_checked = False  # report.short_lambda_warning, once per run
         if primary:
             with open(os.path.join(workdir, "config.json"), "w") as f:
                 f.write(config.to_json_best_effort(indent=2, sort_keys=True))
@@ -645,11 +654,12 @@ class RunLoop:
         return result
 
     def _log_samples(self) -> None:
-        """Every ``train.sample_every`` iterations, the first ``train.sample_prompts``
-        prompts' completions with rewards and verdicts: samples.jsonl, TensorBoard text,
-        and one of them on the console."""
+        """At iteration 1 and every ``train.sample_every`` iterations (K, 2K, ...), the
+        first ``train.sample_prompts`` prompts' completions with rewards and verdicts:
+        samples.jsonl, TensorBoard text, and one of them on the console."""
         run, train = self.run, self.config.train
-        due = train.sample_every and run.iteration % train.sample_every == 0
+        every = train.sample_every
+        due = every and (run.iteration == 1 or run.iteration % every == 0)
         if not (due and run.last_samples):
             return
         rows = report.sample_rows(
@@ -686,6 +696,16 @@ class RunLoop:
                 "run) or a denser reward."
             )
 
+    def _watch_lambda(self) -> None:
+        """Warns once when the first batch's responses keep a length-adaptive lambda near 0
+        (``report.short_lambda_warning``)."""
+        if self.short_lambda_checked or self.run.last_round is None:
+            return
+        self.short_lambda_checked = True
+        warning = report.short_lambda_warning(self.config, self.run.last_round.mask.sum(axis=1))
+        if warning:
+            self._warn(warning)
+
     @property
     def last_eval(self) -> dict:
         return self.run.last_eval
@@ -702,6 +722,9 @@ class RunLoop:
             self.evaluate()
         self._poll_stop()
         if self.console and run.iteration < self.total and not self.stopping:
+            phase = report.critic_phase(self.config, run.iteration)
+            if phase:
+                print(phase, flush=True)
             print(
                 f"iteration {run.iteration + 1}: compiling the sampler and the update steps "
                 "(the first iteration's time includes compilation) ...",
@@ -733,6 +756,10 @@ class RunLoop:
             self.progress.update(run.iteration, shown, suffix=suffix)
         self._log_samples()
         self._watch_informative(metrics)
+        self._watch_lambda()
+        phase = report.critic_phase(self.config, run.iteration, metrics)
+        if phase and self.console:
+            print(phase, flush=True)
         self._poll_stop()
         final = run.iteration == self.total
         every = train.eval_every
