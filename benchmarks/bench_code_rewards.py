@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from policyopt.rewards import RewardSpec, score_batch, start_workers
-from policyopt.rewards.code import parse_tests
+from policyopt.rewards.testcases import parse_tests
 
 RESULTS = Path(__file__).parent / "results" / "bench_code_rewards.json"
 SPEC = RewardSpec(task="code")  # Magistral's recipe: format gate, 0.1 / 0.9, 4 s, 300 MB

@@ -168,7 +168,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.prompt_template = "{question}"
     c.task.skip_malformed = False
     # Task "code_jsonl": the same fields, except that the tests come from the first of
-    # `tests_fields` present, in any encoding `policyopt.rewards.code.parse_tests` reads
+    # `tests_fields` present, in any encoding `policyopt.rewards.parse_tests` reads
     # (asserts, MBPP's list of asserts, HumanEval's check() with the row's `entry_point`,
     # stdin / stdout cases, APPS / CodeContests parallel lists, or JSON text of these; an
     # empty field gives way to the next). Call-based tests (APPS's fn_name) make a row
@@ -440,7 +440,7 @@ def base_config() -> ml_collections.ConfigDict:
     # the evaluation's pass@1: "package.module:function", called as
     # function(completion, reference) -> c in [0, 1] (`RewardSpec.verifier`); None: the
     # task's (math, or code for "code_jsonl" and the code rows of "mixed_jsonl", whose
-    # reference is then the tests as JSON text, read by `policyopt.rewards.code.parse_tests`).
+    # reference is then the tests as JSON text, read by `policyopt.rewards.parse_tests`).
     c.reward.verifier = placeholder(str)
     # Its per-sample time limit, in seconds.
     c.reward.verifier_timeout_s = 5.0

@@ -83,7 +83,7 @@ class RewardSpec:
         ``check``, are not counted); None: all of them.
       code_isolation: where assert tests run (``policyopt.rewards.code.run_code_tests``):
         ``"process"``, in a process of their own that sees only plain values from the
-        program's (``policyopt.rewards.isolation``; closes the reward hacks one process
+        program's (``policyopt.rewards.sandbox.isolation``; closes the reward hacks one process
         cannot), or ``"none"``, after the program in its process (half the interpreters).
       verifier: a correctness function of your own in place of the task's verifier, as
         ``"package.module:function"`` (importable by the scoring workers too):
@@ -438,11 +438,11 @@ def kill_pool(num_workers: int, name: str = "default", only=None) -> None:
             process.kill()
     pool.shutdown(wait=False, cancel_futures=True)
     if processes:  # working directories of code tests the killed workers were running
-        from policyopt.rewards import code as code_lib
+        from policyopt.rewards import sandbox
 
         for process in processes:
             process.join(timeout=5)
-        code_lib.remove_stale_sandboxes([process.pid for process in processes])
+        sandbox.remove_stale_sandboxes([process.pid for process in processes])
 
 
 def shutdown_pools() -> None:
