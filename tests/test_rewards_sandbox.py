@@ -8,7 +8,6 @@ the test checks that none of them survives.
 
 import glob
 import os
-import pathlib
 import shutil
 import subprocess
 import sys
@@ -212,40 +211,6 @@ def test_network_is_unreachable():
     assert result.stdout.split() == ["True", "1"]  # only the loopback interface exists
 
 
-@pytest.mark.skipif(not IS_ROOT, reason="sandbox processes are recognised by their uid")
-def test_sandboxed_program_dies_with_its_scorer():
-    # A scoring worker killed at a batch deadline must not leave its test running. The
-    # program prints its uid to its stdout file, which the test finds on the host (its
-    # working directory is a tmpfs of its own when it has a root of its own).
-    program = "import os, time\nprint(os.getuid(), flush=True)\ntime.sleep(60)"
-    script = (
-        f"from policyopt.rewards import run_sandboxed\nrun_sandboxed({program!r}, timeout_s=60)"
-    )
-    scorer = subprocess.Popen([sys.executable, "-c", script])
-    try:
-        deadline, found = time.monotonic() + 30, []
-        while not found and time.monotonic() < deadline:
-            time.sleep(0.05)
-            found = [
-                path
-                for path in glob.glob(
-                    os.path.join(
-                        tempfile.gettempdir(), f"policyopt-sandbox-{scorer.pid}-*", "stdout"
-                    )
-                )
-                if pathlib.Path(path).read_text().strip().isdigit()
-            ]
-        uid = int(pathlib.Path(found[0]).read_text())
-        assert reaper.live_processes(uid), "the sandboxed program is not running"
-    finally:
-        scorer.kill()
-        scorer.wait()
-    assert _live_processes_after_grace(uid) == []
-    # The dead scorer's working directory is swept away.
-    assert remove_stale_sandboxes([scorer.pid]) == 1
-    assert remove_stale_sandboxes([scorer.pid]) == 0
-
-
 # The issue's program (6,000 files of 1 MiB scored 1 and took 5.9 GB of the host's disk),
 # scaled to the small limit of the test: it writes until something stops it.
 FILLS_ITS_DIRECTORY = solution(
@@ -358,3 +323,231 @@ def test_a_directory_filled_between_two_polls_still_scores_0(isolation, monkeypa
     )
     assert result.status == "incorrect" and result.passed == 0
     assert os.listdir(sandbox_roots) == []
+
+
+# Every process a sandbox starts dies with it: at the end of its sample, at a deadline kill
+# and with its scorer. The program below leaves three kinds behind: a child that left the
+# process group (setsid), a daemon (double fork) and a small fork bomb whose children
+# leave the group and fork again. Each ends in `sleep MARK`, so the test finds them by
+# their command line, whatever uid or cgroup they run in, and a sleeping process never
+# reaches its CPU limit.
+SLEEP = shutil.which("sleep", path="/usr/bin:/bin") or "/bin/sleep"
+
+
+def leaves_children(mark: str, then: str) -> str:
+    """A program that starts the three kinds of children, prints "started", then runs
+    ``then``."""
+    return (
+        "import os, sys\n"
+        f"def sleeper():\n    os.execv({SLEEP!r}, ['sleep', {mark!r}])\n"
+        "if os.fork() == 0:\n    os.setsid()\n    sleeper()\n"
+        "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        sleeper()\n"
+        "    os._exit(0)\n"
+        "for _ in range(20):\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            os.setsid()\n"
+        "            try:\n                os.fork()\n            except OSError:\n"
+        "                pass\n"
+        "            sleeper()\n"
+        "    except OSError:\n"
+        "        break\n"
+        "print('started', flush=True)\n" + then
+    )
+
+
+def marked_processes(mark: str) -> list[int]:
+    """Live (non-zombie) processes whose command line is ``sleep <mark>``."""
+    wanted, pids = f"sleep\0{mark}\0".encode(), []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                if f.read() != wanted:
+                    continue
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
+                    continue
+        except (OSError, IndexError):
+            continue
+        pids.append(int(entry.name))
+    return pids
+
+
+def wait_for(condition, timeout_s: float, poll_s: float = 0.05):
+    """Polls ``condition()`` until it is truthy or ``timeout_s`` passed; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return value
+
+
+def new_mark() -> str:
+    """A sleep duration no other process uses: the children's command line."""
+    return f"{3000 + int.from_bytes(os.urandom(3), 'big') / 1e4:.4f}"
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(not process_lib.cgroup.support().kills, reason="no groups"),
+        ),
+        pytest.param(False, marks=pytest.mark.skipif(not IS_ROOT, reason="setsid children escape")),
+    ],
+    ids=["control_groups", "uid_only"],
+)
+def test_nothing_a_sample_started_outlives_it(groups, monkeypatch):
+    """The program exits right after starting its children: when its run returns, they
+    die (within 5 s), whether they left the process group or not; with control groups,
+    and without them (as root: by their uid)."""
+    import threading
+
+    if not groups:
+        monkeypatch.setattr(process_lib.cgroup, "support", process_lib.cgroup.Support)
+
+    mark, seen, stop = new_mark(), [], threading.Event()
+
+    def watch():  # sees the children while the run is going on
+        while not stop.is_set() and not seen:
+            seen.extend(marked_processes(mark))
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        result = run_sandboxed(
+            leaves_children(mark, "import time\ntime.sleep(1.0)\n"), timeout_s=20.0
+        )
+    finally:
+        stop.set()
+        thread.join()
+    assert result.returncode == 0 and result.stdout.strip() == "started", result
+    assert seen, "the program's children never ran"
+    assert wait_for(lambda: not marked_processes(mark), 5.0), marked_processes(mark)
+
+
+def test_nothing_a_sample_started_outlives_a_deadline_kill():
+    """score_batch's deadline kills the scoring worker mid-test: the test's processes die
+    with it (the issue: a fork bomb's processes were alive 110 s later)."""
+    from policyopt.rewards import RewardSpec, score_batch, start_workers
+    from policyopt.rewards.batch import kill_pool
+
+    mark = new_mark()
+    program = solution(leaves_children(mark, "import time\ntime.sleep(120)\n"))
+    start_workers(1, pool="sandbox-deadline")
+    try:
+        result = score_batch(
+            [program],
+            ["assert True"],
+            [1],
+            RewardSpec(task="code", code_timeout_s=120.0),
+            num_workers=1,
+            deadline_s=6.0,
+            pool="sandbox-deadline",
+        )
+        assert result.status == ["deadline"], (result.status, result.metrics)
+        assert wait_for(lambda: not marked_processes(mark), 5.0), marked_processes(mark)
+    finally:
+        kill_pool(1, "sandbox-deadline")
+
+
+def _scorer_with_children(mark: str) -> subprocess.Popen:
+    """A scorer process running the program, once its children run."""
+    program = leaves_children(mark, "import time\ntime.sleep(120)\n")
+    script = (
+        f"from policyopt.rewards import run_sandboxed\nrun_sandboxed({program!r}, timeout_s=120)"
+    )
+    scorer = subprocess.Popen([sys.executable, "-c", script])
+    if not wait_for(lambda: len(marked_processes(mark)) >= 3, 60.0):
+        scorer.kill()
+        scorer.wait()
+        pytest.fail("the sandboxed program's children never ran")
+    return scorer
+
+
+def test_nothing_a_sample_started_outlives_its_scorer():
+    """A scorer SIGKILLed (a trainer killed, a worker killed by the OOM killer) mid-test:
+    every process of its sandbox dies within 5 s, and its directory goes."""
+    mark = new_mark()
+    scorer = _scorer_with_children(mark)
+    scorer.kill()
+    scorer.wait()
+    assert wait_for(lambda: not marked_processes(mark), 5.0), marked_processes(mark)
+    leftover = glob.glob(os.path.join(tempfile.gettempdir(), f"policyopt-sandbox-{scorer.pid}-*"))
+    assert wait_for(lambda: not any(os.path.exists(p) for p in leftover), 5.0), leftover
+
+
+def test_the_start_up_sweep_kills_what_a_dead_scorer_left():
+    """When nothing watched the dead scorer (its watcher killed too), the next scorer's
+    start-up sweep kills the processes its sandboxes left."""
+    mark = new_mark()
+    scorer = _scorer_with_children(mark)
+    for pid in supervisors_of(scorer.pid):
+        os.kill(pid, 9)
+    scorer.kill()
+    scorer.wait()
+    time.sleep(0.5)
+    remove_stale_sandboxes()
+    assert wait_for(lambda: not marked_processes(mark), 5.0), marked_processes(mark)
+
+
+def supervisors_of(scorer_pid: int) -> list[int]:
+    """The processes that watch the scorer ``scorer_pid`` for its death (none before they
+    existed): their command line names the scorer's pid."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"policyopt-sandbox-supervisor" in argv and str(scorer_pid).encode() in argv:
+            found.append(int(entry.name))
+    return found
+
+
+# Ten children of 100 MB each: 1 GB together, under a limit of 300 MB (the issue: 1.6 GB
+# under memory_mb=300, the limit being per process). Each child holds its memory until
+# the parent has counted the children alive.
+CHILDREN_OF_100_MB = (
+    "import os, select, time\n"
+    "ready_r, ready_w = os.pipe()\n"
+    "children = []\n"
+    "for _ in range(10):\n"
+    "    pid = os.fork()\n"
+    "    if pid == 0:\n"
+    "        block = bytearray(100 << 20)\n"
+    "        for i in range(0, len(block), 4096):\n"
+    "            block[i] = 1\n"
+    "        os.write(ready_w, b'x')\n"
+    "        time.sleep(60)\n"
+    "        os._exit(0)\n"
+    "    children.append(pid)\n"
+    "ready = 0\n"
+    "while ready < 10 and select.select([ready_r], [], [], 3.0)[0]:\n"
+    "    ready += len(os.read(ready_r, 10))  # until all hold theirs, or 3 s without news\n"
+    "time.sleep(1.0)  # for the kills under way to land\n"
+    "print(sum(os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in children), flush=True)\n"
+)
+
+
+@pytest.mark.skipif(
+    not process_lib.cgroup.support().limits_memory,
+    reason="no control group with a memory limit here: memory_mb is per process",
+)
+def test_the_memory_limit_covers_the_programs_children():
+    """memory_mb bounds the program and its children together: of ten children holding
+    100 MB each under memory_mb=300 (and 8 MB of files), at most three are alive at once."""
+    result = run_sandboxed(CHILDREN_OF_100_MB, memory_mb=300, disk_mb=8, timeout_s=40.0)
+    held = int(result.stdout.split()[0]) if result.stdout.split() else 0
+    assert held <= 3, (held, result)
+    assert result.memory_exceeded, result  # the kernel killed some: not a timeout
+    assert not result.timed_out
+    # An honest program under the same limits is not bothered.
+    fits = run_sandboxed(CHILDREN_OF_100_MB.replace("100 << 20", "20 << 20"), memory_mb=300)
+    assert fits.stdout.split() == ["10"] and not fits.memory_exceeded, fits

@@ -7,7 +7,6 @@ scorers left. What a sandbox contains, and where it falls short: ``docs/rewards.
 """
 
 from policyopt.rewards.sandbox.process import Limits, SandboxResult
-from policyopt.rewards.sandbox.reaper import remove_stale_sandboxes
-from policyopt.rewards.sandbox.run import run_isolated, run_sandboxed
+from policyopt.rewards.sandbox.run import remove_stale_sandboxes, run_isolated, run_sandboxed
 
 __all__ = ["Limits", "SandboxResult", "remove_stale_sandboxes", "run_isolated", "run_sandboxed"]

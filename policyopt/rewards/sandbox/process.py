@@ -14,10 +14,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 
-from policyopt.rewards.sandbox import host, reaper
+from policyopt.rewards.sandbox import cgroup, host, reaper
 
 DEFAULT_MAX_PROCESSES = 16
 DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
@@ -54,6 +55,20 @@ class Limits:
 # Trusted prologue run by the child interpreter before the untrusted program.
 BOOTSTRAP = """
 import os, resource, sys
+
+
+def join(groups):  # the sandbox's control groups, before anything else
+    for procs in filter(None, groups.split("\\n")):
+        try:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        except OSError as error:
+            sys.stderr.write(f"sandbox: joining {procs}: {error}\\n")
+            os._exit(125)
+
+
+join(sys.argv[10])
+del join
 cpu_s, memory, nproc, fsize, uid, parent, disk = (int(a) for a in sys.argv[1:8])
 jail, prefix = sys.argv[8:10]
 if jail:  # a root of its own, in the mount namespace `unshare --mount` made (see _JAIL)
@@ -155,6 +170,8 @@ class SandboxResult:
       uid: the unprivileged uid the program ran as (-1: the scorer's own, not root).
       disk_exceeded: killed for filling its working directory (without a jail; in one,
         writes past the tmpfs's size fail with ``ENOSPC`` in the program instead).
+      memory_exceeded: a process of the sandbox was killed for the memory limit of the
+        sandbox's control group (where there is one).
     """
 
     returncode: int | None
@@ -163,11 +180,13 @@ class SandboxResult:
     timed_out: bool
     uid: int = -1
     disk_exceeded: bool = False
+    memory_exceeded: bool = False
 
 
 class Sandbox:
-    """One sandboxed process, started at construction: its directory, files, uid and
-    ``Popen``; ``wait`` then ``finish`` (kill, reap, read the output), ``close`` always."""
+    """One sandboxed process, started at construction: its directory, files, uid, control
+    groups and ``Popen``; ``wait`` then ``finish`` (kill, reap, read the output), ``close``
+    always. Its scorer's watcher is told of it, to clean up if the scorer dies."""
 
     def __init__(
         self,
@@ -187,8 +206,10 @@ class Sandbox:
             None,
         )
         self.disk_bytes, self.disk_exceeded, self.jailed = limits.disk_mb << 20, False, False
+        self.groups = self.owner = None
         self.root = tempfile.mkdtemp(prefix=f"{reaper.SANDBOX_PREFIX}{os.getpid()}-")
         try:
+            watch(self.root)
             os.chmod(self.root, 0o711)
             workdir = self.workdir = os.path.join(self.root, "work")
             os.mkdir(workdir, 0o700)
@@ -211,13 +232,24 @@ class Sandbox:
                 jail_dir = os.path.join(self.root, "jail")
                 os.mkdir(jail_dir, 0o755)
                 self.jailed = True
+            # One memory limit for all the sandbox's processes, its in-memory files (three
+            # tmpfs in a jail; the page cache of its directory without one) on top.
+            files_mb = limits.disk_mb * (3 if self.jailed else 1)
+            self.groups = cgroup.Groups(
+                (limits.memory_mb + files_mb) << 20 if cgroup.support().limits_memory else None
+            )
+            owner = [f"uid {uid}"] if uid >= 0 else []
+            owner += [f"group {group}" for group in self.groups.dirs]
+            self.owner = os.fdopen(private(os.path.join(self.root, "owner")), "w")
+            self.owner.write("".join(line + "\n" for line in owner))
+            self.owner.flush()
             prefix = host.interpreter_prefix(python)
             command = [
                 *(host.jail_prefix() if jail_dir else host.unshare_prefix()),
                 python, "-I", "-S", "-c", BOOTSTRAP,
                 str(max(1, int(-(-limits.timeout_s // 1)))), str(limits.memory_mb << 20),
                 str(nproc), str(limits.max_output_bytes), str(uid), str(os.getpid()),
-                str(self.disk_bytes), jail_dir, prefix,
+                str(self.disk_bytes), jail_dir, prefix, "\n".join(self.groups.procs_files),
             ]  # fmt: skip
             self.files.append(open(stdin_path, "rb"))
             for name in ("stdout", "stderr"):  # one at a time: close() closes what is open
@@ -233,6 +265,8 @@ class Sandbox:
                 close_fds=True,
                 pass_fds=pass_fds,
             )
+            self.owner.write(f"pgid {self.process.pid}\n")
+            self.owner.flush()
         except BaseException:
             self.close()
             raise
@@ -256,7 +290,7 @@ class Sandbox:
             for box in polled:
                 if not box.disk_exceeded and box.process.poll() is None and box.over_disk_limit():
                     box.disk_exceeded = True
-                    kill_group(box.process.pid)
+                    box.kill()
             try:
                 left = deadline - time.monotonic()
                 return self.process.wait(timeout=max(0.0, min(DISK_POLL_S, left)))
@@ -287,7 +321,7 @@ class Sandbox:
         return False
 
     def finish(self, returncode: int | None) -> SandboxResult:
-        """Kills what is left of the run (group, then uid) and reads its output."""
+        """Kills what is left of the run (:meth:`kill`) and reads its output."""
         if not self.jailed and not self.disk_exceeded and self.over_disk_limit():
             # Filled between two polls, or after the last one (the run ended first): a
             # fast program can write MAX_FILES empty files within one poll's interval.
@@ -295,13 +329,11 @@ class Sandbox:
         # On an idle machine a busy loop reaches its CPU-time limit (= the time limit)
         # before the wall-clock one: killed by SIGXCPU (or SIGKILL at the hard limit),
         # which is a timeout too.
-        timed_out = not self.disk_exceeded and (
+        memory_exceeded = self.groups.memory_exceeded()
+        timed_out = not (self.disk_exceeded or memory_exceeded) and (
             returncode is None or returncode in (-signal.SIGXCPU, -signal.SIGKILL)
         )
-        kill_group(self.process.pid)
-        if self.uid >= 0:
-            reaper.reap_uid(self.uid)
-        self.process.wait()
+        self.kill()
         outputs = []
         for f in self.files[1:]:
             f.seek(0)
@@ -311,20 +343,99 @@ class Sandbox:
                 f"\nsandbox: killed: the working directory passed "
                 f"{self.disk_bytes >> 20} MB or {MAX_FILES} files\n"
             )
+        if memory_exceeded:
+            outputs[1] += "\nsandbox: killed: the sandbox's processes passed memory_mb\n"
         return SandboxResult(
-            returncode, outputs[0], outputs[1], timed_out, self.uid, self.disk_exceeded
+            returncode,
+            outputs[0],
+            outputs[1],
+            timed_out,
+            self.uid,
+            self.disk_exceeded,
+            memory_exceeded,
         )
 
-    def close(self) -> None:
-        """Kills what is left (if ``finish`` did not run) and removes the directory."""
-        if self.process is not None and self.process.returncode is None:
+    def kill(self) -> None:
+        """SIGKILLs every process of the sandbox: its control groups (which hold them all),
+        its process group, every process of its uid; then reaps the first one."""
+        if self.groups is not None:
+            self.groups.kill()
+        if self.process is not None:
             kill_group(self.process.pid)
-            if self.uid >= 0:
-                reaper.reap_uid(self.uid)
+        if self.uid >= 0:
+            reaper.reap_uid(self.uid)
+        if self.process is not None:
             self.process.wait()
+
+    def close(self) -> None:
+        """Kills what is left (if ``finish`` did not run), removes the control groups and
+        the directory."""
+        if self.process is None or self.process.returncode is None:
+            self.kill()
+        if self.groups is not None:
+            self.groups.remove()
         for f in self.files:
             f.close()
+        if self.owner is not None:
+            self.owner.close()
         shutil.rmtree(self.root, ignore_errors=True)
+        unwatch(self.root)
+
+
+# Each scorer process's watcher (``reaper.supervise``): its process and the sandbox
+# directories it is told of, by scorer pid (a forked child has its own).
+_WATCHERS: dict[int, tuple[subprocess.Popen, set[str]]] = {}
+_WATCHERS_LOCK = threading.Lock()
+
+
+def _tell_watcher(line: str, root: str) -> None:
+    with _WATCHERS_LOCK:
+        pid = os.getpid()
+        watcher, roots = _WATCHERS.get(pid, (None, set()))
+        if line == "+":
+            roots.add(root)
+        else:
+            roots.discard(root)
+        for attempt in range(2):
+            if watcher is None or watcher.poll() is not None:
+                watcher = _start_watcher()
+                _WATCHERS[pid] = (watcher, roots)
+                lines = [f"+ {known}" for known in roots]
+            else:
+                lines = [f"{line} {root}"]
+            try:
+                watcher.stdin.write("".join(text + "\n" for text in lines).encode())
+                watcher.stdin.flush()
+                return
+            except OSError:  # it died: a new one is told of every live sandbox
+                watcher.kill()
+                watcher = None
+
+
+def _start_watcher() -> subprocess.Popen:
+    """The watcher of this scorer process: it removes the scorer's sandboxes when it dies."""
+    with open(reaper.__file__, encoding="utf-8") as f:
+        source = f.read()
+    return subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", source, reaper.WATCHER_NAME, str(os.getpid())]
+        + cgroup.support().bases(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd="/",
+        start_new_session=True,
+        close_fds=True,
+    )
+
+
+def watch(root: str) -> None:
+    """Tells this scorer's watcher of a new sandbox directory (started on first use)."""
+    _tell_watcher("+", root)
+
+
+def unwatch(root: str) -> None:
+    """Tells this scorer's watcher that the sandbox directory ``root`` is gone."""
+    _tell_watcher("-", root)
 
 
 def private(path: str) -> int:

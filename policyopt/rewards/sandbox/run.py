@@ -6,8 +6,9 @@ import dataclasses
 import functools
 import os
 import signal
+from collections.abc import Sequence
 
-from policyopt.rewards.sandbox import host, reaper
+from policyopt.rewards.sandbox import cgroup, host, reaper
 from policyopt.rewards.sandbox.process import (
     DEFAULT_DISK_MB,
     DEFAULT_MAX_OUTPUT_BYTES,
@@ -19,11 +20,22 @@ from policyopt.rewards.sandbox.process import (
 )
 
 
+def remove_stale_sandboxes(pids: Sequence[int] | None = None) -> int:
+    """Kills the processes of sandboxes whose scorer died (by control group, process group
+    and uid) and removes their directories and groups; returns how many directories.
+
+    Args:
+      pids: scorer processes known to be dead (e.g. just-killed workers); None: every
+        scorer pid that no longer exists (the start-up sweep).
+    """
+    return reaper.remove_stale_sandboxes(pids, cgroup.support().bases())
+
+
 @functools.cache
 def sweep_once() -> None:
-    """Removes what dead scorers left (:func:`reaper.remove_stale_sandboxes`), once per
-    process, before its first sandbox."""
-    reaper.remove_stale_sandboxes()
+    """The start-up sweep (:func:`remove_stale_sandboxes`), once per process, before its
+    first sandbox."""
+    remove_stale_sandboxes()
 
 
 def run_sandboxed(
