@@ -661,3 +661,15 @@ def test_score_batch_code_task_composes_format_and_pass_rate():
     partial = score_batch([ADD_ONE], [tests], [5], RewardSpec(task="code", code_partial=True))
     np.testing.assert_allclose(partial.rewards, [0.1 + 0.9 * 0.5], atol=1e-6)
     assert not partial.correct[0]
+
+
+def test_a_replacement_character_in_expected_output_is_text():
+    """U+FFFD in an expected output is compared as the character it is: a program that
+    prints it passes; one that writes an invalid byte (which decoding would turn into
+    U+FFFD) does not."""
+    case = [{"input": "", "output": "a\ufffdb"}]
+    prints_it = solution("print('a\\ufffdb')")
+    invalid_byte = solution("import sys\nsys.stdout.buffer.write(b'a\\xffb\\n')")
+    assert code_correctness(prints_it, case, **FAST) == 1.0
+    assert code_correctness(invalid_byte, case, **FAST) == 0.0
+    assert code_correctness(invalid_byte, [{"input": "", "output": "ab"}], **FAST) == 0.0

@@ -134,9 +134,10 @@ def run_code_tests(
         if expected is None:  # assert tests: they must have run to their end
             ok = result.returncode == 0 and marker in result.stdout
         else:
-            ok = result.returncode == 0 and _normalise_output(result.stdout) == _normalise_output(
-                expected
-            )
+            # Bytes that are not UTF-8 stay apart from any text (U+FFFD in `expected` is
+            # the character, not a wildcard for an invalid byte).
+            stdout = result.raw_stdout.decode("utf-8", errors="surrogateescape")
+            ok = result.returncode == 0 and _normalise_output(stdout) == _normalise_output(expected)
         ok = ok and not result.disk_exceeded  # past reward.code_disk_mb: a failure
         passed += ok
         if not ok and stop_at_first_failure:

@@ -164,7 +164,8 @@ class SandboxResult:
 
     Attributes:
       returncode: exit status (negative: killed by that signal; None: wall timeout).
-      stdout: captured standard output (at most ``max_output_bytes``), decoded.
+      stdout: captured standard output (at most ``max_output_bytes``), decoded (an invalid
+        byte as U+FFFD: for reading; compare ``raw_stdout``).
       stderr: captured standard error (same cap), decoded.
       timed_out: the wall-clock limit expired.
       uid: the unprivileged uid the program ran as (-1: the scorer's own, not root).
@@ -172,6 +173,7 @@ class SandboxResult:
         writes past the tmpfs's size fail with ``ENOSPC`` in the program instead).
       memory_exceeded: a process of the sandbox was killed for the memory limit of the
         sandbox's control group (where there is one).
+      raw_stdout: the standard output's bytes, as written.
     """
 
     returncode: int | None
@@ -181,6 +183,7 @@ class SandboxResult:
     uid: int = -1
     disk_exceeded: bool = False
     memory_exceeded: bool = False
+    raw_stdout: bytes = dataclasses.field(default=b"", repr=False)
 
 
 class Sandbox:
@@ -334,10 +337,11 @@ class Sandbox:
             returncode is None or returncode in (-signal.SIGXCPU, -signal.SIGKILL)
         )
         self.kill()
-        outputs = []
+        raw = []
         for f in self.files[1:]:
             f.seek(0)
-            outputs.append(f.read(self.max_output_bytes).decode("utf-8", errors="replace"))
+            raw.append(f.read(self.max_output_bytes))
+        outputs = [data.decode("utf-8", errors="replace") for data in raw]
         if self.disk_exceeded:
             outputs[1] += (
                 f"\nsandbox: killed: the working directory passed "
@@ -353,6 +357,7 @@ class Sandbox:
             self.uid,
             self.disk_exceeded,
             memory_exceeded,
+            raw[0],
         )
 
     def kill(self) -> None:
