@@ -263,7 +263,7 @@ def test_a_stuck_verification_off_the_main_thread_is_killed(monkeypatch):
 
 
 def test_a_killable_worker_is_killed_in_c_code_and_replaced():
-    from policyopt.rewards.timelimit import KillableWorker
+    from policyopt.rewards.killable import KillableWorker
     from tests import verifiers
 
     worker = KillableWorker()
@@ -906,11 +906,21 @@ def test_score_batch_parallel_deadline_then_recovers():
 def test_samples_of_a_crashed_worker_get_no_verdict():
     """A worker that dies mid-batch: its samples get the stand-in reward, leave the loss and
     their group's statistics ("worker_error", scored False); the next call has a new pool."""
+    from policyopt.rewards import batch as batch_lib
+
     completions, references = _mixed_batch(6)
     spec = RewardSpec(
-        format_reward=False, incorrect_value=-1.0, verifier="tests.verifiers:dies_in_a_worker"
+        format_reward=False,
+        incorrect_value=-1.0,
+        verifier="tests.verifiers:sleeps",
+        verifier_timeout_s=60.0,
     )
+    start_workers(2)
+    worker = next(iter(batch_lib._POOLS[("default", 2)]._processes.values()))
+    killer = threading.Timer(2.0, worker.kill)  # as the OOM killer would, mid-batch
+    killer.start()
     lost = score_batch(completions, references, [1] * 6, spec, num_workers=2)
+    killer.join()
     assert lost.metrics["worker_errors"] == 6 and lost.metrics["deadline_missed"] == 0
     assert (
         lost.status == ["worker_error"] * 6 and not lost.scored.any() and not lost.sample_mask.any()
