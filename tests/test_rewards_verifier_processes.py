@@ -146,7 +146,7 @@ print(json.dumps({"during": during, "after": descendants()}), flush=True)
 def test_verifier_processes_end_with_their_threads(tmp_path):
     """Eight threads grade an answer each (a verifier process each); once they have ended,
     their processes are gone within 5 s (the issue: 16 threads left 16 processes)."""
-    done = run_script(tmp_path, THREADS)
+    done = run_script(tmp_path, 'if __name__ == "__main__":\n' + textwrap.indent(THREADS, "    "))
     counts = json.loads(done.stdout.splitlines()[-1])
     assert counts["during"] >= 8, (counts, done.stderr)
     assert counts["after"] <= 2, (counts, done.stderr)  # at most a server to fork them
