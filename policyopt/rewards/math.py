@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from policyopt.rewards import killable
+from policyopt.rewards import killable, relations
 from policyopt.rewards.timelimit import VerifierTimeout, time_limit
 
 # Answers longer than this (characters inside the box) are rejected unread.
@@ -458,32 +458,6 @@ def _equal_within(gold: str, answer: str, timeout_s: float | None) -> bool:
     return _REMOTE_VERDICTS[key]
 
 
-_LATEX_MACRO = re.compile(r"\\[A-Za-z]+")
-
-
-def _numeric_equation_sides(answer: str) -> list[str] | None:
-    """The sides of ``answer`` when it is a chain of equalities whose left side has no
-    letter (``6 \\cdot 7 = 42``, ``43 = 42``; LaTeX macros such as ``\\frac`` are not
-    letters), else None (``x = 42``, inequalities, no ``=`` at top level)."""
-    depth, cuts = 0, []
-    for index, char in enumerate(answer):
-        if char in "([{":
-            depth += 1
-        elif char in ")]}":
-            depth -= 1
-        elif char == "=" and depth == 0:
-            before, after = answer[index - 1 : index], answer[index + 1 : index + 2]
-            if before not in ("<", ">", "!", ":", "=") and after != "=":
-                cuts.append(index)
-    if not cuts:
-        return None
-    bounds = [-1, *cuts, len(answer)]
-    sides = [answer[start + 1 : end].strip() for start, end in zip(bounds, bounds[1:])]
-    if not all(sides) or re.search(r"[A-Za-z]", _LATEX_MACRO.sub("", sides[0])):
-        return None
-    return sides
-
-
 def _judge(answer: str, gold: str, deadline: float | None) -> str:
     """ "correct", "incorrect" or "rejected" for one answer (steps 3 to 5 of the module
     docstring); raises ``VerifierTimeout`` past ``deadline`` (time.monotonic())."""
@@ -530,16 +504,13 @@ def verify_math(
             return MathVerdict(0.0, "no_answer")
         gold = _reference_answer(str(reference), answer_format)
         deadline = None if timeout_s is None or timeout_s <= 0 else time.monotonic() + timeout_s
-        status = _judge(answer, gold, deadline)
-        sides = None
-        if status == "correct" and "=" in answer and "=" not in gold:
-            sides = _numeric_equation_sides(answer)
-        if sides is not None:
-            # math-verify grades `43=42` by its right side; every side must equal the gold.
-            for side in sides:
-                status = _judge(side, gold, deadline)
-                if status != "correct":
-                    break
+        # A relation (`43 = 42`, `41 \\lor 42`): each side that is a value must equal the
+        # reference, where math-verify would grade one side (docs/rewards.md).
+        values = relations.value_sides(answer, gold) if len(answer) <= MAX_ANSWER_CHARS else None
+        for side in values or [answer]:
+            status = _judge(side, gold, deadline)
+            if status != "correct":
+                break
         return MathVerdict(float(status == "correct"), status, answer)
     except VerifierTimeout:
         return MathVerdict(0.0, "timeout")
