@@ -340,18 +340,14 @@ def leaves_children(mark: str, then: str) -> str:
     return (
         "import os, sys\n"
         f"def sleeper():\n    os.execv({SLEEP!r}, ['sleep', {mark!r}])\n"
-        "if os.fork() == 0:\n    os.setsid()\n    sleeper()\n"
-        "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        sleeper()\n"
-        "    os._exit(0)\n"
+        "def fork():  # a child (True) or the parent (False); None past the process limit\n"
+        "    try:\n        return os.fork() == 0\n    except OSError:\n        return None\n"
+        "if fork():\n    os.setsid()\n    sleeper()\n"
+        "if fork():\n    os.setsid()\n    if fork():\n        sleeper()\n    os._exit(0)\n"
         "for _ in range(20):\n"
-        "    try:\n"
-        "        if os.fork() == 0:\n"
-        "            os.setsid()\n"
-        "            try:\n                os.fork()\n            except OSError:\n"
-        "                pass\n"
-        "            sleeper()\n"
-        "    except OSError:\n"
-        "        break\n"
+        "    child = fork()\n"
+        "    if child is None:\n        break\n"
+        "    if child:\n        os.setsid()\n        fork()\n        sleeper()\n"
         "print('started', flush=True)\n" + then
     )
 
