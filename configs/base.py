@@ -450,8 +450,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.code_timeout_s = 4.0
     c.reward.code_memory_mb = 300
     # Size (MB) of each test process's working directory, /tmp and /dev/shm: tmpfs where
-    # the sandbox has a root of its own (memory, so kept well under code_memory_mb), else
-    # the working directory on disk, watched and killed past it (policyopt/rewards/code.py).
+    # the sandbox has a root of its own (memory, on top of code_memory_mb), else the
+    # working directory on disk, watched and killed past it (docs/rewards.md, "The sandbox").
     c.reward.code_disk_mb = 64
     c.reward.code_partial = False
     # Run only a problem's first N tests in the training reward (Magistral: 20; stdin /

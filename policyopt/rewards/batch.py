@@ -1,23 +1,11 @@
-"""Reward recipes (:class:`RewardSpec`) and parallel batch scoring (:func:`score_batch`).
+"""Reward recipes (:class:`RewardSpec`) and batch scoring (:func:`score_batch`), serially
+or in a pool of worker processes.
 
 The verifiers judge each sample (format, correctness c in [0, 1], language); the reward
-arithmetic on their verdicts (format gate, correct / incorrect values, overlong shaping and
-filtering, language bonus; Magistral, arXiv 2506.10910, and DAPO, arXiv 2503.14476) is
-:func:`policyopt.rewards.compose.compose_rewards`, whose module docstring writes it out.
-
-Parallelism: samples are scored in chunks by a persistent pool of worker processes started
-with the ``forkserver`` method (never plain ``fork``: the trainer process runs JAX's
-threads): workers are forked from a fresh single-threaded server that has preloaded
-:mod:`policyopt.rewards.worker` (SymPy and math-verify, imported and warmed once). The
-preload list is the process-wide fork server's; if something else started that server
-first, workers import what they need themselves (slower start, same results). A batch
-deadline is enforced twice: workers stop starting new samples once it has passed (and cap
-each verifier's time limit to what is left), and the parent stops waiting at the deadline
-plus a short grace; samples not back by then get the stand-in reward of a failed sample,
-are counted in ``metrics["deadline_missed"]``, and the pool, whose workers may be stuck,
-is killed and replaced on the next call. Samples of a worker that crashed (e.g. killed
-for memory) are treated alike, with status "worker_error", counted in
-``metrics["worker_errors"]``.
+arithmetic on their verdicts (Magistral, arXiv 2506.10910; DAPO, arXiv 2503.14476) is
+:func:`policyopt.rewards.compose.compose_rewards`. The pool (``multiprocessing``'s
+forkserver, preloading :mod:`policyopt.rewards.worker`), the batch deadline and what a
+missed or lost sample gets: ``docs/rewards.md``, "Batch scoring".
 """
 
 from __future__ import annotations
@@ -71,7 +59,8 @@ class RewardSpec:
       language_min_letters: segments with fewer letters are "undetermined".
       math_timeout_s: per-sample limit of the math verifier.
       code_timeout_s: per-test wall-clock limit of the code sandbox (Magistral: 4 s).
-      code_memory_mb: per-test address-space limit (Magistral: 300 MB).
+      code_memory_mb: per-test memory limit (Magistral: 300 MB): each process's address
+        space, and all the test's processes together where control groups can be made.
       code_disk_mb: per-test size of the sandbox's working directory (and ``/tmp``), MB.
       code_partial: reward the pass rate instead of all-or-nothing (Magistral: off).
       code_max_tests: run only a problem's first this many tests (Magistral: 20): stdin /

@@ -89,7 +89,8 @@ def run_code_tests(
         :func:`~policyopt.rewards.testcases.parse_tests` reads (a malformed one raises
         ``ValueError``).
       timeout_s: wall-clock (and CPU) limit per test process.
-      memory_mb: address-space limit per test process.
+      memory_mb: memory per test process: each process's address space, and all its
+        processes together where the sandbox has control groups (``docs/rewards.md``).
       stop_at_first_failure: stop once a case fails (binary reward needs no more).
       max_processes: RLIMIT_NPROC of the sandbox uid.
       max_tests: run only the first this many cases, or top-level asserts (Magistral runs

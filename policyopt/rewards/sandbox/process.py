@@ -39,7 +39,8 @@ class Limits:
 
     Attributes:
       timeout_s: wall-clock limit (plus ``STARTUP_GRACE_S``) and CPU-time limit (rounded up).
-      memory_mb: address space of each process (``RLIMIT_AS``).
+      memory_mb: address space of each process (``RLIMIT_AS``) and, where the sandbox has
+        control groups, the memory of all its processes together.
       max_processes: processes of the sandbox's uid (``RLIMIT_NPROC``).
       max_output_bytes: stdout, stderr and each file written (``RLIMIT_FSIZE``).
       disk_mb: size of the working directory (and of a jail's ``/tmp`` and ``/dev/shm``).
@@ -202,14 +203,9 @@ class Sandbox:
         pass_fds: tuple[int, ...] = (),
         jail: bool | None = None,
     ):
-        self.uid, self.max_output_bytes, self.files, self.process = (
-            uid,
-            limits.max_output_bytes,
-            [],
-            None,
-        )
+        self.uid, self.max_output_bytes = uid, limits.max_output_bytes
+        self.files, self.process, self.groups, self.owner = [], None, None, None
         self.disk_bytes, self.disk_exceeded, self.jailed = limits.disk_mb << 20, False, False
-        self.groups = self.owner = None
         self.root = tempfile.mkdtemp(prefix=f"{reaper.SANDBOX_PREFIX}{os.getpid()}-")
         try:
             watch(self.root)
