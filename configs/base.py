@@ -168,7 +168,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.prompt_template = "{question}"
     c.task.skip_malformed = False
     # Task "code_jsonl": the same fields, except that the tests come from the first of
-    # `tests_fields` present, in any encoding `policyopt.rewards.code.parse_tests` reads
+    # `tests_fields` present, in any encoding `policyopt.rewards.parse_tests` reads
     # (asserts, MBPP's list of asserts, HumanEval's check() with the row's `entry_point`,
     # stdin / stdout cases, APPS / CodeContests parallel lists, or JSON text of these; an
     # empty field gives way to the next). Call-based tests (APPS's fn_name) make a row
@@ -443,7 +443,7 @@ def base_config() -> ml_collections.ConfigDict:
     # the evaluation's pass@1: "package.module:function", called as
     # function(completion, reference) -> c in [0, 1] (`RewardSpec.verifier`); None: the
     # task's (math, or code for "code_jsonl" and the code rows of "mixed_jsonl", whose
-    # reference is then the tests as JSON text, read by `policyopt.rewards.code.parse_tests`).
+    # reference is then the tests as JSON text, read by `policyopt.rewards.parse_tests`).
     c.reward.verifier = placeholder(str)
     # Its per-sample time limit, in seconds.
     c.reward.verifier_timeout_s = 5.0
@@ -453,8 +453,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.code_timeout_s = 4.0
     c.reward.code_memory_mb = 300
     # Size (MB) of each test process's working directory, /tmp and /dev/shm: tmpfs where
-    # the sandbox has a root of its own (memory, so kept well under code_memory_mb), else
-    # the working directory on disk, watched and killed past it (policyopt/rewards/code.py).
+    # the sandbox has a root of its own (memory, on top of code_memory_mb), else the
+    # working directory on disk, watched and killed past it (docs/rewards.md, "The sandbox").
     c.reward.code_disk_mb = 64
     c.reward.code_partial = False
     # Run only a problem's first N tests in the training reward (Magistral: 20; stdin /

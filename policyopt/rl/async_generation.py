@@ -206,7 +206,8 @@ def _stop_window(sampling: SamplingConfig) -> int:
     return max((len(s) for s in sampling.stop_sequences), default=0)
 
 
-def _init_state(model, config: SlotConfig) -> _SlotState:
+def init_slot_state(model, config: SlotConfig) -> _SlotState:
+    """The empty slot state of ``config``'s rows (KV cache, tokens, lengths, routing)."""
     mc, s = model.config, config.sampling
     rows, num_new, prompt_width = config.rows, s.max_new_tokens, config.prompt_width
     cache = model.init_cache(rows, config.cache_length, dtype=s.cache_dtype)
@@ -240,7 +241,7 @@ def _init_state(model, config: SlotConfig) -> _SlotState:
     )
 
 
-def _slot_specs(state: _SlotState, mesh) -> _SlotState:
+def slot_specs(state: _SlotState, mesh) -> _SlotState:
     """The ``PartitionSpec`` of every field of the slot state on ``mesh``: the R rows split
     over ``data`` x ``fsdp`` when they divide (the routing along its row axis 1), the KV
     cache by its logical axes (``KEY_CACHE_AXES``, ``VALUE_CACHE_AXES``: rows, and key/value
@@ -262,9 +263,9 @@ def _slot_specs(state: _SlotState, mesh) -> _SlotState:
 
 
 def _pin(state: _SlotState) -> _SlotState:
-    """The new slot state of a jitted step, constrained (under a mesh) to ``_slot_specs``,
+    """The new slot state of a jitted step, constrained (under a mesh) to ``slot_specs``,
     the shardings its input was placed with, so the step compiles once."""
-    return sharding.constrain_tree(state, lambda mesh: _slot_specs(state, mesh))
+    return sharding.constrain_tree(state, lambda mesh: slot_specs(state, mesh))
 
 
 def _refill(
@@ -512,7 +513,7 @@ class SlotGenerator(_SlotGroups):
       config: the slot geometry and sampling settings.
       params: any parameters of the right structure (used for shapes only).
       mesh: the mesh the parameters live on (``policyopt.sharding``): the slot state is
-        placed on it (``_slot_specs``) and every step runs under ``jax.set_mesh`` in the
+        placed on it (``slot_specs``) and every step runs under ``jax.set_mesh`` in the
         calling thread (the mesh context is per thread). None: the default device.
     """
 
@@ -524,12 +525,12 @@ class SlotGenerator(_SlotGroups):
         # the refill (a prefill) more than once.
         model = nnx.merge(graphdef, params)
         config.sampling.check_vocab(model.config.vocab_size)  # as generate_fn does
-        state = _init_state(model, config)
+        state = init_slot_state(model, config)
         if mesh is None:
             self.state = jax.device_put(state, jax.devices()[0])
         else:
             self.state = jax.device_put(
-                state, sharding.named_shardings(_slot_specs(state, mesh), mesh)
+                state, sharding.named_shardings(slot_specs(state, mesh), mesh)
             )
         self._meta: dict[int, dict] = {}
         self._active = np.zeros((config.num_groups,), bool)
