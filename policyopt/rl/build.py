@@ -27,7 +27,8 @@ from policyopt.data import (
     read_math_jsonl,
 )
 from policyopt.models import Transformer, preset
-from policyopt.rewards.batch import RewardSpec, VerifierImportError
+from policyopt.rewards.batch import RewardSpec
+from policyopt.rewards.custom import VerifierImportError
 from policyopt.rl.learner import split_params
 
 # Fields of config.model that override the preset. The runtime ones (how the model
