@@ -117,6 +117,32 @@ def routing_dose_arms() -> tuple[Arm, ...]:
     return tuple(arms)
 
 
+#: SAPO's temperature grid (2511.20347; the issue of its regime: docs/claims.md "sapo"):
+#: tau_neg over the grid at tau_pos 1.0, and tau_pos over it at tau_neg 1.0.
+SAPO_TAUS = (0.8, 1.0, 1.05, 1.25, 2.0)
+# Enough updates per batch that SAPO's gate acts (its weight departs from 1).
+SAPO_UPDATES = "batch.n_minibatches=8,batch.epochs=2"
+
+
+def _tau_label(value: float) -> str:
+    return f"{value:g}".replace(".", "p")
+
+
+def sapo_grid_arms() -> tuple[Arm, ...]:
+    """SAPO at each (tau_pos, tau_neg) of the grid (``neg<tau>`` at tau_pos 1.0, ``pos<tau>``
+    at tau_neg 1.0; the recipe's 1.0 / 1.05 is ``neg1p05``), and GRPO without KL (the SAPO
+    paper's baseline)."""
+    arms = [
+        Arm(f"neg{_tau_label(t)}", "sapo", f"algo.tau_pos=1.0,algo.tau_neg={t}") for t in SAPO_TAUS
+    ]
+    arms += [
+        Arm(f"pos{_tau_label(t)}", "sapo", f"algo.tau_pos={t},algo.tau_neg=1.0")
+        for t in SAPO_TAUS
+        if t != 1.0
+    ]
+    return (*arms, Arm("grpo", "grpo", "algo.kl_beta=0.0"))
+
+
 ABLATIONS: dict[str, Ablation] = {
     a.name: a
     for a in (
@@ -160,6 +186,18 @@ ABLATIONS: dict[str, Ablation] = {
             OFF_POLICY + ",train.routing_metrics=True",
             reference="gspo",
             compares=GSPO_VS_GRPO,
+        ),
+        Ablation(
+            "sapo_grid",
+            "SAPO (2511.20347): tau_neg > tau_pos is the most stable, equal temperatures in "
+            "between, tau_neg < tau_pos unstable; SAPO is more stable than GRPO. The grid "
+            "{0.8, 1.0, 1.05, 1.25, 2.0} for tau_neg (tau_pos 1.0) and for tau_pos (tau_neg "
+            "1.0), and GRPO without KL, with 8 minibatches x 2 epochs per batch so that the "
+            "gate acts.",
+            sapo_grid_arms(),
+            SAPO_UPDATES,
+            reference="sapo",
+            compares=("algo.",),
         ),
         Ablation(
             "dapo",

@@ -51,7 +51,11 @@ TAIL_METRICS = (
     "policy/entropy",
     "critic/explained_variance",
     "async/staleness_mean",
+    "offpolicy/kl_k3",
 )
+#: A run has collapsed at iteration i when the mean training accuracy of iterations i-2..i
+#: falls below this fraction of that of its first 3 iterations (``collapse_iteration``).
+COLLAPSE_FRACTION = 0.5
 DONE_FILE = "ablation_run.json"
 #: The fields that make a run's learning rate and budget (``regime_of``): a verdict over
 #: runs that differ in one compares settings, not methods (`experiments/reproduce.py`).
@@ -252,6 +256,8 @@ def summarise_run(run_dir: str, tail: int) -> dict:
     if evals:
         out["pass@1_start"], out["pass@1_end"] = evals[0]["eval/pass@1"], evals[-1]["eval/pass@1"]
         out["eval_steps"] = [int(evals[0]["step"]), int(evals[-1]["step"])]
+    out["collapse_iteration"] = collapse_iteration(rows)
+    out["collapsed"] = float(out["collapse_iteration"] <= out["iterations"])
     last = rows[-tail:]
     for key in TAIL_METRICS:
         # NaN: an iteration without a value (e.g. no update: only dynamic sampling's fillers).
@@ -259,6 +265,24 @@ def summarise_run(run_dir: str, tail: int) -> dict:
         if values:
             out[key] = statistics.fmean(values)
     return out
+
+
+def collapse_iteration(rows: Sequence[dict], key: str = "reward/accuracy") -> int:
+    """The first iteration at which a run has collapsed (``COLLAPSE_FRACTION``: the mean of
+    ``key`` over the last 3 iterations below that fraction of the first 3 iterations'), or
+    the number of iterations + 1 when it never does (a censored time to collapse).
+
+    Args:
+      rows: the run's iteration records in order (``step`` and ``key``).
+    """
+    values = [(int(r["step"]), r[key]) for r in rows if key in r and math.isfinite(r[key])]
+    if len(values) < 3:
+        return (int(rows[-1]["step"]) if rows else 0) + 1
+    first = statistics.fmean(v for _, v in values[:3])
+    for i in range(3, len(values) + 1):
+        if statistics.fmean(v for _, v in values[i - 3 : i]) < COLLAPSE_FRACTION * first:
+            return values[i - 1][0]
+    return int(rows[-1]["step"]) + 1
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -345,7 +369,7 @@ def run_ablation(
             "differs_from_first_arm": config_diff(reference, first),  # at the first run
             "runs": runs,
         }
-        for key in ("pass@1_start", "pass@1_end", *TAIL_METRICS):
+        for key in ("pass@1_start", "pass@1_end", "collapse_iteration", "collapsed", *TAIL_METRICS):
             values = [r[key] for r in runs if key in r]
             if values:
                 entry[key] = dict(zip(("mean", "std"), _mean_std(values)))

@@ -56,6 +56,20 @@ FOUR_ARMS = Claim(
 )
 
 
+#: SAPO's temperature ordering at lr 1e-3 (the claim before its grid): 3 arms, 2 checks.
+THREE_ARMS = Claim(
+    name="sapo_tau",
+    source="SAPO (2511.20347): tau_neg > tau_pos is the most stable choice.",
+    ablation=ABLATIONS["sapo_tau"],
+    setting="testbed",
+    regime="optim.lr=1e-3,train.num_iterations=20",
+    checks=(
+        Check("tau_neg > tau_pos ends above equal temperatures", "diff", "neg_gt_pos", "equal"),
+        Check("equal temperatures end above tau_neg < tau_pos", "diff", "equal", "neg_lt_pos"),
+    ),
+)
+
+
 def _run(end, start=0.5, clip=0.01):
     return {"pass@1_end": end, "pass@1_start": start, "loss/clip_frac": clip}
 
@@ -90,7 +104,7 @@ def test_checks_and_claims_refuse_bad_definitions():
         Check("", "gain", "a", "b")
     with pytest.raises(ValueError, match="margin must be > 0"):
         Check("", "diff", "a", "b", margin=-0.05)
-    own = CLAIMS["sapo_tau"]
+    own = THREE_ARMS
     kwargs = dict(name="x", source="", ablation=own.ablation, setting="testbed", checks=own.checks)
     with pytest.raises(ValueError, match="claim 'x': its regime must fix train.num_iterations"):
         Claim(regime="optim.lr=1e-3", **kwargs)
@@ -245,7 +259,7 @@ def test_a_check_not_run_or_missing_a_pair_leaves_the_claim_inconclusive():
 
 
 def test_a_verdict_table_over_different_learning_rates_is_refused():
-    claim = get_claim("sapo_tau")
+    claim = THREE_ARMS
     runs = {p: _run(0.5) for p in PAIRS[:3]}
     summary = _summary({"neg_gt_pos": runs, "equal": runs, "neg_lt_pos": runs}, seeds=range(3))
     summary["arms"][2]["runs"][1]["regime"]["optim.lr"] = 5e-3
@@ -314,7 +328,7 @@ def test_exploratory_variants_and_their_directories():
     assert len(directory) == 64 + 9 and directory.startswith("optim.lr=1e-4,optim.lr=2e-4")
     runs = {p: _run(0.5) for p in PAIRS[:2]}
     text, _, _ = reproduce.verdict_table(
-        get_claim("sapo_tau"),
+        THREE_ARMS,
         _summary({"neg_gt_pos": runs, "equal": runs}, seeds=range(2), starts=(0,)),
         variant="optim.lr=5e-4",
         exploratory=True,
