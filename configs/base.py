@@ -64,6 +64,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Folder of a HuggingFace Qwen3 / Qwen3-MoE checkpoint to start from instead of a
     # preset (then the tokenizer is read from the same folder). None: preset.
     c.model.pretrained = placeholder(str)
+    # Tokenizer of a preset: a tokenizer.json (`python -m experiments.tokenizer` trains one
+    # on the task's files) or a folder holding one; the preset's vocabulary becomes the
+    # tokenizer's size. None: the character tokenizer of the synthetic task.
+    c.model.tokenizer = placeholder(str)
     # Overrides of single preset fields; None keeps the preset's value.
     c.model.num_layers = placeholder(int)
     c.model.hidden_size = placeholder(int)
@@ -499,8 +503,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 2
     # Console progress line every K iterations.
     c.train.log_every = 1
-    # Write TensorBoard event files next to metrics.jsonl.
-    c.train.tensorboard = True
+    # Where the metrics, the config, the sampled completions and the evaluations go,
+    # comma-separated: "jsonl" (metrics.jsonl, always written), "tensorboard" (event files
+    # in the run directory), "wandb" (Weights & Biases; WANDB_MODE=offline writes it to
+    # the run directory) and "mlflow" (MLflow; a file store in the run directory unless
+    # MLFLOW_TRACKING_URI); docs/runs.md. The last two are extras: pip install
+    # 'policyopt[wandb]' / 'policyopt[mlflow]'.
+    c.train.loggers = "jsonl,tensorboard"
     # Measure routing volatility (an extra router-only forward pass per iteration).
     c.train.routing_metrics = True
     # Resume from the workdir's checkpoint even if the config differs from the one it was
@@ -800,6 +809,7 @@ def check(config: ml_collections.ConfigDict) -> None:
                 raise ValueError(
                     f"config.task.{name} must contain '{{question}}', got {template!r}"
                 )
+    _check_tokenizer_and_loggers(config)
     b = config.batch
     if b.n_prompts < 1 or b.group_size < 1 or b.epochs < 1 or b.n_minibatches < 1:
         raise ValueError(
@@ -970,6 +980,26 @@ def check(config: ml_collections.ConfigDict) -> None:
             "choose the level they apply at ('token', 'sequence' or 'geometric')"
         )
     _check_ranges(config)
+
+
+def _check_tokenizer_and_loggers(config) -> None:
+    """`model.tokenizer` parses (and is not given beside `model.pretrained`, which brings its
+    own); every logger of `train.loggers` is known and its package installed."""
+    from policyopt.data.tokenizer import load_tokenizer
+    from policyopt.loggers import check_loggers
+
+    path = config.model.tokenizer
+    if path:
+        if config.model.pretrained:
+            raise ValueError(
+                "config.model.tokenizer and config.model.pretrained are both set: a pretrained "
+                "checkpoint's embeddings index its own tokenizer (in its folder)"
+            )
+        try:
+            load_tokenizer(path)
+        except (ValueError, OSError) as error:
+            raise ValueError(f"config.model.tokenizer: {error}") from None
+    check_loggers(config.train.loggers)
 
 
 def _library_choices() -> dict[str, tuple]:

@@ -67,7 +67,7 @@ RESUME_FREE_FIELDS = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.log_every",
-    "train.tensorboard",
+    "train.loggers",
     "train.routing_metrics",
     "train.allow_config_change",
     "eval.",
