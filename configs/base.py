@@ -127,8 +127,8 @@ def base_config() -> ml_collections.ConfigDict:
     # `policyopt.rewards.code`; the format gate then asks for a fenced block) or
     # "mixed_jsonl" (both in the same files, Magistral's mixture: a row with one of
     # `tests_fields` is code, any other math; each sample is checked by its own task's
-    # verifier). Use the file tasks with a pretrained model and its tokenizer,
-    # `model.pretrained`.
+    # verifier). The file tasks need a tokenizer for their text: `model.tokenizer` (one
+    # trained on the files, docs/quickstart.md) or a pretrained model's, `model.pretrained`.
     c.task.name = "arithmetic"
     # Difficulty knobs of `ArithmeticConfig` (task "arithmetic").
     c.task.num_operands = 2

@@ -24,6 +24,7 @@ from policyopt.data import (
     JsonlConfig,
     as_record,
     generate_arithmetic,
+    load_tokenizer,
     read_math_jsonl,
 )
 from policyopt.models import Transformer, preset
@@ -217,10 +218,13 @@ def check_mesh(config, mesh: Mesh, num_experts: int) -> None:
 
 
 def make_tokenizer(config):
-    """The tokenizer of the run: the char tokenizer of the synthetic task, or the
-    pretrained model's ``tokenizer.json``."""
+    """The tokenizer of the run: the pretrained model's ``tokenizer.json``,
+    ``config.model.tokenizer`` (``policyopt.data.load_tokenizer``: e.g. a BPE trained on the
+    task's files), or the char tokenizer of the synthetic task."""
     if config.model.pretrained:
         return HFTokenizer.from_pretrained(config.model.pretrained)
+    if config.model.tokenizer:
+        return load_tokenizer(config.model.tokenizer)
     return CharTokenizer()
 
 
