@@ -108,6 +108,49 @@ def versions(*packages: str) -> dict:
     return found
 
 
+class JaxCompileLog:
+    """JAX's compilation events of this process (``jax.monitoring``): tracing, lowering to
+    MLIR and XLA's compilation of each program, with the function's name and the seconds.
+
+    ``mark()`` closes a span (the set-up, then each iteration); ``summary()`` gives per
+    span the programs XLA compiled and the seconds of each stage."""
+
+    STAGES = {
+        "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+        "/jax/core/compile/backend_compile_duration": "xla_compile_s",
+    }
+
+    def __init__(self):
+        import jax
+
+        self.events: list[tuple[str, str, float]] = []
+        self.marks: list[int] = []
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event: str, duration: float, **kwargs) -> None:
+        if event in self.STAGES:
+            self.events.append((self.STAGES[event], str(kwargs.get("fun_name", "?")), duration))
+
+    def mark(self) -> None:
+        self.marks.append(len(self.events))
+
+    def summary(self) -> list[dict]:
+        spans, start = [], 0
+        for end in self.marks:
+            events = self.events[start:end]
+            compiled = [(name, s) for stage, name, s in events if stage == "xla_compile_s"]
+            span = {
+                stage: sum(s for st, _, s in events if st == stage)
+                for stage in self.STAGES.values()
+            }
+            span["programs"] = len(compiled)
+            span["slowest"] = sorted(compiled, key=lambda x: -x[1])[:8]
+            spans.append(span)
+            start = end
+        return spans
+
+
 def write_result(
     path: str,
     side: str,

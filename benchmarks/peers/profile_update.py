@@ -130,13 +130,18 @@ def time_dots(dots: list[dict], repeats: int) -> dict:
         )
         fn = jax.jit(lambda a, b, n=numbers: jax.lax.dot_general(a, b, n))
         jax.block_until_ready(fn(lhs, rhs))
-        times = []
+        times, cpus = [], []
         for _ in range(max(repeats, 5)):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn(lhs, rhs))
             times.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
         seconds = statistics.median(times)
-        timed[key] = {"seconds": seconds, "gflops": dot["flops"] / seconds / 1e9}
+        timed[key] = {
+            "seconds": seconds,
+            "cpu_seconds": statistics.median(cpus),
+            "gflops": dot["flops"] / seconds / 1e9,
+        }
     return timed
 
 
@@ -160,23 +165,32 @@ def trace_ops(fn, repeats: int) -> dict[str, float]:
     return dict(totals)
 
 
-def instruction_kinds(hlo: str) -> dict[str, str]:
-    """Name -> what it is (``fusion(kind): root op`` / the opcode) for the top-level
-    instructions of the entry computation and the fusion computations' roots."""
+def instruction_kinds(hlo: str) -> dict[str, tuple[str, str]]:
+    """Name -> (what it is: ``fusion(kind)`` or the opcode, the JAX operation it comes
+    from: the ``op_name`` metadata less the ``jit(...)`` prefix) of every instruction."""
     kinds = {}
     for line in hlo.splitlines():
         match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = [^ ]+ (\w[\w\-]*)\(", line)
-        if match:
-            name, opcode = match.groups()
-            if opcode == "fusion":
-                kind = re.search(r"kind=(\w+)", line)
-                calls = re.search(r"calls=%?([\w.\-]+)", line)
-                kinds[name] = f"fusion({kind.group(1) if kind else '?'})" + (
-                    f" {calls.group(1)}" if calls else ""
-                )
-            else:
-                kinds.setdefault(name, opcode)
+        if not match:
+            continue
+        name, opcode = match.groups()
+        if opcode == "fusion":
+            kind = re.search(r"kind=(\w+)", line)
+            opcode = f"fusion({kind.group(1) if kind else '?'})"
+        source = re.search(r'op_name="([^"]+)"', line)
+        source = re.sub(r"^jit\([^)]*\)/", "", source.group(1)) if source else "?"
+        kinds.setdefault(name, (opcode, source))
     return kinds
+
+
+def phase(source: str) -> str:
+    """forward / backward / optimiser, from a JAX op_name (``transpose(jvp(...))`` is the
+    backward pass, ``jvp(...)`` the forward)."""
+    if "transpose(" in source:
+        return "backward"
+    if "jvp(" in source:
+        return "forward"
+    return "optimiser and the rest"
 
 
 def main(argv=None) -> None:
@@ -241,40 +255,30 @@ def main(argv=None) -> None:
         args.hlo.write_text(hlo)
     dots = parse_dots(hlo)
     dot_times = time_dots(dots, args.repeats)
-    matmul_s = 0.0
+    matmul_s = matmul_cpu_s = 0.0
     for dot in dots:
         key = json.dumps(
             [dot[k] for k in ("lhs", "rhs", "lhs_contracting", "rhs_contracting", "lhs_batch")]
         )
         dot.update(dot_times[key])
         matmul_s += dot["seconds"]
+        matmul_cpu_s += dot["cpu_seconds"]
     dot_flops = sum(d["flops"] for d in dots)
     update_s = statistics.median(walls)
     kinds = instruction_kinds(hlo)
-    skip = (
-        "Thunk",
-        "Pjrt",
-        "PjRt",
-        "Buffer",
-        "Threadpool",
-        "Pjit",
-        "Python",
-        "$",
-        "Handle",
-        "Wait",
-    )
+    skip = ("Thunk", "Pjrt", "PjRt", "Buffer", "Threadpool", "Pjit", "Python", "$", "Handle")
     op_times = sorted(
-        (
-            (name, s)
-            for name, s in ops.items()
-            if not name.startswith(skip) and not name.startswith("end: ")
-        ),
+        ((n, s) for n, s in ops.items() if n in kinds and not n.startswith("end: ")),
         key=lambda item: -item[1],
     )
     by_kind: dict[str, float] = collections.defaultdict(float)
+    by_source: dict[str, float] = collections.defaultdict(float)
+    by_phase: dict[str, float] = collections.defaultdict(float)
     for name, s in op_times:
-        kind = kinds.get(name, name)
-        by_kind[kind.split(" ")[0]] += s
+        opcode, source = kinds[name]
+        by_kind[opcode] += s
+        by_source[f"{opcode} {source}"] += s
+        by_phase[phase(source)] += s
     traced_s = sum(s for _, s in op_times)
     result = {
         "geometry": common.GEOMETRY,
@@ -290,6 +294,7 @@ def main(argv=None) -> None:
         "dots": dots,
         "dot_flops": dot_flops,
         "matmul_floor_s": matmul_s,
+        "matmul_floor_cpu_s": matmul_cpu_s,
         "update_gflops": dot_flops / update_s / 1e9,
         "traced_ops_s": traced_s,
         "top_ops": [{"name": n, "kind": kinds.get(n, "?"), "seconds": s} for n, s in op_times[:60]],
@@ -314,15 +319,15 @@ def main(argv=None) -> None:
     )
     print(
         f"dots: {dot_flops / 1e9:.2f} GFLOP; alone as plain matmuls {matmul_s:.3f} s "
-        f"({dot_flops / max(matmul_s, 1e-9) / 1e9:.1f} GFLOP/s); the update as a whole "
+        f"({dot_flops / max(matmul_s, 1e-9) / 1e9:.1f} GFLOP/s; CPU {matmul_cpu_s:.3f} s); "
+        "the update as a whole "
         f"{result['update_gflops']:.1f} GFLOP/s"
     )
-    print(f"traced ops: {traced_s:.3f} s per update")
-    for kind, s in list(result["by_kind_s"].items())[:12]:
-        print(f"  {kind:<40}{s:8.3f} s {s / update_s:6.1%}")
-    print("top ops:")
-    for row in result["top_ops"][:25]:
-        print(f"  {row['name']:<40}{row['seconds']:8.3f} s  {row['kind']}")
+    print(f"traced ops: {traced_s:.3f} s per update (shares below are of this)")
+    for title, table in (("phase", "by_phase_s"), ("kind", "by_kind_s"), ("source", "by_source_s")):
+        print(f"by {title}:")
+        for key, s in list(result[table].items())[:20]:
+            print(f"  {s:8.3f} s {s / traced_s:6.1%}  {key[:100]}")
     print(f"written: {args.out}")
 
 

@@ -236,6 +236,12 @@ def summarise(results: dict, sides) -> dict:
                 "min": min(values),
                 "max": max(values),
             }
+        spans = [r["compilation"][1] for r in runs if len(r.get("compilation", [])) > 1]
+        if spans:  # JAX sides: what the first iteration compiled
+            row["first_iteration_compilation"] = {
+                key: statistics.median(span[key] for span in spans)
+                for key in ("programs", "trace_s", "lower_s", "xla_compile_s")
+            }
         loads = [r["load"].get("loadavg_1min_mean") for r in runs if r.get("load")]
         row["loadavg_1min_mean"] = statistics.fmean(loads) if loads else None
         table[side] = row
@@ -260,6 +266,14 @@ def print_table(table: dict, results: dict) -> None:
             cells.append(f"{text:>22}")
         load = row["loadavg_1min_mean"]
         print(f"{side:<12}" + "".join(cells) + (f"{load:>7.1f}" if load is not None else ""))
+    for side, row in table.items():
+        span = row.get("first_iteration_compilation")
+        if span:
+            print(
+                f"{side}: the first iteration compiled {span['programs']:.0f} programs: "
+                f"tracing {span['trace_s']:.1f} s, lowering {span['lower_s']:.1f} s, "
+                f"XLA {span['xla_compile_s']:.1f} s"
+            )
     if "policyopt" in table:
         ours = table["policyopt"]
         for side in table:

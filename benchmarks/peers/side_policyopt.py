@@ -42,6 +42,9 @@ def config_for(old_log_probs: str):
         "batch.response_buckets": (g["new_tokens"],),
         "sampling.max_new_tokens": g["new_tokens"],
         "sampling.temperature": g["temperature"],
+        # The peers' correctness check (common.reward) through policyopt's own hook for
+        # a user's verifier, so that scoring is the same work on every side.
+        "reward.verifier": "common:reward",
         "algo.kl_beta": 0.0,
         "algo.clip_low": g["clip_epsilon"],
         "algo.clip_high": g["clip_epsilon"],
@@ -74,6 +77,7 @@ def main() -> None:
     from policyopt.runtime import keep_freed_host_memory
 
     keep_freed_host_memory()  # as experiments/train.py does
+    compiles = common.JaxCompileLog()
     config = config_for(args.old_log_probs)
     workdir = tempfile.mkdtemp()
     try:
@@ -84,9 +88,11 @@ def main() -> None:
         run.spec = dataclasses.replace(run.spec, sampling_config=exact)
         params = sum(x.size for x in jax.tree.leaves(run.state.params))
         setup_s = time.perf_counter() - start
+        compiles.mark()  # span 0: the set-up; then one span per iteration
         iterations = []
         for _ in range(args.warmup + args.iterations):
             metrics = trainer.rl_iteration(run)
+            compiles.mark()
             iterations.append(
                 {
                     "iteration_s": metrics["time/iteration_s"],
@@ -118,7 +124,7 @@ def main() -> None:
         setup_s=setup_s,
         checks=checks,
         versions=common.versions("jax", "jaxlib", "flax", "optax"),
-        extra={"old_log_probs": args.old_log_probs},
+        extra={"old_log_probs": args.old_log_probs, "compilation": compiles.summary()},
     )
 
 

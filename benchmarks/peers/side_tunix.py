@@ -138,6 +138,15 @@ def main() -> None:
     timed(learner, "_compute_rewards", "score")
     timed(cluster, "update_actor", "update", lambda _: nnx.state(cluster.actor_trainer.model))
     timed(learner, "_run_global_step", "step")
+    compiles = common.JaxCompileLog()
+    step = learner._run_global_step
+
+    def marked(*a, **k):
+        out = step(*a, **k)
+        compiles.mark()
+        return out
+
+    learner._run_global_step = marked
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     rows = common.prompts(g["num_prompts"] * steps, seed=0)
     data = [
@@ -149,6 +158,7 @@ def main() -> None:
         for i in range(0, len(rows), g["num_prompts"])
     ]
     setup_s = time.perf_counter() - start
+    compiles.mark()  # span 0: the set-up; then one span per global step
     learner.train(data)  # RLCluster enters each role's mesh itself
     iterations = [
         {"iteration_s": step, "generate_s": gen, "score_s": score, "update_s": update}
@@ -166,7 +176,10 @@ def main() -> None:
         setup_s=setup_s,
         checks={"parameters": int(params), **seen},
         versions=common.versions("google-tunix", "jax", "jaxlib", "flax", "optax"),
-        extra={"old_log_probs": "sampler (tunix: num_iterations=1, no separate pass)"},
+        extra={
+            "old_log_probs": "sampler (tunix: num_iterations=1, no separate pass)",
+            "compilation": compiles.summary(),
+        },
     )
 
 
