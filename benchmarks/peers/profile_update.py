@@ -297,9 +297,14 @@ def main(argv=None) -> None:
         "matmul_floor_cpu_s": matmul_cpu_s,
         "update_gflops": dot_flops / update_s / 1e9,
         "traced_ops_s": traced_s,
-        "top_ops": [{"name": n, "kind": kinds.get(n, "?"), "seconds": s} for n, s in op_times[:60]],
+        "top_ops": [
+            {"name": n, "kind": kinds[n][0], "source": kinds[n][1], "seconds": s}
+            for n, s in op_times[:60]
+        ],
         "other_events_s": {n: s for n, s in ops.items() if n.startswith(skip) and s > 1e-3},
         "by_kind_s": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "by_source_s": dict(sorted(by_source.items(), key=lambda kv: -kv[1])),
+        "by_phase_s": dict(sorted(by_phase.items(), key=lambda kv: -kv[1])),
         "loadavg": open("/proc/loadavg").read().split()[:3],
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
