@@ -15,7 +15,7 @@ Builds the run of ``side_policyopt.py``, samples one batch, and on the jitted up
   run: its achieved GFLOP/s, and the sum of their times, the update's matmul floor at that
   rate.
 
-Run it in the policyopt environment (``benchmarks/peers/.venvs/policyopt`` or the repo's).
+Run it in the policyopt environment (``.peers-venvs/policyopt`` or the repository's own).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
     python3 benchmarks/peers/run.py                 # build what is missing, 2 rounds, table
     python3 benchmarks/peers/run.py --rounds 3      # add a third round to the same results
 
-Builds one virtual environment per side under ``benchmarks/peers/.venvs/`` from the pinned
-``requirements/<side>.txt`` (again when that file changes), then runs the sides' scripts in
+Builds one virtual environment per side under ``.peers-venvs/`` (repository root) from
+the pinned ``requirements/<side>.txt`` (again when it changes), then runs the sides' scripts in
 interleaved rounds, each in its own process, recording the load (``/proc/loadavg``) while
 each runs. Every finished run is written to the JSON at once, so an interrupted command
 resumes where it stopped; ``--fresh`` starts over. Standard library only: any Python 3.11
@@ -31,7 +31,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 SIDES = ("policyopt", "tunix", "trl")
-VENVS = HERE / ".venvs"
+# Outside every package directory, so that nothing walking the sources (tests, linters)
+# reads the environments' site-packages; ignored by git.
+VENVS = REPO / ".peers-venvs"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "peers.json"
 COLUMNS = (
     ("iteration_s", "s / iteration"),
@@ -55,7 +57,7 @@ def venv_python(side: str) -> Path:
 
 
 def build(side: str, python: str) -> None:
-    """Creates ``.venvs/<side>`` from ``requirements/<side>.txt`` unless it is already
+    """Creates ``.peers-venvs/<side>`` from ``requirements/<side>.txt`` unless it is already
     built from that file (a marker holds the file's digest)."""
     venv = VENVS / side
     marker = venv / ".built"
