@@ -36,7 +36,7 @@ from policyopt.metrics import quiet_library_logging, read_jsonl
 from policyopt.rl.async_rl import async_enabled, run_async_rl
 from policyopt.rl.plots import plot_runs
 from policyopt.rl.trainer import run_rl
-from policyopt.runtime import keep_freed_host_memory
+from policyopt.runtime import enable_compilation_cache, keep_freed_host_memory
 
 #: Training metrics summarised (mean over the last ``tail`` iterations), when a run logs them.
 TAIL_METRICS = (
@@ -475,6 +475,7 @@ def main(argv):
         raise app.UsageError("--ablation and --workdir are required (or --list)")
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
+    enable_compilation_cache()  # load what an earlier process compiled (docs/runs.md)
     summary = run_ablation(
         get_ablation(args.ablation),
         args.workdir,

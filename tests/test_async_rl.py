@@ -59,7 +59,7 @@ def tiny(extra="", recipe=magistral_async):
         f"model=tiny_moe,model.num_layers=1,batch.n_prompts=2,batch.group_size={GROUP},"
         f"sampling.max_new_tokens={NUM_NEW},task.num_train=64,task.num_test=8,"
         "eval.num_prompts=0,train.num_iterations=3,train.eval_every=0,"
-        "train.checkpoint_every=1,train.tensorboard=False,train.routing_metrics=False,"
+        "train.checkpoint_every=1,train.loggers=jsonl,train.routing_metrics=False,"
         "dynamic_sampling.max_rounds=2,"
         f"optim.lr=0.01,async_mode.n_async={N_ASYNC},async_mode.segment_steps={SEGMENT}"
     )

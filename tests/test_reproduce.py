@@ -300,7 +300,7 @@ def test_exploratory_variants_and_their_directories():
     # The regime already says lr 1e-3 and 20 iterations; logging is not what is trained.
     assert reproduce.departures(claim, "testbed", "") == []
     assert reproduce.departures(claim, "testbed", "optim.lr=1e-3,train.num_iterations=20") == []
-    assert reproduce.departures(claim, "testbed", "train.tensorboard=False") == []
+    assert reproduce.departures(claim, "testbed", "train.loggers=jsonl") == []
     assert reproduce.departures(claim, "testbed", "optim.lr=5e-4") == ["optim.lr"]
     assert reproduce.departures(claim, "testbed", "train.num_iterations=40,sft.steps=10") == [
         "sft.steps",
@@ -406,7 +406,7 @@ def test_a_continued_sft_start_trains_its_parent_first(tmp_path, monkeypatch):
     )
     variant = (
         "model.num_layers=1,sft.steps=3,sft.batch_size=4,task.num_train=64,task.num_test=8,"
-        "eval.num_prompts=0,train.tensorboard=False"
+        "eval.num_prompts=0,train.loggers=jsonl"
     )
     checkpoint = reproduce.ensure_sft("testbed_long32", str(tmp_path), variant)
     parent = tmp_path / "testbed_long" / "sft"
@@ -435,7 +435,7 @@ def _shrink(config):
 TINY = (
     "model.num_layers=1,sft.steps=2,sft.batch_size=4,task.num_train=64,task.num_test=8,"
     "eval.num_prompts=8,eval.batch_size=8,batch.n_prompts=2,batch.group_size=2,"
-    "train.tensorboard=False"
+    "train.loggers=jsonl"
 )
 
 
