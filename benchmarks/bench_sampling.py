@@ -14,8 +14,8 @@ The same weights run with the "ragged" MoE dispatch (on the CPU, XLA lowers `rag
 to a dense product over all experts), with the dropless "blocked" dispatch of each
 ``--blocks`` size (O(N k) expert work), for prefill and decode alike, and as the preset
 runs them: prefill "blocked" 128, decode "gathered" (each expert on its own tokens), the
-preset with decode "dense" (every token through every expert, its decode until the
-fourteenth session), and the preset again with ``--decode_segments`` decode loops over
+preset with decode "dense" (every token through every expert, its decode until
+2026-12-02), and the preset again with ``--decode_segments`` decode loops over
 growing KV caches.
 The same model each time, up to float rounding.
 
@@ -75,7 +75,8 @@ from policyopt.models import Transformer, preset, save_pretrained  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "bench_sampling.json")
 # The main case against transformers: issue 23's floor (an earlier 5x was set against a
-# transformers figure measured under load, ~40x slower than at idle: benchmarks/RESULTS.md).
+# transformers figure measured under load, ~40x slower than at idle: benchmarks/HISTORY.md,
+# 2026-11-30).
 TARGET_SPEEDUP = 2.0
 # The long-tailed mix: the engine against the static batch (issue 23's floor).
 TARGET_LONG_TAIL = 3.0

@@ -1,107 +1,21 @@
-"""Compile-only memory simulator: per-device memory and collectives of the project's own
-jitted steps at pod scale, on N simulated CPU devices, without allocating a parameter.
+"""Will it fit: per-device memory of a recipe's jitted update or rollout at pod scale,
+compiled (never run) on N simulated CPU devices without allocating a parameter.
 
-    python -m benchmarks.scale_sim --step update --preset qwen3_30b_a3b --devices 64 \\
-        --mesh fsdp=8,expert=8 --seq-len 32768 --prompt-len 1024 --rows-per-device 1 \\
-        --method gspo --json out.json
-    python -m benchmarks.scale_sim --step rollout --preset qwen3_30b_a3b --devices 64 \\
-        --mesh fsdp=8,expert=8 --prompts 512 --samples 16 --prompt-len 1024 \\
-        --new-tokens 20480
+    python -m benchmarks.scale_sim --step update --config configs/gspo.py:scale=paper,\\
+        sampling.max_new_tokens=20480 --devices 64 --mesh fsdp=8,expert=8 \\
+        --seq-len 32768 --prompt-len 1024 --device-memory-gib 80
 
-What it compiles. The process starts with ``--xla_force_host_platform_device_count=N``
-(set here, before JAX starts) and builds the run's mesh (``policyopt.sharding.make_mesh``,
-the axes of ``--mesh``), the model from its preset under that mesh with abstract shapes
-only (``nnx.eval_shape``), the Learner of the recipe ``configs/<method>.py`` (its
-``LossConfig`` and optimiser, as ``policyopt.rl.trainer.build_run`` builds it) and the
-train state as ``jax.ShapeDtypeStruct`` leaves carrying the shardings ``state_specs``
-gives (what ``place_state`` places). Then, under ``jax.set_mesh``, as the trainer runs:
+The recipe string is ``train``'s (or ``--method`` and ``--variant``). The step is
+compiled and read with ``compiled.memory_analysis()`` and its optimized HLO; what the run
+keeps on each device beside it is added (``benchmarks/scale_fit.py``); with
+``--device-memory-gib`` the output ends with ``fits: yes`` or ``fits: no ... try ...``.
+docs/scale.md, "Will it fit: scale_sim", says how to read the figures.
 
-- ``--step update``: ``Learner.update`` (``guarded_update``: value_and_grad, AdamW, state
-  donated) on one minibatch of ``rows_per_device x devices`` rows of ``seq_len`` tokens
-  (``prompt_len`` of them prompt), every field the recipe's update reads (reference
-  log-probs with a KL, importance weights with ``algo.tis_cap``, replayed routing with
-  R2 / R3 on MoE, values and returns for critic methods), rows placed as
-  ``shard_batch`` places them;
-- ``--step rollout``: every jitted generation call the synchronous trainer makes for one
-  round of ``--prompts`` prompts x ``--samples`` samples, its ``SamplingConfig`` the
-  recipe's, parameters as the train state holds them. Through the engine
-  (``policyopt.engine``, one shard per device along the row axes): its admission (a
-  prefill of one prompt per shard, ``[S, P]``), its decode (``steps_per_call`` steps of
-  every row) and its eviction, with the per-device budget ``--engine-kv-tokens`` (default
-  the recipe's ``sampling.engine_kv_tokens``, else 2^17) and ``--engine-rows`` rows per
-  device (default: the round's rows over the devices). The engine's whole state (page
-  pool, page tables, tokens, routing) is an argument of each call. ``--engine-kv-tokens
-  0``: one ``policyopt.sampling.generate_fn`` call over all the rows (prompts placed by
-  ``shard_rows``), as the trainer does without the engine.
-
-Each is lowered and compiled (``.lower(...).compile()``), never run, and read with
-``compiled.memory_analysis()`` and the optimized HLO text (``compiled.as_text()``).
-
-LoRA (``--config.model.lora.rank=32``, ``--config.model.lora.targets=...``,
-``--config.model.lora.base_dtype=bfloat16``; docs/lora.md): the train state holds the
-adapters and their optimiser state only, and the frozen base is an argument of every
-call, as the trainer passes it; ``state_gib_per_device`` is then the adapters' state and
-``frozen_gib_per_device`` the base's, both inside the peak. The rollout compiles the
-sampler's weights of ``model.lora.sampler``: merged (the base graph on a base-sized
-merged copy, the base and the adapters resident beside it) or unmerged.
-
-How to read it. ``per_device_peak_gib`` = argument + output - alias + temp bytes of the
-compiled SPMD program, which is one device's program: what that device would hold at
-once during the call, parameters and optimiser state included for the update (they are
-its arguments; donation aliases them to the outputs). ``state_gib_per_device``:
-parameters plus optimiser moments per device, from the shapes and shardings (exact, at
-full depth). For the rollout the optimiser state is not an argument of the call but stays
-resident beside it on an accelerator: ``peak_with_resident_state_gib`` adds it. By default
-the preset's depth L is extrapolated from compiles at 1 and 2 layers,
-``peak(L) = peak(1) + (L - 1) (peak(2) - peak(1))`` (``extrapolated: true``): unrolled
-layers add their buffers linearly, and the compile time grows with the depth (qwen3_8b's
-update at 8k tokens on 8 devices: ~40 s for 1, 2 or 4 layers, 67 s for 12, 270 s for all
-36 on a loaded 2-core machine; the 36-layer peak compiled whole, 710.75 GiB, is 0.03% from
-the extrapolated 710.55; benchmarks/RESULTS.md). ``--full-depth`` compiles the whole model
-(with scanned layers it costs about one layer's time); ``tests/test_scale_sim.py`` checks
-the extrapolation against it on a small model. ``collectives``: the collective ops of
-the optimized program, counted by kind with their result sizes (static: an op inside a
-loop body counts once, however often the loop runs), from the largest compile made.
-
-What XLA:CPU's figures predict for GPUs and TPUs, and what they do not:
-- They are the program's buffers as XLA:CPU's buffer assignment lays them out: which
-  arrays exist at once given the HLO's order. Arrays that scale with T x T, with the
-  global batch, or with the number of devices show up as they would on an accelerator;
-  this is what the simulator is for (attention scores, MoE gathers of every token,
-  all-reduced full-size gradients).
-- XLA:CPU computes a bfloat16 matmul in float32: it converts both operands to float32
-  copies, multiplies, and converts the result back (its optimized HLO, jax 0.10). So a
-  ``dtype=bfloat16`` program holds float32 temporaries that a GPU or TPU, whose matrix
-  units take bf16 in and accumulate internally, would not; XLA:CPU also fuses less
-  (no fusion of softmax or matmul epilogues as on GPUs, no TPU layout passes). The CPU's
-  activation figures are therefore an upper bound, by up to ~2x where matmul outputs
-  dominate. Parameters and optimiser state are exact. The same holds for every bfloat16
-  gather, scatter, select, dynamic-(update-)slice and collective: XLA:CPU's
-  ``float-normalization-bf16`` pass rewrites each into float32 (qwen3_30b_a3b at 32k
-  tokens: the scan's saved residual stream, bf16[48, 1, 32768, 2048], gets a 12 GiB
-  float32 copy before the backward loop; benchmarks/RESULTS.md, fourteenth session).
-- XLA:CPU has no pass that turns an all-reduce followed by a slice into a reduce-scatter
-  (XLA's GPU pipeline has one): a gradient whose FSDP reduction is left to the SPMD
-  partitioner shows here as a full-size all-reduce; an explicit reduce-scatter (every
-  weight gathered in a ``shard_map``: the MoE block's, ``policyopt.models.expert_parallel``,
-  and on an fsdp mesh the dense layers', ``policyopt.sharding.fsdp_call``) shows as one.
-- Rematerialisation: ``jax.checkpoint`` policies and scanned layers act as on TPUs (the
-  checkpoint boundaries are in the HLO XLA:CPU compiles; a scan keeps its carries and saved
-  residuals per layer). The GPU and TPU compilers also run XLA's own rematerialisation
-  against the device's memory limit, and schedule differently; the CPU has no limit to
-  fit, so an accelerator can come out lower than these figures (by how much, the CPU
-  cannot say).
-- The CPU has no HBM and no memory limit: a program that needs 300 GiB per device
-  compiles here and would fail there. Nothing here is a measurement of time or
-  bandwidth; ``compile_s`` is only the cost of the simulation.
-- Collectives are synchronous on the CPU (no async start / done pairs, no overlap with
-  compute: their buffers' lifetimes differ on accelerators), and XLA:CPU lacks some
-  (``ragged-all-to-all`` is not supported, jax 0.10.2). Which collectives appear, and
-  their sizes, come from XLA's SPMD partitioner, which GPUs and TPUs share, so they carry
-  over; each backend's combiner passes merge small ones differently, so counts can differ.
-- Custom kernels (Pallas, cuDNN) do not compile for the CPU; their memory is the
-  kernel's, not shown here (an implementation that only exists on an accelerator must be
-  simulated through its XLA fallback).
+LoRA (``model.lora.rank`` > 0 in the recipe string; docs/lora.md): the train state holds
+the adapters and their optimiser state, the frozen base is an argument of every call as
+the trainer passes it (``frozen_gib_per_device``, inside the peak); the rollout decodes
+the sampler's weights of ``model.lora.sampler`` (merged: a base-sized copy, with the base
+and the adapters resident beside it).
 """
 
 from __future__ import annotations
@@ -110,11 +24,16 @@ import argparse
 import ast
 import dataclasses
 import importlib
+import importlib.util
 import json
+import math
 import os
 import re
 import sys
 import time
+
+from benchmarks import scale_fit
+from benchmarks.scale_fit import gib_text
 
 GIB = 1024**3
 # KV token slots per device of the engine's pool when neither --engine-kv-tokens nor the
@@ -206,38 +125,53 @@ def _literal(text: str):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The flags (module docstring); ``--model.FIELD=value`` and ``--config.FIELD=value``
-    are collected into ``model_overrides`` / ``config_overrides``."""
+    """The flags (``--help``); ``--model.FIELD=value`` and ``--config.FIELD=value`` are
+    collected into ``model_overrides`` / ``config_overrides``. Geometry left out comes from
+    the recipe (``resolve_inputs``)."""
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.scale_sim",
-        description="Compile-only per-device memory and collectives of the jitted update or "
-        "rollout on simulated CPU devices (the module docstring says how to read "
-        "them).",
-        epilog="--model.FIELD=value overrides a ModelConfig field (any field: e.g. "
-        "--model.dtype=bfloat16 --model.moe_dispatch=blocked); --config.FIELD=value a "
-        "field of the recipe's config (e.g. --config.algo.kl_beta=0.01).",
+        description="Compile-only per-device memory and collectives of a recipe's jitted "
+        "update or rollout on simulated CPU devices, what stays resident beside it, and "
+        "whether it fits (docs/scale.md, 'Will it fit: scale_sim').",
+        epilog="--config.FIELD=value overrides a field of the recipe's config, as in train "
+        "(e.g. --config.model.remat=full); --model.FIELD=value a ModelConfig field "
+        "(any field, e.g. --model.moe_block_size=1024).",
     )
     p.add_argument("--step", choices=("update", "rollout"), required=True)
-    p.add_argument("--preset", required=True, help="policyopt.models.presets name")
+    p.add_argument(
+        "--config",
+        help="the recipe string as train takes it: configs/<name>.py[:variant] "
+        "(or --method and --variant)",
+    )
+    p.add_argument("--method", help="recipe configs/<method>.py (default gspo)")
+    p.add_argument("--variant", help="the recipe's variant string (configs/base.py)")
+    p.add_argument("--preset", help="policyopt.models.presets name (default: model.preset)")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     p.add_argument(
         "--mesh",
-        default="fsdp=-1",
-        help="axis=size,... over data, fsdp, tensor, expert (one may be -1)",
+        help="axis=size,... over data, fsdp, tensor, expert (one may be -1; default: the "
+        "recipe's config.mesh)",
     )
-    p.add_argument("--method", default="gspo", help="recipe: configs/<method>.py")
-    p.add_argument("--variant", default="", help="the recipe's variant string (configs/base.py)")
-    p.add_argument("--seq-len", type=int, help="update: tokens per row, prompt included")
-    p.add_argument("--prompt-len", type=int, help="prompt tokens per row (bucket)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help="update: tokens per row, prompt included (default: the recipe's widest row, "
+        "max(batch.prompt_buckets) + sampling.max_new_tokens)",
+    )
+    p.add_argument(
+        "--prompt-len", type=int, help="prompt tokens per row (default: max(batch.prompt_buckets))"
+    )
     p.add_argument(
         "--rows-per-device",
         type=int,
         default=1,
         help="update: rows of the minibatch = this x devices",
     )
-    p.add_argument("--prompts", type=int, help="rollout: prompts per round")
-    p.add_argument("--samples", type=int, help="rollout: samples per prompt (G)")
-    p.add_argument("--new-tokens", type=int, help="rollout: max_new_tokens")
+    p.add_argument("--prompts", type=int, help="rollout: prompts per round (batch.n_prompts)")
+    p.add_argument("--samples", type=int, help="rollout: samples per prompt (batch.group_size)")
+    p.add_argument(
+        "--new-tokens", type=int, help="rollout: max_new_tokens (sampling.max_new_tokens)"
+    )
     p.add_argument(
         "--engine-kv-tokens",
         type=int,
@@ -269,9 +203,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--full-depth",
         action="store_true",
-        help="compile the preset's depth instead of extrapolating from 1 and 2 layers",
+        help="compile every layer of an unrolled model too (scanned layers always compile "
+        "whole; unrolled ones are otherwise extrapolated from 1 and 2 layers)",
+    )
+    p.add_argument(
+        "--device-memory-gib",
+        type=float,
+        help="one device's memory: the output ends with 'fits: yes' or 'fits: no ... try' "
+        "and the settings that lower it",
     )
     p.add_argument("--json", help="write the result here")
+    p.add_argument("--verbose", action="store_true", help="show the traceback of an error")
     args, rest = p.parse_known_args(argv)
     args.model_overrides, args.config_overrides = {}, []
     for item in rest:
@@ -285,17 +227,82 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.model_overrides[name[len("--model.") :]] = _literal(value)
         else:
             args.config_overrides.append(f"{name[len('--config.') :]}={value}")
-    need = (
-        ("seq_len", "prompt_len")
-        if args.step == "update"
-        else ("prompts", "samples", "prompt_len", "new_tokens")
-    )
-    for field in need:
-        if getattr(args, field) is None:
-            p.error(f"--step {args.step} needs --{field.replace('_', '-')}")
-    if args.step == "update" and not 0 < args.prompt_len < args.seq_len:
-        p.error(f"--prompt-len {args.prompt_len} must be in (0, --seq-len {args.seq_len})")
+    if args.config and (args.method or args.variant):
+        p.error("give the recipe as --config PATH[:variant] or as --method/--variant, not both")
     return args
+
+
+def load_recipe(args) -> tuple[str, object, str]:
+    """``(name, module, variant)`` of the recipe: ``--config PATH[:variant]``, or
+    ``configs/<--method>.py`` with ``--variant``."""
+    if args.config:
+        path, _, variant = args.config.partition(":")
+        if not os.path.isfile(path):
+            raise ValueError(f"config file not found: {path!r} (--config {args.config})")
+        name = os.path.splitext(os.path.basename(path))[0]
+        spec = importlib.util.spec_from_file_location(f"_scale_sim_recipe_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return name, module, variant
+    name = args.method or "gspo"
+    try:
+        module = importlib.import_module(f"configs.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"configs.{name}":
+            raise
+        raise ValueError(f"--method {name!r}: there is no recipe configs/{name}.py") from None
+    return name, module, args.variant or ""
+
+
+def recipe_config(args):
+    """The recipe's config with its variant, ``--config.*`` and ``--micro-batch-tokens``
+    (checked and locked by the recipe's ``finalize``); sets ``args.recipe`` (its name) and
+    ``args.variant_items`` (the variant's ``key=value`` items)."""
+    from configs import base
+
+    args.recipe, recipe, variant = load_recipe(args)
+    args.variant_items = [item.replace(" ", "") for item in base.split_variant(variant)]
+    variant = [variant] if variant else []
+    variant += args.config_overrides
+    if args.micro_batch_tokens is not None:
+        variant.append(f"batch.micro_batch_tokens={args.micro_batch_tokens}")
+    return recipe.get_config(",".join(variant) or None)
+
+
+def resolve_inputs(args, config) -> None:
+    """Fills the geometry the command line leaves out from the recipe (the widest row of
+    its update, its round of prompts x samples) and refuses one the step cannot run, each
+    error one line naming the flag or field."""
+    b, s = config.batch, config.sampling
+    if args.prompt_len is None:
+        args.prompt_len = int(max(b.prompt_buckets))
+    if args.step == "rollout":
+        args.prompts = int(b.n_prompts) if args.prompts is None else args.prompts
+        args.samples = int(b.group_size) if args.samples is None else args.samples
+        args.new_tokens = int(s.max_new_tokens) if args.new_tokens is None else args.new_tokens
+        return
+    if args.seq_len is None:
+        args.seq_len = args.prompt_len + int(s.max_new_tokens)
+    if not 0 < args.prompt_len < args.seq_len:
+        raise ValueError(f"--prompt-len {args.prompt_len} must be in (0, --seq-len {args.seq_len})")
+    rows, group = args.rows_per_device * args.devices, int(b.group_size)
+    if config.algo.aggregation == "group_token_mean" and rows % group:
+        need = group // math.gcd(group, args.devices)
+        raise ValueError(
+            f"the minibatch of {rows} rows (--rows-per-device {args.rows_per_device} x "
+            f"--devices {args.devices}) does not hold whole groups of "
+            f"batch.group_size={group}, which algo.aggregation='group_token_mean' needs: "
+            f"use --rows-per-device {need} (or a multiple)"
+        )
+
+
+def mesh_shape(args, config) -> dict[str, int]:
+    """``--mesh``, else the recipe's ``config.mesh`` (as train builds it)."""
+    from policyopt import sharding
+
+    if args.mesh is not None:
+        return parse_mesh(args.mesh)
+    return {name: int(config.mesh[name]) for name in sharding.MESH_AXES}
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -336,26 +343,10 @@ def set_device_count(devices: int) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def recipe_config(args):
-    """The recipe's config (``configs/<method>.py``) with the variant, ``--config.*`` and
-    ``--micro-batch-tokens``."""
-    recipe = importlib.import_module(f"configs.{args.method}")
-    variant = [args.variant] if args.variant else []
-    variant += args.config_overrides
-    if args.micro_batch_tokens is not None:
-        if "micro_batch_tokens" not in recipe.get_config().batch:
-            raise SystemExit(
-                "--micro-batch-tokens: this version of the library has no "
-                "config.batch.micro_batch_tokens (no micro-batches in the learner)"
-            )
-        variant.append(f"batch.micro_batch_tokens={args.micro_batch_tokens}")
-    return recipe.get_config(",".join(variant) or None)
-
-
-def model_config(args, config, num_layers: int):
+def model_config(args, config, num_layers: int | None = None):
     """The preset with the recipe's ``config.model`` overrides (every field of ``config.model``
-    that names a ``ModelConfig`` field and is set), then ``--model.*``, at ``num_layers``;
-    with ``config.model.lora.rank > 0`` (``--config.model.lora.rank=32``) LoRA adapters as
+    that names a ``ModelConfig`` field and is set), then ``--model.*``; at ``num_layers``
+    layers, or the depth those give; with ``config.model.lora.rank > 0`` LoRA adapters as
     the trainer builds them (``policyopt.rl.build.make_model``: the base in
     ``model.lora.base_dtype``, the adapters in the parameter dtype)."""
     from policyopt.models import ModelConfig, preset
@@ -364,12 +355,13 @@ def model_config(args, config, num_layers: int):
     fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"lora"}
     overrides = {k: v for k, v in config.model.items() if k in fields and v is not None}
     overrides.update(args.model_overrides)
-    overrides["num_layers"] = num_layers
+    if num_layers is not None:
+        overrides["num_layers"] = num_layers
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise SystemExit(
+        raise ValueError(
             f"--model.{unknown[0]}: ModelConfig has no field {unknown[0]!r} "
-            f"(fields: {', '.join(sorted(fields))}; LoRA: --config.model.lora.*)"
+            f"(fields: {', '.join(sorted(fields))}; LoRA: model.lora.* in the recipe string)"
         )
     model = preset(args.preset, **overrides)
     if config.model.lora.rank > 0:
@@ -378,38 +370,6 @@ def model_config(args, config, num_layers: int):
             lora=lora_config(config, model.param_dtype),
         )
     return model
-
-
-def _abstract(tree, specs, mesh):
-    """``tree``'s leaves as ``jax.ShapeDtypeStruct`` with ``NamedSharding(mesh, spec)``;
-    ``specs`` holds one ``PartitionSpec`` per leaf (or per ``nnx.Variable``)."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    leaves, treedef = jax.tree.flatten(tree)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    assert len(leaves) == len(spec_leaves), (len(leaves), len(spec_leaves))
-    return jax.tree.unflatten(
-        treedef,
-        [
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
-            for x, s in zip(leaves, spec_leaves)
-        ],
-    )
-
-
-def per_device_bytes(tree) -> int:
-    """Bytes one device holds of the sharded ``jax.ShapeDtypeStruct`` leaves of ``tree``
-    (the most loaded device: shards are equal-sized)."""
-    import jax
-    import numpy as np
-
-    return int(
-        sum(
-            np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-            for x in jax.tree.leaves(tree)
-        )
-    )
 
 
 @dataclasses.dataclass
@@ -458,10 +418,10 @@ def build(args, config, mesh, num_layers: int) -> Setup:
         graphdef, LossConfig.from_config(config), OptimConfig.from_config(config.optim)
     )
     state = jax.eval_shape(lambda p: TrainState.create(p, learner.optimizer), params)
-    state = _abstract(state, state_specs(state, learner.optimizer, mesh), mesh)
+    state = scale_fit.abstract(state, state_specs(state, learner.optimizer, mesh), mesh)
     if frozen is None:
         return Setup(learner, graphdef, state, cfg)
-    frozen = _abstract(frozen, sharding.param_specs(frozen, mesh), mesh)
+    frozen = scale_fit.abstract(frozen, sharding.param_specs(frozen, mesh), mesh)
     return Setup(learner, graphdef, state, cfg, frozen, lora.base_graphdef(model))
 
 
@@ -524,18 +484,10 @@ def rollout_calls(args, config, setup: Setup, mesh) -> list[tuple[str, object]]:
     from jax.sharding import NamedSharding
 
     from policyopt import sharding
-    from policyopt.sampling import SamplingConfig, generate_fn, sampling_method
+    from policyopt.sampling import generate_fn
 
-    s = config.sampling
     vocab = setup.model_config.vocab_size
-    sampling_config = SamplingConfig(
-        max_new_tokens=args.new_tokens,
-        method=sampling_method(s.temperature, s.top_k, s.top_p),
-        eos_id=min(2, vocab - 1),
-        pad_id=0,
-        num_samples=args.samples,
-        decode_segments=s.decode_segments,
-    )
+    sampling_config = scale_fit.sampling_config(config, vocab, args.new_tokens, args.samples)
 
     def rows(shape, dtype):
         spec = sharding.row_spec(shape, mesh)
@@ -564,7 +516,7 @@ def rollout_calls(args, config, setup: Setup, mesh) -> list[tuple[str, object]]:
     state = jax.eval_shape(
         lambda: empty_state(setup.model_config, engine, sampling_config, args.prompt_len, shards)
     )
-    state = _abstract(state, state_specs(state, mesh), mesh)
+    state = scale_fit.abstract(state, state_specs(state, mesh), mesh)
     per_shard = [rows((shards,), jnp.int32) for _ in range(5)]
     prompts = rows((shards, args.prompt_len), jnp.int32)
     return [
@@ -613,12 +565,12 @@ def engine_config(args, config, mesh):
     )
 
 
-def compile_once(args, config, mesh, num_layers: int) -> dict:
+def compile_once(args, config, mesh, num_layers: int, setup: Setup | None = None) -> dict:
     """Lowers and compiles the step(s) at ``num_layers`` (``compile_s`` times both) and reads
     their memory and collectives."""
     import jax
 
-    setup = build(args, config, mesh, num_layers)
+    setup = setup or build(args, config, mesh, num_layers)
     if args.step == "update":
         batch = update_batch(args, config, setup, mesh)
         calls = [("update", lambda: setup.learner.update.lower(setup.state, batch, setup.frozen))]
@@ -648,6 +600,36 @@ def compile_once(args, config, mesh, num_layers: int) -> dict:
     return dict(setup=setup, calls=results)
 
 
+def extrapolate(peak_1: int, peak_2: int, num_layers: int) -> int | None:
+    """``peak(L) = peak(1) + (L - 1) (peak(2) - peak(1))``: each unrolled layer adds its
+    buffers. None where that is unsound: 2 layers holding less than 1."""
+    if peak_2 < peak_1:
+        return None
+    return peak_1 + (num_layers - 1) * (peak_2 - peak_1)
+
+
+def depth_plan(args, model) -> tuple[tuple[int, ...], str]:
+    """The depths to compile and how the figure is had: scanned layers compile whole (one
+    layer's cost), never extrapolated; unrolled layers are extrapolated from 1 and 2
+    layers unless ``--full-depth``, two layers or fewer, or ``moe_layers``."""
+    depth = model.num_layers
+    if model.scan_layers:
+        return (depth,), "compiled at full depth: scanned layers compile as one"
+    if args.full_depth or depth <= 2:
+        return (depth,), "compiled at full depth"
+    if model.moe_layers is not None:
+        return (depth,), "compiled at full depth: moe_layers mixes layer kinds"
+    return (1, 2), "extrapolated"
+
+
+def num_params(setup: Setup) -> int:
+    """The model's parameter count, from the abstract state's shapes."""
+    import jax
+    import numpy as np
+
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves((setup.state.params, setup.frozen))))
+
+
 def simulate(args) -> dict:
     """Runs the simulation (JAX must start after ``set_device_count``) and returns its record."""
     set_device_count(args.devices)
@@ -656,33 +638,56 @@ def simulate(args) -> dict:
     from policyopt import sharding
 
     config = recipe_config(args)
-    mesh = sharding.make_mesh(parse_mesh(args.mesh))
-    full = model_config(args, config, preset_depth(args, config)).num_layers
-    extrapolate = not args.full_depth and full > 2
-    if extrapolate and model_config(args, config, full).moe_layers is not None:
-        raise SystemExit(
-            f"preset {args.preset!r} lists moe_layers: depth cannot be extrapolated "
-            "from 1 and 2 layers; use --full-depth"
-        )
-    depths = (1, 2) if extrapolate else (full,)
-    compiles = [compile_once(args, config, mesh, d) for d in depths]
-    # Exact state at full depth from the shapes alone (nothing compiled or allocated).
-    top = compiles[-1]["setup"] if not extrapolate else build(args, config, mesh, full)
-    state_bytes = per_device_bytes((top.state.params, top.state.opt_state))
-    params_bytes = per_device_bytes(top.state.params)
-    frozen_bytes = 0 if top.frozen is None else per_device_bytes(top.frozen)
+    resolve_inputs(args, config)
+    if args.preset is None:
+        if config.model.pretrained:
+            raise ValueError(
+                f"config.model.pretrained={config.model.pretrained!r}: scale_sim builds "
+                "presets; name the preset of the checkpoint's shape with --preset"
+            )
+        args.preset = config.model.preset
+    shape = mesh_shape(args, config)
+    try:
+        mesh = sharding.make_mesh(shape)
+    except ValueError as error:
+        raise ValueError(f"mesh {shape} over --devices {args.devices}: {error}") from None
+    top_model = model_config(args, config)
+    full = top_model.num_layers
+    # The abstract state at full depth, from the shapes alone (nothing compiled or allocated).
+    top = build(args, config, mesh, full)
+    notes = scale_fit.paper_scale_notes(args, top_model, num_params(top))
+    for note in notes:
+        print(note, flush=True)
+    depths, how = depth_plan(args, top_model)
+    compiles = [compile_once(args, config, mesh, d, top if d == full else None) for d in depths]
+    peaks = [[c["peak_bytes"] for c in calls] for calls in zip(*(x["calls"] for x in compiles))]
+    extrapolated = len(depths) > 1
+    if extrapolated and any(extrapolate(p[0], p[1], full) is None for p in peaks):
+        compiles.append(compile_once(args, config, mesh, full, top))
+        how = "compiled at full depth: 2 unrolled layers held less than 1, no extrapolation"
+        extrapolated = False
+    batch = update_batch(args, config, top, mesh) if args.step == "update" else None
+    resident = scale_fit.resident(
+        args.step, config, top, mesh, batch=batch, prompt_len=args.prompt_len
+    )
+    resident_bytes = sum(r.bytes for r in resident)
+    state_bytes = scale_fit.per_device_bytes((top.state.params, top.state.opt_state))
+    params_bytes = scale_fit.per_device_bytes(top.state.params)
+    frozen_bytes = 0 if top.frozen is None else scale_fit.per_device_bytes(top.frozen)
     calls = []
     for index, last in enumerate(compiles[-1]["calls"]):
         record = {k: v for k, v in last.items() if k not in ("peak_bytes", "num_layers")}
         by_depth = [c["calls"][index] for c in compiles]
-        if extrapolate:
+        if extrapolated:
             p1, p2 = by_depth[0]["peak_bytes"], by_depth[1]["peak_bytes"]
-            peak, per_layer = p1 + (full - 1) * (p2 - p1), p2 - p1
+            peak, per_layer = extrapolate(p1, p2, full), p2 - p1
         else:
+            by_depth = [c["calls"][index] for c in compiles if c["calls"][0]["num_layers"] == full]
             peak, per_layer = last["peak_bytes"], None
         record.update(
             per_device_peak_gib=peak / GIB,
             per_layer_gib=None if per_layer is None else per_layer / GIB,
+            total_gib=(peak + resident_bytes) / GIB,
             compiles=[
                 {
                     k: c[k]
@@ -703,15 +708,18 @@ def simulate(args) -> dict:
         )
         calls.append(record)
     worst = max(calls, key=lambda c: c["per_device_peak_gib"])
-    mesh_shape = {name: int(size) for name, size in mesh.shape.items()}
+    mesh_record = {name: int(size) for name, size in mesh.shape.items()}
+    b = config.batch
     record = dict(
         step=args.step,
         preset=args.preset,
-        method=args.method,
+        method=args.recipe,
         devices=args.devices,
-        mesh=mesh_shape,
+        mesh=mesh_record,
         num_layers=full,
-        extrapolated=extrapolate,
+        extrapolated=extrapolated,
+        depth=how,
+        notes=notes,
         per_device_peak_gib=worst["per_device_peak_gib"],
         state_gib_per_device=state_bytes / GIB,
         params_gib_per_device=params_bytes / GIB,
@@ -721,11 +729,19 @@ def simulate(args) -> dict:
             if top.frozen is None
             else dict(dataclasses.asdict(top.model_config.lora), sampler=config.model.lora.sampler)
         ),
+        resident=[r.as_dict() for r in resident],
+        resident_gib=resident_bytes / GIB,
+        total_gib=worst["total_gib"],
+        device_memory_gib=args.device_memory_gib,
+        fits=None,
+        levers=[],
         compile_s=round(sum(c["compile_s"] for c in calls), 2),
         collectives=worst["collectives"],
         calls=calls,
         model={k: v for k, v in dataclasses.asdict(top.model_config).items()},
         inputs=dict(
+            config=args.config,
+            variant=args.variant,
             seq_len=args.seq_len,
             prompt_len=args.prompt_len,
             rows_per_device=args.rows_per_device,
@@ -736,7 +752,6 @@ def simulate(args) -> dict:
             engine_rows=args.engine_rows,
             engine_attention=args.engine_attention,
             micro_batch_tokens=args.micro_batch_tokens,
-            variant=args.variant,
             model_overrides=args.model_overrides,
             config_overrides=args.config_overrides,
         ),
@@ -745,6 +760,8 @@ def simulate(args) -> dict:
     if args.step == "update":
         record["rows"] = args.rows_per_device * args.devices
         record["rows_on_each_device"] = rows_on_each_device(record["rows"], mesh)
+        record["recipe_minibatch_rows"] = b.n_prompts * b.group_size // b.n_minibatches
+        record["micro_batch_tokens"] = b.micro_batch_tokens
     else:
         record["prompt_rows_on_each_device"] = rows_on_each_device(args.prompts, mesh)
         engine = engine_config(args, config, mesh)
@@ -752,13 +769,12 @@ def simulate(args) -> dict:
             None if engine is None else dict(dataclasses.asdict(engine), shards=row_shards_of(mesh))
         )
         record["rows"] = args.prompts * args.samples
-        resident = state_bytes - params_bytes  # the optimiser's moments
-        if top.frozen is not None and config.model.lora.sampler == "merged":
-            # The calls take the merged copy; the base and the adapters stay beside it.
-            resident += frozen_bytes + params_bytes
-        for call in calls:
-            call["peak_with_resident_state_gib"] = call["per_device_peak_gib"] + resident / GIB
-        record["peak_with_resident_state_gib"] = worst["peak_with_resident_state_gib"]
+    if args.device_memory_gib is not None:
+        record["fits"] = record["total_gib"] <= args.device_memory_gib
+        if not record["fits"]:
+            record["levers"] = [
+                dict(setting=s, effect=e) for s, e in scale_fit.levers(record, top.model_config)
+            ]
     return record
 
 
@@ -778,20 +794,8 @@ def rows_on_each_device(rows: int, mesh) -> int:
     return int(NamedSharding(mesh, spec).shard_shape((rows,))[0])
 
 
-def preset_depth(args, config) -> int:
-    """The model's depth: the preset's, or ``--model.num_layers`` / the recipe's override."""
-    from policyopt.models.presets import PRESETS
-
-    depth = args.model_overrides.get("num_layers", config.model.get("num_layers"))
-    return int(depth if depth is not None else PRESETS[args.preset]["num_layers"])
-
-
-def _gib(value: float, width: int) -> str:
-    return f"{value:>{width}.2f}" if abs(value) >= 0.1 or value == 0 else f"{value:>{width}.2g}"
-
-
 def format_table(record: dict) -> str:
-    """The record as a short readable table."""
+    """The record as a short readable table, ending with the fits verdict when asked."""
     mesh = ",".join(f"{k}={v}" for k, v in record["mesh"].items() if v > 1) or "1 device"
     lines = [
         f"scale_sim --step {record['step']}: {record['preset']} "
@@ -800,10 +804,16 @@ def format_table(record: dict) -> str:
     ]
     inputs = record["inputs"]
     if record["step"] == "update":
+        recipe_rows = record["recipe_minibatch_rows"]
         lines.append(
             f"  minibatch {record['rows']} rows x {inputs['seq_len']} tokens "
             f"({inputs['prompt_len']} prompt); rows on each device: "
             f"{record['rows_on_each_device']}"
+            + (
+                f" (the recipe's minibatch: {recipe_rows} rows)"
+                if recipe_rows != record["rows"]
+                else ""
+            )
         )
     else:
         lines.append(
@@ -821,20 +831,35 @@ def format_table(record: dict) -> str:
                 f"steps per decode call, routing captured: "
                 f"{engine['capture_routing']}"
             )
+    model = record["model"]
+    lines.append(
+        f"  model: {model['dtype']} matmuls, scan_layers {model['scan_layers']}, remat "
+        f"{model['remat']}, attention {model['attention']}"
+        + (
+            f", moe_dispatch {model['moe_dispatch']}"
+            + (
+                f" (blocks of {model['moe_block_size']})"
+                if model["moe_dispatch"] == "blocked"
+                else ""
+            )
+            if model["num_experts"]
+            else ""
+        )
+    )
     if record.get("lora"):
         adapters = record["lora"]
         lines.append(
             f"  LoRA rank {adapters['rank']} (alpha {adapters['alpha']}) on "
             f"{','.join(adapters['targets'])}: frozen base per device "
-            f"{_gib(record['frozen_gib_per_device'], 0)} GiB; trainable adapters + "
-            f"optimiser {_gib(record['state_gib_per_device'], 0)} GiB (adapters "
-            f"{_gib(record['params_gib_per_device'], 0)})"
+            f"{gib_text(record['frozen_gib_per_device'], 0)} GiB; trainable adapters + "
+            f"optimiser {gib_text(record['state_gib_per_device'], 0)} GiB (adapters "
+            f"{gib_text(record['params_gib_per_device'], 0)})"
         )
     else:
         lines.append(
             f"  state (params + optimiser) per device: "
-            f"{_gib(record['state_gib_per_device'], 0)} GiB "
-            f"(params {_gib(record['params_gib_per_device'], 0)})"
+            f"{gib_text(record['state_gib_per_device'], 0)} GiB "
+            f"(params {gib_text(record['params_gib_per_device'], 0)})"
         )
     lines.append(
         f"  {'call':<12}{'layers':>7}{'compile s':>10}{'argument':>10}{'output':>9}"
@@ -845,26 +870,23 @@ def format_table(record: dict) -> str:
             lines.append(
                 f"  {call['call']:<12}{c['num_layers']:>7}{c['compile_s']:>10.1f}"
                 + "".join(
-                    _gib(c[k + "_bytes"] / GIB, w)
+                    gib_text(c[k + "_bytes"] / GIB, w)
                     for k, w in (("argument", 10), ("output", 9), ("alias", 9), ("temp", 10))
                 )
-                + _gib(c["peak_bytes"] / GIB, 10)
+                + gib_text(c["peak_bytes"] / GIB, 10)
             )
-        how = "extrapolated" if record["extrapolated"] else "compiled"
-        per_layer = (
-            f", {_gib(call['per_layer_gib'], 0)} GiB per layer"
-            if call["per_layer_gib"] is not None
-            else ""
-        )
+        if record["extrapolated"]:
+            how = (
+                f"extrapolated from 1 and 2 unrolled layers, {gib_text(call['per_layer_gib'], 0)} "
+                f"GiB per layer: each adds its buffers; --full-depth compiles all "
+                f"{record['num_layers']}"
+            )
+        else:
+            how = record["depth"]
         lines.append(
             f"  {call['call']:<12}{record['num_layers']:>7}  per-device peak "
-            f"{_gib(call['per_device_peak_gib'], 0)} GiB ({how}{per_layer})"
+            f"{gib_text(call['per_device_peak_gib'], 0)} GiB ({how})"
         )
-        if "peak_with_resident_state_gib" in call:
-            lines.append(
-                f"  {'':<12}{'':>7}  with the resident optimiser state "
-                f"{call['peak_with_resident_state_gib']:.2f} GiB"
-            )
         lines.append(
             f"  collectives of the {call['collectives_num_layers']}-layer {call['call']} "
             "(static count, largest result):"
@@ -876,12 +898,26 @@ def format_table(record: dict) -> str:
                     f"    {kind:<20}{info['count']:>5}  {big['shape']} "
                     f"({big['bytes'] / 2**20:.1f} MiB)"
                 )
-    return "\n".join(lines)
+    return "\n".join(lines + scale_fit.format_verdict(record))
+
+
+def _message(error: BaseException) -> str:
+    """An error as one line (a KeyError's message is the repr of its argument)."""
+    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def main(argv=None) -> dict:
+    """Parses the flags, simulates and prints the table (and writes ``--json``). Errors a
+    user makes end with one line ``error: ...`` and exit status 2 (``--verbose``: raise)."""
     args = parse_args(argv)
-    record = simulate(args)
+    try:
+        record = simulate(args)
+    except (ValueError, KeyError, AttributeError, FileNotFoundError) as error:
+        if args.verbose:
+            raise
+        print(f"error: {_message(error)}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     print(format_table(record))
     if args.json:
         with open(args.json, "w") as f:

@@ -64,6 +64,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Folder of a HuggingFace Qwen3 / Qwen3-MoE checkpoint to start from instead of a
     # preset (then the tokenizer is read from the same folder). None: preset.
     c.model.pretrained = placeholder(str)
+    # Tokenizer of a preset: a tokenizer.json (`python -m experiments.tokenizer` trains one
+    # on the task's files) or a folder holding one; the preset's vocabulary becomes the
+    # tokenizer's size. None: the character tokenizer of the synthetic task.
+    c.model.tokenizer = placeholder(str)
     # Overrides of single preset fields; None keeps the preset's value.
     c.model.num_layers = placeholder(int)
     c.model.hidden_size = placeholder(int)
@@ -158,8 +162,8 @@ def base_config() -> ml_collections.ConfigDict:
     # `policyopt.rewards.code`; the format gate then asks for a fenced block) or
     # "mixed_jsonl" (both in the same files, Magistral's mixture: a row with one of
     # `tests_fields` is code, any other math; each sample is checked by its own task's
-    # verifier). Use the file tasks with a pretrained model and its tokenizer,
-    # `model.pretrained`.
+    # verifier). The file tasks need a tokenizer for their text: `model.tokenizer` (one
+    # trained on the files, docs/quickstart.md) or a pretrained model's, `model.pretrained`.
     c.task.name = "arithmetic"
     # Difficulty knobs of `ArithmeticConfig` (task "arithmetic").
     c.task.num_operands = 2
@@ -203,7 +207,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.prompt_template = "{question}"
     c.task.skip_malformed = False
     # Task "code_jsonl": the same fields, except that the tests come from the first of
-    # `tests_fields` present, in any encoding `policyopt.rewards.code.parse_tests` reads
+    # `tests_fields` present, in any encoding `policyopt.rewards.parse_tests` reads
     # (asserts, MBPP's list of asserts, HumanEval's check() with the row's `entry_point`,
     # stdin / stdout cases, APPS / CodeContests parallel lists, or JSON text of these; an
     # empty field gives way to the next). Call-based tests (APPS's fn_name) make a row
@@ -275,7 +279,8 @@ def base_config() -> ml_collections.ConfigDict:
     # in float32 inside the jitted step, then one optimiser step. The result is the
     # minibatch's (its denominators; `policyopt.rl.micro_batches`), the memory one
     # micro-batch's. At least the longest row, max(prompt_buckets) + max_new_tokens.
-    # None or 0: one pass over the minibatch.
+    # With algo.load_balancing_coef > 0 and no routing replay, one more forward pass per
+    # update counts the minibatch's expert loads first. None or 0: one pass.
     c.batch.micro_batch_tokens = placeholder(int)
 
     # ---- Sampling -----------------------------------------------------------------------
@@ -292,8 +297,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Decode loops over growing KV caches (`SamplingConfig.decode_segments`): loop k of K
     # attends over P + (k+1) N/K slots instead of P + N. The same tokens up to float
     # rounding; each loop is one more compiled body. CPU, a 7M dense model, 16 prompts of
-    # 32 + 512 tokens: K = 4 -17%, K = 8 -22% per call (benchmarks/RESULTS.md); 1 for short
-    # responses like the demo's. Synchronous generation only (the async generator keeps
+    # 32 + 512 tokens: K = 4 -17%, K = 8 -22% per call (benchmarks/HISTORY.md, 2026-11-30); 1 for
+    # short responses like the demo's. Synchronous generation only (the async generator keeps
     # its own windowed cache).
     c.sampling.decode_segments = 1
     # Continuous batching (`policyopt.engine`) on a paged KV cache instead of one
@@ -304,7 +309,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Both trainers (the async generator's rows are async_mode.num_slots, engine_rows
     # unused; its pool must hold one group of P + N tokens alone); on a mesh one engine
     # shard per device along the row axes (the budget and rows are per shard); records the
-    # routing for R3.
+    # routing for R3. The budget must admit one group of the longest prompt (its pages, a
+    # copy of its partly filled last page per other row, a page per row) and take one row
+    # to max_new_tokens: checked here, the error names the smallest budget that works.
     c.sampling.engine_kv_tokens = 0
     c.sampling.engine_rows = 0
     c.sampling.engine_page_size = 16
@@ -475,7 +482,7 @@ def base_config() -> ml_collections.ConfigDict:
     # the evaluation's pass@1: "package.module:function", called as
     # function(completion, reference) -> c in [0, 1] (`RewardSpec.verifier`); None: the
     # task's (math, or code for "code_jsonl" and the code rows of "mixed_jsonl", whose
-    # reference is then the tests as JSON text, read by `policyopt.rewards.code.parse_tests`).
+    # reference is then the tests as JSON text, read by `policyopt.rewards.parse_tests`).
     c.reward.verifier = placeholder(str)
     # Its per-sample time limit, in seconds.
     c.reward.verifier_timeout_s = 5.0
@@ -485,8 +492,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.code_timeout_s = 4.0
     c.reward.code_memory_mb = 300
     # Size (MB) of each test process's working directory, /tmp and /dev/shm: tmpfs where
-    # the sandbox has a root of its own (memory, so kept well under code_memory_mb), else
-    # the working directory on disk, watched and killed past it (policyopt/rewards/code.py).
+    # the sandbox has a root of its own (memory, on top of code_memory_mb), else the
+    # working directory on disk, watched and killed past it (docs/rewards.md, "The sandbox").
     c.reward.code_disk_mb = 64
     c.reward.code_partial = False
     # Run only a problem's first N tests in the training reward (Magistral: 20; stdin /
@@ -521,6 +528,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.weight_decay = 0.01  # verl's default
     # Global gradient-norm clipping threshold (verl's default 1.0).
     c.optim.max_grad_norm = 1.0
+    # The MoE routers' learning rate as a multiple of optim.lr (1.0: the same). A lever on
+    # routing volatility: the routers move faster than the rest of the policy, so that
+    # routing causes more of the ratio's noise (docs/claims.md, "routing_share"). The
+    # policy's optimiser only; SFT and the critic keep 1.0.
+    c.optim.router_lr_scale = 1.0
 
     # ---- Loop -------------------------------------------------------------------------------
     c.train = ml_collections.ConfigDict()
@@ -534,8 +546,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 2
     # Console progress line every K iterations.
     c.train.log_every = 1
-    # Write TensorBoard event files next to metrics.jsonl.
-    c.train.tensorboard = True
+    # Where the metrics, the config, the sampled completions and the evaluations go,
+    # comma-separated: "jsonl" (metrics.jsonl, always written), "tensorboard" (event files
+    # in the run directory), "wandb" (Weights & Biases; WANDB_MODE=offline writes it to
+    # the run directory) and "mlflow" (MLflow; a file store in the run directory unless
+    # MLFLOW_TRACKING_URI); docs/runs.md. The last two are extras: pip install
+    # 'policyopt[wandb]' / 'policyopt[mlflow]'.
+    c.train.loggers = "jsonl,tensorboard"
     # Measure routing volatility (an extra router-only forward pass per iteration).
     c.train.routing_metrics = True
     # Resume from the workdir's checkpoint even if the config differs from the one it was
@@ -546,8 +563,9 @@ def base_config() -> ml_collections.ConfigDict:
     # row were skipped by the non-finite guard (loss, gradient, new parameters or optimiser
     # state not finite): such a run learns nothing more.
     c.train.max_skipped_updates = 10
-    # Every K iterations (0 = never), the completions of the batch's first `sample_prompts`
-    # prompts (with rewards and verdicts) go to samples.jsonl and TensorBoard text.
+    # At iteration 1 and every K iterations (K, 2K, ...; 0 = never), the completions of the
+    # batch's first `sample_prompts` prompts (with rewards and verdicts) go to
+    # samples.jsonl and TensorBoard text.
     c.train.sample_every = 10
     c.train.sample_prompts = 2
     # Warn after this many iterations in a row with no informative group (every group's
@@ -642,16 +660,45 @@ def _parse_value(text: str):
         return text
 
 
+def unknown_field(config: ml_collections.ConfigDict, path: str) -> str | None:
+    """The one-line error for a dotted field that ``config`` does not have, with the
+    closest name (``unknown config field 'optimizer.lr': no section 'optimizer' (did you
+    mean 'optim'?)``), or None when the field exists."""
+    import difflib
+
+    parts, node = path.split("."), config
+    for i, part in enumerate(parts):
+        is_section = i < len(parts) - 1
+        if not isinstance(node, ml_collections.ConfigDict):
+            return f"unknown config field {path!r}: {'.'.join(parts[:i])} is a field, not a section"
+        if part in node and (not is_section or isinstance(node[part], ml_collections.ConfigDict)):
+            node = node[part]
+            continue
+        names = [
+            key
+            for key in node.keys()
+            if not is_section or isinstance(node[key], ml_collections.ConfigDict)
+        ]
+        close = difflib.get_close_matches(part, names, n=1)
+        prefix = ".".join(parts[:i] + [""])
+        if not is_section:
+            hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
+            return f"unknown config field {path!r}{hint}"
+        hint = f"did you mean {prefix + close[0]!r}?" if close else "sections: " + ", ".join(names)
+        return f"unknown config field {path!r}: no section {prefix + part!r} ({hint})"
+    return None
+
+
 def set_field(config: ml_collections.ConfigDict, path: str, value) -> None:
-    """Sets a dotted field, raising a KeyError that names it when it does not exist."""
+    """Sets a dotted field, raising a KeyError that names it (``unknown_field``) when it
+    does not exist."""
+    message = unknown_field(config, path)
+    if message is not None:
+        raise KeyError(message)
     *parents, name = path.split(".")
     node = config
-    for i, part in enumerate(parents):
-        if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
-            raise KeyError(f"unknown config field {'.'.join(parents[: i + 1])!r} (in {path!r})")
+    for part in parents:
         node = node[part]
-    if name not in node:
-        raise KeyError(f"unknown config field {path!r}")
     node[name] = value
 
 
@@ -691,19 +738,45 @@ PAPER_SCALE_REQUIRED = ("sampling.max_new_tokens",)
 # rematerialisation (each layer keeps only its input for the backward: "save_dots" would
 # keep every projection's output, ~2.5 GB per layer of Qwen3-8B at 32k tokens), and
 # `model.attention="auto"`, which is cuDNN's flash attention on GPUs and splash on TPUs
-# (blockwise on CPUs past 1,024 tokens). `benchmarks/scale_sim.py` measures the result.
+# (blockwise on CPUs past 1,024 tokens). MoE presets train with the "blocked" dispatch in
+# blocks of 4,096 token copies: XLA:GPU (and XLA:CPU) run "ragged" as a product over every
+# expert (qwen3_30b_a3b's GSPO update at 32k tokens on 64 devices: 326 GiB per device),
+# and small blocks multiply the per-block copies of the expert weights (blocks of 64:
+# 248 GiB, 1,024: 71, 4,096: 67 at the time); decode steps, a few tokens per expert,
+# keep "ragged" (blocks of 4,096 would pad each expert's tokens to a block). TPUs: set
+# `model.moe_dispatch=megablox`. `benchmarks/scale_sim.py` measures the result.
 PAPER_SCALE_MODEL = {
     "model.dtype": "bfloat16",
     "model.scan_layers": True,
     "model.remat": "full",
     "model.attention": "auto",
+    "model.moe_dispatch": "blocked",
+    "model.moe_block_size": 4096,
+    "model.moe_decode_dispatch": "ragged",
 }
+
+
+def check_variant_fields(arg: str | None) -> None:
+    """Raises a ValueError naming a field that the variant string `arg` sets twice
+    (`model=NAME` sets `model.preset`): in a string a user types, the later value would
+    silently win. `apply_variant` itself lets a later item override an earlier one, as
+    composed variants need (`experiments/ablate.py`: an arm's, then the command line's)."""
+    named = set()
+    for item in split_variant(arg or ""):
+        key = item.split("=", 1)[0].strip()
+        field = "model.preset" if key == "model" else key
+        if field in named:
+            raise ValueError(
+                f"config variant {arg!r}: {field} is given twice (name each field once)"
+            )
+        named.add(field)
 
 
 def apply_variant(
     config: ml_collections.ConfigDict, arg: str | None, paper: dict | None = None
 ) -> ml_collections.ConfigDict:
-    """Applies a variant string `key=value,key=value` (see the module docstring).
+    """Applies a variant string `key=value,key=value` (see the module docstring); a later
+    item overrides an earlier one (`check_variant_fields` refuses that in a user's string).
 
     Args:
       config: the config to change in place.
@@ -717,6 +790,7 @@ def apply_variant(
         if "=" not in item:
             raise ValueError(f"config variant {item!r} is not key=value (in {arg!r})")
         key, text = (s.strip() for s in item.split("=", 1))
+        named.add(key)
         if key == "model":
             config.model.preset = text
         elif key == "scale":
@@ -729,7 +803,6 @@ def apply_variant(
             paper_scale = True
         else:
             set_field(config, key, _parse_value(text))
-            named.add(key)
     missing = [key for key in PAPER_SCALE_REQUIRED if key not in (paper or {}) and key not in named]
     if paper_scale and missing:
         raise ValueError(
@@ -835,7 +908,18 @@ def check(config: ml_collections.ConfigDict) -> None:
                 raise ValueError(
                     f"config.task.{name} must contain '{{question}}', got {template!r}"
                 )
+    _check_tokenizer_and_loggers(config)
     b = config.batch
+    for name in ("prompt_buckets", "response_buckets"):
+        buckets = b[name]
+        if (
+            not isinstance(buckets, (tuple, list))
+            or not buckets
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in buckets)
+        ):
+            raise ValueError(
+                f"config.batch.{name} must be a non-empty tuple of ints >= 1, got {buckets!r}"
+            )
     if b.n_prompts < 1 or b.group_size < 1 or b.epochs < 1 or b.n_minibatches < 1:
         raise ValueError(
             "config.batch.n_prompts, group_size, epochs and n_minibatches must be >= 1"
@@ -903,12 +987,13 @@ def check(config: ml_collections.ConfigDict) -> None:
                 f"config.sampling.engine_rows ({s.engine_rows}) must be a multiple "
                 f"of batch.group_size ({b.group_size}): rows are refilled by group"
             )
-        if s.engine_kv_tokens < 2 * s.engine_page_size:
-            raise ValueError(
-                f"config.sampling.engine_kv_tokens ({s.engine_kv_tokens}) must hold "
-                f"a prompt plus one page of {s.engine_page_size} tokens"
-            )
+        _check_engine_budget(config)
     r = config.reward
+    module, colon, function = (r.verifier or "").partition(":")
+    if r.verifier and not (module.strip() and colon and function.strip()):
+        raise ValueError(
+            f"config.reward.verifier must be 'package.module:function', got {r.verifier!r}"
+        )
     for name in (
         "verifier_timeout_s",
         "deadline_s",
@@ -1030,20 +1115,85 @@ def _check_lora(config) -> None:
         )
 
 
+def _check_tokenizer_and_loggers(config) -> None:
+    """`model.tokenizer` parses (and is not given beside `model.pretrained`, which brings its
+    own); every logger of `train.loggers` is known and its package installed."""
+    from policyopt.data.tokenizer import load_tokenizer
+    from policyopt.loggers import check_loggers
+
+    path = config.model.tokenizer
+    if path:
+        if config.model.pretrained:
+            raise ValueError(
+                "config.model.tokenizer and config.model.pretrained are both set: a pretrained "
+                "checkpoint's embeddings index its own tokenizer (in its folder)"
+            )
+        try:
+            load_tokenizer(path)
+        except (ValueError, OSError) as error:
+            raise ValueError(f"config.model.tokenizer: {error}") from None
+    check_loggers(config.train.loggers)
+
+
 def _library_choices() -> dict[str, tuple]:
-    """The values of the fields whose choices the library's modules define: the advantage
-    estimator, its centring and scaling (`policyopt.advantages`; "minibatch" is Magistral's
-    scaling, applied per minibatch by the trainer) and the rollout correction's levels
-    (`policyopt.losses`). Imported here: the configs stay importable without JAX."""
+    """The values of the fields whose choices the library's modules define: the model
+    preset (`policyopt.models.presets`), the advantage estimator, its centring and scaling
+    (`policyopt.advantages`; "minibatch" is Magistral's scaling, applied per minibatch by
+    the trainer) and the rollout correction's levels (`policyopt.losses`). Imported here:
+    the configs stay importable without JAX."""
     from policyopt import advantages, losses
+    from policyopt.models.presets import PRESETS
 
     return {
+        "model.preset": tuple(sorted(PRESETS)),
         "algo.advantage": advantages.ESTIMATORS,
         "algo.adv_center": advantages.CENTERS,
         "algo.adv_scale": advantages.SCALES + ("minibatch",),
         "algo.tis_level": losses.IS_LEVELS,
         "algo.rs_level": (None,) + losses.RS_LEVELS,
     }
+
+
+def _engine_pages(prompt_width: int, max_new: int, group: int, page_size: int, rows_to_end: int):
+    """Pages one engine shard needs for any prompt of 1..P tokens: to admit its group of G
+    rows, ceil(L / ps) + (G - 1) [L % ps > 0] + G (`policyopt.engine.group_pages`), and to
+    take `rows_to_end` of its rows to their ends alone, floor(L / ps) + rows_to_end
+    (ceil((L + N) / ps) - floor(L / ps)) (the full prompt pages are shared)."""
+    need = 0
+    for length in range(1, prompt_width + 1):
+        pages, shared = -(-length // page_size), length // page_size
+        admit = pages + (group - 1) * int(length % page_size > 0) + group
+        end = shared + rows_to_end * (-(-(length + max_new) // page_size) - shared)
+        need = max(need, admit, end)
+    return need
+
+
+def _check_engine_budget(config) -> None:
+    """`sampling.engine_kv_tokens` against the engine's need (`_engine_pages`) for the
+    longest prompt (the largest of `batch.prompt_buckets`, or `async_mode.prompt_width`):
+    a budget that cannot admit a group leaves the engine waiting for pages for ever. The
+    synchronous engine preempts rows down to one, which must reach its end; the
+    asynchronous one needs the whole group to reach its end alone."""
+    s, group, asynchronous = config.sampling, config.batch.group_size, config.async_mode.enabled
+    width = max(config.batch.prompt_buckets, default=1)  # empty: refused elsewhere
+    if asynchronous and config.async_mode.prompt_width:
+        width = max(1, config.async_mode.prompt_width)
+    rows_to_end = group if asynchronous else 1
+    need = _engine_pages(width, s.max_new_tokens, group, s.engine_page_size, rows_to_end)
+    if s.engine_kv_tokens // s.engine_page_size < need:
+        where = (
+            f"async_mode.prompt_width={width}"
+            if asynchronous and config.async_mode.prompt_width
+            else f"the largest of batch.prompt_buckets, {width}"
+        )
+        to_end = f"all {group} rows" if asynchronous else "one row"
+        raise ValueError(
+            f"config.sampling.engine_kv_tokens ({s.engine_kv_tokens}) is too small for "
+            f"batch.group_size={group}: admitting the group of a prompt of up to {width} "
+            f"tokens ({where}) and taking {to_end} to sampling.max_new_tokens="
+            f"{s.max_new_tokens} takes {need} pages of engine_page_size={s.engine_page_size}; "
+            f"the smallest budget that works is engine_kv_tokens={need * s.engine_page_size}"
+        )
 
 
 def _check_settings(config) -> None:
@@ -1057,17 +1207,23 @@ def _check_settings(config) -> None:
     CriticConfig.from_config(config)
 
 
+# float32's smallest normal number (numpy.finfo(numpy.float32).tiny): an Adam eps below it
+# is 0 on the device (subnormals flush to zero), which divides 0 by 0 on weights without
+# gradient, so every update would be skipped by the non-finite guard.
+FLOAT32_TINY = 1.1754943508222875e-38
+
 # Numeric fields and their allowed range: (field, low, high, low_inclusive, allow None).
-# Every value must be a finite number; learning rates and Adam's eps must be > 0 (0 trains
-# nothing, a negative one ascends the loss, eps = 0 divides by zero on unseen weights).
-# The policy loss's and GAE's ranges are checked by their dataclasses (`_check_settings`).
+# Every value must be a finite number; learning rates must be > 0 (0 trains nothing, a
+# negative one ascends the loss) and Adam's eps >= FLOAT32_TINY (above). The policy loss's
+# and GAE's ranges are checked by their dataclasses (`_check_settings`).
 _RANGES = (
     ("optim.lr", 0.0, None, False, False),
-    ("optim.eps", 0.0, None, False, False),
+    ("optim.eps", FLOAT32_TINY, None, True, False),
     ("optim.b1", 0.0, 1.0, True, False),
     ("optim.b2", 0.0, 1.0, True, False),
     ("optim.weight_decay", 0.0, None, True, False),
     ("optim.max_grad_norm", 0.0, None, False, True),
+    ("optim.router_lr_scale", 0.0, None, False, False),
     ("critic.lr", 0.0, None, False, False),
     ("critic.weight_decay", 0.0, None, True, False),
     ("sft.lr", 0.0, None, False, False),
@@ -1097,6 +1253,7 @@ _INT_MINIMUMS = (
     ("train.zero_variance_patience", 0),
     ("task.num_train", 1),
     ("task.num_test", 0),
+    ("reward.num_workers", 0),
 )
 
 

@@ -11,8 +11,8 @@ other recipe trains asynchronously the same way with `async_mode.enabled=True` i
 variant string (the `async_mode` block of `configs/base.py`).
 
 Off-policy correction: like the paper, none by default. Measured on the demo task
-(benchmarks/RESULTS.md, "Asynchronous generation off policy"): at lr 1e-4 asynchronous
-runs match synchronous ones, but at lr 1e-3, where one version moves the policy a lot,
+(benchmarks/HISTORY.md "2026-11-30: the papers' ablations", `async_offpolicy`): at lr 1e-4
+asynchronous runs match synchronous ones, but at lr 1e-3, where one version moves the policy a lot,
 samples ~1.5 versions old stop learning without a correction; `algo.tis_cap=2.0`
 (truncated importance weights; `algo.tis_level=sequence` as well) or
 `algo.old_log_probs=sampler` (clip the ratio against the sampler's log-probs) restore it;

@@ -4,7 +4,7 @@ prompts x 8 samples, responses <= 20 tokens) on the `moe_volatile` preset, an Mo
 layers with 32 small experts top-4 per layer, whose routing changes by >= 5% of the
 (token, layer) expert choices after one update, the regime of the GSPO paper's
 Qwen3-30B-A3B (~10%; 2507.18071 §5.3). The demo's 2-layer, 4-expert top-2 model moves
-~0.8% (benchmarks/RESULTS.md). Measured with
+~0.8% (benchmarks/HISTORY.md "2026-11-30: the papers' ablations"). Measured with
 
     python -m experiments.reproduce --claim routing_volatility --seeds 0
 
@@ -25,7 +25,7 @@ def get_config(arg=None):
     # linearly with the learning rate (seed 0: 0.016 at 1e-3, the demo's; 0.044 at 3e-3;
     # 0.124 at 1e-2; the demo's model moves 0.008 at 1e-3), and with depth (layer 0 0.013
     # to layer 3 0.022 at 1e-3). 5e-3 puts it in the GSPO paper's regime (>= 5%,
-    # benchmarks/RESULTS.md "Fourteenth session").
+    # benchmarks/HISTORY.md "2026-12-02: a volatile-routing testbed").
     c.optim.lr = 5e-3
     # Held-out evaluation on 256 prompts (the demo's 512 double the evaluation time).
     c.eval.num_prompts = 256

@@ -8,9 +8,9 @@ collapse of PPO on long responses, VAPO's length-adaptive lambda):
 Its SFT start continues testbed_long's (``SFT_PARENT``: `experiments/reproduce.py`
 trains that one first, or reuses its cache) for 300 updates on the longer task, to 1300
 in all on a cosine over 1300, with testbed_long's half of solutions that stop one
-subtraction early. Before that wrong procedure (benchmarks/RESULTS.md "Twenty-first
-session"): greedy pass@1 0.62 on the 32-step task, mean length 172, and no arm of claim
-3 improved on it; the start with it is not measured yet. Training it from a random
+subtraction early. Before that wrong procedure (benchmarks/HISTORY.md "2026-12-03: claim 3
+on responses"): greedy pass@1 0.62 on the 32-step task, mean length 172, and no arm of
+claim 3 improved on it; the start with it is not measured yet. Training it from a random
 initialisation instead costs ~4.4 s per update on 2 cores, ~73 minutes for 1000; the
 continuation 21 minutes (1231 s). An RL iteration costs about twice testbed_long's
 (~20 s): claim 3's 4 arms took 646-707 s each at one seed (``--variant

@@ -6,15 +6,16 @@ then a table, a JSON summary and curves side by side.
         --workdir runs/ablate/sapo_tau [--variant train.num_iterations=60]
     python -m experiments.ablate --list
 
-Each run goes to `workdir/<arm>/seed<N>` (a normal `experiments/train.py` run directory,
-asynchronous when the arm's config asks for it). A finished run is not trained again and
-an interrupted one resumes from its checkpoint, so rerunning the command completes a
-sweep (a run directory trained with another config, the loop's cadence aside, or for more
-iterations, is an error, not a finished run). The workdir then holds `summary.json` (per
-arm and seed: held-out pass@1 at the start and the end, the last iterations' training
-metrics, wall time, and the config fields in which the arm differs from the first arm),
-`summary.md` (the table) and `curves.png`. Every arm gets the same number of policy
-iterations: a critic's value pretraining comes on top.
+Each run goes to `workdir/<arm>/seed<N>` (`start<K>_seed<N>` from the K-th of several SFT
+starts, `run_name`; a normal `experiments/train.py` run directory, asynchronous when the
+arm's config asks for it). A run counts as finished only when its logs reach the last
+iteration (and its final evaluation); any other resumes from its checkpoint, so rerunning
+the command completes a sweep (a run directory trained with another config, the loop's
+cadence aside, or for more iterations, is an error). The workdir then holds `summary.json`
+(per arm and run: held-out pass@1 at the start and the end, the last iterations' training
+metrics, wall time, the learning rate and budget, and the config fields in which the arm
+differs from the first arm), `summary.md` (the table) and `curves.png`. Every arm gets the
+same number of policy iterations: a critic's value pretraining comes on top.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import math
 import os
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from absl import app, flags
 
@@ -35,7 +36,7 @@ from policyopt.metrics import quiet_library_logging, read_jsonl
 from policyopt.rl.async_rl import async_enabled, run_async_rl
 from policyopt.rl.plots import plot_runs
 from policyopt.rl.trainer import run_rl
-from policyopt.runtime import keep_freed_host_memory
+from policyopt.runtime import enable_compilation_cache, keep_freed_host_memory
 
 #: Training metrics summarised (mean over the last ``tail`` iterations), when a run logs them.
 TAIL_METRICS = (
@@ -44,12 +45,49 @@ TAIL_METRICS = (
     "loss/clip_frac",
     "loss/gate_mean",
     "routing/volatility",
+    "routing/ratio_share",
+    "routing/log_ratio_ms",
     "response/length_mean",
     "policy/entropy",
     "critic/explained_variance",
     "async/staleness_mean",
+    "offpolicy/kl_k3",
 )
+#: A run has collapsed at iteration i when the mean training accuracy of iterations i-2..i
+#: falls below this fraction of that of its first 3 iterations (``collapse_iteration``).
+COLLAPSE_FRACTION = 0.5
 DONE_FILE = "ablation_run.json"
+#: The fields that make a run's learning rate and budget (``regime_of``): a verdict over
+#: runs that differ in one compares settings, not methods (`experiments/reproduce.py`).
+REGIME_FIELDS = (
+    "optim.lr",
+    "train.num_iterations",
+    "batch.n_prompts",
+    "batch.group_size",
+    "batch.n_minibatches",
+    "batch.epochs",
+    "sampling.max_new_tokens",
+)
+
+
+def run_name(start: int, seed: int) -> str:
+    """A run's directory under its arm: ``seed<N>`` from SFT start 0 (the layout of a
+    single-start sweep, whose runs so resume), ``start<K>_seed<N>`` from start K >= 1."""
+    return f"seed{seed}" if start == 0 else f"start{start}_seed{seed}"
+
+
+def regime_of(config) -> dict:
+    """``{field: value}`` of ``REGIME_FIELDS``; ``train.num_iterations`` counts the policy's
+    iterations (a critic's reward-model and value-pretraining iterations come on top)."""
+    out = {}
+    for path in REGIME_FIELDS:
+        section, name = path.split(".")
+        out[path] = config[section][name]
+    if config.algo.advantage == "gae":
+        out["train.num_iterations"] -= (
+            config.critic.reward_model_iterations + config.critic.pretrain_iterations
+        )
+    return out
 
 
 def arm_config(
@@ -133,10 +171,13 @@ def config_diff(base, other) -> dict:
 
 def _finished(run_dir: str, config) -> dict | None:
     """The run's DONE_FILE record if it finished ``config.train.num_iterations``, else None
-    (train it: a run with fewer iterations resumes). Raises a ValueError when the run
-    directory holds a run of another config (its ``config.json``; the ``train`` section,
-    iterations, logging and checkpoint cadence, aside): it would be summarised, or resumed,
-    as this arm's."""
+    (train it: a run with fewer iterations resumes). Finished means the record says so and
+    the logs agree: ``metrics.jsonl`` reaches the last iteration and, when the run
+    evaluates, ``eval.jsonl`` holds the final evaluation; a record over shorter logs is a
+    partial run, resumed, never summarised. Raises a ValueError when the run directory
+    holds a run of another config (its ``config.json``; the ``train`` section, iterations,
+    logging and checkpoint cadence, aside): it would be summarised, or resumed, as this
+    arm's."""
     logged_path = os.path.join(run_dir, "config.json")
     if os.path.exists(logged_path):
         diff = {
@@ -155,20 +196,50 @@ def _finished(run_dir: str, config) -> dict | None:
     if os.path.exists(path):
         with open(path) as f:
             done = json.load(f)
-    trained = max(done["iterations"] if done else 0, _last_step(run_dir))
+    logged = _last_step(run_dir)
+    trained = max(done["iterations"] if done else 0, logged)
     if trained > wanted:
         raise ValueError(
             f"{run_dir} was trained for {trained} iterations, more than this sweep's "
             f"{wanted}: its summary would describe the longer run; use another "
             "--workdir, or as many iterations"
         )
-    return done if done and done.get("iterations") == wanted else None
+    if not done or done.get("iterations") != wanted or logged != wanted:
+        return None
+    if config.eval.num_prompts > 0 and _last_step(run_dir, "eval.jsonl") != wanted:
+        return None  # stopped before its final evaluation: resuming evaluates it
+    return done
 
 
-def _last_step(run_dir: str) -> int:
-    """The last iteration a run directory's metrics.jsonl records (0 if none)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
+def _last_step(run_dir: str, name: str = "metrics.jsonl") -> int:
+    """The last iteration a run directory's ``name`` (metrics.jsonl, eval.jsonl) records
+    (0 if none)."""
+    path = os.path.join(run_dir, name)
     return max((int(r["step"]) for r in read_jsonl(path)), default=0) if os.path.exists(path) else 0
+
+
+def _train(config, run_dir: str, what: str, quiet: bool) -> dict:
+    """Trains (or resumes) one run to ``config.train.num_iterations`` and writes its
+    DONE_FILE record; a run that stops before (a signal, or a trainer returning early) is
+    an exit that asks for a rerun, and gets no record."""
+    if not quiet:
+        print(f"== {what} -> {run_dir}", flush=True)
+    record = os.path.join(run_dir, DONE_FILE)
+    if os.path.exists(record):  # an earlier, shorter run's: this one is not finished yet
+        os.remove(record)
+    train = run_async_rl if async_enabled(config) else run_rl
+    start = time.perf_counter()
+    summary = train(config, run_dir, quiet=quiet)
+    wanted = config.train.num_iterations
+    if summary.get("interrupted") or summary["iteration"] != wanted:
+        how = f"interrupted ({summary['interrupted']})" if summary.get("interrupted") else "stopped"
+        raise SystemExit(
+            f"{what}: {how} at iteration {summary['iteration']} of {wanted}; rerun to resume"
+        )
+    done = {"iterations": wanted, "wall_s": time.perf_counter() - start}
+    with open(record, "w") as f:
+        json.dump(done, f)
+    return done
 
 
 def summarise_run(run_dir: str, tail: int) -> dict:
@@ -185,6 +256,16 @@ def summarise_run(run_dir: str, tail: int) -> dict:
     if evals:
         out["pass@1_start"], out["pass@1_end"] = evals[0]["eval/pass@1"], evals[-1]["eval/pass@1"]
         out["eval_steps"] = [int(evals[0]["step"]), int(evals[-1]["step"])]
+    routing = [
+        (r["routing/log_ratio_ms_routing"], r["routing/log_ratio_ms_params"])
+        for r in rows
+        if "routing/log_ratio_ms_routing" in r
+    ]
+    if routing:  # pooled over the run: the per-iteration share is heavy-tailed
+        total = sum(a + b for a, b in routing)
+        out["routing/ratio_share_pooled"] = sum(a for a, _ in routing) / total if total else 0.0
+    out["collapse_iteration"] = collapse_iteration(rows)
+    out["collapsed"] = float(out["collapse_iteration"] <= out["iterations"])
     last = rows[-tail:]
     for key in TAIL_METRICS:
         # NaN: an iteration without a value (e.g. no update: only dynamic sampling's fillers).
@@ -192,6 +273,24 @@ def summarise_run(run_dir: str, tail: int) -> dict:
         if values:
             out[key] = statistics.fmean(values)
     return out
+
+
+def collapse_iteration(rows: Sequence[dict], key: str = "reward/accuracy") -> int:
+    """The first iteration at which a run has collapsed (``COLLAPSE_FRACTION``: the mean of
+    ``key`` over the last 3 iterations below that fraction of the first 3 iterations'), or
+    the number of iterations + 1 when it never does (a censored time to collapse).
+
+    Args:
+      rows: the run's iteration records in order (``step`` and ``key``).
+    """
+    values = [(int(r["step"]), r[key]) for r in rows if key in r and math.isfinite(r[key])]
+    if len(values) < 3:
+        return (int(rows[-1]["step"]) if rows else 0) + 1
+    first = statistics.fmean(v for _, v in values[:3])
+    for i in range(3, len(values) + 1):
+        if statistics.fmean(v for _, v in values[i - 3 : i]) < COLLAPSE_FRACTION * first:
+            return values[i - 1][0]
+    return int(rows[-1]["step"]) + 1
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -205,6 +304,7 @@ def run_ablation(
     seeds: Sequence[int] = (0,),
     variant: str = "",
     setting: Callable | None = None,
+    starts: Mapping[int, Callable] | None = None,
     tail: int = 5,
     arms: Sequence[str] | None = None,
     plot: bool = True,
@@ -216,9 +316,11 @@ def run_ablation(
     Args:
       ablation: from ``configs.ablations``.
       workdir: the sweep's directory.
-      seeds: one run per arm and seed.
+      seeds: one run per arm and seed (and start).
       variant: appended to every arm's variant (model, init checkpoint, iterations, ...).
       setting: ``config -> config`` applied under the variants (see ``arm_config``).
+      starts: in place of ``setting``, one per SFT start: ``{start: config -> config}``;
+        every arm and seed then runs from each start (``run_name``).
       tail: iterations averaged for the training metrics.
       arms: labels of the arms to run (default all).
       plot: write ``curves.png``.
@@ -227,7 +329,9 @@ def run_ablation(
       quiet: no per-iteration console line.
 
     Returns:
-      The summary (also in ``workdir/summary.json``).
+      The summary (also in ``workdir/summary.json``): per arm, its ``runs`` (each with
+      ``start``, ``seed``, ``run_dir``, ``regime`` and ``summarise_run``'s figures) and the
+      figures' mean and std over them.
     """
     selected = [a for a in ablation.arms if arms is None or a.label in arms]
     if not selected:
@@ -235,64 +339,65 @@ def run_ablation(
             f"none of arms={list(arms)} is an arm of {ablation.name!r}: "
             f"{[a.label for a in ablation.arms]}"
         )
+    if starts is not None and setting is not None:
+        raise ValueError("run_ablation: give a setting or the starts' settings, not both")
+    plan = dict(starts) if starts is not None else {0: setting}
     os.makedirs(workdir, exist_ok=True)
     reference = None
     results = []
     for arm in selected:
-        per_seed, first = [], None
-        for seed in seeds:
-            config = arm_config(ablation, arm.label, seed, variant, setting)
-            if configure is not None:
-                config = configure(config)
-            first = config if first is None else first
-            reference = config if reference is None else reference
-            run_dir = os.path.join(workdir, arm.label, f"seed{seed}")
-            done = _finished(run_dir, config)
-            if done is None:
-                if not quiet:
-                    print(f"== {ablation.name}: {arm.label}, seed {seed} -> {run_dir}", flush=True)
-                train = run_async_rl if async_enabled(config) else run_rl
-                start = time.perf_counter()
-                summary = train(config, run_dir, quiet=quiet)
-                if summary.get("interrupted"):  # checkpointed, not finished: stop the sweep
-                    raise SystemExit(
-                        f"{ablation.name}: {arm.label}, seed {seed} interrupted "
-                        f"({summary['interrupted']}); rerun to resume"
-                    )
-                done = {
-                    "iterations": config.train.num_iterations,
-                    "wall_s": time.perf_counter() - start,
-                }
-                with open(os.path.join(run_dir, DONE_FILE), "w") as f:
-                    json.dump(done, f)
-            # wall_s: the attempt that finished the run (a resumed run's last attempt).
-            per_seed.append(
-                {
-                    "seed": seed,
-                    "run_dir": run_dir,
-                    "wall_s": done["wall_s"],
-                    **summarise_run(run_dir, tail),
-                }
-            )
+        runs, first = [], None
+        for start, start_setting in plan.items():
+            for seed in seeds:
+                config = arm_config(ablation, arm.label, seed, variant, start_setting)
+                if configure is not None:
+                    config = configure(config)
+                first = config if first is None else first
+                reference = config if reference is None else reference
+                name = run_name(start, seed)
+                run_dir = os.path.join(workdir, arm.label, name)
+                done = _finished(run_dir, config)
+                if done is None:
+                    done = _train(config, run_dir, f"{ablation.name}: {arm.label}, {name}", quiet)
+                # wall_s: the attempt that finished the run (a resumed run's last attempt).
+                runs.append(
+                    {
+                        "start": start,
+                        "seed": seed,
+                        "run_dir": run_dir,
+                        "wall_s": done["wall_s"],
+                        "regime": regime_of(config),
+                        **summarise_run(run_dir, tail),
+                    }
+                )
         entry = {
             "arm": arm.label,
             "recipe": arm.recipe,
             "variant": arm.variant,
-            "differs_from_first_arm": config_diff(reference, first),  # at seeds[0]
-            "seeds": per_seed,
+            "differs_from_first_arm": config_diff(reference, first),  # at the first run
+            "runs": runs,
         }
-        for key in ("pass@1_start", "pass@1_end", *TAIL_METRICS):
-            values = [s[key] for s in per_seed if key in s]
+        for key in (
+            "pass@1_start",
+            "pass@1_end",
+            "collapse_iteration",
+            "collapsed",
+            "routing/ratio_share_pooled",
+            *TAIL_METRICS,
+        ):
+            values = [r[key] for r in runs if key in r]
             if values:
                 entry[key] = dict(zip(("mean", "std"), _mean_std(values)))
         results.append(entry)
+    named = [getattr(fn, "__name__", None) for fn in plan.values() if fn is not None]
     summary = {
         "ablation": ablation.name,
         "claim": ablation.claim,
+        "starts": list(plan),
         "seeds": list(seeds),
         "ablation_variant": ablation.variant,
         "variant": variant,
-        "setting": getattr(setting, "__name__", None),
+        "setting": named[0] if named else None,
         "tail": tail,
         "arms": results,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -302,46 +407,49 @@ def run_ablation(
     with open(os.path.join(workdir, "summary.md"), "w") as f:
         f.write(format_table(summary))
     if plot:
-        runs = [s["run_dir"] for entry in results for s in entry["seeds"]]
-        labels = [f"{entry['arm']}/seed{s['seed']}" for entry in results for s in entry["seeds"]]
-        groups = [entry["arm"] for entry in results for _ in entry["seeds"]]
+        every = [(entry["arm"], r) for entry in results for r in entry["runs"]]
         summary["curves"] = plot_runs(
-            runs, os.path.join(workdir, "curves.png"), labels=labels, groups=groups
+            [r["run_dir"] for _, r in every],
+            os.path.join(workdir, "curves.png"),
+            labels=[f"{arm}/{run_name(r['start'], r['seed'])}" for arm, r in every],
+            groups=[arm for arm, _ in every],
         )
     return summary
 
 
 def format_table(summary: dict) -> str:
-    """The summary as a Markdown table (means over seeds, +- the std when several)."""
+    """The summary as a Markdown table (means over runs, +- the std when several)."""
 
     def cell(entry, key, digits=3):
         stat = entry.get(key)
         if stat is None:
             return ""
         text = f"{stat['mean']:.{digits}f}"
-        return text + (f" ± {stat['std']:.{digits}f}" if len(summary["seeds"]) > 1 else "")
+        return text + (f" ± {stat['std']:.{digits}f}" if len(entry["runs"]) > 1 else "")
 
     lines = [
         f"# Ablation `{summary['ablation']}`",
         "",
         summary["claim"],
         "",
-        f"Seeds {summary['seeds']}; every arm `{summary['ablation_variant'] or '(recipe)'}`; "
+        f"SFT starts {summary['starts']} x seeds {summary['seeds']}; "
+        f"every arm `{summary['ablation_variant'] or '(recipe)'}`; "
         f"setting `{summary['setting'] or '(none)'}`; "
         f"common variant `{summary['variant'] or '(none)'}`; "
         f"training metrics are means over the last {summary['tail']} iterations.",
         "",
         "| arm | recipe | variant | pass@1 start | pass@1 end | reward | clip frac | gate "
-        "| volatility | length | wall s |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| volatility | routing share | length | wall s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for entry in summary["arms"]:
-        wall = statistics.fmean(s["wall_s"] for s in entry["seeds"])
+        wall = statistics.fmean(r["wall_s"] for r in entry["runs"])
         lines.append(
             f"| {entry['arm']} | {entry['recipe']} | `{entry['variant'] or '-'}` | "
             f"{cell(entry, 'pass@1_start')} | {cell(entry, 'pass@1_end')} | "
             f"{cell(entry, 'reward/mean')} | {cell(entry, 'loss/clip_frac')} | "
             f"{cell(entry, 'loss/gate_mean')} | {cell(entry, 'routing/volatility')} | "
+            f"{cell(entry, 'routing/ratio_share_pooled')} | "
             f"{cell(entry, 'response/length_mean', 1)} | {wall:.0f} |"
         )
     return "\n".join(lines) + "\n"
@@ -382,6 +490,7 @@ def main(argv):
         raise app.UsageError("--ablation and --workdir are required (or --list)")
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
+    enable_compilation_cache()  # load what an earlier process compiled (docs/runs.md)
     summary = run_ablation(
         get_ablation(args.ablation),
         args.workdir,

@@ -27,8 +27,16 @@ from ml_collections import config_flags
 from configs import base
 from policyopt.checkpoint import WorkdirLocked
 from policyopt.rl.trainer import UpdatesSkipped
+from policyopt.runtime import enable_compilation_cache
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Show the traceback of an error.")
+_COMPILATION_CACHE = flags.DEFINE_bool(
+    "compilation_cache",
+    True,
+    "Keep compiled programs in JAX's persistent cache ($POLICYOPT_COMPILATION_CACHE, "
+    "default ~/.cache/policyopt/jax; docs/runs.md), so a rerun loads them; "
+    "--nocompilation_cache compiles everything afresh.",
+)
 
 
 class UsageError(ValueError):
@@ -94,6 +102,8 @@ def config_given() -> bool:
 def final_config():
     """The config after the recipe, its variant and every `--config.X` override, checked
     (``configs.base.check``) before anything is built or written."""
+    if not config_given():
+        raise UsageError("--config is required (a recipe file, e.g. configs/sapo.py)")
     config = _holder.value
     base.check(config)
     return config
@@ -124,7 +134,9 @@ def user_message(error: BaseException) -> str:
             text = unwrapped if isinstance(unwrapped, str) else text
         except (ValueError, SyntaxError):
             pass
-    unknown = re.match(r"^'([^']+)'\s*\n?(Did you mean .*)?", text, re.S)
+    # ConfigDict's KeyError for a missing field: "'tau_ng'\nDid you mean ...", or the bare
+    # name once unquoted above (a missing section: "optimizer").
+    unknown = re.match(r"^'?([\w.]+)'?\s*(?:\n(Did you mean .*))?$", text, re.S)
     if unknown and isinstance(error, (KeyError, AttributeError)):
         key, hint = unknown.group(1), (unknown.group(2) or "").strip()
         paths = [
@@ -132,15 +144,20 @@ def user_message(error: BaseException) -> str:
             for arg in sys.argv[1:]
             if arg.startswith("--config.")
         ]
-        named = next((p for p in paths if key in p.split(".")), key)
-        hint = f": {hint[0].lower()}{hint[1:]}" if hint else ""
-        text = f"unknown config field {named!r}{hint}"
+        named = next((p for p in paths if key in p.split(".")), None)
+        message = named and base.unknown_field(base.base_config(), named)
+        if message:  # a `--config.X` override naming no field
+            return message
+        if hint or text.startswith("'"):
+            hint = f": {hint[0].lower()}{hint[1:]}" if hint else ""
+            text = f"unknown config field {named or key!r}{hint}"
     return text
 
 
 def _check_config_path(argv) -> None:
     """A missing recipe file is named first (config_flags defers its error until the
-    config is read, and then reports it under the first override)."""
+    config is read, and then reports it under the first override), and a field its
+    variant string names twice."""
     for i, arg in enumerate(argv):
         value = None
         if arg.startswith("--config="):
@@ -148,9 +165,13 @@ def _check_config_path(argv) -> None:
         elif arg == "--config" and i + 1 < len(argv):
             value = argv[i + 1]
         if value is not None:
-            path = value.split(":", 1)[0]
+            path, _, variant = value.partition(":")
             if not os.path.isfile(path):
                 _fail(f"config file not found: {path!r} (--config={value})", 2)
+            try:
+                base.check_variant_fields(variant)
+            except ValueError as error:
+                _fail(str(error), 2)
 
 
 def _fail(message: str, status: int) -> None:
@@ -158,6 +179,28 @@ def _fail(message: str, status: int) -> None:
     if "--verbose" not in sys.argv:
         print("(rerun with --verbose for the traceback)", file=sys.stderr)
     sys.exit(status)
+
+
+def usage() -> str:
+    """The running script's command lines (the first indented block of its docstring) and
+    where to find every flag."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    command = f"python -m {spec.name}" if spec else f"python {sys.argv[0]}"
+    doc = getattr(sys.modules.get("__main__"), "__doc__", None) or ""
+    examples = []
+    for line in doc.splitlines()[1:]:
+        if line.startswith("    "):
+            examples.append(line.rstrip())
+        elif examples:
+            break
+    return "\n".join(["usage:", *examples, f"({command} --helpshort lists every flag)"])
+
+
+def _usage_fail(error: Exception) -> None:
+    """A missing or contradictory flag: the usage, the error, status 2."""
+    print(usage(), file=sys.stderr)
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _parse(argv):
@@ -174,6 +217,8 @@ def _parse(argv):
     except (flags.Error, *USER_ERRORS) as error:
         if verbose:
             raise
+        if isinstance(error, flags.Error):  # an unknown, missing or malformed flag
+            _usage_fail(error)
         _fail(user_message(error), 2)
 
 
@@ -182,6 +227,8 @@ def run(main) -> None:
     config checked before ``main`` runs. ``main`` then reads ``final_config()``."""
 
     def wrapped(argv):
+        if _COMPILATION_CACHE.value:
+            enable_compilation_cache()  # policyopt.runtime: before anything compiles
         try:
             if config_given():
                 config = final_config()
@@ -196,6 +243,8 @@ def run(main) -> None:
         except USER_ERRORS as error:  # the command line or the config: status 2
             if _VERBOSE.value:
                 raise
+            if isinstance(error, UsageError):
+                _usage_fail(error)
             _fail(user_message(error), 2)
         try:
             return main(argv)
@@ -207,7 +256,9 @@ def run(main) -> None:
         except USER_ERRORS + RUN_ERRORS as error:  # while building or running
             if _VERBOSE.value:
                 raise
-            _fail(user_message(error), 2 if isinstance(error, UsageError) else 1)
+            if isinstance(error, UsageError):
+                _usage_fail(error)
+            _fail(user_message(error), 1)
 
     app.run(wrapped, flags_parser=_parse)
 

@@ -1,4 +1,4 @@
-"""Held-out evaluation of a run's checkpoint: greedy pass@1 and, with `--k`, mean@k and
+r"""Held-out evaluation of a run's checkpoint: greedy pass@1 and, with `--k`, mean@k and
 pass@k at `--temperature`.
 
     python -m experiments.eval --config configs/sapo.py --workdir runs/sapo
@@ -46,7 +46,6 @@ def define_flags() -> None:
         "k", None, "Samples per prompt for mean@k / pass@k (default: config.eval.k)."
     )
     flags.DEFINE_float("temperature", None, "Sampling temperature of mean@k.")
-    flags.mark_flags_as_required(["workdir"])
     flags.adopt_module_key_flags(cli)
 
 
@@ -78,9 +77,13 @@ def evaluate_checkpoint(
         raise ValueError(
             "config.eval.num_prompts is 0 (the run did not evaluate): pass num_prompts"
         )
-    run = build_run(config, workdir, check_config=False)  # evaluation may change any setting
+    checkpoints = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(checkpoints):  # before building: evaluating writes nothing there
+        raise FileNotFoundError(f"no checkpoint in {checkpoints} (no such directory)")
+    # Evaluation may change any setting, and leaves the run's directory as it is.
+    run = build_run(config, workdir, check_config=False, owner=False)
     if run.checkpointer.latest_step() is None:
-        raise FileNotFoundError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
+        raise FileNotFoundError(f"no checkpoint in {checkpoints}")
     if step is not None and step != run.iteration:
         if step not in run.checkpointer.all_steps():
             raise ValueError(
@@ -94,6 +97,8 @@ def evaluate_checkpoint(
 def main(argv):
     del argv
     args = flags.FLAGS
+    if args.workdir is None:
+        raise cli.UsageError("--workdir is required (the run directory)")
     initialize_distributed()  # jax.distributed on a multi-host job; no-op on one host
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)

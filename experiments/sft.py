@@ -1,4 +1,4 @@
-"""SFT cold start on the task's worked solutions: the base policy for RL.
+r"""SFT cold start on the task's worked solutions: the base policy for RL.
 
     python -m experiments.sft --config configs/sapo.py:task.wrong_procedure_fraction=0.6 \
         --workdir runs/sft --config.sft.steps=300

@@ -1,4 +1,4 @@
-"""RL training from a recipe config.
+r"""RL training from a recipe config.
 
     python -m experiments.train --config configs/sapo.py --workdir runs/sapo
     python -m experiments.train --config configs/grpo.py:model=tiny_dense \
@@ -7,7 +7,8 @@
     python -m experiments.train --config configs/sapo.py --workdir runs/x --dry_run
 
 The config (recipe, variant and every `--config.X` override) is checked before anything
-is built or written; a bad value ends the run at once with the field named. The work
+is built, and the files, data, devices and model before anything is written: a bad value,
+file or row ends the run in one line naming it, and no work directory is left. The work
 directory receives the resolved config (config.json), metrics.jsonl, TensorBoard events,
 eval.jsonl, sampled completions (samples.jsonl, eval_samples.jsonl) and orbax
 checkpoints; rerunning the same command resumes from the latest checkpoint. Ctrl-C or

@@ -707,7 +707,8 @@ def policy_loss(
     Args:
       log_probs: ``[B, T]`` log pi_theta of the sampled tokens (differentiate through this).
       old_log_probs: ``[B, T]`` log pi_old of the same tokens (treated as a constant).
-      advantages: ``[B, T]`` advantages (outcome advantages broadcast over tokens, or GAE).
+      advantages: ``[B, T]`` per-token advantages (GAE), or ``[B]``: one per sequence
+        (outcome advantages), broadcast over its tokens.
       mask: ``[B, T]`` 1 on valid response tokens; padding values never matter.
       method: a key of ``OBJECTIVES``: ``"ppo"``, ``"gspo"``, ``"gspo_token"``, ``"sapo"``.
       clip_low, clip_high: trust region ``[1 - clip_low, 1 + clip_high]`` of the clipped
@@ -765,11 +766,14 @@ def policy_loss(
     shape = jnp.shape(log_probs)
     if aggregation == "group_token_mean" and row_weights is None:
         _check_group_size(shape[0], group_size)
-    for name, array in (
-        ("old_log_probs", old_log_probs),
-        ("advantages", advantages),
-        ("mask", mask),
-    ):
+    if len(shape) == 2 and jnp.shape(advantages) == shape[:1]:  # one per sequence
+        advantages = jnp.broadcast_to(jnp.asarray(advantages)[:, None], shape)
+    elif jnp.shape(advantages) != shape:
+        raise ValueError(
+            f"advantages has shape {jnp.shape(advantages)}, expected [B, T] = {shape} like "
+            f"log_probs, or [B] = {shape[:1]} (one per sequence)"
+        )
+    for name, array in (("old_log_probs", old_log_probs), ("mask", mask)):
         if jnp.shape(array) != shape:
             raise ValueError(
                 f"{name} has shape {jnp.shape(array)}, expected {shape} like log_probs"

@@ -44,7 +44,8 @@ jax.config.update(
     int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]),
 )
 
-# The slowest files (CPU seconds of a full run, benchmarks/RESULTS.md "Sixteenth session"),
+# The slowest files (CPU seconds of a full run, benchmarks/HISTORY.md "2026-12-02: the suite at
+# 8-8.5 minutes"),
 # first: pytest-xdist (`make test`: --dist loadfile --no-loadscope-reorder) hands each worker
 # one file at a time in collection order, so starting with the longest lets the workers end
 # together (longest-processing-time-first) instead of one running a long file alone at the

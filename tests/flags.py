@@ -4,20 +4,22 @@ XLA:CPU's compiler takes most of the suite's time: tiny models run in millisecon
 programs compile in seconds. ``--xla_cpu_use_fusion_emitters=false`` has XLA:CPU emit its
 fusions with the LLVM IR emitters instead of the MLIR fusion emitters: the same HLO, the
 same fusions, about half the compile time (a tiny MoE's gradient step 3.6-3.9 -> 1.5-1.9 CPU
-s; ``tests/test_rl_learner.py`` 77 -> 36 CPU s, run times alike; benchmarks/RESULTS.md,
-"Fifteenth session"). ``--xla_cpu_parallel_codegen_split_count=1`` has LLVM generate each
-program's code as one module rather than several compiled on threads: the same LLVM IR,
-~9% less compile CPU time where two test processes already keep two cores busy
-(``tests/test_rl_learner.py`` + ``tests/test_attention.py``: 42.4 -> 38.7 CPU s, medians of
-3; "Sixteenth session"). The tests compare numbers within their tolerances, which hold with
-either emitter. A flag of the same name already in ``XLA_FLAGS`` wins.
+s; ``tests/test_rl_learner.py`` 77 -> 36 CPU s, run times alike; benchmarks/HISTORY.md
+"2026-12-02: the suite under 10 minutes"). ``--xla_cpu_parallel_codegen_split_count=1``
+has LLVM generate each program's code as one module rather than several compiled on
+threads: the same LLVM IR, ~9% less compile CPU time where two test processes already keep
+two cores busy (``tests/test_rl_learner.py`` + ``tests/test_attention.py``: 42.4 -> 38.7
+CPU s, medians of 3; "2026-12-02: the suite at 8-8.5 minutes"). The tests compare numbers
+within their tolerances, which hold with either emitter. A flag of the same name already
+in ``XLA_FLAGS`` wins.
 
 ``XLA_FLAGS`` is read once, when JAX starts a backend, so a test needing simulated devices
 starts a subprocess: ``run_script(script, devices=8)``. Its simulated devices are threads of
 one process that meet at every collective; XLA:CPU aborts the process when one of them
 waits more than 40 s there, which a 2-core machine under a second load reaches (an
-8-device RL run, benchmarks/RESULTS.md "Nineteenth session"). So ``COLLECTIVE_FLAGS``
-give those waits 600 s: the tests' own subprocess timeouts still stop a real hang.
+8-device RL run, benchmarks/HISTORY.md "2026-12-03: the critic as a reward model").
+So ``COLLECTIVE_FLAGS`` give those waits 600 s: the tests' own subprocess timeouts still
+stop a real hang.
 """
 
 import atexit

@@ -236,6 +236,16 @@ def test_a_run_directory_of_another_config_is_refused(tmp_path):
     (run_dir / ablate.DONE_FILE).write_text(
         json.dumps({"iterations": config.train.num_iterations, "wall_s": 1.0})
     )
+    # The logs of a finished run: every iteration, and the final evaluation.
+    last = config.train.num_iterations
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": step, "reward/mean": 0.5}) + "\n" for step in range(1, last + 1)
+        )
+    )
+    (run_dir / "eval.jsonl").write_text(
+        "".join(json.dumps({"step": step, "eval/pass@1": 0.5}) + "\n" for step in (0, last))
+    )
     assert ablate._finished(str(run_dir), config)["wall_s"] == 1.0
     assert (
         ablate._finished(
@@ -307,7 +317,7 @@ def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypa
         "algo.tau_pos": [1.0, 1.05],
     }
     for entry in summary["arms"]:
-        run = entry["seeds"][0]
+        (run,) = entry["runs"]
         run_dir = os.path.join(workdir, entry["arm"], "seed0")
         assert run["run_dir"] == run_dir and run["iterations"] == 2
         with open(os.path.join(run_dir, "config.json")) as f:
@@ -321,7 +331,16 @@ def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypa
             run["pass@1_start"] == evals[0]["eval/pass@1"]
             and run["pass@1_end"] == evals[-1]["eval/pass@1"]
         )
-        assert run["eval_steps"] == [0, 2]
+        assert run["eval_steps"] == [0, 2] and (run["start"], run["seed"]) == (0, 0)
+        assert run["regime"] == {  # tests.test_rl_trainer.tiny's
+            "optim.lr": 0.01,
+            "train.num_iterations": 2,
+            "batch.n_prompts": 2,
+            "batch.group_size": 4,
+            "batch.n_minibatches": 1,
+            "batch.epochs": 1,
+            "sampling.max_new_tokens": 6,
+        }
         train_rows = [r for r in rows if "reward/mean" in r]
         assert [r["step"] for r in train_rows] == [1, 2]
         assert run["reward/mean"] == pytest.approx(np.mean([r["reward/mean"] for r in train_rows]))
@@ -339,8 +358,8 @@ def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypa
     again = ablate.run_ablation(
         ablation, workdir, seeds=(0,), configure=_shrink, tail=2, plot=False
     )
-    assert [a["seeds"][0]["pass@1_end"] for a in again["arms"]] == [
-        a["seeds"][0]["pass@1_end"] for a in summary["arms"]
+    assert [a["runs"][0]["pass@1_end"] for a in again["arms"]] == [
+        a["runs"][0]["pass@1_end"] for a in summary["arms"]
     ]
     with pytest.raises(ValueError, match="none of arms"):
         ablate.run_ablation(ablation, workdir, arms=["typo"], configure=_shrink)
@@ -368,3 +387,108 @@ def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypa
     rebuilt.unlock()
     rebuilt.task.num_test, rebuilt.sampling.max_new_tokens = 16, rebuilt.sampling.max_new_tokens - 1
     assert evaluate_checkpoint(rebuilt, run_dir)["step"] == 2
+
+
+def test_a_partial_run_is_resumed_never_counted(tmp_path, monkeypatch):
+    """A sweep stopped mid-arm (here the second SFT start's run, whose trainer returns after
+    1 of its 2 iterations without naming a signal) exits without a finished record; a
+    record over shorter logs is not trusted; the rerun resumes that run alone and trains
+    its missing iteration."""
+    ablation = Ablation("tiny", "one arm", (Arm("only", "sapo"),))
+    workdir = tmp_path / "sweep"
+    real_run_rl = ablate.run_rl
+    trained = []
+
+    def stops_early(config, run_dir, **kwargs):
+        trained.append(os.path.basename(run_dir))
+        if os.path.basename(run_dir) == "start1_seed0":
+            return real_run_rl(config, run_dir, num_iterations=1, **kwargs)
+        return real_run_rl(config, run_dir, **kwargs)
+
+    monkeypatch.setattr(ablate, "run_rl", stops_early)
+    sweep = dict(seeds=(0,), starts={0: None, 1: None}, configure=_shrink, plot=False)
+    with pytest.raises(SystemExit, match=r"only, start1_seed0: stopped at iteration 1 of 2"):
+        ablate.run_ablation(ablation, str(workdir), **sweep)
+    assert trained == ["seed0", "start1_seed0"]
+    partial = workdir / "only" / "start1_seed0"
+    assert (workdir / "only" / "seed0" / ablate.DONE_FILE).exists()
+    assert not (partial / ablate.DONE_FILE).exists() and not (workdir / "summary.json").exists()
+    assert [r["step"] for r in read_jsonl(partial / "metrics.jsonl") if "reward/mean" in r] == [1]
+    # A finished record over a run whose logs stop at iteration 1 is a partial run.
+    config = _shrink(ablate.arm_config(ablation, "only", 0))
+    (partial / ablate.DONE_FILE).write_text(json.dumps({"iterations": 2, "wall_s": 1.0}))
+    assert ablate._finished(str(partial), config) is None
+
+    trained.clear()
+    monkeypatch.setattr(
+        ablate, "run_rl", lambda *a, **k: trained.append(a[1]) or real_run_rl(*a, **k)
+    )
+    summary = ablate.run_ablation(ablation, str(workdir), **sweep)
+    assert trained == [str(partial)]  # the finished start-0 run is not trained again
+    assert summary["starts"] == [0, 1]
+    runs = summary["arms"][0]["runs"]
+    assert [(r["start"], r["seed"], r["iterations"]) for r in runs] == [(0, 0, 2), (1, 0, 2)]
+    rows = [r["step"] for r in read_jsonl(partial / "metrics.jsonl") if "reward/mean" in r]
+    assert rows == [1, 2] and runs[1]["eval_steps"] == [0, 2]
+    assert ablate._finished(str(partial), config)["iterations"] == 2
+    # Its evaluation at the last iteration lost: not finished either.
+    evals = read_jsonl(partial / "eval.jsonl")
+    (partial / "eval.jsonl").write_text(json.dumps(evals[0]) + "\n")
+    assert ablate._finished(str(partial), config) is None
+
+
+def test_run_names_and_the_regime_of_a_critic_arm():
+    assert [ablate.run_name(k, n) for k, n in ((0, 0), (0, 3), (1, 0), (2, 4))] == [
+        "seed0",
+        "seed3",
+        "start1_seed0",
+        "start2_seed4",
+    ]
+    # VC-PPO's critic iterations (5 of value pretraining) come on top of the policy's.
+    config = ablate.arm_config(get_ablation("vc_ppo"), "vc_ppo", 0, "train.num_iterations=20")
+    assert config.train.num_iterations == 25
+    assert ablate.regime_of(config)["train.num_iterations"] == 20
+    with pytest.raises(ValueError, match="not both"):
+        ablate.run_ablation(get_ablation("vc_ppo"), "unused", setting=demo_setting, starts={})
+
+
+def test_collapse_iteration_by_hand():
+    """The first iteration whose 3-iteration mean training accuracy falls below half the
+    first 3 iterations' mean; iterations + 1 (censored) when none does."""
+    rows = [{"step": i + 1, "reward/accuracy": a} for i, a in enumerate([0.4, 0.5, 0.6, 0.5])]
+    assert ablate.collapse_iteration(rows) == 5  # 0.5 mean at the start, never below 0.25
+    rows += [{"step": 5, "reward/accuracy": 0.1}, {"step": 6, "reward/accuracy": 0.0}]
+    # Means of 3: 0.5 (1-3), 0.533 (2-4), 0.4 (3-5), 0.2 (4-6) < 0.25 at iteration 6.
+    assert ablate.collapse_iteration(rows) == 6
+    # An iteration without the metric (no update) is skipped; too few values: censored.
+    assert ablate.collapse_iteration([{"step": 1}, {"step": 2, "reward/accuracy": 0.0}]) == 3
+    assert ablate.collapse_iteration([]) == 1
+
+
+def test_sapo_grid_arms():
+    labels = [a.label for a in get_ablation("sapo_grid").arms]
+    assert labels == [
+        "neg0p8", "neg1", "neg1p05", "neg1p25", "neg2",
+        "pos0p8", "pos1p05", "pos1p25", "pos2", "grpo",
+    ]  # fmt: skip
+    config = ablate.arm_config(get_ablation("sapo_grid"), "pos1p25", 0)
+    assert (config.algo.tau_pos, config.algo.tau_neg) == (1.25, 1.0)
+    assert (config.batch.n_minibatches, config.batch.epochs) == (8, 2)
+    grpo = ablate.arm_config(get_ablation("sapo_grid"), "grpo", 0)
+    assert grpo.algo.method == "ppo" and grpo.algo.kl_beta == 0.0
+
+
+def test_the_routing_share_is_pooled_over_a_run(tmp_path):
+    """The sum of the routing parts over the sum of both parts, every iteration; by hand
+    (0.01 + 0.03 + 0) / (0.1 + 0.1 + 0.8) = 0.04, where the mean of the per-iteration
+    shares (0.1, 0.3, 0) would be 0.133."""
+    rows = [
+        {"step": 1, "routing/log_ratio_ms_routing": 0.01, "routing/log_ratio_ms_params": 0.09},
+        {"step": 2, "routing/log_ratio_ms_routing": 0.03, "routing/log_ratio_ms_params": 0.07},
+        {"step": 3, "routing/log_ratio_ms_routing": 0.0, "routing/log_ratio_ms_params": 0.8},
+    ]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "eval.jsonl").write_text("")
+    summary = ablate.summarise_run(str(tmp_path), tail=5)
+    assert summary["routing/ratio_share_pooled"] == pytest.approx(0.04 / 1.0)

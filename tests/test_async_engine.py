@@ -173,10 +173,64 @@ def test_a_budget_below_one_group_is_refused():
         EngineSlots(graphdef, slot_config(), params, kv_tokens=ONE_GROUP - PAGE, page_size=PAGE)
 
 
+def test_a_shard_that_cannot_admit_and_runs_nothing_raises(monkeypatch):
+    """With the pool check out of the way (``engine_pages_needed``), a pool of 2 pages
+    never admits a group of 2 rows: the segment raises, naming what it saw, where the
+    generator thread would run empty segments for ever."""
+    from policyopt.rl import async_generation
+
+    graphdef, params, _ = policy()
+    monkeypatch.setattr(async_generation, "engine_pages_needed", lambda *args: 0)
+    slots = EngineSlots(graphdef, slot_config(), params, kv_tokens=2 * PAGE, page_size=PAGE)
+    slots.refill(0, random_prompts(1)[0], params, 0)
+    with pytest.raises(
+        RuntimeError,
+        match=r"the paged engine cannot admit a queued group on shard\(s\) \[0\] and runs none "
+        r"there \(groups queued \[0\], free pages per shard \[2\] of 2, blocked shards \[\]\)",
+    ):
+        slots.segment(params, 0, jax.random.PRNGKey(0))
+
+
+def test_take_stops_on_request_and_the_generator_closes():
+    """``should_stop`` reaches a trainer waiting in ``take``: ``GenerationStopped`` within
+    its 0.5 s poll, and leaving the ``with`` block stops and joins the threads."""
+    import threading
+    import time
+
+    from policyopt.engine import GenerationStopped
+    from policyopt.rl.async_generation import AsyncGenerator
+
+    graphdef, params, _ = policy()
+    slots = EngineSlots(graphdef, slot_config(), params, kv_tokens=ONE_GROUP, page_size=PAGE)
+    requested, release = threading.Event(), threading.Event()
+    generator = AsyncGenerator(
+        slots,
+        iter(random_prompts(64)),
+        params,
+        0,
+        rng=jax.random.PRNGKey(0),
+        n_async=N_ASYNC,
+        score_fn=lambda completion: release.wait() and completion,  # hands none out
+        join_timeout_s=0.1,
+        should_stop=requested.is_set,
+    )
+    with generator:
+        threading.Timer(1.0, requested.set).start()
+        start = time.perf_counter()
+        with pytest.raises(GenerationStopped, match="asynchronous generation stopped on request"):
+            generator.take()
+        assert time.perf_counter() - start < 1.0 + 2.0
+    assert not generator._thread.is_alive()  # joined; the scorer was left waiting
+    release.set()
+    generator._threads[1].join(timeout=60)
+    assert not generator_threads()
+
+
 def test_run_async_rl_on_the_paged_engine_trains(tmp_path):
     config = tiny(
         f"dynamic_sampling.enabled=False,train.num_iterations=2,train.checkpoint_every=2,"
-        f"sampling.engine_kv_tokens={2 * ONE_GROUP},sampling.engine_page_size={PAGE}"
+        f"sampling.engine_kv_tokens={2 * ONE_GROUP},sampling.engine_page_size={PAGE},"
+        f"batch.prompt_buckets=({PROMPT_WIDTH},)"
     )
     compiled = admit_rows._cache_size()
     summary = run_async_rl(config, str(tmp_path), quiet=True)
@@ -208,9 +262,9 @@ _MESH_SCRIPT = textwrap.dedent(r"""
     import dataclasses
     import jax, jax.numpy as jnp, numpy as np
     from policyopt import sharding
-    from policyopt.engine import admit_rows, decode_steps, evict_rows
+    from policyopt.engine import admit_rows, decode_steps, evict_rows, group_rows
     import os
-    from policyopt.rl.async_generation import EngineSlots, SlotConfig, _engine_group_rows
+    from policyopt.rl.async_generation import EngineSlots, SlotConfig
     from policyopt.sampling import Greedy
     from tests.test_async_engine import ONE_GROUP, PAGE, run_slots
     from tests.test_async_rl import GROUP, PROMPT_WIDTH, policy, random_prompts, slot_config
@@ -225,7 +279,7 @@ _MESH_SCRIPT = textwrap.dedent(r"""
                         PROMPT_WIDTH, 3)
     mesh = sharding.make_mesh({"fsdp": 2})
     placed = sharding.shard_params(params, mesh)
-    fns = (admit_rows, decode_steps, evict_rows, _engine_group_rows)
+    fns = (admit_rows, decode_steps, evict_rows, group_rows)
     before = [fn._cache_size() for fn in fns]
     # Two shards (two groups and a pool of one group's pages each, on its own device).
     slots = EngineSlots(graphdef, config, placed, kv_tokens=ONE_GROUP, page_size=PAGE, mesh=mesh)

@@ -333,3 +333,167 @@ def test_a_second_process_is_refused_the_workdir(tmp_path):
     finally:
         second.kill()
     assert second.returncode == 0 and out.strip() == "locked", err
+
+
+# ---- The meta record under the checksums, corruption of any file, the corrupt set aside ---
+
+
+def test_meta_digest_by_hand_and_the_format_marker(tmp_path):
+    """The meta record is saved with ``FORMAT_KEY`` and its SHA-256 (sorted-key JSON, as
+    read back: tuples are lists) beside the arrays' checksums; restore returns it without
+    the marker."""
+    import hashlib
+
+    from policyopt.checkpoint import FORMAT, FORMAT_KEY, meta_digest
+
+    text = '{"a":[1,2],"b":{"c":0.5}}'
+    assert meta_digest({"b": {"c": 0.5}, "a": (1, 2)}) == hashlib.sha256(text.encode()).hexdigest()
+    ckpt, states = _two_checkpoints(tmp_path)
+    with open(os.path.join(ckpt.step_path(2), "meta", "metadata")) as f:
+        saved = json.load(f)
+    with open(os.path.join(ckpt.step_path(2), "checksums", "metadata")) as f:
+        sums = json.load(f)
+    assert saved == {"iteration": 2, FORMAT_KEY: FORMAT}
+    assert sums["format"] == FORMAT and sums["meta"] == meta_digest(saved)
+    assert set(sums["arrays"]) == {"rng", "train/params/w"}
+    assert ckpt.meta(2) == {"iteration": 2} and ckpt.restore(states[2])[1] == {"iteration": 2}
+
+
+def _flip_in_file(path, old: str, new: str) -> None:
+    """Replaces ``old`` by ``new`` (same length, one bit apart) in a file, in place."""
+    data = open(path, "rb").read()
+    assert data.count(old.encode()) == 1 and len(old) == len(new)
+    diff = [a ^ b for a, b in zip(old.encode(), new.encode()) if a != b]
+    assert len(diff) == 1 and bin(diff[0]).count("1") == 1
+    open(path, "wb").write(data.replace(old.encode(), new.encode()))
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        # The issue's faults: a flipped bit in "iteration" resumed "from step 3"; one in
+        # the data position replayed prompts; both loaded as they were.
+        ("iteration", "its meta record (iteration, data position, config) differs"),
+        ("next_index", "its meta record (iteration, data position, config) differs"),
+        # An array bit flip plus a deleted checksums item loaded as a pre-checksum one.
+        ("checksums", "its item 'checksums' is missing (a checkpoint of format 2"),
+    ],
+)
+def test_the_meta_record_and_the_checksums_item_are_verified(tmp_path, caplog, damage, message):
+    from policyopt.checkpoint import CorruptCheckpointError
+
+    ckpt, states = _two_checkpoints(tmp_path)
+    for step in (1, 2):  # with a data position
+        ckpt._manager.delete(step)
+        ckpt.save(step, states[step], {"iteration": step, "data": {"next_index": 10 * step}})
+    meta_file = os.path.join(ckpt.step_path(2), "meta", "metadata")
+    if damage == "iteration":
+        _flip_in_file(meta_file, '"iteration": 2', '"iteration": 3')
+    elif damage == "next_index":
+        _flip_in_file(meta_file, '"next_index": 20', '"next_index": 21')
+    else:
+        _corrupt_arrays(ckpt.step_path(2))
+        import shutil
+
+        shutil.rmtree(os.path.join(ckpt.step_path(2), "checksums"))
+    pattern = f"checkpoint {tmp_path}/2 is corrupt: " + message.replace("(", r"\(").replace(
+        ")", r"\)"
+    )
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        ckpt.restore(states[1], step=2)
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        ckpt.meta(2)
+    with caplog.at_level("WARNING"):
+        restored, meta = ckpt.restore(states[1])
+    assert meta == {"iteration": 1, "data": {"next_index": 10}} and _equal(restored, states[1])
+    assert f"falling back to the previous checkpoint {tmp_path}/1" in caplog.text
+    assert ckpt.meta() == meta
+    assert os.path.isdir(ckpt.step_path(2))  # not an owner: the directory is left as it is
+
+
+def test_checkpoints_from_before_the_checksums_restore(tmp_path):
+    """Without the format marker: no checksums item restores unverified (the first
+    version); checksums of the arrays only (the second) are verified."""
+    import orbax.checkpoint as ocp
+
+    from policyopt.checkpoint import CorruptCheckpointError, tree_checksums
+
+    state = {"train": {"params": {"w": jnp.arange(4096, dtype=jnp.float32)}}}
+    manager = ocp.CheckpointManager(str(tmp_path))
+    manager.save(
+        1,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({"iteration": 1})
+        ),
+    )
+    manager.save(
+        2,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            meta=ocp.args.JsonSave({"iteration": 2}),
+            checksums=ocp.args.JsonSave(tree_checksums(state)),
+        ),
+    )
+    manager.wait_until_finished()
+    manager.close()
+    ckpt = Checkpointer(str(tmp_path))
+    for step in (1, 2):
+        restored, meta = ckpt.restore(state, step=step)
+        assert meta == {"iteration": step} and _equal(restored, state)
+    _corrupt_arrays(ckpt.step_path(2))
+    with pytest.raises(CorruptCheckpointError, match="the checksums of train/params/w differ"):
+        ckpt.restore(state, step=2)
+
+
+def test_unreadable_state_metadata_is_corruption(tmp_path):
+    """The issue's ``error: unknown config field 'NoneType'``: ``saved_shapes`` (and the
+    shape check before every restore) failed with an AttributeError on a deleted
+    ``state``, an emptied step directory or a truncated ``state/_METADATA``."""
+    import shutil
+
+    from policyopt.checkpoint import CorruptCheckpointError
+    from policyopt.rl import build
+
+    for damage in ("state", "emptied", "_METADATA"):
+        ckpt, states = _two_checkpoints(tmp_path / damage)
+        step_dir = ckpt.step_path(2)
+        if damage == "state":
+            shutil.rmtree(os.path.join(step_dir, "state"))
+        elif damage == "emptied":
+            for name in os.listdir(step_dir):
+                path = os.path.join(step_dir, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        else:
+            path = os.path.join(step_dir, "state", "_METADATA")
+            data = open(path, "rb").read()
+            open(path, "wb").write(data[: len(data) // 2])
+        with pytest.raises(CorruptCheckpointError, match=f"checkpoint {step_dir} is corrupt: "):
+            ckpt.saved_shapes(2)
+        with pytest.raises(CorruptCheckpointError, match=f"checkpoint {step_dir} is corrupt: "):
+            build.check_checkpoint_shapes(ckpt, states[2], None, step=2)
+        assert ckpt.restore(states[1])[1] == {"iteration": 1}, damage
+
+
+def test_an_owner_sets_the_corrupt_checkpoint_aside_and_saves_that_step_again(tmp_path, caplog):
+    """The issue's fault: after falling back from a corrupt step 2 the run retrained
+    iteration 2 and died with ``Checkpoint for step 2 already exists``. An owner moves
+    the corrupt directory aside (kept for inspection) once the fallback is found, so the
+    step saves again; with no readable checkpoint nothing is moved."""
+    from policyopt.checkpoint import CorruptCheckpointError
+
+    ckpt, states = _two_checkpoints(tmp_path)
+    _corrupt_arrays(ckpt.step_path(2))
+    owner = Checkpointer(str(tmp_path), owner=True)
+    with caplog.at_level("WARNING"):
+        assert owner.restore(states[1])[1] == {"iteration": 1}
+    assert f"moved the corrupt checkpoint {tmp_path}/2 aside to {tmp_path}/2.corrupt" in caplog.text
+    assert owner.all_steps() == [1] and os.path.isdir(f"{tmp_path}/2.corrupt")
+    owner.save(2, states[2], {"iteration": 2})
+    assert owner.restore(states[1])[1] == {"iteration": 2}
+    assert Checkpointer(str(tmp_path)).all_steps() == [1, 2]
+    # Corrupt again, and the previous one too: nothing readable, nothing moved.
+    _corrupt_arrays(owner.step_path(2))
+    _corrupt_arrays(owner.step_path(1))
+    with pytest.raises(CorruptCheckpointError, match="no earlier checkpoint"):
+        owner.restore(states[1])
+    assert owner.all_steps() == [1, 2] and sorted(os.listdir(tmp_path)) == ["1", "2", "2.corrupt"]

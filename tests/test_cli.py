@@ -29,7 +29,7 @@ TINY = (
     "model=tiny_dense,model.num_layers=1,batch.n_prompts=2,batch.group_size=4,"
     "batch.n_minibatches=1,sampling.max_new_tokens=6,task.num_train=64,task.num_test=8,"
     "eval.num_prompts=8,eval.batch_size=8,train.eval_every=0,train.checkpoint_every=1,"
-    "train.tensorboard=False,optim.lr=0.01,batch.prompt_buckets=(16,),"
+    "train.loggers=jsonl,optim.lr=0.01,batch.prompt_buckets=(16,),"
     "batch.response_buckets=(6,)"
 )
 
@@ -69,7 +69,27 @@ BAD_VALUES = [
     ("optim__lr", -0.001, r"config\.optim\.lr must be a finite number > 0\.0, got -0\.001"),
     ("optim__lr", float("inf"), r"config\.optim\.lr must be a finite number > 0\.0, got inf"),
     ("optim__lr", float("nan"), r"config\.optim\.lr must be a finite number > 0\.0, got nan"),
-    ("optim__eps", 0.0, r"config\.optim\.eps must be a finite number > 0\.0, got 0\.0"),
+    # Adam's eps below float32's smallest normal number is 0 on the device: every update
+    # divides 0 by 0 and is skipped, and the run ends "successfully".
+    ("optim__eps", 0.0, r"config\.optim\.eps must be a finite number >= 1\.17549\d*e-38"),
+    ("optim__eps", 1e-45, r"config\.optim\.eps must be a finite number >= 1\.17549\d*e-38"),
+    ("model__preset", "qwen3_9b", r"config\.model\.preset must be one of \(.*'qwen3_8b'"),
+    ("reward__num_workers", -1, r"config\.reward\.num_workers must be an int >= 0, got -1"),
+    (
+        "batch__prompt_buckets",
+        (),
+        r"config\.batch\.prompt_buckets must be a non-empty tuple of ints >= 1, got \(\)",
+    ),
+    (
+        "batch__response_buckets",
+        (8, 0),
+        r"config\.batch\.response_buckets must be a non-empty tuple of ints >= 1, got \(8, 0\)",
+    ),
+    (
+        "reward__verifier",
+        "my_rewards.score",
+        r"config\.reward\.verifier must be 'package\.module:function', got 'my_rewards\.score'",
+    ),
     ("optim__warmup_steps", -5, r"config\.optim\.warmup_steps must be an int >= 0, got -5"),
     ("critic__lr", -1e-5, r"config\.critic\.lr must be a finite number > 0"),
     ("sft__lr", 0.0, r"config\.sft\.lr must be a finite number > 0"),
@@ -219,7 +239,29 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, cli):
     )
     assert out.returncode == 2
     assert out.stderr.splitlines()[0] == (
-        'error: unknown config field \'algo.tau_ng\': did you mean "tau_neg" instead of "tau_ng"?'
+        "error: unknown config field 'algo.tau_ng' (did you mean 'algo.tau_neg'?)"
+    )
+    # A field given twice in the recipe string (the later value won silently).
+    out = cli(
+        "experiments.train",
+        "--config",
+        "configs/sapo.py:optim.lr=1e-3,algo.tau_neg=1.1,optim.lr=1e-2",
+        f"--workdir={workdir}",
+    )
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == (
+        "error: config variant 'optim.lr=1e-3,algo.tau_neg=1.1,optim.lr=1e-2': optim.lr is "
+        "given twice (name each field once)"
+    )
+    # A section that does not exist (this printed "error: optimizer").
+    out = cli(
+        "experiments.train",
+        "--config",
+        "configs/sapo.py",
+        f"--workdir={workdir}",
+        "--config.optimizer.lr=1e-3",
+    )
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == (
+        "error: unknown config field 'optimizer.lr': no section 'optimizer' (did you mean 'optim'?)"
     )
     out = cli(
         "experiments.train",
@@ -240,6 +282,24 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, cli):
     )
     assert out.returncode != 0 and "Traceback" in out.stderr  # --verbose keeps it
     assert not workdir.exists()
+
+
+def test_no_flags_prints_the_usage(cli):
+    # This ended in "TypeError: 'NoneType' object is not subscriptable".
+    for module in ("experiments.train", "experiments.sft"):
+        out = cli(module)
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.splitlines()
+        assert lines[0] == "usage:" and lines[1].startswith(f"    python -m {module} --config")
+        assert lines[-2] == f"(python -m {module} --helpshort lists every flag)"
+        assert lines[-1] == "error: --config is required (a recipe file, e.g. configs/sapo.py)"
+        assert "Traceback" not in out.stderr and out.stdout == ""
+    out = cli("experiments.eval")
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == "usage:"
+    assert out.stderr.splitlines()[-1] == "error: --workdir is required (the run directory)"
+    out = cli("experiments.train", "--config", "configs/sapo.py")
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == "usage:"
+    assert out.stderr.splitlines()[-1] == "error: --workdir is required (the run directory)"
 
 
 def test_help_print_config_and_dry_run_exit_zero(tmp_path, cli):
@@ -445,7 +505,7 @@ def test_run_logs_samples_banner_and_stops_with_a_checkpoint_on_sigterm(
     workdir = str(tmp_path / "run")
     config = load(
         "sapo",
-        TINY + ",train.num_iterations=3,train.sample_every=1,"
+        TINY + ",train.num_iterations=3,train.sample_every=10,"
         "train.sample_prompts=1,train.checkpoint_every=100,train.eval_every=1,"
         "train.zero_variance_patience=1",
     )
@@ -469,6 +529,8 @@ def test_run_logs_samples_banner_and_stops_with_a_checkpoint_on_sigterm(
     assert f"SIGTERM: stopped at iteration 1; checkpoint {workdir}/checkpoints/1" in out.out
     assert "no informative group in the last 1 iterations" in out.err  # a random policy
     assert signal.getsignal(signal.SIGTERM) is handler  # restored
+    # Samples at the first iteration, then every train.sample_every (10; a 3-iteration
+    # run's samples.jsonl was empty).
     rows = [json.loads(line) for line in open(os.path.join(workdir, "samples.jsonl"))]
     assert len(rows) == 4 and {r["step"] for r in rows} == {1}  # 1 prompt x G = 4
     assert {"prompt", "completion", "reward", "correct", "status", "reference"} <= set(rows[0])
@@ -492,3 +554,5 @@ def test_run_logs_samples_banner_and_stops_with_a_checkpoint_on_sigterm(
     assert "pass@1 0.000 (it 1)" in line  # the resumed run evaluated iteration 1 first
     evals = [json.loads(line) for line in open(os.path.join(workdir, "eval_samples.jsonl"))]
     assert [sum(e["step"] == step for e in evals) for step in (0, 1, 2, 3)] == [8, 8, 8, 8]
+    rows = [json.loads(line) for line in open(os.path.join(workdir, "samples.jsonl"))]
+    assert {r["step"] for r in rows} == {1}  # not at 2 or 3: the next is iteration 10

@@ -190,6 +190,12 @@ def test_every_recipe_builds_at_paper_scale(name):
         "full",
     )
     assert config.model.attention == "auto"
+    # MoE: the blocked dispatch in blocks of 4,096 copies for training, ragged decoding.
+    assert (
+        config.model.moe_dispatch,
+        config.model.moe_block_size,
+        config.model.moe_decode_dispatch,
+    ) == ("blocked", 4096, "ragged")
     assert load(name, variant + ",model.remat=save_dots").model.remat == "save_dots"
 
 
@@ -293,6 +299,47 @@ def test_unknown_or_bad_fields_are_named():
         1.001,
         None,
     )
+
+
+def test_a_field_given_twice_or_a_misspelled_section_in_a_variant_is_named():
+    for variant, field in (
+        ("optim.lr=1e-3,algo.tau_neg=1.1,optim.lr=2e-3", "optim.lr"),
+        ("model=tiny_dense,model.preset=tiny_moe", "model.preset"),
+        ("algo.tau_neg=1.1, algo.tau_neg =1.2", "algo.tau_neg"),
+    ):
+        with pytest.raises(ValueError) as error:
+            base.check_variant_fields(variant)  # the command line's --config (tests/test_cli.py)
+        assert str(error.value) == (
+            f"config variant {variant!r}: {field} is given twice (name each field once)"
+        )
+    base.check_variant_fields("model=tiny_dense,optim.lr=1e-3,algo.tau_neg=1.1")
+    # Composed variants (experiments/ablate.py: an arm's, then the command line's): the
+    # later value wins.
+    assert load("sapo", "optim.lr=1e-3,optim.lr=2e-3").optim.lr == 2e-3
+    # A section that does not exist: named, with the closest section when there is one, or
+    # the list of sections; a field of a section: its closest field.
+    with pytest.raises(KeyError) as error:
+        load("sapo", "optimizer.lr=1e-3")
+    assert error.value.args[0] == (
+        "unknown config field 'optimizer.lr': no section 'optimizer' (did you mean 'optim'?)"
+    )
+    with pytest.raises(KeyError) as error:
+        load("sapo", "trainer.num_iterations=3")
+    assert error.value.args[0] == (
+        "unknown config field 'trainer.num_iterations': no section 'trainer' (did you mean "
+        "'train'?)"
+    )
+    with pytest.raises(KeyError) as error:
+        load("sapo", "xyz.lr=1e-3")
+    assert error.value.args[0].startswith(
+        "unknown config field 'xyz.lr': no section 'xyz' (sections: algo, async_mode, batch, "
+    )
+    with pytest.raises(KeyError) as error:
+        load("sapo", "optim.learning_rate=1e-3")
+    assert error.value.args[0] == "unknown config field 'optim.learning_rate'"
+    with pytest.raises(KeyError) as error:
+        load("sapo", "optim.epss=1e-3")
+    assert error.value.args[0] == "unknown config field 'optim.epss' (did you mean 'optim.eps'?)"
 
 
 def test_command_line_overrides_through_config_flags():

@@ -138,6 +138,25 @@ def test_extract_rules():
         ),
         ('{"question": "q", "answer": "7"}', JsonlConfig(extract="boxed"), "no \\\\boxed"),
         ('{"question": "q", "answer": "7"}', JsonlConfig(extract="marker"), "no '####'"),
+        # A number is an answer, not a problem.
+        ('{"question": 5, "answer": "7"}', JsonlConfig(), "question field 'question' must be text"),
+        # Two values for one key: json keeps the last silently.
+        (
+            '{"question": "q", "answer": "1", "question": "r"}',
+            JsonlConfig(),
+            "invalid JSON \\(duplicate key 'question'\\)",
+        ),
+        (
+            '{"question": "q", "answer": "1", "m": {"a": 1, "a": 2}}',
+            JsonlConfig(),
+            "invalid JSON \\(duplicate key 'a'",
+        ),
+        # Nested past Python's recursion limit (a RecursionError traceback before).
+        (
+            '{"question": "q", "answer": "1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            JsonlConfig(),
+            "invalid JSON \\(nested deeper than Python.s recursion limit",
+        ),
     ],
 )
 def test_malformed_row_names_file_and_line(tmp_path, bad_line, config, reason):
@@ -153,6 +172,22 @@ def test_malformed_row_names_file_and_line(tmp_path, bad_line, config, reason):
     assert report.skipped[0].startswith(f"{path}:4: ")
     assert report.lines == report.blank_lines + report.loaded + len(report.skipped) == 5
     assert "1 malformed rows skipped" in report.summary()
+
+
+def test_a_file_without_rows_is_named(tmp_path):
+    empty = _write(tmp_path / "empty.jsonl", [])
+    with pytest.raises(ValueError) as error:
+        read_math_jsonl(empty)
+    assert str(error.value) == f"{empty}: no rows (1 blank lines): expected one JSON object a line"
+    (tmp_path / "zero.jsonl").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"zero.jsonl: no rows \(an empty file\)"):
+        read_math_jsonl(tmp_path / "zero.jsonl")
+    bad = _write(tmp_path / "bad.jsonl", ['{"q": "1"}', '{"q": "2"}'])
+    with pytest.raises(ValueError) as error:
+        read_math_jsonl(bad, JsonlConfig(skip_malformed=True))
+    assert str(error.value).startswith(
+        f"{bad}: no rows left: all 2 rows are malformed; first: {bad}:1: missing question field"
+    )
 
 
 def test_a_row_that_is_not_utf8_is_one_malformed_row(tmp_path):

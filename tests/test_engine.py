@@ -10,7 +10,15 @@ import pytest
 from flax import nnx
 
 from policyopt import sampling
-from policyopt.engine import Engine, EngineConfig, compact, empty_state, expand
+from policyopt.engine import (
+    Engine,
+    EngineConfig,
+    GenerationStopped,
+    compact,
+    empty_state,
+    expand,
+    group_pages,
+)
 from policyopt.models import ModelConfig, Transformer
 from policyopt.sampling import Greedy, SamplingConfig, Temperature
 from tests.flags import run_script
@@ -289,14 +297,20 @@ def test_budget_errors(model):
         Engine(model, EngineConfig(kv_tokens=5, rows=2, page_size=1), config).generate(
             PROMPTS, LENGTHS, jax.random.key(0)
         )
-    with pytest.raises(
-        ValueError,
-        match=r"EngineConfig.kv_tokens = 8 is smaller than the "
-        r"longest prompt \(6 tokens\) plus one page",
-    ):
-        Engine(model, EngineConfig(kv_tokens=8, rows=2, page_size=4), config).generate(
-            PROMPTS, LENGTHS, jax.random.key(0)
-        )
+    # The whole group's need: prompt 0 (6 tokens) takes 2 pages of 4, its partly filled last
+    # page is copied for the other row (1), and each of the 2 rows gets a page to decode
+    # into: 5 pages, 20 slots. (16 slots, 4 pages, spun for ever in the host loop: the
+    # group was never admitted and nothing else could happen.)
+    for kv_tokens in (8, 16, 19):
+        with pytest.raises(
+            ValueError,
+            match=rf"EngineConfig.kv_tokens = {kv_tokens} cannot admit the group of 2 rows of "
+            r"prompt 0 \(6 tokens\): that takes 5 free pages of 4 slots \(.*\): needs "
+            r"kv_tokens >= 20$",
+        ):
+            Engine(model, EngineConfig(kv_tokens=kv_tokens, rows=2, page_size=4), config).generate(
+                PROMPTS, LENGTHS, jax.random.key(0)
+            )
     with pytest.raises(ValueError, match=r"prompt_lengths must be \[B=3\] in \[1, P=7\]"):
         Engine(model, EngineConfig(kv_tokens=64, rows=2), config).generate(
             PROMPTS, np.array([6, 0, 4]), jax.random.key(0)
@@ -305,6 +319,51 @@ def test_budget_errors(model):
         Engine(model, EngineConfig(kv_tokens=64, rows=3), config)
     with pytest.raises(ValueError, match=r"EngineConfig.page_size must be >= 1, got 0"):
         EngineConfig(kv_tokens=64, rows=2, page_size=0)
+
+
+def test_group_pages_by_hand():
+    # ceil(L / ps) + (G - 1) [L % ps > 0] + G
+    assert group_pages(6, 2, 4) == 2 + 1 + 2
+    assert group_pages(8, 2, 4) == 2 + 0 + 2
+    assert group_pages(15, 8, 16) == 1 + 7 + 8
+    assert group_pages(1, 1, 16) == 1 + 0 + 1
+
+
+def test_a_host_loop_without_progress_raises(model, monkeypatch):
+    """With the up-front check out of the way, the pool of 4 pages above never admits a
+    group: the host loop raises at its first pass that changes nothing, naming what it
+    saw, instead of spinning."""
+    config = SamplingConfig(max_new_tokens=NEW, method=Greedy(), num_samples=GROUP)
+    engine = Engine(model, EngineConfig(kv_tokens=16, rows=2, page_size=4), config)
+    monkeypatch.setattr(engine, "_check_budget", lambda lengths: None)
+    with pytest.raises(
+        RuntimeError,
+        match=r"the engine made no progress in 1 decode call\(s\) in a row \(no token, no "
+        r"group handed out, nothing admitted or preempted\): 3 prompts queued, groups running "
+        r"per shard \[0\], rows running 0, rows waiting to be recomputed 0, free pages per "
+        r"shard \[4\] of 4, blocked shards \[\] \(EngineConfig.kv_tokens = 16",
+    ):
+        engine.generate(PROMPTS, LENGTHS, jax.random.key(0))
+
+
+def test_should_stop_ends_a_generation_in_progress(model, greedy_reference):
+    """``should_stop`` is polled before every decode call: the third poll stops the call
+    with ``GenerationStopped``; the next generate starts afresh and gives generate's
+    rollout."""
+    eos, reference = greedy_reference
+    config = SamplingConfig(max_new_tokens=NEW, method=Greedy(), eos_id=eos, num_samples=GROUP)
+    polls = []
+    engine = Engine(
+        model,
+        EngineConfig(kv_tokens=256, rows=4, page_size=4, steps_per_call=1),
+        config,
+        should_stop=lambda: polls.append(1) or len(polls) >= 3,
+    )
+    with pytest.raises(GenerationStopped, match=r"generation stopped on request with 1 of 3"):
+        engine.generate(PROMPTS, LENGTHS, jax.random.key(0))
+    assert len(polls) == 3 and engine.stats["admit_calls"] == 1  # two prompts, one call
+    engine.should_stop = None
+    _check_equal(engine.generate(PROMPTS, LENGTHS, jax.random.key(0)), reference)
 
 
 @pytest.fixture(scope="module")
@@ -355,17 +414,54 @@ def test_trainer_replays_the_engines_routing_r3(engine_run):
             "sampling.engine_kv_tokens=256,sampling.engine_rows=6",
             r"engine_rows \(6\) must be a multiple",
         ),
+        # Prompts up to 16 tokens, 6 new, groups of 4: a prompt of 15 tokens takes 1 page of
+        # 16, 3 copies of it and 4 pages to decode into: 8 pages.
         (
             "sampling.engine_kv_tokens=20,sampling.engine_page_size=16",
-            r"engine_kv_tokens \(20\) must hold a prompt plus one page",
+            r"^config.sampling.engine_kv_tokens \(20\) is too small for batch.group_size=4: "
+            r"admitting the group of a prompt of up to 16 tokens \(the largest of "
+            r"batch.prompt_buckets, 16\) and taking one row to sampling.max_new_tokens=6 "
+            r"takes 8 pages of engine_page_size=16; the smallest budget that works is "
+            r"engine_kv_tokens=128$",
+        ),
+        # The issue's reproducer (groups of 8, 128 slots), which spun at iteration 1: 1 + 7
+        # + 8 pages.
+        (
+            "batch.group_size=8,sampling.engine_kv_tokens=128",
+            r"too small for batch.group_size=8: .* takes 16 pages .* works is "
+            r"engine_kv_tokens=256$",
+        ),
+        # Groups of 2 in pages of 4 (16 slots spun): a prompt of 15 tokens takes 4 + 1 + 2.
+        (
+            "batch.group_size=2,sampling.engine_kv_tokens=16,sampling.engine_page_size=4",
+            r"takes 7 pages of engine_page_size=4; the smallest budget that works is "
+            r"engine_kv_tokens=28$",
+        ),
+        # One row to its end: 16 + 64 tokens are 5 pages of 16, more than 1 + 1 + 2.
+        (
+            "batch.group_size=2,sampling.max_new_tokens=64,batch.response_buckets=(64,),"
+            "sampling.engine_kv_tokens=64",
+            r"takes 5 pages of engine_page_size=16; .* works is engine_kv_tokens=80$",
+        ),
+        # Asynchronous: the whole group to its end alone (engine_pages_needed(16, 6, 4, 4)).
+        (
+            "async_mode.enabled=True,sampling.engine_kv_tokens=56,sampling.engine_page_size=4",
+            r"taking all 4 rows to sampling.max_new_tokens=6 takes 15 pages of "
+            r"engine_page_size=4; the smallest budget that works is engine_kv_tokens=60$",
         ),
     ],
 )
 def test_engine_config_errors(extra, message):
+    """The engine's budget is checked against a whole group's need when the config is
+    checked (``configs/base._check_engine_budget``), with the smallest budget that works;
+    that budget passes."""
     from tests.test_rl_trainer import tiny
 
     with pytest.raises(ValueError, match=message):
         tiny("grpo", extra=extra)
+    smallest = message.rsplit("=", 1)[-1].rstrip("$")
+    if smallest.isdigit():
+        tiny("grpo", extra=f"{extra},sampling.engine_kv_tokens={smallest}")
 
 
 _SHARDED_SCRIPT = textwrap.dedent(r"""

@@ -769,6 +769,25 @@ def test_finite_with_zero_length_responses_and_zero_advantages(method):
             assert all(np.isfinite(v) for v in metrics.values()), aggregation
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_sequence_advantages_broadcast_over_the_tokens(method):
+    """[B] advantages (one per sequence: outcome advantages, GSPO's sequence level) give
+    the loss, gradient and metrics of their [B, T] broadcast."""
+    log_probs, old, _, mask = make_inputs(9)
+    per_sequence = np.random.default_rng(9).normal(size=SHAPE[0]).astype(np.float32)
+    expected, _ = run_all(
+        method, log_probs, old, np.repeat(per_sequence[:, None], SHAPE[1], axis=1), mask
+    )
+    results, _ = run_all(method, log_probs, old, per_sequence, mask)
+    for aggregation in AGGREGATIONS:
+        (loss, metrics), grad = results[aggregation]
+        (loss_b, metrics_b), grad_b = expected[aggregation]
+        np.testing.assert_array_equal(loss, loss_b, err_msg=aggregation)
+        np.testing.assert_array_equal(grad, grad_b, err_msg=aggregation)
+        for name in metrics_b:
+            np.testing.assert_array_equal(metrics[name], metrics_b[name], err_msg=name)
+
+
 def test_policy_loss_traces_once_per_shape():
     @jax.jit
     @chex.assert_max_traces(n=2)
@@ -810,8 +829,14 @@ def test_bad_options_name_the_field():
         losses.policy_loss(ones, ones, ones, ones, aggregation="sum")
     with pytest.raises(ValueError, match="group_size"):
         losses.policy_loss(ones, ones, ones, ones, aggregation="group_token_mean", group_size=3)
-    with pytest.raises(ValueError, match="advantages"):
-        losses.policy_loss(ones, ones, jnp.ones((2,)), ones)
+    with pytest.raises(ValueError) as error:
+        losses.policy_loss(ones, ones, jnp.ones((3,)), ones)
+    assert str(error.value) == (
+        "advantages has shape (3,), expected [B, T] = (2, 3) like log_probs, or [B] = (2,) "
+        "(one per sequence)"
+    )
+    with pytest.raises(ValueError, match=r"mask has shape \(2,\), expected \(2, 3\)"):
+        losses.policy_loss(ones, ones, ones, jnp.ones((2,)))
     with pytest.raises(ValueError, match="dual_clip"):
         losses.policy_loss(ones, ones, ones, ones, method="sapo", dual_clip=3.0)
     with pytest.raises(ValueError, match="metrics"):

@@ -320,9 +320,42 @@ def test_pallas_kernel_interpreted_equals_gather():
     np.testing.assert_allclose(np.asarray(kernel, np.float32), reference, atol=3e-2, rtol=3e-2)
 
 
+def test_pallas_kernel_reads_pages_as_bfloat16_so_it_takes_bfloat16_pools_only():
+    """JAX's TPU kernel casts every K and V page it loads to bfloat16 (its dequantisation
+    step takes no dtype): on a float32 pool, interpreted, it gives exactly the kernel's
+    result on the pool rounded to bfloat16, about 1e-2 from the float32 attention. So
+    attention="pallas" takes bfloat16 pools only; a float32 pool is an error naming the
+    option (it decoded silently at bfloat16 precision before)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    q, k, v, ends, table = _random_pools(dtype=jnp.float32)
+    rounded = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+    with pltpu.force_tpu_interpret_mode():
+        kernel = _pallas_decode(q[:, 0], k, v, ends, jnp.minimum(table, 9))
+        kernel_rounded = _pallas_decode(
+            q[:, 0], rounded(k), rounded(v), ends, jnp.minimum(table, 9)
+        )
+    np.testing.assert_array_equal(np.asarray(kernel), np.asarray(kernel_rounded))
+    error = np.abs(np.asarray(kernel) - _numpy_reference(q, k, v, ends, table)[:, 0]).max()
+    assert 1e-3 < error < 5e-2, error
+    config = CONFIGS["dense"]
+    assert config.compute_dtype == jnp.float32
+    with pytest.raises(ValueError) as refused:
+        PagedKVCache.create(config, 3, num_pages=8, page_size=4, max_pages=3, attention="pallas")
+    assert str(refused.value).startswith(
+        "attention='pallas' needs a bfloat16 pool, got float32: JAX's TPU paged-attention "
+        "kernel reads every K and V page as bfloat16"
+    )
+    cache = PagedKVCache.create(
+        config, 3, num_pages=8, page_size=4, max_pages=3, dtype=jnp.bfloat16, attention="pallas"
+    )
+    assert cache.k.dtype == jnp.bfloat16
+
+
 def test_pallas_attention_in_the_model_decodes_like_the_gather():
-    """A decode step of the tiny dense model with attention="pallas" (interpreted; the
-    prefill takes the gather) gives the gather's logits up to the kernel's bfloat16 dots."""
+    """A decode step of the tiny dense model with attention="pallas" (interpreted, on a
+    bfloat16 pool; the prefill takes the gather) gives the float32 gather's logits up to
+    bfloat16 rounding."""
     from jax.experimental.pallas import tpu as pltpu
 
     model = Transformer(CONFIGS["dense"], rngs=nnx.Rngs(0))
@@ -331,10 +364,8 @@ def test_pallas_attention_in_the_model_decodes_like_the_gather():
     positions = jnp.broadcast_to(jnp.arange(prompt_len), PROMPTS.shape)
     mask = jnp.arange(prompt_len)[None, :] < LENGTHS[:, None]
     logits = {}
-    for attention in ("gather", "pallas"):
-        cache = PagedKVCache.create(
-            model.config, batch, num_pages=8, page_size=4, max_pages=3, attention=attention
-        )
+    for attention, dtype in (("gather", jnp.float32), ("pallas", jnp.bfloat16)):
+        cache = PagedKVCache.create(model.config, batch, 8, 4, 3, dtype, attention=attention)
         with pltpu.force_tpu_interpret_mode():
             _, cache, _ = step_paged(graphdef, state, PROMPTS, positions, mask, cache)
             tokens = jnp.array([[1], [2], [3]], jnp.int32)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from policyopt.rl import batch as B
-from policyopt.rl.routing import routing_differences, routing_metrics
+from policyopt.rl.routing import ratio_share_metrics, routing_differences, routing_metrics
 from policyopt.rl.sft import sft_layout
 
 
@@ -250,3 +250,23 @@ def test_truncated_rows_end_tokens_at_the_limit_are_complete():
     np.testing.assert_array_equal(
         B.truncated_rows(tokens, lengths, 3, ()), [True, True, False, True]
     )
+
+
+def test_routing_share_by_hand():
+    """log r = (new - replayed) + (replayed - old): the routing part's mean square over
+    both parts', on the valid tokens only. By hand: routing parts [0.2, 0], parameter
+    parts [0.1, -0.1] -> 0.02 / (0.02 + 0.01) = 2/3; the masked third token is ignored."""
+    new = np.array([[0.3, -0.1, 5.0]])
+    replayed = np.array([[0.1, -0.1, -5.0]])
+    old = np.zeros((1, 3))
+    mask = np.array([[1.0, 1.0, 0.0]])
+    metrics = ratio_share_metrics(new, replayed, old, mask)
+    assert float(metrics["routing/ratio_share"]) == pytest.approx(2 / 3, rel=1e-6)
+    assert float(metrics["routing/log_ratio_ms_routing"]) == pytest.approx(0.02, rel=1e-6)
+    assert float(metrics["routing/log_ratio_ms_params"]) == pytest.approx(0.01, rel=1e-6)
+    assert float(metrics["routing/log_ratio_ms"]) == pytest.approx((0.09 + 0.01) / 2, rel=1e-6)
+    # Replay changes nothing: share 0; routing alone moves the ratio: share 1.
+    assert float(ratio_share_metrics(replayed, replayed, old, mask)["routing/ratio_share"]) == 0
+    assert float(ratio_share_metrics(new, old, old, mask)["routing/ratio_share"]) == 1
+    # Nothing moved: undefined.
+    assert np.isnan(float(ratio_share_metrics(old, old, old, mask)["routing/ratio_share"]))

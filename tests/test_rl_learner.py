@@ -256,7 +256,9 @@ def test_replayed_routing_reaches_the_update_forward(policy):
     model, graphdef, params = policy
     learner = get_learner(graphdef, SETTINGS, OPTIM)
     batch, prompts, responses = _batch(seed=2)
-    natural = learner.routing(params, batch.tokens, batch.positions, batch.attention_mask)
+    natural = learner.log_probs(
+        params, batch.tokens, batch.positions, batch.attention_mask, batch.mask
+    )[2]
     # A forced routing: every token uses the two experts it would *not* pick.
     natural_np = np.asarray(natural)
     forced = np.zeros_like(natural_np)
@@ -372,6 +374,26 @@ def test_a_step_that_would_save_non_finite_values_is_skipped(optim):
     assert float(metrics["update/skipped"]) == 0.0 and float(state.params["w"][0]) == pytest.approx(
         0.9
     )
+
+
+def test_router_lr_scale_multiplies_the_routers_updates_only():
+    """``router_lr_scale`` multiplies the update of every leaf named ``router`` (AdamW's
+    step and its weight decay: the learning rate) and leaves the other leaves' alone."""
+    params = {
+        "layers": {"0": {"moe": {"router": jnp.asarray([1.0, -2.0]), "w": jnp.asarray([3.0])}}},
+        "embed": jnp.asarray([0.5, 0.25]),
+    }
+    grads = jax.tree.map(lambda x: 0.1 * x + 0.3, params)
+    updates = {}
+    for scale in (1.0, 8.0):
+        optimizer, _ = make_optimizer(lr=1e-2, weight_decay=0.1, router_lr_scale=scale)
+        updates[scale], _ = optimizer.update(grads, optimizer.init(params), params)
+    router = lambda u: u["layers"]["0"]["moe"]["router"]
+    np.testing.assert_allclose(router(updates[8.0]), 8.0 * router(updates[1.0]), rtol=1e-6)
+    rest = lambda u: (u["layers"]["0"]["moe"]["w"], u["embed"])
+    for a, b in zip(rest(updates[8.0]), rest(updates[1.0])):
+        np.testing.assert_array_equal(a, b)
+    assert float(jnp.abs(router(updates[1.0])).min()) > 0
 
 
 def test_a_nan_in_the_optimiser_state_is_caught(policy):

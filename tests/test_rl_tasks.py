@@ -232,7 +232,7 @@ def test_config_checks_the_task_fields(tmp_path):
 
 
 def test_pretrained_model_and_tokenizer_train_on_a_jsonl_task(tmp_path):
-    """The README's recipe at toy scale: a HuggingFace Qwen3-MoE folder (weights and
+    """docs/quickstart.md's recipe at toy scale: a HuggingFace Qwen3-MoE folder (weights and
     tokenizer.json) trains with RL on a math JSONL task and is evaluated on its test file."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

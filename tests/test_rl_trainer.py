@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import shutil
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -38,17 +39,14 @@ def tiny(recipe, model="tiny_moe", extra=""):
         f"model={model},model.num_layers=1,batch.n_prompts=2,batch.group_size=4,"
         "batch.n_minibatches=1,sampling.max_new_tokens=6,task.num_train=64,task.num_test=8,"
         "eval.num_prompts=8,eval.batch_size=8,train.num_iterations=2,train.eval_every=0,"
-        "train.checkpoint_every=1,train.tensorboard=False,dynamic_sampling.max_rounds=2,"
-        "optim.lr=0.01"
+        "train.checkpoint_every=1,train.loggers=jsonl,dynamic_sampling.max_rounds=2,"
+        "optim.lr=0.01,batch.prompt_buckets=(16,),batch.response_buckets=(6,)"
     )
-    config = importlib.import_module(f"configs.{recipe}").get_config(
+    # The buckets in the variant: the config's check sees them (the engine's budget is
+    # checked against the largest prompt bucket), and ``extra`` may change them.
+    return importlib.import_module(f"configs.{recipe}").get_config(
         variant + ("," + extra if extra else "")
     )
-    config.unlock()
-    config.batch.prompt_buckets = (16,)
-    config.batch.response_buckets = (6,)
-    config.lock()
-    return config
 
 
 def _params(run):
@@ -390,9 +388,9 @@ def test_routing_replay_feeds_the_update(mode, tmp_path):
     assert batch.routing is not None
     if mode == "R2":
         # The old policy's own routing, recomputed independently, is what was replayed.
-        natural = run.learner.routing(
-            old_params, batch.tokens, batch.positions, batch.attention_mask
-        )
+        natural = run.learner.log_probs(
+            old_params, batch.tokens, batch.positions, batch.attention_mask, batch.mask
+        )[2]
         np.testing.assert_array_equal(np.asarray(batch.routing), np.asarray(natural))
     else:
         # The sampler's routing is replayed, and the old log-probs were computed with it.
@@ -468,24 +466,27 @@ def test_rollout_correction_reaches_the_batch(tmp_path, monkeypatch):
 
 
 def test_routing_metrics_run_in_minibatch_chunks(tmp_path, monkeypatch):
-    """The routing forwards of the volatility metrics run in the minibatch's shape, as the
-    old log-probs do (not the whole batch: memory, and a compile of its own)."""
+    """The forwards of the routing metrics (volatility, routing share) run in the
+    minibatch's shape, as the old log-probs do (not the whole batch: memory, and a compile
+    of its own): the old and reference (KL) passes, then the updated policy's natural and
+    replayed passes."""
     config = tiny(
         "grpo",
         extra="batch.n_minibatches=2,train.routing_metrics=True,train.num_iterations=1,"
         "eval.num_prompts=0",
     )
     run = trainer.build_run(config, str(tmp_path))
-    rows, routing = [], run.learner.routing
+    rows, log_probs = [], run.learner.log_probs
     monkeypatch.setattr(
         run.learner,
-        "routing",
+        "log_probs",
         lambda params, tokens, *args: (
-            rows.append(tokens.shape[0]) or routing(params, tokens, *args)
+            rows.append(tokens.shape[0]) or log_probs(params, tokens, *args)
         ),
     )
     metrics = trainer.rl_iteration(run)
-    assert rows == [4, 4] and 0 <= metrics["routing/volatility"] <= 1  # 2 x 4 samples, 2 chunks
+    assert rows == [4] * 8  # 2 x 4 samples in 2 chunks, 4 passes
+    assert 0 <= metrics["routing/volatility"] <= 1 and 0 <= metrics["routing/ratio_share"] <= 1
 
 
 def test_empty_minibatches_do_not_dilute_the_update_metrics(tmp_path):
@@ -523,7 +524,7 @@ def test_compile_count_stops_growing_after_warm_up(tmp_path, monkeypatch):
     counts = run.learner.trace_counts
     # One compilation per response bucket seen, never more.
     assert counts["update"] == len(widths) <= 2
-    assert counts["log_probs"] <= 2 and counts["routing"] <= 2
+    assert counts["log_probs"] <= 2
     config = tiny("sapo", extra="eval.num_prompts=0")
     run = trainer.build_run(config, str(tmp_path / "fixed"))
     for _ in range(2):
@@ -579,3 +580,90 @@ def test_a_run_whose_updates_are_all_skipped_stops(tmp_path):
     rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert 1 < len(rows) < 8 and rows[-1]["update/skipped"] == 2
     assert rows[-1]["update/step"] == rows[-2]["update/step"]  # nothing applied since
+
+
+# A plain script, as a user writes one (no __main__ guard): a long generation through the
+# engine (256 prompts, one group of 2 rows at a time), announcing its third decode call.
+_STOPPED_SCRIPT = textwrap.dedent(r"""
+    import sys
+    from policyopt import engine
+    from policyopt.rl import trainer
+    from tests.test_rl_trainer import tiny
+
+    decode_steps, calls = engine.decode_steps, []
+
+    def announced(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            print("decoding", flush=True)
+        return decode_steps(*args, **kwargs)
+
+    engine.decode_steps = announced
+    summary = trainer.run_rl(tiny("grpo", extra=sys.argv[2]), sys.argv[1], recipe="grpo")
+    print("summary", summary["interrupted"], summary["iteration"], len(calls), flush=True)
+    """)
+STOPPED_EXTRA = (
+    "batch.n_prompts=256,batch.group_size=2,sampling.engine_kv_tokens=128,"
+    "sampling.engine_rows=2,sampling.engine_page_size=4,sampling.max_new_tokens=64,"
+    "batch.response_buckets=(64,),eval.num_prompts=0,"
+    "train.num_iterations=1"
+)
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+def test_a_signal_stops_a_generation_in_progress(signal_name, tmp_path):
+    """The issue's fault: a SIGTERM during a long generation printed "stopping after this
+    iteration" and was acted on only after it (an engine that never ended never stopped).
+    Now the signal reaches the engine's host loop: the process exits within seconds with
+    a checkpoint of the last complete iteration (0), at the data position before the
+    iteration cut short (a rerun draws the same prompts again)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from policyopt.checkpoint import Checkpointer
+    from policyopt.rl import build
+    from tests.flags import ROOT, subprocess_env
+
+    workdir = str(tmp_path / "run")
+    process = subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_SCRIPT, workdir, STOPPED_EXTRA],
+        env=subprocess_env(PYTHONPATH=ROOT),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.strip() == "decoding":
+                break
+        else:
+            raise AssertionError("".join(lines) + process.stderr.read()[-3000:])
+        sent = time.perf_counter()
+        process.send_signal(getattr(signal, signal_name))
+        out, err = process.communicate(timeout=300)
+        seconds = time.perf_counter() - sent
+    finally:
+        process.kill()
+    assert process.returncode == 0, (out + err)[-3000:]
+    summary = out.strip().splitlines()[-1].split()
+    assert summary[:3] == ["summary", signal_name, "0"], out
+    calls = int(summary[3])  # decode calls run: far from the 256 groups' (>= 4 each)
+    assert 3 <= calls < 100, out
+    assert f"{signal_name}: stopped during iteration 1 (its generation cut short)" in out
+    assert seconds < 60, seconds  # the checkpoint and the exit; under load
+    assert not os.path.exists(os.path.join(workdir, "metrics.jsonl")) or not read_jsonl(
+        os.path.join(workdir, "metrics.jsonl")
+    )
+    config = tiny("grpo", extra=STOPPED_EXTRA)
+    with Checkpointer(os.path.join(workdir, "checkpoints")) as checkpointer:
+        assert checkpointer.all_steps() == [0]
+        meta = checkpointer.meta()
+    fresh = trainer.make_prompt_iterator(
+        config, build.task_source(config, "train"), seed=config.seed
+    )
+    assert meta["iteration"] == 0 and meta["data"] == fresh.get_state()

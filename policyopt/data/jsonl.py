@@ -17,15 +17,16 @@ NOT rewritten into the `<think>...</think>\\boxed{}` response format (a code sol
 without a fence only gets its ```` ```python ```` fence): with Magistral's format gate
 on, prepare SFT targets in the gated format.
 
-A malformed row (invalid JSON, not an object, a missing or non-text field, an empty
-reference after extraction) raises `MalformedRowError` naming `file:line`. With
+A malformed row (invalid JSON, a key given twice, not an object, a missing or non-text
+field, a question that is not text, an empty reference after extraction) raises
+`MalformedRowError` naming `file:line`; a file without rows raises naming the file. With
 `skip_malformed=True` such rows are skipped instead, and counted and listed in the
 returned `JsonlReport` (and logged). Blank lines are not rows; they are counted too.
 Prompt lengths in tokens are limited downstream, in `policyopt.data.pipeline`, where the
 tokenizer is known.
 
 Code problems (`JsonlConfig(task="code")`): the tests come from the first of
-`tests_fields` present, in any encoding `policyopt.rewards.code.parse_tests` reads (an
+`tests_fields` present, in any encoding `policyopt.rewards.parse_tests` reads (an
 assert string, MBPP's list of asserts, HumanEval's `check(candidate)` completed with the
 row's `entry_point`, a list of stdin / stdout cases, APPS's and CodeContests' parallel
 lists, or any of them as JSON text; an empty field gives way to the next), with MBPP's
@@ -48,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Any
 
 from absl import logging
@@ -239,10 +241,11 @@ def _last_user_message(messages: list) -> str | None:
 
 
 def _text_field(
-    row: dict, names: tuple[str, ...], what: str, *, chat: bool = False
+    row: dict, names: tuple[str, ...], what: str, *, chat: bool = False, numbers: bool = True
 ) -> tuple[str, str]:
     """(field name, its text) of the first of `names` present (dotted paths allowed; with
-    `chat`, a list of chat messages gives its last user message); raises `ValueError`."""
+    `chat`, a list of chat messages gives its last user message; with `numbers`, a number
+    gives its text); raises `ValueError`."""
     for name in names:
         value = _lookup(row, name)
         if value is _MISSING or value is None:
@@ -255,9 +258,11 @@ def _text_field(
                     "({'role': 'user', 'content': ...})"
                 )
             return name, content
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        kinds = (str, int, float) if numbers else (str,)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            expected = "text or a number" if numbers else "text"
             raise ValueError(
-                f"{what} field {name!r} must be text or a number, got {type(value).__name__}"
+                f"{what} field {name!r} must be {expected}, got {type(value).__name__}"
             )
         return name, str(value)
     raise ValueError(
@@ -268,9 +273,9 @@ def _text_field(
 def _find_tests(row: dict, config: JsonlConfig) -> tuple[str | None, list[str]]:
     """``(tests as JSON text, or None when no field holds any; the names of the fields
     present but empty)``: the first of ``tests_fields`` holding tests, read by
-    ``policyopt.rewards.code.parse_tests`` (an empty field gives way to the next, e.g.
+    ``policyopt.rewards.parse_tests`` (an empty field gives way to the next, e.g.
     CodeContests' public_tests); raises ``ValueError`` for tests it cannot read."""
-    from policyopt.rewards.code import parse_tests  # deferred: only code tasks need it
+    from policyopt.rewards.testcases import parse_tests  # deferred: only code tasks need it
 
     empty = []
     for name in config.tests_fields:
@@ -337,15 +342,30 @@ def _mbpp_setup(row: dict) -> str:
     return "\n".join(lines) + "\n" if lines else ""
 
 
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object's pairs as a dict; a key given twice is an error (``json`` would keep
+    the last value silently)."""
+    row = {}
+    for key, value in pairs:
+        if key in row:
+            raise ValueError(f"invalid JSON (duplicate key {key!r})")
+        row[key] = value
+    return row
+
+
 def parse_row(line: str, config: JsonlConfig) -> dict[str, str]:
     """One JSONL line to a record; raises `ValueError` saying what is wrong."""
     try:
-        row: Any = json.loads(line)
+        row: Any = json.loads(line, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise ValueError(
+            f"invalid JSON (nested deeper than Python's recursion limit, {sys.getrecursionlimit()})"
+        ) from None
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
-    _, question = _text_field(row, config.question_fields, "question", chat=True)
+    _, question = _text_field(row, config.question_fields, "question", chat=True, numbers=False)
     if not question.strip():
         raise ValueError("empty question")
     task = config.task
@@ -405,6 +425,8 @@ def read_math_jsonl(
     Raises:
       MalformedRowError: `"{path}:{line}: {reason}"` for the first malformed row, unless
         `config.skip_malformed`.
+      ValueError: naming the file, when it holds no row (empty, blank, or every row
+        malformed and skipped).
     """
     path = os.fspath(path)
     report = JsonlReport(path=path)
@@ -431,6 +453,14 @@ def read_math_jsonl(
                 continue
             records.append(record)
             report.loaded += 1
+    if not records:
+        if report.skipped:
+            raise ValueError(
+                f"{path}: no rows left: all {len(report.skipped)} rows are malformed; "
+                f"first: {report.skipped[0]}"
+            )
+        blank = f"{report.blank_lines} blank lines" if report.lines else "an empty file"
+        raise ValueError(f"{path}: no rows ({blank}): expected one JSON object a line")
     if report.skipped:
         logging.warning("%s", report.summary())
     return records, report

@@ -276,7 +276,8 @@ class Attention(nnx.Module):
         return self._output(out), cache
 
     # The projections run under ``policyopt.sharding.fsdp_call``: on an fsdp mesh their
-    # weights are gathered inside a shard_map and their gradients reduce-scattered.
+    # weights are gathered inside a shard_map and their gradients reduce-scattered. Each
+    # product is ``projection.project``'s (through ``lora.einsum``, which adds an adapter's).
 
     def _project(self, x, weights):
         """x [B, T, D] -> q [B, T, H, Dh], k and v [B, T, Hkv, Dh]."""
@@ -288,8 +289,8 @@ class Attention(nnx.Module):
             [lora.adapt(self.lora, "o_proj", self.o_proj[...], _O_AXES)]
         )
 
-        def project(out, arrays):
+        def o_proj(out, arrays):
             (w,) = lora.unflatten(structure, arrays)
             return lora.einsum("btnh,nhd->btd", out, w.astype(self.dtype))
 
-        return fsdp_call(project, out, arrays, axes)
+        return fsdp_call(o_proj, out, arrays, axes)

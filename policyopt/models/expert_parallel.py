@@ -178,7 +178,8 @@ def _as_bits(x):
     their bits, the moves keep the storage width on every backend. XLA:CPU's float
     normalization otherwise runs every bfloat16 gather, scatter, select and collective in
     float32, on float32 copies of the buffers (qwen3_30b_a3b at 32k tokens, 64 devices:
-    the pass buffers were f32[8, 65536, 2048], 4 GiB each; benchmarks/RESULTS.md)."""
+    the pass buffers were f32[8, 65536, 2048], 4 GiB each; benchmarks/HISTORY.md "2026-12-02:
+    expert parallelism at 32k tokens")."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return x
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
@@ -467,7 +468,9 @@ def expert_parallel_block(
         router, *params = lora.unflatten(structure, arrays)
         flat = x.reshape(b * t, d)
         valid = token_mask.reshape(b * t)
-        logits = lora.einsum("nd,de->ne", flat.astype(jnp.float32), router.astype(jnp.float32))
+        logits = lora.einsum(
+            "nd,de->ne", flat.astype(jnp.float32), router.astype(jnp.float32), jnp.einsum
+        )
         chosen = replay[0].reshape(b * t, k) if replay else None
         expert_ids, gates, probs = route(logits, k, cfg.norm_topk_prob, chosen)
         aux = router_aux(logits, probs, expert_ids, valid, num_experts, axis_names=row_axes)

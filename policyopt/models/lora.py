@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from policyopt import sharding
+from policyopt.models.projection import project
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")  # the dense MLP's
@@ -190,14 +191,16 @@ def apply(fn, weight):
     return weight.map(fn) if isinstance(weight, Adapted) else fn(weight)
 
 
-def einsum(spec: str, x, weight, **kwargs):
-    """``jnp.einsum(spec, x, weight)``; for an ``Adapted`` weight plus the low-rank path
-    ``(x A) B`` (the weight's letters must read batch, contracted, produced).
+def einsum(spec: str, x, weight, product=project):
+    """``product(spec, x, weight)``: by default ``projection.project`` (the einsum whose
+    backward runs as 2-D matmuls), ``jnp.einsum`` where a caller wants autodiff's own; for
+    an ``Adapted`` weight plus the low-rank path ``(x A) B``, its two products taken alike
+    (the weight's letters must read batch, contracted, produced).
 
-    E.g. ``"btd,dnh->btnh"``: ``x W + einsum("btr,rnh->btnh", einsum("btd,dr->btr", x, A), B)``.
+    E.g. ``"btd,dnh->btnh"``: ``x W + project("btr,rnh->btnh", project("btd,dr->btr", x, A), B)``.
     """
     if not isinstance(weight, Adapted):
-        return jnp.einsum(spec, x, weight, **kwargs)
+        return product(spec, x, weight)
     inputs, out = spec.replace(" ", "").split("->")
     xs, ws = inputs.split(",")
     batch = "".join(c for c in ws if c in xs and c in out)
@@ -207,9 +210,9 @@ def einsum(spec: str, x, weight, **kwargs):
         raise ValueError(f"lora.einsum: weight letters {ws!r} of {spec!r} are not batch, in, out")
     r = next(c for c in "rzyxwvu" if c not in spec)
     low = "".join(c for c in xs if c not in contracted) + r
-    hidden = jnp.einsum(f"{xs},{batch}{contracted}{r}->{low}", x, weight.a, **kwargs)
-    delta = jnp.einsum(f"{low},{batch}{r}{produced}->{out}", hidden, weight.b, **kwargs)
-    return jnp.einsum(spec, x, weight.base, **kwargs) + delta
+    hidden = product(f"{xs},{batch}{contracted}{r}->{low}", x, weight.a)
+    delta = product(f"{low},{batch}{r}{produced}->{out}", hidden, weight.b)
+    return product(spec, x, weight.base) + delta
 
 
 def grouped(matmul, rows, weight, group_sizes):

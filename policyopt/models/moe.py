@@ -11,7 +11,7 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
   4. Gate weights    g_j = p[e_j]  and, if norm_topk_prob, g_j /= sum_j g_j
      (= softmax of z over the k selected experts). Always recomputed from the *current*
      logits, so under replay the router still receives gradient through g.
-  5. Experts         y = sum_j g_j * SwiGLU_{e_j}(x)   via one of five dispatches:
+  5. Experts         y = sum_j g_j * SwiGLU_{e_j}(x)   via one of six dispatches:
 
      ragged (dropless, default; MegaBlocks / MaxText "sparse matmul"):
        a. flatten the N*k token copies, argsort them by expert id (stable)
@@ -55,6 +55,7 @@ Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per tok
 
   6. Auxiliary outputs over the valid (non-padding) tokens:
        tokens_per_expert c_e = number of copies routed to e            [E]
+       router_prob_sum = sum_n p_ne (N_valid P_e below)                [E]
        load-balancing loss = E * sum_e f_e P_e, f_e = c_e / (N_valid k),
          P_e = mean_n p_ne   (Switch Transformer eq. 4; 1 at perfect balance; the
          Transformer reports its mean over the MoE layers. Not the scale of transformers'
@@ -157,7 +158,9 @@ class MoE(nnx.Module):
         router, *params = (w for w, _ in weights)
         flat = x.reshape(b * t, d)
         valid = token_mask.reshape(b * t)
-        logits = lora.einsum("nd,de->ne", flat.astype(jnp.float32), router.astype(jnp.float32))
+        logits = lora.einsum(
+            "nd,de->ne", flat.astype(jnp.float32), router.astype(jnp.float32), jnp.einsum
+        )
         replay = None if routing is None else routing.reshape(b * t, k)
         expert_ids, gates, probs = route(logits, k, cfg.norm_topk_prob, replay)
         dropped = jnp.zeros((), jnp.float32)

@@ -11,8 +11,8 @@ so the kernel gets a layer's pool with no transpose. The per-layer form is what 
 engine carries for an unrolled model: each layer's attention reads its own buffers,
 where a layer of the stacked pool is first copied out of it by XLA:CPU before a batched
 product can read it (2 x 8 MB per layer and decode step at 1,024 pages of moe_7m, with
-"pool" attention; benchmarks/RESULTS.md, "Seventeenth session"). A scanned model
-(``scan_layers``) carries the stacked form through its layer scan. Both forms give the
+"pool" attention; benchmarks/HISTORY.md "2026-12-02: the engine's long tail"). A scanned
+model (``scan_layers``) carries the stacked form through its layer scan. Both forms give the
 same results. Row ``r`` holds its token ``s`` at page ``page_table[r, s // ps]``,
 slot ``s % ps``; an entry equal to NP means "no page" (writes there are dropped).
 
@@ -50,8 +50,8 @@ Attention over pages (``attend``):
     long tail (26 of 64 rows up to 544 tokens, 515 of 1,024 pages) gather 27.5, online
     12.7, pool 4.7, the dense cache over 544 slots 2.2. In the engine's decode
     (``python -m benchmarks.bench_sampling --skip_main --engine_uniform --runs 3
-    --long_tail_runs 3``, medians of 3 alternated calls, benchmarks/RESULTS.md,
-    "Eighteenth session"): long-tailed mix 22.9 s against the gather's 34.3 (3.57x the
+    --long_tail_runs 3``, medians of 3 alternated calls, benchmarks/RESULTS.md "The
+    engine on a long tail"): long-tailed mix 22.9 s against the gather's 34.3 (3.57x the
     static batch's tokens/s against 2.39x; in an A/B run 24.2 s with the held-page lists,
     31.7 s without), the uniform case 3.85 s against 3.93 (an A/B of 5 calls: 3.62
     against 3.97, 4.08 without the lists). With
@@ -59,7 +59,10 @@ Attention over pages (``attend``):
     products read it: the engine carries per-layer pools.
   * ``"pallas"`` (TPUs, one-token decode only): the kernel that ships with JAX; prefill
     (T > 1) uses the gather. On a CPU it runs in Pallas' TPU interpret mode
-    (``jax.experimental.pallas.tpu.force_tpu_interpret_mode``), which the tests use.
+    (``jax.experimental.pallas.tpu.force_tpu_interpret_mode``), which the tests use. The
+    kernel reads every K and V page as bfloat16 whatever the pool's dtype (it takes no
+    dtype), so it takes bfloat16 pools only: a float32 pool is refused when the cache is
+    created (it would decode at bfloat16 precision, log-probs ~1e-2 off per step).
 
 Shards. ``shards = S`` splits the pool into S pools of NP / S pages, each serving R / S
 rows (rows ``s R/S .. (s+1) R/S - 1`` use pool s; page ids in the table are local to a
@@ -152,7 +155,8 @@ class PagedKVCache:
           page_size: ps, token slots per page.
           max_pages: pages one row may hold (its longest sequence / ps, rounded up).
           dtype: pool dtype (default: the model's compute dtype).
-          attention: "gather", "online", "pallas" or "pool".
+          attention: "gather", "online", "pallas" or "pool" ("pallas": bfloat16 pools
+            only, see the module docstring).
           shards: S pools of NP / S pages for R / S rows each.
           shared_refs: "pool" attention's chunk of shared references (see the class).
           per_layer: the pools as tuples of L per-layer arrays (see the module docstring).
@@ -175,6 +179,13 @@ class PagedKVCache:
                 f"rows ({rows}) and num_pages ({num_pages}) must be multiples of shards ({shards})"
             )
         dtype = jnp.dtype(dtype) if dtype is not None else config.compute_dtype
+        if attention == "pallas" and dtype != jnp.bfloat16:
+            raise ValueError(
+                f"attention='pallas' needs a bfloat16 pool, got {jnp.dtype(dtype).name}: JAX's "
+                "TPU paged-attention kernel reads every K and V page as bfloat16, so a wider "
+                "pool would decode at bfloat16 precision (log-probs ~1e-2 off per step); pass "
+                "dtype=bfloat16 (a bfloat16 model's default) or use attention='pool'"
+            )
         local = num_pages // shards
         shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
         if per_layer:
@@ -708,8 +719,8 @@ def _chunks(chunk_stats, count, chunk, stats):
 
     The first chunk under a cond (taken iff count > 0), the rest (overflow) in a loop under
     another: XLA:CPU copies the layer's pools into a while loop's operands whether or not
-    it runs (17 ms of a 64-row decode step, benchmarks/RESULTS.md), and into a cond's only
-    when taken."""
+    it runs (17 ms of a 64-row decode step, benchmarks/HISTORY.md, 2026-12-02), and into a
+    cond's only when taken."""
     zero = jnp.zeros((), jnp.int32)
     if stats is None:
         stats = chunk_stats(zero)

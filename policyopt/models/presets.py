@@ -5,24 +5,26 @@
   moe_volatile          4 layers, D=64, 32 small experts top-4, V=512: the volatile-routing
                         testbed of experiments/reproduce.py (configs/testbed.py), whose
                         routing changes by >= 5% per update like the GSPO paper's
-                        Qwen3-30B-A3B (benchmarks/RESULTS.md, "Fourteenth session")
+                        Qwen3-30B-A3B (benchmarks/HISTORY.md, "2026-12-02: a
+                        volatile-routing testbed")
 
 The CPU presets (tiny_moe, moe_7m) train and prefill with the "blocked" dropless
 dispatch: XLA:CPU lowers ``jax.lax.ragged_dot`` to one dense matmul per expert, 3-10x
-slower there (benchmarks/RESULTS.md, bench_moe). So does XLA:GPU (a dense product over
+slower there (benchmarks/RESULTS.md "MoE layer"). So does XLA:GPU (a dense product over
 all experts): on an H200, moe_0p5b's training step ran 3.75x faster with "blocked" (block
 512, one-hot weight gather) than with "ragged", while decoding (a few tokens per expert)
-was faster with "ragged" (RESULTS.md, "Accelerator"). moe_0p5b therefore trains and
+was faster with "ragged" (RESULTS.md "Accelerator"). moe_0p5b therefore trains and
 prefills with "blocked" and decodes with "ragged" (``moe_decode_dispatch``). tiny_moe
 decodes with "dense" (every token through every expert: E / k times the FLOPs, but no
 sort, gather or scatter; moe_7m's whole sampler call at batch 64, 128 new tokens, ran
-~1.6x faster than with "blocked" decoding, RESULTS.md, "Seventh session"); moe_7m with
-"gathered" (the same batched matmuls on each expert's own tokens only: its sampler call
-took 27% less CPU time than with "dense", RESULTS.md, "Fourteenth session").
+~1.6x faster than with "blocked" decoding, HISTORY.md "2026-11-30: the CPU sampler");
+moe_7m with "gathered" (the same batched matmuls on each expert's own tokens only: its sampler call
+took 27% less CPU time than with "dense", HISTORY.md "2026-12-02: the CPU decode step").
 moe_7m's blocks hold 128 rows: each block gathers its expert's weights, and at D = F = 256
 (bench_moe, 2048 tokens) blocks of 128 ran the layer 2x faster than blocks of 16 (its
 sampler call 8-11% faster). qwen3_30b_a3b keeps "ragged", the choice on TPUs
-(grouped-matmul kernels).
+(grouped-matmul kernels); ``scale=paper`` trains it with "blocked" in blocks of 4,096 and
+decodes with "ragged" (``configs/base.py``, ``PAPER_SCALE_MODEL``).
   moe_0p5b              ~0.5B total parameters, 32 experts top-4 (accelerator benchmark)
   qwen3_8b              the shape of Qwen3-8B (dense, 36 layers, D=4096, ~8.2B parameters)
   qwen3_30b_a3b         the shape of Qwen3-30B-A3B (48 layers, 128 experts top-8)

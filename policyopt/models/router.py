@@ -68,6 +68,10 @@ def router_aux(
     Under ``jax.shard_map`` with the tokens split over ``axis_names`` (expert
     parallelism), the counts and sums are ``psum``-ed over those axes first, so every
     device returns the statistics of the global batch.
+
+    Also returned, for a loss over several calls (micro-batches,
+    ``policyopt.rl.micro_batches.load_balancing_share``): ``tokens_per_expert`` c_e and
+    ``router_prob_sum`` N P_e, the sum of the router probabilities over the valid tokens.
     """
     k = expert_ids.shape[-1]
     total = (lambda v: jax.lax.psum(v, axis_names)) if axis_names else (lambda v: v)
@@ -80,7 +84,8 @@ def router_aux(
         )
     )  # [E]
     fraction = counts / (n_valid * k)
-    mean_prob = total(jnp.sum(probs * valid_f[:, None], axis=0)) / n_valid
+    prob_sum = total(jnp.sum(probs * valid_f[:, None], axis=0))  # [E]
+    mean_prob = prob_sum / n_valid
     load_balancing = num_experts * jnp.sum(fraction * mean_prob)
     z = jax.nn.logsumexp(router_logits.astype(jnp.float32), axis=-1)
     z_loss = total(jnp.sum(valid_f * z * z)) / n_valid
@@ -88,4 +93,5 @@ def router_aux(
         "load_balancing_loss": load_balancing,
         "router_z_loss": z_loss,
         "tokens_per_expert": counts,
+        "router_prob_sum": prob_sum,
     }

@@ -44,8 +44,9 @@ class ModelOutput:
       routing: int32 [L_moe, B, T, k] experts chosen (or replayed) per MoE layer; None for
         a dense model.
       aux: dict with "load_balancing_loss", "router_z_loss", "dropped_tokens" (float32
-        scalars, mean over MoE layers for the losses, sum for dropped) and
-        "tokens_per_expert" float32 [L_moe, E]; empty for a dense model. The
+        scalars, mean over MoE layers for the losses, sum for dropped),
+        "tokens_per_expert" and "router_prob_sum" (the router probabilities summed over
+        the valid tokens) float32 [L_moe, E]; empty for a dense model. The
         load-balancing loss is 1 at perfect balance, 1 / k of transformers' aux_loss
         for one MoE layer (policyopt.models.moe.router_aux).
     """
@@ -279,6 +280,7 @@ class Transformer(nnx.Module):
                 "router_z_loss": jnp.mean(stacked["router_z_loss"]),
                 "dropped_tokens": jnp.sum(stacked["dropped_tokens"]),
                 "tokens_per_expert": stacked["tokens_per_expert"],
+                "router_prob_sum": stacked["router_prob_sum"],
             }
         return ModelOutput(
             logits=logits, hidden=hidden, cache=cache, routing=out_routing, aux=out_aux

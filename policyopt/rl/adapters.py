@@ -219,11 +219,17 @@ def check_base(saved: dict, frozen, where: str) -> None:
 # --------------------------------------------------------------------------- restoring
 
 
-def restore_params(directory: str, target, step: int | None = None):
+def restore_params(directory: str, target, step: int | None = None, *, check=None):
     """The ``train.params`` of the orbax checkpoint in ``directory`` restored onto
-    ``target`` (concrete arrays: shapes, dtypes and shardings; cast to them)."""
+    ``target`` (concrete arrays: shapes, dtypes and shardings; cast to them); ``check``:
+    ``(checkpointer, step) -> None`` run on the step about to be read (shape checks)."""
     with Checkpointer(directory) as source:
-        return source.restore_subtree(("train", "params"), target, step)
+        return source.restore_subtree(
+            ("train", "params"),
+            target,
+            step,
+            check=None if check is None else lambda candidate, _: check(source, candidate),
+        )
 
 
 def saved_lora(directory: str) -> dict | None:

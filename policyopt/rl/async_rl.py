@@ -65,8 +65,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from policyopt.checkpoint import lock_workdir
 from policyopt.data.pipeline import as_record
+from policyopt.engine import GenerationStopped
 from policyopt.rewards.batch import kill_pool, score_batch
 from policyopt.rl import build, iteration
 from policyopt.rl.async_generation import (
@@ -574,16 +574,16 @@ def run_async_rl(
             "devices), or the synchronous trainer on many."
         )
     total = config.train.num_iterations if num_iterations is None else num_iterations
-    lock_workdir(workdir)  # one process per workdir: a second is refused in one line
-    run = build_run(config, workdir)
+    with build.undo_workdir_on_failure(workdir):  # a failed build leaves nothing behind
+        run = build_run(config, workdir, lock=True)
+        stream = PromptStream(run.data)
+        generator = make_generator(run, stream)
     if run.iteration:
         logging.info(
             "async RL resumes at iteration %d; generation restarts from scratch "
             "(in-flight completions are not checkpointed)",
             run.iteration,
         )
-    stream = PromptStream(run.data)
-    generator = make_generator(run, stream)
     slot_config = generator.slots.config
     group = config.batch.group_size
     bound = staleness_bound(
@@ -606,9 +606,14 @@ def run_async_rl(
     info = {}
     try:
         loop.begin()
+        loop.attach(generator)
         with generator if run.iteration < total else contextlib.nullcontext():
             while run.iteration < total and not loop.stopping:
-                metrics, info = async_iteration(run, generator, batcher)
+                try:
+                    metrics, info = async_iteration(run, generator, batcher)
+                except GenerationStopped:
+                    loop.stopped_in_iteration(save=lambda: save(run, stream))
+                    break
                 metrics["async/staleness_bound"] = float(bound)
                 loop.after_iteration(metrics, save=lambda: save(run, stream))
         loop.end()

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from policyopt import sharding
-from policyopt.checkpoint import Checkpointer
+from policyopt.checkpoint import Checkpointer, holds_workdir_lock, unlock_workdir
 from policyopt.data import (
     ArithmeticConfig,
     CharTokenizer,
@@ -24,10 +24,12 @@ from policyopt.data import (
     JsonlConfig,
     as_record,
     generate_arithmetic,
+    load_tokenizer,
     read_math_jsonl,
 )
 from policyopt.models import Transformer, lora, preset
 from policyopt.rewards.batch import RewardSpec
+from policyopt.rewards.custom import VerifierImportError
 from policyopt.rl import adapters
 from policyopt.rl.learner import split_params
 
@@ -68,7 +70,7 @@ RESUME_FREE_FIELDS = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.log_every",
-    "train.tensorboard",
+    "train.loggers",
     "train.routing_metrics",
     "train.allow_config_change",
     "eval.",
@@ -224,11 +226,56 @@ def check_mesh(config, mesh: Mesh, num_experts: int) -> None:
             )
 
 
+@contextlib.contextmanager
+def undo_workdir_on_failure(workdir: str):
+    """Around building a run whose builder takes ``workdir``'s lock (``lock_workdir``) once
+    everything it can check has passed: if the build raises after taking it, the lock is
+    released and what the build made is removed (the ``.lock`` file, an empty
+    ``checkpoints/``, and the directory itself when it did not exist before), so a failed
+    start leaves nothing behind. A lock this process already held is left alone."""
+    path = os.path.abspath(workdir)
+    existed, held = os.path.isdir(path), holds_workdir_lock(path)
+    try:
+        yield
+    except BaseException:
+        if not held and holds_workdir_lock(path):
+            unlock_workdir(path)
+            for made in (os.path.join(path, ".lock"), os.path.join(path, "checkpoints")):
+                with contextlib.suppress(OSError):  # a non-empty checkpoints/ stays
+                    os.rmdir(made) if made.endswith("checkpoints") else os.remove(made)
+            if not existed:
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+        raise
+
+
+def _pretrained_file(config, name: str) -> str:
+    """The path of ``name`` in the ``config.model.pretrained`` folder; an error naming the
+    field when the folder or the file is missing."""
+    folder = config.model.pretrained
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(
+            f"config.model.pretrained={folder!r} is not a directory (expected a HuggingFace "
+            "Qwen3 / Qwen3-MoE checkpoint folder: config.json, tokenizer.json, *.safetensors)"
+        )
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"config.model.pretrained={folder!r} has no {name} (expected a HuggingFace "
+            "Qwen3 / Qwen3-MoE checkpoint folder: config.json, tokenizer.json, *.safetensors)"
+        )
+    return path
+
+
 def make_tokenizer(config):
-    """The tokenizer of the run: the char tokenizer of the synthetic task, or the
-    pretrained model's ``tokenizer.json``."""
+    """The tokenizer of the run: the pretrained model's ``tokenizer.json``,
+    ``config.model.tokenizer`` (``policyopt.data.load_tokenizer``: e.g. a BPE trained on the
+    task's files), or the char tokenizer of the synthetic task."""
     if config.model.pretrained:
+        _pretrained_file(config, "tokenizer.json")
         return HFTokenizer.from_pretrained(config.model.pretrained)
+    if config.model.tokenizer:
+        return load_tokenizer(config.model.tokenizer)
     return CharTokenizer()
 
 
@@ -271,6 +318,7 @@ def make_model(
                 f"config.model.{shapes[0]} cannot change the shape of the pretrained "
                 f"checkpoint {config.model.pretrained!r}; only {_RUNTIME_OVERRIDES} apply"
             )
+        _pretrained_file(config, "config.json")
         if use_lora:
             dtype = overrides.get("param_dtype") or "float32"
             overrides["lora"] = lora_config(config, dtype)
@@ -508,7 +556,7 @@ def reward_spec(config) -> RewardSpec:
     max_len = r.max_len or config.sampling.max_new_tokens
     cache_len = r.cache_len or max(1, max_len // 4)
     shaping = r.overlong != "none" or r.overlong_filter
-    return RewardSpec(
+    return _spec(
         format_reward=bool(r.format),
         format_value=float(r.format_value),
         correct_value=float(r.correct_value),
@@ -522,6 +570,17 @@ def reward_spec(config) -> RewardSpec:
     )
 
 
+def _spec(**fields) -> RewardSpec:
+    """``RewardSpec(**fields)``, with a verifier that cannot be imported named as the
+    config field that set it (``config.reward.verifier``)."""
+    try:
+        return RewardSpec(**fields)
+    except VerifierImportError as error:
+        raise VerifierImportError(
+            str(error).replace("RewardSpec.verifier", "config.reward.verifier", 1)
+        ) from None
+
+
 def correctness_spec(config=None) -> RewardSpec:
     """Plain correctness (1 correct / 0 otherwise, no format gate or shaping): the
     evaluation metric, with the run's verifier (math or code, or ``config.reward.verifier``)
@@ -530,7 +589,7 @@ def correctness_spec(config=None) -> RewardSpec:
     one (pass@1 needs no pass rate)."""
     if config is None:
         return RewardSpec(task="math", format_reward=False)
-    return RewardSpec(
+    return _spec(
         format_reward=False,
         **(_task_limits(config) | {"code_partial": False, "code_max_tests": None}),
     )
@@ -547,11 +606,15 @@ def init_params(config, model: nnx.Module, mesh: Mesh):
     params = sharding.shard_params(params, mesh)
     if config.init_checkpoint:
         directory = _init_directory(config)
+        target = {"train": {"params": params}}
         with Checkpointer(directory) as source:
-            check_checkpoint_shapes(
-                source, {"train": {"params": params}}, config, field="config.init_checkpoint"
+            params = source.restore_subtree(
+                ("train", "params"),
+                params,
+                check=lambda step, _: check_checkpoint_shapes(
+                    source, target, config, step=step, field="config.init_checkpoint"
+                ),
             )
-            params = source.restore_subtree(("train", "params"), params)
     return graphdef, params
 
 
@@ -589,7 +652,12 @@ def init_policy(config, model: nnx.Module, mesh: Mesh) -> Policy:
     saved = adapters.saved_lora(directory) if directory else None
     if directory:
         adapters.check_kind(saved, config, directory, "config.init_checkpoint")
-    field = "config.init_checkpoint"
+
+    def shapes(target):
+        return lambda source, step: check_checkpoint_shapes(
+            source, {"train": {"params": target}}, config, step=step, field="config.init_checkpoint"
+        )
+
     if directory and frozen is None:  # full weights
         if saved is None:
             _, trainable = init_params(config, model, mesh)
@@ -597,22 +665,16 @@ def init_policy(config, model: nnx.Module, mesh: Mesh) -> Policy:
             base = adapters.base_of_record(saved, trainable)
             adapters.check_base(saved, base, directory)
             target, scale = adapters.saved_adapters(model.config, saved, mesh, config.seed)
-            with Checkpointer(directory) as source:
-                check_checkpoint_shapes(source, {"train": {"params": target}}, config, field=field)
-            restored = adapters.restore_params(directory, target)
+            restored = adapters.restore_params(directory, target, check=shapes(target))
             merge = jax.jit(lambda b, a: lora.merged_params(b, a, scale))
             trainable = sharding.shard_params(merge(base, restored), mesh)
     elif directory and saved is None:  # "base": a full-weight checkpoint is the base
-        with Checkpointer(directory) as source:
-            check_checkpoint_shapes(source, {"train": {"params": frozen}}, config, field=field)
-        frozen = adapters.restore_params(directory, frozen)
+        frozen = adapters.restore_params(directory, frozen, check=shapes(frozen))
     elif directory:  # "match": continue a LoRA checkpoint's adapters on its base
         _check_same_adapters(saved, model.config.lora, directory)
         frozen = adapters.base_of_record(saved, frozen)
         adapters.check_base(saved, frozen, directory)
-        with Checkpointer(directory) as source:
-            check_checkpoint_shapes(source, {"train": {"params": trainable}}, config, field=field)
-        trainable = adapters.restore_params(directory, trainable)
+        trainable = adapters.restore_params(directory, trainable, check=shapes(trainable))
     weights = adapters.make_weights(config, model, trainable, frozen)
     record = None
     if frozen is not None:

@@ -187,13 +187,15 @@ class CriticConfig:
 
 def critic_optim(config) -> OptimConfig:
     """The critic's optimiser: ``config.critic.lr`` / ``warmup_steps`` / ``weight_decay``,
-    Adam's betas, eps and gradient clipping shared with ``config.optim``."""
+    Adam's betas, eps and gradient clipping shared with ``config.optim`` (the policy's
+    ``router_lr_scale`` is not)."""
     optim = OptimConfig.from_config(config.optim)
     return dataclasses.replace(
         optim,
         lr=float(config.critic.lr),
         warmup_steps=int(config.critic.warmup_steps),
         weight_decay=float(config.critic.weight_decay),
+        router_lr_scale=1.0,
     )
 
 
@@ -246,9 +248,9 @@ def micro_batched_critic_grads(graphdef, settings: CriticConfig, params, batch: 
 
     Each micro-batch's loss is its share of the minibatch's: the value loss with the
     minibatch's row weights (``losses.aggregation_weights``), the MoE load-balancing loss
-    times the micro-batch's share of the valid tokens. Loss and metrics are
-    ``critic_objective`` over the whole minibatch's values, the load-balancing loss the
-    token-weighted mean of the micro-batches'.
+    with the minibatch's load fractions, counted by a forward pass of the micro-batches
+    before the gradient's (``micro_batches.load_balancing_share``). Loss and metrics are
+    ``critic_objective`` over the whole minibatch's values and router statistics.
     """
     if batch.packing is not None:
         raise ValueError(
@@ -259,11 +261,11 @@ def micro_batched_critic_grads(graphdef, settings: CriticConfig, params, batch: 
     per, count = micro_batches.plan(rows, width, settings.micro_batch_tokens)
     row_weights = aggregation_weights(batch.mask, settings.aggregation)
     total_tokens = jnp.sum(batch.attention_mask > 0).astype(jnp.float32)
+    split_batch = micro_batches.split(batch, per, count)
 
-    def share_fn(params, xs):
-        micro, weights = xs
+    def forward(params, micro):
         micro = micro_batches.constrain_rows(micro)
-        values, aux = forward_values(
+        return forward_values(
             graphdef,
             params,
             micro.tokens,
@@ -273,6 +275,14 @@ def micro_batched_critic_grads(graphdef, settings: CriticConfig, params, batch: 
             return_aux=True,
             frozen=frozen,
         )
+
+    counts = None
+    if settings.load_balancing_coef:  # the minibatch's load fractions, before the gradient
+        counts = micro_batches.expert_counts(lambda micro: forward(params, micro)[1], split_batch)
+
+    def share_fn(params, xs):
+        micro, weights = xs
+        values, aux = forward(params, micro)
         share, _ = value_loss(
             values,
             micro.old_values,
@@ -281,26 +291,27 @@ def micro_batched_critic_grads(graphdef, settings: CriticConfig, params, batch: 
             clip=settings.value_clip,
             row_weights=weights,
         )
-        tokens = jnp.sum(micro.attention_mask > 0).astype(jnp.float32)
-        outputs = {"values": values, "tokens": tokens}
+        outputs = {"values": values}
         if "load_balancing_loss" in aux:
-            outputs["load_balancing_loss"] = aux["load_balancing_loss"]
+            for name in ("tokens_per_expert", "router_prob_sum"):
+                outputs[name] = jax.lax.stop_gradient(aux[name])
             if settings.load_balancing_coef:
-                fraction = jnp.where(total_tokens > 0, tokens / jnp.maximum(total_tokens, 1.0), 0.0)
-                share = share + settings.load_balancing_coef * fraction * aux["load_balancing_loss"]
+                share = share + settings.load_balancing_coef * micro_batches.load_balancing_share(
+                    aux["router_prob_sum"], counts, total_tokens
+                )
         return share, outputs
 
     _, grads, outputs = micro_batches.accumulate(
-        share_fn,
-        params,
-        (micro_batches.split(batch, per, count), micro_batches.split_rows(row_weights, per, count)),
+        share_fn, params, (split_batch, micro_batches.split_rows(row_weights, per, count))
     )
     values = jax.lax.stop_gradient(micro_batches.merge_rows(outputs.pop("values"), rows))
-    tokens = outputs.pop("tokens")
-    aux = {
-        name: jax.lax.stop_gradient(micro_batches.token_weighted_mean(v, tokens))
-        for name, v in outputs.items()
-    }
+    aux = {}
+    if "router_prob_sum" in outputs:  # the minibatch's load-balancing loss
+        aux["load_balancing_loss"] = micro_batches.load_balancing_share(
+            jnp.sum(outputs["router_prob_sum"], axis=0),
+            jnp.sum(outputs["tokens_per_expert"], axis=0),
+            total_tokens,
+        )
     return critic_objective(values, aux, batch, settings), grads
 
 

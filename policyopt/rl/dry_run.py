@@ -14,7 +14,13 @@ from flax import nnx
 from policyopt.checkpoint import Checkpointer
 from policyopt.models import lora
 from policyopt.rl import adapters, build
-from policyopt.rl.report import advisories, banner, parameter_count, starting_point
+from policyopt.rl.report import (
+    advisories,
+    banner,
+    parameter_count,
+    starting_point,
+    user_fields,
+)
 from policyopt.rl.trainer import make_prompt_iterator
 
 
@@ -77,6 +83,6 @@ def plan_run(config, workdir: str, *, recipe: str | None = None) -> str:
         total=config.train.num_iterations,
     )
     lines = [text, f"  held-out  {len(held_out)} prompts", *notes]
-    lines += [f"warning: {w}" for w in advisories(config)]
+    lines += [f"warning: {w}" for w in advisories(config, user_fields(recipe))]
     lines.append("dry run: config checked and run built; nothing compiled, nothing written")
     return "\n".join(lines)

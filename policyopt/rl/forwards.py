@@ -1,6 +1,6 @@
 """The batch's forward passes in the minibatch's shape, and the packed layouts they run on.
 
-The old-log-prob, reference, value and routing passes over a whole batch run as
+The old-log-prob, reference, value and routing-metric passes over a whole batch run as
 ``config.batch.n_minibatches`` equal row chunks (``map_row_chunks``): each chunk has the
 minibatch's shape, so the passes compile once and need a minibatch's memory, and their
 numerics are those of the updates (no batch-shape noise floor in the routing metrics).
@@ -54,18 +54,6 @@ def policy_log_probs(learner, params, rows: Rows, routing=None):
         packings=rows.packings,
         out_axes=(0, 1),
     )
-
-
-def policy_routing(learner, params, rows: Rows) -> jax.Array:
-    """``learner.routing`` of ``rows`` (the model's own routing, padded rows, for the routing
-    metrics): ``[L, R, S, k]``."""
-
-    def forward(tokens, positions, attention_mask, packing):
-        del packing  # the routing metrics' forwards stay padded
-        return learner.routing(params, tokens, positions, attention_mask)
-
-    arrays = (rows.tokens, rows.positions, rows.attention_mask)
-    return map_row_chunks(forward, rows.num_chunks, arrays, out_axes=1)
 
 
 def critic_values(critic, params, rows: Rows, frozen=None) -> jax.Array:

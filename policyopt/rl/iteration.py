@@ -53,7 +53,7 @@ from policyopt.rl.learner import Learner, TrainState
 from policyopt.rl.methods import Methods
 from policyopt.rl.report import MinibatchMeans, padding_metrics
 from policyopt.rl.rounds import ScoredRound, response_width, round_texts, sampling_metrics
-from policyopt.rl.routing import update_routing_metrics
+from policyopt.rl.routing import ratio_share_metrics, update_routing_metrics
 from policyopt.sampling import SamplingConfig, generate_fn
 
 
@@ -130,6 +130,7 @@ class TrainBatch(NamedTuple):
     round: Round  # the host rollouts (rewards, packing layouts, widths)
     rows: forwards.Rows  # the batch's rows, for the routing metrics' forwards
     natural_routing: jax.Array | None  # [L, R, S, k]: pi_old's own routing (metrics), or None
+    natural_log_probs: jax.Array | None  # [R, N]: pi_old's log-probs under it (metrics)
     sampler_routing: jax.Array | None  # [L, R, S, k] on the mesh, or None (dense)
     metrics: dict  # time/*, logprob/*, offpolicy/*, advantages/*, critic/* of the rollout
 
@@ -222,7 +223,8 @@ def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
     )
     sampler_routing = sharding.shard_rows(rnd.routing, axis=1)
     behaviour = sharding.shard_rows(rnd.behaviour_log_probs)
-    old_log_probs, old_routing, ref_log_probs, natural_routing = behaviour, None, None, None
+    old_log_probs, old_routing, ref_log_probs = behaviour, None, None
+    natural_routing = natural_log_probs = None
     params = policy_params(spec, state.policy.params)
     if policy_trains:  # the critic's warm-up needs no forward pass of the policy
         old_log_probs, old_routing = methods.old_log_probs(
@@ -233,10 +235,13 @@ def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
                 spec.ref_learner or spec.learner, spec.ref_params, rows
             )
         if sampler_routing is not None and cfg.train.routing_metrics:  # MoE, with routing
-            # pi_old's own (not replayed) routing, for the routing metrics.
-            natural_routing = old_routing if methods.old_replay(sampler_routing) is None else None
-            if natural_routing is None:
-                natural_routing = forwards.policy_routing(spec.learner, params, rows)
+            # pi_old's own (not replayed) routing and log-probs, for the routing metrics.
+            if methods.old_replay(sampler_routing) is None and old_routing is not None:
+                natural_routing, natural_log_probs = old_routing, old_log_probs
+            else:
+                natural_log_probs, natural_routing = forwards.policy_log_probs(
+                    spec.learner, params, rows
+                )
         metrics["time/old_log_probs_s"] = _block(old_log_probs, t0)
         metrics[spec.logprob_diff_name] = float(
             jnp.sum(jnp.abs(old_log_probs - behaviour) * rows.mask)
@@ -275,7 +280,9 @@ def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
         loss_mask=loss_mask,
         nll_weights=methods.nll_weights and methods.nll_weights(rnd.correct),
     )
-    return TrainBatch(batch, rnd, rows, natural_routing, sampler_routing, metrics)
+    return TrainBatch(
+        batch, rnd, rows, natural_routing, natural_log_probs, sampler_routing, metrics
+    )
 
 
 def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Array):
@@ -320,12 +327,23 @@ def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Ar
         metrics["critic/step"] = float(critic.step)
     metrics["time/update_s"] = _block((policy.params, critic), t0)
     if batch.natural_routing is not None:  # MoE, train.routing_metrics
-        new_routing = forwards.policy_routing(
-            spec.learner, policy_params(spec, policy.params), batch.rows
+        rows = batch.rows
+        params = policy_params(spec, policy.params)
+        new_log_probs, new_routing = forwards.policy_log_probs(spec.learner, params, rows)
+        replayed_log_probs, _ = forwards.policy_log_probs(
+            spec.learner, params, rows, batch.natural_routing
         )
-        mask = batch.rows.attention_mask
         metrics |= update_routing_metrics(
-            batch.natural_routing, new_routing, batch.sampler_routing, mask, spec.routing_diff_name
+            batch.natural_routing,
+            new_routing,
+            batch.sampler_routing,
+            rows.attention_mask,
+            spec.routing_diff_name,
+        )
+        metrics |= jax.device_get(
+            ratio_share_metrics(
+                new_log_probs, replayed_log_probs, batch.natural_log_probs, rows.mask
+            )
         )
     metrics |= padding_metrics(batch.round, packed_slots, packed_real)
     metrics["update/step"] = float(policy.step)

@@ -149,10 +149,12 @@ def make_optimizer(
     max_grad_norm: float | None = 1.0,
     decay_steps: int = 0,
     min_lr_ratio: float = 0.0,
+    router_lr_scale: float = 1.0,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW after global-norm clipping, with linear warm-up, then a constant learning
     rate (``decay_steps = 0``) or a cosine decay to ``lr * min_lr_ratio`` at update
-    ``decay_steps`` (``warmup_cosine_schedule``).
+    ``decay_steps`` (``warmup_cosine_schedule``). ``router_lr_scale`` != 1 multiplies the
+    MoE routers' updates (weight decay included: their learning rate) by it.
 
     Returns:
       ``(optimizer, schedule)``; ``schedule(state.step)`` is the learning rate of the next
@@ -163,7 +165,24 @@ def make_optimizer(
     if max_grad_norm is not None and max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(max_grad_norm))
     parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    if router_lr_scale != 1.0:
+        parts.append(
+            optax.multi_transform(
+                {"router": optax.scale(router_lr_scale), "rest": optax.identity()}, router_labels
+            )
+        )
     return optax.chain(*parts), schedule
+
+
+def router_labels(params) -> Any:
+    """``"router"`` on the MoE routers' weights (a leaf named ``router``), ``"rest"``
+    elsewhere: the labels of ``make_optimizer``'s ``router_lr_scale``."""
+
+    def label(path, _):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        return "router" if "router" in names else "rest"
+
+    return jax.tree_util.tree_map_with_path(label, params)
 
 
 def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
@@ -492,6 +511,9 @@ class Normalisers(NamedTuple):
     entropy: jax.Array  # [R]: the token mean's row weights of the policy mask
     nll: jax.Array  # []: sum_i nll_weights_i |y_i| (0 without the NLL term)
     aux_tokens: jax.Array  # []: valid tokens (attention_mask) the MoE aux losses average over
+    # [L_moe, E]: the minibatch's tokens per expert, the load-balancing loss's fractions
+    # (``micro_batches.expert_counts``); None when the loss is off.
+    expert_counts: jax.Array | None = None
 
     @classmethod
     def of(cls, batch: Batch, settings: LossConfig) -> "Normalisers":
@@ -516,13 +538,15 @@ def rl_loss_share(
 
     With the minibatch's normalisers ``norms`` (its rows' slices for the row weights),
     the policy term is ``-sum_i w_i sum_t m term`` (``policy_loss(row_weights=...)``), the
-    entropy bonus ``-c sum_{i,t} m H / T_mb``, VAPO's NLL ``-mu sum w_i m log pi / sum_mb w m``
-    and each MoE aux loss ``c * aux * t / T_mb`` (``t``: this micro-batch's valid tokens):
-    summed over the micro-batches, the minibatch's loss (the aux losses by their
-    token-weighted mean). No metrics: the caller computes them over the whole minibatch.
+    entropy bonus ``-c sum_{i,t} m H / T_mb``, VAPO's NLL ``-mu sum w_i m log pi / sum_mb w m``,
+    the router z-loss ``c * z * t / T_mb`` (``t``: this micro-batch's valid tokens) and the
+    load-balancing loss ``c * micro_batches.load_balancing_share`` with the minibatch's
+    load fractions (``norms.expert_counts``): summed over the micro-batches, the
+    minibatch's loss. No metrics: the caller computes them over the whole minibatch.
 
     Returns:
-      ``(share, aux)``: a scalar and ``{"tokens", <aux loss names>}`` of this micro-batch.
+      ``(share, aux)``: a scalar and ``{"tokens", <router statistics>}`` of this
+      micro-batch.
     """
     mask = _policy_mask(batch)
     loss, _ = _policy_term(fwd, batch, settings, metrics="none", row_weights=norms.policy)
@@ -532,14 +556,14 @@ def rl_loss_share(
     aux = {"tokens": tokens}
     if fwd.aux and "load_balancing_loss" in fwd.aux:
         share = jnp.where(norms.aux_tokens > 0, tokens / jnp.maximum(norms.aux_tokens, 1.0), 0.0)
-        coefs = {
-            "load_balancing_loss": settings.load_balancing_coef,
-            "router_z_loss": settings.router_z_coef,
-        }
-        for name, coef in coefs.items():
-            aux[name] = fwd.aux[name]
-            if coef:
-                loss = loss + coef * share * fwd.aux[name]
+        for name in ("router_z_loss", "tokens_per_expert", "router_prob_sum"):
+            aux[name] = jax.lax.stop_gradient(fwd.aux[name])
+        if settings.router_z_coef:
+            loss = loss + settings.router_z_coef * share * fwd.aux["router_z_loss"]
+        if settings.load_balancing_coef:
+            loss = loss + settings.load_balancing_coef * micro_batches.load_balancing_share(
+                fwd.aux["router_prob_sum"], norms.expert_counts, norms.aux_tokens
+            )
     if settings.nll_coef:
         if batch.nll_weights is None:
             raise ValueError(
@@ -559,8 +583,10 @@ def micro_batched_rl_grads(graphdef, settings: LossConfig, params, batch: Batch,
     ``params`` the trainable parameters, joined to ``frozen`` (LoRA's base) in the forward.
 
     The gradients are the sum of the micro-batches' shares' (``rl_loss_share``); the loss
-    and metrics are ``rl_objective`` over the whole minibatch's log-probs and entropies
-    (as the scan returns them), the MoE aux losses their token-weighted means.
+    and metrics are ``rl_objective`` over the whole minibatch's log-probs, entropies and
+    router statistics (as the scan returns them). With the load-balancing loss on, its
+    load fractions are the minibatch's: counted from the replayed routing, or by a forward
+    pass of the micro-batches before the gradient's (``micro_batches.expert_counts``).
     """
     if batch.packing is not None:
         raise ValueError(
@@ -574,6 +600,27 @@ def micro_batched_rl_grads(graphdef, settings: LossConfig, params, batch: Batch,
         micro_batches.split_rows(norms.policy, per, count),
         micro_batches.split_rows(norms.entropy, per, count),
     )
+    split_batch = micro_batches.split(batch, per, count)
+    if settings.load_balancing_coef:
+        config = nnx.merge(graphdef, params).config
+        if batch.routing is not None and config.is_moe:  # the replayed experts' counts
+            counts = micro_batches.replayed_counts(
+                batch.routing, batch.attention_mask, config.num_experts
+            )
+        else:
+
+            def model_aux(micro):
+                micro = micro_batches.constrain_rows(micro)
+                model = nnx.merge(graphdef, params)
+                return model(
+                    micro.tokens,
+                    positions=micro.positions,
+                    attention_mask=micro.attention_mask,
+                    return_logits=False,
+                ).aux
+
+            counts = micro_batches.expert_counts(model_aux, split_batch)
+        norms = norms._replace(expert_counts=counts)
 
     def share_fn(params, xs):
         micro, policy_weights, entropy_weights = xs
@@ -593,11 +640,19 @@ def micro_batched_rl_grads(graphdef, settings: LossConfig, params, batch: Batch,
         )
         return share, (fwd.log_probs, fwd.entropy, aux)
 
-    _, grads, (log_probs, entropy, aux) = micro_batches.accumulate(
-        share_fn, params, (micro_batches.split(batch, per, count), *row_norms)
+    _, grads, (log_probs, entropy, stats) = micro_batches.accumulate(
+        share_fn, params, (split_batch, *row_norms)
     )
-    tokens = aux.pop("tokens")
-    aux = {name: micro_batches.token_weighted_mean(values, tokens) for name, values in aux.items()}
+    aux = {}
+    if "router_z_loss" in stats:  # the minibatch's router statistics
+        aux["router_z_loss"] = micro_batches.token_weighted_mean(
+            stats["router_z_loss"], stats["tokens"]
+        )
+        aux["load_balancing_loss"] = micro_batches.load_balancing_share(
+            jnp.sum(stats["router_prob_sum"], axis=0),
+            jnp.sum(stats["tokens_per_expert"], axis=0),
+            norms.aux_tokens,
+        )
     fwd = Forward(
         micro_batches.merge_rows(log_probs, rows),
         micro_batches.merge_rows(entropy, rows),
@@ -690,6 +745,8 @@ class OptimConfig:
     # Only SFT sets them (`config.sft.lr_decay`); RL's optimiser keeps a constant rate.
     decay_steps: int = 0
     min_lr_ratio: float = 0.0
+    # The MoE routers' learning rate over lr (the policy's `config.optim.router_lr_scale`).
+    router_lr_scale: float = 1.0
 
     @classmethod
     def from_config(cls, optim) -> "OptimConfig":
@@ -701,6 +758,7 @@ class OptimConfig:
             eps=float(optim.eps),
             weight_decay=float(optim.weight_decay),
             max_grad_norm=optim.max_grad_norm,
+            router_lr_scale=float(optim.router_lr_scale),
         )
 
     def build(self) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -727,7 +785,6 @@ class _Forwards:
         self.graphdef, self.temperature = graphdef, temperature
         self.trace_counts: collections.Counter = collections.Counter()
         self.log_probs = jax.jit(self._log_probs)
-        self.routing = jax.jit(self._routing)
 
     def _log_probs(
         self, params, tokens, positions, attention_mask, mask, routing=None, packing=None
@@ -747,13 +804,6 @@ class _Forwards:
         valid = mask > 0
         return jnp.where(valid, fwd.log_probs, 0.0), jnp.where(valid, fwd.entropy, 0.0), fwd.routing
 
-    def _routing(self, params, tokens, positions, attention_mask):
-        self.trace_counts["routing"] += 1
-        model = nnx.merge(self.graphdef, params)
-        return model(
-            tokens, positions=positions, attention_mask=attention_mask, return_logits=False
-        ).routing
-
 
 _FORWARDS: dict = {}
 
@@ -769,8 +819,6 @@ class Learner:
         (log_probs, entropy, routing)`` of a training-layout batch (old / reference
         log-probs; returns the routing used, i.e. recorded or replayed; with a
         ``PackedLayout`` the model runs on packed rows, the results are the same).
-      routing: ``(params, tokens, positions, attention_mask) -> routing`` without replay
-        and without the vocabulary projection (routing metrics).
       trace_counts: how many times each function was traced (a compile-count probe;
         the forward passes are shared by learners of the same model and temperature).
     """
@@ -791,7 +839,6 @@ class Learner:
             _FORWARDS[key] = _Forwards(graphdef, settings.temperature)
         self._forwards = _FORWARDS[key]
         self.log_probs = self._forwards.log_probs
-        self.routing = self._forwards.routing
 
     @property
     def trace_counts(self) -> collections.Counter:

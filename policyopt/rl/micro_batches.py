@@ -21,11 +21,15 @@ token count) is computed once over the whole minibatch before it is split
 (``losses.aggregation_weights``), so the shares sum to the minibatch's loss and their
 gradients to its gradient, for every aggregation rule. Per-token outputs (log-probs,
 entropies, values) come back from the scan and the metrics are computed from them over
-the whole minibatch, as one pass computes them. The one exception is the MoE auxiliary
-losses (load balancing, router z), which are not sums over tokens: the micro-batched
-value is the mean of the micro-batches' values weighted by their valid tokens (as
-MaxText's gradient accumulation weights each micro-batch's loss by its tokens); with one
-micro-batch, the minibatch's.
+the whole minibatch, as one pass computes them. The router z-loss is a token mean (its
+micro-batches' values weighted by their valid tokens). The load-balancing loss
+``E mean_l sum_e f_le P_le`` is not a sum over tokens: its load fractions ``f`` (top-k
+counts, no gradient) must be the minibatch's, so they are counted before the gradient
+pass (``expert_counts``: from the replayed routing with routing replay, else a forward
+pass of the micro-batches without gradient, one more forward per update) and each
+micro-batch adds ``E mean_l sum_e f_le S_le / N`` with ``S`` its router probabilities
+summed over its valid tokens and ``N`` the minibatch's (``load_balancing_share``): the
+shares sum to the minibatch's loss and their gradients to its gradient.
 """
 
 from __future__ import annotations
@@ -147,8 +151,36 @@ def accumulate(share_fn: Callable, params, micro_batches) -> tuple[jax.Array, ob
     return total, grads, outputs
 
 
+def expert_counts(aux_fn: Callable, micro_batches) -> jax.Array | None:
+    """Tokens per expert ``[L_moe, E]`` of the whole minibatch: ``aux_fn(micro_batch)``'s
+    ``tokens_per_expert`` summed over the micro-batches, one forward pass each without
+    gradient (``lax.map``); None for a dense model (no such output)."""
+    counts = jax.lax.map(lambda micro: aux_fn(micro).get("tokens_per_expert"), micro_batches)
+    return None if counts is None else jax.lax.stop_gradient(jnp.sum(counts, axis=0))
+
+
+def replayed_counts(routing: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
+    """Tokens per expert ``[L_moe, E]`` of replayed routing ``[L_moe, R, S, k]`` over the
+    valid tokens ``[R, S]``: the counts the replaying forward's router reports."""
+    one_hot = jax.nn.one_hot(routing, num_experts, dtype=jnp.float32)  # [L, R, S, k, E]
+    return jnp.einsum("lrske,rs->le", one_hot, (valid > 0).astype(jnp.float32))
+
+
+def load_balancing_share(prob_sum: jax.Array, counts: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``E mean_l sum_e f_le S_le / N``: a micro-batch's share of the minibatch's
+    load-balancing loss (``policyopt.models.router.router_aux``), with ``S`` its
+    ``router_prob_sum`` ``[L_moe, E]``, ``f_le = C_le / sum_e C_le`` the load fractions
+    of the minibatch's ``counts`` ``[L_moe, E]`` (k copies per valid token) and ``N`` the
+    minibatch's valid tokens. With the minibatch's own ``S``: its loss (0 without
+    tokens)."""
+    per_layer = jnp.sum(counts, axis=-1, keepdims=True)
+    fractions = jnp.where(per_layer > 0, counts / jnp.maximum(per_layer, 1.0), 0.0)
+    share = prob_sum.shape[-1] * jnp.mean(jnp.sum(fractions * prob_sum, axis=-1))
+    return jnp.where(tokens > 0, share / jnp.maximum(tokens, 1.0), 0.0)
+
+
 def token_weighted_mean(values: jax.Array, tokens: jax.Array) -> jax.Array:
-    """``sum_j v_j t_j / sum_j t_j`` over micro-batches (0 without tokens): how the MoE
-    auxiliary losses of micro-batches combine (see the module docstring)."""
+    """``sum_j v_j t_j / sum_j t_j`` over micro-batches (0 without tokens): the
+    minibatch's token mean from its micro-batches' (the router z-loss)."""
     total = jnp.sum(tokens)
     return jnp.where(total > 0, jnp.sum(values * tokens) / jnp.where(total > 0, total, 1), 0.0)

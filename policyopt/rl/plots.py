@@ -3,11 +3,16 @@
 RL and SFT runs alike: a panel is drawn when at least one run logged its metric (an SFT
 run logs ``sft/nll`` and its evaluations in metrics.jsonl), and runs whose curves
 coincide stay visible (each run its own line style and marker, lines slightly
-transparent). A run directory that does not exist or holds no metrics is an error.
+transparent). One legend below the panels names every run. SFT steps and RL iterations
+never share an x axis: in a panel holding both, the SFT curves take a second x axis on
+top. Rewards on different scales (the run's ``config.json``: format gate, incorrect
+value, length shaping, language bonus) get a panel each. A run directory that does not
+exist or holds no metrics is an error.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Sequence
 
@@ -41,6 +46,32 @@ def load_curve(run_dir: str, key: str, filename: str) -> tuple[list[float], list
             if records:
                 return [r["step"] for r in records], [r[key] for r in records]
     return [], []
+
+
+def is_sft_run(run_dir: str) -> bool:
+    """Whether ``run_dir`` is an SFT run (it logged ``sft/nll``): its steps are SFT
+    updates, not RL iterations."""
+    return bool(load_curve(run_dir, "sft/nll", "metrics.jsonl")[0])
+
+
+def reward_scale(run_dir: str) -> str | None:
+    """The scale of the run's ``reward/mean`` as its ``config.json`` sets it (``"correct
+    1, incorrect -1, dapo length penalty"``); None without a config."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        reward = json.load(f).get("reward", {})
+    if reward.get("format"):
+        text = f"format {reward.get('format_value', 0.1):g} + correct "
+        text += f"{reward.get('correct_value', 0.9):g}"
+    else:
+        text = f"correct 1, incorrect {reward.get('incorrect_value', 0.0):g}"
+    if reward.get("overlong", "none") != "none":
+        text += f", {reward['overlong']} length penalty"
+    if reward.get("language_bonus"):
+        text += f", language +{reward['language_bonus']:g}"
+    return text
 
 
 def check_runs(run_dirs: Sequence[str]) -> None:
@@ -107,13 +138,15 @@ def plot_runs(
     groups: Sequence[str] | None = None,
     panels=PANELS,
 ) -> str:
-    """Draws one panel per metric, one line per run, and writes a PNG.
+    """Draws one panel per metric (the reward's per reward scale), one line per run, one
+    legend below the panels, and writes a PNG. SFT runs (``is_sft_run``) are drawn against
+    their steps on an x axis of their own.
 
     Args:
       run_dirs: work directories of ``experiments/train.py`` runs.
       out_path: the PNG file to write.
       labels: line names (default: the shortest trailing parts of the directory paths
-        that differ between runs); the legend when there are no ``groups``.
+        that differ between runs); the legend's entries when there are no ``groups``.
       groups: one group name per run (e.g. an ablation's arm, its runs the seeds): a
         group's runs share a colour, each with its own line style, and the legend has one
         entry per group.
@@ -135,42 +168,63 @@ def plot_runs(
         raise ValueError(f"{len(groups)} groups for {len(run_dirs)} runs")
     styles = line_styles(len(run_dirs), groups)
     colours = {group: style["color"] for group, style in zip(groups or (), styles)}
+    sft = [is_sft_run(d) for d in run_dirs]
     curves = {
         (key, filename): [load_curve(d, key, filename) for d in run_dirs]
         for _, key, filename in panels
     }
-    panels = [panel for panel in panels if any(steps for steps, _ in curves[panel[1:]])]
-    if not panels:
+    drawn = []  # (title, key, filename, the runs it holds)
+    for title, key, filename in panels:
+        present = [i for i, (steps, _) in enumerate(curves[(key, filename)]) if steps]
+        if key != "reward/mean":
+            drawn += [(title, key, filename, present)] if present else []
+            continue
+        scales: dict = {}  # one panel per reward scale
+        for i in present:
+            scales.setdefault(reward_scale(run_dirs[i]), []).append(i)
+        for scale, members in scales.items():
+            drawn.append((f"{title}\n{scale}" if scale else title, key, filename, members))
+    if not drawn:
         raise ValueError(f"none of the runs {list(run_dirs)} logged a metric of the panels")
-    cols = min(4, len(panels))
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
-    for ax, (title, key, filename) in zip(axes.flat, panels):
-        for (steps, values), label, style in zip(curves[(key, filename)], labels, styles):
-            if steps:
-                ax.plot(
+    cols = min(4, len(drawn))
+    rows = -(-len(drawn) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows + 0.6), squeeze=False)
+    for ax, (title, key, filename, members) in zip(axes.flat, drawn):
+        rl_runs = [i for i in members if not sft[i]]
+        sft_runs = [i for i in members if sft[i]]
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        for runs, axis, xlabel in (
+            (rl_runs, ax, "RL iteration"),
+            (sft_runs, ax.twiny() if rl_runs and sft_runs else ax, "SFT step"),
+        ):
+            if not runs:
+                continue
+            axis.set_xlabel(xlabel)
+            for i in runs:
+                steps, values = curves[(key, filename)][i]
+                axis.plot(
                     steps,
                     values,
-                    label=label,
+                    label=labels[i],
                     linewidth=1.2,
                     alpha=0.8,
                     markersize=4,
                     markevery=max(1, len(steps) // 12),
-                    **style,
+                    **styles[i],
                 )
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels) :]:
+    for ax in list(axes.flat)[len(drawn) :]:
         ax.axis("off")
-    if groups is None:
-        axes.flat[0].legend(fontsize=8)
-    else:
-        from matplotlib.lines import Line2D  # noqa: PLC0415
+    from matplotlib.lines import Line2D  # noqa: PLC0415
 
+    if groups is None:
+        handles = [Line2D([], [], label=label, **style) for label, style in zip(labels, styles)]
+    else:
         handles = [Line2D([], [], color=colour, label=group) for group, colour in colours.items()]
-        axes.flat[0].legend(handles=handles, fontsize=8)
-    fig.tight_layout()
+    ncol = min(len(handles), 4)
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    legend_inches = 0.25 * -(-len(handles) // ncol) + 0.15
+    fig.tight_layout(rect=(0, legend_inches / fig.get_figheight(), 1, 1))
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     fig.savefig(out_path, dpi=100)
     plt.close(fig)

@@ -1,18 +1,20 @@
 """What a run tells its user: the start-up banner, warnings about settings that cannot act,
-sampled completions (the dry run that prints them without training:
-``policyopt.rl.dry_run``), and the iteration's batch, scoring and update metrics.
+the critic's warm-up phases, sampled completions (the dry run that prints them without
+training: ``policyopt.rl.dry_run``), and the iteration's batch, scoring and update metrics.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Sequence
+import re
+from typing import Any, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from policyopt.advantages import length_adaptive_lambda
 from policyopt.rewards.batch import merge_metrics
 
 # Which settings each objective's ratio-dependent part reads (policyopt.losses).
@@ -22,29 +24,206 @@ _RATIO_SETTINGS = {
     "gspo_token": "algo.clip_low / clip_high",
     "sapo": "algo.tau_pos / tau_neg (the gate is 1)",
 }
+# The fields of each objective's ratio-dependent part, and the fields that decide whether
+# the ratio can leave 1 (how many updates a batch makes, where pi_old comes from).
+_RATIO_FIELDS = {
+    "ppo": ("algo.clip_low", "algo.clip_high", "algo.dual_clip"),
+    "gspo": ("algo.clip_low", "algo.clip_high"),
+    "gspo_token": ("algo.clip_low", "algo.clip_high"),
+    "sapo": ("algo.tau_pos", "algo.tau_neg"),
+}
+_UPDATE_FIELDS = (
+    "algo.method",
+    "batch.epochs",
+    "batch.n_minibatches",
+    "algo.old_log_probs",
+    "async_mode.enabled",
+)
+# Below this mean, a length-adaptive lambda leaves the policy's advantages close to
+# one-step TD errors: a warning names the lengths and the fields to change.
+SHORT_LAMBDA = 0.5
+# A variant's shortcut keys (configs/base.py) and the fields they set: `model=NAME` the
+# preset; `scale=paper` the recipe's own paper values (no field of the user's).
+_VARIANT_KEYS = {"model": ("model.preset",), "scale": ()}
 
 
-def advisories(config) -> list[str]:
+def user_fields(recipe: str | None) -> frozenset[str] | None:
+    """The config fields a command changed from its recipe, read from the recipe string the
+    banner shows (``configs/sapo.py:model=tiny_dense,seed=1 --config.algo.tau_neg=1.1``):
+    the variant's keys and the ``--config.X`` overrides. None when ``recipe`` is None (a
+    config built in code: nothing is known of its origin)."""
+    if recipe is None:
+        return None
+    first, *rest = recipe.split()
+    variant = first.split(":", 1)[1] if ":" in first else ""
+    fields = set()
+    for key in re.findall(r"(?:^|,)\s*([A-Za-z_][\w.]*)\s*=", variant):
+        fields.update(_VARIANT_KEYS.get(key, (key,)))
+    for token in rest:
+        if token.startswith("--config."):
+            fields.add(token[len("--config.") :].split("=", 1)[0])
+    return frozenset(fields)
+
+
+def _lambda_max(algo, max_new_tokens: int) -> float:
+    return float(length_adaptive_lambda([max_new_tokens], algo.gae_alpha)[0])
+
+
+def advisories(config, changed: Collection[str] | None = None) -> list[str]:
     """Warnings about a config that runs but in which some settings cannot act.
 
     - One update per batch (``batch.epochs = 1``, ``batch.n_minibatches = 1``) with pi_old
       from the trainer: the update runs at the parameters that computed pi_old, so the
       ratio is 1 at every token and a method's clip or gate (``_RATIO_SETTINGS``) changes
-      nothing: the update is the plain policy gradient whatever those fields say.
+      nothing: the update is the plain policy gradient whatever those fields say. Said
+      when the command changed one of those fields (``changed``, from ``user_fields``;
+      None: always): a recipe that makes one update per batch by design (GRPO's one
+      update per exploration stage, Magistral's, the demo's) says so in its banner.
+    - A length-adaptive lambda (VAPO, 2504.05118) that the generation budget keeps below
+      ``SHORT_LAMBDA`` for every response: ``1 - 1 / (alpha |y|)`` is 0 under ``1 /
+      alpha`` tokens, and the policy's advantages are then one-step TD errors.
     """
     out = []
     b, algo = config.batch, config.algo
-    one_update = b.epochs == 1 and b.n_minibatches == 1
-    synchronous = not config.async_mode.enabled
-    if one_update and algo.old_log_probs == "trainer" and synchronous:
-        settings = _RATIO_SETTINGS.get(algo.method, "the objective's ratio-dependent part")
-        out.append(
-            f"batch.epochs=1 and batch.n_minibatches=1: one update per batch, at the "
-            f"parameters that computed pi_old, so the ratio is 1 at every token and "
-            f"{settings} of algo.method={algo.method!r} change nothing; set "
-            "batch.n_minibatches > 1 (or batch.epochs > 1) for off-policy updates"
-        )
+    if on_policy(config):
+        concerned = set(_UPDATE_FIELDS) | set(_RATIO_FIELDS.get(algo.method, ()))
+        if changed is None or concerned & set(changed):
+            settings = _RATIO_SETTINGS.get(algo.method, "the objective's ratio-dependent part")
+            out.append(
+                f"batch.epochs={b.epochs} and batch.n_minibatches={b.n_minibatches}: one update "
+                "per batch, at the parameters that computed pi_old, so the ratio is 1 at every "
+                f"token and {settings} of algo.method={algo.method!r} change nothing; set "
+                "batch.n_minibatches > 1 (or batch.epochs > 1) for off-policy updates"
+            )
+    if algo.advantage == "gae" and algo.gae_length_adaptive:
+        longest = config.sampling.max_new_tokens
+        lam = _lambda_max(algo, longest)
+        if lam < SHORT_LAMBDA:
+            out.append(
+                f"algo.gae_length_adaptive: responses are at most sampling.max_new_tokens="
+                f"{longest} tokens, so lambda_policy = 1 - 1/(algo.gae_alpha |y|) is at most "
+                f"{lam:.2f} (0 under {1 / algo.gae_alpha:.0f} tokens) and the policy's advantages "
+                "are close to one-step TD errors of the critic; raise algo.gae_alpha (lambda "
+                "reaches 0 at 1/alpha tokens) or set algo.gae_length_adaptive=False"
+            )
     return out
+
+
+def short_lambda_warning(config, response_lengths) -> str | None:
+    """The warning for a length-adaptive lambda that a batch's responses keep below
+    ``SHORT_LAMBDA`` on average (``advisories`` has already said so when the generation
+    budget alone does: then None), or None."""
+    algo = config.algo
+    if not (algo.advantage == "gae" and algo.gae_length_adaptive):
+        return None
+    if _lambda_max(algo, config.sampling.max_new_tokens) < SHORT_LAMBDA:
+        return None
+    lengths = np.asarray(response_lengths, np.float32)
+    if lengths.size == 0:
+        return None
+    lam = np.asarray(length_adaptive_lambda(lengths, algo.gae_alpha))
+    if float(lam.mean()) >= SHORT_LAMBDA:
+        return None
+    return (
+        f"algo.gae_length_adaptive: this batch's responses average {lengths.mean():.1f} tokens, "
+        f"so lambda_policy = 1 - 1/(algo.gae_alpha |y|) averages {lam.mean():.2f} and is 0 for "
+        f"{np.mean(lam == 0):.0%} of them (under {1 / algo.gae_alpha:.0f} tokens): the policy's "
+        "advantages are close to one-step TD errors of the critic; raise algo.gae_alpha "
+        "(lambda reaches 0 at 1/alpha tokens) or set algo.gae_length_adaptive=False"
+    )
+
+
+def on_policy(config) -> bool:
+    """One update per batch at the parameters that computed pi_old (synchronous, pi_old
+    from the trainer): every ratio is 1, and no clip or gate acts."""
+    b = config.batch
+    return (
+        b.epochs == 1
+        and b.n_minibatches == 1
+        and config.algo.old_log_probs == "trainer"
+        and not config.async_mode.enabled
+    )
+
+
+def method_name(config) -> str:
+    """The method a config's settings make, by the setting each paper introduces: VAPO's
+    length-adaptive lambda or NLL term on a critic, VC-PPO's value pretraining or decoupled
+    lambdas, PPO's critic alone; SAPO's, GSPO's and GSPO-token's objectives (or a registered
+    one's name); and for PPO's clipped objective on group advantages, Magistral's
+    per-minibatch advantage scale, Dr. GRPO's constant-length aggregation, DAPO's dynamic
+    sampling or clip-higher, else GRPO."""
+    algo = config.algo
+    if algo.advantage == "gae":
+        decoupled = algo.gae_lambda_critic is not None and algo.gae_lambda_critic != algo.gae_lambda
+        if algo.gae_length_adaptive or algo.nll_coef > 0:
+            return "vapo"
+        if config.critic.pretrain_iterations > 0 or decoupled:
+            return "vc_ppo"
+        return "ppo"
+    if algo.method != "ppo":
+        return algo.method
+    if algo.adv_scale == "minibatch":
+        return "magistral"
+    if algo.aggregation == "seq_mean_token_sum_norm":
+        return "dr_grpo"
+    if config.dynamic_sampling.enabled or algo.clip_high > algo.clip_low:
+        return "dapo"
+    return "grpo"
+
+
+def _span(first: int, last: int) -> str:
+    return f"iteration {first}" if first == last else f"iterations {first}-{last}"
+
+
+def critic_phase(config, iteration: int, metrics: dict | None = None) -> str | None:
+    """The console line at the boundary after ``iteration`` iterations of a run with a
+    critic warm-up (``critic.reward_model_iterations``, then ``critic.pretrain_iterations``,
+    the policy frozen): at the start (``metrics`` None) the phase under way, later the
+    phase that ends there with the critic's last figures (``metrics``); None elsewhere."""
+    if config.algo.advantage != "gae":
+        return None
+    reward_model = config.critic.reward_model_iterations
+    pretrain = config.critic.pretrain_iterations
+    warmup = reward_model + pretrain
+    if warmup == 0:
+        return None
+    frozen = f"the policy is frozen until iteration {warmup + 1}"
+    if metrics is None:
+        if iteration < reward_model:
+            then = f", then pretrains its values in {_span(reward_model + 1, warmup)}"
+            return (
+                "critic warm-up: the critic trains alone as an outcome reward model in "
+                f"{_span(iteration + 1, reward_model)} (critic.reward_model_iterations="
+                f"{reward_model}){then if pretrain else ''}; {frozen}"
+            )
+        if iteration < warmup:
+            return (
+                "critic warm-up: the critic pretrains its values on Monte-Carlo returns in "
+                f"{_span(iteration + 1, warmup)} (critic.pretrain_iterations={pretrain}); {frozen}"
+            )
+        return None
+    figures = [
+        f"{name} {metrics[key]:.3g}"
+        for key, name in (
+            ("critic/value_loss", "value loss"),
+            ("critic/explained_variance", "explained variance"),
+        )
+        if key in metrics
+    ]
+    shown = f" ({', '.join(figures)})" if figures else ""
+    if iteration == reward_model and pretrain:
+        return (
+            f"critic warm-up: reward model done at iteration {iteration}{shown}; the critic "
+            f"pretrains its values in {_span(iteration + 1, warmup)} (critic.pretrain_iterations="
+            f"{pretrain}); {frozen}"
+        )
+    if iteration == warmup:
+        done = "value pretraining" if pretrain else "reward model"
+        return (
+            f"critic warm-up: {done} done at iteration {iteration}{shown}; the policy trains "
+            f"from iteration {iteration + 1}"
+        )
+    return None
 
 
 def parameter_count(params) -> int:
@@ -100,11 +279,22 @@ def banner(
         ),
         f"  devices   {len(devices)} x {'/'.join(platforms)} over {jax.process_count()} "
         f"process(es); mesh {dict(mesh.shape)}",
-        f"  method    {config.algo.method}, {b.n_prompts} prompts x {b.group_size} samples, "
-        f"{b.n_minibatches} minibatch(es) x {b.epochs} epoch(s), {total} iterations"
-        if kind == "RL"
-        else f"  steps     {total} of {config.sft.batch_size} sequences",
     ]
+    if kind != "RL":
+        lines.append(f"  steps     {total} of {config.sft.batch_size} sequences")
+        return "\n".join(lines)
+    algo = config.algo
+    advantages = "GAE with a critic" if algo.advantage == "gae" else f"{algo.advantage} advantages"
+    asynchronous = ", asynchronous generation" if config.async_mode.enabled else ""
+    lines.append(
+        f"  method    {method_name(config)}: objective {algo.method}, {advantages}{asynchronous}"
+    )
+    updates = "one update per batch, on-policy: the ratio is 1" if on_policy(config) else ""
+    lines.append(
+        f"  batch     {b.n_prompts} prompts x {b.group_size} samples, {b.n_minibatches} "
+        f"minibatch(es) x {b.epochs} epoch(s){f' ({updates})' if updates else ''}, {total} "
+        "iterations"
+    )
     return "\n".join(lines)
 
 

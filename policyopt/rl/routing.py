@@ -19,6 +19,18 @@ sampler recorded (KV-cache decode) and the routing of the trainer's full forward
 with the same parameters: it is non-zero only through numerical differences (a near-tie
 between two router logits resolved differently), which is what rollout routing replay
 (R3, 2510.11370) removes.
+
+**Routing share** (``routing/ratio_share``): the part of the importance ratio's noise that
+routing causes, at the parameters after the batch's updates, on the batch's response
+tokens. With ``lp_old`` pi_old's log-probs (its own routing), ``lp_new`` the updated
+policy's (its own routing) and ``lp_replay`` the updated policy's under pi_old's routing,
+
+    log r = (lp_new - lp_replay) + (lp_replay - lp_old) = routing part + parameter part,
+    share = E[routing part^2] / (E[routing part^2] + E[parameter part^2]),
+
+means over the valid response tokens (second moments about log r = 0, the ratio's noise
+around 1). It is 0 when replaying pi_old's routing leaves the log-probs unchanged, and
+near 1 when routing alone moves the ratio (docs/claims.md, "routing_share").
 """
 
 from __future__ import annotations
@@ -55,6 +67,40 @@ def routing_metrics(prefix: str, routing_a, routing_b, token_mask) -> dict[str, 
     for layer in range(per_layer.shape[0]):
         metrics[f"{prefix}/layer_{layer}"] = per_layer[layer]
     return metrics
+
+
+def ratio_share_metrics(
+    new_log_probs: jax.Array, replayed_log_probs: jax.Array, old_log_probs: jax.Array, mask
+) -> dict[str, jax.Array]:
+    """The routing share of the log-ratio (module doc) and its parts' mean squares.
+
+    Args:
+      new_log_probs: ``[R, N]``, the updated policy under its own routing.
+      replayed_log_probs: ``[R, N]``, the updated policy under pi_old's routing.
+      old_log_probs: ``[R, N]``, pi_old under its own routing.
+      mask: ``[R, N]``, 1 on the valid response tokens.
+
+    Returns:
+      ``routing/ratio_share`` (NaN when neither part moved), ``routing/log_ratio_ms``
+      (E[log r^2]), ``routing/log_ratio_ms_routing`` and ``routing/log_ratio_ms_params``.
+    """
+    weight = mask.astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(weight), 1.0)
+
+    def mean_square(x):
+        return jnp.sum(weight * jnp.square(x.astype(jnp.float32))) / count
+
+    routing = mean_square(new_log_probs - replayed_log_probs)
+    params = mean_square(replayed_log_probs - old_log_probs)
+    total = routing + params
+    return {
+        "routing/ratio_share": jnp.where(
+            total > 0, routing / jnp.where(total > 0, total, 1.0), jnp.nan
+        ),
+        "routing/log_ratio_ms": mean_square(new_log_probs - old_log_probs),
+        "routing/log_ratio_ms_routing": routing,
+        "routing/log_ratio_ms_params": params,
+    }
 
 
 def update_routing_metrics(

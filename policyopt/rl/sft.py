@@ -32,6 +32,7 @@ import numpy as np
 from policyopt import sharding
 from policyopt.checkpoint import Checkpointer, lock_workdir
 from policyopt.data.pipeline import as_record, make_pipeline
+from policyopt.loggers import config_json, open_loggers, parse_loggers
 from policyopt.losses import aggregate
 from policyopt.metrics import MetricsWriter, Progress, read_step_record
 from policyopt.rl import build, report
@@ -169,10 +170,16 @@ def make_sft_iterator(config, tokenizer, *, seed: int):
     return iter(pipeline)
 
 
-def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SFTRun:
+def build_sft(
+    config, workdir: str, *, init_checkpoint: str | None = None, lock: bool = False
+) -> SFTRun:
     """Mesh, model, optimiser, data; restores ``workdir/checkpoints`` if it holds a
     checkpoint, else starts from ``init_checkpoint`` (full training state: params and
-    optimiser), onto the shardings of the initial state."""
+    optimiser), onto the shardings of the initial state. Nothing is written before
+    everything that can be checked has been (devices, files, model, data, evaluation
+    prompts): only then is ``workdir`` created (and, with ``lock``, locked)."""
+    if init_checkpoint and not os.path.isdir(init_checkpoint):
+        raise FileNotFoundError(f"init_checkpoint={init_checkpoint!r} is not a directory")
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
     model = build.make_model(config, tokenizer.vocab_size, mesh, with_lora=False)
@@ -186,43 +193,57 @@ def build_sft(config, workdir: str, *, init_checkpoint: str | None = None) -> SF
         max_grad_norm=s.max_grad_norm,
         decay_steps=int(s.steps) if s.lr_decay == "cosine" else 0,
         min_lr_ratio=float(s.min_lr_ratio),
+        router_lr_scale=1.0,  # the RL policy's lever only
     )
     update, optimizer = sft_update_fn(graphdef, optim)
     state = place_state(TrainState.create(params, optimizer), optimizer, mesh)
+    data = make_sft_iterator(config, tokenizer, seed=config.seed)
+    if config.eval.num_prompts > 0:  # what the final evaluation reads, before training
+        build.eval_records(config, tokenizer)
+        build.correctness_spec(config)
+    if lock:
+        lock_workdir(workdir)  # one process per workdir: a second is refused in one line
+    os.makedirs(workdir, exist_ok=True)
     checkpointer = Checkpointer(
-        os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints
+        os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints, owner=True
     )
     run = SFTRun(
         config=config,
         tokenizer=tokenizer,
         graphdef=graphdef,
         state=state,
-        data=make_sft_iterator(config, tokenizer, seed=config.seed),
+        data=data,
         update=update,
         checkpointer=checkpointer,
         mesh=mesh,
     )
+    target = {"train": run.state}
     if checkpointer.latest_step() is not None:
-        # The config first (a changed shape would fail in the arrays, unnamed), and only
-        # what SFT reads: a recipe's RL settings may change under a cached SFT start.
-        build.check_resume_config(
-            checkpointer.meta().get("config"),
-            config,
-            checkpointer.directory,
-            sections=SFT_FIELDS,
-            ignore=SFT_IGNORED,
-        )
-        build.check_checkpoint_shapes(checkpointer, {"train": run.state}, config, field="resume")
-        restored, meta = checkpointer.restore({"train": run.state})
+
+        def check(step: int, meta: dict) -> None:
+            # The config first (a changed shape would fail in the arrays, unnamed), and only
+            # what SFT reads: a recipe's RL settings may change under a cached SFT start.
+            build.check_resume_config(
+                meta.get("config"),
+                config,
+                checkpointer.directory,
+                sections=SFT_FIELDS,
+                ignore=SFT_IGNORED,
+            )
+            build.check_checkpoint_shapes(checkpointer, target, config, step=step, field="resume")
+
+        restored, meta = checkpointer.restore(target, check=check)
         run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
         run.resumed_config = meta.get("config")
     elif init_checkpoint:
         with Checkpointer(init_checkpoint) as source:
-            build.check_checkpoint_shapes(
-                source, {"train": run.state}, config, field="init_checkpoint"
+            restored, meta = source.restore(
+                target,
+                check=lambda step, _: build.check_checkpoint_shapes(
+                    source, target, config, step=step, field="init_checkpoint"
+                ),
             )
-            restored, meta = source.restore({"train": run.state})
         run.state, run.step = restored["train"], int(meta["iteration"])
         run.data.set_state(meta["data"])
     return run
@@ -311,8 +332,6 @@ def run_sft(
       ``{"step", "metrics", "eval" (final greedy pass@1 etc., if config.eval.num_prompts),
       "graphdef", "params", "checkpoint_dir", "interrupted"}``.
     """
-    os.makedirs(workdir, exist_ok=True)
-    lock_workdir(workdir)  # one process per workdir: a second is refused in one line
     total = config.sft.steps if steps is None else steps
     if config.sft.lr_decay == "cosine" and total > config.sft.steps and not config.sft.min_lr_ratio:
         raise ValueError(
@@ -320,14 +339,18 @@ def run_sft(
             f"{config.sft.steps}: the updates past it would train at learning rate 0; set "
             "sft.min_lr_ratio > 0 to continue at lr * min_lr_ratio"
         )
-    run = build_sft(config, workdir, init_checkpoint=init_checkpoint)
+    with build.undo_workdir_on_failure(workdir):  # a failed build leaves nothing behind
+        run = build_sft(config, workdir, init_checkpoint=init_checkpoint, lock=True)
     primary = sharding.is_primary()  # process 0 writes (multi-process jobs)
     # Records after the checkpoint's step are written again (see trainer.RunLoop).
     writer = MetricsWriter(
         workdir,
-        tensorboard=config.train.tensorboard,
+        tensorboard="tensorboard" in parse_loggers(config.train.loggers),
         enabled=primary,
         resume_step=run.step if run.step else -1,
+        loggers=open_loggers(config.train.loggers, workdir, config_json(config), kind="sft")
+        if primary
+        else (),
     )
     progress = (
         None

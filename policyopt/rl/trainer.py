@@ -92,7 +92,8 @@ from absl import logging
 from policyopt import sharding
 from policyopt.checkpoint import Checkpointer, lock_workdir
 from policyopt.data.pipeline import make_pipeline
-from policyopt.engine import Engine
+from policyopt.engine import Engine, GenerationStopped
+from policyopt.loggers import config_json, open_loggers, parse_loggers
 from policyopt.metrics import MetricsWriter, Progress, read_last_value, read_step_record
 from policyopt.rl import adapters, build, iteration, methods, report
 from policyopt.rl.critic import CriticConfig, critic_optim, get_critic
@@ -190,12 +191,19 @@ def make_prompt_iterator(config, records, *, seed: int):
     return iter(pipeline)
 
 
-def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
+def build_run(
+    config, workdir: str, *, check_config: bool = True, lock: bool = False, owner: bool = True
+) -> RLRun:
     """Builds the mesh, model, learner, data and the initial state (placed on the mesh);
-    restores the latest checkpoint of ``workdir/checkpoints`` when there is one, onto the
-    same shardings (refusing one saved under another config unless ``check_config`` is
-    False: see ``restore``)."""
-    os.makedirs(workdir, exist_ok=True)
+    restores the latest readable checkpoint of ``workdir/checkpoints`` when there is one,
+    onto the same shardings (refusing one saved under another config unless
+    ``check_config`` is False: see ``restore``). ``owner``: the run will save there (its
+    ``Checkpointer``'s ``owner``: corrupt checkpoints skipped are moved aside); False for a
+    reader such as ``experiments/eval.py``.
+
+    Nothing is written until everything that can be checked has been (the mesh's devices,
+    files, model, data, evaluation prompts, verifier): only then is ``workdir`` created
+    (and, with ``lock``, locked: ``lock_workdir``) and ``checkpoints/`` opened."""
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
     model = build.make_model(config, tokenizer.vocab_size, mesh)
@@ -235,9 +243,6 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
         pad_id=tokenizer.pad_id,
         num_samples=config.batch.group_size,
         decode_segments=s.decode_segments,
-    )
-    checkpointer = Checkpointer(
-        os.path.join(workdir, "checkpoints"), max_to_keep=config.train.keep_checkpoints
     )
     engine = None
     if s.engine_kv_tokens > 0:
@@ -280,6 +285,14 @@ def build_run(config, workdir: str, *, check_config: bool = True) -> RLRun:
         ),
         reward_model_iterations=config.critic.reward_model_iterations if critic else 0,
     )
+    if lock:
+        lock_workdir(workdir)  # one process per workdir: a second is refused in one line
+    os.makedirs(workdir, exist_ok=True)
+    checkpointer = Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        max_to_keep=config.train.keep_checkpoints,
+        owner=owner,
+    )
     run = RLRun(
         spec=spec,
         run_state=RunState(policy=state, critic=critic_state, rng=rng),
@@ -315,30 +328,35 @@ def checkpoint_meta(run: RLRun, data_state) -> dict:
     return meta
 
 
-def save(run: RLRun) -> None:
-    """Checkpoints the run at its current iteration."""
-    run.checkpointer.save(
-        run.iteration, checkpoint_state(run), checkpoint_meta(run, run.data.get_state())
-    )
+def save(run: RLRun, data_state=None) -> None:
+    """Checkpoints the run at its current iteration, with the data position ``data_state``
+    (default: the iterator's now)."""
+    data_state = run.data.get_state() if data_state is None else data_state
+    run.checkpointer.save(run.iteration, checkpoint_state(run), checkpoint_meta(run, data_state))
 
 
 def restore(run: RLRun, step: int | None = None, *, check_config: bool = True) -> None:
     """Restores parameters, optimiser, counters, run key, iteration and data position (and
-    the critic's parameters, optimiser and counters); refuses a checkpoint saved under
+    the critic's parameters, optimiser and counters) from ``step`` (default: the latest
+    readable one, ``Checkpointer.restore``'s fallback); refuses a checkpoint saved under
     another config (``build.check_resume_config``) unless ``check_config`` is False
     (``experiments/eval.py``, which only reads the parameters)."""
-    meta = run.checkpointer.meta(step)
+    target = checkpoint_state(run)
     where = run.checkpointer.directory
-    # Adapters against full weights, and adapters on another base: one line each, first.
-    adapters.check_kind(meta.get("lora"), run.config, where, "resume")
-    if meta.get("lora") is not None:
-        adapters.check_base(meta["lora"], run.spec.weights.frozen, f"resume: {where}")
-    if check_config:  # before the arrays: a changed shape would fail there, unnamed
-        build.check_resume_config(meta.get("config"), run.config, where)
-    build.check_checkpoint_shapes(
-        run.checkpointer, checkpoint_state(run), run.config, step=step, field="resume"
-    )
-    restored, meta = run.checkpointer.restore(checkpoint_state(run), step)
+
+    def check(candidate: int, meta: dict) -> None:
+        # Adapters against full weights, and adapters on another base: one line each, first.
+        adapters.check_kind(meta.get("lora"), run.config, where, "resume")
+        if meta.get("lora") is not None:
+            adapters.check_base(meta["lora"], run.spec.weights.frozen, f"resume: {where}")
+        # Before the arrays: a changed config or shape would fail there, unnamed.
+        if check_config:
+            build.check_resume_config(meta.get("config"), run.config, where)
+        build.check_checkpoint_shapes(
+            run.checkpointer, target, run.config, step=candidate, field="resume"
+        )
+
+    restored, meta = run.checkpointer.restore(target, step, check=check)
     run.run_state = run.run_state.replace(
         policy=restored["train"],
         rng=restored["rng"],
@@ -469,21 +487,29 @@ def run_rl(
       quiet: no console output (banner, progress line, samples).
       recipe: what the banner names as the run's recipe (the command line's ``--config``).
 
-    SIGINT / SIGTERM stop the run at the next iteration boundary with a checkpoint
-    (``RunLoop``); the summary's ``"interrupted"`` then names the signal.
+    SIGINT / SIGTERM stop the run with a checkpoint (``RunLoop``): at the next iteration
+    boundary, or (engine, one process) at the engine's next decode call, the iteration
+    in progress dropped; the summary's ``"interrupted"`` then names the signal.
 
     Returns:
       ``{"iteration", "metrics" (last iteration), "eval" (last evaluation),
       "eval_history" (list), "run" (the RLRun), "interrupted" (signal name or None)}``.
     """
     total = config.train.num_iterations if num_iterations is None else num_iterations
-    lock_workdir(workdir)  # one process per workdir: a second is refused in one line
-    run = build_run(config, workdir)
+    with build.undo_workdir_on_failure(workdir):  # a failed build leaves nothing behind
+        run = build_run(config, workdir, lock=True)
     loop = RunLoop(run, total, quiet=quiet, recipe=recipe)
     try:
         loop.begin()
+        loop.attach(run.engine)
         while run.iteration < total and not loop.stopping:
-            loop.after_iteration(rl_iteration(run), save=lambda: save(run))
+            data_state = run.data.get_state()  # the iteration's start, if it is cut short
+            try:
+                metrics = rl_iteration(run)
+            except GenerationStopped:
+                loop.stopped_in_iteration(save=lambda: save(run, data_state))
+                break
+            loop.after_iteration(metrics, save=lambda: save(run))
         loop.end()
     finally:
         loop.close()
@@ -536,14 +562,21 @@ class RunLoop:
                 ),
                 flush=True,
             )
-        for warning in report.advisories(config):
+        for warning in report.advisories(config, report.user_fields(recipe)):
             self._warn(warning)
+        self.short_lambda_checked = False  # report.short_lambda_warning, once per run
         if primary:
             with open(os.path.join(workdir, "config.json"), "w") as f:
                 f.write(config.to_json_best_effort(indent=2, sort_keys=True))
         resume_step = run.iteration if run.iteration else -1
         self.writer = MetricsWriter(
-            workdir, tensorboard=config.train.tensorboard, enabled=primary, resume_step=resume_step
+            workdir,
+            tensorboard="tensorboard" in parse_loggers(config.train.loggers),
+            enabled=primary,
+            resume_step=resume_step,
+            loggers=open_loggers(config.train.loggers, workdir, config_json(config))
+            if primary
+            else (),
         )
         self.eval_writer = MetricsWriter(
             workdir,
@@ -578,8 +611,12 @@ class RunLoop:
         # The pass@1 the console shows, with the iteration it was measured at: after a
         # resume, the last one eval.jsonl holds (at or before the checkpoint's iteration).
         self.shown_eval = read_last_value(self.eval_writer.path, "eval/pass@1") if primary else None
-        self.stop = GracefulStop()
+        self.stop = GracefulStop(
+            "stopping after this iteration, or at the engine's next decode call (a "
+            "checkpoint is saved); Ctrl-C again to stop at once"
+        )
         self.stopped_by: str | None = None  # the signal that stopped the run (process 0's)
+        self._attached: list = []  # objects whose should_stop is this loop's (attach)
         self.uninformative_streak, self.first_iteration = 0, True
         self._first_start = time.perf_counter()
         if (
@@ -608,6 +645,33 @@ class RunLoop:
         received it, polled once per iteration (``_poll_stop``)."""
         return self.stopped_by is not None
 
+    def attach(self, target) -> None:
+        """Lets a SIGINT / SIGTERM reach ``target`` (an ``Engine`` or ``AsyncGenerator``;
+        None: nothing) in the middle of an iteration: its ``should_stop`` becomes this
+        loop's request until ``close``, and it raises ``GenerationStopped``
+        (``stopped_in_iteration``). One process only: on several, every process must
+        stop after the same iteration (``_poll_stop``), so the stop waits for it."""
+        if target is None or jax.process_count() > 1:
+            return
+        target.should_stop = lambda: self.stop.requested
+        self._attached.append(target)
+
+    def stopped_in_iteration(self, save) -> None:
+        """A stop that cut an iteration short (``GenerationStopped``): nothing of it is
+        kept; the run is saved (``save()``) at its last complete iteration unless that
+        checkpoint exists, and ends as a stop does."""
+        run = self.run
+        self.stopped_by = self.stop.signal_name or "stop"
+        if run.iteration not in run.checkpointer.all_steps():
+            save()
+        if self.console:
+            path = os.path.join(run.checkpointer.directory, str(run.iteration))
+            print(
+                f"{self.stopped_by}: stopped during iteration {run.iteration + 1} (its "
+                f"generation cut short); checkpoint {path}; rerun the same command to resume",
+                flush=True,
+            )
+
     def _poll_stop(self) -> None:
         """Every process takes process 0's answer (a collective on several processes), so
         that all of them stop after the same iteration."""
@@ -626,6 +690,7 @@ class RunLoop:
         self.eval_writer.write(run.iteration, result)
         self.writer.write(run.iteration, result)
         self.eval_samples.write_rows(run.iteration, samples[:EVAL_SAMPLES_LOGGED])
+        self.writer.write_text(run.iteration, "samples/eval", samples[:EVAL_SAMPLES_LOGGED])
         self.history.append({"iteration": run.iteration, **result})
         if self.progress:
             print(
@@ -638,11 +703,12 @@ class RunLoop:
         return result
 
     def _log_samples(self) -> None:
-        """Every ``train.sample_every`` iterations, the first ``train.sample_prompts``
-        prompts' completions with rewards and verdicts: samples.jsonl, TensorBoard text,
-        and one of them on the console."""
+        """At iteration 1 and every ``train.sample_every`` iterations (K, 2K, ...), the
+        first ``train.sample_prompts`` prompts' completions with rewards and verdicts:
+        samples.jsonl, TensorBoard text, and one of them on the console."""
         run, train = self.run, self.config.train
-        due = train.sample_every and run.iteration % train.sample_every == 0
+        every = train.sample_every
+        due = every and (run.iteration == 1 or run.iteration % every == 0)
         if not (due and run.last_samples):
             return
         rows = report.sample_rows(
@@ -679,6 +745,16 @@ class RunLoop:
                 "run) or a denser reward."
             )
 
+    def _watch_lambda(self) -> None:
+        """Warns once when the first batch's responses keep a length-adaptive lambda near 0
+        (``report.short_lambda_warning``)."""
+        if self.short_lambda_checked or self.run.last_round is None:
+            return
+        self.short_lambda_checked = True
+        warning = report.short_lambda_warning(self.config, self.run.last_round.mask.sum(axis=1))
+        if warning:
+            self._warn(warning)
+
     @property
     def last_eval(self) -> dict:
         return self.run.last_eval
@@ -695,6 +771,9 @@ class RunLoop:
             self.evaluate()
         self._poll_stop()
         if self.console and run.iteration < self.total and not self.stopping:
+            phase = report.critic_phase(self.config, run.iteration)
+            if phase:
+                print(phase, flush=True)
             print(
                 f"iteration {run.iteration + 1}: compiling the sampler and the update steps "
                 "(the first iteration's time includes compilation) ...",
@@ -726,6 +805,10 @@ class RunLoop:
             self.progress.update(run.iteration, shown, suffix=suffix)
         self._log_samples()
         self._watch_informative(metrics)
+        self._watch_lambda()
+        phase = report.critic_phase(self.config, run.iteration, metrics)
+        if phase and self.console:
+            print(phase, flush=True)
         self._poll_stop()
         final = run.iteration == self.total
         every = train.eval_every
@@ -753,6 +836,9 @@ class RunLoop:
 
     def close(self) -> None:
         self.stop.__exit__()
+        for target in self._attached:
+            target.should_stop = None
+        self._attached = []
         for writer in (self.writer, self.eval_writer, self.samples, self.eval_samples):
             writer.close()
 

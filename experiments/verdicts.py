@@ -1,0 +1,327 @@
+"""The verdict of a claim's checks (`experiments/reproduce.py`; the rule in docs/claims.md).
+
+A check's values are paired per (SFT start, seed). Each is tested with the exact sign-flip
+test: under "no effect" every assignment of signs to the distances from the threshold is
+equally likely, so p is the share of the 2^n assignments whose sum reaches the observed one.
+It stays exact with ties, zero spread and quantised values (pass@1 moves in 1/256), and it
+cannot decide on few pairs (its smallest p is 2^-n). With a margin, TOST (both one-sided
+tests against threshold -+ margin) can find "equivalent". Holm's correction runs over the
+hypotheses of a claim's checks (family-wise alpha 0.05). A decided check needs every pair
+present and every SFT start's mean on the decided side. The claim is supported when every
+check is supported or equivalent, and contradicted when one is contradicted. The Student t
+interval and a power line (pairs needed for 80% power) are reported, not used.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Sequence
+
+import numpy as np
+
+#: Family-wise error rate of a claim's verdicts (Holm over its checks' hypotheses).
+ALPHA = 0.05
+#: The power the "pairs needed" line is computed for.
+POWER = 0.8
+#: Up to this many pairs the sign-flip test enumerates all 2^n assignments; beyond, it
+#: draws ``MONTE_CARLO_DRAWS`` of them (a fixed rng: the same p at every call).
+EXACT_MAX_N = 20
+MONTE_CARLO_DRAWS = 200_000
+
+
+def sign_flip_p(values: Sequence[float], center: float = 0.0) -> tuple[float, float]:
+    """One-sided p-values of the sign-flip test of the values against ``center``.
+
+    With d_i = values_i - center and S = sum d_i, ``p_above`` is the share of sign
+    assignments s in {-1, 1}^n with sum s_i |d_i| >= S (evidence that the values lie above
+    ``center``), ``p_below`` the share with sum <= S. Ties count towards both (conservative),
+    so values all at ``center`` give 1 and 1. Exact up to ``EXACT_MAX_N`` values; beyond,
+    (1 + hits) / (1 + draws) over ``MONTE_CARLO_DRAWS`` random assignments.
+
+    Returns:
+      ``(p_above, p_below)``.
+    """
+    d = np.asarray(values, dtype=np.float64) - center
+    if d.size == 0:
+        raise ValueError("sign_flip_p needs at least one value")
+    magnitude = np.abs(d)
+    observed = float(d.sum())
+    # Sums that equal the observed one up to rounding are ties.
+    tol = 1e-9 * float(magnitude.sum())
+    if d.size <= EXACT_MAX_N:
+        sums = np.zeros(1)
+        for a in magnitude:
+            sums = np.concatenate([sums + a, sums - a])
+        return float(np.mean(sums >= observed - tol)), float(np.mean(sums <= observed + tol))
+    rng = np.random.default_rng(0)
+    above = below = 0
+    for start in range(0, MONTE_CARLO_DRAWS, 10_000):
+        signs = rng.choice((-1.0, 1.0), size=(min(10_000, MONTE_CARLO_DRAWS - start), d.size))
+        sums = signs @ magnitude
+        above += int(np.sum(sums >= observed - tol))
+        below += int(np.sum(sums <= observed + tol))
+    return (1 + above) / (1 + MONTE_CARLO_DRAWS), (1 + below) / (1 + MONTE_CARLO_DRAWS)
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values: the i-th smallest of m is multiplied by m - i
+    (i from 0), made non-decreasing and capped at 1; a hypothesis is rejected at family-wise
+    level alpha where its adjusted p <= alpha."""
+    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
+    adjusted = [1.0] * len(p_values)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b) (continued fraction, Lentz)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):  # the fraction converges fast below the mode
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    log_front = a * math.log(x) + b * math.log1p(-x) - math.log(a)
+    log_front -= math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    fraction = d
+    for m in range(1, 500):
+        for numerator in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            fraction *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return math.exp(log_front) * fraction
+
+
+def student_t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with ``df`` degrees of freedom."""
+    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t > 0 else tail
+
+
+def student_t_quantile(q: float, df: float) -> float:
+    """The ``q`` quantile of Student's t with ``df`` degrees of freedom (bisection on the
+    cdf, to 1e-10)."""
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"a quantile needs 0 < q < 1, got {q}")
+    if q < 0.5:
+        return -student_t_quantile(1.0 - q, df)
+    low, high = 0.0, 1.0
+    while student_t_cdf(high, df) < q:
+        low, high = high, 2.0 * high
+    while high - low > 1e-10 * max(1.0, high):
+        mid = 0.5 * (low + high)
+        low, high = (mid, high) if student_t_cdf(mid, df) < q else (low, mid)
+    return 0.5 * (low + high)
+
+
+def pairs_needed(
+    effect: float, std: float, margin: float | None = None, alpha: float = ALPHA
+) -> int | str:
+    """The (start, seed) pairs for ``POWER`` at the observed ``effect`` (mean - threshold)
+    and spread, or why that is not estimable.
+
+    Without a margin: the two-sided test at ``alpha`` of effect != 0, n = ((t_{1-alpha/2} +
+    t_{POWER}) std / |effect|)^2 with t at n - 1 degrees of freedom (iterated from the
+    normal quantiles). With one: the test that finds what the effect shows, TOST at
+    ``alpha`` when |effect| < margin (distance margin - |effect|; power 1 - (1 - POWER) / 2
+    at effect 0) or the two-sided test beyond the margin (distance |effect| - margin). At
+    least the fewest pairs for which the exact sign-flip test can reach ``alpha``.
+    """
+    if not (math.isfinite(std) and std > 0):
+        return "not estimable (no spread)"
+    one_sided, power, distance = alpha / 2, POWER, abs(effect)
+    if margin is not None:
+        distance = margin - abs(effect)
+        if distance > 0:  # equivalence: two one-sided tests at alpha
+            one_sided = alpha
+            power = 1.0 - (1.0 - POWER) / 2 if effect == 0 else POWER
+        distance = abs(distance)
+    if distance == 0:
+        return "not estimable (effect 0)" if margin is None else "not estimable (effect at margin)"
+    normal = statistics.NormalDist()
+    z = normal.inv_cdf(1 - one_sided) + normal.inv_cdf(power)
+    n = (z * std / distance) ** 2
+    for _ in range(50):
+        df = max(n - 1.0, 1.0)
+        t = student_t_quantile(1 - one_sided, df) + student_t_quantile(power, df)
+        n, previous = (t * std / distance) ** 2, n
+        if abs(n - previous) < 1e-6:
+            break
+    # The sign-flip test's smallest one-sided p is 2^-n.
+    exact = math.ceil(math.log2(1.0 / one_sided) - 1e-12)
+    return max(math.ceil(n - 1e-9), exact, 2)
+
+
+def _tests(values: Sequence[float], threshold: float, margin: float | None) -> dict:
+    """The hypotheses a check's values can reject: ``[(verdict, p), ...]`` with the
+    one-sided p-values they come from."""
+    if margin is None:
+        above, below = sign_flip_p(values, threshold)
+        direction = ("supported", above) if above <= below else ("contradicted", below)
+        return {
+            "p_above": above,
+            "p_below": below,
+            "tests": [(direction[0], min(1.0, 2 * direction[1]))],
+        }
+    if not margin > 0:
+        raise ValueError(f"an equivalence margin must be > 0, got {margin}")
+    above_low, below_low = sign_flip_p(values, threshold - margin)
+    above_high, below_high = sign_flip_p(values, threshold + margin)
+    # Beyond the margin: above threshold + margin, or below threshold - margin.
+    direction = (
+        ("supported", above_high) if above_high <= below_low else ("contradicted", below_low)
+    )
+    return {
+        "p_above": above_high,
+        "p_below": below_low,
+        "p_equivalent": max(above_low, below_high),
+        "tests": [
+            ("equivalent", max(above_low, below_high)),
+            (direction[0], min(1.0, 2 * direction[1])),
+        ],
+    }
+
+
+def _on_side(mean: float, verdict: str, threshold: float, margin: float | None) -> bool:
+    """Whether a mean lies where ``verdict`` puts the check's centre."""
+    m = margin or 0.0
+    if verdict == "supported":
+        return mean > threshold + m
+    if verdict == "contradicted":
+        return mean < threshold - m
+    return threshold - m < mean < threshold + m  # equivalent
+
+
+def judge(
+    values: Sequence[float],
+    threshold: float,
+    margin: float | None = None,
+    *,
+    starts: Sequence[int] | None = None,
+    missing: int = 0,
+) -> dict:
+    """The verdict of one check from its per-pair values, judged alone (``claim_verdict``
+    judges a claim's checks together: Holm's correction across them).
+
+    Args:
+      values: one per (SFT start, seed) pair, e.g. a paired difference between two arms.
+      threshold: the check is "supported" when the values lie above it, "contradicted"
+        when below (the sign-flip test, two-sided at ``ALPHA``).
+      margin: with one, "equivalent" when TOST shows the values within threshold -+
+        margin; "supported" / "contradicted" then mean beyond the margin.
+      starts: the SFT start of each value (for the per-start means: a decided direction
+        that a start's mean does not share is no verdict).
+      missing: pairs of the sweep without a value (not logged, or not finite): a check
+        with any is not decided.
+
+    Returns:
+      ``{"n", "missing", "verdict", "note", ...}``; with values also "mean", "std",
+      "half_width" (95% Student t), "effect" (mean - threshold), "start_means" ({start:
+      mean - threshold}), "p_above" / "p_below" (one-sided, against threshold or beyond
+      the margin), "p_equivalent" (with a margin), "tests" ([(verdict, p)]), "p" (the
+      decisive hypothesis's p after Holm) and "pairs_needed" (``pairs_needed``).
+      ``verdict`` is "supported", "contradicted", "equivalent", "inconclusive", or
+      "not run" when no pair has a value.
+    """
+    values = [float(v) for v in values]
+    if starts is not None and len(starts) != len(values):
+        raise ValueError(f"judge: {len(values)} values but {len(starts)} starts")
+    n = len(values)
+    if n == 0:
+        return {"n": 0, "missing": missing, "verdict": "not run", "note": "no pair has a value"}
+    mean = statistics.fmean(values)
+    std = statistics.stdev(values) if n > 1 else math.nan
+    half = student_t_quantile(0.975, n - 1) * std / math.sqrt(n) if n > 1 else math.inf
+    by_start: dict[int, list[float]] = {}
+    for start, value in zip(starts if starts is not None else [0] * n, values):
+        by_start.setdefault(int(start), []).append(value)
+    result = {
+        "n": n,
+        "missing": missing,
+        "threshold": threshold,
+        "margin": margin,
+        "mean": mean,
+        "std": std,
+        "half_width": half,
+        "effect": mean - threshold,
+        "start_means": {s: statistics.fmean(v) - threshold for s, v in sorted(by_start.items())},
+        **_tests(values, threshold, margin),
+    }
+    (decided,) = _decide([result])
+    return decided
+
+
+def _decide(checks: Sequence[dict]) -> list[dict]:
+    """The checks with their verdicts after Holm's correction across all their hypotheses."""
+    family = [(i, verdict, p) for i, c in enumerate(checks) for verdict, p in c.get("tests", ())]
+    adjusted = holm([p for _, _, p in family])
+    out = []
+    for i, check in enumerate(checks):
+        check = dict(check)
+        if not check.get("tests"):
+            out.append({**check, "verdict": "not run", "note": "no pair has a value"})
+            continue
+        own = [(a, verdict) for (j, verdict, _), a in zip(family, adjusted) if j == i]
+        p, verdict = min(own)
+        check["p"] = p
+        check["pairs_needed"] = (
+            pairs_needed(check["effect"], check["std"], check["margin"], ALPHA / len(family))
+            if check["n"] > 1
+            else "not estimable (one pair)"
+        )
+        notes = []
+        if p > ALPHA:
+            verdict = "inconclusive"
+        if check["missing"]:
+            notes.append(f"{check['missing']} of {check['missing'] + check['n']} pairs missing")
+        off = [
+            s
+            for s, effect in check["start_means"].items()
+            if verdict != "inconclusive"
+            and not _on_side(
+                effect + check["threshold"], verdict, check["threshold"], check["margin"]
+            )
+        ]
+        if off:
+            notes.append(f"start(s) {', '.join(map(str, off))} disagree")
+        if notes and verdict != "inconclusive":
+            notes.append(f"the test alone: {verdict}")
+            verdict = "inconclusive"
+        check["verdict"], check["note"] = verdict, "; ".join(notes)
+        out.append(check)
+    return out
+
+
+def claim_verdict(checks: Sequence[dict]) -> tuple[str, list[dict]]:
+    """A claim's verdict from its checks (``judge`` results), judged together.
+
+    Holm's correction runs over the hypotheses of every check with values, at family-wise
+    ``ALPHA``; each check's verdict and "p" are replaced by the corrected ones, and its
+    "pairs_needed" takes the correction's strictest level (``ALPHA`` / hypotheses).
+
+    Returns:
+      ``(verdict, checks)``: "supported" when every check is supported or equivalent (none
+      "not run", none missing a pair), "contradicted" when any is contradicted,
+      "inconclusive" otherwise (also with no checks).
+    """
+    decided = _decide(checks)
+    verdicts = [c["verdict"] for c in decided]
+    if "contradicted" in verdicts:
+        return "contradicted", decided
+    if verdicts and all(v in ("supported", "equivalent") for v in verdicts):
+        return "supported", decided
+    return "inconclusive", decided
