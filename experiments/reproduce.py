@@ -108,12 +108,26 @@ def per_arm_runs(summary: dict) -> dict[str, dict[tuple[int, int], dict]]:
     }
 
 
-def one_regime(runs: Sequence[tuple[str, dict]]) -> dict:
+def one_regime(runs: Sequence[tuple[str, dict]], per_arm: Sequence[str] = ()) -> dict:
     """The regime (``ablate.regime_of``) that labelled runs ``[(label, regime)]`` share;
-    a ValueError naming the first field in which two differ, and the two runs."""
+    a ValueError naming the first field in which two differ, and the two runs. Fields in
+    ``per_arm`` (``Claim.per_arm_fields``) may differ between arms (labels ``arm/run``),
+    not between one arm's runs; they are left out of the shared regime."""
     if not runs:
         raise ValueError("verdict table refused: the summary holds no runs")
     first_label, first = runs[0]
+    arm_of = {}
+    for label, regime in runs:
+        arm = label.split("/", 1)[0]
+        for field in per_arm:
+            seen = arm_of.setdefault((arm, field), (label, regime.get(field)))
+            if seen[1] != regime.get(field):
+                raise ValueError(
+                    f"verdict table refused: {field} is {seen[1]!r} in {seen[0]} but "
+                    f"{regime.get(field)!r} in {label}; one arm's starts and seeds must "
+                    "share it"
+                )
+    first = {k: v for k, v in first.items() if k not in per_arm}
     for label, regime in runs[1:]:
         for field, value in first.items():
             if regime.get(field) != value:
@@ -132,8 +146,9 @@ def _fmt(x, sign: str = "+") -> str:
 
 
 def _describe(regime: dict) -> str:
+    lr = f"lr {regime['optim.lr']:g}" if "optim.lr" in regime else "each arm at its own lr"
     return (
-        f"lr {regime['optim.lr']:g}, {regime['train.num_iterations']} policy iteration"
+        f"{lr}, {regime['train.num_iterations']} policy iteration"
         f"{'' if regime['train.num_iterations'] == 1 else 's'}, "
         f"{regime['batch.n_prompts']} prompts x {regime['batch.group_size']} samples, "
         f"{regime['batch.n_minibatches']} minibatch(es) x {regime['batch.epochs']} epoch(s), "
@@ -161,7 +176,8 @@ def verdict_table(
             (f"{arm}/{ablate.run_name(*pair)}", run["regime"])
             for arm, by_pair in runs.items()
             for pair, run in by_pair.items()
-        ]
+        ],
+        claim.per_arm_fields(),
     )
     judged = []
     for check in claim.checks:
@@ -342,7 +358,10 @@ def run_claim(
         return ablate.regime_of(configure(config) if configure else config)
 
     # Refused before anything trains: arms of different learning rates or budgets.
-    one_regime([(label, arm_regime(label, lambda c: SETTINGS[name](c, "sft"))) for label in labels])
+    one_regime(
+        [(label, arm_regime(label, lambda c: SETTINGS[name](c, "sft"))) for label in labels],
+        claim.per_arm_fields(),
+    )
     plan = {}
     for start in starts:
         checkpoint = ensure_sft(name, sft_root, variant, start)

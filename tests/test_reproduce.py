@@ -7,6 +7,7 @@ settings refused with the known ones; exploratory variants and their directories
 starts' caches and seeds; and a tiny claim run end to end over 2 SFT starts (cached, not
 retrained when rerun)."""
 
+import dataclasses
 import importlib
 import json
 import os
@@ -151,7 +152,8 @@ def test_every_claim_runs_its_arms_in_one_regime_in_each_setting(name):
                 claim.ablation, label, 0, claim.regime, lambda c: SETTINGS[setting](c, "ckpt")
             )
             dense = setting == "testbed_dense"  # the routing claim's dense control
-            assert config.model.preset == ("tiny_dense" if dense else "moe_volatile")
+            preset = {"testbed_dense": "tiny_dense", "demo": "tiny_moe"}.get(setting)
+            assert config.model.preset == (preset or "moe_volatile")
             assert config.init_checkpoint == "ckpt"
             assert config.train.routing_metrics
             regimes.append((label, ablate.regime_of(config)))
@@ -161,9 +163,38 @@ def test_every_claim_runs_its_arms_in_one_regime_in_each_setting(name):
                     assert (config.critic.lr, config.critic.reward_model_iterations) == (3e-3, 10)
             else:
                 assert (config.task.operators, config.sampling.max_new_tokens) == ("+", 20)
-        shared = reproduce.one_regime(regimes)
-        assert shared["optim.lr"] == float(regime_items["optim.lr"])
+        shared = reproduce.one_regime(regimes, claim.per_arm_fields())
+        if claim.own_lr:  # each arm at its own (lora_rl: the arms' sweep optima)
+            assert "optim.lr" not in shared
+            arm_lrs = {label: regime["optim.lr"] for label, regime in regimes}
+            assert arm_lrs == {
+                "full": 1e-3,
+                "r1_all": 1e-3,
+                "r8_all": 3e-4,
+                "r32_all": 1e-3,
+                "r8_attention": 1e-3,
+            }
+        else:
+            assert shared["optim.lr"] == float(regime_items["optim.lr"])
         assert shared["train.num_iterations"] == int(regime_items["train.num_iterations"])
+
+
+def test_a_claim_of_arms_at_their_own_learning_rates():
+    claim = get_claim("lora_rl")
+    regime = {"optim.lr": 1e-3, "train.num_iterations": 40}
+    runs = [("full/seed0", regime), ("r8_all/seed0", dict(regime, **{"optim.lr": 3e-4}))]
+    assert reproduce.one_regime(runs, claim.per_arm_fields()) == {"train.num_iterations": 40}
+    # Still one lr within an arm, and one budget across arms.
+    with pytest.raises(ValueError, match="optim.lr is 0.0003 in r8_all/seed0 but 0.001 in "):
+        reproduce.one_regime(runs + [("r8_all/seed1", regime)], claim.per_arm_fields())
+    longer = dict(regime, **{"train.num_iterations": 20})
+    with pytest.raises(ValueError, match="train.num_iterations is 40 in full/seed0 but 20"):
+        reproduce.one_regime(runs + [("r32_all/seed0", longer)], claim.per_arm_fields())
+    # Without own_lr the arms must share it (every other claim).
+    with pytest.raises(ValueError, match="must share one learning rate and budget"):
+        reproduce.one_regime(runs)
+    with pytest.raises(ValueError, match="its regime must not fix one"):
+        dataclasses.replace(claim, regime="optim.lr=1e-3,train.num_iterations=40")
 
 
 def test_no_diary_ordinals_in_what_users_read(capsys):
