@@ -151,7 +151,7 @@ def test_every_claim_runs_its_arms_in_one_regime_in_each_setting(name):
             config = ablate.arm_config(
                 claim.ablation, label, 0, claim.regime, lambda c: SETTINGS[setting](c, "ckpt")
             )
-            dense = setting == "testbed_dense"  # the routing claim's dense control
+            # The routing claim's dense control; lora_rl in the demo's setting (its MoE).
             preset = {"testbed_dense": "tiny_dense", "demo": "tiny_moe"}.get(setting)
             assert config.model.preset == (preset or "moe_volatile")
             assert config.init_checkpoint == "ckpt"
