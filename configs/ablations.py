@@ -334,7 +334,7 @@ ABLATIONS: dict[str, Ablation] = {
                 Arm("r1_all", "sapo", f"model.lora.rank=1,{LORA_ALL},optim.lr=1e-3"),
                 Arm("r8_all", "sapo", f"model.lora.rank=8,{LORA_ALL},optim.lr=3e-4"),
                 Arm("r32_all", "sapo", f"model.lora.rank=32,{LORA_ALL},optim.lr=1e-3"),
-                Arm("r8_attention", "sapo", f"model.lora.rank=8,{LORA_ATTENTION},optim.lr=1e-3"),
+                Arm("r8_attention", "sapo", f"model.lora.rank=8,{LORA_ATTENTION},optim.lr=3e-3"),
             ),
         ),
         Ablation(

@@ -172,7 +172,7 @@ def test_every_claim_runs_its_arms_in_one_regime_in_each_setting(name):
                 "r1_all": 1e-3,
                 "r8_all": 3e-4,
                 "r32_all": 1e-3,
-                "r8_attention": 1e-3,
+                "r8_attention": 3e-3,
             }
         else:
             assert shared["optim.lr"] == float(regime_items["optim.lr"])
