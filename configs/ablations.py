@@ -91,13 +91,12 @@ GSPO_VS_GRPO = ("algo.method", "algo.clip_low", "algo.clip_high")
 
 #: The routing claim's dose-response: routing-volatility levels set by the routers'
 #: learning rate as a multiple of the policy's (``optim.router_lr_scale``; each level's
-#: routing share, ``routing/ratio_share``, is measured in its runs). "low" is the testbed
-#: as it is; "mid" and "high" move the routing 10x and 25x as much per update
-#: (docs/claims.md "routing_replay"). Measured from the testbed's SFT start at lr 1e-4
-#: (GSPO, 30 iterations, seed 0): volatility 0.0013 / 0.012 / 0.031 per batch of 4
-#: updates, routing share 0.007 / 0.11 / 0.036; at 300x, 0.054 and 0.012, and GSPO stops
-#: learning (benchmarks/RESULTS.md "The routing share").
-ROUTING_LEVELS = {"low": 1.0, "mid": 30.0, "high": 100.0}
+#: routing share, ``routing/ratio_share``, is measured in its runs), at the routing claims'
+#: lr 3e-5, where the share is largest while GSPO learns. Measured from the testbed's SFT
+#: start (GSPO, 30 iterations): volatility ~0.012 / 0.025 per batch of 4 updates at 100x /
+#: 300x, routing share pooled over the run 0.069 / 0.27-0.36 (seeds 0-1); at 1000x the
+#: share falls to 0.03 and GSPO stops learning (benchmarks/RESULTS.md "The routing share").
+ROUTING_LEVELS = {"low": 1.0, "mid": 100.0, "high": 300.0}
 # The asynchronous loop of Magistral's recipe: its sampler is stale, so its routing differs
 # from pi_old's own and R3 (which replays the sampler's) differs from R2.
 ASYNC = "async_mode.enabled=True"

@@ -165,19 +165,21 @@ def _volatility_line(result: dict) -> str:
     return f"routing volatility after one update: {statistics.fmean(values):.4f}"
 
 
-#: The routing claims' learning rate and budget: lr 1e-4 (the testbed's GSPO learns there;
-#: at 1e-3 the parameters' own drift swamps routing), the routers' rate set per arm.
-ROUTING_REGIME = "optim.lr=1e-4,train.num_iterations=100"
-#: The regime diagnostic: the GSPO arm at the routing claim's "mid" level.
+#: The routing claims' learning rate and budget: lr 3e-5, where routing's share of the
+#: ratio's noise is largest while GSPO learns (at 1e-4 and 1e-3 the parameters' own drift
+#: swamps it; benchmarks/RESULTS.md "The routing share"), 150 iterations; the routers' rate
+#: set per arm.
+ROUTING_REGIME = "optim.lr=3e-5,train.num_iterations=150"
+#: The regime diagnostic: the GSPO arm at the routing claim's "high" level.
 ROUTING_SHARE = Ablation(
     "routing_share",
     "The share of the log-ratio's noise that routing causes (routing/ratio_share), GSPO on "
-    "the testbed with the routers at the routing claim's mid level.",
+    "the testbed with the routers at the routing claim's high level.",
     (
         Arm(
             "gspo",
             "gspo",
-            f"algo.routing_replay=none,optim.router_lr_scale={ROUTING_LEVELS['mid']:g}",
+            f"algo.routing_replay=none,optim.router_lr_scale={ROUTING_LEVELS['high']:g}",
         ),
     ),
     OFF_POLICY + ",train.routing_metrics=True",
