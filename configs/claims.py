@@ -193,9 +193,14 @@ DENSE_CONTROL = Ablation(
     reference="gspo",
     compares=GSPO_VS_GRPO,
 )
-ROUTING_SHARE_BUDGET = "to be measured"
+ROUTING_SHARE_BUDGET = (
+    "measured 2026-12-06: 10 min (602 s) at load 23 on 2 cores, the SFT start cached"
+)
 SAPO_GRID_BUDGET = "to be measured"
-MAGISTRAL_BUDGET = "to be measured"
+MAGISTRAL_BUDGET = (
+    "measured 2026-12-06: 18 min per (start, seed) at load ~25 on 2 cores (sync 623 s, "
+    "async 436 s); a new SFT start ~15 min more"
+)
 ROUTING_REPLAY_BUDGET = "to be measured"
 DENSE_CONTROL_BUDGET = "to be measured"
 
