@@ -445,3 +445,40 @@ def test_run_names_and_the_regime_of_a_critic_arm():
     assert ablate.regime_of(config)["train.num_iterations"] == 20
     with pytest.raises(ValueError, match="not both"):
         ablate.run_ablation(get_ablation("vc_ppo"), "unused", setting=demo_setting, starts={})
+
+
+def test_a_critic_runs_warmup_figures_are_summarised(tmp_path):
+    """A critic's explained variance after its warm-up is read from the policy's first
+    iteration; the policy's lambda is averaged over the policy's iterations only."""
+    rows = [
+        {"step": 1, "critic/pretraining": 1.0, "critic/rollout_explained_variance": -0.8},
+        {"step": 2, "critic/pretraining": 1.0, "critic/rollout_explained_variance": 0.1},
+        {
+            "step": 3,
+            "critic/pretraining": 0.0,
+            "critic/rollout_explained_variance": 0.4,
+            "advantages/lambda_policy_token_mean": 0.7,
+        },
+        {"step": 3, "eval/pass@1": 0.5},  # an evaluation's record, not an iteration's
+        {
+            "step": 4,
+            "critic/pretraining": 0.0,
+            "critic/rollout_explained_variance": 0.6,
+            "advantages/lambda_policy_token_mean": 0.8,
+        },
+    ]
+    rows[0]["advantages/lambda_policy_token_mean"] = 0.1  # warm-up: left out of the mean
+    with open(tmp_path / "eval.jsonl", "w") as f:
+        f.write(json.dumps(rows[3]) + "\n")
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    summary = ablate.summarise_run(str(tmp_path), tail=2)
+    assert summary[ablate.WARMUP_EXPLAINED_VARIANCE] == 0.4
+    assert summary["advantages/lambda_policy_token_mean"] == pytest.approx(0.75)
+    assert summary["critic/rollout_explained_variance"] == pytest.approx(0.5)
+    # A run without a critic has neither figure.
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    summary = ablate.summarise_run(str(tmp_path), tail=2)
+    assert ablate.WARMUP_EXPLAINED_VARIANCE not in summary
+    assert "advantages/lambda_policy_token_mean" not in summary

@@ -279,6 +279,24 @@ def test_length_adaptive_gae_against_loops():
     np.testing.assert_allclose(np.asarray(returns), want_returns, atol=1e-5)
 
 
+def test_policy_lambda_token_mean_hand_worked():
+    # Lengths 10, 40, 100 and an empty row: alpha 0.05 gives lambda 0 (clamped), 0.5, 0.8;
+    # over the 150 valid tokens the token mean is (10 * 0 + 40 * 0.5 + 100 * 0.8) / 150.
+    lengths = np.array([10, 40, 100, 0])
+    mask = jnp.asarray((np.arange(128)[None, :] < lengths[:, None]).astype(np.float32))
+    rewards, values = jnp.ones(4), jnp.zeros(mask.shape)
+    adaptive = gae_settings(length_adaptive=True, alpha=0.05, whiten=False)
+    _, _, metrics = gae_targets(rewards, values, mask, adaptive)
+    assert float(metrics["advantages/lambda_policy_token_mean"]) == pytest.approx(100 / 150)
+    assert float(metrics["advantages/lambda_policy_zero_token_frac"]) == pytest.approx(10 / 150)
+    # A fixed lambda is its own token mean; a batch without tokens gives 0, not NaN.
+    _, _, metrics = gae_targets(rewards, values, mask, gae_settings(lam_actor=0.9))
+    assert float(metrics["advantages/lambda_policy_token_mean"]) == pytest.approx(0.9)
+    assert float(metrics["advantages/lambda_policy_zero_token_frac"]) == 0.0
+    _, _, metrics = gae_targets(rewards, values, jnp.zeros_like(mask), adaptive)
+    assert float(metrics["advantages/lambda_policy_token_mean"]) == 0.0
+
+
 def _check_gae(run, critic_before, lam_actor, lam_critic):
     """The iteration's values, advantages and returns against an independent recomputation."""
     batch, sampled = run.last_batch, run.last_round
