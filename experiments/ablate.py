@@ -50,14 +50,14 @@ TAIL_METRICS = (
     "response/length_mean",
     "policy/entropy",
     "critic/explained_variance",
-    "critic/rollout_explained_variance",
+    "critic/rollout_mc_explained_variance",
     "async/staleness_mean",
 )
 #: Training metrics averaged over all the policy's iterations (a critic's warm-up left out).
 POLICY_MEAN_METRICS = ("advantages/lambda_policy_token_mean",)
-#: A critic's explained variance on the rollout of the policy's first iteration: fresh
-#: samples it has not trained on, scored after its warm-up (reward model, value
-#: pretraining), before any PPO update. Summarised under this name.
+#: A critic's explained variance of Monte-Carlo returns on the rollout of the policy's
+#: first iteration: fresh samples it has not trained on, scored after its warm-up (reward
+#: model, value pretraining), before any PPO update. Summarised under this name.
 WARMUP_EXPLAINED_VARIANCE = "critic/warmup_explained_variance"
 DONE_FILE = "ablation_run.json"
 #: The fields that make a run's learning rate and budget (``regime_of``): a verdict over
@@ -273,7 +273,7 @@ def summarise_run(run_dir: str, tail: int) -> dict:
         if values:
             out[key] = statistics.fmean(values)
     if policy_rows and "critic/pretraining" in policy_rows[0]:
-        value = policy_rows[0].get("critic/rollout_explained_variance", math.nan)
+        value = policy_rows[0].get("critic/rollout_mc_explained_variance", math.nan)
         if math.isfinite(value):
             out[WARMUP_EXPLAINED_VARIANCE] = value
     return out

@@ -451,19 +451,19 @@ def test_a_critic_runs_warmup_figures_are_summarised(tmp_path):
     """A critic's explained variance after its warm-up is read from the policy's first
     iteration; the policy's lambda is averaged over the policy's iterations only."""
     rows = [
-        {"step": 1, "critic/pretraining": 1.0, "critic/rollout_explained_variance": -0.8},
-        {"step": 2, "critic/pretraining": 1.0, "critic/rollout_explained_variance": 0.1},
+        {"step": 1, "critic/pretraining": 1.0, "critic/rollout_mc_explained_variance": -0.8},
+        {"step": 2, "critic/pretraining": 1.0, "critic/rollout_mc_explained_variance": 0.1},
         {
             "step": 3,
             "critic/pretraining": 0.0,
-            "critic/rollout_explained_variance": 0.4,
+            "critic/rollout_mc_explained_variance": 0.4,
             "advantages/lambda_policy_token_mean": 0.7,
         },
         {"step": 3, "eval/pass@1": 0.5},  # an evaluation's record, not an iteration's
         {
             "step": 4,
             "critic/pretraining": 0.0,
-            "critic/rollout_explained_variance": 0.6,
+            "critic/rollout_mc_explained_variance": 0.6,
             "advantages/lambda_policy_token_mean": 0.8,
         },
     ]
@@ -475,7 +475,7 @@ def test_a_critic_runs_warmup_figures_are_summarised(tmp_path):
     summary = ablate.summarise_run(str(tmp_path), tail=2)
     assert summary[ablate.WARMUP_EXPLAINED_VARIANCE] == 0.4
     assert summary["advantages/lambda_policy_token_mean"] == pytest.approx(0.75)
-    assert summary["critic/rollout_explained_variance"] == pytest.approx(0.5)
+    assert summary["critic/rollout_mc_explained_variance"] == pytest.approx(0.5)
     # A run without a critic has neither figure.
     with open(tmp_path / "metrics.jsonl", "w") as f:
         f.write(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")

@@ -297,6 +297,26 @@ def test_policy_lambda_token_mean_hand_worked():
     assert float(metrics["advantages/lambda_policy_token_mean"]) == 0.0
 
 
+def test_rollout_explained_variance_against_monte_carlo_returns():
+    # lambda_critic 0.5: the value targets contain V; the Monte-Carlo figure compares V with
+    # each token's outcome (gamma 1), whatever lambda_critic is.
+    mask = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0]], jnp.float32)
+    rewards = jnp.asarray([1.0, -1.0])
+    values = jnp.asarray([[0.5, 0.25, 0.5, 9.0], [0.0, -0.5, 9.0, 9.0]])
+    settings = gae_settings(gamma=1.0, lam_actor=0.5, lam_critic=0.5, whiten=False)
+    _, returns, metrics = gae_targets(rewards, values, mask, settings)
+    valid = np.asarray(mask) > 0
+    outcome = np.array([[1.0] * 4, [-1.0] * 4])[valid]
+    v = np.asarray(values)[valid]
+    want = 1 - np.var(outcome - v) / np.var(outcome)
+    assert float(metrics["critic/rollout_mc_explained_variance"]) == pytest.approx(want, abs=1e-6)
+    r = np.asarray(returns)[valid]
+    assert float(metrics["critic/rollout_explained_variance"]) == pytest.approx(
+        1 - np.var(r - v) / np.var(r), abs=1e-6
+    )
+    assert abs(want - float(metrics["critic/rollout_explained_variance"])) > 0.05
+
+
 def _check_gae(run, critic_before, lam_actor, lam_critic):
     """The iteration's values, advantages and returns against an independent recomputation."""
     batch, sampled = run.last_batch, run.last_round
@@ -392,6 +412,8 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
         "advantages/mean",
         "advantages/std",
         "critic/rollout_explained_variance",
+        "critic/rollout_mc_explained_variance",
+        "advantages/lambda_policy_token_mean",
         "update/grad_norm",
     ):
         assert np.isfinite(metrics[key]), key

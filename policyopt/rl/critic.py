@@ -474,7 +474,10 @@ def gae_targets(rewards, values, mask, settings: GAEConfig) -> tuple[jax.Array, 
       whitening), ``critic/returns_mean``,
       ``critic/rollout_values_mean`` and ``critic/rollout_explained_variance``
       ``1 - Var[R - V] / Var[R]`` of the values the rollout was scored with (the
-      convention of ``losses.explained_variance`` for constant returns).
+      convention of ``losses.explained_variance`` for constant returns), against the
+      value targets; ``critic/rollout_mc_explained_variance`` the same against
+      Monte-Carlo returns (lambda 1), a held-out fit at any ``lam_critic`` (the ceiling a
+      perfect critic reaches: `experiments/value_ceiling.py`).
     """
     per_token = token_rewards(rewards, mask)
     mask_f = (jnp.asarray(mask) > 0).astype(jnp.float32)
@@ -491,6 +494,14 @@ def gae_targets(rewards, values, mask, settings: GAEConfig) -> tuple[jax.Array, 
         lam_actor=lam_actor if settings.length_adaptive else settings.lam_actor,
         lam_critic=settings.lam_critic,
     )
+    # Monte-Carlo returns (lambda 1): the targets of value pretraining, and a critic's
+    # held-out fit whatever lambda_critic the run uses (GAE returns below 1 contain V).
+    if settings.lam_critic == 1.0:
+        mc_returns = returns
+    else:
+        _, mc_returns = decoupled_gae(
+            per_token, values, mask, gamma=settings.gamma, lam_actor=1.0, lam_critic=1.0
+        )
     tokens = jnp.maximum(jnp.sum(lengths), 1.0)
     metrics = {
         # The policy's lambda as its tokens see it: a fixed lambda's matched control
@@ -503,6 +514,7 @@ def gae_targets(rewards, values, mask, settings: GAEConfig) -> tuple[jax.Array, 
         "critic/returns_mean": masked_mean(returns, mask_f),
         "critic/rollout_values_mean": masked_mean(values, mask_f),
         "critic/rollout_explained_variance": explained_variance(returns, values, mask_f),
+        "critic/rollout_mc_explained_variance": explained_variance(mc_returns, values, mask_f),
     }
     if settings.whiten:
         advantages = masked_whiten(advantages, mask_f)
