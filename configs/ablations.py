@@ -117,6 +117,20 @@ def routing_dose_arms() -> tuple[Arm, ...]:
     return tuple(arms)
 
 
+#: The critic's value pretraining in the VC-PPO and VAPO ablations (the papers pretrain
+#: "until value loss and explained variance converge"): the iterations after which the
+#: critic's held-out explained variance on the long task stopped rising
+#: (docs/claims.md "vc_ppo", benchmarks/RESULTS.md "The critic's regime", 2026-12-06).
+CRITIC_PRETRAIN_ITERATIONS = 5  # PROVISIONAL
+#: VAPO's length-adaptive lambda against fixed lambdas of the same token mean (measured
+#: by the adaptive arm's ``advantages/lambda_policy_token_mean`` over its policy
+#: iterations; docs/claims.md "vapo_length_adaptive"): at the paper's alpha 0.05, and at
+#: alpha rescaled so that the task's lengths span the paper's lambdas.
+VAPO_MATCHED_LAMBDA = 0.7  # PROVISIONAL
+VAPO_RESCALED_ALPHA = 2.0  # PROVISIONAL
+VAPO_RESCALED_MATCHED_LAMBDA = 0.99  # PROVISIONAL
+
+
 ABLATIONS: dict[str, Ablation] = {
     a.name: a
     for a in (
@@ -207,24 +221,29 @@ ABLATIONS: dict[str, Ablation] = {
         Ablation(
             "vc_ppo",
             "VC-PPO (2503.01491): value pretraining and decoupled GAE (lambda_critic 1.0, "
-            "lambda_actor 0.95) against plain PPO, whose value bias hurts long responses.",
+            "lambda_actor in [0.95, 1)) against plain PPO, whose value bias hurts long "
+            "responses; the lambda_actor grid {0.9, 0.95, 0.99, 1.0} after value pretraining. "
+            f"(Every pretrained arm's critic pretrains for {CRITIC_PRETRAIN_ITERATIONS} "
+            "iterations, the count measured to bring it to its held-out fit: docs/claims.md "
+            '"vc_ppo".)',
             (
-                Arm("ppo", "ppo"),
-                Arm("ppo_pretrained", "ppo", "critic.pretrain_iterations=5"),
+                Arm("ppo", "ppo", "critic.pretrain_iterations=0"),
+                Arm("ppo_pretrained", "ppo"),
+                Arm("vc_ppo_lambda_090", "vc_ppo", "algo.gae_lambda=0.9"),
                 Arm("vc_ppo", "vc_ppo"),
+                Arm("vc_ppo_lambda_099", "vc_ppo", "algo.gae_lambda=0.99"),
                 Arm("vc_ppo_lambda_1", "vc_ppo", "algo.gae_lambda=1.0"),
             ),
-            OFF_POLICY,
+            f"{OFF_POLICY},critic.pretrain_iterations={CRITIC_PRETRAIN_ITERATIONS}",
             reference="vc_ppo",
             compares=("algo.gae_lambda_critic", "critic.pretrain_iterations"),
         ),
         Ablation(
             "vapo",
             "VAPO (2504.05118): length-adaptive GAE, the NLL term on correct samples and the "
-            "value warm-up, each removed in turn. (On responses of <= 20 tokens alpha = 0.05 "
-            "gives every policy lambda 0 (the clamp below 20 tokens, the formula at 20) and VAPO "
-            "collapses; `--variant algo.gae_alpha=1.0` gives lambda = 1 - 1/|y| ~ 0.93, near the "
-            "paper's regime: benchmarks/RESULTS.md.)",
+            "value warm-up, each removed in turn; the length-adaptive lambda against fixed "
+            "lambdas matched to its token mean, at the paper's alpha 0.05 and at an alpha "
+            "rescaled to the task's lengths (docs/claims.md \"vapo_length_adaptive\").",
             (
                 Arm("vapo", "vapo"),
                 Arm(
@@ -232,10 +251,22 @@ ABLATIONS: dict[str, Ablation] = {
                     "vapo",
                     "algo.gae_length_adaptive=False,algo.gae_lambda=0.95",
                 ),
+                Arm(
+                    "fixed_matched",
+                    "vapo",
+                    f"algo.gae_length_adaptive=False,algo.gae_lambda={VAPO_MATCHED_LAMBDA:g}",
+                ),
+                Arm("vapo_rescaled", "vapo", f"algo.gae_alpha={VAPO_RESCALED_ALPHA:g}"),
+                Arm(
+                    "fixed_matched_rescaled",
+                    "vapo",
+                    "algo.gae_length_adaptive=False,"
+                    f"algo.gae_lambda={VAPO_RESCALED_MATCHED_LAMBDA:g}",
+                ),
                 Arm("no_nll", "vapo", "algo.nll_coef=0.0"),
                 Arm("no_warmup", "vapo", "critic.pretrain_iterations=0"),
             ),
-            OFF_POLICY,
+            f"{OFF_POLICY},critic.pretrain_iterations={CRITIC_PRETRAIN_ITERATIONS}",
         ),
         Ablation(
             "magistral_async",
