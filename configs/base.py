@@ -64,6 +64,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Folder of a HuggingFace Qwen3 / Qwen3-MoE checkpoint to start from instead of a
     # preset (then the tokenizer is read from the same folder). None: preset.
     c.model.pretrained = placeholder(str)
+    # Tokenizer of a preset: a tokenizer.json (`python -m experiments.tokenizer` trains one
+    # on the task's files) or a folder holding one; the preset's vocabulary becomes the
+    # tokenizer's size. None: the character tokenizer of the synthetic task.
+    c.model.tokenizer = placeholder(str)
     # Overrides of single preset fields; None keeps the preset's value.
     c.model.num_layers = placeholder(int)
     c.model.hidden_size = placeholder(int)
@@ -123,8 +127,8 @@ def base_config() -> ml_collections.ConfigDict:
     # `policyopt.rewards.code`; the format gate then asks for a fenced block) or
     # "mixed_jsonl" (both in the same files, Magistral's mixture: a row with one of
     # `tests_fields` is code, any other math; each sample is checked by its own task's
-    # verifier). Use the file tasks with a pretrained model and its tokenizer,
-    # `model.pretrained`.
+    # verifier). The file tasks need a tokenizer for their text: `model.tokenizer` (one
+    # trained on the files, docs/quickstart.md) or a pretrained model's, `model.pretrained`.
     c.task.name = "arithmetic"
     # Difficulty knobs of `ArithmeticConfig` (task "arithmetic").
     c.task.num_operands = 2
@@ -168,7 +172,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.prompt_template = "{question}"
     c.task.skip_malformed = False
     # Task "code_jsonl": the same fields, except that the tests come from the first of
-    # `tests_fields` present, in any encoding `policyopt.rewards.code.parse_tests` reads
+    # `tests_fields` present, in any encoding `policyopt.rewards.parse_tests` reads
     # (asserts, MBPP's list of asserts, HumanEval's check() with the row's `entry_point`,
     # stdin / stdout cases, APPS / CodeContests parallel lists, or JSON text of these; an
     # empty field gives way to the next). Call-based tests (APPS's fn_name) make a row
@@ -443,7 +447,7 @@ def base_config() -> ml_collections.ConfigDict:
     # the evaluation's pass@1: "package.module:function", called as
     # function(completion, reference) -> c in [0, 1] (`RewardSpec.verifier`); None: the
     # task's (math, or code for "code_jsonl" and the code rows of "mixed_jsonl", whose
-    # reference is then the tests as JSON text, read by `policyopt.rewards.code.parse_tests`).
+    # reference is then the tests as JSON text, read by `policyopt.rewards.parse_tests`).
     c.reward.verifier = placeholder(str)
     # Its per-sample time limit, in seconds.
     c.reward.verifier_timeout_s = 5.0
@@ -453,8 +457,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.code_timeout_s = 4.0
     c.reward.code_memory_mb = 300
     # Size (MB) of each test process's working directory, /tmp and /dev/shm: tmpfs where
-    # the sandbox has a root of its own (memory, so kept well under code_memory_mb), else
-    # the working directory on disk, watched and killed past it (policyopt/rewards/code.py).
+    # the sandbox has a root of its own (memory, on top of code_memory_mb), else the
+    # working directory on disk, watched and killed past it (docs/rewards.md, "The sandbox").
     c.reward.code_disk_mb = 64
     c.reward.code_partial = False
     # Run only a problem's first N tests in the training reward (Magistral: 20; stdin /
@@ -507,8 +511,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 2
     # Console progress line every K iterations.
     c.train.log_every = 1
-    # Write TensorBoard event files next to metrics.jsonl.
-    c.train.tensorboard = True
+    # Where the metrics, the config, the sampled completions and the evaluations go,
+    # comma-separated: "jsonl" (metrics.jsonl, always written), "tensorboard" (event files
+    # in the run directory), "wandb" (Weights & Biases; WANDB_MODE=offline writes it to
+    # the run directory) and "mlflow" (MLflow; a file store in the run directory unless
+    # MLFLOW_TRACKING_URI); docs/runs.md. The last two are extras: pip install
+    # 'policyopt[wandb]' / 'policyopt[mlflow]'.
+    c.train.loggers = "jsonl,tensorboard"
     # Measure routing volatility (an extra router-only forward pass per iteration).
     c.train.routing_metrics = True
     # Resume from the workdir's checkpoint even if the config differs from the one it was
@@ -864,6 +873,7 @@ def check(config: ml_collections.ConfigDict) -> None:
                 raise ValueError(
                     f"config.task.{name} must contain '{{question}}', got {template!r}"
                 )
+    _check_tokenizer_and_loggers(config)
     b = config.batch
     for name in ("prompt_buckets", "response_buckets"):
         buckets = b[name]
@@ -1045,6 +1055,26 @@ def check(config: ml_collections.ConfigDict) -> None:
             "choose the level they apply at ('token', 'sequence' or 'geometric')"
         )
     _check_ranges(config)
+
+
+def _check_tokenizer_and_loggers(config) -> None:
+    """`model.tokenizer` parses (and is not given beside `model.pretrained`, which brings its
+    own); every logger of `train.loggers` is known and its package installed."""
+    from policyopt.data.tokenizer import load_tokenizer
+    from policyopt.loggers import check_loggers
+
+    path = config.model.tokenizer
+    if path:
+        if config.model.pretrained:
+            raise ValueError(
+                "config.model.tokenizer and config.model.pretrained are both set: a pretrained "
+                "checkpoint's embeddings index its own tokenizer (in its folder)"
+            )
+        try:
+            load_tokenizer(path)
+        except (ValueError, OSError) as error:
+            raise ValueError(f"config.model.tokenizer: {error}") from None
+    check_loggers(config.train.loggers)
 
 
 def _library_choices() -> dict[str, tuple]:

@@ -56,6 +56,20 @@ FOUR_ARMS = Claim(
 )
 
 
+#: SAPO's temperature ordering at lr 1e-3 (the claim before its grid): 3 arms, 2 checks.
+THREE_ARMS = Claim(
+    name="sapo_tau",
+    source="SAPO (2511.20347): tau_neg > tau_pos is the most stable choice.",
+    ablation=ABLATIONS["sapo_tau"],
+    setting="testbed",
+    regime="optim.lr=1e-3,train.num_iterations=20",
+    checks=(
+        Check("tau_neg > tau_pos ends above equal temperatures", "diff", "neg_gt_pos", "equal"),
+        Check("equal temperatures end above tau_neg < tau_pos", "diff", "equal", "neg_lt_pos"),
+    ),
+)
+
+
 def _run(end, start=0.5, clip=0.01):
     return {"pass@1_end": end, "pass@1_start": start, "loss/clip_frac": clip}
 
@@ -90,7 +104,7 @@ def test_checks_and_claims_refuse_bad_definitions():
         Check("", "gain", "a", "b")
     with pytest.raises(ValueError, match="margin must be > 0"):
         Check("", "diff", "a", "b", margin=-0.05)
-    own = CLAIMS["sapo_tau"]
+    own = THREE_ARMS
     kwargs = dict(name="x", source="", ablation=own.ablation, setting="testbed", checks=own.checks)
     with pytest.raises(ValueError, match="claim 'x': its regime must fix train.num_iterations"):
         Claim(regime="optim.lr=1e-3", **kwargs)
@@ -111,7 +125,9 @@ def test_unknown_claim_arm_and_setting_are_refused_with_the_known_ones():
     assert reproduce.select_arms(claim, ["gspo_mid"]) == ("gspo_mid",)
     assert reproduce.select_arms(get_claim("vapo_length_adaptive"), None) == (
         "vapo",
-        "no_length_adaptive",
+        "fixed_matched",
+        "vapo_rescaled",
+        "fixed_matched_rescaled",
     )
     with pytest.raises(ValueError, match="claim 'routing_replay' has no setting 'demo'; its "):
         reproduce.select_setting(claim, "demo")
@@ -156,7 +172,10 @@ def test_no_diary_ordinals_in_what_users_read(capsys):
     reproduce._list()
     listed = capsys.readouterr().out
     for claim in CLAIMS.values():
-        assert f"regime: {claim.regime}; SFT starts 0,1 x seeds 0,1,2,3,4" in listed
+        starts, seeds = (",".join(map(str, n)) for n in (claim.starts, claim.seeds))
+        assert f"regime: {claim.regime}; SFT starts {starts} x seeds {seeds}" in listed
+        # A paper's claim runs over >= 2 SFT starts x 5 seeds; a regime diagnostic may not.
+        assert claim.diagnostic or (starts, seeds) == ("0,1", "0,1,2,3,4")
     ordinal = re.compile(r"(?i)\b(?:[a-z]+-)?(?:first|second|third|[a-z]+th)\s+session\b")
     assert not ordinal.search(listed)
     for module in (reproduce, ablate, claims, importlib.import_module("configs.ablations")):
@@ -245,7 +264,7 @@ def test_a_check_not_run_or_missing_a_pair_leaves_the_claim_inconclusive():
 
 
 def test_a_verdict_table_over_different_learning_rates_is_refused():
-    claim = get_claim("sapo_tau")
+    claim = THREE_ARMS
     runs = {p: _run(0.5) for p in PAIRS[:3]}
     summary = _summary({"neg_gt_pos": runs, "equal": runs, "neg_lt_pos": runs}, seeds=range(3))
     summary["arms"][2]["runs"][1]["regime"]["optim.lr"] = 5e-3
@@ -286,7 +305,7 @@ def test_exploratory_variants_and_their_directories():
     # The regime already says lr 1e-3 and 20 iterations; logging is not what is trained.
     assert reproduce.departures(claim, "testbed", "") == []
     assert reproduce.departures(claim, "testbed", "optim.lr=1e-3,train.num_iterations=20") == []
-    assert reproduce.departures(claim, "testbed", "train.tensorboard=False") == []
+    assert reproduce.departures(claim, "testbed", "train.loggers=jsonl") == []
     assert reproduce.departures(claim, "testbed", "optim.lr=5e-4") == ["optim.lr"]
     assert reproduce.departures(claim, "testbed", "train.num_iterations=40,sft.steps=10") == [
         "sft.steps",
@@ -314,7 +333,7 @@ def test_exploratory_variants_and_their_directories():
     assert len(directory) == 64 + 9 and directory.startswith("optim.lr=1e-4,optim.lr=2e-4")
     runs = {p: _run(0.5) for p in PAIRS[:2]}
     text, _, _ = reproduce.verdict_table(
-        get_claim("sapo_tau"),
+        THREE_ARMS,
         _summary({"neg_gt_pos": runs, "equal": runs}, seeds=range(2), starts=(0,)),
         variant="optim.lr=5e-4",
         exploratory=True,
@@ -392,7 +411,7 @@ def test_a_continued_sft_start_trains_its_parent_first(tmp_path, monkeypatch):
     )
     variant = (
         "model.num_layers=1,sft.steps=3,sft.batch_size=4,task.num_train=64,task.num_test=8,"
-        "eval.num_prompts=0,train.tensorboard=False"
+        "eval.num_prompts=0,train.loggers=jsonl"
     )
     checkpoint = reproduce.ensure_sft("testbed_long32", str(tmp_path), variant)
     parent = tmp_path / "testbed_long" / "sft"
@@ -421,7 +440,7 @@ def _shrink(config):
 TINY = (
     "model.num_layers=1,sft.steps=2,sft.batch_size=4,task.num_train=64,task.num_test=8,"
     "eval.num_prompts=8,eval.batch_size=8,batch.n_prompts=2,batch.group_size=2,"
-    "train.tensorboard=False"
+    "train.loggers=jsonl"
 )
 
 
@@ -488,7 +507,7 @@ def test_diff_of_diffs_checks_and_the_routing_claims():
                     "runs": [
                         {
                             "regime": {**REGIME, "optim.lr": 1e-4},
-                            "routing/ratio_share": 0.625,
+                            "routing/ratio_share_pooled": 0.625,
                             "routing/volatility": 0.04,
                             "pass@1_start": 0.457,
                             "pass@1_end": 0.6,
