@@ -238,11 +238,25 @@ CRITIC_WARMUP = Ablation(
     f"{OFF_POLICY},critic.pretrain_iterations={CRITIC_PRETRAIN_ITERATIONS},eval.num_prompts=0",
 )
 #: The explained variance a perfect critic reaches on the long task under its SFT start 0
-#: (`python -m experiments.value_ceiling --setting testbed_long`; docs/claims.md "vc_ppo").
-VALUE_CEILING = math.nan  # PROVISIONAL
-CRITIC_WARMUP_BUDGET = "PROVISIONAL"
-VC_PPO_BUDGET = "PROVISIONAL"
-VAPO_BUDGET = "PROVISIONAL"
+#: (`python -m experiments.value_ceiling --setting testbed_long`; docs/claims.md "vc_ppo"):
+#: NaN until that measurement is recorded (benchmarks/RESULTS.md "The critic's regime").
+VALUE_CEILING = math.nan
+#: Estimates from the arms' measured time on idle cores (~7 s per iteration of the long task,
+#: benchmarks/HISTORY.md 2026-12-04: 207-268 s for 20 policy iterations + 15 of the
+#: critic's warm-up); a loaded machine takes 3-10x.
+CRITIC_WARMUP_BUDGET = (
+    "estimate: 1 run of 10 + critic.pretrain_iterations + 1 iterations, ~2 min idle at 5 "
+    "(~6 min at 40); the SFT start (1000 steps, once) 28 min idle"
+)
+VC_PPO_BUDGET = (
+    "estimate from 207-268 s per arm and seed (idle, 2026-12-04): 6 arms x 2 starts x 5 "
+    "seeds = 60 runs of ~4 min, ~4 h idle (each 10 more pretraining iterations add ~1 min "
+    "per pretrained arm: ~+50 min); SFT start 1 once (28 min idle)"
+)
+VAPO_BUDGET = (
+    "estimate from 198-258 s per arm and seed (idle, 2026-12-04): 4 arms x 2 starts x 5 "
+    "seeds = 40 runs of ~4 min, ~2.7 h idle; the SFT starts are vc_ppo's"
+)
 
 
 def _arm_mean(result: dict, arm: str, key: str) -> float:
@@ -254,40 +268,49 @@ def _arm_mean(result: dict, arm: str, key: str) -> float:
     return math.nan
 
 
+def _ceiling() -> str:
+    """A perfect critic's explained variance under SFT start 0, or that it is not measured."""
+    return f"{VALUE_CEILING:.3f}" if math.isfinite(VALUE_CEILING) else "not measured"
+
+
 def _critic_warmup_line(result: dict) -> str:
-    """``critic explained variance after its warm-up X (a perfect critic's C)``."""
+    """``critic explained variance after N iterations of value pretraining: X on a fresh
+    rollout (Monte-Carlo returns); a perfect critic's under SFT start 0: C``."""
     return (
         f"critic explained variance after {CRITIC_PRETRAIN_ITERATIONS} iterations of value "
         f"pretraining: {_arm_mean(result, 'vc_ppo', WARMUP_EXPLAINED_VARIANCE):.3f} on a "
         f"fresh rollout (Monte-Carlo returns); a perfect critic's under SFT start 0: "
-        f"{VALUE_CEILING:.3f}"
+        f"{_ceiling()}"
     )
 
 
+#: vc_ppo's arms whose critic pretrains before PPO.
+VC_PPO_PRETRAINED = (
+    "ppo_pretrained",
+    "vc_ppo_lambda_090",
+    "vc_ppo",
+    "vc_ppo_lambda_099",
+    "vc_ppo_lambda_1",
+)
+
+
 def _vc_ppo_line(result: dict) -> str:
-    """The critic's held-out fit at PPO's first rollout, plain and pretrained."""
-    pretrained = [
-        _arm_mean(result, arm, WARMUP_EXPLAINED_VARIANCE)
-        for arm in (
-            "ppo_pretrained",
-            "vc_ppo_lambda_090",
-            "vc_ppo",
-            "vc_ppo_lambda_099",
-            "vc_ppo_lambda_1",
-        )
-    ]
+    """The critic's held-out fit at PPO's first rollout, plain (its reward-model start) and
+    after value pretraining (mean over the pretrained arms that ran)."""
+    pretrained = [_arm_mean(result, arm, WARMUP_EXPLAINED_VARIANCE) for arm in VC_PPO_PRETRAINED]
     pretrained = [v for v in pretrained if math.isfinite(v)]
     return (
         "critic explained variance at PPO's first rollout: plain PPO (reward-model start) "
         f"{_arm_mean(result, 'ppo', WARMUP_EXPLAINED_VARIANCE):.3f}, after "
         f"{CRITIC_PRETRAIN_ITERATIONS} iterations of value pretraining "
         f"{statistics.fmean(pretrained) if pretrained else math.nan:.3f} (a perfect "
-        f"critic's {VALUE_CEILING:.3f})"
+        f"critic's {_ceiling()})"
     )
 
 
 def _vapo_line(result: dict) -> str:
-    """The adaptive lambdas' token means beside their fixed controls'."""
+    """The adaptive lambdas' token means over the policy's iterations beside their fixed
+    controls, and the critic's fit after its warm-up."""
     key = "advantages/lambda_policy_token_mean"
     return (
         f"length-adaptive lambda's token mean over the policy's iterations: "

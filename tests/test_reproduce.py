@@ -521,3 +521,34 @@ def test_diff_of_diffs_checks_and_the_routing_claims():
         "routing share 0.625 (volatility 0.0400 over the batch's 4 updates) at lr 0.0001; "
         "GSPO pass@1 0.457 -> 0.600"
     )
+
+
+def test_the_critic_claims_report_their_regime_diagnostics():
+    """vc_ppo's, vapo_length_adaptive's and critic_warmup's last lines, from a hand-made
+    result: means over each arm's runs, NaN for an arm or figure that did not run."""
+    warm, lam = ablate.WARMUP_EXPLAINED_VARIANCE, "advantages/lambda_policy_token_mean"
+
+    def result(**arms):
+        return {"summary": {"arms": [{"arm": a, "runs": runs} for a, runs in arms.items()]}}
+
+    vc = get_claim("vc_ppo").headline(
+        result(
+            ppo=[{warm: -0.8}, {warm: -0.6}], vc_ppo=[{warm: 0.5}], vc_ppo_lambda_1=[{warm: 0.3}]
+        )
+    )
+    assert vc.startswith(
+        "critic explained variance at PPO's first rollout: plain PPO (reward-model start) "
+        f"-0.700, after {claims.CRITIC_PRETRAIN_ITERATIONS} iterations of value pretraining 0.400"
+    )
+    vapo = get_claim("vapo_length_adaptive").headline(
+        result(vapo=[{lam: 0.78, warm: 0.2}, {lam: 0.8}], fixed_matched=[{lam: 0.79}])
+    )
+    assert vapo == (
+        "length-adaptive lambda's token mean over the policy's iterations: 0.790 at alpha 0.05 "
+        f"(control {claims.VAPO_MATCHED_LAMBDA:g}), nan at alpha {claims.VAPO_RESCALED_ALPHA:g} "
+        f"(control {claims.VAPO_RESCALED_MATCHED_LAMBDA:g}); critic explained variance after "
+        "its warm-up 0.200"
+    )
+    assert "0.450 on a fresh rollout" in get_claim("critic_warmup").headline(
+        result(vc_ppo=[{warm: 0.45}])
+    )
