@@ -163,7 +163,8 @@ def measure(
             num_samples=samples,
         )
         references = [a for a in answers for _ in range(samples)]
-        rewards = score_batch(texts, references, lengths, spec).rewards
+        scores = score_batch(texts, references, lengths, spec)
+        rewards = scores.rewards
         response_prompts = [p for p in prompts for _ in range(samples)]
         draw = np.random.default_rng(seed)
         chosen = np.stack([draw.integers(0, n, positions) for n in lengths])
@@ -218,7 +219,7 @@ def measure(
         outcomes.reshape(len(texts), positions, continuations),
         seed=seed,
     )
-    result["accuracy"] = float(np.mean(np.asarray(rewards) == spec.correct_value))
+    result["accuracy"] = float(np.mean(np.asarray(scores.correct)))
     result["length_mean"] = float(np.mean(lengths))
     return result
 

@@ -58,3 +58,13 @@ def test_measure_runs_end_to_end():
     assert 8 <= result["tokens"] <= 8 * config.sampling.max_new_tokens
     assert result["explained_variance_ceiling"] <= 1.0
     assert 0.0 <= result["accuracy"] <= 1.0
+
+
+def test_measure_counts_correct_responses_at_the_runs_reward():
+    """The batch accuracy counts the verifier's correct responses, whatever the reward
+    (+1 in VC-PPO's plain reward, not the format gate's 0.9): with a verifier that accepts
+    everything it is 1 and the returns are constant (ceiling 1 by convention)."""
+    config = tiny("vc_ppo", "tiny_dense", "reward.verifier=tests.verifiers:always_correct")
+    result = measure(config, num_prompts=2, samples=2, positions=1, continuations=2, batch_size=4)
+    assert result["accuracy"] == 1.0
+    assert result["return_variance"] == 0.0 and result["explained_variance_ceiling"] == 1.0
