@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 
+from configs import ablations
 from configs import demo as demo_recipe
 from configs.ablations import ABLATIONS, SHARED_SECTIONS, Ablation, Arm, demo_setting, get_ablation
 from configs.base import load_run_config
@@ -524,3 +525,34 @@ def test_the_routing_share_is_pooled_over_a_run(tmp_path):
     (tmp_path / "eval.jsonl").write_text("")
     summary = ablate.summarise_run(str(tmp_path), tail=5)
     assert summary["routing/ratio_share_pooled"] == pytest.approx(0.04 / 1.0)
+
+
+def test_the_critic_ablations_arms():
+    """vc_ppo: plain PPO without value pretraining, every other arm with the measured count,
+    lambda_actor over the grid; vapo: the adaptive lambdas and their matched fixed controls."""
+    vc = get_ablation("vc_ppo")
+    pretrain = {
+        a.label: ablate.arm_config(vc, a.label, 0).critic.pretrain_iterations for a in vc.arms
+    }
+    assert pretrain.pop("ppo") == 0
+    assert set(pretrain.values()) == {ablations.CRITIC_PRETRAIN_ITERATIONS}
+    lambdas = {
+        label: ablate.arm_config(vc, label, 0).algo.gae_lambda
+        for label in ("vc_ppo_lambda_090", "vc_ppo", "vc_ppo_lambda_099", "vc_ppo_lambda_1")
+    }
+    assert list(lambdas.values()) == [0.9, 0.95, 0.99, 1.0]
+    vapo = {
+        a.label: ablate.arm_config(get_ablation("vapo"), a.label, 0).algo
+        for a in get_ablation("vapo").arms
+    }
+    assert (vapo["vapo"].gae_length_adaptive, vapo["vapo"].gae_alpha) == (True, 0.05)
+    assert (vapo["vapo_rescaled"].gae_length_adaptive, vapo["vapo_rescaled"].gae_alpha) == (
+        True,
+        ablations.VAPO_RESCALED_ALPHA,
+    )
+    assert not vapo["fixed_matched"].gae_length_adaptive
+    assert vapo["fixed_matched"].gae_lambda == ablations.VAPO_MATCHED_LAMBDA
+    assert not vapo["fixed_matched_rescaled"].gae_length_adaptive
+    assert vapo["fixed_matched_rescaled"].gae_lambda == ablations.VAPO_RESCALED_MATCHED_LAMBDA
+    # The rescaled alpha puts the paper's lambda at 500 tokens (0.96) at the task's median (91).
+    assert 1 - 1 / (ablations.VAPO_RESCALED_ALPHA * 91) == pytest.approx(0.96, abs=1e-3)
