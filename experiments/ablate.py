@@ -50,9 +50,16 @@ TAIL_METRICS = (
     "response/length_mean",
     "policy/entropy",
     "critic/explained_variance",
+    "critic/rollout_mc_explained_variance",
     "async/staleness_mean",
     "offpolicy/kl_k3",
 )
+#: Training metrics averaged over all the policy's iterations (a critic's warm-up left out).
+POLICY_MEAN_METRICS = ("advantages/lambda_policy_token_mean",)
+#: A critic's explained variance of Monte-Carlo returns on the rollout of the policy's
+#: first iteration: fresh samples it has not trained on, scored after its warm-up (reward
+#: model, value pretraining), before any PPO update. Summarised under this name.
+WARMUP_EXPLAINED_VARIANCE = "critic/warmup_explained_variance"
 #: A run has collapsed at iteration i when the mean training accuracy of iterations i-2..i
 #: falls below this fraction of that of its first 3 iterations (``collapse_iteration``).
 COLLAPSE_FRACTION = 0.5
@@ -243,8 +250,10 @@ def _train(config, run_dir: str, what: str, quiet: bool) -> dict:
 
 
 def summarise_run(run_dir: str, tail: int) -> dict:
-    """Held-out pass@1 at the first and last evaluation, and the mean of ``TAIL_METRICS``
-    over the last ``tail`` iterations, from a run directory's JSONL files."""
+    """Held-out pass@1 at the first and last evaluation, the mean of ``TAIL_METRICS``
+    over the last ``tail`` iterations, of ``POLICY_MEAN_METRICS`` over the policy's
+    iterations, and a critic's ``WARMUP_EXPLAINED_VARIANCE``, from a run directory's JSONL
+    files."""
     evals = read_jsonl(os.path.join(run_dir, "eval.jsonl"))
     # metrics.jsonl also holds the evaluations' records: keep the iterations' own.
     rows = [
@@ -272,6 +281,15 @@ def summarise_run(run_dir: str, tail: int) -> dict:
         values = [r[key] for r in last if key in r and math.isfinite(r[key])]
         if values:
             out[key] = statistics.fmean(values)
+    policy_rows = [r for r in rows if not r.get("critic/pretraining")]
+    for key in POLICY_MEAN_METRICS:
+        values = [r[key] for r in policy_rows if key in r and math.isfinite(r[key])]
+        if values:
+            out[key] = statistics.fmean(values)
+    if policy_rows and "critic/pretraining" in policy_rows[0]:
+        value = policy_rows[0].get("critic/rollout_mc_explained_variance", math.nan)
+        if math.isfinite(value):
+            out[WARMUP_EXPLAINED_VARIANCE] = value
     return out
 
 
@@ -384,6 +402,8 @@ def run_ablation(
             "collapsed",
             "routing/ratio_share_pooled",
             *TAIL_METRICS,
+            *POLICY_MEAN_METRICS,
+            WARMUP_EXPLAINED_VARIANCE,
         ):
             values = [r[key] for r in runs if key in r]
             if values:
