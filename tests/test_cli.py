@@ -284,6 +284,21 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, cli):
     assert not workdir.exists()
 
 
+def test_a_jsonl_without_the_named_fields_is_one_line_before_the_workdir(tmp_path, cli):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"q": "1+1?", "a": "#### 2"}) + "\n")
+    variant = f"task.name=math_jsonl,task.train_file='{rows}',task.test_file='{rows}'"
+    for module in ("experiments.sft", "experiments.train"):
+        workdir = tmp_path / module
+        out = cli(module, "--config", f"configs/grpo.py:{variant}", f"--workdir={workdir}")
+        assert out.returncode == 1, out.stderr
+        assert out.stderr.splitlines()[0] == (
+            f"error: {rows}:1: missing question field: none of ['question', 'problem', "
+            "'prompt'] present (fields: ['a', 'q'])"
+        )
+        assert "Traceback" not in out.stderr and not workdir.exists()
+
+
 def test_no_flags_prints_the_usage(cli):
     # This ended in "TypeError: 'NoneType' object is not subscriptable".
     for module in ("experiments.train", "experiments.sft"):
