@@ -247,6 +247,23 @@ def critic_phase(config, iteration: int, metrics: dict | None = None) -> str | N
     return None
 
 
+def first_iteration_line(seconds: float, compiled: int, loaded: int) -> str:
+    """The console line after a run's first iteration: its time and what that time held,
+    the programs XLA compiled and those loaded from the persistent compilation cache (a
+    rerun of the same recipe, ``policyopt.runtime.enable_compilation_cache``)."""
+    head = f"first iteration: {seconds:.1f}s"
+    if compiled and loaded:
+        return (
+            f"{head} with compilation ({compiled} programs compiled, {loaded} loaded from the "
+            "compilation cache)"
+        )
+    if compiled:
+        return f"{head} with compilation ({compiled} programs compiled)"
+    if loaded:
+        return f"{head}, nothing compiled ({loaded} programs loaded from the compilation cache)"
+    return f"{head}, nothing compiled (the programs were compiled earlier in this process)"
+
+
 def parameter_count(params) -> int:
     return int(sum(math.prod(getattr(leaf, "shape", ())) for leaf in jax.tree.leaves(params)))
 

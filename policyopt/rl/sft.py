@@ -377,7 +377,8 @@ def run_sft(
         )
         if run.step < total:
             print(
-                "compiling the SFT step (the first update's time includes compilation) ...",
+                "compiling the SFT step, or loading it from the compilation cache (the first "
+                "update's time includes it) ...",
                 flush=True,
             )
     metrics, stop, result = {}, GracefulStop(), {}
