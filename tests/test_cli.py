@@ -7,6 +7,7 @@ import importlib
 import io
 import json
 import os
+import re
 import select
 import signal
 import struct
@@ -297,6 +298,24 @@ def test_a_jsonl_without_the_named_fields_is_one_line_before_the_workdir(tmp_pat
             "'prompt'] present (fields: ['a', 'q'])"
         )
         assert "Traceback" not in out.stderr and not workdir.exists()
+
+
+def test_list_outputs_fit_100_columns_with_dated_budgets(cli):
+    ordinal = re.compile(r"(?i)\b(?:[a-z]+-)?(?:first|second|third|[a-z]+th)\s+session\b")
+    listed = {}
+    for module in ("experiments.reproduce", "experiments.ablate"):
+        out = cli(module, "--list")
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert len(lines) > 30 and [line for line in lines if len(line) > 100] == [], module
+        assert not ordinal.search(out.stdout)
+        listed[module] = out.stdout
+    # Each claim's budget (its continuation lines joined): a date, or not yet measured.
+    text = listed["experiments.reproduce"]
+    budgets = re.findall(r"\n    budget on 2 cores: (.*?)\n(?:\n|$)", text, re.S)
+    assert len(budgets) == text.count("budget on 2 cores:") >= 10
+    for budget in budgets:
+        assert budget == "to be measured" or re.search(r"\b2026-\d\d-\d\d\b", budget), budget
 
 
 def test_no_flags_prints_the_usage(cli):

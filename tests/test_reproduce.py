@@ -170,7 +170,8 @@ def test_no_diary_ordinals_in_what_users_read(capsys):
     reproduce._list()
     listed = capsys.readouterr().out
     for claim in CLAIMS.values():
-        assert f"regime: {claim.regime}; SFT starts 0,1 x seeds 0,1,2,3,4" in listed
+        assert f"    regime: {claim.regime}\n" in listed
+    assert "    runs: SFT starts 0,1 x seeds 0,1,2,3,4\n" in listed
     ordinal = re.compile(r"(?i)\b(?:[a-z]+-)?(?:first|second|third|[a-z]+th)\s+session\b")
     assert not ordinal.search(listed)
     for module in (reproduce, ablate, claims, importlib.import_module("configs.ablations")):

@@ -247,6 +247,30 @@ def critic_phase(config, iteration: int, metrics: dict | None = None) -> str | N
     return None
 
 
+def wrap(text: str, *, first: str = "", rest: str = "    ", width: int = 100) -> str:
+    """``text`` as lines of at most ``width`` columns (the ``--list`` of
+    ``experiments.reproduce`` and ``experiments.ablate``): the first line after ``first``,
+    the others after ``rest``; broken at spaces, and a word too long for a line after its
+    commas (a variant ``a=1,b=2`` keeps each field whole). A single field longer than a
+    line stays whole."""
+    room = width - len(rest)
+    tokens = []  # (text, a space before it)
+    for word in text.split(" "):
+        parts = [word] if len(word) <= room else re.findall(r"[^,]*,|[^,]+$", word) or [word]
+        tokens += [(part, i == 0) for i, part in enumerate(parts)]
+    lines, line, empty = [], first, True
+    for token, spaced in tokens:
+        gap = " " if spaced and not empty else ""
+        if not empty and len(line) + len(gap) + len(token) > width:
+            lines.append(line.rstrip())
+            line = rest + token
+        else:
+            line += gap + token
+        empty = False
+    lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
 def first_iteration_line(seconds: float, compiled: int, loaded: int) -> str:
     """The console line after a run's first iteration: its time and what that time held,
     the programs XLA compiled and those loaded from the persistent compilation cache (a
