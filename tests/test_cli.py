@@ -253,6 +253,19 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, cli):
         "error: config variant 'optim.lr=1e-3,algo.tau_neg=1.1,optim.lr=1e-2': optim.lr is "
         "given twice (name each field once)"
     )
+    # A bad value in the recipe string: the check's line (this printed the usage, then
+    # "error: flag --config=...: Error whilst parsing config file:" and "Traceback ...").
+    out = cli(
+        "experiments.train",
+        "--config",
+        "configs/sapo.py:batch.n_prompts=2",
+        f"--workdir={workdir}",
+    )
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == (
+        "error: config.batch.n_minibatches (4) must divide n_prompts (2): minibatches hold "
+        "whole groups"
+    )
+    assert "Traceback" not in out.stderr and "usage:" not in out.stderr
     # A section that does not exist (this printed "error: optimizer").
     out = cli(
         "experiments.train",
