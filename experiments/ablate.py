@@ -35,6 +35,7 @@ from configs.ablations import ABLATIONS, SETTINGS, Ablation, get_ablation, share
 from policyopt.metrics import quiet_library_logging, read_jsonl
 from policyopt.rl.async_rl import async_enabled, run_async_rl
 from policyopt.rl.plots import plot_runs
+from policyopt.rl.report import wrap
 from policyopt.rl.trainer import run_rl
 from policyopt.runtime import enable_compilation_cache, keep_freed_host_memory
 
@@ -498,13 +499,20 @@ def main(argv):
     del argv
     args = flags.FLAGS
     if args.list:
-        for ablation in ABLATIONS.values():
-            print(f"{ablation.name}: {ablation.claim}")
+        for ablation in ABLATIONS.values():  # 100 columns
+            print(wrap(f"{ablation.name}: {ablation.claim}"))
             if ablation.variant:
-                print(f"    (every arm: {ablation.variant})")
+                print(wrap(f"(every arm: {ablation.variant})", first="    ", rest="     "))
             for arm in ablation.arms:
                 suffix = f":{arm.variant}" if arm.variant else ""
-                print(f"    {arm.label:22s} configs/{arm.recipe}.py{suffix}")
+                print(
+                    wrap(
+                        f"configs/{arm.recipe}.py{suffix}",
+                        first=f"    {arm.label:22s} ",
+                        rest=" " * 27,
+                    )
+                )
+            print()
         return
     if not args.ablation or not args.workdir:
         raise app.UsageError("--ablation and --workdir are required (or --list)")

@@ -173,7 +173,8 @@ def test_no_diary_ordinals_in_what_users_read(capsys):
     listed = capsys.readouterr().out
     for claim in CLAIMS.values():
         starts, seeds = (",".join(map(str, n)) for n in (claim.starts, claim.seeds))
-        assert f"regime: {claim.regime}; SFT starts {starts} x seeds {seeds}" in listed
+        assert f"    regime: {claim.regime}\n" in listed
+        assert f"    runs: SFT starts {starts} x seeds {seeds}\n" in listed
         # A paper's claim runs over >= 2 SFT starts x 5 seeds; a regime diagnostic may not.
         assert claim.diagnostic or (starts, seeds) == ("0,1", "0,1,2,3,4")
     ordinal = re.compile(r"(?i)\b(?:[a-z]+-)?(?:first|second|third|[a-z]+th)\s+session\b")
