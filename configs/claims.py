@@ -252,8 +252,9 @@ VALUE_CEILING = math.nan
 #: benchmarks/HISTORY.md 2026-12-04: 207-268 s for 20 policy iterations + 15 of the
 #: critic's warm-up); a loaded machine takes 3-10x.
 CRITIC_WARMUP_BUDGET = (
-    "estimate: 1 run of 10 + critic.pretrain_iterations + 1 iterations, ~2 min idle at 5 "
-    "(~6 min at 40); the SFT start (1000 steps, once) 28 min idle"
+    "estimate (2026-12-06, from 2026-12-04's arm times): 1 run of 10 + "
+    "critic.pretrain_iterations + 1 iterations, ~2 min idle at 5 (~6 min at 40); the SFT "
+    "start (1000 steps, once) 28 min idle"
 )
 VC_PPO_BUDGET = (
     "estimate from 207-268 s per arm and seed (idle, 2026-12-04): 6 arms x 2 starts x 5 "
