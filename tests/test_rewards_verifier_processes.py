@@ -97,6 +97,143 @@ def test_the_guarded_script_agrees(tmp_path):
         assert run["scores"] == [1.0] * 6, (results, done.stderr)
 
 
+# Scores a batch with two scoring workers three times in a row, then from a thread: the
+# issue's equivalences, a wrong answer, a format failure, the language bonus and a custom
+# verifier, next to the same batches scored serially.
+SCORE = r"""
+import json, threading
+print("the script ran", flush=True)
+from policyopt.rewards import RewardSpec, score_batch
+
+english = "The number of apples is the sum of both baskets, so we add them together."
+completions = [
+    "<think>" + english + "</think> " + text
+    for text in (
+        r"\boxed{2\sqrt{3}}",
+        r"\boxed{2^{10}}",
+        r"\boxed{x=5}",
+        r"\boxed{\{1,2\}}",
+        r"\boxed{\pi/2}",
+        r"\boxed{7}",
+        "no box",
+        r"Le résultat est donc \boxed{12}, comme annoncé.",
+    )
+]
+references = [r"\sqrt{12}", "1024", "5", r"\{2,1\}", r"\frac{\pi}{2}", "8", "3", "12"]
+prompts = ["How many apples are there in the two baskets together?"] * len(completions)
+specs = {
+    "math": RewardSpec(language_bonus=0.1),
+    "custom": RewardSpec(format_reward=False, verifier="tests.verifiers:last_word"),
+}
+
+def score(workers):
+    out = {}
+    for name, spec in specs.items():
+        scores = score_batch(
+            completions, references, [5] * len(completions), spec, prompts=prompts,
+            num_workers=workers,
+        )
+        out[name] = {"rewards": scores.rewards.tolist(), "status": scores.status}
+        out[name]["worker_errors"] = scores.metrics["worker_errors"]
+    return out
+
+def in_thread(function):
+    out = []
+    thread = threading.Thread(target=lambda: out.append(function()))
+    thread.start()
+    thread.join()
+    return out[0]
+
+results = {"serial": score(0), "workers": [score(2) for _ in range(3)]}
+results["thread"] = in_thread(lambda: score(2))
+print(json.dumps(results), flush=True)
+"""
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_script_scoring_with_workers_runs_once(tmp_path, guarded):
+    """A plain script without ``if __name__ == "__main__":`` that scores with
+    ``num_workers=2`` three times in a row, then from a thread: it runs once (the scoring
+    workers never import it) and every batch scores as serial scoring does, as in the
+    guarded script."""
+    source = 'if __name__ == "__main__":\n' + textwrap.indent(SCORE, "    ") if guarded else SCORE
+    done = run_script(tmp_path, source)
+    assert done.stdout.count("the script ran") == 1, done.stdout + done.stderr
+    results = json.loads(done.stdout.splitlines()[-1])
+    serial = results["serial"]
+    assert serial["math"]["status"] == ["correct"] * 5 + ["incorrect", "format", "correct"]
+    np.testing.assert_allclose(serial["math"]["rewards"], [1.1] * 5 + [0.2, 0.0, 1.0], rtol=1e-6)
+    assert serial["custom"]["status"] == ["incorrect"] * 8
+    for run in results["workers"] + [results["thread"]]:
+        assert run == serial, (results, done.stderr)
+
+
+# Scores with workers (a custom verifier: each worker's verifier process too), then waits
+# to be ended; every process it started carries MARK in its environment.
+LINGER = r"""
+import sys, time
+from policyopt.rewards import RewardSpec, score_batch
+spec = RewardSpec(format_reward=False, verifier="tests.verifiers:always_correct")
+scores = score_batch(["a"] * 8, ["1"] * 8, [1] * 8, spec, num_workers=2)
+assert scores.status == ["correct"] * 8, scores.status
+print("scored", flush=True)
+if sys.argv[1] == "wait":
+    time.sleep(600)
+"""
+
+
+def marked_processes(mark: str) -> list[int]:
+    """Live processes (not zombies) whose environment holds ``mark``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if mark.encode() not in f.read():
+                    continue
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in "ZX":
+            found.append(int(name))
+    return found
+
+
+@pytest.mark.parametrize("ending", ["exit", "sigkill"])
+def test_no_scoring_process_outlives_its_caller(tmp_path, ending):
+    """The scoring workers (and their verifier processes) are gone within 5 s of their
+    caller's exit, or of its SIGKILL."""
+    mark = f"POLICYOPT_TEST_MARK={os.getpid()}-{ending}-{time.monotonic_ns()}"
+    script = tmp_path / "plain.py"
+    script.write_text(LINGER)
+    key, value = mark.split("=")
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", **{key: value})
+    caller = subprocess.Popen(
+        [sys.executable, str(script), "wait" if ending == "sigkill" else "exit"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        line = caller.stdout.readline()
+        assert line.strip() == "scored", line + caller.stderr.read()
+        assert len(marked_processes(mark)) >= 4  # the caller, its server, two workers
+        if ending == "sigkill":
+            caller.kill()
+        caller.wait(timeout=60)
+    finally:
+        caller.kill()
+        caller.communicate()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and marked_processes(mark):
+        time.sleep(0.05)
+    assert not marked_processes(mark), marked_processes(mark)
+
+
 THREADS = r"""
 import gc, json, os, threading
 from policyopt.rewards import math_correctness
@@ -204,9 +341,7 @@ def test_a_verifier_that_blocks_in_c_is_stopped_at_its_limit_in_every_mode(tmp_p
     """A C loop that no signal interrupts (the issue: 25-30 s past a 1 s limit in every mode
     but a batch deadline): a timeout about its limit after it started, serially in the main
     thread, in another thread and in scoring workers."""
-    # Guarded: score_batch's worker pool (multiprocessing's forkserver) imports __main__.
-    guarded = 'if __name__ == "__main__":\n' + textwrap.indent(BLOCKS, "    ")
-    done = run_script(tmp_path, guarded, timeout_s=120.0)
+    done = run_script(tmp_path, BLOCKS, timeout_s=120.0)
     results = json.loads(done.stdout.splitlines()[-1])
     for mode, result in results.items():
         assert result["status"] == ["timeout", "timeout"], (mode, results, done.stderr)
