@@ -97,9 +97,10 @@ def test_the_guarded_script_agrees(tmp_path):
         assert run["scores"] == [1.0] * 6, (results, done.stderr)
 
 
-# Scores a batch with two scoring workers three times in a row, then from a thread: the
-# issue's equivalences, a wrong answer, a format failure, the language bonus and a custom
-# verifier, next to the same batches scored serially.
+# Scores a batch with two scoring workers three times in a row, then from a thread, then
+# from four threads at once, then past a deadline that kills the pool and again on the new
+# pool: the issue's equivalences, a wrong answer, a format failure, the language bonus and
+# a custom verifier, next to the same batches scored serially.
 SCORE = r"""
 import json, threading
 print("the script ran", flush=True)
@@ -144,8 +145,40 @@ def in_thread(function):
     thread.join()
     return out[0]
 
+def concurrently(count):
+    out = [None] * count
+    threads = [
+        threading.Thread(target=lambda i=i: out.__setitem__(i, score(2))) for i in range(count)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
+
+def past_deadline():
+    # Every worker stuck in a program (code tests keep their own limit) at the deadline:
+    # the pool is killed, its sandboxes with it; the next call forks a new one.
+    from policyopt.rewards import batch
+    from policyopt.rewards.worker import wait_gone
+
+    before = batch._POOLS[("default", 2)].pids
+    loop = "<think>plan</think>\n```python\nwhile True:\n    pass\n```"
+    stuck = RewardSpec(task="code", code_timeout_s=5.0)
+    missed = score_batch(
+        [loop] * 4, ["assert True"] * 4, [1] * 4, stuck, num_workers=2, deadline_s=0.5
+    )
+    gone = wait_gone(before)
+    after = score(2)
+    return {
+        "status": missed.status, "gone": gone, "after": after,
+        "new_pids": not set(batch._POOLS[("default", 2)].pids) & set(before),
+    }
+
 results = {"serial": score(0), "workers": [score(2) for _ in range(3)]}
 results["thread"] = in_thread(lambda: score(2))
+results["concurrent"] = concurrently(4)  # four callers of one pool at once
+results["deadline"] = past_deadline()
 print(json.dumps(results), flush=True)
 """
 
@@ -153,9 +186,10 @@ print(json.dumps(results), flush=True)
 @pytest.mark.parametrize("guarded", [False, True])
 def test_a_script_scoring_with_workers_runs_once(tmp_path, guarded):
     """A plain script without ``if __name__ == "__main__":`` that scores with
-    ``num_workers=2`` three times in a row, then from a thread: it runs once (the scoring
-    workers never import it) and every batch scores as serial scoring does, as in the
-    guarded script."""
+    ``num_workers=2`` three times in a row, from a thread, from four threads at once, and
+    past a deadline (the stuck workers killed, a new pool forked): it runs once (the
+    scoring workers never import it) and every batch scores as serial scoring does, as in
+    the guarded script."""
     source = 'if __name__ == "__main__":\n' + textwrap.indent(SCORE, "    ") if guarded else SCORE
     done = run_script(tmp_path, source)
     assert done.stdout.count("the script ran") == 1, done.stdout + done.stderr
@@ -164,12 +198,16 @@ def test_a_script_scoring_with_workers_runs_once(tmp_path, guarded):
     assert serial["math"]["status"] == ["correct"] * 5 + ["incorrect", "format", "correct"]
     np.testing.assert_allclose(serial["math"]["rewards"], [1.1] * 5 + [0.2, 0.0, 1.0], rtol=1e-6)
     assert serial["custom"]["status"] == ["incorrect"] * 8
-    for run in results["workers"] + [results["thread"]]:
+    for run in results["workers"] + [results["thread"]] + results["concurrent"]:
         assert run == serial, (results, done.stderr)
+    deadline = results["deadline"]
+    assert deadline["status"] == ["deadline"] * 4 and deadline["gone"], (results, done.stderr)
+    assert deadline["new_pids"] and deadline["after"] == serial, (results, done.stderr)
 
 
 # Scores with workers (a custom verifier: each worker's verifier process too), then waits
-# to be ended; every process it started carries MARK in its environment.
+# to be killed ("wait") or for a line on stdin, then exits ("exit"); every process it
+# started carries MARK in its environment.
 LINGER = r"""
 import sys, time
 from policyopt.rewards import RewardSpec, score_batch
@@ -179,11 +217,14 @@ assert scores.status == ["correct"] * 8, scores.status
 print("scored", flush=True)
 if sys.argv[1] == "wait":
     time.sleep(600)
+sys.stdin.readline()
 """
 
 
-def marked_processes(mark: str) -> list[int]:
-    """Live processes (not zombies) whose environment holds ``mark``."""
+def marked_processes(mark: str, leaders: bool = False) -> list[int]:
+    """Live processes (not zombies) whose environment holds ``mark``; with ``leaders``,
+    only those that lead a session of their own (a verifier server does; its forks, the
+    workers and their verifier processes, belong to its session)."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -193,10 +234,11 @@ def marked_processes(mark: str) -> list[int]:
                 if mark.encode() not in f.read():
                     continue
             with open(f"/proc/{name}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
+                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if state not in "ZX":
+        state, session = fields[0], int(fields[3])
+        if state not in "ZX" and (not leaders or session == int(name)):
             found.append(int(name))
     return found
 
@@ -204,7 +246,8 @@ def marked_processes(mark: str) -> list[int]:
 @pytest.mark.parametrize("ending", ["exit", "sigkill"])
 def test_no_scoring_process_outlives_its_caller(tmp_path, ending):
     """The scoring workers (and their verifier processes) are gone within 5 s of their
-    caller's exit, or of its SIGKILL."""
+    caller's exit, or of its SIGKILL. The workers fork their verifier processes
+    themselves: the caller's verifier server is the only one."""
     mark = f"POLICYOPT_TEST_MARK={os.getpid()}-{ending}-{time.monotonic_ns()}"
     script = tmp_path / "plain.py"
     script.write_text(LINGER)
@@ -212,6 +255,7 @@ def test_no_scoring_process_outlives_its_caller(tmp_path, ending):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", **{key: value})
     caller = subprocess.Popen(
         [sys.executable, str(script), "wait" if ending == "sigkill" else "exit"],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -221,9 +265,14 @@ def test_no_scoring_process_outlives_its_caller(tmp_path, ending):
     try:
         line = caller.stdout.readline()
         assert line.strip() == "scored", line + caller.stderr.read()
-        assert len(marked_processes(mark)) >= 4  # the caller, its server, two workers
+        # The caller, its server, two workers and their verifier processes.
+        assert len(marked_processes(mark)) >= 6, marked_processes(mark)
+        assert len(marked_processes(mark, leaders=True)) == 1  # one server
         if ending == "sigkill":
             caller.kill()
+        else:
+            caller.stdin.write("exit\n")
+            caller.stdin.flush()
         caller.wait(timeout=60)
     finally:
         caller.kill()

@@ -6,15 +6,17 @@ killed when one overruns. The processes are forked from one server per caller pr
 started from the library (``python -c``) with the math verifier imported and warmed: the
 caller's ``__main__`` is never imported (as multiprocessing's spawn and forkserver do),
 start-up is paid once per process and before any call's limit, a new worker costs a
-fork (the scoring pool's workers, ``policyopt.rewards.worker``, are such forks too).
-:func:`thread_worker`'s workers end with their thread; the server kills every worker when
-its caller exits or dies, and they die with it. ``docs/rewards.md``, "Verifier processes".
+fork (the scoring pool's workers, ``policyopt.rewards.worker``, are such forks too, and
+fork their own). :func:`thread_worker`'s workers end with their thread; the server kills
+every worker when its caller exits or dies, and they die with it. ``docs/rewards.md``,
+"Verifier processes".
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -83,6 +85,28 @@ def _load(preload: Sequence[str]) -> None:
             getattr(module, function)()
 
 
+# True in a process the server forked (a verifier process, a scoring worker): it forks the
+# verifier processes it needs itself (`_LocalForks`), rather than starting a server.
+_FORKED = False
+
+
+def _worker_main(fd: int, parent: int, close_fds: bool) -> None:
+    """A forked worker's life: serves calls on ``fd`` and exits (never returns into the
+    code that forked it). ``close_fds``: close every other inherited descriptor (a fork of
+    a scoring worker inherits its sockets, whose ends must close when it dies)."""
+    global _FORKED
+    try:
+        _FORKED = True
+        if close_fds:
+            gc.freeze()  # no collection may close an inherited object's (reused) descriptor
+            os.closerange(3, fd)
+            os.closerange(fd + 1, os.sysconf("SC_OPEN_MAX"))
+        _die_with_parent(parent)
+        _serve_calls(fd)
+    finally:
+        os._exit(0)
+
+
 def _die_with_parent(parent: int) -> None:
     """In a forked worker: SIGKILL when ``parent`` (the server) dies, even by SIGKILL
     (Linux's ``PR_SET_PDEATHSIG``; elsewhere the closed sockets end an idle worker)."""
@@ -127,12 +151,8 @@ def serve_forks(control_fd: int, preload: Sequence[str]) -> None:
             continue
         server_pid, child = os.getpid(), os.fork()
         if child == 0:
-            try:
-                control.close()
-                _die_with_parent(server_pid)
-                _serve_calls(fds[0])
-            finally:
-                os._exit(0)
+            control.close()
+            _worker_main(fds[0], server_pid, close_fds=False)
         for fd in fds:
             os.close(fd)
         children.add(child)
@@ -247,16 +267,57 @@ class _Server:
             self.process.wait()
 
 
-_SERVERS: dict[int, _Server] = {}  # by caller pid (a forked child starts its own)
+class _LocalForks:
+    """The server's part in a process the server forked (a scoring worker): that process
+    is a copy of the server (one thread, the verifiers imported and warm), so it forks
+    its verifier processes itself, milliseconds each, where a server of its own would
+    cost seconds and a process. They die with it (``PR_SET_PDEATHSIG``)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.children: set[int] = set()
+
+    def fork(self) -> tuple[int, Connection]:
+        mine, theirs = socket.socketpair()
+        with self.lock:
+            _reap(self.children)
+            parent, child = os.getpid(), os.fork()
+            if child == 0:
+                _worker_main(theirs.fileno(), parent, close_fds=True)
+            self.children.add(child)
+        theirs.close()
+        return child, Connection(mine.detach())
+
+    def kill(self, pid: int) -> None:
+        with self.lock:
+            if pid in self.children:  # never another process that took a reaped one's pid
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                self.children.discard(pid)
+
+    def preload(self, items: Sequence[str]) -> None:
+        _load(items)  # here, for the processes this one forks from now on
+
+    def alive(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        for pid in list(self.children):
+            self.kill(pid)
+
+
+_SERVERS: dict[int, _Server | _LocalForks] = {}  # by caller pid (a forked child: its own)
 _SERVERS_LOCK = threading.Lock()
 
 
-def server() -> _Server:
-    """This process's server, started (seconds: imports and warm-up) on first use."""
+def server() -> _Server | _LocalForks:
+    """This process's server, started (seconds: imports and warm-up) on first use; in a
+    process the server forked, that process itself (:class:`_LocalForks`)."""
     with _SERVERS_LOCK:
         found = _SERVERS.get(os.getpid())
         if found is None or not found.alive():
-            found = _SERVERS[os.getpid()] = _Server(PRELOAD)
+            found = _LocalForks() if _FORKED else _Server(PRELOAD)
+            _SERVERS[os.getpid()] = found
         return found
 
 
@@ -289,6 +350,7 @@ class KillableWorker:
         self._lock = threading.Lock()  # one call (or start) at a time
         self._state = threading.Lock()  # the fields below, also for close() mid-call
         self._pid: int | None = None
+        self._last_pid: int | None = None
         self._connection: Connection | None = None
         self._closed = False
 
@@ -296,6 +358,11 @@ class KillableWorker:
     def pid(self) -> int | None:
         """The worker's process id, None when none is running."""
         return self._pid
+
+    @property
+    def last_pid(self) -> int | None:
+        """The process id of the latest worker, running or not (None before the first)."""
+        return self._last_pid
 
     def start(self) -> None:
         """Forks the worker now (if it is not running) and waits until it is ready."""
@@ -311,7 +378,7 @@ class KillableWorker:
             self._kill()  # it died (or said something unasked) since its last call
         pid, connection = server().fork()
         with self._state:
-            self._pid, self._connection = pid, connection
+            self._pid, self._last_pid, self._connection = pid, pid, connection
             closed = self._closed
         if closed:  # close() ran during the fork and did not see this worker
             self._kill()

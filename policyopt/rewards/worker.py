@@ -137,20 +137,20 @@ class WorkerPool:
                         future.set_exception(PoolClosed("the scoring pool was stopped"))
                     else:
                         future.set_exception(WorkerCrashed(f"scoring worker failed: {error}"))
-                        self._stop(kill=True)
+                        if self._stop(kill=True):  # the pool is broken
+                            self._remove_sandboxes()
                     continue
                 future.set_result(result)
         finally:
             worker.kill()
 
-    def _stop(self, kill: bool) -> list[int | None]:
+    def _stop(self, kill: bool) -> bool:
         """Takes no more work, cancels queued calls and tells every thread to end; with
-        ``kill``, kills the workers (running calls fail at once). Returns their pids."""
+        ``kill``, kills the workers (running calls fail at once). True if it was open."""
         with self._state:
             was_closed, self._closed = self._closed, True
-        pids = self.pids
         if was_closed and not kill:
-            return pids
+            return False
         while True:
             try:
                 task = self._tasks.get_nowait()
@@ -163,21 +163,27 @@ class WorkerPool:
                 worker.close()
         for _ in self._workers:
             self._tasks.put(None)
-        return pids
+        return not was_closed
 
-    def kill(self) -> None:
-        """Kills the workers now (some may be stuck in C code): pending calls fail, queued
-        ones are cancelled. Returns once the workers are gone, their threads ended, and the
-        sandboxes of code tests they were running removed."""
-        pids = self._stop(kill=True)
-        for thread in getattr(self, "_threads", ()):
-            if thread is not threading.current_thread():
-                thread.join(timeout=10)
+    def _remove_sandboxes(self) -> None:
+        """Once the killed workers are gone: removes the sandboxes of the code tests they
+        were running."""
+        pids = [worker.last_pid for worker in self._workers]  # a crashed one's too
         wait_gone(pids)
         if any(pids):
             from policyopt.rewards import sandbox  # deferred: only code tests make sandboxes
 
             sandbox.remove_stale_sandboxes([pid for pid in pids if pid is not None])
+
+    def kill(self) -> None:
+        """Kills the workers now (some may be stuck in C code): pending calls fail, queued
+        ones are cancelled. Returns once the workers are gone, their threads ended, and the
+        sandboxes of code tests they were running removed."""
+        self._stop(kill=True)
+        for thread in getattr(self, "_threads", ()):
+            if thread is not threading.current_thread():  # e.g. a future's callback
+                thread.join(timeout=10)
+        self._remove_sandboxes()
 
     def shutdown(self) -> None:
         """Takes no more work, cancels queued calls, and returns once running calls have
