@@ -64,6 +64,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Folder of a HuggingFace Qwen3 / Qwen3-MoE checkpoint to start from instead of a
     # preset (then the tokenizer is read from the same folder). None: preset.
     c.model.pretrained = placeholder(str)
+    # Tokenizer of a preset: a tokenizer.json (`python -m experiments.tokenizer` trains one
+    # on the task's files) or a folder holding one; the preset's vocabulary becomes the
+    # tokenizer's size. None: the character tokenizer of the synthetic task.
+    c.model.tokenizer = placeholder(str)
     # Overrides of single preset fields; None keeps the preset's value.
     c.model.num_layers = placeholder(int)
     c.model.hidden_size = placeholder(int)
@@ -123,8 +127,8 @@ def base_config() -> ml_collections.ConfigDict:
     # `policyopt.rewards.code`; the format gate then asks for a fenced block) or
     # "mixed_jsonl" (both in the same files, Magistral's mixture: a row with one of
     # `tests_fields` is code, any other math; each sample is checked by its own task's
-    # verifier). Use the file tasks with a pretrained model and its tokenizer,
-    # `model.pretrained`.
+    # verifier). The file tasks need a tokenizer for their text: `model.tokenizer` (one
+    # trained on the files, docs/quickstart.md) or a pretrained model's, `model.pretrained`.
     c.task.name = "arithmetic"
     # Difficulty knobs of `ArithmeticConfig` (task "arithmetic").
     c.task.num_operands = 2
@@ -507,8 +511,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 2
     # Console progress line every K iterations.
     c.train.log_every = 1
-    # Write TensorBoard event files next to metrics.jsonl.
-    c.train.tensorboard = True
+    # Where the metrics, the config, the sampled completions and the evaluations go,
+    # comma-separated: "jsonl" (metrics.jsonl, always written), "tensorboard" (event files
+    # in the run directory), "wandb" (Weights & Biases; WANDB_MODE=offline writes it to
+    # the run directory) and "mlflow" (MLflow; a file store in the run directory unless
+    # MLFLOW_TRACKING_URI); docs/runs.md. The last two are extras: pip install
+    # 'policyopt[wandb]' / 'policyopt[mlflow]'.
+    c.train.loggers = "jsonl,tensorboard"
     # Measure routing volatility (an extra router-only forward pass per iteration).
     c.train.routing_metrics = True
     # Resume from the workdir's checkpoint even if the config differs from the one it was
@@ -864,6 +873,7 @@ def check(config: ml_collections.ConfigDict) -> None:
                 raise ValueError(
                     f"config.task.{name} must contain '{{question}}', got {template!r}"
                 )
+    _check_tokenizer_and_loggers(config)
     b = config.batch
     for name in ("prompt_buckets", "response_buckets"):
         buckets = b[name]
@@ -1045,6 +1055,26 @@ def check(config: ml_collections.ConfigDict) -> None:
             "choose the level they apply at ('token', 'sequence' or 'geometric')"
         )
     _check_ranges(config)
+
+
+def _check_tokenizer_and_loggers(config) -> None:
+    """`model.tokenizer` parses (and is not given beside `model.pretrained`, which brings its
+    own); every logger of `train.loggers` is known and its package installed."""
+    from policyopt.data.tokenizer import load_tokenizer
+    from policyopt.loggers import check_loggers
+
+    path = config.model.tokenizer
+    if path:
+        if config.model.pretrained:
+            raise ValueError(
+                "config.model.tokenizer and config.model.pretrained are both set: a pretrained "
+                "checkpoint's embeddings index its own tokenizer (in its folder)"
+            )
+        try:
+            load_tokenizer(path)
+        except (ValueError, OSError) as error:
+            raise ValueError(f"config.model.tokenizer: {error}") from None
+    check_loggers(config.train.loggers)
 
 
 def _library_choices() -> dict[str, tuple]:

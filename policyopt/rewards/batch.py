@@ -174,7 +174,9 @@ class SampleScore:
     """What a worker computes for one completion (length terms are added by the parent).
 
     Attributes:
-      format_ok: passed the format check (always computed, gate or not).
+      format_ok: passed the format check; True where the spec asks for no format
+        (``format_reward=False``: a response with its answer where ``answer_format`` says
+        has no format to fail).
       correctness: c in [0, 1].
       status: verifier outcome (``STATUSES``: "correct", "incorrect", "no_answer",
         "rejected", "timeout", "format", "deadline", "error", "verifier_error"; code:
@@ -226,8 +228,13 @@ def score_sample(
         them.
     """
     completion = str(completion)
-    is_formatted = format_lib.format_ok(completion, spec.task, spec.answer_format)
-    if spec.format_reward and not is_formatted:
+    # The format check applies only where the recipe asks for a format (Magistral's gate).
+    is_formatted = (
+        format_lib.format_ok(completion, spec.task, spec.answer_format)
+        if spec.format_reward
+        else True
+    )
+    if not is_formatted:
         return SampleScore(False, 0.0, "format")
     if spec.verifier is not None:
         limit = (
@@ -466,7 +473,7 @@ class BatchScores(tuple):
       correct: bool [N] fully correct (accuracy metrics; VAPO's NLL on correct samples).
       metrics: flat dict of float scalars.
       correctness: float32 [N] correctness c in [0, 1] (pass rate for partial code credit).
-      format_ok: bool [N] passed the format check.
+      format_ok: bool [N] passed the format check (True without a format gate).
       truncated: bool [N] hit the generation limit.
       sample_mask: float32 [N] 0 for samples to drop from the loss (overlong filtering,
         missed deadline, lost to a crashed worker).
