@@ -326,7 +326,9 @@ def _get_pool(num_workers: int, name: str = "default") -> worker_lib.WorkerPool:
     with _POOLS_LOCK:
         pool = _POOLS.get((name, num_workers))
         if pool is None or pool.closed:
-            pool = worker_lib.WorkerPool(num_workers, name=f"score-{name}")
+            # The server preloads this module too: the workers unpickle its functions.
+            preload = (*worker_lib.POOL_PRELOAD, __name__)
+            pool = worker_lib.WorkerPool(num_workers, name=f"score-{name}", preload=preload)
             _POOLS[(name, num_workers)] = pool
         return pool
 

@@ -26,8 +26,7 @@ POOL_PRELOAD = ("policyopt.rewards.worker:warm_up",)
 
 
 def warm_up() -> None:
-    """In the server: imports and warms everything a scoring worker uses."""
-    from policyopt.rewards import batch  # noqa: F401 - unpickling a chunk's function needs it
+    """In the server: imports and warms the verifiers a scoring worker uses."""
     from policyopt.rewards import language as language_lib
     from policyopt.rewards import math as math_lib
 
@@ -77,7 +76,8 @@ class WorkerPool:
     Args:
       size: number of worker processes (started, and ready, when this returns).
       name: for the feeding threads' names.
-      preload: what the server loads before forking them (``killable._Server.preload``).
+      preload: what the server loads before forking them (``killable._Server.preload``),
+        e.g. the module of the functions the pool will run.
     """
 
     def __init__(self, size: int, name: str = "pool", preload: tuple[str, ...] = POOL_PRELOAD):
