@@ -3,8 +3,8 @@ or in a pool of worker processes.
 
 The verifiers judge each sample (format, correctness c in [0, 1], language); the reward
 arithmetic on their verdicts (Magistral, arXiv 2506.10910; DAPO, arXiv 2503.14476) is
-:func:`policyopt.rewards.compose.compose_rewards`. The pool (``multiprocessing``'s
-forkserver, preloading :mod:`policyopt.rewards.worker`), the batch deadline and what a
+:func:`policyopt.rewards.compose.compose_rewards`. The pool (processes forked from the
+library's verifier server, :mod:`policyopt.rewards.worker`), the batch deadline and what a
 missed or lost sample gets: ``docs/rewards.md``, "Batch scoring".
 """
 
@@ -13,8 +13,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
-import multiprocessing
-import os
 import sys
 import threading
 import time
@@ -28,6 +26,7 @@ from policyopt.rewards import format as format_lib
 from policyopt.rewards import language as language_lib
 from policyopt.rewards import length as length_lib
 from policyopt.rewards import math as math_lib
+from policyopt.rewards import worker as worker_lib
 from policyopt.rewards.compose import Verdicts, compose_rewards
 
 # The parent waits this long past the deadline for chunks that workers are finishing.
@@ -306,93 +305,82 @@ def _score_chunk(
     return scores
 
 
-def _warm_worker() -> None:
-    math_lib.mark_killable_process()  # math-verify runs here: the parent kills stuck workers
-    math_lib.load_math_verify()  # no-op when the fork server preloaded it
+def _score_chunk_in_worker(items, spec: RewardSpec, deadline: float | None):
+    """``_score_chunk`` in a scoring worker: a verifier the worker cannot import comes back
+    as the error (a value; not a crash, which would kill the pool)."""
+    try:
+        return _score_chunk(items, spec, deadline)
+    except custom_lib.VerifierImportError as error:
+        return error
 
 
 # Worker pools by (name, size). Callers that score at the same time from different threads
 # use different names (the asynchronous trainer's scoring thread: "async"; evaluation and
-# the synchronous trainer: "default"): a pool killed after a missed deadline cancels the
-# futures of everyone using it.
-_POOLS: dict[tuple[str, int], concurrent.futures.ProcessPoolExecutor] = {}
+# the synchronous trainer: "default"): a pool killed after a missed deadline fails the
+# calls of everyone using it.
+_POOLS: dict[tuple[str, int], worker_lib.WorkerPool] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _get_pool(num_workers: int, name: str = "default") -> concurrent.futures.ProcessPoolExecutor:
+def _get_pool(num_workers: int, name: str = "default") -> worker_lib.WorkerPool:
     with _POOLS_LOCK:
         pool = _POOLS.get((name, num_workers))
-        if pool is None:
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(["policyopt.rewards.worker"])
-            pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=num_workers, mp_context=context, initializer=_warm_worker
-            )
+        if pool is None or pool.closed:
+            # The server preloads this module too: the workers unpickle its functions.
+            preload = (*worker_lib.POOL_PRELOAD, __name__)
+            pool = worker_lib.WorkerPool(num_workers, name=f"score-{name}", preload=preload)
             _POOLS[(name, num_workers)] = pool
         return pool
-
-
-def _ping(delay_s: float) -> int:
-    time.sleep(delay_s)
-    return os.getpid()
 
 
 def start_workers(num_workers: int, pool: str = "default") -> None:
     """Starts the scoring pool of ``num_workers`` processes now and waits until all are up;
     with 0 (serial scoring), the calling thread's math verifier process.
 
-    The first :func:`score_batch` call otherwise pays this (SymPy imported and warmed:
-    seconds) in its wall time, though not in any sample's limit; call this once at set-up,
-    from the thread that will score. Idempotent. ``pool``: see :func:`score_batch`.
+    The first :func:`score_batch` call otherwise pays this (the verifier server's start,
+    SymPy imported and warmed: seconds) in its wall time, though not in any sample's
+    limit; call this once at set-up. Idempotent. ``pool``: see :func:`score_batch`.
     """
     if num_workers == 0:
         math_lib.start_verifier()
         return
-    pool = _get_pool(num_workers, pool)
-    # Overlapping sleeps make the executor start every worker (it spawns on demand).
-    list(pool.map(_ping, [0.05] * num_workers))
+    _get_pool(num_workers, pool)
 
 
 def kill_pool(num_workers: int, name: str = "default", only=None) -> None:
     """Kills the workers of a pool (some may be stuck in C code) and forgets the pool: its
-    callers' pending work is lost (scored as lost to a crashed worker). The next call
-    that needs the pool starts a new one. ``only``: kill the pool registered under the
-    name only if it is this executor (a call cleaning up the pool it used must not kill a
-    newer one that another caller of the same name has started since)."""
+    callers' pending work is lost (scored as lost to a crashed worker), the sandboxes of
+    code tests it was running removed. The next call that needs the pool starts a new one
+    (forks: milliseconds). ``only``: kill the pool registered under the name only if it
+    is this one (a call cleaning up the pool it used must not kill a newer one that
+    another caller of the same name has started since)."""
     with _POOLS_LOCK:
         key = (name, num_workers)
         if only is not None and _POOLS.get(key) is not only:
             return
         pool = _POOLS.pop(key, None)
-    if pool is None:
-        return
-    # ProcessPoolExecutor has no public kill before Python 3.14 (kill_workers); until
-    # then the worker processes are reached through its private `_processes` dict.
-    processes = list(getattr(pool, "_processes", {}).values())
-    if hasattr(pool, "kill_workers"):
-        pool.kill_workers()
-    else:
-        for process in processes:
-            process.kill()
-    pool.shutdown(wait=False, cancel_futures=True)
-    if processes:  # working directories of code tests the killed workers were running
-        from policyopt.rewards import sandbox
-
-        for process in processes:
-            process.join(timeout=5)
-        sandbox.remove_stale_sandboxes([process.pid for process in processes])
+    if pool is not None:
+        pool.kill()
 
 
 def shutdown_pools() -> None:
-    """Stops every worker pool started by :func:`score_batch` (also run at exit)."""
+    """Stops every worker pool started by :func:`score_batch`, letting running chunks
+    finish."""
     with _POOLS_LOCK:
         pools = list(_POOLS.values())
         _POOLS.clear()
     for pool in pools:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown()
 
 
-atexit.register(shutdown_pools)
+@atexit.register
+def _kill_pools() -> None:
+    """At exit nobody waits for scores: every pool is killed, its sandboxes removed."""
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+    for pool in pools:
+        pool.kill()
 
 
 def _wait(futures, deadline):
@@ -420,13 +408,13 @@ def _score_parallel(
     """Returns the scores and the number of samples lost to crashed workers."""
     chunk_size = max(1, -(-len(items) // (num_workers * _CHUNKS_PER_WORKER)))
     chunks = [items[start : start + chunk_size] for start in range(0, len(items), chunk_size)]
+    pool = _get_pool(num_workers, name)
     try:
+        futures = [pool.submit(_score_chunk_in_worker, chunk, spec, deadline) for chunk in chunks]
+    except worker_lib.PoolClosed:  # another caller's deadline or crash stopped it: afresh
+        kill_pool(num_workers, name, only=pool)
         pool = _get_pool(num_workers, name)
-        futures = [pool.submit(_score_chunk, chunk, spec, deadline) for chunk in chunks]
-    except (concurrent.futures.BrokenExecutor, RuntimeError):  # a worker died between calls, or
-        kill_pool(num_workers, name, only=pool)  # another thread shut the pool down: start afresh
-        pool = _get_pool(num_workers, name)
-        futures = [pool.submit(_score_chunk, chunk, spec, deadline) for chunk in chunks]
+        futures = [pool.submit(_score_chunk_in_worker, chunk, spec, deadline) for chunk in chunks]
     done, not_done = _wait(futures, deadline)
     scores: list[SampleScore] = []
     errors, broken = 0, any(not f.cancelled() for f in not_done)
@@ -437,15 +425,16 @@ def _score_parallel(
             continue
         if future in done:
             try:
-                scores.extend(future.result())
-                continue
-            except custom_lib.VerifierImportError:
-                raise  # the workers cannot import RewardSpec.verifier: not a crash to score as 0
-            except Exception:  # noqa: BLE001 - BrokenProcessPool (a worker died, e.g. OOM)
+                result = future.result()
+            except Exception:  # noqa: BLE001 - WorkerCrashed (a worker died, e.g. OOM)
                 errors += len(chunk)
                 broken = True
                 scores.extend([_LOST] * len(chunk))
                 continue
+            if isinstance(result, custom_lib.VerifierImportError):
+                raise result  # the workers cannot import RewardSpec.verifier: no crash, no 0
+            scores.extend(result)
+            continue
         scores.extend([_MISSED] * len(chunk))
     if broken:
         kill_pool(num_workers, name, only=pool)
