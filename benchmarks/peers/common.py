@@ -151,6 +151,36 @@ class JaxCompileLog:
         return spans
 
 
+class CpuClock:
+    """Process CPU seconds (every thread: ``time.process_time``) of named phases: the
+    loaded machine slows a run's wall time by several times while its CPU time moves far
+    less, so each side records both.
+
+    ``wrap(owner, name, key)`` replaces ``owner.name`` by a wrapper that adds the CPU time
+    of each call to ``key``'s current total (``block``, when given, waits for the call's
+    output first: asynchronous dispatch would otherwise leave the work uncounted);
+    ``take(key)`` returns that total and starts the next."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    def wrap(self, owner, name: str, key: str, block=None) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.process_time()
+            out = original(*args, **kwargs)
+            if block is not None:
+                block(out)
+            self.totals[key] = self.totals.get(key, 0.0) + time.process_time() - start
+            return out
+
+        setattr(owner, name, wrapper)
+
+    def take(self, key: str) -> float:
+        return self.totals.pop(key, 0.0)
+
+
 def write_result(
     path: str,
     side: str,
@@ -162,9 +192,10 @@ def write_result(
     versions: dict,
     extra: dict | None = None,
 ) -> dict:
-    """The record of one run: every iteration's times, the medians of the measured ones
-    (after ``warmup``), the first iteration (compilation included) and the checks that
-    the work was the geometry's (rows, prompt and response lengths, parameters)."""
+    """The record of one run: every iteration's times (wall ``<phase>_s`` and process CPU
+    ``<phase>_cpu_s``), the medians of the measured ones (after ``warmup``), the first
+    iteration (compilation included) and the checks that the work was the geometry's
+    (rows, prompt and response lengths, parameters)."""
     measured = iterations[warmup:]
     keys = sorted({k for it in measured for k in it})
     result = {
@@ -172,6 +203,7 @@ def write_result(
         "iterations": iterations,
         "median": {k: statistics.median(it[k] for it in measured if k in it) for k in keys},
         "first_iteration_s": iterations[0]["iteration_s"],
+        "first_iteration_cpu_s": iterations[0].get("iteration_cpu_s"),
         "setup_s": setup_s,
         "checks": checks,
         "versions": versions,
