@@ -256,6 +256,14 @@ def summarise_run(run_dir: str, tail: int) -> dict:
     if evals:
         out["pass@1_start"], out["pass@1_end"] = evals[0]["eval/pass@1"], evals[-1]["eval/pass@1"]
         out["eval_steps"] = [int(evals[0]["step"]), int(evals[-1]["step"])]
+    routing = [
+        (r["routing/log_ratio_ms_routing"], r["routing/log_ratio_ms_params"])
+        for r in rows
+        if "routing/log_ratio_ms_routing" in r
+    ]
+    if routing:  # pooled over the run: the per-iteration share is heavy-tailed
+        total = sum(a + b for a, b in routing)
+        out["routing/ratio_share_pooled"] = sum(a for a, _ in routing) / total if total else 0.0
     out["collapse_iteration"] = collapse_iteration(rows)
     out["collapsed"] = float(out["collapse_iteration"] <= out["iterations"])
     last = rows[-tail:]
@@ -369,7 +377,14 @@ def run_ablation(
             "differs_from_first_arm": config_diff(reference, first),  # at the first run
             "runs": runs,
         }
-        for key in ("pass@1_start", "pass@1_end", "collapse_iteration", "collapsed", *TAIL_METRICS):
+        for key in (
+            "pass@1_start",
+            "pass@1_end",
+            "collapse_iteration",
+            "collapsed",
+            "routing/ratio_share_pooled",
+            *TAIL_METRICS,
+        ):
             values = [r[key] for r in runs if key in r]
             if values:
                 entry[key] = dict(zip(("mean", "std"), _mean_std(values)))
@@ -434,7 +449,7 @@ def format_table(summary: dict) -> str:
             f"{cell(entry, 'pass@1_start')} | {cell(entry, 'pass@1_end')} | "
             f"{cell(entry, 'reward/mean')} | {cell(entry, 'loss/clip_frac')} | "
             f"{cell(entry, 'loss/gate_mean')} | {cell(entry, 'routing/volatility')} | "
-            f"{cell(entry, 'routing/ratio_share')} | "
+            f"{cell(entry, 'routing/ratio_share_pooled')} | "
             f"{cell(entry, 'response/length_mean', 1)} | {wall:.0f} |"
         )
     return "\n".join(lines) + "\n"

@@ -471,3 +471,19 @@ def test_sapo_grid_arms():
     assert (config.batch.n_minibatches, config.batch.epochs) == (8, 2)
     grpo = ablate.arm_config(get_ablation("sapo_grid"), "grpo", 0)
     assert grpo.algo.method == "ppo" and grpo.algo.kl_beta == 0.0
+
+
+def test_the_routing_share_is_pooled_over_a_run(tmp_path):
+    """The sum of the routing parts over the sum of both parts, every iteration; by hand
+    (0.01 + 0.03 + 0) / (0.1 + 0.1 + 0.8) = 0.04, where the mean of the per-iteration
+    shares (0.1, 0.3, 0) would be 0.133."""
+    rows = [
+        {"step": 1, "routing/log_ratio_ms_routing": 0.01, "routing/log_ratio_ms_params": 0.09},
+        {"step": 2, "routing/log_ratio_ms_routing": 0.03, "routing/log_ratio_ms_params": 0.07},
+        {"step": 3, "routing/log_ratio_ms_routing": 0.0, "routing/log_ratio_ms_params": 0.8},
+    ]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "eval.jsonl").write_text("")
+    summary = ablate.summarise_run(str(tmp_path), tail=5)
+    assert summary["routing/ratio_share_pooled"] == pytest.approx(0.04 / 1.0)

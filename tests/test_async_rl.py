@@ -582,9 +582,10 @@ def test_run_async_rl_trains_checkpoints_and_resumes(tmp_path):
     prompt_part = merged.tokens[:, : merged.prompt_width].reshape(-1, GROUP, merged.prompt_width)
     assert np.all(prompt_part == prompt_part[:, :1])
     assert info["versions"].shape == merged.mask.shape and np.all(info["start_version"] <= 2)
-    # samples.jsonl at iteration 3: the batch's first group, as trained on.
-    samples = [json.loads(line) for line in open(os.path.join(tmp_path, "samples.jsonl"))]
-    assert [r["step"] for r in samples] == [3] * GROUP
+    # samples.jsonl at iterations 1 and 3: each batch's first group, as trained on.
+    rows = [json.loads(line) for line in open(os.path.join(tmp_path, "samples.jsonl"))]
+    assert [r["step"] for r in rows] == [1] * GROUP + [3] * GROUP
+    samples = [r for r in rows if r["step"] == 3]
     assert [r["reward"] for r in samples] == [float(x) for x in merged.rewards[:GROUP]]
     assert {r["prompt"] for r in samples} == {info["groups"][0].meta["prompt"]}
     assert run.checkpointer.latest_step() == 3

@@ -502,7 +502,7 @@ def test_diff_of_diffs_checks_and_the_routing_claims():
                     "runs": [
                         {
                             "regime": {**REGIME, "optim.lr": 1e-4},
-                            "routing/ratio_share": 0.625,
+                            "routing/ratio_share_pooled": 0.625,
                             "routing/volatility": 0.04,
                             "pass@1_start": 0.457,
                             "pass@1_end": 0.6,
