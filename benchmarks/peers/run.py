@@ -82,8 +82,10 @@ def build(side: str, python: str) -> None:
     marker.write_text(digest + "\n")
 
 
-def side_env(side: str) -> dict:
+def side_env(side: str, omp_passive: bool = False) -> dict:
     env = dict(os.environ)
+    if omp_passive:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     env.update(
         JAX_PLATFORMS="cpu",
         TF_CPP_MIN_LOG_LEVEL="3",
@@ -163,7 +165,11 @@ def run_side(side: str, args) -> dict:
         start = time.perf_counter()
         with LoadSampler() as load:
             proc = subprocess.run(
-                command, env=side_env(side), cwd=tmp, capture_output=True, text=True
+                command,
+                env=side_env(side, args.omp_passive),
+                cwd=tmp,
+                capture_output=True,
+                text=True,
             )
         wall = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -201,6 +207,8 @@ def settings(args) -> dict:
         "iterations": args.iterations,
         "warmup": args.warmup,
         "old_log_probs": args.old_log_probs,
+        # Only when set, so that results written before the option still resume.
+        **({"omp_passive": True} if args.omp_passive else {}),
         "requirements": {side: requirements_digest(side) for side in args.sides},
     }
 
@@ -310,6 +318,13 @@ def main(argv=None) -> None:
         choices=("sampler", "trainer"),
         default="sampler",
         help="pi_old from the sampler's log-probs, or from a forward pass of the trainer",
+    )
+    parser.add_argument(
+        "--omp_passive",
+        action="store_true",
+        help="OMP_WAIT_POLICY=PASSIVE for every side: OpenMP threads (torch's) sleep at once "
+        "instead of spinning at each parallel region's barrier, which on a loaded machine "
+        "burns CPU time (and wall time) that measures the load, not the work",
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
     parser.add_argument("--fresh", action="store_true", help="discard the runs in --out")
