@@ -2,6 +2,7 @@
 update in the same process, interleaved.
 
     python -m benchmarks.peers.levers [--variants base,eigen,onednn] [--rounds 5]
+    python -m benchmarks.peers.levers --target generate --variants base,eigen
 
 Builds the run of ``side_policyopt.py``, samples one batch (its advantages replaced by
 N(0, 1) draws, so that the gradient is not zero), compiles each variant of
@@ -10,7 +11,9 @@ a lever, ``CODE_VARIANTS``), checks that its new parameters match the library's 
 (``base``), then times ``--rounds`` rounds in which every variant runs once (the order
 rotating). Reports per variant: compile time, the median
 wall and CPU time of one update, and the median of its per-round ratios to ``base``.
-Writes ``benchmarks/results/peers_levers.json``.
+Writes ``benchmarks/results/peers_levers.json``. ``--target generate`` does the same for
+the jitted sampler (``sampling.generate_fn``), checking each variant's tokens and
+log-probs against ``base``'s.
 """
 
 from __future__ import annotations
