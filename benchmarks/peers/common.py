@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
 import time
 from importlib import metadata
+from pathlib import Path
 
 # One GRPO iteration: 16 prompts x 8 samples, 31-token prompts, exactly 64 new tokens,
 # one AdamW step on all 128 sequences, pi_old from the sampler (no separate forward).
@@ -179,6 +181,37 @@ class CpuClock:
 
     def take(self, key: str) -> float:
         return self.totals.pop(key, 0.0)
+
+
+def thread_cpu_seconds() -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of this process so far, by thread id
+    (``/proc/self/task/<tid>/stat``; empty where there is no ``/proc``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    times = {}
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        times[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return times
+
+
+def thread_split(before: dict[int, float], after: dict[int, float]) -> dict:
+    """How the CPU time between two ``thread_cpu_seconds`` readings spread over threads:
+    the total, each busy thread's seconds (largest first) and the busiest one's share.
+    Load-independent, unlike wall time: a program that keeps two cores busy on an idle
+    machine splits its CPU time about evenly over two threads."""
+    used = sorted(
+        (after[t] - before.get(t, 0.0) for t in after if after[t] - before.get(t, 0.0) > 0),
+        reverse=True,
+    )
+    total = sum(used)
+    return {
+        "cpu_s": total,
+        "threads_s": used[:8],
+        "busiest_thread_share": used[0] / total if total else 0.0,
+    }
 
 
 def write_result(

@@ -128,11 +128,13 @@ def main(argv=None) -> None:
 
         step()
         walls, cpus = [], []
+        threads_before = common.thread_cpu_seconds()
         for _ in range(args.repeats):
             wall, cpu = time.perf_counter(), time.process_time()
             step()
             walls.append(time.perf_counter() - wall)
             cpus.append(time.process_time() - cpu)
+        threads = common.thread_split(threads_before, common.thread_cpu_seconds())
         ops = profile_update.trace_ops(step, args.repeats)
     if args.hlo:
         args.hlo.write_text(hlo)
@@ -202,6 +204,7 @@ def main(argv=None) -> None:
         "by_kind_s": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "by_source_s": dict(sorted(by_source.items(), key=lambda kv: -kv[1])),
         "by_part_s": dict(sorted(by_part.items(), key=lambda kv: -kv[1])),
+        "threads": threads,
         "loadavg": open("/proc/loadavg").read().split()[:3],
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
@@ -224,6 +227,11 @@ def main(argv=None) -> None:
         print(f"by {title}:")
         for key, s in list(result[table].items())[:25]:
             print(f"  {s:8.3f} s {s / traced_s:6.1%}  {key[:110]}")
+    print(
+        f"threads: {threads['busiest_thread_share']:.0%} of the timed calls' CPU time on the "
+        "busiest thread; busy threads' seconds "
+        + ", ".join(f"{t:.2f}" for t in threads["threads_s"])
+    )
     print(f"written: {args.out}")
 
 
