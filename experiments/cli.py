@@ -217,6 +217,8 @@ def _parse(argv):
     except (flags.Error, *USER_ERRORS) as error:
         if verbose:
             raise
+        if isinstance(error, flags.Error) and "Error whilst parsing config file" in str(error):
+            _fail(user_message(error), 2)  # the recipe or its variant: the error's own line
         if isinstance(error, flags.Error):  # an unknown, missing or malformed flag
             _usage_fail(error)
         _fail(user_message(error), 2)

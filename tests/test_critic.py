@@ -279,6 +279,44 @@ def test_length_adaptive_gae_against_loops():
     np.testing.assert_allclose(np.asarray(returns), want_returns, atol=1e-5)
 
 
+def test_policy_lambda_token_mean_hand_worked():
+    # Lengths 10, 40, 100 and an empty row: alpha 0.05 gives lambda 0 (clamped), 0.5, 0.8;
+    # over the 150 valid tokens the token mean is (10 * 0 + 40 * 0.5 + 100 * 0.8) / 150.
+    lengths = np.array([10, 40, 100, 0])
+    mask = jnp.asarray((np.arange(128)[None, :] < lengths[:, None]).astype(np.float32))
+    rewards, values = jnp.ones(4), jnp.zeros(mask.shape)
+    adaptive = gae_settings(length_adaptive=True, alpha=0.05, whiten=False)
+    _, _, metrics = gae_targets(rewards, values, mask, adaptive)
+    assert float(metrics["advantages/lambda_policy_token_mean"]) == pytest.approx(100 / 150)
+    assert float(metrics["advantages/lambda_policy_zero_token_frac"]) == pytest.approx(10 / 150)
+    # A fixed lambda is its own token mean; a batch without tokens gives 0, not NaN.
+    _, _, metrics = gae_targets(rewards, values, mask, gae_settings(lam_actor=0.9))
+    assert float(metrics["advantages/lambda_policy_token_mean"]) == pytest.approx(0.9)
+    assert float(metrics["advantages/lambda_policy_zero_token_frac"]) == 0.0
+    _, _, metrics = gae_targets(rewards, values, jnp.zeros_like(mask), adaptive)
+    assert float(metrics["advantages/lambda_policy_token_mean"]) == 0.0
+
+
+def test_rollout_explained_variance_against_monte_carlo_returns():
+    # lambda_critic 0.5: the value targets contain V; the Monte-Carlo figure compares V with
+    # each token's outcome (gamma 1), whatever lambda_critic is.
+    mask = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0]], jnp.float32)
+    rewards = jnp.asarray([1.0, -1.0])
+    values = jnp.asarray([[0.5, 0.25, 0.5, 9.0], [0.0, -0.5, 9.0, 9.0]])
+    settings = gae_settings(gamma=1.0, lam_actor=0.5, lam_critic=0.5, whiten=False)
+    _, returns, metrics = gae_targets(rewards, values, mask, settings)
+    valid = np.asarray(mask) > 0
+    outcome = np.array([[1.0] * 4, [-1.0] * 4])[valid]
+    v = np.asarray(values)[valid]
+    want = 1 - np.var(outcome - v) / np.var(outcome)
+    assert float(metrics["critic/rollout_mc_explained_variance"]) == pytest.approx(want, abs=1e-6)
+    r = np.asarray(returns)[valid]
+    assert float(metrics["critic/rollout_explained_variance"]) == pytest.approx(
+        1 - np.var(r - v) / np.var(r), abs=1e-6
+    )
+    assert abs(want - float(metrics["critic/rollout_explained_variance"])) > 0.05
+
+
 def _check_gae(run, critic_before, lam_actor, lam_critic):
     """The iteration's values, advantages and returns against an independent recomputation."""
     batch, sampled = run.last_batch, run.last_round
@@ -374,6 +412,8 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
         "advantages/mean",
         "advantages/std",
         "critic/rollout_explained_variance",
+        "critic/rollout_mc_explained_variance",
+        "advantages/lambda_policy_token_mean",
         "update/grad_norm",
     ):
         assert np.isfinite(metrics[key]), key

@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from policyopt.advantages import decoupled_gae, length_adaptive_gae, masked_whiten
+from policyopt.advantages import decoupled_gae, length_adaptive_lambda, masked_whiten
 from policyopt.checks import check_choice, check_number
 from policyopt.losses import (
     AGGREGATIONS,
@@ -467,37 +467,54 @@ def gae_targets(rewards, values, mask, settings: GAEConfig) -> tuple[jax.Array, 
 
     Returns:
       ``(advantages [R, N], returns [R, N], metrics)``, 0 at padding; metrics (scalars)
-      ``advantages/mean``, ``advantages/std`` (before whitening), ``critic/returns_mean``,
+      ``advantages/lambda_policy_token_mean`` (the policy's lambda averaged over the valid
+      tokens: the fixed lambda where it is not length-adaptive),
+      ``advantages/lambda_policy_zero_token_frac`` (the share of valid tokens whose lambda is
+      0: one-step TD advantages), ``advantages/mean``, ``advantages/std`` (before
+      whitening), ``critic/returns_mean``,
       ``critic/rollout_values_mean`` and ``critic/rollout_explained_variance``
       ``1 - Var[R - V] / Var[R]`` of the values the rollout was scored with (the
-      convention of ``losses.explained_variance`` for constant returns).
+      convention of ``losses.explained_variance`` for constant returns), against the
+      value targets; ``critic/rollout_mc_explained_variance`` the same against
+      Monte-Carlo returns (lambda 1), a held-out fit at any ``lam_critic`` (the ceiling a
+      perfect critic reaches: `experiments/value_ceiling.py`).
     """
     per_token = token_rewards(rewards, mask)
-    if settings.length_adaptive:
-        advantages, returns = length_adaptive_gae(
-            per_token,
-            values,
-            mask,
-            gamma=settings.gamma,
-            alpha=settings.alpha,
-            lam_critic=settings.lam_critic,
-        )
-    else:
-        advantages, returns = decoupled_gae(
-            per_token,
-            values,
-            mask,
-            gamma=settings.gamma,
-            lam_actor=settings.lam_actor,
-            lam_critic=settings.lam_critic,
-        )
     mask_f = (jnp.asarray(mask) > 0).astype(jnp.float32)
+    lengths = jnp.sum(mask_f, axis=1)
+    if settings.length_adaptive:
+        lam_actor = length_adaptive_lambda(lengths, settings.alpha)
+    else:
+        lam_actor = jnp.full(lengths.shape, settings.lam_actor, jnp.float32)
+    advantages, returns = decoupled_gae(
+        per_token,
+        values,
+        mask,
+        gamma=settings.gamma,
+        lam_actor=lam_actor if settings.length_adaptive else settings.lam_actor,
+        lam_critic=settings.lam_critic,
+    )
+    # Monte-Carlo returns (lambda 1): the targets of value pretraining, and a critic's
+    # held-out fit whatever lambda_critic the run uses (GAE returns below 1 contain V).
+    if settings.lam_critic == 1.0:
+        mc_returns = returns
+    else:
+        _, mc_returns = decoupled_gae(
+            per_token, values, mask, gamma=settings.gamma, lam_actor=1.0, lam_critic=1.0
+        )
+    tokens = jnp.maximum(jnp.sum(lengths), 1.0)
     metrics = {
+        # The policy's lambda as its tokens see it: a fixed lambda's matched control
+        # (VAPO's length-adaptive one against a fixed one of the same token mean).
+        "advantages/lambda_policy_token_mean": jnp.sum(lam_actor * lengths) / tokens,
+        "advantages/lambda_policy_zero_token_frac": jnp.sum(jnp.where(lam_actor == 0, lengths, 0))
+        / tokens,
         "advantages/mean": masked_mean(advantages, mask_f),
         "advantages/std": jnp.sqrt(masked_var(advantages, mask_f)),
         "critic/returns_mean": masked_mean(returns, mask_f),
         "critic/rollout_values_mean": masked_mean(values, mask_f),
         "critic/rollout_explained_variance": explained_variance(returns, values, mask_f),
+        "critic/rollout_mc_explained_variance": explained_variance(mc_returns, values, mask_f),
     }
     if settings.whiten:
         advantages = masked_whiten(advantages, mask_f)

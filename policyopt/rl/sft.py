@@ -277,8 +277,11 @@ def save_sft(run: SFTRun) -> None:
     )
 
 
-def evaluate_policy(config, graphdef, params, tokenizer, mesh) -> dict[str, float]:
-    """Greedy pass@1 (and mean@k if ``config.eval.k``) on the held-out split, on ``mesh``."""
+def evaluate_policy(
+    config, graphdef, params, tokenizer, mesh, *, samples: list | None = None
+) -> dict[str, float]:
+    """Greedy pass@1 (and mean@k if ``config.eval.k``) on the held-out split, on ``mesh``;
+    ``samples``, when given, receives one record per greedy completion (``evaluate``)."""
     records = build.eval_records(config, tokenizer)
     with jax.set_mesh(mesh):
         return evaluate(
@@ -295,6 +298,7 @@ def evaluate_policy(config, graphdef, params, tokenizer, mesh) -> dict[str, floa
             rng=jax.random.PRNGKey(config.seed + 1),
             spec=build.correctness_spec(config),
             num_workers=config.reward.num_workers,
+            samples=samples,
         )
 
 
@@ -373,7 +377,8 @@ def run_sft(
         )
         if run.step < total:
             print(
-                "compiling the SFT step (the first update's time includes compilation) ...",
+                "compiling the SFT step, or loading it from the compilation cache (the first "
+                "update's time includes it) ...",
                 flush=True,
             )
     metrics, stop, result = {}, GracefulStop(), {}

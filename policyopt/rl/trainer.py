@@ -107,7 +107,7 @@ from policyopt.rl.methods import minibatch_advantages as minibatch_advantages
 from policyopt.rl.methods import rollout_correction as rollout_correction
 from policyopt.rl.report import batch_metrics as batch_metrics
 from policyopt.rl.report import scoring_metrics as scoring_metrics
-from policyopt.runtime import GracefulStop
+from policyopt.runtime import GracefulStop, compile_counts
 from policyopt.sampling import SamplingConfig, sampling_method
 
 
@@ -577,7 +577,7 @@ class RunLoop:
         self.stopped_by: str | None = None  # the signal that stopped the run (process 0's)
         self._attached: list = []  # objects whose should_stop is this loop's (attach)
         self.uninformative_streak, self.first_iteration = 0, True
-        self._first_start = time.perf_counter()
+        self._first_start, self._first_counts = time.perf_counter(), compile_counts()
         if (
             run.iteration
             and run.last_eval_iteration != run.iteration
@@ -641,7 +641,8 @@ class RunLoop:
         if self.console and not self.history:
             print(
                 f"evaluating {len(run.eval_records)} held-out prompts at iteration "
-                f"{run.iteration} (compiling the sampler first) ...",
+                f"{run.iteration} (the sampler compiles first, or loads from the compilation "
+                "cache) ...",
                 flush=True,
             )
         samples: list[dict] = []
@@ -735,10 +736,11 @@ class RunLoop:
                 print(phase, flush=True)
             print(
                 f"iteration {run.iteration + 1}: compiling the sampler and the update steps "
-                "(the first iteration's time includes compilation) ...",
+                "(or loading them from the compilation cache) ...",
                 flush=True,
             )
             self._first_start = time.perf_counter()
+            self._first_counts = compile_counts()
 
     def after_iteration(self, metrics: dict, save) -> None:
         """Writes ``metrics``, then evaluates and checkpoints (``save()``) when due."""
@@ -752,7 +754,9 @@ class RunLoop:
         self.skipped_updates.update(run.iteration, _guarded_states(run))
         if self.console and self.first_iteration:
             seconds = time.perf_counter() - self._first_start
-            print(f"first iteration: {seconds:.1f}s with compilation", flush=True)
+            (compiled, loaded), (compiled0, loaded0) = compile_counts(), self._first_counts
+            line = report.first_iteration_line(seconds, compiled - compiled0, loaded - loaded0)
+            print(line, flush=True)
         if self.progress and self.first_iteration and run.iteration % train.log_every:
             self.progress.start_steady(run.iteration)  # the ETA leaves the compiling one out
         self.first_iteration = False
