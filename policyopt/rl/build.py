@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from policyopt import sharding
 from policyopt.checkpoint import Checkpointer, holds_workdir_lock, unlock_workdir
+from policyopt.config import typed
 from policyopt.data import (
     ArithmeticConfig,
     CharTokenizer,
@@ -96,7 +97,8 @@ RESUME_FREE_FIELDS = (
 
 
 def config_record(config) -> dict:
-    """The config as flat ``{dotted.name: JSON value}``, as a checkpoint stores it."""
+    """The config (typed, or a ConfigDict) as flat ``{dotted.name: JSON value}``, as a
+    checkpoint stores it."""
     flat = {}
 
     def visit(node, prefix):
@@ -106,7 +108,7 @@ def config_record(config) -> dict:
             else:
                 flat[prefix + key] = value
 
-    visit(json.loads(config.to_json_best_effort(sort_keys=True)), "")
+    visit(json.loads(typed(config).to_json(sort_keys=True)), "")
     return flat
 
 
@@ -167,7 +169,7 @@ def same_evaluation(saved: dict | None, config) -> bool:
 def make_mesh(config) -> Mesh:
     """The run's mesh over every device (``policyopt.sharding.make_mesh``), one axis size
     per field of ``config.mesh`` (checked by ``configs/base.check``)."""
-    shape = {name: int(config.mesh[name]) for name in sharding.MESH_AXES}
+    shape = {name: int(getattr(config.mesh, name)) for name in sharding.MESH_AXES}
     try:
         return sharding.make_mesh(shape)
     except ValueError as error:
@@ -277,7 +279,9 @@ def make_model(config, vocab_size: int, mesh: Mesh | None = None) -> nnx.Module:
     one device can be built.
     """
     overrides = {
-        name: config.model[name] for name in _MODEL_OVERRIDES if config.model[name] is not None
+        name: getattr(config.model, name)
+        for name in _MODEL_OVERRIDES
+        if getattr(config.model, name) is not None
     }
     if config.model.pretrained:
         from policyopt.models import from_pretrained
