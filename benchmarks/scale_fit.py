@@ -74,6 +74,8 @@ def resident(step: str, config, setup, mesh, *, batch=None, prompt_len: int) -> 
       batch: the update's abstract minibatch (``step == "update"``).
       prompt_len: the prompts' width (the asynchronous generator's slots).
     """
+    from policyopt.advantages import uses_critic
+
     state, algo = setup.state, config.algo
     params = per_device_bytes(state.params)
     items = []
@@ -93,7 +95,7 @@ def resident(step: str, config, setup, mesh, *, batch=None, prompt_len: int) -> 
                 f"algo.kl_beta={algo.kl_beta:g}: a frozen copy of the initial parameters",
             )
         )
-    if algo.advantage == "gae":
+    if uses_critic(algo.advantage):
         items.append(
             Resident(
                 "the critic's parameters and optimiser state",

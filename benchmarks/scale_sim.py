@@ -409,8 +409,10 @@ def update_batch(args, config, setup: Setup, mesh):
         spec = sharding.row_spec(shape, mesh, axis)
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
+    from policyopt.advantages import uses_critic
+
     algo, cfg = config.algo, setup.model_config
-    gae = algo.advantage == "gae"
+    gae = uses_critic(algo.advantage)  # a critic beside the policy
     trainer_old = algo.old_log_probs == "trainer"
     replay = cfg.is_moe and algo.routing_replay in ("R2", "R3")
     return Batch(

@@ -188,6 +188,10 @@ def apply_variant(
         named.add(key)
         if key == "model":
             config.model.preset = text
+        elif key == "imports":
+            from policyopt import config as schema
+
+            config.imports = schema.import_names(_parse_value(text))
         elif key == "scale":
             if text != "paper":
                 raise ValueError(f"scale={text!r}: only scale=paper is defined")
@@ -211,13 +215,23 @@ def apply_variant(
 def finalize(
     config: ml_collections.ConfigDict, arg: str | None, paper: dict | None = None
 ) -> ml_collections.ConfigDict:
-    """Applies the variant string, checks the config and locks it.
+    """Imports the modules of `imports` (the recipe's or the variant's), adds the settings
+    fields of the objectives they register, applies the variant string, checks the config
+    and locks it.
 
     Args:
       config: the recipe's config.
       arg: the variant string after `:` in `--config`.
       paper: dotted-field -> value overrides of the `scale=paper` variant.
     """
+    from policyopt import config as schema
+
+    for item in split_variant(arg or ""):  # first: its modules may add fields it sets
+        key, _, text = item.partition("=")
+        if key.strip() == "imports":
+            config.imports = schema.import_names(_parse_value(text.strip()))
+    schema.import_modules(schema.import_names(config.imports))
+    schema.add_objective_fields(config)
     config = apply_variant(config, arg, paper)
     check(config)
     config.lock()

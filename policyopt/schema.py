@@ -26,6 +26,7 @@ __all__ = [
     "Field",
     "setting",
     "section",
+    "pairs",
     "number",
     "integer",
     "positive",
@@ -37,6 +38,7 @@ __all__ = [
     "to_configdict",
     "from_node",
     "check",
+    "to_dict",
 ]
 
 
@@ -157,6 +159,14 @@ def setting(
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def pairs(default_factory: Callable[[], tuple], doc: str = "") -> Any:
+    """A section's field holding ``((name, value), ...)``: settings that other modules
+    define (an objective's, ``policyopt.losses.register_objective``), each a config field of
+    the section. Not a config field itself: ``to_dict`` spreads the pairs into the section,
+    and the section builds it from its node (``from_config_node``) and checks it."""
+    return dataclasses.field(default_factory=default_factory, metadata={"pairs": True, "doc": doc})
+
+
 def section(cls: type, doc: str = "") -> Any:
     """A nested section (a field holding a section dataclass), built from its defaults."""
     return dataclasses.field(default_factory=cls, metadata={"section": cls, "doc": doc})
@@ -195,7 +205,7 @@ def fields(cls: type, prefix: str = "") -> list[Field]:
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
-        if not f.init:
+        if not f.init or "pairs" in f.metadata:
             continue
         path = prefix + f.name
         if "section" in f.metadata:
@@ -225,7 +235,7 @@ def to_configdict(cls: type) -> ml_collections.ConfigDict:
     node = ml_collections.ConfigDict()
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if not f.init:
+        if not f.init or "pairs" in f.metadata:
             continue
         if "section" in f.metadata:
             node[f.name] = to_configdict(f.metadata["section"])
@@ -241,11 +251,13 @@ def from_node(cls: type, node, **extra):
     lacks keeps its default, lists become tuples. Not checked (``check``)."""
     values = {}
     for f in dataclasses.fields(cls):
-        if not f.init or f.name in extra or f.name not in node:
+        if not f.init or "pairs" in f.metadata or f.name in extra or f.name not in node:
             continue
         value = node[f.name]
         if "section" in f.metadata:
-            value = from_node(f.metadata["section"], value)
+            kind = f.metadata["section"]
+            build = getattr(kind, "from_config_node", None)  # a section with pairs
+            value = build(value) if build else from_node(kind, value)
         elif isinstance(value, list):
             value = tuple(value)
         values[f.name] = value
@@ -257,7 +269,7 @@ def check(obj, label: str) -> None:
     check, nested sections likewise, then the section's own ``validate(label)`` if it has
     one (its rules between fields). The first failure raises a one-line ValueError."""
     for f in dataclasses.fields(obj):
-        if not f.init:
+        if not f.init or "pairs" in f.metadata:
             continue
         value = getattr(obj, f.name)
         if "section" in f.metadata:
@@ -267,3 +279,18 @@ def check(obj, label: str) -> None:
     validate = getattr(obj, "validate", None)
     if validate is not None:
         validate(label)
+
+
+def to_dict(obj) -> dict:
+    """Section ``obj`` as nested plain values (tuples stay tuples), a ``pairs`` field spread
+    into its section: the shape of its ConfigDict."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if "pairs" in f.metadata:
+            out.update(dict(value))
+        elif "section" in f.metadata:
+            out[f.name] = to_dict(value)
+        else:
+            out[f.name] = value
+    return out

@@ -24,6 +24,9 @@ _GAE_FIELDS = {
 
 
 def _replace(section, **fields):
+    """``section`` with ``fields`` changed (the algo section's objective settings too)."""
+    if isinstance(section, Algo):
+        return section.replace(**fields)
     return dataclasses.replace(section, **fields)
 
 

@@ -2,7 +2,6 @@
 NumPy loop on a real rollout, decoupled / length-adaptive lambdas, the reward-model
 initialisation, value pretraining, VAPO's NLL term, checkpoint resume of the critic."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

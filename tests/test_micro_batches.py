@@ -8,7 +8,6 @@ step and the step itself. Adam's first step is ``lr g / (|g| + eps)``; the tests
 ``eps = 1`` so that the step is close to linear in the gradient and compares tightly.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -488,9 +487,7 @@ def test_micro_batches_bound_the_update_memory(dense):
     batch = _batch(9, rows=16, prompt=8, response=56)
     temp = {}
     for tokens in (None, 2 * 64):
-        learner = get_learner(
-            graphdef, replace(settings, micro_batch_tokens=tokens), OPTIM
-        )
+        learner = get_learner(graphdef, replace(settings, micro_batch_tokens=tokens), OPTIM)
         state = jax.eval_shape(learner.init_state, params)
         compiled = learner.update.lower(state, batch).compile()
         temp[tokens] = compiled.memory_analysis().temp_size_in_bytes

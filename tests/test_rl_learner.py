@@ -423,9 +423,7 @@ def test_router_z_loss_enters_the_update_with_its_coefficient(policy):
     (plain, metrics), (with_z, _) = jax.jit(
         lambda p: (
             get_learner(graphdef, SETTINGS, OPTIM).loss(p, batch),
-            get_learner(graphdef, replace(SETTINGS, router_z_coef=0.5), OPTIM).loss(
-                p, batch
-            ),
+            get_learner(graphdef, replace(SETTINGS, router_z_coef=0.5), OPTIM).loss(p, batch),
         )
     )(params)
     assert float(metrics["moe/router_z_loss"]) > 0

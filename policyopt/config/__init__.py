@@ -14,9 +14,10 @@ import importlib
 import json
 
 import ml_collections
+from ml_collections import config_dict
 
 from policyopt import schema
-from policyopt.config.algo import Algo, Critic
+from policyopt.config.algo import Algo, Critic, objective_fields
 from policyopt.config.model import Model
 from policyopt.config.reward import Reward
 from policyopt.config.rollout import AsyncMode, Batch, DynamicSampling, Sampling
@@ -40,7 +41,9 @@ __all__ = [
     "Sft",
     "Task",
     "Train",
+    "add_objective_fields",
     "default_configdict",
+    "objective_fields",
     "from_configdict",
     "import_modules",
     "import_names",
@@ -99,8 +102,9 @@ class RunConfig:
             rule(self)
 
     def to_dict(self) -> dict:
-        """The config as nested plain values (``config.json``; tuples stay tuples)."""
-        return dataclasses.asdict(self)
+        """The config as nested plain values, the shape of its ConfigDict (``config.json``;
+        tuples stay tuples)."""
+        return schema.to_dict(self)
 
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), **kwargs)
@@ -190,7 +194,7 @@ def _overlong_within_budget(c: RunConfig) -> None:
 def _critic_needs_gae(c: RunConfig) -> None:
     """critic x algo: the critic's warm-up phases need a critic."""
     for name in ("pretrain_iterations", "reward_model_iterations"):
-        if c.algo.advantage == "outcome" and getattr(c.critic, name) > 0:
+        if not c.algo.uses_critic and getattr(c.critic, name) > 0:
             raise ValueError(f"config.critic.{name} > 0 needs a critic: set algo.advantage='gae'")
 
 
@@ -231,8 +235,21 @@ RULES = (
 
 
 def default_configdict() -> ml_collections.ConfigDict:
-    """Every field at its default, as the ConfigDict that recipes and `--config.X` edit."""
-    return schema.to_configdict(RunConfig)
+    """Every field at its default, as the ConfigDict that recipes and `--config.X` edit: the
+    schema's, and the ``algo.<setting>`` fields of the registered objectives."""
+    config = schema.to_configdict(RunConfig)
+    add_objective_fields(config)
+    return config
+
+
+def add_objective_fields(config: ml_collections.ConfigDict) -> None:
+    """Adds to an unlocked ConfigDict's ``algo`` the settings fields of objectives registered
+    since it was made (by a module of ``imports``), at their defaults."""
+    for name, field in objective_fields().items():
+        if name not in config.algo:
+            config.algo[name] = (
+                config_dict.placeholder(field.type) if field.default is None else field.default
+            )
 
 
 def import_names(value) -> tuple[str, ...]:

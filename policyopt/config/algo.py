@@ -4,15 +4,38 @@ correction and auxiliary losses, and the value model of the critic methods."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from policyopt.schema import Check, choice, integer, number, positive, setting
+from policyopt import schema
+from policyopt.schema import Check, choice, integer, number, pairs, positive, setting
 
 
 def _objectives():
     from policyopt import losses
 
     return losses.OBJECTIVES
+
+
+def objective_fields() -> dict[str, schema.Field]:
+    """The ``algo.<setting>`` fields that the registered objectives' settings records bring
+    (``policyopt.losses.register_objective``), by name; a field two objectives share is one.
+    A setting named like one of the section's own fields is an error naming its objective."""
+    own = {f.name for f in dataclasses.fields(Algo)}
+    out = {}
+    for objective in _objectives().values():
+        if objective.settings is None:
+            continue
+        for field in schema.fields(objective.settings):
+            if field.path in own:
+                raise ValueError(
+                    f"objective {objective.name!r} ({objective.where}): its setting "
+                    f"{field.path!r} is a field of the algo section; name it differently"
+                )
+            out.setdefault(field.path, field)
+    return out
+
+
+def _default_settings() -> tuple:
+    return tuple((name, field.default) for name, field in objective_fields().items())
 
 
 def _library(module: str, name: str, extra: tuple = ()):
@@ -47,35 +70,6 @@ class Algo:
         check=choice(
             source=_objectives, rule="a registered objective (policyopt.losses.OBJECTIVES)"
         ),
-    )
-    clip_low: float = setting(
-        0.2,
-        'Clip range of "ppo" / "gspo": the ratio is clipped to [1 - clip_low, 1 + clip_high].',
-        paper="PPO 1707.06347 §6.1: 0.2",
-        check=number(0.0, 1.0),
-    )
-    clip_high: float = setting(
-        0.2,
-        "Upper clip range (1 + clip_high).",
-        paper="DAPO 2503.14476 clip-higher: 0.28",
-        check=number(0.0),
-    )
-    dual_clip: float | None = setting(
-        None,
-        'Dual clip ratio c > 1 for A < 0 ("ppo" only); None = off.',
-        paper="Ye et al. 1912.09729; 3.0 in common use",
-    )
-    tau_pos: float = setting(
-        1.0,
-        "SAPO temperature of the soft gate for A > 0.",
-        paper="SAPO 2511.20347",
-        check=number(0.0, low_inclusive=False),
-    )
-    tau_neg: float = setting(
-        1.05,
-        "SAPO temperature of the soft gate for A <= 0.",
-        paper="SAPO 2511.20347",
-        check=number(0.0, low_inclusive=False),
     )
     aggregation: str = setting(
         "seq_mean_token_mean",
@@ -279,6 +273,63 @@ class Algo:
     entropy_coef: float = setting(
         0.0, "Entropy bonus coefficient (0 = off; none of the recipes use one).", check=number(0.0)
     )
+    # The registered objectives' settings (clip_low, tau_neg, ...): each an algo.<setting>
+    # config field, read as an attribute (algo.tau_neg) and as the chosen objective's record
+    # (algo.objective).
+    settings: tuple = pairs(_default_settings, "the registered objectives' settings")
+
+    @classmethod
+    def from_config_node(cls, node) -> "Algo":
+        """The section of a ConfigDict node: its own fields and every registered objective's
+        settings (a setting the node lacks, registered after it was made, at its default)."""
+        algo = schema.from_node(cls, node)
+        values = tuple(
+            (name, node[name] if name in node else field.default)
+            for name, field in objective_fields().items()
+        )
+        return dataclasses.replace(algo, settings=values)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "settings":
+            raise AttributeError(name)
+        for key, value in self.settings:
+            if key == name:
+                return value
+        raise AttributeError(f"the algo section has no field or objective setting {name!r}")
+
+    def replace(self, **fields) -> "Algo":
+        """A copy with ``fields`` changed: the section's own and the objectives' settings."""
+        names = {name for name, _ in self.settings}
+        unknown = set(fields) - names - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"the algo section has no field or objective setting {sorted(unknown)}")
+        settings = tuple((name, fields.get(name, value)) for name, value in self.settings)
+        own = {k: v for k, v in fields.items() if k not in names}
+        return dataclasses.replace(self, **own, settings=settings)
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether ``advantage`` is an estimator of a critic's values (kind ``"gae"``): the
+        run then trains a critic (``config.critic``)."""
+        from policyopt.advantages import uses_critic
+
+        return uses_critic(self.advantage)
+
+    @property
+    def objective(self):
+        """The settings record of ``method`` (its registered type, filled from this section),
+        or None for an objective without settings."""
+        objective = _objectives()[self.method]
+        if objective.settings is None:
+            return None
+        values = dict(self.settings)
+        return objective.settings(
+            **{
+                f.name: values[f.name]
+                for f in dataclasses.fields(objective.settings)
+                if f.name in values
+            }
+        )
 
     @property
     def critic_lambda(self) -> float:
@@ -286,28 +337,38 @@ class Algo:
         return self.gae_lambda if self.gae_lambda_critic is None else self.gae_lambda_critic
 
     def validate(self, label: str) -> None:
-        if self.dual_clip is not None:
-            if self.method != "ppo":
-                raise ValueError(
-                    f"{label}.dual_clip={self.dual_clip!r} needs {label}.method='ppo', got "
-                    f"{self.method!r} (the dual clip bounds the token clip's A < 0 side)"
+        from policyopt import losses
+
+        name = lambda field: f"{label}.{field}"  # noqa: E731
+        values = dict(self.settings)
+        for objective in _objectives().values():  # every setting checked, as every field is
+            if objective.settings is not None:
+                losses.check_settings(
+                    objective.settings(
+                        **{
+                            f.name: values[f.name]
+                            for f in dataclasses.fields(objective.settings)
+                            if f.name in values
+                        }
+                    ),
+                    name,
                 )
-            value = self.dual_clip
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not (math.isfinite(value) and value > 1)
-            ):
-                raise ValueError(f"{label}.dual_clip must be > 1 (or None: off), got {value!r}")
+        losses.objective_settings(self.method, None, values, name)
         if self.kl_clamp and self.kl_estimator != "k3":
             raise ValueError(
                 f"{label}.kl_clamp=True is defined for {label}.kl_estimator='k3' only (verl's "
                 f"low_var_kl), got {self.kl_estimator!r}"
             )
-        if self.advantage == "gae" and self.adv_scale == "minibatch":
+        if self.adv_scale == "minibatch" and self.advantage != "outcome":
+            if self.uses_critic:
+                raise ValueError(
+                    f"{label}.adv_scale='minibatch' (Magistral) is an outcome-advantage "
+                    f"option; with algo.advantage={self.advantage!r} use algo.adv_whiten"
+                )
             raise ValueError(
-                f"{label}.adv_scale='minibatch' (Magistral) is an outcome-advantage option; "
-                "with algo.advantage='gae' use algo.adv_whiten"
+                f"{label}.adv_scale='minibatch' (Magistral) rescales the built-in 'outcome' "
+                f"estimator's advantages per minibatch; algo.advantage={self.advantage!r} "
+                "computes its own"
             )
         self._validate_correction(label)
 

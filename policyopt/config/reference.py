@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import textwrap
 
 import ml_collections
 
 from policyopt import schema
-from policyopt.config import RunConfig
+from policyopt.config import RunConfig, objective_fields
 
 PAGE = "docs/configuration.md"
 COMMAND = "make config-docs"
@@ -17,8 +18,21 @@ _BLOCK = re.compile(r"<!-- fields: (\S*) \(generated[^\n]*-->\n.*?<!-- end field
 
 
 def field_index() -> dict[str, schema.Field]:
-    """Every field of the schema by dotted path (``"algo.tau_neg"``)."""
-    return {f.path: f for f in schema.fields(RunConfig)}
+    """Every field of the schema by dotted path (``"algo.tau_neg"``), the registered
+    objectives' settings after ``algo.method``, each noting the objectives that read it."""
+    from policyopt import losses
+
+    index = {}
+    for field in schema.fields(RunConfig):
+        index[field.path] = field
+        if field.path == "algo.method":
+            for name, setting in objective_fields().items():
+                owners = ", ".join(repr(o) for o in losses.setting_owners(name))
+                note = f"A setting of objective {owners}." + (
+                    f" {setting.note}" if setting.note else ""
+                )
+                index["algo." + name] = dataclasses.replace(setting, path="algo." + name, note=note)
+    return index
 
 
 def _comment(field: schema.Field | None) -> str:

@@ -126,14 +126,16 @@ class Reward:
         'docstring of policyopt/rewards/isolation.py lists what "process" changes.',
         check=choice("process", "none"),
     )
-    answer_format: str = setting(
-        "boxed",
-        'Where the math answer is: "boxed", "answer_line" or "gsm8k".',
+    answer_format: str | None = setting(
+        None,
+        'Where the math answer is: "boxed", "answer_line" or "gsm8k"; None: the task\'s format.',
         note='"boxed": the last \\boxed{}; "answer_line": the last "Answer: ..." line, as '
         'DAPO-Math-17k\'s prompts ask; "gsm8k": the text after the last "####", the form of '
         "GSM8K's solutions, so that SFT on them and the RL reward agree. For the verifier, the "
-        "format gate and the evaluation (with `verifier` set, for the format gate only).",
-        check=choice("boxed", "answer_line", "gsm8k"),
+        "format gate and the evaluation (with `verifier` set, for the format gate only). The "
+        "task's format is the one it registered (`policyopt.data.tasks`; the built-in tasks: "
+        '"boxed").',
+        check=choice(None, "boxed", "answer_line", "gsm8k"),
     )
     deadline_s: float | None = setting(
         None,

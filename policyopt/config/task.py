@@ -6,7 +6,11 @@ import dataclasses
 
 from policyopt.schema import choice, integer, setting
 
-JSONL_TASKS = ("math_jsonl", "code_jsonl", "mixed_jsonl")
+
+def _tasks():
+    from policyopt.data.tasks import TASKS
+
+    return TASKS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +20,7 @@ class Task:
 
     name: str = setting(
         "arithmetic",
-        'The task: "arithmetic", "math_jsonl", "code_jsonl" or "mixed_jsonl".',
+        'The task: "arithmetic", "math_jsonl", "code_jsonl", "mixed_jsonl" or a registered one.',
         note='"arithmetic" is the synthetic task of `policyopt.data.synthetic`; "math_jsonl" '
         'local GSM8K / MATH style JSONL files (`policyopt.data.jsonl`); "code_jsonl" local '
         "code problems with tests (MBPP / HumanEval / APPS style), scored by running the "
@@ -25,8 +29,9 @@ class Task:
         '"mixed_jsonl" both in the same files (Magistral\'s mixture: a row with one of '
         "`tests_fields` is code, any other math; each sample is checked by its own task's "
         "verifier). Use the file tasks with a pretrained model and its tokenizer, "
-        "`model.pretrained`.",
-        check=choice("arithmetic", *JSONL_TASKS),
+        "`model.pretrained`. A user's module registers more with "
+        "`policyopt.data.tasks.register_task` (`imports`).",
+        check=choice(source=_tasks, rule="a registered task (policyopt.data.tasks.TASKS)"),
     )
     num_operands: int = setting(2, 'Operands per problem (task "arithmetic").')
     max_operands: int | None = setting(
@@ -134,7 +139,16 @@ class Task:
     )
 
     def validate(self, label: str) -> None:
-        if self.name not in JSONL_TASKS:
+        from policyopt.data.tasks import FILE_TASKS
+        from policyopt.rewards.verifiers import VERIFIERS
+
+        task = _tasks()[self.name]
+        if task.verifier is not None and task.verifier not in VERIFIERS:
+            raise ValueError(
+                f"{label}.name={self.name!r}: its verifier {task.verifier!r} ({task.where}) is "
+                f"not registered; verifiers: {tuple(VERIFIERS)}"
+            )
+        if self.name not in FILE_TASKS:
             return
         missing = [
             f"{split}_file" for split in ("train", "test") if not getattr(self, f"{split}_file")

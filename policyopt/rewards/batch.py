@@ -45,6 +45,7 @@ from policyopt.rewards import length as length_lib
 from policyopt.rewards import math as math_lib
 from policyopt.rewards import timelimit
 from policyopt.rewards.compose import Verdicts, compose_rewards
+from policyopt.rewards.verifiers import VERIFIERS
 
 # The parent waits this long past the deadline for chunks that workers are finishing.
 _DEADLINE_GRACE_S = 0.5
@@ -57,8 +58,9 @@ class RewardSpec:
     """How a completion's reward is composed (the formula: ``policyopt.rewards.compose``).
 
     Attributes:
-      task: "math" (last ``\\boxed{}`` vs the reference) or "code" (first fenced block run
-        against the reference tests).
+      task: the verifier (``policyopt.rewards.verifiers.VERIFIERS``): "math" (last
+        ``\\boxed{}`` vs the reference), "code" (first fenced block run against the reference
+        tests), or one a user's module registered (``register_verifier``).
       format_reward: apply Magistral's format gate (fail: reward 0, grading stops).
       format_value: reward of a well-formatted response (Magistral: 0.1).
       correct_value: added for a correct, well-formatted response (Magistral: 0.9).
@@ -98,6 +100,8 @@ class RewardSpec:
         [0, 1] scores c = 0 (the format check and shaping still count) with status
         "verifier_error", counted in ``metrics["verifier_errors"]`` and logged once per
         process. A path the scoring workers cannot import raises from ``score_batch``.
+      imports: modules to import before scoring, in the scoring workers too (a run's
+        ``config.imports``: where ``task``'s verifier may be registered).
       verifier_timeout_s: per-sample limit of ``verifier``.
       answer_format: math: where the answer is, ``"boxed"`` (the last ``\\boxed{}``),
         ``"answer_line"`` (the last ``Answer: ...`` line, DAPO-Math-17k's format) or
@@ -128,11 +132,13 @@ class RewardSpec:
     verifier: str | None = None
     verifier_timeout_s: float = 5.0
     answer_format: str = "boxed"
+    imports: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.task not in format_lib.TASKS:
+        _import_modules(self.imports)
+        if self.task not in VERIFIERS:
             raise ValueError(
-                f"RewardSpec.task must be one of {format_lib.TASKS}, got {self.task!r}"
+                f"RewardSpec.task must be one of {tuple(VERIFIERS)}, got {self.task!r}"
             )
         if self.answer_format not in math_lib.ANSWER_FORMATS:
             raise ValueError(
@@ -209,6 +215,13 @@ _LOST = SampleScore(False, 0.0, "worker_error")
 # Statuses with no verdict: the sample gets a stand-in reward and is left out of the loss
 # and of its group's statistics (``BatchScores.scored`` False).
 UNSCORED = ("deadline", "worker_error")
+
+
+def _import_modules(names: Sequence[str]) -> None:
+    """Imports each of ``names`` (a run's ``config.imports``, checked with the config)."""
+    for name in names:
+        if name not in sys.modules:
+            importlib.import_module(name)
 
 
 class VerifierImportError(ValueError):
@@ -309,34 +322,14 @@ def score_sample(
         them.
     """
     completion = str(completion)
-    is_formatted = format_lib.format_ok(completion, spec.task, spec.answer_format)
+    verifier = VERIFIERS[spec.task]
+    is_formatted = verifier.format_ok(completion, spec.answer_format)
     if spec.format_reward and not is_formatted:
         return SampleScore(False, 0.0, "format")
     if spec.verifier is not None:
         correctness, status = _custom_correctness(completion, reference, spec, time_left_s)
-    elif spec.task == "math":
-        timeout_s = (
-            spec.math_timeout_s if time_left_s is None else min(spec.math_timeout_s, time_left_s)
-        )
-        verdict = math_lib.verify_math(
-            completion, reference, timeout_s=max(timeout_s, 1e-3), answer_format=spec.answer_format
-        )
-        correctness, status = verdict.score, verdict.status
     else:
-        from policyopt.rewards import code as code_lib  # deferred: only code tasks need it
-
-        result = code_lib.run_code_tests(
-            completion,
-            reference,
-            timeout_s=spec.code_timeout_s,
-            memory_mb=spec.code_memory_mb,
-            disk_mb=spec.code_disk_mb,
-            stop_at_first_failure=not spec.code_partial,
-            max_tests=spec.code_max_tests,
-            isolation=spec.code_isolation,
-        )
-        correctness = result.pass_rate if spec.code_partial else float(result.all_passed)
-        status = result.status
+        correctness, status = verifier.score(completion, reference, spec, time_left_s)
     language_ok = False
     if spec.language_bonus:
         reasoning, answer = _split_for_language(completion)
@@ -352,6 +345,7 @@ def _score_chunk(
     """Scores items ``(completion, reference, prompt, task)`` in order (a task other than
     None overrides ``spec.task`` for its item); once ``deadline`` (time.time()) has
     passed, the rest are missed."""
+    _import_modules(spec.imports)  # in a worker: where the verifiers are registered
     if spec.verifier is not None:
         load_verifier(spec.verifier)  # an unimportable verifier raises (not: every sample "error")
     specs = {None: spec, spec.task: spec}
@@ -714,8 +708,8 @@ def score_batch(
     deadline = None if deadline_s is None else start + deadline_s
     tasks = None if tasks is None else [None if t is None else str(t) for t in tasks]
     for task in set(tasks or ()) - {None}:
-        if task not in format_lib.TASKS:
-            raise ValueError(f"score_batch: task {task!r} is not one of {format_lib.TASKS}")
+        if task not in VERIFIERS:
+            raise ValueError(f"score_batch: task {task!r} is not one of {tuple(VERIFIERS)}")
     items = [
         (
             completions[i],

@@ -9,8 +9,10 @@ which method they run:
 - ``correction``: the rollout correction between sampler and trainer, truncated
   importance weights and rejection sampling (``algo.tis_*``, ``algo.rs_*``;
   docs/algorithms.md), or None when pi_old is the sampler's;
-- ``advantages``: group statistics of the outcome rewards (GRPO, DAPO, Dr. GRPO, GSPO,
-  SAPO, Magistral) or the critic's values and GAE (PPO, VC-PPO, VAPO);
+- ``advantages``: the registered estimator of ``algo.advantage``
+  (``advantages.register_estimator``): group statistics of the outcome rewards (GRPO,
+  DAPO, Dr. GRPO, GSPO, SAPO, Magistral) or the critic's values and GAE (PPO, VC-PPO,
+  VAPO), or one of a user's, by its kind;
 - ``minibatch_advantages``: Magistral's advantages normalised per minibatch
   (``algo.adv_scale = "minibatch"``), or None;
 - ``old_replay`` and ``update_replay``: the routing that the old-log-prob forward and the
@@ -32,11 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from policyopt import sharding
-from policyopt.advantages import outcome_advantages
+from policyopt.advantages import ESTIMATORS, outcome_advantages
 from policyopt.config import Algo, typed
 from policyopt.losses import offpolicy_metrics, rejection_mask, truncated_importance_weights
 from policyopt.rl import forwards
-from policyopt.rl.critic import gae_targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,21 +70,17 @@ def choose(config, *, is_moe: bool) -> Methods:
     """The ``Methods`` of ``config.algo`` (fields checked by ``configs/base.check``)."""
     algo, group = config.algo, config.batch.group_size
     from_trainer = algo.old_log_probs == "trainer"
-    critic = algo.advantage == "gae"
+    estimator = ESTIMATORS[algo.advantage]  # registered: checked with the config
+    critic = estimator.kind == "gae"
     replay = algo.routing_replay if is_moe else "none"
     correction = None
     if from_trainer:
         correction = functools.partial(rollout_correction, algo=algo)
     if critic:
-        advantages = functools.partial(gae_advantages, config)
+        advantages = functools.partial(gae_advantages, config, estimator.function())
     else:  # Magistral's minibatch scale: the batch is centred only, each minibatch scales
-        scale = "none" if algo.adv_scale == "minibatch" else algo.adv_scale
         advantages = functools.partial(
-            group_advantages,
-            group_size=group,
-            center=algo.adv_center,
-            scale=scale,
-            eps=algo.adv_eps,
+            group_advantages, estimator=estimator.function(), group_size=group, algo=algo
         )
     per_minibatch = None
     if algo.adv_scale == "minibatch" and not critic:
@@ -124,38 +121,29 @@ def _correct_rows(correct: np.ndarray) -> jax.Array:
 
 
 def group_advantages(
-    spec,
-    state,
-    rows,
-    rewards,
-    valid,
-    warming_up,
-    *,
-    group_size: int,
-    center: str,
-    scale: str,
-    eps: float,
+    spec, state, rows, rewards, valid, warming_up, *, estimator, group_size: int, algo: Algo
 ):
-    """Outcome advantages from group statistics (``advantages.outcome_advantages``):
-    ``(advantages [R], None, None, {})``; no critic, no forward pass."""
+    """Outcome advantages of an ``"outcome"`` estimator (the built-in's: group statistics,
+    ``advantages.group_outcome``): ``(advantages [R], None, None, {})``; no critic, no
+    forward pass."""
     del spec, state, rows, warming_up
-    advantages = outcome_advantages(
-        rewards, group_size, center=center, scale=scale, eps=eps, valid=valid
-    )
-    return advantages, None, None, {}
+    return estimator(rewards, group_size, valid=valid, algo=algo), None, None, {}
 
 
-# Jitted once per response bucket (the algo section is static and hashable).
-_gae_targets = jax.jit(gae_targets, static_argnames="algo")
+@functools.lru_cache(maxsize=None)
+def _jitted(targets):
+    """``targets`` jitted once per response bucket (the algo section is static and
+    hashable)."""
+    return jax.jit(targets, static_argnames="algo")
 
 
-def gae_advantages(config, spec, state, rows, rewards, valid, warming_up):
-    """The critic's values of the rollout (in the minibatch's shape) and GAE advantages and
-    value targets (``critic.gae_targets``; ``gae_settings``): ``(advantages [R, N],
-    returns [R, N], old_values [R, N], metrics)``."""
+def gae_advantages(config, targets, spec, state, rows, rewards, valid, warming_up):
+    """The critic's values of the rollout (in the minibatch's shape) and the advantages and
+    value targets of a ``"gae"`` estimator (the built-in's: ``critic.gae_targets``), with
+    ``gae_settings``: ``(advantages [R, N], returns [R, N], old_values [R, N], metrics)``."""
     del valid  # a sample left out of scoring has a zero mask: no GAE target
     old_values = forwards.critic_values(spec.critic, state.critic.params, rows)
-    advantages, returns, metrics = _gae_targets(
+    advantages, returns, metrics = _jitted(targets)(
         rewards, old_values, rows.mask, algo=gae_settings(config, pretraining=warming_up)
     )
     return advantages, returns, old_values, jax.device_get(metrics)

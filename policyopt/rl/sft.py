@@ -157,11 +157,12 @@ def sft_optim(config) -> Optim:
 def make_sft_iterator(config, tokenizer, *, seed: int):
     """Batches of (prompt, worked solution) pairs of the task's training split."""
     records = build.task_source(config, "train")
-    if config.task.name != "arithmetic" and not all(as_record(r)["solution"] for r in records):
+    if not all(as_record(r).get("solution") for r in records):
+        t = config.task
+        where = repr(t.train_file) if t.train_file else f"task {t.name!r}"
         raise ValueError(
-            f"SFT needs a worked solution for every training record; "
-            f"{config.task.train_file!r} has records without one (see "
-            "task.solution_field)"
+            f"SFT needs a worked solution for every training record; {where} has records "
+            "without one (see task.solution_field)"
         )
     buckets = tuple(sorted(set(config.batch.prompt_buckets) | set(config.batch.response_buckets)))
     try:

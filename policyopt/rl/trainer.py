@@ -235,7 +235,7 @@ def build_run(
     if s.engine_kv_tokens > 0:
         engine = Engine.from_config(config, model, graphdef, mesh, sampling_config)
     critic = critic_state = None
-    if config.algo.advantage == "gae":
+    if config.algo.uses_critic:  # a "gae" estimator (advantages.register_estimator)
         critic = get_critic(graphdef, CriticSettings.of(config), critic_optim(config))
         critic_state = critic.init_state(params, model.config.hidden_size)
         critic_state = place_state(critic_state, critic.optimizer, mesh)
