@@ -28,12 +28,25 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.9,<3.12",
 ]
 
+# Experiment trackers of `train.loggers` (policyopt/loggers.py), each an extra.
+WANDB_REQUIRES = ["wandb>=0.30,<0.32"]
+# The MLflow client without its server and UI dependencies (a file store or a tracking
+# server's URI is all a run needs).
+MLFLOW_REQUIRES = ["mlflow-skinny>=3.17,<3.19"]
+# Starting from a HuggingFace checkpoint (`model.pretrained`): policyopt reads the folder
+# itself (safetensors, tokenizer.json); transformers brings `hf download`, which fetches
+# one, and loads the folders `save_pretrained` exports.
+HF_REQUIRES = ["transformers>=5.23,<6"]
+
 TEST_REQUIRES = [
     "pytest>=9.0,<10",
     "pytest-xdist>=3.8,<4",
     # The reference implementation the models are checked against (CPU build).
     "torch==2.13.0",
-    "transformers>=5.23,<6",
+    *HF_REQUIRES,
+    # The loggers' tests (tests/test_loggers.py) run them offline.
+    *WANDB_REQUIRES,
+    *MLFLOW_REQUIRES,
 ]
 
 setup(
@@ -47,6 +60,9 @@ setup(
     # runs write (tensorboardX, installed above, writes them).
     extras_require={
         "test": TEST_REQUIRES,
+        "wandb": WANDB_REQUIRES,
+        "mlflow": MLFLOW_REQUIRES,
+        "hf": HF_REQUIRES,
         "tensorboard": ["tensorboard>=2.16,<3"],
         # `make lint` / `make format`: the formatter and linter of pyproject.toml.
         "lint": ["ruff>=0.17.6,<0.18"],

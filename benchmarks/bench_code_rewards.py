@@ -16,6 +16,8 @@ biases no row):
   tests in a process of their own beside the program's, ``code_isolation="process"``);
 * ``serial, one process``: the same with ``code_isolation="none"`` (assert tests after
   the program in its process: one interpreter instead of two, open to reward hacks);
+* ``serial, no groups``: ``serial`` without the sandboxes' control groups (what a host
+  that cannot make them gets: per-process memory limits, no group kill), for their cost;
 * ``parallel warm``: ``score_batch(num_workers=W)`` with the worker pool started;
 * ``reference``: a naive scorer, ``subprocess.run([python, "-c", program + tests])`` per
   test with a timeout and nothing else (no limits, no uid, no harness): the floor of
@@ -28,6 +30,7 @@ Writes ``benchmarks/results/bench_code_rewards.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -39,7 +42,8 @@ import time
 from pathlib import Path
 
 from policyopt.rewards import RewardSpec, score_batch, start_workers
-from policyopt.rewards.code import parse_tests
+from policyopt.rewards.sandbox import cgroup
+from policyopt.rewards.testcases import parse_tests
 
 RESULTS = Path(__file__).parent / "results" / "bench_code_rewards.json"
 SPEC = RewardSpec(task="code")  # Magistral's recipe: format gate, 0.1 / 0.9, 4 s, 300 MB
@@ -73,6 +77,17 @@ def make_batch(n: int, seed: int) -> tuple[list[str], list[object]]:
             completions.append(_completion(f"x = int(input())\nprint({expr})"))
             references.append(cases)
     return completions, references
+
+
+@contextlib.contextmanager
+def without_control_groups():
+    """Sandboxes as on a host where no control group can be made."""
+    probed = cgroup.support
+    cgroup.support = cgroup.Support
+    try:
+        yield
+    finally:
+        cgroup.support = probed
 
 
 def reference_scorer(completions: list[str], references: list[object]) -> list[bool]:
@@ -112,8 +127,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     start_workers(args.workers)
-    times = {"serial": [], "serial, one process": [], "parallel warm": [], "reference": []}
-    ratios = {"serial, one process": [], "parallel warm": [], "reference": []}
+    names = ["serial", "serial, one process", "serial, no groups", "parallel warm", "reference"]
+    times = {name: [] for name in names}
+    ratios = {name: [] for name in names[1:]}
     for repeat in range(args.repeats):
         completions, references = make_batch(args.n, seed=repeat)
         lengths = [len(c) for c in completions]
@@ -124,6 +140,10 @@ def main() -> None:
         start = time.perf_counter()
         one_process = score_batch(completions, references, lengths, ONE_PROCESS)
         elapsed["serial, one process"] = time.perf_counter() - start
+        with without_control_groups():
+            start = time.perf_counter()
+            ungrouped = score_batch(completions, references, lengths, SPEC)
+            elapsed["serial, no groups"] = time.perf_counter() - start
         start = time.perf_counter()
         parallel = score_batch(completions, references, lengths, SPEC, num_workers=args.workers)
         elapsed["parallel warm"] = time.perf_counter() - start
@@ -134,6 +154,7 @@ def main() -> None:
             serial.correct.tolist()
             == parallel.correct.tolist()
             == one_process.correct.tolist()
+            == ungrouped.correct.tolist()
             == naive
         ):
             raise AssertionError("the scorers disagree on which programs are correct")
@@ -170,6 +191,9 @@ def main() -> None:
         python=platform.python_version(),
         cpu_count=os.cpu_count(),
         root=os.geteuid() == 0,
+        control_groups=dict(
+            kill=cgroup.support().kills, memory_limit=cgroup.support().limits_memory
+        ),
         load_average=os.getloadavg(),
         rows=rows,
     )

@@ -202,10 +202,10 @@ def generator_cache(config, setup, mesh, prompt_len: int) -> tuple[str, int, str
         return "the asynchronous generator's page pools", per_device_bytes(state), why
     # The dense slots (SlotGenerator): its own state builder and placement.
     state = jax.eval_shape(
-        lambda p: async_generation._init_state(nnx.merge(setup.graphdef, p), slots),
+        lambda p: async_generation.init_slot_state(nnx.merge(setup.graphdef, p), slots),
         setup.state.params,
     )
-    state = abstract(state, async_generation._slot_specs(state, mesh), mesh)
+    state = abstract(state, async_generation.slot_specs(state, mesh), mesh)
     why = (
         f"async_mode.enabled: {slots.rows} rows x {slots.cache_length} slots of KV cache "
         "(sampling.engine_kv_tokens=0); decoding goes on during the update"

@@ -92,9 +92,12 @@ GSPO_VS_GRPO = ("algo.method", "algo.clip_low", "algo.clip_high")
 #: The routing claim's dose-response: routing-volatility levels set by the routers'
 #: learning rate as a multiple of the policy's (``optim.router_lr_scale``; each level's
 #: routing share, ``routing/ratio_share``, is measured in its runs). "low" is the testbed
-#: as it is; "mid" and "high" make routing cause a growing part of the ratio's noise
-#: (docs/claims.md "routing_replay").
-ROUTING_LEVELS = {"low": 1.0, "mid": 30.0, "high": 300.0}
+#: as it is; "mid" and "high" move the routing 10x and 25x as much per update
+#: (docs/claims.md "routing_replay"). Measured from the testbed's SFT start at lr 1e-4
+#: (GSPO, 30 iterations, seed 0): volatility 0.0013 / 0.012 / 0.031 per batch of 4
+#: updates, routing share 0.007 / 0.11 / 0.036; at 300x, 0.054 and 0.012, and GSPO stops
+#: learning (benchmarks/RESULTS.md "The routing share").
+ROUTING_LEVELS = {"low": 1.0, "mid": 30.0, "high": 100.0}
 # The asynchronous loop of Magistral's recipe: its sampler is stale, so its routing differs
 # from pi_old's own and R3 (which replays the sampler's) differs from R2.
 ASYNC = "async_mode.enabled=True"
@@ -115,6 +118,32 @@ def routing_dose_arms() -> tuple[Arm, ...]:
             Arm(f"gspo_{level}", "gspo", f"algo.routing_replay=none,{lr}"),
         ]
     return tuple(arms)
+
+
+#: SAPO's temperature grid (2511.20347; the issue of its regime: docs/claims.md "sapo"):
+#: tau_neg over the grid at tau_pos 1.0, and tau_pos over it at tau_neg 1.0.
+SAPO_TAUS = (0.8, 1.0, 1.05, 1.25, 2.0)
+# Enough updates per batch that SAPO's gate acts (its weight departs from 1).
+SAPO_UPDATES = "batch.n_minibatches=8,batch.epochs=2"
+
+
+def _tau_label(value: float) -> str:
+    return f"{value:g}".replace(".", "p")
+
+
+def sapo_grid_arms() -> tuple[Arm, ...]:
+    """SAPO at each (tau_pos, tau_neg) of the grid (``neg<tau>`` at tau_pos 1.0, ``pos<tau>``
+    at tau_neg 1.0; the recipe's 1.0 / 1.05 is ``neg1p05``), and GRPO without KL (the SAPO
+    paper's baseline)."""
+    arms = [
+        Arm(f"neg{_tau_label(t)}", "sapo", f"algo.tau_pos=1.0,algo.tau_neg={t}") for t in SAPO_TAUS
+    ]
+    arms += [
+        Arm(f"pos{_tau_label(t)}", "sapo", f"algo.tau_pos={t},algo.tau_neg=1.0")
+        for t in SAPO_TAUS
+        if t != 1.0
+    ]
+    return (*arms, Arm("grpo", "grpo", "algo.kl_beta=0.0"))
 
 
 ABLATIONS: dict[str, Ablation] = {
@@ -152,7 +181,7 @@ ABLATIONS: dict[str, Ablation] = {
             "routing_dose",
             "GSPO (2507.18071): GRPO needs routing replay on an MoE policy, GSPO does not, and "
             "the more routing moves the ratio, the more replay matters. Three routing-volatility "
-            "levels (the routers' learning rate 1x, 30x, 300x the policy's); at each, GRPO "
+            "levels (the routers' learning rate 1x, 30x, 100x the policy's); at each, GRPO "
             "without replay and with R2, GRPO without replay and with R3 (2510.11370) in the "
             "asynchronous loop, GSPO without replay. (GRPO as the paper's baseline: clip 0.2 / "
             "0.27, no KL; every arm in GSPO's geometry.)",
@@ -160,6 +189,18 @@ ABLATIONS: dict[str, Ablation] = {
             OFF_POLICY + ",train.routing_metrics=True",
             reference="gspo",
             compares=GSPO_VS_GRPO,
+        ),
+        Ablation(
+            "sapo_grid",
+            "SAPO (2511.20347): tau_neg > tau_pos is the most stable, equal temperatures in "
+            "between, tau_neg < tau_pos unstable; SAPO is more stable than GRPO. The grid "
+            "{0.8, 1.0, 1.05, 1.25, 2.0} for tau_neg (tau_pos 1.0) and for tau_pos (tau_neg "
+            "1.0), and GRPO without KL, with 8 minibatches x 2 epochs per batch so that the "
+            "gate acts.",
+            sapo_grid_arms(),
+            SAPO_UPDATES,
+            reference="sapo",
+            compares=("algo.",),
         ),
         Ablation(
             "dapo",

@@ -47,7 +47,7 @@ def get_config(arg=None):
     c.train.eval_every = 0
     c.train.checkpoint_every = 1000
     c.train.routing_metrics = False
-    c.train.tensorboard = True  # run directories hold TensorBoard events (docs/runs.md)
+    c.train.loggers = "jsonl,tensorboard"  # run directories hold TensorBoard events (docs/runs.md)
     c.eval.num_prompts = 512
     c.eval.batch_size = 512
     return base.finalize(c, arg)

@@ -37,7 +37,7 @@ from policyopt.metrics import quiet_library_logging, read_jsonl
 from policyopt.rl.async_rl import async_enabled, run_async_rl
 from policyopt.rl.plots import plot_runs
 from policyopt.rl.trainer import run_rl
-from policyopt.runtime import keep_freed_host_memory
+from policyopt.runtime import enable_compilation_cache, keep_freed_host_memory
 
 #: Training metrics summarised (mean over the last ``tail`` iterations), when a run logs them.
 TAIL_METRICS = (
@@ -52,7 +52,11 @@ TAIL_METRICS = (
     "policy/entropy",
     "critic/explained_variance",
     "async/staleness_mean",
+    "offpolicy/kl_k3",
 )
+#: A run has collapsed at iteration i when the mean training accuracy of iterations i-2..i
+#: falls below this fraction of that of its first 3 iterations (``collapse_iteration``).
+COLLAPSE_FRACTION = 0.5
 DONE_FILE = "ablation_run.json"
 #: The fields that make a run's learning rate and budget (``regime_of``): a verdict over
 #: runs that differ in one compares settings, not methods (`experiments/reproduce.py`).
@@ -253,6 +257,16 @@ def summarise_run(run_dir: str, tail: int) -> dict:
     if evals:
         out["pass@1_start"], out["pass@1_end"] = evals[0]["eval/pass@1"], evals[-1]["eval/pass@1"]
         out["eval_steps"] = [int(evals[0]["step"]), int(evals[-1]["step"])]
+    routing = [
+        (r["routing/log_ratio_ms_routing"], r["routing/log_ratio_ms_params"])
+        for r in rows
+        if "routing/log_ratio_ms_routing" in r
+    ]
+    if routing:  # pooled over the run: the per-iteration share is heavy-tailed
+        total = sum(a + b for a, b in routing)
+        out["routing/ratio_share_pooled"] = sum(a for a, _ in routing) / total if total else 0.0
+    out["collapse_iteration"] = collapse_iteration(rows)
+    out["collapsed"] = float(out["collapse_iteration"] <= out["iterations"])
     last = rows[-tail:]
     for key in TAIL_METRICS:
         # NaN: an iteration without a value (e.g. no update: only dynamic sampling's fillers).
@@ -260,6 +274,24 @@ def summarise_run(run_dir: str, tail: int) -> dict:
         if values:
             out[key] = statistics.fmean(values)
     return out
+
+
+def collapse_iteration(rows: Sequence[dict], key: str = "reward/accuracy") -> int:
+    """The first iteration at which a run has collapsed (``COLLAPSE_FRACTION``: the mean of
+    ``key`` over the last 3 iterations below that fraction of the first 3 iterations'), or
+    the number of iterations + 1 when it never does (a censored time to collapse).
+
+    Args:
+      rows: the run's iteration records in order (``step`` and ``key``).
+    """
+    values = [(int(r["step"]), r[key]) for r in rows if key in r and math.isfinite(r[key])]
+    if len(values) < 3:
+        return (int(rows[-1]["step"]) if rows else 0) + 1
+    first = statistics.fmean(v for _, v in values[:3])
+    for i in range(3, len(values) + 1):
+        if statistics.fmean(v for _, v in values[i - 3 : i]) < COLLAPSE_FRACTION * first:
+            return values[i - 1][0]
+    return int(rows[-1]["step"]) + 1
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -346,7 +378,14 @@ def run_ablation(
             "differs_from_first_arm": config_diff(reference, first),  # at the first run
             "runs": runs,
         }
-        for key in ("pass@1_start", "pass@1_end", *TAIL_METRICS):
+        for key in (
+            "pass@1_start",
+            "pass@1_end",
+            "collapse_iteration",
+            "collapsed",
+            "routing/ratio_share_pooled",
+            *TAIL_METRICS,
+        ):
             values = [r[key] for r in runs if key in r]
             if values:
                 entry[key] = dict(zip(("mean", "std"), _mean_std(values)))
@@ -411,7 +450,7 @@ def format_table(summary: dict) -> str:
             f"{cell(entry, 'pass@1_start')} | {cell(entry, 'pass@1_end')} | "
             f"{cell(entry, 'reward/mean')} | {cell(entry, 'loss/clip_frac')} | "
             f"{cell(entry, 'loss/gate_mean')} | {cell(entry, 'routing/volatility')} | "
-            f"{cell(entry, 'routing/ratio_share')} | "
+            f"{cell(entry, 'routing/ratio_share_pooled')} | "
             f"{cell(entry, 'response/length_mean', 1)} | {wall:.0f} |"
         )
     return "\n".join(lines) + "\n"
@@ -452,6 +491,7 @@ def main(argv):
         raise app.UsageError("--ablation and --workdir are required (or --list)")
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
+    enable_compilation_cache()  # load what an earlier process compiled (docs/runs.md)
     summary = run_ablation(
         get_ablation(args.ablation),
         args.workdir,

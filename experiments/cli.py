@@ -27,8 +27,16 @@ from ml_collections import config_flags
 from configs import base
 from policyopt.checkpoint import WorkdirLocked
 from policyopt.rl.trainer import UpdatesSkipped
+from policyopt.runtime import enable_compilation_cache
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Show the traceback of an error.")
+_COMPILATION_CACHE = flags.DEFINE_bool(
+    "compilation_cache",
+    True,
+    "Keep compiled programs in JAX's persistent cache ($POLICYOPT_COMPILATION_CACHE, "
+    "default ~/.cache/policyopt/jax; docs/runs.md), so a rerun loads them; "
+    "--nocompilation_cache compiles everything afresh.",
+)
 
 
 class UsageError(ValueError):
@@ -243,6 +251,8 @@ def run(main) -> None:
     config checked before ``main`` runs. ``main`` then reads ``final_config()``."""
 
     def wrapped(argv):
+        if _COMPILATION_CACHE.value:
+            enable_compilation_cache()  # policyopt.runtime: before anything compiles
         try:
             if config_given():
                 config = final_config()

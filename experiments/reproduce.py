@@ -30,7 +30,7 @@ from experiments import ablate
 from experiments.verdicts import claim_verdict, judge
 from policyopt.metrics import quiet_library_logging
 from policyopt.rl.sft import run_sft
-from policyopt.runtime import keep_freed_host_memory
+from policyopt.runtime import enable_compilation_cache, keep_freed_host_memory
 
 
 def select_arms(claim: Claim, arms: Sequence[str] | None) -> tuple[str, ...]:
@@ -447,6 +447,7 @@ def main(argv):
         )
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
+    enable_compilation_cache()  # load what an earlier process compiled (docs/runs.md)
     result = run_claim(
         claim,
         workdir,

@@ -1,64 +1,17 @@
-"""Continuous batching on a paged KV cache: a bounded number of rows, refilled one group
-of G samples at a time, within a KV memory budget.
+"""Continuous batching on a paged KV cache: a bounded number of rows per shard, refilled a
+group of G samples at a time within a KV memory budget, one shard per device along the
+mesh's row axes. Greedy outputs equal ``policyopt.sampling.generate``'s; a sampled token's
+key depends on its prompt, sample and index only (docs/scale.md, "Generation engine").
 
-How a call runs (``Engine.generate``):
-
-  1. Admission (host). A free group of G rows takes the next prompt when the pool has
-     the pages of the prompt, one more per row, and a copy of a partly filled last page
-     for each other row, free. The prompt is prefilled once into the group's first row;
-     the other G - 1 rows share its full pages and get their own copy of the partial one
-     (``PagedKVCache.copy_rows``). Up to ``admit_prompts`` prompts per shard are prefilled
-     together, one ``[S A, P]`` forward pass per admission call (``admit_rows``).
-  2. Decode (one jitted ``lax.while_loop`` of at most ``steps_per_call`` steps, over a
-     compacted batch of the running rows when they fit a smaller bucket of rows,
-     ``decode_bucket``; with "pool" attention, over a bucketed list of the pages held,
-     ``held_page_bucket``, when the call cannot fill the pool). Each running row asks
-     for the page its next token needs (``PagedKVCache.reserve``); a row refused waits
-     (it samples nothing and writes nothing this step). A row that goes on samples its
-     token n with the key fold_in(fold_in(fold_in(rng, prompt), sample), n), records
-     it, and feeds it back at its own slot and position prompt_length + n. A row that
-     ends (end token, or N tokens) returns its pages at once.
-  3. Hand-out (host). A group whose rows have all ended is copied out, and its rows are
-     free for the next prompt.
-  4. No progress. If a decode call moved no row (every running row waits for a page),
-     the most recently admitted group is preempted: its pages are returned and it is
-     queued again at the front, to be recomputed from its prompt (the same tokens: keys
-     depend on the prompt, sample and token index only); its shard admits no new group
-     until one of its groups is handed out. With one group left, its last
-     running row is preempted the same way and recomputed alone once pages are free;
-     only a single row that cannot reach its end in the whole pool raises. A prompt
-     whose group no pool could admit (``group_pages``) is refused before any call, and
-     a host loop that stops making progress raises, naming what it saw.
-  5. Stop. ``should_stop`` is polled before each decode call: ``GenerationStopped``
-     (a trainer's SIGINT / SIGTERM reaches a generation in progress this way).
-
-Greedy outputs equal ``policyopt.sampling.generate``'s for the same prompts. Sampled
-outputs follow another key schedule (per row, not per step), so they differ from it.
-Behaviour log-probs are those of the distribution each token was drawn from, as there.
-
-Sharded model (``mesh``). The engine runs S shards, one per device along the mesh's row
-axes (``data``, ``fsdp``, ``expert``: the logical ``batch``), each with ``rows`` rows and
-a pool of ``kv_tokens`` slots: rows and the pools' pages are split over those axes, and
-allocation, prefix copies and attention run per shard (``PagedKVCache.shards``), so no
-pool moves between devices (``tests/test_engine.py`` checks the compiled decode). An
-admission call prefills up to one prompt per shard (``[S, P]``, rows split as above). The
-parameters stay where the train state holds them, no copy is made for decoding: each
-call is the model's training forward under the mesh, in which XLA's SPMD partitioner
-gathers an fsdp-split weight where its layer uses it (one layer's weights at a time, a
-temporary, as in the training forward) and routes tokens to the devices holding their
-experts; ``benchmarks/scale_sim.py --step rollout`` lists these collectives and the
-per-device peak of every call. ``generate(params=...)`` takes the trainer's current
-arrays, so a weight update reaches the engine in place, with no host round trip. The
-pools are not split over ``tensor`` (each tensor-parallel device holds its shard's whole
-pool).
-
-Routing capture (R3): for an MoE model the experts of every prompt token (from the
-admission's prefill) and of every generated token (from the decode step that fed it) are
-kept per row in ``Rollout.sequences()``'s layout, equal to ``generate``'s capture.
+Device side: the state of every row (``empty_state``), prefill of admitted prompts
+(``admit_rows``), a jitted loop of ``sampling.decode_step`` (``decode_steps``) and eviction
+(``evict_rows``). Host side: ``policyopt.scheduler.Scheduler``; ``ContinuousBatch`` holds
+both, for ``Engine.generate`` and the asynchronous ``rl.async_generation.EngineSlots``.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 from functools import partial
@@ -73,14 +26,7 @@ from jax.sharding import PartitionSpec
 from policyopt import sharding
 from policyopt.models.paged import ATTENTION, PagedKVCache, pages_for
 from policyopt.sampling import Rollout, SamplingConfig, decode_step, next_logits
-
-
-def group_pages(prompt_length: int, group_size: int, page_size: int) -> int:
-    """Free pages a shard's pool needs to admit the G rows of one prompt of L tokens:
-    ceil(L / ps) + (G - 1) [L % ps > 0] + G (the prompt's pages, a copy of its partly filled
-    last page for each row but the first, one page per row to decode into)."""
-    partial = int(prompt_length % page_size > 0)
-    return pages_for(prompt_length, page_size) + (group_size - 1) * partial + group_size
+from policyopt.scheduler import Admission, Request, Scheduler, group_pages
 
 
 class GenerationStopped(Exception):
@@ -166,10 +112,6 @@ class _State:
     recent: jax.Array | None  # int32 [R, M]; last M tokens, for stop sequences
 
 
-def _stop_window(config: SamplingConfig) -> int:
-    return max((len(stop) for stop in config.stop_sequences), default=0)
-
-
 def empty_state(
     mc, engine: EngineConfig, config: SamplingConfig, prompt_len: int, shards: int = 1
 ) -> _State:
@@ -198,7 +140,7 @@ def empty_state(
         routing = jnp.broadcast_to(
             jnp.arange(k, dtype=jnp.int32), (mc.num_moe_layers, rows, prompt_len + num_new, k)
         )
-    window = _stop_window(config)
+    window = config.stop_window
     return _State(
         cache=cache,
         logits=jnp.zeros((rows, mc.vocab_size), jnp.float32),
@@ -559,8 +501,180 @@ def row_shards(mesh) -> int:
     return int(np.prod([mesh.shape[name] for name in ROW_AXES if name in mesh.shape]))
 
 
+@partial(jax.jit, static_argnames=("group_size",))
+def group_rows(s: _State, slot, *, group_size: int) -> dict:
+    """Tokens, log-probs, raw log-probs [G, N], token counts [G] and routing (axis 1) of the
+    G rows of slot group ``slot`` (traced: one program for every slot)."""
+    take = lambda x, axis=0: (
+        None if x is None else jax.lax.dynamic_slice_in_dim(x, slot * group_size, group_size, axis)
+    )
+    return dict(
+        tokens=take(s.tokens),
+        log_probs=take(s.log_probs),
+        raw_log_probs=take(s.raw_log_probs),
+        count=take(s.count),
+        routing=take(s.routing, 1),
+    )
+
+
+def finish_rows(tokens, log_probs, raw_log_probs, count, fill_id: int) -> dict:
+    """Host rows [R, N] of the state as a ``Rollout`` holds them: mask 1 on the first
+    count[r] tokens, ``fill_id`` and log-probs 0 past them."""
+    mask = (np.arange(tokens.shape[1])[None] < np.asarray(count)[:, None]).astype(np.float32)
+    return dict(
+        tokens=np.where(mask > 0, tokens, fill_id).astype(np.int32),
+        mask=mask,
+        log_probs=np.asarray(log_probs, np.float32) * mask,
+        raw_log_probs=np.asarray(raw_log_probs, np.float32) * mask,
+        lengths=np.asarray(count, np.int32),
+    )
+
+
+class ContinuousBatch:
+    """An engine's rows: their device state and the host's ``Scheduler``, driven a pass at
+    a time (``admit``, ``decode``, ``settle``): by ``Engine.generate`` until its prompts
+    are done, by the asynchronous ``EngineSlots`` once per segment. Call it under the
+    engine's mesh.
+
+    Args:
+      engine: the ``Engine`` (model, configs, shards).
+      prompt_width: P, the width of every request's tokens.
+      budget: the setting behind the pools, as errors name it (default
+        ``EngineConfig.kv_tokens``).
+    """
+
+    def __init__(self, engine: Engine, prompt_width: int, budget: str | None = None):
+        config, group = engine.engine, engine.config.num_samples
+        slots_per_shard = config.rows // group
+        self.engine, self.prompt_width = engine, prompt_width
+        self.state = engine.init_state(prompt_width)
+        self.scheduler = Scheduler(
+            shards=engine.shards,
+            slots_per_shard=slots_per_shard,
+            group_size=group,
+            page_size=config.page_size,
+            num_pages=config.num_pages,
+            admit_width=min(config.admit_prompts, slots_per_shard),
+            row_tokens=prompt_width + engine.config.max_new_tokens,
+            budget=budget or f"EngineConfig.kv_tokens = {config.kv_tokens}",
+        )
+        self.stats = self.scheduler.stats
+        self.steps = 0  # decode steps run, summed over calls
+        self._made = np.zeros(engine.shards, np.int32)  # tokens of the last decode call
+
+    def free_pages(self) -> np.ndarray:
+        """int [S]: each shard's free pages."""
+        return np.asarray(jax.device_get(self.state.cache.num_free)).reshape(-1)
+
+    def pages_held(self) -> int:
+        return int(np.sum(np.asarray(self.state.cache.pages_in_use())))
+
+    def admit(self, params) -> list[Admission]:
+        """Prefills every request the pools admit now (``Scheduler.admissions``), one
+        ``admit_rows`` call per group of admissions; returns the admissions."""
+        calls = self.scheduler.admissions(self.free_pages())
+        for call in calls:
+            self.state = self._prefill(params, call)
+        return [admission for call in calls for admission in call]
+
+    def _prefill(self, params, call: list[Admission]) -> _State:
+        engine, width = self.engine, self.scheduler.admit_width
+        # Per place [S, A]: prompt length, first row, rows, first sample, prompt index; a
+        # place left empty admits nothing (0 rows).
+        args = np.zeros((5, engine.shards, width), np.int32)
+        args[0] = 1
+        prompts = np.full((engine.shards, width, self.prompt_width), engine.config.fill_id)
+        places = collections.Counter()
+        for admission in call:
+            place = (admission.shard, places[admission.shard])
+            places[admission.shard] += 1
+            request = admission.request
+            args[(slice(None),) + place] = (
+                request.length,
+                admission.row0,
+                admission.num_rows,
+                admission.first_sample,
+                request.key,
+            )
+            prompts[place] = request.tokens
+        return admit_rows(
+            engine.graphdef,
+            params,
+            self.state,
+            jnp.asarray(prompts, jnp.int32),
+            *map(jnp.asarray, args),
+            config=engine.config,
+        )
+
+    def decode(self, params, rng) -> None:
+        """One ``decode_steps`` call of at most ``steps_per_call`` steps of every running
+        row, over the buckets of rows and held pages that hold them (``_decode_shape``)."""
+        bucket, held_pages = self._decode_shape()
+        self.state, run, made, waits, peak = decode_steps(
+            self.engine.graphdef,
+            params,
+            self.state,
+            rng,
+            config=self.engine.config,
+            steps=self.engine.engine.steps_per_call,
+            bucket=bucket,
+            held_pages=held_pages,
+        )
+        self.steps += int(run)
+        self._made = np.asarray(made)
+        self.stats["waits"] += int(waits)
+        self.stats["peak_pages"] = max(self.stats["peak_pages"], int(peak))
+        self.stats["held_page_calls"] += held_pages > 0
+
+    def _decode_shape(self) -> tuple[int | None, int]:
+        """(bucket, held_pages) of the next decode call: rows per shard of the compacted
+        batch (``EngineConfig.decode_bucket``; None: every row) and the length of the list
+        of held pages "pool" attention reads (``EngineConfig.held_page_bucket``; 0: the
+        whole pool)."""
+        config = self.engine.engine
+        lists = config.held_page_bucket > 0 and config.attention == "pool"
+        if not (config.decode_bucket or lists):
+            return None, 0
+        active = np.asarray(self.state.active).reshape(self.engine.shards, -1)
+        running = int(active.sum(1).max())
+        bucket, held_pages = None, 0
+        if config.decode_bucket:
+            bucket = max(config.decode_bucket, 1 << max(running - 1, 0).bit_length())
+            bucket = bucket if bucket < config.rows else None
+        if lists:
+            # Every page this call can hold: in use now, and one per running row each
+            # page_size steps (a row's slots of the call cross at most that many pages).
+            in_use = config.num_pages - self.free_pages()
+            steps = -(-config.steps_per_call // config.page_size)
+            can_hold = int(in_use.max()) + running * steps
+            held_pages = config.held_page_bucket
+            while held_pages < can_hold:
+                held_pages *= 2
+            # A gather of more than half the pool's pages costs more than scoring the
+            # whole pool in place (benchmarks/bench_paged_attention.py, 512 of 640).
+            held_pages = held_pages if 2 * held_pages <= config.num_pages else 0
+        return bucket, held_pages
+
+    def settle(self) -> list[tuple[int, Request]]:
+        """Hands out the groups whose rows all ended, preempts where no row moved and
+        evicts the rows preempted (``Scheduler.settle``). Returns the groups handed out
+        as (slot, request); their rows stay in the state (``rows``) until the slot is
+        refilled."""
+        active, num_free = jax.device_get((self.state.active, self.state.cache.num_free))
+        finished, evict = self.scheduler.settle(active, self._made, num_free)
+        if evict.any():
+            evict = jax.device_put(evict, self.state.active.sharding)
+            self.state = evict_rows(self.state, evict)
+        return finished
+
+    def rows(self, slot: int) -> dict:
+        """``group_rows`` of ``slot``, on the host."""
+        fields = group_rows(self.state, jnp.int32(slot), group_size=self.scheduler.group_size)
+        return jax.device_get(fields)
+
+
 class Engine:
-    """Generates rollouts by continuous batching (see the module docstring).
+    """Generates rollouts by continuous batching (``ContinuousBatch``).
 
     Args:
       model: a ``policyopt.models.Transformer``.
@@ -570,7 +684,7 @@ class Engine:
       mesh: the mesh the parameters live on (``policyopt.sharding``), or None. The engine
         then runs S = ``row_shards(mesh)`` shards, one per device along the row axes, each
         with ``engine.rows`` rows and a pool of ``engine.kv_tokens`` slots on that device;
-        the parameters stay as placed (see "Sharded model" in the module docstring).
+        the parameters stay as placed (docs/scale.md, "Generation engine").
       should_stop: a function polled before each decode call (also settable as the
         attribute); when it returns True, ``generate`` raises ``GenerationStopped``
         (a trainer's SIGINT / SIGTERM: ``trainer.RunLoop``).
@@ -655,10 +769,42 @@ class Engine:
           RuntimeError: decode calls that made no progress (no token, no group handed
             out), naming what the host loop saw; never expected past the check above.
         """
+        prompts, lengths = self._check_prompts(prompts, prompt_lengths)
+        params = self.params if params is None else params
         with self._on_mesh():
-            return self._generate(
-                prompts, prompt_lengths, rng, self.params if params is None else params
+            batch = ContinuousBatch(self, prompts.shape[1])
+            self.stats = batch.stats
+            for b in range(len(prompts)):
+                batch.scheduler.submit(Request(b, prompts[b], int(lengths[b])))
+            out = _HandedOut(len(prompts), self.config, batch.state.routing)
+            while batch.scheduler.busy:
+                self._poll_stop(batch.scheduler, len(prompts))
+                batch.admit(params)
+                batch.decode(params, rng)
+                for slot, request in batch.settle():
+                    out.put(request.key, batch.rows(slot))
+            self.stats["pages_held_at_end"] = batch.pages_held()
+        return out.rollout(prompts, lengths, batch.steps)
+
+    def _poll_stop(self, scheduler: Scheduler, num_prompts: int) -> None:
+        if self.should_stop is not None and self.should_stop():
+            raise GenerationStopped(
+                f"generation stopped on request with {len(scheduler.queue)} of {num_prompts} "
+                f"prompts not yet admitted and {len(scheduler.running)} groups running"
             )
+
+    def _check_prompts(self, prompts, prompt_lengths) -> tuple[np.ndarray, np.ndarray]:
+        """The prompts and lengths as int32 host arrays, checked (``_check_budget``)."""
+        prompts = np.asarray(prompts, np.int32)
+        lengths = np.asarray(prompt_lengths, np.int32)
+        batch, prompt_len = prompts.shape
+        if lengths.shape != (batch,) or lengths.min() < 1 or lengths.max() > prompt_len:
+            raise ValueError(
+                f"prompt_lengths must be [B={batch}] in [1, P={prompt_len}], got "
+                f"shape {lengths.shape}, min {lengths.min()} max {lengths.max()}"
+            )
+        self._check_budget(lengths)
+        return prompts, lengths
 
     def _check_budget(self, lengths: np.ndarray) -> None:
         """Refuses prompts whose group the pool could never admit (``group_pages``): the
@@ -683,225 +829,49 @@ class Engine:
                 f"{needs[b] * ps}"
             )
 
-    def _generate(self, prompts, prompt_lengths, rng, params) -> Rollout:
-        engine, config, shards = self.engine, self.config, self.shards
-        prompts = np.asarray(prompts, np.int32)
-        lengths = np.asarray(prompt_lengths, np.int32)
-        batch, prompt_len = prompts.shape
-        if lengths.shape != (batch,) or lengths.min() < 1 or lengths.max() > prompt_len:
-            raise ValueError(
-                f"prompt_lengths must be [B={batch}] in [1, P={prompt_len}], got "
-                f"shape {lengths.shape}, min {lengths.min()} max {lengths.max()}"
-            )
-        self._check_budget(lengths)
-        group, num_new, ps = config.num_samples, config.max_new_tokens, engine.page_size
-        rows_total = engine.rows * shards
-        groups_per_shard = engine.rows // group
-        state = self.init_state(prompt_len)
-        slots = [-1] * (rows_total // group)  # prompt held by each group of rows
-        waiting = [[] for _ in slots]  # rows of a slot evicted, to redo
-        admitted = []  # running slots, oldest first
-        queue = list(range(batch))
-        out = {
-            name: np.zeros((batch * group, num_new), dtype)
-            for name, dtype in (
-                ("tokens", np.int32),
-                ("log_probs", np.float32),
-                ("raw_log_probs", np.float32),
-            )
-        }
-        if state.routing is not None:
-            num_moe, _, width, k = state.routing.shape
-            out["routing"] = np.zeros((num_moe, batch * group, width, k), np.int32)
-        counts = np.zeros(batch * group, np.int32)
-        # Shards that preempted a group admit no new one until one of theirs is handed out:
-        # the preempted group, admitted again at once, would take the pages its elders
-        # wait for, and be preempted again (a livelock seen with 3 groups in 12 pages).
-        blocked = np.zeros(shards, bool)
-        steps_run = 0
-        # What the last call did: row-steps spent waiting for a page, groups and rows
-        # preempted, most pages one shard held at once during decode, admit_rows calls,
-        # pages still held at the end (0: every page came back), decode calls whose
-        # "pool" attention read a list of the held pages (not the whole pool).
-        self.stats = dict(
-            waits=0,
-            preempted_groups=0,
-            preempted_rows=0,
-            peak_pages=0,
-            admit_calls=0,
-            held_page_calls=0,
+
+class _HandedOut:
+    """The rollout of ``Engine.generate``, filled on the host as groups are handed out."""
+
+    def __init__(self, num_prompts: int, config: SamplingConfig, routing):
+        rows, num_new = num_prompts * config.num_samples, config.max_new_tokens
+        self.config = config
+        self.fields = dict(
+            tokens=np.zeros((rows, num_new), np.int32),
+            log_probs=np.zeros((rows, num_new), np.float32),
+            raw_log_probs=np.zeros((rows, num_new), np.float32),
+            count=np.zeros((rows,), np.int32),
         )
-        shard_of = lambda slot: slot // groups_per_shard
-        prompt_pages = lambda b: pages_for(int(lengths[b]), ps)
+        if routing is not None:
+            num_moe, _, width, k = routing.shape
+            self.fields["routing"] = np.zeros((num_moe, rows, width, k), np.int32)
 
-        width = min(engine.admit_prompts, groups_per_shard)  # A: admissions per shard a call
+    def put(self, prompt: int, rows: dict) -> None:
+        """The G rows of ``prompt`` (``ContinuousBatch.rows``)."""
+        group = self.config.num_samples
+        dest = slice(prompt * group, (prompt + 1) * group)
+        for name, field in self.fields.items():
+            if name == "routing":
+                field[:, dest] = rows[name]
+            else:
+                field[dest] = rows[name]
 
-        def admit(state, admissions):
-            """One admit_rows call: ``admissions`` maps a shard to up to A (prompt, row0,
-            rows, first sample) tuples."""
-            args = np.zeros((6, shards, width), np.int32)
-            for shard, places in admissions.items():
-                for a, (b, row0, num_rows, first_sample) in enumerate(places):
-                    args[:, shard, a] = (b, row0, num_rows, first_sample, lengths[b], b)
-            picked = prompts[args[0]]  # [S, A, P]
-            return admit_rows(
-                self.graphdef,
-                params,
-                state,
-                jnp.asarray(picked),
-                jnp.asarray(np.maximum(args[4], 1)),
-                *map(jnp.asarray, args[1:4]),
-                jnp.asarray(args[5]),
-                config=config,
-            )
-
-        # No-progress guard: a pass that changes nothing (admits, decodes, hands out and
-        # preempts nothing) would repeat for ever; passes that make no token and hand out no
-        # group are bounded too (each preempts a group or a row, see the module docstring).
-        idle, idle_limit = 0, 2 * (groups_per_shard + group) + 2
-        while queue or admitted:
-            if self.should_stop is not None and self.should_stop():
-                raise GenerationStopped(
-                    f"generation stopped on request with {len(queue)} of {batch} prompts "
-                    f"not yet admitted and {len(admitted)} groups running"
-                )
-            num_free = np.asarray(state.cache.num_free).reshape(-1).copy()  # [S]
-            admit_calls = self.stats["admit_calls"]
-            while True:  # up to A admissions per shard a call
-                admissions = {}
-                room = lambda shard: len(admissions.get(shard, ())) < width
-                for slot in admitted:  # evicted rows first
-                    b, shard = slots[slot], shard_of(slot)
-                    while waiting[slot] and room(shard) and num_free[shard] >= prompt_pages(b) + 1:
-                        row = waiting[slot].pop(0)
-                        admissions.setdefault(shard, []).append((b, row, 1, row - slot * group))
-                        num_free[shard] -= prompt_pages(b)
-                for slot in range(len(slots)):
-                    shard = shard_of(slot)
-                    if slots[slot] >= 0 or not queue or not room(shard) or blocked[shard]:
-                        continue
-                    b = queue[0]
-                    pages = group_pages(int(lengths[b]), group, ps) - group
-                    if num_free[shard] < pages + group:
-                        continue
-                    queue.pop(0)
-                    admissions.setdefault(shard, []).append((b, slot * group, group, 0))
-                    num_free[shard] -= pages
-                    slots[slot] = b
-                    admitted.append(slot)
-                if not admissions:
-                    break
-                state = admit(state, admissions)
-                self.stats["admit_calls"] += 1
-            bucket, held_pages = None, 0
-            running = int(np.asarray(state.active).reshape(shards, -1).sum(1).max())
-            if engine.decode_bucket:
-                bucket = max(engine.decode_bucket, 1 << max(running - 1, 0).bit_length())
-                bucket = bucket if bucket < engine.rows else None
-            if engine.held_page_bucket and engine.attention == "pool":
-                # Every page this call can hold: in use now, and one per running row each
-                # page_size steps (a row's slots of the call cross at most that many pages).
-                in_use = engine.num_pages - np.asarray(state.cache.num_free).reshape(-1)
-                can_hold = int(in_use.max()) + running * -(-engine.steps_per_call // ps)
-                held_pages = engine.held_page_bucket
-                while held_pages < can_hold:
-                    held_pages *= 2
-                # A gather of more than half the pool's pages costs more than scoring the
-                # whole pool in place (benchmarks/bench_paged_attention.py, 512 of 640).
-                held_pages = held_pages if 2 * held_pages <= engine.num_pages else 0
-                self.stats["held_page_calls"] += held_pages > 0
-            state, run, made, waits, peak = decode_steps(
-                self.graphdef,
-                params,
-                state,
-                rng,
-                config=config,
-                steps=engine.steps_per_call,
-                bucket=bucket,
-                held_pages=held_pages,
-            )
-            steps_run += int(run)
-            made = np.asarray(made)
-            self.stats["waits"] += int(waits)
-            self.stats["peak_pages"] = max(self.stats["peak_pages"], int(peak))
-            active = np.asarray(state.active)
-            handed_out = 0
-            for slot in list(admitted):
-                rows = slice(slot * group, (slot + 1) * group)
-                if active[rows].any() or waiting[slot]:
-                    continue
-                b = slots[slot]
-                dest = slice(b * group, (b + 1) * group)
-                for name in ("tokens", "log_probs", "raw_log_probs"):
-                    out[name][dest] = np.asarray(getattr(state, name)[rows])
-                if "routing" in out:
-                    out["routing"][:, dest] = np.asarray(state.routing[:, rows])
-                counts[dest] = np.asarray(state.count[rows])
-                slots[slot] = -1
-                blocked[shard_of(slot)] = False
-                admitted.remove(slot)
-                handed_out += 1
-            evict = np.zeros(rows_total, bool)
-            for shard in range(shards):
-                mine = [slot for slot in admitted if shard_of(slot) == shard]
-                if made[shard] or not mine:
-                    continue
-                # Every running row of this shard waits for a page: free some, to be
-                # recomputed.
-                if len(mine) > 1:
-                    slot = mine[-1]
-                    admitted.remove(slot)
-                    evict[slot * group : (slot + 1) * group] = True
-                    queue.insert(0, slots[slot])
-                    self.stats["preempted_groups"] += 1
-                    blocked[shard] = True
-                    slots[slot], waiting[slot] = -1, []
-                else:
-                    slot = mine[0]
-                    running = np.flatnonzero(active[slot * group : (slot + 1) * group])
-                    if running.size <= 1:
-                        raise ValueError(
-                            f"EngineConfig.kv_tokens = {engine.kv_tokens} cannot hold one row "
-                            f"to its end: needs up to {prompt_len + num_new} slots in pages "
-                            f"of {engine.page_size}"
-                        )
-                    row = slot * group + int(running[-1])
-                    evict[row] = True
-                    waiting[slot].append(row)
-                    self.stats["preempted_rows"] += 1
-            moved = bool(made.any()) or handed_out > 0
-            idle = 0 if moved else idle + 1
-            changed = moved or evict.any() or self.stats["admit_calls"] > admit_calls
-            if not changed or idle > idle_limit:
-                raise RuntimeError(
-                    f"the engine made no progress in {idle} decode call(s) in a row (no token, "
-                    f"no group handed out{'' if changed else ', nothing admitted or preempted'}"
-                    f"): {len(queue)} prompts queued, groups running per shard "
-                    f"{[sum(shard_of(x) == i for x in admitted) for i in range(shards)]}, rows "
-                    f"running {int(active.sum())}, rows waiting to be recomputed "
-                    f"{sum(map(len, waiting))}, free pages per shard "
-                    f"{np.asarray(state.cache.num_free).reshape(-1).tolist()} of "
-                    f"{engine.num_pages}, blocked shards {np.flatnonzero(blocked).tolist()} "
-                    f"(EngineConfig.kv_tokens = {engine.kv_tokens}, page_size = {ps}, group "
-                    f"of {group})"
-                )
-            if evict.any():
-                state = evict_rows(state, jnp.asarray(evict))
-        self.stats["pages_held_at_end"] = int(np.sum(np.asarray(state.cache.pages_in_use())))
-        mask = (np.arange(num_new)[None, :] < counts[:, None]).astype(np.float32)
-        fill = config.fill_id
-        shift = prompt_len - lengths
-        aligned = np.full_like(prompts, fill)
-        for b in range(batch):
-            aligned[b, shift[b] :] = prompts[b, : lengths[b]]
+    def rollout(self, prompts: np.ndarray, lengths: np.ndarray, steps: int) -> Rollout:
+        fill, group = self.config.fill_id, self.config.num_samples
+        fields = self.fields
+        aligned = np.full_like(prompts, fill)  # right-aligned, as Rollout.sequences() reads
+        for b, length in enumerate(lengths):
+            aligned[b, prompts.shape[1] - length :] = prompts[b, :length]
         return Rollout(
-            tokens=np.where(mask > 0, out["tokens"], fill).astype(np.int32),
-            mask=mask,
-            log_probs=out["log_probs"] * mask,
-            raw_log_probs=out["raw_log_probs"] * mask,
-            lengths=counts,
+            **finish_rows(
+                fields["tokens"],
+                fields["log_probs"],
+                fields["raw_log_probs"],
+                fields["count"],
+                fill,
+            ),
             prompt_tokens=np.repeat(aligned, group, axis=0),
             prompt_lengths=np.repeat(lengths, group),
-            routing=out.get("routing"),
-            num_steps=np.int32(steps_run),
+            routing=fields.get("routing"),
+            num_steps=np.int32(steps),
         )

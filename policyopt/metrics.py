@@ -1,9 +1,9 @@
 """Run metrics: one JSON line per step, TensorBoard event files, a console progress line.
 
 A metrics record is a flat dict of scalars (``STYLE.md`` convention 2). ``MetricsWriter``
-sends each record to every sink at once; ``read_jsonl`` reads a run back for plots and
-tests. Nothing here touches JAX arrays beyond converting them to Python floats once per
-logged step.
+sends each record to every sink at once (and to the trackers of ``policyopt.loggers``:
+Weights & Biases, MLflow); ``read_jsonl`` reads a run back for plots and tests. Nothing
+here touches JAX arrays beyond converting them to Python floats once per logged step.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Iterable, Mapping, TextIO
+from typing import Any, Iterable, Mapping, Sequence, TextIO
 
 import numpy as np
 
@@ -60,6 +60,10 @@ class MetricsWriter:
         again) are removed, and TensorBoard purges its events after that step. A run
         that starts from scratch passes -1 (every old record goes); None keeps the file
         as it is and appends.
+      loggers: further sinks (``policyopt.loggers.open_loggers``: Weights & Biases,
+        MLflow), each given every record (``write``) and table (``write_text``) and closed
+        with the writer. Their records after ``resume_step`` stay (those services keep
+        what they received): a resumed run logs those steps again.
     """
 
     def __init__(
@@ -70,10 +74,12 @@ class MetricsWriter:
         tensorboard: bool = True,
         enabled: bool = True,
         resume_step: int | None = None,
+        loggers: Sequence = (),
     ):
         self.path = os.path.join(workdir, filename)
         self._file: TextIO | None = None
         self._tb = None
+        self._loggers = list(loggers) if enabled else []
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
@@ -99,6 +105,8 @@ class MetricsWriter:
         self._file.flush()
         if self._tb is not None:
             self._tb_scalars(int(step), scalars)
+        for logger in self._loggers:
+            logger.write(int(step), scalars)
         return scalars
 
     def _tb_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
@@ -119,8 +127,13 @@ class MetricsWriter:
         self._file.flush()
 
     def write_text(self, step: int, tag: str, rows: list[Mapping[str, Any]]) -> None:
-        """``rows`` as a Markdown table in TensorBoard's text tab (nothing without TensorBoard)."""
-        if self._tb is None or not rows:
+        """``rows`` as a Markdown table in TensorBoard's text tab, and as a table to each of
+        ``loggers`` (nothing without either)."""
+        if not rows:
+            return
+        for logger in self._loggers:
+            logger.write_table(int(step), tag, rows)
+        if self._tb is None:
             return
         keys = [key for key in rows[0] if key != "step"]
         cell = lambda value: str(value).replace("|", "\\|").replace("\n", "<br>")
@@ -139,6 +152,9 @@ class MetricsWriter:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+        loggers, self._loggers = self._loggers, []
+        for logger in loggers:
+            logger.close()
 
     def __enter__(self) -> "MetricsWriter":
         return self
@@ -252,10 +268,12 @@ def console_line(
 class Progress:
     """Prints a progress line per logged step, with the elapsed time and an ETA.
 
-    The ETA is measured from steady-state steps only: the time up to the first logged
+    The ETA is measured from steps that compiled nothing: the time up to the first logged
     step (which holds the compilation of every jitted step, 10-100x a later step on a
-    small model) is left out, so the first line has no ETA and later ones extrapolate
-    ``(now - t_first) / (step - step_first)``."""
+    small model) is left out, and so is every later stretch between two logged steps in
+    which XLA compiled (``compiles``, default ``policyopt.runtime.compile_count``: a new
+    evaluation bucket, a phase with other shapes). The first line has no ETA; later ones
+    extrapolate the mean time per step of the stretches kept."""
 
     def __init__(
         self,
@@ -265,34 +283,51 @@ class Progress:
         start_step: int = 0,
         keys: Iterable[tuple[str, str]] = CONSOLE_KEYS,
         clock=time.perf_counter,
+        compiles=None,
     ):
+        if compiles is None:
+            from policyopt.runtime import compile_count as compiles
         self.total = total
         self.keys = tuple(keys)
         self.stream = stream or sys.stdout
         self._clock = clock
+        self._compiles = compiles
         self._start_time = clock()
         self._start_step = start_step
-        self._steady: tuple[int, float] | None = None  # (step, time) of the first logged step
+        compiles()  # starts counting
+        # (step, time, compilations) of the last logged step; None before the first.
+        self._mark: tuple[int, float, int] | None = None
+        self._steady_steps, self._steady_seconds = 0, 0.0
 
     def start_steady(self, step: int) -> None:
         """Marks ``step`` as done with compilation (the ETA counts from here on); the
         first logged step otherwise."""
-        if self._steady is None:
-            self._steady = (step, self._clock())
+        if self._mark is None:
+            self._mark = (step, self._clock(), self._compiles())
+
+    def _advance(self, step: int, now: float) -> None:
+        """Ends the stretch since the last logged step; kept when nothing compiled."""
+        count = self._compiles()
+        if self._mark is not None:
+            last_step, last_time, last_count = self._mark
+            if count == last_count and step > last_step:
+                self._steady_steps += step - last_step
+                self._steady_seconds += now - last_time
+        self._mark = (step, now, count)
 
     def eta(self, step: int) -> float | None:
-        """Seconds left by the steady-state rate; None before two logged steps."""
-        if self._steady is None or step <= self._steady[0]:
+        """Seconds left at the mean time of the steps that compiled nothing; None before
+        there is one."""
+        if not self._steady_steps:
             return None
-        rate = (self._clock() - self._steady[1]) / (step - self._steady[0])
+        rate = self._steady_seconds / self._steady_steps
         return rate * max(self.total - step, 0)
 
     def update(self, step: int, metrics: Mapping[str, float], *, suffix: str = "") -> str:
         now = self._clock()
         elapsed = now - self._start_time
+        self._advance(step, now)
         eta = self.eta(step)
-        if self._steady is None:
-            self._steady = (step, now)
         if eta is None and step >= self.total:
             eta = 0.0
         eta_text = "eta after compile" if eta is None else f"eta {eta:.0f}s"

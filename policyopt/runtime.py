@@ -12,6 +12,10 @@ usual on TPU hosts.
 
 Experiments and benchmarks call it at start-up; a library user calls it once in their
 own entry point (it changes the whole process, so importing policyopt never does).
+
+``enable_compilation_cache()``: JAX's persistent compilation cache, on by default for the
+experiments (docs/runs.md "Compilation cache"); ``compile_count()`` counts the process's
+XLA compilations (cache loads included), which the console's ETA leaves out.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
+import threading
 
 # mallopt(3) parameter numbers (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -119,3 +125,75 @@ class GracefulStop:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous = {}
+
+
+# The persistent compilation cache: an environment variable names another directory or
+# turns it off ("off", "0", "false", "no", "none").
+CACHE_ENV = "POLICYOPT_COMPILATION_CACHE"
+_OFF = ("off", "0", "false", "no", "none")
+
+
+def default_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/policyopt/jax`` (``~/.cache/policyopt/jax`` without it)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "policyopt", "jax")
+
+
+def enable_compilation_cache(directory: str | None = None) -> str | None:
+    """Turns on JAX's persistent compilation cache, so that a rerun (a resumed run, the
+    same recipe with more iterations, an evaluation) loads the programs an earlier process
+    compiled instead of compiling them again.
+
+    Every program is cached (``jax_persistent_cache_min_compile_time_secs = 0``: a run's
+    first iteration also compiles hundreds of small host-side programs, together as long
+    as its large ones). Call it before the first compilation; it changes the whole process.
+
+    Args:
+      directory: where the programs go. None: a directory JAX already has
+        (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config``, e.g. the test suite's), else
+        ``$POLICYOPT_COMPILATION_CACHE``, else ``default_cache_dir()``.
+
+    Returns:
+      The directory in use, or None when ``$POLICYOPT_COMPILATION_CACHE`` is "off" (or
+      "0", "false", "no", "none"), which leaves the cache as JAX has it.
+    """
+    import jax
+
+    if directory is None:
+        setting = os.environ.get(CACHE_ENV, "").strip()
+        if setting.lower() in _OFF:
+            return None
+        if jax.config.jax_compilation_cache_dir:
+            return jax.config.jax_compilation_cache_dir
+        directory = setting or default_cache_dir()
+    directory = os.path.expanduser(directory)
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return directory
+
+
+_COMPILES = [0]
+_COMPILES_LOCK = threading.Lock()
+
+
+def _count_compile(event: str, duration: float, **kwargs) -> None:
+    del duration, kwargs
+    if event == "/jax/core/compile/backend_compile_duration":
+        with _COMPILES_LOCK:
+            _COMPILES[0] += 1
+
+
+@functools.lru_cache(maxsize=None)
+def _start_counting() -> None:
+    from jax import monitoring
+
+    monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def compile_count() -> int:
+    """XLA compilations in this process so far (a program loaded from the persistent
+    cache counts: it stands in for one); counting starts with the first call."""
+    _start_counting()
+    with _COMPILES_LOCK:
+        return _COMPILES[0]

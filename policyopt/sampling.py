@@ -1,49 +1,11 @@
-"""KV-cache sampling: one prefill pass, then a jitted `lax.while_loop` decode.
+"""KV-cache sampling: one prefill pass, then a jitted ``lax.while_loop`` decode.
 
-`generate` turns right-padded prompts into a `Rollout`: the sampled tokens, their mask,
-the behaviour log-probs, and (for MoE models) the experts chosen at every prompt and
-generated token, which rollout routing replay (R3, arXiv 2510.11370) feeds back into the
-training forward pass.
-
-How a call runs (everything below is one `jax.jit`, traced once per bucket of
-(batch, prompt length, max_new_tokens, `SamplingConfig`)):
-
-  1. Prefill. The `B` prompts `[B, P]` go through the model in one pass, written to KV
-     cache slots `[0, P)`. Padding slots are marked invalid in the cache's `key_mask` and
-     are never attended. The next-token logits of row b are read at its last real token
-     `prompt_lengths[b] - 1`.
-  2. Group sampling. With `num_samples = G`, the prefilled cache and the next-token logits
-     are repeated G times along the batch (prompt b -> rows b*G .. b*G+G-1): the prompt is
-     run once, not G times.
-  3. Decode. A `lax.while_loop` over a `_DecodeState` samples one token per row, records
-     its log-probs, then feeds it back. Every row writes its key/value at the same cache
-     slot `P + step`, while RoPE uses the row's own position `prompt_lengths + step`; a
-     right-padded prompt therefore continues exactly as the same prompt unpadded. The loop
-     stops when every row has ended (EOS or a stop sequence) or after `max_new_tokens`.
-     With `decode_segments = K`, K loops run one after the other, loop k over steps
-     [k N/K, (k+1) N/K) with a cache of P + (k+1) N/K slots (padded with empty slots
-     between loops): a step's attention reads the slots written so far, plus at most N/K.
-
-Behaviour log-probs and truncation: `Rollout.log_probs` are log q(y), q the distribution
-the token was actually drawn from (temperature, then top-k / top-p renormalised over the
-kept set, and the EOS ban of `min_new_tokens`). `Rollout.raw_log_probs` are log pi_T(y),
-pi_T = softmax(logits / T) untruncated, which is what a trainer's forward pass recomputes.
-Whenever truncation removed mass, q != pi_T: q(y) = pi_T(y) / Z on the kept set (Z < 1)
-and 0 outside it. Truncated samples are therefore off-policy for pi_T, and an importance
-ratio pi_theta / pi_old that uses pi_old = pi_T ignores the factor Z on every kept token
-and the never-sampled tail (a biased estimate), while using log q as pi_old puts two
-different distributions into one ratio. A correction for the truncation needs both, hence
-both are returned. The trainer's truncated importance sampling (`algo.tis_cap`,
-w = min(pi_old(y) / pi_T(y), C), docs/algorithms.md) uses `raw_log_probs` as the behaviour policy,
-as vLLM-based trainers do: it corrects for sampler / trainer mismatch and for stale
-parameters (asynchronous generation), not for top-k / top-p truncation. Greedy
-decoding samples from a point mass: its `log_probs` are 0 and its `raw_log_probs` are
-the model's own (temperature 1).
-
-Training layout: `Rollout.sequences()` gives `[B*G, P + N]` tokens, positions and
-attention mask with each prompt right-aligned (left-padded) and the response starting at
-index P for every row, the layout of `Rollout.routing`. The response token n is predicted
-by the hidden state at index P - 1 + n, for every row.
+``generate`` turns right-padded prompts into a ``Rollout``: the sampled tokens, their mask,
+the behaviour log-probs (of the distribution sampled from, and of the untruncated
+temperature-scaled one) and, for MoE models, the experts of every prompt and generated
+token (R3, arXiv 2510.11370). ``decode_step`` is the one decode step of every sampler: this
+one, ``policyopt.engine`` and ``policyopt.rl.async_generation`` (docs/scale.md,
+"Generation engine").
 """
 
 from __future__ import annotations
@@ -311,6 +273,12 @@ class SamplingConfig:
     @property
     def end_ids(self) -> tuple[int, ...]:
         return ((self.eos_id,) if self.eos_id is not None else ()) + self.stop_ids
+
+    @property
+    def stop_window(self) -> int:
+        """M, the longest stop sequence (0: none): the last tokens each row keeps to match
+        them (``decode_step``'s ``recent``)."""
+        return max((len(stop) for stop in self.stop_sequences), default=0)
 
     @property
     def segment_ends(self) -> tuple[int, ...]:
@@ -581,7 +549,7 @@ def _generate(graphdef, state, prompts, prompt_lengths, rng, *, config: Sampling
 
     # 3. Decode.
     fill = config.fill_id
-    stop_window = max((len(s) for s in config.stop_sequences), default=0)
+    stop_window = config.stop_window
     routing = None
     if prompt_routing is not None:
         num_moe, _, _, top_k = prompt_routing.shape

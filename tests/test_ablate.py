@@ -446,3 +446,45 @@ def test_run_names_and_the_regime_of_a_critic_arm():
     assert ablate.regime_of(config)["train.num_iterations"] == 20
     with pytest.raises(ValueError, match="not both"):
         ablate.run_ablation(get_ablation("vc_ppo"), "unused", setting=demo_setting, starts={})
+
+
+def test_collapse_iteration_by_hand():
+    """The first iteration whose 3-iteration mean training accuracy falls below half the
+    first 3 iterations' mean; iterations + 1 (censored) when none does."""
+    rows = [{"step": i + 1, "reward/accuracy": a} for i, a in enumerate([0.4, 0.5, 0.6, 0.5])]
+    assert ablate.collapse_iteration(rows) == 5  # 0.5 mean at the start, never below 0.25
+    rows += [{"step": 5, "reward/accuracy": 0.1}, {"step": 6, "reward/accuracy": 0.0}]
+    # Means of 3: 0.5 (1-3), 0.533 (2-4), 0.4 (3-5), 0.2 (4-6) < 0.25 at iteration 6.
+    assert ablate.collapse_iteration(rows) == 6
+    # An iteration without the metric (no update) is skipped; too few values: censored.
+    assert ablate.collapse_iteration([{"step": 1}, {"step": 2, "reward/accuracy": 0.0}]) == 3
+    assert ablate.collapse_iteration([]) == 1
+
+
+def test_sapo_grid_arms():
+    labels = [a.label for a in get_ablation("sapo_grid").arms]
+    assert labels == [
+        "neg0p8", "neg1", "neg1p05", "neg1p25", "neg2",
+        "pos0p8", "pos1p05", "pos1p25", "pos2", "grpo",
+    ]  # fmt: skip
+    config = ablate.arm_config(get_ablation("sapo_grid"), "pos1p25", 0)
+    assert (config.algo.tau_pos, config.algo.tau_neg) == (1.25, 1.0)
+    assert (config.batch.n_minibatches, config.batch.epochs) == (8, 2)
+    grpo = ablate.arm_config(get_ablation("sapo_grid"), "grpo", 0)
+    assert grpo.algo.method == "ppo" and grpo.algo.kl_beta == 0.0
+
+
+def test_the_routing_share_is_pooled_over_a_run(tmp_path):
+    """The sum of the routing parts over the sum of both parts, every iteration; by hand
+    (0.01 + 0.03 + 0) / (0.1 + 0.1 + 0.8) = 0.04, where the mean of the per-iteration
+    shares (0.1, 0.3, 0) would be 0.133."""
+    rows = [
+        {"step": 1, "routing/log_ratio_ms_routing": 0.01, "routing/log_ratio_ms_params": 0.09},
+        {"step": 2, "routing/log_ratio_ms_routing": 0.03, "routing/log_ratio_ms_params": 0.07},
+        {"step": 3, "routing/log_ratio_ms_routing": 0.0, "routing/log_ratio_ms_params": 0.8},
+    ]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "eval.jsonl").write_text("")
+    summary = ablate.summarise_run(str(tmp_path), tail=5)
+    assert summary["routing/ratio_share_pooled"] == pytest.approx(0.04 / 1.0)

@@ -262,9 +262,9 @@ _MESH_SCRIPT = textwrap.dedent(r"""
     import dataclasses
     import jax, jax.numpy as jnp, numpy as np
     from policyopt import sharding
-    from policyopt.engine import admit_rows, decode_steps, evict_rows
+    from policyopt.engine import admit_rows, decode_steps, evict_rows, group_rows
     import os
-    from policyopt.rl.async_generation import EngineSlots, SlotConfig, _engine_group_rows
+    from policyopt.rl.async_generation import EngineSlots, SlotConfig
     from policyopt.sampling import Greedy
     from tests.test_async_engine import ONE_GROUP, PAGE, run_slots
     from tests.test_async_rl import GROUP, PROMPT_WIDTH, policy, random_prompts, slot_config
@@ -279,7 +279,7 @@ _MESH_SCRIPT = textwrap.dedent(r"""
                         PROMPT_WIDTH, 3)
     mesh = sharding.make_mesh({"fsdp": 2})
     placed = sharding.shard_params(params, mesh)
-    fns = (admit_rows, decode_steps, evict_rows, _engine_group_rows)
+    fns = (admit_rows, decode_steps, evict_rows, group_rows)
     before = [fn._cache_size() for fn in fns]
     # Two shards (two groups and a pool of one group's pages each, on its own device).
     slots = EngineSlots(graphdef, config, placed, kv_tokens=ONE_GROUP, page_size=PAGE, mesh=mesh)

@@ -59,7 +59,7 @@ def tiny(extra="", recipe=magistral_async):
         f"model=tiny_moe,model.num_layers=1,batch.n_prompts=2,batch.group_size={GROUP},"
         f"sampling.max_new_tokens={NUM_NEW},task.num_train=64,task.num_test=8,"
         "eval.num_prompts=0,train.num_iterations=3,train.eval_every=0,"
-        "train.checkpoint_every=1,train.tensorboard=False,train.routing_metrics=False,"
+        "train.checkpoint_every=1,train.loggers=jsonl,train.routing_metrics=False,"
         "dynamic_sampling.max_rounds=2,"
         f"optim.lr=0.01,async_mode.n_async={N_ASYNC},async_mode.segment_steps={SEGMENT}"
     )
@@ -581,9 +581,10 @@ def test_run_async_rl_trains_checkpoints_and_resumes(tmp_path):
     prompt_part = merged.tokens[:, : merged.prompt_width].reshape(-1, GROUP, merged.prompt_width)
     assert np.all(prompt_part == prompt_part[:, :1])
     assert info["versions"].shape == merged.mask.shape and np.all(info["start_version"] <= 2)
-    # samples.jsonl at iteration 3: the batch's first group, as trained on.
-    samples = [json.loads(line) for line in open(os.path.join(tmp_path, "samples.jsonl"))]
-    assert [r["step"] for r in samples] == [3] * GROUP
+    # samples.jsonl at iterations 1 and 3: each batch's first group, as trained on.
+    rows = [json.loads(line) for line in open(os.path.join(tmp_path, "samples.jsonl"))]
+    assert [r["step"] for r in rows] == [1] * GROUP + [3] * GROUP
+    samples = [r for r in rows if r["step"] == 3]
     assert [r["reward"] for r in samples] == [float(x) for x in merged.rewards[:GROUP]]
     assert {r["prompt"] for r in samples} == {info["groups"][0].meta["prompt"]}
     assert run.checkpointer.latest_step() == 3

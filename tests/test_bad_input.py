@@ -18,7 +18,7 @@ from policyopt.rl import sft, trainer
 TINY = (
     "model=tiny_dense,model.num_layers=1,batch.n_prompts=2,batch.group_size=4,batch.n_minibatches=1,"
     "sampling.max_new_tokens=6,task.num_train=64,task.num_test=8,eval.num_prompts=8,"
-    "eval.batch_size=8,train.eval_every=0,train.num_iterations=1,train.tensorboard=False,"
+    "eval.batch_size=8,train.eval_every=0,train.num_iterations=1,train.loggers=jsonl,"
     "batch.prompt_buckets=(16,),batch.response_buckets=(24,),sft.steps=1,sft.batch_size=4"
 )
 

@@ -29,7 +29,7 @@ TINY = (
     "model=tiny_dense,model.num_layers=1,batch.n_prompts=2,batch.group_size=4,"
     "batch.n_minibatches=1,sampling.max_new_tokens=6,task.num_train=64,task.num_test=8,"
     "eval.num_prompts=8,eval.batch_size=8,train.eval_every=0,train.checkpoint_every=1,"
-    "train.tensorboard=False,optim.lr=0.01,batch.prompt_buckets=(16,),"
+    "train.loggers=jsonl,optim.lr=0.01,batch.prompt_buckets=(16,),"
     "batch.response_buckets=(6,)"
 )
 

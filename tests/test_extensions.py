@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = (
     "model=tiny_dense,model.num_layers=1,batch.n_prompts=2,batch.group_size=4,"
     "sampling.max_new_tokens=6,task.num_train=64,task.num_test=8,eval.num_prompts=0,"
-    "train.tensorboard=False,train.sample_every=0,optim.lr=0.01,batch.prompt_buckets=(16,),"
+    "train.loggers=jsonl,train.sample_every=0,optim.lr=0.01,batch.prompt_buckets=(16,),"
     "batch.response_buckets=(6,),reward.verifier='tests.verifiers:odd_length'"
 )
 # Wraps the example's registrations to log each call (the objective at trace time, with

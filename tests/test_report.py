@@ -31,7 +31,7 @@ RECIPES = {
 TINY = (
     "model=tiny_dense,model.num_layers=1,batch.n_prompts=2,batch.group_size=4,"
     "sampling.max_new_tokens=6,task.num_train=64,task.num_test=8,eval.num_prompts=0,"
-    "train.checkpoint_every=100,train.tensorboard=False,train.routing_metrics=False,"
+    "train.checkpoint_every=100,train.loggers=jsonl,train.routing_metrics=False,"
     "batch.prompt_buckets=(16,),batch.response_buckets=(6,)"
 )
 

@@ -56,6 +56,20 @@ FOUR_ARMS = Claim(
 )
 
 
+#: SAPO's temperature ordering at lr 1e-3 (the claim before its grid): 3 arms, 2 checks.
+THREE_ARMS = Claim(
+    name="sapo_tau",
+    source="SAPO (2511.20347): tau_neg > tau_pos is the most stable choice.",
+    ablation=ABLATIONS["sapo_tau"],
+    setting="testbed",
+    regime="optim.lr=1e-3,train.num_iterations=20",
+    checks=(
+        Check("tau_neg > tau_pos ends above equal temperatures", "diff", "neg_gt_pos", "equal"),
+        Check("equal temperatures end above tau_neg < tau_pos", "diff", "equal", "neg_lt_pos"),
+    ),
+)
+
+
 def _run(end, start=0.5, clip=0.01):
     return {"pass@1_end": end, "pass@1_start": start, "loss/clip_frac": clip}
 
@@ -90,7 +104,7 @@ def test_checks_and_claims_refuse_bad_definitions():
         Check("", "gain", "a", "b")
     with pytest.raises(ValueError, match="margin must be > 0"):
         Check("", "diff", "a", "b", margin=-0.05)
-    own = CLAIMS["sapo_tau"]
+    own = THREE_ARMS
     kwargs = dict(name="x", source="", ablation=own.ablation, setting="testbed", checks=own.checks)
     with pytest.raises(ValueError, match="claim 'x': its regime must fix train.num_iterations"):
         Claim(regime="optim.lr=1e-3", **kwargs)
@@ -245,7 +259,7 @@ def test_a_check_not_run_or_missing_a_pair_leaves_the_claim_inconclusive():
 
 
 def test_a_verdict_table_over_different_learning_rates_is_refused():
-    claim = get_claim("sapo_tau")
+    claim = THREE_ARMS
     runs = {p: _run(0.5) for p in PAIRS[:3]}
     summary = _summary({"neg_gt_pos": runs, "equal": runs, "neg_lt_pos": runs}, seeds=range(3))
     summary["arms"][2]["runs"][1]["regime"]["optim.lr"] = 5e-3
@@ -286,7 +300,7 @@ def test_exploratory_variants_and_their_directories():
     # The regime already says lr 1e-3 and 20 iterations; logging is not what is trained.
     assert reproduce.departures(claim, "testbed", "") == []
     assert reproduce.departures(claim, "testbed", "optim.lr=1e-3,train.num_iterations=20") == []
-    assert reproduce.departures(claim, "testbed", "train.tensorboard=False") == []
+    assert reproduce.departures(claim, "testbed", "train.loggers=jsonl") == []
     assert reproduce.departures(claim, "testbed", "optim.lr=5e-4") == ["optim.lr"]
     assert reproduce.departures(claim, "testbed", "train.num_iterations=40,sft.steps=10") == [
         "sft.steps",
@@ -314,7 +328,7 @@ def test_exploratory_variants_and_their_directories():
     assert len(directory) == 64 + 9 and directory.startswith("optim.lr=1e-4,optim.lr=2e-4")
     runs = {p: _run(0.5) for p in PAIRS[:2]}
     text, _, _ = reproduce.verdict_table(
-        get_claim("sapo_tau"),
+        THREE_ARMS,
         _summary({"neg_gt_pos": runs, "equal": runs}, seeds=range(2), starts=(0,)),
         variant="optim.lr=5e-4",
         exploratory=True,
@@ -392,7 +406,7 @@ def test_a_continued_sft_start_trains_its_parent_first(tmp_path, monkeypatch):
     )
     variant = (
         "model.num_layers=1,sft.steps=3,sft.batch_size=4,task.num_train=64,task.num_test=8,"
-        "eval.num_prompts=0,train.tensorboard=False"
+        "eval.num_prompts=0,train.loggers=jsonl"
     )
     checkpoint = reproduce.ensure_sft("testbed_long32", str(tmp_path), variant)
     parent = tmp_path / "testbed_long" / "sft"
@@ -421,7 +435,7 @@ def _shrink(config):
 TINY = (
     "model.num_layers=1,sft.steps=2,sft.batch_size=4,task.num_train=64,task.num_test=8,"
     "eval.num_prompts=8,eval.batch_size=8,batch.n_prompts=2,batch.group_size=2,"
-    "train.tensorboard=False"
+    "train.loggers=jsonl"
 )
 
 
@@ -488,7 +502,7 @@ def test_diff_of_diffs_checks_and_the_routing_claims():
                     "runs": [
                         {
                             "regime": {**REGIME, "optim.lr": 1e-4},
-                            "routing/ratio_share": 0.625,
+                            "routing/ratio_share_pooled": 0.625,
                             "routing/volatility": 0.04,
                             "pass@1_start": 0.457,
                             "pass@1_end": 0.6,

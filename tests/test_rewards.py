@@ -263,7 +263,7 @@ def test_a_stuck_verification_off_the_main_thread_is_killed(monkeypatch):
 
 
 def test_a_killable_worker_is_killed_in_c_code_and_replaced():
-    from policyopt.rewards.timelimit import KillableWorker
+    from policyopt.rewards.killable import KillableWorker
     from tests import verifiers
 
     worker = KillableWorker()
@@ -282,26 +282,6 @@ def test_a_killable_worker_is_killed_in_c_code_and_replaced():
         assert worker.call(pow, (2, 5), 30.0) == 32 and worker.pid != first
     finally:
         worker.kill()
-
-
-@pytest.mark.parametrize(
-    "answer, expected",
-    [
-        ("43=42", 0.0),
-        ("43 = 42", 0.0),
-        ("6*7=42", 1.0),
-        (r"6 \cdot 7 = 42", 1.0),
-        ("42=42", 1.0),
-        ("40+2=42=43", 0.0),
-        ("x=42", 1.0),
-        ("x = 43", 0.0),
-        (r"\frac{84}{2}=42", 1.0),
-    ],
-)
-def test_an_equation_with_a_numeric_left_side_must_hold(answer, expected):
-    """math-verify grades an equation by its right side alone (43=42 equals 42); here a
-    left side without a variable must equal the reference too."""
-    assert math_correctness(boxed(answer), "42") == expected
 
 
 @pytest.mark.parametrize(
@@ -906,11 +886,21 @@ def test_score_batch_parallel_deadline_then_recovers():
 def test_samples_of_a_crashed_worker_get_no_verdict():
     """A worker that dies mid-batch: its samples get the stand-in reward, leave the loss and
     their group's statistics ("worker_error", scored False); the next call has a new pool."""
+    from policyopt.rewards import batch as batch_lib
+
     completions, references = _mixed_batch(6)
     spec = RewardSpec(
-        format_reward=False, incorrect_value=-1.0, verifier="tests.verifiers:dies_in_a_worker"
+        format_reward=False,
+        incorrect_value=-1.0,
+        verifier="tests.verifiers:sleeps",
+        verifier_timeout_s=60.0,
     )
+    start_workers(2)
+    worker = next(iter(batch_lib._POOLS[("default", 2)]._processes.values()))
+    killer = threading.Timer(2.0, worker.kill)  # as the OOM killer would, mid-batch
+    killer.start()
     lost = score_batch(completions, references, [1] * 6, spec, num_workers=2)
+    killer.join()
     assert lost.metrics["worker_errors"] == 6 and lost.metrics["deadline_missed"] == 0
     assert (
         lost.status == ["worker_error"] * 6 and not lost.scored.any() and not lost.sample_mask.any()

@@ -1,25 +1,14 @@
-"""Code correctness and the sandbox: well-behaved programs pass, hostile ones are contained.
+"""Code correctness: programs pass or fail their tests, reward hacks fail, datasets' tests
+are read. The sandbox itself has its own file, tests/test_rewards_sandbox.py."""
 
-Every hostile program runs with a 1 s limit; after each one the scorer must still grade a
-correct program. The fork bomb runs under RLIMIT_NPROC (16 processes of a throw-away uid
-when the tests run as root), its children call setsid() to leave the process group, and
-the test checks that none of them survives.
-"""
-
-import glob
 import json
 import os
-import pathlib
-import shutil
-import subprocess
-import sys
-import tempfile
-import time
 
 import pytest
 
 from policyopt.rewards import code as code_lib
-from policyopt.rewards import code_correctness, run_sandboxed
+from policyopt.rewards import code_correctness
+from policyopt.rewards.testcases import limit_tests, parse_tests, split_asserts
 
 IS_ROOT = os.geteuid() == 0
 FAST = dict(timeout_s=1.0)
@@ -339,7 +328,7 @@ def test_isolated_partial_credit_runs_the_statements_after_the_last_assert():
             0.5
         )
         assert code_correctness(ADD_ONE, tests, partial=True, isolation=isolation) == 1.0
-    assert code_lib._split_asserts("assert f()\ndef g():\n    assert 0\n") == ["assert f()\n"]
+    assert split_asserts("assert f()\ndef g():\n    assert 0\n") == ["assert f()\n"]
 
 
 def test_a_fake_module_does_not_answer_for_the_standard_library():
@@ -352,50 +341,6 @@ def test_a_fake_module_does_not_answer_for_the_standard_library():
     assert code_correctness(program, tests, isolation="process") == 0.0
     honest = solution("import math\ndef area(r):\n    return math.pi * r * r")
     assert code_correctness(honest, tests, isolation="process") == 1.0
-
-
-JAILED = IS_ROOT and code_lib._jail_works(code_lib._sandbox_python())
-
-
-@pytest.mark.skipif(not JAILED, reason="needs root and mount namespaces (the sandbox's own root)")
-def test_a_program_sees_only_its_own_root(tmp_path):
-    """The dataset on the host (a world-readable file), the scorer's /proc, a note left
-    in /tmp by an earlier run: none of them is visible from the sandbox."""
-    answers = tmp_path / "answers.jsonl"
-    answers.write_text('{"answer": 42}\n')
-    os.chmod(tmp_path, 0o755)
-    os.chmod(answers, 0o644)
-    probe = (
-        "import os\nprint(os.path.exists({path!r}), os.path.exists('/proc/1'), "
-        "os.path.exists('/tmp/note'), sorted(os.listdir('/')))\n"
-        "open('/tmp/note', 'w').write('x')\nprint(os.getcwd(), os.listdir('.'))"
-    )
-    for _ in range(2):  # the second run would see the first's note
-        result = run_sandboxed(probe.format(path=str(answers)), timeout_s=5.0)
-        lines = result.stdout.splitlines()
-        assert result.returncode == 0, result.stderr
-        assert lines[
-            0
-        ] == "False False False ['bin', 'dev', 'lib', 'lib64', 'sbin', 'tmp', 'usr', 'work']" or (
-            lines[0].startswith("False False False [") and "'work'" in lines[0]
-        ), lines
-        assert lines[1] == "/work []", lines  # main.py is read and deleted before the program
-    # The program still runs its standard library and its limits, and is scored.
-    assert code_correctness(ADD_ONE, GOOD_TESTS, isolation="process") == 1.0
-    assert code_correctness(SUM_STDIN, [{"input": "1 2", "output": "3"}]) == 1.0
-
-
-@pytest.mark.skipif(not IS_ROOT, reason="files of one user are readable by that user's programs")
-def test_a_program_cannot_read_other_runs_files():
-    """The tests' process writes its stdout / stderr (assert messages) to files only the
-    scorer can read: the program's process runs beside it and must not read them."""
-    program = solution(
-        "import glob\ndef readable():\n    count = 0\n"
-        "    for path in glob.glob('/tmp/policyopt-sandbox-*/*'):\n"
-        "        try:\n            open(path).read()\n            count += 1\n"
-        "        except OSError:\n            pass\n    return count"
-    )
-    assert code_correctness(program, "assert readable() == 0", isolation="process") == 1.0
 
 
 @pytest.mark.parametrize(
@@ -448,7 +393,7 @@ def test_isolated_protocol_failures_fail_the_tests():
 
 
 def test_codec_round_trips_and_rejects_what_it_does_not_know():
-    from policyopt.rewards import isolation
+    from policyopt.rewards.sandbox import isolation
 
     def refuse(value):
         raise TypeError(type(value).__name__)
@@ -560,26 +505,18 @@ CASES = [{"input": "1 2\n", "output": "3"}, {"input": "5 5", "output": "10"}]
     ],
 )
 def test_parse_tests_reads_the_datasets_encodings(tests, expected):
-    assert code_lib.parse_tests(tests) == expected
+    assert parse_tests(tests) == expected
 
 
 def test_parse_tests_completes_humaneval_and_refuses_the_rest():
     check = "def check(candidate):\n    assert candidate(1) == 2\n"
+    assert parse_tests(check, entry_point="add_one") == check.rstrip() + "\n\n\ncheck(add_one)\n"
     assert (
-        code_lib.parse_tests(check, entry_point="add_one")
-        == check.rstrip() + "\n\n\ncheck(add_one)\n"
+        parse_tests(check + "check(add_one)\n", entry_point="add_one") == check + "check(add_one)\n"
     )
-    assert (
-        code_lib.parse_tests(check + "check(add_one)\n", entry_point="add_one")
-        == check + "check(add_one)\n"
-    )
-    assert code_lib.parse_tests(GOOD_TESTS, entry_point="add_one") == GOOD_TESTS  # no check()
-    assert (
-        code_correctness(ADD_ONE, code_lib.parse_tests(check, entry_point="add_one"), **FAST) == 1.0
-    )
-    assert (
-        code_lib.parse_tests([]) == [] and code_lib.parse_tests("") == ""
-    )  # "no_tests" downstream
+    assert parse_tests(GOOD_TESTS, entry_point="add_one") == GOOD_TESTS  # no check()
+    assert code_correctness(ADD_ONE, parse_tests(check, entry_point="add_one"), **FAST) == 1.0
+    assert parse_tests([]) == [] and parse_tests("") == ""  # "no_tests" downstream
     for bad, reason in [
         (7, "text, a list or an object"),
         ({"fn_name": "f", "inputs": [[1]], "outputs": [2]}, "call-based"),
@@ -590,11 +527,11 @@ def test_parse_tests_completes_humaneval_and_refuses_the_rest():
         ([{"input": None, "output": "1"}], "text, a number or a list of lines"),
     ]:
         with pytest.raises(ValueError, match=reason):
-            code_lib.parse_tests(bad)
+            parse_tests(bad)
     with pytest.raises(ValueError, match="not a Python name"):
-        code_lib.parse_tests(check, entry_point="add one")
+        parse_tests(check, entry_point="add one")
     with pytest.raises(ValueError, match="never call it"):  # every program would pass
-        code_lib.parse_tests(check)
+        parse_tests(check)
     # Strings that would fail every program (not Python: a math answer in a shared field,
     # a compressed blob) or pass every one (nothing at the top level can fail).
     for text, reason in [
@@ -611,18 +548,18 @@ def test_parse_tests_completes_humaneval_and_refuses_the_rest():
         ),
     ]:
         with pytest.raises(ValueError, match=reason):
-            code_lib.parse_tests(text)
+            parse_tests(text)
     main_guard = check + "\nif __name__ == '__main__':\n    check(add_one)\n"
-    assert code_lib.parse_tests(main_guard, entry_point="other") == main_guard  # called already
+    assert parse_tests(main_guard, entry_point="other") == main_guard  # called already
     recursive = check + "    check(add_one)\n"  # a call inside check() is no call
-    assert code_lib.parse_tests(recursive, entry_point="add_one").endswith("\n\n\ncheck(add_one)\n")
+    assert parse_tests(recursive, entry_point="add_one").endswith("\n\n\ncheck(add_one)\n")
     for call_based in (
         [{"input": "[1]", "output": "2", "testtype": "functional"}],  # LiveCodeBench
         [{"input": "[1]", "output": "2", "type": "function_call"}],
         {"inputs": [[1]], "outputs": [2], "func_name": "f"},
     ):
         with pytest.raises(ValueError, match="call-based"):
-            code_lib.parse_tests(call_based)
+            parse_tests(call_based)
     # Numbers as outputs and tuples of cases, as datasets store them.
     assert code_correctness(SUM_STDIN, ({"input": "1 2", "output": 3},), **FAST) == 1.0
     # The verifier reads every encoding (here APPS's, as JSON text).
@@ -647,7 +584,7 @@ def test_asserts_keep_their_order_and_decorators_when_cut_or_split():
     )
     for options in ({}, {"max_tests": 10}, {"partial": True}, {"partial": True, "max_tests": 10}):
         assert code_correctness(ADD_ONE, tests, **options, **FAST) == 1.0, options
-    cut = code_lib.limit_tests(tests, 2)
+    cut = limit_tests(tests, 2)
     assert (
         cut == "from dataclasses import dataclass\n@dataclass\nclass P:\n    a: int\n"
         "x = add_one(0)\nassert x == 1\n"
@@ -665,7 +602,7 @@ def test_asserts_keep_their_order_and_decorators_when_cut_or_split():
         assert code_correctness(wrong, feed, **options, **FAST) == 0.0, options
         assert code_correctness(right, literal, **options, **FAST) == 1.0, options
     # HumanEval's asserts sit inside check(): with partial credit the string is one test.
-    check = code_lib.parse_tests(
+    check = parse_tests(
         "def check(candidate):\n    assert candidate(1) == 2\n", entry_point="add_one"
     )
     assert code_correctness(ADD_ONE, check, partial=True, **FAST) == 1.0
@@ -683,15 +620,15 @@ def test_max_tests_runs_the_first_cases_or_asserts():
         "assert add_one(math.floor(2.5)) == 3\nassert add_one(0) == 5"
     )
     assert (
-        code_lib.limit_tests(tests, 2)
+        limit_tests(tests, 2)
         == "import math\nassert add_one(1) == 2\nassert add_one(math.floor(2.5)) == 3\n"
     )
-    assert code_lib.limit_tests(tests, 3) == tests and code_lib.limit_tests(cases, None) is cases
+    assert limit_tests(tests, 3) == tests and limit_tests(cases, None) is cases
     assert code_correctness(ADD_ONE, tests, **FAST) == 0.0
     assert code_correctness(ADD_ONE, tests, max_tests=2, **FAST) == 1.0
     assert code_correctness(ADD_ONE, tests, max_tests=2, partial=True, **FAST) == 1.0
     with pytest.raises(ValueError, match="max_tests"):
-        code_lib.limit_tests(cases, 0)
+        limit_tests(cases, 0)
 
 
 def test_first_tagged_block_must_be_python():
@@ -702,179 +639,6 @@ def test_first_tagged_block_must_be_python():
     # A block inside the reasoning is not the answer.
     in_reasoning = "<think>```python\ndef add_one(x):\n    return x + 1\n```</think> done"
     assert code_correctness(in_reasoning, GOOD_TESTS) == 0.0
-
-
-def test_infinite_loop_is_killed():
-    start = time.perf_counter()
-    assert code_correctness(solution("while True:\n    pass"), GOOD_TESTS, **FAST) == 0.0
-    assert time.perf_counter() - start < 3.0
-    sleeper = run_sandboxed("import time\ntime.sleep(60)", **FAST)  # wall clock, not CPU
-    assert sleeper.timed_out
-    assert_scorer_still_works()
-
-
-def test_memory_hog_is_contained():
-    start = time.perf_counter()
-    hog = solution("blob = bytearray(2 << 30)\ndef add_one(x):\n    return x + 1")
-    assert code_correctness(hog, GOOD_TESTS, memory_mb=300, **FAST) == 0.0
-    grower = solution("chunks = []\nwhile True:\n    chunks.append(' ' * 10**7)")
-    assert code_correctness(grower, GOOD_TESTS, memory_mb=300, **FAST) == 0.0
-    result = run_sandboxed("x = bytearray(2 << 30)", memory_mb=300, **FAST)
-    assert "MemoryError" in result.stderr
-    assert time.perf_counter() - start < 6.0
-    assert_scorer_still_works()
-
-
-def _live_processes_after_grace(uid: int, grace_s: float = 2.0) -> list[int]:
-    """Live (non-zombie) processes of ``uid``, after up to ``grace_s`` for exits to land."""
-    deadline = time.monotonic() + grace_s
-    while (pids := code_lib._live_processes(uid)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return pids
-
-
-@pytest.mark.skipif(
-    not IS_ROOT, reason="children that call setsid() are reaped only under a private uid"
-)
-def test_fork_bomb_is_bounded_and_reaped():
-    bomb = (
-        "import os, time\n"
-        "for _ in range(10000):\n"
-        "    try:\n"
-        "        if os.fork() == 0:\n"
-        "            os.setsid()  # leave the process group\n"
-        "    except OSError:\n"
-        "        break\n"
-        "time.sleep(30)\n"
-    )
-    start = time.perf_counter()
-    result = run_sandboxed(bomb, max_processes=8, **FAST)
-    assert result.timed_out
-    assert time.perf_counter() - start < 5.0
-    assert result.uid in code_lib._SANDBOX_UIDS
-    assert _live_processes_after_grace(result.uid) == []
-    assert_scorer_still_works()
-
-
-def test_process_count_limit_applies():
-    program = (
-        "import os\n"
-        "children = 0\n"
-        "for _ in range(50):\n"
-        "    try:\n"
-        "        pid = os.fork()\n"
-        "    except OSError:\n"
-        "        break\n"
-        "    if pid == 0:\n"
-        "        import time; time.sleep(5); os._exit(0)\n"
-        "    children += 1\n"
-        "print(children)\n"
-    )
-    result = run_sandboxed(program, max_processes=6, timeout_s=2.0)
-    if IS_ROOT:  # the uid is private to the run: exactly max_processes - 1 children fit
-        assert result.stdout.strip() == "5"
-    else:
-        assert int(result.stdout.strip()) < 50
-
-
-@pytest.mark.skipif(not IS_ROOT, reason="file isolation relies on switching to an unprivileged uid")
-def test_cannot_write_outside_its_directory(tmp_path):
-    target = tmp_path / "escaped.txt"
-    program = (
-        "import os\n"
-        f"try:\n    open({str(target)!r}, 'w').write('x')\nexcept OSError:\n    print('blocked')\n"
-        "open('inside.txt', 'w').write('fine')\n"
-        "print(open('inside.txt').read())\n"
-    )
-    result = run_sandboxed(program, **FAST)
-    assert result.stdout.split() == ["blocked", "fine"]
-    assert not target.exists()
-    assert_scorer_still_works()
-
-
-def test_cannot_read_parent_environment(monkeypatch):
-    monkeypatch.setenv("POLICYOPT_TEST_SECRET", "s3cret-value")
-    result = run_sandboxed("import os\nprint(sorted(os.environ.items()))", **FAST)
-    assert result.returncode == 0 and "s3cret" not in result.stdout
-    peek = solution("import os\nSECRET = os.environ.get('POLICYOPT_TEST_SECRET')")
-    assert code_correctness(peek, "assert SECRET == 's3cret-value'", **FAST) == 0.0
-    if IS_ROOT:  # nor the scorer's environment block through /proc
-        snoop = (
-            "import os\ntry:\n    open(f'/proc/{os.getppid()}/environ').read()\n"
-            "except OSError:\n    print('blocked')"
-        )
-        assert run_sandboxed(snoop, **FAST).stdout.strip() == "blocked"
-
-
-def test_huge_output_is_capped():
-    start = time.perf_counter()
-    result = run_sandboxed("while True:\n    print('x' * 100000)", max_output_bytes=1 << 16, **FAST)
-    assert len(result.stdout) <= 1 << 16 and result.returncode != 0
-    assert time.perf_counter() - start < 3.0
-    flood = solution("import sys\nwhile True:\n    sys.stdout.write('y' * 10**6)")
-    assert code_correctness(flood, [{"input": "", "output": "y"}], **FAST) == 0.0
-    assert_scorer_still_works()
-
-
-def test_limits_cannot_be_raised():
-    program = (
-        "import resource\n"
-        "try:\n"
-        "    resource.setrlimit(resource.RLIMIT_CPU, (1000, 1000))\n"
-        "    print('raised')\n"
-        "except (ValueError, OSError):\n"
-        "    print('blocked')\n"
-    )
-    assert run_sandboxed(program, **FAST).stdout.strip() == "blocked"
-
-
-@pytest.mark.skipif(
-    not code_lib._unshare_prefix(), reason="no network namespace available on this host"
-)
-def test_network_is_unreachable():
-    program = (
-        "import socket\n"
-        "s = socket.socket()\n"
-        "s.settimeout(0.5)\n"
-        "print(s.connect_ex(('10.255.255.1', 80)) != 0)\n"
-        "print(len(socket.if_nameindex()))\n"
-    )
-    result = run_sandboxed(program, **FAST)
-    assert result.stdout.split() == ["True", "1"]  # only the loopback interface exists
-
-
-@pytest.mark.skipif(not IS_ROOT, reason="sandbox processes are recognised by their uid")
-def test_sandboxed_program_dies_with_its_scorer():
-    # A scoring worker killed at a batch deadline must not leave its test running. The
-    # program prints its uid to its stdout file, which the test finds on the host (its
-    # working directory is a tmpfs of its own when it has a root of its own).
-    program = "import os, time\nprint(os.getuid(), flush=True)\ntime.sleep(60)"
-    script = (
-        f"from policyopt.rewards import run_sandboxed\nrun_sandboxed({program!r}, timeout_s=60)"
-    )
-    scorer = subprocess.Popen([sys.executable, "-c", script])
-    try:
-        deadline, found = time.monotonic() + 30, []
-        while not found and time.monotonic() < deadline:
-            time.sleep(0.05)
-            found = [
-                path
-                for path in glob.glob(
-                    os.path.join(
-                        tempfile.gettempdir(), f"policyopt-sandbox-{scorer.pid}-*", "stdout"
-                    )
-                )
-                if pathlib.Path(path).read_text().strip().isdigit()
-            ]
-        uid = int(pathlib.Path(found[0]).read_text())
-        assert code_lib._live_processes(uid), "the sandboxed program is not running"
-    finally:
-        scorer.kill()
-        scorer.wait()
-    assert _live_processes_after_grace(uid) == []
-    # The dead scorer's working directory is swept away.
-    assert code_lib.remove_stale_sandboxes([scorer.pid]) == 1
-    assert code_lib.remove_stale_sandboxes([scorer.pid]) == 0
 
 
 def test_score_batch_code_task_composes_format_and_pass_rate():
@@ -899,115 +663,13 @@ def test_score_batch_code_task_composes_format_and_pass_rate():
     assert not partial.correct[0]
 
 
-# The issue's program (6,000 files of 1 MiB scored 1 and took 5.9 GB of the host's disk),
-# scaled to the small limit of the test: it writes until something stops it.
-FILLS_ITS_DIRECTORY = solution(
-    "import os\n"
-    "size = os.statvfs('.').f_blocks * os.statvfs('.').f_frsize\n"
-    "print('cwd bytes', size, flush=True)\n"
-    "for i in range(6000):\n"
-    "    with open(f'f{i}', 'wb') as f:\n"
-    "        f.write(b'x' * (1 << 20))\n"
-    "def add_one(x):\n    return x + 1"
-)
-MANY_FILES = solution(
-    "for i in range(6000):\n    open(f'f{i}', 'w').close()\ndef add_one(x):\n    return x + 1"
-)
-JAIL_MODES = [
-    pytest.param(True, marks=pytest.mark.skipif(not JAILED, reason="no jail here")),
-    False,
-]
-
-
-def _python_without_jail() -> str:
-    """An interpreter the sandbox uid can read outside a jail: the jail binds the scorer's
-    own into its root (it may sit in root's home, e.g. pyenv); without one the uid needs
-    a world-readable one."""
-    for python in ([sys.executable] if not IS_ROOT else []) + ["/usr/bin/python3"]:
-        if os.path.exists(python):
-            return python
-    pytest.skip("no world-readable interpreter for a sandbox uid without a jail")
-
-
-@pytest.fixture
-def sandbox_roots(monkeypatch):
-    """A directory of its own for the sandboxes' roots (traversable by their uids), to see
-    what they leave behind."""
-    roots = tempfile.mkdtemp(prefix="policyopt-test-roots-")
-    os.chmod(roots, 0o711)
-    monkeypatch.setattr(tempfile, "tempdir", roots)
-    yield roots
-    shutil.rmtree(roots, ignore_errors=True)
-
-
-@pytest.mark.parametrize("jail", JAIL_MODES, ids=["jail", "no_jail"])
-@pytest.mark.parametrize("program", [FILLS_ITS_DIRECTORY, MANY_FILES], ids=["bytes", "files"])
-@pytest.mark.parametrize("isolation", ["process", "none"])
-def test_a_program_that_fills_its_directory_scores_0(
-    jail, program, isolation, monkeypatch, sandbox_roots
-):
-    """In a jail the working directory is a tmpfs of reward.code_disk_mb (writes past it
-    fail in the program: ENOSPC); without one the scorer kills the program once its
-    directory on disk passes the size or MAX_FILES. Either way it scores 0, the host's
-    disk holds at most one poll's worth, and nothing is left behind."""
-    monkeypatch.setattr(code_lib, "_jail_works", lambda python: jail)
-    if not jail:
-        monkeypatch.setattr(code_lib, "_sandbox_python", _python_without_jail)
-    result = code_lib.run_code_tests(
-        program, GOOD_TESTS, isolation=isolation, disk_mb=8, timeout_s=20.0
-    )
-    assert result.status == "incorrect" and result.passed == 0
-    assert os.listdir(sandbox_roots) == []
-    # The honest program under the same limits.
-    assert (
-        code_lib.run_code_tests(ADD_ONE, GOOD_TESTS, isolation=isolation, disk_mb=8).status
-        == "correct"
-    )
-
-
-@pytest.mark.skipif(not JAILED, reason="no jail here")
-def test_the_jails_working_directory_is_a_tmpfs_of_code_disk_mb():
-    result = run_sandboxed(
-        "import os\ns = os.statvfs('.')\nprint(s.f_blocks * s.f_frsize, s.f_files)\n"
-        "n = 0\ntry:\n    while True:\n        open(f'f{n}', 'wb').write(b'x' * (1 << 20))\n"
-        "        n += 1\nexcept OSError as e:\n    print(n, e.errno)\n",
-        timeout_s=10.0,
-        disk_mb=8,
-        max_output_bytes=2 << 20,
-    )
-    size, inodes, written, errno = (int(x) for x in result.stdout.split())
-    assert size == 8 << 20 and inodes == 4096 and errno == 28  # ENOSPC
-    assert written == 7 or written == 8  # 1 MiB files in 8 MiB (a last partial one fails)
-
-
-def test_without_a_jail_the_scorer_kills_a_program_past_the_limit(sandbox_roots):
-    program = (
-        "import time\nfor i in range(6000):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n"
-        "print('done')\n"
-    )
-    start = time.perf_counter()
-    result = run_sandboxed(
-        program,
-        timeout_s=20.0,
-        disk_mb=8,
-        jail=False,
-        max_output_bytes=2 << 20,
-        python=_python_without_jail(),
-    )
-    assert result.disk_exceeded and not result.timed_out and result.returncode == -9
-    assert "done" not in result.stdout and "passed 8 MB or 4096 files" in result.stderr
-    assert time.perf_counter() - start < 10 and os.listdir(sandbox_roots) == []
-
-
-@pytest.mark.parametrize("isolation", ["process", "none"])
-def test_a_directory_filled_between_two_polls_still_scores_0(isolation, monkeypatch, sandbox_roots):
-    """A program that writes its files and ends within one poll's interval (the polls made
-    rare here; a loaded machine did it at 20 ms) is caught by the check after it ends."""
-    monkeypatch.setattr(code_lib, "_jail_works", lambda python: False)
-    monkeypatch.setattr(code_lib, "_sandbox_python", _python_without_jail)
-    monkeypatch.setattr(code_lib, "_DISK_POLL_S", 60.0)
-    result = code_lib.run_code_tests(
-        MANY_FILES, GOOD_TESTS, isolation=isolation, disk_mb=8, timeout_s=20.0
-    )
-    assert result.status == "incorrect" and result.passed == 0
-    assert os.listdir(sandbox_roots) == []
+def test_a_replacement_character_in_expected_output_is_text():
+    """U+FFFD in an expected output is compared as the character it is: a program that
+    prints it passes; one that writes an invalid byte (which decoding would turn into
+    U+FFFD) does not."""
+    case = [{"input": "", "output": "a\ufffdb"}]
+    prints_it = solution("print('a\\ufffdb')")
+    invalid_byte = solution("import sys\nsys.stdout.buffer.write(b'a\\xffb\\n')")
+    assert code_correctness(prints_it, case, **FAST) == 1.0
+    assert code_correctness(invalid_byte, case, **FAST) == 0.0
+    assert code_correctness(invalid_byte, [{"input": "", "output": "ab"}], **FAST) == 0.0

@@ -39,7 +39,7 @@ def tiny(recipe, model="tiny_moe", extra=""):
         f"model={model},model.num_layers=1,batch.n_prompts=2,batch.group_size=4,"
         "batch.n_minibatches=1,sampling.max_new_tokens=6,task.num_train=64,task.num_test=8,"
         "eval.num_prompts=8,eval.batch_size=8,train.num_iterations=2,train.eval_every=0,"
-        "train.checkpoint_every=1,train.tensorboard=False,dynamic_sampling.max_rounds=2,"
+        "train.checkpoint_every=1,train.loggers=jsonl,dynamic_sampling.max_rounds=2,"
         "optim.lr=0.01,batch.prompt_buckets=(16,),batch.response_buckets=(6,)"
     )
     # The buckets in the variant: the config's check sees them (the engine's budget is

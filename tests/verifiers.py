@@ -1,8 +1,8 @@
 """Custom verifiers for the tests (``RewardSpec.verifier="tests.verifiers:NAME"``): a
 module of plain functions, importable by the scoring workers."""
 
-import multiprocessing
 import os
+import tempfile
 import time
 
 
@@ -30,8 +30,26 @@ def naps(completion, reference):
     return 1.0
 
 
-# Calls of `right_wrong_then_blocks` in this process (a test resets it).
-CALLS = [0]
+class _CallCount:
+    """A count kept in a file: verifiers run in verifier processes of their own, and a
+    test resets it from its process (``CALLS[0] = 0``)."""
+
+    path = os.path.join(tempfile.gettempdir(), f"policyopt-test-verifier-calls-{os.getuid()}")
+
+    def __getitem__(self, index):
+        try:
+            with open(self.path) as f:
+                return int(f.read() or 0)
+        except FileNotFoundError:
+            return 0
+
+    def __setitem__(self, index, value):
+        with open(self.path, "w") as f:
+            f.write(str(value))
+
+
+# Calls of `right_wrong_then_blocks` (a test resets it).
+CALLS = _CallCount()
 
 
 def right_wrong_then_blocks(completion, reference):
@@ -43,13 +61,6 @@ def right_wrong_then_blocks(completion, reference):
         return 1.0 if CALLS[0] == 1 else 0.0
     time.sleep(30)
     return 1.0
-
-
-def dies_in_a_worker(completion, reference):
-    """Kills the scoring worker it runs in (as the OOM killer would); 0 in the main process."""
-    if multiprocessing.parent_process() is not None:
-        os._exit(3)
-    return 0.0
 
 
 def says_yes(completion, reference):
@@ -77,3 +88,20 @@ def odd_length(completion, reference):
     """1.0 when the completion has an odd number of characters: informative groups from a
     random policy (rewards that differ within a group), so that updates have a signal."""
     return float(len(str(completion)) % 2)
+
+
+def exits(completion, reference):
+    """Ends the process it runs in, as a careless verifier's ``sys.exit`` would."""
+    import sys
+
+    sys.exit(3)
+
+
+def interrupts(completion, reference):
+    """Raises ``KeyboardInterrupt`` itself: no one pressed Ctrl-C."""
+    raise KeyboardInterrupt
+
+
+def blocks_in_c(completion, reference):
+    """Sums 10^12 integers in one C loop: no signal or asynchronous exception stops it."""
+    return float(sum(range(10**12)) > 0)

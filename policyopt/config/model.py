@@ -31,6 +31,14 @@ class Model:
         "preset; None: the preset.",
         note="The tokenizer is then read from the same folder.",
     )
+    tokenizer: str | None = setting(
+        None,
+        "Tokenizer of a preset: a tokenizer.json or a folder holding one; None: the character "
+        "tokenizer of the synthetic task.",
+        note="`python -m experiments.tokenizer` trains one on the task's files "
+        "(docs/quickstart.md); the preset's vocabulary becomes the tokenizer's size. Not "
+        "beside `pretrained`, which brings its own.",
+    )
     num_layers: int | None = setting(
         None, "Override of the preset's layer count; None: the preset's."
     )
@@ -103,3 +111,17 @@ class Model:
         "Expert parallelism: the receive buffer in units of the mean load.",
         note="A larger load takes more passes; no drops.",
     )
+
+    def validate(self, label: str) -> None:
+        if self.tokenizer:
+            if self.pretrained:
+                raise ValueError(
+                    f"{label}.tokenizer and {label}.pretrained are both set: a pretrained "
+                    "checkpoint's embeddings index its own tokenizer (in its folder)"
+                )
+            from policyopt.data.tokenizer import load_tokenizer
+
+            try:
+                load_tokenizer(self.tokenizer)
+            except (ValueError, OSError) as error:
+                raise ValueError(f"{label}.tokenizer: {error}") from None

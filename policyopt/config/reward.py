@@ -79,7 +79,7 @@ class Reward:
         note="For rewards and for the evaluation's pass@1, called as function(completion, "
         "reference) -> c in [0, 1] (`RewardSpec.verifier`). The task's: math, or code for "
         '"code_jsonl" and the code rows of "mixed_jsonl", whose reference is then the tests '
-        "as JSON text, read by `policyopt.rewards.code.parse_tests`.",
+        "as JSON text, read by `policyopt.rewards.parse_tests`.",
     )
     verifier_timeout_s: float = setting(
         5.0, "Per-sample time limit of `verifier`, in seconds.", check=positive()
@@ -99,9 +99,9 @@ class Reward:
     code_disk_mb: int = setting(
         64,
         "Size (MB) of each test process's working directory, /tmp and /dev/shm.",
-        note="tmpfs where the sandbox has a root of its own (memory, so kept well under "
-        "code_memory_mb), else the working directory on disk, watched and killed past it "
-        "(policyopt/rewards/code.py).",
+        note="tmpfs where the sandbox has a root of its own (memory, on top of code_memory_mb), "
+        "else the working directory on disk, watched and killed past it (docs/rewards.md, "
+        '"The sandbox").',
         check=positive(),
     )
     code_partial: bool = setting(

@@ -28,8 +28,9 @@ class Task:
         "`policyopt.rewards.code` (the format gate then asks for a fenced block); "
         '"mixed_jsonl" both in the same files (Magistral\'s mixture: a row with one of '
         "`tests_fields` is code, any other math; each sample is checked by its own task's "
-        "verifier). Use the file tasks with a pretrained model and its tokenizer, "
-        "`model.pretrained`. A user's module registers more with "
+        "verifier). The file tasks need a tokenizer for their text: `model.tokenizer` (one "
+        "trained on the files, docs/quickstart.md) or a pretrained model's, `model.pretrained`. "
+        "A user's module registers more with "
         "`policyopt.data.tasks.register_task` (`imports`).",
         check=choice(source=_tasks, rule="a registered task (policyopt.data.tasks.TASKS)"),
     )
@@ -103,7 +104,7 @@ class Task:
     tests_fields: str = setting(
         "tests,test_list,test,input_output,public_tests",
         "Code rows: the tests come from the first of these fields a row holds.",
-        note="In any encoding `policyopt.rewards.code.parse_tests` reads (asserts, MBPP's list "
+        note="In any encoding `policyopt.rewards.parse_tests` reads (asserts, MBPP's list "
         "of asserts, HumanEval's check() with the row's `entry_point`, stdin / stdout cases, "
         "APPS / CodeContests parallel lists, or JSON text of these; an empty field gives way "
         "to the next). Call-based tests (APPS's fn_name) make a row malformed (see "

@@ -51,6 +51,17 @@ class Optim:
     )
 
 
+def _loggers() -> Check:
+    def fn(label, value):
+        from policyopt.loggers import check_loggers
+
+        if not isinstance(value, str):
+            raise ValueError(f"{label} must be a comma-separated string, got {value!r}")
+        check_loggers(value)
+
+    return Check(fn, "comma-separated of 'jsonl', 'tensorboard', 'wandb', 'mlflow'")
+
+
 def _keep() -> Check:
     return integer(1, none="keep every checkpoint")
 
@@ -71,7 +82,17 @@ class Train:
         2, "Checkpoints kept; None: every checkpoint.", check=_keep()
     )
     log_every: int = setting(1, "Console progress line every K iterations.", check=integer(1))
-    tensorboard: bool = setting(True, "Write TensorBoard event files next to metrics.jsonl.")
+    loggers: str = setting(
+        "jsonl,tensorboard",
+        "Where the metrics, the config, the sampled completions and the evaluations go, "
+        "comma-separated.",
+        note='"jsonl" (metrics.jsonl, always written), "tensorboard" (event files in the run '
+        'directory), "wandb" (Weights & Biases; WANDB_MODE=offline writes it to the run '
+        'directory) and "mlflow" (MLflow; a file store in the run directory unless '
+        "MLFLOW_TRACKING_URI); docs/runs.md. The last two are extras: pip install "
+        "'policyopt[wandb]' / 'policyopt[mlflow]'.",
+        check=_loggers(),
+    )
     routing_metrics: bool = setting(
         True, "Measure routing volatility (an extra router-only forward pass per iteration)."
     )

@@ -26,7 +26,7 @@ Prompt lengths in tokens are limited downstream, in `policyopt.data.pipeline`, w
 tokenizer is known.
 
 Code problems (`JsonlConfig(task="code")`): the tests come from the first of
-`tests_fields` present, in any encoding `policyopt.rewards.code.parse_tests` reads (an
+`tests_fields` present, in any encoding `policyopt.rewards.parse_tests` reads (an
 assert string, MBPP's list of asserts, HumanEval's `check(candidate)` completed with the
 row's `entry_point`, a list of stdin / stdout cases, APPS's and CodeContests' parallel
 lists, or any of them as JSON text; an empty field gives way to the next), with MBPP's
@@ -273,9 +273,9 @@ def _text_field(
 def _find_tests(row: dict, config: JsonlConfig) -> tuple[str | None, list[str]]:
     """``(tests as JSON text, or None when no field holds any; the names of the fields
     present but empty)``: the first of ``tests_fields`` holding tests, read by
-    ``policyopt.rewards.code.parse_tests`` (an empty field gives way to the next, e.g.
+    ``policyopt.rewards.parse_tests`` (an empty field gives way to the next, e.g.
     CodeContests' public_tests); raises ``ValueError`` for tests it cannot read."""
-    from policyopt.rewards.code import parse_tests  # deferred: only code tasks need it
+    from policyopt.rewards.testcases import parse_tests  # deferred: only code tasks need it
 
     empty = []
     for name in config.tests_fields:

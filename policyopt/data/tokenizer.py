@@ -1,4 +1,5 @@
-"""Tokenizers: a tiny character tokenizer for the synthetic task, and HuggingFace ones.
+"""Tokenizers: a tiny character tokenizer for the synthetic task, HuggingFace ones, and a
+byte-level BPE trained on a task's own text (`train_bpe`, `python -m experiments.tokenizer`).
 
 Both expose the same small interface, which is all the trainer and the sampler use:
 
@@ -10,7 +11,7 @@ tokenizer.wrap_prompt(ids) -> list[int]         # the same, from encoded prompt 
 tokenizer.encode_response(response) -> list[int]   # the SFT target, ending with EOS
 tokenizer.vocab_size, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
 tokenizer.stop_ids                              # further tokens that end a response
-tokenizer.save(path); load_tokenizer(path)
+tokenizer.save(path); load_tokenizer(path)    # load_tokenizer also reads tokenizer.json
 ```
 
 `encode_prompt` is where a chat template goes: the character tokenizer prepends BOS; a
@@ -115,8 +116,9 @@ class CharTokenizer:
                     raise ValueError(
                         f"character {char!r} at position {i} of {text[:60]!r} is not in the "
                         f"CharTokenizer alphabet {self.alphabet!r}; the character tokenizer is "
-                        "for the synthetic arithmetic task: for real text set model.pretrained "
-                        "(a Hugging Face checkpoint directory, whose tokenizer is used)"
+                        "for the synthetic arithmetic task: for real text set model.tokenizer "
+                        "(a tokenizer.json; `python -m experiments.tokenizer` trains one on the "
+                        "task's files) or model.pretrained (a Hugging Face checkpoint folder)"
                     )
                 ids.append(self._ids[char])
                 i += 1
@@ -401,7 +403,102 @@ class HFTokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike) -> CharTokenizer | HFTokenizer:
-    """Loads a tokenizer written by `save` (either kind)."""
-    if os.path.exists(os.fspath(path) + ".meta.json"):
-        return HFTokenizer.load(path)
-    return CharTokenizer.load(path)
+    """Loads a tokenizer: a file written by `save` (either kind), a HuggingFace
+    `tokenizer.json` (e.g. from `train_bpe`; the chat template and EOS from its ChatML
+    tokens, `HFTokenizer`), or a checkpoint folder holding one (`HFTokenizer.from_pretrained`).
+
+    Raises:
+      FileNotFoundError: naming `path` when there is nothing there.
+      ValueError: naming `path` and what was expected when it does not parse.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            raise FileNotFoundError(f"{path}: a folder without tokenizer.json")
+        return _parsed(path, HFTokenizer.from_pretrained)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such tokenizer file")
+    if os.path.exists(path + ".meta.json"):
+        return _parsed(path, HFTokenizer.load)
+    try:
+        with open(path, encoding="utf-8") as f:
+            kind = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(
+            f"{path}: not a tokenizer file (expected tokenizer.json: {error})"
+        ) from None
+    if isinstance(kind, dict) and kind.get("type") == "char":
+        return CharTokenizer.load(path)
+    return _parsed(path, HFTokenizer.from_file)
+
+
+def _parsed(path: str, load) -> HFTokenizer:
+    """``load(path)``, its errors as one line naming the file."""
+    try:
+        return load(path)
+    except (FileNotFoundError, KeyError) as error:
+        raise ValueError(f"{path}: {error}") from None
+    except ValueError as error:  # the HFTokenizer settings: EOS, PAD, template
+        hint = (
+            " (a tokenizer.json without ChatML's <|im_start|>/<|im_end|> needs its EOS named: "
+            f"save it with HFTokenizer.save, which writes {os.path.basename(path)}.meta.json)"
+            if load == HFTokenizer.from_file
+            else ""
+        )
+        raise ValueError(f"{path}: {error}{hint}") from None
+    except Exception as error:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+        raise ValueError(
+            f"{path}: not a tokenizer.json the tokenizers library reads ({error})"
+        ) from None
+
+
+# A tokenizer trained by `train_bpe`: ChatML's turn markers (the chat template of
+# `HFTokenizer`, as in Qwen's vocabularies; `<|im_end|>` ends a response) and an
+# end-of-text token are special; the response format's reasoning markers are ordinary
+# tokens of one id each (decoded as text, so the format check sees them).
+BPE_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BPE_ADDED_TOKENS = (THINK_OPEN, THINK_CLOSE)
+
+
+def train_bpe(texts: Iterable[str], *, vocab_size: int = 1024, min_frequency: int = 2):
+    """A byte-level BPE tokenizer trained on ``texts`` (the ``tokenizers`` library).
+
+    Byte level: every text encodes (no unknown token) and decodes back exactly. Digits are
+    split one per token before the merges (as Qwen's and Llama's pre-tokenizers do), so a
+    number's tokens spell its digits, which arithmetic needs; words and punctuation merge.
+
+    Args:
+      texts: the training text (a task's prompts and worked solutions).
+      vocab_size: most tokens, the 256 bytes and the specials included (fewer when the text
+        runs out of pairs seen ``min_frequency`` times).
+      min_frequency: least count of a pair for it to merge.
+
+    Returns:
+      An ``HFTokenizer`` with the ChatML template (``BPE_SPECIAL_TOKENS``); save it with
+      ``tokenizer.tokenizer.save(path)`` (a plain ``tokenizer.json``).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    least = 256 + len(BPE_SPECIAL_TOKENS)
+    if vocab_size < least:
+        raise ValueError(f"vocab_size must be >= {least} (256 bytes + specials), got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(BPE_ADDED_TOKENS),
+        min_frequency=min_frequency,
+        special_tokens=list(BPE_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.add_tokens(
+        [AddedToken(token, special=False, normalized=False) for token in BPE_ADDED_TOKENS]
+    )
+    return HFTokenizer(tokenizer)

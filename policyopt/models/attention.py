@@ -18,6 +18,7 @@ from flax import nnx, struct
 from policyopt.models.attention_ops import attend, attention_weights_mask, dot_product_attention
 from policyopt.models.config import ModelConfig
 from policyopt.models.layers import RMSNorm, apply_rope, param
+from policyopt.models.projection import project
 from policyopt.sharding import constrain, fsdp_call
 
 # Logical axes (``policyopt.sharding``) of the cache's keys [L, B, Hkv, Dh, S] and
@@ -265,12 +266,12 @@ class Attention(nnx.Module):
 
     def _project(self, x, weights):
         """x [B, T, D] -> q [B, T, H, Dh], k and v [B, T, Hkv, Dh]."""
-        return tuple(jnp.einsum("btd,dnh->btnh", x, w.astype(self.dtype)) for w in weights)
+        return tuple(project("btd,dnh->btnh", x, w.astype(self.dtype)) for w in weights)
 
     def _output(self, out):
         """Attention outputs [B, T, H, Dh] -> [B, T, D] (o_proj)."""
 
-        def project(out, weights):
-            return jnp.einsum("btnh,nhd->btd", out, weights[0].astype(self.dtype))
+        def o_proj(out, weights):
+            return project("btnh,nhd->btd", out, weights[0].astype(self.dtype))
 
-        return fsdp_call(project, out, (self.o_proj[...],), (_O_AXES,))
+        return fsdp_call(o_proj, out, (self.o_proj[...],), (_O_AXES,))

@@ -9,6 +9,7 @@ from flax import nnx
 
 from policyopt import sharding
 from policyopt.models.config import ModelConfig
+from policyopt.models.projection import project
 
 
 def param(rngs: nnx.Rngs | None, shape, logical_axes, *, std: float | None, dtype):
@@ -109,6 +110,6 @@ class MLP(nnx.Module):
 
     def _apply(self, x: jax.Array, weights) -> jax.Array:
         w_gate, w_up, w_down = (w.astype(self.dtype) for w in weights)
-        gate = jnp.einsum("btd,df->btf", x, w_gate)
-        up = jnp.einsum("btd,df->btf", x, w_up)
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)
+        gate = project("btd,df->btf", x, w_gate)
+        up = project("btd,df->btf", x, w_up)
+        return project("btf,fd->btd", jax.nn.silu(gate) * up, w_down)

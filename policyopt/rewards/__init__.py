@@ -7,6 +7,8 @@ Public API::
         # or "gsm8k" (after the last "####")
     code_correctness(completion, tests, *, timeout_s=4.0, memory_mb=300, partial=False,
                      max_tests=None) -> float
+    parse_tests(tests, *, entry_point=None)  # a dataset's tests, as code_correctness runs them
+    run_sandboxed(program, *, stdin="", timeout_s=4.0, memory_mb=300, ...) -> SandboxResult
     format_ok(completion, task, answer_format="boxed") -> bool           # Magistral format gate
     overlong_penalty(length, max_len, cache_len, *, scale=1.0) -> float  # DAPO / Magistral
     languages_consistent(problem, reasoning, answer) -> bool             # Magistral language bonus
@@ -36,13 +38,7 @@ from policyopt.rewards.batch import (
     shutdown_pools,
     start_workers,
 )
-from policyopt.rewards.code import (
-    CodeResult,
-    SandboxResult,
-    code_correctness,
-    run_code_tests,
-    run_sandboxed,
-)
+from policyopt.rewards.code import CodeResult, code_correctness, run_code_tests
 from policyopt.rewards.compose import ComposedRewards, Verdicts, compose_rewards
 from policyopt.rewards.format import first_code_block, format_ok, split_think
 from policyopt.rewards.language import identify_language, languages_consistent, strip_latex_and_code
@@ -56,6 +52,8 @@ from policyopt.rewards.math import (
     math_correctness,
     verify_math,
 )
+from policyopt.rewards.sandbox import SandboxResult, run_sandboxed
+from policyopt.rewards.testcases import parse_tests
 from policyopt.rewards.timelimit import VerifierTimeout, time_limit
 
 __all__ = [
@@ -81,6 +79,7 @@ __all__ = [
     "math_correctness",
     "overlong_penalties",
     "overlong_penalty",
+    "parse_tests",
     "run_code_tests",
     "run_sandboxed",
     "score_batch",

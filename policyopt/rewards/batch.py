@@ -1,23 +1,11 @@
-"""Reward recipes (:class:`RewardSpec`) and parallel batch scoring (:func:`score_batch`).
+"""Reward recipes (:class:`RewardSpec`) and batch scoring (:func:`score_batch`), serially
+or in a pool of worker processes.
 
 The verifiers judge each sample (format, correctness c in [0, 1], language); the reward
-arithmetic on their verdicts (format gate, correct / incorrect values, overlong shaping and
-filtering, language bonus; Magistral, arXiv 2506.10910, and DAPO, arXiv 2503.14476) is
-:func:`policyopt.rewards.compose.compose_rewards`, whose module docstring writes it out.
-
-Parallelism: samples are scored in chunks by a persistent pool of worker processes started
-with the ``forkserver`` method (never plain ``fork``: the trainer process runs JAX's
-threads): workers are forked from a fresh single-threaded server that has preloaded
-:mod:`policyopt.rewards.worker` (SymPy and math-verify, imported and warmed once). The
-preload list is the process-wide fork server's; if something else started that server
-first, workers import what they need themselves (slower start, same results). A batch
-deadline is enforced twice: workers stop starting new samples once it has passed (and cap
-each verifier's time limit to what is left), and the parent stops waiting at the deadline
-plus a short grace; samples not back by then get the stand-in reward of a failed sample,
-are counted in ``metrics["deadline_missed"]``, and the pool, whose workers may be stuck,
-is killed and replaced on the next call. Samples of a worker that crashed (e.g. killed
-for memory) are treated alike, with status "worker_error", counted in
-``metrics["worker_errors"]``.
+arithmetic on their verdicts (Magistral, arXiv 2506.10910; DAPO, arXiv 2503.14476) is
+:func:`policyopt.rewards.compose.compose_rewards`. The pool (``multiprocessing``'s
+forkserver, preloading :mod:`policyopt.rewards.worker`), the batch deadline and what a
+missed or lost sample gets: ``docs/rewards.md``, "Batch scoring".
 """
 
 from __future__ import annotations
@@ -25,10 +13,8 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
-import functools
 import importlib
 import multiprocessing
-import numbers
 import os
 import sys
 import threading
@@ -37,13 +23,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from absl import logging
 
+from policyopt.rewards import custom as custom_lib
 from policyopt.rewards import format as format_lib
 from policyopt.rewards import language as language_lib
 from policyopt.rewards import length as length_lib
 from policyopt.rewards import math as math_lib
-from policyopt.rewards import timelimit
 from policyopt.rewards.compose import Verdicts, compose_rewards
 from policyopt.rewards.verifiers import VERIFIERS
 
@@ -77,7 +62,8 @@ class RewardSpec:
       language_min_letters: segments with fewer letters are "undetermined".
       math_timeout_s: per-sample limit of the math verifier.
       code_timeout_s: per-test wall-clock limit of the code sandbox (Magistral: 4 s).
-      code_memory_mb: per-test address-space limit (Magistral: 300 MB).
+      code_memory_mb: per-test memory limit (Magistral: 300 MB): each process's address
+        space, and all the test's processes together where control groups can be made.
       code_disk_mb: per-test size of the sandbox's working directory (and ``/tmp``), MB.
       code_partial: reward the pass rate instead of all-or-nothing (Magistral: off).
       code_max_tests: run only a problem's first this many tests (Magistral: 20): stdin /
@@ -85,7 +71,7 @@ class RewardSpec:
         ``check``, are not counted); None: all of them.
       code_isolation: where assert tests run (``policyopt.rewards.code.run_code_tests``):
         ``"process"``, in a process of their own that sees only plain values from the
-        program's (``policyopt.rewards.isolation``; closes the reward hacks one process
+        program's (``policyopt.rewards.sandbox.isolation``; closes the reward hacks one process
         cannot), or ``"none"``, after the program in its process (half the interpreters).
       verifier: a correctness function of your own in place of the task's verifier, as
         ``"package.module:function"`` (importable by the scoring workers too):
@@ -93,11 +79,11 @@ class RewardSpec:
         [0, 1] of the whole completion (``<think>`` part included; see
         ``policyopt.rewards.extract_boxed`` / ``answer_region``). The format gate (the
         task's rule), length shaping and language bonus apply as with the built-in
-        verifiers. It runs under ``verifier_timeout_s`` (past it: a timeout, c = 0; in
-        a thread other than the main one the limit interrupts Python code but not a
-        blocking call such as ``time.sleep`` or I/O: score in worker processes,
-        ``num_workers``, if your verifier blocks). An exception or a value outside
-        [0, 1] scores c = 0 (the format check and shaping still count) with status
+        verifiers. It runs in the scoring thread's verifier process
+        (``policyopt.rewards.custom``) under ``verifier_timeout_s``: past it, a timeout
+        (c = 0), the process killed if it blocks in C. An exception (``SystemExit`` and
+        ``KeyboardInterrupt`` included), the process's death or a value outside [0, 1]
+        scores c = 0 (the format check and shaping still count) with status
         "verifier_error", counted in ``metrics["verifier_errors"]`` and logged once per
         process. A path the scoring workers cannot import raises from ``score_batch``.
       imports: modules to import before scoring, in the scoring workers too (a run's
@@ -181,7 +167,7 @@ class RewardSpec:
                 f"got {self.code_isolation!r}"
             )
         if self.verifier is not None:
-            load_verifier(self.verifier)  # fails here, naming the path, not in a worker
+            custom_lib.load_verifier(self.verifier)  # fails here, naming the path, not in a worker
 
     @property
     def penalty_scale(self) -> float:
@@ -196,7 +182,9 @@ class SampleScore:
     """What a worker computes for one completion (length terms are added by the parent).
 
     Attributes:
-      format_ok: passed the format check (always computed, gate or not).
+      format_ok: passed the format check; True where the spec asks for no format
+        (``format_reward=False``: a response with its answer where ``answer_format`` says
+        has no format to fail).
       correctness: c in [0, 1].
       status: verifier outcome (``STATUSES``: "correct", "incorrect", "no_answer",
         "rejected", "timeout", "format", "deadline", "error", "verifier_error"; code:
@@ -222,73 +210,6 @@ def _import_modules(names: Sequence[str]) -> None:
     for name in names:
         if name not in sys.modules:
             importlib.import_module(name)
-
-
-class VerifierImportError(ValueError):
-    """``RewardSpec.verifier`` names nothing importable (here, or in a scoring worker)."""
-
-
-@functools.lru_cache(maxsize=None)
-def load_verifier(path: str):
-    """The function named by ``"package.module:function"`` (``RewardSpec.verifier``)."""
-    module_name, sep, name = str(path).partition(":")
-    if not sep or not module_name or not name:
-        raise VerifierImportError(
-            f"RewardSpec.verifier must be 'package.module:function', got {path!r}"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise VerifierImportError(
-            f"RewardSpec.verifier={path!r}: cannot import {module_name!r} "
-            f"({error}; in process {os.getpid()})"
-        ) from None
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise VerifierImportError(
-            f"RewardSpec.verifier={path!r}: {module_name!r} has no function {name!r}"
-        )
-    return function
-
-
-_LOGGED_VERIFIER_ERRORS: set[str] = set()
-
-
-def _verifier_error(spec: RewardSpec, message: str) -> tuple[float, str]:
-    if spec.verifier not in _LOGGED_VERIFIER_ERRORS:  # once per verifier and process
-        _LOGGED_VERIFIER_ERRORS.add(spec.verifier)
-        logging.warning(
-            "verifier %s failed (scored 0; later failures are counted in "
-            "verifier_errors, not logged): %s",
-            spec.verifier,
-            message,
-        )
-    return 0.0, "verifier_error"
-
-
-def _custom_correctness(
-    completion: str, reference: Any, spec: RewardSpec, time_left_s: float | None
-) -> tuple[float, str]:
-    """``(c, status)`` from ``spec.verifier`` under its time limit; never raises for what
-    the verifier does with a sample (an unimportable verifier raises)."""
-    function = load_verifier(spec.verifier)
-    limit = (
-        spec.verifier_timeout_s
-        if time_left_s is None
-        else min(spec.verifier_timeout_s, time_left_s)
-    )
-    try:
-        with timelimit.time_limit(max(limit, 1e-3)):
-            value = function(completion, reference)
-    except timelimit.VerifierTimeout:
-        return 0.0, "timeout"
-    except Exception as error:  # noqa: BLE001 - the user's verifier failed on this sample
-        return _verifier_error(spec, repr(error))
-    if isinstance(value, (bool, np.bool_)):
-        value = float(value)
-    if not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
-        return _verifier_error(spec, f"returned {value!r}, not a number in [0, 1]")
-    return float(value), "correct" if value >= 1.0 else "incorrect"
 
 
 def _split_for_language(completion: str) -> tuple[str, str]:
@@ -323,11 +244,21 @@ def score_sample(
     """
     completion = str(completion)
     verifier = VERIFIERS[spec.task]
-    is_formatted = verifier.format_ok(completion, spec.answer_format)
-    if spec.format_reward and not is_formatted:
+    # The format check applies only where the recipe asks for a format (Magistral's gate).
+    is_formatted = (
+        verifier.format_ok(completion, spec.answer_format) if spec.format_reward else True
+    )
+    if not is_formatted:
         return SampleScore(False, 0.0, "format")
     if spec.verifier is not None:
-        correctness, status = _custom_correctness(completion, reference, spec, time_left_s)
+        limit = (
+            spec.verifier_timeout_s
+            if time_left_s is None
+            else min(spec.verifier_timeout_s, time_left_s)
+        )
+        correctness, status = custom_lib.custom_correctness(
+            spec.verifier, completion, reference, max(limit, 1e-3)
+        )
     else:
         correctness, status = verifier.score(completion, reference, spec, time_left_s)
     language_ok = False
@@ -347,7 +278,9 @@ def _score_chunk(
     passed, the rest are missed."""
     _import_modules(spec.imports)  # in a worker: where the verifiers are registered
     if spec.verifier is not None:
-        load_verifier(spec.verifier)  # an unimportable verifier raises (not: every sample "error")
+        custom_lib.load_verifier(
+            spec.verifier
+        )  # an unimportable verifier raises (not: every sample "error")
     specs = {None: spec, spec.task: spec}
     scores = []
     for completion, reference, prompt, task in items:
@@ -398,12 +331,16 @@ def _ping(delay_s: float) -> int:
 
 
 def start_workers(num_workers: int, pool: str = "default") -> None:
-    """Starts the scoring pool of ``num_workers`` processes now and waits until all are up.
+    """Starts the scoring pool of ``num_workers`` processes now and waits until all are up;
+    with 0 (serial scoring), the calling thread's math verifier process.
 
-    The first parallel :func:`score_batch` call otherwise pays this (the fork server
-    imports and warms SymPy: seconds) before its deadline clock can mean anything; call
-    this once at set-up. Idempotent. ``pool``: see :func:`score_batch`.
+    The first :func:`score_batch` call otherwise pays this (SymPy imported and warmed:
+    seconds) in its wall time, though not in any sample's limit; call this once at set-up,
+    from the thread that will score. Idempotent. ``pool``: see :func:`score_batch`.
     """
+    if num_workers == 0:
+        math_lib.start_verifier()
+        return
     pool = _get_pool(num_workers, pool)
     # Overlapping sleeps make the executor start every worker (it spawns on demand).
     list(pool.map(_ping, [0.05] * num_workers))
@@ -432,11 +369,11 @@ def kill_pool(num_workers: int, name: str = "default", only=None) -> None:
             process.kill()
     pool.shutdown(wait=False, cancel_futures=True)
     if processes:  # working directories of code tests the killed workers were running
-        from policyopt.rewards import code as code_lib
+        from policyopt.rewards import sandbox
 
         for process in processes:
             process.join(timeout=5)
-        code_lib.remove_stale_sandboxes([process.pid for process in processes])
+        sandbox.remove_stale_sandboxes([process.pid for process in processes])
 
 
 def shutdown_pools() -> None:
@@ -495,7 +432,7 @@ def _score_parallel(
             try:
                 scores.extend(future.result())
                 continue
-            except VerifierImportError:
+            except custom_lib.VerifierImportError:
                 raise  # the workers cannot import RewardSpec.verifier: not a crash to score as 0
             except Exception:  # noqa: BLE001 - BrokenProcessPool (a worker died, e.g. OOM)
                 errors += len(chunk)
@@ -542,7 +479,7 @@ class BatchScores(tuple):
       correct: bool [N] fully correct (accuracy metrics; VAPO's NLL on correct samples).
       metrics: flat dict of float scalars.
       correctness: float32 [N] correctness c in [0, 1] (pass rate for partial code credit).
-      format_ok: bool [N] passed the format check.
+      format_ok: bool [N] passed the format check (True without a format gate).
       truncated: bool [N] hit the generation limit.
       sample_mask: float32 [N] 0 for samples to drop from the loss (overlong filtering,
         missed deadline, lost to a crashed worker).

@@ -1,61 +1,13 @@
-"""Math answer correctness: the last ``\\boxed{...}`` (or ``Answer: ...`` line) compared
-with the reference by math-verify.
+"""Math answer correctness: the last ``\\boxed{...}`` (or ``Answer: ...`` line, or GSM8K's
+``#### ...``) compared with the reference.
 
-Pipeline of :func:`math_correctness` (each step can only lower the cost of the next):
-
-1. *Answer region*: the text after ``</think>`` when the completion has one (the
-   reasoning is never graded), otherwise the whole completion.
-2. *Extraction*, by ``answer_format``: ``"boxed"`` (default), the content of the last
-   ``\\boxed{...}`` whose braces close, found by a single linear scan (nested braces
-   allowed; an unclosed box is no answer; the last box is the one that *starts* last, as
-   in the MATH / math-verify convention); ``"answer_line"``, the rest of the last
-   ``Answer: ...`` line (DAPO-Math-17k's prompts ask for "The last line of your response
-   should be of the form Answer: $Answer"; see :func:`extract_answer_line`); ``"gsm8k"``,
-   the text after the last ``####`` (GSM8K's solutions end with ``#### 72``; see
-   :func:`extract_gsm8k`).
-3. *Exact fast path*: identical strings (after removing blanks and ``$``) are correct.
-   Two plain rational literals (``-12``, ``0.50``, ``3/4``, ``\\frac{3}{4}``) are compared
-   exactly with :class:`fractions.Fraction`, with no parser at all, reproducing
-   math-verify's rule: integers and fractions must be equal; when a decimal is involved
-   math-verify compares values rounded to 6 places, so an exact match is correct, a
-   difference above 2e-6 is not, and the narrow band in between goes on to math-verify.
-   Most answers of arithmetic tasks stop here (microseconds).
-4. *Screen* of untrusted text before any parser sees it: answers longer than
-   ``MAX_ANSWER_CHARS``, nested deeper than ``MAX_NESTING``, or containing a power tower
-   (``10^{10^{10}}``, ``10**10**10``), a power whose exponent may exceed
-   ``MAX_EXPONENT`` (a literal of more than 5 digits, or arithmetic on literals:
-   ``3^{99999 \\cdot 9999}``, ``2^{99999+99999}``, ``2^{(999)(999)}``; bounded by the
-   product of (n + 1) over the exponent's numbers n, which bounds their sums and products
-   alike), a power of a bracketed power whose exponents multiply past that bound
-   (``(3^{999})^{999}``) or a factorial of a huge argument score 0 at once. These are
-   exactly the inputs whose evaluation can sit inside a single C call (big-integer
-   arithmetic) that no time limit interrupts.
-5. *Symbolic comparison*: ``math_verify.parse`` of ``\\boxed{answer}`` and of the
-   reference, then ``math_verify.verify(gold, prediction)`` (numeric with 6-digit float
-   rounding, symbolic simplification, sets, intervals, equations, percentages), all
-   under one :func:`~policyopt.rewards.timelimit.time_limit`. math-verify's own
-   ``signal.alarm`` timeouts are switched off (they only work in the main thread, in
-   whole seconds). A time limit cannot stop one long C call, so except on the main
-   thread of a scoring worker process (``policyopt.rewards.score_batch``'s workers,
-   which their parent kills at its deadline) this step runs in a verifier process of
-   the calling thread's own (:class:`~policyopt.rewards.timelimit.KillableWorker`,
-   forked from the scoring pool's fork server with math-verify loaded), which is killed
-   and replaced when it overruns the limit: the caller gets a timeout, never a hang.
-   Nothing is ever ``eval``-ed: math-verify parses LaTeX with its own grammar and builds
-   SymPy objects; ``__import__('os')...`` is just an unparsable string.
-   Parsed references and finished verdicts are cached per process (the G samples of a
-   group share a reference and often repeat an answer); timeouts are never cached.
-
-math-verify leniencies worth knowing (they are the community's conventions, kept):
-``50\\%`` equals both ``50`` and ``0.5``; ``x=3`` equals ``3``; ``\\text{(A)}`` equals
-``A``; decimals equal fractions when they agree to 6 places (``0.3333333`` = 1/3, but
-``0.333`` != 1/3).
-
-One deliberate difference: math-verify grades an equation against a plain reference by
-its right-hand side alone (``9=1`` equals ``1``, and so ``43=42`` equals ``42``). Here an
-answer that is a chain of equalities with numbers only on its left (``6 \\cdot 7 = 42``,
-``43 = 42``) is correct only when every side equals the reference; with a variable or
-any other non-numeric left side (``x = 42``) math-verify's rule applies.
+:func:`verify_math` takes the answer region (after ``</think>``), extracts the answer,
+compares identical strings and rational literals exactly, screens out inputs whose
+evaluation could sit in one C call (huge powers, towers, factorials), then asks
+math-verify under a time limit, in the calling thread's verifier process
+(``policyopt.rewards.killable``) unless this is a scoring worker's main thread. Nothing is
+``eval``-ed. The pipeline, math-verify's leniencies and where this module differs from
+it: ``docs/rewards.md``, "Math answers".
 """
 
 from __future__ import annotations
@@ -69,7 +21,8 @@ import threading
 import time
 from typing import Any
 
-from policyopt.rewards.timelimit import VerifierTimeout, thread_worker, time_limit
+from policyopt.rewards import killable, relations
+from policyopt.rewards.timelimit import VerifierTimeout, time_limit
 
 # Answers longer than this (characters inside the box) are rejected unread.
 MAX_ANSWER_CHARS = 1_000
@@ -468,10 +421,14 @@ def mark_killable_process() -> None:
     _KILLABLE_PROCESS = True
 
 
-def _start_verifier_process() -> None:
-    """Initializer of a verifier process (``KillableWorker``): killable, math-verify warm."""
-    mark_killable_process()
-    load_math_verify()
+def start_verifier() -> None:
+    """Starts the calling thread's verifier process now (the first of a process starts
+    their server: seconds of imports), so that no answer's limit or latency pays for it;
+    in a scoring worker's main thread, where math-verify runs in-process, imports it."""
+    if _KILLABLE_PROCESS and threading.current_thread() is threading.main_thread():
+        load_math_verify()
+    else:
+        killable.thread_worker("math").start()
 
 
 # Verdicts of the verifier processes, kept here too: a repeated answer costs no round trip.
@@ -494,39 +451,11 @@ def _equal_within(gold: str, answer: str, timeout_s: float | None) -> bool:
             return _symbolic_equal(gold, answer)
     key = (gold, answer)
     if key not in _REMOTE_VERDICTS:
-        worker = thread_worker(
-            "math", preload=["policyopt.rewards.worker"], initializer=_start_verifier_process
-        )
+        worker = killable.thread_worker("math")
         if len(_REMOTE_VERDICTS) > 16384:
             _REMOTE_VERDICTS.clear()
         _REMOTE_VERDICTS[key] = worker.call(_symbolic_equal, key, timeout_s)
     return _REMOTE_VERDICTS[key]
-
-
-_LATEX_MACRO = re.compile(r"\\[A-Za-z]+")
-
-
-def _numeric_equation_sides(answer: str) -> list[str] | None:
-    """The sides of ``answer`` when it is a chain of equalities whose left side has no
-    letter (``6 \\cdot 7 = 42``, ``43 = 42``; LaTeX macros such as ``\\frac`` are not
-    letters), else None (``x = 42``, inequalities, no ``=`` at top level)."""
-    depth, cuts = 0, []
-    for index, char in enumerate(answer):
-        if char in "([{":
-            depth += 1
-        elif char in ")]}":
-            depth -= 1
-        elif char == "=" and depth == 0:
-            before, after = answer[index - 1 : index], answer[index + 1 : index + 2]
-            if before not in ("<", ">", "!", ":", "=") and after != "=":
-                cuts.append(index)
-    if not cuts:
-        return None
-    bounds = [-1, *cuts, len(answer)]
-    sides = [answer[start + 1 : end].strip() for start, end in zip(bounds, bounds[1:])]
-    if not all(sides) or re.search(r"[A-Za-z]", _LATEX_MACRO.sub("", sides[0])):
-        return None
-    return sides
 
 
 def _judge(answer: str, gold: str, deadline: float | None) -> str:
@@ -575,16 +504,13 @@ def verify_math(
             return MathVerdict(0.0, "no_answer")
         gold = _reference_answer(str(reference), answer_format)
         deadline = None if timeout_s is None or timeout_s <= 0 else time.monotonic() + timeout_s
-        status = _judge(answer, gold, deadline)
-        sides = None
-        if status == "correct" and "=" in answer and "=" not in gold:
-            sides = _numeric_equation_sides(answer)
-        if sides is not None:
-            # math-verify grades `43=42` by its right side; every side must equal the gold.
-            for side in sides:
-                status = _judge(side, gold, deadline)
-                if status != "correct":
-                    break
+        # A relation (`43 = 42`, `41 \\lor 42`): each side that is a value must equal the
+        # reference, where math-verify would grade one side (docs/rewards.md).
+        values = relations.value_sides(answer, gold) if len(answer) <= MAX_ANSWER_CHARS else None
+        for side in values or [answer]:
+            status = _judge(side, gold, deadline)
+            if status != "correct":
+                break
         return MathVerdict(float(status == "correct"), status, answer)
     except VerifierTimeout:
         return MathVerdict(0.0, "timeout")

@@ -1,88 +1,10 @@
-"""Continuous-batching generation whose weights change between decode segments, and the
-thread that runs it next to a trainer (asynchronous RL, Magistral arXiv 2506.10910;
-docs/algorithms.md "Asynchronous generation").
-
-    slots = SlotGenerator(graphdef, SlotConfig(sampling, num_groups, prompt_width, 8))
-    with AsyncGenerator(slots, prompts, params, version=0, rng=key) as generator:
-        group = generator.take()                 # a finished GroupCompletion (G samples)
-        ...
-        generator.publish(new_params, version=1)  # picked up at the next segment
-
-**Slots.** The generator holds ``R = num_groups * G`` rows. A *slot group* holds the G
-samples of one prompt: all G are prefilled from one prompt pass, decoded side by side
-and handed out together, so group statistics (GRPO / Magistral advantages) always see
-complete groups; groups are never split or regrouped downstream. When every row of a
-group has ended (EOS, a stop token or sequence, or ``max_new_tokens``), the group is
-taken out and the slot is refilled with the next prompt (continuous batching).
-
-**Segments and weight pushes.** Decoding runs in segments of at most K steps
-(``segment_steps``), each one jitted call over all R rows. Between segments the host
-takes out finished groups, refills free slots, and picks up the latest published
-parameters. The KV cache is *not* recomputed after a push: keys and values written under
-older parameters stay, and later tokens attend to them (Magistral's in-flight update).
-
-**Policy versions.** Token n of a row is drawn from logits computed by the forward pass
-of token n - 1 (the prefill for n = 0). ``versions[r, n]`` is the parameter version of
-that forward pass, so the behaviour log-prob of token n is
-``log softmax(f_{versions[r, n]}(token n-1; KV cache) / T)[token n]`` where the KV cache
-holds token j's keys / values from version ``versions[r, j + 1]`` (the prompt's from
-``start_version``). ``tests/test_async_rl.py`` recomputes exactly this, token by token.
-Behaviour log-probs are therefore recorded per token under whichever parameters produced
-them; a trainer that recomputes pi_old with its own parameters and applies truncated
-importance sampling (``algo.tis_cap``, ``algo.old_log_probs = "trainer"``) corrects for
-the mixture unchanged.
-
-**KV cache layout (``SlotGenerator``, ``sampling.engine_kv_tokens = 0``).** One stacked
-``KVCache`` (values ``[L, R, Hkv, S, Dh]``, keys stored
-transposed ``[L, R, Hkv, Dh, S]``) shared by every row, with one
-write index (the model's cache writes all rows at one slot). With ``W = P + N``
-(prompt width + max_new_tokens) and ``S = W + K``: each segment first rolls the cache so
-that the last W slots come first and the write index is W (a live row never spans more
-than ``P + N - 1`` slots), then runs up to K steps. A refilled group's prompt is
-prefilled alone (one row, then repeated G times as ``policyopt.sampling`` does) and its
-keys / values are copied to slots ``[index - P, index)`` of its rows, whose other slots
-are masked out. Attention masks by key slot and RoPE uses each row's own positions
-(``prompt_length + step``), so every row computes what the synchronous sampler computes
-for it (greedy outputs match ``generate_fn``; ``tests/test_async_rl.py``).
-
-**Paged engine (``EngineSlots``, ``sampling.engine_kv_tokens > 0``).** The same
-interface on ``policyopt.engine``'s paged KV cache and its jitted calls (``admit_rows``,
-``decode_steps``, ``evict_rows``), the one the synchronous trainer streams its rows
-through: memory follows the tokens rows hold (a pool of ``engine_kv_tokens`` slots per
-shard, in pages of ``engine_page_size``), not ``R x (P + N + K)``. A refilled group is
-admitted (its prompt prefilled once, its full pages shared by its G rows) when its
-shard's pool has the prompt's pages and one page per row free; else it is queued, still
-counted as started, and admitted by a later segment under that segment's parameters
-(its ``start_version``). A segment is one ``decode_steps`` call of at most K steps under
-the published parameters; a row refused a page waits (samples nothing, and its logits
-stay those of its last forward). The versions are kept on the host from each row's token
-count before and after a segment: the first token a row draws in a segment has the
-version of its previous logits, the others the segment's, exactly the rule above
-(``tests/test_async_engine.py`` recomputes it token by token through waits). A shard on
-which no row moved in a segment gives back its most recently admitted group's pages; the
-group is queued again at the front and recomputed from its prompt (new start version),
-and the shard admits nothing until one of its groups finishes (so the elders get the
-pages; with one group left it always can, see below).
-The pool must hold one group to its end alone (``engine_pages_needed``), so one group can
-always finish; a shard that queues groups and runs none raises rather than decode empty
-segments for ever. Routing (R3) and stop sequences as in the engine; greedy outputs equal
-``generate_fn``'s. Per-row sampling keys (the engine's, folded with the segment's key)
-differ from SlotGenerator's per-step keys: sampled tokens differ, not their distribution.
-
-**Staleness.** ``AsyncGenerator`` keeps at most ``n_async`` completions started and not
-yet taken by the trainer (in generation or waiting; the generator never blocks on a full
-queue, it starts no new group instead and keeps decoding the ones in flight). With a
-trainer that takes ``n_batch`` completions per parameter version, in finish order, every
-token of a completion trained at version b was generated at version >= b - bound,
-``bound = staleness_bound(...) = 1 + floor(((n_async - G) + (R' - G) * (ceil(N / K) - 1))
-/ n_batch)`` with ``R' = min(R, n_async)`` rows in use: the batches after the one being
-trained when a group starts, up to its own, hold only completions that were in flight at
-its start (at most n_async - G others) or that started later and finished no later than
-it, within its at most ceil(N / K) segments (at most ceil(N / K) - 1 per other row).
-With the paged engine this holds while no row waits for a page (``EngineSlots.stats``
-"waits" stays 0, e.g. a pool of at least R' (P + N) slots); a group whose rows waited
-lives more than ceil(N / K) segments and may exceed it (the ``async/staleness_*``
-metrics report what happened).
+"""Generation next to an asynchronous trainer (Magistral, arXiv 2506.10910): slot groups of
+G samples decoded in segments, refilled as groups finish, under parameters that may change
+between segments (the KV cache is kept), every token's parameter version recorded.
+``SlotGenerator`` decodes on a dense KV cache, ``EngineSlots`` on the engine's paged one
+(``policyopt.engine.ContinuousBatch``); ``AsyncGenerator`` runs either in a thread with a
+scoring thread beside it (docs/scale.md, "Generation engine"; docs/algorithms.md,
+"Asynchronous generation").
 """
 
 from __future__ import annotations
@@ -104,17 +26,17 @@ from flax import nnx, struct
 
 from policyopt import sharding
 from policyopt.engine import (
+    ContinuousBatch,
     Engine,
     EngineConfig,
     GenerationStopped,
-    admit_rows,
-    decode_steps,
-    evict_rows,
+    finish_rows,
     row_shards,
 )
 from policyopt.models.attention import KEY_CACHE_AXES, VALUE_CACHE_AXES
 from policyopt.models.paged import pages_for
 from policyopt.sampling import Rollout, SamplingConfig, decode_step, next_logits
+from policyopt.scheduler import Request, group_pages
 
 __all__ = [
     "SlotConfig",
@@ -137,7 +59,7 @@ def staleness_bound(
     rows: int | None = None,
 ) -> int:
     """Largest possible ``b - v`` for a token generated at version v and trained at b,
-    with ``rows`` generation rows (default n_async; see the module docstring)."""
+    with ``rows`` generation rows (default n_async; docs/scale.md, "Staleness")."""
     rows = n_async if rows is None else min(rows, n_async)
     segments = math.ceil(max_new_tokens / segment_steps)
     return 1 + ((n_async - group_size) + (rows - group_size) * (segments - 1)) // n_batch
@@ -202,11 +124,8 @@ class _SlotState:
     recent: jax.Array | None  # int32 [R, M]: last M tokens, for stop sequences
 
 
-def _stop_window(sampling: SamplingConfig) -> int:
-    return max((len(s) for s in sampling.stop_sequences), default=0)
-
-
-def _init_state(model, config: SlotConfig) -> _SlotState:
+def init_slot_state(model, config: SlotConfig) -> _SlotState:
+    """The empty slot state of ``config``'s rows (KV cache, tokens, lengths, routing)."""
     mc, s = model.config, config.sampling
     rows, num_new, prompt_width = config.rows, s.max_new_tokens, config.prompt_width
     cache = model.init_cache(rows, config.cache_length, dtype=s.cache_dtype)
@@ -217,7 +136,7 @@ def _init_state(model, config: SlotConfig) -> _SlotState:
         filler = jnp.arange(k, dtype=jnp.int32)
         prompt_routing = jnp.broadcast_to(filler, (mc.num_moe_layers, rows, prompt_width, k))
         routing = jnp.broadcast_to(filler, (mc.num_moe_layers, rows, num_new, k))
-    window = _stop_window(s)
+    window = s.stop_window
     zeros = lambda shape, dtype: jnp.zeros(shape, dtype)
     return _SlotState(
         cache=cache,
@@ -240,7 +159,7 @@ def _init_state(model, config: SlotConfig) -> _SlotState:
     )
 
 
-def _slot_specs(state: _SlotState, mesh) -> _SlotState:
+def slot_specs(state: _SlotState, mesh) -> _SlotState:
     """The ``PartitionSpec`` of every field of the slot state on ``mesh``: the R rows split
     over ``data`` x ``fsdp`` when they divide (the routing along its row axis 1), the KV
     cache by its logical axes (``KEY_CACHE_AXES``, ``VALUE_CACHE_AXES``: rows, and key/value
@@ -259,12 +178,6 @@ def _slot_specs(state: _SlotState, mesh) -> _SlotState:
             prompt_routing=rows(state.prompt_routing, 1), routing=rows(state.routing, 1)
         )
     return specs
-
-
-def _pin(state: _SlotState) -> _SlotState:
-    """The new slot state of a jitted step, constrained (under a mesh) to ``_slot_specs``,
-    the shardings its input was placed with, so the step compiles once."""
-    return sharding.constrain_tree(state, lambda mesh: _slot_specs(state, mesh))
 
 
 def _refill(
@@ -337,7 +250,7 @@ def _refill(
         )
     if state.recent is not None:
         new = new.replace(recent=put(state.recent, -1))
-    return _pin(new)
+    return sharding.constrain_tree(new, partial(slot_specs, new))
 
 
 def _compact(cache, window: int):
@@ -407,7 +320,8 @@ def _segment(
         )
 
     _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
-    return _pin(state.replace(cache=state.cache.stack()))
+    state = state.replace(cache=state.cache.stack())
+    return sharding.constrain_tree(state, partial(slot_specs, state))
 
 
 def _group_rows(state: _SlotState, group, *, group_size: int) -> dict:
@@ -505,14 +419,14 @@ class _SlotGroups:
 
 class SlotGenerator(_SlotGroups):
     """Slot groups decoded in segments (single-threaded; `AsyncGenerator` runs it in a
-    thread). See the module docstring.
+    thread; docs/scale.md, "Generation engine").
 
     Args:
       graphdef: the policy's NNX graph definition (params are passed per call).
       config: the slot geometry and sampling settings.
       params: any parameters of the right structure (used for shapes only).
       mesh: the mesh the parameters live on (``policyopt.sharding``): the slot state is
-        placed on it (``_slot_specs``) and every step runs under ``jax.set_mesh`` in the
+        placed on it (``slot_specs``) and every step runs under ``jax.set_mesh`` in the
         calling thread (the mesh context is per thread). None: the default device.
     """
 
@@ -524,12 +438,12 @@ class SlotGenerator(_SlotGroups):
         # the refill (a prefill) more than once.
         model = nnx.merge(graphdef, params)
         config.sampling.check_vocab(model.config.vocab_size)  # as generate_fn does
-        state = _init_state(model, config)
+        state = init_slot_state(model, config)
         if mesh is None:
             self.state = jax.device_put(state, jax.devices()[0])
         else:
             self.state = jax.device_put(
-                state, sharding.named_shardings(_slot_specs(state, mesh), mesh)
+                state, sharding.named_shardings(slot_specs(state, mesh), mesh)
             )
         self._meta: dict[int, dict] = {}
         self._active = np.zeros((config.num_groups,), bool)
@@ -622,7 +536,7 @@ def engine_pages_needed(
     """Pages one pool needs so that a single group of G rows, alone, is admitted and
     decodes to its end without waiting, for any prompt length L in [1, P]: the most of
 
-      admission (``EngineSlots``): ceil(L / ps) + (G - 1) [L % ps > 0] + G
+      admission (``scheduler.group_pages``): ceil(L / ps) + (G - 1) [L % ps > 0] + G
       its end:                     floor(L / ps) + G (ceil((L + N) / ps) - floor(L / ps))
 
     (the prompt's full pages are shared by the G rows, each row holds its own last
@@ -630,31 +544,15 @@ def engine_pages_needed(
     need = 0
     for length in range(1, prompt_width + 1):
         shared = length // page_size
-        admit = pages_for(length, page_size) + (group_size - 1) * int(length % page_size > 0)
         end = shared + group_size * (pages_for(length + max_new_tokens, page_size) - shared)
-        need = max(need, admit + group_size, end)
+        need = max(need, group_pages(length, group_size, page_size), end)
     return need
-
-
-@partial(jax.jit, static_argnames=("group_size",))
-def _engine_group_rows(state, group, *, group_size: int) -> dict:
-    """Tokens, log-probs, counts and routing (axis 1) of the G rows of slot ``group`` of an
-    engine state (``policyopt.engine``)."""
-    take = lambda x, axis=0: (
-        None if x is None else jax.lax.dynamic_slice_in_dim(x, group * group_size, group_size, axis)
-    )
-    return dict(
-        tokens=take(state.tokens),
-        log_probs=take(state.log_probs),
-        raw_log_probs=take(state.raw_log_probs),
-        count=take(state.count),
-        routing=take(state.routing, 1),
-    )
 
 
 class EngineSlots(_SlotGroups):
     """``SlotGenerator``'s interface on the paged KV cache of ``policyopt.engine``
-    (``sampling.engine_kv_tokens > 0``; see "Paged engine" in the module docstring).
+    (``sampling.engine_kv_tokens > 0``): a ``ContinuousBatch`` whose requests each keep
+    their slot group, one pass per segment (docs/scale.md, "Generation engine").
 
     Args:
       graphdef: the policy's NNX graph definition (params are passed per call).
@@ -710,6 +608,12 @@ class EngineSlots(_SlotGroups):
             page_size=page_size,
             attention=attention,
             steps_per_call=config.segment_steps,
+            # One prompt per shard and call (a group is admitted as soon as it is refilled),
+            # every row decoded over the whole pool: each jitted call compiles once, where
+            # buckets of rows or held pages would compile a segment per bucket.
+            admit_prompts=1,
+            decode_bucket=0,
+            held_page_bucket=0,
             capture_routing=capture_routing,
         )
         self.engine = Engine(
@@ -717,33 +621,35 @@ class EngineSlots(_SlotGroups):
         )
         self.mesh, self.shards = mesh, shards
         with self._on_mesh():
-            self.state = self.engine.init_state(config.prompt_width)
+            self.batch = ContinuousBatch(
+                self.engine,
+                config.prompt_width,
+                budget=f"config.sampling.engine_kv_tokens = {kv_tokens}",
+            )
         if one_device is not None:
             # Placed as the jitted calls return it with parameters on a one-device mesh
             # (replicated on it): else the first admission compiles admit_rows twice.
-            self.state = jax.device_put(
-                self.state, jax.sharding.NamedSharding(one_device, jax.sharding.PartitionSpec())
+            self.batch.state = jax.device_put(
+                self.batch.state,
+                jax.sharding.NamedSharding(one_device, jax.sharding.PartitionSpec()),
             )
         rows, num_new = config.rows, s.max_new_tokens
         self._active = np.zeros((config.num_groups,), bool)  # started, not handed out
-        self._running: list[int] = []  # admitted groups, oldest first
-        self._pending: collections.deque[int] = collections.deque()  # waiting for pages
-        self._prompts: dict[int, tuple[np.ndarray, int]] = {}
         self._meta: dict[int, dict] = {}
+        # Each row's tokens so far, the version of each token's logits and of the row's
+        # current logits (the host's record, from each segment's token counts).
         self._count = np.zeros((rows,), np.int32)
         self._versions = np.full((rows, num_new), -1, np.int32)
         self._logits_version = np.zeros((rows,), np.int32)
         self._start_version = np.zeros((config.num_groups,), np.int32)
-        # Shards that preempted a group admit nothing until one of theirs finishes: a
-        # preempted group admitted again at once could take the pages its elders wait for.
-        self._blocked = np.zeros((shards,), bool)
         # Row-steps spent waiting for a page, groups preempted (recomputed from their
-        # prompt), most pages one shard held at once. Every key set here: the trainer's
-        # thread copies the dict while the generator's updates it.
-        self.stats = collections.Counter(waits=0, preempted_groups=0, peak_pages=0)
+        # prompt), most pages one shard held at once, ... (``Scheduler.stats``).
+        self.stats = self.batch.stats
 
-    def _shard_of(self, group: int) -> int:
-        return group // (self.config.num_groups // self.shards)
+    @property
+    def state(self):
+        """The engine's device state (``policyopt.engine.empty_state``)."""
+        return self.batch.state
 
     def refill(self, group: int, prompt: dict, params, version: int) -> None:
         """Starts the G samples of `prompt` in slot `group` (which must be free): admitted
@@ -756,161 +662,82 @@ class EngineSlots(_SlotGroups):
         tokens = _fit_prompt(
             prompt["prompt_tokens"], length, cfg.prompt_width, cfg.sampling.fill_id
         )
-        self._prompts[group] = (tokens, length)
+        self.batch.scheduler.submit(Request(group, tokens, length, slot=group))
         self._meta[group] = {
             k: v for k, v in prompt.items() if k not in ("prompt_tokens", "prompt_length")
         }
         self._active[group] = True
-        self._pending.append(group)
-        self._admit(params, version)
+        with self._on_mesh():
+            self._admit(params, version)
 
     def _admit(self, params, version: int) -> None:
-        """Admits queued groups, oldest first, up to one per shard per ``admit_rows`` call,
-        while the shard's pool has the group's prompt pages and one page per row free."""
-        cfg, group_size = self.config, self.config.group_size
-        ps = self.engine.engine.page_size
-        num_free = np.asarray(jax.device_get(self.state.cache.num_free)).reshape(-1).copy()
-        while self._pending:
-            admissions = {}
-            for group in list(self._pending):
-                shard = self._shard_of(group)
-                if shard in admissions or self._blocked[shard]:
-                    continue
-                length = self._prompts[group][1]
-                pages = pages_for(length, ps) + (group_size - 1) * int(length % ps > 0)
-                if num_free[shard] < pages + group_size:
-                    admissions[shard] = None  # oldest first: later groups of the shard wait
-                    continue
-                num_free[shard] -= pages
-                admissions[shard] = group
-            admitted = {shard: g for shard, g in admissions.items() if g is not None}
-            if not admitted:
-                return
-            args = np.zeros((5, self.shards), np.int32)  # row0, rows, sample0, length, id
-            args[0] = np.arange(self.shards) * (cfg.rows // self.shards)
-            args[3] = 1
-            prompts = np.full((self.shards, cfg.prompt_width), cfg.sampling.fill_id, np.int32)
-            for shard, group in admitted.items():
-                tokens, length = self._prompts[group]
-                args[:, shard] = (group * group_size, group_size, 0, length, group)
-                prompts[shard] = tokens
-                self._pending.remove(group)
-                self._running.append(group)
-                rows = slice(group * group_size, (group + 1) * group_size)
-                self._count[rows], self._versions[rows] = 0, -1
-                self._logits_version[rows] = version
-                self._start_version[group] = version
-            with self._on_mesh():
-                self.state = admit_rows(
-                    self.graphdef,
-                    params,
-                    self.state,
-                    jnp.asarray(prompts),
-                    *map(jnp.asarray, args[[3, 0, 1, 2, 4]]),
-                    config=cfg.sampling,
-                )
+        """Admits what the pools allow (``ContinuousBatch.admit``) under ``version``: its
+        rows start with no token and logits of that version."""
+        for admission in self.batch.admit(params):
+            rows = slice(admission.row0, admission.row0 + admission.num_rows)
+            self._count[rows], self._versions[rows] = 0, -1
+            self._logits_version[rows] = version
+            if admission.num_rows == self.config.group_size:
+                self._start_version[admission.slot] = version
 
     def segment(self, params, version: int, rng: jax.Array) -> list[GroupCompletion]:
         """Admits queued groups, runs up to K decode steps under `params` (a row refused a
         page waits), records each new token's version and returns the groups that
         finished (their slots are free afterwards). A shard on which no row moved gives
         back the pages of its most recently admitted group, queued again at the front,
-        and admits nothing until one of its groups finishes."""
-        cfg, group_size = self.config, self.config.group_size
-        self._admit(params, version)
-        self._check_progress()
-        if not self._running:
-            return []
+        and admits nothing until one of its groups finishes (``Scheduler.settle``)."""
+        scheduler = self.batch.scheduler
         with self._on_mesh():
-            self.state, _, made, waits, peak = decode_steps(
-                self.graphdef,
-                params,
-                self.state,
-                rng,
-                config=cfg.sampling,
-                steps=cfg.segment_steps,
-            )
-        count, active, made = jax.device_get((self.state.count, self.state.active, made))
-        count, active, made = np.asarray(count), np.asarray(active), np.asarray(made)
-        self.stats["waits"] += int(waits)
-        self.stats["peak_pages"] = max(self.stats["peak_pages"], int(peak))
-        # Token n's logits came from the forward of token n - 1: the first token of this
-        # segment from the one before it (logits_version), the others from this one.
-        column = np.arange(cfg.sampling.max_new_tokens)[None]
-        before, lv = self._count[:, None], self._logits_version[:, None]
+            self._admit(params, version)
+            scheduler.check_admissible(self.batch.free_pages())
+            if not scheduler.running:
+                return []
+            self.batch.decode(params, rng)
+            count = np.asarray(jax.device_get(self.batch.state.count))
+            self._record_versions(count, version)
+            finished = self.batch.settle()
+            completions = [self._completion(slot, request, version) for slot, request in finished]
+        for slot, _ in finished:
+            self._active[slot] = False
+        return completions
+
+    def _record_versions(self, count: np.ndarray, version: int) -> None:
+        """Token n's logits came from the forward of token n - 1: the first token a row
+        draws in this segment from the one before it (``_logits_version``), the others
+        from this segment's."""
+        column = np.arange(self.config.sampling.max_new_tokens)[None]
+        before, previous = self._count[:, None], self._logits_version[:, None]
         new = (column >= before) & (column < count[:, None])
-        self._versions = np.where(new, np.where(column == before, lv, version), self._versions)
+        self._versions = np.where(
+            new, np.where(column == before, previous, version), self._versions
+        )
         self._logits_version = np.where(count > self._count, version, self._logits_version)
         self._count = count.astype(np.int32)
-        finished = []
-        for group in list(self._running):
-            if not active[group * group_size : (group + 1) * group_size].any():
-                self._running.remove(group)
-                finished.append(self._completion(group, version))
-                self._active[group] = False
-                self._blocked[self._shard_of(group)] = False
-        evict = np.zeros((cfg.rows,), bool)
-        for shard in range(self.shards):
-            mine = [g for g in self._running if self._shard_of(g) == shard]
-            if made[shard] or not mine:
-                continue
-            if len(mine) == 1:  # cannot happen: the pool holds one group (__init__)
-                raise RuntimeError(f"slot group {mine[0]} cannot get a page in an empty pool")
-            group = mine[-1]
-            self._running.remove(group)
-            self._pending.appendleft(group)
-            evict[group * group_size : (group + 1) * group_size] = True
-            self._blocked[shard] = True
-            self.stats["preempted_groups"] += 1
-        if evict.any():
-            with self._on_mesh():
-                self.state = evict_rows(
-                    self.state, jax.device_put(evict, self.state.active.sharding)
-                )
-        return finished
 
-    def _check_progress(self) -> None:
-        """Raises where a shard holds queued groups and runs none after an admission: no
-        segment could ever admit them (its pool is empty, and holds one group: ``__init__``),
-        and the generator would run empty segments for ever."""
-        stuck = sorted(
-            {self._shard_of(g) for g in self._pending} - {self._shard_of(g) for g in self._running}
-        )
-        if stuck:
-            free = np.asarray(jax.device_get(self.state.cache.num_free)).reshape(-1)
-            raise RuntimeError(
-                f"the paged engine cannot admit a queued group on shard(s) {stuck} and runs "
-                f"none there (groups queued {list(self._pending)}, free pages per shard "
-                f"{free.tolist()} of {self.engine.engine.num_pages}, blocked shards "
-                f"{np.flatnonzero(self._blocked).tolist()}): no segment would make progress "
-                f"(config.sampling.engine_kv_tokens = {self.engine.engine.kv_tokens})"
-            )
-
-    def _completion(self, group: int, version: int) -> GroupCompletion:
+    def _completion(self, group: int, request: Request, version: int) -> GroupCompletion:
         cfg, group_size = self.config, self.config.group_size
-        with self._on_mesh():
-            fields = jax.device_get(
-                _engine_group_rows(self.state, jnp.int32(group), group_size=group_size)
-            )
-        tokens, length = self._prompts.pop(group)
-        rows = slice(group * group_size, (group + 1) * group_size)
-        lengths = np.asarray(fields["count"], np.int32)
-        mask = (np.arange(cfg.sampling.max_new_tokens)[None] < lengths[:, None]).astype(np.float32)
-        shift = cfg.prompt_width - length
+        fields = self.batch.rows(group)
+        rows = finish_rows(
+            fields["tokens"],
+            fields["log_probs"],
+            fields["raw_log_probs"],
+            fields["count"],
+            cfg.sampling.fill_id,
+        )
+        length = request.length
         prompt = np.roll(
-            np.where(np.arange(cfg.prompt_width) < length, tokens, cfg.sampling.fill_id), shift
+            np.where(np.arange(cfg.prompt_width) < length, request.tokens, cfg.sampling.fill_id),
+            cfg.prompt_width - length,
         )
         routing = fields["routing"]
         return GroupCompletion(
-            tokens=np.where(mask > 0, fields["tokens"], cfg.sampling.fill_id).astype(np.int32),
-            mask=mask,
-            log_probs=np.asarray(fields["log_probs"], np.float32) * mask,
-            raw_log_probs=np.asarray(fields["raw_log_probs"], np.float32) * mask,
-            lengths=lengths,
+            **rows,
             prompt_tokens=np.repeat(prompt[None], group_size, axis=0).astype(np.int32),
             prompt_lengths=np.full((group_size,), length, np.int32),
             routing=None if routing is None else np.asarray(routing, np.int32),
-            versions=np.where(mask > 0, self._versions[rows], -1).astype(np.int32),
+            versions=np.where(
+                rows["mask"] > 0, self._versions[self.batch.scheduler.rows_of(group)], -1
+            ).astype(np.int32),
             start_version=int(self._start_version[group]),
             finish_version=int(version),
             meta=self._meta.pop(group),

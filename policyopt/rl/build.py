@@ -17,10 +17,11 @@ from jax.sharding import Mesh
 from policyopt import sharding
 from policyopt.checkpoint import Checkpointer, holds_workdir_lock, unlock_workdir
 from policyopt.config import typed
-from policyopt.data import CharTokenizer, HFTokenizer, as_record
+from policyopt.data import CharTokenizer, HFTokenizer, as_record, load_tokenizer
 from policyopt.data.tasks import TASKS
 from policyopt.models import Transformer, preset
-from policyopt.rewards.batch import RewardSpec, VerifierImportError
+from policyopt.rewards.batch import RewardSpec
+from policyopt.rewards.custom import VerifierImportError
 from policyopt.rl.learner import split_params
 
 # Fields of config.model that override the preset. The runtime ones (how the model
@@ -60,7 +61,7 @@ RESUME_FREE_FIELDS = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.log_every",
-    "train.tensorboard",
+    "train.loggers",
     "train.routing_metrics",
     "train.allow_config_change",
     "eval.",
@@ -252,11 +253,14 @@ def _pretrained_file(config, name: str) -> str:
 
 
 def make_tokenizer(config):
-    """The tokenizer of the run: the char tokenizer of the synthetic task, or the
-    pretrained model's ``tokenizer.json``."""
+    """The tokenizer of the run: the pretrained model's ``tokenizer.json``,
+    ``config.model.tokenizer`` (``policyopt.data.load_tokenizer``: e.g. a BPE trained on the
+    task's files), or the char tokenizer of the synthetic task."""
     if config.model.pretrained:
         _pretrained_file(config, "tokenizer.json")
         return HFTokenizer.from_pretrained(config.model.pretrained)
+    if config.model.tokenizer:
+        return load_tokenizer(config.model.tokenizer)
     return CharTokenizer()
 
 

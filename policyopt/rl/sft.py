@@ -33,6 +33,7 @@ from policyopt import sharding
 from policyopt.checkpoint import Checkpointer, lock_workdir
 from policyopt.config import Optim, typed
 from policyopt.data.pipeline import as_record, make_pipeline
+from policyopt.loggers import config_json, open_loggers, parse_loggers
 from policyopt.losses import aggregate
 from policyopt.metrics import MetricsWriter, Progress, read_step_record
 from policyopt.rl import build, report
@@ -356,9 +357,12 @@ def run_sft(
     # Records after the checkpoint's step are written again (see trainer.RunLoop).
     writer = MetricsWriter(
         workdir,
-        tensorboard=config.train.tensorboard,
+        tensorboard="tensorboard" in parse_loggers(config.train.loggers),
         enabled=primary,
         resume_step=run.step if run.step else -1,
+        loggers=open_loggers(config.train.loggers, workdir, config_json(config), kind="sft")
+        if primary
+        else (),
     )
     progress = (
         None

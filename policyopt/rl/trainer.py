@@ -88,6 +88,7 @@ from policyopt.checkpoint import Checkpointer, lock_workdir
 from policyopt.config import typed
 from policyopt.data.pipeline import make_pipeline
 from policyopt.engine import Engine, GenerationStopped
+from policyopt.loggers import config_json, open_loggers, parse_loggers
 from policyopt.metrics import MetricsWriter, Progress, read_last_value, read_step_record
 from policyopt.rl import build, iteration, methods, report
 from policyopt.rl.critic import CriticSettings, critic_optim, get_critic
@@ -531,7 +532,13 @@ class RunLoop:
                 f.write(config.to_json(indent=2, sort_keys=True))
         resume_step = run.iteration if run.iteration else -1
         self.writer = MetricsWriter(
-            workdir, tensorboard=config.train.tensorboard, enabled=primary, resume_step=resume_step
+            workdir,
+            tensorboard="tensorboard" in parse_loggers(config.train.loggers),
+            enabled=primary,
+            resume_step=resume_step,
+            loggers=open_loggers(config.train.loggers, workdir, config_json(config))
+            if primary
+            else (),
         )
         self.eval_writer = MetricsWriter(
             workdir,
@@ -645,6 +652,7 @@ class RunLoop:
         self.eval_writer.write(run.iteration, result)
         self.writer.write(run.iteration, result)
         self.eval_samples.write_rows(run.iteration, samples[:EVAL_SAMPLES_LOGGED])
+        self.writer.write_text(run.iteration, "samples/eval", samples[:EVAL_SAMPLES_LOGGED])
         self.history.append({"iteration": run.iteration, **result})
         if self.progress:
             print(

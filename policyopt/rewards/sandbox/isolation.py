@@ -1,59 +1,14 @@
 """Assert tests outside the program's process: the code verifier's ``isolation="process"``.
 
-The program and its tests run in two sandboxed processes (two throw-away uids when the
-scorer is root) joined by two pipes. The *server* runs the untrusted program, then
-answers requests: call this function, get or set this attribute, iterate this object.
-The *client* runs the trusted test string in a namespace where each name the program
-defined is a stand-in that forwards to the server, and writes the scorer's marker
-when the tests have run to their end. Only plain values cross the pipes, encoded as
-tagged JSON (:func:`encode`, :func:`decode`): ``None``, ``bool``, ``int``, ``float``,
-``complex``, ``str``, ``bytes``, ``bytearray``, ``list``, ``tuple``, ``dict``, ``set``,
-``frozenset``, ``range``, ``Ellipsis``, ``fractions.Fraction``, ``decimal.Decimal``,
-``collections.Counter`` / ``OrderedDict`` / ``defaultdict`` / ``deque`` (a namedtuple
-or other subclass of a built-in arrives as its base type). The client builds them
-with its own classes, so what the tests compare is data, never an object of the
-program's. Anything else the program returns (its classes, their instances,
-generators, bound methods) stays in the server, and the client gets a stand-in (one
-per object, so ``is`` and hashing work) that forwards calls, attribute reads and
-writes, iteration (in batches), ``len``, indexing, ``in``, truth, ``str`` and ``repr``;
-each answer is a plain value the program chose, which it could as well have returned.
-``==``, ``!=`` and ordering on a stand-in are refused: an object equal to everything
-would pass every comparison, and no plain value does. The program's exception classes
-reach the tests as classes of the client's own, subclasses of the built-in exception
-they derive from (``except ValueError`` catches a ``class BadInput(ValueError)``,
-``except BadInput`` names it), raised with the program's args. A name the tests use as
-a module (``math.isclose``) that names a standard-library module is the client's own
-import, whatever the program bound to it. The program cannot reach the client's
-memory, files or marker, so inspecting frames, shadowing ``exec`` or exiting early
-gains nothing: when the scorer is root, the two processes run as two throw-away uids
-(and each in a root of its own where mount namespaces work: ``policyopt.rewards.code``).
-Without root both run as the scorer's user, and a program that reads the other
-process's files or memory (``/proc``) could find the marker: isolation then stops the
-hacks of one process (an object equal to everything, a redefined built-in), not a
-program that attacks the sandbox.
-
-What changes for honest programs, against one process:
-
-* names of built-ins the program redefines (``def set(...)``) do not reach the tests,
-  which keep Python's own (in one process a program could rebind what the tests
-  compare with), nor do standard-library module names the tests use as modules;
-* the program's objects cannot be compared with ``==`` (a dataclass or Enum result, a
-  ``Point(1, 2) == Point(1, 2)`` test): compare their attributes;
-* module-level values are copied when the program has run: a test that reads a global
-  after a call sees its value from before the call;
-* list, dict, set and bytearray arguments a call mutates in place are copied back into
-  the tests' objects (top level only; the same object passed twice arrives as two);
-* the tests cannot pass the program a function, a class or an object of their own (a
-  ``TypeError`` in the tests, so the test fails); namedtuples go as tuples;
-* what the program prints does not reach the tests' stdout, and a recursion limit the
-  tests set does not reach the program;
-* every call is a round trip (~0.2 ms): a test that calls the program 10^4 times
-  spends seconds of its time limit on them.
-
-This file runs in the sandbox's interpreter (``python -I -S``: the standard library
-only) and is imported by the scorer and the tests (the codec is the same on both
-sides); ``policyopt.rewards.code`` sends its source followed by one call to
-:func:`serve` or :func:`run_tests`.
+The program and its tests run in two sandboxed processes joined by two pipes. The
+*server* (:func:`serve`) runs the untrusted program, then answers requests (call this,
+get this attribute, iterate this); the *client* (:func:`run_tests`) runs the trusted
+tests with a stand-in for each name the program defined, and writes the scorer's marker
+when they have run to their end. Only plain values cross, as tagged JSON (:func:`encode`,
+:func:`decode`). What this stops and what honest programs lose: ``docs/rewards.md``
+("Isolated assert tests"). This file runs in the sandbox's interpreter (``python -I -S``:
+the standard library only); ``policyopt.rewards.sandbox.run`` sends its source followed
+by one call to :func:`serve` or :func:`run_tests`.
 """
 
 import builtins

@@ -1,0 +1,231 @@
+"""The policyopt update at the peers' geometry under each lever, timed against the unchanged
+update in the same process, interleaved.
+
+    python -m benchmarks.peers.levers [--variants base,eigen,onednn] [--rounds 5]
+
+Builds the run of ``side_policyopt.py``, samples one batch (its advantages replaced by
+N(0, 1) draws, so that the gradient is not zero), compiles each variant of
+``Learner.update`` (an XLA:CPU option set, ``FLAG_VARIANTS``, or the code as it was before
+a lever, ``CODE_VARIANTS``), checks that its new parameters match the library's update
+(``base``), then times ``--rounds`` rounds in which every variant runs once (the order
+rotating). Reports per variant: compile time, the median
+wall and CPU time of one update, and the median of its per-round ratios to ``base``.
+Writes ``benchmarks/results/peers_levers.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import side_policyopt  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "peers_levers.json"
+
+_YNN = "xla_cpu_experimental_ynn_fusion_type"
+_ONEDNN = "xla_cpu_experimental_onednn_fusion_type"
+
+# XLA:CPU options (compile-time, per program) by name.
+FLAG_VARIANTS = {
+    "base": {},
+    # Every dot on Eigen (no YNNPACK).
+    "eigen": {_YNN: ""},
+    # YNNPACK fusions of dots with their elementwise neighbours, and elementwise chains.
+    "ynn_fusions": {
+        _YNN: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_DOT,"
+        "LIBRARY_FUSION_TYPE_ELTWISE"
+    },
+    # oneDNN for the dots.
+    "onednn": {"xla_cpu_use_onednn": True, _ONEDNN: "LIBRARY_FUSION_TYPE_DOT", _YNN: ""},
+    "onednn_individual": {
+        "xla_cpu_use_onednn": True,
+        _ONEDNN: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+        _YNN: "",
+    },
+    # Fast math (not a default candidate: it changes rounding and NaN handling).
+    "fast_math": {"xla_cpu_enable_fast_math": True},
+    # The scheduler that orders independent ops for concurrency off.
+    "no_concurrency_scheduler": {"xla_cpu_enable_concurrency_optimized_scheduler": False},
+    # Compile time: LLVM's optimisation level of the kernels (default 3), its expensive
+    # passes, and the number of parts the module is split into for parallel codegen.
+    "llvm_o1": {"xla_backend_optimization_level": 1},
+    "llvm_o2": {"xla_backend_optimization_level": 2},
+    "llvm_cheap": {"xla_llvm_disable_expensive_passes": True},
+    "codegen_split_4": {"xla_cpu_parallel_codegen_split_count": 4},
+}
+
+
+def build_batch():
+    """The run, its state and one minibatch of the peers' geometry with random advantages."""
+    import jax
+
+    from policyopt.rl import trainer
+    from policyopt.rl.batch import minibatch_indices, shard_batch, take_rows
+
+    config = side_policyopt.config_for("sampler")
+    workdir = tempfile.mkdtemp()
+    try:
+        run = trainer.build_run(config, workdir)
+        exact = dataclasses.replace(
+            run.sampling_config, min_new_tokens=config.sampling.max_new_tokens
+        )
+        run.spec = dataclasses.replace(run.spec, sampling_config=exact)
+        trainer.rl_iteration(run)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    group = config.batch.group_size
+    rows = next(iter(minibatch_indices(run.last_batch.tokens.shape[0] // group, group, 1, None)))
+    batch = take_rows(run.last_batch, rows)
+    advantages = jax.random.normal(jax.random.key(1), batch.advantages.shape)
+    with jax.set_mesh(run.mesh):
+        batch = shard_batch(batch._replace(advantages=advantages))
+    return run, batch
+
+
+@contextlib.contextmanager
+def _einsum_projections():
+    """The model's weight products as plain ``jnp.einsum`` (before
+    ``policyopt.models.projection``), while a variant is traced."""
+    import jax.numpy as jnp
+
+    from policyopt.models import attention, layers
+
+    def einsum(spec, x, w):
+        return jnp.einsum(spec, x, w)
+
+    saved = attention.project, layers.project
+    attention.project = layers.project = einsum
+    try:
+        yield
+    finally:
+        attention.project, layers.project = saved
+
+
+# Code variants: name -> a context manager active while the update is traced.
+CODE_VARIANTS = {
+    "einsum_projections": _einsum_projections,
+}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", default="base,eigen,ynn_fusions,onednn")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    from policyopt.runtime import keep_freed_host_memory
+
+    keep_freed_host_memory()
+    run, batch = build_batch()
+    names = [n for n in args.variants.split(",") if n]
+    known = sorted(FLAG_VARIANTS) + sorted(CODE_VARIANTS)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {known}")
+    if names[0] != "base":
+        names.insert(0, "base")
+    compiled, states, record = {}, {}, {}
+    with jax.set_mesh(run.mesh):
+        for name in names:
+            options = FLAG_VARIANTS.get(name, {})
+            patch = CODE_VARIANTS.get(name, contextlib.nullcontext)
+            # A fresh function object: no variant reuses another's compiled program.
+            jitted = jax.jit(
+                lambda state, batch: run.learner._update(state, batch), donate_argnums=0
+            )
+            state = jax.tree.map(lambda x: x.copy(), run.state)
+            wall, cpu = time.perf_counter(), time.process_time()
+            with patch():
+                lowered = jitted.lower(state, batch)
+            compiled[name] = lowered.compile(compiler_options=options or None)
+            record[name] = {
+                "options": options,
+                "compile_wall_s": time.perf_counter() - wall,
+                "compile_cpu_s": time.process_time() - cpu,
+                "wall_s": [],
+                "cpu_s": [],
+            }
+            state, metrics = compiled[name](state, batch)
+            states[name] = jax.block_until_ready(state)
+            print(f"compiled {name}: {record[name]['compile_wall_s']:.1f} s", flush=True)
+        reference = jax.tree.leaves(states["base"].params)
+        before = jax.tree.leaves(run.state.params)
+        moved = max(
+            float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(reference, before)
+        )
+        for name in names:
+            leaves = jax.tree.leaves(states[name].params)
+            diff = max(
+                float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                for a, b in zip(leaves, reference)
+            )
+            record[name]["max_abs_param_diff_vs_base"] = diff
+            record[name]["base_update_max_abs_step"] = moved
+        for r in range(args.rounds):  # --rounds 0: compile times and checks only
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for name in order:
+                wall, cpu = time.perf_counter(), time.process_time()
+                state, _ = compiled[name](states[name], batch)
+                states[name] = jax.block_until_ready(state)
+                record[name]["wall_s"].append(time.perf_counter() - wall)
+                record[name]["cpu_s"].append(time.process_time() - cpu)
+            print(
+                f"round {r + 1}: " + ", ".join(f"{n} {record[n]['wall_s'][-1]:.2f}" for n in names),
+                flush=True,
+            )
+    for name in names:
+        rec = record[name]
+        if not args.rounds:
+            rec.update(median_wall_s=0.0, median_cpu_s=0.0, ratio_wall_vs_base=0.0)
+            rec["ratio_cpu_vs_base"] = 0.0
+            continue
+        rec["median_wall_s"] = statistics.median(rec["wall_s"])
+        rec["median_cpu_s"] = statistics.median(rec["cpu_s"])
+        rec["ratio_wall_vs_base"] = statistics.median(
+            a / b for a, b in zip(rec["wall_s"], record["base"]["wall_s"])
+        )
+        rec["ratio_cpu_vs_base"] = statistics.median(
+            a / b for a, b in zip(rec["cpu_s"], record["base"]["cpu_s"])
+        )
+    result = {
+        "variants": record,
+        "rounds": args.rounds,
+        "loadavg": open("/proc/loadavg").read().split()[:3],
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"{'variant':<26}{'compile s':>10}{'wall s':>9}{'cpu s':>9}{'wall/base':>10}"
+        f"{'cpu/base':>9}{'max |dp|':>10}"
+    )
+    for name in names:
+        rec = record[name]
+        print(
+            f"{name:<26}{rec['compile_wall_s']:>10.1f}{rec['median_wall_s']:>9.3f}{rec['median_cpu_s']:>9.3f}"
+            f"{rec['ratio_wall_vs_base']:>10.3f}{rec['ratio_cpu_vs_base']:>9.3f}{rec['max_abs_param_diff_vs_base']:>10.2e}"
+        )
+    print(
+        "(the base update moved parameters by up to "
+        f"{record['base']['base_update_max_abs_step']:.2e})"
+    )
+    print(f"written: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

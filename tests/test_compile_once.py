@@ -1,0 +1,123 @@
+"""Compile once: the persistent compilation cache of the experiments
+(``policyopt.runtime.enable_compilation_cache``), no recompilation after the first
+iteration of a phase, and an ETA from the iterations that compiled nothing."""
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+from policyopt.metrics import Progress
+from policyopt.rl import learner as learner_lib
+from policyopt.rl import trainer
+from policyopt.runtime import compile_count
+from tests.flags import ROOT, subprocess_env
+from tests.test_rl_trainer import tiny
+
+# In a fresh interpreter: turn the cache on as the experiments do, compile one program,
+# print the directory in use, the compilations counted and the cache hits.
+_PROBE = textwrap.dedent("""
+    import jax, jax.numpy as jnp
+    from jax import monitoring
+    from policyopt import runtime
+    hits = []
+    monitoring.register_event_listener(
+        lambda event, **kw: hits.append(1) if event.endswith("/cache_hits") else None)
+    directory = runtime.enable_compilation_cache()
+    import numpy as np
+    x = jax.device_put(np.arange(3.0, dtype=np.float32))
+    before = runtime.compile_count()
+    jax.jit(lambda x: jnp.sin(x) * 3.0 + x)(x).block_until_ready()
+    print(directory, runtime.compile_count() - before, len(hits))
+""")
+
+
+def _probe(**variables) -> list[str]:
+    env = subprocess_env(PYTHONPATH=ROOT, **variables)
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+        env.pop(name, None)  # the suite's own cache (tests/conftest.py) is not the default
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split()
+
+
+def test_second_process_loads_what_the_first_compiled(tmp_path):
+    cache = str(tmp_path / "cache")
+    assert _probe(POLICYOPT_COMPILATION_CACHE=cache) == [cache, "1", "0"]  # compiled, stored
+    assert os.listdir(cache)
+    assert _probe(POLICYOPT_COMPILATION_CACHE=cache) == [cache, "1", "1"]  # loaded
+    # The default directory is under XDG_CACHE_HOME; "off" leaves JAX without a cache.
+    home = tmp_path / "xdg"
+    assert _probe(XDG_CACHE_HOME=str(home))[0] == str(home / "policyopt" / "jax")
+    assert _probe(POLICYOPT_COMPILATION_CACHE="off", XDG_CACHE_HOME=str(home / "no")) == [
+        "None",
+        "1",
+        "0",
+    ]
+    assert not (home / "no").exists()
+
+
+def test_eta_leaves_out_every_stretch_that_compiled():
+    now, compiled = [0.0], [0]
+    stream = io.StringIO()
+    progress = Progress(10, stream=stream, clock=lambda: now[0], compiles=lambda: compiled[0])
+    now[0], compiled[0] = 50.0, 40  # step 1: compilation
+    assert progress.update(1, {}).endswith("eta after compile")
+    now[0] += 2.0  # step 2: steady, 2 s
+    assert progress.update(2, {}).endswith("| 52s eta 16s")
+    now[0], compiled[0] = now[0] + 30.0, 41  # step 3 compiled a new shape: left out
+    assert progress.update(3, {}).endswith("| 82s eta 14s")
+    now[0] += 4.0  # step 4: 4 s; mean of the steady steps 3 s
+    assert progress.update(4, {}).endswith("| 86s eta 18s")
+
+
+def _compiles_per_iteration(config, workdir) -> list[int]:
+    """XLA compilations (cache loads included) during each iteration of ``run_rl``."""
+    counts = []
+    iterate = trainer.rl_iteration
+
+    def counted(run):
+        before = compile_count()
+        metrics = iterate(run)
+        counts.append(compile_count() - before)
+        return metrics
+
+    trainer.rl_iteration = counted
+    try:
+        trainer.run_rl(config, str(workdir), quiet=True)
+    finally:
+        trainer.rl_iteration = iterate
+    return counts
+
+
+@pytest.mark.parametrize(
+    "recipe,extra,phase_starts",
+    [
+        ("grpo", "", (0,)),
+        # VAPO: the critic as a reward model, then value pretraining, then PPO updates.
+        ("vapo", "critic.reward_model_iterations=1,critic.pretrain_iterations=1", (0, 1, 2)),
+    ],
+)
+def test_no_compilation_after_the_first_iteration_of_a_phase(
+    recipe, extra, phase_starts, tmp_path, monkeypatch
+):
+    # Fresh learners, forward passes and jit caches: a test that ran the same recipe earlier
+    # in this process compiled its programs already (pytest-xdist runs several files in one
+    # process), and the first iteration would compile nothing.
+    monkeypatch.setattr(learner_lib, "_LEARNERS", {})
+    monkeypatch.setattr(learner_lib, "_FORWARDS", {})
+    jax.clear_caches()
+    config = tiny(recipe, extra=extra)
+    with config.unlocked():
+        config.train.num_iterations = max(phase_starts) + 3
+    counts = _compiles_per_iteration(config, tmp_path)
+    assert counts[0] > 0
+    assert [c for i, c in enumerate(counts) if i not in phase_starts] == [0] * (
+        len(counts) - len(phase_starts)
+    ), counts
