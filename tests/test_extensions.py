@@ -1,7 +1,7 @@
 """The registries reach the command line: a package outside `policyopt` registers an
 objective with a setting of its own and an advantage estimator (docs/design.md's example,
-run as written) and trains with them from `--config.imports=...`; tasks and verifiers
-register alike; bad registrations and bad imports are one-line errors."""
+run as written), a verifier and a task, and trains with them from `--config.imports=...`;
+bad registrations and bad imports are one-line errors."""
 
 import dataclasses
 import json
@@ -28,8 +28,25 @@ TINY = (
     "model=tiny_dense,model.num_layers=1,batch.n_prompts=2,batch.group_size=4,"
     "sampling.max_new_tokens=6,task.num_train=64,task.num_test=8,eval.num_prompts=0,"
     "train.loggers=jsonl,train.sample_every=0,optim.lr=0.01,batch.prompt_buckets=(16,),"
-    "batch.response_buckets=(6,),reward.verifier='tests.verifiers:odd_length'"
+    "batch.response_buckets=(6,)"
 )
+# A verifier and a task of the user's package: the synthetic sums, scored by the parity of the
+# response's length (informative groups from a random policy: rewards that differ in a group).
+SCORING = """
+import os
+from policyopt.data import tasks
+from policyopt.rewards import verifiers
+
+
+def odd_length(completion, reference, spec, time_left_s):
+    with open(os.environ["PROBE_LOG"], "a") as f:
+        f.write(f"odd_length {len(completion) % 2}\\n")
+    return float(len(completion) % 2), "correct" if len(completion) % 2 else "incorrect"
+
+
+verifiers.register_verifier("odd_length", odd_length)
+tasks.register_task("sums", tasks.read_arithmetic, verifier="odd_length")
+"""
 # Wraps the example's registrations to log each call (the objective at trace time, with
 # its setting), so the test sees that the run used them.
 PROBE = """
@@ -69,6 +86,7 @@ def test_a_users_objective_and_estimator_train_from_the_command_line(tmp_path):
     (package / "__init__.py").write_text("")
     (package / "rl.py").write_text(design_example())
     (package / "probe.py").write_text(PROBE)
+    (package / "scoring.py").write_text(SCORING)
     workdir, log = tmp_path / "run", tmp_path / "probe.log"
     env = {
         **os.environ,
@@ -83,7 +101,8 @@ def test_a_users_objective_and_estimator_train_from_the_command_line(tmp_path):
         "experiments.train",
         f"--config=configs/grpo.py:{TINY}",
         f"--workdir={workdir}",
-        "--config.imports=mypkg.rl,mypkg.probe",
+        "--config.imports=mypkg.rl,mypkg.scoring,mypkg.probe",
+        "--config.task.name=sums",
         "--config.algo.method=scaled_pg",
         "--config.algo.pg_scale=0.5",
         "--config.algo.advantage=centred",
@@ -99,9 +118,14 @@ def test_a_users_objective_and_estimator_train_from_the_command_line(tmp_path):
     assert records[0]["batch/informative_groups"] > 0 and np.isfinite(records[0]["loss/total"])
     calls = log.read_text().splitlines()
     assert "scaled_pg pg_scale=0.5" in calls and "centred" in calls
+    # The package's verifier scored every sample of the round (2 prompts x 4), as the metrics say.
+    verdicts = [int(c.split()[1]) for c in calls if c.startswith("odd_length ")]
+    assert len(verdicts) == 8
+    assert records[0]["reward/accuracy"] == pytest.approx(np.mean(verdicts))
     with open(workdir / "config.json") as f:
         saved = json.load(f)
-    assert saved["imports"] == ["mypkg.rl", "mypkg.probe"]
+    assert saved["imports"] == ["mypkg.rl", "mypkg.scoring", "mypkg.probe"]
+    assert saved["task"]["name"] == "sums"
     assert (saved["algo"]["method"], saved["algo"]["pg_scale"]) == ("scaled_pg", 0.5)
     # The run's config.json rebuilds the config (eval, resume): imports first.
     sys.path.insert(0, str(tmp_path / "pkgs"))
@@ -113,7 +137,9 @@ def test_a_users_objective_and_estimator_train_from_the_command_line(tmp_path):
         for name in ("scaled_pg",):
             losses.OBJECTIVES.pop(name, None)
         advantages.ESTIMATORS.pop("centred", None)
-        for module in ("mypkg.probe", "mypkg.rl", "mypkg"):
+        tasks.TASKS.pop("sums", None)
+        verifiers_lib.VERIFIERS.pop("odd_length", None)
+        for module in ("mypkg.probe", "mypkg.scoring", "mypkg.rl", "mypkg"):
             sys.modules.pop(module, None)
 
 
