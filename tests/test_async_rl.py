@@ -692,10 +692,9 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
     assert all(g.scored.tolist() == [True] * GROUP for g in groups) and cut.scored.all()
     flagged, *_ = assemble([groups[0]._replace(scored=np.array([True, False])), groups[1]], run)
     assert flagged.scored.tolist() == [True, False, True, True]
-    late = run.config.copy_and_resolve_references()
-    late.unlock()
-    late.reward.deadline_s = 1e-9
-    late.lock()
+    late = dataclasses.replace(
+        run.config, reward=dataclasses.replace(run.config.reward, deadline_s=1e-9)
+    )
     rescored = make_scorer(
         dataclasses.replace(run, spec=dataclasses.replace(run.spec, config=late))
     )(groups[0])
