@@ -32,6 +32,7 @@ from absl import app, flags
 
 from configs import base
 from configs.ablations import ABLATIONS, SETTINGS, Ablation, get_ablation, share_sections
+from policyopt.advantages import uses_critic
 from policyopt.metrics import quiet_library_logging, read_jsonl
 from policyopt.rl.async_rl import async_enabled, run_async_rl
 from policyopt.rl.plots import plot_runs
@@ -91,7 +92,7 @@ def regime_of(config) -> dict:
     for path in REGIME_FIELDS:
         section, name = path.split(".")
         out[path] = config[section][name]
-    if config.algo.advantage == "gae":
+    if uses_critic(config.algo.advantage):
         out["train.num_iterations"] -= (
             config.critic.reward_model_iterations + config.critic.pretrain_iterations
         )
@@ -152,7 +153,7 @@ def arm_config(
         config = setting(config)
     config.unlock()
     base.apply_variant(config, variants)
-    if config.algo.advantage == "gae":
+    if uses_critic(config.algo.advantage):
         config.train.num_iterations += (
             config.critic.reward_model_iterations + config.critic.pretrain_iterations
         )

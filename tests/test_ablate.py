@@ -18,8 +18,9 @@ from configs.ablations import ABLATIONS, SHARED_SECTIONS, Ablation, Arm, demo_se
 from configs.base import load_run_config
 from experiments import ablate
 from experiments.eval import evaluate_checkpoint
+from policyopt.config import typed
 from policyopt.metrics import read_jsonl
-from policyopt.rl.learner import LossConfig
+from policyopt.rl.learner import LossSettings
 from tests.test_rl_trainer import tiny
 
 
@@ -85,7 +86,7 @@ def test_arms_differ_only_in_the_methods_they_compare(name, scale):
         config = configs[arm.label]
         # Dr. GRPO's normalising constant follows the shared generation budget.
         if config.algo.aggregation == "seq_mean_token_sum_norm":
-            assert LossConfig.from_config(config).max_len == config.sampling.max_new_tokens
+            assert LossSettings.of(typed(config)).max_len == config.sampling.max_new_tokens
 
 
 def test_paper_scale_arms_take_the_reference_paper_geometry():
@@ -117,7 +118,7 @@ def test_paper_scale_arms_take_the_reference_paper_geometry():
                 arm.label,
             )
     dr = ablate.arm_config(get_ablation("dr_grpo"), "dr_grpo", 0, "scale=paper")
-    assert (dr.algo.max_len, LossConfig.from_config(dr).max_len) == (None, 3000)
+    assert (dr.algo.max_len, LossSettings.of(typed(dr)).max_len) == (None, 3000)
     # A budget in the common variant beats the reference's paper, for every arm, and moves
     # Dr. GRPO's constant with it; in the objectives ablation too (DAPO's geometry).
     for label in ("grpo", "dr_grpo"):
@@ -125,9 +126,9 @@ def test_paper_scale_arms_take_the_reference_paper_geometry():
             get_ablation("dr_grpo"), label, 0, "scale=paper,sampling.max_new_tokens=2048"
         )
         assert (config.sampling.max_new_tokens, config.batch.n_prompts) == (2048, 128)
-    assert LossConfig.from_config(config).max_len == 2048
+    assert LossSettings.of(typed(config)).max_len == 2048
     dr = ablate.arm_config(get_ablation("objectives"), "dr_grpo", 0, "scale=paper")
-    assert LossConfig.from_config(dr).max_len == 20480 and dr.batch.n_prompts == 512
+    assert LossSettings.of(typed(dr)).max_len == 20480 and dr.batch.n_prompts == 512
     # Magistral's own 32768 tokens and buckets give way to the reference's.
     magistral = ablate.arm_config(get_ablation("objectives"), "magistral", 0, "scale=paper")
     assert max(magistral.batch.response_buckets) == 20480 and magistral.reward.language_bonus

@@ -2,8 +2,6 @@
 NumPy loop on a real rollout, decoupled / length-adaptive lambdas, the reward-model
 initialisation, value pretraining, VAPO's NLL term, checkpoint resume of the critic."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,14 +9,14 @@ import pytest
 from flax import nnx
 
 from configs import vapo
+from policyopt.config import typed
 from policyopt.losses import nll_loss
 from policyopt.models import Transformer, preset
 from policyopt.rl import forwards, trainer
 from policyopt.rl.batch import Batch, layout
 from policyopt.rl.critic import (
     Critic,
-    CriticConfig,
-    GAEConfig,
+    CriticSettings,
     critic_loss,
     critic_optim,
     forward_values,
@@ -29,7 +27,7 @@ from policyopt.rl.critic import (
     token_rewards,
 )
 from policyopt.rl.learner import TrainState, split_params
-from tests.settings import critic_settings, gae_settings, optim_settings
+from tests.settings import critic_settings, gae_settings, optim_settings, replace
 from tests.test_rl_trainer import tiny
 
 VOCAB = 16
@@ -188,8 +186,8 @@ def test_moe_critic_adds_its_load_balancing_loss():
     ]
     assert router and any(not np.allclose(a, b) for _, a, b in router)
     assert (
-        CriticConfig.from_config(
-            vapo.get_config("algo.load_balancing_coef=0.01")
+        CriticSettings.of(
+            typed(vapo.get_config("algo.load_balancing_coef=0.01"))
         ).load_balancing_coef
         == 0.01
     )
@@ -252,10 +250,15 @@ def test_nll_loss_hand_worked():
 
 
 def test_length_adaptive_gae_against_loops():
-    settings = GAEConfig.from_config(vapo.get_config().algo)
-    assert settings == GAEConfig(
-        gamma=1.0, lam_actor=0.95, lam_critic=1.0, length_adaptive=True, alpha=0.05, whiten=True
-    )
+    settings = typed(vapo.get_config()).algo
+    assert (
+        settings.gae_gamma,
+        settings.gae_lambda,
+        settings.critic_lambda,
+        settings.gae_length_adaptive,
+        settings.gae_alpha,
+        settings.adv_whiten,
+    ) == (1.0, 0.95, 1.0, True, 0.05, True)
     rng = np.random.default_rng(0)
     lengths = np.array([1, 10, 21, 40, 64, 0])
     mask = (np.arange(64)[None, :] < lengths[:, None]).astype(np.float32)
@@ -265,7 +268,7 @@ def test_length_adaptive_gae_against_loops():
         jnp.asarray(rewards),
         jnp.asarray(values),
         jnp.asarray(mask),
-        dataclasses.replace(settings, whiten=False),
+        replace(settings, whiten=False),
     )
     per_token = np.zeros(mask.shape)
     for r, length in enumerate(lengths):
@@ -476,9 +479,9 @@ def test_value_pretraining_targets_are_monte_carlo_returns(tmp_path):
             "algo.gae_lambda_critic=0.95,algo.adv_whiten=False,train.checkpoint_every=100"
         ),
     )
-    assert trainer.gae_settings(config, pretraining=True).lam_critic == 1.0
-    assert trainer.gae_settings(config, pretraining=False) == GAEConfig.from_config(config.algo)
-    assert GAEConfig.from_config(config.algo).lam_critic == 0.95
+    assert trainer.gae_settings(typed(config), pretraining=True).critic_lambda == 1.0
+    assert trainer.gae_settings(typed(config), pretraining=False) == typed(config).algo
+    assert typed(config).algo.critic_lambda == 0.95
     run = trainer.build_run(config, str(tmp_path))
     run.critic_state = run.critic_state.replace(params=_random_head(run.critic_state.params))
     critic_before = _copy(run.critic_state.params)

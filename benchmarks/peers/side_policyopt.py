@@ -59,7 +59,7 @@ def config_for(old_log_probs: str):
         "optim.max_grad_norm": g["max_grad_norm"],
         "train.eval_every": 0,
         "train.routing_metrics": False,
-        "train.tensorboard": False,
+        "train.loggers": "jsonl",
     }
     config = grpo.get_config()
     config.unlock()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
+import importlib
 import sys
 import threading
 import time
@@ -28,6 +29,7 @@ from policyopt.rewards import length as length_lib
 from policyopt.rewards import math as math_lib
 from policyopt.rewards import worker as worker_lib
 from policyopt.rewards.compose import Verdicts, compose_rewards
+from policyopt.rewards.verifiers import VERIFIERS
 
 # The parent waits this long past the deadline for chunks that workers are finishing.
 _DEADLINE_GRACE_S = 0.5
@@ -40,8 +42,9 @@ class RewardSpec:
     """How a completion's reward is composed (the formula: ``policyopt.rewards.compose``).
 
     Attributes:
-      task: "math" (last ``\\boxed{}`` vs the reference) or "code" (first fenced block run
-        against the reference tests).
+      task: the verifier (``policyopt.rewards.verifiers.VERIFIERS``): "math" (last
+        ``\\boxed{}`` vs the reference), "code" (first fenced block run against the reference
+        tests), or one a user's module registered (``register_verifier``).
       format_reward: apply Magistral's format gate (fail: reward 0, grading stops).
       format_value: reward of a well-formatted response (Magistral: 0.1).
       correct_value: added for a correct, well-formatted response (Magistral: 0.9).
@@ -82,6 +85,8 @@ class RewardSpec:
         scores c = 0 (the format check and shaping still count) with status
         "verifier_error", counted in ``metrics["verifier_errors"]`` and logged once per
         process. A path the scoring workers cannot import raises from ``score_batch``.
+      imports: modules to import before scoring, in the scoring workers too (a run's
+        ``config.imports``: where ``task``'s verifier may be registered).
       verifier_timeout_s: per-sample limit of ``verifier``.
       answer_format: math: where the answer is, ``"boxed"`` (the last ``\\boxed{}``),
         ``"answer_line"`` (the last ``Answer: ...`` line, DAPO-Math-17k's format) or
@@ -112,11 +117,13 @@ class RewardSpec:
     verifier: str | None = None
     verifier_timeout_s: float = 5.0
     answer_format: str = "boxed"
+    imports: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.task not in format_lib.TASKS:
+        _import_modules(self.imports)
+        if self.task not in VERIFIERS:
             raise ValueError(
-                f"RewardSpec.task must be one of {format_lib.TASKS}, got {self.task!r}"
+                f"RewardSpec.task must be one of {tuple(VERIFIERS)}, got {self.task!r}"
             )
         if self.answer_format not in math_lib.ANSWER_FORMATS:
             raise ValueError(
@@ -197,6 +204,13 @@ _LOST = SampleScore(False, 0.0, "worker_error")
 UNSCORED = ("deadline", "worker_error")
 
 
+def _import_modules(names: Sequence[str]) -> None:
+    """Imports each of ``names`` (a run's ``config.imports``, checked with the config)."""
+    for name in names:
+        if name not in sys.modules:
+            importlib.import_module(name)
+
+
 def _split_for_language(completion: str) -> tuple[str, str]:
     parts = format_lib.split_think(completion)
     if parts is not None:
@@ -228,11 +242,10 @@ def score_sample(
         them.
     """
     completion = str(completion)
+    verifier = VERIFIERS[spec.task]
     # The format check applies only where the recipe asks for a format (Magistral's gate).
     is_formatted = (
-        format_lib.format_ok(completion, spec.task, spec.answer_format)
-        if spec.format_reward
-        else True
+        verifier.format_ok(completion, spec.answer_format) if spec.format_reward else True
     )
     if not is_formatted:
         return SampleScore(False, 0.0, "format")
@@ -245,29 +258,8 @@ def score_sample(
         correctness, status = custom_lib.custom_correctness(
             spec.verifier, completion, reference, max(limit, 1e-3)
         )
-    elif spec.task == "math":
-        timeout_s = (
-            spec.math_timeout_s if time_left_s is None else min(spec.math_timeout_s, time_left_s)
-        )
-        verdict = math_lib.verify_math(
-            completion, reference, timeout_s=max(timeout_s, 1e-3), answer_format=spec.answer_format
-        )
-        correctness, status = verdict.score, verdict.status
     else:
-        from policyopt.rewards import code as code_lib  # deferred: only code tasks need it
-
-        result = code_lib.run_code_tests(
-            completion,
-            reference,
-            timeout_s=spec.code_timeout_s,
-            memory_mb=spec.code_memory_mb,
-            disk_mb=spec.code_disk_mb,
-            stop_at_first_failure=not spec.code_partial,
-            max_tests=spec.code_max_tests,
-            isolation=spec.code_isolation,
-        )
-        correctness = result.pass_rate if spec.code_partial else float(result.all_passed)
-        status = result.status
+        correctness, status = verifier.score(completion, reference, spec, time_left_s)
     language_ok = False
     if spec.language_bonus:
         reasoning, answer = _split_for_language(completion)
@@ -283,6 +275,7 @@ def _score_chunk(
     """Scores items ``(completion, reference, prompt, task)`` in order (a task other than
     None overrides ``spec.task`` for its item); once ``deadline`` (time.time()) has
     passed, the rest are missed."""
+    _import_modules(spec.imports)  # in a worker: where the verifiers are registered
     if spec.verifier is not None:
         custom_lib.load_verifier(
             spec.verifier
@@ -641,8 +634,8 @@ def score_batch(
     deadline = None if deadline_s is None else start + deadline_s
     tasks = None if tasks is None else [None if t is None else str(t) for t in tasks]
     for task in set(tasks or ()) - {None}:
-        if task not in format_lib.TASKS:
-            raise ValueError(f"score_batch: task {task!r} is not one of {format_lib.TASKS}")
+        if task not in VERIFIERS:
+            raise ValueError(f"score_batch: task {task!r} is not one of {tuple(VERIFIERS)}")
     items = [
         (
             completions[i],

@@ -5,6 +5,7 @@ training: ``policyopt.rl.dry_run``), and the iteration's batch, scoring and upda
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -14,24 +15,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from policyopt.advantages import length_adaptive_lambda
+from policyopt.advantages import length_adaptive_lambda, uses_critic
+from policyopt.losses import OBJECTIVES
 from policyopt.rewards.batch import merge_metrics
 
-# Which settings each objective's ratio-dependent part reads (policyopt.losses).
-_RATIO_SETTINGS = {
-    "ppo": "algo.clip_low / clip_high / dual_clip",
-    "gspo": "algo.clip_low / clip_high",
-    "gspo_token": "algo.clip_low / clip_high",
-    "sapo": "algo.tau_pos / tau_neg (the gate is 1)",
-}
-# The fields of each objective's ratio-dependent part, and the fields that decide whether
-# the ratio can leave 1 (how many updates a batch makes, where pi_old comes from).
-_RATIO_FIELDS = {
-    "ppo": ("algo.clip_low", "algo.clip_high", "algo.dual_clip"),
-    "gspo": ("algo.clip_low", "algo.clip_high"),
-    "gspo_token": ("algo.clip_low", "algo.clip_high"),
-    "sapo": ("algo.tau_pos", "algo.tau_neg"),
-}
+
+def _ratio_fields(method: str) -> tuple[str, ...]:
+    """The config fields of an objective's ratio-dependent part: its settings record's
+    (``losses.register_objective``), ``algo.clip_low``, ... ."""
+    objective = OBJECTIVES.get(method)
+    if objective is None or objective.settings is None:
+        return ()
+    return tuple(f"algo.{f.name}" for f in dataclasses.fields(objective.settings))
+
+
+# The fields that decide whether the ratio can leave 1 (how many updates a batch makes,
+# where pi_old comes from).
 _UPDATE_FIELDS = (
     "algo.method",
     "batch.epochs",
@@ -81,7 +80,7 @@ def advisories(config, changed: Collection[str] | None = None) -> list[str]:
 
     - One update per batch (``batch.epochs = 1``, ``batch.n_minibatches = 1``) with pi_old
       from the trainer: the update runs at the parameters that computed pi_old, so the
-      ratio is 1 at every token and a method's clip or gate (``_RATIO_SETTINGS``) changes
+      ratio is 1 at every token and a method's clip or gate (its settings) changes
       nothing: the update is the plain policy gradient whatever those fields say. Said
       when the command changed one of those fields (``changed``, from ``user_fields``;
       None: always): a recipe that makes one update per batch by design (GRPO's one
@@ -95,9 +94,14 @@ def advisories(config, changed: Collection[str] | None = None) -> list[str]:
     out = []
     b, algo = config.batch, config.algo
     if on_policy(config):
-        concerned = set(_UPDATE_FIELDS) | set(_RATIO_FIELDS.get(algo.method, ()))
+        ratio = _ratio_fields(algo.method)
+        concerned = set(_UPDATE_FIELDS) | set(ratio)
         if changed is None or concerned & set(changed):
-            settings = _RATIO_SETTINGS.get(algo.method, "the objective's ratio-dependent part")
+            settings = (
+                "algo." + " / ".join(name.removeprefix("algo.") for name in ratio)
+                if ratio
+                else "the objective's ratio-dependent part"
+            )
             out.append(
                 f"batch.epochs={b.epochs} and batch.n_minibatches={b.n_minibatches}: one update "
                 "per batch, at the parameters that computed pi_old, so the ratio is 1 at every "
@@ -201,7 +205,7 @@ def critic_phase(config, iteration: int, metrics: dict | None = None) -> str | N
     critic warm-up (``critic.reward_model_iterations``, then ``critic.pretrain_iterations``,
     the policy frozen): at the start (``metrics`` None) the phase under way, later the
     phase that ends there with the critic's last figures (``metrics``); None elsewhere."""
-    if config.algo.advantage != "gae":
+    if not uses_critic(config.algo.advantage):
         return None
     reward_model = config.critic.reward_model_iterations
     pretrain = config.critic.pretrain_iterations

@@ -85,12 +85,13 @@ from absl import logging
 
 from policyopt import sharding
 from policyopt.checkpoint import Checkpointer, lock_workdir
+from policyopt.config import typed
 from policyopt.data.pipeline import make_pipeline
 from policyopt.engine import Engine, GenerationStopped
 from policyopt.loggers import config_json, open_loggers, parse_loggers
 from policyopt.metrics import MetricsWriter, Progress, read_last_value, read_step_record
 from policyopt.rl import build, iteration, methods, report
-from policyopt.rl.critic import CriticConfig, critic_optim, get_critic
+from policyopt.rl.critic import CriticSettings, critic_optim, get_critic
 from policyopt.rl.evaluate import evaluate
 from policyopt.rl.forwards import pack_chunks as pack_chunks
 from policyopt.rl.forwards import pack_rows as pack_rows
@@ -100,8 +101,7 @@ from policyopt.rl.iteration import TrainBatch as TrainBatch
 from policyopt.rl.iteration import prepare as prepare
 from policyopt.rl.iteration import sample as sample
 from policyopt.rl.iteration import update_epochs as update_epochs
-from policyopt.rl.learner import LossConfig, OptimConfig, get_learner, place_state
-from policyopt.rl.methods import CorrectionConfig as CorrectionConfig
+from policyopt.rl.learner import LossSettings, get_learner, place_state
 from policyopt.rl.methods import gae_settings as gae_settings
 from policyopt.rl.methods import minibatch_advantages as minibatch_advantages
 from policyopt.rl.methods import rollout_correction as rollout_correction
@@ -197,7 +197,11 @@ def build_run(
 
     Nothing is written until everything that can be checked has been (the mesh's devices,
     files, model, data, evaluation prompts, verifier): only then is ``workdir`` created
-    (and, with ``lock``, locked: ``lock_workdir``) and ``checkpoints/`` opened."""
+    (and, with ``lock``, locked: ``lock_workdir``) and ``checkpoints/`` opened.
+
+    ``config``: the typed config (``policyopt.config.RunConfig``), or a recipe's ConfigDict,
+    built into one and checked first."""
+    config = typed(config)
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
     model = build.make_model(config, tokenizer.vocab_size, mesh)
@@ -212,9 +216,7 @@ def build_run(
             "dispatch ('ragged' or 'blocked')."
         )
     graphdef, params = build.init_params(config, model, mesh)
-    learner = get_learner(
-        graphdef, LossConfig.from_config(config), OptimConfig.from_config(config.optim)
-    )
+    learner = get_learner(graphdef, LossSettings.of(config), config.optim)
     ref_params = jax.tree.map(jnp.copy, params) if config.algo.kl_beta > 0 else None
     state = place_state(learner.init_state(params), learner.optimizer, mesh)
     rng = sharding.put(jax.random.PRNGKey(config.seed), sharding.replicated(mesh))
@@ -234,8 +236,8 @@ def build_run(
     if s.engine_kv_tokens > 0:
         engine = Engine.from_config(config, model, graphdef, mesh, sampling_config)
     critic = critic_state = None
-    if config.algo.advantage == "gae":
-        critic = get_critic(graphdef, CriticConfig.from_config(config), critic_optim(config))
+    if config.algo.uses_critic:  # a "gae" estimator (advantages.register_estimator)
+        critic = get_critic(graphdef, CriticSettings.of(config), critic_optim(config))
         critic_state = critic.init_state(params, model.config.hidden_size)
         critic_state = place_state(critic_state, critic.optimizer, mesh)
     spec = RunSpec(
@@ -444,7 +446,7 @@ def run_rl(
     ``checkpoints/`` (orbax).
 
     Args:
-      config: a locked recipe config (``configs/*.py``).
+      config: the typed config, or a locked recipe config (``configs/*.py``).
       workdir: the run directory.
       num_iterations: stop after this many iterations in total (default from config).
       quiet: no console output (banner, progress line, samples).
@@ -458,6 +460,7 @@ def run_rl(
       ``{"iteration", "metrics" (last iteration), "eval" (last evaluation),
       "eval_history" (list), "run" (the RLRun), "interrupted" (signal name or None)}``.
     """
+    config = typed(config)
     total = config.train.num_iterations if num_iterations is None else num_iterations
     with build.undo_workdir_on_failure(workdir):  # a failed build leaves nothing behind
         run = build_run(config, workdir, lock=True)
@@ -526,7 +529,7 @@ class RunLoop:
         self.short_lambda_checked = False  # report.short_lambda_warning, once per run
         if primary:
             with open(os.path.join(workdir, "config.json"), "w") as f:
-                f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+                f.write(config.to_json(indent=2, sort_keys=True))
         resume_step = run.iteration if run.iteration else -1
         self.writer = MetricsWriter(
             workdir,
