@@ -157,7 +157,9 @@ def time_generate(names: list[str], rounds: int) -> dict:
             patch = CODE_VARIANTS.get(name, contextlib.nullcontext)
             # A fresh function object: no variant reuses another's compiled program.
             jitted = jax.jit(
-                sampling_module._generate, static_argnums=(0,), static_argnames="config"
+                sampling_module.generate_fn.__wrapped__,
+                static_argnums=(0,),
+                static_argnames="config",
             )
             wall, cpu = time.perf_counter(), time.process_time()
             with patch():
