@@ -11,7 +11,7 @@ TEST_ENV := JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=3
 # in the order tests/conftest.py collects them (the slowest first).
 TEST_WORKERS ?= 2
 
-.PHONY: demo test lint format install install-test install-lint bench clean
+.PHONY: demo test lint format install install-test install-lint bench clean config-docs
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,3 +60,7 @@ bench: install-test
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
+
+# The field reference of docs/configuration.md, from the config schema (policyopt.config).
+config-docs: install
+	$(TEST_ENV) $(PY) -m experiments.config_docs

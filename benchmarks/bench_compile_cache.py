@@ -6,7 +6,7 @@ Runs the demo-sized recipe (`configs/demo.py`: tiny MoE, 16 prompts x 8 samples)
 does, `python -m experiments.train` in a new process, with an empty cache directory for
 `--iterations` iterations (cold: everything compiles), then the same command with
 `--more` further iterations in the same run directory (it resumes; the cache holds every
-program). Each process prints `first iteration: X s with compilation`; the ratio warm /
+program). Each process prints `first iteration: X s ...`; the ratio warm /
 cold is the figure (target <= 0.25, docs/runs.md "Compilation cache"). The machine's load
 average is recorded beside each run, since wall times on a shared machine move with it.
 Writes benchmarks/results/bench_compile_cache.json.

@@ -39,7 +39,7 @@ from configs import base
 from policyopt import sampling
 from policyopt.models import Transformer, preset
 from policyopt.rl.batch import Batch
-from policyopt.rl.learner import Learner, LossConfig, make_optimizer, split_params
+from policyopt.rl.learner import Learner, LossSettings, make_optimizer, split_params
 
 PEAKS = {
     "h200": (989e12, 4.8e12),
@@ -175,12 +175,13 @@ def bench_update(
     model = Transformer(config, rngs=nnx.Rngs(0))
     graphdef, params = split_params(model)
     optimizer, schedule = make_optimizer(lr=1e-6, warmup_steps=0)
-    settings = dataclasses.replace(
-        LossConfig.from_config(base.base_config()),
-        method="sapo",
-        aggregation="token_mean",
-        group_size=16,
-        max_len=response_len,
+    defaults = base.check(base.base_config())
+    settings = LossSettings(
+        dataclasses.replace(
+            defaults.algo, method="sapo", aggregation="token_mean", max_len=response_len
+        ),
+        dataclasses.replace(defaults.batch, group_size=16),
+        defaults.sampling,
     )
     learner = Learner(graphdef, settings, optimizer, schedule)
     state = learner.init_state(params)

@@ -75,6 +75,8 @@ def resident(step: str, config, setup, mesh, *, batch=None, prompt_len: int) -> 
       batch: the update's abstract minibatch (``step == "update"``).
       prompt_len: the prompts' width (the asynchronous generator's slots).
     """
+    from policyopt.advantages import uses_critic
+
     state, algo = setup.state, config.algo
     params = per_device_bytes(state.params)
     lora = setup.frozen is not None
@@ -104,7 +106,7 @@ def resident(step: str, config, setup, mesh, *, batch=None, prompt_len: int) -> 
                 f"algo.kl_beta={algo.kl_beta:g}: a frozen copy of the initial parameters",
             )
         )
-    if algo.advantage == "gae":
+    if uses_critic(algo.advantage):
         items.append(
             Resident(
                 "the critic's parameters and optimiser state",
@@ -142,16 +144,18 @@ def critic_state(config, setup, mesh):
     sharded as ``trainer.build_run`` places it."""
     import jax
 
-    from policyopt.rl.critic import CriticConfig, critic_optim, get_critic
+    from policyopt.config import typed
+    from policyopt.rl.critic import CriticSettings, critic_optim, get_critic
     from policyopt.rl.learner import state_specs
 
+    config = typed(config)
     graphdef, params = setup.graphdef, setup.state.params
     if setup.frozen is not None and config.model.lora.critic == "full":
         # A full-weight critic beside a LoRA policy: a copy of the base in the adapters' dtype.
         dtype = setup.model_config.lora.dtype
         graphdef = setup.base_graphdef
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), setup.frozen)
-    critic = get_critic(graphdef, CriticConfig.from_config(config), critic_optim(config))
+    critic = get_critic(graphdef, CriticSettings.of(config), critic_optim(config))
     hidden = setup.model_config.hidden_size
     state = jax.eval_shape(lambda p: critic.init_state(p, hidden), params)
     return abstract(state, state_specs(state, critic.optimizer, mesh), mesh)
@@ -182,14 +186,10 @@ def generator_cache(config, setup, mesh, prompt_len: int) -> tuple[str, int, str
 
     from policyopt import engine
     from policyopt.rl import async_generation
-    from policyopt.rl.async_rl import AsyncConfig
+    from policyopt.rl.async_rl import resolved_n_async
 
-    async_config, s, group = (
-        AsyncConfig.from_config(config),
-        config.sampling,
-        config.batch.group_size,
-    )
-    n_async = async_config.resolved_n_async(config)
+    async_config, s, group = config.async_mode, config.sampling, config.batch.group_size
+    n_async = resolved_n_async(config)
     rows = min(async_config.num_slots or n_async, n_async)
     new_tokens = int(s.max_new_tokens)
     slots = async_generation.SlotConfig(

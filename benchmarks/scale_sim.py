@@ -302,7 +302,7 @@ def mesh_shape(args, config) -> dict[str, int]:
 
     if args.mesh is not None:
         return parse_mesh(args.mesh)
-    return {name: int(config.mesh[name]) for name in sharding.MESH_AXES}
+    return {name: int(getattr(config.mesh, name)) for name in sharding.MESH_AXES}
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -401,10 +401,10 @@ def build(args, config, mesh, num_layers: int) -> Setup:
     from flax import nnx
 
     from policyopt import sharding
+    from policyopt.config import typed
     from policyopt.models import Transformer, lora
     from policyopt.rl.learner import (
-        LossConfig,
-        OptimConfig,
+        LossSettings,
         TrainState,
         get_learner,
         state_specs,
@@ -414,9 +414,8 @@ def build(args, config, mesh, num_layers: int) -> Setup:
     with jax.set_mesh(mesh):
         model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, frozen = lora.split(model)
-    learner = get_learner(
-        graphdef, LossConfig.from_config(config), OptimConfig.from_config(config.optim)
-    )
+    run_config = typed(config)
+    learner = get_learner(graphdef, LossSettings.of(run_config), run_config.optim)
     state = jax.eval_shape(lambda p: TrainState.create(p, learner.optimizer), params)
     state = scale_fit.abstract(state, state_specs(state, learner.optimizer, mesh), mesh)
     if frozen is None:
@@ -441,8 +440,10 @@ def update_batch(args, config, setup: Setup, mesh):
         spec = sharding.row_spec(shape, mesh, axis)
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
+    from policyopt.advantages import uses_critic
+
     algo, cfg = config.algo, setup.model_config
-    gae = algo.advantage == "gae"
+    gae = uses_critic(algo.advantage)  # a critic beside the policy
     trainer_old = algo.old_log_probs == "trainer"
     replay = cfg.is_moe and algo.routing_replay in ("R2", "R3")
     return Batch(

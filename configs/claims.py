@@ -14,11 +14,15 @@ from typing import Callable, Sequence
 from configs import base
 from configs.ablations import (
     ABLATIONS,
+    CRITIC_PRETRAIN_ITERATIONS,
     GSPO_GRPO_BASELINE,
     GSPO_VS_GRPO,
     OFF_POLICY,
     ROUTING_LEVELS,
     SAPO_UPDATES,
+    VAPO_MATCHED_LAMBDA,
+    VAPO_RESCALED_ALPHA,
+    VAPO_RESCALED_MATCHED_LAMBDA,
     Ablation,
     Arm,
 )
@@ -178,19 +182,21 @@ def _volatility_line(result: dict) -> str:
     return f"routing volatility after one update: {statistics.fmean(values):.4f}"
 
 
-#: The routing claims' learning rate and budget: lr 1e-4 (the testbed's GSPO learns there;
-#: at 1e-3 the parameters' own drift swamps routing), the routers' rate set per arm.
-ROUTING_REGIME = "optim.lr=1e-4,train.num_iterations=100"
-#: The regime diagnostic: the GSPO arm at the routing claim's "mid" level.
+#: The routing claims' learning rate and budget: lr 3e-5, where routing's share of the
+#: ratio's noise is largest while GSPO learns (at 1e-4 and 1e-3 the parameters' own drift
+#: swamps it; benchmarks/RESULTS.md "The routing share"), 150 iterations; the routers' rate
+#: set per arm.
+ROUTING_REGIME = "optim.lr=3e-5,train.num_iterations=150"
+#: The regime diagnostic: the GSPO arm at the routing claim's "high" level.
 ROUTING_SHARE = Ablation(
     "routing_share",
     "The share of the log-ratio's noise that routing causes (routing/ratio_share), GSPO on "
-    "the testbed with the routers at the routing claim's mid level.",
+    "the testbed with the routers at the routing claim's high level.",
     (
         Arm(
             "gspo",
             "gspo",
-            f"algo.routing_replay=none,optim.router_lr_scale={ROUTING_LEVELS['mid']:g}",
+            f"algo.routing_replay=none,optim.router_lr_scale={ROUTING_LEVELS['high']:g}",
         ),
     ),
     OFF_POLICY + ",train.routing_metrics=True",
@@ -204,9 +210,14 @@ DENSE_CONTROL = Ablation(
     reference="gspo",
     compares=GSPO_VS_GRPO,
 )
-ROUTING_SHARE_BUDGET = "to be measured"
+ROUTING_SHARE_BUDGET = (
+    "measured 2026-12-06: 10 min (602 s) at load 23 on 2 cores, the SFT start cached"
+)
 SAPO_GRID_BUDGET = "to be measured"
-MAGISTRAL_BUDGET = "to be measured"
+MAGISTRAL_BUDGET = (
+    "measured 2026-12-06: 18 min per (start, seed) at load ~25 on 2 cores (sync 623 s, "
+    "async 436 s); a new SFT start ~15 min more"
+)
 ROUTING_REPLAY_BUDGET = "to be measured"
 DENSE_CONTROL_BUDGET = "to be measured"
 
@@ -228,6 +239,106 @@ def _routing_share_line(result: dict) -> str:
         f"{mean('routing/volatility'):.4f} over the batch's {updates} updates) at lr "
         f"{regime['optim.lr']:g}; GSPO pass@1 {mean('pass@1_start'):.3f} -> "
         f"{mean('pass@1_end'):.3f}"
+    )
+
+
+#: Claim 3's learning rate and budget: lr 1e-4, the PPO-family recipes' own, at which
+#: every arm learns from the long task's start (0.39 -> 0.52-0.61 in 20 iterations,
+#: benchmarks/HISTORY.md 2026-12-04); the critic's warm-up comes on top.
+CLAIM3_REGIME = "optim.lr=1e-4,train.num_iterations=20"
+#: The run summary's critic fit after its warm-up (`experiments.ablate`, same name).
+WARMUP_EXPLAINED_VARIANCE = "critic/warmup_explained_variance"
+#: The critic's regime diagnostic: VC-PPO's arm through its warm-up (10 iterations as a
+#: reward model, then value pretraining) and one PPO iteration, whose fresh rollout scores
+#: the warmed-up critic; no evaluation.
+CRITIC_WARMUP = Ablation(
+    "critic_warmup",
+    "The critic's held-out explained variance after its warm-up (VC-PPO's arm).",
+    (Arm("vc_ppo", "vc_ppo"),),
+    f"{OFF_POLICY},critic.pretrain_iterations={CRITIC_PRETRAIN_ITERATIONS},eval.num_prompts=0",
+)
+#: The explained variance a perfect critic reaches on the long task under its SFT start 0
+#: (`python -m experiments.value_ceiling --setting testbed_long`; docs/claims.md "vc_ppo"):
+#: NaN until that measurement is recorded (benchmarks/RESULTS.md "The critic's regime").
+VALUE_CEILING = math.nan
+#: Estimates from the arms' measured time on idle cores (~7 s per iteration of the long task,
+#: benchmarks/HISTORY.md 2026-12-04: 207-268 s for 20 policy iterations + 15 of the
+#: critic's warm-up); a loaded machine takes 3-10x.
+CRITIC_WARMUP_BUDGET = (
+    "estimate (2026-12-06, from 2026-12-04's arm times): 1 run of 10 + "
+    "critic.pretrain_iterations + 1 iterations, ~2 min idle at 5 (~6 min at 40); the SFT "
+    "start (1000 steps, once) 28 min idle"
+)
+VC_PPO_BUDGET = (
+    "estimate from 207-268 s per arm and seed (idle, 2026-12-04): 6 arms x 2 starts x 5 "
+    "seeds = 60 runs of ~4 min, ~4 h idle (each 10 more pretraining iterations add ~1 min "
+    "per pretrained arm: ~+50 min); SFT start 1 once (28 min idle)"
+)
+VAPO_BUDGET = (
+    "estimate from 198-258 s per arm and seed (idle, 2026-12-04): 4 arms x 2 starts x 5 "
+    "seeds = 40 runs of ~4 min, ~2.7 h idle; the SFT starts are vc_ppo's"
+)
+
+
+def _arm_mean(result: dict, arm: str, key: str) -> float:
+    """The mean of ``key`` over an arm's runs in ``run_claim``'s result (NaN: none)."""
+    for entry in result["summary"]["arms"]:
+        if entry["arm"] == arm:
+            values = [r[key] for r in entry["runs"] if key in r]
+            return statistics.fmean(values) if values else math.nan
+    return math.nan
+
+
+def _ceiling() -> str:
+    """A perfect critic's explained variance under SFT start 0, or that it is not measured."""
+    return f"{VALUE_CEILING:.3f}" if math.isfinite(VALUE_CEILING) else "not measured"
+
+
+def _critic_warmup_line(result: dict) -> str:
+    """``critic explained variance after N iterations of value pretraining: X on a fresh
+    rollout (Monte-Carlo returns); a perfect critic's under SFT start 0: C``."""
+    return (
+        f"critic explained variance after {CRITIC_PRETRAIN_ITERATIONS} iterations of value "
+        f"pretraining: {_arm_mean(result, 'vc_ppo', WARMUP_EXPLAINED_VARIANCE):.3f} on a "
+        f"fresh rollout (Monte-Carlo returns); a perfect critic's under SFT start 0: "
+        f"{_ceiling()}"
+    )
+
+
+#: vc_ppo's arms whose critic pretrains before PPO.
+VC_PPO_PRETRAINED = (
+    "ppo_pretrained",
+    "vc_ppo_lambda_090",
+    "vc_ppo",
+    "vc_ppo_lambda_099",
+    "vc_ppo_lambda_1",
+)
+
+
+def _vc_ppo_line(result: dict) -> str:
+    """The critic's held-out fit at PPO's first rollout, plain (its reward-model start) and
+    after value pretraining (mean over the pretrained arms that ran)."""
+    pretrained = [_arm_mean(result, arm, WARMUP_EXPLAINED_VARIANCE) for arm in VC_PPO_PRETRAINED]
+    pretrained = [v for v in pretrained if math.isfinite(v)]
+    return (
+        "critic explained variance at PPO's first rollout: plain PPO (reward-model start) "
+        f"{_arm_mean(result, 'ppo', WARMUP_EXPLAINED_VARIANCE):.3f}, after "
+        f"{CRITIC_PRETRAIN_ITERATIONS} iterations of value pretraining "
+        f"{statistics.fmean(pretrained) if pretrained else math.nan:.3f} (a perfect "
+        f"critic's {_ceiling()})"
+    )
+
+
+def _vapo_line(result: dict) -> str:
+    """The adaptive lambdas' token means over the policy's iterations beside their fixed
+    controls, and the critic's fit after its warm-up."""
+    key = "advantages/lambda_policy_token_mean"
+    return (
+        f"length-adaptive lambda's token mean over the policy's iterations: "
+        f"{_arm_mean(result, 'vapo', key):.3f} at alpha 0.05 (control "
+        f"{VAPO_MATCHED_LAMBDA:g}), {_arm_mean(result, 'vapo_rescaled', key):.3f} at alpha "
+        f"{VAPO_RESCALED_ALPHA:g} (control {VAPO_RESCALED_MATCHED_LAMBDA:g}); critic explained "
+        f"variance after its warm-up {_arm_mean(result, 'vapo', WARMUP_EXPLAINED_VARIANCE):.3f}"
     )
 
 
@@ -388,12 +499,38 @@ CLAIMS: dict[str, Claim] = {
             budget=SAPO_GRID_BUDGET,
         ),
         Claim(
+            name="critic_warmup",
+            source="VC-PPO (2503.01491) and VAPO (2504.05118) pretrain the value model on the "
+            "SFT policy's Monte-Carlo returns until its loss and explained variance converge. "
+            "Regime diagnostic of the vc_ppo and vapo_length_adaptive claims: the critic's "
+            "explained variance on a fresh rollout after its warm-up, against the ceiling a "
+            "perfect critic reaches under the SFT policy (experiments/value_ceiling.py).",
+            ablation=CRITIC_WARMUP,
+            setting="testbed_long",
+            regime=CLAIM3_REGIME.replace("train.num_iterations=20", "train.num_iterations=1"),
+            checks=(
+                Check(
+                    "the critic explains >= half of the held-out returns' variance",
+                    "value",
+                    "vc_ppo",
+                    metric=WARMUP_EXPLAINED_VARIANCE,
+                    threshold=0.5,
+                ),
+            ),
+            other_settings=("testbed_long32",),
+            starts=(0,),
+            seeds=(0,),
+            diagnostic=True,
+            budget=CRITIC_WARMUP_BUDGET,
+            headline=_critic_warmup_line,
+        ),
+        Claim(
             name="vc_ppo",
             source="VC-PPO (2503.01491): value pretraining removes PPO's early collapse on "
-            "long responses; lambda_actor 1.0 is worse than 0.95.",
+            "long responses; lambda_actor in [0.95, 1) works best, 1.0 worst.",
             ablation=ABLATIONS["vc_ppo"],
             setting="testbed_long",
-            regime="optim.lr=1e-4,train.num_iterations=20",
+            regime=CLAIM3_REGIME,
             checks=(
                 Check(
                     "PPO with value pretraining ends above plain PPO",
@@ -401,42 +538,63 @@ CLAIMS: dict[str, Claim] = {
                     "ppo_pretrained",
                     "ppo",
                 ),
-                Check(
-                    "VC-PPO (lambda_actor 0.95) ends above lambda_actor 1.0",
-                    "diff",
-                    "vc_ppo",
-                    "vc_ppo_lambda_1",
+                *(
+                    Check(
+                        f"lambda_actor {lam} ends above 1.0 (1.0 worst)",
+                        "diff",
+                        arm,
+                        "vc_ppo_lambda_1",
+                    )
+                    for lam, arm in (
+                        ("0.9", "vc_ppo_lambda_090"),
+                        ("0.95", "vc_ppo"),
+                        ("0.99", "vc_ppo_lambda_099"),
+                    )
+                ),
+                *(
+                    Check(
+                        f"lambda_actor {lam} ends above 0.9 ([0.95, 1) best)",
+                        "diff",
+                        arm,
+                        "vc_ppo_lambda_090",
+                    )
+                    for lam, arm in (("0.95", "vc_ppo"), ("0.99", "vc_ppo_lambda_099"))
                 ),
             ),
             other_settings=("testbed_long32",),
-            budget="measured idle 2026-12-04: 4 arms x 20 policy iterations (+10 of the "
-            "critic as a reward model, +5 of value pretraining in 3 arms), 207-268 s per arm "
-            "and seed, ~45 min at 3 seeds, so ~2.7 h at 2 starts x 5 seeds (estimate); "
-            "each check apart (--arms ppo,ppo_pretrained or --arms vc_ppo,vc_ppo_lambda_1) "
-            "half of that; each SFT start (1000 steps, once) 28 min; --setting "
-            "testbed_long32: 45 min at one seed (2026-12-03)",
+            budget=VC_PPO_BUDGET,
+            headline=_vc_ppo_line,
         ),
         Claim(
             name="vapo_length_adaptive",
             source="VAPO (2504.05118): the length-adaptive lambda_policy = 1 - 1/(alpha |y|) "
-            "beats a fixed lambda when response lengths vary widely.",
+            "beats a fixed lambda when response lengths vary widely. The control is a fixed "
+            "lambda equal to the adaptive one's mean over the tokens, so that the arms differ "
+            "in how lambda varies with length, not in its level.",
             ablation=ABLATIONS["vapo"],
             setting="testbed_long",
-            regime="optim.lr=1e-4,train.num_iterations=20",
+            regime=CLAIM3_REGIME,
             checks=(
                 Check(
-                    "length-adaptive lambda ends above a fixed 0.95",
+                    "length-adaptive lambda (alpha 0.05) ends above the fixed lambda of its "
+                    "token mean",
                     "diff",
                     "vapo",
-                    "no_length_adaptive",
+                    "fixed_matched",
+                ),
+                Check(
+                    "length-adaptive lambda (alpha rescaled to the task) ends above the fixed "
+                    "lambda of its token mean",
+                    "diff",
+                    "vapo_rescaled",
+                    "fixed_matched_rescaled",
                 ),
             ),
-            arms=("vapo", "no_length_adaptive"),
-            other_settings=("testbed_long32",),
-            budget="measured idle 2026-12-04: 2 arms x 20 policy iterations (+10 of the "
-            "critic as a reward model, +5 of value pretraining), 198-258 s per arm and "
-            "seed, 23 min at 3 seeds, so ~75 min at 2 starts x 5 seeds (estimate); each "
-            "SFT start (vc_ppo's) once on top",
+            arms=("vapo", "fixed_matched", "vapo_rescaled", "fixed_matched_rescaled"),
+            # No other setting: the controls are measured on testbed_long's lengths
+            # (testbed_long32's, about twice as long, give other token means).
+            budget=VAPO_BUDGET,
+            headline=_vapo_line,
         ),
         *(
             Claim(

@@ -32,9 +32,11 @@ from absl import app, flags
 
 from configs import base
 from configs.ablations import ABLATIONS, SETTINGS, Ablation, get_ablation, share_sections
+from policyopt.advantages import uses_critic
 from policyopt.metrics import quiet_library_logging, read_jsonl
 from policyopt.rl.async_rl import async_enabled, run_async_rl
 from policyopt.rl.plots import plot_runs
+from policyopt.rl.report import wrap
 from policyopt.rl.trainer import run_rl
 from policyopt.runtime import enable_compilation_cache, keep_freed_host_memory
 
@@ -50,9 +52,16 @@ TAIL_METRICS = (
     "response/length_mean",
     "policy/entropy",
     "critic/explained_variance",
+    "critic/rollout_mc_explained_variance",
     "async/staleness_mean",
     "offpolicy/kl_k3",
 )
+#: Training metrics averaged over all the policy's iterations (a critic's warm-up left out).
+POLICY_MEAN_METRICS = ("advantages/lambda_policy_token_mean",)
+#: A critic's explained variance of Monte-Carlo returns on the rollout of the policy's
+#: first iteration: fresh samples it has not trained on, scored after its warm-up (reward
+#: model, value pretraining), before any PPO update. Summarised under this name.
+WARMUP_EXPLAINED_VARIANCE = "critic/warmup_explained_variance"
 #: A run has collapsed at iteration i when the mean training accuracy of iterations i-2..i
 #: falls below this fraction of that of its first 3 iterations (``collapse_iteration``).
 COLLAPSE_FRACTION = 0.5
@@ -83,7 +92,7 @@ def regime_of(config) -> dict:
     for path in REGIME_FIELDS:
         section, name = path.split(".")
         out[path] = config[section][name]
-    if config.algo.advantage == "gae":
+    if uses_critic(config.algo.advantage):
         out["train.num_iterations"] -= (
             config.critic.reward_model_iterations + config.critic.pretrain_iterations
         )
@@ -144,7 +153,7 @@ def arm_config(
         config = setting(config)
     config.unlock()
     base.apply_variant(config, variants)
-    if config.algo.advantage == "gae":
+    if uses_critic(config.algo.advantage):
         config.train.num_iterations += (
             config.critic.reward_model_iterations + config.critic.pretrain_iterations
         )
@@ -243,8 +252,10 @@ def _train(config, run_dir: str, what: str, quiet: bool) -> dict:
 
 
 def summarise_run(run_dir: str, tail: int) -> dict:
-    """Held-out pass@1 at the first and last evaluation, and the mean of ``TAIL_METRICS``
-    over the last ``tail`` iterations, from a run directory's JSONL files."""
+    """Held-out pass@1 at the first and last evaluation, the mean of ``TAIL_METRICS``
+    over the last ``tail`` iterations, of ``POLICY_MEAN_METRICS`` over the policy's
+    iterations, and a critic's ``WARMUP_EXPLAINED_VARIANCE``, from a run directory's JSONL
+    files."""
     evals = read_jsonl(os.path.join(run_dir, "eval.jsonl"))
     # metrics.jsonl also holds the evaluations' records: keep the iterations' own.
     rows = [
@@ -272,6 +283,15 @@ def summarise_run(run_dir: str, tail: int) -> dict:
         values = [r[key] for r in last if key in r and math.isfinite(r[key])]
         if values:
             out[key] = statistics.fmean(values)
+    policy_rows = [r for r in rows if not r.get("critic/pretraining")]
+    for key in POLICY_MEAN_METRICS:
+        values = [r[key] for r in policy_rows if key in r and math.isfinite(r[key])]
+        if values:
+            out[key] = statistics.fmean(values)
+    if policy_rows and "critic/pretraining" in policy_rows[0]:
+        value = policy_rows[0].get("critic/rollout_mc_explained_variance", math.nan)
+        if math.isfinite(value):
+            out[WARMUP_EXPLAINED_VARIANCE] = value
     return out
 
 
@@ -384,6 +404,8 @@ def run_ablation(
             "collapsed",
             "routing/ratio_share_pooled",
             *TAIL_METRICS,
+            *POLICY_MEAN_METRICS,
+            WARMUP_EXPLAINED_VARIANCE,
         ):
             values = [r[key] for r in runs if key in r]
             if values:
@@ -478,13 +500,20 @@ def main(argv):
     del argv
     args = flags.FLAGS
     if args.list:
-        for ablation in ABLATIONS.values():
-            print(f"{ablation.name}: {ablation.claim}")
+        for ablation in ABLATIONS.values():  # 100 columns
+            print(wrap(f"{ablation.name}: {ablation.claim}"))
             if ablation.variant:
-                print(f"    (every arm: {ablation.variant})")
+                print(wrap(f"(every arm: {ablation.variant})", first="    ", rest="     "))
             for arm in ablation.arms:
                 suffix = f":{arm.variant}" if arm.variant else ""
-                print(f"    {arm.label:22s} configs/{arm.recipe}.py{suffix}")
+                print(
+                    wrap(
+                        f"configs/{arm.recipe}.py{suffix}",
+                        first=f"    {arm.label:22s} ",
+                        rest=" " * 27,
+                    )
+                )
+            print()
         return
     if not args.ablation or not args.workdir:
         raise app.UsageError("--ablation and --workdir are required (or --list)")

@@ -154,6 +154,29 @@ def user_message(error: BaseException) -> str:
     return text
 
 
+def _import_user_modules(argv) -> None:
+    """The modules of `--config.imports=...`, imported before the recipe builds its config:
+    the objectives they register bring `algo.<setting>` fields that the same command line
+    may set. One that does not import is one line naming it."""
+    from policyopt import config as schema
+
+    for i, arg in enumerate(argv):
+        value = None
+        if arg.startswith("--config.imports="):
+            value = arg.split("=", 1)[1]
+        elif arg == "--config.imports" and i + 1 < len(argv):
+            value = argv[i + 1]
+        if value is not None:
+            try:
+                parsed = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                parsed = value
+            try:
+                schema.import_modules(schema.import_names(parsed))
+            except ValueError as error:
+                _fail(str(error), 2)
+
+
 def _check_config_path(argv) -> None:
     """A missing recipe file is named first (config_flags defers its error until the
     config is read, and then reports it under the first override), and a field its
@@ -208,6 +231,7 @@ def _parse(argv):
     asks_help = any(arg in ("--help", "-h", "--helpfull", "--helpshort", "-?") for arg in argv)
     if not asks_help:
         _check_config_path(argv)
+        _import_user_modules(argv)
     try:
         return flags.FLAGS(argv)
     except SystemExit as exit_:
@@ -217,6 +241,8 @@ def _parse(argv):
     except (flags.Error, *USER_ERRORS) as error:
         if verbose:
             raise
+        if isinstance(error, flags.Error) and "Error whilst parsing config file" in str(error):
+            _fail(user_message(error), 2)  # the recipe or its variant: the error's own line
         if isinstance(error, flags.Error):  # an unknown, missing or malformed flag
             _usage_fail(error)
         _fail(user_message(error), 2)

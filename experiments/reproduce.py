@@ -29,6 +29,7 @@ from configs.claims import CLAIMS, Claim, get_claim
 from experiments import ablate
 from experiments.verdicts import claim_verdict, judge
 from policyopt.metrics import quiet_library_logging
+from policyopt.rl.report import wrap
 from policyopt.rl.sft import run_sft
 from policyopt.runtime import enable_compilation_cache, keep_freed_host_memory
 
@@ -419,19 +420,24 @@ def define_flags() -> None:
 
 
 def _list() -> None:
+    def field(text: str) -> None:  # 100 columns, continued under the field
+        print(wrap(text, first="    ", rest="        "))
+
     for claim in CLAIMS.values():
         others = f"; also {', '.join(claim.other_settings)}" if claim.other_settings else ""
-        print(f"{claim.name} ({claim.setting}{others}): {claim.source}")
+        print(wrap(f"{claim.name} ({claim.setting}{others}): {claim.source}"))
         where = "configs/ablations.py" if claim.ablation.name in ABLATIONS else "configs/claims.py"
-        print(f"    arms: {', '.join(claim.arm_labels())} ({where} {claim.ablation.name!r})")
-        print(
-            f"    regime: {claim.regime}; SFT starts {','.join(map(str, claim.starts))} x "
-            f"seeds {','.join(map(str, claim.seeds))}"
+        field(f"arms: {', '.join(claim.arm_labels())} ({where} {claim.ablation.name!r})")
+        field(f"regime: {claim.regime}")
+        field(
+            f"runs: SFT starts {','.join(map(str, claim.starts))} x seeds "
+            f"{','.join(map(str, claim.seeds))}"
         )
         for check in claim.checks:
             margin = f" ± {check.margin:g}" if check.margin else ""
-            print(f"    check: {check.text} (threshold {check.threshold:g}{margin})")
-        print(f"    budget on 2 cores: {claim.budget}")
+            field(f"check: {check.text} (threshold {check.threshold:g}{margin})")
+        field(f"budget on 2 cores: {claim.budget}")
+        print()
 
 
 def _integers(flag: str, values: list[str] | None) -> list[int] | None:

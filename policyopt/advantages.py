@@ -18,16 +18,22 @@ at run time and sent to the scan.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import numbers
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from policyopt.losses import masked_mean, masked_var
+from policyopt.registry import Registry, caller
 
 Array = jax.Array
 
 __all__ = [
+    "register_estimator",
+    "ESTIMATORS",
     "outcome_advantages",
     "zero_variance_groups",
     "gae",
@@ -39,11 +45,6 @@ __all__ = [
     "masked_whiten",
 ]
 
-# The advantage estimators (``config.algo.advantage``): "outcome", one advantage per
-# sequence from its group's rewards (``outcome_advantages``, centred by one of ``CENTERS``
-# and scaled by one of ``SCALES``), or "gae", per-token advantages from a critic's values
-# (``gae``, ``decoupled_gae``, ``length_adaptive_gae``).
-ESTIMATORS = ("outcome", "gae")
 CENTERS = ("group", "none")
 SCALES = ("group", "batch", "none")
 GAE_IMPLS = ("blocked", "scan", "associative")
@@ -570,3 +571,79 @@ def length_adaptive_gae(
         unroll=unroll,
         chunk=chunk,
     )
+
+
+# ---- The estimators by name (``config.algo.advantage``) --------------------------------------
+
+# What an estimator computes from, and what the run around it provides:
+# - "outcome": ``fn(rewards [N], group_size, *, valid [N] bool or None, algo) -> [N]``, one
+#   advantage per sequence from the rewards, group after group; no critic.
+# - "gae": ``fn(rewards [R], values [R, N], mask [R, N], algo) -> (advantages [R, N],
+#   returns [R, N], metrics)``, per-token advantages and value targets from a critic's values
+#   (the run builds and trains the critic: ``config.critic``).
+# ``algo`` is the config's ``algo`` section (its fields and objective settings).
+KINDS = ("outcome", "gae")
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """A registered advantage estimator: its function (or ``"module:function"``, imported
+    on first use), its ``kind`` (``KINDS``) and where it was registered."""
+
+    name: str
+    fn: Callable | str
+    kind: str
+    where: str
+
+    def function(self) -> Callable:
+        if callable(self.fn):
+            return self.fn
+        module, _, name = self.fn.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+ESTIMATORS: Registry = Registry("estimator")
+
+
+def register_estimator(name: str, fn: Callable | str | None = None, *, kind: str = "outcome"):
+    """Registers ``fn`` as ``algo.advantage=name``; ``kind`` says what it computes from
+    (``KINDS``, the comment above them): ``"outcome"`` (rewards, group by group) or
+    ``"gae"`` (a critic's values: the run trains a critic for it). Also a decorator. An
+    unregistered ``algo.advantage`` is a config error, never a fallback; a name registered
+    twice is an error naming both places."""
+    where = caller()
+    if kind not in KINDS:
+        raise ValueError(f"estimator {name!r} ({where}): kind must be one of {KINDS}, got {kind!r}")
+
+    def add(fn):
+        if not (callable(fn) or (isinstance(fn, str) and ":" in fn)):
+            raise ValueError(
+                f"estimator {name!r} ({where}): fn must be callable or 'module:function', "
+                f"got {fn!r}"
+            )
+        ESTIMATORS.add(name, Estimator(name, fn, kind, where))
+        return fn
+
+    return add if fn is None else add(fn)
+
+
+def uses_critic(name: str) -> bool:
+    """Whether estimator ``name`` (registered) computes from a critic's values."""
+    return ESTIMATORS[name].kind == "gae"
+
+
+def group_outcome(rewards: Array, group_size: int, *, valid: Array | None = None, algo) -> Array:
+    """The ``"outcome"`` estimator: ``outcome_advantages`` centred and scaled by ``algo``'s
+    ``adv_center`` and ``adv_scale`` (``"minibatch"``, Magistral's, only centres here: the
+    trainer scales each minibatch, ``policyopt.rl.methods.minibatch_advantages``) with
+    ``adv_eps``."""
+    scale = "none" if algo.adv_scale == "minibatch" else algo.adv_scale
+    return outcome_advantages(
+        rewards, group_size, center=algo.adv_center, scale=scale, eps=algo.adv_eps, valid=valid
+    )
+
+
+register_estimator("outcome", group_outcome, kind="outcome")
+# GAE on the critic's values (GAE 1506.02438; VC-PPO's decoupled and VAPO's length-adaptive
+# lambdas): ``policyopt.rl.critic.gae_targets``, which lives with the critic.
+register_estimator("gae", "policyopt.rl.critic:gae_targets", kind="gae")

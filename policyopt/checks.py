@@ -1,9 +1,8 @@
 """One-line errors for settings: a number in a range, a value among choices.
 
-The settings dataclasses (``rl.learner.LossConfig``, ``rl.critic.GAEConfig``, ...) check
-their fields with these when they are built, naming each field as the config spells it
-(``config.algo.tau_neg``), and ``configs/base.check`` uses the same for the sections that
-no dataclass holds, so every error reads alike:
+The config schema's field checks (``policyopt.schema.number``, ``choice``) and the losses'
+own arguments use these, naming each field as the config spells it (``config.algo.tau_neg``),
+so every error reads alike:
 
     config.algo.tau_neg must be a finite number > 0.0, got -1.0
 """

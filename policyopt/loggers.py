@@ -81,8 +81,11 @@ def open_loggers(
 
 
 def config_json(config) -> dict:
-    """A ConfigDict as nested JSON values (what the trackers record)."""
-    return json.loads(config.to_json_best_effort(sort_keys=True))
+    """The run's config (a ConfigDict or the typed ``policyopt.config.RunConfig``) as nested
+    JSON values (what the trackers record)."""
+    if hasattr(config, "to_json_best_effort"):
+        return json.loads(config.to_json_best_effort(sort_keys=True))
+    return json.loads(config.to_json(sort_keys=True))
 
 
 def _run_name(workdir: str) -> str:

@@ -13,8 +13,9 @@ with one *gate* per method (the function ``f`` and its gradient weight) and one
 where ``w = f'(r)`` is the gate's gradient weight: 1 inside the PPO trust region and 0
 outside it, the sequence-level 0/1 for GSPO, and the smooth ``sech^2`` for SAPO.
 
-Methods (``policy_loss(method=...)``; a new method is one function registered with
-``register_objective``):
+Methods (``policy_loss(method=...)``; a new method is one gate registered with
+``register_objective``, with the record of its own settings, whose fields become
+``algo.<setting>`` config fields):
 
 - ``"ppo"``: token ratio, asymmetric clip ``min(r A, clip(r, 1-eps_low, 1+eps_high) A)``
   (PPO, 1707.06347; GRPO, 2402.03300 eq. 3; DAPO clip-higher, 2503.14476; Magistral,
@@ -37,13 +38,16 @@ response tokens; values at positions where ``mask`` is 0 never influence any out
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Callable, Mapping, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from policyopt.checks import check_choice, check_number
+from policyopt.checks import check_choice
+from policyopt.registry import Registry, caller
+from policyopt.schema import Check, number, setting
 
 Array = jax.Array
 
@@ -249,7 +253,8 @@ def masked_mean(x: Array, mask: Array, axis=None) -> Array:
 
 
 class GateInputs(NamedTuple):
-    """What a method's gate sees. Padding positions hold 0 in every ``[B, T]`` array.
+    """What a method's gate sees (its settings come beside: ``register_objective``). Padding
+    positions hold 0 in every ``[B, T]`` array.
 
     log_ratio: ``[B, T]`` ``log pi_theta - log pi_old`` (differentiable w.r.t. log_probs).
     advantages: ``[B, T]`` per-token advantages ``A_{i,t}``.
@@ -263,11 +268,6 @@ class GateInputs(NamedTuple):
     mask: Array
     seq_log_ratio: Array
     seq_advantages: Array
-    clip_low: float
-    clip_high: float
-    dual_clip: float | None
-    tau_pos: float
-    tau_neg: float
 
 
 class Surrogate(NamedTuple):
@@ -292,20 +292,169 @@ class Surrogate(NamedTuple):
     dual_clipped: Array
 
 
-ObjectiveFn = Callable[[GateInputs], Surrogate]
-OBJECTIVES: dict[str, ObjectiveFn] = {}
+# gate(inputs, settings) -> Surrogate; gate(inputs) for an objective without settings.
+ObjectiveFn = Callable[..., Surrogate]
 
 
-def register_objective(name: str) -> Callable[[ObjectiveFn], ObjectiveFn]:
-    """Decorator registering ``fn(GateInputs) -> Surrogate`` as ``policy_loss(method=name)``."""
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """A registered policy objective: its gate, the type of its settings record (or None)
+    and where it was registered (``file:line``)."""
 
-    def decorator(fn: ObjectiveFn) -> ObjectiveFn:
-        if name in OBJECTIVES:
-            raise ValueError(f"objective {name!r} is already registered")
-        OBJECTIVES[name] = fn
-        return fn
+    name: str
+    gate: ObjectiveFn
+    settings: type | None
+    where: str
 
-    return decorator
+    def __call__(self, inputs: GateInputs, settings=None) -> Surrogate:
+        return self.gate(inputs) if self.settings is None else self.gate(inputs, settings)
+
+    def defaults(self):
+        """The settings record at its defaults, or None."""
+        return None if self.settings is None else self.settings()
+
+
+OBJECTIVES: Registry = Registry("objective")
+# The types a setting's default may have: what a ConfigDict field and the command line hold.
+_SETTING_TYPES = (bool, int, float, str, tuple, type(None))
+
+
+def register_objective(name: str, gate: ObjectiveFn | None = None, *, settings: type | None = None):
+    """Registers ``gate`` as ``policy_loss(method=name)`` and ``algo.method=name``.
+
+    ``gate(inputs: GateInputs, settings) -> Surrogate``, where ``settings`` is an instance of
+    the objective's own ``settings`` record: a frozen dataclass whose fields, each with a
+    default (``policyopt.schema.setting`` adds its doc, paper and check), become the config
+    fields ``algo.<field>`` (a field two objectives share, like ``clip_low``, is one config
+    field: their defaults must agree). Without ``settings``, ``gate(inputs)``. Also a
+    decorator: ``@register_objective(name, settings=...)``.
+
+    Raises:
+      ValueError: the name is taken (naming both registrations); the settings record is not
+        a frozen dataclass, or a field has no default, or shares a name with another
+        objective's setting of another default or type.
+    """
+    where = caller()
+    if gate is None:
+        return lambda fn: _register(name, fn, settings, where)
+    return _register(name, gate, settings, where)
+
+
+def _register(name, gate, settings, where):
+    if isinstance(gate, Objective):  # an alias of a registered objective, its settings too
+        settings, gate = settings or gate.settings, gate.gate
+    if not callable(gate):
+        raise ValueError(f"objective {name!r}: the gate must be callable, got {gate!r}")
+    _check_settings_type(name, settings, where)
+    OBJECTIVES.add(name, Objective(name, gate, settings, where))
+    return gate
+
+
+def _check_settings_type(name: str, settings, where: str) -> None:
+    if settings is None:
+        return
+    label = f"objective {name!r} ({where})"
+    params = getattr(settings, "__dataclass_params__", None)
+    if not (isinstance(settings, type) and params is not None and params.frozen):
+        raise ValueError(
+            f"{label}: settings must be a frozen dataclass type (its fields become "
+            f"algo.<field> config fields), got {settings!r}"
+        )
+    for field in dataclasses.fields(settings):
+        if field.default is dataclasses.MISSING:
+            raise ValueError(
+                f"{label}: setting {settings.__name__}.{field.name} has no default; every "
+                f"setting needs one (the value of algo.{field.name} when a recipe does not "
+                "set it)"
+            )
+        if not isinstance(field.default, _SETTING_TYPES):
+            raise ValueError(
+                f"{label}: setting {settings.__name__}.{field.name} has a default of type "
+                f"{type(field.default).__name__}; a config field holds a bool, int, float, "
+                "str, tuple or None"
+            )
+        for other, record in objective_settings_fields().items():
+            if other == field.name and (
+                record.default != field.default or type(record.default) is not type(field.default)
+            ):
+                owner = next(o for o in OBJECTIVES.values() if field.name in _field_names(o))
+                raise ValueError(
+                    f"{label}: setting {field.name!r} (default {field.default!r}) is also a "
+                    f"setting of objective {owner.name!r} ({owner.where}) with default "
+                    f"{record.default!r}: one algo.{field.name} serves both, so the defaults "
+                    "must agree (or name it differently)"
+                )
+
+
+def _field_names(objective: Objective) -> tuple[str, ...]:
+    if objective.settings is None:
+        return ()
+    return tuple(f.name for f in dataclasses.fields(objective.settings))
+
+
+def objective_settings_fields() -> dict[str, dataclasses.Field]:
+    """Every registered objective's settings fields by name (the ``algo.<setting>`` config
+    fields), in registration order."""
+    out = {}
+    for objective in OBJECTIVES.values():
+        if objective.settings is not None:
+            for field in dataclasses.fields(objective.settings):
+                out.setdefault(field.name, field)
+    return out
+
+
+def setting_owners(name: str) -> tuple[str, ...]:
+    """The registered objectives whose settings hold field ``name``."""
+    return tuple(o.name for o in OBJECTIVES.values() if name in _field_names(o))
+
+
+def objective_settings(method: str, settings=None, values: dict | None = None, label=None):
+    """The settings record of objective ``method``: ``settings`` itself, or one built from
+    ``values`` (its fields; defaults for the rest). A value of another objective's setting is
+    accepted and unused, except one that is off by default (None) and is set: that would
+    silently do nothing, an error naming the objectives that read it. The record's checks
+    run on Python numbers (not on traced arrays), each error naming ``label(field)``
+    (default: the field's name). None for an objective without settings.
+    """
+    label, values = label or (lambda field: field), values or {}
+    check_choice(label("method"), method, OBJECTIVES)
+    objective = OBJECTIVES[method]
+    own = set(_field_names(objective))
+    known = objective_settings_fields()
+    for key, value in values.items():
+        if key not in known:
+            raise TypeError(
+                f"unexpected setting {key}={value!r} for method={method!r} (settings of the "
+                f"registered objectives: {', '.join(known) or 'none'})"
+            )
+        if key not in own and known[key].default is None and value is not None:
+            owners = setting_owners(key)
+            wanted = repr(owners[0]) if len(owners) == 1 else f"one of {owners}"
+            raise ValueError(
+                f"{label(key)}={value!r} needs {label('method')}={wanted}, got {method!r}"
+            )
+    if objective.settings is None:
+        return None
+    if settings is None:
+        settings = objective.settings(**{k: v for k, v in values.items() if k in own})
+    elif not isinstance(settings, objective.settings):
+        raise TypeError(
+            f"settings of method={method!r} must be a {objective.settings.__name__}, got "
+            f"{type(settings).__name__}"
+        )
+    check_settings(settings, label)
+    return settings
+
+
+def check_settings(settings, label=None) -> None:
+    """Runs the checks of a settings record's fields (``policyopt.schema.setting``) on
+    the values that are Python numbers, strings or None (a traced array is left alone)."""
+    label = label or (lambda field: field)
+    for field in dataclasses.fields(settings):
+        check = field.metadata.get("check")
+        value = getattr(settings, field.name)
+        if check is not None and (value is None or isinstance(value, (bool, int, float, str))):
+            check(label(field.name), value)
 
 
 def _clipped_surrogate(
@@ -330,8 +479,68 @@ def _clipped_surrogate(
     return Surrogate(objective, gate, clipped_low, clipped_high, None)
 
 
-@register_objective("ppo")
-def ppo_objective(inputs: GateInputs) -> Surrogate:
+def _dual_clip() -> Check:
+    def fn(label, value):
+        if value is None:
+            return
+        number_ = not isinstance(value, bool) and isinstance(value, (int, float))
+        if not (number_ and math.isfinite(value) and value > 1):
+            raise ValueError(f"{label} must be > 1 (or None: off), got {value!r}")
+
+    return Check(fn, "number > 1, or None")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipSettings:
+    """The trust region of the clipped objectives (``"gspo"``, ``"gspo_token"``; ``"ppo"``'s
+    with its dual clip)."""
+
+    clip_low: float = setting(
+        0.2,
+        "Clip range of the clipped objectives: the ratio is clipped to [1 - clip_low, "
+        "1 + clip_high].",
+        paper="PPO 1707.06347 §6.1: 0.2; GSPO 2507.18071: 3e-4",
+        check=number(0.0, 1.0),
+    )
+    clip_high: float = setting(
+        0.2,
+        "Upper clip range (1 + clip_high).",
+        paper="DAPO 2503.14476 clip-higher: 0.28; GSPO 2507.18071: 4e-4",
+        check=number(0.0),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOSettings(ClipSettings):
+    """``"ppo"``: the token clip, and the dual clip for A < 0."""
+
+    dual_clip: float | None = setting(
+        None,
+        'Dual clip ratio c > 1 bounding the loss of A < 0 tokens ("ppo"); None = off.',
+        paper="Ye et al. 1912.09729; 3.0 in common use",
+        check=_dual_clip(),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SAPOSettings:
+    """``"sapo"``: the soft gate's temperatures."""
+
+    tau_pos: float = setting(
+        1.0,
+        "SAPO temperature of the soft gate for A > 0.",
+        paper="SAPO 2511.20347: 1.0",
+        check=number(0.0, low_inclusive=False),
+    )
+    tau_neg: float = setting(
+        1.05,
+        "SAPO temperature of the soft gate for A <= 0.",
+        paper="SAPO 2511.20347: 1.05",
+        check=number(0.0, low_inclusive=False),
+    )
+
+
+def ppo_objective(inputs: GateInputs, settings: PPOSettings) -> Surrogate:
     """Token-level clipped surrogate (PPO; GRPO eq. 3; DAPO with clip-higher).
 
     ``f(r) A = min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, ``r = exp(log_ratio)``.
@@ -340,18 +549,17 @@ def ppo_objective(inputs: GateInputs) -> Surrogate:
     """
     ratio = jnp.exp(inputs.log_ratio)
     out = _clipped_surrogate(
-        ratio, inputs.log_ratio, inputs.advantages, inputs.clip_low, inputs.clip_high
+        ratio, inputs.log_ratio, inputs.advantages, settings.clip_low, settings.clip_high
     )
-    if inputs.dual_clip is None:
+    if settings.dual_clip is None:
         return out
-    dual = (inputs.advantages < 0) & (inputs.log_ratio > math.log(inputs.dual_clip))
-    objective = jnp.where(dual, inputs.dual_clip * inputs.advantages, out.objective)
+    dual = (inputs.advantages < 0) & (inputs.log_ratio > math.log(settings.dual_clip))
+    objective = jnp.where(dual, settings.dual_clip * inputs.advantages, out.objective)
     gate = jnp.where(dual, 0.0, out.gate).astype(ratio.dtype)
     return out._replace(objective=objective, gate=gate, dual_clipped=dual)
 
 
-@register_objective("gspo")
-def gspo_objective(inputs: GateInputs) -> Surrogate:
+def gspo_objective(inputs: GateInputs, settings: ClipSettings) -> Surrogate:
     """Sequence-level clipped surrogate of GSPO (2507.18071).
 
     ``s_i = exp((1/|y_i|) sum_t log r_{i,t})`` over valid tokens, objective per sequence
@@ -363,14 +571,17 @@ def gspo_objective(inputs: GateInputs) -> Surrogate:
     """
     seq_ratio = jnp.exp(inputs.seq_log_ratio)
     out = _clipped_surrogate(
-        seq_ratio, inputs.seq_log_ratio, inputs.seq_advantages, inputs.clip_low, inputs.clip_high
+        seq_ratio,
+        inputs.seq_log_ratio,
+        inputs.seq_advantages,
+        settings.clip_low,
+        settings.clip_high,
     )
     # One value per sequence ([B, 1]), standing on each of its valid tokens.
     return Surrogate(*(None if x is None else x[:, None] for x in out))
 
 
-@register_objective("gspo_token")
-def gspo_token_objective(inputs: GateInputs) -> Surrogate:
+def gspo_token_objective(inputs: GateInputs, settings: ClipSettings) -> Surrogate:
     """GSPO-token (2507.18071): ``s_{i,t} = sg[s_i] * pi(y_{i,t}) / sg[pi(y_{i,t})]``.
 
     Its value is ``s_i`` on every token and its gradient ``s_i A_{i,t} grad log pi(y_{i,t})``;
@@ -388,12 +599,11 @@ def gspo_token_objective(inputs: GateInputs) -> Surrogate:
         jax.lax.stop_gradient(inputs.seq_log_ratio)[:, None], ratio.shape
     )
     return _clipped_surrogate(
-        ratio, value_log_ratio, inputs.advantages, inputs.clip_low, inputs.clip_high
+        ratio, value_log_ratio, inputs.advantages, settings.clip_low, settings.clip_high
     )
 
 
-@register_objective("sapo")
-def sapo_objective(inputs: GateInputs) -> Surrogate:
+def sapo_objective(inputs: GateInputs, settings: SAPOSettings) -> Surrogate:
     """Soft adaptive policy optimisation (SAPO, 2511.20347): a smooth gate, no clip.
 
     ``f(r) = sigmoid(tau (r - 1)) * 4 / tau`` with ``tau = tau_pos`` if A > 0 else
@@ -402,11 +612,17 @@ def sapo_objective(inputs: GateInputs) -> Surrogate:
     before aggregation. Note ``f(1) = 2 / tau``: loss values depend on tau even at r = 1.
     """
     ratio = jnp.exp(inputs.log_ratio)
-    tau = jnp.where(inputs.advantages > 0, inputs.tau_pos, inputs.tau_neg).astype(ratio.dtype)
+    tau = jnp.where(inputs.advantages > 0, settings.tau_pos, settings.tau_neg).astype(ratio.dtype)
     prob = jax.nn.sigmoid(tau * (ratio - 1))
     objective = prob * (4.0 / tau) * inputs.advantages
     gate = jax.lax.stop_gradient(4.0 * prob * (1.0 - prob))
     return Surrogate(objective, gate, None, None, None)
+
+
+register_objective("ppo", ppo_objective, settings=PPOSettings)
+register_objective("gspo", gspo_objective, settings=ClipSettings)
+register_objective("gspo_token", gspo_token_objective, settings=ClipSettings)
+register_objective("sapo", sapo_objective, settings=SAPOSettings)
 
 
 # ----------------------------------------------------------------------------------------
@@ -620,52 +836,14 @@ def offpolicy_metrics(
 
 
 def check_policy_options(
-    *,
-    method: str,
-    aggregation: str,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    tau_pos: float,
-    tau_neg: float,
-    kl_estimator: str,
-    kl_clamp: bool,
-    names: Mapping[str, str] | None = None,
+    *, aggregation: str, kl_estimator: str, kl_clamp: bool, label=None
 ) -> None:
-    """Raises a one-line ValueError for the first option of ``policy_loss`` that it cannot
-    take: ``method`` not registered (``register_objective``), ``aggregation`` not one of
-    ``AGGREGATIONS``, ``clip_low`` outside [0, 1], ``clip_high`` < 0, a temperature <= 0, a
-    dual clip <= 1 or with a method other than ``"ppo"``, an unknown KL estimator, or the KL
-    clamp with an estimator other than k3. Clip ranges and temperatures are checked when
-    they are Python numbers (not traced arrays).
-
-    ``policy_loss`` calls it on every call; ``rl.learner.LossConfig`` calls it when a run's
-    settings are built, with ``names`` mapping each argument to the config field it comes
-    from (``{"tau_neg": "config.algo.tau_neg", ...}``), so that the error names that field.
-    """
-    label = lambda arg: (names or {}).get(arg, arg)
-    check_choice(label("method"), method, OBJECTIVES)
+    """Raises a one-line ValueError for an option of ``policy_loss`` outside its objective's
+    settings that it cannot take: ``aggregation`` not one of ``AGGREGATIONS``, an unknown KL
+    estimator, or the KL clamp with an estimator other than k3 (``objective_settings``
+    checks the method and its settings). ``label(arg)`` names an argument in the errors."""
+    label = label or (lambda arg: arg)
     check_choice(label("aggregation"), aggregation, AGGREGATIONS)
-    for arg, value, low, high, low_inclusive in (
-        ("clip_low", clip_low, 0.0, 1.0, True),
-        ("clip_high", clip_high, 0.0, None, True),
-        ("tau_pos", tau_pos, 0.0, None, False),
-        ("tau_neg", tau_neg, 0.0, None, False),
-    ):
-        if isinstance(value, (int, float)):
-            check_number(label(arg), value, low=low, high=high, low_inclusive=low_inclusive)
-    if dual_clip is not None:
-        if method != "ppo":
-            raise ValueError(
-                f"{label('dual_clip')}={dual_clip!r} needs {label('method')}='ppo', "
-                f"got {method!r} (the dual clip bounds the token clip's A < 0 side)"
-            )
-        if (
-            isinstance(dual_clip, bool)
-            or not isinstance(dual_clip, (int, float))
-            or not (math.isfinite(dual_clip) and dual_clip > 1)
-        ):
-            raise ValueError(f"{label('dual_clip')} must be > 1 (or None: off), got {dual_clip!r}")
     check_choice(label("kl_estimator"), kl_estimator, KL_ESTIMATORS)
     if kl_clamp and kl_estimator != "k3":
         raise ValueError(
@@ -681,11 +859,7 @@ def policy_loss(
     mask: Array,
     *,
     method: str = "ppo",
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
+    settings: Any = None,
     aggregation: str = "token_mean",
     group_size: int | None = None,
     max_len: int | float | None = None,
@@ -696,6 +870,7 @@ def policy_loss(
     kl_clamp: bool = False,
     metrics: str = "all",
     row_weights: Array | None = None,
+    **setting_values,
 ) -> tuple[Array, dict[str, Array]]:
     """The policy loss ``-J`` of the unified objective, and its metrics.
 
@@ -710,11 +885,11 @@ def policy_loss(
       advantages: ``[B, T]`` per-token advantages (GAE), or ``[B]``: one per sequence
         (outcome advantages), broadcast over its tokens.
       mask: ``[B, T]`` 1 on valid response tokens; padding values never matter.
-      method: a key of ``OBJECTIVES``: ``"ppo"``, ``"gspo"``, ``"gspo_token"``, ``"sapo"``.
-      clip_low, clip_high: trust region ``[1 - clip_low, 1 + clip_high]`` of the clipped
-        methods (DAPO: 0.2 / 0.28; GSPO paper: 3e-4 / 4e-4). Unused by ``"sapo"``.
-      dual_clip: ``c > 1`` to bound the loss of A < 0 tokens (``"ppo"`` only), or None.
-      tau_pos, tau_neg: SAPO temperatures for A > 0 / A <= 0 (defaults 1.0 / 1.05).
+      method: a key of ``OBJECTIVES``: ``"ppo"``, ``"gspo"``, ``"gspo_token"``, ``"sapo"``,
+        or one registered with ``register_objective``.
+      settings: the method's settings record (``PPOSettings``, ``ClipSettings``,
+        ``SAPOSettings``, or a registered objective's), or None: built from
+        ``setting_values``.
       aggregation: see ``aggregate``.
       group_size: for ``aggregation="group_token_mean"``; ignored otherwise.
       max_len: the constant of ``"seq_mean_token_sum_norm"`` (default T).
@@ -731,6 +906,13 @@ def policy_loss(
         ``aggregation_weights`` of the whole minibatch these rows are part of (a
         micro-batch): the loss is then ``-sum_i w_i sum_t m term``, these rows' share of
         the minibatch's loss (``aggregation``, ``group_size`` and ``max_len`` unused).
+      **setting_values: the method's settings by name, the rest at their defaults:
+        ``clip_low``, ``clip_high`` (trust region ``[1 - clip_low, 1 + clip_high]``; DAPO:
+        0.2 / 0.28, GSPO: 3e-4 / 4e-4) and ``dual_clip`` (``c > 1`` bounding the loss of
+        A < 0 tokens) for ``"ppo"``; ``clip_low``, ``clip_high`` for ``"gspo"`` /
+        ``"gspo_token"``; ``tau_pos``, ``tau_neg`` (1.0 / 1.05) for ``"sapo"``. Another
+        objective's setting is accepted and unused, except one that is off by default and
+        set (``dual_clip`` with ``"sapo"``): an error.
 
     Returns:
       ``(loss, metrics)``: a scalar to minimise, and a flat dict of scalars computed over
@@ -750,17 +932,8 @@ def policy_loss(
       ``benchmarks/bench_core.py``). The policy ratio's log is not clamped (verl clamps it at
       +-20); the KL's is with ``kl_clamp``.
     """
-    check_policy_options(
-        method=method,
-        aggregation=aggregation,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-        tau_pos=tau_pos,
-        tau_neg=tau_neg,
-        kl_estimator=kl_estimator,
-        kl_clamp=kl_clamp,
-    )
+    settings = objective_settings(method, settings, setting_values)
+    check_policy_options(aggregation=aggregation, kl_estimator=kl_estimator, kl_clamp=kl_clamp)
     if metrics not in METRICS:
         raise ValueError(f"metrics={metrics!r} is not one of {METRICS}")
     shape = jnp.shape(log_probs)
@@ -794,19 +967,8 @@ def policy_loss(
         seq_log_ratio = _safe_div(jnp.sum(log_ratio, axis=-1), lengths)
         seq_advantages = _safe_div(jnp.sum(advantages, axis=-1), lengths)
 
-        inputs = GateInputs(
-            log_ratio,
-            advantages,
-            mask_f,
-            seq_log_ratio,
-            seq_advantages,
-            clip_low,
-            clip_high,
-            dual_clip,
-            tau_pos,
-            tau_neg,
-        )
-        surrogate = OBJECTIVES[method](inputs)
+        inputs = GateInputs(log_ratio, advantages, mask_f, seq_log_ratio, seq_advantages)
+        surrogate = OBJECTIVES[method](inputs, settings)
         per_token = surrogate.objective
         diagnostics = {}
         if importance_weights is not None:

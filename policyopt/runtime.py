@@ -177,6 +177,10 @@ _COMPILES = [0]
 _COMPILES_LOCK = threading.Lock()
 
 
+# Programs loaded from the persistent compilation cache (JAX's cache-hit event).
+_CACHE_HITS = [0]
+
+
 def _count_compile(event: str, duration: float, **kwargs) -> None:
     del duration, kwargs
     if event == "/jax/core/compile/backend_compile_duration":
@@ -184,11 +188,19 @@ def _count_compile(event: str, duration: float, **kwargs) -> None:
             _COMPILES[0] += 1
 
 
+def _count_cache_hit(event: str, **kwargs) -> None:
+    del kwargs
+    if event == "/jax/compilation_cache/cache_hits":
+        with _COMPILES_LOCK:
+            _CACHE_HITS[0] += 1
+
+
 @functools.lru_cache(maxsize=None)
 def _start_counting() -> None:
     from jax import monitoring
 
     monitoring.register_event_duration_secs_listener(_count_compile)
+    monitoring.register_event_listener(_count_cache_hit)
 
 
 def compile_count() -> int:
@@ -197,3 +209,12 @@ def compile_count() -> int:
     _start_counting()
     with _COMPILES_LOCK:
         return _COMPILES[0]
+
+
+def compile_counts() -> tuple[int, int]:
+    """``(compiled, loaded)``: the programs XLA compiled in this process so far and those
+    loaded from the persistent compilation cache instead (together ``compile_count()``);
+    counting starts with the first call."""
+    _start_counting()
+    with _COMPILES_LOCK:
+        return _COMPILES[0] - _CACHE_HITS[0], _CACHE_HITS[0]

@@ -1,24 +1,106 @@
-"""The library's settings dataclasses at this project's defaults (`configs/base.py`, the one
-place of them: the dataclasses have none), with the fields a test names changed."""
+"""The sections the library's steps take, at this project's defaults (the schema,
+`policyopt.config`, is the one place of them), with the fields a test names changed and the
+sections checked as a config's are. The names of the loss and GAE settings map to their
+config fields (`lam_actor` is `algo.gae_lambda`, `temperature` is `sampling.temperature`)."""
 
 import dataclasses
 
-from configs import base
-from policyopt.rl.critic import CriticConfig, GAEConfig
-from policyopt.rl.learner import LossConfig, OptimConfig
+from policyopt import schema
+from policyopt.config import Algo, Optim, RunConfig
+from policyopt.rl.critic import CriticSettings
+from policyopt.rl.learner import LossSettings
+
+# Loss settings outside `algo`, by section.
+_LOSS_SECTIONS = {"group_size": "batch", "micro_batch_tokens": "batch", "temperature": "sampling"}
+# GAE settings: their `algo` fields.
+_GAE_FIELDS = {
+    "gamma": "gae_gamma",
+    "lam_actor": "gae_lambda",
+    "lam_critic": "gae_lambda_critic",
+    "length_adaptive": "gae_length_adaptive",
+    "alpha": "gae_alpha",
+    "whiten": "adv_whiten",
+}
 
 
-def loss_settings(**fields) -> LossConfig:
-    return dataclasses.replace(LossConfig.from_config(base.base_config()), **fields)
+def _replace(section, **fields):
+    """``section`` with ``fields`` changed (the algo section's objective settings too)."""
+    if isinstance(section, Algo):
+        return section.replace(**fields)
+    return dataclasses.replace(section, **fields)
 
 
-def optim_settings(**fields) -> OptimConfig:
-    return dataclasses.replace(OptimConfig.from_config(base.base_config().optim), **fields)
+def loss_settings(**fields) -> LossSettings:
+    """``LossSettings`` of the default config with ``fields`` changed, ``algo`` checked."""
+    config = RunConfig()
+    algo, batch, sampling = config.algo, config.batch, config.sampling
+    for name, value in fields.items():
+        section = _LOSS_SECTIONS.get(name, "algo")
+        if section == "batch":
+            batch = _replace(batch, **{name: value})
+        elif section == "sampling":
+            sampling = _replace(sampling, **{name: value})
+        else:
+            algo = _replace(algo, **{name: value})
+    schema.check(algo, "config.algo")
+    return LossSettings(algo, batch, sampling)
 
 
-def critic_settings(**fields) -> CriticConfig:
-    return dataclasses.replace(CriticConfig.from_config(base.base_config()), **fields)
+def optim_settings(**fields) -> Optim:
+    """The policy's ``Optim`` section with ``fields`` changed (not checked: tests of the
+    non-finite guard give it an infinite learning rate)."""
+    return _replace(RunConfig().optim, **fields)
 
 
-def gae_settings(**fields) -> GAEConfig:
-    return dataclasses.replace(GAEConfig.from_config(base.base_config().algo), **fields)
+def critic_settings(**fields) -> CriticSettings:
+    """``CriticSettings`` of the default config: ``value_clip`` in ``critic``,
+    ``load_balancing_coef`` in ``algo``, ``micro_batch_tokens`` in ``batch``; checked."""
+    config = RunConfig()
+    critic, algo, batch = config.critic, config.algo, config.batch
+    for name, value in fields.items():
+        if name == "micro_batch_tokens":
+            batch = _replace(batch, **{name: value})
+        elif name == "load_balancing_coef":
+            algo = _replace(algo, **{name: value})
+        else:
+            critic = _replace(critic, **{name: value})
+    schema.check(critic, "config.critic")
+    schema.check(algo, "config.algo")
+    return CriticSettings(critic, algo, batch)
+
+
+def gae_settings(**fields) -> Algo:
+    """The default ``algo`` section with GAE ``fields`` changed (``lam_actor``, ...), checked."""
+    algo = _replace(RunConfig().algo, **{_GAE_FIELDS.get(k, k): v for k, v in fields.items()})
+    schema.check(algo, "config.algo")
+    return algo
+
+
+def replace(settings, **fields):
+    """``settings`` (``LossSettings``, ``CriticSettings``, or a section) with ``fields``
+    changed, each in the section that holds it (as ``loss_settings`` and ``critic_settings``
+    name them); not checked again."""
+    if isinstance(settings, LossSettings):
+        algo, batch, sampling = settings
+        for name, value in fields.items():
+            section = _LOSS_SECTIONS.get(name, "algo")
+            if section == "batch":
+                batch = _replace(batch, **{name: value})
+            elif section == "sampling":
+                sampling = _replace(sampling, **{name: value})
+            else:
+                algo = _replace(algo, **{name: value})
+        return LossSettings(algo, batch, sampling)
+    if isinstance(settings, CriticSettings):
+        critic, algo, batch = settings
+        for name, value in fields.items():
+            if name == "micro_batch_tokens":
+                batch = _replace(batch, **{name: value})
+            elif name == "load_balancing_coef":
+                algo = _replace(algo, **{name: value})
+            else:
+                critic = _replace(critic, **{name: value})
+        return CriticSettings(critic, algo, batch)
+    if isinstance(settings, Algo):
+        return _replace(settings, **{_GAE_FIELDS.get(k, k): v for k, v in fields.items()})
+    return _replace(settings, **fields)

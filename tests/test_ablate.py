@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 
+from configs import ablations
 from configs import demo as demo_recipe
 from configs.ablations import (
     ABLATIONS,
@@ -24,8 +25,9 @@ from configs.ablations import (
 from configs.base import load_run_config
 from experiments import ablate
 from experiments.eval import evaluate_checkpoint
+from policyopt.config import typed
 from policyopt.metrics import read_jsonl
-from policyopt.rl.learner import LossConfig
+from policyopt.rl.learner import LossSettings
 from tests.test_rl_trainer import tiny
 
 
@@ -89,7 +91,7 @@ def test_arms_differ_only_in_the_methods_they_compare(name, scale):
         config = configs[arm.label]
         # Dr. GRPO's normalising constant follows the shared generation budget.
         if config.algo.aggregation == "seq_mean_token_sum_norm":
-            assert LossConfig.from_config(config).max_len == config.sampling.max_new_tokens
+            assert LossSettings.of(typed(config)).max_len == config.sampling.max_new_tokens
 
 
 def test_paper_scale_arms_take_the_reference_paper_geometry():
@@ -121,7 +123,7 @@ def test_paper_scale_arms_take_the_reference_paper_geometry():
                 arm.label,
             )
     dr = ablate.arm_config(get_ablation("dr_grpo"), "dr_grpo", 0, "scale=paper")
-    assert (dr.algo.max_len, LossConfig.from_config(dr).max_len) == (None, 3000)
+    assert (dr.algo.max_len, LossSettings.of(typed(dr)).max_len) == (None, 3000)
     # A budget in the common variant beats the reference's paper, for every arm, and moves
     # Dr. GRPO's constant with it; in the objectives ablation too (DAPO's geometry).
     for label in ("grpo", "dr_grpo"):
@@ -129,9 +131,9 @@ def test_paper_scale_arms_take_the_reference_paper_geometry():
             get_ablation("dr_grpo"), label, 0, "scale=paper,sampling.max_new_tokens=2048"
         )
         assert (config.sampling.max_new_tokens, config.batch.n_prompts) == (2048, 128)
-    assert LossConfig.from_config(config).max_len == 2048
+    assert LossSettings.of(typed(config)).max_len == 2048
     dr = ablate.arm_config(get_ablation("objectives"), "dr_grpo", 0, "scale=paper")
-    assert LossConfig.from_config(dr).max_len == 20480 and dr.batch.n_prompts == 512
+    assert LossSettings.of(typed(dr)).max_len == 20480 and dr.batch.n_prompts == 512
     # Magistral's own 32768 tokens and buckets give way to the reference's.
     magistral = ablate.arm_config(get_ablation("objectives"), "magistral", 0, "scale=paper")
     assert max(magistral.batch.response_buckets) == 20480 and magistral.reward.language_bonus
@@ -452,6 +454,43 @@ def test_run_names_and_the_regime_of_a_critic_arm():
         ablate.run_ablation(get_ablation("vc_ppo"), "unused", setting=demo_setting, starts={})
 
 
+def test_a_critic_runs_warmup_figures_are_summarised(tmp_path):
+    """A critic's explained variance after its warm-up is read from the policy's first
+    iteration; the policy's lambda is averaged over the policy's iterations only."""
+    rows = [
+        {"step": 1, "critic/pretraining": 1.0, "critic/rollout_mc_explained_variance": -0.8},
+        {"step": 2, "critic/pretraining": 1.0, "critic/rollout_mc_explained_variance": 0.1},
+        {
+            "step": 3,
+            "critic/pretraining": 0.0,
+            "critic/rollout_mc_explained_variance": 0.4,
+            "advantages/lambda_policy_token_mean": 0.7,
+        },
+        {"step": 3, "eval/pass@1": 0.5},  # an evaluation's record, not an iteration's
+        {
+            "step": 4,
+            "critic/pretraining": 0.0,
+            "critic/rollout_mc_explained_variance": 0.6,
+            "advantages/lambda_policy_token_mean": 0.8,
+        },
+    ]
+    rows[0]["advantages/lambda_policy_token_mean"] = 0.1  # warm-up: left out of the mean
+    with open(tmp_path / "eval.jsonl", "w") as f:
+        f.write(json.dumps(rows[3]) + "\n")
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    summary = ablate.summarise_run(str(tmp_path), tail=2)
+    assert summary[ablate.WARMUP_EXPLAINED_VARIANCE] == 0.4
+    assert summary["advantages/lambda_policy_token_mean"] == pytest.approx(0.75)
+    assert summary["critic/rollout_mc_explained_variance"] == pytest.approx(0.5)
+    # A run without a critic has neither figure.
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    summary = ablate.summarise_run(str(tmp_path), tail=2)
+    assert ablate.WARMUP_EXPLAINED_VARIANCE not in summary
+    assert "advantages/lambda_policy_token_mean" not in summary
+
+
 def test_collapse_iteration_by_hand():
     """The first iteration whose 3-iteration mean training accuracy falls below half the
     first 3 iterations' mean; iterations + 1 (censored) when none does."""
@@ -492,3 +531,34 @@ def test_the_routing_share_is_pooled_over_a_run(tmp_path):
     (tmp_path / "eval.jsonl").write_text("")
     summary = ablate.summarise_run(str(tmp_path), tail=5)
     assert summary["routing/ratio_share_pooled"] == pytest.approx(0.04 / 1.0)
+
+
+def test_the_critic_ablations_arms():
+    """vc_ppo: plain PPO without value pretraining, every other arm with the measured count,
+    lambda_actor over the grid; vapo: the adaptive lambdas and their matched fixed controls."""
+    vc = get_ablation("vc_ppo")
+    pretrain = {
+        a.label: ablate.arm_config(vc, a.label, 0).critic.pretrain_iterations for a in vc.arms
+    }
+    assert pretrain.pop("ppo") == 0
+    assert set(pretrain.values()) == {ablations.CRITIC_PRETRAIN_ITERATIONS}
+    lambdas = {
+        label: ablate.arm_config(vc, label, 0).algo.gae_lambda
+        for label in ("vc_ppo_lambda_090", "vc_ppo", "vc_ppo_lambda_099", "vc_ppo_lambda_1")
+    }
+    assert list(lambdas.values()) == [0.9, 0.95, 0.99, 1.0]
+    vapo = {
+        a.label: ablate.arm_config(get_ablation("vapo"), a.label, 0).algo
+        for a in get_ablation("vapo").arms
+    }
+    assert (vapo["vapo"].gae_length_adaptive, vapo["vapo"].gae_alpha) == (True, 0.05)
+    assert (vapo["vapo_rescaled"].gae_length_adaptive, vapo["vapo_rescaled"].gae_alpha) == (
+        True,
+        ablations.VAPO_RESCALED_ALPHA,
+    )
+    assert not vapo["fixed_matched"].gae_length_adaptive
+    assert vapo["fixed_matched"].gae_lambda == ablations.VAPO_MATCHED_LAMBDA
+    assert not vapo["fixed_matched_rescaled"].gae_length_adaptive
+    assert vapo["fixed_matched_rescaled"].gae_lambda == ablations.VAPO_RESCALED_MATCHED_LAMBDA
+    # The rescaled alpha puts the paper's lambda at 500 tokens (0.96) at the task's median (91).
+    assert 1 - 1 / (ablations.VAPO_RESCALED_ALPHA * 91) == pytest.approx(0.96, abs=1e-3)

@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 from configs import base, magistral, magistral_async, vapo
+from policyopt.config import AsyncMode, typed
 from policyopt.metrics import read_jsonl
 from policyopt.rewards import score_batch
 from policyopt.rl import build
@@ -33,7 +34,6 @@ from policyopt.rl.async_generation import (
     staleness_bound,
 )
 from policyopt.rl.async_rl import (
-    AsyncConfig,
     GroupBatcher,
     PromptStream,
     assemble,
@@ -510,10 +510,9 @@ def test_errors_in_the_generator_surface_in_the_caller_and_no_thread_survives():
 
 
 def test_async_config_takes_every_default_from_configs_base(monkeypatch):
-    """``configs/base.py`` is the one place of ``async_mode``'s defaults: ``AsyncConfig``
-    has none of its own, and a default changed there reaches it through a recipe."""
-    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(AsyncConfig))
-    assert AsyncConfig.from_config(vapo.get_config()) == AsyncConfig(
+    """The schema is the one place of ``async_mode``'s defaults: a default changed in
+    ``base_config()`` reaches the typed section through a recipe."""
+    assert typed(vapo.get_config()).async_mode == AsyncMode(
         enabled=False,
         n_async=None,
         num_slots=None,
@@ -533,7 +532,7 @@ def test_async_config_takes_every_default_from_configs_base(monkeypatch):
 
     monkeypatch.setattr(base, "base_config", patched)
     config = vapo.get_config()  # group_size 8: n_async and num_slots are multiples of it
-    assert AsyncConfig.from_config(config) == AsyncConfig(**changed)
+    assert typed(config).async_mode == AsyncMode(**changed)
     assert async_enabled(config)
 
 
@@ -693,10 +692,9 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
     assert all(g.scored.tolist() == [True] * GROUP for g in groups) and cut.scored.all()
     flagged, *_ = assemble([groups[0]._replace(scored=np.array([True, False])), groups[1]], run)
     assert flagged.scored.tolist() == [True, False, True, True]
-    late = run.config.copy_and_resolve_references()
-    late.unlock()
-    late.reward.deadline_s = 1e-9
-    late.lock()
+    late = dataclasses.replace(
+        run.config, reward=dataclasses.replace(run.config.reward, deadline_s=1e-9)
+    )
     rescored = make_scorer(
         dataclasses.replace(run, spec=dataclasses.replace(run.spec, config=late))
     )(groups[0])

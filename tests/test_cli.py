@@ -7,6 +7,7 @@ import importlib
 import io
 import json
 import os
+import re
 import select
 import signal
 import struct
@@ -252,6 +253,19 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, cli):
         "error: config variant 'optim.lr=1e-3,algo.tau_neg=1.1,optim.lr=1e-2': optim.lr is "
         "given twice (name each field once)"
     )
+    # A bad value in the recipe string: the check's line (this printed the usage, then
+    # "error: flag --config=...: Error whilst parsing config file:" and "Traceback ...").
+    out = cli(
+        "experiments.train",
+        "--config",
+        "configs/sapo.py:batch.n_prompts=2",
+        f"--workdir={workdir}",
+    )
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == (
+        "error: config.batch.n_minibatches (4) must divide n_prompts (2): minibatches hold "
+        "whole groups"
+    )
+    assert "Traceback" not in out.stderr and "usage:" not in out.stderr
     # A section that does not exist (this printed "error: optimizer").
     out = cli(
         "experiments.train",
@@ -282,6 +296,39 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, cli):
     )
     assert out.returncode != 0 and "Traceback" in out.stderr  # --verbose keeps it
     assert not workdir.exists()
+
+
+def test_a_jsonl_without_the_named_fields_is_one_line_before_the_workdir(tmp_path, cli):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"q": "1+1?", "a": "#### 2"}) + "\n")
+    variant = f"task.name=math_jsonl,task.train_file='{rows}',task.test_file='{rows}'"
+    for module in ("experiments.sft", "experiments.train"):
+        workdir = tmp_path / module
+        out = cli(module, "--config", f"configs/grpo.py:{variant}", f"--workdir={workdir}")
+        assert out.returncode == 1, out.stderr
+        assert out.stderr.splitlines()[0] == (
+            f"error: {rows}:1: missing question field: none of ['question', 'problem', "
+            "'prompt'] present (fields: ['a', 'q'])"
+        )
+        assert "Traceback" not in out.stderr and not workdir.exists()
+
+
+def test_list_outputs_fit_100_columns_with_dated_budgets(cli):
+    ordinal = re.compile(r"(?i)\b(?:[a-z]+-)?(?:first|second|third|[a-z]+th)\s+session\b")
+    listed = {}
+    for module in ("experiments.reproduce", "experiments.ablate"):
+        out = cli(module, "--list")
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert len(lines) > 30 and [line for line in lines if len(line) > 100] == [], module
+        assert not ordinal.search(out.stdout)
+        listed[module] = out.stdout
+    # Each claim's budget (its continuation lines joined): a date, or not yet measured.
+    text = listed["experiments.reproduce"]
+    budgets = re.findall(r"\n    budget on 2 cores: (.*?)\n(?:\n|$)", text, re.S)
+    assert len(budgets) == text.count("budget on 2 cores:") >= 10
+    for budget in budgets:
+        assert budget == "to be measured" or re.search(r"\b2026-\d\d-\d\d\b", budget), budget
 
 
 def test_no_flags_prints_the_usage(cli):

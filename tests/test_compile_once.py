@@ -4,6 +4,7 @@ iteration of a phase, and an ETA from the iterations that compiled nothing."""
 
 import io
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,7 @@ import pytest
 
 from policyopt.metrics import Progress
 from policyopt.rl import learner as learner_lib
-from policyopt.rl import trainer
+from policyopt.rl import report, trainer
 from policyopt.runtime import compile_count
 from tests.flags import ROOT, subprocess_env
 from tests.test_rl_trainer import tiny
@@ -61,6 +62,58 @@ def test_second_process_loads_what_the_first_compiled(tmp_path):
         "0",
     ]
     assert not (home / "no").exists()
+
+
+def test_first_iteration_line_says_what_compiled_and_what_loaded():
+    line = report.first_iteration_line
+    assert line(54.04, 52, 0) == "first iteration: 54.0s with compilation (52 programs compiled)"
+    assert line(20.0, 3, 49) == (
+        "first iteration: 20.0s with compilation (3 programs compiled, 49 loaded from the "
+        "compilation cache)"
+    )
+    assert line(4.2, 0, 52) == (
+        "first iteration: 4.2s, nothing compiled (52 programs loaded from the compilation cache)"
+    )
+    assert line(1.0, 0, 0).endswith(
+        "nothing compiled (the programs were compiled earlier in this process)"
+    )
+
+
+def test_a_warm_rerun_says_its_programs_came_from_the_cache(tmp_path):
+    """A finished 1-iteration run's command rerun with 2 iterations (it resumes) loads every
+    program of its first iteration from the cache; the console said "with compilation"."""
+    env = subprocess_env(PYTHONPATH=ROOT, POLICYOPT_COMPILATION_CACHE=str(tmp_path / "cache"))
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+        env.pop(name, None)  # the suite's shared cache may hold these programs already
+    variant = (
+        "model=tiny_dense,model.num_layers=1,batch.n_prompts=2,batch.group_size=4,"
+        "sampling.max_new_tokens=6,task.num_train=64,eval.num_prompts=0,train.loggers=jsonl,"
+        "batch.prompt_buckets=(16,),batch.response_buckets=(6,),train.checkpoint_every=1"
+    )
+    lines = []
+    for iterations in (1, 2):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "experiments.train",
+                "--config",
+                f"configs/grpo.py:{variant}",
+                f"--config.train.num_iterations={iterations}",
+                f"--workdir={tmp_path / 'run'}",
+            ],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (line,) = [x for x in proc.stdout.splitlines() if x.startswith("first iteration:")]
+        lines.append(line)
+    cold, warm = (re.fullmatch(r"first iteration: [0-9.]+s(.*)", x).group(1) for x in lines)
+    compiled = int(re.fullmatch(r" with compilation \((\d+) programs compiled\)", cold).group(1))
+    assert warm == f", nothing compiled ({compiled} programs loaded from the compilation cache)"
 
 
 def test_eta_leaves_out_every_stretch_that_compiled():

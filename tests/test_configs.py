@@ -8,8 +8,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from configs import base
+from policyopt.config import typed
 from policyopt.rl import build
-from policyopt.rl.critic import GAEConfig
 from policyopt.sharding import MESH_AXES
 
 RECIPES = (
@@ -69,14 +69,12 @@ def test_critic_paper_values():
     )
     assert (ppo.algo.gae_lambda, ppo.algo.gae_lambda_critic, ppo.algo.nll_coef) == (0.95, None, 0.0)
     # PPO's one lambda: the critic's follows gae_lambda, also when only gae_lambda is overridden.
-    assert GAEConfig.from_config(ppo.algo).lam_critic == 0.95
-    settings = GAEConfig.from_config(load("ppo", "algo.gae_lambda=0.9").algo)
-    assert (settings.lam_actor, settings.lam_critic) == (0.9, 0.9)
-    settings = GAEConfig.from_config(
-        load("ppo", "algo.gae_lambda=0.9,algo.gae_lambda_critic=1.0").algo
-    )
-    assert (settings.lam_actor, settings.lam_critic) == (0.9, 1.0)
-    assert GAEConfig.from_config(vc.algo).lam_critic == 1.0
+    assert typed(ppo).algo.critic_lambda == 0.95
+    settings = typed(load("ppo", "algo.gae_lambda=0.9")).algo
+    assert (settings.gae_lambda, settings.critic_lambda) == (0.9, 0.9)
+    settings = typed(load("ppo", "algo.gae_lambda=0.9,algo.gae_lambda_critic=1.0")).algo
+    assert (settings.gae_lambda, settings.critic_lambda) == (0.9, 1.0)
+    assert typed(vc).algo.critic_lambda == 1.0
     assert (vc.algo.gae_lambda, vc.algo.gae_lambda_critic, vc.algo.gae_length_adaptive) == (
         0.95,
         1.0,
@@ -138,10 +136,10 @@ def test_recipes_state_the_papers_rewards_aggregation_and_kl():
         assert load(name, "algo.aggregation=token_mean").algo.aggregation == "token_mean"
     assert load("grpo", "algo.kl_clamp=True").algo.kl_clamp is True
     # The critic sees +-1 outcomes; the loss settings carry the clamp and the aggregation.
-    from policyopt.rl.learner import LossConfig
+    from policyopt.rl.learner import LossSettings
 
-    settings = LossConfig.from_config(load("vapo", "algo.kl_clamp=True,algo.kl_beta=0.04"))
-    assert (settings.kl_clamp, settings.aggregation) == (True, "group_token_mean")
+    settings = LossSettings.of(typed(load("vapo", "algo.kl_clamp=True,algo.kl_beta=0.04")))
+    assert (settings.algo.kl_clamp, settings.algo.aggregation) == (True, "group_token_mean")
     assert settings.group_size == 8
     spec = build.reward_spec(configs["vapo"])
     assert (spec.incorrect_value, spec.plain_correct_value) == (-1.0, 1.0)

@@ -2,8 +2,6 @@
 NumPy loop on a real rollout, decoupled / length-adaptive lambdas, the reward-model
 initialisation, value pretraining, VAPO's NLL term, checkpoint resume of the critic."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,14 +9,14 @@ import pytest
 from flax import nnx
 
 from configs import vapo
+from policyopt.config import typed
 from policyopt.losses import nll_loss
 from policyopt.models import Transformer, preset
 from policyopt.rl import forwards, trainer
 from policyopt.rl.batch import Batch, layout
 from policyopt.rl.critic import (
     Critic,
-    CriticConfig,
-    GAEConfig,
+    CriticSettings,
     critic_loss,
     critic_optim,
     forward_values,
@@ -29,7 +27,7 @@ from policyopt.rl.critic import (
     token_rewards,
 )
 from policyopt.rl.learner import TrainState, split_params
-from tests.settings import critic_settings, gae_settings, optim_settings
+from tests.settings import critic_settings, gae_settings, optim_settings, replace
 from tests.test_rl_trainer import tiny
 
 VOCAB = 16
@@ -188,8 +186,8 @@ def test_moe_critic_adds_its_load_balancing_loss():
     ]
     assert router and any(not np.allclose(a, b) for _, a, b in router)
     assert (
-        CriticConfig.from_config(
-            vapo.get_config("algo.load_balancing_coef=0.01")
+        CriticSettings.of(
+            typed(vapo.get_config("algo.load_balancing_coef=0.01"))
         ).load_balancing_coef
         == 0.01
     )
@@ -252,10 +250,15 @@ def test_nll_loss_hand_worked():
 
 
 def test_length_adaptive_gae_against_loops():
-    settings = GAEConfig.from_config(vapo.get_config().algo)
-    assert settings == GAEConfig(
-        gamma=1.0, lam_actor=0.95, lam_critic=1.0, length_adaptive=True, alpha=0.05, whiten=True
-    )
+    settings = typed(vapo.get_config()).algo
+    assert (
+        settings.gae_gamma,
+        settings.gae_lambda,
+        settings.critic_lambda,
+        settings.gae_length_adaptive,
+        settings.gae_alpha,
+        settings.adv_whiten,
+    ) == (1.0, 0.95, 1.0, True, 0.05, True)
     rng = np.random.default_rng(0)
     lengths = np.array([1, 10, 21, 40, 64, 0])
     mask = (np.arange(64)[None, :] < lengths[:, None]).astype(np.float32)
@@ -265,7 +268,7 @@ def test_length_adaptive_gae_against_loops():
         jnp.asarray(rewards),
         jnp.asarray(values),
         jnp.asarray(mask),
-        dataclasses.replace(settings, whiten=False),
+        replace(settings, whiten=False),
     )
     per_token = np.zeros(mask.shape)
     for r, length in enumerate(lengths):
@@ -277,6 +280,44 @@ def test_length_adaptive_gae_against_loops():
     _, want_returns = numpy_gae(per_token, values, mask, 1.0, 1.0)
     np.testing.assert_allclose(np.asarray(advantages), want_adv, atol=1e-5)
     np.testing.assert_allclose(np.asarray(returns), want_returns, atol=1e-5)
+
+
+def test_policy_lambda_token_mean_hand_worked():
+    # Lengths 10, 40, 100 and an empty row: alpha 0.05 gives lambda 0 (clamped), 0.5, 0.8;
+    # over the 150 valid tokens the token mean is (10 * 0 + 40 * 0.5 + 100 * 0.8) / 150.
+    lengths = np.array([10, 40, 100, 0])
+    mask = jnp.asarray((np.arange(128)[None, :] < lengths[:, None]).astype(np.float32))
+    rewards, values = jnp.ones(4), jnp.zeros(mask.shape)
+    adaptive = gae_settings(length_adaptive=True, alpha=0.05, whiten=False)
+    _, _, metrics = gae_targets(rewards, values, mask, adaptive)
+    assert float(metrics["advantages/lambda_policy_token_mean"]) == pytest.approx(100 / 150)
+    assert float(metrics["advantages/lambda_policy_zero_token_frac"]) == pytest.approx(10 / 150)
+    # A fixed lambda is its own token mean; a batch without tokens gives 0, not NaN.
+    _, _, metrics = gae_targets(rewards, values, mask, gae_settings(lam_actor=0.9))
+    assert float(metrics["advantages/lambda_policy_token_mean"]) == pytest.approx(0.9)
+    assert float(metrics["advantages/lambda_policy_zero_token_frac"]) == 0.0
+    _, _, metrics = gae_targets(rewards, values, jnp.zeros_like(mask), adaptive)
+    assert float(metrics["advantages/lambda_policy_token_mean"]) == 0.0
+
+
+def test_rollout_explained_variance_against_monte_carlo_returns():
+    # lambda_critic 0.5: the value targets contain V; the Monte-Carlo figure compares V with
+    # each token's outcome (gamma 1), whatever lambda_critic is.
+    mask = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0]], jnp.float32)
+    rewards = jnp.asarray([1.0, -1.0])
+    values = jnp.asarray([[0.5, 0.25, 0.5, 9.0], [0.0, -0.5, 9.0, 9.0]])
+    settings = gae_settings(gamma=1.0, lam_actor=0.5, lam_critic=0.5, whiten=False)
+    _, returns, metrics = gae_targets(rewards, values, mask, settings)
+    valid = np.asarray(mask) > 0
+    outcome = np.array([[1.0] * 4, [-1.0] * 4])[valid]
+    v = np.asarray(values)[valid]
+    want = 1 - np.var(outcome - v) / np.var(outcome)
+    assert float(metrics["critic/rollout_mc_explained_variance"]) == pytest.approx(want, abs=1e-6)
+    r = np.asarray(returns)[valid]
+    assert float(metrics["critic/rollout_explained_variance"]) == pytest.approx(
+        1 - np.var(r - v) / np.var(r), abs=1e-6
+    )
+    assert abs(want - float(metrics["critic/rollout_explained_variance"])) > 0.05
 
 
 def _check_gae(run, critic_before, lam_actor, lam_critic):
@@ -374,6 +415,8 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
         "advantages/mean",
         "advantages/std",
         "critic/rollout_explained_variance",
+        "critic/rollout_mc_explained_variance",
+        "advantages/lambda_policy_token_mean",
         "update/grad_norm",
     ):
         assert np.isfinite(metrics[key]), key
@@ -436,9 +479,9 @@ def test_value_pretraining_targets_are_monte_carlo_returns(tmp_path):
             "algo.gae_lambda_critic=0.95,algo.adv_whiten=False,train.checkpoint_every=100"
         ),
     )
-    assert trainer.gae_settings(config, pretraining=True).lam_critic == 1.0
-    assert trainer.gae_settings(config, pretraining=False) == GAEConfig.from_config(config.algo)
-    assert GAEConfig.from_config(config.algo).lam_critic == 0.95
+    assert trainer.gae_settings(typed(config), pretraining=True).critic_lambda == 1.0
+    assert trainer.gae_settings(typed(config), pretraining=False) == typed(config).algo
+    assert typed(config).algo.critic_lambda == 0.95
     run = trainer.build_run(config, str(tmp_path))
     run.critic_state = run.critic_state.replace(params=_random_head(run.critic_state.params))
     critic_before = _copy(run.critic_state.params)

@@ -642,7 +642,7 @@ def test_sapo_gate_identities():
         def objective(log_ratio):
             ones = jnp.ones_like(log_ratio)
             return losses.sapo_objective(
-                losses.GateInputs(log_ratio, ones, ones, None, None, 0.2, 0.2, None, tau, tau)
+                losses.GateInputs(log_ratio, ones, ones, None, None), losses.SAPOSettings(tau, tau)
             )
 
         grad = jax.grad(lambda x: jnp.sum(objective(x).objective))(log_ratio)

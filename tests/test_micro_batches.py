@@ -8,8 +8,6 @@ step and the step itself. Adam's first step is ``lr g / (|g| + eps)``; the tests
 ``eps = 1`` so that the step is close to linear in the gradient and compares tightly.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,14 +16,15 @@ from flax import nnx
 
 from configs import base
 from policyopt import losses
+from policyopt.config import typed
 from policyopt.models import Transformer, preset
 from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch, layout
 from policyopt.rl.critic import get_critic, init_critic_params
-from policyopt.rl.learner import LossConfig, TrainState, get_learner, split_params
+from policyopt.rl.learner import LossSettings, TrainState, get_learner, split_params
 from policyopt.rl.methods import minibatch_advantages
 from tests.flags import run_script
-from tests.settings import critic_settings, loss_settings, optim_settings
+from tests.settings import critic_settings, loss_settings, optim_settings, replace
 
 VOCAB = 16
 GROUP = 2
@@ -88,7 +87,7 @@ def _both(make, settings, params, batch, micro_batch_tokens):
     """``(state, metrics)`` of one update in one pass and with micro-batches."""
     out = []
     for tokens in (None, micro_batch_tokens):
-        stepper = make(dataclasses.replace(settings, micro_batch_tokens=tokens))
+        stepper = make(replace(settings, micro_batch_tokens=tokens))
         out.append(stepper.update(TrainState.create(_copy(params), stepper.optimizer), batch))
     return out
 
@@ -416,7 +415,7 @@ def test_moe_aux_losses_equal_one_pass(moe, replay):
     _assert_same(one, micro, params)
     assert float(one[1]["moe/load_balancing_loss"]) > 1 and float(one[1]["moe/router_z_loss"]) > 0
     # The load-balancing term alone moves the router: the comparison covers it.
-    policy_only = dataclasses.replace(settings, load_balancing_coef=0.0, router_z_coef=0.0)
+    policy_only = replace(settings, load_balancing_coef=0.0, router_z_coef=0.0)
     without = _both(
         lambda s: get_learner(graphdef, s, OPTIM), policy_only, params, batch, MICRO_4_ROWS
     )[0][0]
@@ -488,9 +487,7 @@ def test_micro_batches_bound_the_update_memory(dense):
     batch = _batch(9, rows=16, prompt=8, response=56)
     temp = {}
     for tokens in (None, 2 * 64):
-        learner = get_learner(
-            graphdef, dataclasses.replace(settings, micro_batch_tokens=tokens), OPTIM
-        )
+        learner = get_learner(graphdef, replace(settings, micro_batch_tokens=tokens), OPTIM)
         state = jax.eval_shape(learner.init_state, params)
         compiled = learner.update.lower(state, batch).compile()
         temp[tokens] = compiled.memory_analysis().temp_size_in_bytes
@@ -511,7 +508,7 @@ def test_config_refuses_micro_batches_shorter_than_the_longest_row():
         base.get_config("batch.micro_batch_tokens=-5")
     assert base.get_config().batch.micro_batch_tokens is None
     off = base.get_config("batch.micro_batch_tokens=0")
-    assert LossConfig.from_config(off).micro_batch_tokens is None
+    assert LossSettings.of(typed(off)).micro_batch_tokens is None
 
 
 _MESH_SCRIPT = """
@@ -520,8 +517,8 @@ from flax import nnx
 from policyopt import sharding
 from policyopt.models import Transformer, preset
 from policyopt.rl.batch import shard_batch
-from policyopt.rl.learner import LossConfig, get_learner, place_state, split_params, state_specs
-from tests.settings import loss_settings
+from policyopt.rl.learner import get_learner, place_state, split_params, state_specs
+from tests.settings import loss_settings, replace
 from tests.test_micro_batches import OPTIM, VOCAB, _assert_same, _batch
 
 assert jax.device_count() == 8
@@ -534,7 +531,7 @@ with jax.set_mesh(mesh):
     batch = shard_batch(_batch(10, rows=16, full=True))
     out = []
     for tokens in (None, 8 * 9):  # 2 micro-batches of 8 rows, one row per device
-        learner = get_learner(graphdef, dataclasses.replace(settings, micro_batch_tokens=tokens),
+        learner = get_learner(graphdef, replace(settings, micro_batch_tokens=tokens),
                               OPTIM)
         state = place_state(learner.init_state(jax.tree.map(jnp.copy, params)),
                             learner.optimizer, mesh)

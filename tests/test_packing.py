@@ -360,7 +360,7 @@ from policyopt import sharding
 from policyopt.models import Transformer, preset
 from policyopt.rl import trainer
 from policyopt.rl.batch import shard_batch
-from policyopt.rl.learner import LossConfig, forward_log_probs, rl_loss, split_params
+from policyopt.rl.learner import forward_log_probs, rl_loss, split_params
 from tests.settings import critic_settings, loss_settings
 from tests.test_packing import _batch
 from tests.test_rl_trainer import tiny

@@ -3,6 +3,7 @@ warnings a recipe's own defaults do not raise and a user's change does, a length
 lambda held near 0, and the critic's warm-up phases as a run goes through them."""
 
 import importlib
+import pathlib
 
 import jax
 import numpy as np
@@ -75,6 +76,23 @@ def test_user_fields_reads_the_variant_and_the_overrides():
     assert report.user_fields(None) is None
 
 
+# Every recipe file in configs/ (base, claims and ablations are not recipes).
+RECIPE_FILES = sorted(
+    p.stem
+    for p in pathlib.Path(base.__file__).parent.glob("*.py")
+    if p.stem not in ("__init__", "base", "claims", "ablations")
+)
+
+
+@pytest.mark.parametrize("recipe", RECIPE_FILES)
+def test_no_recipe_warns_about_its_own_defaults(recipe):
+    """A recipe's defaults raise no warning at all (the one-update warning, VAPO's lambda
+    held near 0 by the CPU's short responses): the banner states those facts instead."""
+    assert report.advisories(load(recipe), report.user_fields(f"configs/{recipe}.py")) == []
+    variant = f"configs/{recipe}.py:seed=1 --config.train.num_iterations=1"
+    assert report.advisories(load(recipe, "seed=1"), report.user_fields(variant)) == []
+
+
 def _ratio_warnings(config, recipe):
     return [w for w in report.advisories(config, report.user_fields(recipe)) if "ratio is 1" in w]
 
@@ -109,8 +127,14 @@ def test_banner_says_when_updates_are_on_policy():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     kwargs = dict(num_params=10, mesh=mesh, start="random", total=3)
     text = report.banner(load("vapo"), "runs/x", recipe="configs/vapo.py", **kwargs)
-    assert "  method    vapo: objective ppo, GAE with a critic\n" in text
+    assert (
+        "  method    vapo: objective ppo, GAE with a critic (length-adaptive lambda <= 0.17 at "
+        "sampling.max_new_tokens=24: close to one-step TD advantages)\n"
+    ) in text
     assert "1 minibatch(es) x 1 epoch(s) (one update per batch, on-policy: the ratio is 1)" in text
+    paper = load("vapo", "scale=paper")  # lambda reaches 0.999: nothing to say of it
+    text = report.banner(paper, "runs/x", recipe="configs/vapo.py:scale=paper", **kwargs)
+    assert "  method    vapo: objective ppo, GAE with a critic\n" in text
     text = report.banner(load("sapo"), "runs/x", recipe="configs/sapo.py", **kwargs)
     assert "method    sapo: objective sapo, outcome advantages" in text
     assert "4 minibatch(es) x 1 epoch(s), 3 iterations" in text
@@ -123,6 +147,16 @@ def test_length_adaptive_lambda_near_zero_is_warned():
     (warning,) = [w for w in report.advisories(load("vapo")) if "gae_length_adaptive" in w]
     assert "at most sampling.max_new_tokens=24 tokens" in warning
     assert "is at most 0.17 (0 under 20 tokens)" in warning
+    # Said for a user's change to the fields that bound lambda; the recipe's own CPU
+    # budget is stated in the banner instead (test_no_recipe_warns_about_its_own_defaults).
+    changed = report.user_fields("configs/vapo.py --config.sampling.max_new_tokens=22")
+    assert len(report.advisories(load("vapo"), changed)) == 1
+    changed = report.user_fields("configs/vapo.py:algo.gae_alpha=0.2,sampling.max_new_tokens=8")
+    (warning,) = report.advisories(
+        load("vapo", "algo.gae_alpha=0.2,sampling.max_new_tokens=8"), changed
+    )
+    assert "is at most 0.38 (0 under 5 tokens)" in warning
+    assert report.advisories(load("vapo"), report.user_fields("configs/vapo.py:seed=2")) == []
     # The papers' budget: lambda can reach 0.999; nothing to say before a rollout.
     paper = load("vapo", "scale=paper")
     assert not [w for w in report.advisories(paper) if "gae_length_adaptive" in w]
@@ -179,18 +213,21 @@ def test_a_vapo_run_prints_its_method_and_warm_up_phases(tmp_path, capsys):
     """A VAPO run with one reward-model iteration, one of value pretraining and one of the
     policy: the banner names VAPO, each phase's start and end is printed in order, and the
     length-adaptive lambda of 6-token responses is warned about once, before anything runs."""
-    config = load(
-        "vapo",
+    variant = (
         TINY + ",critic.reward_model_iterations=1,critic.pretrain_iterations=1,"
-        "train.num_iterations=3",
+        "train.num_iterations=3"
     )
+    config = load("vapo", variant)
     base.check(config)
-    recipe = "configs/vapo.py:tiny"
+    recipe = f"configs/vapo.py:{variant}"  # sampling.max_new_tokens is the user's
     summary = trainer.run_rl(config, str(tmp_path / "run"), recipe=recipe)
     assert summary["iteration"] == 3
     captured = capsys.readouterr()
     out = captured.out.splitlines()
-    assert "  method    vapo: objective ppo, GAE with a critic" in out
+    assert (
+        "  method    vapo: objective ppo, GAE with a critic (length-adaptive lambda <= 0.00 at "
+        "sampling.max_new_tokens=6: close to one-step TD advantages)"
+    ) in out
     phases = [line for line in out if line.startswith("critic warm-up")]
     assert phases == [
         "critic warm-up: the critic trains alone as an outcome reward model in iteration 1 "

@@ -126,7 +126,9 @@ def test_unknown_claim_arm_and_setting_are_refused_with_the_known_ones():
     assert reproduce.select_arms(claim, ["gspo_mid"]) == ("gspo_mid",)
     assert reproduce.select_arms(get_claim("vapo_length_adaptive"), None) == (
         "vapo",
-        "no_length_adaptive",
+        "fixed_matched",
+        "vapo_rescaled",
+        "fixed_matched_rescaled",
     )
     with pytest.raises(ValueError, match="claim 'routing_replay' has no setting 'demo'; its "):
         reproduce.select_setting(claim, "demo")
@@ -201,7 +203,11 @@ def test_no_diary_ordinals_in_what_users_read(capsys):
     reproduce._list()
     listed = capsys.readouterr().out
     for claim in CLAIMS.values():
-        assert f"regime: {claim.regime}; SFT starts 0,1 x seeds 0,1,2,3,4" in listed
+        starts, seeds = (",".join(map(str, n)) for n in (claim.starts, claim.seeds))
+        assert f"    regime: {claim.regime}\n" in listed
+        assert f"    runs: SFT starts {starts} x seeds {seeds}\n" in listed
+        # A paper's claim runs over >= 2 SFT starts x 5 seeds; a regime diagnostic may not.
+        assert claim.diagnostic or (starts, seeds) == ("0,1", "0,1,2,3,4")
     ordinal = re.compile(r"(?i)\b(?:[a-z]+-)?(?:first|second|third|[a-z]+th)\s+session\b")
     assert not ordinal.search(listed)
     for module in (reproduce, ablate, claims, importlib.import_module("configs.ablations")):
@@ -546,4 +552,35 @@ def test_diff_of_diffs_checks_and_the_routing_claims():
     assert share.headline(result) == (
         "routing share 0.625 (volatility 0.0400 over the batch's 4 updates) at lr 0.0001; "
         "GSPO pass@1 0.457 -> 0.600"
+    )
+
+
+def test_the_critic_claims_report_their_regime_diagnostics():
+    """vc_ppo's, vapo_length_adaptive's and critic_warmup's last lines, from a hand-made
+    result: means over each arm's runs, NaN for an arm or figure that did not run."""
+    warm, lam = ablate.WARMUP_EXPLAINED_VARIANCE, "advantages/lambda_policy_token_mean"
+
+    def result(**arms):
+        return {"summary": {"arms": [{"arm": a, "runs": runs} for a, runs in arms.items()]}}
+
+    vc = get_claim("vc_ppo").headline(
+        result(
+            ppo=[{warm: -0.8}, {warm: -0.6}], vc_ppo=[{warm: 0.5}], vc_ppo_lambda_1=[{warm: 0.3}]
+        )
+    )
+    assert vc.startswith(
+        "critic explained variance at PPO's first rollout: plain PPO (reward-model start) "
+        f"-0.700, after {claims.CRITIC_PRETRAIN_ITERATIONS} iterations of value pretraining 0.400"
+    )
+    vapo = get_claim("vapo_length_adaptive").headline(
+        result(vapo=[{lam: 0.78, warm: 0.2}, {lam: 0.8}], fixed_matched=[{lam: 0.79}])
+    )
+    assert vapo == (
+        "length-adaptive lambda's token mean over the policy's iterations: 0.790 at alpha 0.05 "
+        f"(control {claims.VAPO_MATCHED_LAMBDA:g}), nan at alpha {claims.VAPO_RESCALED_ALPHA:g} "
+        f"(control {claims.VAPO_RESCALED_MATCHED_LAMBDA:g}); critic explained variance after "
+        "its warm-up 0.200"
+    )
+    assert "0.450 on a fresh rollout" in get_claim("critic_warmup").headline(
+        result(vc_ppo=[{warm: 0.45}])
     )

@@ -97,6 +97,192 @@ def test_the_guarded_script_agrees(tmp_path):
         assert run["scores"] == [1.0] * 6, (results, done.stderr)
 
 
+# Scores a batch with two scoring workers three times in a row, then from a thread, then
+# from four threads at once, then past a deadline that kills the pool and again on the new
+# pool: the issue's equivalences, a wrong answer, a format failure, the language bonus and
+# a custom verifier, next to the same batches scored serially.
+SCORE = r"""
+import json, threading
+print("the script ran", flush=True)
+from policyopt.rewards import RewardSpec, score_batch
+
+english = "The number of apples is the sum of both baskets, so we add them together."
+completions = [
+    "<think>" + english + "</think> " + text
+    for text in (
+        r"\boxed{2\sqrt{3}}",
+        r"\boxed{2^{10}}",
+        r"\boxed{x=5}",
+        r"\boxed{\{1,2\}}",
+        r"\boxed{\pi/2}",
+        r"\boxed{7}",
+        "no box",
+        r"Le résultat est donc \boxed{12}, comme annoncé.",
+    )
+]
+references = [r"\sqrt{12}", "1024", "5", r"\{2,1\}", r"\frac{\pi}{2}", "8", "3", "12"]
+prompts = ["How many apples are there in the two baskets together?"] * len(completions)
+specs = {
+    "math": RewardSpec(language_bonus=0.1),
+    "custom": RewardSpec(format_reward=False, verifier="tests.verifiers:last_word"),
+}
+
+def score(workers):
+    out = {}
+    for name, spec in specs.items():
+        scores = score_batch(
+            completions, references, [5] * len(completions), spec, prompts=prompts,
+            num_workers=workers,
+        )
+        out[name] = {"rewards": scores.rewards.tolist(), "status": scores.status}
+        out[name]["worker_errors"] = scores.metrics["worker_errors"]
+    return out
+
+def in_thread(function):
+    out = []
+    thread = threading.Thread(target=lambda: out.append(function()))
+    thread.start()
+    thread.join()
+    return out[0]
+
+def concurrently(count):
+    out = [None] * count
+    threads = [
+        threading.Thread(target=lambda i=i: out.__setitem__(i, score(2))) for i in range(count)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
+
+def past_deadline():
+    # Every worker stuck in a program (code tests keep their own limit) at the deadline:
+    # the pool is killed, its sandboxes with it; the next call forks a new one.
+    from policyopt.rewards import batch
+    from policyopt.rewards.worker import wait_gone
+
+    before = batch._POOLS[("default", 2)].pids
+    loop = "<think>plan</think>\n```python\nwhile True:\n    pass\n```"
+    stuck = RewardSpec(task="code", code_timeout_s=5.0)
+    missed = score_batch(
+        [loop] * 4, ["assert True"] * 4, [1] * 4, stuck, num_workers=2, deadline_s=0.5
+    )
+    gone = wait_gone(before)
+    after = score(2)
+    return {
+        "status": missed.status, "gone": gone, "after": after,
+        "new_pids": not set(batch._POOLS[("default", 2)].pids) & set(before),
+    }
+
+results = {"serial": score(0), "workers": [score(2) for _ in range(3)]}
+results["thread"] = in_thread(lambda: score(2))
+results["concurrent"] = concurrently(4)  # four callers of one pool at once
+results["deadline"] = past_deadline()
+print(json.dumps(results), flush=True)
+"""
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_script_scoring_with_workers_runs_once(tmp_path, guarded):
+    """A plain script without ``if __name__ == "__main__":`` that scores with
+    ``num_workers=2`` three times in a row, from a thread, from four threads at once, and
+    past a deadline (the stuck workers killed, a new pool forked): it runs once (the
+    scoring workers never import it) and every batch scores as serial scoring does, as in
+    the guarded script."""
+    source = 'if __name__ == "__main__":\n' + textwrap.indent(SCORE, "    ") if guarded else SCORE
+    done = run_script(tmp_path, source)
+    assert done.stdout.count("the script ran") == 1, done.stdout + done.stderr
+    results = json.loads(done.stdout.splitlines()[-1])
+    serial = results["serial"]
+    assert serial["math"]["status"] == ["correct"] * 5 + ["incorrect", "format", "correct"]
+    np.testing.assert_allclose(serial["math"]["rewards"], [1.1] * 5 + [0.2, 0.0, 1.0], rtol=1e-6)
+    assert serial["custom"]["status"] == ["incorrect"] * 8
+    for run in results["workers"] + [results["thread"]] + results["concurrent"]:
+        assert run == serial, (results, done.stderr)
+    deadline = results["deadline"]
+    assert deadline["status"] == ["deadline"] * 4 and deadline["gone"], (results, done.stderr)
+    assert deadline["new_pids"] and deadline["after"] == serial, (results, done.stderr)
+
+
+# Scores with workers (a custom verifier: each worker's verifier process too), then waits
+# to be killed ("wait") or for a line on stdin, then exits ("exit"); every process it
+# started carries MARK in its environment.
+LINGER = r"""
+import sys, time
+from policyopt.rewards import RewardSpec, score_batch
+spec = RewardSpec(format_reward=False, verifier="tests.verifiers:always_correct")
+scores = score_batch(["a"] * 8, ["1"] * 8, [1] * 8, spec, num_workers=2)
+assert scores.status == ["correct"] * 8, scores.status
+print("scored", flush=True)
+if sys.argv[1] == "wait":
+    time.sleep(600)
+sys.stdin.readline()
+"""
+
+
+def marked_processes(mark: str, leaders: bool = False) -> list[int]:
+    """Live processes (not zombies) whose environment holds ``mark``; with ``leaders``,
+    only those that lead a session of their own (a verifier server does; its forks, the
+    workers and their verifier processes, belong to its session)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if mark.encode() not in f.read():
+                    continue
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, session = fields[0], int(fields[3])
+        if state not in "ZX" and (not leaders or session == int(name)):
+            found.append(int(name))
+    return found
+
+
+@pytest.mark.parametrize("ending", ["exit", "sigkill"])
+def test_no_scoring_process_outlives_its_caller(tmp_path, ending):
+    """The scoring workers (and their verifier processes) are gone within 5 s of their
+    caller's exit, or of its SIGKILL. The workers fork their verifier processes
+    themselves: the caller's verifier server is the only one."""
+    mark = f"POLICYOPT_TEST_MARK={os.getpid()}-{ending}-{time.monotonic_ns()}"
+    script = tmp_path / "plain.py"
+    script.write_text(LINGER)
+    key, value = mark.split("=")
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", **{key: value})
+    caller = subprocess.Popen(
+        [sys.executable, str(script), "wait" if ending == "sigkill" else "exit"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        line = caller.stdout.readline()
+        assert line.strip() == "scored", line + caller.stderr.read()
+        # The caller, its server, two workers and their verifier processes.
+        assert len(marked_processes(mark)) >= 6, marked_processes(mark)
+        assert len(marked_processes(mark, leaders=True)) == 1  # one server
+        if ending == "sigkill":
+            caller.kill()
+        else:
+            caller.stdin.write("exit\n")
+            caller.stdin.flush()
+        caller.wait(timeout=60)
+    finally:
+        caller.kill()
+        caller.communicate()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and marked_processes(mark):
+        time.sleep(0.05)
+    assert not marked_processes(mark), marked_processes(mark)
+
+
 THREADS = r"""
 import gc, json, os, threading
 from policyopt.rewards import math_correctness
@@ -204,9 +390,7 @@ def test_a_verifier_that_blocks_in_c_is_stopped_at_its_limit_in_every_mode(tmp_p
     """A C loop that no signal interrupts (the issue: 25-30 s past a 1 s limit in every mode
     but a batch deadline): a timeout about its limit after it started, serially in the main
     thread, in another thread and in scoring workers."""
-    # Guarded: score_batch's worker pool (multiprocessing's forkserver) imports __main__.
-    guarded = 'if __name__ == "__main__":\n' + textwrap.indent(BLOCKS, "    ")
-    done = run_script(tmp_path, guarded, timeout_s=120.0)
+    done = run_script(tmp_path, BLOCKS, timeout_s=120.0)
     results = json.loads(done.stdout.splitlines()[-1])
     for mode, result in results.items():
         assert result["status"] == ["timeout", "timeout"], (mode, results, done.stderr)

@@ -12,12 +12,12 @@ from flax import nnx
 
 from configs import grpo
 from policyopt import losses
+from policyopt.config import Algo, typed
 from policyopt.losses import policy_loss
 from policyopt.models import Transformer, preset
 from policyopt.rl.batch import Batch, layout
-from policyopt.rl.critic import GAEConfig
 from policyopt.rl.learner import (
-    LossConfig,
+    LossSettings,
     TrainState,
     get_learner,
     guarded_update,
@@ -26,7 +26,7 @@ from policyopt.rl.learner import (
     warmup_constant_schedule,
     warmup_cosine_schedule,
 )
-from tests.settings import gae_settings, loss_settings, optim_settings
+from tests.settings import gae_settings, loss_settings, optim_settings, replace
 
 VOCAB = 16
 SETTINGS = loss_settings(
@@ -195,8 +195,8 @@ def test_an_objective_registered_by_a_user_runs_from_a_recipe(policy):
         config = grpo.get_config(
             f"algo.method={name},algo.kl_beta=0.0,batch.group_size=2,sampling.temperature=0.7"
         )
-        settings = LossConfig.from_config(config)
-        assert (settings.method, settings.aggregation) == (name, "seq_mean_token_mean")
+        settings = LossSettings.of(typed(config))
+        assert (settings.algo.method, settings.algo.aggregation) == (name, "seq_mean_token_mean")
         learner = get_learner(graphdef, settings, OPTIM)
         batch, prompts, responses = _batch(seed=3)
         state, metrics = learner.update(learner.init_state(_copy(params)), batch)
@@ -248,7 +248,7 @@ def test_settings_are_checked_where_they_are_built():
     ones = jnp.ones((2, 3))
     with pytest.raises(ValueError, match=r"^dual_clip=3\.0 needs method='ppo', got 'sapo'"):
         policy_loss(ones, ones, ones, ones, method="sapo", dual_clip=3.0)
-    assert isinstance(gae_settings(), GAEConfig)
+    assert isinstance(gae_settings(), Algo)
 
 
 def test_replayed_routing_reaches_the_update_forward(policy):
@@ -417,16 +417,13 @@ def test_a_nan_in_the_optimiser_state_is_caught(policy):
 
 
 def test_router_z_loss_enters_the_update_with_its_coefficient(policy):
-    import dataclasses
 
     _, graphdef, params = policy
     batch, _, _ = _batch(seed=6)
     (plain, metrics), (with_z, _) = jax.jit(
         lambda p: (
             get_learner(graphdef, SETTINGS, OPTIM).loss(p, batch),
-            get_learner(graphdef, dataclasses.replace(SETTINGS, router_z_coef=0.5), OPTIM).loss(
-                p, batch
-            ),
+            get_learner(graphdef, replace(SETTINGS, router_z_coef=0.5), OPTIM).loss(p, batch),
         )
     )(params)
     assert float(metrics["moe/router_z_loss"]) > 0

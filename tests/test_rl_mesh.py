@@ -140,7 +140,7 @@ _SCRIPT = textwrap.dedent("""
     # The reference: the same runs on one device (the default mesh, data=-1, over the
     # first device only, as a one-device process builds it).
     build.make_mesh = lambda config: sharding.make_mesh(
-        {name: int(config.mesh[name]) for name in sharding.MESH_AXES},
+        {name: int(getattr(config.mesh, name)) for name in sharding.MESH_AXES},
         devices=jax.devices()[:1])
     run_cases(False, f"{out}/one")
     print("ok one device", flush=True)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
 import time
 from importlib import metadata
+from pathlib import Path
 
 # One GRPO iteration: 16 prompts x 8 samples, 31-token prompts, exactly 64 new tokens,
 # one AdamW step on all 128 sequences, pi_old from the sampler (no separate forward).
@@ -151,6 +153,67 @@ class JaxCompileLog:
         return spans
 
 
+class CpuClock:
+    """Process CPU seconds (every thread: ``time.process_time``) of named phases: the
+    loaded machine slows a run's wall time by several times while its CPU time moves far
+    less, so each side records both.
+
+    ``wrap(owner, name, key)`` replaces ``owner.name`` by a wrapper that adds the CPU time
+    of each call to ``key``'s current total (``block``, when given, waits for the call's
+    output first: asynchronous dispatch would otherwise leave the work uncounted);
+    ``take(key)`` returns that total and starts the next."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    def wrap(self, owner, name: str, key: str, block=None) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.process_time()
+            out = original(*args, **kwargs)
+            if block is not None:
+                block(out)
+            self.totals[key] = self.totals.get(key, 0.0) + time.process_time() - start
+            return out
+
+        setattr(owner, name, wrapper)
+
+    def take(self, key: str) -> float:
+        return self.totals.pop(key, 0.0)
+
+
+def thread_cpu_seconds() -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of this process so far, by thread id
+    (``/proc/self/task/<tid>/stat``; empty where there is no ``/proc``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    times = {}
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        times[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return times
+
+
+def thread_split(before: dict[int, float], after: dict[int, float]) -> dict:
+    """How the CPU time between two ``thread_cpu_seconds`` readings spread over threads:
+    the total, each busy thread's seconds (largest first) and the busiest one's share.
+    Load-independent, unlike wall time: a program that keeps two cores busy on an idle
+    machine splits its CPU time about evenly over two threads."""
+    used = sorted(
+        (after[t] - before.get(t, 0.0) for t in after if after[t] - before.get(t, 0.0) > 0),
+        reverse=True,
+    )
+    total = sum(used)
+    return {
+        "cpu_s": total,
+        "threads_s": used[:8],
+        "busiest_thread_share": used[0] / total if total else 0.0,
+    }
+
+
 def write_result(
     path: str,
     side: str,
@@ -162,9 +225,10 @@ def write_result(
     versions: dict,
     extra: dict | None = None,
 ) -> dict:
-    """The record of one run: every iteration's times, the medians of the measured ones
-    (after ``warmup``), the first iteration (compilation included) and the checks that
-    the work was the geometry's (rows, prompt and response lengths, parameters)."""
+    """The record of one run: every iteration's times (wall ``<phase>_s`` and process CPU
+    ``<phase>_cpu_s``), the medians of the measured ones (after ``warmup``), the first
+    iteration (compilation included) and the checks that the work was the geometry's
+    (rows, prompt and response lengths, parameters)."""
     measured = iterations[warmup:]
     keys = sorted({k for it in measured for k in it})
     result = {
@@ -172,6 +236,7 @@ def write_result(
         "iterations": iterations,
         "median": {k: statistics.median(it[k] for it in measured if k in it) for k in keys},
         "first_iteration_s": iterations[0]["iteration_s"],
+        "first_iteration_cpu_s": iterations[0].get("iteration_cpu_s"),
         "setup_s": setup_s,
         "checks": checks,
         "versions": versions,

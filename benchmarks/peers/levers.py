@@ -2,6 +2,7 @@
 update in the same process, interleaved.
 
     python -m benchmarks.peers.levers [--variants base,eigen,onednn] [--rounds 5]
+    python -m benchmarks.peers.levers --target generate --variants base,eigen
 
 Builds the run of ``side_policyopt.py``, samples one batch (its advantages replaced by
 N(0, 1) draws, so that the gradient is not zero), compiles each variant of
@@ -10,7 +11,9 @@ a lever, ``CODE_VARIANTS``), checks that its new parameters match the library's 
 (``base``), then times ``--rounds`` rounds in which every variant runs once (the order
 rotating). Reports per variant: compile time, the median
 wall and CPU time of one update, and the median of its per-round ratios to ``base``.
-Writes ``benchmarks/results/peers_levers.json``.
+Writes ``benchmarks/results/peers_levers.json``. ``--target generate`` does the same for
+the jitted sampler (``sampling.generate_fn``), checking each variant's tokens and
+log-probs against ``base``'s.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ FLAG_VARIANTS = {
     "base": {},
     # Every dot on Eigen (no YNNPACK).
     "eigen": {_YNN: ""},
+    # YNNPACK for the dots only (reductions back to XLA's own loop fusions).
+    "ynn_dots_only": {_YNN: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"},
     # YNNPACK fusions of dots with their elementwise neighbours, and elementwise chains.
     "ynn_fusions": {
         _YNN: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_DOT,"
@@ -118,20 +123,94 @@ CODE_VARIANTS = {
 }
 
 
+def time_generate(names: list[str], rounds: int) -> dict:
+    """The jitted sampler (``sampling.generate_fn``: prefill, then the 64-step decode loop of
+    128 rows) under each variant, interleaved; each variant's tokens and log-probs checked
+    against ``base``'s (the same key)."""
+    import jax
+    import numpy as np
+
+    from policyopt import sampling as sampling_module
+    from policyopt import sharding
+    from policyopt.rl import trainer
+
+    config = side_policyopt.config_for("sampler")
+    workdir = tempfile.mkdtemp()
+    try:
+        run = trainer.build_run(config, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    sampling = dataclasses.replace(
+        run.sampling_config, min_new_tokens=config.sampling.max_new_tokens
+    )
+    prompts = next(run.spec.prompts)
+    compiled, outputs, record = {}, {}, {}
+    with jax.set_mesh(run.mesh):
+        inputs = (
+            run.state.params,
+            sharding.shard_rows(prompts["prompt_tokens"]),
+            sharding.shard_rows(prompts["prompt_lengths"]),
+            jax.random.key(0),
+        )
+        for name in names:
+            options = FLAG_VARIANTS.get(name, {})
+            patch = CODE_VARIANTS.get(name, contextlib.nullcontext)
+            # A fresh function object: no variant reuses another's compiled program.
+            jitted = jax.jit(
+                sampling_module.generate_fn.__wrapped__,
+                static_argnums=(0,),
+                static_argnames="config",
+            )
+            wall, cpu = time.perf_counter(), time.process_time()
+            with patch():
+                lowered = jitted.lower(run.spec.graphdef, *inputs, config=sampling)
+            compiled[name] = lowered.compile(compiler_options=options or None)
+            record[name] = {
+                "options": options,
+                "compile_wall_s": time.perf_counter() - wall,
+                "compile_cpu_s": time.process_time() - cpu,
+                "wall_s": [],
+                "cpu_s": [],
+            }
+            outputs[name] = jax.block_until_ready(compiled[name](*inputs))
+            print(f"compiled {name}: {record[name]['compile_wall_s']:.1f} s", flush=True)
+        base = outputs["base"]
+        for name in names:
+            out = outputs[name]
+            record[name]["tokens_equal_base"] = bool(np.array_equal(out.tokens, base.tokens))
+            record[name]["max_abs_param_diff_vs_base"] = float(
+                np.max(np.abs(np.asarray(out.log_probs) - np.asarray(base.log_probs)))
+            )
+        for r in range(rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for name in order:
+                wall, cpu = time.perf_counter(), time.process_time()
+                jax.block_until_ready(compiled[name](*inputs))
+                record[name]["wall_s"].append(time.perf_counter() - wall)
+                record[name]["cpu_s"].append(time.process_time() - cpu)
+            print(
+                f"round {r + 1}: " + ", ".join(f"{n} {record[n]['wall_s'][-1]:.2f}" for n in names),
+                flush=True,
+            )
+    return record
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default="base,eigen,ynn_fusions,onednn")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--target",
+        choices=("update", "generate"),
+        default="update",
+        help="the program timed: the update, or the sampler (its log-probs compared)",
+    )
     args = parser.parse_args(argv)
-
-    import jax
-    import numpy as np
 
     from policyopt.runtime import keep_freed_host_memory
 
     keep_freed_host_memory()
-    run, batch = build_batch()
     names = [n for n in args.variants.split(",") if n]
     known = sorted(FLAG_VARIANTS) + sorted(CODE_VARIANTS)
     unknown = [n for n in names if n not in known]
@@ -139,6 +218,20 @@ def main(argv=None) -> None:
         raise SystemExit(f"unknown variants {unknown}; known: {known}")
     if names[0] != "base":
         names.insert(0, "base")
+    if args.target == "generate":
+        record = time_generate(names, args.rounds)
+    else:
+        record = time_update(names, args.rounds)
+    report(record, names, args)
+
+
+def time_update(names: list[str], rounds: int) -> dict:
+    """``Learner.update`` under each variant, interleaved; each variant's new parameters
+    checked against ``base``'s."""
+    import jax
+    import numpy as np
+
+    run, batch = build_batch()
     compiled, states, record = {}, {}, {}
     with jax.set_mesh(run.mesh):
         for name in names:
@@ -176,7 +269,7 @@ def main(argv=None) -> None:
             )
             record[name]["max_abs_param_diff_vs_base"] = diff
             record[name]["base_update_max_abs_step"] = moved
-        for r in range(args.rounds):  # --rounds 0: compile times and checks only
+        for r in range(rounds):  # --rounds 0: compile times and checks only
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 wall, cpu = time.perf_counter(), time.process_time()
@@ -188,6 +281,10 @@ def main(argv=None) -> None:
                 f"round {r + 1}: " + ", ".join(f"{n} {record[n]['wall_s'][-1]:.2f}" for n in names),
                 flush=True,
             )
+    return record
+
+
+def report(record: dict, names: list[str], args) -> None:
     for name in names:
         rec = record[name]
         if not args.rounds:
@@ -203,6 +300,7 @@ def main(argv=None) -> None:
             a / b for a, b in zip(rec["cpu_s"], record["base"]["cpu_s"])
         )
     result = {
+        "target": args.target,
         "variants": record,
         "rounds": args.rounds,
         "loadavg": open("/proc/loadavg").read().split()[:3],
@@ -220,10 +318,14 @@ def main(argv=None) -> None:
             f"{name:<26}{rec['compile_wall_s']:>10.1f}{rec['median_wall_s']:>9.3f}{rec['median_cpu_s']:>9.3f}"
             f"{rec['ratio_wall_vs_base']:>10.3f}{rec['ratio_cpu_vs_base']:>9.3f}{rec['max_abs_param_diff_vs_base']:>10.2e}"
         )
-    print(
-        "(the base update moved parameters by up to "
-        f"{record['base']['base_update_max_abs_step']:.2e})"
-    )
+    if args.target == "generate":
+        print("(max |dp|: of the sampled tokens' log-probs; tokens equal to base's: ", end="")
+        print(", ".join(f"{n} {record[n]['tokens_equal_base']}" for n in names) + ")")
+    else:
+        print(
+            "(the base update moved parameters by up to "
+            f"{record['base']['base_update_max_abs_step']:.2e})"
+        )
     print(f"written: {args.out}")
 
 

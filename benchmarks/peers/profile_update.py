@@ -245,11 +245,13 @@ def main(argv=None) -> None:
 
         step()
         walls, cpus = [], []
+        threads_before = common.thread_cpu_seconds()
         for _ in range(args.repeats):
             wall, cpu = time.perf_counter(), time.process_time()
             step()
             walls.append(time.perf_counter() - wall)
             cpus.append(time.process_time() - cpu)
+        threads = common.thread_split(threads_before, common.thread_cpu_seconds())
         ops = trace_ops(step, args.repeats)
     if args.hlo:
         args.hlo.write_text(hlo)
@@ -305,6 +307,7 @@ def main(argv=None) -> None:
         "by_kind_s": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "by_source_s": dict(sorted(by_source.items(), key=lambda kv: -kv[1])),
         "by_phase_s": dict(sorted(by_phase.items(), key=lambda kv: -kv[1])),
+        "threads": threads,
         "loadavg": open("/proc/loadavg").read().split()[:3],
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
@@ -333,6 +336,11 @@ def main(argv=None) -> None:
         print(f"by {title}:")
         for key, s in list(result[table].items())[:20]:
             print(f"  {s:8.3f} s {s / traced_s:6.1%}  {key[:100]}")
+    print(
+        f"threads: {threads['busiest_thread_share']:.0%} of the timed calls' CPU time on the "
+        "busiest thread; busy threads' seconds "
+        + ", ".join(f"{t:.2f}" for t in threads["threads_s"])
+    )
     print(f"written: {args.out}")
 
 

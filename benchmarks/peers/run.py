@@ -41,6 +41,8 @@ COLUMNS = (
     ("update_s", "update"),
     ("first_iteration_s", "first iteration"),
 )
+# The same phases in process CPU seconds (every thread of the side's process).
+CPU_COLUMNS = tuple((key.replace("_s", "_cpu_s"), title) for key, title in COLUMNS)
 
 
 def log(message: str) -> None:
@@ -80,8 +82,10 @@ def build(side: str, python: str) -> None:
     marker.write_text(digest + "\n")
 
 
-def side_env(side: str) -> dict:
+def side_env(side: str, omp_passive: bool = False) -> dict:
     env = dict(os.environ)
+    if omp_passive:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     env.update(
         JAX_PLATFORMS="cpu",
         TF_CPP_MIN_LOG_LEVEL="3",
@@ -161,7 +165,11 @@ def run_side(side: str, args) -> dict:
         start = time.perf_counter()
         with LoadSampler() as load:
             proc = subprocess.run(
-                command, env=side_env(side), cwd=tmp, capture_output=True, text=True
+                command,
+                env=side_env(side, args.omp_passive),
+                cwd=tmp,
+                capture_output=True,
+                text=True,
             )
         wall = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -199,6 +207,8 @@ def settings(args) -> dict:
         "iterations": args.iterations,
         "warmup": args.warmup,
         "old_log_probs": args.old_log_probs,
+        # Only when set, so that results written before the option still resume.
+        **({"omp_passive": True} if args.omp_passive else {}),
         "requirements": {side: requirements_digest(side) for side in args.sides},
     }
 
@@ -231,8 +241,11 @@ def summarise(results: dict, sides) -> dict:
         if not runs:
             continue
         row = {"runs": len(runs)}
-        for key, _ in COLUMNS:
-            values = [r["median"][key] if key in r["median"] else r[key] for r in runs]
+        for key, _ in COLUMNS + CPU_COLUMNS:
+            values = [r["median"].get(key, r.get(key)) for r in runs]
+            values = [v for v in values if v is not None]  # runs from before CPU times
+            if not values:
+                continue
             row[key] = {
                 "median": statistics.median(values),
                 "min": min(values),
@@ -252,22 +265,25 @@ def summarise(results: dict, sides) -> dict:
 
 def print_table(table: dict, results: dict) -> None:
     info = results["machine"]
-    print(
-        f"\nOne GRPO iteration, {info['cpu']} ({info['cores']} cores); "
-        f"median over rounds of each run's median (range over rounds), seconds"
-    )
-    header = f"{'side':<12}" + "".join(f"{title:>22}" for _, title in COLUMNS) + f"{'load':>7}"
-    print(header)
-    for side, row in table.items():
-        cells = []
-        for key, _ in COLUMNS:
-            cell = row[key]
-            text = f"{cell['median']:.2f}"
-            if row["runs"] > 1:
-                text += f" ({cell['min']:.2f}-{cell['max']:.2f})"
-            cells.append(f"{text:>22}")
-        load = row["loadavg_1min_mean"]
-        print(f"{side:<12}" + "".join(cells) + (f"{load:>7.1f}" if load is not None else ""))
+    for columns, unit in ((COLUMNS, "wall seconds"), (CPU_COLUMNS, "process CPU seconds")):
+        if not any(columns[0][0] in row for row in table.values()):
+            continue
+        print(
+            f"\nOne GRPO iteration, {info['cpu']} ({info['cores']} cores); {unit}, "
+            f"median over rounds of each run's median (range over rounds)"
+        )
+        header = f"{'side':<12}" + "".join(f"{title:>22}" for _, title in columns)
+        print(header + f"{'load':>7}")
+        for side, row in table.items():
+            cells = []
+            for key, _ in columns:
+                cell = row.get(key)
+                text = "-" if cell is None else f"{cell['median']:.2f}"
+                if cell is not None and row["runs"] > 1:
+                    text += f" ({cell['min']:.2f}-{cell['max']:.2f})"
+                cells.append(f"{text:>22}")
+            load = row["loadavg_1min_mean"]
+            print(f"{side:<12}" + "".join(cells) + (f"{load:>7.1f}" if load is not None else ""))
     for side, row in table.items():
         span = row.get("first_iteration_compilation")
         if span:
@@ -281,11 +297,14 @@ def print_table(table: dict, results: dict) -> None:
         for side in table:
             if side == "policyopt":
                 continue
-            ratios = ", ".join(
-                f"{title} {table[side][key]['median'] / ours[key]['median']:.2f}x"
-                for key, title in COLUMNS
-            )
-            print(f"{side} / policyopt: {ratios}")
+            for columns, unit in ((COLUMNS, "wall"), (CPU_COLUMNS, "CPU")):
+                ratios = ", ".join(
+                    f"{title} {table[side][key]['median'] / ours[key]['median']:.2f}x"
+                    for key, title in columns
+                    if key in table[side] and key in ours
+                )
+                if ratios:
+                    print(f"{side} / policyopt, {unit}: {ratios}")
 
 
 def main(argv=None) -> None:
@@ -299,6 +318,13 @@ def main(argv=None) -> None:
         choices=("sampler", "trainer"),
         default="sampler",
         help="pi_old from the sampler's log-probs, or from a forward pass of the trainer",
+    )
+    parser.add_argument(
+        "--omp_passive",
+        action="store_true",
+        help="OMP_WAIT_POLICY=PASSIVE for every side: OpenMP threads (torch's) sleep at once "
+        "instead of spinning at each parallel region's barrier, which on a loaded machine "
+        "burns CPU time (and wall time) that measures the load, not the work",
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
     parser.add_argument("--fresh", action="store_true", help="discard the runs in --out")
@@ -333,7 +359,9 @@ def main(argv=None) -> None:
             log(
                 f"{side}: {med['iteration_s']:.2f} s / iteration (generate "
                 f"{med['generate_s']:.2f}, update {med['update_s']:.2f}), first "
-                f"{run['first_iteration_s']:.1f} s, "
+                f"{run['first_iteration_s']:.1f} s; CPU {med['iteration_cpu_s']:.2f} s / "
+                f"iteration (generate {med['generate_cpu_s']:.2f}, update "
+                f"{med['update_cpu_s']:.2f}), first {run['first_iteration_cpu_s']:.1f} s; "
                 f"load {run['load'].get('loadavg_1min_mean', 0):.1f}"
             )
     results["table"] = summarise(results, args.sides)

@@ -5,7 +5,9 @@ the shared geometry (``common.GEOMETRY``), as ``experiments/train.py`` runs it.
 
 The one change to the recipe's run: the sampler draws no end token before the 64th
 (``SamplingConfig.min_new_tokens``), so every response has exactly 64 tokens, as on the
-other sides. Times are the trainer's own (``time/generate_s``, ``time/update_s``, ...).
+other sides. Wall times are the trainer's own (``time/generate_s``, ``time/update_s``,
+...); CPU times (``*_cpu_s``) are the process's over ``iteration.generate`` (until the
+rollout exists), ``iteration.update_epochs`` and the whole ``trainer.rl_iteration``.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def config_for(old_log_probs: str):
         "optim.max_grad_norm": g["max_grad_norm"],
         "train.eval_every": 0,
         "train.routing_metrics": False,
-        "train.tensorboard": False,
+        "train.loggers": "jsonl",
     }
     config = grpo.get_config()
     config.unlock()
@@ -73,11 +75,14 @@ def main() -> None:
     start = time.perf_counter()
     import jax
 
-    from policyopt.rl import trainer
+    from policyopt.rl import iteration, trainer
     from policyopt.runtime import keep_freed_host_memory
 
     keep_freed_host_memory()  # as experiments/train.py does
     compiles = common.JaxCompileLog()
+    cpu = common.CpuClock()
+    cpu.wrap(iteration, "generate", "generate_cpu_s", block=jax.block_until_ready)
+    cpu.wrap(iteration, "update_epochs", "update_cpu_s")
     config = config_for(args.old_log_probs)
     workdir = tempfile.mkdtemp()
     try:
@@ -91,7 +96,9 @@ def main() -> None:
         compiles.mark()  # span 0: the set-up; then one span per iteration
         iterations = []
         for _ in range(args.warmup + args.iterations):
+            cpu_start = time.process_time()
             metrics = trainer.rl_iteration(run)
+            iteration_cpu_s = time.process_time() - cpu_start
             compiles.mark()
             iterations.append(
                 {
@@ -99,6 +106,9 @@ def main() -> None:
                     "generate_s": metrics["time/generate_s"],
                     "score_s": metrics["time/score_s"],
                     "update_s": metrics["time/update_s"],
+                    "iteration_cpu_s": iteration_cpu_s,
+                    "generate_cpu_s": cpu.take("generate_cpu_s"),
+                    "update_cpu_s": cpu.take("update_cpu_s"),
                     **(
                         {"old_log_probs_s": metrics["time/old_log_probs_s"]}
                         if "time/old_log_probs_s" in metrics

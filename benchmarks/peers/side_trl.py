@@ -9,7 +9,8 @@ separate pass, which is the work of policyopt's ``algo.old_log_probs=sampler``. 
 step: ``generate_s`` (``_generate_and_score_completions`` less the reward functions),
 ``score_s`` (the reward functions), ``update_s`` (from there to the end of the optimiser
 step: forward, backward, clipping, AdamW), ``iteration_s`` (from one step's end to the
-next's; the first from the start of ``train``, with the trainer's set-up).
+next's; the first from the start of ``train``, with the trainer's set-up), each also as
+the process's CPU time (``*_cpu_s``) between the same points.
 """
 
 from __future__ import annotations
@@ -99,11 +100,15 @@ def main() -> None:
         dataloader_num_workers=0,
     )
 
+    # (wall, process CPU) seconds at each point.
     marks = {"generated": [], "scored": [], "step_end": []}
+
+    def now():
+        return time.perf_counter(), time.process_time()
 
     class StepEnds(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            marks["step_end"].append(time.perf_counter())
+            marks["step_end"].append(now())
 
     trainer = GRPOTrainer(
         model=model,
@@ -118,15 +123,15 @@ def main() -> None:
     seen = {}
 
     def timed_rewards(*a, **k):
-        t0 = time.perf_counter()
+        t0 = now()
         out = calculate_rewards(*a, **k)
-        marks["scored"].append(time.perf_counter() - t0)
+        marks["scored"].append(tuple(b - a for a, b in zip(t0, now())))
         return out
 
     def timed_generate(batch):
-        t0 = time.perf_counter()
+        t0 = now()
         out = generate_and_score(batch)
-        marks["generated"].append((t0, time.perf_counter()))
+        marks["generated"].append((t0, now()))
         seen["prompt_tokens"] = int(out["prompt_ids"].shape[1])
         lengths = out["completion_mask"].sum(dim=1)
         seen["response_tokens_min"] = int(lengths.min())
@@ -138,21 +143,24 @@ def main() -> None:
     trainer._generate_and_score_completions = timed_generate
     params = sum(p.numel() for p in model.parameters())
     setup_s = time.perf_counter() - start
-    train_start = time.perf_counter()
+    train_start = now()
     try:
         trainer.train()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     iterations, previous = [], train_start
     for (g0, g1), score, end in zip(marks["generated"], marks["scored"], marks["step_end"]):
-        iterations.append(
-            {
-                "iteration_s": end - previous,
-                "generate_s": g1 - g0 - score,
-                "score_s": score,
-                "update_s": end - g1,
-            }
-        )
+        times = {}
+        for clock, suffix in ((0, "_s"), (1, "_cpu_s")):
+            times.update(
+                {
+                    "iteration" + suffix: end[clock] - previous[clock],
+                    "generate" + suffix: g1[clock] - g0[clock] - score[clock],
+                    "score" + suffix: score[clock],
+                    "update" + suffix: end[clock] - g1[clock],
+                }
+            )
+        iterations.append(times)
         previous = end
     if len(iterations) != steps:
         raise RuntimeError(f"expected {steps} steps, timed {len(iterations)}")

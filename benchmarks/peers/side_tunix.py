@@ -10,7 +10,7 @@ that the vocabulary does not hold, so every response has exactly 64 tokens. Acto
 rollout share one model (no weight copy). Times per global step: ``generate_s``
 (``RLCluster.generate``), ``score_s`` (the reward functions), ``update_s``
 (``RLCluster.update_actor``, until the new parameters are computed), ``iteration_s`` (the
-global step, ``_run_global_step``).
+global step, ``_run_global_step``), each also as the process's CPU time (``*_cpu_s``).
 """
 
 from __future__ import annotations
@@ -108,6 +108,7 @@ def main() -> None:
 
     learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=algo, reward_fns=[correct])
 
+    # (wall, process CPU) seconds of each call.
     marks = {"generate": [], "score": [], "update": [], "step": []}
     seen = {}
 
@@ -115,11 +116,11 @@ def main() -> None:
         original = getattr(owner, name)
 
         def wrapper(*a, **k):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = original(*a, **k)
             if block is not None:
                 jax.block_until_ready(block(out))
-            marks[key].append(time.perf_counter() - t0)
+            marks[key].append((time.perf_counter() - t0, time.process_time() - c0))
             return out
 
         setattr(owner, name, wrapper)
@@ -161,10 +162,12 @@ def main() -> None:
     compiles.mark()  # span 0: the set-up; then one span per global step
     learner.train(data)  # RLCluster enters each role's mesh itself
     iterations = [
-        {"iteration_s": step, "generate_s": gen, "score_s": score, "update_s": update}
-        for step, gen, score, update in zip(
-            marks["step"], marks["generate"], marks["score"], marks["update"]
-        )
+        {
+            f"{phase}{suffix}": times[clock]
+            for phase, times in zip(("iteration", "generate", "score", "update"), phases)
+            for clock, suffix in ((0, "_s"), (1, "_cpu_s"))
+        }
+        for phases in zip(marks["step"], marks["generate"], marks["score"], marks["update"])
     ]
     if len(iterations) != steps:
         raise RuntimeError(f"expected {steps} global steps, timed {len(iterations)}")

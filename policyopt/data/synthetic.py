@@ -1,50 +1,11 @@
 """A synthetic verifiable arithmetic task, generated deterministically from a seed.
 
-A record is a dict of strings:
-
-```
-{"prompt": "471+853=",                         # what the policy sees (after BOS)
- "answer": "1324",                             # the reference, an integer
- "solution": "<think>4,12,13</think>\\boxed{1324}",   # a worked response (SFT target)
- "wrong_answer": "1224"}                       # what the wrong procedure gives
-```
-
-Worked solutions are short, so that a tiny model can be sampled many times per RL step
-on a CPU: with the default difficulty (two 3-digit operands, addition) a response is at
-most 16 character tokens plus EOS.
-
-**Addition traces (operators == "+").** The reasoning lists the column sums from the
-units column up, each including the carry from the column below; the answer is the top
-column sum written in full followed by the units digits of the lower columns, read
-top-down. For 471 + 853: units 1+3 = 4, tens 7+5 = 12, hundreds 4+8+1 = 13, so the
-trace is `4,12,13` and the answer `13|2|4` = 1324. The *wrong procedure* (knob
-`wrong_procedure_fraction`) is the classic one of a pupil who forgets to carry: the
-same trace and read-out, but no column adds the carry from below: `4,12,12` -> 1224.
-When no column below the top reaches 10 both procedures give the right answer.
-
-**Other operators** (any of `+-*`, standard precedence, `*` first, then left to right):
-the reasoning lists each binary step in evaluation order, `12*3=36,5+36=41,41-4=37`. The
-wrong procedure ignores precedence and evaluates strictly left to right
-(`5+12=17,17*3=51,51-4=47`), which is right whenever precedence does not matter.
-
-**Remainders** (`operators="mod"`): `152mod9=` asks for the remainder of 152 divided by
-9, worked by repeated subtraction, one binary step per subtraction, each restating the
-divisor: `152-9=143,143-9=134,...,17-9=8` and the answer `8`. Every step depends only on
-the step before it (the previous difference and the divisor), so a small model can follow
-a chain of any length; the number of steps is the quotient, drawn uniformly in
-[`min_steps`, `max_steps`], which spreads the responses' lengths (the length-variety task
-of experiments/reproduce.py, claim 3). The wrong procedure is that of a pupil who stops
-one subtraction early, once what is left is below twice the divisor: `30mod7=` ->
-`30-7=23,23-7=16,16-7=9`, answer 9 (the remainder plus the divisor; with a quotient of 1,
-no subtraction at all). Its one wrong decision comes at the end of the chain, after
-every step has been right, so that a policy which mixes both procedures gains by
-continuing one step further on responses of every length.
-
-**Splits.** Whether a problem belongs to "train" or "test" is decided by hashing its
-prompt (independently of the seed), so the splits are disjoint for every seed and every
-number of examples; within a split problems are distinct. Generation uses Python's
-`random.Random` seeded with a string (stable across Python versions), one stream per
-(seed, split).
+A record is a dict of strings: ``prompt`` ("471+853="), ``answer`` ("1324"), ``solution``
+(a worked response, the SFT target: "<think>4,12,13</think>\\boxed{1324}") and
+``wrong_answer`` (what a pupil's wrong procedure gives: no carry, no precedence, or one
+subtraction too few for remainders). The train and test splits are disjoint for every seed
+(decided by hashing the prompt). The traces, the wrong procedures and the splits:
+docs/design.md, "The synthetic arithmetic task".
 """
 
 from __future__ import annotations

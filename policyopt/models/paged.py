@@ -1,82 +1,14 @@
-"""A paged KV cache: a pool of fixed-size pages, a page table per row, a free stack.
+"""A paged KV cache: a pool of fixed-size pages, a page table per row, a free stack
+(vLLM's PagedAttention, arXiv 2309.06180), so memory follows the tokens each row holds.
 
-Memory then follows the tokens each row actually holds, not prompt + max_new_tokens per
-row (vLLM's PagedAttention, Kwon et al. 2023, arXiv 2309.06180).
-
-Layout. Keys and values of every layer live in one pool each, ``[L, Hkv, NP, ps, Dh]``
-(NP pages of ``ps`` token slots), or, in the per-layer form (``per_layer=True``,
-``unstack()``), in a tuple of L pools ``[Hkv, NP, ps, Dh]``: exactly the layout that JAX's
-TPU paged-attention kernel (``jax.experimental.pallas.ops.tpu.paged_attention``) reads,
-so the kernel gets a layer's pool with no transpose. The per-layer form is what the
-engine carries for an unrolled model: each layer's attention reads its own buffers,
-where a layer of the stacked pool is first copied out of it by XLA:CPU before a batched
-product can read it (2 x 8 MB per layer and decode step at 1,024 pages of moe_7m, with
-"pool" attention; benchmarks/HISTORY.md "2026-12-02: the engine's long tail"). A scanned
-model (``scan_layers``) carries the stacked form through its layer scan. Both forms give the
-same results. Row ``r`` holds its token ``s`` at page ``page_table[r, s // ps]``,
-slot ``s % ps``; an entry equal to NP means "no page" (writes there are dropped).
-
-Allocation is in-jit, from a free stack (``free[:num_free]`` holds the free page ids):
-a decode step runs inside a ``lax.while_loop``, and a row needs a new page every ``ps``
-steps, so a host-side allocator would stop the loop every ``ps`` steps to ask the host.
-The stack keeps allocation a cumsum and two scatters per step, on the device.
-``reserve`` grants each asking row all of its pages or none (rows served in row order
-while pages last); a row refused stays where it is and asks again next step: it waits,
-it is never truncated. ``release`` drops a row's references to its pages and pushes the
-pages left with none back on the stack. The G samples of a prompt share its full pages
-(``copy_rows``; ``refs`` counts the rows on each page), each with its own copy of a
-partly filled last page: no row writes below its length, so shared pages stay read-only.
-
-Attention over pages (``attend``):
-  * ``"gather"`` (the cache's default; every prefill): the row's pages are gathered
-    into a ``[Hkv, B, S, Dh]`` block (S = max_pages * ps), then masked grouped attention
-    as in ``policyopt.models.attention.dot_product_attention``: two batched matmuls.
-  * ``"online"``: page by page in a ``lax.scan`` with an online softmax. Measured by
-    ``benchmarks/bench_paged_attention.py`` (one decode step of one layer, B = 64,
-    160 slots, moe_7m's heads) on the 2-core CPU shared with other jobs: gather 22.8 and
-    25.3 ms, online 20.1 and 18.6 ms, the dense KVCache 3.2 and 3.4 ms (two runs); kept
-    for a device where it measures faster.
-  * ``"pool"`` (one-token decode; prefill uses the gather; the engine's default): each
-    held page scored against the query of the row that holds it (``pool_attention``), a
-    per-row softmax by segment max and segment sums; the pages a group's rows share are
-    listed and gathered, a chunk of ``shared_refs`` at a time. By default the whole pool
-    is scored in place (no gather): work follows the pool's pages (the budget). With
-    ``held_pages`` = K the pages held are listed and gathered K at a time: work follows
-    the pages held (the engine picks K per decode call, ``EngineConfig.held_page_bucket``,
-    up to half the pool, where the gather measures cheaper than the pool in place). One
-    layer (benchmarks/bench_paged_attention.py, 2026-12-02 16:59 UTC, 2-core CPU under
-    load ~3, ms CPU per call): uniform (64 rows of <= 160 tokens, 506 of 640 pages held)
-    gather 3.43, pool 1.77 (over a list of 512 held pages: 2.55), the dense cache 0.61;
-    long tail (26 of 64 rows up to 544 tokens, 515 of 1,024 pages) gather 27.5, online
-    12.7, pool 4.7, the dense cache over 544 slots 2.2. In the engine's decode
-    (``python -m benchmarks.bench_sampling --skip_main --engine_uniform --runs 3
-    --long_tail_runs 3``, medians of 3 alternated calls, benchmarks/RESULTS.md "The
-    engine on a long tail"): long-tailed mix 22.9 s against the gather's 34.3 (3.57x the
-    static batch's tokens/s against 2.39x; in an A/B run 24.2 s with the held-page lists,
-    31.7 s without), the uniform case 3.85 s against 3.93 (an A/B of 5 calls: 3.62
-    against 3.97, 4.08 without the lists). With
-    the stacked pools XLA:CPU copied each layer's slice (8 MB at 1,024 pages) before the
-    products read it: the engine carries per-layer pools.
-  * ``"pallas"`` (TPUs, one-token decode only): the kernel that ships with JAX; prefill
-    (T > 1) uses the gather. On a CPU it runs in Pallas' TPU interpret mode
-    (``jax.experimental.pallas.tpu.force_tpu_interpret_mode``), which the tests use. The
-    kernel reads every K and V page as bfloat16 whatever the pool's dtype (it takes no
-    dtype), so it takes bfloat16 pools only: a float32 pool is refused when the cache is
-    created (it would decode at bfloat16 precision, log-probs ~1e-2 off per step).
-
-Shards. ``shards = S`` splits the pool into S pools of NP / S pages, each serving R / S
-rows (rows ``s R/S .. (s+1) R/S - 1`` use pool s; page ids in the table are local to a
-pool). Every method then runs on the S pools side by side (``_per_shard``, a vmap):
-allocation, copies and attention never cross pools. With the pools' pages and the rows
-split over the same mesh axes (``policyopt.engine``: the row axes ``data``, ``fsdp``,
-``expert``), each device allocates from and attends over its own pages: the pool is never
-gathered.
-
-Contract of a forward call with ``T`` tokens per row: the real tokens of a row
-(``token_mask``) are a prefix of its T tokens (right padding); they go to slots
-``lengths[r] .. lengths[r] + n_r - 1``; the caller reserves their pages first and then
-advances ``lengths`` by ``n_r`` (``advance``). ``Transformer`` bumps ``index``, which
-the paged cache does not use.
+Pools ``[L, Hkv, NP, ps, Dh]`` (or per layer, ``[Hkv, NP, ps, Dh]``: the layout of JAX's TPU
+paged-attention kernel); row ``r`` holds token ``s`` at ``page_table[r, s // ps]``, slot
+``s % ps``; an entry equal to NP means "no page". Pages are allocated in-jit from a free
+stack (``reserve`` / ``release``; a refused row waits, never truncated), a group's samples
+share their prompt's full pages (``copy_rows``), and ``attend`` reads the pages by gather,
+online softmax, the pool in place, or the Pallas kernel. ``shards`` splits the pool so that
+each device allocates from and attends over its own pages. The layout, the attention paths
+and their measured costs: docs/scale.md, "The paged KV cache".
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ or in a pool of worker processes.
 
 The verifiers judge each sample (format, correctness c in [0, 1], language); the reward
 arithmetic on their verdicts (Magistral, arXiv 2506.10910; DAPO, arXiv 2503.14476) is
-:func:`policyopt.rewards.compose.compose_rewards`. The pool (``multiprocessing``'s
-forkserver, preloading :mod:`policyopt.rewards.worker`), the batch deadline and what a
+:func:`policyopt.rewards.compose.compose_rewards`. The pool (processes forked from the
+library's verifier server, :mod:`policyopt.rewards.worker`), the batch deadline and what a
 missed or lost sample gets: ``docs/rewards.md``, "Batch scoring".
 """
 
@@ -13,8 +13,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
-import multiprocessing
-import os
+import importlib
 import sys
 import threading
 import time
@@ -28,7 +27,9 @@ from policyopt.rewards import format as format_lib
 from policyopt.rewards import language as language_lib
 from policyopt.rewards import length as length_lib
 from policyopt.rewards import math as math_lib
+from policyopt.rewards import worker as worker_lib
 from policyopt.rewards.compose import Verdicts, compose_rewards
+from policyopt.rewards.verifiers import VERIFIERS
 
 # The parent waits this long past the deadline for chunks that workers are finishing.
 _DEADLINE_GRACE_S = 0.5
@@ -41,8 +42,9 @@ class RewardSpec:
     """How a completion's reward is composed (the formula: ``policyopt.rewards.compose``).
 
     Attributes:
-      task: "math" (last ``\\boxed{}`` vs the reference) or "code" (first fenced block run
-        against the reference tests).
+      task: the verifier (``policyopt.rewards.verifiers.VERIFIERS``): "math" (last
+        ``\\boxed{}`` vs the reference), "code" (first fenced block run against the reference
+        tests), or one a user's module registered (``register_verifier``).
       format_reward: apply Magistral's format gate (fail: reward 0, grading stops).
       format_value: reward of a well-formatted response (Magistral: 0.1).
       correct_value: added for a correct, well-formatted response (Magistral: 0.9).
@@ -83,6 +85,8 @@ class RewardSpec:
         scores c = 0 (the format check and shaping still count) with status
         "verifier_error", counted in ``metrics["verifier_errors"]`` and logged once per
         process. A path the scoring workers cannot import raises from ``score_batch``.
+      imports: modules to import before scoring, in the scoring workers too (a run's
+        ``config.imports``: where ``task``'s verifier may be registered).
       verifier_timeout_s: per-sample limit of ``verifier``.
       answer_format: math: where the answer is, ``"boxed"`` (the last ``\\boxed{}``),
         ``"answer_line"`` (the last ``Answer: ...`` line, DAPO-Math-17k's format) or
@@ -113,11 +117,13 @@ class RewardSpec:
     verifier: str | None = None
     verifier_timeout_s: float = 5.0
     answer_format: str = "boxed"
+    imports: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.task not in format_lib.TASKS:
+        _import_modules(self.imports)
+        if self.task not in VERIFIERS:
             raise ValueError(
-                f"RewardSpec.task must be one of {format_lib.TASKS}, got {self.task!r}"
+                f"RewardSpec.task must be one of {tuple(VERIFIERS)}, got {self.task!r}"
             )
         if self.answer_format not in math_lib.ANSWER_FORMATS:
             raise ValueError(
@@ -198,6 +204,13 @@ _LOST = SampleScore(False, 0.0, "worker_error")
 UNSCORED = ("deadline", "worker_error")
 
 
+def _import_modules(names: Sequence[str]) -> None:
+    """Imports each of ``names`` (a run's ``config.imports``, checked with the config)."""
+    for name in names:
+        if name not in sys.modules:
+            importlib.import_module(name)
+
+
 def _split_for_language(completion: str) -> tuple[str, str]:
     parts = format_lib.split_think(completion)
     if parts is not None:
@@ -229,11 +242,10 @@ def score_sample(
         them.
     """
     completion = str(completion)
+    verifier = VERIFIERS[spec.task]
     # The format check applies only where the recipe asks for a format (Magistral's gate).
     is_formatted = (
-        format_lib.format_ok(completion, spec.task, spec.answer_format)
-        if spec.format_reward
-        else True
+        verifier.format_ok(completion, spec.answer_format) if spec.format_reward else True
     )
     if not is_formatted:
         return SampleScore(False, 0.0, "format")
@@ -246,29 +258,8 @@ def score_sample(
         correctness, status = custom_lib.custom_correctness(
             spec.verifier, completion, reference, max(limit, 1e-3)
         )
-    elif spec.task == "math":
-        timeout_s = (
-            spec.math_timeout_s if time_left_s is None else min(spec.math_timeout_s, time_left_s)
-        )
-        verdict = math_lib.verify_math(
-            completion, reference, timeout_s=max(timeout_s, 1e-3), answer_format=spec.answer_format
-        )
-        correctness, status = verdict.score, verdict.status
     else:
-        from policyopt.rewards import code as code_lib  # deferred: only code tasks need it
-
-        result = code_lib.run_code_tests(
-            completion,
-            reference,
-            timeout_s=spec.code_timeout_s,
-            memory_mb=spec.code_memory_mb,
-            disk_mb=spec.code_disk_mb,
-            stop_at_first_failure=not spec.code_partial,
-            max_tests=spec.code_max_tests,
-            isolation=spec.code_isolation,
-        )
-        correctness = result.pass_rate if spec.code_partial else float(result.all_passed)
-        status = result.status
+        correctness, status = verifier.score(completion, reference, spec, time_left_s)
     language_ok = False
     if spec.language_bonus:
         reasoning, answer = _split_for_language(completion)
@@ -284,6 +275,7 @@ def _score_chunk(
     """Scores items ``(completion, reference, prompt, task)`` in order (a task other than
     None overrides ``spec.task`` for its item); once ``deadline`` (time.time()) has
     passed, the rest are missed."""
+    _import_modules(spec.imports)  # in a worker: where the verifiers are registered
     if spec.verifier is not None:
         custom_lib.load_verifier(
             spec.verifier
@@ -306,93 +298,82 @@ def _score_chunk(
     return scores
 
 
-def _warm_worker() -> None:
-    math_lib.mark_killable_process()  # math-verify runs here: the parent kills stuck workers
-    math_lib.load_math_verify()  # no-op when the fork server preloaded it
+def _score_chunk_in_worker(items, spec: RewardSpec, deadline: float | None):
+    """``_score_chunk`` in a scoring worker: a verifier the worker cannot import comes back
+    as the error (a value; not a crash, which would kill the pool)."""
+    try:
+        return _score_chunk(items, spec, deadline)
+    except custom_lib.VerifierImportError as error:
+        return error
 
 
 # Worker pools by (name, size). Callers that score at the same time from different threads
 # use different names (the asynchronous trainer's scoring thread: "async"; evaluation and
-# the synchronous trainer: "default"): a pool killed after a missed deadline cancels the
-# futures of everyone using it.
-_POOLS: dict[tuple[str, int], concurrent.futures.ProcessPoolExecutor] = {}
+# the synchronous trainer: "default"): a pool killed after a missed deadline fails the
+# calls of everyone using it.
+_POOLS: dict[tuple[str, int], worker_lib.WorkerPool] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _get_pool(num_workers: int, name: str = "default") -> concurrent.futures.ProcessPoolExecutor:
+def _get_pool(num_workers: int, name: str = "default") -> worker_lib.WorkerPool:
     with _POOLS_LOCK:
         pool = _POOLS.get((name, num_workers))
-        if pool is None:
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(["policyopt.rewards.worker"])
-            pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=num_workers, mp_context=context, initializer=_warm_worker
-            )
+        if pool is None or pool.closed:
+            # The server preloads this module too: the workers unpickle its functions.
+            preload = (*worker_lib.POOL_PRELOAD, __name__)
+            pool = worker_lib.WorkerPool(num_workers, name=f"score-{name}", preload=preload)
             _POOLS[(name, num_workers)] = pool
         return pool
-
-
-def _ping(delay_s: float) -> int:
-    time.sleep(delay_s)
-    return os.getpid()
 
 
 def start_workers(num_workers: int, pool: str = "default") -> None:
     """Starts the scoring pool of ``num_workers`` processes now and waits until all are up;
     with 0 (serial scoring), the calling thread's math verifier process.
 
-    The first :func:`score_batch` call otherwise pays this (SymPy imported and warmed:
-    seconds) in its wall time, though not in any sample's limit; call this once at set-up,
-    from the thread that will score. Idempotent. ``pool``: see :func:`score_batch`.
+    The first :func:`score_batch` call otherwise pays this (the verifier server's start,
+    SymPy imported and warmed: seconds) in its wall time, though not in any sample's
+    limit; call this once at set-up. Idempotent. ``pool``: see :func:`score_batch`.
     """
     if num_workers == 0:
         math_lib.start_verifier()
         return
-    pool = _get_pool(num_workers, pool)
-    # Overlapping sleeps make the executor start every worker (it spawns on demand).
-    list(pool.map(_ping, [0.05] * num_workers))
+    _get_pool(num_workers, pool)
 
 
 def kill_pool(num_workers: int, name: str = "default", only=None) -> None:
     """Kills the workers of a pool (some may be stuck in C code) and forgets the pool: its
-    callers' pending work is lost (scored as lost to a crashed worker). The next call
-    that needs the pool starts a new one. ``only``: kill the pool registered under the
-    name only if it is this executor (a call cleaning up the pool it used must not kill a
-    newer one that another caller of the same name has started since)."""
+    callers' pending work is lost (scored as lost to a crashed worker), the sandboxes of
+    code tests it was running removed. The next call that needs the pool starts a new one
+    (forks: milliseconds). ``only``: kill the pool registered under the name only if it
+    is this one (a call cleaning up the pool it used must not kill a newer one that
+    another caller of the same name has started since)."""
     with _POOLS_LOCK:
         key = (name, num_workers)
         if only is not None and _POOLS.get(key) is not only:
             return
         pool = _POOLS.pop(key, None)
-    if pool is None:
-        return
-    # ProcessPoolExecutor has no public kill before Python 3.14 (kill_workers); until
-    # then the worker processes are reached through its private `_processes` dict.
-    processes = list(getattr(pool, "_processes", {}).values())
-    if hasattr(pool, "kill_workers"):
-        pool.kill_workers()
-    else:
-        for process in processes:
-            process.kill()
-    pool.shutdown(wait=False, cancel_futures=True)
-    if processes:  # working directories of code tests the killed workers were running
-        from policyopt.rewards import sandbox
-
-        for process in processes:
-            process.join(timeout=5)
-        sandbox.remove_stale_sandboxes([process.pid for process in processes])
+    if pool is not None:
+        pool.kill()
 
 
 def shutdown_pools() -> None:
-    """Stops every worker pool started by :func:`score_batch` (also run at exit)."""
+    """Stops every worker pool started by :func:`score_batch`, letting running chunks
+    finish."""
     with _POOLS_LOCK:
         pools = list(_POOLS.values())
         _POOLS.clear()
     for pool in pools:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown()
 
 
-atexit.register(shutdown_pools)
+@atexit.register
+def _kill_pools() -> None:
+    """At exit nobody waits for scores: every pool is killed, its sandboxes removed."""
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+    for pool in pools:
+        pool.kill()
 
 
 def _wait(futures, deadline):
@@ -420,13 +401,13 @@ def _score_parallel(
     """Returns the scores and the number of samples lost to crashed workers."""
     chunk_size = max(1, -(-len(items) // (num_workers * _CHUNKS_PER_WORKER)))
     chunks = [items[start : start + chunk_size] for start in range(0, len(items), chunk_size)]
+    pool = _get_pool(num_workers, name)
     try:
+        futures = [pool.submit(_score_chunk_in_worker, chunk, spec, deadline) for chunk in chunks]
+    except worker_lib.PoolClosed:  # another caller's deadline or crash stopped it: afresh
+        kill_pool(num_workers, name, only=pool)
         pool = _get_pool(num_workers, name)
-        futures = [pool.submit(_score_chunk, chunk, spec, deadline) for chunk in chunks]
-    except (concurrent.futures.BrokenExecutor, RuntimeError):  # a worker died between calls, or
-        kill_pool(num_workers, name, only=pool)  # another thread shut the pool down: start afresh
-        pool = _get_pool(num_workers, name)
-        futures = [pool.submit(_score_chunk, chunk, spec, deadline) for chunk in chunks]
+        futures = [pool.submit(_score_chunk_in_worker, chunk, spec, deadline) for chunk in chunks]
     done, not_done = _wait(futures, deadline)
     scores: list[SampleScore] = []
     errors, broken = 0, any(not f.cancelled() for f in not_done)
@@ -437,15 +418,16 @@ def _score_parallel(
             continue
         if future in done:
             try:
-                scores.extend(future.result())
-                continue
-            except custom_lib.VerifierImportError:
-                raise  # the workers cannot import RewardSpec.verifier: not a crash to score as 0
-            except Exception:  # noqa: BLE001 - BrokenProcessPool (a worker died, e.g. OOM)
+                result = future.result()
+            except Exception:  # noqa: BLE001 - WorkerCrashed (a worker died, e.g. OOM)
                 errors += len(chunk)
                 broken = True
                 scores.extend([_LOST] * len(chunk))
                 continue
+            if isinstance(result, custom_lib.VerifierImportError):
+                raise result  # the workers cannot import RewardSpec.verifier: no crash, no 0
+            scores.extend(result)
+            continue
         scores.extend([_MISSED] * len(chunk))
     if broken:
         kill_pool(num_workers, name, only=pool)
@@ -652,8 +634,8 @@ def score_batch(
     deadline = None if deadline_s is None else start + deadline_s
     tasks = None if tasks is None else [None if t is None else str(t) for t in tasks]
     for task in set(tasks or ()) - {None}:
-        if task not in format_lib.TASKS:
-            raise ValueError(f"score_batch: task {task!r} is not one of {format_lib.TASKS}")
+        if task not in VERIFIERS:
+            raise ValueError(f"score_batch: task {task!r} is not one of {tuple(VERIFIERS)}")
     items = [
         (
             completions[i],

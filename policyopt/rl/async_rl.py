@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from policyopt.config import typed
 from policyopt.data.pipeline import as_record
 from policyopt.engine import GenerationStopped
 from policyopt.rewards.batch import kill_pool, score_batch
@@ -93,7 +94,7 @@ from policyopt.rl.report import batch_metrics, scoring_metrics
 from policyopt.rl.trainer import RLRun, RunLoop, build_run, checkpoint_meta, checkpoint_state
 
 __all__ = [
-    "AsyncConfig",
+    "resolved_n_async",
     "async_enabled",
     "PromptStream",
     "GroupBatcher",
@@ -105,42 +106,16 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
-class AsyncConfig:
-    """``config.async_mode``: built by ``from_config``, no defaults of its own
-    (``configs/base.py`` holds them, documents each field and checks them)."""
-
-    enabled: bool
-    # Most completions started and not yet taken by the trainer (in generation or
-    # waiting). None: 2 * n_batch (Magistral: best with n_async / n_batch <= 2).
-    n_async: int | None
-    # Generation rows (the slot batch); None: n_async. Fewer rows than n_async bound
-    # memory (the KV cache is [rows, P + N + K]) at the price of throughput.
-    num_slots: int | None
-    # K: decode steps between two pick-ups of new weights (the push granularity).
-    segment_steps: int
-    # Prompt width of the generator's slots; None: the prompt bucket of the longest
-    # training prompt (``widest_prompt``), so that every prompt of the stream fits.
-    prompt_width: int | None
-    # Seconds to wait for the scoring thread to stop (the generator is always joined).
-    join_timeout_s: float
-
-    @classmethod
-    def from_config(cls, config) -> "AsyncConfig":
-        node = config.async_mode
-        return cls(**{field.name: node[field.name] for field in dataclasses.fields(cls)})
-
-    def resolved_n_async(self, config) -> int:
-        """n_async, the default (2 * n_batch) resolved. The fields are checked, with their
-        names, by ``configs/base.check`` (and again by ``AsyncGenerator`` and
-        ``SlotConfig``)."""
-        n_batch = config.batch.n_prompts * config.batch.group_size
-        return 2 * n_batch if self.n_async is None else int(self.n_async)
+def resolved_n_async(config) -> int:
+    """``async_mode.n_async``, its default (2 * n_batch) resolved; checked, with its name, with
+    the config (and again by ``AsyncGenerator`` and ``SlotConfig``)."""
+    n_async = config.async_mode.n_async
+    return 2 * config.batch.n_prompts * config.batch.group_size if n_async is None else int(n_async)
 
 
 def async_enabled(config) -> bool:
     """Whether ``config.async_mode.enabled`` asks for ``run_async_rl``."""
-    return AsyncConfig.from_config(config).enabled
+    return bool(config.async_mode.enabled)
 
 
 class PromptStream:
@@ -254,8 +229,8 @@ def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
     iteration (= version): on the engine's paged KV cache (``EngineSlots``) when
     ``sampling.engine_kv_tokens > 0``, else on dense slots (``SlotGenerator``)."""
     cfg = run.config
-    acfg = AsyncConfig.from_config(cfg)
-    n_async = acfg.resolved_n_async(cfg)
+    acfg = cfg.async_mode
+    n_async = resolved_n_async(cfg)
     width = acfg.prompt_width or widest_prompt(cfg)
     rows = min(acfg.num_slots or n_async, n_async)  # rows beyond n_async would stay idle
     slot_config = SlotConfig(
@@ -573,6 +548,7 @@ def run_async_rl(
             "same order on each. Run asynchronous RL on one process (any number of local "
             "devices), or the synchronous trainer on many."
         )
+    config = typed(config)
     total = config.train.num_iterations if num_iterations is None else num_iterations
     with build.undo_workdir_on_failure(workdir):  # a failed build leaves nothing behind
         run = build_run(config, workdir, lock=True)

@@ -5,7 +5,6 @@ reward spec, initial parameters. Shared by RL (`policyopt.rl.trainer`) and SFT
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 from typing import Any, NamedTuple, Sequence
@@ -17,16 +16,9 @@ from jax.sharding import Mesh
 
 from policyopt import sharding
 from policyopt.checkpoint import Checkpointer, holds_workdir_lock, unlock_workdir
-from policyopt.data import (
-    ArithmeticConfig,
-    CharTokenizer,
-    HFTokenizer,
-    JsonlConfig,
-    as_record,
-    generate_arithmetic,
-    load_tokenizer,
-    read_math_jsonl,
-)
+from policyopt.config import typed
+from policyopt.data import CharTokenizer, HFTokenizer, as_record, load_tokenizer
+from policyopt.data.tasks import TASKS
 from policyopt.models import Transformer, lora, preset
 from policyopt.rewards.batch import RewardSpec
 from policyopt.rewards.custom import VerifierImportError
@@ -100,7 +92,8 @@ RESUME_FREE_FIELDS = (
 
 
 def config_record(config) -> dict:
-    """The config as flat ``{dotted.name: JSON value}``, as a checkpoint stores it."""
+    """The config (typed, or a ConfigDict) as flat ``{dotted.name: JSON value}``, as a
+    checkpoint stores it."""
     flat = {}
 
     def visit(node, prefix):
@@ -110,7 +103,7 @@ def config_record(config) -> dict:
             else:
                 flat[prefix + key] = value
 
-    visit(json.loads(config.to_json_best_effort(sort_keys=True)), "")
+    visit(json.loads(typed(config).to_json(sort_keys=True)), "")
     return flat
 
 
@@ -177,7 +170,7 @@ def same_evaluation(saved: dict | None, config) -> bool:
 def make_mesh(config) -> Mesh:
     """The run's mesh over every device (``policyopt.sharding.make_mesh``), one axis size
     per field of ``config.mesh`` (checked by ``configs/base.check``)."""
-    shape = {name: int(config.mesh[name]) for name in sharding.MESH_AXES}
+    shape = {name: int(getattr(config.mesh, name)) for name in sharding.MESH_AXES}
     try:
         return sharding.make_mesh(shape)
     except ValueError as error:
@@ -305,7 +298,9 @@ def make_model(
         above a target's smaller dimension (``lora.LoRAConfig.check``).
     """
     overrides = {
-        name: config.model[name] for name in _MODEL_OVERRIDES if config.model[name] is not None
+        name: getattr(config.model, name)
+        for name in _MODEL_OVERRIDES
+        if getattr(config.model, name) is not None
     }
     use_lora = with_lora and config.model.lora.rank > 0
     base_dtype = config.model.lora.base_dtype if use_lora else None
@@ -339,97 +334,15 @@ def make_model(
         return Transformer(model_config, rngs=nnx.Rngs(config.seed))
 
 
-TASKS = ("arithmetic", "math_jsonl", "code_jsonl", "mixed_jsonl")
-# What each JSONL task's rows are (`JsonlConfig.task`).
-_JSONL_KINDS = {"math_jsonl": "math", "code_jsonl": "code", "mixed_jsonl": "mixed"}
-
-
-def task_config(config) -> ArithmeticConfig:
-    """The synthetic task's knobs (``task.name = "arithmetic"``)."""
-    task = config.task
-    if task.name != "arithmetic":
-        raise ValueError(f"config.task.name={task.name!r} has no ArithmeticConfig")
-    return ArithmeticConfig(
-        num_operands=task.num_operands,
-        max_operands=task.max_operands,
-        min_digits=task.min_digits,
-        max_digits=task.max_digits,
-        operators=task.operators,
-        wrong_procedure_fraction=task.wrong_procedure_fraction,
-        min_steps=task.min_steps,
-        max_steps=task.max_steps,
-    )
-
-
-def _names(value) -> tuple[str, ...]:
-    """``"question,problem"`` (a config string) or a sequence -> ``("question", "problem")``."""
-    parts = value.split(",") if isinstance(value, str) else list(value)
-    return tuple(p.strip() for p in parts if p.strip())
-
-
-def jsonl_reader(config) -> JsonlConfig:
-    """How ``task.name = "math_jsonl"``, ``"code_jsonl"`` or ``"mixed_jsonl"`` reads its
-    files (``policyopt.data.jsonl``)."""
-    t = config.task
-    return JsonlConfig(
-        question_fields=_names(t.question_fields),
-        answer_fields=_names(t.answer_fields),
-        solution_field=t.solution_field or None,
-        extract=t.extract,
-        answer_marker=t.answer_marker,
-        prompt_template=t.prompt_template,
-        skip_malformed=bool(t.skip_malformed),
-        task=_JSONL_KINDS.get(t.name, "math"),
-        tests_fields=_names(t.tests_fields),
-        task_field=(t.task_field or None) if t.name == "mixed_jsonl" else None,
-        code_prompt_template=t.code_prompt_template or None,
-    )
-
-
-def _jsonl_files(config) -> dict[str, str]:
-    t = config.task
-    files = {"train": t.train_file, "test": t.test_file}
-    for split, path in files.items():
-        if not path:
-            raise ValueError(f"config.task.{split}_file is required with task.name={t.name!r}")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"config.task.{split}_file={path!r} is not a file")
-    return files
-
-
-@functools.lru_cache(maxsize=8)
-def _records(arith: ArithmeticConfig, split: str, seed: int, num: int) -> tuple:
-    return tuple(generate_arithmetic(arith, split=split, seed=seed, num_examples=num))
-
-
-@functools.lru_cache(maxsize=8)
-def _jsonl_records(path: str, reader: JsonlConfig, stamp: tuple) -> tuple:
-    del stamp  # part of the cache key: the file's size and modification time
-    records, _ = read_math_jsonl(path, reader)
-    return tuple(records)
-
-
 def _prepared_builder(config):
     """The task as tfds array_record files under ``task.tfds_dir`` (prepared once, by the
     first process of a multi-process job while the others wait, then reused; the
     directory must be one that every process sees, e.g. shared storage)."""
-    from policyopt.data import tfds_builders  # imports tensorflow_datasets: only when used
-
     t = config.task
-    if t.name == "arithmetic":
-        prepare = lambda download=True: tfds_builders.build_arithmetic(
-            t.tfds_dir,
-            task_config(config),
-            seed=int(t.seed),
-            train_size=int(t.num_train),
-            test_size=int(t.num_test),
-            download=download,
-        )
-    else:
-        files, reader = _jsonl_files(config), jsonl_reader(config)
-        prepare = lambda download=True: tfds_builders.build_math_jsonl(
-            t.tfds_dir, files, reader, download=download
-        )
+    spec = TASKS[t.name]
+    if spec.prepare is None:
+        raise ValueError(f"config.task.tfds_dir: task {t.name!r} has no tfds form ({spec.where})")
+    prepare = lambda download=True: spec.prepare(t, t.tfds_dir, download)  # noqa: E731
     if jax.process_count() == 1:
         return prepare()
     from jax.experimental import multihost_utils
@@ -450,36 +363,23 @@ def _prepared_builder(config):
 
 def task_source(config, split: str) -> Sequence:
     """The records of the task's ``"train"`` or ``"test"`` split, as a random-access
-    sequence (what the grain pipelines read).
+    sequence (what the grain pipelines read): the registered task's ``read``
+    (``policyopt.data.tasks``: the synthetic arithmetic problems, the rows of local JSONL
+    files, or a user's task).
 
-    - ``task.name = "arithmetic"``: ``task.num_train`` / ``num_test`` synthetic problems
-      from ``task.seed`` (deterministic, cached).
-    - ``task.name = "math_jsonl"``: every row of ``task.train_file`` / ``test_file``
-      (GSM8K / MATH style, read per the ``task`` fields: ``jsonl_reader``).
-    - ``task.name = "code_jsonl"``: the same, code problems whose ``answer`` is their
-      tests as JSON text (``policyopt.data.jsonl``, ``JsonlConfig(task="code")``).
-    - ``task.name = "mixed_jsonl"``: both in the same files (a row with a tests field is
-      code, any other math), each record with its ``task``.
-    - With ``task.tfds_dir`` either task is written once as tfds array_record files there
-      (``policyopt.data.tfds_builders``, named by content) and read back by random access
-      instead of being held in memory; text fields then come back as bytes
-      (``policyopt.data.as_record`` decodes them). The records are the same.
+    With ``task.tfds_dir`` the task is written once as tfds array_record files there (its
+    ``prepare``, ``policyopt.data.tfds_builders``, named by content) and read back by
+    random access instead of being held in memory; text fields then come back as bytes
+    (``policyopt.data.as_record`` decodes them). The records are the same.
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     t = config.task
     if t.name not in TASKS:
-        raise ValueError(f"config.task.name={t.name!r} is not one of {TASKS}")
+        raise ValueError(f"config.task.name={t.name!r} is not one of {tuple(TASKS)}")
     if t.tfds_dir:
         return _prepared_builder(config).as_data_source(split)
-    if t.name == "arithmetic":
-        num = t.num_train if split == "train" else t.num_test
-        return _records(task_config(config), split, int(t.seed), int(num))
-    path = _jsonl_files(config)[split]
-    stat = os.stat(path)
-    return _jsonl_records(
-        os.path.abspath(path), jsonl_reader(config), (stat.st_size, stat.st_mtime_ns)
-    )
+    return TASKS[t.name].read(t, split)
 
 
 def task_records(config, split: str) -> list[dict]:
@@ -524,9 +424,10 @@ def eval_records(config, tokenizer) -> list[dict]:
 
 
 def _reward_task(config) -> str:
-    """``RewardSpec.task`` of the run: "code" for ``task.name = "code_jsonl"``, else "math"
-    (with ``"mixed_jsonl"`` each sample's record says its own, ``score_batch(tasks=)``)."""
-    return "code" if config.task.name == "code_jsonl" else "math"
+    """``RewardSpec.task`` of the run: the verifier its task names (``policyopt.data.tasks``;
+    "math" for a task whose records name their own, ``"mixed_jsonl"``: each sample's then
+    says its own, ``score_batch(tasks=)``)."""
+    return TASKS[config.task.name].verifier or "math"
 
 
 def _task_limits(config) -> dict:
@@ -535,7 +436,8 @@ def _task_limits(config) -> dict:
         task=_reward_task(config),
         verifier=r.verifier or None,
         verifier_timeout_s=float(r.verifier_timeout_s),
-        answer_format=r.answer_format,
+        answer_format=r.answer_format or TASKS[config.task.name].answer_format,
+        imports=tuple(config.imports),
         code_timeout_s=float(r.code_timeout_s),
         code_memory_mb=int(r.code_memory_mb),
         code_disk_mb=int(r.code_disk_mb),

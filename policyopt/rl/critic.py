@@ -54,7 +54,7 @@ reward model's extrapolation to a prefix: the bias value pretraining is meant to
 clipped value loss ``losses.value_loss`` (token mean), plus on an MoE backbone
 ``algo.load_balancing_coef`` times its load-balancing loss (as for the policy), through the
 same non-finite guard as the policy (``learner.guarded_update``: loss, gradient, new
-parameters and optimiser state); with ``CriticConfig.micro_batch_tokens``, over
+parameters and optimiser state); with ``batch.micro_batch_tokens``, over
 micro-batches whose value losses are their shares of the minibatch's
 (``micro_batched_critic_grads``).
 """
@@ -64,15 +64,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from policyopt.advantages import decoupled_gae, length_adaptive_gae, masked_whiten
-from policyopt.checks import check_choice, check_number
+from policyopt.advantages import decoupled_gae, length_adaptive_lambda, masked_whiten
+from policyopt.config import Algo, Optim, typed
+from policyopt.config import Batch as BatchSection
+from policyopt.config import Critic as CriticSection
 from policyopt.losses import (
-    AGGREGATIONS,
     aggregation_weights,
     explained_variance,
     masked_mean,
@@ -82,7 +84,7 @@ from policyopt.losses import (
 from policyopt.models import lora
 from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch
-from policyopt.rl.learner import OptimConfig, TrainState, guarded_update, packed_forward
+from policyopt.rl.learner import TrainState, guarded_update, optimizer_of, packed_forward
 from policyopt.rl.packing import gather_slots
 
 
@@ -155,43 +157,47 @@ def forward_values(
     return (values, out.aux or {}) if return_aux else values
 
 
-@dataclasses.dataclass(frozen=True)
-class CriticConfig:
-    """Static settings of the value loss (``config.critic``; built by ``from_config``, no
-    defaults of its own: ``configs/base.py`` holds them). Checked when built."""
+class CriticSettings(NamedTuple):
+    """The sections the value loss reads (hashable: part of a Critic's cache key):
+    ``critic`` (the value clip), ``algo`` (the MoE backbone's ``load_balancing_coef``, the
+    policy's) and ``batch`` (micro-batches). Checked when the config is
+    (``policyopt.config``)."""
 
-    value_clip: float | None  # config.critic.value_clip
-    # MoE backbone: coefficient of its load-balancing loss in the critic's loss (the
-    # policy's ``algo.load_balancing_coef``; 0 = off, the loss is still reported).
-    load_balancing_coef: float
-    # Tokens per micro-batch of an update (``config.batch.micro_batch_tokens``; None: one
-    # pass over the minibatch). Memory, not the result: ``policyopt.rl.micro_batches``.
-    micro_batch_tokens: int | None
-    # Not a config field: the value loss is a token mean over the minibatch (verl's and
-    # OpenRLHF's; the papers do not say).
-    aggregation: str = "token_mean"
-
-    def __post_init__(self):
-        check_number("config.critic.value_clip", self.value_clip, low=0.0, optional=True)
-        check_number("config.algo.load_balancing_coef", self.load_balancing_coef, low=0.0)
-        check_choice("CriticConfig.aggregation", self.aggregation, AGGREGATIONS)
+    critic: CriticSection
+    algo: Algo
+    batch: BatchSection
 
     @classmethod
-    def from_config(cls, config) -> "CriticConfig":
-        return cls(
-            value_clip=config.critic.value_clip,
-            load_balancing_coef=config.algo.load_balancing_coef,
-            micro_batch_tokens=config.batch.micro_batch_tokens or None,
-        )
+    def of(cls, config) -> "CriticSettings":
+        return cls(config.critic, config.algo, config.batch)
+
+    @property
+    def value_clip(self) -> float | None:
+        return self.critic.value_clip
+
+    @property
+    def load_balancing_coef(self) -> float:
+        """The MoE backbone's load-balancing loss in the critic's loss (0 = off, the loss is
+        still reported)."""
+        return self.algo.load_balancing_coef
+
+    @property
+    def micro_batch_tokens(self) -> int | None:
+        """Tokens per micro-batch of an update (None: one pass over the minibatch)."""
+        return self.batch.micro_batch_tokens or None
+
+    # The value loss is a token mean over the minibatch (verl's and OpenRLHF's; the papers
+    # do not say): not a config field.
+    aggregation = "token_mean"
 
 
-def critic_optim(config) -> OptimConfig:
-    """The critic's optimiser: ``config.critic.lr`` / ``warmup_steps`` / ``weight_decay``,
-    Adam's betas, eps and gradient clipping shared with ``config.optim`` (the policy's
-    ``router_lr_scale`` is not)."""
-    optim = OptimConfig.from_config(config.optim)
+def critic_optim(config) -> Optim:
+    """The critic's optimiser settings: ``config.critic.lr`` / ``warmup_steps`` /
+    ``weight_decay``, Adam's betas, eps and gradient clipping shared with ``config.optim``
+    (the policy's ``router_lr_scale`` is not)."""
+    config = typed(config)
     return dataclasses.replace(
-        optim,
+        config.optim,
         lr=float(config.critic.lr),
         warmup_steps=int(config.critic.warmup_steps),
         weight_decay=float(config.critic.weight_decay),
@@ -200,7 +206,7 @@ def critic_optim(config) -> OptimConfig:
 
 
 def critic_loss(
-    graphdef, params, batch: Batch, settings: CriticConfig, frozen=None
+    graphdef, params, batch: Batch, settings: CriticSettings, frozen=None
 ) -> tuple[jax.Array, dict]:
     """The value loss of one minibatch (``batch.old_values`` and ``batch.returns`` set),
     plus ``load_balancing_coef`` times the MoE backbone's load-balancing loss (as the
@@ -220,7 +226,7 @@ def critic_loss(
 
 
 def critic_objective(
-    values, aux: dict, batch: Batch, settings: CriticConfig
+    values, aux: dict, batch: Batch, settings: CriticSettings
 ) -> tuple[jax.Array, dict]:
     """``critic_loss`` from the critic's values ``[R, N]`` and backbone aux on ``batch``."""
     loss, metrics = value_loss(
@@ -242,7 +248,9 @@ def critic_objective(
     return loss, metrics
 
 
-def micro_batched_critic_grads(graphdef, settings: CriticConfig, params, batch: Batch, frozen=None):
+def micro_batched_critic_grads(
+    graphdef, settings: CriticSettings, params, batch: Batch, frozen=None
+):
     """``((loss, metrics), grads)`` of ``critic_loss`` on a minibatch run as micro-batches
     of at most ``settings.micro_batch_tokens`` tokens (``policyopt.rl.micro_batches``).
 
@@ -318,7 +326,7 @@ def micro_batched_critic_grads(graphdef, settings: CriticConfig, params, batch: 
 _CRITICS: dict = {}
 
 
-def get_critic(graphdef, settings: CriticConfig, optim: OptimConfig) -> "Critic":
+def get_critic(graphdef, settings: CriticSettings, optim: Optim) -> "Critic":
     """The Critic for (backbone structure, loss settings, optimiser), created once per
     process (as ``learner.get_learner``), so that runs share compiled functions."""
     key = (graphdef, settings, optim)
@@ -341,9 +349,9 @@ class Critic:
       trace_counts: how many times each function was traced.
     """
 
-    def __init__(self, graphdef, settings: CriticConfig, optim: OptimConfig):
+    def __init__(self, graphdef, settings: CriticSettings, optim: Optim):
         self.graphdef, self.settings = graphdef, settings
-        self.optimizer, self.schedule = optim.build()
+        self.optimizer, self.schedule = optimizer_of(optim)
         self.trace_counts: collections.Counter = collections.Counter()
         self.values = jax.jit(self._values)
         self.update = jax.jit(self._update, donate_argnums=0)
@@ -426,49 +434,7 @@ def reward_model_targets(rewards: jax.Array, mask: jax.Array):
     return last, returns, returns
 
 
-@dataclasses.dataclass(frozen=True)
-class GAEConfig:
-    """GAE settings of a critic recipe (``config.algo.gae_*``, ``adv_whiten``; built by
-    ``from_config``, no defaults of its own: ``configs/base.py`` holds them). Checked when
-    built, each error naming the config field (``GAE_FIELDS``)."""
-
-    gamma: float
-    lam_actor: float
-    lam_critic: float
-    length_adaptive: bool
-    alpha: float
-    whiten: bool
-
-    def __post_init__(self):
-        for name in ("gamma", "lam_actor", "lam_critic"):
-            check_number(GAE_FIELDS[name], getattr(self, name), low=0.0, high=1.0)
-        check_number(GAE_FIELDS["alpha"], self.alpha, low=0.0, low_inclusive=False)
-
-    @classmethod
-    def from_config(cls, algo) -> "GAEConfig":
-        lam_critic = algo.gae_lambda if algo.gae_lambda_critic is None else algo.gae_lambda_critic
-        return cls(
-            gamma=algo.gae_gamma,
-            lam_actor=algo.gae_lambda,
-            lam_critic=lam_critic,
-            length_adaptive=bool(algo.gae_length_adaptive),
-            alpha=algo.gae_alpha,
-            whiten=bool(algo.adv_whiten),
-        )
-
-
-# The config field each GAEConfig field comes from (named by its errors).
-GAE_FIELDS = {
-    "gamma": "config.algo.gae_gamma",
-    "lam_actor": "config.algo.gae_lambda",
-    "lam_critic": "config.algo.gae_lambda_critic",
-    "length_adaptive": "config.algo.gae_length_adaptive",
-    "alpha": "config.algo.gae_alpha",
-    "whiten": "config.algo.adv_whiten",
-}
-
-
-def gae_targets(rewards, values, mask, settings: GAEConfig) -> tuple[jax.Array, jax.Array, dict]:
+def gae_targets(rewards, values, mask, algo: Algo) -> tuple[jax.Array, jax.Array, dict]:
     """Policy advantages and value targets of a batch from outcome rewards and values.
 
     ``r_t`` = the outcome reward on the last valid token (``token_rewards``);
@@ -485,42 +451,60 @@ def gae_targets(rewards, values, mask, settings: GAEConfig) -> tuple[jax.Array, 
       rewards: ``[R]`` outcome rewards.
       values: ``[R, N]`` the critic's values of the rollout (``Critic.values``).
       mask: ``[R, N]``.
-      settings: ``GAEConfig``.
+      algo: the ``algo`` section: ``gae_gamma``, ``gae_lambda`` (lambda_actor),
+        ``critic_lambda`` (lambda_critic), ``gae_length_adaptive``, ``gae_alpha``, ``adv_whiten``.
 
     Returns:
       ``(advantages [R, N], returns [R, N], metrics)``, 0 at padding; metrics (scalars)
-      ``advantages/mean``, ``advantages/std`` (before whitening), ``critic/returns_mean``,
+      ``advantages/lambda_policy_token_mean`` (the policy's lambda averaged over the valid
+      tokens: the fixed lambda where it is not length-adaptive),
+      ``advantages/lambda_policy_zero_token_frac`` (the share of valid tokens whose lambda is
+      0: one-step TD advantages), ``advantages/mean``, ``advantages/std`` (before
+      whitening), ``critic/returns_mean``,
       ``critic/rollout_values_mean`` and ``critic/rollout_explained_variance``
       ``1 - Var[R - V] / Var[R]`` of the values the rollout was scored with (the
-      convention of ``losses.explained_variance`` for constant returns).
+      convention of ``losses.explained_variance`` for constant returns), against the
+      value targets; ``critic/rollout_mc_explained_variance`` the same against
+      Monte-Carlo returns (lambda 1), a held-out fit at any ``lam_critic`` (the ceiling a
+      perfect critic reaches: `experiments/value_ceiling.py`).
     """
     per_token = token_rewards(rewards, mask)
-    if settings.length_adaptive:
-        advantages, returns = length_adaptive_gae(
-            per_token,
-            values,
-            mask,
-            gamma=settings.gamma,
-            alpha=settings.alpha,
-            lam_critic=settings.lam_critic,
-        )
-    else:
-        advantages, returns = decoupled_gae(
-            per_token,
-            values,
-            mask,
-            gamma=settings.gamma,
-            lam_actor=settings.lam_actor,
-            lam_critic=settings.lam_critic,
-        )
     mask_f = (jnp.asarray(mask) > 0).astype(jnp.float32)
+    lengths = jnp.sum(mask_f, axis=1)
+    if algo.gae_length_adaptive:
+        lam_actor = length_adaptive_lambda(lengths, algo.gae_alpha)
+    else:
+        lam_actor = jnp.full(lengths.shape, algo.gae_lambda, jnp.float32)
+    advantages, returns = decoupled_gae(
+        per_token,
+        values,
+        mask,
+        gamma=algo.gae_gamma,
+        lam_actor=lam_actor if algo.gae_length_adaptive else algo.gae_lambda,
+        lam_critic=algo.critic_lambda,
+    )
+    # Monte-Carlo returns (lambda 1): the targets of value pretraining, and a critic's
+    # held-out fit whatever lambda_critic the run uses (GAE returns below 1 contain V).
+    if algo.critic_lambda == 1.0:
+        mc_returns = returns
+    else:
+        _, mc_returns = decoupled_gae(
+            per_token, values, mask, gamma=algo.gae_gamma, lam_actor=1.0, lam_critic=1.0
+        )
+    tokens = jnp.maximum(jnp.sum(lengths), 1.0)
     metrics = {
+        # The policy's lambda as its tokens see it: a fixed lambda's matched control
+        # (VAPO's length-adaptive one against a fixed one of the same token mean).
+        "advantages/lambda_policy_token_mean": jnp.sum(lam_actor * lengths) / tokens,
+        "advantages/lambda_policy_zero_token_frac": jnp.sum(jnp.where(lam_actor == 0, lengths, 0))
+        / tokens,
         "advantages/mean": masked_mean(advantages, mask_f),
         "advantages/std": jnp.sqrt(masked_var(advantages, mask_f)),
         "critic/returns_mean": masked_mean(returns, mask_f),
         "critic/rollout_values_mean": masked_mean(values, mask_f),
         "critic/rollout_explained_variance": explained_variance(returns, values, mask_f),
+        "critic/rollout_mc_explained_variance": explained_variance(mc_returns, values, mask_f),
     }
-    if settings.whiten:
+    if algo.adv_whiten:
         advantages = masked_whiten(advantages, mask_f)
     return advantages, returns, metrics

@@ -12,6 +12,7 @@ import os
 from flax import nnx
 
 from policyopt.checkpoint import Checkpointer
+from policyopt.config import typed
 from policyopt.models import lora
 from policyopt.rl import adapters, build
 from policyopt.rl.report import (
@@ -29,6 +30,7 @@ def plan_run(config, workdir: str, *, recipe: str | None = None) -> str:
     shapes without allocating them, task data with every prompt tokenised, the held-out
     prompts, the reward spec, the checkpoint it would start from and its shapes), without
     compiling a step or writing a file. Returns the banner with the warnings."""
+    config = typed(config)
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
     if config.model.pretrained:

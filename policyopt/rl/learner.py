@@ -29,7 +29,7 @@ With LoRA adapters (``policyopt.models.lora``, ``policyopt.rl.adapters``) the st
 parameters are the adapters and ``update``'s ``frozen`` argument is the base: the forward
 runs the two joined (``lora.combine``), the gradient and AdamW see the adapters only.
 
-With ``LossConfig.micro_batch_tokens`` the gradient is summed over micro-batches of the
+With ``batch.micro_batch_tokens`` the gradient is summed over micro-batches of the
 minibatch inside the same jitted step, each micro-batch's loss its share of the
 minibatch's (``micro_batched_rl_grads``, ``policyopt.rl.micro_batches``), then the same
 guard and one update.
@@ -38,7 +38,6 @@ guard and one update.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -49,12 +48,12 @@ from flax import nnx, struct
 from jax.sharding import PartitionSpec
 
 from policyopt import sharding
-from policyopt.checks import check_number
+from policyopt.config import Algo, Optim, Sampling
+from policyopt.config import Batch as BatchSection
 from policyopt.logprobs import token_log_probs
 from policyopt.losses import (
     aggregate,
     aggregation_weights,
-    check_policy_options,
     nll_loss,
     policy_loss,
     weighted_row_sum,
@@ -328,90 +327,42 @@ def packed_forward_log_probs(
     return Forward(log_probs, entropy, used, out.aux)
 
 
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    """Static settings of the RL loss (``config.algo`` plus the sampling temperature).
+class LossSettings(NamedTuple):
+    """The sections the RL loss reads (hashable: part of a Learner's cache key): ``algo``
+    (objective, aggregation, KL, coefficients), ``batch`` (group size, micro-batches) and
+    ``sampling`` (the temperature of the log-probs, and ``max_new_tokens``, the default of
+    ``algo.max_len``). Checked when the config is (``policyopt.config``)."""
 
-    No field has a default: a run's come from ``configs/base.py`` (the one place of the
-    defaults, each cited there) through ``from_config``; code that builds one by hand
-    states every field. The fields are checked when it is built (``__post_init__``:
-    ``losses.check_policy_options`` and the coefficients' ranges), each error naming the
-    config field (``LOSS_FIELDS``).
-    """
-
-    method: str  # a registered objective (``losses.register_objective``)
-    clip_low: float
-    clip_high: float
-    dual_clip: float | None
-    tau_pos: float
-    tau_neg: float
-    aggregation: str  # one of ``losses.AGGREGATIONS``
-    group_size: int | None  # sequences per group (``"group_token_mean"``)
-    max_len: int | None  # constant of ``"seq_mean_token_sum_norm"``
-    kl_beta: float
-    kl_estimator: str
-    kl_clamp: bool
-    temperature: float
-    load_balancing_coef: float
-    router_z_coef: float
-    entropy_coef: float
-    nll_coef: float
-    # Tokens per micro-batch of an update (``config.batch.micro_batch_tokens``; None: one
-    # pass over the minibatch). Memory, not the result: ``policyopt.rl.micro_batches``.
-    micro_batch_tokens: int | None
-
-    def __post_init__(self):
-        check_policy_options(
-            method=self.method,
-            aggregation=self.aggregation,
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            dual_clip=self.dual_clip,
-            tau_pos=self.tau_pos,
-            tau_neg=self.tau_neg,
-            kl_estimator=self.kl_estimator,
-            kl_clamp=self.kl_clamp,
-            names=LOSS_FIELDS,
-        )
-        for name in ("kl_beta", "load_balancing_coef", "router_z_coef", "entropy_coef", "nll_coef"):
-            check_number(LOSS_FIELDS[name], getattr(self, name), low=0.0)
+    algo: Algo
+    batch: BatchSection
+    sampling: Sampling
 
     @classmethod
-    def from_config(cls, config) -> "LossConfig":
-        algo = config.algo
-        return cls(
-            method=algo.method,
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
-            dual_clip=algo.dual_clip,
-            tau_pos=algo.tau_pos,
-            tau_neg=algo.tau_neg,
-            aggregation=algo.aggregation,
-            group_size=int(config.batch.group_size),
-            max_len=int(algo.max_len or config.sampling.max_new_tokens),
-            kl_beta=algo.kl_beta,
-            kl_estimator=algo.kl_estimator,
-            kl_clamp=bool(algo.kl_clamp),
-            temperature=float(config.sampling.temperature),
-            load_balancing_coef=algo.load_balancing_coef,
-            router_z_coef=algo.router_z_coef,
-            entropy_coef=algo.entropy_coef,
-            nll_coef=algo.nll_coef,
-            micro_batch_tokens=config.batch.micro_batch_tokens or None,
-        )
+    def of(cls, config) -> "LossSettings":
+        return cls(config.algo, config.batch, config.sampling)
+
+    @property
+    def group_size(self) -> int:
+        """Sequences per group (``"group_token_mean"``)."""
+        return int(self.batch.group_size)
+
+    @property
+    def max_len(self) -> int:
+        """The constant of ``"seq_mean_token_sum_norm"``: ``algo.max_len``, else the budget."""
+        return int(self.algo.max_len or self.sampling.max_new_tokens)
+
+    @property
+    def temperature(self) -> float:
+        return float(self.sampling.temperature)
+
+    @property
+    def micro_batch_tokens(self) -> int | None:
+        """Tokens per micro-batch of an update (None: one pass over the minibatch). Memory,
+        not the result: ``policyopt.rl.micro_batches``."""
+        return self.batch.micro_batch_tokens or None
 
 
-# The config field each LossConfig field comes from (named by its errors).
-LOSS_FIELDS = {
-    field.name: f"config.algo.{field.name}" for field in dataclasses.fields(LossConfig)
-} | {
-    "group_size": "config.batch.group_size",
-    "temperature": "config.sampling.temperature",
-    "micro_batch_tokens": "config.batch.micro_batch_tokens",
-}
-
-
-def rl_loss(graphdef, params, batch: Batch, settings: LossConfig) -> tuple[jax.Array, dict]:
+def rl_loss(graphdef, params, batch: Batch, settings: LossSettings) -> tuple[jax.Array, dict]:
     """The RL loss of one minibatch and its metrics (see the module docstring)."""
     fwd = forward_log_probs(
         graphdef,
@@ -432,10 +383,10 @@ def _policy_mask(batch: Batch) -> jax.Array:
     return batch.mask if batch.loss_mask is None else batch.loss_mask
 
 
-def _policy_term(fwd: Forward, batch: Batch, settings: LossConfig, **options):
+def _policy_term(fwd: Forward, batch: Batch, settings: LossSettings, **options):
     """``losses.policy_loss`` of the recipe on ``batch`` (one pass, or a micro-batch's share
     with ``row_weights``): the same call for both, so a setting reaches both."""
-    advantages = batch.advantages
+    algo, advantages = settings.algo, batch.advantages
     if advantages.ndim == 1:  # one advantage per sequence, shared by its tokens
         advantages = jnp.broadcast_to(advantages[:, None], fwd.log_probs.shape)
     return policy_loss(
@@ -443,51 +394,47 @@ def _policy_term(fwd: Forward, batch: Batch, settings: LossConfig, **options):
         batch.old_log_probs,
         advantages,
         _policy_mask(batch),
-        method=settings.method,
-        clip_low=settings.clip_low,
-        clip_high=settings.clip_high,
-        dual_clip=settings.dual_clip,
-        tau_pos=settings.tau_pos,
-        tau_neg=settings.tau_neg,
-        aggregation=settings.aggregation,
+        method=algo.method,
+        settings=algo.objective,
+        aggregation=algo.aggregation,
         group_size=settings.group_size,
         max_len=settings.max_len,
         importance_weights=batch.importance_weights,
-        ref_log_probs=batch.ref_log_probs if settings.kl_beta > 0 else None,
-        kl_coef=settings.kl_beta,
-        kl_estimator=settings.kl_estimator,
-        kl_clamp=settings.kl_clamp,
+        ref_log_probs=batch.ref_log_probs if algo.kl_beta > 0 else None,
+        kl_coef=algo.kl_beta,
+        kl_estimator=algo.kl_estimator,
+        kl_clamp=algo.kl_clamp,
         **options,
     )
 
 
-def rl_objective(fwd: Forward, batch: Batch, settings: LossConfig) -> tuple[jax.Array, dict]:
+def rl_objective(fwd: Forward, batch: Batch, settings: LossSettings) -> tuple[jax.Array, dict]:
     """``rl_loss`` from the policy's forward outputs on ``batch``: the loss and metrics."""
     mask = _policy_mask(batch)
     loss, policy_metrics = _policy_term(fwd, batch, settings)
     metrics = {f"loss/{k}": v for k, v in policy_metrics.items()}
     entropy = aggregate(fwd.entropy, mask, "token_mean")
     metrics["policy/entropy"] = jax.lax.stop_gradient(entropy)
-    if settings.entropy_coef:
-        loss = loss - settings.entropy_coef * entropy
+    if settings.algo.entropy_coef:
+        loss = loss - settings.algo.entropy_coef * entropy
     if fwd.aux and "load_balancing_loss" in fwd.aux:
         metrics["moe/load_balancing_loss"] = jax.lax.stop_gradient(fwd.aux["load_balancing_loss"])
-        if settings.load_balancing_coef:
-            loss = loss + settings.load_balancing_coef * fwd.aux["load_balancing_loss"]
+        if settings.algo.load_balancing_coef:
+            loss = loss + settings.algo.load_balancing_coef * fwd.aux["load_balancing_loss"]
         metrics["moe/router_z_loss"] = jax.lax.stop_gradient(fwd.aux["router_z_loss"])
-        if settings.router_z_coef:  # ST-MoE's z-loss (2202.08906): keeps router logits small
-            loss = loss + settings.router_z_coef * fwd.aux["router_z_loss"]
-    if settings.nll_coef:
+        if settings.algo.router_z_coef:  # ST-MoE's z-loss (2202.08906): keeps router logits small
+            loss = loss + settings.algo.router_z_coef * fwd.aux["router_z_loss"]
+    if settings.algo.nll_coef:
         # VAPO (2504.05118): + mu * L_NLL over the correct samples of the minibatch
         # (batch.nll_weights), at the training temperature like the policy term.
         if batch.nll_weights is None:
             raise ValueError(
-                "LossConfig.nll_coef > 0 (config.algo.nll_coef) needs batch.nll_weights "
+                "config.algo.nll_coef > 0 needs batch.nll_weights "
                 "(1 on the rows the NLL term covers, e.g. the correct samples)"
             )
         nll = nll_loss(fwd.log_probs, mask, batch.nll_weights)
         metrics["loss/nll"] = jax.lax.stop_gradient(nll)
-        loss = loss + settings.nll_coef * nll
+        loss = loss + settings.algo.nll_coef * nll
     metrics["loss/total"] = jax.lax.stop_gradient(loss)
     return loss, metrics
 
@@ -516,14 +463,17 @@ class Normalisers(NamedTuple):
     expert_counts: jax.Array | None = None
 
     @classmethod
-    def of(cls, batch: Batch, settings: LossConfig) -> "Normalisers":
+    def of(cls, batch: Batch, settings: LossSettings) -> "Normalisers":
         mask = batch.mask if batch.loss_mask is None else batch.loss_mask
         nll = jnp.zeros((), jnp.float32)
-        if settings.nll_coef and batch.nll_weights is not None:
+        if settings.algo.nll_coef and batch.nll_weights is not None:
             nll = jnp.sum((mask > 0) * jnp.asarray(batch.nll_weights, jnp.float32)[:, None])
         return cls(
             policy=aggregation_weights(
-                mask, settings.aggregation, group_size=settings.group_size, max_len=settings.max_len
+                mask,
+                settings.algo.aggregation,
+                group_size=settings.group_size,
+                max_len=settings.max_len,
             ),
             entropy=aggregation_weights(mask, "token_mean"),
             nll=nll,
@@ -532,7 +482,7 @@ class Normalisers(NamedTuple):
 
 
 def rl_loss_share(
-    fwd: Forward, batch: Batch, settings: LossConfig, norms: Normalisers
+    fwd: Forward, batch: Batch, settings: LossSettings, norms: Normalisers
 ) -> tuple[jax.Array, dict]:
     """A micro-batch's share of its minibatch's ``rl_objective``, term by term.
 
@@ -550,34 +500,36 @@ def rl_loss_share(
     """
     mask = _policy_mask(batch)
     loss, _ = _policy_term(fwd, batch, settings, metrics="none", row_weights=norms.policy)
-    if settings.entropy_coef:
-        loss = loss - settings.entropy_coef * weighted_row_sum(fwd.entropy, mask, norms.entropy)
+    if settings.algo.entropy_coef:
+        loss = loss - settings.algo.entropy_coef * weighted_row_sum(
+            fwd.entropy, mask, norms.entropy
+        )
     tokens = jnp.sum(batch.attention_mask > 0).astype(jnp.float32)
     aux = {"tokens": tokens}
     if fwd.aux and "load_balancing_loss" in fwd.aux:
         share = jnp.where(norms.aux_tokens > 0, tokens / jnp.maximum(norms.aux_tokens, 1.0), 0.0)
         for name in ("router_z_loss", "tokens_per_expert", "router_prob_sum"):
             aux[name] = jax.lax.stop_gradient(fwd.aux[name])
-        if settings.router_z_coef:
-            loss = loss + settings.router_z_coef * share * fwd.aux["router_z_loss"]
-        if settings.load_balancing_coef:
-            loss = loss + settings.load_balancing_coef * micro_batches.load_balancing_share(
+        if settings.algo.router_z_coef:
+            loss = loss + settings.algo.router_z_coef * share * fwd.aux["router_z_loss"]
+        if settings.algo.load_balancing_coef:
+            loss = loss + settings.algo.load_balancing_coef * micro_batches.load_balancing_share(
                 fwd.aux["router_prob_sum"], norms.expert_counts, norms.aux_tokens
             )
-    if settings.nll_coef:
+    if settings.algo.nll_coef:
         if batch.nll_weights is None:
             raise ValueError(
-                "LossConfig.nll_coef > 0 (config.algo.nll_coef) needs "
+                "config.algo.nll_coef > 0 needs "
                 "batch.nll_weights (1 on the rows the NLL term covers, e.g. the "
                 "correct samples)"
             )
-        loss = loss + settings.nll_coef * nll_loss(
+        loss = loss + settings.algo.nll_coef * nll_loss(
             fwd.log_probs, mask, batch.nll_weights, denominator=norms.nll
         )
     return loss, aux
 
 
-def micro_batched_rl_grads(graphdef, settings: LossConfig, params, batch: Batch, frozen=None):
+def micro_batched_rl_grads(graphdef, settings: LossSettings, params, batch: Batch, frozen=None):
     """``((loss, metrics), grads)`` of ``rl_loss`` on a minibatch run as micro-batches of
     at most ``settings.micro_batch_tokens`` tokens (``policyopt.rl.micro_batches``);
     ``params`` the trainable parameters, joined to ``frozen`` (LoRA's base) in the forward.
@@ -601,7 +553,7 @@ def micro_batched_rl_grads(graphdef, settings: LossConfig, params, batch: Batch,
         micro_batches.split_rows(norms.entropy, per, count),
     )
     split_batch = micro_batches.split(batch, per, count)
-    if settings.load_balancing_coef:
+    if settings.algo.load_balancing_coef:
         config = nnx.merge(graphdef, params).config
         if batch.routing is not None and config.is_moe:  # the replayed experts' counts
             counts = micro_batches.replayed_counts(
@@ -727,54 +679,37 @@ def guarded_update(
     return new_state, metrics
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """Hyper-parameters of ``make_optimizer`` (hashable: part of a Learner's cache key):
-    ``config.optim`` (``from_config``), or ``config.critic`` / ``config.sft`` with Adam's
-    betas and eps of ``config.optim``. No defaults of its own but the decay's (off):
-    ``configs/base.py`` holds them, and checks their ranges."""
-
-    lr: float
-    warmup_steps: int
-    b1: float
-    b2: float
-    eps: float
-    weight_decay: float
-    max_grad_norm: float | None
-    # Cosine decay to lr * min_lr_ratio at update decay_steps (0: constant; `make_optimizer`).
-    # Only SFT sets them (`config.sft.lr_decay`); RL's optimiser keeps a constant rate.
-    decay_steps: int = 0
-    min_lr_ratio: float = 0.0
-    # The MoE routers' learning rate over lr (the policy's `config.optim.router_lr_scale`).
-    router_lr_scale: float = 1.0
-
-    @classmethod
-    def from_config(cls, optim) -> "OptimConfig":
-        return cls(
-            lr=float(optim.lr),
-            warmup_steps=int(optim.warmup_steps),
-            b1=float(optim.b1),
-            b2=float(optim.b2),
-            eps=float(optim.eps),
-            weight_decay=float(optim.weight_decay),
-            max_grad_norm=optim.max_grad_norm,
-            router_lr_scale=float(optim.router_lr_scale),
-        )
-
-    def build(self) -> tuple[optax.GradientTransformation, optax.Schedule]:
-        return make_optimizer(**dataclasses.asdict(self))
+def optimizer_of(
+    optim: Optim, *, decay_steps: int = 0, min_lr_ratio: float = 0.0
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """``make_optimizer`` with the hyper-parameters of an ``optim`` section: the policy's
+    ``config.optim``, or the critic's and SFT's (``critic.critic_optim``, ``sft``: their
+    learning rate, warm-up and weight decay in place of the policy's). ``decay_steps`` and
+    ``min_lr_ratio``: SFT's cosine decay (0: constant)."""
+    return make_optimizer(
+        lr=float(optim.lr),
+        warmup_steps=int(optim.warmup_steps),
+        b1=float(optim.b1),
+        b2=float(optim.b2),
+        eps=float(optim.eps),
+        weight_decay=float(optim.weight_decay),
+        max_grad_norm=optim.max_grad_norm,
+        decay_steps=int(decay_steps),
+        min_lr_ratio=float(min_lr_ratio),
+        router_lr_scale=float(optim.router_lr_scale),
+    )
 
 
 _LEARNERS: dict = {}
 
 
-def get_learner(graphdef, settings: "LossConfig", optim: OptimConfig) -> "Learner":
+def get_learner(graphdef, settings: LossSettings, optim: Optim) -> "Learner":
     """The Learner for (model structure, loss settings, optimiser), created once per
     process, so that runs with the same recipe and model (resumes, sweeps, tests) share
     compiled functions instead of compiling them again."""
     key = (graphdef, settings, optim)
     if key not in _LEARNERS:
-        _LEARNERS[key] = Learner(graphdef, settings, *optim.build())
+        _LEARNERS[key] = Learner(graphdef, settings, *optimizer_of(optim))
     return _LEARNERS[key]
 
 
@@ -826,7 +761,7 @@ class Learner:
     def __init__(
         self,
         graphdef,
-        settings: LossConfig,
+        settings: LossSettings,
         optimizer: optax.GradientTransformation,
         schedule: optax.Schedule,
     ):

@@ -9,8 +9,10 @@ which method they run:
 - ``correction``: the rollout correction between sampler and trainer, truncated
   importance weights and rejection sampling (``algo.tis_*``, ``algo.rs_*``;
   docs/algorithms.md), or None when pi_old is the sampler's;
-- ``advantages``: group statistics of the outcome rewards (GRPO, DAPO, Dr. GRPO, GSPO,
-  SAPO, Magistral) or the critic's values and GAE (PPO, VC-PPO, VAPO);
+- ``advantages``: the registered estimator of ``algo.advantage``
+  (``advantages.register_estimator``): group statistics of the outcome rewards (GRPO,
+  DAPO, Dr. GRPO, GSPO, SAPO, Magistral) or the critic's values and GAE (PPO, VC-PPO,
+  VAPO), or one of a user's, by its kind;
 - ``minibatch_advantages``: Magistral's advantages normalised per minibatch
   (``algo.adv_scale = "minibatch"``), or None;
 - ``old_replay`` and ``update_replay``: the routing that the old-log-prob forward and the
@@ -18,7 +20,7 @@ which method they run:
 - ``nll_weights``: the rows of VAPO's NLL term (its correct samples), or None.
 
 Packing and micro-batches are not chosen here: ``config.batch.pack`` is read by
-``forwards.pack_rows``, and ``LossConfig.micro_batch_tokens`` by the learner's update.
+``forwards.pack_rows``, and ``batch.micro_batch_tokens`` by the learner's update.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from policyopt import sharding
-from policyopt.advantages import outcome_advantages
+from policyopt.advantages import ESTIMATORS, outcome_advantages
+from policyopt.config import Algo, typed
 from policyopt.losses import offpolicy_metrics, rejection_mask, truncated_importance_weights
 from policyopt.rl import forwards
-from policyopt.rl.critic import GAEConfig, gae_targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,23 +70,17 @@ def choose(config, *, is_moe: bool) -> Methods:
     """The ``Methods`` of ``config.algo`` (fields checked by ``configs/base.check``)."""
     algo, group = config.algo, config.batch.group_size
     from_trainer = algo.old_log_probs == "trainer"
-    critic = algo.advantage == "gae"
+    estimator = ESTIMATORS[algo.advantage]  # registered: checked with the config
+    critic = estimator.kind == "gae"
     replay = algo.routing_replay if is_moe else "none"
     correction = None
     if from_trainer:
-        correction = functools.partial(
-            rollout_correction, settings=CorrectionConfig.from_config(algo)
-        )
+        correction = functools.partial(rollout_correction, algo=algo)
     if critic:
-        advantages = functools.partial(gae_advantages, config)
+        advantages = functools.partial(gae_advantages, config, estimator.function())
     else:  # Magistral's minibatch scale: the batch is centred only, each minibatch scales
-        scale = "none" if algo.adv_scale == "minibatch" else algo.adv_scale
         advantages = functools.partial(
-            group_advantages,
-            group_size=group,
-            center=algo.adv_center,
-            scale=scale,
-            eps=algo.adv_eps,
+            group_advantages, estimator=estimator.function(), group_size=group, algo=algo
         )
     per_minibatch = None
     if algo.adv_scale == "minibatch" and not critic:
@@ -125,51 +121,43 @@ def _correct_rows(correct: np.ndarray) -> jax.Array:
 
 
 def group_advantages(
-    spec,
-    state,
-    rows,
-    rewards,
-    valid,
-    warming_up,
-    *,
-    group_size: int,
-    center: str,
-    scale: str,
-    eps: float,
+    spec, state, rows, rewards, valid, warming_up, *, estimator, group_size: int, algo: Algo
 ):
-    """Outcome advantages from group statistics (``advantages.outcome_advantages``):
-    ``(advantages [R], None, None, {})``; no critic, no forward pass."""
+    """Outcome advantages of an ``"outcome"`` estimator (the built-in's: group statistics,
+    ``advantages.group_outcome``): ``(advantages [R], None, None, {})``; no critic, no
+    forward pass."""
     del spec, state, rows, warming_up
-    advantages = outcome_advantages(
-        rewards, group_size, center=center, scale=scale, eps=eps, valid=valid
-    )
-    return advantages, None, None, {}
+    return estimator(rewards, group_size, valid=valid, algo=algo), None, None, {}
 
 
-# Jitted once per response bucket (GAEConfig is static and hashable).
-_gae_targets = jax.jit(gae_targets, static_argnames="settings")
+@functools.lru_cache(maxsize=None)
+def _jitted(targets):
+    """``targets`` jitted once per response bucket (the algo section is static and
+    hashable)."""
+    return jax.jit(targets, static_argnames="algo")
 
 
-def gae_advantages(config, spec, state, rows, rewards, valid, warming_up):
-    """The critic's values of the rollout (in the minibatch's shape) and GAE advantages and
-    value targets (``critic.gae_targets``; ``gae_settings``): ``(advantages [R, N],
-    returns [R, N], old_values [R, N], metrics)``."""
+def gae_advantages(config, targets, spec, state, rows, rewards, valid, warming_up):
+    """The critic's values of the rollout (in the minibatch's shape) and the advantages and
+    value targets of a ``"gae"`` estimator (the built-in's: ``critic.gae_targets``), with
+    ``gae_settings``: ``(advantages [R, N], returns [R, N], old_values [R, N], metrics)``."""
     del valid  # a sample left out of scoring has a zero mask: no GAE target
     old_values = forwards.critic_values(
         spec.critic, state.critic.params, rows, frozen=spec.critic_frozen
     )
-    advantages, returns, metrics = _gae_targets(
-        rewards, old_values, rows.mask, settings=gae_settings(config, pretraining=warming_up)
+    advantages, returns, metrics = _jitted(targets)(
+        rewards, old_values, rows.mask, algo=gae_settings(config, pretraining=warming_up)
     )
     return advantages, returns, old_values, jax.device_get(metrics)
 
 
-def gae_settings(config, *, pretraining: bool) -> GAEConfig:
-    """The GAE settings of an iteration: ``config.algo``'s, except that value pretraining
-    trains the critic on Monte-Carlo returns, ``lambda_critic = 1`` (VC-PPO 2503.01491,
-    docs/algorithms.md), whatever ``algo.gae_lambda_critic`` the later PPO updates use."""
-    settings = GAEConfig.from_config(config.algo)
-    return dataclasses.replace(settings, lam_critic=1.0) if pretraining else settings
+def gae_settings(config, *, pretraining: bool) -> Algo:
+    """The ``algo`` section GAE runs with in an iteration: ``config.algo``, except that value
+    pretraining trains the critic on Monte-Carlo returns, ``lambda_critic = 1`` (VC-PPO
+    2503.01491, docs/algorithms.md), whatever ``algo.gae_lambda_critic`` the later PPO
+    updates use."""
+    algo = typed(config).algo
+    return dataclasses.replace(algo, gae_lambda_critic=1.0) if pretraining else algo
 
 
 def minibatch_advantages(
@@ -199,27 +187,10 @@ def minibatch_advantages(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class CorrectionConfig:
-    """Rollout correction between the sampler (behaviour log-probs, mu) and the trainer's
-    pi_old: ``config.algo``'s ``tis_*`` and ``rs_*`` fields (their defaults and meaning in
-    ``configs/base.py``)."""
-
-    tis_cap: float | None
-    tis_level: str
-    rs_level: str | None
-    rs_upper: float | None
-    rs_lower: float | None
-    rs_veto: float | None
-
-    @classmethod
-    def from_config(cls, algo) -> "CorrectionConfig":
-        return cls(**{f.name: algo[f.name] for f in dataclasses.fields(cls)})
-
-
-@functools.partial(jax.jit, static_argnames="settings")
-def rollout_correction(old_log_probs, behaviour_log_probs, mask, settings: CorrectionConfig):
-    """Importance weights, the loss mask of rejection sampling, and metrics.
+@functools.partial(jax.jit, static_argnames="algo")
+def rollout_correction(old_log_probs, behaviour_log_probs, mask, algo: Algo):
+    """Importance weights, the loss mask of rejection sampling, and metrics, by the ``algo``
+    section's ``tis_*`` and ``rs_*`` fields (docs/algorithms.md).
 
     Returns:
       ``(weights, loss_mask, metrics)``: truncated importance weights ``[R, N]`` (None
@@ -236,22 +207,22 @@ def rollout_correction(old_log_probs, behaviour_log_probs, mask, settings: Corre
     valid = mask > 0
     n_tokens = jnp.maximum(jnp.sum(valid), 1)
     weights = loss_mask = None
-    if settings.tis_cap is not None:
+    if algo.tis_cap is not None:
         weights = truncated_importance_weights(
-            old_log_probs, behaviour_log_probs, mask, cap=settings.tis_cap, level=settings.tis_level
+            old_log_probs, behaviour_log_probs, mask, cap=algo.tis_cap, level=algo.tis_level
         )
         metrics["offpolicy/is_truncated_frac"] = (
-            jnp.sum(valid & (weights >= settings.tis_cap)) / n_tokens
+            jnp.sum(valid & (weights >= algo.tis_cap)) / n_tokens
         )
-    if settings.rs_level is not None or settings.rs_veto is not None:
+    if algo.rs_level is not None or algo.rs_veto is not None:
         loss_mask = rejection_mask(
             old_log_probs,
             behaviour_log_probs,
             mask,
-            level=settings.rs_level,
-            upper=settings.rs_upper,
-            lower=settings.rs_lower,
-            veto=settings.rs_veto,
+            level=algo.rs_level,
+            upper=algo.rs_upper,
+            lower=algo.rs_lower,
+            veto=algo.rs_veto,
         )
         kept = loss_mask > 0
         metrics["offpolicy/rs_rejected_token_frac"] = 1 - jnp.sum(kept) / n_tokens

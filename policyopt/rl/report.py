@@ -5,6 +5,7 @@ training: ``policyopt.rl.dry_run``), and the iteration's batch, scoring and upda
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -14,30 +15,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from policyopt.advantages import length_adaptive_lambda
+from policyopt.advantages import length_adaptive_lambda, uses_critic
+from policyopt.losses import OBJECTIVES
 from policyopt.rewards.batch import merge_metrics
 
-# Which settings each objective's ratio-dependent part reads (policyopt.losses).
-_RATIO_SETTINGS = {
-    "ppo": "algo.clip_low / clip_high / dual_clip",
-    "gspo": "algo.clip_low / clip_high",
-    "gspo_token": "algo.clip_low / clip_high",
-    "sapo": "algo.tau_pos / tau_neg (the gate is 1)",
-}
-# The fields of each objective's ratio-dependent part, and the fields that decide whether
-# the ratio can leave 1 (how many updates a batch makes, where pi_old comes from).
-_RATIO_FIELDS = {
-    "ppo": ("algo.clip_low", "algo.clip_high", "algo.dual_clip"),
-    "gspo": ("algo.clip_low", "algo.clip_high"),
-    "gspo_token": ("algo.clip_low", "algo.clip_high"),
-    "sapo": ("algo.tau_pos", "algo.tau_neg"),
-}
+
+def _ratio_fields(method: str) -> tuple[str, ...]:
+    """The config fields of an objective's ratio-dependent part: its settings record's
+    (``losses.register_objective``), ``algo.clip_low``, ... ."""
+    objective = OBJECTIVES.get(method)
+    if objective is None or objective.settings is None:
+        return ()
+    return tuple(f"algo.{f.name}" for f in dataclasses.fields(objective.settings))
+
+
+# The fields that decide whether the ratio can leave 1 (how many updates a batch makes,
+# where pi_old comes from).
 _UPDATE_FIELDS = (
     "algo.method",
     "batch.epochs",
     "batch.n_minibatches",
     "algo.old_log_probs",
     "async_mode.enabled",
+)
+# The fields that decide a length-adaptive lambda's bound before any rollout.
+_LAMBDA_FIELDS = (
+    "algo.advantage",
+    "algo.gae_length_adaptive",
+    "algo.gae_alpha",
+    "sampling.max_new_tokens",
 )
 # Below this mean, a length-adaptive lambda leaves the policy's advantages close to
 # one-step TD errors: a warning names the lengths and the fields to change.
@@ -74,39 +80,58 @@ def advisories(config, changed: Collection[str] | None = None) -> list[str]:
 
     - One update per batch (``batch.epochs = 1``, ``batch.n_minibatches = 1``) with pi_old
       from the trainer: the update runs at the parameters that computed pi_old, so the
-      ratio is 1 at every token and a method's clip or gate (``_RATIO_SETTINGS``) changes
+      ratio is 1 at every token and a method's clip or gate (its settings) changes
       nothing: the update is the plain policy gradient whatever those fields say. Said
       when the command changed one of those fields (``changed``, from ``user_fields``;
       None: always): a recipe that makes one update per batch by design (GRPO's one
       update per exploration stage, Magistral's, the demo's) says so in its banner.
     - A length-adaptive lambda (VAPO, 2504.05118) that the generation budget keeps below
       ``SHORT_LAMBDA`` for every response: ``1 - 1 / (alpha |y|)`` is 0 under ``1 /
-      alpha`` tokens, and the policy's advantages are then one-step TD errors.
+      alpha`` tokens, and the policy's advantages are then one-step TD errors. Said when
+      the command changed one of ``_LAMBDA_FIELDS`` (VAPO's recipe on the CPU task says
+      so in its banner: ``lambda_bound``).
     """
     out = []
     b, algo = config.batch, config.algo
     if on_policy(config):
-        concerned = set(_UPDATE_FIELDS) | set(_RATIO_FIELDS.get(algo.method, ()))
+        ratio = _ratio_fields(algo.method)
+        concerned = set(_UPDATE_FIELDS) | set(ratio)
         if changed is None or concerned & set(changed):
-            settings = _RATIO_SETTINGS.get(algo.method, "the objective's ratio-dependent part")
+            settings = (
+                "algo." + " / ".join(name.removeprefix("algo.") for name in ratio)
+                if ratio
+                else "the objective's ratio-dependent part"
+            )
             out.append(
                 f"batch.epochs={b.epochs} and batch.n_minibatches={b.n_minibatches}: one update "
                 "per batch, at the parameters that computed pi_old, so the ratio is 1 at every "
                 f"token and {settings} of algo.method={algo.method!r} change nothing; set "
                 "batch.n_minibatches > 1 (or batch.epochs > 1) for off-policy updates"
             )
-    if algo.advantage == "gae" and algo.gae_length_adaptive:
-        longest = config.sampling.max_new_tokens
-        lam = _lambda_max(algo, longest)
-        if lam < SHORT_LAMBDA:
-            out.append(
-                f"algo.gae_length_adaptive: responses are at most sampling.max_new_tokens="
-                f"{longest} tokens, so lambda_policy = 1 - 1/(algo.gae_alpha |y|) is at most "
-                f"{lam:.2f} (0 under {1 / algo.gae_alpha:.0f} tokens) and the policy's advantages "
-                "are close to one-step TD errors of the critic; raise algo.gae_alpha (lambda "
-                "reaches 0 at 1/alpha tokens) or set algo.gae_length_adaptive=False"
-            )
+    lam = lambda_bound(config)
+    if (
+        lam is not None
+        and lam < SHORT_LAMBDA
+        and (changed is None or set(_LAMBDA_FIELDS) & set(changed))
+    ):
+        out.append(
+            "algo.gae_length_adaptive: responses are at most sampling.max_new_tokens="
+            f"{config.sampling.max_new_tokens} tokens, so lambda_policy = 1 - 1/(algo.gae_alpha "
+            f"|y|) is at most {lam:.2f} (0 under {1 / algo.gae_alpha:.0f} tokens) and the "
+            "policy's advantages are close to one-step TD errors of the critic; raise "
+            "algo.gae_alpha (lambda reaches 0 at 1/alpha tokens) or set "
+            "algo.gae_length_adaptive=False"
+        )
     return out
+
+
+def lambda_bound(config) -> float | None:
+    """The largest policy lambda a length-adaptive GAE can reach under the generation
+    budget (``sampling.max_new_tokens``), or None without one."""
+    algo = config.algo
+    if not (algo.advantage == "gae" and algo.gae_length_adaptive):
+        return None
+    return _lambda_max(algo, config.sampling.max_new_tokens)
 
 
 def short_lambda_warning(config, response_lengths) -> str | None:
@@ -180,7 +205,7 @@ def critic_phase(config, iteration: int, metrics: dict | None = None) -> str | N
     critic warm-up (``critic.reward_model_iterations``, then ``critic.pretrain_iterations``,
     the policy frozen): at the start (``metrics`` None) the phase under way, later the
     phase that ends there with the critic's last figures (``metrics``); None elsewhere."""
-    if config.algo.advantage != "gae":
+    if not uses_critic(config.algo.advantage):
         return None
     reward_model = config.critic.reward_model_iterations
     pretrain = config.critic.pretrain_iterations
@@ -224,6 +249,47 @@ def critic_phase(config, iteration: int, metrics: dict | None = None) -> str | N
             f"from iteration {iteration + 1}"
         )
     return None
+
+
+def wrap(text: str, *, first: str = "", rest: str = "    ", width: int = 100) -> str:
+    """``text`` as lines of at most ``width`` columns (the ``--list`` of
+    ``experiments.reproduce`` and ``experiments.ablate``): the first line after ``first``,
+    the others after ``rest``; broken at spaces, and a word too long for a line after its
+    commas (a variant ``a=1,b=2`` keeps each field whole). A single field longer than a
+    line stays whole."""
+    room = width - len(rest)
+    tokens = []  # (text, a space before it)
+    for word in text.split(" "):
+        parts = [word] if len(word) <= room else re.findall(r"[^,]*,|[^,]+$", word) or [word]
+        tokens += [(part, i == 0) for i, part in enumerate(parts)]
+    lines, line, empty = [], first, True
+    for token, spaced in tokens:
+        gap = " " if spaced and not empty else ""
+        if not empty and len(line) + len(gap) + len(token) > width:
+            lines.append(line.rstrip())
+            line = rest + token
+        else:
+            line += gap + token
+        empty = False
+    lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
+def first_iteration_line(seconds: float, compiled: int, loaded: int) -> str:
+    """The console line after a run's first iteration: its time and what that time held,
+    the programs XLA compiled and those loaded from the persistent compilation cache (a
+    rerun of the same recipe, ``policyopt.runtime.enable_compilation_cache``)."""
+    head = f"first iteration: {seconds:.1f}s"
+    if compiled and loaded:
+        return (
+            f"{head} with compilation ({compiled} programs compiled, {loaded} loaded from the "
+            "compilation cache)"
+        )
+    if compiled:
+        return f"{head} with compilation ({compiled} programs compiled)"
+    if loaded:
+        return f"{head}, nothing compiled ({loaded} programs loaded from the compilation cache)"
+    return f"{head}, nothing compiled (the programs were compiled earlier in this process)"
 
 
 def parameter_count(params) -> int:
@@ -286,6 +352,12 @@ def banner(
     algo = config.algo
     advantages = "GAE with a critic" if algo.advantage == "gae" else f"{algo.advantage} advantages"
     asynchronous = ", asynchronous generation" if config.async_mode.enabled else ""
+    lam = lambda_bound(config)
+    if lam is not None and lam < SHORT_LAMBDA:
+        advantages += (
+            f" (length-adaptive lambda <= {lam:.2f} at sampling.max_new_tokens="
+            f"{config.sampling.max_new_tokens}: close to one-step TD advantages)"
+        )
     lines.append(
         f"  method    {method_name(config)}: objective {algo.method}, {advantages}{asynchronous}"
     )

@@ -31,6 +31,7 @@ import numpy as np
 
 from policyopt import sharding
 from policyopt.checkpoint import Checkpointer, lock_workdir
+from policyopt.config import Optim, typed
 from policyopt.data.pipeline import as_record, make_pipeline
 from policyopt.loggers import config_json, open_loggers, parse_loggers
 from policyopt.losses import aggregate
@@ -38,10 +39,10 @@ from policyopt.metrics import MetricsWriter, Progress, read_step_record
 from policyopt.rl import build, report
 from policyopt.rl.evaluate import evaluate
 from policyopt.rl.learner import (
-    OptimConfig,
     TrainState,
     forward_log_probs,
     guarded_update,
+    optimizer_of,
     place_state,
 )
 from policyopt.runtime import GracefulStop
@@ -102,13 +103,16 @@ def sft_loss(graphdef, params, batch: dict) -> tuple[jax.Array, dict]:
 _SFT_UPDATES: dict = {}
 
 
-def sft_update_fn(graphdef, optim: OptimConfig):
+def sft_update_fn(graphdef, optim: Optim, *, decay_steps: int = 0, min_lr_ratio: float = 0.0):
     """``(update, optimizer)``: the jitted SFT step ``update(state, batch) -> (state,
     metrics)`` (state donated, non-finite guard), cached per (model structure, optimiser)
-    so that a continued-SFT control run reuses the compiled step."""
-    key = (graphdef, optim)
+    so that a continued-SFT control run reuses the compiled step. ``optim``: SFT's optimiser
+    settings (``sft_optim``), ``decay_steps`` and ``min_lr_ratio`` its cosine decay."""
+    key = (graphdef, optim, decay_steps, min_lr_ratio)
     if key not in _SFT_UPDATES:
-        optimizer, schedule = optim.build()
+        optimizer, schedule = optimizer_of(
+            optim, decay_steps=decay_steps, min_lr_ratio=min_lr_ratio
+        )
         loss_fn = lambda p, b: sft_loss(graphdef, p, b)
         update = jax.jit(
             lambda st, b: guarded_update(loss_fn, optimizer, schedule, st, b), donate_argnums=0
@@ -138,14 +142,30 @@ SFT_FIELDS = ("seed", "model.", "task.", "batch.", "sft.", "optim.b1", "optim.b2
 SFT_IGNORED = ("model.lora.",)
 
 
+def sft_optim(config) -> Optim:
+    """SFT's optimiser settings: ``config.sft``'s learning rate, warm-up, weight decay and
+    clipping, Adam's betas and eps of ``config.optim`` (the policy's ``router_lr_scale`` is
+    the RL policy's lever only)."""
+    s = config.sft
+    return dataclasses.replace(
+        config.optim,
+        lr=float(s.lr),
+        warmup_steps=int(s.warmup_steps),
+        weight_decay=float(s.weight_decay),
+        max_grad_norm=s.max_grad_norm,
+        router_lr_scale=1.0,
+    )
+
+
 def make_sft_iterator(config, tokenizer, *, seed: int):
     """Batches of (prompt, worked solution) pairs of the task's training split."""
     records = build.task_source(config, "train")
-    if config.task.name != "arithmetic" and not all(as_record(r)["solution"] for r in records):
+    if not all(as_record(r).get("solution") for r in records):
+        t = config.task
+        where = repr(t.train_file) if t.train_file else f"task {t.name!r}"
         raise ValueError(
-            f"SFT needs a worked solution for every training record; "
-            f"{config.task.train_file!r} has records without one (see "
-            "task.solution_field)"
+            f"SFT needs a worked solution for every training record; {where} has records "
+            "without one (see task.solution_field)"
         )
     buckets = tuple(sorted(set(config.batch.prompt_buckets) | set(config.batch.response_buckets)))
     try:
@@ -177,7 +197,9 @@ def build_sft(
     checkpoint, else starts from ``init_checkpoint`` (full training state: params and
     optimiser), onto the shardings of the initial state. Nothing is written before
     everything that can be checked has been (devices, files, model, data, evaluation
-    prompts): only then is ``workdir`` created (and, with ``lock``, locked)."""
+    prompts): only then is ``workdir`` created (and, with ``lock``, locked). ``config``: the
+    typed config, or a recipe's ConfigDict (built and checked first)."""
+    config = typed(config)
     if init_checkpoint and not os.path.isdir(init_checkpoint):
         raise FileNotFoundError(f"init_checkpoint={init_checkpoint!r} is not a directory")
     mesh = build.make_mesh(config)
@@ -185,17 +207,12 @@ def build_sft(
     model = build.make_model(config, tokenizer.vocab_size, mesh, with_lora=False)
     graphdef, params = build.init_params(config, model, mesh)
     s = config.sft
-    optim = dataclasses.replace(
-        OptimConfig.from_config(config.optim),
-        lr=float(s.lr),
-        warmup_steps=int(s.warmup_steps),
-        weight_decay=float(s.weight_decay),
-        max_grad_norm=s.max_grad_norm,
+    update, optimizer = sft_update_fn(
+        graphdef,
+        sft_optim(config),
         decay_steps=int(s.steps) if s.lr_decay == "cosine" else 0,
         min_lr_ratio=float(s.min_lr_ratio),
-        router_lr_scale=1.0,  # the RL policy's lever only
     )
-    update, optimizer = sft_update_fn(graphdef, optim)
     state = place_state(TrainState.create(params, optimizer), optimizer, mesh)
     data = make_sft_iterator(config, tokenizer, seed=config.seed)
     if config.eval.num_prompts > 0:  # what the final evaluation reads, before training
@@ -283,8 +300,11 @@ def save_sft(run: SFTRun) -> None:
     )
 
 
-def evaluate_policy(config, graphdef, params, tokenizer, mesh) -> dict[str, float]:
-    """Greedy pass@1 (and mean@k if ``config.eval.k``) on the held-out split, on ``mesh``."""
+def evaluate_policy(
+    config, graphdef, params, tokenizer, mesh, *, samples: list | None = None
+) -> dict[str, float]:
+    """Greedy pass@1 (and mean@k if ``config.eval.k``) on the held-out split, on ``mesh``;
+    ``samples``, when given, receives one record per greedy completion (``evaluate``)."""
     records = build.eval_records(config, tokenizer)
     with jax.set_mesh(mesh):
         return evaluate(
@@ -301,6 +321,7 @@ def evaluate_policy(config, graphdef, params, tokenizer, mesh) -> dict[str, floa
             rng=jax.random.PRNGKey(config.seed + 1),
             spec=build.correctness_spec(config),
             num_workers=config.reward.num_workers,
+            samples=samples,
         )
 
 
@@ -332,6 +353,7 @@ def run_sft(
       ``{"step", "metrics", "eval" (final greedy pass@1 etc., if config.eval.num_prompts),
       "graphdef", "params", "checkpoint_dir", "interrupted"}``.
     """
+    config = typed(config)
     total = config.sft.steps if steps is None else steps
     if config.sft.lr_decay == "cosine" and total > config.sft.steps and not config.sft.min_lr_ratio:
         raise ValueError(
@@ -379,7 +401,8 @@ def run_sft(
         )
         if run.step < total:
             print(
-                "compiling the SFT step (the first update's time includes compilation) ...",
+                "compiling the SFT step, or loading it from the compilation cache (the first "
+                "update's time includes it) ...",
                 flush=True,
             )
     metrics, stop, result = {}, GracefulStop(), {}

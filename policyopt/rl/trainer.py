@@ -91,12 +91,13 @@ from absl import logging
 
 from policyopt import sharding
 from policyopt.checkpoint import Checkpointer, lock_workdir
+from policyopt.config import typed
 from policyopt.data.pipeline import make_pipeline
 from policyopt.engine import Engine, GenerationStopped
 from policyopt.loggers import config_json, open_loggers, parse_loggers
 from policyopt.metrics import MetricsWriter, Progress, read_last_value, read_step_record
 from policyopt.rl import adapters, build, iteration, methods, report
-from policyopt.rl.critic import CriticConfig, critic_optim, get_critic
+from policyopt.rl.critic import CriticSettings, critic_optim, get_critic
 from policyopt.rl.evaluate import evaluate
 from policyopt.rl.forwards import pack_chunks as pack_chunks
 from policyopt.rl.forwards import pack_rows as pack_rows
@@ -106,14 +107,13 @@ from policyopt.rl.iteration import TrainBatch as TrainBatch
 from policyopt.rl.iteration import prepare as prepare
 from policyopt.rl.iteration import sample as sample
 from policyopt.rl.iteration import update_epochs as update_epochs
-from policyopt.rl.learner import LossConfig, OptimConfig, get_learner, place_state
-from policyopt.rl.methods import CorrectionConfig as CorrectionConfig
+from policyopt.rl.learner import LossSettings, get_learner, place_state
 from policyopt.rl.methods import gae_settings as gae_settings
 from policyopt.rl.methods import minibatch_advantages as minibatch_advantages
 from policyopt.rl.methods import rollout_correction as rollout_correction
 from policyopt.rl.report import batch_metrics as batch_metrics
 from policyopt.rl.report import scoring_metrics as scoring_metrics
-from policyopt.runtime import GracefulStop
+from policyopt.runtime import GracefulStop, compile_counts
 from policyopt.sampling import SamplingConfig, sampling_method
 
 
@@ -203,7 +203,11 @@ def build_run(
 
     Nothing is written until everything that can be checked has been (the mesh's devices,
     files, model, data, evaluation prompts, verifier): only then is ``workdir`` created
-    (and, with ``lock``, locked: ``lock_workdir``) and ``checkpoints/`` opened."""
+    (and, with ``lock``, locked: ``lock_workdir``) and ``checkpoints/`` opened.
+
+    ``config``: the typed config (``policyopt.config.RunConfig``), or a recipe's ConfigDict,
+    built into one and checked first."""
+    config = typed(config)
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
     model = build.make_model(config, tokenizer.vocab_size, mesh)
@@ -219,14 +223,14 @@ def build_run(
         )
     policy = build.init_policy(config, model, mesh)
     weights, params = policy.weights, policy.trainable
-    settings, optim = LossConfig.from_config(config), OptimConfig.from_config(config.optim)
-    learner = get_learner(weights.graphdef, settings, optim)
+    settings = LossSettings.of(config)
+    learner = get_learner(weights.graphdef, settings, config.optim)
     ref_params = ref_learner = None
     if config.algo.kl_beta > 0 and weights.lora:
         # The reference policy is the base: its own parameters, no copy, the adapters off.
         ref_params, ref_learner = (
             weights.frozen,
-            get_learner(weights.base_graphdef, settings, optim),
+            get_learner(weights.base_graphdef, settings, config.optim),
         )
     elif config.algo.kl_beta > 0:
         ref_params = jax.tree.map(jnp.copy, params)
@@ -250,7 +254,7 @@ def build_run(
         sampler_graphdef = weights.base_graphdef if merged else weights.graphdef
         engine = Engine.from_config(config, model, sampler_graphdef, mesh, sampling_config)
     critic = critic_state = critic_frozen = None
-    if config.algo.advantage == "gae":
+    if config.algo.uses_critic:  # a "gae" estimator (advantages.register_estimator)
         critic_graphdef, critic_init = weights.graphdef, params
         if weights.lora and config.model.lora.critic == "adapters":
             critic_frozen = weights.frozen  # its own adapters (a copy), the policy's base
@@ -258,7 +262,7 @@ def build_run(
             dtype = model.config.lora.dtype
             critic_graphdef = weights.base_graphdef
             critic_init = jax.tree.map(lambda x: x.astype(dtype), weights.frozen)
-        critic = get_critic(critic_graphdef, CriticConfig.from_config(config), critic_optim(config))
+        critic = get_critic(critic_graphdef, CriticSettings.of(config), critic_optim(config))
         critic_state = critic.init_state(critic_init, model.config.hidden_size)
         critic_state = place_state(critic_state, critic.optimizer, mesh)
     spec = RunSpec(
@@ -481,7 +485,7 @@ def run_rl(
     ``checkpoints/`` (orbax).
 
     Args:
-      config: a locked recipe config (``configs/*.py``).
+      config: the typed config, or a locked recipe config (``configs/*.py``).
       workdir: the run directory.
       num_iterations: stop after this many iterations in total (default from config).
       quiet: no console output (banner, progress line, samples).
@@ -495,6 +499,7 @@ def run_rl(
       ``{"iteration", "metrics" (last iteration), "eval" (last evaluation),
       "eval_history" (list), "run" (the RLRun), "interrupted" (signal name or None)}``.
     """
+    config = typed(config)
     total = config.train.num_iterations if num_iterations is None else num_iterations
     with build.undo_workdir_on_failure(workdir):  # a failed build leaves nothing behind
         run = build_run(config, workdir, lock=True)
@@ -567,7 +572,7 @@ class RunLoop:
         self.short_lambda_checked = False  # report.short_lambda_warning, once per run
         if primary:
             with open(os.path.join(workdir, "config.json"), "w") as f:
-                f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+                f.write(config.to_json(indent=2, sort_keys=True))
         resume_step = run.iteration if run.iteration else -1
         self.writer = MetricsWriter(
             workdir,
@@ -618,7 +623,7 @@ class RunLoop:
         self.stopped_by: str | None = None  # the signal that stopped the run (process 0's)
         self._attached: list = []  # objects whose should_stop is this loop's (attach)
         self.uninformative_streak, self.first_iteration = 0, True
-        self._first_start = time.perf_counter()
+        self._first_start, self._first_counts = time.perf_counter(), compile_counts()
         if (
             run.iteration
             and run.last_eval_iteration != run.iteration
@@ -682,7 +687,8 @@ class RunLoop:
         if self.console and not self.history:
             print(
                 f"evaluating {len(run.eval_records)} held-out prompts at iteration "
-                f"{run.iteration} (compiling the sampler first) ...",
+                f"{run.iteration} (the sampler compiles first, or loads from the compilation "
+                "cache) ...",
                 flush=True,
             )
         samples: list[dict] = []
@@ -776,10 +782,11 @@ class RunLoop:
                 print(phase, flush=True)
             print(
                 f"iteration {run.iteration + 1}: compiling the sampler and the update steps "
-                "(the first iteration's time includes compilation) ...",
+                "(or loading them from the compilation cache) ...",
                 flush=True,
             )
             self._first_start = time.perf_counter()
+            self._first_counts = compile_counts()
 
     def after_iteration(self, metrics: dict, save) -> None:
         """Writes ``metrics``, then evaluates and checkpoints (``save()``) when due."""
@@ -793,7 +800,9 @@ class RunLoop:
         self.skipped_updates.update(run.iteration, _guarded_states(run))
         if self.console and self.first_iteration:
             seconds = time.perf_counter() - self._first_start
-            print(f"first iteration: {seconds:.1f}s with compilation", flush=True)
+            (compiled, loaded), (compiled0, loaded0) = compile_counts(), self._first_counts
+            line = report.first_iteration_line(seconds, compiled - compiled0, loaded - loaded0)
+            print(line, flush=True)
         if self.progress and self.first_iteration and run.iteration % train.log_every:
             self.progress.start_steady(run.iteration)  # the ETA leaves the compiling one out
         self.first_iteration = False
