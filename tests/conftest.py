@@ -45,16 +45,17 @@ jax.config.update(
 )
 
 # The slowest files (CPU seconds of a full run, benchmarks/HISTORY.md "2026-12-02: the suite at
-# 8-8.5 minutes"),
-# first: pytest-xdist (`make test`: --dist loadfile --no-loadscope-reorder) hands each worker
-# one file at a time in collection order, so starting with the longest lets the workers end
-# together (longest-processing-time-first) instead of one running a long file alone at the
-# end. The other files follow in their usual order.
+# 8-8.5 minutes"; test_scan before test_expert_parallel: 70 and 64 CPU s alone, RESULTS.md
+# "The test suite's tiers"), first: pytest-xdist (`make test`: --dist loadfile
+# --no-loadscope-reorder) hands each worker one file at a time in collection order, so
+# starting with the longest lets the workers end together (longest-processing-time-first)
+# instead of one running a long file alone at the end. The other files follow in their
+# usual order.
 SLOWEST_FIRST = (
     "test_rl_trainer.py",
     "test_micro_batches.py",
-    "test_expert_parallel.py",
     "test_scan.py",
+    "test_expert_parallel.py",
     "test_engine.py",
     "test_packing.py",
     "test_rl_mesh.py",
