@@ -88,7 +88,10 @@ SLOW_TESTS = {
         "test_a_tiny_sweep_trains_summarises_resumes_and_evaluates",
         "test_a_partial_run_is_resumed_never_counted",
     },
-    "test_async_engine.py": {"test_engine_slots_on_two_devices_equal_generate_and_compile_once"},
+    "test_async_engine.py": {
+        "test_engine_slots_on_two_devices_equal_generate_and_compile_once",
+        "test_run_async_rl_on_the_paged_engine_trains",
+    },
     "test_async_rl.py": {
         "test_run_async_rl_trains_checkpoints_and_resumes",
         "test_run_async_rl_trains_a_critic_recipe_with_value_pretraining_nll_and_resume",
@@ -100,17 +103,26 @@ SLOW_TESTS = {
         "test_second_process_loads_what_the_first_compiled",
         "test_no_compilation_after_the_first_iteration_of_a_phase",
     },
+    "test_critic.py": {
+        "test_pretraining_decoupled_gae_nll_and_resume",
+        "test_reward_model_then_value_pretraining_then_ppo",
+        "test_value_pretraining_targets_are_monte_carlo_returns",
+    },
     "test_engine.py": {
         "test_sharded_engine_on_two_devices_equals_generate",
         "test_synchronous_trainer_streams_its_rows_through_the_engine",
         "test_trainer_replays_the_engines_routing_r3",
     },
     "test_fsdp_grads.py": {"test_gradients_reduce_scattered_and_equal_one_device"},
+    "test_iteration.py": {"test_the_stages_compose_to_rl_iteration"},
     "test_loggers.py": {"test_rl_run_sends_config_samples_and_evaluations_to_each_logger"},
     "test_logprobs.py": {"test_rows_split_over_devices_stay_split"},
     "test_micro_batches.py": {"test_micro_batches_on_a_mesh_equal_one_pass"},
     "test_own_data.py": {"test_sft_then_rl_on_own_data_with_any_preset"},
-    "test_packing.py": {"test_packed_update_on_a_mesh_equals_padded"},
+    "test_packing.py": {
+        "test_packed_update_on_a_mesh_equals_padded",
+        "test_trainer_iteration_packed_equals_padded",
+    },
     "test_report.py": {"test_a_vapo_run_prints_its_method_and_warm_up_phases"},
     "test_reproduce.py": {
         "test_a_continued_sft_start_trains_its_parent_first",
