@@ -45,8 +45,8 @@ jax.config.update(
 )
 
 # The slowest files (CPU seconds of a full run, benchmarks/HISTORY.md "2026-12-02: the suite at
-# 8-8.5 minutes"; test_scan before test_expert_parallel: 70 and 64 CPU s alone, RESULTS.md
-# "The test suite's tiers"), first: pytest-xdist (`make test`: --dist loadfile
+# 8-8.5 minutes"; test_scan before test_expert_parallel: 70 and 64 CPU s alone, HISTORY.md
+# "2026-12-06: the test suite's tiers"), first: pytest-xdist (`make test`: --dist loadfile
 # --no-loadscope-reorder) hands each worker one file at a time in collection order, so
 # starting with the longest lets the workers end together (longest-processing-time-first)
 # instead of one running a long file alone at the end. The other files follow in their
