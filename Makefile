@@ -1,5 +1,6 @@
 # Two entry points: `make demo` (install, then run the main job on the CPU) and
-# `make test` (install with test extras, then run the whole suite).
+# `make test` (install with test extras, then run the whole suite; `make test-fast`: all but
+# the slow tests).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ TEST_ENV := JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=3
 # in the order tests/conftest.py collects them (the slowest first).
 TEST_WORKERS ?= 2
 
-.PHONY: demo test lint format install install-test install-lint bench clean config-docs
+.PHONY: demo test test-fast lint format install install-test install-lint bench clean config-docs
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,8 +37,15 @@ install-lint: $(VENV)/.installed-lint
 demo: install
 	$(TEST_ENV) $(PY) -m experiments.demo --workdir runs/demo
 
+PYTEST := $(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# The whole suite; the log ends with the 25 slowest tests.
 test: install-test
-	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(PYTEST) --durations=25 tests
+
+# Everything but the tests marked slow (tests/conftest.py: end-to-end runs, simulated meshes).
+test-fast: install-test
+	$(PYTEST) -m "not slow" tests
 
 # Formatting and lint rules (line length 100) from pyproject.toml: `lint` checks, `format` applies.
 lint: install-lint

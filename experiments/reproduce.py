@@ -28,6 +28,7 @@ from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Claim, get_claim
 from experiments import ablate
 from experiments.verdicts import claim_verdict, judge
+from policyopt.checkpoint import unlock_workdir
 from policyopt.metrics import quiet_library_logging
 from policyopt.rl.report import wrap
 from policyopt.rl.sft import run_sft
@@ -297,9 +298,10 @@ def ensure_sft(setting: str, sft_root: str, variant: str = "", start: int = 0) -
         config.unlock()
         config.seed += start
         config.lock()
+    workdir = sft_dir(sft_root, setting, start)
     summary = run_sft(
         config,
-        sft_dir(sft_root, setting, start),
+        workdir,
         init_checkpoint=init,
         recipe=f"configs/{setting}.py (SFT start {start}, seed {config.seed}"
         + (f", continuing {parent}'s)" if parent else ")"),
@@ -309,6 +311,8 @@ def ensure_sft(setting: str, sft_root: str, variant: str = "", start: int = 0) -
             f"SFT start {start} of {setting!r} interrupted ({summary['interrupted']}); "
             "rerun to resume"
         )
+    # Finished, the start is only read from now on: other claims' processes may share it.
+    unlock_workdir(workdir)
     return summary["checkpoint_dir"]
 
 

@@ -12,6 +12,8 @@ import importlib
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -20,6 +22,9 @@ from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Check, Claim, get_claim
 from experiments import ablate, reproduce
 from policyopt.checkpoint import Checkpointer
+from tests.flags import subprocess_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 REGIME = {
     "optim.lr": 1e-3,
@@ -459,6 +464,22 @@ def test_a_continued_sft_start_trains_its_parent_first(tmp_path, monkeypatch):
     # Rerun: both are reused (finished), nothing is trained again.
     assert reproduce.ensure_sft("testbed_long32", str(tmp_path), variant) == checkpoint
     assert len((child / "metrics.jsonl").read_text().splitlines()) == 1
+    # Finished starts are not held: another claim's process may use them meanwhile.
+    taken = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from policyopt.checkpoint import lock_workdir; "
+            "[lock_workdir(d) for d in sys.argv[1:]]",
+            str(parent),
+            str(child),
+        ],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=ROOT,
+    )
+    assert taken.returncode == 0, taken.stderr
 
 
 def _shrink(config):
