@@ -77,6 +77,7 @@ SLOWEST_FIRST = (
 SLOW_FILES = {
     "test_cli.py",
     "test_expert_parallel.py",
+    "test_lora_rl.py",
     "test_multihost.py",
     "test_rl_mesh.py",
     "test_rl_resume.py",
