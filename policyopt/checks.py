@@ -1,4 +1,5 @@
-"""One-line errors for settings: a number in a range, a value among choices.
+"""One-line errors for settings: a number in a range, a value among choices, a prompt
+template.
 
 The config schema's field checks (``policyopt.schema.number``, ``choice``) and the losses'
 own arguments use these, naming each field as the config spells it (``config.algo.tau_neg``),
@@ -48,3 +49,19 @@ def check_choice(label: str, value: Any, choices: Iterable) -> None:
     choices = tuple(choices)
     if value not in choices:
         raise ValueError(f"{label} must be one of {choices}, got {value!r}")
+
+
+def check_prompt_template(label: str, template: str | None) -> None:
+    """Raises a ValueError naming ``label`` unless ``template`` (or None) is a format string
+    whose only field is ``{question}``, which it contains."""
+    if template is None:
+        return
+    try:
+        probe = template.format(question="\0")
+    except (IndexError, KeyError, ValueError) as error:
+        raise ValueError(
+            f"{label}={template!r} is not a format string with only {{question}} ({error!r}); "
+            "write literal braces twice, e.g. \\boxed{{}}"
+        ) from None
+    if "\0" not in probe:
+        raise ValueError(f"{label} must contain '{{question}}', got {template!r}")

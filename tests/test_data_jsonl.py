@@ -215,6 +215,15 @@ def test_prompt_templates_are_checked_when_the_config_is_made():
     with pytest.raises(ValueError, match="must contain"):
         JsonlConfig(prompt_template="{{question}}")
     assert JsonlConfig(prompt_template="{question} \\boxed{{}}").prompt_template.endswith("{{}}")
+    # The task section's templates get the same one-line errors, named as the config spells them.
+    from configs import base
+
+    config = base.get_config()
+    config.task.name = "math_jsonl"
+    config.task.train_file = config.task.test_file = "x.jsonl"
+    config.task.prompt_template = "{question} in {unit}"
+    with pytest.raises(ValueError, match=r"config\.task\.prompt_template=.* not a format string"):
+        base.check(config)
 
 
 def test_code_files_from_mbpp_humaneval_apps_and_codecontests_rows(tmp_path):

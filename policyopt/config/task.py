@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from policyopt.checks import check_prompt_template
 from policyopt.schema import choice, integer, setting
 
 
@@ -157,15 +158,4 @@ class Task:
         if missing:
             raise ValueError(f"{label}.{missing[0]} is required with task.name={self.name!r}")
         for name in ("prompt_template", "code_prompt_template"):
-            template = getattr(self, name)
-            if template is None:
-                continue
-            try:
-                probe = template.format(question="\0")
-            except (IndexError, KeyError, ValueError) as error:
-                raise ValueError(
-                    f"{label}.{name}={template!r} is not a format string with only "
-                    f"{{question}} ({error!r}); write literal braces twice, e.g. \\boxed{{}}"
-                ) from None
-            if "\0" not in probe:
-                raise ValueError(f"{label}.{name} must contain '{{question}}', got {template!r}")
+            check_prompt_template(f"{label}.{name}", getattr(self, name))

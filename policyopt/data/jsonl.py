@@ -54,6 +54,8 @@ from typing import Any
 
 from absl import logging
 
+from policyopt.checks import check_prompt_template
+
 _BOXED_PREFIXES = ("\\boxed{", "\\fbox{")
 
 
@@ -160,20 +162,7 @@ class JsonlConfig:
                 "e.g. ('question',)"
             )
         for name in ("prompt_template", "code_prompt_template"):
-            template = getattr(self, name)
-            if template is None:
-                continue
-            try:
-                probe = template.format(question="\0")
-            except (IndexError, KeyError, ValueError) as error:
-                raise ValueError(
-                    f"JsonlConfig.{name}={template!r} is not a format string with "
-                    f"only {{question}} ({error!r}); write literal braces twice"
-                ) from None
-            if "\0" not in probe:
-                raise ValueError(
-                    f"JsonlConfig.{name} must contain '{{question}}', got {template!r}"
-                )
+            check_prompt_template(f"JsonlConfig.{name}", getattr(self, name))
 
 
 @dataclasses.dataclass
