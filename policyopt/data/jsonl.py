@@ -1,47 +1,13 @@
 """Local JSONL files of math problems (GSM8K / MATH style) or code problems with tests
 (MBPP / HumanEval / APPS / CodeContests style) as task records.
 
-Each line of the file is one JSON object. The problem text and the answer are read from
-configurable fields; the reference answer is extracted from the answer text:
-
-- MATH style: `"solution": "... so the answer is $\\boxed{\\frac{1}{2}}$."` -> the content
-  of the LAST `\\boxed{...}` (braces nested to any depth), `\\frac{1}{2}`.
-- GSM8K style: `"answer": "... 5 + 7 = 12\\n#### 12"` -> the text after the last final
-  answer marker (`####`), `12`.
-- Otherwise the whole field, stripped (e.g. MATH-500's short `"answer"` field).
-
-The record produced is the task record used everywhere in policyopt:
-`{"prompt": str, "answer": str, "solution": str}` (and `task` for mixed files), where
-`solution` is the worked solution text when the file has one (empty otherwise). It is
-NOT rewritten into the `<think>...</think>\\boxed{}` response format (a code solution
-without a fence only gets its ```` ```python ```` fence): with Magistral's format gate
-on, prepare SFT targets in the gated format.
-
-A malformed row (invalid JSON, a key given twice, not an object, a missing or non-text
-field, a question that is not text, an empty reference after extraction) raises
-`MalformedRowError` naming `file:line`; a file without rows raises naming the file. With
-`skip_malformed=True` such rows are skipped instead, and counted and listed in the
-returned `JsonlReport` (and logged). Blank lines are not rows; they are counted too.
-Prompt lengths in tokens are limited downstream, in `policyopt.data.pipeline`, where the
-tokenizer is known.
-
-Code problems (`JsonlConfig(task="code")`): the tests come from the first of
-`tests_fields` present, in any encoding `policyopt.rewards.parse_tests` reads (an
-assert string, MBPP's list of asserts, HumanEval's `check(candidate)` completed with the
-row's `entry_point`, a list of stdin / stdout cases, APPS's and CodeContests' parallel
-lists, or any of them as JSON text; an empty field gives way to the next), with MBPP's
-`test_setup_code` / `test_imports` run before its asserts; the record's `answer` is the
-tests as JSON text, which the code verifier reads back. Tests that cannot be read make
-the row malformed, call-based ones included (APPS rows with `fn_name`, LiveCodeBench's
-functional tests): skip them with `skip_malformed`. A solution without a code fence
-(MBPP's `code`) is wrapped in a ```` ```python ```` fence, the format the verifier reads.
-The prompt is the question field as it is: MBPP's `text` does not name the function the
-tests call, so build MBPP prompts with the first test beforehand (as its paper does).
-
-Both in one file (`JsonlConfig(task="mixed")`, Magistral's math and code mixture): a row
-with one of `tests_fields` is a code problem, any other a math problem, and each record
-says which in a fourth field, `task` ("math" or "code"), which the trainers pass to the
-verifier with its sample.
+One JSON object per line; the question and the answer come from configurable fields, the
+reference is extracted from the answer (the last `\\boxed{}`, else the text after `####`,
+else the whole field). A record is `{"prompt", "answer", "solution"}` (and `task` in mixed
+files); the solution is not rewritten into a response format. Code rows' tests are read by
+`policyopt.rewards.parse_tests` and stored as JSON text in `answer`. A malformed row raises
+`MalformedRowError` naming `file:line`, or is skipped and counted with `skip_malformed`.
+What is read from each kind of row: docs/quickstart.md, "What a JSONL row holds".
 """
 
 from __future__ import annotations
