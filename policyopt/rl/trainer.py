@@ -2,78 +2,13 @@
 
     summary = run_rl(config, workdir)        # resumes from workdir/checkpoints if present
 
-One iteration is ``policyopt.rl.iteration.rl_iteration``: ``sample`` (generate, score,
-dynamic sampling) -> ``prepare`` (old / reference log-probs, advantages, rollout
-correction) -> ``update_epochs`` (epochs x minibatches of the jitted update), stages that
-see only a frozen ``RunSpec`` and a ``RunState`` pytree; the method-specific steps are
-chosen when the run is built (``policyopt.rl.methods``). This module builds them
-(``build_run``), holds them between iterations with the host side of a run (``RLRun``:
-run directory, data position, checkpoints, evaluation), and drives the loop (``run_rl``,
-``RunLoop``). Shapes are bucketed (``policyopt.rl.batch``) so each jitted function
-compiles a bounded number of times.
-
-Determinism and resume: the rng of iteration ``i`` is ``fold_in(run_key, i)``; the
-checkpoint holds the parameters, the optimiser state, the update counters, the run key,
-the iteration and the data iterator's state, so rerunning the same command continues
-exactly where the last checkpoint left off (N + resume + N iterations give the
-parameters of 2N uninterrupted iterations bit for bit; ``tests/test_rl_trainer.py``).
-
-Critic methods (``config.algo.advantage = "gae"``: PPO, VC-PPO, VAPO): a value model
-(``policyopt.rl.critic``) scores the rollout, GAE gives per-token advantages and value
-targets, and the critic is updated on the same minibatches as the policy, with its own
-optimiser; during the first ``config.critic.reward_model_iterations`` iterations the
-critic alone is trained as an outcome reward model (its initialisation, as RLHF's value
-models start from a reward model; ``critic.reward_model_targets``), during the next
-``config.critic.pretrain_iterations`` alone on Monte-Carlo targets (value pretraining /
-warm-up; lambda_critic = 1, VC-PPO; ``gae_settings``); in both the policy stays
-bit-identical (its old-log-prob, reference and routing forward passes are skipped).
-The critic's parameters and optimiser state are part of the checkpoint.
-
-Routing replay (MoE): ``"R2"`` replays, in every update forward, the routing recorded by
-the old-log-prob forward; ``"R3"`` replays the sampler's routing in the old-log-prob
-forward and in every update forward (docs/algorithms.md). Only the expert selection is
-replayed; the model recomputes the gate weights from the current router, as its own
-routing does: renormalised over the replayed k experts when the model has
-``norm_topk_prob`` (Qwen3-30B-A3B; docs/algorithms.md "Routing replay"), the full-softmax
-probabilities of those experts otherwise, so that a replay of the model's own choice
-reproduces its forward exactly.
-
-Sequence packing (``config.batch.pack``): the old-log-prob, reference and value passes
-(per row chunk) and every update (per minibatch) run the model on packed rows, the real
-tokens of the chunk's rows first-fit-decreasing into rows of ``batch.pack_tokens`` slots
-with segment ids (``policyopt.rl.packing``, ``pack_rows``); their per-token results come
-back to the padded rows, so advantages, losses and routing replay see the padded layout
-and give the same update. ``batch/padding_fraction`` (padded rows) and
-``batch/packed_padding_fraction`` (the updates' packed rows) are logged. The routing
-metrics' extra forwards stay padded.
-
-Sampler-trainer mismatch: with ``algo.old_log_probs = "trainer"`` every iteration logs
-``offpolicy/*`` (``rollout_correction``) and applies the configured corrections:
-truncated importance weights (``algo.tis_cap``, ``tis_level``) and rejection sampling
-(``algo.rs_level``, ``rs_upper``, ``rs_lower``, ``rs_veto``), whose kept tokens become
-``Batch.loss_mask``, the policy loss's mask (the critic keeps ``Batch.mask``).
-
-LoRA (``config.model.lora.rank > 0``; docs/lora.md, ``policyopt.rl.adapters``): the
-policy's state holds the adapters and their optimiser state; the frozen base
-(``RunSpec.weights``) joins them in every forward, is the KL reference (``ref_params``,
-no copy) and a LoRA critic's shared base; the sampler decodes the adapters merged into it
-(once per iteration) or unmerged; checkpoints hold the adapters and the base's identity.
-
-Devices: a run lives on one mesh (``config.mesh``, ``policyopt.sharding``; the default
-puts every device on ``data``, which on one CPU is today's single device). The policy is
-built on the mesh (``build.make_model``: each device receives only its shards), and
-parameters, optimiser states and the critic are sharded by the parameters' logical axes
-(``learner.place_state``), the run key is replicated, and the rows of every batch are
-split over ``data`` x ``fsdp`` when their number divides, else replicated
-(``sharding.shard_rows``). Every jitted call runs under ``jax.set_mesh(run.mesh)``, so
-the model's activation constraints apply. On several processes (hosts) each runs this
-same loop: rollouts come back gathered from all of them (``sharding.to_host``), each process
-scores its share of the rows and receives the others' scores (``score_batch(...,
-across_processes=True)``), every process builds the same batch, and process 0 writes the logs
-(``policyopt.sharding``; ``tests/test_multihost.py``). Asynchronous RL is single-process.
-
-The stages and their helpers (``iteration``, ``methods``, ``forwards``, ``report``) are
-re-exported here (``import name as name``), importable from this module as before.
+One iteration is ``policyopt.rl.iteration.rl_iteration`` (``sample`` -> ``prepare`` ->
+``update_epochs``, stages that see a frozen ``RunSpec`` and a ``RunState`` pytree). This
+module builds them (``build_run``), holds them between iterations with the host side of a
+run (``RLRun``: run directory, data position, checkpoints, evaluation) and drives the loop
+(``run_rl``, ``RunLoop``). Determinism and resume, the critic's phases and several
+processes: docs/design.md, "The run around the iterations"; routing replay and the
+sampler-trainer corrections: docs/algorithms.md; meshes and packing: docs/scale.md.
 """
 
 from __future__ import annotations
