@@ -1,56 +1,15 @@
-"""Asynchronous RL (Magistral, arXiv 2506.10910; docs/algorithms.md "Asynchronous generation"):
-generation and training overlap.
+"""Asynchronous RL (Magistral, arXiv 2506.10910): generation and training overlap.
 
     # config.async_mode.enabled (configs/magistral_async.py)
     summary = run_async_rl(config, workdir)
 
-A generator thread (``policyopt.rl.async_generation.AsyncGenerator``) decodes prompts
-continuously in slot groups and hands every group over as soon as it finishes to a
-scoring thread, which scores it and queues it (so decoding does not wait for a verifier
-while the ``n_async`` budget lasts: groups waiting to be scored count in it);
-the generator never waits for the trainer while a group is in flight. The trainer (this thread)
-takes finished groups in finish order until the batch holds ``n_prompts`` groups
-(``n_batch = n_prompts * G`` completions; with dynamic sampling, zero-variance groups are
-dropped and counted as DAPO / Magistral do), then runs exactly the synchronous trainer's
-stages on it (``iteration.prepare`` and ``iteration.update_epochs``: old log-probs from the
-trainer's forward, advantages, epochs x minibatches of updates; ``n_minibatches`` divides
-``n_prompts``, so minibatches hold whole groups): ``async_sample`` takes the place of
-``iteration.sample``. It then publishes the new parameters, which the generator
-picks up at its next segment, mid-generation, without recomputing the KV cache.
-
-Recipes: any recipe runs this way with ``async_mode.enabled=True`` (``configs/base.py``),
-critic methods included (PPO, VC-PPO, VAPO): the trainer's critic scores each batch for
-GAE and is updated on the same minibatches, and VAPO's NLL covers the batch's correct
-samples. During value pretraining the policy is not updated, so the weights published
-then are the same as before and only the version number advances.
-
-Generation memory: with ``sampling.engine_kv_tokens > 0`` the generator decodes on the
-paged KV cache of ``policyopt.engine`` (``async_generation.EngineSlots``: a pool of that
-many token slots per shard, ``sampling.engine_page_size`` per page), as the synchronous
-trainer does; with 0, every row holds a dense cache of P + N + K slots (``SlotGenerator``).
-
-Groups: the G samples of a prompt are generated in one slot group and handed over
-together, so group-based advantages always see complete groups.
-
-Staleness: the parameters trained on batch b have version b (one version per batch).
-Every token records the version of the parameters that produced its logits; the metrics
-report, per batch, ``b - version`` over the tokens (``async/staleness_{min,mean,max}``),
-the versions at which the completions started and finished, and how many completions
-saw a weight push mid-generation. ``n_async`` (completions started and not yet taken)
-bounds it: ``async_generation.staleness_bound``.
-
-Off-policy correction: behaviour log-probs are recorded token by token under whichever
-parameters produced them, so truncated importance sampling (``algo.tis_cap``, with
-``algo.old_log_probs = "trainer"``) applies unchanged: w = min(pi_old / mu, C) with mu
-the per-token behaviour mixture; so do its sequence level and rejection sampling
-(``algo.tis_level``, ``algo.rs_*``), and the ``offpolicy/*`` metrics measure staleness and
-numerical mismatch together. ``old_log_probs = "sampler"`` makes mu itself pi_old.
-
-Checkpoints hold parameters, optimiser state, counters and iteration (as ``run_rl``) and
-the position of the prompt stream as far as the generator has read it. Completions in
-flight or queued are not saved: a resumed run restarts generation from scratch at the
-restored parameters (the prompts in flight at the save are skipped). Runs are not
-bit-reproducible: which completions form a batch depends on thread timing.
+A generator thread (``async_generation.AsyncGenerator``) decodes prompts in slot groups
+and hands each finished group to a scoring thread; this thread takes scored groups in
+finish order until a batch holds ``n_prompts`` groups (``async_sample``, in place of
+``iteration.sample``), runs the synchronous trainer's ``prepare`` and ``update_epochs`` on
+it, and publishes the new weights, which the generator picks up mid-generation. Every token
+records the version that produced it (``async/staleness_*``). How it behaves, what it
+resumes and what it does not reproduce: docs/algorithms.md, "Asynchronous generation".
 """
 
 from __future__ import annotations
