@@ -1,62 +1,13 @@
 """The critic of PPO, VC-PPO and VAPO: a value model, its jitted steps, and GAE targets.
 
-**Model.** The value model is the policy's transformer backbone (``policyopt.models``,
-the same ``GraphDef``) with a scalar head on the final hidden states in place of the
-vocabulary projection::
-
-    V(s) = h(s) . w + b,        h: final hidden state [D] (after the final norm)
-
-Its parameters are a plain pytree ``{"backbone": nnx.State, "head": {"kernel": [D],
-"bias": []}}`` with their own optimiser state (``learner.TrainState``). The backbone
-starts as a copy of the policy's initial parameters (this project's choice, as verl's
-examples do; VC-PPO 2503.01491 and VAPO 2504.05118 do not say what their value model
-starts from: they name initialising it from a reward model, the RLHF practice, as the
-source of the initialisation bias that value pretraining under the fixed SFT policy
-removes; see docs/algorithms.md, "VC-PPO") and the head at
-**zeros**, so every initial value is exactly 0 (no random offset the pretraining must
-first unlearn); the head's gradient ``(V - R) h`` is non-zero from the first update and
-the backbone's follows once ``w != 0``. The (unused) output embedding stays in the
-backbone so that its structure is the policy's; it receives no gradient. With LoRA
-(``config.model.lora.critic``) the backbone is either adapters of its own, a copy of the
-policy's initial ones, on the policy's frozen base, shared ("adapters"), or full weights,
-a copy of that base ("full").
-
-**Alignment.** ``V(s_t)`` for response token ``t`` is the value of the state *before*
-token ``t`` (prompt and response tokens ``< t``): it is read from the hidden state at
-column ``P - 1 + t``, the column whose logits predict token ``t``, exactly as
-``learner.forward_log_probs`` aligns log-probs. So ``values[:, t]`` and
-``log_probs[:, t]`` describe the same state, and the value of the state after the last
-response token (terminal) is never computed (GAE takes it as 0). On an MoE backbone the
-critic routes with its own router (routing replay applies to the policy only).
-
-**Targets** (``gae_targets``): the outcome reward sits on the last valid response token
-(``token_rewards``), then GAE (``policyopt.advantages``) gives the policy advantages
-with ``lambda_actor`` and the value targets ``A^{lambda_critic} + V`` with
-``lambda_critic``: PPO one lambda (0.95), VC-PPO decoupled (0.95 / 1.0), VAPO
-length-adaptive for the policy (``1 - 1/(alpha |y|)``, alpha 0.05) and 1.0 for the critic.
-A response cut at ``max_new_tokens`` is treated as ended, like one that emitted EOS: its
-reward sits on its last token and the value after it is 0 (no bootstrap from ``V``; as
-verl does). The reward is the outcome reward only: a KL term (``algo.kl_beta``) enters
-the policy loss, not these rewards.
-
-**Reward-model initialisation** (``config.critic.reward_model_iterations``): VC-PPO and
-VAPO trace PPO's collapse on long responses to a value model initialised from a reward
-model, which scores a whole response at its end and so rates incomplete prefixes badly.
-The first N iterations of such a run (the policy frozen, before any value pretraining)
-train the critic as that reward model on the SFT policy's rollouts
-(``reward_model_targets``): its value at the last response token only, fitted to the
-outcome reward. That is the critic's last computed value, the state before the last
-response token (one token before the state after EOS that an RLHF reward model reads:
-the critic's values stop there, see Alignment). Every other token's value is then the
-reward model's extrapolation to a prefix: the bias value pretraining is meant to remove.
-
-**Update** (``Critic.update``, jitted once per shape bucket, the state donated): PPO's
-clipped value loss ``losses.value_loss`` (token mean), plus on an MoE backbone
-``algo.load_balancing_coef`` times its load-balancing loss (as for the policy), through the
-same non-finite guard as the policy (``learner.guarded_update``: loss, gradient, new
-parameters and optimiser state); with ``batch.micro_batch_tokens``, over
-micro-batches whose value losses are their shares of the minibatch's
-(``micro_batched_critic_grads``).
+The value model is the policy's backbone with a scalar head (zeros at the start, so every
+first value is 0), its values aligned with the log-probs (``values[:, t]`` is the state
+before token ``t``); ``gae_targets`` puts the outcome reward on the last response token and
+gives the policy's advantages (lambda_actor, fixed or VAPO's length-adaptive) and the value
+targets (lambda_critic); ``reward_model_targets`` fits it as an outcome reward model first
+(``critic.reward_model_iterations``); ``Critic.update`` is PPO's clipped value loss through
+the policy's non-finite guard. The choices and their reasons: docs/algorithms.md,
+"The critic (value model)".
 """
 
 from __future__ import annotations
