@@ -1,89 +1,15 @@
 """Mixture-of-Experts block: router, top-k routing (captured or replayed), dropless
-ragged, blocked, dense and gathered dispatch, capacity-factor one-hot dispatch, auxiliary outputs.
+ragged, blocked, dense and gathered dispatch, capacity-factor one-hot dispatch, auxiliary
+outputs.
 
-Routing, step by step, for N = B*T tokens x [N, D], E experts, k experts per token:
-
-  1. Router logits   z = x W_r                        [N, E]   (float32)
-  2. Probabilities   p = softmax(z)                   [N, E]
-  3. Selection       e = top_k(p, k)                  [N, k]   int32, best first
-     -- or, under replay (R2 / R3, docs/algorithms.md), e = the given routing: only the
-     *selection* is replayed.
-  4. Gate weights    g_j = p[e_j]  and, if norm_topk_prob, g_j /= sum_j g_j
-     (= softmax of z over the k selected experts). Always recomputed from the *current*
-     logits, so under replay the router still receives gradient through g.
-  5. Experts         y = sum_j g_j * SwiGLU_{e_j}(x)   via one of six dispatches:
-
-     ragged (dropless, default; MegaBlocks / MaxText "sparse matmul"):
-       a. flatten the N*k token copies, argsort them by expert id (stable)
-       b. group sizes = bincount(expert ids, E)
-       c. gather x in that order and run the three expert matmuls as
-          jax.lax.ragged_dot (one grouped GEMM per projection)
-       d. scatter the outputs back to copy order, weight by g and sum over the k copies.
-
-     megablox (dropless): as ragged, the grouped matmuls by the megablox GMM kernel for
-       TPUs (``megablox_matmul``; Pallas interpret mode on other backends), on one device
-       or on each device's local experts under expert parallelism.
-
-     blocked (dropless, plain XLA; MegaBlocks' padded block-sparse form): as ragged,
-       but each expert's group is padded to a multiple of ``moe_block_size`` rows, so
-       every block of rows belongs to one expert; the blocks are multiplied by their
-       expert's weights in one batched matmul. Work is O((N k + E * block) D F) on any
-       backend. (XLA:CPU and XLA:GPU lower ragged_dot to a dense product over all
-       experts, O(E N k D F); TPUs have grouped-matmul kernels.) The weights reach the
-       blocks by an indexed gather on CPUs and by a one-hot [blocks, E] matmul on
-       accelerators, whose gradient is then a matmul, not a scatter-add
-       (``moe_weight_gather``).
-
-     dense (dropless, no sort): every token through every expert, weighted by its gate
-       for the k experts it chose and by 0 for the others (so a non-finite output of any
-       expert reaches every token). E / k times the expert FLOPs of the dropless
-       dispatches, but three batched matmuls over the experts with no sort, gather or
-       scatter, and each weight read once: the fastest for decoding (few tokens) with
-       small E / k on CPUs.
-
-     gathered (dropless, for decoding): each expert's tokens gathered into a buffer
-       of C rows, C a small multiple of the mean load N k / E chosen per call from a few
-       static sizes (the busiest expert's count picks one; "dense" when it exceeds them
-       all); three batched matmuls over the experts on the stored weights, as dense,
-       with E C rows instead of E N.
-
-     capacity (GShard / Switch Transformer): every expert has a buffer of
-       C = ceil(capacity_factor * N * k / E) copies; copies claim buffer positions in
-       priority order (all first choices, then all second choices, ...; token order
-       within a choice), copies beyond C are dropped (their contribution is zero and
-       they are counted). Dispatch and combine are one-hot einsums [N, E, C].
-
-  6. Auxiliary outputs over the valid (non-padding) tokens:
-       tokens_per_expert c_e = number of copies routed to e            [E]
-       router_prob_sum = sum_n p_ne (N_valid P_e below)                [E]
-       load-balancing loss = E * sum_e f_e P_e, f_e = c_e / (N_valid k),
-         P_e = mean_n p_ne   (Switch Transformer eq. 4; 1 at perfect balance; the
-         Transformer reports its mean over the MoE layers. Not the scale of transformers'
-         aux_loss: see router_aux)
-       router z-loss = mean_n logsumexp(z_n)^2                  (ST-MoE eq. 5)
-       dropped_tokens = copies dropped by the capacity path (0 for ragged).
-
-On a mesh with an ``expert`` axis of size > 1 the dropless dispatches run expert-parallel
-under ``jax.shard_map``: each device routes its own rows and sends each token copy to the
-device holding its expert (``policyopt.models.expert_parallel``). On a mesh with an
-``fsdp`` axis and no ``expert`` (or ``tensor``) axis they run under the same
-``shard_map``, each device on its own rows with every expert, the router and expert
-weights all-gathered in it so that their gradients are reduce-scattered (ZeRO-3, as
-the dense layers' ``policyopt.sharding.fsdp_call``).
-
-Modules, each importing only the ones above it in this list:
-
-  policyopt.models.router           steps 2-4 (``route``) and 6 (``router_aux``)
-  policyopt.models.experts          step 5 on one device: each dispatch's expert
-                                    computation, the megablox grouped matmul
-  policyopt.models.expert_parallel  the block under ``jax.shard_map``: exchange of the
-                                    copies, bounded buffers, local experts
-  policyopt.models.moe              the ``MoE`` module: step 1 and the choice of dispatch
-
-With LoRA adapters (``policyopt.models.lora``) on the router or the experts, every weight
-above is ``W`` plus its low-rank product, each expert with its own, applied unmerged in
-each dispatch (``lora.einsum`` and ``lora.grouped``), so routing, capture and replay are
-those of the adapted model.
+Router logits in float32, top-k selection (or the replayed selection under R2 / R3: only
+the selection; gate weights are always recomputed from the current logits, renormalised
+over the k experts with ``norm_topk_prob``), the experts by one of six dispatches
+(``model.moe_dispatch``), and the load-balancing and z-loss statistics. Under a mesh with an
+``expert`` or ``fsdp`` axis the dropless dispatches run under ``jax.shard_map``
+(``policyopt.models.expert_parallel``). Modules: ``router`` (routing, aux), ``experts`` (one
+device's dispatches), ``expert_parallel``, and this one (the ``MoE`` module). Step by step,
+with each dispatch's cost: docs/scale.md, "The MoE block, step by step".
 """
 
 from __future__ import annotations
