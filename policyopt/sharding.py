@@ -1,81 +1,23 @@
 """One JAX mesh from a single CPU to many hosts, the logical-axis rules that map the
 model's dimensions onto it, and the placement of parameters and batches on it.
 
-The model annotates every parameter with logical axis names (``embed``, ``heads``,
-``kv_heads``, ``kv``, ``mlp``, ``vocab``, ``expert``; ``layers``, the leading axis of the
-stacked parameters of ``ModelConfig.scan_layers``; ``None`` = replicated) in a
-``logical_axes`` metadata tuple, and every large activation with a sharding constraint by
-name (``constrain``: ``batch``, ``length``, ...). One small rules table,
-``LOGICAL_AXIS_RULES``, maps the logical names to the mesh axes below; without a mesh both
-are inert. This module builds the mesh and puts arrays on it; nothing else in the library
-needs to know how many devices there are. It imports nothing from the model code (the
-model imports it).
-
-(The metadata key is ``logical_axes`` rather than flax's ``out_sharding`` because flax
-0.12 shards eagerly at creation and refuses ``out_sharding`` without a mesh.)
-
-Mesh axes (any may have size 1):
-
-  data    pure data parallelism: batch rows split, parameters replicated
-  fsdp    batch rows split *and* parameters sharded along ``embed`` (ZeRO-3 style)
-  tensor  attention heads, MLP hidden units and the vocabulary split (Megatron style)
-  expert  MoE experts split (expert parallelism); batch rows split too (data parallel for
-          every other layer; the MoE block sends tokens to their experts' devices)
-
-Typical use, identical on one CPU and on a pod::
+The model annotates every parameter with logical axis names in a ``logical_axes`` metadata
+tuple (not flax's ``out_sharding``, which flax 0.12 refuses without a mesh) and every large
+activation with ``constrain``; ``LOGICAL_AXIS_RULES`` maps the names to the mesh axes
+``data``, ``fsdp``, ``tensor`` and ``expert``; without a mesh both are inert. Nothing else in
+the library needs to know how many devices there are, and this module imports nothing from
+the model code. Typical use, identical on one CPU and on a pod::
 
     initialize_distributed()                           # no-op on one host
     mesh = make_mesh({"data": -1, "fsdp": 1, "tensor": 1, "expert": 1})
     with jax.set_mesh(mesh):
-      model = Transformer(config, rngs=nnx.Rngs(0))    # or from_pretrained(path)
+      model = Transformer(config, rngs=nnx.Rngs(0))    # born sharded: each device its shards
     params = shard_params(params, mesh)                # from nnx.split(model); no copy
     batch = jax.device_put(batch, batch_sharding(mesh))
-    with jax.set_mesh(mesh):
-      state, metrics = update(state, batch)
 
-On a mesh with an ``fsdp`` axis the layers use their weights through ``fsdp_call``: each
-device computes its own rows under a ``jax.shard_map`` in which the weights, arriving as
-their FSDP shards, are all-gathered along ``embed``, so that their gradients are
-reduce-scattered onto the shards (left to XLA's partitioner they would be all-reduced at
-full size and sliced: XLA:CPU forms no reduce-scatter from the two). The MoE block does
-the same in its own ``shard_map`` (``policyopt.models.expert_parallel``), on a mesh with
-an ``expert`` axis and on one with ``fsdp`` alone.
-
-A model built (or loaded with ``from_pretrained``) under the mesh is born sharded: each
-parameter, drawn or read on the host, goes to each device as that device's shard only
-(``place_host_array``), with the values of a build without a mesh, so a model larger than
-one device can be built; ``shard_params`` then returns it as it is. A model built outside
-the mesh is whole on one device until ``shard_params`` places it.
-
-The trainers (``policyopt.rl``: RL, asynchronous RL, SFT, evaluation) do this from the
-config's ``mesh`` block: ``learner.place_state`` puts a training state on the mesh (the
-optimiser's moments sharded as the parameters they mirror, ``optimizer_specs``),
-``shard_rows`` splits a batch's rows over ``data`` x ``fsdp`` x ``expert`` when their number divides
-(else replicates them), and the steps constrain their outputs to the specs their inputs
-were placed with (``constrain_tree``; ``fit_spec`` writes specs in jit's canonical form),
-so every step compiles once per shape.
-
-Several processes (hosts; ``initialize_distributed``) run the same program on one global
-mesh. The host side is replicated: every process reads the same prompts, builds the same
-whole batch and places its own shards of it (``shard_rows``); what comes back to the host
-(a rollout to score) is gathered from every process (``to_host``, a collective); each
-process runs the verifiers on its ``1 / P`` of the rows and receives the others' scores
-(``policyopt.rewards.score_batch(..., across_processes=True)``); process 0 writes logs and
-metrics (``is_primary``), every process takes part in each checkpoint (orbax).
-``tests/test_multihost.py`` trains on two processes and gets the numbers of one device.
-
-A known limit on the CPU backend (XLA:CPU with Gloo; accelerator backends have their own
-collectives and were not tried): with several devices per process a run can deadlock in
-mismatched Gloo collectives between consecutive programs. VAPO on the MoE model with R3
-replay and two minibatches, 2 processes x 4 devices, hung in its second or third
-iteration in 3 of 4 runs on a CPU shared with other jobs (it completed on an idle CPU);
-with 1 device per process the same run, under the same load, completed. Dense GRPO on
-2 processes x 4 devices (data x fsdp x tensor) also hung once, on an idle CPU, so the test
-now runs 1 device per process only. It looks like an XLA:CPU runtime issue, not fixed
-here: on CPUs, run one process per device.
-
-Tests run it on 8 simulated CPU devices
-(``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
+``fsdp_call`` gathers a layer's FSDP-sharded weights inside a ``shard_map`` so their
+gradients are reduce-scattered; ``shard_rows`` splits a batch's rows; ``to_host`` gathers
+from every process. The mesh, FSDP and several hosts: docs/scale.md.
 """
 
 from __future__ import annotations
