@@ -30,20 +30,13 @@ one pass at f >= the imbalance), a while loop with its own backward pass. When a
 device would receive more than the ragged buffer holds, the step takes the all_to_all
 passes instead (one ``lax.cond``, the predicate pmax-ed over the mesh so every device
 takes the same branch). Everything but the buffers is the arithmetic of one device,
-so loss, gradients and routing match it up to float summation order. LoRA adapters of
-the router and the experts (``policyopt.models.lora``) travel with their weights: A and B
-are split over ``expert`` and along D as their weight is, gathered alike, and each local
-expert applies its own.
+so loss, gradients and routing match it up to float summation order. LoRA adapters
+(``policyopt.models.lora``) are split and gathered as their weights are.
 
-On a mesh with an ``fsdp`` axis and no ``expert`` axis (one expert group: every device
-holds every expert's FSDP shard) the same block runs with steps 2-5 replaced by the
-dispatch of one device (``dropless_experts``) on each device's own rows: step 0 gathers
-the router and experts in their parameter dtype, as ``policyopt.sharding.fsdp_call``
-gathers the dense layers' weights, so their gradients are reduce-scattered (left to
-XLA's partitioner, every device ran the experts on every global token copy, and the
-gradients were all-reduced at full size). Under ``jax.checkpoint`` there (no gathered
-weight saved for the backward pass). Meshes with a ``tensor`` axis, and the "capacity"
-dispatch, whose buffers depend on the global token count, keep the plain path.
+On a mesh with ``fsdp`` and no ``expert`` axis the same block runs steps 0-1 and the
+dispatch of one device (``dropless_experts``) on each device's rows, under
+``jax.checkpoint`` (docs/scale.md, "Expert parallelism"); ``tensor`` meshes and the
+"capacity" dispatch keep the plain path.
 """
 
 from __future__ import annotations
