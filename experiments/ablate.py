@@ -35,6 +35,7 @@ from configs.ablations import ABLATIONS, SETTINGS, Ablation, get_ablation, share
 from policyopt.advantages import uses_critic
 from policyopt.metrics import quiet_library_logging, read_jsonl
 from policyopt.rl.async_rl import async_enabled, run_async_rl
+from policyopt.rl.build import resolved_record
 from policyopt.rl.plots import plot_runs
 from policyopt.rl.report import wrap
 from policyopt.rl.trainer import run_rl
@@ -185,14 +186,16 @@ def _finished(run_dir: str, config) -> dict | None:
     evaluates, ``eval.jsonl`` holds the final evaluation; a record over shorter logs is a
     partial run, resumed, never summarised. Raises a ValueError when the run directory
     holds a run of another config (its ``config.json``; the ``train`` section, iterations,
-    logging and checkpoint cadence, aside): it would be summarised, or resumed, as this
-    arm's."""
+    logging and checkpoint cadence, aside; compared as ``build.resolved_record`` settings):
+    it would be summarised, or resumed, as this arm's."""
     logged_path = os.path.join(run_dir, "config.json")
     if os.path.exists(logged_path):
+        logged = resolved_record(_flat(base.load_run_config(logged_path).to_dict()))
+        now = resolved_record(_flat(config.to_dict()))
         diff = {
-            k: v
-            for k, v in config_diff(base.load_run_config(logged_path), config).items()
-            if not k.startswith("train.")
+            k: [logged.get(k), now.get(k)]
+            for k in sorted(set(logged) | set(now))
+            if logged.get(k) != now.get(k) and not k.startswith("train.")
         }
         if diff:
             raise ValueError(

@@ -26,6 +26,7 @@ from configs.base import load_run_config
 from experiments import ablate
 from experiments.eval import evaluate_checkpoint
 from policyopt.config import typed
+from policyopt.data.tasks import TASKS
 from policyopt.metrics import read_jsonl
 from policyopt.rl.learner import LossSettings
 from tests.test_rl_trainer import tiny
@@ -272,6 +273,23 @@ def test_a_run_directory_of_another_config_is_refused(tmp_path):
         ablate._finished(str(run_dir), ablate.arm_config(ablation, "equal", 0, "optim.lr=0.5"))
     with pytest.raises(ValueError, match="init_checkpoint"):
         ablate._finished(str(run_dir), ablate.arm_config(ablation, "equal", 0, "", demo_setting))
+    # A record written by an older library (the derived value where today's default is None)
+    # and another spelling of the same path are the same settings; another format is not.
+    logged = json.loads((run_dir / "config.json").read_text())
+    assert logged["reward"]["answer_format"] is None
+    logged["reward"]["answer_format"] = TASKS[config.task.name].answer_format
+    if logged.get("init_checkpoint"):
+        os.symlink(os.path.dirname(logged["init_checkpoint"]), tmp_path / "start")
+        logged["init_checkpoint"] = str(
+            tmp_path / "start" / os.path.basename(logged["init_checkpoint"])
+        )
+    (run_dir / "config.json").write_text(json.dumps(logged))
+    assert ablate._finished(str(run_dir), config)["wall_s"] == 1.0
+    logged["reward"]["answer_format"] = "gsm8k"
+    (run_dir / "config.json").write_text(json.dumps(logged))
+    with pytest.raises(ValueError, match="answer_format"):
+        ablate._finished(str(run_dir), config)
+    (run_dir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True))
     # A run trained longer than the sweep asks would be summarised as the shorter one.
     with pytest.raises(ValueError, match="more than"):
         ablate._finished(

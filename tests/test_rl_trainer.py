@@ -222,6 +222,30 @@ def test_resume_check_skips_fields_added_since_the_checkpoint():
         build.check_resume_config(saved, config, "runs/x")
 
 
+def test_resume_check_reads_derived_values_and_paths_as_settings(tmp_path):
+    """A checkpoint of an older library recorded the value the library now derives from None
+    (``reward.answer_format``: the task's format); a file named through a symlink is the same
+    file. Neither is a changed setting; another format or another file is."""
+    from policyopt.data.tasks import TASKS
+    from policyopt.rl import build
+
+    (tmp_path / "train.jsonl").write_text("")
+    os.symlink(tmp_path, tmp_path / "link")
+    config = tiny("grpo", extra=f"task.train_file={tmp_path / 'train.jsonl'}")
+    assert config.reward.answer_format is None
+    saved = build.config_record(config)
+    saved["reward.answer_format"] = TASKS[config.task.name].answer_format
+    saved["task.train_file"] = str(tmp_path / "link" / "train.jsonl")
+    build.check_resume_config(saved, config, "runs/x")
+    saved["reward.answer_format"] = "gsm8k"
+    with pytest.raises(ValueError, match="reward.answer_format: 'gsm8k' -> "):
+        build.check_resume_config(saved, config, "runs/x")
+    saved["reward.answer_format"] = None
+    saved["task.train_file"] = str(tmp_path / "other.jsonl")
+    with pytest.raises(ValueError, match="task.train_file"):
+        build.check_resume_config(saved, config, "runs/x")
+
+
 def test_decode_loops_train_like_one_loop(tmp_path):
     """config.sampling.decode_segments reaches the rollouts and the evaluation: two decode
     loops sample the same tokens (up to float rounding), so the run is the same."""

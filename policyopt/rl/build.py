@@ -107,6 +107,37 @@ def config_record(config) -> dict:
     return flat
 
 
+# Fields whose None means a value the library derives from the rest of the config, and
+# fields naming files: a record from an older version (which wrote the derived value) or
+# from another spelling of the same path (a symlinked run directory) is the same setting.
+DERIVED_FIELDS = {
+    "reward.answer_format": lambda record: (
+        TASKS[record["task.name"]].answer_format if record.get("task.name") in TASKS else None
+    ),
+}
+PATH_FIELDS = (
+    "init_checkpoint",
+    "task.train_file",
+    "task.test_file",
+    "task.tfds_dir",
+    "model.tokenizer",
+)
+
+
+def resolved_record(record: dict) -> dict:
+    """``record`` (``config_record``'s form) with each ``DERIVED_FIELDS`` entry that is None
+    replaced by the value the library derives for it, and each ``PATH_FIELDS`` entry by its
+    real path: the form in which two records compare as settings."""
+    out = dict(record)
+    for name, derive in DERIVED_FIELDS.items():
+        if name in out and out[name] is None:
+            out[name] = derive(out)
+    for name in PATH_FIELDS:
+        if isinstance(out.get(name), str):
+            out[name] = os.path.realpath(out[name])
+    return out
+
+
 def check_resume_config(
     saved: dict | None,
     config,
@@ -127,7 +158,7 @@ def check_resume_config(
     """
     if saved is None:
         return
-    current = config_record(config)
+    saved, current = resolved_record(saved), resolved_record(config_record(config))
     changed = sorted(
         name
         for name in set(saved) & set(current)
