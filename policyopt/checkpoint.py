@@ -184,6 +184,22 @@ def unlock_workdir(workdir: str) -> None:
         os.close(fd)
 
 
+def workdir_owner(workdir: str) -> str | None:
+    """The pid of another live process that holds ``workdir``'s lock (``lock_workdir``),
+    or None: unlocked, never locked, or held by this process."""
+    path = os.path.join(os.path.abspath(workdir), ".lock")
+    if path in _held_locks or not os.path.exists(path):
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)  # closing drops the shared lock taken to test it
+    return None
+
+
 def holds_workdir_lock(workdir: str) -> bool:
     """Whether this process holds ``workdir``'s lock (``lock_workdir``)."""
     return os.path.join(os.path.abspath(workdir), ".lock") in _held_locks

@@ -168,6 +168,46 @@ def test_another_owners_lock_is_left_alone(tmp_path):
         holder.wait()
 
 
+def test_a_start_still_being_trained_is_refused(tmp_path):
+    """An RL run (or SFT continuation) whose init_checkpoint belongs to a run another process
+    is still training would start from whatever step that run has reached."""
+    from policyopt.rl.sft import run_sft
+
+    start = tmp_path / "sft"
+    (start / "checkpoints").mkdir(parents=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from policyopt.checkpoint import lock_workdir\n"
+            f"lock_workdir({str(start)!r})\n"
+            "print('locked', flush=True)\n"
+            "time.sleep(120)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        config = load()
+        config.unlock()
+        config.init_checkpoint = str(start / "checkpoints")
+        config.lock()
+        with pytest.raises(RuntimeError, match=f"still training \\(pid {holder.pid} holds"):
+            trainer.run_rl(config, str(tmp_path / "rl"), quiet=True)
+        with pytest.raises(RuntimeError, match=f"init_checkpoint=.*pid {holder.pid}"):
+            run_sft(load(), str(tmp_path / "sft2"), init_checkpoint=str(start / "checkpoints"))
+    finally:
+        holder.kill()
+        holder.wait()
+    # Once the owner is gone the directory is an ordinary (here empty) start.
+    from policyopt.rl import build
+
+    assert build.check_init_directory(str(start / "checkpoints"), "f") == str(start / "checkpoints")
+
+
 def test_evaluating_a_missing_run_creates_nothing(tmp_path):
     from experiments.eval import evaluate_checkpoint
 

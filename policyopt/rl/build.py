@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from policyopt import sharding
-from policyopt.checkpoint import Checkpointer, holds_workdir_lock, unlock_workdir
+from policyopt.checkpoint import Checkpointer, holds_workdir_lock, unlock_workdir, workdir_owner
 from policyopt.config import typed
 from policyopt.data import CharTokenizer, HFTokenizer, as_record, load_tokenizer
 from policyopt.data.tasks import TASKS
@@ -552,9 +552,22 @@ def init_params(config, model: nnx.Module, mesh: Mesh):
 
 
 def _init_directory(config) -> str:
-    directory = config.init_checkpoint
+    return check_init_directory(config.init_checkpoint, "config.init_checkpoint")
+
+
+def check_init_directory(directory: str, field: str) -> str:
+    """``directory``, a checkpoints directory a run starts from, refused when missing or
+    while another process still trains the run that writes it (its workdir's lock is
+    held): its latest step would be a partial start, and another one at each read."""
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"config.init_checkpoint={directory!r} is not a directory")
+        raise FileNotFoundError(f"{field}={directory!r} is not a directory")
+    workdir = os.path.dirname(os.path.abspath(directory))
+    owner = workdir_owner(workdir)
+    if owner is not None:
+        raise RuntimeError(
+            f"{field}={directory!r}: its run is still training (pid {owner} holds "
+            f"{os.path.join(workdir, '.lock')}); start once it has finished"
+        )
     return directory
 
 

@@ -200,8 +200,8 @@ def build_sft(
     prompts): only then is ``workdir`` created (and, with ``lock``, locked). ``config``: the
     typed config, or a recipe's ConfigDict (built and checked first)."""
     config = typed(config)
-    if init_checkpoint and not os.path.isdir(init_checkpoint):
-        raise FileNotFoundError(f"init_checkpoint={init_checkpoint!r} is not a directory")
+    if init_checkpoint:
+        build.check_init_directory(init_checkpoint, "init_checkpoint")
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
     model = build.make_model(config, tokenizer.vocab_size, mesh, with_lora=False)
