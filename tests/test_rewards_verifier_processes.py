@@ -499,8 +499,9 @@ def test_a_real_ctrl_c_still_stops_the_run(tmp_path, where):
 
 # Interrupts (a real SIGINT) the verifier processes' requests at the start of each line
 # that killable.py runs, point after point: first a server's start, then a worker's start,
-# a call, a preload, a kill and a close. After each, no process is left but the server,
-# and the same requests, uninterrupted, are answered in step (a worker's pid is its own).
+# a call, a preload, a kill and a close. After each, no process is left but the server
+# (a server interrupted while starting is gone at once), and the next start, or the same
+# requests uninterrupted, are answered in step (a worker's pid is its own).
 # A `with` statement's exit is skipped: no signal reaches it outside a tracer (CPython
 # handles signals after calls; the exit's call releases the lock first).
 SWEEP = r"""
@@ -529,21 +530,21 @@ def descendants():
     return found
 
 
-def settle(where):
-    # The server, if one is running, is left; nothing else.
+def settle(where, grace_s=5.0):
+    # The server, if one is running, is left; nothing else (workers are killed by the
+    # server, within `grace_s`; a server interrupted while starting is gone at once).
     running = killable._SERVERS.get(os.getpid())
     expected = {running.process.pid} if running is not None and running.alive() else set()
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + grace_s
     while descendants() != expected and time.monotonic() < deadline:
         time.sleep(0.02)
     assert descendants() == expected, f"{where}: left {descendants()}, expected {expected}"
 
 
-def start():
+def no_server():
     running = killable._SERVERS.get(os.getpid())
     if running is not None and running.alive():
         killable._close_server()
-    killable.server()
 
 
 def requests():
@@ -577,10 +578,11 @@ def interrupt_at(point):
 
 
 points = {}
-for name, steps in (("start", start), ("requests", requests)):
+for name, prepare, steps in (("start", no_server, killable.server), ("requests", str, requests)):
     point = 0
     while True:
         point += 1
+        prepare()
         print(f"{name} {point}: interrupted", flush=True)
         try:
             interrupt_at(point)
@@ -591,7 +593,9 @@ for name, steps in (("start", start), ("requests", requests)):
         finally:
             sys.settrace(None)
         print(f"{name} {point}: waiting for the processes to settle", flush=True)
-        settle(f"{name} {point}")
+        settle(f"{name} {point}", 0.0 if name == "start" else 5.0)
+        if name == "start":
+            continue  # the next point's start, uninterrupted up to it, is the check
         print(f"{name} {point}: the requests again", flush=True)
         faulthandler.dump_traceback_later(60, exit=True)  # where it waits, if it hangs
         requests()
@@ -626,3 +630,64 @@ def test_an_interrupt_anywhere_leaves_the_verifier_processes_in_step(tmp_path):
     assert done.returncode == 0, (lines[-3:], done.stderr[-3000:])
     points = json.loads(lines[-1])
     assert points["start"] >= 20 and points["requests"] >= 80, points  # every line, each once
+
+
+# Exits (on a line from stdin) while a daemon thread waits on its verifier process, or
+# starts a scoring pool (the server's start-up: its preload announces itself and hangs).
+DAEMON = r"""
+import sys, threading
+from policyopt.rewards import RewardSpec, killable, score_batch, start_workers
+
+HANG = "tests.verifiers:announce_and_hang"
+if sys.argv[1] == "call":
+    killable.PRELOAD = ()
+    spec = RewardSpec(format_reward=False, verifier=HANG, verifier_timeout_s=60.0)
+    work = lambda: score_batch(["a"], ["1"], [1], spec)
+else:
+    killable.PRELOAD = (HANG,)
+    work = lambda: start_workers(2)
+threading.Thread(target=work, daemon=True).start()
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("waiting_in", ["call", "pool start"])
+def test_an_exit_never_waits_for_a_daemon_threads_verifier(tmp_path, waiting_in):
+    """A script that ends while a daemon thread (the asynchronous trainer's scorer is one)
+    waits on its verifier process, or on the server's start-up for a scoring pool, exits
+    at once, leaving no process: before, the exit's clean-up waited for the call to end,
+    or for the pool's start (60 s), and a server still starting went on alone."""
+    mark = f"POLICYOPT_TEST_MARK={os.getpid()}-daemon-{time.monotonic_ns()}"
+    key, value = mark.split("=")
+    script = tmp_path / "plain.py"
+    script.write_text(DAEMON)
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", **{key: value})
+    process = subprocess.Popen(
+        [sys.executable, str(script), waiting_in],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        line = process.stdout.readline()
+        assert line == "waiting for Ctrl-C\n", (line, process.stderr.read())
+        process.stdin.write("exit\n")
+        process.stdin.flush()
+        start = time.monotonic()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the script did not exit 15 s after its main thread ended ({waiting_in})")
+        assert time.monotonic() - start < 10, time.monotonic() - start
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and marked_processes(mark):
+            time.sleep(0.05)
+        assert not marked_processes(mark), ("processes left", marked_processes(mark))
+    finally:
+        process.kill()
+        process.wait()
+        for pipe in (process.stdin, process.stdout, process.stderr):
+            pipe.close()  # not read to its end: a process left would hold it open

@@ -233,6 +233,8 @@ class _Server:
         mine, theirs = socket.socketpair()
         self.lock = threading.Lock()  # one message at a time on the control socket
         self.loaded = set(preload)
+        self.control, self.owner = mine, os.getpid()
+        self.process: subprocess.Popen | None = None
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", _SERVER_MAIN, json.dumps(sys.path), str(theirs.fileno())]
@@ -241,18 +243,16 @@ class _Server:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # the terminal's Ctrl-C goes to the caller alone
             )
-        except BaseException:
-            mine.close()
-            raise
-        finally:
             theirs.close()
-        self.control = mine
-        try:
+            _SERVERS[self.owner] = self  # while it starts too: the exit's clean-up sees it
             mine.settimeout(START_TIMEOUT_S)
             if _recv_exact(mine, 1) != b"R":
                 raise EOFError("no ready message")
             mine.settimeout(None)
         except BaseException as error:  # a Ctrl-C too: no server may go on starting
+            theirs.close()
+            if _SERVERS.get(self.owner) is self:
+                del _SERVERS[self.owner]
             self._stop()
             if isinstance(error, (OSError, EOFError)):
                 raise RuntimeError(f"the verifier server did not start ({error})") from None
@@ -315,15 +315,15 @@ class _Server:
 
     def _stop(self) -> None:
         """SIGKILLs the server and every process of its group (its workers), reaped."""
-        if self.process.poll() is None:  # not reaped: its group id is still its own
+        if self.process is not None and self.process.poll() is None:  # its group is its own
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)
             except OSError:
                 self.process.kill()
-        try:
-            self.process.wait(timeout=CLOSE_WAIT_S)
-        except subprocess.TimeoutExpired:
-            pass
+            try:
+                self.process.wait(timeout=CLOSE_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
         self.control.close()
 
     def close(self) -> None:
