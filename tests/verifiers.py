@@ -105,3 +105,12 @@ def interrupts(completion, reference):
 def blocks_in_c(completion, reference):
     """Sums 10^12 integers in one C loop: no signal or asynchronous exception stops it."""
     return float(sum(range(10**12)) > 0)
+
+
+def announce_and_hang(*args):
+    """Says "waiting for Ctrl-C" on stdout (verifier processes write to their caller's),
+    then sleeps 60 s: a preload, worker initializer or verifier at which a test interrupts
+    its caller."""
+    print("waiting for Ctrl-C", flush=True)
+    time.sleep(60)
+    return 1.0

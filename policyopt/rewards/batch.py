@@ -369,9 +369,15 @@ def shutdown_pools() -> None:
 @atexit.register
 def _kill_pools() -> None:
     """At exit nobody waits for scores: every pool is killed, its sandboxes removed."""
-    with _POOLS_LOCK:
+    # Not waiting long for the lock: a daemon thread may hold it while it starts a pool
+    # (seconds); that pool's workers die with the verifier server, closed after this.
+    locked = _POOLS_LOCK.acquire(timeout=1.0)
+    try:
         pools = list(_POOLS.values())
         _POOLS.clear()
+    finally:
+        if locked:
+            _POOLS_LOCK.release()
     for pool in pools:
         pool.kill()
 

@@ -18,6 +18,7 @@ import atexit
 import ctypes
 import gc
 import importlib
+import itertools
 import json
 import os
 import signal
@@ -44,6 +45,10 @@ PRELOAD = (
 KILL_GRACE_S = 0.5
 # Start-up of the server (imports, warm-up) or of a worker (its initializer), at most.
 START_TIMEOUT_S = 300.0
+# At exit, the server gets this long to kill its workers and exit before it is killed.
+CLOSE_WAIT_S = 2.0
+# The server waits this long for a preload request's list before it drops the request.
+_REQUEST_WAIT_S = 10.0
 
 _SERVER_MAIN = (
     "import json, sys\n"
@@ -51,9 +56,13 @@ _SERVER_MAIN = (
     "from policyopt.rewards.killable import serve_forks\n"
     "serve_forks(int(sys.argv[2]), json.loads(sys.argv[3]))\n"
 )
-# b"F" (fork; the worker's socket attached), b"K" + pid, or b"P" + the length of the JSON
-# list of preloads that follows.
+# The control socket carries only these 9-byte messages, none answered on it: b"F" +
+# token (fork a worker; its socket attached), b"K" + token (kill that worker) or b"P" +
+# length (preload; a socket attached, on which the caller writes the JSON list and the
+# server answers). Each is sent whole or not at all, so a caller interrupted anywhere
+# (Ctrl-C) never leaves the socket out of step: no reply is left half-read on it.
 _MESSAGE = struct.Struct(">cq")
+_TOKENS = itertools.count(1)  # a worker's name with its server, chosen by the caller
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
@@ -67,14 +76,15 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return data
 
 
-def _reap(children: set[int]) -> None:
-    for pid in list(children):
+def _reap(children: dict[int, int]) -> None:
+    """Forgets (and reaps) the workers of ``children`` (token: pid) that have exited."""
+    for token, pid in list(children.items()):
         try:
             done, _ = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             done = pid
         if done:
-            children.discard(pid)
+            del children[token]
 
 
 def _load(preload: Sequence[str]) -> None:
@@ -122,43 +132,63 @@ def serve_forks(control_fd: int, preload: Sequence[str]) -> None:
     """The server's main: imports ``preload``, says it is ready, then forks a worker for
     each ``F`` message (serving calls on the socket attached), kills its worker for each
     ``K`` and imports (or calls) more for each ``P``, until its caller closes the control
-    socket; then kills every worker."""
+    socket; then kills every worker. A caller gone before the server is ready ends it
+    quietly."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller's Ctrl-C is the caller's
     _load(preload)
     control = socket.socket(fileno=control_fd)
-    control.sendall(b"R")
-    children: set[int] = set()
+    try:
+        control.sendall(b"R")
+    except OSError:
+        return
+    children: dict[int, int] = {}  # token: pid
     while True:
         try:
             message, fds, _, _ = socket.recv_fds(control, _MESSAGE.size, 1)
-        except OSError:
+            if message and len(message) < _MESSAGE.size:  # never split in practice
+                message += _recv_exact(control, _MESSAGE.size - len(message))
+        except (OSError, EOFError):
             break
-        if len(message) < _MESSAGE.size:
+        if not message:
             break  # the caller exited or died
-        op, pid = _MESSAGE.unpack(message)
+        op, value = _MESSAGE.unpack(message)
         _reap(children)
         if op == b"K":
-            if pid in children:  # never another process that took a reaped worker's pid
-                os.kill(pid, signal.SIGKILL)
-            continue
-        if op == b"P":  # here `pid` is the length of the list
-            try:
-                _load(json.loads(_recv_exact(control, pid)))
-                error = b""
-            except Exception as failure:  # noqa: BLE001 - reported to the caller
-                error = f"{type(failure).__name__}: {failure}".encode()
-            control.sendall(struct.pack(">q", len(error)) + error)
-            continue
-        server_pid, child = os.getpid(), os.fork()
-        if child == 0:
-            control.close()
-            _worker_main(fds[0], server_pid, close_fds=False)
+            if value in children:  # never another process that took a reaped one's pid
+                os.kill(children[value], signal.SIGKILL)
+        elif op == b"P" and fds:  # `value`: the length of the list
+            _answer_preload(socket.socket(fileno=fds.pop()), value)
+        elif op == b"F" and fds:
+            server_pid, child = os.getpid(), os.fork()
+            if child == 0:
+                control.close()
+                _worker_main(fds[0], server_pid, close_fds=False)
+            children[value] = child
         for fd in fds:
             os.close(fd)
-        children.add(child)
-        control.sendall(struct.pack(">q", child))
-    for pid in children:
+    for pid in children.values():
         os.kill(pid, signal.SIGKILL)
+
+
+def _answer_preload(reply: socket.socket, size: int) -> None:
+    """In the server: reads a preload request's list (``size`` bytes) from ``reply``,
+    loads it and answers there: the length of an error message (0: none) and the message.
+    A caller that went away (interrupted) is not waited for, nor answered."""
+    with reply:
+        reply.settimeout(_REQUEST_WAIT_S)
+        try:
+            items = json.loads(_recv_exact(reply, size))
+        except (OSError, EOFError, ValueError):
+            return
+        try:
+            _load(items)
+            error = b""
+        except Exception as failure:  # noqa: BLE001 - reported to the caller
+            error = f"{type(failure).__name__}: {failure}".encode()
+        try:
+            reply.sendall(struct.pack(">q", len(error)) + error)
+        except OSError:
+            pass
 
 
 def _serve_calls(fd: int) -> None:
@@ -195,76 +225,119 @@ def _serve_calls(fd: int) -> None:
 
 
 class _Server:
-    """A server process and its control socket (one per caller process)."""
+    """A server process and its control socket (one per caller process). Its requests
+    are single messages (``_MESSAGE``): any thread may make one, and an interrupted one
+    leaves nothing to read; a preload's answer comes on a socket of its own."""
 
     def __init__(self, preload: Sequence[str]):
         mine, theirs = socket.socketpair()
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # one message at a time on the control socket
         self.loaded = set(preload)
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", _SERVER_MAIN, json.dumps(sys.path), str(theirs.fileno())]
-            + [json.dumps(list(preload))],
-            pass_fds=(theirs.fileno(),),
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # the terminal's Ctrl-C goes to the caller alone
-        )
-        theirs.close()
-        self.control = mine
-        mine.settimeout(START_TIMEOUT_S)
+        self.control, self.owner = mine, os.getpid()
+        self.process: subprocess.Popen | None = None
         try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", _SERVER_MAIN, json.dumps(sys.path), str(theirs.fileno())]
+                + [json.dumps(list(preload))],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # the terminal's Ctrl-C goes to the caller alone
+            )
+            theirs.close()
+            _SERVERS[self.owner] = self  # while it starts too: the exit's clean-up sees it
+            mine.settimeout(START_TIMEOUT_S)
             if _recv_exact(mine, 1) != b"R":
                 raise EOFError("no ready message")
-        except (OSError, EOFError) as error:
-            self.close()
-            raise RuntimeError(f"the verifier server did not start ({error})") from None
-        mine.settimeout(None)
+            mine.settimeout(None)
+        except BaseException as error:  # a Ctrl-C too: no server may go on starting
+            theirs.close()
+            if _SERVERS.get(self.owner) is self:
+                del _SERVERS[self.owner]
+            self._stop()
+            if isinstance(error, (OSError, EOFError)):
+                raise RuntimeError(f"the verifier server did not start ({error})") from None
+            raise
 
-    def fork(self) -> tuple[int, Connection]:
-        """A new worker: its pid and a connection to it."""
+    def _send(self, op: bytes, value: int, fd: int | None = None) -> None:
+        with self.lock:
+            message = _MESSAGE.pack(op, value)
+            if fd is None:
+                self.control.sendall(message)
+            else:
+                socket.send_fds(self.control, [message], [fd])
+
+    def fork(self, token: int) -> Connection:
+        """A new worker, called ``token`` (for :meth:`kill`): a connection to it."""
         mine, theirs = socket.socketpair()
         try:
-            with self.lock:
-                socket.send_fds(self.control, [_MESSAGE.pack(b"F", 0)], [theirs.fileno()])
-                (pid,) = struct.unpack(">q", _recv_exact(self.control, 8))
+            self._send(b"F", token, theirs.fileno())
+        except BaseException:
+            mine.close()
+            raise
         finally:
             theirs.close()
-        return pid, Connection(mine.detach())
+        return Connection(mine.detach())
 
     def preload(self, items: Sequence[str]) -> None:
         """Has the server import ``items`` (``"module"`` or ``"module:function"``, the
         function called) for the workers it forks from now on; each item once.
 
         Raises:
-          RuntimeError: an import or call failed in the server (the server goes on).
+          RuntimeError: an import or call failed in the server (the server goes on), or
+            the server is gone.
         """
-        with self.lock:
-            todo = [item for item in items if item not in self.loaded]
-            if not todo:
-                return
-            payload = json.dumps(todo).encode()
-            self.control.sendall(_MESSAGE.pack(b"P", len(payload)) + payload)
-            (size,) = struct.unpack(">q", _recv_exact(self.control, 8))
-            error = _recv_exact(self.control, size).decode()
-            if error:
-                raise RuntimeError(f"the verifier server could not load {todo}: {error}")
-            self.loaded.update(todo)
+        todo = [item for item in items if item not in self.loaded]
+        if not todo:
+            return
+        payload = json.dumps(todo).encode()
+        mine, theirs = socket.socketpair()
+        with mine:
+            try:
+                self._send(b"P", len(payload), theirs.fileno())
+            finally:
+                theirs.close()
+            try:
+                mine.sendall(payload)
+                (size,) = struct.unpack(">q", _recv_exact(mine, 8))
+                error = _recv_exact(mine, size).decode()
+            except (OSError, EOFError) as failure:
+                error = f"the verifier server is gone ({failure})"
+        if error:
+            raise RuntimeError(f"the verifier server could not load {todo}: {error}")
+        self.loaded.update(todo)
 
-    def kill(self, pid: int) -> None:
-        """Has the server SIGKILL its worker ``pid`` (if it is still one of its)."""
-        with self.lock:
-            self.control.sendall(_MESSAGE.pack(b"K", pid))
+    def kill(self, token: int) -> None:
+        """Has the server SIGKILL its worker ``token`` (if it is still running)."""
+        self._send(b"K", token)
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def _stop(self) -> None:
+        """SIGKILLs the server and every process of its group (its workers), reaped."""
+        if self.process is not None and self.process.poll() is None:  # its group is its own
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except OSError:
+                self.process.kill()
+            try:
+                self.process.wait(timeout=CLOSE_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        self.control.close()
+
     def close(self) -> None:
-        """Closes the control socket: the server kills its workers and exits."""
+        """Closes the control socket: the server kills its workers and exits (or is
+        killed, with them, after ``CLOSE_WAIT_S``)."""
+        try:
+            self.control.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it too
+        except OSError:
+            pass
         self.control.close()
         try:
-            self.process.wait(timeout=10)
+            self.process.wait(timeout=CLOSE_WAIT_S)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            self._stop()
 
 
 class _LocalForks:
@@ -275,25 +348,25 @@ class _LocalForks:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.children: set[int] = set()
+        self.children: dict[int, int] = {}  # token: pid
 
-    def fork(self) -> tuple[int, Connection]:
+    def fork(self, token: int) -> Connection:
         mine, theirs = socket.socketpair()
         with self.lock:
             _reap(self.children)
             parent, child = os.getpid(), os.fork()
             if child == 0:
                 _worker_main(theirs.fileno(), parent, close_fds=True)
-            self.children.add(child)
+            self.children[token] = child
         theirs.close()
-        return child, Connection(mine.detach())
+        return Connection(mine.detach())
 
-    def kill(self, pid: int) -> None:
+    def kill(self, token: int) -> None:
         with self.lock:
-            if pid in self.children:  # never another process that took a reaped one's pid
+            pid = self.children.pop(token, None)
+            if pid is not None:  # never another process that took a reaped one's pid
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                self.children.discard(pid)
 
     def preload(self, items: Sequence[str]) -> None:
         _load(items)  # here, for the processes this one forks from now on
@@ -302,8 +375,8 @@ class _LocalForks:
         return True
 
     def close(self) -> None:
-        for pid in list(self.children):
-            self.kill(pid)
+        for token in list(self.children):
+            self.kill(token)
 
 
 _SERVERS: dict[int, _Server | _LocalForks] = {}  # by caller pid (a forked child: its own)
@@ -316,6 +389,8 @@ def server() -> _Server | _LocalForks:
     with _SERVERS_LOCK:
         found = _SERVERS.get(os.getpid())
         if found is None or not found.alive():
+            if found is not None:
+                found.close()  # reaps it
             found = _LocalForks() if _FORKED else _Server(PRELOAD)
             _SERVERS[os.getpid()] = found
         return found
@@ -323,8 +398,7 @@ def server() -> _Server | _LocalForks:
 
 @atexit.register
 def _close_server() -> None:
-    with _SERVERS_LOCK:
-        found = _SERVERS.pop(os.getpid(), None)
+    found = _SERVERS.pop(os.getpid(), None)  # no lock: a thread may hold it, starting one
     if found is not None:
         found.close()
 
@@ -349,6 +423,7 @@ class KillableWorker:
         self._initializer = initializer
         self._lock = threading.Lock()  # one call (or start) at a time
         self._state = threading.Lock()  # the fields below, also for close() mid-call
+        self._token: int | None = None  # its name with the server (for `_kill_forked`)
         self._pid: int | None = None
         self._last_pid: int | None = None
         self._connection: Connection | None = None
@@ -376,30 +451,37 @@ class KillableWorker:
             if not self._connection.poll(0):
                 return
             self._kill()  # it died (or said something unasked) since its last call
-        pid, connection = server().fork()
+        token = next(_TOKENS)
         with self._state:
-            self._pid, self._last_pid, self._connection = pid, pid, connection
-            closed = self._closed
-        if closed:  # close() ran during the fork and did not see this worker
-            self._kill()
-            raise RuntimeError("verifier process closed")
+            self._token = token  # before the fork: an interrupted start still kills it
         try:
-            connection.send((list(sys.path), self._initializer))
-            reply = connection.recv() if connection.poll(START_TIMEOUT_S) else None
-        except (EOFError, OSError):
-            reply = None
-        if reply is None or reply[0] != "ready":
+            try:
+                connection = server().fork(token)
+                with self._state:
+                    self._connection = connection
+                    closed = self._closed
+                if closed:  # close() ran during the fork and did not see this worker
+                    raise RuntimeError("verifier process closed")
+                connection.send((list(sys.path), self._initializer))
+                reply = connection.recv() if connection.poll(START_TIMEOUT_S) else None
+            except (EOFError, OSError) as error:
+                reply = ("error", f"it died or did not answer ({error})")
+            if reply is None or reply[0] != "ready":
+                why = reply[1] if reply is not None else "it did not answer"
+                raise RuntimeError(f"verifier process did not start: {why}")
+            with self._state:
+                self._pid = self._last_pid = reply[1]
+        except BaseException:  # a Ctrl-C too: a worker half started is killed
             self._kill()
-            why = reply[1] if reply is not None else "it died or did not answer"
-            raise RuntimeError(f"verifier process did not start: {why}")
+            raise
 
     def _kill(self) -> None:
         with self._state:
-            pid, connection = self._pid, self._connection
-            self._pid = self._connection = None
+            token, connection = self._token, self._connection
+            self._token = self._pid = self._connection = None
             if connection is not None:
                 connection.close()
-        _kill_forked(pid)
+        _kill_forked(token)
 
     def kill(self) -> None:
         """Kills the worker (if any) once its call (if any) returns; the next call forks a
@@ -412,14 +494,14 @@ class KillableWorker:
         ``RuntimeError`` at once, later calls too."""
         with self._state:
             self._closed = True
-            pid, connection = self._pid, self._connection
+            token, connection = self._token, self._connection
             if connection is not None:  # wakes a caller blocked on the connection
                 try:
                     with socket.socket(fileno=os.dup(connection.fileno())) as sock:
                         sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-        _kill_forked(pid)
+        _kill_forked(token)
 
     def call(self, function: Callable[..., Any], args: tuple, seconds: float | None) -> Any:
         """``function(*args)`` in the worker, under a limit of ``seconds`` (None: none).
@@ -454,13 +536,13 @@ class KillableWorker:
         return value
 
 
-def _kill_forked(pid: int | None) -> None:
-    """Has this process's server kill its worker ``pid`` (gone with the server if that
+def _kill_forked(token: int | None) -> None:
+    """Has this process's server kill its worker ``token`` (gone with the server if that
     is not running)."""
     running = _SERVERS.get(os.getpid())
-    if pid is not None and running is not None and running.alive():
+    if token is not None and running is not None and running.alive():
         try:
-            running.kill(pid)
+            running.kill(token)
         except OSError:
             pass  # the server is gone, and its workers with it
 
@@ -477,7 +559,7 @@ class _ThreadWorkers:
 
 def _kill_all(workers: dict[str, KillableWorker]) -> None:
     for worker in list(workers.values()):
-        worker.kill()
+        worker.close()  # not kill(): it would wait for a call in progress (a daemon's)
     workers.clear()
 
 
