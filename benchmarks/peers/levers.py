@@ -161,6 +161,9 @@ def time_generate(names: list[str], rounds: int) -> dict:
                 static_argnums=(0,),
                 static_argnames="config",
             )
+            # The sampler's inner jitted functions keep their traces across outer jits:
+            # without this a code variant would reuse base's.
+            jax.clear_caches()
             wall, cpu = time.perf_counter(), time.process_time()
             with patch():
                 lowered = jitted.lower(run.spec.graphdef, *inputs, config=sampling)
@@ -242,6 +245,7 @@ def time_update(names: list[str], rounds: int) -> dict:
                 lambda state, batch: run.learner._update(state, batch), donate_argnums=0
             )
             state = jax.tree.map(lambda x: x.copy(), run.state)
+            jax.clear_caches()  # no trace of an inner jitted function reused across variants
             wall, cpu = time.perf_counter(), time.process_time()
             with patch():
                 lowered = jitted.lower(state, batch)
