@@ -6,11 +6,12 @@ update in the same process, interleaved.
 
 Builds the run of ``side_policyopt.py``, samples one batch (its advantages replaced by
 N(0, 1) draws, so that the gradient is not zero), compiles each variant of
-``Learner.update`` (an XLA:CPU option set, ``FLAG_VARIANTS``, or the code as it was before
-a lever, ``CODE_VARIANTS``), checks that its new parameters match the library's update
-(``base``), then times ``--rounds`` rounds in which every variant runs once (the order
-rotating). Reports per variant: compile time, the median
-wall and CPU time of one update, and the median of its per-round ratios to ``base``.
+``Learner.update`` (an XLA:CPU option set, ``FLAG_VARIANTS``, or code other than the
+library's, ``CODE_VARIANTS``: the code before a lever, or a lever tried), checks that its
+new parameters match the library's update (``base``), then times ``--rounds`` rounds in
+which every variant runs once (the order rotating). Reports per variant: compile time,
+the compiled program's size (dots, fusions, bytes accessed), the median wall and CPU time
+of one update, and the median of its per-round ratios to ``base``.
 Writes ``benchmarks/results/peers_levers.json``. ``--target generate`` does the same for
 the jitted sampler (``sampling.generate_fn``), checking each variant's tokens and
 log-probs against ``base``'s.
@@ -23,6 +24,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -117,10 +119,81 @@ def _einsum_projections():
         attention.project, layers.project = saved
 
 
+def _einsum_fused(spec: str, x, weights) -> tuple:
+    """``tuple(lora.einsum(spec, x, w) for w in weights)`` as one product: the weights
+    (sharing their input axes) concatenated along their flattened outputs, one
+    ``projection.project`` with ``x``, the output split after. ``"btd,dnh->btnh"`` with
+    q, k, v: one ``"btd,dn->btn"`` with ``[D, (H + 2 Hkv) Dh]``. Plain weights only (the
+    peers' geometry has no LoRA adapters)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from policyopt.models import lora
+    from policyopt.models.projection import project
+
+    inputs, out = spec.split("->")
+    xs, ws = inputs.split(",")
+    contracted = "".join(c for c in ws if c in xs)
+    produced = ws[len(contracted) :]
+    if any(isinstance(w, lora.Adapted) for w in weights):
+        raise ValueError("the fused_projections variant takes no LoRA adapters (model.lora)")
+    flat = [w.reshape(w.shape[: len(contracted)] + (-1,)) for w in weights]
+    fused = project(
+        f"{xs},{contracted}n->{out[: -len(produced)]}n", x, jnp.concatenate(flat, axis=-1)
+    )
+    outputs, ends = [], np.cumsum([w.shape[-1] for w in flat])[:-1].tolist()
+    for part, weight in zip(jnp.split(fused, ends, axis=-1), weights):
+        outputs.append(part.reshape(part.shape[:-1] + weight.shape[len(contracted) :]))
+    return tuple(outputs)
+
+
+@contextlib.contextmanager
+def _fused_projections():
+    """q/k/v as one product with the concatenated weights ``[D, (H + 2 Hkv) Dh]`` and the
+    MLP's gate/up as one with ``[D, 2F]`` (``_einsum_fused``), split after: the dense
+    model's attention and MLP (the experts' gate/up are not at this geometry)."""
+    import jax
+
+    from policyopt.models import lora
+    from policyopt.models.attention import Attention
+    from policyopt.models.layers import MLP
+
+    def attention_project(self, x, weights):
+        return _einsum_fused("btd,dnh->btnh", x, [w.astype(self.dtype) for w in weights])
+
+    def mlp_apply(self, x, weights):
+        w_gate, w_up, w_down = (w.astype(self.dtype) for w in weights)
+        gate, up = _einsum_fused("btd,df->btf", x, [w_gate, w_up])
+        return lora.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)
+
+    saved = Attention._project, MLP._apply
+    Attention._project, MLP._apply = attention_project, mlp_apply
+    try:
+        yield
+    finally:
+        Attention._project, MLP._apply = saved
+
+
 # Code variants: name -> a context manager active while the update is traced.
 CODE_VARIANTS = {
     "einsum_projections": _einsum_projections,
+    "fused_projections": _fused_projections,
 }
+
+
+def program_size(compiled) -> dict:
+    """A compiled program's size: optimised HLO instructions, fusions and dots, and XLA's
+    cost analysis (FLOPs, bytes accessed)."""
+    hlo = compiled.as_text()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}
+    return {
+        "instructions": sum(1 for line in hlo.splitlines() if " = " in line),
+        "fusions": len(re.findall(r" fusion\(", hlo)),
+        "dots": len(re.findall(r" dot\(", hlo)),
+        "gflop": float(cost.get("flops", 0.0)) / 1e9,
+        "gb_accessed": float(cost.get("bytes accessed", 0.0)) / 1e9,
+    }
 
 
 def time_generate(names: list[str], rounds: int) -> dict:
@@ -161,6 +234,9 @@ def time_generate(names: list[str], rounds: int) -> dict:
                 static_argnums=(0,),
                 static_argnames="config",
             )
+            # The sampler's inner jitted functions keep their traces across outer jits:
+            # without this a code variant would reuse base's.
+            jax.clear_caches()
             wall, cpu = time.perf_counter(), time.process_time()
             with patch():
                 lowered = jitted.lower(run.spec.graphdef, *inputs, config=sampling)
@@ -169,6 +245,7 @@ def time_generate(names: list[str], rounds: int) -> dict:
                 "options": options,
                 "compile_wall_s": time.perf_counter() - wall,
                 "compile_cpu_s": time.process_time() - cpu,
+                "program": program_size(compiled[name]),
                 "wall_s": [],
                 "cpu_s": [],
             }
@@ -242,6 +319,7 @@ def time_update(names: list[str], rounds: int) -> dict:
                 lambda state, batch: run.learner._update(state, batch), donate_argnums=0
             )
             state = jax.tree.map(lambda x: x.copy(), run.state)
+            jax.clear_caches()  # no trace of an inner jitted function reused across variants
             wall, cpu = time.perf_counter(), time.process_time()
             with patch():
                 lowered = jitted.lower(state, batch)
@@ -250,6 +328,7 @@ def time_update(names: list[str], rounds: int) -> dict:
                 "options": options,
                 "compile_wall_s": time.perf_counter() - wall,
                 "compile_cpu_s": time.process_time() - cpu,
+                "program": program_size(compiled[name]),
                 "wall_s": [],
                 "cpu_s": [],
             }
@@ -318,6 +397,14 @@ def report(record: dict, names: list[str], args) -> None:
             f"{name:<26}{rec['compile_wall_s']:>10.1f}{rec['median_wall_s']:>9.3f}{rec['median_cpu_s']:>9.3f}"
             f"{rec['ratio_wall_vs_base']:>10.3f}{rec['ratio_cpu_vs_base']:>9.3f}{rec['max_abs_param_diff_vs_base']:>10.2e}"
         )
+    print(
+        "program: "
+        + "; ".join(
+            f"{n} {record[n]['program']['dots']} dots, {record[n]['program']['fusions']} fusions, "
+            f"{record[n]['program']['gb_accessed']:.2f} GB accessed"
+            for n in names
+        )
+    )
     if args.target == "generate":
         print("(max |dp|: of the sampled tokens' log-probs; tokens equal to base's: ", end="")
         print(", ".join(f"{n} {record[n]['tokens_equal_base']}" for n in names) + ")")
