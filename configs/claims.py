@@ -213,7 +213,11 @@ DENSE_CONTROL = Ablation(
 ROUTING_SHARE_BUDGET = (
     "measured 2026-12-06: 10 min (602 s) at load 23 on 2 cores, the SFT start cached"
 )
-SAPO_GRID_BUDGET = "to be measured"
+SAPO_GRID_BUDGET = (
+    "estimate from 188-388 s per 20-30-iteration run of the recipe's arm (2026-12-06, load "
+    "12-17 on 2 cores): ~10-15 min per 60-iteration run, 10 arms x 2 starts x 5 seeds = 100 "
+    "runs, ~17-25 h; both SFT starts cached"
+)
 MAGISTRAL_BUDGET = (
     "measured 2026-12-06: 18 min per (start, seed) at load ~25 on 2 cores (sync 623 s, "
     "async 436 s); a new SFT start ~15 min more"
