@@ -213,7 +213,11 @@ DENSE_CONTROL = Ablation(
 ROUTING_SHARE_BUDGET = (
     "measured 2026-12-06: 10 min (602 s) at load 23 on 2 cores, the SFT start cached"
 )
-SAPO_GRID_BUDGET = "to be measured"
+SAPO_GRID_BUDGET = (
+    "estimate from 188-388 s per 20-30-iteration run of the recipe's arm (2026-12-06, load "
+    "12-17 on 2 cores): ~10-15 min per 60-iteration run, 10 arms x 2 starts x 5 seeds = 100 "
+    "runs, ~17-25 h; both SFT starts cached"
+)
 MAGISTRAL_BUDGET = (
     "measured 2026-12-06: 18 min per (start, seed) at load ~25 on 2 cores (sync 623 s, "
     "async 436 s); a new SFT start ~15 min more"
@@ -287,6 +291,31 @@ def _arm_mean(result: dict, arm: str, key: str) -> float:
             values = [r[key] for r in entry["runs"] if key in r]
             return statistics.fmean(values) if values else math.nan
     return math.nan
+
+
+#: SAPO's regime (issue floor): the mean gate weight over a run at most this, so that the
+#: temperatures act on the gradient (docs/claims.md "sapo_grid", "Regime evidence").
+SAPO_GATE_FLOOR = 0.95
+
+
+def _sapo_gate_line(result: dict) -> str:
+    """``SAPO's mean gate weight over the run G (floor <= 0.95: reached or not) with M x E
+    updates per batch at lr L; tau 1.0 / 1.05 pass@1 A -> B; C of N SAPO runs collapsed``:
+    G over the SAPO arms' runs (``loss/gate_mean_run``), A -> B the recipe's arm's means."""
+    runs = [r for e in result["summary"]["arms"] if e["arm"] != "grpo" for r in e["runs"]]
+    gates = [r["loss/gate_mean_run"] for r in runs if "loss/gate_mean_run" in r]
+    gate = statistics.fmean(gates) if gates else math.nan
+    reached = "reached" if gate <= SAPO_GATE_FLOOR else "not reached"
+    regime = runs[0]["regime"] if runs else result["summary"]["arms"][0]["runs"][0]["regime"]
+    updates = f"{regime['batch.n_minibatches']} x {regime['batch.epochs']}"
+    collapsed = sum(r.get("collapsed", 0.0) for r in runs)
+    return (
+        f"SAPO's mean gate weight over the run {gate:.4f} (floor <= {SAPO_GATE_FLOOR:g}: "
+        f"{reached}) with {updates} updates per batch at lr {regime['optim.lr']:g}; "
+        f"tau 1.0 / 1.05 pass@1 {_arm_mean(result, 'neg1p05', 'pass@1_start'):.3f} -> "
+        f"{_arm_mean(result, 'neg1p05', 'pass@1_end'):.3f}; {collapsed:g} of {len(runs)} SAPO "
+        "runs collapsed"
+    )
 
 
 def _ceiling() -> str:
@@ -497,6 +526,7 @@ CLAIMS: dict[str, Claim] = {
                 ),
             ),
             budget=SAPO_GRID_BUDGET,
+            headline=_sapo_gate_line,
         ),
         Claim(
             name="critic_warmup",

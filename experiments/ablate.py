@@ -57,8 +57,14 @@ TAIL_METRICS = (
     "async/staleness_mean",
     "offpolicy/kl_k3",
 )
-#: Training metrics averaged over all the policy's iterations (a critic's warm-up left out).
-POLICY_MEAN_METRICS = ("advantages/lambda_policy_token_mean",)
+#: Training metrics averaged over all the policy's iterations (a critic's warm-up left out),
+#: ``{logged name: summary name}``. SAPO's gate weight over the run is its regime's
+#: diagnostic (docs/claims.md "sapo_grid"): it drifts towards 1 as RL sharpens the policy,
+#: so the last iterations' mean (``loss/gate_mean``) understates where it acted.
+POLICY_MEAN_METRICS = {
+    "advantages/lambda_policy_token_mean": "advantages/lambda_policy_token_mean",
+    "loss/gate_mean": "loss/gate_mean_run",
+}
 #: A critic's explained variance of Monte-Carlo returns on the rollout of the policy's
 #: first iteration: fresh samples it has not trained on, scored after its warm-up (reward
 #: model, value pretraining), before any PPO update. Summarised under this name.
@@ -287,10 +293,10 @@ def summarise_run(run_dir: str, tail: int) -> dict:
         if values:
             out[key] = statistics.fmean(values)
     policy_rows = [r for r in rows if not r.get("critic/pretraining")]
-    for key in POLICY_MEAN_METRICS:
+    for key, name in POLICY_MEAN_METRICS.items():
         values = [r[key] for r in policy_rows if key in r and math.isfinite(r[key])]
         if values:
-            out[key] = statistics.fmean(values)
+            out[name] = statistics.fmean(values)
     if policy_rows and "critic/pretraining" in policy_rows[0]:
         value = policy_rows[0].get("critic/rollout_mc_explained_variance", math.nan)
         if math.isfinite(value):
@@ -407,7 +413,7 @@ def run_ablation(
             "collapsed",
             "routing/ratio_share_pooled",
             *TAIL_METRICS,
-            *POLICY_MEAN_METRICS,
+            *POLICY_MEAN_METRICS.values(),
             WARMUP_EXPLAINED_VARIANCE,
         ):
             values = [r[key] for r in runs if key in r]

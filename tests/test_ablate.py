@@ -509,6 +509,20 @@ def test_a_critic_runs_warmup_figures_are_summarised(tmp_path):
     assert "advantages/lambda_policy_token_mean" not in summary
 
 
+def test_the_gate_weight_is_summarised_over_the_run_and_its_last_iterations(tmp_path):
+    """SAPO's gate weight: ``loss/gate_mean_run`` over every iteration (its regime's
+    diagnostic), ``loss/gate_mean`` over the last ``tail``."""
+    gates = [0.9, 0.96, 0.99, 1.0]
+    (tmp_path / "eval.jsonl").write_text("")
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(
+            json.dumps({"step": i + 1, "loss/gate_mean": g}) + "\n" for i, g in enumerate(gates)
+        )
+    summary = ablate.summarise_run(str(tmp_path), tail=2)
+    assert summary["loss/gate_mean_run"] == pytest.approx(0.9625)
+    assert summary["loss/gate_mean"] == pytest.approx(0.995)
+
+
 def test_collapse_iteration_by_hand():
     """The first iteration whose 3-iteration mean training accuracy falls below half the
     first 3 iterations' mean; iterations + 1 (censored) when none does."""

@@ -576,6 +576,41 @@ def test_diff_of_diffs_checks_and_the_routing_claims():
     )
 
 
+def test_sapo_grid_reports_its_gate_weight_against_the_floor():
+    """sapo_grid's last line, from a hand-made result: the SAPO arms' gate weight over the
+    run (GRPO's left out), whether it reaches the floor, the recipe's arm's pass@1 and the
+    SAPO runs that collapsed."""
+    regime = {**REGIME, "optim.lr": 1e-4, "batch.n_minibatches": 8, "batch.epochs": 2}
+
+    def run(gate, start, end, collapsed=0.0):
+        return {
+            "regime": regime,
+            "loss/gate_mean_run": gate,
+            "pass@1_start": start,
+            "pass@1_end": end,
+            "collapsed": collapsed,
+        }
+
+    def result(**arms):
+        return {"summary": {"arms": [{"arm": a, "runs": runs} for a, runs in arms.items()]}}
+
+    grid = get_claim("sapo_grid")
+    line = grid.headline(
+        result(
+            neg1p05=[run(0.998, 0.457, 0.8), run(0.996, 0.375, 0.7)],
+            pos2=[run(0.99, 0.457, 0.01, collapsed=1.0)],
+            grpo=[run(0.5, 0.457, 0.9)],  # GRPO's gate (1 - clip fraction) is not SAPO's
+        )
+    )
+    assert line == (
+        "SAPO's mean gate weight over the run 0.9947 (floor <= 0.95: not reached) with 8 x 2 "
+        "updates per batch at lr 0.0001; tau 1.0 / 1.05 pass@1 0.416 -> 0.750; 1 of 3 SAPO "
+        "runs collapsed"
+    )
+    line = grid.headline(result(neg1p05=[run(0.95, 0.457, 0.8)]))
+    assert "0.9500 (floor <= 0.95: reached)" in line and "0 of 1 SAPO runs" in line
+
+
 def test_the_critic_claims_report_their_regime_diagnostics():
     """vc_ppo's, vapo_length_adaptive's and critic_warmup's last lines, from a hand-made
     result: means over each arm's runs, NaN for an arm or figure that did not run."""
