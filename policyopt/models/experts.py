@@ -290,32 +290,34 @@ def blocked_experts(
         jnp.searchsorted(padded_ends, block_starts, side="right", method="compare_all"),
         num_experts - 1,
     )  # unused blocks: zeros
-    if gather == "take":
-
-        def weights_of(w, block_expert):
-            return lora.apply(lambda v: jnp.take(v, block_expert, axis=0).astype(x.dtype), w)
-    elif gather == "onehot":
-        # In the compute dtype: the matmul's gradient sums over the blocks in its
-        # accumulator (its error matched the ragged dispatch's), and a float32 matmul
-        # would double the bytes it reads.
-
-        def weights_of(w, block_expert):
-            onehot = jax.nn.one_hot(block_expert, num_experts, dtype=x.dtype)
-            # HIGHEST: a float32 product at default precision would round the weights
-            # (TF32 on GPUs, bfloat16 passes on TPUs), and the weight gradient with them.
-            return lora.apply(
-                lambda v: jnp.einsum(
-                    "be,e...->b...", onehot, v.astype(x.dtype), precision=jax.lax.Precision.HIGHEST
-                ),
-                w,
-            )
-    else:
+    if gather not in ("take", "onehot"):
         raise ValueError(f"gather must be 'take' or 'onehot', got {gather!r}")
 
+    def block_weights(block_expert) -> list:
+        """The three weights of each block's expert, [blocks, ...] (LoRA: each adapted)."""
+        # onehot: in the compute dtype, the matmul's gradient sums over the blocks in its
+        # accumulator (its error matched the ragged dispatch's), and a float32 matmul would
+        # double the bytes it reads.
+        onehot = (
+            None if gather == "take" else jax.nn.one_hot(block_expert, num_experts, dtype=x.dtype)
+        )
+
+        def of_blocks(v):
+            if gather == "take":
+                return jnp.take(v, block_expert, axis=0).astype(x.dtype)
+            # HIGHEST: a float32 product at default precision would round the weights
+            # (TF32 on GPUs, bfloat16 passes on TPUs), and the weight gradient with them.
+            return jnp.einsum(
+                "be,e...->b...", onehot, v.astype(x.dtype), precision=jax.lax.Precision.HIGHEST
+            )
+
+        return [lora.apply(of_blocks, w) for w in (w_gate, w_up, w_down)]
+
     def mlp(rows, block_expert):
-        gate = lora.einsum("brd,bdf->brf", rows, weights_of(w_gate, block_expert))
-        up = lora.einsum("brd,bdf->brf", rows, weights_of(w_up, block_expert))
-        return lora.einsum("brf,bfd->brd", jax.nn.silu(gate) * up, weights_of(w_down, block_expert))
+        gate_w, up_w, down_w = block_weights(block_expert)
+        gate = lora.einsum("brd,bdf->brf", rows, gate_w)
+        up = lora.einsum("brd,bdf->brf", rows, up_w)
+        return lora.einsum("brf,bfd->brd", jax.nn.silu(gate) * up, down_w)
 
     chunk_blocks = num_blocks if chunk_rows is None else max(1, chunk_rows // block_size)
     if chunk_blocks < num_blocks:
