@@ -6,7 +6,8 @@ y_n = sum_j g_nj SwiGLU_{e_nj}(x_n) [N, D]:
 
   ragged_experts     dropless: sort by expert, grouped matmuls (``jax.lax.ragged_dot``, or
                      ``megablox_matmul``: the megablox GMM kernel with its custom VJP)
-  blocked_experts    dropless: expert groups padded to blocks, one batched matmul
+  blocked_experts    dropless: expert groups padded to blocks, one batched matmul (or a
+                     scan over chunks of blocks, ``moe_chunk_rows``)
   dense_experts      dropless: every token through every expert, weighted by its gates
   gathered_experts   dropless, for decoding: each expert's tokens in a small buffer
   capacity_experts   capacity factor: one-hot dispatch into [E, C] buffers; also returns
