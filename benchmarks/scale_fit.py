@@ -234,8 +234,8 @@ def generator_cache(config, setup, mesh, prompt_len: int) -> tuple[str, int, str
 def levers(record: dict, model_config) -> list[tuple[str, str]]:
     """``(setting, what it lowers)`` for a run that does not fit, from the most direct:
     micro-batches (when a device holds several rows), remat and scanned layers, bfloat16
-    matmuls, attention without ``[B, H, T, T]`` scores, larger MoE blocks, and more FSDP
-    shards for the parameters and optimiser state."""
+    matmuls, attention without ``[B, H, T, T]`` scores, larger MoE blocks, the MoE
+    matmuls in chunks, and more FSDP shards for the parameters and optimiser state."""
     out = []
     mc, inputs, mesh = model_config, record["inputs"], record["mesh"]
     row_devices = mesh["data"] * mesh["fsdp"] * mesh["expert"]
@@ -275,6 +275,21 @@ def levers(record: dict, model_config) -> list[tuple[str, str]]:
                 "model.moe_block_size=4096",
                 f"fewer blocks, so fewer per-block copies of the expert weights "
                 f"(now {mc.moe_block_size})",
+            )
+        )
+    copies = rows_each * (inputs["seq_len"] or 0) * (mc.num_experts_per_tok or 0)
+    chunk = mc.moe_chunk_rows if mc.is_moe else None
+    if (
+        mc.is_moe
+        and mc.moe_dispatch == "blocked"
+        and copies > 65536
+        and not 0 < (chunk or 0) <= 65536
+    ):
+        out.append(
+            (
+                "model.moe_chunk_rows=65536",
+                f"the expert matmuls a chunk of blocks at a time, not all {copies:,} token "
+                "copies' padded rows at once",
             )
         )
     # More FSDP shards split the parameters, their copies and the optimiser state: named

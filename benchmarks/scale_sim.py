@@ -839,7 +839,12 @@ def format_table(record: dict) -> str:
         + (
             f", moe_dispatch {model['moe_dispatch']}"
             + (
-                f" (blocks of {model['moe_block_size']})"
+                f" (blocks of {model['moe_block_size']}"
+                + (
+                    f", {model['moe_chunk_rows']} rows at a time)"
+                    if model.get("moe_chunk_rows")
+                    else ")"
+                )
                 if model["moe_dispatch"] == "blocked"
                 else ""
             )

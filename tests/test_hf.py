@@ -218,7 +218,8 @@ def test_rl_build_applies_runtime_overrides_to_a_pretrained_model(tmp_path):
     hf_model.save_pretrained(tmp_path)
     extra = (
         f"model.pretrained={tmp_path},model.moe_dispatch=blocked,model.moe_block_size=8,"
-        "model.moe_decode_dispatch=ragged,model.moe_weight_gather=onehot"
+        "model.moe_decode_dispatch=ragged,model.moe_weight_gather=onehot,"
+        "model.moe_chunk_rows=64"
     )
     config = tiny("grpo", "tiny_moe", extra=extra)
     with pytest.raises(ValueError, match="num_layers"):  # tiny() shrinks num_layers
@@ -231,7 +232,8 @@ def test_rl_build_applies_runtime_overrides_to_a_pretrained_model(tmp_path):
         cfg.moe_block_size,
         cfg.moe_decode_dispatch,
         cfg.moe_weight_gather,
-    ) == ("blocked", 8, "ragged", "onehot")
+        cfg.moe_chunk_rows,
+    ) == ("blocked", 8, "ragged", "onehot", 64)
     assert cfg.num_experts == hf_model.config.num_experts
 
 

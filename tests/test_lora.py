@@ -100,7 +100,16 @@ def _moe(dispatch, targets=("experts", "router"), seed=0, **fields):
 
 @pytest.mark.parametrize(
     "dispatch",
-    ["ragged", "megablox", "blocked", "blocked-onehot", "dense", "gathered", "capacity"],
+    [
+        "ragged",
+        "megablox",
+        "blocked",
+        "blocked-onehot",
+        "blocked-chunked",
+        "dense",
+        "gathered",
+        "capacity",
+    ],
 )
 def test_moe_experts_equal_loop_reference_with_merged_weights(dispatch):
     """One adapter per expert (and the router's): every dispatch equals the NumPy loop
@@ -120,7 +129,7 @@ def test_moe_experts_equal_loop_reference_with_merged_weights(dispatch):
     np.testing.assert_allclose(y.reshape(-1, D), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dispatch", ["ragged", "blocked", "dense", "capacity"])
+@pytest.mark.parametrize("dispatch", ["ragged", "blocked", "blocked-chunked", "dense", "capacity"])
 def test_moe_adapter_gradients_match_merged_reference(dispatch):
     """Under a replayed routing, the gradients of A and B of every expert and of the router
     equal autodiff through the loop reference with W + (alpha / r) A B."""
@@ -314,9 +323,9 @@ _MESH_SCRIPT = textwrap.dedent("""
 
     assert jax.device_count() == 8
     tokens = jax.random.randint(jax.random.key(1), (8, 6), 0, 64)
-    for dispatch in ("blocked", "ragged"):
+    for dispatch, chunk_rows in (("blocked", None), ("blocked", 4), ("ragged", None)):
       config = preset("tiny_moe", vocab_size=64, num_experts=8, moe_dispatch=dispatch,
-                      moe_decode_dispatch=None,
+                      moe_decode_dispatch=None, moe_chunk_rows=chunk_rows,
                       lora=LoRAConfig(rank=2, alpha=4.0, targets=("all",)))
       model = Transformer(config, rngs=nnx.Rngs(0))
       rng = np.random.default_rng(0)
@@ -342,8 +351,8 @@ _MESH_SCRIPT = textwrap.dedent("""
         np.testing.assert_array_equal(routing, ref_routing)
         for (path, g), (_, r) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)):
           np.testing.assert_allclose(g.get_value(), r.get_value(), rtol=2e-4, atol=1e-6,
-                                     err_msg=f"{dispatch} {shape} {path}")
-        print("ok", dispatch, shape, flush=True)
+                                     err_msg=f"{dispatch} {chunk_rows} {shape} {path}")
+        print("ok", dispatch, chunk_rows, shape, flush=True)
 """)
 
 
@@ -351,6 +360,7 @@ _MESH_SCRIPT = textwrap.dedent("""
 def test_adapters_on_expert_parallel_and_fsdp_meshes():
     """Adapters on every target, B non-zero: loss, routing and every adapter's gradient on
     expert=8, fsdp=2 x expert=4 and fsdp=8 (the expert-parallel block's shard_map, the
-    FSDP gathers) equal one device's, blocked and ragged."""
+    FSDP gathers) equal one device's, blocked (whole and in chunks of 4 padded rows, 1 or
+    2 blocks) and ragged."""
     proc = run_script(_MESH_SCRIPT, devices=8, timeout=900)
-    assert proc.stdout.count("ok ") == 6, proc.stdout
+    assert proc.stdout.count("ok ") == 9, proc.stdout

@@ -290,6 +290,9 @@ def test_config_errors_name_the_field():
         ModelConfig(**TINY, num_experts=4, moe_dispatch="sparse")
     with pytest.raises(ValueError, match="moe_weight_gather"):
         ModelConfig(**TINY, num_experts=4, moe_weight_gather="scatter")
+    for rows in (0, -4, 2.5):
+        with pytest.raises(ValueError, match="moe_chunk_rows"):
+            ModelConfig(**TINY, num_experts=4, moe_chunk_rows=rows)
     assert ModelConfig(**TINY, moe_weight_gather="onehot").resolved_weight_gather() == "onehot"
     auto = ModelConfig(**TINY).resolved_weight_gather()
     assert auto == ("take" if jax.default_backend() == "cpu" else "onehot")

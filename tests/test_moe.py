@@ -114,9 +114,13 @@ def test_route_hand_worked():
 
 
 def _dispatch(name):
-    """ "blocked-onehot" -> blocked dispatch with one-hot weight gathering; else the name."""
-    dispatch, _, gather = name.partition("-")
-    return dict(moe_dispatch=dispatch, moe_weight_gather=gather or "take")
+    """ "blocked-onehot" -> blocked dispatch with one-hot weight gathering; "blocked-chunked"
+    -> blocked, the expert matmuls 7 padded rows (of blocks of 3 or 4: 2 or 1 blocks) at a
+    time; else the name."""
+    dispatch, _, variant = name.partition("-")
+    if variant == "chunked":
+        return dict(moe_dispatch=dispatch, moe_weight_gather="take", moe_chunk_rows=7)
+    return dict(moe_dispatch=dispatch, moe_weight_gather=variant or "take")
 
 
 @pytest.mark.parametrize(
@@ -127,6 +131,7 @@ def _dispatch(name):
         ("megablox", True),
         ("blocked", True),
         ("blocked-onehot", False),
+        ("blocked-chunked", True),
         ("dense", True),
         ("dense", False),
         ("gathered", True),
@@ -157,7 +162,17 @@ def test_fast_paths_match_loop_reference(dispatch, norm_topk_prob):
 
 
 @pytest.mark.parametrize(
-    "dispatch", ["ragged", "megablox", "blocked", "blocked-onehot", "dense", "gathered", "capacity"]
+    "dispatch",
+    [
+        "ragged",
+        "megablox",
+        "blocked",
+        "blocked-onehot",
+        "blocked-chunked",
+        "dense",
+        "gathered",
+        "capacity",
+    ],
 )
 def test_gradients_match_loop_reference_under_replay(dispatch):
     """Replay a routing that differs from the natural one (the k *least* likely experts):
@@ -270,10 +285,12 @@ def test_router_statistics_hand_worked():
     assert float(aux["tokens_per_expert"][0]) == 3
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 16])
 @pytest.mark.parametrize("gather", ["take", "onehot"])
 @pytest.mark.parametrize("tokens", [1, 40])
-def test_blocked_dispatch_any_token_count(tokens, gather):
-    """Decode-sized (1 token: block shrinks to 1 row) to many blocks per expert."""
+def test_blocked_dispatch_any_token_count(tokens, gather, chunk_rows):
+    """Decode-sized (1 token: block shrinks to 1 row) to many blocks per expert; whole or
+    in chunks of 2 blocks (40 tokens: 10 + 4 blocks of 8 rows, 7 chunks)."""
     from policyopt.models.experts import blocked_experts
 
     rng = np.random.default_rng(tokens)
@@ -284,8 +301,8 @@ def test_blocked_dispatch_any_token_count(tokens, gather):
         jnp.asarray(rng.normal(size=shape), jnp.float32)
         for shape in ((E, D, F), (E, D, F), (E, F, D))
     ]
-    got = jax.jit(blocked_experts, static_argnames=("block_size", "gather"))(
-        x, ids, gates, *weights, block_size=8, gather=gather
+    got = jax.jit(blocked_experts, static_argnames=("block_size", "gather", "chunk_rows"))(
+        x, ids, gates, *weights, block_size=8, gather=gather, chunk_rows=chunk_rows
     )
     want = numpy_loop_fixed_gates(x, ids, gates, *weights)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -330,6 +330,32 @@ def test_levers_for_several_rows_and_a_data_axis():
     assert "mesh.fsdp=8,mesh.data=1" not in dict(scale_fit.levers(record, model))
 
 
+def test_moe_chunk_lever_where_a_device_holds_more_than_65536_copies():
+    """4 rows x 32,768 tokens x k=2 = 262,144 copies per device: the blocked dispatch in
+    chunks is proposed unless chunks of at most 65,536 rows are set; 8,192 copies: never."""
+    model = preset("tiny_moe", moe_dispatch="blocked", moe_block_size=4096)
+    record = dict(
+        step="update",
+        inputs=dict(seq_len=32768),
+        mesh=dict(data=1, fsdp=8, tensor=1, expert=1),
+        rows_on_each_device=4,
+        micro_batch_tokens=8 * 32768,
+        state_gib_per_device=1.0,
+        resident=[],
+        total_gib=500.0,
+        device_memory_gib=80.0,
+    )
+
+    def proposed(model, **inputs):
+        record["inputs"].update(inputs)
+        return "model.moe_chunk_rows=65536" in dict(scale_fit.levers(record, model))
+
+    assert proposed(model)
+    assert proposed(model.replace(moe_chunk_rows=131072))
+    assert not proposed(model.replace(moe_chunk_rows=65536))
+    assert not proposed(model, seq_len=1024)
+
+
 def test_ordinary_mistakes_are_one_line_errors(results):
     errors = results["errors"]
     for name, expect in {

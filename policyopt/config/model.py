@@ -142,6 +142,12 @@ class Model:
     moe_block_size: int | None = setting(
         None, 'Rows per block of the "blocked" dispatch (CPU 16-64, GPU 256-512).'
     )
+    moe_chunk_rows: int | None = setting(
+        None,
+        'Padded rows of the "blocked" dispatch through the expert matmuls at a time; None: all.',
+        note="A scan over chunks of blocks, each recomputed in the backward: the MoE block's "
+        "memory is one chunk's (docs/scale.md). scale=paper: 65,536.",
+    )
     moe_weight_gather: str | None = setting(
         None, '"auto", "take" or "onehot": how "blocked" hands the blocks their expert\'s weights.'
     )

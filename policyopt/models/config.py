@@ -74,6 +74,12 @@ class ModelConfig:
         Dropless dispatches agree up to float summation order.
       moe_block_size: rows per block of the "blocked" dispatch (CPU: 16-64; GPU: 256-512,
         so that each block's matmul is large enough for the matrix units).
+      moe_chunk_rows: at most this many padded rows of the "blocked" dispatch go through
+        the expert matmuls at a time: a ``jax.lax.map`` over chunks of blocks, each
+        rematerialised in the backward, so the matmuls' activations, their gradients and
+        the blocks' weight copies are one chunk's, not the whole buffer's (Qwen3-30B-A3B
+        at 32k tokens a device: 524,288 rows). None: all at once. Rounded down to whole
+        blocks (at least one).
       moe_weight_gather: how the "blocked" dispatch hands each block its expert's
         weights: "take" (indexed gather; fastest on CPU), "onehot" (a matmul with the
         one-hot block-to-expert matrix, whose gradient is a matmul rather than a
@@ -146,6 +152,7 @@ class ModelConfig:
     moe_dispatch: str = "ragged"
     moe_decode_dispatch: str | None = None
     moe_block_size: int = 64
+    moe_chunk_rows: int | None = None
     moe_weight_gather: str = "auto"
     moe_ep_transport: str = "auto"
     moe_ep_buffer_factor: float = 2.0
@@ -227,6 +234,13 @@ class ModelConfig:
             )
         if self.moe_block_size <= 0:
             raise ValueError(f"ModelConfig.moe_block_size must be > 0, got {self.moe_block_size}")
+        if self.moe_chunk_rows is not None and (
+            not isinstance(self.moe_chunk_rows, int) or self.moe_chunk_rows <= 0
+        ):
+            raise ValueError(
+                "ModelConfig.moe_chunk_rows (model.moe_chunk_rows) must be None or an int "
+                f"> 0, got {self.moe_chunk_rows!r}"
+            )
         if self.attention not in IMPLEMENTATIONS:
             raise ValueError(
                 f"ModelConfig.attention (model.attention) must be one of "

@@ -135,6 +135,7 @@ def _local_experts(rows, local_ids, params, config: ModelConfig, dispatch: str):
             *params,
             block_size=config.moe_block_size,
             gather=config.resolved_weight_gather(),
+            chunk_rows=config.moe_chunk_rows,
         )
     weights = [w.astype(rows.dtype) for w in params]
     if dispatch in ("ragged", "megablox"):
@@ -476,6 +477,7 @@ def expert_parallel_block(
                 dispatch=dispatch,
                 block_size=cfg.moe_block_size,
                 gather=cfg.resolved_weight_gather(),
+                chunk_rows=cfg.moe_chunk_rows,
             )
             return y.reshape(b, t, d), expert_ids.reshape(b, t, k), aux
         local_fn = functools.partial(_local_experts, config=cfg, dispatch=dispatch)

@@ -6,7 +6,8 @@ y_n = sum_j g_nj SwiGLU_{e_nj}(x_n) [N, D]:
 
   ragged_experts     dropless: sort by expert, grouped matmuls (``jax.lax.ragged_dot``, or
                      ``megablox_matmul``: the megablox GMM kernel with its custom VJP)
-  blocked_experts    dropless: expert groups padded to blocks, one batched matmul
+  blocked_experts    dropless: expert groups padded to blocks, one batched matmul (or a
+                     scan over chunks of blocks, ``moe_chunk_rows``)
   dense_experts      dropless: every token through every expert, weighted by its gates
   gathered_experts   dropless, for decoding: each expert's tokens in a small buffer
   capacity_experts   capacity factor: one-hot dispatch into [E, C] buffers; also returns
@@ -230,7 +231,15 @@ def ragged_experts(x, expert_ids, gates, w_gate, w_up, w_down, matmul: str = "ra
 
 
 def blocked_experts(
-    x, expert_ids, gates, w_gate, w_up, w_down, block_size: int, gather: str = "take"
+    x,
+    expert_ids,
+    gates,
+    w_gate,
+    w_up,
+    w_down,
+    block_size: int,
+    gather: str = "take",
+    chunk_rows: int | None = None,
 ):
     """Step 5, dropless with block padding: every block of ``block_size`` sorted copies
     belongs to one expert, and blocks are multiplied by their expert's weights.
@@ -254,6 +263,8 @@ def blocked_experts(
         too, which accelerators run on their matrix units instead of as atomic
         scatter-adds). Unlike "take", a NaN or inf in one expert's weights reaches every
         block (0 * inf).
+      chunk_rows: None, or at most this many padded rows (whole blocks, at least one)
+        through the matmuls at a time (``_chunked_blocks``) when the blocks hold more.
     Returns:
       [N, D].
     """
@@ -273,9 +284,6 @@ def blocked_experts(
     padded_ends = jnp.cumsum(padded_sizes)
     group_starts = jnp.cumsum(group_sizes) - group_sizes
     dest = (padded_ends - padded_sizes)[sorted_ids] + jnp.arange(copies) - group_starts[sorted_ids]
-    rows = jnp.zeros((num_blocks * block_size, d), x.dtype)
-    rows = rows.at[dest].set(jnp.take(x, order // k, axis=0), unique_indices=True)
-    rows = rows.reshape(num_blocks, block_size, d)
     block_starts = jnp.arange(num_blocks) * block_size
     # compare_all: one [blocks, E] comparison instead of a while loop of binary search
     # steps (each a kernel launch on accelerators).
@@ -283,33 +291,89 @@ def blocked_experts(
         jnp.searchsorted(padded_ends, block_starts, side="right", method="compare_all"),
         num_experts - 1,
     )  # unused blocks: zeros
-    if gather == "take":
+    if gather not in ("take", "onehot"):
+        raise ValueError(f"gather must be 'take' or 'onehot', got {gather!r}")
 
-        def weights_of(w):
-            return lora.apply(lambda v: jnp.take(v, block_expert, axis=0).astype(x.dtype), w)
-    elif gather == "onehot":
-        # In the compute dtype: the matmul's gradient sums over the blocks in its
-        # accumulator (its error matched the ragged dispatch's), and a float32 matmul
-        # would double the bytes it reads.
-        onehot = jax.nn.one_hot(block_expert, num_experts, dtype=x.dtype)
+    def block_weights(block_expert) -> list:
+        """The three weights of each block's expert, [blocks, ...] (LoRA: each adapted)."""
+        # onehot: in the compute dtype, the matmul's gradient sums over the blocks in its
+        # accumulator (its error matched the ragged dispatch's), and a float32 matmul would
+        # double the bytes it reads.
+        onehot = (
+            None if gather == "take" else jax.nn.one_hot(block_expert, num_experts, dtype=x.dtype)
+        )
 
-        def weights_of(w):
+        def of_blocks(v):
+            if gather == "take":
+                return jnp.take(v, block_expert, axis=0).astype(x.dtype)
             # HIGHEST: a float32 product at default precision would round the weights
             # (TF32 on GPUs, bfloat16 passes on TPUs), and the weight gradient with them.
-            return lora.apply(
-                lambda v: jnp.einsum(
-                    "be,e...->b...", onehot, v.astype(x.dtype), precision=jax.lax.Precision.HIGHEST
-                ),
-                w,
+            return jnp.einsum(
+                "be,e...->b...", onehot, v.astype(x.dtype), precision=jax.lax.Precision.HIGHEST
             )
-    else:
-        raise ValueError(f"gather must be 'take' or 'onehot', got {gather!r}")
-    gate = lora.einsum("brd,bdf->brf", rows, weights_of(w_gate))
-    up = lora.einsum("brd,bdf->brf", rows, weights_of(w_up))
-    out = lora.einsum("brf,bfd->brd", jax.nn.silu(gate) * up, weights_of(w_down))
+
+        return [lora.apply(of_blocks, w) for w in (w_gate, w_up, w_down)]
+
+    def mlp(rows, block_expert):
+        gate_w, up_w, down_w = block_weights(block_expert)
+        gate = lora.einsum("brd,bdf->brf", rows, gate_w)
+        up = lora.einsum("brd,bdf->brf", rows, up_w)
+        return lora.einsum("brf,bfd->brd", jax.nn.silu(gate) * up, down_w)
+
+    chunk_blocks = num_blocks if chunk_rows is None else max(1, chunk_rows // block_size)
+    if chunk_blocks < num_blocks:
+        varying = _manual_varying(x, gates, *jax.tree.leaves((w_gate, w_up, w_down)))
+        return _chunked_blocks(
+            x, gates, order, dest, block_expert, mlp, k, block_size, chunk_blocks, varying
+        )
+    rows = jnp.zeros((num_blocks * block_size, d), x.dtype)
+    rows = rows.at[dest].set(jnp.take(x, order // k, axis=0), unique_indices=True)
+    out = mlp(rows.reshape(num_blocks, block_size, d), block_expert)
     y_sorted = jnp.take(out.reshape(-1, d), dest, axis=0)
     y_copies = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
     return jnp.einsum("nkd,nk->nd", y_copies.reshape(n, k, d), gates.astype(x.dtype))
+
+
+def _chunked_blocks(x, gates, order, dest, block_expert, mlp, k, block_size, chunk_blocks, varying):
+    """``blocked_experts``' matmuls and combine, ``chunk_blocks`` blocks at a time, in a
+    ``jax.lax.scan``: each chunk gathers its rows from ``x``, runs the three matmuls and
+    adds its gated outputs into ``y`` [N, D] (float32), under ``jax.checkpoint`` (the
+    backward recomputes one chunk at a time). No array of the whole padded layout's
+    [rows, D] exists, forward or backward, nor the blocks' weight copies of more than one
+    chunk. A token's k outputs are summed by a scatter-add (whose order GPUs do not fix;
+    the unchunked path's backward sums its k input gradients so too)."""
+    n, d = x.shape
+    copies, num_blocks = order.shape[0], block_expert.shape[0]
+    chunks = -(-num_blocks // chunk_blocks)
+    chunk_blocks = -(-num_blocks // chunks)  # balanced: fewer than `chunks` pad blocks
+    padded_rows = chunks * chunk_blocks * block_size
+    # The sorted copy each padded row holds (`copies`: none, a padding row).
+    source = jnp.full((padded_rows,), copies, jnp.int32)
+    source = source.at[dest].set(jnp.arange(copies, dtype=jnp.int32), unique_indices=True)
+    valid = source < copies
+    copy = order[jnp.minimum(source, copies - 1)]
+    row_gate = jnp.where(valid, gates.reshape(-1)[copy].astype(x.dtype), 0)
+    block_expert = jnp.pad(block_expert, (0, chunks * chunk_blocks - num_blocks))
+
+    @jax.checkpoint
+    def contribution(tokens, valid, row_gate, experts):
+        rows = jnp.where(valid[:, None], jnp.take(x, tokens, axis=0), 0)
+        out = mlp(rows.reshape(chunk_blocks, block_size, d), experts).reshape(-1, d)
+        return jnp.where(valid[:, None], out * row_gate[:, None], 0)
+
+    def body(y, chunk):
+        tokens = chunk[0]
+        return y.at[tokens].add(contribution(*chunk).astype(y.dtype)), None
+
+    per_chunk = (
+        (copy // k).reshape(chunks, -1),
+        valid.reshape(chunks, -1),
+        row_gate.reshape(chunks, -1),
+        block_expert.reshape(chunks, chunk_blocks),
+    )
+    y = _typed_varying(jnp.zeros((n, d), jnp.float32), varying)  # shard_map's carry type
+    y, _ = jax.lax.scan(body, y, per_chunk)
+    return y.astype(x.dtype)
 
 
 def dense_experts(x, expert_ids, gates, w_gate, w_up, w_down):
@@ -419,7 +483,16 @@ def gathered_experts(x, expert_ids, gates, w_gate, w_up, w_down):
 
 
 def dropless_experts(
-    x, expert_ids, gates, w_gate, w_up, w_down, dispatch: str, block_size: int, gather: str
+    x,
+    expert_ids,
+    gates,
+    w_gate,
+    w_up,
+    w_down,
+    dispatch: str,
+    block_size: int,
+    gather: str,
+    chunk_rows: int | None = None,
 ):
     """Step 5 by the dropless dispatch of that name: ``MoE``'s choice on one device, and
     per device under an FSDP mesh without an ``expert`` axis (``expert_parallel``).
@@ -436,7 +509,15 @@ def dropless_experts(
     """
     if dispatch == "blocked":
         return blocked_experts(
-            x, expert_ids, gates, w_gate, w_up, w_down, block_size=block_size, gather=gather
+            x,
+            expert_ids,
+            gates,
+            w_gate,
+            w_up,
+            w_down,
+            block_size=block_size,
+            gather=gather,
+            chunk_rows=chunk_rows,
         )
     weights = [w.astype(x.dtype) for w in (w_gate, w_up, w_down)]
     if dispatch in ("ragged", "megablox"):

@@ -108,6 +108,7 @@ class MoE(nnx.Module):
                 dispatch=dispatch,
                 block_size=cfg.moe_block_size,
                 gather=cfg.resolved_weight_gather(),
+                chunk_rows=cfg.moe_chunk_rows,
             )
         aux = router_aux(logits, probs, expert_ids, valid, cfg.num_experts)
         aux["dropped_tokens"] = dropped
