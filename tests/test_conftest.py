@@ -1,5 +1,5 @@
 """tests/conftest.py's lists of slow tests name files and test functions that exist (a
-renamed test would otherwise leave the slow tier silently)."""
+renamed or moved test would otherwise leave the slow tier silently)."""
 
 import ast
 import os
