@@ -162,7 +162,7 @@ HEAVY_TESTS = {
         "test_greedy_equals_the_synchronous_sampler_and_rows_wait_for_pages",
         "test_stop_sequences_end_rows_as_in_the_synchronous_sampler",
     },
-    "rl/test_async_rl.py": {"test_greedy_without_updates_equals_the_synchronous_sampler"},
+    "rl/test_async_generation.py": {"test_greedy_without_updates_equals_the_synchronous_sampler"},
     "rl/test_critic.py": {"test_moe_critic_adds_its_load_balancing_loss"},
     "rl/test_micro_batches.py": {
         "test_update_equals_one_pass_for_every_aggregation",

@@ -16,17 +16,16 @@ from policyopt.rl.async_generation import EngineSlots, SlotConfig, engine_pages_
 from policyopt.rl.async_rl import PromptStream, make_generator, run_async_rl
 from policyopt.sampling import Greedy, generate_fn
 from tests.flags import run_script
+from tests.rl.test_async_generation import _feed, recompute
 from tests.rl.test_async_rl import (
     GROUP,
     N_ASYNC,
     NUM_NEW,
     PROMPT_WIDTH,
-    _feed,
     generator_threads,
     perturbed,
     policy,
     random_prompts,
-    recompute,
     slot_config,
     tiny,
 )
