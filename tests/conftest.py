@@ -178,6 +178,7 @@ HEAVY_TESTS = {
         "test_greedy_equals_generate",
         "test_small_budget_waits_not_truncates",
         "test_batched_admissions_give_the_same_rollout",
+        "test_log_probs_equal_full_forward",  # of the batched admissions' runs
         "test_stop_sequences_and_no_routing_capture",
     },
     "test_sampling.py": {
