@@ -31,3 +31,15 @@ def test_every_file_with_slow_tests_keeps_fast_ones():
     for name in set(conftest.SLOW_TESTS) | set(conftest.HEAVY_TESTS):
         listed = conftest.SLOW_TESTS.get(name, set()) | conftest.HEAVY_TESTS.get(name, set())
         assert _test_functions(name) - listed, f"every test of {name} is slow"
+
+
+def test_test_folders_mirror_the_repository():
+    """tests/<folder>/ holds the tests of policyopt/<folder>/ (config: policyopt/config/ and
+    the recipes of configs/) or of the scripts in <folder>/ (experiments, benchmarks)."""
+    root = os.path.dirname(HERE)
+    for entry in sorted(os.listdir(HERE)):
+        if not os.path.isdir(os.path.join(HERE, entry)) or entry.startswith(("_", ".")):
+            continue
+        mirrored = os.path.join(root, "policyopt", entry), os.path.join(root, entry)
+        assert any(os.path.isdir(path) for path in mirrored), f"tests/{entry}/ mirrors nothing"
+        assert os.path.isfile(os.path.join(HERE, entry, "__init__.py")), entry
