@@ -89,7 +89,10 @@ SLOW_TESTS = {
         "test_a_tiny_sweep_trains_summarises_resumes_and_evaluates",
         "test_a_partial_run_is_resumed_never_counted",
     },
-    "experiments/test_own_data.py": {"test_sft_then_rl_on_own_data_with_any_preset"},
+    "experiments/test_own_data.py": {
+        "test_sft_then_rl_on_own_data_with_any_preset",
+        "test_tokenizer_command_trains_keeps_and_refuses",  # four runs of the command line
+    },
     "experiments/test_reproduce.py": {
         "test_a_continued_sft_start_trains_its_parent_first",
         "test_a_tiny_claim_runs_over_two_starts_end_to_end_and_resumes",
