@@ -67,6 +67,7 @@ SLOWEST_FIRST = (
     "rl/test_tasks.py",
     "test_sampling.py",
     "models/test_fsdp_grads.py",
+    "rl/test_async_generation.py",  # of test_async_rl, split
 )
 
 
