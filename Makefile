@@ -43,7 +43,8 @@ PYTEST := $(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no
 test: install-test
 	$(PYTEST) --durations=25 tests
 
-# Everything but the tests marked slow (tests/conftest.py: end-to-end runs, simulated meshes).
+# Everything but the tests marked slow (tests/conftest.py: end-to-end runs, simulated meshes,
+# compile-heavy equivalence checks).
 test-fast: install-test
 	$(PYTEST) -m "not slow" tests
 

@@ -58,7 +58,7 @@ else
     moe_args=(--tokens 32768 --hidden 1024 --expert-width 352 --top-k 4 --experts 8 32 --repeats 10
               --dispatches ragged blocked:512:take blocked:512:onehot)
     # GPU_TESTS="tests/x.py ...": another selection (the default takes ~140 s on an H200).
-    read -r -a tests <<< "${GPU_TESTS:-tests/test_losses.py tests/test_advantages.py tests/test_logprobs.py tests/test_moe.py tests/test_models.py tests/test_sampling.py}"
+    read -r -a tests <<< "${GPU_TESTS:-tests/test_losses.py tests/test_advantages.py tests/test_logprobs.py tests/models/test_moe.py tests/models/test_models.py tests/test_sampling.py}"
 fi
 
 # moe_0p5b trains and prefills with "blocked" and decodes with "ragged" (on a GPU a dense

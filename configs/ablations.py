@@ -14,12 +14,12 @@ at `scale=paper`, that paper's geometry for every arm, not each arm's own paper'
 `--setting` (`SETTINGS`: "demo", the demo's model, task, batch geometry and SFT start)
 replaces its sections, and the variants are applied again, so they win. So arms differ
 only in the method: arms of one recipe exactly in the fields their variants name, arms of
-different recipes also in the fields `Ablation.compares` declares (`tests/test_ablate.py`
-checks both for every ablation, at the CPU defaults, in the demo setting and at paper
-scale), and every arm gets `train.num_iterations` policy iterations (value pretraining
-comes on top). The recipes' defaults are sized for the CPU; on the CPU task start from an
-SFT checkpoint (`--setting demo`, or `init_checkpoint`): a random policy never earns a
-reward.
+different recipes also in the fields `Ablation.compares` declares
+(`tests/experiments/test_ablate.py` checks both for every ablation, at the CPU defaults, in
+the demo setting and at paper scale), and every arm gets `train.num_iterations` policy
+iterations (value pretraining comes on top). The recipes' defaults are sized for the CPU;
+on the CPU task start from an SFT checkpoint (`--setting demo`, or `init_checkpoint`): a
+random policy never earns a reward.
 
 Each ablation names the claim it tests, from its paper (docs/algorithms.md).
 """

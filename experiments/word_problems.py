@@ -4,7 +4,7 @@ quickstart trains on (docs/quickstart.md).
     python -m experiments.word_problems                     # data/gsm8k_tiny/{train,test}.jsonl
     python -m experiments.word_problems --out my_data --num_train 2000 --seed 1
 
-The shipped files are this command's output at its defaults; `tests/test_own_data.py`
+The shipped files are this command's output at its defaults; `tests/experiments/test_own_data.py`
 checks that they still are.
 """
 

@@ -12,7 +12,7 @@ A checkpoint at step ``s`` is a directory ``<dir>/<s>/`` with three items:
   :func:`tree_checksums`) and a SHA-256 of ``meta``, written in the same atomic save.
 
 Restoring the latest checkpoint and continuing gives bit-identical parameters to an
-uninterrupted run (tested in ``tests/test_checkpoint.py`` and ``tests/test_rl_trainer.py``).
+uninterrupted run (tested in ``tests/test_checkpoint.py`` and ``tests/rl/test_trainer.py``).
 
 Verification: ``meta`` must match its digest, the restored arrays their checksums, and a
 checkpoint whose ``meta`` carries the marker must have its ``checksums`` (older ones,

@@ -4,11 +4,11 @@ XLA:CPU's compiler takes most of the suite's time: tiny models run in millisecon
 programs compile in seconds. ``--xla_cpu_use_fusion_emitters=false`` has XLA:CPU emit its
 fusions with the LLVM IR emitters instead of the MLIR fusion emitters: the same HLO, the
 same fusions, about half the compile time (a tiny MoE's gradient step 3.6-3.9 -> 1.5-1.9 CPU
-s; ``tests/test_rl_learner.py`` 77 -> 36 CPU s, run times alike; benchmarks/HISTORY.md
+s; ``tests/rl/test_learner.py`` 77 -> 36 CPU s, run times alike; benchmarks/HISTORY.md
 "2026-12-02: the suite under 10 minutes"). ``--xla_cpu_parallel_codegen_split_count=1``
 has LLVM generate each program's code as one module rather than several compiled on
 threads: the same LLVM IR, ~9% less compile CPU time where two test processes already keep
-two cores busy (``tests/test_rl_learner.py`` + ``tests/test_attention.py``: 42.4 -> 38.7
+two cores busy (``tests/rl/test_learner.py`` + ``tests/models/test_attention.py``: 42.4 -> 38.7
 CPU s, medians of 3; "2026-12-02: the suite at 8-8.5 minutes"). The tests compare numbers
 within their tolerances, which hold with either emitter. A flag of the same name already
 in ``XLA_FLAGS`` wins.

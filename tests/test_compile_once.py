@@ -17,7 +17,7 @@ from policyopt.rl import learner as learner_lib
 from policyopt.rl import report, trainer
 from policyopt.runtime import compile_count
 from tests.flags import ROOT, subprocess_env
-from tests.test_rl_trainer import tiny
+from tests.rl.test_trainer import tiny
 
 # In a fresh interpreter: turn the cache on as the experiments do, compile one program,
 # print the directory in use, the compilations counted and the cache hits.

@@ -1,5 +1,5 @@
 """tests/conftest.py's lists of slow tests name files and test functions that exist (a
-renamed test would otherwise leave the slow tier silently)."""
+renamed or moved test would otherwise leave the slow tier silently)."""
 
 import ast
 import os
@@ -16,9 +16,30 @@ def _test_functions(name):
 
 
 def test_the_slow_lists_name_existing_files_and_tests():
-    for name in conftest.SLOW_FILES | set(conftest.SLOW_TESTS) | set(conftest.SLOWEST_FIRST):
+    listed = conftest.SLOW_FILES | set(conftest.SLOW_TESTS) | set(conftest.HEAVY_TESTS)
+    for name in listed | set(conftest.SLOWEST_FIRST):
         assert os.path.isfile(os.path.join(HERE, name)), name
-    for name, tests in conftest.SLOW_TESTS.items():
-        assert name not in conftest.SLOW_FILES, name
-        missing = tests - _test_functions(name)
-        assert not missing, (name, sorted(missing))
+    for lists in (conftest.SLOW_TESTS, conftest.HEAVY_TESTS):
+        for name, tests in lists.items():
+            assert name not in conftest.SLOW_FILES, name
+            missing = tests - _test_functions(name)
+            assert not missing, (name, sorted(missing))
+
+
+def test_every_file_with_slow_tests_keeps_fast_ones():
+    """A file whose every test is slow belongs in SLOW_FILES; the others keep a fast tier."""
+    for name in set(conftest.SLOW_TESTS) | set(conftest.HEAVY_TESTS):
+        listed = conftest.SLOW_TESTS.get(name, set()) | conftest.HEAVY_TESTS.get(name, set())
+        assert _test_functions(name) - listed, f"every test of {name} is slow"
+
+
+def test_test_folders_mirror_the_repository():
+    """tests/<folder>/ holds the tests of policyopt/<folder>/ (config: policyopt/config/ and
+    the recipes of configs/) or of the scripts in <folder>/ (experiments, benchmarks)."""
+    root = os.path.dirname(HERE)
+    for entry in sorted(os.listdir(HERE)):
+        if not os.path.isdir(os.path.join(HERE, entry)) or entry.startswith(("_", ".")):
+            continue
+        mirrored = os.path.join(root, "policyopt", entry), os.path.join(root, entry)
+        assert any(os.path.isdir(path) for path in mirrored), f"tests/{entry}/ mirrors nothing"
+        assert os.path.isfile(os.path.join(HERE, entry, "__init__.py")), entry

@@ -372,7 +372,7 @@ def engine_run(tmp_path_factory):
     iteration: (run, its parameters before the iteration, the iteration's metrics).
     Shared by the two trainer tests below (one compilation of the engine and the steps)."""
     from policyopt.rl import trainer
-    from tests.test_rl_trainer import tiny
+    from tests.rl.test_trainer import tiny
 
     extra = (
         "sampling.engine_kv_tokens=256,sampling.engine_rows=4,sampling.engine_page_size=4,"
@@ -455,7 +455,7 @@ def test_engine_config_errors(extra, message):
     """The engine's budget is checked against a whole group's need when the config is
     checked (``configs/base._check_engine_budget``), with the smallest budget that works;
     that budget passes."""
-    from tests.test_rl_trainer import tiny
+    from tests.rl.test_trainer import tiny
 
     with pytest.raises(ValueError, match=message):
         tiny("grpo", extra=extra)

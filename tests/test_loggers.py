@@ -18,7 +18,7 @@ from configs import grpo
 from policyopt import loggers
 from policyopt.metrics import MetricsWriter
 from policyopt.rl import trainer
-from tests.test_rl_trainer import tiny
+from tests.rl.test_trainer import tiny
 
 CONFIG = {"algo": {"method": "ppo", "clip_low": 0.2}, "seed": 3}
 ROWS = [{"step": 2, "prompt": "1+1=", "completion": "2", "reward": 1.0, "tokens": [5, 6]}]

@@ -12,7 +12,7 @@ completions) is gathered from both (``sharding.to_host``); each process runs the
 verifiers on half of the completions and receives the other half's scores; the batches
 built on each host are identical, and each process places its own shards of them.
 
-Subprocesses as in ``tests/test_rl_mesh.py`` (``XLA_FLAGS`` is read once per process),
+Subprocesses as in ``tests/rl/test_mesh.py`` (``XLA_FLAGS`` is read once per process),
 compiled with ``--xla_backend_optimization_level=0`` in every run.
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from tests.flags import xla_flags
-from tests.test_rl_mesh import ROOT, _finish
+from tests.rl.test_mesh import ROOT, _finish
 
 # Local devices per process -> the 2-process mesh: 1 each with the parameters split
 # between the two processes (fsdp). The layout with 4 devices each (data x fsdp x tensor)
@@ -47,7 +47,7 @@ _SCRIPT = textwrap.dedent("""
     from policyopt.metrics import read_jsonl
     from policyopt.rl import trainer
     from policyopt.rl.sft import run_sft
-    from tests.test_rl_trainer import tiny
+    from tests.rl.test_trainer import tiny
     from tests.test_multihost import EXTRA, MESHES
 
     multi, out, local = sys.argv[1] == "multi", sys.argv[2], int(sys.argv[3])

@@ -81,7 +81,7 @@ _BUILD_SCRIPT = textwrap.dedent("""
     from policyopt import sharding
     from policyopt.models import Transformer, from_pretrained, preset, save_pretrained
     from policyopt.rl import build
-    from tests.test_rl_trainer import tiny
+    from tests.rl.test_trainer import tiny
 
     assert jax.device_count() == 8, jax.devices()
     config = preset("tiny_moe")

@@ -59,7 +59,7 @@ def router_aux(
         LB_HF = k E sum_e (mean_l f_le) (mean_l P_le),
 
     k at perfect balance. For one MoE layer (or layers with equal statistics)
-    LB_HF = k * LB exactly (tests/test_hf.py checks both forms against transformers),
+    LB_HF = k * LB exactly (tests/models/test_hf.py checks both forms against transformers),
     so a coefficient alpha on LB_HF equals k alpha on LB here: HF's coefficient
     (Qwen3-MoE: 0.001) used unchanged on this loss pulls k times more weakly (8 times for
     Qwen3-30B-A3B's k = 8). With several layers HF's gradient pushes each layer towards

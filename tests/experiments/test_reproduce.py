@@ -1,0 +1,640 @@
+"""experiments/reproduce.py and configs/claims.py: each check's per-pair quantity and its
+missing pairs from hand-built runs; verdict tables from hand-built summaries (a check that
+did not run, a pair dropped as non-finite, runs of different learning rates refused, the
+per-start figures, exploratory runs labelled); claims defined with a regime and >= 2 SFT
+starts, their arms in one regime in each of their settings, unknown claims, arms and
+settings refused with the known ones; exploratory variants and their directories; the SFT
+starts' caches and seeds; and a tiny claim run end to end over 2 SFT starts (cached, not
+retrained when rerun)."""
+
+import dataclasses
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from configs import claims
+from configs.ablations import ABLATIONS, SETTINGS
+from configs.claims import CLAIMS, Check, Claim, get_claim
+from experiments import ablate, reproduce
+from policyopt.checkpoint import Checkpointer
+from tests.flags import ROOT, subprocess_env
+
+REGIME = {
+    "optim.lr": 1e-3,
+    "train.num_iterations": 20,
+    "batch.n_prompts": 16,
+    "batch.group_size": 8,
+    "batch.n_minibatches": 4,
+    "batch.epochs": 1,
+    "sampling.max_new_tokens": 20,
+}
+
+
+#: The routing claim before its dose-response (4 arms at lr 1e-3, 20 iterations): the verdict
+#: machinery's tests use it as a claim of several checks of every kind.
+FOUR_ARMS = Claim(
+    name="routing_replay",
+    source="GSPO (2507.18071): GRPO needs routing replay on an MoE policy, GSPO does not.",
+    ablation=ABLATIONS["routing_replay"],
+    setting="testbed",
+    regime="optim.lr=1e-3,train.num_iterations=20",
+    checks=(
+        Check("GRPO with R2 ends above GRPO without replay", "diff", "grpo_R2", "grpo"),
+        Check("GRPO with R3 ends above GRPO without replay", "diff", "grpo_R3", "grpo"),
+        Check("GSPO without replay learns (pass@1 end - start > 0)", "gain", "gspo"),
+        Check("GSPO without replay ends above GRPO without replay", "diff", "gspo", "grpo"),
+        Check(
+            "GSPO clips >= 10^1.5 x GRPO's fraction (paper: ~10^2)",
+            "log10_ratio",
+            "gspo",
+            "grpo",
+            metric="loss/clip_frac",
+            threshold=1.5,
+        ),
+    ),
+)
+
+
+#: SAPO's temperature ordering at lr 1e-3 (the claim before its grid): 3 arms, 2 checks.
+THREE_ARMS = Claim(
+    name="sapo_tau",
+    source="SAPO (2511.20347): tau_neg > tau_pos is the most stable choice.",
+    ablation=ABLATIONS["sapo_tau"],
+    setting="testbed",
+    regime="optim.lr=1e-3,train.num_iterations=20",
+    checks=(
+        Check("tau_neg > tau_pos ends above equal temperatures", "diff", "neg_gt_pos", "equal"),
+        Check("equal temperatures end above tau_neg < tau_pos", "diff", "equal", "neg_lt_pos"),
+    ),
+)
+
+
+def _run(end, start=0.5, clip=0.01):
+    return {"pass@1_end": end, "pass@1_start": start, "loss/clip_frac": clip}
+
+
+def test_check_values_per_pair_and_the_pairs_without_one():
+    runs = {
+        "a": {(0, 0): _run(0.7, clip=0.2), (0, 1): _run(0.6, clip=0.1), (1, 0): _run(0.5, clip=0)},
+        "b": {(0, 0): _run(0.5, clip=0.002), (0, 1): _run(0.65, clip=0.001), (1, 0): _run(0.5)},
+    }
+    pairs = [(0, 0), (0, 1), (1, 0)]
+    values, starts, missing = Check("", "diff", "a", "b").values(runs, pairs)
+    assert values == pytest.approx([0.2, -0.05, 0.0]) and starts == [0, 0, 1] and missing == 0
+    assert Check("", "gain", "a").values(runs, pairs)[0] == pytest.approx([0.2, 0.1, 0.0])
+    value = Check("", "value", "b", metric="loss/clip_frac")
+    assert value.values(runs, pairs) == ([0.002, 0.001, 0.01], [0, 0, 1], 0)
+    # A zero clip fraction has no log ratio: that pair is counted, not dropped silently.
+    ratio = Check("", "log10_ratio", "a", "b", metric="loss/clip_frac")
+    values, starts, missing = ratio.values(runs, pairs)
+    assert values == pytest.approx([2.0, 2.0]) and starts == [0, 0] and missing == 1
+    # A pair an arm did not run, or a metric it did not log, is missing too.
+    assert Check("", "diff", "a", "b").values(runs, [*pairs, (1, 1)])[2] == 1
+    assert Check("", "value", "a", metric="routing/volatility").values(runs, pairs) == ([], [], 3)
+    assert Check("", "diff", "a", "c").values(runs, pairs) == ([], [], 3)
+
+
+def test_checks_and_claims_refuse_bad_definitions():
+    with pytest.raises(ValueError, match="Check.kind must be one of diff, gain"):
+        Check("", "ratio", "a", "b")
+    with pytest.raises(ValueError, match="'diff' check takes a second arm"):
+        Check("", "diff", "a")
+    with pytest.raises(ValueError, match="'gain' check takes no second arm"):
+        Check("", "gain", "a", "b")
+    with pytest.raises(ValueError, match="margin must be > 0"):
+        Check("", "diff", "a", "b", margin=-0.05)
+    own = THREE_ARMS
+    kwargs = dict(name="x", source="", ablation=own.ablation, setting="testbed", checks=own.checks)
+    with pytest.raises(ValueError, match="claim 'x': its regime must fix train.num_iterations"):
+        Claim(regime="optim.lr=1e-3", **kwargs)
+    with pytest.raises(ValueError, match=r">= 2 SFT starts, got \(0, 0\)"):
+        Claim(regime=own.regime, starts=(0, 0), **kwargs)
+    with pytest.raises(ValueError, match="check 'c' names arm 'nope', not one of neg_gt_pos"):
+        Claim(**{**kwargs, "checks": (Check("c", "gain", "nope"),)}, regime=own.regime)
+
+
+def test_unknown_claim_arm_and_setting_are_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match="unknown claim 'nope'; known: routing_volatility, "):
+        get_claim("nope")
+    claim = get_claim("routing_replay")
+    with pytest.raises(
+        ValueError, match=r"no arm 'grpo_R4'; known: grpo_low, grpo_R2_low, grpo_async_low, "
+    ):
+        reproduce.select_arms(claim, ["grpo_low", "grpo_R4"])
+    assert reproduce.select_arms(claim, ["gspo_mid"]) == ("gspo_mid",)
+    assert reproduce.select_arms(get_claim("vapo_length_adaptive"), None) == (
+        "vapo",
+        "fixed_matched",
+        "vapo_rescaled",
+        "fixed_matched_rescaled",
+    )
+    with pytest.raises(ValueError, match="claim 'routing_replay' has no setting 'demo'; its "):
+        reproduce.select_setting(claim, "demo")
+    with pytest.raises(ValueError, match="has no setting 'nope'; its settings: testbed_long, "):
+        reproduce.run_claim(get_claim("vc_ppo"), "unused", setting="nope")
+    assert reproduce.select_setting(get_claim("vc_ppo"), "testbed_long32") == "testbed_long32"
+    assert reproduce.select_setting(get_claim("vc_ppo"), None) == "testbed_long"
+    assert reproduce._integers("starts", ["0", "2"]) == [0, 2]
+    assert reproduce._integers("seeds", None) is None
+    with pytest.raises(ValueError, match="--starts takes integers, e.g. 0,1; got 0,x"):
+        reproduce._integers("starts", ["0", "x"])
+
+
+@pytest.mark.parametrize("name", list(CLAIMS))
+def test_every_claim_runs_its_arms_in_one_regime_in_each_setting(name):
+    claim = CLAIMS[name]
+    assert (len(set(claim.starts)) >= 2 or claim.diagnostic) and claim.regime and claim.budget
+    regime_items = dict(item.split("=") for item in claim.regime.split(","))
+    for setting in claim.settings():
+        regimes = []
+        for label in claim.arm_labels():
+            config = ablate.arm_config(
+                claim.ablation, label, 0, claim.regime, lambda c: SETTINGS[setting](c, "ckpt")
+            )
+            # The routing claim's dense control; lora_rl in the demo's setting (its MoE).
+            preset = {"testbed_dense": "tiny_dense", "demo": "tiny_moe"}.get(setting)
+            assert config.model.preset == (preset or "moe_volatile")
+            assert config.init_checkpoint == "ckpt"
+            assert config.train.routing_metrics
+            regimes.append((label, ablate.regime_of(config)))
+            if setting.startswith("testbed_long"):
+                assert config.task.operators == "mod"
+                if config.algo.advantage == "gae":  # the critic starts as a reward model
+                    assert (config.critic.lr, config.critic.reward_model_iterations) == (3e-3, 10)
+            else:
+                assert (config.task.operators, config.sampling.max_new_tokens) == ("+", 20)
+        shared = reproduce.one_regime(regimes, claim.per_arm_fields())
+        if claim.own_lr:  # each arm at its own (lora_rl: the arms' sweep optima)
+            assert "optim.lr" not in shared
+            arm_lrs = {label: regime["optim.lr"] for label, regime in regimes}
+            assert arm_lrs == {
+                "full": 1e-3,
+                "r1_all": 1e-3,
+                "r8_all": 3e-4,
+                "r32_all": 1e-3,
+                "r8_attention": 3e-3,
+            }
+        else:
+            assert shared["optim.lr"] == float(regime_items["optim.lr"])
+        assert shared["train.num_iterations"] == int(regime_items["train.num_iterations"])
+
+
+def test_a_claim_of_arms_at_their_own_learning_rates():
+    claim = get_claim("lora_rl")
+    regime = {"optim.lr": 1e-3, "train.num_iterations": 40}
+    runs = [("full/seed0", regime), ("r8_all/seed0", dict(regime, **{"optim.lr": 3e-4}))]
+    assert reproduce.one_regime(runs, claim.per_arm_fields()) == {"train.num_iterations": 40}
+    # Still one lr within an arm, and one budget across arms.
+    with pytest.raises(ValueError, match="optim.lr is 0.0003 in r8_all/seed0 but 0.001 in "):
+        reproduce.one_regime(runs + [("r8_all/seed1", regime)], claim.per_arm_fields())
+    longer = dict(regime, **{"train.num_iterations": 20})
+    with pytest.raises(ValueError, match="train.num_iterations is 40 in full/seed0 but 20"):
+        reproduce.one_regime(runs + [("r32_all/seed0", longer)], claim.per_arm_fields())
+    # Without own_lr the arms must share it (every other claim).
+    with pytest.raises(ValueError, match="must share one learning rate and budget"):
+        reproduce.one_regime(runs)
+    with pytest.raises(ValueError, match="its regime must not fix one"):
+        dataclasses.replace(claim, regime="optim.lr=1e-3,train.num_iterations=40")
+
+
+def test_no_diary_ordinals_in_what_users_read(capsys):
+    reproduce._list()
+    listed = capsys.readouterr().out
+    for claim in CLAIMS.values():
+        starts, seeds = (",".join(map(str, n)) for n in (claim.starts, claim.seeds))
+        assert f"    regime: {claim.regime}\n" in listed
+        assert f"    runs: SFT starts {starts} x seeds {seeds}\n" in listed
+        # A paper's claim runs over >= 2 SFT starts x 5 seeds; a regime diagnostic may not.
+        assert claim.diagnostic or (starts, seeds) == ("0,1", "0,1,2,3,4")
+    ordinal = re.compile(r"(?i)\b(?:[a-z]+-)?(?:first|second|third|[a-z]+th)\s+session\b")
+    assert not ordinal.search(listed)
+    for module in (reproduce, ablate, claims, importlib.import_module("configs.ablations")):
+        with open(module.__file__) as f:
+            assert not ordinal.search(f.read()), module.__name__
+
+
+def _summary(arms, starts=(0, 1), seeds=(0, 1, 2), regime=REGIME, setting="testbed"):
+    """An ablate.run_ablation summary of hand-made runs: ``{arm: {(start, seed): run}}``."""
+    return {
+        "ablation": "hand",
+        "claim": "hand-made runs",
+        "starts": list(starts),
+        "seeds": list(seeds),
+        "ablation_variant": "",
+        "variant": "",
+        "setting": setting,
+        "tail": 5,
+        "date": "2026-12-06 00:00 UTC",
+        "arms": [
+            {
+                "arm": arm,
+                "recipe": "grpo",
+                "variant": "",
+                "runs": [
+                    {
+                        "start": start,
+                        "seed": seed,
+                        "run_dir": "unused",
+                        "wall_s": 1.0,
+                        "regime": dict(regime),
+                        **run,
+                    }
+                    for (start, seed), run in runs.items()
+                ],
+            }
+            for arm, runs in arms.items()
+        ],
+    }
+
+
+PAIRS = [(start, seed) for start in (0, 1) for seed in (0, 1, 2, 3, 4)]
+
+
+def test_a_verdict_over_starts_and_seeds_with_every_pair():
+    claim = get_claim("routing_volatility")
+    volatility = [0.06, 0.07, 0.08, 0.065, 0.075, 0.055, 0.06, 0.09, 0.07, 0.062]
+    runs = {"one_update": {p: {"routing/volatility": v} for p, v in zip(PAIRS, volatility)}}
+    text, verdict, (check,) = reproduce.verdict_table(
+        claim, _summary(runs, seeds=range(5)), variant=""
+    )
+    # 10 pairs all above 0.05: two-sided p = 2 / 1024, one hypothesis.
+    assert verdict == "supported" and check["verdict"] == "supported"
+    assert check["p"] == pytest.approx(2 / 1024) and check["n"] == 10 and check["missing"] == 0
+    # Start 0: mean 0.07 - 0.05; start 1: 0.0674 - 0.05.
+    assert check["start_means"] == pytest.approx({0: 0.02, 1: 0.0174})
+    assert text.startswith("# Claim `routing_volatility`: supported at 2 SFT start(s) x 5 seed(s)")
+    assert "| +0.0200 / +0.0174 | 0.00195 | supported |" in text
+    assert "--starts 0,1 --seeds 0,1,2,3,4" in text and "lr 0.001, 20 policy iterations" in text
+    assert "exploratory" not in text.lower()
+
+
+def test_a_check_not_run_or_missing_a_pair_leaves_the_claim_inconclusive():
+    claim = FOUR_ARMS
+    up = {p: _run(0.6 + 0.01 * i, clip=0.3) for i, p in enumerate(PAIRS)}
+    down = {p: _run(0.4 - 0.01 * i, clip=0.003) for i, p in enumerate(PAIRS)}
+    # grpo_R3 was not run (--arms): its check is "not run"; every other check holds.
+    summary = _summary({"grpo": down, "grpo_R2": up, "gspo": up}, seeds=range(5))
+    text, verdict, checks = reproduce.verdict_table(claim, summary)
+    assert [c["verdict"] for c in checks] == [
+        "supported",
+        "not run",
+        "supported",
+        "supported",
+        "supported",
+    ]
+    assert verdict == "inconclusive"
+    assert "| GRPO with R3 ends above GRPO without replay | 0 | 0 of 10 | - |" in text
+    # GRPO's clip fraction 0 at one pair: the log ratio has no value there.
+    down[(1, 3)] = _run(0.3, clip=0.0)
+    summary = _summary({"grpo": down, "grpo_R2": up, "grpo_R3": up, "gspo": up}, seeds=range(5))
+    text, verdict, checks = reproduce.verdict_table(claim, summary)
+    assert verdict == "inconclusive" and checks[-1]["verdict"] == "inconclusive"
+    assert checks[-1]["note"] == "1 of 10 pairs missing; the test alone: supported"
+    assert "| 9 of 10 |" in text and "1 of 10 pairs missing" in text
+
+
+def test_a_verdict_table_over_different_learning_rates_is_refused():
+    claim = THREE_ARMS
+    runs = {p: _run(0.5) for p in PAIRS[:3]}
+    summary = _summary({"neg_gt_pos": runs, "equal": runs, "neg_lt_pos": runs}, seeds=range(3))
+    summary["arms"][2]["runs"][1]["regime"]["optim.lr"] = 5e-3
+    with pytest.raises(
+        ValueError,
+        match=r"^verdict table refused: optim.lr is 0.001 in neg_gt_pos/seed0 but 0.005 in "
+        r"neg_lt_pos/seed1; a claim's arms, starts and seeds must share one learning rate",
+    ):
+        reproduce.verdict_table(claim, summary)
+    summary = _summary({"neg_gt_pos": runs, "equal": runs}, seeds=range(3))
+    summary["arms"][1]["runs"][0]["regime"]["train.num_iterations"] = 40
+    with pytest.raises(ValueError, match="train.num_iterations is 20 in neg_gt_pos/seed0 but 40"):
+        reproduce.verdict_table(claim, summary)
+
+
+def test_magistral_no_harm_check_is_an_equivalence_test():
+    claim = get_claim("magistral_async")
+    pairs = [(start, seed) for start in (0, 1) for seed in range(6)]
+    sync = {p: _run(0.70 + 0.01 * (i % 3), start=0.4) for i, p in enumerate(pairs)}
+    near = {
+        p: _run(r["pass@1_end"] + (-0.01, 0.0, 0.01)[i % 3], start=0.4)
+        for i, (p, r) in enumerate(sync.items())
+    }
+    text, verdict, (learns, same) = reproduce.verdict_table(
+        claim, _summary({"sync": sync, "async": near}, seeds=range(6))
+    )
+    assert (learns["verdict"], same["verdict"], verdict) == ("supported", "equivalent", "supported")
+    assert "| 0 ± 0.05 | 12 |" in text and "equivalent" in text
+    far = {p: _run(r["pass@1_end"] - 0.2, start=0.4) for p, r in sync.items()}
+    _, verdict, (_, same) = reproduce.verdict_table(
+        claim, _summary({"sync": sync, "async": far}, seeds=range(6))
+    )
+    assert same["verdict"] == "contradicted" and verdict == "contradicted"
+
+
+def test_exploratory_variants_and_their_directories():
+    claim = FOUR_ARMS
+    # The regime already says lr 1e-3 and 20 iterations; logging is not what is trained.
+    assert reproduce.departures(claim, "testbed", "") == []
+    assert reproduce.departures(claim, "testbed", "optim.lr=1e-3,train.num_iterations=20") == []
+    assert reproduce.departures(claim, "testbed", "train.loggers=jsonl") == []
+    assert reproduce.departures(claim, "testbed", "optim.lr=5e-4") == ["optim.lr"]
+    assert reproduce.departures(claim, "testbed", "train.num_iterations=40,sft.steps=10") == [
+        "sft.steps",
+        "train.num_iterations",
+    ]
+    assert reproduce.claim_dir("root", claim) == os.path.join("root", "routing_replay")
+    assert reproduce.claim_dir("root", claim, None, "optim.lr=1e-3") == os.path.join(
+        "root", "routing_replay"
+    )
+    assert reproduce.claim_dir("root", claim, None, "optim.lr=5e-4") == os.path.join(
+        "root", "routing_replay-exploratory", "optim.lr=5e-4"
+    )
+    vc = get_claim("vc_ppo")
+    assert reproduce.claim_dir("root", vc, "testbed_long32") == os.path.join(
+        "root", "vc_ppo-testbed_long32"
+    )
+    tuple_variant = "batch.response_buckets=(128, 256, 416),optim.lr=3e-4"
+    assert reproduce.claim_dir("root", vc, "testbed_long32", tuple_variant) == os.path.join(
+        "root",
+        "vc_ppo-testbed_long32-exploratory",
+        "batch.response_buckets=_128,_256,_416_,optim.lr=3e-4",
+    )
+    long = ",".join(f"optim.lr={x}e-4" for x in range(1, 10)) + ",critic.lr=3e-3"
+    directory = os.path.basename(reproduce.claim_dir("root", vc, None, long))
+    assert len(directory) == 64 + 9 and directory.startswith("optim.lr=1e-4,optim.lr=2e-4")
+    runs = {p: _run(0.5) for p in PAIRS[:2]}
+    text, _, _ = reproduce.verdict_table(
+        THREE_ARMS,
+        _summary({"neg_gt_pos": runs, "equal": runs}, seeds=range(2), starts=(0,)),
+        variant="optim.lr=5e-4",
+        exploratory=True,
+    )
+    assert text.startswith("# Claim `sapo_tau` (exploratory): inconclusive at 1 SFT start(s)")
+    assert "**Exploratory**: `--variant optim.lr=5e-4`" in text
+    assert "One SFT start: the spread between starts is not sampled." in text
+
+
+def test_the_sft_start_takes_the_variant_items_it_reads():
+    """A longer task needs longer SFT buckets: the SFT start reads the task, model, sft and
+    eval items and the sequence limits, not the RL ones."""
+    variant = (
+        "task.max_steps=32,sampling.max_new_tokens=416,batch.response_buckets=(128, 256, 416),"
+        "batch.n_prompts=4,critic.lr=3e-3,sft.steps=5,sampling.temperature=0.7,model=moe_volatile"
+    )
+    assert reproduce.sft_variant(variant) == (
+        "task.max_steps=32,sampling.max_new_tokens=416,batch.response_buckets=(128, 256, 416),"
+        "sft.steps=5,model=moe_volatile"
+    )
+    assert reproduce.sft_variant("") == "" and reproduce.sft_variant("critic.lr=1") == ""
+    config = importlib.import_module("configs.testbed_long").get_config(
+        reproduce.sft_variant(variant)
+    )
+    assert (config.task.max_steps, config.batch.response_buckets) == (32, (128, 256, 416))
+    assert config.batch.n_prompts != 4
+
+
+def test_sft_starts_beyond_the_first_change_the_seed_and_continue_their_parents_own(
+    tmp_path, monkeypatch
+):
+    """Start K is cached in sft_start<K> with the recipe's seed + K; a continued start
+    (testbed_long32) continues its parent's start of the same number."""
+    assert reproduce.sft_dir("r", "testbed") == os.path.join("r", "testbed", "sft")
+    assert reproduce.sft_dir("r", "testbed", 2) == os.path.join("r", "testbed", "sft_start2")
+    calls = []
+
+    def record(config, workdir, *, init_checkpoint=None, recipe=None):
+        calls.append((workdir, config.seed, config.task.seed, init_checkpoint, recipe))
+        return {"checkpoint_dir": os.path.join(workdir, "checkpoints")}
+
+    monkeypatch.setattr(reproduce, "run_sft", record)
+    root = str(tmp_path)
+    got = reproduce.ensure_sft("testbed_long32", root, start=1)
+    parent = os.path.join(root, "testbed_long", "sft_start1")
+    child = os.path.join(root, "testbed_long32", "sft_start1")
+    assert got == os.path.join(child, "checkpoints")
+    assert calls == [
+        (parent, 1, 0, None, "configs/testbed_long.py (SFT start 1, seed 1)"),
+        (
+            child,
+            1,
+            0,
+            os.path.join(parent, "checkpoints"),
+            "configs/testbed_long32.py (SFT start 1, seed 1, continuing testbed_long's)",
+        ),
+    ]
+
+
+def test_a_continued_sft_start_trains_its_parent_first(tmp_path, monkeypatch):
+    """testbed_long32's start continues testbed_long's (``SFT_PARENT``): the parent is
+    trained first, then the child resumes its step count on its own, longer task."""
+    parent_config = importlib.import_module("configs.testbed_long").get_config
+
+    def parent_two_steps(arg=None):  # ensure_sft's call; testbed_long32 calls it bare
+        config = parent_config(arg)
+        if arg:
+            config.unlock()
+            config.sft.steps = 2
+            config.lock()
+        return config
+
+    monkeypatch.setattr(
+        importlib.import_module("configs.testbed_long"), "get_config", parent_two_steps
+    )
+    variant = (
+        "model.num_layers=1,sft.steps=3,sft.batch_size=4,task.num_train=64,task.num_test=8,"
+        "eval.num_prompts=0,train.loggers=jsonl"
+    )
+    checkpoint = reproduce.ensure_sft("testbed_long32", str(tmp_path), variant)
+    parent = tmp_path / "testbed_long" / "sft"
+    child = tmp_path / "testbed_long32" / "sft"
+    assert checkpoint == str(child / "checkpoints")
+    assert "2" in os.listdir(parent / "checkpoints") and "3" in os.listdir(child / "checkpoints")
+    # The child made one update (step 3) from the parent's step 2, at its own bucket.
+    records = [json.loads(line) for line in (child / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [3]
+    with Checkpointer(checkpoint) as saved:
+        logged = saved.meta()["config"]
+    assert (logged["task.max_steps"], logged["sampling.max_new_tokens"]) == (32, 416)
+    # Rerun: both are reused (finished), nothing is trained again.
+    assert reproduce.ensure_sft("testbed_long32", str(tmp_path), variant) == checkpoint
+    assert len((child / "metrics.jsonl").read_text().splitlines()) == 1
+    # Finished starts are not held: another claim's process may use them meanwhile.
+    taken = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from policyopt.checkpoint import lock_workdir; "
+            "[lock_workdir(d) for d in sys.argv[1:]]",
+            str(parent),
+            str(child),
+        ],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=ROOT,
+    )
+    assert taken.returncode == 0, taken.stderr
+
+
+def _shrink(config):
+    config.unlock()
+    config.batch.response_buckets = (8,)
+    config.sampling.max_new_tokens = 8
+    config.lock()
+    return config
+
+
+TINY = (
+    "model.num_layers=1,sft.steps=2,sft.batch_size=4,task.num_train=64,task.num_test=8,"
+    "eval.num_prompts=8,eval.batch_size=8,batch.n_prompts=2,batch.group_size=2,"
+    "train.loggers=jsonl"
+)
+
+
+def test_a_tiny_claim_runs_over_two_starts_end_to_end_and_resumes(tmp_path, monkeypatch):
+    claim = get_claim("routing_volatility")
+    workdir = str(tmp_path / "claim")
+    sft_root = str(tmp_path / "sft")
+    run = dict(starts=(0, 1), seeds=(0,), variant=TINY, sft_root=sft_root, configure=_shrink)
+    result = reproduce.run_claim(claim, workdir, **run)
+    for start, name in ((0, "sft"), (1, "sft_start1")):
+        with Checkpointer(os.path.join(sft_root, "testbed", name, "checkpoints")) as saved:
+            assert saved.meta()["config"]["seed"] == start
+    (check,) = result["checks"]
+    assert check["n"] == 2 and all(0.0 <= v <= 1.0 for v in check["values"])
+    assert check["verdict"] == "inconclusive" and result["verdict"] == "inconclusive"
+    assert result["exploratory"]  # a variant that shrinks the model departs from the claim
+    runs = result["summary"]["arms"][0]["runs"]
+    assert [(r["start"], r["iterations"]) for r in runs] == [(0, 1), (1, 1)]
+    assert [os.path.basename(r["run_dir"]) for r in runs] == ["seed0", "start1_seed0"]
+    assert [r["routing/volatility"] for r in runs] == check["values"]
+    text = (tmp_path / "claim" / "verdict.md").read_text()
+    assert text.startswith(
+        "# Claim `routing_volatility` (exploratory): inconclusive at 2 SFT start(s) x 1 seed(s)"
+    )
+    assert os.path.getsize(tmp_path / "claim" / "curves.png") > 0
+    assert claim.headline(result).startswith("routing volatility after one update: 0.")
+
+    # Rerun: the SFT starts and the finished runs are reused, not trained again.
+    def refuse(*args, **kwargs):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(ablate, "run_rl", refuse)
+    sft_log = tmp_path / "sft" / "testbed" / "sft_start1" / "metrics.jsonl"
+    before = sft_log.read_text()
+    again = reproduce.run_claim(claim, workdir, **run)
+    assert again["checks"][0]["values"] == check["values"] and sft_log.read_text() == before
+
+
+def test_diff_of_diffs_checks_and_the_routing_claims():
+    """(a - b) - (c - d) at each pair, by hand; the routing claim's dose-response has its
+    per-level checks and the two growth checks; its diagnostic may run from one start."""
+    check = Check("gap grows", "diff_of_diffs", "a", "b", c="c", d="d")
+    runs = {
+        "a": {(0, 0): _run(0.9)},
+        "b": {(0, 0): _run(0.5)},
+        "c": {(0, 0): _run(0.6)},
+        "d": {(0, 0): _run(0.55)},
+    }
+    values, starts, missing = check.values(runs, [(0, 0), (0, 1)])
+    assert values == [pytest.approx(0.35)] and starts == [0] and missing == 1
+    with pytest.raises(ValueError, match="arms c and d go with a 'diff_of_diffs' check"):
+        Check("x", "diff_of_diffs", "a", "b")
+    with pytest.raises(ValueError, match="arms c and d go with a 'diff_of_diffs' check"):
+        Check("x", "diff", "a", "b", c="c", d="d")
+    dose = get_claim("routing_replay")
+    assert len(dose.checks) == 4 * 3 + 2
+    assert {c.kind for c in dose.checks} == {"diff", "gain", "diff_of_diffs"}
+    share = get_claim("routing_share")
+    assert share.diagnostic and share.starts == (0,) and share.regime == dose.regime
+    result = {
+        "summary": {
+            "arms": [
+                {
+                    "runs": [
+                        {
+                            "regime": {**REGIME, "optim.lr": 1e-4},
+                            "routing/ratio_share_pooled": 0.625,
+                            "routing/volatility": 0.04,
+                            "pass@1_start": 0.457,
+                            "pass@1_end": 0.6,
+                        }
+                    ]
+                }
+            ]
+        }
+    }
+    assert share.headline(result) == (
+        "routing share 0.625 (volatility 0.0400 over the batch's 4 updates) at lr 0.0001; "
+        "GSPO pass@1 0.457 -> 0.600"
+    )
+
+
+def test_sapo_grid_reports_its_gate_weight_against_the_floor():
+    """sapo_grid's last line, from a hand-made result: the SAPO arms' gate weight over the
+    run (GRPO's left out), whether it reaches the floor, the recipe's arm's pass@1 and the
+    SAPO runs that collapsed."""
+    regime = {**REGIME, "optim.lr": 1e-4, "batch.n_minibatches": 8, "batch.epochs": 2}
+
+    def run(gate, start, end, collapsed=0.0):
+        return {
+            "regime": regime,
+            "loss/gate_mean_run": gate,
+            "pass@1_start": start,
+            "pass@1_end": end,
+            "collapsed": collapsed,
+        }
+
+    def result(**arms):
+        return {"summary": {"arms": [{"arm": a, "runs": runs} for a, runs in arms.items()]}}
+
+    grid = get_claim("sapo_grid")
+    line = grid.headline(
+        result(
+            neg1p05=[run(0.998, 0.457, 0.8), run(0.996, 0.375, 0.7)],
+            pos2=[run(0.99, 0.457, 0.01, collapsed=1.0)],
+            grpo=[run(0.5, 0.457, 0.9)],  # GRPO's gate (1 - clip fraction) is not SAPO's
+        )
+    )
+    assert line == (
+        "SAPO's mean gate weight over the run 0.9947 (floor <= 0.95: not reached) with 8 x 2 "
+        "updates per batch at lr 0.0001; tau 1.0 / 1.05 pass@1 0.416 -> 0.750; 1 of 3 SAPO "
+        "runs collapsed"
+    )
+    line = grid.headline(result(neg1p05=[run(0.95, 0.457, 0.8)]))
+    assert "0.9500 (floor <= 0.95: reached)" in line and "0 of 1 SAPO runs" in line
+
+
+def test_the_critic_claims_report_their_regime_diagnostics():
+    """vc_ppo's, vapo_length_adaptive's and critic_warmup's last lines, from a hand-made
+    result: means over each arm's runs, NaN for an arm or figure that did not run."""
+    warm, lam = ablate.WARMUP_EXPLAINED_VARIANCE, "advantages/lambda_policy_token_mean"
+
+    def result(**arms):
+        return {"summary": {"arms": [{"arm": a, "runs": runs} for a, runs in arms.items()]}}
+
+    vc = get_claim("vc_ppo").headline(
+        result(
+            ppo=[{warm: -0.8}, {warm: -0.6}], vc_ppo=[{warm: 0.5}], vc_ppo_lambda_1=[{warm: 0.3}]
+        )
+    )
+    assert vc.startswith(
+        "critic explained variance at PPO's first rollout: plain PPO (reward-model start) "
+        f"-0.700, after {claims.CRITIC_PRETRAIN_ITERATIONS} iterations of value pretraining 0.400"
+    )
+    vapo = get_claim("vapo_length_adaptive").headline(
+        result(vapo=[{lam: 0.78, warm: 0.2}, {lam: 0.8}], fixed_matched=[{lam: 0.79}])
+    )
+    assert vapo == (
+        "length-adaptive lambda's token mean over the policy's iterations: 0.790 at alpha 0.05 "
+        f"(control {claims.VAPO_MATCHED_LAMBDA:g}), nan at alpha {claims.VAPO_RESCALED_ALPHA:g} "
+        f"(control {claims.VAPO_RESCALED_MATCHED_LAMBDA:g}); critic explained variance after "
+        "its warm-up 0.200"
+    )
+    assert "0.450 on a fresh rollout" in get_claim("critic_warmup").headline(
+        result(vc_ppo=[{warm: 0.45}])
+    )
