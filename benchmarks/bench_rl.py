@@ -50,9 +50,9 @@ def main(argv):
     try:
         start = time.perf_counter()
         run = trainer.build_run(config, workdir)
-        warm = [trainer.rl_iteration(run) for _ in range(2)]
+        warm = [run.step() for _ in range(2)]
         warmup_s = time.perf_counter() - start
-        measured = [trainer.rl_iteration(run) for _ in range(_ITERATIONS.value)]
+        measured = [run.step() for _ in range(_ITERATIONS.value)]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     median = {k: statistics.median(m[k] for m in measured) for k in PARTS}

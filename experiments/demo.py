@@ -79,7 +79,7 @@ def main(argv):
     rl = run_rl(rl_config, os.path.join(workdir, "rl"), recipe=f"configs/demo.py:{variant} (SAPO)")
     _stop_if_interrupted(rl)
     after_rl = rl["eval"]["eval/pass@1"]
-    updates = int(rl["run"].state.step)
+    updates = int(rl["run"].run_state.policy.step)
     times["rl_s"] = time.perf_counter() - start
 
     start = time.perf_counter()

@@ -181,9 +181,9 @@ def evaluate_checkpoint(
             return _evaluate_sft(config, source, step, samples)
     # Evaluation may change any setting, and leaves the run's directory as it is.
     run = build_run(config, workdir, check_config=False, owner=False)
-    if step is not None and step != run.iteration:
+    if step is not None and step != run.run_state.iteration:
         restore(run, step, check_config=False)
-    return {"step": run.iteration, **evaluate_run(run, samples=samples)}
+    return {"step": run.run_state.iteration, **evaluate_run(run, samples=samples)}
 
 
 def main(argv):

@@ -238,7 +238,10 @@ def test_run_async_rl_on_the_paged_engine_trains(tmp_path):
     # it with the trainer's parameters (on a one-device mesh).
     assert admit_rows._cache_size() - compiled <= 1
     run, metrics = summary["run"], summary["metrics"]
-    assert summary["iteration"] == 2 and int(run.state.step) + int(run.state.skipped) == 2
+    assert (
+        summary["iteration"] == 2
+        and int(run.run_state.policy.step) + int(run.run_state.policy.skipped) == 2
+    )
     for key in (
         "loss/loss",
         "update/grad_norm",
@@ -253,7 +256,7 @@ def test_run_async_rl_on_the_paged_engine_trains(tmp_path):
     assert np.all(prompt_part == prompt_part[:, :1])  # whole groups
     assert 0 < metrics["async/peak_pages"] <= 2 * ONE_GROUP // PAGE
     assert not generator_threads()
-    generator = make_generator(run, PromptStream(run.data))
+    generator = make_generator(run, PromptStream(run.spec.prompts))
     assert isinstance(generator.slots, EngineSlots)
     assert generator.slots.config.rows == N_ASYNC
 

@@ -555,7 +555,10 @@ def test_run_async_rl_trains_checkpoints_and_resumes(tmp_path):
     assert (
         metrics["reward/verifier_errors"] == 0 and 0 <= metrics["reward/format_failure_rate"] <= 1
     )
-    assert summary["iteration"] == 3 and int(run.state.step) + int(run.state.skipped) == 3
+    assert (
+        summary["iteration"] == 3
+        and int(run.run_state.policy.step) + int(run.run_state.policy.skipped) == 3
+    )
     for key in (
         "reward/mean",
         "loss/loss",
@@ -609,13 +612,13 @@ def test_run_async_rl_trains_a_critic_recipe_with_value_pretraining_nll_and_resu
         recipe=vapo,
     )
     assert config.algo.advantage == "gae" and config.algo.nll_coef > 0 and async_enabled(config)
-    initial = _leaves(build_run(config, str(tmp_path / "initial")).state.params)
+    initial = _leaves(build_run(config, str(tmp_path / "initial")).run_state.policy.params)
 
     summary = run_async_rl(config, str(tmp_path), num_iterations=1, quiet=True)
     run, metrics = summary["run"], summary["metrics"]
     assert metrics["critic/pretraining"] == 1.0 and "loss/loss" not in metrics
-    assert int(run.state.step) == 0 and int(run.critic_state.step) == 1
-    for got, want in zip(_leaves(run.state.params), initial):
+    assert int(run.run_state.policy.step) == 0 and int(run.run_state.critic.step) == 1
+    for got, want in zip(_leaves(run.run_state.policy.params), initial):
         np.testing.assert_array_equal(got, want)
     assert np.isfinite(metrics["critic/value_loss"]) and metrics["critic/value_loss"] > 0
     batch, merged = run.last_batch, run.last_round
@@ -627,7 +630,10 @@ def test_run_async_rl_trains_a_critic_recipe_with_value_pretraining_nll_and_resu
     resumed = run_async_rl(config, str(tmp_path), num_iterations=2, quiet=True)
     run, metrics = resumed["run"], resumed["metrics"]
     assert resumed["iteration"] == 2 and metrics["critic/pretraining"] == 0.0
-    assert int(run.state.step) + int(run.state.skipped) == 1 and int(run.critic_state.step) == 2
+    assert (
+        int(run.run_state.policy.step) + int(run.run_state.policy.skipped) == 1
+        and int(run.run_state.critic.step) == 2
+    )
     for key in (
         "loss/loss",
         "loss/nll",
@@ -638,7 +644,9 @@ def test_run_async_rl_trains_a_critic_recipe_with_value_pretraining_nll_and_resu
         "update/grad_norm",
     ):
         assert key in metrics and np.isfinite(metrics[key]), key
-    assert not all(np.array_equal(a, b) for a, b in zip(_leaves(run.state.params), initial))
+    assert not all(
+        np.array_equal(a, b) for a, b in zip(_leaves(run.run_state.policy.params), initial)
+    )
     assert not generator_threads()
 
 
@@ -651,7 +659,7 @@ def test_default_prompt_width_fits_every_prompt_of_the_stream(tmp_path):
     config.batch.prompt_buckets = (8, PROMPT_WIDTH)
     config.lock()
     run = build_run(config, str(tmp_path))
-    stream = PromptStream(run.data)
+    stream = PromptStream(run.spec.prompts)
     generator = make_generator(run, stream)
     slots = generator.slots
     assert slots.config.prompt_width == PROMPT_WIDTH
@@ -659,8 +667,8 @@ def test_default_prompt_width_fits_every_prompt_of_the_stream(tmp_path):
     for segment, prompt in enumerate(itertools.islice(stream, 16)):  # 8 batches of 2
         widths.append(prompt["prompt_tokens"].shape[0])  # the width of its batch
         while not slots.free_groups():
-            slots.segment(run.state.params, 0, jax.random.PRNGKey(segment))
-        slots.refill(slots.free_groups()[0], prompt, run.state.params, 0)  # fits
+            slots.segment(run.run_state.policy.params, 0, jax.random.PRNGKey(segment))
+        slots.refill(slots.free_groups()[0], prompt, run.run_state.policy.params, 0)  # fits
     assert widths[0] == 8 and max(widths) == PROMPT_WIDTH  # the case the default must cover
 
 
@@ -684,7 +692,7 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
     assert summary["metrics"]["update/skipped"] == 0
 
     # The cut layout gives the log-probs and routing of the uncut one (R3 replay).
-    with make_generator(run, PromptStream(run.data)) as generator:
+    with make_generator(run, PromptStream(run.spec.prompts)) as generator:
         groups = [generator.take() for _ in range(2)]
     cut, *_ = assemble(groups, run)
     # The scorer's per-sample "scored" flags reach the batch (a sample that missed the
@@ -693,7 +701,7 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
     flagged, *_ = assemble([groups[0]._replace(scored=np.array([True, False])), groups[1]], run)
     assert flagged.scored.tolist() == [True, False, True, True]
     late = dataclasses.replace(
-        run.config, reward=dataclasses.replace(run.config.reward, deadline_s=1e-9)
+        run.spec.config, reward=dataclasses.replace(run.spec.config.reward, deadline_s=1e-9)
     )
     rescored = make_scorer(
         dataclasses.replace(run, spec=dataclasses.replace(run.spec, config=late))
@@ -708,15 +716,15 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
             for g in groups
         ],
         GROUP,
-        run.tokenizer.pad_id,
+        run.spec.tokenizer.pad_id,
     )
     assert whole.prompt_width == PROMPT_WIDTH and cut.prompt_width == 8
     # Jitted: run op by op, the two forwards compile each primitive of the model apart.
     forward = jax.jit(forward_log_probs, static_argnums=(0, 5))
     outs = [
         forward(
-            run.graphdef,
-            run.state.params,
+            run.spec.graphdef,
+            run.run_state.policy.params,
             jnp.asarray(r.tokens),
             jnp.asarray(r.positions),
             jnp.asarray(r.attention_mask),

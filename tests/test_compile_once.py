@@ -133,7 +133,7 @@ def test_eta_leaves_out_every_stretch_that_compiled():
 def _compiles_per_iteration(config, workdir) -> list[int]:
     """XLA compilations (cache loads included) during each iteration of ``run_rl``."""
     counts = []
-    iterate = trainer.rl_iteration
+    iterate = trainer.RLRun.step
 
     def counted(run):
         before = compile_count()
@@ -141,11 +141,11 @@ def _compiles_per_iteration(config, workdir) -> list[int]:
         counts.append(compile_count() - before)
         return metrics
 
-    trainer.rl_iteration = counted
+    trainer.RLRun.step = counted
     try:
         trainer.run_rl(config, str(workdir), quiet=True)
     finally:
-        trainer.rl_iteration = iterate
+        trainer.RLRun.step = iterate
     return counts
 
 

@@ -103,13 +103,13 @@ def main(argv=None) -> None:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     sampling = dataclasses.replace(
-        run.sampling_config, min_new_tokens=config.sampling.max_new_tokens
+        run.spec.sampling_config, min_new_tokens=config.sampling.max_new_tokens
     )
     prompts = next(run.spec.prompts)
-    with jax.set_mesh(run.mesh):
+    with jax.set_mesh(run.spec.mesh):
         inputs = (
             run.spec.graphdef,
-            run.state.params,
+            run.run_state.policy.params,
             sharding.shard_rows(prompts["prompt_tokens"]),
             sharding.shard_rows(prompts["prompt_lengths"]),
             jax.random.key(0),
