@@ -19,7 +19,7 @@ import time
 from absl import app, flags
 
 from configs import demo
-from policyopt.rl import trainer
+from policyopt.rl.loop import trainer
 from policyopt.runtime import keep_freed_host_memory
 
 _ITERATIONS = flags.DEFINE_integer("iterations", 5, "Measured iterations (after 2 warm-up ones).")

@@ -29,8 +29,8 @@ from absl import flags
 from configs import demo
 from experiments import cli
 from policyopt.metrics import quiet_library_logging
+from policyopt.rl.loop.trainer import run_rl
 from policyopt.rl.sft import run_sft
-from policyopt.rl.trainer import run_rl
 from policyopt.runtime import keep_freed_host_memory
 from policyopt.sharding import initialize_distributed
 

@@ -30,10 +30,10 @@ from experiments import cli
 from policyopt import sharding
 from policyopt.checkpoint import Checkpointer
 from policyopt.metrics import quiet_library_logging
-from policyopt.rl import build
-from policyopt.rl.learner import split_params
+from policyopt.rl.loop import build
+from policyopt.rl.loop.trainer import build_run, evaluate_run, restore
 from policyopt.rl.sft import evaluate_policy
-from policyopt.rl.trainer import build_run, evaluate_run, restore
+from policyopt.rl.update.learner import split_params
 from policyopt.runtime import keep_freed_host_memory
 from policyopt.sharding import initialize_distributed, is_primary
 

@@ -6,7 +6,7 @@ key depends on its prompt, sample and index only (docs/scale.md, "Generation eng
 Device side: the state of every row (``empty_state``), prefill of admitted prompts
 (``admit_rows``), a jitted loop of ``sampling.decode_step`` (``decode_steps``) and eviction
 (``evict_rows``). Host side: ``policyopt.scheduler.Scheduler``; ``ContinuousBatch`` holds
-both, for ``Engine.generate`` and the asynchronous ``rl.async_generation.EngineSlots``.
+both, for ``Engine.generate`` and the asynchronous ``rl.rollouts.async_generation.EngineSlots``.
 """
 
 from __future__ import annotations

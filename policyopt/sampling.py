@@ -4,7 +4,7 @@
 the behaviour log-probs (of the distribution sampled from, and of the untruncated
 temperature-scaled one) and, for MoE models, the experts of every prompt and generated
 token (R3, arXiv 2510.11370). ``decode_step`` is the one decode step of every sampler: this
-one, ``policyopt.engine`` and ``policyopt.rl.async_generation`` (docs/scale.md,
+one, ``policyopt.engine`` and ``policyopt.rl.rollouts.async_generation`` (docs/scale.md,
 "Generation engine").
 """
 

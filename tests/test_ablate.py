@@ -27,7 +27,7 @@ from experiments import ablate
 from experiments.eval import evaluate_checkpoint
 from policyopt.config import typed
 from policyopt.metrics import read_jsonl
-from policyopt.rl.learner import LossSettings
+from policyopt.rl.update.learner import LossSettings
 from tests.test_rl_trainer import tiny
 
 

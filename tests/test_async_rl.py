@@ -1,7 +1,8 @@
-"""Asynchronous generation and RL (policyopt.rl.async_generation, policyopt.rl.async_rl):
-behaviour log-probs across weight pushes against a token-by-token recomputation, greedy
-equality with the synchronous sampler, bounded staleness, whole groups, errors raised in
-the caller with no thread left behind, and a short run_async_rl with resume."""
+"""Asynchronous generation and RL (policyopt.rl.rollouts.async_generation,
+policyopt.rl.loop.async_rl): behaviour log-probs across weight pushes against a
+token-by-token recomputation, greedy equality with the synchronous sampler, bounded
+staleness, whole groups, errors raised in the caller with no thread left behind, and a
+short run_async_rl with resume."""
 
 import dataclasses
 import functools
@@ -21,8 +22,19 @@ from configs import base, magistral, magistral_async, vapo
 from policyopt.config import AsyncMode, typed
 from policyopt.metrics import read_jsonl
 from policyopt.rewards import score_batch
-from policyopt.rl import build
-from policyopt.rl.async_generation import (
+from policyopt.rl.batch import merge_rounds, round_from_rollout
+from policyopt.rl.loop import build
+from policyopt.rl.loop.async_rl import (
+    GroupBatcher,
+    PromptStream,
+    assemble,
+    async_enabled,
+    make_generator,
+    make_scorer,
+    run_async_rl,
+)
+from policyopt.rl.loop.trainer import build_run
+from policyopt.rl.rollouts.async_generation import (
     AsyncGenerator,
     GeneratorExhausted,
     GroupCompletion,
@@ -33,18 +45,7 @@ from policyopt.rl.async_generation import (
     _segment_fn,
     staleness_bound,
 )
-from policyopt.rl.async_rl import (
-    GroupBatcher,
-    PromptStream,
-    assemble,
-    async_enabled,
-    make_generator,
-    make_scorer,
-    run_async_rl,
-)
-from policyopt.rl.batch import merge_rounds, round_from_rollout
-from policyopt.rl.learner import forward_log_probs, split_params
-from policyopt.rl.trainer import build_run
+from policyopt.rl.update.learner import forward_log_probs, split_params
 from policyopt.sampling import Greedy, SamplingConfig, generate_fn, sampling_method
 
 PROMPT_WIDTH, NUM_NEW, GROUP, N_ASYNC, SEGMENT = 16, 6, 2, 8, 2
@@ -749,7 +750,7 @@ def test_mixed_math_and_code_prompts_are_scored_by_their_task(tmp_path, monkeypa
     """Async mode on task.name=mixed_jsonl: every group carries its record's task to
     ``score_batch`` (recorded on its way through; the real function scores), which checks
     it with that task's verifier; per-task accuracies are logged."""
-    from policyopt.rl import async_rl
+    from policyopt.rl.loop import async_rl
     from tests.test_rl_tasks import _mixed_files
 
     seen = []

@@ -22,8 +22,9 @@ from configs import base
 from policyopt import losses
 from policyopt.checkpoint import Checkpointer
 from policyopt.metrics import MetricsWriter, Progress, read_jsonl
-from policyopt.rl import build, plots, report, trainer
-from policyopt.rl.learner import split_params
+from policyopt.rl.loop import build, trainer
+from policyopt.rl.reporting import plots, report
+from policyopt.rl.update.learner import split_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = (

@@ -13,8 +13,9 @@ import jax
 import pytest
 
 from policyopt.metrics import Progress
-from policyopt.rl import learner as learner_lib
-from policyopt.rl import report, trainer
+from policyopt.rl.loop import trainer
+from policyopt.rl.reporting import report
+from policyopt.rl.update import learner as learner_lib
 from policyopt.runtime import compile_count
 from tests.flags import ROOT, subprocess_env
 from tests.test_rl_trainer import tiny

@@ -12,9 +12,10 @@ from configs import vapo
 from policyopt.config import typed
 from policyopt.losses import nll_loss
 from policyopt.models import Transformer, preset
-from policyopt.rl import forwards, methods, trainer
 from policyopt.rl.batch import Batch, layout
-from policyopt.rl.critic import (
+from policyopt.rl.loop import trainer
+from policyopt.rl.update import forwards, methods
+from policyopt.rl.update.critic import (
     Critic,
     CriticSettings,
     critic_loss,
@@ -26,7 +27,7 @@ from policyopt.rl.critic import (
     reward_model_targets,
     token_rewards,
 )
-from policyopt.rl.learner import TrainState, split_params
+from policyopt.rl.update.learner import TrainState, split_params
 from tests.settings import critic_settings, gae_settings, optim_settings, replace
 from tests.test_rl_trainer import tiny
 

@@ -371,7 +371,7 @@ def engine_run(tmp_path_factory):
     """grpo with R3 on a tiny MoE, 2 prompts x 4 samples through 4 engine rows, one
     iteration: (run, its parameters before the iteration, the iteration's metrics).
     Shared by the two trainer tests below (one compilation of the engine and the steps)."""
-    from policyopt.rl import trainer
+    from policyopt.rl.loop import trainer
     from tests.test_rl_trainer import tiny
 
     extra = (

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from policyopt.rl import forwards, iteration, methods, trainer
+from policyopt.rl.loop import iteration, trainer
+from policyopt.rl.update import forwards, methods
 from tests.test_rl_trainer import tiny
 
 

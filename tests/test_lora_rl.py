@@ -1,4 +1,4 @@
-"""RL with LoRA adapters (``config.model.lora``, ``policyopt.rl.adapters``): only the
+"""RL with LoRA adapters (``config.model.lora``, ``policyopt.rl.update.adapters``): only the
 adapters train and are in the optimiser state (the base bit-identical after updates, its
 gradient identity dL/dB = (alpha / r) A^T dL/dW at B = 0); the KL reference from the base
 with the adapters off equals a separate frozen model's log-probs, with no copy of the
@@ -18,8 +18,10 @@ from flax import nnx
 from policyopt.checkpoint import Checkpointer
 from policyopt.models import Transformer, lora, preset
 from policyopt.models.lora import LoRAConfig
-from policyopt.rl import adapters, forwards, iteration, sft, trainer
-from policyopt.rl.learner import forward_log_probs
+from policyopt.rl import sft
+from policyopt.rl.loop import iteration, trainer
+from policyopt.rl.update import adapters, forwards
+from policyopt.rl.update.learner import forward_log_probs
 from tests.test_rl_trainer import tiny
 
 LORA = "model.lora.rank=2,model.lora.targets='attention,mlp'"
@@ -191,7 +193,8 @@ def test_critic_methods_with_adapters_or_full_weights(recipe, extra, tmp_path):
 
 
 def test_async_mode_publishes_adapters_only(tmp_path, monkeypatch):
-    from policyopt.rl import async_generation, async_rl
+    from policyopt.rl.loop import async_rl
+    from policyopt.rl.rollouts import async_generation
 
     published = []
     original = async_generation.AsyncGenerator.publish
@@ -304,7 +307,7 @@ def test_sft_trains_full_weights_under_a_lora_config(sft_checkpoint):
 
 
 def test_dry_run_checks_the_lora_pairing(sft_checkpoint, tmp_path):
-    from policyopt.rl.dry_run import plan_run
+    from policyopt.rl.reporting.dry_run import plan_run
 
     config = tiny("grpo", extra=f"{LORA},init_checkpoint={sft_checkpoint!r}")
     with pytest.raises(ValueError, match="model.lora.init_checkpoint='base'"):

@@ -45,14 +45,14 @@ _SCRIPT = textwrap.dedent("""
     sharding.initialize_distributed()  # before any other JAX call
     import jax, numpy as np
     from policyopt.metrics import read_jsonl
-    from policyopt.rl import trainer
+    from policyopt.rl.loop import trainer
     from policyopt.rl.sft import run_sft
     from tests.test_rl_trainer import tiny
     from tests.test_multihost import EXTRA, MESHES
 
     multi, out, local = sys.argv[1] == "multi", sys.argv[2], int(sys.argv[3])
     # Count the completions this process runs the verifiers on.
-    from policyopt.rewards import batch as reward_batch
+    from policyopt.rewards import scoring as reward_batch
     scored, score_items = [0], reward_batch._score_items
     def counting(items, *args):
         scored[0] += len(items)

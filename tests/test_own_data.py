@@ -18,7 +18,7 @@ from policyopt.data.tokenizer import train_bpe
 from policyopt.data.word_problems import jsonl_text, word_problem_splits
 from policyopt.rewards import RewardSpec, score_batch
 from policyopt.rewards.math import verify_math
-from policyopt.rl import build, trainer
+from policyopt.rl.loop import build, trainer
 from policyopt.rl.sft import make_sft_iterator, run_sft
 from tests.flags import ROOT, subprocess_env
 

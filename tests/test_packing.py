@@ -10,9 +10,9 @@ from flax import nnx
 
 from policyopt.models import Transformer, preset
 from policyopt.rl.batch import Batch, layout
-from policyopt.rl.critic import critic_loss, forward_values, init_critic_params
-from policyopt.rl.learner import forward_log_probs, rl_loss, split_params
-from policyopt.rl.packing import gather_slots, pack_layout, packed_rows
+from policyopt.rl.update.critic import critic_loss, forward_values, init_critic_params
+from policyopt.rl.update.learner import forward_log_probs, rl_loss, split_params
+from policyopt.rl.update.packing import gather_slots, pack_layout, packed_rows
 from tests.flags import run_script
 from tests.settings import critic_settings, loss_settings
 
@@ -314,7 +314,7 @@ def test_trainer_iteration_packed_equals_padded(tmp_path):
     ``batch.pack`` on gives the parameters and metrics of the padded iteration. Wrong
     answers score -1, so the value loss and the GAE advantages are not zero; Adam's larger eps
     keeps entries whose gradient is float noise (either way) from being scaled up to lr."""
-    from policyopt.rl import trainer
+    from policyopt.rl.loop import trainer
     from tests.test_rl_trainer import tiny
 
     runs = {}
@@ -358,9 +358,9 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from policyopt import sharding
 from policyopt.models import Transformer, preset
-from policyopt.rl import forwards
+from policyopt.rl.update import forwards
 from policyopt.rl.batch import shard_batch
-from policyopt.rl.learner import forward_log_probs, rl_loss, split_params
+from policyopt.rl.update.learner import forward_log_probs, rl_loss, split_params
 from tests.settings import critic_settings, loss_settings
 from tests.test_packing import _batch
 from tests.test_rl_trainer import tiny

@@ -47,9 +47,9 @@ _SCRIPT = textwrap.dedent("""
     from jax.sharding import PartitionSpec as P
     from policyopt import sharding
     from policyopt.metrics import read_jsonl
-    from policyopt.rl import build, trainer
-    from policyopt.rl.async_generation import _group_rows_fn, _refill_fn, _segment_fn
-    from policyopt.rl.async_rl import run_async_rl
+    from policyopt.rl.loop import build, trainer
+    from policyopt.rl.rollouts.async_generation import _group_rows_fn, _refill_fn, _segment_fn
+    from policyopt.rl.loop.async_rl import run_async_rl
     from policyopt.sampling import generate_fn
     from tests.test_rl_trainer import tiny
     from tests.test_rl_mesh import CASES, COMMON
@@ -93,7 +93,7 @@ _SCRIPT = textwrap.dedent("""
             assert specs(run.run_state.rng) == [P()]
             # (c) One compilation of every jitted step in two iterations; the MoE model's
             # log-probs two: with its own routing, and replaying pi_old's (the routing
-            # metrics' share of the ratio, rl.routing.ratio_share_metrics).
+            # metrics' share of the ratio, rl.update.routing.ratio_share_metrics).
             want = {"log_probs": 2 if name == "moe" else 1, "update": 1}
             assert dict(run.spec.learner.trace_counts) == want, run.spec.learner.trace_counts
             # (d) Restored on the mesh: the same shardings and values; a third iteration
@@ -113,7 +113,7 @@ _SCRIPT = textwrap.dedent("""
         np.savez(f"{out}/results.npz", **results)
 
     # The mesh runs first, while every jitted step (the learners are shared per process,
-    # policyopt.rl.learner.get_learner) has compiled only for the mesh: trace counts of 1.
+    # policyopt.rl.update.learner.get_learner) has compiled only for the mesh: trace counts of 1.
     run_cases(True, f"{out}/mesh")
 
     recipe, model, mesh = CASES["dense"]

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from policyopt.rl import trainer
+from policyopt.rl.loop import trainer
 from tests.test_rl_trainer import tiny
 
 

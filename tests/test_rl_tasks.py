@@ -11,7 +11,8 @@ import pytest
 from configs import base
 from policyopt.data import HFTokenizer
 from policyopt.rewards import score_batch
-from policyopt.rl import build, evaluate, iteration, trainer
+from policyopt.rl.loop import build, iteration, trainer
+from policyopt.rl.reporting import evaluate
 from policyopt.rl.sft import make_sft_iterator
 from tests.test_rl_trainer import tiny
 
@@ -410,7 +411,7 @@ def test_mixed_jsonl_checks_each_sample_with_its_own_task(tmp_path, monkeypatch)
     task, the trainer and the evaluation pass it to score_batch with its sample (recorded
     on the way; the real function scores), log accuracy per task, and task.tfds_dir
     keeps the task field."""
-    from policyopt.rl import evaluate as evaluate_lib
+    from policyopt.rl.reporting import evaluate as evaluate_lib
 
     seen = []
 

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from policyopt.metrics import read_jsonl
-from policyopt.rl import iteration, methods, trainer
-from policyopt.rl import learner as learner_lib
 from policyopt.rl.batch import mask_fillers, round_from_rollout
+from policyopt.rl.loop import iteration, trainer
+from policyopt.rl.update import learner as learner_lib
+from policyopt.rl.update import methods
 
 RECIPES = (
     "grpo",
@@ -211,7 +212,7 @@ def test_resume_after_a_crash_writes_each_record_once_and_refuses_another_config
 
 
 def test_resume_check_skips_fields_added_since_the_checkpoint():
-    from policyopt.rl import build
+    from policyopt.rl.loop import build
 
     config = tiny("grpo")
     saved = build.config_record(config)
@@ -599,7 +600,7 @@ def test_a_run_whose_updates_are_all_skipped_stops(tmp_path):
 _STOPPED_SCRIPT = textwrap.dedent(r"""
     import sys
     from policyopt import engine
-    from policyopt.rl import trainer
+    from policyopt.rl.loop import trainer
     from tests.test_rl_trainer import tiny
 
     decode_steps, calls = engine.decode_steps, []
@@ -635,7 +636,7 @@ def test_a_signal_stops_a_generation_in_progress(signal_name, tmp_path):
     import time
 
     from policyopt.checkpoint import Checkpointer
-    from policyopt.rl import build
+    from policyopt.rl.loop import build
     from tests.flags import ROOT, subprocess_env
 
     workdir = str(tmp_path / "run")

@@ -75,8 +75,8 @@ def build_batch():
     """The run, its state and one minibatch of the peers' geometry with random advantages."""
     import jax
 
-    from policyopt.rl import trainer
     from policyopt.rl.batch import minibatch_indices, shard_batch, take_rows
+    from policyopt.rl.loop import trainer
 
     config = side_policyopt.config_for("sampler")
     workdir = tempfile.mkdtemp()
@@ -132,7 +132,7 @@ def time_generate(names: list[str], rounds: int) -> dict:
 
     from policyopt import sampling as sampling_module
     from policyopt import sharding
-    from policyopt.rl import trainer
+    from policyopt.rl.loop import trainer
 
     config = side_policyopt.config_for("sampler")
     workdir = tempfile.mkdtemp()

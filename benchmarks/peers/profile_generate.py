@@ -91,7 +91,7 @@ def main(argv=None) -> None:
     import jax
 
     from policyopt import sharding
-    from policyopt.rl import trainer
+    from policyopt.rl.loop import trainer
     from policyopt.runtime import keep_freed_host_memory
     from policyopt.sampling import generate_fn
 

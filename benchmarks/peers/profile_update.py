@@ -205,8 +205,8 @@ def main(argv=None) -> None:
 
     import jax
 
-    from policyopt.rl import trainer
     from policyopt.rl.batch import minibatch_indices, shard_batch, take_rows
+    from policyopt.rl.loop import trainer
     from policyopt.runtime import keep_freed_host_memory
 
     keep_freed_host_memory()

@@ -75,7 +75,7 @@ def main() -> None:
     start = time.perf_counter()
     import jax
 
-    from policyopt.rl import iteration, trainer
+    from policyopt.rl.loop import iteration, trainer
     from policyopt.runtime import keep_freed_host_memory
 
     keep_freed_host_memory()  # as experiments/train.py does

@@ -2,7 +2,7 @@
 
     summary = run_rl(config, workdir)        # resumes from workdir/checkpoints if present
 
-One iteration is ``policyopt.rl.iteration.rl_iteration`` (``sample`` -> ``prepare`` ->
+One iteration is ``policyopt.rl.loop.iteration.rl_iteration`` (``sample`` -> ``prepare`` ->
 ``update_epochs``, stages that see a frozen ``RunSpec`` and a ``RunState`` pytree). This
 module builds them (``build_run``), holds them between iterations with the host side of a
 run (``RLRun``: run directory, data position, checkpoints, evaluation) and drives the loop
@@ -31,11 +31,13 @@ from policyopt.data.pipeline import make_pipeline
 from policyopt.engine import Engine, GenerationStopped
 from policyopt.loggers import config_json, open_loggers, parse_loggers
 from policyopt.metrics import MetricsWriter, Progress, read_last_value, read_step_record
-from policyopt.rl import adapters, build, iteration, methods, report
-from policyopt.rl.critic import CriticSettings, critic_optim, get_critic
-from policyopt.rl.evaluate import evaluate
-from policyopt.rl.iteration import RunSpec, RunState, Sampled, TrainBatch
-from policyopt.rl.learner import LossSettings, get_learner, place_state
+from policyopt.rl.loop import build, iteration
+from policyopt.rl.loop.iteration import RunSpec, RunState, Sampled, TrainBatch
+from policyopt.rl.reporting import report
+from policyopt.rl.reporting.evaluate import evaluate
+from policyopt.rl.update import adapters, methods
+from policyopt.rl.update.critic import CriticSettings, critic_optim, get_critic
+from policyopt.rl.update.learner import LossSettings, get_learner, place_state
 from policyopt.runtime import GracefulStop, compile_counts
 from policyopt.sampling import SamplingConfig, sampling_method
 
@@ -43,7 +45,7 @@ from policyopt.sampling import SamplingConfig, sampling_method
 @dataclasses.dataclass
 class RLRun:
     """A run between iterations (built by ``build_run``): the stages' ``RunSpec`` and
-    ``RunState`` (``policyopt.rl.iteration``) and the host side of the loop around them
+    ``RunState`` (``policyopt.rl.loop.iteration``) and the host side of the loop around them
     (the run directory, checkpoints, evaluation, what the last iteration saw).
     """
 
@@ -338,7 +340,7 @@ EVAL_SAMPLES_LOGGED = 16
 
 
 def evaluate_run(run: RLRun, samples: list | None = None) -> dict[str, float]:
-    """Held-out evaluation of the current policy (``policyopt.rl.evaluate``); ``samples``,
+    """Held-out evaluation of the current policy (``policyopt.rl.reporting.evaluate``); ``samples``,
     when given, receives one record per held-out completion (``evaluate``)."""
     cfg = run.spec.config
     with jax.set_mesh(run.spec.mesh):

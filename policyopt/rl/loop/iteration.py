@@ -7,16 +7,16 @@
                                                  epochs x minibatches of the updates
 
 A stage sees ``RunSpec`` (frozen: graphdef, learner, critic, mesh, the config and the
-method-specific steps chosen when the run was built, ``policyopt.rl.methods``) and
+method-specific steps chosen when the run was built, ``policyopt.rl.update.methods``) and
 ``RunState`` (a pytree: policy and critic states, run key, iteration). It calls jitted
 functions (``sampling.generate_fn``, ``Learner.log_probs`` / ``update``, ``Critic.values``
-/ ``update``) and keeps host bookkeeping on NumPy arrays (scoring: ``rl.rounds``; dynamic
-sampling). The asynchronous trainer (``policyopt.rl.async_rl``) has its own ``sample`` and
+/ ``update``) and keeps host bookkeeping on NumPy arrays (scoring: ``rl.rollouts.rounds``; dynamic
+sampling). The asynchronous trainer (``policyopt.rl.loop.async_rl``) has its own ``sample`` and
 uses ``prepare`` and ``update_epochs`` as they are.
 
 Determinism: iteration ``i`` draws its keys from ``fold_in(state.rng, i)``; the prompts
 come from ``spec.prompts``, a host iterator whose position the run's checkpoint saves
-(``policyopt.rl.trainer.save``), so a resumed run repeats the iteration bit for bit.
+(``policyopt.rl.loop.trainer.save``), so a resumed run repeats the iteration bit for bit.
 
 Critic warm-up: while ``state.iteration < spec.warmup_iterations`` only the critic is
 updated and the policy's forward passes are skipped: first, for
@@ -37,8 +37,7 @@ import numpy as np
 from flax import struct
 
 from policyopt import sharding
-from policyopt.rewards.batch import score_batch
-from policyopt.rl import forwards
+from policyopt.rewards.scoring import score_batch
 from policyopt.rl.batch import (
     Batch,
     DynamicSampler,
@@ -48,12 +47,13 @@ from policyopt.rl.batch import (
     shard_batch,
     take_rows,
 )
-from policyopt.rl.critic import Critic, reward_model_targets
-from policyopt.rl.learner import Learner, TrainState
-from policyopt.rl.methods import Methods
-from policyopt.rl.report import MinibatchMeans, padding_metrics
-from policyopt.rl.rounds import ScoredRound, response_width, round_texts, sampling_metrics
-from policyopt.rl.routing import ratio_share_metrics, update_routing_metrics
+from policyopt.rl.reporting.report import MinibatchMeans, padding_metrics
+from policyopt.rl.rollouts.rounds import ScoredRound, response_width, round_texts, sampling_metrics
+from policyopt.rl.update import forwards
+from policyopt.rl.update.critic import Critic, reward_model_targets
+from policyopt.rl.update.learner import Learner, TrainState
+from policyopt.rl.update.methods import Methods
+from policyopt.rl.update.routing import ratio_share_metrics, update_routing_metrics
 from policyopt.sampling import SamplingConfig, generate_fn
 
 
@@ -66,7 +66,7 @@ class RunSpec:
     learner: Learner
     critic: Critic | None  # critic methods (algo.advantage = "gae"), else None
     mesh: jax.sharding.Mesh  # every array of the run lives on it (config.mesh)
-    methods: Methods  # the method-specific steps (policyopt.rl.methods.choose)
+    methods: Methods  # the method-specific steps (policyopt.rl.update.methods.choose)
     tokenizer: Any
     sampling_config: SamplingConfig
     reward_spec: Any
@@ -78,7 +78,7 @@ class RunSpec:
     ref_learner: Learner | None = None
     engine: Any = None  # continuous-batching engine (sampling.engine_kv_tokens > 0), or None
     # The trainable parameters -> the model's and the sampler's (LoRA: the frozen base
-    # they join, merged or not; policyopt.rl.adapters). None: the parameters are all.
+    # they join, merged or not; policyopt.rl.update.adapters). None: the parameters are all.
     weights: Any = None
     critic_frozen: Any = None  # the base of a LoRA critic's adapters, or None
     lora_record: dict | None = None  # the checkpoints' "lora" meta (adapters.lora_record)

@@ -6,7 +6,7 @@ minibatch's shape, so the passes compile once and need a minibatch's memory, and
 numerics are those of the updates (no batch-shape noise floor in the routing metrics).
 
 With ``config.batch.pack`` the passes and every update run on packed rows
-(``pack_rows``, ``pack_chunks``; ``policyopt.rl.packing``): a chunk's real tokens are
+(``pack_rows``, ``pack_chunks``; ``policyopt.rl.update.packing``): a chunk's real tokens are
 packed first-fit-decreasing into rows of ``batch.pack_tokens`` slots with segment ids,
 and their per-token results come back to the padded rows.
 """
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from policyopt import sharding
-from policyopt.rl.packing import PackedLayout, pack_layout
+from policyopt.rl.update.packing import PackedLayout, pack_layout
 
 
 class Rows(NamedTuple):

@@ -1,7 +1,7 @@
 """The method-specific steps of an RL iteration, chosen once when the run is built.
 
 ``choose(config, is_moe)`` reads ``config.algo`` and returns ``Methods``, a frozen record
-of small functions that the stages of ``policyopt.rl.iteration`` call without asking
+of small functions that the stages of ``policyopt.rl.loop.iteration`` call without asking
 which method they run:
 
 - ``old_log_probs``: pi_old from the trainer's forward (``algo.old_log_probs =
@@ -37,7 +37,7 @@ from policyopt import sharding
 from policyopt.advantages import ESTIMATORS, outcome_advantages
 from policyopt.config import Algo, typed
 from policyopt.losses import offpolicy_metrics, rejection_mask, truncated_importance_weights
-from policyopt.rl import forwards
+from policyopt.rl.update import forwards
 
 
 @dataclasses.dataclass(frozen=True)

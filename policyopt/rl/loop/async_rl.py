@@ -27,16 +27,7 @@ from absl import logging
 from policyopt.config import typed
 from policyopt.data.pipeline import as_record
 from policyopt.engine import GenerationStopped
-from policyopt.rewards.batch import kill_pool, score_batch
-from policyopt.rl import build, iteration
-from policyopt.rl.async_generation import (
-    AsyncGenerator,
-    EngineSlots,
-    GroupCompletion,
-    SlotConfig,
-    SlotGenerator,
-    staleness_bound,
-)
+from policyopt.rewards.scoring import kill_pool, score_batch
 from policyopt.rl.batch import (
     DYNAMIC_SAMPLING_CRITERIA,
     bucket,
@@ -47,10 +38,19 @@ from policyopt.rl.batch import (
     truncated_rows,
     uninformative_groups,
 )
-from policyopt.rl.evaluate import decode, task_accuracies
-from policyopt.rl.iteration import RunSpec, Sampled, prepare, update_epochs
-from policyopt.rl.report import batch_metrics, scoring_metrics
-from policyopt.rl.trainer import RLRun, RunLoop, build_run, checkpoint_meta, checkpoint_state
+from policyopt.rl.loop import build, iteration
+from policyopt.rl.loop.iteration import RunSpec, Sampled, prepare, update_epochs
+from policyopt.rl.loop.trainer import RLRun, RunLoop, build_run, checkpoint_meta, checkpoint_state
+from policyopt.rl.reporting.evaluate import decode, task_accuracies
+from policyopt.rl.reporting.report import batch_metrics, scoring_metrics
+from policyopt.rl.rollouts.async_generation import (
+    AsyncGenerator,
+    EngineSlots,
+    GroupCompletion,
+    SlotConfig,
+    SlotGenerator,
+    staleness_bound,
+)
 
 __all__ = [
     "resolved_n_async",
@@ -131,7 +131,7 @@ def _interrupt_scoring(num_workers: int):
 
 def make_scorer(run: RLRun):
     """``GroupCompletion -> GroupCompletion`` with rewards, as the synchronous trainer
-    scores (``policyopt.rewards.batch.score_batch``; truncated: ``truncated_rows``)."""
+    scores (``policyopt.rewards.scoring.score_batch``; truncated: ``truncated_rows``)."""
     cfg, tokenizer = run.spec.config, run.spec.tokenizer
     num_new = cfg.sampling.max_new_tokens
 
