@@ -260,7 +260,7 @@ def test_an_unregistered_estimator_is_a_config_error_and_a_registered_one_is_use
         config = typed(grpo.get_config("algo.advantage=test_halves"))
         assert not config.algo.uses_critic
         chosen = methods.choose(config, is_moe=False)
-        out = chosen.advantages(None, None, None, np.array([1.0, 0.0]), None, False)
+        out = chosen.advantages(None, None, None, None, np.array([1.0, 0.0]), None, False)
         np.testing.assert_allclose(out[0], [0.5, 0.0])
         assert calls == ["test_halves"]
         # A critic estimator: the run trains a critic, and its warm-up is allowed.

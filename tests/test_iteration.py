@@ -86,10 +86,10 @@ def test_the_stages_compose_to_rl_iteration(recipe, tmp_path):
                 jax.random.fold_in(state.rng, state.iteration)
             )
             sampled = iteration.sample(spec, state, key_sample)
-            batch = iteration.prepare(spec, state, sampled.round)
-            state, update_metrics = iteration.update_epochs(spec, state, batch, key_shuffle)
+            prepared = iteration.prepare(spec, state, sampled.round)
+            state, update_metrics = iteration.update_epochs(spec, state, prepared, key_shuffle)
         staged.run_state = state.replace(iteration=state.iteration + 1)
-        got = {**sampled.metrics, **batch.metrics, **update_metrics}
+        got = {**sampled.metrics, **prepared.metrics, **update_metrics}
         assert staged.run_state.iteration == whole.run_state.iteration
         for got_leaf, want_leaf in zip(
             _leaves((staged.run_state.policy, staged.run_state.critic)),
@@ -106,4 +106,4 @@ def test_the_stages_compose_to_rl_iteration(recipe, tmp_path):
         + want["update/empty"]
         >= 1
     )
-    assert batch.batch.routing is not None  # R2: the old forward's routing is replayed
+    assert prepared.batch.routing is not None  # R2: the old forward's routing is replayed

@@ -19,6 +19,7 @@ from policyopt.checkpoint import Checkpointer
 from policyopt.models import Transformer, lora, preset
 from policyopt.models.lora import LoRAConfig
 from policyopt.rl import sft
+from policyopt.rl.batch import Batch
 from policyopt.rl.loop import iteration, trainer
 from policyopt.rl.update import adapters, forwards
 from policyopt.rl.update.learner import forward_log_probs
@@ -87,14 +88,14 @@ def test_kl_reference_is_the_base_without_a_copy(grpo_run):
     run = summary["run"]
     assert run.spec.ref_params is run.spec.weights.frozen  # no copy of the parameters
     rnd = run.last_round
-    rows = forwards.Rows(
-        jnp.asarray(rnd.tokens),
-        jnp.asarray(rnd.positions),
-        jnp.asarray(rnd.attention_mask),
-        jnp.asarray(rnd.mask),
-        num_chunks=1,
+    rows = Batch(
+        *map(jnp.asarray, (rnd.tokens, rnd.positions, rnd.attention_mask, rnd.mask)),
+        advantages=None,
+        old_log_probs=None,
     )
-    reference, _ = forwards.policy_log_probs(run.spec.ref_learner, run.spec.ref_params, rows)
+    reference, _ = forwards.policy_log_probs(
+        run.spec.ref_learner, run.spec.ref_params, rows, (None,)
+    )
     base = _base_model(run, config)
     graphdef, params = nnx.split(base, nnx.Param)
     want = jax.jit(
@@ -107,7 +108,10 @@ def test_kl_reference_is_the_base_without_a_copy(grpo_run):
     mask = np.asarray(rnd.mask) > 0
     np.testing.assert_allclose(np.asarray(reference)[mask], np.asarray(want)[mask], rtol=1e-6)
     policy, _ = forwards.policy_log_probs(
-        run.spec.learner, iteration.policy_params(run.spec, run.run_state.policy.params), rows
+        run.spec.learner,
+        iteration.policy_params(run.spec, run.run_state.policy.params),
+        rows,
+        (None,),
     )
     assert np.abs(np.asarray(policy - reference)[mask]).max() > 1e-5
 

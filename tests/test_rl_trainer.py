@@ -495,11 +495,11 @@ def _train_on(run, rnd) -> dict:
     """The training half of an iteration (``prepare``, ``update_epochs``) on the host round
     ``rnd``; the run's state replaced. Returns the step's metrics."""
     with jax.set_mesh(run.spec.mesh):
-        batch = iteration.prepare(run.spec, run.run_state, rnd)
+        prepared = iteration.prepare(run.spec, run.run_state, rnd)
         run.run_state, metrics = iteration.update_epochs(
-            run.spec, run.run_state, batch, jax.random.PRNGKey(0)
+            run.spec, run.run_state, prepared, jax.random.PRNGKey(0)
         )
-    return {**batch.metrics, **metrics}
+    return {**prepared.metrics, **metrics}
 
 
 def test_empty_minibatches_do_not_dilute_the_update_metrics(tmp_path):

@@ -466,14 +466,14 @@ def async_iteration(
     sampled, info = async_sample(run, generator, batcher)
     _, key_shuffle = jax.random.split(jax.random.fold_in(state.rng, state.iteration))
     with jax.set_mesh(spec.mesh):
-        batch = prepare(spec, state, sampled.round)
-        state, update_metrics = update_epochs(spec, state, batch, key_shuffle)
+        prepared = prepare(spec, state, sampled.round)
+        state, update_metrics = update_epochs(spec, state, prepared, key_shuffle)
     run.run_state = state.replace(iteration=state.iteration + 1)
-    run.keep(sampled, batch)
+    run.keep(sampled, prepared)
     generator.publish(jax.tree.map(jnp.copy, run.run_state.policy.params), run.run_state.iteration)
     metrics = {
         **sampled.metrics,
-        **batch.metrics,
+        **prepared.metrics,
         **update_metrics,
         "time/iteration_s": time.perf_counter() - start,
     }

@@ -32,7 +32,7 @@ from policyopt.engine import Engine, GenerationStopped
 from policyopt.loggers import config_json, open_loggers, parse_loggers
 from policyopt.metrics import MetricsWriter, Progress, read_last_value, read_step_record
 from policyopt.rl.loop import build, iteration
-from policyopt.rl.loop.iteration import RunSpec, RunState, Sampled, TrainBatch
+from policyopt.rl.loop.iteration import Prepared, RunSpec, RunState, Sampled
 from policyopt.rl.reporting import report
 from policyopt.rl.reporting.evaluate import evaluate
 from policyopt.rl.update import adapters, methods
@@ -71,17 +71,16 @@ class RLRun:
     def step(self) -> dict[str, float]:
         """Runs one iteration (``iteration.rl_iteration``): the run's state replaced, what
         it sampled and trained on kept (``keep``); returns its metrics."""
-        self.run_state, metrics, sampled, batch = iteration.rl_iteration(self.spec, self.run_state)
-        self.keep(sampled, batch)
+        self.run_state, metrics, sampled, prepared = iteration.rl_iteration(
+            self.spec, self.run_state
+        )
+        self.keep(sampled, prepared)
         return metrics
 
-    def keep(self, sampled: Sampled, batch: TrainBatch) -> None:
+    def keep(self, sampled: Sampled, prepared: Prepared) -> None:
         """Keeps an iteration's samples, round and update batch for inspection (``last_*``)."""
-        self.last_samples, self.last_round, self.last_batch = (
-            sampled.samples,
-            batch.round,
-            batch.batch,
-        )
+        self.last_samples = sampled.samples
+        self.last_round, self.last_batch = prepared.round, prepared.batch
 
 
 def make_prompt_iterator(config, records, *, seed: int):
