@@ -59,6 +59,7 @@ from policyopt.losses import (
     weighted_row_sum,
 )
 from policyopt.models import lora
+from policyopt.models.interface import PolicyModel
 from policyopt.rl.batch import Batch
 from policyopt.rl.update import micro_batches
 from policyopt.rl.update.packing import PackedLayout, gather_slots
@@ -242,7 +243,7 @@ def forward_log_probs(
             temperature=temperature,
             routing=routing,
         )
-    model = nnx.merge(graphdef, params)
+    model: PolicyModel = nnx.merge(graphdef, params)
     out = model(
         tokens,
         positions=positions,
@@ -259,7 +260,7 @@ def forward_log_probs(
     return Forward(log_probs, entropy, out.routing, out.aux)
 
 
-def packed_forward(model, tokens, positions, packing: PackedLayout, routing=None):
+def packed_forward(model: PolicyModel, tokens, positions, packing: PackedLayout, routing=None):
     """The model on the packed rows of a training-layout batch (``policyopt.rl.update.packing``).
 
     Tokens, positions and the routing to replay are gathered into ``[N_p, T]`` slots
@@ -308,7 +309,7 @@ def packed_forward_log_probs(
     Returns:
       ``Forward`` in the padded layout: log_probs and entropy ``[R, N]``.
     """
-    model = nnx.merge(graphdef, params)
+    model: PolicyModel = nnx.merge(graphdef, params)
     out, packed_tokens = packed_forward(model, tokens, positions, packing, routing)
     successors = jnp.pad(packed_tokens[:, 1:], ((0, 0), (0, 1)))
     log_probs, entropy = token_log_probs(
@@ -563,7 +564,7 @@ def micro_batched_rl_grads(graphdef, settings: LossSettings, params, batch: Batc
 
             def model_aux(micro):
                 micro = micro_batches.constrain_rows(micro)
-                model = nnx.merge(graphdef, params)
+                model: PolicyModel = nnx.merge(graphdef, params)
                 return model(
                     micro.tokens,
                     positions=micro.positions,
