@@ -129,7 +129,7 @@ _SCRIPT = textwrap.dedent("""
     # and the slot state keeps its shardings from segment to segment (one compilation).
     config = tiny(recipe, model, extra=COMMON + "," + mesh + ",async_mode.enabled=True,"
                   "async_mode.segment_steps=2")
-    learner = trainer.build_run(config, f"{out}/async").learner
+    learner = trainer.build_run(config, f"{out}/async").spec.learner
     compiled = dict(learner.trace_counts)
     summary = run_async_rl(config, f"{out}/async", num_iterations=2, quiet=True)
     assert summary["iteration"] == 2 and np.isfinite(summary["metrics"]["loss/loss"])
