@@ -1,6 +1,6 @@
 """Asynchronous generation's decode throughput on the CPU, against the synchronous sampler.
 
-`policyopt.rl.async_generation.SlotGenerator` decodes R rows in segments of K steps, each
+`policyopt.rl.rollouts.async_generation.SlotGenerator` decodes R rows in segments of K steps, each
 row at its own step (rows are refilled as their groups finish), and records per token the
 parameter version, the behaviour log-probs and the MoE routing. The synchronous sampler
 (`policyopt.sampling.generate_fn`) decodes all rows in lock step. Both decode the same
@@ -35,7 +35,7 @@ from flax import nnx  # noqa: E402
 
 from policyopt import sampling  # noqa: E402
 from policyopt.models import Transformer, preset  # noqa: E402
-from policyopt.rl.async_generation import SlotConfig, SlotGenerator  # noqa: E402
+from policyopt.rl.rollouts.async_generation import SlotConfig, SlotGenerator  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "bench_async.json")
 LIMIT = 1.5

@@ -19,7 +19,7 @@ import time
 from absl import app, flags
 
 from configs import demo
-from policyopt.rl import trainer
+from policyopt.rl.loop import trainer
 from policyopt.runtime import keep_freed_host_memory
 
 _ITERATIONS = flags.DEFINE_integer("iterations", 5, "Measured iterations (after 2 warm-up ones).")
@@ -50,9 +50,9 @@ def main(argv):
     try:
         start = time.perf_counter()
         run = trainer.build_run(config, workdir)
-        warm = [trainer.rl_iteration(run) for _ in range(2)]
+        warm = [run.step() for _ in range(2)]
         warmup_s = time.perf_counter() - start
-        measured = [trainer.rl_iteration(run) for _ in range(_ITERATIONS.value)]
+        measured = [run.step() for _ in range(_ITERATIONS.value)]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     median = {k: statistics.median(m[k] for m in measured) for k in PARTS}

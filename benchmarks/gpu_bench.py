@@ -5,7 +5,7 @@ optax, orbax and chex only), or on the CPU with ``--smoke`` to check that it run
 
 Measured, in bfloat16 compute with float32 master parameters:
 
-* update: one ``policyopt.rl.learner.Learner.update`` (forward, backward, SAPO loss,
+* update: one ``policyopt.rl.update.learner.Learner.update`` (forward, backward, SAPO loss,
   AdamW) on ``rows x (prompt + response)`` tokens. Reported: tokens/s and model FLOPs
   utilisation, counting ``6 * N_active`` FLOPs per token (N_active: the parameters a token
   touches, i.e. attention, the k routed experts, router, norms and the output projection;
@@ -39,7 +39,7 @@ from configs import base
 from policyopt import sampling
 from policyopt.models import Transformer, preset
 from policyopt.rl.batch import Batch
-from policyopt.rl.learner import Learner, LossSettings, make_optimizer, split_params
+from policyopt.rl.update.learner import Learner, LossSettings, make_optimizer, split_params
 
 PEAKS = {
     "h200": (989e12, 4.8e12),

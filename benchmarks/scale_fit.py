@@ -145,8 +145,8 @@ def critic_state(config, setup, mesh):
     import jax
 
     from policyopt.config import typed
-    from policyopt.rl.critic import CriticSettings, critic_optim, get_critic
-    from policyopt.rl.learner import state_specs
+    from policyopt.rl.update.critic import CriticSettings, critic_optim, get_critic
+    from policyopt.rl.update.learner import state_specs
 
     config = typed(config)
     graphdef, params = setup.graphdef, setup.state.params
@@ -185,8 +185,8 @@ def generator_cache(config, setup, mesh, prompt_len: int) -> tuple[str, int, str
     from flax import nnx
 
     from policyopt import engine
-    from policyopt.rl import async_generation
-    from policyopt.rl.async_rl import resolved_n_async
+    from policyopt.rl.loop.async_rl import resolved_n_async
+    from policyopt.rl.rollouts import async_generation
 
     async_config, s, group = config.async_mode, config.sampling, config.batch.group_size
     n_async = resolved_n_async(config)

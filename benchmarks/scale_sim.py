@@ -347,10 +347,10 @@ def model_config(args, config, num_layers: int | None = None):
     """The preset with the recipe's ``config.model`` overrides (every field of ``config.model``
     that names a ``ModelConfig`` field and is set), then ``--model.*``; at ``num_layers``
     layers, or the depth those give; with ``config.model.lora.rank > 0`` LoRA adapters as
-    the trainer builds them (``policyopt.rl.build.make_model``: the base in
+    the trainer builds them (``policyopt.rl.loop.build.make_model``: the base in
     ``model.lora.base_dtype``, the adapters in the parameter dtype)."""
     from policyopt.models import ModelConfig, preset
-    from policyopt.rl.build import lora_config
+    from policyopt.rl.loop.build import lora_config
 
     fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"lora"}
     overrides = {k: v for k, v in config.model.items() if k in fields and v is not None}
@@ -403,7 +403,7 @@ def build(args, config, mesh, num_layers: int) -> Setup:
     from policyopt import sharding
     from policyopt.config import typed
     from policyopt.models import Transformer, lora
-    from policyopt.rl.learner import (
+    from policyopt.rl.update.learner import (
         LossSettings,
         TrainState,
         get_learner,

@@ -1,7 +1,8 @@
 """Magistral (arXiv 2506.10910) with its asynchronous generation: generators never wait
 for the trainer, finished completions are scored at once, a batch is a fixed number of
 completions, new weights reach the generators mid-generation without recomputing the KV
-cache (docs/algorithms.md "Asynchronous generation"). Runs `policyopt.rl.async_rl.run_async_rl`.
+cache (docs/algorithms.md "Asynchronous generation").
+Runs `policyopt.rl.loop.async_rl.run_async_rl`.
 
     python -m experiments.train --config \
         configs/magistral_async.py[:model=tiny_dense,async_mode.n_async=128]

@@ -34,11 +34,11 @@ from configs import base
 from configs.ablations import ABLATIONS, SETTINGS, Ablation, get_ablation, share_sections
 from policyopt.advantages import uses_critic
 from policyopt.metrics import quiet_library_logging, read_jsonl
-from policyopt.rl.async_rl import async_enabled, run_async_rl
-from policyopt.rl.build import resolved_record
-from policyopt.rl.plots import plot_runs
-from policyopt.rl.report import wrap
-from policyopt.rl.trainer import run_rl
+from policyopt.rl.loop.async_rl import async_enabled, run_async_rl
+from policyopt.rl.loop.build import resolved_record
+from policyopt.rl.loop.trainer import run_rl
+from policyopt.rl.reporting.plots import plot_runs
+from policyopt.rl.reporting.report import wrap
 from policyopt.runtime import enable_compilation_cache, keep_freed_host_memory
 
 #: Training metrics summarised (mean over the last ``tail`` iterations), when a run logs them.

@@ -26,7 +26,7 @@ from ml_collections import config_flags
 
 from configs import base
 from policyopt.checkpoint import WorkdirLocked
-from policyopt.rl.trainer import UpdatesSkipped
+from policyopt.rl.loop.trainer import UpdatesSkipped
 from policyopt.runtime import enable_compilation_cache
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Show the traceback of an error.")

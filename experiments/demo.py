@@ -29,8 +29,8 @@ from absl import flags
 from configs import demo
 from experiments import cli
 from policyopt.metrics import quiet_library_logging
+from policyopt.rl.loop.trainer import run_rl
 from policyopt.rl.sft import run_sft
-from policyopt.rl.trainer import run_rl
 from policyopt.runtime import keep_freed_host_memory
 from policyopt.sharding import initialize_distributed
 
@@ -79,7 +79,7 @@ def main(argv):
     rl = run_rl(rl_config, os.path.join(workdir, "rl"), recipe=f"configs/demo.py:{variant} (SAPO)")
     _stop_if_interrupted(rl)
     after_rl = rl["eval"]["eval/pass@1"]
-    updates = int(rl["run"].state.step)
+    updates = int(rl["run"].run_state.policy.step)
     times["rl_s"] = time.perf_counter() - start
 
     start = time.perf_counter()

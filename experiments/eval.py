@@ -30,10 +30,10 @@ from experiments import cli
 from policyopt import sharding
 from policyopt.checkpoint import Checkpointer
 from policyopt.metrics import quiet_library_logging
-from policyopt.rl import build
-from policyopt.rl.learner import split_params
+from policyopt.rl.loop import build
+from policyopt.rl.loop.trainer import build_run, evaluate_run, restore
 from policyopt.rl.sft import evaluate_policy
-from policyopt.rl.trainer import build_run, evaluate_run, restore
+from policyopt.rl.update.learner import split_params
 from policyopt.runtime import keep_freed_host_memory
 from policyopt.sharding import initialize_distributed, is_primary
 
@@ -181,9 +181,9 @@ def evaluate_checkpoint(
             return _evaluate_sft(config, source, step, samples)
     # Evaluation may change any setting, and leaves the run's directory as it is.
     run = build_run(config, workdir, check_config=False, owner=False)
-    if step is not None and step != run.iteration:
+    if step is not None and step != run.run_state.iteration:
         restore(run, step, check_config=False)
-    return {"step": run.iteration, **evaluate_run(run, samples=samples)}
+    return {"step": run.run_state.iteration, **evaluate_run(run, samples=samples)}
 
 
 def main(argv):

@@ -9,7 +9,7 @@ logged; a run directory without metrics is an error).
 from absl import flags
 
 from experiments import cli
-from policyopt.rl.plots import plot_runs
+from policyopt.rl.reporting.plots import plot_runs
 
 _RUNS = flags.DEFINE_list("runs", None, "Comma-separated run directories.")
 _LABELS = flags.DEFINE_list("labels", None, "Legend names (default: directory names).")

@@ -30,7 +30,7 @@ from experiments import ablate
 from experiments.verdicts import claim_verdict, judge
 from policyopt.checkpoint import unlock_workdir
 from policyopt.metrics import quiet_library_logging
-from policyopt.rl.report import wrap
+from policyopt.rl.reporting.report import wrap
 from policyopt.rl.sft import run_sft
 from policyopt.runtime import enable_compilation_cache, keep_freed_host_memory
 

@@ -48,7 +48,7 @@ def main(argv):
             "(task.name=math_jsonl, code_jsonl or mixed_jsonl, with task.train_file)"
         )
     from policyopt.data.tokenizer import train_bpe  # noqa: PLC0415 - after the config is checked
-    from policyopt.rl import build  # noqa: PLC0415
+    from policyopt.rl.loop import build  # noqa: PLC0415
 
     records = build.task_records(config, "train")  # a bad row or field raises here
     texts = [text for record in records for text in (record["prompt"], record["solution"])]

@@ -40,9 +40,9 @@ def main(argv):
         raise cli.UsageError("--workdir is required (the run directory)")
     initialize_distributed()  # jax.distributed on a multi-host job; no-op on one host
     quiet_library_logging()
-    from policyopt.rl.async_rl import async_enabled, run_async_rl  # noqa: PLC0415
-    from policyopt.rl.dry_run import plan_run  # noqa: PLC0415 - after the config is checked
-    from policyopt.rl.trainer import run_rl  # noqa: PLC0415
+    from policyopt.rl.loop.async_rl import async_enabled, run_async_rl  # noqa: PLC0415
+    from policyopt.rl.loop.trainer import run_rl  # noqa: PLC0415
+    from policyopt.rl.reporting.dry_run import plan_run  # noqa: PLC0415 - after the config is checked
 
     if cli.dry_run():
         print(plan_run(config, _WORKDIR.value, recipe=cli.config_source()))

@@ -25,9 +25,9 @@ import numpy as np
 from absl import app, flags
 
 from configs.ablations import SETTINGS
-from policyopt.rewards.batch import score_batch
-from policyopt.rl import build
-from policyopt.rl.evaluate import complete
+from policyopt.rewards.scoring import score_batch
+from policyopt.rl.loop import build
+from policyopt.rl.reporting.evaluate import complete
 
 #: Relative positions in a response (t / |y|) whose noise ``ceiling`` reports apart.
 DEPTH_BINS = (0.0, 0.25, 0.5, 0.75, 1.0)

@@ -22,7 +22,7 @@ from absl import app, flags
 
 from policyopt.advantages import length_adaptive_lambda
 from policyopt.data.pipeline import as_record
-from policyopt.rl import build
+from policyopt.rl.loop import build
 
 #: VAPO's alpha (2504.05118, length-adaptive GAE).
 PAPER_ALPHA = 0.05

@@ -635,7 +635,7 @@ def uses_critic(name: str) -> bool:
 def group_outcome(rewards: Array, group_size: int, *, valid: Array | None = None, algo) -> Array:
     """The ``"outcome"`` estimator: ``outcome_advantages`` centred and scaled by ``algo``'s
     ``adv_center`` and ``adv_scale`` (``"minibatch"``, Magistral's, only centres here: the
-    trainer scales each minibatch, ``policyopt.rl.methods.minibatch_advantages``) with
+    trainer scales each minibatch, ``policyopt.rl.update.methods.minibatch_advantages``) with
     ``adv_eps``."""
     scale = "none" if algo.adv_scale == "minibatch" else algo.adv_scale
     return outcome_advantages(
@@ -645,5 +645,5 @@ def group_outcome(rewards: Array, group_size: int, *, valid: Array | None = None
 
 register_estimator("outcome", group_outcome, kind="outcome")
 # GAE on the critic's values (GAE 1506.02438; VC-PPO's decoupled and VAPO's length-adaptive
-# lambdas): ``policyopt.rl.critic.gae_targets``, which lives with the critic.
-register_estimator("gae", "policyopt.rl.critic:gae_targets", kind="gae")
+# lambdas): ``policyopt.rl.update.critic.gae_targets``, which lives with the critic.
+register_estimator("gae", "policyopt.rl.update.critic:gae_targets", kind="gae")

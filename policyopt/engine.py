@@ -6,7 +6,7 @@ key depends on its prompt, sample and index only (docs/scale.md, "Generation eng
 Device side: the state of every row (``empty_state``), prefill of admitted prompts
 (``admit_rows``), a jitted loop of ``sampling.decode_step`` (``decode_steps``) and eviction
 (``evict_rows``). Host side: ``policyopt.scheduler.Scheduler``; ``ContinuousBatch`` holds
-both, for ``Engine.generate`` and the asynchronous ``rl.async_generation.EngineSlots``.
+both, for ``Engine.generate`` and the asynchronous ``rl.rollouts.async_generation.EngineSlots``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from flax import nnx, struct
 from jax.sharding import PartitionSpec
 
 from policyopt import sharding
+from policyopt.models.interface import PolicyModel
 from policyopt.models.paged import ATTENTION, PagedKVCache, pages_for
 from policyopt.sampling import Rollout, SamplingConfig, decode_step, next_logits
 from policyopt.scheduler import Admission, Request, Scheduler, group_pages
@@ -215,7 +216,7 @@ def admit_rows(
         lengths, row0, num_rows, first_sample, prompt_index = (
             x[:, None] for x in (lengths, row0, num_rows, first_sample, prompt_index)
         )
-    model = nnx.merge(graphdef, params)
+    model: PolicyModel = nnx.merge(graphdef, params)
     cache = s.cache
     shards, num_total = cache.shards, cache.lengths.shape[0]
     per_shard = num_total // shards
@@ -435,7 +436,7 @@ def decode_steps(
 
 def _decode_loop(graphdef, params, s: _State, rng, config: SamplingConfig, steps: int):
     """``decode_steps``' loop over the rows of ``s``."""
-    model = nnx.merge(graphdef, params)
+    model: PolicyModel = nnx.merge(graphdef, params)
     num_new = config.max_new_tokens
 
     def body(carry):
@@ -677,7 +678,7 @@ class Engine:
     """Generates rollouts by continuous batching (``ContinuousBatch``).
 
     Args:
-      model: a ``policyopt.models.Transformer``.
+      model: a ``policyopt.models.PolicyModel`` (``policyopt.models.Transformer``).
       engine: EngineConfig (budget, rows, page size), per shard.
       config: SamplingConfig (decode_segments is ignored: pages grow with the tokens).
       graphdef: the graph to merge ``generate``'s ``params`` into (default: the model's).

@@ -936,22 +936,9 @@ def policy_loss(
     check_policy_options(aggregation=aggregation, kl_estimator=kl_estimator, kl_clamp=kl_clamp)
     if metrics not in METRICS:
         raise ValueError(f"metrics={metrics!r} is not one of {METRICS}")
-    shape = jnp.shape(log_probs)
     if aggregation == "group_token_mean" and row_weights is None:
-        _check_group_size(shape[0], group_size)
-    if len(shape) == 2 and jnp.shape(advantages) == shape[:1]:  # one per sequence
-        advantages = jnp.broadcast_to(jnp.asarray(advantages)[:, None], shape)
-    elif jnp.shape(advantages) != shape:
-        raise ValueError(
-            f"advantages has shape {jnp.shape(advantages)}, expected [B, T] = {shape} like "
-            f"log_probs, or [B] = {shape[:1]} (one per sequence)"
-        )
-    for name, array in (("old_log_probs", old_log_probs), ("mask", mask)):
-        if jnp.shape(array) != shape:
-            raise ValueError(
-                f"{name} has shape {jnp.shape(array)}, expected {shape} like log_probs"
-            )
-
+        _check_group_size(jnp.shape(log_probs)[0], group_size)
+    advantages = _token_advantages(log_probs, old_log_probs, advantages, mask)
     dtype = jnp.result_type(log_probs, jnp.float32)
 
     def compute(
@@ -969,26 +956,16 @@ def policy_loss(
 
         inputs = GateInputs(log_ratio, advantages, mask_f, seq_log_ratio, seq_advantages)
         surrogate = OBJECTIVES[method](inputs, settings)
-        per_token = surrogate.objective
-        diagnostics = {}
-        if importance_weights is not None:
-            weights = jax.lax.stop_gradient(
-                jnp.where(valid, jnp.asarray(importance_weights, dtype), 0)
-            )
-            per_token = per_token * weights
-            diagnostics["importance_weight_mean"] = masked_mean(weights, mask_f)
-        else:
-            weights = None
-        if ref_log_probs is not None:
-            kl = kl_penalty(
-                log_probs,
-                jax.lax.stop_gradient(ref_log_probs),
-                mask_f,
-                estimator=kl_estimator,
-                clamp=kl_clamp,
-            )
-            per_token = per_token - kl_coef * kl
-            diagnostics["kl_ref"] = masked_mean(kl, mask_f)
+        per_token, weights, diagnostics = _weighted_terms(
+            surrogate.objective,
+            log_probs,
+            mask_f,
+            importance_weights,
+            ref_log_probs,
+            kl_coef=kl_coef,
+            kl_estimator=kl_estimator,
+            kl_clamp=kl_clamp,
+        )
         if row_weights is None:
             loss = -aggregate(
                 per_token, mask_f, aggregation, group_size=group_size, max_len=max_len
@@ -1020,6 +997,60 @@ def policy_loss(
     return jax.checkpoint(compute, policy=_save_only_reductions)(
         log_probs, old_log_probs, advantages, mask, importance_weights, ref_log_probs, row_weights
     )
+
+
+def _token_advantages(log_probs, old_log_probs, advantages, mask) -> Array:
+    """``advantages`` as ``[B, T]`` (one per sequence broadcast over its tokens), after
+    checking the shapes of ``policy_loss``'s inputs against ``log_probs``'s."""
+    shape = jnp.shape(log_probs)
+    if len(shape) == 2 and jnp.shape(advantages) == shape[:1]:  # one per sequence
+        advantages = jnp.broadcast_to(jnp.asarray(advantages)[:, None], shape)
+    elif jnp.shape(advantages) != shape:
+        raise ValueError(
+            f"advantages has shape {jnp.shape(advantages)}, expected [B, T] = {shape} like "
+            f"log_probs, or [B] = {shape[:1]} (one per sequence)"
+        )
+    for name, array in (("old_log_probs", old_log_probs), ("mask", mask)):
+        if jnp.shape(array) != shape:
+            raise ValueError(
+                f"{name} has shape {jnp.shape(array)}, expected {shape} like log_probs"
+            )
+    return advantages
+
+
+def _weighted_terms(
+    per_token: Array,
+    log_probs: Array,
+    mask_f: Array,
+    importance_weights: Array | None,
+    ref_log_probs: Array | None,
+    *,
+    kl_coef: float,
+    kl_estimator: str,
+    kl_clamp: bool,
+) -> tuple[Array, Array | None, dict[str, Array]]:
+    """``policy_loss``'s per-token terms ``sg[iw] * f A - kl_coef * KL`` from the gate's
+    ``f A`` (``per_token``): ``(terms, the importance weights or None, their metrics)``."""
+    valid = mask_f > 0
+    diagnostics = {}
+    weights = None
+    if importance_weights is not None:
+        weights = jax.lax.stop_gradient(
+            jnp.where(valid, jnp.asarray(importance_weights, mask_f.dtype), 0)
+        )
+        per_token = per_token * weights
+        diagnostics["importance_weight_mean"] = masked_mean(weights, mask_f)
+    if ref_log_probs is not None:
+        kl = kl_penalty(
+            log_probs,
+            jax.lax.stop_gradient(ref_log_probs),
+            mask_f,
+            estimator=kl_estimator,
+            clamp=kl_clamp,
+        )
+        per_token = per_token - kl_coef * kl
+        diagnostics["kl_ref"] = masked_mean(kl, mask_f)
+    return per_token, weights, diagnostics
 
 
 _REDUCTIONS = (jax.lax.reduce_sum_p, jax.lax.reduce_max_p, jax.lax.reduce_min_p)

@@ -4,19 +4,22 @@
 the behaviour log-probs (of the distribution sampled from, and of the untruncated
 temperature-scaled one) and, for MoE models, the experts of every prompt and generated
 token (R3, arXiv 2510.11370). ``decode_step`` is the one decode step of every sampler: this
-one, ``policyopt.engine`` and ``policyopt.rl.async_generation`` (docs/scale.md,
+one, ``policyopt.engine`` and ``policyopt.rl.rollouts.async_generation`` (docs/scale.md,
 "Generation engine").
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+
+if TYPE_CHECKING:  # the model package stays out of the sampler's imports
+    from policyopt.models.interface import PolicyModel
 
 __all__ = [
     "Greedy",
@@ -378,7 +381,7 @@ def _repeat_cache(cache, times: int):
     return cache.replace(key_mask=_repeat_rows(cache.key_mask, times, 0))
 
 
-def next_logits(model, hidden: jax.Array) -> jax.Array:
+def next_logits(model: PolicyModel, hidden: jax.Array) -> jax.Array:
     """float32 [R, V] logits from final hidden states [R, D], computed as the model's own
     projection and `policyopt.logprobs.token_log_probs` do (weights in the hidden dtype,
     float32 accumulation), so behaviour and training log-probs agree."""
@@ -432,7 +435,7 @@ def decode_step(
     are read from its final hidden state (`next_logits`).
 
     Args:
-      model: a `policyopt.models.Transformer`.
+      model: a `policyopt.models.PolicyModel` (`policyopt.models.Transformer`).
       config: the sampling settings (method, end ids, stop sequences, min_new_tokens, fill).
       logits: float32 [R, V], each row's next-token logits.
       cache: a KVCache or PagedKVCache (pages for the token reserved by the caller).
@@ -509,7 +512,7 @@ def _right_align(x: jax.Array, lengths: jax.Array, axis: int) -> jax.Array:
 
 
 def _generate(graphdef, state, prompts, prompt_lengths, rng, *, config: SamplingConfig) -> Rollout:
-    model = nnx.merge(graphdef, state)
+    model: PolicyModel = nnx.merge(graphdef, state)
     config.check_vocab(model.config.vocab_size)
     batch, prompt_len = prompts.shape
     num_new, group = config.max_new_tokens, config.num_samples
@@ -638,7 +641,7 @@ Can also be called inside another jit. See `generate` for the arguments.
 
 
 def generate(
-    model: nnx.Module,
+    model: PolicyModel,
     prompts,
     prompt_lengths,
     *,

@@ -7,8 +7,8 @@ import dataclasses
 
 from policyopt import schema
 from policyopt.config import Algo, Optim, RunConfig
-from policyopt.rl.critic import CriticSettings
-from policyopt.rl.learner import LossSettings
+from policyopt.rl.update.critic import CriticSettings
+from policyopt.rl.update.learner import LossSettings
 
 # Loss settings outside `algo`, by section.
 _LOSS_SECTIONS = {"group_size": "batch", "micro_batch_tokens": "batch", "temperature": "sampling"}

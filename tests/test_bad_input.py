@@ -13,7 +13,8 @@ import pytest
 
 from policyopt.checkpoint import WorkdirLocked
 from policyopt.data.jsonl import MalformedRowError
-from policyopt.rl import sft, trainer
+from policyopt.rl import sft
+from policyopt.rl.loop import trainer
 
 TINY = (
     "model=tiny_dense,model.num_layers=1,batch.n_prompts=2,batch.group_size=4,batch.n_minibatches=1,"
@@ -88,7 +89,7 @@ def test_rl_build_errors_come_before_the_run_directory(tmp_path):
 
 
 def test_async_build_errors_come_before_the_run_directory(tmp_path):
-    from policyopt.rl.async_rl import run_async_rl
+    from policyopt.rl.loop.async_rl import run_async_rl
 
     for index, (variant, error, message) in enumerate(_cases(tmp_path)):
         workdir = tmp_path / f"async{index}"
@@ -203,7 +204,7 @@ def test_a_start_still_being_trained_is_refused(tmp_path):
         holder.kill()
         holder.wait()
     # Once the owner is gone the directory is an ordinary (here empty) start.
-    from policyopt.rl import build
+    from policyopt.rl.loop import build
 
     assert build.check_init_directory(str(start / "checkpoints"), "f") == str(start / "checkpoints")
 

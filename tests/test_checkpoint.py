@@ -18,7 +18,7 @@ from policyopt.metrics import (
     to_scalars,
     truncate_jsonl,
 )
-from policyopt.rl.learner import TrainState, make_optimizer
+from policyopt.rl.update.learner import TrainState, make_optimizer
 
 
 def _state(seed):
@@ -452,7 +452,7 @@ def test_unreadable_state_metadata_is_corruption(tmp_path):
     import shutil
 
     from policyopt.checkpoint import CorruptCheckpointError
-    from policyopt.rl import build
+    from policyopt.rl.loop import build
 
     for damage in ("state", "emptied", "_METADATA"):
         ckpt, states = _two_checkpoints(tmp_path / damage)

@@ -13,8 +13,9 @@ import jax
 import pytest
 
 from policyopt.metrics import Progress
-from policyopt.rl import learner as learner_lib
-from policyopt.rl import report, trainer
+from policyopt.rl.loop import trainer
+from policyopt.rl.reporting import report
+from policyopt.rl.update import learner as learner_lib
 from policyopt.runtime import compile_count
 from tests.flags import ROOT, subprocess_env
 from tests.rl.test_trainer import tiny
@@ -133,7 +134,7 @@ def test_eta_leaves_out_every_stretch_that_compiled():
 def _compiles_per_iteration(config, workdir) -> list[int]:
     """XLA compilations (cache loads included) during each iteration of ``run_rl``."""
     counts = []
-    iterate = trainer.rl_iteration
+    iterate = trainer.RLRun.step
 
     def counted(run):
         before = compile_count()
@@ -141,11 +142,11 @@ def _compiles_per_iteration(config, workdir) -> list[int]:
         counts.append(compile_count() - before)
         return metrics
 
-    trainer.rl_iteration = counted
+    trainer.RLRun.step = counted
     try:
         trainer.run_rl(config, str(workdir), quiet=True)
     finally:
-        trainer.rl_iteration = iterate
+        trainer.RLRun.step = iterate
     return counts
 
 

@@ -371,7 +371,7 @@ def engine_run(tmp_path_factory):
     """grpo with R3 on a tiny MoE, 2 prompts x 4 samples through 4 engine rows, one
     iteration: (run, its parameters before the iteration, the iteration's metrics).
     Shared by the two trainer tests below (one compilation of the engine and the steps)."""
-    from policyopt.rl import trainer
+    from policyopt.rl.loop import trainer
     from tests.rl.test_trainer import tiny
 
     extra = (
@@ -379,8 +379,8 @@ def engine_run(tmp_path_factory):
         "algo.routing_replay=R3,train.num_iterations=1,eval.num_prompts=0"
     )
     run = trainer.build_run(tiny("grpo", extra=extra), str(tmp_path_factory.mktemp("engine")))
-    old_params = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))(run.state.params)
-    metrics = trainer.rl_iteration(run)
+    old_params = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))(run.run_state.policy.params)
+    metrics = run.step()
     return run, old_params, metrics
 
 
@@ -388,8 +388,8 @@ def test_synchronous_trainer_streams_its_rows_through_the_engine(engine_run):
     """grpo on a tiny MoE with 2 prompts x 4 samples through 4 engine rows: one group at a
     time, the second admitted when the first is handed out; the run trains."""
     run, _, metrics = engine_run
-    assert run.engine is not None and run.engine.engine.rows == 4
-    assert run.engine.stats["peak_pages"] > 0
+    assert run.spec.engine is not None and run.spec.engine.engine.rows == 4
+    assert run.spec.engine.stats["peak_pages"] > 0
     assert np.isfinite(metrics["reward/mean"])
     assert run.last_batch.tokens.shape[0] == 2 * 4
 
@@ -401,7 +401,7 @@ def test_trainer_replays_the_engines_routing_r3(engine_run):
     batch, sampled = run.last_batch, run.last_round
     assert sampled.routing is not None and batch.routing is not None
     np.testing.assert_array_equal(np.asarray(batch.routing), sampled.routing)
-    replayed, _, _ = run.learner.log_probs(
+    replayed, _, _ = run.spec.learner.log_probs(
         old_params, batch.tokens, batch.positions, batch.attention_mask, batch.mask, batch.routing
     )
     np.testing.assert_allclose(np.asarray(batch.old_log_probs), np.asarray(replayed), atol=1e-6)

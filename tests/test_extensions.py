@@ -20,7 +20,7 @@ from policyopt.config import typed
 from policyopt.data import tasks
 from policyopt.rewards import RewardSpec, score_batch
 from policyopt.rewards import verifiers as verifiers_lib
-from policyopt.rl import build
+from policyopt.rl.loop import build
 from policyopt.schema import setting
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -251,14 +251,16 @@ def test_an_unregistered_estimator_is_a_config_error_and_a_registered_one_is_use
         return 0.5 * jnp.asarray(rewards, jnp.float32)
 
     advantages.register_estimator("test_halves", halves, kind="outcome")
-    advantages.register_estimator("test_values", "policyopt.rl.critic:gae_targets", kind="gae")
+    advantages.register_estimator(
+        "test_values", "policyopt.rl.update.critic:gae_targets", kind="gae"
+    )
     try:
-        from policyopt.rl import methods
+        from policyopt.rl.update import methods
 
         config = typed(grpo.get_config("algo.advantage=test_halves"))
         assert not config.algo.uses_critic
         chosen = methods.choose(config, is_moe=False)
-        out = chosen.advantages(None, None, None, np.array([1.0, 0.0]), None, False)
+        out = chosen.advantages(None, None, None, None, np.array([1.0, 0.0]), None, False)
         np.testing.assert_allclose(out[0], [0.5, 0.0])
         assert calls == ["test_halves"]
         # A critic estimator: the run trains a critic, and its warm-up is allowed.

@@ -10,7 +10,7 @@ and ``from a import b`` (``b`` a submodule) run ``a.b``; ``from a import name`` 
 (its ``__init__.py``); and each also runs the packages around its target that are not
 around the importer (``policyopt.sharding`` importing ``policyopt.models.sharding`` ran
 ``policyopt/models/__init__.py``, hence the whole model: a cycle). A package's own modules
-importing each other (``from policyopt.rewards import math`` in ``policyopt.rewards.batch``)
+importing each other (``from policyopt.rewards import math`` in ``policyopt.rewards.scoring``)
 do not run its ``__init__.py`` again: no edge. A message names the importing module, the
 line and the imported name.
 """
@@ -52,8 +52,8 @@ class Import:
 
 
 def module_name(path: Path) -> str:
-    """``policyopt/rl/trainer.py`` -> ``policyopt.rl.trainer``; a package's ``__init__.py``
-    -> the package."""
+    """``policyopt/rl/loop/trainer.py`` -> ``policyopt.rl.loop.trainer``; a package's
+    ``__init__.py`` -> the package."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -319,7 +319,7 @@ def test_walker_reads_the_package(all_imports):
     assert set(PACKAGES) <= {name.split(".")[0] for name in importers}
     graph, _ = import_graph(all_imports)
     assert "policyopt.sharding" in graph["policyopt.models.layers"]
-    assert "policyopt.rewards.compose" in graph["policyopt.rewards.batch"]
+    assert "policyopt.rewards.compose" in graph["policyopt.rewards.scoring"]
     assert "policyopt.models.transformer" in graph["policyopt.models"]
 
 

@@ -17,7 +17,7 @@ import pytest
 from configs import grpo
 from policyopt import loggers
 from policyopt.metrics import MetricsWriter
-from policyopt.rl import trainer
+from policyopt.rl.loop import trainer
 from tests.rl.test_trainer import tiny
 
 CONFIG = {"algo": {"method": "ppo", "clip_low": 0.2}, "seed": 3}

@@ -45,14 +45,14 @@ _SCRIPT = textwrap.dedent("""
     sharding.initialize_distributed()  # before any other JAX call
     import jax, numpy as np
     from policyopt.metrics import read_jsonl
-    from policyopt.rl import trainer
+    from policyopt.rl.loop import trainer
     from policyopt.rl.sft import run_sft
     from tests.rl.test_trainer import tiny
     from tests.test_multihost import EXTRA, MESHES
 
     multi, out, local = sys.argv[1] == "multi", sys.argv[2], int(sys.argv[3])
     # Count the completions this process runs the verifiers on.
-    from policyopt.rewards import batch as reward_batch
+    from policyopt.rewards import scoring as reward_batch
     scored, score_items = [0], reward_batch._score_items
     def counting(items, *args):
         scored[0] += len(items)
@@ -79,19 +79,19 @@ _SCRIPT = textwrap.dedent("""
     results.update({f"sft/{k}": v
                     for k, v in {**sft_summary["metrics"], **sft_summary["eval"]}.items()
                     if not k.startswith("time/")})
-    params = sharding.to_host(run.state.params)  # every process takes part in the gather
+    params = sharding.to_host(run.run_state.policy.params)  # every process takes part in the gather
     # HuggingFace export: gathered from both processes, written by process 0.
     from flax import nnx
     from policyopt.models import save_pretrained
     from safetensors.numpy import load_file
-    save_pretrained(nnx.merge(run.graphdef, run.state.params), f"{out}/hf")
+    save_pretrained(nnx.merge(run.spec.graphdef, run.run_state.policy.params), f"{out}/hf")
     if multi:
         # Really split across the processes: some parameters have shards on both.
-        assert any(not x.is_fully_addressable for x in jax.tree.leaves(run.state.params))
+        assert any(not x.is_fully_addressable for x in jax.tree.leaves(run.run_state.policy.params))
         # Resumed by both processes from the checkpoint they wrote together.
         resumed = trainer.build_run(config, f"{out}/run")
-        assert resumed.iteration == 2
-        for got, want in zip(jax.tree.leaves(sharding.to_host(resumed.state.params)),
+        assert resumed.run_state.iteration == 2
+        for got, want in zip(jax.tree.leaves(sharding.to_host(resumed.run_state.policy.params)),
                              jax.tree.leaves(params)):
             np.testing.assert_array_equal(got, want)
     if sharding.is_primary():

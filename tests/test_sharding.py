@@ -80,7 +80,7 @@ _BUILD_SCRIPT = textwrap.dedent("""
     from flax import nnx
     from policyopt import sharding
     from policyopt.models import Transformer, from_pretrained, preset, save_pretrained
-    from policyopt.rl import build
+    from policyopt.rl.loop import build
     from tests.rl.test_trainer import tiny
 
     assert jax.device_count() == 8, jax.devices()

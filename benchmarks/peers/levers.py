@@ -77,25 +77,25 @@ def build_batch():
     """The run, its state and one minibatch of the peers' geometry with random advantages."""
     import jax
 
-    from policyopt.rl import trainer
     from policyopt.rl.batch import minibatch_indices, shard_batch, take_rows
+    from policyopt.rl.loop import trainer
 
     config = side_policyopt.config_for("sampler")
     workdir = tempfile.mkdtemp()
     try:
         run = trainer.build_run(config, workdir)
         exact = dataclasses.replace(
-            run.sampling_config, min_new_tokens=config.sampling.max_new_tokens
+            run.spec.sampling_config, min_new_tokens=config.sampling.max_new_tokens
         )
         run.spec = dataclasses.replace(run.spec, sampling_config=exact)
-        trainer.rl_iteration(run)
+        run.step()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     group = config.batch.group_size
     rows = next(iter(minibatch_indices(run.last_batch.tokens.shape[0] // group, group, 1, None)))
     batch = take_rows(run.last_batch, rows)
     advantages = jax.random.normal(jax.random.key(1), batch.advantages.shape)
-    with jax.set_mesh(run.mesh):
+    with jax.set_mesh(run.spec.mesh):
         batch = shard_batch(batch._replace(advantages=advantages))
     return run, batch
 
@@ -205,7 +205,7 @@ def time_generate(names: list[str], rounds: int) -> dict:
 
     from policyopt import sampling as sampling_module
     from policyopt import sharding
-    from policyopt.rl import trainer
+    from policyopt.rl.loop import trainer
 
     config = side_policyopt.config_for("sampler")
     workdir = tempfile.mkdtemp()
@@ -214,13 +214,13 @@ def time_generate(names: list[str], rounds: int) -> dict:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     sampling = dataclasses.replace(
-        run.sampling_config, min_new_tokens=config.sampling.max_new_tokens
+        run.spec.sampling_config, min_new_tokens=config.sampling.max_new_tokens
     )
     prompts = next(run.spec.prompts)
     compiled, outputs, record = {}, {}, {}
-    with jax.set_mesh(run.mesh):
+    with jax.set_mesh(run.spec.mesh):
         inputs = (
-            run.state.params,
+            run.run_state.policy.params,
             sharding.shard_rows(prompts["prompt_tokens"]),
             sharding.shard_rows(prompts["prompt_lengths"]),
             jax.random.key(0),
@@ -310,15 +310,15 @@ def time_update(names: list[str], rounds: int) -> dict:
 
     run, batch = build_batch()
     compiled, states, record = {}, {}, {}
-    with jax.set_mesh(run.mesh):
+    with jax.set_mesh(run.spec.mesh):
         for name in names:
             options = FLAG_VARIANTS.get(name, {})
             patch = CODE_VARIANTS.get(name, contextlib.nullcontext)
             # A fresh function object: no variant reuses another's compiled program.
             jitted = jax.jit(
-                lambda state, batch: run.learner._update(state, batch), donate_argnums=0
+                lambda state, batch: run.spec.learner._update(state, batch), donate_argnums=0
             )
-            state = jax.tree.map(lambda x: x.copy(), run.state)
+            state = jax.tree.map(lambda x: x.copy(), run.run_state.policy)
             jax.clear_caches()  # no trace of an inner jitted function reused across variants
             wall, cpu = time.perf_counter(), time.process_time()
             with patch():
@@ -336,7 +336,7 @@ def time_update(names: list[str], rounds: int) -> dict:
             states[name] = jax.block_until_ready(state)
             print(f"compiled {name}: {record[name]['compile_wall_s']:.1f} s", flush=True)
         reference = jax.tree.leaves(states["base"].params)
-        before = jax.tree.leaves(run.state.params)
+        before = jax.tree.leaves(run.run_state.policy.params)
         moved = max(
             float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(reference, before)
         )

@@ -91,7 +91,7 @@ def main(argv=None) -> None:
     import jax
 
     from policyopt import sharding
-    from policyopt.rl import trainer
+    from policyopt.rl.loop import trainer
     from policyopt.runtime import keep_freed_host_memory
     from policyopt.sampling import generate_fn
 
@@ -103,13 +103,13 @@ def main(argv=None) -> None:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     sampling = dataclasses.replace(
-        run.sampling_config, min_new_tokens=config.sampling.max_new_tokens
+        run.spec.sampling_config, min_new_tokens=config.sampling.max_new_tokens
     )
     prompts = next(run.spec.prompts)
-    with jax.set_mesh(run.mesh):
+    with jax.set_mesh(run.spec.mesh):
         inputs = (
             run.spec.graphdef,
-            run.state.params,
+            run.run_state.policy.params,
             sharding.shard_rows(prompts["prompt_tokens"]),
             sharding.shard_rows(prompts["prompt_lengths"]),
             jax.random.key(0),

@@ -205,8 +205,8 @@ def main(argv=None) -> None:
 
     import jax
 
-    from policyopt.rl import trainer
     from policyopt.rl.batch import minibatch_indices, shard_batch, take_rows
+    from policyopt.rl.loop import trainer
     from policyopt.runtime import keep_freed_host_memory
 
     keep_freed_host_memory()
@@ -215,20 +215,20 @@ def main(argv=None) -> None:
     try:
         run = trainer.build_run(config, workdir)
         exact = dataclasses.replace(
-            run.sampling_config, min_new_tokens=config.sampling.max_new_tokens
+            run.spec.sampling_config, min_new_tokens=config.sampling.max_new_tokens
         )
         run.spec = dataclasses.replace(run.spec, sampling_config=exact)
-        trainer.rl_iteration(run)  # compiles everything; keeps the batch
+        run.step()  # compiles everything; keeps the batch
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     group = config.batch.group_size
     rows = next(iter(minibatch_indices(run.last_batch.tokens.shape[0] // group, group, 1, None)))
-    with jax.set_mesh(run.mesh):
+    with jax.set_mesh(run.spec.mesh):
         minibatch = shard_batch(take_rows(run.last_batch, rows))
-        update = run.learner.update
+        update = run.spec.learner.update
         jax.clear_caches()  # compile it again, to time the compilation
         t0 = time.perf_counter()
-        lowered = update.lower(run.state, minibatch)
+        lowered = update.lower(run.run_state.policy, minibatch)
         lower_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         compiled = lowered.compile()
@@ -236,7 +236,7 @@ def main(argv=None) -> None:
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         hlo = compiled.as_text()
-        state = jax.tree.map(lambda x: x.copy(), run.state)
+        state = jax.tree.map(lambda x: x.copy(), run.run_state.policy)
 
         def step():
             nonlocal state

@@ -1,4 +1,4 @@
-"""The policyopt side: ``trainer.build_run`` + ``trainer.rl_iteration`` of the GRPO recipe at
+"""The policyopt side: ``trainer.build_run`` + ``RLRun.step`` of the GRPO recipe at
 the shared geometry (``common.GEOMETRY``), as ``experiments/train.py`` runs it.
 
     python benchmarks/peers/side_policyopt.py --json out.json [--old_log_probs trainer]
@@ -7,7 +7,7 @@ The one change to the recipe's run: the sampler draws no end token before the 64
 (``SamplingConfig.min_new_tokens``), so every response has exactly 64 tokens, as on the
 other sides. Wall times are the trainer's own (``time/generate_s``, ``time/update_s``,
 ...); CPU times (``*_cpu_s``) are the process's over ``iteration.generate`` (until the
-rollout exists), ``iteration.update_epochs`` and the whole ``trainer.rl_iteration``.
+rollout exists), ``iteration.update_epochs`` and the whole ``RLRun.step``.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main() -> None:
     start = time.perf_counter()
     import jax
 
-    from policyopt.rl import iteration, trainer
+    from policyopt.rl.loop import iteration, trainer
     from policyopt.runtime import keep_freed_host_memory
 
     keep_freed_host_memory()  # as experiments/train.py does
@@ -88,16 +88,16 @@ def main() -> None:
     try:
         run = trainer.build_run(config, workdir)
         exact = dataclasses.replace(
-            run.sampling_config, min_new_tokens=run.sampling_config.max_new_tokens
+            run.spec.sampling_config, min_new_tokens=run.spec.sampling_config.max_new_tokens
         )
         run.spec = dataclasses.replace(run.spec, sampling_config=exact)
-        params = sum(x.size for x in jax.tree.leaves(run.state.params))
+        params = sum(x.size for x in jax.tree.leaves(run.run_state.policy.params))
         setup_s = time.perf_counter() - start
         compiles.mark()  # span 0: the set-up; then one span per iteration
         iterations = []
         for _ in range(args.warmup + args.iterations):
             cpu_start = time.process_time()
-            metrics = trainer.rl_iteration(run)
+            metrics = run.step()
             iteration_cpu_s = time.process_time() - cpu_start
             compiles.mark()
             iterations.append(

@@ -416,7 +416,7 @@ class Algo:
 class Critic:
     """The value model of PPO, VC-PPO and VAPO (algo.advantage = "gae"): the policy's backbone
     with a scalar head (zero-initialised), started from the policy's initial parameters
-    (`policyopt.rl.critic`)."""
+    (`policyopt.rl.update.critic`)."""
 
     lr: float = setting(
         1e-5,
@@ -453,7 +453,7 @@ class Critic:
         paper="VC-PPO 2503.01491 and VAPO 2504.05118 name it the source of the value "
         "initialisation bias",
         note="On the SFT policy's rollouts: its value at the last response token only, fitted "
-        'to the outcome reward (`policyopt.rl.critic`, "Reward-model initialisation"). 0: '
+        'to the outcome reward (`policyopt.rl.update.critic`, "Reward-model initialisation"). 0: '
         "the critic starts from the policy's parameters with a zero value head. They count in "
         "`train.num_iterations` and `experiments/ablate.py` adds them on top, as above.",
         check=_iterations(),

@@ -43,7 +43,7 @@ class Batch:
         "Pack the real tokens of each minibatch's rows into rows of `pack_tokens` slots for "
         "the training forwards.",
         note="Old / reference log-probs, critic values and updates; first-fit decreasing, "
-        "attention within each sequence only (policyopt.rl.packing). The losses are "
+        "attention within each sequence only (policyopt.rl.update.packing). The losses are "
         "unchanged: the per-token results return to the padded rows before them. Logged: "
         "batch/padding_fraction (padded layout) and batch/packed_padding_fraction.",
         check=flag(),
@@ -60,7 +60,7 @@ class Batch:
         "tokens; None or 0: one pass.",
         note="Rows x padded row length, over the whole mesh; their gradients summed in "
         "float32 inside the jitted step, then one optimiser step. The result is the "
-        "minibatch's (its denominators; `policyopt.rl.micro_batches`), the memory one "
+        "minibatch's (its denominators; `policyopt.rl.update.micro_batches`), the memory one "
         "micro-batch's. At least the longest row, max(prompt_buckets) + max_new_tokens. "
         "With algo.load_balancing_coef > 0 and no routing replay, one more forward pass per "
         "update counts the minibatch's expert loads first.",
@@ -179,7 +179,7 @@ class DynamicSampling:
 
 @dataclasses.dataclass(frozen=True)
 class AsyncMode:
-    """Magistral's asynchronous generation, for any recipe (`policyopt.rl.async_rl`;
+    """Magistral's asynchronous generation, for any recipe (`policyopt.rl.loop.async_rl`;
     docs/algorithms.md): generators never wait for the trainer, finished groups are scored
     at once, new weights reach the generators mid-generation."""
 

@@ -18,7 +18,7 @@ _LR = number(0.0, low_inclusive=False)
 @dataclasses.dataclass(frozen=True)
 class Optim:
     """The policy's optimiser: optax AdamW, linear warm-up then constant, global-norm
-    clipping (`policyopt.rl.learner.make_optimizer`)."""
+    clipping (`policyopt.rl.update.learner.make_optimizer`)."""
 
     lr: float = setting(
         1e-6, "Learning rate.", paper="DeepSeekMath 2402.03300 §4.2: 1e-6", check=_LR

@@ -8,7 +8,7 @@ routing capture and replay, a KV cache, and HuggingFace checkpoint import / expo
 """
 
 from policyopt.models.attention import KVCache
-from policyopt.models.config import ModelConfig
+from policyopt.models.config import Architecture, Kernels, ModelConfig
 from policyopt.models.hf import (
     config_from_hf,
     config_to_hf,
@@ -16,13 +16,18 @@ from policyopt.models.hf import (
     save_adapters,
     save_pretrained,
 )
+from policyopt.models.interface import Cache, PolicyModel
 from policyopt.models.presets import PRESETS, preset
 from policyopt.models.transformer import ModelOutput, Transformer
 from policyopt.sharding import LOGICAL_AXIS_RULES, logical_to_mesh_axes, param_partition_specs
 
 __all__ = [
     "KVCache",
+    "Architecture",
+    "Kernels",
     "ModelConfig",
+    "PolicyModel",
+    "Cache",
     "ModelOutput",
     "Transformer",
     "preset",

@@ -55,6 +55,9 @@ class KVCache:
     key_mask: jax.Array
     index: jax.Array
 
+    # Dense slots: attention runs here (``policyopt.models.interface.Cache``).
+    paged = False
+
     @classmethod
     def create(
         cls,
@@ -248,7 +251,7 @@ class Attention(nnx.Module):
         k = apply_rope(self.k_norm(k), cos, sin)
         q = constrain(q, ("batch", "length", "heads", "kv"))
         t = x.shape[1]
-        if getattr(cache, "paged", False):  # policyopt.models.paged.PagedKVCache
+        if cache is not None and cache.paged:  # policyopt.models.paged.PagedKVCache
             out, cache = cache.attend(layer, q, k, v, token_mask)
             return self._output(out.astype(dt)), cache
         if cache is None:

@@ -60,7 +60,7 @@ class PagedKVCache:
     held_pages: int = struct.field(pytree_node=False, default=0)
     shards: int = struct.field(pytree_node=False, default=1)
 
-    # Read by ``Attention`` to route a forward call here.
+    # Read by ``Attention`` to route a forward call here (``models.interface.Cache``).
     paged = True
 
     @classmethod

@@ -70,7 +70,7 @@ def router_aux(
     device returns the statistics of the global batch.
 
     Also returned, for a loss over several calls (micro-batches,
-    ``policyopt.rl.micro_batches.load_balancing_share``): ``tokens_per_expert`` c_e and
+    ``policyopt.rl.update.micro_batches.load_balancing_share``): ``tokens_per_expert`` c_e and
     ``router_prob_sum`` N P_e, the sum of the router probabilities over the valid tokens.
     """
     k = expert_ids.shape[-1]

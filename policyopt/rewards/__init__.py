@@ -28,16 +28,6 @@ Public API::
 Each function of model output returns a value and never raises on what the model wrote.
 """
 
-from policyopt.rewards.batch import (
-    BatchScores,
-    RewardSpec,
-    SampleScore,
-    kill_pool,
-    score_batch,
-    score_sample,
-    shutdown_pools,
-    start_workers,
-)
 from policyopt.rewards.code import CodeResult, code_correctness, run_code_tests
 from policyopt.rewards.compose import ComposedRewards, Verdicts, compose_rewards
 from policyopt.rewards.format import first_code_block, format_ok, split_think
@@ -53,6 +43,16 @@ from policyopt.rewards.math import (
     verify_math,
 )
 from policyopt.rewards.sandbox import SandboxResult, run_sandboxed
+from policyopt.rewards.scoring import (
+    BatchScores,
+    RewardSpec,
+    SampleScore,
+    kill_pool,
+    score_batch,
+    score_sample,
+    shutdown_pools,
+    start_workers,
+)
 from policyopt.rewards.testcases import parse_tests
 from policyopt.rewards.timelimit import VerifierTimeout, time_limit
 

@@ -1,6 +1,6 @@
 """The reward arithmetic: what the verifiers said about N samples, and their lengths, as
 the rewards the trainers learn from. Pure NumPy; no verifier, pool or deadline here
-(``policyopt.rewards.batch.score_batch`` runs those, then calls :func:`compose_rewards`).
+(``policyopt.rewards.scoring.score_batch`` runs those, then calls :func:`compose_rewards`).
 
 Reward of one sample (Magistral, arXiv 2506.10910, section 2.2.1; DAPO, arXiv 2503.14476,
 eq. 13), with c in [0, 1] its correctness (math: 0/1; code: 0/1, or the pass rate with

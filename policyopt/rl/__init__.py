@@ -1,9 +1,9 @@
-"""The RL trainer: batch layout and dynamic sampling (`batch`), the jitted update and
-forward steps (`learner`), the value model and GAE targets of PPO / VC-PPO / VAPO
-(`critic`), routing metrics (`routing`), held-out evaluation (`evaluate`), SFT (`sft`)
-and the loop (`trainer`).
+"""Reinforcement learning (and SFT) by role: the batch records (`batch`), the run and its
+loop (`loop`), generation and scoring bookkeeping (`rollouts`), the jitted training steps
+and the methods (`update`), what a run reports (`reporting`), SFT (`sft`); the map is in
+docs/design.md, "Module map".
 
-    from policyopt.rl.trainer import run_rl
+    from policyopt.rl.loop.trainer import run_rl
     from policyopt.rl.sft import run_sft
-    from policyopt.rl.evaluate import evaluate
+    from policyopt.rl.reporting.evaluate import evaluate
 """

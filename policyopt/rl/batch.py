@@ -52,7 +52,7 @@ class Batch(NamedTuple):
     # float32 [R, N]: the policy terms' mask when rollout rejection sampling drops tokens
     # (``losses.rejection_mask``; 0 on padding); None: ``mask``. The critic uses ``mask``.
     loss_mask: jax.Array | None = None
-    # ``policyopt.rl.packing.PackedLayout`` of these rows (``config.batch.pack``): the
+    # ``policyopt.rl.update.packing.PackedLayout`` of these rows (``config.batch.pack``): the
     # forwards run on packed rows, every loss on the fields above; None: padded rows.
     packing: Any = None
 

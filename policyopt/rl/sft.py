@@ -13,7 +13,7 @@ iterator state is checkpointed) and the orbax checkpoint format, so
     summary = run_sft(config, workdir)                       # config.sft.* settings
     summary = run_sft(config, workdir2, steps=100, init_checkpoint=workdir + "/checkpoints")
 
-Devices as in RL (``policyopt.rl.trainer``): one mesh from ``config.mesh``, the training
+Devices as in RL (``policyopt.rl.loop.trainer``): one mesh from ``config.mesh``, the training
 state placed by the parameters' logical axes, batch rows split over ``data`` x ``fsdp``
 when their number divides, every jitted call under ``jax.set_mesh``.
 """
@@ -36,9 +36,10 @@ from policyopt.data.pipeline import as_record, make_pipeline
 from policyopt.loggers import config_json, open_loggers, parse_loggers
 from policyopt.losses import aggregate
 from policyopt.metrics import MetricsWriter, Progress, read_step_record
-from policyopt.rl import build, report
-from policyopt.rl.evaluate import evaluate
-from policyopt.rl.learner import (
+from policyopt.rl.loop import build
+from policyopt.rl.reporting import report
+from policyopt.rl.reporting.evaluate import evaluate
+from policyopt.rl.update.learner import (
     TrainState,
     forward_log_probs,
     guarded_update,

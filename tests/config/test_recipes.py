@@ -9,7 +9,7 @@ from ml_collections import config_flags
 
 from configs import base
 from policyopt.config import typed
-from policyopt.rl import build
+from policyopt.rl.loop import build
 from policyopt.sharding import MESH_AXES
 
 RECIPES = (
@@ -136,7 +136,7 @@ def test_recipes_state_the_papers_rewards_aggregation_and_kl():
         assert load(name, "algo.aggregation=token_mean").algo.aggregation == "token_mean"
     assert load("grpo", "algo.kl_clamp=True").algo.kl_clamp is True
     # The critic sees +-1 outcomes; the loss settings carry the clamp and the aggregation.
-    from policyopt.rl.learner import LossSettings
+    from policyopt.rl.update.learner import LossSettings
 
     settings = LossSettings.of(typed(load("vapo", "algo.kl_clamp=True,algo.kl_beta=0.04")))
     assert (settings.algo.kl_clamp, settings.algo.aggregation) == (True, "group_token_mean")

@@ -11,7 +11,7 @@ from configs import base, grpo, sapo
 from policyopt import config as schema_config
 from policyopt import schema
 from policyopt.config import reference
-from policyopt.rl import build
+from policyopt.rl.loop import build
 from tests.flags import ROOT
 
 

@@ -28,7 +28,7 @@ from experiments.eval import evaluate_checkpoint
 from policyopt.config import typed
 from policyopt.data.tasks import TASKS
 from policyopt.metrics import read_jsonl
-from policyopt.rl.learner import LossSettings
+from policyopt.rl.update.learner import LossSettings
 from tests.rl.test_trainer import tiny
 
 

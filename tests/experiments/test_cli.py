@@ -22,8 +22,9 @@ from configs import base
 from policyopt import losses
 from policyopt.checkpoint import Checkpointer
 from policyopt.metrics import MetricsWriter, Progress, read_jsonl
-from policyopt.rl import build, plots, report, trainer
-from policyopt.rl.learner import split_params
+from policyopt.rl.loop import build, trainer
+from policyopt.rl.reporting import plots, report
+from policyopt.rl.update.learner import split_params
 from tests.flags import ROOT
 
 TINY = (
@@ -399,7 +400,9 @@ def test_readme_sapo_example_changes_the_update(tmp_path):
         )
         summary = trainer.run_rl(load("sapo", variant), str(tmp_path / str(tau)), quiet=True)
         assert summary["metrics"]["batch/informative_groups"] > 0
-        params[tau] = [np.asarray(x) for x in jax.tree.leaves(summary["run"].state.params)]
+        params[tau] = [
+            np.asarray(x) for x in jax.tree.leaves(summary["run"].run_state.policy.params)
+        ]
     assert any(not np.array_equal(a, b) for a, b in zip(params[1.05], params[1.1]))
 
 
@@ -556,15 +559,15 @@ def test_run_logs_samples_banner_and_stops_with_a_checkpoint_on_sigterm(
         "train.sample_prompts=1,train.checkpoint_every=100,train.eval_every=1,"
         "train.zero_variance_patience=1",
     )
-    iterate = trainer.rl_iteration
+    iterate = trainer.RLRun.step
 
     def iterate_then_sigterm(run):
         metrics = iterate(run)
-        if run.iteration == 1:
+        if run.run_state.iteration == 1:
             os.kill(os.getpid(), signal.SIGTERM)  # what `kill` or a scheduler sends
         return metrics
 
-    monkeypatch.setattr(trainer, "rl_iteration", iterate_then_sigterm)
+    monkeypatch.setattr(trainer.RLRun, "step", iterate_then_sigterm)
     handler = signal.getsignal(signal.SIGTERM)
     summary = trainer.run_rl(config, workdir, recipe="configs/sapo.py:tiny")
     out = capsys.readouterr()
@@ -592,7 +595,7 @@ def test_run_logs_samples_banner_and_stops_with_a_checkpoint_on_sigterm(
     assert len(evals) == 8 and {e["step"] for e in evals} == {0}
     assert np.mean([e["correct"] for e in evals]) == logged[0]["eval/pass@1"]
 
-    monkeypatch.setattr(trainer, "rl_iteration", iterate)
+    monkeypatch.setattr(trainer.RLRun, "step", iterate)
     summary = trainer.run_rl(config, workdir, recipe="configs/sapo.py:tiny")
     out = capsys.readouterr().out
     assert summary["iteration"] == 3 and summary["interrupted"] is None

@@ -18,7 +18,7 @@ from policyopt.data.tokenizer import train_bpe
 from policyopt.data.word_problems import jsonl_text, word_problem_splits
 from policyopt.rewards import RewardSpec, score_batch
 from policyopt.rewards.math import verify_math
-from policyopt.rl import build, trainer
+from policyopt.rl.loop import build, trainer
 from policyopt.rl.sft import make_sft_iterator, run_sft
 from tests.flags import ROOT, subprocess_env
 
@@ -176,9 +176,9 @@ def test_sft_then_rl_on_own_data_with_any_preset(tokenizer_path, tmp_path):
     rl_config = quickstart.get_config(f"{variant},init_checkpoint='{sft['checkpoint_dir']}'")
     summary = trainer.run_rl(rl_config, str(tmp_path / "grpo"), quiet=True)
     run = summary["run"]
-    assert run.graphdef is not None and summary["iteration"] == 1
-    vocab = run.tokenizer.vocab_size
-    embedding = [x for x in jax.tree.leaves(run.state.params) if x.shape[:1] == (vocab,)]
+    assert run.spec.graphdef is not None and summary["iteration"] == 1
+    vocab = run.spec.tokenizer.vocab_size
+    embedding = [x for x in jax.tree.leaves(run.run_state.policy.params) if x.shape[:1] == (vocab,)]
     assert embedding  # the preset's vocabulary is the tokenizer's
     assert summary["metrics"]["reward/format_failure_rate"] == 0.0
     assert 0 <= summary["eval"]["eval/pass@1"] <= 1

@@ -386,7 +386,7 @@ def test_unavailable_implementation_is_a_config_error():
     assert ModelConfig(**TINY).resolved_attention() == "auto"
     # From the run config (configs/base.py's model.attention), as the trainers build it.
     from configs import base
-    from policyopt.rl import build
+    from policyopt.rl.loop import build
 
     config = base.get_config()
     config.model.attention = "splash"

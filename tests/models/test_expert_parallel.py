@@ -283,7 +283,7 @@ def _config(**mesh):
     ],
 )
 def test_a_mesh_expert_parallelism_cannot_use_is_a_config_error(mesh, experts, message):
-    from policyopt.rl import build
+    from policyopt.rl.loop import build
     from policyopt.sharding import MESH_AXES
 
     # An abstract mesh (no devices needed): the check reads the axis sizes only.

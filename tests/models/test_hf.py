@@ -211,7 +211,7 @@ def test_missing_tensor_names_it(tmp_path):
 def test_rl_build_applies_runtime_overrides_to_a_pretrained_model(tmp_path):
     """config.model's dtype / MoE-dispatch fields reach a pretrained checkpoint; a field
     that would change its shapes is refused instead of being ignored."""
-    from policyopt.rl import build
+    from policyopt.rl.loop import build
     from tests.rl.test_trainer import tiny
 
     hf_model = _hf_model("moe")

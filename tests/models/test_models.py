@@ -1,6 +1,7 @@
 """Transformer: hand-worked layers, KV-cache decoding equals the full forward, padding,
 routing capture / replay plumbing, mixed precision, config errors, presets, jit."""
 
+import dataclasses
 import functools
 
 import chex
@@ -10,8 +11,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from policyopt.models import KVCache, ModelConfig, ModelOutput, Transformer, preset
+from policyopt.models import (
+    Architecture,
+    Cache,
+    Kernels,
+    KVCache,
+    ModelConfig,
+    ModelOutput,
+    PolicyModel,
+    Transformer,
+    preset,
+)
 from policyopt.models.layers import RMSNorm, apply_rope, rope_cos_sin
+from policyopt.models.paged import PagedKVCache
 from policyopt.sharding import logical_to_mesh_axes, param_partition_specs
 
 TINY = dict(
@@ -339,3 +351,43 @@ def test_logical_axes_and_rules(models):
     assert logical_to_mesh_axes(
         ("embed", "mlp"), mesh_axis_names=("fsdp",)
     ) == jax.sharding.PartitionSpec("fsdp", None)
+
+
+def test_config_halves_architecture_and_kernels():
+    """Every field of ModelConfig but the adapters is in exactly one half; the halves
+    rebuild the config; a kernel changes no architecture and is checked on its own."""
+    names = lambda kind: {f.name for f in dataclasses.fields(kind)}
+    assert not names(Architecture) & names(Kernels)
+    assert names(Architecture) | names(Kernels) | {"lora"} == names(ModelConfig)
+    assert {"vocab_size", "num_experts", "rope_theta", "rms_norm_eps"} <= names(Architecture)
+    assert {"attention", "moe_dispatch", "remat", "scan_layers", "dtype"} <= names(Kernels)
+    config = preset("tiny_moe", vocab_size=16)
+    assert ModelConfig.of(config.architecture, config.kernels, config.lora) == config
+    other = config.replace(moe_dispatch="ragged", remat="full", dtype="bfloat16")
+    assert other.architecture == config.architecture and other.kernels != config.kernels
+    with pytest.raises(ValueError, match="moe_dispatch"):
+        Kernels(moe_dispatch="sparse")
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        Architecture(**{**TINY, "num_kv_heads": 3})
+
+
+def test_the_model_and_its_caches_offer_the_interface():
+    """Transformer is a PolicyModel, both caches are Caches (paged or not, as attention
+    reads it); an object lacking a method is not."""
+    config = ModelConfig(**TINY, num_experts=4)
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    assert isinstance(model, PolicyModel)
+    dense = model.init_cache(2, 8)
+    paged = PagedKVCache.create(config, rows=2, num_pages=4, page_size=4, max_pages=2)
+    assert isinstance(dense, Cache) and isinstance(paged, Cache)
+    assert (dense.paged, paged.paged) == (False, True)
+
+    class NoEmbedding:
+        def __init__(self, config):
+            self.config = config
+
+        def __call__(self, tokens, **kwargs): ...
+
+        def init_cache(self, batch_size, max_length, dtype=None, *, per_layer=False): ...
+
+    assert not isinstance(NoEmbedding(config), PolicyModel)

@@ -1,4 +1,4 @@
-"""Batch scoring (policyopt.rewards.batch): the reward spec, Magistral's and DAPO's rewards by
+"""Batch scoring (policyopt.rewards.scoring): the reward spec, Magistral's and DAPO's rewards by
 hand, serial equals parallel, custom verifiers, deadlines and workers that die."""
 
 import os
@@ -271,7 +271,7 @@ def test_score_batch_parallel_deadline_then_recovers():
 def test_samples_of_a_crashed_worker_get_no_verdict():
     """A worker that dies mid-batch: its samples get the stand-in reward, leave the loss and
     their group's statistics ("worker_error", scored False); the next call has a new pool."""
-    from policyopt.rewards import batch as batch_lib
+    from policyopt.rewards import scoring as batch_lib
 
     completions, references = _mixed_batch(6)
     spec = RewardSpec(
@@ -302,7 +302,7 @@ def test_a_call_waiting_without_deadline_returns_when_its_pool_is_killed():
     """Another thread killing the pool (its deadline passed, or a worker crashed) cancels
     this call's queued chunks: the call returns them as lost instead of waiting for ever;
     a caller under another pool name is untouched."""
-    from policyopt.rewards import batch as batch_lib
+    from policyopt.rewards import scoring as batch_lib
 
     spec = RewardSpec(
         format_reward=False, verifier="tests.verifiers:sleeps", verifier_timeout_s=60.0
@@ -335,7 +335,7 @@ def test_a_call_waiting_without_deadline_returns_when_its_pool_is_killed():
 def test_a_call_cleaning_up_its_killed_pool_spares_the_next_one():
     """A call whose pool was killed under it must not kill the pool that another caller of
     the same name started since (kill_pool(only=...))."""
-    from policyopt.rewards import batch as batch_lib
+    from policyopt.rewards import scoring as batch_lib
 
     spec = RewardSpec(
         format_reward=False, verifier="tests.verifiers:sleeps", verifier_timeout_s=60.0
@@ -364,7 +364,7 @@ def test_a_call_cleaning_up_its_killed_pool_spares_the_next_one():
 def test_score_batch_survives_a_worker_killed_between_calls():
     """Workers killed while idle (e.g. by the OOM killer) are replaced before the next
     chunk: no sample is lost."""
-    from policyopt.rewards import batch as batch_lib
+    from policyopt.rewards import scoring as batch_lib
     from policyopt.rewards.worker import wait_gone
 
     completions, references = _mixed_batch(6)

@@ -429,7 +429,7 @@ def test_nothing_a_sample_started_outlives_a_deadline_kill():
     """score_batch's deadline kills the scoring worker mid-test: the test's processes die
     with it (the issue: a fork bomb's processes were alive 110 s later)."""
     from policyopt.rewards import RewardSpec, score_batch, start_workers
-    from policyopt.rewards.batch import kill_pool
+    from policyopt.rewards.scoring import kill_pool
 
     mark = new_mark()
     program = solution(leaves_children(mark, "import time\ntime.sleep(120)\n"))

@@ -159,10 +159,10 @@ def concurrently(count):
 def past_deadline():
     # Every worker stuck in a program (code tests keep their own limit) at the deadline:
     # the pool is killed, its sandboxes with it; the next call forks a new one.
-    from policyopt.rewards import batch
+    from policyopt.rewards import scoring
     from policyopt.rewards.worker import wait_gone
 
-    before = batch._POOLS[("default", 2)].pids
+    before = scoring._POOLS[("default", 2)].pids
     loop = "<think>plan</think>\n```python\nwhile True:\n    pass\n```"
     stuck = RewardSpec(task="code", code_timeout_s=5.0)
     missed = score_batch(
@@ -172,7 +172,7 @@ def past_deadline():
     after = score(2)
     return {
         "status": missed.status, "gone": gone, "after": after,
-        "new_pids": not set(batch._POOLS[("default", 2)].pids) & set(before),
+        "new_pids": not set(scoring._POOLS[("default", 2)].pids) & set(before),
     }
 
 results = {"serial": score(0), "workers": [score(2) for _ in range(3)]}

@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 from policyopt.engine import admit_rows
-from policyopt.rl.async_generation import EngineSlots, SlotConfig, engine_pages_needed
-from policyopt.rl.async_rl import PromptStream, make_generator, run_async_rl
+from policyopt.rl.loop.async_rl import PromptStream, make_generator, run_async_rl
+from policyopt.rl.rollouts.async_generation import EngineSlots, SlotConfig, engine_pages_needed
 from policyopt.sampling import Greedy, generate_fn
 from tests.flags import run_script
 from tests.rl.test_async_generation import _feed, recompute
@@ -176,7 +176,7 @@ def test_a_shard_that_cannot_admit_and_runs_nothing_raises(monkeypatch):
     """With the pool check out of the way (``engine_pages_needed``), a pool of 2 pages
     never admits a group of 2 rows: the segment raises, naming what it saw, where the
     generator thread would run empty segments for ever."""
-    from policyopt.rl import async_generation
+    from policyopt.rl.rollouts import async_generation
 
     graphdef, params, _ = policy()
     monkeypatch.setattr(async_generation, "engine_pages_needed", lambda *args: 0)
@@ -197,7 +197,7 @@ def test_take_stops_on_request_and_the_generator_closes():
     import time
 
     from policyopt.engine import GenerationStopped
-    from policyopt.rl.async_generation import AsyncGenerator
+    from policyopt.rl.rollouts.async_generation import AsyncGenerator
 
     graphdef, params, _ = policy()
     slots = EngineSlots(graphdef, slot_config(), params, kv_tokens=ONE_GROUP, page_size=PAGE)
@@ -237,7 +237,10 @@ def test_run_async_rl_on_the_paged_engine_trains(tmp_path):
     # it with the trainer's parameters (on a one-device mesh).
     assert admit_rows._cache_size() - compiled <= 1
     run, metrics = summary["run"], summary["metrics"]
-    assert summary["iteration"] == 2 and int(run.state.step) + int(run.state.skipped) == 2
+    assert (
+        summary["iteration"] == 2
+        and int(run.run_state.policy.step) + int(run.run_state.policy.skipped) == 2
+    )
     for key in (
         "loss/loss",
         "update/grad_norm",
@@ -252,7 +255,7 @@ def test_run_async_rl_on_the_paged_engine_trains(tmp_path):
     assert np.all(prompt_part == prompt_part[:, :1])  # whole groups
     assert 0 < metrics["async/peak_pages"] <= 2 * ONE_GROUP // PAGE
     assert not generator_threads()
-    generator = make_generator(run, PromptStream(run.data))
+    generator = make_generator(run, PromptStream(run.spec.prompts))
     assert isinstance(generator.slots, EngineSlots)
     assert generator.slots.config.rows == N_ASYNC
 
@@ -263,7 +266,7 @@ _MESH_SCRIPT = textwrap.dedent(r"""
     from policyopt import sharding
     from policyopt.engine import admit_rows, decode_steps, evict_rows, group_rows
     import os
-    from policyopt.rl.async_generation import EngineSlots, SlotConfig
+    from policyopt.rl.rollouts.async_generation import EngineSlots, SlotConfig
     from policyopt.sampling import Greedy
     from tests.rl.test_async_engine import ONE_GROUP, PAGE, run_slots
     from tests.rl.test_async_rl import GROUP, PROMPT_WIDTH, policy, random_prompts, slot_config

@@ -1,5 +1,5 @@
-"""Asynchronous generation (policyopt.rl.async_generation): behaviour log-probs across weight
-pushes against a token-by-token recomputation, greedy equality with the synchronous
+"""Asynchronous generation (policyopt.rl.rollouts.async_generation): behaviour log-probs
+across weight pushes against a token-by-token recomputation, greedy equality with the synchronous
 sampler, compiled once, bounded staleness, whole groups, slow scoring, and errors raised in
 the caller with no thread left behind."""
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from policyopt.rl.async_generation import (
+from policyopt.rl.rollouts.async_generation import (
     AsyncGenerator,
     GeneratorExhausted,
     SlotConfig,

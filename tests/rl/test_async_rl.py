@@ -1,4 +1,4 @@
-"""Asynchronous RL (policyopt.rl.async_rl): the config's defaults and errors, the group
+"""Asynchronous RL (policyopt.rl.loop.async_rl): the config's defaults and errors, the group
 batcher, short run_async_rl runs with resume (a critic recipe too), prompt widths and
 buckets, mixed tasks. The tiny policy, prompts and slot config here are shared with
 test_async_generation.py (the generator itself) and test_async_engine.py."""
@@ -19,13 +19,9 @@ from configs import base, magistral, magistral_async, vapo
 from policyopt.config import AsyncMode, typed
 from policyopt.metrics import read_jsonl
 from policyopt.rewards import score_batch
-from policyopt.rl import build
-from policyopt.rl.async_generation import (
-    GroupCompletion,
-    SlotConfig,
-    staleness_bound,
-)
-from policyopt.rl.async_rl import (
+from policyopt.rl.batch import merge_rounds, round_from_rollout
+from policyopt.rl.loop import build
+from policyopt.rl.loop.async_rl import (
     GroupBatcher,
     PromptStream,
     assemble,
@@ -34,9 +30,13 @@ from policyopt.rl.async_rl import (
     make_scorer,
     run_async_rl,
 )
-from policyopt.rl.batch import merge_rounds, round_from_rollout
-from policyopt.rl.learner import forward_log_probs, split_params
-from policyopt.rl.trainer import build_run
+from policyopt.rl.loop.trainer import build_run
+from policyopt.rl.rollouts.async_generation import (
+    GroupCompletion,
+    SlotConfig,
+    staleness_bound,
+)
+from policyopt.rl.update.learner import forward_log_probs, split_params
 from policyopt.sampling import SamplingConfig, sampling_method
 
 PROMPT_WIDTH, NUM_NEW, GROUP, N_ASYNC, SEGMENT = 16, 6, 2, 8, 2
@@ -162,7 +162,10 @@ def test_run_async_rl_trains_checkpoints_and_resumes(tmp_path):
     assert (
         metrics["reward/verifier_errors"] == 0 and 0 <= metrics["reward/format_failure_rate"] <= 1
     )
-    assert summary["iteration"] == 3 and int(run.state.step) + int(run.state.skipped) == 3
+    assert (
+        summary["iteration"] == 3
+        and int(run.run_state.policy.step) + int(run.run_state.policy.skipped) == 3
+    )
     for key in (
         "reward/mean",
         "loss/loss",
@@ -216,13 +219,13 @@ def test_run_async_rl_trains_a_critic_recipe_with_value_pretraining_nll_and_resu
         recipe=vapo,
     )
     assert config.algo.advantage == "gae" and config.algo.nll_coef > 0 and async_enabled(config)
-    initial = _leaves(build_run(config, str(tmp_path / "initial")).state.params)
+    initial = _leaves(build_run(config, str(tmp_path / "initial")).run_state.policy.params)
 
     summary = run_async_rl(config, str(tmp_path), num_iterations=1, quiet=True)
     run, metrics = summary["run"], summary["metrics"]
     assert metrics["critic/pretraining"] == 1.0 and "loss/loss" not in metrics
-    assert int(run.state.step) == 0 and int(run.critic_state.step) == 1
-    for got, want in zip(_leaves(run.state.params), initial):
+    assert int(run.run_state.policy.step) == 0 and int(run.run_state.critic.step) == 1
+    for got, want in zip(_leaves(run.run_state.policy.params), initial):
         np.testing.assert_array_equal(got, want)
     assert np.isfinite(metrics["critic/value_loss"]) and metrics["critic/value_loss"] > 0
     batch, merged = run.last_batch, run.last_round
@@ -234,7 +237,10 @@ def test_run_async_rl_trains_a_critic_recipe_with_value_pretraining_nll_and_resu
     resumed = run_async_rl(config, str(tmp_path), num_iterations=2, quiet=True)
     run, metrics = resumed["run"], resumed["metrics"]
     assert resumed["iteration"] == 2 and metrics["critic/pretraining"] == 0.0
-    assert int(run.state.step) + int(run.state.skipped) == 1 and int(run.critic_state.step) == 2
+    assert (
+        int(run.run_state.policy.step) + int(run.run_state.policy.skipped) == 1
+        and int(run.run_state.critic.step) == 2
+    )
     for key in (
         "loss/loss",
         "loss/nll",
@@ -245,7 +251,9 @@ def test_run_async_rl_trains_a_critic_recipe_with_value_pretraining_nll_and_resu
         "update/grad_norm",
     ):
         assert key in metrics and np.isfinite(metrics[key]), key
-    assert not all(np.array_equal(a, b) for a, b in zip(_leaves(run.state.params), initial))
+    assert not all(
+        np.array_equal(a, b) for a, b in zip(_leaves(run.run_state.policy.params), initial)
+    )
     assert not generator_threads()
 
 
@@ -258,7 +266,7 @@ def test_default_prompt_width_fits_every_prompt_of_the_stream(tmp_path):
     config.batch.prompt_buckets = (8, PROMPT_WIDTH)
     config.lock()
     run = build_run(config, str(tmp_path))
-    stream = PromptStream(run.data)
+    stream = PromptStream(run.spec.prompts)
     generator = make_generator(run, stream)
     slots = generator.slots
     assert slots.config.prompt_width == PROMPT_WIDTH
@@ -266,8 +274,8 @@ def test_default_prompt_width_fits_every_prompt_of_the_stream(tmp_path):
     for segment, prompt in enumerate(itertools.islice(stream, 16)):  # 8 batches of 2
         widths.append(prompt["prompt_tokens"].shape[0])  # the width of its batch
         while not slots.free_groups():
-            slots.segment(run.state.params, 0, jax.random.PRNGKey(segment))
-        slots.refill(slots.free_groups()[0], prompt, run.state.params, 0)  # fits
+            slots.segment(run.run_state.policy.params, 0, jax.random.PRNGKey(segment))
+        slots.refill(slots.free_groups()[0], prompt, run.run_state.policy.params, 0)  # fits
     assert widths[0] == 8 and max(widths) == PROMPT_WIDTH  # the case the default must cover
 
 
@@ -291,7 +299,7 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
     assert summary["metrics"]["update/skipped"] == 0
 
     # The cut layout gives the log-probs and routing of the uncut one (R3 replay).
-    with make_generator(run, PromptStream(run.data)) as generator:
+    with make_generator(run, PromptStream(run.spec.prompts)) as generator:
         groups = [generator.take() for _ in range(2)]
     cut, *_ = assemble(groups, run)
     # The scorer's per-sample "scored" flags reach the batch (a sample that missed the
@@ -300,7 +308,7 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
     flagged, *_ = assemble([groups[0]._replace(scored=np.array([True, False])), groups[1]], run)
     assert flagged.scored.tolist() == [True, False, True, True]
     late = dataclasses.replace(
-        run.config, reward=dataclasses.replace(run.config.reward, deadline_s=1e-9)
+        run.spec.config, reward=dataclasses.replace(run.spec.config.reward, deadline_s=1e-9)
     )
     rescored = make_scorer(
         dataclasses.replace(run, spec=dataclasses.replace(run.spec, config=late))
@@ -315,15 +323,15 @@ def test_batches_take_the_prompt_bucket_of_their_longest_prompt(tmp_path):
             for g in groups
         ],
         GROUP,
-        run.tokenizer.pad_id,
+        run.spec.tokenizer.pad_id,
     )
     assert whole.prompt_width == PROMPT_WIDTH and cut.prompt_width == 8
     # Jitted: run op by op, the two forwards compile each primitive of the model apart.
     forward = jax.jit(forward_log_probs, static_argnums=(0, 5))
     outs = [
         forward(
-            run.graphdef,
-            run.state.params,
+            run.spec.graphdef,
+            run.run_state.policy.params,
             jnp.asarray(r.tokens),
             jnp.asarray(r.positions),
             jnp.asarray(r.attention_mask),
@@ -348,7 +356,7 @@ def test_mixed_math_and_code_prompts_are_scored_by_their_task(tmp_path, monkeypa
     """Async mode on task.name=mixed_jsonl: every group carries its record's task to
     ``score_batch`` (recorded on its way through; the real function scores), which checks
     it with that task's verifier; per-task accuracies are logged."""
-    from policyopt.rl import async_rl
+    from policyopt.rl.loop import async_rl
     from tests.rl.test_tasks import _mixed_files
 
     seen = []

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from policyopt.rl import batch as B
-from policyopt.rl.routing import ratio_share_metrics, routing_differences, routing_metrics
 from policyopt.rl.sft import sft_layout
+from policyopt.rl.update.routing import ratio_share_metrics, routing_differences, routing_metrics
 
 
 def test_bucket():

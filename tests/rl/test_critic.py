@@ -12,9 +12,10 @@ from configs import vapo
 from policyopt.config import typed
 from policyopt.losses import nll_loss
 from policyopt.models import Transformer, preset
-from policyopt.rl import forwards, trainer
 from policyopt.rl.batch import Batch, layout
-from policyopt.rl.critic import (
+from policyopt.rl.loop import trainer
+from policyopt.rl.update import forwards, methods
+from policyopt.rl.update.critic import (
     Critic,
     CriticSettings,
     critic_loss,
@@ -26,7 +27,7 @@ from policyopt.rl.critic import (
     reward_model_targets,
     token_rewards,
 )
-from policyopt.rl.learner import TrainState, split_params
+from policyopt.rl.update.learner import TrainState, split_params
 from tests.rl.test_trainer import tiny
 from tests.settings import critic_settings, gae_settings, optim_settings, replace
 
@@ -324,8 +325,8 @@ def _check_gae(run, critic_before, lam_actor, lam_critic):
     """The iteration's values, advantages and returns against an independent recomputation."""
     batch, sampled = run.last_batch, run.last_round
     mask = np.asarray(batch.mask)
-    with jax.set_mesh(run.mesh):  # as the trainer calls it: its compiled program serves
-        values = run.critic.values(
+    with jax.set_mesh(run.spec.mesh):  # as the trainer calls it: its compiled program serves
+        values = run.spec.critic.values(
             critic_before, batch.tokens, batch.positions, batch.attention_mask, batch.mask
         )
     np.testing.assert_array_equal(np.asarray(batch.old_values), np.asarray(values))
@@ -361,9 +362,11 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
     # compiled functions.
     trainer.save(run)
     run = trainer.build_run(config, str(tmp_path))
-    run.critic_state = run.critic_state.replace(params=_random_head(run.critic_state.params))
-    policy_before = _copy(run.state.params)
-    critic_before = _copy(run.critic_state.params)
+    run.run_state = run.run_state.replace(
+        critic=run.run_state.critic.replace(params=_random_head(run.run_state.critic.params))
+    )
+    policy_before = _copy(run.run_state.policy.params)
+    critic_before = _copy(run.run_state.critic.params)
 
     # Iteration 1: value pretraining. The policy is bit-identical; the critic moved; no
     # policy forward pass (old log-probs) was run for it.
@@ -374,15 +377,15 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
         "policy_log_probs",
         lambda *args: policy_forwards.append(1) or real_log_probs(*args),
     )
-    metrics = trainer.rl_iteration(run)
+    metrics = run.step()
     assert not policy_forwards and "time/old_log_probs_s" not in metrics
     assert metrics["critic/pretraining"] == 1.0 and "loss/loss" not in metrics
-    assert int(run.state.step) == 0 and int(run.critic_state.step) == 1
-    for got, want in zip(_leaves(run.state.params), _leaves(policy_before)):
+    assert int(run.run_state.policy.step) == 0 and int(run.run_state.critic.step) == 1
+    for got, want in zip(_leaves(run.run_state.policy.params), _leaves(policy_before)):
         np.testing.assert_array_equal(got, want)
     assert not all(
         np.array_equal(a, b)
-        for a, b in zip(_leaves(run.critic_state.params), _leaves(critic_before))
+        for a, b in zip(_leaves(run.run_state.critic.params), _leaves(critic_before))
     )
     # Decoupled GAE: advantages with lambda_actor = 0.95, targets with lambda_critic = 1.0,
     # which with gamma = 1 are the Monte-Carlo returns: the outcome reward on every token.
@@ -395,13 +398,14 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
     trainer.save(run)
 
     # Iteration 2: policy and critic both update.
-    critic_before = _copy(run.critic_state.params)
-    metrics = trainer.rl_iteration(run)
+    critic_before = _copy(run.run_state.critic.params)
+    metrics = run.step()
     assert policy_forwards and "time/old_log_probs_s" in metrics
-    assert metrics["critic/pretraining"] == 0.0 and int(run.state.step) == 1
-    assert int(run.critic_state.step) == 2
+    assert metrics["critic/pretraining"] == 0.0 and int(run.run_state.policy.step) == 1
+    assert int(run.run_state.critic.step) == 2
     assert not all(
-        np.array_equal(a, b) for a, b in zip(_leaves(run.state.params), _leaves(policy_before))
+        np.array_equal(a, b)
+        for a, b in zip(_leaves(run.run_state.policy.params), _leaves(policy_before))
     )
     _check_gae(run, critic_before, 0.95, 1.0)
     for key in (
@@ -435,9 +439,9 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
     # (The update's metrics are those of the loss at the parameters it starts from; the
     # update is already compiled for this shape, a separate jit of the loss is not. Under
     # the run's mesh, as the trainer calls them, the trainer's compiled programs serve.)
-    with jax.set_mesh(run.mesh):
-        log_probs, _, _ = run.learner.log_probs(
-            run.state.params,
+    with jax.set_mesh(run.spec.mesh):
+        log_probs, _, _ = run.spec.learner.log_probs(
+            run.run_state.policy.params,
             batch.tokens,
             batch.positions,
             batch.attention_mask,
@@ -445,7 +449,9 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
             None,
             None,
         )
-        _, loss_metrics = run.learner.update(_copy(run.state), batch._replace(nll_weights=weights))
+        _, loss_metrics = run.spec.learner.update(
+            _copy(run.run_state.policy), batch._replace(nll_weights=weights)
+        )
     log_probs, mask, rows = (
         np.asarray(log_probs, np.float64),
         np.asarray(batch.mask),
@@ -459,10 +465,11 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
 
     # Resume from the checkpoint after iteration 1: the same iteration 2, critic included.
     resumed = trainer.build_run(config, str(tmp_path))
-    assert resumed.iteration == 1 and int(resumed.critic_state.step) == 1
-    trainer.rl_iteration(resumed)
+    assert resumed.run_state.iteration == 1 and int(resumed.run_state.critic.step) == 1
+    resumed.step()
     for got, want in zip(
-        _leaves((resumed.state, resumed.critic_state)), _leaves((run.state, run.critic_state))
+        _leaves((resumed.run_state.policy, resumed.run_state.critic)),
+        _leaves((run.run_state.policy, run.run_state.critic)),
     ):
         np.testing.assert_array_equal(got, want)
 
@@ -479,13 +486,15 @@ def test_value_pretraining_targets_are_monte_carlo_returns(tmp_path):
             "algo.gae_lambda_critic=0.95,algo.adv_whiten=False,train.checkpoint_every=100"
         ),
     )
-    assert trainer.gae_settings(typed(config), pretraining=True).critic_lambda == 1.0
-    assert trainer.gae_settings(typed(config), pretraining=False) == typed(config).algo
+    assert methods.gae_settings(typed(config), pretraining=True).critic_lambda == 1.0
+    assert methods.gae_settings(typed(config), pretraining=False) == typed(config).algo
     assert typed(config).algo.critic_lambda == 0.95
     run = trainer.build_run(config, str(tmp_path))
-    run.critic_state = run.critic_state.replace(params=_random_head(run.critic_state.params))
-    critic_before = _copy(run.critic_state.params)
-    assert trainer.rl_iteration(run)["critic/pretraining"] == 1.0
+    run.run_state = run.run_state.replace(
+        critic=run.run_state.critic.replace(params=_random_head(run.run_state.critic.params))
+    )
+    critic_before = _copy(run.run_state.critic.params)
+    assert run.step()["critic/pretraining"] == 1.0
     rewards = _check_gae(run, critic_before, 0.95, 1.0)
     mc = np.where(np.asarray(run.last_batch.mask) > 0, rewards.sum(axis=1, keepdims=True), 0)
     np.testing.assert_allclose(np.asarray(run.last_batch.returns), mc, atol=1e-5)
@@ -526,14 +535,16 @@ def test_reward_model_then_value_pretraining_then_ppo(tmp_path):
     )
     run = trainer.build_run(config, str(tmp_path))
     assert (run.spec.reward_model_iterations, run.spec.warmup_iterations) == (1, 2)
-    run.critic_state = run.critic_state.replace(params=_random_head(run.critic_state.params))
-    policy_before = _copy(run.state.params)
-    critic_before = _copy(run.critic_state.params)
+    run.run_state = run.run_state.replace(
+        critic=run.run_state.critic.replace(params=_random_head(run.run_state.critic.params))
+    )
+    policy_before = _copy(run.run_state.policy.params)
+    critic_before = _copy(run.run_state.critic.params)
 
-    metrics = trainer.rl_iteration(run)
+    metrics = run.step()
     assert metrics["critic/reward_model"] == 1.0 and metrics["critic/pretraining"] == 1.0
-    assert "loss/loss" not in metrics and int(run.state.step) == 0
-    for got, want in zip(_leaves(run.state.params), _leaves(policy_before)):
+    assert "loss/loss" not in metrics and int(run.run_state.policy.step) == 0
+    for got, want in zip(_leaves(run.run_state.policy.params), _leaves(policy_before)):
         np.testing.assert_array_equal(got, want)
     rnd, batch = run.last_round, run.last_batch
     rewards = np.asarray(rnd.rewards)
@@ -548,26 +559,26 @@ def test_reward_model_then_value_pretraining_then_ppo(tmp_path):
 
     # The critic's update fitted the last token's value: its squared error there fell.
     def last_token_error(params):
-        with jax.set_mesh(run.mesh):
-            values = run.critic.values(
+        with jax.set_mesh(run.spec.mesh):
+            values = run.spec.critic.values(
                 params, batch.tokens, batch.positions, batch.attention_mask, rnd.mask
             )
         return np.sum(want_mask * (np.asarray(values) - rewards[:, None]) ** 2)
 
     mse_before, mse_after = (
         last_token_error(critic_before),
-        last_token_error(run.critic_state.params),
+        last_token_error(run.run_state.critic.params),
     )
     assert mse_after < mse_before
 
-    metrics = trainer.rl_iteration(run)
+    metrics = run.step()
     assert metrics["critic/reward_model"] == 0.0 and metrics["critic/pretraining"] == 1.0
-    assert int(run.state.step) == 0
+    assert int(run.run_state.policy.step) == 0
     mask = np.asarray(run.last_batch.mask)
     np.testing.assert_array_equal(mask, np.asarray(run.last_round.mask))
     mc = np.where(mask > 0, np.asarray(run.last_round.rewards)[:, None], 0)
     np.testing.assert_allclose(np.asarray(run.last_batch.returns), mc, atol=1e-5)
 
-    metrics = trainer.rl_iteration(run)
+    metrics = run.step()
     assert metrics["critic/reward_model"] == 0.0 and metrics["critic/pretraining"] == 0.0
-    assert int(run.state.step) == 1 and int(run.critic_state.step) == 3
+    assert int(run.run_state.policy.step) == 1 and int(run.run_state.critic.step) == 3

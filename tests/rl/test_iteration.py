@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from policyopt.rl import forwards, iteration, methods, trainer
+from policyopt.rl.loop import iteration, trainer
+from policyopt.rl.update import forwards, methods
 from tests.rl.test_trainer import tiny
 
 
@@ -68,7 +69,7 @@ def _leaves(tree):
 
 @pytest.mark.parametrize("recipe", ["vapo"])
 def test_the_stages_compose_to_rl_iteration(recipe, tmp_path):
-    """Two runs of one config: one by ``trainer.rl_iteration``, one stage by stage; the
+    """Two runs of one config: one by ``RLRun.step``, one stage by stage; the
     same parameters (policy and critic) bit for bit and the same metrics (times aside)."""
     config = tiny(
         recipe,
@@ -78,25 +79,31 @@ def test_the_stages_compose_to_rl_iteration(recipe, tmp_path):
     whole = trainer.build_run(config, str(tmp_path / "whole"))
     staged = trainer.build_run(config, str(tmp_path / "staged"))
     for _ in range(2):  # vapo: the critic's warm-up, then both models
-        want = trainer.rl_iteration(whole)
+        want = whole.step()
         spec, state = staged.spec, staged.run_state
         with jax.set_mesh(spec.mesh):
             key_sample, key_shuffle = jax.random.split(
                 jax.random.fold_in(state.rng, state.iteration)
             )
             sampled = iteration.sample(spec, state, key_sample)
-            batch = iteration.prepare(spec, state, sampled.round)
-            state, update_metrics = iteration.update_epochs(spec, state, batch, key_shuffle)
+            prepared = iteration.prepare(spec, state, sampled.round)
+            state, update_metrics = iteration.update_epochs(spec, state, prepared, key_shuffle)
         staged.run_state = state.replace(iteration=state.iteration + 1)
-        got = {**sampled.metrics, **batch.metrics, **update_metrics}
-        assert staged.iteration == whole.iteration
+        got = {**sampled.metrics, **prepared.metrics, **update_metrics}
+        assert staged.run_state.iteration == whole.run_state.iteration
         for got_leaf, want_leaf in zip(
-            _leaves((staged.state, staged.critic_state)), _leaves((whole.state, whole.critic_state))
+            _leaves((staged.run_state.policy, staged.run_state.critic)),
+            _leaves((whole.run_state.policy, whole.run_state.critic)),
         ):
             np.testing.assert_array_equal(got_leaf, want_leaf)
         untimed = lambda metrics: {
             k: float(v) for k, v in metrics.items() if not k.startswith("time/")
         }
         assert untimed(got) == pytest.approx(untimed(want), nan_ok=True)
-    assert int(whole.state.step) + int(whole.state.skipped) + want["update/empty"] >= 1
-    assert batch.batch.routing is not None  # R2: the old forward's routing is replayed
+    assert (
+        int(whole.run_state.policy.step)
+        + int(whole.run_state.policy.skipped)
+        + want["update/empty"]
+        >= 1
+    )
+    assert prepared.batch.routing is not None  # R2: the old forward's routing is replayed

@@ -16,7 +16,7 @@ from policyopt.config import Algo, typed
 from policyopt.losses import policy_loss
 from policyopt.models import Transformer, preset
 from policyopt.rl.batch import Batch, layout
-from policyopt.rl.learner import (
+from policyopt.rl.update.learner import (
     LossSettings,
     TrainState,
     get_learner,

@@ -1,4 +1,4 @@
-"""RL with LoRA adapters (``config.model.lora``, ``policyopt.rl.adapters``): only the
+"""RL with LoRA adapters (``config.model.lora``, ``policyopt.rl.update.adapters``): only the
 adapters train and are in the optimiser state (the base bit-identical after updates, its
 gradient identity dL/dB = (alpha / r) A^T dL/dW at B = 0); the KL reference from the base
 with the adapters off equals a separate frozen model's log-probs, with no copy of the
@@ -18,8 +18,11 @@ from flax import nnx
 from policyopt.checkpoint import Checkpointer
 from policyopt.models import Transformer, lora, preset
 from policyopt.models.lora import LoRAConfig
-from policyopt.rl import adapters, forwards, iteration, sft, trainer
-from policyopt.rl.learner import forward_log_probs
+from policyopt.rl import sft
+from policyopt.rl.batch import Batch
+from policyopt.rl.loop import iteration, trainer
+from policyopt.rl.update import adapters, forwards
+from policyopt.rl.update.learner import forward_log_probs
 from tests.rl.test_trainer import tiny
 
 LORA = "model.lora.rank=2,model.lora.targets='attention,mlp'"
@@ -28,7 +31,7 @@ GRPO = LORA + ",model.lora.sampler=unmerged,algo.entropy_coef=0.1"
 
 def _base_model(run, config):
     """The run's model without adapters, built apart from the run (same preset and seed)."""
-    model = preset("tiny_moe", num_layers=1, vocab_size=run.tokenizer.vocab_size)
+    model = preset("tiny_moe", num_layers=1, vocab_size=run.spec.tokenizer.vocab_size)
     return Transformer(model, rngs=nnx.Rngs(config.seed))
 
 
@@ -49,14 +52,18 @@ def grpo_run(tmp_path_factory):
 def test_only_the_adapters_train_and_hold_optimiser_state(grpo_run):
     config, _, summary = grpo_run
     run = summary["run"]
-    trainable = _names(run.state.params)
+    trainable = _names(run.run_state.policy.params)
     assert trainable and all(".lora." in n and n.endswith(("lora_a", "lora_b")) for n in trainable)
     # Adam's moments are copies of the adapters' tree, nothing of the base.
-    for moments in jax.tree.leaves(run.state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State)):
+    for moments in jax.tree.leaves(
+        run.run_state.policy.opt_state, is_leaf=lambda x: isinstance(x, nnx.State)
+    ):
         if isinstance(moments, nnx.State):
             assert _names(moments) == trainable
-    leaves = [x.shape for x in jax.tree.leaves(run.state.opt_state) if x.ndim]
-    assert sorted(leaves) == sorted([x.shape for x in jax.tree.leaves(run.state.params)] * 2)
+    leaves = [x.shape for x in jax.tree.leaves(run.run_state.policy.opt_state) if x.ndim]
+    assert sorted(leaves) == sorted(
+        [x.shape for x in jax.tree.leaves(run.run_state.policy.params)] * 2
+    )
     # The base after two updates is the model's initialisation, bit for bit.
     base = _base_model(run, config)
     for (path, got), (_, want) in zip(
@@ -65,10 +72,10 @@ def test_only_the_adapters_train_and_hold_optimiser_state(grpo_run):
         strict=True,
     ):
         np.testing.assert_array_equal(got.get_value(), want.get_value(), err_msg=str(path))
-    assert int(run.state.step) == 2
+    assert int(run.run_state.policy.step) == 2
     b = [
         np.asarray(v)
-        for p, v in jax.tree_util.tree_leaves_with_path(run.state.params)
+        for p, v in jax.tree_util.tree_leaves_with_path(run.run_state.policy.params)
         if "lora_b" in str(p)
     ]
     assert max(float(np.abs(x).max()) for x in b) > 0  # the adapters moved
@@ -81,14 +88,14 @@ def test_kl_reference_is_the_base_without_a_copy(grpo_run):
     run = summary["run"]
     assert run.spec.ref_params is run.spec.weights.frozen  # no copy of the parameters
     rnd = run.last_round
-    rows = forwards.Rows(
-        jnp.asarray(rnd.tokens),
-        jnp.asarray(rnd.positions),
-        jnp.asarray(rnd.attention_mask),
-        jnp.asarray(rnd.mask),
-        num_chunks=1,
+    rows = Batch(
+        *map(jnp.asarray, (rnd.tokens, rnd.positions, rnd.attention_mask, rnd.mask)),
+        advantages=None,
+        old_log_probs=None,
     )
-    reference, _ = forwards.policy_log_probs(run.spec.ref_learner, run.spec.ref_params, rows)
+    reference, _ = forwards.policy_log_probs(
+        run.spec.ref_learner, run.spec.ref_params, rows, (None,)
+    )
     base = _base_model(run, config)
     graphdef, params = nnx.split(base, nnx.Param)
     want = jax.jit(
@@ -101,7 +108,10 @@ def test_kl_reference_is_the_base_without_a_copy(grpo_run):
     mask = np.asarray(rnd.mask) > 0
     np.testing.assert_allclose(np.asarray(reference)[mask], np.asarray(want)[mask], rtol=1e-6)
     policy, _ = forwards.policy_log_probs(
-        run.learner, iteration.policy_params(run.spec, run.state.params), rows
+        run.spec.learner,
+        iteration.policy_params(run.spec, run.run_state.policy.params),
+        rows,
+        (None,),
     )
     assert np.abs(np.asarray(policy - reference)[mask]).max() > 1e-5
 
@@ -173,19 +183,22 @@ def test_critic_methods_with_adapters_or_full_weights(recipe, extra, tmp_path):
     config = tiny(recipe, extra=f"{LORA},{extra}")
     summary = trainer.run_rl(config, str(tmp_path), quiet=True)
     run, metrics = summary["run"], summary["metrics"]
-    assert int(run.critic_state.step) == 2 and np.isfinite(metrics["critic/value_loss"])
-    backbone = _names(run.critic_state.params["backbone"])
+    assert int(run.run_state.critic.step) == 2 and np.isfinite(metrics["critic/value_loss"])
+    backbone = _names(run.run_state.critic.params["backbone"])
     if "adapters" in extra:
         assert run.spec.critic_frozen is run.spec.weights.frozen  # shared base
-        assert backbone == _names(run.state.params)
+        assert backbone == _names(run.run_state.policy.params)
     else:
         assert run.spec.critic_frozen is None
         assert backbone == _names(run.spec.weights.frozen)
-    assert int(run.state.step) + int(run.state.skipped) == 2 - (recipe == "vapo")
+    assert int(run.run_state.policy.step) + int(run.run_state.policy.skipped) == 2 - (
+        recipe == "vapo"
+    )
 
 
 def test_async_mode_publishes_adapters_only(tmp_path, monkeypatch):
-    from policyopt.rl import async_generation, async_rl
+    from policyopt.rl.loop import async_rl
+    from policyopt.rl.rollouts import async_generation
 
     published = []
     original = async_generation.AsyncGenerator.publish
@@ -198,7 +211,7 @@ def test_async_mode_publishes_adapters_only(tmp_path, monkeypatch):
     config = tiny("magistral", extra=f"{LORA},async_mode.enabled=True")
     summary = async_rl.run_async_rl(config, str(tmp_path), quiet=True)
     run = summary["run"]
-    assert published and all(p == _names(run.state.params) for p in published)
+    assert published and all(p == _names(run.run_state.policy.params) for p in published)
     assert summary["iteration"] == 2
 
 
@@ -216,7 +229,7 @@ def test_sampler_merged_equals_unmerged_greedy(grpo_run):
     for form in ("merged", "unmerged"):
         graphdef, params = weights.__class__(
             weights.graphdef, weights.frozen, weights.base_graphdef, weights.scale, form
-        ).for_sampler(run.state.params)
+        ).for_sampler(run.run_state.policy.params)
         outs.append(
             generate_fn(graphdef, params, prompts, lengths, jax.random.key(0), config=config)
         )
@@ -269,9 +282,9 @@ def test_full_run_from_a_lora_checkpoint_needs_merged(grpo_run, tmp_path):
     run = trainer.build_run(config, str(tmp_path / "b"))
     lora_run = summary["run"]
     want = lora.merged_params(
-        lora_run.spec.weights.frozen, lora_run.state.params, lora_run.spec.weights.scale
+        lora_run.spec.weights.frozen, lora_run.run_state.policy.params, lora_run.spec.weights.scale
     )
-    for got, ref in zip(jax.tree.leaves(run.state.params), jax.tree.leaves(want)):
+    for got, ref in zip(jax.tree.leaves(run.run_state.policy.params), jax.tree.leaves(want)):
         np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
 
 
@@ -281,10 +294,11 @@ def test_lora_continues_a_lora_checkpoint(grpo_run, tmp_path):
     config = tiny("grpo", extra=f"{LORA},init_checkpoint={directory!r}")
     run = trainer.build_run(config, str(tmp_path / "a"))
     for got, ref in zip(
-        jax.tree.leaves(run.state.params), jax.tree.leaves(summary["run"].state.params)
+        jax.tree.leaves(run.run_state.policy.params),
+        jax.tree.leaves(summary["run"].run_state.policy.params),
     ):
         np.testing.assert_array_equal(got, ref)
-    assert int(run.state.step) == 0  # the adapters, not the optimiser's state
+    assert int(run.run_state.policy.step) == 0  # the adapters, not the optimiser's state
     other = tiny("grpo", extra=f"model.lora.rank=4,init_checkpoint={directory!r}")
     with pytest.raises(ValueError, match="holds adapters of rank 2 on attention,mlp"):
         trainer.build_run(other, str(tmp_path / "b"))
@@ -297,7 +311,7 @@ def test_sft_trains_full_weights_under_a_lora_config(sft_checkpoint):
 
 
 def test_dry_run_checks_the_lora_pairing(sft_checkpoint, tmp_path):
-    from policyopt.rl.dry_run import plan_run
+    from policyopt.rl.reporting.dry_run import plan_run
 
     config = tiny("grpo", extra=f"{LORA},init_checkpoint={sft_checkpoint!r}")
     with pytest.raises(ValueError, match="model.lora.init_checkpoint='base'"):

@@ -45,9 +45,9 @@ _SCRIPT = textwrap.dedent("""
     from jax.sharding import PartitionSpec as P
     from policyopt import sharding
     from policyopt.metrics import read_jsonl
-    from policyopt.rl import build, trainer
-    from policyopt.rl.async_generation import _group_rows_fn, _refill_fn, _segment_fn
-    from policyopt.rl.async_rl import run_async_rl
+    from policyopt.rl.loop import build, trainer
+    from policyopt.rl.rollouts.async_generation import _group_rows_fn, _refill_fn, _segment_fn
+    from policyopt.rl.loop.async_rl import run_async_rl
     from policyopt.sampling import generate_fn
     from tests.rl.test_trainer import tiny
     from tests.rl.test_mesh import CASES, COMMON
@@ -74,65 +74,67 @@ _SCRIPT = textwrap.dedent("""
             config = tiny(recipe, model, extra=COMMON + ("," + mesh if on_mesh else ""))
             workdir = f"{out}/{name}"
             run = trainer.run_rl(config, workdir, num_iterations=2, quiet=True)["run"]
-            devices = {d for x in jax.tree.leaves(run.state.params) for d in x.sharding.device_set}
+            params = run.run_state.policy.params
+            devices = {d for x in jax.tree.leaves(params) for d in x.sharding.device_set}
             assert len(devices) == (8 if on_mesh else 1), devices
             for i, row in enumerate(read_jsonl(f"{workdir}/metrics.jsonl")):
                 for key, value in row.items():
                     if not key.startswith("time/") and key != "step":
                         results[f"{name}/metrics{i}/{key}"] = value
-            for i, leaf in enumerate(jax.tree.leaves(run.state.params)):
+            for i, leaf in enumerate(jax.tree.leaves(run.run_state.policy.params)):
                 results[f"{name}/params/{i}"] = np.asarray(leaf)
             if not on_mesh:
                 continue
             # (a) Sharded.
-            check_placement(run.state,
+            check_placement(run.run_state.policy,
                             {"fsdp", "tensor"} if name == "dense" else {"tensor", "expert"})
-            assert specs(run.rng) == [P()]
+            assert specs(run.run_state.rng) == [P()]
             # (c) One compilation of every jitted step in two iterations; the MoE model's
             # log-probs two: with its own routing, and replaying pi_old's (the routing
-            # metrics' share of the ratio, rl.routing.ratio_share_metrics).
+            # metrics' share of the ratio, rl.update.routing.ratio_share_metrics).
             want = {"log_probs": 2 if name == "moe" else 1, "update": 1}
-            assert dict(run.learner.trace_counts) == want, run.learner.trace_counts
+            assert dict(run.spec.learner.trace_counts) == want, run.spec.learner.trace_counts
             # (d) Restored on the mesh: the same shardings and values; a third iteration
             # compiles nothing new (sampler included).
             resumed = trainer.build_run(config, workdir)
-            assert resumed.iteration == 2
-            saved, restored = (run.state, run.rng), (resumed.state, resumed.rng)
+            assert resumed.run_state.iteration == 2
+            saved = (run.run_state.policy, run.run_state.rng)
+            restored = (resumed.run_state.policy, resumed.run_state.rng)
             assert [x.sharding for x in jax.tree.leaves(restored)] == [
                 x.sharding for x in jax.tree.leaves(saved)]
             for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)):
                 np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-            compiled = (dict(run.learner.trace_counts), generate_fn._cache_size())
-            trainer.rl_iteration(resumed)
-            assert (dict(resumed.learner.trace_counts), generate_fn._cache_size()) == compiled
+            compiled = (dict(run.spec.learner.trace_counts), generate_fn._cache_size())
+            resumed.step()
+            assert (dict(resumed.spec.learner.trace_counts), generate_fn._cache_size()) == compiled
             print("ok", name, flush=True)
         np.savez(f"{out}/results.npz", **results)
 
     # The mesh runs first, while every jitted step (the learners are shared per process,
-    # policyopt.rl.learner.get_learner) has compiled only for the mesh: trace counts of 1.
+    # policyopt.rl.update.learner.get_learner) has compiled only for the mesh: trace counts of 1.
     run_cases(True, f"{out}/mesh")
 
     recipe, model, mesh = CASES["dense"]
     # The critic (PPO) placed as the policy: its backbone as the policy's parameters,
     # its head (no logical axes) replicated.
     run = trainer.build_run(tiny("ppo", model, extra=COMMON + "," + mesh), f"{out}/critic")
-    params = check_placement(run.state, {"fsdp", "tensor"})
-    check_placement(run.critic_state, {"fsdp", "tensor"})
-    assert specs(run.critic_state.params["backbone"]) == params
-    assert specs(run.critic_state.params["head"]) == [P(), P()]
+    params = check_placement(run.run_state.policy, {"fsdp", "tensor"})
+    check_placement(run.run_state.critic, {"fsdp", "tensor"})
+    assert specs(run.run_state.critic.params["backbone"]) == params
+    assert specs(run.run_state.critic.params["head"]) == [P(), P()]
     # Asynchronous generation on the mesh (its thread sets the mesh itself): two
     # batches of the dense run's shapes, so the trainer's steps compiled above serve,
     # and the slot state keeps its shardings from segment to segment (one compilation).
     config = tiny(recipe, model, extra=COMMON + "," + mesh + ",async_mode.enabled=True,"
                   "async_mode.segment_steps=2")
-    learner = trainer.build_run(config, f"{out}/async").learner
+    learner = trainer.build_run(config, f"{out}/async").spec.learner
     compiled = dict(learner.trace_counts)
     summary = run_async_rl(config, f"{out}/async", num_iterations=2, quiet=True)
     assert summary["iteration"] == 2 and np.isfinite(summary["metrics"]["loss/loss"])
     assert dict(learner.trace_counts) == compiled, (learner.trace_counts, compiled)
     assert (_refill_fn._cache_size() == _segment_fn._cache_size()
             == _group_rows_fn._cache_size() == 1)
-    check_placement(summary["run"].state, {"fsdp", "tensor"})
+    check_placement(summary["run"].run_state.policy, {"fsdp", "tensor"})
     print("ok critic async", flush=True)
 
     # The reference: the same runs on one device (the default mesh, data=-1, over the

@@ -1,4 +1,4 @@
-"""Micro-batches (``policyopt.rl.micro_batches``): an update run as micro-batches equals
+"""Micro-batches (``policyopt.rl.update.micro_batches``): an update run as micro-batches equals
 one pass over the minibatch.
 
 The learner and critic cases compare ``update`` with ``micro_batch_tokens`` set (several
@@ -18,11 +18,11 @@ from configs import base
 from policyopt import losses
 from policyopt.config import typed
 from policyopt.models import Transformer, preset
-from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch, layout
-from policyopt.rl.critic import get_critic, init_critic_params
-from policyopt.rl.learner import LossSettings, TrainState, get_learner, split_params
-from policyopt.rl.methods import minibatch_advantages
+from policyopt.rl.update import micro_batches
+from policyopt.rl.update.critic import get_critic, init_critic_params
+from policyopt.rl.update.learner import LossSettings, TrainState, get_learner, split_params
+from policyopt.rl.update.methods import minibatch_advantages
 from tests.flags import run_script
 from tests.settings import critic_settings, loss_settings, optim_settings, replace
 
@@ -517,7 +517,7 @@ from flax import nnx
 from policyopt import sharding
 from policyopt.models import Transformer, preset
 from policyopt.rl.batch import shard_batch
-from policyopt.rl.learner import get_learner, place_state, split_params, state_specs
+from policyopt.rl.update.learner import get_learner, place_state, split_params, state_specs
 from tests.settings import loss_settings, replace
 from tests.rl.test_micro_batches import OPTIM, VOCAB, _assert_same, _batch
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from configs import magistral
-from policyopt.rl.trainer import minibatch_advantages
+from policyopt.rl.update.methods import minibatch_advantages
 
 
 def test_magistral_minibatch_statistics_leave_out_all_equal_groups():

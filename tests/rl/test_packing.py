@@ -10,9 +10,9 @@ from flax import nnx
 
 from policyopt.models import Transformer, preset
 from policyopt.rl.batch import Batch, layout
-from policyopt.rl.critic import critic_loss, forward_values, init_critic_params
-from policyopt.rl.learner import forward_log_probs, rl_loss, split_params
-from policyopt.rl.packing import gather_slots, pack_layout, packed_rows
+from policyopt.rl.update.critic import critic_loss, forward_values, init_critic_params
+from policyopt.rl.update.learner import forward_log_probs, rl_loss, split_params
+from policyopt.rl.update.packing import gather_slots, pack_layout, packed_rows
 from tests.flags import run_script
 from tests.settings import critic_settings, loss_settings
 
@@ -314,7 +314,7 @@ def test_trainer_iteration_packed_equals_padded(tmp_path):
     ``batch.pack`` on gives the parameters and metrics of the padded iteration. Wrong
     answers score -1, so the value loss and the GAE advantages are not zero; Adam's larger eps
     keeps entries whose gradient is float noise (either way) from being scaled up to lr."""
-    from policyopt.rl import trainer
+    from policyopt.rl.loop import trainer
     from tests.rl.test_trainer import tiny
 
     runs = {}
@@ -327,7 +327,7 @@ def test_trainer_iteration_packed_equals_padded(tmp_path):
             "batch.pack_tokens=44,reward.incorrect_value=-1.0,optim.eps=1e-4",
         )
         run = trainer.build_run(config, str(tmp_path / str(pack)))
-        runs[pack] = (run, trainer.rl_iteration(run))
+        runs[pack] = (run, run.step())
     (padded, want), (packed, got) = runs[False], runs[True]
     np.testing.assert_array_equal(packed.last_round.tokens, padded.last_round.tokens)
     assert got["batch/padding_fraction"] == want["batch/padding_fraction"] > 0
@@ -348,9 +348,9 @@ def test_trainer_iteration_packed_equals_padded(tmp_path):
         "advantages/mean",
     ):
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
-    assert int(packed.state.step) == int(padded.state.step) == 2
-    _assert_trees_close(packed.state.params, padded.state.params)
-    _assert_trees_close(packed.critic_state.params, padded.critic_state.params)
+    assert int(packed.run_state.policy.step) == int(padded.run_state.policy.step) == 2
+    _assert_trees_close(packed.run_state.policy.params, padded.run_state.policy.params)
+    _assert_trees_close(packed.run_state.critic.params, padded.run_state.critic.params)
 
 
 _MESH_SCRIPT = """
@@ -358,9 +358,9 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from policyopt import sharding
 from policyopt.models import Transformer, preset
-from policyopt.rl import trainer
+from policyopt.rl.update import forwards
 from policyopt.rl.batch import shard_batch
-from policyopt.rl.learner import forward_log_probs, rl_loss, split_params
+from policyopt.rl.update.learner import forward_log_probs, rl_loss, split_params
 from tests.settings import critic_settings, loss_settings
 from tests.rl.test_packing import _batch
 from tests.rl.test_trainer import tiny
@@ -372,7 +372,7 @@ with jax.set_mesh(mesh):
     model = Transformer(preset("tiny_moe", vocab_size=16, num_layers=1), rngs=nnx.Rngs(0))
     graphdef, params = split_params(model)
     batch = _batch(np.random.default_rng(5), rows=8, prompt_width=4, response_width=6)
-    layout = trainer.pack_rows(config, np.asarray(batch.attention_mask))
+    layout = forwards.pack_rows(config, np.asarray(batch.attention_mask))
     assert layout.segment_ids.shape[0] % 8 == 0, layout.segment_ids.shape
     padded = shard_batch(batch)
     packed = shard_batch(batch._replace(packing=layout))

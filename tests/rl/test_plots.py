@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402
 
 from policyopt.metrics import MetricsWriter  # noqa: E402
-from policyopt.rl import plots  # noqa: E402
+from policyopt.rl.reporting import plots  # noqa: E402
 
 
 def _fake_run(path, reward_slope):

@@ -1,5 +1,5 @@
-"""What a run prints about itself (`policyopt.rl.report`): the method the banner names, the
-warnings a recipe's own defaults do not raise and a user's change does, a length-adaptive
+"""What a run prints about itself (`policyopt.rl.reporting.report`): the method the banner
+names, the warnings a recipe's own defaults do not raise and a user's change does, a length-adaptive
 lambda held near 0, and the critic's warm-up phases as a run goes through them."""
 
 import importlib
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from configs import base
-from policyopt.rl import report, trainer
+from policyopt.rl.loop import trainer
+from policyopt.rl.reporting import report
 
 RECIPES = {
     "grpo": "grpo",

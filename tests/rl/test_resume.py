@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from policyopt.rl import trainer
+from policyopt.rl.loop import trainer
 from tests.rl.test_trainer import tiny
 
 
@@ -22,7 +22,7 @@ def saved_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     trainer.run_rl(config, str(root / "saved"), num_iterations=2, quiet=True)
     straight = trainer.run_rl(config, str(root / "straight"), quiet=True)["run"]
-    params = [np.asarray(x) for x in jax.tree.leaves(straight.state.params)]
+    params = [np.asarray(x) for x in jax.tree.leaves(straight.run_state.policy.params)]
     return config, str(root / "saved"), params
 
 
@@ -110,6 +110,6 @@ def test_a_rerun_after_any_single_corruption_finishes(saved_run, kind, tmp_path,
     assert f"falling back to the previous checkpoint {checkpoints}/1" in caplog.text
     assert summary["iteration"] == 3
     assert sorted(os.listdir(checkpoints)) == ["2", "2.corrupt", "3"]
-    params = [np.asarray(x) for x in jax.tree.leaves(summary["run"].state.params)]
+    params = [np.asarray(x) for x in jax.tree.leaves(summary["run"].run_state.policy.params)]
     for got, want in zip(params, straight):
         np.testing.assert_array_equal(got, want)

@@ -1,5 +1,5 @@
 """The iteration's host-side helpers against hand-worked cases: a sampling round's texts,
-response width, samples and sampling metrics (``policyopt.rl.rounds``), the update metrics'
+response width, samples and sampling metrics (``policyopt.rl.rollouts.rounds``), the update metrics'
 means over minibatches, the padding and the routing metrics."""
 
 import jax.numpy as jnp
@@ -8,11 +8,11 @@ import pytest
 
 from configs import base
 from policyopt.data.tokenizer import CharTokenizer
-from policyopt.rewards.batch import RewardSpec, score_batch
+from policyopt.rewards.scoring import RewardSpec, score_batch
 from policyopt.rl.batch import Round, round_from_rollout
-from policyopt.rl.report import MinibatchMeans, padding_metrics
-from policyopt.rl.rounds import ScoredRound, response_width, round_texts, sampling_metrics
-from policyopt.rl.routing import update_routing_metrics
+from policyopt.rl.reporting.report import MinibatchMeans, padding_metrics
+from policyopt.rl.rollouts.rounds import ScoredRound, response_width, round_texts, sampling_metrics
+from policyopt.rl.update.routing import update_routing_metrics
 from policyopt.sampling import Rollout
 
 

@@ -11,7 +11,8 @@ import pytest
 from configs import base
 from policyopt.data import HFTokenizer
 from policyopt.rewards import score_batch
-from policyopt.rl import build, evaluate, iteration, trainer
+from policyopt.rl.loop import build, iteration, trainer
+from policyopt.rl.reporting import evaluate
 from policyopt.rl.sft import make_sft_iterator
 from tests.rl.test_trainer import tiny
 
@@ -74,7 +75,8 @@ def test_math_jsonl_task_trains_like_the_same_records_in_memory(tmp_path):
         assert from_file["metrics"][key] == memory["metrics"][key], key
     assert from_file["eval"]["eval/pass@1"] == memory["eval"]["eval/pass@1"]
     for got, want in zip(
-        jax.tree.leaves(from_file["run"].state.params), jax.tree.leaves(memory["run"].state.params)
+        jax.tree.leaves(from_file["run"].run_state.policy.params),
+        jax.tree.leaves(memory["run"].run_state.policy.params),
     ):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -274,14 +276,14 @@ def test_pretrained_model_and_tokenizer_train_on_a_jsonl_task(tmp_path):
     )
     summary = trainer.run_rl(config, str(tmp_path / "run"), num_iterations=1, quiet=True)
     run = summary["run"]
-    tokenizer = run.tokenizer
+    tokenizer = run.spec.tokenizer
     im_end, endoftext = tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")
     assert tokenizer.chat_template == "chatml" and tokenizer.eos_id == endoftext
-    assert run.sampling_config.end_ids == (endoftext, im_end)
+    assert run.spec.sampling_config.end_ids == (endoftext, im_end)
     assert [r["answer"] for r in run.eval_records] == ["43", "44", "45", "46"]
     assert run.eval_records[0]["prompt"] == "What is 8+35? Put the final answer in \\boxed{}."
     assert summary["eval"]["eval/num_prompts"] == 4 and np.isfinite(summary["metrics"]["loss/loss"])
-    assert int(run.state.step) == 1 and run.last_batch.tokens.shape[0] == 2 * 4
+    assert int(run.run_state.policy.step) == 1 and run.last_batch.tokens.shape[0] == 2 * 4
     # Evaluation stops on the tokenizer's stop ids too: with every token a stop token,
     # each completion is one token long.
     prompts = [r["prompt"] for r in run.eval_records]
@@ -292,8 +294,8 @@ def test_pretrained_model_and_tokenizer_train_on_a_jsonl_task(tmp_path):
     )
     for tok, expected in ((tokenizer, None), (everything, 1)):
         _, lengths = evaluate.complete(
-            run.graphdef,
-            run.state.params,
+            run.spec.graphdef,
+            run.run_state.policy.params,
             prompts,
             tok,
             max_new_tokens=6,
@@ -409,7 +411,7 @@ def test_mixed_jsonl_checks_each_sample_with_its_own_task(tmp_path, monkeypatch)
     task, the trainer and the evaluation pass it to score_batch with its sample (recorded
     on the way; the real function scores), log accuracy per task, and task.tfds_dir
     keeps the task field."""
-    from policyopt.rl import evaluate as evaluate_lib
+    from policyopt.rl.reporting import evaluate as evaluate_lib
 
     seen = []
 
@@ -464,10 +466,10 @@ def test_mixed_jsonl_checks_each_sample_with_its_own_task(tmp_path, monkeypatch)
     )
     run = summary["run"]
     with_k = evaluate_lib.evaluate(
-        run.graphdef,
-        run.state.params,
-        build.eval_records(mixed, run.tokenizer),
-        run.tokenizer,
+        run.spec.graphdef,
+        run.run_state.policy.params,
+        build.eval_records(mixed, run.spec.tokenizer),
+        run.spec.tokenizer,
         max_new_tokens=6,
         prompt_buckets=(16,),
         k=2,

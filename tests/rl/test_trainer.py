@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from policyopt.metrics import read_jsonl
-from policyopt.rl import iteration, trainer
-from policyopt.rl import learner as learner_lib
 from policyopt.rl.batch import mask_fillers, round_from_rollout
+from policyopt.rl.loop import iteration, trainer
+from policyopt.rl.update import learner as learner_lib
+from policyopt.rl.update import methods
 
 RECIPES = (
     "grpo",
@@ -50,7 +51,7 @@ def tiny(recipe, model="tiny_moe", extra=""):
 
 
 def _params(run):
-    return [np.asarray(x) for x in jax.tree.leaves(run.state.params)]
+    return [np.asarray(x) for x in jax.tree.leaves(run.run_state.policy.params)]
 
 
 @pytest.mark.parametrize(
@@ -74,7 +75,8 @@ def test_every_recipe_runs_a_few_iterations(recipe, model, tmp_path):
     )
     assert (
         summary["iteration"] == 2
-        and int(run.state.step) + int(run.state.skipped) + empty == 2 - pretrain
+        and int(run.run_state.policy.step) + int(run.run_state.policy.skipped) + empty
+        == 2 - pretrain
     )
     assert empty == 0 or recipe in ("dapo", "magistral")  # the recipes with dynamic sampling
     # An iteration with no update (only fillers) reports its update metrics as NaN.
@@ -108,7 +110,7 @@ def test_every_recipe_runs_a_few_iterations(recipe, model, tmp_path):
     if config.algo.kl_beta > 0:
         assert "loss/kl_ref" in metrics
     if recipe in CRITIC_RECIPES:
-        assert int(run.critic_state.step) + int(run.critic_state.skipped) == 2
+        assert int(run.run_state.critic.step) + int(run.run_state.critic.skipped) == 2
         for key in (
             "critic/value_loss",
             "critic/explained_variance",
@@ -121,7 +123,7 @@ def test_every_recipe_runs_a_few_iterations(recipe, model, tmp_path):
             assert key in metrics and np.isfinite(metrics[key]), key
         assert ("loss/nll" in metrics) == (config.algo.nll_coef > 0)
     else:
-        assert run.critic is None and not any(k.startswith("critic/") for k in metrics)
+        assert run.spec.critic is None and not any(k.startswith("critic/") for k in metrics)
     rows = read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
     assert [r["step"] for r in rows if "loss/loss" in r] == [1, 2][pretrain:]
     evals = read_jsonl(os.path.join(tmp_path, "eval.jsonl"))
@@ -149,9 +151,9 @@ def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
     assert not all(
         np.array_equal(a, b) for a, b in zip(_params(first["run"]), _params(straight["run"]))
     )
-    assert resumed["run"].data.get_state() == straight["run"].data.get_state()
-    opt_resumed = jax.tree.leaves(resumed["run"].state.opt_state)
-    opt_straight = jax.tree.leaves(straight["run"].state.opt_state)
+    assert resumed["run"].spec.prompts.get_state() == straight["run"].spec.prompts.get_state()
+    opt_resumed = jax.tree.leaves(resumed["run"].run_state.policy.opt_state)
+    opt_straight = jax.tree.leaves(straight["run"].run_state.policy.opt_state)
     for got, want in zip(opt_resumed, opt_straight):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -210,7 +212,7 @@ def test_resume_after_a_crash_writes_each_record_once_and_refuses_another_config
 
 
 def test_resume_check_skips_fields_added_since_the_checkpoint():
-    from policyopt.rl import build
+    from policyopt.rl.loop import build
 
     config = tiny("grpo")
     saved = build.config_record(config)
@@ -227,7 +229,7 @@ def test_resume_check_reads_derived_values_and_paths_as_settings(tmp_path):
     (``reward.answer_format``: the task's format); a file named through a symlink is the same
     file. Neither is a changed setting; another format or another file is."""
     from policyopt.data.tasks import TASKS
-    from policyopt.rl import build
+    from policyopt.rl.loop import build
 
     (tmp_path / "train.jsonl").write_text("")
     os.symlink(tmp_path, tmp_path / "link")
@@ -259,7 +261,7 @@ def test_decode_loops_train_like_one_loop(tmp_path):
         for k in (1, 2)
     ]
     one, two = runs
-    assert two["run"].sampling_config.decode_segments == 2
+    assert two["run"].spec.sampling_config.decode_segments == 2
     np.testing.assert_array_equal(two["run"].last_batch.tokens, one["run"].last_batch.tokens)
     for key in ("reward/mean", "eval/pass@1"):
         got = two["metrics"].get(key, two["eval"].get(key))
@@ -349,7 +351,7 @@ def test_a_failed_final_evaluation_loses_no_training(tmp_path, monkeypatch):
     evaluate_run = trainer.evaluate_run
 
     def fails_at_the_end(run, **kwargs):  # the RL run's evaluation at iteration 0 works
-        if run.iteration == 2:
+        if run.run_state.iteration == 2:
             raise RuntimeError("evaluation failed")
         return evaluate_run(run, **kwargs)
 
@@ -392,10 +394,10 @@ def test_resume_in_the_same_process_compiles_nothing_new(tmp_path):
     # steps compiled before the save serve after restore.
     config = tiny("grpo", extra="eval.num_prompts=0,train.checkpoint_every=100")
     first = trainer.run_rl(config, str(tmp_path), num_iterations=1, quiet=True)
-    learner = first["run"].learner
+    learner = first["run"].spec.learner
     compiled = (learner.update._cache_size(), learner.log_probs._cache_size())
     resumed = trainer.run_rl(config, str(tmp_path), num_iterations=2, quiet=True)
-    assert resumed["run"].learner is learner and resumed["iteration"] == 2
+    assert resumed["run"].spec.learner is learner and resumed["iteration"] == 2
     assert resumed["run"].last_batch.tokens.shape == first["run"].last_batch.tokens.shape
     assert (learner.update._cache_size(), learner.log_probs._cache_size()) == compiled
 
@@ -406,20 +408,20 @@ def test_routing_replay_feeds_the_update(mode, tmp_path):
         "grpo", extra=f"algo.routing_replay={mode},train.num_iterations=1,eval.num_prompts=0"
     )
     run = trainer.build_run(config, str(tmp_path))
-    old_params = jax.tree.map(jnp.copy, run.state.params)
-    trainer.rl_iteration(run)
+    old_params = jax.tree.map(jnp.copy, run.run_state.policy.params)
+    run.step()
     batch, sampled = run.last_batch, run.last_round
     assert batch.routing is not None
     if mode == "R2":
         # The old policy's own routing, recomputed independently, is what was replayed.
-        natural = run.learner.log_probs(
+        natural = run.spec.learner.log_probs(
             old_params, batch.tokens, batch.positions, batch.attention_mask, batch.mask
         )[2]
         np.testing.assert_array_equal(np.asarray(batch.routing), np.asarray(natural))
     else:
         # The sampler's routing is replayed, and the old log-probs were computed with it.
         np.testing.assert_array_equal(np.asarray(batch.routing), sampled.routing)
-        replayed, _, _ = run.learner.log_probs(
+        replayed, _, _ = run.spec.learner.log_probs(
             old_params,
             batch.tokens,
             batch.positions,
@@ -430,7 +432,7 @@ def test_routing_replay_feeds_the_update(mode, tmp_path):
         np.testing.assert_allclose(np.asarray(batch.old_log_probs), np.asarray(replayed), atol=1e-6)
     # The update's loss at the old parameters is that of a forward with the replayed routing
     # (jitted: one compile, not one per eager op of the forward and the loss).
-    loss, metrics = jax.jit(run.learner.loss)(old_params, batch)
+    loss, metrics = jax.jit(run.spec.learner.loss)(old_params, batch)
     assert float(metrics["loss/ratio_max"]) == pytest.approx(1.0, abs=1e-5)
 
 
@@ -454,7 +456,7 @@ def test_rollout_correction_reaches_the_batch(tmp_path, monkeypatch):
         "eval.num_prompts=0",
     )
     run = trainer.build_run(config, str(tmp_path))
-    metrics = trainer.rl_iteration(run)
+    metrics = run.step()
     batch, sampled = run.last_batch, run.last_round
     old, behaviour = (
         np.asarray(batch.old_log_probs, np.float64),
@@ -484,9 +486,9 @@ def test_rollout_correction_reaches_the_batch(tmp_path, monkeypatch):
     # The policy loss covered the kept tokens only.
     assert metrics["loss/num_tokens"] == keep.sum()
     # The same shapes trace the correction once.
-    compiled = trainer.rollout_correction._cache_size()
-    trainer.rl_iteration(run)
-    assert trainer.rollout_correction._cache_size() == compiled
+    compiled = methods.rollout_correction._cache_size()
+    run.step()
+    assert methods.rollout_correction._cache_size() == compiled
 
 
 def test_routing_metrics_run_in_minibatch_chunks(tmp_path, monkeypatch):
@@ -500,17 +502,28 @@ def test_routing_metrics_run_in_minibatch_chunks(tmp_path, monkeypatch):
         "eval.num_prompts=0",
     )
     run = trainer.build_run(config, str(tmp_path))
-    rows, log_probs = [], run.learner.log_probs
+    rows, log_probs = [], run.spec.learner.log_probs
     monkeypatch.setattr(
-        run.learner,
+        run.spec.learner,
         "log_probs",
         lambda params, tokens, *args: (
             rows.append(tokens.shape[0]) or log_probs(params, tokens, *args)
         ),
     )
-    metrics = trainer.rl_iteration(run)
+    metrics = run.step()
     assert rows == [4] * 8  # 2 x 4 samples in 2 chunks, 4 passes
     assert 0 <= metrics["routing/volatility"] <= 1 and 0 <= metrics["routing/ratio_share"] <= 1
+
+
+def _train_on(run, rnd) -> dict:
+    """The training half of an iteration (``prepare``, ``update_epochs``) on the host round
+    ``rnd``; the run's state replaced. Returns the step's metrics."""
+    with jax.set_mesh(run.spec.mesh):
+        prepared = iteration.prepare(run.spec, run.run_state, rnd)
+        run.run_state, metrics = iteration.update_epochs(
+            run.spec, run.run_state, prepared, jax.random.PRNGKey(0)
+        )
+    return {**prepared.metrics, **metrics}
 
 
 def test_empty_minibatches_do_not_dilute_the_update_metrics(tmp_path):
@@ -518,15 +531,15 @@ def test_empty_minibatches_do_not_dilute_the_update_metrics(tmp_path):
     over the minibatches that were updates (NaN when none was), not pulled toward 0."""
     config = tiny("grpo", extra="batch.n_minibatches=2,train.num_iterations=1,eval.num_prompts=0")
     run = trainer.build_run(config, str(tmp_path))
-    trainer.rl_iteration(run)
+    run.step()
     merged = run.last_round
     # The same batch with its second group as a filler: one minibatch of the two is empty.
-    metrics = trainer.train_on_batch(run, mask_fillers(merged, 1, 4), {}, jax.random.PRNGKey(0))
+    metrics = _train_on(run, mask_fillers(merged, 1, 4))
     assert metrics["update/empty"] == 1 and metrics["update/skipped"] == 0
     # The one update ran at the batch's old parameters (the empty one changed nothing).
     assert metrics["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert metrics["policy/entropy"] > 1.0 and metrics["loss/num_tokens"] == merged.mask[:4].sum()
-    metrics = trainer.train_on_batch(run, mask_fillers(merged, 2, 4), {}, jax.random.PRNGKey(0))
+    metrics = _train_on(run, mask_fillers(merged, 2, 4))
     assert metrics["update/empty"] == 2
     assert np.isnan(metrics["loss/loss"]) and np.isnan(metrics["policy/entropy"])
 
@@ -544,19 +557,19 @@ def test_compile_count_stops_growing_after_warm_up(tmp_path, monkeypatch):
     run = trainer.build_run(config, str(tmp_path))
     widths = set()
     for _ in range(6):
-        widths.add(trainer.rl_iteration(run)["batch/response_width"])
-    counts = run.learner.trace_counts
+        widths.add(run.step()["batch/response_width"])
+    counts = run.spec.learner.trace_counts
     # One compilation per response bucket seen, never more.
     assert counts["update"] == len(widths) <= 2
     assert counts["log_probs"] <= 2
     config = tiny("sapo", extra="eval.num_prompts=0")
     run = trainer.build_run(config, str(tmp_path / "fixed"))
     for _ in range(2):
-        trainer.rl_iteration(run)
-    warm = dict(run.learner.trace_counts)
+        run.step()
+    warm = dict(run.spec.learner.trace_counts)
     for _ in range(3):
-        trainer.rl_iteration(run)
-    assert dict(run.learner.trace_counts) == warm
+        run.step()
+    assert dict(run.spec.learner.trace_counts) == warm
 
 
 @pytest.mark.parametrize("field", ["moe_dispatch", "moe_decode_dispatch"])
@@ -611,7 +624,7 @@ def test_a_run_whose_updates_are_all_skipped_stops(tmp_path):
 _STOPPED_SCRIPT = textwrap.dedent(r"""
     import sys
     from policyopt import engine
-    from policyopt.rl import trainer
+    from policyopt.rl.loop import trainer
     from tests.rl.test_trainer import tiny
 
     decode_steps, calls = engine.decode_steps, []
@@ -647,7 +660,7 @@ def test_a_signal_stops_a_generation_in_progress(signal_name, tmp_path):
     import time
 
     from policyopt.checkpoint import Checkpointer
-    from policyopt.rl import build
+    from policyopt.rl.loop import build
     from tests.flags import ROOT, subprocess_env
 
     workdir = str(tmp_path / "run")

@@ -1,6 +1,7 @@
 """What a run tells its user: the start-up banner, warnings about settings that cannot act,
 the critic's warm-up phases, sampled completions (the dry run that prints them without
-training: ``policyopt.rl.dry_run``), and the iteration's batch, scoring and update metrics.
+training: ``policyopt.rl.reporting.dry_run``), and the iteration's batch, scoring and update
+metrics.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 
 from policyopt.advantages import length_adaptive_lambda, uses_critic
 from policyopt.losses import OBJECTIVES
-from policyopt.rewards.batch import merge_metrics
+from policyopt.rewards.scoring import merge_metrics
 
 
 def _ratio_fields(method: str) -> tuple[str, ...]:

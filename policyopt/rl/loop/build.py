@@ -1,5 +1,5 @@
 """From a config to the objects of a run: device mesh, tokenizer, model, task records,
-reward spec, initial parameters. Shared by RL (`policyopt.rl.trainer`) and SFT
+reward spec, initial parameters. Shared by RL (`policyopt.rl.loop.trainer`) and SFT
 (`policyopt.rl.sft`)."""
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from policyopt.config import typed
 from policyopt.data import CharTokenizer, HFTokenizer, as_record, load_tokenizer
 from policyopt.data.tasks import TASKS
 from policyopt.models import Transformer, lora, preset
-from policyopt.rewards.batch import RewardSpec
 from policyopt.rewards.custom import VerifierImportError
-from policyopt.rl import adapters
-from policyopt.rl.learner import split_params
+from policyopt.rewards.scoring import RewardSpec
+from policyopt.rl.update import adapters
+from policyopt.rl.update.learner import split_params
 
 # Fields of config.model that override the preset. The runtime ones (how the model
 # computes, not its shapes) also apply to a pretrained checkpoint.
@@ -584,7 +584,7 @@ class Policy(NamedTuple):
 def init_policy(config, model: nnx.Module, mesh: Mesh) -> Policy:
     """The RL policy's trainable parameters and frozen base, placed on ``mesh``.
 
-    Full weights: ``init_params``. With LoRA (``policyopt.rl.adapters``) the base is the
+    Full weights: ``init_params``. With LoRA (``policyopt.rl.update.adapters``) the base is the
     model's own (preset from the seed, or HuggingFace folder), or with
     ``config.init_checkpoint`` per ``model.lora.init_checkpoint``: "base" (a full-weight
     checkpoint is the base, fresh adapters), "match" (a LoRA checkpoint's adapters on

@@ -18,7 +18,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from policyopt.rewards.batch import RewardSpec, score_batch
+from policyopt.rewards.scoring import RewardSpec, score_batch
 from policyopt.rl.batch import encode_prompts
 from policyopt.sampling import Greedy, SamplingConfig, generate_fn, sampling_method
 from policyopt.sharding import shard_rows, to_host
@@ -122,7 +122,7 @@ def evaluate(
       rng: key of the sampled evaluation.
       decode_segments: the sampler's decode loops (``SamplingConfig.decode_segments``).
       spec: how correctness is judged (default: the math verifier, no format gate;
-        ``policyopt.rl.build.correctness_spec`` gives the run's, with its custom verifier).
+        ``policyopt.rl.loop.build.correctness_spec`` gives the run's, with its custom verifier).
       num_workers: scoring worker processes (``score_batch``; 0: in this process).
       samples: a list that receives, when given, one record per greedy completion
         (``prompt``, ``completion``, ``reference``, ``reward`` = correctness, ``correct``,

@@ -17,8 +17,8 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from policyopt.rl.batch import Round, bucket, truncated_rows
-from policyopt.rl.evaluate import decode, task_accuracies
-from policyopt.rl.report import batch_metrics, scoring_metrics
+from policyopt.rl.reporting.evaluate import decode, task_accuracies
+from policyopt.rl.reporting.report import batch_metrics, scoring_metrics
 
 
 class RoundTexts(NamedTuple):

@@ -1,22 +1,22 @@
 """One RL iteration as three stages, read top to bottom.
 
-    sampled = sample(spec, state, key)           generate, score, dynamic sampling
-    batch = prepare(spec, state, sampled.round)  old / reference log-probs, advantages
-                                                 (critic: values, GAE), rollout correction
-    state, metrics = update_epochs(spec, state, batch, key)
+    sampled = sample(spec, state, key)              generate, score, dynamic sampling
+    prepared = prepare(spec, state, sampled.round)  old / reference log-probs, advantages
+                                                    (critic: values, GAE), rollout correction
+    state, metrics = update_epochs(spec, state, prepared, key)
                                                  epochs x minibatches of the updates
 
 A stage sees ``RunSpec`` (frozen: graphdef, learner, critic, mesh, the config and the
-method-specific steps chosen when the run was built, ``policyopt.rl.methods``) and
+method-specific steps chosen when the run was built, ``policyopt.rl.update.methods``) and
 ``RunState`` (a pytree: policy and critic states, run key, iteration). It calls jitted
 functions (``sampling.generate_fn``, ``Learner.log_probs`` / ``update``, ``Critic.values``
-/ ``update``) and keeps host bookkeeping on NumPy arrays (scoring: ``rl.rounds``; dynamic
-sampling). The asynchronous trainer (``policyopt.rl.async_rl``) has its own ``sample`` and
+/ ``update``) and keeps host bookkeeping on NumPy arrays (scoring: ``rl.rollouts.rounds``; dynamic
+sampling). The asynchronous trainer (``policyopt.rl.loop.async_rl``) has its own ``sample`` and
 uses ``prepare`` and ``update_epochs`` as they are.
 
 Determinism: iteration ``i`` draws its keys from ``fold_in(state.rng, i)``; the prompts
 come from ``spec.prompts``, a host iterator whose position the run's checkpoint saves
-(``policyopt.rl.trainer.save``), so a resumed run repeats the iteration bit for bit.
+(``policyopt.rl.loop.trainer.save``), so a resumed run repeats the iteration bit for bit.
 
 Critic warm-up: while ``state.iteration < spec.warmup_iterations`` only the critic is
 updated and the policy's forward passes are skipped: first, for
@@ -37,8 +37,7 @@ import numpy as np
 from flax import struct
 
 from policyopt import sharding
-from policyopt.rewards.batch import score_batch
-from policyopt.rl import forwards
+from policyopt.rewards.scoring import score_batch
 from policyopt.rl.batch import (
     Batch,
     DynamicSampler,
@@ -48,12 +47,13 @@ from policyopt.rl.batch import (
     shard_batch,
     take_rows,
 )
-from policyopt.rl.critic import Critic, reward_model_targets
-from policyopt.rl.learner import Learner, TrainState
-from policyopt.rl.methods import Methods
-from policyopt.rl.report import MinibatchMeans, padding_metrics
-from policyopt.rl.rounds import ScoredRound, response_width, round_texts, sampling_metrics
-from policyopt.rl.routing import ratio_share_metrics, update_routing_metrics
+from policyopt.rl.reporting.report import MinibatchMeans, padding_metrics
+from policyopt.rl.rollouts.rounds import ScoredRound, response_width, round_texts, sampling_metrics
+from policyopt.rl.update import forwards
+from policyopt.rl.update.critic import Critic, reward_model_targets
+from policyopt.rl.update.learner import Learner, TrainState
+from policyopt.rl.update.methods import Methods
+from policyopt.rl.update.routing import ratio_share_metrics, update_routing_metrics
 from policyopt.sampling import SamplingConfig, generate_fn
 
 
@@ -66,7 +66,7 @@ class RunSpec:
     learner: Learner
     critic: Critic | None  # critic methods (algo.advantage = "gae"), else None
     mesh: jax.sharding.Mesh  # every array of the run lives on it (config.mesh)
-    methods: Methods  # the method-specific steps (policyopt.rl.methods.choose)
+    methods: Methods  # the method-specific steps (policyopt.rl.update.methods.choose)
     tokenizer: Any
     sampling_config: SamplingConfig
     reward_spec: Any
@@ -78,7 +78,7 @@ class RunSpec:
     ref_learner: Learner | None = None
     engine: Any = None  # continuous-batching engine (sampling.engine_kv_tokens > 0), or None
     # The trainable parameters -> the model's and the sampler's (LoRA: the frozen base
-    # they join, merged or not; policyopt.rl.adapters). None: the parameters are all.
+    # they join, merged or not; policyopt.rl.update.adapters). None: the parameters are all.
     weights: Any = None
     critic_frozen: Any = None  # the base of a LoRA critic's adapters, or None
     lora_record: dict | None = None  # the checkpoints' "lora" meta (adapters.lora_record)
@@ -123,12 +123,12 @@ class Sampled(NamedTuple):
     metrics: dict  # reward/*, response/*, dynamic_sampling/*, batch/*, time/*
 
 
-class TrainBatch(NamedTuple):
+class Prepared(NamedTuple):
     """``prepare``'s output: the update's ``Batch`` on the mesh and what the epochs need."""
 
     batch: Batch  # advantages, old / reference log-probs, weights, routing to replay
     round: Round  # the host rollouts (rewards, packing layouts, widths)
-    rows: forwards.Rows  # the batch's rows, for the routing metrics' forwards
+    chunks: tuple  # the routing metrics' forwards run in these (forwards.chunk_layouts)
     natural_routing: jax.Array | None  # [L, R, S, k]: pi_old's own routing (metrics), or None
     natural_log_probs: jax.Array | None  # [R, N]: pi_old's log-probs under it (metrics)
     sampler_routing: jax.Array | None  # [L, R, S, k] on the mesh, or None (dense)
@@ -136,17 +136,17 @@ class TrainBatch(NamedTuple):
 
 
 def rl_iteration(spec: RunSpec, state: RunState):
-    """One iteration: ``(new state, metrics, Sampled, TrainBatch)``."""
+    """One iteration: ``(new state, metrics, Sampled, Prepared)``."""
     start = time.perf_counter()
     with jax.set_mesh(spec.mesh):
         key_sample, key_shuffle = jax.random.split(jax.random.fold_in(state.rng, state.iteration))
         sampled = sample(spec, state, key_sample)
-        batch = prepare(spec, state, sampled.round)
-        state, update_metrics = update_epochs(spec, state, batch, key_shuffle)
-    metrics = {**sampled.metrics, **batch.metrics, **update_metrics}
+        prepared = prepare(spec, state, sampled.round)
+        state, update_metrics = update_epochs(spec, state, prepared, key_shuffle)
+    metrics = {**sampled.metrics, **prepared.metrics, **update_metrics}
     metrics["time/iteration_s"] = time.perf_counter() - start
     state = state.replace(iteration=state.iteration + 1)
-    return state, {k: float(v) for k, v in metrics.items()}, sampled, batch
+    return state, {k: float(v) for k, v in metrics.items()}, sampled, prepared
 
 
 def sample(spec: RunSpec, state: RunState, key: jax.Array) -> Sampled:
@@ -209,18 +209,20 @@ def generate(spec: RunSpec, weights: tuple, prompts: dict, key: jax.Array):
     )
 
 
-def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
+def prepare(spec: RunSpec, state: RunState, rnd: Round) -> Prepared:
     """The update's batch of the sampled ``rnd``: pi_old (trainer or sampler), reference
     log-probs (KL), advantages (group statistics, or the critic's values and GAE), the
     rollout correction, VAPO's NLL rows, the routing the updates replay (R2, R3)."""
     cfg, methods, metrics = spec.config, spec.methods, {}
     policy_trains = state.iteration >= spec.warmup_iterations
     t0 = time.perf_counter()
-    rows = forwards.Rows(
+    # The batch's rows on the mesh; the fields the forwards compute are filled below.
+    rows = Batch(
         *map(sharding.shard_rows, (rnd.tokens, rnd.positions, rnd.attention_mask, rnd.mask)),
-        num_chunks=cfg.batch.n_minibatches,
-        packings=forwards.pack_chunks(cfg, rnd.attention_mask, cfg.batch.n_minibatches),
+        advantages=None,
+        old_log_probs=None,
     )
+    chunks = forwards.chunk_layouts(cfg, rnd.attention_mask, cfg.batch.n_minibatches)
     sampler_routing = sharding.shard_rows(rnd.routing, axis=1)
     behaviour = sharding.shard_rows(rnd.behaviour_log_probs)
     old_log_probs, old_routing, ref_log_probs = behaviour, None, None
@@ -228,11 +230,11 @@ def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
     params = policy_params(spec, state.policy.params)
     if policy_trains:  # the critic's warm-up needs no forward pass of the policy
         old_log_probs, old_routing = methods.old_log_probs(
-            spec.learner, params, rows, behaviour, methods.old_replay(sampler_routing)
+            spec.learner, params, rows, chunks, behaviour, methods.old_replay(sampler_routing)
         )
         if spec.ref_params is not None:
             ref_log_probs, _ = forwards.policy_log_probs(
-                spec.ref_learner or spec.learner, spec.ref_params, rows
+                spec.ref_learner or spec.learner, spec.ref_params, rows, chunks
             )
         if sampler_routing is not None and cfg.train.routing_metrics:  # MoE, with routing
             # pi_old's own (not replayed) routing and log-probs, for the routing metrics.
@@ -240,7 +242,7 @@ def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
                 natural_routing, natural_log_probs = old_routing, old_log_probs
             else:
                 natural_log_probs, natural_routing = forwards.policy_log_probs(
-                    spec.learner, params, rows
+                    spec.learner, params, rows, chunks
                 )
         metrics["time/old_log_probs_s"] = _block(old_log_probs, t0)
         metrics[spec.logprob_diff_name] = float(
@@ -249,7 +251,7 @@ def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
         )
     t0 = time.perf_counter()
     advantages, returns, old_values, advantage_metrics = methods.advantages(
-        spec, state, rows, sharding.shard_rows(rnd.rewards), _valid(rnd), not policy_trains
+        spec, state, rows, chunks, sharding.shard_rows(rnd.rewards), _valid(rnd), not policy_trains
     )
     metrics.update(advantage_metrics)
     mask = rows.mask
@@ -265,10 +267,7 @@ def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
             old_log_probs, behaviour, rows.mask
         )
         metrics.update(jax.device_get(correction_metrics))
-    batch = Batch(
-        tokens=rows.tokens,
-        positions=rows.positions,
-        attention_mask=rows.attention_mask,
+    batch = rows._replace(
         mask=mask,
         advantages=advantages,
         old_log_probs=old_log_probs,
@@ -280,12 +279,12 @@ def prepare(spec: RunSpec, state: RunState, rnd: Round) -> TrainBatch:
         loss_mask=loss_mask,
         nll_weights=methods.nll_weights and methods.nll_weights(rnd.correct),
     )
-    return TrainBatch(
-        batch, rnd, rows, natural_routing, natural_log_probs, sampler_routing, metrics
+    return Prepared(
+        batch, rnd, chunks, natural_routing, natural_log_probs, sampler_routing, metrics
     )
 
 
-def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Array):
+def update_epochs(spec: RunSpec, state: RunState, prepared: Prepared, key: jax.Array):
     """``config.batch.epochs`` x ``n_minibatches`` updates of the policy (not during the
     critic's warm-up) and the critic, on the same minibatches (whole groups, shuffled by
     ``key``): ``(state, metrics)``, the update metrics averaged over the minibatches that
@@ -296,19 +295,19 @@ def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Ar
     frozen = None if spec.weights is None else spec.weights.frozen
     t0 = time.perf_counter()
     means, packed_slots, packed_real = MinibatchMeans(), 0, 0
-    rewards = sharding.shard_rows(batch.round.rewards)
+    rewards = sharding.shard_rows(prepared.round.rewards)
     for epoch in range(cfg.batch.epochs):
         shuffle = jax.random.fold_in(key, epoch) if cfg.batch.n_minibatches > 1 else None
-        num_groups = batch.batch.tokens.shape[0] // group
+        num_groups = prepared.batch.tokens.shape[0] // group
         for rows in minibatch_indices(num_groups, group, cfg.batch.n_minibatches, shuffle):
-            minibatch = take_rows(batch.batch, rows)
+            minibatch = take_rows(prepared.batch, rows)
             if methods.minibatch_advantages is not None:  # Magistral
                 minibatch = minibatch._replace(
                     advantages=methods.minibatch_advantages(
-                        rewards[rows], valid=_valid(batch.round, rows)
+                        rewards[rows], valid=_valid(prepared.round, rows)
                     )
                 )
-            packing = forwards.pack_rows(cfg, batch.round.attention_mask[rows], rows)
+            packing = forwards.pack_rows(cfg, prepared.round.attention_mask[rows], rows)
             if packing is not None:
                 minibatch = minibatch._replace(packing=packing)
                 packed_slots += packing.segment_ids.size
@@ -326,26 +325,26 @@ def update_epochs(spec: RunSpec, state: RunState, batch: TrainBatch, key: jax.Ar
         metrics["critic/reward_model"] = float(state.iteration < spec.reward_model_iterations)
         metrics["critic/step"] = float(critic.step)
     metrics["time/update_s"] = _block((policy.params, critic), t0)
-    if batch.natural_routing is not None:  # MoE, train.routing_metrics
-        rows = batch.rows
+    if prepared.natural_routing is not None:  # MoE, train.routing_metrics
+        rows, chunks = prepared.batch, prepared.chunks
         params = policy_params(spec, policy.params)
-        new_log_probs, new_routing = forwards.policy_log_probs(spec.learner, params, rows)
+        new_log_probs, new_routing = forwards.policy_log_probs(spec.learner, params, rows, chunks)
         replayed_log_probs, _ = forwards.policy_log_probs(
-            spec.learner, params, rows, batch.natural_routing
+            spec.learner, params, rows, chunks, prepared.natural_routing
         )
         metrics |= update_routing_metrics(
-            batch.natural_routing,
+            prepared.natural_routing,
             new_routing,
-            batch.sampler_routing,
+            prepared.sampler_routing,
             rows.attention_mask,
             spec.routing_diff_name,
         )
         metrics |= jax.device_get(
             ratio_share_metrics(
-                new_log_probs, replayed_log_probs, batch.natural_log_probs, rows.mask
+                new_log_probs, replayed_log_probs, prepared.natural_log_probs, rows.mask
             )
         )
-    metrics |= padding_metrics(batch.round, packed_slots, packed_real)
+    metrics |= padding_metrics(prepared.round, packed_slots, packed_real)
     metrics["update/step"] = float(policy.step)
     metrics["update/skipped_total"] = float(policy.skipped)
     return state.replace(policy=policy, critic=critic), metrics

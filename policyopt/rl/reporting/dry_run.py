@@ -14,15 +14,16 @@ from flax import nnx
 from policyopt.checkpoint import Checkpointer
 from policyopt.config import typed
 from policyopt.models import lora
-from policyopt.rl import adapters, build
-from policyopt.rl.report import (
+from policyopt.rl.loop import build
+from policyopt.rl.loop.trainer import make_prompt_iterator
+from policyopt.rl.reporting.report import (
     advisories,
     banner,
     parameter_count,
     starting_point,
     user_fields,
 )
-from policyopt.rl.trainer import make_prompt_iterator
+from policyopt.rl.update import adapters
 
 
 def plan_run(config, workdir: str, *, recipe: str | None = None) -> str:

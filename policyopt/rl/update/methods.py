@@ -1,7 +1,7 @@
 """The method-specific steps of an RL iteration, chosen once when the run is built.
 
 ``choose(config, is_moe)`` reads ``config.algo`` and returns ``Methods``, a frozen record
-of small functions that the stages of ``policyopt.rl.iteration`` call without asking
+of small functions that the stages of ``policyopt.rl.loop.iteration`` call without asking
 which method they run:
 
 - ``old_log_probs``: pi_old from the trainer's forward (``algo.old_log_probs =
@@ -37,7 +37,7 @@ from policyopt import sharding
 from policyopt.advantages import ESTIMATORS, outcome_advantages
 from policyopt.config import Algo, typed
 from policyopt.losses import offpolicy_metrics, rejection_mask, truncated_importance_weights
-from policyopt.rl import forwards
+from policyopt.rl.update import forwards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +45,13 @@ class Methods:
     """The method-specific steps of an iteration (``choose``); see the module docstring.
 
     Attributes:
-      old_log_probs: ``(learner, params, rows, behaviour, replay) -> (old_log_probs [R, N],
-        routing used [L, R, S, k] or None)``.
+      old_log_probs: ``(learner, params, rows, chunks, behaviour, replay) -> (old_log_probs
+        [R, N], routing used [L, R, S, k] or None)``; ``rows``: a ``Batch`` whose tokens,
+        positions and masks are set, ``chunks``: ``forwards.chunk_layouts``.
       correction: ``(old_log_probs, behaviour, mask) -> (weights or None, loss_mask or None,
         metrics)`` (``rollout_correction``), or None.
-      advantages: ``(spec, state, rows, rewards [R], valid, warming_up) -> (advantages [R] or
-        [R, N], returns or None, old_values or None, metrics)``.
+      advantages: ``(spec, state, rows, chunks, rewards [R], valid, warming_up) ->
+        (advantages [R] or [R, N], returns or None, old_values or None, metrics)``.
       minibatch_advantages: ``(rewards [R_mb], valid) -> advantages [R_mb]``, or None.
       old_replay: ``sampler_routing -> routing`` replayed by the old-log-prob forward.
       update_replay: ``(sampler_routing, old_routing) -> routing`` replayed by the updates.
@@ -102,16 +103,16 @@ def choose(config, *, is_moe: bool) -> Methods:
     )
 
 
-def trainer_old_log_probs(learner, params, rows, behaviour, replay):
+def trainer_old_log_probs(learner, params, rows, chunks, behaviour, replay):
     """pi_old from the trainer's forward (the minibatch's shape, ``forwards``), replaying
     ``replay`` (R3) or recording the routing it uses (R2)."""
     del behaviour
-    return forwards.policy_log_probs(learner, params, rows, replay)
+    return forwards.policy_log_probs(learner, params, rows, chunks, replay)
 
 
-def sampler_old_log_probs(learner, params, rows, behaviour, replay):
+def sampler_old_log_probs(learner, params, rows, chunks, behaviour, replay):
     """pi_old = the sampler's behaviour log-probs (no forward pass, no routing recorded)."""
-    del learner, params, rows, replay
+    del learner, params, rows, chunks, replay
     return behaviour, None
 
 
@@ -121,12 +122,12 @@ def _correct_rows(correct: np.ndarray) -> jax.Array:
 
 
 def group_advantages(
-    spec, state, rows, rewards, valid, warming_up, *, estimator, group_size: int, algo: Algo
+    spec, state, rows, chunks, rewards, valid, warming_up, *, estimator, group_size: int, algo: Algo
 ):
     """Outcome advantages of an ``"outcome"`` estimator (the built-in's: group statistics,
     ``advantages.group_outcome``): ``(advantages [R], None, None, {})``; no critic, no
     forward pass."""
-    del spec, state, rows, warming_up
+    del spec, state, rows, chunks, warming_up
     return estimator(rewards, group_size, valid=valid, algo=algo), None, None, {}
 
 
@@ -137,13 +138,13 @@ def _jitted(targets):
     return jax.jit(targets, static_argnames="algo")
 
 
-def gae_advantages(config, targets, spec, state, rows, rewards, valid, warming_up):
+def gae_advantages(config, targets, spec, state, rows, chunks, rewards, valid, warming_up):
     """The critic's values of the rollout (in the minibatch's shape) and the advantages and
     value targets of a ``"gae"`` estimator (the built-in's: ``critic.gae_targets``), with
     ``gae_settings``: ``(advantages [R, N], returns [R, N], old_values [R, N], metrics)``."""
     del valid  # a sample left out of scoring has a zero mask: no GAE target
     old_values = forwards.critic_values(
-        spec.critic, state.critic.params, rows, frozen=spec.critic_frozen
+        spec.critic, state.critic.params, rows, chunks, frozen=spec.critic_frozen
     )
     advantages, returns, metrics = _jitted(targets)(
         rewards, old_values, rows.mask, algo=gae_settings(config, pretraining=warming_up)

@@ -21,17 +21,17 @@ method, clip / temperatures, aggregation, optional KL (GRPO, k3), optional trunc
 importance weights and, with rollout rejection sampling, over ``batch.loss_mask``, plus
 optional load-balancing and entropy terms and VAPO's NLL on correct samples
 (``mu * losses.nll_loss``). ``batch.advantages`` is one advantage per
-sequence (outcome advantages) or one per token (GAE, ``policyopt.rl.critic``).
-With ``batch.packing`` (``policyopt.rl.packing``) the forward runs on packed rows and its
+sequence (outcome advantages) or one per token (GAE, ``policyopt.rl.update.critic``).
+With ``batch.packing`` (``policyopt.rl.update.packing``) the forward runs on packed rows and its
 log-probs are gathered back to ``[R, N]`` before the loss, which is therefore unchanged.
 
-With LoRA adapters (``policyopt.models.lora``, ``policyopt.rl.adapters``) the state's
+With LoRA adapters (``policyopt.models.lora``, ``policyopt.rl.update.adapters``) the state's
 parameters are the adapters and ``update``'s ``frozen`` argument is the base: the forward
 runs the two joined (``lora.combine``), the gradient and AdamW see the adapters only.
 
 With ``batch.micro_batch_tokens`` the gradient is summed over micro-batches of the
 minibatch inside the same jitted step, each micro-batch's loss its share of the
-minibatch's (``micro_batched_rl_grads``, ``policyopt.rl.micro_batches``), then the same
+minibatch's (``micro_batched_rl_grads``, ``policyopt.rl.update.micro_batches``), then the same
 guard and one update.
 """
 
@@ -59,9 +59,10 @@ from policyopt.losses import (
     weighted_row_sum,
 )
 from policyopt.models import lora
-from policyopt.rl import micro_batches
+from policyopt.models.interface import PolicyModel
 from policyopt.rl.batch import Batch
-from policyopt.rl.packing import PackedLayout, gather_slots
+from policyopt.rl.update import micro_batches
+from policyopt.rl.update.packing import PackedLayout, gather_slots
 
 
 @struct.dataclass
@@ -242,7 +243,7 @@ def forward_log_probs(
             temperature=temperature,
             routing=routing,
         )
-    model = nnx.merge(graphdef, params)
+    model: PolicyModel = nnx.merge(graphdef, params)
     out = model(
         tokens,
         positions=positions,
@@ -259,8 +260,8 @@ def forward_log_probs(
     return Forward(log_probs, entropy, out.routing, out.aux)
 
 
-def packed_forward(model, tokens, positions, packing: PackedLayout, routing=None):
-    """The model on the packed rows of a training-layout batch (``policyopt.rl.packing``).
+def packed_forward(model: PolicyModel, tokens, positions, packing: PackedLayout, routing=None):
+    """The model on the packed rows of a training-layout batch (``policyopt.rl.update.packing``).
 
     Tokens, positions and the routing to replay are gathered into ``[N_p, T]`` slots
     (``packing.source``); each segment attends only to itself (``segment_ids``).
@@ -308,7 +309,7 @@ def packed_forward_log_probs(
     Returns:
       ``Forward`` in the padded layout: log_probs and entropy ``[R, N]``.
     """
-    model = nnx.merge(graphdef, params)
+    model: PolicyModel = nnx.merge(graphdef, params)
     out, packed_tokens = packed_forward(model, tokens, positions, packing, routing)
     successors = jnp.pad(packed_tokens[:, 1:], ((0, 0), (0, 1)))
     log_probs, entropy = token_log_probs(
@@ -358,7 +359,7 @@ class LossSettings(NamedTuple):
     @property
     def micro_batch_tokens(self) -> int | None:
         """Tokens per micro-batch of an update (None: one pass over the minibatch). Memory,
-        not the result: ``policyopt.rl.micro_batches``."""
+        not the result: ``policyopt.rl.update.micro_batches``."""
         return self.batch.micro_batch_tokens or None
 
 
@@ -452,7 +453,7 @@ def tree_all_finite(tree) -> jax.Array:
 
 class Normalisers(NamedTuple):
     """The denominators of ``rl_objective``'s terms over a whole minibatch, so that a
-    micro-batch's loss is its share of the minibatch's (``policyopt.rl.micro_batches``)."""
+    micro-batch's loss is its share of the minibatch's (``policyopt.rl.update.micro_batches``)."""
 
     policy: jax.Array  # [R]: losses.aggregation_weights of the policy mask
     entropy: jax.Array  # [R]: the token mean's row weights of the policy mask
@@ -531,7 +532,7 @@ def rl_loss_share(
 
 def micro_batched_rl_grads(graphdef, settings: LossSettings, params, batch: Batch, frozen=None):
     """``((loss, metrics), grads)`` of ``rl_loss`` on a minibatch run as micro-batches of
-    at most ``settings.micro_batch_tokens`` tokens (``policyopt.rl.micro_batches``);
+    at most ``settings.micro_batch_tokens`` tokens (``policyopt.rl.update.micro_batches``);
     ``params`` the trainable parameters, joined to ``frozen`` (LoRA's base) in the forward.
 
     The gradients are the sum of the micro-batches' shares' (``rl_loss_share``); the loss
@@ -563,7 +564,7 @@ def micro_batched_rl_grads(graphdef, settings: LossSettings, params, batch: Batc
 
             def model_aux(micro):
                 micro = micro_batches.constrain_rows(micro)
-                model = nnx.merge(graphdef, params)
+                model: PolicyModel = nnx.merge(graphdef, params)
                 return model(
                     micro.tokens,
                     positions=micro.positions,

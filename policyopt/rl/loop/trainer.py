@@ -2,7 +2,7 @@
 
     summary = run_rl(config, workdir)        # resumes from workdir/checkpoints if present
 
-One iteration is ``policyopt.rl.iteration.rl_iteration`` (``sample`` -> ``prepare`` ->
+One iteration is ``policyopt.rl.loop.iteration.rl_iteration`` (``sample`` -> ``prepare`` ->
 ``update_epochs``, stages that see a frozen ``RunSpec`` and a ``RunState`` pytree). This
 module builds them (``build_run``), holds them between iterations with the host side of a
 run (``RLRun``: run directory, data position, checkpoints, evaluation) and drives the loop
@@ -31,23 +31,13 @@ from policyopt.data.pipeline import make_pipeline
 from policyopt.engine import Engine, GenerationStopped
 from policyopt.loggers import config_json, open_loggers, parse_loggers
 from policyopt.metrics import MetricsWriter, Progress, read_last_value, read_step_record
-from policyopt.rl import adapters, build, iteration, methods, report
-from policyopt.rl.critic import CriticSettings, critic_optim, get_critic
-from policyopt.rl.evaluate import evaluate
-from policyopt.rl.forwards import pack_chunks as pack_chunks
-from policyopt.rl.forwards import pack_rows as pack_rows
-from policyopt.rl.iteration import RunSpec, RunState
-from policyopt.rl.iteration import Sampled as Sampled
-from policyopt.rl.iteration import TrainBatch as TrainBatch
-from policyopt.rl.iteration import prepare as prepare
-from policyopt.rl.iteration import sample as sample
-from policyopt.rl.iteration import update_epochs as update_epochs
-from policyopt.rl.learner import LossSettings, get_learner, place_state
-from policyopt.rl.methods import gae_settings as gae_settings
-from policyopt.rl.methods import minibatch_advantages as minibatch_advantages
-from policyopt.rl.methods import rollout_correction as rollout_correction
-from policyopt.rl.report import batch_metrics as batch_metrics
-from policyopt.rl.report import scoring_metrics as scoring_metrics
+from policyopt.rl.loop import build, iteration
+from policyopt.rl.loop.iteration import Prepared, RunSpec, RunState, Sampled
+from policyopt.rl.reporting import report
+from policyopt.rl.reporting.evaluate import evaluate
+from policyopt.rl.update import adapters, methods
+from policyopt.rl.update.critic import CriticSettings, critic_optim, get_critic
+from policyopt.rl.update.learner import LossSettings, get_learner, place_state
 from policyopt.runtime import GracefulStop, compile_counts
 from policyopt.sampling import SamplingConfig, sampling_method
 
@@ -55,13 +45,8 @@ from policyopt.sampling import SamplingConfig, sampling_method
 @dataclasses.dataclass
 class RLRun:
     """A run between iterations (built by ``build_run``): the stages' ``RunSpec`` and
-    ``RunState`` (``policyopt.rl.iteration``) and the host side of the loop around them
+    ``RunState`` (``policyopt.rl.loop.iteration``) and the host side of the loop around them
     (the run directory, checkpoints, evaluation, what the last iteration saw).
-
-    The spec's fields read as attributes (``run.config``, ``run.learner``, ``run.mesh``,
-    ``run.data`` = ``spec.prompts``, ...), and so do the state's: ``run.state`` (the
-    policy's ``TrainState``), ``run.critic_state``, ``run.rng``, ``run.iteration``, which
-    may also be assigned (each assignment replaces ``run_state``).
     """
 
     spec: RunSpec
@@ -83,28 +68,19 @@ class RLRun:
     # iteration (``report.sample_rows`` fields, as lists), for samples.jsonl; or None.
     last_samples: dict | None = None
 
-    def _spec_field(name: str):
-        return property(lambda run: getattr(run.spec, name), doc=f"``spec.{name}``")
-
-    def _state_field(name: str):
-        def assign(run, value):
-            run.run_state = run.run_state.replace(**{name: value})
-
-        return property(
-            lambda run: getattr(run.run_state, name), assign, doc=f"``run_state.{name}``"
+    def step(self) -> dict[str, float]:
+        """Runs one iteration (``iteration.rl_iteration``): the run's state replaced, what
+        it sampled and trained on kept (``keep``); returns its metrics."""
+        self.run_state, metrics, sampled, prepared = iteration.rl_iteration(
+            self.spec, self.run_state
         )
+        self.keep(sampled, prepared)
+        return metrics
 
-    config, graphdef, learner, critic, mesh = map(
-        _spec_field, ("config", "graphdef", "learner", "critic", "mesh")
-    )
-    tokenizer, sampling_config, reward_spec, ref_params, engine, data = map(
-        _spec_field,
-        ("tokenizer", "sampling_config", "reward_spec", "ref_params", "engine", "prompts"),
-    )
-    state, critic_state, rng, iteration = map(
-        _state_field, ("policy", "critic", "rng", "iteration")
-    )
-    del _spec_field, _state_field
+    def keep(self, sampled: Sampled, prepared: Prepared) -> None:
+        """Keeps an iteration's samples, round and update batch for inspection (``last_*``)."""
+        self.last_samples = sampled.samples
+        self.last_round, self.last_batch = prepared.round, prepared.batch
 
 
 def make_prompt_iterator(config, records, *, seed: int):
@@ -247,9 +223,9 @@ def build_run(
 def checkpoint_state(run: RLRun) -> dict:
     """The arrays a checkpoint holds: the policy's ``TrainState``, the run key and (critic
     methods) the critic's ``TrainState``."""
-    state = {"train": run.state, "rng": run.rng}
-    if run.critic_state is not None:
-        state["critic"] = run.critic_state
+    state = {"train": run.run_state.policy, "rng": run.run_state.rng}
+    if run.run_state.critic is not None:
+        state["critic"] = run.run_state.critic
     return state
 
 
@@ -258,9 +234,9 @@ def checkpoint_meta(run: RLRun, data_state) -> dict:
     (checked on resume, ``build.check_resume_config``); with LoRA the adapters' record
     and their base's identity (``adapters.lora_record``: the base is not saved)."""
     meta = {
-        "iteration": run.iteration,
+        "iteration": run.run_state.iteration,
         "data": data_state,
-        "config": build.config_record(run.config),
+        "config": build.config_record(run.spec.config),
     }
     if run.spec.lora_record is not None:
         meta["lora"] = run.spec.lora_record
@@ -270,8 +246,10 @@ def checkpoint_meta(run: RLRun, data_state) -> dict:
 def save(run: RLRun, data_state=None) -> None:
     """Checkpoints the run at its current iteration, with the data position ``data_state``
     (default: the iterator's now)."""
-    data_state = run.data.get_state() if data_state is None else data_state
-    run.checkpointer.save(run.iteration, checkpoint_state(run), checkpoint_meta(run, data_state))
+    data_state = run.spec.prompts.get_state() if data_state is None else data_state
+    run.checkpointer.save(
+        run.run_state.iteration, checkpoint_state(run), checkpoint_meta(run, data_state)
+    )
 
 
 def restore(run: RLRun, step: int | None = None, *, check_config: bool = True) -> None:
@@ -285,14 +263,14 @@ def restore(run: RLRun, step: int | None = None, *, check_config: bool = True) -
 
     def check(candidate: int, meta: dict) -> None:
         # Adapters against full weights, and adapters on another base: one line each, first.
-        adapters.check_kind(meta.get("lora"), run.config, where, "resume")
+        adapters.check_kind(meta.get("lora"), run.spec.config, where, "resume")
         if meta.get("lora") is not None:
             adapters.check_base(meta["lora"], run.spec.weights.frozen, f"resume: {where}")
         # Before the arrays: a changed config or shape would fail there, unnamed.
         if check_config:
-            build.check_resume_config(meta.get("config"), run.config, where)
+            build.check_resume_config(meta.get("config"), run.spec.config, where)
         build.check_checkpoint_shapes(
-            run.checkpointer, target, run.config, step=candidate, field="resume"
+            run.checkpointer, target, run.spec.config, step=candidate, field="resume"
         )
 
     restored, meta = run.checkpointer.restore(target, step, check=check)
@@ -302,29 +280,8 @@ def restore(run: RLRun, step: int | None = None, *, check_config: bool = True) -
         critic=restored.get("critic"),
         iteration=int(meta["iteration"]),
     )
-    run.data.set_state(meta["data"])
+    run.spec.prompts.set_state(meta["data"])
     run.last_eval, run.last_eval_iteration, run.resumed_config = {}, None, meta.get("config")
-
-
-def rl_iteration(run: RLRun) -> dict[str, float]:
-    """Runs one RL iteration on ``run`` (``iteration.rl_iteration``; the run's state
-    replaced, the batch kept for inspection) and returns its metrics."""
-    run.run_state, metrics, sampled, batch = iteration.rl_iteration(run.spec, run.run_state)
-    run.last_samples, run.last_round, run.last_batch = sampled.samples, batch.round, batch.batch
-    return metrics
-
-
-def train_on_batch(run: RLRun, merged, metrics: dict, key_shuffle: jax.Array) -> dict:
-    """The training half of an iteration on a sampled batch (host ``Round``):
-    ``iteration.prepare`` then ``iteration.update_epochs`` on ``run`` (its state replaced,
-    ``run.iteration`` not advanced). Returns ``metrics`` with this step's added."""
-    with jax.set_mesh(run.mesh):
-        batch = iteration.prepare(run.spec, run.run_state, merged)
-        run.run_state, update_metrics = iteration.update_epochs(
-            run.spec, run.run_state, batch, key_shuffle
-        )
-    run.last_round, run.last_batch = batch.round, batch.batch
-    return {**metrics, **batch.metrics, **update_metrics}
 
 
 class UpdatesSkipped(RuntimeError):
@@ -333,7 +290,7 @@ class UpdatesSkipped(RuntimeError):
 
 def _guarded_states(run: RLRun) -> dict:
     """The states whose updates the non-finite guard may skip: the policy's and the critic's."""
-    return {"update": run.state, "critic": run.critic_state}
+    return {"update": run.run_state.policy, "critic": run.run_state.critic}
 
 
 class SkippedUpdates:
@@ -382,23 +339,23 @@ EVAL_SAMPLES_LOGGED = 16
 
 
 def evaluate_run(run: RLRun, samples: list | None = None) -> dict[str, float]:
-    """Held-out evaluation of the current policy (``policyopt.rl.evaluate``); ``samples``,
+    """Held-out evaluation of the current policy (``policyopt.rl.reporting.evaluate``); ``samples``,
     when given, receives one record per held-out completion (``evaluate``)."""
-    cfg = run.config
-    with jax.set_mesh(run.mesh):
-        graphdef, params = iteration.sampler_weights(run.spec, run.state.params)
+    cfg = run.spec.config
+    with jax.set_mesh(run.spec.mesh):
+        graphdef, params = iteration.sampler_weights(run.spec, run.run_state.policy.params)
         return evaluate(
             graphdef,
             params,
             run.eval_records,
-            run.tokenizer,
+            run.spec.tokenizer,
             max_new_tokens=cfg.sampling.max_new_tokens,
             batch_size=cfg.eval.batch_size,
             prompt_buckets=tuple(cfg.batch.prompt_buckets),
             k=cfg.eval.k,
             temperature=cfg.eval.temperature,
             decode_segments=cfg.sampling.decode_segments,
-            rng=jax.random.fold_in(run.rng, 10**9 + run.iteration),
+            rng=jax.random.fold_in(run.run_state.rng, 10**9 + run.run_state.iteration),
             spec=build.correctness_spec(cfg),
             num_workers=cfg.reward.num_workers,
             samples=samples,
@@ -441,11 +398,11 @@ def run_rl(
     loop = RunLoop(run, total, quiet=quiet, recipe=recipe)
     try:
         loop.begin()
-        loop.attach(run.engine)
-        while run.iteration < total and not loop.stopping:
-            data_state = run.data.get_state()  # the iteration's start, if it is cut short
+        loop.attach(run.spec.engine)
+        while run.run_state.iteration < total and not loop.stopping:
+            data_state = run.spec.prompts.get_state()  # the iteration's start, if it is cut short
             try:
-                metrics = rl_iteration(run)
+                metrics = run.step()
             except GenerationStopped:
                 loop.stopped_in_iteration(save=lambda: save(run, data_state))
                 break
@@ -462,8 +419,8 @@ class RunLoop:
     evaluation and checkpoint cadence, and the summary the two return.
 
     Use: ``begin()`` (evaluates at iteration 0), ``after_iteration(metrics, save)`` after
-    each iteration (``run.iteration`` already advanced), ``end()`` (evaluates the final
-    iteration if nothing has), ``close()`` in a ``finally``, then ``summary()``.
+    each iteration (``run.run_state.iteration`` already advanced), ``end()`` (evaluates the
+    final iteration if nothing has), ``close()`` in a ``finally``, then ``summary()``.
 
     A resumed run continues its files: records of ``metrics.jsonl`` and ``eval.jsonl``
     after the checkpoint's iteration (written before a crash, about to be written again)
@@ -475,7 +432,7 @@ class RunLoop:
     """
 
     def __init__(self, run: RLRun, total: int, *, quiet: bool = False, recipe: str | None = None):
-        config, workdir = run.config, run.workdir
+        config, workdir = run.spec.config, run.workdir
         self.run, self.total, self.config = run, total, config
         # Process 0 writes the files and the console line (every process computes the same
         # records: multi-process jobs run the host side identically on each).
@@ -484,19 +441,21 @@ class RunLoop:
         if self.console:
             resumed = run.checkpointer.latest_step() is not None
             start = report.starting_point(
-                config, run.checkpointer.directory, run.iteration if resumed else None
+                config, run.checkpointer.directory, run.run_state.iteration if resumed else None
             )
             print(
                 report.banner(
                     config,
                     workdir,
                     recipe=recipe,
-                    mesh=run.mesh,
+                    mesh=run.spec.mesh,
                     start=start,
-                    num_params=report.parameter_count(run.state.params)
+                    num_params=report.parameter_count(run.run_state.policy.params)
                     + report.parameter_count(run.spec.weights and run.spec.weights.frozen),
                     trainable=(
-                        report.parameter_count(run.state.params) if run.spec.weights else None
+                        report.parameter_count(run.run_state.policy.params)
+                        if run.spec.weights
+                        else None
                     ),
                     total=total,
                 ),
@@ -508,7 +467,7 @@ class RunLoop:
         if primary:
             with open(os.path.join(workdir, "config.json"), "w") as f:
                 f.write(config.to_json(indent=2, sort_keys=True))
-        resume_step = run.iteration if run.iteration else -1
+        resume_step = run.run_state.iteration if run.run_state.iteration else -1
         self.writer = MetricsWriter(
             workdir,
             tensorboard="tensorboard" in parse_loggers(config.train.loggers),
@@ -526,7 +485,7 @@ class RunLoop:
             resume_step=resume_step,
         )
         self.progress = (
-            None if (quiet or not primary) else Progress(total, start_step=run.iteration)
+            None if (quiet or not primary) else Progress(total, start_step=run.run_state.iteration)
         )
         self.skipped_updates = SkippedUpdates(
             config.train.max_skipped_updates, _guarded_states(run)
@@ -560,17 +519,19 @@ class RunLoop:
         self.uninformative_streak, self.first_iteration = 0, True
         self._first_start, self._first_counts = time.perf_counter(), compile_counts()
         if (
-            run.iteration
-            and run.last_eval_iteration != run.iteration
+            run.run_state.iteration
+            and run.last_eval_iteration != run.run_state.iteration
             and build.same_evaluation(run.resumed_config, config)
         ):
             # Process 0's log decides for every process (evaluating is a collective).
             logged = None
             if primary:
-                logged = read_step_record(self.eval_writer.path, run.iteration, prefix="eval/")
+                logged = read_step_record(
+                    self.eval_writer.path, run.run_state.iteration, prefix="eval/"
+                )
             logged = sharding.broadcast_json(logged)
             if logged is not None:
-                run.last_eval, run.last_eval_iteration = logged, run.iteration
+                run.last_eval, run.last_eval_iteration = logged, run.run_state.iteration
 
     def _warn(self, message: str) -> None:
         """A warning on the console (``warning: ...``), or in the log when quiet."""
@@ -602,12 +563,12 @@ class RunLoop:
         checkpoint exists, and ends as a stop does."""
         run = self.run
         self.stopped_by = self.stop.signal_name or "stop"
-        if run.iteration not in run.checkpointer.all_steps():
+        if run.run_state.iteration not in run.checkpointer.all_steps():
             save()
         if self.console:
-            path = os.path.join(run.checkpointer.directory, str(run.iteration))
+            path = os.path.join(run.checkpointer.directory, str(run.run_state.iteration))
             print(
-                f"{self.stopped_by}: stopped during iteration {run.iteration + 1} (its "
+                f"{self.stopped_by}: stopped during iteration {run.run_state.iteration + 1} (its "
                 f"generation cut short); checkpoint {path}; rerun the same command to resume",
                 flush=True,
             )
@@ -622,25 +583,28 @@ class RunLoop:
         if self.console and not self.history:
             print(
                 f"evaluating {len(run.eval_records)} held-out prompts at iteration "
-                f"{run.iteration} (the sampler compiles first, or loads from the compilation "
-                "cache) ...",
+                f"{run.run_state.iteration} (the sampler compiles first, or loads from the "
+                "compilation cache) ...",
                 flush=True,
             )
         samples: list[dict] = []
         result = evaluate_run(run, samples=samples)
-        self.eval_writer.write(run.iteration, result)
-        self.writer.write(run.iteration, result)
-        self.eval_samples.write_rows(run.iteration, samples[:EVAL_SAMPLES_LOGGED])
-        self.writer.write_text(run.iteration, "samples/eval", samples[:EVAL_SAMPLES_LOGGED])
-        self.history.append({"iteration": run.iteration, **result})
+        self.eval_writer.write(run.run_state.iteration, result)
+        self.writer.write(run.run_state.iteration, result)
+        self.eval_samples.write_rows(run.run_state.iteration, samples[:EVAL_SAMPLES_LOGGED])
+        self.writer.write_text(
+            run.run_state.iteration, "samples/eval", samples[:EVAL_SAMPLES_LOGGED]
+        )
+        self.history.append({"iteration": run.run_state.iteration, **result})
         if self.progress:
             print(
-                f"eval @ {run.iteration}: " + " ".join(f"{k} {v:.4f}" for k, v in result.items()),
+                f"eval @ {run.run_state.iteration}: "
+                + " ".join(f"{k} {v:.4f}" for k, v in result.items()),
                 flush=True,
             )
-        run.last_eval, run.last_eval_iteration = result, run.iteration
+        run.last_eval, run.last_eval_iteration = result, run.run_state.iteration
         if "eval/pass@1" in result:
-            self.shown_eval = (run.iteration, result["eval/pass@1"])
+            self.shown_eval = (run.run_state.iteration, result["eval/pass@1"])
         return result
 
     def _log_samples(self) -> None:
@@ -649,21 +613,21 @@ class RunLoop:
         samples.jsonl, TensorBoard text, and one of them on the console."""
         run, train = self.run, self.config.train
         every = train.sample_every
-        due = every and (run.iteration == 1 or run.iteration % every == 0)
+        due = every and (run.run_state.iteration == 1 or run.run_state.iteration % every == 0)
         if not (due and run.last_samples):
             return
         rows = report.sample_rows(
             **run.last_samples,
-            step=run.iteration,
+            step=run.run_state.iteration,
             limit=train.sample_prompts * self.config.batch.group_size,
         )
-        self.samples.write_rows(run.iteration, rows)
-        self.writer.write_text(run.iteration, "samples/train", rows)
+        self.samples.write_rows(run.run_state.iteration, rows)
+        self.writer.write_text(run.run_state.iteration, "samples/train", rows)
         if self.progress and rows:
             row = rows[0]
             verdict = row.get("status", "correct" if row["correct"] else "wrong")
             print(
-                f"sample @ {run.iteration}: {row['prompt'][-60:]!r} -> "
+                f"sample @ {run.run_state.iteration}: {row['prompt'][-60:]!r} -> "
                 f"{row['completion'][:120]!r} reward {row['reward']:.3g} ({verdict})",
                 flush=True,
             )
@@ -704,20 +668,20 @@ class RunLoop:
         """Evaluates at iteration 0, and at a resumed iteration on the evaluation cadence
         whose evaluation is not in the log (the run stopped during it)."""
         run, every = self.run, self.config.train.eval_every
-        due = run.iteration == 0 or (
-            every and run.iteration % every == 0 and run.iteration < self.total
+        due = run.run_state.iteration == 0 or (
+            every and run.run_state.iteration % every == 0 and run.run_state.iteration < self.total
         )
         self.stop.__enter__()
-        if self.evaluating and due and run.last_eval_iteration != run.iteration:
+        if self.evaluating and due and run.last_eval_iteration != run.run_state.iteration:
             self.evaluate()
         self._poll_stop()
-        if self.console and run.iteration < self.total and not self.stopping:
-            phase = report.critic_phase(self.config, run.iteration)
+        if self.console and run.run_state.iteration < self.total and not self.stopping:
+            phase = report.critic_phase(self.config, run.run_state.iteration)
             if phase:
                 print(phase, flush=True)
             print(
-                f"iteration {run.iteration + 1}: compiling the sampler and the update steps "
-                "(or loading them from the compilation cache) ...",
+                f"iteration {run.run_state.iteration + 1}: compiling the sampler and the update "
+                "steps (or loading them from the compilation cache) ...",
                 flush=True,
             )
             self._first_start = time.perf_counter()
@@ -731,50 +695,52 @@ class RunLoop:
                 run.last_round.rewards, self.config.batch.group_size, run.last_round.scored_rows()
             )
         self.metrics = metrics
-        self.writer.write(run.iteration, metrics)
-        self.skipped_updates.update(run.iteration, _guarded_states(run))
+        self.writer.write(run.run_state.iteration, metrics)
+        self.skipped_updates.update(run.run_state.iteration, _guarded_states(run))
         if self.console and self.first_iteration:
             seconds = time.perf_counter() - self._first_start
             (compiled, loaded), (compiled0, loaded0) = compile_counts(), self._first_counts
             line = report.first_iteration_line(seconds, compiled - compiled0, loaded - loaded0)
             print(line, flush=True)
-        if self.progress and self.first_iteration and run.iteration % train.log_every:
-            self.progress.start_steady(run.iteration)  # the ETA leaves the compiling one out
+        if self.progress and self.first_iteration and run.run_state.iteration % train.log_every:
+            self.progress.start_steady(
+                run.run_state.iteration
+            )  # the ETA leaves the compiling one out
         self.first_iteration = False
-        if self.progress and run.iteration % train.log_every == 0:
+        if self.progress and run.run_state.iteration % train.log_every == 0:
             shown = {k: v for k, v in metrics.items() if not k.startswith("eval/")}
             suffix = ""
             if self.shown_eval is not None:  # the last evaluation, with its iteration
                 suffix = f"pass@1 {self.shown_eval[1]:.3f} (it {self.shown_eval[0]})"
-            self.progress.update(run.iteration, shown, suffix=suffix)
+            self.progress.update(run.run_state.iteration, shown, suffix=suffix)
         self._log_samples()
         self._watch_informative(metrics)
         self._watch_lambda()
-        phase = report.critic_phase(self.config, run.iteration, metrics)
+        phase = report.critic_phase(self.config, run.run_state.iteration, metrics)
         if phase and self.console:
             print(phase, flush=True)
         self._poll_stop()
-        final = run.iteration == self.total
+        final = run.run_state.iteration == self.total
         every = train.eval_every
-        if final or run.iteration % train.checkpoint_every == 0 or self.stopping:
+        if final or run.run_state.iteration % train.checkpoint_every == 0 or self.stopping:
             save()
         if self.stopping:  # the evaluation too waits for the resumed run (``end``)
             if self.console:
-                path = os.path.join(run.checkpointer.directory, str(run.iteration))
+                path = os.path.join(run.checkpointer.directory, str(run.run_state.iteration))
                 print(
-                    f"{self.stopped_by}: stopped at iteration {run.iteration}; checkpoint "
-                    f"{path}; rerun the same command to resume",
+                    f"{self.stopped_by}: stopped at iteration {run.run_state.iteration}; "
+                    f"checkpoint {path}; rerun the same command to resume",
                     flush=True,
                 )
             return
-        if self.evaluating and ((every and run.iteration % every == 0) or final):
+        if self.evaluating and ((every and run.run_state.iteration % every == 0) or final):
             self.evaluate()
 
     def end(self) -> None:
         # A resumed run that was not evaluated at its iteration (a finished run whose
         # final evaluation failed, or that ran with eval.num_prompts=0) is evaluated here.
         # A stopped run is not: it resumes where it stopped.
-        unevaluated = self.run.last_eval_iteration != self.run.iteration
+        unevaluated = self.run.last_eval_iteration != self.run.run_state.iteration
         if self.evaluating and unevaluated and not self.stopping:
             self.evaluate()
 
@@ -788,7 +754,7 @@ class RunLoop:
 
     def summary(self, **extra) -> dict:
         return {
-            "iteration": self.run.iteration,
+            "iteration": self.run.run_state.iteration,
             "metrics": self.metrics,
             "eval": self.last_eval,
             "eval_history": self.history,

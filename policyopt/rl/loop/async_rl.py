@@ -27,16 +27,7 @@ from absl import logging
 from policyopt.config import typed
 from policyopt.data.pipeline import as_record
 from policyopt.engine import GenerationStopped
-from policyopt.rewards.batch import kill_pool, score_batch
-from policyopt.rl import build, iteration
-from policyopt.rl.async_generation import (
-    AsyncGenerator,
-    EngineSlots,
-    GroupCompletion,
-    SlotConfig,
-    SlotGenerator,
-    staleness_bound,
-)
+from policyopt.rewards.scoring import kill_pool, score_batch
 from policyopt.rl.batch import (
     DYNAMIC_SAMPLING_CRITERIA,
     bucket,
@@ -47,10 +38,19 @@ from policyopt.rl.batch import (
     truncated_rows,
     uninformative_groups,
 )
-from policyopt.rl.evaluate import decode, task_accuracies
-from policyopt.rl.iteration import RunSpec, Sampled, prepare, update_epochs
-from policyopt.rl.report import batch_metrics, scoring_metrics
-from policyopt.rl.trainer import RLRun, RunLoop, build_run, checkpoint_meta, checkpoint_state
+from policyopt.rl.loop import build, iteration
+from policyopt.rl.loop.iteration import RunSpec, Sampled, prepare, update_epochs
+from policyopt.rl.loop.trainer import RLRun, RunLoop, build_run, checkpoint_meta, checkpoint_state
+from policyopt.rl.reporting.evaluate import decode, task_accuracies
+from policyopt.rl.reporting.report import batch_metrics, scoring_metrics
+from policyopt.rl.rollouts.async_generation import (
+    AsyncGenerator,
+    EngineSlots,
+    GroupCompletion,
+    SlotConfig,
+    SlotGenerator,
+    staleness_bound,
+)
 
 __all__ = [
     "resolved_n_async",
@@ -131,21 +131,21 @@ def _interrupt_scoring(num_workers: int):
 
 def make_scorer(run: RLRun):
     """``GroupCompletion -> GroupCompletion`` with rewards, as the synchronous trainer
-    scores (``policyopt.rewards.batch.score_batch``; truncated: ``truncated_rows``)."""
-    cfg, tokenizer = run.config, run.tokenizer
+    scores (``policyopt.rewards.scoring.score_batch``; truncated: ``truncated_rows``)."""
+    cfg, tokenizer = run.spec.config, run.spec.tokenizer
     num_new = cfg.sampling.max_new_tokens
 
     def score(completion: GroupCompletion) -> GroupCompletion:
         group = completion.tokens.shape[0]
         texts = decode(completion.tokens, completion.lengths, tokenizer)
         truncated = truncated_rows(
-            completion.tokens, completion.lengths, num_new, run.sampling_config.end_ids
+            completion.tokens, completion.lengths, num_new, run.spec.sampling_config.end_ids
         )
         scores = score_batch(
             texts,
             [completion.meta["answer"]] * group,
             completion.lengths,
-            run.reward_spec,
+            run.spec.reward_spec,
             prompts=[completion.meta["prompt"]] * group,
             num_workers=cfg.reward.num_workers,
             truncated=truncated,
@@ -187,25 +187,26 @@ def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
     """The generator of ``run`` (not started), at the run's current parameters and
     iteration (= version): on the engine's paged KV cache (``EngineSlots``) when
     ``sampling.engine_kv_tokens > 0``, else on dense slots (``SlotGenerator``)."""
-    cfg = run.config
+    cfg = run.spec.config
     acfg = cfg.async_mode
     n_async = resolved_n_async(cfg)
     width = acfg.prompt_width or widest_prompt(cfg)
     rows = min(acfg.num_slots or n_async, n_async)  # rows beyond n_async would stay idle
     slot_config = SlotConfig(
-        sampling=run.sampling_config,
+        sampling=run.spec.sampling_config,
         num_groups=rows // cfg.batch.group_size,
         prompt_width=int(width),
         segment_steps=min(acfg.segment_steps, cfg.sampling.max_new_tokens),
     )
-    params = jax.tree.map(jnp.copy, run.state.params)  # the update donates run.state
+    # A copy: the update donates the policy's state.
+    params = jax.tree.map(jnp.copy, run.run_state.policy.params)
     # LoRA: the trainer publishes its adapters only; the generator joins them to the
     # frozen base (or merges them into it) once per version (iteration.sampler_weights).
-    with jax.set_mesh(run.mesh):
+    with jax.set_mesh(run.spec.mesh):
         graphdef, decode = iteration.sampler_weights(run.spec, params)
 
     def weights(published):
-        with jax.set_mesh(run.mesh):
+        with jax.set_mesh(run.spec.mesh):
             return iteration.sampler_weights(run.spec, published)[1]
 
     s = cfg.sampling
@@ -216,21 +217,21 @@ def make_generator(run: RLRun, stream: PromptStream) -> AsyncGenerator:
             decode,
             kv_tokens=s.engine_kv_tokens,
             page_size=s.engine_page_size,
-            mesh=run.mesh,
+            mesh=run.spec.mesh,
         )
     else:
-        slots = SlotGenerator(graphdef, slot_config, decode, mesh=run.mesh)
-    rng = jax.random.fold_in(jax.random.fold_in(run.rng, 0x5EED), run.iteration)
+        slots = SlotGenerator(graphdef, slot_config, decode, mesh=run.spec.mesh)
+    rng = jax.random.fold_in(jax.random.fold_in(run.run_state.rng, 0x5EED), run.run_state.iteration)
     return AsyncGenerator(
         slots,
         stream,
         params,
-        run.iteration,
+        run.run_state.iteration,
         rng=rng,
         n_async=n_async,
         score_fn=make_scorer(run),
         join_timeout_s=acfg.join_timeout_s,
-        interrupt_scoring=_interrupt_scoring(run.config.reward.num_workers),
+        interrupt_scoring=_interrupt_scoring(run.spec.config.reward.num_workers),
         weights=None if run.spec.weights is None else weights,
     )
 
@@ -301,7 +302,7 @@ def assemble(groups: list[GroupCompletion], run: RLRun):
     to its own prompt bucket (only padding goes), so that the batch, like a synchronous
     one, has the prompt bucket of its longest prompt. Built on the host (no device
     round trip per group)."""
-    cfg, group = run.config, run.config.batch.group_size
+    cfg, group = run.spec.config, run.spec.config.batch.group_size
     num_new = cfg.sampling.max_new_tokens
     rounds = []
     for g in groups:
@@ -317,7 +318,7 @@ def assemble(groups: list[GroupCompletion], run: RLRun):
         rnd = trim_prompt(rnd, prompt_width)
         rnd = rnd._replace(mask=rnd.mask * g.sample_mask[:, None])  # see iteration.sample
         rounds.append((rnd, np.zeros((1,), np.int64)))
-    merged = merge_rounds(rounds, group, run.tokenizer.pad_id)
+    merged = merge_rounds(rounds, group, run.spec.tokenizer.pad_id)
     width = merged.mask.shape[1]
     versions = np.concatenate([g.versions[:, :width] for g in groups])
     start = np.concatenate([np.full(group, g.start_version) for g in groups])
@@ -389,7 +390,7 @@ def async_sample(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher):
     """The asynchronous trainer's ``sample``: one batch of finished groups taken from the
     generator (dynamic sampling by ``batcher``), as ``iteration.sample`` returns it, and
     the batch's versions (``async_iteration``'s info)."""
-    cfg = run.config
+    cfg = run.spec.config
     start = time.perf_counter()
     while not batcher.add(generator.take()):
         pass
@@ -418,7 +419,7 @@ def async_sample(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher):
                                 g.tokens,
                                 g.lengths,
                                 cfg.sampling.max_new_tokens,
-                                run.sampling_config.end_ids,
+                                run.spec.sampling_config.end_ids,
                             )
                             for g in seen
                         ]
@@ -434,13 +435,15 @@ def async_sample(run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher):
             "async/score_s": float(generator.stats["score_seconds"]),
         }
     )
-    metrics.update(staleness_metrics(run.iteration, versions, start_version, finish_version))
+    metrics.update(
+        staleness_metrics(run.run_state.iteration, versions, start_version, finish_version)
+    )
     if all(g.scoring is not None for g in seen):
         metrics.update(scoring_metrics([g.scoring for g in seen]))
     if any(g.meta.get("task") is not None for g in seen):  # mixed math and code prompts
         tasks = [g.meta.get("task") for g in seen for _ in range(len(g.rewards))]
         metrics.update(task_accuracies(correct, tasks, "reward/accuracy"))
-    samples = group_samples(groups[: cfg.train.sample_prompts], run.tokenizer)
+    samples = group_samples(groups[: cfg.train.sample_prompts], run.spec.tokenizer)
     info = dict(
         groups=groups, versions=versions, start_version=start_version, finish_version=finish_version
     )
@@ -451,8 +454,8 @@ def async_iteration(
     run: RLRun, generator: AsyncGenerator, batcher: GroupBatcher
 ) -> tuple[dict, dict]:
     """Takes one batch of finished groups (``async_sample``), trains on it (version
-    ``run.iteration``; ``iteration.prepare``, ``iteration.update_epochs``), publishes the
-    new parameters as version ``run.iteration + 1``.
+    ``run.run_state.iteration``; ``iteration.prepare``, ``iteration.update_epochs``),
+    publishes the new parameters as version ``run.run_state.iteration + 1``.
 
     Returns:
       ``(metrics, info)``; info holds the batch's ``groups`` and per-row ``versions``
@@ -463,14 +466,14 @@ def async_iteration(
     sampled, info = async_sample(run, generator, batcher)
     _, key_shuffle = jax.random.split(jax.random.fold_in(state.rng, state.iteration))
     with jax.set_mesh(spec.mesh):
-        batch = prepare(spec, state, sampled.round)
-        state, update_metrics = update_epochs(spec, state, batch, key_shuffle)
+        prepared = prepare(spec, state, sampled.round)
+        state, update_metrics = update_epochs(spec, state, prepared, key_shuffle)
     run.run_state = state.replace(iteration=state.iteration + 1)
-    run.last_samples, run.last_round, run.last_batch = sampled.samples, batch.round, batch.batch
-    generator.publish(jax.tree.map(jnp.copy, run.state.params), run.iteration)
+    run.keep(sampled, prepared)
+    generator.publish(jax.tree.map(jnp.copy, run.run_state.policy.params), run.run_state.iteration)
     metrics = {
         **sampled.metrics,
-        **batch.metrics,
+        **prepared.metrics,
         **update_metrics,
         "time/iteration_s": time.perf_counter() - start,
     }
@@ -480,7 +483,7 @@ def async_iteration(
 def save(run: RLRun, stream: PromptStream) -> None:
     """Checkpoints the run (``trainer.save`` with the prompt stream's position)."""
     run.checkpointer.save(
-        run.iteration, checkpoint_state(run), checkpoint_meta(run, stream.get_state())
+        run.run_state.iteration, checkpoint_state(run), checkpoint_meta(run, stream.get_state())
     )
 
 
@@ -511,13 +514,13 @@ def run_async_rl(
     total = config.train.num_iterations if num_iterations is None else num_iterations
     with build.undo_workdir_on_failure(workdir):  # a failed build leaves nothing behind
         run = build_run(config, workdir, lock=True)
-        stream = PromptStream(run.data)
+        stream = PromptStream(run.spec.prompts)
         generator = make_generator(run, stream)
-    if run.iteration:
+    if run.run_state.iteration:
         logging.info(
             "async RL resumes at iteration %d; generation restarts from scratch "
             "(in-flight completions are not checkpointed)",
-            run.iteration,
+            run.run_state.iteration,
         )
     slot_config = generator.slots.config
     group = config.batch.group_size
@@ -542,8 +545,8 @@ def run_async_rl(
     try:
         loop.begin()
         loop.attach(generator)
-        with generator if run.iteration < total else contextlib.nullcontext():
-            while run.iteration < total and not loop.stopping:
+        with generator if run.run_state.iteration < total else contextlib.nullcontext():
+            while run.run_state.iteration < total and not loop.stopping:
                 try:
                     metrics, info = async_iteration(run, generator, batcher)
                 except GenerationStopped:

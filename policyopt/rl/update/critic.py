@@ -33,10 +33,10 @@ from policyopt.losses import (
     value_loss,
 )
 from policyopt.models import lora
-from policyopt.rl import micro_batches
 from policyopt.rl.batch import Batch
-from policyopt.rl.learner import TrainState, guarded_update, optimizer_of, packed_forward
-from policyopt.rl.packing import gather_slots
+from policyopt.rl.update import micro_batches
+from policyopt.rl.update.learner import TrainState, guarded_update, optimizer_of, packed_forward
+from policyopt.rl.update.packing import gather_slots
 
 
 def init_critic_params(policy_params, hidden_size: int) -> dict:
@@ -203,7 +203,7 @@ def micro_batched_critic_grads(
     graphdef, settings: CriticSettings, params, batch: Batch, frozen=None
 ):
     """``((loss, metrics), grads)`` of ``critic_loss`` on a minibatch run as micro-batches
-    of at most ``settings.micro_batch_tokens`` tokens (``policyopt.rl.micro_batches``).
+    of at most ``settings.micro_batch_tokens`` tokens (``policyopt.rl.update.micro_batches``).
 
     Each micro-batch's loss is its share of the minibatch's: the value loss with the
     minibatch's row weights (``losses.aggregation_weights``), the MoE load-balancing loss

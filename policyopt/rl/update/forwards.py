@@ -6,38 +6,29 @@ minibatch's shape, so the passes compile once and need a minibatch's memory, and
 numerics are those of the updates (no batch-shape noise floor in the routing metrics).
 
 With ``config.batch.pack`` the passes and every update run on packed rows
-(``pack_rows``, ``pack_chunks``; ``policyopt.rl.packing``): a chunk's real tokens are
-packed first-fit-decreasing into rows of ``batch.pack_tokens`` slots with segment ids,
+(``pack_rows``, ``chunk_layouts``; ``policyopt.rl.update.packing``): a chunk's real tokens
+are packed first-fit-decreasing into rows of ``batch.pack_tokens`` slots with segment ids,
 and their per-token results come back to the padded rows.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from policyopt import sharding
-from policyopt.rl.packing import PackedLayout, pack_layout
+from policyopt.rl.batch import Batch
+from policyopt.rl.update.packing import PackedLayout, pack_layout
 
 
-class Rows(NamedTuple):
-    """A batch's rows on the mesh, as the forward passes read them, in ``num_chunks``
-    chunks of the minibatch's shape."""
-
-    tokens: jax.Array  # int32 [R, S]
-    positions: jax.Array  # int32 [R, S]
-    attention_mask: jax.Array  # int32 [R, S]
-    mask: jax.Array  # float32 [R, N]
-    num_chunks: int  # C: config.batch.n_minibatches
-    packings: Any = None  # pack_chunks' C layouts (config.batch.pack), or None
-
-
-def policy_log_probs(learner, params, rows: Rows, routing=None):
-    """``learner.log_probs`` of ``rows`` (old or reference log-probs), replaying ``routing``
-    (``[L, R, S, k]``, or None): ``(log_probs [R, N], routing used [L, R, S, k] or None)``."""
+def policy_log_probs(learner, params, rows: Batch, chunks: tuple, routing=None):
+    """``learner.log_probs`` of the rows of ``rows`` (a ``Batch``: its tokens, positions and
+    masks; old or reference log-probs) in the chunks ``chunks`` (``chunk_layouts``),
+    replaying ``routing`` (``[L, R, S, k]``, or None): ``(log_probs [R, N], routing used
+    [L, R, S, k] or None)``."""
 
     def forward(tokens, positions, attention_mask, mask, replay, packing):
         log_probs, _, used = learner.log_probs(
@@ -47,18 +38,13 @@ def policy_log_probs(learner, params, rows: Rows, routing=None):
 
     arrays = (rows.tokens, rows.positions, rows.attention_mask, rows.mask, routing)
     return map_row_chunks(
-        forward,
-        rows.num_chunks,
-        arrays,
-        axes=(0, 0, 0, 0, 1),
-        packings=rows.packings,
-        out_axes=(0, 1),
+        forward, len(chunks), arrays, axes=(0, 0, 0, 0, 1), packings=chunks, out_axes=(0, 1)
     )
 
 
-def critic_values(critic, params, rows: Rows, frozen=None) -> jax.Array:
-    """``critic.values`` of ``rows``: ``[R, N]``, 0 where ``rows.mask`` is 0 (``frozen``:
-    the base of a LoRA critic's adapters)."""
+def critic_values(critic, params, rows: Batch, chunks: tuple, frozen=None) -> jax.Array:
+    """``critic.values`` of the rows of ``rows`` in the chunks ``chunks``: ``[R, N]``, 0
+    where ``rows.mask`` is 0 (``frozen``: the base of a LoRA critic's adapters)."""
     arrays = (rows.tokens, rows.positions, rows.attention_mask, rows.mask)
 
     def values(tokens, positions, attention_mask, mask, packing):
@@ -66,7 +52,7 @@ def critic_values(critic, params, rows: Rows, frozen=None) -> jax.Array:
             params, tokens, positions, attention_mask, mask, packing, frozen=frozen
         )
 
-    return map_row_chunks(values, rows.num_chunks, arrays, packings=rows.packings)
+    return map_row_chunks(values, len(chunks), arrays, packings=chunks)
 
 
 def map_row_chunks(
@@ -90,7 +76,7 @@ def map_row_chunks(
       num_chunks: C, dividing the rows ``R`` of ``arrays[0]``.
       arrays: the row arrays, ``[R, ...]`` (or rows along ``axes[i]``).
       axes: each array's row axis (default 0 for all).
-      packings: ``pack_chunks``' C layouts, or None (padded rows).
+      packings: C layouts (``chunk_layouts``), None entries or None: padded rows.
       out_axes: the row axis of the output, or of each output of a tuple.
 
     Returns:
@@ -126,14 +112,14 @@ def pack_rows(config, attention_mask: np.ndarray, rows=None) -> PackedLayout | N
     return pack_layout(attention_mask, row_length, row_multiple=shards, row_ids=rows)
 
 
-def pack_chunks(config, attention_mask: np.ndarray, num_chunks: int) -> list | None:
-    """``pack_rows`` of each of ``num_chunks`` equal row chunks (the old-log-prob, reference
-    and value passes), or None with packing off."""
+def chunk_layouts(config, attention_mask: np.ndarray, num_chunks: int) -> tuple:
+    """The ``num_chunks`` equal row chunks the old-log-prob, reference and value passes
+    run in: each chunk's ``pack_rows`` (``config.batch.pack``), or None (padded rows)."""
     if not config.batch.pack:
-        return None
+        return (None,) * num_chunks
     per = attention_mask.shape[0] // num_chunks
     chunks = [np.arange(c * per, (c + 1) * per) for c in range(num_chunks)]
-    return [pack_rows(config, attention_mask[rows], rows) for rows in chunks]
+    return tuple(pack_rows(config, attention_mask[rows], rows) for rows in chunks)
 
 
 def _place_packing(packing: PackedLayout | None) -> PackedLayout | None:

@@ -34,6 +34,7 @@ from policyopt.engine import (
     row_shards,
 )
 from policyopt.models.attention import KEY_CACHE_AXES, VALUE_CACHE_AXES
+from policyopt.models.interface import PolicyModel
 from policyopt.models.paged import pages_for
 from policyopt.sampling import Rollout, SamplingConfig, decode_step, next_logits
 from policyopt.scheduler import Request, group_pages
@@ -124,7 +125,7 @@ class _SlotState:
     recent: jax.Array | None  # int32 [R, M]: last M tokens, for stop sequences
 
 
-def init_slot_state(model, config: SlotConfig) -> _SlotState:
+def init_slot_state(model: PolicyModel, config: SlotConfig) -> _SlotState:
     """The empty slot state of ``config``'s rows (KV cache, tokens, lengths, routing)."""
     mc, s = model.config, config.sampling
     rows, num_new, prompt_width = config.rows, s.max_new_tokens, config.prompt_width
@@ -192,7 +193,7 @@ def _refill(
     config: SlotConfig,
 ) -> _SlotState:
     """Prefills one prompt (under parameters `version`) into the G rows of slot `group`."""
-    model = nnx.merge(graphdef, params)
+    model: PolicyModel = nnx.merge(graphdef, params)
     s = config.sampling
     group_size, prompt_width = s.num_samples, config.prompt_width
     index = jnp.arange(prompt_width, dtype=jnp.int32)
@@ -265,7 +266,7 @@ def _segment(
 ) -> _SlotState:
     """Up to K decode steps of every live row under parameters `version`
     (``policyopt.sampling.decode_step``, here with a step per row)."""
-    model = nnx.merge(graphdef, params)
+    model: PolicyModel = nnx.merge(graphdef, params)
     s = config.sampling
     num_new = s.max_new_tokens
     rows = jnp.arange(config.rows, dtype=jnp.int32)
@@ -436,7 +437,7 @@ class SlotGenerator(_SlotGroups):
         # refill / segment, pinned to the same shardings): jit keys its cache on
         # committedness and shardings, and a first state placed otherwise would compile
         # the refill (a prefill) more than once.
-        model = nnx.merge(graphdef, params)
+        model: PolicyModel = nnx.merge(graphdef, params)
         config.sampling.check_vocab(model.config.vocab_size)  # as generate_fn does
         state = init_slot_state(model, config)
         if mesh is None:
