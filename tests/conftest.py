@@ -83,6 +83,7 @@ SLOW_FILES = {
     "rl/test_lora_rl.py",
     "rl/test_mesh.py",
     "rl/test_resume.py",
+    "rl/test_sft.py",
     "rl/test_trainer.py",
     "test_multihost.py",
 }

@@ -5,7 +5,6 @@ growing after warm-up."""
 import importlib
 import json
 import os
-import shutil
 import textwrap
 
 import jax
@@ -133,121 +132,6 @@ def test_every_recipe_runs_a_few_iterations(recipe, model, tmp_path):
     assert run.checkpointer.latest_step() == 2
 
 
-def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
-    # DAPO: dynamic sampling draws a variable number of prompt batches per iteration,
-    # so the data iterator's state must be restored exactly too. (Dropping groups whose
-    # rewards are equal: the tiny random policy is never right, but its overlong penalties
-    # differ, so iterations 3 and 4 update; 1 and 2 hold only fillers.)
-    config = tiny(
-        "dapo",
-        extra="eval.num_prompts=0,train.checkpoint_every=100,dynamic_sampling.criterion=reward",
-    )
-    first = trainer.run_rl(config, str(tmp_path / "a"), num_iterations=2, quiet=True)
-    resumed = trainer.run_rl(config, str(tmp_path / "a"), num_iterations=4, quiet=True)
-    assert resumed["iteration"] == 4
-    straight = trainer.run_rl(config, str(tmp_path / "b"), num_iterations=4, quiet=True)
-    for got, want in zip(_params(resumed["run"]), _params(straight["run"])):
-        np.testing.assert_array_equal(got, want)
-    assert not all(
-        np.array_equal(a, b) for a, b in zip(_params(first["run"]), _params(straight["run"]))
-    )
-    assert resumed["run"].spec.prompts.get_state() == straight["run"].spec.prompts.get_state()
-    opt_resumed = jax.tree.leaves(resumed["run"].run_state.policy.opt_state)
-    opt_straight = jax.tree.leaves(straight["run"].run_state.policy.opt_state)
-    for got, want in zip(opt_resumed, opt_straight):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def test_resume_after_a_crash_writes_each_record_once_and_refuses_another_config(tmp_path):
-    """Records written after the last checkpoint (lost in a crash) are removed on resume
-    and written again, once; a finished run resumed is not evaluated again (eval.jsonl
-    holds the evaluation of its step); a checkpoint refuses a config that changes the
-    experiment, and accepts one that changes only the cadence."""
-    config = tiny("grpo", extra="train.num_iterations=3,train.checkpoint_every=2")
-    trainer.run_rl(config, str(tmp_path), quiet=True)  # checkpoints 2 and 3; evaluations 0, 3
-    shutil.rmtree(tmp_path / "checkpoints" / "3")  # as if the run died after iteration 3's logs
-    resumed = trainer.run_rl(config, str(tmp_path), quiet=True)
-    assert resumed["iteration"] == 3 and [e["iteration"] for e in resumed["eval_history"]] == [3]
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows if "loss/loss" in r] == [1, 2, 3]
-    assert [r["step"] for r in rows if "eval/pass@1" in r] == [0, 3]
-    evals = read_jsonl(tmp_path / "eval.jsonl")
-    assert [e["step"] for e in evals] == [0, 3]
-    again = trainer.run_rl(config, str(tmp_path), quiet=True)
-    assert again["eval_history"] == [] and again["eval"] == resumed["eval"]
-    assert read_jsonl(tmp_path / "eval.jsonl") == evals
-    changed = tiny(
-        "grpo", extra="train.num_iterations=3,train.checkpoint_every=2,algo.clip_high=0.28"
-    )
-    with pytest.raises(ValueError, match=r"another config \(algo.clip_high: 0.2 -> 0.28\)"):
-        trainer.run_rl(changed, str(tmp_path), quiet=True)
-    allowed = tiny(
-        "grpo", extra="train.num_iterations=3,algo.clip_high=0.28,train.allow_config_change=True"
-    )
-    assert trainer.run_rl(allowed, str(tmp_path), quiet=True)["iteration"] == 3
-    # The config is checked before the arrays are read: a changed shape is named too.
-    with pytest.raises(ValueError, match=r"another config \(model.hidden_size"):
-        trainer.run_rl(
-            tiny("grpo", extra="train.num_iterations=3,model.hidden_size=48"),
-            str(tmp_path),
-            quiet=True,
-        )
-    cadence = tiny(
-        "grpo", extra="train.num_iterations=3,train.checkpoint_every=5,eval.num_prompts=4"
-    )
-    assert trainer.run_rl(cadence, str(tmp_path), quiet=True)["iteration"] == 3
-    # Another evaluation setting: the logged evaluation is not this one, so it runs.
-    assert [(e["step"], e["eval/num_prompts"]) for e in read_jsonl(tmp_path / "eval.jsonl")] == [
-        (0, 8),
-        (3, 8),
-        (3, 4),
-    ]
-    # Resumed at an earlier checkpoint and stopped there (num_iterations is free to change):
-    # evaluated there once, however many times it is rerun.
-    shutil.rmtree(tmp_path / "checkpoints" / "3")
-    shorter = tiny("grpo", extra="train.num_iterations=2,train.checkpoint_every=2")
-    for _ in range(2):
-        assert trainer.run_rl(shorter, str(tmp_path), quiet=True)["iteration"] == 2
-    assert [e["step"] for e in read_jsonl(tmp_path / "eval.jsonl")] == [0, 2]
-
-
-def test_resume_check_skips_fields_added_since_the_checkpoint():
-    from policyopt.rl.loop import build
-
-    config = tiny("grpo")
-    saved = build.config_record(config)
-    del saved["reward.code_isolation"]  # a checkpoint of a library that did not have the field
-    saved["a.removed_field"] = 1  # nor a field removed since
-    build.check_resume_config(saved, config, "runs/x")
-    saved["algo.clip_high"] = 0.3
-    with pytest.raises(ValueError, match=r"another config \(algo.clip_high: 0.3 -> 0.2\)"):
-        build.check_resume_config(saved, config, "runs/x")
-
-
-def test_resume_check_reads_derived_values_and_paths_as_settings(tmp_path):
-    """A checkpoint of an older library recorded the value the library now derives from None
-    (``reward.answer_format``: the task's format); a file named through a symlink is the same
-    file. Neither is a changed setting; another format or another file is."""
-    from policyopt.data.tasks import TASKS
-    from policyopt.rl.loop import build
-
-    (tmp_path / "train.jsonl").write_text("")
-    os.symlink(tmp_path, tmp_path / "link")
-    config = tiny("grpo", extra=f"task.train_file={tmp_path / 'train.jsonl'}")
-    assert config.reward.answer_format is None
-    saved = build.config_record(config)
-    saved["reward.answer_format"] = TASKS[config.task.name].answer_format
-    saved["task.train_file"] = str(tmp_path / "link" / "train.jsonl")
-    build.check_resume_config(saved, config, "runs/x")
-    saved["reward.answer_format"] = "gsm8k"
-    with pytest.raises(ValueError, match="reward.answer_format: 'gsm8k' -> "):
-        build.check_resume_config(saved, config, "runs/x")
-    saved["reward.answer_format"] = None
-    saved["task.train_file"] = str(tmp_path / "other.jsonl")
-    with pytest.raises(ValueError, match="task.train_file"):
-        build.check_resume_config(saved, config, "runs/x")
-
-
 def test_decode_loops_train_like_one_loop(tmp_path):
     """config.sampling.decode_segments reaches the rollouts and the evaluation: two decode
     loops sample the same tokens (up to float rounding), so the run is the same."""
@@ -269,73 +153,6 @@ def test_decode_loops_train_like_one_loop(tmp_path):
         assert got is not None and got == want, key
     for got, want in zip(_params(two["run"]), _params(one["run"])):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
-
-
-def test_sft_rerun_in_a_finished_workdir_reuses_it(tmp_path):
-    """A second run_sft in a workdir that already holds its last step restores it and
-    returns the same parameters and evaluation (it used to fail saving that step again,
-    then to evaluate again); sft.checkpoint_every saves along the way."""
-    from policyopt.rl.sft import run_sft
-
-    config = tiny(
-        "grpo",
-        extra="eval.num_prompts=4,sft.steps=3,sft.batch_size=4,sft.checkpoint_every=1,"
-        "sft.overlong_response=drop",
-    )
-    first = run_sft(config, str(tmp_path / "sft"), quiet=True)
-    assert first["checkpoint_dir"] and sorted(os.listdir(first["checkpoint_dir"])) == ["2", "3"]
-    again = run_sft(config, str(tmp_path / "sft"), quiet=True)
-    assert first["step"] == again["step"] == 3
-    for got, want in zip(jax.tree.leaves(again["params"]), jax.tree.leaves(first["params"])):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    # The final evaluation is read back from the log, not run (and logged) again.
-    assert again["eval"] == first["eval"] and "eval/pass@1" in again["eval"]
-    rows = read_jsonl(tmp_path / "sft" / "metrics.jsonl")
-    assert [r["step"] for r in rows if "eval/pass@1" in r] == [3]
-    assert [r["step"] for r in rows if "sft/nll" in r] == [1, 2, 3]
-    # Resumed at an earlier checkpoint and stopped there: evaluated there once, ever.
-    shutil.rmtree(tmp_path / "sft" / "checkpoints" / "3")
-    for _ in range(2):
-        assert run_sft(config, str(tmp_path / "sft"), steps=2, quiet=True)["step"] == 2
-    rows = read_jsonl(tmp_path / "sft" / "metrics.jsonl")
-    assert [r["step"] for r in rows if "eval/pass@1" in r] == [2]
-    # SFT compares only what it reads: another RL setting reuses the SFT run.
-    other_rl = tiny(
-        "grpo",
-        extra="eval.num_prompts=4,sft.steps=3,sft.batch_size=4,sft.checkpoint_every=1,"
-        "sft.overlong_response=drop,algo.clip_high=0.3",
-    )
-    assert run_sft(other_rl, str(tmp_path / "sft"), steps=2, quiet=True)["step"] == 2
-    with pytest.raises(ValueError, match=r"another config \(sft.lr"):
-        run_sft(
-            tiny(
-                "grpo",
-                extra="eval.num_prompts=4,sft.batch_size=4,sft.lr=0.5,sft.overlong_response=drop",
-            ),
-            str(tmp_path / "sft"),
-            steps=2,
-            quiet=True,
-        )
-
-
-def test_sft_cosine_learning_rate(tmp_path):
-    """sft.lr_decay="cosine": update k (1-based) logs lr * (r + (1 - r) (1 + cos(pi (k - 1
-    - w) / (steps - w))) / 2) after w warm-up updates; extending such a run past sft.steps
-    with min_lr_ratio 0 (learning rate 0) is refused before anything is built."""
-    from policyopt.rl.sft import run_sft
-
-    extra = (
-        "eval.num_prompts=0,sft.steps=4,sft.batch_size=4,sft.overlong_response=drop,"
-        "sft.lr=0.01,sft.warmup_steps=1,sft.lr_decay=cosine,train.log_every=1"
-    )
-    run_sft(tiny("grpo", extra=extra + ",sft.min_lr_ratio=0.2"), str(tmp_path / "a"), quiet=True)
-    rows = read_jsonl(tmp_path / "a" / "metrics.jsonl")
-    got = [r["update/lr"] for r in rows if "update/lr" in r]
-    cosine = [0.2 + 0.8 * (1 + np.cos(np.pi * p)) / 2 for p in (0, 1 / 3, 2 / 3)]
-    np.testing.assert_allclose(got, 0.01 * np.asarray([1.0, *cosine]), rtol=1e-5)
-    with pytest.raises(ValueError, match="learning rate 0"):
-        run_sft(tiny("grpo", extra=extra), str(tmp_path / "b"), steps=6, quiet=True)
-    assert not os.path.exists(tmp_path / "b" / "checkpoints")
 
 
 def test_a_failed_final_evaluation_loses_no_training(tmp_path, monkeypatch):
@@ -386,20 +203,6 @@ def test_a_failed_final_evaluation_loses_no_training(tmp_path, monkeypatch):
     resumed = trainer.run_rl(cadence, str(tmp_path / "mid"), quiet=True)
     assert [e["iteration"] for e in resumed["eval_history"]] == [2, 3]
     assert [r["step"] for r in read_jsonl(tmp_path / "mid" / "eval.jsonl")] == [0, 1, 2, 3]
-
-
-def test_resume_in_the_same_process_compiles_nothing_new(tmp_path):
-    # Restored arrays come back with the shardings of the target they are restored onto,
-    # the initial state placed on the run's mesh (learner.place_state), so the jitted
-    # steps compiled before the save serve after restore.
-    config = tiny("grpo", extra="eval.num_prompts=0,train.checkpoint_every=100")
-    first = trainer.run_rl(config, str(tmp_path), num_iterations=1, quiet=True)
-    learner = first["run"].spec.learner
-    compiled = (learner.update._cache_size(), learner.log_probs._cache_size())
-    resumed = trainer.run_rl(config, str(tmp_path), num_iterations=2, quiet=True)
-    assert resumed["run"].spec.learner is learner and resumed["iteration"] == 2
-    assert resumed["run"].last_batch.tokens.shape == first["run"].last_batch.tokens.shape
-    assert (learner.update._cache_size(), learner.log_probs._cache_size()) == compiled
 
 
 @pytest.mark.parametrize("mode", ["R2", "R3"])
