@@ -17,8 +17,11 @@ from tests.rewards.test_verifier_processes import marked_processes
 
 # Interrupted where a verifier process (started from tests.verifiers:announce_and_hang)
 # says "waiting for Ctrl-C": in the server's start-up, a worker's start-up, the pool's
-# preload, or a verifier's call.
+# preload, or a verifier's call. A test worker may run with SIGINT ignored, which its children
+# inherit: the script first takes a terminal's disposition.
 CTRL_C = r"""
+import signal
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
 import sys
 from policyopt.rewards import RewardSpec, killable, score_batch
 from tests.verifiers import announce_and_hang
@@ -123,6 +126,7 @@ def test_a_real_ctrl_c_still_stops_the_run(tmp_path, where):
 # handles signals after calls; the exit's call releases the lock first).
 SWEEP = r"""
 import faulthandler, json, linecache, os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
 from policyopt.rewards import killable
 
 killable.PRELOAD = ()  # a server starts in about a second
