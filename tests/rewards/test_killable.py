@@ -131,24 +131,7 @@ from policyopt.rewards import killable
 
 killable.PRELOAD = ()  # a server starts in about a second
 FILE = killable.__file__
-
-
-def descendants():
-    parents = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] not in "ZX":
-                parents[int(name)] = int(fields[1])
-    found, frontier = set(), {os.getpid()}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
+from tests.processes import descendants
 
 
 def settle(where, grace_s=5.0):

@@ -284,23 +284,7 @@ def test_no_scoring_process_outlives_its_caller(tmp_path, ending):
 THREADS = r"""
 import gc, json, os, threading
 from policyopt.rewards import math_correctness
-
-def descendants():
-    parents = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] not in "ZX":
-                parents[int(name)] = int(fields[1])
-    found, frontier = set(), {os.getpid()}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return len(found)
+from tests.processes import descendants
 
 release = threading.Event()
 def grade(k):
@@ -312,18 +296,18 @@ for thread in threads:
     thread.start()
 import time
 deadline = time.monotonic() + 120
-while time.monotonic() < deadline and descendants() < 8:
+while time.monotonic() < deadline and len(descendants()) < 8:
     time.sleep(0.1)
-during = descendants()
+during = len(descendants())
 release.set()
 for thread in threads:
     thread.join()
 del threads, thread
 gc.collect()
 deadline = time.monotonic() + 5
-while time.monotonic() < deadline and descendants() > 2:
+while time.monotonic() < deadline and len(descendants()) > 2:
     time.sleep(0.05)
-print(json.dumps({"during": during, "after": descendants()}), flush=True)
+print(json.dumps({"during": during, "after": len(descendants())}), flush=True)
 """
 
 
