@@ -131,18 +131,26 @@ from policyopt.rewards import killable
 
 killable.PRELOAD = ()  # a server starts in about a second
 FILE = killable.__file__
-from tests.processes import descendants
+from tests.processes import describe, descendants
 
 
 def settle(where, grace_s=5.0):
     # The server, if one is running, is left; nothing else (workers are killed by the
-    # server, within `grace_s`; a server interrupted while starting is gone at once).
+    # server, within `grace_s`; a server interrupted while starting is gone at once). A
+    # preload's round trip first: the server acts on its messages in order, so the fork and
+    # kill requests sent before it have been acted on (a killed worker has its SIGKILL
+    # pending, `descendants` leaves it out), however late the server was scheduled.
     running = killable._SERVERS.get(os.getpid())
-    expected = {running.process.pid} if running is not None and running.alive() else set()
+    expected = set()
+    if running is not None and running.alive():
+        running.loaded.discard("json")
+        running.preload(["json"])
+        expected = {running.process.pid}
     deadline = time.monotonic() + grace_s
     while descendants() != expected and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert descendants() == expected, f"{where}: left {descendants()}, expected {expected}"
+    left = descendants()
+    assert left == expected, f"{where}: left {describe(left)}, expected {expected}"
 
 
 def no_server():
