@@ -13,7 +13,7 @@ from absl import app, flags
 from policyopt.data.word_problems import word_problem_splits, write_splits
 
 _OUT = flags.DEFINE_string("out", "data/gsm8k_tiny", "Folder of train.jsonl and test.jsonl.")
-_NUM_TRAIN = flags.DEFINE_integer("num_train", 600, "Training rows.")
+_NUM_TRAIN = flags.DEFINE_integer("num_train", 3000, "Training rows.")
 _NUM_TEST = flags.DEFINE_integer("num_test", 150, "Held-out rows (none a training question).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the draw.")
 

@@ -3,7 +3,7 @@ calculator annotations ending in ``#### answer``, as GSM8K's rows are.
 
 The project's own small data for the quickstart (``data/gsm8k_tiny``, written by
 ``python -m experiments.word_problems``): one- and two-step problems over small whole
-numbers, so that a tiny model trained from scratch on a few hundred rows solves some of
+numbers, so that a tiny model trained from scratch on a few thousand rows solves some of
 them and RL has something to improve. Deterministic in ``seed``.
 """
 
@@ -166,7 +166,7 @@ def generate_word_problems(num: int, seed: int, *, exclude=frozenset()) -> list[
 
 
 def word_problem_splits(
-    num_train: int = 600, num_test: int = 150, seed: int = 0
+    num_train: int = 3000, num_test: int = 150, seed: int = 0
 ) -> dict[str, list[Problem]]:
     """``{"train": ..., "test": ...}``: disjoint splits (the shipped ``data/gsm8k_tiny``)."""
     train = generate_word_problems(num_train, seed)

@@ -44,9 +44,9 @@ def test_shipped_file_is_the_generators_output_and_its_solutions_are_right():
         with open(os.path.join(SHIPPED, f"{split}.jsonl"), encoding="utf-8") as f:
             assert f.read() == jsonl_text(problems), "rerun python -m experiments.word_problems"
     train = {p.question for p in splits["train"]}
-    assert len(train) == 600 and not train & {p.question for p in splits["test"]}
+    assert len(train) == 3000 and not train & {p.question for p in splits["test"]}
     records, report = read_math_jsonl(os.path.join(SHIPPED, "train.jsonl"))
-    assert report.loaded == 600 and not report.skipped
+    assert report.loaded == 3000 and not report.skipped
     for record in records:
         # Every calculator annotation holds, and the worked solution verifies as correct.
         for note in record["solution"].split("<<")[1:]:
