@@ -194,10 +194,11 @@ def test_model_equals_base_with_merged_weights(name):
     model = Transformer(config.replace(lora=adapters), rngs=nnx.Rngs(0))
     _randomise_b(model, std=0.05)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 7)), jnp.int32)
-    out = model(tokens)
-    want = _merged_model(model)(tokens)
+    forward = nnx.jit(lambda model, tokens: model(tokens))  # one program, not op by op
+    out = forward(model, tokens)
+    want = forward(_merged_model(model), tokens)
     np.testing.assert_allclose(out.logits, want.logits, rtol=1e-4, atol=1e-5)
-    assert float(jnp.abs(out.logits - model_without(model)(tokens).logits).max()) > 1e-3
+    assert float(jnp.abs(out.logits - forward(model_without(model), tokens).logits).max()) > 1e-3
     if config.is_moe:
         np.testing.assert_array_equal(out.routing, want.routing)
 
@@ -223,7 +224,8 @@ def test_zero_b_logits_equal_the_base_exactly(scan_layers):
     ):
         np.testing.assert_array_equal(got.get_value(), want.get_value(), err_msg=str(path))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 512, (3, 9)), jnp.int32)
-    got, want = model(tokens), base(tokens)
+    forward = nnx.jit(lambda model, tokens: model(tokens))  # one program, not op by op
+    got, want = forward(model, tokens), forward(base, tokens)
     np.testing.assert_array_equal(got.logits, want.logits)
     np.testing.assert_array_equal(got.routing, want.routing)
 
