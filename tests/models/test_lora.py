@@ -327,8 +327,7 @@ _MESH_SCRIPT = textwrap.dedent("""
     tokens = jax.random.randint(jax.random.key(1), (8, 6), 0, 64)
     for dispatch, chunk_rows in (("blocked", None), ("blocked", 4), ("ragged", None)):
       config = preset("tiny_moe", vocab_size=64, num_experts=8, num_layers=1,
-                      moe_dispatch=dispatch,
-                      moe_decode_dispatch=None, moe_chunk_rows=chunk_rows,
+                      moe_dispatch=dispatch, moe_decode_dispatch=None, moe_chunk_rows=chunk_rows,
                       lora=LoRAConfig(rank=2, alpha=4.0, targets=("all",)))
       model = Transformer(config, rngs=nnx.Rngs(0))
       rng = np.random.default_rng(0)
