@@ -194,10 +194,11 @@ def test_model_equals_base_with_merged_weights(name):
     model = Transformer(config.replace(lora=adapters), rngs=nnx.Rngs(0))
     _randomise_b(model, std=0.05)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 7)), jnp.int32)
-    out = model(tokens)
-    want = _merged_model(model)(tokens)
+    forward = nnx.jit(lambda model, tokens: model(tokens))  # one program, not op by op
+    out = forward(model, tokens)
+    want = forward(_merged_model(model), tokens)
     np.testing.assert_allclose(out.logits, want.logits, rtol=1e-4, atol=1e-5)
-    assert float(jnp.abs(out.logits - model_without(model)(tokens).logits).max()) > 1e-3
+    assert float(jnp.abs(out.logits - forward(model_without(model), tokens).logits).max()) > 1e-3
     if config.is_moe:
         np.testing.assert_array_equal(out.routing, want.routing)
 
@@ -223,7 +224,8 @@ def test_zero_b_logits_equal_the_base_exactly(scan_layers):
     ):
         np.testing.assert_array_equal(got.get_value(), want.get_value(), err_msg=str(path))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 512, (3, 9)), jnp.int32)
-    got, want = model(tokens), base(tokens)
+    forward = nnx.jit(lambda model, tokens: model(tokens))  # one program, not op by op
+    got, want = forward(model, tokens), forward(base, tokens)
     np.testing.assert_array_equal(got.logits, want.logits)
     np.testing.assert_array_equal(got.routing, want.routing)
 
@@ -324,8 +326,8 @@ _MESH_SCRIPT = textwrap.dedent("""
     assert jax.device_count() == 8
     tokens = jax.random.randint(jax.random.key(1), (8, 6), 0, 64)
     for dispatch, chunk_rows in (("blocked", None), ("blocked", 4), ("ragged", None)):
-      config = preset("tiny_moe", vocab_size=64, num_experts=8, moe_dispatch=dispatch,
-                      moe_decode_dispatch=None, moe_chunk_rows=chunk_rows,
+      config = preset("tiny_moe", vocab_size=64, num_experts=8, num_layers=1,
+                      moe_dispatch=dispatch, moe_decode_dispatch=None, moe_chunk_rows=chunk_rows,
                       lora=LoRAConfig(rank=2, alpha=4.0, targets=("all",)))
       model = Transformer(config, rngs=nnx.Rngs(0))
       rng = np.random.default_rng(0)

@@ -157,8 +157,9 @@ def test_gradient_identity_at_zero_b():
         logits = nnx.merge(graphdef, state)(tokens).logits
         return jnp.mean(jax.nn.log_softmax(logits)[..., 7])
 
-    d_adapters = jax.grad(lambda a: loss(graphdef, lora.combine(frozen, a)))(adapter_state)
-    d_base = jax.grad(lambda f: loss(base_graphdef, f))(frozen)
+    # Jitted: one program each, not an eager dispatch (and compile) per operation.
+    d_adapters = jax.jit(jax.grad(lambda a: loss(graphdef, lora.combine(frozen, a))))(adapter_state)
+    d_base = jax.jit(jax.grad(lambda f: loss(base_graphdef, f)))(frozen)
     s = adapted.lora.scale
     attn = d_adapters["layers"][0]["attn"]["lora"]["q_proj"]
     a = model.layers[0].attn.lora.q_proj.lora_a[...]

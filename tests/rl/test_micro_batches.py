@@ -415,10 +415,10 @@ def test_moe_aux_losses_equal_one_pass(moe, replay):
     _assert_same(one, micro, params)
     assert float(one[1]["moe/load_balancing_loss"]) > 1 and float(one[1]["moe/router_z_loss"]) > 0
     # The load-balancing term alone moves the router: the comparison covers it.
-    policy_only = replace(settings, load_balancing_coef=0.0, router_z_coef=0.0)
-    without = _both(
-        lambda s: get_learner(graphdef, s, OPTIM), policy_only, params, batch, MICRO_4_ROWS
-    )[0][0]
+    policy_only = get_learner(
+        graphdef, replace(settings, load_balancing_coef=0.0, router_z_coef=0.0), OPTIM
+    )  # one pass only
+    without = policy_only.update(TrainState.create(_copy(params), policy_only.optimizer), batch)[0]
     router = lambda state: np.concatenate(
         [
             np.ravel(x)
