@@ -3,6 +3,7 @@ with the repository on PYTHONPATH)."""
 
 import os
 import signal
+import time
 
 
 def _sigkill_pending(pid: int) -> bool:
@@ -53,3 +54,19 @@ def describe(pids) -> str:
             continue
         out.append(f"{pid} {rest.split()[0]} ({head.split('(', 1)[1]}) {wchan}")
     return ", ".join(out)
+
+
+def marked_script(directory, text: str, tag: str) -> tuple[str, str, dict]:
+    """``text`` written as ``directory/plain.py`` (a script without a ``__main__`` guard),
+    and the environment to run it in: the repository importable, the CPU, and a mark
+    (``POLICYOPT_TEST_MARK``, unique to this call) that its processes inherit, so that the
+    test finds every one of them later. Returns ``(mark, script path, environment)``; the
+    mark is ``KEY=value``, as ``/proc/PID/environ`` holds it."""
+    from tests.flags import ROOT
+
+    value = f"{os.getpid()}-{tag}-{time.monotonic_ns()}"
+    script = os.path.join(directory, "plain.py")
+    with open(script, "w") as f:
+        f.write(text)
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", POLICYOPT_TEST_MARK=value)
+    return f"POLICYOPT_TEST_MARK={value}", script, env

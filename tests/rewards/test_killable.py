@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.flags import ROOT
+from tests.processes import marked_script
 from tests.rewards.test_verifier_processes import marked_processes
 
 # Interrupted where a verifier process (started from tests.verifiers:announce_and_hang)
@@ -67,11 +68,7 @@ def test_a_real_ctrl_c_still_stops_the_run(tmp_path, where):
     running), is not the verifier's error: the script stops with KeyboardInterrupt within
     seconds, without scoring the rest, and no process of it is left (none holding its
     output open)."""
-    mark = f"POLICYOPT_TEST_MARK={os.getpid()}-ctrl-c-{time.monotonic_ns()}"
-    key, value = mark.split("=")
-    script = tmp_path / "plain.py"
-    script.write_text(CTRL_C)
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", **{key: value})
+    mark, script, env = marked_script(tmp_path, CTRL_C, "ctrl-c")
     process = subprocess.Popen(
         [sys.executable, str(script), where],
         stdout=subprocess.PIPE,
@@ -269,11 +266,7 @@ def test_an_exit_never_waits_for_a_daemon_threads_verifier(tmp_path, waiting_in)
     waits on its verifier process, or on the server's start-up for a scoring pool, exits
     at once, leaving no process: before, the exit's clean-up waited for the call to end,
     or for the pool's start (60 s), and a server still starting went on alone."""
-    mark = f"POLICYOPT_TEST_MARK={os.getpid()}-daemon-{time.monotonic_ns()}"
-    key, value = mark.split("=")
-    script = tmp_path / "plain.py"
-    script.write_text(DAEMON)
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", **{key: value})
+    mark, script, env = marked_script(tmp_path, DAEMON, "daemon")
     process = subprocess.Popen(
         [sys.executable, str(script), waiting_in],
         stdin=subprocess.PIPE,

@@ -14,6 +14,7 @@ import pytest
 
 from policyopt.rewards import RewardSpec, score_batch
 from tests.flags import ROOT
+from tests.processes import marked_script
 
 
 def run_script(tmp_path, source: str, timeout_s: float = 240.0) -> subprocess.CompletedProcess:
@@ -246,11 +247,7 @@ def test_no_scoring_process_outlives_its_caller(tmp_path, ending):
     """The scoring workers (and their verifier processes) are gone within 5 s of their
     caller's exit, or of its SIGKILL. The workers fork their verifier processes
     themselves: the caller's verifier server is the only one."""
-    mark = f"POLICYOPT_TEST_MARK={os.getpid()}-{ending}-{time.monotonic_ns()}"
-    script = tmp_path / "plain.py"
-    script.write_text(LINGER)
-    key, value = mark.split("=")
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", **{key: value})
+    mark, script, env = marked_script(tmp_path, LINGER, ending)
     caller = subprocess.Popen(
         [sys.executable, str(script), "wait" if ending == "sigkill" else "exit"],
         stdin=subprocess.PIPE,
