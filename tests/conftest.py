@@ -202,6 +202,32 @@ HEAVY_TESTS = {
 }
 
 
+# Also slow: the tests that start process trees and wait on their limits (the verifier's
+# server, workers and sandbox), import torch and transformers for a reference, interpret a
+# Pallas kernel, or count a paper-scale model's parameters (tens of seconds of the fast tier,
+# benchmarks/RESULTS.md "The test suite's folders and tiers").
+PROCESS_FILES = {
+    "models/test_lora_hf.py",
+    "rewards/test_killable.py",
+    "rewards/test_verifier_processes.py",
+}
+PROCESS_TESTS = {
+    "models/test_hf.py": {"test_import_matches_transformers"},
+    "models/test_paged.py": {
+        "test_pallas_attention_in_the_model_decodes_like_the_gather",
+        "test_pallas_kernel_interpreted_equals_gather",
+    },
+    "models/test_presets.py": {
+        "test_qwen3_30b_a3b_parameter_count",
+        "test_qwen3_8b_parameter_count",
+    },
+    "rewards/test_testcases.py": {"test_asserts_keep_their_order_and_decorators_when_cut_or_split"},
+    "test_checkpoint.py": {"test_a_second_process_is_refused_the_workdir"},
+    "test_extensions.py": {"test_an_import_that_fails_is_one_line_naming_it"},
+    "test_loggers.py": {"test_wandb_offline_receives_config_records_and_tables"},
+}
+
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -211,13 +237,16 @@ def listed_name(item) -> str:
     return os.path.relpath(item.path, HERE).replace(os.sep, "/")
 
 
+SLOW_GROUPS = (SLOW_TESTS, HEAVY_TESTS, PROCESS_TESTS)
+
+
 def is_slow(item) -> bool:
     """Whether ``item`` (a collected test) is one of the slow or heavy tests above."""
     name = listed_name(item)
     return (
         name in SLOW_FILES
-        or item.originalname in SLOW_TESTS.get(name, ())
-        or item.originalname in HEAVY_TESTS.get(name, ())
+        or name in PROCESS_FILES
+        or any(item.originalname in tests.get(name, ()) for tests in SLOW_GROUPS)
     )
 
 

@@ -16,20 +16,21 @@ def _test_functions(name):
 
 
 def test_the_slow_lists_name_existing_files_and_tests():
-    listed = conftest.SLOW_FILES | set(conftest.SLOW_TESTS) | set(conftest.HEAVY_TESTS)
+    files = conftest.SLOW_FILES | conftest.PROCESS_FILES
+    listed = files.union(*conftest.SLOW_GROUPS)
     for name in listed | set(conftest.SLOWEST_FIRST):
         assert os.path.isfile(os.path.join(HERE, name)), name
-    for lists in (conftest.SLOW_TESTS, conftest.HEAVY_TESTS):
+    for lists in conftest.SLOW_GROUPS:
         for name, tests in lists.items():
-            assert name not in conftest.SLOW_FILES, name
+            assert name not in files, name
             missing = tests - _test_functions(name)
             assert not missing, (name, sorted(missing))
 
 
 def test_every_file_with_slow_tests_keeps_fast_ones():
     """A file whose every test is slow belongs in SLOW_FILES; the others keep a fast tier."""
-    for name in set(conftest.SLOW_TESTS) | set(conftest.HEAVY_TESTS):
-        listed = conftest.SLOW_TESTS.get(name, set()) | conftest.HEAVY_TESTS.get(name, set())
+    for name in set().union(*conftest.SLOW_GROUPS):
+        listed = set().union(*(lists.get(name, set()) for lists in conftest.SLOW_GROUPS))
         assert _test_functions(name) - listed, f"every test of {name} is slow"
 
 
