@@ -527,16 +527,16 @@ from policyopt.rl.update.learner import get_learner, place_state, split_params, 
 from tests.settings import loss_settings, replace
 from tests.rl.test_micro_batches import OPTIM, VOCAB, _assert_same, _batch
 
-assert jax.device_count() == 8
-mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+assert jax.device_count() == 4
+mesh = sharding.make_mesh({"data": 2, "fsdp": 2})
 with jax.set_mesh(mesh):
     model = Transformer(preset("tiny_dense", vocab_size=VOCAB, num_layers=1), rngs=nnx.Rngs(0))
     graphdef, params = split_params(model)
     settings = loss_settings(method="ppo", aggregation="seq_mean_token_mean", group_size=2,
                           kl_beta=0.05, entropy_coef=0.01, nll_coef=0.1)
-    batch = shard_batch(_batch(10, rows=16, full=True))
+    batch = shard_batch(_batch(10, rows=8, full=True))
     out = []
-    for tokens in (None, 8 * 9):  # 2 micro-batches of 8 rows, one row per device
+    for tokens in (None, 4 * 9):  # 2 micro-batches of 4 rows, one row per device
         learner = get_learner(graphdef, replace(settings, micro_batch_tokens=tokens),
                               OPTIM)
         state = place_state(learner.init_state(jax.tree.map(jnp.copy, params)),
@@ -552,9 +552,9 @@ print("OK")
 
 
 def test_micro_batches_on_a_mesh_equal_one_pass():
-    """8 simulated devices (data 2 x fsdp 4): rows sharded, parameters and the gradient
+    """4 simulated devices (data 2 x fsdp 2): rows sharded, parameters and the gradient
     accumulator sharded along fsdp; the micro-batched update equals one pass and returns
     the state with its shardings."""
 
-    result = run_script(_MESH_SCRIPT, 8, "--xla_backend_optimization_level=0")
+    result = run_script(_MESH_SCRIPT, 4, "--xla_backend_optimization_level=0")
     assert "OK" in result.stdout, result.stdout[-4000:]
