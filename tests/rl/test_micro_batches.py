@@ -436,6 +436,8 @@ def test_moe_aux_losses_equal_one_pass(moe, replay):
 
 
 def test_moe_critic_load_balancing_equals_one_pass(moe):
+    """The critic's update (value clipping, the MoE backbone's load-balancing term) run as
+    micro-batches equals one pass; on a dense backbone it is the same update less that term."""
     _, graphdef, policy_params = moe
     rng = np.random.default_rng(9)
     params = init_critic_params(policy_params, 64)
@@ -455,30 +457,6 @@ def test_moe_critic_load_balancing_equals_one_pass(moe):
     )
     _assert_same(one, micro, params)
     assert float(one[1]["critic/moe_load_balancing_loss"]) > 1
-
-
-# ---- The critic -------------------------------------------------------------------------
-
-
-def test_critic_update_equals_one_pass(dense):
-    graphdef, policy_params = dense
-    rng = np.random.default_rng(8)
-    params = init_critic_params(policy_params, 64)
-    params["head"] = {
-        "kernel": jnp.asarray(0.5 * rng.normal(size=64), jnp.float32),
-        "bias": jnp.asarray(0.3, jnp.float32),
-    }
-    batch = _batch(8)
-    mask = np.asarray(batch.mask)
-    batch = batch._replace(
-        old_values=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32),
-        returns=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32),
-    )
-    settings = critic_settings(value_clip=0.2)
-    one, micro = _both(
-        lambda s: get_critic(graphdef, s, OPTIM), settings, params, batch, MICRO_4_ROWS
-    )
-    _assert_same(one, micro, params)
     assert 0 < float(one[1]["critic/value_clip_frac"]) < 1
 
 
