@@ -296,7 +296,11 @@ def test_split_and_merge_rows():
 # ---- The policy update ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("aggregation", losses.AGGREGATIONS)
+# The aggregation reaches a micro-batch only as its rows' slice of the minibatch's row
+# weights (``learner.Normalisers``), whose shares every aggregation's loss and gradient sum
+# to (test_policy_loss_shares_sum_to_the_minibatch_loss, every method's gate): the update
+# is compared for the token mean and for the group rule whose groups the micro-batches split.
+@pytest.mark.parametrize("aggregation", ("token_mean", "group_token_mean"))
 def test_update_equals_one_pass_for_every_aggregation(dense, aggregation):
     """PPO with the KL penalty, truncated importance weights, a rejection loss mask, the
     entropy bonus and VAPO's NLL term: 2 micro-batches, 2 filler rows, groups split."""
@@ -414,6 +418,8 @@ def test_moe_aux_losses_equal_one_pass(moe, replay):
     )
     _assert_same(one, micro, params)
     assert float(one[1]["moe/load_balancing_loss"]) > 1 and float(one[1]["moe/router_z_loss"]) > 0
+    if replay:
+        return  # the same terms; checked to move the router once, below
     # The load-balancing term alone moves the router: the comparison covers it.
     policy_only = get_learner(
         graphdef, replace(settings, load_balancing_coef=0.0, router_z_coef=0.0), OPTIM
@@ -430,6 +436,8 @@ def test_moe_aux_losses_equal_one_pass(moe, replay):
 
 
 def test_moe_critic_load_balancing_equals_one_pass(moe):
+    """The critic's update (value clipping, the MoE backbone's load-balancing term) run as
+    micro-batches equals one pass; on a dense backbone it is the same update less that term."""
     _, graphdef, policy_params = moe
     rng = np.random.default_rng(9)
     params = init_critic_params(policy_params, 64)
@@ -449,30 +457,6 @@ def test_moe_critic_load_balancing_equals_one_pass(moe):
     )
     _assert_same(one, micro, params)
     assert float(one[1]["critic/moe_load_balancing_loss"]) > 1
-
-
-# ---- The critic -------------------------------------------------------------------------
-
-
-def test_critic_update_equals_one_pass(dense):
-    graphdef, policy_params = dense
-    rng = np.random.default_rng(8)
-    params = init_critic_params(policy_params, 64)
-    params["head"] = {
-        "kernel": jnp.asarray(0.5 * rng.normal(size=64), jnp.float32),
-        "bias": jnp.asarray(0.3, jnp.float32),
-    }
-    batch = _batch(8)
-    mask = np.asarray(batch.mask)
-    batch = batch._replace(
-        old_values=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32),
-        returns=jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32),
-    )
-    settings = critic_settings(value_clip=0.2)
-    one, micro = _both(
-        lambda s: get_critic(graphdef, s, OPTIM), settings, params, batch, MICRO_4_ROWS
-    )
-    _assert_same(one, micro, params)
     assert 0 < float(one[1]["critic/value_clip_frac"]) < 1
 
 
@@ -521,16 +505,16 @@ from policyopt.rl.update.learner import get_learner, place_state, split_params, 
 from tests.settings import loss_settings, replace
 from tests.rl.test_micro_batches import OPTIM, VOCAB, _assert_same, _batch
 
-assert jax.device_count() == 8
-mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+assert jax.device_count() == 4
+mesh = sharding.make_mesh({"data": 2, "fsdp": 2})
 with jax.set_mesh(mesh):
     model = Transformer(preset("tiny_dense", vocab_size=VOCAB, num_layers=1), rngs=nnx.Rngs(0))
     graphdef, params = split_params(model)
     settings = loss_settings(method="ppo", aggregation="seq_mean_token_mean", group_size=2,
                           kl_beta=0.05, entropy_coef=0.01, nll_coef=0.1)
-    batch = shard_batch(_batch(10, rows=16, full=True))
+    batch = shard_batch(_batch(10, rows=8, full=True))
     out = []
-    for tokens in (None, 8 * 9):  # 2 micro-batches of 8 rows, one row per device
+    for tokens in (None, 4 * 9):  # 2 micro-batches of 4 rows, one row per device
         learner = get_learner(graphdef, replace(settings, micro_batch_tokens=tokens),
                               OPTIM)
         state = place_state(learner.init_state(jax.tree.map(jnp.copy, params)),
@@ -546,9 +530,9 @@ print("OK")
 
 
 def test_micro_batches_on_a_mesh_equal_one_pass():
-    """8 simulated devices (data 2 x fsdp 4): rows sharded, parameters and the gradient
+    """4 simulated devices (data 2 x fsdp 2): rows sharded, parameters and the gradient
     accumulator sharded along fsdp; the micro-batched update equals one pass and returns
     the state with its shardings."""
 
-    result = run_script(_MESH_SCRIPT, 8, "--xla_backend_optimization_level=0")
+    result = run_script(_MESH_SCRIPT, 4, "--xla_backend_optimization_level=0")
     assert "OK" in result.stdout, result.stdout[-4000:]
