@@ -387,8 +387,9 @@ def test_eos_and_stop_sequence_end_and_mask(moe_model, moe_greedy):
 
 def test_decode_segments_give_the_same_rollout(moe_model, moe_sampled):
     """Decoding in K = 3 loops over growing caches (ends at steps 2, 5, 8) samples the same
-    tokens, log-probs and routing as one loop: plain, and with an EOS and a stop sequence
-    that end rows in different loops, G = 2 samples per prompt and min_new_tokens."""
+    tokens, log-probs and routing as one loop, with an EOS and a stop sequence that end rows
+    in different loops, G = 2 samples per prompt and min_new_tokens (one compiled pair: the
+    loops of a run without end tokens are these loops with nothing ending)."""
     config = sampling.SamplingConfig(max_new_tokens=MAX_NEW, decode_segments=3)
     assert config.segment_ends == (2, 5, 8)
     assert sampling.SamplingConfig(max_new_tokens=10, decode_segments=4).segment_ends == (
@@ -411,7 +412,6 @@ def test_decode_segments_give_the_same_rollout(moe_model, moe_sampled):
                 err_msg=field,
             )
 
-    same(moe_sampled, run(moe_model, temperature=1.0, seed=3, decode_segments=3))
     tokens = np.asarray(moe_sampled.tokens)
     ending = dict(
         eos_id=int(tokens[0, 1]),

@@ -40,7 +40,8 @@ _SCRIPT = textwrap.dedent("""
     step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
     (ref_loss, ref_routing), ref_grads = step(params, tokens)
 
-    for shape in ({"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 2, "expert": 4},
+    # (The MoE on fsdp=2 x expert=4 and other expert meshes: tests/models/test_expert_parallel.py.)
+    for shape in ({"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2},
                   {"tensor": 2, "expert": 2, "data": 2}):
       mesh = sharding.make_mesh(shape)
       sharded = sharding.shard_params(params, mesh)
@@ -190,7 +191,7 @@ def outputs():
 
 def test_sharded_forward_and_gradients_match_one_device(outputs):
     stdout, stderr = outputs["forward"]
-    assert stdout.count("ok") == 4, stdout
+    assert stdout.count("ok") == 3, stdout
     # No resharding that XLA can only do by replicating a whole array (the embedding
     # lookup did, on data x fsdp x tensor, before the table was gathered along `embed`).
     assert "Involuntary full rematerialization" not in stderr, stderr[-3000:]

@@ -1,12 +1,13 @@
 """Expert parallelism (``policyopt.models.expert_parallel``, ``jax.shard_map``) on 8 simulated CPU
 devices: loss, gradients, routing and the tokens each expert received equal one device's
-on the meshes expert=8, fsdp=2 x expert=4 and data=2 x expert=4, with and without routing
-replay, for the MoE and the dense model; the MoE weights' gradients reduce-scattered onto
-their fsdp shards; the bounded buffer's overflow fallback; the
+on the meshes expert=8, fsdp=2 x expert=4 and data=2 x expert=4 for the MoE and the dense
+model, and with a replayed routing on fsdp=2 x expert=4; the MoE weights' gradients
+reduce-scattered onto their fsdp shards; the bounded buffer's overflow fallback; the
 ragged_all_to_all transport's offsets (against a reference implementation of the
 collective's semantics: XLA:CPU does not compile ragged-all-to-all); and the config
 errors of a mesh that expert parallelism cannot use; MoE blocks inside a ``lax.scan``
-over layers; the megablox kernel (Pallas interpret mode) on the local experts.
+over layers; the megablox kernel (Pallas interpret mode) on the local experts of
+fsdp=2 x expert=4.
 
 One subprocess (JAX reads ``XLA_FLAGS`` once, at start-up) runs the cases of both
 multi-device tests, megablox first, and prints a line per case that each test checks; it
@@ -80,7 +81,11 @@ _SCRIPT = textwrap.dedent("""
     replayed = step(params, tokens, replay)
     np.testing.assert_array_equal(replayed[0][1][0], replay)
     for shape in MESHES:
-      for routing, want in ((None, free), (replay, replayed)):
+      # The replayed routing on fsdp=2 x expert=4 (rows split over both axes, the experts'
+      # weights gathered over fsdp inside the block): it enters the shard_map as the
+      # tokens' rows do on every mesh, so one mesh shows it reaches the experts.
+      replays = ((None, free), (replay, replayed)) if shape == MESHES[1] else ((None, free),)
+      for routing, want in replays:
         got, _, placed, rows, mesh = on_mesh(step, params, shape, tokens, routing)
         compare(got, want, f"moe {shape} replay={routing is not None}")
         if shape == MESHES[0] and routing is None:
@@ -104,12 +109,12 @@ _SCRIPT = textwrap.dedent("""
 
     # The bounded buffer: the largest load of a device pair computed here from the
     # routing (row r of the batch on device r of expert=8; 12 copies each, expert e on
-    # device e); buffers of exactly that load (one pass), one less (two passes) and of
-    # one copy (as many passes as the load).
+    # device e); buffers of exactly that load (one pass) and of one copy (as many passes
+    # as the load).
     ids = np.asarray(free[0][1][0]).reshape(8, -1)            # [device, copies]
     load = max(np.bincount(row, minlength=8).max() for row in ids)
     assert 1 < load < 12, load
-    for bound in (load, load - 1, 1):
+    for bound in (load, 1):
       cfg = dataclasses.replace(moe_config, moe_ep_buffer_factor=(bound - 0.5) * 8 / 12)
       p, s = make(cfg)
       compare(on_mesh(s, p, {"expert": 8}, tokens, None)[0], free, f"buffer {bound}")
@@ -207,7 +212,9 @@ _MEGABLOX_SCRIPT = textwrap.dedent("""
     params, step = make(config)
     want = step(params, tokens, None)
     _, step = make(dataclasses.replace(config, moe_dispatch="megablox"))
-    for shape in MESHES[:2]:
+    # fsdp=2 x expert=4: the all-to-all between the expert devices and the fsdp gathers of
+    # the local experts' weights around the kernels (expert=8 alone: the all-to-all only).
+    for shape in MESHES[1:2]:
       got, _, placed, rows, mesh = on_mesh(step, params, shape, tokens, None)
       compare(got, want, f"megablox {shape}")
       # The kernels run inside the expert-parallel shard_map: gmm forward and backward,
@@ -260,7 +267,7 @@ def test_expert_parallel_matches_one_device(stdout):
 
 
 def test_megablox_expert_parallel_matches_one_device(stdout):
-    for case in ("{'expert': 8}", "{'fsdp': 2, 'expert': 4}", "invariant weights"):
+    for case in ("{'fsdp': 2, 'expert': 4}", "invariant weights"):
         assert f"ok megablox {case}" in stdout, stdout
 
 
