@@ -158,7 +158,23 @@ SLOW_TESTS = {
 # of the fast tier's 6,100 test-seconds, benchmarks/RESULTS.md "The test suite's folders and
 # tiers"). Each file keeps its hand-worked and cheaper cases in the fast tier.
 HEAVY_TESTS = {
-    "models/test_paged.py": {"test_paged_decode_equals_dense"},
+    "models/test_attention.py": {
+        "test_model_blockwise_equals_einsum_logits_and_gradients",
+        "test_packed_segments_equal_separate_rows",
+    },
+    "models/test_lora.py": {
+        "test_moe_experts_equal_loop_reference_with_merged_weights",
+        "test_zero_b_logits_equal_the_base_exactly",
+    },
+    "models/test_models.py": {"test_kv_cache_layout_and_forms"},
+    "models/test_moe.py": {
+        "test_blocked_take_gradient_sums_in_the_parameter_dtype",
+        "test_gradients_match_loop_reference_under_replay",
+    },
+    "models/test_paged.py": {
+        "test_paged_decode_equals_dense",
+        "test_pool_attention_on_shards_equals_gather",
+    },
     "models/test_scan.py": {
         "test_scan_equals_loop",
         "test_every_remat_policy_gives_the_same_gradients",
@@ -170,9 +186,20 @@ HEAVY_TESTS = {
         "test_behaviour_log_probs_follow_the_version_of_every_token",
         "test_greedy_equals_the_synchronous_sampler_and_rows_wait_for_pages",
         "test_stop_sequences_end_rows_as_in_the_synchronous_sampler",
+        "test_take_stops_on_request_and_the_generator_closes",
     },
-    "rl/test_async_generation.py": {"test_greedy_without_updates_equals_the_synchronous_sampler"},
+    "rl/test_async_generation.py": {
+        "test_greedy_without_updates_equals_the_synchronous_sampler",
+        "test_behaviour_log_probs_follow_the_version_of_every_token",
+        "test_refill_and_segment_compile_once",
+    },
+    "rl/test_async_rl.py": {"test_default_prompt_width_fits_every_prompt_of_the_stream"},
     "rl/test_critic.py": {"test_moe_critic_adds_its_load_balancing_loss"},
+    "rl/test_learner.py": {
+        "test_replayed_routing_reaches_the_update_forward",
+        "test_loss_mask_restricts_the_policy_terms",
+        "test_an_objective_registered_by_a_user_runs_from_a_recipe",
+    },
     "rl/test_micro_batches.py": {
         "test_update_equals_one_pass_for_every_aggregation",
         "test_moe_aux_losses_equal_one_pass",
@@ -183,7 +210,10 @@ HEAVY_TESTS = {
         "test_magistral_minibatch_advantages_reach_every_micro_batch",  # the update compiled
         "test_one_compile_per_shape",  # for these alone
     },
-    "rl/test_packing.py": {"test_log_probs_losses_gradients_equal_padded"},
+    "rl/test_packing.py": {
+        "test_log_probs_losses_gradients_equal_padded",
+        "test_critic_values_and_loss_equal_padded",
+    },
     "test_engine.py": {
         "test_greedy_equals_generate",
         "test_small_budget_waits_not_truncates",
@@ -191,30 +221,44 @@ HEAVY_TESTS = {
         "test_log_probs_equal_full_forward",  # of the batched admissions' runs
         "test_stop_sequences_and_no_routing_capture",
         "test_should_stop_ends_a_generation_in_progress",  # then equals generate's rollout
+        "test_a_host_loop_without_progress_raises",
     },
+    "test_bad_input.py": {"test_a_start_still_being_trained_is_refused"},
+    "test_checkpoint.py": {"test_a_target_of_other_shapes_is_refused_before_any_read"},
+    "test_logprobs.py": {"test_entropy_of_peaked_distributions"},
+    "test_losses.py": {"test_bool_int_and_float_masks_agree"},
     "test_sampling.py": {
         "test_decode_dispatch_gives_the_same_rollout",
         "test_decode_segments_give_the_same_rollout",
         "test_greedy_equals_transformers_generate",
         "test_log_probs_equal_full_forward",
+        "test_routing_replay_reproduces_log_probs",
+        "test_greedy_equals_stepwise_argmax",
+        "test_group_samples_top_k_top_p_eos_min_new_tokens",
+        "test_padded_equals_unpadded",
     },
 }
 
 
-# Also slow: the tests that start process trees and wait on their limits (the verifier's
-# server, workers and sandbox), import torch and transformers for a reference, interpret a
-# Pallas kernel, or count a paper-scale model's parameters (tens of seconds of the fast tier,
-# benchmarks/RESULTS.md "The test suite's folders and tiers").
+# Also slow: the tests that start processes and wait on their limits (the sandbox, the
+# verifier's server and workers, batch scoring's pool), import torch and transformers for a
+# reference, interpret a Pallas kernel, or count a paper-scale model's parameters (about a
+# third of the fast tier's wall time; benchmarks/RESULTS.md "The test suite's folders and
+# tiers").
 PROCESS_FILES = {
+    "models/test_hf.py",
     "models/test_lora_hf.py",
+    "rewards/test_batch.py",
+    "rewards/test_code.py",
     "rewards/test_killable.py",
+    "rewards/test_sandbox.py",
     "rewards/test_verifier_processes.py",
 }
 PROCESS_TESTS = {
-    "models/test_hf.py": {"test_import_matches_transformers"},
     "models/test_paged.py": {
         "test_pallas_attention_in_the_model_decodes_like_the_gather",
         "test_pallas_kernel_interpreted_equals_gather",
+        "test_pallas_kernel_reads_pages_as_bfloat16_so_it_takes_bfloat16_pools_only",
     },
     "models/test_presets.py": {
         "test_qwen3_30b_a3b_parameter_count",

@@ -10,11 +10,26 @@ import numpy as np
 import pytest
 from flax import nnx
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from policyopt.models import from_pretrained, save_pretrained
+from policyopt.models.hf import config_from_hf
 
-from policyopt.models import from_pretrained, save_pretrained  # noqa: E402
-from policyopt.models.hf import config_from_hf  # noqa: E402
+# Imported when a test of the file first runs, not at collection: every test process collects
+# every file, and torch with transformers is ~4 CPU seconds of import.
+torch = transformers = None
+
+
+def import_torch():
+    """torch and transformers, imported into this module (a skip where either is missing)."""
+    global torch, transformers
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    return torch, transformers
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_and_transformers():
+    import_torch()
+
 
 COMMON = dict(
     vocab_size=64,

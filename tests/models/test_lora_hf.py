@@ -11,13 +11,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from policyopt.models import from_pretrained, save_adapters, save_pretrained
+from policyopt.models.lora import LoRAConfig
+from tests.models import test_hf
+from tests.models.test_hf import _hf_forward, _hf_model, _tokens
+from tests.models.test_lora import _randomise_b
 
-from policyopt.models import from_pretrained, save_adapters, save_pretrained  # noqa: E402
-from policyopt.models.lora import LoRAConfig  # noqa: E402
-from tests.models.test_hf import _hf_forward, _hf_model, _tokens  # noqa: E402
-from tests.models.test_lora import _randomise_b  # noqa: E402
+torch = transformers = None  # test_hf.import_torch, when the file's first test runs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_and_transformers():
+    global torch, transformers
+    torch, transformers = test_hf.import_torch()
+
 
 RANK, ALPHA = 2, 5.0
 
