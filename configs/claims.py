@@ -261,10 +261,10 @@ CRITIC_WARMUP = Ablation(
     (Arm("vc_ppo", "vc_ppo"),),
     f"{OFF_POLICY},critic.pretrain_iterations={CRITIC_PRETRAIN_ITERATIONS},eval.num_prompts=0",
 )
-#: The explained variance a perfect critic reaches on the long task under its SFT start 0
-#: (`python -m experiments.value_ceiling --setting testbed_long`; docs/claims.md "vc_ppo"):
-#: NaN until that measurement is recorded (benchmarks/RESULTS.md "The critic's regime").
-VALUE_CEILING = math.nan
+#: The explained variance a perfect critic reaches on the long task under each SFT start
+#: (`python -m experiments.value_ceiling --setting testbed_long --start S`, 2026-12-06;
+#: benchmarks/RESULTS.md "The critic's regime").
+VALUE_CEILINGS = {0: -1.05, 1: 0.336}
 #: Estimates from the arms' measured time on idle cores (~7 s per iteration of the long task,
 #: benchmarks/HISTORY.md 2026-12-04: 207-268 s for 20 policy iterations + 15 of the
 #: critic's warm-up); a loaded machine takes 3-10x.
@@ -319,18 +319,17 @@ def _sapo_gate_line(result: dict) -> str:
 
 
 def _ceiling() -> str:
-    """A perfect critic's explained variance under SFT start 0, or that it is not measured."""
-    return f"{VALUE_CEILING:.3f}" if math.isfinite(VALUE_CEILING) else "not measured"
+    """A perfect critic's explained variance under each measured SFT start."""
+    return ", ".join(f"start {s} {c:.3f}" for s, c in sorted(VALUE_CEILINGS.items()))
 
 
 def _critic_warmup_line(result: dict) -> str:
     """``critic explained variance after N iterations of value pretraining: X on a fresh
-    rollout (Monte-Carlo returns); a perfect critic's under SFT start 0: C``."""
+    rollout (Monte-Carlo returns); a perfect critic's: start 0 C0, start 1 C1``."""
     return (
         f"critic explained variance after {CRITIC_PRETRAIN_ITERATIONS} iterations of value "
         f"pretraining: {_arm_mean(result, 'vc_ppo', WARMUP_EXPLAINED_VARIANCE):.3f} on a "
-        f"fresh rollout (Monte-Carlo returns); a perfect critic's under SFT start 0: "
-        f"{_ceiling()}"
+        f"fresh rollout (Monte-Carlo returns); a perfect critic's: {_ceiling()}"
     )
 
 
@@ -354,7 +353,7 @@ def _vc_ppo_line(result: dict) -> str:
         f"{_arm_mean(result, 'ppo', WARMUP_EXPLAINED_VARIANCE):.3f}, after "
         f"{CRITIC_PRETRAIN_ITERATIONS} iterations of value pretraining "
         f"{statistics.fmean(pretrained) if pretrained else math.nan:.3f} (a perfect "
-        f"critic's {_ceiling()})"
+        f"critic's: {_ceiling()})"
     )
 
 
