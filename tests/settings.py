@@ -10,6 +10,20 @@ from policyopt.config import Algo, Optim, RunConfig
 from policyopt.rl.update.critic import CriticSettings
 from policyopt.rl.update.learner import LossSettings
 
+# The tiny transformer of the model, sampler and engine tests (two layers, grouped-query
+# attention); with ``TINY_MOE`` its MoE blocks (4 experts, top 2).
+TINY_MODEL = dict(
+    vocab_size=40,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    rope_theta=1e4,
+)
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+
 # Loss settings outside `algo`, by section.
 _LOSS_SECTIONS = {"group_size": "batch", "micro_batch_tokens": "batch", "temperature": "sampling"}
 # GAE settings: their `algo` fields.
