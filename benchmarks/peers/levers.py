@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import re
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -78,19 +75,8 @@ def build_batch():
     import jax
 
     from policyopt.rl.batch import minibatch_indices, shard_batch, take_rows
-    from policyopt.rl.loop import trainer
 
-    config = side_policyopt.config_for("sampler")
-    workdir = tempfile.mkdtemp()
-    try:
-        run = trainer.build_run(config, workdir)
-        exact = dataclasses.replace(
-            run.spec.sampling_config, min_new_tokens=config.sampling.max_new_tokens
-        )
-        run.spec = dataclasses.replace(run.spec, sampling_config=exact)
-        run.step()
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    config, run, _ = side_policyopt.sampler_run(step=True)
     group = config.batch.group_size
     rows = next(iter(minibatch_indices(run.last_batch.tokens.shape[0] // group, group, 1, None)))
     batch = take_rows(run.last_batch, rows)
@@ -205,17 +191,8 @@ def time_generate(names: list[str], rounds: int) -> dict:
 
     from policyopt import sampling as sampling_module
     from policyopt import sharding
-    from policyopt.rl.loop import trainer
 
-    config = side_policyopt.config_for("sampler")
-    workdir = tempfile.mkdtemp()
-    try:
-        run = trainer.build_run(config, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    sampling = dataclasses.replace(
-        run.spec.sampling_config, min_new_tokens=config.sampling.max_new_tokens
-    )
+    _, run, sampling = side_policyopt.sampler_run()
     prompts = next(run.spec.prompts)
     compiled, outputs, record = {}, {}, {}
     with jax.set_mesh(run.spec.mesh):
