@@ -182,6 +182,32 @@ def program_size(compiled) -> dict:
     }
 
 
+def compile_variant(name: str, jitted, *args, **kwargs):
+    """``jitted`` lowered for ``args`` under variant ``name``'s code patch and compiled with
+    its XLA flags: the executable and the variant's record (options, compile wall and CPU
+    seconds, program size; empty ``wall_s`` / ``cpu_s`` for the timed rounds). The caches
+    are cleared first: inner jitted functions keep their traces across outer jits, and
+    without this a code variant would reuse base's."""
+    import jax
+
+    options = FLAG_VARIANTS.get(name, {})
+    patch = CODE_VARIANTS.get(name, contextlib.nullcontext)
+    jax.clear_caches()
+    wall, cpu = time.perf_counter(), time.process_time()
+    with patch():
+        lowered = jitted.lower(*args, **kwargs)
+    compiled = lowered.compile(compiler_options=options or None)
+    record = {
+        "options": options,
+        "compile_wall_s": time.perf_counter() - wall,
+        "compile_cpu_s": time.process_time() - cpu,
+        "program": program_size(compiled),
+        "wall_s": [],
+        "cpu_s": [],
+    }
+    return compiled, record
+
+
 def time_generate(names: list[str], rounds: int) -> dict:
     """The jitted sampler (``sampling.generate_fn``: prefill, then the 64-step decode loop of
     128 rows) under each variant, interleaved; each variant's tokens and log-probs checked
@@ -203,29 +229,15 @@ def time_generate(names: list[str], rounds: int) -> dict:
             jax.random.key(0),
         )
         for name in names:
-            options = FLAG_VARIANTS.get(name, {})
-            patch = CODE_VARIANTS.get(name, contextlib.nullcontext)
             # A fresh function object: no variant reuses another's compiled program.
             jitted = jax.jit(
                 sampling_module.generate_fn.__wrapped__,
                 static_argnums=(0,),
                 static_argnames="config",
             )
-            # The sampler's inner jitted functions keep their traces across outer jits:
-            # without this a code variant would reuse base's.
-            jax.clear_caches()
-            wall, cpu = time.perf_counter(), time.process_time()
-            with patch():
-                lowered = jitted.lower(run.spec.graphdef, *inputs, config=sampling)
-            compiled[name] = lowered.compile(compiler_options=options or None)
-            record[name] = {
-                "options": options,
-                "compile_wall_s": time.perf_counter() - wall,
-                "compile_cpu_s": time.process_time() - cpu,
-                "program": program_size(compiled[name]),
-                "wall_s": [],
-                "cpu_s": [],
-            }
+            compiled[name], record[name] = compile_variant(
+                name, jitted, run.spec.graphdef, *inputs, config=sampling
+            )
             outputs[name] = jax.block_until_ready(compiled[name](*inputs))
             print(f"compiled {name}: {record[name]['compile_wall_s']:.1f} s", flush=True)
         base = outputs["base"]
@@ -289,26 +301,12 @@ def time_update(names: list[str], rounds: int) -> dict:
     compiled, states, record = {}, {}, {}
     with jax.set_mesh(run.spec.mesh):
         for name in names:
-            options = FLAG_VARIANTS.get(name, {})
-            patch = CODE_VARIANTS.get(name, contextlib.nullcontext)
             # A fresh function object: no variant reuses another's compiled program.
             jitted = jax.jit(
                 lambda state, batch: run.spec.learner._update(state, batch), donate_argnums=0
             )
             state = jax.tree.map(lambda x: x.copy(), run.run_state.policy)
-            jax.clear_caches()  # no trace of an inner jitted function reused across variants
-            wall, cpu = time.perf_counter(), time.process_time()
-            with patch():
-                lowered = jitted.lower(state, batch)
-            compiled[name] = lowered.compile(compiler_options=options or None)
-            record[name] = {
-                "options": options,
-                "compile_wall_s": time.perf_counter() - wall,
-                "compile_cpu_s": time.process_time() - cpu,
-                "program": program_size(compiled[name]),
-                "wall_s": [],
-                "cpu_s": [],
-            }
+            compiled[name], record[name] = compile_variant(name, jitted, state, batch)
             state, metrics = compiled[name](state, batch)
             states[name] = jax.block_until_ready(state)
             print(f"compiled {name}: {record[name]['compile_wall_s']:.1f} s", flush=True)
