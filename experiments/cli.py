@@ -65,6 +65,21 @@ def interrupted_status(signal_name: str) -> int:
     return 128 + int(signal.Signals[signal_name])
 
 
+def define_workdir_flag():
+    """Defines `--workdir`, a run's directory (created; resumed if it holds checkpoints)."""
+    return flags.DEFINE_string(
+        "workdir", None, "Run directory (created; resumed if it holds checkpoints)."
+    )
+
+
+def required_workdir(holder) -> str:
+    """The value of `--workdir` (``holder``: :func:`define_workdir_flag`'s); a usage error
+    when it is not given."""
+    if holder.value is None:
+        raise UsageError("--workdir is required (the run directory)")
+    return holder.value
+
+
 _holder = None
 
 

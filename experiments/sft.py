@@ -19,9 +19,7 @@ from policyopt.runtime import keep_freed_host_memory
 from policyopt.sharding import initialize_distributed
 
 cli.define_config_flag("Recipe file (its sft.*, task.*, model.* fields are used).", dry_run=False)
-_WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Run directory (created; resumed if it holds checkpoints)."
-)
+_WORKDIR = cli.define_workdir_flag()
 _STEPS = flags.DEFINE_integer("steps", None, "Total SFT updates (default config.sft.steps).")
 _INIT = flags.DEFINE_string(
     "init_checkpoint", None, "Continue another SFT run's checkpoint directory."
@@ -32,8 +30,7 @@ flags.adopt_module_key_flags(cli)
 def main(argv):
     del argv
     config = cli.final_config()
-    if _WORKDIR.value is None:
-        raise cli.UsageError("--workdir is required (the run directory)")
+    workdir = cli.required_workdir(_WORKDIR)
     if _STEPS.value is not None and _STEPS.value < 0:
         raise cli.UsageError(f"--steps must be >= 0, got {_STEPS.value}")
     initialize_distributed()  # jax.distributed on a multi-host job; no-op on one host
@@ -43,7 +40,7 @@ def main(argv):
 
     summary = run_sft(
         config,
-        _WORKDIR.value,
+        workdir,
         steps=_STEPS.value,
         init_checkpoint=_INIT.value,
         recipe=cli.config_source(),

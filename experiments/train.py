@@ -27,17 +27,14 @@ from policyopt.runtime import keep_freed_host_memory
 from policyopt.sharding import initialize_distributed
 
 cli.define_config_flag("Recipe file, e.g. configs/sapo.py[:variant].")
-_WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Run directory (created; resumed if it holds checkpoints)."
-)
+_WORKDIR = cli.define_workdir_flag()
 flags.adopt_module_key_flags(cli)
 
 
 def main(argv):
     del argv
     config = cli.final_config()
-    if _WORKDIR.value is None:
-        raise cli.UsageError("--workdir is required (the run directory)")
+    workdir = cli.required_workdir(_WORKDIR)
     initialize_distributed()  # jax.distributed on a multi-host job; no-op on one host
     quiet_library_logging()
     from policyopt.rl.loop.async_rl import async_enabled, run_async_rl  # noqa: PLC0415
@@ -45,11 +42,11 @@ def main(argv):
     from policyopt.rl.reporting.dry_run import plan_run  # noqa: PLC0415 - after the config is checked
 
     if cli.dry_run():
-        print(plan_run(config, _WORKDIR.value, recipe=cli.config_source()))
+        print(plan_run(config, workdir, recipe=cli.config_source()))
         return 0
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
     train = run_async_rl if async_enabled(config) else run_rl  # config.async_mode.enabled
-    summary = train(config, _WORKDIR.value, recipe=cli.config_source())
+    summary = train(config, workdir, recipe=cli.config_source())
     if summary.get("interrupted"):
         sys.exit(cli.interrupted_status(summary["interrupted"]))
     print("final eval:", summary["eval"])

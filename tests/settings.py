@@ -10,8 +10,38 @@ from policyopt.config import Algo, Optim, RunConfig
 from policyopt.rl.update.critic import CriticSettings
 from policyopt.rl.update.learner import LossSettings
 
+# The tiny transformer of the model, sampler and engine tests (two layers, grouped-query
+# attention); with ``TINY_MOE`` its MoE blocks (4 experts, top 2).
+TINY_MODEL = dict(
+    vocab_size=40,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    rope_theta=1e4,
+)
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+
+# The recipe files of the RL methods, each a paper's settings (`configs/<name>.py`).
+RL_RECIPES = (
+    "grpo",
+    "dapo",
+    "dr_grpo",
+    "gspo",
+    "gspo_token",
+    "sapo",
+    "magistral",
+    "ppo",
+    "vc_ppo",
+    "vapo",
+)
+
 # Loss settings outside `algo`, by section.
 _LOSS_SECTIONS = {"group_size": "batch", "micro_batch_tokens": "batch", "temperature": "sampling"}
+# Critic settings outside `critic`, by section.
+_CRITIC_SECTIONS = {"micro_batch_tokens": "batch", "load_balancing_coef": "algo"}
 # GAE settings: their `algo` fields.
 _GAE_FIELDS = {
     "gamma": "gae_gamma",
@@ -30,20 +60,31 @@ def _replace(section, **fields):
     return dataclasses.replace(section, **fields)
 
 
+def _replace_in_sections(settings, fields, sections: dict, default: str):
+    """``settings`` (a tuple of named sections) with each of ``fields`` changed in its
+    section: ``sections[name]``, else ``default``."""
+    for name, value in fields.items():
+        section = sections.get(name, default)
+        changed = _replace(getattr(settings, section), **{name: value})
+        settings = settings._replace(**{section: changed})
+    return settings
+
+
+def _replace_loss(settings: LossSettings, fields) -> LossSettings:
+    """``settings`` with ``fields`` changed, each in its section (``_LOSS_SECTIONS``)."""
+    return _replace_in_sections(settings, fields, _LOSS_SECTIONS, "algo")
+
+
+def _replace_critic(settings: CriticSettings, fields) -> CriticSettings:
+    """``settings`` with ``fields`` changed, each in its section (``_CRITIC_SECTIONS``)."""
+    return _replace_in_sections(settings, fields, _CRITIC_SECTIONS, "critic")
+
+
 def loss_settings(**fields) -> LossSettings:
     """``LossSettings`` of the default config with ``fields`` changed, ``algo`` checked."""
-    config = RunConfig()
-    algo, batch, sampling = config.algo, config.batch, config.sampling
-    for name, value in fields.items():
-        section = _LOSS_SECTIONS.get(name, "algo")
-        if section == "batch":
-            batch = _replace(batch, **{name: value})
-        elif section == "sampling":
-            sampling = _replace(sampling, **{name: value})
-        else:
-            algo = _replace(algo, **{name: value})
-    schema.check(algo, "config.algo")
-    return LossSettings(algo, batch, sampling)
+    settings = _replace_loss(LossSettings.of(RunConfig()), fields)
+    schema.check(settings.algo, "config.algo")
+    return settings
 
 
 def optim_settings(**fields) -> Optim:
@@ -55,18 +96,10 @@ def optim_settings(**fields) -> Optim:
 def critic_settings(**fields) -> CriticSettings:
     """``CriticSettings`` of the default config: ``value_clip`` in ``critic``,
     ``load_balancing_coef`` in ``algo``, ``micro_batch_tokens`` in ``batch``; checked."""
-    config = RunConfig()
-    critic, algo, batch = config.critic, config.algo, config.batch
-    for name, value in fields.items():
-        if name == "micro_batch_tokens":
-            batch = _replace(batch, **{name: value})
-        elif name == "load_balancing_coef":
-            algo = _replace(algo, **{name: value})
-        else:
-            critic = _replace(critic, **{name: value})
-    schema.check(critic, "config.critic")
-    schema.check(algo, "config.algo")
-    return CriticSettings(critic, algo, batch)
+    settings = _replace_critic(CriticSettings.of(RunConfig()), fields)
+    schema.check(settings.critic, "config.critic")
+    schema.check(settings.algo, "config.algo")
+    return settings
 
 
 def gae_settings(**fields) -> Algo:
@@ -81,26 +114,9 @@ def replace(settings, **fields):
     changed, each in the section that holds it (as ``loss_settings`` and ``critic_settings``
     name them); not checked again."""
     if isinstance(settings, LossSettings):
-        algo, batch, sampling = settings
-        for name, value in fields.items():
-            section = _LOSS_SECTIONS.get(name, "algo")
-            if section == "batch":
-                batch = _replace(batch, **{name: value})
-            elif section == "sampling":
-                sampling = _replace(sampling, **{name: value})
-            else:
-                algo = _replace(algo, **{name: value})
-        return LossSettings(algo, batch, sampling)
+        return _replace_loss(settings, fields)
     if isinstance(settings, CriticSettings):
-        critic, algo, batch = settings
-        for name, value in fields.items():
-            if name == "micro_batch_tokens":
-                batch = _replace(batch, **{name: value})
-            elif name == "load_balancing_coef":
-                algo = _replace(algo, **{name: value})
-            else:
-                critic = _replace(critic, **{name: value})
-        return CriticSettings(critic, algo, batch)
+        return _replace_critic(settings, fields)
     if isinstance(settings, Algo):
         return _replace(settings, **{_GAE_FIELDS.get(k, k): v for k, v in fields.items()})
     return _replace(settings, **fields)

@@ -22,19 +22,10 @@ from policyopt.engine import (
 from policyopt.models import ModelConfig, Transformer
 from policyopt.sampling import Greedy, SamplingConfig, Temperature
 from tests.flags import run_script
+from tests.settings import TINY_MODEL, TINY_MOE
 
-_BASE = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    rope_theta=1e4,
-    initializer_range=0.3,
-)
-MOE = ModelConfig(**_BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+_BASE = {**TINY_MODEL, "vocab_size": 64, "initializer_range": 0.3}
+MOE = ModelConfig(**_BASE, **TINY_MOE)
 PROMPTS = np.array(
     [[5, 17, 3, 9, 22, 41, 0], [7, 2, 0, 0, 0, 0, 0], [11, 30, 8, 60, 0, 0, 0]], np.int32
 )

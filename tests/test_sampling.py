@@ -16,23 +16,14 @@ from flax import nnx
 
 from policyopt import sampling
 from policyopt.models import ModelConfig, Transformer
+from tests.settings import TINY_MODEL, TINY_MOE
 
 VOCAB = 64
 MAX_NEW = 8
 # Larger weights than the default initialiser: peaked logits keep greedy decoding away
 # from near-ties, so float32 summation order cannot flip an argmax.
-_BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    rope_theta=1e4,
-    initializer_range=0.3,
-)
-MOE = ModelConfig(**_BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+_BASE = {**TINY_MODEL, "vocab_size": VOCAB, "initializer_range": 0.3}
+MOE = ModelConfig(**_BASE, **TINY_MOE)
 DENSE = ModelConfig(**_BASE)
 
 # Right-padded prompts of three lengths. The padding value 0 is a real token id: padding

@@ -54,6 +54,14 @@ assert len(TOKENS) == GEOMETRY["vocab_size"]
 OPERANDS, DIGITS = 5, 5
 
 
+def trace_thunks() -> None:
+    """Turns on XLA:CPU's per-thunk trace events (``--xla_cpu_enable_xprof_traceme``), which
+    the profiles read; only before jax initialises its CPU client."""
+    os.environ.setdefault("XLA_FLAGS", "")
+    if "xla_cpu_enable_xprof_traceme" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " --xla_cpu_enable_xprof_traceme=true"
+
+
 def prompts(count: int, seed: int) -> list[dict]:
     """``count`` problems ``a+b+c+d+e=`` of 5-digit numbers (30 characters, 31 tokens with
     <bos>), with their sums."""

@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import re
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -78,19 +75,8 @@ def build_batch():
     import jax
 
     from policyopt.rl.batch import minibatch_indices, shard_batch, take_rows
-    from policyopt.rl.loop import trainer
 
-    config = side_policyopt.config_for("sampler")
-    workdir = tempfile.mkdtemp()
-    try:
-        run = trainer.build_run(config, workdir)
-        exact = dataclasses.replace(
-            run.spec.sampling_config, min_new_tokens=config.sampling.max_new_tokens
-        )
-        run.spec = dataclasses.replace(run.spec, sampling_config=exact)
-        run.step()
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    config, run, _ = side_policyopt.sampler_run(step=True)
     group = config.batch.group_size
     rows = next(iter(minibatch_indices(run.last_batch.tokens.shape[0] // group, group, 1, None)))
     batch = take_rows(run.last_batch, rows)
@@ -196,6 +182,32 @@ def program_size(compiled) -> dict:
     }
 
 
+def compile_variant(name: str, jitted, *args, **kwargs):
+    """``jitted`` lowered for ``args`` under variant ``name``'s code patch and compiled with
+    its XLA flags: the executable and the variant's record (options, compile wall and CPU
+    seconds, program size; empty ``wall_s`` / ``cpu_s`` for the timed rounds). The caches
+    are cleared first: inner jitted functions keep their traces across outer jits, and
+    without this a code variant would reuse base's."""
+    import jax
+
+    options = FLAG_VARIANTS.get(name, {})
+    patch = CODE_VARIANTS.get(name, contextlib.nullcontext)
+    jax.clear_caches()
+    wall, cpu = time.perf_counter(), time.process_time()
+    with patch():
+        lowered = jitted.lower(*args, **kwargs)
+    compiled = lowered.compile(compiler_options=options or None)
+    record = {
+        "options": options,
+        "compile_wall_s": time.perf_counter() - wall,
+        "compile_cpu_s": time.process_time() - cpu,
+        "program": program_size(compiled),
+        "wall_s": [],
+        "cpu_s": [],
+    }
+    return compiled, record
+
+
 def time_generate(names: list[str], rounds: int) -> dict:
     """The jitted sampler (``sampling.generate_fn``: prefill, then the 64-step decode loop of
     128 rows) under each variant, interleaved; each variant's tokens and log-probs checked
@@ -205,17 +217,8 @@ def time_generate(names: list[str], rounds: int) -> dict:
 
     from policyopt import sampling as sampling_module
     from policyopt import sharding
-    from policyopt.rl.loop import trainer
 
-    config = side_policyopt.config_for("sampler")
-    workdir = tempfile.mkdtemp()
-    try:
-        run = trainer.build_run(config, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    sampling = dataclasses.replace(
-        run.spec.sampling_config, min_new_tokens=config.sampling.max_new_tokens
-    )
+    _, run, sampling = side_policyopt.sampler_run()
     prompts = next(run.spec.prompts)
     compiled, outputs, record = {}, {}, {}
     with jax.set_mesh(run.spec.mesh):
@@ -226,29 +229,15 @@ def time_generate(names: list[str], rounds: int) -> dict:
             jax.random.key(0),
         )
         for name in names:
-            options = FLAG_VARIANTS.get(name, {})
-            patch = CODE_VARIANTS.get(name, contextlib.nullcontext)
             # A fresh function object: no variant reuses another's compiled program.
             jitted = jax.jit(
                 sampling_module.generate_fn.__wrapped__,
                 static_argnums=(0,),
                 static_argnames="config",
             )
-            # The sampler's inner jitted functions keep their traces across outer jits:
-            # without this a code variant would reuse base's.
-            jax.clear_caches()
-            wall, cpu = time.perf_counter(), time.process_time()
-            with patch():
-                lowered = jitted.lower(run.spec.graphdef, *inputs, config=sampling)
-            compiled[name] = lowered.compile(compiler_options=options or None)
-            record[name] = {
-                "options": options,
-                "compile_wall_s": time.perf_counter() - wall,
-                "compile_cpu_s": time.process_time() - cpu,
-                "program": program_size(compiled[name]),
-                "wall_s": [],
-                "cpu_s": [],
-            }
+            compiled[name], record[name] = compile_variant(
+                name, jitted, run.spec.graphdef, *inputs, config=sampling
+            )
             outputs[name] = jax.block_until_ready(compiled[name](*inputs))
             print(f"compiled {name}: {record[name]['compile_wall_s']:.1f} s", flush=True)
         base = outputs["base"]
@@ -312,26 +301,12 @@ def time_update(names: list[str], rounds: int) -> dict:
     compiled, states, record = {}, {}, {}
     with jax.set_mesh(run.spec.mesh):
         for name in names:
-            options = FLAG_VARIANTS.get(name, {})
-            patch = CODE_VARIANTS.get(name, contextlib.nullcontext)
             # A fresh function object: no variant reuses another's compiled program.
             jitted = jax.jit(
                 lambda state, batch: run.spec.learner._update(state, batch), donate_argnums=0
             )
             state = jax.tree.map(lambda x: x.copy(), run.run_state.policy)
-            jax.clear_caches()  # no trace of an inner jitted function reused across variants
-            wall, cpu = time.perf_counter(), time.process_time()
-            with patch():
-                lowered = jitted.lower(state, batch)
-            compiled[name] = lowered.compile(compiler_options=options or None)
-            record[name] = {
-                "options": options,
-                "compile_wall_s": time.perf_counter() - wall,
-                "compile_cpu_s": time.process_time() - cpu,
-                "program": program_size(compiled[name]),
-                "wall_s": [],
-                "cpu_s": [],
-            }
+            compiled[name], record[name] = compile_variant(name, jitted, state, batch)
             state, metrics = compiled[name](state, batch)
             states[name] = jax.block_until_ready(state)
             print(f"compiled {name}: {record[name]['compile_wall_s']:.1f} s", flush=True)

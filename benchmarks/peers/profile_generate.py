@@ -26,16 +26,13 @@ import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "")
-if "xla_cpu_enable_xprof_traceme" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_cpu_enable_xprof_traceme=true"
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+
+common.trace_thunks()  # before jax initialises its CPU client
 import profile_update  # noqa: E402
 import side_policyopt  # noqa: E402
 
@@ -85,26 +82,14 @@ def main(argv=None) -> None:
     parser.add_argument("--hlo", type=Path, default=None, help="also write the optimised HLO")
     args = parser.parse_args(argv)
 
-    import dataclasses
-    import shutil
-
     import jax
 
     from policyopt import sharding
-    from policyopt.rl.loop import trainer
     from policyopt.runtime import keep_freed_host_memory
     from policyopt.sampling import generate_fn
 
     keep_freed_host_memory()
-    config = side_policyopt.config_for("sampler")
-    workdir = tempfile.mkdtemp()
-    try:
-        run = trainer.build_run(config, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    sampling = dataclasses.replace(
-        run.spec.sampling_config, min_new_tokens=config.sampling.max_new_tokens
-    )
+    _, run, sampling = side_policyopt.sampler_run()
     prompts = next(run.spec.prompts)
     with jax.set_mesh(run.spec.mesh):
         inputs = (

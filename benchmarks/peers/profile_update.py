@@ -32,13 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# Per-thunk trace events (set before jax initialises its CPU client).
-os.environ.setdefault("XLA_FLAGS", "")
-if "xla_cpu_enable_xprof_traceme" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_cpu_enable_xprof_traceme=true"
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+
+common.trace_thunks()  # before jax initialises its CPU client
 import side_policyopt  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -200,27 +197,13 @@ def main(argv=None) -> None:
     parser.add_argument("--hlo", type=Path, default=None, help="also write the optimised HLO")
     args = parser.parse_args(argv)
 
-    import dataclasses
-    import shutil
-
     import jax
 
     from policyopt.rl.batch import minibatch_indices, shard_batch, take_rows
-    from policyopt.rl.loop import trainer
     from policyopt.runtime import keep_freed_host_memory
 
     keep_freed_host_memory()
-    config = side_policyopt.config_for("sampler")
-    workdir = tempfile.mkdtemp()
-    try:
-        run = trainer.build_run(config, workdir)
-        exact = dataclasses.replace(
-            run.spec.sampling_config, min_new_tokens=config.sampling.max_new_tokens
-        )
-        run.spec = dataclasses.replace(run.spec, sampling_config=exact)
-        run.step()  # compiles everything; keeps the batch
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    config, run, _ = side_policyopt.sampler_run(step=True)  # compiles everything
     group = config.batch.group_size
     rows = next(iter(minibatch_indices(run.last_batch.tokens.shape[0] // group, group, 1, None)))
     with jax.set_mesh(run.spec.mesh):

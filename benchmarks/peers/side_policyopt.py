@@ -70,6 +70,32 @@ def config_for(old_log_probs: str):
     return config
 
 
+def exact_lengths(run):
+    """``run``'s sampling config drawing no end token before ``max_new_tokens``: every
+    response has that many tokens, as on the other sides."""
+    sampling = run.spec.sampling_config
+    return dataclasses.replace(sampling, min_new_tokens=sampling.max_new_tokens)
+
+
+def sampler_run(step: bool = False):
+    """``(config, run, sampling)``: the run of ``config_for("sampler")`` (built in a temporary
+    directory, removed) and its sampling config at exact lengths; with ``step``, after one
+    iteration at those lengths (it compiles everything and keeps ``run.last_batch``)."""
+    from policyopt.rl.loop import trainer
+
+    config = config_for("sampler")
+    workdir = tempfile.mkdtemp()
+    try:
+        run = trainer.build_run(config, workdir)
+        exact = exact_lengths(run)
+        if step:
+            run.spec = dataclasses.replace(run.spec, sampling_config=exact)
+            run.step()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return config, run, exact
+
+
 def main() -> None:
     args = common.parse_args()
     start = time.perf_counter()
@@ -87,10 +113,7 @@ def main() -> None:
     workdir = tempfile.mkdtemp()
     try:
         run = trainer.build_run(config, workdir)
-        exact = dataclasses.replace(
-            run.spec.sampling_config, min_new_tokens=run.spec.sampling_config.max_new_tokens
-        )
-        run.spec = dataclasses.replace(run.spec, sampling_config=exact)
+        run.spec = dataclasses.replace(run.spec, sampling_config=exact_lengths(run))
         params = sum(x.size for x in jax.tree.leaves(run.run_state.policy.params))
         setup_s = time.perf_counter() - start
         compiles.mark()  # span 0: the set-up; then one span per iteration

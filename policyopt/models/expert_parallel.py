@@ -53,8 +53,8 @@ from policyopt.models import lora
 from policyopt.models.config import ModelConfig
 from policyopt.models.experts import (
     blocked_experts,
+    configured_experts,
     dense_experts,
-    dropless_experts,
     ragged_experts,
 )
 from policyopt.models.router import route, router_aux
@@ -469,16 +469,7 @@ def expert_parallel_block(
         expert_ids, gates, probs = route(logits, k, cfg.norm_topk_prob, chosen)
         aux = router_aux(logits, probs, expert_ids, valid, num_experts, axis_names=row_axes)
         if n_ep == 1:  # one expert group (FSDP only): every expert here, no exchange
-            y = dropless_experts(
-                flat.astype(dt),
-                expert_ids,
-                gates,
-                *params,
-                dispatch=dispatch,
-                block_size=cfg.moe_block_size,
-                gather=cfg.resolved_weight_gather(),
-                chunk_rows=cfg.moe_chunk_rows,
-            )
+            y = configured_experts(flat.astype(dt), expert_ids, gates, params, cfg, dispatch)
             return y.reshape(b, t, d), expert_ids.reshape(b, t, k), aux
         local_fn = functools.partial(_local_experts, config=cfg, dispatch=dispatch)
         y_copies = _exchange(

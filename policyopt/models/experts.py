@@ -533,6 +533,22 @@ def dropless_experts(
     )
 
 
+def configured_experts(x, expert_ids, gates, params, config, dispatch: str):
+    """:func:`dropless_experts` at ``config``'s kernel settings (a ``ModelConfig``: its
+    ``moe_block_size``, weight gather and ``moe_chunk_rows``); ``params`` the three expert
+    weights (gate, up, down)."""
+    return dropless_experts(
+        x,
+        expert_ids,
+        gates,
+        *params,
+        dispatch=dispatch,
+        block_size=config.moe_block_size,
+        gather=config.resolved_weight_gather(),
+        chunk_rows=config.moe_chunk_rows,
+    )
+
+
 def capacity_experts(x, expert_ids, gates, valid, w_gate, w_up, w_down, capacity: int):
     """Step 5, capacity factor: one-hot dispatch into [E, C] buffers, overflow dropped.
 

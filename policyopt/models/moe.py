@@ -21,7 +21,7 @@ from flax import nnx
 from policyopt.models import lora
 from policyopt.models.config import ModelConfig
 from policyopt.models.expert_parallel import expert_parallel_block, expert_parallel_mesh
-from policyopt.models.experts import capacity_experts, dropless_experts
+from policyopt.models.experts import capacity_experts, configured_experts
 from policyopt.models.layers import param
 from policyopt.models.router import route, router_aux
 
@@ -100,16 +100,7 @@ class MoE(nnx.Module):
                 capacity=cfg.expert_capacity(b * t),
             )
         else:
-            y = dropless_experts(
-                flat.astype(dt),
-                expert_ids,
-                gates,
-                *params,
-                dispatch=dispatch,
-                block_size=cfg.moe_block_size,
-                gather=cfg.resolved_weight_gather(),
-                chunk_rows=cfg.moe_chunk_rows,
-            )
+            y = configured_experts(flat.astype(dt), expert_ids, gates, params, cfg, dispatch)
         aux = router_aux(logits, probs, expert_ids, valid, cfg.num_experts)
         aux["dropped_tokens"] = dropped
         return y.reshape(b, t, d), expert_ids.reshape(b, t, k), aux

@@ -20,17 +20,7 @@ from policyopt.models.attention_ops import (
     cudnn_attention,
 )
 from tests.flags import run_script
-
-TINY = dict(
-    vocab_size=40,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    rope_theta=1e4,
-)
+from tests.settings import TINY_MODEL as TINY
 
 
 def _model(**overrides):

@@ -19,7 +19,16 @@ from policyopt.models.lora import LoRAConfig
 from policyopt.models.moe import MoE
 from policyopt.models.transformer import stack_layers
 from tests.flags import run_script
-from tests.models.test_moe import D, E, K, _config, _dispatch, _inputs, jax_loop_moe
+from tests.models.test_moe import (
+    DISPATCHES,
+    D,
+    E,
+    K,
+    _config,
+    _dispatch,
+    _inputs,
+    jax_loop_moe,
+)
 
 RANK, ALPHA = 3, 6.0
 
@@ -98,19 +107,7 @@ def _moe(dispatch, targets=("experts", "router"), seed=0, **fields):
     return _randomise_b(moe, seed=seed)
 
 
-@pytest.mark.parametrize(
-    "dispatch",
-    [
-        "ragged",
-        "megablox",
-        "blocked",
-        "blocked-onehot",
-        "blocked-chunked",
-        "dense",
-        "gathered",
-        "capacity",
-    ],
-)
+@pytest.mark.parametrize("dispatch", DISPATCHES)
 def test_moe_experts_equal_loop_reference_with_merged_weights(dispatch):
     """One adapter per expert (and the router's): every dispatch equals the NumPy loop
     over tokens and experts with each expert's W + (alpha / r) A_e B_e, and the adapted

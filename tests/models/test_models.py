@@ -25,17 +25,7 @@ from policyopt.models import (
 from policyopt.models.layers import RMSNorm, apply_rope, rope_cos_sin
 from policyopt.models.paged import PagedKVCache
 from policyopt.sharding import logical_to_mesh_axes, param_partition_specs
-
-TINY = dict(
-    vocab_size=40,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    rope_theta=1e4,
-)
+from tests.settings import TINY_MODEL as TINY
 
 
 def _model(**overrides):

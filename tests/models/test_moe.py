@@ -113,6 +113,19 @@ def test_route_hand_worked():
     np.testing.assert_allclose(gates, [[1 / 7, 1 / 7]], rtol=1e-6)
 
 
+# Every dispatch, and the blocked one's weight gathers by one-hot and chunks (`_dispatch`).
+DISPATCHES = (
+    "ragged",
+    "megablox",
+    "blocked",
+    "blocked-onehot",
+    "blocked-chunked",
+    "dense",
+    "gathered",
+    "capacity",
+)
+
+
 def _dispatch(name):
     """ "blocked-onehot" -> blocked dispatch with one-hot weight gathering; "blocked-chunked"
     -> blocked, the expert matmuls 7 padded rows (of blocks of 3 or 4: 2 or 1 blocks) at a
@@ -161,19 +174,7 @@ def test_fast_paths_match_loop_reference(dispatch, norm_topk_prob):
     )
 
 
-@pytest.mark.parametrize(
-    "dispatch",
-    [
-        "ragged",
-        "megablox",
-        "blocked",
-        "blocked-onehot",
-        "blocked-chunked",
-        "dense",
-        "gathered",
-        "capacity",
-    ],
-)
+@pytest.mark.parametrize("dispatch", DISPATCHES)
 def test_gradients_match_loop_reference_under_replay(dispatch):
     """Replay a routing that differs from the natural one (the k *least* likely experts):
     output and every gradient equal the loop reference with those experts; the router

@@ -15,22 +15,13 @@ from policyopt.models.paged import (
     online_attention,
     pool_attention,
 )
+from tests.settings import TINY_MODEL, TINY_MOE
 
 VOCAB = 64
-_BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    rope_theta=1e4,
-    initializer_range=0.3,
-)
+_BASE = {**TINY_MODEL, "vocab_size": VOCAB, "initializer_range": 0.3}
 CONFIGS = {
     "dense": ModelConfig(**_BASE),
-    "moe": ModelConfig(**_BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "moe": ModelConfig(**_BASE, **TINY_MOE),
 }
 PROMPTS = np.array(
     [[5, 17, 3, 9, 22, 41, 0], [7, 2, 0, 0, 0, 0, 0], [11, 30, 8, 60, 0, 0, 0]], np.int32

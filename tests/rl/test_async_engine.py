@@ -16,7 +16,7 @@ from policyopt.rl.loop.async_rl import PromptStream, make_generator, run_async_r
 from policyopt.rl.rollouts.async_generation import EngineSlots, SlotConfig, engine_pages_needed
 from policyopt.sampling import Greedy, generate_fn
 from tests.flags import run_script
-from tests.rl.test_async_generation import _feed, recompute
+from tests.rl.test_async_generation import _feed, check_equals_reference, check_recomputed
 from tests.rl.test_async_rl import (
     GROUP,
     N_ASYNC,
@@ -98,23 +98,7 @@ def test_greedy_equals_the_synchronous_sampler_and_rows_wait_for_pages(greedy_ca
     slots = EngineSlots(graphdef, greedy, params, kv_tokens=kv_tokens, page_size=PAGE)
     done = run_slots(slots, prompts, lambda segment: (params, 0))
     assert sorted(done) == list(range(len(prompts)))
-    _, _, attention_mask = reference.sequences()
-    for index, completion in done.items():
-        rows = slice(index * GROUP, (index + 1) * GROUP)
-        np.testing.assert_array_equal(completion.tokens, np.asarray(reference.tokens[rows]))
-        np.testing.assert_array_equal(completion.mask, np.asarray(reference.mask[rows]))
-        np.testing.assert_array_equal(completion.lengths, np.asarray(reference.lengths[rows]))
-        np.testing.assert_array_equal(
-            completion.prompt_tokens, np.asarray(reference.prompt_tokens[rows])
-        )
-        np.testing.assert_allclose(
-            completion.raw_log_probs, np.asarray(reference.raw_log_probs[rows]), atol=2e-5
-        )
-        valid = np.asarray(attention_mask[rows]) > 0  # routing after the end is never used
-        same = np.all(completion.routing == np.asarray(reference.routing[:, rows]), axis=-1)
-        assert np.all(same[:, valid])
-        assert np.all(completion.versions[completion.mask > 0] == 0)
-        assert np.all(completion.versions[completion.mask == 0] == -1)
+    check_equals_reference(done, reference)
     # Every page came back; with the tight budget rows waited for pages, with the ample one
     # never.
     assert int(np.sum(np.asarray(slots.state.cache.pages_in_use()))) == 0
@@ -147,20 +131,7 @@ def test_behaviour_log_probs_follow_the_version_of_every_token(kv_tokens):
                 # first token's logits from the prefill.
                 first = completion.start_version
                 np.testing.assert_array_equal(versions, first + np.asarray([0, 0, 0, 1, 1, 2]))
-            length_p = int(completion.prompt_lengths[row])
-            prompt = completion.prompt_tokens[row, PROMPT_WIDTH - length_p :]
-            tokens = completion.tokens[row, :length]
-            want, routing = recompute(graphdef, params, prompt, tokens, versions)
-            np.testing.assert_allclose(completion.raw_log_probs[row, :length], want, atol=2e-5)
-            np.testing.assert_allclose(completion.log_probs[row, :length], want, atol=2e-5)
-            start = PROMPT_WIDTH - length_p
-            np.testing.assert_array_equal(
-                completion.routing[:, row, start : PROMPT_WIDTH + length - 1], routing
-            )
-            if len(set(versions.tolist())) > 1 and spanning < 2:
-                spanning += 1
-                stale, _ = recompute(graphdef, params, prompt, tokens, [0] * length)
-                assert np.max(np.abs(stale - want)) > 1e-4
+            spanning = check_recomputed(graphdef, params, completion, row, spanning)
     assert spanning == 2
     if kv_tokens == ONE_GROUP:  # versions stay exact through waits and recomputation
         assert slots.stats["waits"] > 0 and slots.stats["preempted_groups"] > 0

@@ -69,6 +69,57 @@ def recompute(graphdef, params_by_version, prompt, tokens, versions):
     return np.asarray(log_probs), np.stack(routing, axis=1)
 
 
+def check_recomputed(graphdef, params_by_version, completion, row: int, spanning: int) -> int:
+    """Asserts that row `row` of `completion` has the behaviour log-probs (raw, and sampled
+    at temperature 1 without truncation: the same) and routing of :func:`recompute` under
+    the versions it records. Of the first two rows (`spanning` counts them) that span
+    versions, also that the all-version-0 recomputation differs (the push changed the
+    log-probs); returns the new count."""
+    length = int(completion.lengths[row])
+    versions = completion.versions[row, :length]
+    length_p = int(completion.prompt_lengths[row])
+    prompt = completion.prompt_tokens[row, PROMPT_WIDTH - length_p :]  # right-aligned
+    tokens = completion.tokens[row, :length]
+    want, routing = recompute(graphdef, params_by_version, prompt, tokens, versions)
+    np.testing.assert_allclose(completion.raw_log_probs[row, :length], want, atol=2e-5)
+    np.testing.assert_allclose(completion.log_probs[row, :length], want, atol=2e-5)
+    # Routing of the prompt and of every fed token (the last token's forward ran under a
+    # version the token versions do not record).
+    start = PROMPT_WIDTH - length_p
+    np.testing.assert_array_equal(
+        completion.routing[:, row, start : PROMPT_WIDTH + length - 1], routing
+    )
+    if len(set(versions.tolist())) > 1 and spanning < 2:
+        stale, _ = recompute(graphdef, params_by_version, prompt, tokens, [0] * length)
+        assert np.max(np.abs(stale - want)) > 1e-4
+        return spanning + 1
+    return spanning
+
+
+def check_equals_reference(done, reference):
+    """Asserts that the completions `done` (by prompt index, under version 0 throughout)
+    equal their rows of the synchronous `reference` rollout: tokens, mask, lengths, prompt,
+    raw log-probs, and the routing of every position before the end; token versions 0
+    (-1 after the end)."""
+    _, _, attention_mask = reference.sequences()
+    for index, completion in done.items():
+        rows = slice(index * GROUP, (index + 1) * GROUP)
+        np.testing.assert_array_equal(completion.tokens, np.asarray(reference.tokens[rows]))
+        np.testing.assert_array_equal(completion.mask, np.asarray(reference.mask[rows]))
+        np.testing.assert_array_equal(completion.lengths, np.asarray(reference.lengths[rows]))
+        np.testing.assert_array_equal(
+            completion.prompt_tokens, np.asarray(reference.prompt_tokens[rows])
+        )
+        np.testing.assert_allclose(
+            completion.raw_log_probs, np.asarray(reference.raw_log_probs[rows]), atol=2e-5
+        )
+        valid = np.asarray(attention_mask[rows]) > 0  # routing after the end is never used
+        same = np.all(completion.routing == np.asarray(reference.routing[:, rows]), axis=-1)
+        assert np.all(same[:, valid])
+        assert np.all(completion.versions[completion.mask > 0] == 0)
+        assert np.all(completion.versions[completion.mask == 0] == -1)
+
+
 def test_behaviour_log_probs_follow_the_version_of_every_token():
     graphdef, params0, _ = policy()
     # Versions 0..5 (labels increase as a trainer's do); three distinct parameter sets.
@@ -103,24 +154,7 @@ def test_behaviour_log_probs_follow_the_version_of_every_token():
                 first = completion.start_version
                 steps = [0, 0, 0, 1, 1, 2] if first == 0 else [0, 1, 1, 2, 2, 3]
                 np.testing.assert_array_equal(versions, first + np.asarray(steps))
-            length_p = int(completion.prompt_lengths[row])
-            prompt = completion.prompt_tokens[row, PROMPT_WIDTH - length_p :]  # right-aligned
-            tokens = completion.tokens[row, :length]
-            want, routing = recompute(graphdef, params, prompt, tokens, versions)
-            np.testing.assert_allclose(completion.raw_log_probs[row, :length], want, atol=2e-5)
-            # Temperature 1, no truncation: the sampled distribution is the raw one.
-            np.testing.assert_allclose(completion.log_probs[row, :length], want, atol=2e-5)
-            # Routing of the prompt and of every fed token (the last token's forward ran
-            # under a version the token versions do not record).
-            start = PROMPT_WIDTH - length_p
-            np.testing.assert_array_equal(
-                completion.routing[:, row, start : PROMPT_WIDTH + length - 1], routing
-            )
-            if len(set(versions.tolist())) > 1 and spanning < 2:
-                spanning += 1
-                # The push changed the log-probs: all-version-0 recomputation differs.
-                stale, _ = recompute(graphdef, params, prompt, tokens, [0] * length)
-                assert np.max(np.abs(stale - want)) > 1e-4
+            spanning = check_recomputed(graphdef, params, completion, row, spanning)
     assert spanning == 2
 
 
@@ -169,21 +203,7 @@ def test_greedy_without_updates_equals_the_synchronous_sampler(extra):
             done[completion.meta["index"]] = completion
         if not queue and slots.num_active == 0:
             break
-    _, _, attention_mask = reference.sequences()
-    for index, completion in done.items():
-        rows = slice(index * GROUP, (index + 1) * GROUP)
-        np.testing.assert_array_equal(completion.tokens, np.asarray(reference.tokens[rows]))
-        np.testing.assert_array_equal(completion.mask, np.asarray(reference.mask[rows]))
-        np.testing.assert_array_equal(
-            completion.prompt_tokens, np.asarray(reference.prompt_tokens[rows])
-        )
-        np.testing.assert_allclose(
-            completion.raw_log_probs, np.asarray(reference.raw_log_probs[rows]), atol=2e-5
-        )
-        valid = np.asarray(attention_mask[rows]) > 0  # routing after the end is never used
-        same = np.all(completion.routing == np.asarray(reference.routing[:, rows]), axis=-1)
-        assert np.all(same[:, valid])
-        assert np.all(completion.versions[completion.mask > 0] == 0)
+    check_equals_reference(done, reference)
     assert sorted(done) == list(range(len(prompts)))
 
 

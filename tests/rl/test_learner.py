@@ -124,22 +124,27 @@ def test_forward_layout_matches_unpadded_full_logits(policy):
     assert routing.shape == (1, 4, 9, 2) and entropy.shape == (4, 5)
 
 
+def _reference_loss(graphdef, params, batch, prompts, responses, routing=None):
+    """The SAPO loss (seq_mean_token_mean) computed without the Learner (full logits)."""
+    log_probs = _reference_log_probs(
+        graphdef, params, batch, prompts, responses, SETTINGS.temperature, routing
+    )
+    adv = jnp.broadcast_to(batch.advantages[:, None], log_probs.shape)
+    return policy_loss(
+        log_probs,
+        batch.old_log_probs,
+        adv,
+        batch.mask,
+        method="sapo",
+        aggregation="seq_mean_token_mean",
+    )[0]
+
+
 def _reference_step(model, graphdef, params, batch, prompts, responses, routing=None):
     """Loss and one AdamW step computed without the Learner (full logits, plain optax)."""
 
     def loss_fn(p):
-        log_probs = _reference_log_probs(
-            graphdef, p, batch, prompts, responses, SETTINGS.temperature, routing
-        )
-        adv = jnp.broadcast_to(batch.advantages[:, None], log_probs.shape)
-        return policy_loss(
-            log_probs,
-            batch.old_log_probs,
-            adv,
-            batch.mask,
-            method="sapo",
-            aggregation="seq_mean_token_mean",
-        )[0]
+        return _reference_loss(graphdef, p, batch, prompts, responses, routing)
 
     tx = optax.chain(
         optax.clip_by_global_norm(1.0),
@@ -273,18 +278,7 @@ def test_replayed_routing_reaches_the_update_forward(policy):
     np.testing.assert_array_equal(np.asarray(used_routing), np.asarray(forced))
 
     def reference_loss(p, routing):  # forward only: full logits with the forced experts
-        log_probs = _reference_log_probs(
-            graphdef, p, batch, prompts, responses, SETTINGS.temperature, routing
-        )
-        adv = jnp.broadcast_to(batch.advantages[:, None], log_probs.shape)
-        return policy_loss(
-            log_probs,
-            batch.old_log_probs,
-            adv,
-            batch.mask,
-            method="sapo",
-            aggregation="seq_mean_token_mean",
-        )[0]
+        return _reference_loss(graphdef, p, batch, prompts, responses, routing)
 
     want_loss = jax.jit(reference_loss)(params, forced)
     state, metrics = learner.update(learner.init_state(_copy(params)), replayed)

@@ -34,6 +34,10 @@ WIDTH = PROMPT + RESPONSE
 # group split between them) and 2 filler rows. 2 rows (+ 3 spare tokens): 3, no filler.
 MICRO_4_ROWS, MICRO_2_ROWS = 4 * WIDTH, 2 * WIDTH + 3
 OPTIM = optim_settings(lr=1e-2, eps=1.0, weight_decay=0.01, max_grad_norm=None)
+# PPO with the KL penalty, the entropy bonus and VAPO's NLL term (with an aggregation).
+PPO_EVERY_TERM = dict(
+    method="ppo", group_size=GROUP, max_len=7, kl_beta=0.05, entropy_coef=0.01, nll_coef=0.1
+)
 
 
 @pytest.fixture(scope="module")
@@ -305,15 +309,7 @@ def test_update_equals_one_pass_for_every_aggregation(dense, aggregation):
     """PPO with the KL penalty, truncated importance weights, a rejection loss mask, the
     entropy bonus and VAPO's NLL term: 2 micro-batches, 2 filler rows, groups split."""
     graphdef, params = dense
-    settings = loss_settings(
-        method="ppo",
-        aggregation=aggregation,
-        group_size=GROUP,
-        max_len=7,
-        kl_beta=0.05,
-        entropy_coef=0.01,
-        nll_coef=0.1,
-    )
+    settings = loss_settings(**PPO_EVERY_TERM, aggregation=aggregation)
     batch = _batch(1, full=True)
     one, micro = _both(
         lambda s: get_learner(graphdef, s, OPTIM), settings, params, batch, MICRO_4_ROWS
@@ -350,15 +346,7 @@ def test_magistral_minibatch_advantages_reach_every_micro_batch(dense):
     # Statistics over fewer rows would be different (the test can fail).
     own = advantages_of(rewards[np.array([0, 1, 4, 5])], GROUP)
     assert abs(float(own[0]) - float(advantages[0])) > 1e-3
-    settings = loss_settings(
-        method="ppo",
-        aggregation="token_mean",
-        group_size=GROUP,
-        max_len=7,
-        kl_beta=0.05,
-        entropy_coef=0.01,
-        nll_coef=0.1,
-    )
+    settings = loss_settings(**PPO_EVERY_TERM, aggregation="token_mean")
     batch = _batch(3, full=True)._replace(advantages=advantages)
     one, micro = _both(
         lambda s: get_learner(graphdef, s, OPTIM), settings, params, batch, MICRO_4_ROWS
@@ -369,14 +357,7 @@ def test_magistral_minibatch_advantages_reach_every_micro_batch(dense):
 def test_one_compile_per_shape(dense):
     graphdef, params = dense
     settings = loss_settings(
-        method="ppo",
-        aggregation="token_mean",
-        group_size=GROUP,
-        max_len=7,
-        kl_beta=0.05,
-        entropy_coef=0.01,
-        nll_coef=0.1,
-        micro_batch_tokens=MICRO_4_ROWS,
+        **PPO_EVERY_TERM, aggregation="token_mean", micro_batch_tokens=MICRO_4_ROWS
     )
     learner = get_learner(graphdef, settings, OPTIM)
     state = learner.init_state(_copy(params))

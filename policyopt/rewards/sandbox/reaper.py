@@ -70,12 +70,17 @@ def reap_uid(uid: int) -> None:
         pids = live_processes(uid)
         if not pids:
             return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        _kill_each(pids)
         time.sleep(0.002)
+
+
+def _kill_each(pids: Iterable[int]) -> None:
+    """SIGKILLs each of ``pids``, passing over those gone already."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def pid_alive(pid: int) -> bool:
@@ -111,11 +116,7 @@ def kill_group(group: str) -> None:
             with open(kill_file, "w") as f:
                 f.write("1")
         except OSError:  # no cgroup.kill: one by one (the sandbox's process limit ends forks)
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+            _kill_each(pids)
         time.sleep(0.002)
 
 

@@ -390,17 +390,19 @@ class GroupCompletion(NamedTuple):
         )
 
 
-def _fit_prompt(tokens, length: int, width: int, pad_id: int) -> np.ndarray:
-    """A right-padded prompt cut or padded to `width` (only padding may be cut)."""
-    tokens = np.asarray(tokens, np.int32)
+def _fit_prompt(prompt: dict, config) -> tuple[np.ndarray, int]:
+    """`prompt`'s tokens (right-padded) cut or padded to the generator's prompt width (only
+    padding may be cut), and its length."""
+    length, width = int(prompt["prompt_length"]), config.prompt_width
+    tokens = np.asarray(prompt["prompt_tokens"], np.int32)
     if not 1 <= length <= width:
         raise ValueError(
             f"prompt length {length} does not fit the generator's prompt width "
             f"{width} (set config.async_mode.prompt_width to at least {length})"
         )
-    out = np.full((width,), pad_id, np.int32)
+    out = np.full((width,), config.sampling.fill_id, np.int32)
     out[:length] = tokens[:length]
-    return out
+    return out, length
 
 
 class _SlotGroups:
@@ -458,10 +460,7 @@ class SlotGenerator(_SlotGroups):
         if self._active[group]:
             raise ValueError(f"slot group {group} is still generating")
         cfg = self.config
-        length = int(prompt["prompt_length"])
-        tokens = _fit_prompt(
-            prompt["prompt_tokens"], length, cfg.prompt_width, cfg.sampling.fill_id
-        )
+        tokens, length = _fit_prompt(prompt, cfg)
         with self._on_mesh():
             self.state = _refill_fn(
                 self.graphdef,
@@ -659,10 +658,7 @@ class EngineSlots(_SlotGroups):
         if self._active[group]:
             raise ValueError(f"slot group {group} is still generating")
         cfg = self.config
-        length = int(prompt["prompt_length"])
-        tokens = _fit_prompt(
-            prompt["prompt_tokens"], length, cfg.prompt_width, cfg.sampling.fill_id
-        )
+        tokens, length = _fit_prompt(prompt, cfg)
         self.batch.scheduler.submit(Request(group, tokens, length, slot=group))
         self._meta[group] = {
             k: v for k, v in prompt.items() if k not in ("prompt_tokens", "prompt_length")
