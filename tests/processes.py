@@ -3,6 +3,9 @@ with the repository on PYTHONPATH)."""
 
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 
@@ -70,3 +73,26 @@ def marked_script(directory, text: str, tag: str) -> tuple[str, str, dict]:
         f.write(text)
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", POLICYOPT_TEST_MARK=value)
     return f"POLICYOPT_TEST_MARK={value}", script, env
+
+
+def start_script(script: str, arg: str, env: dict, cwd, *, stdin=subprocess.PIPE):
+    """Starts ``python script arg`` (a :func:`marked_script`'s) in ``cwd`` under ``env``,
+    its output and errors (and by default its input) piped, as text."""
+    return subprocess.Popen(
+        [sys.executable, str(script), arg],
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=cwd,
+    )
+
+
+def in_thread(function):
+    """The result of ``function()`` called in a new thread (joined)."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(function()))
+    thread.start()
+    thread.join()
+    return out[0]

@@ -39,9 +39,8 @@ def model():
     return Transformer(MOE, rngs=nnx.Rngs(0))
 
 
-@pytest.fixture(scope="module")
-def greedy_free(model):
-    """generate's greedy rollout without an end token."""
+def _greedy_generate(model, **options):
+    """generate's greedy rollout of the prompts (``options``: an end token, stop sequences)."""
     return sampling.generate(
         model,
         PROMPTS,
@@ -50,23 +49,21 @@ def greedy_free(model):
         rng=jax.random.key(0),
         temperature=0.0,
         num_samples=GROUP,
+        **options,
     )
+
+
+@pytest.fixture(scope="module")
+def greedy_free(model):
+    """generate's greedy rollout without an end token."""
+    return _greedy_generate(model)
 
 
 @pytest.fixture(scope="module")
 def greedy_reference(model, greedy_free):
     """generate's greedy rollout, with an end token that some rows draw early."""
     eos = int(np.asarray(greedy_free.tokens)[2, 3])
-    rollout = sampling.generate(
-        model,
-        PROMPTS,
-        LENGTHS,
-        max_new_tokens=NEW,
-        rng=jax.random.key(0),
-        temperature=0.0,
-        num_samples=GROUP,
-        eos_id=eos,
-    )
+    rollout = _greedy_generate(model, eos_id=eos)
     return eos, rollout
 
 
@@ -230,16 +227,7 @@ def test_stop_sequences_and_no_routing_capture(model, greedy_free):
     """A two-token stop sequence drawn by some rows ends them as in generate; with
     capture_routing=False the rollout holds no routing."""
     stop = tuple(int(t) for t in np.asarray(greedy_free.tokens)[0, 2:4])
-    reference = sampling.generate(
-        model,
-        PROMPTS,
-        LENGTHS,
-        max_new_tokens=NEW,
-        rng=jax.random.key(0),
-        temperature=0.0,
-        num_samples=GROUP,
-        stop_sequences=(stop,),
-    )
+    reference = _greedy_generate(model, stop_sequences=(stop,))
     assert np.asarray(reference.lengths).min() < NEW
     config = SamplingConfig(
         max_new_tokens=NEW, method=Greedy(), num_samples=GROUP, stop_sequences=(stop,)

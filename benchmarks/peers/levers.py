@@ -208,6 +208,23 @@ def compile_variant(name: str, jitted, *args, **kwargs):
     return compiled, record
 
 
+def time_rounds(names: list[str], rounds: int, record: dict, call) -> None:
+    """``rounds`` rounds of ``call(name)`` for every variant, each round starting one variant
+    later (interleaved), appending the wall and CPU seconds of each call to ``record[name]``;
+    one line a round."""
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            wall, cpu = time.perf_counter(), time.process_time()
+            call(name)
+            record[name]["wall_s"].append(time.perf_counter() - wall)
+            record[name]["cpu_s"].append(time.process_time() - cpu)
+        print(
+            f"round {r + 1}: " + ", ".join(f"{n} {record[n]['wall_s'][-1]:.2f}" for n in names),
+            flush=True,
+        )
+
+
 def time_generate(names: list[str], rounds: int) -> dict:
     """The jitted sampler (``sampling.generate_fn``: prefill, then the 64-step decode loop of
     128 rows) under each variant, interleaved; each variant's tokens and log-probs checked
@@ -247,17 +264,7 @@ def time_generate(names: list[str], rounds: int) -> dict:
             record[name]["max_abs_param_diff_vs_base"] = float(
                 np.max(np.abs(np.asarray(out.log_probs) - np.asarray(base.log_probs)))
             )
-        for r in range(rounds):
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for name in order:
-                wall, cpu = time.perf_counter(), time.process_time()
-                jax.block_until_ready(compiled[name](*inputs))
-                record[name]["wall_s"].append(time.perf_counter() - wall)
-                record[name]["cpu_s"].append(time.process_time() - cpu)
-            print(
-                f"round {r + 1}: " + ", ".join(f"{n} {record[n]['wall_s'][-1]:.2f}" for n in names),
-                flush=True,
-            )
+        time_rounds(names, rounds, record, lambda n: jax.block_until_ready(compiled[n](*inputs)))
     return record
 
 
@@ -323,18 +330,12 @@ def time_update(names: list[str], rounds: int) -> dict:
             )
             record[name]["max_abs_param_diff_vs_base"] = diff
             record[name]["base_update_max_abs_step"] = moved
-        for r in range(rounds):  # --rounds 0: compile times and checks only
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for name in order:
-                wall, cpu = time.perf_counter(), time.process_time()
-                state, _ = compiled[name](states[name], batch)
-                states[name] = jax.block_until_ready(state)
-                record[name]["wall_s"].append(time.perf_counter() - wall)
-                record[name]["cpu_s"].append(time.process_time() - cpu)
-            print(
-                f"round {r + 1}: " + ", ".join(f"{n} {record[n]['wall_s'][-1]:.2f}" for n in names),
-                flush=True,
-            )
+
+        def step(name):
+            state, _ = compiled[name](states[name], batch)
+            states[name] = jax.block_until_ready(state)
+
+        time_rounds(names, rounds, record, step)  # --rounds 0: compile times and checks only
     return record
 
 

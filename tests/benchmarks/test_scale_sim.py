@@ -142,14 +142,7 @@ def test_update_record_fields(records):
     assert record["recipe_minibatch_rows"] == 16
     assert record["model"]["dtype"] == "bfloat16"  # --model.* reaches the ModelConfig
     assert record["compile_s"] > 0
-    for kind in (
-        "all-reduce",
-        "all-gather",
-        "reduce-scatter",
-        "all-to-all",
-        "collective-permute",
-        "ragged-all-to-all",
-    ):
+    for kind in scale_sim.KINDS:
         assert kind in record["collectives"]
 
 

@@ -11,20 +11,9 @@ from configs import base
 from policyopt.config import typed
 from policyopt.rl.loop import build
 from policyopt.sharding import MESH_AXES
+from tests.settings import RL_RECIPES
 
-RECIPES = (
-    "grpo",
-    "dapo",
-    "dr_grpo",
-    "gspo",
-    "gspo_token",
-    "sapo",
-    "magistral",
-    "demo",
-    "ppo",
-    "vc_ppo",
-    "vapo",
-)
+RECIPES = RL_RECIPES + ("demo",)
 
 
 def load(name, arg=None):
@@ -169,7 +158,7 @@ def test_variant_string_and_paper_scale():
     assert build.reward_spec(load("magistral", "reward.language_bonus=0.2")).language_bonus == 0.2
 
 
-@pytest.mark.parametrize("name", [n for n in RECIPES if n != "demo"] + ["magistral_async"])
+@pytest.mark.parametrize("name", [*RL_RECIPES, "magistral_async"])
 def test_every_recipe_builds_at_paper_scale(name):
     """scale=paper is documented for every recipe (and for every ablation arm via
     experiments/ablate.py --variant scale=paper): it must pass base.check."""

@@ -17,17 +17,10 @@ from policyopt.models import ModelConfig, Transformer
 from policyopt.models.transformer import stack_layers, unstack_layers
 from policyopt.sharding import param_specs
 from tests.flags import run_script
+from tests.settings import TINY_MODEL
 
 P = jax.sharding.PartitionSpec
-BASE = dict(
-    vocab_size=40,
-    hidden_size=32,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    rope_theta=1e4,
-)
+BASE = TINY_MODEL  # each kind sets its number of layers
 KINDS = {
     "dense": dict(num_layers=3),
     "moe": dict(num_layers=3, num_experts=4, moe_intermediate_size=16),

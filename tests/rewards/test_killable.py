@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.flags import ROOT
-from tests.processes import marked_script
+from tests.processes import marked_script, start_script
 from tests.rewards.test_verifier_processes import marked_processes
 
 # Interrupted where a verifier process (started from tests.verifiers:announce_and_hang)
@@ -69,14 +69,7 @@ def test_a_real_ctrl_c_still_stops_the_run(tmp_path, where):
     seconds, without scoring the rest, and no process of it is left (none holding its
     output open)."""
     mark, script, env = marked_script(tmp_path, CTRL_C, "ctrl-c")
-    process = subprocess.Popen(
-        [sys.executable, str(script), where],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-    )
+    process = start_script(script, where, env, tmp_path, stdin=None)
     out, err = [], []
     readers = [
         threading.Thread(target=lambda: out.extend(iter(process.stdout.readline, ""))),
@@ -267,15 +260,7 @@ def test_an_exit_never_waits_for_a_daemon_threads_verifier(tmp_path, waiting_in)
     at once, leaving no process: before, the exit's clean-up waited for the call to end,
     or for the pool's start (60 s), and a server still starting went on alone."""
     mark, script, env = marked_script(tmp_path, DAEMON, "daemon")
-    process = subprocess.Popen(
-        [sys.executable, str(script), waiting_in],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-    )
+    process = start_script(script, waiting_in, env, tmp_path)
     try:
         line = process.stdout.readline()
         assert line == "waiting for Ctrl-C\n", (line, process.stderr.read())

@@ -14,7 +14,7 @@ import pytest
 
 from policyopt.rewards import RewardSpec, score_batch
 from tests.flags import ROOT
-from tests.processes import marked_script
+from tests.processes import marked_script, start_script
 
 
 def run_script(tmp_path, source: str, timeout_s: float = 240.0) -> subprocess.CompletedProcess:
@@ -34,9 +34,10 @@ def run_script(tmp_path, source: str, timeout_s: float = 240.0) -> subprocess.Co
 
 # The issue's equivalences, new numbers for each round (verdicts are cached per process).
 GRADE = r"""
-import json, threading, time
+import json, time
 print("the script ran", flush=True)
 from policyopt.rewards import math_correctness, start_workers
+from tests.processes import in_thread
 
 def pairs(k):
     return [
@@ -55,13 +56,6 @@ def grade(k):
         scores.append(math_correctness("\\boxed{" + answer + "}", reference, timeout_s=2.0))
         seconds.append(time.perf_counter() - start)
     return {"scores": scores, "seconds": seconds}
-
-def in_thread(function):
-    out = []
-    thread = threading.Thread(target=lambda: out.append(function()))
-    thread.start()
-    thread.join()
-    return out[0]
 
 def warm_then_grade(k):
     start_workers(0)  # this thread's verifier process, before any answer's clock
@@ -104,6 +98,7 @@ SCORE = r"""
 import json, threading
 print("the script ran", flush=True)
 from policyopt.rewards import RewardSpec, score_batch
+from tests.processes import in_thread
 
 english = "The number of apples is the sum of both baskets, so we add them together."
 completions = [
@@ -136,13 +131,6 @@ def score(workers):
         out[name] = {"rewards": scores.rewards.tolist(), "status": scores.status}
         out[name]["worker_errors"] = scores.metrics["worker_errors"]
     return out
-
-def in_thread(function):
-    out = []
-    thread = threading.Thread(target=lambda: out.append(function()))
-    thread.start()
-    thread.join()
-    return out[0]
 
 def concurrently(count):
     out = [None] * count
@@ -248,15 +236,7 @@ def test_no_scoring_process_outlives_its_caller(tmp_path, ending):
     caller's exit, or of its SIGKILL. The workers fork their verifier processes
     themselves: the caller's verifier server is the only one."""
     mark, script, env = marked_script(tmp_path, LINGER, ending)
-    caller = subprocess.Popen(
-        [sys.executable, str(script), "wait" if ending == "sigkill" else "exit"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-    )
+    caller = start_script(script, "wait" if ending == "sigkill" else "exit", env, tmp_path)
     try:
         line = caller.stdout.readline()
         assert line.strip() == "scored", line + caller.stderr.read()

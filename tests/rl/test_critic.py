@@ -28,7 +28,7 @@ from policyopt.rl.update.critic import (
     token_rewards,
 )
 from policyopt.rl.update.learner import TrainState, split_params
-from tests.rl.test_trainer import tiny
+from tests.rl.test_trainer import CRITIC_METRICS, tiny
 from tests.settings import critic_settings, gae_settings, optim_settings, replace
 
 VOCAB = 16
@@ -341,21 +341,28 @@ def _check_gae(run, critic_before, lam_actor, lam_critic):
     return rewards
 
 
+def _tiny_vapo(extra=""):
+    """The VAPO recipe, one dense layer, no evaluation: one iteration of value pretraining,
+    GAE at a fixed lambda 0.95 without whitening, rewards -1 for wrong (-2 with DAPO's
+    overlong penalty); ``extra`` appends overrides."""
+    return tiny(
+        "vapo",
+        model="tiny_dense",
+        extra=(
+            "model.num_layers=1,eval.num_prompts=0,reward.incorrect_value=-1.0,reward.overlong=dapo,"
+            "critic.pretrain_iterations=1,algo.gae_length_adaptive=False,algo.gae_lambda=0.95,"
+            "algo.adv_whiten=False,train.checkpoint_every=100" + extra
+        ),
+    )
+
+
 def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
     """One run of the VAPO recipe with VC-PPO's decoupled GAE (lambda_actor 0.95, lambda_critic
     1.0) and no whitening, so that the trainer's advantages are the raw GAE. Iteration 1 is
     value pretraining; a checkpoint after it, resumed, gives iteration 2 bit for bit."""
     # A random policy is never correct: -1 for wrong and DAPO's overlong penalty give
     # rewards that differ between rows (-1 or -2), so advantages and returns are not trivial.
-    config = tiny(
-        "vapo",
-        model="tiny_dense",
-        extra=(
-            "model.num_layers=1,eval.num_prompts=0,reward.incorrect_value=-1.0,reward.overlong=dapo,"
-            "critic.pretrain_iterations=1,algo.gae_length_adaptive=False,algo.gae_lambda=0.95,"
-            "algo.adv_whiten=False,train.checkpoint_every=100"
-        ),
-    )
+    config = _tiny_vapo()
     run = trainer.build_run(config, str(tmp_path))
     # Start from a checkpoint of iteration 0, like the resumed run below: both start from
     # restored state (placed on the run's mesh with the same shardings) and share
@@ -411,13 +418,7 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
     for key in (
         "loss/loss",
         "loss/nll",
-        "critic/value_loss",
-        "critic/explained_variance",
-        "critic/value_clip_frac",
-        "critic/values_mean",
-        "critic/grad_norm",
-        "advantages/mean",
-        "advantages/std",
+        *CRITIC_METRICS,
         "critic/rollout_explained_variance",
         "critic/rollout_mc_explained_variance",
         "advantages/lambda_policy_token_mean",
@@ -477,15 +478,7 @@ def test_pretraining_decoupled_gae_nll_and_resume(tmp_path, monkeypatch):
 def test_value_pretraining_targets_are_monte_carlo_returns(tmp_path):
     """VC-PPO's value pretraining fits Monte-Carlo returns (lambda = 1) even in a recipe
     whose PPO updates use lambda_critic < 1 (PPO's 0.95); afterwards, lambda_critic again."""
-    config = tiny(
-        "vapo",
-        model="tiny_dense",
-        extra=(
-            "model.num_layers=1,eval.num_prompts=0,reward.incorrect_value=-1.0,reward.overlong=dapo,"
-            "critic.pretrain_iterations=1,algo.gae_length_adaptive=False,algo.gae_lambda=0.95,"
-            "algo.gae_lambda_critic=0.95,algo.adv_whiten=False,train.checkpoint_every=100"
-        ),
-    )
+    config = _tiny_vapo(",algo.gae_lambda_critic=0.95")
     assert methods.gae_settings(typed(config), pretraining=True).critic_lambda == 1.0
     assert methods.gae_settings(typed(config), pretraining=False) == typed(config).algo
     assert typed(config).algo.critic_lambda == 0.95

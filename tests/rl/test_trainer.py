@@ -17,20 +17,19 @@ from policyopt.rl.batch import mask_fillers, round_from_rollout
 from policyopt.rl.loop import iteration, trainer
 from policyopt.rl.update import learner as learner_lib
 from policyopt.rl.update import methods
+from tests.settings import RL_RECIPES
 
-RECIPES = (
-    "grpo",
-    "dapo",
-    "dr_grpo",
-    "gspo",
-    "gspo_token",
-    "sapo",
-    "magistral",
-    "ppo",
-    "vc_ppo",
-    "vapo",
-)
 CRITIC_RECIPES = ("ppo", "vc_ppo", "vapo")
+# The metrics of a critic's update that every critic recipe logs.
+CRITIC_METRICS = (
+    "critic/value_loss",
+    "critic/explained_variance",
+    "critic/value_clip_frac",
+    "critic/values_mean",
+    "critic/grad_norm",
+    "advantages/mean",
+    "advantages/std",
+)
 
 
 def tiny(recipe, model="tiny_moe", extra=""):
@@ -55,7 +54,7 @@ def _params(run):
 
 # The MoE model: routing metrics and replay on top of what the dense model runs (the dense
 # model's RL runs: test_a_run_whose_updates_are_all_skipped_stops here, tests/rl/test_mesh.py).
-@pytest.mark.parametrize("recipe,model", [(r, "tiny_moe") for r in RECIPES])
+@pytest.mark.parametrize("recipe,model", [(r, "tiny_moe") for r in RL_RECIPES])
 def test_every_recipe_runs_a_few_iterations(recipe, model, tmp_path):
     # Critic recipes: iteration 1 value pretraining (VC-PPO, VAPO) or not (PPO), then PPO.
     pretrain = 1 if recipe in ("vc_ppo", "vapo") else 0
@@ -110,15 +109,7 @@ def test_every_recipe_runs_a_few_iterations(recipe, model, tmp_path):
         assert "loss/kl_ref" in metrics
     if recipe in CRITIC_RECIPES:
         assert int(run.run_state.critic.step) + int(run.run_state.critic.skipped) == 2
-        for key in (
-            "critic/value_loss",
-            "critic/explained_variance",
-            "critic/value_clip_frac",
-            "critic/values_mean",
-            "critic/grad_norm",
-            "advantages/mean",
-            "advantages/std",
-        ):
+        for key in CRITIC_METRICS:
             assert key in metrics and np.isfinite(metrics[key]), key
         assert ("loss/nll" in metrics) == (config.algo.nll_coef > 0)
     else:

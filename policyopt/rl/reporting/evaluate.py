@@ -13,6 +13,7 @@ results are discarded), so evaluation compiles the sampler once per prompt bucke
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -139,7 +140,8 @@ def evaluate(
     spec = RewardSpec(task="math", format_reward=False) if spec is None else spec
     rng = jax.random.PRNGKey(0) if rng is None else rng
     batch_size = min(batch_size, len(prompts))
-    texts, lengths = complete(
+    sample = functools.partial(
+        complete,
         graphdef,
         params,
         prompts,
@@ -147,9 +149,9 @@ def evaluate(
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
         prompt_buckets=prompt_buckets,
-        rng=rng,
         decode_segments=decode_segments,
     )
+    texts, lengths = sample(rng=rng)
     scores = score_batch(
         texts, answers, lengths, spec, num_workers=num_workers, across_processes=True, tasks=tasks
     )
@@ -174,18 +176,8 @@ def evaluate(
     }
     metrics.update(task_accuracies(correct, tasks, "eval/pass@1"))
     if k > 0:
-        texts, lengths = complete(
-            graphdef,
-            params,
-            prompts,
-            tokenizer,
-            max_new_tokens=max_new_tokens,
-            batch_size=batch_size,
-            prompt_buckets=prompt_buckets,
-            rng=jax.random.fold_in(rng, 1),
-            temperature=temperature,
-            num_samples=k,
-            decode_segments=decode_segments,
+        texts, lengths = sample(
+            rng=jax.random.fold_in(rng, 1), temperature=temperature, num_samples=k
         )
         references = [a for a in answers for _ in range(k)]
         _, correct, _ = score_batch(
