@@ -222,8 +222,12 @@ MAGISTRAL_BUDGET = (
     "measured 2026-12-06: 18 min per (start, seed) at load ~25 on 2 cores (sync 623 s, "
     "async 436 s); a new SFT start ~15 min more"
 )
-ROUTING_REPLAY_BUDGET = "to be measured"
-DENSE_CONTROL_BUDGET = "to be measured"
+ROUTING_REPLAY_BUDGET = (
+    "measured 2026-12-06 (start 1, seed 0): 15 arms x 150 iterations took 11,004 s of arm "
+    "wall time at load 8-25 on 2 cores (118-3,060 s an arm, the spread the load's); 10 "
+    "(start, seed) pairs ~1-3 h each"
+)
+DENSE_CONTROL_BUDGET = "measured 2026-12-06: 79 s per (start, seed) on 2 cores, one arm"
 
 
 def _routing_share_line(result: dict) -> str:
@@ -264,7 +268,7 @@ CRITIC_WARMUP = Ablation(
 #: The explained variance a perfect critic reaches on the long task under each SFT start
 #: (`python -m experiments.value_ceiling --setting testbed_long --start S`, 2026-12-06;
 #: benchmarks/RESULTS.md "The critic's regime").
-VALUE_CEILINGS = {0: -1.05, 1: 0.336}
+VALUE_CEILINGS = {0: -1.05, 1: 0.336, 2: 0.432}
 #: Estimates from the arms' measured time on idle cores (~7 s per iteration of the long task,
 #: benchmarks/HISTORY.md 2026-12-04: 207-268 s for 20 policy iterations + 15 of the
 #: critic's warm-up); a loaded machine takes 3-10x.
