@@ -208,8 +208,9 @@ def test_the_demo_setting_sits_under_the_variants():
     # The critic keeps VAPO's 2:1 ratio to the actor's learning rate (the demo's 1e-3).
     assert (config.optim.lr, config.critic.lr) == (demo.optim.lr, pytest.approx(2 * demo.optim.lr))
     assert config.algo.nll_coef == 0.0  # the arm's variant
-    # The common variant; the 5 value warm-up iterations come on top of 30 policy iterations.
-    assert (config.train.num_iterations, config.batch.n_prompts) == (35, 4)
+    # The common variant; the value warm-up iterations come on top of 30 policy iterations.
+    warmup = ablations.CRITIC_PRETRAIN_ITERATIONS
+    assert (config.train.num_iterations, config.batch.n_prompts) == (30 + warmup, 4)
     no_warmup = ablate.arm_config(ablation, "no_warmup", 2, "train.num_iterations=30", demo_setting)
     assert (no_warmup.critic.pretrain_iterations, no_warmup.train.num_iterations) == (0, 30)
     # A reward-model initialisation's iterations come on top too.
@@ -220,7 +221,7 @@ def test_the_demo_setting_sits_under_the_variants():
         "train.num_iterations=30,critic.reward_model_iterations=3",
         demo_setting,
     )
-    assert with_rm.train.num_iterations == 38
+    assert with_rm.train.num_iterations == 30 + 3 + warmup
     # The demo turns routing metrics off for speed; the summary's volatility column needs them.
     assert config.train.routing_metrics
     with pytest.raises(ValueError, match="scale=paper"):
@@ -464,9 +465,9 @@ def test_run_names_and_the_regime_of_a_critic_arm():
         "start1_seed0",
         "start2_seed4",
     ]
-    # VC-PPO's critic iterations (5 of value pretraining) come on top of the policy's.
+    # VC-PPO's critic iterations (of value pretraining) come on top of the policy's.
     config = ablate.arm_config(get_ablation("vc_ppo"), "vc_ppo", 0, "train.num_iterations=20")
-    assert config.train.num_iterations == 25
+    assert config.train.num_iterations == 20 + ablations.CRITIC_PRETRAIN_ITERATIONS
     assert ablate.regime_of(config)["train.num_iterations"] == 20
     with pytest.raises(ValueError, match="not both"):
         ablate.run_ablation(get_ablation("vc_ppo"), "unused", setting=demo_setting, starts={})
