@@ -624,8 +624,14 @@ def test_the_critic_claims_report_their_regime_diagnostics():
     )
     assert vc.startswith(
         "critic explained variance at PPO's first rollout: plain PPO (reward-model start) "
-        f"-0.700, after {claims.CRITIC_PRETRAIN_ITERATIONS} iterations of value pretraining 0.400"
+        f"-0.700, after {claims.CRITIC_PRETRAIN_ITERATIONS} iterations of value pretraining 0.400 "
+        "(floor >= 0.5: not reached, the checks ran outside their premise; a perfect critic's: "
+        "start 0 "
     )
+    reached = get_claim("vc_ppo").headline(result(ppo=[{warm: 0.1}], vc_ppo=[{warm: 0.5}]))
+    assert "pretraining 0.500 (floor >= 0.5: reached; a perfect" in reached
+    missing = get_claim("vc_ppo").headline(result(ppo=[{warm: 0.1}]))
+    assert "pretraining nan (floor >= 0.5: not measured; a perfect" in missing
     vapo = get_claim("vapo_length_adaptive").headline(
         result(vapo=[{lam: 0.78, warm: 0.2}, {lam: 0.8}], fixed_matched=[{lam: 0.79}])
     )
@@ -633,8 +639,8 @@ def test_the_critic_claims_report_their_regime_diagnostics():
         "length-adaptive lambda's token mean over the policy's iterations: 0.790 at alpha 0.05 "
         f"(control {claims.VAPO_MATCHED_LAMBDA:g}), nan at alpha {claims.VAPO_RESCALED_ALPHA:g} "
         f"(control {claims.VAPO_RESCALED_MATCHED_LAMBDA:g}); critic explained variance after "
-        "its warm-up 0.200"
+        "its warm-up 0.200 (floor >= 0.5: not reached, the checks ran outside their premise)"
     )
-    assert "0.450 on a fresh rollout" in get_claim("critic_warmup").headline(
-        result(vc_ppo=[{warm: 0.45}])
+    assert "0.450 on a fresh rollout (Monte-Carlo returns; floor >= 0.5: not reached)" in (
+        get_claim("critic_warmup").headline(result(vc_ppo=[{warm: 0.45}]))
     )
