@@ -326,6 +326,43 @@ def _sapo_gate_line(result: dict) -> str:
     )
 
 
+#: The routing claims' premise (issue floor): routing's pooled share of the log-ratio's
+#: mean square, at least this at the high level.
+ROUTING_SHARE_FLOOR = 0.5
+
+
+def _routing_replay_line(result: dict) -> str:
+    """``routing share by level (pooled over the MoE arms' runs): low A, mid B, high C
+    (floor >= 0.5 at high: reached or not ...); volatility low V1, mid V2, high V3``."""
+    entries = result["summary"]["arms"]
+
+    def level_mean(level, key):
+        values = [
+            r[key]
+            for e in entries
+            if e["arm"].endswith(f"_{level}")
+            for r in e["runs"]
+            if key in r and math.isfinite(r[key])
+        ]
+        return statistics.fmean(values) if values else math.nan
+
+    shares = {lv: level_mean(lv, "routing/ratio_share_pooled") for lv in ROUTING_LEVELS}
+    volatility = {lv: level_mean(lv, "routing/volatility") for lv in ROUTING_LEVELS}
+    high = shares["high"]
+    if not math.isfinite(high):
+        reached = "not measured"
+    elif high >= ROUTING_SHARE_FLOOR:
+        reached = "reached"
+    else:
+        reached = "not reached, the checks ran outside their premise"
+    return (
+        "routing share by level (pooled over the MoE arms' runs): "
+        + ", ".join(f"{lv} {v:.3f}" for lv, v in shares.items())
+        + f" (floor >= {ROUTING_SHARE_FLOOR:g} at high: {reached}); volatility "
+        + ", ".join(f"{lv} {v:.4f}" for lv, v in volatility.items())
+    )
+
+
 #: The critic claims' premise (issue floor): held-out explained variance after the warm-up.
 CRITIC_FLOOR = 0.5
 
@@ -434,7 +471,7 @@ CLAIMS: dict[str, Claim] = {
                     "value",
                     "gspo",
                     metric="routing/ratio_share_pooled",
-                    threshold=0.5,
+                    threshold=ROUTING_SHARE_FLOOR,
                 ),
                 Check(
                     "GSPO learns: held-out pass@1 +0.10 over its start",
@@ -502,6 +539,7 @@ CLAIMS: dict[str, Claim] = {
                 ),
             ),
             budget=ROUTING_REPLAY_BUDGET,
+            headline=_routing_replay_line,
         ),
         Claim(
             name="routing_dense_control",

@@ -574,6 +574,40 @@ def test_diff_of_diffs_checks_and_the_routing_claims():
     )
 
 
+def test_routing_replay_reports_its_share_by_level_against_the_floor():
+    """routing_replay's last line, from a hand-made result: each level's pooled routing
+    share and volatility over the MoE arms' runs (means by hand), and whether the high
+    level reaches the premise."""
+    claim = get_claim("routing_replay")
+
+    def result(high_share):
+        def arm(name, share, vol):
+            return {
+                "arm": name,
+                "runs": [{"routing/ratio_share_pooled": share, "routing/volatility": vol}],
+            }
+
+        return {
+            "summary": {
+                "arms": [
+                    arm("grpo_low", 0.02, 0.001),
+                    arm("gspo_low", 0.04, 0.003),
+                    arm("grpo_mid", 0.10, 0.010),
+                    {"arm": "grpo_R2_mid", "runs": [{}]},  # no metric: left out
+                    arm("grpo_high", high_share, 0.020),
+                    arm("gspo_high", high_share + 0.2, 0.030),
+                ]
+            }
+        }
+
+    assert claim.headline(result(0.1)) == (
+        "routing share by level (pooled over the MoE arms' runs): low 0.030, mid 0.100, "
+        "high 0.200 (floor >= 0.5 at high: not reached, the checks ran outside their premise); "
+        "volatility low 0.0020, mid 0.0100, high 0.0250"
+    )
+    assert "high 0.600 (floor >= 0.5 at high: reached)" in claim.headline(result(0.5))
+
+
 def test_sapo_grid_reports_its_gate_weight_against_the_floor():
     """sapo_grid's last line, from a hand-made result: the SAPO arms' gate weight over the
     run (GRPO's left out), whether it reaches the floor, the recipe's arm's pass@1 and the
