@@ -246,7 +246,7 @@ def _train(config, run_dir: str, what: str, quiet: bool) -> dict:
     if os.path.exists(record):  # an earlier, shorter run's: this one is not finished yet
         os.remove(record)
     train = run_async_rl if async_enabled(config) else run_rl
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     summary = train(config, run_dir, quiet=quiet)
     wanted = config.train.num_iterations
     if summary.get("interrupted") or summary["iteration"] != wanted:
@@ -254,7 +254,12 @@ def _train(config, run_dir: str, what: str, quiet: bool) -> dict:
         raise SystemExit(
             f"{what}: {how} at iteration {summary['iteration']} of {wanted}; rerun to resume"
         )
-    done = {"iterations": wanted, "wall_s": time.perf_counter() - start}
+    # cpu_s: this process's threads (the verifiers' processes are not counted).
+    done = {
+        "iterations": wanted,
+        "wall_s": time.perf_counter() - start,
+        "cpu_s": time.process_time() - cpu,
+    }
     with open(record, "w") as f:
         json.dump(done, f)
     return done
@@ -388,13 +393,15 @@ def run_ablation(
                 done = _finished(run_dir, config)
                 if done is None:
                     done = _train(config, run_dir, f"{ablation.name}: {arm.label}, {name}", quiet)
-                # wall_s: the attempt that finished the run (a resumed run's last attempt).
+                # wall_s, cpu_s: the attempt that finished the run (a resumed run's last
+                # attempt; cpu_s None in a record written before it was kept).
                 runs.append(
                     {
                         "start": start,
                         "seed": seed,
                         "run_dir": run_dir,
                         "wall_s": done["wall_s"],
+                        "cpu_s": done.get("cpu_s"),
                         "regime": regime_of(config),
                         **summarise_run(run_dir, tail),
                     }
@@ -470,18 +477,20 @@ def format_table(summary: dict) -> str:
         f"training metrics are means over the last {summary['tail']} iterations.",
         "",
         "| arm | recipe | variant | pass@1 start | pass@1 end | reward | clip frac | gate "
-        "| volatility | routing share | length | wall s |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| volatility | routing share | length | wall s | CPU s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for entry in summary["arms"]:
         wall = statistics.fmean(r["wall_s"] for r in entry["runs"])
+        cpus = [r["cpu_s"] for r in entry["runs"] if r.get("cpu_s") is not None]
+        cpu = f"{statistics.fmean(cpus):.0f}" if cpus else "-"
         lines.append(
             f"| {entry['arm']} | {entry['recipe']} | `{entry['variant'] or '-'}` | "
             f"{cell(entry, 'pass@1_start')} | {cell(entry, 'pass@1_end')} | "
             f"{cell(entry, 'reward/mean')} | {cell(entry, 'loss/clip_frac')} | "
             f"{cell(entry, 'loss/gate_mean')} | {cell(entry, 'routing/volatility')} | "
             f"{cell(entry, 'routing/ratio_share_pooled')} | "
-            f"{cell(entry, 'response/length_mean', 1)} | {wall:.0f} |"
+            f"{cell(entry, 'response/length_mean', 1)} | {wall:.0f} | {cpu} |"
         )
     return "\n".join(lines) + "\n"
 

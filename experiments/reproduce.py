@@ -225,6 +225,8 @@ def verdict_table(
         f"Setting `{setting}`; regime `{claim.regime}` ({_describe(regime)}); SFT starts "
         f"{starts} x seeds {seeds}; `{command}`; {summary['date']}.",
         "",
+        _compute_line(summary),
+        "",
         "| check | threshold | pairs | effect (mean - threshold) | std | 95% t half-width "
         "| per-start effect | p (Holm) | verdict | pairs for 80% power |",
         "|---|---:|---:|---:|---:|---:|---|---:|---|---:|",
@@ -252,6 +254,19 @@ def verdict_table(
         ablate.format_table(summary).replace("# Ablation", "## Ablation"),
     ]
     return "\n".join(lines) + "\n", verdict, results
+
+
+def _compute_line(summary: dict) -> str:
+    """The claim's compute: the CPU seconds its runs' finishing attempts recorded."""
+    runs = [r for entry in summary["arms"] for r in entry["runs"]]
+    cpus = [r["cpu_s"] for r in runs if r.get("cpu_s") is not None]
+    if not cpus:
+        return f"Compute: not recorded for its {len(runs)} runs."
+    some = "" if len(cpus) == len(runs) else f" (recorded for {len(cpus)} of {len(runs)} runs)"
+    return (
+        f"Compute: {sum(cpus) / 3600:.2f} CPU-hours{some}, the trainer's threads in the "
+        "attempt that finished each run (SFT starts and verifier processes not included)."
+    )
 
 
 #: The fields of a claim's variant that its SFT start is trained with: besides the sft,

@@ -353,6 +353,7 @@ def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypa
             and run["pass@1_end"] == evals[-1]["eval/pass@1"]
         )
         assert run["eval_steps"] == [0, 2] and (run["start"], run["seed"]) == (0, 0)
+        assert 0 < run["cpu_s"] and 0 < run["wall_s"]  # the trainer's CPU seconds, its time
         assert run["regime"] == {  # tests.rl.test_trainer.tiny's
             "optim.lr": 0.01,
             "train.num_iterations": 2,
@@ -368,6 +369,7 @@ def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypa
         assert entry["pass@1_end"] == {"mean": run["pass@1_end"], "std": 0.0}
     table = (tmp_path / "sweep" / "summary.md").read_text()
     assert "| neg_lt_pos | sapo |" in table and summary["claim"] in table
+    assert "| wall s | CPU s |" in table
     assert json.loads((tmp_path / "sweep" / "summary.json").read_text())["ablation"] == "tiny_tau"
     assert os.path.getsize(summary["curves"]) > 0
 

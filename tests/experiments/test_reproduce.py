@@ -271,6 +271,16 @@ def test_a_verdict_over_starts_and_seeds_with_every_pair():
     assert "| +0.0200 / +0.0174 | 0.00195 | supported |" in text
     assert "--starts 0,1 --seeds 0,1,2,3,4" in text and "lr 0.001, 20 policy iterations" in text
     assert "exploratory" not in text.lower()
+    assert "\nCompute: not recorded for its 10 runs.\n" in text
+    # The runs' CPU seconds: 10 x 720 s = 2 CPU-hours; a run without them is counted apart.
+    for run in runs["one_update"].values():
+        run["cpu_s"] = 720.0
+    text, _, _ = reproduce.verdict_table(claim, _summary(runs, seeds=range(5)))
+    assert "\nCompute: 2.00 CPU-hours, the trainer's threads" in text
+    assert "| 720 |\n" in text  # the summary table's CPU s column (mean over the runs)
+    del runs["one_update"][PAIRS[0]]["cpu_s"]
+    text, _, _ = reproduce.verdict_table(claim, _summary(runs, seeds=range(5)))
+    assert "Compute: 1.80 CPU-hours (recorded for 9 of 10 runs)" in text
 
 
 def test_a_check_not_run_or_missing_a_pair_leaves_the_claim_inconclusive():
