@@ -165,8 +165,8 @@ def sapo_grid_arms() -> tuple[Arm, ...]:
 #: variance over 40 pretraining iterations on the long task (SFT start 1, critic lr 2e-4 /
 #: 1e-3 / 3e-3, 2026-12-06): means over blocks of 5 iterations rise to ~0 by the second
 #: block at 1e-3 and 3e-3 (-0.022 -> +0.002, -0.042 -> +0.005) and stay within 0.00-0.03
-#: after it, far below the 0.336 a perfect critic reaches (benchmarks/RESULTS.md "The
-#: critic's regime"). So 10, at the long task's critic lr 3e-3 (``LONG_TASK_CRITIC``).
+#: after it, far below the 0.336 a perfect critic reaches (benchmarks/RESULTS.md
+#: "The critic's regime"). So 10, at the long task's critic lr 3e-3 (``LONG_TASK_CRITIC``).
 CRITIC_PRETRAIN_ITERATIONS = 10
 #: VAPO's length-adaptive lambda against fixed lambdas of the same mean over the tokens,
 #: measured on the long task's worked solutions (20000 training records, 6-194 tokens with
