@@ -37,7 +37,8 @@ def sign_flip_p(values: Sequence[float], center: float = 0.0) -> tuple[float, fl
     assignments s in {-1, 1}^n with sum s_i |d_i| >= S (evidence that the values lie above
     ``center``), ``p_below`` the share with sum <= S. Ties count towards both (conservative),
     so values all at ``center`` give 1 and 1. Exact up to ``EXACT_MAX_N`` values; beyond,
-    (1 + hits) / (1 + draws) over ``MONTE_CARLO_DRAWS`` random assignments.
+    (1 + hits) / (1 + draws) over ``MONTE_CARLO_DRAWS`` random assignments. A value or
+    ``center`` that is not finite is a ValueError (a NaN would give p 0 both ways).
 
     Returns:
       ``(p_above, p_below)``.
@@ -45,6 +46,8 @@ def sign_flip_p(values: Sequence[float], center: float = 0.0) -> tuple[float, fl
     d = np.asarray(values, dtype=np.float64) - center
     if d.size == 0:
         raise ValueError("sign_flip_p needs at least one value")
+    if not np.all(np.isfinite(d)):
+        raise ValueError(f"sign_flip_p: values or center {center} not finite: {list(values)}")
     magnitude = np.abs(d)
     observed = float(d.sum())
     # Sums that equal the observed one up to rounding are ties.
@@ -177,8 +180,8 @@ def _tests(values: Sequence[float], threshold: float, margin: float | None) -> d
             "p_below": below,
             "tests": [(direction[0], min(1.0, 2 * direction[1]))],
         }
-    if not margin > 0:
-        raise ValueError(f"an equivalence margin must be > 0, got {margin}")
+    if not (math.isfinite(margin) and margin > 0):
+        raise ValueError(f"an equivalence margin must be > 0 and finite, got {margin}")
     above_low, below_low = sign_flip_p(values, threshold - margin)
     above_high, below_high = sign_flip_p(values, threshold + margin)
     # Beyond the margin: above threshold + margin, or below threshold - margin.
@@ -226,7 +229,7 @@ def judge(
       starts: the SFT start of each value (for the per-start means: a decided direction
         that a start's mean does not share is no verdict).
       missing: pairs of the sweep without a value (not logged, or not finite): a check
-        with any is not decided.
+        with any is not decided. ``values`` themselves must be finite (a ValueError).
 
     Returns:
       ``{"n", "missing", "verdict", "note", ...}``; with values also "mean", "std",
@@ -238,6 +241,13 @@ def judge(
       "not run" when no pair has a value.
     """
     values = [float(v) for v in values]
+    for i, value in enumerate(values):
+        if not math.isfinite(value):
+            raise ValueError(
+                f"judge: value {i + 1} of {len(values)} is {value}; count it in missing="
+            )
+    if not math.isfinite(threshold):
+        raise ValueError(f"judge: the threshold {threshold} is not finite")
     if starts is not None and len(starts) != len(values):
         raise ValueError(f"judge: {len(values)} values but {len(starts)} starts")
     n = len(values)

@@ -108,6 +108,8 @@ def test_checks_and_claims_refuse_bad_definitions():
         Check("", "gain", "a", "b")
     with pytest.raises(ValueError, match="margin must be > 0"):
         Check("", "diff", "a", "b", margin=-0.05)
+    with pytest.raises(ValueError, match="margin must be > 0 and finite"):
+        Check("", "diff", "a", "b", margin=float("inf"))
     own = THREE_ARMS
     kwargs = dict(name="x", source="", ablation=own.ablation, setting="testbed", checks=own.checks)
     with pytest.raises(ValueError, match="claim 'x': its regime must fix train.num_iterations"):

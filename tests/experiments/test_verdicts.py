@@ -217,3 +217,20 @@ def test_pairs_needed_for_80_percent_power():
     _, checks = claim_verdict([judge([0.1, 0.3, 0.2], 0), judge([0.1, 0.3, 0.2], 0)])
     assert checks[0]["pairs_needed"] == verdicts.pairs_needed(0.2, 0.1, alpha=0.025)
     assert judge([0.9], 0)["pairs_needed"] == "not estimable (one pair)"
+
+
+def test_values_that_are_not_finite_are_refused_not_tested():
+    """A NaN compares false with every sum (p 0 both ways) and an infinite value reaches
+    p 0 at any n: neither may become a verdict."""
+    for bad in (math.nan, math.inf, -math.inf):
+        with pytest.raises(ValueError, match="not finite"):
+            verdicts.sign_flip_p([0.1, bad, 0.3])
+        with pytest.raises(ValueError, match="not finite"):
+            verdicts.sign_flip_p([0.1, 0.2, 0.3], center=bad)
+        with pytest.raises(ValueError, match=r"judge: value 7 of 7 is .*; count it in missing"):
+            judge([0.1] * 6 + [bad], 0)
+        with pytest.raises(ValueError, match="judge: the threshold .* is not finite"):
+            judge([0.1] * 6, bad)
+    # An infinite margin would make any values "equivalent".
+    with pytest.raises(ValueError, match="margin must be > 0 and finite"):
+        judge([0.01] * 6, 0, margin=math.inf)
