@@ -115,11 +115,25 @@ def student_t_cdf(t: float, df: float) -> float:
     return 1.0 - tail if t > 0 else tail
 
 
+#: From this many degrees of freedom on, Student's t quantile is the normal's with its
+#: Cornish-Fisher terms to 1 / df^3 (error < 1e-14; the cdf's incomplete beta loses digits
+#: there: df / (df + t^2) rounds to 1).
+CORNISH_FISHER_DF = 1e4
+
+
 def student_t_quantile(q: float, df: float) -> float:
     """The ``q`` quantile of Student's t with ``df`` degrees of freedom (bisection on the
-    cdf, to 1e-10)."""
+    cdf, to 1e-10; beyond ``CORNISH_FISHER_DF`` the normal's expansion)."""
     if not 0.0 < q < 1.0:
         raise ValueError(f"a quantile needs 0 < q < 1, got {q}")
+    if df >= CORNISH_FISHER_DF:
+        z, g = statistics.NormalDist().inv_cdf(q), 1.0 / df
+        return (
+            z
+            + (z**3 + z) / 4 * g
+            + (5 * z**5 + 16 * z**3 + 3 * z) / 96 * g * g
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384 * g * g * g
+        )
     if q < 0.5:
         return -student_t_quantile(1.0 - q, df)
     low, high = 0.0, 1.0
@@ -142,7 +156,8 @@ def pairs_needed(
     normal quantiles). With one: the test that finds what the effect shows, TOST at
     ``alpha`` when |effect| < margin (distance margin - |effect|; power 1 - (1 - POWER) / 2
     at effect 0) or the two-sided test beyond the margin (distance |effect| - margin). At
-    least the fewest pairs for which the exact sign-flip test can reach ``alpha``.
+    least the fewest pairs for which the exact sign-flip test can reach ``alpha``. A
+    distance within 1e-9 standard deviations of 0 is not estimable (the mean's rounding).
     """
     if not (math.isfinite(std) and std > 0):
         return "not estimable (no spread)"
@@ -153,7 +168,9 @@ def pairs_needed(
             one_sided = alpha
             power = 1.0 - (1.0 - POWER) / 2 if effect == 0 else POWER
         distance = abs(distance)
-    if distance == 0:
+    # A distance below 1e-9 standard deviations (> 10^18 pairs) is the mean's rounding:
+    # values symmetric about a threshold of 0.2 give an effect of ~1e-17, not 0.
+    if distance <= 1e-9 * std:
         return "not estimable (effect 0)" if margin is None else "not estimable (effect at margin)"
     normal = statistics.NormalDist()
     z = normal.inv_cdf(1 - one_sided) + normal.inv_cdf(power)

@@ -234,3 +234,21 @@ def test_values_that_are_not_finite_are_refused_not_tested():
     # An infinite margin would make any values "equivalent".
     with pytest.raises(ValueError, match="margin must be > 0 and finite"):
         judge([0.01] * 6, 0, margin=math.inf)
+
+
+def test_power_line_at_an_effect_near_zero():
+    """Student's t at huge degrees of freedom is the normal; an effect that is the mean's
+    rounding (values symmetric about a threshold that is not 0) is effect 0."""
+    for df in (1e6, 1e9, 1e12, 1e20, 1e300):
+        for q in (0.8, 0.975, 0.99875):
+            assert verdicts.student_t_quantile(q, df) == pytest.approx(stats.t.ppf(q, df), rel=1e-7)
+    # (z_.975 + z_.8)^2 / d^2 pairs at d = 1e-7: the normal approximation's figure.
+    normal = (stats.norm.ppf(0.975) + stats.norm.ppf(0.8)) ** 2 / 1e-14
+    assert verdicts.pairs_needed(1e-7, 1.0) == pytest.approx(normal, rel=1e-6)
+    values = [0.1, 0.2, 0.3, 0.1, 0.2, 0.3]
+    got = judge(values, 0.2)
+    assert got["effect"] != 0.0 and abs(got["effect"]) < 1e-15  # the float mean's rounding
+    assert got["verdict"] == "inconclusive"
+    assert got["pairs_needed"] == "not estimable (effect 0)"
+    at_margin = judge([0.05 + v for v in values], 0.2, margin=0.05)
+    assert at_margin["pairs_needed"] == "not estimable (effect at margin)"
