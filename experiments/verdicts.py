@@ -145,33 +145,9 @@ def student_t_quantile(q: float, df: float) -> float:
     return 0.5 * (low + high)
 
 
-def pairs_needed(
-    effect: float, std: float, margin: float | None = None, alpha: float = ALPHA
-) -> int | str:
-    """The (start, seed) pairs for ``POWER`` at the observed ``effect`` (mean - threshold)
-    and spread, or why that is not estimable.
-
-    Without a margin: the two-sided test at ``alpha`` of effect != 0, n = ((t_{1-alpha/2} +
-    t_{POWER}) std / |effect|)^2 with t at n - 1 degrees of freedom (iterated from the
-    normal quantiles). With one: the test that finds what the effect shows, TOST at
-    ``alpha`` when |effect| < margin (distance margin - |effect|; power 1 - (1 - POWER) / 2
-    at effect 0) or the two-sided test beyond the margin (distance |effect| - margin). At
-    least the fewest pairs for which the exact sign-flip test can reach ``alpha``. A
-    distance within 1e-9 standard deviations of 0 is not estimable (the mean's rounding).
-    """
-    if not (math.isfinite(std) and std > 0):
-        return "not estimable (no spread)"
-    one_sided, power, distance = alpha / 2, POWER, abs(effect)
-    if margin is not None:
-        distance = margin - abs(effect)
-        if distance > 0:  # equivalence: two one-sided tests at alpha
-            one_sided = alpha
-            power = 1.0 - (1.0 - POWER) / 2 if effect == 0 else POWER
-        distance = abs(distance)
-    # A distance below 1e-9 standard deviations (> 10^18 pairs) is the mean's rounding:
-    # values symmetric about a threshold of 0.2 give an effect of ~1e-17, not 0.
-    if distance <= 1e-9 * std:
-        return "not estimable (effect 0)" if margin is None else "not estimable (effect at margin)"
+def _iterated_pairs(one_sided: float, power: float, std: float, distance: float) -> float:
+    """n = ((t_{1-one_sided} + t_{power}) std / distance)^2, t at n - 1 degrees of freedom
+    (iterated from the normal quantiles)."""
     normal = statistics.NormalDist()
     z = normal.inv_cdf(1 - one_sided) + normal.inv_cdf(power)
     n = (z * std / distance) ** 2
@@ -181,6 +157,65 @@ def pairs_needed(
         n, previous = (t * std / distance) ** 2, n
         if abs(n - previous) < 1e-6:
             break
+    return n
+
+
+def _tost_pairs(alpha: float, std: float, effect: float, margin: float) -> float:
+    """The n at which TOST at ``alpha`` has ``POWER`` for |effect| < margin: F(near) +
+    F(far) - 1 = POWER, F Student's t cdf at n - 1 degrees of freedom, near / far =
+    (margin -+ |effect|) sqrt(n) / std - t_{1-alpha} (both one-sided tests must reject).
+    Between the n of F(near) = POWER (the far test ignored) and F(near) = 1 - (1 - POWER)
+    / 2 (reached at effect 0), by bisection."""
+    near, far = margin - abs(effect), margin + abs(effect)
+    normal = statistics.NormalDist()
+
+    def power(n):
+        df = max(n - 1.0, 1.0)
+        t = student_t_quantile(1 - alpha, df)
+        cdf = normal.cdf if df >= 1e7 else (lambda x: student_t_cdf(x, df))
+        root = math.sqrt(n) / std
+        return cdf(near * root - t) + cdf(far * root - t) - 1.0
+
+    low = _iterated_pairs(alpha, POWER, std, near)
+    high = _iterated_pairs(alpha, 1.0 - (1.0 - POWER) / 2, std, near)
+    if power(high) <= POWER:  # effect 0: the upper end is the answer
+        return high
+    while high - low > 1e-6 * high:
+        mid = 0.5 * (low + high)
+        low, high = (mid, high) if power(mid) < POWER else (low, mid)
+    return high
+
+
+def pairs_needed(
+    effect: float, std: float, margin: float | None = None, alpha: float = ALPHA
+) -> int | str:
+    """The (start, seed) pairs for ``POWER`` at the observed ``effect`` (mean - threshold)
+    and spread, or why that is not estimable.
+
+    Without a margin: the two-sided test at ``alpha`` of effect != 0, n = ((t_{1-alpha/2} +
+    t_{POWER}) std / |effect|)^2 with t at n - 1 degrees of freedom (iterated from the
+    normal quantiles). With one: the test that finds what the effect shows, TOST at
+    ``alpha`` when |effect| < margin (both one-sided tests' power, ``_tost_pairs``; at
+    effect 0 distance margin at power 1 - (1 - POWER) / 2 each) or the two-sided test
+    beyond the margin (distance |effect| - margin). At least the fewest pairs for which
+    the exact sign-flip test can reach ``alpha``. A distance within 1e-9 standard
+    deviations of 0 is not estimable (the mean's rounding).
+    """
+    if not (math.isfinite(std) and std > 0):
+        return "not estimable (no spread)"
+    one_sided, distance = alpha / 2, abs(effect)
+    if margin is not None:
+        distance = abs(margin - abs(effect))
+        if abs(effect) < margin:  # equivalence: two one-sided tests at alpha
+            one_sided = alpha
+    # A distance below 1e-9 standard deviations (> 10^18 pairs) is the mean's rounding:
+    # values symmetric about a threshold of 0.2 give an effect of ~1e-17, not 0.
+    if distance <= 1e-9 * std:
+        return "not estimable (effect 0)" if margin is None else "not estimable (effect at margin)"
+    if margin is not None and abs(effect) < margin:
+        n = _tost_pairs(alpha, std, effect, margin)
+    else:
+        n = _iterated_pairs(one_sided, POWER, std, distance)
     # The sign-flip test's smallest one-sided p is 2^-n.
     exact = math.ceil(math.log2(1.0 / one_sided) - 1e-12)
     return max(math.ceil(n - 1e-9), exact, 2)

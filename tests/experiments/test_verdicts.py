@@ -252,3 +252,23 @@ def test_power_line_at_an_effect_near_zero():
     assert got["pairs_needed"] == "not estimable (effect 0)"
     at_margin = judge([0.05 + v for v in values], 0.2, margin=0.05)
     assert at_margin["pairs_needed"] == "not estimable (effect at margin)"
+
+
+def _tost_power(n, effect, std, margin, alpha=0.05, reps=200_000):
+    """TOST's power (Student t, both one-sided tests at alpha) by simulation, a fixed rng."""
+    x = np.random.default_rng(0).normal(effect, std, size=(reps, n))
+    mean, se = x.mean(axis=1), x.std(axis=1, ddof=1) / math.sqrt(n)
+    t = stats.t.ppf(1 - alpha, n - 1)
+    return float(np.mean((mean - t * se > -margin) & (mean + t * se < margin)))
+
+
+def test_equivalence_power_line_counts_both_one_sided_tests():
+    """Near effect 0 both one-sided tests can fail: the pairs do not drop from effect 0 to
+    a small effect (8 at 1e-6 against 11 at 0 by the one-sided formula, power 0.64)."""
+    at_zero = verdicts.pairs_needed(0.0, 0.05, margin=0.05)
+    needed = [verdicts.pairs_needed(e, 0.05, margin=0.05) for e in (1e-6, 0.002, 0.005, 0.01)]
+    assert needed[0] == at_zero and needed == sorted(needed)
+    for effect, n in zip((1e-6, 0.002, 0.005, 0.01, 0.02), [*needed, None]):
+        n = n or verdicts.pairs_needed(effect, 0.05, margin=0.05)
+        assert _tost_power(n, effect, 0.05, 0.05) >= 0.8, (effect, n)
+        assert _tost_power(n - 2, effect, 0.05, 0.05) < 0.8, (effect, n)
