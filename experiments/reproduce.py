@@ -168,8 +168,9 @@ def verdict_table(
     claim: Claim, summary: dict, *, variant: str = "", exploratory: bool = False
 ) -> tuple[str, str, list[dict]]:
     """The Markdown of ``verdict.md`` (the claim, a verdict per check, the arms' figures),
-    the claim's verdict and its checks' results (`experiments.verdicts.claim_verdict`).
-    Refuses (ValueError) runs that differ in their learning rate or budget."""
+    the claim's verdict and its checks' results (`experiments.verdicts.claim_verdict`;
+    a paper's claim at one SFT start is inconclusive). Refuses (ValueError) runs that
+    differ in their learning rate or budget."""
     starts, seeds = summary["starts"], summary["seeds"]
     pairs = [(start, seed) for start in starts for seed in seeds]
     runs = per_arm_runs(summary)
@@ -194,6 +195,10 @@ def verdict_table(
             }
         )
     verdict, results = claim_verdict(judged)
+    # A paper's claim is defined over >= 2 SFT starts: at one, neither the spread between
+    # starts nor a start that disagrees can show, so the claim is not decided.
+    one_start = len(set(starts)) < 2 and not claim.diagnostic
+    alone, verdict = verdict, "inconclusive" if one_start else verdict
 
     setting = summary.get("setting") or claim.setting
     command = (
@@ -217,7 +222,13 @@ def verdict_table(
             "this verdict is not the claim's.",
             "",
         ]
-    if len(starts) < 2:
+    if one_start:
+        lines += [
+            "One SFT start: the spread between starts is not sampled; the claim is decided "
+            f"over >= 2 (its checks alone: {alone}).",
+            "",
+        ]
+    elif len(set(starts)) < 2:
         lines += ["One SFT start: the spread between starts is not sampled.", ""]
     lines += [
         claim.source,

@@ -377,7 +377,10 @@ def test_exploratory_variants_and_their_directories():
     )
     assert text.startswith("# Claim `sapo_tau` (exploratory): inconclusive at 1 SFT start(s)")
     assert "**Exploratory**: `--variant optim.lr=5e-4`" in text
-    assert "One SFT start: the spread between starts is not sampled." in text
+    assert (
+        "One SFT start: the spread between starts is not sampled; the claim is decided over "
+        ">= 2 (its checks alone: inconclusive)." in text
+    )
 
 
 def test_the_sft_start_takes_the_variant_items_it_reads():
@@ -640,3 +643,35 @@ def test_the_critic_claims_report_their_regime_diagnostics():
     assert "0.450 on a fresh rollout" in get_claim("critic_warmup").headline(
         result(vc_ppo=[{warm: 0.45}])
     )
+
+
+def test_a_papers_claim_at_one_sft_start_decides_nothing():
+    """--starts 0: the disagreeing-start guard cannot act and the between-start spread is
+    not sampled; a paper's claim (>= 2 starts by definition) is then inconclusive, a regime
+    diagnostic (one start by definition) is not."""
+    claim = get_claim("magistral_async")
+    pairs = [(0, seed) for seed in range(8)]
+    sync = {p: _run(0.70 + 0.01 * (i % 3), start=0.4) for i, p in enumerate(pairs)}
+    near = {
+        p: _run(r["pass@1_end"] + (-0.01, 0.0, 0.01)[i % 3], start=0.4)
+        for i, (p, r) in enumerate(sync.items())
+    }
+    summary = _summary({"sync": sync, "async": near}, starts=(0,), seeds=range(8))
+    text, verdict, (learns, same) = reproduce.verdict_table(claim, summary)
+    assert (learns["verdict"], same["verdict"]) == ("supported", "equivalent")  # the tests
+    assert verdict == "inconclusive"
+    assert text.startswith("# Claim `magistral_async`: inconclusive at 1 SFT start(s) x 8")
+    assert (
+        "One SFT start: the spread between starts is not sampled; the claim is decided over "
+        ">= 2 (its checks alone: supported)." in text
+    )
+    # A regime diagnostic defined at one start keeps its verdict.
+    share = get_claim("routing_share")
+    assert share.diagnostic and share.starts == (0,)
+    runs = {
+        (0, seed): {"routing/ratio_share_pooled": 0.6, "pass@1_start": 0.3, "pass@1_end": 0.5}
+        for seed in range(8)
+    }
+    summary = _summary({"gspo": runs}, starts=(0,), seeds=range(8))
+    text, verdict, _ = reproduce.verdict_table(share, summary)
+    assert verdict == "supported" and "the claim is decided over" not in text
