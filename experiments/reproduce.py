@@ -21,18 +21,18 @@ import os
 import re
 from typing import Callable, Sequence
 
-from absl import app, flags
+from absl import flags
 
 from configs import base
 from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Claim, get_claim
-from experiments import ablate
+from experiments import ablate, cli
 from experiments.verdicts import claim_verdict, judge
 from policyopt.checkpoint import unlock_workdir
 from policyopt.metrics import quiet_library_logging
 from policyopt.rl.reporting.report import wrap
 from policyopt.rl.sft import run_sft
-from policyopt.runtime import enable_compilation_cache, keep_freed_host_memory
+from policyopt.runtime import keep_freed_host_memory
 
 
 def select_arms(claim: Claim, arms: Sequence[str] | None) -> tuple[str, ...]:
@@ -469,7 +469,7 @@ def main(argv):
         _list()
         return
     if not args.claim:
-        raise app.UsageError(f"--claim is required (or --list); known: {', '.join(CLAIMS)}")
+        raise cli.UsageError(f"--claim is required (or --list); known: {', '.join(CLAIMS)}")
     try:
         claim = get_claim(args.claim)
         select_arms(claim, args.arms)
@@ -478,7 +478,7 @@ def main(argv):
         departed = departures(claim, setting, args.variant)
         workdir = claim_dir(args.workdir, claim, setting, args.variant)
     except ValueError as error:
-        raise app.UsageError(str(error)) from error
+        raise cli.UsageError(str(error)) from error
     if departed:
         print(
             f"exploratory: --variant changes {', '.join(departed)} from the claim's "
@@ -487,7 +487,6 @@ def main(argv):
         )
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
-    enable_compilation_cache()  # load what an earlier process compiled (docs/runs.md)
     result = run_claim(
         claim,
         workdir,
@@ -508,4 +507,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    cli.run(main)  # one-line errors; the compilation cache (docs/runs.md)
