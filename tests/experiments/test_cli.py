@@ -636,3 +636,20 @@ def test_reproduce_refusals_are_one_line(tmp_path, cli):
     first = out.stderr.splitlines()[0]
     assert first.startswith("error: ") and str(tmp_path / "sft") in first
     assert "Traceback (most recent call last)" not in out.stderr
+
+
+def test_ablate_errors_are_one_line(tmp_path, cli):
+    """An unknown ablation and a seed that is not an integer: one line, nothing written
+    (each was a traceback)."""
+    workdir = tmp_path / "sweep"
+    out = cli("experiments.ablate", "--ablation", "nope", f"--workdir={workdir}")
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.splitlines()[0].startswith("error: unknown ablation 'nope'")
+    assert "Traceback (most recent call last)" not in out.stderr
+    out = cli("experiments.ablate", "--ablation", "sapo_tau", f"--workdir={workdir}", "--seeds=x")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines()[-1] == "error: --seeds takes integers, e.g. 0,1; got x"
+    assert "Traceback (most recent call last)" not in out.stderr and not workdir.exists()
+    out = cli("experiments.ablate", "--workdir", str(workdir))
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == "usage:"
+    assert out.stderr.splitlines()[-1] == "error: --ablation and --workdir are required (or --list)"
