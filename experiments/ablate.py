@@ -363,6 +363,9 @@ def run_ablation(
       ``start``, ``seed``, ``run_dir``, ``regime`` and ``summarise_run``'s figures) and the
       figures' mean and std over them.
     """
+    twice = next((s for i, s in enumerate(seeds) if s in list(seeds)[:i]), None)
+    if twice is not None:
+        raise ValueError(f"run_ablation: seed {twice} is named twice (seeds {list(seeds)})")
     selected = [a for a in ablation.arms if arms is None or a.label in arms]
     if not selected:
         raise ValueError(

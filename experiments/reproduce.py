@@ -172,6 +172,13 @@ def verdict_table(
     a paper's claim at one SFT start is inconclusive). Refuses (ValueError) runs that
     differ in their learning rate or budget."""
     starts, seeds = summary["starts"], summary["seeds"]
+    for kind, named in (("start", starts), ("seed", seeds)):
+        twice = next((x for i, x in enumerate(named) if x in named[:i]), None)
+        if twice is not None:  # its runs would count as two pairs each
+            raise ValueError(
+                f"verdict table refused: {kind} {twice} is named twice ({kind}s {list(named)}); "
+                "each (start, seed) pair counts once"
+            )
     pairs = [(start, seed) for start in starts for seed in seeds]
     runs = per_arm_runs(summary)
     regime = one_regime(
@@ -457,9 +464,13 @@ def _list() -> None:
 
 def _integers(flag: str, values: list[str] | None) -> list[int] | None:
     try:
-        return [int(v) for v in values] if values else None
+        numbers = [int(v) for v in values] if values else None
     except ValueError:
         raise ValueError(f"--{flag} takes integers, e.g. 0,1; got {','.join(values)}") from None
+    twice = next((x for i, x in enumerate(numbers or []) if x in numbers[:i]), None)
+    if twice is not None:
+        raise ValueError(f"--{flag} names {twice} twice; got {','.join(values)}")
+    return numbers
 
 
 def main(argv):

@@ -675,3 +675,19 @@ def test_a_papers_claim_at_one_sft_start_decides_nothing():
     summary = _summary({"gspo": runs}, starts=(0,), seeds=range(8))
     text, verdict, _ = reproduce.verdict_table(share, summary)
     assert verdict == "supported" and "the claim is decided over" not in text
+
+
+def test_a_seed_or_start_named_twice_is_refused_not_counted_twice():
+    """Seeds 0,1,0,1 from 2 starts: 4 runs judged as 8 pairs, each value twice (two-sided
+    p 2/256, "supported", where the 4 pairs give 2/16)."""
+    claim = get_claim("routing_volatility")
+    runs = {"one_update": {(start, seed): {"routing/volatility": 0.07} for start, seed in PAIRS}}
+    summary = _summary(runs, seeds=[0, 1, 0, 1])
+    with pytest.raises(
+        ValueError, match=r"^verdict table refused: seed 0 is named twice \(seeds \[0, 1, 0, 1\]"
+    ):
+        reproduce.verdict_table(claim, summary)
+    with pytest.raises(ValueError, match=r"^verdict table refused: start 1 is named twice"):
+        reproduce.verdict_table(claim, _summary(runs, starts=[0, 1, 1], seeds=range(5)))
+    with pytest.raises(ValueError, match="--seeds names 2 twice; got 0,2,2"):
+        reproduce._integers("seeds", ["0", "2", "2"])
