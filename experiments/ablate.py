@@ -130,6 +130,12 @@ def arm_config(
     if arm is None:
         raise ValueError(f"ablation {ablation.name!r} has no arm {label!r}")
     common = base.split_variant(variant) if variant else []
+    for item in common:
+        if item.split("=", 1)[0].strip() == "seed":
+            raise ValueError(
+                f"a common variant may not set seed (got {item.strip()!r}); the runs' seeds "
+                "are --seeds (one run per seed: a common seed would make every run the same)"
+            )
     scale = [item for item in common if item.split("=", 1)[0].strip() == "scale"]
     rest = [item for item in common if item not in scale]
     if setting is not None and scale:

@@ -691,3 +691,15 @@ def test_a_seed_or_start_named_twice_is_refused_not_counted_twice():
         reproduce.verdict_table(claim, _summary(runs, starts=[0, 1, 1], seeds=range(5)))
     with pytest.raises(ValueError, match="--seeds names 2 twice; got 0,2,2"):
         reproduce._integers("seeds", ["0", "2", "2"])
+
+
+def test_a_variant_that_sets_the_seed_is_refused():
+    """--variant seed=5 ran every "seed" at seed 5: N copies of one run per start, judged
+    as N pairs (exploratory, but a verdict over one seed)."""
+    claim = get_claim("magistral_async")
+    message = r"a common variant may not set seed \(got 'seed=5'\); the runs' seeds are --seeds"
+    with pytest.raises(ValueError, match=message):
+        reproduce.departures(claim, "testbed", "seed=5")
+    with pytest.raises(ValueError, match=message):
+        ablate.arm_config(claim.ablation, "sync", 3, "seed=5")
+    assert ablate.arm_config(claim.ablation, "sync", 3, claim.regime).seed == 3
