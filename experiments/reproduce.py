@@ -67,9 +67,16 @@ def _join(*variants: str) -> str:
 def departures(claim: Claim, setting: str, variant: str) -> list[str]:
     """The config fields in which ``variant`` changes an arm of ``claim`` from the claim's
     definition (its regime in ``setting``), the loop's cadence and logging (``train.*``
-    but ``train.num_iterations``) aside: a run with any is exploratory."""
+    but ``train.num_iterations``) aside: a run with any is exploratory. A variant that
+    sets ``init_checkpoint`` (every start's runs from one checkpoint) is a ValueError."""
     if not variant:
         return []
+    for item in base.split_variant(variant):
+        if item.split("=", 1)[0].strip() == "init_checkpoint":
+            raise ValueError(
+                f"--variant may not set init_checkpoint (got {item.strip()!r}); a claim's "
+                "runs start from its SFT starts (--starts, --sft_root)"
+            )
 
     def own(config):
         return SETTINGS[setting](config, "sft")

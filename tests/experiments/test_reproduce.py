@@ -703,3 +703,15 @@ def test_a_variant_that_sets_the_seed_is_refused():
     with pytest.raises(ValueError, match=message):
         ablate.arm_config(claim.ablation, "sync", 3, "seed=5")
     assert ablate.arm_config(claim.ablation, "sync", 3, claim.regime).seed == 3
+
+
+def test_a_variant_that_replaces_the_sft_starts_is_refused():
+    """--variant init_checkpoint=X ran every SFT start from X: the "starts" one start, so
+    the between-start spread and the disagreeing-start guard meant nothing."""
+    claim = get_claim("magistral_async")
+    with pytest.raises(
+        ValueError,
+        match=r"--variant may not set init_checkpoint \(got 'init_checkpoint=/tmp/x'\); a "
+        r"claim's runs start from its SFT starts",
+    ):
+        reproduce.departures(claim, "testbed", "optim.lr=1e-4,init_checkpoint=/tmp/x")
