@@ -109,16 +109,21 @@ def _betainc(a: float, b: float, x: float) -> float:
     return math.exp(log_front) * fraction
 
 
+#: From this many degrees of freedom on, Student's t is the normal with its expansion in
+#: 1 / df (quantile: Cornish-Fisher to 1 / df^3; cdf: to 1 / df^2; errors < 1e-12): the
+#: incomplete beta loses digits there (df / (df + t^2) rounds towards 1).
+CORNISH_FISHER_DF = 1e4
+
+
 def student_t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with ``df`` degrees of freedom."""
+    """P(T <= t) for Student's t with ``df`` degrees of freedom (beyond
+    ``CORNISH_FISHER_DF``, the normal's with its terms to 1 / df^2)."""
+    if df >= CORNISH_FISHER_DF:
+        normal, g = statistics.NormalDist(), 1.0 / df
+        correction = (t**3 + t) / 4 * g + (3 * t**7 - 7 * t**5 - 5 * t**3 - 3 * t) / 96 * g * g
+        return normal.cdf(t) - normal.pdf(t) * correction
     tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
     return 1.0 - tail if t > 0 else tail
-
-
-#: From this many degrees of freedom on, Student's t quantile is the normal's with its
-#: Cornish-Fisher terms to 1 / df^3 (error < 1e-14; the cdf's incomplete beta loses digits
-#: there: df / (df + t^2) rounds to 1).
-CORNISH_FISHER_DF = 1e4
 
 
 def student_t_quantile(q: float, df: float) -> float:
@@ -167,14 +172,11 @@ def _tost_pairs(alpha: float, std: float, effect: float, margin: float) -> float
     Between the n of F(near) = POWER (the far test ignored) and F(near) = 1 - (1 - POWER)
     / 2 (reached at effect 0), by bisection."""
     near, far = margin - abs(effect), margin + abs(effect)
-    normal = statistics.NormalDist()
 
     def power(n):
         df = max(n - 1.0, 1.0)
-        t = student_t_quantile(1 - alpha, df)
-        cdf = normal.cdf if df >= 1e7 else (lambda x: student_t_cdf(x, df))
-        root = math.sqrt(n) / std
-        return cdf(near * root - t) + cdf(far * root - t) - 1.0
+        t, root = student_t_quantile(1 - alpha, df), math.sqrt(n) / std
+        return student_t_cdf(near * root - t, df) + student_t_cdf(far * root - t, df) - 1.0
 
     low = _iterated_pairs(alpha, POWER, std, near)
     high = _iterated_pairs(alpha, 1.0 - (1.0 - POWER) / 2, std, near)

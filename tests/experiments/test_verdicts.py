@@ -242,6 +242,10 @@ def test_power_line_at_an_effect_near_zero():
     for df in (1e6, 1e9, 1e12, 1e20, 1e300):
         for q in (0.8, 0.975, 0.99875):
             assert verdicts.student_t_quantile(q, df) == pytest.approx(stats.t.ppf(q, df), rel=1e-7)
+    # The cdf too (it read 0.5 for P(T <= 0.5) = 0.69 at 1e20 degrees of freedom).
+    for df in (1e6, 1e7, 1e9, 1e12, 1e20, 1e300):
+        for t in (-3.0, -1.0, 0.5, 2.0, 4.0):
+            assert verdicts.student_t_cdf(t, df) == pytest.approx(stats.t.cdf(t, df), abs=1e-12)
     # (z_.975 + z_.8)^2 / d^2 pairs at d = 1e-7: the normal approximation's figure.
     normal = (stats.norm.ppf(0.975) + stats.norm.ppf(0.8)) ** 2 / 1e-14
     assert verdicts.pairs_needed(1e-7, 1.0) == pytest.approx(normal, rel=1e-6)
