@@ -219,6 +219,9 @@ def verdict_table(
         f"python -m experiments.reproduce --claim {claim.name} "
         f"--starts {','.join(map(str, starts))} --seeds {','.join(map(str, seeds))}"
     )
+    run_arms = [entry["arm"] for entry in summary["arms"]]
+    if set(run_arms) != set(claim.arm_labels()):
+        command += f" --arms {','.join(run_arms)}"
     if setting != claim.setting:
         command += f" --setting {setting}"
     if variant:

@@ -715,3 +715,17 @@ def test_a_variant_that_replaces_the_sft_starts_is_refused():
         r"claim's runs start from its SFT starts",
     ):
         reproduce.departures(claim, "testbed", "optim.lr=1e-4,init_checkpoint=/tmp/x")
+
+
+def test_the_verdict_tables_command_names_the_arms_run():
+    """A run of some of the claim's arms (--arms): its command reproduces it (the
+    command left --arms out, so it named a run of every arm)."""
+    claim = get_claim("magistral_async")
+    pairs = [(start, seed) for start in (0, 1) for seed in range(3)]
+    runs = {"sync": {p: _run(0.7, start=0.4) for p in pairs}}
+    text, _, _ = reproduce.verdict_table(claim, _summary(runs, seeds=range(3)))
+    assert "`python -m experiments.reproduce --claim magistral_async --starts 0,1 " in text
+    assert "--seeds 0,1,2 --arms sync`" in text
+    runs["async"] = runs["sync"]
+    text, _, _ = reproduce.verdict_table(claim, _summary(runs, seeds=range(3)))
+    assert "--arms" not in text
