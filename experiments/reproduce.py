@@ -19,6 +19,7 @@ import importlib
 import math
 import os
 import re
+import shlex
 from typing import Callable, Sequence
 
 from absl import flags
@@ -225,7 +226,7 @@ def verdict_table(
     if setting != claim.setting:
         command += f" --setting {setting}"
     if variant:
-        command += f" --variant {variant}"
+        command += f" --variant {shlex.quote(variant)}"
     label = " (exploratory)" if exploratory else ""
     lines = [
         f"# Claim `{claim.name}`{label}: {verdict} at {len(starts)} SFT start(s) x "

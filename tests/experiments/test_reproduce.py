@@ -729,3 +729,20 @@ def test_the_verdict_tables_command_names_the_arms_run():
     runs["async"] = runs["sync"]
     text, _, _ = reproduce.verdict_table(claim, _summary(runs, seeds=range(3)))
     assert "--arms" not in text
+
+
+def test_the_verdict_tables_command_quotes_a_variant_for_the_shell():
+    """A tuple variant has spaces and parentheses: unquoted, the command was not one a shell
+    runs."""
+    claim = get_claim("magistral_async")
+    pairs = [(start, seed) for start in (0, 1) for seed in range(3)]
+    runs = {arm: {p: _run(0.7, start=0.4) for p in pairs} for arm in ("sync", "async")}
+    variant = "batch.response_buckets=(128, 256),optim.lr=3e-4"
+    text, _, _ = reproduce.verdict_table(
+        claim, _summary(runs, seeds=range(3)), variant=variant, exploratory=True
+    )
+    assert f"--seeds 0,1,2 --variant '{variant}'`" in text
+    text, _, _ = reproduce.verdict_table(
+        claim, _summary(runs, seeds=range(3)), variant="optim.lr=3e-4", exploratory=True
+    )
+    assert "--seeds 0,1,2 --variant optim.lr=3e-4`" in text
