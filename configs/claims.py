@@ -74,8 +74,8 @@ class Check:
             raise ValueError(f"a {self.kind!r} check takes {'no' if self.b else 'a'} second arm b")
         if (self.c is None or self.d is None) == (self.kind == "diff_of_diffs"):
             raise ValueError(f"arms c and d go with a 'diff_of_diffs' check, got {self.kind!r}")
-        if self.margin is not None and not self.margin > 0:
-            raise ValueError(f"Check.margin must be > 0 (or None), got {self.margin}")
+        if self.margin is not None and not (math.isfinite(self.margin) and self.margin > 0):
+            raise ValueError(f"Check.margin must be > 0 and finite (or None), got {self.margin}")
 
     def arms(self) -> tuple[str, ...]:
         return tuple(arm for arm in (self.a, self.b, self.c, self.d) if arm is not None)

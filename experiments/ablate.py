@@ -28,10 +28,11 @@ import statistics
 import time
 from typing import Callable, Mapping, Sequence
 
-from absl import app, flags
+from absl import flags
 
 from configs import base
 from configs.ablations import ABLATIONS, SETTINGS, Ablation, get_ablation, share_sections
+from experiments import cli
 from policyopt.advantages import uses_critic
 from policyopt.metrics import quiet_library_logging, read_jsonl
 from policyopt.rl.loop.async_rl import async_enabled, run_async_rl
@@ -39,7 +40,7 @@ from policyopt.rl.loop.build import resolved_record
 from policyopt.rl.loop.trainer import run_rl
 from policyopt.rl.reporting.plots import plot_runs
 from policyopt.rl.reporting.report import wrap
-from policyopt.runtime import enable_compilation_cache, keep_freed_host_memory
+from policyopt.runtime import keep_freed_host_memory
 
 #: Training metrics summarised (mean over the last ``tail`` iterations), when a run logs them.
 TAIL_METRICS = (
@@ -129,6 +130,12 @@ def arm_config(
     if arm is None:
         raise ValueError(f"ablation {ablation.name!r} has no arm {label!r}")
     common = base.split_variant(variant) if variant else []
+    for item in common:
+        if item.split("=", 1)[0].strip() == "seed":
+            raise ValueError(
+                f"a common variant may not set seed (got {item.strip()!r}); the runs' seeds "
+                "are --seeds (one run per seed: a common seed would make every run the same)"
+            )
     scale = [item for item in common if item.split("=", 1)[0].strip() == "scale"]
     rest = [item for item in common if item not in scale]
     if setting is not None and scale:
@@ -367,6 +374,9 @@ def run_ablation(
       ``start``, ``seed``, ``run_dir``, ``regime`` and ``summarise_run``'s figures) and the
       figures' mean and std over them.
     """
+    twice = next((s for i, s in enumerate(seeds) if s in list(seeds)[:i]), None)
+    if twice is not None:
+        raise ValueError(f"run_ablation: seed {twice} is named twice (seeds {list(seeds)})")
     selected = [a for a in ablation.arms if arms is None or a.label in arms]
     if not selected:
         raise ValueError(
@@ -534,14 +544,20 @@ def main(argv):
             print()
         return
     if not args.ablation or not args.workdir:
-        raise app.UsageError("--ablation and --workdir are required (or --list)")
+        raise cli.UsageError("--ablation and --workdir are required (or --list)")
+    try:
+        seeds = [int(s) for s in args.seeds]
+    except ValueError:
+        raise cli.UsageError(
+            f"--seeds takes integers, e.g. 0,1; got {','.join(args.seeds)}"
+        ) from None
+    ablation = get_ablation(args.ablation)
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
-    enable_compilation_cache()  # load what an earlier process compiled (docs/runs.md)
     summary = run_ablation(
-        get_ablation(args.ablation),
+        ablation,
         args.workdir,
-        seeds=[int(s) for s in args.seeds],
+        seeds=seeds,
         variant=args.variant,
         setting=SETTINGS[args.setting] if args.setting else None,
         tail=args.tail,
@@ -553,4 +569,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    cli.run(main)  # one-line errors; the compilation cache (docs/runs.md)

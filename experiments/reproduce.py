@@ -19,20 +19,21 @@ import importlib
 import math
 import os
 import re
+import shlex
 from typing import Callable, Sequence
 
-from absl import app, flags
+from absl import flags
 
 from configs import base
 from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Claim, get_claim
-from experiments import ablate
+from experiments import ablate, cli
 from experiments.verdicts import claim_verdict, judge
 from policyopt.checkpoint import unlock_workdir
 from policyopt.metrics import quiet_library_logging
 from policyopt.rl.reporting.report import wrap
 from policyopt.rl.sft import run_sft
-from policyopt.runtime import enable_compilation_cache, keep_freed_host_memory
+from policyopt.runtime import keep_freed_host_memory
 
 
 def select_arms(claim: Claim, arms: Sequence[str] | None) -> tuple[str, ...]:
@@ -67,9 +68,16 @@ def _join(*variants: str) -> str:
 def departures(claim: Claim, setting: str, variant: str) -> list[str]:
     """The config fields in which ``variant`` changes an arm of ``claim`` from the claim's
     definition (its regime in ``setting``), the loop's cadence and logging (``train.*``
-    but ``train.num_iterations``) aside: a run with any is exploratory."""
+    but ``train.num_iterations``) aside: a run with any is exploratory. A variant that
+    sets ``init_checkpoint`` (every start's runs from one checkpoint) is a ValueError."""
     if not variant:
         return []
+    for item in base.split_variant(variant):
+        if item.split("=", 1)[0].strip() == "init_checkpoint":
+            raise ValueError(
+                f"--variant may not set init_checkpoint (got {item.strip()!r}); a claim's "
+                "runs start from its SFT starts (--starts, --sft_root)"
+            )
 
     def own(config):
         return SETTINGS[setting](config, "sft")
@@ -168,9 +176,17 @@ def verdict_table(
     claim: Claim, summary: dict, *, variant: str = "", exploratory: bool = False
 ) -> tuple[str, str, list[dict]]:
     """The Markdown of ``verdict.md`` (the claim, a verdict per check, the arms' figures),
-    the claim's verdict and its checks' results (`experiments.verdicts.claim_verdict`).
-    Refuses (ValueError) runs that differ in their learning rate or budget."""
+    the claim's verdict and its checks' results (`experiments.verdicts.claim_verdict`;
+    a paper's claim at one SFT start is inconclusive). Refuses (ValueError) runs that
+    differ in their learning rate or budget."""
     starts, seeds = summary["starts"], summary["seeds"]
+    for kind, named in (("start", starts), ("seed", seeds)):
+        twice = next((x for i, x in enumerate(named) if x in named[:i]), None)
+        if twice is not None:  # its runs would count as two pairs each
+            raise ValueError(
+                f"verdict table refused: {kind} {twice} is named twice ({kind}s {list(named)}); "
+                "each (start, seed) pair counts once"
+            )
     pairs = [(start, seed) for start in starts for seed in seeds]
     runs = per_arm_runs(summary)
     regime = one_regime(
@@ -194,16 +210,23 @@ def verdict_table(
             }
         )
     verdict, results = claim_verdict(judged)
+    # A paper's claim is defined over >= 2 SFT starts: at one, neither the spread between
+    # starts nor a start that disagrees can show, so the claim is not decided.
+    one_start = len(set(starts)) < 2 and not claim.diagnostic
+    alone, verdict = verdict, "inconclusive" if one_start else verdict
 
     setting = summary.get("setting") or claim.setting
     command = (
         f"python -m experiments.reproduce --claim {claim.name} "
         f"--starts {','.join(map(str, starts))} --seeds {','.join(map(str, seeds))}"
     )
+    run_arms = [entry["arm"] for entry in summary["arms"]]
+    if set(run_arms) != set(claim.arm_labels()):
+        command += f" --arms {','.join(run_arms)}"
     if setting != claim.setting:
         command += f" --setting {setting}"
     if variant:
-        command += f" --variant {variant}"
+        command += f" --variant {shlex.quote(variant)}"
     label = " (exploratory)" if exploratory else ""
     lines = [
         f"# Claim `{claim.name}`{label}: {verdict} at {len(starts)} SFT start(s) x "
@@ -217,7 +240,13 @@ def verdict_table(
             "this verdict is not the claim's.",
             "",
         ]
-    if len(starts) < 2:
+    if one_start:
+        lines += [
+            "One SFT start: the spread between starts is not sampled; the claim is decided "
+            f"over >= 2 (its checks alone: {alone}).",
+            "",
+        ]
+    elif len(set(starts)) < 2:
         lines += ["One SFT start: the spread between starts is not sampled.", ""]
     lines += [
         claim.source,
@@ -461,9 +490,13 @@ def _list() -> None:
 
 def _integers(flag: str, values: list[str] | None) -> list[int] | None:
     try:
-        return [int(v) for v in values] if values else None
+        numbers = [int(v) for v in values] if values else None
     except ValueError:
         raise ValueError(f"--{flag} takes integers, e.g. 0,1; got {','.join(values)}") from None
+    twice = next((x for i, x in enumerate(numbers or []) if x in numbers[:i]), None)
+    if twice is not None:
+        raise ValueError(f"--{flag} names {twice} twice; got {','.join(values)}")
+    return numbers
 
 
 def main(argv):
@@ -473,7 +506,7 @@ def main(argv):
         _list()
         return
     if not args.claim:
-        raise app.UsageError(f"--claim is required (or --list); known: {', '.join(CLAIMS)}")
+        raise cli.UsageError(f"--claim is required (or --list); known: {', '.join(CLAIMS)}")
     try:
         claim = get_claim(args.claim)
         select_arms(claim, args.arms)
@@ -482,7 +515,7 @@ def main(argv):
         departed = departures(claim, setting, args.variant)
         workdir = claim_dir(args.workdir, claim, setting, args.variant)
     except ValueError as error:
-        raise app.UsageError(str(error)) from error
+        raise cli.UsageError(str(error)) from error
     if departed:
         print(
             f"exploratory: --variant changes {', '.join(departed)} from the claim's "
@@ -491,7 +524,6 @@ def main(argv):
         )
     quiet_library_logging()
     keep_freed_host_memory()  # reuse XLA:CPU's freed buffers (policyopt.runtime)
-    enable_compilation_cache()  # load what an earlier process compiled (docs/runs.md)
     result = run_claim(
         claim,
         workdir,
@@ -512,4 +544,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    cli.run(main)  # one-line errors; the compilation cache (docs/runs.md)

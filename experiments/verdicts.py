@@ -37,7 +37,8 @@ def sign_flip_p(values: Sequence[float], center: float = 0.0) -> tuple[float, fl
     assignments s in {-1, 1}^n with sum s_i |d_i| >= S (evidence that the values lie above
     ``center``), ``p_below`` the share with sum <= S. Ties count towards both (conservative),
     so values all at ``center`` give 1 and 1. Exact up to ``EXACT_MAX_N`` values; beyond,
-    (1 + hits) / (1 + draws) over ``MONTE_CARLO_DRAWS`` random assignments.
+    (1 + hits) / (1 + draws) over ``MONTE_CARLO_DRAWS`` random assignments. A value or
+    ``center`` that is not finite is a ValueError (a NaN would give p 0 both ways).
 
     Returns:
       ``(p_above, p_below)``.
@@ -45,6 +46,8 @@ def sign_flip_p(values: Sequence[float], center: float = 0.0) -> tuple[float, fl
     d = np.asarray(values, dtype=np.float64) - center
     if d.size == 0:
         raise ValueError("sign_flip_p needs at least one value")
+    if not np.all(np.isfinite(d)):
+        raise ValueError(f"sign_flip_p: values or center {center} not finite: {list(values)}")
     magnitude = np.abs(d)
     observed = float(d.sum())
     # Sums that equal the observed one up to rounding are ties.
@@ -106,17 +109,36 @@ def _betainc(a: float, b: float, x: float) -> float:
     return math.exp(log_front) * fraction
 
 
+#: From this many degrees of freedom on, Student's t is the normal with its expansion in
+#: 1 / df (quantile: Cornish-Fisher to 1 / df^3; cdf: to 1 / df^2; errors < 1e-12): the
+#: incomplete beta loses digits there (df / (df + t^2) rounds towards 1).
+CORNISH_FISHER_DF = 1e4
+
+
 def student_t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with ``df`` degrees of freedom."""
+    """P(T <= t) for Student's t with ``df`` degrees of freedom (beyond
+    ``CORNISH_FISHER_DF``, the normal's with its terms to 1 / df^2)."""
+    if df >= CORNISH_FISHER_DF:
+        normal, g = statistics.NormalDist(), 1.0 / df
+        correction = (t**3 + t) / 4 * g + (3 * t**7 - 7 * t**5 - 5 * t**3 - 3 * t) / 96 * g * g
+        return normal.cdf(t) - normal.pdf(t) * correction
     tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
     return 1.0 - tail if t > 0 else tail
 
 
 def student_t_quantile(q: float, df: float) -> float:
     """The ``q`` quantile of Student's t with ``df`` degrees of freedom (bisection on the
-    cdf, to 1e-10)."""
+    cdf, to 1e-10; beyond ``CORNISH_FISHER_DF`` the normal's expansion)."""
     if not 0.0 < q < 1.0:
         raise ValueError(f"a quantile needs 0 < q < 1, got {q}")
+    if df >= CORNISH_FISHER_DF:
+        z, g = statistics.NormalDist().inv_cdf(q), 1.0 / df
+        return (
+            z
+            + (z**3 + z) / 4 * g
+            + (5 * z**5 + 16 * z**3 + 3 * z) / 96 * g * g
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384 * g * g * g
+        )
     if q < 0.5:
         return -student_t_quantile(1.0 - q, df)
     low, high = 0.0, 1.0
@@ -128,30 +150,9 @@ def student_t_quantile(q: float, df: float) -> float:
     return 0.5 * (low + high)
 
 
-def pairs_needed(
-    effect: float, std: float, margin: float | None = None, alpha: float = ALPHA
-) -> int | str:
-    """The (start, seed) pairs for ``POWER`` at the observed ``effect`` (mean - threshold)
-    and spread, or why that is not estimable.
-
-    Without a margin: the two-sided test at ``alpha`` of effect != 0, n = ((t_{1-alpha/2} +
-    t_{POWER}) std / |effect|)^2 with t at n - 1 degrees of freedom (iterated from the
-    normal quantiles). With one: the test that finds what the effect shows, TOST at
-    ``alpha`` when |effect| < margin (distance margin - |effect|; power 1 - (1 - POWER) / 2
-    at effect 0) or the two-sided test beyond the margin (distance |effect| - margin). At
-    least the fewest pairs for which the exact sign-flip test can reach ``alpha``.
-    """
-    if not (math.isfinite(std) and std > 0):
-        return "not estimable (no spread)"
-    one_sided, power, distance = alpha / 2, POWER, abs(effect)
-    if margin is not None:
-        distance = margin - abs(effect)
-        if distance > 0:  # equivalence: two one-sided tests at alpha
-            one_sided = alpha
-            power = 1.0 - (1.0 - POWER) / 2 if effect == 0 else POWER
-        distance = abs(distance)
-    if distance == 0:
-        return "not estimable (effect 0)" if margin is None else "not estimable (effect at margin)"
+def _iterated_pairs(one_sided: float, power: float, std: float, distance: float) -> float:
+    """n = ((t_{1-one_sided} + t_{power}) std / distance)^2, t at n - 1 degrees of freedom
+    (iterated from the normal quantiles)."""
     normal = statistics.NormalDist()
     z = normal.inv_cdf(1 - one_sided) + normal.inv_cdf(power)
     n = (z * std / distance) ** 2
@@ -161,6 +162,62 @@ def pairs_needed(
         n, previous = (t * std / distance) ** 2, n
         if abs(n - previous) < 1e-6:
             break
+    return n
+
+
+def _tost_pairs(alpha: float, std: float, effect: float, margin: float) -> float:
+    """The n at which TOST at ``alpha`` has ``POWER`` for |effect| < margin: F(near) +
+    F(far) - 1 = POWER, F Student's t cdf at n - 1 degrees of freedom, near / far =
+    (margin -+ |effect|) sqrt(n) / std - t_{1-alpha} (both one-sided tests must reject).
+    Between the n of F(near) = POWER (the far test ignored) and F(near) = 1 - (1 - POWER)
+    / 2 (reached at effect 0), by bisection."""
+    near, far = margin - abs(effect), margin + abs(effect)
+
+    def power(n):
+        df = max(n - 1.0, 1.0)
+        t, root = student_t_quantile(1 - alpha, df), math.sqrt(n) / std
+        return student_t_cdf(near * root - t, df) + student_t_cdf(far * root - t, df) - 1.0
+
+    low = _iterated_pairs(alpha, POWER, std, near)
+    high = _iterated_pairs(alpha, 1.0 - (1.0 - POWER) / 2, std, near)
+    if power(high) <= POWER:  # effect 0: the upper end is the answer
+        return high
+    while high - low > 1e-6 * high:
+        mid = 0.5 * (low + high)
+        low, high = (mid, high) if power(mid) < POWER else (low, mid)
+    return high
+
+
+def pairs_needed(
+    effect: float, std: float, margin: float | None = None, alpha: float = ALPHA
+) -> int | str:
+    """The (start, seed) pairs for ``POWER`` at the observed ``effect`` (mean - threshold)
+    and spread, or why that is not estimable.
+
+    Without a margin: the two-sided test at ``alpha`` of effect != 0, n = ((t_{1-alpha/2} +
+    t_{POWER}) std / |effect|)^2 with t at n - 1 degrees of freedom (iterated from the
+    normal quantiles). With one: the test that finds what the effect shows, TOST at
+    ``alpha`` when |effect| < margin (both one-sided tests' power, ``_tost_pairs``; at
+    effect 0 distance margin at power 1 - (1 - POWER) / 2 each) or the two-sided test
+    beyond the margin (distance |effect| - margin). At least the fewest pairs for which
+    the exact sign-flip test can reach ``alpha``. A distance within 1e-9 standard
+    deviations of 0 is not estimable (the mean's rounding).
+    """
+    if not (math.isfinite(std) and std > 0):
+        return "not estimable (no spread)"
+    one_sided, distance = alpha / 2, abs(effect)
+    if margin is not None:
+        distance = abs(margin - abs(effect))
+        if abs(effect) < margin:  # equivalence: two one-sided tests at alpha
+            one_sided = alpha
+    # A distance below 1e-9 standard deviations (> 10^18 pairs) is the mean's rounding:
+    # values symmetric about a threshold of 0.2 give an effect of ~1e-17, not 0.
+    if distance <= 1e-9 * std:
+        return "not estimable (effect 0)" if margin is None else "not estimable (effect at margin)"
+    if margin is not None and abs(effect) < margin:
+        n = _tost_pairs(alpha, std, effect, margin)
+    else:
+        n = _iterated_pairs(one_sided, POWER, std, distance)
     # The sign-flip test's smallest one-sided p is 2^-n.
     exact = math.ceil(math.log2(1.0 / one_sided) - 1e-12)
     return max(math.ceil(n - 1e-9), exact, 2)
@@ -177,8 +234,8 @@ def _tests(values: Sequence[float], threshold: float, margin: float | None) -> d
             "p_below": below,
             "tests": [(direction[0], min(1.0, 2 * direction[1]))],
         }
-    if not margin > 0:
-        raise ValueError(f"an equivalence margin must be > 0, got {margin}")
+    if not (math.isfinite(margin) and margin > 0):
+        raise ValueError(f"an equivalence margin must be > 0 and finite, got {margin}")
     above_low, below_low = sign_flip_p(values, threshold - margin)
     above_high, below_high = sign_flip_p(values, threshold + margin)
     # Beyond the margin: above threshold + margin, or below threshold - margin.
@@ -226,7 +283,7 @@ def judge(
       starts: the SFT start of each value (for the per-start means: a decided direction
         that a start's mean does not share is no verdict).
       missing: pairs of the sweep without a value (not logged, or not finite): a check
-        with any is not decided.
+        with any is not decided. ``values`` themselves must be finite (a ValueError).
 
     Returns:
       ``{"n", "missing", "verdict", "note", ...}``; with values also "mean", "std",
@@ -238,6 +295,13 @@ def judge(
       "not run" when no pair has a value.
     """
     values = [float(v) for v in values]
+    for i, value in enumerate(values):
+        if not math.isfinite(value):
+            raise ValueError(
+                f"judge: value {i + 1} of {len(values)} is {value}; count it in missing="
+            )
+    if not math.isfinite(threshold):
+        raise ValueError(f"judge: the threshold {threshold} is not finite")
     if starts is not None and len(starts) != len(values):
         raise ValueError(f"judge: {len(values)} values but {len(starts)} starts")
     n = len(values)

@@ -386,6 +386,9 @@ def test_a_tiny_sweep_trains_summarises_resumes_and_evaluates(tmp_path, monkeypa
     ]
     with pytest.raises(ValueError, match="none of arms"):
         ablate.run_ablation(ablation, workdir, arms=["typo"], configure=_shrink)
+    # A seed named twice would summarise its runs twice (means, and pairs in a verdict).
+    with pytest.raises(ValueError, match=r"run_ablation: seed 0 is named twice \(seeds \[0, 0\]\)"):
+        ablate.run_ablation(ablation, workdir, seeds=(0, 0), configure=_shrink)
 
     # experiments/eval.py on the final checkpoint reproduces the training-time evaluation.
     run_dir = os.path.join(workdir, "neg_lt_pos", "seed0")

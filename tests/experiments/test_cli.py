@@ -606,3 +606,50 @@ def test_run_logs_samples_banner_and_stops_with_a_checkpoint_on_sigterm(
     assert [sum(e["step"] == step for e in evals) for step in (0, 1, 2, 3)] == [8, 8, 8, 8]
     rows = [json.loads(line) for line in open(os.path.join(workdir, "samples.jsonl"))]
     assert {r["step"] for r in rows} == {1}  # not at 2 or 3: the next is iteration 10
+
+
+def test_reproduce_refusals_are_one_line(tmp_path, cli):
+    """A claim asked for a setting it does not define names the settings it has, after the
+    short usage (this printed the module's docstring and every flag, 40 lines); an error
+    while running is one line (this was a traceback)."""
+    out = cli("experiments.reproduce", "--claim", "magistral_async", "--setting", "testbed_long32")
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.splitlines()
+    assert lines[0] == "usage:" and lines[1].startswith("    python -m experiments.reproduce")
+    assert lines[-1] == (
+        "error: claim 'magistral_async' has no setting 'testbed_long32'; its settings: testbed"
+    )
+    assert len(lines) <= 8 and "Traceback" not in out.stderr and out.stdout == ""
+    out = cli("experiments.reproduce")
+    assert out.returncode == 2
+    assert out.stderr.splitlines()[-1].startswith("error: --claim is required (or --list)")
+    # The SFT cache's directory cannot be made: a file stands where it goes.
+    (tmp_path / "sft").write_text("")
+    out = cli(
+        "experiments.reproduce",
+        "--claim",
+        "magistral_async",
+        f"--workdir={tmp_path / 'claims'}",
+        f"--sft_root={tmp_path / 'sft'}",
+    )
+    assert out.returncode == 1, out.stderr
+    first = out.stderr.splitlines()[0]
+    assert first.startswith("error: ") and str(tmp_path / "sft") in first
+    assert "Traceback (most recent call last)" not in out.stderr
+
+
+def test_ablate_errors_are_one_line(tmp_path, cli):
+    """An unknown ablation and a seed that is not an integer: one line, nothing written
+    (each was a traceback)."""
+    workdir = tmp_path / "sweep"
+    out = cli("experiments.ablate", "--ablation", "nope", f"--workdir={workdir}")
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.splitlines()[0].startswith("error: unknown ablation 'nope'")
+    assert "Traceback (most recent call last)" not in out.stderr
+    out = cli("experiments.ablate", "--ablation", "sapo_tau", f"--workdir={workdir}", "--seeds=x")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines()[-1] == "error: --seeds takes integers, e.g. 0,1; got x"
+    assert "Traceback (most recent call last)" not in out.stderr and not workdir.exists()
+    out = cli("experiments.ablate", "--workdir", str(workdir))
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == "usage:"
+    assert out.stderr.splitlines()[-1] == "error: --ablation and --workdir are required (or --list)"

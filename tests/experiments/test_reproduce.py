@@ -108,6 +108,8 @@ def test_checks_and_claims_refuse_bad_definitions():
         Check("", "gain", "a", "b")
     with pytest.raises(ValueError, match="margin must be > 0"):
         Check("", "diff", "a", "b", margin=-0.05)
+    with pytest.raises(ValueError, match="margin must be > 0 and finite"):
+        Check("", "diff", "a", "b", margin=float("inf"))
     own = THREE_ARMS
     kwargs = dict(name="x", source="", ablation=own.ablation, setting="testbed", checks=own.checks)
     with pytest.raises(ValueError, match="claim 'x': its regime must fix train.num_iterations"):
@@ -385,7 +387,10 @@ def test_exploratory_variants_and_their_directories():
     )
     assert text.startswith("# Claim `sapo_tau` (exploratory): inconclusive at 1 SFT start(s)")
     assert "**Exploratory**: `--variant optim.lr=5e-4`" in text
-    assert "One SFT start: the spread between starts is not sampled." in text
+    assert (
+        "One SFT start: the spread between starts is not sampled; the claim is decided over "
+        ">= 2 (its checks alone: inconclusive)." in text
+    )
 
 
 def test_the_sft_start_takes_the_variant_items_it_reads():
@@ -688,3 +693,106 @@ def test_the_critic_claims_report_their_regime_diagnostics():
     assert "0.450 on a fresh rollout (Monte-Carlo returns; floor >= 0.5: not reached)" in (
         get_claim("critic_warmup").headline(result(vc_ppo=[{warm: 0.45}]))
     )
+
+
+def test_a_papers_claim_at_one_sft_start_decides_nothing():
+    """--starts 0: the disagreeing-start guard cannot act and the between-start spread is
+    not sampled; a paper's claim (>= 2 starts by definition) is then inconclusive, a regime
+    diagnostic (one start by definition) is not."""
+    claim = get_claim("magistral_async")
+    pairs = [(0, seed) for seed in range(8)]
+    sync = {p: _run(0.70 + 0.01 * (i % 3), start=0.4) for i, p in enumerate(pairs)}
+    near = {
+        p: _run(r["pass@1_end"] + (-0.01, 0.0, 0.01)[i % 3], start=0.4)
+        for i, (p, r) in enumerate(sync.items())
+    }
+    summary = _summary({"sync": sync, "async": near}, starts=(0,), seeds=range(8))
+    text, verdict, (learns, same) = reproduce.verdict_table(claim, summary)
+    assert (learns["verdict"], same["verdict"]) == ("supported", "equivalent")  # the tests
+    assert verdict == "inconclusive"
+    assert text.startswith("# Claim `magistral_async`: inconclusive at 1 SFT start(s) x 8")
+    assert (
+        "One SFT start: the spread between starts is not sampled; the claim is decided over "
+        ">= 2 (its checks alone: supported)." in text
+    )
+    # A regime diagnostic defined at one start keeps its verdict.
+    share = get_claim("routing_share")
+    assert share.diagnostic and share.starts == (0,)
+    runs = {
+        (0, seed): {"routing/ratio_share_pooled": 0.6, "pass@1_start": 0.3, "pass@1_end": 0.5}
+        for seed in range(8)
+    }
+    summary = _summary({"gspo": runs}, starts=(0,), seeds=range(8))
+    text, verdict, _ = reproduce.verdict_table(share, summary)
+    assert verdict == "supported" and "the claim is decided over" not in text
+
+
+def test_a_seed_or_start_named_twice_is_refused_not_counted_twice():
+    """Seeds 0,1,0,1 from 2 starts: 4 runs judged as 8 pairs, each value twice (two-sided
+    p 2/256, "supported", where the 4 pairs give 2/16)."""
+    claim = get_claim("routing_volatility")
+    runs = {"one_update": {(start, seed): {"routing/volatility": 0.07} for start, seed in PAIRS}}
+    summary = _summary(runs, seeds=[0, 1, 0, 1])
+    with pytest.raises(
+        ValueError, match=r"^verdict table refused: seed 0 is named twice \(seeds \[0, 1, 0, 1\]"
+    ):
+        reproduce.verdict_table(claim, summary)
+    with pytest.raises(ValueError, match=r"^verdict table refused: start 1 is named twice"):
+        reproduce.verdict_table(claim, _summary(runs, starts=[0, 1, 1], seeds=range(5)))
+    with pytest.raises(ValueError, match="--seeds names 2 twice; got 0,2,2"):
+        reproduce._integers("seeds", ["0", "2", "2"])
+
+
+def test_a_variant_that_sets_the_seed_is_refused():
+    """--variant seed=5 ran every "seed" at seed 5: N copies of one run per start, judged
+    as N pairs (exploratory, but a verdict over one seed)."""
+    claim = get_claim("magistral_async")
+    message = r"a common variant may not set seed \(got 'seed=5'\); the runs' seeds are --seeds"
+    with pytest.raises(ValueError, match=message):
+        reproduce.departures(claim, "testbed", "seed=5")
+    with pytest.raises(ValueError, match=message):
+        ablate.arm_config(claim.ablation, "sync", 3, "seed=5")
+    assert ablate.arm_config(claim.ablation, "sync", 3, claim.regime).seed == 3
+
+
+def test_a_variant_that_replaces_the_sft_starts_is_refused():
+    """--variant init_checkpoint=X ran every SFT start from X: the "starts" one start, so
+    the between-start spread and the disagreeing-start guard meant nothing."""
+    claim = get_claim("magistral_async")
+    with pytest.raises(
+        ValueError,
+        match=r"--variant may not set init_checkpoint \(got 'init_checkpoint=/tmp/x'\); a "
+        r"claim's runs start from its SFT starts",
+    ):
+        reproduce.departures(claim, "testbed", "optim.lr=1e-4,init_checkpoint=/tmp/x")
+
+
+def test_the_verdict_tables_command_names_the_arms_run():
+    """A run of some of the claim's arms (--arms): its command reproduces it (the
+    command left --arms out, so it named a run of every arm)."""
+    claim = get_claim("magistral_async")
+    pairs = [(start, seed) for start in (0, 1) for seed in range(3)]
+    runs = {"sync": {p: _run(0.7, start=0.4) for p in pairs}}
+    text, _, _ = reproduce.verdict_table(claim, _summary(runs, seeds=range(3)))
+    assert "`python -m experiments.reproduce --claim magistral_async --starts 0,1 " in text
+    assert "--seeds 0,1,2 --arms sync`" in text
+    runs["async"] = runs["sync"]
+    text, _, _ = reproduce.verdict_table(claim, _summary(runs, seeds=range(3)))
+    assert "--arms" not in text
+
+
+def test_the_verdict_tables_command_quotes_a_variant_for_the_shell():
+    """A tuple variant has spaces and parentheses: unquoted, the command was not one a shell
+    runs."""
+    claim = get_claim("magistral_async")
+    pairs = [(start, seed) for start in (0, 1) for seed in range(3)]
+    runs = {arm: {p: _run(0.7, start=0.4) for p in pairs} for arm in ("sync", "async")}
+    variant = "batch.response_buckets=(128, 256),optim.lr=3e-4"
+    text, _, _ = reproduce.verdict_table(
+        claim, _summary(runs, seeds=range(3)), variant=variant, exploratory=True
+    )
+    assert f"--seeds 0,1,2 --variant '{variant}'`" in text
+    text, _, _ = reproduce.verdict_table(
+        claim, _summary(runs, seeds=range(3)), variant="optim.lr=3e-4", exploratory=True
+    )
+    assert "--seeds 0,1,2 --variant optim.lr=3e-4`" in text

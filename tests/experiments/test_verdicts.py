@@ -217,3 +217,62 @@ def test_pairs_needed_for_80_percent_power():
     _, checks = claim_verdict([judge([0.1, 0.3, 0.2], 0), judge([0.1, 0.3, 0.2], 0)])
     assert checks[0]["pairs_needed"] == verdicts.pairs_needed(0.2, 0.1, alpha=0.025)
     assert judge([0.9], 0)["pairs_needed"] == "not estimable (one pair)"
+
+
+def test_values_that_are_not_finite_are_refused_not_tested():
+    """A NaN compares false with every sum (p 0 both ways) and an infinite value reaches
+    p 0 at any n: neither may become a verdict."""
+    for bad in (math.nan, math.inf, -math.inf):
+        with pytest.raises(ValueError, match="not finite"):
+            verdicts.sign_flip_p([0.1, bad, 0.3])
+        with pytest.raises(ValueError, match="not finite"):
+            verdicts.sign_flip_p([0.1, 0.2, 0.3], center=bad)
+        with pytest.raises(ValueError, match=r"judge: value 7 of 7 is .*; count it in missing"):
+            judge([0.1] * 6 + [bad], 0)
+        with pytest.raises(ValueError, match="judge: the threshold .* is not finite"):
+            judge([0.1] * 6, bad)
+    # An infinite margin would make any values "equivalent".
+    with pytest.raises(ValueError, match="margin must be > 0 and finite"):
+        judge([0.01] * 6, 0, margin=math.inf)
+
+
+def test_power_line_at_an_effect_near_zero():
+    """Student's t at huge degrees of freedom is the normal; an effect that is the mean's
+    rounding (values symmetric about a threshold that is not 0) is effect 0."""
+    for df in (1e6, 1e9, 1e12, 1e20, 1e300):
+        for q in (0.8, 0.975, 0.99875):
+            assert verdicts.student_t_quantile(q, df) == pytest.approx(stats.t.ppf(q, df), rel=1e-7)
+    # The cdf too (it read 0.5 for P(T <= 0.5) = 0.69 at 1e20 degrees of freedom).
+    for df in (1e6, 1e7, 1e9, 1e12, 1e20, 1e300):
+        for t in (-3.0, -1.0, 0.5, 2.0, 4.0):
+            assert verdicts.student_t_cdf(t, df) == pytest.approx(stats.t.cdf(t, df), abs=1e-12)
+    # (z_.975 + z_.8)^2 / d^2 pairs at d = 1e-7: the normal approximation's figure.
+    normal = (stats.norm.ppf(0.975) + stats.norm.ppf(0.8)) ** 2 / 1e-14
+    assert verdicts.pairs_needed(1e-7, 1.0) == pytest.approx(normal, rel=1e-6)
+    values = [0.1, 0.2, 0.3, 0.1, 0.2, 0.3]
+    got = judge(values, 0.2)
+    assert got["effect"] != 0.0 and abs(got["effect"]) < 1e-15  # the float mean's rounding
+    assert got["verdict"] == "inconclusive"
+    assert got["pairs_needed"] == "not estimable (effect 0)"
+    at_margin = judge([0.05 + v for v in values], 0.2, margin=0.05)
+    assert at_margin["pairs_needed"] == "not estimable (effect at margin)"
+
+
+def _tost_power(n, effect, std, margin, alpha=0.05, reps=200_000):
+    """TOST's power (Student t, both one-sided tests at alpha) by simulation, a fixed rng."""
+    x = np.random.default_rng(0).normal(effect, std, size=(reps, n))
+    mean, se = x.mean(axis=1), x.std(axis=1, ddof=1) / math.sqrt(n)
+    t = stats.t.ppf(1 - alpha, n - 1)
+    return float(np.mean((mean - t * se > -margin) & (mean + t * se < margin)))
+
+
+def test_equivalence_power_line_counts_both_one_sided_tests():
+    """Near effect 0 both one-sided tests can fail: the pairs do not drop from effect 0 to
+    a small effect (8 at 1e-6 against 11 at 0 by the one-sided formula, power 0.64)."""
+    at_zero = verdicts.pairs_needed(0.0, 0.05, margin=0.05)
+    needed = [verdicts.pairs_needed(e, 0.05, margin=0.05) for e in (1e-6, 0.002, 0.005, 0.01)]
+    assert needed[0] == at_zero and needed == sorted(needed)
+    for effect, n in zip((1e-6, 0.002, 0.005, 0.01, 0.02), [*needed, None]):
+        n = n or verdicts.pairs_needed(effect, 0.05, margin=0.05)
+        assert _tost_power(n, effect, 0.05, 0.05) >= 0.8, (effect, n)
+        assert _tost_power(n - 2, effect, 0.05, 0.05) < 0.8, (effect, n)
