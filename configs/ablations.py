@@ -106,12 +106,13 @@ LORA_ATTENTION = "model.lora.targets=attention,model.lora.init_checkpoint=base"
 
 #: The routing claim's dose-response: routing-volatility levels set by the routers'
 #: learning rate as a multiple of the policy's (``optim.router_lr_scale``; each level's
-#: routing share, ``routing/ratio_share``, is measured in its runs), at the routing claims'
-#: lr 3e-5, where the share is largest while GSPO learns. Measured from the testbed's SFT
-#: start (GSPO, 30 iterations): volatility ~0.012 / 0.025 per batch of 4 updates at 100x /
-#: 300x, routing share pooled over the run 0.069 / 0.27-0.36 (seeds 0-1); at 1000x the
-#: share falls to 0.03 and GSPO stops learning (benchmarks/RESULTS.md "The routing share").
-ROUTING_LEVELS = {"low": 1.0, "mid": 100.0, "high": 300.0}
+#: routing share, ``routing/ratio_share``, is measured in its runs), on the long task at
+#: the routing claims' lr 3e-5. Measured there (GSPO, 100 iterations, SFT start 2): volatility
+#: per batch 0.001 / 0.004 / 0.011 at 1x / 30x / 100x, routing share pooled over the run
+#: 0.377 / 0.394 / 0.543 (start 1 at 100x: 0.262), GSPO +0.215 / +0.215 / +0.023
+#: (benchmarks/RESULTS.md "The routing share"); the testbed's, at lr 3e-5 with the routers at
+#: 1x / 100x / 300x over 150 iterations, 0.047 / 0.051 / 0.076.
+ROUTING_LEVELS = {"low": 1.0, "mid": 30.0, "high": 100.0}
 # The asynchronous loop of Magistral's recipe: its sampler is stale, so its routing differs
 # from pi_old's own and R3 (which replays the sampler's) differs from R2.
 ASYNC = "async_mode.enabled=True"
@@ -504,6 +505,16 @@ def testbed_dense_setting(config, sft_checkpoint: str = "runs/testbed_dense/sft/
     return demo_setting(config, sft_checkpoint, recipe="testbed_dense")
 
 
+def testbed_long_dense_setting(
+    config, sft_checkpoint: str = "runs/testbed_long_dense/sft/checkpoints"
+):
+    """``testbed_long_setting`` with the long task's dense control
+    (`configs/testbed_long_dense.py`) and its SFT start. Returns a new, locked config."""
+    return demo_setting(
+        config, sft_checkpoint, recipe="testbed_long_dense", cache_len=None, critic=LONG_TASK_CRITIC
+    )
+
+
 #: Named settings for ``experiments/ablate.py --setting``: ``config -> config``.
 #: "testbed", "testbed_long" and "testbed_long32" are those of ``experiments/reproduce.py``.
 SETTINGS = {
@@ -512,6 +523,7 @@ SETTINGS = {
     "testbed_dense": testbed_dense_setting,
     "testbed_long": testbed_long_setting,
     "testbed_long32": testbed_long32_setting,
+    "testbed_long_dense": testbed_long_dense_setting,
 }
 
 

@@ -182,16 +182,18 @@ def _volatility_line(result: dict) -> str:
     return f"routing volatility after one update: {statistics.fmean(values):.4f}"
 
 
-#: The routing claims' learning rate and budget: lr 3e-5, where routing's share of the
-#: ratio's noise is largest while GSPO learns (at 1e-4 and 1e-3 the parameters' own drift
-#: swamps it; benchmarks/RESULTS.md "The routing share"), 150 iterations; the routers' rate
-#: set per arm.
-ROUTING_REGIME = "optim.lr=3e-5,train.num_iterations=150"
+#: The routing claims' learning rate and budget: lr 3e-5 on the long task, where routing's
+#: share of the ratio's noise is largest while GSPO learns (0.38-0.39 at the routers' 1x-30x,
+#: GSPO +0.215; at 1e-4 and 1e-3, and on the testbed, the parameters' own drift swamps it;
+#: benchmarks/RESULTS.md "The routing share"), 100 iterations (the budget the share and the
+#: gain floor were measured at; each long-task iteration costs ~6 testbed ones); the
+#: routers' rate set per arm.
+ROUTING_REGIME = "optim.lr=3e-5,train.num_iterations=100"
 #: The regime diagnostic: the GSPO arm at the routing claim's "high" level.
 ROUTING_SHARE = Ablation(
     "routing_share",
     "The share of the log-ratio's noise that routing causes (routing/ratio_share), GSPO on "
-    "the testbed with the routers at the routing claim's high level.",
+    "the long task with the routers at the routing claim's high level.",
     (
         Arm(
             "gspo",
@@ -211,7 +213,8 @@ DENSE_CONTROL = Ablation(
     compares=GSPO_VS_GRPO,
 )
 ROUTING_SHARE_BUDGET = (
-    "measured 2026-12-06: 10 min (602 s) at load 23 on 2 cores, the SFT start cached"
+    "measured 2026-12-07: 100 iterations of the long task 1,184 s beside another run (load "
+    "~4 on 2 cores), 698 s (~12 min) with one other run paused; the SFT start cached"
 )
 SAPO_GRID_BUDGET = (
     "estimate from 188-388 s per 20-30-iteration run of the recipe's arm (2026-12-06, load "
@@ -223,11 +226,14 @@ MAGISTRAL_BUDGET = (
     "async 436 s); a new SFT start ~15 min more"
 )
 ROUTING_REPLAY_BUDGET = (
-    "measured 2026-12-06 (start 1, seed 0): 15 arms x 150 iterations took 11,004 s of arm "
-    "wall time at load 8-25 on 2 cores (118-3,060 s an arm, the spread the load's); 10 "
-    "(start, seed) pairs ~1-3 h each"
+    "estimate from the GSPO arm's 698-1,184 s per 100 iterations of the long task "
+    "(2026-12-07, load 2-4 on 2 cores): 15 arms ~3-5 h per (start, seed) pair, 10 pairs "
+    "~30-50 h; the SFT starts are vc_ppo's"
 )
-DENSE_CONTROL_BUDGET = "measured 2026-12-06: 79 s per (start, seed) on 2 cores, one arm"
+DENSE_CONTROL_BUDGET = (
+    "estimate (2026-12-07): one dense arm, ~8-12 min per (start, seed) pair; each SFT start "
+    "of the dense long task (1000 steps, once) ~30 min idle"
+)
 
 
 def _routing_share_line(result: dict) -> str:
@@ -463,7 +469,8 @@ CLAIMS: dict[str, Claim] = {
             "that GRPO needs routing replay. Regime diagnostic: the share of the ratio's noise "
             "that routing causes (routing/ratio_share) at a learning rate where GSPO learns.",
             ablation=ROUTING_SHARE,
-            setting="testbed",
+            setting="testbed_long",
+            other_settings=("testbed",),
             regime=ROUTING_REGIME,
             checks=(
                 Check(
@@ -480,7 +487,7 @@ CLAIMS: dict[str, Claim] = {
                     threshold=0.10,
                 ),
             ),
-            starts=(0,),
+            starts=LONG_TASK_STARTS[:1],
             seeds=(0,),
             diagnostic=True,
             budget=ROUTING_SHARE_BUDGET,
@@ -493,7 +500,9 @@ CLAIMS: dict[str, Claim] = {
             "replay. As a dose-response: the more of the ratio's noise routing causes, the "
             "more GRPO without replay falls behind.",
             ablation=ABLATIONS["routing_dose"],
-            setting="testbed",
+            setting="testbed_long",
+            other_settings=("testbed",),
+            starts=LONG_TASK_STARTS,
             regime=ROUTING_REGIME,
             checks=tuple(
                 check
@@ -547,7 +556,9 @@ CLAIMS: dict[str, Claim] = {
             "width (no routing to replay), GRPO without replay learns at the routing claim's "
             "learning rate.",
             ablation=DENSE_CONTROL,
-            setting="testbed_dense",
+            setting="testbed_long_dense",
+            other_settings=("testbed_dense",),
+            starts=LONG_TASK_STARTS,
             regime=ROUTING_REGIME,
             checks=(Check("dense GRPO without replay learns", "gain", "grpo"),),
             budget=DENSE_CONTROL_BUDGET,

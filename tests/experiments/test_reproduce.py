@@ -159,7 +159,11 @@ def test_every_claim_runs_its_arms_in_one_regime_in_each_setting(name):
                 claim.ablation, label, 0, claim.regime, lambda c: SETTINGS[setting](c, "ckpt")
             )
             # The routing claim's dense control; lora_rl in the demo's setting (its MoE).
-            preset = {"testbed_dense": "tiny_dense", "demo": "tiny_moe"}.get(setting)
+            preset = {
+                "testbed_dense": "tiny_dense",
+                "testbed_long_dense": "tiny_dense",
+                "demo": "tiny_moe",
+            }.get(setting)
             assert config.model.preset == (preset or "moe_volatile")
             assert config.init_checkpoint == "ckpt"
             assert config.train.routing_metrics
@@ -565,7 +569,8 @@ def test_diff_of_diffs_checks_and_the_routing_claims():
     assert len(dose.checks) == 4 * 3 + 2
     assert {c.kind for c in dose.checks} == {"diff", "gain", "diff_of_diffs"}
     share = get_claim("routing_share")
-    assert share.diagnostic and share.starts == (0,) and share.regime == dose.regime
+    assert share.diagnostic and len(share.starts) == 1 and share.regime == dose.regime
+    assert share.setting == dose.setting == "testbed_long" and set(share.starts) < set(dose.starts)
     result = {
         "summary": {
             "arms": [
@@ -717,12 +722,16 @@ def test_a_papers_claim_at_one_sft_start_decides_nothing():
     )
     # A regime diagnostic defined at one start keeps its verdict.
     share = get_claim("routing_share")
-    assert share.diagnostic and share.starts == (0,)
+    assert share.diagnostic and len(share.starts) == 1
     runs = {
-        (0, seed): {"routing/ratio_share_pooled": 0.6, "pass@1_start": 0.3, "pass@1_end": 0.5}
+        (share.starts[0], seed): {
+            "routing/ratio_share_pooled": 0.6,
+            "pass@1_start": 0.3,
+            "pass@1_end": 0.5,
+        }
         for seed in range(8)
     }
-    summary = _summary({"gspo": runs}, starts=(0,), seeds=range(8))
+    summary = _summary({"gspo": runs}, starts=share.starts, seeds=range(8))
     text, verdict, _ = reproduce.verdict_table(share, summary)
     assert verdict == "supported" and "the claim is decided over" not in text
 
