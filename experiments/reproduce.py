@@ -166,6 +166,10 @@ def _describe(regime: dict) -> str:
     )
 
 
+#: How the verdict table names a check's test and the centre it is about.
+TEST_LABELS = {"sign-flip": "sign-flip (mean)", "sign": "sign (median)"}
+
+
 def check_threshold(result: dict) -> str:
     """A check's threshold as the table shows it: ``0``, or ``0 ± 0.05`` with a margin."""
     text = f"{result.get('threshold', 0):g}"
@@ -205,7 +209,12 @@ def verdict_table(
                 "check": check.text,
                 "values": values,
                 **judge(
-                    values, check.threshold, check.margin, starts=value_starts, missing=missing
+                    values,
+                    check.threshold,
+                    check.margin,
+                    test=check.test,
+                    starts=value_starts,
+                    missing=missing,
                 ),
             }
         )
@@ -256,26 +265,30 @@ def verdict_table(
         "",
         _compute_line(summary),
         "",
-        "| check | threshold | pairs | effect (mean - threshold) | std | 95% t half-width "
-        "| per-start effect | p (Holm) | verdict | pairs for 80% power |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---|---:|",
+        "| check | threshold | test | pairs | effect (centre - threshold) | std "
+        "| 95% t half-width | per-start effect | p (Holm) | verdict | pairs for 80% power |",
+        "|---|---:|---|---:|---:|---:|---:|---|---:|---|---:|",
     ]
     for r in results:
         count = f"{r['n']}" if not r["missing"] else f"{r['n']} of {r['n'] + r['missing']}"
-        per_start = " / ".join(_fmt(v) for v in r.get("start_means", {}).values()) or "-"
+        per_start = " / ".join(_fmt(v) for v in r.get("start_effects", {}).values()) or "-"
         p = f"{r['p']:.3g}" if "p" in r else "-"
         lines.append(
-            f"| {r['check']} | {check_threshold(r)} | {count} | {_fmt(r.get('effect'))} | "
+            f"| {r['check']} | {check_threshold(r)} | {TEST_LABELS[r['test']]} | {count} | "
+            f"{_fmt(r.get('effect'))} | "
             f"{_fmt(r.get('std'), '')} | {_fmt(r.get('half_width'), '')} | {per_start} | {p} | "
             f"{r['verdict']} | {r.get('pairs_needed', '-')} |"
         )
     notes = [f"- {r['check']}: {r['note']}." for r in results if r.get("note")]
     lines += ["", *notes, *([""] if notes else [])]
     lines += [
-        "Verdict rule (docs/claims.md): the exact sign-flip test over the (start, seed) "
-        "pairs, two-sided, and with a margin two one-sided tests for equivalence; Holm's "
+        "Verdict rule (docs/claims.md): an exact test over the (start, seed) pairs, "
+        "two-sided, and with a margin two one-sided tests for equivalence: the sign-flip "
+        "test of the mean where the check compares two arms against 0 (interchangeable "
+        "under no effect), the sign test of the median otherwise (a value or gain against "
+        "a fixed threshold, a margin; the centre is then the median); Holm's "
         "correction across the claim's checks at family-wise alpha 0.05; a check missing a "
-        "pair, or whose direction a start's mean does not share, decides nothing. Supported "
+        "pair, or whose direction a start's centre does not share, decides nothing. Supported "
         "when every check is supported or equivalent, contradicted when one is "
         "contradicted. The t half-width and the power line (at alpha / hypotheses) are "
         "figures, not the test.",

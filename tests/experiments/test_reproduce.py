@@ -267,10 +267,14 @@ def test_a_verdict_over_starts_and_seeds_with_every_pair():
     # 10 pairs all above 0.05: two-sided p = 2 / 1024, one hypothesis.
     assert verdict == "supported" and check["verdict"] == "supported"
     assert check["p"] == pytest.approx(2 / 1024) and check["n"] == 10 and check["missing"] == 0
-    # Start 0: mean 0.07 - 0.05; start 1: 0.0674 - 0.05.
+    # Start 0: mean 0.07 - 0.05; start 1: 0.0674 - 0.05. A value is decided by the sign
+    # test of its median (0.07 and 0.062), which the table shows.
     assert check["start_means"] == pytest.approx({0: 0.02, 1: 0.0174})
+    assert check["test"] == "sign" and check["start_effects"] == pytest.approx({0: 0.02, 1: 0.012})
+    assert check["effect"] == pytest.approx(0.0675 - 0.05)  # the median of the 10
     assert text.startswith("# Claim `routing_volatility`: supported at 2 SFT start(s) x 5 seed(s)")
-    assert "| +0.0200 / +0.0174 | 0.00195 | supported |" in text
+    assert "| 0.05 | sign (median) | 10 | +0.0175 |" in text
+    assert "| +0.0200 / +0.0120 | 0.00195 | supported |" in text
     assert "--starts 0,1 --seeds 0,1,2,3,4" in text and "lr 0.001, 20 policy iterations" in text
     assert "exploratory" not in text.lower()
     assert "\nCompute: not recorded for its 10 runs.\n" in text
@@ -300,7 +304,10 @@ def test_a_check_not_run_or_missing_a_pair_leaves_the_claim_inconclusive():
         "supported",
     ]
     assert verdict == "inconclusive"
-    assert "| GRPO with R3 ends above GRPO without replay | 0 | 0 of 10 | - |" in text
+    assert (
+        "| GRPO with R3 ends above GRPO without replay | 0 | sign-flip (mean) | 0 of 10 | - |"
+        in (text)
+    )
     # GRPO's clip fraction 0 at one pair: the log ratio has no value there.
     down[(1, 3)] = _run(0.3, clip=0.0)
     summary = _summary({"grpo": down, "grpo_R2": up, "grpo_R3": up, "gspo": up}, seeds=range(5))
@@ -339,7 +346,7 @@ def test_magistral_no_harm_check_is_an_equivalence_test():
         claim, _summary({"sync": sync, "async": near}, seeds=range(6))
     )
     assert (learns["verdict"], same["verdict"], verdict) == ("supported", "equivalent", "supported")
-    assert "| 0 ± 0.05 | 12 |" in text and "equivalent" in text
+    assert "| 0 ± 0.05 | sign (median) | 12 |" in text and "equivalent" in text
     far = {p: _run(r["pass@1_end"] - 0.2, start=0.4) for p, r in sync.items()}
     _, verdict, (_, same) = reproduce.verdict_table(
         claim, _summary({"sync": sync, "async": far}, seeds=range(6))
