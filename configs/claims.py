@@ -237,8 +237,9 @@ MAGISTRAL_BUDGET = (
 )
 ROUTING_REPLAY_BUDGET = (
     "measured 2026-12-06 (start 1, seed 0): 15 arms x 150 iterations took 11,004 s of arm "
-    "wall time at load 8-25 on 2 cores (118-3,060 s an arm, the spread the load's); 10 "
-    "(start, seed) pairs ~1-3 h each"
+    "wall time at load 8-25 on 2 cores (118-3,060 s an arm, the spread the load's); with the "
+    "3 grpo_R2_async arms added since, 18 arms: ~13,200 s per (start, seed), scaled from "
+    "that per-arm mean (734 s), not measured; 10 (start, seed) pairs ~1.2-3.6 h each"
 )
 DENSE_CONTROL_BUDGET = "measured 2026-12-06: 79 s per (start, seed) on 2 cores, one arm"
 
@@ -523,6 +524,14 @@ CLAIMS: dict[str, Claim] = {
                         "diff",
                         f"grpo_R3_async_{level}",
                         f"grpo_async_{level}",
+                    ),
+                    Check(
+                        f"{level}: R3 is no worse than R2 in the asynchronous loop (no harm: "
+                        "within 0.05 pass@1, or above)",
+                        "diff",
+                        f"grpo_R3_async_{level}",
+                        f"grpo_R2_async_{level}",
+                        margin=0.05,
                     ),
                     Check(
                         f"{level}: GSPO ends above GRPO without replay",

@@ -569,8 +569,25 @@ def test_diff_of_diffs_checks_and_the_routing_claims():
     with pytest.raises(ValueError, match="arms c and d go with a 'diff_of_diffs' check"):
         Check("x", "diff", "a", "b", c="c", d="d")
     dose = get_claim("routing_replay")
-    assert len(dose.checks) == 4 * 3 + 2
+    assert len(dose.checks) == 5 * 3 + 2 and len(dose.arm_labels()) == 6 * 3
     assert {c.kind for c in dose.checks} == {"diff", "gain", "diff_of_diffs"}
+    # Per level, R3 against R2 like for like (both in the asynchronous loop): no harm
+    # within Magistral's margin, by the sign test.
+    for level in claims.ROUTING_LEVELS:
+        (r3_vs_r2,) = [c for c in dose.checks if c.a == f"grpo_R3_async_{level}" and c.margin]
+        assert (r3_vs_r2.b, r3_vs_r2.margin, r3_vs_r2.test) == (
+            f"grpo_R2_async_{level}",
+            0.05,
+            "sign",
+        )
+        configs = {
+            arm: ablate.arm_config(dose.ablation, arm, 0, dose.regime)
+            for arm in (f"grpo_R2_async_{level}", f"grpo_R3_async_{level}")
+        }
+        r2, r3 = configs.values()
+        assert (r2.algo.routing_replay, r3.algo.routing_replay) == ("R2", "R3")
+        assert r2.async_mode.enabled and r3.async_mode.enabled
+        assert ablate.config_diff(r2, r3) == {"algo.routing_replay": ["R2", "R3"]}
     share = get_claim("routing_share")
     assert share.diagnostic and share.starts == (0,) and share.regime == dose.regime
     result = {
