@@ -7,6 +7,7 @@ check by the rule of `experiments.verdicts`. docs/claims.md has the rule and the
     python -m experiments.reproduce --claim routing_volatility --seeds 0
     python -m experiments.reproduce --claim routing_replay [--starts 0,1] [--seeds 0,1,2]
     python -m experiments.reproduce --claim vc_ppo --setting testbed_long32
+    python -m experiments.reproduce --claim magistral_async --rejudge   # trains nothing
 
 A ``--variant`` that changes what an arm trains is exploratory: its runs go to
 ``<workdir>/<claim>-exploratory/<variant>``, never among the claim's own.
@@ -335,6 +336,23 @@ def sft_dir(sft_root: str, setting: str, start: int = 0) -> str:
     return os.path.join(sft_root, setting, "sft" if start == 0 else f"sft_start{start}")
 
 
+def finished_sft(setting: str, sft_root: str, variant: str = "", start: int = 0) -> str:
+    """The checkpoint directory of ``setting``'s SFT start ``start`` when it is finished
+    (its last checkpoint at the config's ``sft.steps``), without building or training
+    anything; a ValueError naming the directory otherwise."""
+    config = importlib.import_module(f"configs.{setting}").get_config(sft_variant(variant) or None)
+    directory = os.path.join(sft_dir(sft_root, setting, start), "checkpoints")
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    steps = [int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))]
+    if max(steps, default=0) != config.sft.steps:
+        raise ValueError(
+            f"SFT start {start} of {setting!r} is not finished ({directory}: step "
+            f"{max(steps, default=0)} of {config.sft.steps}); judging finished runs only, "
+            "nothing trains"
+        )
+    return directory
+
+
 def ensure_sft(setting: str, sft_root: str, variant: str = "", start: int = 0) -> str:
     """The checkpoint directory of ``setting``'s SFT start number ``start``, trained once
     into ``sft_dir(sft_root, setting, start)`` (resumed if interrupted, reused once
@@ -385,6 +403,7 @@ def run_claim(
     setting: str | None = None,
     configure: Callable | None = None,
     quiet: bool = True,
+    train: bool = True,
 ) -> dict:
     """Trains (or resumes) the claim's arms over SFT starts x seeds and judges it.
 
@@ -404,6 +423,9 @@ def run_claim(
       configure: ``config -> config`` applied to each arm's config
         (``ablate.run_ablation``); the run is then exploratory.
       quiet: no per-iteration console line.
+      train: False to re-judge the finished runs under the current rule (``--rejudge``):
+        an SFT start or run that is not finished is a ValueError naming it, and nothing
+        trains; the summary, curves and verdict.md are written again.
 
     Returns:
       ``{"claim", "verdict", "checks", "summary", "verdict_md", "exploratory"}``.
@@ -426,7 +448,7 @@ def run_claim(
     )
     plan = {}
     for start in starts:
-        checkpoint = ensure_sft(name, sft_root, variant, start)
+        checkpoint = (ensure_sft if train else finished_sft)(name, sft_root, variant, start)
 
         def apply_setting(config, checkpoint=checkpoint):
             return SETTINGS[name](config, checkpoint)
@@ -442,6 +464,7 @@ def run_claim(
         arms=labels,
         configure=configure,
         quiet=quiet,
+        train=train,
     )
     text, verdict, results = verdict_table(claim, summary, variant=variant, exploratory=exploratory)
     with open(os.path.join(workdir, "verdict.md"), "w") as f:
@@ -478,6 +501,12 @@ def define_flags() -> None:
         "testbed_long32: claim 3 on responses of up to ~400 tokens).",
     )
     flags.DEFINE_bool("list", False, "List the claims, their sources, arms and budgets.")
+    flags.DEFINE_bool(
+        "rejudge",
+        False,
+        "Judge the claim from its finished runs under the current verdict rule, training "
+        "nothing: an SFT start or run that is not finished is an error naming it.",
+    )
 
 
 def _list() -> None:
@@ -547,6 +576,7 @@ def main(argv):
         sft_root=args.sft_root,
         setting=setting,
         quiet=False,
+        train=not args.rejudge,
     )
     print(result["verdict_md"])
     if claim.headline is not None:

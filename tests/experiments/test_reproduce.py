@@ -551,6 +551,19 @@ def test_a_tiny_claim_runs_over_two_starts_end_to_end_and_resumes(tmp_path, monk
     again = reproduce.run_claim(claim, workdir, **run)
     assert again["checks"][0]["values"] == check["values"] and sft_log.read_text() == before
 
+    # Re-judged (--rejudge): the finished runs only; no SFT start is built, nothing trains,
+    # and a start or run that is not finished is an error naming it.
+    monkeypatch.setattr(reproduce, "ensure_sft", refuse)
+    rejudged = reproduce.run_claim(claim, workdir, **run, train=False)
+    assert rejudged["checks"][0]["values"] == check["values"]
+    assert rejudged["verdict_md"] == (tmp_path / "claim" / "verdict.md").read_text()
+    with pytest.raises(ValueError, match=r"one_update/seed1 is not finished \(routing_vol"):
+        reproduce.run_claim(claim, workdir, **{**run, "seeds": (0, 1)}, train=False)
+    with pytest.raises(
+        ValueError, match=r"SFT start 2 of 'testbed' is not finished \(.*sft_start2"
+    ):
+        reproduce.run_claim(claim, workdir, **{**run, "starts": (0, 2)}, train=False)
+
 
 def test_diff_of_diffs_checks_and_the_routing_claims():
     """(a - b) - (c - d) at each pair, by hand; the routing claim's dose-response has its
