@@ -525,7 +525,7 @@ def _list() -> None:
         )
         for check in claim.checks:
             margin = f" ± {check.margin:g}" if check.margin else ""
-            field(f"check: {check.text} (threshold {check.threshold:g}{margin})")
+            field(f"check: {check.text} (threshold {check.threshold:g}{margin}; {check.test} test)")
         field(f"budget on 2 cores: {claim.budget}")
         print()
 

@@ -2,8 +2,9 @@
 the sign test against binomial sums by hand (ties; the false-positive rates where the
 sign-flip test lacks its symmetry; its power line against scipy's binomial), Holm's
 correction (also across both tests) and Student's t against hand-worked cases and scipy,
-judge's verdicts on hand-made inputs (zero spread, quantised values, too few pairs, equivalence, missing pairs,
-disagreeing starts), a claim's verdict over its checks, and the pairs a check needs."""
+judge's verdicts on hand-made inputs (zero spread, quantised values, too few pairs,
+equivalence, missing pairs, disagreeing starts), a claim's verdict over its checks, and the
+pairs a check needs."""
 
 import itertools
 import math
