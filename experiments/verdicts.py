@@ -237,8 +237,9 @@ def _tost_pairs(alpha: float, std: float, effect: float, margin: float) -> float
 def pairs_needed(
     effect: float, std: float, margin: float | None = None, alpha: float = ALPHA
 ) -> int | str:
-    """The (start, seed) pairs for ``POWER`` at the observed ``effect`` (mean - threshold)
-    and spread, or why that is not estimable.
+    """The sign-flip test's power line: the (start, seed) pairs for ``POWER`` at the
+    observed ``effect`` (mean - threshold) and spread, or why that is not estimable
+    (``sign_pairs_needed`` serves the sign test).
 
     Without a margin: the two-sided test at ``alpha`` of effect != 0, n = ((t_{1-alpha/2} +
     t_{POWER}) std / |effect|)^2 with t at n - 1 degrees of freedom (iterated from the
