@@ -113,6 +113,7 @@ LORA_ATTENTION = "model.lora.targets=attention,model.lora.init_checkpoint=base"
 #: (benchmarks/RESULTS.md "The routing share"); the testbed's, at lr 3e-5 with the routers at
 #: 1x / 100x / 300x over 150 iterations, 0.047 / 0.051 / 0.076.
 ROUTING_LEVELS = {"low": 1.0, "mid": 30.0, "high": 100.0}
+_LEVELS_TEXT = ", ".join(f"{scale:g}x" for scale in ROUTING_LEVELS.values())
 # The asynchronous loop of Magistral's recipe: its sampler is stale, so its routing differs
 # from pi_old's own and R3 (which replays the sampler's) differs from R2.
 ASYNC = "async_mode.enabled=True"
@@ -120,7 +121,8 @@ ASYNC = "async_mode.enabled=True"
 
 def routing_dose_arms() -> tuple[Arm, ...]:
     """Per level: GRPO (the GSPO paper's baseline) without replay and with R2; without
-    replay and with R3 in the asynchronous loop (whose sampler routes differently); GSPO."""
+    replay, with R2 and with R3 in the asynchronous loop (whose sampler routes differently:
+    there R3 replays the sampler's routing, R2 pi_old's); GSPO."""
     arms = []
     for level, scale in ROUTING_LEVELS.items():
         lr = f"optim.router_lr_scale={scale:g}"
@@ -129,6 +131,7 @@ def routing_dose_arms() -> tuple[Arm, ...]:
             Arm(f"grpo_{level}", "grpo", f"algo.routing_replay=none,{grpo}"),
             Arm(f"grpo_R2_{level}", "grpo", f"algo.routing_replay=R2,{grpo}"),
             Arm(f"grpo_async_{level}", "grpo", f"algo.routing_replay=none,{grpo},{ASYNC}"),
+            Arm(f"grpo_R2_async_{level}", "grpo", f"algo.routing_replay=R2,{grpo},{ASYNC}"),
             Arm(f"grpo_R3_async_{level}", "grpo", f"algo.routing_replay=R3,{grpo},{ASYNC}"),
             Arm(f"gspo_{level}", "gspo", f"algo.routing_replay=none,{lr}"),
         ]
@@ -217,10 +220,10 @@ ABLATIONS: dict[str, Ablation] = {
             "routing_dose",
             "GSPO (2507.18071): GRPO needs routing replay on an MoE policy, GSPO does not, and "
             "the more routing moves the ratio, the more replay matters. Three routing-volatility "
-            "levels (the routers' learning rate 1x, 30x, 100x the policy's); at each, GRPO "
-            "without replay and with R2, GRPO without replay and with R3 (2510.11370) in the "
-            "asynchronous loop, GSPO without replay. (GRPO as the paper's baseline: clip 0.2 / "
-            "0.27, no KL; every arm in GSPO's geometry.)",
+            f"levels (the routers' learning rate {_LEVELS_TEXT} the policy's); at each, GRPO "
+            "without replay and with R2, GRPO without replay, with R2 and with R3 (2510.11370) "
+            "in the asynchronous loop, GSPO without replay. (GRPO as the paper's baseline: clip "
+            "0.2 / 0.27, no KL; every arm in GSPO's geometry.)",
             routing_dose_arms(),
             OFF_POLICY + ",train.routing_metrics=True",
             reference="gspo",

@@ -52,7 +52,8 @@ class Check:
     "log10_ratio" (log10 of arm ``a``'s ``metric`` over arm ``b``'s, same pair) or
     "diff_of_diffs" ((a - b) - (c - d), same pair: a gap that grows). Supported
     when the quantity lies above ``threshold``; with a ``margin``, a "no harm" check,
-    equivalent when within threshold -+ margin (`experiments.verdicts.judge`).
+    equivalent when within threshold -+ margin (`experiments.verdicts.judge`), by the
+    exact test ``test`` names.
     """
 
     text: str
@@ -79,6 +80,18 @@ class Check:
 
     def arms(self) -> tuple[str, ...]:
         return tuple(arm for arm in (self.a, self.b, self.c, self.d) if arm is not None)
+
+    @property
+    def test(self) -> str:
+        """The exact test that decides the check (`experiments.verdicts.judge`): the
+        sign-flip test where the null makes the quantity symmetric about the threshold by
+        design, a comparison of two arms run at the same (start, seed) against 0 with no
+        margin (under "no effect" the arms, or for "diff_of_diffs" the two gaps, are
+        interchangeable); otherwise the sign test of the median. A "value" or "gain" is
+        one arm's figure against a fixed threshold, skewed as it may be, and TOST's nulls
+        sit at threshold -+ margin, where the arms differ: neither has the symmetry."""
+        symmetric = self.kind in ("diff", "log10_ratio", "diff_of_diffs")
+        return "sign-flip" if symmetric and self.threshold == 0 and self.margin is None else "sign"
 
     def value(self, runs: Sequence[dict]) -> float:
         """The quantity from the runs of ``arms()`` at one pair (NaN when one lacks it)."""
@@ -227,8 +240,8 @@ MAGISTRAL_BUDGET = (
 )
 ROUTING_REPLAY_BUDGET = (
     "estimate from the GSPO arm's 698-1,184 s per 100 iterations of the long task "
-    "(2026-12-07, load 2-4 on 2 cores): 15 arms ~3-5 h per (start, seed) pair, 10 pairs "
-    "~30-50 h; the SFT starts are vc_ppo's"
+    "(2026-12-07, load 2-4 on 2 cores): 18 arms ~3.5-6 h per (start, seed) pair, 10 pairs "
+    "~35-60 h; the SFT starts are vc_ppo's"
 )
 DENSE_CONTROL_BUDGET = (
     "estimate (2026-12-07): one dense arm, ~8-12 min per (start, seed) pair; each SFT start "
@@ -519,6 +532,14 @@ CLAIMS: dict[str, Claim] = {
                         "diff",
                         f"grpo_R3_async_{level}",
                         f"grpo_async_{level}",
+                    ),
+                    Check(
+                        f"{level}: R3 is no worse than R2 in the asynchronous loop (no harm: "
+                        "within 0.05 pass@1, or above)",
+                        "diff",
+                        f"grpo_R3_async_{level}",
+                        f"grpo_R2_async_{level}",
+                        margin=0.05,
                     ),
                     Check(
                         f"{level}: GSPO ends above GRPO without replay",

@@ -351,6 +351,7 @@ def run_ablation(
     plot: bool = True,
     configure: Callable | None = None,
     quiet: bool = True,
+    train: bool = True,
 ) -> dict:
     """Trains every arm (or those in ``arms``) at every seed, then writes the summary.
 
@@ -368,6 +369,8 @@ def run_ablation(
       configure: ``config -> config`` applied to each arm's config before training (for
         fields a variant string cannot set, e.g. tuples; the summary records its diff too).
       quiet: no per-iteration console line.
+      train: False to summarise finished runs only: a run that is not finished is a
+        ValueError naming it, and nothing trains.
 
     Returns:
       The summary (also in ``workdir/summary.json``): per arm, its ``runs`` (each with
@@ -401,6 +404,11 @@ def run_ablation(
                 name = run_name(start, seed)
                 run_dir = os.path.join(workdir, arm.label, name)
                 done = _finished(run_dir, config)
+                if done is None and not train:
+                    raise ValueError(
+                        f"{run_dir} is not finished ({ablation.name}: {arm.label}, {name}); "
+                        "judging finished runs only, nothing trains"
+                    )
                 if done is None:
                     done = _train(config, run_dir, f"{ablation.name}: {arm.label}, {name}", quiet)
                 # wall_s, cpu_s: the attempt that finished the run (a resumed run's last

@@ -7,6 +7,7 @@ check by the rule of `experiments.verdicts`. docs/claims.md has the rule and the
     python -m experiments.reproduce --claim routing_volatility --seeds 0
     python -m experiments.reproduce --claim routing_replay [--starts 0,1] [--seeds 0,1,2]
     python -m experiments.reproduce --claim vc_ppo --setting testbed_long32
+    python -m experiments.reproduce --claim magistral_async --rejudge   # trains nothing
 
 A ``--variant`` that changes what an arm trains is exploratory: its runs go to
 ``<workdir>/<claim>-exploratory/<variant>``, never among the claim's own.
@@ -166,6 +167,10 @@ def _describe(regime: dict) -> str:
     )
 
 
+#: How the verdict table names a check's test and the centre it is about.
+TEST_LABELS = {"sign-flip": "sign-flip (mean)", "sign": "sign (median)"}
+
+
 def check_threshold(result: dict) -> str:
     """A check's threshold as the table shows it: ``0``, or ``0 ± 0.05`` with a margin."""
     text = f"{result.get('threshold', 0):g}"
@@ -205,7 +210,12 @@ def verdict_table(
                 "check": check.text,
                 "values": values,
                 **judge(
-                    values, check.threshold, check.margin, starts=value_starts, missing=missing
+                    values,
+                    check.threshold,
+                    check.margin,
+                    test=check.test,
+                    starts=value_starts,
+                    missing=missing,
                 ),
             }
         )
@@ -256,26 +266,30 @@ def verdict_table(
         "",
         _compute_line(summary),
         "",
-        "| check | threshold | pairs | effect (mean - threshold) | std | 95% t half-width "
-        "| per-start effect | p (Holm) | verdict | pairs for 80% power |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---|---:|",
+        "| check | threshold | test | pairs | effect (centre - threshold) | std "
+        "| 95% t half-width | per-start effect | p (Holm) | verdict | pairs for 80% power |",
+        "|---|---:|---|---:|---:|---:|---:|---|---:|---|---:|",
     ]
     for r in results:
         count = f"{r['n']}" if not r["missing"] else f"{r['n']} of {r['n'] + r['missing']}"
-        per_start = " / ".join(_fmt(v) for v in r.get("start_means", {}).values()) or "-"
+        per_start = " / ".join(_fmt(v) for v in r.get("start_effects", {}).values()) or "-"
         p = f"{r['p']:.3g}" if "p" in r else "-"
         lines.append(
-            f"| {r['check']} | {check_threshold(r)} | {count} | {_fmt(r.get('effect'))} | "
+            f"| {r['check']} | {check_threshold(r)} | {TEST_LABELS[r['test']]} | {count} | "
+            f"{_fmt(r.get('effect'))} | "
             f"{_fmt(r.get('std'), '')} | {_fmt(r.get('half_width'), '')} | {per_start} | {p} | "
             f"{r['verdict']} | {r.get('pairs_needed', '-')} |"
         )
     notes = [f"- {r['check']}: {r['note']}." for r in results if r.get("note")]
     lines += ["", *notes, *([""] if notes else [])]
     lines += [
-        "Verdict rule (docs/claims.md): the exact sign-flip test over the (start, seed) "
-        "pairs, two-sided, and with a margin two one-sided tests for equivalence; Holm's "
+        "Verdict rule (docs/claims.md): an exact test over the (start, seed) pairs, "
+        "two-sided, and with a margin two one-sided tests for equivalence: the sign-flip "
+        "test of the mean where the check compares two arms against 0 (interchangeable "
+        "under no effect), the sign test of the median otherwise (a value or gain against "
+        "a fixed threshold, a margin; the centre is then the median); Holm's "
         "correction across the claim's checks at family-wise alpha 0.05; a check missing a "
-        "pair, or whose direction a start's mean does not share, decides nothing. Supported "
+        "pair, or whose direction a start's centre does not share, decides nothing. Supported "
         "when every check is supported or equivalent, contradicted when one is "
         "contradicted. The t half-width and the power line (at alpha / hypotheses) are "
         "figures, not the test.",
@@ -320,6 +334,23 @@ def sft_dir(sft_root: str, setting: str, start: int = 0) -> str:
     """Where SFT start ``start`` of ``setting`` is cached: ``<sft_root>/<setting>/sft`` for
     start 0, ``.../sft_start<K>`` for K >= 1."""
     return os.path.join(sft_root, setting, "sft" if start == 0 else f"sft_start{start}")
+
+
+def finished_sft(setting: str, sft_root: str, variant: str = "", start: int = 0) -> str:
+    """The checkpoint directory of ``setting``'s SFT start ``start`` when it is finished
+    (its last checkpoint at the config's ``sft.steps``), without building or training
+    anything; a ValueError naming the directory otherwise."""
+    config = importlib.import_module(f"configs.{setting}").get_config(sft_variant(variant) or None)
+    directory = os.path.join(sft_dir(sft_root, setting, start), "checkpoints")
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    steps = [int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))]
+    if max(steps, default=0) != config.sft.steps:
+        raise ValueError(
+            f"SFT start {start} of {setting!r} is not finished ({directory}: step "
+            f"{max(steps, default=0)} of {config.sft.steps}); judging finished runs only, "
+            "nothing trains"
+        )
+    return directory
 
 
 def ensure_sft(setting: str, sft_root: str, variant: str = "", start: int = 0) -> str:
@@ -372,6 +403,7 @@ def run_claim(
     setting: str | None = None,
     configure: Callable | None = None,
     quiet: bool = True,
+    train: bool = True,
 ) -> dict:
     """Trains (or resumes) the claim's arms over SFT starts x seeds and judges it.
 
@@ -391,6 +423,9 @@ def run_claim(
       configure: ``config -> config`` applied to each arm's config
         (``ablate.run_ablation``); the run is then exploratory.
       quiet: no per-iteration console line.
+      train: False to re-judge the finished runs under the current rule (``--rejudge``):
+        an SFT start or run that is not finished is a ValueError naming it, and nothing
+        trains; the summary, curves and verdict.md are written again.
 
     Returns:
       ``{"claim", "verdict", "checks", "summary", "verdict_md", "exploratory"}``.
@@ -413,7 +448,7 @@ def run_claim(
     )
     plan = {}
     for start in starts:
-        checkpoint = ensure_sft(name, sft_root, variant, start)
+        checkpoint = (ensure_sft if train else finished_sft)(name, sft_root, variant, start)
 
         def apply_setting(config, checkpoint=checkpoint):
             return SETTINGS[name](config, checkpoint)
@@ -429,6 +464,7 @@ def run_claim(
         arms=labels,
         configure=configure,
         quiet=quiet,
+        train=train,
     )
     text, verdict, results = verdict_table(claim, summary, variant=variant, exploratory=exploratory)
     with open(os.path.join(workdir, "verdict.md"), "w") as f:
@@ -465,6 +501,12 @@ def define_flags() -> None:
         "testbed_long32: claim 3 on responses of up to ~400 tokens).",
     )
     flags.DEFINE_bool("list", False, "List the claims, their sources, arms and budgets.")
+    flags.DEFINE_bool(
+        "rejudge",
+        False,
+        "Judge the claim from its finished runs under the current verdict rule, training "
+        "nothing: an SFT start or run that is not finished is an error naming it.",
+    )
 
 
 def _list() -> None:
@@ -483,7 +525,7 @@ def _list() -> None:
         )
         for check in claim.checks:
             margin = f" ± {check.margin:g}" if check.margin else ""
-            field(f"check: {check.text} (threshold {check.threshold:g}{margin})")
+            field(f"check: {check.text} (threshold {check.threshold:g}{margin}; {check.test} test)")
         field(f"budget on 2 cores: {claim.budget}")
         print()
 
@@ -534,6 +576,7 @@ def main(argv):
         sft_root=args.sft_root,
         setting=setting,
         quiet=False,
+        train=not args.rejudge,
     )
     print(result["verdict_md"])
     if claim.headline is not None:

@@ -1,19 +1,20 @@
 """The verdict of a claim's checks (`experiments/reproduce.py`; the rule in docs/claims.md).
 
-A check's values are paired per (SFT start, seed). Each is tested with the exact sign-flip
-test: under "no effect" every assignment of signs to the distances from the threshold is
-equally likely, so p is the share of the 2^n assignments whose sum reaches the observed one.
-It stays exact with ties, zero spread and quantised values (pass@1 moves in 1/256), and it
-cannot decide on few pairs (its smallest p is 2^-n). With a margin, TOST (both one-sided
-tests against threshold -+ margin) can find "equivalent". Holm's correction runs over the
-hypotheses of a claim's checks (family-wise alpha 0.05). A decided check needs every pair
-present and every SFT start's mean on the decided side. The claim is supported when every
-check is supported or equivalent, and contradicted when one is contradicted. The Student t
-interval and a power line (pairs needed for 80% power) are reported, not used.
+A check's values are paired per (SFT start, seed), each tested against its threshold by an
+exact test that the check's kind chooses (``configs.claims.Check.test``): the sign-flip
+test where "no effect" makes the values symmetric about the threshold by design (a paired
+difference of interchangeable arms against 0), otherwise the sign test of their median
+(exact for any shape). Neither can decide on few pairs (smallest p 2^-n). With a margin,
+TOST (both one-sided tests against threshold -+ margin) can find "equivalent". Holm's
+correction runs over the hypotheses of a claim's checks (family-wise alpha 0.05). A
+decided check needs every pair present and every SFT start's centre (mean or median) on
+the decided side. The claim is supported when every check is supported or equivalent, and
+contradicted when one is contradicted. A t interval and a power line are reported, not used.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from typing import Sequence
@@ -28,6 +29,9 @@ POWER = 0.8
 #: draws ``MONTE_CARLO_DRAWS`` of them (a fixed rng: the same p at every call).
 EXACT_MAX_N = 20
 MONTE_CARLO_DRAWS = 200_000
+#: The exact tests a check can be decided by (``judge``'s ``test``): "sign-flip" (the
+#: values symmetric about the threshold under the null) and "sign" (their median).
+TESTS = ("sign-flip", "sign")
 
 
 def sign_flip_p(values: Sequence[float], center: float = 0.0) -> tuple[float, float]:
@@ -43,11 +47,7 @@ def sign_flip_p(values: Sequence[float], center: float = 0.0) -> tuple[float, fl
     Returns:
       ``(p_above, p_below)``.
     """
-    d = np.asarray(values, dtype=np.float64) - center
-    if d.size == 0:
-        raise ValueError("sign_flip_p needs at least one value")
-    if not np.all(np.isfinite(d)):
-        raise ValueError(f"sign_flip_p: values or center {center} not finite: {list(values)}")
+    d = _finite(values, center, "sign_flip_p")
     magnitude = np.abs(d)
     observed = float(d.sum())
     # Sums that equal the observed one up to rounding are ties.
@@ -65,6 +65,52 @@ def sign_flip_p(values: Sequence[float], center: float = 0.0) -> tuple[float, fl
         above += int(np.sum(sums >= observed - tol))
         below += int(np.sum(sums <= observed + tol))
     return (1 + above) / (1 + MONTE_CARLO_DRAWS), (1 + below) / (1 + MONTE_CARLO_DRAWS)
+
+
+def _finite(values: Sequence[float], center: float, test: str) -> np.ndarray:
+    """``values - center`` as float64, refusing none or any that is not finite."""
+    d = np.asarray(values, dtype=np.float64) - center
+    if d.size == 0:
+        raise ValueError(f"{test} needs at least one value")
+    if not np.all(np.isfinite(d)):
+        raise ValueError(f"{test}: values or center {center} not finite: {list(values)}")
+    return d
+
+
+def sign_counts(values: Sequence[float], center: float = 0.0) -> tuple[int, int]:
+    """How many values lie above and below ``center``; a value within 1e-12 (relative to
+    the larger of 1, it and ``center``) is at it: pass@1 differences in 1/256 rounded
+    as floats (0.6 - 0.5 against 0.1) tie."""
+    values = np.asarray(values, dtype=np.float64)
+    scale = np.maximum(1.0, np.maximum(np.abs(values), abs(center)))
+    d = np.where(np.abs(values - center) <= 1e-12 * scale, 0.0, values - center)
+    return int(np.sum(d > 0)), int(np.sum(d < 0))
+
+
+def _binomial_half_sf(k: int, n: int) -> float:
+    """P(X >= k) for X ~ Bin(n, 1/2), from the integers (exact to the float)."""
+    if k <= 0:
+        return 1.0
+    return sum(math.comb(n, j) for j in range(k, n + 1)) / 2**n
+
+
+def sign_test_p(values: Sequence[float], center: float = 0.0) -> tuple[float, float]:
+    """One-sided p-values of the exact sign test of the values' median against ``center``.
+
+    Of n values, k_above lie above ``center`` and k_below below (``sign_counts``).
+    ``p_above`` = P(X >= k_above) and ``p_below`` = P(X >= k_below), X ~ Bin(n, 1/2):
+    the evidence that the median lies above (below) ``center``. A value at ``center``
+    counts against both (n keeps it), so the test stays exact for H0 "median <=
+    ``center``" (resp. >=) when the values have an atom there; dropping it would test
+    P(above) = P(below) instead. Exact for any n; its smallest p is 2^-n. A value or
+    ``center`` that is not finite is a ValueError.
+
+    Returns:
+      ``(p_above, p_below)``.
+    """
+    d = _finite(values, center, "sign_test_p")
+    above, below = sign_counts(values, center)
+    return _binomial_half_sf(above, d.size), _binomial_half_sf(below, d.size)
 
 
 def holm(p_values: Sequence[float]) -> list[float]:
@@ -191,8 +237,9 @@ def _tost_pairs(alpha: float, std: float, effect: float, margin: float) -> float
 def pairs_needed(
     effect: float, std: float, margin: float | None = None, alpha: float = ALPHA
 ) -> int | str:
-    """The (start, seed) pairs for ``POWER`` at the observed ``effect`` (mean - threshold)
-    and spread, or why that is not estimable.
+    """The sign-flip test's power line: the (start, seed) pairs for ``POWER`` at the
+    observed ``effect`` (mean - threshold) and spread, or why that is not estimable
+    (``sign_pairs_needed`` serves the sign test).
 
     Without a margin: the two-sided test at ``alpha`` of effect != 0, n = ((t_{1-alpha/2} +
     t_{POWER}) std / |effect|)^2 with t at n - 1 degrees of freedom (iterated from the
@@ -223,21 +270,102 @@ def pairs_needed(
     return max(math.ceil(n - 1e-9), exact, 2)
 
 
-def _tests(values: Sequence[float], threshold: float, margin: float | None) -> dict:
+def _binomial_sf_all(n: int, share: float) -> np.ndarray:
+    """P(X >= k) for k = 0..n + 1, X ~ Bin(n, ``share``) (log-space pmf, summed from the
+    tail)."""
+    k = np.arange(n + 1)
+    if share >= 1.0 or share <= 0.0:
+        pmf = (k == (n if share >= 1.0 else 0)).astype(np.float64)
+    else:
+        log_comb = np.concatenate([[0.0], np.cumsum(np.log((n - k[1:] + 1) / k[1:]))])
+        pmf = np.exp(log_comb + k * math.log(share) + (n - k) * math.log1p(-share))
+    return np.concatenate([np.cumsum(pmf[::-1])[::-1], [0.0]])
+
+
+def _sign_power(n: int, shares: Sequence[float], one_sided: float) -> float:
+    """The sign test's power at ``n`` pairs: each of its one-sided tests (level
+    ``one_sided``, critical count k the smallest with P(Bin(n, 1/2) >= k) <= it) rejects
+    with P(Bin(n, share) >= k); with two (TOST), both must: P(first) + P(second) - 1, a
+    lower bound."""
+    null = _binomial_sf_all(n, 0.5)
+    critical = int(np.argmax(null <= one_sided))  # null[n + 1] = 0 always qualifies
+    powers = [float(_binomial_sf_all(n, q)[critical]) for q in shares]
+    return sum(powers) - (len(powers) - 1)
+
+
+#: Beyond this many pairs the sign test's power line is the normal approximation's.
+SIGN_SEARCH_MAX = 5000
+
+
+def sign_pairs_needed(counts: dict, margin: float | None = None, alpha: float = ALPHA) -> int | str:
+    """The (start, seed) pairs for ``POWER`` of the sign test at the observed shares of
+    pairs on each side, or why that is not estimable.
+
+    ``counts``: of ``n`` pairs, how many lie ``above`` and ``below`` the threshold (beyond
+    the margin with one: above threshold + margin, below threshold - margin) and, with a
+    margin, ``above_low`` (above threshold - margin) and ``below_high``; a pair at a
+    boundary counts against it (``sign_test_p``). Without a margin: the two-sided test at
+    ``alpha`` on the side most pairs lie, share q = max(above, below) / n, at the smallest
+    n where P(Bin(n, q) >= k_n) >= ``POWER``. With one: TOST at ``alpha`` when more than
+    half the pairs lie inside each end (``_sign_power``), else the two-sided test beyond
+    the margin. The shares are the observed ones (a share of 1 gives the fewest pairs at
+    which the test can reach its level); beyond ``SIGN_SEARCH_MAX`` pairs the normal
+    approximation's n.
+    """
+    n = counts["n"]
+    if counts["above"] == counts["below"] == 0 and margin is None:
+        return "not estimable (every pair at the threshold)"
+    if margin is not None and min(counts["above_low"], counts["below_high"]) * 2 > n:
+        shares, one_sided = (counts["above_low"] / n, counts["below_high"] / n), alpha
+    elif max(counts["above"], counts["below"]) * 2 > n:
+        shares, one_sided = (max(counts["above"], counts["below"]) / n,), alpha / 2
+    else:
+        return (
+            "not estimable (half the pairs)"
+            if margin is None
+            else ("not estimable (half the pairs at the margin)")
+        )
+    return _sign_search(shares, one_sided)
+
+
+@functools.lru_cache(maxsize=1024)
+def _sign_search(shares: tuple[float, ...], one_sided: float) -> int:
+    """``sign_pairs_needed``'s n for the shares (one, or TOST's two) at ``one_sided``."""
+    normal, q = statistics.NormalDist(), min(shares)
+    z = normal.inv_cdf(1 - one_sided) * 0.5 + normal.inv_cdf(POWER) * math.sqrt(q * (1 - q))
+    approx = (z / (q - 0.5)) ** 2
+    if approx > SIGN_SEARCH_MAX:
+        return math.ceil(approx)
+    n = max(2, math.ceil(math.log2(1.0 / one_sided) - 1e-12))  # 2^-n <= the level
+    while _sign_power(n, shares, one_sided) < POWER:
+        n += 1
+    return n
+
+
+def _tests(values: Sequence[float], threshold: float, margin: float | None, test: str) -> dict:
     """The hypotheses a check's values can reject: ``[(verdict, p), ...]`` with the
-    one-sided p-values they come from."""
+    one-sided p-values they come from (``test``'s), and for the sign test the counts its
+    power line reads."""
+    one_sided = sign_flip_p if test == "sign-flip" else sign_test_p
+    m = margin or 0.0
+    counts = {"n": len(values)}
+    counts["above"] = sign_counts(values, threshold + m)[0]
+    counts["below"] = sign_counts(values, threshold - m)[1]
     if margin is None:
-        above, below = sign_flip_p(values, threshold)
+        above, below = one_sided(values, threshold)
         direction = ("supported", above) if above <= below else ("contradicted", below)
         return {
             "p_above": above,
             "p_below": below,
             "tests": [(direction[0], min(1.0, 2 * direction[1]))],
+            "counts": counts,
         }
     if not (math.isfinite(margin) and margin > 0):
         raise ValueError(f"an equivalence margin must be > 0 and finite, got {margin}")
-    above_low, below_low = sign_flip_p(values, threshold - margin)
-    above_high, below_high = sign_flip_p(values, threshold + margin)
+    above_low, below_low = one_sided(values, threshold - margin)
+    above_high, below_high = one_sided(values, threshold + margin)
+    counts["above_low"] = sign_counts(values, threshold - margin)[0]
+    counts["below_high"] = sign_counts(values, threshold + margin)[1]
     # Beyond the margin: above threshold + margin, or below threshold - margin.
     direction = (
         ("supported", above_high) if above_high <= below_low else ("contradicted", below_low)
@@ -250,17 +378,18 @@ def _tests(values: Sequence[float], threshold: float, margin: float | None) -> d
             ("equivalent", max(above_low, below_high)),
             (direction[0], min(1.0, 2 * direction[1])),
         ],
+        "counts": counts,
     }
 
 
-def _on_side(mean: float, verdict: str, threshold: float, margin: float | None) -> bool:
-    """Whether a mean lies where ``verdict`` puts the check's centre."""
+def _on_side(centre: float, verdict: str, threshold: float, margin: float | None) -> bool:
+    """Whether a centre (mean or median) lies where ``verdict`` puts the check's."""
     m = margin or 0.0
     if verdict == "supported":
-        return mean > threshold + m
+        return centre > threshold + m
     if verdict == "contradicted":
-        return mean < threshold - m
-    return threshold - m < mean < threshold + m  # equivalent
+        return centre < threshold - m
+    return threshold - m < centre < threshold + m  # equivalent
 
 
 def judge(
@@ -268,6 +397,7 @@ def judge(
     threshold: float,
     margin: float | None = None,
     *,
+    test: str = "sign",
     starts: Sequence[int] | None = None,
     missing: int = 0,
 ) -> dict:
@@ -277,23 +407,32 @@ def judge(
     Args:
       values: one per (SFT start, seed) pair, e.g. a paired difference between two arms.
       threshold: the check is "supported" when the values lie above it, "contradicted"
-        when below (the sign-flip test, two-sided at ``ALPHA``).
+        when below (``test``, two-sided at ``ALPHA``).
       margin: with one, "equivalent" when TOST shows the values within threshold -+
         margin; "supported" / "contradicted" then mean beyond the margin.
-      starts: the SFT start of each value (for the per-start means: a decided direction
-        that a start's mean does not share is no verdict).
+      test: "sign" (default: the sign test of the median, exact for any values) or
+        "sign-flip" (exact only where the null makes the values symmetric about the
+        threshold: a paired difference of interchangeable arms against 0;
+        ``configs.claims.Check.test`` chooses).
+      starts: the SFT start of each value (for the per-start centres: a decided
+        direction that a start's mean, or median under the sign test, does not share
+        is no verdict).
       missing: pairs of the sweep without a value (not logged, or not finite): a check
         with any is not decided. ``values`` themselves must be finite (a ValueError).
 
     Returns:
-      ``{"n", "missing", "verdict", "note", ...}``; with values also "mean", "std",
-      "half_width" (95% Student t), "effect" (mean - threshold), "start_means" ({start:
-      mean - threshold}), "p_above" / "p_below" (one-sided, against threshold or beyond
-      the margin), "p_equivalent" (with a margin), "tests" ([(verdict, p)]), "p" (the
-      decisive hypothesis's p after Holm) and "pairs_needed" (``pairs_needed``).
-      ``verdict`` is "supported", "contradicted", "equivalent", "inconclusive", or
-      "not run" when no pair has a value.
+      ``{"n", "missing", "test", "verdict", "note", ...}``; with values also "mean",
+      "median", "std", "half_width" (95% Student t), "effect" (the test's centre, the mean
+      or under the sign test the median, minus the threshold), "start_effects" ({start:
+      its centre - threshold}), "start_means" ({start: mean - threshold}), "p_above" /
+      "p_below" (one-sided, against threshold or beyond the margin), "p_equivalent" (with
+      a margin), "tests" ([(verdict, p)]), "counts" (pairs above / below), "p" (the
+      decisive hypothesis's p after Holm) and "pairs_needed" (``pairs_needed`` or
+      ``sign_pairs_needed``). ``verdict`` is "supported", "contradicted", "equivalent",
+      "inconclusive", or "not run" when no pair has a value.
     """
+    if test not in TESTS:
+        raise ValueError(f"judge: test must be one of {', '.join(TESTS)}, got {test!r}")
     values = [float(v) for v in values]
     for i, value in enumerate(values):
         if not math.isfinite(value):
@@ -306,7 +445,14 @@ def judge(
         raise ValueError(f"judge: {len(values)} values but {len(starts)} starts")
     n = len(values)
     if n == 0:
-        return {"n": 0, "missing": missing, "verdict": "not run", "note": "no pair has a value"}
+        return {
+            "n": 0,
+            "missing": missing,
+            "test": test,
+            "verdict": "not run",
+            "note": "no pair has a value",
+        }
+    centre = statistics.fmean if test == "sign-flip" else statistics.median
     mean = statistics.fmean(values)
     std = statistics.stdev(values) if n > 1 else math.nan
     half = student_t_quantile(0.975, n - 1) * std / math.sqrt(n) if n > 1 else math.inf
@@ -316,17 +462,29 @@ def judge(
     result = {
         "n": n,
         "missing": missing,
+        "test": test,
         "threshold": threshold,
         "margin": margin,
         "mean": mean,
+        "median": statistics.median(values),
         "std": std,
         "half_width": half,
-        "effect": mean - threshold,
+        "effect": centre(values) - threshold,
+        "start_effects": {s: centre(v) - threshold for s, v in sorted(by_start.items())},
         "start_means": {s: statistics.fmean(v) - threshold for s, v in sorted(by_start.items())},
-        **_tests(values, threshold, margin),
+        **_tests(values, threshold, margin, test),
     }
     (decided,) = _decide([result])
     return decided
+
+
+def _power_line(check: dict, alpha: float) -> int | str:
+    """The check's pairs for ``POWER`` at ``alpha`` by the power of its own test."""
+    if check["n"] < 2:
+        return "not estimable (one pair)"
+    if check["test"] == "sign":
+        return sign_pairs_needed(check["counts"], check["margin"], alpha)
+    return pairs_needed(check["effect"], check["std"], check["margin"], alpha)
 
 
 def _decide(checks: Sequence[dict]) -> list[dict]:
@@ -342,11 +500,7 @@ def _decide(checks: Sequence[dict]) -> list[dict]:
         own = [(a, verdict) for (j, verdict, _), a in zip(family, adjusted) if j == i]
         p, verdict = min(own)
         check["p"] = p
-        check["pairs_needed"] = (
-            pairs_needed(check["effect"], check["std"], check["margin"], ALPHA / len(family))
-            if check["n"] > 1
-            else "not estimable (one pair)"
-        )
+        check["pairs_needed"] = _power_line(check, ALPHA / len(family))
         notes = []
         if p > ALPHA:
             verdict = "inconclusive"
@@ -354,7 +508,7 @@ def _decide(checks: Sequence[dict]) -> list[dict]:
             notes.append(f"{check['missing']} of {check['missing'] + check['n']} pairs missing")
         off = [
             s
-            for s, effect in check["start_means"].items()
+            for s, effect in check["start_effects"].items()
             if verdict != "inconclusive"
             and not _on_side(
                 effect + check["threshold"], verdict, check["threshold"], check["margin"]

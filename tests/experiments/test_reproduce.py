@@ -271,10 +271,14 @@ def test_a_verdict_over_starts_and_seeds_with_every_pair():
     # 10 pairs all above 0.05: two-sided p = 2 / 1024, one hypothesis.
     assert verdict == "supported" and check["verdict"] == "supported"
     assert check["p"] == pytest.approx(2 / 1024) and check["n"] == 10 and check["missing"] == 0
-    # Start 0: mean 0.07 - 0.05; start 1: 0.0674 - 0.05.
+    # Start 0: mean 0.07 - 0.05; start 1: 0.0674 - 0.05. A value is decided by the sign
+    # test of its median (0.07 and 0.062), which the table shows.
     assert check["start_means"] == pytest.approx({0: 0.02, 1: 0.0174})
+    assert check["test"] == "sign" and check["start_effects"] == pytest.approx({0: 0.02, 1: 0.012})
+    assert check["effect"] == pytest.approx(0.0675 - 0.05)  # the median of the 10
     assert text.startswith("# Claim `routing_volatility`: supported at 2 SFT start(s) x 5 seed(s)")
-    assert "| +0.0200 / +0.0174 | 0.00195 | supported |" in text
+    assert "| 0.05 | sign (median) | 10 | +0.0175 |" in text
+    assert "| +0.0200 / +0.0120 | 0.00195 | supported |" in text
     assert "--starts 0,1 --seeds 0,1,2,3,4" in text and "lr 0.001, 20 policy iterations" in text
     assert "exploratory" not in text.lower()
     assert "\nCompute: not recorded for its 10 runs.\n" in text
@@ -304,7 +308,10 @@ def test_a_check_not_run_or_missing_a_pair_leaves_the_claim_inconclusive():
         "supported",
     ]
     assert verdict == "inconclusive"
-    assert "| GRPO with R3 ends above GRPO without replay | 0 | 0 of 10 | - |" in text
+    assert (
+        "| GRPO with R3 ends above GRPO without replay | 0 | sign-flip (mean) | 0 of 10 | - |"
+        in (text)
+    )
     # GRPO's clip fraction 0 at one pair: the log ratio has no value there.
     down[(1, 3)] = _run(0.3, clip=0.0)
     summary = _summary({"grpo": down, "grpo_R2": up, "grpo_R3": up, "gspo": up}, seeds=range(5))
@@ -343,7 +350,7 @@ def test_magistral_no_harm_check_is_an_equivalence_test():
         claim, _summary({"sync": sync, "async": near}, seeds=range(6))
     )
     assert (learns["verdict"], same["verdict"], verdict) == ("supported", "equivalent", "supported")
-    assert "| 0 ± 0.05 | 12 |" in text and "equivalent" in text
+    assert "| 0 ± 0.05 | sign (median) | 12 |" in text and "equivalent" in text
     far = {p: _run(r["pass@1_end"] - 0.2, start=0.4) for p, r in sync.items()}
     _, verdict, (_, same) = reproduce.verdict_table(
         claim, _summary({"sync": sync, "async": far}, seeds=range(6))
@@ -548,6 +555,19 @@ def test_a_tiny_claim_runs_over_two_starts_end_to_end_and_resumes(tmp_path, monk
     again = reproduce.run_claim(claim, workdir, **run)
     assert again["checks"][0]["values"] == check["values"] and sft_log.read_text() == before
 
+    # Re-judged (--rejudge): the finished runs only; no SFT start is built, nothing trains,
+    # and a start or run that is not finished is an error naming it.
+    monkeypatch.setattr(reproduce, "ensure_sft", refuse)
+    rejudged = reproduce.run_claim(claim, workdir, **run, train=False)
+    assert rejudged["checks"][0]["values"] == check["values"]
+    assert rejudged["verdict_md"] == (tmp_path / "claim" / "verdict.md").read_text()
+    with pytest.raises(ValueError, match=r"one_update/seed1 is not finished \(routing_vol"):
+        reproduce.run_claim(claim, workdir, **{**run, "seeds": (0, 1)}, train=False)
+    with pytest.raises(
+        ValueError, match=r"SFT start 2 of 'testbed' is not finished \(.*sft_start2"
+    ):
+        reproduce.run_claim(claim, workdir, **{**run, "starts": (0, 2)}, train=False)
+
 
 def test_diff_of_diffs_checks_and_the_routing_claims():
     """(a - b) - (c - d) at each pair, by hand; the routing claim's dose-response has its
@@ -566,8 +586,25 @@ def test_diff_of_diffs_checks_and_the_routing_claims():
     with pytest.raises(ValueError, match="arms c and d go with a 'diff_of_diffs' check"):
         Check("x", "diff", "a", "b", c="c", d="d")
     dose = get_claim("routing_replay")
-    assert len(dose.checks) == 4 * 3 + 2
+    assert len(dose.checks) == 5 * 3 + 2 and len(dose.arm_labels()) == 6 * 3
     assert {c.kind for c in dose.checks} == {"diff", "gain", "diff_of_diffs"}
+    # Per level, R3 against R2 like for like (both in the asynchronous loop): no harm
+    # within Magistral's margin, by the sign test.
+    for level in claims.ROUTING_LEVELS:
+        (r3_vs_r2,) = [c for c in dose.checks if c.a == f"grpo_R3_async_{level}" and c.margin]
+        assert (r3_vs_r2.b, r3_vs_r2.margin, r3_vs_r2.test) == (
+            f"grpo_R2_async_{level}",
+            0.05,
+            "sign",
+        )
+        configs = {
+            arm: ablate.arm_config(dose.ablation, arm, 0, dose.regime)
+            for arm in (f"grpo_R2_async_{level}", f"grpo_R3_async_{level}")
+        }
+        r2, r3 = configs.values()
+        assert (r2.algo.routing_replay, r3.algo.routing_replay) == ("R2", "R3")
+        assert r2.async_mode.enabled and r3.async_mode.enabled
+        assert ablate.config_diff(r2, r3) == {"algo.routing_replay": ["R2", "R3"]}
     share = get_claim("routing_share")
     assert share.diagnostic and len(share.starts) == 1 and share.regime == dose.regime
     assert share.setting == dose.setting == "testbed_long" and set(share.starts) < set(dose.starts)

@@ -1,7 +1,10 @@
 """experiments/verdicts.py: the sign-flip test against enumeration by hand and in integers,
-Holm's correction and Student's t against hand-worked cases and scipy, judge's verdicts on
-hand-made inputs (zero spread, quantised values, too few pairs, equivalence, missing pairs,
-disagreeing starts), a claim's verdict over its checks, and the pairs a check needs."""
+the sign test against binomial sums by hand (ties; the false-positive rates where the
+sign-flip test lacks its symmetry; its power line against scipy's binomial), Holm's
+correction (also across both tests) and Student's t against hand-worked cases and scipy,
+judge's verdicts on hand-made inputs (zero spread, quantised values, too few pairs,
+equivalence, missing pairs, disagreeing starts), a claim's verdict over its checks, and the
+pairs a check needs."""
 
 import itertools
 import math
@@ -10,6 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from configs.claims import Check
 from experiments import verdicts
 from experiments.verdicts import claim_verdict, judge
 
@@ -88,11 +92,13 @@ def test_student_t_matches_scipy():
 
 
 def test_judge_needs_more_than_zero_spread():
-    got = judge([0.004, 0.004], 0)
+    """Either test (the sign-flip test here; the sign test gives the same p on values of
+    one sign)."""
+    got = judge([0.004, 0.004], 0, test="sign-flip")
     assert got["verdict"] == "inconclusive" and got["half_width"] == 0.0
     assert (got["p_above"], got["p"]) == (0.25, 0.5)
     # The old rule's "supported" at 3 seeds (mean 0.6 - h 0.248 > 0): p >= 2 / 8 here.
-    three = judge([0.5, 0.6, 0.7], 0.0)
+    three = judge([0.5, 0.6, 0.7], 0.0, test="sign-flip")
     assert three["verdict"] == "inconclusive" and three["p"] == 0.25
     assert three["mean"] == pytest.approx(0.6) and three["std"] == pytest.approx(0.1)
     assert three["half_width"] == pytest.approx(4.302653 * 0.1 / math.sqrt(3), rel=1e-6)
@@ -104,14 +110,18 @@ def test_judge_needs_more_than_zero_spread():
     # Quantised, no spread: six equal gains of 1/256 are six same-sign pairs...
     assert judge([1 / 256] * 6, 0)["verdict"] == "supported"
     # ...and six values at the threshold say nothing.
-    at = judge([1 / 256] * 6, 1 / 256)
+    at = judge([1 / 256] * 6, 1 / 256, test="sign-flip")
     assert at["verdict"] == "inconclusive" and at["p"] == 1.0
     assert at["pairs_needed"] == "not estimable (no spread)"
+    at = judge([1 / 256] * 6, 1 / 256)  # the sign test: every pair a tie
+    assert at["verdict"] == "inconclusive" and at["p"] == 1.0
+    assert at["pairs_needed"] == "not estimable (every pair at the threshold)"
     one = judge([0.9], 0)
     assert one["verdict"] == "inconclusive" and one["half_width"] == math.inf
     assert judge([], 0) == {
         "n": 0,
         "missing": 0,
+        "test": "sign",
         "verdict": "not run",
         "note": "no pair has a value",
     }
@@ -148,12 +158,16 @@ def test_missing_pairs_and_disagreeing_starts_decide_nothing():
     # Start 0's six pairs clearly positive, start 1's two slightly negative: the test over
     # the 8 pairs is significant (4 of 256 assignments reach the sum), start 1 is not.
     d = [1, 1, 1, 1, 1, 1, -0.1, -0.1]
-    split = judge(d, 0, starts=[0] * 6 + [1] * 2)
+    split = judge(d, 0, test="sign-flip", starts=[0] * 6 + [1] * 2)
     assert split["p_above"] == 4 / 256 and split["p"] == pytest.approx(8 / 256)
     assert split["start_means"] == pytest.approx({0: 1.0, 1: -0.1})
     assert split["verdict"] == "inconclusive"
     assert split["note"] == "start(s) 1 disagree; the test alone: supported"
-    assert judge(d, 0)["verdict"] == "supported"  # one start: nothing to disagree
+    assert judge(d, 0, test="sign-flip")["verdict"] == "supported"  # one start: no disagreeing
+    # Under the sign test a start's median decides: start 1's two pairs lie below.
+    assert judge([1] * 9 + [-1], 0, starts=[0] * 8 + [1] * 2)["note"] == (
+        "start(s) 1 disagree; the test alone: supported"
+    )
     with pytest.raises(ValueError, match="3 values but 2 starts"):
         judge([1, 2, 3], 0, starts=[0, 1])
 
@@ -250,11 +264,11 @@ def test_power_line_at_an_effect_near_zero():
     normal = (stats.norm.ppf(0.975) + stats.norm.ppf(0.8)) ** 2 / 1e-14
     assert verdicts.pairs_needed(1e-7, 1.0) == pytest.approx(normal, rel=1e-6)
     values = [0.1, 0.2, 0.3, 0.1, 0.2, 0.3]
-    got = judge(values, 0.2)
+    got = judge(values, 0.2, test="sign-flip")
     assert got["effect"] != 0.0 and abs(got["effect"]) < 1e-15  # the float mean's rounding
     assert got["verdict"] == "inconclusive"
     assert got["pairs_needed"] == "not estimable (effect 0)"
-    at_margin = judge([0.05 + v for v in values], 0.2, margin=0.05)
+    at_margin = judge([0.05 + v for v in values], 0.2, margin=0.05, test="sign-flip")
     assert at_margin["pairs_needed"] == "not estimable (effect at margin)"
 
 
@@ -276,3 +290,166 @@ def test_equivalence_power_line_counts_both_one_sided_tests():
         n = n or verdicts.pairs_needed(effect, 0.05, margin=0.05)
         assert _tost_power(n, effect, 0.05, 0.05) >= 0.8, (effect, n)
         assert _tost_power(n - 2, effect, 0.05, 0.05) < 0.8, (effect, n)
+
+
+def _rejection_rate(draw, center, reps=2000, test="sign"):
+    """The share of ``reps`` draws of values that ``test`` decides at two-sided 0.05 (fixed
+    rng; judge's verdict for one check without a margin, its power line left out)."""
+    one_sided = verdicts.sign_flip_p if test == "sign-flip" else verdicts.sign_test_p
+    rng = np.random.default_rng(0)
+    decided = 0
+    for i in range(reps):
+        values = draw(rng)
+        rejects = 2 * min(one_sided(values, center)) <= verdicts.ALPHA
+        if i < 5:  # judge decides as much
+            verdict = judge(values, center, test=test)["verdict"]
+            assert (verdict != "inconclusive") == rejects, (values, verdict)
+        decided += rejects
+    return decided / reps
+
+
+#: Three standard errors of a rate of 0.05 over 2000 draws.
+RATE_TOLERANCE = 3 * math.sqrt(0.05 * 0.95 / 2000)
+
+
+def test_the_sign_flip_test_needs_symmetry_that_a_value_or_gain_lacks():
+    """A single arm's figure against a fixed threshold has no symmetry by design: on skewed
+    values whose mean (or median) sits at the threshold the sign-flip test decides far more
+    often than its nominal 0.05. The sign test of the median is exact for any shape (at
+    n = 10 its two-sided size is 2 x 11/1024), and a "value" or "gain" check uses it."""
+
+    def exponential(rng):
+        return rng.exponential(1.0, 10)
+
+    def lognormal(rng):
+        return rng.lognormal(0.0, 1.5, 10)
+
+    flip = {"test": "sign-flip"}
+    # The mean at the threshold: exponential 1 has mean 1; lognormal(0, 1.5) exp(1.125).
+    assert _rejection_rate(exponential, 1.0, **flip) > 0.05 + RATE_TOLERANCE  # ~0.09
+    assert _rejection_rate(lognormal, math.exp(1.125), **flip) > 0.2  # ~0.28
+    # The median at the threshold: the sign-flip test is not exact for it either...
+    assert _rejection_rate(lognormal, 1.0, **flip) > 0.05 + RATE_TOLERANCE  # ~0.11
+    # ...the sign test is, whatever the shape (judge's default; Check chooses it).
+    assert Check("", "value", "a", threshold=0.5).test == "sign"
+    assert Check("", "gain", "a", threshold=0.1).test == "sign"
+    for draw, median in ((exponential, math.log(2.0)), (lognormal, 1.0)):
+        assert _rejection_rate(draw, median) <= 0.05 + RATE_TOLERANCE
+        assert _rejection_rate(draw, median, test="sign") <= 0.05 + RATE_TOLERANCE
+    # Symmetric by design: a paired difference at threshold 0 keeps the sign-flip test.
+    assert Check("", "diff", "a", "b").test == "sign-flip"
+    assert Check("", "log10_ratio", "a", "b", metric="m").test == "sign-flip"
+    assert Check("", "diff_of_diffs", "a", "b", c="c", d="d").test == "sign-flip"
+    # Not at threshold 0, or with a margin (TOST's nulls sit at +-margin, where the arms
+    # differ): no symmetry by design, the sign test.
+    assert Check("", "log10_ratio", "a", "b", metric="m", threshold=1.5).test == "sign"
+    assert Check("", "diff", "a", "b", margin=0.05).test == "sign"
+
+
+def test_sign_test_hand_worked():
+    # 9 of 10 above: P(X >= 9) = (10 + 1) / 1024 for X ~ Bin(10, 1/2); P(X <= 9) = 1023/1024.
+    nine = [0.2] * 9 + [-0.1]
+    assert verdicts.sign_test_p(nine) == (11 / 1024, 1023 / 1024)
+    got = judge(nine, 0, test="sign")
+    assert got["p"] == pytest.approx(2 * 11 / 1024) and got["verdict"] == "supported"
+    assert got["test"] == "sign"
+    # The magnitudes do not count: the sign-flip test finds 9 of 10 far less often
+    # against one large negative value.
+    heavy = [0.01] * 9 + [-1.0]
+    assert verdicts.sign_test_p(heavy) == (11 / 1024, 1023 / 1024)
+    assert judge(heavy, 0, test="sign-flip")["verdict"] == "inconclusive"
+    # 8 of 10 above: P(X >= 8) = (45 + 10 + 1) / 1024, two-sided 0.109: inconclusive.
+    assert judge([0.3] * 8 + [-0.2] * 2, 0)["p"] == pytest.approx(2 * 56 / 1024)
+    # All above: the floor 2^-n, as the sign-flip test's.
+    assert verdicts.sign_test_p([0.6] * 6, 0.5) == (1 / 64, 1.0)
+    assert verdicts.sign_test_p([7.0]) == (0.5, 1.0)
+    # Exact beyond the sign-flip test's enumeration: 30 values, 25 above.
+    thirty = [1.0] * 25 + [-1.0] * 5
+    tail = sum(math.comb(30, k) for k in range(25, 31)) / 2**30
+    assert verdicts.sign_test_p(thirty)[0] == pytest.approx(tail, rel=1e-12)
+    assert verdicts.sign_test_p(thirty)[0] == pytest.approx(stats.binom.sf(24, 30, 0.5))
+    with pytest.raises(ValueError, match="at least one value"):
+        verdicts.sign_test_p([])
+    with pytest.raises(ValueError, match="not finite"):
+        verdicts.sign_test_p([0.1, math.nan])
+    with pytest.raises(ValueError, match="test must be one of sign-flip, sign, got 't'"):
+        judge([0.1] * 6, 0, test="t")
+
+
+def test_sign_test_counts_ties_against_each_direction():
+    """A value at the threshold is evidence for neither side: it counts as a failure of
+    both one-sided tests (n stays 10), which keeps the test of the median exact where the
+    values have an atom at it. Dropping ties would test P(above) = P(below) instead."""
+    # 8 above, 2 at the threshold: P(X >= 8) of Bin(10, 1/2) = 56/1024 (dropped: 1/256).
+    tied = [0.6] * 8 + [0.5] * 2
+    assert verdicts.sign_test_p(tied, 0.5) == (56 / 1024, 1.0)
+    # Quantised: gains of exactly 0.10 as floats (0.6 - 0.5) tie with the threshold 0.10.
+    gains = [0.6 - 0.5] * 4 + [0.7 - 0.5] * 6
+    six_or_more = sum(math.comb(10, k) for k in range(6, 11)) / 1024
+    assert verdicts.sign_test_p(gains, 0.10) == (six_or_more, 1.0)
+    assert verdicts.sign_test_p([0.5] * 4, 0.5) == (1.0, 1.0)
+
+    # The values' median is the threshold (P(at it) = 0.6, P(above) = 0.4): a true null,
+    # decided at most 5% of the time. Dropping the ties would decide it whenever 6 or more
+    # of the 20 values are not tied (all of those lie above: two-sided p 2^(1-n)).
+    def atom(rng):
+        return np.where(rng.random(20) < 0.6, 0.0, 1.0)
+
+    assert _rejection_rate(atom, 0.0) <= 0.05
+    rng = np.random.default_rng(0)
+    dropped = np.mean([np.sum(atom(rng) > 0) >= 6 for _ in range(2000)])
+    assert dropped > 0.8  # ~0.87
+
+
+def test_holm_across_sign_and_sign_flip_checks():
+    """A claim of a sign-flip check and a sign check: Holm over both tests' p-values."""
+    diff = judge([0.1, 0.2, 0.05, 0.3, 0.1, 0.2, 0.15], 0, test="sign-flip")  # 2/128
+    value = judge([0.6] * 9 + [0.4], 0.5)  # the sign test: 2 x 11/1024
+    assert (diff["test"], value["test"]) == ("sign-flip", "sign")
+    verdict, (d, v) = claim_verdict([diff, value])
+    # Sorted 2/128 = 0.0156 x 2 = 0.031; 22/1024 = 0.0215 x 1, kept non-decreasing: 0.031.
+    assert d["p"] == pytest.approx(4 / 128) and v["p"] == pytest.approx(4 / 128)
+    assert verdict == "supported" and (d["test"], v["test"]) == ("sign-flip", "sign")
+    # 8 of 10: 2 x 56/1024 = 0.109 alone; the claim is inconclusive, the diff still holds.
+    weaker = judge([0.6] * 8 + [0.4] * 2, 0.5)
+    verdict, (d, v) = claim_verdict([diff, weaker])
+    assert (d["verdict"], v["verdict"], verdict) == ("supported", "inconclusive", "inconclusive")
+    assert d["p"] == pytest.approx(4 / 128) and v["p"] == pytest.approx(112 / 1024)
+
+
+def _sign_power(n, share, one_sided):
+    """The sign test's power at n pairs when each lies above with probability ``share``."""
+    critical = next(k for k in range(n + 2) if stats.binom.sf(k - 1, n, 0.5) <= one_sided)
+    return stats.binom.sf(critical - 1, n, share)
+
+
+def test_pairs_needed_for_the_sign_test_from_the_observed_share():
+    """The sign test's power line: the smallest n at which its exact power at the observed
+    share of pairs on the decided side reaches 80% (scipy's binomial as the reference)."""
+    for above, n in ((8, 10), (9, 10), (7, 10), (15, 20)):
+        values = [1.0] * above + [-1.0] * (n - above)
+        needed = judge(values, 0)["pairs_needed"]
+        share = above / n
+        assert _sign_power(needed, share, 0.025) >= 0.8, (above, n)
+        assert all(_sign_power(m, share, 0.025) < 0.8 for m in range(2, needed)), (above, n)
+    # Every pair above: the fewest pairs at which the test can reach alpha / 2 (2^-6).
+    assert judge([1.0] * 10, 0)["pairs_needed"] == 6
+    assert judge([1.0] * 5 + [-1.0] * 5, 0)["pairs_needed"] == "not estimable (half the pairs)"
+    # Ties count against: 8 above and 2 at the threshold is a share of 0.8.
+    tied = judge([1.0] * 8 + [0.0] * 2, 0)["pairs_needed"]
+    assert tied == judge([1.0] * 8 + [-1.0] * 2, 0)["pairs_needed"]
+    # A claim's check takes the strictest Holm level (alpha / hypotheses).
+    _, (first, _) = claim_verdict([judge([1.0] * 8 + [-1.0] * 2, 0)] * 2)
+    needed = first["pairs_needed"]
+    assert _sign_power(needed, 0.8, 0.0125) >= 0.8
+    assert all(_sign_power(m, 0.8, 0.0125) < 0.8 for m in range(2, needed))
+    # Equivalence (TOST by two sign tests at alpha): 9 of 10 inside the margin, one above;
+    # power P(first rejects) + P(second rejects) - 1 at the shares 1.0 and 0.9.
+    near = judge([0.0] * 9 + [0.2], 0, margin=0.05)
+    assert near["test"] == "sign"
+    needed = near["pairs_needed"]
+
+    def tost_power(m):
+        return _sign_power(m, 1.0, 0.025) + _sign_power(m, 0.9, 0.025) - 1.0
+
+    assert tost_power(needed) >= 0.8 and all(tost_power(m) < 0.8 for m in range(2, needed))

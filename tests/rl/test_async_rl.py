@@ -443,3 +443,46 @@ def test_group_batcher_drops_by_criterion_and_reports_the_fillers():
         assert not batcher.add(half_missed) and batcher.add(mixed)
         kept, _ = batcher.batch()
         assert len(kept) == 1 and kept[0] is mixed
+
+
+@pytest.mark.parametrize("mode", ["R2", "R3"])
+def test_routing_replay_in_the_asynchronous_loop(mode, tmp_path, monkeypatch):
+    """GRPO in the asynchronous loop (the routing claim's grpo_R2_async / grpo_R3_async
+    arms), with a sampler that routes differently (each round's expert ids shifted by one
+    on their way into the update, as a stale or lower-precision sampler's would differ):
+    R2 replays pi_old's own routing, recomputed here from the parameters the batch was
+    prepared with; R3 replays the sampler's. Either way the update's ratio at those
+    parameters is 1."""
+    from configs import grpo
+    from policyopt.rl.loop import async_rl, iteration
+
+    prepared_with, sampled_routing = [], []
+    original = async_rl.prepare
+
+    def shifted(spec, state, rnd):
+        rnd = rnd._replace(routing=(rnd.routing + 1) % spec.config.model.num_experts)
+        prepared_with.append(
+            jax.tree.map(jnp.copy, iteration.policy_params(spec, state.policy.params))
+        )
+        sampled_routing.append(np.asarray(rnd.routing))
+        return original(spec, state, rnd)
+
+    monkeypatch.setattr(async_rl, "prepare", shifted)
+    config = tiny(
+        f"algo.routing_replay={mode},model.num_experts=4,dynamic_sampling.enabled=False,"
+        "train.num_iterations=2",
+        recipe=grpo,
+    )
+    assert async_enabled(config) and config.algo.old_log_probs == "trainer"
+    run = run_async_rl(config, str(tmp_path), quiet=True)["run"]
+    batch, old_params = run.last_batch, prepared_with[-1]
+    natural = np.asarray(
+        run.spec.learner.log_probs(
+            old_params, batch.tokens, batch.positions, batch.attention_mask, batch.mask
+        )[2]
+    )
+    assert np.any(natural != sampled_routing[-1])  # the two arms replay different routing
+    expected = natural if mode == "R2" else sampled_routing[-1]
+    np.testing.assert_array_equal(np.asarray(batch.routing), expected)
+    _, metrics = jax.jit(run.spec.learner.loss)(old_params, batch)
+    assert float(metrics["loss/ratio_max"]) == pytest.approx(1.0, abs=1e-5)
