@@ -177,6 +177,20 @@ def check_threshold(result: dict) -> str:
     return text + (f" ± {result['margin']:g}" if result.get("margin") else "")
 
 
+def pairs_beyond(claim: Claim, starts: Sequence[int], seeds: Sequence[int]) -> list[str]:
+    """The SFT starts and seeds outside the claim's definition, as text ("seeds 5, 6"):
+    a verdict over them is exploratory, since adding seeds until a check passes (optional
+    stopping) reaches any verdict."""
+    return [
+        f"{kind} {', '.join(map(str, extra))}"
+        for kind, extra in (
+            ("starts", sorted(set(starts) - set(claim.starts))),
+            ("seeds", sorted(set(seeds) - set(claim.seeds))),
+        )
+        if extra
+    ]
+
+
 def verdict_table(
     claim: Claim, summary: dict, *, variant: str = "", exploratory: bool = False
 ) -> tuple[str, str, list[dict]]:
@@ -237,16 +251,26 @@ def verdict_table(
         command += f" --setting {setting}"
     if variant:
         command += f" --variant {shlex.quote(variant)}"
+    beyond = pairs_beyond(claim, starts, seeds)
+    exploratory = exploratory or bool(beyond)
     label = " (exploratory)" if exploratory else ""
     lines = [
         f"# Claim `{claim.name}`{label}: {verdict} at {len(starts)} SFT start(s) x "
         f"{len(seeds)} seed(s)",
         "",
     ]
-    if exploratory:
+    if exploratory and (variant or not beyond):
         how = f"`--variant {variant}`" if variant else "A changed arm config"
         lines += [
             f"**Exploratory**: {how} departs from the claim's definition; "
+            "this verdict is not the claim's.",
+            "",
+        ]
+    if beyond:
+        lines += [
+            f"**Exploratory**: {' and '.join(beyond)} beyond the claim's (SFT starts "
+            f"{list(claim.starts)} x seeds {list(claim.seeds)}); a verdict over pairs added "
+            "after the definition can be reached by adding them until a check passes; "
             "this verdict is not the claim's.",
             "",
         ]
@@ -475,7 +499,8 @@ def run_claim(
         "checks": results,
         "summary": summary,
         "verdict_md": text,
-        "exploratory": exploratory,
+        "exploratory": exploratory
+        or bool(pairs_beyond(claim, summary["starts"], summary["seeds"])),
     }
 
 

@@ -741,7 +741,8 @@ def test_a_papers_claim_at_one_sft_start_decides_nothing():
     """--starts 0: the disagreeing-start guard cannot act and the between-start spread is
     not sampled; a paper's claim (>= 2 starts by definition) is then inconclusive, a regime
     diagnostic (one start by definition) is not."""
-    claim = get_claim("magistral_async")
+    # Defined at 8 seeds: 5 pairs cannot decide a two-sided sign test (p >= 2 / 32).
+    claim = dataclasses.replace(get_claim("magistral_async"), seeds=tuple(range(8)))
     pairs = [(0, seed) for seed in range(8)]
     sync = {p: _run(0.70 + 0.01 * (i % 3), start=0.4) for i, p in enumerate(pairs)}
     near = {
@@ -758,7 +759,7 @@ def test_a_papers_claim_at_one_sft_start_decides_nothing():
         ">= 2 (its checks alone: supported)." in text
     )
     # A regime diagnostic defined at one start keeps its verdict.
-    share = get_claim("routing_share")
+    share = dataclasses.replace(get_claim("routing_share"), seeds=tuple(range(8)))
     assert share.diagnostic and len(share.starts) == 1
     runs = {
         (share.starts[0], seed): {
@@ -771,6 +772,22 @@ def test_a_papers_claim_at_one_sft_start_decides_nothing():
     summary = _summary({"gspo": runs}, starts=share.starts, seeds=range(8))
     text, verdict, _ = reproduce.verdict_table(share, summary)
     assert verdict == "supported" and "the claim is decided over" not in text
+
+
+def test_pairs_beyond_the_claims_definition_make_its_verdict_exploratory():
+    """Seeds added after the definition (optional stopping: add seeds until a check passes):
+    the verdict is labelled exploratory, never the claim's; within the definition it is not."""
+    claim = get_claim("routing_volatility")  # starts (0, 1) x seeds 0-4
+    more = [(start, seed) for start in (0, 1) for seed in range(7)]
+    runs = {"one_update": {pair: {"routing/volatility": 0.07} for pair in more}}
+    text, verdict, _ = reproduce.verdict_table(claim, _summary(runs, seeds=range(7)))
+    assert verdict == "supported"  # 14 pairs all above 0.05: p 2 / 2^14
+    assert text.startswith("# Claim `routing_volatility` (exploratory): supported")
+    assert "**Exploratory**: seeds 5, 6 beyond the claim's (SFT starts [0, 1] x seeds " in text
+    assert reproduce.pairs_beyond(claim, (0, 1, 2), range(5)) == ["starts 2"]
+    assert reproduce.pairs_beyond(claim, (1,), (0, 3)) == []  # a subset: not beyond
+    text, verdict, _ = reproduce.verdict_table(claim, _summary(runs, seeds=range(5)))
+    assert verdict == "supported" and "xploratory" not in text
 
 
 def test_a_seed_or_start_named_twice_is_refused_not_counted_twice():
