@@ -247,16 +247,21 @@ def pairs_needed(
     ``alpha`` when |effect| < margin (both one-sided tests' power, ``_tost_pairs``; at
     effect 0 distance margin at power 1 - (1 - POWER) / 2 each) or the two-sided test
     beyond the margin (distance |effect| - margin). At least the fewest pairs for which
-    the exact sign-flip test can reach ``alpha``. A distance within 1e-9 standard
-    deviations of 0 is not estimable (the mean's rounding).
+    the exact sign-flip test can reach ``alpha``, which is the answer at zero spread (every
+    pair alike, off the threshold). A distance within 1e-9 standard deviations of 0 is not
+    estimable (the mean's rounding).
     """
-    if not (math.isfinite(std) and std > 0):
-        return "not estimable (no spread)"
     one_sided, distance = alpha / 2, abs(effect)
     if margin is not None:
         distance = abs(margin - abs(effect))
         if abs(effect) < margin:  # equivalence: two one-sided tests at alpha
             one_sided = alpha
+    # The sign-flip test's smallest one-sided p is 2^-n.
+    exact = max(math.ceil(math.log2(1.0 / one_sided) - 1e-12), 2)
+    if std == 0.0 and distance > 0:  # every pair alike, off the threshold: the exact floor
+        return exact
+    if not (math.isfinite(std) and std > 0):
+        return "not estimable (no spread)"
     # A distance below 1e-9 standard deviations (> 10^18 pairs) is the mean's rounding:
     # values symmetric about a threshold of 0.2 give an effect of ~1e-17, not 0.
     if distance <= 1e-9 * std:
@@ -265,9 +270,7 @@ def pairs_needed(
         n = _tost_pairs(alpha, std, effect, margin)
     else:
         n = _iterated_pairs(one_sided, POWER, std, distance)
-    # The sign-flip test's smallest one-sided p is 2^-n.
-    exact = math.ceil(math.log2(1.0 / one_sided) - 1e-12)
-    return max(math.ceil(n - 1e-9), exact, 2)
+    return max(math.ceil(n - 1e-9), exact)
 
 
 def _binomial_sf_all(n: int, share: float) -> np.ndarray:

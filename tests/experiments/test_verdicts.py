@@ -219,7 +219,11 @@ def test_pairs_needed_for_80_percent_power():
     assert verdicts.pairs_needed(10.0, 0.1) == 6
     assert verdicts.pairs_needed(10.0, 0.1, alpha=0.01) == 8
     assert verdicts.pairs_needed(10.0, 0.1, margin=20.0) == 5  # TOST: 2^-5 <= 0.05
-    assert verdicts.pairs_needed(0.1, 0.0) == "not estimable (no spread)"
+    # Zero spread off the threshold: every pair alike, the exact test's fewest decide it.
+    assert verdicts.pairs_needed(0.1, 0.0) == 6 and verdicts.pairs_needed(-0.1, 0.0) == 6
+    assert verdicts.pairs_needed(0.1, 0.0, margin=0.5) == 5  # TOST: 2^-5 <= 0.05
+    assert judge([0.004] * 3, 0, test="sign-flip")["pairs_needed"] == 6
+    assert verdicts.pairs_needed(0.1, math.nan) == "not estimable (no spread)"
     assert verdicts.pairs_needed(0.0, 0.1) == "not estimable (effect 0)"
     assert verdicts.pairs_needed(0.05, 0.1, margin=0.05) == "not estimable (effect at margin)"
     # Equivalence at effect 0: at least the normal approximation's (z_.95 + z_.9)^2 s^2 / m^2.
