@@ -21,6 +21,7 @@ def _fake_run(path, reward_slope):
                 "reward/mean": reward_slope * step,
                 "reward/accuracy": 0.5,
                 "routing/volatility": 0.1,
+                "routing/ratio_share": 0.25,
                 "response/length_mean": 10.0 + step,
             },
         )
@@ -54,6 +55,7 @@ def test_plot_runs_draws_every_run_with_distinct_labels(tmp_path, monkeypatch):
     assert drawn["reward (mean)"]["b/rl"] == [0.05 * s for s in range(1, 6)]
     assert drawn["held-out pass@1 (greedy)"]["b/rl"] == [0.3, 0.35]
     assert drawn["routing volatility"]["a/rl"] == [0.1] * 5
+    assert drawn["routing share of the log-ratio"]["b/rl"] == [0.25] * 5
     assert "clip fraction" not in drawn  # a metric no run logged: no panel, no error
 
 

@@ -26,6 +26,7 @@ PANELS = (
     ("clip fraction", "loss/clip_frac", "metrics.jsonl"),
     ("mean gate weight", "loss/gate_mean", "metrics.jsonl"),
     ("routing volatility", "routing/volatility", "metrics.jsonl"),
+    ("routing share of the log-ratio", "routing/ratio_share", "metrics.jsonl"),
     ("response length", "response/length_mean", "metrics.jsonl"),
     ("entropy", "policy/entropy", "metrics.jsonl"),
     ("SFT loss (NLL)", "sft/nll", "metrics.jsonl"),
