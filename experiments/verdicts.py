@@ -40,14 +40,18 @@ def sign_flip_p(values: Sequence[float], center: float = 0.0) -> tuple[float, fl
     With d_i = values_i - center and S = sum d_i, ``p_above`` is the share of sign
     assignments s in {-1, 1}^n with sum s_i |d_i| >= S (evidence that the values lie above
     ``center``), ``p_below`` the share with sum <= S. Ties count towards both (conservative),
-    so values all at ``center`` give 1 and 1. Exact up to ``EXACT_MAX_N`` values; beyond,
-    (1 + hits) / (1 + draws) over ``MONTE_CARLO_DRAWS`` random assignments. A value or
-    ``center`` that is not finite is a ValueError (a NaN would give p 0 both ways).
+    so values all at ``center`` (within ``TIE_RTOL``, as ``sign_counts``) give 1 and 1.
+    Exact up to ``EXACT_MAX_N`` values; beyond, (1 + hits) / (1 + draws) over
+    ``MONTE_CARLO_DRAWS`` random assignments. A value or ``center`` that is not finite is
+    a ValueError (a NaN would give p 0 both ways).
 
     Returns:
       ``(p_above, p_below)``.
     """
-    d = _finite(values, center, "sign_flip_p")
+    _finite(values, center, "sign_flip_p")
+    # A difference that is 0 up to float rounding ((0.7 - 0.4) - (0.5 - 0.2) = -6e-17) is
+    # a tie, as in the sign test: n such residues of one sign would decide at 2^-n.
+    d = _residuals(values, center)
     magnitude = np.abs(d)
     observed = float(d.sum())
     # Sums that equal the observed one up to rounding are ties.
@@ -77,13 +81,23 @@ def _finite(values: Sequence[float], center: float, test: str) -> np.ndarray:
     return d
 
 
-def sign_counts(values: Sequence[float], center: float = 0.0) -> tuple[int, int]:
-    """How many values lie above and below ``center``; a value within 1e-12 (relative to
-    the larger of 1, it and ``center``) is at it: pass@1 differences in 1/256 rounded
-    as floats (0.6 - 0.5 against 0.1) tie."""
+#: A value within this much of a threshold, relative to the larger of 1, it and the
+#: threshold, is at it (both tests, and a start's centre): float rounding, not evidence.
+TIE_RTOL = 1e-12
+
+
+def _residuals(values: Sequence[float], center: float) -> np.ndarray:
+    """``values - center`` as float64 with the values at ``center`` (``TIE_RTOL``) 0."""
     values = np.asarray(values, dtype=np.float64)
     scale = np.maximum(1.0, np.maximum(np.abs(values), abs(center)))
-    d = np.where(np.abs(values - center) <= 1e-12 * scale, 0.0, values - center)
+    return np.where(np.abs(values - center) <= TIE_RTOL * scale, 0.0, values - center)
+
+
+def sign_counts(values: Sequence[float], center: float = 0.0) -> tuple[int, int]:
+    """How many values lie above and below ``center``; a value within ``TIE_RTOL``
+    (relative to the larger of 1, it and ``center``) is at it: pass@1 differences in
+    1/256 rounded as floats (0.6 - 0.5 against 0.1) tie."""
+    d = _residuals(values, center)
     return int(np.sum(d > 0)), int(np.sum(d < 0))
 
 
@@ -386,13 +400,20 @@ def _tests(values: Sequence[float], threshold: float, margin: float | None, test
 
 
 def _on_side(centre: float, verdict: str, threshold: float, margin: float | None) -> bool:
-    """Whether a centre (mean or median) lies where ``verdict`` puts the check's."""
+    """Whether a centre (mean or median) lies where ``verdict`` puts the check's; a centre
+    at a bound (``TIE_RTOL``, as the tests count a value) lies on neither side of it."""
     m = margin or 0.0
+    above = sign_counts([centre], threshold + m)[0] == 1  # beyond the upper bound
+    below = sign_counts([centre], threshold - m)[1] == 1
     if verdict == "supported":
-        return centre > threshold + m
+        return above
     if verdict == "contradicted":
-        return centre < threshold - m
-    return threshold - m < centre < threshold + m  # equivalent
+        return below
+    # Equivalent: above the lower bound and below the upper one.
+    return (
+        sign_counts([centre], threshold - m)[0] == 1
+        and sign_counts([centre], threshold + m)[1] == 1
+    )
 
 
 def judge(

@@ -457,3 +457,44 @@ def test_pairs_needed_for_the_sign_test_from_the_observed_share():
         return _sign_power(m, 1.0, 0.025) + _sign_power(m, 0.9, 0.025) - 1.0
 
     assert tost_power(needed) >= 0.8 and all(tost_power(m) < 0.8 for m in range(2, needed))
+
+
+def test_sign_flip_counts_rounding_residues_as_ties():
+    """A difference of differences that is 0 in exact arithmetic comes out of floats as
+    -5.6e-17 at every pair ((0.7 - 0.4) - (0.5 - 0.2)): the sign test counts it at the
+    threshold (p 1); the sign-flip test took its sign and found "contradicted" at 2^-10."""
+    zero = (0.7 - 0.4) - (0.5 - 0.2)
+    assert zero != 0.0 and abs(zero) < 1e-16
+    assert verdicts.sign_flip_p([zero] * 10) == (1.0, 1.0)
+    assert verdicts.sign_test_p([zero] * 10) == (1.0, 1.0)
+    got = judge([zero] * 10, 0, test="sign-flip")
+    assert got["verdict"] == "inconclusive" and got["p"] == 1.0
+    # Mixed with real values, a residue counts as 0: the same p as an exact 0.
+    mixed = [0.1, 0.2, 0.3, 0.15, zero, 0.25]
+    assert verdicts.sign_flip_p(mixed) == verdicts.sign_flip_p([0.1, 0.2, 0.3, 0.15, 0.0, 0.25])
+    # Beyond the exact range too (the drawn assignments).
+    assert verdicts.sign_flip_p([zero] * 25) == (1.0, 1.0)
+
+
+def test_a_start_whose_median_is_at_the_threshold_disagrees_after_rounding():
+    """Start 1's median is 0.4 - 0.3 = 0.10000000000000003, the threshold 0.10 to the sign
+    test (a tie): that start's median does not lie above it, so the check decides nothing;
+    the float comparison let it agree and the check read "supported" (17 of 20 above)."""
+    tie = 0.4 - 0.3
+    values = [0.2] * 15 + [0.0, 0.05, tie, 0.2, 0.3]
+    starts = [0] * 15 + [1] * 5
+    got = judge(values, 0.1, starts=starts)
+    assert got["counts"]["above"] == 17 and got["p"] == pytest.approx(2 * 1351 / 2**20)
+    assert got["verdict"] == "inconclusive"
+    assert got["note"] == "start(s) 1 disagree; the test alone: supported"
+    # The same below: a start's median at threshold - 0 disagrees with "contradicted".
+    mirrored = judge([-0.2] * 15 + [0.2, 0.15, 0.4 - 0.3, 0.0, -0.1], 0.1, starts=starts)
+    assert mirrored["verdict"] == "inconclusive" and "start(s) 1 disagree" in mirrored["note"]
+    # And an equivalence check: a start's median at the margin's end, 0.6 - 0.5 =
+    # 0.09999999999999998 against 0.1 (inside to the float comparison).
+    near = [0.0] * 15 + [0.0, 0.05, 0.6 - 0.5, 0.12, 0.2]
+    within = judge(near, 0.0, margin=0.1, starts=starts)
+    assert within["note"] == "start(s) 1 disagree; the test alone: equivalent"
+    # A start's median really inside (1e-9 below the end) agrees.
+    inside = judge([0.0] * 15 + [0.0, 0.05, 0.1 - 1e-9, 0.12, 0.2], 0.0, margin=0.1, starts=starts)
+    assert inside["verdict"] == "equivalent" and inside["note"] == ""
