@@ -262,8 +262,8 @@ def pairs_needed(
     effect 0 distance margin at power 1 - (1 - POWER) / 2 each) or the two-sided test
     beyond the margin (distance |effect| - margin). At least the fewest pairs for which
     the exact sign-flip test can reach ``alpha``, which is the answer at zero spread (every
-    pair alike, off the threshold). A distance within 1e-9 standard deviations of 0 is not
-    estimable (the mean's rounding).
+    pair alike, off the threshold by more than ``TIE_RTOL``). A distance within 1e-9
+    standard deviations of 0 is not estimable (the mean's rounding).
     """
     one_sided, distance = alpha / 2, abs(effect)
     if margin is not None:
@@ -272,7 +272,9 @@ def pairs_needed(
             one_sided = alpha
     # The sign-flip test's smallest one-sided p is 2^-n.
     exact = max(math.ceil(math.log2(1.0 / one_sided) - 1e-12), 2)
-    if std == 0.0 and distance > 0:  # every pair alike, off the threshold: the exact floor
+    # Every pair alike, off the threshold (beyond the tests' tie tolerance: a mean of
+    # rounding residues, -6e-17, is at it): the exact floor.
+    if std == 0.0 and distance > TIE_RTOL:
         return exact
     if not (math.isfinite(std) and std > 0):
         return "not estimable (no spread)"

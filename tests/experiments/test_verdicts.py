@@ -498,3 +498,15 @@ def test_a_start_whose_median_is_at_the_threshold_disagrees_after_rounding():
     # A start's median really inside (1e-9 below the end) agrees.
     inside = judge([0.0] * 15 + [0.0, 0.05, 0.1 - 1e-9, 0.12, 0.2], 0.0, margin=0.1, starts=starts)
     assert inside["verdict"] == "equivalent" and inside["note"] == ""
+
+
+def test_power_line_at_zero_spread_on_a_rounding_residue():
+    """Ten pairs of (0.7 - 0.4) - (0.5 - 0.2) = -6e-17, no spread: the effect is 0 (the
+    test counts each pair at the threshold), so no number of pairs decides it; the power
+    line read 6, the floor for every pair alike off the threshold."""
+    zero = (0.7 - 0.4) - (0.5 - 0.2)
+    got = judge([zero] * 10, 0, test="sign-flip")
+    assert got["pairs_needed"] == judge([0.0] * 10, 0, test="sign-flip")["pairs_needed"]
+    assert got["pairs_needed"] == "not estimable (no spread)"
+    assert verdicts.pairs_needed(zero, 0.0) == "not estimable (no spread)"
+    assert verdicts.pairs_needed(1e-6, 0.0) == 6  # a real effect still has its floor
