@@ -447,15 +447,15 @@ def judge(
         with any is not decided. ``values`` themselves must be finite (a ValueError).
 
     Returns:
-      ``{"n", "missing", "test", "verdict", "note", ...}``; with values also "mean",
-      "median", "std", "half_width" (95% Student t), "effect" (the test's centre, the mean
-      or under the sign test the median, minus the threshold), "start_effects" ({start:
-      its centre - threshold}), "start_means" ({start: mean - threshold}), "p_above" /
-      "p_below" (one-sided, against threshold or beyond the margin), "p_equivalent" (with
-      a margin), "tests" ([(verdict, p)]), "counts" (pairs above / below), "p" (the
-      decisive hypothesis's p after Holm) and "pairs_needed" (``pairs_needed`` or
-      ``sign_pairs_needed``). ``verdict`` is "supported", "contradicted", "equivalent",
-      "inconclusive", or "not run" when no pair has a value.
+      ``{"n", "missing", "test", "threshold", "margin", "verdict", "note", ...}``; with
+      values also "mean", "median", "std", "half_width" (95% Student t), "effect" (the
+      test's centre, the mean or under the sign test the median, minus the threshold),
+      "start_effects" ({start: its centre - threshold}), "start_means" ({start: mean -
+      threshold}), "p_above" / "p_below" (one-sided, against threshold or beyond the
+      margin), "p_equivalent" (with a margin), "tests" ([(verdict, p)]), "counts" (pairs
+      above / below), "p" (the decisive hypothesis's p after Holm) and "pairs_needed"
+      (``pairs_needed`` or ``sign_pairs_needed``). ``verdict`` is "supported",
+      "contradicted", "equivalent", "inconclusive", or "not run" when no pair has a value.
     """
     if test not in TESTS:
         raise ValueError(f"judge: test must be one of {', '.join(TESTS)}, got {test!r}")
@@ -475,6 +475,8 @@ def judge(
             "n": 0,
             "missing": missing,
             "test": test,
+            "threshold": threshold,
+            "margin": margin,
             "verdict": "not run",
             "note": "no pair has a value",
         }

@@ -20,7 +20,7 @@ import pytest
 from configs import claims
 from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Check, Claim, get_claim
-from experiments import ablate, reproduce
+from experiments import ablate, reproduce, verdicts
 from policyopt.checkpoint import Checkpointer
 from tests.flags import ROOT, subprocess_env
 
@@ -319,6 +319,23 @@ def test_a_check_not_run_or_missing_a_pair_leaves_the_claim_inconclusive():
     assert verdict == "inconclusive" and checks[-1]["verdict"] == "inconclusive"
     assert checks[-1]["note"] == "1 of 10 pairs missing; the test alone: supported"
     assert "| 9 of 10 |" in text and "1 of 10 pairs missing" in text
+
+
+def test_a_check_not_run_shows_its_own_threshold():
+    """routing_share's "GSPO learns" check (gain > 0.10) without pass@1 in the run: its
+    row is "not run" at threshold 0.1 (it read 0: judge gave no threshold without values)."""
+    claim = get_claim("routing_share")
+    runs = {"gspo": {(1, 0): {"routing/ratio_share_pooled": 0.6}}}
+    text, _, checks = reproduce.verdict_table(claim, _summary(runs, starts=(1,), seeds=(0,)))
+    assert checks[1]["verdict"] == "not run" and checks[1]["threshold"] == 0.10
+    assert (
+        "| GSPO learns: held-out pass@1 +0.10 over its start | 0.1 | sign (median) | 0 of 1 |"
+        in text
+    )
+    # A margin check not run shows its margin.
+    assert verdicts.judge([], 0.0, 0.05, missing=2)["margin"] == 0.05
+    row = reproduce.check_threshold(verdicts.judge([], 0.0, 0.05, missing=2))
+    assert row == "0 ± 0.05"
 
 
 def test_a_verdict_table_over_different_learning_rates_is_refused():

@@ -122,6 +122,8 @@ def test_judge_needs_more_than_zero_spread():
         "n": 0,
         "missing": 0,
         "test": "sign",
+        "threshold": 0,
+        "margin": None,
         "verdict": "not run",
         "note": "no pair has a value",
     }
