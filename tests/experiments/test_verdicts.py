@@ -512,3 +512,30 @@ def test_power_line_at_zero_spread_on_a_rounding_residue():
     assert got["pairs_needed"] == "not estimable (no spread)"
     assert verdicts.pairs_needed(zero, 0.0) == "not estimable (no spread)"
     assert verdicts.pairs_needed(1e-6, 0.0) == 6  # a real effect still has its floor
+
+
+def test_sign_test_exact_from_one_pair_to_thousands():
+    """P(X >= k) of Bin(n, 1/2) from integer sums (fractions as the reference) at n = 1, 2,
+    25, 200: exact to the float, no overflow; at n = 1100 the all-above tail 2^-1100
+    underflows to 0.0, never a NaN or an error; moving a value further above the threshold
+    (or from below to above) never raises p_above."""
+    from fractions import Fraction
+
+    def tail(k, n):
+        return float(Fraction(sum(math.comb(n, j) for j in range(k, n + 1)), 2**n))
+
+    for n, above, below in ((1, 1, 0), (2, 1, 1), (2, 0, 0), (25, 18, 5), (200, 117, 80)):
+        values = [0.5] * above + [-0.5] * below + [0.0] * (n - above - below)
+        assert verdicts.sign_test_p(values) == (tail(above, n), tail(below, n)), n
+    assert verdicts.sign_test_p([0.5]) == (0.5, 1.0)
+    assert verdicts.sign_test_p([0.5, -0.5]) == (0.75, 0.75)
+    p_above, p_below = verdicts.sign_test_p([1.0] * 1100)
+    assert (p_above, p_below) == (0.0, 1.0)
+    p_above, _ = verdicts.sign_test_p([1.0] * 600 + [-1.0] * 500)
+    assert p_above == pytest.approx(stats.binom.sf(599, 1100, 0.5), rel=1e-9)
+    values = [0.3, -0.2, 0.1, -0.4, 0.0, 0.25]
+    p = verdicts.sign_test_p(values)[0]
+    for i in range(len(values)):
+        for moved in (values[i] + 0.05, values[i] + 10.0, abs(values[i]) + 1e-3):
+            bumped = [*values[:i], moved, *values[i + 1 :]]
+            assert verdicts.sign_test_p(bumped)[0] <= p
