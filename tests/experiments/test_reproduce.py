@@ -807,6 +807,41 @@ def test_pairs_beyond_the_claims_definition_make_its_verdict_exploratory():
     assert verdict == "supported" and "xploratory" not in text
 
 
+def test_a_subset_that_leaves_out_finished_runs_is_a_selection(tmp_path):
+    """Seed 2 ran to the end and collapsed (no value: the check has a missing pair, the
+    claim inconclusive); judging seeds 0, 1, 3, 4 dropped it and read "supported" as the
+    claim's verdict. A subset that leaves out finished runs of the claim's own pairs is a
+    selection (judge the pairs that pass), not a sweep's progress: exploratory."""
+    claim = get_claim("routing_volatility")  # starts (0, 1) x seeds 0-4
+    workdir = str(tmp_path / "claim")
+    for start in (0, 1):
+        for seed in (0, 1, 2):  # seeds 3 and 4 not run yet; seed 2 finished
+            run_dir = os.path.join(workdir, "one_update", ablate.run_name(start, seed))
+            os.makedirs(run_dir)
+            if seed < 2 or start == 1:
+                with open(os.path.join(run_dir, ablate.DONE_FILE), "w") as f:
+                    f.write("{}")
+    os.makedirs(os.path.join(workdir, "one_update", "start1_seed3"))  # begun, not finished
+    left = reproduce.pairs_left_out(claim, workdir, ("one_update",), (0, 1), (0, 1, 3, 4))
+    assert left == [(1, 2)]  # start 0's seed 2 never finished; start 1's seed 3 neither
+    assert reproduce.pairs_left_out(claim, workdir, ("one_update",), (0, 1), range(5)) == []
+    # A prefix of a sweep in progress leaves nothing finished out: not exploratory.
+    assert reproduce.pairs_left_out(claim, workdir, ("one_update",), (0, 1), (0, 1, 2)) == []
+    assert (
+        reproduce.pairs_left_out(claim, str(tmp_path / "none"), ("one_update",), (0,), (0,)) == []
+    )
+    pairs = [(start, seed) for start in (0, 1) for seed in (0, 1, 3, 4)]
+    runs = {"one_update": {pair: {"routing/volatility": 0.07} for pair in pairs}}
+    text, verdict, _ = reproduce.verdict_table(
+        claim, _summary(runs, seeds=(0, 1, 3, 4)), left_out=left
+    )
+    assert text.startswith("# Claim `routing_volatility` (exploratory): supported")
+    assert (
+        "**Exploratory**: the finished runs of (start 1, seed 2) are left out; a verdict "
+        "over chosen pairs can be any, this verdict is not the claim's." in text
+    )
+
+
 def test_a_seed_or_start_named_twice_is_refused_not_counted_twice():
     """Seeds 0,1,0,1 from 2 starts: 4 runs judged as 8 pairs, each value twice (two-sided
     p 2/256, "supported", where the 4 pairs give 2/16)."""
