@@ -191,13 +191,40 @@ def pairs_beyond(claim: Claim, starts: Sequence[int], seeds: Sequence[int]) -> l
     ]
 
 
+def pairs_left_out(
+    claim: Claim, workdir: str, arms: Sequence[str], starts: Sequence[int], seeds: Sequence[int]
+) -> list[tuple[int, int]]:
+    """The claim's own (start, seed) pairs outside ``starts`` x ``seeds`` whose run of one
+    of ``arms`` finished in ``workdir`` (its ``ablate.DONE_FILE``): a verdict that leaves
+    them out judges chosen pairs (drop the seed that fails), not a sweep's progress."""
+    judged = {(start, seed) for start in starts for seed in seeds}
+    return [
+        (start, seed)
+        for start in claim.starts
+        for seed in claim.seeds
+        if (start, seed) not in judged
+        and any(
+            os.path.exists(
+                os.path.join(workdir, arm, ablate.run_name(start, seed), ablate.DONE_FILE)
+            )
+            for arm in arms
+        )
+    ]
+
+
 def verdict_table(
-    claim: Claim, summary: dict, *, variant: str = "", exploratory: bool = False
+    claim: Claim,
+    summary: dict,
+    *,
+    variant: str = "",
+    exploratory: bool = False,
+    left_out: Sequence[tuple[int, int]] = (),
 ) -> tuple[str, str, list[dict]]:
     """The Markdown of ``verdict.md`` (the claim, a verdict per check, the arms' figures),
     the claim's verdict and its checks' results (`experiments.verdicts.claim_verdict`;
-    a paper's claim at one SFT start is inconclusive). Refuses (ValueError) runs that
-    differ in their learning rate or budget."""
+    a paper's claim at one SFT start is inconclusive). ``left_out``: the claim's pairs
+    with finished runs that the summary leaves out (``pairs_left_out``; exploratory).
+    Refuses (ValueError) runs that differ in their learning rate or budget."""
     starts, seeds = summary["starts"], summary["seeds"]
     for kind, named in (("start", starts), ("seed", seeds)):
         twice = next((x for i, x in enumerate(named) if x in named[:i]), None)
@@ -252,14 +279,14 @@ def verdict_table(
     if variant:
         command += f" --variant {shlex.quote(variant)}"
     beyond = pairs_beyond(claim, starts, seeds)
-    exploratory = exploratory or bool(beyond)
+    exploratory = exploratory or bool(beyond) or bool(left_out)
     label = " (exploratory)" if exploratory else ""
     lines = [
         f"# Claim `{claim.name}`{label}: {verdict} at {len(starts)} SFT start(s) x "
         f"{len(seeds)} seed(s)",
         "",
     ]
-    if exploratory and (variant or not beyond):
+    if exploratory and (variant or not (beyond or left_out)):
         how = f"`--variant {variant}`" if variant else "A changed arm config"
         lines += [
             f"**Exploratory**: {how} departs from the claim's definition; "
@@ -272,6 +299,13 @@ def verdict_table(
             f"{list(claim.starts)} x seeds {list(claim.seeds)}); a verdict over pairs added "
             "after the definition can be reached by adding them until a check passes; "
             "this verdict is not the claim's.",
+            "",
+        ]
+    if left_out:
+        pairs = ", ".join(f"(start {start}, seed {seed})" for start, seed in left_out)
+        lines += [
+            f"**Exploratory**: the finished runs of {pairs} are left out; a verdict over "
+            "chosen pairs can be any, this verdict is not the claim's.",
             "",
         ]
     if one_start:
@@ -490,7 +524,10 @@ def run_claim(
         quiet=quiet,
         train=train,
     )
-    text, verdict, results = verdict_table(claim, summary, variant=variant, exploratory=exploratory)
+    left_out = pairs_left_out(claim, workdir, labels, summary["starts"], summary["seeds"])
+    text, verdict, results = verdict_table(
+        claim, summary, variant=variant, exploratory=exploratory, left_out=left_out
+    )
     with open(os.path.join(workdir, "verdict.md"), "w") as f:
         f.write(text)
     return {
@@ -500,6 +537,7 @@ def run_claim(
         "summary": summary,
         "verdict_md": text,
         "exploratory": exploratory
+        or bool(left_out)
         or bool(pairs_beyond(claim, summary["starts"], summary["seeds"])),
     }
 

@@ -40,14 +40,18 @@ def sign_flip_p(values: Sequence[float], center: float = 0.0) -> tuple[float, fl
     With d_i = values_i - center and S = sum d_i, ``p_above`` is the share of sign
     assignments s in {-1, 1}^n with sum s_i |d_i| >= S (evidence that the values lie above
     ``center``), ``p_below`` the share with sum <= S. Ties count towards both (conservative),
-    so values all at ``center`` give 1 and 1. Exact up to ``EXACT_MAX_N`` values; beyond,
-    (1 + hits) / (1 + draws) over ``MONTE_CARLO_DRAWS`` random assignments. A value or
-    ``center`` that is not finite is a ValueError (a NaN would give p 0 both ways).
+    so values all at ``center`` (within ``TIE_RTOL``, as ``sign_counts``) give 1 and 1.
+    Exact up to ``EXACT_MAX_N`` values; beyond, (1 + hits) / (1 + draws) over
+    ``MONTE_CARLO_DRAWS`` random assignments. A value or ``center`` that is not finite is
+    a ValueError (a NaN would give p 0 both ways).
 
     Returns:
       ``(p_above, p_below)``.
     """
-    d = _finite(values, center, "sign_flip_p")
+    _finite(values, center, "sign_flip_p")
+    # A difference that is 0 up to float rounding ((0.7 - 0.4) - (0.5 - 0.2) = -6e-17) is
+    # a tie, as in the sign test: n such residues of one sign would decide at 2^-n.
+    d = _residuals(values, center)
     magnitude = np.abs(d)
     observed = float(d.sum())
     # Sums that equal the observed one up to rounding are ties.
@@ -77,13 +81,23 @@ def _finite(values: Sequence[float], center: float, test: str) -> np.ndarray:
     return d
 
 
-def sign_counts(values: Sequence[float], center: float = 0.0) -> tuple[int, int]:
-    """How many values lie above and below ``center``; a value within 1e-12 (relative to
-    the larger of 1, it and ``center``) is at it: pass@1 differences in 1/256 rounded
-    as floats (0.6 - 0.5 against 0.1) tie."""
+#: A value within this much of a threshold, relative to the larger of 1, it and the
+#: threshold, is at it (both tests, and a start's centre): float rounding, not evidence.
+TIE_RTOL = 1e-12
+
+
+def _residuals(values: Sequence[float], center: float) -> np.ndarray:
+    """``values - center`` as float64 with the values at ``center`` (``TIE_RTOL``) 0."""
     values = np.asarray(values, dtype=np.float64)
     scale = np.maximum(1.0, np.maximum(np.abs(values), abs(center)))
-    d = np.where(np.abs(values - center) <= 1e-12 * scale, 0.0, values - center)
+    return np.where(np.abs(values - center) <= TIE_RTOL * scale, 0.0, values - center)
+
+
+def sign_counts(values: Sequence[float], center: float = 0.0) -> tuple[int, int]:
+    """How many values lie above and below ``center``; a value within ``TIE_RTOL``
+    (relative to the larger of 1, it and ``center``) is at it: pass@1 differences in
+    1/256 rounded as floats (0.6 - 0.5 against 0.1) tie."""
+    d = _residuals(values, center)
     return int(np.sum(d > 0)), int(np.sum(d < 0))
 
 
@@ -248,8 +262,8 @@ def pairs_needed(
     effect 0 distance margin at power 1 - (1 - POWER) / 2 each) or the two-sided test
     beyond the margin (distance |effect| - margin). At least the fewest pairs for which
     the exact sign-flip test can reach ``alpha``, which is the answer at zero spread (every
-    pair alike, off the threshold). A distance within 1e-9 standard deviations of 0 is not
-    estimable (the mean's rounding).
+    pair alike, off the threshold by more than ``TIE_RTOL``). A distance within 1e-9
+    standard deviations of 0 is not estimable (the mean's rounding).
     """
     one_sided, distance = alpha / 2, abs(effect)
     if margin is not None:
@@ -258,7 +272,9 @@ def pairs_needed(
             one_sided = alpha
     # The sign-flip test's smallest one-sided p is 2^-n.
     exact = max(math.ceil(math.log2(1.0 / one_sided) - 1e-12), 2)
-    if std == 0.0 and distance > 0:  # every pair alike, off the threshold: the exact floor
+    # Every pair alike, off the threshold (beyond the tests' tie tolerance: a mean of
+    # rounding residues, -6e-17, is at it): the exact floor.
+    if std == 0.0 and distance > TIE_RTOL:
         return exact
     if not (math.isfinite(std) and std > 0):
         return "not estimable (no spread)"
@@ -386,13 +402,20 @@ def _tests(values: Sequence[float], threshold: float, margin: float | None, test
 
 
 def _on_side(centre: float, verdict: str, threshold: float, margin: float | None) -> bool:
-    """Whether a centre (mean or median) lies where ``verdict`` puts the check's."""
+    """Whether a centre (mean or median) lies where ``verdict`` puts the check's; a centre
+    at a bound (``TIE_RTOL``, as the tests count a value) lies on neither side of it."""
     m = margin or 0.0
+    above = sign_counts([centre], threshold + m)[0] == 1  # beyond the upper bound
+    below = sign_counts([centre], threshold - m)[1] == 1
     if verdict == "supported":
-        return centre > threshold + m
+        return above
     if verdict == "contradicted":
-        return centre < threshold - m
-    return threshold - m < centre < threshold + m  # equivalent
+        return below
+    # Equivalent: above the lower bound and below the upper one.
+    return (
+        sign_counts([centre], threshold - m)[0] == 1
+        and sign_counts([centre], threshold + m)[1] == 1
+    )
 
 
 def judge(
@@ -424,15 +447,15 @@ def judge(
         with any is not decided. ``values`` themselves must be finite (a ValueError).
 
     Returns:
-      ``{"n", "missing", "test", "verdict", "note", ...}``; with values also "mean",
-      "median", "std", "half_width" (95% Student t), "effect" (the test's centre, the mean
-      or under the sign test the median, minus the threshold), "start_effects" ({start:
-      its centre - threshold}), "start_means" ({start: mean - threshold}), "p_above" /
-      "p_below" (one-sided, against threshold or beyond the margin), "p_equivalent" (with
-      a margin), "tests" ([(verdict, p)]), "counts" (pairs above / below), "p" (the
-      decisive hypothesis's p after Holm) and "pairs_needed" (``pairs_needed`` or
-      ``sign_pairs_needed``). ``verdict`` is "supported", "contradicted", "equivalent",
-      "inconclusive", or "not run" when no pair has a value.
+      ``{"n", "missing", "test", "threshold", "margin", "verdict", "note", ...}``; with
+      values also "mean", "median", "std", "half_width" (95% Student t), "effect" (the
+      test's centre, the mean or under the sign test the median, minus the threshold),
+      "start_effects" ({start: its centre - threshold}), "start_means" ({start: mean -
+      threshold}), "p_above" / "p_below" (one-sided, against threshold or beyond the
+      margin), "p_equivalent" (with a margin), "tests" ([(verdict, p)]), "counts" (pairs
+      above / below), "p" (the decisive hypothesis's p after Holm) and "pairs_needed"
+      (``pairs_needed`` or ``sign_pairs_needed``). ``verdict`` is "supported",
+      "contradicted", "equivalent", "inconclusive", or "not run" when no pair has a value.
     """
     if test not in TESTS:
         raise ValueError(f"judge: test must be one of {', '.join(TESTS)}, got {test!r}")
@@ -452,6 +475,8 @@ def judge(
             "n": 0,
             "missing": missing,
             "test": test,
+            "threshold": threshold,
+            "margin": margin,
             "verdict": "not run",
             "note": "no pair has a value",
         }

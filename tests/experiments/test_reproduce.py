@@ -20,7 +20,7 @@ import pytest
 from configs import claims
 from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Check, Claim, get_claim
-from experiments import ablate, reproduce
+from experiments import ablate, reproduce, verdicts
 from policyopt.checkpoint import Checkpointer
 from tests.flags import ROOT, subprocess_env
 
@@ -319,6 +319,23 @@ def test_a_check_not_run_or_missing_a_pair_leaves_the_claim_inconclusive():
     assert verdict == "inconclusive" and checks[-1]["verdict"] == "inconclusive"
     assert checks[-1]["note"] == "1 of 10 pairs missing; the test alone: supported"
     assert "| 9 of 10 |" in text and "1 of 10 pairs missing" in text
+
+
+def test_a_check_not_run_shows_its_own_threshold():
+    """routing_share's "GSPO learns" check (gain > 0.10) without pass@1 in the run: its
+    row is "not run" at threshold 0.1 (it read 0: judge gave no threshold without values)."""
+    claim = get_claim("routing_share")
+    runs = {"gspo": {(1, 0): {"routing/ratio_share_pooled": 0.6}}}
+    text, _, checks = reproduce.verdict_table(claim, _summary(runs, starts=(1,), seeds=(0,)))
+    assert checks[1]["verdict"] == "not run" and checks[1]["threshold"] == 0.10
+    assert (
+        "| GSPO learns: held-out pass@1 +0.10 over its start | 0.1 | sign (median) | 0 of 1 |"
+        in text
+    )
+    # A margin check not run shows its margin.
+    assert verdicts.judge([], 0.0, 0.05, missing=2)["margin"] == 0.05
+    row = reproduce.check_threshold(verdicts.judge([], 0.0, 0.05, missing=2))
+    assert row == "0 ± 0.05"
 
 
 def test_a_verdict_table_over_different_learning_rates_is_refused():
@@ -788,6 +805,41 @@ def test_pairs_beyond_the_claims_definition_make_its_verdict_exploratory():
     assert reproduce.pairs_beyond(claim, (1,), (0, 3)) == []  # a subset: not beyond
     text, verdict, _ = reproduce.verdict_table(claim, _summary(runs, seeds=range(5)))
     assert verdict == "supported" and "xploratory" not in text
+
+
+def test_a_subset_that_leaves_out_finished_runs_is_a_selection(tmp_path):
+    """Seed 2 ran to the end and collapsed (no value: the check has a missing pair, the
+    claim inconclusive); judging seeds 0, 1, 3, 4 dropped it and read "supported" as the
+    claim's verdict. A subset that leaves out finished runs of the claim's own pairs is a
+    selection (judge the pairs that pass), not a sweep's progress: exploratory."""
+    claim = get_claim("routing_volatility")  # starts (0, 1) x seeds 0-4
+    workdir = str(tmp_path / "claim")
+    for start in (0, 1):
+        for seed in (0, 1, 2):  # seeds 3 and 4 not run yet; seed 2 finished
+            run_dir = os.path.join(workdir, "one_update", ablate.run_name(start, seed))
+            os.makedirs(run_dir)
+            if seed < 2 or start == 1:
+                with open(os.path.join(run_dir, ablate.DONE_FILE), "w") as f:
+                    f.write("{}")
+    os.makedirs(os.path.join(workdir, "one_update", "start1_seed3"))  # begun, not finished
+    left = reproduce.pairs_left_out(claim, workdir, ("one_update",), (0, 1), (0, 1, 3, 4))
+    assert left == [(1, 2)]  # start 0's seed 2 never finished; start 1's seed 3 neither
+    assert reproduce.pairs_left_out(claim, workdir, ("one_update",), (0, 1), range(5)) == []
+    # A prefix of a sweep in progress leaves nothing finished out: not exploratory.
+    assert reproduce.pairs_left_out(claim, workdir, ("one_update",), (0, 1), (0, 1, 2)) == []
+    assert (
+        reproduce.pairs_left_out(claim, str(tmp_path / "none"), ("one_update",), (0,), (0,)) == []
+    )
+    pairs = [(start, seed) for start in (0, 1) for seed in (0, 1, 3, 4)]
+    runs = {"one_update": {pair: {"routing/volatility": 0.07} for pair in pairs}}
+    text, verdict, _ = reproduce.verdict_table(
+        claim, _summary(runs, seeds=(0, 1, 3, 4)), left_out=left
+    )
+    assert text.startswith("# Claim `routing_volatility` (exploratory): supported")
+    assert (
+        "**Exploratory**: the finished runs of (start 1, seed 2) are left out; a verdict "
+        "over chosen pairs can be any, this verdict is not the claim's." in text
+    )
 
 
 def test_a_seed_or_start_named_twice_is_refused_not_counted_twice():

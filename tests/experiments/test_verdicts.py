@@ -122,6 +122,8 @@ def test_judge_needs_more_than_zero_spread():
         "n": 0,
         "missing": 0,
         "test": "sign",
+        "threshold": 0,
+        "margin": None,
         "verdict": "not run",
         "note": "no pair has a value",
     }
@@ -457,3 +459,83 @@ def test_pairs_needed_for_the_sign_test_from_the_observed_share():
         return _sign_power(m, 1.0, 0.025) + _sign_power(m, 0.9, 0.025) - 1.0
 
     assert tost_power(needed) >= 0.8 and all(tost_power(m) < 0.8 for m in range(2, needed))
+
+
+def test_sign_flip_counts_rounding_residues_as_ties():
+    """A difference of differences that is 0 in exact arithmetic comes out of floats as
+    -5.6e-17 at every pair ((0.7 - 0.4) - (0.5 - 0.2)): the sign test counts it at the
+    threshold (p 1); the sign-flip test took its sign and found "contradicted" at 2^-10."""
+    zero = (0.7 - 0.4) - (0.5 - 0.2)
+    assert zero != 0.0 and abs(zero) < 1e-16
+    assert verdicts.sign_flip_p([zero] * 10) == (1.0, 1.0)
+    assert verdicts.sign_test_p([zero] * 10) == (1.0, 1.0)
+    got = judge([zero] * 10, 0, test="sign-flip")
+    assert got["verdict"] == "inconclusive" and got["p"] == 1.0
+    # Mixed with real values, a residue counts as 0: the same p as an exact 0.
+    mixed = [0.1, 0.2, 0.3, 0.15, zero, 0.25]
+    assert verdicts.sign_flip_p(mixed) == verdicts.sign_flip_p([0.1, 0.2, 0.3, 0.15, 0.0, 0.25])
+    # Beyond the exact range too (the drawn assignments).
+    assert verdicts.sign_flip_p([zero] * 25) == (1.0, 1.0)
+
+
+def test_a_start_whose_median_is_at_the_threshold_disagrees_after_rounding():
+    """Start 1's median is 0.4 - 0.3 = 0.10000000000000003, the threshold 0.10 to the sign
+    test (a tie): that start's median does not lie above it, so the check decides nothing;
+    the float comparison let it agree and the check read "supported" (17 of 20 above)."""
+    tie = 0.4 - 0.3
+    values = [0.2] * 15 + [0.0, 0.05, tie, 0.2, 0.3]
+    starts = [0] * 15 + [1] * 5
+    got = judge(values, 0.1, starts=starts)
+    assert got["counts"]["above"] == 17 and got["p"] == pytest.approx(2 * 1351 / 2**20)
+    assert got["verdict"] == "inconclusive"
+    assert got["note"] == "start(s) 1 disagree; the test alone: supported"
+    # The same below: a start's median at threshold - 0 disagrees with "contradicted".
+    mirrored = judge([-0.2] * 15 + [0.2, 0.15, 0.4 - 0.3, 0.0, -0.1], 0.1, starts=starts)
+    assert mirrored["verdict"] == "inconclusive" and "start(s) 1 disagree" in mirrored["note"]
+    # And an equivalence check: a start's median at the margin's end, 0.6 - 0.5 =
+    # 0.09999999999999998 against 0.1 (inside to the float comparison).
+    near = [0.0] * 15 + [0.0, 0.05, 0.6 - 0.5, 0.12, 0.2]
+    within = judge(near, 0.0, margin=0.1, starts=starts)
+    assert within["note"] == "start(s) 1 disagree; the test alone: equivalent"
+    # A start's median really inside (1e-9 below the end) agrees.
+    inside = judge([0.0] * 15 + [0.0, 0.05, 0.1 - 1e-9, 0.12, 0.2], 0.0, margin=0.1, starts=starts)
+    assert inside["verdict"] == "equivalent" and inside["note"] == ""
+
+
+def test_power_line_at_zero_spread_on_a_rounding_residue():
+    """Ten pairs of (0.7 - 0.4) - (0.5 - 0.2) = -6e-17, no spread: the effect is 0 (the
+    test counts each pair at the threshold), so no number of pairs decides it; the power
+    line read 6, the floor for every pair alike off the threshold."""
+    zero = (0.7 - 0.4) - (0.5 - 0.2)
+    got = judge([zero] * 10, 0, test="sign-flip")
+    assert got["pairs_needed"] == judge([0.0] * 10, 0, test="sign-flip")["pairs_needed"]
+    assert got["pairs_needed"] == "not estimable (no spread)"
+    assert verdicts.pairs_needed(zero, 0.0) == "not estimable (no spread)"
+    assert verdicts.pairs_needed(1e-6, 0.0) == 6  # a real effect still has its floor
+
+
+def test_sign_test_exact_from_one_pair_to_thousands():
+    """P(X >= k) of Bin(n, 1/2) from integer sums (fractions as the reference) at n = 1, 2,
+    25, 200: exact to the float, no overflow; at n = 1100 the all-above tail 2^-1100
+    underflows to 0.0, never a NaN or an error; moving a value further above the threshold
+    (or from below to above) never raises p_above."""
+    from fractions import Fraction
+
+    def tail(k, n):
+        return float(Fraction(sum(math.comb(n, j) for j in range(k, n + 1)), 2**n))
+
+    for n, above, below in ((1, 1, 0), (2, 1, 1), (2, 0, 0), (25, 18, 5), (200, 117, 80)):
+        values = [0.5] * above + [-0.5] * below + [0.0] * (n - above - below)
+        assert verdicts.sign_test_p(values) == (tail(above, n), tail(below, n)), n
+    assert verdicts.sign_test_p([0.5]) == (0.5, 1.0)
+    assert verdicts.sign_test_p([0.5, -0.5]) == (0.75, 0.75)
+    p_above, p_below = verdicts.sign_test_p([1.0] * 1100)
+    assert (p_above, p_below) == (0.0, 1.0)
+    p_above, _ = verdicts.sign_test_p([1.0] * 600 + [-1.0] * 500)
+    assert p_above == pytest.approx(stats.binom.sf(599, 1100, 0.5), rel=1e-9)
+    values = [0.3, -0.2, 0.1, -0.4, 0.0, 0.25]
+    p = verdicts.sign_test_p(values)[0]
+    for i in range(len(values)):
+        for moved in (values[i] + 0.05, values[i] + 10.0, abs(values[i]) + 1e-3):
+            bumped = [*values[:i], moved, *values[i + 1 :]]
+            assert verdicts.sign_test_p(bumped)[0] <= p
