@@ -248,7 +248,8 @@ def verdict_table(
         values, value_starts, missing = check.values(runs, pairs)
         judged.append(
             {
-                "check": check.text,
+                "check": check.text + (" (reported)" if check.reported else ""),
+                "reported": check.reported,
                 "values": values,
                 **judge(
                     values,
@@ -349,8 +350,9 @@ def verdict_table(
         "correction across the claim's checks at family-wise alpha 0.05; a check missing a "
         "pair, or whose direction a start's centre does not share, decides nothing. Supported "
         "when every check is supported or equivalent, contradicted when one is "
-        "contradicted. The t half-width and the power line (at alpha / hypotheses) are "
-        "figures, not the test.",
+        "contradicted. A check marked (reported) is a finding the claim does not rest on, "
+        "corrected in a family of its own. The t half-width and the power line (at alpha / "
+        "hypotheses) are figures, not the test.",
         "",
         ablate.format_table(summary).replace("# Ablation", "## Ablation"),
     ]
@@ -588,7 +590,11 @@ def _list() -> None:
         )
         for check in claim.checks:
             margin = f" ± {check.margin:g}" if check.margin else ""
-            field(f"check: {check.text} (threshold {check.threshold:g}{margin}; {check.test} test)")
+            role = "; reported" if check.reported else ""
+            field(
+                f"check: {check.text} (threshold {check.threshold:g}{margin}; {check.test} test"
+                f"{role})"
+            )
         field(f"budget on 2 cores: {claim.budget}")
         print()
 

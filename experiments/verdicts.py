@@ -557,15 +557,25 @@ def claim_verdict(checks: Sequence[dict]) -> tuple[str, list[dict]]:
 
     Holm's correction runs over the hypotheses of every check with values, at family-wise
     ``ALPHA``; each check's verdict and "p" are replaced by the corrected ones, and its
-    "pairs_needed" takes the correction's strictest level (``ALPHA`` / hypotheses).
+    "pairs_needed" takes the correction's strictest level (``ALPHA`` / hypotheses). Checks
+    marked ``"reported": True`` (findings the claim reports but does not rest on, e.g. a
+    dose-response's lower levels) form a family of their own and leave the claim's
+    verdict alone; when every check is reported, all count.
 
     Returns:
-      ``(verdict, checks)``: "supported" when every check is supported or equivalent (none
-      "not run", none missing a pair), "contradicted" when any is contradicted,
-      "inconclusive" otherwise (also with no checks).
+      ``(verdict, checks)``: "supported" when every check it rests on is supported or
+      equivalent (none "not run", none missing a pair), "contradicted" when any is
+      contradicted, "inconclusive" otherwise (also with no checks).
     """
-    decided = _decide(checks)
-    verdicts = [c["verdict"] for c in decided]
+    reported = [bool(c.get("reported")) for c in checks]
+    if all(reported):
+        reported = [False] * len(checks)
+    decided: list[dict] = [{}] * len(checks)
+    for role in (False, True):
+        index = [i for i, r in enumerate(reported) if r == role]
+        for i, check in zip(index, _decide([checks[i] for i in index])):
+            decided[i] = check
+    verdicts = [c["verdict"] for c, r in zip(decided, reported) if not r]
     if "contradicted" in verdicts:
         return "contradicted", decided
     if verdicts and all(v in ("supported", "equivalent") for v in verdicts):

@@ -603,6 +603,10 @@ def test_diff_of_diffs_checks_and_the_routing_claims():
     with pytest.raises(ValueError, match="arms c and d go with a 'diff_of_diffs' check"):
         Check("x", "diff", "a", "b", c="c", d="d")
     dose = get_claim("routing_replay")
+    # The high level and the growth decide; the lower levels are reported.
+    rests_on = [c.text for c in dose.checks if not c.reported]
+    assert all(text.startswith("high:") or "grows" in text for text in rests_on)
+    assert len(rests_on) == 5 + 2 and sum(c.reported for c in dose.checks) == 10
     assert len(dose.checks) == 5 * 3 + 2 and len(dose.arm_labels()) == 6 * 3
     assert {c.kind for c in dose.checks} == {"diff", "gain", "diff_of_diffs"}
     # Per level, R3 against R2 like for like (both in the asynchronous loop): no harm

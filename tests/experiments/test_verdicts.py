@@ -202,6 +202,37 @@ def test_claim_verdict_corrects_across_checks():
     assert claim_verdict([]) == ("inconclusive", [])
 
 
+def test_reported_checks_form_their_own_family_and_leave_the_claim_alone():
+    """A dose-response's lower levels: reported, corrected among themselves, not required."""
+    six = [0.1, 0.2, 0.05, 0.3, 0.1, 0.2]
+    negative = [-v for v in six]
+
+    def reported(check):
+        return {**check, "reported": True}
+
+    # One required check (p 2/64 alone) beside two reported: its family is itself.
+    verdict, checks = claim_verdict(
+        [judge(six, 0), reported(judge(negative, 0)), reported(judge([0.1, -0.1] * 3, 0))]
+    )
+    assert verdict == "supported"
+    assert [c["verdict"] for c in checks] == ["supported", "inconclusive", "inconclusive"]
+    assert checks[0]["p"] == pytest.approx(2 / 64)
+    # The reported pair is corrected as two: 2/64 x 2 = 0.0625 for the contradicted one.
+    assert checks[1]["p"] == pytest.approx(4 / 64) and checks[2]["p"] == 1.0
+    # In one family of three the required check would fall: 2/64 x 3.
+    _, together = claim_verdict([judge(six, 0), judge(negative, 0), judge([0.1, -0.1] * 3, 0)])
+    assert together[0]["p"] == pytest.approx(6 / 64) and together[0]["verdict"] == "inconclusive"
+    # A reported check that did not run, or is contradicted, does not decide the claim...
+    seven = six + [0.15]
+    verdict, checks = claim_verdict([judge(six, 0), reported(judge([], 0))])
+    assert verdict == "supported" and checks[1]["verdict"] == "not run"
+    verdict, checks = claim_verdict([judge(six, 0), reported(judge([-v for v in seven], 0))])
+    assert verdict == "supported" and checks[1]["verdict"] == "contradicted"
+    # ...and when every check is reported, they all count (one family).
+    verdict, checks = claim_verdict([reported(judge(six, 0)), reported(judge(six, 0))])
+    assert verdict == "inconclusive" and checks[0]["p"] == pytest.approx(4 / 64)
+
+
 def _power(n, effect, std, alpha=0.05):
     """Exact power of the two-sided one-sample t test (noncentral t)."""
     df, critical = n - 1, stats.t.ppf(1 - alpha / 2, n - 1)
