@@ -295,7 +295,10 @@ def summarise_run(run_dir: str, tail: int) -> dict:
     ]
     if routing:  # pooled over the run: the per-iteration share is heavy-tailed
         total = sum(a + b for a, b in routing)
-        out["routing/ratio_share_pooled"] = sum(a for a, _ in routing) / total if total else 0.0
+        # No log-ratio at all (a policy that never moved): the share is undefined, not 0.
+        out["routing/ratio_share_pooled"] = (
+            sum(a for a, _ in routing) / total if total else math.nan
+        )
     out["collapse_iteration"] = collapse_iteration(rows)
     out["collapsed"] = float(out["collapse_iteration"] <= out["iterations"])
     last = rows[-tail:]

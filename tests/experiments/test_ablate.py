@@ -7,6 +7,7 @@ not retrained when rerun; a checkpoint evaluated afterwards gives the figures of
 training-time evaluation at that step."""
 
 import json
+import math
 import os
 
 import numpy as np
@@ -569,6 +570,13 @@ def test_the_routing_share_is_pooled_over_a_run(tmp_path):
     (tmp_path / "eval.jsonl").write_text("")
     summary = ablate.summarise_run(str(tmp_path), tail=5)
     assert summary["routing/ratio_share_pooled"] == pytest.approx(0.04 / 1.0)
+    # A run whose log-ratio never moved: the share is undefined (a missing value), not 0.
+    still = [
+        {**r, "routing/log_ratio_ms_routing": 0.0, "routing/log_ratio_ms_params": 0.0} for r in rows
+    ]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in still)
+    assert math.isnan(ablate.summarise_run(str(tmp_path), tail=5)["routing/ratio_share_pooled"])
 
 
 def test_the_critic_ablations_arms():
