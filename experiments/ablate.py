@@ -444,7 +444,8 @@ def run_ablation(
             *POLICY_MEAN_METRICS.values(),
             WARMUP_EXPLAINED_VARIANCE,
         ):
-            values = [r[key] for r in runs if key in r]
+            # Over the runs where it is defined (an undefined routing share is NaN).
+            values = [r[key] for r in runs if key in r and math.isfinite(r[key])]
             if values:
                 entry[key] = dict(zip(("mean", "std"), _mean_std(values)))
         results.append(entry)
