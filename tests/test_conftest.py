@@ -5,13 +5,14 @@ import ast
 import os
 
 from tests import conftest
+from tests.test_imports import parse
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _test_functions(name):
     with open(os.path.join(HERE, name)) as f:
-        tree = ast.parse(f.read())
+        tree = parse(f.read(), name)
     return {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
 
 
