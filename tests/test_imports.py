@@ -84,9 +84,9 @@ def parse(source: str, name: str = "<unknown>") -> ast.Module:
     """``ast.parse`` with the garbage collector paused: CPython 3.11's AST constructor
     raises SystemError ("AST constructor recursion depth mismatch") when a finalizer runs
     Python code mid-parse, as orbax's un-retrieved tasks do after a failed restore in an
-    earlier test of the same worker (they log from theirs)."""
+    earlier test of the same worker (they log from theirs). No collection first: in a worker
+    whose heap holds compiled models a full collection per file cost ~90 s per test."""
     enabled = gc.isenabled()
-    gc.collect()
     gc.disable()
     try:
         return ast.parse(source, filename=name)
