@@ -134,6 +134,51 @@ class Check:
 
 
 @dataclasses.dataclass(frozen=True)
+class Premise:
+    """The regime a claim's mechanism needs, measured on the claim's own runs: the mean of
+    ``metric`` over the runs of ``arms`` at least ``bound`` (``at_most``: at most). A claim
+    whose premise is not met, or not measured, is inconclusive whatever its checks find:
+    they ran outside the regime the paper's finding is about (docs/claims.md, "Premises")."""
+
+    text: str
+    metric: str
+    arms: tuple[str, ...]
+    bound: float
+    at_most: bool = False
+
+    @property
+    def bound_text(self) -> str:
+        """``>= 0.5`` or ``<= 0.95``."""
+        return f"{'<=' if self.at_most else '>='} {self.bound:g}"
+
+    def measure(
+        self, per_arm: dict[str, dict[tuple[int, int], dict]], pairs: Sequence[tuple[int, int]]
+    ) -> dict:
+        """``{"premise", "bound", "value", "start_values", "runs", "met"}``: the mean of the
+        finite values over the runs of ``arms`` at ``pairs``, per SFT start too; ``met`` is
+        None when no run has a value."""
+        by_start: dict[int, list[float]] = {}
+        for arm in self.arms:
+            for pair in pairs:
+                value = per_arm.get(arm, {}).get(pair, {}).get(self.metric, math.nan)
+                if math.isfinite(value):
+                    by_start.setdefault(pair[0], []).append(value)
+        values = [v for start in sorted(by_start) for v in by_start[start]]
+        mean = statistics.fmean(values) if values else math.nan
+        met = None
+        if values:
+            met = mean <= self.bound if self.at_most else mean >= self.bound
+        return {
+            "premise": self.text,
+            "bound": self.bound_text,
+            "value": mean,
+            "start_values": {s: statistics.fmean(by_start[s]) for s in sorted(by_start)},
+            "runs": len(values),
+            "met": met,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
 class Claim:
     """A paper's claim: the ablation that tests it, where, in which regime, and its checks."""
 
@@ -157,6 +202,9 @@ class Claim:
     # Each arm at its own learning rate (its arm variant's optim.lr, the best of a sweep):
     # a claim about step sizes (LoRA's ~10x); the regime then fixes the budget, not the lr.
     own_lr: bool = False
+    # The regime its mechanism needs, measured on its runs (routing share, gate weight,
+    # the critic's fit): unmet or unmeasured, the claim is inconclusive.
+    premises: tuple[Premise, ...] = ()
 
     def __post_init__(self):
         named = {item.split("=", 1)[0].strip() for item in base.split_variant(self.regime)}
@@ -174,11 +222,13 @@ class Claim:
             )
         if len(set(self.starts)) < 2 and not self.diagnostic:
             raise ValueError(f"claim {self.name!r}: >= 2 SFT starts, got {self.starts}")
-        for check in self.checks:
-            stray = [arm for arm in check.arms() if arm not in self.arm_labels()]
+        for what, arms in [(f"check {c.text!r}", c.arms()) for c in self.checks] + [
+            (f"premise {p.text!r}", p.arms) for p in self.premises
+        ]:
+            stray = [arm for arm in arms if arm not in self.arm_labels()]
             if stray:
                 raise ValueError(
-                    f"claim {self.name!r}: check {check.text!r} names arm {stray[0]!r}, not "
+                    f"claim {self.name!r}: {what} names arm {stray[0]!r}, not "
                     f"one of {', '.join(self.arm_labels())}"
                 )
 
@@ -426,6 +476,17 @@ VC_PPO_PRETRAINED = (
 )
 
 
+def critic_premise(arms: tuple[str, ...]) -> Premise:
+    """The lambda claims' premise: the critic, after its warm-up, explains at least
+    ``CRITIC_FLOOR`` of the held-out returns' variance (the mean over ``arms``' runs)."""
+    return Premise(
+        "the critic's held-out explained variance after its warm-up",
+        WARMUP_EXPLAINED_VARIANCE,
+        arms,
+        CRITIC_FLOOR,
+    )
+
+
 def _vc_ppo_line(result: dict) -> str:
     """The critic's held-out fit at PPO's first rollout, plain (its reward-model start) and
     after value pretraining (mean over the pretrained arms that ran)."""
@@ -573,6 +634,19 @@ CLAIMS: dict[str, Claim] = {
                     d="grpo_low",
                 ),
             ),
+            premises=(
+                Premise(
+                    "the high level's routing share of the log-ratio's noise (pooled over "
+                    "each run; mean over the level's MoE arms)",
+                    "routing/ratio_share_pooled",
+                    tuple(
+                        arm.label
+                        for arm in ABLATIONS["routing_dose"].arms
+                        if arm.label.endswith("_high")
+                    ),
+                    ROUTING_SHARE_FLOOR,
+                ),
+            ),
             budget=ROUTING_REPLAY_BUDGET,
             headline=_routing_replay_line,
         ),
@@ -622,6 +696,15 @@ CLAIMS: dict[str, Claim] = {
                 ),
                 Check(
                     "SAPO (tau 1.0 / 1.05) ends above GRPO without KL", "diff", "neg1p05", "grpo"
+                ),
+            ),
+            premises=(
+                Premise(
+                    "SAPO's mean gate weight over a run (mean over the SAPO arms)",
+                    "loss/gate_mean_run",
+                    tuple(a.label for a in ABLATIONS["sapo_grid"].arms if a.label != "grpo"),
+                    SAPO_GATE_FLOOR,
+                    at_most=True,
                 ),
             ),
             budget=SAPO_GRID_BUDGET,
@@ -692,6 +775,7 @@ CLAIMS: dict[str, Claim] = {
             ),
             other_settings=("testbed_long32",),
             starts=LONG_TASK_STARTS,
+            premises=(critic_premise(VC_PPO_PRETRAINED),),
             budget=VC_PPO_BUDGET,
             headline=_vc_ppo_line,
         ),
@@ -724,6 +808,11 @@ CLAIMS: dict[str, Claim] = {
             # No other setting: the controls are measured on testbed_long's lengths
             # (testbed_long32's, about twice as long, give other token means).
             starts=LONG_TASK_STARTS,
+            premises=(
+                critic_premise(
+                    ("vapo", "fixed_matched", "vapo_rescaled", "fixed_matched_rescaled")
+                ),
+            ),
             budget=VAPO_BUDGET,
             headline=_vapo_line,
         ),

@@ -261,11 +261,14 @@ def verdict_table(
                 ),
             }
         )
-    verdict, results = claim_verdict(judged)
+    alone, results = claim_verdict(judged)
     # A paper's claim is defined over >= 2 SFT starts: at one, neither the spread between
-    # starts nor a start that disagrees can show, so the claim is not decided.
+    # starts nor a start that disagrees can show, so the claim is not decided; nor is it
+    # where a premise (the regime its mechanism needs) is unmet or unmeasured.
     one_start = len(set(starts)) < 2 and not claim.diagnostic
-    alone, verdict = verdict, "inconclusive" if one_start else verdict
+    premises = premise_results(claim, summary)
+    outside = [p for p in premises if not p["met"]]
+    verdict = "inconclusive" if one_start or outside else alone
 
     setting = summary.get("setting") or claim.setting
     command = (
@@ -309,6 +312,19 @@ def verdict_table(
             "chosen pairs can be any, this verdict is not the claim's.",
             "",
         ]
+    if outside:
+        unmet = "; ".join(
+            f"{p['premise']}: {_fmt_plain(p['value'])} ({p['bound']})"
+            if p["met"] is not None
+            else f"{p['premise']}: not measured"
+            for p in outside
+        )
+        lines += [
+            f"**Outside its regime**: {unmet}. The checks ran where the mechanism does not "
+            f"act as the paper's finding needs; the claim is not decided (its checks alone: "
+            f"{alone}).",
+            "",
+        ]
     if one_start:
         lines += [
             "One SFT start: the spread between starts is not sampled; the claim is decided "
@@ -325,6 +341,7 @@ def verdict_table(
         "",
         _compute_line(summary),
         "",
+        *_premise_table(premises),
         "| check | threshold | test | pairs | effect (centre - threshold) | std "
         "| 95% t half-width | per-start effect | p (Holm) | verdict | pairs for 80% power |",
         "|---|---:|---|---:|---:|---:|---:|---|---:|---|---:|",
@@ -350,13 +367,44 @@ def verdict_table(
         "correction across the claim's checks at family-wise alpha 0.05; a check missing a "
         "pair, or whose direction a start's centre does not share, decides nothing. Supported "
         "when every check is supported or equivalent, contradicted when one is "
-        "contradicted. A check marked (reported) is a finding the claim does not rest on, "
-        "corrected in a family of its own. The t half-width and the power line (at alpha / "
+        "contradicted; inconclusive at one SFT start, or where a premise (the regime the "
+        "mechanism needs, measured on the claim's runs) is unmet or unmeasured. A check "
+        "marked (reported) is a finding the claim does not rest on, corrected in a family "
+        "of its own. The t half-width and the power line (at alpha / "
         "hypotheses) are figures, not the test.",
         "",
         ablate.format_table(summary).replace("# Ablation", "## Ablation"),
     ]
     return "\n".join(lines) + "\n", verdict, results
+
+
+def premise_results(claim: Claim, summary: dict) -> list[dict]:
+    """Each of the claim's premises measured on the summary's runs (``Premise.measure``)."""
+    pairs = [(start, seed) for start in summary["starts"] for seed in summary["seeds"]]
+    runs = per_arm_runs(summary)
+    return [premise.measure(runs, pairs) for premise in claim.premises]
+
+
+def _fmt_plain(value: float) -> str:
+    return f"{value:.3g}" if math.isfinite(value) else "-"
+
+
+def _premise_table(premises: Sequence[dict]) -> list[str]:
+    """The premises' Markdown table (none: no lines)."""
+    if not premises:
+        return []
+    lines = [
+        "| premise (the regime) | bound | measured | per start | runs | met |",
+        "|---|---|---:|---|---:|---|",
+    ]
+    for p in premises:
+        per_start = " / ".join(_fmt_plain(v) for v in p["start_values"].values()) or "-"
+        met = {True: "yes", False: "no", None: "not measured"}[p["met"]]
+        lines.append(
+            f"| {p['premise']} | {p['bound']} | {_fmt_plain(p['value'])} | {per_start} | "
+            f"{p['runs']} | {met} |"
+        )
+    return lines + [""]
 
 
 def _compute_line(summary: dict) -> str:
@@ -538,6 +586,7 @@ def run_claim(
         "checks": results,
         "summary": summary,
         "verdict_md": text,
+        "premises": premise_results(claim, summary),
         "exploratory": exploratory
         or bool(left_out)
         or bool(pairs_beyond(claim, summary["starts"], summary["seeds"])),
@@ -588,6 +637,8 @@ def _list() -> None:
             f"runs: SFT starts {','.join(map(str, claim.starts))} x seeds "
             f"{','.join(map(str, claim.seeds))}"
         )
+        for premise in claim.premises:
+            field(f"premise: {premise.text} ({premise.metric} {premise.bound_text})")
         for check in claim.checks:
             margin = f" ± {check.margin:g}" if check.margin else ""
             role = "; reported" if check.reported else ""

@@ -758,6 +758,104 @@ def test_the_critic_claims_report_their_regime_diagnostics():
     )
 
 
+def test_a_premise_is_the_mean_over_its_arms_runs_per_start_and_direction():
+    """Premise.measure by hand: the mean of the finite values over its arms' runs at the
+    pairs judged (a pair outside them, another arm, a NaN left out), per start; "at most"
+    and "at least" bounds; no value: not measured."""
+    gate = claims.Premise("gate acts", "g", ("a", "b"), 0.95, at_most=True)
+    runs = {
+        "a": {(1, 0): {"g": 0.90}, (1, 1): {"g": 0.94}, (2, 0): {"g": float("nan")}},
+        "b": {(2, 0): {"g": 0.99}, (2, 1): {}, (3, 0): {"g": 0.0}},  # (3, 0): not judged
+        "c": {(1, 0): {"g": 0.0}},  # not the premise's arm
+    }
+    pairs = [(s, d) for s in (1, 2) for d in (0, 1)]
+    result = gate.measure(runs, pairs)
+    assert result["value"] == pytest.approx((0.90 + 0.94 + 0.99) / 3) and result["runs"] == 3
+    assert result["start_values"] == pytest.approx({1: 0.92, 2: 0.99})
+    assert result["met"] is True and result["bound"] == "<= 0.95"  # 0.943 <= 0.95
+    runs["a"][(1, 1)]["g"] = 0.98  # mean 0.9567
+    assert gate.measure(runs, pairs)["met"] is False
+    floor = dataclasses.replace(gate, at_most=False)  # at least 0.95
+    assert floor.measure(runs, pairs)["met"] is True and floor.measure(runs, pairs)["bound"] == (
+        ">= 0.95"
+    )
+    nothing = gate.measure(runs, [(4, 0)])
+    assert nothing["met"] is None and nothing["runs"] == 0 and nothing["start_values"] == {}
+    own = THREE_ARMS
+    with pytest.raises(ValueError, match="premise 'p' names arm 'nope', not one of neg_gt_pos"):
+        dataclasses.replace(own, premises=(claims.Premise("p", "m", ("nope",), 0.5),))
+
+
+def test_a_claim_outside_its_regime_decides_nothing():
+    """vc_ppo from hand-made runs whose every check holds at every pair: supported when its
+    critic explains >= 0.5 of the returns' variance; inconclusive, its checks' own verdict
+    shown, when the critic's fit is below the floor or was not measured."""
+    claim = get_claim("vc_ppo")
+    pairs = [(start, seed) for start in claim.starts for seed in claim.seeds]
+    ends = {
+        "ppo": 0.40,
+        "vc_ppo_lambda_1": 0.45,
+        "vc_ppo_lambda_090": 0.50,
+        "ppo_pretrained": 0.55,
+        "vc_ppo": 0.55,
+        "vc_ppo_lambda_099": 0.56,
+    }
+    warm = ablate.WARMUP_EXPLAINED_VARIANCE
+
+    def summary(fit):
+        arms = {
+            arm: {
+                p: {**_run(end + 0.001 * i), **({} if fit is None else {warm: fit})}
+                for i, p in enumerate(pairs)
+            }
+            for arm, end in ends.items()
+        }
+        return _summary(arms, starts=claim.starts, seeds=claim.seeds)
+
+    text, verdict, checks = reproduce.verdict_table(claim, summary(0.6))
+    # Each check: 10 of 10 pairs above 0, two-sided sign-flip p 2/1024, Holm over 6.
+    assert {c["verdict"] for c in checks} == {"supported"} and verdict == "supported"
+    assert (
+        "| the critic's held-out explained variance after its warm-up | >= 0.5 | 0.6 | "
+        "0.6 / 0.6 | 50 | yes |" in text
+    )
+    assert "Outside its regime" not in text
+    text, verdict, checks = reproduce.verdict_table(claim, summary(0.3))
+    assert {c["verdict"] for c in checks} == {"supported"} and verdict == "inconclusive"
+    assert text.startswith("# Claim `vc_ppo`: inconclusive at 2 SFT start(s) x 5 seed(s)")
+    assert (
+        "**Outside its regime**: the critic's held-out explained variance after its "
+        "warm-up: 0.3 (>= 0.5). The checks ran where the mechanism does not act as the "
+        "paper's finding needs; the claim is not decided (its checks alone: "
+        "supported)." in text
+    )
+    assert "| 0.3 | 0.3 / 0.3 | 50 | no |" in text
+    text, verdict, _ = reproduce.verdict_table(claim, summary(None))
+    assert verdict == "inconclusive" and "warm-up: not measured." in text
+    assert "| >= 0.5 | - | - | 0 | not measured |" in text
+
+
+def test_the_claims_premises_are_the_issues_floors():
+    """Which claims rest on a measured regime, and on which arms: routing_replay on its
+    high level's MoE arms (share >= 0.5), sapo_grid on its SAPO arms (gate <= 0.95), the
+    lambda claims on every arm whose critic warms up (fit >= 0.5); the others on none."""
+    premises = {name: claim.premises for name, claim in CLAIMS.items() if claim.premises}
+    assert set(premises) == {"routing_replay", "sapo_grid", "vc_ppo", "vapo_length_adaptive"}
+    (share,) = premises["routing_replay"]
+    assert (share.metric, share.bound, share.at_most) == ("routing/ratio_share_pooled", 0.5, False)
+    assert len(share.arms) == 6 and all(arm.endswith("_high") for arm in share.arms)
+    (gate,) = premises["sapo_grid"]
+    assert (gate.metric, gate.bound, gate.at_most) == ("loss/gate_mean_run", 0.95, True)
+    assert "grpo" not in gate.arms and len(gate.arms) == 9
+    for name in ("vc_ppo", "vapo_length_adaptive"):
+        (fit,) = premises[name]
+        assert (fit.metric, fit.bound) == (ablate.WARMUP_EXPLAINED_VARIANCE, 0.5)
+    assert "ppo" not in premises["vc_ppo"][0].arms  # plain PPO's critic does not pretrain
+    assert set(premises["vapo_length_adaptive"][0].arms) == set(
+        CLAIMS["vapo_length_adaptive"].arm_labels()
+    )
+
+
 def test_a_papers_claim_at_one_sft_start_decides_nothing():
     """--starts 0: the disagreeing-start guard cannot act and the between-start spread is
     not sampled; a paper's claim (>= 2 starts by definition) is then inconclusive, a regime
