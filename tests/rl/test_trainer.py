@@ -410,7 +410,7 @@ def test_a_run_whose_updates_are_all_skipped_stops(tmp_path):
 
 # A plain script, as a user writes one (no __main__ guard): a long generation through the
 # engine (256 prompts, one group of 2 rows at a time), announcing its third decode call; one
-# run per signal in turn (argv[3:]), in one process (the second run's programs compiled).
+# run per signal in turn (argv[3:]) in one process, the second on the programs of the first.
 _STOPPED_SCRIPT = textwrap.dedent(r"""
     import sys
     from policyopt import engine
