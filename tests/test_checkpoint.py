@@ -260,6 +260,20 @@ def test_a_target_of_other_shapes_is_refused_before_any_read(tmp_path, monkeypat
     each would later print "Exception ignored ... Event loop is closed" (32 arrays: some
     always are)."""
     import gc
+
+    # The collection below traverses this test's objects only: what the worker held before
+    # (earlier tests' compiled models, millions of objects, a full collection of which took
+    # seconds in the suite; and what they left, say a corrupt file's reads, which is theirs)
+    # is frozen until the test ends.
+    gc.freeze()
+    try:
+        _refuse_other_shapes(tmp_path, monkeypatch)
+    finally:
+        gc.unfreeze()
+
+
+def _refuse_other_shapes(tmp_path, monkeypatch):
+    import gc
     import sys
 
     from policyopt.checkpoint import CheckpointError, CorruptCheckpointError
@@ -269,7 +283,6 @@ def test_a_target_of_other_shapes_is_refused_before_any_read(tmp_path, monkeypat
     ckpt = Checkpointer(str(tmp_path))
     ckpt.save(1, state, {"iteration": 1})
     wrong = dict(state, p00=jnp.zeros(5), p07=jnp.zeros((64, 64)))
-    gc.collect()  # what earlier tests of this worker left (a corrupt file's reads) is theirs
     unraisable = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     for _ in range(3):

@@ -11,11 +11,13 @@ import math
 
 import numpy as np
 import pytest
-from scipy import stats
 
 from configs.claims import Check
 from experiments import verdicts
 from experiments.verdicts import claim_verdict, judge
+
+# scipy.stats (the reference) is imported in the tests that use it: at collection it cost
+# every test process ~1 CPU s, the xdist worker that never runs this file included.
 
 
 def _enumerated(values, center):
@@ -59,6 +61,8 @@ def test_sign_flip_on_quantised_values_counts_ties_as_integers_do():
 
 
 def test_sign_flip_draws_beyond_the_exact_range():
+    from scipy import stats
+
     n = verdicts.EXACT_MAX_N + 4
     draws = verdicts.MONTE_CARLO_DRAWS
     # All positive: no draw but the observed one reaches the sum (exact: 2^-24).
@@ -80,6 +84,8 @@ def test_holm_hand_worked():
 
 
 def test_student_t_matches_scipy():
+    from scipy import stats
+
     for df in (1, 2, 3, 4.5, 9, 30, 200):
         for q in (0.6, 0.8, 0.975, 0.995, 0.9999):
             got = verdicts.student_t_quantile(q, df)
@@ -235,12 +241,16 @@ def test_reported_checks_form_their_own_family_and_leave_the_claim_alone():
 
 def _power(n, effect, std, alpha=0.05):
     """Exact power of the two-sided one-sample t test (noncentral t)."""
+    from scipy import stats
+
     df, critical = n - 1, stats.t.ppf(1 - alpha / 2, n - 1)
     nc = effect / std * math.sqrt(n)
     return stats.nct.sf(critical, df, nc) + stats.nct.cdf(-critical, df, nc)
 
 
 def test_pairs_needed_for_80_percent_power():
+    from scipy import stats
+
     # d = 1 (effect = std): ~10 pairs; the noncentral t gives >= 0.8 there, < 0.8 two fewer.
     n = verdicts.pairs_needed(0.1, 0.1)
     assert n == 10
@@ -290,6 +300,8 @@ def test_values_that_are_not_finite_are_refused_not_tested():
 def test_power_line_at_an_effect_near_zero():
     """Student's t at huge degrees of freedom is the normal; an effect that is the mean's
     rounding (values symmetric about a threshold that is not 0) is effect 0."""
+    from scipy import stats
+
     for df in (1e6, 1e9, 1e12, 1e20, 1e300):
         for q in (0.8, 0.975, 0.99875):
             assert verdicts.student_t_quantile(q, df) == pytest.approx(stats.t.ppf(q, df), rel=1e-7)
@@ -311,6 +323,8 @@ def test_power_line_at_an_effect_near_zero():
 
 def _tost_power(n, effect, std, margin, alpha=0.05, reps=200_000):
     """TOST's power (Student t, both one-sided tests at alpha) by simulation, a fixed rng."""
+    from scipy import stats
+
     x = np.random.default_rng(0).normal(effect, std, size=(reps, n))
     mean, se = x.mean(axis=1), x.std(axis=1, ddof=1) / math.sqrt(n)
     t = stats.t.ppf(1 - alpha, n - 1)
@@ -384,6 +398,8 @@ def test_the_sign_flip_test_needs_symmetry_that_a_value_or_gain_lacks():
 
 
 def test_sign_test_hand_worked():
+    from scipy import stats
+
     # 9 of 10 above: P(X >= 9) = (10 + 1) / 1024 for X ~ Bin(10, 1/2); P(X <= 9) = 1023/1024.
     nine = [0.2] * 9 + [-0.1]
     assert verdicts.sign_test_p(nine) == (11 / 1024, 1023 / 1024)
@@ -456,6 +472,8 @@ def test_holm_across_sign_and_sign_flip_checks():
 
 def _sign_power(n, share, one_sided):
     """The sign test's power at n pairs when each lies above with probability ``share``."""
+    from scipy import stats
+
     critical = next(k for k in range(n + 2) if stats.binom.sf(k - 1, n, 0.5) <= one_sided)
     return stats.binom.sf(critical - 1, n, share)
 
@@ -551,6 +569,8 @@ def test_sign_test_exact_from_one_pair_to_thousands():
     underflows to 0.0, never a NaN or an error; moving a value further above the threshold
     (or from below to above) never raises p_above."""
     from fractions import Fraction
+
+    from scipy import stats
 
     def tail(k, n):
         return float(Fraction(sum(math.comb(n, j) for j in range(k, n + 1)), 2**n))

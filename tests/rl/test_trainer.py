@@ -409,7 +409,8 @@ def test_a_run_whose_updates_are_all_skipped_stops(tmp_path):
 
 
 # A plain script, as a user writes one (no __main__ guard): a long generation through the
-# engine (256 prompts, one group of 2 rows at a time), announcing its third decode call.
+# engine (256 prompts, one group of 2 rows at a time), announcing its third decode call; one
+# run per signal in turn (argv[3:]) in one process, the second on the programs of the first.
 _STOPPED_SCRIPT = textwrap.dedent(r"""
     import sys
     from policyopt import engine
@@ -425,8 +426,12 @@ _STOPPED_SCRIPT = textwrap.dedent(r"""
         return decode_steps(*args, **kwargs)
 
     engine.decode_steps = announced
-    summary = trainer.run_rl(tiny("grpo", extra=sys.argv[2]), sys.argv[1], recipe="grpo")
-    print("summary", summary["interrupted"], summary["iteration"], len(calls), flush=True)
+    for name in sys.argv[3:]:
+        calls.clear()
+        summary = trainer.run_rl(
+            tiny("grpo", extra=sys.argv[2]), f"{sys.argv[1]}/{name}", recipe="grpo"
+        )
+        print("summary", summary["interrupted"], summary["iteration"], len(calls), flush=True)
     """)
 STOPPED_EXTRA = (
     "batch.n_prompts=256,batch.group_size=2,sampling.engine_kv_tokens=128,"
@@ -434,15 +439,16 @@ STOPPED_EXTRA = (
     "batch.response_buckets=(64,),eval.num_prompts=0,"
     "train.num_iterations=1"
 )
+SIGNALS = ("SIGTERM", "SIGINT")
 
 
-@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
-def test_a_signal_stops_a_generation_in_progress(signal_name, tmp_path):
+def test_a_signal_stops_a_generation_in_progress(tmp_path):
     """The issue's fault: a SIGTERM during a long generation printed "stopping after this
     iteration" and was acted on only after it (an engine that never ended never stopped).
-    Now the signal reaches the engine's host loop: the process exits within seconds with
-    a checkpoint of the last complete iteration (0), at the data position before the
-    iteration cut short (a rerun draws the same prompts again)."""
+    Now the signal reaches the engine's host loop: the run ends within seconds with a
+    checkpoint of the last complete iteration (0), at the data position before the
+    iteration cut short (a rerun draws the same prompts again). SIGTERM, then SIGINT, each
+    stopping a run of its own in one process (which then exits 0)."""
     import signal
     import subprocess
     import sys
@@ -454,42 +460,50 @@ def test_a_signal_stops_a_generation_in_progress(signal_name, tmp_path):
 
     workdir = str(tmp_path / "run")
     process = subprocess.Popen(
-        [sys.executable, "-c", _STOPPED_SCRIPT, workdir, STOPPED_EXTRA],
+        [sys.executable, "-c", _STOPPED_SCRIPT, workdir, STOPPED_EXTRA, *SIGNALS],
         env=subprocess_env(PYTHONPATH=ROOT),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    lines, summaries, seconds = [], [], []
     try:
-        lines = []
-        for line in process.stdout:
-            lines.append(line)
-            if line.strip() == "decoding":
-                break
-        else:
-            raise AssertionError("".join(lines) + process.stderr.read()[-3000:])
-        sent = time.perf_counter()
-        process.send_signal(getattr(signal, signal_name))
+        for signal_name in SIGNALS:
+            for line in process.stdout:  # this run's third decode call
+                lines.append(line)
+                if line.strip() == "decoding":
+                    break
+            else:
+                raise AssertionError("".join(lines) + process.stderr.read()[-3000:])
+            sent = time.perf_counter()
+            process.send_signal(getattr(signal, signal_name))
+            for line in process.stdout:  # the run's end
+                lines.append(line)
+                if line.startswith("summary"):
+                    summaries.append(line.split())
+                    break
+            seconds.append(time.perf_counter() - sent)
         out, err = process.communicate(timeout=300)
-        seconds = time.perf_counter() - sent
+        out = "".join(lines) + out
     finally:
         process.kill()
     assert process.returncode == 0, (out + err)[-3000:]
-    summary = out.strip().splitlines()[-1].split()
-    assert summary[:3] == ["summary", signal_name, "0"], out
-    calls = int(summary[3])  # decode calls run: far from the 256 groups' (>= 4 each)
-    assert 3 <= calls < 100, out
-    assert f"{signal_name}: stopped during iteration 1 (its generation cut short)" in out
-    assert seconds < 60, seconds  # the checkpoint and the exit; under load
-    assert not os.path.exists(os.path.join(workdir, "metrics.jsonl")) or not read_jsonl(
-        os.path.join(workdir, "metrics.jsonl")
-    )
+    assert [s[:3] for s in summaries] == [["summary", name, "0"] for name in SIGNALS], out
     config = tiny("grpo", extra=STOPPED_EXTRA)
-    with Checkpointer(os.path.join(workdir, "checkpoints")) as checkpointer:
-        assert checkpointer.all_steps() == [0]
-        meta = checkpointer.meta()
     fresh = trainer.make_prompt_iterator(
         config, build.task_source(config, "train"), seed=config.seed
     )
-    assert meta["iteration"] == 0 and meta["data"] == fresh.get_state()
+    for signal_name, summary, took in zip(SIGNALS, summaries, seconds):
+        calls = int(summary[3])  # decode calls run: far from the 256 groups' (>= 4 each)
+        assert 3 <= calls < 100, out
+        assert f"{signal_name}: stopped during iteration 1 (its generation cut short)" in out
+        assert took < 60, took  # the checkpoint and the run's end; under load
+        run = os.path.join(workdir, signal_name)
+        assert not os.path.exists(os.path.join(run, "metrics.jsonl")) or not read_jsonl(
+            os.path.join(run, "metrics.jsonl")
+        )
+        with Checkpointer(os.path.join(run, "checkpoints")) as checkpointer:
+            assert checkpointer.all_steps() == [0]
+            meta = checkpointer.meta()
+        assert meta["iteration"] == 0 and meta["data"] == fresh.get_state()
