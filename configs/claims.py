@@ -136,9 +136,10 @@ class Check:
 @dataclasses.dataclass(frozen=True)
 class Premise:
     """The regime a claim's mechanism needs, measured on the claim's own runs: the mean of
-    ``metric`` over the runs of ``arms`` at least ``bound`` (``at_most``: at most). A claim
-    whose premise is not met, or not measured, is inconclusive whatever its checks find:
-    they ran outside the regime the paper's finding is about (docs/claims.md, "Premises")."""
+    ``metric`` over the runs of ``arms`` from each SFT start at least ``bound``
+    (``at_most``: at most). A claim whose premise is not met, or not measured, is
+    inconclusive whatever its checks find: they ran outside the regime the paper's finding
+    is about (docs/claims.md, "Premises")."""
 
     text: str
     metric: str
@@ -154,26 +155,34 @@ class Premise:
     def measure(
         self, per_arm: dict[str, dict[tuple[int, int], dict]], pairs: Sequence[tuple[int, int]]
     ) -> dict:
-        """``{"premise", "bound", "value", "start_values", "runs", "met"}``: the mean of the
-        finite values over the runs of ``arms`` at ``pairs``, per SFT start too; ``met`` is
-        None when no run has a value."""
+        """``{"premise", "bound", "value", "start_values", "runs", "missing", "met"}``: the
+        mean of ``metric`` over the runs of ``arms`` at ``pairs``, and per SFT start. Met
+        when every start's mean is within the bound (each start's pairs ran in the regime, as
+        a check's direction must hold at each start); None (not measured) when a run lacks a
+        finite value (an arm not run at a pair, a metric not logged)."""
         by_start: dict[int, list[float]] = {}
+        missing = 0
         for arm in self.arms:
             for pair in pairs:
                 value = per_arm.get(arm, {}).get(pair, {}).get(self.metric, math.nan)
                 if math.isfinite(value):
                     by_start.setdefault(pair[0], []).append(value)
+                else:
+                    missing += 1
         values = [v for start in sorted(by_start) for v in by_start[start]]
-        mean = statistics.fmean(values) if values else math.nan
+        start_values = {s: statistics.fmean(by_start[s]) for s in sorted(by_start)}
         met = None
-        if values:
-            met = mean <= self.bound if self.at_most else mean >= self.bound
+        if values and not missing:
+            met = all(
+                v <= self.bound if self.at_most else v >= self.bound for v in start_values.values()
+            )
         return {
             "premise": self.text,
             "bound": self.bound_text,
-            "value": mean,
-            "start_values": {s: statistics.fmean(by_start[s]) for s in sorted(by_start)},
+            "value": statistics.fmean(values) if values else math.nan,
+            "start_values": start_values,
             "runs": len(values),
+            "missing": missing,
             "met": met,
         }
 

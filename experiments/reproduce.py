@@ -314,9 +314,11 @@ def verdict_table(
         ]
     if outside:
         unmet = "; ".join(
-            f"{p['premise']}: {_fmt_plain(p['value'])} ({p['bound']})"
-            if p["met"] is not None
-            else f"{p['premise']}: not measured"
+            f"{p['premise']}: not measured at {p['missing']} of {p['runs'] + p['missing']} runs"
+            if p["met"] is None
+            else f"{p['premise']}: "
+            + " / ".join(f"start {s} {_fmt_plain(v)}" for s, v in p["start_values"].items())
+            + f" ({p['bound']} at each start)"
             for p in outside
         )
         lines += [
@@ -394,15 +396,16 @@ def _premise_table(premises: Sequence[dict]) -> list[str]:
     if not premises:
         return []
     lines = [
-        "| premise (the regime) | bound | measured | per start | runs | met |",
+        "| premise (the regime) | bound (at each start) | measured | per start | runs | met |",
         "|---|---|---:|---|---:|---|",
     ]
     for p in premises:
         per_start = " / ".join(_fmt_plain(v) for v in p["start_values"].values()) or "-"
         met = {True: "yes", False: "no", None: "not measured"}[p["met"]]
+        runs = f"{p['runs']}" if not p["missing"] else f"{p['runs']} of {p['runs'] + p['missing']}"
         lines.append(
             f"| {p['premise']} | {p['bound']} | {_fmt_plain(p['value'])} | {per_start} | "
-            f"{p['runs']} | {met} |"
+            f"{runs} | {met} |"
         )
     return lines + [""]
 

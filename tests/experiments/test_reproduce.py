@@ -757,27 +757,34 @@ def test_the_critic_claims_report_their_regime_diagnostics():
     )
 
 
-def test_a_premise_is_the_mean_over_its_arms_runs_per_start_and_direction():
-    """Premise.measure by hand: the mean of the finite values over its arms' runs at the
-    pairs judged (a pair outside them, another arm, a NaN left out), per start; "at most"
-    and "at least" bounds; no value: not measured."""
+def test_a_premise_holds_at_each_start_over_every_run():
+    """Premise.measure by hand: the mean over its arms' runs at the pairs judged (a pair
+    outside them and another arm left out), per start; met only when every start's mean is
+    within the bound, "at most" or "at least"; a run without a finite value: not measured."""
     gate = claims.Premise("gate acts", "g", ("a", "b"), 0.95, at_most=True)
     runs = {
-        "a": {(1, 0): {"g": 0.90}, (1, 1): {"g": 0.94}, (2, 0): {"g": float("nan")}},
-        "b": {(2, 0): {"g": 0.99}, (2, 1): {}, (3, 0): {"g": 0.0}},  # (3, 0): not judged
+        "a": {(1, 0): {"g": 0.90}, (1, 1): {"g": 0.94}, (2, 0): {"g": 0.93}, (2, 1): {"g": 0.91}},
+        "b": {(1, 0): {"g": 0.92}, (1, 1): {"g": 0.96}, (2, 0): {"g": 0.95}, (2, 1): {"g": 0.97}},
         "c": {(1, 0): {"g": 0.0}},  # not the premise's arm
     }
+    runs["b"][(3, 0)] = {"g": 0.0}  # not a pair judged
     pairs = [(s, d) for s in (1, 2) for d in (0, 1)]
     result = gate.measure(runs, pairs)
-    assert result["value"] == pytest.approx((0.90 + 0.94 + 0.99) / 3) and result["runs"] == 3
-    assert result["start_values"] == pytest.approx({1: 0.92, 2: 0.99})
-    assert result["met"] is True and result["bound"] == "<= 0.95"  # 0.943 <= 0.95
-    runs["a"][(1, 1)]["g"] = 0.98  # mean 0.9567
-    assert gate.measure(runs, pairs)["met"] is False
-    floor = dataclasses.replace(gate, at_most=False)  # at least 0.95
-    assert floor.measure(runs, pairs)["met"] is True and floor.measure(runs, pairs)["bound"] == (
-        ">= 0.95"
-    )
+    assert result["start_values"] == pytest.approx({1: 0.93, 2: 0.94})
+    assert result["value"] == pytest.approx(0.935) and (result["runs"], result["missing"]) == (8, 0)
+    assert result["met"] is True and result["bound"] == "<= 0.95"
+    # Start 2 at (0.93 + 0.91 + 0.95 + 1.03) / 4 = 0.955: outside, though the mean of all
+    # eight runs, 0.9425, is within.
+    runs["b"][(2, 1)]["g"] = 1.03
+    result = gate.measure(runs, pairs)
+    assert result["value"] == pytest.approx(0.9425) and result["met"] is False
+    floor = dataclasses.replace(gate, bound=0.9, at_most=False)  # at least 0.9 at each start
+    assert floor.measure(runs, pairs)["met"] is True and floor.bound_text == ">= 0.9"
+    runs["a"][(2, 0)]["g"] = float("nan")  # a run without a value
+    result = floor.measure(runs, pairs)
+    assert (result["met"], result["runs"], result["missing"]) == (None, 7, 1)
+    del runs["b"][(1, 1)]  # an arm not run at a pair
+    assert floor.measure(runs, pairs)["missing"] == 2
     nothing = gate.measure(runs, [(4, 0)])
     assert nothing["met"] is None and nothing["runs"] == 0 and nothing["start_values"] == {}
     own = THREE_ARMS
@@ -824,14 +831,14 @@ def test_a_claim_outside_its_regime_decides_nothing():
     assert text.startswith("# Claim `vc_ppo`: inconclusive at 2 SFT start(s) x 5 seed(s)")
     assert (
         "**Outside its regime**: the critic's held-out explained variance after its "
-        "warm-up: 0.3 (>= 0.5). The checks ran where the mechanism does not act as the "
-        "paper's finding needs; the claim is not decided (its checks alone: "
-        "supported)." in text
+        "warm-up: start 1 0.3 / start 2 0.3 (>= 0.5 at each start). The checks ran where "
+        "the mechanism does not act as the paper's finding needs; the claim is not decided "
+        "(its checks alone: supported)." in text
     )
     assert "| 0.3 | 0.3 / 0.3 | 50 | no |" in text
     text, verdict, _ = reproduce.verdict_table(claim, summary(None))
-    assert verdict == "inconclusive" and "warm-up: not measured." in text
-    assert "| >= 0.5 | - | - | 0 | not measured |" in text
+    assert verdict == "inconclusive" and "warm-up: not measured at 50 of 50 runs." in text
+    assert "| >= 0.5 | - | - | 0 of 50 | not measured |" in text
 
 
 def test_the_claims_premises_are_the_issues_floors():
