@@ -133,13 +133,23 @@ class Check:
         return values, starts, missing
 
 
+#: A premise's mean within this relative distance of its bound is at the bound (met): the
+#: float rounding of a mean, not the runs (`experiments.verdicts.TIE_RTOL` for a check).
+PREMISE_RTOL = 1e-12
+
+
+def at_bound(value: float, bound: float) -> bool:
+    """Whether a premise's ``value`` is its ``bound``, to ``PREMISE_RTOL``."""
+    return abs(value - bound) <= PREMISE_RTOL * max(abs(bound), abs(value), 1.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Premise:
     """The regime a claim's mechanism needs, measured on the claim's own runs: the mean of
     ``metric`` over the runs of ``arms`` from each SFT start at least ``bound``
     (``at_most``: at most). A claim whose premise is not met, or not measured, is
     inconclusive whatever its checks find: they ran outside the regime the paper's finding
-    is about (docs/claims.md, "Premises")."""
+    is about, or may have (docs/claims.md, "Premises")."""
 
     text: str
     metric: str
@@ -147,21 +157,39 @@ class Premise:
     bound: float
     at_most: bool = False
 
+    def __post_init__(self):
+        if not self.metric:
+            raise ValueError(f"Premise {self.text!r}: metric must name a run summary's key")
+        if not self.arms:
+            raise ValueError(f"Premise {self.text!r}: arms must name at least one arm")
+        twice = next((a for i, a in enumerate(self.arms) if a in self.arms[:i]), None)
+        if twice is not None:  # its runs would count twice in the mean
+            raise ValueError(f"Premise {self.text!r}: arm {twice!r} is named twice")
+        if not math.isfinite(self.bound):
+            raise ValueError(f"Premise {self.text!r}: bound must be finite, got {self.bound}")
+
     @property
     def bound_text(self) -> str:
         """``>= 0.5`` or ``<= 0.95``."""
         return f"{'<=' if self.at_most else '>='} {self.bound:g}"
 
+    def within(self, value: float) -> bool:
+        """Whether ``value`` is within the bound (the bound itself included)."""
+        beyond = value > self.bound if self.at_most else value < self.bound
+        return not beyond or at_bound(value, self.bound)
+
     def measure(
         self, per_arm: dict[str, dict[tuple[int, int], dict]], pairs: Sequence[tuple[int, int]]
     ) -> dict:
-        """``{"premise", "bound", "value", "start_values", "runs", "missing", "met"}``: the
-        mean of ``metric`` over the runs of ``arms`` at ``pairs``, and per SFT start. Met
-        when every start's mean is within the bound (each start's pairs ran in the regime, as
-        a check's direction must hold at each start); None (not measured) when a run lacks a
-        finite value (an arm not run at a pair, a metric not logged)."""
+        """``{"premise", "bound", "threshold", "value", "start_values", "runs", "missing",
+        "first_missing", "met"}``: the mean of ``metric`` over the runs of ``arms`` at
+        ``pairs``, and per SFT start. Met when every start's mean is within the bound
+        (``within``: each start's pairs ran in the regime, as a check's direction must hold
+        at each start); None (not measured) when a run lacks a finite value (an arm not run
+        at a pair, a metric not logged), ``first_missing`` ``(arm, start, seed)`` the first
+        such run."""
         by_start: dict[int, list[float]] = {}
-        missing = 0
+        missing, first_missing = 0, None
         for arm in self.arms:
             for pair in pairs:
                 value = per_arm.get(arm, {}).get(pair, {}).get(self.metric, math.nan)
@@ -169,20 +197,21 @@ class Premise:
                     by_start.setdefault(pair[0], []).append(value)
                 else:
                     missing += 1
+                    first_missing = first_missing or (arm, *pair)
         values = [v for start in sorted(by_start) for v in by_start[start]]
         start_values = {s: statistics.fmean(by_start[s]) for s in sorted(by_start)}
         met = None
         if values and not missing:
-            met = all(
-                v <= self.bound if self.at_most else v >= self.bound for v in start_values.values()
-            )
+            met = all(self.within(v) for v in start_values.values())
         return {
             "premise": self.text,
             "bound": self.bound_text,
+            "threshold": self.bound,
             "value": statistics.fmean(values) if values else math.nan,
             "start_values": start_values,
             "runs": len(values),
             "missing": missing,
+            "first_missing": first_missing,
             "met": met,
         }
 

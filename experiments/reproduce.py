@@ -15,6 +15,7 @@ A ``--variant`` that changes what an arm trains is exploratory: its runs go to
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import math
@@ -27,7 +28,7 @@ from absl import flags
 
 from configs import base
 from configs.ablations import ABLATIONS, SETTINGS
-from configs.claims import CLAIMS, Claim, get_claim
+from configs.claims import CLAIMS, Claim, at_bound, get_claim
 from experiments import ablate, cli
 from experiments.verdicts import claim_verdict, judge
 from policyopt.checkpoint import unlock_workdir
@@ -312,19 +313,33 @@ def verdict_table(
             "chosen pairs can be any, this verdict is not the claim's.",
             "",
         ]
-    if outside:
-        unmet = "; ".join(
-            f"{p['premise']}: not measured at {p['missing']} of {p['runs'] + p['missing']} runs"
-            if p["met"] is None
-            else f"{p['premise']}: "
-            + " / ".join(f"start {s} {_fmt_plain(v)}" for s, v in p["start_values"].items())
+    unmet = [p for p in premises if p["met"] is False]
+    unknown = [p for p in premises if p["met"] is None]
+    if unmet:
+        figures = "; ".join(
+            f"{p['premise']}: "
+            + " / ".join(
+                f"start {s} {premise_figure(v, p['threshold'])}"
+                for s, v in p["start_values"].items()
+            )
             + f" ({p['bound']} at each start)"
-            for p in outside
+            for p in unmet
         )
         lines += [
-            f"**Outside its regime**: {unmet}. The checks ran where the mechanism does not "
+            f"**Outside its regime**: {figures}. The checks ran where the mechanism does not "
             f"act as the paper's finding needs; the claim is not decided (its checks alone: "
             f"{alone}).",
+            "",
+        ]
+    if unknown:
+        counts = "; ".join(
+            f"{p['premise']}: not measured at {p['missing']} of {p['runs'] + p['missing']} "
+            "runs ({} at start {}, seed {} the first)".format(*p["first_missing"])
+            for p in unknown
+        )
+        lines += [
+            f"**Regime not measured**: {counts}. Whether the checks ran where the mechanism "
+            f"acts is not known; the claim is not decided (its checks alone: {alone}).",
             "",
         ]
     if one_start:
@@ -387,8 +402,20 @@ def premise_results(claim: Claim, summary: dict) -> list[dict]:
     return [premise.measure(runs, pairs) for premise in claim.premises]
 
 
-def _fmt_plain(value: float) -> str:
-    return f"{value:.3g}" if math.isfinite(value) else "-"
+def premise_figure(value: float, bound: float) -> str:
+    """A premise's figure with 3 significant digits, or as many more as keep it off its
+    bound: 0.9504 against 0.95 reads 0.9504, not 0.95 (unmet, it would read as met); a
+    figure at the bound (``configs.claims.at_bound``) reads as the bound; "-" when not
+    finite."""
+    if not math.isfinite(value):
+        return "-"
+    if at_bound(value, bound):
+        return f"{bound:g}"
+    for digits in range(3, 18):
+        text = f"{value:.{digits}g}"
+        if (float(text) - bound) * (value - bound) > 0:
+            return text
+    return repr(value)
 
 
 def _premise_table(premises: Sequence[dict]) -> list[str]:
@@ -400,11 +427,12 @@ def _premise_table(premises: Sequence[dict]) -> list[str]:
         "|---|---|---:|---|---:|---|",
     ]
     for p in premises:
-        per_start = " / ".join(_fmt_plain(v) for v in p["start_values"].values()) or "-"
+        figure = functools.partial(premise_figure, bound=p["threshold"])
+        per_start = " / ".join(map(figure, p["start_values"].values())) or "-"
         met = {True: "yes", False: "no", None: "not measured"}[p["met"]]
         runs = f"{p['runs']}" if not p["missing"] else f"{p['runs']} of {p['runs'] + p['missing']}"
         lines.append(
-            f"| {p['premise']} | {p['bound']} | {_fmt_plain(p['value'])} | {per_start} | "
+            f"| {p['premise']} | {p['bound']} | {figure(p['value'])} | {per_start} | "
             f"{runs} | {met} |"
         )
     return lines + [""]
@@ -539,7 +567,8 @@ def run_claim(
         trains; the summary, curves and verdict.md are written again.
 
     Returns:
-      ``{"claim", "verdict", "checks", "summary", "verdict_md", "exploratory"}``.
+      ``{"claim", "verdict", "checks", "summary", "verdict_md", "premises",
+      "exploratory"}`` (``premises``: ``premise_results``).
     """
     labels = select_arms(claim, arms)
     name = select_setting(claim, setting)

@@ -837,7 +837,10 @@ def test_a_claim_outside_its_regime_decides_nothing():
     )
     assert "| 0.3 | 0.3 / 0.3 | 50 | no |" in text
     text, verdict, _ = reproduce.verdict_table(claim, summary(None))
-    assert verdict == "inconclusive" and "warm-up: not measured at 50 of 50 runs." in text
+    assert verdict == "inconclusive" and (
+        "**Regime not measured**: the critic's held-out explained variance after its warm-up: "
+        "not measured at 50 of 50 runs (ppo_pretrained at start 1, seed 0 the first)." in text
+    )
     assert "| >= 0.5 | - | - | 0 of 50 | not measured |" in text
 
 
@@ -1019,3 +1022,91 @@ def test_the_verdict_tables_command_quotes_a_variant_for_the_shell():
         claim, _summary(runs, seeds=range(3)), variant="optim.lr=3e-4", exploratory=True
     )
     assert "--seeds 0,1,2 --variant optim.lr=3e-4`" in text
+
+
+def test_a_premise_at_its_bound_is_met_through_float_rounding():
+    """A start's mean that equals the bound but for the float rounding of the mean (0.409 +
+    0.077 + 0.564 + 0.95 = 2.0 over 4, 0.936 + 0.93 + 0.984 = 2.85 over 3) meets it: the
+    bound is inclusive, and 1 ulp off it is the arithmetic's, not the runs'."""
+    floor = claims.Premise("share", "s", ("a", "b", "c", "d"), 0.5)
+    runs = {arm: {(1, 0): {"s": v}} for arm, v in zip("abcd", (0.409, 0.077, 0.564, 0.95))}
+    result = floor.measure(runs, [(1, 0)])
+    assert result["start_values"][1] < 0.5  # 0.49999999999999994
+    assert result["met"] is True
+    gate = claims.Premise("gate", "g", ("a", "b", "c"), 0.95, at_most=True)
+    runs = {arm: {(1, 0): {"g": v}} for arm, v in zip("abc", (0.936, 0.93, 0.984))}
+    result = gate.measure(runs, [(1, 0)])
+    assert result["start_values"][1] > 0.95 and result["met"] is True
+    # A real departure, however small against the figures' 3 digits, is not.
+    runs["a"][(1, 0)]["g"] = 0.9363
+    assert gate.measure(runs, [(1, 0)])["met"] is False
+
+
+def test_a_premise_refuses_a_bad_definition():
+    """No arm, an arm named twice (its runs would count twice in the mean), a bound that
+    is not finite, and no metric: each a one-line error naming the field."""
+    with pytest.raises(ValueError, match="Premise 'p': arms must name at least one arm"):
+        claims.Premise("p", "m", (), 0.5)
+    with pytest.raises(ValueError, match="Premise 'p': arm 'a' is named twice"):
+        claims.Premise("p", "m", ("a", "b", "a"), 0.5)
+    with pytest.raises(ValueError, match="Premise 'p': bound must be finite, got nan"):
+        claims.Premise("p", "m", ("a",), float("nan"))
+    with pytest.raises(ValueError, match="Premise 'p': metric must name a run summary's key"):
+        claims.Premise("p", "", ("a",), 0.5)
+
+
+def _gate_summary(gates, fit=True):
+    """sapo_grid's claim runs from hand: every SAPO arm at each (start, seed) with the gate
+    of its start (``gates[start]``; None: not logged), GRPO beside it."""
+    claim = get_claim("sapo_grid")
+    pairs = [(start, seed) for start in claim.starts for seed in claim.seeds]
+    arms = {
+        arm: {
+            p: {
+                **_run(0.5, start=0.4),
+                "collapse_iteration": 61,
+                **({} if gates[p[0]] is None else {"loss/gate_mean_run": gates[p[0]]}),
+            }
+            for p in pairs
+        }
+        for arm in claim.arm_labels()
+    }
+    return claim, _summary(arms, starts=claim.starts, seeds=claim.seeds)
+
+
+def test_a_premise_figure_never_rounds_onto_its_bound():
+    """verdict.md shows a premise's figures with 3 significant digits, more where those
+    would land on the bound (or past it) while the figure is not there: a gate of 0.9504
+    against <= 0.95, unmet, reads 0.9504, not 0.95."""
+    claim, summary = _gate_summary({0: 0.9504, 1: 0.9504})
+    text, verdict, _ = reproduce.verdict_table(claim, summary)
+    assert verdict == "inconclusive"
+    assert "| <= 0.95 | 0.9504 | 0.9504 / 0.9504 | 90 | no |" in text
+    assert "start 0 0.9504 / start 1 0.9504 (<= 0.95 at each start)" in text
+    claim, summary = _gate_summary({0: 0.93, 1: 0.9504})
+    text, _, _ = reproduce.verdict_table(claim, summary)
+    assert "| <= 0.95 | 0.94 | 0.93 / 0.9504 | 90 | no |" in text
+    claim, summary = _gate_summary({0: 0.93, 1: 0.94})  # met, 3 digits
+    text, _, _ = reproduce.verdict_table(claim, summary)
+    assert "| <= 0.95 | 0.935 | 0.93 / 0.94 | 90 | yes |" in text
+
+
+def test_a_premise_not_measured_is_not_said_to_be_unmet():
+    """A premise without its figure (a metric not logged, its arms not run) leaves the claim
+    undecided, but verdict.md must not say the checks ran outside the regime: that is not
+    known. It names the first run without the figure."""
+    claim, summary = _gate_summary({0: 0.9, 1: None})
+    text, verdict, _ = reproduce.verdict_table(claim, summary)
+    assert verdict == "inconclusive"
+    assert "Outside its regime" not in text and "does not act" not in text
+    assert (
+        "**Regime not measured**: SAPO's mean gate weight over a run (mean over the SAPO "
+        "arms): not measured at 45 of 90 runs (neg0p8 at start 1, seed 0 the first). "
+        "Whether the checks ran where the mechanism acts is not known; the claim is not "
+        "decided (its checks alone: " in text
+    )
+    # Unmet at one start and not measured at none: outside its regime, as before.
+    claim, summary = _gate_summary({0: 0.9, 1: 0.99})
+    text, _, _ = reproduce.verdict_table(claim, summary)
+    assert "**Outside its regime**: SAPO's mean gate weight" in text
+    assert "Regime not measured" not in text
