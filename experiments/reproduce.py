@@ -670,7 +670,10 @@ def _list() -> None:
             f"{','.join(map(str, claim.seeds))}"
         )
         for premise in claim.premises:
-            field(f"premise: {premise.text} ({premise.metric} {premise.bound_text})")
+            field(
+                f"premise: {premise.text} ({premise.metric} {premise.bound_text} at each SFT "
+                f"start, the mean over the runs of {', '.join(premise.arms)})"
+            )
         for check in claim.checks:
             margin = f" ± {check.margin:g}" if check.margin else ""
             role = "; reported" if check.reported else ""

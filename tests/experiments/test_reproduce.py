@@ -1110,3 +1110,113 @@ def test_a_premise_not_measured_is_not_said_to_be_unmet():
     text, _, _ = reproduce.verdict_table(claim, summary)
     assert "**Outside its regime**: SAPO's mean gate weight" in text
     assert "Regime not measured" not in text
+
+
+def test_every_premise_arm_logs_its_figure_in_each_of_the_claims_settings():
+    """Each premise's metric is a key `experiments.ablate` summarises, and every arm the
+    premise names is configured to log it in each of the claim's settings: the routing
+    share on an MoE policy with routing metrics and a sampler that records its routing
+    (the paged engine records it under R3 only), SAPO's gate on SAPO arms, the critic's
+    fit after a warm-up on arms whose critic pretrains."""
+    from policyopt.advantages import uses_critic
+    from policyopt.models.presets import preset
+
+    logged = {
+        "routing/ratio_share_pooled",
+        *ablate.POLICY_MEAN_METRICS.values(),
+        ablate.WARMUP_EXPLAINED_VARIANCE,
+    }
+    for claim in CLAIMS.values():
+        for premise in claim.premises:
+            assert premise.metric in logged, (claim.name, premise.metric)
+            for setting in claim.settings():
+                for arm in premise.arms:
+                    config = ablate.arm_config(
+                        claim.ablation,
+                        arm,
+                        0,
+                        claim.regime,
+                        lambda c, setting=setting: SETTINGS[setting](c, "sft"),
+                    )
+                    where = (claim.name, setting, arm)
+                    if premise.metric == "routing/ratio_share_pooled":
+                        experts = config.model.num_experts or preset(config.model.preset)
+                        experts = getattr(experts, "num_experts", experts)
+                        assert config.train.routing_metrics and experts > 0, where
+                        assert (
+                            config.sampling.engine_kv_tokens == 0
+                            or config.algo.routing_replay == "R3"
+                        ), where
+                    elif premise.metric == "loss/gate_mean_run":
+                        assert config.algo.method == "sapo", where
+                    else:
+                        assert uses_critic(config.algo.advantage), where
+                        assert config.critic.pretrain_iterations > 0, where
+
+
+def test_the_docs_premise_table_is_the_code():
+    """docs/claims.md's premise table names the claims that have premises, each premise's
+    bound and its number of arms ("the 9 SAPO arms", "its 4 arms"), and its metric where it
+    names one."""
+    with open(os.path.join(ROOT, "docs", "claims.md")) as f:
+        docs = f.read()
+    table = docs[docs.index("| claim | premise | arms | bound |") :].split("\n\n", 1)[0]
+    rows = [row.strip("|").split(" | ") for row in table.splitlines()[2:]]
+    numbers = {"4": 4, "5": 5, "6": 6, "9": 9}
+    documented = {}
+    for claim_cell, premise_cell, arms_cell, bound_cell in rows:
+        name = re.match(r"\[(\w+)\]", claim_cell.strip()).group(1)
+        (count,) = [numbers[w] for w in arms_cell.split() if w in numbers]
+        metric = re.search(r"`([^`]+)`", premise_cell)
+        documented[name] = (count, bound_cell.strip(), metric and metric.group(1))
+    code = {name: claim.premises for name, claim in CLAIMS.items() if claim.premises}
+    assert set(documented) == set(code)
+    for name, (premise,) in code.items():
+        count, bound, metric = documented[name]
+        assert (count, bound) == (len(premise.arms), premise.bound_text), name
+        assert metric in (None, premise.metric), name
+
+
+def test_the_headlines_report_the_premises_figure():
+    """On one hand-made summary, each claim's last line gives its premise's figure as
+    verdict.md measures it: one mean over the premise arms' runs (uneven values, a run of
+    another arm beside them)."""
+    for name, figure in (
+        ("routing_replay", "high {:.3f};"),
+        ("sapo_grid", "over the run {:.4f} with"),
+        ("vc_ppo", "value pretraining {:.3f} (a perfect"),
+        ("vapo_length_adaptive", "after its warm-up {:.3f}"),
+    ):
+        claim = get_claim(name)
+        (premise,) = claim.premises
+        pairs = [(start, seed) for start in claim.starts for seed in claim.seeds[:2]]
+        arms = {
+            arm: {
+                p: {
+                    **_run(0.5, start=0.4),
+                    "collapsed": 0.0,
+                    premise.metric: 0.3 + 0.01 * i + 0.001 * j,
+                }
+                for j, p in enumerate(pairs)
+            }
+            for i, arm in enumerate(claim.arm_labels())
+        }
+        summary = _summary(arms, starts=claim.starts, seeds=claim.seeds[:2])
+        (measured,) = reproduce.premise_results(claim, summary)
+        line = claim.headline({"summary": summary})
+        assert figure.format(measured["value"]) in line, (name, line, measured["value"])
+
+
+def test_the_list_names_each_premises_arms_and_bound(capsys):
+    """--list gives a premise as verdict.md judges it: its metric, its bound at each SFT
+    start, and the arms whose runs it is measured on."""
+    reproduce._list()
+    listed = " ".join(capsys.readouterr().out.split())  # the lines wrap at 100 columns
+    (gate,) = get_claim("sapo_grid").premises
+    assert (
+        f"premise: {gate.text} (loss/gate_mean_run <= 0.95 at each SFT start, the mean over "
+        f"the runs of {', '.join(gate.arms)})" in listed
+    )
+    for claim in CLAIMS.values():
+        for premise in claim.premises:
+            assert f"the runs of {', '.join(premise.arms)})" in listed, claim.name
