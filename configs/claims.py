@@ -143,6 +143,22 @@ def at_bound(value: float, bound: float) -> bool:
     return abs(value - bound) <= PREMISE_RTOL * max(abs(bound), abs(value), 1.0)
 
 
+def bound_figure(value: float, bound: float, kind: str = "g") -> str:
+    """A figure judged against ``bound``, with 3 digits (``kind`` "g": significant, "f":
+    decimals) or as many more as keep it off the bound: 0.9504 against 0.95 reads 0.9504,
+    not 0.95 (beyond it, it would read as at it); a figure at the bound (``at_bound``)
+    reads as the bound; "-" when not finite."""
+    if not math.isfinite(value):
+        return "-"
+    if at_bound(value, bound):
+        value = bound
+    for digits in range(3, 18):
+        text = f"{value:.{digits}{kind}}"
+        if value == bound or (float(text) - bound) * (value - bound) > 0:
+            return text
+    return repr(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class Premise:
     """The regime a claim's mechanism needs, measured on the claim's own runs: the mean of
@@ -477,11 +493,12 @@ def _critic_warmup_line(result: dict) -> str:
     """``critic explained variance after N iterations of value pretraining: X on a fresh
     rollout (Monte-Carlo returns); a perfect critic's: start 0 C0, start 1 C1``."""
     value = _arm_mean(result, "vc_ppo", key=WARMUP_EXPLAINED_VARIANCE)
-    reached = "reached" if value >= CRITIC_FLOOR else "not reached"
+    reached = value >= CRITIC_FLOOR or at_bound(value, CRITIC_FLOOR)
     return (
         f"critic explained variance after {CRITIC_PRETRAIN_ITERATIONS} iterations of value "
-        f"pretraining: {value:.3f} on a fresh rollout (Monte-Carlo returns; floor >= "
-        f"{CRITIC_FLOOR:g}: {reached}); a perfect critic's: {_ceiling()}"
+        f"pretraining: {bound_figure(value, CRITIC_FLOOR, 'f')} on a fresh rollout "
+        f"(Monte-Carlo returns; floor >= {CRITIC_FLOOR:g}: {'' if reached else 'not '}reached); "
+        f"a perfect critic's: {_ceiling()}"
     )
 
 

@@ -28,7 +28,7 @@ from absl import flags
 
 from configs import base
 from configs.ablations import ABLATIONS, SETTINGS
-from configs.claims import CLAIMS, Claim, at_bound, get_claim
+from configs.claims import CLAIMS, Claim, bound_figure, get_claim
 from experiments import ablate, cli
 from experiments.verdicts import claim_verdict, judge
 from policyopt.checkpoint import unlock_workdir
@@ -319,8 +319,7 @@ def verdict_table(
         figures = "; ".join(
             f"{p['premise']}: "
             + " / ".join(
-                f"start {s} {premise_figure(v, p['threshold'])}"
-                for s, v in p["start_values"].items()
+                f"start {s} {bound_figure(v, p['threshold'])}" for s, v in p["start_values"].items()
             )
             + f" ({p['bound']} at each start)"
             for p in unmet
@@ -402,22 +401,6 @@ def premise_results(claim: Claim, summary: dict) -> list[dict]:
     return [premise.measure(runs, pairs) for premise in claim.premises]
 
 
-def premise_figure(value: float, bound: float) -> str:
-    """A premise's figure with 3 significant digits, or as many more as keep it off its
-    bound: 0.9504 against 0.95 reads 0.9504, not 0.95 (unmet, it would read as met); a
-    figure at the bound (``configs.claims.at_bound``) reads as the bound; "-" when not
-    finite."""
-    if not math.isfinite(value):
-        return "-"
-    if at_bound(value, bound):
-        return f"{bound:g}"
-    for digits in range(3, 18):
-        text = f"{value:.{digits}g}"
-        if (float(text) - bound) * (value - bound) > 0:
-            return text
-    return repr(value)
-
-
 def _premise_table(premises: Sequence[dict]) -> list[str]:
     """The premises' Markdown table (none: no lines)."""
     if not premises:
@@ -427,7 +410,7 @@ def _premise_table(premises: Sequence[dict]) -> list[str]:
         "|---|---|---:|---|---:|---|",
     ]
     for p in premises:
-        figure = functools.partial(premise_figure, bound=p["threshold"])
+        figure = functools.partial(bound_figure, bound=p["threshold"])
         per_start = " / ".join(map(figure, p["start_values"].values())) or "-"
         met = {True: "yes", False: "no", None: "not measured"}[p["met"]]
         runs = f"{p['runs']}" if not p["missing"] else f"{p['runs']} of {p['runs'] + p['missing']}"

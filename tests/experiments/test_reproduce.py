@@ -1220,3 +1220,24 @@ def test_the_list_names_each_premises_arms_and_bound(capsys):
     for claim in CLAIMS.values():
         for premise in claim.premises:
             assert f"the runs of {', '.join(premise.arms)})" in listed, claim.name
+
+
+def test_the_critic_warmup_line_never_rounds_onto_its_floor():
+    """critic_warmup's last line judges the floor: a fit of 0.4996, not reached, reads
+    0.4996 (not 0.500); a fit at the floor but for the mean's float rounding reaches it
+    and reads 0.500."""
+    warm = ablate.WARMUP_EXPLAINED_VARIANCE
+
+    def line(*fits):
+        runs = [{warm: fit} for fit in fits]
+        return get_claim("critic_warmup").headline(
+            {"summary": {"arms": [{"arm": "vc_ppo", "runs": runs}]}}
+        )
+
+    assert "0.4996 on a fresh rollout (Monte-Carlo returns; floor >= 0.5: not reached)" in (
+        line(0.4996)
+    )
+    assert "0.500 on a fresh rollout (Monte-Carlo returns; floor >= 0.5: reached)" in (
+        line(0.409, 0.077, 0.564, 0.95)
+    )
+    assert "0.612 on a fresh rollout (Monte-Carlo returns; floor >= 0.5: reached)" in line(0.612)
