@@ -197,34 +197,40 @@ class Premise:
     def measure(
         self, per_arm: dict[str, dict[tuple[int, int], dict]], pairs: Sequence[tuple[int, int]]
     ) -> dict:
-        """``{"premise", "bound", "threshold", "value", "start_values", "runs", "missing",
-        "first_missing", "met"}``: the mean of ``metric`` over the runs of ``arms`` at
-        ``pairs``, and per SFT start. Met when every start's mean is within the bound
-        (``within``: each start's pairs ran in the regime, as a check's direction must hold
-        at each start); None (not measured) when a run lacks a finite value (an arm not run
-        at a pair, a metric not logged), ``first_missing`` ``(arm, start, seed)`` the first
-        such run."""
+        """``{"premise", "bound", "threshold", "value", "start_values", "start_runs",
+        "start_missing", "runs", "missing", "first_missing", "met"}``: the mean of
+        ``metric`` over the runs of ``arms`` at ``pairs``, and per SFT start (with the runs
+        it has and lacks). Met when every start's mean is within the bound (``within``:
+        each start's pairs ran in the regime, as a check's direction must hold at each
+        start); unmet when the mean of a start that has all its runs is not; else None (not
+        measured) when a run lacks a finite value (an arm not run at a pair, a metric not
+        logged), ``first_missing`` ``(arm, start, seed)`` the first such run."""
         by_start: dict[int, list[float]] = {}
-        missing, first_missing = 0, None
+        start_missing: dict[int, int] = {}
+        first_missing = None
         for arm in self.arms:
             for pair in pairs:
                 value = per_arm.get(arm, {}).get(pair, {}).get(self.metric, math.nan)
                 if math.isfinite(value):
                     by_start.setdefault(pair[0], []).append(value)
                 else:
-                    missing += 1
+                    start_missing[pair[0]] = start_missing.get(pair[0], 0) + 1
                     first_missing = first_missing or (arm, *pair)
         values = [v for start in sorted(by_start) for v in by_start[start]]
         start_values = {s: statistics.fmean(by_start[s]) for s in sorted(by_start)}
-        met = None
-        if values and not missing:
-            met = all(self.within(v) for v in start_values.values())
+        missing = sum(start_missing.values())
+        outside = [
+            s for s, v in start_values.items() if s not in start_missing and not self.within(v)
+        ]
+        met = False if outside else None if missing or not values else True
         return {
             "premise": self.text,
             "bound": self.bound_text,
             "threshold": self.bound,
             "value": statistics.fmean(values) if values else math.nan,
             "start_values": start_values,
+            "start_runs": {s: len(by_start[s]) for s in sorted(by_start)},
+            "start_missing": start_missing,
             "runs": len(values),
             "missing": missing,
             "first_missing": first_missing,

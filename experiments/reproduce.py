@@ -319,7 +319,8 @@ def verdict_table(
         figures = "; ".join(
             f"{p['premise']}: "
             + " / ".join(
-                f"start {s} {bound_figure(v, p['threshold'])}" for s, v in p["start_values"].items()
+                f"start {s} {bound_figure(v, p['threshold'])}{_partial(p, s)}"
+                for s, v in p["start_values"].items()
             )
             + f" ({p['bound']} at each start)"
             for p in unmet
@@ -399,6 +400,13 @@ def premise_results(claim: Claim, summary: dict) -> list[dict]:
     pairs = [(start, seed) for start in summary["starts"] for seed in summary["seeds"]]
     runs = per_arm_runs(summary)
     return [premise.measure(runs, pairs) for premise in claim.premises]
+
+
+def _partial(premise: dict, start: int) -> str:
+    """`` (k of n runs)`` after the mean of a start that lacks some of its runs."""
+    lacks = premise["start_missing"].get(start, 0)
+    has = premise["start_runs"][start]
+    return f" ({has} of {has + lacks} runs)" if lacks else ""
 
 
 def _premise_table(premises: Sequence[dict]) -> list[str]:

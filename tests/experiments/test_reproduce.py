@@ -1258,3 +1258,28 @@ def test_the_critic_premise_can_be_met_at_the_claims_starts():
         (premise,) = claim.premises
         for start in claim.starts:
             assert claims.VALUE_CEILINGS[start] >= premise.bound, (name, start)
+
+
+def test_a_premise_unmet_at_a_complete_start_is_unmet_though_another_lacks_a_run():
+    """Start 0's runs all have the gate and its mean is outside the bound: the premise is
+    unmet whatever start 1's missing run holds (every start must be within), and verdict.md
+    says so, giving start 1's mean over the runs it has as such."""
+    claim, summary = _gate_summary({0: 0.99, 1: 0.9})
+    for entry in summary["arms"]:
+        if entry["arm"] == "neg1":
+            for run in entry["runs"]:
+                if (run["start"], run["seed"]) == (1, 4):
+                    del run["loss/gate_mean_run"]
+    (result,) = reproduce.premise_results(claim, summary)
+    assert result["met"] is False and result["missing"] == 1
+    text, verdict, _ = reproduce.verdict_table(claim, summary)
+    assert verdict == "inconclusive" and "Regime not measured" not in text
+    assert (
+        "**Outside its regime**: SAPO's mean gate weight over a run (mean over the SAPO arms): "
+        "start 0 0.99 / start 1 0.9 (44 of 45 runs) (<= 0.95 at each start)." in text
+    )
+    assert "| 89 of 90 | no |" in text
+    # Start 0 within and start 1 missing a run: not measured, as before.
+    claim, summary = _gate_summary({0: 0.9, 1: 0.9})
+    summary["arms"][0]["runs"][-1].pop("loss/gate_mean_run")
+    assert reproduce.premise_results(claim, summary)[0]["met"] is None
