@@ -1283,3 +1283,33 @@ def test_a_premise_unmet_at_a_complete_start_is_unmet_though_another_lacks_a_run
     claim, summary = _gate_summary({0: 0.9, 1: 0.9})
     summary["arms"][0]["runs"][-1].pop("loss/gate_mean_run")
     assert reproduce.premise_results(claim, summary)[0]["met"] is None
+
+
+def test_a_contradicted_claim_outside_its_regime_reads_inconclusive():
+    """sapo_grid whose every check is contradicted at every pair (GRPO ends above SAPO,
+    the orderings reversed) but whose gate never acts: inconclusive, its checks' own
+    verdict shown; with the gate acting, contradicted."""
+    claim = get_claim("sapo_grid")
+    pairs = [(start, seed) for start in claim.starts for seed in claim.seeds]
+    collapse = {"neg1p25": 10, "neg1": 20, "pos1p25": 30, "neg1p05": 10, "grpo": 40}
+
+    def summary(gate):
+        arms = {
+            arm: {
+                p: {
+                    **_run((0.9 if arm == "grpo" else 0.5) + 0.001 * i, start=0.4),
+                    "collapse_iteration": collapse.get(arm, 25) + i,
+                    "loss/gate_mean_run": gate,
+                }
+                for i, p in enumerate(pairs)
+            }
+            for arm in claim.arm_labels()
+        }
+        return _summary(arms, starts=claim.starts, seeds=claim.seeds)
+
+    _, verdict, checks = reproduce.verdict_table(claim, summary(0.9))
+    assert {c["verdict"] for c in checks} == {"contradicted"} and verdict == "contradicted"
+    text, verdict, _ = reproduce.verdict_table(claim, summary(0.999))
+    assert verdict == "inconclusive"
+    assert text.startswith("# Claim `sapo_grid`: inconclusive at 2 SFT start(s) x 5 seed(s)")
+    assert "the claim is not decided (its checks alone: contradicted)." in text
