@@ -143,20 +143,26 @@ def at_bound(value: float, bound: float) -> bool:
     return abs(value - bound) <= PREMISE_RTOL * max(abs(bound), abs(value), 1.0)
 
 
-def bound_figure(value: float, bound: float, kind: str = "g") -> str:
-    """A figure judged against ``bound``, with 3 digits (``kind`` "g": significant, "f":
-    decimals) or as many more as keep it off the bound: 0.9504 against 0.95 reads 0.9504,
-    not 0.95 (beyond it, it would read as at it); a figure at the bound (``at_bound``)
-    reads as the bound; "-" when not finite."""
+def bound_figure(value: float, bound: float, kind: str = "g", digits: int = 3) -> str:
+    """A figure judged against ``bound``, with ``digits`` digits (``kind`` "g":
+    significant, "f": decimals) or as many more as keep it off the bound: 0.9504 against
+    0.95 reads 0.9504, not 0.95 (beyond it, it would read as at it); a figure at the bound
+    (``at_bound``) reads as the bound; "-" when not finite."""
     if not math.isfinite(value):
         return "-"
     if at_bound(value, bound):
         value = bound
-    for digits in range(3, 18):
-        text = f"{value:.{digits}{kind}}"
+    for more in range(digits, 18):
+        text = f"{value:.{more}{kind}}"
         if value == bound or (float(text) - bound) * (value - bound) > 0:
             return text
     return repr(value)
+
+
+def _headline_figure(value: float, bound: float, digits: int = 3) -> str:
+    """A premise's figure in a claim's last line: ``digits`` decimals, more where those
+    would put it on its bound (``bound_figure``); "nan" when there is none."""
+    return bound_figure(value, bound, "f", digits) if math.isfinite(value) else "nan"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,8 +380,9 @@ def _routing_share_line(result: dict) -> str:
 
     regime = entry["runs"][0]["regime"]
     updates = regime["batch.n_minibatches"] * regime["batch.epochs"]
+    share = _headline_figure(mean("routing/ratio_share_pooled"), ROUTING_SHARE_FLOOR)
     return (
-        f"routing share {mean('routing/ratio_share_pooled'):.3f} (volatility "
+        f"routing share {share} (volatility "
         f"{mean('routing/volatility'):.4f} over the batch's {updates} updates) at lr "
         f"{regime['optim.lr']:g}; GSPO pass@1 {mean('pass@1_start'):.3f} -> "
         f"{mean('pass@1_end'):.3f}"
@@ -453,8 +460,9 @@ def _sapo_gate_line(result: dict) -> str:
     regime = runs[0]["regime"] if runs else result["summary"]["arms"][0]["runs"][0]["regime"]
     updates = f"{regime['batch.n_minibatches']} x {regime['batch.epochs']}"
     collapsed = sum(r.get("collapsed", 0.0) for r in runs)
+    gate_text = _headline_figure(gate, SAPO_GATE_FLOOR, 4)
     return (
-        f"SAPO's mean gate weight over the run {gate:.4f} with {updates} updates per batch at "
+        f"SAPO's mean gate weight over the run {gate_text} with {updates} updates per batch at "
         f"lr {regime['optim.lr']:g}; tau 1.0 / 1.05 pass@1 "
         f"{_arm_mean(result, 'neg1p05', key='pass@1_start'):.3f} -> "
         f"{_arm_mean(result, 'neg1p05', key='pass@1_end'):.3f}; {collapsed:g} of {len(runs)} "
@@ -480,7 +488,7 @@ def _routing_replay_line(result: dict) -> str:
     volatility = {lv: level_mean(lv, "routing/volatility") for lv in ROUTING_LEVELS}
     return (
         "routing share by level (pooled over the MoE arms' runs): "
-        + ", ".join(f"{lv} {v:.3f}" for lv, v in shares.items())
+        + ", ".join(f"{lv} {_headline_figure(v, ROUTING_SHARE_FLOOR)}" for lv, v in shares.items())
         + "; volatility "
         + ", ".join(f"{lv} {v:.4f}" for lv, v in volatility.items())
     )
@@ -502,7 +510,7 @@ def _critic_warmup_line(result: dict) -> str:
     reached = value >= CRITIC_FLOOR or at_bound(value, CRITIC_FLOOR)
     return (
         f"critic explained variance after {CRITIC_PRETRAIN_ITERATIONS} iterations of value "
-        f"pretraining: {bound_figure(value, CRITIC_FLOOR, 'f')} on a fresh rollout "
+        f"pretraining: {_headline_figure(value, CRITIC_FLOOR)} on a fresh rollout "
         f"(Monte-Carlo returns; floor >= {CRITIC_FLOOR:g}: {'' if reached else 'not '}reached); "
         f"a perfect critic's: {_ceiling()}"
     )
@@ -537,7 +545,8 @@ def _vc_ppo_line(result: dict) -> str:
     return (
         "critic explained variance at PPO's first rollout: plain PPO (reward-model start) "
         f"{_arm_mean(result, 'ppo', key=WARMUP_EXPLAINED_VARIANCE):.3f}, after "
-        f"{CRITIC_PRETRAIN_ITERATIONS} iterations of value pretraining {fit:.3f} (a perfect "
+        f"{CRITIC_PRETRAIN_ITERATIONS} iterations of value pretraining "
+        f"{_headline_figure(fit, CRITIC_FLOOR)} (a perfect "
         f"critic's: {_ceiling()})"
     )
 
@@ -554,7 +563,7 @@ def _vapo_line(result: dict) -> str:
         f"{_arm_mean(result, 'vapo', key=key):.3f} at alpha 0.05 (control "
         f"{VAPO_MATCHED_LAMBDA:g}), {_arm_mean(result, 'vapo_rescaled', key=key):.3f} at "
         f"alpha {VAPO_RESCALED_ALPHA:g} (control {VAPO_RESCALED_MATCHED_LAMBDA:g}); critic "
-        f"explained variance after its warm-up {fit:.3f}"
+        f"explained variance after its warm-up {_headline_figure(fit, CRITIC_FLOOR)}"
     )
 
 

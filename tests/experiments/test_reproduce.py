@@ -1313,3 +1313,31 @@ def test_a_contradicted_claim_outside_its_regime_reads_inconclusive():
     assert verdict == "inconclusive"
     assert text.startswith("# Claim `sapo_grid`: inconclusive at 2 SFT start(s) x 5 seed(s)")
     assert "the claim is not decided (its checks alone: contradicted)." in text
+
+
+def test_the_headlines_never_round_a_premise_figure_onto_its_bound():
+    """The last lines give the premises' figures with their usual digits, or more where
+    those would put a figure beyond its bound on it: an unmet gate of 0.95004 reads
+    0.95004, not 0.9500; a share or a fit of 0.4996 reads 0.4996, not 0.500."""
+    for name, value, figure in (
+        ("routing_replay", 0.4996, "high 0.4996;"),
+        ("sapo_grid", 0.95004, "over the run 0.95004 with"),
+        ("vc_ppo", 0.4996, "value pretraining 0.4996 (a perfect"),
+        ("vapo_length_adaptive", 0.4996, "after its warm-up 0.4996"),
+        ("sapo_grid", 0.9, "over the run 0.9000 with"),  # off the bound: the usual digits
+        ("vc_ppo", 0.5, "value pretraining 0.500 (a perfect"),
+    ):
+        claim = get_claim(name)
+        (premise,) = claim.premises
+        runs = {(1, 0): {**_run(0.5, start=0.4), "collapsed": 0.0, premise.metric: value}}
+        summary = _summary({arm: runs for arm in premise.arms}, starts=(1,), seeds=(0,))
+        line = claim.headline({"summary": summary})
+        assert figure in line, (name, line)
+    # routing_share's check judges the same floor.
+    run = {**_run(0.5, start=0.4), "routing/ratio_share_pooled": 0.4996, "routing/volatility": 0.01}
+    summary = _summary({"gspo": {(1, 0): run}}, starts=(1,), seeds=(0,))
+    assert (
+        get_claim("routing_share")
+        .headline({"summary": summary})
+        .startswith("routing share 0.4996 (volatility")
+    )
