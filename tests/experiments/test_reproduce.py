@@ -1243,23 +1243,6 @@ def test_the_critic_warmup_line_never_rounds_onto_its_floor():
     assert "0.612 on a fresh rollout (Monte-Carlo returns; floor >= 0.5: reached)" in line(0.612)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the lambda claims' premise (the critic's held-out explained variance >= 0.5, the "
-    "issue's floor) lies above what a perfect critic explains on testbed_long from their SFT "
-    "starts 1 and 2 (VALUE_CEILINGS 0.336 / 0.432): no run can meet it, so vc_ppo and "
-    "vapo_length_adaptive are inconclusive before they run; meeting it needs a task or "
-    "starts whose returns a critic can explain (docs/claims.md 'critic_warmup')",
-)
-def test_the_critic_premise_can_be_met_at_the_claims_starts():
-    """A premise a perfect critic cannot reach decides every run of its claim in advance."""
-    for name in ("vc_ppo", "vapo_length_adaptive"):
-        claim = get_claim(name)
-        (premise,) = claim.premises
-        for start in claim.starts:
-            assert claims.VALUE_CEILINGS[start] >= premise.bound, (name, start)
-
-
 def test_a_premise_unmet_at_a_complete_start_is_unmet_though_another_lacks_a_run():
     """Start 0's runs all have the gate and its mean is outside the bound: the premise is
     unmet whatever start 1's missing run holds (every start must be within), and verdict.md
