@@ -33,6 +33,7 @@ from absl import flags
 from configs import base
 from configs.ablations import ABLATIONS, SETTINGS, Ablation, get_ablation, share_sections
 from experiments import cli
+from experiments.ledger import Ledger, config_key
 from policyopt.advantages import uses_critic
 from policyopt.metrics import quiet_library_logging, read_jsonl
 from policyopt.rl.loop.async_rl import async_enabled, run_async_rl
@@ -355,6 +356,8 @@ def run_ablation(
     configure: Callable | None = None,
     quiet: bool = True,
     train: bool = True,
+    ledger: Ledger | None = None,
+    start_ids: Mapping[int, str] | None = None,
 ) -> dict:
     """Trains every arm (or those in ``arms``) at every seed, then writes the summary.
 
@@ -368,12 +371,16 @@ def run_ablation(
         every arm and seed then runs from each start (``run_name``).
       tail: iterations averaged for the training metrics.
       arms: labels of the arms to run (default all).
-      plot: write ``curves.png``.
+      plot: write ``curves.png`` (of the runs whose logs are on this machine).
       configure: ``config -> config`` applied to each arm's config before training (for
         fields a variant string cannot set, e.g. tuples; the summary records its diff too).
       quiet: no per-iteration console line.
       train: False to summarise finished runs only: a run that is not finished is a
         ValueError naming it, and nothing trains.
+      ledger: the claim's runs kept in the repository (``experiments.ledger``): a run
+        recorded there for the same start and config is not trained again (its figures
+        are the record's; it has no ``run_dir``), and every finished run is recorded.
+      start_ids: with ``ledger``, each start's identity (``ledger.start_id``).
 
     Returns:
       The summary (also in ``workdir/summary.json``): per arm, its ``runs`` (each with
@@ -392,6 +399,11 @@ def run_ablation(
     if starts is not None and setting is not None:
         raise ValueError("run_ablation: give a setting or the starts' settings, not both")
     plan = dict(starts) if starts is not None else {0: setting}
+    if ledger is not None and set(start_ids or ()) != set(plan):
+        raise ValueError(
+            f"run_ablation: a ledger needs the identity of every start {sorted(plan)}, "
+            f"got {sorted(start_ids or ())}"
+        )
     os.makedirs(workdir, exist_ok=True)
     reference = None
     results = []
@@ -407,6 +419,14 @@ def run_ablation(
                 name = run_name(start, seed)
                 run_dir = os.path.join(workdir, arm.label, name)
                 done = _finished(run_dir, config)
+                identity = (arm.label, start, seed)
+                if ledger is not None:
+                    key = config_key(resolved_record(_flat(config.to_dict())))
+                    identity += (start_ids[start], key)
+                    recorded = ledger.find(*identity) if done is None else None
+                    if recorded is not None:
+                        runs.append(Ledger.run_of(recorded))
+                        continue
                 if done is None and not train:
                     raise ValueError(
                         f"{run_dir} is not finished ({ablation.name}: {arm.label}, {name}); "
@@ -416,17 +436,18 @@ def run_ablation(
                     done = _train(config, run_dir, f"{ablation.name}: {arm.label}, {name}", quiet)
                 # wall_s, cpu_s: the attempt that finished the run (a resumed run's last
                 # attempt; cpu_s None in a record written before it was kept).
-                runs.append(
-                    {
-                        "start": start,
-                        "seed": seed,
-                        "run_dir": run_dir,
-                        "wall_s": done["wall_s"],
-                        "cpu_s": done.get("cpu_s"),
-                        "regime": regime_of(config),
-                        **summarise_run(run_dir, tail),
-                    }
-                )
+                run = {
+                    "start": start,
+                    "seed": seed,
+                    "run_dir": run_dir,
+                    "wall_s": done["wall_s"],
+                    "cpu_s": done.get("cpu_s"),
+                    "regime": regime_of(config),
+                    **summarise_run(run_dir, tail),
+                }
+                if ledger is not None:
+                    ledger.add(*identity, run)
+                runs.append(run)
         entry = {
             "arm": arm.label,
             "recipe": arm.recipe,
@@ -466,8 +487,9 @@ def run_ablation(
         json.dump(summary, f, indent=1)
     with open(os.path.join(workdir, "summary.md"), "w") as f:
         f.write(format_table(summary))
-    if plot:
-        every = [(entry["arm"], r) for entry in results for r in entry["runs"]]
+    # The runs with logs here (a recorded run's are on the machine that trained it).
+    every = [(e["arm"], r) for e in results for r in e["runs"] if r["run_dir"] is not None]
+    if plot and every:
         summary["curves"] = plot_runs(
             [r["run_dir"] for _, r in every],
             os.path.join(workdir, "curves.png"),

@@ -10,7 +10,9 @@ check by the rule of `experiments.verdicts`. docs/claims.md has the rule and the
     python -m experiments.reproduce --claim magistral_async --rejudge   # trains nothing
 
 A ``--variant`` that changes what an arm trains is exploratory: its runs go to
-``<workdir>/<claim>-exploratory/<variant>``, never among the claim's own.
+``<workdir>/<claim>-exploratory/<variant>``, never among the claim's own. The claim's own
+finished runs are kept in ``docs/claims/runs/<claim>.jsonl`` (`experiments.ledger`), where
+a sweep on another machine, or ``--rejudge`` in a fresh clone, finds them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import math
 import os
 import re
 import shlex
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from absl import flags
 
@@ -30,6 +32,7 @@ from configs import base
 from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Claim, bound_figure, get_claim
 from experiments import ablate, cli
+from experiments.ledger import Ledger, ledger_path, start_id
 from experiments.verdicts import claim_verdict, judge
 from policyopt.checkpoint import unlock_workdir
 from policyopt.metrics import quiet_library_logging
@@ -193,23 +196,37 @@ def pairs_beyond(claim: Claim, starts: Sequence[int], seeds: Sequence[int]) -> l
 
 
 def pairs_left_out(
-    claim: Claim, workdir: str, arms: Sequence[str], starts: Sequence[int], seeds: Sequence[int]
+    claim: Claim,
+    workdir: str,
+    arms: Sequence[str],
+    starts: Sequence[int],
+    seeds: Sequence[int],
+    ledger: Ledger | None = None,
+    start_ids: Mapping[int, str] | None = None,
 ) -> list[tuple[int, int]]:
     """The claim's own (start, seed) pairs outside ``starts`` x ``seeds`` whose run of one
-    of ``arms`` finished in ``workdir`` (its ``ablate.DONE_FILE``): a verdict that leaves
+    of ``arms`` finished in ``workdir`` (its ``ablate.DONE_FILE``) or is recorded in
+    ``ledger`` (from the start of ``start_ids`` where it names one): a verdict that leaves
     them out judges chosen pairs (drop the seed that fails), not a sweep's progress."""
     judged = {(start, seed) for start in starts for seed in seeds}
+    ids = start_ids or {}
+
+    def finished(arm, start, seed):
+        if os.path.exists(
+            os.path.join(workdir, arm, ablate.run_name(start, seed), ablate.DONE_FILE)
+        ):
+            return True
+        return ledger is not None and any(
+            (r["arm"], int(r["start"]), int(r["seed"])) == (arm, start, seed)
+            and r["start_id"] == ids.get(start, r["start_id"])
+            for r in ledger.records
+        )
+
     return [
         (start, seed)
         for start in claim.starts
         for seed in claim.seeds
-        if (start, seed) not in judged
-        and any(
-            os.path.exists(
-                os.path.join(workdir, arm, ablate.run_name(start, seed), ablate.DONE_FILE)
-            )
-            for arm in arms
-        )
+        if (start, seed) not in judged and any(finished(arm, start, seed) for arm in arms)
     ]
 
 
@@ -358,14 +375,16 @@ def verdict_table(
         "",
         _compute_line(summary),
         "",
-        *_premise_table(premises),
+        *_premise_table(premises, starts),
         "| check | threshold | test | pairs | effect (centre - threshold) | std "
-        "| 95% t half-width | per-start effect | p (Holm) | verdict | pairs for 80% power |",
+        f"| 95% t half-width | per-start effect ({_starts_label(starts)}) | p (Holm) | verdict "
+        "| pairs for 80% power |",
         "|---|---:|---|---:|---:|---:|---:|---|---:|---|---:|",
     ]
     for r in results:
         count = f"{r['n']}" if not r["missing"] else f"{r['n']} of {r['n'] + r['missing']}"
-        per_start = " / ".join(_fmt(v) for v in r.get("start_effects", {}).values()) or "-"
+        effects = r.get("start_effects", {})
+        per_start = " / ".join(_fmt(effects.get(s)) for s in starts)
         p = f"{r['p']:.3g}" if "p" in r else "-"
         lines.append(
             f"| {r['check']} | {check_threshold(r)} | {TEST_LABELS[r['test']]} | {count} | "
@@ -409,17 +428,24 @@ def _partial(premise: dict, start: int) -> str:
     return f" ({has} of {has + lacks} runs)" if lacks else ""
 
 
-def _premise_table(premises: Sequence[dict]) -> list[str]:
-    """The premises' Markdown table (none: no lines)."""
+def _starts_label(starts: Sequence[int]) -> str:
+    """``"starts 1 / 2"``: the order of a table's per-start cells."""
+    return f"start{'s' if len(starts) > 1 else ''} {' / '.join(map(str, starts))}"
+
+
+def _premise_table(premises: Sequence[dict], starts: Sequence[int]) -> list[str]:
+    """The premises' Markdown table (none: no lines), a cell per start in ``starts``."""
     if not premises:
         return []
     lines = [
-        "| premise (the regime) | bound (at each start) | measured | per start | runs | met |",
+        "| premise (the regime) | bound (at each start) | measured | "
+        f"per start ({_starts_label(starts)}) | runs | met |",
         "|---|---|---:|---|---:|---|",
     ]
     for p in premises:
         figure = functools.partial(bound_figure, bound=p["threshold"])
-        per_start = " / ".join(map(figure, p["start_values"].values())) or "-"
+        values = p["start_values"]
+        per_start = " / ".join(figure(values[s]) if s in values else "-" for s in starts)
         met = {True: "yes", False: "no", None: "not measured"}[p["met"]]
         runs = f"{p['runs']}" if not p["missing"] else f"{p['runs']} of {p['runs'] + p['missing']}"
         lines.append(
@@ -483,6 +509,26 @@ def finished_sft(setting: str, sft_root: str, variant: str = "", start: int = 0)
     return directory
 
 
+def _judged_start(
+    ledger: Ledger, setting: str, sft_root: str, variant: str, start: int
+) -> tuple[str, str]:
+    """``(checkpoint directory, identity)`` of SFT start ``start`` for judging: the
+    finished start on this machine, or without it the one start its ledger records name
+    (a ValueError when they name none, or several)."""
+    try:
+        checkpoint = finished_sft(setting, sft_root, variant, start)
+    except ValueError:
+        ids = ledger.start_ids(start)
+        if len(ids) != 1:
+            recorded = f"records of {len(ids)} ({', '.join(ids)})" if ids else "no record"
+            raise ValueError(
+                f"SFT start {start} of {setting!r} is not on this machine and {ledger.path} "
+                f"holds {recorded} of it; judging needs the start or one recorded identity"
+            ) from None
+        return os.path.join(sft_dir(sft_root, setting, start), "checkpoints"), ids[0]
+    return checkpoint, start_id(checkpoint)
+
+
 def ensure_sft(setting: str, sft_root: str, variant: str = "", start: int = 0) -> str:
     """The checkpoint directory of ``setting``'s SFT start number ``start``, trained once
     into ``sft_dir(sft_root, setting, start)`` (resumed if interrupted, reused once
@@ -534,6 +580,7 @@ def run_claim(
     configure: Callable | None = None,
     quiet: bool = True,
     train: bool = True,
+    ledger: str | None = None,
 ) -> dict:
     """Trains (or resumes) the claim's arms over SFT starts x seeds and judges it.
 
@@ -556,6 +603,10 @@ def run_claim(
       train: False to re-judge the finished runs under the current rule (``--rejudge``):
         an SFT start or run that is not finished is a ValueError naming it, and nothing
         trains; the summary, curves and verdict.md are written again.
+      ledger: the claim's ledger file (``experiments.ledger``): its recorded runs count as
+        finished (from the same SFT start, bit for bit, and the same config), and each run
+        finished here is added. Judging with ``train=False``, a start that is not on this
+        machine is the one its records name.
 
     Returns:
       ``{"claim", "verdict", "checks", "summary", "verdict_md", "premises",
@@ -577,9 +628,15 @@ def run_claim(
         [(label, arm_regime(label, lambda c: SETTINGS[name](c, "sft"))) for label in labels],
         claim.per_arm_fields(),
     )
-    plan = {}
+    book = Ledger(ledger) if ledger else None
+    plan, start_ids = {}, {}
     for start in starts:
-        checkpoint = (ensure_sft if train else finished_sft)(name, sft_root, variant, start)
+        if book is not None and not train:
+            checkpoint, start_ids[start] = _judged_start(book, name, sft_root, variant, start)
+        else:
+            checkpoint = (ensure_sft if train else finished_sft)(name, sft_root, variant, start)
+            if book is not None:
+                start_ids[start] = start_id(checkpoint)
 
         def apply_setting(config, checkpoint=checkpoint):
             return SETTINGS[name](config, checkpoint)
@@ -596,8 +653,12 @@ def run_claim(
         configure=configure,
         quiet=quiet,
         train=train,
+        ledger=book,
+        start_ids=start_ids if book is not None else None,
     )
-    left_out = pairs_left_out(claim, workdir, labels, summary["starts"], summary["seeds"])
+    left_out = pairs_left_out(
+        claim, workdir, labels, summary["starts"], summary["seeds"], book, start_ids
+    )
     text, verdict, results = verdict_table(
         claim, summary, variant=variant, exploratory=exploratory, left_out=left_out
     )
@@ -643,6 +704,13 @@ def define_flags() -> None:
         False,
         "Judge the claim from its finished runs under the current verdict rule, training "
         "nothing: an SFT start or run that is not finished is an error naming it.",
+    )
+    flags.DEFINE_bool(
+        "ledger",
+        True,
+        "Keep the claim's finished runs in docs/claims/runs/<claim>.jsonl and count those "
+        "recorded there (the same SFT start and config) as finished; exploratory runs are "
+        "never recorded.",
     )
 
 
@@ -723,6 +791,7 @@ def main(argv):
         setting=setting,
         quiet=False,
         train=not args.rejudge,
+        ledger=ledger_path(workdir) if args.ledger and not departed else None,
     )
     print(result["verdict_md"])
     if claim.headline is not None:

@@ -528,6 +528,12 @@ class Checkpointer:
         reading its arrays."""
         return self._with_fallback(step, lambda candidate: self._checked_meta(candidate)[0])
 
+    def checksums(self, step: int | None = None) -> dict[str, int] | None:
+        """``{key path: checksum}`` of the arrays saved at ``step`` (default: the latest
+        readable), as saved with them (``tree_checksums``), without reading the arrays;
+        None for a checkpoint from before checksums."""
+        return self._with_fallback(step, lambda candidate: self._checked_meta(candidate)[1])
+
     def restore_subtree(
         self,
         path: tuple[str, ...],

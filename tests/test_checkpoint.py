@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from policyopt.checkpoint import Checkpointer
+from policyopt.checkpoint import Checkpointer, tree_checksums
 from policyopt.metrics import (
     MetricsWriter,
     console_line,
@@ -66,6 +66,16 @@ def test_restore_subtree_reads_only_the_parameters(tmp_path):
     template = _state(2).params
     params = Checkpointer(str(tmp_path)).restore_subtree(("train", "params"), template)
     assert _equal(params, state["train"].params)
+
+
+def test_the_saved_checksums_are_read_without_the_arrays(tmp_path):
+    state = {"train": _state(0)}
+    Checkpointer(str(tmp_path)).save(1, state, {})
+    Checkpointer(str(tmp_path)).save(2, {"train": _state(1)}, {})
+    sums = Checkpointer(str(tmp_path)).checksums()  # the latest
+    assert sums == tree_checksums({"train": _state(1)})
+    assert Checkpointer(str(tmp_path)).checksums(1) == tree_checksums(state)
+    assert "train/params/kernel/value" in sums and sums != tree_checksums(state)
 
 
 def test_missing_checkpoint_names_the_directory(tmp_path):

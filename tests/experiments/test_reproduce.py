@@ -21,6 +21,7 @@ from configs import claims
 from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Check, Claim, get_claim
 from experiments import ablate, reproduce, verdicts
+from experiments.ledger import Ledger, start_id
 from policyopt.checkpoint import Checkpointer
 from tests.flags import ROOT, subprocess_env
 
@@ -542,8 +543,9 @@ def test_a_tiny_claim_runs_over_two_starts_end_to_end_and_resumes(tmp_path, monk
     claim = get_claim("routing_volatility")
     workdir = str(tmp_path / "claim")
     sft_root = str(tmp_path / "sft")
+    book = str(tmp_path / "repo" / "docs" / "claims" / "runs" / "routing_volatility.jsonl")
     run = dict(starts=(0, 1), seeds=(0,), variant=TINY, sft_root=sft_root, configure=_shrink)
-    result = reproduce.run_claim(claim, workdir, **run)
+    result = reproduce.run_claim(claim, workdir, **run, ledger=book)
     for start, name in ((0, "sft"), (1, "sft_start1")):
         with Checkpointer(os.path.join(sft_root, "testbed", name, "checkpoints")) as saved:
             assert saved.meta()["config"]["seed"] == start
@@ -574,6 +576,7 @@ def test_a_tiny_claim_runs_over_two_starts_end_to_end_and_resumes(tmp_path, monk
 
     # Re-judged (--rejudge): the finished runs only; no SFT start is built, nothing trains,
     # and a start or run that is not finished is an error naming it.
+    real_ensure_sft = reproduce.ensure_sft
     monkeypatch.setattr(reproduce, "ensure_sft", refuse)
     rejudged = reproduce.run_claim(claim, workdir, **run, train=False)
     assert rejudged["checks"][0]["values"] == check["values"]
@@ -584,6 +587,43 @@ def test_a_tiny_claim_runs_over_two_starts_end_to_end_and_resumes(tmp_path, monk
         ValueError, match=r"SFT start 2 of 'testbed' is not finished \(.*sft_start2"
     ):
         reproduce.run_claim(claim, workdir, **{**run, "starts": (0, 2)}, train=False)
+
+    # The ledger (docs/claims/runs/<claim>.jsonl in the repository) holds both runs, each
+    # with its start's identity: another machine judges them with no run or start of its
+    # own, and resumes the sweep without training them again.
+    records = Ledger(book).records
+    assert [(r["arm"], r["start"], r["seed"]) for r in records] == [
+        ("one_update", 0, 0),
+        ("one_update", 1, 0),
+    ]
+    ids = [
+        start_id(os.path.join(sft_root, "testbed", name, "checkpoints"))
+        for name in ("sft", "sft_start1")
+    ]
+    assert [r["start_id"] for r in records] == ids and ids[0] != ids[1]
+    assert [r["figures"]["routing/volatility"] for r in records] == check["values"]
+    elsewhere = dict(run, sft_root=str(tmp_path / "sft_elsewhere"))
+    moved = str(tmp_path / "claim_elsewhere")
+    judged = reproduce.run_claim(claim, moved, **elsewhere, train=False, ledger=book)
+    assert judged["checks"][0]["values"] == check["values"]
+    assert [r["run_dir"] for r in judged["summary"]["arms"][0]["runs"]] == [None, None]
+    assert "curves" not in judged["summary"]  # the runs' logs stayed on their machine
+    monkeypatch.setattr(reproduce, "ensure_sft", real_ensure_sft)
+    resumed = reproduce.run_claim(claim, moved, **elsewhere, ledger=book)  # starts retrained
+    assert resumed["checks"][0]["values"] == check["values"] and len(Ledger(book).records) == 2
+    # A start trained to other bits (here one more SFT step) is another start: its runs
+    # train anew.
+    longer = dict(elsewhere, variant=TINY.replace("sft.steps=2", "sft.steps=3"))
+    longer["sft_root"] = str(tmp_path / "sft_longer")
+    with pytest.raises(AssertionError, match="trained again"):
+        reproduce.run_claim(claim, moved, **longer, ledger=book)
+    # Judged without the start, the records must name one identity of it.
+    with open(book, "a") as f:
+        f.write(json.dumps({**records[1], "start_id": "2-other"}) + "\n")
+    with pytest.raises(ValueError, match=r"SFT start 1 of 'testbed' is not on this machine"):
+        reproduce.run_claim(
+            claim, moved, **dict(run, sft_root=str(tmp_path / "none")), train=False, ledger=book
+        )
 
 
 def test_diff_of_diffs_checks_and_the_routing_claims():
@@ -841,7 +881,10 @@ def test_a_claim_outside_its_regime_decides_nothing():
         "**Regime not measured**: the critic's held-out explained variance after its warm-up: "
         "not measured at 50 of 50 runs (ppo_pretrained at start 1, seed 0 the first)." in text
     )
-    assert "| >= 0.5 | - | - | 0 of 50 | not measured |" in text
+    assert "| >= 0.5 | - | - / - | 0 of 50 | not measured |" in text
+    # The per-start cells follow the starts their headers name.
+    assert "| measured | per start (starts 1 / 2) | runs | met |" in text
+    assert "| per-start effect (starts 1 / 2) | p (Holm) |" in text
 
 
 def test_the_claims_premises_are_the_issues_floors():

@@ -1,0 +1,131 @@
+"""The claims' runs kept in the repository (experiments/ledger.py): a record per finished
+run, found again only for the same arm, start, seed, start identity and config; the start's
+identity follows its saved bits; the config's digest ignores what a resumed run may change
+and keeps what a record reports. The ledger in a claim's sweep (another machine resuming
+and judging from it) is tested with the tiny claim in test_reproduce.py."""
+
+import json
+
+import numpy as np
+import pytest
+
+from configs import testbed_long
+from experiments import ablate, ledger
+from experiments.ledger import Ledger, config_key, ledger_path, start_id
+from policyopt.checkpoint import Checkpointer, CheckpointError
+from policyopt.rl.loop.build import resolved_record
+
+
+def _run(**figures):
+    return {
+        "start": 1,
+        "seed": 0,
+        "run_dir": "runs/claims/x/start1_seed0",
+        "wall_s": 700.0,
+        "cpu_s": 1300.0,
+        "regime": {"optim.lr": 3e-5, "train.num_iterations": 100},
+        "iterations": 100,
+        **figures,
+    }
+
+
+def test_a_record_is_found_only_for_its_run_start_and_config(tmp_path):
+    path = str(tmp_path / "docs" / "claim.jsonl")
+    book = Ledger(path)
+    assert book.records == [] and book.start_ids(1) == []
+    record = book.add("gspo", 1, 0, "1000-aa", "k1", _run(**{"pass@1_end": 0.5}))
+    assert record["figures"] == {"iterations": 100, "pass@1_end": 0.5}
+    assert record["regime"] == {"optim.lr": 3e-5, "train.num_iterations": 100}
+    assert (record["wall_s"], record["cpu_s"]) == (700.0, 1300.0)
+    # Recorded once: the same run added again is the record already there.
+    assert book.add("gspo", 1, 0, "1000-aa", "k1", _run(**{"pass@1_end": 0.9})) == record
+    book.add("gspo", 1, 0, "1000-bb", "k1", _run(**{"pass@1_end": 0.4}))  # start retrained
+    again = Ledger(path)  # what another process, or a fresh clone, reads
+    assert len(again.records) == 2 and len(open(path).read().splitlines()) == 2
+    assert again.find("gspo", 1, 0, "1000-aa", "k1")["figures"]["pass@1_end"] == 0.5
+    assert again.find("gspo", 1, 0, "1000-bb", "k1")["figures"]["pass@1_end"] == 0.4
+    for other in (("grpo", 1, 0, "1000-aa", "k1"), ("gspo", 2, 0, "1000-aa", "k1")):
+        assert again.find(*other) is None
+    assert again.find("gspo", 1, 1, "1000-aa", "k1") is None
+    assert again.find("gspo", 1, 0, "1000-aa", "k2") is None  # another config
+    assert again.start_ids(1) == ["1000-aa", "1000-bb"] and again.start_ids(2) == []
+    run = Ledger.run_of(again.records[0])
+    assert run["run_dir"] is None and (run["start"], run["seed"]) == (1, 0)
+    assert run["pass@1_end"] == 0.5 and run["regime"] == record["regime"]
+    assert run["wall_s"] == 700.0 and run["iterations"] == 100
+
+
+def test_a_line_that_is_not_a_record_is_named(tmp_path):
+    path = tmp_path / "claim.jsonl"
+    good = {"arm": "a", "start": 1, "seed": 0, "start_id": "x", "config": "k", "figures": {}}
+    path.write_text(json.dumps(good) + "\n\n" + '{"arm": "a", "start": 1}\n')
+    with pytest.raises(ValueError, match=r"claim.jsonl:3 is not a run record \('seed'\)"):
+        Ledger(str(path))
+    path.write_text(json.dumps(good) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"claim.jsonl:2 is not a run record"):
+        Ledger(str(path))
+
+
+def test_the_ledger_of_a_claim_lies_in_the_repositorys_docs():
+    assert ledger_path("runs/claims/routing_replay/") == ledger.os.path.join(
+        ledger.LEDGER_DIR, "routing_replay.jsonl"
+    )
+    assert ledger.LEDGER_DIR.replace("\\", "/").endswith("docs/claims/runs")
+
+
+def test_the_start_id_follows_the_saved_bits(tmp_path):
+    state = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "step": np.int32(3)}
+    with Checkpointer(str(tmp_path / "a")) as saved:
+        saved.save(3, state, {"config": {}})
+    with Checkpointer(str(tmp_path / "b")) as saved:
+        saved.save(3, state, {"config": {}})
+    flipped = dict(state, w=state["w"].copy())
+    flipped["w"][1, 2] = np.nextafter(flipped["w"][1, 2], np.float32(9))  # one bit
+    with Checkpointer(str(tmp_path / "c")) as saved:
+        saved.save(3, flipped, {"config": {}})
+    first = start_id(str(tmp_path / "a"))
+    assert first.startswith("3-") and len(first) == 2 + 16
+    assert start_id(str(tmp_path / "b")) == first  # the same bits elsewhere: the same start
+    assert start_id(str(tmp_path / "c")) != first
+    with Checkpointer(str(tmp_path / "a")) as saved:  # the latest checkpoint names it
+        saved.save(4, state, {"config": {}})
+    assert start_id(str(tmp_path / "a")).startswith("4-")
+    # Damaged checksums: no identity, an error naming the checkpoint.
+    for item in (tmp_path / "b" / "3" / "checksums").iterdir():
+        item.unlink()
+    (tmp_path / "b" / "3" / "checksums").rmdir()
+    with pytest.raises(CheckpointError, match="checksums"):
+        start_id(str(tmp_path / "b"))
+
+
+def _key(**changes):
+    config = testbed_long.get_config()
+    config.unlock()
+    for field, value in changes.items():
+        section, name = field.split(".") if "." in field else (None, field)
+        (config[section] if section else config)[name] = value
+    config.lock()
+    return config_key(resolved_record(ablate._flat(config.to_dict())))
+
+
+def test_the_config_key_ignores_layout_and_keeps_what_a_record_reports():
+    base = _key()
+    assert len(base) == 16 and _key() == base
+    # Layout, cadence, logging and the start's path: the same experiment.
+    for same in (
+        {"model.moe_block_size": 256},
+        {"train.log_every": 7},
+        {"train.checkpoint_every": 3},
+        {"init_checkpoint": "elsewhere/checkpoints"},
+        {"sft.steps": 999},
+    ):
+        assert _key(**same) == base, same
+    # The budget, the evaluation, the routing metrics, the method: another record.
+    for other in (
+        {"train.num_iterations": 101},
+        {"eval.num_prompts": 128},
+        {"train.routing_metrics": True},
+        {"optim.lr": 2e-5},
+        {"seed": 5},
+    ):
+        assert _key(**other) != base, other
