@@ -32,10 +32,11 @@ from configs import base
 from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Claim, bound_figure, get_claim
 from experiments import ablate, cli
-from experiments.ledger import Ledger, ledger_path, start_id
+from experiments.ledger import Ledger, config_key, ledger_path, start_id
 from experiments.verdicts import claim_verdict, judge
 from policyopt.checkpoint import unlock_workdir
 from policyopt.metrics import quiet_library_logging
+from policyopt.rl.loop.build import resolved_record
 from policyopt.rl.reporting.report import wrap
 from policyopt.rl.sft import run_sft
 from policyopt.runtime import keep_freed_host_memory
@@ -203,13 +204,17 @@ def pairs_left_out(
     seeds: Sequence[int],
     ledger: Ledger | None = None,
     start_ids: Mapping[int, str] | None = None,
+    config_key_of: Callable[[str, int, int], str] | None = None,
 ) -> list[tuple[int, int]]:
     """The claim's own (start, seed) pairs outside ``starts`` x ``seeds`` whose run of one
     of ``arms`` finished in ``workdir`` (its ``ablate.DONE_FILE``) or is recorded in
-    ``ledger`` (from the start of ``start_ids`` where it names one): a verdict that leaves
-    them out judges chosen pairs (drop the seed that fails), not a sweep's progress."""
+    ``ledger`` (from the start of ``start_ids`` where it names one, and of the config
+    ``config_key_of(arm, start, seed)`` gives: a record of an older config of the arm is
+    no run of this sweep's): a verdict that leaves them out judges chosen pairs (drop the
+    seed that fails), not a sweep's progress."""
     judged = {(start, seed) for start in starts for seed in seeds}
     ids = start_ids or {}
+    key_of = functools.cache(config_key_of) if config_key_of else None
 
     def finished(arm, start, seed):
         if os.path.exists(
@@ -219,6 +224,7 @@ def pairs_left_out(
         return ledger is not None and any(
             (r["arm"], int(r["start"]), int(r["seed"])) == (arm, start, seed)
             and r["start_id"] == ids.get(start, r["start_id"])
+            and (key_of is None or r["config"] == key_of(arm, start, seed))
             for r in ledger.records
         )
 
@@ -656,8 +662,17 @@ def run_claim(
         ledger=book,
         start_ids=start_ids if book is not None else None,
     )
+
+    def key_of(label, start, seed):  # the config a run of that pair would train
+        checkpoint = os.path.join(sft_dir(sft_root, name, start), "checkpoints")
+        config = ablate.arm_config(
+            claim.ablation, label, seed, every_arm, lambda c: SETTINGS[name](c, checkpoint)
+        )
+        config = configure(config) if configure else config
+        return config_key(resolved_record(ablate._flat(config.to_dict())))
+
     left_out = pairs_left_out(
-        claim, workdir, labels, summary["starts"], summary["seeds"], book, start_ids
+        claim, workdir, labels, summary["starts"], summary["seeds"], book, start_ids, key_of
     )
     text, verdict, results = verdict_table(
         claim, summary, variant=variant, exploratory=exploratory, left_out=left_out

@@ -21,8 +21,9 @@ from configs import claims
 from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Check, Claim, get_claim
 from experiments import ablate, reproduce, verdicts
-from experiments.ledger import Ledger, start_id
+from experiments.ledger import Ledger, config_key, start_id
 from policyopt.checkpoint import Checkpointer
+from policyopt.rl.loop.build import resolved_record
 from tests.flags import ROOT, subprocess_env
 
 REGIME = {
@@ -1367,3 +1368,42 @@ def test_the_headlines_never_round_a_premise_figure_onto_its_bound():
         .headline({"summary": summary})
         .startswith("routing share 0.4996 (volatility")
     )
+
+
+def _record_claim(claim, book, pairs, *, variant="", start_ids=None, value=0.07):
+    """Records in ``book`` (a Ledger) the runs of ``claim``'s arms at ``pairs`` as a sweep
+    on another machine would: its config key, a start's identity, hand-made figures."""
+    for label in claim.arm_labels():
+        for start, seed in pairs:
+
+            def setting(config, start=start):
+                checkpoint = os.path.join(reproduce.sft_dir("runs", claim.setting, start), "ck")
+                return SETTINGS[claim.setting](config, checkpoint)
+
+            config = ablate.arm_config(
+                claim.ablation, label, seed, reproduce._join(claim.regime, variant), setting
+            )
+            key = config_key(resolved_record(ablate._flat(config.to_dict())))
+            run = {"regime": ablate.regime_of(config), "wall_s": 1.0, "iterations": 1}
+            run["routing/volatility"] = value
+            book.add(label, start, seed, (start_ids or {}).get(start, f"9-start{start}"), key, run)
+
+
+def test_a_record_of_another_config_is_no_finished_run_left_out(tmp_path):
+    """Judged from a fresh clone (no start, no run of its own), seeds 0-3 of a claim whose
+    ledger also holds seed 4's runs of an older config of its arm (recorded beside the new
+    ones, docs/claims.md): those are not finished runs of this sweep, so judging seeds
+    0-3 leaves none out and is a sweep's progress, not a selection. A record of this
+    config is left out."""
+    claim = get_claim("routing_volatility")
+    book = Ledger(str(tmp_path / "routing_volatility.jsonl"))
+    _record_claim(claim, book, [(start, seed) for start in (0, 1) for seed in range(4)])
+    _record_claim(claim, book, [(0, 4), (1, 4)], variant="optim.lr=4e-3")  # an older arm
+    run = dict(seeds=(0, 1, 2, 3), sft_root=str(tmp_path / "none"), train=False)
+    judged = reproduce.run_claim(claim, str(tmp_path / "claim"), **run, ledger=book.path)
+    assert not judged["exploratory"], judged["verdict_md"][:300]
+    assert "left out" not in judged["verdict_md"]
+    _record_claim(claim, book, [(1, 4)])  # seed 4 of this config, finished at start 1
+    judged = reproduce.run_claim(claim, str(tmp_path / "claim"), **run, ledger=book.path)
+    assert judged["exploratory"]
+    assert "the finished runs of (start 1, seed 4) are left out" in judged["verdict_md"]
