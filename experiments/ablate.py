@@ -75,6 +75,9 @@ WARMUP_EXPLAINED_VARIANCE = "critic/warmup_explained_variance"
 #: falls below this fraction of that of its first 3 iterations (``collapse_iteration``).
 COLLAPSE_FRACTION = 0.5
 DONE_FILE = "ablation_run.json"
+#: In a run directory trained with a ledger: the identity of the SFT start it was trained
+#: from (``experiments.ledger.start_id``), written before its first iteration.
+START_FILE = "sft_start.json"
 #: The fields that make a run's learning rate and budget (``regime_of``): a verdict over
 #: runs that differ in one compares settings, not methods (`experiments/reproduce.py`).
 REGIME_FIELDS = (
@@ -244,12 +247,35 @@ def _last_step(run_dir: str, name: str = "metrics.jsonl") -> int:
     return max((int(r["step"]) for r in read_jsonl(path)), default=0) if os.path.exists(path) else 0
 
 
-def _train(config, run_dir: str, what: str, quiet: bool) -> dict:
+def _check_start(run_dir: str, start: int, identity: str) -> None:
+    """Refuses (ValueError) a run directory whose START_FILE names another identity of SFT
+    start ``start`` than ``identity``: trained, or begun, from the start as it was before
+    it was trained again, it is not this start's run (a directory without the file, from
+    before the ledger, is taken as this start's)."""
+    path = os.path.join(run_dir, START_FILE)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = json.load(f)["start_id"]
+    if saved != identity:
+        raise ValueError(
+            f"{run_dir} was trained from SFT start {start} as {saved}, not as it is now "
+            f"({identity}): its figures are not this start's; use another --workdir, or "
+            "remove that run"
+        )
+
+
+def _train(config, run_dir: str, what: str, quiet: bool, start_id: str | None = None) -> dict:
     """Trains (or resumes) one run to ``config.train.num_iterations`` and writes its
     DONE_FILE record; a run that stops before (a signal, or a trainer returning early) is
-    an exit that asks for a rerun, and gets no record."""
+    an exit that asks for a rerun, and gets no record. ``start_id``: the identity of its
+    SFT start, written to START_FILE before it trains."""
     if not quiet:
         print(f"== {what} -> {run_dir}", flush=True)
+    if start_id is not None and not os.path.exists(os.path.join(run_dir, START_FILE)):
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, START_FILE), "w") as f:
+            json.dump({"start_id": start_id}, f)
     record = os.path.join(run_dir, DONE_FILE)
     if os.path.exists(record):  # an earlier, shorter run's: this one is not finished yet
         os.remove(record)
@@ -418,6 +444,8 @@ def run_ablation(
                 reference = config if reference is None else reference
                 name = run_name(start, seed)
                 run_dir = os.path.join(workdir, arm.label, name)
+                if ledger is not None:
+                    _check_start(run_dir, start, start_ids[start])
                 done = _finished(run_dir, config)
                 identity = (arm.label, start, seed)
                 if ledger is not None:
@@ -433,7 +461,13 @@ def run_ablation(
                         "judging finished runs only, nothing trains"
                     )
                 if done is None:
-                    done = _train(config, run_dir, f"{ablation.name}: {arm.label}, {name}", quiet)
+                    done = _train(
+                        config,
+                        run_dir,
+                        f"{ablation.name}: {arm.label}, {name}",
+                        quiet,
+                        start_ids[start] if ledger is not None else None,
+                    )
                 # wall_s, cpu_s: the attempt that finished the run (a resumed run's last
                 # attempt; cpu_s None in a record written before it was kept).
                 run = {

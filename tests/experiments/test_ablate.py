@@ -26,6 +26,7 @@ from configs.ablations import (
 from configs.base import load_run_config
 from experiments import ablate
 from experiments.eval import evaluate_checkpoint
+from experiments.ledger import Ledger
 from policyopt.config import typed
 from policyopt.data.tasks import TASKS
 from policyopt.metrics import read_jsonl
@@ -608,3 +609,45 @@ def test_the_critic_ablations_arms():
     assert vapo["fixed_matched_rescaled"].gae_lambda == ablations.VAPO_RESCALED_MATCHED_LAMBDA
     # The rescaled alpha puts the paper's lambda at 500 tokens (0.96) at the task's median (91).
     assert 1 - 1 / (ablations.VAPO_RESCALED_ALPHA * 91) == pytest.approx(0.96, abs=1e-3)
+
+
+def _fake_run_rl(trained):
+    """A trainer that logs a finished run (every iteration, the final evaluation) without
+    training: ``run_ablation``'s bookkeeping alone."""
+
+    def run_rl(config, run_dir, **kwargs):
+        trained.append(run_dir)
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+        last = config.train.num_iterations
+        with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+            for step in range(1, last + 1):
+                f.write(json.dumps({"step": step, "reward/accuracy": 0.5}) + "\n")
+        with open(os.path.join(run_dir, "eval.jsonl"), "w") as f:
+            for step in (0, last):
+                f.write(json.dumps({"step": step, "eval/pass@1": 0.25}) + "\n")
+        return {"iteration": last}
+
+    return run_rl
+
+
+def test_a_run_of_another_sft_start_is_refused_not_recorded_as_this_ones(tmp_path, monkeypatch):
+    """A run directory trained from SFT start 0 as it was (identity "1-aa"), the start then
+    trained again to other bits ("1-bb": its directory removed and rebuilt, same path, so
+    the run's config is the same): the finished run is not this start's, and must be
+    neither judged beside its runs nor recorded in the ledger under its identity."""
+    ablation = Ablation("tiny", "one arm", (Arm("only", "sapo"),))
+    trained = []
+    monkeypatch.setattr(ablate, "run_rl", _fake_run_rl(trained))
+    book = Ledger(str(tmp_path / "tiny.jsonl"))
+    sweep = dict(seeds=(0,), plot=False, ledger=book)
+    workdir = str(tmp_path / "sweep")
+    summary = ablate.run_ablation(ablation, workdir, **sweep, start_ids={0: "1-aa"})
+    assert len(trained) == 1 and summary["arms"][0]["runs"][0]["pass@1_end"] == 0.25
+    assert [r["start_id"] for r in book.records] == ["1-aa"]
+    again = ablate.run_ablation(ablation, workdir, **sweep, start_ids={0: "1-aa"})
+    assert len(trained) == 1 and again["arms"][0]["runs"][0]["run_dir"] is not None
+    with pytest.raises(ValueError, match=r"only/seed0 was trained from SFT start 0 as 1-aa"):
+        ablate.run_ablation(ablation, workdir, **sweep, start_ids={0: "1-bb"})
+    assert [r["start_id"] for r in Ledger(book.path).records] == ["1-aa"]
