@@ -23,8 +23,9 @@ from policyopt.rl.loop.build import RESUME_FREE_FIELDS
 LEDGER_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "claims", "runs")
 
 # Resume-free fields that still change what a record reports: the budget, the
-# evaluation that gives pass@1, the routing metrics a premise reads.
-_KEPT = ("train.num_iterations", "train.routing_metrics", "eval.")
+# evaluation that gives pass@1, the routing metrics a premise reads, the asynchronous
+# generator's rows (fewer than n_async: another staleness).
+_KEPT = ("train.num_iterations", "train.routing_metrics", "eval.", "async_mode.num_slots")
 
 
 def ledger_path(claim_directory: str) -> str:

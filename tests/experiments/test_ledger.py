@@ -127,5 +127,8 @@ def test_the_config_key_ignores_layout_and_keeps_what_a_record_reports():
         {"train.routing_metrics": True},
         {"optim.lr": 2e-5},
         {"seed": 5},
+        # Fewer asynchronous generation rows than n_async: fewer completions in flight,
+        # another staleness (its bound, async/staleness_mean), not another layout.
+        {"async_mode.num_slots": 16},
     ):
         assert _key(**other) != base, other
