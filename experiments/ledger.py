@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Collection
 
 from policyopt.checkpoint import Checkpointer
 from policyopt.rl.loop.build import RESUME_FREE_FIELDS
@@ -105,9 +105,14 @@ class Ledger:
         key = (arm, start, seed, start_id, config)
         return next((r for r in self.records if self._key(r) == key), None)
 
-    def start_ids(self, start: int) -> list[str]:
-        """The identities of SFT start ``start`` that the records name, first seen first."""
-        ids = [r["start_id"] for r in self.records if int(r["start"]) == start]
+    def start_ids(self, start: int, configs: Collection[str] | None = None) -> list[str]:
+        """The identities of SFT start ``start`` that the records (of a config in
+        ``configs``, default any) name, first seen first."""
+        ids = [
+            r["start_id"]
+            for r in self.records
+            if int(r["start"]) == start and (configs is None or r["config"] in configs)
+        ]
         return list(dict.fromkeys(ids))
 
     def add(

@@ -24,7 +24,7 @@ import math
 import os
 import re
 import shlex
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from absl import flags
 
@@ -516,15 +516,21 @@ def finished_sft(setting: str, sft_root: str, variant: str = "", start: int = 0)
 
 
 def _judged_start(
-    ledger: Ledger, setting: str, sft_root: str, variant: str, start: int
+    ledger: Ledger,
+    setting: str,
+    sft_root: str,
+    variant: str,
+    start: int,
+    configs: Collection[str] | None = None,
 ) -> tuple[str, str]:
     """``(checkpoint directory, identity)`` of SFT start ``start`` for judging: the
-    finished start on this machine, or without it the one start its ledger records name
+    finished start on this machine, or without it the one start its ledger records (of
+    a config in ``configs``: the judged runs'; older configs' records judge nothing) name
     (a ValueError when they name none, or several)."""
     try:
         checkpoint = finished_sft(setting, sft_root, variant, start)
     except ValueError:
-        ids = ledger.start_ids(start)
+        ids = ledger.start_ids(start, configs)
         if len(ids) != 1:
             recorded = f"records of {len(ids)} ({', '.join(ids)})" if ids else "no record"
             raise ValueError(
@@ -635,10 +641,22 @@ def run_claim(
         claim.per_arm_fields(),
     )
     book = Ledger(ledger) if ledger else None
+
+    def key_of(label, start, seed):  # the config a run of that pair would train
+        checkpoint = os.path.join(sft_dir(sft_root, name, start), "checkpoints")
+        config = ablate.arm_config(
+            claim.ablation, label, seed, every_arm, lambda c: SETTINGS[name](c, checkpoint)
+        )
+        config = configure(config) if configure else config
+        return config_key(resolved_record(ablate._flat(config.to_dict())))
+
     plan, start_ids = {}, {}
     for start in starts:
         if book is not None and not train:
-            checkpoint, start_ids[start] = _judged_start(book, name, sft_root, variant, start)
+            configs = {key_of(label, start, seed) for label in labels for seed in seeds}
+            checkpoint, start_ids[start] = _judged_start(
+                book, name, sft_root, variant, start, configs
+            )
         else:
             checkpoint = (ensure_sft if train else finished_sft)(name, sft_root, variant, start)
             if book is not None:
@@ -662,15 +680,6 @@ def run_claim(
         ledger=book,
         start_ids=start_ids if book is not None else None,
     )
-
-    def key_of(label, start, seed):  # the config a run of that pair would train
-        checkpoint = os.path.join(sft_dir(sft_root, name, start), "checkpoints")
-        config = ablate.arm_config(
-            claim.ablation, label, seed, every_arm, lambda c: SETTINGS[name](c, checkpoint)
-        )
-        config = configure(config) if configure else config
-        return config_key(resolved_record(ablate._flat(config.to_dict())))
-
     left_out = pairs_left_out(
         claim, workdir, labels, summary["starts"], summary["seeds"], book, start_ids, key_of
     )

@@ -49,6 +49,7 @@ def test_a_record_is_found_only_for_its_run_start_and_config(tmp_path):
     assert again.find("gspo", 1, 1, "1000-aa", "k1") is None
     assert again.find("gspo", 1, 0, "1000-aa", "k2") is None  # another config
     assert again.start_ids(1) == ["1000-aa", "1000-bb"] and again.start_ids(2) == []
+    assert again.start_ids(1, {"k1"}) == ["1000-aa", "1000-bb"] and again.start_ids(1, {"k2"}) == []
     run = Ledger.run_of(again.records[0])
     assert run["run_dir"] is None and (run["start"], run["seed"]) == (1, 0)
     assert run["pass@1_end"] == 0.5 and run["regime"] == record["regime"]

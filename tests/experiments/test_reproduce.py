@@ -1407,3 +1407,22 @@ def test_a_record_of_another_config_is_no_finished_run_left_out(tmp_path):
     judged = reproduce.run_claim(claim, str(tmp_path / "claim"), **run, ledger=book.path)
     assert judged["exploratory"]
     assert "the finished runs of (start 1, seed 4) are left out" in judged["verdict_md"]
+
+
+def test_judged_from_a_fresh_clone_a_start_is_the_one_its_current_records_name(tmp_path):
+    """The ledger holds start 0's runs of the arm's older config from the start as first
+    trained ("9-old") and the current config's from the start trained again elsewhere
+    ("9-new", recorded beside them, docs/claims.md). Judged without the start, only the
+    records a run of this config can use name it: "9-new". Two identities with records of
+    this config are still refused (choosing one would choose the verdict)."""
+    claim = get_claim("routing_volatility")
+    book = Ledger(str(tmp_path / "routing_volatility.jsonl"))
+    pairs = [(start, seed) for start in (0, 1) for seed in range(5)]
+    _record_claim(claim, book, pairs, variant="optim.lr=4e-3", start_ids={0: "9-old"})
+    _record_claim(claim, book, pairs, start_ids={0: "9-new"})
+    run = dict(sft_root=str(tmp_path / "none"), train=False, ledger=book.path)
+    judged = reproduce.run_claim(claim, str(tmp_path / "claim"), **run)
+    assert judged["checks"][0]["n"] == 10 and not judged["exploratory"]
+    _record_claim(claim, book, [(0, 0)], start_ids={0: "9-other"})
+    with pytest.raises(ValueError, match=r"holds records of 2 \(9-new, 9-other\) of it"):
+        reproduce.run_claim(claim, str(tmp_path / "claim"), **run)
