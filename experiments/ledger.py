@@ -139,8 +139,14 @@ class Ledger:
         }
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         # One line per write: two sweeps of one claim (different arms) may append at once.
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, sort_keys=True, allow_nan=True) + "\n")
+        # After a line cut off (a process killed mid-write), a line of its own.
+        with open(self.path, "ab+") as f:  # appended at the end whatever the position
+            cut = False
+            if f.seek(0, os.SEEK_END):
+                f.seek(-1, os.SEEK_END)
+                cut = f.read(1) != b"\n"
+            line = json.dumps(record, sort_keys=True, allow_nan=True) + "\n"
+            f.write((("\n" if cut else "") + line).encode())
         self.records.append(record)
         return record
 

@@ -133,3 +133,22 @@ def test_the_config_key_ignores_layout_and_keeps_what_a_record_reports():
         {"async_mode.num_slots": 16},
     ):
         assert _key(**other) != base, other
+
+
+def test_a_record_added_after_a_cut_off_line_keeps_a_line_of_its_own(tmp_path):
+    """Another process appending to the claim's ledger was killed mid-write (or its disk
+    filled): its line stops without a newline. A record added after it by a sweep still
+    running must not be joined to that line (and lost when the line is removed): the
+    cut-off line is named, and the record stays readable once it is removed."""
+    path = tmp_path / "claim.jsonl"
+    book = Ledger(str(path))
+    book.add("gspo", 1, 0, "1000-aa", "k1", _run(**{"pass@1_end": 0.5}))
+    with open(path, "a") as f:  # the other process's record, cut off
+        f.write('{"arm": "grpo", "config": "k1", "figu')
+    book.add("gspo", 1, 1, "1000-aa", "k1", _run(**{"pass@1_end": 0.6}))
+    with pytest.raises(ValueError, match=r"claim.jsonl:2 is not a run record"):
+        Ledger(str(path))
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:1] + lines[2:]) + "\n")  # "fix or remove that line"
+    again = Ledger(str(path))
+    assert [(r["seed"], r["figures"]["pass@1_end"]) for r in again.records] == [(0, 0.5), (1, 0.6)]
