@@ -5,6 +5,8 @@ and keeps what a record reports. The ledger in a claim's sweep (another machine 
 and judging from it) is tested with the tiny claim in test_reproduce.py."""
 
 import json
+import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from experiments import ablate, ledger
 from experiments.ledger import Ledger, config_key, ledger_path, start_id
 from policyopt.checkpoint import Checkpointer, CheckpointError
 from policyopt.rl.loop.build import resolved_record
+from tests.flags import ROOT
 
 
 def _run(**figures):
@@ -72,6 +75,17 @@ def test_the_ledger_of_a_claim_lies_in_the_repositorys_docs():
         ledger.LEDGER_DIR, "routing_replay.jsonl"
     )
     assert ledger.LEDGER_DIR.replace("\\", "/").endswith("docs/claims/runs")
+
+
+def test_the_ledger_is_committed_not_ignored_as_a_run_directory():
+    """A claim's ledger is committed with its verdict; the repository ignores run
+    directories (``runs/``) at any depth, docs/claims/runs too: ``git add`` refused the
+    ledger and ``git status`` never showed it, so a fresh clone had no record to judge."""
+    path = os.path.relpath(ledger_path("routing_replay"), ROOT)
+    checked = subprocess.run(["git", "check-ignore", "--no-index", "-v", path], cwd=ROOT)
+    if checked.returncode == 128:  # not a git checkout (an sdist)
+        pytest.skip("not a git checkout")
+    assert checked.returncode == 1, f"{path} is ignored"
 
 
 def test_the_start_id_follows_the_saved_bits(tmp_path):
