@@ -166,3 +166,31 @@ def test_a_record_added_after_a_cut_off_line_keeps_a_line_of_its_own(tmp_path):
     path.write_text("\n".join(lines[:1] + lines[2:]) + "\n")  # "fix or remove that line"
     again = Ledger(str(path))
     assert [(r["seed"], r["figures"]["pass@1_end"]) for r in again.records] == [(0, 0.5), (1, 0.6)]
+
+
+def test_two_machines_ledgers_merge_with_every_record(tmp_path):
+    """Two machines sweep one claim (different arms, or one resuming the other's sweep) and
+    each commits the records it added at the end of the ledger: git merges the two
+    branches with both sides' lines (the repository's .gitattributes), not a conflict
+    whose careless resolution drops one machine's runs."""
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main"]
+    repo = tmp_path / "clone"
+    repo.mkdir()
+    run = lambda *args: subprocess.run([*git, *args], cwd=repo, capture_output=True, text=True)
+    if run("init", "-q").returncode != 0:
+        pytest.skip("no git")
+    attributes = os.path.join(ROOT, ".gitattributes")
+    if os.path.exists(attributes):
+        (repo / ".gitattributes").write_text(open(attributes).read())
+    path = repo / os.path.relpath(ledger_path("routing_replay"), ROOT)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"line": 0}\n')
+    assert run("add", "-A").returncode == 0 and run("commit", "-qm", "0").returncode == 0
+    for branch, line in (("a", 1), ("b", 2)):
+        run("checkout", "-q", "-b", branch, "main")
+        path.write_text(path.read_text() + json.dumps({"line": line}) + "\n")
+        assert run("commit", "-qam", branch).returncode == 0
+    run("checkout", "-q", "a")
+    merged = run("merge", "-q", "b", "-m", "merge")
+    assert merged.returncode == 0, merged.stdout + merged.stderr
+    assert sorted(json.loads(x)["line"] for x in path.read_text().splitlines()) == [0, 1, 2]
