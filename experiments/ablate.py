@@ -247,22 +247,16 @@ def _last_step(run_dir: str, name: str = "metrics.jsonl") -> int:
     return max((int(r["step"]) for r in read_jsonl(path)), default=0) if os.path.exists(path) else 0
 
 
-def _check_start(run_dir: str, start: int, identity: str) -> None:
-    """Refuses (ValueError) a run directory whose START_FILE names another identity of SFT
-    start ``start`` than ``identity``: trained, or begun, from the start as it was before
-    it was trained again, it is not this start's run (a directory without the file, from
-    before the ledger, is taken as this start's)."""
+def _other_start(run_dir: str, identity: str) -> str | None:
+    """The identity of the SFT start that ``run_dir`` was begun from (its START_FILE) when
+    it is another than ``identity`` (the start trained again since), else None (a
+    directory without the file, from before the ledger, is taken as this start's)."""
     path = os.path.join(run_dir, START_FILE)
     if not os.path.exists(path):
-        return
+        return None
     with open(path) as f:
         saved = json.load(f)["start_id"]
-    if saved != identity:
-        raise ValueError(
-            f"{run_dir} was trained from SFT start {start} as {saved}, not as it is now "
-            f"({identity}): its figures are not this start's; use another --workdir, or "
-            "remove that run"
-        )
+    return saved if saved != identity else None
 
 
 def _train(config, run_dir: str, what: str, quiet: bool, start_id: str | None = None) -> dict:
@@ -444,17 +438,22 @@ def run_ablation(
                 reference = config if reference is None else reference
                 name = run_name(start, seed)
                 run_dir = os.path.join(workdir, arm.label, name)
-                if ledger is not None:
-                    _check_start(run_dir, start, start_ids[start])
                 done = _finished(run_dir, config)
                 identity = (arm.label, start, seed)
                 if ledger is not None:
                     key = config_key(resolved_record(_flat(config.to_dict())))
                     identity += (start_ids[start], key)
-                    recorded = ledger.find(*identity) if done is None else None
+                    other = _other_start(run_dir, start_ids[start])
+                    recorded = ledger.find(*identity) if done is None or other else None
                     if recorded is not None:
                         runs.append(Ledger.run_of(recorded))
                         continue
+                    if other is not None:  # neither judged nor trained on as this start's
+                        raise ValueError(
+                            f"{run_dir} was trained from SFT start {start} as {other}, not "
+                            f"as it is now ({start_ids[start]}): its figures are not this "
+                            "start's; use another --workdir, or remove that run"
+                        )
                 if done is None and not train:
                     raise ValueError(
                         f"{run_dir} is not finished ({ablation.name}: {arm.label}, {name}); "

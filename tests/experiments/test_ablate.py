@@ -651,3 +651,8 @@ def test_a_run_of_another_sft_start_is_refused_not_recorded_as_this_ones(tmp_pat
     with pytest.raises(ValueError, match=r"only/seed0 was trained from SFT start 0 as 1-aa"):
         ablate.run_ablation(ablation, workdir, **sweep, start_ids={0: "1-bb"})
     assert [r["start_id"] for r in Ledger(book.path).records] == ["1-aa"]
+    # The new start's run recorded (on another machine): its record, not the directory.
+    (record,) = book.records
+    book.add("only", 0, 0, "1-bb", record["config"], Ledger.run_of(record))
+    summary = ablate.run_ablation(ablation, workdir, **sweep, start_ids={0: "1-bb"})
+    assert len(trained) == 1 and summary["arms"][0]["runs"][0]["run_dir"] is None
