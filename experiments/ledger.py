@@ -83,6 +83,9 @@ class Ledger:
                     try:
                         record = json.loads(line)
                         self._key(record)
+                        for field in ("regime", "figures"):  # what a judged run reads
+                            if not isinstance(record[field], dict):
+                                raise TypeError(f"{field} is not an object")
                     except (json.JSONDecodeError, KeyError, TypeError) as error:
                         raise ValueError(
                             f"{path}:{number} is not a run record ({error}); fix or remove "

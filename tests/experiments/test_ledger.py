@@ -61,13 +61,21 @@ def test_a_record_is_found_only_for_its_run_start_and_config(tmp_path):
 
 def test_a_line_that_is_not_a_record_is_named(tmp_path):
     path = tmp_path / "claim.jsonl"
-    good = {"arm": "a", "start": 1, "seed": 0, "start_id": "x", "config": "k", "figures": {}}
+    good = {"arm": "a", "start": 1, "seed": 0, "start_id": "x", "config": "k"}
+    good.update(regime={}, figures={})
     path.write_text(json.dumps(good) + "\n\n" + '{"arm": "a", "start": 1}\n')
     with pytest.raises(ValueError, match=r"claim.jsonl:3 is not a run record \('seed'\)"):
         Ledger(str(path))
     path.write_text(json.dumps(good) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"claim.jsonl:2 is not a run record"):
         Ledger(str(path))
+    # Without what a judged run reads (its regime, its figures): named here, not a bare
+    # KeyError (or a TypeError's traceback) from the sweep that judges it.
+    for broken in ({"regime": {}}, {"figures": {}}, {"regime": {}, "figures": [0.5]}):
+        record = {k: v for k, v in good.items() if k not in ("regime", "figures")}
+        path.write_text(json.dumps(good) + "\n" + json.dumps({**record, **broken}) + "\n")
+        with pytest.raises(ValueError, match=r"claim.jsonl:2 is not a run record"):
+            Ledger(str(path))
 
 
 def test_the_ledger_of_a_claim_lies_in_the_repositorys_docs():
