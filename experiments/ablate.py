@@ -455,9 +455,21 @@ def run_ablation(
                             "start's; use another --workdir, or remove that run"
                         )
                 if done is None and not train:
+                    elsewhere = ledger is not None and [
+                        r["start_id"]
+                        for r in ledger.records
+                        if (r["arm"], int(r["start"]), int(r["seed"]), r["config"])
+                        == (arm.label, start, seed, identity[-1])
+                    ]
                     raise ValueError(
-                        f"{run_dir} is not finished ({ablation.name}: {arm.label}, {name}); "
-                        "judging finished runs only, nothing trains"
+                        f"{run_dir} is not finished ({ablation.name}: {arm.label}, {name})"
+                        + (
+                            f"; {ledger.path} records it from SFT start {start} as "
+                            f"{', '.join(elsewhere)}, not as it is here ({start_ids[start]})"
+                            if elsewhere
+                            else ""
+                        )
+                        + "; judging finished runs only, nothing trains"
                     )
                 if done is None:
                     done = _train(

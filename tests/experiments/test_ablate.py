@@ -656,3 +656,22 @@ def test_a_run_of_another_sft_start_is_refused_not_recorded_as_this_ones(tmp_pat
     book.add("only", 0, 0, "1-bb", record["config"], Ledger.run_of(record))
     summary = ablate.run_ablation(ablation, workdir, **sweep, start_ids={0: "1-bb"})
     assert len(trained) == 1 and summary["arms"][0]["runs"][0]["run_dir"] is None
+
+
+def test_judging_a_run_recorded_from_another_start_says_so(tmp_path, monkeypatch):
+    """Judged (train=False) on a machine whose SFT start has other bits than the start the
+    ledger's run was trained from: the run is not finished here, and the error says the
+    ledger records it from the other start, not only that it is not finished."""
+    ablation = Ablation("tiny", "one arm", (Arm("only", "sapo"),))
+    monkeypatch.setattr(ablate, "run_rl", _fake_run_rl([]))
+    book = Ledger(str(tmp_path / "tiny.jsonl"))
+    sweep = dict(seeds=(0,), plot=False, ledger=book)
+    ablate.run_ablation(ablation, str(tmp_path / "a"), **sweep, start_ids={0: "1-aa"})
+    with pytest.raises(
+        ValueError,
+        match=r"seed0 is not finished .*/tiny.jsonl records it from SFT start 0 as 1-aa, "
+        r"not as it is here \(1-bb\)",
+    ):
+        ablate.run_ablation(
+            ablation, str(tmp_path / "b"), **sweep, start_ids={0: "1-bb"}, train=False
+        )
