@@ -190,6 +190,12 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+def run_config_key(config) -> str:
+    """The ledger's digest of the run an arm's ``config`` trains (``ledger.config_key`` of
+    its resolved record): how a record is found, and whose records a claim judges."""
+    return config_key(resolved_record(_flat(config.to_dict())))
+
+
 def config_diff(base, other) -> dict:
     """``{field: [base value, other value]}`` for every leaf field where two configs differ."""
     a, b = _flat(base.to_dict()), _flat(other.to_dict())
@@ -441,7 +447,7 @@ def run_ablation(
                 done = _finished(run_dir, config)
                 identity = (arm.label, start, seed)
                 if ledger is not None:
-                    key = config_key(resolved_record(_flat(config.to_dict())))
+                    key = run_config_key(config)
                     identity += (start_ids[start], key)
                     other = _other_start(run_dir, start_ids[start])
                     recorded = ledger.find(*identity) if done is None or other else None

@@ -32,11 +32,10 @@ from configs import base
 from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Claim, bound_figure, get_claim
 from experiments import ablate, cli
-from experiments.ledger import Ledger, config_key, ledger_path, start_id
+from experiments.ledger import Ledger, ledger_path, start_id
 from experiments.verdicts import claim_verdict, judge
 from policyopt.checkpoint import unlock_workdir
 from policyopt.metrics import quiet_library_logging
-from policyopt.rl.loop.build import resolved_record
 from policyopt.rl.reporting.report import wrap
 from policyopt.rl.sft import run_sft
 from policyopt.runtime import keep_freed_host_memory
@@ -648,7 +647,7 @@ def run_claim(
             claim.ablation, label, seed, every_arm, lambda c: SETTINGS[name](c, checkpoint)
         )
         config = configure(config) if configure else config
-        return config_key(resolved_record(ablate._flat(config.to_dict())))
+        return ablate.run_config_key(config)
 
     plan, start_ids = {}, {}
     for start in starts:
