@@ -666,6 +666,12 @@ def run_claim(
 
         apply_setting.__name__ = name
         plan[start] = apply_setting
+        twin = next((s for s in start_ids if s != start and start_ids[s] == start_ids[start]), None)
+        if twin is not None:  # a verdict over them would count one start twice
+            raise ValueError(
+                f"SFT starts {twin} and {start} are one start ({start_ids[start]}: the same "
+                "saved bits); a claim's starts are trained from different seeds"
+            )
     summary = ablate.run_ablation(
         claim.ablation,
         workdir,

@@ -1426,3 +1426,18 @@ def test_judged_from_a_fresh_clone_a_start_is_the_one_its_current_records_name(t
     _record_claim(claim, book, [(0, 0)], start_ids={0: "9-other"})
     with pytest.raises(ValueError, match=r"holds records of 2 \(9-new, 9-other\) of it"):
         reproduce.run_claim(claim, str(tmp_path / "claim"), **run)
+
+
+def test_two_sft_starts_of_one_identity_are_refused(tmp_path):
+    """SFT starts 0 and 1 with the same saved bits (a start directory copied or linked to
+    the other's, a setting whose SFT ignores the seed): a verdict over them would count
+    one start twice, the spread between starts unsampled though the table says 2 starts."""
+    claim = get_claim("routing_volatility")
+    book = Ledger(str(tmp_path / "routing_volatility.jsonl"))
+    pairs = [(start, seed) for start in (0, 1) for seed in range(5)]
+    _record_claim(claim, book, pairs, start_ids={0: "9-same", 1: "9-same"})
+    run = dict(sft_root=str(tmp_path / "none"), train=False, ledger=book.path)
+    with pytest.raises(
+        ValueError, match=r"SFT starts 0 and 1 are one start \(9-same: the same saved bits\)"
+    ):
+        reproduce.run_claim(claim, str(tmp_path / "claim"), **run)
