@@ -260,8 +260,11 @@ def _other_start(run_dir: str, identity: str) -> str | None:
     path = os.path.join(run_dir, START_FILE)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        saved = json.load(f)["start_id"]
+    try:
+        with open(path) as f:
+            saved = json.load(f)["start_id"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{path} is not JSON naming a start_id ({error}); remove it") from None
     return saved if saved != identity else None
 
 
@@ -274,8 +277,9 @@ def _train(config, run_dir: str, what: str, quiet: bool, start_id: str | None = 
         print(f"== {what} -> {run_dir}", flush=True)
     if start_id is not None and not os.path.exists(os.path.join(run_dir, START_FILE)):
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, START_FILE), "w") as f:
+        with open(os.path.join(run_dir, START_FILE + ".tmp"), "w") as f:
             json.dump({"start_id": start_id}, f)
+        os.replace(f.name, os.path.join(run_dir, START_FILE))  # whole, or not there
     record = os.path.join(run_dir, DONE_FILE)
     if os.path.exists(record):  # an earlier, shorter run's: this one is not finished yet
         os.remove(record)

@@ -651,6 +651,15 @@ def test_a_run_of_another_sft_start_is_refused_not_recorded_as_this_ones(tmp_pat
     with pytest.raises(ValueError, match=r"only/seed0 was trained from SFT start 0 as 1-aa"):
         ablate.run_ablation(ablation, workdir, **sweep, start_ids={0: "1-bb"})
     assert [r["start_id"] for r in Ledger(book.path).records] == ["1-aa"]
+    # A start file cut off (the process killed as it wrote it) is named, not a bare
+    # JSONDecodeError.
+    start_file = os.path.join(workdir, "only", "seed0", ablate.START_FILE)
+    with open(start_file, "w") as f:
+        f.write('{"start_')
+    with pytest.raises(ValueError, match=r"only/seed0/sft_start.json is not JSON"):
+        ablate.run_ablation(ablation, workdir, **sweep, start_ids={0: "1-aa"})
+    with open(start_file, "w") as f:
+        json.dump({"start_id": "1-aa"}, f)
     # The new start's run recorded (on another machine): its record, not the directory.
     (record,) = book.records
     book.add("only", 0, 0, "1-bb", record["config"], Ledger.run_of(record))
