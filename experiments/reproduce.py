@@ -32,7 +32,7 @@ from configs import base
 from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Claim, bound_figure, get_claim
 from experiments import ablate, cli
-from experiments.ledger import Ledger, ledger_path, start_id
+from experiments.ledger import LEDGER_DIR, Ledger, ledger_path, start_id
 from experiments.verdicts import claim_verdict, judge
 from policyopt.checkpoint import unlock_workdir
 from policyopt.metrics import quiet_library_logging
@@ -770,7 +770,29 @@ def _list() -> None:
                 f"{role})"
             )
         field(f"budget on 2 cores: {claim.budget}")
+        field(f"recorded: {recorded_runs(claim, Ledger(ledger_path(claim.name)))}")
         print()
+
+
+def recorded_runs(claim: Claim, ledger: Ledger) -> str:
+    """How many of the claim's own runs (arm x start x seed) its ledger records, per
+    start, with their CPU-hours: a sweep's progress, read from the repository."""
+    starts = {start: set() for start in claim.starts}
+    cpu = 0.0
+    for r in ledger.records:
+        start, run = int(r["start"]), (r["arm"], int(r["seed"]))
+        if start in starts and run[0] in claim.arm_labels() and run[1] in claim.seeds:
+            if run not in starts[start]:
+                cpu += r.get("cpu_s") or 0.0
+            starts[start].add(run)
+    total = len(claim.arm_labels()) * len(claim.seeds)
+    done = sum(len(runs) for runs in starts.values())
+    per_start = ", ".join(f"start {s}: {len(runs)}" for s, runs in starts.items())
+    repository = os.path.dirname(os.path.dirname(os.path.dirname(LEDGER_DIR)))
+    return (
+        f"{done} of {total * len(starts)} runs ({per_start}; of {total} each), "
+        f"{cpu / 3600:.1f} CPU-hours, in {os.path.relpath(ledger.path, repository)}"
+    )
 
 
 def _integers(flag: str, values: list[str] | None) -> list[int] | None:

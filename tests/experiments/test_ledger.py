@@ -202,3 +202,24 @@ def test_two_machines_ledgers_merge_with_every_record(tmp_path):
     merged = run("merge", "-q", "b", "-m", "merge")
     assert merged.returncode == 0, merged.stdout + merged.stderr
     assert sorted(json.loads(x)["line"] for x in path.read_text().splitlines()) == [0, 1, 2]
+
+
+def test_the_list_counts_a_claims_recorded_runs_per_start(tmp_path):
+    """--list reads a sweep's progress from the ledger: the claim's own runs (a run
+    recorded twice, from two identities of its start, counts once; runs of other arms,
+    starts or seeds not at all) and their CPU-hours."""
+    from configs.claims import get_claim  # noqa: PLC0415
+    from experiments.reproduce import recorded_runs  # noqa: PLC0415
+
+    claim = get_claim("vapo_length_adaptive")  # 4 arms x starts 1, 2 x seeds 0-4
+    arm = claim.arm_labels()[0]
+    book = Ledger(str(tmp_path / "vapo_length_adaptive.jsonl"))
+    book.add(arm, 1, 0, "a", "k", _run(cpu_s=1800.0))
+    book.add(arm, 1, 0, "b", "k", _run(cpu_s=1800.0))  # its start retrained: the same run
+    book.add(arm, 2, 3, "c", "k", _run(cpu_s=3600.0))
+    book.add(arm, 3, 0, "d", "k", _run(cpu_s=99.0))  # a start outside the claim's
+    book.add(arm, 1, 7, "a", "k", _run(cpu_s=99.0))  # a seed outside it
+    book.add("not_an_arm", 1, 1, "a", "k", _run(cpu_s=99.0))
+    line = recorded_runs(claim, book)
+    assert line.startswith("2 of 40 runs (start 1: 1, start 2: 1; of 20 each), 1.5 CPU-hours, in ")
+    assert line.endswith("vapo_length_adaptive.jsonl")
