@@ -578,6 +578,26 @@ def ensure_sft(setting: str, sft_root: str, variant: str = "", start: int = 0) -
     return summary["checkpoint_dir"]
 
 
+def claim_run_key(
+    claim: Claim,
+    setting: str,
+    variant: str,
+    label: str,
+    start: int,
+    seed: int,
+    sft_root: str = "runs",
+    configure: Callable | None = None,
+) -> str:
+    """The config key (``ablate.run_config_key``) of the run of arm ``label`` at SFT start
+    ``start`` and ``seed`` in ``setting`` under ``variant`` (the claim's regime and the
+    common variant): which of the ledger's records are of the run a sweep would train."""
+    checkpoint = os.path.join(sft_dir(sft_root, setting, start), "checkpoints")
+    config = ablate.arm_config(
+        claim.ablation, label, seed, variant, lambda c: SETTINGS[setting](c, checkpoint)
+    )
+    return ablate.run_config_key(configure(config) if configure else config)
+
+
 def run_claim(
     claim: Claim,
     workdir: str,
@@ -642,12 +662,7 @@ def run_claim(
     book = Ledger(ledger) if ledger else None
 
     def key_of(label, start, seed):  # the config a run of that pair would train
-        checkpoint = os.path.join(sft_dir(sft_root, name, start), "checkpoints")
-        config = ablate.arm_config(
-            claim.ablation, label, seed, every_arm, lambda c: SETTINGS[name](c, checkpoint)
-        )
-        config = configure(config) if configure else config
-        return ablate.run_config_key(config)
+        return claim_run_key(claim, name, every_arm, label, start, seed, sft_root, configure)
 
     plan, start_ids = {}, {}
     for start in starts:
@@ -770,18 +785,26 @@ def _list() -> None:
                 f"{role})"
             )
         field(f"budget on 2 cores: {claim.budget}")
-        field(f"recorded: {recorded_runs(claim, Ledger(ledger_path(claim.name)))}")
+        key_of = functools.partial(claim_run_key, claim, claim.setting, claim.regime)
+        field(f"recorded: {recorded_runs(claim, Ledger(ledger_path(claim.name)), key_of)}")
         print()
 
 
-def recorded_runs(claim: Claim, ledger: Ledger) -> str:
+def recorded_runs(
+    claim: Claim, ledger: Ledger, config_key_of: Callable[[str, int, int], str] | None = None
+) -> str:
     """How many of the claim's own runs (arm x start x seed) its ledger records, per
-    start, with their CPU-hours: a sweep's progress, read from the repository."""
+    start, with their CPU-hours: a sweep's progress, read from the repository. With
+    ``config_key_of(arm, start, seed)``, only records of that config count (a record of
+    an arm's older config is a run the sweep has to train again)."""
     starts = {start: set() for start in claim.starts}
+    key_of = functools.cache(config_key_of) if config_key_of else None
     cpu = 0.0
     for r in ledger.records:
         start, run = int(r["start"]), (r["arm"], int(r["seed"]))
         if start in starts and run[0] in claim.arm_labels() and run[1] in claim.seeds:
+            if key_of is not None and r["config"] != key_of(run[0], start, run[1]):
+                continue
             if run not in starts[start]:
                 cpu += r.get("cpu_s") or 0.0
             starts[start].add(run)

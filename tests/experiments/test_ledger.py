@@ -204,11 +204,12 @@ def test_two_machines_ledgers_merge_with_every_record(tmp_path):
     assert sorted(json.loads(x)["line"] for x in path.read_text().splitlines()) == [0, 1, 2]
 
 
-def test_the_list_counts_a_claims_recorded_runs_per_start(tmp_path):
+def test_the_list_counts_a_claims_recorded_runs_per_start(tmp_path, monkeypatch, capsys):
     """--list reads a sweep's progress from the ledger: the claim's own runs (a run
     recorded twice, from two identities of its start, counts once; runs of other arms,
     starts or seeds not at all) and their CPU-hours."""
     from configs.claims import get_claim  # noqa: PLC0415
+    from experiments import reproduce  # noqa: PLC0415
     from experiments.reproduce import recorded_runs  # noqa: PLC0415
 
     claim = get_claim("vapo_length_adaptive")  # 4 arms x starts 1, 2 x seeds 0-4
@@ -223,3 +224,22 @@ def test_the_list_counts_a_claims_recorded_runs_per_start(tmp_path):
     line = recorded_runs(claim, book)
     assert line.startswith("2 of 40 runs (start 1: 1, start 2: 1; of 20 each), 1.5 CPU-hours, in ")
     assert line.endswith("vapo_length_adaptive.jsonl")
+    # A run of the arm's older config (recorded beside the new ones) is not the claim's run
+    # now: the sweep has it to train.
+    book.add(arm, 2, 4, "c", "older", _run(cpu_s=3600.0))
+    line = recorded_runs(claim, book, lambda arm, start, seed: "k")
+    assert line.startswith("2 of 40 runs (start 1: 1, start 2: 1; of 20 each), 1.5 CPU-hours")
+    # In --list, the key of the config the claim's sweep would train.
+    keys = []
+    monkeypatch.setattr(reproduce, "recorded_runs", lambda c, b, key_of: keys.append(key_of))
+    reproduce._list()
+    (first, *_) = keys
+    routing = get_claim(next(iter(reproduce.CLAIMS)))
+    config = ablate.arm_config(
+        routing.ablation,
+        routing.arm_labels()[0],
+        0,
+        routing.regime,
+        lambda c: reproduce.SETTINGS[routing.setting](c, "runs/x/checkpoints"),
+    )
+    assert first(routing.arm_labels()[0], 0, 0) == ablate.run_config_key(config)
