@@ -190,10 +190,18 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def run_config_key(config) -> str:
+#: The version of ``summarise_run``'s figures that a ledger record holds: bump it when what
+#: a figure means changes, and the records of the old version no longer count (their runs
+#: train again). tests/experiments/test_ledger.py trips when the summary's code changes.
+SUMMARY_VERSION = 1
+
+
+def run_config_key(config, tail: int = 5) -> str:
     """The ledger's digest of the run an arm's ``config`` trains (``ledger.config_key`` of
-    its resolved record): how a record is found, and whose records a claim judges."""
-    return config_key(resolved_record(_flat(config.to_dict())))
+    its resolved record), with the summary's version and ``tail``: how a record is found,
+    and whose records a claim judges."""
+    record = resolved_record(_flat(config.to_dict()))
+    return config_key({**record, "summary.version": SUMMARY_VERSION, "summary.tail": tail})
 
 
 def config_diff(base, other) -> dict:
@@ -451,7 +459,7 @@ def run_ablation(
                 done = _finished(run_dir, config)
                 identity = (arm.label, start, seed)
                 if ledger is not None:
-                    key = run_config_key(config)
+                    key = run_config_key(config, tail)
                     identity += (start_ids[start], key)
                     other = _other_start(run_dir, start_ids[start])
                     recorded = ledger.find(*identity) if done is None or other else None

@@ -243,3 +243,34 @@ def test_the_list_counts_a_claims_recorded_runs_per_start(tmp_path, monkeypatch,
         lambda c: reproduce.SETTINGS[routing.setting](c, "runs/x/checkpoints"),
     )
     assert first(routing.arm_labels()[0], 0, 0) == ablate.run_config_key(config)
+
+
+def _summary_code() -> str:
+    import hashlib  # noqa: PLC0415
+    import inspect  # noqa: PLC0415
+
+    parts = [inspect.getsource(ablate.summarise_run), inspect.getsource(ablate.collapse_iteration)]
+    parts += [
+        repr(x)
+        for x in (
+            ablate.TAIL_METRICS,
+            ablate.POLICY_MEAN_METRICS,
+            ablate.WARMUP_EXPLAINED_VARIANCE,
+            ablate.COLLAPSE_FRACTION,
+        )
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def test_a_change_to_the_summarys_code_asks_for_its_version(monkeypatch):
+    """A record holds summarise_run's figures as they were computed: when the code that
+    computes them changes, this trips. If a figure's meaning changed, bump
+    ablate.SUMMARY_VERSION (the old records stop counting); either way, update the digest."""
+    assert (ablate.SUMMARY_VERSION, _summary_code()) == (1, "6656d5bca9259da3")
+    # The version is part of every key: a record of another version is another config.
+    config = testbed_long.get_config()
+    assert ablate.run_config_key(config) == ablate.run_config_key(config, tail=5)
+    assert ablate.run_config_key(config, tail=3) != ablate.run_config_key(config)
+    before = ablate.run_config_key(config)
+    monkeypatch.setattr(ablate, "SUMMARY_VERSION", 2)
+    assert ablate.run_config_key(config) != before

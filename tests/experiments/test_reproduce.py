@@ -21,9 +21,8 @@ from configs import claims
 from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Check, Claim, get_claim
 from experiments import ablate, reproduce, verdicts
-from experiments.ledger import Ledger, config_key, start_id
+from experiments.ledger import Ledger, start_id
 from policyopt.checkpoint import Checkpointer
-from policyopt.rl.loop.build import resolved_record
 from tests.flags import ROOT, subprocess_env
 
 REGIME = {
@@ -1383,7 +1382,7 @@ def _record_claim(claim, book, pairs, *, variant="", start_ids=None, value=0.07)
             config = ablate.arm_config(
                 claim.ablation, label, seed, reproduce._join(claim.regime, variant), setting
             )
-            key = config_key(resolved_record(ablate._flat(config.to_dict())))
+            key = ablate.run_config_key(config)
             run = {"regime": ablate.regime_of(config), "wall_s": 1.0, "iterations": 1}
             run["routing/volatility"] = value
             book.add(label, start, seed, (start_ids or {}).get(start, f"9-start{start}"), key, run)
