@@ -51,9 +51,10 @@ def config_key(record: dict) -> str:
 
 
 def start_id(checkpoint_dir: str) -> str:
-    """The identity of an SFT start: a digest of the checksums saved with its latest
-    checkpoint's arrays (parameters and optimiser state, bit for bit; nothing is read but
-    the checksums)."""
+    """The identity of an SFT start: its latest step and a digest of the checksums saved
+    with that checkpoint's parameters (bit for bit; nothing is read but the checksums).
+    The optimiser state is left out: RL starts from the parameters alone, and a start kept
+    in the repository (``experiments.starts``) holds nothing else."""
     checkpointer = Checkpointer(checkpoint_dir)
     try:
         step = checkpointer.latest_step()
@@ -65,7 +66,10 @@ def start_id(checkpoint_dir: str) -> str:
             f"{checkpoint_dir}: its checkpoint carries no checksums (saved before they were "
             "kept), so its runs cannot be recorded; train the start again"
         )
-    text = json.dumps(sums, sort_keys=True, separators=(",", ":"))
+    params = {k: v for k, v in sums.items() if k.startswith("train/params/")}
+    if not params:
+        raise ValueError(f"{checkpoint_dir}: its checkpoint holds no parameters (train/params)")
+    text = json.dumps(params, sort_keys=True, separators=(",", ":"))
     return f"{step}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 

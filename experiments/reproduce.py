@@ -12,7 +12,9 @@ check by the rule of `experiments.verdicts`. docs/claims.md has the rule and the
 A ``--variant`` that changes what an arm trains is exploratory: its runs go to
 ``<workdir>/<claim>-exploratory/<variant>``, never among the claim's own. The claim's own
 finished runs are kept in ``docs/claims/runs/<claim>.jsonl`` (`experiments.ledger`), where
-a sweep on another machine, or ``--rejudge`` in a fresh clone, finds them.
+a sweep on another machine, or ``--rejudge`` in a fresh clone, finds them; the SFT starts
+they name are kept in ``docs/claims/starts`` (`experiments.starts`) and restored where the
+cache lacks them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Claim, bound_figure, get_claim
 from experiments import ablate, cli
 from experiments.ledger import LEDGER_DIR, Ledger, ledger_path, start_id
+from experiments.starts import is_kept, use_kept_start
 from experiments.verdicts import claim_verdict, judge
 from policyopt.checkpoint import unlock_workdir
 from policyopt.metrics import quiet_library_logging
@@ -540,7 +543,9 @@ def _judged_start(
     return checkpoint, start_id(checkpoint)
 
 
-def ensure_sft(setting: str, sft_root: str, variant: str = "", start: int = 0) -> str:
+def ensure_sft(
+    setting: str, sft_root: str, variant: str = "", start: int = 0, *, kept: bool = True
+) -> str:
     """The checkpoint directory of ``setting``'s SFT start number ``start``, trained once
     into ``sft_dir(sft_root, setting, start)`` (resumed if interrupted, reused once
     finished) with ``configs/<setting>.py``, the items of ``variant`` it reads
@@ -551,16 +556,28 @@ def ensure_sft(setting: str, sft_root: str, variant: str = "", start: int = 0) -
 
     A recipe module that names an ``SFT_PARENT`` setting (`configs/testbed_long32.py`)
     continues that setting's start of the same number, made first the same way (the
-    variant's items apply to both), to its own ``sft.steps`` in all."""
+    variant's items apply to both), to its own ``sft.steps`` in all.
+
+    With ``kept``, a start the repository keeps (``experiments.starts``:
+    ``docs/claims/starts/<setting>/start<K>.npz``) of the same SFT config is restored
+    instead of trained where the cache lacks the start; a parent continued by more SFT is
+    always trained (a kept start holds no optimiser state)."""
     module = importlib.import_module(f"configs.{setting}")
     parent = getattr(module, "SFT_PARENT", None)
-    init = ensure_sft(parent, sft_root, variant, start) if parent else None
     config = module.get_config(sft_variant(variant) or None)
     if start:
         config.unlock()
         config.seed += start
         config.lock()
     workdir = sft_dir(sft_root, setting, start)
+    if kept and (restored := use_kept_start(setting, start, config, workdir)):
+        return restored
+    if is_kept(workdir):
+        raise ValueError(
+            f"{workdir} holds the SFT start kept in the repository (parameters only), which "
+            "more SFT cannot continue; remove it to train the start here"
+        )
+    init = ensure_sft(parent, sft_root, variant, start, kept=False) if parent else None
     summary = run_sft(
         config,
         workdir,

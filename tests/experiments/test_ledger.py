@@ -96,20 +96,31 @@ def test_the_ledger_is_committed_not_ignored_as_a_run_directory():
     assert checked.returncode == 1, f"{path} is ignored"
 
 
-def test_the_start_id_follows_the_saved_bits(tmp_path):
-    state = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "step": np.int32(3)}
-    with Checkpointer(str(tmp_path / "a")) as saved:
-        saved.save(3, state, {"config": {}})
-    with Checkpointer(str(tmp_path / "b")) as saved:
-        saved.save(3, state, {"config": {}})
-    flipped = dict(state, w=state["w"].copy())
-    flipped["w"][1, 2] = np.nextafter(flipped["w"][1, 2], np.float32(9))  # one bit
+def _state(w, mu=0.0):
+    return {"train": {"params": {"w": w}, "opt_state": {"mu": np.full(3, mu, np.float32)}}}
+
+
+def test_the_start_id_follows_the_saved_parameters_bits(tmp_path):
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for name, state in (("a", _state(w)), ("b", _state(w)), ("d", _state(w, mu=1.0))):
+        with Checkpointer(str(tmp_path / name)) as saved:
+            saved.save(3, state, {"config": {}})
+    flipped = w.copy()
+    flipped[1, 2] = np.nextafter(flipped[1, 2], np.float32(9))  # one bit
     with Checkpointer(str(tmp_path / "c")) as saved:
-        saved.save(3, flipped, {"config": {}})
+        saved.save(3, _state(flipped), {"config": {}})
     first = start_id(str(tmp_path / "a"))
     assert first.startswith("3-") and len(first) == 2 + 16
     assert start_id(str(tmp_path / "b")) == first  # the same bits elsewhere: the same start
     assert start_id(str(tmp_path / "c")) != first
+    # The optimiser state is not the start's: RL starts from the parameters alone (and a
+    # start kept in the repository holds nothing else, experiments/starts.py).
+    assert start_id(str(tmp_path / "d")) == first
+    with Checkpointer(str(tmp_path / "e")) as saved:
+        saved.save(3, {"train": {"opt_state": {"mu": np.zeros(3, np.float32)}}}, {})
+    with pytest.raises(ValueError, match="holds no parameters"):
+        start_id(str(tmp_path / "e"))
+    state = _state(w)
     with Checkpointer(str(tmp_path / "a")) as saved:  # the latest checkpoint names it
         saved.save(4, state, {"config": {}})
     assert start_id(str(tmp_path / "a")).startswith("4-")

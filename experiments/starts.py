@@ -1,0 +1,243 @@
+"""The claims' SFT starts kept in the repository (``docs/claims/starts/<setting>/start<K>.npz``).
+
+A start's parameters, saved once where it was trained, let another machine run the same
+start bit for bit instead of training it again (its bits depend on the CPU and the JAX
+release): its runs then match the ledger's records (``experiments.ledger``), and a sweep
+of many hours resumes anywhere. ``ensure_sft`` restores a kept start into the SFT cache
+when the cache lacks it and the variant leaves the SFT config alone (docs/claims.md,
+"SFT starts kept in the repository").
+
+    python -m experiments.starts --setting testbed_long --starts 1,2   # keep the cached ones
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zipfile
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import app, flags
+
+from experiments.ledger import start_id
+from policyopt.checkpoint import Checkpointer, _path_name, lock_workdir, unlock_workdir
+from policyopt.metrics import quiet_library_logging
+from policyopt.rl.loop import build
+
+_REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STARTS_DIR = os.path.join(_REPOSITORY, "docs", "claims", "starts")
+MARKER = "kept_start.json"  # in an SFT cache directory restored from the repository
+_META = "__meta__"  # the npz entry holding the checkpoint's meta record and identity
+# Config fields that do not change a start's parameters (besides RESUME_FREE_FIELDS).
+_KEPT_FIELDS = ("sft.steps",)
+
+
+def start_path(setting: str, start: int, root: str | None = None) -> str:
+    """Where start ``start`` of ``setting`` is kept: ``<root>/<setting>/start<K>.npz``
+    (``root`` default ``STARTS_DIR``)."""
+    return os.path.join(root or STARTS_DIR, setting, f"start{start}.npz")
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the repository when inside it (``docs/claims/starts/...``)."""
+    path = os.path.abspath(path)
+    inside = os.path.commonpath([path, _REPOSITORY]) == _REPOSITORY
+    return os.path.relpath(path, _REPOSITORY) if inside else path
+
+
+def is_kept(sft_workdir: str) -> bool:
+    """Whether an SFT cache directory holds a start restored from the repository
+    (parameters only: it cannot be continued by more SFT)."""
+    return os.path.exists(os.path.join(sft_workdir, MARKER))
+
+
+def save_start(checkpoint_dir: str, path: str) -> str:
+    """Writes the parameters of ``checkpoint_dir``'s latest checkpoint, with its meta
+    record and step, to ``path`` (npz); returns the start's identity (``start_id``)."""
+    identity = start_id(checkpoint_dir)
+    with Checkpointer(checkpoint_dir) as source:
+        step = source.latest_step()
+        meta = source.meta(step)
+        sums = source.checksums(step) or {}
+    state = ocp.StandardCheckpointer().restore(os.path.join(checkpoint_dir, str(step), "state"))
+    arrays = {
+        name: np.asarray(leaf)
+        for keys, leaf in jax.tree_util.tree_leaves_with_path(state)
+        if (name := _path_name(keys)).startswith("train/params/")
+    }
+    kept = {"step": int(step), "meta": meta, "start_id": identity, "checksums": sums}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    temporary = path + ".partial"
+    _write_npz(temporary, {**arrays, _META: np.array(json.dumps(kept, sort_keys=True))})
+    os.replace(temporary, path)
+    return identity
+
+
+def _write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
+    """``np.savez_compressed`` with fixed entry times and order: the same start gives the
+    same bytes, so keeping it again changes nothing in git."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name in sorted(arrays):
+            entry = zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+            entry.compress_type = zipfile.ZIP_DEFLATED
+            with archive.open(entry, "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asanyarray(arrays[name]), allow_pickle=False)
+
+
+def _load(path: str) -> tuple[dict[str, np.ndarray], dict]:
+    with np.load(path) as data:
+        kept = json.loads(str(data[_META]))
+        arrays = {name: data[name] for name in data.files if name != _META}
+    return arrays, kept
+
+
+def _nest(arrays: dict[str, np.ndarray]) -> dict:
+    tree: dict[str, Any] = {}
+    for name, value in arrays.items():
+        node = tree
+        *parents, leaf = name.split("/")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return tree
+
+
+def differing_fields(saved: dict, config) -> list[str]:
+    """The fields of ``config`` (an SFT config) whose values differ from a kept start's
+    saved config record (``saved``), ignoring layout and cadence fields that leave the
+    parameters alone: a start of another recipe is not this one's."""
+    current = build.resolved_record(build.config_record(config))
+    saved = build.resolved_record(saved)
+
+    def free(field):
+        if field in _KEPT_FIELDS:
+            return False
+        return any(
+            field == k or (k.endswith(".") and field.startswith(k))
+            for k in build.RESUME_FREE_FIELDS
+        )
+
+    def text(record, field):
+        return json.dumps(record.get(field), default=str)
+
+    fields = set(current) | set(saved)
+    return sorted(f for f in fields if not free(f) and text(current, f) != text(saved, f))
+
+
+def restore_start(path: str, sft_workdir: str) -> str:
+    """Restores the kept start at ``path`` into ``sft_workdir/checkpoints`` (parameters,
+    step and meta record; no optimiser state) and returns that directory. The checkpoint
+    is written beside it and moved into place whole, so that an interrupted restore or two
+    processes restoring at once leave one complete start. Raises ValueError when the
+    restored parameters are not the kept ones bit for bit."""
+    arrays, kept = _load(path)
+    step = int(kept["step"])
+    partial = f"{sft_workdir}.restoring-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    with Checkpointer(os.path.join(partial, "checkpoints"), max_to_keep=None) as target:
+        target.save(step, _nest(arrays), kept["meta"])
+    identity = start_id(os.path.join(partial, "checkpoints"))
+    if identity != kept["start_id"]:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise ValueError(
+            f"{path}: its parameters give the start {identity}, not the {kept['start_id']} "
+            "it was saved as (a damaged file?)"
+        )
+    with open(os.path.join(partial, MARKER), "w") as f:
+        record = {"source": _shown(path), "step": step, "start_id": kept["start_id"]}
+        json.dump(record, f)
+        f.write("\n")
+    os.makedirs(os.path.dirname(os.path.abspath(sft_workdir)), exist_ok=True)
+    try:
+        os.rename(partial, sft_workdir)
+    except OSError:  # another process restored it first (or a run began there)
+        shutil.rmtree(partial, ignore_errors=True)
+        if not is_kept(sft_workdir):
+            raise
+    return os.path.join(sft_workdir, "checkpoints")
+
+
+def use_kept_start(setting: str, start: int, config, sft_workdir: str, root: str | None = None):
+    """The checkpoint directory of the kept start of ``setting`` number ``start``, restored
+    into ``sft_workdir`` if needed; None where the repository keeps none, where the
+    cache already holds a start of its own (trained here: it is used, and a note says
+    when it is not the kept one), or where ``config`` (the SFT config) differs from the
+    kept start's in a field that changes its parameters (the start is trained)."""
+    path = start_path(setting, start, root or STARTS_DIR)
+    checkpoints = os.path.join(sft_workdir, "checkpoints")
+    if is_kept(sft_workdir):
+        return checkpoints
+    if not os.path.exists(path):
+        return None
+    _, kept = _load(path)
+    where = _shown(path)
+    if os.path.isdir(checkpoints) and os.listdir(checkpoints):
+        steps = [int(n) for n in os.listdir(checkpoints) if n.isdigit()]
+        if max(steps, default=0) == kept["step"]:
+            here = start_id(checkpoints)
+            if here != kept["start_id"]:
+                print(
+                    f"note: SFT start {start} of {setting!r} here ({here}) is not the one kept "
+                    f"in {where} ({kept['start_id']}): its runs are another start's; remove "
+                    f"{sft_workdir} to use the kept one",
+                    flush=True,
+                )
+        return None
+    differ = differing_fields(kept["meta"].get("config", {}), config)
+    if differ:
+        print(
+            f"note: the SFT start kept in {where} is of another config ({', '.join(differ[:4])}"
+            f"{' ...' if len(differ) > 4 else ''} differ): training start {start} of "
+            f"{setting!r} here",
+            flush=True,
+        )
+        return None
+    restored = restore_start(path, sft_workdir)
+    print(f"SFT start {start} of {setting!r}: restored from {where} ({kept['start_id']})")
+    return restored
+
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:  # at run time only: experiments.reproduce has flags of these names
+    flags.DEFINE_string("setting", None, "The setting whose cached SFT starts to keep.")
+    flags.DEFINE_list("starts", ["0", "1"], "Which of its starts.")
+    flags.DEFINE_string("sft_root", "runs", "Cache of the settings' SFT starts.")
+    flags.DEFINE_string("variant", "", "The SFT items the starts were trained with.")
+    flags.DEFINE_string("root", STARTS_DIR, "Where the starts are kept.")
+
+
+def main(argv):
+    del argv
+    from experiments.reproduce import finished_sft, sft_dir  # noqa: PLC0415 - no cycle at import
+
+    quiet_library_logging()
+    if not FLAGS.setting:
+        raise app.UsageError("--setting is required (e.g. --setting testbed_long)")
+    for start in (int(s) for s in FLAGS.starts):
+        if is_kept(sft_dir(FLAGS.sft_root, FLAGS.setting, start)):
+            print(f"start {start} of {FLAGS.setting!r} is the kept one already")
+            continue
+        try:
+            checkpoint = finished_sft(FLAGS.setting, FLAGS.sft_root, FLAGS.variant, start)
+        except ValueError as error:
+            raise SystemExit(f"error: {error}") from None
+        workdir = os.path.dirname(checkpoint)
+        lock_workdir(workdir)  # refused while it trains
+        try:
+            path = start_path(FLAGS.setting, start, FLAGS.root)
+            identity = save_start(checkpoint, path)
+        finally:
+            unlock_workdir(workdir)
+        size = os.path.getsize(path) / 2**20
+        print(f"start {start} of {FLAGS.setting!r}: {_shown(path)} ({identity}, {size:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main)

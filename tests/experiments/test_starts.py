@@ -1,0 +1,207 @@
+"""The claims' SFT starts kept in the repository (experiments/starts.py): a start saved
+where it was trained is restored elsewhere bit for bit (same identity, same RL
+parameters), only for the same SFT config, never over a start trained here, never as a
+parent that more SFT continues; a damaged file is refused; two processes restoring at
+once leave one start."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import testbed
+from configs.ablations import SETTINGS
+from experiments import reproduce, starts
+from experiments.ledger import start_id
+from policyopt.checkpoint import Checkpointer
+from policyopt.rl.loop import build
+from tests.flags import ROOT, subprocess_env
+
+TINY_SFT = (
+    "model.num_layers=1,sft.steps=2,sft.batch_size=4,task.num_train=64,task.num_test=8,"
+    "eval.num_prompts=0,train.loggers=jsonl"
+)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny SFT start 1 of the testbed, trained, and kept in a repository of its own."""
+    root = tmp_path_factory.mktemp("starts")
+    checkpoint = reproduce.ensure_sft("testbed", str(root / "here"), TINY_SFT, start=1)
+    kept = str(root / "kept")
+    identity = starts.save_start(checkpoint, starts.start_path("testbed", 1, kept))
+    return root, checkpoint, kept, identity
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("trained")
+
+
+def _rl_params(checkpoint):
+    """The parameters an RL run of the testbed starts from ``checkpoint`` with."""
+    config = SETTINGS["testbed"](testbed.get_config(), checkpoint)
+    config.unlock()
+    config.model.num_layers = 1
+    config.lock()
+    mesh = build.make_mesh(config)
+    model = build.make_model(config, build.make_tokenizer(config).vocab_size, mesh)
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(build.init_params(config, model, mesh)[1])]
+
+
+def test_a_kept_start_is_restored_bit_for_bit_instead_of_trained(trained, tmp_path, monkeypatch):
+    _, checkpoint, kept, identity = trained
+    assert identity == start_id(checkpoint)
+    assert os.path.getsize(starts.start_path("testbed", 1, kept)) > 0
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    sft_root = str(tmp_path / "elsewhere")
+    restored = reproduce.ensure_sft("testbed", sft_root, TINY_SFT, start=1)
+    assert restored == os.path.join(sft_root, "testbed", "sft_start1", "checkpoints")
+    assert start_id(restored) == identity  # the ledger's records of the start match it
+    # The same parameters reach RL, bit for bit; no optimiser state was kept.
+    assert all(np.array_equal(a, b) for a, b in zip(_rl_params(restored), _rl_params(checkpoint)))
+    with Checkpointer(restored) as saved:
+        assert not any(k.startswith("train/opt_state") for k in saved.checksums())
+        assert saved.meta()["config"]["sft.steps"] == 2  # the meta record travels with it
+    marker = json.loads(
+        (tmp_path / "elsewhere" / "testbed" / "sft_start1" / starts.MARKER).read_text()
+    )
+    assert (marker["step"], marker["start_id"]) == (2, identity)
+    # Finished for --rejudge, and reused as it is on the next call.
+    assert reproduce.finished_sft("testbed", sft_root, TINY_SFT, start=1) == restored
+    assert reproduce.ensure_sft("testbed", sft_root, TINY_SFT, start=1) == restored
+
+
+def test_a_kept_start_of_another_config_is_not_used(trained, tmp_path, monkeypatch, capsys):
+    """One more SFT step, or another start number's seed, is another start: trained."""
+    _, _, kept, _ = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    calls = []
+
+    def record(config, workdir, **kwargs):
+        calls.append((workdir, config.sft.steps, config.seed))
+        return {"checkpoint_dir": os.path.join(workdir, "checkpoints")}
+
+    monkeypatch.setattr(reproduce, "run_sft", record)
+    longer = TINY_SFT.replace("sft.steps=2", "sft.steps=3")
+    reproduce.ensure_sft("testbed", str(tmp_path), longer, start=1)
+    assert calls[-1][1] == 3
+    assert "of another config (sft.steps differ)" in capsys.readouterr().out
+    reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=2)  # none kept: trained
+    assert calls[-1][1:] == (2, 2) and len(calls) == 2
+    # kept=False trains even where one is kept (a parent that more SFT continues).
+    reproduce.ensure_sft("testbed", str(tmp_path / "b"), TINY_SFT, start=1, kept=False)
+    assert len(calls) == 3
+
+
+def test_a_start_trained_here_is_used_and_named_when_not_the_kept_one(
+    trained, tmp_path, monkeypatch, capsys
+):
+    root, checkpoint, kept, identity = trained
+    # Kept: another start of the same config (another machine's bits).
+    other = str(tmp_path / "other")
+    arrays, saved = starts._load(starts.start_path("testbed", 1, kept))
+    arrays = {name: value * np.float32(1.0001) for name, value in arrays.items()}
+    with Checkpointer(os.path.join(other, "ckpt")) as checkpointer:
+        checkpointer.save(2, starts._nest(arrays), saved["meta"])
+    starts.save_start(os.path.join(other, "ckpt"), starts.start_path("testbed", 1, other))
+    monkeypatch.setattr(starts, "STARTS_DIR", other)
+    got = reproduce.ensure_sft("testbed", str(root / "here"), TINY_SFT, start=1)
+    assert got == checkpoint and start_id(got) == identity  # this machine's start
+    out = capsys.readouterr().out
+    assert f"SFT start 1 of 'testbed' here ({identity}) is not the one kept" in out
+
+
+def test_a_damaged_kept_start_is_refused(trained, tmp_path, monkeypatch):
+    _, _, kept, identity = trained
+    with np.load(starts.start_path("testbed", 1, kept)) as data:
+        arrays = {name: data[name] for name in data.files}
+    name = next(n for n in arrays if n.endswith("embed/value"))
+    arrays[name] = arrays[name].copy()
+    arrays[name].flat[3] = np.nextafter(arrays[name].flat[3], np.float32(9))
+    damaged = str(tmp_path / "damaged")
+    os.makedirs(os.path.join(damaged, "testbed"))
+    np.savez(starts.start_path("testbed", 1, damaged), **arrays)
+    monkeypatch.setattr(starts, "STARTS_DIR", damaged)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    with pytest.raises(ValueError, match=f"not the {identity} it was saved as"):
+        reproduce.ensure_sft("testbed", str(tmp_path / "cache"), TINY_SFT, start=1)
+    assert not os.path.exists(tmp_path / "cache" / "testbed" / "sft_start1")  # nothing left
+
+
+def test_a_kept_parent_cannot_be_continued(trained, tmp_path, monkeypatch):
+    _, _, kept, _ = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    with pytest.raises(ValueError, match="holds the SFT start kept in the repository"):
+        reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1, kept=False)
+
+
+def test_two_processes_restoring_at_once_leave_one_start(trained, tmp_path):
+    """From plain scripts (no __main__ guard), started together."""
+    _, _, kept, identity = trained
+    script = tmp_path / "restore.py"
+    script.write_text(
+        "import sys\n"
+        "from experiments import reproduce, starts\n"
+        "from experiments.ledger import start_id\n"
+        f"starts.STARTS_DIR = {kept!r}\n"
+        f"got = reproduce.ensure_sft('testbed', sys.argv[1], {TINY_SFT!r}, start=1)\n"
+        "print('ID', start_id(got))\n"
+    )
+    cache = str(tmp_path / "cache")
+    env = subprocess_env(PYTHONPATH=ROOT)  # a script outside the repository, as a user's
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), cache],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert all(f"ID {identity}" in out for out in outs)
+    assert os.listdir(os.path.join(cache, "testbed")) == ["sft_start1"]  # no partial left
+
+
+def test_the_command_keeps_a_finished_start_and_refuses_an_unfinished_one(trained, tmp_path):
+    root, checkpoint, kept, identity = trained
+    command = [
+        sys.executable,
+        "-m",
+        "experiments.starts",
+        "--setting=testbed",
+        "--starts=1",
+        f"--variant={TINY_SFT}",
+        f"--root={tmp_path}",
+    ]
+    done = subprocess.run(
+        command + [f"--sft_root={root / 'here'}"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"start 1 of 'testbed': {tmp_path}/testbed/start1.npz ({identity}," in done.stdout
+    # The same start gives the same bytes: keeping it again changes nothing in git.
+    with open(starts.start_path("testbed", 1, str(tmp_path)), "rb") as ours:
+        with open(starts.start_path("testbed", 1, kept), "rb") as theirs:
+            assert ours.read() == theirs.read()
+    done = subprocess.run(
+        command + [f"--sft_root={root / 'nothing'}"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1
+    assert "error: SFT start 1 of 'testbed' is not finished" in done.stderr
