@@ -4,8 +4,8 @@ A start's parameters, saved once where it was trained, let another machine run t
 start bit for bit instead of training it again (its bits depend on the CPU and the JAX
 release): its runs then match the ledger's records (``experiments.ledger``), and a sweep
 of many hours resumes anywhere. ``ensure_sft`` restores a kept start into the SFT cache
-when the cache lacks it and the variant leaves the SFT config alone (docs/claims.md,
-"SFT starts kept in the repository").
+when the cache lacks it and its SFT config is the kept start's (docs/claims.md, "SFT
+starts kept in the repository").
 
     python -m experiments.starts --setting testbed_long --starts 1,2   # keep the cached ones
 """
@@ -24,7 +24,13 @@ import orbax.checkpoint as ocp
 from absl import app, flags
 
 from experiments.ledger import start_id
-from policyopt.checkpoint import Checkpointer, _path_name, lock_workdir, unlock_workdir
+from policyopt.checkpoint import (
+    Checkpointer,
+    _path_name,
+    lock_workdir,
+    tree_checksums,
+    unlock_workdir,
+)
 from policyopt.metrics import quiet_library_logging
 from policyopt.rl.loop import build
 
@@ -32,8 +38,8 @@ _REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTS_DIR = os.path.join(_REPOSITORY, "docs", "claims", "starts")
 MARKER = "kept_start.json"  # in an SFT cache directory restored from the repository
 _META = "__meta__"  # the npz entry holding the checkpoint's meta record and identity
-# Config fields that do not change a start's parameters (besides RESUME_FREE_FIELDS).
-_KEPT_FIELDS = ("sft.steps",)
+# Resume-free fields (RESUME_FREE_FIELDS) that do change a start's parameters.
+_CHANGES_PARAMETERS = ("sft.steps",)
 
 
 def start_path(setting: str, start: int, root: str | None = None) -> str:
@@ -69,7 +75,13 @@ def save_start(checkpoint_dir: str, path: str) -> str:
         for keys, leaf in jax.tree_util.tree_leaves_with_path(state)
         if (name := _path_name(keys)).startswith("train/params/")
     }
-    kept = {"step": int(step), "meta": meta, "start_id": identity, "checksums": sums}
+    read = tree_checksums(_nest(arrays))
+    if any(sums.get(name) != value for name, value in read.items()):
+        raise ValueError(
+            f"{checkpoint_dir}: the parameters read from step {step} differ from the checksums "
+            "saved with them (damaged array files); train the start again"
+        )
+    kept = {"step": int(step), "meta": meta, "start_id": identity}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     temporary = path + ".partial"
     _write_npz(temporary, {**arrays, _META: np.array(json.dumps(kept, sort_keys=True))})
@@ -114,7 +126,7 @@ def differing_fields(saved: dict, config) -> list[str]:
     saved = build.resolved_record(saved)
 
     def free(field):
-        if field in _KEPT_FIELDS:
+        if field in _CHANGES_PARAMETERS:
             return False
         return any(
             field == k or (k.endswith(".") and field.startswith(k))
