@@ -35,7 +35,7 @@ from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Claim, bound_figure, get_claim
 from experiments import ablate, cli
 from experiments.ledger import LEDGER_DIR, Ledger, ledger_path, start_id
-from experiments.starts import is_kept, use_kept_start
+from experiments.starts import is_kept, kept_start_id, use_kept_start
 from experiments.verdicts import claim_verdict, judge
 from policyopt.checkpoint import unlock_workdir
 from policyopt.metrics import quiet_library_logging
@@ -813,8 +813,13 @@ def recorded_runs(
     """How many of the claim's own runs (arm x start x seed) its ledger records, per
     start, with their CPU-hours: a sweep's progress, read from the repository. With
     ``config_key_of(arm, start, seed)``, only records of that config count (a record of
-    an arm's older config is a run the sweep has to train again)."""
+    an arm's older config is a run the sweep has to train again). Where the repository
+    keeps a start (``experiments.starts``), only the records of that start count; those
+    of another are shown apart, and a start not kept is named (its records cannot be
+    extended elsewhere)."""
     starts = {start: set() for start in claim.starts}
+    others = {start: set() for start in claim.starts}
+    kept = {start: kept_start_id(claim.setting, start) for start in claim.starts}
     key_of = functools.cache(config_key_of) if config_key_of else None
     cpu = 0.0
     for r in ledger.records:
@@ -822,12 +827,22 @@ def recorded_runs(
         if start in starts and run[0] in claim.arm_labels() and run[1] in claim.seeds:
             if key_of is not None and r["config"] != key_of(run[0], start, run[1]):
                 continue
+            if kept[start] is not None and r["start_id"] != kept[start]:
+                others[start].add(run)
+                continue
             if run not in starts[start]:
                 cpu += r.get("cpu_s") or 0.0
             starts[start].add(run)
     total = len(claim.arm_labels()) * len(claim.seeds)
     done = sum(len(runs) for runs in starts.values())
-    per_start = ", ".join(f"start {s}: {len(runs)}" for s, runs in starts.items())
+
+    def shown(start, runs):
+        text = f"start {start}: {len(runs)}"
+        if others[start]:
+            return text + f" (+{len(others[start])} of another start)"
+        return text + (" (start not kept)" if runs and kept[start] is None else "")
+
+    per_start = ", ".join(shown(s, runs) for s, runs in starts.items())
     repository = os.path.dirname(os.path.dirname(os.path.dirname(LEDGER_DIR)))
     return (
         f"{done} of {total * len(starts)} runs ({per_start}; of {total} each), "

@@ -107,6 +107,16 @@ def _load(path: str) -> tuple[dict[str, np.ndarray], dict]:
     return arrays, kept
 
 
+def kept_start_id(setting: str, start: int, root: str | None = None) -> str | None:
+    """The identity of the kept start of ``setting`` number ``start`` (its meta entry
+    only is read); None where the repository keeps none."""
+    path = start_path(setting, start, root)
+    if not os.path.exists(path):
+        return None
+    with np.load(path) as data:
+        return json.loads(str(data[_META]))["start_id"]
+
+
 def _nest(arrays: dict[str, np.ndarray]) -> dict:
     tree: dict[str, Any] = {}
     for name, value in arrays.items():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from configs import testbed_long
-from experiments import ablate, ledger
+from experiments import ablate, ledger, starts
 from experiments.ledger import Ledger, config_key, ledger_path, start_id
 from policyopt.checkpoint import Checkpointer, CheckpointError
 from policyopt.rl.loop.build import resolved_record
@@ -232,14 +232,29 @@ def test_the_list_counts_a_claims_recorded_runs_per_start(tmp_path, monkeypatch,
     book.add(arm, 3, 0, "d", "k", _run(cpu_s=99.0))  # a start outside the claim's
     book.add(arm, 1, 7, "a", "k", _run(cpu_s=99.0))  # a seed outside it
     book.add("not_an_arm", 1, 1, "a", "k", _run(cpu_s=99.0))
+    monkeypatch.setattr(starts, "STARTS_DIR", str(tmp_path / "kept"))  # none kept
     line = recorded_runs(claim, book)
-    assert line.startswith("2 of 40 runs (start 1: 1, start 2: 1; of 20 each), 1.5 CPU-hours, in ")
+    assert line.startswith(
+        "2 of 40 runs (start 1: 1 (start not kept), start 2: 1 (start not kept); of 20 each), "
+        "1.5 CPU-hours, in "
+    )
     assert line.endswith("vapo_length_adaptive.jsonl")
     # A run of the arm's older config (recorded beside the new ones) is not the claim's run
     # now: the sweep has it to train.
     book.add(arm, 2, 4, "c", "older", _run(cpu_s=3600.0))
     line = recorded_runs(claim, book, lambda arm, start, seed: "k")
-    assert line.startswith("2 of 40 runs (start 1: 1, start 2: 1; of 20 each), 1.5 CPU-hours")
+    assert line.startswith("2 of 40 runs (start 1: 1 (start not kept), start 2: 1 (start not")
+    # Where the repository keeps a start, only its records count: another start's are
+    # runs a sweep from the kept start trains again.
+    for start, identity in ((1, "b"), (2, "e")):
+        path = starts.start_path("testbed_long", start)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        np.savez(path, __meta__=np.array(json.dumps({"start_id": identity})))
+    line = recorded_runs(claim, book, lambda arm, start, seed: "k")
+    assert line.startswith(
+        "1 of 40 runs (start 1: 1 (+1 of another start), start 2: 0 (+1 of another start); "
+        "of 20 each), 0.5 CPU-hours"
+    )
     # In --list, the key of the config the claim's sweep would train.
     keys = []
     monkeypatch.setattr(reproduce, "recorded_runs", lambda c, b, key_of: keys.append(key_of))
