@@ -170,6 +170,18 @@ def use_kept_start(setting: str, start: int, config, sft_workdir: str, root: str
     path = start_path(setting, start, root or STARTS_DIR)
     checkpoints = os.path.join(sft_workdir, "checkpoints")
     if is_kept(sft_workdir):
+        # Restored for the config it was kept with: another (more SFT steps, another
+        # recipe) is not this start, and a start without optimiser state cannot train on.
+        with Checkpointer(checkpoints) as restored:
+            saved = restored.meta().get("config", {})
+        differ = differing_fields(saved, config)
+        if differ:
+            raise ValueError(
+                f"{sft_workdir} holds the SFT start {start} of {setting!r} kept in the "
+                f"repository, of another config ({', '.join(differ[:4])}"
+                f"{' ...' if len(differ) > 4 else ''} differ); remove it, or use another "
+                "--sft_root, to train this config's start"
+            )
         return checkpoints
     if not os.path.exists(path):
         return None

@@ -205,3 +205,15 @@ def test_the_command_keeps_a_finished_start_and_refuses_an_unfinished_one(traine
     )
     assert done.returncode == 1
     assert "error: SFT start 1 of 'testbed' is not finished" in done.stderr
+
+
+def test_a_restored_start_is_not_returned_for_another_config(trained, tmp_path, monkeypatch):
+    """A cache holding the kept start (parameters only) is that config's start: a variant
+    of more SFT steps gets an error, not the shorter start as if it were its own."""
+    _, _, kept, _ = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    longer = TINY_SFT.replace("sft.steps=2", "sft.steps=3")
+    with pytest.raises(ValueError, match=r"of another config \(sft\.steps differ"):
+        reproduce.ensure_sft("testbed", str(tmp_path), longer, start=1)
