@@ -27,6 +27,7 @@ from experiments.ledger import start_id
 from policyopt.checkpoint import Checkpointer, _path_name, lock_workdir, unlock_workdir
 from policyopt.metrics import quiet_library_logging
 from policyopt.rl.loop import build
+from policyopt.rl.sft import SFT_FIELDS, SFT_IGNORED
 
 _REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTS_DIR = os.path.join(_REPOSITORY, "docs", "claims", "starts")
@@ -108,24 +109,27 @@ def _nest(arrays: dict[str, np.ndarray]) -> dict:
 
 def differing_fields(saved: dict, config) -> list[str]:
     """The fields of ``config`` (an SFT config) whose values differ from a kept start's
-    saved config record (``saved``), ignoring layout and cadence fields that leave the
-    parameters alone: a start of another recipe is not this one's."""
+    saved config record (``saved``): those SFT reads (``sft.SFT_FIELDS``, as its resume
+    check), but layout and cadence fields that leave the parameters alone; fields only
+    one record has (added to the library since, or removed) are not compared, as on
+    resume. A start of another recipe is not this one's; a recipe's RL settings may
+    change under it."""
     current = build.resolved_record(build.config_record(config))
     saved = build.resolved_record(saved)
 
-    def free(field):
-        if field in _KEPT_FIELDS:
+    def matches(field, prefixes):
+        return any(field == k or (k.endswith(".") and field.startswith(k)) for k in prefixes)
+
+    def compared(field):
+        if not matches(field, SFT_FIELDS) or matches(field, SFT_IGNORED):
             return False
-        return any(
-            field == k or (k.endswith(".") and field.startswith(k))
-            for k in build.RESUME_FREE_FIELDS
-        )
+        return field in _KEPT_FIELDS or not matches(field, build.RESUME_FREE_FIELDS)
 
     def text(record, field):
         return json.dumps(record.get(field), default=str)
 
-    fields = set(current) | set(saved)
-    return sorted(f for f in fields if not free(f) and text(current, f) != text(saved, f))
+    fields = set(current) & set(saved)
+    return sorted(f for f in fields if compared(f) and text(current, f) != text(saved, f))
 
 
 def restore_start(path: str, sft_workdir: str) -> str:

@@ -217,3 +217,37 @@ def test_a_restored_start_is_not_returned_for_another_config(trained, tmp_path, 
     longer = TINY_SFT.replace("sft.steps=2", "sft.steps=3")
     with pytest.raises(ValueError, match=r"of another config \(sft\.steps differ"):
         reproduce.ensure_sft("testbed", str(tmp_path), longer, start=1)
+
+
+def test_a_recipe_change_sft_does_not_read_leaves_the_kept_start_in_use(
+    trained, tmp_path, monkeypatch
+):
+    """RL's own settings (the policy's learning rate) and fields the library added since
+    the start was kept do not change its parameters: SFT's resume check ignores them, and
+    so does the kept start's (else the start trains again to other bits)."""
+    _, _, kept, identity = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    recipe = testbed.get_config
+
+    def changed(arg=None):
+        config = recipe(arg)
+        config.unlock()
+        config.optim.lr = 1e-4  # RL's; SFT trains at sft.lr
+        config.lock()
+        return config
+
+    monkeypatch.setattr(testbed, "get_config", changed)
+    restored = reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    assert start_id(restored) == identity
+    _, saved = starts._load(starts.start_path("testbed", 1, kept))
+    config = changed(TINY_SFT)
+    config.unlock()
+    config.seed += 1
+    config.lock()
+    older = {k: v for k, v in saved["meta"]["config"].items() if k != "sft.overlong_response"}
+    assert starts.differing_fields(older, config) == []  # a field added since
+    config.unlock()
+    config.sft.lr = 1e-4  # SFT's own: another start
+    config.lock()
+    assert starts.differing_fields(saved["meta"]["config"], config) == ["sft.lr"]
