@@ -24,7 +24,14 @@ import orbax.checkpoint as ocp
 from absl import app, flags
 
 from experiments.ledger import start_id
-from policyopt.checkpoint import Checkpointer, _path_name, lock_workdir, unlock_workdir
+from policyopt.checkpoint import (
+    Checkpointer,
+    WorkdirLocked,
+    _path_name,
+    lock_workdir,
+    unlock_workdir,
+    workdir_owner,
+)
 from policyopt.metrics import quiet_library_logging
 from policyopt.rl.loop import build
 from policyopt.rl.sft import SFT_FIELDS, SFT_IGNORED
@@ -191,9 +198,10 @@ def use_kept_start(setting: str, start: int, config, sft_workdir: str, root: str
         return None
     _, kept = _load(path)
     where = _shown(path)
-    if os.path.isdir(checkpoints) and os.listdir(checkpoints):
-        steps = [int(n) for n in os.listdir(checkpoints) if n.isdigit()]
-        if max(steps, default=0) == kept["step"]:
+    names = os.listdir(checkpoints) if os.path.isdir(checkpoints) else []
+    steps = [int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(checkpoints, n))]
+    if steps:
+        if max(steps) == kept["step"]:
             here = start_id(checkpoints)
             if here != kept["start_id"]:
                 print(
@@ -212,6 +220,25 @@ def use_kept_start(setting: str, start: int, config, sft_workdir: str, root: str
             flush=True,
         )
         return None
+    if os.path.exists(sft_workdir) and not is_kept(sft_workdir):
+        # A run begun here and stopped before its first checkpoint (a lock file, a log, an
+        # empty or unfinished checkpoints directory): no start is here. One still running
+        # is refused; otherwise the leftovers make way for the kept start.
+        owner = workdir_owner(sft_workdir)
+        if owner is not None:
+            raise WorkdirLocked(
+                f"workdir {sft_workdir} is in use by another process (pid {owner}: an SFT "
+                "run with no checkpoint yet); wait for it to finish, or stop it and rerun to "
+                "restore the kept start"
+            )
+        aside = f"{sft_workdir}.leftover-{os.getpid()}"
+        try:
+            os.rename(sft_workdir, aside)
+        except FileNotFoundError:
+            pass
+        else:
+            shutil.rmtree(aside, ignore_errors=True)
+            print(f"note: {sft_workdir} held no SFT checkpoint (a run stopped before its first)")
     restored = restore_start(path, sft_workdir)
     print(f"SFT start {start} of {setting!r}: restored from {where} ({kept['start_id']})")
     return restored

@@ -251,3 +251,46 @@ def test_a_recipe_change_sft_does_not_read_leaves_the_kept_start_in_use(
     config.sft.lr = 1e-4  # SFT's own: another start
     config.lock()
     assert starts.differing_fields(saved["meta"]["config"], config) == ["sft.lr"]
+
+
+def test_a_cache_left_without_a_checkpoint_gets_the_kept_start(trained, tmp_path, monkeypatch):
+    """An SFT run killed before its first checkpoint leaves its directory (lock file, log,
+    an empty checkpoints directory): no start is there, so the kept one is restored."""
+    _, _, kept, identity = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    workdir = tmp_path / "testbed" / "sft_start1"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / ".lock").write_text("12345\n")
+    (workdir / "sft_metrics.jsonl").write_text("")
+    restored = reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    assert start_id(restored) == identity and starts.is_kept(str(workdir))
+    assert os.listdir(tmp_path / "testbed") == ["sft_start1"]
+
+
+def test_a_cache_in_use_by_a_training_process_is_not_restored_over(trained, tmp_path, monkeypatch):
+    _, _, kept, _ = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    workdir = tmp_path / "testbed" / "sft_start1"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from policyopt.checkpoint import lock_workdir\n"
+            f"lock_workdir({str(workdir)!r}); print('locked', flush=True); time.sleep(60)\n",
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(Exception, match="in use by another process"):
+            reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert os.listdir(workdir) == [".lock"]
