@@ -34,7 +34,7 @@ from configs import base
 from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Claim, bound_figure, get_claim
 from experiments import ablate, cli
-from experiments.ledger import LEDGER_DIR, Ledger, ledger_path, start_id
+from experiments.ledger import LEDGER_DIR, Ledger, ledger_path, legacy_start_id, start_id
 from experiments.starts import is_kept, use_kept_start
 from experiments.verdicts import claim_verdict, judge
 from policyopt.checkpoint import unlock_workdir
@@ -540,7 +540,16 @@ def _judged_start(
                 f"holds {recorded} of it; judging needs the start or one recorded identity"
             ) from None
         return os.path.join(sft_dir(sft_root, setting, start), "checkpoints"), ids[0]
-    return checkpoint, start_id(checkpoint)
+    return checkpoint, _identity(ledger, start, checkpoint)
+
+
+def _identity(ledger: Ledger | None, start: int, checkpoint: str) -> str:
+    """``start_id`` of SFT start ``start`` at ``checkpoint``; ``ledger``'s records that
+    name it as ``start_id`` did before (``legacy_start_id``) are read as its own."""
+    identity = start_id(checkpoint)
+    if ledger is not None:
+        ledger.alias(start, legacy_start_id(checkpoint), identity)
+    return identity
 
 
 def ensure_sft(
@@ -691,7 +700,7 @@ def run_claim(
         else:
             checkpoint = (ensure_sft if train else finished_sft)(name, sft_root, variant, start)
             if book is not None:
-                start_ids[start] = start_id(checkpoint)
+                start_ids[start] = _identity(book, start, checkpoint)
 
         def apply_setting(config, checkpoint=checkpoint):
             return SETTINGS[name](config, checkpoint)

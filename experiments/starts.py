@@ -23,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import app, flags
 
-from experiments.ledger import start_id
+from experiments.ledger import KEPT_MARKER, legacy_start_id, start_id
 from policyopt.checkpoint import (
     Checkpointer,
     WorkdirLocked,
@@ -38,7 +38,7 @@ from policyopt.rl.sft import SFT_FIELDS, SFT_IGNORED
 
 _REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTS_DIR = os.path.join(_REPOSITORY, "docs", "claims", "starts")
-MARKER = "kept_start.json"  # in an SFT cache directory restored from the repository
+MARKER = KEPT_MARKER  # in an SFT cache directory restored from the repository
 _META = "__meta__"  # the npz entry holding the checkpoint's meta record and identity
 # Config fields that do not change a start's parameters (besides RESUME_FREE_FIELDS).
 _KEPT_FIELDS = ("sft.steps",)
@@ -78,6 +78,9 @@ def save_start(checkpoint_dir: str, path: str) -> str:
         if (name := _path_name(keys)).startswith("train/params/")
     }
     kept = {"step": int(step), "meta": meta, "start_id": identity, "checksums": sums}
+    legacy = legacy_start_id(checkpoint_dir)  # records written before name it so
+    if legacy is not None:
+        kept["legacy_id"] = legacy
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     temporary = path + ".partial"
     _write_npz(temporary, {**arrays, _META: np.array(json.dumps(kept, sort_keys=True))})
@@ -160,6 +163,8 @@ def restore_start(path: str, sft_workdir: str) -> str:
         )
     with open(os.path.join(partial, MARKER), "w") as f:
         record = {"source": _shown(path), "step": step, "start_id": kept["start_id"]}
+        if kept.get("legacy_id"):
+            record["legacy_id"] = kept["legacy_id"]
         json.dump(record, f)
         f.write("\n")
     os.makedirs(os.path.dirname(os.path.abspath(sft_workdir)), exist_ok=True)

@@ -1440,3 +1440,43 @@ def test_two_sft_starts_of_one_identity_are_refused(tmp_path):
         ValueError, match=r"SFT starts 0 and 1 are one start \(9-same: the same saved bits\)"
     ):
         reproduce.run_claim(claim, str(tmp_path / "claim"), **run)
+
+
+def test_records_naming_a_start_as_start_id_did_before_are_that_starts_own(tmp_path):
+    """start_id leaves out the optimiser state since the starts were kept in the repository
+    (8d752f2): records and run directories written before name a start trained here by a
+    digest of all its checksums (docs/claims/runs/routing_replay.jsonl). They are this
+    start's runs (judged from the ledger, not refused as another start's), and only this
+    start's: start 1's old identity does not stand for start 0."""
+    import hashlib
+
+    import numpy as np
+
+    claim = get_claim("routing_volatility")
+    sft_root = str(tmp_path / "sft")
+    legacy = {}
+    for start in (0, 1):
+        directory = os.path.join(reproduce.sft_dir(sft_root, "testbed", start), "checkpoints")
+        params = {"w": np.full(3, start, np.float32)}
+        state = {"train": {"params": params, "opt_state": {"mu": np.ones(3, np.float32)}}}
+        with Checkpointer(directory) as saved:
+            saved.save(800, state, {"config": {}})  # testbed's sft.steps: finished
+            sums = saved.checksums(800)
+        text = json.dumps(sums, sort_keys=True, separators=(",", ":"))  # the old start_id
+        legacy[start] = f"800-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+        assert legacy[start] != start_id(directory)
+    book = Ledger(str(tmp_path / "routing_volatility.jsonl"))
+    _record_claim(claim, book, [(s, seed) for s in (0, 1) for seed in range(5)], start_ids=legacy)
+    workdir = tmp_path / "claim"
+    (workdir / "one_update" / "seed0").mkdir(parents=True)  # begun before, named the old way
+    (workdir / "one_update" / "seed0" / ablate.START_FILE).write_text(
+        json.dumps({"start_id": legacy[0]})
+    )
+    run = dict(sft_root=sft_root, train=False, ledger=book.path)
+    judged = reproduce.run_claim(claim, str(workdir), **run)
+    assert judged["checks"][0]["n"] == 10 and not judged["exploratory"]
+    wrong = Ledger(str(tmp_path / "wrong.jsonl"))
+    _record_claim(claim, wrong, [(0, 0)], start_ids={0: legacy[1]})
+    _record_claim(claim, wrong, [(1, 0)], start_ids={1: legacy[1]})
+    with pytest.raises(ValueError, match="one_update/seed0 is not finished"):
+        reproduce.run_claim(claim, str(tmp_path / "other"), **dict(run, ledger=wrong.path))
