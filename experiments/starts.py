@@ -23,6 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import app, flags
 
+from configs.ablations import SETTINGS
 from experiments.ledger import KEPT_MARKER, legacy_start_id, start_id
 from policyopt.checkpoint import (
     Checkpointer,
@@ -267,6 +268,12 @@ def main(argv):
     quiet_library_logging()
     if not FLAGS.setting:
         raise app.UsageError("--setting is required (e.g. --setting testbed_long)")
+    if FLAGS.setting not in SETTINGS:
+        raise SystemExit(f"error: no setting {FLAGS.setting!r}; known: {', '.join(SETTINGS)}")
+    if not all(s.strip().isdigit() for s in FLAGS.starts):
+        raise SystemExit(
+            f"error: --starts takes start numbers >= 0 (got {','.join(FLAGS.starts)!r})"
+        )
     for start in (int(s) for s in FLAGS.starts):
         if is_kept(sft_dir(FLAGS.sft_root, FLAGS.setting, start)):
             print(f"start {start} of {FLAGS.setting!r} is the kept one already")
@@ -276,7 +283,10 @@ def main(argv):
         except ValueError as error:
             raise SystemExit(f"error: {error}") from None
         workdir = os.path.dirname(checkpoint)
-        lock_workdir(workdir)  # refused while it trains
+        try:
+            lock_workdir(workdir)  # refused while it trains
+        except WorkdirLocked as error:
+            raise SystemExit(f"error: {error}") from None
         try:
             path = start_path(FLAGS.setting, start, FLAGS.root)
             identity = save_start(checkpoint, path)

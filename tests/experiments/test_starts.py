@@ -297,3 +297,55 @@ def test_a_cache_in_use_by_a_training_process_is_not_restored_over(trained, tmp_
         holder.kill()
         holder.wait()
     assert os.listdir(workdir) == [".lock"]
+
+
+def test_the_commands_errors_are_one_line_not_a_traceback(trained, tmp_path):
+    """A start number that is not one, a setting that is none, and a start whose
+    directory another process holds (still training, or resumed): each is an error line
+    naming it, exit status 1, and nothing kept."""
+    root, _, _, _ = trained
+
+    def keep(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "experiments.starts", f"--root={tmp_path}", *args],
+            cwd=ROOT,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+        )
+
+    for args, message in (
+        (["--setting=testbed", "--starts=1,x"], "--starts takes start numbers >= 0"),
+        (["--setting=testbed", "--starts=-1"], "--starts takes start numbers >= 0"),
+        (["--setting=nosuch"], "no setting 'nosuch'; known: demo, testbed,"),
+    ):
+        done = keep(*args)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        assert message in done.stderr
+    workdir = os.path.join(str(root / "here"), "testbed", "sft_start1")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nfrom policyopt.checkpoint import lock_workdir\n"
+            f"lock_workdir({workdir!r}); print('locked', flush=True); time.sleep(60)\n",
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        done = keep(
+            "--setting=testbed",
+            "--starts=1",
+            f"--variant={TINY_SFT}",
+            f"--sft_root={root / 'here'}",
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"error: workdir {workdir} is in use by another process" in done.stderr
+    assert not os.path.exists(starts.start_path("testbed", 1, str(tmp_path)))
