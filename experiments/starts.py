@@ -178,6 +178,21 @@ def restore_start(path: str, sft_workdir: str) -> str:
     return os.path.join(sft_workdir, "checkpoints")
 
 
+def kept_identity(
+    setting: str, start: int, config, root: str | None = None
+) -> tuple[str, str | None] | None:
+    """``(start_id, legacy id or None)`` of the start of ``setting`` number ``start`` kept
+    in the repository for ``config`` (the SFT config), read from its file without
+    restoring it; None where none is kept, or one of another config."""
+    path = start_path(setting, start, root or STARTS_DIR)
+    if not os.path.exists(path):
+        return None
+    _, kept = _load(path)
+    if differing_fields(kept["meta"].get("config", {}), config):
+        return None
+    return kept["start_id"], kept.get("legacy_id")
+
+
 def use_kept_start(setting: str, start: int, config, sft_workdir: str, root: str | None = None):
     """The checkpoint directory of the kept start of ``setting`` number ``start``, restored
     into ``sft_workdir`` if needed; None where the repository keeps none, where the

@@ -1480,3 +1480,32 @@ def test_records_naming_a_start_as_start_id_did_before_are_that_starts_own(tmp_p
     _record_claim(claim, wrong, [(1, 0)], start_ids={1: legacy[1]})
     with pytest.raises(ValueError, match="one_update/seed0 is not finished"):
         reproduce.run_claim(claim, str(tmp_path / "other"), **dict(run, ledger=wrong.path))
+
+
+def test_judged_from_a_fresh_clone_the_kept_start_names_its_records(tmp_path, monkeypatch):
+    """The ledger holds runs of start 0 from two identities (two machines' starts, both
+    recorded). Judged without the start, the one kept in the repository
+    (docs/claims/starts, experiments.starts) is the start, as a sweep would restore it:
+    its records are judged, not refused as a choice between two."""
+    import numpy as np
+
+    from configs import testbed
+    from experiments import starts
+    from policyopt.rl.loop import build
+
+    claim = get_claim("routing_volatility")
+    checkpoint = str(tmp_path / "trained" / "checkpoints")
+    state = {"train": {"params": {"w": np.arange(3, dtype=np.float32)}}}
+    with Checkpointer(checkpoint) as saved:
+        saved.save(800, state, {"config": build.config_record(testbed.get_config())})
+    kept = str(tmp_path / "kept")
+    identity = starts.save_start(checkpoint, starts.start_path("testbed", 0, kept))
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    book = Ledger(str(tmp_path / "routing_volatility.jsonl"))
+    pairs = [(start, seed) for start in (0, 1) for seed in range(5)]
+    _record_claim(claim, book, pairs, start_ids={0: identity}, value=0.07)
+    _record_claim(claim, book, [(0, 0)], start_ids={0: "9-other"}, value=0.01)
+    run = dict(sft_root=str(tmp_path / "none"), train=False, ledger=book.path)
+    judged = reproduce.run_claim(claim, str(tmp_path / "claim"), **run)
+    assert judged["checks"][0]["n"] == 10
+    assert not os.path.exists(tmp_path / "none")  # judging restores nothing either
