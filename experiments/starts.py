@@ -231,6 +231,14 @@ def use_kept_start(setting: str, start: int, config, sft_workdir: str, root: str
                     f"{sft_workdir} to use the kept one",
                     flush=True,
                 )
+        elif max(steps) < kept["step"] and not differing_fields(kept["meta"]["config"], config):
+            print(
+                f"note: SFT start {start} of {setting!r} begun here (step {max(steps)} of "
+                f"{kept['step']}) is resumed: its runs will be another start's, not the one "
+                f"kept in {where} ({kept['start_id']}); remove {sft_workdir} to use the kept "
+                "one",
+                flush=True,
+            )
         return None
     differ = differing_fields(kept["meta"].get("config", {}), config)
     if differ:

@@ -349,3 +349,27 @@ def test_the_commands_errors_are_one_line_not_a_traceback(trained, tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"error: workdir {workdir} is in use by another process" in done.stderr
     assert not os.path.exists(starts.start_path("testbed", 1, str(tmp_path)))
+
+
+def test_a_start_half_trained_here_is_resumed_with_a_note(trained, tmp_path, monkeypatch, capsys):
+    """SFT interrupted here before the kept start was in the repository: resumed as this
+    machine's own (its optimiser state and progress are kept), but the console says its
+    runs will not be the kept start's, rather than only once it is finished."""
+    _, _, kept, identity = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    calls = []
+
+    def record(config, workdir, **kwargs):
+        calls.append(workdir)
+        return {"checkpoint_dir": os.path.join(workdir, "checkpoints")}
+
+    monkeypatch.setattr(reproduce, "run_sft", record)
+    workdir = os.path.join(str(tmp_path), "testbed", "sft_start1")
+    with Checkpointer(os.path.join(workdir, "checkpoints")) as saved:
+        saved.save(1, {"train": {"params": {"w": np.zeros(3, np.float32)}}}, {})
+    reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    assert calls == [workdir]
+    out = capsys.readouterr().out
+    assert "note: SFT start 1 of 'testbed' begun here (step 1 of 2) is resumed" in out
+    assert f"not the one kept in {starts._shown(starts.start_path('testbed', 1, kept))}" in out
+    assert identity in out
