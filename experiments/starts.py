@@ -312,6 +312,15 @@ def main(argv):
             raise SystemExit(f"error: {error}") from None
         try:
             path = start_path(FLAGS.setting, start, FLAGS.root)
+            if os.path.exists(path):  # the one the ledger's records name: not replaced
+                identity, there = start_id(checkpoint), _load(path)[1]["start_id"]
+                if there != identity:
+                    raise SystemExit(
+                        f"error: {_shown(path)} keeps another SFT start {start} of "
+                        f"{FLAGS.setting!r} ({there}) than the one in {workdir} ({identity}); "
+                        "the ledger's records may name it: remove the file first to keep "
+                        "this one instead"
+                    )
             identity = save_start(checkpoint, path)
         finally:
             unlock_workdir(workdir)

@@ -373,3 +373,39 @@ def test_a_start_half_trained_here_is_resumed_with_a_note(trained, tmp_path, mon
     assert "note: SFT start 1 of 'testbed' begun here (step 1 of 2) is resumed" in out
     assert f"not the one kept in {starts._shown(starts.start_path('testbed', 1, kept))}" in out
     assert identity in out
+
+
+def test_the_command_does_not_replace_a_kept_start_of_another_identity(trained, tmp_path):
+    """The repository keeps one start per setting and number: the ledger's records name
+    it. Keeping another (this machine's start trained again, or a variant's) over it is
+    refused, the kept file untouched; keeping the same start again is not."""
+    root, _, kept, identity = trained
+    arrays, saved = starts._load(starts.start_path("testbed", 1, kept))
+    arrays = {name: value * np.float32(1.0001) for name, value in arrays.items()}
+    with Checkpointer(str(tmp_path / "ckpt")) as checkpointer:
+        checkpointer.save(2, starts._nest(arrays), saved["meta"])
+    path = starts.start_path("testbed", 1, str(tmp_path / "repo"))
+    other = starts.save_start(str(tmp_path / "ckpt"), path)
+    with open(path, "rb") as f:
+        before = f.read()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.starts",
+            "--setting=testbed",
+            "--starts=1",
+            f"--variant={TINY_SFT}",
+            f"--root={tmp_path / 'repo'}",
+            f"--sft_root={root / 'here'}",
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"keeps another SFT start 1 of 'testbed' ({other})" in done.stderr
+    assert identity in done.stderr
+    with open(path, "rb") as f:
+        assert f.read() == before
