@@ -143,6 +143,23 @@ def differing_fields(saved: dict, config) -> list[str]:
     return sorted(f for f in fields if compared(f) and text(current, f) != text(saved, f))
 
 
+def _remove_stale(sft_workdir: str) -> None:
+    """Removes the partial directories beside ``sft_workdir`` (``restore_start``'s, and
+    the leftovers ``use_kept_start`` moves aside) whose process is gone (killed
+    mid-restore); a live one's are its own."""
+    parent, name = os.path.split(os.path.abspath(sft_workdir))
+    for entry in os.listdir(parent) if os.path.isdir(parent) else []:
+        stem, _, pid = entry.rpartition("-")
+        if stem not in (f"{name}.restoring", f"{name}.leftover") or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+        except OSError:  # alive, another user's
+            pass
+
+
 def restore_start(path: str, sft_workdir: str) -> str:
     """Restores the kept start at ``path`` into ``sft_workdir/checkpoints`` (parameters,
     step and meta record; no optimiser state) and returns that directory. The checkpoint
@@ -151,11 +168,16 @@ def restore_start(path: str, sft_workdir: str) -> str:
     restored parameters are not the kept ones bit for bit."""
     arrays, kept = _load(path)
     step = int(kept["step"])
+    _remove_stale(sft_workdir)
     partial = f"{sft_workdir}.restoring-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
-    with Checkpointer(os.path.join(partial, "checkpoints"), max_to_keep=None) as target:
-        target.save(step, _nest(arrays), kept["meta"])
-    identity = start_id(os.path.join(partial, "checkpoints"))
+    try:
+        with Checkpointer(os.path.join(partial, "checkpoints"), max_to_keep=None) as target:
+            target.save(step, _nest(arrays), kept["meta"])
+        identity = start_id(os.path.join(partial, "checkpoints"))
+    except BaseException:  # a full disk, an interrupt: no partial start left behind
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     if identity != kept["start_id"]:
         shutil.rmtree(partial, ignore_errors=True)
         raise ValueError(

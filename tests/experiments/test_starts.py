@@ -409,3 +409,31 @@ def test_the_command_does_not_replace_a_kept_start_of_another_identity(trained, 
     assert identity in done.stderr
     with open(path, "rb") as f:
         assert f.read() == before
+
+
+def test_a_restore_that_fails_or_was_killed_leaves_no_partial_directory(
+    trained, tmp_path, monkeypatch
+):
+    """A restore that raises (a full disk, a path the checkpoint library refuses) removes
+    its partial directory, and one left by a restore killed outright (its process gone)
+    is removed by the next: the cache holds the start, or nothing."""
+    _, _, kept, identity = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    setting_dir = tmp_path / "testbed"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (setting_dir / f"sft_start1.restoring-{gone.pid}" / "checkpoints").mkdir(parents=True)
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Checkpointer, "save", full)
+        with pytest.raises(OSError, match="No space left"):
+            reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    assert os.listdir(setting_dir) == []
+    (setting_dir / f"sft_start1.restoring-{gone.pid}").mkdir()
+    restored = reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    assert start_id(restored) == identity
+    assert os.listdir(setting_dir) == ["sft_start1"]
