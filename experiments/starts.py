@@ -123,8 +123,10 @@ def differing_fields(saved: dict, config) -> list[str]:
     saved config record (``saved``): those SFT reads (``sft.SFT_FIELDS``, as its resume
     check), but layout and cadence fields that leave the parameters alone; fields only
     one record has (added to the library since, or removed) are not compared, as on
-    resume. A start of another recipe is not this one's; a recipe's RL settings may
-    change under it."""
+    resume, but a start kept without a config record differs from every config. A start
+    of another recipe is not this one's; a recipe's RL settings may change under it."""
+    if not saved:  # no record to compare: no known config's start
+        return ["config (not recorded)"]
     current = build.resolved_record(build.config_record(config))
     saved = build.resolved_record(saved)
 

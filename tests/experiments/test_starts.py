@@ -250,6 +250,8 @@ def test_a_recipe_change_sft_does_not_read_leaves_the_kept_start_in_use(
     config.lock()
     older = {k: v for k, v in saved["meta"]["config"].items() if k != "sft.overlong_response"}
     assert starts.differing_fields(older, config) == []  # a field added since
+    # A start kept without its config record is of no known config: not used for any.
+    assert starts.differing_fields({}, config) == ["config (not recorded)"]
     config.unlock()
     config.sft.lr = 1e-4  # SFT's own: another start
     config.lock()
