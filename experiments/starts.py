@@ -101,9 +101,20 @@ def _write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
 
 
 def _load(path: str) -> tuple[dict[str, np.ndarray], dict]:
-    with np.load(path) as data:
-        kept = json.loads(str(data[_META]))
-        arrays = {name: data[name] for name in data.files if name != _META}
+    """The arrays and record of a kept start; a ValueError naming ``path`` where it is
+    not one (cut short, text in its place, no record)."""
+    try:
+        with np.load(path) as data:
+            kept = json.loads(str(data[_META]))
+            arrays = {name: data[name] for name in data.files if name != _META}
+        missing = [f for f in ("step", "meta", "start_id") if f not in kept]
+        if missing:
+            raise KeyError(f"its record lacks {', '.join(missing)}")
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as error:
+        raise ValueError(
+            f"{path} is not a readable kept SFT start ({type(error).__name__}: {error}); "
+            "restore it from git (git checkout -- <file>) or remove it"
+        ) from None
     return arrays, kept
 
 

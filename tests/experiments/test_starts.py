@@ -439,3 +439,28 @@ def test_a_restore_that_fails_or_was_killed_leaves_no_partial_directory(
     restored = reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
     assert start_id(restored) == identity
     assert os.listdir(setting_dir) == ["sft_start1"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "text", "no_meta"])
+def test_an_unreadable_kept_start_is_named(trained, tmp_path, monkeypatch, damage):
+    """A kept file cut short (an interrupted copy), text in its place (a merge, a pointer
+    file) or without its record: a ValueError naming the file, not numpy's or zipfile's
+    words about pickles and central directories."""
+    _, _, kept, _ = trained
+    with open(starts.start_path("testbed", 1, kept), "rb") as f:
+        data = f.read()
+    path = starts.start_path("testbed", 1, str(tmp_path / "repo"))
+    os.makedirs(os.path.dirname(path))
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "text":
+        data = b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n"
+    with open(path, "wb") as f:
+        f.write(data)
+    if damage == "no_meta":
+        arrays, _ = starts._load(starts.start_path("testbed", 1, kept))
+        starts._write_npz(path, arrays)
+    monkeypatch.setattr(starts, "STARTS_DIR", str(tmp_path / "repo"))
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    with pytest.raises(ValueError, match=f"{path} is not a readable kept SFT start"):
+        reproduce.ensure_sft("testbed", str(tmp_path / "cache"), TINY_SFT, start=1)
