@@ -348,7 +348,10 @@ def main(argv):
         try:
             path = start_path(FLAGS.setting, start, FLAGS.root)
             if os.path.exists(path):  # the one the ledger's records name: not replaced
-                identity, there = start_id(checkpoint), _load(path)[1]["start_id"]
+                try:
+                    identity, there = start_id(checkpoint), _load(path)[1]["start_id"]
+                except ValueError as error:
+                    raise SystemExit(f"error: {error}") from None
                 if there != identity:
                     raise SystemExit(
                         f"error: {_shown(path)} keeps another SFT start {start} of "

@@ -411,6 +411,11 @@ def test_the_command_does_not_replace_a_kept_start_of_another_identity(trained, 
     assert identity in done.stderr
     with open(path, "rb") as f:
         assert f.read() == before
+    with open(path, "wb") as f:  # cut short: which start it keeps is unknown
+        f.write(before[:1000])
+    done = subprocess.run(done.args, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"error: {path} is not a readable kept SFT start" in done.stderr
 
 
 def test_a_restore_that_fails_or_was_killed_leaves_no_partial_directory(
