@@ -30,6 +30,7 @@ from policyopt.checkpoint import (
     WorkdirLocked,
     _path_name,
     lock_workdir,
+    tree_checksums,
     unlock_workdir,
     workdir_owner,
 )
@@ -78,6 +79,15 @@ def save_start(checkpoint_dir: str, path: str) -> str:
         for keys, leaf in jax.tree_util.tree_leaves_with_path(state)
         if (name := _path_name(keys)).startswith("train/params/")
     }
+    saved = {k: v for k, v in sums.items() if k.startswith("train/params/")}
+    read = tree_checksums(_nest(arrays))
+    if read != saved:  # what restoring elsewhere checks: refused here, not there
+        differ = sorted(k for k in set(read) | set(saved) if read.get(k) != saved.get(k))
+        raise ValueError(
+            f"{checkpoint_dir}: the parameters read from step {step} are not the ones saved "
+            f"with it ({', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''}): a damaged "
+            "checkpoint; nothing kept"
+        )
     kept = {"step": int(step), "meta": meta, "start_id": identity, "checksums": sums}
     legacy = legacy_start_id(checkpoint_dir)  # records written before name it so
     if legacy is not None:

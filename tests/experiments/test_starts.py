@@ -469,3 +469,26 @@ def test_an_unreadable_kept_start_is_named(trained, tmp_path, monkeypatch, damag
     monkeypatch.setattr(reproduce, "run_sft", _refuse)
     with pytest.raises(ValueError, match=f"{path} is not a readable kept SFT start"):
         reproduce.ensure_sft("testbed", str(tmp_path / "cache"), TINY_SFT, start=1)
+
+
+def test_a_start_read_back_other_than_saved_is_not_kept(trained, tmp_path, monkeypatch):
+    """The parameters read from the cache's checkpoint (a damaged file, a read that went
+    wrong) are checked against the checksums saved with it before they are kept: else
+    every machine that restores the file refuses it as damaged, long after."""
+    _, checkpoint, _, _ = trained
+    real = starts.ocp.StandardCheckpointer
+
+    class Flipping(real):
+        def restore(self, *args, **kwargs):
+            state = super().restore(*args, **kwargs)
+            leaf = state["train"]["params"]["embed"]["value"]
+            flipped = np.array(leaf)
+            flipped.flat[0] = np.nextafter(flipped.flat[0], np.float32(9))
+            state["train"]["params"]["embed"]["value"] = flipped
+            return state
+
+    monkeypatch.setattr(starts.ocp, "StandardCheckpointer", Flipping)
+    path = starts.start_path("testbed", 1, str(tmp_path))
+    with pytest.raises(ValueError, match="not the ones saved with it"):
+        starts.save_start(checkpoint, path)
+    assert not os.path.exists(path) and not os.path.exists(path + ".partial")
