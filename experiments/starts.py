@@ -238,11 +238,24 @@ def kept_identity(
     return kept["start_id"], kept.get("legacy_id")
 
 
+def _note_other(setting: str, start: int, checkpoints: str, path: str, kept: dict) -> None:
+    """A note where the cache's start (``checkpoints``) is not the one kept at ``path``."""
+    here = start_id(checkpoints)
+    if here != kept["start_id"]:
+        print(
+            f"note: SFT start {start} of {setting!r} here ({here}) is not the one kept in "
+            f"{_shown(path)} ({kept['start_id']}): its runs are another start's; remove "
+            f"{os.path.dirname(checkpoints)} to use the kept one",
+            flush=True,
+        )
+
+
 def use_kept_start(setting: str, start: int, config, sft_workdir: str, root: str | None = None):
     """The checkpoint directory of the kept start of ``setting`` number ``start``, restored
     into ``sft_workdir`` if needed; None where the repository keeps none, where the
-    cache already holds a start of its own (trained here: it is used, and a note says
-    when it is not the kept one), or where ``config`` (the SFT config) differs from the
+    cache already holds a start of its own (trained here, or restored before the
+    repository kept another: it is used, and a note says when it is not the kept one), or
+    where ``config`` (the SFT config) differs from the
     kept start's in a field that changes its parameters (the start is trained)."""
     path = start_path(setting, start, root or STARTS_DIR)
     checkpoints = os.path.join(sft_workdir, "checkpoints")
@@ -259,6 +272,10 @@ def use_kept_start(setting: str, start: int, config, sft_workdir: str, root: str
                 f"{' ...' if len(differ) > 4 else ''} differ); remove it, or use another "
                 "--sft_root, to train this config's start"
             )
+        if os.path.exists(path):  # restored before the repository kept another
+            kept = _load(path)[1]
+            if not differing_fields(kept["meta"].get("config", {}), config):
+                _note_other(setting, start, checkpoints, path, kept)
         return checkpoints
     if not os.path.exists(path):
         return None
@@ -268,14 +285,7 @@ def use_kept_start(setting: str, start: int, config, sft_workdir: str, root: str
     steps = [int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(checkpoints, n))]
     if steps:
         if max(steps) == kept["step"]:
-            here = start_id(checkpoints)
-            if here != kept["start_id"]:
-                print(
-                    f"note: SFT start {start} of {setting!r} here ({here}) is not the one kept "
-                    f"in {where} ({kept['start_id']}): its runs are another start's; remove "
-                    f"{sft_workdir} to use the kept one",
-                    flush=True,
-                )
+            _note_other(setting, start, checkpoints, path, kept)
         elif max(steps) < kept["step"] and not differing_fields(kept["meta"]["config"], config):
             print(
                 f"note: SFT start {start} of {setting!r} begun here (step {max(steps)} of "

@@ -492,3 +492,28 @@ def test_a_start_read_back_other_than_saved_is_not_kept(trained, tmp_path, monke
     with pytest.raises(ValueError, match="not the ones saved with it"):
         starts.save_start(checkpoint, path)
     assert not os.path.exists(path) and not os.path.exists(path + ".partial")
+
+
+def test_a_start_restored_before_the_repository_kept_another_is_named(
+    trained, tmp_path, monkeypatch, capsys
+):
+    """The cache holds a kept start restored before a pull brought another kept start of
+    that number (trained again and kept, with its records): used as it is, like a start
+    trained here, and a note names both (the runs will not match the new records)."""
+    _, _, kept, identity = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    restored = reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    arrays, saved = starts._load(starts.start_path("testbed", 1, kept))
+    arrays = {name: value * np.float32(1.0001) for name, value in arrays.items()}
+    with Checkpointer(str(tmp_path / "ckpt")) as checkpointer:
+        checkpointer.save(2, starts._nest(arrays), saved["meta"])
+    newer = starts.save_start(
+        str(tmp_path / "ckpt"), starts.start_path("testbed", 1, str(tmp_path / "pulled"))
+    )
+    monkeypatch.setattr(starts, "STARTS_DIR", str(tmp_path / "pulled"))
+    capsys.readouterr()
+    assert reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1) == restored
+    out = capsys.readouterr().out
+    assert f"SFT start 1 of 'testbed' here ({identity}) is not the one kept" in out
+    assert newer in out
