@@ -255,8 +255,10 @@ def use_kept_start(setting: str, start: int, config, sft_workdir: str, root: str
     into ``sft_workdir`` if needed; None where the repository keeps none, where the
     cache already holds a start of its own (trained here, or restored before the
     repository kept another: it is used, and a note says when it is not the kept one), or
-    where ``config`` (the SFT config) differs from the
-    kept start's in a field that changes its parameters (the start is trained)."""
+    where ``config`` (the SFT config) differs from the kept start's in a field that
+    changes its parameters (the start is trained). A cache directory without a checkpoint
+    (a run stopped before its first) makes way for the kept start, unless a live process
+    holds it (``WorkdirLocked``); a restored start of another config is a ValueError."""
     path = start_path(setting, start, root or STARTS_DIR)
     checkpoints = os.path.join(sft_workdir, "checkpoints")
     if is_kept(sft_workdir):
@@ -286,7 +288,9 @@ def use_kept_start(setting: str, start: int, config, sft_workdir: str, root: str
     if steps:
         if max(steps) == kept["step"]:
             _note_other(setting, start, checkpoints, path, kept)
-        elif max(steps) < kept["step"] and not differing_fields(kept["meta"]["config"], config):
+        elif max(steps) < kept["step"] and not differing_fields(
+            kept["meta"].get("config", {}), config
+        ):
             print(
                 f"note: SFT start {start} of {setting!r} begun here (step {max(steps)} of "
                 f"{kept['step']}) is resumed: its runs will be another start's, not the one "
