@@ -391,5 +391,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from experiments import cli  # noqa: PLC0415 - its flags with this command's only
+
     _define_flags()
-    app.run(main)
+    cli.run(main)  # a ValueError (a damaged start, a checkpoint of no parameters): one line

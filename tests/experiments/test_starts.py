@@ -324,6 +324,15 @@ def test_the_commands_errors_are_one_line_not_a_traceback(trained, tmp_path):
         done = keep(*args)
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
         assert message in done.stderr
+    # A cache whose checkpoint holds no parameters (not an SFT start): named, no traceback.
+    odd = os.path.join(str(tmp_path / "odd"), "testbed", "sft_start1", "checkpoints")
+    with Checkpointer(odd) as saved:
+        saved.save(2, {"train": {"opt_state": {"mu": np.zeros(3, np.float32)}}}, {})
+    done = keep(
+        "--setting=testbed", "--starts=1", f"--variant={TINY_SFT}", f"--sft_root={tmp_path / 'odd'}"
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "its checkpoint holds no parameters" in done.stderr
     workdir = os.path.join(str(root / "here"), "testbed", "sft_start1")
     holder = subprocess.Popen(
         [
