@@ -94,8 +94,13 @@ def save_start(checkpoint_dir: str, path: str) -> str:
         kept["legacy_id"] = legacy
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     temporary = path + ".partial"
-    _write_npz(temporary, {**arrays, _META: np.array(json.dumps(kept, sort_keys=True))})
-    os.replace(temporary, path)
+    try:
+        _write_npz(temporary, {**arrays, _META: np.array(json.dumps(kept, sort_keys=True))})
+        os.replace(temporary, path)
+    except BaseException:  # a full disk, an interrupt: nothing beside the kept starts
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
     return identity
 
 

@@ -526,3 +526,19 @@ def test_a_start_restored_before_the_repository_kept_another_is_named(
     out = capsys.readouterr().out
     assert f"SFT start 1 of 'testbed' here ({identity}) is not the one kept" in out
     assert newer in out
+
+
+def test_a_keep_that_fails_while_writing_leaves_no_partial_file(trained, tmp_path, monkeypatch):
+    """A write cut short (a full disk) leaves no ``start1.npz.partial`` beside the kept
+    starts, where ``git add docs/claims/starts`` would commit it."""
+    _, checkpoint, _, _ = trained
+    write = starts._write_npz
+
+    def full(path, arrays):
+        write(path, dict(list(arrays.items())[:1]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(starts, "_write_npz", full)
+    with pytest.raises(OSError, match="No space left"):
+        starts.save_start(checkpoint, starts.start_path("testbed", 1, str(tmp_path)))
+    assert os.listdir(tmp_path / "testbed") == []
