@@ -26,7 +26,7 @@ import math
 import os
 import statistics
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from absl import flags
 
@@ -261,10 +261,11 @@ def _last_step(run_dir: str, name: str = "metrics.jsonl") -> int:
     return max((int(r["step"]) for r in read_jsonl(path)), default=0) if os.path.exists(path) else 0
 
 
-def _other_start(run_dir: str, identity: str) -> str | None:
+def _other_start(run_dir: str, identity: str, aliases: Collection[str] = ()) -> str | None:
     """The identity of the SFT start that ``run_dir`` was begun from (its START_FILE) when
-    it is another than ``identity`` (the start trained again since), else None (a
-    directory without the file, from before the ledger, is taken as this start's)."""
+    it is another than ``identity`` (the start trained again since) or its ``aliases``
+    (the names ``start_id`` gave it before: ``Ledger.alias``), else None (a directory
+    without the file, from before the ledger, is taken as this start's)."""
     path = os.path.join(run_dir, START_FILE)
     if not os.path.exists(path):
         return None
@@ -273,7 +274,7 @@ def _other_start(run_dir: str, identity: str) -> str | None:
             saved = json.load(f)["start_id"]
     except (json.JSONDecodeError, KeyError, TypeError) as error:
         raise ValueError(f"{path} is not JSON naming a start_id ({error}); remove it") from None
-    return saved if saved != identity else None
+    return None if saved == identity or saved in aliases else saved
 
 
 def _train(config, run_dir: str, what: str, quiet: bool, start_id: str | None = None) -> dict:
@@ -461,7 +462,8 @@ def run_ablation(
                 if ledger is not None:
                     key = run_config_key(config, tail)
                     identity += (start_ids[start], key)
-                    other = _other_start(run_dir, start_ids[start])
+                    aliases = ledger.aliases.get((start, start_ids[start]), ())
+                    other = _other_start(run_dir, start_ids[start], aliases)
                     recorded = ledger.find(*identity) if done is None or other else None
                     if recorded is not None:
                         runs.append(Ledger.run_of(recorded))

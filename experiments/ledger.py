@@ -20,6 +20,8 @@ from typing import Any, Collection
 from policyopt.checkpoint import Checkpointer
 from policyopt.rl.loop.build import RESUME_FREE_FIELDS
 
+#: In an SFT cache directory restored from the repository (``experiments.starts``).
+KEPT_MARKER = "kept_start.json"
 LEDGER_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "claims", "runs")
 
 # Resume-free fields that still change what a record reports: the budget, the
@@ -73,12 +75,37 @@ def start_id(checkpoint_dir: str) -> str:
     return f"{step}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
+def legacy_start_id(checkpoint_dir: str) -> str | None:
+    """The identity ``start_id`` gave this start before it left out the optimiser state
+    (8d752f2: records and run directories written before name the start so): a digest
+    of all the checksums of its latest checkpoint. For a start restored from the
+    repository (``experiments.starts``: no optimiser state) it is the one saved where the
+    start was kept (its ``KEPT_MARKER``). None where unknown or the same as ``start_id``'s
+    (a checkpoint of parameters only)."""
+    checkpointer = Checkpointer(checkpoint_dir)
+    try:
+        step = checkpointer.latest_step()
+        sums = checkpointer.checksums(step) or {}
+    finally:
+        checkpointer.close()
+    if all(k.startswith("train/params/") for k in sums):
+        try:
+            with open(os.path.join(os.path.dirname(checkpoint_dir), KEPT_MARKER)) as f:
+                return json.load(f).get("legacy_id")
+        except (OSError, ValueError, AttributeError):
+            return None
+    text = json.dumps(sums, sort_keys=True, separators=(",", ":"))
+    return f"{step}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
 class Ledger:
     """The records of one claim's ledger file (read once; ``add`` appends a line)."""
 
     def __init__(self, path: str):
         self.path = path
         self.records: list[dict] = []
+        # {(start, identity): the identities its records named before (``alias``)}
+        self.aliases: dict[tuple[int, str], set[str]] = {}
         if os.path.exists(path):
             with open(path) as f:
                 for number, line in enumerate(f, 1):
@@ -106,6 +133,17 @@ class Ledger:
             record["start_id"],
             record["config"],
         )
+
+    def alias(self, start: int, legacy: str | None, identity: str) -> None:
+        """Reads the records of SFT start ``start`` that name it ``legacy`` (as
+        ``start_id`` did before, ``legacy_start_id``) as records of ``identity``, in
+        memory (the file keeps them as written); records of other starts stay theirs."""
+        if not legacy or legacy == identity:
+            return
+        self.aliases.setdefault((start, identity), set()).add(legacy)
+        for record in self.records:
+            if int(record["start"]) == start and record["start_id"] == legacy:
+                record["start_id"] = identity
 
     def find(self, arm: str, start: int, seed: int, start_id: str, config: str) -> dict | None:
         """The record of that run, or None."""

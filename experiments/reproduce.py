@@ -34,8 +34,8 @@ from configs import base
 from configs.ablations import ABLATIONS, SETTINGS
 from configs.claims import CLAIMS, Claim, bound_figure, get_claim
 from experiments import ablate, cli
-from experiments.ledger import LEDGER_DIR, Ledger, ledger_path, start_id
-from experiments.starts import is_kept, kept_start_id, use_kept_start
+from experiments.ledger import LEDGER_DIR, Ledger, ledger_path, legacy_start_id, start_id
+from experiments.starts import is_kept, kept_identity, kept_start_id, use_kept_start
 from experiments.verdicts import claim_verdict, judge
 from policyopt.checkpoint import unlock_workdir
 from policyopt.metrics import quiet_library_logging
@@ -532,6 +532,12 @@ def _judged_start(
     try:
         checkpoint = finished_sft(setting, sft_root, variant, start)
     except ValueError:
+        directory = os.path.join(sft_dir(sft_root, setting, start), "checkpoints")
+        kept = kept_identity(setting, start, sft_config(setting, variant, start))
+        if kept is not None:  # the start a sweep would restore, where its records are
+            ledger.alias(start, kept[1], kept[0])
+            if kept[0] in ledger.start_ids(start, configs):
+                return directory, kept[0]
         ids = ledger.start_ids(start, configs)
         if len(ids) != 1:
             recorded = f"records of {len(ids)} ({', '.join(ids)})" if ids else "no record"
@@ -539,8 +545,28 @@ def _judged_start(
                 f"SFT start {start} of {setting!r} is not on this machine and {ledger.path} "
                 f"holds {recorded} of it; judging needs the start or one recorded identity"
             ) from None
-        return os.path.join(sft_dir(sft_root, setting, start), "checkpoints"), ids[0]
-    return checkpoint, start_id(checkpoint)
+        return directory, ids[0]
+    return checkpoint, _identity(ledger, start, checkpoint)
+
+
+def _identity(ledger: Ledger | None, start: int, checkpoint: str) -> str:
+    """``start_id`` of SFT start ``start`` at ``checkpoint``; ``ledger``'s records that
+    name it as ``start_id`` did before (``legacy_start_id``) are read as its own."""
+    identity = start_id(checkpoint)
+    if ledger is not None:
+        ledger.alias(start, legacy_start_id(checkpoint), identity)
+    return identity
+
+
+def sft_config(setting: str, variant: str = "", start: int = 0):
+    """The config SFT start ``start`` of ``setting`` trains with: ``configs/<setting>.py``,
+    the items of ``variant`` it reads (``sft_variant``) and the recipe's seed + ``start``."""
+    config = importlib.import_module(f"configs.{setting}").get_config(sft_variant(variant) or None)
+    if start:
+        config.unlock()
+        config.seed += start
+        config.lock()
+    return config
 
 
 def ensure_sft(
@@ -562,13 +588,8 @@ def ensure_sft(
     ``docs/claims/starts/<setting>/start<K>.npz``) of the same SFT config is restored
     instead of trained where the cache lacks the start; a parent continued by more SFT is
     always trained (a kept start holds no optimiser state)."""
-    module = importlib.import_module(f"configs.{setting}")
-    parent = getattr(module, "SFT_PARENT", None)
-    config = module.get_config(sft_variant(variant) or None)
-    if start:
-        config.unlock()
-        config.seed += start
-        config.lock()
+    parent = getattr(importlib.import_module(f"configs.{setting}"), "SFT_PARENT", None)
+    config = sft_config(setting, variant, start)
     workdir = sft_dir(sft_root, setting, start)
     if kept and (restored := use_kept_start(setting, start, config, workdir)):
         return restored
@@ -691,7 +712,7 @@ def run_claim(
         else:
             checkpoint = (ensure_sft if train else finished_sft)(name, sft_root, variant, start)
             if book is not None:
-                start_ids[start] = start_id(checkpoint)
+                start_ids[start] = _identity(book, start, checkpoint)
 
         def apply_setting(config, checkpoint=checkpoint):
             return SETTINGS[name](config, checkpoint)

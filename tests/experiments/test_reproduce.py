@@ -1440,3 +1440,72 @@ def test_two_sft_starts_of_one_identity_are_refused(tmp_path):
         ValueError, match=r"SFT starts 0 and 1 are one start \(9-same: the same saved bits\)"
     ):
         reproduce.run_claim(claim, str(tmp_path / "claim"), **run)
+
+
+def test_records_naming_a_start_as_start_id_did_before_are_that_starts_own(tmp_path):
+    """start_id leaves out the optimiser state since the starts were kept in the repository
+    (8d752f2): records and run directories written before name a start trained here by a
+    digest of all its checksums (docs/claims/runs/routing_replay.jsonl). They are this
+    start's runs (judged from the ledger, not refused as another start's), and only this
+    start's: start 1's old identity does not stand for start 0."""
+    import hashlib
+
+    import numpy as np
+
+    claim = get_claim("routing_volatility")
+    sft_root = str(tmp_path / "sft")
+    legacy = {}
+    for start in (0, 1):
+        directory = os.path.join(reproduce.sft_dir(sft_root, "testbed", start), "checkpoints")
+        params = {"w": np.full(3, start, np.float32)}
+        state = {"train": {"params": params, "opt_state": {"mu": np.ones(3, np.float32)}}}
+        with Checkpointer(directory) as saved:
+            saved.save(800, state, {"config": {}})  # testbed's sft.steps: finished
+            sums = saved.checksums(800)
+        text = json.dumps(sums, sort_keys=True, separators=(",", ":"))  # the old start_id
+        legacy[start] = f"800-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+        assert legacy[start] != start_id(directory)
+    book = Ledger(str(tmp_path / "routing_volatility.jsonl"))
+    _record_claim(claim, book, [(s, seed) for s in (0, 1) for seed in range(5)], start_ids=legacy)
+    workdir = tmp_path / "claim"
+    (workdir / "one_update" / "seed0").mkdir(parents=True)  # begun before, named the old way
+    (workdir / "one_update" / "seed0" / ablate.START_FILE).write_text(
+        json.dumps({"start_id": legacy[0]})
+    )
+    run = dict(sft_root=sft_root, train=False, ledger=book.path)
+    judged = reproduce.run_claim(claim, str(workdir), **run)
+    assert judged["checks"][0]["n"] == 10 and not judged["exploratory"]
+    wrong = Ledger(str(tmp_path / "wrong.jsonl"))
+    _record_claim(claim, wrong, [(0, 0)], start_ids={0: legacy[1]})
+    _record_claim(claim, wrong, [(1, 0)], start_ids={1: legacy[1]})
+    with pytest.raises(ValueError, match="one_update/seed0 is not finished"):
+        reproduce.run_claim(claim, str(tmp_path / "other"), **dict(run, ledger=wrong.path))
+
+
+def test_judged_from_a_fresh_clone_the_kept_start_names_its_records(tmp_path, monkeypatch):
+    """The ledger holds runs of start 0 from two identities (two machines' starts, both
+    recorded). Judged without the start, the one kept in the repository
+    (docs/claims/starts, experiments.starts) is the start, as a sweep would restore it:
+    its records are judged, not refused as a choice between two."""
+    import numpy as np
+
+    from configs import testbed
+    from experiments import starts
+    from policyopt.rl.loop import build
+
+    claim = get_claim("routing_volatility")
+    checkpoint = str(tmp_path / "trained" / "checkpoints")
+    state = {"train": {"params": {"w": np.arange(3, dtype=np.float32)}}}
+    with Checkpointer(checkpoint) as saved:
+        saved.save(800, state, {"config": build.config_record(testbed.get_config())})
+    kept = str(tmp_path / "kept")
+    identity = starts.save_start(checkpoint, starts.start_path("testbed", 0, kept))
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    book = Ledger(str(tmp_path / "routing_volatility.jsonl"))
+    pairs = [(start, seed) for start in (0, 1) for seed in range(5)]
+    _record_claim(claim, book, pairs, start_ids={0: identity}, value=0.07)
+    _record_claim(claim, book, [(0, 0)], start_ids={0: "9-other"}, value=0.01)
+    run = dict(sft_root=str(tmp_path / "none"), train=False, ledger=book.path)
+    judged = reproduce.run_claim(claim, str(tmp_path / "claim"), **run)
+    assert judged["checks"][0]["n"] == 10
+    assert not os.path.exists(tmp_path / "none")  # judging restores nothing either

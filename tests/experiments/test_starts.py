@@ -16,7 +16,7 @@ import pytest
 from configs import testbed
 from configs.ablations import SETTINGS
 from experiments import reproduce, starts
-from experiments.ledger import start_id
+from experiments.ledger import legacy_start_id, start_id
 from policyopt.checkpoint import Checkpointer
 from policyopt.rl.loop import build
 from tests.flags import ROOT, subprocess_env
@@ -71,6 +71,9 @@ def test_a_kept_start_is_restored_bit_for_bit_instead_of_trained(trained, tmp_pa
         (tmp_path / "elsewhere" / "testbed" / "sft_start1" / starts.MARKER).read_text()
     )
     assert (marker["step"], marker["start_id"]) == (2, identity)
+    # Records written before start_id left out the optimiser state name the start by the
+    # digest of all its checksums: the kept start carries that name to the restored one.
+    assert legacy_start_id(restored) == legacy_start_id(checkpoint) != identity
     # Finished for --rejudge, and reused as it is on the next call.
     assert reproduce.finished_sft("testbed", sft_root, TINY_SFT, start=1) == restored
     assert reproduce.ensure_sft("testbed", sft_root, TINY_SFT, start=1) == restored
@@ -205,3 +208,337 @@ def test_the_command_keeps_a_finished_start_and_refuses_an_unfinished_one(traine
     )
     assert done.returncode == 1
     assert "error: SFT start 1 of 'testbed' is not finished" in done.stderr
+
+
+def test_a_restored_start_is_not_returned_for_another_config(trained, tmp_path, monkeypatch):
+    """A cache holding the kept start (parameters only) is that config's start: a variant
+    of more SFT steps gets an error, not the shorter start as if it were its own."""
+    _, _, kept, _ = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    longer = TINY_SFT.replace("sft.steps=2", "sft.steps=3")
+    with pytest.raises(ValueError, match=r"of another config \(sft\.steps differ"):
+        reproduce.ensure_sft("testbed", str(tmp_path), longer, start=1)
+
+
+def test_a_recipe_change_sft_does_not_read_leaves_the_kept_start_in_use(
+    trained, tmp_path, monkeypatch
+):
+    """RL's own settings (the policy's learning rate) and fields the library added since
+    the start was kept do not change its parameters: SFT's resume check ignores them, and
+    so does the kept start's (else the start trains again to other bits)."""
+    _, _, kept, identity = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    recipe = testbed.get_config
+
+    def changed(arg=None):
+        config = recipe(arg)
+        config.unlock()
+        config.optim.lr = 1e-4  # RL's; SFT trains at sft.lr
+        config.lock()
+        return config
+
+    monkeypatch.setattr(testbed, "get_config", changed)
+    restored = reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    assert start_id(restored) == identity
+    _, saved = starts._load(starts.start_path("testbed", 1, kept))
+    config = changed(TINY_SFT)
+    config.unlock()
+    config.seed += 1
+    config.lock()
+    older = {k: v for k, v in saved["meta"]["config"].items() if k != "sft.overlong_response"}
+    assert starts.differing_fields(older, config) == []  # a field added since
+    # A start kept without its config record is of no known config: not used for any.
+    assert starts.differing_fields({}, config) == ["config (not recorded)"]
+    config.unlock()
+    config.sft.lr = 1e-4  # SFT's own: another start
+    config.lock()
+    assert starts.differing_fields(saved["meta"]["config"], config) == ["sft.lr"]
+
+
+def test_a_cache_left_without_a_checkpoint_gets_the_kept_start(trained, tmp_path, monkeypatch):
+    """An SFT run killed before its first checkpoint leaves its directory (lock file, log,
+    an empty checkpoints directory): no start is there, so the kept one is restored."""
+    _, _, kept, identity = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    workdir = tmp_path / "testbed" / "sft_start1"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / ".lock").write_text("12345\n")
+    (workdir / "sft_metrics.jsonl").write_text("")
+    restored = reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    assert start_id(restored) == identity and starts.is_kept(str(workdir))
+    assert os.listdir(tmp_path / "testbed") == ["sft_start1"]
+
+
+def test_a_cache_in_use_by_a_training_process_is_not_restored_over(trained, tmp_path, monkeypatch):
+    _, _, kept, _ = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    workdir = tmp_path / "testbed" / "sft_start1"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from policyopt.checkpoint import lock_workdir\n"
+            f"lock_workdir({str(workdir)!r}); print('locked', flush=True); time.sleep(60)\n",
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(Exception, match="in use by another process"):
+            reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert os.listdir(workdir) == [".lock"]
+
+
+def test_the_commands_errors_are_one_line_not_a_traceback(trained, tmp_path):
+    """A start number that is not one, a setting that is none, and a start whose
+    directory another process holds (still training, or resumed): each is an error line
+    naming it, exit status 1, and nothing kept."""
+    root, _, _, _ = trained
+
+    def keep(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "experiments.starts", f"--root={tmp_path}", *args],
+            cwd=ROOT,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+        )
+
+    for args, message in (
+        (["--setting=testbed", "--starts=1,x"], "--starts takes start numbers >= 0"),
+        (["--setting=testbed", "--starts=-1"], "--starts takes start numbers >= 0"),
+        (["--setting=nosuch"], "no setting 'nosuch'; known: demo, testbed,"),
+    ):
+        done = keep(*args)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        assert message in done.stderr
+    # A cache whose checkpoint holds no parameters (not an SFT start): named, no traceback.
+    odd = os.path.join(str(tmp_path / "odd"), "testbed", "sft_start1", "checkpoints")
+    with Checkpointer(odd) as saved:
+        saved.save(2, {"train": {"opt_state": {"mu": np.zeros(3, np.float32)}}}, {})
+    done = keep(
+        "--setting=testbed", "--starts=1", f"--variant={TINY_SFT}", f"--sft_root={tmp_path / 'odd'}"
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "its checkpoint holds no parameters" in done.stderr
+    workdir = os.path.join(str(root / "here"), "testbed", "sft_start1")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nfrom policyopt.checkpoint import lock_workdir\n"
+            f"lock_workdir({workdir!r}); print('locked', flush=True); time.sleep(60)\n",
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        done = keep(
+            "--setting=testbed",
+            "--starts=1",
+            f"--variant={TINY_SFT}",
+            f"--sft_root={root / 'here'}",
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"error: workdir {workdir} is in use by another process" in done.stderr
+    assert not os.path.exists(starts.start_path("testbed", 1, str(tmp_path)))
+
+
+def test_a_start_half_trained_here_is_resumed_with_a_note(trained, tmp_path, monkeypatch, capsys):
+    """SFT interrupted here before the kept start was in the repository: resumed as this
+    machine's own (its optimiser state and progress are kept), but the console says its
+    runs will not be the kept start's, rather than only once it is finished."""
+    _, _, kept, identity = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    calls = []
+
+    def record(config, workdir, **kwargs):
+        calls.append(workdir)
+        return {"checkpoint_dir": os.path.join(workdir, "checkpoints")}
+
+    monkeypatch.setattr(reproduce, "run_sft", record)
+    workdir = os.path.join(str(tmp_path), "testbed", "sft_start1")
+    with Checkpointer(os.path.join(workdir, "checkpoints")) as saved:
+        saved.save(1, {"train": {"params": {"w": np.zeros(3, np.float32)}}}, {})
+    reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    assert calls == [workdir]
+    out = capsys.readouterr().out
+    assert "note: SFT start 1 of 'testbed' begun here (step 1 of 2) is resumed" in out
+    assert f"not the one kept in {starts._shown(starts.start_path('testbed', 1, kept))}" in out
+    assert identity in out
+
+
+def test_the_command_does_not_replace_a_kept_start_of_another_identity(trained, tmp_path):
+    """The repository keeps one start per setting and number: the ledger's records name
+    it. Keeping another (this machine's start trained again, or a variant's) over it is
+    refused, the kept file untouched; keeping the same start again is not."""
+    root, _, kept, identity = trained
+    arrays, saved = starts._load(starts.start_path("testbed", 1, kept))
+    arrays = {name: value * np.float32(1.0001) for name, value in arrays.items()}
+    with Checkpointer(str(tmp_path / "ckpt")) as checkpointer:
+        checkpointer.save(2, starts._nest(arrays), saved["meta"])
+    path = starts.start_path("testbed", 1, str(tmp_path / "repo"))
+    other = starts.save_start(str(tmp_path / "ckpt"), path)
+    with open(path, "rb") as f:
+        before = f.read()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.starts",
+            "--setting=testbed",
+            "--starts=1",
+            f"--variant={TINY_SFT}",
+            f"--root={tmp_path / 'repo'}",
+            f"--sft_root={root / 'here'}",
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"keeps another SFT start 1 of 'testbed' ({other})" in done.stderr
+    assert identity in done.stderr
+    with open(path, "rb") as f:
+        assert f.read() == before
+    with open(path, "wb") as f:  # cut short: which start it keeps is unknown
+        f.write(before[:1000])
+    done = subprocess.run(done.args, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"error: {path} is not a readable kept SFT start" in done.stderr
+
+
+def test_a_restore_that_fails_or_was_killed_leaves_no_partial_directory(
+    trained, tmp_path, monkeypatch
+):
+    """A restore that raises (a full disk, a path the checkpoint library refuses) removes
+    its partial directory, and one left by a restore killed outright (its process gone)
+    is removed by the next: the cache holds the start, or nothing."""
+    _, _, kept, identity = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    setting_dir = tmp_path / "testbed"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (setting_dir / f"sft_start1.restoring-{gone.pid}" / "checkpoints").mkdir(parents=True)
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Checkpointer, "save", full)
+        with pytest.raises(OSError, match="No space left"):
+            reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    assert os.listdir(setting_dir) == []
+    (setting_dir / f"sft_start1.restoring-{gone.pid}").mkdir()
+    restored = reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    assert start_id(restored) == identity
+    assert os.listdir(setting_dir) == ["sft_start1"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "text", "no_meta"])
+def test_an_unreadable_kept_start_is_named(trained, tmp_path, monkeypatch, damage):
+    """A kept file cut short (an interrupted copy), text in its place (a merge, a pointer
+    file) or without its record: a ValueError naming the file, not numpy's or zipfile's
+    words about pickles and central directories."""
+    _, _, kept, _ = trained
+    with open(starts.start_path("testbed", 1, kept), "rb") as f:
+        data = f.read()
+    path = starts.start_path("testbed", 1, str(tmp_path / "repo"))
+    os.makedirs(os.path.dirname(path))
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "text":
+        data = b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n"
+    with open(path, "wb") as f:
+        f.write(data)
+    if damage == "no_meta":
+        arrays, _ = starts._load(starts.start_path("testbed", 1, kept))
+        starts._write_npz(path, arrays)
+    monkeypatch.setattr(starts, "STARTS_DIR", str(tmp_path / "repo"))
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    with pytest.raises(ValueError, match=f"{path} is not a readable kept SFT start"):
+        reproduce.ensure_sft("testbed", str(tmp_path / "cache"), TINY_SFT, start=1)
+
+
+def test_a_start_read_back_other_than_saved_is_not_kept(trained, tmp_path, monkeypatch):
+    """The parameters read from the cache's checkpoint (a damaged file, a read that went
+    wrong) are checked against the checksums saved with it before they are kept: else
+    every machine that restores the file refuses it as damaged, long after."""
+    _, checkpoint, _, _ = trained
+    real = starts.ocp.StandardCheckpointer
+
+    class Flipping(real):
+        def restore(self, *args, **kwargs):
+            state = super().restore(*args, **kwargs)
+            leaf = state["train"]["params"]["embed"]["value"]
+            flipped = np.array(leaf)
+            flipped.flat[0] = np.nextafter(flipped.flat[0], np.float32(9))
+            state["train"]["params"]["embed"]["value"] = flipped
+            return state
+
+    monkeypatch.setattr(starts.ocp, "StandardCheckpointer", Flipping)
+    path = starts.start_path("testbed", 1, str(tmp_path))
+    with pytest.raises(ValueError, match="not the ones saved with it"):
+        starts.save_start(checkpoint, path)
+    assert not os.path.exists(path) and not os.path.exists(path + ".partial")
+
+
+def test_a_start_restored_before_the_repository_kept_another_is_named(
+    trained, tmp_path, monkeypatch, capsys
+):
+    """The cache holds a kept start restored before a pull brought another kept start of
+    that number (trained again and kept, with its records): used as it is, like a start
+    trained here, and a note names both (the runs will not match the new records)."""
+    _, _, kept, identity = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    restored = reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+    arrays, saved = starts._load(starts.start_path("testbed", 1, kept))
+    arrays = {name: value * np.float32(1.0001) for name, value in arrays.items()}
+    with Checkpointer(str(tmp_path / "ckpt")) as checkpointer:
+        checkpointer.save(2, starts._nest(arrays), saved["meta"])
+    newer = starts.save_start(
+        str(tmp_path / "ckpt"), starts.start_path("testbed", 1, str(tmp_path / "pulled"))
+    )
+    monkeypatch.setattr(starts, "STARTS_DIR", str(tmp_path / "pulled"))
+    capsys.readouterr()
+    assert reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1) == restored
+    out = capsys.readouterr().out
+    assert f"SFT start 1 of 'testbed' here ({identity}) is not the one kept" in out
+    assert newer in out
+
+
+def test_a_keep_that_fails_while_writing_leaves_no_partial_file(trained, tmp_path, monkeypatch):
+    """A write cut short (a full disk) leaves no ``start1.npz.partial`` beside the kept
+    starts, where ``git add docs/claims/starts`` would commit it."""
+    _, checkpoint, _, _ = trained
+    write = starts._write_npz
+
+    def full(path, arrays):
+        write(path, dict(list(arrays.items())[:1]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(starts, "_write_npz", full)
+    with pytest.raises(OSError, match="No space left"):
+        starts.save_start(checkpoint, starts.start_path("testbed", 1, str(tmp_path)))
+    assert os.listdir(tmp_path / "testbed") == []
