@@ -4,6 +4,7 @@ parameters), only for the same SFT config, never over a start trained here, neve
 parent that more SFT continues; a damaged file is refused; two processes restoring at
 once leave one start."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -177,35 +178,15 @@ def test_two_processes_restoring_at_once_leave_one_start(trained, tmp_path):
 
 def test_the_command_keeps_a_finished_start_and_refuses_an_unfinished_one(trained, tmp_path):
     root, checkpoint, kept, identity = trained
-    command = [
-        sys.executable,
-        "-m",
-        "experiments.starts",
-        "--setting=testbed",
-        "--starts=1",
-        f"--variant={TINY_SFT}",
-        f"--root={tmp_path}",
-    ]
-    done = subprocess.run(
-        command + [f"--sft_root={root / 'here'}"],
-        cwd=ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-    )
+    command = ("--setting=testbed", "--starts=1", f"--variant={TINY_SFT}", f"--root={tmp_path}")
+    done = _keep(*command, f"--sft_root={root / 'here'}")
     assert done.returncode == 0, done.stderr
     assert f"start 1 of 'testbed': {tmp_path}/testbed/start1.npz ({identity}," in done.stdout
     # The same start gives the same bytes: keeping it again changes nothing in git.
     with open(starts.start_path("testbed", 1, str(tmp_path)), "rb") as ours:
         with open(starts.start_path("testbed", 1, kept), "rb") as theirs:
             assert ours.read() == theirs.read()
-    done = subprocess.run(
-        command + [f"--sft_root={root / 'nothing'}"],
-        cwd=ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-    )
+    done = _keep(*command, f"--sft_root={root / 'nothing'}")
     assert done.returncode == 1
     assert "error: SFT start 1 of 'testbed' is not finished" in done.stderr
 
@@ -273,18 +254,26 @@ def test_a_cache_left_without_a_checkpoint_gets_the_kept_start(trained, tmp_path
     assert os.listdir(tmp_path / "testbed") == ["sft_start1"]
 
 
-def test_a_cache_in_use_by_a_training_process_is_not_restored_over(trained, tmp_path, monkeypatch):
-    _, _, kept, _ = trained
-    monkeypatch.setattr(starts, "STARTS_DIR", kept)
-    monkeypatch.setattr(reproduce, "run_sft", _refuse)
-    workdir = tmp_path / "testbed" / "sft_start1"
+def _keep(*args: str) -> subprocess.CompletedProcess:
+    """The keep command (``python -m experiments.starts``), as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.starts", *args],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+
+
+@contextlib.contextmanager
+def _held(workdir: str):
+    """Another process holds ``workdir``'s lock (a run training there) while inside."""
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, time\n"
-            "from policyopt.checkpoint import lock_workdir\n"
-            f"lock_workdir({str(workdir)!r}); print('locked', flush=True); time.sleep(60)\n",
+            "import time\nfrom policyopt.checkpoint import lock_workdir\n"
+            f"lock_workdir({workdir!r}); print('locked', flush=True); time.sleep(60)\n",
         ],
         cwd=ROOT,
         env=subprocess_env(),
@@ -293,11 +282,20 @@ def test_a_cache_in_use_by_a_training_process_is_not_restored_over(trained, tmp_
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(Exception, match="in use by another process"):
-            reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
+        yield
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_cache_in_use_by_a_training_process_is_not_restored_over(trained, tmp_path, monkeypatch):
+    _, _, kept, _ = trained
+    monkeypatch.setattr(starts, "STARTS_DIR", kept)
+    monkeypatch.setattr(reproduce, "run_sft", _refuse)
+    workdir = tmp_path / "testbed" / "sft_start1"
+    with _held(str(workdir)):
+        with pytest.raises(Exception, match="in use by another process"):
+            reproduce.ensure_sft("testbed", str(tmp_path), TINY_SFT, start=1)
     assert os.listdir(workdir) == [".lock"]
 
 
@@ -308,13 +306,7 @@ def test_the_commands_errors_are_one_line_not_a_traceback(trained, tmp_path):
     root, _, _, _ = trained
 
     def keep(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "experiments.starts", f"--root={tmp_path}", *args],
-            cwd=ROOT,
-            env=subprocess_env(),
-            capture_output=True,
-            text=True,
-        )
+        return _keep(f"--root={tmp_path}", *args)
 
     for args, message in (
         (["--setting=testbed", "--starts=1,x"], "--starts takes start numbers >= 0"),
@@ -334,29 +326,13 @@ def test_the_commands_errors_are_one_line_not_a_traceback(trained, tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert "its checkpoint holds no parameters" in done.stderr
     workdir = os.path.join(str(root / "here"), "testbed", "sft_start1")
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time\nfrom policyopt.checkpoint import lock_workdir\n"
-            f"lock_workdir({workdir!r}); print('locked', flush=True); time.sleep(60)\n",
-        ],
-        cwd=ROOT,
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with _held(workdir):
         done = keep(
             "--setting=testbed",
             "--starts=1",
             f"--variant={TINY_SFT}",
             f"--sft_root={root / 'here'}",
         )
-    finally:
-        holder.kill()
-        holder.wait()
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"error: workdir {workdir} is in use by another process" in done.stderr
     assert not os.path.exists(starts.start_path("testbed", 1, str(tmp_path)))
@@ -399,21 +375,12 @@ def test_the_command_does_not_replace_a_kept_start_of_another_identity(trained, 
     other = starts.save_start(str(tmp_path / "ckpt"), path)
     with open(path, "rb") as f:
         before = f.read()
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "experiments.starts",
-            "--setting=testbed",
-            "--starts=1",
-            f"--variant={TINY_SFT}",
-            f"--root={tmp_path / 'repo'}",
-            f"--sft_root={root / 'here'}",
-        ],
-        cwd=ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
+    done = _keep(
+        "--setting=testbed",
+        "--starts=1",
+        f"--variant={TINY_SFT}",
+        f"--root={tmp_path / 'repo'}",
+        f"--sft_root={root / 'here'}",
     )
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"keeps another SFT start 1 of 'testbed' ({other})" in done.stderr
@@ -422,7 +389,7 @@ def test_the_command_does_not_replace_a_kept_start_of_another_identity(trained, 
         assert f.read() == before
     with open(path, "wb") as f:  # cut short: which start it keeps is unknown
         f.write(before[:1000])
-    done = subprocess.run(done.args, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True)
+    done = _keep(*done.args[3:])
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"error: {path} is not a readable kept SFT start" in done.stderr
 
