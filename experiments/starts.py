@@ -28,7 +28,7 @@ from experiments.ledger import KEPT_MARKER, legacy_start_id, start_id
 from policyopt.checkpoint import (
     Checkpointer,
     WorkdirLocked,
-    _path_name,
+    key_path_name,
     lock_workdir,
     tree_checksums,
     unlock_workdir,
@@ -77,7 +77,7 @@ def save_start(checkpoint_dir: str, path: str) -> str:
     arrays = {
         name: np.asarray(leaf)
         for keys, leaf in jax.tree_util.tree_leaves_with_path(state)
-        if (name := _path_name(keys)).startswith("train/params/")
+        if (name := key_path_name(keys)).startswith("train/params/")
     }
     saved = {k: v for k, v in sums.items() if k.startswith("train/params/")}
     read = tree_checksums(_nest(arrays))

@@ -91,7 +91,7 @@ def _checksums(leaves: list) -> jax.Array:
     return jnp.stack(sums) if sums else jnp.zeros((0,), jnp.uint32)
 
 
-def _path_name(path) -> str:
+def key_path_name(path) -> str:
     """``"train/params/embed/embedding"``: a key path by its names, whether its nodes are
     dicts or dataclasses (a full state and a partial restore of it name a leaf alike)."""
     names = []
@@ -110,7 +110,7 @@ def tree_checksums(tree: Any) -> dict[str, int]:
     paths, leaves = [], []
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if isinstance(leaf, (jax.Array, np.ndarray)):
-            paths.append(_path_name(path))
+            paths.append(key_path_name(path))
             leaves.append(_key_data(jnp.asarray(leaf) if isinstance(leaf, np.ndarray) else leaf))
     values = np.asarray(jax.device_get(_checksums(leaves)))
     return {path: int(value) for path, value in zip(paths, values)}
@@ -445,7 +445,7 @@ class Checkpointer:
         saved = self.saved_shapes(step)
         lookup = lambda name: saved.get(name, saved.get(name.removesuffix(".value")))
         wanted = {
-            _path_name(path).replace("/", "."): tuple(leaf.shape)
+            key_path_name(path).replace("/", "."): tuple(leaf.shape)
             for path, leaf in jax.tree_util.tree_leaves_with_path(target)
             if hasattr(leaf, "shape") and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
         }
