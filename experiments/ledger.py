@@ -71,7 +71,11 @@ def start_id(checkpoint_dir: str) -> str:
     params = {k: v for k, v in sums.items() if k.startswith("train/params/")}
     if not params:
         raise ValueError(f"{checkpoint_dir}: its checkpoint holds no parameters (train/params)")
-    text = json.dumps(params, sort_keys=True, separators=(",", ":"))
+    return _digest(step, params)
+
+
+def _digest(step: int, sums: dict[str, int]) -> str:
+    text = json.dumps(sums, sort_keys=True, separators=(",", ":"))
     return f"{step}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
@@ -94,8 +98,7 @@ def legacy_start_id(checkpoint_dir: str) -> str | None:
                 return json.load(f).get("legacy_id")
         except (OSError, ValueError, AttributeError):
             return None
-    text = json.dumps(sums, sort_keys=True, separators=(",", ":"))
-    return f"{step}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    return _digest(step, sums)
 
 
 class Ledger:

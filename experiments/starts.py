@@ -115,13 +115,15 @@ def _write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
                 np.lib.format.write_array(f, np.asanyarray(arrays[name]), allow_pickle=False)
 
 
-def _load(path: str) -> tuple[dict[str, np.ndarray], dict]:
-    """The arrays and record of a kept start; a ValueError naming ``path`` where it is
-    not one (cut short, text in its place, no record)."""
+def _load(path: str, arrays: bool = True) -> tuple[dict[str, np.ndarray], dict]:
+    """The arrays (none without ``arrays``: the record only is read) and record of a kept
+    start; a ValueError naming ``path`` where it is not one (cut short, text in its place,
+    no record)."""
     try:
         with np.load(path) as data:
             kept = json.loads(str(data[_META]))
-            arrays = {name: data[name] for name in data.files if name != _META}
+            names = [name for name in data.files if name != _META] if arrays else []
+            arrays = {name: data[name] for name in names}
         missing = [f for f in ("step", "meta", "start_id") if f not in kept]
         if missing:
             raise KeyError(f"its record lacks {', '.join(missing)}")
@@ -229,15 +231,12 @@ def restore_start(path: str, sft_workdir: str) -> str:
 
 
 def kept_start_id(setting: str, start: int, root: str | None = None) -> str | None:
-    """The identity of the kept start of ``setting`` number ``start`` (its meta entry
-    only is read: ``--list``); None where the repository keeps none or it is unreadable."""
+    """The identity of the kept start of ``setting`` number ``start`` (its record only is
+    read: ``--list``); None where the repository keeps none or it is unreadable."""
     path = start_path(setting, start, root)
-    if not os.path.exists(path):
-        return None
     try:
-        with np.load(path) as data:
-            return json.loads(str(data[_META]))["start_id"]
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        return _load(path, arrays=False)[1]["start_id"] if os.path.exists(path) else None
+    except ValueError:
         return None
 
 
@@ -250,7 +249,7 @@ def kept_identity(
     path = start_path(setting, start, root or STARTS_DIR)
     if not os.path.exists(path):
         return None
-    _, kept = _load(path)
+    _, kept = _load(path, arrays=False)
     if differing_fields(kept["meta"].get("config", {}), config):
         return None
     return kept["start_id"], kept.get("legacy_id")

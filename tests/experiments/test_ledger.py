@@ -249,7 +249,9 @@ def test_the_list_counts_a_claims_recorded_runs_per_start(tmp_path, monkeypatch,
     for start, identity in ((1, "b"), (2, "e")):
         path = starts.start_path("testbed_long", start)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        np.savez(path, __meta__=np.array(json.dumps({"start_id": identity})))
+        np.savez(
+            path, __meta__=np.array(json.dumps({"step": 1000, "meta": {}, "start_id": identity}))
+        )
     line = recorded_runs(claim, book, lambda arm, start, seed: "k")
     assert line.startswith(
         "1 of 40 runs (start 1: 1 (+1 of another start), start 2: 0 (+1 of another start); "
