@@ -360,25 +360,24 @@ def _define_flags() -> None:  # at run time only: experiments.reproduce has flag
     flags.DEFINE_string("root", STARTS_DIR, "Where the starts are kept.")
 
 
-def main(argv):
-    del argv
+def keep_starts(
+    setting: str, start_list: list[str], sft_root: str, variant: str = "", root: str | None = None
+) -> None:
+    """Keep the cached SFT starts ``start_list`` of ``setting`` in ``root`` (default
+    ``STARTS_DIR``); what the command does. A user's error raises ``SystemExit`` with
+    its ``error: ...`` line."""
     from experiments.reproduce import finished_sft, sft_dir  # noqa: PLC0415 - no cycle at import
 
-    quiet_library_logging()
-    if not FLAGS.setting:
-        raise app.UsageError("--setting is required (e.g. --setting testbed_long)")
-    if FLAGS.setting not in SETTINGS:
-        raise SystemExit(f"error: no setting {FLAGS.setting!r}; known: {', '.join(SETTINGS)}")
-    if not all(s.strip().isdigit() for s in FLAGS.starts):
-        raise SystemExit(
-            f"error: --starts takes start numbers >= 0 (got {','.join(FLAGS.starts)!r})"
-        )
-    for start in (int(s) for s in FLAGS.starts):
-        if is_kept(sft_dir(FLAGS.sft_root, FLAGS.setting, start)):
-            print(f"start {start} of {FLAGS.setting!r} is the kept one already")
+    if setting not in SETTINGS:
+        raise SystemExit(f"error: no setting {setting!r}; known: {', '.join(SETTINGS)}")
+    if not all(s.strip().isdigit() for s in start_list):
+        raise SystemExit(f"error: --starts takes start numbers >= 0 (got {','.join(start_list)!r})")
+    for start in (int(s) for s in start_list):
+        if is_kept(sft_dir(sft_root, setting, start)):
+            print(f"start {start} of {setting!r} is the kept one already")
             continue
         try:
-            checkpoint = finished_sft(FLAGS.setting, FLAGS.sft_root, FLAGS.variant, start)
+            checkpoint = finished_sft(setting, sft_root, variant, start)
         except ValueError as error:
             raise SystemExit(f"error: {error}") from None
         workdir = os.path.dirname(checkpoint)
@@ -387,7 +386,7 @@ def main(argv):
         except WorkdirLocked as error:
             raise SystemExit(f"error: {error}") from None
         try:
-            path = start_path(FLAGS.setting, start, FLAGS.root)
+            path = start_path(setting, start, root)
             if os.path.exists(path):  # the one the ledger's records name: not replaced
                 try:
                     identity, there = start_id(checkpoint), _load(path)[1]["start_id"]
@@ -396,7 +395,7 @@ def main(argv):
                 if there != identity:
                     raise SystemExit(
                         f"error: {_shown(path)} keeps another SFT start {start} of "
-                        f"{FLAGS.setting!r} ({there}) than the one in {workdir} ({identity}); "
+                        f"{setting!r} ({there}) than the one in {workdir} ({identity}); "
                         "the ledger's records may name it: remove the file first to keep "
                         "this one instead"
                     )
@@ -404,7 +403,15 @@ def main(argv):
         finally:
             unlock_workdir(workdir)
         size = os.path.getsize(path) / 2**20
-        print(f"start {start} of {FLAGS.setting!r}: {_shown(path)} ({identity}, {size:.1f} MiB)")
+        print(f"start {start} of {setting!r}: {_shown(path)} ({identity}, {size:.1f} MiB)")
+
+
+def main(argv):
+    del argv
+    quiet_library_logging()
+    if not FLAGS.setting:
+        raise app.UsageError("--setting is required (e.g. --setting testbed_long)")
+    keep_starts(FLAGS.setting, FLAGS.starts, FLAGS.sft_root, FLAGS.variant, FLAGS.root)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ once leave one start."""
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -186,9 +187,8 @@ def test_the_command_keeps_a_finished_start_and_refuses_an_unfinished_one(traine
     with open(starts.start_path("testbed", 1, str(tmp_path)), "rb") as ours:
         with open(starts.start_path("testbed", 1, kept), "rb") as theirs:
             assert ours.read() == theirs.read()
-    done = _keep(*command, f"--sft_root={root / 'nothing'}")
-    assert done.returncode == 1
-    assert "error: SFT start 1 of 'testbed' is not finished" in done.stderr
+    with pytest.raises(SystemExit, match="error: SFT start 1 of 'testbed' is not finished"):
+        starts.keep_starts("testbed", ["1"], str(root / "nothing"), TINY_SFT, str(tmp_path))
 
 
 def test_a_restored_start_is_not_returned_for_another_config(trained, tmp_path, monkeypatch):
@@ -300,41 +300,34 @@ def test_a_cache_in_use_by_a_training_process_is_not_restored_over(trained, tmp_
 
 
 def test_the_commands_errors_are_one_line_not_a_traceback(trained, tmp_path):
-    """A start number that is not one, a setting that is none, and a start whose
-    directory another process holds (still training, or resumed): each is an error line
-    naming it, exit status 1, and nothing kept."""
+    """A start number that is not one, a setting that is none, a checkpoint of no
+    parameters, and a start whose directory another process holds (still training, or
+    resumed): each is an error line naming it, and nothing kept. The command itself (exit
+    status 1, no traceback) runs for the first; the rest call what it calls."""
     root, _, _, _ = trained
+    done = _keep(f"--root={tmp_path}", "--setting=testbed", "--starts=1,x")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: --starts takes start numbers >= 0 (got '1,x')"
+    ]
 
-    def keep(*args):
-        return _keep(f"--root={tmp_path}", *args)
+    def keep(setting, start_list, sft_root=str(root / "here")):
+        starts.keep_starts(setting, start_list, sft_root, TINY_SFT, str(tmp_path))
 
-    for args, message in (
-        (["--setting=testbed", "--starts=1,x"], "--starts takes start numbers >= 0"),
-        (["--setting=testbed", "--starts=-1"], "--starts takes start numbers >= 0"),
-        (["--setting=nosuch"], "no setting 'nosuch'; known: demo, testbed,"),
-    ):
-        done = keep(*args)
-        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-        assert message in done.stderr
-    # A cache whose checkpoint holds no parameters (not an SFT start): named, no traceback.
+    with pytest.raises(SystemExit, match="--starts takes start numbers >= 0"):
+        keep("testbed", ["-1"])
+    with pytest.raises(SystemExit, match="no setting 'nosuch'; known: demo, testbed,"):
+        keep("nosuch", ["1"])
+    # A cache whose checkpoint holds no parameters (not an SFT start): named.
     odd = os.path.join(str(tmp_path / "odd"), "testbed", "sft_start1", "checkpoints")
     with Checkpointer(odd) as saved:
         saved.save(2, {"train": {"opt_state": {"mu": np.zeros(3, np.float32)}}}, {})
-    done = keep(
-        "--setting=testbed", "--starts=1", f"--variant={TINY_SFT}", f"--sft_root={tmp_path / 'odd'}"
-    )
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert "its checkpoint holds no parameters" in done.stderr
+    with pytest.raises((SystemExit, ValueError), match="its checkpoint holds no parameters"):
+        keep("testbed", ["1"], str(tmp_path / "odd"))
     workdir = os.path.join(str(root / "here"), "testbed", "sft_start1")
     with _held(workdir):
-        done = keep(
-            "--setting=testbed",
-            "--starts=1",
-            f"--variant={TINY_SFT}",
-            f"--sft_root={root / 'here'}",
-        )
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert f"error: workdir {workdir} is in use by another process" in done.stderr
+        with pytest.raises(SystemExit, match=re.escape(f"error: workdir {workdir} is in use")):
+            keep("testbed", ["1"])
     assert not os.path.exists(starts.start_path("testbed", 1, str(tmp_path)))
 
 
@@ -375,23 +368,20 @@ def test_the_command_does_not_replace_a_kept_start_of_another_identity(trained, 
     other = starts.save_start(str(tmp_path / "ckpt"), path)
     with open(path, "rb") as f:
         before = f.read()
-    done = _keep(
-        "--setting=testbed",
-        "--starts=1",
-        f"--variant={TINY_SFT}",
-        f"--root={tmp_path / 'repo'}",
-        f"--sft_root={root / 'here'}",
-    )
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert f"keeps another SFT start 1 of 'testbed' ({other})" in done.stderr
-    assert identity in done.stderr
+
+    def keep():
+        starts.keep_starts("testbed", ["1"], str(root / "here"), TINY_SFT, str(tmp_path / "repo"))
+
+    with pytest.raises(SystemExit) as refused:
+        keep()
+    assert f"keeps another SFT start 1 of 'testbed' ({other})" in str(refused.value)
+    assert identity in str(refused.value)
     with open(path, "rb") as f:
         assert f.read() == before
     with open(path, "wb") as f:  # cut short: which start it keeps is unknown
         f.write(before[:1000])
-    done = _keep(*done.args[3:])
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert f"error: {path} is not a readable kept SFT start" in done.stderr
+    with pytest.raises(SystemExit, match=re.escape(f"error: {path} is not a readable kept SFT")):
+        keep()
 
 
 def test_a_restore_that_fails_or_was_killed_leaves_no_partial_directory(
