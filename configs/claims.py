@@ -599,7 +599,7 @@ CLAIMS: dict[str, Claim] = {
             "that routing causes (routing/ratio_share) at a learning rate where GSPO learns.",
             ablation=ROUTING_SHARE,
             setting="testbed_long",
-            other_settings=("testbed",),
+            other_settings=("testbed", "testbed_long32"),
             regime=ROUTING_REGIME,
             checks=(
                 Check(
