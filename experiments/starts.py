@@ -399,7 +399,10 @@ def keep_starts(
                         "the ledger's records may name it: remove the file first to keep "
                         "this one instead"
                     )
-            identity = save_start(checkpoint, path)
+            try:
+                identity = save_start(checkpoint, path)
+            except ValueError as error:  # not an SFT start (no parameters), a damaged one
+                raise SystemExit(f"error: {error}") from None
         finally:
             unlock_workdir(workdir)
         size = os.path.getsize(path) / 2**20

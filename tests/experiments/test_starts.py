@@ -322,7 +322,7 @@ def test_the_commands_errors_are_one_line_not_a_traceback(trained, tmp_path):
     odd = os.path.join(str(tmp_path / "odd"), "testbed", "sft_start1", "checkpoints")
     with Checkpointer(odd) as saved:
         saved.save(2, {"train": {"opt_state": {"mu": np.zeros(3, np.float32)}}}, {})
-    with pytest.raises((SystemExit, ValueError), match="its checkpoint holds no parameters"):
+    with pytest.raises(SystemExit, match="^error: .*: its checkpoint holds no parameters"):
         keep("testbed", ["1"], str(tmp_path / "odd"))
     workdir = os.path.join(str(root / "here"), "testbed", "sft_start1")
     with _held(workdir):
