@@ -404,10 +404,13 @@ CRITIC_WARMUP = Ablation(
     (Arm("vc_ppo", "vc_ppo"),),
     f"{OFF_POLICY},critic.pretrain_iterations={CRITIC_PRETRAIN_ITERATIONS},eval.num_prompts=0",
 )
-#: The explained variance a perfect critic reaches on the long task under each SFT start
-#: (`python -m experiments.value_ceiling --setting testbed_long --start S`, 2026-12-06;
+#: The explained variance a perfect critic reaches under each setting's SFT starts
+#: (`python -m experiments.value_ceiling --setting S --start N`, 2026-12-06;
 #: benchmarks/RESULTS.md "The critic's regime").
-VALUE_CEILINGS = {0: -1.05, 1: 0.336, 2: 0.432}
+VALUE_CEILINGS = {
+    "testbed_long": {0: -1.05, 1: 0.336, 2: 0.432},
+    "testbed": {0: 0.710},
+}
 #: The long task's claims run from starts 1 and 2, where the returns have variance for a
 #: critic to explain (start 0 samples 0.8% correct answers: a perfect critic's ceiling -1.05).
 LONG_TASK_STARTS = (1, 2)
@@ -498,9 +501,25 @@ def _routing_replay_line(result: dict) -> str:
 CRITIC_FLOOR = 0.5
 
 
-def _ceiling() -> str:
-    """A perfect critic's explained variance under each measured SFT start."""
-    return ", ".join(f"start {s} {c:.3f}" for s, c in sorted(VALUE_CEILINGS.items()))
+def _ceiling(result: dict) -> str:
+    """A perfect critic's explained variance under each measured SFT start of the
+    result's setting (the claim's own when the result does not name one)."""
+    setting = result.get("setting") or "testbed_long"
+    ceilings = VALUE_CEILINGS.get(setting)
+    if not ceilings:
+        return f"not measured on {setting}"
+    return ", ".join(f"start {s} {c:.3f}" for s, c in sorted(ceilings.items()))
+
+
+def _pretrain_iterations(result: dict) -> int:
+    """The value-pretraining iterations the result's runs had: the ``--variant``'s
+    ``critic.pretrain_iterations`` where it sets one, else the claims' own count."""
+    count = CRITIC_PRETRAIN_ITERATIONS
+    for item in base.split_variant(result.get("variant", "")):
+        key, _, value = item.partition("=")
+        if key.strip() == "critic.pretrain_iterations":
+            count = int(value)
+    return count
 
 
 def _critic_warmup_line(result: dict) -> str:
@@ -509,10 +528,10 @@ def _critic_warmup_line(result: dict) -> str:
     value = _arm_mean(result, "vc_ppo", key=WARMUP_EXPLAINED_VARIANCE)
     reached = value >= CRITIC_FLOOR or at_bound(value, CRITIC_FLOOR)
     return (
-        f"critic explained variance after {CRITIC_PRETRAIN_ITERATIONS} iterations of value "
+        f"critic explained variance after {_pretrain_iterations(result)} iterations of value "
         f"pretraining: {_headline_figure(value, CRITIC_FLOOR)} on a fresh rollout "
         f"(Monte-Carlo returns; floor >= {CRITIC_FLOOR:g}: {'' if reached else 'not '}reached); "
-        f"a perfect critic's: {_ceiling()}"
+        f"a perfect critic's: {_ceiling(result)}"
     )
 
 
@@ -545,9 +564,9 @@ def _vc_ppo_line(result: dict) -> str:
     return (
         "critic explained variance at PPO's first rollout: plain PPO (reward-model start) "
         f"{_arm_mean(result, 'ppo', key=WARMUP_EXPLAINED_VARIANCE):.3f}, after "
-        f"{CRITIC_PRETRAIN_ITERATIONS} iterations of value pretraining "
+        f"{_pretrain_iterations(result)} iterations of value pretraining "
         f"{_headline_figure(fit, CRITIC_FLOOR)} (a perfect "
-        f"critic's: {_ceiling()})"
+        f"critic's: {_ceiling(result)})"
     )
 
 
@@ -781,7 +800,7 @@ CLAIMS: dict[str, Claim] = {
                     threshold=CRITIC_FLOOR,
                 ),
             ),
-            other_settings=("testbed_long32",),
+            other_settings=("testbed_long32", "testbed"),
             starts=(1,),
             seeds=(0,),
             diagnostic=True,

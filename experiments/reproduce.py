@@ -678,8 +678,8 @@ def run_claim(
         machine is the one its records name.
 
     Returns:
-      ``{"claim", "verdict", "checks", "summary", "verdict_md", "premises",
-      "exploratory"}`` (``premises``: ``premise_results``).
+      ``{"claim", "setting", "variant", "verdict", "checks", "summary", "verdict_md",
+      "premises", "exploratory"}`` (``premises``: ``premise_results``).
     """
     labels = select_arms(claim, arms)
     name = select_setting(claim, setting)
@@ -748,6 +748,8 @@ def run_claim(
         f.write(text)
     return {
         "claim": claim.name,
+        "setting": name,
+        "variant": variant,
         "verdict": verdict,
         "checks": results,
         "summary": summary,

@@ -1286,6 +1286,33 @@ def test_the_critic_warmup_line_never_rounds_onto_its_floor():
     assert "0.612 on a fresh rollout (Monte-Carlo returns; floor >= 0.5: reached)" in line(0.612)
 
 
+def test_the_critic_lines_name_the_runs_pretraining_and_their_settings_ceiling():
+    """The critic claims' last lines give the value-pretraining count the runs had (a
+    --variant's, else the claims' own) and a perfect critic's fit on the runs' setting,
+    never the long task's figures for another task."""
+    warm = ablate.WARMUP_EXPLAINED_VARIANCE
+    runs = [{warm: 0.2}]
+
+    def line(name, **result):
+        arms = [{"arm": arm, "runs": runs} for arm in get_claim(name).arm_labels()]
+        return get_claim(name).headline({"summary": {"arms": arms}, **result})
+
+    own = claims.CRITIC_PRETRAIN_ITERATIONS
+    assert f"after {own} iterations of value pretraining: 0.200" in line("critic_warmup")
+    assert "start 0 -1.050, start 1 0.336, start 2 0.432" in line("critic_warmup")
+    varied = line(
+        "critic_warmup", setting="testbed", variant="critic.lr=1e-3,critic.pretrain_iterations=40"
+    )
+    assert "after 40 iterations of value pretraining: 0.200" in varied
+    assert varied.endswith("a perfect critic's: start 0 0.710")
+    assert line("critic_warmup", setting="testbed_long32").endswith(
+        "a perfect critic's: not measured on testbed_long32"
+    )
+    vc = line("vc_ppo", setting="testbed_long32", variant="critic.pretrain_iterations=25")
+    assert "after 25 iterations of value pretraining 0.200" in vc
+    assert vc.endswith("(a perfect critic's: not measured on testbed_long32)")
+
+
 def test_a_premise_unmet_at_a_complete_start_is_unmet_though_another_lacks_a_run():
     """Start 0's runs all have the gate and its mean is outside the bound: the premise is
     unmet whatever start 1's missing run holds (every start must be within), and verdict.md
