@@ -193,10 +193,19 @@ def _overlong_within_budget(c: RunConfig) -> None:
 
 
 def _critic_needs_gae(c: RunConfig) -> None:
-    """critic x algo: the critic's warm-up phases need a critic."""
+    """critic x algo x model: the critic's warm-up phases and its own model need a critic;
+    its own model has full weights."""
     for name in ("pretrain_iterations", "reward_model_iterations"):
         if not c.algo.uses_critic and getattr(c.critic, name) > 0:
             raise ValueError(f"config.critic.{name} > 0 needs a critic: set algo.advantage='gae'")
+    if c.critic.init_checkpoint and not c.algo.uses_critic:
+        raise ValueError("config.critic.init_checkpoint needs a critic: set algo.advantage='gae'")
+    if c.critic.init_checkpoint and c.model.lora.rank > 0 and c.model.lora.critic == "adapters":
+        raise ValueError(
+            "config.critic.init_checkpoint is a full-weight value model, but "
+            "model.lora.critic='adapters' puts the critic's adapters on the policy's base: "
+            "set model.lora.critic='full'"
+        )
 
 
 def _async_groups(c: RunConfig) -> None:

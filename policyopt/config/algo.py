@@ -414,9 +414,20 @@ class Algo:
 
 @dataclasses.dataclass(frozen=True)
 class Critic:
-    """The value model of PPO, VC-PPO and VAPO (algo.advantage = "gae"): the policy's backbone
-    with a scalar head (zero-initialised), started from the policy's initial parameters
-    (`policyopt.rl.update.critic`)."""
+    """The value model of PPO, VC-PPO and VAPO (algo.advantage = "gae"): a backbone with a
+    scalar head (zero-initialised), started from the policy's initial parameters or from a
+    model of its own (``init_checkpoint``; `policyopt.rl.update.critic`)."""
+
+    init_checkpoint: str | None = setting(
+        None,
+        "A value model of its own: a full-weight checkpoint directory whose recorded model "
+        "is the critic's backbone. None: a copy of the policy.",
+        note="E.g. an SFT run's `checkpoints/` of a larger model on the same task and "
+        "tokenizer. The model (preset or HuggingFace folder, and its shape overrides) is read from "
+        "the checkpoint's config record; the run's runtime fields (dtypes, dispatch, "
+        "attention) apply. Full weights only: with LoRA it needs "
+        '`model.lora.critic = "full"`.',
+    )
 
     lr: float = setting(
         1e-5,

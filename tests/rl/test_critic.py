@@ -575,3 +575,53 @@ def test_reward_model_then_value_pretraining_then_ppo(tmp_path):
     metrics = run.step()
     assert metrics["critic/reward_model"] == 0.0 and metrics["critic/pretraining"] == 0.0
     assert int(run.run_state.policy.step) == 1 and int(run.run_state.critic.step) == 3
+
+
+def test_a_critic_of_its_own_model_starts_from_its_checkpoint(tmp_path):
+    """``critic.init_checkpoint``: the critic's backbone is the model that checkpoint records
+    (here wider and deeper than the policy: D = 96, 2 layers against D = 64, 1 layer), its
+    parameters those saved, a zero head of its width; value pretraining then trains it
+    and leaves the policy as it was; resumed, the critic is its own again."""
+    big = trainer.build_run(
+        _tiny_vapo(",model.hidden_size=96,model.num_layers=2"), str(tmp_path / "big")
+    )
+    trainer.save(big)
+    saved = _leaves(big.run_state.policy.params)
+    config = _tiny_vapo(f",critic.init_checkpoint={tmp_path / 'big' / 'checkpoints'}")
+    run = trainer.build_run(config, str(tmp_path / "run"))
+    critic = run.run_state.critic.params
+    assert [x.shape for x in _leaves(critic["backbone"])] == [x.shape for x in saved]
+    for got, want in zip(_leaves(critic["backbone"]), saved):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(critic["head"]["kernel"]), np.zeros(96))
+    policy = _leaves(run.run_state.policy.params)
+    assert {x.shape for x in policy} != {x.shape for x in saved}  # the policy's own model
+
+    # A random head, so that the first update reaches the backbone (a zero head passes
+    # no gradient to it).
+    run.run_state = run.run_state.replace(
+        critic=run.run_state.critic.replace(params=_random_head(run.run_state.critic.params))
+    )
+    metrics = run.step()  # value pretraining: the critic alone moves
+    assert metrics["critic/pretraining"] == 1.0 and np.isfinite(metrics["critic/value_loss"])
+    for got, want in zip(_leaves(run.run_state.policy.params), policy):
+        np.testing.assert_array_equal(got, want)
+    trained = _leaves(run.run_state.critic.params["backbone"])
+    assert not all(np.array_equal(a, b) for a, b in zip(trained, saved))
+    moved = _leaves(run.run_state.critic.params)
+    trainer.save(run)
+    again = trainer.build_run(config, str(tmp_path / "run"))
+    for got, want in zip(_leaves(again.run_state.critic.params), moved):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_critic_of_its_own_model_is_refused_where_it_cannot_be(tmp_path):
+    """One-line errors: without a critic; with LoRA's adapters critic (they share the
+    policy's base); a directory that is not there."""
+    with pytest.raises(ValueError, match="critic.init_checkpoint needs a critic"):
+        typed(tiny("grpo", extra=f"critic.init_checkpoint={tmp_path}"))
+    with pytest.raises(ValueError, match="set model.lora.critic='full'"):
+        typed(_tiny_vapo(f",model.lora.rank=2,critic.init_checkpoint={tmp_path}"))
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="config.critic.init_checkpoint=.*nowhere"):
+        trainer.build_run(_tiny_vapo(f",critic.init_checkpoint={missing}"), str(tmp_path / "r"))

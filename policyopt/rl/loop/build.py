@@ -5,6 +5,7 @@ reward spec, initial parameters. Shared by RL (`policyopt.rl.loop.trainer`) and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from typing import Any, NamedTuple, Sequence
@@ -119,6 +120,7 @@ DERIVED_FIELDS = {
 }
 PATH_FIELDS = (
     "init_checkpoint",
+    "critic.init_checkpoint",
     "task.train_file",
     "task.test_file",
     "task.tfds_dir",
@@ -551,6 +553,48 @@ def init_params(config, model: nnx.Module, mesh: Mesh):
                 ),
             )
     return graphdef, params
+
+
+#: The model fields a critic's own checkpoint fixes (what it is and its shapes); the run's
+#: runtime fields (``_RUNTIME_OVERRIDES``) apply to it as to the policy.
+_CRITIC_MODEL_FIELDS = ("preset", "pretrained") + tuple(
+    name for name in _MODEL_OVERRIDES if name not in _RUNTIME_OVERRIDES
+)
+
+
+def critic_model(config, vocab_size: int, mesh: Mesh):
+    """The critic's own backbone (``config.critic.init_checkpoint``): the model that
+    checkpoint's config record names (preset or HuggingFace folder, and its shape
+    overrides), built with this run's runtime fields and no adapters, its parameters
+    restored onto ``mesh``. Returns ``(graphdef, params, hidden_size)``.
+
+    Raises:
+      ValueError: a LoRA checkpoint (a value model has full weights), a checkpoint that
+        records no config, or parameters of another shape (``check_checkpoint_shapes``,
+        e.g. another vocabulary).
+    """
+    field = "config.critic.init_checkpoint"
+    directory = check_init_directory(config.critic.init_checkpoint, field)
+    with Checkpointer(directory) as source:
+        if source.latest_step() is None:
+            raise FileNotFoundError(f"{field}: no checkpoint in {directory}")
+        meta = source.meta()
+    if meta.get("lora"):
+        raise ValueError(
+            f"{field}={directory!r} holds LoRA adapters; a critic of its own starts from a "
+            "full-weight checkpoint (e.g. an SFT run's)"
+        )
+    record = meta.get("config")
+    if not record:
+        raise ValueError(f"{field}={directory!r}: its checkpoint records no config (no model)")
+    shape = {name: record.get(f"model.{name}") for name in _CRITIC_MODEL_FIELDS}
+    model_section = dataclasses.replace(
+        config.model, **shape, lora=dataclasses.replace(config.model.lora, rank=0)
+    )
+    own = dataclasses.replace(config, model=model_section, init_checkpoint=directory)
+    model = make_model(own, vocab_size, mesh, with_lora=False)
+    graphdef, params = init_params(own, model, mesh)
+    return graphdef, params, model.config.hidden_size
 
 
 def _init_directory(config) -> str:

@@ -167,14 +167,19 @@ def build_run(
     critic = critic_state = critic_frozen = None
     if config.algo.uses_critic:  # a "gae" estimator (advantages.register_estimator)
         critic_graphdef, critic_init = weights.graphdef, params
-        if weights.lora and config.model.lora.critic == "adapters":
+        critic_width = model.config.hidden_size
+        if config.critic.init_checkpoint:  # a value model of its own (full weights)
+            critic_graphdef, critic_init, critic_width = build.critic_model(
+                config, tokenizer.vocab_size, mesh
+            )
+        elif weights.lora and config.model.lora.critic == "adapters":
             critic_frozen = weights.frozen  # its own adapters (a copy), the policy's base
         elif weights.lora:  # full weights: a copy of the base, in the adapters' dtype
             dtype = model.config.lora.dtype
             critic_graphdef = weights.base_graphdef
             critic_init = jax.tree.map(lambda x: x.astype(dtype), weights.frozen)
         critic = get_critic(critic_graphdef, CriticSettings.of(config), critic_optim(config))
-        critic_state = critic.init_state(critic_init, model.config.hidden_size)
+        critic_state = critic.init_state(critic_init, critic_width)
         critic_state = place_state(critic_state, critic.optimizer, mesh)
     spec = RunSpec(
         config=config,
