@@ -141,6 +141,14 @@ def test_banner_says_when_updates_are_on_policy():
     assert "4 minibatch(es) x 1 epoch(s), 3 iterations" in text
     text = report.banner(load("magistral_async"), "runs/x", recipe=None, **kwargs)
     assert "method    magistral: objective ppo, outcome advantages, asynchronous" in text
+    assert "  critic  " not in text
+    own = load("vapo", "critic.init_checkpoint='runs/big/checkpoints'")
+    text = report.banner(own, "runs/x", recipe=None, critic_params=1_367_616, **kwargs)
+    assert (
+        "GAE with a critic (length-adaptive lambda <= 0.17 at sampling.max_new_tokens=24: "
+        "close to one-step TD advantages)\n  critic    its own model, 1.37M parameters "
+        "(1,367,616), from runs/big/checkpoints\n  batch  "
+    ) in text
 
 
 def test_length_adaptive_lambda_near_zero_is_warned():

@@ -462,6 +462,11 @@ class RunLoop:
                         if run.spec.weights
                         else None
                     ),
+                    critic_params=(
+                        report.parameter_count(run.run_state.critic.params)
+                        if config.critic.init_checkpoint
+                        else None
+                    ),
                     total=total,
                 ),
                 flush=True,

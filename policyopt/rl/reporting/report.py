@@ -326,9 +326,11 @@ def banner(
     total: int,
     kind: str = "RL",
     trainable: int | None = None,
+    critic_params: int | None = None,
 ) -> str:
     """The lines printed when a run starts: what runs, where, from what, on what
-    (``trainable``: the parameters that train, when fewer than ``num_params``: LoRA)."""
+    (``trainable``: the parameters that train, when fewer than ``num_params``: LoRA;
+    ``critic_params``: those of a critic of its own, ``critic.init_checkpoint``)."""
     devices = jax.devices()
     platforms = sorted({d.platform for d in devices})
     model = config.model.pretrained or config.model.preset
@@ -362,6 +364,11 @@ def banner(
     lines.append(
         f"  method    {method_name(config)}: objective {algo.method}, {advantages}{asynchronous}"
     )
+    if config.critic.init_checkpoint and critic_params is not None:
+        lines.append(
+            f"  critic    its own model, {_human(critic_params)} parameters "
+            f"({critic_params:,}), from {config.critic.init_checkpoint}"
+        )
     updates = "one update per batch, on-policy: the ratio is 1" if on_policy(config) else ""
     lines.append(
         f"  batch     {b.n_prompts} prompts x {b.group_size} samples, {b.n_minibatches} "
