@@ -405,11 +405,11 @@ CRITIC_WARMUP = Ablation(
     f"{OFF_POLICY},critic.pretrain_iterations={CRITIC_PRETRAIN_ITERATIONS},eval.num_prompts=0",
 )
 #: The explained variance a perfect critic reaches under each setting's SFT starts
-#: (`python -m experiments.value_ceiling --setting S --start N`, 2026-12-06;
-#: benchmarks/RESULTS.md "The critic's regime").
+#: (`python -m experiments.value_ceiling --setting S --start N`: the long task 2026-12-06,
+#: the testbed's kept start 0 2026-12-07; benchmarks/RESULTS.md "The critic's regime").
 VALUE_CEILINGS = {
     "testbed_long": {0: -1.05, 1: 0.336, 2: 0.432},
-    "testbed": {0: 0.710},
+    "testbed": {0: 0.741},
 }
 #: The long task's claims run from starts 1 and 2, where the returns have variance for a
 #: critic to explain (start 0 samples 0.8% correct answers: a perfect critic's ceiling -1.05).

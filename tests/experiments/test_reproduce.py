@@ -1304,7 +1304,7 @@ def test_the_critic_lines_name_the_runs_pretraining_and_their_settings_ceiling()
         "critic_warmup", setting="testbed", variant="critic.lr=1e-3,critic.pretrain_iterations=40"
     )
     assert "after 40 iterations of value pretraining: 0.200" in varied
-    assert varied.endswith("a perfect critic's: start 0 0.710")
+    assert varied.endswith("a perfect critic's: start 0 0.741")
     assert line("critic_warmup", setting="testbed_long32").endswith(
         "a perfect critic's: not measured on testbed_long32"
     )
