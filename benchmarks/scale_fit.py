@@ -149,6 +149,11 @@ def critic_state(config, setup, mesh):
     from policyopt.rl.update.learner import state_specs
 
     config = typed(config)
+    if config.critic.init_checkpoint:
+        raise ValueError(
+            "config.critic.init_checkpoint: the fit counts the critic as a copy of the "
+            "policy; a critic of its own (another model) is not estimated here"
+        )
     graphdef, params = setup.graphdef, setup.state.params
     if setup.frozen is not None and config.model.lora.critic == "full":
         # A full-weight critic beside a LoRA policy: a copy of the base in the adapters' dtype.

@@ -88,6 +88,9 @@ _SCRIPT = textwrap.dedent("""
         "file": ["--step", "update", "--devices", "4", "--config", "configs/nope.py:x=1"],
         "field": ["--step", "update", "--devices", "4", "--seq-len", "64",
                   "--prompt-len", "16", "--config.algo.no_such_field=1"],
+        "critic": ["--step", "update", "--devices", "4", "--method", "ppo", "--variant",
+                   "critic.init_checkpoint=runs/big/checkpoints", "--seq-len", "64",
+                   "--prompt-len", "16"],
     }.items():
         stderr = io.StringIO()
         with contextlib.redirect_stderr(stderr):
@@ -357,6 +360,7 @@ def test_ordinary_mistakes_are_one_line_errors(results):
         "budget": "scale=paper: this recipe's paper records no value for sampling.max_new_tokens",
         "file": "config file not found: 'configs/nope.py'",
         "field": "algo.no_such_field",
+        "critic": "a critic of its own (another model) is not estimated here",
     }.items():
         error = errors[name]
         assert error["code"] == 2, name
