@@ -42,12 +42,23 @@ def _free(field: str) -> bool:
     return any(field == k or (k.endswith(".") and field.startswith(k)) for k in RESUME_FREE_FIELDS)
 
 
+#: Config fields added after runs were first recorded, with the value every earlier run
+#: had: left out of the digest at that value, so that a new field whose default changes
+#: nothing keeps the recorded runs found (tests/experiments/test_ledger.py checks the
+#: repository's records against the current configs).
+LATER_FIELDS = {"critic.init_checkpoint": None}
+
+
 def config_key(record: dict) -> str:
     """A digest of what a run trains and measures: its resolved config (``record``, flat:
     ``build.resolved_record``) without the fields a resumed run may change
-    (``RESUME_FREE_FIELDS``: layout, cadence, the start's path), keeping the budget, the
-    evaluation and the routing metrics."""
-    kept = {k: v for k, v in sorted(record.items()) if not _free(k)}
+    (``RESUME_FREE_FIELDS``: layout, cadence, the start's path) and the ``LATER_FIELDS``
+    at their earlier value, keeping the budget, the evaluation and the routing metrics."""
+    kept = {
+        k: v
+        for k, v in sorted(record.items())
+        if not _free(k) and not (k in LATER_FIELDS and v == LATER_FIELDS[k])
+    }
     text = json.dumps(kept, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -302,3 +302,32 @@ def test_a_change_to_the_summarys_code_asks_for_its_version(monkeypatch):
     before = ablate.run_config_key(config)
     monkeypatch.setattr(ablate, "SUMMARY_VERSION", 2)
     assert ablate.run_config_key(config) != before
+
+
+def test_the_repositorys_recorded_runs_are_found_by_the_current_configs():
+    """Every run kept in docs/claims/runs is the run its claim would train now: its arm's
+    config key, built from the current recipes and claim definitions, is the one recorded.
+    A change that moves keys (e.g. a config field added without its earlier value in
+    ``ledger.LATER_FIELDS``) would make every sweep train its recorded runs again."""
+    from configs.claims import CLAIMS
+    from experiments.reproduce import claim_dir, claim_run_key
+
+    names = {
+        os.path.basename(claim_dir("", claim, setting)): (claim, setting)
+        for claim in CLAIMS.values()
+        for setting in claim.settings()
+    }
+    files = sorted(f for f in os.listdir(ledger.LEDGER_DIR) if f.endswith(".jsonl"))
+    assert files  # the repository keeps some
+    for name in files:
+        claim, setting = names[name[: -len(".jsonl")]]
+        for record in Ledger(os.path.join(ledger.LEDGER_DIR, name)).records:
+            key = claim_run_key(
+                claim,
+                setting,
+                claim.regime,
+                record["arm"],
+                int(record["start"]),
+                int(record["seed"]),
+            )
+            assert key == record["config"], (name, record["arm"], record["start"], record["seed"])
