@@ -518,7 +518,7 @@ def _pretrain_iterations(result: dict) -> int:
     for item in base.split_variant(result.get("variant", "")):
         key, _, value = item.partition("=")
         if key.strip() == "critic.pretrain_iterations":
-            count = int(value)
+            count = int(float(value))
     return count
 
 

@@ -14,6 +14,7 @@ from policyopt.losses import nll_loss
 from policyopt.models import Transformer, preset
 from policyopt.rl.batch import Batch, layout
 from policyopt.rl.loop import trainer
+from policyopt.rl.reporting import dry_run, report
 from policyopt.rl.update import forwards, methods
 from policyopt.rl.update.critic import (
     Critic,
@@ -610,9 +611,14 @@ def test_a_critic_of_its_own_model_starts_from_its_checkpoint(tmp_path):
     assert not all(np.array_equal(a, b) for a, b in zip(trained, saved))
     moved = _leaves(run.run_state.critic.params)
     trainer.save(run)
-    again = trainer.build_run(config, str(tmp_path / "run"))
-    for got, want in zip(_leaves(again.run_state.critic.params), moved):
-        np.testing.assert_array_equal(got, want)
+    # Resumed after the source moved (the old path gone, or the config naming the new one):
+    # the critic's model is in the run's checkpoint meta, its parameters in its arrays.
+    (tmp_path / "big").rename(tmp_path / "moved")
+    moved_config = _tiny_vapo(f",critic.init_checkpoint={tmp_path / 'moved' / 'checkpoints'}")
+    for resumed in (config, moved_config):
+        again = trainer.build_run(resumed, str(tmp_path / "run"))
+        for got, want in zip(_leaves(again.run_state.critic.params), moved):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_a_critic_of_its_own_model_is_refused_where_it_cannot_be(tmp_path):
@@ -625,3 +631,38 @@ def test_a_critic_of_its_own_model_is_refused_where_it_cannot_be(tmp_path):
     missing = str(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="config.critic.init_checkpoint=.*nowhere"):
         trainer.build_run(_tiny_vapo(f",critic.init_checkpoint={missing}"), str(tmp_path / "r"))
+    assert not (tmp_path / "r").exists()  # nothing written before the checks
+
+
+def test_a_critic_of_its_own_model_reads_the_runs_tokens(tmp_path):
+    """A critic checkpoint trained with another tokenizer (a BPE beside the policy's
+    character tokenizer) is refused by name, not read with the policy's token ids."""
+    from tests.data.test_synthetic import _tiny_bpe
+
+    _tiny_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]).save(
+        str(tmp_path / "tokenizer.json")
+    )
+    other = trainer.build_run(
+        _tiny_vapo(f",model.tokenizer={tmp_path / 'tokenizer.json'}"), str(tmp_path / "bpe")
+    )
+    trainer.save(other)
+    config = _tiny_vapo(f",critic.init_checkpoint={tmp_path / 'bpe' / 'checkpoints'}")
+    with pytest.raises(ValueError, match="was trained with another tokenizer .*tokenizer.json"):
+        trainer.build_run(config, str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="was trained with another tokenizer"):
+        dry_run.plan_run(typed(config), str(tmp_path / "run"))  # the dry run checks it too
+
+
+def test_the_dry_run_names_a_critic_of_its_own(tmp_path):
+    """The dry run counts a critic of its own as the run does (its model's parameters and
+    its head) and refuses one whose source is missing."""
+    big = trainer.build_run(_tiny_vapo(",model.hidden_size=96"), str(tmp_path / "big"))
+    trainer.save(big)
+    config = typed(_tiny_vapo(f",critic.init_checkpoint={tmp_path / 'big' / 'checkpoints'}"))
+    run = trainer.build_run(config, str(tmp_path / "run"))
+    count = report.parameter_count(run.run_state.critic.params)
+    text = dry_run.plan_run(config, str(tmp_path / "plan"))
+    assert f"  critic    its own model, {report._human(count)} parameters ({count:,})" in text
+    missing = typed(_tiny_vapo(f",critic.init_checkpoint={tmp_path / 'nowhere'}"))
+    with pytest.raises(FileNotFoundError, match="config.critic.init_checkpoint="):
+        dry_run.plan_run(missing, str(tmp_path / "plan"))

@@ -532,7 +532,7 @@ def correctness_spec(config=None) -> RewardSpec:
     )
 
 
-def init_params(config, model: nnx.Module, mesh: Mesh):
+def init_params(config, model: nnx.Module, mesh: Mesh, field: str = "config.init_checkpoint"):
     """``(graphdef, params)`` of the initial policy, placed on ``mesh`` by the parameters'
     logical axes (``policyopt.sharding.shard_params``; a model built on ``mesh`` by
     ``make_model`` is already placed so and is not copied): the model's own
@@ -542,59 +542,118 @@ def init_params(config, model: nnx.Module, mesh: Mesh):
     graphdef, params = split_params(model)
     params = sharding.shard_params(params, mesh)
     if config.init_checkpoint:
-        directory = _init_directory(config)
+        directory = check_init_directory(config.init_checkpoint, field)
         target = {"train": {"params": params}}
         with Checkpointer(directory) as source:
             params = source.restore_subtree(
                 ("train", "params"),
                 params,
                 check=lambda step, _: check_checkpoint_shapes(
-                    source, target, config, step=step, field="config.init_checkpoint"
+                    source, target, config, step=step, field=field
                 ),
             )
     return graphdef, params
 
 
-#: The model fields a critic's own checkpoint fixes (what it is and its shapes); the run's
-#: runtime fields (``_RUNTIME_OVERRIDES``) apply to it as to the policy.
-_CRITIC_MODEL_FIELDS = ("preset", "pretrained") + tuple(
-    name for name in _MODEL_OVERRIDES if name not in _RUNTIME_OVERRIDES
+#: The model fields a critic's own checkpoint fixes (what it is, its shapes and its
+#: parameters' layout: ``scan_layers`` stacks the layers); the run's other runtime fields
+#: (``_RUNTIME_OVERRIDES``) apply to it as to the policy.
+_CRITIC_MODEL_FIELDS = (
+    ("preset", "pretrained")
+    + tuple(name for name in _MODEL_OVERRIDES if name not in _RUNTIME_OVERRIDES)
+    + ("scan_layers",)
 )
 
 
-def critic_model(config, vocab_size: int, mesh: Mesh):
-    """The critic's own backbone (``config.critic.init_checkpoint``): the model that
-    checkpoint's config record names (preset or HuggingFace folder, and its shape
-    overrides), built with this run's runtime fields and no adapters, its parameters
-    restored onto ``mesh``. Returns ``(graphdef, params, hidden_size)``.
+def _vocabulary(tokenizer) -> dict:
+    if isinstance(tokenizer, CharTokenizer):
+        return dict(enumerate(tokenizer.tokens))
+    return tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+
+
+def critic_config(config, tokenizer, saved: dict | None = None):
+    """The run's config with the critic's own model (no adapters): the one
+    ``config.critic.init_checkpoint``'s record names, that directory its
+    ``init_checkpoint``; or, resuming, the one the run's checkpoints kept (``saved``,
+    ``critic_model_record``), with no ``init_checkpoint`` (the run's checkpoint holds its
+    parameters, and the source may have moved). What ``critic_model`` builds.
 
     Raises:
-      ValueError: a LoRA checkpoint (a value model has full weights), a checkpoint that
-        records no config, or parameters of another shape (``check_checkpoint_shapes``,
-        e.g. another vocabulary).
+      ValueError: a LoRA checkpoint, a checkpoint that records no config, or one whose
+        recorded tokenizer is not the run's (``tokenizer``).
     """
     field = "config.critic.init_checkpoint"
-    directory = check_init_directory(config.critic.init_checkpoint, field)
-    with Checkpointer(directory) as source:
-        if source.latest_step() is None:
-            raise FileNotFoundError(f"{field}: no checkpoint in {directory}")
-        meta = source.meta()
-    if meta.get("lora"):
-        raise ValueError(
-            f"{field}={directory!r} holds LoRA adapters; a critic of its own starts from a "
-            "full-weight checkpoint (e.g. an SFT run's)"
-        )
-    record = meta.get("config")
-    if not record:
-        raise ValueError(f"{field}={directory!r}: its checkpoint records no config (no model)")
+    directory, record = None, saved
+    if saved is None:
+        directory = check_init_directory(config.critic.init_checkpoint, field)
+        with Checkpointer(directory) as source:
+            if source.latest_step() is None:
+                raise FileNotFoundError(f"{field}: no checkpoint in {directory}")
+            meta = source.meta()
+        if meta.get("lora"):
+            raise ValueError(
+                f"{field}={directory!r} holds LoRA adapters; a critic of its own starts from "
+                "a full-weight checkpoint (e.g. an SFT run's)"
+            )
+        record = meta.get("config")
+        if not record:
+            raise ValueError(f"{field}={directory!r}: its checkpoint records no config (no model)")
     shape = {name: record.get(f"model.{name}") for name in _CRITIC_MODEL_FIELDS}
     model_section = dataclasses.replace(
-        config.model, **shape, lora=dataclasses.replace(config.model.lora, rank=0)
+        config.model,
+        **shape,
+        tokenizer=record.get("model.tokenizer"),
+        lora=dataclasses.replace(config.model.lora, rank=0),
     )
     own = dataclasses.replace(config, model=model_section, init_checkpoint=directory)
-    model = make_model(own, vocab_size, mesh, with_lora=False)
-    graphdef, params = init_params(own, model, mesh)
-    return graphdef, params, model.config.hidden_size
+    theirs = make_tokenizer(own)
+    if type(theirs) is not type(tokenizer) or _vocabulary(theirs) != _vocabulary(tokenizer):
+        named = record.get("model.pretrained") or record.get("model.tokenizer") or "char"
+        raise ValueError(
+            f"{field}={config.critic.init_checkpoint!r} was trained with another tokenizer "
+            f"({named!r}, {theirs.vocab_size} tokens) than this run's "
+            f"({tokenizer.vocab_size} tokens): the critic would read the policy's token ids "
+            "as other tokens"
+        )
+    return own
+
+
+def critic_model_record(own) -> dict:
+    """The fields of a critic's own model (``critic_config``'s ``own``) that the run's
+    checkpoints keep (``meta["critic_model"]``), so that it resumes without its source."""
+    return {
+        f"model.{name}": getattr(own.model, name) for name in (*_CRITIC_MODEL_FIELDS, "tokenizer")
+    }
+
+
+def saved_critic_model(workdir: str) -> dict | None:
+    """The critic model record kept by the latest checkpoint of the run in ``workdir``
+    (``critic_model_record``), or None (no checkpoint yet, or none kept)."""
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):  # a Checkpointer would create it
+        return None
+    with Checkpointer(directory) as own:
+        if own.latest_step() is None:
+            return None
+        return own.meta().get("critic_model")
+
+
+def critic_model(config, tokenizer, mesh: Mesh, saved: dict | None = None):
+    """The critic's own backbone (``config.critic.init_checkpoint``): the model that
+    checkpoint's config record names (preset or HuggingFace folder, its shape overrides
+    and layer layout), built with this run's runtime fields and no adapters, its
+    parameters restored onto ``mesh``; resuming (``saved``, ``saved_critic_model``), the
+    model the run's checkpoints kept, initialised for the restore to overwrite. Returns
+    ``(graphdef, params, hidden_size, record)`` (``record``: ``critic_model_record``).
+
+    Raises:
+      ValueError: ``critic_config``'s, or parameters of another shape
+        (``check_checkpoint_shapes``).
+    """
+    own = critic_config(config, tokenizer, saved)
+    model = make_model(own, tokenizer.vocab_size, mesh, with_lora=False)
+    graphdef, params = init_params(own, model, mesh, field="config.critic.init_checkpoint")
+    return graphdef, params, model.config.hidden_size, critic_model_record(own)
 
 
 def _init_directory(config) -> str:

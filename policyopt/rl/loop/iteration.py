@@ -85,6 +85,7 @@ class RunSpec:
     # critic.reward_model_iterations + critic.pretrain_iterations (critic methods), else 0
     warmup_iterations: int = 0
     reward_model_iterations: int = 0  # the first of those: the critic as a reward model
+    critic_model: dict | None = None  # a critic of its own: its model, the checkpoints' meta
     # Names of the sampler-vs-trainer metrics: the asynchronous trainer's sampler is stale.
     logprob_diff_name: str = "logprob/sampler_trainer_abs_diff"
     routing_diff_name: str = "routing/sampler_trainer_disagreement"

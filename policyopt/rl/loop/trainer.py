@@ -164,13 +164,13 @@ def build_run(
         merged = weights.lora and weights.sampler == "merged"
         sampler_graphdef = weights.base_graphdef if merged else weights.graphdef
         engine = Engine.from_config(config, model, sampler_graphdef, mesh, sampling_config)
-    critic = critic_state = critic_frozen = None
+    critic = critic_state = critic_frozen = critic_model = None
     if config.algo.uses_critic:  # a "gae" estimator (advantages.register_estimator)
         critic_graphdef, critic_init = weights.graphdef, params
         critic_width = model.config.hidden_size
         if config.critic.init_checkpoint:  # a value model of its own (full weights)
-            critic_graphdef, critic_init, critic_width = build.critic_model(
-                config, tokenizer.vocab_size, mesh
+            critic_graphdef, critic_init, critic_width, critic_model = build.critic_model(
+                config, tokenizer, mesh, build.saved_critic_model(workdir)
             )
         elif weights.lora and config.model.lora.critic == "adapters":
             critic_frozen = weights.frozen  # its own adapters (a copy), the policy's base
@@ -204,6 +204,7 @@ def build_run(
             else 0
         ),
         reward_model_iterations=config.critic.reward_model_iterations if critic else 0,
+        critic_model=critic_model,
     )
     if lock:
         lock_workdir(workdir)  # one process per workdir: a second is refused in one line
@@ -237,7 +238,8 @@ def checkpoint_state(run: RLRun) -> dict:
 def checkpoint_meta(run: RLRun, data_state) -> dict:
     """The JSON record saved beside the arrays: iteration, data position and the config
     (checked on resume, ``build.check_resume_config``); with LoRA the adapters' record
-    and their base's identity (``adapters.lora_record``: the base is not saved)."""
+    and their base's identity (``adapters.lora_record``: the base is not saved); with a
+    critic of its own, its model (``build.critic_model_record``)."""
     meta = {
         "iteration": run.run_state.iteration,
         "data": data_state,
@@ -245,6 +247,8 @@ def checkpoint_meta(run: RLRun, data_state) -> dict:
     }
     if run.spec.lora_record is not None:
         meta["lora"] = run.spec.lora_record
+    if run.spec.critic_model is not None:
+        meta["critic_model"] = run.spec.critic_model
     return meta
 
 
@@ -273,7 +277,11 @@ def restore(run: RLRun, step: int | None = None, *, check_config: bool = True) -
             adapters.check_base(meta["lora"], run.spec.weights.frozen, f"resume: {where}")
         # Before the arrays: a changed config or shape would fail there, unnamed.
         if check_config:
-            build.check_resume_config(meta.get("config"), run.spec.config, where)
+            # The critic's source is read once: its model is in the meta, its parameters in
+            # the arrays, so it may have moved since.
+            build.check_resume_config(
+                meta.get("config"), run.spec.config, where, ignore=("critic.init_checkpoint",)
+            )
         build.check_checkpoint_shapes(
             run.checkpointer, target, run.spec.config, step=candidate, field="resume"
         )

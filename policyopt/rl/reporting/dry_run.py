@@ -75,6 +75,20 @@ def plan_run(config, workdir: str, *, recipe: str | None = None) -> str:
                 build.check_checkpoint_shapes(
                     source, {"train": {"params": target}}, config, field=field
                 )
+    critic_params = None
+    if config.algo.uses_critic and config.critic.init_checkpoint and resume_step is None:
+        own = build.critic_config(config, tokenizer)  # a critic of its own: its checkpoint
+        make = lambda: build.make_model(own, tokenizer.vocab_size, None, with_lora=False)  # noqa: E731
+        critic = make() if own.model.pretrained else nnx.eval_shape(make)
+        critic_state = nnx.state(critic, nnx.Param)
+        critic_params = parameter_count(critic_state) + critic.config.hidden_size + 1
+        with Checkpointer(own.init_checkpoint) as source:
+            build.check_checkpoint_shapes(
+                source,
+                {"train": {"params": critic_state}},
+                own,
+                field="config.critic.init_checkpoint",
+            )
     text = banner(
         config,
         workdir,
@@ -84,6 +98,7 @@ def plan_run(config, workdir: str, *, recipe: str | None = None) -> str:
         mesh=mesh,
         start=starting_point(config, directory, resume_step),
         total=config.train.num_iterations,
+        critic_params=critic_params,
     )
     lines = [text, f"  held-out  {len(held_out)} prompts", *notes]
     lines += [f"warning: {w}" for w in advisories(config, user_fields(recipe))]
