@@ -26,6 +26,24 @@ from policyopt.rl.reporting.report import (
 from policyopt.rl.update import adapters
 
 
+def _critic_of_its_own(config, tokenizer) -> int:
+    """Checks ``config.critic.init_checkpoint`` as the run would (``build.critic_config``,
+    then its parameters' shapes, no array read) and returns the critic's parameter count
+    (its model and value head)."""
+    own = build.critic_config(config, tokenizer)
+
+    def make():
+        return build.make_model(own, tokenizer.vocab_size, None, with_lora=False)
+
+    critic = make() if own.model.pretrained else nnx.eval_shape(make)  # a folder: its weights
+    params = nnx.state(critic, nnx.Param)
+    with Checkpointer(own.init_checkpoint) as source:
+        build.check_checkpoint_shapes(
+            source, {"train": {"params": params}}, own, field="config.critic.init_checkpoint"
+        )
+    return parameter_count(params) + critic.config.hidden_size + 1
+
+
 def plan_run(config, workdir: str, *, recipe: str | None = None) -> str:
     """The dry run: checks and builds what a run would (mesh, tokenizer, the model's
     shapes without allocating them, task data with every prompt tokenised, the held-out
@@ -77,18 +95,7 @@ def plan_run(config, workdir: str, *, recipe: str | None = None) -> str:
                 )
     critic_params = None
     if config.algo.uses_critic and config.critic.init_checkpoint and resume_step is None:
-        own = build.critic_config(config, tokenizer)  # a critic of its own: its checkpoint
-        make = lambda: build.make_model(own, tokenizer.vocab_size, None, with_lora=False)  # noqa: E731
-        critic = make() if own.model.pretrained else nnx.eval_shape(make)
-        critic_state = nnx.state(critic, nnx.Param)
-        critic_params = parameter_count(critic_state) + critic.config.hidden_size + 1
-        with Checkpointer(own.init_checkpoint) as source:
-            build.check_checkpoint_shapes(
-                source,
-                {"train": {"params": critic_state}},
-                own,
-                field="config.critic.init_checkpoint",
-            )
+        critic_params = _critic_of_its_own(config, tokenizer)
     text = banner(
         config,
         workdir,
