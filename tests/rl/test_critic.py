@@ -632,6 +632,15 @@ def test_a_critic_of_its_own_model_is_refused_where_it_cannot_be(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.critic.init_checkpoint=.*nowhere"):
         trainer.build_run(_tiny_vapo(f",critic.init_checkpoint={missing}"), str(tmp_path / "r"))
     assert not (tmp_path / "r").exists()  # nothing written before the checks
+    # An MoE critic beside a dense policy: the capacity dispatch, which the dense policy
+    # never uses, drops the critic's token copies by batch position.
+    moe = trainer.build_run(_tiny_vapo(",model=tiny_moe"), str(tmp_path / "moe"))
+    trainer.save(moe)
+    capacity = _tiny_vapo(
+        f",model.moe_dispatch=capacity,critic.init_checkpoint={tmp_path / 'moe' / 'checkpoints'}"
+    )
+    with pytest.raises(ValueError, match="critic.init_checkpoint's model: its moe_dispatch"):
+        trainer.build_run(capacity, str(tmp_path / "r"))
 
 
 def test_a_critic_of_its_own_model_reads_the_runs_tokens(tmp_path):

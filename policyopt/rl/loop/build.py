@@ -638,6 +638,25 @@ def saved_critic_model(workdir: str) -> dict | None:
         return own.meta().get("critic_model")
 
 
+def check_dropless(model: nnx.Module, field: str) -> None:
+    """Refuses an MoE model whose dispatch drops token copies (``"capacity"``): RL needs
+    a dropless one.
+
+    Raises:
+      ValueError: naming ``field``.
+    """
+    dispatches = (model.config.moe_dispatch, model.config.moe_decode_dispatch)
+    if model.config.is_moe and "capacity" in dispatches:
+        raise ValueError(
+            f"{field} 'capacity' drops token copies by their position in the whole forward "
+            "call, so a response's log-probs (and values) depend on the rows it is batched "
+            "with: the sampler (R rows per step), the old-log-prob pass and each minibatch "
+            "would compute different policies (ratio != 1 at the first update) and routing "
+            "replay does not replay the drops. RL needs a dropless dispatch ('ragged' or "
+            "'blocked')."
+        )
+
+
 def critic_model(config, tokenizer, mesh: Mesh, saved: dict | None = None):
     """The critic's own backbone (``config.critic.init_checkpoint``): the model that
     checkpoint's config record names (preset or HuggingFace folder, its shape overrides
@@ -652,6 +671,7 @@ def critic_model(config, tokenizer, mesh: Mesh, saved: dict | None = None):
     """
     own = critic_config(config, tokenizer, saved)
     model = make_model(own, tokenizer.vocab_size, mesh, with_lora=False)
+    check_dropless(model, "config.critic.init_checkpoint's model: its moe_dispatch")
     graphdef, params = init_params(own, model, mesh, field="config.critic.init_checkpoint")
     return graphdef, params, model.config.hidden_size, critic_model_record(own)
 

@@ -122,16 +122,7 @@ def build_run(
     mesh = build.make_mesh(config)
     tokenizer = build.make_tokenizer(config)
     model = build.make_model(config, tokenizer.vocab_size, mesh)
-    dispatches = (model.config.moe_dispatch, model.config.moe_decode_dispatch)
-    if model.config.is_moe and "capacity" in dispatches:
-        raise ValueError(
-            "config.model.moe_dispatch (or moe_decode_dispatch) 'capacity' drops token copies "
-            "by their position in the whole forward call, so a response's log-probs depend on "
-            "the rows it is batched with: the sampler (R rows per step), the old-log-prob "
-            "pass and each minibatch would compute different policies (ratio != 1 at the "
-            "first update) and routing replay does not replay the drops. RL needs a dropless "
-            "dispatch ('ragged' or 'blocked')."
-        )
+    build.check_dropless(model, "config.model.moe_dispatch (or moe_decode_dispatch)")
     policy = build.init_policy(config, model, mesh)
     weights, params = policy.weights, policy.trainable
     settings = LossSettings.of(config)
