@@ -43,7 +43,10 @@ def test_a_run_is_measured_in_a_copy(tmp_path):
     assert set(result["error_by_depth"]) == {"0-0.25", "0.25-0.5", "0.5-0.75", "0.75-1"}
     assert all(np.isfinite(v) for v in result["error_by_depth"].values())
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == steps
-    grpo = str(tmp_path / "grpo")
-    trainer.run_rl(tiny("grpo", extra="train.num_iterations=1"), grpo, quiet=True)
+    grpo = tmp_path / "grpo"
+    grpo.mkdir()
+    (grpo / "config.json").write_text(tiny("grpo").to_json())  # as a run writes it
     with pytest.raises(ValueError, match="trains no critic"):
-        measure(grpo)
+        measure(str(grpo))
+    with pytest.raises(FileNotFoundError, match="holds no run"):
+        measure(str(tmp_path))
