@@ -92,6 +92,7 @@ SLOW_TESTS = {
         "test_a_tiny_sweep_trains_summarises_resumes_and_evaluates",
         "test_a_partial_run_is_resumed_never_counted",
     },
+    "experiments/test_critic_error.py": {"test_a_run_is_measured_in_a_copy"},
     "experiments/test_own_data.py": {
         "test_sft_then_rl_on_own_data_with_any_preset",
         "test_tokenizer_command_trains_keeps_and_refuses",  # four runs of the command line
@@ -118,6 +119,7 @@ SLOW_TESTS = {
         "test_pretraining_decoupled_gae_nll_and_resume",
         "test_reward_model_then_value_pretraining_then_ppo",
         "test_value_pretraining_targets_are_monte_carlo_returns",
+        "test_a_critic_of_its_own_model_starts_from_its_checkpoint",
     },
     "rl/test_iteration.py": {"test_the_stages_compose_to_rl_iteration"},
     "rl/test_micro_batches.py": {"test_micro_batches_on_a_mesh_equal_one_pass"},
