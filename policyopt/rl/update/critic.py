@@ -1,8 +1,9 @@
 """The critic of PPO, VC-PPO and VAPO: a value model, its jitted steps, and GAE targets.
 
-The value model is the policy's backbone with a scalar head (zeros at the start, so every
-first value is 0), its values aligned with the log-probs (``values[:, t]`` is the state
-before token ``t``); ``gae_targets`` puts the outcome reward on the last response token and
+The value model is a backbone (the policy's, or a model of its own:
+``critic.init_checkpoint``) with a scalar head (zeros at the start, so every first value is
+0), its values aligned with the log-probs (``values[:, t]`` is the state before token
+``t``); ``gae_targets`` puts the outcome reward on the last response token and
 gives the policy's advantages (lambda_actor, fixed or VAPO's length-adaptive) and the value
 targets (lambda_critic); ``reward_model_targets`` fits it as an outcome reward model first
 (``critic.reward_model_iterations``); ``Critic.update`` is PPO's clipped value loss through
