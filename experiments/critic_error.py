@@ -61,13 +61,14 @@ def measure(run_dir: str, rollouts: int = 8) -> dict:
     """``depth_errors`` over ``rollouts`` fresh rollouts of the run in ``run_dir`` (its
     latest checkpoint, continued as value pretraining in a temporary copy)."""
     from configs import base  # noqa: PLC0415
+    from policyopt.advantages import uses_critic  # noqa: PLC0415
     from policyopt.checkpoint import Checkpointer  # noqa: PLC0415
     from policyopt.rl.loop import trainer  # noqa: PLC0415
 
     if not os.path.exists(os.path.join(run_dir, "config.json")):
         raise FileNotFoundError(f"--run {run_dir!r} holds no run (no config.json)")
     config = base.load_run_config(os.path.join(run_dir, "config.json"))
-    if config.algo.advantage != "gae":
+    if not uses_critic(config.algo.advantage):
         raise ValueError(
             f"--run {run_dir!r} trains no critic (algo.advantage={config.algo.advantage!r})"
         )
