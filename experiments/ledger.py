@@ -53,12 +53,19 @@ def config_key(record: dict) -> str:
     """A digest of what a run trains and measures: its resolved config (``record``, flat:
     ``build.resolved_record``) without the fields a resumed run may change
     (``RESUME_FREE_FIELDS``: layout, cadence, the start's path) and the ``LATER_FIELDS``
-    at their earlier value, keeping the budget, the evaluation and the routing metrics."""
+    at their earlier value, keeping the budget, the evaluation and the routing metrics.
+    A critic of its own (``critic.init_checkpoint``) counts by its checkpoint's
+    ``start_id``, not its path: the same record on any machine that holds those bits."""
     kept = {
         k: v
         for k, v in sorted(record.items())
         if not _free(k) and not (k in LATER_FIELDS and v == LATER_FIELDS[k])
     }
+    source = kept.get("critic.init_checkpoint")
+    if source:
+        if not os.path.isdir(source):  # a Checkpointer would create it
+            raise FileNotFoundError(f"critic.init_checkpoint={source!r} is not a directory")
+        kept["critic.init_checkpoint"] = f"start {start_id(source)}"
     text = json.dumps(kept, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

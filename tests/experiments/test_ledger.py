@@ -168,6 +168,26 @@ def test_the_config_key_ignores_layout_and_keeps_what_a_record_reports():
         assert _key(**other) != base, other
 
 
+def test_a_critic_of_its_own_counts_by_its_checkpoints_bits_not_its_path(tmp_path):
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    flipped = w.copy()
+    flipped[0, 0] = np.nextafter(flipped[0, 0], np.float32(9))
+    for name, params in (("here", w), ("moved", w), ("other", flipped)):
+        with Checkpointer(str(tmp_path / name / "checkpoints")) as saved:
+            saved.save(5, _state(params), {"config": {}})
+    keys = {
+        name: _key(**{"critic.init_checkpoint": str(tmp_path / name / "checkpoints")})
+        for name in ("here", "moved", "other")
+    }
+    assert keys["here"] == keys["moved"]  # copied elsewhere: the same run
+    assert keys["other"] != keys["here"]  # one bit of the critic's start: another run
+    assert _key() not in keys.values()  # the policy's copy as critic: another run
+    missing = str(tmp_path / "gone" / "checkpoints")
+    with pytest.raises(FileNotFoundError, match="critic.init_checkpoint"):
+        _key(**{"critic.init_checkpoint": missing})
+    assert not os.path.exists(missing)
+
+
 def test_a_record_added_after_a_cut_off_line_keeps_a_line_of_its_own(tmp_path):
     """Another process appending to the claim's ledger was killed mid-write (or its disk
     filled): its line stops without a newline. A record added after it by a sweep still
