@@ -354,13 +354,14 @@ SAPO_GRID_BUDGET = (
     "runs, ~17-25 h; both SFT starts cached"
 )
 MAGISTRAL_BUDGET = (
-    "measured 2026-12-06: 18 min per (start, seed) at load ~25 on 2 cores (sync 623 s, "
-    "async 436 s); a new SFT start ~15 min more"
+    "measured 2026-12-07 with another sweep beside it on 2 cores: 46-78 CPU s per run, "
+    "~1 min, 0.29-0.34 CPU-hours per claim (20 runs); 18 min per (start, seed) at load ~25 "
+    "(2026-12-06); a new SFT start ~15 min more"
 )
 ROUTING_REPLAY_BUDGET = (
-    "estimate from the GSPO arm's 698-1,184 s per 100 iterations of the long task "
-    "(2026-12-07, load 2-4 on 2 cores): 18 arms ~3.5-6 h per (start, seed) pair, 10 pairs "
-    "~35-60 h; the SFT starts are vc_ppo's"
+    "measured 2026-12-07 (seed 0, 36 runs, two sweeps side by side on 2 cores): 740-1,380 "
+    "CPU s per run (the asynchronous arms the longest), 12-25 min each, 10.2 CPU-hours per "
+    "seed over both starts, so ~51 CPU-hours for 10 pairs; the SFT starts are vc_ppo's"
 )
 DENSE_CONTROL_BUDGET = (
     "estimate (2026-12-07): one dense arm, ~8-12 min per (start, seed) pair; each SFT start "
@@ -951,10 +952,10 @@ CLAIMS: dict[str, Claim] = {
                     "r8_attention",
                 ),
             ),
-            budget="measured 2026-12-06 at load 8-15: 40 iterations per arm and seed, "
-            "227-572 s (the full-weight arm the longest), ~30 min per seed for the 5 arms, so "
-            "~5 h at 2 starts x 5 seeds (estimate); the demo's SFT start (800 steps) once per "
-            "start on top",
+            budget="measured 2026-12-07 with another sweep beside it on 2 cores: 40 "
+            "iterations per arm and seed, 15-44 CPU s per run, 0.27 CPU-hours for the 50 runs "
+            "(227-572 s per run at load 8-15 on 2026-12-06); the demo's SFT start (800 steps, "
+            "~1 min) once per start on top",
         ),
     )
 }
