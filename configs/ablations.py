@@ -46,6 +46,8 @@ SHARED_SECTIONS = ("model", "task", "sampling", "batch", "train", "eval")
 #: Subsections of SHARED_SECTIONS that are a method, not budget: how the model trains
 #: (LoRA adapters or full weights). Each arm keeps its own.
 METHOD_FIELDS = ("model.lora",)
+#: An ablation's runs save a checkpoint at least this often (``demo_setting``).
+SWEEP_CHECKPOINT_EVERY = 10
 
 
 def shared_field(path: str) -> bool:
@@ -443,6 +445,9 @@ def demo_setting(
         config.reward.cache_len = cache_len
     # The demo turns them off for speed; the ablation summary reports routing volatility.
     config.train.routing_metrics = True
+    # Sweeps run for hours in the background: a run killed outright (SIGKILL; SIGTERM
+    # saves anyway) resumes from its last few iterations, not its start. Resume-free.
+    config.train.checkpoint_every = min(config.train.checkpoint_every, SWEEP_CHECKPOINT_EVERY)
     config.lock()
     return config
 

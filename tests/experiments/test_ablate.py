@@ -226,6 +226,13 @@ def test_the_demo_setting_sits_under_the_variants():
     assert with_rm.train.num_iterations == 30 + 3 + warmup
     # The demo turns routing metrics off for speed; the summary's volatility column needs them.
     assert config.train.routing_metrics
+    # It saves only at its end (1000); a sweep's run killed outright resumes from its last
+    # 10 iterations, in every setting (the cadence is not in the ledger's key).
+    assert demo.train.checkpoint_every == 1000
+    assert config.train.checkpoint_every == ablations.SWEEP_CHECKPOINT_EVERY == 10
+    for name, setting in ablations.SETTINGS.items():
+        arm = ablate.arm_config(get_ablation("routing_replay"), "grpo", 0, "", setting)
+        assert arm.train.checkpoint_every <= ablations.SWEEP_CHECKPOINT_EVERY, name
     with pytest.raises(ValueError, match="scale=paper"):
         ablate.arm_config(ablation, "vapo", 0, "scale=paper", demo_setting)
 
