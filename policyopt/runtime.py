@@ -5,10 +5,13 @@ jitted call with the C allocator and frees it afterwards. glibc returns multi-me
 blocks to the operating system (``mmap``/``munmap`` above ``M_MMAP_THRESHOLD``, heap
 trimming above ``M_TRIM_THRESHOLD``), so the next call faults the same pages in again:
 for a ``policy_loss`` with all metrics on ``[256, 4096]`` arrays that is about half of the
-run time (``benchmarks/bench_core.py``). Raising both thresholds keeps freed blocks in the
-process for reuse. The cost is that the resident size stays at its peak, which is what a
-training process wants anyway. It is the same effect as preloading tcmalloc, as is
-usual on TPU hosts.
+run time (``benchmarks/bench_core.py``). Where JAX runs on the CPU alone it keeps every
+freed block (no ``mmap``, no trimming, one arena: a training step's temporary buffer of
+several GB is not unmapped after each call; the long task's iteration ran ~1.3x faster,
+``benchmarks/bench_host_memory.py``); beside an accelerator plugin it keeps blocks of up
+to 256 MiB, so that the host copies of whole parameter sets go back to the system. The
+cost is that the resident size stays at its peak, which is what a training process wants
+anyway. It is the same effect as preloading tcmalloc, as is usual on TPU hosts.
 
 Experiments and benchmarks call it at start-up; a library user calls it once in their
 own entry point (it changes the whole process, so importing policyopt never does).
@@ -23,12 +26,16 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import importlib.metadata
+import importlib.util
 import os
 import threading
 
 # mallopt(3) parameter numbers (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
 # Blocks above this stay mmapped (and unmapped when freed): very large buffers (whole
 # parameter sets) should go back to the system.
 DEFAULT_MMAP_THRESHOLD = 256 * 1024 * 1024
@@ -46,27 +53,49 @@ def _libc():
     return libc if hasattr(libc, "mallopt") else None
 
 
+def cpu_only() -> bool:
+    """Whether JAX in this process can only run on the CPU: ``JAX_PLATFORMS`` names only
+    "cpu", or it is unset and neither libtpu nor a ``jax_plugins`` backend (CUDA, ROCm) is
+    installed. Reads no device (a multi-host run initialises its backends later)."""
+    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return set(platforms) == {"cpu"}
+    if importlib.util.find_spec("libtpu") is not None:
+        return False
+    return not importlib.metadata.entry_points(group="jax_plugins")
+
+
 def keep_freed_host_memory(
-    mmap_threshold: int = DEFAULT_MMAP_THRESHOLD, trim_threshold: int = 2**31 - 1
+    mmap_threshold: int = DEFAULT_MMAP_THRESHOLD,
+    trim_threshold: int = 2**31 - 1,
+    *,
+    every_block: bool | None = None,
 ) -> bool:
-    """Tells glibc's malloc to keep freed blocks of up to ``mmap_threshold`` bytes for reuse.
+    """Tells glibc's malloc to keep freed blocks in the process for reuse.
 
     Args:
       mmap_threshold: blocks at most this large come from the heap instead of ``mmap``
         (so freeing them does not unmap them).
       trim_threshold: free memory at the top of the heap is returned to the system only
         beyond this many bytes.
+      every_block: keep blocks of any size instead (one arena, no ``mmap``, no trimming;
+        the two thresholds are then unused). None: when JAX runs on the CPU alone
+        (``cpu_only``).
 
     Returns:
-      True when both settings were applied; False where the C library has no ``mallopt``
+      True when the settings were applied; False where the C library has no ``mallopt``
       (not glibc, e.g. macOS) or refused a value.
     """
     libc = _libc()
     if libc is None:
         return False
-    mmap_ok = libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))
-    trim_ok = libc.mallopt(_M_TRIM_THRESHOLD, int(trim_threshold))
-    return bool(mmap_ok and trim_ok)
+    if every_block is None:
+        every_block = cpu_only()
+    if every_block:
+        settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
+    else:
+        settings = ((_M_MMAP_THRESHOLD, int(mmap_threshold)), (_M_TRIM_THRESHOLD, trim_threshold))
+    return all([libc.mallopt(param, int(value)) for param, value in settings])
 
 
 class GracefulStop:
