@@ -361,7 +361,9 @@ MAGISTRAL_BUDGET = (
 ROUTING_REPLAY_BUDGET = (
     "measured 2026-12-07 (seed 0, 36 runs, two sweeps side by side on 2 cores): 740-1,380 "
     "CPU s per run (the asynchronous arms the longest), 12-25 min each, 10.2 CPU-hours per "
-    "seed over both starts, so ~51 CPU-hours for 10 pairs; the SFT starts are vc_ppo's"
+    "seed over both starts, so ~51 CPU-hours for 10 pairs, before 2026-12-08's host-memory "
+    "change (the long task's iteration with routing metrics 1.34x faster since); the SFT "
+    "starts are vc_ppo's"
 )
 DENSE_CONTROL_BUDGET = (
     "estimate (2026-12-07): one dense arm, ~8-12 min per (start, seed) pair; each SFT start "
@@ -424,9 +426,9 @@ CRITIC_WARMUP_BUDGET = (
     "start (1000 steps, once) 28 min idle"
 )
 VC_PPO_BUDGET = (
-    "estimate from 207-268 s per arm and seed (idle, 2026-12-04): 6 arms x 2 starts x 5 "
-    "seeds = 60 runs of ~4 min at 5 pretraining iterations, ~4.5 h idle at 10; SFT starts 1 "
-    "and 2 once (28 min idle each)"
+    "measured 2026-12-07/08 with two sweeps side by side on 2 cores: 342-382 CPU s per run, "
+    "~285 since 2026-12-08's host-memory change, so ~5 CPU-hours for the 60 runs (6 arms x 2 "
+    "starts x 5 seeds); SFT starts 1 and 2 once (28 min idle each)"
 )
 VAPO_BUDGET = (
     "estimate from 198-258 s per arm and seed (idle, 2026-12-04): 4 arms x 2 starts x 5 "
