@@ -8,10 +8,11 @@ for a ``policy_loss`` with all metrics on ``[256, 4096]`` arrays that is about h
 run time (``benchmarks/bench_core.py``). Where JAX runs on the CPU alone it keeps every
 freed block (no ``mmap``, no trimming, one arena: a training step's temporary buffer of
 several GB is not unmapped after each call; the long task's iteration ran 1.19x faster,
-1.34x with routing metrics, ``benchmarks/bench_host_memory.py``); beside an accelerator plugin it keeps blocks of up
-to 256 MiB, so that the host copies of whole parameter sets go back to the system. The
-cost is that the resident size stays at its peak, which is what a training process wants
-anyway. It is the same effect as preloading tcmalloc, as is usual on TPU hosts.
+1.34x with routing metrics, ``benchmarks/bench_host_memory.py``); beside an accelerator
+plugin it keeps blocks of up to 256 MiB, so that the host copies of whole parameter sets
+go back to the system. The cost is that the resident size stays at its peak, which is
+what a training process wants anyway. It is the same effect as preloading tcmalloc, as
+is usual on TPU hosts.
 
 Experiments and benchmarks call it at start-up; a library user calls it once in their
 own entry point (it changes the whole process, so importing policyopt never does).
